@@ -1,0 +1,82 @@
+# smp - build, test, benchmark, install.  `make test` and `make demo` start
+# with `make deps`, so on a fresh Debian machine each is one command.
+
+HEADERS   := smp.h smp_nccl.h smp_pipeline.h smp_checkpoint.h
+PREFIX    ?= /usr/local
+NP        ?= 2
+CSTD      := -std=c11
+WARN      := -Wall -Wextra -Werror
+CFLAGS    ?= -O2 -g
+INCLUDES  := -I. -Itest
+LDLIBS    := -lm
+# Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
+UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
+MPI_TESTS  := test_pipeline
+SCRIPT_TESTS :=
+BENCHES    := partition
+
+CUDA_HOME ?= /usr/local/cuda
+NVCC      ?= $(CUDA_HOME)/bin/nvcc
+
+.PHONY: all deps test test-quick test-asan build-gcc build-clang build-asan bench install clean examples demo fuzz
+all: build-gcc
+
+deps:
+	@bash tools/deps.sh
+
+# ---------------------------------------------------------------- builds
+# One build directory per compiler/sanitizer variant.
+define variant
+build/$(1)/%: test/%.c $(HEADERS) test/test.h | build/$(1)
+	MPICH_CC=$(2) mpicc $(CSTD) $(WARN) $(3) $(INCLUDES) $$< -o $$@ $(LDLIBS)
+build/$(1):
+	@mkdir -p $$@
+build-$(1): $(addprefix build/$(1)/,$(UNIT_TESTS) $(MPI_TESTS))
+endef
+$(eval $(call variant,gcc,gcc,$(CFLAGS)))
+$(eval $(call variant,clang,clang,$(CFLAGS)))
+$(eval $(call variant,asan,gcc,-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined))
+
+# ---------------------------------------------------------------- tests
+# Everything: warnings as errors under gcc and clang, the suite at 1, 2 and
+# 4 ranks, then again under AddressSanitizer + UBSan at 1 and 2 ranks.
+test: deps
+	@$(MAKE) --no-print-directory build-gcc build-clang build-asan
+	@echo "== gcc build, mpirun -n 1, 2, 4"; \
+	test/run.sh build/gcc "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(SCRIPT_TESTS)" "1 2 4" > build/test-gcc.log 2>&1; a=$$?; cat build/test-gcc.log; \
+	echo "== AddressSanitizer + UBSan build, mpirun -n 1, 2"; \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	test/run.sh build/asan "$(UNIT_TESTS)" "$(MPI_TESTS)" "" "1 2" > build/test-asan.log 2>&1; b=$$?; cat build/test-asan.log; \
+	p=$$(( $$(tail -n1 build/test-gcc.log | cut -d' ' -f1) + $$(tail -n1 build/test-asan.log | cut -d' ' -f1) )); \
+	f=$$(( $$(tail -n1 build/test-gcc.log | cut -d' ' -f3) + $$(tail -n1 build/test-asan.log | cut -d' ' -f3) )); \
+	echo; echo "$$p passed, $$f failed"; [ $$a -eq 0 ] && [ $$b -eq 0 ]
+
+# The gcc suite only, for a quick loop while developing.
+test-quick: build-gcc
+	@test/run.sh build/gcc "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(SCRIPT_TESTS)" "1 2 4"
+
+# ---------------------------------------------------------------- benchmarks
+build/bench/%: bench/%.c $(HEADERS) | build/bench
+	MPICH_CC=gcc mpicc $(CSTD) $(WARN) -O2 $(INCLUDES) $< -o $@ $(LDLIBS)
+build/bench:
+	@mkdir -p $@
+bench: $(addprefix bench-,$(BENCHES))
+bench-collectives: build/bench/collectives
+	mpirun -n 2 build/bench/collectives
+bench-partition: build/bench/partition
+	build/bench/partition
+
+# ---------------------------------------------------------------- install
+install:
+	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig
+	install -m 644 $(HEADERS) $(DESTDIR)$(PREFIX)/include/
+	@mpi_cflags="$$(mpicc -show -c | cut -d' ' -f2- | tr ' ' '\n' | grep -E '^-I' | tr '\n' ' ')"; \
+	mpi_libs="$$(mpicc -show | tr ' ' '\n' | grep -E '^-(L|l|Wl)' | tr '\n' ' ')"; \
+	printf 'prefix=%s\nincludedir=$${prefix}/include\n\nName: smp\nDescription: header-only pipeline and data parallel runtime over MPI\nVersion: 0.1.0\nCflags: -I$${includedir} %s\nLibs: %s -lm\n' \
+	  "$(PREFIX)" "$$mpi_cflags" "$$mpi_libs" > $(DESTDIR)$(PREFIX)/lib/pkgconfig/smp.pc; \
+	printf 'prefix=%s\ncuda=%s\n\nName: smp-nccl\nDescription: smp device backend over CUDA and NCCL\nVersion: 0.1.0\nRequires: smp\nCflags: -I$${cuda}/include\nLibs: -L$${cuda}/lib64 -lnccl -lcudart\n' \
+	  "$(PREFIX)" "$(CUDA_HOME)" > $(DESTDIR)$(PREFIX)/lib/pkgconfig/smp-nccl.pc
+	@echo "installed smp headers and smp.pc, smp-nccl.pc under $(DESTDIR)$(PREFIX)"
+
+clean:
+	rm -rf build

@@ -1,0 +1,3279 @@
+/* smp.h - split one model across many processes (pipeline + data parallel).
+
+   The core of smp: context and config, topology and groups, tensors, the
+   module tree, partition contexts, tracing, the auto-partitioner, object
+   messaging and host-memory collectives over MPI. Pipelines live in
+   smp_pipeline.h, the CUDA/NCCL backend in smp_nccl.h, checkpoints in
+   smp_checkpoint.h.
+
+   USAGE
+     In exactly one C file:
+         #define SMP_IMPLEMENTATION
+         #include "smp.h"
+     Everywhere else include "smp.h" for the declarations only.
+
+   THE SMALLEST PROGRAM
+         #define SMP_IMPLEMENTATION
+         #include "smp.h"
+         int main(void) {
+             smp_config cfg = {0};                // zero means defaults
+             cfg.partitions = 2;
+             if (smp_init(&cfg) != SMP_OK) return 1;   // message already logged
+             float x[4] = {1, 2, 3, 4};
+             smp_tensor t = smp_tensor_1d(x, SMP_F32, 4);
+             smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD);
+             smp_finalize();
+         }
+     Build: mpicc -O2 prog.c -o prog -lm      Run: mpirun -n 2 ./prog
+
+   CONFIG KEYS (smp_config fields, or the same keys as JSON in SMP_CONFIG /
+   smp_config_from_json, as in SageMaker's "modelparallel" parameters):
+     partitions (1)            microbatches (1)        pipeline (interleaved|simple)
+     optimize (speed|memory)   auto_partition (true)   default_partition (none)
+     ddp (false)               placement_strategy (cluster|spread)
+     memory_weight (speed: 0, memory: 1)               trace_device (cpu|gpu)
+     trace_execution_times (false)  trace_memory_usage (false)
+     overlapping_allreduce (true)   backward_passes_per_step (1)
+     average_grads_across_microbatches (true)  bucket_cap_mb (25)
+     broadcast_buffers (true)
+   smp's own keys: virtual_stages (1), deterministic_reduction (false),
+     timeout (seconds, also SMP_TIMEOUT; 600), seed (0).
+
+   HOOKS: define before including, in the implementation file:
+     SMP_MALLOC(n) / SMP_FREE(p)   allocation (default malloc/free)
+     SMP_ASSERT(c)                 broken invariants (default: log + MPI_Abort)
+     SMPDEF                        linkage of the API (SMP_STATIC: static)
+   Logging goes through smp_set_logger(); smp never prints otherwise.
+
+   ERRORS: calls that can fail on user input return smp_status (SMP_OK is 0)
+   and smp_last_error() says what went wrong in the caller's terms. An error
+   found on one rank while others wait becomes an error on every rank.
+*/
+#ifndef SMP_H
+#define SMP_H
+
+#include <mpi.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifndef SMPDEF
+#ifdef SMP_STATIC
+#define SMPDEF static
+#else
+#define SMPDEF extern
+#endif
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- status */
+typedef enum smp_status {
+    SMP_OK = 0,
+    SMP_ERR_CONFIG,   /* a configuration key or value is wrong */
+    SMP_ERR_ARG,      /* a call got an argument it cannot use */
+    SMP_ERR_STATE,    /* a call made at the wrong time (before init, ...) */
+    SMP_ERR_MPI,      /* MPI returned an error */
+    SMP_ERR_DEVICE,   /* CUDA or NCCL returned an error */
+    SMP_ERR_NOMEM,    /* an allocation failed */
+    SMP_ERR_IO,       /* a file could not be read or written */
+    SMP_ERR_FORMAT,   /* a file's content is malformed or corrupt */
+    SMP_ERR_MODULE,   /* the engine's module or step body reported failure */
+    SMP_ERR_REMOTE    /* another rank failed; smp_last_error() says which */
+} smp_status;
+
+SMPDEF const char *smp_last_error(void);
+SMPDEF const char *smp_status_name(smp_status s);
+/* Records an error message (printf-style) and returns `s`; engine code may
+   use it from module callbacks so its message reaches every rank. */
+SMPDEF smp_status smp_error(smp_status s, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+typedef enum smp_log_level { SMP_LOG_DEBUG, SMP_LOG_INFO, SMP_LOG_WARN, SMP_LOG_ERROR } smp_log_level;
+typedef void (*smp_log_fn)(smp_log_level level, const char *msg, void *user);
+/* NULL restores the default, which writes WARN and ERROR (and INFO when
+   SMP_VERBOSE is set) to stderr prefixed with the rank. */
+SMPDEF void smp_set_logger(smp_log_fn fn, void *user);
+SMPDEF void smp_log(smp_log_level level, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* ---------------------------------------------------------------- tensors */
+typedef enum smp_dtype {
+    SMP_DTYPE_INVALID = 0,
+    SMP_F32, SMP_F16, SMP_BF16, SMP_F64, SMP_I32, SMP_I64, SMP_U8, SMP_BOOL,
+    SMP_DTYPE_COUNT
+} smp_dtype;
+
+#define SMP_MAX_DIMS 8
+#define SMP_HOST (-1) /* device of a tensor in host memory */
+
+/* A contiguous, row-major view of memory smp does not own. */
+typedef struct smp_tensor {
+    void *data;
+    smp_dtype dtype;
+    int ndim;
+    int64_t shape[SMP_MAX_DIMS];
+    int device; /* SMP_HOST or a CUDA device ordinal */
+} smp_tensor;
+
+SMPDEF size_t smp_dtype_size(smp_dtype dt);
+SMPDEF const char *smp_dtype_name(smp_dtype dt); /* "f32", "bf16", ... */
+SMPDEF smp_tensor smp_tensor_make(void *data, smp_dtype dt, int ndim, const int64_t *shape);
+SMPDEF smp_tensor smp_tensor_1d(void *data, smp_dtype dt, int64_t n);
+SMPDEF smp_tensor smp_tensor_2d(void *data, smp_dtype dt, int64_t rows, int64_t cols);
+SMPDEF int64_t smp_tensor_numel(const smp_tensor *t);
+SMPDEF size_t smp_tensor_nbytes(const smp_tensor *t);
+SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b);
+/* "f32[64, 784]" into buf; returns buf. */
+SMPDEF const char *smp_tensor_describe(const smp_tensor *t, char *buf, size_t cap);
+
+/* f16 / bf16 <-> f32, round to nearest even. */
+SMPDEF float smp_f16_to_f32(uint16_t h);
+SMPDEF uint16_t smp_f32_to_f16(float f);
+SMPDEF float smp_bf16_to_f32(uint16_t h);
+SMPDEF uint16_t smp_f32_to_bf16(float f);
+
+/* DLPack interop, without copying. Available when <dlpack/dlpack.h> is
+   included before smp.h (or SMP_DLPACK is defined). */
+#if defined(DLPACK_VERSION) || defined(SMP_DLPACK)
+#include <dlpack/dlpack.h>
+SMPDEF smp_status smp_tensor_from_dlpack(const DLTensor *dl, smp_tensor *out);
+/* `shape_storage` must live as long as the DLTensor (DLTensor holds a
+   pointer to its shape). */
+SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[SMP_MAX_DIMS]);
+#endif
+
+/* ---------------------------------------------------------------- config */
+typedef enum smp_switch { SMP_DEFAULT = 0, SMP_ON = 1, SMP_OFF = -1 } smp_switch;
+typedef enum smp_pipeline_kind { SMP_PIPELINE_DEFAULT = 0, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_SIMPLE } smp_pipeline_kind;
+typedef enum smp_optimize { SMP_OPTIMIZE_DEFAULT = 0, SMP_OPTIMIZE_SPEED, SMP_OPTIMIZE_MEMORY } smp_optimize;
+typedef enum smp_placement { SMP_PLACEMENT_DEFAULT = 0, SMP_PLACEMENT_CLUSTER, SMP_PLACEMENT_SPREAD } smp_placement;
+typedef enum smp_trace_device { SMP_TRACE_DEFAULT = 0, SMP_TRACE_CPU, SMP_TRACE_GPU } smp_trace_device;
+
+typedef struct smp_config {
+    int partitions;                 /* pipeline stages per model replica; 0: 1 */
+    int microbatches;               /* per step; 0: 1 */
+    smp_pipeline_kind pipeline;     /* default: interleaved (1F1B) */
+    smp_optimize optimize;          /* auto-partition objective; default: speed */
+    smp_switch auto_partition;      /* default: on */
+    int default_partition;          /* used only when has_default_partition */
+    bool has_default_partition;
+    smp_switch ddp;                 /* data parallel over partitions x replicas; default off */
+    smp_placement placement_strategy; /* default: cluster */
+    double memory_weight;           /* 0: from optimize (speed 0, memory 1) */
+    smp_trace_device trace_device;  /* default: gpu when a device backend is present, else cpu */
+    smp_switch trace_execution_times;  /* default off */
+    smp_switch trace_memory_usage;     /* default off */
+    smp_switch overlapping_allreduce;  /* default on */
+    int backward_passes_per_step;      /* 0: 1 */
+    smp_switch average_grads_across_microbatches; /* default on */
+    double bucket_cap_mb;              /* 0: 25 */
+    smp_switch broadcast_buffers;      /* default on */
+    /* smp's own keys */
+    int virtual_stages;             /* interleaving factor for auto partitioning; 0: 1 */
+    smp_switch deterministic_reduction; /* fixed-order DP sums; default off */
+    double timeout;                 /* seconds any wait may take; 0: SMP_TIMEOUT or 600 */
+    uint64_t seed;                  /* global seed of parameter initialisation */
+    MPI_Comm comm;                  /* all-zero bytes: MPI_COMM_WORLD */
+} smp_config;
+
+/* Parses SageMaker-style JSON ({"partitions": 2, ...}) into *cfg, on top of
+   what cfg already holds. Unknown keys and wrong types name the key. */
+SMPDEF smp_status smp_config_from_json(const char *json, smp_config *cfg);
+/* Fills defaults and checks values against a world of `world_size` ranks. */
+SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out);
+
+/* ---------------------------------------------------------------- context */
+/* Initialises MPI if the host has not, reads SMP_CONFIG (its keys override
+   cfg's), validates, and builds the groups. Collective over the communicator.
+   On error every rank returns the same status. cfg may be NULL. */
+SMPDEF smp_status smp_init(const smp_config *cfg);
+/* Frees smp's state; finalizes MPI only if smp_init initialised it. */
+SMPDEF void smp_finalize(void);
+SMPDEF bool smp_is_initialized(void);
+SMPDEF const smp_config *smp_get_config(void); /* resolved values */
+
+typedef enum smp_group { SMP_WORLD = 0, SMP_MP_GROUP, SMP_DP_GROUP, SMP_GROUP_COUNT } smp_group;
+typedef enum smp_rank_type { SMP_WORLD_RANK = 0, SMP_MP_RANK, SMP_DP_RANK } smp_rank_type;
+
+SMPDEF int smp_rank(void);
+SMPDEF int smp_size(void);
+SMPDEF int smp_local_rank(void);
+SMPDEF int smp_local_size(void);
+SMPDEF int smp_mp_rank(void);
+SMPDEF int smp_mp_size(void);
+SMPDEF int smp_dp_rank(void);
+SMPDEF int smp_dp_size(void);
+SMPDEF int smp_group_rank(smp_group g);
+SMPDEF int smp_group_size(smp_group g);
+SMPDEF MPI_Comm smp_group_comm(smp_group g);
+/* World ranks of this rank's group, in group-rank order; returns the count. */
+SMPDEF int smp_group_ranks(smp_group g, int *world_ranks, int cap);
+/* World rank of member `group_rank` of this rank's group g. */
+SMPDEF int smp_group_world_rank(smp_group g, int group_rank);
+/* The topology a world of `size` ranks would have, without MPI: the model
+   parallel and data parallel coordinates of world rank `rank`. */
+SMPDEF void smp_topology_of(int rank, int size, int partitions, smp_placement placement,
+                            int *mp_rank, int *dp_rank);
+
+/* ---------------------------------------------------------------- waiting */
+/* Seconds any single wait may take before the job aborts (SMP_TIMEOUT). */
+SMPDEF double smp_timeout(void);
+/* Waits for MPI requests, polling with back-off; past the deadline logs
+   `what` with the peer and aborts the job. */
+SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_group g, int peer);
+
+/* ---------------------------------------------------------------- objects */
+/* Byte messages, like the reference common API's send / recv_from /
+   broadcast / allgather. Received buffers come from SMP_MALLOC; free them
+   with smp_free. */
+SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_rank_type rt);
+SMPDEF smp_status smp_recv_from(int src, smp_rank_type rt, void **buf, size_t *len);
+SMPDEF smp_status smp_broadcast_bytes(void **buf, size_t *len, int root, smp_group g);
+/* Gathers one buffer from each member: *out holds them back to back, lens[i]
+   (caller-sized: group size) their sizes in group-rank order. */
+SMPDEF smp_status smp_allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens);
+SMPDEF smp_status smp_barrier(smp_group g);
+SMPDEF void *smp_malloc(size_t n); /* counted by the allocator statistics */
+SMPDEF void smp_free(void *p);
+
+/* ---------------------------------------------------------------- collectives */
+typedef enum smp_op { SMP_SUM = 0, SMP_AVG, SMP_MIN, SMP_MAX, SMP_PROD } smp_op;
+
+/* In place when in->data == out->data. Host tensors move over MPI; device
+   tensors over the registered device backend (smp_nccl.h). f16 and bf16 are
+   reduced in f32 precision per combining step. */
+SMPDEF smp_status smp_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g);
+SMPDEF smp_status smp_broadcast(smp_tensor *t, int root, smp_group g);
+/* out is used on root only (may be NULL elsewhere). */
+SMPDEF smp_status smp_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g);
+/* out has group_size x in's elements; dim 0 is stacked. */
+SMPDEF smp_status smp_all_gather(const smp_tensor *in, smp_tensor *out, smp_group g);
+/* in has group_size x out's elements; each member keeps its reduced block. */
+SMPDEF smp_status smp_reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g);
+/* Splits along dim 0: in_splits[i] rows go to member i, out_splits[i] rows
+   come from member i. NULL splits mean equal parts. */
+SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
+                                        const int64_t *in_splits, smp_group g);
+
+/* ---------------------------------------------------------------- modules */
+/* A module is a node of the engine's model with a dotted name
+   ("layers.3.fc1"), parameters and buffers that are declared, not allocated:
+   storage exists only on the rank that owns the module, after partitioning.
+   Its callbacks run one call on one microbatch:
+     forward:  read inputs, allocate outputs with smp_call_output, save what
+               backward needs with smp_call_stash (inputs stay alive anyway);
+     backward: read smp_call_grad_output, write every non-NULL
+               smp_call_grad_input in full, and ADD parameter gradients into
+               smp_param_grad(p) (the runtime zeroes them only in
+               smp_model_zero_grad; microbatches arrive in increasing order). */
+typedef struct smp_module smp_module;
+typedef struct smp_param smp_param;
+typedef struct smp_model smp_model;
+typedef struct smp_call_ctx smp_call_ctx; /* one call of a module on one microbatch */
+
+typedef smp_status (*smp_module_fn)(smp_call_ctx *c);
+/* Fills a parameter deterministically; `seed` is derived from the global
+   seed and the parameter's full name, so every partitioning sees the same. */
+typedef void (*smp_init_fn)(smp_tensor *value, uint64_t seed, void *user);
+
+typedef struct smp_module_desc {
+    smp_module_fn forward;
+    smp_module_fn backward; /* NULL: the module has nothing to learn and passes no gradient */
+    void *user;             /* the engine's per-module state, smp_module_user() */
+} smp_module_desc;
+
+/* parent NULL makes a root. Created inside SMP_PARTITION(k) { ... } the
+   module goes to partition k (innermost context wins). */
+SMPDEF smp_module *smp_module_new(smp_module *parent, const char *name, const smp_module_desc *desc);
+SMPDEF smp_param *smp_param_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
+                                smp_init_fn init, void *init_user);
+SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
+                                 smp_init_fn init, void *init_user);
+SMPDEF const char *smp_module_name(const smp_module *m); /* full dotted name */
+SMPDEF void *smp_module_user(const smp_module *m);
+SMPDEF int smp_module_partition(const smp_module *m);   /* -1 before partitioning */
+SMPDEF bool smp_module_is_local(const smp_module *m);
+SMPDEF const char *smp_param_name(const smp_param *p);   /* full dotted name */
+SMPDEF smp_tensor *smp_param_value(smp_param *p);        /* data NULL where not local */
+SMPDEF smp_tensor *smp_param_grad(smp_param *p);         /* NULL for buffers */
+SMPDEF bool smp_param_is_buffer(const smp_param *p);
+SMPDEF smp_module *smp_param_module(const smp_param *p);
+
+/* Built-in initialisers (f32): uniform in [-bound, bound] (user points to a
+   float bound; NULL: 1/sqrt(fan_in) with fan_in the last dimension), and
+   constant (user points to a float; NULL: 0). */
+SMPDEF void smp_init_uniform(smp_tensor *value, uint64_t seed, void *user);
+SMPDEF void smp_init_constant(smp_tensor *value, uint64_t seed, void *user);
+/* The seed smp gives the parameter called full_name. */
+SMPDEF uint64_t smp_param_seed(const char *full_name);
+/* A deterministic generator for init callbacks: uniform in [0, 1). */
+SMPDEF double smp_rng_uniform(uint64_t *state);
+
+/* ---------------------------------------------------------------- partition contexts */
+SMPDEF void smp_partition_push(int partition);
+SMPDEF void smp_partition_pop(void);
+/* SMP_PARTITION(1) { child = smp_module_new(root, "child", &d); }
+   Leave the block normally (no break/return/goto out of it). */
+#define SMP_PARTITION(k) for (int smp__pctx_once = (smp_partition_push(k), 1); smp__pctx_once; smp__pctx_once = (smp_partition_pop(), 0))
+
+/* ---------------------------------------------------------------- the model */
+/* The engine's forward: calls modules through smp_call and sets outputs[i]
+   to tensors that smp_call returned. It runs once, when smp traces the model;
+   afterwards smp replays the recorded calls, so the function must call the
+   same modules in the same order for any input (no data-dependent branches). */
+typedef smp_status (*smp_model_forward_fn)(smp_model *m, const smp_tensor *inputs, int ninputs, smp_tensor *outputs,
+                                           int noutputs, void *user);
+typedef void (*smp_post_partition_fn)(smp_model *m, void *user);
+
+typedef struct smp_model_desc {
+    smp_model_forward_fn forward;
+    int ninputs;   /* tensors the forward takes (step arguments that feed the model); 0: 1 */
+    int noutputs;  /* tensors it returns; 0: 1 */
+    void *user;
+} smp_model_desc;
+
+/* Wraps the module tree (smp.DistributedModel). Reports errors made while
+   building it (bad partition contexts, duplicate names). */
+SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, smp_model **out);
+SMPDEF void smp_model_free(smp_model *m);
+/* Runs module m on inputs; outputs receive tensors owned by smp (valid for
+   the current microbatch). From the model forward during tracing, or from a
+   module's forward (a nested call, which runs where its parent runs). */
+SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int ninputs, smp_tensor *outputs, int noutputs);
+/* Traces the model on one sample microbatch (the first step does it if not
+   done) and partitions it. Collective over the world. */
+SMPDEF smp_status smp_model_trace(smp_model *m, const smp_tensor *sample_inputs, int ninputs);
+SMPDEF bool smp_is_tracing(void);
+SMPDEF bool smp_model_partitioned(const smp_model *m);
+SMPDEF void smp_model_on_partitioned(smp_model *m, smp_post_partition_fn fn, void *user);
+SMPDEF void smp_model_zero_grad(smp_model *m);
+/* Local parameters (and buffers) in declaration order; iterate with
+   for (i = 0; (p = smp_model_param(m, i, false)); i++). */
+SMPDEF smp_param *smp_model_param(smp_model *m, int index, bool include_buffers);
+SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *full_name); /* any rank's */
+SMPDEF int smp_model_num_params(const smp_model *m, bool include_buffers);   /* all ranks' */
+SMPDEF smp_param *smp_model_param_at(smp_model *m, int index);             /* all, local or not */
+SMPDEF smp_module *smp_model_module(smp_model *m, int index);              /* all modules, creation order */
+SMPDEF int smp_model_num_calls(const smp_model *m);
+SMPDEF int smp_model_num_stages(const smp_model *m);
+SMPDEF int smp_model_stage_rank(const smp_model *m, int stage);            /* mp rank running a stage */
+SMPDEF int smp_model_call_stage(const smp_model *m, int call);
+
+/* ---------------------------------------------------------------- inside module callbacks */
+SMPDEF int smp_call_num_inputs(const smp_call_ctx *c);
+SMPDEF int smp_call_num_outputs(const smp_call_ctx *c);
+SMPDEF const smp_tensor *smp_call_input(const smp_call_ctx *c, int i);
+SMPDEF smp_tensor *smp_call_output(smp_call_ctx *c, int i, smp_dtype dt, int ndim, const int64_t *shape); /* forward */
+SMPDEF const smp_tensor *smp_call_output_value(const smp_call_ctx *c, int i);  /* backward: what forward produced */
+SMPDEF const smp_tensor *smp_call_grad_output(const smp_call_ctx *c, int i);  /* backward */
+SMPDEF smp_tensor *smp_call_grad_input(smp_call_ctx *c, int i);               /* backward; NULL: no gradient wanted */
+SMPDEF void *smp_call_stash(smp_call_ctx *c, size_t bytes);                   /* forward: memory kept until backward */
+SMPDEF void *smp_call_stashed(const smp_call_ctx *c, size_t *bytes);          /* backward */
+SMPDEF smp_module *smp_call_module(const smp_call_ctx *c);
+SMPDEF int smp_call_microbatch(const smp_call_ctx *c);
+SMPDEF bool smp_call_training(const smp_call_ctx *c); /* false in evaluation steps: no backward will follow */
+
+/* ---------------------------------------------------------------- auto-partitioner
+   Splits the traced top-level calls, in execution order, into `nstages`
+   contiguous, non-empty stages so that the costliest stage is as cheap as it
+   can be. The answer is the exact optimum, not a greedy guess:
+
+   - A stage's cost is the sum of its calls' costs added left to right in
+     double precision. No split into nstages stages has a smaller largest
+     stage under that definition, and the reported maximum is the cost of one
+     real stage of the returned split, bit for bit.
+   - Ties: of all optimal splits, the one whose boundary vector is
+     lexicographically smallest, i.e. each stage ends as early as it can
+     given the stages before it, so the first stages are the lightest. Under
+     1F1B stage s keeps (stages - s) microbatches in flight, so the early
+     stages stash the most activations; lightening them costs no step time.
+   - Costs must be finite and non-negative; nstages must lie in 1..n.
+   - Work: a binary search over the doubles (at most 64 greedy passes of
+     O(n)) finds the optimum; the tie-break costs O(nstages * n * log n).
+
+   Virtual stages: to interleave, pass nstages = partitions * virtual_stages
+   and give chunk c to mp rank c % partitions; the algorithm only ever
+   splits into contiguous chunks. */
+
+/* What tracing measured for one top-level call. */
+typedef struct smp_call_cost {
+    double time;             /* seconds (forward + backward, as traced) */
+    double param_bytes;      /* bytes of the call's parameters */
+    double activation_bytes; /* bytes the call keeps for its backward, per microbatch */
+} smp_call_cost;
+
+/* Splits calls[0..n) into nstages stages on a combined cost per call:
+       memory   = param_bytes * (2 + optimizer_state_factor) + activation_bytes
+                  (parameters, their gradients, optimizer state, activations)
+       combined = (1 - w) * time / total_time + w * memory / total_memory
+   with w = memory_weight in [0, 1] (0: speed, 1: memory); a total of 0
+   contributes 0. optimizer_state_factor counts optimizer state in units of
+   the parameters' bytes (2 for Adam on f32 parameters; 6 for mixed-precision
+   Adam with f16 parameters: f32 master copy + two moments).
+   On success stage_of_call[i] (n entries) holds the stage of call i,
+   non-decreasing from 0 to nstages - 1, and *max_stage_cost (when not NULL)
+   the combined cost of the costliest stage, a fraction of the whole model.
+   On error (SMP_ERR_ARG, SMP_ERR_NOMEM) the outputs are left untouched. */
+SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nstages, double memory_weight,
+                                     double optimizer_state_factor, int *stage_of_call, double *max_stage_cost);
+/* The core on plain costs: the same contract, cost[i] >= 0 being call i's. */
+SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
+                                        double *max_stage_cost);
+
+/* ---------------------------------------------------------------- memory stats */
+typedef struct smp_memory_stats {
+    int64_t current_bytes, peak_bytes;   /* everything allocated through smp */
+    int64_t param_bytes, param_peak_bytes; /* parameters + gradients */
+    int64_t stash_bytes, stash_peak_bytes; /* activation stash */
+} smp_memory_stats;
+SMPDEF smp_memory_stats smp_memory(void);
+SMPDEF void smp_memory_reset_peaks(void);
+
+/* ---------------------------------------------------------------- device backend */
+/* Registered by smp_nccl.h; collectives on tensors with device >= 0 go here. */
+typedef struct smp_device_backend {
+    const char *name;
+    smp_status (*all_reduce)(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g);
+    smp_status (*broadcast)(smp_tensor *t, int root, smp_group g);
+    smp_status (*reduce)(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g);
+    smp_status (*all_gather)(const smp_tensor *in, smp_tensor *out, smp_group g);
+    smp_status (*reduce_scatter)(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g);
+    smp_status (*all_to_all_single)(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
+                                    const int64_t *in_splits, smp_group g);
+    smp_status (*copy)(void *dst, int dst_device, const void *src, int src_device, size_t n);
+    smp_status (*on_init)(void);
+    void (*on_finalize)(void);
+} smp_device_backend;
+SMPDEF void smp_register_device_backend(const smp_device_backend *b);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* SMP_H */
+
+/* ======================================================================
+   IMPLEMENTATION
+   ====================================================================== */
+#ifdef SMP_IMPLEMENTATION
+#ifndef SMP_H_IMPLEMENTED
+#define SMP_H_IMPLEMENTED
+
+#include <errno.h>
+#include <math.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if !defined(_POSIX_C_SOURCE) && !defined(__cplusplus)
+#include <threads.h>
+#endif
+
+#ifndef SMP_MALLOC
+#define SMP_MALLOC(n) malloc(n)
+#define SMP_FREE(p) free(p)
+#endif
+#ifndef SMP_ASSERT
+#define SMP_ASSERT(c) do { if (!(c)) smp__fatal("internal error: %s (%s:%d)", #c, __FILE__, __LINE__); } while (0)
+#endif
+
+typedef struct smp__group_info {
+    MPI_Comm comm;
+    int rank, size;
+    int *world_ranks; /* group rank -> world rank */
+} smp__group_info;
+
+typedef enum smp__alloc_kind { SMP__ALLOC_OTHER, SMP__ALLOC_PARAM, SMP__ALLOC_STASH } smp__alloc_kind;
+
+static struct {
+    bool initialized, owns_mpi;
+    smp_config cfg;
+    MPI_Comm world;          /* smp's duplicate of the host communicator */
+    int rank, size, local_rank, local_size, mp_rank, dp_rank;
+    smp__group_info groups[SMP_GROUP_COUNT];
+    MPI_Op half_ops[2][5];   /* [f16, bf16][smp_op] (AVG unused) */
+    MPI_Datatype half_type;
+    smp_memory_stats mem;
+    smp_device_backend device;
+    bool has_device;
+} smp__ctx;
+
+static char smp__errbuf[2048];
+static smp_log_fn smp__logger;
+static void *smp__logger_user;
+
+/* ---------------------------------------------------------------- errors, logging */
+SMPDEF const char *smp_last_error(void) { return smp__errbuf; }
+
+SMPDEF const char *smp_status_name(smp_status s) {
+    static const char *names[] = {"ok", "config error", "bad argument", "wrong state", "MPI error", "device error",
+                                  "out of memory", "I/O error", "format error", "module error", "remote error"};
+    return (unsigned)s < sizeof names / sizeof names[0] ? names[s] : "unknown status";
+}
+
+SMPDEF smp_status smp_error(smp_status s, const char *fmt, ...) {
+    char msg[sizeof smp__errbuf]; /* the arguments may include smp_last_error() itself */
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    memcpy(smp__errbuf, msg, sizeof msg);
+    return s;
+}
+
+SMPDEF void smp_set_logger(smp_log_fn fn, void *user) { smp__logger = fn; smp__logger_user = user; }
+
+static void smp__vlog(smp_log_level level, const char *fmt, va_list ap) {
+    char msg[4096];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    if (smp__logger) { smp__logger(level, msg, smp__logger_user); return; }
+    if (level == SMP_LOG_DEBUG || (level == SMP_LOG_INFO && !getenv("SMP_VERBOSE"))) return;
+    static const char *tags[] = {"debug", "info", "warning", "error"};
+    fprintf(stderr, "smp[%d] %s: %s\n", smp__ctx.initialized ? smp__ctx.rank : 0, tags[level], msg);
+    fflush(stderr);
+}
+
+SMPDEF void smp_log(smp_log_level level, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    smp__vlog(level, fmt, ap);
+    va_end(ap);
+}
+
+/* A broken invariant or a wait past its deadline: the whole job stops. */
+static void smp__fatal(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2), noreturn))
+#endif
+    ;
+static void smp__fatal(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    smp__vlog(SMP_LOG_ERROR, fmt, ap);
+    va_end(ap);
+    int up = 0;
+    MPI_Initialized(&up);
+    if (up) MPI_Abort(MPI_COMM_WORLD, 3);
+    abort();
+}
+
+static smp_status smp__mpi_error(int rc, const char *call) {
+    char text[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, text, &len);
+    return smp_error(SMP_ERR_MPI, "%s failed: %s", call, text);
+}
+#define SMP__MPI(call) do { int rc__ = (call); if (rc__ != MPI_SUCCESS) return smp__mpi_error(rc__, #call); } while (0)
+
+static smp_status smp__require_init(const char *fn) {
+    if (!smp__ctx.initialized) return smp_error(SMP_ERR_STATE, "%s called before smp_init", fn);
+    return SMP_OK;
+}
+
+/* ---------------------------------------------------------------- memory */
+/* Every block carries its size and kind in a 64-byte header, so frees can be
+   counted without a lookup and the payload stays 64-byte aligned. */
+#define SMP__HDR 64
+
+static void smp__count(smp__alloc_kind kind, int64_t delta) {
+    smp_memory_stats *m = &smp__ctx.mem;
+    m->current_bytes += delta;
+    if (m->current_bytes > m->peak_bytes) m->peak_bytes = m->current_bytes;
+    if (kind == SMP__ALLOC_PARAM) {
+        m->param_bytes += delta;
+        if (m->param_bytes > m->param_peak_bytes) m->param_peak_bytes = m->param_bytes;
+    } else if (kind == SMP__ALLOC_STASH) {
+        m->stash_bytes += delta;
+        if (m->stash_bytes > m->stash_peak_bytes) m->stash_peak_bytes = m->stash_bytes;
+    }
+}
+
+static void *smp__alloc(size_t n, smp__alloc_kind kind) {
+    unsigned char *p = (unsigned char *)SMP_MALLOC(n + SMP__HDR);
+    if (!p) return NULL;
+    /* keep the payload 64-byte aligned even when malloc only gives 16 */
+    size_t pad = (SMP__HDR - ((uintptr_t)p + SMP__HDR) % SMP__HDR) % SMP__HDR;
+    if (pad) {
+        SMP_FREE(p);
+        p = (unsigned char *)SMP_MALLOC(n + 2 * SMP__HDR);
+        if (!p) return NULL;
+        pad = (SMP__HDR - ((uintptr_t)p + SMP__HDR) % SMP__HDR) % SMP__HDR;
+    }
+    unsigned char *user = p + pad + SMP__HDR;
+    uint64_t meta[3] = {(uint64_t)n, (uint64_t)kind, (uint64_t)pad};
+    memcpy(user - sizeof meta, meta, sizeof meta);
+    smp__count(kind, (int64_t)n);
+    return user;
+}
+
+static void smp__free(void *ptr) {
+    if (!ptr) return;
+    unsigned char *user = (unsigned char *)ptr;
+    uint64_t meta[3];
+    memcpy(meta, user - sizeof meta, sizeof meta);
+    smp__count((smp__alloc_kind)meta[1], -(int64_t)meta[0]);
+    SMP_FREE(user - SMP__HDR - meta[2]);
+}
+
+SMPDEF void *smp_malloc(size_t n) { return smp__alloc(n, SMP__ALLOC_OTHER); }
+SMPDEF void smp_free(void *p) { smp__free(p); }
+SMPDEF smp_memory_stats smp_memory(void) { return smp__ctx.mem; }
+SMPDEF void smp_memory_reset_peaks(void) {
+    smp_memory_stats *m = &smp__ctx.mem;
+    m->peak_bytes = m->current_bytes;
+    m->param_peak_bytes = m->param_bytes;
+    m->stash_peak_bytes = m->stash_bytes;
+}
+
+/* ---------------------------------------------------------------- dtypes, tensors */
+SMPDEF size_t smp_dtype_size(smp_dtype dt) {
+    switch (dt) {
+    case SMP_F32: case SMP_I32: return 4;
+    case SMP_F64: case SMP_I64: return 8;
+    case SMP_F16: case SMP_BF16: return 2;
+    case SMP_U8: case SMP_BOOL: return 1;
+    default: return 0;
+    }
+}
+
+SMPDEF const char *smp_dtype_name(smp_dtype dt) {
+    static const char *names[] = {"invalid", "f32", "f16", "bf16", "f64", "i32", "i64", "u8", "bool"};
+    return (unsigned)dt < SMP_DTYPE_COUNT ? names[dt] : "invalid";
+}
+
+SMPDEF smp_tensor smp_tensor_make(void *data, smp_dtype dt, int ndim, const int64_t *shape) {
+    smp_tensor t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.dtype = dt;
+    t.ndim = ndim;
+    t.device = SMP_HOST;
+    for (int i = 0; i < ndim && i < SMP_MAX_DIMS; i++) t.shape[i] = shape[i];
+    return t;
+}
+SMPDEF smp_tensor smp_tensor_1d(void *data, smp_dtype dt, int64_t n) { return smp_tensor_make(data, dt, 1, &n); }
+SMPDEF smp_tensor smp_tensor_2d(void *data, smp_dtype dt, int64_t rows, int64_t cols) {
+    int64_t s[2] = {rows, cols};
+    return smp_tensor_make(data, dt, 2, s);
+}
+SMPDEF int64_t smp_tensor_numel(const smp_tensor *t) {
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
+    return n;
+}
+SMPDEF size_t smp_tensor_nbytes(const smp_tensor *t) { return (size_t)smp_tensor_numel(t) * smp_dtype_size(t->dtype); }
+SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b) {
+    if (a->ndim != b->ndim) return false;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] != b->shape[i]) return false;
+    return true;
+}
+SMPDEF const char *smp_tensor_describe(const smp_tensor *t, char *buf, size_t cap) {
+    size_t at = (size_t)snprintf(buf, cap, "%s[", smp_dtype_name(t->dtype));
+    for (int i = 0; i < t->ndim && at < cap; i++) at += (size_t)snprintf(buf + at, cap - at, i ? ", %lld" : "%lld", (long long)t->shape[i]);
+    if (at < cap) snprintf(buf + at, cap - at, "]");
+    return buf;
+}
+
+/* Checks a tensor argument; `what` names it in the message. */
+static smp_status smp__check_tensor(const smp_tensor *t, const char *fn, const char *what) {
+    if (!t) return smp_error(SMP_ERR_ARG, "%s: %s is NULL", fn, what);
+    if (smp_dtype_size(t->dtype) == 0) return smp_error(SMP_ERR_ARG, "%s: %s has an invalid dtype (%d)", fn, what, (int)t->dtype);
+    if (t->ndim < 0 || t->ndim > SMP_MAX_DIMS) return smp_error(SMP_ERR_ARG, "%s: %s has ndim %d (0..%d)", fn, what, t->ndim, SMP_MAX_DIMS);
+    for (int i = 0; i < t->ndim; i++)
+        if (t->shape[i] < 0) return smp_error(SMP_ERR_ARG, "%s: %s has negative dimension %d (%lld)", fn, what, i, (long long)t->shape[i]);
+    if (!t->data && smp_tensor_numel(t) > 0) return smp_error(SMP_ERR_ARG, "%s: %s has no data", fn, what);
+    return SMP_OK;
+}
+
+static uint32_t smp__f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static float smp__bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+SMPDEF float smp_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0x1f) return smp__bits_f32(sign | 0x7f800000u | (man << 13)); /* inf, nan */
+    if (exp == 0) { /* zero or subnormal: exact in f32 */
+        float v = (float)man * (1.0f / 16777216.0f);
+        return sign ? -v : v;
+    }
+    return smp__bits_f32(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+SMPDEF uint16_t smp_f32_to_f16(float f) {
+    uint32_t u = smp__f32_bits(f), sign = (u >> 16) & 0x8000;
+    uint32_t absu = u & 0x7fffffffu;
+    if (absu >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (absu > 0x7f800000u ? 0x200 : 0));
+    if (absu >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* rounds past 65504: inf */
+    if (absu < 0x38800000u) { /* f16 subnormal or zero: scale into integer range and round */
+        float a = smp__bits_f32(absu) * 16777216.0f; /* units of 2^-24 */
+        float r = nearbyintf(a);                      /* default mode: nearest even */
+        return (uint16_t)(sign | (uint32_t)r);
+    }
+    uint32_t exp = (absu >> 23) - 112, man = absu & 0x7fffff;
+    uint32_t half = (exp << 10) | (man >> 13), rest = man & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) half++; /* carries into the exponent correctly */
+    return (uint16_t)(sign | half);
+}
+
+SMPDEF float smp_bf16_to_f32(uint16_t h) { return smp__bits_f32((uint32_t)h << 16); }
+SMPDEF uint16_t smp_f32_to_bf16(float f) {
+    uint32_t u = smp__f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet nan */
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+#if defined(DLPACK_VERSION) || defined(SMP_DLPACK)
+SMPDEF smp_status smp_tensor_from_dlpack(const DLTensor *dl, smp_tensor *out) {
+    if (!dl || !out) return smp_error(SMP_ERR_ARG, "smp_tensor_from_dlpack: NULL argument");
+    if (dl->ndim < 0 || dl->ndim > SMP_MAX_DIMS) return smp_error(SMP_ERR_ARG, "DLPack tensor has %d dimensions; smp supports up to %d", dl->ndim, SMP_MAX_DIMS);
+    if (dl->dtype.lanes != 1) return smp_error(SMP_ERR_ARG, "DLPack tensor has %d lanes; smp supports 1", dl->dtype.lanes);
+    smp_dtype dt = SMP_DTYPE_INVALID;
+    int bits = dl->dtype.bits;
+    switch (dl->dtype.code) {
+    case kDLFloat: dt = bits == 32 ? SMP_F32 : bits == 16 ? SMP_F16 : bits == 64 ? SMP_F64 : dt; break;
+    case kDLBfloat: dt = bits == 16 ? SMP_BF16 : dt; break;
+    case kDLInt: dt = bits == 32 ? SMP_I32 : bits == 64 ? SMP_I64 : dt; break;
+    case kDLUInt: dt = bits == 8 ? SMP_U8 : dt; break;
+#if DLPACK_VERSION >= 80
+    case kDLBool: dt = bits == 8 ? SMP_BOOL : dt; break;
+#endif
+    default: break;
+    }
+    if (dt == SMP_DTYPE_INVALID) return smp_error(SMP_ERR_ARG, "DLPack dtype code %d with %d bits has no smp dtype", dl->dtype.code, bits);
+    int device;
+    if (dl->device.device_type == kDLCPU || dl->device.device_type == kDLCUDAHost) device = SMP_HOST;
+    else if (dl->device.device_type == kDLCUDA) device = dl->device.device_id;
+    else return smp_error(SMP_ERR_ARG, "DLPack device type %d is neither CPU nor CUDA", (int)dl->device.device_type);
+    if (dl->strides) { /* smp tensors are contiguous: accept strides only when they say so */
+        int64_t expect = 1;
+        for (int i = dl->ndim - 1; i >= 0; i--) {
+            if (dl->shape[i] != 1 && dl->strides[i] != expect)
+                return smp_error(SMP_ERR_ARG, "DLPack tensor is not contiguous (dimension %d has stride %lld, expected %lld)", i, (long long)dl->strides[i], (long long)expect);
+            expect *= dl->shape[i];
+        }
+    }
+    *out = smp_tensor_make((char *)dl->data + dl->byte_offset, dt, dl->ndim, dl->shape);
+    out->device = device;
+    return SMP_OK;
+}
+
+SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[SMP_MAX_DIMS]) {
+    DLTensor dl;
+    memset(&dl, 0, sizeof dl);
+    static const struct { uint8_t code, bits; } map[SMP_DTYPE_COUNT] = {
+        {0, 0}, {kDLFloat, 32}, {kDLFloat, 16}, {kDLBfloat, 16}, {kDLFloat, 64}, {kDLInt, 32}, {kDLInt, 64}, {kDLUInt, 8},
+#if DLPACK_VERSION >= 80
+        {kDLBool, 8}};
+#else
+        {kDLUInt, 8}}; /* DLPack before 0.8 has no bool code */
+#endif
+    for (int i = 0; i < t->ndim; i++) shape_storage[i] = t->shape[i];
+    dl.data = t->data;
+    dl.device.device_type = t->device == SMP_HOST ? kDLCPU : kDLCUDA;
+    dl.device.device_id = t->device == SMP_HOST ? 0 : t->device;
+    dl.ndim = t->ndim;
+    unsigned k = (unsigned)t->dtype < SMP_DTYPE_COUNT ? (unsigned)t->dtype : 0;
+    dl.dtype.code = map[k].code;
+    dl.dtype.bits = map[k].bits;
+    dl.dtype.lanes = 1;
+    dl.shape = shape_storage;
+    dl.strides = NULL; /* compact row-major */
+    dl.byte_offset = 0;
+    return dl;
+}
+#endif
+
+/* ---------------------------------------------------------------- config */
+/* ===================================================================== config
+   smp_config_from_json and smp_config_resolve.
+
+   The JSON reader is strict RFC 8259: one top-level object; strings with
+   every escape (\uXXXX surrogate pairs included) and valid UTF-8; numbers in
+   JSON's grammar (no leading zeros, no NaN/Infinity, no hex); true, false,
+   null; nesting at most SMP__JSON_MAX_DEPTH deep. Syntax errors give the
+   byte offset. A syntax error anywhere wins over a key error, so a truncated
+   document reports the truncation. On any error *cfg is left untouched.
+   Nothing is allocated. Numbers are converted with strtod; if the host has
+   set a locale whose decimal point is not '.', the conversion adapts.
+*/
+#ifndef SMP__CONFIG_IMPLEMENTED /* so a second inclusion (tests) is harmless */
+#define SMP__CONFIG_IMPLEMENTED
+#include <limits.h>
+#include <locale.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SMP__JSON_MAX_DEPTH 32   /* objects/arrays nested deeper are refused */
+#define SMP__JSON_STR_CAP 96     /* bytes of a decoded string kept; longer ones are marked truncated */
+#define SMP__JSON_NUM_CAP 512    /* longest number token converted */
+#define SMP__CFG_MSG_CAP 1024    /* longest message built here */
+#define SMP__CFG_MAX_BUCKET_MB 1e6
+#define SMP__CFG_MAX_TIMEOUT 1e9 /* seconds (~31 years); keeps deadlines finite when converted */
+#define SMP__CFG_DEFAULT_TIMEOUT 600.0
+#define SMP__CFG_DEFAULT_BUCKET_MB 25.0
+
+#if defined(__GNUC__)
+#define SMP__CFG_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define SMP__CFG_PRINTF(a, b)
+#endif
+
+/* ------------------------------------------------------------ key table */
+typedef enum smp__cfg_kind {
+    SMP__CFG_KIND_COUNT,  /* integer >= 1 (0 in the struct means default) */
+    SMP__CFG_KIND_INDEX,  /* any int; range checked against partitions by resolve */
+    SMP__CFG_KIND_SEED,   /* non-negative integer, 64 bits */
+    SMP__CFG_KIND_BOOL,
+    SMP__CFG_KIND_NUMBER, /* finite number */
+    SMP__CFG_KIND_ENUM    /* one of a list of strings */
+} smp__cfg_kind;
+
+typedef enum smp__cfg_id {
+    SMP__CFG_PARTITIONS, SMP__CFG_MICROBATCHES, SMP__CFG_PIPELINE, SMP__CFG_OPTIMIZE,
+    SMP__CFG_AUTO_PARTITION, SMP__CFG_DEFAULT_PARTITION, SMP__CFG_DDP, SMP__CFG_PLACEMENT,
+    SMP__CFG_MEMORY_WEIGHT, SMP__CFG_TRACE_DEVICE, SMP__CFG_TRACE_TIMES, SMP__CFG_TRACE_MEMORY,
+    SMP__CFG_OVERLAP, SMP__CFG_BACKWARD_PASSES, SMP__CFG_AVERAGE_GRADS, SMP__CFG_BUCKET_MB,
+    SMP__CFG_BROADCAST_BUFFERS, SMP__CFG_VIRTUAL_STAGES, SMP__CFG_DETERMINISTIC,
+    SMP__CFG_TIMEOUT, SMP__CFG_SEED,
+    SMP__CFG_NKEYS
+} smp__cfg_id;
+
+/* Enum strings: the value of names[i] is i + 1 (0 is each enum's DEFAULT). */
+static const char *const smp__cfg_pipeline_names[] = {"interleaved", "simple", NULL};
+static const char *const smp__cfg_optimize_names[] = {"speed", "memory", NULL};
+static const char *const smp__cfg_placement_names[] = {"cluster", "spread", NULL};
+static const char *const smp__cfg_trace_names[] = {"cpu", "gpu", NULL};
+
+static const struct smp__cfg_key {
+    const char *name;
+    smp__cfg_kind kind;
+    const char *const *values; /* SMP__CFG_KIND_ENUM only */
+} smp__cfg_keys[SMP__CFG_NKEYS] = {
+    {"partitions", SMP__CFG_KIND_COUNT, NULL},
+    {"microbatches", SMP__CFG_KIND_COUNT, NULL},
+    {"pipeline", SMP__CFG_KIND_ENUM, smp__cfg_pipeline_names},
+    {"optimize", SMP__CFG_KIND_ENUM, smp__cfg_optimize_names},
+    {"auto_partition", SMP__CFG_KIND_BOOL, NULL},
+    {"default_partition", SMP__CFG_KIND_INDEX, NULL},
+    {"ddp", SMP__CFG_KIND_BOOL, NULL},
+    {"placement_strategy", SMP__CFG_KIND_ENUM, smp__cfg_placement_names},
+    {"memory_weight", SMP__CFG_KIND_NUMBER, NULL},
+    {"trace_device", SMP__CFG_KIND_ENUM, smp__cfg_trace_names},
+    {"trace_execution_times", SMP__CFG_KIND_BOOL, NULL},
+    {"trace_memory_usage", SMP__CFG_KIND_BOOL, NULL},
+    {"overlapping_allreduce", SMP__CFG_KIND_BOOL, NULL},
+    {"backward_passes_per_step", SMP__CFG_KIND_COUNT, NULL},
+    {"average_grads_across_microbatches", SMP__CFG_KIND_BOOL, NULL},
+    {"bucket_cap_mb", SMP__CFG_KIND_NUMBER, NULL},
+    {"broadcast_buffers", SMP__CFG_KIND_BOOL, NULL},
+    {"virtual_stages", SMP__CFG_KIND_COUNT, NULL},
+    {"deterministic_reduction", SMP__CFG_KIND_BOOL, NULL},
+    {"timeout", SMP__CFG_KIND_NUMBER, NULL},
+    {"seed", SMP__CFG_KIND_SEED, NULL},
+};
+
+/* ------------------------------------------------------------ small text helpers */
+static void smp__cfg_appendf(char *buf, size_t cap, const char *fmt, ...) SMP__CFG_PRINTF(3, 4);
+static void smp__cfg_appendf(char *buf, size_t cap, const char *fmt, ...) {
+    size_t n = strlen(buf);
+    if (n + 1 >= cap) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf + n, cap - n, fmt, ap);
+    va_end(ap);
+}
+
+/* Length of the UTF-8 sequence a lead byte starts (input is already validated). */
+static size_t smp__cfg_utf8_len(unsigned char c) {
+    return c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
+}
+
+/* Writes s (len bytes) as a double-quoted, escaped string for a message,
+   shortened to about 60 bytes; `more` adds "..." (the value was longer). */
+static void smp__cfg_quote(char *buf, size_t cap, const char *s, size_t len, bool more) {
+    const size_t show = 60;
+    size_t o = 0, i = 0;
+    if (cap < 8) { if (cap) buf[0] = 0; return; }
+    buf[o++] = '"';
+    while (i < len) {
+        unsigned char c = (unsigned char)s[i];
+        char esc[8];
+        size_t k;
+        if (i >= show) { more = true; break; }
+        if (c == '"' || c == '\\') { esc[0] = '\\'; esc[1] = (char)c; esc[2] = 0; k = 1; }
+        else if (c == '\n') { memcpy(esc, "\\n", 3); k = 1; }
+        else if (c == '\t') { memcpy(esc, "\\t", 3); k = 1; }
+        else if (c == '\r') { memcpy(esc, "\\r", 3); k = 1; }
+        else if (c < 0x20 || c == 0x7f) { snprintf(esc, sizeof esc, "\\u%04x", c); k = 1; }
+        else {
+            k = smp__cfg_utf8_len(c);
+            if (i + k > len) k = len - i;
+            if (o + k + 5 > cap) { more = true; break; }
+            memcpy(buf + o, s + i, k);
+            o += k; i += k;
+            continue;
+        }
+        size_t el = strlen(esc);
+        if (o + el + 5 > cap) { more = true; break; }
+        memcpy(buf + o, esc, el);
+        o += el; i += k;
+    }
+    if (more && o + 5 <= cap) { memcpy(buf + o, "...", 3); o += 3; }
+    buf[o++] = '"';
+    buf[o] = 0;
+}
+
+/* strtod on s[0..len) that ignores the C library's locale: if the host set a
+   locale whose decimal point is not '.', the '.' is swapped for it. */
+static bool smp__cfg_strtod(const char *s, size_t len, double *out) {
+    char buf[SMP__JSON_NUM_CAP + 8];
+    char *end;
+    if (len == 0 || len > SMP__JSON_NUM_CAP) return false;
+    memcpy(buf, s, len);
+    buf[len] = 0;
+    *out = strtod(buf, &end);
+    if (end == buf + len) return true;
+    const char *dot = strchr(buf, '.');
+    const struct lconv *lc = localeconv();
+    if (!dot || !lc || !lc->decimal_point || !lc->decimal_point[0]) return false;
+    size_t dl = strlen(lc->decimal_point), pre = (size_t)(dot - buf);
+    if (len - 1 + dl > SMP__JSON_NUM_CAP) return false;
+    char alt[SMP__JSON_NUM_CAP + 16];
+    memcpy(alt, buf, pre);
+    memcpy(alt + pre, lc->decimal_point, dl);
+    memcpy(alt + pre + dl, buf + pre + 1, len - pre); /* includes the NUL */
+    *out = strtod(alt, &end);
+    return *end == 0;
+}
+
+/* Scans a number in JSON's grammar at s. Returns its length, or 0 with *why
+   and *bad (offset from s) set when it is malformed. */
+static size_t smp__json_scan_number(const char *s, const char **why, size_t *bad) {
+    size_t i = 0;
+    if (s[i] == '-') i++;
+    if (s[i] == '0') {
+        i++;
+        if (s[i] >= '0' && s[i] <= '9') { *why = "a number may not have leading zeros"; *bad = i; return 0; }
+    } else if (s[i] >= '1' && s[i] <= '9') {
+        while (s[i] >= '0' && s[i] <= '9') i++;
+    } else {
+        *why = "'-' must be followed by a digit"; *bad = i; return 0;
+    }
+    if (s[i] == '.') {
+        i++;
+        if (!(s[i] >= '0' && s[i] <= '9')) { *why = "a digit must follow the decimal point"; *bad = i; return 0; }
+        while (s[i] >= '0' && s[i] <= '9') i++;
+    }
+    if (s[i] == 'e' || s[i] == 'E') {
+        i++;
+        if (s[i] == '+' || s[i] == '-') i++;
+        if (!(s[i] >= '0' && s[i] <= '9')) { *why = "a digit must follow the exponent"; *bad = i; return 0; }
+        while (s[i] >= '0' && s[i] <= '9') i++;
+    }
+    return i;
+}
+
+/* ------------------------------------------------------------ JSON reader */
+typedef enum smp__jtype {
+    SMP__J_NULL, SMP__J_FALSE, SMP__J_TRUE, SMP__J_NUMBER, SMP__J_STRING, SMP__J_OBJECT, SMP__J_ARRAY
+} smp__jtype;
+
+typedef struct smp__jvalue {
+    smp__jtype type;
+    const char *num;  /* SMP__J_NUMBER: the token in the input */
+    size_t num_len;
+    char str[SMP__JSON_STR_CAP + 1]; /* SMP__J_STRING: decoded, NUL-terminated */
+    size_t str_len;
+    bool str_more;    /* the string was longer than SMP__JSON_STR_CAP */
+} smp__jvalue;
+
+typedef struct smp__json {
+    const char *src;
+    size_t pos;
+    int depth;
+    char msg[SMP__CFG_MSG_CAP]; /* the syntax error, once one is found */
+} smp__json;
+
+static bool smp__json_fail(smp__json *j, size_t at, const char *fmt, ...) SMP__CFG_PRINTF(3, 4);
+static bool smp__json_fail(smp__json *j, size_t at, const char *fmt, ...) {
+    int n = snprintf(j->msg, sizeof j->msg, "invalid config JSON at byte %zu: ", at);
+    if (n > 0 && (size_t)n < sizeof j->msg) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(j->msg + n, sizeof j->msg - (size_t)n, fmt, ap);
+        va_end(ap);
+    }
+    return false;
+}
+
+/* Describes the byte at `at` for a syntax error: 'x', end of input, byte 0x.. */
+static const char *smp__json_found(const smp__json *j, size_t at, char *buf, size_t cap) {
+    unsigned char c = (unsigned char)j->src[at];
+    if (c == 0) snprintf(buf, cap, "the end of the input");
+    else if (c >= 0x20 && c < 0x7f) snprintf(buf, cap, "'%c'", c);
+    else snprintf(buf, cap, "byte 0x%02x", c);
+    return buf;
+}
+
+static void smp__json_ws(smp__json *j) {
+    for (;;) {
+        char c = j->src[j->pos];
+        if (c == ' ' || c == '\t' || c == '\n' || c == '\r') j->pos++;
+        else return;
+    }
+}
+
+static int smp__json_hex4(const char *s, unsigned *out) {
+    unsigned v = 0;
+    for (int i = 0; i < 4; i++) {
+        char c = s[i];
+        unsigned d;
+        if (c >= '0' && c <= '9') d = (unsigned)(c - '0');
+        else if (c >= 'a' && c <= 'f') d = (unsigned)(c - 'a' + 10);
+        else if (c >= 'A' && c <= 'F') d = (unsigned)(c - 'A' + 10);
+        else return i; /* offset of the bad digit */
+        v = v * 16 + d;
+    }
+    *out = v;
+    return 4;
+}
+
+/* Appends bytes to a decoded string, keeping whole characters only. */
+static void smp__json_put(smp__jvalue *v, const char *b, size_t k) {
+    if (!v) return;
+    if (v->str_len + k > SMP__JSON_STR_CAP) { v->str_more = true; return; }
+    if (v->str_more) return;
+    memcpy(v->str + v->str_len, b, k);
+    v->str_len += k;
+    v->str[v->str_len] = 0;
+}
+
+/* Reads the string at j->pos (a '"'), decoding it into v (v may be NULL). */
+static bool smp__json_string(smp__json *j, smp__jvalue *v) {
+    const unsigned char *s = (const unsigned char *)j->src;
+    size_t start = j->pos;
+    if (v) { v->type = SMP__J_STRING; v->str[0] = 0; v->str_len = 0; v->str_more = false; }
+    j->pos++;
+    for (;;) {
+        size_t at = j->pos;
+        unsigned c = s[at];
+        char b[4];
+        if (c == 0) return smp__json_fail(j, start, "unterminated string (the input ends at byte %zu)", at);
+        if (c == '"') { j->pos++; return true; }
+        if (c < 0x20)
+            return smp__json_fail(j, at, "raw control character 0x%02x inside a string (escape it)", c);
+        if (c == '\\') {
+            unsigned cp;
+            char e = (char)s[at + 1];
+            switch (e) {
+            case '"': cp = '"'; break;
+            case '\\': cp = '\\'; break;
+            case '/': cp = '/'; break;
+            case 'b': cp = '\b'; break;
+            case 'f': cp = '\f'; break;
+            case 'n': cp = '\n'; break;
+            case 'r': cp = '\r'; break;
+            case 't': cp = '\t'; break;
+            case 'u': {
+                int ok = smp__json_hex4(j->src + at + 2, &cp);
+                if (ok < 4) return smp__json_fail(j, at + 2 + (size_t)ok, "\\u must be followed by 4 hex digits");
+                if (cp >= 0xDC00 && cp <= 0xDFFF)
+                    return smp__json_fail(j, at, "\\u%04X is a low surrogate without a high surrogate before it", cp);
+                if (cp >= 0xD800 && cp <= 0xDBFF) {
+                    unsigned lo = 0;
+                    if (s[at + 6] != '\\' || s[at + 7] != 'u' || smp__json_hex4(j->src + at + 8, &lo) < 4 ||
+                        lo < 0xDC00 || lo > 0xDFFF)
+                        return smp__json_fail(j, at, "\\u%04X is a high surrogate not followed by a \\u low surrogate", cp);
+                    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                    j->pos += 6;
+                }
+                j->pos += 4;
+                break;
+            }
+            case 0: return smp__json_fail(j, start, "unterminated string (the input ends at byte %zu)", at + 1);
+            default:
+                if ((unsigned char)e >= 0x20 && (unsigned char)e < 0x7f)
+                    return smp__json_fail(j, at, "invalid escape '\\%c' in a string", e);
+                return smp__json_fail(j, at, "invalid escape (a backslash before byte 0x%02x) in a string", (unsigned char)e);
+            }
+            j->pos += 2;
+            /* encode cp as UTF-8 */
+            if (cp < 0x80) { b[0] = (char)cp; smp__json_put(v, b, 1); }
+            else if (cp < 0x800) {
+                b[0] = (char)(0xC0 | (cp >> 6)); b[1] = (char)(0x80 | (cp & 0x3F));
+                smp__json_put(v, b, 2);
+            } else if (cp < 0x10000) {
+                b[0] = (char)(0xE0 | (cp >> 12)); b[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+                b[2] = (char)(0x80 | (cp & 0x3F));
+                smp__json_put(v, b, 3);
+            } else {
+                b[0] = (char)(0xF0 | (cp >> 18)); b[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+                b[2] = (char)(0x80 | ((cp >> 6) & 0x3F)); b[3] = (char)(0x80 | (cp & 0x3F));
+                smp__json_put(v, b, 4);
+            }
+            continue;
+        }
+        if (c < 0x80) { b[0] = (char)c; smp__json_put(v, b, 1); j->pos++; continue; }
+        /* a multi-byte UTF-8 sequence: check it is well formed */
+        size_t k;
+        unsigned lo = 0x80, hi = 0xBF;
+        if (c >= 0xC2 && c <= 0xDF) k = 2;
+        else if (c >= 0xE0 && c <= 0xEF) { k = 3; if (c == 0xE0) lo = 0xA0; if (c == 0xED) hi = 0x9F; }
+        else if (c >= 0xF0 && c <= 0xF4) { k = 4; if (c == 0xF0) lo = 0x90; if (c == 0xF4) hi = 0x8F; }
+        else return smp__json_fail(j, at, "invalid UTF-8 byte 0x%02x in a string", c);
+        for (size_t i = 1; i < k; i++) {
+            unsigned d = s[at + i];
+            unsigned l = i == 1 ? lo : 0x80, h = i == 1 ? hi : 0xBF;
+            if (d < l || d > h) return smp__json_fail(j, at, "invalid UTF-8 sequence in a string");
+        }
+        smp__json_put(v, j->src + at, k);
+        j->pos += k;
+    }
+}
+
+static bool smp__json_value(smp__json *j, smp__jvalue *v);
+
+/* Reads an object or array at j->pos (nested values are checked, not kept). */
+static bool smp__json_container(smp__json *j, bool object) {
+    char close = object ? '}' : ']', f[32];
+    size_t open = j->pos;
+    if (++j->depth > SMP__JSON_MAX_DEPTH)
+        return smp__json_fail(j, open, "objects and arrays nested deeper than %d levels", SMP__JSON_MAX_DEPTH);
+    j->pos++;
+    smp__json_ws(j);
+    if (j->src[j->pos] == close) { j->pos++; j->depth--; return true; }
+    for (;;) {
+        if (object) {
+            if (j->src[j->pos] != '"')
+                return smp__json_fail(j, j->pos, "expected a key in double quotes, found %s",
+                                      smp__json_found(j, j->pos, f, sizeof f));
+            if (!smp__json_string(j, NULL)) return false;
+            smp__json_ws(j);
+            if (j->src[j->pos] != ':')
+                return smp__json_fail(j, j->pos, "expected ':' after a key, found %s",
+                                      smp__json_found(j, j->pos, f, sizeof f));
+            j->pos++;
+            smp__json_ws(j);
+        }
+        if (!smp__json_value(j, NULL)) return false;
+        smp__json_ws(j);
+        if (j->src[j->pos] == ',') {
+            size_t comma = j->pos++;
+            smp__json_ws(j);
+            if (j->src[j->pos] == close)
+                return smp__json_fail(j, comma, "trailing comma before '%c'", close);
+            continue;
+        }
+        if (j->src[j->pos] == close) { j->pos++; j->depth--; return true; }
+        return smp__json_fail(j, j->pos, "expected ',' or '%c' in the %s opened at byte %zu, found %s", close,
+                              object ? "object" : "array", open, smp__json_found(j, j->pos, f, sizeof f));
+    }
+}
+
+/* Reads any value at j->pos; v (may be NULL) gets its type and contents. */
+static bool smp__json_value(smp__json *j, smp__jvalue *v) {
+    const char *p = j->src + j->pos;
+    smp__jvalue scratch;
+    char f[32];
+    if (!v) v = &scratch;
+    switch (*p) {
+    case '"': return smp__json_string(j, v == &scratch ? NULL : v);
+    case '{': v->type = SMP__J_OBJECT; return smp__json_container(j, true);
+    case '[': v->type = SMP__J_ARRAY; return smp__json_container(j, false);
+    case 't': if (strncmp(p, "true", 4) == 0) { v->type = SMP__J_TRUE; j->pos += 4; return true; } break;
+    case 'f': if (strncmp(p, "false", 5) == 0) { v->type = SMP__J_FALSE; j->pos += 5; return true; } break;
+    case 'n': if (strncmp(p, "null", 4) == 0) { v->type = SMP__J_NULL; j->pos += 4; return true; } break;
+    default:
+        if (*p == '-' || (*p >= '0' && *p <= '9')) {
+            const char *why = NULL;
+            size_t bad = 0, n = smp__json_scan_number(p, &why, &bad);
+            if (n == 0) return smp__json_fail(j, j->pos + bad, "%s", why);
+            v->type = SMP__J_NUMBER;
+            v->num = p;
+            v->num_len = n;
+            j->pos += n;
+            return true;
+        }
+        break;
+    }
+    const char *hint = "";
+    if (strncmp(p, "True", 4) == 0 || strncmp(p, "False", 5) == 0 || strncmp(p, "None", 4) == 0)
+        hint = " (JSON spells these true, false and null)";
+    else if (*p == '\'')
+        hint = " (JSON strings take double quotes)";
+    return smp__json_fail(j, j->pos, "expected a value (string, number, object, array, true, false or null), found %s%s",
+                          smp__json_found(j, j->pos, f, sizeof f), hint);
+}
+
+/* "string \"2\"", "number 2.5", "true", "an object", ... for type errors. */
+static const char *smp__jvalue_describe(const smp__jvalue *v, char *buf, size_t cap) {
+    char q[128];
+    switch (v->type) {
+    case SMP__J_NULL: snprintf(buf, cap, "null"); break;
+    case SMP__J_FALSE: snprintf(buf, cap, "false"); break;
+    case SMP__J_TRUE: snprintf(buf, cap, "true"); break;
+    case SMP__J_OBJECT: snprintf(buf, cap, "an object"); break;
+    case SMP__J_ARRAY: snprintf(buf, cap, "an array"); break;
+    case SMP__J_STRING:
+        smp__cfg_quote(q, sizeof q, v->str, v->str_len, v->str_more);
+        snprintf(buf, cap, "string %s", q);
+        break;
+    case SMP__J_NUMBER:
+        if (v->num_len > 40) snprintf(buf, cap, "number %.40s...", v->num);
+        else snprintf(buf, cap, "number %.*s", (int)v->num_len, v->num);
+        break;
+    }
+    return buf;
+}
+
+/* ------------------------------------------------------------ number values */
+static bool smp__json_is_plain_int(const char *tok, size_t len) {
+    for (size_t i = 0; i < len; i++)
+        if (tok[i] == '.' || tok[i] == 'e' || tok[i] == 'E') return false;
+    return true;
+}
+
+/* Integer value of a number token within [lo, hi]. Returns 0 on success,
+   1 when not integral, 2 when outside the range. */
+static int smp__json_to_int(const char *tok, size_t len, long long lo, long long hi, long long *out) {
+    if (smp__json_is_plain_int(tok, len)) {
+        bool neg = tok[0] == '-';
+        unsigned long long m = 0;
+        const unsigned long long cap = (unsigned long long)LLONG_MAX; /* plenty for int */
+        for (size_t i = neg ? 1 : 0; i < len; i++) {
+            unsigned d = (unsigned)(tok[i] - '0');
+            if (m > (cap - d) / 10) return 2;
+            m = m * 10 + d;
+        }
+        long long x = neg ? -(long long)m : (long long)m;
+        if (x < lo || x > hi) return 2;
+        *out = x;
+        return 0;
+    }
+    double d;
+    if (!smp__cfg_strtod(tok, len, &d) || !isfinite(d)) return 2;
+    if (d < -9.0e18 || d > 9.0e18) return 2;
+    long long x = (long long)d;
+    if ((double)x != d) return 1;
+    if (x < lo || x > hi) return 2;
+    *out = x;
+    return 0;
+}
+
+/* Same for the 64-bit seed: 0 ok, 1 not integral, 2 out of range, 3 negative. */
+static int smp__json_to_u64(const char *tok, size_t len, uint64_t *out) {
+    if (smp__json_is_plain_int(tok, len)) {
+        uint64_t m = 0;
+        bool neg = tok[0] == '-';
+        for (size_t i = neg ? 1 : 0; i < len; i++) {
+            unsigned d = (unsigned)(tok[i] - '0');
+            if (m > (UINT64_MAX - d) / 10) return neg ? 3 : 2;
+            m = m * 10 + d;
+        }
+        if (neg && m != 0) return 3;
+        *out = m;
+        return 0;
+    }
+    double d;
+    if (!smp__cfg_strtod(tok, len, &d)) return 2;
+    if (d == 0) { *out = 0; return 0; } /* -0.0 included */
+    if (d < 0) return 3;
+    if (!isfinite(d) || d >= 18446744073709551616.0) return 2;
+    if (d < 9007199254740992.0 && d != (double)(long long)d) return 1;
+    *out = (uint64_t)d;
+    return 0;
+}
+
+/* ------------------------------------------------------------ key lookup */
+static int smp__cfg_find_key(const char *k, size_t len, bool more) {
+    if (more) return -1;
+    for (int i = 0; i < SMP__CFG_NKEYS; i++)
+        if (strlen(smp__cfg_keys[i].name) == len && memcmp(smp__cfg_keys[i].name, k, len) == 0) return i;
+    return -1;
+}
+
+static char smp__cfg_lower(char c) { return (c >= 'A' && c <= 'Z') ? (char)(c - 'A' + 'a') : c; }
+
+/* Edit distance (insert, delete, substitute, swap of neighbours), ignoring
+   case, between a (any length) and b (a key name, shorter than 64). */
+static int smp__cfg_distance(const char *a, size_t na, const char *b) {
+    int rows[3][64];
+    size_t nb = strlen(b);
+    if (nb >= 64) return INT_MAX;
+    int *pp = rows[0], *prev = rows[1], *cur = rows[2];
+    for (size_t x = 0; x <= nb; x++) prev[x] = (int)x;
+    for (size_t y = 1; y <= na; y++) {
+        cur[0] = (int)y;
+        for (size_t x = 1; x <= nb; x++) {
+            int cost = smp__cfg_lower(a[y - 1]) != smp__cfg_lower(b[x - 1]);
+            int best = prev[x] + 1;
+            if (cur[x - 1] + 1 < best) best = cur[x - 1] + 1;
+            if (prev[x - 1] + cost < best) best = prev[x - 1] + cost;
+            if (y > 1 && x > 1 && smp__cfg_lower(a[y - 1]) == smp__cfg_lower(b[x - 2]) &&
+                smp__cfg_lower(a[y - 2]) == smp__cfg_lower(b[x - 1]) && pp[x - 2] + 1 < best)
+                best = pp[x - 2] + 1;
+            cur[x] = best;
+        }
+        int *t = pp; pp = prev; prev = cur; cur = t;
+    }
+    return prev[nb];
+}
+
+/* The valid key nearest to an unknown one, or -1 when none is close: within
+   1 + len/4 edits, or else the unknown key is a prefix of a valid one. */
+static int smp__cfg_suggest(const char *k, size_t len) {
+    int best = -1, best_d = INT_MAX;
+    for (int i = 0; i < SMP__CFG_NKEYS; i++) {
+        int d = smp__cfg_distance(k, len, smp__cfg_keys[i].name);
+        if (d < best_d) { best_d = d; best = i; }
+    }
+    size_t nbest = best >= 0 ? strlen(smp__cfg_keys[best].name) : 0;
+    size_t longer = len > nbest ? len : nbest;
+    if (best >= 0 && (size_t)best_d <= 1 + longer / 4) return best;
+    if (len >= 3)
+        for (int i = 0; i < SMP__CFG_NKEYS; i++) {
+            const char *name = smp__cfg_keys[i].name;
+            size_t x = 0;
+            while (x < len && name[x] && smp__cfg_lower(k[x]) == name[x]) x++;
+            if (x == len) return i;
+        }
+    return -1;
+}
+
+static void smp__cfg_unknown_key(const smp__jvalue *key, char *msg, size_t cap) {
+    char q[128];
+    smp__cfg_quote(q, sizeof q, key->str, key->str_len, key->str_more);
+    snprintf(msg, cap, "unknown config key %s", q);
+    /* names SageMaker users may bring along */
+    if (!key->str_more && strcmp(key->str, "pipeline_parallel_degree") == 0) {
+        smp__cfg_appendf(msg, cap, " (smp calls it \"partitions\")");
+        return;
+    }
+    if (!key->str_more && (strcmp(key->str, "parameters") == 0 || strcmp(key->str, "enabled") == 0 ||
+                           strcmp(key->str, "modelparallel") == 0)) {
+        smp__cfg_appendf(msg, cap, " (give smp the contents of SageMaker's \"parameters\" object, "
+                                   "e.g. {\"partitions\": 2, \"microbatches\": 4})");
+        return;
+    }
+    int s = key->str_more ? -1 : smp__cfg_suggest(key->str, key->str_len);
+    if (s >= 0) {
+        smp__cfg_appendf(msg, cap, " (did you mean \"%s\"?)", smp__cfg_keys[s].name);
+        return;
+    }
+    smp__cfg_appendf(msg, cap, " (the keys are");
+    for (int i = 0; i < SMP__CFG_NKEYS; i++) smp__cfg_appendf(msg, cap, "%s %s", i ? "," : ":", smp__cfg_keys[i].name);
+    smp__cfg_appendf(msg, cap, ")");
+}
+
+/* '"interleaved" or "simple"' */
+static void smp__cfg_enum_list(const char *const *names, char *buf, size_t cap) {
+    size_t n = 0;
+    buf[0] = 0;
+    while (names[n]) n++;
+    for (size_t i = 0; i < n; i++)
+        smp__cfg_appendf(buf, cap, "%s\"%s\"", i == 0 ? "" : i + 1 == n ? (n > 2 ? ", or " : " or ") : ", ", names[i]);
+}
+
+/* Stores one member's value into cfg. On a wrong value writes msg and
+   returns false. */
+static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *msg, size_t cap) {
+    const struct smp__cfg_key *key = &smp__cfg_keys[id];
+    const char *name = key->name;
+    char got[160], list[160];
+    smp__jvalue_describe(v, got, sizeof got);
+    switch (key->kind) {
+    case SMP__CFG_KIND_BOOL: {
+        if (v->type != SMP__J_TRUE && v->type != SMP__J_FALSE) {
+            snprintf(msg, cap, "config key \"%s\" must be true or false, got %s", name, got);
+            return false;
+        }
+        smp_switch s = v->type == SMP__J_TRUE ? SMP_ON : SMP_OFF;
+        switch (id) {
+        case SMP__CFG_AUTO_PARTITION: cfg->auto_partition = s; break;
+        case SMP__CFG_DDP: cfg->ddp = s; break;
+        case SMP__CFG_TRACE_TIMES: cfg->trace_execution_times = s; break;
+        case SMP__CFG_TRACE_MEMORY: cfg->trace_memory_usage = s; break;
+        case SMP__CFG_OVERLAP: cfg->overlapping_allreduce = s; break;
+        case SMP__CFG_AVERAGE_GRADS: cfg->average_grads_across_microbatches = s; break;
+        case SMP__CFG_BROADCAST_BUFFERS: cfg->broadcast_buffers = s; break;
+        case SMP__CFG_DETERMINISTIC: cfg->deterministic_reduction = s; break;
+        default: break;
+        }
+        return true;
+    }
+    case SMP__CFG_KIND_ENUM: {
+        smp__cfg_enum_list(key->values, list, sizeof list);
+        if (v->type != SMP__J_STRING) {
+            snprintf(msg, cap, "config key \"%s\" must be the string %s, got %s", name, list, got);
+            return false;
+        }
+        int value = 0;
+        for (int i = 0; key->values[i]; i++)
+            if (!v->str_more && strlen(key->values[i]) == v->str_len && memcmp(key->values[i], v->str, v->str_len) == 0)
+                value = i + 1;
+        if (value == 0) {
+            char q[128];
+            smp__cfg_quote(q, sizeof q, v->str, v->str_len, v->str_more);
+            snprintf(msg, cap, "config key \"%s\" must be %s, got %s", name, list, q);
+            return false;
+        }
+        switch (id) {
+        case SMP__CFG_PIPELINE: cfg->pipeline = (smp_pipeline_kind)value; break;
+        case SMP__CFG_OPTIMIZE: cfg->optimize = (smp_optimize)value; break;
+        case SMP__CFG_PLACEMENT: cfg->placement_strategy = (smp_placement)value; break;
+        case SMP__CFG_TRACE_DEVICE: cfg->trace_device = (smp_trace_device)value; break;
+        default: break;
+        }
+        return true;
+    }
+    case SMP__CFG_KIND_COUNT:
+    case SMP__CFG_KIND_INDEX: {
+        long long x = 0;
+        if (v->type != SMP__J_NUMBER) {
+            snprintf(msg, cap, "config key \"%s\" must be an integer, got %s", name, got);
+            return false;
+        }
+        int r = smp__json_to_int(v->num, v->num_len, INT_MIN, INT_MAX, &x);
+        if (r == 1) {
+            snprintf(msg, cap, "config key \"%s\" must be an integer, got %s", name, got);
+            return false;
+        }
+        if (r == 2) {
+            snprintf(msg, cap, "config key \"%s\" must be an integer within int range, got %s", name, got);
+            return false;
+        }
+        if (key->kind == SMP__CFG_KIND_COUNT && x < 1) {
+            snprintf(msg, cap, "config key \"%s\" must be at least 1, got %lld", name, x);
+            return false;
+        }
+        switch (id) {
+        case SMP__CFG_PARTITIONS: cfg->partitions = (int)x; break;
+        case SMP__CFG_MICROBATCHES: cfg->microbatches = (int)x; break;
+        case SMP__CFG_BACKWARD_PASSES: cfg->backward_passes_per_step = (int)x; break;
+        case SMP__CFG_VIRTUAL_STAGES: cfg->virtual_stages = (int)x; break;
+        case SMP__CFG_DEFAULT_PARTITION: cfg->default_partition = (int)x; cfg->has_default_partition = true; break;
+        default: break;
+        }
+        return true;
+    }
+    case SMP__CFG_KIND_SEED: {
+        uint64_t x = 0;
+        int r = v->type == SMP__J_NUMBER ? smp__json_to_u64(v->num, v->num_len, &x) : 1;
+        if (r != 0) {
+            snprintf(msg, cap, "config key \"%s\" must be a non-negative integer%s, got %s", name,
+                     r == 2 ? " below 2^64" : "", got);
+            return false;
+        }
+        cfg->seed = x;
+        return true;
+    }
+    case SMP__CFG_KIND_NUMBER: {
+        double d = 0;
+        if (v->type != SMP__J_NUMBER) {
+            snprintf(msg, cap, "config key \"%s\" must be a number, got %s", name, got);
+            return false;
+        }
+        if (!smp__cfg_strtod(v->num, v->num_len, &d) || !isfinite(d)) {
+            snprintf(msg, cap, "config key \"%s\" must be a finite number, got %s", name, got);
+            return false;
+        }
+        /* 0 means "default" in the struct, so JSON cannot ask for it */
+        if ((id == SMP__CFG_TIMEOUT || id == SMP__CFG_BUCKET_MB) && !(d > 0)) {
+            snprintf(msg, cap, "config key \"%s\" must be a positive number, got %s", name, got);
+            return false;
+        }
+        switch (id) {
+        case SMP__CFG_MEMORY_WEIGHT: cfg->memory_weight = d; break;
+        case SMP__CFG_BUCKET_MB: cfg->bucket_cap_mb = d; break;
+        case SMP__CFG_TIMEOUT: cfg->timeout = d; break;
+        default: break;
+        }
+        return true;
+    }
+    }
+    return true;
+}
+
+SMPDEF smp_status smp_config_from_json(const char *json, smp_config *cfg) {
+    if (!json || !cfg) return smp_error(SMP_ERR_ARG, "smp_config_from_json: %s is NULL", json ? "cfg" : "json");
+    smp__json j;
+    smp__jvalue key, val;
+    smp_config work = *cfg;
+    char sem[SMP__CFG_MSG_CAP] = {0}; /* the first key error; reported only if the syntax is fine */
+    char f[32];
+    uint32_t seen = 0;
+    memset(&j, 0, sizeof j);
+    j.src = json;
+
+    smp__json_ws(&j);
+    if (json[j.pos] != '{') {
+        if (json[j.pos] == '[')
+            smp__json_fail(&j, j.pos, "the top level must be an object ({\"partitions\": 2, ...}), found an array");
+        else
+            smp__json_fail(&j, j.pos, "the top level must be an object ({\"partitions\": 2, ...}), found %s",
+                           smp__json_found(&j, j.pos, f, sizeof f));
+        return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
+    }
+    size_t open = j.pos++;
+    j.depth = 1;
+    smp__json_ws(&j);
+    if (json[j.pos] == '}') j.pos++;
+    else for (;;) {
+        if (json[j.pos] != '"') {
+            smp__json_fail(&j, j.pos, "expected a key in double quotes, found %s%s", smp__json_found(&j, j.pos, f, sizeof f),
+                           json[j.pos] == '\'' ? " (JSON strings take double quotes)" : "");
+            return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
+        }
+        if (!smp__json_string(&j, &key)) return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
+        smp__json_ws(&j);
+        if (json[j.pos] != ':') {
+            char q[128];
+            smp__cfg_quote(q, sizeof q, key.str, key.str_len, key.str_more);
+            smp__json_fail(&j, j.pos, "expected ':' after the key %s, found %s", q,
+                           smp__json_found(&j, j.pos, f, sizeof f));
+            return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
+        }
+        j.pos++;
+        smp__json_ws(&j);
+        if (!smp__json_value(&j, &val)) return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
+        if (!sem[0]) {
+            int id = smp__cfg_find_key(key.str, key.str_len, key.str_more);
+            if (id < 0) smp__cfg_unknown_key(&key, sem, sizeof sem);
+            else if (seen & (1u << id)) {
+                char got[160];
+                snprintf(sem, sizeof sem, "config key \"%s\" appears twice (the second time with %s)",
+                         smp__cfg_keys[id].name, smp__jvalue_describe(&val, got, sizeof got));
+            }
+            else {
+                seen |= 1u << id;
+                smp__cfg_apply(id, &val, &work, sem, sizeof sem);
+            }
+        }
+        smp__json_ws(&j);
+        if (json[j.pos] == ',') {
+            size_t comma = j.pos++;
+            smp__json_ws(&j);
+            if (json[j.pos] == '}') {
+                smp__json_fail(&j, comma, "trailing comma before '}'");
+                return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
+            }
+            continue;
+        }
+        if (json[j.pos] == '}') { j.pos++; break; }
+        smp__json_fail(&j, j.pos, "expected ',' or '}' in the object opened at byte %zu, found %s", open,
+                       smp__json_found(&j, j.pos, f, sizeof f));
+        return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
+    }
+    smp__json_ws(&j);
+    if (json[j.pos] != 0) {
+        smp__json_fail(&j, j.pos, "unexpected %s after the top-level object", smp__json_found(&j, j.pos, f, sizeof f));
+        return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
+    }
+    if (sem[0]) return smp_error(SMP_ERR_CONFIG, "%s", sem);
+    *cfg = work;
+    return SMP_OK;
+}
+
+/* ------------------------------------------------------------ resolve */
+static smp_status smp__cfg_check_switch(const char *name, smp_switch s, smp_switch dflt, smp_switch *out) {
+    if (s != SMP_DEFAULT && s != SMP_ON && s != SMP_OFF)
+        return smp_error(SMP_ERR_CONFIG,
+                         "config key \"%s\" has invalid value %d (use SMP_ON, SMP_OFF, or SMP_DEFAULT (0))", name, (int)s);
+    *out = s == SMP_DEFAULT ? dflt : s;
+    return SMP_OK;
+}
+
+/* Checks an enum field whose concrete values are 1..count (0 = default). */
+static smp_status smp__cfg_check_enum(const char *name, int value, int count, const char *spelled, int dflt, int *out) {
+    if (value < 0 || value > count)
+        return smp_error(SMP_ERR_CONFIG, "config key \"%s\" has invalid value %d (use %s, or 0 for the default)", name,
+                         value, spelled);
+    *out = value == 0 ? dflt : value;
+    return SMP_OK;
+}
+
+/* Reads SMP_TIMEOUT: a plain decimal number of seconds, > 0. *found is false when unset or empty. */
+static smp_status smp__cfg_env_timeout(double *out, bool *found) {
+    const char *e = getenv("SMP_TIMEOUT");
+    *found = false;
+    if (!e || !e[0]) return SMP_OK;
+    char q[128];
+    const char *s = e, *why = NULL;
+    size_t bad = 0, n;
+    double d = 0;
+    while (*s == ' ' || *s == '\t') s++;
+    n = *s ? smp__json_scan_number(s, &why, &bad) : 0;
+    const char *rest = s + n;
+    while (n && (*rest == ' ' || *rest == '\t')) rest++;
+    if (n == 0 || *rest != 0 || !smp__cfg_strtod(s, n, &d) || !isfinite(d) || !(d > 0) || d > SMP__CFG_MAX_TIMEOUT) {
+        smp__cfg_quote(q, sizeof q, e, strlen(e), false);
+        return smp_error(SMP_ERR_CONFIG, "SMP_TIMEOUT = %s is not a positive number of seconds (at most %g)", q,
+                         SMP__CFG_MAX_TIMEOUT);
+    }
+    *out = d;
+    *found = true;
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out) {
+    if (!in || !out) return smp_error(SMP_ERR_ARG, "smp_config_resolve: %s is NULL", in ? "out" : "in");
+    if (world_size < 1) return smp_error(SMP_ERR_ARG, "smp_config_resolve: world size %d is not positive", world_size);
+    smp_config c = *in;
+    smp_status st;
+    int e = 0;
+
+    /* enums and switches first: everything below reads them */
+    if ((st = smp__cfg_check_enum("pipeline", (int)c.pipeline, 2,
+                                  "SMP_PIPELINE_INTERLEAVED (1) or SMP_PIPELINE_SIMPLE (2)",
+                                  SMP_PIPELINE_INTERLEAVED, &e)) != SMP_OK) return st;
+    c.pipeline = (smp_pipeline_kind)e;
+    if ((st = smp__cfg_check_enum("optimize", (int)c.optimize, 2, "SMP_OPTIMIZE_SPEED (1) or SMP_OPTIMIZE_MEMORY (2)",
+                                  SMP_OPTIMIZE_SPEED, &e)) != SMP_OK) return st;
+    c.optimize = (smp_optimize)e;
+    if ((st = smp__cfg_check_enum("placement_strategy", (int)c.placement_strategy, 2,
+                                  "SMP_PLACEMENT_CLUSTER (1) or SMP_PLACEMENT_SPREAD (2)",
+                                  SMP_PLACEMENT_CLUSTER, &e)) != SMP_OK) return st;
+    c.placement_strategy = (smp_placement)e;
+    if ((st = smp__cfg_check_enum("trace_device", (int)c.trace_device, 2, "SMP_TRACE_CPU (1) or SMP_TRACE_GPU (2)",
+                                  SMP_TRACE_CPU, &e)) != SMP_OK) return st;
+    c.trace_device = (smp_trace_device)e;
+
+    if ((st = smp__cfg_check_switch("auto_partition", c.auto_partition, SMP_ON, &c.auto_partition)) ||
+        (st = smp__cfg_check_switch("ddp", c.ddp, SMP_OFF, &c.ddp)) ||
+        (st = smp__cfg_check_switch("trace_execution_times", c.trace_execution_times, SMP_OFF,
+                                    &c.trace_execution_times)) ||
+        (st = smp__cfg_check_switch("trace_memory_usage", c.trace_memory_usage, SMP_OFF, &c.trace_memory_usage)) ||
+        (st = smp__cfg_check_switch("overlapping_allreduce", c.overlapping_allreduce, SMP_ON,
+                                    &c.overlapping_allreduce)) ||
+        (st = smp__cfg_check_switch("average_grads_across_microbatches", c.average_grads_across_microbatches, SMP_ON,
+                                    &c.average_grads_across_microbatches)) ||
+        (st = smp__cfg_check_switch("broadcast_buffers", c.broadcast_buffers, SMP_ON, &c.broadcast_buffers)) ||
+        (st = smp__cfg_check_switch("deterministic_reduction", c.deterministic_reduction, SMP_OFF,
+                                    &c.deterministic_reduction)))
+        return st;
+
+    /* partitions against the world */
+    if (c.partitions < 0)
+        return smp_error(SMP_ERR_CONFIG, "config key \"partitions\" must be at least 1, got %d", c.partitions);
+    if (c.partitions == 0) c.partitions = 1;
+    if (c.partitions > world_size)
+        return smp_error(SMP_ERR_CONFIG, "partitions = %d needs at least %d ranks, but the world size is %d",
+                         c.partitions, c.partitions, world_size);
+    if (world_size % c.partitions != 0)
+        return smp_error(SMP_ERR_CONFIG, "partitions = %d does not divide the world size %d", c.partitions, world_size);
+    if (world_size > c.partitions && c.ddp != SMP_ON)
+        return smp_error(SMP_ERR_CONFIG,
+                         "a world of %d ranks with partitions = %d makes %d model replicas, which needs data "
+                         "parallelism: set \"ddp\": true (ddp is off)",
+                         world_size, c.partitions, world_size / c.partitions);
+
+    if (c.microbatches < 0)
+        return smp_error(SMP_ERR_CONFIG, "config key \"microbatches\" must be at least 1, got %d", c.microbatches);
+    if (c.microbatches == 0) c.microbatches = 1;
+
+    if (c.has_default_partition && (c.default_partition < 0 || c.default_partition >= c.partitions))
+        return smp_error(SMP_ERR_CONFIG,
+                         "config key \"default_partition\" = %d is not a partition (partitions = %d: use 0 to %d)",
+                         c.default_partition, c.partitions, c.partitions - 1);
+
+    if (isnan(c.memory_weight) || c.memory_weight < 0 || c.memory_weight > 1)
+        return smp_error(SMP_ERR_CONFIG, "config key \"memory_weight\" must be between 0 and 1, got %g", c.memory_weight);
+    if (c.memory_weight == 0) c.memory_weight = c.optimize == SMP_OPTIMIZE_MEMORY ? 1.0 : 0.0;
+
+    if (c.backward_passes_per_step < 0)
+        return smp_error(SMP_ERR_CONFIG, "config key \"backward_passes_per_step\" must be at least 1, got %d",
+                         c.backward_passes_per_step);
+    if (c.backward_passes_per_step == 0) c.backward_passes_per_step = 1;
+
+    if (isnan(c.bucket_cap_mb) || c.bucket_cap_mb < 0 || c.bucket_cap_mb > SMP__CFG_MAX_BUCKET_MB)
+        return smp_error(SMP_ERR_CONFIG, "config key \"bucket_cap_mb\" must be a positive number of MB up to %g, got %g",
+                         SMP__CFG_MAX_BUCKET_MB, c.bucket_cap_mb);
+    if (c.bucket_cap_mb == 0) c.bucket_cap_mb = SMP__CFG_DEFAULT_BUCKET_MB;
+
+    if (c.virtual_stages < 0)
+        return smp_error(SMP_ERR_CONFIG, "config key \"virtual_stages\" must be at least 1, got %d", c.virtual_stages);
+    if (c.virtual_stages == 0) c.virtual_stages = 1;
+
+    if (!isfinite(c.timeout) || c.timeout < 0 || c.timeout > SMP__CFG_MAX_TIMEOUT)
+        return smp_error(SMP_ERR_CONFIG, "config key \"timeout\" must be a positive number of seconds up to %g, got %g",
+                         SMP__CFG_MAX_TIMEOUT, c.timeout);
+    if (c.timeout == 0) {
+        bool found = false;
+        if ((st = smp__cfg_env_timeout(&c.timeout, &found)) != SMP_OK) return st;
+        if (!found) c.timeout = SMP__CFG_DEFAULT_TIMEOUT;
+    }
+
+    *out = c;
+    return SMP_OK;
+}
+#endif /* SMP__CONFIG_IMPLEMENTED */
+
+/* ---------------------------------------------------------------- waiting */
+SMPDEF double smp_timeout(void) {
+    if (smp__ctx.initialized) return smp__ctx.cfg.timeout;
+    const char *e = getenv("SMP_TIMEOUT");
+    double t = e ? atof(e) : 0;
+    return t > 0 ? t : 600;
+}
+
+static double smp__now(void) { return MPI_Wtime(); }
+
+/* Sleeping is POSIX; a strict -std=c11 build gets C11's thrd_sleep instead. */
+static void smp__sleep_ns(long ns) {
+    struct timespec ts = {0, ns};
+#if defined(_POSIX_C_SOURCE) || defined(__cplusplus)
+    nanosleep(&ts, NULL);
+#else
+    thrd_sleep(&ts, NULL);
+#endif
+}
+
+/* Polling with back-off: spin briefly (latency), then yield (ranks sharing a
+   core get their turn), then sleep in growing steps up to a millisecond. */
+typedef struct smp__backoff { double start, deadline; unsigned polls; long sleep_ns; } smp__backoff;
+
+static smp__backoff smp__backoff_start(void) {
+    smp__backoff b;
+    b.start = smp__now();
+    b.deadline = b.start + smp_timeout();
+    b.polls = 0;
+    b.sleep_ns = 1000;
+    return b;
+}
+
+/* Returns false once the deadline has passed. */
+static bool smp__backoff_pause(smp__backoff *b) {
+    b->polls++;
+    if (b->polls < 64) return true;
+    double now = smp__now();
+    if (now > b->deadline) return false;
+    if (now - b->start < 2e-3) { sched_yield(); return true; }
+    smp__sleep_ns(b->sleep_ns);
+    if (b->sleep_ns < 1000000) b->sleep_ns *= 2;
+    return true;
+}
+
+static const char *smp__group_name(smp_group g) {
+    return g == SMP_WORLD ? "world" : g == SMP_MP_GROUP ? "MP_GROUP" : g == SMP_DP_GROUP ? "DP_GROUP" : "?";
+}
+
+static void smp__timeout_abort(const char *what, smp_group g, int peer, double waited) {
+    if (peer >= 0)
+        smp__fatal("timed out after %.1f s waiting for %s from %s rank %d (world rank %d); aborting the job (SMP_TIMEOUT=%g)",
+                   waited, what, smp__group_name(g), peer, smp_group_world_rank(g, peer), smp_timeout());
+    smp__fatal("timed out after %.1f s waiting for %s in %s; aborting the job (SMP_TIMEOUT=%g)", waited, what,
+               smp__group_name(g), smp_timeout());
+}
+
+SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_group g, int peer) {
+    smp__backoff b = smp__backoff_start();
+    for (;;) {
+        int all = 1;
+        for (int i = 0; i < n && all; i += 16) { /* real status arrays: gcc flags MPI_STATUSES_IGNORE */
+            MPI_Status statuses[16];
+            int k = n - i < 16 ? n - i : 16;
+            if (MPI_Testall(k, reqs + i, &all, statuses) != MPI_SUCCESS) smp__fatal("MPI_Testall failed while waiting for %s", what);
+        }
+        if (all) return;
+        if (!smp__backoff_pause(&b)) smp__timeout_abort(what, g, peer, smp__now() - b.start);
+    }
+}
+
+/* ---------------------------------------------------------------- topology */
+SMPDEF void smp_topology_of(int rank, int size, int partitions, smp_placement placement, int *mp_rank, int *dp_rank) {
+    int dp_size = size / partitions;
+    if (placement == SMP_PLACEMENT_SPREAD) { /* a DP_GROUP's ranks are adjacent */
+        *dp_rank = rank % dp_size;
+        *mp_rank = rank / dp_size;
+    } else { /* cluster: a model replica's ranks are adjacent */
+        *mp_rank = rank % partitions;
+        *dp_rank = rank / partitions;
+    }
+}
+
+SMPDEF int smp_rank(void) { return smp__ctx.rank; }
+SMPDEF int smp_size(void) { return smp__ctx.size; }
+SMPDEF int smp_local_rank(void) { return smp__ctx.local_rank; }
+SMPDEF int smp_local_size(void) { return smp__ctx.local_size; }
+SMPDEF int smp_mp_rank(void) { return smp__ctx.mp_rank; }
+SMPDEF int smp_mp_size(void) { return smp__ctx.cfg.partitions; }
+SMPDEF int smp_dp_rank(void) { return smp__ctx.dp_rank; }
+SMPDEF int smp_dp_size(void) { return smp__ctx.initialized ? smp__ctx.size / smp__ctx.cfg.partitions : 1; }
+SMPDEF bool smp_is_initialized(void) { return smp__ctx.initialized; }
+SMPDEF const smp_config *smp_get_config(void) { return &smp__ctx.cfg; }
+
+static smp__group_info *smp__group(smp_group g) {
+    if ((unsigned)g >= SMP_GROUP_COUNT || !smp__ctx.initialized) return NULL;
+    return &smp__ctx.groups[g];
+}
+SMPDEF int smp_group_rank(smp_group g) { smp__group_info *gi = smp__group(g); return gi ? gi->rank : -1; }
+SMPDEF int smp_group_size(smp_group g) { smp__group_info *gi = smp__group(g); return gi ? gi->size : 0; }
+SMPDEF MPI_Comm smp_group_comm(smp_group g) { smp__group_info *gi = smp__group(g); return gi ? gi->comm : MPI_COMM_NULL; }
+SMPDEF int smp_group_ranks(smp_group g, int *world_ranks, int cap) {
+    smp__group_info *gi = smp__group(g);
+    if (!gi) return 0;
+    for (int i = 0; i < gi->size && i < cap; i++) world_ranks[i] = gi->world_ranks[i];
+    return gi->size;
+}
+SMPDEF int smp_group_world_rank(smp_group g, int group_rank) {
+    smp__group_info *gi = smp__group(g);
+    return gi && group_rank >= 0 && group_rank < gi->size ? gi->world_ranks[group_rank] : -1;
+}
+
+static smp_status smp__make_group(smp__group_info *gi, MPI_Comm comm) {
+    gi->comm = comm;
+    MPI_Comm_rank(comm, &gi->rank);
+    MPI_Comm_size(comm, &gi->size);
+    gi->world_ranks = (int *)smp__alloc(sizeof(int) * (size_t)gi->size, SMP__ALLOC_OTHER);
+    if (!gi->world_ranks) return smp_error(SMP_ERR_NOMEM, "out of memory building groups");
+    SMP__MPI(MPI_Allgather(&smp__ctx.rank, 1, MPI_INT, gi->world_ranks, 1, MPI_INT, comm));
+    return SMP_OK;
+}
+
+/* ---------------------------------------------------------------- agreement */
+/* Makes one rank's failure everyone's: if any rank of `comm` has a non-OK
+   status, every rank returns the status and message of the lowest failing
+   rank (prefixed with its rank when it is not this one). */
+static smp_status smp__agree_on(MPI_Comm comm, smp_status local, const char *what) {
+    int me, n;
+    MPI_Comm_rank(comm, &me);
+    MPI_Comm_size(comm, &n);
+    int mine = local != SMP_OK ? me : n, first = n;
+    MPI_Request req;
+    MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm, &req);
+    smp_wait_requests(1, &req, what, SMP_WORLD, -1);
+    if (first == n) return SMP_OK;
+    struct { int status; char msg[sizeof smp__errbuf]; } pkt;
+    pkt.status = (int)local;
+    memcpy(pkt.msg, smp__errbuf, sizeof pkt.msg);
+    pkt.msg[sizeof pkt.msg - 1] = 0;
+    MPI_Ibcast(&pkt, (int)sizeof pkt, MPI_BYTE, first, comm, &req);
+    smp_wait_requests(1, &req, what, SMP_WORLD, first);
+    if (first != me) {
+        int world_rank = first;
+        if (smp__ctx.initialized) {
+            MPI_Group a, b;
+            MPI_Comm_group(comm, &a);
+            MPI_Comm_group(smp__ctx.world, &b);
+            MPI_Group_translate_ranks(a, 1, &first, b, &world_rank);
+            MPI_Group_free(&a);
+            MPI_Group_free(&b);
+        }
+        return smp_error((smp_status)pkt.status, "rank %d: %s", world_rank, pkt.msg);
+    }
+    return (smp_status)pkt.status;
+}
+
+/* ---------------------------------------------------------------- init */
+static void smp__half_op_fns(void);
+
+SMPDEF smp_status smp_init(const smp_config *user_cfg) {
+    if (smp__ctx.initialized) return smp_error(SMP_ERR_STATE, "smp_init called twice");
+    int up = 0;
+    MPI_Initialized(&up);
+    bool owns = false;
+    if (!up) {
+        int provided;
+        if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+            return smp_error(SMP_ERR_MPI, "MPI_Init_thread failed");
+        owns = true;
+    }
+    smp_config cfg;
+    if (user_cfg) cfg = *user_cfg;
+    else memset(&cfg, 0, sizeof cfg);
+    static const MPI_Comm zero_comm;
+    MPI_Comm host = memcmp(&cfg.comm, &zero_comm, sizeof zero_comm) == 0 ? MPI_COMM_WORLD : cfg.comm;
+
+    int size, rank;
+    MPI_Comm_size(host, &size);
+    MPI_Comm_rank(host, &rank);
+    smp_status st = SMP_OK;
+    const char *env = getenv("SMP_CONFIG");
+    if (env && *env) {
+        st = smp_config_from_json(env, &cfg);
+        if (st) smp_error(st, "SMP_CONFIG: %s", smp__errbuf);
+    }
+    if (!st) st = smp_config_resolve(&cfg, size, &smp__ctx.cfg);
+    smp__ctx.rank = rank;
+    st = smp__agree_on(host, st, "configuration agreement");
+    if (st) {
+        if (owns) MPI_Finalize();
+        return st;
+    }
+    smp__ctx.cfg.comm = host;
+    smp__ctx.owns_mpi = owns;
+    smp__ctx.size = size;
+    MPI_Comm_dup(host, &smp__ctx.world);
+
+    MPI_Comm local;
+    MPI_Comm_split_type(smp__ctx.world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
+    MPI_Comm_rank(local, &smp__ctx.local_rank);
+    MPI_Comm_size(local, &smp__ctx.local_size);
+    MPI_Comm_free(&local);
+
+    smp_topology_of(rank, size, smp__ctx.cfg.partitions, smp__ctx.cfg.placement_strategy, &smp__ctx.mp_rank, &smp__ctx.dp_rank);
+    MPI_Comm mp, dp;
+    MPI_Comm_split(smp__ctx.world, smp__ctx.dp_rank, smp__ctx.mp_rank, &mp);
+    MPI_Comm_split(smp__ctx.world, smp__ctx.mp_rank, smp__ctx.dp_rank, &dp);
+    MPI_Comm w;
+    MPI_Comm_dup(smp__ctx.world, &w);
+    smp__ctx.initialized = true; /* the group builders below use the context */
+    if ((st = smp__make_group(&smp__ctx.groups[SMP_WORLD], w)) || (st = smp__make_group(&smp__ctx.groups[SMP_MP_GROUP], mp)) ||
+        (st = smp__make_group(&smp__ctx.groups[SMP_DP_GROUP], dp))) {
+        smp__ctx.initialized = false;
+        return st;
+    }
+    smp__half_op_fns();
+    if (smp__ctx.has_device && smp__ctx.device.on_init) {
+        st = smp__agree_on(smp__ctx.world, smp__ctx.device.on_init(), "device backend start-up");
+        if (st) { smp_finalize(); return st; }
+    }
+    return SMP_OK;
+}
+
+SMPDEF void smp_finalize(void) {
+    if (!smp__ctx.initialized) return;
+    if (smp__ctx.has_device && smp__ctx.device.on_finalize) smp__ctx.device.on_finalize();
+    for (int g = 0; g < SMP_GROUP_COUNT; g++) {
+        MPI_Comm_free(&smp__ctx.groups[g].comm);
+        smp__free(smp__ctx.groups[g].world_ranks);
+    }
+    for (int d = 0; d < 2; d++)
+        for (int o = 0; o < 5; o++)
+            if (smp__ctx.half_ops[d][o] != MPI_OP_NULL) MPI_Op_free(&smp__ctx.half_ops[d][o]);
+    MPI_Type_free(&smp__ctx.half_type);
+    MPI_Comm_free(&smp__ctx.world);
+    bool owns = smp__ctx.owns_mpi;
+    smp_memory_stats mem = smp__ctx.mem;
+    smp_device_backend dev = smp__ctx.device;
+    bool has_dev = smp__ctx.has_device;
+    memset(&smp__ctx, 0, sizeof smp__ctx);
+    smp__ctx.mem = mem;
+    smp__ctx.device = dev;
+    smp__ctx.has_device = has_dev;
+    if (owns) MPI_Finalize();
+}
+
+SMPDEF void smp_register_device_backend(const smp_device_backend *b) {
+    if (b) { smp__ctx.device = *b; smp__ctx.has_device = true; }
+    else smp__ctx.has_device = false;
+}
+
+/* ---------------------------------------------------------------- object messaging */
+#define SMP__TAG_OBJECT 7001
+
+static smp_status smp__resolve_peer(int peer, smp_rank_type rt, const char *fn, smp_group *g) {
+    SMP_ASSERT(smp__ctx.initialized);
+    *g = rt == SMP_WORLD_RANK ? SMP_WORLD : rt == SMP_MP_RANK ? SMP_MP_GROUP : rt == SMP_DP_RANK ? SMP_DP_GROUP : SMP_GROUP_COUNT;
+    if (*g == SMP_GROUP_COUNT) return smp_error(SMP_ERR_ARG, "%s: unknown rank type %d", fn, (int)rt);
+    int n = smp__ctx.groups[*g].size;
+    if (peer < 0 || peer >= n) return smp_error(SMP_ERR_ARG, "%s: rank %d is outside the %s (size %d)", fn, peer, smp__group_name(*g), n);
+    if (peer == smp__ctx.groups[*g].rank) return smp_error(SMP_ERR_ARG, "%s: rank %d is this rank", fn, peer);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_rank_type rt) {
+    smp_status st;
+    smp_group g;
+    if ((st = smp__require_init("smp_send")) || (st = smp__resolve_peer(dest, rt, "smp_send", &g))) return st;
+    if (len > (size_t)INT32_MAX) return smp_error(SMP_ERR_ARG, "smp_send: %zu bytes is more than one message carries (2 GiB)", len);
+    if (len && !buf) return smp_error(SMP_ERR_ARG, "smp_send: buffer is NULL");
+    MPI_Request req;
+    SMP__MPI(MPI_Isend(buf, (int)len, MPI_BYTE, dest, SMP__TAG_OBJECT, smp__ctx.groups[g].comm, &req));
+    smp_wait_requests(1, &req, "smp_send to be received", g, dest);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_recv_from(int src, smp_rank_type rt, void **buf, size_t *len) {
+    smp_status st;
+    smp_group g;
+    if ((st = smp__require_init("smp_recv_from")) || (st = smp__resolve_peer(src, rt, "smp_recv_from", &g))) return st;
+    if (!buf || !len) return smp_error(SMP_ERR_ARG, "smp_recv_from: buf and len must not be NULL");
+    MPI_Comm comm = smp__ctx.groups[g].comm;
+    MPI_Message msg;
+    MPI_Status status;
+    int found = 0;
+    smp__backoff b = smp__backoff_start();
+    for (;;) {
+        SMP__MPI(MPI_Improbe(src, SMP__TAG_OBJECT, comm, &found, &msg, &status));
+        if (found) break;
+        if (!smp__backoff_pause(&b)) smp__timeout_abort("an object (smp_recv_from)", g, src, smp__now() - b.start);
+    }
+    int count;
+    MPI_Get_count(&status, MPI_BYTE, &count);
+    void *p = smp__alloc((size_t)count + 1, SMP__ALLOC_OTHER);
+    if (!p) return smp_error(SMP_ERR_NOMEM, "smp_recv_from: out of memory for %d bytes", count);
+    MPI_Request req;
+    SMP__MPI(MPI_Imrecv(p, count, MPI_BYTE, &msg, &req));
+    smp_wait_requests(1, &req, "an object's bytes", g, src);
+    ((char *)p)[count] = 0; /* convenient for strings */
+    *buf = p;
+    *len = (size_t)count;
+    return SMP_OK;
+}
+
+static smp_status smp__group_arg(smp_group g, const char *fn, smp__group_info **gi) {
+    smp_status st = smp__require_init(fn);
+    if (st) return st;
+    *gi = smp__group(g);
+    if (!*gi) return smp_error(SMP_ERR_ARG, "%s: unknown group %d (SMP_WORLD, SMP_MP_GROUP or SMP_DP_GROUP)", fn, (int)g);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_broadcast_bytes(void **buf, size_t *len, int root, smp_group g) {
+    smp__group_info *gi;
+    smp_status st = smp__group_arg(g, "smp_broadcast_bytes", &gi);
+    if (st) return st;
+    if (root < 0 || root >= gi->size) return smp_error(SMP_ERR_ARG, "smp_broadcast_bytes: root %d is outside the %s (size %d)", root, smp__group_name(g), gi->size);
+    uint64_t n = gi->rank == root ? (uint64_t)*len : 0;
+    MPI_Request req;
+    SMP__MPI(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, gi->comm, &req));
+    smp_wait_requests(1, &req, "broadcast length", g, root);
+    if (n > (uint64_t)INT32_MAX) return smp_error(SMP_ERR_ARG, "smp_broadcast_bytes: %llu bytes is more than one message carries", (unsigned long long)n);
+    if (gi->rank != root) {
+        *buf = smp__alloc((size_t)n + 1, SMP__ALLOC_OTHER);
+        if (!*buf) smp__fatal("out of memory receiving a %llu-byte broadcast", (unsigned long long)n);
+        ((char *)*buf)[n] = 0;
+        *len = (size_t)n;
+    }
+    SMP__MPI(MPI_Ibcast(*buf, (int)n, MPI_BYTE, root, gi->comm, &req));
+    smp_wait_requests(1, &req, "broadcast bytes", g, root);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
+    smp__group_info *gi;
+    smp_status st = smp__group_arg(g, "smp_allgather_bytes", &gi);
+    if (st) return st;
+    if (len > (size_t)INT32_MAX) return smp_error(SMP_ERR_ARG, "smp_allgather_bytes: %zu bytes is more than one message carries", len);
+    int n = gi->size, mine = (int)len;
+    int *counts = (int *)smp__alloc(sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER);
+    int *displs = counts + n;
+    MPI_Request req;
+    MPI_Iallgather(&mine, 1, MPI_INT, counts, 1, MPI_INT, gi->comm, &req);
+    smp_wait_requests(1, &req, "allgather lengths", g, -1);
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) { displs[i] = (int)total; total += counts[i]; lens[i] = (size_t)counts[i]; }
+    if (total > INT32_MAX) { smp__free(counts); return smp_error(SMP_ERR_ARG, "smp_allgather_bytes: %lld bytes in all is more than one gather carries", (long long)total); }
+    char *all = (char *)smp__alloc((size_t)total + 1, SMP__ALLOC_OTHER);
+    MPI_Iallgatherv(buf, mine, MPI_BYTE, all, counts, displs, MPI_BYTE, gi->comm, &req);
+    smp_wait_requests(1, &req, "allgather bytes", g, -1);
+    all[total] = 0;
+    smp__free(counts);
+    *out = all;
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_barrier(smp_group g) {
+    smp__group_info *gi;
+    smp_status st = smp__group_arg(g, "smp_barrier", &gi);
+    if (st) return st;
+    MPI_Request req;
+    SMP__MPI(MPI_Ibarrier(gi->comm, &req));
+    smp_wait_requests(1, &req, "barrier", g, -1);
+    return SMP_OK;
+}
+
+/* ---------------------------------------------------------------- collectives */
+/* f16 and bf16 travel as 2-byte elements and combine in f32 through
+   user-defined operations, one per (format, op). */
+#define SMP__HALF_OP(NAME, TO, FROM, EXPR)                                                   \
+    static void NAME(void *in, void *inout, int *len, MPI_Datatype *dt) {                   \
+        (void)dt;                                                                            \
+        const uint16_t *a = (const uint16_t *)in;                                            \
+        uint16_t *b = (uint16_t *)inout;                                                     \
+        for (int i = 0; i < *len; i++) { float x = TO(a[i]), y = TO(b[i]); b[i] = FROM(EXPR); } \
+    }
+SMP__HALF_OP(smp__f16_sum, smp_f16_to_f32, smp_f32_to_f16, x + y)
+SMP__HALF_OP(smp__f16_prod, smp_f16_to_f32, smp_f32_to_f16, x * y)
+SMP__HALF_OP(smp__f16_min, smp_f16_to_f32, smp_f32_to_f16, y < x || y != y ? y : x)
+SMP__HALF_OP(smp__f16_max, smp_f16_to_f32, smp_f32_to_f16, y > x || y != y ? y : x)
+SMP__HALF_OP(smp__bf16_sum, smp_bf16_to_f32, smp_f32_to_bf16, x + y)
+SMP__HALF_OP(smp__bf16_prod, smp_bf16_to_f32, smp_f32_to_bf16, x * y)
+SMP__HALF_OP(smp__bf16_min, smp_bf16_to_f32, smp_f32_to_bf16, y < x || y != y ? y : x)
+SMP__HALF_OP(smp__bf16_max, smp_bf16_to_f32, smp_f32_to_bf16, y > x || y != y ? y : x)
+
+static void smp__half_op_fns(void) {
+    MPI_User_function *fns[2][5] = {{smp__f16_sum, smp__f16_sum, smp__f16_min, smp__f16_max, smp__f16_prod},
+                                    {smp__bf16_sum, smp__bf16_sum, smp__bf16_min, smp__bf16_max, smp__bf16_prod}};
+    for (int d = 0; d < 2; d++)
+        for (int o = 0; o < 5; o++) MPI_Op_create(fns[d][o], 1, &smp__ctx.half_ops[d][o]);
+    MPI_Type_contiguous(2, MPI_BYTE, &smp__ctx.half_type);
+    MPI_Type_commit(&smp__ctx.half_type);
+}
+
+static MPI_Datatype smp__mpi_type(smp_dtype dt) {
+    switch (dt) {
+    case SMP_F32: return MPI_FLOAT;
+    case SMP_F64: return MPI_DOUBLE;
+    case SMP_I32: return MPI_INT32_T;
+    case SMP_I64: return MPI_INT64_T;
+    case SMP_U8: case SMP_BOOL: return MPI_UINT8_T;
+    case SMP_F16: case SMP_BF16: return smp__ctx.half_type;
+    default: return MPI_DATATYPE_NULL;
+    }
+}
+
+static const char *smp__op_name(smp_op op) {
+    static const char *n[] = {"sum", "avg", "min", "max", "prod"};
+    return (unsigned)op < 5 ? n[op] : "unknown op";
+}
+
+static smp_status smp__mpi_op(smp_op op, smp_dtype dt, const char *fn, MPI_Op *out) {
+    if ((unsigned)op > SMP_PROD) return smp_error(SMP_ERR_ARG, "%s: unknown op %d", fn, (int)op);
+    if (dt == SMP_BOOL && op != SMP_MIN && op != SMP_MAX)
+        return smp_error(SMP_ERR_ARG, "%s: bool tensors reduce with min (and) or max (or), not %s", fn, smp__op_name(op));
+    if (op == SMP_AVG && dt != SMP_F32 && dt != SMP_F64 && dt != SMP_F16 && dt != SMP_BF16)
+        return smp_error(SMP_ERR_ARG, "%s: avg needs a floating-point tensor, got %s (use sum)", fn, smp_dtype_name(dt));
+    if (dt == SMP_F16 || dt == SMP_BF16) { *out = smp__ctx.half_ops[dt == SMP_BF16][op]; return SMP_OK; }
+    static const MPI_Op builtin[] = {MPI_SUM, MPI_SUM, MPI_MIN, MPI_MAX, MPI_PROD};
+    *out = builtin[op];
+    return SMP_OK;
+}
+
+static void smp__scale(void *data, smp_dtype dt, int64_t n, double by) {
+    switch (dt) {
+    case SMP_F32: { float *p = (float *)data, s = (float)by; for (int64_t i = 0; i < n; i++) p[i] *= s; } break;
+    case SMP_F64: { double *p = (double *)data; for (int64_t i = 0; i < n; i++) p[i] *= by; } break;
+    case SMP_F16: { uint16_t *p = (uint16_t *)data; for (int64_t i = 0; i < n; i++) p[i] = smp_f32_to_f16(smp_f16_to_f32(p[i]) * (float)by); } break;
+    case SMP_BF16: { uint16_t *p = (uint16_t *)data; for (int64_t i = 0; i < n; i++) p[i] = smp_f32_to_bf16(smp_bf16_to_f32(p[i]) * (float)by); } break;
+    default: break;
+    }
+}
+
+/* Shared argument checks; *gi is the group; device tells which backend. */
+static smp_status smp__coll_args(const char *fn, smp_group g, smp__group_info **gi, const smp_tensor *a, const char *an,
+                                 const smp_tensor *b, const char *bn) {
+    smp_status st = smp__group_arg(g, fn, gi);
+    if (st || (st = smp__check_tensor(a, fn, an))) return st;
+    if (b) {
+        if ((st = smp__check_tensor(b, fn, bn))) return st;
+        if (a->dtype != b->dtype) return smp_error(SMP_ERR_ARG, "%s: %s is %s but %s is %s", fn, an, smp_dtype_name(a->dtype), bn, smp_dtype_name(b->dtype));
+        if ((a->device == SMP_HOST) != (b->device == SMP_HOST)) return smp_error(SMP_ERR_ARG, "%s: %s and %s are on different devices", fn, an, bn);
+    }
+    if (a->device != SMP_HOST && !smp__ctx.has_device)
+        return smp_error(SMP_ERR_ARG, "%s: %s is on CUDA device %d but no device backend is registered (include smp_nccl.h)", fn, an, a->device);
+    if (smp_tensor_numel(a) > INT32_MAX || (b && smp_tensor_numel(b) > INT32_MAX))
+        return smp_error(SMP_ERR_ARG, "%s: more than 2^31-1 elements in one call; split the tensor", fn);
+    return SMP_OK;
+}
+
+static smp_status smp__elements_match(const char *fn, const smp_tensor *a, const char *an, int64_t want, const char *why) {
+    if (smp_tensor_numel(a) != want)
+        return smp_error(SMP_ERR_ARG, "%s: %s has %lld elements but %s needs %lld", fn, an, (long long)smp_tensor_numel(a), why, (long long)want);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
+    smp__group_info *gi;
+    MPI_Op mop;
+    smp_status st = smp__coll_args("smp_all_reduce", g, &gi, in, "in", out, "out");
+    if (st || (st = smp__elements_match("smp_all_reduce", out, "out", smp_tensor_numel(in), "in's count")) ||
+        (st = smp__mpi_op(op, in->dtype, "smp_all_reduce", &mop)))
+        return st;
+    if (in->device != SMP_HOST) return smp__ctx.device.all_reduce(in, out, op, g);
+    int n = (int)smp_tensor_numel(in);
+    MPI_Request req;
+    SMP__MPI(MPI_Iallreduce(in->data == out->data ? MPI_IN_PLACE : in->data, out->data, n, smp__mpi_type(in->dtype), mop, gi->comm, &req));
+    smp_wait_requests(1, &req, "all_reduce", g, -1);
+    if (op == SMP_AVG) smp__scale(out->data, out->dtype, n, 1.0 / gi->size);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_broadcast(smp_tensor *t, int root, smp_group g) {
+    smp__group_info *gi;
+    smp_status st = smp__coll_args("smp_broadcast", g, &gi, t, "tensor", NULL, NULL);
+    if (st) return st;
+    if (root < 0 || root >= gi->size) return smp_error(SMP_ERR_ARG, "smp_broadcast: root %d is outside the %s (size %d)", root, smp__group_name(g), gi->size);
+    if (t->device != SMP_HOST) return smp__ctx.device.broadcast(t, root, g);
+    MPI_Request req;
+    SMP__MPI(MPI_Ibcast(t->data, (int)smp_tensor_numel(t), smp__mpi_type(t->dtype), root, gi->comm, &req));
+    smp_wait_requests(1, &req, "broadcast", g, root);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g) {
+    smp__group_info *gi;
+    MPI_Op mop;
+    smp_status st = smp__group_arg(g, "smp_reduce", &gi);
+    if (st) return st;
+    if (root < 0 || root >= gi->size) return smp_error(SMP_ERR_ARG, "smp_reduce: root %d is outside the %s (size %d)", root, smp__group_name(g), gi->size);
+    bool is_root = gi->rank == root;
+    if ((st = smp__coll_args("smp_reduce", g, &gi, in, "in", is_root ? out : NULL, "out")) ||
+        (is_root && (st = smp__elements_match("smp_reduce", out, "out", smp_tensor_numel(in), "in's count"))) ||
+        (st = smp__mpi_op(op, in->dtype, "smp_reduce", &mop)))
+        return st;
+    if (in->device != SMP_HOST) return smp__ctx.device.reduce(in, out, op, root, g);
+    int n = (int)smp_tensor_numel(in);
+    const void *send = is_root && in->data == out->data ? MPI_IN_PLACE : in->data;
+    MPI_Request req;
+    SMP__MPI(MPI_Ireduce(send, is_root ? out->data : NULL, n, smp__mpi_type(in->dtype), mop, root, gi->comm, &req));
+    smp_wait_requests(1, &req, "reduce", g, root);
+    if (is_root && op == SMP_AVG) smp__scale(out->data, out->dtype, n, 1.0 / gi->size);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
+    smp__group_info *gi;
+    smp_status st = smp__coll_args("smp_all_gather", g, &gi, in, "in", out, "out");
+    int64_t n = smp_tensor_numel(in);
+    if (st || (st = smp__elements_match("smp_all_gather", out, "out", n * gi->size, "group size x in's count"))) return st;
+    if (in->device != SMP_HOST) return smp__ctx.device.all_gather(in, out, g);
+    size_t block = (size_t)n * smp_dtype_size(in->dtype);
+    /* in place when `in` is this member's block of `out` */
+    const void *send = (const char *)out->data + block * (size_t)gi->rank == (const char *)in->data ? MPI_IN_PLACE : in->data;
+    MPI_Request req;
+    MPI_Datatype t = smp__mpi_type(in->dtype);
+    SMP__MPI(MPI_Iallgather(send, (int)n, t, out->data, (int)n, t, gi->comm, &req));
+    smp_wait_requests(1, &req, "all_gather", g, -1);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
+    smp__group_info *gi;
+    MPI_Op mop;
+    smp_status st = smp__coll_args("smp_reduce_scatter", g, &gi, in, "in", out, "out");
+    int64_t n = smp_tensor_numel(out);
+    if (st || (st = smp__elements_match("smp_reduce_scatter", in, "in", n * gi->size, "group size x out's count")) ||
+        (st = smp__mpi_op(op, in->dtype, "smp_reduce_scatter", &mop)))
+        return st;
+    if (in->device != SMP_HOST) return smp__ctx.device.reduce_scatter(in, out, op, g);
+    size_t bytes = (size_t)n * smp_dtype_size(in->dtype);
+    /* in place when `out` is this member's block of `in`: reduce into a
+       scratch block first, since MPI reads all of `in` */
+    bool overlap = (const char *)out->data >= (const char *)in->data && (const char *)out->data < (const char *)in->data + bytes * (size_t)gi->size;
+    void *dst = overlap ? smp__alloc(bytes, SMP__ALLOC_OTHER) : out->data;
+    MPI_Request req;
+    SMP__MPI(MPI_Ireduce_scatter_block(in->data, dst, (int)n, smp__mpi_type(in->dtype), mop, gi->comm, &req));
+    smp_wait_requests(1, &req, "reduce_scatter", g, -1);
+    if (overlap) { memcpy(out->data, dst, bytes); smp__free(dst); }
+    if (op == SMP_AVG) smp__scale(out->data, out->dtype, n, 1.0 / gi->size);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
+                                        const int64_t *in_splits, smp_group g) {
+    const char *fn = "smp_all_to_all_single";
+    smp__group_info *gi;
+    smp_status st = smp__coll_args(fn, g, &gi, in, "in", out, "out");
+    if (st) return st;
+    int n = gi->size;
+    int64_t in_rows = in->ndim ? in->shape[0] : 1, out_rows = out->ndim ? out->shape[0] : 1;
+    int64_t in_row = in_rows ? smp_tensor_numel(in) / in_rows : 0, out_row = out_rows ? smp_tensor_numel(out) / out_rows : 0;
+    if (in_rows && out_rows && in_row != out_row)
+        return smp_error(SMP_ERR_ARG, "%s: in's rows have %lld elements but out's have %lld", fn, (long long)in_row, (long long)out_row);
+    int64_t row = in_rows ? in_row : out_row;
+    if (in->device != SMP_HOST) return smp__ctx.device.all_to_all_single(in, out, out_splits, in_splits, g);
+    int *buf = (int *)smp__alloc(sizeof(int) * 4 * (size_t)n, SMP__ALLOC_OTHER);
+    int *scount = buf, *sdispl = buf + n, *rcount = buf + 2 * n, *rdispl = buf + 3 * n;
+    int64_t sat = 0, rat = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t s = in_splits ? in_splits[i] : (in_rows % n ? -1 : in_rows / n);
+        int64_t r = out_splits ? out_splits[i] : (out_rows % n ? -1 : out_rows / n);
+        if (s < 0 || r < 0) {
+            smp__free(buf);
+            return smp_error(SMP_ERR_ARG, "%s: %s", fn, s < 0 ? (in_splits ? "in_splits has a negative entry" : "in's dim 0 does not divide by the group size; pass in_splits")
+                                                            : (out_splits ? "out_splits has a negative entry" : "out's dim 0 does not divide by the group size; pass out_splits"));
+        }
+        scount[i] = (int)(s * row); sdispl[i] = (int)(sat * row); sat += s;
+        rcount[i] = (int)(r * row); rdispl[i] = (int)(rat * row); rat += r;
+    }
+    if (sat != in_rows || rat != out_rows) {
+        smp__free(buf);
+        return smp_error(SMP_ERR_ARG, "%s: splits add up to %lld rows in and %lld out, but the tensors have %lld and %lld", fn,
+                         (long long)sat, (long long)rat, (long long)in_rows, (long long)out_rows);
+    }
+    size_t esize = smp_dtype_size(in->dtype);
+    void *send = in->data;
+    if (in->data == out->data && smp_tensor_nbytes(in)) { /* in place: MPI needs separate buffers */
+        send = smp__alloc(smp_tensor_nbytes(in), SMP__ALLOC_OTHER);
+        memcpy(send, in->data, smp_tensor_nbytes(in));
+    }
+    (void)esize;
+    MPI_Request req;
+    MPI_Datatype t = smp__mpi_type(in->dtype);
+    int rc = MPI_Ialltoallv(send, scount, sdispl, t, out->data, rcount, rdispl, t, gi->comm, &req);
+    if (rc == MPI_SUCCESS) smp_wait_requests(1, &req, "all_to_all_single", g, -1);
+    if (send != in->data) smp__free(send);
+    smp__free(buf);
+    if (rc != MPI_SUCCESS) return smp__mpi_error(rc, "MPI_Ialltoallv");
+    return SMP_OK;
+}
+
+/* ---------------------------------------------------------------- modules */
+struct smp_param {
+    smp_module *module;
+    char *name, *full_name;
+    smp_tensor value, grad; /* data NULL until materialised on the owning rank */
+    bool is_buffer;
+    smp_init_fn init;
+    void *init_user;
+};
+
+struct smp_module {
+    char *name, *full_name;
+    smp_module *parent;
+    smp_module **children;
+    int nchildren;
+    smp_param **params;
+    int nparams;
+    smp_module_desc desc;
+    int context_partition; /* innermost SMP_PARTITION at creation; -1: none */
+    int partition;         /* after partitioning */
+    int owner_call;        /* first top-level call that ran it (tracing); -1: never ran */
+    int materialised;      /* nesting count while tracing */
+    smp_model *model;
+};
+
+/* Where a tensor of the graph comes from: a model input or a call's output. */
+typedef struct smp__ref { int call; /* -1: model input */ int index; } smp__ref;
+
+typedef struct smp__call_rec {
+    smp_module *module;
+    int nin, nout;
+    smp__ref *in;
+    smp_tensor *in_meta;  /* each input's dtype and shape as the call saw it */
+    smp_tensor *out_meta; /* each output's dtype and shape as traced */
+    double time, activation_bytes, param_bytes;
+    int stage;
+} smp__call_rec;
+
+typedef struct smp__hook { smp_post_partition_fn fn; void *user; } smp__hook;
+
+struct smp_model {
+    smp_module *root;
+    smp_model_desc desc;
+    smp_module **modules; /* the tree, creation order */
+    int nmodules;
+    smp_param **params;   /* every parameter and buffer, declaration order */
+    int nparams;
+    smp__call_rec *calls;
+    int ncalls;
+    smp__ref *outputs;    /* the forward's outputs */
+    bool traced, partitioned;
+    int nstages;
+    int *stage_rank, *stage_first, *stage_last; /* per stage: mp rank, first and last call */
+    smp__hook hooks[8];
+    int nhooks;
+    void *pipeline;       /* smp_pipeline.h's per-model state */
+    void (*pipeline_free)(void *);
+};
+
+struct smp_call_ctx {
+    smp_module *module;
+    int microbatch;
+    bool training;
+    int nin, nout;
+    const smp_tensor *inputs;
+    smp_tensor *outputs;
+    const smp_tensor *grad_outputs;
+    smp_tensor *grad_inputs; /* data NULL: no gradient wanted for that input */
+    void *stash;
+    size_t stash_bytes;
+    smp__alloc_kind kind;    /* outputs and stash: counted as stash when training */
+    void **owned;            /* nested calls' outputs, freed with this call */
+    int nowned, owned_cap;
+    bool in_backward;
+};
+
+static struct {
+    smp_module **all; /* every module ever created, for cleanup */
+    int nall, cap;
+    int stack[64];
+    int depth;
+    smp_status build_status; /* the first error made while building modules */
+    char build_msg[sizeof smp__errbuf];
+    bool tracing;
+    smp_model *trace_model;
+    struct { const void *data; smp__ref ref; } *table; /* trace: tensors seen so far */
+    int ntable, table_cap;
+    smp_call_ctx *current; /* the call whose callback is running */
+} smp__mod;
+
+static char *smp__strdup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+static bool smp__grow(void **arr, int *cap, int need, size_t elem) {
+    if (need <= *cap) return true;
+    int nc = *cap ? *cap * 2 : 8;
+    while (nc < need) nc *= 2;
+    void *p = smp__alloc((size_t)nc * elem, SMP__ALLOC_OTHER);
+    if (!p) return false;
+    if (*arr) { memcpy(p, *arr, (size_t)*cap * elem); smp__free(*arr); }
+    *arr = p;
+    *cap = nc;
+    return true;
+}
+
+/* Errors while building the tree are remembered and reported by
+   smp_model_new, so engine code can build without checking each call. */
+static void smp__build_error(smp_status st, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static void smp__build_error(smp_status st, const char *fmt, ...) {
+    char msg[sizeof smp__errbuf];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    memcpy(smp__errbuf, msg, sizeof msg);
+    if (!smp__mod.build_status) {
+        smp__mod.build_status = st;
+        memcpy(smp__mod.build_msg, smp__errbuf, sizeof smp__errbuf);
+    }
+}
+
+SMPDEF void smp_partition_push(int partition) {
+    if (smp__mod.depth >= 64) { smp__build_error(SMP_ERR_ARG, "SMP_PARTITION contexts nested more than 64 deep"); return; }
+    if (partition < 0 || (smp__ctx.initialized && partition >= smp__ctx.cfg.partitions))
+        smp__build_error(SMP_ERR_CONFIG, "SMP_PARTITION(%d): partition must be in 0..%d (partitions = %d)", partition,
+                         smp__ctx.cfg.partitions - 1, smp__ctx.cfg.partitions);
+    smp__mod.stack[smp__mod.depth++] = partition;
+}
+SMPDEF void smp_partition_pop(void) { if (smp__mod.depth > 0) smp__mod.depth--; }
+
+SMPDEF smp_module *smp_module_new(smp_module *parent, const char *name, const smp_module_desc *desc) {
+    if (!name || (parent && !*name) || strchr(name, '.')) {
+        smp__build_error(SMP_ERR_ARG, "module name \"%s\" must be non-empty and contain no '.' (the dots come from the tree)", name ? name : "(null)");
+        return NULL;
+    }
+    if (parent)
+        for (int i = 0; i < parent->nchildren; i++)
+            if (!strcmp(parent->children[i]->name, name)) {
+                smp__build_error(SMP_ERR_ARG, "module \"%s\" already has a child called \"%s\"", parent->full_name, name);
+                return NULL;
+            }
+    smp_module *m = (smp_module *)smp__alloc(sizeof *m, SMP__ALLOC_OTHER);
+    memset(m, 0, sizeof *m);
+    m->name = smp__strdup(name);
+    if (parent && *parent->full_name) {
+        size_t n = strlen(parent->full_name) + strlen(name) + 2;
+        m->full_name = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
+        snprintf(m->full_name, n, "%s.%s", parent->full_name, name);
+    } else {
+        m->full_name = smp__strdup(parent ? name : "");
+    }
+    m->parent = parent;
+    if (desc) m->desc = *desc;
+    m->context_partition = smp__mod.depth ? smp__mod.stack[smp__mod.depth - 1] : -1;
+    m->partition = -1;
+    m->owner_call = -1;
+    if (parent) {
+        int cap = parent->nchildren; /* grows by one each time: trees are built once */
+        smp__grow((void **)&parent->children, &cap, parent->nchildren + 1, sizeof(smp_module *));
+        parent->children[parent->nchildren++] = m;
+    }
+    smp__grow((void **)&smp__mod.all, &smp__mod.cap, smp__mod.nall + 1, sizeof(smp_module *));
+    smp__mod.all[smp__mod.nall++] = m;
+    return m;
+}
+
+static smp_param *smp__declare(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape, smp_init_fn init,
+                               void *user, bool buffer) {
+    const char *what = buffer ? "buffer" : "parameter";
+    if (!m) { smp__build_error(SMP_ERR_ARG, "%s \"%s\" declared on a NULL module", what, name ? name : "(null)"); return NULL; }
+    if (!name || !*name || strchr(name, '.')) { smp__build_error(SMP_ERR_ARG, "%s name \"%s\" of module \"%s\" must be non-empty without '.'", what, name ? name : "(null)", m->full_name); return NULL; }
+    if (smp_dtype_size(dt) == 0 || ndim < 0 || ndim > SMP_MAX_DIMS) { smp__build_error(SMP_ERR_ARG, "%s \"%s.%s\": bad dtype or ndim", what, m->full_name, name); return NULL; }
+    for (int i = 0; i < ndim; i++)
+        if (shape[i] < 0) { smp__build_error(SMP_ERR_ARG, "%s \"%s.%s\": dimension %d is negative", what, m->full_name, name, i); return NULL; }
+    for (int i = 0; i < m->nparams; i++)
+        if (!strcmp(m->params[i]->name, name)) { smp__build_error(SMP_ERR_ARG, "module \"%s\" already has a parameter or buffer \"%s\"", m->full_name, name); return NULL; }
+    smp_param *p = (smp_param *)smp__alloc(sizeof *p, SMP__ALLOC_OTHER);
+    memset(p, 0, sizeof *p);
+    p->module = m;
+    p->name = smp__strdup(name);
+    size_t n = strlen(m->full_name) + strlen(name) + 2;
+    p->full_name = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
+    snprintf(p->full_name, n, "%s%s%s", m->full_name, *m->full_name ? "." : "", name);
+    p->value = smp_tensor_make(NULL, dt, ndim, shape);
+    p->grad = p->value;
+    p->is_buffer = buffer;
+    p->init = init;
+    p->init_user = user;
+    int cap = m->nparams;
+    smp__grow((void **)&m->params, &cap, m->nparams + 1, sizeof(smp_param *));
+    m->params[m->nparams++] = p;
+    return p;
+}
+
+SMPDEF smp_param *smp_param_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape, smp_init_fn init, void *user) {
+    return smp__declare(m, name, dt, ndim, shape, init, user, false);
+}
+SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape, smp_init_fn init, void *user) {
+    return smp__declare(m, name, dt, ndim, shape, init, user, true);
+}
+SMPDEF const char *smp_module_name(const smp_module *m) { return m->full_name; }
+SMPDEF void *smp_module_user(const smp_module *m) { return m->desc.user; }
+SMPDEF int smp_module_partition(const smp_module *m) { return m->partition; }
+SMPDEF bool smp_module_is_local(const smp_module *m) { return m->partition >= 0 && m->partition == smp__ctx.mp_rank; }
+SMPDEF const char *smp_param_name(const smp_param *p) { return p->full_name; }
+SMPDEF smp_tensor *smp_param_value(smp_param *p) { return &p->value; }
+SMPDEF smp_tensor *smp_param_grad(smp_param *p) { return p->is_buffer ? NULL : &p->grad; }
+SMPDEF bool smp_param_is_buffer(const smp_param *p) { return p->is_buffer; }
+SMPDEF smp_module *smp_param_module(const smp_param *p) { return p->module; }
+
+/* FNV-1a over the name, mixed with the global seed by splitmix64. */
+static uint64_t smp__splitmix(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+SMPDEF uint64_t smp_param_seed(const char *full_name) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (const unsigned char *c = (const unsigned char *)full_name; *c; c++) h = (h ^ *c) * 0x100000001b3ull;
+    uint64_t s = h ^ smp__ctx.cfg.seed;
+    return smp__splitmix(&s);
+}
+SMPDEF double smp_rng_uniform(uint64_t *state) { return (double)(smp__splitmix(state) >> 11) * (1.0 / 9007199254740992.0); }
+
+SMPDEF void smp_init_uniform(smp_tensor *v, uint64_t seed, void *user) {
+    int64_t n = smp_tensor_numel(v), fan_in = v->ndim ? v->shape[v->ndim - 1] : 1;
+    float bound = user ? *(const float *)user : (float)(1.0 / sqrt((double)(fan_in > 0 ? fan_in : 1)));
+    float *p = (float *)v->data;
+    for (int64_t i = 0; i < n; i++) p[i] = (float)((2.0 * smp_rng_uniform(&seed) - 1.0) * bound);
+}
+SMPDEF void smp_init_constant(smp_tensor *v, uint64_t seed, void *user) {
+    (void)seed;
+    float c = user ? *(const float *)user : 0.0f, *p = (float *)v->data;
+    for (int64_t i = 0, n = smp_tensor_numel(v); i < n; i++) p[i] = c;
+}
+
+static void smp__materialise_param(smp_param *p) {
+    size_t bytes = smp_tensor_nbytes(&p->value);
+    p->value.data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_PARAM);
+    if (!p->value.data) smp__fatal("out of memory allocating parameter %s (%zu bytes)", p->full_name, bytes);
+    memset(p->value.data, 0, bytes);
+    if (p->init) p->init(&p->value, smp_param_seed(p->full_name), p->init_user);
+    if (!p->is_buffer) {
+        p->grad.data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_PARAM);
+        if (!p->grad.data) smp__fatal("out of memory allocating the gradient of %s", p->full_name);
+        memset(p->grad.data, 0, bytes);
+    }
+}
+static void smp__release_param(smp_param *p) {
+    smp__free(p->value.data);
+    smp__free(p->grad.data);
+    p->value.data = p->grad.data = NULL;
+}
+/* While tracing, a module's parameters (and its children's) exist only for
+   the duration of its call: tracing needs memory for the largest module. */
+static void smp__materialise_tree(smp_module *m, int delta) {
+    m->materialised += delta;
+    if ((delta > 0 && m->materialised == 1) || (delta < 0 && m->materialised == 0))
+        for (int i = 0; i < m->nparams; i++) delta > 0 ? smp__materialise_param(m->params[i]) : smp__release_param(m->params[i]);
+    for (int i = 0; i < m->nchildren; i++) smp__materialise_tree(m->children[i], delta);
+}
+
+/* ---------------------------------------------------------------- the model */
+static void smp__collect(smp_model *md, smp_module *m, int *mcap, int *pcap) {
+    smp__grow((void **)&md->modules, mcap, md->nmodules + 1, sizeof(smp_module *));
+    md->modules[md->nmodules++] = m;
+    m->model = md;
+    for (int i = 0; i < m->nparams; i++) {
+        smp__grow((void **)&md->params, pcap, md->nparams + 1, sizeof(smp_param *));
+        md->params[md->nparams++] = m->params[i];
+    }
+    for (int i = 0; i < m->nchildren; i++) smp__collect(md, m->children[i], mcap, pcap);
+}
+
+SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, smp_model **out) {
+    smp_status st = smp__require_init("smp_model_new");
+    if (!st && smp__mod.build_status) {
+        st = smp_error(smp__mod.build_status, "%s", smp__mod.build_msg);
+        smp__mod.build_status = SMP_OK;
+    }
+    if (!st && (!root || !desc || !desc->forward)) st = smp_error(SMP_ERR_ARG, "smp_model_new needs a root module and a desc with a forward function");
+    if (!st && root->parent) st = smp_error(SMP_ERR_ARG, "smp_model_new: module \"%s\" is not a root", root->full_name);
+    if (st) { *out = NULL; return smp__agree_on(smp__ctx.world, st, "model construction"); }
+    smp_model *m = (smp_model *)smp__alloc(sizeof *m, SMP__ALLOC_OTHER);
+    memset(m, 0, sizeof *m);
+    m->root = root;
+    m->desc = *desc;
+    if (m->desc.ninputs <= 0) m->desc.ninputs = 1;
+    if (m->desc.noutputs <= 0) m->desc.noutputs = 1;
+    int mcap = 0, pcap = 0;
+    smp__collect(m, root, &mcap, &pcap);
+    *out = m;
+    return smp__agree_on(smp__ctx.world, SMP_OK, "model construction");
+}
+
+static void smp__free_calls(smp_model *m) {
+    for (int i = 0; i < m->ncalls; i++) {
+        smp__free(m->calls[i].in);
+        smp__free(m->calls[i].in_meta);
+        smp__free(m->calls[i].out_meta);
+    }
+    smp__free(m->calls);
+    m->calls = NULL;
+    m->ncalls = 0;
+}
+
+static void smp__free_module(smp_module *m) {
+    for (int i = 0; i < m->nparams; i++) {
+        smp__release_param(m->params[i]);
+        smp__free(m->params[i]->name);
+        smp__free(m->params[i]->full_name);
+        smp__free(m->params[i]);
+    }
+    smp__free(m->params);
+    smp__free(m->children);
+    smp__free(m->name);
+    smp__free(m->full_name);
+    smp__free(m);
+}
+
+SMPDEF void smp_model_free(smp_model *m) {
+    if (!m) return;
+    if (m->pipeline_free) m->pipeline_free(m->pipeline);
+    for (int i = 0; i < m->nmodules; i++) {
+        /* forget it in the registry, then free it */
+        for (int j = 0; j < smp__mod.nall; j++)
+            if (smp__mod.all[j] == m->modules[i]) { smp__mod.all[j] = smp__mod.all[--smp__mod.nall]; break; }
+        smp__free_module(m->modules[i]);
+    }
+    smp__free(m->modules);
+    smp__free(m->params);
+    smp__free_calls(m);
+    smp__free(m->outputs);
+    smp__free(m->stage_rank); /* stage_first and stage_last share its block */
+    smp__free(m);
+}
+
+SMPDEF bool smp_is_tracing(void) { return smp__mod.tracing; }
+SMPDEF bool smp_model_partitioned(const smp_model *m) { return m->partitioned; }
+SMPDEF int smp_model_num_calls(const smp_model *m) { return m->ncalls; }
+SMPDEF int smp_model_num_stages(const smp_model *m) { return m->nstages; }
+SMPDEF int smp_model_stage_rank(const smp_model *m, int s) { return s >= 0 && s < m->nstages ? m->stage_rank[s] : -1; }
+SMPDEF int smp_model_call_stage(const smp_model *m, int c) { return c >= 0 && c < m->ncalls ? m->calls[c].stage : -1; }
+SMPDEF smp_module *smp_model_module(smp_model *m, int i) { return i >= 0 && i < m->nmodules ? m->modules[i] : NULL; }
+SMPDEF smp_param *smp_model_param_at(smp_model *m, int i) { return i >= 0 && i < m->nparams ? m->params[i] : NULL; }
+SMPDEF int smp_model_num_params(const smp_model *m, bool buffers) {
+    int n = 0;
+    for (int i = 0; i < m->nparams; i++) n += buffers || !m->params[i]->is_buffer;
+    return n;
+}
+SMPDEF smp_param *smp_model_param(smp_model *m, int index, bool buffers) {
+    for (int i = 0; i < m->nparams; i++) {
+        smp_param *p = m->params[i];
+        if ((!buffers && p->is_buffer) || !smp_module_is_local(p->module)) continue;
+        if (index-- == 0) return p;
+    }
+    return NULL;
+}
+SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *name) {
+    for (int i = 0; i < m->nparams; i++)
+        if (!strcmp(m->params[i]->full_name, name)) return m->params[i];
+    return NULL;
+}
+SMPDEF void smp_model_on_partitioned(smp_model *m, smp_post_partition_fn fn, void *user) {
+    if (m->partitioned) { fn(m, user); return; }
+    SMP_ASSERT(m->nhooks < 8);
+    m->hooks[m->nhooks].fn = fn;
+    m->hooks[m->nhooks++].user = user;
+}
+SMPDEF void smp_model_zero_grad(smp_model *m) {
+    for (int i = 0; i < m->nparams; i++)
+        if (m->params[i]->grad.data && !m->params[i]->is_buffer) memset(m->params[i]->grad.data, 0, smp_tensor_nbytes(&m->params[i]->grad));
+}
+
+/* ---------------------------------------------------------------- module callbacks */
+SMPDEF int smp_call_num_inputs(const smp_call_ctx *c) { return c->nin; }
+SMPDEF int smp_call_num_outputs(const smp_call_ctx *c) { return c->nout; }
+SMPDEF const smp_tensor *smp_call_input(const smp_call_ctx *c, int i) { return i >= 0 && i < c->nin ? &c->inputs[i] : NULL; }
+SMPDEF const smp_tensor *smp_call_output_value(const smp_call_ctx *c, int i) { return i >= 0 && i < c->nout ? &c->outputs[i] : NULL; }
+SMPDEF const smp_tensor *smp_call_grad_output(const smp_call_ctx *c, int i) { return c->in_backward && i >= 0 && i < c->nout ? &c->grad_outputs[i] : NULL; }
+SMPDEF smp_tensor *smp_call_grad_input(smp_call_ctx *c, int i) {
+    return c->in_backward && i >= 0 && i < c->nin && c->grad_inputs[i].data ? &c->grad_inputs[i] : NULL;
+}
+SMPDEF smp_module *smp_call_module(const smp_call_ctx *c) { return c->module; }
+SMPDEF int smp_call_microbatch(const smp_call_ctx *c) { return c->microbatch; }
+SMPDEF bool smp_call_training(const smp_call_ctx *c) { return c->training; }
+
+SMPDEF smp_tensor *smp_call_output(smp_call_ctx *c, int i, smp_dtype dt, int ndim, const int64_t *shape) {
+    if (c->in_backward || i < 0 || i >= c->nout || smp_dtype_size(dt) == 0 || ndim < 0 || ndim > SMP_MAX_DIMS) return NULL;
+    smp_tensor *t = &c->outputs[i];
+    if (t->data) smp__free(t->data); /* asked twice: the last one counts */
+    *t = smp_tensor_make(NULL, dt, ndim, shape);
+    size_t bytes = smp_tensor_nbytes(t);
+    t->data = smp__alloc(bytes ? bytes : 1, c->kind);
+    if (!t->data) smp__fatal("out of memory allocating output %d of %s (%zu bytes)", i, c->module->full_name, bytes);
+    return t;
+}
+
+SMPDEF void *smp_call_stash(smp_call_ctx *c, size_t bytes) {
+    if (c->in_backward) return NULL;
+    smp__free(c->stash);
+    c->stash = smp__alloc(bytes ? bytes : 1, c->kind);
+    c->stash_bytes = bytes;
+    return c->stash;
+}
+SMPDEF void *smp_call_stashed(const smp_call_ctx *c, size_t *bytes) {
+    if (bytes) *bytes = c->stash_bytes;
+    return c->stash;
+}
+
+/* Runs a module's forward (or backward) with `c` as the current call. */
+static smp_status smp__run_callback(smp_call_ctx *c, bool backward) {
+    smp_module_fn fn = backward ? c->module->desc.backward : c->module->desc.forward;
+    if (!fn) return backward ? SMP_OK : smp_error(SMP_ERR_MODULE, "module \"%s\" has no forward", c->module->full_name);
+    smp_call_ctx *saved = smp__mod.current;
+    smp__mod.current = c;
+    c->in_backward = backward;
+    smp__errbuf[0] = 0;
+    smp_status st = fn(c);
+    smp__mod.current = saved;
+    if (st) {
+        char msg[sizeof smp__errbuf];
+        snprintf(msg, sizeof msg, "%s", smp__errbuf);
+        return smp_error(SMP_ERR_MODULE, "%s of module \"%s\" failed (microbatch %d): %s", backward ? "backward" : "forward",
+                         c->module->full_name, c->microbatch, *msg ? msg : smp_status_name(st));
+    }
+    if (!backward)
+        for (int i = 0; i < c->nout; i++)
+            if (!c->outputs[i].data)
+                return smp_error(SMP_ERR_MODULE, "forward of module \"%s\" did not allocate output %d (smp_call_output)", c->module->full_name, i);
+    return SMP_OK;
+}
+
+/* Frees what a call holds: outputs (unless kept), stash, nested outputs. */
+static void smp__call_release(smp_call_ctx *c, bool outputs) {
+    if (outputs)
+        for (int i = 0; i < c->nout; i++) { smp__free(c->outputs[i].data); c->outputs[i].data = NULL; }
+    smp__free(c->stash);
+    c->stash = NULL;
+    c->stash_bytes = 0;
+    for (int i = 0; i < c->nowned; i++) smp__free(c->owned[i]);
+    smp__free(c->owned);
+    c->owned = NULL;
+    c->nowned = c->owned_cap = 0;
+}
+
+static smp__ref *smp__trace_lookup(const void *data) {
+    for (int i = smp__mod.ntable - 1; i >= 0; i--)
+        if (smp__mod.table[i].data == data) return &smp__mod.table[i].ref;
+    return NULL;
+}
+static void smp__trace_add(const void *data, int call, int index) {
+    smp__grow((void **)&smp__mod.table, &smp__mod.table_cap, smp__mod.ntable + 1, sizeof *smp__mod.table);
+    smp__mod.table[smp__mod.ntable].data = data;
+    smp__mod.table[smp__mod.ntable].ref.call = call;
+    smp__mod.table[smp__mod.ntable++].ref.index = index;
+}
+
+SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp_tensor *outputs, int nout) {
+    if (!m) return smp_error(SMP_ERR_ARG, "smp_call: module is NULL");
+    if (nin < 0 || nout < 1 || (nin && !inputs) || !outputs) return smp_error(SMP_ERR_ARG, "smp_call(\"%s\"): needs inputs and at least one output", m->full_name);
+    for (int i = 0; i < nin; i++) {
+        smp_status st = smp__check_tensor(&inputs[i], "smp_call", "an input");
+        if (st) return smp_error(st, "smp_call(\"%s\"), input %d: %s", m->full_name, i, smp_last_error());
+    }
+    smp_call_ctx *parent = smp__mod.current;
+    smp_model *md = smp__mod.trace_model;
+    if (!parent && !smp__mod.tracing)
+        return smp_error(SMP_ERR_STATE, "smp_call(\"%s\") outside tracing and outside a module: the model's forward runs only when smp traces it", m->full_name);
+    if (!parent && m->model != md)
+        return smp_error(SMP_ERR_ARG, "smp_call: module \"%s\" is not part of the model being traced", m->full_name);
+
+    smp_call_ctx c;
+    memset(&c, 0, sizeof c);
+    c.module = m;
+    c.microbatch = parent ? parent->microbatch : 0;
+    c.training = parent ? parent->training : false;
+    c.kind = parent ? parent->kind : SMP__ALLOC_OTHER;
+    c.nin = nin;
+    c.nout = nout;
+    c.inputs = inputs;
+    c.outputs = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)nout, SMP__ALLOC_OTHER);
+    memset(c.outputs, 0, sizeof(smp_tensor) * (size_t)nout);
+
+    if (parent) { /* nested: runs here, its outputs live as long as the parent call */
+        smp_status st = smp__run_callback(&c, false);
+        for (int i = 0; i < nout; i++) {
+            outputs[i] = c.outputs[i];
+            if (c.outputs[i].data) {
+                smp__grow((void **)&parent->owned, &parent->owned_cap, parent->nowned + 1, sizeof(void *));
+                parent->owned[parent->nowned++] = c.outputs[i].data;
+            }
+        }
+        if (m->owner_call < 0 && parent->module->owner_call >= 0) m->owner_call = parent->module->owner_call;
+        smp__call_release(&c, false);
+        smp__free(c.outputs);
+        return st;
+    }
+
+    /* a top-level call while tracing: record it and run it for real */
+    smp__call_rec rec;
+    memset(&rec, 0, sizeof rec);
+    rec.module = m;
+    rec.nin = nin;
+    rec.nout = nout;
+    rec.in = (smp__ref *)smp__alloc(sizeof(smp__ref) * (size_t)(nin ? nin : 1), SMP__ALLOC_OTHER);
+    rec.in_meta = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(nin ? nin : 1), SMP__ALLOC_OTHER);
+    rec.out_meta = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)nout, SMP__ALLOC_OTHER);
+    smp_status st = SMP_OK;
+    for (int i = 0; i < nin && !st; i++) {
+        smp__ref *r = smp__trace_lookup(inputs[i].data);
+        if (!r) {
+            st = smp_error(SMP_ERR_ARG, "smp_call(\"%s\"): input %d is neither a model input nor an output of an earlier smp_call "
+                                        "(compute it inside a module so smp can move it between partitions)", m->full_name, i);
+            break;
+        }
+        const smp_tensor *src = r->call < 0 ? NULL : &md->calls[r->call].out_meta[r->index];
+        if (src && smp_tensor_numel(src) != smp_tensor_numel(&inputs[i]))
+            st = smp_error(SMP_ERR_ARG, "smp_call(\"%s\"): input %d has %lld elements but the tensor it views has %lld", m->full_name, i,
+                           (long long)smp_tensor_numel(&inputs[i]), (long long)smp_tensor_numel(src));
+        rec.in[i] = *r;
+        rec.in_meta[i] = inputs[i];
+        rec.in_meta[i].data = NULL;
+    }
+    int index = md->ncalls;
+    if (m->owner_call < 0) m->owner_call = index;
+    if (!st) {
+        smp__materialise_tree(m, +1);
+        for (int i = 0; i < m->nparams; i++) rec.param_bytes += (double)smp_tensor_nbytes(&m->params[i]->value);
+        int64_t before = smp__ctx.mem.current_bytes;
+        double t0 = smp__now();
+        st = smp__run_callback(&c, false);
+        rec.time = smp__now() - t0;
+        rec.activation_bytes = (double)(smp__ctx.mem.current_bytes - before);
+        smp__materialise_tree(m, -1);
+    }
+    for (int i = 0; i < nout; i++) {
+        outputs[i] = c.outputs[i];
+        rec.out_meta[i] = c.outputs[i];
+        rec.out_meta[i].data = NULL;
+        if (c.outputs[i].data) smp__trace_add(c.outputs[i].data, index, i);
+    }
+    int cap = md->ncalls;
+    smp__grow((void **)&md->calls, &cap, md->ncalls + 1, sizeof(smp__call_rec));
+    md->calls[md->ncalls++] = rec;
+    /* outputs stay allocated until the trace ends; the rest goes now */
+    c.nout = 0;
+    smp__call_release(&c, false);
+    smp__free(c.outputs);
+    return st;
+}
+
+/* ---------------------------------------------------------------- auto-partitioner */
+#define SMP__PARTITION_FAIL(status, msg) smp_error((status), "%s", (msg))
+
+/* The stages [begin, n) needs when no stage may cost more than cap, each
+   stage taking calls while its running left-to-right sum stays within cap
+   (the fewest possible, since a stage's cost never drops when it gains a
+   call on either side). Gives up, returning limit + 1, once more than `limit`
+   stages would be needed or a single call exceeds cap. */
+static int smp__part_stages_needed(const double *cost, int begin, int n, double cap, int limit) {
+    int stages = 0, i = begin;
+    while (i < n) {
+        double sum = 0.0;
+        int first = i;
+        if (stages == limit) return limit + 1;
+        while (i < n) {
+            double next = sum + cost[i];
+            if (next > cap) break;
+            sum = next;
+            i++;
+        }
+        if (i == first) return limit + 1; /* call i alone exceeds cap */
+        stages++;
+    }
+    return stages;
+}
+
+static uint64_t smp__part_bits(double x) {
+    uint64_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+static double smp__part_double(uint64_t u) {
+    double x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* The core, on validated input. For non-negative doubles the order of the
+   bit patterns read as integers is the order of the values, so a binary
+   search over the patterns between 0 and the whole model's cost finds the
+   smallest double the greedy pass accepts as a cap. The pass's verdict
+   changes only where the cap crosses some stage's cost, so that smallest
+   cap is the cost of a real stage: the exact optimum. */
+static void smp__part_solve(const double *cost, int n, int nstages, int *stage_of_call, double *max_stage_cost) {
+    double total = 0.0, cap, worst = 0.0;
+    uint64_t lo = 0, hi;
+    int begin = 0;
+    for (int i = 0; i < n; i++) total += cost[i];
+    hi = total > 0.0 ? smp__part_bits(total) : 0; /* total may be -0.0 */
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (smp__part_stages_needed(cost, 0, n, smp__part_double(mid), nstages) <= nstages)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    cap = smp__part_double(hi);
+
+    /* Place the stages from the left, each ending as early as it can while
+       the rest [end, n) still splits into the remaining stages within cap.
+       The valid ends of a stage form a range: the farther it reaches, the
+       shorter the rest, which never needs more stages. */
+    for (int k = 0; k < nstages; k++) {
+        int after = nstages - k - 1; /* stages still to place after this one */
+        int end;
+        if (after == 0) {
+            end = n;
+        } else {
+            /* farthest end within cap that leaves every later stage a call */
+            double sum = 0.0 + cost[begin];
+            int far = begin + 1, near = begin + 1;
+            while (far < n - after) {
+                double next = sum + cost[far];
+                if (next > cap) break;
+                sum = next;
+                far++;
+            }
+            /* the rest after `far` splits within cap; find the nearest end
+               that still allows it */
+            while (near < far) {
+                int mid = near + (far - near) / 2;
+                if (smp__part_stages_needed(cost, mid, n, cap, after) <= after)
+                    far = mid;
+                else
+                    near = mid + 1;
+            }
+            end = near;
+        }
+        {
+            double sum = 0.0;
+            for (int i = begin; i < end; i++) {
+                sum += cost[i];
+                stage_of_call[i] = k;
+            }
+            if (sum > worst) worst = sum;
+        }
+        begin = end;
+    }
+    /* worst == cap: no stage exceeds cap, and no split does better */
+    if (max_stage_cost) *max_stage_cost = worst;
+}
+
+static int smp__part_bad(double x) { return !(x >= 0.0) || isinf(x); }
+
+static smp_status smp__part_check_shape(int n, int nstages, const void *costs, const int *stage_of_call, char *msg,
+                                        size_t cap) {
+    if (n < 1) {
+        snprintf(msg, cap, "auto-partition: there are %d traced calls to split; at least one is needed", n);
+        return SMP_ERR_ARG;
+    }
+    if (nstages < 1) {
+        snprintf(msg, cap, "auto-partition: %d stages requested; at least one is needed", nstages);
+        return SMP_ERR_ARG;
+    }
+    if (nstages > n) {
+        snprintf(msg, cap,
+                 "auto-partition: cannot split %d traced call%s into %d stages; every stage needs at least one call "
+                 "(use fewer partitions or virtual stages)",
+                 n, n == 1 ? "" : "s", nstages);
+        return SMP_ERR_ARG;
+    }
+    if (!costs || !stage_of_call) {
+        snprintf(msg, cap, "auto-partition: %s is NULL", !costs ? "the cost array" : "stage_of_call");
+        return SMP_ERR_ARG;
+    }
+    return SMP_OK;
+}
+
+static smp_status smp__part_min_max_msg(const double *cost, int n, int nstages, int *stage_of_call,
+                                        double *max_stage_cost, char *msg, size_t cap) {
+    smp_status st = smp__part_check_shape(n, nstages, cost, stage_of_call, msg, cap);
+    if (st != SMP_OK) return st;
+    for (int i = 0; i < n; i++) {
+        if (smp__part_bad(cost[i])) {
+            snprintf(msg, cap, "auto-partition: call %d of %d has cost %g; costs must be finite and >= 0", i, n,
+                     cost[i]);
+            return SMP_ERR_ARG;
+        }
+    }
+    smp__part_solve(cost, n, nstages, stage_of_call, max_stage_cost);
+    return SMP_OK;
+}
+
+static smp_status smp__part_auto_msg(const smp_call_cost *calls, int n, int nstages, double memory_weight,
+                                     double optimizer_state_factor, int *stage_of_call, double *max_stage_cost,
+                                     char *msg, size_t cap) {
+    double total_time = 0.0, total_memory = 0.0, w = memory_weight, *cost;
+    smp_status st = smp__part_check_shape(n, nstages, calls, stage_of_call, msg, cap);
+    if (st != SMP_OK) return st;
+    if (!(w >= 0.0 && w <= 1.0)) {
+        snprintf(msg, cap, "auto-partition: memory_weight is %g; it must lie in [0, 1]", w);
+        return SMP_ERR_ARG;
+    }
+    if (smp__part_bad(optimizer_state_factor)) {
+        snprintf(msg, cap, "auto-partition: optimizer_state_factor is %g; it must be finite and >= 0",
+                 optimizer_state_factor);
+        return SMP_ERR_ARG;
+    }
+    for (int i = 0; i < n; i++) {
+        const smp_call_cost *c = &calls[i];
+        const double field[3] = {c->time, c->param_bytes, c->activation_bytes};
+        static const char *const field_name[3] = {"time", "param_bytes", "activation_bytes"};
+        for (int f = 0; f < 3; f++) {
+            if (smp__part_bad(field[f])) {
+                snprintf(msg, cap, "auto-partition: call %d of %d has %s = %g; it must be finite and >= 0", i, n,
+                         field_name[f], field[f]);
+                return SMP_ERR_ARG;
+            }
+        }
+        total_time += c->time;
+        total_memory += c->param_bytes * (2.0 + optimizer_state_factor) + c->activation_bytes;
+    }
+    if (isinf(total_time) || isinf(total_memory)) {
+        snprintf(msg, cap, "auto-partition: the calls' total %s overflows a double",
+                 isinf(total_time) ? "time" : "memory");
+        return SMP_ERR_ARG;
+    }
+    cost = (double *)SMP_MALLOC((size_t)n * sizeof *cost);
+    if (!cost) {
+        snprintf(msg, cap, "auto-partition: out of memory for %d call costs", n);
+        return SMP_ERR_NOMEM;
+    }
+    for (int i = 0; i < n; i++) {
+        const smp_call_cost *c = &calls[i];
+        double memory = c->param_bytes * (2.0 + optimizer_state_factor) + c->activation_bytes;
+        double t = total_time > 0.0 ? c->time / total_time : 0.0;
+        double m = total_memory > 0.0 ? memory / total_memory : 0.0;
+        cost[i] = (1.0 - w) * t + w * m;
+    }
+    smp__part_solve(cost, n, nstages, stage_of_call, max_stage_cost);
+    SMP_FREE(cost);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
+                                        double *max_stage_cost) {
+    char msg[256];
+    smp_status st = smp__part_min_max_msg(cost, n, nstages, stage_of_call, max_stage_cost, msg, sizeof msg);
+    return st == SMP_OK ? SMP_OK : SMP__PARTITION_FAIL(st, msg);
+}
+
+SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nstages, double memory_weight,
+                                     double optimizer_state_factor, int *stage_of_call, double *max_stage_cost) {
+    char msg[256];
+    smp_status st = smp__part_auto_msg(calls, n, nstages, memory_weight, optimizer_state_factor, stage_of_call,
+                                       max_stage_cost, msg, sizeof msg);
+    return st == SMP_OK ? SMP_OK : SMP__PARTITION_FAIL(st, msg);
+}
+
+
+/* ---------------------------------------------------------------- partitioning */
+/* Memory per parameter byte beyond value and gradient: Adam's two moments. */
+#define SMP__OPTIMIZER_STATE_FACTOR 2.0
+
+static smp_status smp__assign_partitions(smp_model *m, int *call_part) {
+    const smp_config *cfg = &smp__ctx.cfg;
+    int P = cfg->partitions, n = m->ncalls;
+    if (cfg->auto_partition == SMP_ON && P > 1) {
+        int chunks = P * cfg->virtual_stages;
+        if (chunks > n)
+            return smp_error(SMP_ERR_CONFIG, "the model makes %d top-level calls, too few for %d partitions x %d virtual stages", n, P, cfg->virtual_stages);
+        smp_call_cost *costs = (smp_call_cost *)smp__alloc(sizeof(smp_call_cost) * (size_t)n, SMP__ALLOC_OTHER);
+        for (int i = 0; i < n; i++) {
+            costs[i].time = m->calls[i].time;
+            costs[i].param_bytes = m->calls[i].param_bytes;
+            costs[i].activation_bytes = m->calls[i].activation_bytes;
+        }
+        smp_status st = smp_auto_partition(costs, n, chunks, cfg->memory_weight, SMP__OPTIMIZER_STATE_FACTOR, call_part, NULL);
+        smp__free(costs);
+        if (st) return st;
+        for (int i = 0; i < n; i++) call_part[i] %= P;
+        return SMP_OK;
+    }
+    for (int i = 0; i < n; i++) {
+        smp_module *mod = m->calls[i].module;
+        int p = P == 1 ? 0 : mod->context_partition;
+        if (p < 0) {
+            if (!cfg->has_default_partition)
+                return smp_error(SMP_ERR_CONFIG, "module \"%s\" was created outside every SMP_PARTITION context and no default_partition is set "
+                                 "(auto_partition is off)", mod->full_name);
+            p = cfg->default_partition;
+        }
+        call_part[i] = p;
+    }
+    return SMP_OK;
+}
+
+static void smp__report(smp_model *m) {
+    if (smp__ctx.rank != 0) return;
+    int S = m->nstages;
+    double *t = (double *)smp__alloc(sizeof(double) * 2 * (size_t)S, SMP__ALLOC_OTHER), *mem = t + S;
+    char line[256];
+    smp_log(SMP_LOG_INFO, "partition report: %d calls, %d stages over %d partitions", m->ncalls, S, smp__ctx.cfg.partitions);
+    smp_log(SMP_LOG_INFO, "  %-5s %-28s %5s %5s %12s %10s %12s", "call", "module", "part", "stage", "params(B)", "time(ms)", "activ.(B)");
+    for (int i = 0; i < m->ncalls; i++) {
+        smp__call_rec *c = &m->calls[i];
+        snprintf(line, sizeof line, "  %-5d %-28.28s %5d %5d %12.0f %10.3f %12.0f", i, *c->module->full_name ? c->module->full_name : "(root)",
+                 m->stage_rank[c->stage], c->stage, c->param_bytes, c->time * 1e3, c->activation_bytes);
+        smp_log(SMP_LOG_INFO, "%s", line);
+    }
+    memset(t, 0, sizeof(double) * 2 * (size_t)S);
+    for (int i = 0; i < m->ncalls; i++) {
+        t[m->calls[i].stage] += m->calls[i].time;
+        mem[m->calls[i].stage] += m->calls[i].param_bytes * (2 + SMP__OPTIMIZER_STATE_FACTOR) + m->calls[i].activation_bytes;
+    }
+    double tmax = 0, tsum = 0, mmax = 0, msum = 0;
+    for (int s = 0; s < S; s++) {
+        smp_log(SMP_LOG_INFO, "  stage %d (partition %d): calls %d..%d, time %.3f ms, memory %.0f B", s, m->stage_rank[s], m->stage_first[s],
+                m->stage_last[s], t[s] * 1e3, mem[s]);
+        tmax = t[s] > tmax ? t[s] : tmax; tsum += t[s];
+        mmax = mem[s] > mmax ? mem[s] : mmax; msum += mem[s];
+    }
+    smp_log(SMP_LOG_INFO, "  imbalance (largest / mean stage): time %.2f, memory %.2f", tsum > 0 ? tmax * S / tsum : 1.0, msum > 0 ? mmax * S / msum : 1.0);
+    smp__free(t);
+}
+
+static smp_status smp__partition(smp_model *m) {
+    int n = m->ncalls, P = smp__ctx.cfg.partitions;
+    int *part = (int *)smp__alloc(sizeof(int) * (size_t)(n ? n : 1), SMP__ALLOC_OTHER);
+    smp_status st = n ? smp__assign_partitions(m, part) : smp_error(SMP_ERR_ARG, "the model's forward made no smp_call");
+    /* a module called more than once keeps its parameters in one place */
+    for (int i = 0; i < n && !st; i++)
+        for (int j = 0; j < i; j++)
+            if (m->calls[j].module == m->calls[i].module && part[i] != part[j]) {
+                st = smp_error(SMP_ERR_CONFIG, "module \"%s\" is called at positions %d and %d, which fall on partitions %d and %d; "
+                               "a module's parameters live on one partition", m->calls[i].module->full_name, j, i, part[j], part[i]);
+                break;
+            }
+    if (st) { smp__free(part); return st; }
+    int S = 0;
+    for (int i = 0; i < n; i++) S += i == 0 || part[i] != part[i - 1];
+    m->nstages = S;
+    m->stage_rank = (int *)smp__alloc(sizeof(int) * 3 * (size_t)S, SMP__ALLOC_OTHER);
+    m->stage_first = m->stage_rank + S;
+    m->stage_last = m->stage_rank + 2 * S;
+    for (int i = 0, s = -1; i < n; i++) {
+        if (i == 0 || part[i] != part[i - 1]) { s++; m->stage_rank[s] = part[i]; m->stage_first[s] = i; }
+        m->stage_last[s] = i;
+        m->calls[i].stage = s;
+    }
+    bool *used = (bool *)smp__alloc((size_t)P, SMP__ALLOC_OTHER);
+    memset(used, 0, (size_t)P);
+    for (int s = 0; s < S; s++) used[m->stage_rank[s]] = true;
+    for (int p = 0; p < P && !st; p++)
+        if (!used[p]) st = smp_error(SMP_ERR_CONFIG, "partition %d has no module calls; every partition needs work (partitions = %d)", p, P);
+    smp__free(used);
+    /* modules live where the top-level call that ran them lives */
+    for (int i = 0; i < m->nmodules && !st; i++) {
+        smp_module *mod = m->modules[i];
+        if (mod->owner_call >= 0) mod->partition = part[mod->owner_call];
+        else if (mod->context_partition >= 0 && smp__ctx.cfg.auto_partition != SMP_ON) mod->partition = mod->context_partition;
+        else mod->partition = smp__ctx.cfg.has_default_partition ? smp__ctx.cfg.default_partition : 0;
+    }
+    smp__free(part);
+    if (st) return st;
+    for (int i = 0; i < m->nparams; i++)
+        if (smp_module_is_local(m->params[i]->module)) smp__materialise_param(m->params[i]);
+    m->partitioned = true;
+    smp__report(m);
+    for (int i = 0; i < m->nhooks; i++) m->hooks[i].fn(m, m->hooks[i].user);
+    return SMP_OK;
+}
+
+/* Costs must be the same everywhere for every rank to choose the same
+   split: world rank 0's measurements are the ones used. */
+static smp_status smp__share_trace(smp_model *m) {
+    int n = m->ncalls;
+    uint64_t sig[2] = {(uint64_t)n, 1469598103934665603ull};
+    for (int i = 0; i < n; i++) {
+        uint64_t v = (uint64_t)m->calls[i].nin * 31 + (uint64_t)m->calls[i].nout;
+        for (const char *c = m->calls[i].module->full_name; *c; c++) v = v * 131 + (unsigned char)*c;
+        for (int j = 0; j < m->calls[i].nin; j++) v = v * 1000003 + (uint64_t)(m->calls[i].in[j].call + 7) * 17 + (uint64_t)m->calls[i].in[j].index;
+        sig[1] = (sig[1] ^ v) * 1099511628211ull;
+    }
+    uint64_t lo[2], hi[2];
+    MPI_Request r[2];
+    MPI_Iallreduce(sig, lo, 2, MPI_UINT64_T, MPI_MIN, smp__ctx.world, &r[0]);
+    MPI_Iallreduce(sig, hi, 2, MPI_UINT64_T, MPI_MAX, smp__ctx.world, &r[1]);
+    smp_wait_requests(2, r, "trace agreement", SMP_WORLD, -1);
+    if (lo[0] != hi[0] || lo[1] != hi[1])
+        return smp_error(SMP_ERR_STATE, "ranks traced different models (call counts %llu..%llu): the forward must make the same calls on every rank",
+                         (unsigned long long)lo[0], (unsigned long long)hi[0]);
+    double *costs = (double *)smp__alloc(sizeof(double) * 3 * (size_t)(n ? n : 1), SMP__ALLOC_OTHER);
+    for (int i = 0; i < n; i++) {
+        costs[3 * i] = m->calls[i].time;
+        costs[3 * i + 1] = m->calls[i].param_bytes;
+        costs[3 * i + 2] = m->calls[i].activation_bytes;
+    }
+    MPI_Ibcast(costs, 3 * n, MPI_DOUBLE, 0, smp__ctx.world, &r[0]);
+    smp_wait_requests(1, r, "trace costs from rank 0", SMP_WORLD, 0);
+    for (int i = 0; i < n; i++) {
+        m->calls[i].time = costs[3 * i];
+        m->calls[i].param_bytes = costs[3 * i + 1];
+        m->calls[i].activation_bytes = costs[3 * i + 2];
+    }
+    smp__free(costs);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_model_trace(smp_model *m, const smp_tensor *inputs, int ninputs) {
+    smp_status st = smp__require_init("smp_model_trace");
+    if (st) return st;
+    if (m->traced) return SMP_OK;
+    if (ninputs != m->desc.ninputs)
+        st = smp_error(SMP_ERR_ARG, "smp_model_trace: the model takes %d inputs, got %d", m->desc.ninputs, ninputs);
+    smp_tensor *outs = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)m->desc.noutputs, SMP__ALLOC_OTHER);
+    memset(outs, 0, sizeof(smp_tensor) * (size_t)m->desc.noutputs);
+    if (!st) {
+        smp__mod.tracing = true;
+        smp__mod.trace_model = m;
+        smp__mod.ntable = 0;
+        for (int i = 0; i < ninputs; i++) smp__trace_add(inputs[i].data, -1, i);
+        st = m->desc.forward(m, inputs, ninputs, outs, m->desc.noutputs, m->desc.user);
+        if (st && !strstr(smp__errbuf, "module")) smp_error(st, "the model's forward failed while tracing: %s", smp__errbuf);
+        m->outputs = (smp__ref *)smp__alloc(sizeof(smp__ref) * (size_t)m->desc.noutputs, SMP__ALLOC_OTHER);
+        for (int i = 0; i < m->desc.noutputs && !st; i++) {
+            smp__ref *r = outs[i].data ? smp__trace_lookup(outs[i].data) : NULL;
+            if (!r || r->call < 0)
+                st = smp_error(SMP_ERR_ARG, "model output %d is not an output of an smp_call (set outputs[%d] to a tensor smp_call returned)", i, i);
+            else m->outputs[i] = *r;
+        }
+        /* the trace's activations are no longer needed */
+        for (int i = 0; i < smp__mod.ntable; i++)
+            if (smp__mod.table[i].ref.call >= 0) smp__free((void *)smp__mod.table[i].data);
+        smp__free(smp__mod.table);
+        smp__mod.table = NULL;
+        smp__mod.ntable = smp__mod.table_cap = 0;
+        smp__mod.tracing = false;
+        smp__mod.trace_model = NULL;
+    }
+    smp__free(outs);
+    st = smp__agree_on(smp__ctx.world, st, "tracing");
+    if (!st) st = smp__agree_on(smp__ctx.world, smp__share_trace(m), "trace agreement");
+    if (!st) st = smp__agree_on(smp__ctx.world, smp__partition(m), "partitioning");
+    if (st) { smp__free_calls(m); smp__free(m->outputs); m->outputs = NULL; return st; }
+    m->traced = true;
+    return SMP_OK;
+}
+
+#endif /* SMP_H_IMPLEMENTED */
+#endif /* SMP_IMPLEMENTATION */

@@ -1,0 +1,1676 @@
+/* smp_pipeline.h - pipelines for smp: schedules, the schedule simulator, and
+   the executor that runs a step across the stages.
+
+   SCHEDULES
+     A schedule is data: for each rank, the ordered list of operations it
+     runs in one step. An operation is the forward F(s, i) or the backward
+     B(s, i) of global (virtual) stage s on microbatch i. Stages form a chain
+     0..S-1; stage_rank[s] names the rank that runs stage s, and two
+     consecutive stages never share a rank (0,1,0,1 gives two ranks two
+     virtual stages each). F(s, i) needs F(s-1, i); B(s, i) needs B(s+1, i),
+     and B(S-1, i) needs F(S-1, i) (the loss belongs to the last forward).
+     On every stage, forwards and backwards run in increasing microbatch
+     order, whatever the schedule, so gradients accumulate in one order.
+
+       SMP_PIPELINE_SIMPLE       GPipe: all forwards, then all backwards
+                                 (a rank with several stages runs forwards
+                                 from its first stage, backwards from its
+                                 last). m microbatches in flight on every
+                                 stage.
+       SMP_PIPELINE_INTERLEAVED  1F1B: at most min(m, S - s) microbatches in
+                                 flight on stage s; with one stage per rank it
+                                 is PipeDream-flush (warm-up forwards, one
+                                 forward one backward, cool-down backwards).
+                                 With several virtual stages per rank it is
+                                 interleaved 1F1B: microbatches go through a
+                                 rank's model chunks in groups of nranks, as
+                                 in Megatron-LM, for any microbatch count.
+       (SMP_PIPELINE_DEFAULT means INTERLEAVED.)
+
+         smp_schedule sc;
+         if (smp_schedule_build(SMP_PIPELINE_INTERLEAVED, 4, 8, NULL, 16,
+                                false, &sc) != SMP_OK)
+             puts(smp_last_error());          // names the bad argument
+         for (int k = 0; k < sc.nops[rank]; k++) {
+             smp_sched_op op = sc.ops[rank][k];  // op.kind, .stage, .microbatch
+         }
+         smp_schedule_free(&sc);
+
+   SIMULATOR
+     smp_schedule_simulate() runs any schedule (built or hand-made) without
+     computation: each rank runs its list in order, an operation starts when
+     the rank is free and its dependency is done (plus comm_latency when the
+     dependency ran on another rank). It reports the makespan, the bubble
+     (idle fraction), the ideal time, peak in-flight microbatches per stage
+     and per rank, and a deadlock with the ranks that wait and what for.
+
+         smp_sim_result r;
+         smp_schedule_simulate(&sc, NULL, NULL, 0.0, &r);  // unit costs
+         printf("makespan %g bubble %.3f\n", r.makespan, r.bubble_fraction);
+         smp_sim_result_free(&r);
+
+   These are pure functions: no MPI calls, same result on every rank.
+
+   STEPS (the executor)
+     A step runs the traced model over microbatches with the configured
+     schedule; the body (loss and output gradient, the engine's code) runs
+     once per microbatch on the rank that holds the model's outputs:
+
+         SMP_STEP_BODY(train_body) {
+             const smp_tensor *logits = smp_mb_output(mb, 0);
+             const smp_tensor *labels = smp_mb_arg(mb, 1);
+             float loss = my_xent(logits, labels, smp_mb_output_grad(mb, 0));
+             return smp_mb_return_f32(mb, 0, loss);      // a StepOutput
+         }
+         ...
+         smp_step_output loss_mb = {0};
+         smp_model_zero_grad(model);                     // optimizer.zero_grad()
+         SMP_TRAIN_STEP(model, train_body, NULL, &loss_mb, 1, data, labels);
+         double loss = smp_step_output_mean(&loss_mb);   // loss_mb.reduce_mean()
+         my_optimizer_step(model);                       // optimizer.step()
+*/
+#ifndef SMP_PIPELINE_H
+#define SMP_PIPELINE_H
+
+#include "smp.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ======================================================================
+   schedules and simulator
+   ====================================================================== */
+
+typedef enum smp_sched_op_kind { SMP_SCHED_FORWARD = 0, SMP_SCHED_BACKWARD = 1 } smp_sched_op_kind;
+
+typedef struct smp_sched_op {
+    smp_sched_op_kind kind;
+    int stage;      /* global (virtual) stage, 0..nstages-1 */
+    int microbatch; /* 0..microbatches-1 */
+} smp_sched_op;
+
+typedef struct smp_schedule {
+    smp_pipeline_kind kind; /* SIMPLE or INTERLEAVED (never DEFAULT) */
+    int nranks, nstages, microbatches;
+    bool forward_only;      /* evaluation step: forwards only */
+    int *stage_rank;        /* [nstages]: rank that runs each stage */
+    int *nops;              /* [nranks]: length of each rank's list */
+    smp_sched_op **ops;     /* [nranks][nops[r]]: each rank's operations in order */
+} smp_schedule;
+
+/* Builds the per-rank operation lists of one step. stage_rank may be NULL
+   (round robin: stage s on rank s % nranks). Fails with SMP_ERR_ARG on
+   nranks < 1, nstages < nranks, microbatches < 1, a rank out of range or
+   without a stage, or two consecutive stages on one rank. Arrays come from
+   SMP_MALLOC; release them with smp_schedule_free. */
+SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nstages, const int *stage_rank,
+                                     int microbatches, bool forward_only, smp_schedule *out);
+/* Frees what smp_schedule_build allocated (each array with SMP_FREE, each
+   ops[r] separately) and zeroes *s. Safe on a zeroed schedule. */
+SMPDEF void smp_schedule_free(smp_schedule *s);
+
+typedef struct smp_sim_result {
+    double makespan;        /* time the last operation finishes (after a
+                               deadlock: the last one that ran) */
+    double busy;            /* sum of the costs of the operations that ran */
+    double ideal;           /* total work / nranks: no makespan is shorter */
+    double bubble_fraction; /* 1 - busy / (nranks * makespan) */
+    int *peak_inflight;     /* [nstages]: most microbatches whose forward on the stage
+                               is done and backward is not (0 for forward-only) */
+    int *rank_peak_inflight;/* [nranks]: the same, summed over the rank's stages */
+    bool deadlock;          /* no rank could progress while operations remained */
+    char deadlock_reason[256]; /* which rank waits for which operation, as
+                               "rank 0 at F2.0 waits for F1.0 (rank 1)"
+                               (F or B, stage, microbatch) */
+} smp_sim_result;
+
+/* Runs schedule s without computation. fwd_cost / bwd_cost are per stage
+   (NULL: 1.0 each); comm_latency is added when an operation's dependency ran
+   on another rank. A deadlock is a result (out->deadlock), not an error;
+   errors (SMP_ERR_ARG) are a malformed schedule (an operation out of range,
+   on the wrong rank, repeated or missing) or a negative or non-finite cost.
+   Release out's arrays with smp_sim_result_free. */
+SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd_cost, const double *bwd_cost,
+                                        double comm_latency, smp_sim_result *out);
+SMPDEF void smp_sim_result_free(smp_sim_result *r);
+
+/* ======================================================================
+   end of schedules and simulator
+   ====================================================================== */
+
+/* ======================================================================
+   steps: microbatches, the executor, StepOutput
+   ====================================================================== */
+
+/* The body's view of one microbatch: it runs where the model's outputs
+   live (the last stage), once per microbatch, after the forward. */
+typedef struct smp_mb smp_mb;
+typedef smp_status (*smp_step_body_fn)(smp_mb *mb);
+
+#define SMP_MAX_STEP_ARGS 16
+
+typedef struct smp_step_desc {
+    smp_model *model;
+    smp_step_body_fn body;   /* NULL: no body (evaluation that only wants outputs) */
+    void *user;
+    int nargs;
+    smp_tensor args[SMP_MAX_STEP_ARGS];   /* the whole batch, identical on every rank of a replica */
+    int split_axis[SMP_MAX_STEP_ARGS];    /* batch axis of each argument (input_split_axes); default 0 */
+    bool non_split[SMP_MAX_STEP_ARGS];    /* passed whole to every microbatch (non_split_inputs) */
+    int model_inputs[SMP_MAX_STEP_ARGS];  /* arguments that feed the model, in order */
+    int nmodel_inputs;                    /* 0: arguments 0 .. ninputs-1 of the model desc */
+    bool evaluate;                        /* forward only (an evaluation step) */
+} smp_step_desc;
+
+/* One value the body returns, per microbatch (a StepOutput). */
+typedef struct smp_step_output {
+    int microbatches;
+    smp_tensor *values; /* [microbatches], memory owned by smp */
+} smp_step_output;
+
+/* Runs one step: slices the arguments into microbatches, runs the
+   schedule, calls the body per microbatch, and gives every rank of the
+   model replica the values the body returned, in outputs[0..noutputs-1]
+   (outputs may be NULL when noutputs is 0). Gradients accumulate into the
+   local parameters' gradients, averaged over microbatches unless
+   average_grads_across_microbatches is off. Collective over the world. */
+SMPDEF smp_status smp_step(const smp_step_desc *desc, smp_step_output *outputs, int noutputs);
+
+/* smp.step in one line: SMP_TRAIN_STEP(model, body, user, outs, nouts, data, target) */
+#define SMP_TRAIN_STEP(MODEL, BODY, USER, OUTS, NOUTS, ...) \
+    smp_step(&(smp_step_desc){.model = (MODEL), .body = (BODY), .user = (USER), \
+                              .nargs = (int)(sizeof((smp_tensor[]){__VA_ARGS__}) / sizeof(smp_tensor)), .args = {__VA_ARGS__}}, (OUTS), (NOUTS))
+#define SMP_EVAL_STEP(MODEL, BODY, USER, OUTS, NOUTS, ...) \
+    smp_step(&(smp_step_desc){.model = (MODEL), .body = (BODY), .user = (USER), .evaluate = true, \
+                              .nargs = (int)(sizeof((smp_tensor[]){__VA_ARGS__}) / sizeof(smp_tensor)), .args = {__VA_ARGS__}}, (OUTS), (NOUTS))
+/* Defines a body: SMP_STEP_BODY(train_body) { ... use mb ... return SMP_OK; } */
+#define SMP_STEP_BODY(NAME) static smp_status NAME(smp_mb *mb)
+
+SMPDEF const smp_tensor *smp_mb_output(smp_mb *mb, int i);   /* model output i */
+SMPDEF const smp_tensor *smp_mb_arg(smp_mb *mb, int i);      /* this microbatch's slice of argument i */
+SMPDEF smp_tensor *smp_mb_output_grad(smp_mb *mb, int i);    /* training: write d(loss)/d(output i) here */
+SMPDEF smp_status smp_mb_return(smp_mb *mb, int i, const smp_tensor *value); /* copied into outputs[i] */
+SMPDEF smp_status smp_mb_return_f32(smp_mb *mb, int i, float value);
+SMPDEF int smp_mb_index(const smp_mb *mb);
+SMPDEF int smp_mb_count(const smp_mb *mb);
+SMPDEF void *smp_mb_user(const smp_mb *mb);
+SMPDEF bool smp_mb_training(const smp_mb *mb);
+
+/* StepOutput reductions over microbatches, in microbatch order. result is
+   the caller's tensor: the shape of one value (mean, sum), microbatches x
+   that (stack), or the values joined along axis 0 (concat). */
+SMPDEF smp_status smp_step_output_reduce_mean(const smp_step_output *o, smp_tensor *result);
+SMPDEF smp_status smp_step_output_reduce_sum(const smp_step_output *o, smp_tensor *result);
+SMPDEF smp_status smp_step_output_concat(const smp_step_output *o, smp_tensor *result);
+SMPDEF smp_status smp_step_output_stack(const smp_step_output *o, smp_tensor *result);
+SMPDEF double smp_step_output_mean(const smp_step_output *o); /* mean of element 0: the usual loss */
+SMPDEF void smp_step_output_free(smp_step_output *o);
+
+/* What the last step did on this rank. */
+typedef struct smp_step_stats {
+    int local_stages;
+    int peak_inflight[64];        /* per stage of this rank, in stage order */
+    int stage_index[64];          /* the global stage each entry is */
+    int64_t stash_peak_bytes;     /* activation memory held for backward, at its peak */
+    double seconds;
+} smp_step_stats;
+SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
+
+/* Writes the timeline (SMP_TIMELINE=path) of every rank into one Chrome
+   trace / Perfetto JSON file on rank 0. Collective; smp_model_free calls it. */
+SMPDEF smp_status smp_timeline_write(smp_model *m);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* SMP_PIPELINE_H */
+
+#ifdef SMP_IMPLEMENTATION
+#ifndef SMP_PIPELINE_IMPLEMENTED
+#define SMP_PIPELINE_IMPLEMENTED
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef SMP_MALLOC
+#define SMP_MALLOC(n) malloc(n)
+#endif
+#ifndef SMP_FREE
+#define SMP_FREE(p) free(p)
+#endif
+
+/* ======================================================================
+   schedules and simulator: implementation
+   ====================================================================== */
+
+/* Zeroed array of n elements of `size` bytes; NULL when it cannot be had. */
+static void *smp__sched_calloc(size_t n, size_t size) {
+    size_t bytes = (n ? n : 1) * size;
+    void *p = SMP_MALLOC(bytes);
+    if (p) memset(p, 0, bytes);
+    return p;
+}
+
+/* Checks the shape of a pipeline and its stage map. */
+static smp_status smp__sched_check_map(int nranks, int nstages, const int *stage_rank, int microbatches) {
+    if (nranks < 1) return smp_error(SMP_ERR_ARG, "a pipeline needs at least 1 rank, got nranks = %d", nranks);
+    if (nstages < nranks)
+        return smp_error(SMP_ERR_ARG, "%d stages cannot occupy %d ranks: every rank needs at least one stage",
+                         nstages, nranks);
+    if (microbatches < 1)
+        return smp_error(SMP_ERR_ARG, "a step needs at least 1 microbatch, got microbatches = %d", microbatches);
+    if (!stage_rank) {
+        if (nranks == 1 && nstages > 1)
+            return smp_error(SMP_ERR_ARG, "stages 0 and 1 both run on rank 0: consecutive stages must be on "
+                                          "different ranks (1 rank cannot hold %d stages)", nstages);
+        return SMP_OK;
+    }
+    for (int s = 0; s < nstages; s++) {
+        if (stage_rank[s] < 0 || stage_rank[s] >= nranks)
+            return smp_error(SMP_ERR_ARG, "stage %d is placed on rank %d, outside ranks 0..%d", s, stage_rank[s],
+                             nranks - 1);
+        if (s > 0 && stage_rank[s] == stage_rank[s - 1])
+            return smp_error(SMP_ERR_ARG, "stages %d and %d both run on rank %d: consecutive stages must be on "
+                                          "different ranks", s - 1, s, stage_rank[s]);
+    }
+    for (int r = 0; r < nranks; r++) {
+        int found = 0;
+        for (int s = 0; s < nstages && !found; s++) found = stage_rank[s] == r;
+        if (!found) return smp_error(SMP_ERR_ARG, "rank %d runs no stage of the %d-stage pipeline", r, nstages);
+    }
+    return SMP_OK;
+}
+
+/* Allocates out's arrays: stage map, op counts and one op list per rank,
+   sized for every op of the rank. */
+static smp_status smp__sched_alloc(smp_schedule *out, const int *map) {
+    int R = out->nranks, S = out->nstages, m = out->microbatches;
+    int per_stage = out->forward_only ? m : 2 * m;
+    out->stage_rank = (int *)smp__sched_calloc((size_t)S, sizeof(int));
+    out->nops = (int *)smp__sched_calloc((size_t)R, sizeof(int));
+    out->ops = (smp_sched_op **)smp__sched_calloc((size_t)R, sizeof(smp_sched_op *));
+    if (!out->stage_rank || !out->nops || !out->ops) return SMP_ERR_NOMEM;
+    memcpy(out->stage_rank, map, (size_t)S * sizeof(int));
+    for (int r = 0; r < R; r++) {
+        int nst = 0;
+        for (int s = 0; s < S; s++) nst += map[s] == r;
+        out->ops[r] = (smp_sched_op *)smp__sched_calloc((size_t)nst * (size_t)per_stage, sizeof(smp_sched_op));
+        if (!out->ops[r]) return SMP_ERR_NOMEM;
+    }
+    return SMP_OK;
+}
+
+static void smp__sched_push(smp_schedule *sc, int rank, smp_sched_op_kind kind, int stage, int mb) {
+    smp_sched_op *op = &sc->ops[rank][sc->nops[rank]++];
+    op->kind = kind;
+    op->stage = stage;
+    op->microbatch = mb;
+}
+
+/* GPipe: on each rank, forwards stage by stage (stages ascending,
+   microbatches ascending), then backwards (stages descending, microbatches
+   ascending). Every rank's list is a subsequence of one global order in
+   which each dependency comes first, so it cannot deadlock. */
+static void smp__sched_simple(smp_schedule *sc) {
+    int S = sc->nstages, m = sc->microbatches;
+    for (int s = 0; s < S; s++)
+        for (int i = 0; i < m; i++) smp__sched_push(sc, sc->stage_rank[s], SMP_SCHED_FORWARD, s, i);
+    if (sc->forward_only) return;
+    for (int s = S - 1; s >= 0; s--)
+        for (int i = 0; i < m; i++) smp__sched_push(sc, sc->stage_rank[s], SMP_SCHED_BACKWARD, s, i);
+}
+
+/* 1F1B and interleaved 1F1B, generated by a deterministic list-scheduling
+   run with fixed costs (forward 1, backward 2, no latency). The result
+   depends on the inputs only, never on real timings.
+
+   Whenever a rank is free it picks, among its ready operations, by
+     1. the kind opposite to the one it ran last (forward first at the
+        start), when one of that kind is ready: this gives the one forward,
+        one backward rhythm of the steady state;
+     2. within a kind, the smallest key: (microbatch / nranks, chunk) for
+        forwards and (microbatch / nranks, last chunk - chunk) for
+        backwards, where chunk is the stage's position among the rank's
+        stages. Microbatches thus move through a rank's model chunks in
+        groups of nranks, as in Megatron-LM's interleaved schedule.
+   A backward is ready when its gradient input is done and it is its stage's
+   next backward. A forward of stage s is ready when its input is done, it
+   is the stage's next forward, and
+     - fewer than S - s microbatches are in flight on stage s (the 1F1B
+       bound; with one stage per rank it is the only bound), and
+     - with round-robin placement and k > 1 stages per rank, fewer than
+       (k-1) * min(m, nranks) + 2 * (nranks - 1 - r) + 1 microbatch-chunks
+       are in flight on rank r: Megatron-LM's warm-up bound, which saves
+       memory at no cost in bubble when costs are as assumed here. (For
+       other stage maps it fits badly, so they keep the stage bound only.)
+   Should the rank bound ever leave every rank idle, the ranks pick again
+   without it.
+
+   Why it never gets stuck with the stage bound alone: let b be the smallest
+   microbatch whose backward is still to run on some stage, and s the last
+   such stage. If s < S - 1, B(s+1, b) is done, so B(s, b) is ready. If
+   s = S - 1, B(s, b) waits for F(S-1, b); the first stage that has not run
+   F(., b) then can: its input is done, and it holds no microbatch (all
+   before b have gone back). Why the lists never deadlock under other costs:
+   every rank's order and every dependency point forward in the generation's
+   time, so together they form no cycle. */
+typedef struct smp__sched_gen {
+    int R, S, m;
+    bool fo;
+    const int *map;
+    long *fin_f, *fin_b;  /* [stage * m + mb]: finish time, -1 until started */
+    int *next_f, *next_b; /* [stage]: next microbatch to run */
+    int *chunk;           /* [stage]: position among its rank's stages */
+    int *local, *first;   /* stages of rank r: local[first[r] .. first[r+1]-1] */
+    int *rank_cap;        /* [rank]: the rank bound, 0: none */
+    int *rank_inflight;   /* [rank] */
+    int *last_kind;       /* [rank] */
+    long *free_at;        /* [rank] */
+} smp__sched_gen;
+
+/* The operation rank r should start at time t, by the rules above: returns
+   its stage and sets *kind, or -1 when none is ready. */
+static int smp__sched_pick(const smp__sched_gen *g, int r, long t, bool use_rank_cap, smp_sched_op_kind *kind) {
+    int R = g->R, S = g->S, m = g->m, k = g->first[r + 1] - g->first[r];
+    int bf = -1, bb = -1;
+    long kf0 = 0, kf1 = 0, kb0 = 0, kb1 = 0;
+    bool rank_room = g->fo || !use_rank_cap || !g->rank_cap[r] || g->rank_inflight[r] < g->rank_cap[r];
+    for (int q = g->first[r]; q < g->first[r + 1]; q++) {
+        int s = g->local[q], c = g->chunk[s];
+        int i = g->next_f[s];
+        if (i < m && rank_room && (g->fo || i - g->next_b[s] < S - s)) {
+            long in = s == 0 ? 0 : g->fin_f[(size_t)(s - 1) * (size_t)m + (size_t)i];
+            long k0 = i / R, k1 = c;
+            if (in >= 0 && in <= t && (bf < 0 || k0 < kf0 || (k0 == kf0 && k1 < kf1))) {
+                bf = s; kf0 = k0; kf1 = k1;
+            }
+        }
+        i = g->next_b[s];
+        if (!g->fo && i < g->next_f[s]) {
+            long in = s == S - 1 ? g->fin_f[(size_t)s * (size_t)m + (size_t)i]
+                                 : g->fin_b[(size_t)(s + 1) * (size_t)m + (size_t)i];
+            long k0 = i / R, k1 = k - 1 - c;
+            if (in >= 0 && in <= t && (bb < 0 || k0 < kb0 || (k0 == kb0 && k1 < kb1))) {
+                bb = s; kb0 = k0; kb1 = k1;
+            }
+        }
+    }
+    if (bf >= 0 && (bb < 0 || g->last_kind[r] == SMP_SCHED_BACKWARD)) {
+        *kind = SMP_SCHED_FORWARD;
+        return bf;
+    }
+    *kind = SMP_SCHED_BACKWARD;
+    return bb;
+}
+
+static smp_status smp__sched_interleaved(smp_schedule *sc) {
+    int R = sc->nranks, S = sc->nstages, m = sc->microbatches;
+    const long cost_f = 1, cost_b = 2;
+    size_t n = (size_t)S * (size_t)m;
+    smp_status st = SMP_OK;
+    smp__sched_gen g;
+    memset(&g, 0, sizeof g);
+    g.R = R; g.S = S; g.m = m; g.fo = sc->forward_only; g.map = sc->stage_rank;
+    g.fin_f = (long *)smp__sched_calloc(n, sizeof(long));
+    g.fin_b = (long *)smp__sched_calloc(n, sizeof(long));
+    g.next_f = (int *)smp__sched_calloc((size_t)S, sizeof(int));
+    g.next_b = (int *)smp__sched_calloc((size_t)S, sizeof(int));
+    g.chunk = (int *)smp__sched_calloc((size_t)S, sizeof(int));
+    g.local = (int *)smp__sched_calloc((size_t)S, sizeof(int));
+    g.first = (int *)smp__sched_calloc((size_t)R + 1, sizeof(int));
+    g.rank_cap = (int *)smp__sched_calloc((size_t)R, sizeof(int));
+    g.rank_inflight = (int *)smp__sched_calloc((size_t)R, sizeof(int));
+    g.last_kind = (int *)smp__sched_calloc((size_t)R, sizeof(int));
+    g.free_at = (long *)smp__sched_calloc((size_t)R, sizeof(long));
+    if (!g.fin_f || !g.fin_b || !g.next_f || !g.next_b || !g.chunk || !g.local || !g.first || !g.rank_cap ||
+        !g.rank_inflight || !g.last_kind || !g.free_at) {
+        st = SMP_ERR_NOMEM;
+    } else {
+        for (size_t q = 0; q < n; q++) g.fin_f[q] = g.fin_b[q] = -1;
+        /* chunk numbers and the stages of each rank (rank_inflight counts
+           them for now) */
+        for (int s = 0; s < S; s++) g.chunk[s] = g.rank_inflight[g.map[s]]++;
+        for (int r = 0; r < R; r++) g.first[r + 1] = g.first[r] + g.rank_inflight[r];
+        for (int s = 0; s < S; s++) g.local[g.first[g.map[s]] + g.chunk[s]] = s;
+        bool round_robin = true;
+        for (int s = 0; s < S; s++) round_robin = round_robin && g.map[s] == s % R;
+        for (int r = 0; r < R; r++) {
+            int k = g.rank_inflight[r], last = g.local[g.first[r + 1] - 1];
+            if (k > 1 && round_robin) g.rank_cap[r] = (k - 1) * (m < R ? m : R) + 2 * (S - 1 - last) + 1;
+            g.rank_inflight[r] = 0;
+            g.last_kind[r] = SMP_SCHED_BACKWARD; /* so the first pick prefers a forward */
+        }
+
+        long remaining = (long)n * (g.fo ? 1 : 2), t = 0;
+        while (remaining > 0) {
+            bool any_busy = false, started = false;
+            for (int pass = 0; pass < 2 && !started && !any_busy; pass++) {
+                /* pass 1 only when pass 0 left every rank idle: drop the rank bound */
+                for (int r = 0; r < R; r++) {
+                    if (g.free_at[r] > t) { any_busy = true; continue; }
+                    smp_sched_op_kind kind;
+                    int s = smp__sched_pick(&g, r, t, pass == 0, &kind);
+                    if (s < 0) continue;
+                    int i;
+                    if (kind == SMP_SCHED_FORWARD) {
+                        i = g.next_f[s]++;
+                        g.free_at[r] = g.fin_f[(size_t)s * (size_t)m + (size_t)i] = t + cost_f;
+                        g.rank_inflight[r]++;
+                    } else {
+                        i = g.next_b[s]++;
+                        g.free_at[r] = g.fin_b[(size_t)s * (size_t)m + (size_t)i] = t + cost_b;
+                        g.rank_inflight[r]--;
+                    }
+                    smp__sched_push(sc, r, kind, s, i);
+                    g.last_kind[r] = (int)kind;
+                    remaining--;
+                    started = true;
+                }
+            }
+            if (remaining == 0) break;
+            /* on to the next time an operation finishes */
+            long next = -1;
+            for (int r = 0; r < R; r++)
+                if (g.free_at[r] > t && (next < 0 || g.free_at[r] < next)) next = g.free_at[r];
+            if (next < 0) {
+                st = smp_error(SMP_ERR_STATE, "smp bug: the interleaved schedule generator got stuck "
+                                              "(%d ranks, %d stages, %d microbatches)", R, S, m);
+                break;
+            }
+            t = next;
+        }
+    }
+    SMP_FREE(g.fin_f); SMP_FREE(g.fin_b); SMP_FREE(g.next_f); SMP_FREE(g.next_b); SMP_FREE(g.chunk);
+    SMP_FREE(g.local); SMP_FREE(g.first); SMP_FREE(g.rank_cap); SMP_FREE(g.rank_inflight);
+    SMP_FREE(g.last_kind); SMP_FREE(g.free_at);
+    return st;
+}
+
+SMPDEF void smp_schedule_free(smp_schedule *s) {
+    if (!s) return;
+    if (s->ops)
+        for (int r = 0; r < s->nranks; r++) SMP_FREE(s->ops[r]);
+    SMP_FREE(s->ops);
+    SMP_FREE(s->nops);
+    SMP_FREE(s->stage_rank);
+    memset(s, 0, sizeof *s);
+}
+
+SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nstages, const int *stage_rank,
+                                     int microbatches, bool forward_only, smp_schedule *out) {
+    if (!out) return smp_error(SMP_ERR_ARG, "smp_schedule_build: out is NULL");
+    memset(out, 0, sizeof *out);
+    if (kind == SMP_PIPELINE_DEFAULT) kind = SMP_PIPELINE_INTERLEAVED;
+    if (kind != SMP_PIPELINE_INTERLEAVED && kind != SMP_PIPELINE_SIMPLE)
+        return smp_error(SMP_ERR_ARG, "unknown pipeline kind %d (expected simple or interleaved)", (int)kind);
+    smp_status st = smp__sched_check_map(nranks, nstages, stage_rank, microbatches);
+    if (st != SMP_OK) return st;
+    if ((long long)nstages * microbatches * 2 > 0x7fffffffLL)
+        return smp_error(SMP_ERR_ARG, "%d stages x %d microbatches is too many operations", nstages, microbatches);
+
+    int *map = (int *)smp__sched_calloc((size_t)nstages, sizeof(int));
+    if (!map) return smp_error(SMP_ERR_NOMEM, "out of memory building a schedule");
+    for (int s = 0; s < nstages; s++) map[s] = stage_rank ? stage_rank[s] : s % nranks;
+
+    out->kind = kind;
+    out->nranks = nranks;
+    out->nstages = nstages;
+    out->microbatches = microbatches;
+    out->forward_only = forward_only;
+    st = smp__sched_alloc(out, map);
+    SMP_FREE(map);
+    if (st == SMP_OK) {
+        if (kind == SMP_PIPELINE_SIMPLE) smp__sched_simple(out);
+        else st = smp__sched_interleaved(out);
+    }
+    if (st != SMP_OK) {
+        smp_schedule_free(out);
+        if (st == SMP_ERR_NOMEM) return smp_error(SMP_ERR_NOMEM, "out of memory building a schedule");
+    }
+    return st;
+}
+
+/* Appends printf-style text to buf (capacity cap, length *len), keeping it
+   terminated; once full, further text is dropped and "..." marks the cut. */
+static void smp__sched_append(char *buf, size_t cap, size_t *len, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
+#endif
+    ;
+static void smp__sched_append(char *buf, size_t cap, size_t *len, const char *fmt, ...) {
+    if (*len + 1 >= cap) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(buf + *len, cap - *len, fmt, ap);
+    va_end(ap);
+    if (k < 0) return;
+    if ((size_t)k >= cap - *len) {
+        *len = cap - 1;
+        if (cap >= 4) memcpy(buf + cap - 4, "...", 4);
+    } else {
+        *len += (size_t)k;
+    }
+}
+
+static char smp__sched_letter(smp_sched_op_kind k) { return k == SMP_SCHED_FORWARD ? 'F' : 'B'; }
+
+SMPDEF void smp_sim_result_free(smp_sim_result *r) {
+    if (!r) return;
+    SMP_FREE(r->peak_inflight);
+    SMP_FREE(r->rank_peak_inflight);
+    memset(r, 0, sizeof *r);
+}
+
+SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd_cost, const double *bwd_cost,
+                                        double comm_latency, smp_sim_result *out) {
+    if (!out) return smp_error(SMP_ERR_ARG, "smp_schedule_simulate: out is NULL");
+    memset(out, 0, sizeof *out);
+    if (!s) return smp_error(SMP_ERR_ARG, "smp_schedule_simulate: schedule is NULL");
+    int R = s->nranks, S = s->nstages, m = s->microbatches;
+    smp_status st = smp__sched_check_map(R, S, s->stage_rank, m);
+    if (st != SMP_OK) return st;
+    if (!s->stage_rank || !s->nops || !s->ops)
+        return smp_error(SMP_ERR_ARG, "schedule has no stage map or no op lists");
+    if (!(comm_latency >= 0) || !isfinite(comm_latency))
+        return smp_error(SMP_ERR_ARG, "comm_latency must be finite and >= 0, got %g", comm_latency);
+    for (int q = 0; q < S; q++) {
+        double f = fwd_cost ? fwd_cost[q] : 1.0, b = bwd_cost ? bwd_cost[q] : 1.0;
+        if (!(f >= 0) || !isfinite(f))
+            return smp_error(SMP_ERR_ARG, "forward cost of stage %d must be finite and >= 0, got %g", q, f);
+        if (!(b >= 0) || !isfinite(b))
+            return smp_error(SMP_ERR_ARG, "backward cost of stage %d must be finite and >= 0, got %g", q, b);
+    }
+
+    size_t n = (size_t)S * (size_t)m;
+    double *fin = (double *)smp__sched_calloc(2 * n, sizeof(double)); /* [kind][stage][mb] */
+    char *done = (char *)smp__sched_calloc(2 * n, 1);  /* 1: listed (validation), 2: finished */
+    int *idx = (int *)smp__sched_calloc((size_t)R, sizeof(int));
+    double *clock = (double *)smp__sched_calloc((size_t)R, sizeof(double));
+    int *cnt = (int *)smp__sched_calloc((size_t)S, sizeof(int));
+    int *rcnt = (int *)smp__sched_calloc((size_t)R, sizeof(int));
+    out->peak_inflight = (int *)smp__sched_calloc((size_t)S, sizeof(int));
+    out->rank_peak_inflight = (int *)smp__sched_calloc((size_t)R, sizeof(int));
+    if (!fin || !done || !idx || !clock || !cnt || !rcnt || !out->peak_inflight || !out->rank_peak_inflight) {
+        st = smp_error(SMP_ERR_NOMEM, "out of memory simulating a schedule");
+        goto done;
+    }
+
+    /* validate: every op in range, on its stage's rank, exactly once */
+    for (int r = 0; r < R && st == SMP_OK; r++) {
+        if (s->nops[r] < 0 || (s->nops[r] > 0 && !s->ops[r])) {
+            st = smp_error(SMP_ERR_ARG, "rank %d has a bad op list (%d ops)", r, s->nops[r]);
+            break;
+        }
+        for (int k = 0; k < s->nops[r]; k++) {
+            smp_sched_op op = s->ops[r][k];
+            if (op.kind != SMP_SCHED_FORWARD && op.kind != SMP_SCHED_BACKWARD) {
+                st = smp_error(SMP_ERR_ARG, "rank %d op %d has unknown kind %d", r, k, (int)op.kind);
+                break;
+            }
+            if (op.stage < 0 || op.stage >= S || op.microbatch < 0 || op.microbatch >= m) {
+                st = smp_error(SMP_ERR_ARG, "rank %d op %d is %c(stage %d, microbatch %d), outside %d stages x %d "
+                               "microbatches", r, k, smp__sched_letter(op.kind), op.stage, op.microbatch, S, m);
+                break;
+            }
+            if (s->stage_rank[op.stage] != r) {
+                st = smp_error(SMP_ERR_ARG, "rank %d op %d is %c(stage %d, microbatch %d), but stage %d runs on "
+                               "rank %d", r, k, smp__sched_letter(op.kind), op.stage, op.microbatch, op.stage,
+                               s->stage_rank[op.stage]);
+                break;
+            }
+            if (s->forward_only && op.kind == SMP_SCHED_BACKWARD) {
+                st = smp_error(SMP_ERR_ARG, "rank %d op %d is a backward in a forward-only schedule", r, k);
+                break;
+            }
+            size_t at = (size_t)op.kind * n + (size_t)op.stage * (size_t)m + (size_t)op.microbatch;
+            if (done[at]) {
+                st = smp_error(SMP_ERR_ARG, "%c(stage %d, microbatch %d) appears twice in the schedule",
+                               smp__sched_letter(op.kind), op.stage, op.microbatch);
+                break;
+            }
+            done[at] = 1;
+        }
+    }
+    for (int kd = 0; kd < (s->forward_only ? 1 : 2) && st == SMP_OK; kd++)
+        for (size_t at = 0; at < n; at++)
+            if (!done[(size_t)kd * n + at]) {
+                st = smp_error(SMP_ERR_ARG, "the schedule never runs %c(stage %d, microbatch %d)",
+                               smp__sched_letter((smp_sched_op_kind)kd), (int)(at / (size_t)m),
+                               (int)(at % (size_t)m));
+                break;
+            }
+    if (st != SMP_OK) goto done;
+
+    /* run: sweep the ranks, advancing each as far as its next op's
+       dependency is finished. An op's start depends only on its rank's
+       previous op and its dependency, so sweep order does not matter. */
+    {
+        long total = 0, finished = 0;
+        for (int r = 0; r < R; r++) total += s->nops[r];
+        while (finished < total) {
+            bool progressed = false;
+            for (int r = 0; r < R; r++) {
+                while (idx[r] < s->nops[r]) {
+                    smp_sched_op op = s->ops[r][idx[r]];
+                    size_t me = (size_t)op.kind * n + (size_t)op.stage * (size_t)m + (size_t)op.microbatch;
+                    long dep = -1; /* index of the dependency in fin/done, -1: none */
+                    int dep_stage = -1;
+                    if (op.kind == SMP_SCHED_FORWARD) {
+                        if (op.stage > 0) dep_stage = op.stage - 1;
+                        if (dep_stage >= 0) dep = (long)((size_t)dep_stage * (size_t)m + (size_t)op.microbatch);
+                    } else if (op.stage == S - 1) {
+                        dep_stage = op.stage;
+                        dep = (long)((size_t)dep_stage * (size_t)m + (size_t)op.microbatch);
+                    } else {
+                        dep_stage = op.stage + 1;
+                        dep = (long)(n + (size_t)dep_stage * (size_t)m + (size_t)op.microbatch);
+                    }
+                    double start = clock[r];
+                    if (dep >= 0) {
+                        if (done[dep] != 2) break;
+                        double ready = fin[dep] + (s->stage_rank[dep_stage] != r ? comm_latency : 0.0);
+                        if (ready > start) start = ready;
+                    }
+                    double cost = op.kind == SMP_SCHED_FORWARD ? (fwd_cost ? fwd_cost[op.stage] : 1.0)
+                                                               : (bwd_cost ? bwd_cost[op.stage] : 1.0);
+                    fin[me] = start + cost;
+                    done[me] = 2;
+                    clock[r] = fin[me];
+                    out->busy += cost;
+                    if (fin[me] > out->makespan) out->makespan = fin[me];
+                    if (!s->forward_only) {
+                        int d = op.kind == SMP_SCHED_FORWARD ? 1 : -1;
+                        cnt[op.stage] += d;
+                        rcnt[r] += d;
+                        if (cnt[op.stage] > out->peak_inflight[op.stage]) out->peak_inflight[op.stage] = cnt[op.stage];
+                        if (rcnt[r] > out->rank_peak_inflight[r]) out->rank_peak_inflight[r] = rcnt[r];
+                    }
+                    idx[r]++;
+                    finished++;
+                    progressed = true;
+                }
+            }
+            if (finished < total && !progressed) {
+                size_t len = 0;
+                out->deadlock = true;
+                smp__sched_append(out->deadlock_reason, sizeof out->deadlock_reason, &len,
+                                  "deadlock after %ld of %ld ops:", finished, total);
+                for (int r = 0; r < R; r++) {
+                    if (idx[r] >= s->nops[r]) continue;
+                    smp_sched_op op = s->ops[r][idx[r]];
+                    smp_sched_op_kind dk = op.kind == SMP_SCHED_BACKWARD && op.stage < S - 1 ? SMP_SCHED_BACKWARD
+                                                                                             : SMP_SCHED_FORWARD;
+                    int ds = op.kind == SMP_SCHED_FORWARD ? op.stage - 1
+                                                          : (op.stage < S - 1 ? op.stage + 1 : op.stage);
+                    smp__sched_append(out->deadlock_reason, sizeof out->deadlock_reason, &len,
+                                      " rank %d at %c%d.%d waits for %c%d.%d (rank %d);", r,
+                                      smp__sched_letter(op.kind), op.stage, op.microbatch, smp__sched_letter(dk), ds,
+                                      op.microbatch, s->stage_rank[ds]);
+                }
+                break;
+            }
+        }
+    }
+    {
+        double work = 0;
+        for (int q = 0; q < S; q++)
+            work += (double)m * ((fwd_cost ? fwd_cost[q] : 1.0) + (s->forward_only ? 0.0 : (bwd_cost ? bwd_cost[q] : 1.0)));
+        out->ideal = work / R;
+        out->bubble_fraction = out->makespan > 0 ? 1.0 - out->busy / ((double)R * out->makespan) : 0.0;
+    }
+done:
+    SMP_FREE(fin); SMP_FREE(done); SMP_FREE(idx); SMP_FREE(clock); SMP_FREE(cnt); SMP_FREE(rcnt);
+    if (st != SMP_OK) smp_sim_result_free(out);
+    return st;
+}
+
+/* ======================================================================
+   end of schedules and simulator: implementation
+   ====================================================================== */
+
+/* ---------------------------------------------------------------- executor */
+/* The executor replays the traced calls: per microbatch, each stage runs its
+   calls in order; tensors that cross to a stage on another rank travel as
+   one message per (producer stage, consumer stage, microbatch), a small
+   header with the shapes, then the bytes. All receives of a step are
+   posted before it starts and sends never block, so no order of operations
+   between two ranks can deadlock; per (peer, tag) MPI keeps messages in
+   order, and every schedule runs a stage's microbatches in increasing
+   order, so the k-th message matches the k-th receive. */
+
+typedef struct smp__edge { int call, out, consumer, input; } smp__edge; /* consumer == ncalls: the body */
+
+typedef struct smp__link {
+    int from, to;        /* producer stage, consumer stage */
+    int peer_from, peer_to; /* their mp ranks */
+    int *tensors, ntensors; /* forward: producer tensors (call * maxout + out), in order */
+    int *edges, nedges;     /* backward: one gradient per edge, in order */
+} smp__link;
+
+typedef struct smp__xfer {
+    MPI_Request req[2];
+    int64_t *hdr;
+    void *buf;               /* receive: the bytes; send: what to free once sent */
+    MPI_Datatype type;       /* send: the gathering datatype, or MPI_DATATYPE_NULL */
+    int state;               /* receive: 0 idle, 1 header posted, 2 data posted, 3 arrived; send: 1 in flight */
+    int peer, ntensors;
+} smp__xfer;
+
+typedef struct smp__event { double t0, t1; int kind, stage, mb; } smp__event; /* kind: 0 fwd, 1 bwd, 2 wait, 3 body */
+
+typedef struct smp__mbstate {
+    smp_tensor *act;       /* [ncalls * maxout]: this microbatch's tensors known here */
+    smp_call_ctx *ctx;     /* [ncalls]: local calls */
+    smp_tensor *contrib;   /* [nedges]: gradient contributions, owned */
+    smp_tensor *out_grad;  /* [noutputs]: the body's output gradients */
+    smp_tensor *args;      /* [nargs]: this microbatch's slice of each argument */
+    void **arg_copies;     /* slices along axes other than 0 are copies */
+    smp_tensor *returned;  /* [SMP_MAX_STEP_ARGS]: the body's values */
+} smp__mbstate;
+
+typedef struct smp__pipe {
+    int maxout, nedges, nlinks;
+    smp__edge *edges;       /* grouped by producer tensor, consumers in increasing order */
+    int *first_edge;        /* [ncalls * maxout + 1]: edges of each producer tensor */
+    int *edge_of_input;     /* [ncalls * maxin]: the edge feeding (call, input), or -1 */
+    int maxin;
+    smp__link *links;
+    MPI_Comm comm, err_comm;
+    MPI_Request err_req;
+    char err_msg[sizeof smp__errbuf + 8];
+    int body_stage;
+    smp_schedule sched[2]; /* [evaluate] */
+    /* per step */
+    int m;
+    bool training;
+    const smp_step_desc *desc;
+    smp__mbstate *mb;
+    smp__xfer *recv;       /* [(link * m + mb) * 2 + backward] */
+    smp__xfer *sends;
+    int nsends, sends_cap;
+    bool failed_remote;
+    int *inflight;         /* [nstages] */
+    smp_step_stats stats;
+    smp__event *events;
+    int nevents, events_cap;
+    bool timeline;
+    double t_origin;
+} smp__pipe;
+
+static void smp__pipe_free(void *p) {
+    smp__pipe *ps = (smp__pipe *)p;
+    if (!ps) return;
+    smp__free(ps->edges);
+    smp__free(ps->first_edge);
+    smp__free(ps->edge_of_input);
+    for (int i = 0; i < ps->nlinks; i++) { smp__free(ps->links[i].tensors); smp__free(ps->links[i].edges); }
+    smp__free(ps->links);
+    smp_schedule_free(&ps->sched[0]);
+    smp_schedule_free(&ps->sched[1]);
+    if (ps->err_req != MPI_REQUEST_NULL) { MPI_Cancel(&ps->err_req); MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE); }
+    if (smp__ctx.initialized) { MPI_Comm_free(&ps->comm); MPI_Comm_free(&ps->err_comm); }
+    smp__free(ps->inflight);
+    smp__free(ps->events);
+    smp__free(ps);
+}
+
+static void smp__pipe_comms(smp__pipe *ps) {
+    MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->comm);
+    MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->err_comm);
+    MPI_Irecv(ps->err_msg, (int)sizeof ps->err_msg, MPI_CHAR, MPI_ANY_SOURCE, 1, ps->err_comm, &ps->err_req);
+}
+
+static smp__pipe *smp__pipe_build(smp_model *md) {
+    smp__pipe *ps = (smp__pipe *)smp__alloc(sizeof *ps, SMP__ALLOC_OTHER);
+    memset(ps, 0, sizeof *ps);
+    int n = md->ncalls, S = md->nstages;
+    for (int k = 0; k < n; k++) {
+        if (md->calls[k].nout > ps->maxout) ps->maxout = md->calls[k].nout;
+        if (md->calls[k].nin > ps->maxin) ps->maxin = md->calls[k].nin;
+    }
+    if (ps->maxin == 0) ps->maxin = 1;
+    int T = n * ps->maxout;
+    /* edges: every (producer tensor -> consumer input), consumers in call order, the body last */
+    int *count = (int *)smp__alloc(sizeof(int) * (size_t)(T + 1), SMP__ALLOC_OTHER);
+    memset(count, 0, sizeof(int) * (size_t)(T + 1));
+    for (int c = 0; c < n; c++)
+        for (int i = 0; i < md->calls[c].nin; i++)
+            if (md->calls[c].in[i].call >= 0) count[md->calls[c].in[i].call * ps->maxout + md->calls[c].in[i].index]++;
+    for (int o = 0; o < md->desc.noutputs; o++) count[md->outputs[o].call * ps->maxout + md->outputs[o].index]++;
+    ps->first_edge = (int *)smp__alloc(sizeof(int) * (size_t)(T + 1), SMP__ALLOC_OTHER);
+    ps->first_edge[0] = 0;
+    for (int t = 0; t < T; t++) ps->first_edge[t + 1] = ps->first_edge[t] + count[t];
+    ps->nedges = ps->first_edge[T];
+    ps->edges = (smp__edge *)smp__alloc(sizeof(smp__edge) * (size_t)(ps->nedges ? ps->nedges : 1), SMP__ALLOC_OTHER);
+    ps->edge_of_input = (int *)smp__alloc(sizeof(int) * (size_t)(n * ps->maxin), SMP__ALLOC_OTHER);
+    for (int i = 0; i < n * ps->maxin; i++) ps->edge_of_input[i] = -1;
+    memset(count, 0, sizeof(int) * (size_t)(T + 1));
+    for (int c = 0; c <= n; c++) {
+        int nin = c < n ? md->calls[c].nin : md->desc.noutputs;
+        for (int i = 0; i < nin; i++) {
+            smp__ref r = c < n ? md->calls[c].in[i] : md->outputs[i];
+            if (r.call < 0) continue;
+            int t = r.call * ps->maxout + r.index, e = ps->first_edge[t] + count[t]++;
+            ps->edges[e].call = r.call;
+            ps->edges[e].out = r.index;
+            ps->edges[e].consumer = c;
+            ps->edges[e].input = i;
+            if (c < n) ps->edge_of_input[c * ps->maxin + i] = e;
+        }
+    }
+    smp__free(count);
+    ps->body_stage = S - 1;
+    /* links between stages on different ranks */
+    int *link_of = (int *)smp__alloc(sizeof(int) * (size_t)(S * S), SMP__ALLOC_OTHER);
+    for (int i = 0; i < S * S; i++) link_of[i] = -1;
+    int cap = 0;
+    for (int e = 0; e < ps->nedges; e++) {
+        int from = md->calls[ps->edges[e].call].stage;
+        int to = ps->edges[e].consumer < n ? md->calls[ps->edges[e].consumer].stage : ps->body_stage;
+        if (md->stage_rank[from] == md->stage_rank[to]) continue;
+        int *L = &link_of[from * S + to];
+        if (*L < 0) {
+            smp__grow((void **)&ps->links, &cap, ps->nlinks + 1, sizeof(smp__link));
+            *L = ps->nlinks++;
+            smp__link *l = &ps->links[*L];
+            memset(l, 0, sizeof *l);
+            l->from = from;
+            l->to = to;
+            l->peer_from = md->stage_rank[from];
+            l->peer_to = md->stage_rank[to];
+            l->tensors = (int *)smp__alloc(sizeof(int) * (size_t)ps->nedges, SMP__ALLOC_OTHER);
+            l->edges = (int *)smp__alloc(sizeof(int) * (size_t)ps->nedges, SMP__ALLOC_OTHER);
+        }
+        smp__link *l = &ps->links[*L];
+        int t = ps->edges[e].call * ps->maxout + ps->edges[e].out;
+        if (l->ntensors == 0 || l->tensors[l->ntensors - 1] != t) l->tensors[l->ntensors++] = t; /* edges are grouped by tensor */
+        l->edges[l->nedges++] = e;
+    }
+    smp__free(link_of);
+    ps->inflight = (int *)smp__alloc(sizeof(int) * (size_t)S, SMP__ALLOC_OTHER);
+    ps->timeline = getenv("SMP_TIMELINE") && *getenv("SMP_TIMELINE");
+    ps->t_origin = smp__now();
+    smp__pipe_comms(ps);
+    return ps;
+}
+
+/* ---------------------------------------------------------------- transport */
+static int smp__tag(const smp__pipe *ps, int link, bool backward) { (void)ps; return (link * 2 + (backward ? 1 : 0)) * 2; }
+
+static smp__xfer *smp__recv_slot(smp__pipe *ps, int link, int mb, bool backward) {
+    return &ps->recv[((size_t)link * (size_t)ps->m + (size_t)mb) * 2 + (backward ? 1 : 0)];
+}
+
+static void smp__post_recv(smp__pipe *ps, int link, int mb, bool backward) {
+    smp__link *l = &ps->links[link];
+    smp__xfer *x = smp__recv_slot(ps, link, mb, backward);
+    x->ntensors = backward ? l->nedges : l->ntensors;
+    x->peer = backward ? l->peer_to : l->peer_from;
+    x->hdr = (int64_t *)smp__alloc(sizeof(int64_t) * 10 * (size_t)x->ntensors, SMP__ALLOC_OTHER);
+    x->state = 1;
+    MPI_Irecv(x->hdr, 10 * x->ntensors, MPI_INT64_T, x->peer, smp__tag(ps, link, backward), ps->comm, &x->req[0]);
+    x->req[1] = MPI_REQUEST_NULL;
+}
+
+static size_t smp__hdr_bytes(const int64_t *h) {
+    smp_tensor t = smp_tensor_make(NULL, (smp_dtype)h[0], (int)h[1], h + 2);
+    return smp_tensor_nbytes(&t);
+}
+
+/* Sends tensors without copying them: a datatype of absolute addresses. */
+static void smp__send(smp__pipe *ps, int link, bool backward, const smp_tensor *const *ts, int nt, void *free_after) {
+    smp__link *l = &ps->links[link];
+    smp__grow((void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer));
+    smp__xfer *x = &ps->sends[ps->nsends++];
+    memset(x, 0, sizeof *x);
+    x->peer = backward ? l->peer_from : l->peer_to;
+    x->hdr = (int64_t *)smp__alloc(sizeof(int64_t) * 10 * (size_t)nt, SMP__ALLOC_OTHER);
+    x->buf = free_after;
+    x->type = MPI_DATATYPE_NULL;
+    x->state = 1;
+    int *lens = (int *)smp__alloc(sizeof(int) * (size_t)nt, SMP__ALLOC_OTHER);
+    MPI_Aint *addrs = (MPI_Aint *)smp__alloc(sizeof(MPI_Aint) * (size_t)nt, SMP__ALLOC_OTHER);
+    for (int i = 0; i < nt; i++) {
+        int64_t *h = x->hdr + 10 * i;
+        memset(h, 0, sizeof(int64_t) * 10);
+        h[0] = ts[i]->dtype;
+        h[1] = ts[i]->ndim;
+        for (int d = 0; d < ts[i]->ndim; d++) h[2 + d] = ts[i]->shape[d];
+        lens[i] = (int)smp_tensor_nbytes(ts[i]);
+        MPI_Get_address(ts[i]->data, &addrs[i]);
+    }
+    int tag = smp__tag(ps, link, backward);
+    MPI_Isend(x->hdr, 10 * nt, MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]);
+    if (nt == 1) {
+        MPI_Isend(ts[0]->data, lens[0], MPI_BYTE, x->peer, tag + 1, ps->comm, &x->req[1]);
+    } else {
+        MPI_Type_create_hindexed(nt, lens, addrs, MPI_BYTE, &x->type);
+        MPI_Type_commit(&x->type);
+        MPI_Isend(MPI_BOTTOM, 1, x->type, x->peer, tag + 1, ps->comm, &x->req[1]);
+    }
+    smp__free(lens);
+    smp__free(addrs);
+}
+
+static void smp__send_done(smp__xfer *x) {
+    smp__free(x->hdr);
+    smp__free(x->buf);
+    if (x->type != MPI_DATATYPE_NULL) MPI_Type_free(&x->type);
+    x->hdr = NULL;
+    x->buf = NULL;
+    x->state = 0;
+}
+
+/* Moves every transfer forward once; true when another rank reported an error. */
+static bool smp__progress(smp__pipe *ps) {
+    int flag = 0;
+    MPI_Status st;
+    MPI_Test(&ps->err_req, &flag, &st);
+    if (flag) { ps->failed_remote = true; return true; }
+    size_t nrecv = (size_t)ps->nlinks * (size_t)ps->m * 2;
+    for (size_t i = 0; i < nrecv; i++) {
+        smp__xfer *x = &ps->recv[i];
+        if (x->state == 1) {
+            MPI_Test(&x->req[0], &flag, &st);
+            if (!flag) continue;
+            size_t total = 0;
+            for (int t = 0; t < x->ntensors; t++) total += smp__hdr_bytes(x->hdr + 10 * t);
+            x->buf = smp__alloc(total ? total : 1, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER);
+            if (total > (size_t)INT32_MAX) smp__fatal("a pipeline message of %zu bytes is larger than 2 GiB", total);
+            MPI_Irecv(x->buf, (int)total, MPI_BYTE, x->peer, st.MPI_TAG + 1, ps->comm, &x->req[1]);
+            x->state = 2;
+        }
+        if (x->state == 2) {
+            MPI_Test(&x->req[1], &flag, MPI_STATUS_IGNORE);
+            if (flag) x->state = 3;
+        }
+    }
+    for (int i = 0; i < ps->nsends; i++) {
+        smp__xfer *x = &ps->sends[i];
+        if (x->state != 1) continue;
+        int done = 0;
+        MPI_Status sts[2];
+        MPI_Testall(2, x->req, &done, sts);
+        if (done) smp__send_done(x);
+    }
+    /* drop finished sends from the front so the list stays short */
+    int k = 0;
+    while (k < ps->nsends && ps->sends[k].state == 0) k++;
+    if (k) { memmove(ps->sends, ps->sends + k, sizeof(smp__xfer) * (size_t)(ps->nsends - k)); ps->nsends -= k; }
+    return false;
+}
+
+static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0) {
+    if (!ps->timeline) return;
+    smp__grow((void **)&ps->events, &ps->events_cap, ps->nevents + 1, sizeof(smp__event));
+    smp__event *e = &ps->events[ps->nevents++];
+    e->t0 = t0 - ps->t_origin;
+    e->t1 = smp__now() - ps->t_origin;
+    e->kind = kind;
+    e->stage = stage;
+    e->mb = mb;
+}
+
+/* Waits until the given receives have arrived. SMP_ERR_REMOTE when another
+   rank failed meanwhile. */
+static smp_status smp__await(smp__pipe *ps, smp__xfer **xs, int n, const char *what, int stage, int mb) {
+    double t0 = smp__now();
+    smp__backoff b = smp__backoff_start();
+    for (;;) {
+        if (smp__progress(ps)) return smp_error(SMP_ERR_REMOTE, "another rank failed");
+        int ready = 0;
+        for (int i = 0; i < n; i++) ready += xs[i]->state == 3;
+        if (ready == n) break;
+        if (!smp__backoff_pause(&b)) {
+            int peer = -1;
+            for (int i = 0; i < n; i++)
+                if (xs[i]->state != 3) peer = xs[i]->peer;
+            char buf[160];
+            snprintf(buf, sizeof buf, "%s of microbatch %d for stage %d", what, mb, stage);
+            smp__timeout_abort(buf, SMP_MP_GROUP, peer, smp__now() - b.start);
+        }
+    }
+    if (n) smp__event_add(ps, 2, stage, mb, t0);
+    return SMP_OK;
+}
+
+/* ---------------------------------------------------------------- microbatches */
+struct smp_mb {
+    smp__pipe *ps;
+    smp_model *model;
+    int index;
+    smp__mbstate *st;
+};
+
+SMPDEF const smp_tensor *smp_mb_output(smp_mb *mb, int i) {
+    smp_model *md = mb->model;
+    if (i < 0 || i >= md->desc.noutputs) return NULL;
+    return &mb->st->act[md->outputs[i].call * mb->ps->maxout + md->outputs[i].index];
+}
+SMPDEF const smp_tensor *smp_mb_arg(smp_mb *mb, int i) { return i >= 0 && i < mb->ps->desc->nargs ? &mb->st->args[i] : NULL; }
+SMPDEF smp_tensor *smp_mb_output_grad(smp_mb *mb, int i) {
+    if (!mb->ps->training || i < 0 || i >= mb->model->desc.noutputs) return NULL;
+    return &mb->st->out_grad[i];
+}
+SMPDEF int smp_mb_index(const smp_mb *mb) { return mb->index; }
+SMPDEF int smp_mb_count(const smp_mb *mb) { return mb->ps->m; }
+SMPDEF void *smp_mb_user(const smp_mb *mb) { return mb->ps->desc->user; }
+SMPDEF bool smp_mb_training(const smp_mb *mb) { return mb->ps->training; }
+SMPDEF smp_status smp_mb_return(smp_mb *mb, int i, const smp_tensor *v) {
+    if (i < 0 || i >= SMP_MAX_STEP_ARGS) return smp_error(SMP_ERR_ARG, "smp_mb_return: index %d is outside 0..%d", i, SMP_MAX_STEP_ARGS - 1);
+    smp_status st = smp__check_tensor(v, "smp_mb_return", "value");
+    if (st) return st;
+    smp_tensor *r = &mb->st->returned[i];
+    smp__free(r->data);
+    *r = *v;
+    size_t bytes = smp_tensor_nbytes(v);
+    r->data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_OTHER);
+    memcpy(r->data, v->data, bytes);
+    r->device = SMP_HOST;
+    return SMP_OK;
+}
+SMPDEF smp_status smp_mb_return_f32(smp_mb *mb, int i, float value) {
+    smp_tensor t = smp_tensor_make(&value, SMP_F32, 0, NULL);
+    return smp_mb_return(mb, i, &t);
+}
+
+/* Slices argument `a` for microbatch `i`: a view along axis 0, a copy along others. */
+static smp_tensor smp__slice(const smp_tensor *t, int axis, int m, int i, void **copy, smp__alloc_kind kind) {
+    smp_tensor s = *t;
+    int64_t part = t->shape[axis] / m, outer = 1, inner = 1;
+    s.shape[axis] = part;
+    for (int d = 0; d < axis; d++) outer *= t->shape[d];
+    for (int d = axis + 1; d < t->ndim; d++) inner *= t->shape[d];
+    size_t es = smp_dtype_size(t->dtype), run = (size_t)(part * inner) * es;
+    if (outer == 1) { s.data = (char *)t->data + (size_t)i * run; *copy = NULL; return s; }
+    char *dst = (char *)smp__alloc(run * (size_t)outer + 1, kind);
+    for (int64_t o = 0; o < outer; o++)
+        memcpy(dst + (size_t)o * run, (const char *)t->data + ((size_t)o * (size_t)t->shape[axis] * (size_t)inner + (size_t)i * (size_t)part * (size_t)inner) * es, run);
+    s.data = dst;
+    *copy = dst;
+    return s;
+}
+
+static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, int m) {
+    if (!d->model) return smp_error(SMP_ERR_ARG, "smp_step: desc.model is NULL");
+    if (d->nargs < 1 || d->nargs > SMP_MAX_STEP_ARGS) return smp_error(SMP_ERR_ARG, "smp_step: %d arguments (1..%d)", d->nargs, SMP_MAX_STEP_ARGS);
+    int nmi = d->nmodel_inputs ? d->nmodel_inputs : md->desc.ninputs;
+    if (nmi != md->desc.ninputs) return smp_error(SMP_ERR_ARG, "smp_step: %d model inputs named, the model takes %d", nmi, md->desc.ninputs);
+    for (int i = 0; i < nmi; i++) {
+        int a = d->nmodel_inputs ? d->model_inputs[i] : i;
+        if (a < 0 || a >= d->nargs) return smp_error(SMP_ERR_ARG, "smp_step: model input %d is argument %d, but there are %d arguments", i, a, d->nargs);
+    }
+    for (int a = 0; a < d->nargs; a++) {
+        const smp_tensor *t = &d->args[a];
+        char name[32];
+        snprintf(name, sizeof name, "argument %d", a);
+        smp_status st = smp__check_tensor(t, "smp_step", name);
+        if (st) return st;
+        if (t->device != SMP_HOST && !smp__ctx.has_device) return smp_error(SMP_ERR_ARG, "smp_step: argument %d is on a CUDA device but no device backend is registered", a);
+        if (d->non_split[a]) continue;
+        int ax = d->split_axis[a];
+        if (ax < 0 || ax >= t->ndim) return smp_error(SMP_ERR_ARG, "smp_step: argument %d has %d dimensions, so it cannot be split along axis %d", a, t->ndim, ax);
+        if (t->shape[ax] % m)
+            return smp_error(SMP_ERR_ARG, "smp_step: batch of %lld (argument %d, axis %d) does not divide into %d microbatches", (long long)t->shape[ax], a, ax, m);
+    }
+    return SMP_OK;
+}
+
+/* ---------------------------------------------------------------- forward and backward of one stage */
+static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i) {
+    smp__mbstate *st = &ps->mb[i];
+    int n = md->ncalls, mo = ps->maxout;
+    /* tensors arriving from other ranks */
+    smp__xfer *wait[64];
+    int nw = 0, lk[64];
+    for (int l = 0; l < ps->nlinks && nw < 64; l++)
+        if (ps->links[l].to == s) { lk[nw] = l; wait[nw++] = smp__recv_slot(ps, l, i, false); }
+    smp_status rc = smp__await(ps, wait, nw, "activations", s, i);
+    if (rc) return rc;
+    for (int w = 0; w < nw; w++) {
+        smp__link *l = &ps->links[lk[w]];
+        char *p = (char *)wait[w]->buf;
+        for (int t = 0; t < l->ntensors; t++) {
+            const int64_t *h = wait[w]->hdr + 10 * t;
+            smp_tensor *a = &st->act[l->tensors[t]];
+            *a = smp_tensor_make(p, (smp_dtype)h[0], (int)h[1], h + 2);
+            p += smp_tensor_nbytes(a);
+        }
+    }
+    double t0 = smp__now();
+    for (int k = md->stage_first[s]; k <= md->stage_last[s]; k++) {
+        smp__call_rec *rec = &md->calls[k];
+        smp_call_ctx *c = &st->ctx[k];
+        memset(c, 0, sizeof *c);
+        c->module = rec->module;
+        c->microbatch = i;
+        c->training = ps->training;
+        c->kind = ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER;
+        c->nin = rec->nin;
+        c->nout = rec->nout;
+        smp_tensor *in = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER);
+        for (int j = 0; j < rec->nin; j++) {
+            smp__ref r = rec->in[j];
+            const smp_tensor *src = r.call < 0 ? &st->args[ps->desc->nmodel_inputs ? ps->desc->model_inputs[r.index] : r.index] : &st->act[r.call * mo + r.index];
+            in[j] = *src;
+            if (r.call >= 0 && smp_tensor_numel(src) == smp_tensor_numel(&rec->in_meta[j]) && rec->in_meta[j].ndim) {
+                /* the call viewed its input with another shape at trace time (a reshape) */
+                in[j].ndim = rec->in_meta[j].ndim;
+                memcpy(in[j].shape, rec->in_meta[j].shape, sizeof in[j].shape);
+            }
+        }
+        c->inputs = in;
+        c->outputs = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER);
+        memset(c->outputs, 0, sizeof(smp_tensor) * (size_t)rec->nout);
+        rc = smp__run_callback(c, false);
+        if (rc) return rc;
+        for (int j = 0; j < rec->nout; j++) st->act[k * mo + j] = c->outputs[j];
+    }
+    (void)n;
+    smp__event_add(ps, 0, s, i, t0);
+    ps->inflight[s]++;
+    for (int l = 0; l < ps->nlinks; l++) {
+        smp__link *L = &ps->links[l];
+        if (L->from != s) continue;
+        const smp_tensor *ts[64];
+        int nt = 0;
+        for (int t = 0; t < L->ntensors && nt < 64; t++) ts[nt++] = &st->act[L->tensors[t]];
+        SMP_ASSERT(nt == L->ntensors);
+        smp__send(ps, l, false, ts, nt, NULL);
+    }
+    return SMP_OK;
+}
+
+static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
+    smp__mbstate *st = &ps->mb[i];
+    smp_mb mb = {ps, md, i, st};
+    if (ps->training)
+        for (int o = 0; o < md->desc.noutputs; o++) {
+            const smp_tensor *y = smp_mb_output(&mb, o);
+            smp_tensor *g = &st->out_grad[o];
+            *g = *y;
+            size_t bytes = smp_tensor_nbytes(y);
+            g->data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_STASH);
+            memset(g->data, 0, bytes);
+        }
+    if (!ps->desc->body) return SMP_OK;
+    double t0 = smp__now();
+    smp__errbuf[0] = 0;
+    smp_status rc = ps->desc->body(&mb);
+    smp__event_add(ps, 3, ps->body_stage, i, t0);
+    if (rc) {
+        char msg[sizeof smp__errbuf];
+        memcpy(msg, smp__errbuf, sizeof msg);
+        return smp_error(SMP_ERR_MODULE, "the step body failed on microbatch %d: %s", i, *msg ? msg : smp_status_name(rc));
+    }
+    const smp_config *cfg = &smp__ctx.cfg;
+    if (ps->training && cfg->average_grads_across_microbatches == SMP_ON && ps->m > 1)
+        for (int o = 0; o < md->desc.noutputs; o++) smp__scale(st->out_grad[o].data, st->out_grad[o].dtype, smp_tensor_numel(&st->out_grad[o]), 1.0 / ps->m);
+    /* the output gradients are the body's contributions to the model outputs */
+    if (ps->training)
+        for (int o = 0; o < md->desc.noutputs; o++) {
+            int t = md->outputs[o].call * ps->maxout + md->outputs[o].index;
+            for (int e = ps->first_edge[t]; e < ps->first_edge[t + 1]; e++)
+                if (ps->edges[e].consumer == md->ncalls && ps->edges[e].input == o) {
+                    st->contrib[e] = st->out_grad[o];
+                    st->out_grad[o].data = NULL; /* owned by the contribution now */
+                }
+        }
+    return SMP_OK;
+}
+
+static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i) {
+    smp__mbstate *st = &ps->mb[i];
+    int mo = ps->maxout;
+    smp__xfer *wait[64];
+    int nw = 0, lk[64];
+    for (int l = 0; l < ps->nlinks && nw < 64; l++)
+        if (ps->links[l].from == s) { lk[nw] = l; wait[nw++] = smp__recv_slot(ps, l, i, true); }
+    smp_status rc = smp__await(ps, wait, nw, "gradients", s, i);
+    if (rc) return rc;
+    for (int w = 0; w < nw; w++) {
+        smp__link *l = &ps->links[lk[w]];
+        char *p = (char *)wait[w]->buf;
+        for (int t = 0; t < l->nedges; t++) {
+            const int64_t *h = wait[w]->hdr + 10 * t;
+            smp_tensor *g = &st->contrib[l->edges[t]];
+            *g = smp_tensor_make(p, (smp_dtype)h[0], (int)h[1], h + 2); /* a view: the buffer is freed with the receive */
+            p += smp_tensor_nbytes(g);
+        }
+    }
+    double t0 = smp__now();
+    for (int k = md->stage_last[s]; k >= md->stage_first[s]; k--) {
+        smp__call_rec *rec = &md->calls[k];
+        smp_call_ctx *c = &st->ctx[k];
+        /* gradient of each output: its consumers' contributions, latest consumer first */
+        smp_tensor *gout = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER);
+        for (int j = 0; j < rec->nout; j++) {
+            gout[j] = c->outputs[j];
+            size_t bytes = smp_tensor_nbytes(&gout[j]);
+            gout[j].data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_STASH);
+            int t = k * mo + j, first = ps->first_edge[t], last = ps->first_edge[t + 1] - 1;
+            if (last < first) { memset(gout[j].data, 0, bytes); continue; }
+            memcpy(gout[j].data, st->contrib[last].data, bytes);
+            for (int e = last - 1; e >= first; e--) {
+                if (gout[j].dtype != SMP_F32 && gout[j].dtype != SMP_F64)
+                    return smp_error(SMP_ERR_MODULE, "output %d of \"%s\" feeds several calls; summing its %s gradients is not supported", j, rec->module->full_name, smp_dtype_name(gout[j].dtype));
+                int64_t nel = smp_tensor_numel(&gout[j]);
+                if (gout[j].dtype == SMP_F32) { float *a = (float *)gout[j].data; const float *b = (const float *)st->contrib[e].data; for (int64_t x = 0; x < nel; x++) a[x] += b[x]; }
+                else { double *a = (double *)gout[j].data; const double *b = (const double *)st->contrib[e].data; for (int64_t x = 0; x < nel; x++) a[x] += b[x]; }
+            }
+        }
+        smp_tensor *gin = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER);
+        for (int j = 0; j < rec->nin; j++) {
+            gin[j] = c->inputs[j];
+            gin[j].data = NULL;
+            if (rec->in[j].call < 0) continue; /* model inputs take no gradient */
+            size_t bytes = smp_tensor_nbytes(&gin[j]);
+            gin[j].data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_STASH);
+            memset(gin[j].data, 0, bytes);
+        }
+        c->grad_outputs = gout;
+        c->grad_inputs = gin;
+        rc = smp__run_callback(c, true);
+        for (int j = 0; j < rec->nout; j++) smp__free(gout[j].data);
+        smp__free(gout);
+        c->grad_outputs = NULL;
+        for (int j = 0; j < rec->nin; j++) {
+            int e = ps->edge_of_input[k * ps->maxin + j];
+            if (e >= 0) { st->contrib[e] = gin[j]; st->contrib[e].shape[0] = gin[j].shape[0]; }
+        }
+        smp__free(gin);
+        c->grad_inputs = NULL;
+        if (rc) return rc;
+    }
+    smp__event_add(ps, 1, s, i, t0);
+    /* gradients for producers on other ranks */
+    for (int l = 0; l < ps->nlinks; l++) {
+        smp__link *L = &ps->links[l];
+        if (L->to != s) continue;
+        const smp_tensor *ts[64];
+        int nt = 0;
+        for (int e = 0; e < L->nedges && nt < 64; e++) ts[nt++] = &st->contrib[L->edges[e]];
+        smp__send(ps, l, true, ts, nt, NULL);
+    }
+    ps->inflight[s]--;
+    return SMP_OK;
+}
+
+/* Frees what stage s holds for microbatch i once nothing needs it. The
+   contributions a stage sent stay until the send completes (freed at step end). */
+static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i, bool free_sent) {
+    smp__mbstate *st = &ps->mb[i];
+    for (int k = md->stage_first[s]; k <= md->stage_last[s]; k++) {
+        smp_call_ctx *c = &st->ctx[k];
+        if (!c->module) continue;
+        smp__call_release(c, true);
+        smp__free((void *)c->inputs);
+        smp__free(c->outputs);
+        memset(c, 0, sizeof *c);
+        /* contributions to this call's outputs were consumed by its backward */
+        for (int j = 0; j < md->calls[k].nout; j++) {
+            int t = k * ps->maxout + j;
+            for (int e = ps->first_edge[t]; e < ps->first_edge[t + 1]; e++) {
+                int cons = ps->edges[e].consumer;
+                int cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
+                bool remote = md->stage_rank[cs] != md->stage_rank[s];
+                if (!remote) smp__free(st->contrib[e].data); /* remote ones are views into a receive buffer */
+                st->contrib[e].data = NULL;
+            }
+        }
+    }
+    (void)free_sent;
+}
+
+/* ---------------------------------------------------------------- the step */
+static void smp__release_step(smp__pipe *ps, smp_model *md, bool cancel) {
+    size_t nrecv = (size_t)ps->nlinks * (size_t)ps->m * 2;
+    for (size_t i = 0; i < nrecv; i++) {
+        smp__xfer *x = &ps->recv[i];
+        if (cancel && (x->state == 1 || x->state == 2)) {
+            MPI_Request *r = &x->req[x->state - 1];
+            MPI_Cancel(r);
+            MPI_Wait(r, MPI_STATUS_IGNORE);
+        }
+        smp__free(x->hdr);
+        smp__free(x->buf);
+    }
+    smp__free(ps->recv);
+    ps->recv = NULL;
+    for (int i = 0; i < ps->nsends; i++)
+        if (ps->sends[i].state == 1) {
+            /* only on failure: the peer stopped receiving; let MPI drop the
+               requests and keep their buffers (freed with smp) */
+            MPI_Request_free(&ps->sends[i].req[0]);
+            MPI_Request_free(&ps->sends[i].req[1]);
+            ps->sends[i].hdr = NULL;
+        }
+    smp__free(ps->sends);
+    ps->sends = NULL;
+    ps->nsends = ps->sends_cap = 0;
+    for (int i = 0; i < ps->m; i++) {
+        smp__mbstate *st = &ps->mb[i];
+        for (int s = 0; s < md->nstages; s++)
+            if (md->stage_rank[s] == smp__ctx.mp_rank) smp__stage_release(ps, md, s, i, true);
+        for (int e = 0; e < ps->nedges; e++) {
+            /* whatever is left: contributions produced here for remote producers */
+            int cons = ps->edges[e].consumer;
+            int cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
+            if (md->stage_rank[cs] == smp__ctx.mp_rank && md->stage_rank[md->calls[ps->edges[e].call].stage] != smp__ctx.mp_rank)
+                smp__free(st->contrib[e].data);
+        }
+        for (int o = 0; o < md->desc.noutputs; o++) smp__free(st->out_grad[o].data);
+        for (int a = 0; a < ps->desc->nargs; a++) smp__free(st->arg_copies[a]);
+        for (int r = 0; r < SMP_MAX_STEP_ARGS; r++) smp__free(st->returned[r].data);
+        smp__free(st->act);
+        smp__free(st->ctx);
+        smp__free(st->contrib);
+        smp__free(st->out_grad);
+        smp__free(st->args);
+        smp__free(st->arg_copies);
+        smp__free(st->returned);
+    }
+    smp__free(ps->mb);
+    ps->mb = NULL;
+}
+
+/* The body's values, from the body's rank to every rank of the replica. */
+static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_output *outs, int nouts) {
+    int root = md->stage_rank[ps->body_stage];
+    bool mine = smp__ctx.mp_rank == root;
+    /* layout: per (output, microbatch): dtype, ndim, shape[8], then the bytes */
+    size_t len = 0;
+    char *buf = NULL;
+    if (mine) {
+        for (int pass = 0; pass < 2; pass++) {
+            size_t at = 0;
+            for (int o = 0; o < nouts; o++)
+                for (int i = 0; i < ps->m; i++) {
+                    const smp_tensor *v = &ps->mb[i].returned[o];
+                    int64_t h[10] = {v->data ? v->dtype : 0, v->ndim};
+                    for (int d = 0; d < v->ndim; d++) h[2 + d] = v->shape[d];
+                    size_t b = v->data ? smp_tensor_nbytes(v) : 0;
+                    if (pass) { memcpy(buf + at, h, sizeof h); if (b) memcpy(buf + at + sizeof h, v->data, b); }
+                    at += sizeof h + b;
+                }
+            if (!pass) { len = at; buf = (char *)smp__alloc(len + 1, SMP__ALLOC_OTHER); }
+        }
+    }
+    void *p = buf;
+    smp_status st = smp_broadcast_bytes(&p, &len, root, SMP_MP_GROUP);
+    if (st) { smp__free(buf); return st; }
+    buf = (char *)p;
+    size_t at = 0;
+    for (int o = 0; o < nouts; o++) {
+        smp_step_output_free(&outs[o]);
+        outs[o].microbatches = ps->m;
+        outs[o].values = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)ps->m, SMP__ALLOC_OTHER);
+        for (int i = 0; i < ps->m; i++) {
+            int64_t h[10];
+            memcpy(h, buf + at, sizeof h);
+            at += sizeof h;
+            smp_tensor *v = &outs[o].values[i];
+            *v = smp_tensor_make(NULL, (smp_dtype)h[0], (int)h[1], h + 2);
+            if (!h[0]) { v->ndim = 0; continue; } /* the body returned nothing here */
+            size_t b = smp_tensor_nbytes(v);
+            v->data = smp__alloc(b ? b : 1, SMP__ALLOC_OTHER);
+            memcpy(v->data, buf + at, b);
+            at += b;
+        }
+    }
+    smp__free(buf);
+    for (int o = 0; o < nouts; o++)
+        for (int i = 0; i < ps->m; i++)
+            if (!outs[o].values[i].data)
+                return smp_error(SMP_ERR_ARG, "the step body returned no value %d on microbatch %d (smp_mb_return)", o, i);
+    return SMP_OK;
+}
+
+static void smp__notify_failure(smp__pipe *ps) {
+    int me = smp__ctx.mp_rank, n = smp__ctx.cfg.partitions;
+    for (int r = 0; r < n; r++) {
+        if (r == me) continue;
+        MPI_Request req;
+        MPI_Isend(smp__errbuf, (int)strlen(smp__errbuf) + 1, MPI_CHAR, r, 1, ps->err_comm, &req);
+        MPI_Request_free(&req); /* small: MPI delivers it eagerly; the comm is replaced after a failure */
+    }
+}
+
+SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
+    smp_status st = smp__require_init("smp_step");
+    if (st) return st;
+    if (!d || !d->model) return smp_error(SMP_ERR_ARG, "smp_step: desc and desc->model are required");
+    smp_model *md = d->model;
+    const smp_config *cfg = &smp__ctx.cfg;
+    int m = cfg->microbatches;
+    double t_start = smp__now();
+    st = smp__check_step(d, md, m);
+    if (!st && (nouts < 0 || nouts > SMP_MAX_STEP_ARGS || (nouts && !outs)))
+        st = smp_error(SMP_ERR_ARG, "smp_step: %d outputs requested (0..%d, with an array)", nouts, SMP_MAX_STEP_ARGS);
+    st = smp__agree_on(smp__ctx.world, st, "step arguments");
+    if (st) return st;
+    bool training = !d->evaluate;
+    if (!md->traced) {
+        smp_tensor sample[SMP_MAX_STEP_ARGS];
+        void *copies[SMP_MAX_STEP_ARGS] = {0};
+        for (int i = 0; i < md->desc.ninputs; i++) {
+            int a = d->nmodel_inputs ? d->model_inputs[i] : i;
+            sample[i] = d->non_split[a] ? d->args[a] : smp__slice(&d->args[a], d->split_axis[a], m, 0, &copies[i], SMP__ALLOC_OTHER);
+        }
+        st = smp_model_trace(md, sample, md->desc.ninputs);
+        for (int i = 0; i < md->desc.ninputs; i++) smp__free(copies[i]);
+        if (st) return st;
+    }
+    if (!md->pipeline) { md->pipeline = smp__pipe_build(md); md->pipeline_free = smp__pipe_free; }
+    smp__pipe *ps = (smp__pipe *)md->pipeline;
+    smp_schedule *sc = &ps->sched[training ? 0 : 1];
+    if (sc->microbatches != m || !sc->ops) {
+        smp_schedule_free(sc);
+        st = smp_schedule_build(cfg->pipeline, cfg->partitions, md->nstages, md->stage_rank, m, !training, sc);
+        if (st) return st; /* same inputs everywhere: every rank fails alike */
+    }
+    ps->m = m;
+    ps->training = training;
+    ps->desc = d;
+    ps->failed_remote = false;
+    int S = md->nstages, n = md->ncalls, me = smp__ctx.mp_rank;
+    memset(ps->inflight, 0, sizeof(int) * (size_t)S);
+    memset(&ps->stats, 0, sizeof ps->stats);
+    ps->mb = (smp__mbstate *)smp__alloc(sizeof(smp__mbstate) * (size_t)m, SMP__ALLOC_OTHER);
+    for (int i = 0; i < m; i++) {
+        smp__mbstate *s = &ps->mb[i];
+        size_t na = (size_t)n * (size_t)ps->maxout;
+        s->act = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * na, SMP__ALLOC_OTHER);
+        memset(s->act, 0, sizeof(smp_tensor) * na);
+        s->ctx = (smp_call_ctx *)smp__alloc(sizeof(smp_call_ctx) * (size_t)n, SMP__ALLOC_OTHER);
+        memset(s->ctx, 0, sizeof(smp_call_ctx) * (size_t)n);
+        s->contrib = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(ps->nedges + 1), SMP__ALLOC_OTHER);
+        memset(s->contrib, 0, sizeof(smp_tensor) * (size_t)(ps->nedges + 1));
+        s->out_grad = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)md->desc.noutputs, SMP__ALLOC_OTHER);
+        memset(s->out_grad, 0, sizeof(smp_tensor) * (size_t)md->desc.noutputs);
+        s->args = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)d->nargs, SMP__ALLOC_OTHER);
+        s->arg_copies = (void **)smp__alloc(sizeof(void *) * (size_t)d->nargs, SMP__ALLOC_OTHER);
+        s->returned = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * SMP_MAX_STEP_ARGS, SMP__ALLOC_OTHER);
+        memset(s->returned, 0, sizeof(smp_tensor) * SMP_MAX_STEP_ARGS);
+        for (int a = 0; a < d->nargs; a++) {
+            s->arg_copies[a] = NULL;
+            s->args[a] = d->non_split[a] ? d->args[a] : smp__slice(&d->args[a], d->split_axis[a], m, i, &s->arg_copies[a], SMP__ALLOC_OTHER);
+        }
+    }
+    /* every receive of the step, posted up front in the order of this rank's operations */
+    size_t nrecv = (size_t)ps->nlinks * (size_t)m * 2;
+    ps->recv = (smp__xfer *)smp__alloc(sizeof(smp__xfer) * (nrecv ? nrecv : 1), SMP__ALLOC_OTHER);
+    memset(ps->recv, 0, sizeof(smp__xfer) * (nrecv ? nrecv : 1));
+    const smp_sched_op *ops = sc->ops[me];
+    int nops = sc->nops[me];
+    for (int o = 0; o < nops; o++) {
+        bool bwd = ops[o].kind == SMP_SCHED_BACKWARD;
+        for (int l = 0; l < ps->nlinks; l++)
+            if ((bwd ? ps->links[l].from : ps->links[l].to) == ops[o].stage) smp__post_recv(ps, l, ops[o].microbatch, bwd);
+    }
+    smp_memory_stats mem0 = smp__ctx.mem;
+    smp__ctx.mem.stash_peak_bytes = smp__ctx.mem.stash_bytes;
+    int peak[64] = {0};
+    for (int o = 0; o < nops && !st; o++) {
+        int s = ops[o].stage, i = ops[o].microbatch;
+        if (ops[o].kind == SMP_SCHED_FORWARD) {
+            st = smp__stage_forward(ps, md, s, i);
+            if (!st && s == ps->body_stage) st = smp__run_body(ps, md, i);
+            if (s < 64 && ps->inflight[s] > peak[s]) peak[s] = ps->inflight[s];
+        } else {
+            st = smp__stage_backward(ps, md, s, i);
+            if (!st) smp__stage_release(ps, md, s, i, false);
+        }
+    }
+    if (!st) { /* the last sends must land before their buffers go */
+        smp__backoff b = smp__backoff_start();
+        while (ps->nsends && !st) {
+            if (smp__progress(ps)) st = smp_error(SMP_ERR_REMOTE, "another rank failed");
+            else if (ps->nsends && !smp__backoff_pause(&b)) smp__timeout_abort("pipeline sends to be received", SMP_MP_GROUP, ps->sends[0].peer, smp__now() - b.start);
+        }
+    }
+    if (st && !ps->failed_remote) smp__notify_failure(ps);
+    smp_status agreed = smp__agree_on(smp__ctx.world, st, "the step");
+    if (agreed) {
+        smp__release_step(ps, md, true);
+        /* messages of the failed step may still be in flight: start over on fresh communicators */
+        if (ps->err_req != MPI_REQUEST_NULL) { MPI_Cancel(&ps->err_req); MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE); }
+        MPI_Comm_free(&ps->comm);
+        MPI_Comm_free(&ps->err_comm);
+        smp__pipe_comms(ps);
+        return agreed;
+    }
+    if (nouts) st = smp__share_outputs(ps, md, outs, nouts);
+    ps->stats.local_stages = 0;
+    for (int s = 0; s < S && s < 64; s++)
+        if (md->stage_rank[s] == me) {
+            ps->stats.stage_index[ps->stats.local_stages] = s;
+            ps->stats.peak_inflight[ps->stats.local_stages++] = peak[s];
+        }
+    ps->stats.stash_peak_bytes = smp__ctx.mem.stash_peak_bytes - mem0.stash_bytes;
+    smp__release_step(ps, md, false);
+    ps->stats.seconds = smp__now() - t_start;
+    return smp__agree_on(smp__ctx.world, st, "step outputs");
+}
+
+SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m) {
+    smp_step_stats z;
+    memset(&z, 0, sizeof z);
+    return m->pipeline ? ((smp__pipe *)m->pipeline)->stats : z;
+}
+
+/* ---------------------------------------------------------------- StepOutput */
+static smp_status smp__reduce_check(const smp_step_output *o, const smp_tensor *r, const char *fn, int64_t want) {
+    if (!o || !o->values || o->microbatches < 1) return smp_error(SMP_ERR_ARG, "%s: the StepOutput is empty", fn);
+    smp_status st = smp__check_tensor(r, fn, "result");
+    if (st) return st;
+    for (int i = 0; i < o->microbatches; i++) {
+        if (o->values[i].dtype != r->dtype)
+            return smp_error(SMP_ERR_ARG, "%s: microbatch %d's value is %s, the result is %s", fn, i, smp_dtype_name(o->values[i].dtype), smp_dtype_name(r->dtype));
+        if (want >= 0 && smp_tensor_numel(&o->values[i]) != want)
+            return smp_error(SMP_ERR_ARG, "%s: microbatch %d's value has %lld elements, the result %lld", fn, i, (long long)smp_tensor_numel(&o->values[i]), (long long)want);
+    }
+    return SMP_OK;
+}
+
+static smp_status smp__reduce_out(const smp_step_output *o, smp_tensor *r, bool mean, const char *fn) {
+    smp_status st = smp__reduce_check(o, r, fn, smp_tensor_numel(r));
+    if (st) return st;
+    if (r->dtype != SMP_F32 && r->dtype != SMP_F64) return smp_error(SMP_ERR_ARG, "%s: reduces f32 and f64 values, not %s", fn, smp_dtype_name(r->dtype));
+    int64_t n = smp_tensor_numel(r);
+    for (int64_t x = 0; x < n; x++) {
+        double acc = 0;
+        for (int i = 0; i < o->microbatches; i++)
+            acc += r->dtype == SMP_F32 ? (double)((const float *)o->values[i].data)[x] : ((const double *)o->values[i].data)[x];
+        if (mean) acc /= o->microbatches;
+        if (r->dtype == SMP_F32) ((float *)r->data)[x] = (float)acc;
+        else ((double *)r->data)[x] = acc;
+    }
+    return SMP_OK;
+}
+SMPDEF smp_status smp_step_output_reduce_mean(const smp_step_output *o, smp_tensor *r) { return smp__reduce_out(o, r, true, "smp_step_output_reduce_mean"); }
+SMPDEF smp_status smp_step_output_reduce_sum(const smp_step_output *o, smp_tensor *r) { return smp__reduce_out(o, r, false, "smp_step_output_reduce_sum"); }
+
+static smp_status smp__join_out(const smp_step_output *o, smp_tensor *r, bool stack, const char *fn) {
+    smp_status st = smp__reduce_check(o, r, fn, -1);
+    if (st) return st;
+    int64_t total = 0;
+    for (int i = 0; i < o->microbatches; i++) total += smp_tensor_numel(&o->values[i]);
+    if (total != smp_tensor_numel(r))
+        return smp_error(SMP_ERR_ARG, "%s: the microbatches hold %lld elements, the result has room for %lld", fn, (long long)total, (long long)smp_tensor_numel(r));
+    if (!stack && o->values[0].ndim == 0) return smp_error(SMP_ERR_ARG, "%s: scalars have no axis to concatenate along; use stack", fn);
+    char *dst = (char *)r->data;
+    for (int i = 0; i < o->microbatches; i++) {
+        size_t b = smp_tensor_nbytes(&o->values[i]);
+        memcpy(dst, o->values[i].data, b);
+        dst += b;
+    }
+    return SMP_OK;
+}
+SMPDEF smp_status smp_step_output_concat(const smp_step_output *o, smp_tensor *r) { return smp__join_out(o, r, false, "smp_step_output_concat"); }
+SMPDEF smp_status smp_step_output_stack(const smp_step_output *o, smp_tensor *r) { return smp__join_out(o, r, true, "smp_step_output_stack"); }
+SMPDEF double smp_step_output_mean(const smp_step_output *o) {
+    if (!o || o->microbatches < 1) return NAN;
+    double acc = 0;
+    for (int i = 0; i < o->microbatches; i++) {
+        const smp_tensor *v = &o->values[i];
+        acc += v->dtype == SMP_F64 ? ((const double *)v->data)[0] : v->dtype == SMP_F32 ? (double)((const float *)v->data)[0] : NAN;
+    }
+    return acc / o->microbatches;
+}
+SMPDEF void smp_step_output_free(smp_step_output *o) {
+    if (!o || !o->values) return;
+    for (int i = 0; i < o->microbatches; i++) smp__free(o->values[i].data);
+    smp__free(o->values);
+    o->values = NULL;
+    o->microbatches = 0;
+}
+
+/* ---------------------------------------------------------------- timeline */
+SMPDEF smp_status smp_timeline_write(smp_model *m) {
+    const char *path = getenv("SMP_TIMELINE");
+    smp__pipe *ps = m ? (smp__pipe *)m->pipeline : NULL;
+    if (!path || !*path) return SMP_OK;
+    size_t cap = 64 + (ps ? (size_t)ps->nevents * 160 : 0), len = 0;
+    char *mine = (char *)smp__alloc(cap, SMP__ALLOC_OTHER);
+    static const char *names[] = {"forward", "backward", "wait", "body"};
+    for (int e = 0; ps && e < ps->nevents; e++) {
+        smp__event *ev = &ps->events[e];
+        len += (size_t)snprintf(mine + len, cap - len,
+                                "%s{\"name\":\"%c%d s%d\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":%d,\"args\":{\"stage\":%d,\"microbatch\":%d}}",
+                                len ? "," : "", "FBWL"[ev->kind], ev->mb, ev->stage, names[ev->kind], ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6,
+                                smp__ctx.rank, ev->kind == 2 ? 1 : 0, ev->stage, ev->mb);
+    }
+    int n = smp__ctx.size;
+    size_t *lens = (size_t *)smp__alloc(sizeof(size_t) * (size_t)n, SMP__ALLOC_OTHER);
+    void *all = NULL;
+    smp_status st = smp_allgather_bytes(mine, len, SMP_WORLD, &all, lens);
+    smp__free(mine);
+    if (!st && smp__ctx.rank == 0) {
+        FILE *f = fopen(path, "w");
+        if (!f) st = smp_error(SMP_ERR_IO, "SMP_TIMELINE: cannot write %s: %s", path, strerror(errno));
+        else {
+            fputs("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[", f);
+            size_t at = 0;
+            bool first = true;
+            for (int r = 0; r < n; r++) {
+                if (lens[r]) { if (!first) fputc(',', f); fwrite((char *)all + at, 1, lens[r], f); first = false; }
+                at += lens[r];
+            }
+            for (int r = 0; r < n; r++)
+                fprintf(f, "%s{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"rank %d\"}}", first && r == 0 ? "" : ",", r, r);
+            fputs("]}\n", f);
+            if (fclose(f)) st = smp_error(SMP_ERR_IO, "SMP_TIMELINE: writing %s failed", path);
+        }
+    }
+    smp__free(all);
+    smp__free(lens);
+    return smp__agree_on(smp__ctx.world, st, "timeline");
+}
+
+#endif /* SMP_PIPELINE_IMPLEMENTED */
+#endif /* SMP_IMPLEMENTATION */

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Runs smp's tests and adds up their PASS/FAIL lines (see test/test.h).
+# usage: test/run.sh BUILD_DIR "unit tests" "mpi tests" "script tests" [rank counts]
+# Ends with the line "N passed, N failed" and exits non-zero if anything failed.
+set -u
+build=$1; unit=$2; mpi=$3; scripts=$4; nps=${5:-"1 2 4"}
+passed=0; failed=0; skipped=0
+log=$(mktemp)
+run() { # label, command...
+  local label=$1; shift
+  local start=$SECONDS
+  timeout "${SMP_TEST_TIMEOUT:-900}" "$@" >"$log" 2>&1
+  local rc=$?
+  local p f s
+  p=$(grep -c '^PASS: ' "$log"); f=$(grep -c '^FAIL: ' "$log"); s=$(grep -c '^SKIP: ' "$log")
+  sed -n 's/^\(FAIL: .*\)/  \1/p; s/^\(SKIP: .*\)/  \1/p' "$log"
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    echo "  FAIL: $label exited with status $rc and reported no failure; its last lines:"
+    tail -n 15 "$log" | sed 's/^/    /'
+    f=1
+  fi
+  printf '%-44s %4d passed %3d failed %3d skipped  (%ds)\n' "$label" "$p" "$f" "$s" $((SECONDS - start))
+  passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
+}
+for t in $unit; do run "$t" "$build/$t"; done
+for t in $mpi; do
+  for np in $nps; do run "$t (mpirun -n $np)" mpirun -n "$np" "$build/$t"; done
+done
+for s in $scripts; do run "$s" bash "$s" "$build"; done
+rm -f "$log"
+echo
+if [ "$skipped" -gt 0 ]; then echo "$passed passed, $failed failed, $skipped skipped"; else echo "$passed passed, $failed failed"; fi
+[ "$failed" -eq 0 ]

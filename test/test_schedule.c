@@ -1,0 +1,591 @@
+/* test_schedule.c - pipeline schedules and the schedule simulator
+   (smp_pipeline.h, section "schedules and simulator"), in one process.
+   Schedules are pure functions: no MPI_Init, no MPI calls.
+
+   Build and run:
+     mpicc -std=c11 -Wall -Wextra -Werror -g test/test_schedule.c -o build/test_schedule -lm
+     MPICH_CC=clang mpicc -std=c11 -Wall -Wextra -Werror -fsanitize=address,undefined \
+           -g test/test_schedule.c -o build/test_schedule_asan -lm
+     ./build/test_schedule
+*/
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SMP_IMPLEMENTATION
+#include "../smp.h"
+#include "../smp_pipeline.h"
+#include "../smp_pipeline.h" /* twice on purpose: the second inclusion must be harmless */
+#include "test.h"
+
+/* ------------------------------------------------------------ helpers */
+
+static char why[512]; /* the first problem a check found */
+
+static int fail(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
+static int fail(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    return 0;
+}
+
+/* Keeps the first problem of a group of checks: clears *flag and writes
+   buf (512 bytes) the first time. */
+static void note(int *flag, char *buf, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static void note(int *flag, char *buf, const char *fmt, ...) {
+    if (!*flag) return;
+    *flag = 0;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, 512, fmt, ap);
+    va_end(ap);
+}
+
+static const char *kind_name(smp_pipeline_kind k) { return k == SMP_PIPELINE_SIMPLE ? "simple" : "interleaved"; }
+
+static unsigned long long rng_state = 0x9e3779b97f4a7c15ULL;
+static unsigned rnd(void) { /* xorshift64*, fixed seed: the test is reproducible */
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return (unsigned)((rng_state * 2685821657736338717ULL) >> 33);
+}
+static double rnd_uniform(double lo, double hi) { return lo + (hi - lo) * (rnd() / 2147483648.0); }
+
+/* Every (kind, stage, microbatch) exactly once, on stage_rank[stage], and on
+   each stage forwards and backwards in increasing microbatch order. */
+static int check_valid(const smp_schedule *sc, const int *map) {
+    int S = sc->nstages, m = sc->microbatches;
+    int *next = (int *)calloc((size_t)(2 * S), sizeof(int));
+    int ok = 1;
+    for (int s = 0; s < S && ok; s++)
+        if (sc->stage_rank[s] != map[s]) ok = fail("stage_rank[%d] = %d, expected %d", s, sc->stage_rank[s], map[s]);
+    for (int r = 0; r < sc->nranks && ok; r++)
+        for (int k = 0; k < sc->nops[r] && ok; k++) {
+            smp_sched_op op = sc->ops[r][k];
+            if (op.stage < 0 || op.stage >= S) { ok = fail("rank %d op %d: stage %d out of range", r, k, op.stage); break; }
+            if (map[op.stage] != r) { ok = fail("rank %d op %d runs stage %d of rank %d", r, k, op.stage, map[op.stage]); break; }
+            if (op.kind == SMP_SCHED_BACKWARD && sc->forward_only) { ok = fail("backward in a forward-only schedule"); break; }
+            int *nx = &next[(op.kind == SMP_SCHED_BACKWARD ? S : 0) + op.stage];
+            if (op.microbatch != *nx) {
+                ok = fail("rank %d op %d: %c(stage %d) microbatch %d, expected %d (out of order or repeated)", r, k,
+                          op.kind == SMP_SCHED_FORWARD ? 'F' : 'B', op.stage, op.microbatch, *nx);
+                break;
+            }
+            (*nx)++;
+        }
+    for (int s = 0; s < S && ok; s++) {
+        if (next[s] != m) ok = fail("stage %d runs %d forwards of %d", s, next[s], m);
+        else if (next[S + s] != (sc->forward_only ? 0 : m)) ok = fail("stage %d runs %d backwards", s, next[S + s]);
+    }
+    free(next);
+    return ok;
+}
+
+/* With one stage per rank, interleaved must be exactly 1F1B: min(m, S-s)
+   forwards, then one backward one forward, then the remaining backwards. */
+static int check_1f1b(const smp_schedule *sc) {
+    int S = sc->nstages, m = sc->microbatches;
+    for (int s = 0; s < S; s++) {
+        int r = sc->stage_rank[s], w = m < S - s ? m : S - s, k = 0, nf = 0, nb = 0;
+        smp_sched_op want[2 * 64];
+        if (2 * m > 2 * 64) return fail("test limit");
+        for (; nf < w; nf++) want[k++] = (smp_sched_op){SMP_SCHED_FORWARD, s, nf};
+        while (nf < m) {
+            want[k++] = (smp_sched_op){SMP_SCHED_BACKWARD, s, nb++};
+            want[k++] = (smp_sched_op){SMP_SCHED_FORWARD, s, nf++};
+        }
+        while (nb < m) want[k++] = (smp_sched_op){SMP_SCHED_BACKWARD, s, nb++};
+        if (sc->nops[r] != k) return fail("rank %d has %d ops, 1F1B has %d", r, sc->nops[r], k);
+        for (int q = 0; q < k; q++) {
+            smp_sched_op a = sc->ops[r][q], b = want[q];
+            if (a.kind != b.kind || a.stage != b.stage || a.microbatch != b.microbatch)
+                return fail("S=%d m=%d rank %d op %d is %c%d.%d, 1F1B has %c%d.%d", S, m, r, q,
+                            a.kind ? 'B' : 'F', a.stage, a.microbatch, b.kind ? 'B' : 'F', b.stage, b.microbatch);
+        }
+    }
+    return 1;
+}
+
+static int same_schedule(const smp_schedule *a, const smp_schedule *b) {
+    if (a->nranks != b->nranks || a->nstages != b->nstages) return 0;
+    for (int r = 0; r < a->nranks; r++) {
+        if (a->nops[r] != b->nops[r]) return 0;
+        if (memcmp(a->ops[r], b->ops[r], (size_t)a->nops[r] * sizeof(smp_sched_op))) return 0;
+    }
+    return 1;
+}
+
+/* A random valid stage map: consecutive stages on different ranks, every
+   rank used. */
+static void random_map(int R, int S, int *map) {
+    for (;;) {
+        for (int s = 0; s < S; s++) {
+            do map[s] = (int)(rnd() % (unsigned)R);
+            while (s > 0 && map[s] == map[s - 1]);
+        }
+        int all = 1;
+        for (int r = 0; r < R && all; r++) {
+            int f = 0;
+            for (int s = 0; s < S; s++) f |= map[s] == r;
+            all = f;
+        }
+        if (all) return;
+    }
+}
+
+/* ------------------------------------------------------------ tests */
+
+static void test_gpipe_bubble(void) {
+    int ok = 1;
+    for (int p = 1; p <= 8 && ok; p++)
+        for (int m = 1; m <= 32 && ok; m++) {
+            double f[8], b[8];
+            for (int s = 0; s < p; s++) { f[s] = 1.5; b[s] = 2.75; } /* equal over stages; f != b is fine */
+            smp_schedule sc;
+            smp_sim_result r;
+            if (smp_schedule_build(SMP_PIPELINE_SIMPLE, p, p, NULL, m, false, &sc) != SMP_OK) {
+                ok = fail("build p=%d m=%d: %s", p, m, smp_last_error());
+                break;
+            }
+            if (smp_schedule_simulate(&sc, f, b, 0.0, &r) != SMP_OK) {
+                ok = fail("simulate p=%d m=%d: %s", p, m, smp_last_error());
+            } else {
+                double want = (double)(p - 1) / (double)(m + p - 1);
+                if (fabs(r.bubble_fraction - want) > 1e-12)
+                    ok = fail("p=%d m=%d: bubble %.15f, want %.15f", p, m, r.bubble_fraction, want);
+                else if (fabs(r.makespan - (m + p - 1) * (1.5 + 2.75)) > 1e-9)
+                    ok = fail("p=%d m=%d: makespan %g", p, m, r.makespan);
+                else if (fabs(r.ideal - m * (1.5 + 2.75)) > 1e-9)
+                    ok = fail("p=%d m=%d: ideal %g", p, m, r.ideal);
+                smp_sim_result_free(&r);
+            }
+            smp_schedule_free(&sc);
+        }
+    CHECK(ok, "gpipe bubble is (p-1)/(m+p-1) for equal stage costs", "%s", why);
+}
+
+static void test_1f1b_bubble(void) {
+    int ok = 1;
+    for (int p = 1; p <= 8 && ok; p++)
+        for (int m = 1; m <= 32 && ok; m++) {
+            smp_schedule sc;
+            smp_sim_result r;
+            if (smp_schedule_build(SMP_PIPELINE_INTERLEAVED, p, p, NULL, m, false, &sc) != SMP_OK) {
+                ok = fail("build: %s", smp_last_error());
+                break;
+            }
+            if (smp_schedule_simulate(&sc, NULL, NULL, 0.0, &r) != SMP_OK) {
+                ok = fail("simulate: %s", smp_last_error());
+            } else {
+                double want = (double)(p - 1) / (double)(m + p - 1);
+                if (fabs(r.bubble_fraction - want) > 1e-12)
+                    ok = fail("p=%d m=%d: bubble %.15f, want %.15f", p, m, r.bubble_fraction, want);
+                smp_sim_result_free(&r);
+            }
+            smp_schedule_free(&sc);
+        }
+    CHECK(ok, "1f1b bubble is (p-1)/(m+p-1) for unit costs", "%s", why);
+}
+
+/* For every nranks 1..8, virtual stages per rank 1..4 (round robin),
+   microbatches 1..16, both kinds, training and evaluation. */
+static void test_exhaustive(void) {
+    int ok_build = 1, ok_valid = 1, ok_sim = 1, ok_rand = 1, ok_1f1b = 1, ok_peak = 1, ok_rank_peak = 1,
+        ok_megatron = 1, ok_pure = 1, ok_reject = 1, ok_fo = 1;
+    char w_build[512] = "", w_valid[512] = "", w_sim[512] = "", w_rand[512] = "", w_1f1b[512] = "",
+         w_peak[512] = "", w_rank_peak[512] = "", w_megatron[512] = "", w_pure[512] = "", w_reject[512] = "",
+         w_fo[512] = "";
+#define NOTE(flag, buf, ...) note(&flag, buf, __VA_ARGS__)
+    int cases = 0;
+    for (int R = 1; R <= 8; R++)
+        for (int v = 1; v <= 4; v++)
+            for (int m = 1; m <= 16; m++)
+                for (int kk = 0; kk < 2; kk++)
+                    for (int fo = 0; fo < 2; fo++) {
+                        smp_pipeline_kind kind = kk ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED;
+                        int S = R * v, map[32];
+                        for (int s = 0; s < S; s++) map[s] = s % R;
+                        smp_schedule sc, again;
+                        smp_status st = smp_schedule_build(kind, R, S, NULL, m, fo, &sc);
+                        if (R == 1 && v > 1) { /* one rank cannot hold consecutive stages */
+                            if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "consecutive"))
+                                NOTE(ok_reject, w_reject, "R=1 v=%d: status %d (%s)", v, (int)st, smp_last_error());
+                            continue;
+                        }
+                        cases++;
+                        if (st != SMP_OK) {
+                            NOTE(ok_build, w_build, "%s R=%d v=%d m=%d fo=%d: %s", kind_name(kind), R, v, m, fo,
+                                 smp_last_error());
+                            continue;
+                        }
+                        const char *ctx_fmt = "%s R=%d v=%d m=%d fo=%d: %s";
+                        if (!check_valid(&sc, map))
+                            NOTE(ok_valid, w_valid, ctx_fmt, kind_name(kind), R, v, m, fo, why);
+                        if (smp_schedule_build(kind, R, S, map, m, fo, &again) != SMP_OK || !same_schedule(&sc, &again))
+                            NOTE(ok_pure, w_pure, "%s R=%d v=%d m=%d fo=%d: a second build (explicit map) differs",
+                                 kind_name(kind), R, v, m, fo);
+                        smp_schedule_free(&again);
+                        if (kind == SMP_PIPELINE_INTERLEAVED && v == 1 && !fo && !check_1f1b(&sc))
+                            NOTE(ok_1f1b, w_1f1b, "%s", why);
+
+                        smp_sim_result r;
+                        if (smp_schedule_simulate(&sc, NULL, NULL, 0.0, &r) != SMP_OK) {
+                            NOTE(ok_sim, w_sim, ctx_fmt, kind_name(kind), R, v, m, fo, smp_last_error());
+                        } else {
+                            if (r.deadlock) NOTE(ok_sim, w_sim, ctx_fmt, kind_name(kind), R, v, m, fo, r.deadlock_reason);
+                            if (!(r.bubble_fraction >= -1e-12 && r.bubble_fraction < 1) || r.makespan + 1e-9 < r.ideal)
+                                NOTE(ok_sim, w_sim, "%s R=%d v=%d m=%d: bubble %g makespan %g ideal %g",
+                                     kind_name(kind), R, v, m, r.bubble_fraction, r.makespan, r.ideal);
+                            for (int s = 0; s < S; s++) {
+                                int want = fo ? 0 : kind == SMP_PIPELINE_SIMPLE ? m : (m < S - s ? m : S - s);
+                                int got = r.peak_inflight[s];
+                                /* simple and 1F1B: exactly; interleaved 1F1B: at most the bound */
+                                if (kind == SMP_PIPELINE_SIMPLE || v == 1 || fo ? got != want : got > want)
+                                    NOTE(ok_peak, w_peak, "%s R=%d v=%d m=%d fo=%d: stage %d peak in-flight %d, want %s%d",
+                                         kind_name(kind), R, v, m, fo, s, got,
+                                         kind == SMP_PIPELINE_SIMPLE || v == 1 || fo ? "" : "<= ", want);
+                            }
+                            if (kind == SMP_PIPELINE_INTERLEAVED && v > 1 && !fo)
+                                for (int q = 0; q < R; q++) {
+                                    /* Megatron-LM's interleaved warm-up bound, plus the one in steady state */
+                                    int bound = (v - 1) * (m < R ? m : R) + 2 * (R - 1 - q) + 1;
+                                    if (bound > v * m) bound = v * m;
+                                    if (r.rank_peak_inflight[q] > bound)
+                                        NOTE(ok_rank_peak, w_rank_peak, "R=%d v=%d m=%d: rank %d holds %d, bound %d",
+                                             R, v, m, q, r.rank_peak_inflight[q], bound);
+                                }
+                            smp_sim_result_free(&r);
+                        }
+                        if (fo) {
+                            for (int q = 0; q < R; q++)
+                                if (sc.nops[q] != v * m)
+                                    NOTE(ok_fo, w_fo, "%s R=%d v=%d m=%d: rank %d has %d ops, want %d forwards",
+                                         kind_name(kind), R, v, m, q, sc.nops[q], v * m);
+                        }
+
+                        /* interleaved 1F1B reaches Megatron-LM's bubble (p-1)/(v*m+p-1)
+                           when m is a multiple of p and a backward costs two forwards */
+                        if (kind == SMP_PIPELINE_INTERLEAVED && !fo && m % R == 0) {
+                            double f[32], b[32];
+                            for (int s = 0; s < S; s++) { f[s] = 1; b[s] = 2; }
+                            if (smp_schedule_simulate(&sc, f, b, 0.0, &r) == SMP_OK) {
+                                double want = (double)(R - 1) / (double)(v * m + R - 1);
+                                if (fabs(r.bubble_fraction - want) > 1e-12)
+                                    NOTE(ok_megatron, w_megatron, "R=%d v=%d m=%d: bubble %.6f, want %.6f", R, v, m,
+                                         r.bubble_fraction, want);
+                                smp_sim_result_free(&r);
+                            } else {
+                                NOTE(ok_megatron, w_megatron, "simulate: %s", smp_last_error());
+                            }
+                        }
+
+                        /* random costs and latency on a subset */
+                        if ((R + v + m) % 3 == 0) {
+                            double f[32], b[32], lat = rnd_uniform(0, 0.5);
+                            for (int s = 0; s < S; s++) { f[s] = rnd_uniform(0.2, 3); b[s] = rnd_uniform(0.2, 5); }
+                            if (smp_schedule_simulate(&sc, f, b, lat, &r) != SMP_OK) {
+                                NOTE(ok_rand, w_rand, "simulate: %s", smp_last_error());
+                            } else {
+                                double maxload = 0;
+                                for (int q = 0; q < R; q++) {
+                                    double load = 0;
+                                    for (int k = 0; k < sc.nops[q]; k++) {
+                                        smp_sched_op op = sc.ops[q][k];
+                                        load += op.kind == SMP_SCHED_FORWARD ? f[op.stage] : b[op.stage];
+                                    }
+                                    if (load > maxload) maxload = load;
+                                }
+                                if (r.deadlock)
+                                    NOTE(ok_rand, w_rand, ctx_fmt, kind_name(kind), R, v, m, fo, r.deadlock_reason);
+                                else if (r.makespan + 1e-9 < maxload)
+                                    NOTE(ok_rand, w_rand, "R=%d v=%d m=%d: makespan %g below a rank's load %g", R, v,
+                                         m, r.makespan, maxload);
+                                smp_sim_result_free(&r);
+                            }
+                        }
+                        smp_schedule_free(&sc);
+                    }
+    CHECK(ok_reject, "exhaustive: 1 rank with several stages is rejected", "%s", w_reject);
+    CHECK(ok_build && cases == 7 * 4 * 16 * 4 + 16 * 4, "exhaustive: every schedule builds", "%s (%d cases)", w_build,
+          cases);
+    CHECK(ok_valid, "exhaustive: every op once, on its rank, microbatches in order per stage", "%s", w_valid);
+    CHECK(ok_pure, "exhaustive: building is a pure function of the inputs", "%s", w_pure);
+    CHECK(ok_1f1b, "exhaustive: interleaved with one stage per rank is exactly 1F1B", "%s", w_1f1b);
+    CHECK(ok_sim, "exhaustive: simulator finds no deadlock (unit costs)", "%s", w_sim);
+    CHECK(ok_rand, "exhaustive: no deadlock with random costs and latency", "%s", w_rand);
+    CHECK(ok_peak, "exhaustive: peak in-flight simple = m, 1F1B = min(m, S-s), interleaved <= min(m, S-s)", "%s",
+          w_peak);
+    CHECK(ok_rank_peak, "exhaustive: interleaved 1F1B keeps Megatron-LM's in-flight bound per rank", "%s",
+          w_rank_peak);
+    CHECK(ok_megatron, "exhaustive: interleaved 1F1B bubble is (p-1)/(v*m+p-1) (m a multiple of p, b = 2f)", "%s",
+          w_megatron);
+    CHECK(ok_fo, "exhaustive: evaluation schedules hold only forwards", "%s", w_fo);
+#undef NOTE
+}
+
+static void test_other_maps(void) {
+    static const int maps[][8] = {
+        {0, 1, 2, 0, 1, 2}, {1, 0},          {0, 1, 0, 2},    {2, 1, 0, 1, 2},
+        {0, 1, 2, 1, 0},    {0, 2, 1, 0, 2, 1}, {3, 0, 1, 2, 0, 3, 1, 2}, {0, 1, 0, 1, 0, 2},
+    };
+    static const int nr[] = {3, 2, 3, 3, 3, 3, 4, 3}, ns[] = {6, 2, 4, 5, 5, 6, 8, 6};
+    int ok = 1, tried = 0;
+    for (int q = 0; q < (int)(sizeof nr / sizeof nr[0]) + 300 && ok; q++) {
+        int R, S, map[16];
+        if (q < (int)(sizeof nr / sizeof nr[0])) {
+            R = nr[q]; S = ns[q];
+            memcpy(map, maps[q], sizeof(int) * (size_t)S);
+        } else { /* random maps */
+            R = 2 + (int)(rnd() % 5);
+            S = R + (int)(rnd() % 9);
+            random_map(R, S, map);
+        }
+        for (int m = 1; m <= 13 && ok; m += 3)
+            for (int kk = 0; kk < 2 && ok; kk++)
+                for (int fo = 0; fo < 2 && ok; fo++) {
+                    smp_pipeline_kind kind = kk ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED;
+                    smp_schedule sc;
+                    smp_sim_result r;
+                    tried++;
+                    if (smp_schedule_build(kind, R, S, map, m, fo, &sc) != SMP_OK) {
+                        ok = fail("map %d (R=%d S=%d) m=%d: %s", q, R, S, m, smp_last_error());
+                        break;
+                    }
+                    if (!check_valid(&sc, map)) {
+                        char w[512];
+                        snprintf(w, sizeof w, "%s", why);
+                        ok = fail("map %d %s m=%d: %s", q, kind_name(kind), m, w);
+                    }
+                    double f[16], b[16];
+                    for (int s = 0; s < S; s++) { f[s] = rnd_uniform(0.2, 3); b[s] = rnd_uniform(0.2, 5); }
+                    if (ok && smp_schedule_simulate(&sc, f, b, rnd_uniform(0, 1), &r) == SMP_OK) {
+                        if (r.deadlock) ok = fail("map %d %s m=%d: %s", q, kind_name(kind), m, r.deadlock_reason);
+                        for (int s = 0; s < S && ok && !fo; s++) {
+                            int bound = kind == SMP_PIPELINE_SIMPLE ? m : (m < S - s ? m : S - s);
+                            if (kind == SMP_PIPELINE_SIMPLE ? r.peak_inflight[s] != bound : r.peak_inflight[s] > bound)
+                                ok = fail("map %d %s m=%d: stage %d peak %d, bound %d", q, kind_name(kind), m, s,
+                                          r.peak_inflight[s], bound);
+                        }
+                        smp_sim_result_free(&r);
+                    } else if (ok) {
+                        ok = fail("simulate: %s", smp_last_error());
+                    }
+                    smp_schedule_free(&sc);
+                }
+    }
+    CHECK(ok, "other stage maps (fixed and 300 random): valid, no deadlock, in-flight bounds", "%s (%d schedules)", why,
+          tried);
+}
+
+static void test_simple_order(void) {
+    /* GPipe with two stages per rank: stage-major forwards, then backwards
+       from the last stage back, microbatches ascending within each stage */
+    smp_schedule sc;
+    int ok = smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 4, NULL, 2, false, &sc) == SMP_OK;
+    static const char *want[2] = {"F0.0 F0.1 F2.0 F2.1 B2.0 B2.1 B0.0 B0.1 ", "F1.0 F1.1 F3.0 F3.1 B3.0 B3.1 B1.0 B1.1 "};
+    char got[2][128] = {"", ""};
+    for (int r = 0; ok && r < 2; r++) {
+        size_t len = 0;
+        for (int k = 0; k < sc.nops[r]; k++)
+            len += (size_t)snprintf(got[r] + len, sizeof got[r] - len, "%c%d.%d ", sc.ops[r][k].kind ? 'B' : 'F',
+                                    sc.ops[r][k].stage, sc.ops[r][k].microbatch);
+        ok = strcmp(got[r], want[r]) == 0;
+    }
+    CHECK(ok, "simple with 2 stages per rank: stage-major forwards, reverse backwards", "rank 0: %s| rank 1: %s",
+          got[0], got[1]);
+    smp_schedule_free(&sc);
+}
+
+static void test_interleaved_order(void) {
+    /* 2 ranks x 2 virtual stages, 4 microbatches: microbatches go through a
+       rank's chunks in groups of 2 (F0.0 F0.1 then F2.0 F2.1 on rank 0) */
+    smp_schedule sc;
+    int ok = smp_schedule_build(SMP_PIPELINE_DEFAULT, 2, 4, NULL, 4, false, &sc) == SMP_OK;
+    ok = ok && sc.kind == SMP_PIPELINE_INTERLEAVED;
+    int prefix = ok && sc.nops[0] >= 4 && sc.ops[0][0].stage == 0 && sc.ops[0][1].stage == 0 &&
+                 sc.ops[0][2].stage == 2 && sc.ops[0][2].microbatch == 0 && sc.ops[0][3].stage == 2;
+    CHECK(prefix, "interleaved: default kind is interleaved, microbatches grouped by nranks per chunk", "%s",
+          ok ? "rank 0 does not start F0.0 F0.1 F2.0 F2.1" : smp_last_error());
+    smp_schedule_free(&sc);
+}
+
+static void test_simulator_by_hand(void) {
+    /* 2 stages, 1 microbatch, GPipe: F0 [0,1], F1 [1.5,3.5], B1 [3.5,7.5], B0 [8,11] */
+    smp_schedule sc;
+    smp_sim_result r;
+    double f[2] = {1, 2}, b[2] = {3, 4};
+    int ok = smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 1, false, &sc) == SMP_OK &&
+             smp_schedule_simulate(&sc, f, b, 0.5, &r) == SMP_OK;
+    if (ok) {
+        ok = fabs(r.makespan - 11) < 1e-12 && fabs(r.busy - 10) < 1e-12 && fabs(r.ideal - 5) < 1e-12 &&
+             fabs(r.bubble_fraction - (1 - 10.0 / 22)) < 1e-12 && !r.deadlock && r.peak_inflight[0] == 1 &&
+             r.peak_inflight[1] == 1 && r.rank_peak_inflight[0] == 1;
+        CHECK(ok, "simulator: makespan, busy, ideal and bubble of a 2-stage step by hand",
+              "makespan %g busy %g ideal %g bubble %g", r.makespan, r.busy, r.ideal, r.bubble_fraction);
+        smp_sim_result_free(&r);
+    } else {
+        CHECK(0, "simulator: makespan, busy, ideal and bubble of a 2-stage step by hand", "%s", smp_last_error());
+    }
+    smp_schedule_free(&sc);
+
+    /* forward-only: nothing stays in flight; ideal counts forwards only */
+    ok = smp_schedule_build(SMP_PIPELINE_INTERLEAVED, 2, 4, NULL, 3, true, &sc) == SMP_OK &&
+         smp_schedule_simulate(&sc, NULL, NULL, 0, &r) == SMP_OK;
+    if (ok) {
+        int zero = 1;
+        for (int s = 0; s < 4; s++) zero = zero && r.peak_inflight[s] == 0;
+        CHECK(zero && fabs(r.ideal - 6) < 1e-12 && !r.deadlock, "simulator: forward-only step",
+              "ideal %g deadlock %d", r.ideal, (int)r.deadlock);
+        smp_sim_result_free(&r);
+    } else {
+        CHECK(0, "simulator: forward-only step", "%s", smp_last_error());
+    }
+    smp_schedule_free(&sc);
+}
+
+/* A schedule made by hand, with room for 8 ops per rank. */
+typedef struct hand {
+    smp_schedule sc;
+    int map[4], nops[4];
+    smp_sched_op ops[4][8], *rows[4];
+} hand;
+static void hand_init(hand *h, int R, int S, const int *map, int m, bool fo) {
+    memset(h, 0, sizeof *h);
+    h->sc.kind = SMP_PIPELINE_INTERLEAVED;
+    h->sc.nranks = R; h->sc.nstages = S; h->sc.microbatches = m; h->sc.forward_only = fo;
+    memcpy(h->map, map, sizeof(int) * (size_t)S);
+    for (int r = 0; r < 4; r++) h->rows[r] = h->ops[r];
+    h->sc.stage_rank = h->map; h->sc.nops = h->nops; h->sc.ops = h->rows;
+}
+static void hand_op(hand *h, int r, smp_sched_op_kind k, int s, int i) {
+    h->ops[r][h->nops[r]++] = (smp_sched_op){k, s, i};
+}
+
+static void test_deadlock(void) {
+    const smp_sched_op_kind F = SMP_SCHED_FORWARD, B = SMP_SCHED_BACKWARD;
+    hand h;
+    smp_sim_result r;
+    /* stages 0,1,2 on ranks 0,1,0; rank 0 starts with stage 2, which needs
+       rank 1's stage 1, which needs rank 0's stage 0: each waits on the other */
+    static const int map[] = {0, 1, 0};
+    hand_init(&h, 2, 3, map, 1, false);
+    hand_op(&h, 0, F, 2, 0); hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, B, 2, 0); hand_op(&h, 0, B, 0, 0);
+    hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, B, 1, 0);
+    smp_status st = smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r);
+    CHECK(st == SMP_OK && r.deadlock && strstr(r.deadlock_reason, "rank 0 at F2.0 waits for F1.0 (rank 1)") &&
+              strstr(r.deadlock_reason, "rank 1 at F1.0 waits for F0.0 (rank 0)"),
+          "simulator: two ranks waiting on each other is a deadlock, with who waits for what", "status %d, %s: %s",
+          (int)st, r.deadlock ? "deadlock" : "no deadlock", r.deadlock_reason);
+    smp_sim_result_free(&r);
+
+    /* the same ops in a good order run */
+    hand_init(&h, 2, 3, map, 1, false);
+    hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, F, 2, 0); hand_op(&h, 0, B, 2, 0); hand_op(&h, 0, B, 0, 0);
+    hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, B, 1, 0);
+    st = smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r);
+    CHECK(st == SMP_OK && !r.deadlock && fabs(r.makespan - 6) < 1e-12, "simulator: a hand-made good order runs",
+          "status %d deadlock %d makespan %g", (int)st, (int)r.deadlock, r.makespan);
+    smp_sim_result_free(&r);
+
+    /* a rank that puts a backward before its own forward waits forever */
+    static const int map2[] = {0, 1};
+    hand_init(&h, 2, 2, map2, 2, false);
+    hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, F, 0, 1); hand_op(&h, 0, B, 0, 0); hand_op(&h, 0, B, 0, 1);
+    hand_op(&h, 1, B, 1, 0); hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, F, 1, 1); hand_op(&h, 1, B, 1, 1);
+    st = smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r);
+    CHECK(st == SMP_OK && r.deadlock && strstr(r.deadlock_reason, "rank 1 at B1.0 waits for F1.0 (rank 1)") &&
+              strstr(r.deadlock_reason, "rank 0 at B0.0 waits for B1.0 (rank 1)"),
+          "simulator: a backward before its own forward is a deadlock", "%s", r.deadlock_reason);
+    smp_sim_result_free(&r);
+}
+
+static void check_error(smp_status st, const char *phrase, const char *name) {
+    CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), phrase), name, "status %d, message \"%s\" (want \"%s\")",
+          (int)st, smp_last_error(), phrase);
+}
+
+static void test_errors(void) {
+    smp_schedule sc;
+    static const int no_rank1[] = {0, 2, 0, 2}, consecutive[] = {0, 1, 1, 0}, out_of_range[] = {0, 5};
+    check_error(smp_schedule_build(SMP_PIPELINE_SIMPLE, 0, 1, NULL, 1, false, &sc), "nranks = 0",
+                "error: nranks < 1");
+    check_error(smp_schedule_build(SMP_PIPELINE_SIMPLE, 3, 2, NULL, 1, false, &sc), "2 stages cannot occupy 3 ranks",
+                "error: fewer stages than ranks");
+    check_error(smp_schedule_build(SMP_PIPELINE_INTERLEAVED, 2, 2, NULL, 0, false, &sc), "microbatches = 0",
+                "error: microbatches < 1");
+    check_error(smp_schedule_build(SMP_PIPELINE_INTERLEAVED, 3, 4, no_rank1, 4, false, &sc), "rank 1 runs no stage",
+                "error: a rank with no stage");
+    check_error(smp_schedule_build(SMP_PIPELINE_INTERLEAVED, 2, 4, consecutive, 4, false, &sc),
+                "stages 1 and 2 both run on rank 1", "error: consecutive stages on one rank (0,1,1,0)");
+    check_error(smp_schedule_build(SMP_PIPELINE_INTERLEAVED, 1, 2, NULL, 4, false, &sc), "consecutive",
+                "error: one rank, two stages");
+    check_error(smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, out_of_range, 1, false, &sc), "stage 1 is placed on rank 5",
+                "error: rank out of range");
+    check_error(smp_schedule_build((smp_pipeline_kind)42, 2, 2, NULL, 1, false, &sc), "unknown pipeline kind 42",
+                "error: unknown kind");
+    check_error(smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 1, false, NULL), "out is NULL", "error: no output");
+    /* a failed build leaves a zeroed schedule that free accepts */
+    smp_schedule_build(SMP_PIPELINE_SIMPLE, 0, 1, NULL, 1, false, &sc);
+    CHECK(sc.ops == NULL && sc.nops == NULL && sc.stage_rank == NULL, "error: failed build leaves a zeroed schedule",
+          "arrays left behind");
+    smp_schedule_free(&sc);
+
+    /* the simulator rejects malformed schedules */
+    const smp_sched_op_kind F = SMP_SCHED_FORWARD, B = SMP_SCHED_BACKWARD;
+    static const int map[] = {0, 1};
+    hand h;
+    smp_sim_result r;
+    hand_init(&h, 2, 2, map, 1, false);
+    hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, B, 0, 0); hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, F, 1, 0);
+    hand_op(&h, 1, B, 1, 0);
+    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r), "F(stage 1, microbatch 0) appears twice",
+                "simulator error: repeated op");
+    hand_init(&h, 2, 2, map, 1, false);
+    hand_op(&h, 0, F, 0, 0); hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, B, 1, 0);
+    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r), "never runs B(stage 0, microbatch 0)",
+                "simulator error: missing op");
+    hand_init(&h, 2, 2, map, 1, false);
+    hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, F, 1, 0);
+    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r), "stage 1 runs on rank 1",
+                "simulator error: op on the wrong rank");
+    hand_init(&h, 2, 2, map, 1, false);
+    hand_op(&h, 0, F, 0, 3);
+    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r), "outside 2 stages x 1 microbatches",
+                "simulator error: op out of range");
+    smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 1, false, &sc);
+    double neg[2] = {1, -1}, nan2[2] = {NAN, 1};
+    check_error(smp_schedule_simulate(&sc, neg, NULL, 0, &r), "forward cost of stage 1", "simulator error: negative cost");
+    check_error(smp_schedule_simulate(&sc, NULL, nan2, 0, &r), "backward cost of stage 0", "simulator error: NaN cost");
+    check_error(smp_schedule_simulate(&sc, NULL, NULL, -1, &r), "comm_latency", "simulator error: negative latency");
+    CHECK(r.peak_inflight == NULL && r.rank_peak_inflight == NULL, "simulator error: leaves no arrays", "arrays left");
+    smp_schedule_free(&sc);
+    smp_schedule_free(&sc); /* twice: harmless */
+}
+
+int main(void) {
+    (void)test_skip; /* test.h's helpers this file does not need */
+    (void)test_mpi_check;
+    test_gpipe_bubble();
+    test_1f1b_bubble();
+    test_exhaustive();
+    test_other_maps();
+    test_simple_order();
+    test_interleaved_order();
+    test_simulator_by_hand();
+    test_deadlock();
+    test_errors();
+    return test_exit_code();
+}
