@@ -971,24 +971,31 @@ static bool smp__progress(smp__pipe *ps) {
     MPI_Status st;
     MPI_Test(&ps->err_req, &flag, &st);
     if (flag) { ps->failed_remote = true; return true; }
-    size_t nrecv = (size_t)ps->nlinks * (size_t)ps->m * 2;
-    for (size_t i = 0; i < nrecv; i++) {
-        smp__xfer *x = &ps->recv[i];
-        if (x->state == 1) {
-            MPI_Test(&x->req[0], &flag, &st);
-            if (!flag) continue;
-            size_t total = 0;
-            for (int t = 0; t < x->ntensors; t++) total += smp__hdr_bytes(x->hdr + 10 * t);
-            x->buf = smp__alloc(total ? total : 1, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER);
-            if (total > (size_t)INT32_MAX) smp__fatal("a pipeline message of %zu bytes is larger than 2 GiB", total);
-            MPI_Irecv(x->buf, (int)total, MPI_BYTE, x->peer, st.MPI_TAG + 1, ps->comm, &x->req[1]);
-            x->state = 2;
-        }
-        if (x->state == 2) {
-            MPI_Test(&x->req[1], &flag, MPI_STATUS_IGNORE);
-            if (flag) x->state = 3;
-        }
-    }
+    /* Data receives share one tag per (link, direction), so they must be
+       posted in microbatch order: MPI may complete the headers of several
+       microbatches inside one MPI_Test, and posting the data receive of a
+       later one first would hand it an earlier microbatch's bytes. Walk
+       each (link, direction) in order and stop at the first header that has
+       not arrived. */
+    for (int l = 0; l < ps->nlinks; l++)
+        for (int dir = 0; dir < 2; dir++)
+            for (int mb = 0; mb < ps->m; mb++) {
+                smp__xfer *x = smp__recv_slot(ps, l, mb, dir);
+                if (x->state == 1) {
+                    MPI_Test(&x->req[0], &flag, &st);
+                    if (!flag) break;
+                    size_t total = 0;
+                    for (int t = 0; t < x->ntensors; t++) total += smp__hdr_bytes(x->hdr + 10 * t);
+                    if (total > (size_t)INT32_MAX) smp__fatal("a pipeline message of %zu bytes is larger than 2 GiB", total);
+                    x->buf = smp__alloc(total ? total : 1, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER);
+                    MPI_Irecv(x->buf, (int)total, MPI_BYTE, x->peer, st.MPI_TAG + 1, ps->comm, &x->req[1]);
+                    x->state = 2;
+                }
+                if (x->state == 2) {
+                    MPI_Test(&x->req[1], &flag, MPI_STATUS_IGNORE);
+                    if (flag) x->state = 3;
+                }
+            }
     for (int i = 0; i < ps->nsends; i++) {
         smp__xfer *x = &ps->sends[i];
         if (x->state != 1) continue;

@@ -278,6 +278,9 @@ static void run_case(int P, int m, smp_pipeline_kind kind, const int *placement,
         }
         smp_step_output_free(&outs[0]);
         smp_step_output_free(&outs[1]);
+        int all_ok;
+        MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, MPI_COMM_WORLD); /* every rank takes the same path */
+        if (!all_ok && ok) { ok = 0; snprintf(why, sizeof why, "another rank failed at step %d", step); }
     }
     MPI_CHECK(ok, name, "%s", why);
     smp_model_free(model);
