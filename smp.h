@@ -2320,6 +2320,7 @@ struct smp_param {
     char *name, *full_name;
     smp_tensor value, grad; /* data NULL until materialised on the owning rank */
     bool is_buffer;
+    bool grad_in_bucket; /* grad.data points into a data-parallel bucket, which owns it */
     smp_init_fn init;
     void *init_user;
 };
@@ -2573,7 +2574,8 @@ static void smp__materialise_param(smp_param *p) {
 }
 static void smp__release_param(smp_param *p) {
     smp__free(p->value.data);
-    smp__free(p->grad.data);
+    if (!p->grad_in_bucket) smp__free(p->grad.data);
+    p->grad_in_bucket = false;
     p->value.data = p->grad.data = NULL;
 }
 /* While tracing, a module's parameters (and its children's) exist only for

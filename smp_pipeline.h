@@ -220,6 +220,56 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
 /* Writes the timeline (SMP_TIMELINE=path) of every rank into one Chrome
    trace / Perfetto JSON file on rank 0. Collective; smp_model_free calls it. */
 SMPDEF smp_status smp_timeline_write(smp_model *m);
+/* ======================================================================
+   data parallelism and training helpers
+   ====================================================================== */
+/* With "ddp" on, ranks holding the same partition form a DP_GROUP. At the
+   first step parameters (and buffers, with broadcast_buffers) are broadcast
+   from dp rank 0; every step then averages gradients over the DP_GROUP.
+   Gradients live in buckets of bucket_cap_mb, in the order backward
+   finishes them; with overlapping_allreduce a bucket's all-reduce starts as
+   soon as its last gradient is final during the last microbatch's
+   backward. With deterministic_reduction the sum is taken in dp-rank order
+   after an all-gather, so results do not depend on MPI's algorithm. */
+
+/* Scales gradients so that their global norm (over the whole model, every
+   partition) is at most max_norm; *total_norm gets the norm before
+   clipping (may be NULL). The sum runs over parameters in model order, so
+   it equals the one-process norm bit for bit. Collective over MP_GROUP. */
+SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *total_norm);
+SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm);
+
+/* Dynamic loss scaling for f16/bf16 engines (zero fields mean defaults:
+   scale 65536, growth 2, backoff 0.5, growth interval 2000 steps). Multiply
+   the loss gradient by smp_grad_scaler_scale() in the body; after the step,
+   smp_grad_scaler_unscale() checks every rank's gradients for inf/NaN: if
+   any rank overflowed, *skip is true on every rank and the scale backs off;
+   otherwise gradients are divided by the scale. Collective over the world. */
+typedef struct smp_grad_scaler {
+    double scale, growth_factor, backoff_factor;
+    int growth_interval;
+    int good_steps; /* steps since the last overflow */
+} smp_grad_scaler;
+SMPDEF double smp_grad_scaler_scale(smp_grad_scaler *s);
+SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool *skip);
+
+/* A distributed sampler (torch's DistributedSampler + DataLoader drop_last):
+   a permutation of the dataset by seed and epoch, sharded by dp rank. */
+typedef struct smp_sampler_desc {
+    int64_t dataset_size;
+    int64_t batch_size;  /* per replica */
+    uint64_t seed;
+    bool shuffle;
+    bool drop_last;      /* drop the tail that does not fill every replica equally / a whole batch */
+} smp_sampler_desc;
+/* indices: room for dataset_size / dp_size + 1 entries. *count indices for
+   this dp rank, *batches whole batches of them. */
+SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int64_t *indices, int64_t *count, int64_t *batches);
+/* The per-replica batch of a global batch; an error when it does not divide. */
+SMPDEF smp_status smp_local_batch_size(int64_t global_batch, int64_t *local);
+/* Checks that every dp rank will run the same number of batches; an error
+   naming both counts otherwise (instead of a hang at the end of an epoch). */
+SMPDEF smp_status smp_agree_batches(int64_t batches);
 
 #ifdef __cplusplus
 }
@@ -772,6 +822,18 @@ typedef struct smp__mbstate {
     smp_tensor *returned;  /* [SMP_MAX_STEP_ARGS]: the body's values */
 } smp__mbstate;
 
+typedef struct smp__bucket {
+    void *data;          /* the gradients of `count` parameters, back to back */
+    size_t bytes;
+    int64_t numel;
+    smp_dtype dtype;
+    int first, count;    /* its parameters: bucket_params[first .. first + count) */
+    int final;           /* how many of them are final this step */
+    bool started;
+    MPI_Request req;
+    void *gather;        /* deterministic reduction: every replica's copy */
+} smp__bucket;
+
 typedef struct smp__pipe {
     int maxout, nedges, nlinks;
     smp__edge *edges;       /* grouped by producer tensor, consumers in increasing order */
@@ -799,6 +861,13 @@ typedef struct smp__pipe {
     int nevents, events_cap;
     bool timeline;
     double t_origin;
+    /* data parallelism */
+    bool ddp_ready, sync;
+    long passes;           /* training steps so far (backward_passes_per_step) */
+    smp__bucket *buckets;
+    int nbuckets;
+    int *bucket_of;        /* [nparams]: bucket of each parameter, -1 if none */
+    int *bucket_params;    /* parameters in backward order */
 } smp__pipe;
 
 static void smp__pipe_free(void *p) {
@@ -815,6 +884,10 @@ static void smp__pipe_free(void *p) {
     if (smp__ctx.initialized) { MPI_Comm_free(&ps->comm); MPI_Comm_free(&ps->err_comm); }
     smp__free(ps->inflight);
     smp__free(ps->events);
+    for (int b = 0; b < ps->nbuckets; b++) smp__free(ps->buckets[b].data); /* parameters stop pointing here first */
+    smp__free(ps->buckets);
+    smp__free(ps->bucket_of);
+    smp__free(ps->bucket_params);
     smp__free(ps);
 }
 
@@ -896,6 +969,20 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     ps->t_origin = smp__now();
     smp__pipe_comms(ps);
     return ps;
+}
+
+/* acc += t, elementwise, in the tensors' dtype (halves through f32). */
+static void smp__add_into(smp_tensor *acc, const smp_tensor *t) {
+    int64_t n = smp_tensor_numel(acc);
+    switch (acc->dtype) {
+    case SMP_F32: { float *a = (float *)acc->data; const float *b = (const float *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
+    case SMP_F64: { double *a = (double *)acc->data; const double *b = (const double *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
+    case SMP_F16: { uint16_t *a = (uint16_t *)acc->data; const uint16_t *b = (const uint16_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] = smp_f32_to_f16(smp_f16_to_f32(a[x]) + smp_f16_to_f32(b[x])); } break;
+    case SMP_BF16: { uint16_t *a = (uint16_t *)acc->data; const uint16_t *b = (const uint16_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] = smp_f32_to_bf16(smp_bf16_to_f32(a[x]) + smp_bf16_to_f32(b[x])); } break;
+    case SMP_I32: { int32_t *a = (int32_t *)acc->data; const int32_t *b = (const int32_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
+    case SMP_I64: { int64_t *a = (int64_t *)acc->data; const int64_t *b = (const int64_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
+    default: { uint8_t *a = (uint8_t *)acc->data; const uint8_t *b = (const uint8_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] = (uint8_t)(a[x] + b[x]); } break;
+    }
 }
 
 /* ---------------------------------------------------------------- transport */
@@ -1127,6 +1214,252 @@ static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, i
     return SMP_OK;
 }
 
+/* ---------------------------------------------------------------- data parallel: buckets */
+/* Broadcasts parameters (and buffers) from dp rank 0, and lays every local
+   gradient out in buckets in the order backward finishes them. */
+static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
+    const smp_config *cfg = &smp__ctx.cfg;
+    for (int i = 0; i < md->nparams; i++) {
+        smp_param *p = md->params[i];
+        if (!smp_module_is_local(p->module) || (p->is_buffer && cfg->broadcast_buffers != SMP_ON)) continue;
+        smp_status st = smp_broadcast(&p->value, 0, SMP_DP_GROUP);
+        if (st) return st;
+    }
+    /* backward order: the call that finishes a parameter is the first call of its module (owner_call) */
+    int n = 0;
+    int *order = (int *)smp__alloc(sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER);
+    for (int k = md->ncalls - 1; k >= -1; k--)
+        for (int i = md->nparams - 1; i >= 0; i--) {
+            smp_param *p = md->params[i];
+            if (p->is_buffer || !smp_module_is_local(p->module) || p->module->owner_call != k) continue;
+            if (k == -1 && p->module->owner_call >= 0) continue;
+            order[n++] = i;
+        }
+    double cap = cfg->bucket_cap_mb * 1048576.0;
+    ps->buckets = (smp__bucket *)smp__alloc(sizeof(smp__bucket) * (size_t)(n + 1), SMP__ALLOC_OTHER);
+    ps->bucket_of = (int *)smp__alloc(sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER);
+    for (int i = 0; i < md->nparams; i++) ps->bucket_of[i] = -1;
+    ps->nbuckets = 0;
+    for (int j = 0; j < n;) { /* a bucket: consecutive parameters of one dtype up to the cap */
+        smp__bucket *b = &ps->buckets[ps->nbuckets];
+        memset(b, 0, sizeof *b);
+        b->dtype = md->params[order[j]]->grad.dtype;
+        b->first = j;
+        size_t bytes = 0;
+        int k = j;
+        while (k < n && md->params[order[k]]->grad.dtype == b->dtype &&
+               (k == j || (double)(bytes + smp_tensor_nbytes(&md->params[order[k]]->grad)) <= cap)) {
+            bytes += smp_tensor_nbytes(&md->params[order[k]]->grad);
+            k++;
+        }
+        b->count = k - j;
+        b->bytes = bytes;
+        b->numel = (int64_t)(bytes / smp_dtype_size(b->dtype));
+        b->data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_PARAM);
+        size_t at = 0;
+        for (int q = j; q < k; q++) {
+            smp_param *p = md->params[order[q]];
+            size_t pb = smp_tensor_nbytes(&p->grad);
+            memcpy((char *)b->data + at, p->grad.data, pb);
+            if (!p->grad_in_bucket) smp__free(p->grad.data);
+            p->grad.data = (char *)b->data + at;
+            p->grad_in_bucket = true;
+            ps->bucket_of[order[q]] = ps->nbuckets;
+            at += pb;
+        }
+        ps->nbuckets++;
+        j = k;
+    }
+    ps->bucket_params = order;
+    return SMP_OK;
+}
+
+static void smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
+    if (b->started) return;
+    b->started = true;
+    MPI_Comm comm = smp__ctx.groups[SMP_DP_GROUP].comm;
+    int n = (int)b->numel;
+    if (smp__ctx.cfg.deterministic_reduction == SMP_ON) {
+        /* every replica's gradient, summed below in dp-rank order */
+        int dp = smp_dp_size();
+        b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_OTHER);
+        MPI_Iallgather(b->data, n, smp__mpi_type(b->dtype), b->gather, n, smp__mpi_type(b->dtype), comm, &b->req);
+    } else {
+        MPI_Op op;
+        smp__mpi_op(SMP_SUM, b->dtype, "data-parallel gradients", &op);
+        MPI_Iallreduce(MPI_IN_PLACE, b->data, n, smp__mpi_type(b->dtype), op, comm, &b->req);
+    }
+    (void)ps;
+}
+
+/* Call k's parameters are final: start the buckets that became complete. */
+static void smp__ddp_call_final(smp__pipe *ps, smp_model *md, int k) {
+    for (int i = 0; i < md->nparams; i++) {
+        smp_param *p = md->params[i];
+        int b = ps->bucket_of[i];
+        if (b < 0 || p->module->owner_call != k) continue;
+        if (++ps->buckets[b].final == ps->buckets[b].count && smp__ctx.cfg.overlapping_allreduce == SMP_ON)
+            smp__bucket_start(ps, &ps->buckets[b]);
+    }
+}
+
+/* Finishes the step's gradient sync: every bucket started (in index order,
+   the order every replica uses), waited for, summed and averaged. After a
+   failed step the collectives still complete, and the result is dropped. */
+static void smp__ddp_finish(smp__pipe *ps, bool failed) {
+    int dp = smp_dp_size();
+    double scale = 1.0 / ((double)dp * smp__ctx.cfg.backward_passes_per_step);
+    for (int b = 0; b < ps->nbuckets; b++) smp__bucket_start(ps, &ps->buckets[b]);
+    for (int b = 0; b < ps->nbuckets; b++) {
+        smp__bucket *k = &ps->buckets[b];
+        smp_wait_requests(1, &k->req, "data-parallel gradient all-reduce", SMP_DP_GROUP, -1);
+        if (!failed && k->gather) {
+            size_t es = smp_dtype_size(k->dtype);
+            memcpy(k->data, k->gather, k->bytes);
+            smp_tensor acc = smp_tensor_1d(k->data, k->dtype, k->numel);
+            for (int r = 1; r < dp; r++) {
+                smp_tensor t = smp_tensor_1d((char *)k->gather + (size_t)r * k->numel * es, k->dtype, k->numel);
+                smp__add_into(&acc, &t);
+            }
+        }
+        if (!failed) smp__scale(k->data, k->dtype, k->numel, scale);
+        smp__free(k->gather);
+        k->gather = NULL;
+        k->started = false;
+        k->final = 0;
+    }
+}
+
+/* ---------------------------------------------------------------- gradient norm, clipping */
+SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm) {
+    smp_status st = smp__require_init("smp_grad_norm");
+    if (st) return st;
+    /* one partial sum per parameter, owned by exactly one rank of the
+       MP_GROUP: summing them (x + 0 is exact) and then adding them up in
+       model order gives the one-process result on every rank */
+    double *sq = (double *)smp__alloc(sizeof(double) * (size_t)(m->nparams + 1), SMP__ALLOC_OTHER);
+    for (int i = 0; i < m->nparams; i++) {
+        smp_param *p = m->params[i];
+        sq[i] = 0;
+        if (p->is_buffer || !p->grad.data || !smp_module_is_local(p->module)) continue;
+        int64_t n = smp_tensor_numel(&p->grad);
+        for (int64_t x = 0; x < n; x++) {
+            double v = p->grad.dtype == SMP_F32 ? (double)((const float *)p->grad.data)[x]
+                     : p->grad.dtype == SMP_F64 ? ((const double *)p->grad.data)[x]
+                     : p->grad.dtype == SMP_F16 ? (double)smp_f16_to_f32(((const uint16_t *)p->grad.data)[x])
+                     : p->grad.dtype == SMP_BF16 ? (double)smp_bf16_to_f32(((const uint16_t *)p->grad.data)[x]) : 0.0;
+            sq[i] += v * v;
+        }
+    }
+    smp_tensor t = smp_tensor_1d(sq, SMP_F64, m->nparams);
+    st = smp_all_reduce(&t, &t, SMP_SUM, SMP_MP_GROUP);
+    double total = 0;
+    for (int i = 0; i < m->nparams; i++) total += sq[i];
+    smp__free(sq);
+    if (total_norm) *total_norm = sqrt(total);
+    return st;
+}
+
+SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *total_norm) {
+    if (!(max_norm > 0)) return smp_error(SMP_ERR_ARG, "smp_clip_grad_norm: max_norm must be positive, got %g", max_norm);
+    double norm;
+    smp_status st = smp_grad_norm(m, &norm);
+    if (st) return st;
+    if (total_norm) *total_norm = norm;
+    double coef = max_norm / (norm + 1e-6);
+    if (coef >= 1.0) return SMP_OK;
+    for (int i = 0; i < m->nparams; i++) {
+        smp_param *p = m->params[i];
+        if (!p->is_buffer && p->grad.data && smp_module_is_local(p->module)) smp__scale(p->grad.data, p->grad.dtype, smp_tensor_numel(&p->grad), coef);
+    }
+    return SMP_OK;
+}
+
+/* ---------------------------------------------------------------- loss scaling */
+static void smp__scaler_defaults(smp_grad_scaler *s) {
+    if (!(s->scale > 0)) s->scale = 65536.0;
+    if (!(s->growth_factor > 0)) s->growth_factor = 2.0;
+    if (!(s->backoff_factor > 0)) s->backoff_factor = 0.5;
+    if (s->growth_interval <= 0) s->growth_interval = 2000;
+}
+SMPDEF double smp_grad_scaler_scale(smp_grad_scaler *s) { smp__scaler_defaults(s); return s->scale; }
+
+SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool *skip) {
+    smp__scaler_defaults(s);
+    int bad = 0;
+    for (int i = 0; i < m->nparams && !bad; i++) {
+        smp_param *p = m->params[i];
+        if (p->is_buffer || !p->grad.data || !smp_module_is_local(p->module)) continue;
+        int64_t n = smp_tensor_numel(&p->grad);
+        for (int64_t x = 0; x < n && !bad; x++) {
+            double v = p->grad.dtype == SMP_F32 ? (double)((const float *)p->grad.data)[x]
+                     : p->grad.dtype == SMP_F64 ? ((const double *)p->grad.data)[x]
+                     : p->grad.dtype == SMP_F16 ? (double)smp_f16_to_f32(((const uint16_t *)p->grad.data)[x])
+                     : p->grad.dtype == SMP_BF16 ? (double)smp_bf16_to_f32(((const uint16_t *)p->grad.data)[x]) : 0.0;
+            bad = !isfinite(v);
+        }
+    }
+    smp_tensor t = smp_tensor_1d(&bad, SMP_I32, 1);
+    smp_status st = smp_all_reduce(&t, &t, SMP_MAX, SMP_WORLD); /* one rank's overflow is everyone's */
+    if (st) return st;
+    *skip = bad != 0;
+    if (bad) {
+        s->scale *= s->backoff_factor;
+        s->good_steps = 0;
+        return SMP_OK;
+    }
+    for (int i = 0; i < m->nparams; i++) {
+        smp_param *p = m->params[i];
+        if (!p->is_buffer && p->grad.data && smp_module_is_local(p->module)) smp__scale(p->grad.data, p->grad.dtype, smp_tensor_numel(&p->grad), 1.0 / s->scale);
+    }
+    if (++s->good_steps >= s->growth_interval) { s->scale *= s->growth_factor; s->good_steps = 0; }
+    return SMP_OK;
+}
+
+/* ---------------------------------------------------------------- data helpers */
+SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int64_t *indices, int64_t *count, int64_t *batches) {
+    if (!d || !indices || !count) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: NULL argument");
+    if (d->dataset_size < 0 || d->batch_size < 1) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: dataset size %lld and batch size %lld (>= 1)", (long long)d->dataset_size, (long long)d->batch_size);
+    int dp = smp__ctx.initialized ? smp_dp_size() : 1, r = smp__ctx.initialized ? smp_dp_rank() : 0;
+    int64_t n = d->dataset_size, per = d->drop_last ? n / dp : (n + dp - 1) / dp;
+    if (per == 0) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: %lld samples cannot feed %d replicas", (long long)n, dp);
+    /* this replica's positions r, r + dp, ... of the (shuffled) order, wrapping to pad when not dropping */
+    int64_t *perm = (int64_t *)smp__alloc(sizeof(int64_t) * (size_t)(n ? n : 1), SMP__ALLOC_OTHER);
+    for (int64_t i = 0; i < n; i++) perm[i] = i;
+    if (d->shuffle) {
+        uint64_t state = d->seed * 0x9e3779b97f4a7c15ull + (uint64_t)epoch;
+        for (int64_t i = n - 1; i > 0; i--) {
+            int64_t j = (int64_t)(smp__splitmix(&state) % (uint64_t)(i + 1));
+            int64_t t = perm[i]; perm[i] = perm[j]; perm[j] = t;
+        }
+    }
+    for (int64_t i = 0; i < per; i++) indices[i] = perm[(r + i * dp) % n];
+    smp__free(perm);
+    *count = per;
+    if (batches) *batches = d->drop_last ? per / d->batch_size : (per + d->batch_size - 1) / d->batch_size;
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_local_batch_size(int64_t global, int64_t *local) {
+    int dp = smp_dp_size();
+    if (global < 1 || global % dp)
+        return smp_error(SMP_ERR_ARG, "global batch of %lld does not divide among %d data-parallel replicas", (long long)global, dp);
+    *local = global / dp;
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_agree_batches(int64_t batches) {
+    smp_status st = smp__require_init("smp_agree_batches");
+    if (st) return st;
+    int64_t v[2] = {batches, -batches};
+    smp_tensor t = smp_tensor_1d(v, SMP_I64, 2);
+    if ((st = smp_all_reduce(&t, &t, SMP_MIN, SMP_DP_GROUP))) return st;
+    if (v[0] != -v[1])
+        return smp_error(SMP_ERR_ARG, "data-parallel replicas have different numbers of batches (%lld to %lld): shard the data evenly (drop_last)",
+                         (long long)v[0], (long long)-v[1]);
+    return SMP_OK;
+}
+
 /* ---------------------------------------------------------------- forward and backward of one stage */
 static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
@@ -1262,13 +1595,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
             int t = k * mo + j, first = ps->first_edge[t], last = ps->first_edge[t + 1] - 1;
             if (last < first) { memset(gout[j].data, 0, bytes); continue; }
             memcpy(gout[j].data, st->contrib[last].data, bytes);
-            for (int e = last - 1; e >= first; e--) {
-                if (gout[j].dtype != SMP_F32 && gout[j].dtype != SMP_F64)
-                    return smp_error(SMP_ERR_MODULE, "output %d of \"%s\" feeds several calls; summing its %s gradients is not supported", j, rec->module->full_name, smp_dtype_name(gout[j].dtype));
-                int64_t nel = smp_tensor_numel(&gout[j]);
-                if (gout[j].dtype == SMP_F32) { float *a = (float *)gout[j].data; const float *b = (const float *)st->contrib[e].data; for (int64_t x = 0; x < nel; x++) a[x] += b[x]; }
-                else { double *a = (double *)gout[j].data; const double *b = (const double *)st->contrib[e].data; for (int64_t x = 0; x < nel; x++) a[x] += b[x]; }
-            }
+            for (int e = last - 1; e >= first; e--) smp__add_into(&gout[j], &st->contrib[e]);
         }
         smp_tensor *gin = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER);
         for (int j = 0; j < rec->nin; j++) {
@@ -1292,6 +1619,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         smp__free(gin);
         c->grad_inputs = NULL;
         if (rc) return rc;
+        if (ps->sync && i == ps->m - 1) smp__ddp_call_final(ps, md, k);
     }
     smp__event_add(ps, 1, s, i, t0);
     /* gradients for producers on other ranks */
@@ -1474,6 +1802,13 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     }
     if (!md->pipeline) { md->pipeline = smp__pipe_build(md); md->pipeline_free = smp__pipe_free; }
     smp__pipe *ps = (smp__pipe *)md->pipeline;
+    if (cfg->ddp == SMP_ON && !ps->ddp_ready) {
+        st = smp__agree_on(smp__ctx.world, smp__ddp_setup(ps, md), "data-parallel set-up");
+        if (st) return st;
+        ps->ddp_ready = true;
+    }
+    ps->sync = cfg->ddp == SMP_ON && training && (ps->passes + 1) % cfg->backward_passes_per_step == 0;
+    if (training) ps->passes++;
     smp_schedule *sc = &ps->sched[training ? 0 : 1];
     if (sc->microbatches != m || !sc->ops) {
         smp_schedule_free(sc);
@@ -1542,6 +1877,7 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     }
     if (st && !ps->failed_remote) smp__notify_failure(ps);
     smp_status agreed = smp__agree_on(smp__ctx.world, st, "the step");
+    if (ps->sync) smp__ddp_finish(ps, agreed != SMP_OK);
     if (agreed) {
         smp__release_step(ps, md, true);
         /* messages of the failed step may still be in flight: start over on fresh communicators */

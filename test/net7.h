@@ -1,0 +1,198 @@
+/* net7.h - the test model of the pipeline and data-parallel tests: seven
+   calls (fc0 act1 fc1 skip fc2 act2 head) with a skip connection from fc0 to
+   skip, its modules on smp's API, and the same model written as plain C
+   (the one-process reference) with the same kernels. */
+#ifndef NET7_H
+#define NET7_H
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { B = 24, D = 5, H = 6, C = 3, NLIN = 4 };
+static const int lin_in[NLIN] = {D, H, H, H}, lin_out[NLIN] = {H, H, H, C};
+
+/* ---------------------------------------------------------------- kernels shared by both sides */
+static void linear_fwd(const float *x, const float *w, const float *b, float *y, int n, int in, int out) {
+    for (int r = 0; r < n; r++)
+        for (int o = 0; o < out; o++) {
+            float acc = b[o];
+            for (int i = 0; i < in; i++) acc += x[r * in + i] * w[o * in + i];
+            y[r * out + o] = acc;
+        }
+}
+static void linear_bwd(const float *x, const float *w, const float *gy, float *gx, float *gw, float *gb, int n, int in, int out) {
+    if (gx)
+        for (int r = 0; r < n; r++)
+            for (int i = 0; i < in; i++) {
+                float acc = 0;
+                for (int o = 0; o < out; o++) acc += gy[r * out + o] * w[o * in + i];
+                gx[r * in + i] = acc;
+            }
+    for (int o = 0; o < out; o++) {
+        float sb = 0;
+        for (int r = 0; r < n; r++) sb += gy[r * out + o];
+        gb[o] += sb;
+        for (int i = 0; i < in; i++) {
+            float sw = 0;
+            for (int r = 0; r < n; r++) sw += gy[r * out + o] * x[r * in + i];
+            gw[o * in + i] += sw;
+        }
+    }
+}
+static float mse(const float *y, const float *t, float *g, int n) { /* mean over elements */
+    float loss = 0;
+    for (int i = 0; i < n; i++) {
+        float d = y[i] - t[i];
+        loss += d * d;
+        if (g) g[i] = 2.0f * d / (float)n;
+    }
+    return loss / (float)n;
+}
+
+/* ---------------------------------------------------------------- modules */
+typedef struct { smp_param *w, *b; int in, out, fail_mp_rank; } lin_state;
+static int g_fail = -1; /* mp rank whose linear fails (error test) */
+
+static smp_status lin_forward(smp_call_ctx *c) {
+    lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0);
+    if (g_fail >= 0 && smp_mp_rank() == g_fail) return smp_error(SMP_ERR_MODULE, "injected failure");
+    int64_t n = x->shape[0], shape[2] = {n, s->out};
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
+    linear_fwd((const float *)x->data, (const float *)smp_param_value(s->w)->data, (const float *)smp_param_value(s->b)->data,
+               (float *)y->data, (int)n, s->in, s->out);
+    return SMP_OK;
+}
+static smp_status lin_backward(smp_call_ctx *c) {
+    lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0);
+    smp_tensor *gx = smp_call_grad_input(c, 0);
+    linear_bwd((const float *)x->data, (const float *)smp_param_value(s->w)->data, (const float *)smp_call_grad_output(c, 0)->data,
+               gx ? (float *)gx->data : NULL, (float *)smp_param_grad(s->w)->data, (float *)smp_param_grad(s->b)->data, (int)x->shape[0], s->in, s->out);
+    return SMP_OK;
+}
+static smp_status relu_forward(smp_call_ctx *c) {
+    const smp_tensor *x = smp_call_input(c, 0);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    for (int64_t i = 0; i < smp_tensor_numel(x); i++) ((float *)y->data)[i] = ((const float *)x->data)[i] > 0 ? ((const float *)x->data)[i] : 0;
+    return SMP_OK;
+}
+static smp_status relu_backward(smp_call_ctx *c) {
+    const float *x = (const float *)smp_call_input(c, 0)->data, *gy = (const float *)smp_call_grad_output(c, 0)->data;
+    smp_tensor *gx = smp_call_grad_input(c, 0);
+    for (int64_t i = 0; gx && i < smp_tensor_numel(gx); i++) ((float *)gx->data)[i] = x[i] > 0 ? gy[i] : 0;
+    return SMP_OK;
+}
+static smp_status add_forward(smp_call_ctx *c) {
+    const smp_tensor *a = smp_call_input(c, 0), *b = smp_call_input(c, 1);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, a->ndim, a->shape);
+    for (int64_t i = 0; i < smp_tensor_numel(a); i++) ((float *)y->data)[i] = ((const float *)a->data)[i] + ((const float *)b->data)[i];
+    return SMP_OK;
+}
+static smp_status add_backward(smp_call_ctx *c) {
+    const smp_tensor *gy = smp_call_grad_output(c, 0);
+    for (int k = 0; k < 2; k++) {
+        smp_tensor *g = smp_call_grad_input(c, k);
+        if (g) memcpy(g->data, gy->data, smp_tensor_nbytes(gy));
+    }
+    return SMP_OK;
+}
+
+typedef struct { smp_module *root, *lin[NLIN], *relu1, *relu5, *add3; lin_state st[NLIN]; } net;
+
+static smp_status net_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
+    (void)m; (void)nin; (void)nout;
+    net *n = (net *)user;
+    smp_tensor a0, a1, a2, a3, a4, a5, pair[2];
+    smp_status st;
+    if ((st = smp_call(n->lin[0], &in[0], 1, &a0, 1)) || (st = smp_call(n->relu1, &a0, 1, &a1, 1)) || (st = smp_call(n->lin[1], &a1, 1, &a2, 1)))
+        return st;
+    pair[0] = a2;
+    pair[1] = a0; /* the skip connection */
+    if ((st = smp_call(n->add3, pair, 2, &a3, 1)) || (st = smp_call(n->lin[2], &a3, 1, &a4, 1)) || (st = smp_call(n->relu5, &a4, 1, &a5, 1)) ||
+        (st = smp_call(n->lin[3], &a5, 1, &out[0], 1)))
+        return st;
+    return SMP_OK;
+}
+
+/* placement[k]: partition of call k's module (manual); NULL: auto */
+static smp_model *build(net *n, const int *placement) {
+    static const smp_module_desc relu = {relu_forward, relu_backward, NULL}, add = {add_forward, add_backward, NULL};
+    memset(n, 0, sizeof *n);
+    n->root = smp_module_new(NULL, "", NULL);
+    /* call order: lin0 relu1 lin1 add3 lin2 relu5 lin3 */
+    const char *names[7] = {"fc0", "act1", "fc1", "skip", "fc2", "act2", "head"};
+    int lin_of_call[7] = {0, -1, 1, -1, 2, -1, 3};
+    for (int k = 0; k < 7; k++) {
+        if (placement) smp_partition_push(placement[k]);
+        int l = lin_of_call[k];
+        if (l >= 0) {
+            n->st[l].in = lin_in[l];
+            n->st[l].out = lin_out[l];
+            smp_module_desc d = {lin_forward, lin_backward, &n->st[l]};
+            n->lin[l] = smp_module_new(n->root, names[k], &d);
+            int64_t ws[2] = {lin_out[l], lin_in[l]}, bs[1] = {lin_out[l]};
+            n->st[l].w = smp_param_new(n->lin[l], "weight", SMP_F32, 2, ws, smp_init_uniform, NULL);
+            n->st[l].b = smp_param_new(n->lin[l], "bias", SMP_F32, 1, bs, smp_init_uniform, NULL);
+        } else if (k == 3) n->add3 = smp_module_new(n->root, names[k], &add);
+        else if (k == 1) n->relu1 = smp_module_new(n->root, names[k], &relu);
+        else n->relu5 = smp_module_new(n->root, names[k], &relu);
+        if (placement) smp_partition_pop();
+    }
+    smp_model *m = NULL;
+    smp_model_desc md = {net_forward, 1, 1, n};
+    smp_status st = smp_model_new(n->root, &md, &m);
+    return st ? NULL : m;
+}
+
+/* ---------------------------------------------------------------- the reference */
+typedef struct { float w[NLIN][H * H], b[NLIN][H], gw[NLIN][H * H], gb[NLIN][H]; float loss[8]; float out[B * C]; } ref_t;
+
+static void ref_params(ref_t *r) {
+    static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
+    memset(r, 0, sizeof *r);
+    for (int l = 0; l < NLIN; l++) {
+        char nm[64];
+        int64_t ws[2] = {lin_out[l], lin_in[l]}, bs[1] = {lin_out[l]};
+        smp_tensor w = smp_tensor_make(r->w[l], SMP_F32, 2, ws), b = smp_tensor_make(r->b[l], SMP_F32, 1, bs);
+        snprintf(nm, sizeof nm, "%s.weight", names[l]);
+        smp_init_uniform(&w, smp_param_seed(nm), NULL);
+        snprintf(nm, sizeof nm, "%s.bias", names[l]);
+        smp_init_uniform(&b, smp_param_seed(nm), NULL);
+    }
+}
+
+static void ref_step(ref_t *r, const float *x, const float *t, int m, bool train) {
+    int n = B / m;
+    for (int i = 0; i < m; i++) {
+        const float *xi = x + i * n * D, *ti = t + i * n * C;
+        float a0[B * H], a1[B * H], a2[B * H], a3[B * H], a4[B * H], a5[B * H], y[B * C], gy[B * C];
+        linear_fwd(xi, r->w[0], r->b[0], a0, n, D, H);
+        for (int k = 0; k < n * H; k++) a1[k] = a0[k] > 0 ? a0[k] : 0;
+        linear_fwd(a1, r->w[1], r->b[1], a2, n, H, H);
+        for (int k = 0; k < n * H; k++) a3[k] = a2[k] + a0[k];
+        linear_fwd(a3, r->w[2], r->b[2], a4, n, H, H);
+        for (int k = 0; k < n * H; k++) a5[k] = a4[k] > 0 ? a4[k] : 0;
+        linear_fwd(a5, r->w[3], r->b[3], y, n, H, C);
+        memcpy(r->out + i * n * C, y, sizeof(float) * (size_t)(n * C));
+        r->loss[i] = mse(y, ti, train ? gy : NULL, n * C);
+        if (!train) continue;
+        if (m > 1) for (int k = 0; k < n * C; k++) gy[k] *= (float)(1.0 / m);
+        float g5[B * H], g4[B * H], g3[B * H], g2[B * H], g1[B * H], g0[B * H], g0b[B * H];
+        linear_bwd(a5, r->w[3], gy, g5, r->gw[3], r->gb[3], n, H, C);
+        for (int k = 0; k < n * H; k++) g4[k] = a4[k] > 0 ? g5[k] : 0;
+        linear_bwd(a3, r->w[2], g4, g3, r->gw[2], r->gb[2], n, H, H);
+        memcpy(g2, g3, sizeof(float) * (size_t)(n * H));  /* add: both inputs get g3 */
+        memcpy(g0b, g3, sizeof(float) * (size_t)(n * H));
+        linear_bwd(a1, r->w[1], g2, g1, r->gw[1], r->gb[1], n, H, H);
+        for (int k = 0; k < n * H; k++) g0[k] = a0[k] > 0 ? g1[k] : 0;
+        for (int k = 0; k < n * H; k++) g0[k] = g0b[k] + g0[k]; /* latest consumer first */
+        linear_bwd(xi, r->w[0], g0, NULL, r->gw[0], r->gb[0], n, D, H);
+    }
+}
+
+
+
+/* Per-microbatch losses and the gradients of one replica's batch. */
+static inline void ref_zero_grads(ref_t *r) { memset(r->gw, 0, sizeof r->gw); memset(r->gb, 0, sizeof r->gb); }
+#endif

@@ -1,0 +1,311 @@
+/* test_ddp.c - data parallelism against the one-process model.
+   Each replica trains on its own slice of a global batch; the reference
+   runs every replica's microbatches in one process, accumulates each
+   replica's gradient, and sums the replicas in dp-rank order. With
+   deterministic_reduction the result must be bitwise equal; without it,
+   within the bound of summing dp numbers in another order:
+       |smp - ref| <= (dp - 1) * 2^-23 * sum_r |g_r| / dp   (+ one ulp of the result) */
+#define SMP_IMPLEMENTATION
+#include "smp.h"
+#include "smp_pipeline.h"
+#include "test.h"
+#include "net7.h"
+#include <float.h>
+
+enum { MAXDP = 4 };
+static float g_x[MAXDP * 2 * B * D], g_t[MAXDP * 2 * B * C];
+static int world;
+
+SMP_STEP_BODY(mse_body) {
+    const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
+    smp_tensor *g = smp_mb_output_grad(mb, 0);
+    float *scale = (float *)smp_mb_user(mb);
+    float loss = mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y));
+    if (g && scale) for (int64_t i = 0; i < smp_tensor_numel(g); i++) ((float *)g->data)[i] *= *scale;
+    return smp_mb_return_f32(mb, 0, loss);
+}
+
+typedef struct { float gw[NLIN][H * H], gb[NLIN][H]; } grads_t;
+
+/* The one-process reference: replica r's rows are r*rows .. (r+1)*rows of the global batch. */
+static void reference(ref_t *base, int dp, int m, int rows, int steps, grads_t *sum, grads_t *absum, float losses[MAXDP][8]) {
+    grads_t acc[MAXDP];
+    for (int r = 0; r < dp; r++) {
+        ref_t rr = *base;
+        ref_zero_grads(&rr);
+        for (int s = 0; s < steps; s++) {
+            ref_step(&rr, g_x + ((size_t)r * steps + (size_t)s) * (size_t)rows * D, g_t + ((size_t)r * steps + (size_t)s) * (size_t)rows * C, m, true);
+            if (losses) memcpy(losses[r], rr.loss, sizeof rr.loss);
+        }
+        memcpy(acc[r].gw, rr.gw, sizeof acc[r].gw);
+        memcpy(acc[r].gb, rr.gb, sizeof acc[r].gb);
+    }
+    float *S = &sum->gw[0][0], *A = &absum->gw[0][0];
+    int n = (int)(sizeof(grads_t) / sizeof(float));
+    for (int i = 0; i < n; i++) {
+        float s = ((float *)&acc[0])[i], a = fabsf(s);
+        for (int r = 1; r < dp; r++) { s += ((float *)&acc[r])[i]; a += fabsf(((float *)&acc[r])[i]); }
+        S[i] = s * (float)(1.0 / ((double)dp * steps));
+        A[i] = a / (float)dp;
+    }
+}
+
+/* Largest violation of the bound over this rank's gradients; 0 means within. */
+static double check_grads(smp_model *model, const grads_t *want, const grads_t *abs, int dp, bool bitwise, char *why, size_t cap) {
+    static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
+    for (int l = 0; l < NLIN; l++)
+        for (int wb = 0; wb < 2; wb++) {
+            char nm[64];
+            snprintf(nm, sizeof nm, "%s.%s", names[l], wb ? "bias" : "weight");
+            smp_param *p = smp_model_find_param(model, nm);
+            if (!smp_module_is_local(smp_param_module(p))) continue;
+            const float *g = (const float *)smp_param_grad(p)->data, *w = wb ? want->gb[l] : want->gw[l], *a = wb ? abs->gb[l] : abs->gw[l];
+            int n = wb ? lin_out[l] : lin_out[l] * lin_in[l];
+            for (int i = 0; i < n; i++) {
+                double bound = bitwise ? 0 : (dp - 1) * FLT_EPSILON * a[i] + 2 * FLT_EPSILON * fabsf(w[i]) + FLT_MIN;
+                if (bitwise ? memcmp(&g[i], &w[i], 4) != 0 : fabs((double)g[i] - w[i]) > bound) {
+                    snprintf(why, cap, "%s[%d] = %.9g, reference %.9g (bound %.3g)", nm, i, g[i], w[i], bound);
+                    return 1;
+                }
+            }
+        }
+    return 0;
+}
+
+typedef struct { int P, m, bpps; bool deterministic, overlap; double bucket_mb; bool perturb; } ddp_case;
+
+static smp_model *start(const ddp_case *c, net *n) {
+    smp_config cfg = {0};
+    cfg.partitions = c->P;
+    cfg.microbatches = c->m;
+    cfg.ddp = SMP_ON;
+    cfg.seed = 11;
+    cfg.backward_passes_per_step = c->bpps;
+    cfg.deterministic_reduction = c->deterministic ? SMP_ON : SMP_OFF;
+    cfg.overlapping_allreduce = c->overlap ? SMP_ON : SMP_OFF;
+    cfg.bucket_cap_mb = c->bucket_mb;
+    /* manual placement: traced times must not move calls between the runs compared */
+    int placement[7];
+    for (int k = 0; k < 7; k++) placement[k] = k * c->P / 7;
+    if (c->P > 1) cfg.auto_partition = SMP_OFF;
+    if (smp_init(&cfg)) return NULL;
+    return build(n, c->P > 1 ? placement : NULL);
+}
+
+/* Runs `steps` training steps; returns this rank's gradients flattened by name order into out (for cross-config comparison). */
+static int run(const ddp_case *c, int steps, int rows, grads_t *got, char *why, size_t cap, float losses[8]) {
+    net n;
+    smp_model *model = start(c, &n);
+    if (!model) { snprintf(why, cap, "start: %s", smp_last_error()); return 0; }
+    int r = smp_dp_rank();
+    smp_tensor x0 = smp_tensor_2d(g_x, SMP_F32, rows / c->m, D);
+    smp_model_trace(model, &x0, 1);
+    if (c->perturb && r != 0) /* replicas that start apart must be equal after the first step */
+        for (int i = 0; smp_model_param(model, i, false); i++) ((float *)smp_param_value(smp_model_param(model, i, false))->data)[0] += 0.5f;
+    smp_model_zero_grad(model);
+    int ok = 1;
+    for (int s = 0; s < steps && ok; s++) {
+        smp_step_output out = {0};
+        /* replica r's rows for step s: the same rows whatever the step count */
+        smp_tensor x = smp_tensor_2d(g_x + ((size_t)r * steps + (size_t)s) * (size_t)rows * D, SMP_F32, rows, D);
+        smp_tensor t = smp_tensor_2d(g_t + ((size_t)r * steps + (size_t)s) * (size_t)rows * C, SMP_F32, rows, C);
+        if (SMP_TRAIN_STEP(model, mse_body, NULL, &out, 1, x, t)) { snprintf(why, cap, "step: %s", smp_last_error()); ok = 0; }
+        for (int i = 0; ok && losses && i < c->m; i++) losses[i] = ((float *)out.values[i].data)[0];
+        smp_step_output_free(&out);
+    }
+    memset(got, 0, sizeof *got);
+    static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
+    for (int l = 0; l < NLIN && ok; l++) {
+        char nm[64];
+        snprintf(nm, sizeof nm, "%s.weight", names[l]);
+        smp_param *pw = smp_model_find_param(model, nm);
+        snprintf(nm, sizeof nm, "%s.bias", names[l]);
+        smp_param *pb = smp_model_find_param(model, nm);
+        if (!smp_module_is_local(smp_param_module(pw))) continue;
+        memcpy(got->gw[l], smp_param_grad(pw)->data, smp_tensor_nbytes(smp_param_grad(pw)));
+        memcpy(got->gb[l], smp_param_grad(pb)->data, smp_tensor_nbytes(smp_param_grad(pb)));
+    }
+    smp_model_free(model);
+    smp_finalize();
+    return ok;
+}
+
+static void equivalence(int P, bool deterministic) {
+    ddp_case c = {P, 4, 1, deterministic, true, 25, false};
+    int dp = world / P, rows = B;
+    char name[128], why[4096] = "";
+    snprintf(name, sizeof name, "ddp/%dx%d/%s", P, dp, deterministic ? "deterministic, bitwise" : "within bound");
+    grads_t got, want, abs;
+    float losses[8];
+    int ok = run(&c, 1, rows, &got, why, sizeof why, losses);
+    smp_model *model = NULL;
+    net n;
+    model = start(&c, &n); /* same placement as the run: to know which parameters are local here */
+    ref_t base;
+    ref_params(&base);
+    float ref_losses[MAXDP][8];
+    reference(&base, dp, 4, rows, 1, &want, &abs, ref_losses);
+    int r = smp_dp_rank();
+    smp_tensor x0 = smp_tensor_2d(g_x, SMP_F32, rows / 4, D);
+    smp_model_trace(model, &x0, 1);
+    if (ok) {
+        /* put the gradients we got into the model's grads to reuse check_grads */
+        static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
+        for (int l = 0; l < NLIN; l++) {
+            char nm[64];
+            snprintf(nm, sizeof nm, "%s.weight", names[l]);
+            smp_param *pw = smp_model_find_param(model, nm);
+            snprintf(nm, sizeof nm, "%s.bias", names[l]);
+            smp_param *pb = smp_model_find_param(model, nm);
+            if (!smp_module_is_local(smp_param_module(pw))) continue;
+            memcpy(smp_param_grad(pw)->data, got.gw[l], smp_tensor_nbytes(smp_param_grad(pw)));
+            memcpy(smp_param_grad(pb)->data, got.gb[l], smp_tensor_nbytes(smp_param_grad(pb)));
+        }
+        ok = check_grads(model, &want, &abs, dp, deterministic, why, sizeof why) == 0;
+        for (int i = 0; ok && i < 4; i++)
+            if (memcmp(&losses[i], &ref_losses[r][i], 4)) { snprintf(why, sizeof why, "loss of microbatch %d on dp rank %d: %.9g vs %.9g", i, r, losses[i], ref_losses[r][i]); ok = 0; }
+    }
+    smp_model_free(model);
+    smp_finalize();
+    MPI_CHECK(ok, name, "%s", why);
+}
+
+/* Two configurations must give bitwise equal gradients. */
+static void same(const char *label, ddp_case a, ddp_case b, int steps_a, int rows_a, int steps_b, int rows_b) {
+    grads_t ga, gb;
+    char why[4096] = "";
+    int ok = run(&a, steps_a, rows_a, &ga, why, sizeof why, NULL) && run(&b, steps_b, rows_b, &gb, why, sizeof why, NULL);
+    if (ok && memcmp(&ga, &gb, sizeof ga)) {
+        float *x = (float *)&ga, *y = (float *)&gb;
+        int i = 0;
+        while (x[i] == y[i]) i++;
+        snprintf(why, sizeof why, "gradient element %d: %.9g vs %.9g", i, x[i], y[i]);
+        ok = 0;
+    }
+    MPI_CHECK(ok, label, "%s", why);
+}
+
+static void clipping_and_scaler(int P) {
+    ddp_case c = {P, 4, 1, true, true, 25, false};
+    net n;
+    smp_model *model = start(&c, &n);
+    int dp = smp_dp_size(), r = smp_dp_rank();
+    smp_tensor x = smp_tensor_2d(g_x + (size_t)r * B * D, SMP_F32, B, D), t = smp_tensor_2d(g_t + (size_t)r * B * C, SMP_F32, B, C);
+    smp_step_output out = {0};
+    smp_model_zero_grad(model);
+    smp_status st = SMP_TRAIN_STEP(model, mse_body, NULL, &out, 1, x, t);
+    ref_t base;
+    ref_params(&base);
+    grads_t want, abs;
+    reference(&base, dp, 4, B, 1, &want, &abs, NULL);
+    /* the reference's norm: per parameter in model order, then summed in that order */
+    double sq[2 * NLIN] = {0}, total = 0;
+    for (int l = 0; l < NLIN; l++) {
+        for (int i = 0; i < lin_out[l] * lin_in[l]; i++) sq[2 * l] += (double)want.gw[l][i] * want.gw[l][i];
+        for (int i = 0; i < lin_out[l]; i++) sq[2 * l + 1] += (double)want.gb[l][i] * want.gb[l][i];
+    }
+    for (int i = 0; i < 2 * NLIN; i++) total += sq[i];
+    double norm = sqrt(total), got_norm = -1, max_norm = norm / 4;
+    float coef = (float)(max_norm / (norm + 1e-6));
+    for (int l = 0; l < NLIN; l++) {
+        for (int i = 0; i < lin_out[l] * lin_in[l]; i++) want.gw[l][i] *= coef;
+        for (int i = 0; i < lin_out[l]; i++) want.gb[l][i] *= coef;
+    }
+    if (!st) st = smp_clip_grad_norm(model, max_norm, &got_norm);
+    char why[4096] = "", name[96];
+    int ok = !st && memcmp(&got_norm, &norm, sizeof norm) == 0 && check_grads(model, &want, &abs, dp, true, why, sizeof why) == 0;
+    if (!ok && !*why) snprintf(why, sizeof why, "status %d (%s), norm %.17g vs %.17g", st, st ? smp_last_error() : "", got_norm, norm);
+    snprintf(name, sizeof name, "ddp/clipping equals the one-process model/P=%d", P);
+    MPI_CHECK(ok, name, "%s", why);
+    /* the scaler: an overflow on the last rank skips the step everywhere */
+    smp_grad_scaler scaler = {0};
+    double s0 = smp_grad_scaler_scale(&scaler);
+    smp_param *p0 = smp_model_param(model, 0, false);
+    if (smp_rank() == world - 1 && p0) ((float *)smp_param_grad(p0)->data)[0] = INFINITY;
+    bool skip = false;
+    st = smp_grad_scaler_unscale(model, &scaler, &skip);
+    snprintf(name, sizeof name, "ddp/scaler skips the same step everywhere/P=%d", P);
+    MPI_CHECK(!st && skip && scaler.scale == s0 * 0.5, name, "skip %d, scale %g (was %g)", skip, scaler.scale, s0);
+    smp_model_zero_grad(model);
+    st = SMP_TRAIN_STEP(model, mse_body, NULL, &out, 1, x, t);
+    float before = p0 ? ((float *)smp_param_grad(p0)->data)[0] : 0;
+    if (!st) st = smp_grad_scaler_unscale(model, &scaler, &skip);
+    float after = p0 ? ((float *)smp_param_grad(p0)->data)[0] : 0;
+    snprintf(name, sizeof name, "ddp/scaler unscales a clean step/P=%d", P);
+    MPI_CHECK(!st && !skip && (!p0 || after == before / (float)scaler.scale), name, "skip %d, %g -> %g", skip, before, after);
+    smp_step_output_free(&out);
+    smp_model_free(model);
+    smp_finalize();
+}
+
+static void data_helpers(void) {
+    smp_config cfg = {0};
+    cfg.ddp = SMP_ON;
+    smp_init(&cfg);
+    int dp = smp_dp_size(), r = smp_dp_rank();
+    enum { N = 103 };
+    int64_t idx[N + 1], count = 0, batches = 0, all[MAXDP * (N + 1)];
+    smp_sampler_desc d = {N, 8, 5, true, true};
+    smp_status st = smp_sampler_indices(&d, 3, idx, &count, &batches);
+    int ok = !st && count == N / dp && batches == count / 8;
+    /* the shards are disjoint and a permutation's prefix */
+    smp_tensor mine = smp_tensor_1d(idx, SMP_I64, count), gathered = smp_tensor_1d(all, SMP_I64, count * dp);
+    if (ok) ok = !smp_all_gather(&mine, &gathered, SMP_DP_GROUP);
+    char seen[N] = {0};
+    for (int64_t i = 0; ok && i < count * dp; i++) { if (all[i] < 0 || all[i] >= N || seen[all[i]]) ok = 0; else seen[all[i]] = 1; }
+    int64_t other[N + 1], oc;
+    smp_sampler_indices(&d, 4, other, &oc, NULL);
+    ok = ok && memcmp(other, idx, sizeof(int64_t) * (size_t)count) != 0; /* another epoch, another order */
+    MPI_CHECK(ok, "ddp/sampler shards a seeded permutation by dp rank", "count %lld batches %lld", (long long)count, (long long)batches);
+    int64_t local = 0;
+    st = smp_local_batch_size(64, &local);
+    MPI_CHECK(!st && local == 64 / dp, "ddp/per-replica batch size", "%lld", (long long)local);
+    if (dp > 1) {
+        st = smp_local_batch_size(63, &local);
+        MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "63"), "ddp/indivisible global batch is an error", "%s", smp_last_error());
+        st = smp_agree_batches(r == 0 ? 10 : 9);
+        MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "different numbers of batches"), "ddp/replicas with different batch counts get an error", "%s", smp_last_error());
+    }
+    MPI_CHECK(smp_agree_batches(7) == SMP_OK, "ddp/replicas with equal batch counts agree", "%s", smp_last_error());
+    smp_finalize();
+}
+
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    uint64_t s = 1234;
+    for (size_t i = 0; i < sizeof g_x / sizeof g_x[0]; i++) g_x[i] = (float)(smp_rng_uniform(&s) * 2 - 1);
+    for (size_t i = 0; i < sizeof g_t / sizeof g_t[0]; i++) g_t[i] = (float)(smp_rng_uniform(&s) * 2 - 1);
+    for (int P = 1; P <= world; P *= 2) {
+        if (world % P) continue;
+        equivalence(P, true);
+        equivalence(P, false);
+        char name[128];
+        ddp_case base = {P, 4, 1, true, true, 25, false};
+        ddp_case no_overlap = base, tiny = base, perturbed = base, bp2 = base, m8 = base;
+        no_overlap.overlap = false;
+        tiny.bucket_mb = 1e-4; /* about 100 bytes: a bucket per parameter */
+        perturbed.perturb = true;
+        snprintf(name, sizeof name, "ddp/overlapping and non-overlapping all-reduce agree/P=%d", P);
+        same(name, base, no_overlap, 1, B, 1, B);
+        snprintf(name, sizeof name, "ddp/bucket sizes agree/P=%d", P);
+        same(name, base, tiny, 1, B, 1, B);
+        ddp_case nd = base, nd_tiny = tiny, nd_no = no_overlap;
+        nd.deterministic = nd_tiny.deterministic = nd_no.deterministic = false;
+        snprintf(name, sizeof name, "ddp/non-deterministic: overlap and bucket sizes agree/P=%d", P);
+        same(name, nd, nd_tiny, 1, B, 1, B);
+        same(name, nd, nd_no, 1, B, 1, B);
+        snprintf(name, sizeof name, "ddp/replicas starting apart are identical after one step/P=%d", P);
+        same(name, base, perturbed, 1, B, 1, B);
+        bp2.bpps = 2;
+        bp2.m = 2;
+        m8.m = 4;
+        snprintf(name, sizeof name, "ddp/backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
+        same(name, bp2, m8, 2, B / 2, 1, B);
+        clipping_and_scaler(P);
+    }
+    data_helpers();
+    int rc = test_exit_code();
+    MPI_Finalize();
+    return rc;
+}
