@@ -344,7 +344,7 @@ typedef struct smp_model_desc {
 /* Wraps the module tree (smp.DistributedModel). Reports errors made while
    building it (bad partition contexts, duplicate names). */
 SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, smp_model **out);
-SMPDEF void smp_model_free(smp_model *m);
+SMPDEF void smp_model_free(smp_model *m); /* collective when SMP_TIMELINE is set (writes the timeline) */
 /* Runs module m on inputs; outputs receive tensors owned by smp (valid for
    the current microbatch). From the model forward during tracing, or from a
    module's forward (a nested call, which runs where its parent runs). */
@@ -1725,9 +1725,13 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
 /* ---------------------------------------------------------------- waiting */
 SMPDEF double smp_timeout(void) {
     if (smp__ctx.initialized) return smp__ctx.cfg.timeout;
-    const char *e = getenv("SMP_TIMEOUT");
-    double t = e ? atof(e) : 0;
-    return t > 0 ? t : 600;
+    double t = 600; /* before init: SMP_TIMEOUT when it is valid (smp_init reports it when not) */
+    bool found;
+    char saved[sizeof smp__errbuf];
+    memcpy(saved, smp__errbuf, sizeof saved);
+    if (smp__cfg_env_timeout(&t, &found) != SMP_OK) t = 600;
+    memcpy(smp__errbuf, saved, sizeof saved);
+    return t;
 }
 
 static double smp__now(void) { return MPI_Wtime(); }
@@ -1895,7 +1899,8 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     smp_config cfg;
     if (user_cfg) cfg = *user_cfg;
     else memset(&cfg, 0, sizeof cfg);
-    static const MPI_Comm zero_comm;
+    MPI_Comm zero_comm; /* MPI_Comm is an int in MPICH and a pointer in Open MPI: compare bytes */
+    memset(&zero_comm, 0, sizeof zero_comm);
     MPI_Comm host = memcmp(&cfg.comm, &zero_comm, sizeof zero_comm) == 0 ? MPI_COMM_WORLD : cfg.comm;
 
     int size, rank;

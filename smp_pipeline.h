@@ -218,7 +218,8 @@ typedef struct smp_step_stats {
 SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
 
 /* Writes the timeline (SMP_TIMELINE=path) of every rank into one Chrome
-   trace / Perfetto JSON file on rank 0. Collective; smp_model_free calls it. */
+   trace / Perfetto JSON file on rank 0. Collective. With SMP_TIMELINE set,
+   smp_model_free calls it too, so there it is collective as well. */
 SMPDEF smp_status smp_timeline_write(smp_model *m);
 /* ======================================================================
    data parallelism and training helpers
@@ -870,9 +871,12 @@ typedef struct smp__pipe {
     int *bucket_params;    /* parameters in backward order */
 } smp__pipe;
 
+static smp_status smp__timeline_write(smp__pipe *ps);
+
 static void smp__pipe_free(void *p) {
     smp__pipe *ps = (smp__pipe *)p;
     if (!ps) return;
+    if (ps->timeline && smp__ctx.initialized) smp__timeline_write(ps); /* collective, like smp_model_free's documentation says */
     smp__free(ps->edges);
     smp__free(ps->first_edge);
     smp__free(ps->edge_of_input);
@@ -1974,9 +1978,10 @@ SMPDEF void smp_step_output_free(smp_step_output *o) {
 }
 
 /* ---------------------------------------------------------------- timeline */
-SMPDEF smp_status smp_timeline_write(smp_model *m) {
+SMPDEF smp_status smp_timeline_write(smp_model *m) { return smp__timeline_write(m ? (smp__pipe *)m->pipeline : NULL); }
+
+static smp_status smp__timeline_write(smp__pipe *ps) {
     const char *path = getenv("SMP_TIMELINE");
-    smp__pipe *ps = m ? (smp__pipe *)m->pipeline : NULL;
     if (!path || !*path) return SMP_OK;
     size_t cap = 64 + (ps ? (size_t)ps->nevents * 160 : 0), len = 0;
     char *mine = (char *)smp__alloc(cap, SMP__ALLOC_OTHER);
