@@ -12,7 +12,7 @@ LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
 MPI_TESTS  := test_pipeline test_ddp
-SCRIPT_TESTS :=
+SCRIPT_TESTS := test/test_install.sh
 BENCHES    := partition
 
 CUDA_HOME ?= /usr/local/cuda

@@ -196,8 +196,10 @@ SMPDEF smp_status smp__ckpt_open_memory(smp_ckpt_file **f, const char *label, co
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <time.h>
 #include <unistd.h>
 
 /* pread, pwrite, kill, O_CLOEXEC and O_DIRECTORY are POSIX.1-2008, hidden by
@@ -647,6 +649,7 @@ struct smp_ckpt_writer {
     size_t buf_len, buf_cap;
     smp_status failed;      /* first error; later calls repeat it */
     char *failed_msg;
+    int sealed;             /* the tmp file is complete and closed, not yet renamed */
 };
 
 static int smp__ckpt_fault_from_env(int *fault) {
@@ -671,6 +674,8 @@ static void smp__ckpt_writer_free(smp_ckpt_writer *w) {
     if (w->fd >= 0) {
         close(w->fd);
         if (w->tmp) unlink(w->tmp);
+    } else if (w->sealed && w->tmp) {
+        unlink(w->tmp);
     }
     smp__ckpt_free(w->path);
     smp__ckpt_free(w->tmp);
@@ -1013,9 +1018,14 @@ SMPDEF uint64_t smp_ckpt_writer_remaining(const smp_ckpt_writer *w) { return w ?
 
 SMPDEF void smp_ckpt_writer_abort(smp_ckpt_writer *w) { smp__ckpt_writer_free(w); }
 
-SMPDEF smp_status smp_ckpt_writer_commit(smp_ckpt_writer *w) {
+/* The first half of commit: the data is complete, the checksums are in the
+   header, the tmp file is fsynced and closed, but `path` is untouched. On
+   error w is freed (and its tmp file deleted); on success w waits for
+   smp__ckpt_writer_publish or smp_ckpt_writer_abort (which deletes the tmp
+   file). Model checkpoints seal every file of a save before renaming any. */
+static smp_status smp__ckpt_writer_seal(smp_ckpt_writer *w) {
     smp_status st;
-    int i, dfd;
+    int i;
     if (!w) return smp_error(SMP_ERR_ARG, "smp_ckpt_writer_commit: writer is NULL");
     if (w->failed) {
         st = smp__ckpt_writer_repeat(w);
@@ -1064,20 +1074,28 @@ SMPDEF smp_status smp_ckpt_writer_commit(smp_ckpt_writer *w) {
     }
     i = close(w->fd);
     w->fd = -1;
+    w->sealed = 1; /* from here on, freeing w deletes the tmp file */
     if (i != 0) {
         st = smp_error(SMP_ERR_IO, "checkpoint '%s': closing '%s' failed: %s", w->path, w->tmp, strerror(errno));
-        unlink(w->tmp);
         smp__ckpt_writer_free(w);
         return st;
     }
+    return SMP_OK;
+}
+
+/* The second half: renames the sealed tmp file over `path` and fsyncs the
+   folder. Always frees w. */
+static smp_status smp__ckpt_writer_publish(smp_ckpt_writer *w) {
+    smp_status st;
+    int dfd;
     smp__ckpt_fault(w, SMP__CKPT_FAULT_RENAME);
     if (rename(w->tmp, w->path) != 0) {
         st = smp_error(SMP_ERR_IO, "checkpoint '%s': renaming '%s' over it failed: %s", w->path, w->tmp,
                        strerror(errno));
-        unlink(w->tmp);
         smp__ckpt_writer_free(w);
         return st;
     }
+    w->sealed = 0; /* the tmp name is gone */
     smp__ckpt_fault(w, SMP__CKPT_FAULT_DIRSYNC);
     st = SMP_OK;
     dfd = open(w->dir, O_RDONLY | SMP__CKPT_O_DIRECTORY | SMP__CKPT_O_CLOEXEC);
@@ -1087,6 +1105,11 @@ SMPDEF smp_status smp_ckpt_writer_commit(smp_ckpt_writer *w) {
     if (dfd >= 0) close(dfd);
     smp__ckpt_writer_free(w);
     return st;
+}
+
+SMPDEF smp_status smp_ckpt_writer_commit(smp_ckpt_writer *w) {
+    smp_status st = smp__ckpt_writer_seal(w);
+    return st ? st : smp__ckpt_writer_publish(w);
 }
 
 SMPDEF smp_status smp_ckpt_write_file(const char *path, const smp_ckpt_entry *entries, int n,
@@ -1141,6 +1164,8 @@ struct smp_ckpt_file {
     int nmeta, meta_cap;
     smp__ckpt_meta *meta;    /* header order */
     smp__ckpt_meta *meta_sorted;
+    const uint8_t *map;      /* the whole file mapped read-only (model loads), or NULL */
+    int map_tried;
 };
 
 /* The header parser. Strict JSON for exactly the safetensors schema, so it
@@ -1677,6 +1702,7 @@ SMPDEF smp_status smp__ckpt_open_memory(smp_ckpt_file **out, const char *label, 
 
 SMPDEF void smp_ckpt_close(smp_ckpt_file *f) {
     if (!f) return;
+    if (f->map && !f->mem) munmap((void *)(uintptr_t)f->map, (size_t)f->size);
     if (f->fd >= 0) close(f->fd);
     smp__ckpt_free(f->path);
     smp__ckpt_free(f->label);
