@@ -178,6 +178,98 @@ SMPDEF const char *smp_ckpt_dtype_string(smp_dtype dt);
    it in messages. */
 SMPDEF smp_status smp__ckpt_open_memory(smp_ckpt_file **f, const char *label, const void *bytes, size_t n);
 
+/* ---------------------------------------------------------------- model checkpoints
+   smp_save / smp_load: the parameters, buffers and optimizer state of a
+   partitioned model, written and read by every rank together (see the
+   usage comment at the top of this file). */
+
+/* Names of optimizer state in files: "optimizer.<param>.<state>", or
+   "optimizer.<state>" for state of the optimizer as a whole. */
+#define SMP_CKPT_OPTIMIZER_PREFIX "optimizer."
+/* Bytes per message when a full save streams a tensor to the writer. */
+#define SMP_CKPT_DEFAULT_CHUNK ((size_t)4 << 20)
+
+/* The optimizer state that checkpoints carry (smp.DistributedOptimizer):
+   named tensors the engine registers. The registry holds descriptors, not
+   data; the engine owns the memory, which must stay valid (same address,
+   dtype and shape) while the registry is used. */
+typedef struct smp_optimizer smp_optimizer;
+
+SMPDEF smp_status smp_optimizer_new(smp_model *m, smp_optimizer **out);
+SMPDEF void smp_optimizer_free(smp_optimizer *o);
+/* Registers *t as state `name` ("exp_avg"; no '.') of parameter `param` (its
+   full dotted name; the parameter must live on this rank: register after
+   partitioning, on every dp replica of the partition), or, with param NULL,
+   as state of the optimizer as a whole, which every rank holds a copy of
+   (a step count, a learning rate). Host or device tensors, any dtype and
+   shape. Not collective. */
+SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, const char *name, const smp_tensor *t);
+SMPDEF int smp_optimizer_state_count(const smp_optimizer *o);
+
+typedef struct smp_save_desc {
+    smp_switch partial;             /* default ON: one file per mp rank, "<path>_<mp_rank>";
+                                       OFF: one file with the whole model, "<path>" */
+    const smp_optimizer *optimizer; /* NULL: no optimizer state */
+    const char *const *meta_keys;   /* user metadata (epoch, step, ...), strings; */
+    const char *const *meta_values; /* keys must not start with "smp." */
+    int nmeta;
+    size_t chunk_bytes;             /* full save: bytes per message to the writer; 0: 4 MiB */
+} smp_save_desc;
+
+/* Saves the model (desc NULL: a partial save without optimizer state or
+   metadata). Collective over the world; the model must be partitioned
+   (smp_model_trace or a first step). Only dp rank 0 of each partition
+   writes; a full save streams every tensor to world rank 0's writer in
+   chunks, never gathering the model in one place. Every file is written
+   next to its final name and renamed over it only once every file of the
+   save is complete on disk; an error on any rank is an error on every rank,
+   and then no file of the previous checkpoint was touched. */
+SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *desc);
+
+typedef struct smp_load_desc {
+    smp_switch partial;       /* default ON: "<path>_0" .. "<path>_<P-1>"; OFF: the one file "<path>" */
+    smp_optimizer *optimizer; /* NULL: optimizer state in the files is ignored */
+    /* Called on every rank after a successful load, once per user metadata
+       entry (smp's own "smp.*" entries are not passed). */
+    void (*on_meta)(const char *key, const char *value, void *user);
+    void *user;
+} smp_load_desc;
+
+/* Loads a checkpoint into the model, whatever partitioning either was saved
+   or runs with. Collective over the world; the model must be partitioned.
+   Everything is checked before anything is copied: the headers; that the
+   files form one save; every tensor's name, dtype and shape against the
+   model (missing and unexpected tensors are errors); the checksum of every
+   tensor this rank loads. On any error, on any rank, every rank returns it
+   and no parameter, buffer or optimizer state has changed. */
+SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *desc);
+
+/* ---------------------------------------------------------------- state dicts */
+typedef struct smp_named_tensor {
+    const char *name;
+    smp_tensor tensor;
+} smp_named_tensor;
+
+typedef struct smp_state_dict {
+    int n;
+    smp_named_tensor *entries; /* declaration order; optimizer state last */
+    bool partial;              /* only this rank's partition (_smp_is_partial) */
+    void *storage_;            /* internal */
+} smp_state_dict;
+
+/* This rank's parameters, buffers and registered optimizer state, as views
+   of the live tensors (no copy; local_state_dict). Not collective. */
+SMPDEF smp_status smp_model_local_state_dict(smp_model *m, const smp_optimizer *opt, smp_state_dict *out);
+/* The whole model gathered into host memory on world rank `root`
+   (state_dict / cpu()): copies that `root` owns; other ranks get n = 0.
+   Collective over the world. Needs the whole model's bytes on root; to hand
+   a model to a program without smp, prefer a full smp_save, which any
+   safetensors reader opens. */
+SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, int root, smp_state_dict *out);
+SMPDEF void smp_state_dict_free(smp_state_dict *sd);
+/* The entry called `name`, or NULL. */
+SMPDEF const smp_tensor *smp_state_dict_find(const smp_state_dict *sd, const char *name);
+
 #ifdef __cplusplus
 }
 #endif
@@ -1820,6 +1912,1274 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
     }
     SMP_FREE(buf);
     return st;
+}
+
+
+/* ======================================================================== model checkpoints
+
+   How a save and a load run (all ranks, in step; each numbered phase ends
+   in an agreement, so an error anywhere is an error everywhere):
+
+   PLAN (both): a private duplicate of the world communicator; every rank's
+   (mp, dp) coordinates, so each partition's saver (its dp rank 0) is known;
+   the list of tensors of the whole model: every parameter and buffer, which
+   every rank knows from the module tree, plus the optimizer state that
+   every rank registered, gathered and merged by name. File order puts the
+   8-byte dtypes first, then 4, 2, 1 (declaration order within a width), so
+   every tensor lies at a multiple of its element size.
+
+   PARTIAL SAVE: each saver writes "<path>_<mp>" with its partition's
+   tensors (1), seals it: data, checksums, fsync, but no rename (2); only
+   when every saver has sealed does each rename its file into place (3).
+
+   FULL SAVE: world rank 0's saver opens the one file and writes the header
+   for all tensors (1); then it takes the tensors in file order, its own from
+   memory and the others' from their savers, which send them in chunks
+   (chunk_bytes, 4 MiB) over MPI, at most SMP__CK_RING chunks in flight per
+   rank: no rank ever holds more than that of another's data (2); then it
+   commits (3).
+
+   LOAD: open the headers (partial: "<path>_0" names the partition count P,
+   then "<path>_1" .. "<path>_<P-1>"; all must carry the same save id) (1);
+   match every tensor of the files with the model by name, dtype and shape,
+   missing and unexpected ones being errors (2); checksum every tensor this
+   rank will load, reading the files through a read-only mapping (3); only
+   then copy (4). A mapping lets the checksum pass and the copy read the page
+   cache directly, so a load reads the data about as fast as one plain
+   read() would; where mmap fails it falls back to reading into buffers.
+
+   METADATA smp adds to every file (the file layer adds smp.checksum.*):
+       smp.format            "smp-checkpoint/1"
+       smp.kind              "full" or "partial"
+       smp.partitions        the partition count of the model that saved it
+       smp.mp_rank           (partial) the partition this file holds
+       smp.save_id           the same in every file of one save
+       smp.partition.<name>  for every tensor of the model (in every file):
+                             the partition that held it */
+
+#define SMP__CK_FORMAT "smp-checkpoint/1"
+#define SMP__CK_TAG 7411
+#define SMP__CK_RING 4
+
+enum { SMP__CK_PARAM, SMP__CK_BUFFER, SMP__CK_OPTIM, SMP__CK_GLOBAL };
+
+typedef struct smp__ck_state {
+    char *full; /* name in files: "optimizer.<param>.<name>" or "optimizer.<name>" */
+    int global; /* state of the optimizer as a whole */
+    smp_tensor t;
+} smp__ck_state;
+
+struct smp_optimizer {
+    smp_model *model;
+    smp__ck_state *s;
+    int n, cap;
+};
+
+/* One tensor of the whole model, as the plan sees it. */
+typedef struct smp__ck_item {
+    const char *name;
+    smp_dtype dtype;
+    int ndim;
+    int64_t shape[SMP_MAX_DIMS];
+    uint64_t nbytes;
+    int mp;                  /* the partition holding it (whole-optimizer state: 0) */
+    int kind;                /* SMP__CK_PARAM ... */
+    int saver_has;           /* optimizer state: registered on the rank that saves it */
+    const smp_tensor *local; /* this rank's tensor, or NULL */
+    /* load */
+    int file;                /* index of the file holding it; -1: none */
+    const smp_ckpt_info *src;
+    const uint8_t *bytes;    /* its verified data (mapped or staged) */
+    uint8_t *staged;         /* owned copy when the file could not be mapped */
+} smp__ck_item;
+
+typedef struct smp__ck_plan {
+    MPI_Comm comm; /* private duplicate of the world */
+    int rank, size, P, mp, dp;
+    int *saver;    /* [P]: world rank of dp rank 0 of each partition */
+    smp__ck_item *items;
+    int n;
+    int *order;    /* file order */
+    int *by_name;  /* indices sorted by name */
+    char *gathered; /* every rank's optimizer registrations (names point into it) */
+    size_t chunk;
+    char save_id[40];
+} smp__ck_plan;
+
+static const char *smp__ck_kind_name(int kind) {
+    return kind == SMP__CK_PARAM ? "parameter" : kind == SMP__CK_BUFFER ? "buffer" : "optimizer state";
+}
+
+static const char *smp__ck_describe(smp_dtype dt, int ndim, const int64_t *shape, char *buf, size_t cap) {
+    char shp[160];
+    const char *d = smp_ckpt_dtype_string(dt);
+    snprintf(buf, cap, "%s %s", d ? d : "?", smp__ckpt_shape_str(shape, ndim, shp, sizeof shp));
+    return buf;
+}
+
+/* Host <-> host or device copies; devices go through the registered backend. */
+static smp_status smp__ck_copy(void *dst, int dst_dev, const void *src, int src_dev, size_t n) {
+    if (!n) return SMP_OK;
+    if (dst_dev < 0 && src_dev < 0) {
+        memcpy(dst, src, n);
+        return SMP_OK;
+    }
+    if (!smp__ctx.has_device || !smp__ctx.device.copy)
+        return smp_error(SMP_ERR_DEVICE, "a tensor on CUDA device %d needs a device backend (include smp_nccl.h)",
+                         dst_dev >= 0 ? dst_dev : src_dev);
+    return smp__ctx.device.copy(dst, dst_dev, src, src_dev, n);
+}
+
+/* ---------------------------------------------------------------- optimizer registry */
+SMPDEF smp_status smp_optimizer_new(smp_model *m, smp_optimizer **out) {
+    smp_optimizer *o;
+    if (!out) return smp_error(SMP_ERR_ARG, "smp_optimizer_new: out is NULL");
+    *out = NULL;
+    if (!m) return smp_error(SMP_ERR_ARG, "smp_optimizer_new: model is NULL");
+    o = (smp_optimizer *)SMP_MALLOC(sizeof *o);
+    if (!o) return smp_error(SMP_ERR_NOMEM, "smp_optimizer_new: out of memory");
+    memset(o, 0, sizeof *o);
+    o->model = m;
+    *out = o;
+    return SMP_OK;
+}
+
+SMPDEF void smp_optimizer_free(smp_optimizer *o) {
+    int i;
+    if (!o) return;
+    for (i = 0; i < o->n; i++) smp__ckpt_free(o->s[i].full);
+    smp__ckpt_free(o->s);
+    SMP_FREE(o);
+}
+
+SMPDEF int smp_optimizer_state_count(const smp_optimizer *o) { return o ? o->n : 0; }
+
+SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, const char *name, const smp_tensor *t) {
+    const char *fn = "smp_optimizer_state_add";
+    smp_param *p = NULL;
+    char *full;
+    size_t len;
+    int64_t numel;
+    uint64_t bytes;
+    int i;
+    if (!o || !name || !t) return smp_error(SMP_ERR_ARG, "%s: optimizer, name and tensor must not be NULL", fn);
+    if (!*name || strchr(name, '.'))
+        return smp_error(SMP_ERR_ARG, "%s: state name \"%s\" must be non-empty and hold no '.'", fn, name);
+    if ((int)t->dtype <= (int)SMP_DTYPE_INVALID || (int)t->dtype >= (int)SMP_DTYPE_COUNT || t->ndim < 0 ||
+        t->ndim > SMP_MAX_DIMS || !smp__ckpt_tensor_bytes(t->dtype, t->ndim, t->shape, &numel, &bytes))
+        return smp_error(SMP_ERR_ARG, "%s: state '%s' of '%s': invalid dtype, ndim or shape", fn, name,
+                         param ? param : "(optimizer)");
+    if (bytes && !t->data)
+        return smp_error(SMP_ERR_ARG, "%s: state '%s' of '%s' has no data", fn, name, param ? param : "(optimizer)");
+    if (param) {
+        int part;
+        p = smp_model_find_param(o->model, param);
+        if (!p) return smp_error(SMP_ERR_ARG, "%s: the model has no parameter '%s'", fn, param);
+        part = smp_module_partition(smp_param_module(p));
+        if (!smp_model_partitioned(o->model) || part < 0)
+            return smp_error(SMP_ERR_STATE,
+                             "%s: the model is not partitioned yet; register optimizer state of '%s' after "
+                             "smp_model_trace or the first step",
+                             fn, param);
+        if (!smp_module_is_local(smp_param_module(p)))
+            return smp_error(SMP_ERR_ARG,
+                             "%s: parameter '%s' lives on partition %d, not on this rank (mp rank %d); register its "
+                             "state on the ranks of partition %d",
+                             fn, param, part, smp_mp_rank(), part);
+    }
+    len = strlen(SMP_CKPT_OPTIMIZER_PREFIX) + (param ? strlen(param) + 1 : 0) + strlen(name) + 1;
+    full = (char *)SMP_MALLOC(len);
+    if (!full) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", fn);
+    snprintf(full, len, "%s%s%s%s", SMP_CKPT_OPTIMIZER_PREFIX, param ? param : "", param ? "." : "", name);
+    for (i = 0; i < o->n; i++)
+        if (!strcmp(o->s[i].full, full)) {
+            smp_status st = smp_error(SMP_ERR_ARG, "%s: '%s' is already registered", fn, full);
+            SMP_FREE(full);
+            return st;
+        }
+    if (!smp__ckpt_grow((void **)&o->s, &o->cap, o->n + 1, sizeof *o->s)) {
+        SMP_FREE(full);
+        return smp_error(SMP_ERR_NOMEM, "%s: out of memory", fn);
+    }
+    o->s[o->n].full = full;
+    o->s[o->n].global = param == NULL;
+    o->s[o->n].t = *t;
+    o->n++;
+    return SMP_OK;
+}
+
+/* ---------------------------------------------------------------- the plan */
+static void smp__ck_plan_free(smp__ck_plan *pl) {
+    int i;
+    if (pl->items)
+        for (i = 0; i < pl->n; i++) smp__ckpt_free(pl->items[i].staged);
+    if (pl->comm != MPI_COMM_NULL) MPI_Comm_free(&pl->comm);
+    smp__ckpt_free(pl->saver);
+    smp__ckpt_free(pl->items);
+    smp__ckpt_free(pl->order);
+    smp__ckpt_free(pl->by_name);
+    smp__ckpt_free(pl->gathered);
+    memset(pl, 0, sizeof *pl);
+    pl->comm = MPI_COMM_NULL;
+}
+
+static const smp__ck_plan *smp__ck_sort_plan; /* qsort has no context argument */
+
+static int smp__ck_cmp_name(const void *a, const void *b) {
+    return strcmp(smp__ck_sort_plan->items[*(const int *)a].name, smp__ck_sort_plan->items[*(const int *)b].name);
+}
+
+static int smp__ck_cmp_order(const void *a, const void *b) {
+    int x = *(const int *)a, y = *(const int *)b;
+    size_t sx = smp__ckpt_dtype_sizes[smp__ck_sort_plan->items[x].dtype],
+           sy = smp__ckpt_dtype_sizes[smp__ck_sort_plan->items[y].dtype];
+    if (sx != sy) return sx > sy ? -1 : 1;
+    return x < y ? -1 : x > y;
+}
+
+static int smp__ck_find(const smp__ck_plan *pl, const char *name) {
+    int lo = 0, hi = pl->n - 1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2, c = strcmp(pl->items[pl->by_name[mid]].name, name);
+        if (!c) return pl->by_name[mid];
+        if (c < 0) lo = mid + 1;
+        else hi = mid - 1;
+    }
+    return -1;
+}
+
+/* The world rank that sends an item's data when saving or gathering. */
+static int smp__ck_source(const smp__ck_plan *pl, const smp__ck_item *it) { return pl->saver[it->mp]; }
+
+/* One registration record as it travels: global (1 byte), name + NUL,
+   dtype, ndim (int32 each), shape (int64 x ndim). */
+typedef struct smp__ck_rec {
+    const char *name;
+    int rank, global, index; /* index: in the registry of `rank` */
+    smp_dtype dtype;
+    int ndim;
+    int64_t shape[SMP_MAX_DIMS];
+} smp__ck_rec;
+
+static int smp__ck_cmp_rec(const void *a, const void *b) {
+    const smp__ck_rec *x = (const smp__ck_rec *)a, *y = (const smp__ck_rec *)b;
+    int c = strcmp(x->name, y->name);
+    return c ? c : (x->rank < y->rank ? -1 : x->rank > y->rank);
+}
+
+static int smp__ck_same_shape(int na, const int64_t *a, int nb, const int64_t *b) {
+    int i;
+    if (na != nb) return 0;
+    for (i = 0; i < na; i++)
+        if (a[i] != b[i]) return 0;
+    return 1;
+}
+
+/* Serialises this rank's registrations into *out (malloc'd). */
+static smp_status smp__ck_pack(const smp_optimizer *o, char **out, size_t *len) {
+    size_t n = 0, at = 0;
+    int i;
+    char *b;
+    *out = NULL;
+    *len = 0;
+    if (!o || !o->n) return SMP_OK;
+    for (i = 0; i < o->n; i++) n += 1 + strlen(o->s[i].full) + 1 + 8 + 8 * (size_t)o->s[i].t.ndim;
+    b = (char *)SMP_MALLOC(n);
+    if (!b) return smp_error(SMP_ERR_NOMEM, "out of memory packing optimizer state names");
+    for (i = 0; i < o->n; i++) {
+        const smp__ck_state *s = &o->s[i];
+        int32_t v[2];
+        size_t k = strlen(s->full) + 1;
+        b[at++] = (char)s->global;
+        memcpy(b + at, s->full, k);
+        at += k;
+        v[0] = (int32_t)s->t.dtype;
+        v[1] = (int32_t)s->t.ndim;
+        memcpy(b + at, v, 8);
+        at += 8;
+        memcpy(b + at, s->t.shape, 8 * (size_t)s->t.ndim);
+        at += 8 * (size_t)s->t.ndim;
+    }
+    *out = b;
+    *len = at;
+    return SMP_OK;
+}
+
+/* Merges every rank's optimizer registrations into plan items, from
+   `first` on. Every rank sees the same gathered bytes, so every rank
+   reaches the same verdict. */
+static smp_status smp__ck_merge_optimizer(smp__ck_plan *pl, const int *coords, const int *counts, const int *displs,
+                                          const smp_optimizer *opt, int *nitems) {
+    smp__ck_rec *recs = NULL;
+    int nrec = 0, cap = 0, r, i, j;
+    smp_status st = SMP_OK;
+    char d1[200], d2[200];
+    for (r = 0; r < pl->size; r++) {
+        const char *p = pl->gathered + displs[r], *end = p + counts[r];
+        int index = 0;
+        while (p < end) {
+            smp__ck_rec rec;
+            int32_t v[2];
+            memset(&rec, 0, sizeof rec);
+            rec.global = *p++;
+            rec.name = p;
+            p += strlen(p) + 1;
+            memcpy(v, p, 8);
+            p += 8;
+            rec.dtype = (smp_dtype)v[0];
+            rec.ndim = v[1];
+            memcpy(rec.shape, p, 8 * (size_t)rec.ndim);
+            p += 8 * (size_t)rec.ndim;
+            rec.rank = r;
+            rec.index = index++;
+            if (!smp__ckpt_grow((void **)&recs, &cap, nrec + 1, sizeof *recs)) {
+                smp__ckpt_free(recs);
+                return smp_error(SMP_ERR_NOMEM, "out of memory merging optimizer state");
+            }
+            recs[nrec++] = rec;
+        }
+    }
+    if (nrec) qsort(recs, (size_t)nrec, sizeof *recs, smp__ck_cmp_rec);
+    for (i = 0; i < nrec && !st; i = j) {
+        smp__ck_item *it = &pl->items[*nitems];
+        const smp__ck_rec *a = &recs[i];
+        for (j = i; j < nrec && !strcmp(recs[j].name, a->name); j++) {
+            const smp__ck_rec *b = &recs[j];
+            if (b->global != a->global || b->dtype != a->dtype || !smp__ck_same_shape(a->ndim, a->shape, b->ndim, b->shape)) {
+                st = smp_error(SMP_ERR_ARG,
+                               "optimizer state '%s' is registered as %s%s on world rank %d but as %s%s on world rank %d",
+                               a->name, smp__ck_describe(a->dtype, a->ndim, a->shape, d1, sizeof d1),
+                               a->global ? " (whole optimizer)" : "", a->rank,
+                               smp__ck_describe(b->dtype, b->ndim, b->shape, d2, sizeof d2),
+                               b->global ? " (whole optimizer)" : "", b->rank);
+                break;
+            }
+        }
+        if (st) break;
+        memset(it, 0, sizeof *it);
+        it->name = a->name;
+        it->dtype = a->dtype;
+        it->ndim = a->ndim;
+        memcpy(it->shape, a->shape, sizeof it->shape);
+        it->kind = a->global ? SMP__CK_GLOBAL : SMP__CK_OPTIM;
+        it->mp = a->global ? 0 : coords[2 * a->rank];
+        it->file = -1;
+        {
+            int64_t numel;
+            smp__ckpt_tensor_bytes(it->dtype, it->ndim, it->shape, &numel, &it->nbytes);
+        }
+        for (r = i; r < j; r++) {
+            if (recs[r].rank == pl->saver[it->mp]) it->saver_has = 1;
+            if (recs[r].rank == pl->rank && opt) it->local = &opt->s[recs[r].index].t;
+        }
+        (*nitems)++;
+    }
+    smp__ckpt_free(recs);
+    return st;
+}
+
+/* Builds the plan. Collective over the world; every rank makes the same MPI
+   calls whatever fails locally, and the caller agrees on the result. */
+static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_optimizer *opt, size_t chunk) {
+    MPI_Request req;
+    int *coords = NULL, *counts = NULL, *displs = NULL, mine[2], np, i, nitems = 0, total;
+    char *packed = NULL;
+    size_t packed_len = 0;
+    smp_status st = SMP_OK;
+    struct {
+        char id[40];
+        uint64_t chunk;
+    } head;
+
+    memset(pl, 0, sizeof *pl);
+    pl->comm = MPI_COMM_NULL;
+    MPI_Comm_idup(smp_group_comm(SMP_WORLD), &pl->comm, &req);
+    smp_wait_requests(1, &req, "checkpoint communicator", SMP_WORLD, -1);
+    MPI_Comm_rank(pl->comm, &pl->rank);
+    MPI_Comm_size(pl->comm, &pl->size);
+    pl->P = smp_mp_size();
+    pl->mp = smp_mp_rank();
+    pl->dp = smp_dp_rank();
+
+    /* who saves each partition */
+    coords = (int *)SMP_MALLOC(sizeof(int) * 2 * (size_t)pl->size);
+    counts = (int *)SMP_MALLOC(sizeof(int) * 2 * (size_t)pl->size);
+    pl->saver = (int *)SMP_MALLOC(sizeof(int) * (size_t)pl->P);
+    if (!coords || !counts || !pl->saver) smp__fatal("out of memory planning a checkpoint");
+    displs = counts + pl->size;
+    mine[0] = pl->mp;
+    mine[1] = pl->dp;
+    MPI_Iallgather(mine, 2, MPI_INT, coords, 2, MPI_INT, pl->comm, &req);
+    smp_wait_requests(1, &req, "checkpoint topology", SMP_WORLD, -1);
+    for (i = 0; i < pl->P; i++) pl->saver[i] = -1;
+    for (i = 0; i < pl->size; i++)
+        if (coords[2 * i + 1] == 0 && coords[2 * i] >= 0 && coords[2 * i] < pl->P) pl->saver[coords[2 * i]] = i;
+    for (i = 0; i < pl->P; i++)
+        SMP_ASSERT(pl->saver[i] >= 0);
+
+    /* one save id and chunk size for all: rank 0's */
+    memset(&head, 0, sizeof head);
+    if (pl->rank == 0) {
+        struct timespec ts;
+        static unsigned counter;
+        timespec_get(&ts, TIME_UTC);
+        snprintf(head.id, sizeof head.id, "%08llx%08llx-%x-%x", (smp__ckpt_ull)ts.tv_sec & 0xffffffffull,
+                 (smp__ckpt_ull)ts.tv_nsec, (unsigned)getpid(), ++counter);
+        head.chunk = chunk ? chunk : SMP_CKPT_DEFAULT_CHUNK;
+        if (head.chunk > ((size_t)1 << 30)) head.chunk = (size_t)1 << 30;
+    }
+    MPI_Ibcast(&head, (int)sizeof head, MPI_BYTE, 0, pl->comm, &req);
+    smp_wait_requests(1, &req, "checkpoint save id", SMP_WORLD, 0);
+    memcpy(pl->save_id, head.id, sizeof pl->save_id);
+    pl->save_id[sizeof pl->save_id - 1] = 0;
+    pl->chunk = (size_t)head.chunk;
+
+    /* optimizer registrations, from every rank */
+    st = smp__ck_pack(opt, &packed, &packed_len);
+    if (packed_len > (size_t)INT32_MAX) {
+        st = smp_error(SMP_ERR_ARG, "too many optimizer state names to exchange");
+        packed_len = 0;
+    }
+    {
+        int len = (int)packed_len;
+        MPI_Iallgather(&len, 1, MPI_INT, counts, 1, MPI_INT, pl->comm, &req);
+        smp_wait_requests(1, &req, "optimizer state names", SMP_WORLD, -1);
+    }
+    total = 0;
+    for (i = 0; i < pl->size; i++) {
+        displs[i] = total;
+        total += counts[i];
+    }
+    pl->gathered = (char *)SMP_MALLOC((size_t)total + 1);
+    if (!pl->gathered) smp__fatal("out of memory gathering optimizer state names");
+    MPI_Iallgatherv(packed, (int)packed_len, MPI_BYTE, pl->gathered, counts, displs, MPI_BYTE, pl->comm, &req);
+    smp_wait_requests(1, &req, "optimizer state names", SMP_WORLD, -1);
+    smp__ckpt_free(packed);
+
+    /* items: parameters and buffers, then optimizer state */
+    np = smp_model_num_params(m, true);
+    {
+        int nrec = 0;
+        const char *p = pl->gathered, *end = pl->gathered + total;
+        while (p < end) { /* count records: an upper bound of distinct names */
+            int32_t v[2];
+            p += 1;
+            p += strlen(p) + 1;
+            memcpy(v, p, 8);
+            p += 8 + 8 * (size_t)v[1];
+            nrec++;
+        }
+        pl->items = (smp__ck_item *)SMP_MALLOC(sizeof(smp__ck_item) * (size_t)(np + nrec + 1));
+    }
+    if (!pl->items) {
+        smp__ckpt_free(coords);
+        smp__ckpt_free(counts);
+        return smp_error(SMP_ERR_NOMEM, "out of memory planning a checkpoint");
+    }
+    for (i = 0; i < np && !st; i++) {
+        smp_param *p = smp_model_param_at(m, i);
+        const smp_tensor *v = smp_param_value(p);
+        smp__ck_item *it = &pl->items[nitems++];
+        int64_t numel;
+        memset(it, 0, sizeof *it);
+        it->name = smp_param_name(p);
+        it->dtype = v->dtype;
+        it->ndim = v->ndim;
+        memcpy(it->shape, v->shape, sizeof it->shape);
+        smp__ckpt_tensor_bytes(it->dtype, it->ndim, it->shape, &numel, &it->nbytes);
+        it->kind = smp_param_is_buffer(p) ? SMP__CK_BUFFER : SMP__CK_PARAM;
+        it->mp = smp_module_partition(smp_param_module(p));
+        it->file = -1;
+        if (it->mp < 0 || it->mp >= pl->P) {
+            st = smp_error(SMP_ERR_STATE, "%s '%s' has no partition; is the model partitioned?",
+                           smp__ck_kind_name(it->kind), it->name);
+            break;
+        }
+        if (it->mp == pl->mp) it->local = v;
+    }
+    if (!st) st = smp__ck_merge_optimizer(pl, coords, counts, displs, opt, &nitems);
+    smp__ckpt_free(coords);
+    smp__ckpt_free(counts);
+    pl->n = nitems;
+    if (st) return st;
+
+    /* names are unique; file order */
+    pl->by_name = (int *)SMP_MALLOC(sizeof(int) * (size_t)(pl->n + 1));
+    pl->order = (int *)SMP_MALLOC(sizeof(int) * (size_t)(pl->n + 1));
+    if (!pl->by_name || !pl->order) return smp_error(SMP_ERR_NOMEM, "out of memory planning a checkpoint");
+    for (i = 0; i < pl->n; i++) pl->by_name[i] = pl->order[i] = i;
+    smp__ck_sort_plan = pl;
+    qsort(pl->by_name, (size_t)pl->n, sizeof(int), smp__ck_cmp_name);
+    qsort(pl->order, (size_t)pl->n, sizeof(int), smp__ck_cmp_order);
+    smp__ck_sort_plan = NULL;
+    for (i = 1; i < pl->n; i++) {
+        const smp__ck_item *a = &pl->items[pl->by_name[i - 1]], *b = &pl->items[pl->by_name[i]];
+        if (!strcmp(a->name, b->name))
+            return smp_error(SMP_ERR_ARG, "two tensors of the checkpoint would be called '%s' (a %s and a %s)", a->name,
+                             smp__ck_kind_name(a->kind), smp__ck_kind_name(b->kind));
+    }
+    return SMP_OK;
+}
+
+/* ---------------------------------------------------------------- streaming to one rank */
+/* Receives, on `receiver`, the data of every item in file order (its own
+   from memory, the others' from their savers, chunk by chunk), handing each
+   piece to sink in order. Collective over the plan's communicator. After a
+   sink error the receiver keeps draining, so no sender is left waiting. */
+typedef smp_status (*smp__ck_sink_fn)(void *ctx, int item, uint64_t off, const void *bytes, size_t n);
+
+static smp_status smp__ck_stream(smp__ck_plan *pl, int receiver, smp__ck_sink_fn sink, void *ctx) {
+    smp_status st = SMP_OK, st2;
+    const size_t chunk = pl->chunk;
+    uint8_t *buf[SMP__CK_RING];
+    MPI_Request req[SMP__CK_RING];
+    char what[256];
+    uint64_t biggest = 0;
+    size_t cap;
+    const int K = SMP__CK_RING;
+    int q, i;
+    memset(buf, 0, sizeof buf);
+    for (i = 0; i < pl->n; i++)
+        if (pl->items[i].nbytes > biggest) biggest = pl->items[i].nbytes;
+    cap = biggest < chunk ? (size_t)biggest : chunk;
+    if (!cap) cap = 1;
+/* the ring's buffers are made when first needed: senders of host tensors
+   send straight from the tensors and need none */
+#define SMP__CK_SLOT(slot)                                                                                           \
+    do {                                                                                                             \
+        if (!buf[slot] && !(buf[slot] = (uint8_t *)SMP_MALLOC(cap)))                                                 \
+            smp__fatal("out of memory for a %zu-byte checkpoint transfer buffer", cap);                              \
+    } while (0)
+
+    if (pl->rank == receiver) {
+        int qp = 0;
+        uint64_t offp = 0;
+        long posted = 0, done = 0;
+        for (q = 0; q < pl->n; q++) {
+            int idx = pl->order[q];
+            const smp__ck_item *it = &pl->items[idx];
+            int src = smp__ck_source(pl, it);
+            uint64_t off = 0;
+            while (off < it->nbytes) {
+                size_t len;
+                /* keep up to K receives posted ahead, across items and senders */
+                while (posted - done < K) {
+                    const smp__ck_item *ip;
+                    size_t lp;
+                    while (qp < pl->n && (smp__ck_source(pl, &pl->items[pl->order[qp]]) == receiver ||
+                                          offp >= pl->items[pl->order[qp]].nbytes)) {
+                        qp++;
+                        offp = 0;
+                    }
+                    if (qp >= pl->n) break;
+                    ip = &pl->items[pl->order[qp]];
+                    lp = ip->nbytes - offp < chunk ? (size_t)(ip->nbytes - offp) : chunk;
+                    SMP__CK_SLOT(posted % K);
+                    MPI_Irecv(buf[posted % K], (int)lp, MPI_BYTE, smp__ck_source(pl, ip), SMP__CK_TAG, pl->comm,
+                              &req[posted % K]);
+                    posted++;
+                    offp += lp;
+                }
+                if (src == receiver) { /* this rank's own tensor */
+                    const smp_tensor *t = it->local;
+                    if (t->device < 0) {
+                        len = (size_t)(it->nbytes - off);
+                        if (!st) st = sink(ctx, idx, off, (const uint8_t *)t->data + off, len);
+                    } else {
+                        len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
+                        /* the ring is busy with receives: stage through a buffer of its own */
+                        {
+                            uint8_t *stage = (uint8_t *)SMP_MALLOC(len);
+                            st2 = stage ? smp__ck_copy(stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len)
+                                        : smp_error(SMP_ERR_NOMEM, "out of memory staging '%s'", it->name);
+                            if (!st) st = st2;
+                            if (!st) st = sink(ctx, idx, off, stage, len);
+                            smp__ckpt_free(stage);
+                        }
+                    }
+                } else {
+                    int slot = (int)(done % K);
+                    len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
+                    snprintf(what, sizeof what, "checkpoint data of '%s' from world rank %d", it->name, src);
+                    smp_wait_requests(1, &req[slot], what, SMP_WORLD, src);
+                    if (!st) st = sink(ctx, idx, off, buf[slot], len);
+                    done++;
+                }
+                off += len;
+            }
+        }
+        SMP_ASSERT(posted == done);
+    } else {
+        long sent = 0, k;
+        for (q = 0; q < pl->n; q++) {
+            const smp__ck_item *it = &pl->items[pl->order[q]];
+            uint64_t off = 0;
+            if (smp__ck_source(pl, it) != pl->rank) continue;
+            SMP_ASSERT(it->local != NULL);
+            while (off < it->nbytes) {
+                int slot = (int)(sent % K);
+                size_t len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
+                const void *p;
+                if (sent >= K) {
+                    snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
+                    smp_wait_requests(1, &req[slot], what, SMP_WORLD, receiver);
+                }
+                if (it->local->device < 0) {
+                    p = (const uint8_t *)it->local->data + off;
+                } else { /* send what the copy gave; a failure fails the save later */
+                    SMP__CK_SLOT(slot);
+                    st2 = smp__ck_copy(buf[slot], SMP_HOST, (const uint8_t *)it->local->data + off, it->local->device, len);
+                    if (!st) st = st2;
+                    p = buf[slot];
+                }
+                MPI_Isend(p, (int)len, MPI_BYTE, receiver, SMP__CK_TAG, pl->comm, &req[slot]);
+                sent++;
+                off += len;
+            }
+        }
+        for (k = sent > K ? sent - K : 0; k < sent; k++) {
+            snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
+            smp_wait_requests(1, &req[k % K], what, SMP_WORLD, receiver);
+        }
+    }
+    for (i = 0; i < K; i++) smp__ckpt_free(buf[i]);
+#undef SMP__CK_SLOT
+    return st;
+}
+
+/* ---------------------------------------------------------------- saving */
+typedef struct smp__ck_meta {
+    char **keys, **vals;
+    int n, cap;
+    int oom;
+} smp__ck_meta;
+
+static void smp__ck_meta_add(smp__ck_meta *md, const char *k1, const char *k2, const char *v) {
+    size_t l1 = strlen(k1), l2 = k2 ? strlen(k2) : 0;
+    char *k, *val;
+    int cap2 = md->cap;
+    if (md->oom) return;
+    if (!smp__ckpt_grow((void **)&md->keys, &md->cap, md->n + 1, sizeof(char *)) ||
+        !smp__ckpt_grow((void **)&md->vals, &cap2, md->n + 1, sizeof(char *))) {
+        md->oom = 1;
+        return;
+    }
+    k = (char *)SMP_MALLOC(l1 + l2 + 1);
+    val = smp__ckpt_strdup(v);
+    if (!k || !val) {
+        smp__ckpt_free(k);
+        smp__ckpt_free(val);
+        md->oom = 1;
+        return;
+    }
+    memcpy(k, k1, l1);
+    if (l2) memcpy(k + l1, k2, l2);
+    k[l1 + l2] = 0;
+    md->keys[md->n] = k;
+    md->vals[md->n] = val;
+    md->n++;
+}
+
+static void smp__ck_meta_free(smp__ck_meta *md) {
+    int i;
+    for (i = 0; i < md->n; i++) {
+        SMP_FREE(md->keys[i]);
+        SMP_FREE(md->vals[i]);
+    }
+    smp__ckpt_free(md->keys);
+    smp__ckpt_free(md->vals);
+    memset(md, 0, sizeof *md);
+}
+
+static smp_status smp__ck_build_meta(const smp__ck_plan *pl, const smp_save_desc *d, int partial, smp__ck_meta *md) {
+    char num[48];
+    int i;
+    memset(md, 0, sizeof *md);
+    for (i = 0; i < d->nmeta; i++) smp__ck_meta_add(md, d->meta_keys[i], NULL, d->meta_values[i]);
+    smp__ck_meta_add(md, "smp.format", NULL, SMP__CK_FORMAT);
+    smp__ck_meta_add(md, "smp.kind", NULL, partial ? "partial" : "full");
+    snprintf(num, sizeof num, "%d", pl->P);
+    smp__ck_meta_add(md, "smp.partitions", NULL, num);
+    if (partial) {
+        snprintf(num, sizeof num, "%d", pl->mp);
+        smp__ck_meta_add(md, "smp.mp_rank", NULL, num);
+    }
+    smp__ck_meta_add(md, "smp.save_id", NULL, pl->save_id);
+    for (i = 0; i < pl->n; i++) {
+        snprintf(num, sizeof num, "%d", pl->items[i].mp);
+        smp__ck_meta_add(md, "smp.partition.", pl->items[i].name, num);
+    }
+    if (md->oom) {
+        smp__ck_meta_free(md);
+        return smp_error(SMP_ERR_NOMEM, "out of memory building checkpoint metadata");
+    }
+    return SMP_OK;
+}
+
+/* The entries of the items for which keep(item) holds, in file order. */
+static smp_ckpt_entry *smp__ck_entries(const smp__ck_plan *pl, int only_mp, int *count) {
+    smp_ckpt_entry *e = (smp_ckpt_entry *)SMP_MALLOC(sizeof(smp_ckpt_entry) * (size_t)(pl->n + 1));
+    int q, n = 0;
+    if (!e) return NULL;
+    for (q = 0; q < pl->n; q++) {
+        const smp__ck_item *it = &pl->items[pl->order[q]];
+        if (only_mp >= 0 && it->mp != only_mp) continue;
+        memset(&e[n], 0, sizeof e[n]);
+        e[n].name = it->name;
+        e[n].dtype = it->dtype;
+        e[n].ndim = it->ndim;
+        memcpy(e[n].shape, it->shape, sizeof e[n].shape);
+        e[n].data = it->local ? it->local->data : NULL;
+        n++;
+    }
+    *count = n;
+    return e;
+}
+
+static smp_status smp__ck_file_sink(void *ctx, int item, uint64_t off, const void *bytes, size_t n) {
+    (void)item;
+    (void)off;
+    return smp_ckpt_writer_write((smp_ckpt_writer *)ctx, bytes, n);
+}
+
+/* Writes one local tensor's bytes (staged through host memory when it
+   lives on a device). */
+static smp_status smp__ck_write_local(smp_ckpt_writer *w, const smp__ck_item *it, size_t chunk) {
+    const smp_tensor *t = it->local;
+    uint8_t *stage;
+    uint64_t off = 0;
+    smp_status st = SMP_OK;
+    if (!it->nbytes) return SMP_OK;
+    if (t->device < 0) return smp_ckpt_writer_write(w, t->data, (size_t)it->nbytes);
+    stage = (uint8_t *)SMP_MALLOC(chunk);
+    if (!stage) return smp_error(SMP_ERR_NOMEM, "out of memory staging '%s'", it->name);
+    while (off < it->nbytes && !st) {
+        size_t len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
+        st = smp__ck_copy(stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
+        if (!st) st = smp_ckpt_writer_write(w, stage, len);
+        off += len;
+    }
+    SMP_FREE(stage);
+    return st;
+}
+
+static char *smp__ck_part_path(const char *path, int k) {
+    size_t n = strlen(path) + 16;
+    char *p = (char *)SMP_MALLOC(n);
+    if (p) snprintf(p, n, "%s_%d", path, k);
+    return p;
+}
+
+static smp_status smp__ck_check_common(smp_model *m, const char *path, const char *fn) {
+    if (!m) return smp_error(SMP_ERR_ARG, "%s: model is NULL", fn);
+    if (!path || !*path) return smp_error(SMP_ERR_ARG, "%s: no path", fn);
+    if (!smp_model_partitioned(m))
+        return smp_error(SMP_ERR_STATE,
+                         "%s: the model is not partitioned yet (parameters exist only after smp_model_trace or the "
+                         "first step)",
+                         fn);
+    return SMP_OK;
+}
+
+static smp_status smp__ck_check_save(smp_model *m, const char *path, const smp_save_desc *d) {
+    smp_status st = smp__ck_check_common(m, path, "smp_save");
+    int i;
+    if (st) return st;
+    if (d->optimizer && d->optimizer->model != m)
+        return smp_error(SMP_ERR_ARG, "smp_save: the optimizer registry belongs to another model");
+    if (d->nmeta < 0 || (d->nmeta > 0 && (!d->meta_keys || !d->meta_values)))
+        return smp_error(SMP_ERR_ARG, "smp_save: %d metadata entries but keys or values is NULL", d->nmeta);
+    for (i = 0; i < d->nmeta; i++) {
+        if (!d->meta_keys[i] || !d->meta_values[i])
+            return smp_error(SMP_ERR_ARG, "smp_save: metadata entry %d has a NULL key or value", i);
+        if (!strncmp(d->meta_keys[i], "smp.", 4))
+            return smp_error(SMP_ERR_ARG, "smp_save: metadata key '%s': keys starting with \"smp.\" are smp's own",
+                             d->meta_keys[i]);
+    }
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *desc) {
+    smp_save_desc d;
+    smp__ck_plan pl;
+    smp__ck_meta md;
+    smp_ckpt_writer *w = NULL;
+    smp_ckpt_entry *entries = NULL;
+    char *file = NULL;
+    int partial, ne = 0, i;
+    smp_status st;
+
+    if (!smp_is_initialized()) return smp_error(SMP_ERR_STATE, "smp_save called before smp_init");
+    if (desc) d = *desc;
+    else memset(&d, 0, sizeof d);
+    partial = d.partial != SMP_OFF;
+    st = smp__agree_on(smp_group_comm(SMP_WORLD), smp__ck_check_save(m, path, &d), "smp_save arguments");
+    if (st) return st;
+
+    st = smp__ck_plan_init(&pl, m, d.optimizer, d.chunk_bytes);
+    for (i = 0; i < pl.n && !st; i++) {
+        const smp__ck_item *it = &pl.items[i];
+        if ((it->kind == SMP__CK_OPTIM || it->kind == SMP__CK_GLOBAL) && !it->saver_has)
+            st = smp_error(SMP_ERR_ARG,
+                           "optimizer state '%s' is registered on some ranks but not on world rank %d (dp rank 0 of "
+                           "partition %d), which saves it",
+                           it->name, pl.saver[it->mp], it->mp);
+    }
+    memset(&md, 0, sizeof md);
+    if (!st) st = smp__ck_build_meta(&pl, &d, partial, &md);
+    st = smp__agree_on(pl.comm, st, "planning the save");
+    if (st) goto done;
+
+    if (partial) {
+        /* 1. each partition's saver writes and seals its file */
+        if (pl.dp == 0) {
+            file = smp__ck_part_path(path, pl.mp);
+            entries = smp__ck_entries(&pl, pl.mp, &ne);
+            if (!file || !entries) st = smp_error(SMP_ERR_NOMEM, "smp_save: out of memory");
+            if (!st)
+                st = smp_ckpt_writer_open(&w, file, entries, ne, (const char *const *)md.keys,
+                                          (const char *const *)md.vals, md.n);
+            for (i = 0; i < pl.n && !st; i++) {
+                const smp__ck_item *it = &pl.items[pl.order[i]];
+                if (it->mp == pl.mp) st = smp__ck_write_local(w, it, pl.chunk);
+            }
+            if (w && st) {
+                smp_ckpt_writer_abort(w);
+                w = NULL;
+            }
+            if (!st) {
+                st = smp__ckpt_writer_seal(w); /* frees w on error */
+                if (st) w = NULL;
+            }
+        }
+        st = smp__agree_on(pl.comm, st, "writing the partial checkpoint files");
+        if (st) {
+            if (w) smp_ckpt_writer_abort(w); /* deletes the sealed tmp file */
+            goto done;
+        }
+        /* 2. every file is complete on disk: rename them all into place */
+        if (w) st = smp__ckpt_writer_publish(w);
+        w = NULL;
+        st = smp__agree_on(pl.comm, st, "renaming the partial checkpoint files into place");
+    } else {
+        int writer = pl.saver[0];
+        if (pl.rank == writer) {
+            entries = smp__ck_entries(&pl, -1, &ne);
+            st = entries ? smp_ckpt_writer_open(&w, path, entries, ne, (const char *const *)md.keys,
+                                                (const char *const *)md.vals, md.n)
+                         : smp_error(SMP_ERR_NOMEM, "smp_save: out of memory");
+        }
+        st = smp__agree_on(pl.comm, st, "opening the checkpoint file");
+        if (st) goto done; /* w is NULL wherever opening failed */
+        st = smp__ck_stream(&pl, writer, smp__ck_file_sink, w);
+        st = smp__agree_on(pl.comm, st, "writing the checkpoint");
+        if (w) {
+            if (st) smp_ckpt_writer_abort(w);
+            else st = smp_ckpt_writer_commit(w);
+            w = NULL;
+        }
+        st = smp__agree_on(pl.comm, st, "committing the checkpoint file");
+    }
+
+done:
+    if (w) smp_ckpt_writer_abort(w);
+    smp__ckpt_free(entries);
+    smp__ckpt_free(file);
+    smp__ck_meta_free(&md);
+    smp__ck_plan_free(&pl);
+    return st;
+}
+
+/* ---------------------------------------------------------------- loading */
+static const uint8_t *smp__ck_map(smp_ckpt_file *f) {
+    if (f->mem) return f->mem;
+    if (!f->map_tried) {
+        f->map_tried = 1;
+        if (f->size > 0 && f->size <= (uint64_t)SIZE_MAX) {
+            void *p = mmap(NULL, (size_t)f->size, PROT_READ, MAP_SHARED, f->fd, 0);
+            if (p != MAP_FAILED) f->map = (const uint8_t *)p;
+        }
+    }
+    return f->map;
+}
+
+static int smp__ck_exists(const char *path) {
+    struct stat sb;
+    return path && stat(path, &sb) == 0;
+}
+
+/* Parses a metadata integer in [lo, hi]; -1 (with an error) otherwise. */
+static int smp__ck_meta_int(const smp_ckpt_file *f, const char *key, int lo, int hi) {
+    const char *v = smp_ckpt_meta(f, key);
+    long x = 0;
+    int nd = 0;
+    if (!v) {
+        smp_error(SMP_ERR_FORMAT, "checkpoint '%s': metadata '%s' is missing", smp_ckpt_path(f), key);
+        return -1;
+    }
+    while (v[nd] >= '0' && v[nd] <= '9' && nd < 10) x = x * 10 + (v[nd++] - '0');
+    if (!nd || v[nd] || x < lo || x > hi) {
+        smp_error(SMP_ERR_FORMAT, "checkpoint '%s': metadata '%s' is \"%s\", not an integer in %d..%d",
+                  smp_ckpt_path(f), key, v, lo, hi);
+        return -1;
+    }
+    return (int)x;
+}
+
+/* Opens the file(s) of a checkpoint and checks that they form one save. */
+static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file ***out, int *nout) {
+    smp_ckpt_file **files = NULL, *f0 = NULL;
+    char *p;
+    const char *kind, *fmt, *id0;
+    int P, k;
+    smp_status st;
+    *out = NULL;
+    *nout = 0;
+    if (!partial) {
+        st = smp_ckpt_open(&f0, path);
+        if (st) {
+            p = smp__ck_part_path(path, 0);
+            if (!smp__ck_exists(path) && smp__ck_exists(p))
+                st = smp_error(st, "%s (but '%s' exists: a partial checkpoint? load it with partial = SMP_ON)",
+                               smp_last_error(), p);
+            smp__ckpt_free(p);
+            return st;
+        }
+        kind = smp_ckpt_meta(f0, "smp.kind");
+        if (kind && strcmp(kind, "full")) {
+            st = smp_error(SMP_ERR_FORMAT,
+                           "checkpoint '%s' is file %s of a %s checkpoint; load that with partial = SMP_ON and the path "
+                           "without the \"_<mp_rank>\"",
+                           path, smp_ckpt_meta(f0, "smp.mp_rank") ? smp_ckpt_meta(f0, "smp.mp_rank") : "?", kind);
+            smp_ckpt_close(f0);
+            return st;
+        }
+        files = (smp_ckpt_file **)SMP_MALLOC(sizeof *files);
+        if (!files) {
+            smp_ckpt_close(f0);
+            return smp_error(SMP_ERR_NOMEM, "out of memory");
+        }
+        files[0] = f0;
+        *out = files;
+        *nout = 1;
+        return SMP_OK;
+    }
+    p = smp__ck_part_path(path, 0);
+    if (!p) return smp_error(SMP_ERR_NOMEM, "out of memory");
+    st = smp_ckpt_open(&f0, p);
+    if (st) {
+        if (!smp__ck_exists(p) && smp__ck_exists(path))
+            st = smp_error(st, "%s (but '%s' exists: a full checkpoint? load it with partial = SMP_OFF)",
+                           smp_last_error(), path);
+        SMP_FREE(p);
+        return st;
+    }
+    SMP_FREE(p);
+    fmt = smp_ckpt_meta(f0, "smp.format");
+    kind = smp_ckpt_meta(f0, "smp.kind");
+    id0 = smp_ckpt_meta(f0, "smp.save_id");
+    if (!fmt || strcmp(fmt, SMP__CK_FORMAT) || !kind || !id0) {
+        st = smp_error(SMP_ERR_FORMAT,
+                       "checkpoint '%s' is not a file of an smp partial checkpoint (its metadata lacks smp.format "
+                       "\"" SMP__CK_FORMAT "\", smp.kind or smp.save_id)",
+                       smp_ckpt_path(f0));
+        smp_ckpt_close(f0);
+        return st;
+    }
+    if (strcmp(kind, "partial")) {
+        st = smp_error(SMP_ERR_FORMAT, "checkpoint '%s' is a %s checkpoint, not file 0 of a partial one%s",
+                       smp_ckpt_path(f0), kind, !strcmp(kind, "full") ? "; load it with partial = SMP_OFF" : "");
+        smp_ckpt_close(f0);
+        return st;
+    }
+    if ((P = smp__ck_meta_int(f0, "smp.partitions", 1, 1 << 20)) < 0 ||
+        smp__ck_meta_int(f0, "smp.mp_rank", 0, 0) < 0) {
+        st = SMP_ERR_FORMAT;
+        smp_ckpt_close(f0);
+        return st;
+    }
+    files = (smp_ckpt_file **)SMP_MALLOC(sizeof *files * (size_t)P);
+    if (!files) {
+        smp_ckpt_close(f0);
+        return smp_error(SMP_ERR_NOMEM, "out of memory");
+    }
+    memset(files, 0, sizeof *files * (size_t)P);
+    files[0] = f0;
+    st = SMP_OK;
+    for (k = 1; k < P && !st; k++) {
+        const char *fk, *kk, *idk;
+        p = smp__ck_part_path(path, k);
+        if (!p) {
+            st = smp_error(SMP_ERR_NOMEM, "out of memory");
+            break;
+        }
+        st = smp_ckpt_open(&files[k], p);
+        if (st) {
+            st = smp_error(st, "%s (file %d of the %d that '%s' announces)", smp_last_error(), k, P, smp_ckpt_path(f0));
+        } else {
+            fk = smp_ckpt_meta(files[k], "smp.format");
+            kk = smp_ckpt_meta(files[k], "smp.kind");
+            idk = smp_ckpt_meta(files[k], "smp.save_id");
+            if (!fk || strcmp(fk, SMP__CK_FORMAT) || !kk || strcmp(kk, "partial"))
+                st = smp_error(SMP_ERR_FORMAT, "checkpoint '%s' is not a file of an smp partial checkpoint", p);
+            else if (!idk || strcmp(idk, id0))
+                st = smp_error(SMP_ERR_FORMAT,
+                               "checkpoint '%s' comes from another save than '%s' (smp.save_id %s, not %s): a save was "
+                               "interrupted between files, or files of two checkpoints are mixed",
+                               p, smp_ckpt_path(f0), idk ? idk : "missing", id0);
+            else if (smp__ck_meta_int(files[k], "smp.partitions", P, P) < 0 ||
+                     smp__ck_meta_int(files[k], "smp.mp_rank", k, k) < 0)
+                st = SMP_ERR_FORMAT;
+        }
+        SMP_FREE(p);
+    }
+    if (st) {
+        for (k = 0; k < P; k++) smp_ckpt_close(files[k]);
+        SMP_FREE(files);
+        return st;
+    }
+    *out = files;
+    *nout = P;
+    return SMP_OK;
+}
+
+/* Matches the files' tensors with the model: same on every rank. */
+static smp_status smp__ck_match(smp__ck_plan *pl, smp_ckpt_file **files, int nf, int partial, int with_opt) {
+    int k, i;
+    char d1[200], d2[200];
+    size_t plen = strlen(SMP_CKPT_OPTIMIZER_PREFIX);
+    for (k = 0; k < nf; k++) {
+        smp_ckpt_file *f = files[k];
+        for (i = 0; i < smp_ckpt_count(f); i++) {
+            const smp_ckpt_info *e = smp_ckpt_info_at(f, i);
+            int idx = smp__ck_find(pl, e->name), is_opt = !strncmp(e->name, SMP_CKPT_OPTIMIZER_PREFIX, plen);
+            smp__ck_item *it;
+            if (idx < 0) {
+                if (is_opt && !with_opt) continue; /* loading without an optimizer */
+                return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is unexpected: %s", smp_ckpt_path(f),
+                                 e->name,
+                                 is_opt ? "no rank registered optimizer state of that name"
+                                        : "the model has no parameter or buffer of that name");
+            }
+            it = &pl->items[idx];
+            if (it->src)
+                return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is also in '%s'", smp_ckpt_path(f),
+                                 e->name, smp_ckpt_path(files[it->file]));
+            if (e->dtype != it->dtype || !smp__ck_same_shape(e->ndim, e->shape, it->ndim, it->shape))
+                return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is %s in the file but %s in the model",
+                                 smp_ckpt_path(f), e->name, smp__ck_describe(e->dtype, e->ndim, e->shape, d1, sizeof d1),
+                                 smp__ck_describe(it->dtype, it->ndim, it->shape, d2, sizeof d2));
+            if (partial) { /* the partition map must agree with where the tensor is */
+                char key[64 + 8];
+                const char *v;
+                size_t kl = strlen("smp.partition.") + strlen(e->name) + 1;
+                char *kb = kl <= sizeof key ? key : (char *)SMP_MALLOC(kl);
+                if (!kb) return smp_error(SMP_ERR_NOMEM, "out of memory");
+                snprintf(kb, kl, "smp.partition.%s", e->name);
+                v = smp_ckpt_meta(f, kb);
+                if (kb != key) SMP_FREE(kb);
+                if (v && atoi(v) != k)
+                    return smp_error(SMP_ERR_FORMAT,
+                                     "checkpoint '%s': tensor '%s' is in file %d but the partition map says %s",
+                                     smp_ckpt_path(f), e->name, k, v);
+            }
+            it->file = k;
+            it->src = e;
+        }
+    }
+    for (i = 0; i < pl->n; i++) {
+        const smp__ck_item *it = &pl->items[i];
+        if (!it->src)
+            return smp_error(SMP_ERR_FORMAT, "checkpoint '%s'%s: tensor '%s' is missing (the model has this %s)",
+                             smp_ckpt_path(files[0]), nf > 1 ? " and the other files of its save" : "", it->name,
+                             smp__ck_kind_name(it->kind));
+    }
+    return SMP_OK;
+}
+
+/* Checks the checksum of every tensor this rank loads. */
+static smp_status smp__ck_verify_local(smp__ck_plan *pl, smp_ckpt_file **files) {
+    int i;
+    for (i = 0; i < pl->n; i++) {
+        smp__ck_item *it = &pl->items[pl->order[i]];
+        smp_ckpt_file *f;
+        const uint8_t *base;
+        smp_status st;
+        if (!it->local || !it->src || !it->nbytes) continue;
+        f = files[it->file];
+        base = smp__ck_map(f);
+        if (base) {
+            it->bytes = base + f->data_start + it->src->offset;
+            if (it->src->has_checksum) {
+                uint32_t got = smp_ckpt_crc32c(0, it->bytes, (size_t)it->nbytes);
+                if (got != it->src->checksum) return smp__ckpt_mismatch(f, it->src, got);
+            }
+        } else {
+            it->staged = (uint8_t *)SMP_MALLOC((size_t)it->nbytes);
+            if (!it->staged)
+                return smp_error(SMP_ERR_NOMEM, "out of memory reading tensor '%s' (%llu bytes)", it->name,
+                                 (smp__ckpt_ull)it->nbytes);
+            if ((st = smp_ckpt_read(f, it->src, it->staged, (size_t)it->nbytes)) != SMP_OK) return st;
+            it->bytes = it->staged;
+        }
+    }
+    return SMP_OK;
+}
+
+static smp_status smp__ck_check_load(smp_model *m, const char *path, const smp_load_desc *d) {
+    smp_status st = smp__ck_check_common(m, path, "smp_load");
+    if (st) return st;
+    if (d->optimizer && d->optimizer->model != m)
+        return smp_error(SMP_ERR_ARG, "smp_load: the optimizer registry belongs to another model");
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *desc) {
+    smp_load_desc d;
+    smp__ck_plan pl;
+    smp_ckpt_file **files = NULL;
+    int nf = 0, i, partial;
+    smp_status st;
+
+    if (!smp_is_initialized()) return smp_error(SMP_ERR_STATE, "smp_load called before smp_init");
+    if (desc) d = *desc;
+    else memset(&d, 0, sizeof d);
+    partial = d.partial != SMP_OFF;
+    st = smp__agree_on(smp_group_comm(SMP_WORLD), smp__ck_check_load(m, path, &d), "smp_load arguments");
+    if (st) return st;
+    st = smp__ck_plan_init(&pl, m, d.optimizer, 0);
+    st = smp__agree_on(pl.comm, st, "planning the load");
+    /* 1. headers; 2. names, dtypes, shapes; 3. checksums; 4. copies */
+    if (!st) st = smp__agree_on(pl.comm, smp__ck_open_set(path, partial, &files, &nf), "opening the checkpoint");
+    if (!st) st = smp__agree_on(pl.comm, smp__ck_match(&pl, files, nf, partial, d.optimizer != NULL),
+                                "checking the checkpoint against the model");
+    if (!st) st = smp__agree_on(pl.comm, smp__ck_verify_local(&pl, files), "verifying the checkpoint's checksums");
+    if (!st) {
+        smp_status cs = SMP_OK;
+        for (i = 0; i < pl.n; i++) {
+            const smp__ck_item *it = &pl.items[i];
+            smp_status s2;
+            if (!it->local || !it->src || !it->nbytes) continue;
+            s2 = smp__ck_copy(it->local->data, it->local->device, it->bytes, SMP_HOST, (size_t)it->nbytes);
+            if (!cs) cs = s2;
+        }
+        st = smp__agree_on(pl.comm, cs, "copying the checkpoint into the model");
+    }
+    if (!st && d.on_meta) {
+        for (i = 0; i < smp_ckpt_meta_count(files[0]); i++) {
+            const char *k, *v;
+            smp_ckpt_meta_at(files[0], i, &k, &v);
+            if (strncmp(k, "smp.", 4)) d.on_meta(k, v, d.user);
+        }
+    }
+    for (i = 0; i < nf; i++) smp_ckpt_close(files[i]);
+    smp__ckpt_free(files);
+    smp__ck_plan_free(&pl);
+    return st;
+}
+
+/* ---------------------------------------------------------------- state dicts */
+SMPDEF smp_status smp_model_local_state_dict(smp_model *m, const smp_optimizer *opt, smp_state_dict *out) {
+    int np, i, n = 0;
+    if (!out) return smp_error(SMP_ERR_ARG, "smp_model_local_state_dict: out is NULL");
+    memset(out, 0, sizeof *out);
+    if (!m) return smp_error(SMP_ERR_ARG, "smp_model_local_state_dict: model is NULL");
+    if (!smp_model_partitioned(m))
+        return smp_error(SMP_ERR_STATE, "smp_model_local_state_dict: the model is not partitioned yet");
+    np = smp_model_num_params(m, true);
+    out->entries = (smp_named_tensor *)SMP_MALLOC(sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1));
+    if (!out->entries) return smp_error(SMP_ERR_NOMEM, "smp_model_local_state_dict: out of memory");
+    for (i = 0; i < np; i++) {
+        smp_param *p = smp_model_param_at(m, i);
+        if (!smp_module_is_local(smp_param_module(p))) continue;
+        out->entries[n].name = smp_param_name(p);
+        out->entries[n].tensor = *smp_param_value(p);
+        n++;
+    }
+    for (i = 0; opt && i < opt->n; i++) {
+        out->entries[n].name = opt->s[i].full;
+        out->entries[n].tensor = opt->s[i].t;
+        n++;
+    }
+    out->n = n;
+    out->partial = true;
+    return SMP_OK;
+}
+
+static smp_status smp__ck_mem_sink(void *ctx, int item, uint64_t off, const void *bytes, size_t n) {
+    smp_state_dict *sd = (smp_state_dict *)ctx;
+    memcpy((uint8_t *)sd->entries[item].tensor.data + off, bytes, n);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, int root, smp_state_dict *out) {
+    smp__ck_plan pl;
+    smp_status st = SMP_OK;
+    int i;
+    if (!smp_is_initialized()) return smp_error(SMP_ERR_STATE, "smp_model_state_dict called before smp_init");
+    if (out) memset(out, 0, sizeof *out);
+    if (!out || !m) st = smp_error(SMP_ERR_ARG, "smp_model_state_dict: model and out must not be NULL");
+    else if (!smp_model_partitioned(m))
+        st = smp_error(SMP_ERR_STATE, "smp_model_state_dict: the model is not partitioned yet");
+    else if (root < 0 || root >= smp_size())
+        st = smp_error(SMP_ERR_ARG, "smp_model_state_dict: root %d is outside the world (size %d)", root, smp_size());
+    else if (opt && opt->model != m)
+        st = smp_error(SMP_ERR_ARG, "smp_model_state_dict: the optimizer registry belongs to another model");
+    st = smp__agree_on(smp_group_comm(SMP_WORLD), st, "smp_model_state_dict arguments");
+    if (st) return st;
+    st = smp__ck_plan_init(&pl, m, opt, 0);
+    for (i = 0; i < pl.n && !st; i++)
+        if ((pl.items[i].kind == SMP__CK_OPTIM || pl.items[i].kind == SMP__CK_GLOBAL) && !pl.items[i].saver_has)
+            st = smp_error(SMP_ERR_ARG, "optimizer state '%s' is not registered on world rank %d, which holds it for all",
+                           pl.items[i].name, pl.saver[pl.items[i].mp]);
+    if (!st && pl.rank == root) { /* names and data, owned by the dict */
+        size_t names = 0, at = 0;
+        char *blob;
+        for (i = 0; i < pl.n; i++) names += strlen(pl.items[i].name) + 1;
+        out->entries = (smp_named_tensor *)SMP_MALLOC(sizeof(smp_named_tensor) * (size_t)(pl.n + 1));
+        blob = (char *)SMP_MALLOC(names + 1);
+        out->storage_ = blob;
+        if (out->entries) memset(out->entries, 0, sizeof(smp_named_tensor) * (size_t)(pl.n + 1));
+        if (!out->entries || !blob) st = smp_error(SMP_ERR_NOMEM, "smp_model_state_dict: out of memory");
+        for (i = 0; i < pl.n && !st; i++) {
+            const smp__ck_item *it = &pl.items[i];
+            smp_named_tensor *e = &out->entries[i];
+            size_t k = strlen(it->name) + 1;
+            memcpy(blob + at, it->name, k);
+            e->name = blob + at;
+            at += k;
+            e->tensor = smp_tensor_make(NULL, it->dtype, it->ndim, it->shape);
+            e->tensor.data = SMP_MALLOC(it->nbytes ? (size_t)it->nbytes : 1);
+            out->n = i + 1;
+            if (!e->tensor.data)
+                st = smp_error(SMP_ERR_NOMEM, "smp_model_state_dict: out of memory for '%s' (%llu bytes)", it->name,
+                               (smp__ckpt_ull)it->nbytes);
+        }
+    }
+    st = smp__agree_on(pl.comm, st, "preparing the state dict");
+    if (!st) st = smp__agree_on(pl.comm, smp__ck_stream(&pl, root, smp__ck_mem_sink, out), "gathering the state dict");
+    if (st) smp_state_dict_free(out);
+    else if (pl.rank != root) memset(out, 0, sizeof *out);
+    smp__ck_plan_free(&pl);
+    return st;
+}
+
+SMPDEF void smp_state_dict_free(smp_state_dict *sd) {
+    int i;
+    if (!sd) return;
+    if (sd->storage_ && sd->entries)
+        for (i = 0; i < sd->n; i++) smp__ckpt_free(sd->entries[i].tensor.data);
+    smp__ckpt_free(sd->storage_);
+    smp__ckpt_free(sd->entries);
+    memset(sd, 0, sizeof *sd);
+}
+
+SMPDEF const smp_tensor *smp_state_dict_find(const smp_state_dict *sd, const char *name) {
+    int i;
+    if (!sd || !name) return NULL;
+    for (i = 0; i < sd->n; i++)
+        if (!strcmp(sd->entries[i].name, name)) return &sd->entries[i].tensor;
+    return NULL;
 }
 
 #ifdef __cplusplus
