@@ -11,7 +11,7 @@ INCLUDES  := -I. -Itest
 LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
-MPI_TESTS  := test_pipeline test_ddp
+MPI_TESTS  := test_model test_pipeline test_ddp
 SCRIPT_TESTS := test/test_install.sh
 BENCHES    := partition
 

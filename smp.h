@@ -2373,8 +2373,8 @@ struct smp_model {
     bool traced, partitioned;
     int nstages;
     int *stage_rank, *stage_first, *stage_last; /* per stage: mp rank, first and last call */
-    smp__hook hooks[8];
-    int nhooks;
+    smp__hook *hooks;
+    int nhooks, hooks_cap;
     void *pipeline;       /* smp_pipeline.h's per-model state */
     void (*pipeline_free)(void *);
 };
@@ -2592,6 +2592,14 @@ static void smp__materialise_tree(smp_module *m, int delta) {
     for (int i = 0; i < m->nchildren; i++) smp__materialise_tree(m->children[i], delta);
 }
 
+/* Bytes of a module's parameters and its descendants': what its call holds. */
+static double smp__tree_param_bytes(const smp_module *m) {
+    double bytes = 0;
+    for (int i = 0; i < m->nparams; i++) bytes += (double)smp_tensor_nbytes(&m->params[i]->value);
+    for (int i = 0; i < m->nchildren; i++) bytes += smp__tree_param_bytes(m->children[i]);
+    return bytes;
+}
+
 /* ---------------------------------------------------------------- the model */
 static void smp__collect(smp_model *md, smp_module *m, int *mcap, int *pcap) {
     smp__grow((void **)&md->modules, mcap, md->nmodules + 1, sizeof(smp_module *));
@@ -2604,6 +2612,18 @@ static void smp__collect(smp_model *md, smp_module *m, int *mcap, int *pcap) {
     for (int i = 0; i < m->nchildren; i++) smp__collect(md, m->children[i], mcap, pcap);
 }
 
+/* The first module of a tree created inside an SMP_PARTITION context past
+   the last partition (contexts opened before smp_init could not be checked
+   when they were opened). */
+static const smp_module *smp__bad_context(const smp_module *m, int partitions) {
+    if (m->context_partition >= partitions) return m;
+    for (int i = 0; i < m->nchildren; i++) {
+        const smp_module *bad = smp__bad_context(m->children[i], partitions);
+        if (bad) return bad;
+    }
+    return NULL;
+}
+
 SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, smp_model **out) {
     smp_status st = smp__require_init("smp_model_new");
     if (!st && smp__mod.build_status) {
@@ -2612,6 +2632,12 @@ SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, sm
     }
     if (!st && (!root || !desc || !desc->forward)) st = smp_error(SMP_ERR_ARG, "smp_model_new needs a root module and a desc with a forward function");
     if (!st && root->parent) st = smp_error(SMP_ERR_ARG, "smp_model_new: module \"%s\" is not a root", root->full_name);
+    if (!st) {
+        const smp_module *bad = smp__bad_context(root, smp__ctx.cfg.partitions);
+        if (bad)
+            st = smp_error(SMP_ERR_CONFIG, "module \"%s\" was created inside SMP_PARTITION(%d): partition must be in 0..%d (partitions = %d)",
+                           bad->full_name, bad->context_partition, smp__ctx.cfg.partitions - 1, smp__ctx.cfg.partitions);
+    }
     if (st) { *out = NULL; return smp__agree_on(smp__ctx.world, st, "model construction"); }
     smp_model *m = (smp_model *)smp__alloc(sizeof *m, SMP__ALLOC_OTHER);
     memset(m, 0, sizeof *m);
@@ -2664,6 +2690,7 @@ SMPDEF void smp_model_free(smp_model *m) {
     smp__free_calls(m);
     smp__free(m->outputs);
     smp__free(m->stage_rank); /* stage_first and stage_last share its block */
+    smp__free(m->hooks);
     smp__free(m);
 }
 
@@ -2695,7 +2722,7 @@ SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *name) {
 }
 SMPDEF void smp_model_on_partitioned(smp_model *m, smp_post_partition_fn fn, void *user) {
     if (m->partitioned) { fn(m, user); return; }
-    SMP_ASSERT(m->nhooks < 8);
+    smp__grow((void **)&m->hooks, &m->hooks_cap, m->nhooks + 1, sizeof(smp__hook));
     m->hooks[m->nhooks].fn = fn;
     m->hooks[m->nhooks++].user = user;
 }
@@ -2858,7 +2885,7 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
     if (m->owner_call < 0) m->owner_call = index;
     if (!st) {
         smp__materialise_tree(m, +1);
-        for (int i = 0; i < m->nparams; i++) rec.param_bytes += (double)smp_tensor_nbytes(&m->params[i]->value);
+        rec.param_bytes = smp__tree_param_bytes(m);
         int64_t before = smp__ctx.mem.current_bytes;
         double t0 = smp__now();
         st = smp__run_callback(&c, false);
@@ -3139,7 +3166,7 @@ static void smp__report(smp_model *m) {
     smp_log(SMP_LOG_INFO, "  %-5s %-28s %5s %5s %12s %10s %12s", "call", "module", "part", "stage", "params(B)", "time(ms)", "activ.(B)");
     for (int i = 0; i < m->ncalls; i++) {
         smp__call_rec *c = &m->calls[i];
-        snprintf(line, sizeof line, "  %-5d %-28.28s %5d %5d %12.0f %10.3f %12.0f", i, *c->module->full_name ? c->module->full_name : "(root)",
+        snprintf(line, sizeof line, "  %-5d %-28s %5d %5d %12.0f %10.3f %12.0f", i, *c->module->full_name ? c->module->full_name : "(root)",
                  m->stage_rank[c->stage], c->stage, c->param_bytes, c->time * 1e3, c->activation_bytes);
         smp_log(SMP_LOG_INFO, "%s", line);
     }
@@ -3193,7 +3220,12 @@ static smp_status smp__partition(smp_model *m) {
     for (int i = 0; i < m->nmodules && !st; i++) {
         smp_module *mod = m->modules[i];
         if (mod->owner_call >= 0) mod->partition = part[mod->owner_call];
-        else if (mod->context_partition >= 0 && smp__ctx.cfg.auto_partition != SMP_ON) mod->partition = mod->context_partition;
+        else if (mod->parent && mod->parent->owner_call >= 0) {
+            /* never called itself: its parent's forward reads its parameters, so it lives (and is final) with the parent
+               (modules are in creation order, parents first, so grandchildren follow too) */
+            mod->owner_call = mod->parent->owner_call;
+            mod->partition = mod->parent->partition;
+        } else if (mod->context_partition >= 0 && smp__ctx.cfg.auto_partition != SMP_ON) mod->partition = mod->context_partition;
         else mod->partition = smp__ctx.cfg.has_default_partition ? smp__ctx.cfg.default_partition : 0;
     }
     smp__free(part);

@@ -1,30 +1,1607 @@
 /* smp_nccl.h - the device backend of smp: CUDA tensors over NCCL.
 
-   Including this header (after smp.h, in the file that defines
-   SMP_IMPLEMENTATION too) registers a device backend: collectives and
-   pipeline transfers of tensors whose `device` is a CUDA ordinal then move
-   over NCCL on a stream the runtime owns, while host tensors keep moving
-   over MPI. Ranks sharing one GPU (which NCCL refuses) move device memory
-   through pinned host buffers over MPI instead.
+   Tensors whose `device` is a CUDA ordinal move over NCCL on a stream the
+   runtime owns; host tensors keep moving over MPI. Ranks that share a GPU
+   (which NCCL refuses) move device memory through pinned host buffers with
+   smp's MPI collectives instead, with the same results and semantics.
 
    USAGE
-       #define SMP_IMPLEMENTATION
-       #include "smp.h"
-       #include "smp_nccl.h"
-       #include "smp_pipeline.h"
-       ...
-       smp_init(&cfg);
-       cudaSetDevice(smp_local_rank());   // as the reference scripts do
+     Include it after smp.h in the file that defines SMP_IMPLEMENTATION.
+     That registers the backend before main() runs (a constructor function),
+     so smp_init starts it; nothing else is needed. Other files include it
+     for the declarations. To register by hand instead, define
+     SMP_NCCL_NO_AUTO_REGISTER and call smp_nccl_register() before smp_init.
 
-   BUILD
-       nvcc -ccbin mpicxx prog.cu -o prog -lnccl
+   THE SMALLEST PROGRAM (prog.cu)
+         #define SMP_IMPLEMENTATION
+         #include "smp.h"
+         #include "smp_nccl.h"
+         int main(void) {
+             smp_config cfg = {};                       // C: = {0}
+             if (smp_init(&cfg) != SMP_OK) return 1;    // picks the GPU, see DEVICES
+             float h[4] = {1, 2, 3, 4}, *d;
+             cudaMalloc((void **)&d, sizeof h);
+             cudaMemcpy(d, h, sizeof h, cudaMemcpyHostToDevice);
+             smp_tensor t = smp_tensor_1d(d, SMP_F32, 4);
+             t.device = smp_nccl_device();
+             smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD);  // on the default stream
+             cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost);  // the sums
+             cudaFree(d);
+             smp_finalize();
+         }
+     Build: nvcc -ccbin mpicxx -O2 prog.cu -o prog -lnccl
+        or: nvcc -O2 prog.cu -o prog -DMPICH_SKIP_MPICXX -DOMPI_SKIP_MPICXX \
+                 $(mpicc -show | tr ' ' '\n' | grep -E '^-[ILl]' | tr '\n' ' ') -lnccl
+     A C engine whose kernels live elsewhere may include it from a .c file:
+         mpicc -std=c11 prog.c -I/usr/local/cuda/include -L/usr/local/cuda/lib64 -lcudart -lnccl
+     Run: mpirun -n 2 ./prog
 
-   STATUS
-       This header holds the backend's interface only; the implementation
-       arrives with the CUDA/NCCL issue. Until then smp reports device
-       tensors as an error ("no device backend is registered").
+   DEVICES AND PATHS
+     smp_init sets this rank's device to smp_local_rank() % (GPUs visible to
+     the rank) - what the reference scripts do with set_device(local_rank) -
+     and every rank then agrees on one path (smp_nccl_get_mode()):
+       SMP_NCCL_MODE_NCCL    every rank has a GPU of its own: one NCCL
+                             communicator per group (world, MP_GROUP,
+                             DP_GROUP; a group with the world's ranks in the
+                             world's order shares the world's).
+       SMP_NCCL_MODE_STAGED  ranks of a node share a GPU (NCCL refuses two
+                             ranks on one GPU; found by comparing the GPUs'
+                             UUIDs and PCI addresses), or SMP_NCCL=staged:
+                             device data is copied through pinned host
+                             buffers and moved by smp's MPI collectives
+                             (f16/bf16 reduce in f32 there, as on the host).
+       SMP_NCCL_MODE_NONE    some rank has no CUDA device (no driver, none
+                             visible): smp_init still succeeds and host
+                             tensors work; a device tensor is an error
+                             (SMP_ERR_DEVICE) saying "no CUDA device" and why.
+     Environment:
+       SMP_NCCL=auto|nccl|staged  auto (default) as above; nccl makes a
+                             shared GPU an error at smp_init; staged forces
+                             the host-staged path (for debugging).
+       SMP_NCCL_SYNC=1       every collective also waits on the host until
+                             its result is ready (deadline, NCCL errors
+                             checked): turns a hang into a message.
+       SMP_TIMEOUT           the deadline of every wait (smp's).
+
+   STREAMS: WHAT "DONE" MEANS
+     The engine computes on one stream: the legacy default stream unless it
+     calls smp_nccl_set_stream(s). A device collective (or smp_nccl_copy
+     between device buffers):
+       1. records an event on the engine stream and makes smp's own stream
+          (non-blocking, high priority) wait on it, so it reads what the
+          engine has queued so far;
+       2. runs the NCCL operation on smp's stream;
+       3. records an event there and makes the engine stream wait on it,
+          then returns. No host or device-wide synchronisation: the result
+          is ready for every kernel the engine queues afterwards on its
+          stream. To read it on the host, synchronise the engine stream
+          (cudaMemcpy on the default stream does) or call
+          smp_nccl_synchronize(), which also polls NCCL for errors and
+          applies the deadline.
+     On the staged path the host waits for the device-to-host copy (so for
+     the work queued before it), runs the MPI collective, and queues the
+     host-to-device copy the same way. Copies that touch host memory return
+     when the host memory is ready (or free to reuse).
+     Other streams of the engine must be ordered against its main stream
+     by the engine, as with any CUDA library.
+
+   POINT TO POINT (for pipelines)
+     smp_nccl_p2p_connect(g, peers, n)      once per peer, called by both ranks
+     smp_nccl_isend / smp_nccl_irecv        queue a transfer, get a request
+     smp_nccl_test / smp_nccl_wait          poll it / order the engine after it
+     smp_nccl_send / _recv / _sendrecv      isend/irecv + wait
+     Each direction between two ranks gets its own two-rank NCCL
+     communicator and stream (a channel), so a send never waits behind a
+     receive, or a receive behind a send: no order of sends and receives
+     between two ranks can deadlock. Within a direction, messages pair in
+     order: the k-th isend from A to B fills the k-th irecv on B from A, and
+     their sizes must match. An irecv may be queued long before the data is
+     sent; its data reaches the engine stream only through smp_nccl_wait.
+     On the staged path messages go over MPI through pinned host buffers
+     (isend waits for the device-to-host copy; wait on an irecv queues the
+     host-to-device copy); the same calls work unchanged.
+
+   ERRORS
+     Every CUDA and NCCL call is checked; the message names the call and
+     the smp function ("smp_all_reduce: ncclAllReduce failed: ..."). NCCL
+     asynchronous errors are polled while smp waits on the host; the
+     communicator that reported one is aborted and later calls on it fail.
+     A wait past the deadline aborts the NCCL communicators and the job
+     (MPI_Abort) naming what it waited for.
+
+   CAVEATS
+     NCCL kernels wait on the GPU for their peers. While transfers are
+     queued, avoid calls that synchronise the whole device (cudaFree,
+     cudaDeviceSynchronize, cudaMemcpy to or from pageable memory on a
+     blocking stream while a receive waits on a peer that waits for you):
+     use cudaMallocAsync/cudaFreeAsync or a pool, and synchronise streams.
 */
 #ifndef SMP_NCCL_H
 #define SMP_NCCL_H
+
 #include "smp.h"
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 14, 0)
+#error "smp_nccl.h needs NCCL 2.14 or newer (nonblocking communicators, ncclAvg, bf16)"
 #endif
+#if !defined(CUDART_VERSION) || CUDART_VERSION < 11020
+#error "smp_nccl.h needs CUDA 11.2 or newer (stream-ordered allocation)"
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum smp_nccl_mode {
+    SMP_NCCL_MODE_NONE = 0, /* no usable CUDA device: device tensors are an error */
+    SMP_NCCL_MODE_NCCL,     /* one GPU per rank: NCCL */
+    SMP_NCCL_MODE_STAGED    /* shared GPUs (or SMP_NCCL=staged): pinned host buffers + MPI */
+} smp_nccl_mode;
+
+/* Registers the backend (done for you unless SMP_NCCL_NO_AUTO_REGISTER). */
+SMPDEF void smp_nccl_register(void);
+/* The path smp_init chose; NONE before smp_init. */
+SMPDEF smp_nccl_mode smp_nccl_get_mode(void);
+SMPDEF const char *smp_nccl_mode_name(smp_nccl_mode m); /* "none", "nccl", "staged" */
+/* One line for logs: the path, the device, NCCL's version; or why there is no device. */
+SMPDEF const char *smp_nccl_describe(void);
+/* This rank's CUDA device (set current by smp_init); -1 when none. */
+SMPDEF int smp_nccl_device(void);
+
+/* The engine's compute stream (0, the default: the legacy default stream,
+   or the per-thread one when this file is compiled with per-thread default
+   streams). May be called before or after smp_init. */
+SMPDEF void smp_nccl_set_stream(cudaStream_t engine_stream);
+SMPDEF cudaStream_t smp_nccl_get_stream(void);
+/* smp's own stream, on which collectives run (NULL before smp_init). */
+SMPDEF cudaStream_t smp_nccl_comm_stream(void);
+/* The NCCL communicator of a group (NULL unless the mode is NCCL). */
+SMPDEF ncclComm_t smp_nccl_comm(smp_group g);
+/* Waits on the host until all device work smp has queued (collectives,
+   copies, transfers) is done; polls NCCL for errors; deadline as smp's. */
+SMPDEF smp_status smp_nccl_synchronize(void);
+
+/* Copies n bytes between host (SMP_HOST) and this rank's device, either
+   way, ordered after the engine stream. Returns when host memory involved
+   is ready or free to reuse; a device-to-device copy is only queued (the
+   engine stream is ordered after it). */
+SMPDEF smp_status smp_nccl_copy(void *dst, int dst_device, const void *src, int src_device, size_t n);
+
+/* ---------------------------------------------------------------- point to point */
+typedef struct smp_nccl_request smp_nccl_request;
+
+/* Opens the channels (one per direction) between this rank and each of
+   peers[0..n) (ranks in group g). The peer must call it with this rank in
+   its list; a rank may connect to all its peers in one call, in any order,
+   without deadlock. Already connected peers are skipped. */
+SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers);
+/* Queue `bytes` of device memory to / from `peer` (a rank in group g).
+   isend reads buf after the work queued so far on the engine stream;
+   irecv writes buf only after that work too (so buf may still be in use).
+   *req must be passed to smp_nccl_wait exactly once. */
+SMPDEF smp_status smp_nccl_isend(const void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req);
+SMPDEF smp_status smp_nccl_irecv(void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req);
+/* *done: the transfer has finished on the device (staged receive: the
+   bytes have arrived on the host; wait still moves them to the device). */
+SMPDEF smp_status smp_nccl_test(smp_nccl_request *req, bool *done);
+/* Orders the engine stream after the transfer and frees req. It blocks the
+   host only on the staged path (for the MPI message). After waiting on an
+   isend, the engine may overwrite the buffer; after an irecv, read it. To
+   free send buffers without holding up the engine, poll smp_nccl_test and
+   wait once it says done. */
+SMPDEF smp_status smp_nccl_wait(smp_nccl_request *req);
+SMPDEF smp_status smp_nccl_send(const void *buf, size_t bytes, int peer, smp_group g);
+SMPDEF smp_status smp_nccl_recv(void *buf, size_t bytes, int peer, smp_group g);
+/* Sends to dst and receives from src at once (either may be -1: none). */
+SMPDEF smp_status smp_nccl_sendrecv(const void *sendbuf, size_t sendbytes, int dst, void *recvbuf, size_t recvbytes,
+                                    int src, smp_group g);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* SMP_NCCL_H */
+
+/* ======================================================================
+   IMPLEMENTATION
+   ====================================================================== */
+#if defined(SMP_IMPLEMENTATION) && !defined(SMP_NCCL_IMPLEMENTED)
+#define SMP_NCCL_IMPLEMENTED
+
+#include <limits.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if !defined(_POSIX_C_SOURCE) && !defined(__cplusplus)
+#include <threads.h>
+#endif
+
+#define SMP__NC_TAG_CONNECT 7301 /* unique ids of p2p channels, on the backend's own communicators */
+#define SMP__NC_TAG_P2P 7302     /* staged point-to-point payloads */
+#define SMP__NC_KEY 64           /* bytes identifying a GPU on a node: UUID (16) + PCI bus id */
+
+typedef struct smp__nc_chan {
+    ncclComm_t comm;     /* two ranks: the sending side is rank 0 */
+    cudaStream_t stream;
+    int peer;            /* the other side's rank in comm */
+    bool dead;           /* aborted after an error */
+} smp__nc_chan;
+
+typedef struct smp__nc_pin {
+    void *p;
+    size_t cap;
+    int state;           /* 0 free, 1 in use, 2 free once `ev` completes */
+    cudaEvent_t ev;
+} smp__nc_pin;
+
+enum { SMP__NC_REQ_DONE, SMP__NC_REQ_NCCL, SMP__NC_REQ_STAGED_SEND, SMP__NC_REQ_STAGED_RECV };
+
+struct smp_nccl_request {
+    int kind;
+    smp_group g;
+    int peer;
+    cudaEvent_t ev;       /* NCCL: completion on the channel's stream */
+    smp__nc_chan *chan;
+    MPI_Request mpi;      /* staged */
+    int pin;              /* staged: pinned buffer index */
+    void *dst;            /* staged receive: device destination */
+    size_t bytes;
+};
+
+static struct {
+    bool started;                      /* on_init got far enough to need on_finalize's cleanup */
+    bool up;                           /* on_init finished */
+    smp_nccl_mode mode;
+    char why[512];                     /* mode NONE: why */
+    char desc[1024];
+    int device;
+    char device_name[256];
+    cudaStream_t stream;               /* smp's */
+    cudaEvent_t ev_engine, ev_done, ev_sync;
+    bool have_mpi;
+    MPI_Comm mpi[SMP_GROUP_COUNT];     /* private duplicates of the groups' communicators */
+    ncclComm_t comm[SMP_GROUP_COUNT];
+    int alias[SMP_GROUP_COUNT];        /* the group whose communicator this one uses */
+    bool comm_dead[SMP_GROUP_COUNT];
+    smp__nc_chan **chans[SMP_GROUP_COUNT]; /* [peer * 2]: to peer, [peer * 2 + 1]: from peer */
+    int nchans[SMP_GROUP_COUNT];
+    smp__nc_pin *pins;
+    int npins, pins_cap;
+    cudaEvent_t *events;               /* free events for requests */
+    int nevents, events_cap;
+    bool pools;                        /* cudaMallocAsync works on this device */
+    bool sync_each;                    /* SMP_NCCL_SYNC */
+    const char *op;                    /* the call in progress, for messages */
+} smp__nc;
+
+static cudaStream_t smp__nc_engine; /* survives smp_finalize: the engine's choice */
+
+/* ---------------------------------------------------------------- errors, waiting */
+static const char *smp__nc_gname(smp_group g) {
+    return g == SMP_WORLD ? "world" : g == SMP_MP_GROUP ? "MP_GROUP" : g == SMP_DP_GROUP ? "DP_GROUP" : "?";
+}
+static const char *smp__nc_opname(void) { return smp__nc.op ? smp__nc.op : "smp_nccl"; }
+
+static void smp__nc_fatal(const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2), noreturn))
+#endif
+    ;
+static void smp__nc_fatal(const char *fmt, ...) {
+    char msg[1536];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    smp_log(SMP_LOG_ERROR, "%s", msg);
+    MPI_Abort(MPI_COMM_WORLD, 3);
+    abort();
+}
+
+static smp_status smp__nc_cuda_fail(cudaError_t e, const char *call) {
+    (void)cudaGetLastError(); /* clear a non-sticky error so the next call is not blamed for it */
+    return smp_error(SMP_ERR_DEVICE, "%s: %s failed: %s (%s)", smp__nc_opname(), call, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+static smp_status smp__nc_nccl_fail(ncclResult_t r, const char *call, ncclComm_t comm) {
+    const char *last = ncclGetLastError(comm);
+    return smp_error(SMP_ERR_DEVICE, "%s: %s failed: %s%s%s", smp__nc_opname(), call, ncclGetErrorString(r),
+                     last && *last ? ": " : "", last && *last ? last : "");
+}
+
+/* Checks a CUDA call: SMP__CU(cudaEventRecord, (ev, stream)); */
+#define SMP__CU(fn, args)                                                   \
+    do {                                                                    \
+        cudaError_t e__ = fn args;                                          \
+        if (e__ != cudaSuccess) return smp__nc_cuda_fail(e__, #fn);         \
+    } while (0)
+#define SMP__TRY(expr)                                                      \
+    do {                                                                    \
+        smp_status s__ = (expr);                                            \
+        if (s__ != SMP_OK) return s__;                                      \
+    } while (0)
+
+/* Polling with back-off, as smp's own waits: spin, yield, then sleep in
+   growing steps up to a millisecond. */
+typedef struct smp__nc_backoff { double start, deadline; unsigned polls; long ns; } smp__nc_backoff;
+
+static smp__nc_backoff smp__nc_backoff_start(void) {
+    smp__nc_backoff b;
+    b.start = MPI_Wtime();
+    b.deadline = b.start + smp_timeout();
+    b.polls = 0;
+    b.ns = 1000;
+    return b;
+}
+
+static bool smp__nc_pause(smp__nc_backoff *b) {
+    b->polls++;
+    if (b->polls < 64) return true;
+    double now = MPI_Wtime();
+    if (now > b->deadline) return false;
+    if (now - b->start < 2e-3) { sched_yield(); return true; }
+    struct timespec ts;
+    ts.tv_sec = 0;
+    ts.tv_nsec = b->ns;
+#if defined(_POSIX_C_SOURCE) || defined(__cplusplus)
+    nanosleep(&ts, NULL);
+#else
+    thrd_sleep(&ts, NULL);
+#endif
+    if (b->ns < 1000000) b->ns *= 2;
+    return true;
+}
+
+static void smp__nc_abort_all(void) {
+    for (int g = 0; g < SMP_GROUP_COUNT; g++)
+        if (smp__nc.comm[g] && !smp__nc.comm_dead[g]) { (void)ncclCommAbort(smp__nc.comm[g]); smp__nc.comm_dead[g] = true; }
+    for (int g = 0; g < SMP_GROUP_COUNT; g++)
+        for (int i = 0; i < smp__nc.nchans[g]; i++) {
+            smp__nc_chan *c = smp__nc.chans[g][i];
+            if (c && c->comm && !c->dead) { (void)ncclCommAbort(c->comm); c->dead = true; }
+        }
+}
+
+static void smp__nc_timeout(const char *what, smp_group g, int peer, double waited) {
+    smp__nc_abort_all();
+    if (peer >= 0)
+        smp__nc_fatal("%s: timed out after %.1f s waiting for %s with %s rank %d (world rank %d) on CUDA device %d; "
+                      "aborting the NCCL communicators and the job (SMP_TIMEOUT=%g)",
+                      smp__nc_opname(), waited, what, smp__nc_gname(g), peer, smp_group_world_rank(g, peer), smp__nc.device, smp_timeout());
+    smp__nc_fatal("%s: timed out after %.1f s waiting for %s in the %s on CUDA device %d; aborting the NCCL communicators "
+                  "and the job (SMP_TIMEOUT=%g)",
+                  smp__nc_opname(), waited, what, smp__nc_gname(g), smp__nc.device, smp_timeout());
+}
+
+/* A nonblocking communicator may answer ncclInProgress: poll until the call
+   has really been issued (or failed). */
+static ncclResult_t smp__nc_settle(ncclComm_t comm, ncclResult_t r, const char *call, smp_group g) {
+    if (r != ncclInProgress) return r;
+    smp__nc_backoff b = smp__nc_backoff_start();
+    for (;;) {
+        ncclResult_t state = ncclInProgress;
+        ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+        if (q != ncclSuccess) return q;
+        if (state != ncclInProgress) return state;
+        if (!smp__nc_pause(&b)) smp__nc_timeout(call, g, -1, MPI_Wtime() - b.start);
+    }
+}
+
+/* Checks an NCCL call on a communicator: SMP__NC(comm, group, ncclAllReduce, (...)); */
+#define SMP__NC(comm, g, fn, args)                                                   \
+    do {                                                                             \
+        ncclResult_t r__ = smp__nc_settle((comm), fn args, #fn, (g));                \
+        if (r__ != ncclSuccess) return smp__nc_nccl_fail(r__, #fn, (comm));          \
+    } while (0)
+
+/* The same, leaving the status in st (for paths that must clean up first). */
+#define SMP__NC_ST(st, comm, g, fn, args)                                             \
+    do {                                                                             \
+        ncclResult_t r__ = smp__nc_settle((comm), fn args, #fn, (g));                \
+        (st) = r__ == ncclSuccess ? SMP_OK : smp__nc_nccl_fail(r__, #fn, (comm));   \
+    } while (0)
+
+/* Asks NCCL whether a communicator failed in the background; aborts it if so. */
+static smp_status smp__nc_check_comm(ncclComm_t comm, bool *dead, const char *name, const char *what) {
+    if (!comm || *dead) return SMP_OK;
+    ncclResult_t state = ncclSuccess;
+    ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    if (q == ncclSuccess && (state == ncclSuccess || state == ncclInProgress)) return SMP_OK;
+    ncclResult_t bad = q != ncclSuccess ? q : state;
+    smp_status st = smp_error(SMP_ERR_DEVICE, "%s: NCCL reported an error on the %s communicator while waiting for %s: %s%s%s",
+                              smp__nc_opname(), name, what, ncclGetErrorString(bad), *ncclGetLastError(comm) ? ": " : "",
+                              ncclGetLastError(comm));
+    (void)ncclCommAbort(comm);
+    *dead = true;
+    return st;
+}
+
+static smp_status smp__nc_poll_async(const char *what) {
+    for (int g = 0; g < SMP_GROUP_COUNT; g++)
+        if (smp__nc.alias[g] == g) SMP__TRY(smp__nc_check_comm(smp__nc.comm[g], &smp__nc.comm_dead[g], smp__nc_gname((smp_group)g), what));
+    for (int g = 0; g < SMP_GROUP_COUNT; g++)
+        for (int i = 0; i < smp__nc.nchans[g]; i++) {
+            smp__nc_chan *c = smp__nc.chans[g][i];
+            if (c) SMP__TRY(smp__nc_check_comm(c->comm, &c->dead, "point-to-point", what));
+        }
+    return SMP_OK;
+}
+
+/* Waits on the host until `ev` has completed, watching NCCL for errors. */
+static smp_status smp__nc_wait_event(cudaEvent_t ev, const char *what, smp_group g, int peer) {
+    smp__nc_backoff b = smp__nc_backoff_start();
+    for (;;) {
+        cudaError_t e = cudaEventQuery(ev);
+        if (e == cudaSuccess) return SMP_OK;
+        if (e != cudaErrorNotReady) return smp__nc_cuda_fail(e, "cudaEventQuery");
+        if (smp__nc.mode == SMP_NCCL_MODE_NCCL) SMP__TRY(smp__nc_poll_async(what));
+        if (!smp__nc_pause(&b)) smp__nc_timeout(what, g, peer, MPI_Wtime() - b.start);
+    }
+}
+
+/* ---------------------------------------------------------------- stream ordering */
+/* Makes stream s wait for what the engine has queued so far. */
+static smp_status smp__nc_after_engine(cudaStream_t s) {
+    SMP__CU(cudaEventRecord, (smp__nc.ev_engine, smp__nc_engine));
+    SMP__CU(cudaStreamWaitEvent, (s, smp__nc.ev_engine, 0));
+    return SMP_OK;
+}
+
+/* Makes the engine stream wait for what s has queued so far. */
+static smp_status smp__nc_engine_after(cudaStream_t s) {
+    SMP__CU(cudaEventRecord, (smp__nc.ev_done, s));
+    SMP__CU(cudaStreamWaitEvent, (smp__nc_engine, smp__nc.ev_done, 0));
+    return SMP_OK;
+}
+
+/* The end of a collective: the engine waits for smp's stream; with
+   SMP_NCCL_SYNC the host too. */
+static smp_status smp__nc_finish(const char *what, smp_group g) {
+    SMP__TRY(smp__nc_engine_after(smp__nc.stream));
+    if (smp__nc.sync_each) return smp__nc_wait_event(smp__nc.ev_done, what, g, -1);
+    return SMP_OK;
+}
+
+static smp_status smp__nc_stream_idle(cudaStream_t s, const char *what) {
+    SMP__CU(cudaEventRecord, (smp__nc.ev_sync, s));
+    return smp__nc_wait_event(smp__nc.ev_sync, what, SMP_WORLD, -1);
+}
+
+/* ---------------------------------------------------------------- memory */
+/* Device scratch on smp's stream: stream-ordered when the device has memory
+   pools, otherwise plain cudaMalloc (rare: only for partly overlapping
+   arguments). */
+static smp_status smp__nc_tmp_alloc(void **p, size_t n) {
+    *p = NULL;
+    if (smp__nc.pools) {
+        SMP__CU(cudaMallocAsync, (p, n, smp__nc.stream));
+    } else {
+        SMP__CU(cudaMalloc, (p, n));
+    }
+    return SMP_OK;
+}
+
+/* A scratch copy of n device bytes at src, queued on smp's stream. */
+static smp_status smp__nc_tmp_copy(void **tmp, const void *src, size_t n) {
+    SMP__TRY(smp__nc_tmp_alloc(tmp, n));
+    cudaError_t e = cudaMemcpyAsync(*tmp, src, n, cudaMemcpyDeviceToDevice, smp__nc.stream);
+    if (e != cudaSuccess) {
+        smp_status st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
+        if (smp__nc.pools) (void)cudaFreeAsync(*tmp, smp__nc.stream);
+        else (void)cudaFree(*tmp);
+        *tmp = NULL;
+        return st;
+    }
+    return SMP_OK;
+}
+
+static smp_status smp__nc_tmp_free(void *p) {
+    if (!p) return SMP_OK;
+    if (smp__nc.pools) {
+        SMP__CU(cudaFreeAsync, (p, smp__nc.stream));
+    } else {
+        SMP__TRY(smp__nc_stream_idle(smp__nc.stream, "scratch memory to be released"));
+        SMP__CU(cudaFree, (p));
+    }
+    return SMP_OK;
+}
+
+/* Pinned host buffers for the staged path, reused. */
+static smp_status smp__nc_pin_get(size_t n, int *idx) {
+    int best = -1;
+    *idx = -1;
+    if (n == 0) n = 1;
+    for (int i = 0; i < smp__nc.npins; i++) {
+        smp__nc_pin *e = &smp__nc.pins[i];
+        if (e->state == 2) {
+            cudaError_t q = cudaEventQuery(e->ev);
+            if (q == cudaSuccess) e->state = 0;
+            else if (q != cudaErrorNotReady) return smp__nc_cuda_fail(q, "cudaEventQuery");
+        }
+        if (e->state == 0 && e->cap >= n && (best < 0 || e->cap < smp__nc.pins[best].cap)) best = i;
+    }
+    if (best < 0) {
+        if (smp__nc.npins == smp__nc.pins_cap) {
+            int cap = smp__nc.pins_cap ? 2 * smp__nc.pins_cap : 8;
+            smp__nc_pin *np = (smp__nc_pin *)smp_malloc(sizeof(smp__nc_pin) * (size_t)cap);
+            if (!np) return smp_error(SMP_ERR_NOMEM, "%s: out of memory for pinned buffer records", smp__nc_opname());
+            if (smp__nc.npins) memcpy(np, smp__nc.pins, sizeof(smp__nc_pin) * (size_t)smp__nc.npins);
+            smp_free(smp__nc.pins);
+            smp__nc.pins = np;
+            smp__nc.pins_cap = cap;
+        }
+        size_t cap = (size_t)64 << 10;
+        while (cap < n && cap < ((size_t)64 << 20)) cap *= 2;
+        if (cap < n) cap = (n + ((size_t)1 << 20) - 1) & ~(((size_t)1 << 20) - 1);
+        smp__nc_pin e;
+        memset(&e, 0, sizeof e);
+        SMP__CU(cudaEventCreateWithFlags, (&e.ev, cudaEventDisableTiming));
+        cudaError_t r = cudaMallocHost(&e.p, cap);
+        if (r != cudaSuccess) {
+            (void)cudaEventDestroy(e.ev);
+            return smp__nc_cuda_fail(r, "cudaMallocHost");
+        }
+        e.cap = cap;
+        best = smp__nc.npins++;
+        smp__nc.pins[best] = e;
+    }
+    smp__nc.pins[best].state = 1;
+    *idx = best;
+    return SMP_OK;
+}
+
+static void smp__nc_pin_put(int idx) {
+    if (idx >= 0) smp__nc.pins[idx].state = 0;
+}
+
+/* Frees the buffer once what stream s has queued so far (a copy from it) is done. */
+static smp_status smp__nc_pin_put_after(int idx, cudaStream_t s) {
+    if (idx < 0) return SMP_OK;
+    cudaError_t e = cudaEventRecord(smp__nc.pins[idx].ev, s);
+    if (e != cudaSuccess) {
+        /* cannot tell when the copy ends: keep the buffer out of use for good */
+        return smp__nc_cuda_fail(e, "cudaEventRecord");
+    }
+    smp__nc.pins[idx].state = 2;
+    return SMP_OK;
+}
+
+static smp_status smp__nc_event_get(cudaEvent_t *ev) {
+    if (smp__nc.nevents) { *ev = smp__nc.events[--smp__nc.nevents]; return SMP_OK; }
+    SMP__CU(cudaEventCreateWithFlags, (ev, cudaEventDisableTiming));
+    return SMP_OK;
+}
+
+static void smp__nc_event_put(cudaEvent_t ev) {
+    if (smp__nc.nevents == smp__nc.events_cap) {
+        int cap = smp__nc.events_cap ? 2 * smp__nc.events_cap : 16;
+        cudaEvent_t *ne = (cudaEvent_t *)smp_malloc(sizeof(cudaEvent_t) * (size_t)cap);
+        if (!ne) { (void)cudaEventDestroy(ev); return; }
+        if (smp__nc.nevents) memcpy(ne, smp__nc.events, sizeof(cudaEvent_t) * (size_t)smp__nc.nevents);
+        smp_free(smp__nc.events);
+        smp__nc.events = ne;
+        smp__nc.events_cap = cap;
+    }
+    smp__nc.events[smp__nc.nevents++] = ev;
+}
+
+/* ---------------------------------------------------------------- argument checks */
+static smp_status smp__nc_ready(const char *fn) {
+    smp__nc.op = fn;
+    if (!smp__nc.up) return smp_error(SMP_ERR_STATE, "%s: the CUDA device backend is not started (call smp_init first)", fn);
+    if (smp__nc.mode == SMP_NCCL_MODE_NONE) return smp_error(SMP_ERR_DEVICE, "%s: no CUDA device: %s", fn, smp__nc.why);
+    return SMP_OK;
+}
+
+static bool smp__nc_overlap(const void *a, size_t an, const void *b, size_t bn) {
+    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return an && bn && x < y + bn && y < x + an;
+}
+
+/* `what` (device `device`, `bytes` long) must be memory of this rank's GPU. */
+static smp_status smp__nc_check_ptr(const char *what, const void *p, int device, size_t bytes) {
+    const char *fn = smp__nc_opname();
+    if (device != smp__nc.device)
+        return smp_error(SMP_ERR_ARG, "%s: %s is on CUDA device %d but this rank drives device %d (smp_nccl_device())", fn, what,
+                         device, smp__nc.device);
+    if (!bytes) return SMP_OK;
+    if (!p) return smp_error(SMP_ERR_ARG, "%s: %s has no data", fn, what);
+    struct cudaPointerAttributes a;
+    memset(&a, 0, sizeof a);
+    cudaError_t e = cudaPointerGetAttributes(&a, p);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return smp_error(SMP_ERR_ARG, "%s: %s (%p) is not CUDA memory: cudaPointerGetAttributes: %s", fn, what, p, cudaGetErrorString(e));
+    }
+    if (a.type == cudaMemoryTypeManaged) return SMP_OK;
+    if (a.type != cudaMemoryTypeDevice)
+        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data (%p) is %s memory", fn, what, device, p,
+                         a.type == cudaMemoryTypeHost ? "pinned host" : "host");
+    if (a.device != smp__nc.device)
+        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data lives on device %d", fn, what, device, a.device);
+    return SMP_OK;
+}
+
+static smp_status smp__nc_check_tensor(const char *what, const smp_tensor *t) {
+    return smp__nc_check_ptr(what, t->data, t->device, smp_tensor_nbytes(t));
+}
+
+static bool smp__nc_dtype(smp_dtype dt, ncclDataType_t *out) {
+    switch (dt) {
+    case SMP_F32: *out = ncclFloat32; return true;
+    case SMP_F64: *out = ncclFloat64; return true;
+    case SMP_F16: *out = ncclFloat16; return true;
+    case SMP_BF16: *out = ncclBfloat16; return true;
+    case SMP_I32: *out = ncclInt32; return true;
+    case SMP_I64: *out = ncclInt64; return true;
+    case SMP_U8: case SMP_BOOL: *out = ncclUint8; return true;
+    default: return false;
+    }
+}
+
+static smp_status smp__nc_types(smp_dtype dt, smp_op op, ncclDataType_t *t, ncclRedOp_t *r) {
+    if (!smp__nc_dtype(dt, t)) return smp_error(SMP_ERR_ARG, "%s: dtype %s has no NCCL equivalent", smp__nc_opname(), smp_dtype_name(dt));
+    if (!r) return SMP_OK;
+    switch (op) {
+    case SMP_SUM: *r = ncclSum; return SMP_OK;
+    case SMP_AVG: *r = ncclAvg; return SMP_OK;
+    case SMP_MIN: *r = ncclMin; return SMP_OK;
+    case SMP_MAX: *r = ncclMax; return SMP_OK;
+    case SMP_PROD: *r = ncclProd; return SMP_OK;
+    default: return smp_error(SMP_ERR_ARG, "%s: unknown op %d", smp__nc_opname(), (int)op);
+    }
+}
+
+static smp_status smp__nc_group_comm(smp_group g, ncclComm_t *c) {
+    *c = NULL;
+    if ((unsigned)g >= SMP_GROUP_COUNT) return smp_error(SMP_ERR_ARG, "%s: unknown group %d", smp__nc_opname(), (int)g);
+    int a = smp__nc.alias[g];
+    if (smp__nc.comm_dead[a])
+        return smp_error(SMP_ERR_DEVICE, "%s: the NCCL communicator of the %s was aborted after an earlier error", smp__nc_opname(), smp__nc_gname(g));
+    *c = smp__nc.comm[a];
+    if (!*c) return smp_error(SMP_ERR_STATE, "%s: the %s has no NCCL communicator", smp__nc_opname(), smp__nc_gname(g));
+    return SMP_OK;
+}
+
+static smp_tensor smp__nc_host_view(const smp_tensor *t, void *data) {
+    smp_tensor h = *t;
+    h.data = data;
+    h.device = SMP_HOST;
+    return h;
+}
+
+/* ---------------------------------------------------------------- the staged path */
+/* Device data in -> pinned `hin`; the caller runs smp's host collective from
+   hin into pinned `hout`; stage_end copies hout -> device out. */
+typedef struct smp__nc_stage {
+    const void *in;
+    size_t in_bytes;
+    void *out;
+    size_t out_bytes;
+    int pin_in, pin_out;
+    void *hin, *hout;
+} smp__nc_stage;
+
+static smp_status smp__nc_stage_begin(smp__nc_stage *sg, const void *in, size_t in_bytes, void *out, size_t out_bytes,
+                                      const char *what, smp_group g) {
+    sg->in = in; sg->in_bytes = in_bytes; sg->out = out; sg->out_bytes = out_bytes;
+    sg->pin_in = sg->pin_out = -1;
+    sg->hin = sg->hout = NULL;
+    smp_status st = SMP_OK;
+    if (in_bytes && (st = smp__nc_pin_get(in_bytes, &sg->pin_in))) return st;
+    if (out_bytes && (st = smp__nc_pin_get(out_bytes, &sg->pin_out))) { smp__nc_pin_put(sg->pin_in); sg->pin_in = -1; return st; }
+    if (sg->pin_in >= 0) sg->hin = smp__nc.pins[sg->pin_in].p;
+    if (sg->pin_out >= 0) sg->hout = smp__nc.pins[sg->pin_out].p;
+    if ((st = smp__nc_after_engine(smp__nc.stream))) goto fail;
+    if (in_bytes) {
+        cudaError_t e = cudaMemcpyAsync(sg->hin, in, in_bytes, cudaMemcpyDeviceToHost, smp__nc.stream);
+        if (e != cudaSuccess) { st = smp__nc_cuda_fail(e, "cudaMemcpyAsync"); goto fail; }
+        e = cudaEventRecord(smp__nc.ev_done, smp__nc.stream);
+        if (e != cudaSuccess) { st = smp__nc_cuda_fail(e, "cudaEventRecord"); goto fail; }
+        if ((st = smp__nc_wait_event(smp__nc.ev_done, what, g, -1))) goto fail;
+    }
+    return SMP_OK;
+fail:
+    /* the copy may still be queued: release the buffers only behind it */
+    if (smp__nc_pin_put_after(sg->pin_in, smp__nc.stream) != SMP_OK) { /* keep it out of use */ }
+    smp__nc_pin_put(sg->pin_out);
+    sg->pin_in = sg->pin_out = -1;
+    return st;
+}
+
+/* ok: the host collective succeeded, so `out` gets the result. */
+static smp_status smp__nc_stage_end(smp__nc_stage *sg, bool ok, const char *what, smp_group g) {
+    smp_status st = SMP_OK;
+    smp__nc_pin_put(sg->pin_in); /* its device-to-host copy is done: stage_begin waited for it */
+    sg->pin_in = -1;
+    if (ok && sg->out_bytes) {
+        cudaError_t e = cudaMemcpyAsync(sg->out, sg->hout, sg->out_bytes, cudaMemcpyHostToDevice, smp__nc.stream);
+        if (e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
+        if (!st) st = smp__nc_finish(what, g);
+        smp_status st2 = smp__nc_pin_put_after(sg->pin_out, smp__nc.stream);
+        if (!st) st = st2;
+    } else {
+        smp__nc_pin_put(sg->pin_out);
+    }
+    sg->pin_out = -1;
+    return st;
+}
+
+/* ---------------------------------------------------------------- collectives */
+static smp_status smp__nc_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
+    smp_status st;
+    ncclDataType_t t;
+    ncclRedOp_t r;
+    SMP__TRY(smp__nc_ready("smp_all_reduce"));
+    SMP__TRY(smp__nc_types(in->dtype, op, &t, &r));
+    SMP__TRY(smp__nc_check_tensor("in", in));
+    SMP__TRY(smp__nc_check_tensor("out", out));
+    size_t n = (size_t)smp_tensor_numel(in), bytes = smp_tensor_nbytes(in);
+    if (!n) return SMP_OK;
+    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
+        smp__nc_stage sg;
+        SMP__TRY(smp__nc_stage_begin(&sg, in->data, bytes, out->data, bytes, "all_reduce input", g));
+        smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = smp__nc_host_view(out, sg.hout);
+        st = smp_all_reduce(&hi, &ho, op, g);
+        smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "all_reduce", g);
+        return st ? st : st2;
+    }
+    ncclComm_t c;
+    SMP__TRY(smp__nc_group_comm(g, &c));
+    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    const void *src = in->data;
+    void *tmp = NULL;
+    if (in->data != out->data && smp__nc_overlap(in->data, bytes, out->data, bytes)) { /* NCCL takes identical or disjoint buffers */
+        SMP__TRY(smp__nc_tmp_copy(&tmp, in->data, bytes));
+        src = tmp;
+    }
+    SMP__NC_ST(st, c, g, ncclAllReduce, (src, out->data, n, t, r, c, smp__nc.stream));
+    smp_status st2 = smp__nc_tmp_free(tmp);
+    if (st || st2) return st ? st : st2;
+    return smp__nc_finish("all_reduce", g);
+}
+
+static smp_status smp__nc_broadcast(smp_tensor *x, int root, smp_group g) {
+    smp_status st;
+    ncclDataType_t t;
+    SMP__TRY(smp__nc_ready("smp_broadcast"));
+    SMP__TRY(smp__nc_types(x->dtype, SMP_SUM, &t, NULL));
+    SMP__TRY(smp__nc_check_tensor("tensor", x));
+    size_t n = (size_t)smp_tensor_numel(x), bytes = smp_tensor_nbytes(x);
+    if (!n) return SMP_OK;
+    bool is_root = smp_group_rank(g) == root;
+    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
+        smp__nc_stage sg;
+        SMP__TRY(smp__nc_stage_begin(&sg, is_root ? x->data : NULL, is_root ? bytes : 0, is_root ? NULL : x->data,
+                                     is_root ? 0 : bytes, "broadcast input", g));
+        smp_tensor h = smp__nc_host_view(x, is_root ? sg.hin : sg.hout);
+        st = smp_broadcast(&h, root, g);
+        smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "broadcast", g);
+        return st ? st : st2;
+    }
+    ncclComm_t c;
+    SMP__TRY(smp__nc_group_comm(g, &c));
+    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    SMP__NC(c, g, ncclBroadcast, (x->data, x->data, n, t, root, c, smp__nc.stream));
+    return smp__nc_finish("broadcast", g);
+}
+
+static smp_status smp__nc_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g) {
+    smp_status st;
+    ncclDataType_t t;
+    ncclRedOp_t r;
+    SMP__TRY(smp__nc_ready("smp_reduce"));
+    SMP__TRY(smp__nc_types(in->dtype, op, &t, &r));
+    bool is_root = smp_group_rank(g) == root;
+    SMP__TRY(smp__nc_check_tensor("in", in));
+    if (is_root) SMP__TRY(smp__nc_check_tensor("out", out));
+    size_t n = (size_t)smp_tensor_numel(in), bytes = smp_tensor_nbytes(in);
+    if (!n) return SMP_OK;
+    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
+        smp__nc_stage sg;
+        SMP__TRY(smp__nc_stage_begin(&sg, in->data, bytes, is_root ? out->data : NULL, is_root ? bytes : 0, "reduce input", g));
+        smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = hi;
+        if (is_root) ho = smp__nc_host_view(out, sg.hout);
+        st = smp_reduce(&hi, is_root ? &ho : NULL, op, root, g);
+        smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "reduce", g);
+        return st ? st : st2;
+    }
+    ncclComm_t c;
+    SMP__TRY(smp__nc_group_comm(g, &c));
+    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    const void *src = in->data;
+    void *tmp = NULL;
+    if (is_root && in->data != out->data && smp__nc_overlap(in->data, bytes, out->data, bytes)) {
+        SMP__TRY(smp__nc_tmp_copy(&tmp, in->data, bytes));
+        src = tmp;
+    }
+    /* recvbuff is only written on the root; elsewhere pass the input */
+    SMP__NC_ST(st, c, g, ncclReduce, (src, is_root ? out->data : in->data, n, t, r, root, c, smp__nc.stream));
+    smp_status st2 = smp__nc_tmp_free(tmp);
+    if (st || st2) return st ? st : st2;
+    return smp__nc_finish("reduce", g);
+}
+
+static smp_status smp__nc_all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
+    smp_status st;
+    ncclDataType_t t;
+    SMP__TRY(smp__nc_ready("smp_all_gather"));
+    SMP__TRY(smp__nc_types(in->dtype, SMP_SUM, &t, NULL));
+    SMP__TRY(smp__nc_check_tensor("in", in));
+    SMP__TRY(smp__nc_check_tensor("out", out));
+    size_t n = (size_t)smp_tensor_numel(in), block = smp_tensor_nbytes(in), total = smp_tensor_nbytes(out);
+    if (!n) return SMP_OK;
+    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
+        smp__nc_stage sg;
+        SMP__TRY(smp__nc_stage_begin(&sg, in->data, block, out->data, total, "all_gather input", g));
+        smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = smp__nc_host_view(out, sg.hout);
+        st = smp_all_gather(&hi, &ho, g);
+        smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "all_gather", g);
+        return st ? st : st2;
+    }
+    ncclComm_t c;
+    SMP__TRY(smp__nc_group_comm(g, &c));
+    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    const void *src = in->data;
+    void *tmp = NULL;
+    bool in_place = (const char *)out->data + block * (size_t)smp_group_rank(g) == (const char *)in->data;
+    if (!in_place && smp__nc_overlap(in->data, block, out->data, total)) {
+        SMP__TRY(smp__nc_tmp_copy(&tmp, in->data, block));
+        src = tmp;
+    }
+    SMP__NC_ST(st, c, g, ncclAllGather, (src, out->data, n, t, c, smp__nc.stream));
+    smp_status st2 = smp__nc_tmp_free(tmp);
+    if (st || st2) return st ? st : st2;
+    return smp__nc_finish("all_gather", g);
+}
+
+static smp_status smp__nc_reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
+    smp_status st;
+    ncclDataType_t t;
+    ncclRedOp_t r;
+    SMP__TRY(smp__nc_ready("smp_reduce_scatter"));
+    SMP__TRY(smp__nc_types(in->dtype, op, &t, &r));
+    SMP__TRY(smp__nc_check_tensor("in", in));
+    SMP__TRY(smp__nc_check_tensor("out", out));
+    size_t n = (size_t)smp_tensor_numel(out), block = smp_tensor_nbytes(out), total = smp_tensor_nbytes(in);
+    if (!n) return SMP_OK;
+    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
+        smp__nc_stage sg;
+        SMP__TRY(smp__nc_stage_begin(&sg, in->data, total, out->data, block, "reduce_scatter input", g));
+        smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = smp__nc_host_view(out, sg.hout);
+        st = smp_reduce_scatter(&hi, &ho, op, g);
+        smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "reduce_scatter", g);
+        return st ? st : st2;
+    }
+    ncclComm_t c;
+    SMP__TRY(smp__nc_group_comm(g, &c));
+    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    void *dst = out->data, *tmp = NULL;
+    bool in_place = (const char *)in->data + block * (size_t)smp_group_rank(g) == (const char *)out->data;
+    if (!in_place && smp__nc_overlap(in->data, total, out->data, block)) {
+        SMP__TRY(smp__nc_tmp_alloc(&tmp, block));
+        dst = tmp;
+    }
+    SMP__NC_ST(st, c, g, ncclReduceScatter, (in->data, dst, n, t, r, c, smp__nc.stream));
+    if (tmp) {
+        if (!st) {
+            cudaError_t e = cudaMemcpyAsync(out->data, tmp, block, cudaMemcpyDeviceToDevice, smp__nc.stream);
+            if (e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
+        }
+        smp_status st2 = smp__nc_tmp_free(tmp);
+        if (!st) st = st2;
+    }
+    if (st) return st;
+    return smp__nc_finish("reduce_scatter", g);
+}
+
+static smp_status smp__nc_a2a_nccl(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
+                                   const int64_t *in_splits, smp_group g, size_t *off) {
+    const char *fn = "smp_all_to_all_single";
+    int n = smp_group_size(g), me = smp_group_rank(g);
+    int64_t in_rows = in->ndim ? in->shape[0] : 1, out_rows = out->ndim ? out->shape[0] : 1;
+    int64_t in_row = in_rows ? smp_tensor_numel(in) / in_rows : 0, out_row = out_rows ? smp_tensor_numel(out) / out_rows : 0;
+    if (in_rows && out_rows && in_row != out_row)
+        return smp_error(SMP_ERR_ARG, "%s: in's rows have %lld elements but out's have %lld", fn, (long long)in_row, (long long)out_row);
+    size_t row = (size_t)(in_rows ? in_row : out_row), esize = smp_dtype_size(in->dtype);
+    /* off: [send count, send offset, recv count, recv offset] x n, in elements */
+    size_t *sc = off, *sd = off + n, *rc = off + 2 * (size_t)n, *rd = off + 3 * (size_t)n;
+    int64_t sat = 0, rat = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t s = in_splits ? in_splits[i] : (in_rows % n ? -1 : in_rows / n);
+        int64_t r = out_splits ? out_splits[i] : (out_rows % n ? -1 : out_rows / n);
+        if (s < 0 || r < 0)
+            return smp_error(SMP_ERR_ARG, "%s: %s", fn, s < 0 ? (in_splits ? "in_splits has a negative entry" : "in's dim 0 does not divide by the group size; pass in_splits")
+                                                         : (out_splits ? "out_splits has a negative entry" : "out's dim 0 does not divide by the group size; pass out_splits"));
+        sc[i] = (size_t)s * row; sd[i] = (size_t)sat * row; sat += s;
+        rc[i] = (size_t)r * row; rd[i] = (size_t)rat * row; rat += r;
+    }
+    if (sat != in_rows || rat != out_rows)
+        return smp_error(SMP_ERR_ARG, "%s: splits add up to %lld rows in and %lld out, but the tensors have %lld and %lld", fn,
+                         (long long)sat, (long long)rat, (long long)in_rows, (long long)out_rows);
+    if (sc[me] != rc[me])
+        return smp_error(SMP_ERR_ARG, "%s: this rank sends itself %zu elements but expects %zu from itself", fn, sc[me], rc[me]);
+    ncclDataType_t t;
+    ncclComm_t c;
+    SMP__TRY(smp__nc_types(in->dtype, SMP_SUM, &t, NULL));
+    SMP__TRY(smp__nc_group_comm(g, &c));
+    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    size_t in_bytes = smp_tensor_nbytes(in), out_bytes = smp_tensor_nbytes(out);
+    const char *src = (const char *)in->data;
+    char *dst = (char *)out->data;
+    void *tmp = NULL;
+    if (smp__nc_overlap(in->data, in_bytes, out->data, out_bytes)) { /* in place (or overlapping): send from a copy */
+        SMP__TRY(smp__nc_tmp_copy(&tmp, in->data, in_bytes));
+        src = (const char *)tmp;
+    }
+    smp_status st = SMP_OK;
+    if (rc[me]) { /* this rank's own block: a copy */
+        cudaError_t e = cudaMemcpyAsync(dst + rd[me] * esize, src + sd[me] * esize, rc[me] * esize, cudaMemcpyDeviceToDevice, smp__nc.stream);
+        if (e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
+    }
+    ncclResult_t r = ncclSuccess;
+    if (!st && (r = ncclGroupStart()) != ncclSuccess) st = smp__nc_nccl_fail(r, "ncclGroupStart", c);
+    if (!st) {
+        const char *failed = NULL;
+        for (int i = 0; i < n && !failed; i++) {
+            if (i == me) continue;
+            if (sc[i] && (r = ncclSend(src + sd[i] * esize, sc[i], t, i, c, smp__nc.stream)) != ncclSuccess && r != ncclInProgress) failed = "ncclSend";
+            if (!failed && rc[i] && (r = ncclRecv(dst + rd[i] * esize, rc[i], t, i, c, smp__nc.stream)) != ncclSuccess && r != ncclInProgress) failed = "ncclRecv";
+        }
+        ncclResult_t re = smp__nc_settle(c, ncclGroupEnd(), "ncclGroupEnd", g); /* the group is closed even after a failure */
+        if (failed) st = smp__nc_nccl_fail(r, failed, c);
+        else if (re != ncclSuccess) st = smp__nc_nccl_fail(re, "ncclGroupEnd", c);
+    }
+    smp_status st2 = smp__nc_tmp_free(tmp);
+    if (st || st2) return st ? st : st2;
+    return smp__nc_finish("all_to_all_single", g);
+}
+
+static smp_status smp__nc_all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
+                                            const int64_t *in_splits, smp_group g) {
+    smp_status st;
+    SMP__TRY(smp__nc_ready("smp_all_to_all_single"));
+    SMP__TRY(smp__nc_check_tensor("in", in));
+    SMP__TRY(smp__nc_check_tensor("out", out));
+    size_t in_bytes = smp_tensor_nbytes(in), out_bytes = smp_tensor_nbytes(out);
+    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
+        smp__nc_stage sg;
+        SMP__TRY(smp__nc_stage_begin(&sg, in->data, in_bytes, out->data, out_bytes, "all_to_all_single input", g));
+        smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = smp__nc_host_view(out, sg.hout);
+        st = smp_all_to_all_single(&hi, &ho, out_splits, in_splits, g);
+        smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "all_to_all_single", g);
+        return st ? st : st2;
+    }
+    int n = smp_group_size(g);
+    size_t *off = (size_t *)smp_malloc(sizeof(size_t) * 4 * (size_t)(n > 0 ? n : 1));
+    if (!off) return smp_error(SMP_ERR_NOMEM, "smp_all_to_all_single: out of memory");
+    st = smp__nc_a2a_nccl(in, out, out_splits, in_splits, g, off);
+    smp_free(off);
+    return st;
+}
+
+static smp_status smp__nc_copy(void *dst, int dst_device, const void *src, int src_device, size_t n) {
+    SMP__TRY(smp__nc_ready("smp_nccl_copy"));
+    if (!n) return SMP_OK;
+    if (!dst || !src) return smp_error(SMP_ERR_ARG, "smp_nccl_copy: %s is NULL", dst ? "src" : "dst");
+    if (dst_device < 0 && src_device < 0) {
+        memmove(dst, src, n);
+        return SMP_OK;
+    }
+    if (dst_device >= 0) SMP__TRY(smp__nc_check_ptr("the destination", dst, dst_device, n));
+    if (src_device >= 0) SMP__TRY(smp__nc_check_ptr("the source", src, src_device, n));
+    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    SMP__CU(cudaMemcpyAsync, (dst, src, n, cudaMemcpyDefault, smp__nc.stream));
+    if (dst_device < 0 || src_device < 0) { /* host memory: done means done */
+        SMP__CU(cudaEventRecord, (smp__nc.ev_done, smp__nc.stream));
+        return smp__nc_wait_event(smp__nc.ev_done, "a copy between host and device", SMP_WORLD, -1);
+    }
+    return smp__nc_finish("a device copy", SMP_WORLD);
+}
+
+/* ---------------------------------------------------------------- start-up */
+static void smp__nc_reset(void) {
+    memset(&smp__nc, 0, sizeof smp__nc);
+    smp__nc.device = -1;
+    for (int g = 0; g < SMP_GROUP_COUNT; g++) {
+        smp__nc.alias[g] = g;
+        smp__nc.mpi[g] = MPI_COMM_NULL;
+    }
+}
+
+/* Agreement among all ranks: element-wise maximum, in place. */
+static smp_status smp__nc_agree(int *v, int n, const char *what) {
+    MPI_Request req;
+    int rc = MPI_Iallreduce(MPI_IN_PLACE, v, n, MPI_INT, MPI_MAX, smp__nc.mpi[SMP_WORLD], &req);
+    if (rc != MPI_SUCCESS) return smp_error(SMP_ERR_MPI, "device backend start-up: MPI_Iallreduce failed while agreeing on %s", what);
+    smp_wait_requests(1, &req, what, SMP_WORLD, -1);
+    return SMP_OK;
+}
+
+static smp_status smp__nc_make_stream(cudaStream_t *s) {
+    int least = 0, greatest = 0;
+    SMP__CU(cudaDeviceGetStreamPriorityRange, (&least, &greatest));
+    SMP__CU(cudaStreamCreateWithPriority, (s, cudaStreamNonBlocking, greatest));
+    return SMP_OK;
+}
+
+/* The GPU this rank drives, as bytes comparable across the node's ranks. */
+static smp_status smp__nc_probe(int count, unsigned char key[SMP__NC_KEY]) {
+    smp__nc.device = smp_local_rank() % count;
+    SMP__CU(cudaSetDevice, (smp__nc.device));
+    struct cudaDeviceProp prop;
+    memset(&prop, 0, sizeof prop);
+    SMP__CU(cudaGetDeviceProperties, (&prop, smp__nc.device));
+    snprintf(smp__nc.device_name, sizeof smp__nc.device_name, "%s", prop.name);
+    memcpy(key, prop.uuid.bytes, 16);
+    SMP__CU(cudaDeviceGetPCIBusId, ((char *)key + 16, SMP__NC_KEY - 17, smp__nc.device));
+    int pools = 0;
+    SMP__CU(cudaDeviceGetAttribute, (&pools, cudaDevAttrMemoryPoolsSupported, smp__nc.device));
+    smp__nc.pools = pools != 0;
+    SMP__TRY(smp__nc_make_stream(&smp__nc.stream));
+    SMP__CU(cudaEventCreateWithFlags, (&smp__nc.ev_engine, cudaEventDisableTiming));
+    SMP__CU(cudaEventCreateWithFlags, (&smp__nc.ev_done, cudaEventDisableTiming));
+    SMP__CU(cudaEventCreateWithFlags, (&smp__nc.ev_sync, cudaEventDisableTiming));
+    return SMP_OK;
+}
+
+/* Which local rank (other than this one) drives the same GPU; -1: none. */
+static int smp__nc_shared_with(const unsigned char key[SMP__NC_KEY], int *node_size) {
+    MPI_Comm node;
+    int me = 0, n = 1, other = -1;
+    *node_size = 1;
+    if (MPI_Comm_split_type(smp__nc.mpi[SMP_WORLD], MPI_COMM_TYPE_SHARED, smp_rank(), MPI_INFO_NULL, &node) != MPI_SUCCESS) return -1;
+    MPI_Comm_rank(node, &me);
+    MPI_Comm_size(node, &n);
+    *node_size = n;
+    unsigned char *all = (unsigned char *)smp_malloc((size_t)n * SMP__NC_KEY);
+    if (all) {
+        MPI_Request req;
+        MPI_Iallgather(key, SMP__NC_KEY, MPI_BYTE, all, SMP__NC_KEY, MPI_BYTE, node, &req);
+        smp_wait_requests(1, &req, "the GPUs of this node's ranks", SMP_WORLD, -1);
+        for (int j = 0; j < n && other < 0; j++) {
+            if (j == me) continue;
+            const unsigned char *k = all + (size_t)j * SMP__NC_KEY;
+            bool same_uuid = memcmp(k, key, 16) == 0;
+            bool same_bus = key[16] && strncmp((const char *)k + 16, (const char *)key + 16, SMP__NC_KEY - 16) == 0;
+            if (same_uuid || same_bus) other = j;
+        }
+        smp_free(all);
+    }
+    MPI_Comm_free(&node);
+    return other;
+}
+
+/* One NCCL communicator per distinct group, all started at once (nonblocking
+   communicators), so the order in which groups come up cannot deadlock. */
+static smp_status smp__nc_init_comms(void) {
+    struct { int ok; ncclUniqueId id; } pkt[SMP_GROUP_COUNT];
+    smp_status local = SMP_OK;
+    int wsize = smp_group_size(SMP_WORLD);
+    memset(pkt, 0, sizeof pkt);
+    for (int g = 1; g < SMP_GROUP_COUNT; g++) { /* a group equal to the world, in the world's order, shares its communicator */
+        int n = smp_group_size((smp_group)g);
+        if (n != wsize) continue;
+        int *r = (int *)smp_malloc(sizeof(int) * (size_t)n);
+        if (!r) return smp_error(SMP_ERR_NOMEM, "device backend start-up: out of memory");
+        smp_group_ranks((smp_group)g, r, n);
+        bool same = true;
+        for (int i = 0; i < n && same; i++) same = r[i] == i;
+        smp_free(r);
+        if (same) smp__nc.alias[g] = SMP_WORLD;
+    }
+    for (int g = 0; g < SMP_GROUP_COUNT; g++) {
+        if (smp__nc.alias[g] != g) continue;
+        if (smp_group_rank((smp_group)g) == 0) {
+            ncclResult_t r = ncclGetUniqueId(&pkt[g].id);
+            pkt[g].ok = r == ncclSuccess;
+            if (r != ncclSuccess && !local) local = smp__nc_nccl_fail(r, "ncclGetUniqueId", NULL);
+        }
+        MPI_Request req;
+        MPI_Ibcast(&pkt[g], (int)sizeof pkt[g], MPI_BYTE, 0, smp__nc.mpi[g], &req);
+        smp_wait_requests(1, &req, "the NCCL unique id", (smp_group)g, 0);
+    }
+    int f = local != SMP_OK;
+    SMP__TRY(smp__nc_agree(&f, 1, "NCCL unique ids"));
+    if (f) return local; /* the rank that failed tells everyone, through smp_init */
+    for (int g = 0; g < SMP_GROUP_COUNT && !local; g++) {
+        if (smp__nc.alias[g] != g) continue;
+        ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+        cfg.blocking = 0;
+        ncclComm_t c = NULL;
+        ncclResult_t r = ncclCommInitRankConfig(&c, smp_group_size((smp_group)g), pkt[g].id, smp_group_rank((smp_group)g), &cfg);
+        if (r == ncclSuccess || r == ncclInProgress) smp__nc.comm[g] = c;
+        else local = smp__nc_nccl_fail(r, "ncclCommInitRankConfig", NULL);
+    }
+    f = local != SMP_OK;
+    SMP__TRY(smp__nc_agree(&f, 1, "NCCL communicator start-up"));
+    if (f) { smp__nc_abort_all(); return local; } /* abort what started: nobody will finish it */
+    smp__nc_backoff b = smp__nc_backoff_start();
+    for (;;) {
+        int pending = 0;
+        for (int g = 0; g < SMP_GROUP_COUNT && !local; g++) {
+            if (smp__nc.alias[g] != g || !smp__nc.comm[g]) continue;
+            ncclResult_t state = ncclInProgress;
+            ncclResult_t q = ncclCommGetAsyncError(smp__nc.comm[g], &state);
+            if (q != ncclSuccess) state = q;
+            if (state == ncclInProgress) pending++;
+            else if (state != ncclSuccess)
+                local = smp_error(SMP_ERR_DEVICE, "device backend start-up: the NCCL communicator of the %s failed to start: %s%s%s",
+                                  smp__nc_gname((smp_group)g), ncclGetErrorString(state), *ncclGetLastError(smp__nc.comm[g]) ? ": " : "",
+                                  ncclGetLastError(smp__nc.comm[g]));
+        }
+        if (local || !pending) break;
+        if (!smp__nc_pause(&b)) smp__nc_timeout("the NCCL communicators to start (ncclCommInitRankConfig)", SMP_WORLD, -1, MPI_Wtime() - b.start);
+    }
+    f = local != SMP_OK;
+    SMP__TRY(smp__nc_agree(&f, 1, "NCCL communicators"));
+    if (f) smp__nc_abort_all();
+    return local;
+}
+
+static smp_status smp__nc_on_init(void) {
+    smp__nc_reset();
+    smp__nc.op = "device backend start-up";
+    smp__nc.started = true;
+    for (int g = 0; g < SMP_GROUP_COUNT; g++) /* same order on every rank: collective over each group */
+        if (MPI_Comm_dup(smp_group_comm((smp_group)g), &smp__nc.mpi[g]) != MPI_SUCCESS)
+            return smp_error(SMP_ERR_MPI, "device backend start-up: MPI_Comm_dup of the %s failed", smp__nc_gname((smp_group)g));
+    smp__nc.have_mpi = true;
+    int wsize = smp_size(), wrank = smp_rank();
+
+    /* 1. this rank: the wanted path, its GPU */
+    smp_status local = SMP_OK;
+    int want = 0; /* 0 auto, 1 nccl, 2 staged */
+    const char *env = getenv("SMP_NCCL");
+    if (env && *env && strcmp(env, "auto") != 0) {
+        if (strcmp(env, "nccl") == 0) want = 1;
+        else if (strcmp(env, "staged") == 0) want = 2;
+        else local = smp_error(SMP_ERR_CONFIG, "SMP_NCCL=%s: expected auto, nccl or staged", env);
+    }
+    const char *sync = getenv("SMP_NCCL_SYNC");
+    smp__nc.sync_each = sync && *sync && strcmp(sync, "0") != 0;
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        count = 0;
+        snprintf(smp__nc.why, sizeof smp__nc.why, "cudaGetDeviceCount failed on world rank %d: %s", wrank, cudaGetErrorString(e));
+    } else if (count <= 0) {
+        count = 0;
+        snprintf(smp__nc.why, sizeof smp__nc.why, "world rank %d sees no CUDA device (cudaGetDeviceCount: 0)", wrank);
+    }
+    unsigned char key[SMP__NC_KEY];
+    memset(key, 0, sizeof key);
+    if (!local && count > 0) local = smp__nc_probe(count, key);
+    int v[4] = {local != SMP_OK, count == 0 ? wsize - wrank : 0, want == 2, want == 1};
+    SMP__TRY(smp__nc_agree(v, 4, "the device backend's start-up"));
+    if (v[0]) return local;
+    if (v[1]) { /* some rank has no GPU: host-only, on every rank */
+        if (count > 0)
+            snprintf(smp__nc.why, sizeof smp__nc.why, "world rank %d has no CUDA device, and device tensors need one on every rank", wsize - v[1]);
+        smp__nc.mode = SMP_NCCL_MODE_NONE;
+        smp__nc.up = true;
+        snprintf(smp__nc.desc, sizeof smp__nc.desc, "none: no CUDA device (%s)", smp__nc.why);
+        if (wrank == 0) smp_log(SMP_LOG_INFO, "device backend: %s", smp__nc.desc);
+        return SMP_OK;
+    }
+
+    /* 2. ranks of a node sharing a GPU cannot use NCCL */
+    int node_size = 1;
+    int other = smp__nc_shared_with(key, &node_size);
+    if (other >= 0 && v[3])
+        local = smp_error(SMP_ERR_DEVICE, "SMP_NCCL=nccl, but this rank and local rank %d drive the same GPU (device %d, %s): NCCL needs "
+                          "one GPU per rank, and this node runs %d ranks on %d GPU(s); unset SMP_NCCL to move device tensors "
+                          "through host memory instead", other, smp__nc.device, (const char *)key + 16, node_size, count);
+    int w[2] = {local != SMP_OK, other >= 0};
+    SMP__TRY(smp__nc_agree(w, 2, "whether GPUs are shared"));
+    if (w[0]) return local;
+    smp__nc.mode = v[2] || w[1] ? SMP_NCCL_MODE_STAGED : SMP_NCCL_MODE_NCCL;
+    if (smp__nc.mode == SMP_NCCL_MODE_NCCL) SMP__TRY(smp__nc_init_comms());
+
+    int version = 0;
+    (void)ncclGetVersion(&version);
+    snprintf(smp__nc.desc, sizeof smp__nc.desc, "%s: CUDA device %d (%s), NCCL %d.%d.%d%s", smp_nccl_mode_name(smp__nc.mode), smp__nc.device,
+             smp__nc.device_name, version / 10000, version / 100 % 100, version % 100,
+             smp__nc.mode == SMP_NCCL_MODE_STAGED ? (v[2] ? ", host-staged by SMP_NCCL=staged" : ", host-staged: ranks share GPUs") : "");
+    if (wrank == 0) {
+        if (smp__nc.mode == SMP_NCCL_MODE_STAGED && !v[2])
+            smp_log(SMP_LOG_WARN, "device backend: local ranks share GPUs (NCCL needs one GPU per rank); device tensors move through pinned host memory over MPI");
+        smp_log(SMP_LOG_INFO, "device backend: %s", smp__nc.desc);
+    }
+    smp__nc.up = true;
+    return SMP_OK;
+}
+
+/* Finalize, then destroy, a nonblocking communicator; abort it on trouble. */
+static void smp__nc_comm_close(ncclComm_t c, bool dead) {
+    if (!c) return;
+    if (dead) return; /* aborted already */
+    ncclResult_t r = smp__nc_settle(c, ncclCommFinalize(c), "ncclCommFinalize", SMP_WORLD);
+    if (r == ncclSuccess) r = ncclCommDestroy(c);
+    if (r != ncclSuccess) {
+        smp_log(SMP_LOG_WARN, "device backend shut-down: closing an NCCL communicator failed (%s); aborting it", ncclGetErrorString(r));
+        (void)ncclCommAbort(c);
+    }
+}
+
+static void smp__nc_on_finalize(void) {
+    if (!smp__nc.started) return;
+    smp__nc.op = "smp_finalize";
+    if (smp__nc.up && smp__nc.mode != SMP_NCCL_MODE_NONE && smp__nc.stream) {
+        if (smp__nc_stream_idle(smp__nc.stream, "smp's device work to finish") != SMP_OK)
+            smp_log(SMP_LOG_WARN, "device backend shut-down: %s", smp_last_error());
+        for (int g = 0; g < SMP_GROUP_COUNT; g++)
+            for (int i = 0; i < smp__nc.nchans[g]; i++) {
+                smp__nc_chan *c = smp__nc.chans[g][i];
+                if (c && !c->dead && smp__nc_stream_idle(c->stream, "point-to-point transfers to finish") != SMP_OK)
+                    smp_log(SMP_LOG_WARN, "device backend shut-down: %s", smp_last_error());
+            }
+    }
+    for (int g = 0; g < SMP_GROUP_COUNT; g++) {
+        for (int i = 0; i < smp__nc.nchans[g]; i++) {
+            smp__nc_chan *c = smp__nc.chans[g][i];
+            if (!c) continue;
+            smp__nc_comm_close(c->comm, c->dead);
+            if (c->stream) (void)cudaStreamDestroy(c->stream);
+            smp_free(c);
+        }
+        smp_free(smp__nc.chans[g]);
+    }
+    for (int g = 0; g < SMP_GROUP_COUNT; g++)
+        if (smp__nc.alias[g] == g) smp__nc_comm_close(smp__nc.comm[g], smp__nc.comm_dead[g]);
+    for (int i = 0; i < smp__nc.npins; i++) {
+        (void)cudaFreeHost(smp__nc.pins[i].p);
+        (void)cudaEventDestroy(smp__nc.pins[i].ev);
+    }
+    smp_free(smp__nc.pins);
+    for (int i = 0; i < smp__nc.nevents; i++) (void)cudaEventDestroy(smp__nc.events[i]);
+    smp_free(smp__nc.events);
+    if (smp__nc.ev_engine) (void)cudaEventDestroy(smp__nc.ev_engine);
+    if (smp__nc.ev_done) (void)cudaEventDestroy(smp__nc.ev_done);
+    if (smp__nc.ev_sync) (void)cudaEventDestroy(smp__nc.ev_sync);
+    if (smp__nc.stream) (void)cudaStreamDestroy(smp__nc.stream);
+    for (int g = 0; g < SMP_GROUP_COUNT; g++)
+        if (smp__nc.mpi[g] != MPI_COMM_NULL) MPI_Comm_free(&smp__nc.mpi[g]);
+    smp__nc_reset();
+}
+
+/* ---------------------------------------------------------------- point to point */
+static smp_status smp__nc_peer_arg(smp_group g, int peer) {
+    if ((unsigned)g >= SMP_GROUP_COUNT) return smp_error(SMP_ERR_ARG, "%s: unknown group %d", smp__nc_opname(), (int)g);
+    int n = smp_group_size(g);
+    if (peer < 0 || peer >= n) return smp_error(SMP_ERR_ARG, "%s: rank %d is outside the %s (size %d)", smp__nc_opname(), peer, smp__nc_gname(g), n);
+    if (peer == smp_group_rank(g)) return smp_error(SMP_ERR_ARG, "%s: rank %d is this rank", smp__nc_opname(), peer);
+    return SMP_OK;
+}
+
+static smp_nccl_request *smp__nc_req_new(smp_group g, int peer, int kind) {
+    smp_nccl_request *r = (smp_nccl_request *)smp_malloc(sizeof *r);
+    if (!r) return NULL;
+    memset(r, 0, sizeof *r);
+    r->kind = kind;
+    r->g = g;
+    r->peer = peer;
+    r->mpi = MPI_REQUEST_NULL;
+    r->pin = -1;
+    return r;
+}
+
+SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers) {
+    SMP__TRY(smp__nc_ready("smp_nccl_p2p_connect"));
+    if (npeers < 0 || (npeers && !peers)) return smp_error(SMP_ERR_ARG, "smp_nccl_p2p_connect: no peer list");
+    for (int i = 0; i < npeers; i++) SMP__TRY(smp__nc_peer_arg(g, peers[i]));
+    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) return SMP_OK; /* MPI needs nothing */
+    int n = smp_group_size(g);
+    if (!smp__nc.chans[g]) {
+        smp__nc.chans[g] = (smp__nc_chan **)smp_malloc(sizeof(smp__nc_chan *) * 2 * (size_t)n);
+        if (!smp__nc.chans[g]) return smp_error(SMP_ERR_NOMEM, "smp_nccl_p2p_connect: out of memory");
+        memset(smp__nc.chans[g], 0, sizeof(smp__nc_chan *) * 2 * (size_t)n);
+        smp__nc.nchans[g] = 2 * n;
+    }
+    /* the peers not connected yet, each once */
+    int *todo = (int *)smp_malloc(sizeof(int) * (size_t)(npeers ? npeers : 1));
+    typedef struct { int ok; ncclUniqueId id; } idpkt;
+    idpkt *mine = (idpkt *)smp_malloc(sizeof(idpkt) * 2 * (size_t)(npeers ? npeers : 1));
+    MPI_Request *reqs = (MPI_Request *)smp_malloc(sizeof(MPI_Request) * 2 * (size_t)(npeers ? npeers : 1));
+    smp_status st = SMP_OK;
+    int nt = 0;
+    if (!todo || !mine || !reqs) { st = smp_error(SMP_ERR_NOMEM, "smp_nccl_p2p_connect: out of memory"); goto done; }
+    for (int i = 0; i < npeers; i++) {
+        int p = peers[i];
+        bool seen = smp__nc.chans[g][2 * p] != NULL;
+        for (int j = 0; j < nt && !seen; j++) seen = todo[j] == p;
+        if (!seen) todo[nt++] = p;
+    }
+    if (!nt) goto done;
+    /* ids: this rank creates the id of each channel it sends on */
+    memset(mine, 0, sizeof(idpkt) * 2 * (size_t)nt);
+    for (int k = 0; k < nt; k++) {
+        ncclResult_t r = ncclGetUniqueId(&mine[2 * k].id);
+        mine[2 * k].ok = r == ncclSuccess;
+        if (r != ncclSuccess && !st) st = smp__nc_nccl_fail(r, "ncclGetUniqueId", NULL);
+        MPI_Isend(&mine[2 * k], (int)sizeof(idpkt), MPI_BYTE, todo[k], SMP__NC_TAG_CONNECT, smp__nc.mpi[g], &reqs[2 * k]);
+        MPI_Irecv(&mine[2 * k + 1], (int)sizeof(idpkt), MPI_BYTE, todo[k], SMP__NC_TAG_CONNECT, smp__nc.mpi[g], &reqs[2 * k + 1]);
+    }
+    smp_wait_requests(2 * nt, reqs, "point-to-point channel set-up (NCCL ids)", g, -1);
+    if (st) goto done;
+    for (int k = 0; k < nt; k++)
+        if (!mine[2 * k + 1].ok) {
+            st = smp_error(SMP_ERR_DEVICE, "smp_nccl_p2p_connect: %s rank %d could not create an NCCL id", smp__nc_gname(g), todo[k]);
+            goto done;
+        }
+    /* start every channel, then wait for all: no order between peers matters */
+    for (int k = 0; k < nt && !st; k++) {
+        for (int dir = 0; dir < 2 && !st; dir++) {
+            smp__nc_chan *c = (smp__nc_chan *)smp_malloc(sizeof *c);
+            if (!c) { st = smp_error(SMP_ERR_NOMEM, "smp_nccl_p2p_connect: out of memory"); break; }
+            memset(c, 0, sizeof *c);
+            c->peer = dir == 0 ? 1 : 0; /* the sending side is rank 0 of the channel */
+            smp__nc.chans[g][2 * todo[k] + dir] = c;
+            if ((st = smp__nc_make_stream(&c->stream))) break;
+            ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+            cfg.blocking = 0;
+            ncclResult_t r = ncclCommInitRankConfig(&c->comm, 2, mine[2 * k + dir].id, dir == 0 ? 0 : 1, &cfg);
+            if (r != ncclSuccess && r != ncclInProgress) { c->comm = NULL; st = smp__nc_nccl_fail(r, "ncclCommInitRankConfig", NULL); }
+        }
+    }
+    if (!st) {
+        smp__nc_backoff b = smp__nc_backoff_start();
+        for (;;) {
+            int pending = 0;
+            for (int k = 0; k < nt && !st; k++)
+                for (int dir = 0; dir < 2 && !st; dir++) {
+                    smp__nc_chan *c = smp__nc.chans[g][2 * todo[k] + dir];
+                    ncclResult_t state = ncclInProgress;
+                    ncclResult_t q = ncclCommGetAsyncError(c->comm, &state);
+                    if (q != ncclSuccess) state = q;
+                    if (state == ncclInProgress) pending++;
+                    else if (state != ncclSuccess)
+                        st = smp_error(SMP_ERR_DEVICE, "smp_nccl_p2p_connect: the channel %s %s rank %d failed to start: %s", dir == 0 ? "to" : "from",
+                                       smp__nc_gname(g), todo[k], ncclGetErrorString(state));
+                }
+            if (st || !pending) break;
+            if (!smp__nc_pause(&b)) smp__nc_timeout("point-to-point channels to start (the peer must call smp_nccl_p2p_connect too)", g, todo[0], MPI_Wtime() - b.start);
+        }
+    }
+    if (st) { /* undo this call's channels */
+        for (int k = 0; k < nt; k++)
+            for (int dir = 0; dir < 2; dir++) {
+                smp__nc_chan *c = smp__nc.chans[g][2 * todo[k] + dir];
+                if (!c) continue;
+                if (c->comm) (void)ncclCommAbort(c->comm);
+                if (c->stream) (void)cudaStreamDestroy(c->stream);
+                smp_free(c);
+                smp__nc.chans[g][2 * todo[k] + dir] = NULL;
+            }
+    }
+done:
+    smp_free(todo);
+    smp_free(mine);
+    smp_free(reqs);
+    return st;
+}
+
+static smp_status smp__nc_chan_of(smp_group g, int peer, int dir, smp__nc_chan **out) {
+    smp__nc_chan *c = smp__nc.chans[g] ? smp__nc.chans[g][2 * peer + dir] : NULL;
+    *out = c;
+    if (!c)
+        return smp_error(SMP_ERR_STATE, "%s: no channel %s %s rank %d: call smp_nccl_p2p_connect on both ranks first", smp__nc_opname(),
+                         dir == 0 ? "to" : "from", smp__nc_gname(g), peer);
+    if (c->dead)
+        return smp_error(SMP_ERR_DEVICE, "%s: the channel %s %s rank %d was aborted after an earlier error", smp__nc_opname(),
+                         dir == 0 ? "to" : "from", smp__nc_gname(g), peer);
+    return SMP_OK;
+}
+
+/* NCCL: queue on the channel's stream after the engine; record completion. */
+static smp_status smp__nc_p2p_nccl(smp_nccl_request *r, void *buf, size_t bytes, int dir) {
+    smp__nc_chan *c;
+    SMP__TRY(smp__nc_chan_of(r->g, r->peer, dir, &c));
+    SMP__TRY(smp__nc_after_engine(c->stream));
+    if (dir == 0) SMP__NC(c->comm, r->g, ncclSend, (buf, bytes, ncclUint8, c->peer, c->comm, c->stream));
+    else SMP__NC(c->comm, r->g, ncclRecv, (buf, bytes, ncclUint8, c->peer, c->comm, c->stream));
+    SMP__TRY(smp__nc_event_get(&r->ev));
+    cudaError_t e = cudaEventRecord(r->ev, c->stream);
+    if (e != cudaSuccess) { smp__nc_event_put(r->ev); r->ev = NULL; return smp__nc_cuda_fail(e, "cudaEventRecord"); }
+    r->chan = c;
+    r->kind = SMP__NC_REQ_NCCL;
+    return SMP_OK;
+}
+
+static smp_status smp__nc_p2p_start(void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req, int dir) {
+    *req = NULL;
+    SMP__TRY(smp__nc_peer_arg(g, peer));
+    SMP__TRY(smp__nc_check_ptr("the buffer", buf, smp__nc.device, bytes));
+    smp_nccl_request *r = smp__nc_req_new(g, peer, SMP__NC_REQ_DONE);
+    if (!r) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", smp__nc_opname());
+    smp_status st = SMP_OK;
+    if (bytes && smp__nc.mode == SMP_NCCL_MODE_NCCL) {
+        st = smp__nc_p2p_nccl(r, buf, bytes, dir);
+    } else if (bytes) { /* staged: MPI through a pinned buffer */
+        if (bytes > (size_t)INT_MAX) {
+            st = smp_error(SMP_ERR_ARG, "%s: %zu bytes is more than one host-staged message carries (2 GiB)", smp__nc_opname(), bytes);
+        } else if (!(st = smp__nc_pin_get(bytes, &r->pin))) {
+            void *h = smp__nc.pins[r->pin].p;
+            r->bytes = bytes;
+            if (dir == 0) {
+                st = smp__nc_after_engine(smp__nc.stream);
+                if (!st) {
+                    cudaError_t e = cudaMemcpyAsync(h, buf, bytes, cudaMemcpyDeviceToHost, smp__nc.stream);
+                    if (e == cudaSuccess) e = cudaEventRecord(smp__nc.ev_done, smp__nc.stream);
+                    if (e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
+                }
+                if (!st) st = smp__nc_wait_event(smp__nc.ev_done, "a device buffer to reach the host", g, peer);
+                if (!st && MPI_Isend(h, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi) != MPI_SUCCESS)
+                    st = smp_error(SMP_ERR_MPI, "%s: MPI_Isend failed", smp__nc_opname());
+                r->kind = SMP__NC_REQ_STAGED_SEND;
+            } else {
+                r->dst = buf;
+                if (MPI_Irecv(h, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi) != MPI_SUCCESS)
+                    st = smp_error(SMP_ERR_MPI, "%s: MPI_Irecv failed", smp__nc_opname());
+                r->kind = SMP__NC_REQ_STAGED_RECV;
+            }
+            if (st) {
+                if (smp__nc_pin_put_after(r->pin, smp__nc.stream) != SMP_OK) { /* keep it out of use */ }
+                r->pin = -1;
+            }
+        }
+    }
+    if (st) { smp_free(r); return st; }
+    *req = r;
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_nccl_isend(const void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req) {
+    if (!req) return smp_error(SMP_ERR_ARG, "smp_nccl_isend: req is NULL");
+    *req = NULL;
+    SMP__TRY(smp__nc_ready("smp_nccl_isend"));
+    return smp__nc_p2p_start((void *)buf, bytes, peer, g, req, 0);
+}
+
+SMPDEF smp_status smp_nccl_irecv(void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req) {
+    if (!req) return smp_error(SMP_ERR_ARG, "smp_nccl_irecv: req is NULL");
+    *req = NULL;
+    SMP__TRY(smp__nc_ready("smp_nccl_irecv"));
+    return smp__nc_p2p_start(buf, bytes, peer, g, req, 1);
+}
+
+SMPDEF smp_status smp_nccl_test(smp_nccl_request *r, bool *done) {
+    SMP__TRY(smp__nc_ready("smp_nccl_test"));
+    if (!r || !done) return smp_error(SMP_ERR_ARG, "smp_nccl_test: %s is NULL", r ? "done" : "the request");
+    *done = false;
+    switch (r->kind) {
+    case SMP__NC_REQ_NCCL: {
+        cudaError_t e = cudaEventQuery(r->ev);
+        if (e == cudaSuccess) { *done = true; return SMP_OK; }
+        if (e != cudaErrorNotReady) return smp__nc_cuda_fail(e, "cudaEventQuery");
+        return smp__nc_check_comm(r->chan->comm, &r->chan->dead, "point-to-point", "a transfer (smp_nccl_test)");
+    }
+    case SMP__NC_REQ_STAGED_SEND:
+    case SMP__NC_REQ_STAGED_RECV: {
+        int flag = 0;
+        if (r->mpi == MPI_REQUEST_NULL) { *done = true; return SMP_OK; }
+        MPI_Status s;
+        if (MPI_Test(&r->mpi, &flag, &s) != MPI_SUCCESS) return smp_error(SMP_ERR_MPI, "smp_nccl_test: MPI_Test failed");
+        *done = flag != 0;
+        return SMP_OK;
+    }
+    default: *done = true; return SMP_OK;
+    }
+}
+
+SMPDEF smp_status smp_nccl_wait(smp_nccl_request *r) {
+    SMP__TRY(smp__nc_ready("smp_nccl_wait"));
+    if (!r) return smp_error(SMP_ERR_ARG, "smp_nccl_wait: the request is NULL");
+    smp_status st = SMP_OK;
+    if (r->kind == SMP__NC_REQ_NCCL) {
+        cudaError_t e = cudaStreamWaitEvent(smp__nc_engine, r->ev, 0);
+        if (e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaStreamWaitEvent");
+        else if (smp__nc.sync_each) st = smp__nc_wait_event(r->ev, "a point-to-point transfer", r->g, r->peer);
+        smp__nc_event_put(r->ev);
+    } else if (r->kind == SMP__NC_REQ_STAGED_SEND || r->kind == SMP__NC_REQ_STAGED_RECV) {
+        bool recv = r->kind == SMP__NC_REQ_STAGED_RECV;
+        smp_wait_requests(1, &r->mpi, recv ? "a device buffer (host-staged receive)" : "a device buffer to be received (host-staged send)", r->g, r->peer);
+        if (recv) {
+            st = smp__nc_after_engine(smp__nc.stream);
+            if (!st) {
+                cudaError_t e = cudaMemcpyAsync(r->dst, smp__nc.pins[r->pin].p, r->bytes, cudaMemcpyHostToDevice, smp__nc.stream);
+                if (e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
+            }
+            if (!st) st = smp__nc_finish("a host-staged receive", r->g);
+            smp_status st2 = smp__nc_pin_put_after(r->pin, smp__nc.stream);
+            if (!st) st = st2;
+        } else {
+            smp__nc_pin_put(r->pin);
+        }
+    }
+    smp_free(r);
+    return st;
+}
+
+SMPDEF smp_status smp_nccl_send(const void *buf, size_t bytes, int peer, smp_group g) {
+    smp_nccl_request *r;
+    SMP__TRY(smp_nccl_isend(buf, bytes, peer, g, &r));
+    return smp_nccl_wait(r);
+}
+
+SMPDEF smp_status smp_nccl_recv(void *buf, size_t bytes, int peer, smp_group g) {
+    smp_nccl_request *r;
+    SMP__TRY(smp_nccl_irecv(buf, bytes, peer, g, &r));
+    return smp_nccl_wait(r);
+}
+
+SMPDEF smp_status smp_nccl_sendrecv(const void *sendbuf, size_t sendbytes, int dst, void *recvbuf, size_t recvbytes, int src,
+                                    smp_group g) {
+    smp_nccl_request *s = NULL, *r = NULL;
+    if (dst >= 0) SMP__TRY(smp_nccl_isend(sendbuf, sendbytes, dst, g, &s));
+    smp_status st = src >= 0 ? smp_nccl_irecv(recvbuf, recvbytes, src, g, &r) : SMP_OK;
+    smp_status st2 = r ? smp_nccl_wait(r) : SMP_OK; /* receive first: on the staged path the peer's send may wait for it */
+    smp_status st3 = s ? smp_nccl_wait(s) : SMP_OK;
+    return st ? st : st2 ? st2 : st3;
+}
+
+/* ---------------------------------------------------------------- public helpers */
+SMPDEF smp_status smp_nccl_copy(void *dst, int dst_device, const void *src, int src_device, size_t n) {
+    return smp__nc_copy(dst, dst_device, src, src_device, n);
+}
+
+SMPDEF smp_status smp_nccl_synchronize(void) {
+    SMP__TRY(smp__nc_ready("smp_nccl_synchronize"));
+    SMP__TRY(smp__nc_stream_idle(smp__nc.stream, "smp's device work (smp_nccl_synchronize)"));
+    for (int g = 0; g < SMP_GROUP_COUNT; g++)
+        for (int i = 0; i < smp__nc.nchans[g]; i++) {
+            smp__nc_chan *c = smp__nc.chans[g][i];
+            if (c && !c->dead) SMP__TRY(smp__nc_stream_idle(c->stream, "point-to-point transfers (smp_nccl_synchronize)"));
+        }
+    return smp__nc.mode == SMP_NCCL_MODE_NCCL ? smp__nc_poll_async("smp_nccl_synchronize") : SMP_OK;
+}
+
+SMPDEF smp_nccl_mode smp_nccl_get_mode(void) { return smp__nc.up ? smp__nc.mode : SMP_NCCL_MODE_NONE; }
+SMPDEF const char *smp_nccl_mode_name(smp_nccl_mode m) {
+    return m == SMP_NCCL_MODE_NCCL ? "nccl" : m == SMP_NCCL_MODE_STAGED ? "staged" : "none";
+}
+SMPDEF const char *smp_nccl_describe(void) { return smp__nc.up ? smp__nc.desc : "none: smp_init has not run"; }
+SMPDEF int smp_nccl_device(void) { return smp__nc.up && smp__nc.mode != SMP_NCCL_MODE_NONE ? smp__nc.device : -1; }
+SMPDEF void smp_nccl_set_stream(cudaStream_t s) { smp__nc_engine = s; }
+SMPDEF cudaStream_t smp_nccl_get_stream(void) { return smp__nc_engine; }
+SMPDEF cudaStream_t smp_nccl_comm_stream(void) { return smp__nc.up ? smp__nc.stream : NULL; }
+SMPDEF ncclComm_t smp_nccl_comm(smp_group g) {
+    if (!smp__nc.up || smp__nc.mode != SMP_NCCL_MODE_NCCL || (unsigned)g >= SMP_GROUP_COUNT) return NULL;
+    return smp__nc.comm[smp__nc.alias[g]];
+}
+
+SMPDEF void smp_nccl_register(void) {
+    smp_device_backend b;
+    memset(&b, 0, sizeof b);
+    b.name = "nccl";
+    b.all_reduce = smp__nc_all_reduce;
+    b.broadcast = smp__nc_broadcast;
+    b.reduce = smp__nc_reduce;
+    b.all_gather = smp__nc_all_gather;
+    b.reduce_scatter = smp__nc_reduce_scatter;
+    b.all_to_all_single = smp__nc_all_to_all_single;
+    b.copy = smp__nc_copy;
+    b.on_init = smp__nc_on_init;
+    b.on_finalize = smp__nc_on_finalize;
+    smp_register_device_backend(&b);
+}
+
+#ifndef SMP_NCCL_NO_AUTO_REGISTER
+#if defined(__GNUC__) || defined(__clang__)
+/* Runs before main: including this file is all it takes. */
+__attribute__((constructor)) static void smp__nc_auto_register(void) { smp_nccl_register(); }
+#else
+#error "smp_nccl.h registers itself with a constructor function (GCC/Clang); define SMP_NCCL_NO_AUTO_REGISTER and call smp_nccl_register() before smp_init"
+#endif
+#endif
+
+#undef SMP__CU
+#undef SMP__NC
+#undef SMP__NC_ST
+#undef SMP__TRY
+#endif /* SMP_IMPLEMENTATION */
