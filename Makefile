@@ -12,7 +12,7 @@ LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
 MPI_TESTS  := test_model test_pipeline test_ddp
-SCRIPT_TESTS := test/test_install.sh
+SCRIPT_TESTS := test/test_install.sh test/test_demo.sh
 BENCHES    := partition
 
 CUDA_HOME ?= /usr/local/cuda
@@ -41,7 +41,7 @@ $(eval $(call variant,asan,gcc,-O1 -g -fsanitize=address,undefined -fno-omit-fra
 # Everything: warnings as errors under gcc and clang, the suite at 1, 2 and
 # 4 ranks, then again under AddressSanitizer + UBSan at 1 and 2 ranks.
 test: deps
-	@$(MAKE) --no-print-directory build-gcc build-clang build-asan
+	@$(MAKE) --no-print-directory build-gcc build-clang build-asan examples
 	@echo "== gcc build, mpirun -n 1, 2, 4"; \
 	test/run.sh build/gcc "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(SCRIPT_TESTS)" "1 2 4" > build/test-gcc.log 2>&1; a=$$?; cat build/test-gcc.log; \
 	echo "== AddressSanitizer + UBSan build, mpirun -n 1, 2"; \

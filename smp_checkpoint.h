@@ -1092,6 +1092,9 @@ SMPDEF smp_status smp_ckpt_writer_write(smp_ckpt_writer *w, const void *bytes, s
                              w->path, n, (smp__ckpt_ull)w->total));
         room = w->sizes[w->cur] - w->done;
         take = (uint64_t)n < room ? n : (size_t)room;
+        /* checksum and write in slices, so the kernel copies each slice from
+           cache rather than reading the whole piece from memory twice */
+        if (take > SMP__CKPT_IO_CHUNK) take = SMP__CKPT_IO_CHUNK;
         w->crcs[w->cur] = smp_ckpt_crc32c(w->crcs[w->cur], p, take);
         if ((st = smp__ckpt_writer_out(w, p, take)) != SMP_OK) return st;
         w->done += take;
@@ -2422,6 +2425,28 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
 }
 
 /* ---------------------------------------------------------------- streaming to one rank */
+/* Waits for one transfer request. Large messages between ranks of one node
+   move in fragments that progress only while both sides poll MPI (UCX
+   copies them through shared memory when it cannot map the peer's memory),
+   so this polls without sleeping, yielding the core between polls; a sleep
+   of a millisecond per poll would cap a transfer at a fragment per
+   millisecond. Past smp_timeout() the job aborts, naming the peer. */
+static double smp__ck_tw, smp__ck_ts, smp__ck_tl;
+static void smp__ck_wait(MPI_Request *req, const char *what, int peer) {
+    double start = MPI_Wtime(), deadline = start + smp_timeout();
+    unsigned polls = 0;
+    for (;;) {
+        int done = 0;
+        MPI_Status status;
+        if (MPI_Test(req, &done, &status) != MPI_SUCCESS) smp__fatal("MPI_Test failed while waiting for %s", what);
+        if (done) return;
+        if (++polls % 16 == 0) {
+            if (MPI_Wtime() > deadline) smp__timeout_abort(what, SMP_WORLD, peer, MPI_Wtime() - start);
+            sched_yield();
+        }
+    }
+}
+
 /* Receives, on `receiver`, the data of every item in file order (its own
    from memory, the others' from their savers, chunk by chunk), handing each
    piece to sink in order. Collective over the plan's communicator. After a
@@ -2484,7 +2509,9 @@ static smp_status smp__ck_stream(smp__ck_plan *pl, int receiver, smp__ck_sink_fn
                     const smp_tensor *t = it->local;
                     if (t->device < 0) {
                         len = (size_t)(it->nbytes - off);
+                        double tw = MPI_Wtime();
                         if (!st) st = sink(ctx, idx, off, (const uint8_t *)t->data + off, len);
+                        smp__ck_tl += MPI_Wtime() - tw;
                     } else {
                         len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
                         /* the ring is busy with receives: stage through a buffer of its own */
@@ -2501,8 +2528,11 @@ static smp_status smp__ck_stream(smp__ck_plan *pl, int receiver, smp__ck_sink_fn
                     int slot = (int)(done % K);
                     len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
                     snprintf(what, sizeof what, "checkpoint data of '%s' from world rank %d", it->name, src);
-                    smp_wait_requests(1, &req[slot], what, SMP_WORLD, src);
+                    double tw = MPI_Wtime();
+                    smp__ck_wait(&req[slot], what, src);
+                    smp__ck_tw += MPI_Wtime() - tw; tw = MPI_Wtime();
                     if (!st) st = sink(ctx, idx, off, buf[slot], len);
+                    smp__ck_ts += MPI_Wtime() - tw;
                     done++;
                 }
                 off += len;
@@ -2522,7 +2552,7 @@ static smp_status smp__ck_stream(smp__ck_plan *pl, int receiver, smp__ck_sink_fn
                 const void *p;
                 if (sent >= K) {
                     snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
-                    smp_wait_requests(1, &req[slot], what, SMP_WORLD, receiver);
+                    smp__ck_wait(&req[slot], what, receiver);
                 }
                 if (it->local->device < 0) {
                     p = (const uint8_t *)it->local->data + off;
@@ -2539,7 +2569,7 @@ static smp_status smp__ck_stream(smp__ck_plan *pl, int receiver, smp__ck_sink_fn
         }
         for (k = sent > K ? sent - K : 0; k < sent; k++) {
             snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
-            smp_wait_requests(1, &req[k % K], what, SMP_WORLD, receiver);
+            smp__ck_wait(&req[k % K], what, receiver);
         }
     }
     for (i = 0; i < K; i++) smp__ckpt_free(buf[i]);
@@ -2769,16 +2799,22 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
                                                 (const char *const *)md.vals, md.n)
                          : smp_error(SMP_ERR_NOMEM, "smp_save: out of memory");
         }
+        double T0 = MPI_Wtime(), T1, T2, T3, T4 = 0, T5 = 0;
         st = smp__agree_on(pl.comm, st, "opening the checkpoint file");
         if (st) goto done; /* w is NULL wherever opening failed */
+        T1 = MPI_Wtime();
         st = smp__ck_stream(&pl, writer, smp__ck_file_sink, w);
+        T2 = MPI_Wtime();
         st = smp__agree_on(pl.comm, st, "writing the checkpoint");
+        T3 = MPI_Wtime();
         if (w) {
             if (st) smp_ckpt_writer_abort(w);
-            else st = smp_ckpt_writer_commit(w);
+            else { st = smp__ckpt_writer_seal(w); T4 = MPI_Wtime(); if (!st) st = smp__ckpt_writer_publish(w); T5 = MPI_Wtime(); }
             w = NULL;
         }
         st = smp__agree_on(pl.comm, st, "committing the checkpoint file");
+        if (getenv("CKT") && pl.rank == writer) fprintf(stderr, "[wait %.0f remote-sink %.0f local-sink %.0f] ", smp__ck_tw*1e3, smp__ck_ts*1e3, smp__ck_tl*1e3), smp__ck_tw = smp__ck_ts = smp__ck_tl = 0;
+        if (getenv("CKT") && pl.rank == writer) fprintf(stderr, "full save: open-agree %.0f stream %.0f agree %.0f seal %.0f publish %.0f agree %.0f\n", (T1-T0)*1e3, (T2-T1)*1e3, (T3-T2)*1e3, (T4-T3)*1e3, (T5-T4)*1e3, (MPI_Wtime()-T5)*1e3);
     }
 
 done:
@@ -3047,13 +3083,19 @@ SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *
     partial = d.partial != SMP_OFF;
     st = smp__agree_on(smp_group_comm(SMP_WORLD), smp__ck_check_load(m, path, &d), "smp_load arguments");
     if (st) return st;
+    double T[8]; T[0] = MPI_Wtime();
     st = smp__ck_plan_init(&pl, m, d.optimizer, 0);
     st = smp__agree_on(pl.comm, st, "planning the load");
+    T[1] = MPI_Wtime();
     /* 1. headers; 2. names, dtypes, shapes; 3. checksums; 4. copies */
     if (!st) st = smp__agree_on(pl.comm, smp__ck_open_set(path, partial, &files, &nf), "opening the checkpoint");
+    T[2] = MPI_Wtime();
     if (!st) st = smp__agree_on(pl.comm, smp__ck_match(&pl, files, nf, partial, d.optimizer != NULL),
                                 "checking the checkpoint against the model");
-    if (!st) st = smp__agree_on(pl.comm, smp__ck_verify_local(&pl, files), "verifying the checkpoint's checksums");
+    T[3] = MPI_Wtime();
+    if (!st) { smp_status vs = smp__ck_verify_local(&pl, files); T[4] = MPI_Wtime(); st = smp__agree_on(pl.comm, vs, "verifying the checkpoint's checksums"); }
+    T[5] = MPI_Wtime();
+    if (getenv("CKT")) fprintf(stderr, "[%d] plan %.1f open %.1f match %.1f verify %.1f vagree %.1f ", pl.rank, (T[1]-T[0])*1e3, (T[2]-T[1])*1e3, (T[3]-T[2])*1e3, (T[4]-T[3])*1e3, (T[5]-T[4])*1e3);
     if (!st) {
         smp_status cs = SMP_OK;
         for (i = 0; i < pl.n; i++) {
@@ -3063,7 +3105,9 @@ SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *
             s2 = smp__ck_copy(it->local->data, it->local->device, it->bytes, SMP_HOST, (size_t)it->nbytes);
             if (!cs) cs = s2;
         }
+        T[6] = MPI_Wtime();
         st = smp__agree_on(pl.comm, cs, "copying the checkpoint into the model");
+        if (getenv("CKT")) fprintf(stderr, "copy %.1f cagree %.1f\n", (T[6]-T[5])*1e3, (MPI_Wtime()-T[6])*1e3);
     }
     if (!st && d.on_meta) {
         for (i = 0; i < smp_ckpt_meta_count(files[0]); i++) {

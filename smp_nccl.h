@@ -307,10 +307,15 @@ static smp_status smp__nc_cuda_fail(cudaError_t e, const char *call) {
     return smp_error(SMP_ERR_DEVICE, "%s: %s failed: %s (%s)", smp__nc_opname(), call, cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
-static smp_status smp__nc_nccl_fail(ncclResult_t r, const char *call, ncclComm_t comm) {
+/* NCCL's own detail on its last error, or "". */
+static const char *smp__nc_last(ncclComm_t comm) {
     const char *last = ncclGetLastError(comm);
-    return smp_error(SMP_ERR_DEVICE, "%s: %s failed: %s%s%s", smp__nc_opname(), call, ncclGetErrorString(r),
-                     last && *last ? ": " : "", last && *last ? last : "");
+    return last ? last : "";
+}
+
+static smp_status smp__nc_nccl_fail(ncclResult_t r, const char *call, ncclComm_t comm) {
+    const char *last = smp__nc_last(comm);
+    return smp_error(SMP_ERR_DEVICE, "%s: %s failed: %s%s%s", smp__nc_opname(), call, ncclGetErrorString(r), *last ? ": " : "", last);
 }
 
 /* Checks a CUDA call: SMP__CU(cudaEventRecord, (ev, stream)); */
@@ -413,8 +418,8 @@ static smp_status smp__nc_check_comm(ncclComm_t comm, bool *dead, const char *na
     if (q == ncclSuccess && (state == ncclSuccess || state == ncclInProgress)) return SMP_OK;
     ncclResult_t bad = q != ncclSuccess ? q : state;
     smp_status st = smp_error(SMP_ERR_DEVICE, "%s: NCCL reported an error on the %s communicator while waiting for %s: %s%s%s",
-                              smp__nc_opname(), name, what, ncclGetErrorString(bad), *ncclGetLastError(comm) ? ": " : "",
-                              ncclGetLastError(comm));
+                              smp__nc_opname(), name, what, ncclGetErrorString(bad), *smp__nc_last(comm) ? ": " : "",
+                              smp__nc_last(comm));
     (void)ncclCommAbort(comm);
     *dead = true;
     return st;
@@ -1059,7 +1064,8 @@ static int smp__nc_shared_with(const unsigned char key[SMP__NC_KEY], int *node_s
     MPI_Comm_size(node, &n);
     *node_size = n;
     unsigned char *all = (unsigned char *)smp_malloc((size_t)n * SMP__NC_KEY);
-    if (all) {
+    if (!all) smp__nc_fatal("device backend start-up: out of memory comparing the GPUs of %d local ranks", n); /* the others wait in the gather */
+    {
         MPI_Request req;
         MPI_Iallgather(key, SMP__NC_KEY, MPI_BYTE, all, SMP__NC_KEY, MPI_BYTE, node, &req);
         smp_wait_requests(1, &req, "the GPUs of this node's ranks", SMP_WORLD, -1);
@@ -1131,8 +1137,8 @@ static smp_status smp__nc_init_comms(void) {
             if (state == ncclInProgress) pending++;
             else if (state != ncclSuccess)
                 local = smp_error(SMP_ERR_DEVICE, "device backend start-up: the NCCL communicator of the %s failed to start: %s%s%s",
-                                  smp__nc_gname((smp_group)g), ncclGetErrorString(state), *ncclGetLastError(smp__nc.comm[g]) ? ": " : "",
-                                  ncclGetLastError(smp__nc.comm[g]));
+                                  smp__nc_gname((smp_group)g), ncclGetErrorString(state), *smp__nc_last(smp__nc.comm[g]) ? ": " : "",
+                                  smp__nc_last(smp__nc.comm[g]));
         }
         if (local || !pending) break;
         if (!smp__nc_pause(&b)) smp__nc_timeout("the NCCL communicators to start (ncclCommInitRankConfig)", SMP_WORLD, -1, MPI_Wtime() - b.start);
@@ -1217,16 +1223,70 @@ static smp_status smp__nc_on_init(void) {
     return SMP_OK;
 }
 
-/* Finalize, then destroy, a nonblocking communicator; abort it on trouble. */
-static void smp__nc_comm_close(ncclComm_t c, bool dead) {
-    if (!c) return;
-    if (dead) return; /* aborted already */
-    ncclResult_t r = smp__nc_settle(c, ncclCommFinalize(c), "ncclCommFinalize", SMP_WORLD);
-    if (r == ncclSuccess) r = ncclCommDestroy(c);
-    if (r != ncclSuccess) {
-        smp_log(SMP_LOG_WARN, "device backend shut-down: closing an NCCL communicator failed (%s); aborting it", ncclGetErrorString(r));
-        (void)ncclCommAbort(c);
+/* Closes every live communicator: ncclCommFinalize on all of them first,
+   then waits for all (finalizing may wait for the peers, so closing one at
+   a time could deadlock on the order), then ncclCommDestroy. Communicators
+   that fail are aborted. */
+static void smp__nc_close_all(void) {
+    int n = 0;
+    for (int g = 0; g < SMP_GROUP_COUNT; g++) {
+        if (smp__nc.alias[g] == g && smp__nc.comm[g] && !smp__nc.comm_dead[g]) n++;
+        for (int i = 0; i < smp__nc.nchans[g]; i++)
+            if (smp__nc.chans[g][i] && smp__nc.chans[g][i]->comm && !smp__nc.chans[g][i]->dead) n++;
     }
+    if (!n) return;
+    ncclComm_t *c = (ncclComm_t *)smp_malloc(sizeof(ncclComm_t) * (size_t)n);
+    int *state = (int *)smp_malloc(sizeof(int) * (size_t)n); /* 0 finalizing, 1 finalized, 2 aborted */
+    if (!c || !state) {
+        smp_free(c);
+        smp_free(state);
+        smp_log(SMP_LOG_WARN, "device backend shut-down: out of memory; aborting the NCCL communicators");
+        smp__nc_abort_all();
+        return;
+    }
+    int k = 0;
+    for (int g = 0; g < SMP_GROUP_COUNT; g++) {
+        if (smp__nc.alias[g] == g && smp__nc.comm[g] && !smp__nc.comm_dead[g]) c[k++] = smp__nc.comm[g];
+        for (int i = 0; i < smp__nc.nchans[g]; i++)
+            if (smp__nc.chans[g][i] && smp__nc.chans[g][i]->comm && !smp__nc.chans[g][i]->dead) c[k++] = smp__nc.chans[g][i]->comm;
+    }
+    for (int i = 0; i < n; i++) {
+        ncclResult_t r = ncclCommFinalize(c[i]);
+        state[i] = r == ncclSuccess || r == ncclInProgress ? 0 : 2;
+        if (state[i] == 2) {
+            smp_log(SMP_LOG_WARN, "device backend shut-down: ncclCommFinalize failed (%s); aborting the communicator", ncclGetErrorString(r));
+            (void)ncclCommAbort(c[i]);
+        }
+    }
+    smp__nc_backoff b = smp__nc_backoff_start();
+    for (;;) {
+        int pending = 0;
+        for (int i = 0; i < n; i++) {
+            if (state[i] != 0) continue;
+            ncclResult_t s = ncclInProgress;
+            ncclResult_t q = ncclCommGetAsyncError(c[i], &s);
+            if (q != ncclSuccess) s = q;
+            if (s == ncclInProgress) pending++;
+            else if (s == ncclSuccess) state[i] = 1;
+            else {
+                smp_log(SMP_LOG_WARN, "device backend shut-down: finalizing an NCCL communicator failed (%s); aborting it", ncclGetErrorString(s));
+                (void)ncclCommAbort(c[i]);
+                state[i] = 2;
+            }
+        }
+        if (!pending) break;
+        if (!smp__nc_pause(&b)) smp__nc_timeout("the NCCL communicators to finalize (every rank must call smp_finalize)", SMP_WORLD, -1, MPI_Wtime() - b.start);
+    }
+    for (int i = 0; i < n; i++) {
+        if (state[i] != 1) continue;
+        ncclResult_t r = ncclCommDestroy(c[i]);
+        if (r != ncclSuccess) {
+            smp_log(SMP_LOG_WARN, "device backend shut-down: ncclCommDestroy failed (%s); aborting the communicator", ncclGetErrorString(r));
+            (void)ncclCommAbort(c[i]);
+        }
+    }
+    smp_free(c);
+    smp_free(state);
 }
 
 static void smp__nc_on_finalize(void) {
@@ -1242,18 +1302,16 @@ static void smp__nc_on_finalize(void) {
                     smp_log(SMP_LOG_WARN, "device backend shut-down: %s", smp_last_error());
             }
     }
+    smp__nc_close_all();
     for (int g = 0; g < SMP_GROUP_COUNT; g++) {
         for (int i = 0; i < smp__nc.nchans[g]; i++) {
             smp__nc_chan *c = smp__nc.chans[g][i];
             if (!c) continue;
-            smp__nc_comm_close(c->comm, c->dead);
             if (c->stream) (void)cudaStreamDestroy(c->stream);
             smp_free(c);
         }
         smp_free(smp__nc.chans[g]);
     }
-    for (int g = 0; g < SMP_GROUP_COUNT; g++)
-        if (smp__nc.alias[g] == g) smp__nc_comm_close(smp__nc.comm[g], smp__nc.comm_dead[g]);
     for (int i = 0; i < smp__nc.npins; i++) {
         (void)cudaFreeHost(smp__nc.pins[i].p);
         (void)cudaEventDestroy(smp__nc.pins[i].ev);

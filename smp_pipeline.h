@@ -254,17 +254,19 @@ typedef struct smp_grad_scaler {
 SMPDEF double smp_grad_scaler_scale(smp_grad_scaler *s);
 SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool *skip);
 
-/* A distributed sampler (torch's DistributedSampler + DataLoader drop_last):
-   a permutation of the dataset by seed and epoch, sharded by dp rank. */
+/* A distributed sampler: a permutation of the dataset by seed and epoch,
+   cut into global batches of batch_size x dp_size samples; each dp rank
+   takes its contiguous slice of every global batch, so data-parallel
+   replicas see exactly the samples one process sees with the global batch. */
 typedef struct smp_sampler_desc {
     int64_t dataset_size;
     int64_t batch_size;  /* per replica */
     uint64_t seed;
     bool shuffle;
-    bool drop_last;      /* drop the tail that does not fill every replica equally / a whole batch */
+    bool drop_last;      /* drop the tail that does not fill a whole global batch (else wrap around) */
 } smp_sampler_desc;
-/* indices: room for dataset_size / dp_size + 1 entries. *count indices for
-   this dp rank, *batches whole batches of them. */
+/* indices: room for dataset_size / dp_size + batch_size entries. *count
+   indices for this dp rank, in *batches batches of batch_size. */
 SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int64_t *indices, int64_t *count, int64_t *batches);
 /* The per-replica batch of a global batch; an error when it does not divide. */
 SMPDEF smp_status smp_local_batch_size(int64_t global_batch, int64_t *local);
@@ -1425,10 +1427,10 @@ SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int6
     if (!d || !indices || !count) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: NULL argument");
     if (d->dataset_size < 0 || d->batch_size < 1) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: dataset size %lld and batch size %lld (>= 1)", (long long)d->dataset_size, (long long)d->batch_size);
     int dp = smp__ctx.initialized ? smp_dp_size() : 1, r = smp__ctx.initialized ? smp_dp_rank() : 0;
-    int64_t n = d->dataset_size, per = d->drop_last ? n / dp : (n + dp - 1) / dp;
-    if (per == 0) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: %lld samples cannot feed %d replicas", (long long)n, dp);
-    /* this replica's positions r, r + dp, ... of the (shuffled) order, wrapping to pad when not dropping */
-    int64_t *perm = (int64_t *)smp__alloc(sizeof(int64_t) * (size_t)(n ? n : 1), SMP__ALLOC_OTHER);
+    int64_t n = d->dataset_size, L = d->batch_size, G = L * dp;
+    int64_t nb = d->drop_last ? n / G : (n + G - 1) / G;
+    if (nb == 0) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: %lld samples do not fill one global batch of %lld (%d replicas x %lld)", (long long)n, (long long)G, dp, (long long)L);
+    int64_t *perm = (int64_t *)smp__alloc(sizeof(int64_t) * (size_t)n, SMP__ALLOC_OTHER);
     for (int64_t i = 0; i < n; i++) perm[i] = i;
     if (d->shuffle) {
         uint64_t state = d->seed * 0x9e3779b97f4a7c15ull + (uint64_t)epoch;
@@ -1437,10 +1439,14 @@ SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int6
             int64_t t = perm[i]; perm[i] = perm[j]; perm[j] = t;
         }
     }
-    for (int64_t i = 0; i < per; i++) indices[i] = perm[(r + i * dp) % n];
+    /* global batch b is perm[b*G .. (b+1)*G); replica r takes its r-th slice of
+       L samples, so dp replicas see exactly the samples one process would see
+       with a batch of G (wrapping around to fill the last batch without drop_last) */
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t i = 0; i < L; i++) indices[b * L + i] = perm[(b * G + r * L + i) % n];
     smp__free(perm);
-    *count = per;
-    if (batches) *batches = d->drop_last ? per / d->batch_size : (per + d->batch_size - 1) / d->batch_size;
+    *count = nb * L;
+    if (batches) *batches = nb;
     return SMP_OK;
 }
 

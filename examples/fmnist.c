@@ -41,6 +41,7 @@ typedef struct options {
     const char *data_dir, *config_json;
     smp_config cfg;
     long max_steps; /* stop after this many steps (tests); 0: no limit */
+    bool print_losses; /* every step's loss, exactly (tests compare runs bit for bit) */
 } options;
 
 static void usage(const char *prog) {
@@ -76,6 +77,7 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (OPT("--config")) o->config_json = v;
         else if (OPT("--data")) o->data_dir = v;
         else if (OPT("--max-steps")) o->max_steps = atol(v);
+        else if (!strcmp(a, "--print-losses")) o->print_losses = true;
         else if (!strcmp(a, "--ddp")) o->cfg.ddp = SMP_ON;
         else if (!strcmp(a, "--deterministic")) o->cfg.deterministic_reduction = SMP_ON;
         else if (!strcmp(a, "--manual")) o->cfg.auto_partition = SMP_OFF;
@@ -335,6 +337,9 @@ int main(int argc, char **argv) {
             if ((st = SMP_TRAIN_STEP(model, train_body, NULL, &loss_mb, 1, x, y))) break;
             double loss = smp_step_output_mean(&loss_mb);             /* loss_mb.reduce_mean() */
             smp_step_output_free(&loss_mb);
+            smp_tensor loss_t = smp_tensor_1d(&loss, SMP_F64, 1);
+            smp_all_reduce(&loss_t, &loss_t, SMP_AVG, SMP_DP_GROUP);    /* the global batch's loss */
+            if (opt.print_losses && smp_rank() == 0) printf("step %ld loss %a\n", steps, loss);
             if (!optimizer_ready) { adam_init(&opt_state, model, opt.lr); optimizer_ready = true; }
             opt_state.cfg.lr = opt.lr * powf(opt.lr_decay, (float)epoch);
             adam_step(&opt_state, model);                             /* optimizer.step() */

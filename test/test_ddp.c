@@ -247,7 +247,7 @@ static void data_helpers(void) {
     int64_t idx[N + 1], count = 0, batches = 0, all[MAXDP * (N + 1)];
     smp_sampler_desc d = {N, 8, 5, true, true};
     smp_status st = smp_sampler_indices(&d, 3, idx, &count, &batches);
-    int ok = !st && count == N / dp && batches == count / 8;
+    int ok = !st && batches == N / (8 * dp) && count == batches * 8;
     /* the shards are disjoint and a permutation's prefix */
     smp_tensor mine = smp_tensor_1d(idx, SMP_I64, count), gathered = smp_tensor_1d(all, SMP_I64, count * dp);
     if (ok) ok = !smp_all_gather(&mine, &gathered, SMP_DP_GROUP);
@@ -256,7 +256,7 @@ static void data_helpers(void) {
     int64_t other[N + 1], oc;
     smp_sampler_indices(&d, 4, other, &oc, NULL);
     ok = ok && memcmp(other, idx, sizeof(int64_t) * (size_t)count) != 0; /* another epoch, another order */
-    MPI_CHECK(ok, "ddp/sampler shards a seeded permutation by dp rank", "count %lld batches %lld", (long long)count, (long long)batches);
+    MPI_CHECK(ok, "ddp/sampler shards each global batch of a seeded permutation by dp rank", "count %lld batches %lld", (long long)count, (long long)batches);
     int64_t local = 0;
     st = smp_local_batch_size(64, &local);
     MPI_CHECK(!st && local == 64 / dp, "ddp/per-replica batch size", "%lld", (long long)local);
