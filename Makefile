@@ -11,8 +11,10 @@ INCLUDES  := -I. -Itest
 LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
-MPI_TESTS  := test_model test_pipeline test_ddp
-SCRIPT_TESTS := test/test_install.sh test/test_demo.sh
+MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp
+SCRIPT_TESTS := test/run_timeout.sh test/test_install.sh test/test_demo.sh
+# Built with the tests, run by a script.
+HELPER_TESTS := test_timeout
 BENCHES    := partition
 
 CUDA_HOME ?= /usr/local/cuda
@@ -31,7 +33,7 @@ build/$(1)/%: test/%.c $(HEADERS) test/test.h | build/$(1)
 	MPICH_CC=$(2) mpicc $(CSTD) $(WARN) $(3) $(INCLUDES) $$< -o $$@ $(LDLIBS)
 build/$(1):
 	@mkdir -p $$@
-build-$(1): $(addprefix build/$(1)/,$(UNIT_TESTS) $(MPI_TESTS))
+build-$(1): $(addprefix build/$(1)/,$(UNIT_TESTS) $(MPI_TESTS) $(HELPER_TESTS))
 endef
 $(eval $(call variant,gcc,gcc,$(CFLAGS)))
 $(eval $(call variant,clang,clang,$(CFLAGS)))

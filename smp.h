@@ -1887,7 +1887,11 @@ static void smp__half_op_fns(void);
 
 SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     if (smp__ctx.initialized) return smp_error(SMP_ERR_STATE, "smp_init called twice");
-    int up = 0;
+    int up = 0, down = 0;
+    MPI_Finalized(&down);
+    if (down) /* MPI cannot start twice in one process */
+        return smp_error(SMP_ERR_STATE, "smp_init after MPI was finalized: MPI cannot start again in this process "
+                                        "(to init smp several times, call MPI_Init yourself before the first smp_init)");
     MPI_Initialized(&up);
     bool owns = false;
     if (!up) {
@@ -2165,14 +2169,14 @@ static smp_status smp__coll_args(const char *fn, smp_group g, smp__group_info **
                                  const smp_tensor *b, const char *bn) {
     smp_status st = smp__group_arg(g, fn, gi);
     if (st || (st = smp__check_tensor(a, fn, an))) return st;
-    if (b) {
+    if (bn) { /* a second tensor is expected (bn NULL: none) */
         if ((st = smp__check_tensor(b, fn, bn))) return st;
         if (a->dtype != b->dtype) return smp_error(SMP_ERR_ARG, "%s: %s is %s but %s is %s", fn, an, smp_dtype_name(a->dtype), bn, smp_dtype_name(b->dtype));
         if ((a->device == SMP_HOST) != (b->device == SMP_HOST)) return smp_error(SMP_ERR_ARG, "%s: %s and %s are on different devices", fn, an, bn);
     }
     if (a->device != SMP_HOST && !smp__ctx.has_device)
         return smp_error(SMP_ERR_ARG, "%s: %s is on CUDA device %d but no device backend is registered (include smp_nccl.h)", fn, an, a->device);
-    if (smp_tensor_numel(a) > INT32_MAX || (b && smp_tensor_numel(b) > INT32_MAX))
+    if (smp_tensor_numel(a) > INT32_MAX || (bn && smp_tensor_numel(b) > INT32_MAX))
         return smp_error(SMP_ERR_ARG, "%s: more than 2^31-1 elements in one call; split the tensor", fn);
     return SMP_OK;
 }
@@ -2218,7 +2222,7 @@ SMPDEF smp_status smp_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, i
     if (st) return st;
     if (root < 0 || root >= gi->size) return smp_error(SMP_ERR_ARG, "smp_reduce: root %d is outside the %s (size %d)", root, smp__group_name(g), gi->size);
     bool is_root = gi->rank == root;
-    if ((st = smp__coll_args("smp_reduce", g, &gi, in, "in", is_root ? out : NULL, "out")) ||
+    if ((st = smp__coll_args("smp_reduce", g, &gi, in, "in", out, is_root ? "out" : NULL)) ||
         (is_root && (st = smp__elements_match("smp_reduce", out, "out", smp_tensor_numel(in), "in's count"))) ||
         (st = smp__mpi_op(op, in->dtype, "smp_reduce", &mop)))
         return st;
@@ -2235,8 +2239,9 @@ SMPDEF smp_status smp_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, i
 SMPDEF smp_status smp_all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
     smp__group_info *gi;
     smp_status st = smp__coll_args("smp_all_gather", g, &gi, in, "in", out, "out");
+    if (st) return st;
     int64_t n = smp_tensor_numel(in);
-    if (st || (st = smp__elements_match("smp_all_gather", out, "out", n * gi->size, "group size x in's count"))) return st;
+    if ((st = smp__elements_match("smp_all_gather", out, "out", n * gi->size, "group size x in's count"))) return st;
     if (in->device != SMP_HOST) return smp__ctx.device.all_gather(in, out, g);
     size_t block = (size_t)n * smp_dtype_size(in->dtype);
     /* in place when `in` is this member's block of `out` */
@@ -2252,8 +2257,9 @@ SMPDEF smp_status smp_reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_
     smp__group_info *gi;
     MPI_Op mop;
     smp_status st = smp__coll_args("smp_reduce_scatter", g, &gi, in, "in", out, "out");
+    if (st) return st;
     int64_t n = smp_tensor_numel(out);
-    if (st || (st = smp__elements_match("smp_reduce_scatter", in, "in", n * gi->size, "group size x out's count")) ||
+    if ((st = smp__elements_match("smp_reduce_scatter", in, "in", n * gi->size, "group size x out's count")) ||
         (st = smp__mpi_op(op, in->dtype, "smp_reduce_scatter", &mop)))
         return st;
     if (in->device != SMP_HOST) return smp__ctx.device.reduce_scatter(in, out, op, g);
