@@ -11,11 +11,11 @@ INCLUDES  := -I. -Itest
 LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
-MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp
+MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint
 SCRIPT_TESTS := test/run_timeout.sh test/test_install.sh test/test_demo.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout
-BENCHES    := partition
+BENCHES    := partition checkpoint
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
@@ -81,6 +81,8 @@ bench-collectives: build/bench/collectives
 	mpirun -n 2 build/bench/collectives
 bench-partition: build/bench/partition
 	build/bench/partition
+bench-checkpoint: build/bench/checkpoint
+	mpirun -n 2 build/bench/checkpoint
 
 # ---------------------------------------------------------------- install
 install:

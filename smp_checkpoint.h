@@ -1,18 +1,91 @@
-/* smp_checkpoint.h - checkpoint files for smp: named tensors in safetensors.
+/* smp_checkpoint.h - checkpoints for smp: models and named tensors in safetensors.
 
-   This part is the file layer: it writes and reads one safetensors file of
-   named tensors, crash-safely and with a checksum per tensor. The model-level
-   save/load (partial and full checkpoints over MPI, resharding) is built on
-   top of it further down this header.
+   Two layers. MODEL CHECKPOINTS (smp_save / smp_load, first below) save and
+   load a partitioned model with its optimizer state, over MPI, partial or
+   full, into any partitioning. They are built on the FILE LAYER (further
+   below), which writes and reads one safetensors file of named tensors,
+   crash-safely and with a checksum per tensor.
 
    USAGE
      In exactly one C file:
          #define SMP_IMPLEMENTATION
          #include "smp_checkpoint.h"      // includes smp.h
      Everywhere else include "smp_checkpoint.h" for the declarations only.
-     Build: mpicc -std=c11 -O2 prog.c -o prog -lm   (POSIX + libc, no zlib)
+     Build: mpicc -std=c11 -O2 prog.c -o prog -lm   (POSIX + libc + pthreads, no zlib)
 
-   WRITING (the whole file at once)
+   MODEL CHECKPOINTS (the reference's smp.save / smp.load)
+         // the model is partitioned: after smp_model_trace(model, ...) or a step
+         smp_optimizer *opt;                       // smp.DistributedOptimizer
+         smp_optimizer_new(model, &opt);
+         for (i = 0; (p = smp_model_param(model, i, false)); i++)   // local ones
+             smp_optimizer_state_add(opt, smp_param_name(p), "exp_avg", &exp_avg[i]);
+         smp_optimizer_state_add(opt, NULL, "step", &step);         // whole optimizer
+
+         const char *keys[] = {"epoch", "step"}, *vals[] = {"3", "12000"};
+         smp_save_desc sd = {0};                   // zero: partial, as in the reference
+         sd.optimizer = opt;
+         sd.meta_keys = keys; sd.meta_values = vals; sd.nmeta = 2;
+         if (smp_save(model, "/ckpt/model", &sd) != SMP_OK)   // every rank calls it
+             fprintf(stderr, "%s\n", smp_last_error());        // same error on every rank
+
+         smp_load_desc ld = {0};                   // zero: partial
+         ld.optimizer = opt;
+         if (smp_load(model, "/ckpt/model", &ld) != SMP_OK) ... // model unchanged
+     sd.partial = SMP_OFF (and ld.partial = SMP_OFF) makes one full file,
+     "/ckpt/model", which Python's safetensors opens as the whole model under
+     the PyTorch module's dotted names ("layers.3.mlp.fc1.weight").
+
+     Files. Partial: "<path>_<mp_rank>", one per partition, written by dp rank
+     0 of each; full: "<path>", written by world rank 0's partition saver,
+     which receives the others' tensors in chunk_bytes pieces (4 MiB; at most
+     8 in flight per rank) and never holds the whole model. Tensor names:
+     parameters and buffers by their full dotted names; optimizer state as
+     "optimizer.<param>.<state>" and "optimizer.<state>" (whole optimizer,
+     held by every rank, saved from world rank 0's partition). Entries are
+     ordered widest dtype first, so each lies at a multiple of its size.
+     Metadata: the user's strings (keys must not start with "smp."), a CRC-32C
+     per tensor (smp.checksum.<name>), and smp.format, smp.kind
+     (full|partial), smp.partitions, smp.mp_rank (partial), smp.save_id and
+     smp.partition.<name> (the partition holding each tensor) for resharding
+     and checks.
+
+     Resharding. A full checkpoint loads into any partitioning and any number
+     of dp replicas; partial checkpoints saved with P partitions load into Q:
+     "<path>_0" names P, every rank opens the P headers and takes its tensors
+     by name. Optimizer state follows its parameter the same way.
+
+     Loading checks everything before it copies anything: that the files form
+     one save (same smp.save_id and partition count), every tensor's name,
+     dtype and shape against the model (missing and unexpected tensors are
+     errors), and the checksum of every tensor it will load. An error names
+     the file and the tensor, reaches every rank, and leaves every parameter,
+     buffer and optimizer state as it was. A load without an optimizer
+     (ld.optimizer NULL, for inference) skips the files' optimizer state.
+
+     Crash safety. Each file is written to "<file>.tmp.<pid>", fsynced, and
+     renamed over its name only after every file of the save is complete on
+     disk; a save that fails or is killed before that leaves the previous
+     checkpoint untouched. The renames of a partial save are not one atomic
+     step: a crash between them leaves files of two saves, which smp_load
+     refuses by their save ids rather than load a mix. Stale files of an
+     older save with more partitions ("<path>_5" after a 4-partition save) are
+     left alone and never read.
+
+     Costs. A partial save writes in parallel and moves no data between
+     ranks; a full save streams every other partition's bytes to one writer,
+     whose I/O thread writes while the next chunks arrive. Loading reads each
+     byte twice (a checksum pass, then the copy) through a read-only mapping
+     of the files (plain reads where mmap fails), so it costs about two
+     memory passes over the data, against one for an unverified read().
+     Waits are bounded by smp_timeout(): a full save of a model that takes
+     the writer longer than that to write needs a longer timeout.
+
+     State dicts. smp_model_local_state_dict: views of this rank's tensors
+     (local_state_dict). smp_model_state_dict: the whole model copied to one
+     rank's host memory (state_dict, cpu()); a full smp_save is the way to
+     hand a model to a program without smp.
+
+   FILE LAYER: WRITING (the whole file at once)
          float w[6] = {0, 1, 2, 3, 4, 5};
          smp_ckpt_entry e = {0};
          e.name = "fc1.weight"; e.dtype = SMP_F32; e.ndim = 2;
@@ -79,7 +152,9 @@
    every tensor sits at a multiple of its element size; order entries the
    same way (8-byte dtypes, then 4, 2, 1) when readers map the file.
 
-   THREADS: use one writer or open file from one thread at a time.
+   THREADS: use one writer or open file from one thread at a time; call the
+   model-level functions from the thread that calls MPI (a full save runs an
+   I/O thread of its own, which never calls MPI).
    The host must be little-endian (the data is written as it lies in memory).
 */
 #ifndef SMP_CHECKPOINT_H
@@ -1939,8 +2014,10 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
    for all tensors (1); then it takes the tensors in file order, its own from
    memory and the others' from their savers, which send them in chunks
    (chunk_bytes, 4 MiB) over MPI, at most SMP__CK_RING chunks in flight per
-   rank: no rank ever holds more than that of another's data (2); then it
-   commits (3).
+   rank: no rank ever holds more than that of another's data. An I/O thread
+   of the writer checksums and writes while its main thread receives the
+   next chunks, and the file puts partition 0's own tensors last in each
+   dtype width, so the transfers overlap the disk (2); then it commits (3).
 
    LOAD: open the headers (partial: "<path>_0" names the partition count P,
    then "<path>_1" .. "<path>_<P-1>"; all must carry the same save id) (1);
@@ -1962,7 +2039,7 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
 
 #define SMP__CK_FORMAT "smp-checkpoint/1"
 #define SMP__CK_TAG 7411
-#define SMP__CK_RING 4
+#define SMP__CK_RING 8
 
 enum { SMP__CK_PARAM, SMP__CK_BUFFER, SMP__CK_OPTIM, SMP__CK_GLOBAL };
 
@@ -2132,11 +2209,18 @@ static int smp__ck_cmp_name(const void *a, const void *b) {
     return strcmp(smp__ck_sort_plan->items[*(const int *)a].name, smp__ck_sort_plan->items[*(const int *)b].name);
 }
 
+/* File order: widest dtype first (alignment); within a width, partition
+   0's tensors last, so a full save's writer (partition 0's saver) receives
+   the others' data while its disk is busy, and writes its own at the end;
+   then declaration order. */
 static int smp__ck_cmp_order(const void *a, const void *b) {
-    int x = *(const int *)a, y = *(const int *)b;
+    int x = *(const int *)a, y = *(const int *)b, lx, ly;
     size_t sx = smp__ckpt_dtype_sizes[smp__ck_sort_plan->items[x].dtype],
            sy = smp__ckpt_dtype_sizes[smp__ck_sort_plan->items[y].dtype];
     if (sx != sy) return sx > sy ? -1 : 1;
+    lx = smp__ck_sort_plan->items[x].mp == 0;
+    ly = smp__ck_sort_plan->items[y].mp == 0;
+    if (lx != ly) return lx - ly;
     return x < y ? -1 : x > y;
 }
 
@@ -2425,120 +2509,244 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
 }
 
 /* ---------------------------------------------------------------- streaming to one rank */
-/* Waits for one transfer request. Large messages between ranks of one node
-   move in fragments that progress only while both sides poll MPI (UCX
-   copies them through shared memory when it cannot map the peer's memory),
-   so this polls without sleeping, yielding the core between polls; a sleep
-   of a millisecond per poll would cap a transfer at a fragment per
-   millisecond. Past smp_timeout() the job aborts, naming the peer. */
-static double smp__ck_tw, smp__ck_ts, smp__ck_tl;
-static void smp__ck_wait(MPI_Request *req, const char *what, int peer) {
-    double start = MPI_Wtime(), deadline = start + smp_timeout();
-    unsigned polls = 0;
+typedef smp_status (*smp__ck_sink_fn)(void *ctx, int item, uint64_t off, const void *bytes, size_t n);
+
+/* The receiver's I/O thread. The main thread receives (MPI stays on it)
+   and queues pieces; this thread hands them to the sink in order, so a sink
+   that blocks on the disk does not stop the transfer. Ring slots holding a
+   received chunk are "busy" until written. */
+#define SMP__CK_QUEUE 64
+
+typedef struct smp__ck_job {
+    int item;
+    uint64_t off;
+    const void *p;
+    size_t n;
+    int slot; /* ring slot to release once written; -1: none */
+} smp__ck_job;
+
+typedef struct smp__ck_io {
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* broadcast on every change: work queued, work done, quit */
+    smp__ck_job q[SMP__CK_QUEUE];
+    int head, count, quit;
+    int busy[SMP__CK_RING];
+    smp__ck_sink_fn sink;
+    void *ctx;
+    smp_status st; /* the sink's first error (its message is the last error) */
+} smp__ck_io;
+
+static void *smp__ck_io_main(void *arg) {
+    smp__ck_io *io = (smp__ck_io *)arg;
+    pthread_mutex_lock(&io->mu);
     for (;;) {
-        int done = 0;
-        MPI_Status status;
-        if (MPI_Test(req, &done, &status) != MPI_SUCCESS) smp__fatal("MPI_Test failed while waiting for %s", what);
-        if (done) return;
-        if (++polls % 16 == 0) {
-            if (MPI_Wtime() > deadline) smp__timeout_abort(what, SMP_WORLD, peer, MPI_Wtime() - start);
-            sched_yield();
-        }
+        smp__ck_job j;
+        smp_status st = SMP_OK;
+        while (!io->count && !io->quit) pthread_cond_wait(&io->cv, &io->mu);
+        if (!io->count) break;
+        j = io->q[io->head];
+        pthread_mutex_unlock(&io->mu);
+        if (!io->st) st = io->sink(io->ctx, j.item, j.off, j.p, j.n); /* after an error: drain */
+        pthread_mutex_lock(&io->mu);
+        if (!io->st) io->st = st;
+        io->head = (io->head + 1) % SMP__CK_QUEUE;
+        io->count--;
+        if (j.slot >= 0) io->busy[j.slot] = 0;
+        pthread_cond_broadcast(&io->cv);
     }
+    pthread_mutex_unlock(&io->mu);
+    return NULL;
+}
+
+static void smp__ck_io_push(smp__ck_io *io, smp__ck_job j) {
+    pthread_mutex_lock(&io->mu);
+    while (io->count == SMP__CK_QUEUE) pthread_cond_wait(&io->cv, &io->mu);
+    io->q[(io->head + io->count) % SMP__CK_QUEUE] = j;
+    io->count++;
+    if (j.slot >= 0) io->busy[j.slot] = 1;
+    pthread_cond_broadcast(&io->cv);
+    pthread_mutex_unlock(&io->mu);
+}
+
+/* Whether ring slot s may take a new receive; with `block`, waits for it. */
+static int smp__ck_io_free(smp__ck_io *io, int s, int block) {
+    int ok;
+    if (!io) return 1;
+    pthread_mutex_lock(&io->mu);
+    while (block && io->busy[s]) pthread_cond_wait(&io->cv, &io->mu);
+    ok = !io->busy[s];
+    pthread_mutex_unlock(&io->mu);
+    return ok;
 }
 
 /* Receives, on `receiver`, the data of every item in file order (its own
    from memory, the others' from their savers, chunk by chunk), handing each
-   piece to sink in order. Collective over the plan's communicator. After a
-   sink error the receiver keeps draining, so no sender is left waiting. */
-typedef smp_status (*smp__ck_sink_fn)(void *ctx, int item, uint64_t off, const void *bytes, size_t n);
-
-static smp_status smp__ck_stream(smp__ck_plan *pl, int receiver, smp__ck_sink_fn sink, void *ctx) {
-    smp_status st = SMP_OK, st2;
-    const size_t chunk = pl->chunk;
+   piece to sink in order. Collective over the plan's communicator. At most
+   SMP__CK_RING chunks are in flight to or buffered on any rank. After a
+   sink error the receiver keeps draining, so no sender is left waiting.
+   With `threaded`, the sink runs on an I/O thread of the receiver. */
+typedef struct smp__ck_rx {
+    smp__ck_plan *pl;
+    int receiver, qp; /* posting cursor: position in file order ... */
+    uint64_t offp;    /* ... and offset in that item */
+    long posted, done;
     uint8_t *buf[SMP__CK_RING];
     MPI_Request req[SMP__CK_RING];
-    char what[256];
-    uint64_t biggest = 0;
     size_t cap;
+    smp__ck_io *io;
+} smp__ck_rx;
+
+/* Posts the receive of the next remote chunk if its slot is free (or, with
+   `block`, once it is); returns whether it posted one. */
+static int smp__ck_post(smp__ck_rx *rx, int block) {
+    smp__ck_plan *pl = rx->pl;
+    const smp__ck_item *ip;
+    size_t lp;
+    int s;
+    if (rx->posted - rx->done >= SMP__CK_RING) return 0;
+    while (rx->qp < pl->n && (smp__ck_source(pl, &pl->items[pl->order[rx->qp]]) == rx->receiver ||
+                              rx->offp >= pl->items[pl->order[rx->qp]].nbytes)) {
+        rx->qp++;
+        rx->offp = 0;
+    }
+    if (rx->qp >= pl->n) return 0;
+    s = (int)(rx->posted % SMP__CK_RING);
+    if (!smp__ck_io_free(rx->io, s, block)) return 0;
+    ip = &pl->items[pl->order[rx->qp]];
+    lp = ip->nbytes - rx->offp < pl->chunk ? (size_t)(ip->nbytes - rx->offp) : pl->chunk;
+    if (!rx->buf[s] && !(rx->buf[s] = (uint8_t *)SMP_MALLOC(rx->cap)))
+        smp__fatal("out of memory for a %zu-byte checkpoint transfer buffer", rx->cap);
+    MPI_Irecv(rx->buf[s], (int)lp, MPI_BYTE, smp__ck_source(pl, ip), SMP__CK_TAG, pl->comm, &rx->req[s]);
+    rx->posted++;
+    rx->offp += lp;
+    return 1;
+}
+
+static smp_status smp__ck_receive(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ctx) {
+    smp__ck_plan *pl = rx->pl;
+    smp_status st = SMP_OK, st2;
+    char what[256];
+    int q;
+    for (q = 0; q < pl->n; q++) {
+        int idx = pl->order[q];
+        const smp__ck_item *it = &pl->items[idx];
+        int src = smp__ck_source(pl, it);
+        uint64_t off = 0;
+        while (off < it->nbytes) {
+            size_t len;
+            smp__ck_job j;
+            while (smp__ck_post(rx, 0)) {
+            } /* receives posted ahead progress while we poll below */
+            if (src == rx->receiver) { /* this rank's own tensor */
+                const smp_tensor *t = it->local;
+                SMP_ASSERT(t != NULL);
+                if (t->device < 0) {
+                    len = (size_t)(it->nbytes - off);
+                    j.item = idx;
+                    j.off = off;
+                    j.p = (const uint8_t *)t->data + off;
+                    j.n = len;
+                    j.slot = -1;
+                    if (rx->io) smp__ck_io_push(rx->io, j);
+                    else if (!st) st = sink(ctx, idx, off, j.p, len);
+                } else { /* staged through a buffer of its own (never threaded) */
+                    uint8_t *stage;
+                    len = it->nbytes - off < pl->chunk ? (size_t)(it->nbytes - off) : pl->chunk;
+                    stage = (uint8_t *)SMP_MALLOC(len);
+                    st2 = stage ? smp__ck_copy(stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len)
+                                : smp_error(SMP_ERR_NOMEM, "out of memory staging '%s'", it->name);
+                    if (!st) st = st2;
+                    if (!st) st = sink(ctx, idx, off, stage, len);
+                    smp__ckpt_free(stage);
+                }
+            } else {
+                int slot = (int)(rx->done % SMP__CK_RING), ready = 0;
+                unsigned polls = 0;
+                double start = MPI_Wtime(), deadline = start + smp_timeout();
+                len = it->nbytes - off < pl->chunk ? (size_t)(it->nbytes - off) : pl->chunk;
+                if (rx->posted <= rx->done && !smp__ck_post(rx, 1)) /* the cursor is at this very chunk */
+                    smp__fatal("internal error: checkpoint chunk %ld of '%s' cannot be received", rx->done, it->name);
+                /* The receiver drives large transfers within a node (it copies
+                   from the sender), so it polls without sleeping, yielding the
+                   core between polls; sleeping a millisecond per poll, as
+                   smp_wait_requests does after a while, slowed a 4 MiB chunk
+                   several times over. Meanwhile it posts receives into slots
+                   the I/O thread has freed. Past smp_timeout() the job aborts. */
+                while (!ready) {
+                    MPI_Status status;
+                    if (MPI_Test(&rx->req[slot], &ready, &status) != MPI_SUCCESS)
+                        smp__fatal("MPI_Test failed receiving checkpoint data");
+                    if (!ready && ++polls % 16 == 0) {
+                        while (smp__ck_post(rx, 0)) {
+                        }
+                        if (MPI_Wtime() > deadline) {
+                            snprintf(what, sizeof what, "checkpoint data of '%s' from world rank %d", it->name, src);
+                            smp__timeout_abort(what, SMP_WORLD, src, MPI_Wtime() - start);
+                        }
+                        sched_yield();
+                    }
+                }
+                j.item = idx;
+                j.off = off;
+                j.p = rx->buf[slot];
+                j.n = len;
+                j.slot = slot;
+                if (rx->io) smp__ck_io_push(rx->io, j);
+                else if (!st) st = sink(ctx, idx, off, j.p, len);
+                rx->done++;
+            }
+            off += len;
+        }
+    }
+    SMP_ASSERT(rx->posted == rx->done);
+    return st;
+}
+
+static smp_status smp__ck_stream(smp__ck_plan *pl, int receiver, smp__ck_sink_fn sink, void *ctx, int threaded) {
+    smp_status st = SMP_OK, st2;
     const int K = SMP__CK_RING;
+    uint64_t biggest = 0;
+    char what[128];
     int q, i;
-    memset(buf, 0, sizeof buf);
+    smp__ck_rx rx;
+    memset(&rx, 0, sizeof rx);
+    rx.pl = pl;
+    rx.receiver = receiver;
     for (i = 0; i < pl->n; i++)
         if (pl->items[i].nbytes > biggest) biggest = pl->items[i].nbytes;
-    cap = biggest < chunk ? (size_t)biggest : chunk;
-    if (!cap) cap = 1;
-/* the ring's buffers are made when first needed: senders of host tensors
-   send straight from the tensors and need none */
-#define SMP__CK_SLOT(slot)                                                                                           \
-    do {                                                                                                             \
-        if (!buf[slot] && !(buf[slot] = (uint8_t *)SMP_MALLOC(cap)))                                                 \
-            smp__fatal("out of memory for a %zu-byte checkpoint transfer buffer", cap);                              \
-    } while (0)
+    rx.cap = biggest < pl->chunk ? (size_t)biggest : pl->chunk;
+    if (!rx.cap) rx.cap = 1;
 
     if (pl->rank == receiver) {
-        int qp = 0;
-        uint64_t offp = 0;
-        long posted = 0, done = 0;
-        for (q = 0; q < pl->n; q++) {
-            int idx = pl->order[q];
-            const smp__ck_item *it = &pl->items[idx];
-            int src = smp__ck_source(pl, it);
-            uint64_t off = 0;
-            while (off < it->nbytes) {
-                size_t len;
-                /* keep up to K receives posted ahead, across items and senders */
-                while (posted - done < K) {
-                    const smp__ck_item *ip;
-                    size_t lp;
-                    while (qp < pl->n && (smp__ck_source(pl, &pl->items[pl->order[qp]]) == receiver ||
-                                          offp >= pl->items[pl->order[qp]].nbytes)) {
-                        qp++;
-                        offp = 0;
-                    }
-                    if (qp >= pl->n) break;
-                    ip = &pl->items[pl->order[qp]];
-                    lp = ip->nbytes - offp < chunk ? (size_t)(ip->nbytes - offp) : chunk;
-                    SMP__CK_SLOT(posted % K);
-                    MPI_Irecv(buf[posted % K], (int)lp, MPI_BYTE, smp__ck_source(pl, ip), SMP__CK_TAG, pl->comm,
-                              &req[posted % K]);
-                    posted++;
-                    offp += lp;
-                }
-                if (src == receiver) { /* this rank's own tensor */
-                    const smp_tensor *t = it->local;
-                    if (t->device < 0) {
-                        len = (size_t)(it->nbytes - off);
-                        double tw = MPI_Wtime();
-                        if (!st) st = sink(ctx, idx, off, (const uint8_t *)t->data + off, len);
-                        smp__ck_tl += MPI_Wtime() - tw;
-                    } else {
-                        len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
-                        /* the ring is busy with receives: stage through a buffer of its own */
-                        {
-                            uint8_t *stage = (uint8_t *)SMP_MALLOC(len);
-                            st2 = stage ? smp__ck_copy(stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len)
-                                        : smp_error(SMP_ERR_NOMEM, "out of memory staging '%s'", it->name);
-                            if (!st) st = st2;
-                            if (!st) st = sink(ctx, idx, off, stage, len);
-                            smp__ckpt_free(stage);
-                        }
-                    }
-                } else {
-                    int slot = (int)(done % K);
-                    len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
-                    snprintf(what, sizeof what, "checkpoint data of '%s' from world rank %d", it->name, src);
-                    double tw = MPI_Wtime();
-                    smp__ck_wait(&req[slot], what, src);
-                    smp__ck_tw += MPI_Wtime() - tw; tw = MPI_Wtime();
-                    if (!st) st = sink(ctx, idx, off, buf[slot], len);
-                    smp__ck_ts += MPI_Wtime() - tw;
-                    done++;
-                }
-                off += len;
+        smp__ck_io io;
+        pthread_t th;
+        for (i = 0; i < pl->n && threaded; i++) /* device tensors are staged on the main thread */
+            if (smp__ck_source(pl, &pl->items[i]) == receiver && pl->items[i].local && pl->items[i].local->device >= 0)
+                threaded = 0;
+        if (threaded) {
+            memset(&io, 0, sizeof io);
+            io.sink = sink;
+            io.ctx = ctx;
+            pthread_mutex_init(&io.mu, NULL);
+            pthread_cond_init(&io.cv, NULL);
+            if (pthread_create(&th, NULL, smp__ck_io_main, &io) == 0) {
+                rx.io = &io;
+            } else {
+                pthread_cond_destroy(&io.cv);
+                pthread_mutex_destroy(&io.mu);
             }
         }
-        SMP_ASSERT(posted == done);
+        st = smp__ck_receive(&rx, sink, ctx);
+        if (rx.io) {
+            pthread_mutex_lock(&io.mu);
+            io.quit = 1;
+            pthread_cond_broadcast(&io.cv);
+            pthread_mutex_unlock(&io.mu);
+            pthread_join(th, NULL);
+            if (!st) st = io.st;
+            pthread_cond_destroy(&io.cv);
+            pthread_mutex_destroy(&io.mu);
+        }
     } else {
         long sent = 0, k;
         for (q = 0; q < pl->n; q++) {
@@ -2548,32 +2756,33 @@ static smp_status smp__ck_stream(smp__ck_plan *pl, int receiver, smp__ck_sink_fn
             SMP_ASSERT(it->local != NULL);
             while (off < it->nbytes) {
                 int slot = (int)(sent % K);
-                size_t len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
+                size_t len = it->nbytes - off < pl->chunk ? (size_t)(it->nbytes - off) : pl->chunk;
                 const void *p;
-                if (sent >= K) {
+                if (sent >= K) { /* senders may sleep between polls: the receiver drives the copy */
                     snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
-                    smp__ck_wait(&req[slot], what, receiver);
+                    smp_wait_requests(1, &rx.req[slot], what, SMP_WORLD, receiver);
                 }
                 if (it->local->device < 0) {
                     p = (const uint8_t *)it->local->data + off;
                 } else { /* send what the copy gave; a failure fails the save later */
-                    SMP__CK_SLOT(slot);
-                    st2 = smp__ck_copy(buf[slot], SMP_HOST, (const uint8_t *)it->local->data + off, it->local->device, len);
+                    if (!rx.buf[slot] && !(rx.buf[slot] = (uint8_t *)SMP_MALLOC(rx.cap)))
+                        smp__fatal("out of memory for a %zu-byte checkpoint transfer buffer", rx.cap);
+                    st2 = smp__ck_copy(rx.buf[slot], SMP_HOST, (const uint8_t *)it->local->data + off,
+                                       it->local->device, len);
                     if (!st) st = st2;
-                    p = buf[slot];
+                    p = rx.buf[slot];
                 }
-                MPI_Isend(p, (int)len, MPI_BYTE, receiver, SMP__CK_TAG, pl->comm, &req[slot]);
+                MPI_Isend(p, (int)len, MPI_BYTE, receiver, SMP__CK_TAG, pl->comm, &rx.req[slot]);
                 sent++;
                 off += len;
             }
         }
         for (k = sent > K ? sent - K : 0; k < sent; k++) {
             snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
-            smp__ck_wait(&req[k % K], what, receiver);
+            smp_wait_requests(1, &rx.req[k % K], what, SMP_WORLD, receiver);
         }
     }
-    for (i = 0; i < K; i++) smp__ckpt_free(buf[i]);
-#undef SMP__CK_SLOT
+    for (i = 0; i < K; i++) smp__ckpt_free(rx.buf[i]);
     return st;
 }
 
@@ -2799,22 +3008,16 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
                                                 (const char *const *)md.vals, md.n)
                          : smp_error(SMP_ERR_NOMEM, "smp_save: out of memory");
         }
-        double T0 = MPI_Wtime(), T1, T2, T3, T4 = 0, T5 = 0;
         st = smp__agree_on(pl.comm, st, "opening the checkpoint file");
         if (st) goto done; /* w is NULL wherever opening failed */
-        T1 = MPI_Wtime();
-        st = smp__ck_stream(&pl, writer, smp__ck_file_sink, w);
-        T2 = MPI_Wtime();
+        st = smp__ck_stream(&pl, writer, smp__ck_file_sink, w, 1);
         st = smp__agree_on(pl.comm, st, "writing the checkpoint");
-        T3 = MPI_Wtime();
         if (w) {
             if (st) smp_ckpt_writer_abort(w);
-            else { st = smp__ckpt_writer_seal(w); T4 = MPI_Wtime(); if (!st) st = smp__ckpt_writer_publish(w); T5 = MPI_Wtime(); }
+            else st = smp_ckpt_writer_commit(w);
             w = NULL;
         }
         st = smp__agree_on(pl.comm, st, "committing the checkpoint file");
-        if (getenv("CKT") && pl.rank == writer) fprintf(stderr, "[wait %.0f remote-sink %.0f local-sink %.0f] ", smp__ck_tw*1e3, smp__ck_ts*1e3, smp__ck_tl*1e3), smp__ck_tw = smp__ck_ts = smp__ck_tl = 0;
-        if (getenv("CKT") && pl.rank == writer) fprintf(stderr, "full save: open-agree %.0f stream %.0f agree %.0f seal %.0f publish %.0f agree %.0f\n", (T1-T0)*1e3, (T2-T1)*1e3, (T3-T2)*1e3, (T4-T3)*1e3, (T5-T4)*1e3, (MPI_Wtime()-T5)*1e3);
     }
 
 done:
@@ -3083,19 +3286,13 @@ SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *
     partial = d.partial != SMP_OFF;
     st = smp__agree_on(smp_group_comm(SMP_WORLD), smp__ck_check_load(m, path, &d), "smp_load arguments");
     if (st) return st;
-    double T[8]; T[0] = MPI_Wtime();
     st = smp__ck_plan_init(&pl, m, d.optimizer, 0);
     st = smp__agree_on(pl.comm, st, "planning the load");
-    T[1] = MPI_Wtime();
     /* 1. headers; 2. names, dtypes, shapes; 3. checksums; 4. copies */
     if (!st) st = smp__agree_on(pl.comm, smp__ck_open_set(path, partial, &files, &nf), "opening the checkpoint");
-    T[2] = MPI_Wtime();
     if (!st) st = smp__agree_on(pl.comm, smp__ck_match(&pl, files, nf, partial, d.optimizer != NULL),
                                 "checking the checkpoint against the model");
-    T[3] = MPI_Wtime();
-    if (!st) { smp_status vs = smp__ck_verify_local(&pl, files); T[4] = MPI_Wtime(); st = smp__agree_on(pl.comm, vs, "verifying the checkpoint's checksums"); }
-    T[5] = MPI_Wtime();
-    if (getenv("CKT")) fprintf(stderr, "[%d] plan %.1f open %.1f match %.1f verify %.1f vagree %.1f ", pl.rank, (T[1]-T[0])*1e3, (T[2]-T[1])*1e3, (T[3]-T[2])*1e3, (T[4]-T[3])*1e3, (T[5]-T[4])*1e3);
+    if (!st) st = smp__agree_on(pl.comm, smp__ck_verify_local(&pl, files), "verifying the checkpoint's checksums");
     if (!st) {
         smp_status cs = SMP_OK;
         for (i = 0; i < pl.n; i++) {
@@ -3105,9 +3302,7 @@ SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *
             s2 = smp__ck_copy(it->local->data, it->local->device, it->bytes, SMP_HOST, (size_t)it->nbytes);
             if (!cs) cs = s2;
         }
-        T[6] = MPI_Wtime();
         st = smp__agree_on(pl.comm, cs, "copying the checkpoint into the model");
-        if (getenv("CKT")) fprintf(stderr, "copy %.1f cagree %.1f\n", (T[6]-T[5])*1e3, (MPI_Wtime()-T[6])*1e3);
     }
     if (!st && d.on_meta) {
         for (i = 0; i < smp_ckpt_meta_count(files[0]); i++) {
@@ -3201,7 +3396,7 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
         }
     }
     st = smp__agree_on(pl.comm, st, "preparing the state dict");
-    if (!st) st = smp__agree_on(pl.comm, smp__ck_stream(&pl, root, smp__ck_mem_sink, out), "gathering the state dict");
+    if (!st) st = smp__agree_on(pl.comm, smp__ck_stream(&pl, root, smp__ck_mem_sink, out, 0), "gathering the state dict");
     if (st) smp_state_dict_free(out);
     else if (pl.rank != root) memset(out, 0, sizeof *out);
     smp__ck_plan_free(&pl);

@@ -169,6 +169,18 @@ SMPDEF smp_status smp_nccl_synchronize(void);
    engine stream is ordered after it). */
 SMPDEF smp_status smp_nccl_copy(void *dst, int dst_device, const void *src, int src_device, size_t n);
 
+/* Device memory of this rank's GPU, ordered on the engine stream (stream-
+   ordered cudaMallocAsync/cudaFreeAsync where the device supports memory
+   pools, else cudaMalloc/cudaFree). smp_nccl_alloc returns NULL and sets
+   smp_last_error() on failure. Free a buffer a transfer used only after
+   smp_nccl_wait on that transfer. */
+SMPDEF void *smp_nccl_alloc(size_t bytes);
+SMPDEF void smp_nccl_free(void *p);
+/* dst += src elementwise on the engine stream (f16/bf16 added in f32 and
+   rounded, as on the host). Needs the implementation compiled by nvcc (a
+   .cu file); elsewhere it returns SMP_ERR_STATE. */
+SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t n);
+
 /* ---------------------------------------------------------------- point to point */
 typedef struct smp_nccl_request smp_nccl_request;
 
@@ -1603,6 +1615,69 @@ SMPDEF smp_status smp_nccl_sendrecv(const void *sendbuf, size_t sendbytes, int d
     return st ? st : st2 ? st2 : st3;
 }
 
+/* ---------------------------------------------------------------- device memory, add */
+SMPDEF void *smp_nccl_alloc(size_t bytes) {
+    if (smp__nc_ready("smp_nccl_alloc")) return NULL;
+    void *p = NULL;
+    cudaError_t e = smp__nc.pools ? cudaMallocAsync(&p, bytes ? bytes : 1, smp__nc_engine) : cudaMalloc(&p, bytes ? bytes : 1);
+    if (e != cudaSuccess) {
+        smp__nc_cuda_fail(e, smp__nc.pools ? "cudaMallocAsync" : "cudaMalloc");
+        return NULL;
+    }
+    return p;
+}
+
+SMPDEF void smp_nccl_free(void *p) {
+    if (!p || smp__nc_ready("smp_nccl_free")) return;
+    cudaError_t e = smp__nc.pools ? cudaFreeAsync(p, smp__nc_engine) : cudaFree(p);
+    if (e != cudaSuccess) smp_log(SMP_LOG_WARN, "smp_nccl_free: %s failed: %s", smp__nc.pools ? "cudaFreeAsync" : "cudaFree", cudaGetErrorString(e));
+}
+
+#ifdef __CUDACC__
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+/* Grid-stride loops; halves go through f32 like smp's host arithmetic. */
+template <typename T> __global__ void smp__nc_add_kernel(T *d, const T *s, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) d[i] = (T)(d[i] + s[i]);
+}
+__global__ void smp__nc_add_f16(__half *d, const __half *s, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        d[i] = __float2half_rn(__half2float(d[i]) + __half2float(s[i]));
+}
+__global__ void smp__nc_add_bf16(__nv_bfloat16 *d, const __nv_bfloat16 *s, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        d[i] = __float2bfloat16_rn(__bfloat162float(d[i]) + __bfloat162float(s[i]));
+}
+#endif
+
+SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t n) {
+    SMP__TRY(smp__nc_ready("smp_nccl_add"));
+    if (n < 0) return smp_error(SMP_ERR_ARG, "smp_nccl_add: negative count %lld", (long long)n);
+    size_t bytes = (size_t)n * smp_dtype_size(dt);
+    if (!smp_dtype_size(dt)) return smp_error(SMP_ERR_ARG, "smp_nccl_add: invalid dtype %d", (int)dt);
+    if (!n) return SMP_OK;
+    SMP__TRY(smp__nc_check_ptr("dst", dst, smp__nc.device, bytes));
+    SMP__TRY(smp__nc_check_ptr("src", src, smp__nc.device, bytes));
+#ifdef __CUDACC__
+    long long nn = (long long)n;
+    unsigned grid = (unsigned)((nn + 255) / 256 < 4096 ? (nn + 255) / 256 : 4096);
+    cudaStream_t s = smp__nc_engine;
+    switch (dt) {
+    case SMP_F32: smp__nc_add_kernel<float><<<grid, 256, 0, s>>>((float *)dst, (const float *)src, nn); break;
+    case SMP_F64: smp__nc_add_kernel<double><<<grid, 256, 0, s>>>((double *)dst, (const double *)src, nn); break;
+    case SMP_I32: smp__nc_add_kernel<int32_t><<<grid, 256, 0, s>>>((int32_t *)dst, (const int32_t *)src, nn); break;
+    case SMP_I64: smp__nc_add_kernel<int64_t><<<grid, 256, 0, s>>>((int64_t *)dst, (const int64_t *)src, nn); break;
+    case SMP_F16: smp__nc_add_f16<<<grid, 256, 0, s>>>((__half *)dst, (const __half *)src, nn); break;
+    case SMP_BF16: smp__nc_add_bf16<<<grid, 256, 0, s>>>((__nv_bfloat16 *)dst, (const __nv_bfloat16 *)src, nn); break;
+    default: smp__nc_add_kernel<uint8_t><<<grid, 256, 0, s>>>((uint8_t *)dst, (const uint8_t *)src, nn); break;
+    }
+    SMP__CU(cudaGetLastError, ());
+    return SMP_OK;
+#else
+    return smp_error(SMP_ERR_STATE, "smp_nccl_add: needs smp_nccl.h's implementation compiled by nvcc (define SMP_IMPLEMENTATION in a .cu file)");
+#endif
+}
+
 /* ---------------------------------------------------------------- public helpers */
 SMPDEF smp_status smp_nccl_copy(void *dst, int dst_device, const void *src, int src_device, size_t n) {
     return smp__nc_copy(dst, dst_device, src, src_device, n);
@@ -1633,6 +1708,24 @@ SMPDEF ncclComm_t smp_nccl_comm(smp_group g) {
     return smp__nc.comm[smp__nc.alias[g]];
 }
 
+#ifdef SMP_DEVICE_BACKEND_P2P
+/* The backend table's point-to-point entries (see smp.h), with opaque requests. */
+static smp_status smp__nc_b_isend(const void *buf, size_t bytes, int peer, smp_group g, void **req) {
+    smp_nccl_request *r = NULL;
+    smp_status st = smp_nccl_isend(buf, bytes, peer, g, &r);
+    *req = r;
+    return st;
+}
+static smp_status smp__nc_b_irecv(void *buf, size_t bytes, int peer, smp_group g, void **req) {
+    smp_nccl_request *r = NULL;
+    smp_status st = smp_nccl_irecv(buf, bytes, peer, g, &r);
+    *req = r;
+    return st;
+}
+static smp_status smp__nc_b_test(void *req, bool *done) { return smp_nccl_test((smp_nccl_request *)req, done); }
+static smp_status smp__nc_b_wait(void *req) { return smp_nccl_wait((smp_nccl_request *)req); }
+#endif
+
 SMPDEF void smp_nccl_register(void) {
     smp_device_backend b;
     memset(&b, 0, sizeof b);
@@ -1646,6 +1739,17 @@ SMPDEF void smp_nccl_register(void) {
     b.copy = smp__nc_copy;
     b.on_init = smp__nc_on_init;
     b.on_finalize = smp__nc_on_finalize;
+#ifdef SMP_DEVICE_BACKEND_P2P
+    b.p2p_connect = smp_nccl_p2p_connect;
+    b.isend = smp__nc_b_isend;
+    b.irecv = smp__nc_b_irecv;
+    b.test = smp__nc_b_test;
+    b.wait = smp__nc_b_wait;
+    b.alloc = smp_nccl_alloc;
+    b.dealloc = smp_nccl_free;
+    b.add = smp_nccl_add;
+    b.synchronize = smp_nccl_synchronize;
+#endif
     smp_register_device_backend(&b);
 }
 
