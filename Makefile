@@ -58,9 +58,9 @@ test-quick: build-gcc
 	@test/run.sh build/gcc "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(SCRIPT_TESTS)" "1 2 4"
 
 # ---------------------------------------------------------------- examples and the demo
-EXAMPLES := fmnist
+EXAMPLES := fmnist fmnist_infer
 EXLIBS   := -lopenblas -lz -lm
-build/examples/%: examples/%.c $(HEADERS) examples/mlp_engine.h | build/examples
+build/examples/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h | build/examples
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) -O2 -g -Iexamples -I. $< -o $@ $(EXLIBS)
 build/examples:
 	@mkdir -p $@
@@ -69,7 +69,7 @@ examples: $(addprefix build/examples/,$(EXAMPLES))
 # The main job: Fashion-MNIST on NP processes, 2 partitions (x replicas with NP=4).
 demo: deps
 	@$(MAKE) --no-print-directory build/examples/fmnist
-	mpirun -n $(NP) build/examples/fmnist --partitions 2 $(if $(filter-out 1 2,$(NP)),--ddp) $(DEMO_ARGS)
+	mpirun -n $(NP) build/examples/fmnist --partitions 2 $(if $(filter-out 1 2,$(NP)),--ddp) --checkpoint build/fmnist.safetensors $(DEMO_ARGS)
 
 # ---------------------------------------------------------------- benchmarks
 build/bench/%: bench/%.c $(HEADERS) | build/bench

@@ -2994,6 +2994,7 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
         st = smp__agree_on(pl.comm, st, "writing the partial checkpoint files");
         if (st) {
             if (w) smp_ckpt_writer_abort(w); /* deletes the sealed tmp file */
+            w = NULL;
             goto done;
         }
         /* 2. every file is complete on disk: rename them all into place */

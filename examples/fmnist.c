@@ -1,6 +1,6 @@
 /* fmnist.c - Fashion-MNIST trained split across processes with smp.
 
-   An MLP (784 -> 256 -> 256 -> 128 -> 128 -> 10, ReLU) whose layers are
+   An MLP (784 -> 512 -> 512 -> 256 -> 128 -> 10, ReLU) whose layers are
    smp modules; smp splits them into pipeline stages (partitions) and, with
    "ddp", trains several replicas on shards of the data. The loop follows
    SageMaker's reference training script line by line:
@@ -27,7 +27,8 @@
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
-#include "mlp_engine.h"
+#include "smp_checkpoint.h"
+#include "fmnist_model.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,6 +42,9 @@ typedef struct options {
     const char *data_dir, *config_json;
     smp_config cfg;
     long max_steps; /* stop after this many steps (tests); 0: no limit */
+    long epoch_steps; /* steps per epoch (tests); 0: the whole training set */
+    const char *checkpoint; /* saved after every epoch */
+    bool partial, resume;
     bool print_losses; /* every step's loss, exactly (tests compare runs bit for bit) */
 } options;
 
@@ -49,6 +53,7 @@ static void usage(const char *prog) {
             "usage: %s [--epochs N] [--batch B] [--lr X] [--lr-decay X] [--seed S]\n"
             "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved]\n"
             "          [--ddp] [--deterministic] [--manual] [--config JSON] [--data DIR]\n"
+            "          [--checkpoint PATH] [--partial] [--resume]\n"
             "  --batch is the global batch: every replica gets batch / replicas rows\n"
             "  --manual places layers with SMP_PARTITION contexts instead of auto-partitioning\n",
             prog);
@@ -56,11 +61,12 @@ static void usage(const char *prog) {
 
 static int parse_options(int argc, char **argv, options *o) {
     memset(o, 0, sizeof *o);
-    o->epochs = 6;
+    o->epochs = 5;
     o->batch = 128;
     o->lr = 1e-3f;
-    o->lr_decay = 0.7f;
+    o->lr_decay = 0.5f;
     o->seed = 1;
+    o->checkpoint = "fmnist.safetensors";
     o->cfg.partitions = 2;
     o->cfg.microbatches = 4;
     for (int i = 1; i < argc; i++) {
@@ -77,6 +83,10 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (OPT("--config")) o->config_json = v;
         else if (OPT("--data")) o->data_dir = v;
         else if (OPT("--max-steps")) o->max_steps = atol(v);
+        else if (OPT("--epoch-steps")) o->epoch_steps = atol(v);
+        else if (OPT("--checkpoint")) o->checkpoint = v;
+        else if (!strcmp(a, "--partial")) o->partial = true;
+        else if (!strcmp(a, "--resume")) o->resume = true;
         else if (!strcmp(a, "--print-losses")) o->print_losses = true;
         else if (!strcmp(a, "--ddp")) o->cfg.ddp = SMP_ON;
         else if (!strcmp(a, "--deterministic")) o->cfg.deterministic_reduction = SMP_ON;
@@ -93,105 +103,6 @@ static int parse_options(int argc, char **argv, options *o) {
     return 0;
 }
 
-/* ---------------------------------------------------------------- layers as smp modules */
-enum { NLAYERS = 5 };
-static const int widths[NLAYERS + 1] = {FM_PIXELS, 256, 256, 128, 128, FM_CLASSES};
-
-typedef struct linear { smp_param *weight, *bias; int in, out; } linear;
-
-static smp_status linear_forward(smp_call_ctx *c) {
-    const linear *l = smp_module_user(smp_call_module(c));
-    const smp_tensor *x = smp_call_input(c, 0);
-    int n = (int)x->shape[0];
-    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, (int64_t[]){n, l->out});
-    mlp_linear_forward(x->data, smp_param_value(l->weight)->data, smp_param_value(l->bias)->data, y->data, n, l->in, l->out);
-    return SMP_OK;
-}
-
-static smp_status linear_backward(smp_call_ctx *c) {
-    const linear *l = smp_module_user(smp_call_module(c));
-    const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
-    smp_tensor *dx = smp_call_grad_input(c, 0); /* NULL for the first layer: images need no gradient */
-    mlp_linear_backward(x->data, smp_param_value(l->weight)->data, dy->data, dx ? dx->data : NULL,
-                        smp_param_grad(l->weight)->data, smp_param_grad(l->bias)->data, (int)x->shape[0], l->in, l->out);
-    return SMP_OK;
-}
-
-static smp_status relu_forward(smp_call_ctx *c) {
-    const smp_tensor *x = smp_call_input(c, 0);
-    smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
-    mlp_relu_forward(x->data, y->data, (size_t)smp_tensor_numel(x));
-    return SMP_OK;
-}
-
-static smp_status relu_backward(smp_call_ctx *c) {
-    const smp_tensor *y = smp_call_output_value(c, 0), *dy = smp_call_grad_output(c, 0);
-    smp_tensor *dx = smp_call_grad_input(c, 0);
-    if (dx) mlp_relu_backward(y->data, dy->data, dx->data, (size_t)smp_tensor_numel(y));
-    return SMP_OK;
-}
-
-/* Kaiming-uniform weights, zero biases; smp hands each parameter its own seed. */
-static void init_weight(smp_tensor *w, uint64_t seed, void *user) {
-    (void)user;
-    mlp_init(w->data, (size_t)smp_tensor_numel(w), "weight", seed, mlp_kaiming_bound((int)w->shape[1]));
-}
-
-typedef struct mlp {
-    smp_module *root, *fc[NLAYERS], *act[NLAYERS - 1];
-    linear lin[NLAYERS];
-} mlp;
-
-static smp_status mlp_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
-    (void)m, (void)nin, (void)nout;
-    mlp *net = user;
-    smp_tensor h = in[0];
-    for (int i = 0; i < NLAYERS; i++) {
-        smp_status st = smp_call(net->fc[i], &h, 1, i == NLAYERS - 1 ? out : &h, 1);
-        if (!st && i < NLAYERS - 1) st = smp_call(net->act[i], &h, 1, &h, 1);
-        if (st) return st;
-    }
-    return SMP_OK;
-}
-
-/* Builds the model. With --manual the layers go to partitions by
-   SMP_PARTITION contexts, as in the reference's manual-partitioning script;
-   otherwise smp splits the traced calls itself. */
-static smp_status build_model(mlp *net, int partitions, smp_model **model) {
-    static const smp_module_desc fc = {linear_forward, linear_backward, NULL}, relu = {relu_forward, relu_backward, NULL};
-    net->root = smp_module_new(NULL, "", NULL);
-    for (int i = 0; i < NLAYERS; i++) {
-        char name[16];
-        SMP_PARTITION(i * partitions / NLAYERS) {
-            snprintf(name, sizeof name, "fc%d", i);
-            smp_module_desc d = fc;
-            d.user = &net->lin[i];
-            net->lin[i].in = widths[i];
-            net->lin[i].out = widths[i + 1];
-            net->fc[i] = smp_module_new(net->root, name, &d);
-            net->lin[i].weight = smp_param_new(net->fc[i], "weight", SMP_F32, 2, (int64_t[]){widths[i + 1], widths[i]}, init_weight, NULL);
-            net->lin[i].bias = smp_param_new(net->fc[i], "bias", SMP_F32, 1, (int64_t[]){widths[i + 1]}, smp_init_constant, NULL);
-            if (i < NLAYERS - 1) {
-                snprintf(name, sizeof name, "act%d", i);
-                net->act[i] = smp_module_new(net->root, name, &relu);
-            }
-        }
-    }
-    return smp_model_new(net->root, &(smp_model_desc){.forward = mlp_forward, .user = net}, model);
-}
-
-/* ---------------------------------------------------------------- the step */
-/* Runs once per microbatch where the logits live: loss and its gradient. */
-SMP_STEP_BODY(train_body) {
-    const smp_tensor *logits = smp_mb_output(mb, 0), *labels = smp_mb_arg(mb, 1);
-    smp_tensor *dlogits = smp_mb_output_grad(mb, 0); /* NULL in evaluation */
-    int n = (int)logits->shape[0];
-    float loss = mlp_xent_loss(logits->data, labels->data, n, FM_CLASSES, dlogits ? dlogits->data : NULL, 1.0f / (float)n);
-    float correct = (float)mlp_count_correct(logits->data, labels->data, n, FM_CLASSES);
-    smp_status st = smp_mb_return_f32(mb, 0, loss);
-    return st ? st : smp_mb_return_f32(mb, 1, correct);
-}
-
 /* ---------------------------------------------------------------- the optimizer */
 /* Adam over this rank's parameters (smp.DistributedOptimizer: each rank
    steps the parameters it owns). */
@@ -200,19 +111,30 @@ typedef struct adam {
     int64_t t;
     float **m, **v;
     int nparams;
+    smp_optimizer *state; /* what checkpoints save: exp_avg, exp_avg_sq per parameter, the step */
 } adam;
 
-static void adam_init(adam *o, smp_model *model, float lr) {
+/* After partitioning: moments for the local parameters, registered as
+   named optimizer state so smp_save / smp_load carry them. */
+static smp_status adam_init(adam *o, smp_model *model, float lr) {
     memset(o, 0, sizeof *o);
     o->cfg = mlp_adam_defaults(lr);
     while (smp_model_param(model, o->nparams, false)) o->nparams++;
     o->m = calloc((size_t)o->nparams, sizeof *o->m);
     o->v = calloc((size_t)o->nparams, sizeof *o->v);
-    for (int i = 0; i < o->nparams; i++) {
-        size_t n = (size_t)smp_tensor_numel(smp_param_value(smp_model_param(model, i, false)));
-        o->m[i] = calloc(n, sizeof(float));
-        o->v[i] = calloc(n, sizeof(float));
+    smp_status st = smp_optimizer_new(model, &o->state);
+    smp_tensor step = smp_tensor_1d(&o->t, SMP_I64, 1);
+    if (!st) st = smp_optimizer_state_add(o->state, NULL, "step", &step);
+    for (int i = 0; i < o->nparams && !st; i++) {
+        smp_param *p = smp_model_param(model, i, false);
+        smp_tensor m = *smp_param_value(p), v = m;
+        size_t n = (size_t)smp_tensor_numel(&m);
+        m.data = o->m[i] = calloc(n, sizeof(float));
+        v.data = o->v[i] = calloc(n, sizeof(float));
+        st = smp_optimizer_state_add(o->state, smp_param_name(p), "exp_avg", &m);
+        if (!st) st = smp_optimizer_state_add(o->state, smp_param_name(p), "exp_avg_sq", &v);
     }
+    return st;
 }
 
 static void adam_step(adam *o, smp_model *model) {
@@ -225,6 +147,7 @@ static void adam_step(adam *o, smp_model *model) {
 }
 
 static void adam_free(adam *o) {
+    smp_optimizer_free(o->state);
     for (int i = 0; i < o->nparams; i++) { free(o->m[i]); free(o->v[i]); }
     free(o->m);
     free(o->v);
@@ -245,26 +168,15 @@ static void progress(int epoch, int epochs, long done, long total, double loss, 
     }
 }
 
-/* Pipelined evaluation over a dataset: returns accuracy. */
-static smp_status evaluate(smp_model *model, const fm_dataset *ds, int batch, double *accuracy) {
-    int64_t n = (int64_t)ds->n / batch * batch, correct = 0;
-    for (int64_t at = 0; at < n; at += batch) {
-        smp_tensor x = smp_tensor_2d(ds->images + at * FM_PIXELS, SMP_F32, batch, FM_PIXELS);
-        smp_tensor y = smp_tensor_1d(ds->labels + at, SMP_U8, batch);
-        smp_step_output out[2] = {{0}, {0}};
-        smp_status st = SMP_EVAL_STEP(model, train_body, NULL, out, 2, x, y);
-        if (st) return st;
-        float sum;
-        smp_step_output_reduce_sum(&out[1], &(smp_tensor){.data = &sum, .dtype = SMP_F32});
-        correct += (int64_t)sum;
-        smp_step_output_free(&out[0]);
-        smp_step_output_free(&out[1]);
-    }
-    *accuracy = n ? (double)correct / (double)n : 0;
-    return SMP_OK;
-}
-
 static double now(void) { return MPI_Wtime(); }
+
+/* What a checkpoint's metadata says about where training stopped. */
+typedef struct resume_state { int epoch; long steps; } resume_state;
+static void on_meta(const char *key, const char *value, void *user) {
+    resume_state *r = user;
+    if (!strcmp(key, "epoch")) r->epoch = atoi(value);
+    else if (!strcmp(key, "step")) r->steps = atol(value);
+}
 
 int main(int argc, char **argv) {
     options opt;
@@ -307,21 +219,33 @@ int main(int argc, char **argv) {
         smp_finalize(); MPI_Finalize(); return 1;
     }
     smp_sampler_desc sampler = {(int64_t)train.n, local_batch, (uint64_t)opt.seed, true, true};
-    int64_t *idx = malloc(sizeof(int64_t) * (train.n / (size_t)smp_dp_size() + 1));
+    int64_t *idx = malloc(sizeof(int64_t) * (train.n / (size_t)smp_dp_size() + (size_t)local_batch));
     float *xb = malloc(sizeof(float) * (size_t)local_batch * FM_PIXELS);
     uint8_t *yb = malloc((size_t)local_batch);
-    adam opt_state = {0};
-    bool optimizer_ready = false;
-    long steps = 0;
+
+    /* partition now (the reference does it at the first step) so the
+       optimizer knows its parameters and a checkpoint can be loaded */
+    smp_tensor sample = smp_tensor_2d(train.images, SMP_F32, local_batch / cfg->microbatches, FM_PIXELS);
+    adam opt_state;
+    if (!(st = smp_model_trace(model, &sample, 1))) st = adam_init(&opt_state, model, opt.lr);
+    resume_state resumed = {0, 0};
+    if (!st && opt.resume) {
+        st = smp_load(model, opt.checkpoint, &(smp_load_desc){.partial = opt.partial ? SMP_ON : SMP_OFF, .optimizer = opt_state.state,
+                                                             .on_meta = on_meta, .user = &resumed});
+        if (!st && smp_rank() == 0) printf("resumed from %s after epoch %d (step %ld)\n", opt.checkpoint, resumed.epoch, resumed.steps);
+    }
+    if (st) { fprintf(stderr, "fmnist: rank %d: %s\n", smp_rank(), smp_last_error()); smp_finalize(); MPI_Finalize(); return 1; }
+    long steps = resumed.steps;
 
     if (smp_rank() == 0)
         printf("fmnist: %d processes, %d partitions x %d replicas, batch %d (%lld per replica) in %d microbatches, %s pipeline\n",
                smp_size(), cfg->partitions, smp_dp_size(), opt.batch, (long long)local_batch, cfg->microbatches,
                cfg->pipeline == SMP_PIPELINE_SIMPLE ? "simple" : "interleaved");
 
-    for (int epoch = 0; epoch < opt.epochs && (!opt.max_steps || steps < opt.max_steps); epoch++) {
+    for (int epoch = resumed.epoch; epoch < opt.epochs && (!opt.max_steps || steps < opt.max_steps); epoch++) {
         int64_t count, batches;
         smp_sampler_indices(&sampler, epoch, idx, &count, &batches);
+        if (opt.epoch_steps && batches > opt.epoch_steps) batches = opt.epoch_steps;
         if ((st = smp_agree_batches(batches))) break;
         double t0 = now(), loss_sum = 0;
         int64_t b = 0;
@@ -340,7 +264,6 @@ int main(int argc, char **argv) {
             smp_tensor loss_t = smp_tensor_1d(&loss, SMP_F64, 1);
             smp_all_reduce(&loss_t, &loss_t, SMP_AVG, SMP_DP_GROUP);    /* the global batch's loss */
             if (opt.print_losses && smp_rank() == 0) printf("step %ld loss %a\n", steps, loss);
-            if (!optimizer_ready) { adam_init(&opt_state, model, opt.lr); optimizer_ready = true; }
             opt_state.cfg.lr = opt.lr * powf(opt.lr_decay, (float)epoch);
             adam_step(&opt_state, model);                             /* optimizer.step() */
             loss_sum += loss;
@@ -352,13 +275,23 @@ int main(int argc, char **argv) {
         if (st) break;
         double secs = now() - t0;
         progress(epoch + 1, opt.epochs, b, batches, loss_sum / (double)b, (double)b * opt.batch / secs, true);
+        /* a checkpoint per epoch; smp writes it from dp rank 0 of each partition */
+        char e[32], n[32], mean_s[32], std_s[32];
+        snprintf(e, sizeof e, "%d", epoch + 1);
+        snprintf(n, sizeof n, "%ld", steps);
+        snprintf(mean_s, sizeof mean_s, "%.9g", mean);
+        snprintf(std_s, sizeof std_s, "%.9g", stdev);
+        const char *keys[] = {"epoch", "step", "pixel_mean", "pixel_std"}, *values[] = {e, n, mean_s, std_s};
+        if ((st = smp_save(model, opt.checkpoint, &(smp_save_desc){.partial = opt.partial ? SMP_ON : SMP_OFF, .optimizer = opt_state.state,
+                                                                  .meta_keys = keys, .meta_values = values, .nmeta = 4})))
+            break;
     }
     double accuracy = 0;
     if (!st) st = evaluate(model, &test, 1000, &accuracy);
     if (st) fprintf(stderr, "fmnist: rank %d: %s\n", smp_rank(), smp_last_error());
     else if (smp_rank() == 0) printf("test accuracy: %.4f\n", accuracy);
 
-    if (optimizer_ready) adam_free(&opt_state);
+    adam_free(&opt_state);
     free(idx); free(xb); free(yb);
     fm_free(&train);
     fm_free(&test);

@@ -53,6 +53,7 @@
 
 #include <cblas.h>
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -406,6 +407,10 @@ static inline void mlp_linear_forward(const float *x, const float *W,
             memcpy(y + (size_t)i * out, b, (size_t)out * sizeof(float));
         beta = 1.0f;
     }
+    if (in <= 0) { /* no inputs: y is just the bias */
+        if (!b) mlp_zero(y, (size_t)n * out);
+        return;
+    }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.0f, x,
                 in, W, in, beta, y, out);
 }
@@ -419,7 +424,11 @@ static inline void mlp_linear_forward(const float *x, const float *W,
 static inline void mlp_linear_backward(const float *x, const float *W,
                                        const float *dy, float *dx, float *dW,
                                        float *db, int n, int in, int out) {
-    if (n <= 0) return;
+    if (n <= 0 || in <= 0) return;
+    if (out <= 0) { /* nothing flows back */
+        if (dx) mlp_zero(dx, (size_t)n * in);
+        return;
+    }
     if (dx)
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, in, out,
                     1.0f, dy, out, W, in, 0.0f, dx, in);
@@ -516,10 +525,18 @@ static inline void mlp_adam_step(float *p, const float *g, float *m, float *v,
     float step = c->lr / bc1, inv_sqrt_bc2 = 1.0f / sqrtf(bc2);
     float decay = 1.0f - c->lr * c->weight_decay;
     for (size_t i = 0; i < n; i++) {
-        m[i] = b1 * m[i] + (1.0f - b1) * g[i];
-        v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
-        float denom = sqrtf(v[i]) * inv_sqrt_bc2 + c->eps;
-        p[i] = p[i] * decay - step * m[i] / denom;
+        float mi = b1 * m[i] + (1.0f - b1) * g[i];
+        float vi = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+        /* Where the gradient stays 0 (a dead ReLU unit) m decays by beta1
+           every step and soon reaches the subnormal range, where x86
+           arithmetic is many times slower: flush it (and v) to 0. The
+           update such a value would make is far below p's precision. */
+        if (fabsf(mi) < FLT_MIN) mi = 0.0f;
+        if (vi < FLT_MIN) vi = 0.0f;
+        m[i] = mi;
+        v[i] = vi;
+        float denom = sqrtf(vi) * inv_sqrt_bc2 + c->eps;
+        p[i] = p[i] * decay - step * mi / denom;
     }
 }
 

@@ -63,3 +63,22 @@ PY
 expect_error "demo/corrupt gzip is a clear error" "train-images-idx3-ubyte.gz" mpirun -n 2 "$bin" --data "$tmp/bad"
 expect_error "demo/batch that does not divide into microbatches" "does not divide into 8 microbatches" mpirun -n 2 "$bin" --batch 100 --microbatches 8
 expect_error "demo/bad --config names the key" "microbatch" mpirun -n 1 "$bin" --config '{"microbatch": 4}'
+
+# checkpoints: resume equals the uninterrupted run; inference reshards; Python reads it
+infer="$top/build/examples/fmnist_infer"
+short="--epoch-steps 12 --print-losses"
+for kind in full partial; do
+  flag=$([ $kind = partial ] && echo --partial)
+  mpirun -n 2 "$bin" --epochs 3 $short --checkpoint "$tmp/u_$kind" $flag 2>"$tmp/u.err" | grep '^step' >"$tmp/uninterrupted_$kind"
+  mpirun -n 2 "$bin" --epochs 1 $short --checkpoint "$tmp/r_$kind" $flag 2>"$tmp/r.err" | grep '^step' >"$tmp/resumed_$kind"
+  mpirun -n 2 "$bin" --epochs 3 $short --checkpoint "$tmp/r_$kind" $flag --resume 2>>"$tmp/r.err" | grep '^step' >>"$tmp/resumed_$kind"
+  same "demo/resume from a $kind checkpoint equals the uninterrupted run" "uninterrupted_$kind" "resumed_$kind"
+done
+acc=$(mpirun -n 2 "$bin" --epochs 1 --epoch-steps 40 --checkpoint "$tmp/c.safetensors" 2>&1 | sed -n 's/^test accuracy: //p')
+for p in 1 4; do
+  got=$(mpirun -n $p "$infer" --checkpoint "$tmp/c.safetensors" --partitions $p 2>&1 | sed -n 's/.*test accuracy: \([0-9.]*\).*/\1/p')
+  [ -n "$acc" ] && [ "$got" = "$acc" ] && echo "PASS: demo/inference on $p partitions from a 2-partition checkpoint: accuracy $got" \
+    || echo "FAIL: demo/inference on $p partitions from a 2-partition checkpoint: got '$got', training printed '$acc'"
+done
+if [ -n "$acc" ]; then python3 "$top/test/test_fmnist_checkpoint.py" "$tmp/c.safetensors" "$acc"
+else echo "FAIL: demo/python recomputes the checkpoint's test accuracy: training printed no accuracy"; fi

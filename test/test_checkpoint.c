@@ -1,0 +1,915 @@
+/* test_checkpoint.c - model checkpoints: smp_save / smp_load over MPI.
+
+   The model is test_pipeline.c's (4 linears, 2 relus, a skip connection),
+   with buffers of every width added (f64, i64, f16, u8, bool) so the file
+   order and alignment matter, and optimizer state registered for every
+   parameter (an f32 moment and an i64 scalar step) plus two tensors of the
+   optimizer as a whole. Every tensor's value is a function of its name and
+   a version number, so any rank of any partitioning knows what any tensor
+   should hold.
+
+   Checks, for every partition count P in {1, 2, 4} the world allows (the
+   rest of the world as data-parallel replicas):
+   - round trips, partial and full: save, perturb, load, compare bitwise;
+     the metadata callback; smp_model_state_dict against the values;
+   - resharding: save with P (partial and full), finalize, init with every Q,
+     load, compare every tensor by name;
+   - Python's safetensors reads the full checkpoint and equals the model
+     (test_checkpoint_python.py, against raw dumps this test writes);
+   - a save killed mid-way (SMP_CKPT_FAULT=data, in a separate 2-rank
+     mpirun) leaves the previous checkpoint bitwise intact and loadable;
+   - corruption: a flipped byte (full and partial), a truncated file, a wrong
+     dtype, a wrong shape, a missing and an unexpected tensor, missing
+     optimizer state, files of two saves mixed: each a clear error naming the
+     tensor, on every rank, with every tensor of the model unchanged;
+   - a save failing on one rank fails on all and leaves the previous files
+     intact with no tmp files; a load without an optimizer skips its state;
+     misuse (unpartitioned model, reserved metadata keys, wrong partial flag,
+     bad optimizer registrations) is a clear error.
+
+   Build and run from the repository root:
+     mpicc -std=c11 -Wall -Wextra -Werror -g -I. -Itest test/test_checkpoint.c -o /tmp/tc -lm
+     mpirun -n 4 /tmp/tc
+*/
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, setenv, truncate for the test itself */
+#define SMP_IMPLEMENTATION
+#include "smp.h"
+#include "smp_checkpoint.h"
+#include "test.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+enum { B = 24, D = 5, H = 6, C = 3, NLIN = 4 };
+static const int lin_in[NLIN] = {D, H, H, H}, lin_out[NLIN] = {H, H, H, C};
+
+/* ---------------------------------------------------------------- the model (test_pipeline.c's) */
+static void linear_fwd(const float *x, const float *w, const float *b, float *y, int n, int in, int out) {
+    for (int r = 0; r < n; r++)
+        for (int o = 0; o < out; o++) {
+            float acc = b[o];
+            for (int i = 0; i < in; i++) acc += x[r * in + i] * w[o * in + i];
+            y[r * out + o] = acc;
+        }
+}
+
+typedef struct { smp_param *w, *b; int in, out; } lin_state;
+
+static smp_status lin_forward(smp_call_ctx *c) {
+    lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0);
+    int64_t n = x->shape[0], shape[2] = {n, s->out};
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
+    linear_fwd((const float *)x->data, (const float *)smp_param_value(s->w)->data, (const float *)smp_param_value(s->b)->data,
+               (float *)y->data, (int)n, s->in, s->out);
+    return SMP_OK;
+}
+static smp_status relu_forward(smp_call_ctx *c) {
+    const smp_tensor *x = smp_call_input(c, 0);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    for (int64_t i = 0; i < smp_tensor_numel(x); i++) ((float *)y->data)[i] = ((const float *)x->data)[i] > 0 ? ((const float *)x->data)[i] : 0;
+    return SMP_OK;
+}
+static smp_status add_forward(smp_call_ctx *c) {
+    const smp_tensor *a = smp_call_input(c, 0), *b = smp_call_input(c, 1);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, a->ndim, a->shape);
+    for (int64_t i = 0; i < smp_tensor_numel(a); i++) ((float *)y->data)[i] = ((const float *)a->data)[i] + ((const float *)b->data)[i];
+    return SMP_OK;
+}
+
+typedef struct { smp_module *root, *lin[NLIN], *relu1, *relu5, *add3; lin_state st[NLIN]; } net;
+
+static smp_status net_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
+    (void)m; (void)nin; (void)nout;
+    net *n = (net *)user;
+    smp_tensor a0, a1, a2, a3, a4, a5, pair[2];
+    smp_status st;
+    if ((st = smp_call(n->lin[0], &in[0], 1, &a0, 1)) || (st = smp_call(n->relu1, &a0, 1, &a1, 1)) || (st = smp_call(n->lin[1], &a1, 1, &a2, 1)))
+        return st;
+    pair[0] = a2;
+    pair[1] = a0; /* the skip connection */
+    if ((st = smp_call(n->add3, pair, 2, &a3, 1)) || (st = smp_call(n->lin[2], &a3, 1, &a4, 1)) || (st = smp_call(n->relu5, &a4, 1, &a5, 1)) ||
+        (st = smp_call(n->lin[3], &a5, 1, &out[0], 1)))
+        return st;
+    return SMP_OK;
+}
+
+static smp_model *build(net *n) {
+    static const smp_module_desc relu = {relu_forward, NULL, NULL}, add = {add_forward, NULL, NULL};
+    memset(n, 0, sizeof *n);
+    n->root = smp_module_new(NULL, "", NULL);
+    const char *names[7] = {"fc0", "act1", "fc1", "skip", "fc2", "act2", "head"};
+    int lin_of_call[7] = {0, -1, 1, -1, 2, -1, 3};
+    for (int k = 0; k < 7; k++) {
+        int l = lin_of_call[k];
+        if (l >= 0) {
+            n->st[l].in = lin_in[l];
+            n->st[l].out = lin_out[l];
+            smp_module_desc d = {lin_forward, NULL, &n->st[l]};
+            n->lin[l] = smp_module_new(n->root, names[k], &d);
+            int64_t ws[2] = {lin_out[l], lin_in[l]}, bs[1] = {lin_out[l]};
+            n->st[l].w = smp_param_new(n->lin[l], "weight", SMP_F32, 2, ws, smp_init_uniform, NULL);
+            n->st[l].b = smp_param_new(n->lin[l], "bias", SMP_F32, 1, bs, smp_init_uniform, NULL);
+        } else if (k == 3) n->add3 = smp_module_new(n->root, names[k], &add);
+        else if (k == 1) n->relu1 = smp_module_new(n->root, names[k], &relu);
+        else n->relu5 = smp_module_new(n->root, names[k], &relu);
+    }
+    /* buffers of every width: the file puts 8-byte dtypes first */
+    int64_t s6[1] = {6}, s3[1] = {3}, s2[1] = {2};
+    smp_buffer_new(n->lin[0], "num_batches", SMP_I64, 0, NULL, NULL, NULL);
+    smp_buffer_new(n->lin[2], "running_mean", SMP_F64, 1, s6, NULL, NULL);
+    smp_buffer_new(n->lin[3], "scale", SMP_F16, 1, s3, NULL, NULL);
+    smp_buffer_new(n->lin[3], "mask", SMP_U8, 1, s3, NULL, NULL);
+    smp_buffer_new(n->lin[1], "flags", SMP_BOOL, 1, s2, NULL, NULL);
+    smp_model *m = NULL;
+    smp_model_desc md = {net_forward, 1, 1, n};
+    return smp_model_new(n->root, &md, &m) ? NULL : m;
+}
+
+/* ---------------------------------------------------------------- values */
+static uint64_t mix(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+/* The bytes tensor `name` holds at `version` (0/1 for bool). */
+static void fill(void *p, size_t n, smp_dtype dt, const char *name, int version) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (const unsigned char *c = (const unsigned char *)name; *c; c++) h = (h ^ *c) * 0x100000001b3ull;
+    h ^= (uint64_t)version * 0x51ed27ull;
+    for (size_t k = 0; k < n; k++) {
+        uint8_t b = (uint8_t)mix(&h);
+        ((uint8_t *)p)[k] = dt == SMP_BOOL ? (b & 1) : b;
+    }
+}
+
+/* The test's optimizer: per parameter an f32 moment shaped like it and an
+   i64 scalar step; for the whole optimizer an f64 lr and an i64[1] count. */
+typedef struct { int n; char full[40][96]; smp_tensor t[40]; smp_optimizer *reg; } opt_store;
+
+static void opt_make(opt_store *o, smp_model *m) {
+    memset(o, 0, sizeof *o);
+    smp_optimizer_new(m, &o->reg);
+    smp_param *p;
+    for (int i = 0; (p = smp_model_param(m, i, false)); i++) {
+        const smp_tensor *v = smp_param_value(p);
+        o->t[o->n] = smp_tensor_make(malloc(smp_tensor_nbytes(v)), SMP_F32, v->ndim, v->shape);
+        smp_optimizer_state_add(o->reg, smp_param_name(p), "exp_avg", &o->t[o->n]);
+        snprintf(o->full[o->n++], 96, "optimizer.%s.exp_avg", smp_param_name(p));
+        o->t[o->n] = smp_tensor_make(malloc(8), SMP_I64, 0, NULL);
+        smp_optimizer_state_add(o->reg, smp_param_name(p), "step", &o->t[o->n]);
+        snprintf(o->full[o->n++], 96, "optimizer.%s.step", smp_param_name(p));
+    }
+    int64_t one = 1;
+    o->t[o->n] = smp_tensor_make(malloc(8), SMP_F64, 0, NULL);
+    smp_optimizer_state_add(o->reg, NULL, "lr", &o->t[o->n]);
+    snprintf(o->full[o->n++], 96, "optimizer.lr");
+    o->t[o->n] = smp_tensor_make(malloc(8), SMP_I64, 1, &one);
+    smp_optimizer_state_add(o->reg, NULL, "count", &o->t[o->n]);
+    snprintf(o->full[o->n++], 96, "optimizer.count");
+}
+static void opt_free(opt_store *o) {
+    for (int i = 0; i < o->n; i++) free(o->t[i].data);
+    smp_optimizer_free(o->reg);
+}
+
+/* Sets every local tensor (parameters, buffers, optimizer state) to `version`. */
+static void set_all(smp_model *m, opt_store *o, int version) {
+    smp_param *p;
+    for (int i = 0; (p = smp_model_param(m, i, true)); i++) {
+        smp_tensor *v = smp_param_value(p);
+        fill(v->data, smp_tensor_nbytes(v), v->dtype, smp_param_name(p), version);
+    }
+    for (int i = 0; o && i < o->n; i++) fill(o->t[i].data, smp_tensor_nbytes(&o->t[i]), o->t[i].dtype, o->full[i], version);
+}
+
+/* Whether every local tensor holds `version`; names the first that does not. */
+static int check_all(smp_model *m, opt_store *o, int version, char *why, size_t cap) {
+    smp_param *p;
+    static uint8_t want[4096];
+    for (int i = 0; (p = smp_model_param(m, i, true)); i++) {
+        smp_tensor *v = smp_param_value(p);
+        fill(want, smp_tensor_nbytes(v), v->dtype, smp_param_name(p), version);
+        if (memcmp(want, v->data, smp_tensor_nbytes(v))) { snprintf(why, cap, "'%s' differs from version %d", smp_param_name(p), version); return 0; }
+    }
+    for (int i = 0; o && i < o->n; i++) {
+        fill(want, smp_tensor_nbytes(&o->t[i]), o->t[i].dtype, o->full[i], version);
+        if (memcmp(want, o->t[i].data, smp_tensor_nbytes(&o->t[i]))) { snprintf(why, cap, "'%s' differs from version %d", o->full[i], version); return 0; }
+    }
+    return 1;
+}
+
+/* A copy of every local tensor's bytes, to prove a failed load changed nothing. */
+typedef struct { uint8_t *bytes; size_t n; } snapshot;
+static snapshot snap_take(smp_model *m, opt_store *o) {
+    snapshot s = {malloc(1 << 16), 0};
+    smp_param *p;
+    for (int i = 0; (p = smp_model_param(m, i, true)); i++) {
+        size_t k = smp_tensor_nbytes(smp_param_value(p));
+        memcpy(s.bytes + s.n, smp_param_value(p)->data, k);
+        s.n += k;
+    }
+    for (int i = 0; o && i < o->n; i++) {
+        size_t k = smp_tensor_nbytes(&o->t[i]);
+        memcpy(s.bytes + s.n, o->t[i].data, k);
+        s.n += k;
+    }
+    return s;
+}
+static int snap_same(snapshot *a, smp_model *m, opt_store *o) {
+    snapshot b = snap_take(m, o);
+    int same = a->n == b.n && !memcmp(a->bytes, b.bytes, a->n);
+    free(b.bytes);
+    free(a->bytes);
+    a->bytes = NULL;
+    return same;
+}
+
+/* ---------------------------------------------------------------- harness */
+static int world, me;
+static char dir[256];
+static float g_x[B * D];
+
+static int allowed(int P) { return P <= world && world % P == 0; }
+
+static smp_model *start(int P, net *n) {
+    smp_config cfg = {0};
+    cfg.partitions = P;
+    cfg.ddp = world > P ? SMP_ON : SMP_OFF;
+    cfg.seed = 11;
+    if (smp_init(&cfg) != SMP_OK) return NULL;
+    smp_model *m = build(n);
+    smp_tensor x = smp_tensor_2d(g_x, SMP_F32, B, D);
+    if (!m || smp_model_trace(m, &x, 1) != SMP_OK) return NULL;
+    return m;
+}
+static void stop(smp_model *m) {
+    smp_model_free(m);
+    smp_finalize();
+}
+
+static void path_in(char *out, size_t cap, const char *name) { snprintf(out, cap, "%s/%s", dir, name); }
+
+typedef struct { char epoch[32], step[32], note[64]; int count; } meta_seen;
+static void on_meta(const char *k, const char *v, void *user) {
+    meta_seen *s = (meta_seen *)user;
+    s->count++;
+    if (!strcmp(k, "epoch")) snprintf(s->epoch, sizeof s->epoch, "%s", v);
+    if (!strcmp(k, "step")) snprintf(s->step, sizeof s->step, "%s", v);
+    if (!strcmp(k, "note")) snprintf(s->note, sizeof s->note, "%s", v);
+}
+static const char *mkeys[] = {"epoch", "step", "note"}, *mvals[] = {"3", "1200", "gr\u00f6\u00dfe \"q\""};
+
+static smp_status save(smp_model *m, opt_store *o, const char *path, int partial, size_t chunk) {
+    smp_save_desc d = {0};
+    d.partial = partial ? SMP_ON : SMP_OFF;
+    d.optimizer = o ? o->reg : NULL;
+    d.meta_keys = mkeys;
+    d.meta_values = mvals;
+    d.nmeta = 3;
+    d.chunk_bytes = chunk;
+    return smp_save(m, path, &d);
+}
+static smp_status load(smp_model *m, opt_store *o, const char *path, int partial, meta_seen *seen) {
+    smp_load_desc d = {0};
+    d.partial = partial ? SMP_ON : SMP_OFF;
+    d.optimizer = o ? o->reg : NULL;
+    d.on_meta = seen ? on_meta : NULL;
+    d.user = seen;
+    return smp_load(m, path, &d);
+}
+
+/* ---------------------------------------------------------------- round trips */
+static void test_roundtrip(int P, int partial, size_t chunk) {
+    char name[160], path[512], why[4096] = "";
+    snprintf(name, sizeof name, "checkpoint/round trip/P=%d/dp=%d/%s%s", P, world / P, partial ? "partial" : "full",
+             chunk ? "/chunk 40 B" : "");
+    net n;
+    smp_model *m = start(P, &n);
+    if (!m) { MPI_CHECK(0, name, "start: %s", smp_last_error()); smp_finalize(); return; }
+    opt_store o;
+    opt_make(&o, m);
+    snprintf(path, sizeof path, "%s/rt_%d_%d_%zu", dir, P, partial, chunk);
+    set_all(m, &o, 1);
+    smp_status st = save(m, &o, path, partial, chunk);
+    int ok = st == SMP_OK;
+    if (!ok) snprintf(why, sizeof why, "save: %s", smp_last_error());
+    set_all(m, &o, 2); /* perturb */
+    meta_seen seen = {{0}, {0}, {0}, 0};
+    if (ok && (st = load(m, &o, path, partial, &seen)) != SMP_OK) { ok = 0; snprintf(why, sizeof why, "load: %s", smp_last_error()); }
+    if (ok) ok = check_all(m, &o, 1, why, sizeof why);
+    if (ok && (strcmp(seen.epoch, "3") || strcmp(seen.step, "1200") || strcmp(seen.note, mvals[2]) || seen.count != 3)) {
+        ok = 0;
+        snprintf(why, sizeof why, "metadata callback saw %d entries, epoch '%s' step '%s' note '%s'", seen.count, seen.epoch, seen.step, seen.note);
+    }
+    /* a partial save wrote exactly P files, a full one exactly one */
+    if (ok && me == 0) {
+        char f[600];
+        struct stat sb;
+        for (int k = 0; k <= P && ok; k++) {
+            snprintf(f, sizeof f, "%s_%d", path, k);
+            if ((stat(f, &sb) == 0) != (partial && k < P)) { ok = 0; snprintf(why, sizeof why, "file %s %s", f, partial && k < P ? "missing" : "unexpected"); }
+        }
+        if (ok && (stat(path, &sb) == 0) != !partial) { ok = 0; snprintf(why, sizeof why, "file %s %s", path, partial ? "unexpected" : "missing"); }
+    }
+    MPI_CHECK(ok, name, "%s", why);
+
+    if (!partial && !chunk) { /* the gathered state dict, on the last rank */
+        int root = world - 1;
+        smp_state_dict sd;
+        set_all(m, &o, 4);
+        st = smp_model_state_dict(m, o.reg, root, &sd);
+        ok = st == SMP_OK;
+        snprintf(why, sizeof why, "%s", ok ? "" : smp_last_error());
+        int nparams = smp_model_num_params(m, true), want = nparams + 2 * smp_model_num_params(m, false) + 2;
+        if (ok && me == root) {
+            if (sd.n != want || sd.partial) { ok = 0; snprintf(why, sizeof why, "%d entries, expected %d", sd.n, want); }
+            for (int i = 0; i < sd.n && ok; i++) {
+                static uint8_t buf[4096];
+                size_t k = smp_tensor_nbytes(&sd.entries[i].tensor);
+                fill(buf, k, sd.entries[i].tensor.dtype, sd.entries[i].name, 4);
+                if (memcmp(buf, sd.entries[i].tensor.data, k)) { ok = 0; snprintf(why, sizeof why, "'%s' differs", sd.entries[i].name); }
+            }
+            if (ok && !smp_state_dict_find(&sd, "optimizer.head.weight.exp_avg")) { ok = 0; snprintf(why, sizeof why, "no optimizer.head.weight.exp_avg"); }
+        } else if (ok && sd.n != 0) { ok = 0; snprintf(why, sizeof why, "a non-root rank got %d entries", sd.n); }
+        smp_state_dict_free(&sd);
+        snprintf(name, sizeof name, "checkpoint/state dict gathered on rank %d/P=%d/dp=%d", root, P, world / P);
+        MPI_CHECK(ok, name, "%s", why);
+
+        smp_state_dict lsd;
+        ok = smp_model_local_state_dict(m, o.reg, &lsd) == SMP_OK && lsd.partial;
+        int local = 0;
+        smp_param *p;
+        for (int i = 0; (p = smp_model_param(m, i, true)); i++) local++;
+        ok = ok && lsd.n == local + o.n && smp_state_dict_find(&lsd, "optimizer.lr") && smp_state_dict_find(&lsd, "optimizer.lr")->data == o.t[o.n - 2].data;
+        smp_state_dict_free(&lsd);
+        snprintf(name, sizeof name, "checkpoint/local state dict holds views of this rank's tensors/P=%d", P);
+        MPI_CHECK(ok, name, "%s", smp_last_error());
+    }
+    opt_free(&o);
+    stop(m);
+}
+
+/* ---------------------------------------------------------------- resharding */
+static void test_reshard(void) {
+    static const int Ps[3] = {1, 2, 4};
+    for (int a = 0; a < 3; a++) {
+        int P = Ps[a];
+        if (!allowed(P)) continue;
+        for (int partial = 0; partial < 2; partial++) {
+            char path[512], why[4096] = "", name[160];
+            snprintf(path, sizeof path, "%s/reshard_%d_%d", dir, P, partial);
+            net n;
+            smp_model *m = start(P, &n);
+            opt_store o;
+            opt_make(&o, m);
+            set_all(m, &o, 100 + P);
+            smp_status st = save(m, &o, path, partial, partial ? 0 : 64);
+            snprintf(name, sizeof name, "checkpoint/reshard/save P=%d %s", P, partial ? "partial" : "full");
+            MPI_CHECK(st == SMP_OK, name, "%s", smp_last_error());
+            opt_free(&o);
+            stop(m);
+            for (int b = 0; b < 3; b++) {
+                int Q = Ps[b];
+                if (!allowed(Q)) continue;
+                m = start(Q, &n);
+                opt_make(&o, m);
+                set_all(m, &o, 7);
+                meta_seen seen = {{0}, {0}, {0}, 0};
+                st = load(m, &o, path, partial, &seen);
+                int ok = st == SMP_OK;
+                if (!ok) snprintf(why, sizeof why, "load: %s", smp_last_error());
+                else ok = check_all(m, &o, 100 + P, why, sizeof why);
+                snprintf(name, sizeof name, "checkpoint/reshard/%s P=%d -> Q=%d (dp %d -> %d)", partial ? "partial" : "full", P, Q, world / P, world / Q);
+                MPI_CHECK(ok, name, "%s", why);
+                opt_free(&o);
+                stop(m);
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- Python */
+static const char *script_path(const char *file) {
+    static char path[1024];
+    const char *slash = strrchr(__FILE__, '/');
+    if (slash) snprintf(path, sizeof path, "%.*s/%s", (int)(slash - __FILE__), __FILE__, file);
+    else snprintf(path, sizeof path, "%s", file);
+    return path;
+}
+
+/* Raw dumps of every tensor (by the rank that saves it) for the script to
+   compare the full checkpoint with. */
+static void dump_one(FILE *man, const char *edir, const char *nm, const smp_tensor *t) {
+    char path[700];
+    snprintf(path, sizeof path, "%s/%s.bin", edir, nm);
+    FILE *f = fopen(path, "wb");
+    if (f) {
+        fwrite(t->data, 1, smp_tensor_nbytes(t), f);
+        fclose(f);
+    }
+    fprintf(man, "%s %s %d", nm, smp_ckpt_dtype_string(t->dtype), t->ndim);
+    for (int d = 0; d < t->ndim; d++) fprintf(man, " %lld", (long long)t->shape[d]);
+    fprintf(man, "\n");
+}
+static void dump_expected(smp_model *m, opt_store *o, const char *edir) {
+    if (smp_dp_rank() != 0) return;
+    char path[700];
+    snprintf(path, sizeof path, "%s/manifest_%d.txt", edir, me);
+    FILE *man = fopen(path, "w");
+    if (!man) return;
+    smp_param *p;
+    for (int i = 0; (p = smp_model_param(m, i, true)); i++) dump_one(man, edir, smp_param_name(p), smp_param_value(p));
+    for (int k = 0; k < o->n; k++)
+        if (k < o->n - 2 || me == 0) dump_one(man, edir, o->full[k], &o->t[k]); /* whole-optimizer state: rank 0's */
+    fclose(man);
+}
+
+static void test_python(void) {
+    int P = allowed(4) ? 4 : allowed(2) ? 2 : 1;
+    char path[512], edir[512], cmd[4096];
+    net n;
+    smp_model *m = start(P, &n);
+    opt_store o;
+    opt_make(&o, m);
+    set_all(m, &o, 42);
+    path_in(path, sizeof path, "python.safetensors");
+    path_in(edir, sizeof edir, "python_expected");
+    if (me == 0) mkdir(edir, 0777);
+    MPI_Barrier(MPI_COMM_WORLD);
+    smp_status st = save(m, &o, path, 0, 0);
+    MPI_CHECK(st == SMP_OK, "checkpoint/python: full save", "%s", smp_last_error());
+    dump_expected(m, &o, edir);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (me == 0) {
+        const char *script = script_path("test_checkpoint_python.py");
+        if (access(script, R_OK) != 0) {
+            test_skip("checkpoint/python", "test_checkpoint_python.py not found");
+        } else {
+            snprintf(cmd, sizeof cmd, "python3 '%s' '%s' '%s' %d", script, path, edir, P);
+            fflush(stdout);
+            int rc = system(cmd);
+            rc = rc == -1 ? -1 : WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+            if (rc == 3) test__failed_total++; /* the script printed its FAIL lines */
+            else if (rc != 0) CHECK(0, "checkpoint/python: test_checkpoint_python.py ran", "exit status %d (%s)", rc, cmd);
+        }
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    opt_free(&o);
+    stop(m);
+}
+
+/* ---------------------------------------------------------------- a killed save */
+/* The child side: a 2-rank job, P=2, saving `version` to fault_full and
+   fault_part; with `fault`, SMP_CKPT_FAULT=data kills the writers. */
+static int child_main(const char *mode, const char *cdir, int version) {
+    net n;
+    char path[600];
+    snprintf(dir, sizeof dir, "%s", cdir);
+    smp_model *m = start(2, &n);
+    if (!m) return 2;
+    opt_store o;
+    opt_make(&o, m);
+    set_all(m, &o, version);
+    if (!strcmp(mode, "fault-full") || !strcmp(mode, "fault-part")) setenv("SMP_CKPT_FAULT", "data", 1);
+    int rc = 0;
+    if (strcmp(mode, "fault-part")) {
+        snprintf(path, sizeof path, "%s/fault_full", cdir);
+        if (save(m, &o, path, 0, 64) != SMP_OK) rc = 3;
+    }
+    if (strcmp(mode, "fault-full")) {
+        snprintf(path, sizeof path, "%s/fault_part", cdir);
+        if (save(m, &o, path, 1, 0) != SMP_OK) rc = 3;
+    }
+    opt_free(&o);
+    stop(m);
+    return rc; /* a fault that did not fire ends here */
+}
+
+static int run_child(const char *self, const char *mode, int version) {
+    char cmd[4096], env[1024] = "";
+    const char *keep[] = {"PATH", "HOME", "LD_LIBRARY_PATH", "TMPDIR", "ASAN_OPTIONS", "UBSAN_OPTIONS"};
+    for (int i = 0; i < 6; i++) {
+        const char *v = getenv(keep[i]);
+        if (v) snprintf(env + strlen(env), sizeof env - strlen(env), " %s='%s'", keep[i], v);
+    }
+    /* a clean environment: the inner mpirun must not see the outer job's */
+    snprintf(cmd, sizeof cmd, "env -i%s mpirun -n 2 '%s' --child %s '%s' %d > '%s/child_%s.log' 2>&1", env, self, mode, dir, version, dir, mode);
+    fflush(stdout);
+    int rc = system(cmd);
+    return rc == -1 ? -1 : WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+static int same_bytes(const char *a, const char *b) {
+    FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
+    int same = fa && fb, ca, cb;
+    while (same) {
+        ca = fgetc(fa);
+        cb = fgetc(fb);
+        if (ca != cb) same = 0;
+        if (ca == EOF) break;
+    }
+    if (fa) fclose(fa);
+    if (fb) fclose(fb);
+    return same;
+}
+
+static void test_killed_save(const char *self) {
+    int rcs[3] = {0, 0, 0}, intact = 1;
+    char why[4096] = "";
+    if (me == 0) {
+        const char *files[3] = {"fault_full", "fault_part_0", "fault_part_1"};
+        char a[600], b[700], cmd[1400];
+        rcs[0] = run_child(self, "save", 7); /* the previous checkpoint */
+        for (int i = 0; i < 3; i++) {
+            path_in(a, sizeof a, files[i]);
+            snprintf(b, sizeof b, "%s.copy", a);
+            snprintf(cmd, sizeof cmd, "cp '%s' '%s'", a, b);
+            if (system(cmd) != 0) intact = 0;
+        }
+        rcs[1] = run_child(self, "fault-full", 8);
+        rcs[2] = run_child(self, "fault-part", 8);
+        for (int i = 0; i < 3 && intact; i++) {
+            path_in(a, sizeof a, files[i]);
+            snprintf(b, sizeof b, "%s.copy", a);
+            if (!same_bytes(a, b)) { intact = 0; snprintf(why, sizeof why, "%s changed", files[i]); }
+        }
+    }
+    MPI_Bcast(rcs, 3, MPI_INT, 0, MPI_COMM_WORLD);
+    if (rcs[0] == 127 || rcs[0] == -1) {
+        if (me == 0) test_skip("checkpoint/killed save", "cannot run a nested mpirun here");
+        return;
+    }
+    MPI_CHECK(rcs[0] == 0, "checkpoint/killed save: the previous checkpoint is saved (2-rank child)", "child exit %d (see %s/child_save.log)", rcs[0], dir);
+    MPI_CHECK(rcs[1] == 77 && rcs[2] == 77, "checkpoint/killed save: SMP_CKPT_FAULT=data kills full and partial saves", "exit %d and %d", rcs[1], rcs[2]);
+    MPI_CHECK(intact, "checkpoint/killed save: the previous files are bitwise intact", "%s", why);
+    /* loadable, here, with this world's partitioning */
+    int P = allowed(2) ? 2 : 1;
+    for (int partial = 0; partial < 2; partial++) {
+        net n;
+        smp_model *m = start(P, &n);
+        opt_store o;
+        opt_make(&o, m);
+        set_all(m, &o, 0);
+        char path[512], name[160];
+        path_in(path, sizeof path, partial ? "fault_part" : "fault_full");
+        smp_status st = load(m, &o, path, partial, NULL);
+        int ok = st == SMP_OK && check_all(m, &o, 7, why, sizeof why);
+        snprintf(name, sizeof name, "checkpoint/killed save: the previous %s checkpoint loads, bitwise (P=%d)", partial ? "partial" : "full", P);
+        MPI_CHECK(ok, name, "%s", st ? smp_last_error() : why);
+        opt_free(&o);
+        stop(m);
+    }
+}
+
+/* ---------------------------------------------------------------- corruption */
+/* Rewrites the file at `path` through the file layer, keeping its metadata
+   (but smp's checksums, which the writer recomputes): `drop` leaves a tensor
+   out, `retype`/`reshape` changes one's header, `add` appends one. */
+static int rewrite(const char *path, const char *drop, const char *retype, smp_dtype dt, const char *reshape, int ndim,
+                   const int64_t *shape, const char *add) {
+    smp_ckpt_file *f;
+    if (smp_ckpt_open(&f, path) != SMP_OK) return 0;
+    int n = smp_ckpt_count(f), ne = 0, nm = 0;
+    smp_ckpt_entry *e = calloc((size_t)n + 1, sizeof *e);
+    void **data = calloc((size_t)n + 1, sizeof *data);
+    const char **mk = calloc((size_t)smp_ckpt_meta_count(f) + 1, sizeof *mk), **mv = calloc((size_t)smp_ckpt_meta_count(f) + 1, sizeof *mv);
+    static float extra[2] = {1, 2};
+    for (int i = 0; i < n; i++) {
+        const smp_ckpt_info *in = smp_ckpt_info_at(f, i);
+        if (drop && !strcmp(in->name, drop)) continue;
+        data[ne] = malloc(in->nbytes + 1);
+        smp_ckpt_read(f, in, data[ne], in->nbytes);
+        e[ne].name = in->name;
+        e[ne].dtype = in->dtype;
+        e[ne].ndim = in->ndim;
+        memcpy(e[ne].shape, in->shape, sizeof e[ne].shape);
+        e[ne].data = data[ne];
+        if (retype && !strcmp(in->name, retype)) e[ne].dtype = dt;
+        if (reshape && !strcmp(in->name, reshape)) { e[ne].ndim = ndim; memcpy(e[ne].shape, shape, sizeof(int64_t) * (size_t)ndim); }
+        ne++;
+    }
+    if (add) {
+        e[ne].name = add;
+        e[ne].dtype = SMP_F32;
+        e[ne].ndim = 1;
+        e[ne].shape[0] = 2;
+        e[ne].data = extra;
+        ne++;
+    }
+    for (int i = 0; i < smp_ckpt_meta_count(f); i++) {
+        smp_ckpt_meta_at(f, i, &mk[nm], &mv[nm]);
+        if (strncmp(mk[nm], "smp.checksum.", 13)) nm++;
+    }
+    int ok = smp_ckpt_write_file(path, e, ne, mk, mv, nm) == SMP_OK;
+    for (int i = 0; i < ne; i++) if (e[i].data != extra) free(data[i]);
+    free(e); free(data); free(mk); free(mv);
+    smp_ckpt_close(f);
+    return ok;
+}
+
+/* Flips one byte in the middle of tensor `name`'s data. */
+static int flip(const char *path, const char *name) {
+    smp_ckpt_file *f;
+    if (smp_ckpt_open(&f, path) != SMP_OK) return 0;
+    const smp_ckpt_info *e = smp_ckpt_find(f, name);
+    FILE *fp = fopen(path, "rb");
+    uint8_t len8[8];
+    uint64_t hlen = 0;
+    int ok = e && fp && fread(len8, 1, 8, fp) == 8;
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
+    long at = ok ? (long)(8 + hlen + e->offset + e->nbytes / 2) : 0;
+    if (fp) fclose(fp);
+    smp_ckpt_close(f);
+    if (!ok) return 0;
+    fp = fopen(path, "r+b");
+    if (!fp) return 0;
+    fseek(fp, at, SEEK_SET);
+    int c = fgetc(fp);
+    fseek(fp, at, SEEK_SET);
+    fputc(c ^ 0x10, fp);
+    fclose(fp);
+    return 1;
+}
+
+/* The tensor whose data ends the file. */
+static void last_tensor(const char *path, char *out, size_t cap) {
+    smp_ckpt_file *f;
+    out[0] = 0;
+    if (smp_ckpt_open(&f, path) != SMP_OK) return;
+    uint64_t end = 0;
+    for (int i = 0; i < smp_ckpt_count(f); i++) {
+        const smp_ckpt_info *e = smp_ckpt_info_at(f, i);
+        if (e->nbytes && e->offset + e->nbytes >= end) { end = e->offset + e->nbytes; snprintf(out, cap, "%s", e->name); }
+    }
+    smp_ckpt_close(f);
+}
+
+enum { C_FLIP, C_FLIP_PARTIAL, C_TRUNCATE, C_DTYPE, C_SHAPE, C_MISSING, C_UNEXPECTED, C_NO_OPTIM, C_MIXED, C_COUNT };
+
+static void test_corruption(int P) {
+    static const char *labels[C_COUNT] = {"a flipped byte", "a flipped byte in a partial file", "a truncated file",
+                                          "a wrong dtype", "a wrong shape", "a missing tensor", "an unexpected tensor",
+                                          "missing optimizer state", "files of two saves mixed"};
+    for (int c = 0; c < C_COUNT; c++) {
+        int partial = c == C_FLIP_PARTIAL || c == C_MIXED;
+        if (c == C_MIXED && P < 2) continue;
+        char path[512], name[900], tensor[600] = "", problem[64] = "";
+        snprintf(path, sizeof path, "%s/corrupt_%d", dir, c);
+        net n;
+        smp_model *m = start(P, &n);
+        opt_store o;
+        opt_make(&o, m);
+        set_all(m, &o, 5);
+        smp_status st = save(m, c == C_NO_OPTIM ? NULL : &o, path, partial, 0);
+        if (c == C_MIXED) { /* a second save; its file 1 replaces the first's */
+            char other[520];
+            snprintf(other, sizeof other, "%s_b", path);
+            if (!st) st = save(m, &o, other, 1, 0);
+            if (me == 0 && !st) {
+                char a[600], b[600];
+                snprintf(a, sizeof a, "%s_1", other);
+                snprintf(b, sizeof b, "%s_1", path);
+                rename(a, b);
+            }
+        }
+        int ok = 1;
+        if (me == 0 && !st) {
+            char file[600];
+            snprintf(file, sizeof file, partial ? "%s_%d" : "%s", path, P - 1);
+            switch (c) {
+            case C_FLIP: case C_FLIP_PARTIAL:
+                snprintf(tensor, sizeof tensor, "head.weight"); /* on the last partition */
+                snprintf(problem, sizeof problem, "checksum mismatch");
+                ok = flip(file, tensor);
+                break;
+            case C_TRUNCATE:
+                last_tensor(path, tensor, sizeof tensor);
+                snprintf(problem, sizeof problem, "past the end");
+                { struct stat sb; ok = stat(path, &sb) == 0 && truncate(path, sb.st_size - 1) == 0; }
+                break;
+            case C_DTYPE:
+                snprintf(tensor, sizeof tensor, "fc1.bias");
+                snprintf(problem, sizeof problem, "I32 [6] in the file but F32 [6]");
+                ok = rewrite(path, NULL, tensor, SMP_I32, NULL, 0, NULL, NULL);
+                break;
+            case C_SHAPE: {
+                int64_t s[2] = {3, 12};
+                snprintf(tensor, sizeof tensor, "fc1.weight");
+                snprintf(problem, sizeof problem, "F32 [3, 12] in the file but F32 [6, 6]");
+                ok = rewrite(path, NULL, NULL, SMP_F32, tensor, 2, s, NULL);
+                break;
+            }
+            case C_MISSING:
+                snprintf(tensor, sizeof tensor, "fc2.bias");
+                snprintf(problem, sizeof problem, "is missing");
+                ok = rewrite(path, tensor, NULL, SMP_F32, NULL, 0, NULL, NULL);
+                break;
+            case C_UNEXPECTED:
+                snprintf(tensor, sizeof tensor, "fc9.weight");
+                snprintf(problem, sizeof problem, "unexpected");
+                ok = rewrite(path, NULL, NULL, SMP_F32, NULL, 0, NULL, tensor);
+                break;
+            case C_NO_OPTIM:
+                snprintf(tensor, sizeof tensor, "optimizer.");
+                snprintf(problem, sizeof problem, "is missing");
+                break;
+            case C_MIXED:
+                snprintf(tensor, sizeof tensor, "%s_1", path);
+                snprintf(problem, sizeof problem, "another save");
+                break;
+            }
+        }
+        MPI_Bcast(tensor, sizeof tensor, MPI_CHAR, 0, MPI_COMM_WORLD);
+        MPI_Bcast(problem, sizeof problem, MPI_CHAR, 0, MPI_COMM_WORLD);
+        snprintf(name, sizeof name, "checkpoint/corruption/%s: an error naming '%s' on every rank, nothing changed (P=%d)", labels[c], tensor, P);
+        if (st || !ok) { MPI_CHECK(0, name, "setting up: %s", smp_last_error()); opt_free(&o); stop(m); continue; }
+        set_all(m, &o, 6);
+        snapshot s = snap_take(m, &o);
+        st = load(m, &o, path, partial, NULL);
+        int good = st != SMP_OK && strstr(smp_last_error(), tensor) && strstr(smp_last_error(), problem);
+        int same = snap_same(&s, m, &o);
+        MPI_CHECK(good && same, name, "status %d, %s; message: %s", (int)st, same ? "tensors unchanged" : "TENSORS CHANGED", smp_last_error());
+        opt_free(&o);
+        stop(m);
+    }
+}
+
+/* ---------------------------------------------------------------- failed saves */
+static int count_tmp(const char *prefix) {
+    char cmd[900];
+    snprintf(cmd, sizeof cmd, "ls -a '%s' | grep -c '^%s.*\\.tmp\\.' > '%s/count.txt'", dir, prefix, dir);
+    if (system(cmd) == -1) return -1;
+    snprintf(cmd, sizeof cmd, "%s/count.txt", dir);
+    FILE *f = fopen(cmd, "r");
+    int n = -1;
+    if (f) {
+        if (fscanf(f, "%d", &n) != 1) n = -1;
+        fclose(f);
+    }
+    return n;
+}
+
+/* A save that fails on one rank fails on every rank, and leaves the
+   previous checkpoint's files bitwise as they were, with no tmp files. */
+static void test_failed_saves(void) {
+    int P = allowed(2) ? 2 : 1;
+    char path[512], why[4096] = "", name[200];
+    net n;
+    smp_model *m = start(P, &n);
+    opt_store o;
+    opt_make(&o, m);
+    set_all(m, &o, 21);
+    path_in(path, sizeof path, "saverr");
+    smp_status st = save(m, &o, path, 1, 0);
+    int ok = st == SMP_OK;
+    if (me == 0 && ok)
+        for (int k = 0; k < P; k++) {
+            char cmd[1300];
+            snprintf(cmd, sizeof cmd, "cp '%s_%d' '%s_%d.copy'", path, k, path, k);
+            if (system(cmd) != 0) ok = 0;
+        }
+    set_all(m, &o, 22);
+    if (smp_mp_rank() == P - 1 && smp_dp_rank() == 0) setenv("SMP_CKPT_FAULT", "bogus", 1); /* this saver cannot open */
+    st = save(m, &o, path, 1, 0);
+    unsetenv("SMP_CKPT_FAULT");
+    int good = st != SMP_OK && strstr(smp_last_error(), "SMP_CKPT_FAULT") != NULL;
+    if (me == 0) {
+        for (int k = 0; k < P && ok; k++) {
+            char a[600], b[700];
+            snprintf(a, sizeof a, "%s_%d", path, k);
+            snprintf(b, sizeof b, "%s.copy", a);
+            if (!same_bytes(a, b)) { ok = 0; snprintf(why, sizeof why, "%s changed", a); }
+        }
+        if (ok && count_tmp("saverr_") != 0) { ok = 0; snprintf(why, sizeof why, "%d tmp files left", count_tmp("saverr_")); }
+    }
+    snprintf(name, sizeof name, "checkpoint/a save failing on one rank fails on all, previous files intact, no tmp files (P=%d)", P);
+    MPI_CHECK(good && ok, name, "status %d (%.1500s); %.1500s", (int)st, smp_last_error(), why);
+
+    smp_load_desc ld = {0}; /* no optimizer: its state in the files is skipped */
+    set_all(m, &o, 23);
+    st = smp_load(m, path, &ld);
+    ok = st == SMP_OK;
+    if (ok) { /* parameters are back at 21, optimizer state untouched at 23 */
+        opt_store none = o;
+        none.n = 0;
+        ok = check_all(m, &none, 21, why, sizeof why) && check_all(m, NULL, 21, why, sizeof why);
+        for (int i = 0; i < o.n && ok; i++) {
+            static uint8_t want[4096];
+            fill(want, smp_tensor_nbytes(&o.t[i]), o.t[i].dtype, o.full[i], 23);
+            if (memcmp(want, o.t[i].data, smp_tensor_nbytes(&o.t[i]))) { ok = 0; snprintf(why, sizeof why, "%s changed", o.full[i]); }
+        }
+    } else snprintf(why, sizeof why, "%s", smp_last_error());
+    MPI_CHECK(ok, "checkpoint/a load without an optimizer skips the optimizer state", "%s", why);
+
+    char dpath[512];
+    path_in(dpath, sizeof dpath, "a_folder");
+    if (me == 0) mkdir(dpath, 0777);
+    MPI_Barrier(MPI_COMM_WORLD);
+    st = save(m, &o, dpath, 0, 0);
+    good = st == SMP_ERR_IO && strstr(smp_last_error(), "a_folder") != NULL;
+    ok = me != 0 || count_tmp("a_folder") == 0;
+    MPI_CHECK(good && ok, "checkpoint/a full save onto a folder fails on every rank, no tmp file left", "status %d: %s", (int)st, smp_last_error());
+    opt_free(&o);
+    stop(m);
+}
+
+/* ---------------------------------------------------------------- misuse */
+static void test_misuse(void) {
+    net n;
+    smp_config cfg = {0};
+    cfg.ddp = world > 1 ? SMP_ON : SMP_OFF;
+    smp_init(&cfg);
+    smp_model *m = build(&n);
+    char path[512];
+    path_in(path, sizeof path, "misuse");
+    smp_status st = smp_save(m, path, NULL);
+    MPI_CHECK(st == SMP_ERR_STATE && strstr(smp_last_error(), "not partitioned"), "checkpoint/saving an unpartitioned model is an error", "%d %s", st, smp_last_error());
+    smp_tensor x = smp_tensor_2d(g_x, SMP_F32, B, D);
+    smp_model_trace(m, &x, 1);
+    const char *k[] = {"smp.epoch"}, *v[] = {"1"};
+    smp_save_desc d = {0};
+    d.meta_keys = k;
+    d.meta_values = v;
+    d.nmeta = 1;
+    st = smp_save(m, path, &d);
+    MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "smp.epoch"), "checkpoint/reserved metadata keys are an error", "%s", smp_last_error());
+    st = smp_save(m, path, NULL); /* partial, the default */
+    smp_load_desc ld = {0};
+    ld.partial = SMP_OFF;
+    st = st ? st : smp_load(m, path, &ld);
+    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "partial = SMP_ON"), "checkpoint/loading a partial checkpoint as full hints at partial", "%s", smp_last_error());
+    smp_optimizer *o;
+    smp_optimizer_new(m, &o);
+    float z[36];
+    smp_tensor t = smp_tensor_2d(z, SMP_F32, 6, 6);
+    st = smp_optimizer_state_add(o, "nope.weight", "exp_avg", &t);
+    int ok = st == SMP_ERR_ARG && strstr(smp_last_error(), "nope.weight");
+    st = smp_optimizer_state_add(o, NULL, "a.b", &t);
+    ok = ok && st == SMP_ERR_ARG;
+    MPI_CHECK(ok, "checkpoint/optimizer registry rejects unknown parameters and dotted names", "%s", smp_last_error());
+    smp_optimizer_free(o);
+    smp_model_free(m);
+    smp_finalize();
+}
+
+int main(int argc, char **argv) {
+    if (argc == 5 && !strcmp(argv[1], "--child")) {
+        MPI_Init(&argc, &argv);
+        MPI_Comm_size(MPI_COMM_WORLD, &world);
+        MPI_Comm_rank(MPI_COMM_WORLD, &me);
+        uint64_t s = 99;
+        for (int i = 0; i < B * D; i++) g_x[i] = (float)(smp_rng_uniform(&s) * 2 - 1);
+        int rc = child_main(argv[2], argv[3], atoi(argv[4]));
+        MPI_Finalize();
+        return rc;
+    }
+    MPI_Init(&argc, &argv);
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    MPI_Comm_rank(MPI_COMM_WORLD, &me);
+    uint64_t s = 99;
+    for (int i = 0; i < B * D; i++) g_x[i] = (float)(smp_rng_uniform(&s) * 2 - 1);
+    if (me == 0) {
+        snprintf(dir, sizeof dir, "%s/smp_ckpt_model.XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
+        if (!mkdtemp(dir)) dir[0] = 0;
+    }
+    MPI_Bcast(dir, sizeof dir, MPI_CHAR, 0, MPI_COMM_WORLD);
+    if (!dir[0]) {
+        if (me == 0) printf("FAIL: test_checkpoint: cannot create a temporary folder\n");
+        MPI_Finalize();
+        return 1;
+    }
+    static const int Ps[3] = {1, 2, 4};
+    for (int a = 0; a < 3; a++) {
+        if (!allowed(Ps[a])) continue;
+        test_roundtrip(Ps[a], 1, 0);
+        test_roundtrip(Ps[a], 0, 0);
+        test_roundtrip(Ps[a], 0, 40);
+    }
+    test_reshard();
+    test_python();
+    test_killed_save(argv[0]);
+    test_corruption(allowed(4) ? 4 : allowed(2) ? 2 : 1);
+    if (world > 1) test_corruption(1); /* every rank a replica of one partition */
+    test_failed_saves();
+    test_misuse();
+    int failed = test__failed_total, any;
+    MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (me == 0) {
+        char cmd[400];
+        if (!any) {
+            snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+            if (system(cmd) != 0) printf("(could not remove %s)\n", dir);
+        } else {
+            printf("(files kept in %s)\n", dir);
+        }
+    }
+    int rc = test_exit_code();
+    MPI_Finalize();
+    return rc;
+}
