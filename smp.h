@@ -1747,7 +1747,10 @@ static void smp__sleep_ns(long ns) {
 }
 
 /* Polling with back-off: spin briefly (latency), then yield (ranks sharing a
-   core get their turn), then sleep in growing steps up to a millisecond. */
+   core get their turn), then sleep in growing steps up to 50 us. The cap is
+   short because with some transports (MPICH over UCX) the receiver copies a
+   large message inside its own polls: longer sleeps stretch a 128 MiB
+   transfer several times over. */
 typedef struct smp__backoff { double start, deadline; unsigned polls; long sleep_ns; } smp__backoff;
 
 static smp__backoff smp__backoff_start(void) {
@@ -1765,9 +1768,9 @@ static bool smp__backoff_pause(smp__backoff *b) {
     if (b->polls < 64) return true;
     double now = smp__now();
     if (now > b->deadline) return false;
-    if (now - b->start < 2e-3) { sched_yield(); return true; }
+    if (now - b->start < 20e-3) { sched_yield(); return true; }
     smp__sleep_ns(b->sleep_ns);
-    if (b->sleep_ns < 1000000) b->sleep_ns *= 2;
+    if (b->sleep_ns < 50000) b->sleep_ns *= 2;
     return true;
 }
 
