@@ -29,7 +29,7 @@ deps:
 # ---------------------------------------------------------------- builds
 # One build directory per compiler/sanitizer variant.
 define variant
-build/$(1)/%: test/%.c $(HEADERS) test/test.h | build/$(1)
+build/$(1)/%: test/%.c $(HEADERS) test/test.h test/net7.h Makefile | build/$(1)
 	MPICH_CC=$(2) mpicc $(CSTD) $(WARN) $(3) $(INCLUDES) $$< -o $$@ $(LDLIBS)
 build/$(1):
 	@mkdir -p $$@
@@ -37,7 +37,9 @@ build-$(1): $(addprefix build/$(1)/,$(UNIT_TESTS) $(MPI_TESTS) $(HELPER_TESTS))
 endef
 $(eval $(call variant,gcc,gcc,$(CFLAGS)))
 $(eval $(call variant,clang,clang,$(CFLAGS)))
-$(eval $(call variant,asan,gcc,-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined))
+# (a variable: a comma inside $(call ...) would split the argument)
+SANFLAGS  := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+$(eval $(call variant,asan,gcc,$(SANFLAGS)))
 
 # ---------------------------------------------------------------- tests
 # Everything: warnings as errors under gcc and clang, the suite at 1, 2 and

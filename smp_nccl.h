@@ -185,9 +185,12 @@ SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t
 typedef struct smp_nccl_request smp_nccl_request;
 
 /* Opens the channels (one per direction) between this rank and each of
-   peers[0..n) (ranks in group g). The peer must call it with this rank in
-   its list; a rank may connect to all its peers in one call, in any order,
-   without deadlock. Already connected peers are skipped. */
+   peers[0..n) (ranks in group g), and connects them (one byte each way), so
+   that later transfers never wait on the host for a peer. Each listed peer
+   must call it with this rank in its list; it returns once they all have.
+   List all of a rank's peers in one call (then no order matters), or make
+   successive calls in an order every rank agrees on. Already connected
+   peers are skipped. */
 SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers);
 /* Queue `bytes` of device memory to / from `peer` (a rank in group g).
    isend reads buf after the work queued so far on the engine stream;
@@ -285,6 +288,7 @@ static struct {
     int npins, pins_cap;
     cudaEvent_t *events;               /* free events for requests */
     int nevents, events_cap;
+    unsigned char *dummy;              /* 256 device bytes: the channels' warm-up transfers */
     bool pools;                        /* cudaMallocAsync works on this device */
     bool sync_each;                    /* SMP_NCCL_SYNC */
     const char *op;                    /* the call in progress, for messages */
@@ -1060,6 +1064,7 @@ static smp_status smp__nc_probe(int count, unsigned char key[SMP__NC_KEY]) {
     SMP__CU(cudaDeviceGetAttribute, (&pools, cudaDevAttrMemoryPoolsSupported, smp__nc.device));
     smp__nc.pools = pools != 0;
     SMP__TRY(smp__nc_make_stream(&smp__nc.stream));
+    SMP__CU(cudaMalloc, ((void **)&smp__nc.dummy, 256));
     SMP__CU(cudaEventCreateWithFlags, (&smp__nc.ev_engine, cudaEventDisableTiming));
     SMP__CU(cudaEventCreateWithFlags, (&smp__nc.ev_done, cudaEventDisableTiming));
     SMP__CU(cudaEventCreateWithFlags, (&smp__nc.ev_sync, cudaEventDisableTiming));
@@ -1335,6 +1340,7 @@ static void smp__nc_on_finalize(void) {
     if (smp__nc.ev_done) (void)cudaEventDestroy(smp__nc.ev_done);
     if (smp__nc.ev_sync) (void)cudaEventDestroy(smp__nc.ev_sync);
     if (smp__nc.stream) (void)cudaStreamDestroy(smp__nc.stream);
+    if (smp__nc.dummy) (void)cudaFree(smp__nc.dummy);
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
         if (smp__nc.mpi[g] != MPI_COMM_NULL) MPI_Comm_free(&smp__nc.mpi[g]);
     smp__nc_reset();
@@ -1359,6 +1365,42 @@ static smp_nccl_request *smp__nc_req_new(smp_group g, int peer, int kind) {
     r->mpi = MPI_REQUEST_NULL;
     r->pin = -1;
     return r;
+}
+
+/* NCCL connects the two ranks of a channel lazily, at their first send and
+   receive, and on a nonblocking communicator that first call stays "in
+   progress" until the peer has made its own. Left to the first real
+   transfer, a receive queued early would hold this rank's host until the
+   peer's first send - and a ring of such receives would wait forever. So
+   every new channel carries one byte here, all channels at once, and later
+   transfers never wait on the host for a peer. */
+static smp_status smp__nc_warm_up(smp_group g, const int *todo, int nt) {
+    smp_status st = SMP_OK;
+    for (int k = 0; k < nt && !st; k++)
+        for (int dir = 0; dir < 2 && !st; dir++) {
+            smp__nc_chan *c = smp__nc.chans[g][2 * todo[k] + dir];
+            ncclResult_t r = dir == 0 ? ncclSend(smp__nc.dummy, 1, ncclUint8, c->peer, c->comm, c->stream)
+                                      : ncclRecv(smp__nc.dummy + 1 + (2 * k + dir) % 255, 1, ncclUint8, c->peer, c->comm, c->stream);
+            if (r != ncclSuccess && r != ncclInProgress) st = smp__nc_nccl_fail(r, dir == 0 ? "ncclSend" : "ncclRecv", c->comm);
+        }
+    if (st) return st;
+    smp__nc_backoff b = smp__nc_backoff_start();
+    for (;;) {
+        int pending = 0;
+        for (int k = 0; k < nt && !st; k++)
+            for (int dir = 0; dir < 2 && !st; dir++) {
+                smp__nc_chan *c = smp__nc.chans[g][2 * todo[k] + dir];
+                ncclResult_t state = ncclInProgress;
+                ncclResult_t q = ncclCommGetAsyncError(c->comm, &state);
+                if (q != ncclSuccess) state = q;
+                if (state == ncclInProgress) pending++;
+                else if (state != ncclSuccess)
+                    st = smp_error(SMP_ERR_DEVICE, "smp_nccl_p2p_connect: the channel %s %s rank %d failed to connect: %s%s%s", dir == 0 ? "to" : "from",
+                                   smp__nc_gname(g), todo[k], ncclGetErrorString(state), *smp__nc_last(c->comm) ? ": " : "", smp__nc_last(c->comm));
+            }
+        if (st || !pending) return st;
+        if (!smp__nc_pause(&b)) smp__nc_timeout("point-to-point channels to connect (the peer must call smp_nccl_p2p_connect too)", g, todo[0], MPI_Wtime() - b.start);
+    }
 }
 
 SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers) {
@@ -1438,6 +1480,7 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
             if (!smp__nc_pause(&b)) smp__nc_timeout("point-to-point channels to start (the peer must call smp_nccl_p2p_connect too)", g, todo[0], MPI_Wtime() - b.start);
         }
     }
+    if (!st) st = smp__nc_warm_up(g, todo, nt);
     if (st) { /* undo this call's channels */
         for (int k = 0; k < nt; k++)
             for (int dir = 0; dir < 2; dir++) {
