@@ -20,7 +20,7 @@ BENCHES    := partition checkpoint
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
 
-.PHONY: all deps test test-quick test-asan build-gcc build-clang build-asan bench install clean examples demo fuzz
+.PHONY: all deps test test-quick test-asan build-gcc build-clang build-asan bench install clean examples demo fuzz cuda test-gpu
 all: build-gcc
 
 deps:
@@ -51,9 +51,12 @@ test: deps
 	echo "== AddressSanitizer + UBSan build, mpirun -n 1, 2"; \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	test/run.sh build/asan "$(UNIT_TESTS)" "$(MPI_TESTS)" "" "1 2" > build/test-asan.log 2>&1; b=$$?; cat build/test-asan.log; \
-	p=$$(( $$(tail -n1 build/test-gcc.log | cut -d' ' -f1) + $$(tail -n1 build/test-asan.log | cut -d' ' -f1) )); \
-	f=$$(( $$(tail -n1 build/test-gcc.log | cut -d' ' -f3) + $$(tail -n1 build/test-asan.log | cut -d' ' -f3) )); \
-	echo; echo "$$p passed, $$f failed"; [ $$a -eq 0 ] && [ $$b -eq 0 ]
+	echo "== CUDA sources (built with nvcc), the GPU suite where a GPU is present"; \
+	test/run.sh build/cuda "" "$(if $(wildcard build/cuda/test_gpu),test_gpu)" "" "1 2" > build/test-cuda.log 2>&1; c=$$?; cat build/test-cuda.log; \
+	p=0; f=0; s=0; for l in build/test-gcc.log build/test-asan.log build/test-cuda.log; do \
+	  set -- $$(tail -n1 $$l | tr -d ','); p=$$((p + $$1)); f=$$((f + $$3)); s=$$((s + $${5:-0})); done; \
+	echo; if [ $$s -gt 0 ]; then echo "$$p passed, $$f failed, $$s skipped"; else echo "$$p passed, $$f failed"; fi; \
+	[ $$a -eq 0 ] && [ $$b -eq 0 ] && [ $$c -eq 0 ]
 
 # The gcc suite only, for a quick loop while developing.
 test-quick: build-gcc
@@ -67,6 +70,23 @@ build/examples/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_
 build/examples:
 	@mkdir -p $@
 examples: $(addprefix build/examples/,$(EXAMPLES))
+
+# CUDA sources: compiled and linked with nvcc (no GPU needed to build them).
+NVFLAGS  := -ccbin mpicxx -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror
+CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu
+build/cuda/%: examples/%.cu $(HEADERS) | build/cuda
+	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lnccl
+build/cuda/test_gpu: test/test_gpu.cu $(HEADERS) test/test.h | build/cuda
+	$(NVCC) $(NVFLAGS) -I. -Itest $< -o $@ -lnccl
+build/cuda:
+	@mkdir -p $@
+cuda:
+	@if [ -x "$(NVCC)" ]; then $(MAKE) --no-print-directory $(CUDA_BINS); else echo "SKIP: cuda: nvcc not found at $(NVCC)"; fi
+examples: cuda
+# The GPU suite: every collective on device memory, NCCL and host-staged;
+# prints "skipped: no GPU" where there is none.
+test-gpu: cuda
+	@test/run.sh build/cuda "" "test_gpu" "" "1 2 4"
 
 # The main job: Fashion-MNIST on NP processes, 2 partitions (x replicas with NP=4).
 demo: deps

@@ -59,7 +59,11 @@
 
 #ifndef SMPDEF
 #ifdef SMP_STATIC
+#if defined(__GNUC__)
+#define SMPDEF static __attribute__((unused)) /* a program need not call every function */
+#else
 #define SMPDEF static
+#endif
 #else
 #define SMPDEF extern
 #endif
@@ -452,7 +456,23 @@ typedef struct smp_device_backend {
     smp_status (*copy)(void *dst, int dst_device, const void *src, int src_device, size_t n);
     smp_status (*on_init)(void);
     void (*on_finalize)(void);
+    /* For the pipeline executor (NULL when the backend has none). Point to
+       point between members of a group: connect once per peer (both ranks
+       call it); the k-th isend from A to B fills the k-th irecv on B from A;
+       requests are the backend's, finished by wait exactly once. */
+    smp_status (*p2p_connect)(smp_group g, const int *peers, int npeers);
+    smp_status (*isend)(const void *buf, size_t bytes, int peer, smp_group g, void **req);
+    smp_status (*irecv)(void *buf, size_t bytes, int peer, smp_group g, void **req);
+    smp_status (*test)(void *req, bool *done);
+    smp_status (*wait)(void *req);
+    /* Device memory ordered on the engine's stream; dst += src elementwise. */
+    void *(*alloc)(size_t bytes);
+    void (*dealloc)(void *p);
+    smp_status (*add)(void *dst, const void *src, smp_dtype dt, int64_t n);
+    /* Waits for all device work the backend queued, with the deadline. */
+    smp_status (*synchronize)(void);
 } smp_device_backend;
+#define SMP_DEVICE_BACKEND_P2P 1 /* the fields above exist (smp_nccl.h fills them) */
 SMPDEF void smp_register_device_backend(const smp_device_backend *b);
 
 #ifdef __cplusplus

@@ -3,7 +3,7 @@
    Tensors whose `device` is a CUDA ordinal move over NCCL on a stream the
    runtime owns; host tensors keep moving over MPI. Ranks that share a GPU
    (which NCCL refuses) move device memory through pinned host buffers with
-   smp's MPI collectives instead, with the same results and semantics.
+   smp's MPI collectives instead, with the same semantics.
 
    USAGE
      Include it after smp.h in the file that defines SMP_IMPLEMENTATION.
@@ -18,6 +18,7 @@
          #include "smp_nccl.h"
          int main(void) {
              smp_config cfg = {};                       // C: = {0}
+             cfg.ddp = SMP_ON;                          // every rank a data-parallel replica
              if (smp_init(&cfg) != SMP_OK) return 1;    // picks the GPU, see DEVICES
              float h[4] = {1, 2, 3, 4}, *d;
              cudaMalloc((void **)&d, sizeof h);
@@ -86,7 +87,7 @@
      by the engine, as with any CUDA library.
 
    POINT TO POINT (for pipelines)
-     smp_nccl_p2p_connect(g, peers, n)      once per peer, called by both ranks
+     smp_nccl_p2p_connect(g, peers, n)      both ranks, once, all peers in one call
      smp_nccl_isend / smp_nccl_irecv        queue a transfer, get a request
      smp_nccl_test / smp_nccl_wait          poll it / order the engine after it
      smp_nccl_send / _recv / _sendrecv      isend/irecv + wait
@@ -111,10 +112,13 @@
 
    CAVEATS
      NCCL kernels wait on the GPU for their peers. While transfers are
-     queued, avoid calls that synchronise the whole device (cudaFree,
-     cudaDeviceSynchronize, cudaMemcpy to or from pageable memory on a
-     blocking stream while a receive waits on a peer that waits for you):
-     use cudaMallocAsync/cudaFreeAsync or a pool, and synchronise streams.
+     queued, avoid calls that wait for the whole device (cudaFree,
+     cudaDeviceSynchronize): a receive queued for a peer that is itself
+     waiting for this rank would never finish, and neither would the call.
+     Allocate with cudaMallocAsync/cudaFreeAsync (or smp_nccl_alloc/free)
+     and synchronise streams, not the device.
+     Each channel and each group is an NCCL communicator of its own, with
+     its own buffers on the GPU.
 */
 #ifndef SMP_NCCL_H
 #define SMP_NCCL_H

@@ -178,12 +178,33 @@ typedef struct smp_step_output {
 SMPDEF smp_status smp_step(const smp_step_desc *desc, smp_step_output *outputs, int noutputs);
 
 /* smp.step in one line: SMP_TRAIN_STEP(model, body, user, outs, nouts, data, target) */
+#ifndef __cplusplus
 #define SMP_TRAIN_STEP(MODEL, BODY, USER, OUTS, NOUTS, ...) \
     smp_step(&(smp_step_desc){.model = (MODEL), .body = (BODY), .user = (USER), \
                               .nargs = (int)(sizeof((smp_tensor[]){__VA_ARGS__}) / sizeof(smp_tensor)), .args = {__VA_ARGS__}}, (OUTS), (NOUTS))
 #define SMP_EVAL_STEP(MODEL, BODY, USER, OUTS, NOUTS, ...) \
     smp_step(&(smp_step_desc){.model = (MODEL), .body = (BODY), .user = (USER), .evaluate = true, \
                               .nargs = (int)(sizeof((smp_tensor[]){__VA_ARGS__}) / sizeof(smp_tensor)), .args = {__VA_ARGS__}}, (OUTS), (NOUTS))
+#else
+/* C++ (nvcc compiles .cu files as C++) has no compound literals and takes
+   designated initializers only in declaration order: build the descriptor
+   in a lambda instead. */
+#define SMP__STEP_CXX(MODEL, BODY, USER, EVAL, OUTS, NOUTS, ...)                                      \
+    ([&]() -> smp_status {                                                                           \
+        const smp_tensor smp__args[] = {__VA_ARGS__};                                                \
+        static_assert(sizeof smp__args / sizeof smp__args[0] <= SMP_MAX_STEP_ARGS, "too many step arguments"); \
+        smp_step_desc smp__d = smp_step_desc();                                                      \
+        smp__d.model = (MODEL);                                                                      \
+        smp__d.body = (BODY);                                                                        \
+        smp__d.user = (USER);                                                                        \
+        smp__d.evaluate = (EVAL);                                                                    \
+        smp__d.nargs = (int)(sizeof smp__args / sizeof smp__args[0]);                                \
+        for (int smp__i = 0; smp__i < smp__d.nargs; smp__i++) smp__d.args[smp__i] = smp__args[smp__i]; \
+        return smp_step(&smp__d, (OUTS), (NOUTS));                                                   \
+    }())
+#define SMP_TRAIN_STEP(MODEL, BODY, USER, OUTS, NOUTS, ...) SMP__STEP_CXX(MODEL, BODY, USER, false, OUTS, NOUTS, __VA_ARGS__)
+#define SMP_EVAL_STEP(MODEL, BODY, USER, OUTS, NOUTS, ...) SMP__STEP_CXX(MODEL, BODY, USER, true, OUTS, NOUTS, __VA_ARGS__)
+#endif
 /* Defines a body: SMP_STEP_BODY(train_body) { ... use mb ... return SMP_OK; } */
 #define SMP_STEP_BODY(NAME) static smp_status NAME(smp_mb *mb)
 
@@ -1473,7 +1494,7 @@ SMPDEF smp_status smp_agree_batches(int64_t batches) {
 /* ---------------------------------------------------------------- forward and backward of one stage */
 static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
-    int n = md->ncalls, mo = ps->maxout;
+    int mo = ps->maxout;
     /* tensors arriving from other ranks */
     smp__xfer *wait[64];
     int nw = 0, lk[64];
@@ -1520,7 +1541,6 @@ static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i)
         if (rc) return rc;
         for (int j = 0; j < rec->nout; j++) st->act[k * mo + j] = c->outputs[j];
     }
-    (void)n;
     smp__event_add(ps, 0, s, i, t0);
     ps->inflight[s]++;
     for (int l = 0; l < ps->nlinks; l++) {

@@ -1,0 +1,649 @@
+/* test_gpu.cu - the CUDA device backend (smp_nccl.h) against host references.
+
+   Every device collective (all_reduce with sum/avg/min/max/prod, broadcast,
+   reduce, all_gather, reduce_scatter, all_to_all_single with equal and
+   unequal splits, in place and out of place) x dtype (f32 f64 f16 bf16 i32
+   i64 u8) x group (world, MP_GROUP, DP_GROUP), then copies, ordering on an
+   engine stream of the test's own, point-to-point transfers (a ring on the
+   world, both directions at once between pipeline neighbours) and argument
+   errors. The reference for each result is computed here from what every
+   rank put in: the inputs are small integers, so sums, products, minima and
+   maxima are exact in every dtype; means are compared with a tolerance.
+
+   The suite runs on the path smp_init picks: NCCL when every rank has a GPU
+   of its own, the host-staged path when ranks share one. After an NCCL run
+   it starts smp again with SMP_NCCL=staged and runs the suite on the staged
+   path too. With no GPU it prints exactly "SKIP: gpu: skipped: no GPU".
+
+   Build: nvcc -ccbin mpicxx -O2 -I. -Itest -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror \
+              test/test_gpu.cu -o build/gpu/test_gpu -lnccl
+   Run:   mpirun -n 1 build/gpu/test_gpu; mpirun -n 2 ...; mpirun -n 4 ...
+*/
+#define SMP_IMPLEMENTATION
+#include "smp.h"
+#include "smp_nccl.h"
+#include "test.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int W_RANK, W_SIZE, PARTS;
+static const char *MODE = "?";
+
+#define NDT 7
+static const smp_dtype DTS[NDT] = {SMP_F32, SMP_F64, SMP_F16, SMP_BF16, SMP_I32, SMP_I64, SMP_U8};
+static const smp_group GROUPS[3] = {SMP_WORLD, SMP_MP_GROUP, SMP_DP_GROUP};
+static const char *GNAMES[3] = {"world", "mp", "dp"};
+static const int64_t SIZES[4] = {0, 1, 1000, 262147};
+
+#define CK(call)                                                                                       \
+    do {                                                                                               \
+        cudaError_t e__ = (call);                                                                      \
+        if (e__ != cudaSuccess) {                                                                      \
+            fprintf(stderr, "test_gpu: %s failed: %s (line %d)\n", #call, cudaGetErrorString(e__), __LINE__); \
+            MPI_Abort(MPI_COMM_WORLD, 2);                                                              \
+        }                                                                                              \
+    } while (0)
+
+/* ---------------------------------------------------------------- helpers */
+typedef struct result { bool ok; char why[600]; } result;
+
+static void fail(result *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void fail(result *r, const char *fmt, ...) {
+    if (!r->ok) return; /* keep the first reason */
+    r->ok = false;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(r->why, sizeof r->why, fmt, ap);
+    va_end(ap);
+}
+static result ok_result(void) { result r; r.ok = true; r.why[0] = 0; return r; }
+
+static void check(const char *what, const char *dtname, const char *group, result *r) {
+    char name[200];
+    snprintf(name, sizeof name, "gpu %s %s %s %s", MODE, what, dtname, group);
+    MPI_CHECK(r->ok, name, "%s", r->why);
+}
+
+static void put(void *h, smp_dtype dt, int64_t i, double v) {
+    switch (dt) {
+    case SMP_F32: ((float *)h)[i] = (float)v; break;
+    case SMP_F64: ((double *)h)[i] = v; break;
+    case SMP_F16: ((uint16_t *)h)[i] = smp_f32_to_f16((float)v); break;
+    case SMP_BF16: ((uint16_t *)h)[i] = smp_f32_to_bf16((float)v); break;
+    case SMP_I32: ((int32_t *)h)[i] = (int32_t)v; break;
+    case SMP_I64: ((int64_t *)h)[i] = (int64_t)v; break;
+    default: ((uint8_t *)h)[i] = (uint8_t)v; break;
+    }
+}
+
+static double get(const void *h, smp_dtype dt, int64_t i) {
+    switch (dt) {
+    case SMP_F32: return ((const float *)h)[i];
+    case SMP_F64: return ((const double *)h)[i];
+    case SMP_F16: return smp_f16_to_f32(((const uint16_t *)h)[i]);
+    case SMP_BF16: return smp_bf16_to_f32(((const uint16_t *)h)[i]);
+    case SMP_I32: return ((const int32_t *)h)[i];
+    case SMP_I64: return (double)((const int64_t *)h)[i];
+    default: return ((const uint8_t *)h)[i];
+    }
+}
+
+/* v as the dtype stores it. */
+static double rounded(smp_dtype dt, double v) {
+    double buf[1];
+    put(buf, dt, 0, v);
+    return get(buf, dt, 0);
+}
+
+static bool is_float(smp_dtype dt) { return dt == SMP_F32 || dt == SMP_F64 || dt == SMP_F16 || dt == SMP_BF16; }
+
+/* Equal, or for means within the dtype's precision. */
+static bool close_to(smp_dtype dt, double got, double want, bool mean) {
+    if (!mean) return got == want;
+    double tol = dt == SMP_F64 ? 1e-12 : dt == SMP_F32 ? 1e-6 : dt == SMP_F16 ? 4e-3 : 3e-2;
+    return fabs(got - want) <= tol * (fabs(want) > 1 ? fabs(want) : 1);
+}
+
+static void *dalloc(size_t n) {
+    void *p = NULL;
+    CK(cudaMalloc(&p, n ? n : 1));
+    return p;
+}
+static void *halloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (!p) { fprintf(stderr, "test_gpu: out of memory\n"); MPI_Abort(MPI_COMM_WORLD, 2); }
+    return p;
+}
+static void up(void *d, const void *h, size_t n) { if (n) CK(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice)); }
+static void down(void *h, const void *d, size_t n) { if (n) CK(cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost)); }
+
+static smp_tensor dev_tensor(void *d, smp_dtype dt, int64_t n) {
+    smp_tensor t = smp_tensor_1d(d, dt, n);
+    t.device = smp_nccl_device();
+    return t;
+}
+
+/* Inputs: small integers, per op kind, from (group rank, element). */
+static double in_val(smp_op op, int r, int64_t i) {
+    switch (op) {
+    case SMP_SUM: case SMP_AVG: return (double)(i % 5 + r % 3);
+    case SMP_MIN: case SMP_MAX: return (double)((i * 7 + r * 3) % 11);
+    default: return (i + r) % 5 == 0 ? 2.0 : 1.0; /* prod: at most two 2s among 8 ranks */
+    }
+}
+
+static double fold(smp_op op, int n, int64_t i) {
+    double a = in_val(op, 0, i);
+    for (int r = 1; r < n; r++) {
+        double b = in_val(op, r, i);
+        if (op == SMP_SUM || op == SMP_AVG) a += b;
+        else if (op == SMP_MIN) a = b < a ? b : a;
+        else if (op == SMP_MAX) a = b > a ? b : a;
+        else a *= b;
+    }
+    return op == SMP_AVG ? a / n : a;
+}
+
+static const smp_op OPS[5] = {SMP_SUM, SMP_AVG, SMP_MIN, SMP_MAX, SMP_PROD};
+static const char *OPNAMES[5] = {"sum", "avg", "min", "max", "prod"};
+
+/* ---------------------------------------------------------------- collectives */
+static void test_all_reduce(smp_dtype dt, int gi) {
+    smp_group g = GROUPS[gi];
+    int gs = smp_group_size(g), gr = smp_group_rank(g);
+    size_t es = smp_dtype_size(dt);
+    result res = ok_result();
+    for (int o = 0; o < 5; o++) {
+        if (OPS[o] == SMP_AVG && !is_float(dt)) continue;
+        for (int si = 0; si < 4; si++)
+            for (int inplace = 0; inplace < 2; inplace++) {
+                int64_t n = SIZES[si];
+                void *h = halloc((size_t)n * es), *hr = halloc((size_t)n * es);
+                for (int64_t i = 0; i < n; i++) put(h, dt, i, in_val(OPS[o], gr, i));
+                void *din = dalloc((size_t)n * es), *dout = inplace ? din : dalloc((size_t)n * es);
+                up(din, h, (size_t)n * es);
+                smp_tensor tin = dev_tensor(din, dt, n), tout = dev_tensor(dout, dt, n);
+                smp_status st = smp_all_reduce(&tin, &tout, OPS[o], g);
+                if (st) fail(&res, "%s n=%lld%s: %s", OPNAMES[o], (long long)n, inplace ? " in place" : "", smp_last_error());
+                down(hr, dout, (size_t)n * es);
+                for (int64_t i = 0; i < n && res.ok && !st; i++) {
+                    double want = rounded(dt, fold(OPS[o], gs, i)), got = get(hr, dt, i);
+                    if (!close_to(dt, got, want, OPS[o] == SMP_AVG))
+                        fail(&res, "%s n=%lld%s: element %lld is %g, expected %g", OPNAMES[o], (long long)n, inplace ? " in place" : "",
+                             (long long)i, got, want);
+                }
+                CK(cudaFree(din));
+                if (!inplace) CK(cudaFree(dout));
+                free(h);
+                free(hr);
+            }
+    }
+    check("all_reduce", smp_dtype_name(dt), GNAMES[gi], &res);
+}
+
+static void test_broadcast(smp_dtype dt, int gi) {
+    smp_group g = GROUPS[gi];
+    int gs = smp_group_size(g), gr = smp_group_rank(g), root = gs - 1;
+    size_t es = smp_dtype_size(dt);
+    result res = ok_result();
+    for (int si = 0; si < 4; si++) {
+        int64_t n = SIZES[si];
+        void *h = halloc((size_t)n * es);
+        for (int64_t i = 0; i < n; i++) put(h, dt, i, gr == root ? (double)((i * 3 + 1) % 50) : 99.0);
+        void *d = dalloc((size_t)n * es);
+        up(d, h, (size_t)n * es);
+        smp_tensor t = dev_tensor(d, dt, n);
+        smp_status st = smp_broadcast(&t, root, g);
+        if (st) fail(&res, "n=%lld: %s", (long long)n, smp_last_error());
+        down(h, d, (size_t)n * es);
+        for (int64_t i = 0; i < n && res.ok && !st; i++)
+            if (get(h, dt, i) != (double)((i * 3 + 1) % 50)) fail(&res, "n=%lld: element %lld is %g", (long long)n, (long long)i, get(h, dt, i));
+        CK(cudaFree(d));
+        free(h);
+    }
+    check("broadcast", smp_dtype_name(dt), GNAMES[gi], &res);
+}
+
+static void test_reduce(smp_dtype dt, int gi) {
+    smp_group g = GROUPS[gi];
+    int gs = smp_group_size(g), gr = smp_group_rank(g), root = gs - 1;
+    size_t es = smp_dtype_size(dt);
+    result res = ok_result();
+    for (int o = 0; o < 5; o++) {
+        if (OPS[o] == SMP_AVG && !is_float(dt)) continue;
+        for (int si = 0; si < 4; si++)
+            for (int inplace = 0; inplace < 2; inplace++) {
+                int64_t n = SIZES[si];
+                void *h = halloc((size_t)n * es), *hr = halloc((size_t)n * es);
+                for (int64_t i = 0; i < n; i++) put(h, dt, i, in_val(OPS[o], gr, i));
+                void *din = dalloc((size_t)n * es), *dout = inplace || gr != root ? din : dalloc((size_t)n * es);
+                up(din, h, (size_t)n * es);
+                smp_tensor tin = dev_tensor(din, dt, n), tout = dev_tensor(dout, dt, n);
+                smp_status st = smp_reduce(&tin, gr == root ? &tout : NULL, OPS[o], root, g);
+                if (st) fail(&res, "%s n=%lld%s: %s", OPNAMES[o], (long long)n, inplace ? " in place" : "", smp_last_error());
+                if (gr == root && !st) {
+                    down(hr, dout, (size_t)n * es);
+                    for (int64_t i = 0; i < n && res.ok; i++) {
+                        double want = rounded(dt, fold(OPS[o], gs, i));
+                        if (!close_to(dt, get(hr, dt, i), want, OPS[o] == SMP_AVG))
+                            fail(&res, "%s n=%lld: element %lld is %g, expected %g", OPNAMES[o], (long long)n, (long long)i, get(hr, dt, i), want);
+                    }
+                } else if (!st) {
+                    down(hr, din, (size_t)n * es); /* a non-root's input is left alone */
+                    if (n && memcmp(hr, h, (size_t)n * es) != 0) fail(&res, "%s n=%lld: a non-root's input changed", OPNAMES[o], (long long)n);
+                }
+                CK(cudaFree(din));
+                if (dout != din) CK(cudaFree(dout));
+                free(h);
+                free(hr);
+            }
+    }
+    check("reduce", smp_dtype_name(dt), GNAMES[gi], &res);
+}
+
+static double gather_val(int r, int64_t i) { return (double)((r * 13 + i) % 50); }
+
+static void test_all_gather(smp_dtype dt, int gi) {
+    smp_group g = GROUPS[gi];
+    int gs = smp_group_size(g), gr = smp_group_rank(g);
+    size_t es = smp_dtype_size(dt);
+    result res = ok_result();
+    for (int si = 0; si < 4; si++)
+        for (int inplace = 0; inplace < 2; inplace++) {
+            int64_t n = SIZES[si];
+            size_t block = (size_t)n * es, total = block * (size_t)gs;
+            void *h = halloc(block), *hr = halloc(total);
+            for (int64_t i = 0; i < n; i++) put(h, dt, i, gather_val(gr, i));
+            void *dout = dalloc(total);
+            void *din = inplace ? (void *)((char *)dout + block * (size_t)gr) : dalloc(block);
+            up(din, h, block);
+            smp_tensor tin = dev_tensor(din, dt, n), tout = dev_tensor(dout, dt, n * gs);
+            smp_status st = smp_all_gather(&tin, &tout, g);
+            if (st) fail(&res, "n=%lld%s: %s", (long long)n, inplace ? " in place" : "", smp_last_error());
+            down(hr, dout, total);
+            for (int r = 0; r < gs && !st; r++)
+                for (int64_t i = 0; i < n && res.ok; i++)
+                    if (get(hr, dt, r * n + i) != gather_val(r, i))
+                        fail(&res, "n=%lld%s: block %d element %lld is %g, expected %g", (long long)n, inplace ? " in place" : "", r,
+                             (long long)i, get(hr, dt, r * n + i), gather_val(r, i));
+            if (!inplace) CK(cudaFree(din));
+            CK(cudaFree(dout));
+            free(h);
+            free(hr);
+        }
+    check("all_gather", smp_dtype_name(dt), GNAMES[gi], &res);
+}
+
+static void test_reduce_scatter(smp_dtype dt, int gi) {
+    smp_group g = GROUPS[gi];
+    int gs = smp_group_size(g), gr = smp_group_rank(g);
+    size_t es = smp_dtype_size(dt);
+    result res = ok_result();
+    for (int o = 0; o < 5; o++) {
+        if (OPS[o] == SMP_AVG && !is_float(dt)) continue;
+        if (OPS[o] == SMP_MIN || OPS[o] == SMP_PROD) continue; /* sum, avg, max cover the paths */
+        for (int si = 0; si < 4; si++)
+            for (int inplace = 0; inplace < 2; inplace++) {
+                int64_t n = SIZES[si];
+                size_t block = (size_t)n * es, total = block * (size_t)gs;
+                void *h = halloc(total), *hr = halloc(block);
+                for (int64_t j = 0; j < n * gs; j++) put(h, dt, j, in_val(OPS[o], gr, j));
+                void *din = dalloc(total);
+                void *dout = inplace ? (void *)((char *)din + block * (size_t)gr) : dalloc(block);
+                up(din, h, total);
+                smp_tensor tin = dev_tensor(din, dt, n * gs), tout = dev_tensor(dout, dt, n);
+                smp_status st = smp_reduce_scatter(&tin, &tout, OPS[o], g);
+                if (st) fail(&res, "%s n=%lld%s: %s", OPNAMES[o], (long long)n, inplace ? " in place" : "", smp_last_error());
+                down(hr, dout, block);
+                for (int64_t i = 0; i < n && res.ok && !st; i++) {
+                    double want = rounded(dt, fold(OPS[o], gs, gr * n + i));
+                    if (!close_to(dt, get(hr, dt, i), want, OPS[o] == SMP_AVG))
+                        fail(&res, "%s n=%lld%s: element %lld is %g, expected %g", OPNAMES[o], (long long)n, inplace ? " in place" : "",
+                             (long long)i, get(hr, dt, i), want);
+                }
+                CK(cudaFree(din));
+                if (!inplace) CK(cudaFree(dout));
+                free(h);
+                free(hr);
+            }
+    }
+    check("reduce_scatter", smp_dtype_name(dt), GNAMES[gi], &res);
+}
+
+/* all_to_all: member a sends rows(a, b) rows of ROW elements to member b. */
+#define ROW 3
+static int64_t a2a_rows(int a, int b, bool equal) { return equal ? 2 : (a + b) % 3 + 1; }
+static double a2a_val(int from, int to, int64_t row, int e) { return (double)((from * 11 + to * 5 + row * 3 + e) % 60); }
+
+static void test_all_to_all(smp_dtype dt, int gi) {
+    smp_group g = GROUPS[gi];
+    int gs = smp_group_size(g), gr = smp_group_rank(g);
+    size_t es = smp_dtype_size(dt);
+    result res = ok_result();
+    for (int variant = 0; variant < 3; variant++) { /* equal splits, unequal splits, equal in place */
+        bool equal = variant != 1, inplace = variant == 2;
+        int64_t *in_splits = (int64_t *)halloc(sizeof(int64_t) * (size_t)gs), *out_splits = (int64_t *)halloc(sizeof(int64_t) * (size_t)gs);
+        int64_t in_rows = 0, out_rows = 0;
+        for (int b = 0; b < gs; b++) {
+            in_splits[b] = a2a_rows(gr, b, equal);
+            out_splits[b] = a2a_rows(b, gr, equal);
+            in_rows += in_splits[b];
+            out_rows += out_splits[b];
+        }
+        void *h = halloc((size_t)(in_rows * ROW) * es), *hr = halloc((size_t)(out_rows * ROW) * es);
+        int64_t at = 0;
+        for (int b = 0; b < gs; b++)
+            for (int64_t rr = 0; rr < in_splits[b]; rr++, at++)
+                for (int e = 0; e < ROW; e++) put(h, dt, at * ROW + e, a2a_val(gr, b, rr, e));
+        void *din = dalloc((size_t)(in_rows * ROW) * es);
+        void *dout = inplace ? din : dalloc((size_t)(out_rows * ROW) * es);
+        up(din, h, (size_t)(in_rows * ROW) * es);
+        smp_tensor tin = smp_tensor_2d(din, dt, in_rows, ROW), tout = smp_tensor_2d(dout, dt, out_rows, ROW);
+        tin.device = tout.device = smp_nccl_device();
+        smp_status st = smp_all_to_all_single(&tin, &tout, equal ? NULL : out_splits, equal ? NULL : in_splits, g);
+        const char *vname = variant == 0 ? "equal splits" : variant == 1 ? "unequal splits" : "equal splits in place";
+        if (st) fail(&res, "%s: %s", vname, smp_last_error());
+        down(hr, dout, (size_t)(out_rows * ROW) * es);
+        at = 0;
+        for (int a = 0; a < gs && !st; a++)
+            for (int64_t rr = 0; rr < out_splits[a]; rr++, at++)
+                for (int e = 0; e < ROW && res.ok; e++)
+                    if (get(hr, dt, at * ROW + e) != a2a_val(a, gr, rr, e))
+                        fail(&res, "%s: row %lld from member %d is %g, expected %g", vname, (long long)rr, a, get(hr, dt, at * ROW + e),
+                             a2a_val(a, gr, rr, e));
+        CK(cudaFree(din));
+        if (!inplace) CK(cudaFree(dout));
+        free(h);
+        free(hr);
+        free(in_splits);
+        free(out_splits);
+    }
+    check("all_to_all_single", smp_dtype_name(dt), GNAMES[gi], &res);
+}
+
+/* ---------------------------------------------------------------- copies, streams */
+static void test_copy(void) {
+    result res = ok_result();
+    const int n = 100000;
+    float *h = (float *)halloc(sizeof(float) * n), *h2 = (float *)halloc(sizeof(float) * n);
+    for (int i = 0; i < n; i++) { h[i] = (float)(i % 977) + 0.5f; h2[i] = -1; }
+    float *a = (float *)dalloc(sizeof(float) * n), *b = (float *)dalloc(sizeof(float) * n);
+    int dev = smp_nccl_device();
+    smp_status st = smp_nccl_copy(a, dev, h, SMP_HOST, sizeof(float) * n);
+    if (!st) st = smp_nccl_copy(b, dev, a, dev, sizeof(float) * n);
+    if (!st) st = smp_nccl_copy(h2, SMP_HOST, b, dev, sizeof(float) * n); /* returns when h2 holds the data */
+    if (st) fail(&res, "%s", smp_last_error());
+    else if (memcmp(h, h2, sizeof(float) * n) != 0) fail(&res, "host -> device -> device -> host changed the data");
+    st = smp_nccl_copy(h2, SMP_HOST, b, dev + 1, sizeof(float) * n);
+    if (st == SMP_OK) fail(&res, "a copy from a device this rank does not drive was accepted");
+    CK(cudaFree(a));
+    CK(cudaFree(b));
+    free(h);
+    free(h2);
+    check("copy", "bytes", "local", &res);
+}
+
+__global__ void k_fill(float *p, int n, float v) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) p[i] = v;
+}
+__global__ void k_scale(float *p, int n, float a) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) p[i] *= a;
+}
+
+/* The engine computes on a stream of its own: kernels before a collective
+   must be seen by it, kernels after it must see its result, without the
+   test synchronising in between. */
+static void test_engine_stream(void) {
+    result res = ok_result();
+    const int n = 1 << 22;
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    smp_nccl_set_stream(s);
+    float *d = (float *)dalloc(sizeof(float) * n), *h = (float *)halloc(sizeof(float) * n);
+    int gs = smp_size();
+    for (int it = 0; it < 4 && res.ok; it++) {
+        k_fill<<<(n + 255) / 256, 256, 0, s>>>(d, n, (float)(smp_rank() + 1 + it));
+        CK(cudaGetLastError());
+        smp_tensor t = dev_tensor(d, SMP_F32, n);
+        smp_status st = smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD);
+        if (st) { fail(&res, "%s", smp_last_error()); break; }
+        k_scale<<<(n + 255) / 256, 256, 0, s>>>(d, n, 2.0f);
+        CK(cudaGetLastError());
+        CK(cudaMemcpyAsync(h, d, sizeof(float) * n, cudaMemcpyDeviceToHost, s));
+        CK(cudaStreamSynchronize(s));
+        float want = 2.0f * (float)(gs * (gs + 1) / 2 + gs * it);
+        for (int i = 0; i < n && res.ok; i += 4093)
+            if (h[i] != want) fail(&res, "iteration %d: element %d is %g, expected %g", it, i, h[i], want);
+    }
+    smp_status st = smp_nccl_synchronize();
+    if (st) fail(&res, "smp_nccl_synchronize: %s", smp_last_error());
+    smp_nccl_set_stream(0);
+    CK(cudaFree(d));
+    CK(cudaStreamDestroy(s));
+    free(h);
+    check("engine stream", "f32", "world", &res);
+}
+
+/* smp_nccl_alloc + smp_nccl_add: what an executor accumulating gradients on the device needs. */
+static void test_alloc_add(void) {
+    result res = ok_result();
+    const int64_t n = 100003;
+    for (int d = 0; d < NDT && res.ok; d++) {
+        smp_dtype dt = DTS[d];
+        size_t es = smp_dtype_size(dt);
+        void *a = smp_nccl_alloc((size_t)n * es), *b = smp_nccl_alloc((size_t)n * es);
+        if (!a || !b) { fail(&res, "smp_nccl_alloc: %s", smp_last_error()); break; }
+        void *ha = halloc((size_t)n * es), *hb = halloc((size_t)n * es);
+        for (int64_t i = 0; i < n; i++) { put(ha, dt, i, (double)(i % 50)); put(hb, dt, i, (double)(i % 7)); }
+        /* the copies and the add are all ordered on the engine stream */
+        smp_status st = smp_nccl_copy(a, smp_nccl_device(), ha, SMP_HOST, (size_t)n * es);
+        if (!st) st = smp_nccl_copy(b, smp_nccl_device(), hb, SMP_HOST, (size_t)n * es);
+        if (!st) st = smp_nccl_add(a, b, dt, n);
+        if (!st) st = smp_nccl_add(a, b, dt, n);
+        if (!st) st = smp_nccl_copy(ha, SMP_HOST, a, smp_nccl_device(), (size_t)n * es);
+        if (st) fail(&res, "%s: %s", smp_dtype_name(dt), smp_last_error());
+        for (int64_t i = 0; i < n && res.ok && !st; i++) {
+            double want = rounded(dt, rounded(dt, (double)(i % 50) + (double)(i % 7)) + (double)(i % 7));
+            if (get(ha, dt, i) != want) fail(&res, "%s: element %lld is %g, expected %g", smp_dtype_name(dt), (long long)i, get(ha, dt, i), want);
+        }
+        smp_nccl_free(a);
+        smp_nccl_free(b);
+        free(ha);
+        free(hb);
+    }
+    check("alloc + add", "all", "local", &res);
+}
+
+/* ---------------------------------------------------------------- point to point */
+static float p2p_val(int from, int k, int i) { return (float)(from * 100 + k * 10 + i % 7); }
+
+static void test_p2p_ring(void) {
+    result res = ok_result();
+    int n = smp_size(), r = smp_rank();
+    int next = (r + 1) % n, prev = (r + n - 1) % n;
+    int peers[2] = {next, prev};
+    smp_status st = smp_nccl_p2p_connect(SMP_WORLD, peers, 2);
+    if (st) fail(&res, "connect: %s", smp_last_error());
+    const int K = 3;
+    float *dsend[3], *drecv[3];
+    smp_nccl_request *rs[3] = {NULL, NULL, NULL}, *rr[3] = {NULL, NULL, NULL};
+    for (int k = 0; k < K; k++) {
+        int len = (k + 1) * 1000;
+        float *h = (float *)halloc(sizeof(float) * (size_t)len);
+        for (int i = 0; i < len; i++) h[i] = p2p_val(r, k, i);
+        dsend[k] = (float *)dalloc(sizeof(float) * (size_t)len);
+        drecv[k] = (float *)dalloc(sizeof(float) * (size_t)len);
+        up(dsend[k], h, sizeof(float) * (size_t)len);
+        free(h);
+    }
+    /* receives first, long before the data is sent */
+    for (int k = 0; k < K && !st; k++)
+        if ((st = smp_nccl_irecv(drecv[k], sizeof(float) * (size_t)((k + 1) * 1000), prev, SMP_WORLD, &rr[k]))) fail(&res, "irecv: %s", smp_last_error());
+    for (int k = 0; k < K && !st; k++)
+        if ((st = smp_nccl_isend(dsend[k], sizeof(float) * (size_t)((k + 1) * 1000), next, SMP_WORLD, &rs[k]))) fail(&res, "isend: %s", smp_last_error());
+    if (!st) { /* poll one send until it is done, as an executor freeing buffers would */
+        bool done = false;
+        double t0 = MPI_Wtime();
+        while (!done && !st && MPI_Wtime() - t0 < 60) st = smp_nccl_test(rs[0], &done);
+        if (st) fail(&res, "test: %s", smp_last_error());
+        else if (!done) fail(&res, "a send did not finish in 60 s");
+    }
+    for (int k = 0; k < K; k++) {
+        if (rr[k] && smp_nccl_wait(rr[k])) fail(&res, "wait (receive %d): %s", k, smp_last_error());
+        if (rs[k] && smp_nccl_wait(rs[k])) fail(&res, "wait (send %d): %s", k, smp_last_error());
+    }
+    for (int k = 0; k < K; k++) {
+        int len = (k + 1) * 1000;
+        float *h = (float *)halloc(sizeof(float) * (size_t)len);
+        down(h, drecv[k], sizeof(float) * (size_t)len);
+        for (int i = 0; i < len && res.ok && !st; i++)
+            if (h[i] != p2p_val(prev, k, i)) fail(&res, "message %d element %d is %g, expected %g", k, i, h[i], p2p_val(prev, k, i));
+        free(h);
+    }
+    /* sendrecv around the ring the other way */
+    if (res.ok) {
+        st = smp_nccl_sendrecv(dsend[0], sizeof(float) * 1000, prev, drecv[0], sizeof(float) * 1000, next, SMP_WORLD);
+        if (st) fail(&res, "sendrecv: %s", smp_last_error());
+        float *h = (float *)halloc(sizeof(float) * 1000);
+        down(h, drecv[0], sizeof(float) * 1000);
+        for (int i = 0; i < 1000 && res.ok && !st; i++)
+            if (h[i] != p2p_val(next, 0, i)) fail(&res, "sendrecv element %d is %g, expected %g", i, h[i], p2p_val(next, 0, i));
+        free(h);
+    }
+    for (int k = 0; k < K; k++) { CK(cudaFree(dsend[k])); CK(cudaFree(drecv[k])); }
+    check("p2p ring", "f32", "world", &res);
+}
+
+/* Pipeline neighbours: activations forward and gradients backward at once. */
+static void test_p2p_pipeline(void) {
+    result res = ok_result();
+    int me = smp_mp_rank(), other = 1 - me;
+    int peer[1] = {other};
+    smp_status st = smp_nccl_p2p_connect(SMP_MP_GROUP, peer, 1);
+    if (st) fail(&res, "connect: %s", smp_last_error());
+    const int n = 1 << 18, M = 4;
+    float *act = (float *)dalloc(sizeof(float) * n * M), *grad = (float *)dalloc(sizeof(float) * n * M);
+    float *h = (float *)halloc(sizeof(float) * n * M);
+    /* stage 0 owns act and receives grad; stage 1 the other way round */
+    float *mine = me == 0 ? act : grad, *theirs = me == 0 ? grad : act;
+    for (int i = 0; i < n * M; i++) h[i] = (float)(me * 1000 + i % 101);
+    up(mine, h, sizeof(float) * n * M);
+    smp_nccl_request *rq[8];
+    int nr = 0;
+    for (int m = 0; m < M && !st; m++) { /* stage 1 sends before it receives: both directions are in flight together */
+        if (me == 1 && (st = smp_nccl_isend(mine + (size_t)m * n, sizeof(float) * n, other, SMP_MP_GROUP, &rq[nr]))) break;
+        if (me == 1) nr++;
+        if ((st = smp_nccl_irecv(theirs + (size_t)m * n, sizeof(float) * n, other, SMP_MP_GROUP, &rq[nr]))) break;
+        nr++;
+        if (me == 0 && (st = smp_nccl_isend(mine + (size_t)m * n, sizeof(float) * n, other, SMP_MP_GROUP, &rq[nr]))) break;
+        if (me == 0) nr++;
+    }
+    if (st) fail(&res, "%s", smp_last_error());
+    for (int i = 0; i < nr; i++)
+        if (smp_nccl_wait(rq[i])) fail(&res, "wait: %s", smp_last_error());
+    down(h, theirs, sizeof(float) * n * M);
+    for (int i = 0; i < n * M && res.ok && !st; i++)
+        if (h[i] != (float)(other * 1000 + i % 101)) fail(&res, "element %d is %g, expected %g", i, h[i], (float)(other * 1000 + i % 101));
+    CK(cudaFree(act));
+    CK(cudaFree(grad));
+    free(h);
+    check("p2p both directions", "f32", "mp", &res);
+}
+
+/* ---------------------------------------------------------------- errors */
+static void test_errors(void) {
+    result res = ok_result();
+    float *d = (float *)dalloc(sizeof(float) * 16), hostbuf[16] = {0};
+    smp_tensor t = dev_tensor(d, SMP_F32, 16);
+    t.device = smp_nccl_device() + 1;
+    smp_status st = smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD);
+    if (st == SMP_OK || !strstr(smp_last_error(), "drives device"))
+        fail(&res, "a tensor on another device: status %d, \"%s\"", (int)st, smp_last_error());
+    smp_tensor hbad = dev_tensor(hostbuf, SMP_F32, 16);
+    st = smp_broadcast(&hbad, 0, SMP_WORLD);
+    if (st == SMP_OK || !strstr(smp_last_error(), "host memory"))
+        fail(&res, "host memory marked as a device tensor: status %d, \"%s\"", (int)st, smp_last_error());
+    smp_tensor empty = dev_tensor(NULL, SMP_F32, 0);
+    st = smp_all_reduce(&empty, &empty, SMP_SUM, SMP_WORLD);
+    if (st) fail(&res, "an empty device tensor: %s", smp_last_error());
+    if (smp_size() > 1) {
+        st = smp_nccl_send(d, 64, smp_rank(), SMP_WORLD);
+        if (st == SMP_OK || !strstr(smp_last_error(), "this rank")) fail(&res, "a send to itself: status %d, \"%s\"", (int)st, smp_last_error());
+    }
+    CK(cudaFree(d));
+    check("errors", "f32", "world", &res);
+}
+
+static void run_suite(void) {
+    for (int gi = 0; gi < 3; gi++)
+        for (int d = 0; d < NDT; d++) {
+            test_all_reduce(DTS[d], gi);
+            test_broadcast(DTS[d], gi);
+            test_reduce(DTS[d], gi);
+            test_all_gather(DTS[d], gi);
+            test_reduce_scatter(DTS[d], gi);
+            test_all_to_all(DTS[d], gi);
+        }
+    test_copy();
+    test_alloc_add();
+    test_engine_stream();
+    char name[64];
+    if (W_SIZE > 1) test_p2p_ring();
+    else if (W_RANK == 0) { snprintf(name, sizeof name, "gpu %s p2p", MODE); test_skip(name, "needs 2 ranks or more"); }
+    if (PARTS == 2) test_p2p_pipeline();
+    test_errors();
+    smp_status st = smp_nccl_synchronize();
+    snprintf(name, sizeof name, "gpu %s synchronize", MODE);
+    MPI_CHECK(st == SMP_OK, name, "%s", smp_last_error());
+}
+
+static smp_status start(smp_config *cfg) {
+    smp_status st = smp_init(cfg);
+    MODE = smp_nccl_mode_name(smp_nccl_get_mode());
+    return st;
+}
+
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &W_RANK);
+    MPI_Comm_size(MPI_COMM_WORLD, &W_SIZE);
+    (void)test_report;
+    PARTS = W_SIZE % 2 == 0 ? 2 : 1;
+    smp_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.partitions = PARTS;
+    if (W_SIZE / PARTS > 1) cfg.ddp = SMP_ON;
+    if (!getenv("SMP_TIMEOUT")) cfg.timeout = 120; /* a hang ends the test with a message */
+    smp_status st = start(&cfg);
+    if (st != SMP_OK) {
+        MPI_CHECK(false, "gpu init", "smp_init: %.300s", smp_last_error());
+        MPI_Finalize();
+        return 1;
+    }
+    if (smp_nccl_get_mode() == SMP_NCCL_MODE_NONE) {
+        if (W_RANK == 0) test_skip("gpu", "skipped: no GPU");
+        smp_finalize();
+        MPI_Finalize();
+        return 0;
+    }
+    if (W_RANK == 0) { printf("# %s, %d rank(s)\n", smp_nccl_describe(), W_SIZE); fflush(stdout); }
+    bool was_nccl = smp_nccl_get_mode() == SMP_NCCL_MODE_NCCL;
+    run_suite();
+    smp_finalize();
+    if (was_nccl) { /* and once more through host memory */
+        setenv("SMP_NCCL", "staged", 1);
+        st = start(&cfg);
+        MPI_CHECK(st == SMP_OK && smp_nccl_get_mode() == SMP_NCCL_MODE_STAGED, "gpu staged init", "smp_init: %.300s (mode %s)",
+                  smp_last_error(), MODE);
+        if (st == SMP_OK) {
+            run_suite();
+            smp_finalize();
+        }
+    }
+    MPI_Finalize();
+    return test_exit_code();
+}
