@@ -570,6 +570,8 @@ SMPDEF void smp_log(smp_log_level level, const char *fmt, ...) {
     va_end(ap);
 }
 
+static void smp__sleep_ns(long ns);
+
 /* A broken invariant or a wait past its deadline: the whole job stops. */
 static void smp__fatal(const char *fmt, ...)
 #if defined(__GNUC__)
@@ -583,6 +585,9 @@ static void smp__fatal(const char *fmt, ...) {
     va_end(ap);
     int up = 0;
     MPI_Initialized(&up);
+    /* the launcher forwards stderr asynchronously: give the message time to
+       leave before MPI_Abort tears every process down */
+    smp__sleep_ns(200000000L);
     if (up) MPI_Abort(MPI_COMM_WORLD, 3);
     abort();
 }

@@ -45,6 +45,7 @@ typedef struct options {
     long epoch_steps; /* steps per epoch (tests); 0: the whole training set */
     const char *checkpoint; /* saved after every epoch */
     bool partial, resume;
+    int threads; /* BLAS threads per rank; 0: 1 */
     bool print_losses; /* every step's loss, exactly (tests compare runs bit for bit) */
 } options;
 
@@ -84,6 +85,7 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (OPT("--data")) o->data_dir = v;
         else if (OPT("--max-steps")) o->max_steps = atol(v);
         else if (OPT("--epoch-steps")) o->epoch_steps = atol(v);
+        else if (OPT("--threads")) o->threads = atoi(v);
         else if (OPT("--checkpoint")) o->checkpoint = v;
         else if (!strcmp(a, "--partial")) o->partial = true;
         else if (!strcmp(a, "--resume")) o->resume = true;
@@ -187,7 +189,7 @@ int main(int argc, char **argv) {
         MPI_Finalize();
         return 1;
     }
-    mlp_set_blas_threads(1); /* a core per rank; the CPU analogue of set_device(local_rank()) */
+    mlp_set_blas_threads(opt.threads); /* one core per rank by default: the CPU analogue of set_device(local_rank()) */
     const smp_config *cfg = smp_get_config();
 
     /* the data: every rank reads it; each replica trains on its dp shard */
