@@ -832,8 +832,6 @@ SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[
    Nothing is allocated. Numbers are converted with strtod; if the host has
    set a locale whose decimal point is not '.', the conversion adapts.
 */
-#ifndef SMP__CONFIG_IMPLEMENTED /* so a second inclusion (tests) is harmless */
-#define SMP__CONFIG_IMPLEMENTED
 #include <limits.h>
 #include <locale.h>
 #include <math.h>
@@ -1745,7 +1743,6 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
     *out = c;
     return SMP_OK;
 }
-#endif /* SMP__CONFIG_IMPLEMENTED */
 
 /* ---------------------------------------------------------------- waiting */
 SMPDEF double smp_timeout(void) {

@@ -1,11 +1,8 @@
 /* test_config.c - smp_config_from_json and smp_config_resolve, in one process
    (no MPI_Init: the config code never talks to MPI).
 
-   Build (from the repository root), against smp.h's implementation:
-     mpicc -std=c11 -Wall -Wextra -Werror -O2 -I. test/test_config.c -o build/test_config -lm
-   or against wip/config.h alone, with stand-ins for smp_error/smp_last_error
-   (while smp.h's implementation section does not have the config code yet):
-     mpicc -std=c11 -Wall -Wextra -Werror -DSMP_TEST_CONFIG_STANDALONE test/test_config.c -o build/test_config -lm
+   Build (from the repository root):
+     mpicc -std=c11 -Wall -Wextra -Werror -O2 -I. -Itest test/test_config.c -o build/test_config -lm
 */
 #define _POSIX_C_SOURCE 200809L /* setenv, unsetenv */
 #include <locale.h>
@@ -14,24 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef SMP_TEST_CONFIG_STANDALONE
 #define SMP_IMPLEMENTATION
-#endif
 #include "../smp.h"
 
-#ifndef SMP_IMPLEMENTATION
-/* Stand-ins for the error functions of smp.h's implementation section. */
-#include <stdarg.h>
-static char test__last_error[2048];
-smp_status smp_error(smp_status s, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(test__last_error, sizeof test__last_error, fmt, ap);
-    va_end(ap);
-    return s;
-}
-const char *smp_last_error(void) { return test__last_error; }
-#endif
 
 #include "test.h"
 

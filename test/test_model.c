@@ -14,8 +14,6 @@
         name, the partition report on rank 0 only, and every module finding
         its parameters where it runs;
      6. smp_is_tracing() inside module callbacks.
-   Checks that fail against smp.h as of this writing are written up, with
-   patches, in wip/model_bugs.md.
    Build (from the repository root):
      mpicc -std=c11 -Wall -Wextra -Werror -O2 -g -I. -Itest test/test_model.c -o build/gcc/test_model -lm */
 #define SMP_IMPLEMENTATION
