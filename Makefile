@@ -15,7 +15,7 @@ MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp t
 SCRIPT_TESTS := test/run_timeout.sh test/test_install.sh test/test_demo.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout
-BENCHES    := partition checkpoint fmnist
+BENCHES    := collectives partition checkpoint fmnist
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc

@@ -147,7 +147,7 @@ SMPDEF uint16_t smp_f32_to_bf16(float f);
 
 /* DLPack interop, without copying. Available when <dlpack/dlpack.h> is
    included before smp.h (or SMP_DLPACK is defined). */
-#if defined(DLPACK_VERSION) || defined(SMP_DLPACK)
+#if defined(DLPACK_VERSION) || defined(DLPACK_MAJOR_VERSION) || defined(SMP_DLPACK)
 #include <dlpack/dlpack.h>
 SMPDEF smp_status smp_tensor_from_dlpack(const DLTensor *dl, smp_tensor *out);
 /* `shape_storage` must live as long as the DLTensor (DLTensor holds a
@@ -758,7 +758,7 @@ SMPDEF uint16_t smp_f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-#if defined(DLPACK_VERSION) || defined(SMP_DLPACK)
+#if defined(DLPACK_VERSION) || defined(DLPACK_MAJOR_VERSION) || defined(SMP_DLPACK)
 SMPDEF smp_status smp_tensor_from_dlpack(const DLTensor *dl, smp_tensor *out) {
     if (!dl || !out) return smp_error(SMP_ERR_ARG, "smp_tensor_from_dlpack: NULL argument");
     if (dl->ndim < 0 || dl->ndim > SMP_MAX_DIMS) return smp_error(SMP_ERR_ARG, "DLPack tensor has %d dimensions; smp supports up to %d", dl->ndim, SMP_MAX_DIMS);
@@ -770,7 +770,7 @@ SMPDEF smp_status smp_tensor_from_dlpack(const DLTensor *dl, smp_tensor *out) {
     case kDLBfloat: dt = bits == 16 ? SMP_BF16 : dt; break;
     case kDLInt: dt = bits == 32 ? SMP_I32 : bits == 64 ? SMP_I64 : dt; break;
     case kDLUInt: dt = bits == 8 ? SMP_U8 : dt; break;
-#if DLPACK_VERSION >= 80
+#if defined(DLPACK_MAJOR_VERSION) || (defined(DLPACK_VERSION) && DLPACK_VERSION >= 80) /* kDLBool: 0.8 and 1.x */
     case kDLBool: dt = bits == 8 ? SMP_BOOL : dt; break;
 #endif
     default: break;
@@ -798,7 +798,7 @@ SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[
     memset(&dl, 0, sizeof dl);
     static const struct { uint8_t code, bits; } map[SMP_DTYPE_COUNT] = {
         {0, 0}, {kDLFloat, 32}, {kDLFloat, 16}, {kDLBfloat, 16}, {kDLFloat, 64}, {kDLInt, 32}, {kDLInt, 64}, {kDLUInt, 8},
-#if DLPACK_VERSION >= 80
+#if defined(DLPACK_MAJOR_VERSION) || (defined(DLPACK_VERSION) && DLPACK_VERSION >= 80) /* kDLBool: 0.8 and 1.x */
         {kDLBool, 8}};
 #else
         {kDLUInt, 8}}; /* DLPack before 0.8 has no bool code */
@@ -1769,30 +1769,41 @@ static void smp__sleep_ns(long ns) {
 }
 
 /* Polling with back-off: spin briefly (latency), then yield (ranks sharing a
-   core get their turn), then sleep in growing steps up to 50 us. The cap is
-   short because with some transports (MPICH over UCX) the receiver copies a
-   large message inside its own polls: longer sleeps stretch a 128 MiB
-   transfer several times over. */
-typedef struct smp__backoff { double start, deadline; unsigned polls; long sleep_ns; } smp__backoff;
+   core get their turn), then sleep in growing steps up to a millisecond.
+   MPI moves data only inside MPI calls (MPICH runs no progress thread), so
+   a rank asleep stalls its transfer and its peers': a large all_reduce is a
+   few hundred steps, each a poll that copies or reduces a chunk, and a sleep
+   between steps adds straight to the time. A poll that itself took long
+   (SMP__BUSY_POLL) did such work, so it starts the back-off over: a rank
+   sleeps only once nothing has moved for 2 ms. */
+#define SMP__BUSY_POLL 5e-6
+typedef struct smp__backoff { double start, deadline, quiet_since, last; unsigned polls; long sleep_ns; } smp__backoff;
 
 static smp__backoff smp__backoff_start(void) {
     smp__backoff b;
-    b.start = smp__now();
+    b.start = b.quiet_since = b.last = smp__now();
     b.deadline = b.start + smp_timeout();
     b.polls = 0;
     b.sleep_ns = 1000;
     return b;
 }
 
-/* Returns false once the deadline has passed. */
+/* Called after each poll; returns false once the deadline has passed. */
 static bool smp__backoff_pause(smp__backoff *b) {
     b->polls++;
     if (b->polls < 64) return true;
     double now = smp__now();
     if (now > b->deadline) return false;
-    if (now - b->start < 20e-3) { sched_yield(); return true; }
-    smp__sleep_ns(b->sleep_ns);
-    if (b->sleep_ns < 50000) b->sleep_ns *= 2;
+    if (b->polls > 64 && now - b->last > SMP__BUSY_POLL) { /* the poll since the last pause moved data */
+        b->quiet_since = now;
+        b->sleep_ns = 1000;
+    }
+    if (now - b->quiet_since < 2e-3) sched_yield();
+    else {
+        smp__sleep_ns(b->sleep_ns);
+        if (b->sleep_ns < 1000000) b->sleep_ns *= 2;
+    }
+    b->last = smp__now();
     return true;
 }
 

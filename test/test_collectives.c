@@ -2,9 +2,11 @@
 
    Every collective x dtype (f32 f64 f16 bf16 i32 i64 u8) x op x group (world,
    MP_GROUP, DP_GROUP) x in place / out of place x sizes 0, 1, 7, 1000 and
-   2^20, against a reference this file computes from each rank's input. The
-   inputs are small integers (products: +-1 and 2), so every sum, mean and
-   product is exact in every dtype and the comparison is exact. Also: object
+   2^20 (for all_gather, reduce_scatter and all_to_all, 2^20 is the larger
+   buffer), against a reference this file computes from each rank's input.
+   The inputs are small integers (products: +-1 and 2), so every sum, mean
+   and product is exact in every dtype and the comparison is exact (a mean
+   over 3 ranks, -n 3, is allowed 2 units in the last place). Also: object
    messaging, DLPack, f16/bf16 conversion over all 65536 bit patterns and all
    halfway points, and argument errors.
 
@@ -902,8 +904,7 @@ static void test_argument_errors(void) {
     expect_error("errors/reduce/root_too_big", smp_reduce(&tf, &tf, SMP_SUM, w.n, SMP_WORLD), SMP_ERR_ARG, "root", NULL);
     expect_error("errors/reduce/dtype_mismatch_on_root", smp_reduce(&tf, &td, SMP_SUM, w.me, SMP_WORLD), SMP_ERR_ARG, "f32", "f64");
     {
-        /* every rank is the root of its own singleton? no: root 0 of the world;
-           all ranks pass a bad count so all return */
+        /* every rank passes the same bad count, so every rank returns */
         smp_tensor out = smp_tensor_1d(f, SMP_F32, 9);
         expect_error("errors/all_gather/element_count", smp_all_gather(&tf, &out, SMP_WORLD), SMP_ERR_ARG, "elements", NULL);
         expect_error("errors/reduce_scatter/element_count", smp_reduce_scatter(&out, &tf7, SMP_SUM, SMP_WORLD), SMP_ERR_ARG, "elements", NULL);
