@@ -15,7 +15,7 @@ MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp t
 SCRIPT_TESTS := test/run_timeout.sh test/test_install.sh test/test_demo.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout
-BENCHES    := collectives partition checkpoint fmnist
+BENCHES    := collectives partition schedule ddp checkpoint fmnist
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
@@ -103,6 +103,11 @@ bench-collectives: build/bench/collectives
 	mpirun -n 2 build/bench/collectives
 bench-partition: build/bench/partition
 	build/bench/partition
+bench-ddp: build/bench/ddp
+	mpirun -n 2 build/bench/ddp
+bench-schedule: build/bench/schedule
+	mpirun -n 2 build/bench/schedule
+	mpirun -n 4 build/bench/schedule
 bench-fmnist: build/examples/fmnist
 	bash bench/fmnist.sh
 bench-checkpoint: build/bench/checkpoint

@@ -261,6 +261,15 @@ SMPDEF smp_status smp_timeline_write(smp_model *m);
 SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *total_norm);
 SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm);
 
+/* Lets the gradient all-reduce that overlapping_allreduce started move on.
+   MPI advances a collective only inside MPI calls (MPICH over shared
+   memory: about 0.5 MiB per call), and a step makes none while a module's
+   backward runs. A long backward that calls smp_poll() every millisecond
+   or so gets the early buckets' all-reduce done behind it. Costs one
+   MPI_Test; does nothing when no all-reduce is in flight. Call it from the
+   thread that called smp_step. */
+SMPDEF void smp_poll(void);
+
 /* Dynamic loss scaling for f16/bf16 engines (zero fields mean defaults:
    scale 65536, growth 2, backoff 0.5, growth interval 2000 steps). Multiply
    the loss gradient by smp_grad_scaler_scale() in the body; after the step,
@@ -1274,8 +1283,10 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
         b->first = j;
         size_t bytes = 0;
         int k = j;
+        size_t es = smp_dtype_size(b->dtype);
         while (k < n && md->params[order[k]]->grad.dtype == b->dtype &&
-               (k == j || (double)(bytes + smp_tensor_nbytes(&md->params[order[k]]->grad)) <= cap)) {
+               (k == j || ((double)(bytes + smp_tensor_nbytes(&md->params[order[k]]->grad)) <= cap &&
+                           (bytes + smp_tensor_nbytes(&md->params[order[k]]->grad)) / es <= (size_t)INT32_MAX))) { /* MPI counts are int */
             bytes += smp_tensor_nbytes(&md->params[order[k]]->grad);
             k++;
         }
@@ -1301,9 +1312,12 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
     return SMP_OK;
 }
 
+static smp__pipe *smp__ddp_inflight; /* the step whose buckets are in flight, for smp_poll */
+
 static void smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
     if (b->started) return;
     b->started = true;
+    smp__ddp_inflight = ps;
     MPI_Comm comm = smp__ctx.groups[SMP_DP_GROUP].comm;
     int n = (int)b->numel;
     if (smp__ctx.cfg.deterministic_reduction == SMP_ON) {
@@ -1319,6 +1333,21 @@ static void smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
     (void)ps;
 }
 
+/* Lets the buckets in flight move; one test runs MPI's whole progress engine. */
+static void smp__ddp_poll(smp__pipe *ps) {
+    for (int b = 0; b < ps->nbuckets; b++) {
+        smp__bucket *k = &ps->buckets[b];
+        if (!k->started || k->req == MPI_REQUEST_NULL) continue;
+        int done = 0;
+        MPI_Test(&k->req, &done, MPI_STATUS_IGNORE);
+        return;
+    }
+}
+
+SMPDEF void smp_poll(void) {
+    if (smp__ddp_inflight) smp__ddp_poll(smp__ddp_inflight);
+}
+
 /* Call k's parameters are final: start the buckets that became complete. */
 static void smp__ddp_call_final(smp__pipe *ps, smp_model *md, int k) {
     for (int i = 0; i < md->nparams; i++) {
@@ -1330,16 +1359,36 @@ static void smp__ddp_call_final(smp__pipe *ps, smp_model *md, int k) {
     }
 }
 
-/* Finishes the step's gradient sync: every bucket started (in index order,
-   the order every replica uses), waited for, summed and averaged. After a
-   failed step the collectives still complete, and the result is dropped. */
+/* Starts every bucket not started yet (in index order, the order every
+   replica uses) and waits for all of them. The wait polls without sleeping:
+   MPI moves a large collective only inside MPI calls, a fixed amount per
+   call (MPICH 4.0 over shared memory: about 0.5 MiB, so a 24 MiB bucket
+   takes some 50 calls however far apart), and the back-off's sleeps
+   between polls (up to 1 ms) slow the sync down. The replicas arrive
+   together, so the spin is short; sched_yield lets a rank that shares the
+   core run. The timeout still applies. */
+static void smp__ddp_complete(smp__pipe *ps) {
+    for (int b = 0; b < ps->nbuckets; b++) smp__bucket_start(ps, &ps->buckets[b]);
+    double start = smp__now(), deadline = start + smp_timeout();
+    for (int b = 0; b < ps->nbuckets;) {
+        int done = 0;
+        MPI_Test(&ps->buckets[b].req, &done, MPI_STATUS_IGNORE);
+        if (done) { b++; continue; }
+        double now = smp__now();
+        if (now > deadline) smp__timeout_abort("data-parallel gradient all-reduce", SMP_DP_GROUP, -1, now - start);
+        sched_yield();
+    }
+    smp__ddp_inflight = NULL;
+}
+
+/* Finishes the step's gradient sync once smp__ddp_complete has run: every
+   bucket summed and averaged. After a failed step the collectives have still
+   completed, and the result is dropped. */
 static void smp__ddp_finish(smp__pipe *ps, bool failed) {
     int dp = smp_dp_size();
     double scale = 1.0 / ((double)dp * smp__ctx.cfg.backward_passes_per_step);
-    for (int b = 0; b < ps->nbuckets; b++) smp__bucket_start(ps, &ps->buckets[b]);
     for (int b = 0; b < ps->nbuckets; b++) {
         smp__bucket *k = &ps->buckets[b];
-        smp_wait_requests(1, &k->req, "data-parallel gradient all-reduce", SMP_DP_GROUP, -1);
         if (!failed && k->gather) {
             size_t es = smp_dtype_size(k->dtype);
             memcpy(k->data, k->gather, k->bytes);
@@ -1650,6 +1699,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         c->grad_inputs = NULL;
         if (rc) return rc;
         if (ps->sync && i == ps->m - 1) smp__ddp_call_final(ps, md, k);
+        if (ps->sync) smp__ddp_poll(ps); /* between calls: buckets started earlier move on */
     }
     smp__event_add(ps, 1, s, i, t0);
     /* gradients for producers on other ranks */
@@ -1906,6 +1956,10 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
         }
     }
     if (st && !ps->failed_remote) smp__notify_failure(ps);
+    /* every replica runs the bucket collectives, failed step or not; they
+       complete before the agreement, whose wait backs off into sleeps and
+       would stall the buckets still in flight */
+    if (ps->sync) smp__ddp_complete(ps);
     smp_status agreed = smp__agree_on(smp__ctx.world, st, "the step");
     if (ps->sync) smp__ddp_finish(ps, agreed != SMP_OK);
     if (agreed) {
