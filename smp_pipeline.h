@@ -1407,6 +1407,17 @@ static void smp__ddp_finish(smp__pipe *ps, bool failed) {
 }
 
 /* ---------------------------------------------------------------- gradient norm, clipping */
+/* Element x of a floating-point gradient, as a double (other dtypes: 0). */
+static double smp__grad_at(const smp_tensor *g, int64_t x) {
+    switch (g->dtype) {
+    case SMP_F32: return (double)((const float *)g->data)[x];
+    case SMP_F64: return ((const double *)g->data)[x];
+    case SMP_F16: return (double)smp_f16_to_f32(((const uint16_t *)g->data)[x]);
+    case SMP_BF16: return (double)smp_bf16_to_f32(((const uint16_t *)g->data)[x]);
+    default: return 0.0;
+    }
+}
+
 SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm) {
     smp_status st = smp__require_init("smp_grad_norm");
     if (st) return st;
@@ -1420,10 +1431,7 @@ SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm) {
         if (p->is_buffer || !p->grad.data || !smp_module_is_local(p->module)) continue;
         int64_t n = smp_tensor_numel(&p->grad);
         for (int64_t x = 0; x < n; x++) {
-            double v = p->grad.dtype == SMP_F32 ? (double)((const float *)p->grad.data)[x]
-                     : p->grad.dtype == SMP_F64 ? ((const double *)p->grad.data)[x]
-                     : p->grad.dtype == SMP_F16 ? (double)smp_f16_to_f32(((const uint16_t *)p->grad.data)[x])
-                     : p->grad.dtype == SMP_BF16 ? (double)smp_bf16_to_f32(((const uint16_t *)p->grad.data)[x]) : 0.0;
+            double v = smp__grad_at(&p->grad, x);
             sq[i] += v * v;
         }
     }
@@ -1468,10 +1476,7 @@ SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool
         if (p->is_buffer || !p->grad.data || !smp_module_is_local(p->module)) continue;
         int64_t n = smp_tensor_numel(&p->grad);
         for (int64_t x = 0; x < n && !bad; x++) {
-            double v = p->grad.dtype == SMP_F32 ? (double)((const float *)p->grad.data)[x]
-                     : p->grad.dtype == SMP_F64 ? ((const double *)p->grad.data)[x]
-                     : p->grad.dtype == SMP_F16 ? (double)smp_f16_to_f32(((const uint16_t *)p->grad.data)[x])
-                     : p->grad.dtype == SMP_BF16 ? (double)smp_bf16_to_f32(((const uint16_t *)p->grad.data)[x]) : 0.0;
+            double v = smp__grad_at(&p->grad, x);
             bad = !isfinite(v);
         }
     }
