@@ -12,7 +12,7 @@ LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
 MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint
-SCRIPT_TESTS := test/run_timeout.sh test/test_install.sh test/test_demo.sh
+SCRIPT_TESTS := test/run_timeout.sh test/test_install.sh test/test_demo.sh test/run_fuzz.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout
 BENCHES    := collectives partition schedule ddp checkpoint fmnist
@@ -112,6 +112,10 @@ bench-fmnist: build/examples/fmnist
 	bash bench/fmnist.sh
 bench-checkpoint: build/bench/checkpoint
 	mpirun -n 2 build/bench/checkpoint
+
+# The checkpoint header parser under libFuzzer for longer than make test's 20 s.
+fuzz:
+	FUZZ_SECONDS=$${FUZZ_SECONDS:-600} bash test/run_fuzz.sh
 
 # ---------------------------------------------------------------- install
 install:
