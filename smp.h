@@ -1887,16 +1887,19 @@ static smp_status smp__make_group(smp__group_info *gi, MPI_Comm comm) {
 /* ---------------------------------------------------------------- agreement */
 /* Makes one rank's failure everyone's: if any rank of `comm` has a non-OK
    status, every rank returns the status and message of the lowest failing
-   rank (prefixed with its rank when it is not this one). */
+   rank (prefixed with its rank when it is not this one). Ranks that failed
+   only because they heard of another's failure (SMP_ERR_REMOTE) come after
+   every rank with a failure of its own, so the message names the cause. */
 static smp_status smp__agree_on(MPI_Comm comm, smp_status local, const char *what) {
     int me, n;
     MPI_Comm_rank(comm, &me);
     MPI_Comm_size(comm, &n);
-    int mine = local != SMP_OK ? me : n, first = n;
+    int mine = local == SMP_OK ? 2 * n : local == SMP_ERR_REMOTE ? n + me : me, first = 2 * n;
     MPI_Request req;
     MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm, &req);
     smp_wait_requests(1, &req, what, SMP_WORLD, -1);
-    if (first == n) return SMP_OK;
+    if (first == 2 * n) return SMP_OK;
+    first %= n;
     struct { int status; char msg[sizeof smp__errbuf]; } pkt;
     pkt.status = (int)local;
     memcpy(pkt.msg, smp__errbuf, sizeof pkt.msg);

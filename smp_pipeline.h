@@ -901,6 +901,8 @@ typedef struct smp__pipe {
     int nbuckets;
     int *bucket_of;        /* [nparams]: bucket of each parameter, -1 if none */
     int *bucket_params;    /* parameters in backward order */
+    MPI_Comm *dead_comms;  /* communicators of failed steps, freed with the model */
+    int ndead, dead_cap;
 } smp__pipe;
 
 static smp_status smp__timeline_write(smp__pipe *ps);
@@ -917,7 +919,12 @@ static void smp__pipe_free(void *p) {
     smp_schedule_free(&ps->sched[0]);
     smp_schedule_free(&ps->sched[1]);
     if (ps->err_req != MPI_REQUEST_NULL) { MPI_Cancel(&ps->err_req); MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE); }
-    if (smp__ctx.initialized) { MPI_Comm_free(&ps->comm); MPI_Comm_free(&ps->err_comm); }
+    if (smp__ctx.initialized) {
+        MPI_Comm_free(&ps->comm);
+        MPI_Comm_free(&ps->err_comm);
+        for (int i = 0; i < ps->ndead; i++) MPI_Comm_free(&ps->dead_comms[i]);
+    }
+    smp__free(ps->dead_comms);
     smp__free(ps->inflight);
     smp__free(ps->events);
     for (int b = 0; b < ps->nbuckets; b++) smp__free(ps->buckets[b].data); /* parameters stop pointing here first */
@@ -1971,8 +1978,12 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
         smp__release_step(ps, md, true);
         /* messages of the failed step may still be in flight: start over on fresh communicators */
         if (ps->err_req != MPI_REQUEST_NULL) { MPI_Cancel(&ps->err_req); MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE); }
-        MPI_Comm_free(&ps->comm);
-        MPI_Comm_free(&ps->err_comm);
+        /* the old communicators stay allocated until the model is freed: freeing
+           them now would let MPI hand their context to the new ones while
+           abandoned messages are still in flight, to be matched by the next step */
+        smp__grow((void **)&ps->dead_comms, &ps->dead_cap, ps->ndead + 2, sizeof(MPI_Comm));
+        ps->dead_comms[ps->ndead++] = ps->comm;
+        ps->dead_comms[ps->ndead++] = ps->err_comm;
         smp__pipe_comms(ps);
         return agreed;
     }

@@ -51,12 +51,12 @@ static float mse(const float *y, const float *t, float *g, int n) { /* mean over
 
 /* ---------------------------------------------------------------- modules */
 typedef struct { smp_param *w, *b; int in, out, fail_mp_rank; } lin_state;
-static int g_fail = -1; /* mp rank whose linear fails (error test) */
+static int g_fail = -1, g_fail_mb = -1; /* mp rank (and microbatch, -1: any) whose linear fails (error test) */
 
 static smp_status lin_forward(smp_call_ctx *c) {
     lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0);
-    if (g_fail >= 0 && smp_mp_rank() == g_fail) return smp_error(SMP_ERR_MODULE, "injected failure");
+    if (g_fail >= 0 && smp_mp_rank() == g_fail && (g_fail_mb < 0 || smp_call_microbatch(c) == g_fail_mb)) return smp_error(SMP_ERR_MODULE, "injected failure");
     int64_t n = x->shape[0], shape[2] = {n, s->out};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
     linear_fwd((const float *)x->data, (const float *)smp_param_value(s->w)->data, (const float *)smp_param_value(s->b)->data,

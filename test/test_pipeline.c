@@ -119,9 +119,16 @@ static void run_error_case(int P) {
     smp_model_trace(model, &x, 1); /* trace before failing, so the failure hits the step */
     smp_status st = SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t);
     g_fail = -1;
-    char name[64];
+    char name[160];
     snprintf(name, sizeof name, "pipeline/module error reaches every rank/P=%d", P);
     MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected failure") && strstr(smp_last_error(), "module"), name, "status %d, message: %s", st, smp_last_error());
+    /* a failure that others are already waiting on: its message, not "another rank failed", reaches everyone */
+    g_fail = P - 1;
+    g_fail_mb = 2;
+    st = SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t);
+    g_fail = g_fail_mb = -1;
+    snprintf(name, sizeof name, "pipeline/a failure on microbatch 2 of the last stage names its cause everywhere/P=%d", P);
+    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected failure") && strstr(smp_last_error(), "microbatch 2"), name, "status %d, message: %s", st, smp_last_error());
     st = SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t);
     snprintf(name, sizeof name, "pipeline/step after an error works/P=%d", P);
     MPI_CHECK(st == SMP_OK && outs[0].microbatches == 4, name, "%s", smp_last_error());
