@@ -1552,27 +1552,40 @@ SMPDEF smp_status smp_agree_batches(int64_t batches) {
     return SMP_OK;
 }
 
+/* Waits for everything other ranks send stage s for microbatch i and points
+   the microbatch's tensors at it: activations into act (forward), gradient
+   contributions into contrib (backward). The tensors are views into the
+   receive buffers, which the step frees. */
+static smp_status smp__receive(smp__pipe *ps, int s, int i, bool backward) {
+    smp__xfer *wait[64];
+    int nw = 0, lk[64];
+    for (int l = 0; l < ps->nlinks; l++)
+        if ((backward ? ps->links[l].from : ps->links[l].to) == s) {
+            SMP_ASSERT(nw < 64);
+            lk[nw] = l;
+            wait[nw++] = smp__recv_slot(ps, l, i, backward);
+        }
+    smp_status rc = smp__await(ps, wait, nw, backward ? "gradients" : "activations", s, i);
+    for (int w = 0; w < nw && !rc; w++) {
+        const smp__link *l = &ps->links[lk[w]];
+        char *p = (char *)wait[w]->buf;
+        int n = backward ? l->nedges : l->ntensors;
+        for (int t = 0; t < n; t++) {
+            const int64_t *h = wait[w]->hdr + 10 * t;
+            smp_tensor *dst = backward ? &ps->mb[i].contrib[l->edges[t]] : &ps->mb[i].act[l->tensors[t]];
+            *dst = smp_tensor_make(p, (smp_dtype)h[0], (int)h[1], h + 2);
+            p += smp_tensor_nbytes(dst);
+        }
+    }
+    return rc;
+}
+
 /* ---------------------------------------------------------------- forward and backward of one stage */
 static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
     int mo = ps->maxout;
-    /* tensors arriving from other ranks */
-    smp__xfer *wait[64];
-    int nw = 0, lk[64];
-    for (int l = 0; l < ps->nlinks && nw < 64; l++)
-        if (ps->links[l].to == s) { lk[nw] = l; wait[nw++] = smp__recv_slot(ps, l, i, false); }
-    smp_status rc = smp__await(ps, wait, nw, "activations", s, i);
+    smp_status rc = smp__receive(ps, s, i, false);
     if (rc) return rc;
-    for (int w = 0; w < nw; w++) {
-        smp__link *l = &ps->links[lk[w]];
-        char *p = (char *)wait[w]->buf;
-        for (int t = 0; t < l->ntensors; t++) {
-            const int64_t *h = wait[w]->hdr + 10 * t;
-            smp_tensor *a = &st->act[l->tensors[t]];
-            *a = smp_tensor_make(p, (smp_dtype)h[0], (int)h[1], h + 2);
-            p += smp_tensor_nbytes(a);
-        }
-    }
     double t0 = smp__now();
     for (int k = md->stage_first[s]; k <= md->stage_last[s]; k++) {
         smp__call_rec *rec = &md->calls[k];
@@ -1657,22 +1670,8 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
 static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
     int mo = ps->maxout;
-    smp__xfer *wait[64];
-    int nw = 0, lk[64];
-    for (int l = 0; l < ps->nlinks && nw < 64; l++)
-        if (ps->links[l].from == s) { lk[nw] = l; wait[nw++] = smp__recv_slot(ps, l, i, true); }
-    smp_status rc = smp__await(ps, wait, nw, "gradients", s, i);
+    smp_status rc = smp__receive(ps, s, i, true);
     if (rc) return rc;
-    for (int w = 0; w < nw; w++) {
-        smp__link *l = &ps->links[lk[w]];
-        char *p = (char *)wait[w]->buf;
-        for (int t = 0; t < l->nedges; t++) {
-            const int64_t *h = wait[w]->hdr + 10 * t;
-            smp_tensor *g = &st->contrib[l->edges[t]];
-            *g = smp_tensor_make(p, (smp_dtype)h[0], (int)h[1], h + 2); /* a view: the buffer is freed with the receive */
-            p += smp_tensor_nbytes(g);
-        }
-    }
     double t0 = smp__now();
     for (int k = md->stage_last[s]; k >= md->stage_first[s]; k--) {
         smp__call_rec *rec = &md->calls[k];
@@ -1721,6 +1720,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         const smp_tensor *ts[64];
         int nt = 0;
         for (int e = 0; e < L->nedges && nt < 64; e++) ts[nt++] = &st->contrib[L->edges[e]];
+        SMP_ASSERT(nt == L->nedges);
         smp__send(ps, l, true, ts, nt, NULL);
     }
     ps->inflight[s]--;
@@ -1729,7 +1729,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
 
 /* Frees what stage s holds for microbatch i once nothing needs it. The
    contributions a stage sent stay until the send completes (freed at step end). */
-static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i, bool free_sent) {
+static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
     for (int k = md->stage_first[s]; k <= md->stage_last[s]; k++) {
         smp_call_ctx *c = &st->ctx[k];
@@ -1750,7 +1750,6 @@ static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i, bool 
             }
         }
     }
-    (void)free_sent;
 }
 
 /* ---------------------------------------------------------------- the step */
@@ -1782,7 +1781,7 @@ static void smp__release_step(smp__pipe *ps, smp_model *md, bool cancel) {
     for (int i = 0; i < ps->m; i++) {
         smp__mbstate *st = &ps->mb[i];
         for (int s = 0; s < md->nstages; s++)
-            if (md->stage_rank[s] == smp__ctx.mp_rank) smp__stage_release(ps, md, s, i, true);
+            if (md->stage_rank[s] == smp__ctx.mp_rank) smp__stage_release(ps, md, s, i);
         for (int e = 0; e < ps->nedges; e++) {
             /* whatever is left: contributions produced here for remote producers */
             int cons = ps->edges[e].consumer;
@@ -1957,7 +1956,7 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
             if (s < 64 && ps->inflight[s] > peak[s]) peak[s] = ps->inflight[s];
         } else {
             st = smp__stage_backward(ps, md, s, i);
-            if (!st) smp__stage_release(ps, md, s, i, false);
+            if (!st) smp__stage_release(ps, md, s, i);
         }
     }
     if (!st) { /* the last sends must land before their buffers go */
