@@ -1,6 +1,6 @@
 /* fmnist.c - Fashion-MNIST trained split across processes with smp.
 
-   An MLP (784 -> 512 -> 512 -> 256 -> 128 -> 10, ReLU) whose layers are
+   An MLP (784 -> 512 -> 512 -> 512 -> 512 -> 10, ReLU) whose layers are
    smp modules; smp splits them into pipeline stages (partitions) and, with
    "ddp", trains several replicas on shards of the data. The loop follows
    SageMaker's reference training script line by line:
@@ -70,6 +70,7 @@ static int parse_options(int argc, char **argv, options *o) {
     o->checkpoint = "fmnist.safetensors";
     o->cfg.partitions = 2;
     o->cfg.microbatches = 4;
+    o->cfg.trace_execution_times = SMP_ON; /* time each layer's forward and backward a few times: a balanced split */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define OPT(name) (!strcmp(a, name) && v && ++i)

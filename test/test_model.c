@@ -1077,11 +1077,12 @@ static void test_is_tracing(void) {
     g_seen.phase = PHASE_IDLE;
     bool outside_after = smp_is_tracing();
     int mft = g_seen.model_fwd_true, mff = g_seen.model_fwd_false;
-    MPI_CHECK(st == SMP_OK && g_seen.fwd_true[PHASE_TRACE] == 4 && g_seen.fwd_false[PHASE_TRACE] == 0 && mft == 1 && mff == 0 && !outside_before &&
-                  !outside_after,
-              "is_tracing/true in every module forward and the model forward while tracing, false around it",
-              "status %d; module forwards tracing %d / not %d; model forward %d / %d; outside %d %d: %s", st, g_seen.fwd_true[PHASE_TRACE],
-              g_seen.fwd_false[PHASE_TRACE], mft, mff, outside_before, outside_after, smp_last_error());
+    MPI_CHECK(st == SMP_OK && g_seen.fwd_true[PHASE_TRACE] == 4 && g_seen.fwd_false[PHASE_TRACE] == 0 && g_seen.bwd_true[PHASE_TRACE] == 4 &&
+                  g_seen.bwd_false[PHASE_TRACE] == 0 && mft == 1 && mff == 0 && !outside_before && !outside_after,
+              "is_tracing/true in every module forward, every module backward (timed once) and the model forward while tracing, false around it",
+              "status %d; module forwards tracing %d / not %d; backwards %d / %d; model forward %d / %d; outside %d %d: %s", st,
+              g_seen.fwd_true[PHASE_TRACE], g_seen.fwd_false[PHASE_TRACE], g_seen.bwd_true[PHASE_TRACE], g_seen.bwd_false[PHASE_TRACE], mft, mff,
+              outside_before, outside_after, smp_last_error());
     smp_step_output out = {0};
     g_seen.phase = PHASE_STEP;
     if (!st) st = SMP_TRAIN_STEP(m, square_body, NULL, &out, 1, x);
