@@ -9,14 +9,22 @@ bin="$top/build/examples/fmnist"
 steps=${FMNIST_BENCH_STEPS:-150}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-rate() { # prints the samples/s of the (single, short) epoch
-  "$@" --epochs 1 --epoch-steps "$steps" --checkpoint "$tmp/ck" 2>/dev/null | sed -n 's/.*loss [0-9.]*  *\([0-9]*\) samples\/s.*/\1/p' | tail -n1
+rounds=${FMNIST_BENCH_ROUNDS:-3}
+rate() { # prints the samples/s of the second of two short epochs (the first warms up)
+  "$@" --epochs 2 --epoch-steps "$steps" --checkpoint "$tmp/ck" 2>/dev/null | sed -n 's/.*loss [0-9.]*  *\([0-9]*\) samples\/s.*/\1/p' | tail -n1
 }
+median() { printf '%s\n' "$@" | sort -n | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
 export OPENBLAS_NUM_THREADS=1
-single=$(rate mpirun -n 1 "$bin" --partitions 1)
-single2=$(OPENBLAS_NUM_THREADS=2 rate mpirun -n 1 "$bin" --partitions 1 --threads 2)
-pp2=$(SMP_TIMELINE="$tmp/timeline.json" rate mpirun -n 2 "$bin" --partitions 2)
-dp2=$(rate mpirun -n 2 "$bin" --partitions 1 --ddp)
+# The configurations take turns, round after round, so that load from other
+# jobs on the machine falls on all of them alike; each figure is a median.
+s1=(); s2=(); p2=(); d2=()
+for r in $(seq "$rounds"); do
+  s1+=("$(rate mpirun -n 1 "$bin" --partitions 1)")
+  s2+=("$(OPENBLAS_NUM_THREADS=2 rate mpirun -n 1 "$bin" --partitions 1 --threads 2)")
+  p2+=("$(SMP_TIMELINE="$tmp/timeline.json" rate mpirun -n 2 "$bin" --partitions 2)")
+  d2+=("$(rate mpirun -n 2 "$bin" --partitions 1 --ddp)")
+done
+single=$(median "${s1[@]}"); single2=$(median "${s2[@]}"); pp2=$(median "${p2[@]}"); dp2=$(median "${d2[@]}")
 bubble=$(python3 - "$tmp/timeline.json" <<'PY'
 import json, sys, collections
 ev = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("ph") == "X"]
@@ -29,7 +37,7 @@ for e in ev:
 print("%.3f" % (1 - sum(busy.values()) / sum(hi - lo for lo, hi in span.values())))
 PY
 )
-printf '%-44s %10s\n' "configuration ($steps steps, batch 128)" "samples/s"
+printf '%-44s %10s\n' "configuration (median of $rounds, $steps steps, batch 128)" "samples/s"
 printf '%-44s %10s\n' "1 process, 1 BLAS thread (single)" "$single" "1 process, 2 BLAS threads" "$single2" \
   "2 processes: 2 pipeline partitions (pp2)" "$pp2" "2 processes: 2 data-parallel replicas" "$dp2"
 echo "pipeline idle fraction (bubble + transfers) from the pp2 timeline: $bubble"
