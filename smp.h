@@ -1798,10 +1798,16 @@ static bool smp__backoff_pause(smp__backoff *b) {
         b->quiet_since = now;
         b->sleep_ns = 1000;
     }
-    if (now - b->quiet_since < 2e-3) sched_yield();
+    double quiet = now - b->quiet_since;
+    if (quiet < 2e-3) sched_yield();
     else {
+        /* a sleep delays noticing the message by up to its length: keep that
+           within 2% of the time already waited (a pipeline's critical path
+           is a chain of such waits), between 50 us and 1 ms */
+        long cap = (long)(quiet * 0.02 * 1e9);
+        cap = cap < 50000 ? 50000 : cap > 1000000 ? 1000000 : cap;
+        b->sleep_ns = b->sleep_ns * 2 < cap ? b->sleep_ns * 2 : cap;
         smp__sleep_ns(b->sleep_ns);
-        if (b->sleep_ns < 1000000) b->sleep_ns *= 2;
     }
     b->last = smp__now();
     return true;
