@@ -174,7 +174,14 @@ typedef struct smp_step_output {
    model replica the values the body returned, in outputs[0..noutputs-1]
    (outputs may be NULL when noutputs is 0). Gradients accumulate into the
    local parameters' gradients, averaged over microbatches unless
-   average_grads_across_microbatches is off. Collective over the world. */
+   average_grads_across_microbatches is off, and with ddp over the replicas
+   and backward_passes_per_step. smp averages by scaling the loss gradient
+   the body wrote (by 1/microbatches, and with ddp 1/(dp_size *
+   backward_passes_per_step)), as Megatron-LM scales the loss: the sums
+   then need no pass of their own. So a term that a module's backward adds
+   to a gradient without the output gradient (weight decay) counts once per
+   microbatch and replica; add such terms in the optimizer step.
+   Collective over the world. */
 SMPDEF smp_status smp_step(const smp_step_desc *desc, smp_step_output *outputs, int noutputs);
 
 /* smp.step in one line: SMP_TRAIN_STEP(model, body, user, outs, nouts, data, target) */
@@ -1389,11 +1396,11 @@ static void smp__ddp_complete(smp__pipe *ps) {
 }
 
 /* Finishes the step's gradient sync once smp__ddp_complete has run: every
-   bucket summed and averaged. After a failed step the collectives have still
-   completed, and the result is dropped. */
+   bucket summed (the loss gradient was already divided, see smp_step).
+   After a failed step the collectives have still completed, and the result
+   is dropped. */
 static void smp__ddp_finish(smp__pipe *ps, bool failed) {
     int dp = smp_dp_size();
-    double scale = 1.0 / ((double)dp * smp__ctx.cfg.backward_passes_per_step);
     for (int b = 0; b < ps->nbuckets; b++) {
         smp__bucket *k = &ps->buckets[b];
         if (!failed && k->gather) {
@@ -1405,7 +1412,6 @@ static void smp__ddp_finish(smp__pipe *ps, bool failed) {
                 smp__add_into(&acc, &t);
             }
         }
-        if (!failed) smp__scale(k->data, k->dtype, k->numel, scale);
         smp__free(k->gather);
         k->gather = NULL;
         k->started = false;
@@ -1652,8 +1658,10 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
         return smp_error(SMP_ERR_MODULE, "the step body failed on microbatch %d: %s", i, *msg ? msg : smp_status_name(rc));
     }
     const smp_config *cfg = &smp__ctx.cfg;
-    if (ps->training && cfg->average_grads_across_microbatches == SMP_ON && ps->m > 1)
-        for (int o = 0; o < md->desc.noutputs; o++) smp__scale(st->out_grad[o].data, st->out_grad[o].dtype, smp_tensor_numel(&st->out_grad[o]), 1.0 / ps->m);
+    double divisor = cfg->average_grads_across_microbatches == SMP_ON ? ps->m : 1;
+    if (cfg->ddp == SMP_ON) divisor *= (double)smp_dp_size() * cfg->backward_passes_per_step;
+    if (ps->training && divisor != 1)
+        for (int o = 0; o < md->desc.noutputs; o++) smp__scale(st->out_grad[o].data, st->out_grad[o].dtype, smp_tensor_numel(&st->out_grad[o]), 1.0 / divisor);
     /* the output gradients are the body's contributions to the model outputs */
     if (ps->training)
         for (int o = 0; o < md->desc.noutputs; o++) {

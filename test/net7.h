@@ -162,7 +162,9 @@ static void ref_params(ref_t *r) {
     }
 }
 
-static void ref_step(ref_t *r, const float *x, const float *t, int m, bool train) {
+/* Loss gradients are divided by grad_divisor (the microbatch count, times
+   dp * backward_passes_per_step with ddp), as smp_step does. */
+static void ref_step_divided(ref_t *r, const float *x, const float *t, int m, bool train, double grad_divisor) {
     int n = B / m;
     for (int i = 0; i < m; i++) {
         const float *xi = x + i * n * D, *ti = t + i * n * C;
@@ -177,7 +179,7 @@ static void ref_step(ref_t *r, const float *x, const float *t, int m, bool train
         memcpy(r->out + i * n * C, y, sizeof(float) * (size_t)(n * C));
         r->loss[i] = mse(y, ti, train ? gy : NULL, n * C);
         if (!train) continue;
-        if (m > 1) for (int k = 0; k < n * C; k++) gy[k] *= (float)(1.0 / m);
+        if (grad_divisor != 1) for (int k = 0; k < n * C; k++) gy[k] *= (float)(1.0 / grad_divisor);
         float g5[B * H], g4[B * H], g3[B * H], g2[B * H], g1[B * H], g0[B * H], g0b[B * H];
         linear_bwd(a5, r->w[3], gy, g5, r->gw[3], r->gb[3], n, H, C);
         for (int k = 0; k < n * H; k++) g4[k] = a4[k] > 0 ? g5[k] : 0;
@@ -190,6 +192,8 @@ static void ref_step(ref_t *r, const float *x, const float *t, int m, bool train
         linear_bwd(xi, r->w[0], g0, NULL, r->gw[0], r->gb[0], n, D, H);
     }
 }
+
+static inline void ref_step(ref_t *r, const float *x, const float *t, int m, bool train) { ref_step_divided(r, x, t, m, train, m); }
 
 
 

@@ -4,7 +4,9 @@
    replica's gradient, and sums the replicas in dp-rank order. With
    deterministic_reduction the result must be bitwise equal; without it,
    within the bound of summing dp numbers in another order:
-       |smp - ref| <= (dp - 1) * 2^-23 * sum_r |g_r| / dp   (+ one ulp of the result) */
+       |smp - ref| <= (dp - 1) * 2^-23 * sum_r |g_r|   (+ one ulp of the result)
+   where g_r is replica r's gradient, already divided by dp (smp divides
+   the loss gradient, not the sum). */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
@@ -34,7 +36,8 @@ static void reference(ref_t *base, int dp, int m, int rows, int steps, grads_t *
         ref_t rr = *base;
         ref_zero_grads(&rr);
         for (int s = 0; s < steps; s++) {
-            ref_step(&rr, g_x + ((size_t)r * steps + (size_t)s) * (size_t)rows * D, g_t + ((size_t)r * steps + (size_t)s) * (size_t)rows * C, m, true);
+            ref_step_divided(&rr, g_x + ((size_t)r * steps + (size_t)s) * (size_t)rows * D, g_t + ((size_t)r * steps + (size_t)s) * (size_t)rows * C, m, true,
+                             (double)m * dp * steps);
             if (losses) memcpy(losses[r], rr.loss, sizeof rr.loss);
         }
         memcpy(acc[r].gw, rr.gw, sizeof acc[r].gw);
@@ -45,8 +48,8 @@ static void reference(ref_t *base, int dp, int m, int rows, int steps, grads_t *
     for (int i = 0; i < n; i++) {
         float s = ((float *)&acc[0])[i], a = fabsf(s);
         for (int r = 1; r < dp; r++) { s += ((float *)&acc[r])[i]; a += fabsf(((float *)&acc[r])[i]); }
-        S[i] = s * (float)(1.0 / ((double)dp * steps));
-        A[i] = a / (float)dp;
+        S[i] = s;
+        A[i] = a;
     }
 }
 
