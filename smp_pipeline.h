@@ -901,8 +901,6 @@ typedef struct smp__pipe {
     int nbuckets;
     int *bucket_of;        /* [nparams]: bucket of each parameter, -1 if none */
     int *bucket_params;    /* parameters in backward order */
-    MPI_Comm *dead_comms;  /* communicators of failed steps, freed with the model */
-    int ndead, dead_cap;
 } smp__pipe;
 
 static smp_status smp__timeline_write(smp__pipe *ps);
@@ -922,9 +920,7 @@ static void smp__pipe_free(void *p) {
     if (smp__ctx.initialized) {
         MPI_Comm_free(&ps->comm);
         MPI_Comm_free(&ps->err_comm);
-        for (int i = 0; i < ps->ndead; i++) MPI_Comm_free(&ps->dead_comms[i]);
     }
-    smp__free(ps->dead_comms);
     smp__free(ps->inflight);
     smp__free(ps->events);
     for (int b = 0; b < ps->nbuckets; b++) smp__free(ps->buckets[b].data); /* parameters stop pointing here first */
@@ -1977,12 +1973,12 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
         smp__release_step(ps, md, true);
         /* messages of the failed step may still be in flight: start over on fresh communicators */
         if (ps->err_req != MPI_REQUEST_NULL) { MPI_Cancel(&ps->err_req); MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE); }
-        /* the old communicators stay allocated until the model is freed: freeing
-           them now would let MPI hand their context to the new ones while
-           abandoned messages are still in flight, to be matched by the next step */
-        smp__grow((void **)&ps->dead_comms, &ps->dead_cap, ps->ndead + 2, sizeof(MPI_Comm));
-        ps->dead_comms[ps->ndead++] = ps->comm;
-        ps->dead_comms[ps->ndead++] = ps->err_comm;
+        /* The old communicators are never freed. Abandoned messages (a
+           failure notice that arrived after its receive was cancelled, sends
+           nobody received) wait in MPI's queues for as long as the process
+           lives, and MPI hands a freed communicator's context to the next one
+           created - another step's, or another model's - whose receives
+           would then match them. A failed step costs two communicators. */
         smp__pipe_comms(ps);
         return agreed;
     }
