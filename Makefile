@@ -76,8 +76,8 @@ NVFLAGS  := -ccbin mpicxx -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Wer
 CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu
 build/cuda/%: examples/%.cu $(HEADERS) | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lnccl
-build/cuda/test_gpu: test/test_gpu.cu $(HEADERS) test/test.h | build/cuda
-	$(NVCC) $(NVFLAGS) -I. -Itest $< -o $@ -lnccl
+build/cuda/test_gpu: test/test_gpu.cu $(HEADERS) test/test.h test/net7.h | build/cuda
+	$(NVCC) $(NVFLAGS) -Xcompiler -ffp-contract=off -I. -Itest $< -o $@ -lnccl
 build/cuda:
 	@mkdir -p $@
 cuda:
