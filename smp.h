@@ -452,7 +452,7 @@ SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, 
                                         double *max_stage_cost);
 
 /* ---------------------------------------------------------------- memory stats */
-typedef struct smp_memory_stats {
+typedef struct smp_memory_stats { /* device memory of on_device models counts with host memory */
     int64_t current_bytes, peak_bytes;   /* everything allocated through smp */
     int64_t param_bytes, param_peak_bytes; /* parameters + gradients */
     int64_t stash_bytes, stash_peak_bytes; /* activation stash */

@@ -30,6 +30,7 @@
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
+#include "smp_checkpoint.h"
 #include "test.h"
 #include "net7.h"
 
@@ -410,6 +411,12 @@ SMP_STEP_BODY(mse_body) {
 static float g_x[4 * B * D], g_t[4 * B * C];
 static const char *LIN[NLIN] = {"fc0", "fc1", "fc2", "head"};
 
+static int world_rank(void) {
+    int r;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    return r;
+}
+
 static int agree(int ok) {
     int all;
     MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_LAND, MPI_COMM_WORLD);
@@ -669,6 +676,66 @@ static void ddp_case(int P, bool deterministic) {
     MPI_CHECK(ok, name, "%s", why);
 }
 
+/* ---------------------------------------------------------------- checkpoints */
+/* An on_device model saved (partial and full) and loaded into a fresh one
+   whose weights were cleared: every parameter comes back. */
+static void checkpoint_case(int P) {
+    register_fake(VIA_P2P);
+    smp_config cfg = base_config(P, 2);
+    char path[64], name[160], why[4096] = "";
+    snprintf(path, sizeof path, "build/test_device_ckpt_%d", world);
+    net a, b;
+    smp_model *ma = smp_init(&cfg) ? NULL : build_with(&a, NULL, &DEV_FNS, true);
+    if (!ma) { MPI_CHECK(0, "device/checkpoint set-up", "%s", smp_last_error()); return; }
+    step_args args;
+    make_args(&args, g_x, g_t, B, true);
+    smp_step_output outs[2] = {{0, NULL}, {0, NULL}};
+    smp_status st = train(ma, &args, outs, false);
+    for (int full = 0; full < 2 && !st; full++) {
+        smp_save_desc sd;
+        memset(&sd, 0, sizeof sd);
+        sd.partial = full ? SMP_OFF : SMP_ON;
+        st = smp_save(ma, path, &sd);
+        smp_model *mb = NULL;
+        if (!st) {
+            mb = build_with(&b, NULL, &DEV_FNS, true);
+            if (!mb) st = SMP_ERR_STATE;
+        }
+        if (!st) st = smp_model_trace(mb, &args.x, 1);
+        for (int i = 0; !st && smp_model_param(mb, i, true); i++) { /* other weights than the saved ones */
+            const smp_tensor *v = smp_param_value(smp_model_param(mb, i, true));
+            memset(dev_of(v, "parameter"), 0, smp_tensor_nbytes(v));
+        }
+        smp_load_desc ld;
+        memset(&ld, 0, sizeof ld);
+        ld.partial = sd.partial;
+        if (!st) st = smp_load(mb, path, &ld);
+        if (st) snprintf(why, sizeof why, "%s: %s", full ? "full" : "partial", smp_last_error());
+        for (int i = 0; !st && smp_model_param(ma, i, true); i++) {
+            smp_param *pa = smp_model_param(ma, i, true), *pb = smp_model_param(mb, i, true);
+            const smp_tensor *va = smp_param_value(pa), *vb = smp_param_value(pb);
+            if (memcmp(dev_of(va, "saved parameter"), dev_of(vb, "loaded parameter"), smp_tensor_nbytes(va))) {
+                snprintf(why, sizeof why, "%s: %s did not come back", full ? "full" : "partial", smp_param_name(pa));
+                st = SMP_ERR_FORMAT;
+            }
+        }
+        smp_model_free(mb);
+    }
+    smp_step_output_free(&outs[0]);
+    smp_step_output_free(&outs[1]);
+    free_args(&args);
+    int ok = finish(ma, agree(st == SMP_OK), why, sizeof why);
+    snprintf(name, sizeof name, "device/checkpoints of an on_device model: partial and full save, load into cleared weights/P=%d", P);
+    MPI_CHECK(ok, name, "%s", why);
+    if (world_rank() == 0)
+        for (int k = -1; k < P; k++) {
+            char file[96];
+            if (k < 0) snprintf(file, sizeof file, "%s", path);
+            else snprintf(file, sizeof file, "%s_%d", path, k);
+            remove(file);
+        }
+}
+
 /* ---------------------------------------------------------------- what on_device needs */
 static int g_no_device_ordinal(void) { return -1; }
 
@@ -759,6 +826,8 @@ int main(int argc, char **argv) {
             if (world / P == 2) ddp_case(P, false);
         }
     }
+    for (int P = 1; P <= world && P <= 4; P *= 2)
+        if (world % P == 0) checkpoint_case(P);
     backend_requirements();
     int rc = test_exit_code();
     MPI_Finalize();
