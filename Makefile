@@ -11,7 +11,7 @@ INCLUDES  := -I. -Itest
 LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
-MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint
+MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_device
 SCRIPT_TESTS := test/run_timeout.sh test/test_install.sh test/test_demo.sh test/run_fuzz.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout
@@ -79,8 +79,8 @@ NVFLAGS  := -ccbin mpicxx -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Wer
 CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu
 build/cuda/%: examples/%.cu $(HEADERS) | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lnccl
-build/cuda/test_gpu: test/test_gpu.cu $(HEADERS) test/test.h | build/cuda
-	$(NVCC) $(NVFLAGS) -I. -Itest $< -o $@ -lnccl
+build/cuda/test_gpu: test/test_gpu.cu $(HEADERS) test/test.h test/net7.h | build/cuda
+	$(NVCC) $(NVFLAGS) -Xcompiler -ffp-contract=off -I. -Itest $< -o $@ -lnccl
 build/cuda:
 	@mkdir -p $@
 cuda:

@@ -278,7 +278,9 @@ SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, c
      backward: read smp_call_grad_output, write every non-NULL
                smp_call_grad_input in full, and ADD parameter gradients into
                smp_param_grad(p) (the runtime zeroes them only in
-               smp_model_zero_grad; microbatches arrive in increasing order). */
+               smp_model_zero_grad; microbatches arrive in increasing order).
+   In a model built with on_device (smp_model_desc), outputs, gradients and
+   parameters are device tensors and the callbacks launch device work. */
 typedef struct smp_module smp_module;
 typedef struct smp_param smp_param;
 typedef struct smp_model smp_model;
@@ -338,11 +340,27 @@ typedef smp_status (*smp_model_forward_fn)(smp_model *m, const smp_tensor *input
                                            int noutputs, void *user);
 typedef void (*smp_post_partition_fn)(smp_model *m, void *user);
 
+/* on_device puts the model on the device of the registered backend
+   (smp_nccl.h: this rank's GPU); smp_model_new fails, naming the problem,
+   when there is no backend or it has no usable device. Then these are
+   device tensors (device >= 0, memory from the backend's alloc):
+     parameter values and gradients (init callbacks still fill a host
+       tensor; smp copies it to the device),
+     smp_call_output, smp_call_grad_input and smp_call_grad_output,
+     activations and gradients received from other partitions,
+     smp_mb_output and smp_mb_output_grad in a step body.
+   What stays in host memory: smp_call_stash (the engine's own bytes: save
+   device pointers or small host values there, not device data), step
+   arguments given on the host (a step takes host or device arguments and
+   slices either), and StepOutputs (smp_mb_return copies a device value to
+   the host). Module inputs that are model inputs are the step arguments'
+   slices, so they are where the arguments are. */
 typedef struct smp_model_desc {
     smp_model_forward_fn forward;
     int ninputs;   /* tensors the forward takes (step arguments that feed the model); 0: 1 */
     int noutputs;  /* tensors it returns; 0: 1 */
     void *user;
+    bool on_device; /* false: host memory */
 } smp_model_desc;
 
 /* Wraps the module tree (smp.DistributedModel). Reports errors made while
@@ -434,7 +452,7 @@ SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, 
                                         double *max_stage_cost);
 
 /* ---------------------------------------------------------------- memory stats */
-typedef struct smp_memory_stats {
+typedef struct smp_memory_stats { /* device memory of on_device models counts with host memory */
     int64_t current_bytes, peak_bytes;   /* everything allocated through smp */
     int64_t param_bytes, param_peak_bytes; /* parameters + gradients */
     int64_t stash_bytes, stash_peak_bytes; /* activation stash */
@@ -471,6 +489,17 @@ typedef struct smp_device_backend {
     smp_status (*add)(void *dst, const void *src, smp_dtype dt, int64_t n);
     /* Waits for all device work the backend queued, with the deadline. */
     smp_status (*synchronize)(void);
+    /* For on_device models. The ordinal alloc's memory lives on (-1: no
+       usable device on this rank); data *= by for f32, f64, f16 and bf16
+       (halves through f32, as smp does on the host; other dtypes are left
+       alone); zero bytes at p. Ordered on the engine's stream like add. */
+    int (*current_device)(void);
+    smp_status (*scale)(void *data, smp_dtype dt, int64_t n, double by);
+    smp_status (*zero)(void *p, size_t bytes);
+    /* true when point to point moves through host memory anyway (NULL:
+       false); the executor then stages device payloads over its own MPI
+       path instead, as it does when the p2p entries are NULL. */
+    bool (*p2p_through_host)(void);
 } smp_device_backend;
 #define SMP_DEVICE_BACKEND_P2P 1 /* the fields above exist (smp_nccl.h fills them) */
 SMPDEF void smp_register_device_backend(const smp_device_backend *b);
@@ -643,6 +672,77 @@ static void smp__count(smp__alloc_kind kind, int64_t delta) {
     }
 }
 
+/* Blocks of device memory smp allocated through the backend, keyed by
+   address. A device pointer has no header smp could read, so the size and
+   kind of each block live here: the statistics count device bytes like
+   host bytes, and smp__free tells a device block from a host one. Open
+   addressing with linear probing; deletion shifts the run back, so there
+   are no tombstones. */
+typedef struct smp__dev_block { void *p; size_t bytes; smp__alloc_kind kind; } smp__dev_block;
+static struct { smp__dev_block *slot; size_t cap, used; } smp__devmem;
+
+static size_t smp__dev_home(const void *p) {
+    return (size_t)(((uint64_t)(uintptr_t)p * 0x9e3779b97f4a7c15ull) >> 32) & (smp__devmem.cap - 1);
+}
+
+static smp__dev_block *smp__dev_find(const void *p) {
+    if (!smp__devmem.used || !p) return NULL;
+    for (size_t i = smp__dev_home(p);; i = (i + 1) & (smp__devmem.cap - 1)) {
+        if (smp__devmem.slot[i].p == p) return &smp__devmem.slot[i];
+        if (!smp__devmem.slot[i].p) return NULL;
+    }
+}
+
+static bool smp__dev_track(void *p, size_t bytes, smp__alloc_kind kind) {
+    if (2 * (smp__devmem.used + 1) > smp__devmem.cap) { /* at most half full */
+        size_t old_cap = smp__devmem.cap, cap = old_cap ? 2 * old_cap : 64;
+        smp__dev_block *old = smp__devmem.slot, *slot = (smp__dev_block *)SMP_MALLOC(cap * sizeof *slot);
+        if (!slot) return false;
+        memset(slot, 0, cap * sizeof *slot);
+        smp__devmem.slot = slot;
+        smp__devmem.cap = cap;
+        smp__devmem.used = 0;
+        for (size_t i = 0; i < old_cap; i++)
+            if (old[i].p) smp__dev_track(old[i].p, old[i].bytes, old[i].kind);
+        SMP_FREE(old);
+    }
+    size_t i = smp__dev_home(p);
+    while (smp__devmem.slot[i].p) i = (i + 1) & (smp__devmem.cap - 1);
+    smp__devmem.slot[i].p = p;
+    smp__devmem.slot[i].bytes = bytes;
+    smp__devmem.slot[i].kind = kind;
+    smp__devmem.used++;
+    return true;
+}
+
+static void smp__dev_untrack(smp__dev_block *b) {
+    size_t mask = smp__devmem.cap - 1, hole = (size_t)(b - smp__devmem.slot);
+    for (size_t j = (hole + 1) & mask; smp__devmem.slot[j].p; j = (j + 1) & mask) {
+        size_t home = smp__dev_home(smp__devmem.slot[j].p);
+        bool reachable = hole < j ? home > hole && home <= j : home > hole || home <= j; /* from home without crossing the hole */
+        if (!reachable) { smp__devmem.slot[hole] = smp__devmem.slot[j]; hole = j; }
+    }
+    smp__devmem.slot[hole].p = NULL;
+    if (--smp__devmem.used == 0) { /* no device model left: nothing to keep */
+        SMP_FREE(smp__devmem.slot);
+        memset(&smp__devmem, 0, sizeof smp__devmem);
+    }
+}
+
+/* n bytes of the backend's device memory, counted like smp__alloc's; NULL
+   when the device has no room (the backend has set the message). */
+static void *smp__dev_alloc(size_t n, smp__alloc_kind kind) {
+    void *p = smp__ctx.device.alloc(n ? n : 1);
+    if (!p) return NULL;
+    if (!smp__dev_track(p, n, kind)) {
+        smp__ctx.device.dealloc(p);
+        smp_error(SMP_ERR_NOMEM, "out of host memory tracking %zu bytes of device memory", n);
+        return NULL;
+    }
+    smp__count(kind, (int64_t)n);
+    return p;
+}
+
 static void *smp__alloc(size_t n, smp__alloc_kind kind) {
     unsigned char *p = (unsigned char *)SMP_MALLOC(n + SMP__HDR);
     if (!p) return NULL;
@@ -663,6 +763,13 @@ static void *smp__alloc(size_t n, smp__alloc_kind kind) {
 
 static void smp__free(void *ptr) {
     if (!ptr) return;
+    smp__dev_block *dev = smp__dev_find(ptr);
+    if (dev) {
+        smp__count(dev->kind, -(int64_t)dev->bytes);
+        smp__dev_untrack(dev);
+        smp__ctx.device.dealloc(ptr);
+        return;
+    }
     unsigned char *user = (unsigned char *)ptr;
     uint64_t meta[3];
     memcpy(meta, user - sizeof meta, sizeof meta);
@@ -2239,6 +2346,30 @@ static void smp__scale(void *data, smp_dtype dt, int64_t n, double by) {
     }
 }
 
+/* ---------------------------------------------------------------- tensors on either side */
+/* Allocates t's data (its dtype and shape set) on the backend's device or
+   on the host, and sets t->device; NULL when out of memory. */
+static void *smp__tensor_alloc(smp_tensor *t, bool on_device, smp__alloc_kind kind) {
+    size_t bytes = smp_tensor_nbytes(t);
+    t->device = on_device ? smp__ctx.device.current_device() : SMP_HOST;
+    t->data = on_device ? smp__dev_alloc(bytes, kind) : smp__alloc(bytes ? bytes : 1, kind);
+    return t->data;
+}
+
+static smp_status smp__tensor_zero(const smp_tensor *t) {
+    size_t bytes = smp_tensor_nbytes(t);
+    if (t->device == SMP_HOST) { memset(t->data, 0, bytes); return SMP_OK; }
+    return bytes ? smp__ctx.device.zero(t->data, bytes) : SMP_OK;
+}
+
+/* dst's bytes = src's, host or device on either side. */
+static smp_status smp__tensor_copy(const smp_tensor *dst, const smp_tensor *src) {
+    size_t bytes = smp_tensor_nbytes(src);
+    if (dst->device == SMP_HOST && src->device == SMP_HOST) { memcpy(dst->data, src->data, bytes); return SMP_OK; }
+    if (!smp__ctx.has_device) return smp_error(SMP_ERR_ARG, "a tensor is on CUDA device %d but no device backend is registered", dst->device == SMP_HOST ? src->device : dst->device);
+    return bytes ? smp__ctx.device.copy(dst->data, dst->device, src->data, src->device, bytes) : SMP_OK;
+}
+
 /* Shared argument checks; *gi is the group; device tells which backend. */
 static smp_status smp__coll_args(const char *fn, smp_group g, smp__group_info **gi, const smp_tensor *a, const char *an,
                                  const smp_tensor *b, const char *bn) {
@@ -2688,17 +2819,26 @@ SMPDEF void smp_init_constant(smp_tensor *v, uint64_t seed, void *user) {
     for (int64_t i = 0, n = smp_tensor_numel(v); i < n; i++) p[i] = c;
 }
 
+static bool smp__model_on_device(const smp_model *m);
+
 static void smp__materialise_param(smp_param *p) {
+    bool on_device = smp__model_on_device(p->module->model);
     size_t bytes = smp_tensor_nbytes(&p->value);
-    p->value.data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_PARAM);
-    if (!p->value.data) smp__fatal("out of memory allocating parameter %s (%zu bytes)", p->full_name, bytes);
-    memset(p->value.data, 0, bytes);
-    if (p->init) p->init(&p->value, smp_param_seed(p->full_name), p->init_user);
-    if (!p->is_buffer) {
-        p->grad.data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_PARAM);
-        if (!p->grad.data) smp__fatal("out of memory allocating the gradient of %s", p->full_name);
-        memset(p->grad.data, 0, bytes);
+    smp_tensor init = p->value; /* init callbacks write host memory: a device parameter starts as a copy of it */
+    init.device = SMP_HOST;
+    init.data = smp__alloc(bytes ? bytes : 1, on_device ? SMP__ALLOC_OTHER : SMP__ALLOC_PARAM);
+    if (!init.data) smp__fatal("out of memory allocating parameter %s (%zu bytes)", p->full_name, bytes);
+    memset(init.data, 0, bytes);
+    if (p->init) p->init(&init, smp_param_seed(p->full_name), p->init_user);
+    if (!on_device) p->value = init;
+    else {
+        if (!smp__tensor_alloc(&p->value, true, SMP__ALLOC_PARAM) || smp__tensor_copy(&p->value, &init))
+            smp__fatal("cannot put parameter %s (%zu bytes) on the device: %s", p->full_name, bytes, smp__errbuf);
+        smp__free(init.data);
     }
+    if (!p->is_buffer && (!smp__tensor_alloc(&p->grad, on_device, SMP__ALLOC_PARAM) || smp__tensor_zero(&p->grad)))
+        smp__fatal("cannot allocate the gradient of %s (%zu bytes)%s%s", p->full_name, bytes, on_device ? " on the device: " : "",
+                   on_device ? smp__errbuf : "");
 }
 static void smp__release_param(smp_param *p) {
     smp__free(p->value.data);
@@ -2724,6 +2864,23 @@ static double smp__tree_param_bytes(const smp_module *m) {
 }
 
 /* ---------------------------------------------------------------- the model */
+static bool smp__model_on_device(const smp_model *m) { return m && m->desc.on_device; }
+
+/* What an on_device model needs of the backend, checked when it is made. */
+static smp_status smp__check_device_backend(void) {
+    const smp_device_backend *b = &smp__ctx.device;
+    if (!smp__ctx.has_device)
+        return smp_error(SMP_ERR_ARG, "smp_model_new: the model is on_device, but no device backend is registered (include smp_nccl.h "
+                                      "in the file that defines SMP_IMPLEMENTATION, or call smp_register_device_backend before smp_init)");
+    const char *name = b->name ? b->name : "(unnamed)";
+    const char *missing = !b->alloc ? "alloc" : !b->dealloc ? "dealloc" : !b->copy ? "copy" : !b->add ? "add" : !b->scale ? "scale"
+                          : !b->zero ? "zero" : !b->current_device ? "current_device" : NULL;
+    if (missing) return smp_error(SMP_ERR_ARG, "smp_model_new: the model is on_device, but the device backend \"%s\" has no %s function", name, missing);
+    if (b->current_device() < 0)
+        return smp_error(SMP_ERR_DEVICE, "smp_model_new: the model is on_device, but the device backend \"%s\" has no usable device on this rank", name);
+    return SMP_OK;
+}
+
 static void smp__collect(smp_model *md, smp_module *m, int *mcap, int *pcap) {
     smp__grow((void **)&md->modules, mcap, md->nmodules + 1, sizeof(smp_module *));
     md->modules[md->nmodules++] = m;
@@ -2755,6 +2912,7 @@ SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, sm
     }
     if (!st && (!root || !desc || !desc->forward)) st = smp_error(SMP_ERR_ARG, "smp_model_new needs a root module and a desc with a forward function");
     if (!st && root->parent) st = smp_error(SMP_ERR_ARG, "smp_model_new: module \"%s\" is not a root", root->full_name);
+    if (!st && desc->on_device) st = smp__check_device_backend();
     if (!st) {
         const smp_module *bad = smp__bad_context(root, smp__ctx.cfg.partitions);
         if (bad)
@@ -2851,7 +3009,8 @@ SMPDEF void smp_model_on_partitioned(smp_model *m, smp_post_partition_fn fn, voi
 }
 SMPDEF void smp_model_zero_grad(smp_model *m) {
     for (int i = 0; i < m->nparams; i++)
-        if (m->params[i]->grad.data && !m->params[i]->is_buffer) memset(m->params[i]->grad.data, 0, smp_tensor_nbytes(&m->params[i]->grad));
+        if (m->params[i]->grad.data && !m->params[i]->is_buffer && smp__tensor_zero(&m->params[i]->grad))
+            smp__fatal("smp_model_zero_grad: %s", smp__errbuf); /* the device failed: gradients would silently accumulate */
 }
 
 /* ---------------------------------------------------------------- module callbacks */
@@ -2872,9 +3031,8 @@ SMPDEF smp_tensor *smp_call_output(smp_call_ctx *c, int i, smp_dtype dt, int ndi
     smp_tensor *t = &c->outputs[i];
     if (t->data) smp__free(t->data); /* asked twice: the last one counts */
     *t = smp_tensor_make(NULL, dt, ndim, shape);
-    size_t bytes = smp_tensor_nbytes(t);
-    t->data = smp__alloc(bytes ? bytes : 1, c->kind);
-    if (!t->data) smp__fatal("out of memory allocating output %d of %s (%zu bytes)", i, c->module->full_name, bytes);
+    if (!smp__tensor_alloc(t, smp__model_on_device(c->module->model), c->kind))
+        smp__fatal("out of memory allocating output %d of %s (%zu bytes): %s", i, c->module->full_name, smp_tensor_nbytes(t), smp__errbuf);
     return t;
 }
 

@@ -184,6 +184,11 @@ SMPDEF void smp_nccl_free(void *p);
    rounded, as on the host). Needs the implementation compiled by nvcc (a
    .cu file); elsewhere it returns SMP_ERR_STATE. */
 SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t n);
+/* data *= by for f32, f64, f16 and bf16 (halves through f32; other dtypes
+   are left alone), on the engine stream; needs nvcc like smp_nccl_add.
+   smp_nccl_zero clears `bytes` at p on the engine stream. */
+SMPDEF smp_status smp_nccl_scale(void *data, smp_dtype dt, int64_t n, double by);
+SMPDEF smp_status smp_nccl_zero(void *p, size_t bytes);
 
 /* ---------------------------------------------------------------- point to point */
 typedef struct smp_nccl_request smp_nccl_request;
@@ -1695,6 +1700,18 @@ __global__ void smp__nc_add_bf16(__nv_bfloat16 *d, const __nv_bfloat16 *s, long 
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         d[i] = __float2bfloat16_rn(__bfloat162float(d[i]) + __bfloat162float(s[i]));
 }
+/* f32 multiplies by the f32 factor and f64 by the f64 one, as smp does on the host */
+template <typename T> __global__ void smp__nc_scale_kernel(T *d, T by, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) d[i] = d[i] * by;
+}
+__global__ void smp__nc_scale_f16(__half *d, float by, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        d[i] = __float2half_rn(__fmul_rn(__half2float(d[i]), by));
+}
+__global__ void smp__nc_scale_bf16(__nv_bfloat16 *d, float by, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        d[i] = __float2bfloat16_rn(__fmul_rn(__bfloat162float(d[i]), by));
+}
 #endif
 
 SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t n) {
@@ -1723,6 +1740,38 @@ SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t
 #else
     return smp_error(SMP_ERR_STATE, "smp_nccl_add: needs smp_nccl.h's implementation compiled by nvcc (define SMP_IMPLEMENTATION in a .cu file)");
 #endif
+}
+
+SMPDEF smp_status smp_nccl_scale(void *data, smp_dtype dt, int64_t n, double by) {
+    SMP__TRY(smp__nc_ready("smp_nccl_scale"));
+    if (n < 0) return smp_error(SMP_ERR_ARG, "smp_nccl_scale: negative count %lld", (long long)n);
+    if (!smp_dtype_size(dt)) return smp_error(SMP_ERR_ARG, "smp_nccl_scale: invalid dtype %d", (int)dt);
+    if (!n || (dt != SMP_F32 && dt != SMP_F64 && dt != SMP_F16 && dt != SMP_BF16)) return SMP_OK;
+    SMP__TRY(smp__nc_check_ptr("data", data, smp__nc.device, (size_t)n * smp_dtype_size(dt)));
+#ifdef __CUDACC__
+    long long nn = (long long)n;
+    unsigned grid = (unsigned)((nn + 255) / 256 < 4096 ? (nn + 255) / 256 : 4096);
+    cudaStream_t s = smp__nc_engine;
+    switch (dt) {
+    case SMP_F32: smp__nc_scale_kernel<float><<<grid, 256, 0, s>>>((float *)data, (float)by, nn); break;
+    case SMP_F64: smp__nc_scale_kernel<double><<<grid, 256, 0, s>>>((double *)data, by, nn); break;
+    case SMP_F16: smp__nc_scale_f16<<<grid, 256, 0, s>>>((__half *)data, (float)by, nn); break;
+    default: smp__nc_scale_bf16<<<grid, 256, 0, s>>>((__nv_bfloat16 *)data, (float)by, nn); break;
+    }
+    SMP__CU(cudaGetLastError, ());
+    return SMP_OK;
+#else
+    (void)by;
+    return smp_error(SMP_ERR_STATE, "smp_nccl_scale: needs smp_nccl.h's implementation compiled by nvcc (define SMP_IMPLEMENTATION in a .cu file)");
+#endif
+}
+
+SMPDEF smp_status smp_nccl_zero(void *p, size_t bytes) {
+    SMP__TRY(smp__nc_ready("smp_nccl_zero"));
+    if (!bytes) return SMP_OK;
+    SMP__TRY(smp__nc_check_ptr("the buffer", p, smp__nc.device, bytes));
+    SMP__CU(cudaMemsetAsync, (p, 0, bytes, smp__nc_engine));
+    return SMP_OK;
 }
 
 /* ---------------------------------------------------------------- public helpers */
@@ -1771,6 +1820,8 @@ static smp_status smp__nc_b_irecv(void *buf, size_t bytes, int peer, smp_group g
 }
 static smp_status smp__nc_b_test(void *req, bool *done) { return smp_nccl_test((smp_nccl_request *)req, done); }
 static smp_status smp__nc_b_wait(void *req) { return smp_nccl_wait((smp_nccl_request *)req); }
+/* On the staged path point to point copies through pinned buffers and MPI anyway: the executor's own staging does the same. */
+static bool smp__nc_b_through_host(void) { return smp__nc.mode != SMP_NCCL_MODE_NCCL; }
 #endif
 
 SMPDEF void smp_nccl_register(void) {
@@ -1796,6 +1847,10 @@ SMPDEF void smp_nccl_register(void) {
     b.dealloc = smp_nccl_free;
     b.add = smp_nccl_add;
     b.synchronize = smp_nccl_synchronize;
+    b.current_device = smp_nccl_device;
+    b.scale = smp_nccl_scale;
+    b.zero = smp_nccl_zero;
+    b.p2p_through_host = smp__nc_b_through_host;
 #endif
     smp_register_device_backend(&b);
 }

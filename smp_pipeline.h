@@ -68,6 +68,18 @@
          SMP_TRAIN_STEP(model, train_body, NULL, &loss_mb, 1, data, labels);
          double loss = smp_step_output_mean(&loss_mb);   // loss_mb.reduce_mean()
          my_optimizer_step(model);                       // optimizer.step()
+
+   ON THE DEVICE
+     A model built with on_device (smp.h) steps the same way on device
+     tensors: smp_mb_output and smp_mb_output_grad are device tensors, step
+     arguments may be host or device tensors, and values given to
+     smp_mb_return are copied to the host (StepOutputs are host memory).
+     Activations and gradients cross partitions through the device
+     backend's point to point (smp_nccl.h: NCCL), or through host buffers
+     over MPI when it has none or is itself host-staged; data-parallel
+     buckets are reduced by the backend. smp_grad_norm, smp_clip_grad_norm's
+     norm and the grad scaler's overflow check read device gradients
+     through host copies; scaling them stays on the device.
 */
 #ifndef SMP_PIPELINE_H
 #define SMP_PIPELINE_H
@@ -830,7 +842,18 @@ done:
    posted before it starts and sends never block, so no order of operations
    between two ranks can deadlock; per (peer, tag) MPI keeps messages in
    order, and every schedule runs a stage's microbatches in increasing
-   order, so the k-th message matches the k-th receive. */
+   order, so the k-th message matches the k-th receive.
+
+   On-device models: headers still go over MPI. The bytes go through the
+   backend's point to point (one transfer per non-empty tensor, straight
+   from and into device memory) when it has one that does not itself go
+   through the host; otherwise they are staged through host buffers over
+   the MPI path above. The backend pairs transfers between two ranks in
+   order, whatever message they belong to, so every header carries the
+   sequence number of its first transfer, and a receiver queues the
+   transfers of arrived headers in that order (peers' per-direction
+   counts, reset each step). A failed step drains every transfer that was
+   sent before the ranks move on (smp__drain_device). */
 
 typedef struct smp__edge { int call, out, consumer, input; } smp__edge; /* consumer == ncalls: the body */
 
@@ -843,12 +866,19 @@ typedef struct smp__link {
 
 typedef struct smp__xfer {
     MPI_Request req[2];
-    int64_t *hdr;
+    int64_t *hdr;            /* SMP__HDR_WORDS(ntensors): dtype, ndim, shape[8] per tensor, then the first device transfer's number */
     void *buf;               /* receive: the bytes; send: what to free once sent */
+    size_t bytes;            /* receive: of buf */
     MPI_Datatype type;       /* send: the gathering datatype, or MPI_DATATYPE_NULL */
-    int state;               /* receive: 0 idle, 1 header posted, 2 data posted, 3 arrived; send: 1 in flight */
+    int state;               /* receive: 0 idle, 1 header posted, 4 header arrived (device transfers not queued yet),
+                                2 data posted, 3 arrived; send: 1 in flight */
     int peer, ntensors;
+    void **dev_req;          /* the backend's transfers of this message, until waited */
+    int ndev_req;
+    int stage, mb;           /* send: the forward or backward that sent it */
+    bool backward;
 } smp__xfer;
+#define SMP__HDR_WORDS(ntensors) (10 * (ntensors) + 1)
 
 typedef struct smp__event { double t0, t1; int kind, stage, mb; } smp__event; /* kind: 0 fwd, 1 bwd, 2 wait, 3 body */
 
@@ -870,8 +900,9 @@ typedef struct smp__bucket {
     int first, count;    /* its parameters: bucket_params[first .. first + count) */
     int final;           /* how many of them are final this step */
     bool started;
-    MPI_Request req;
+    MPI_Request req;     /* host buckets; device collectives are the backend's to order */
     void *gather;        /* deterministic reduction: every replica's copy */
+    int device;          /* SMP_HOST or where data lives */
 } smp__bucket;
 
 typedef struct smp__pipe {
@@ -895,6 +926,11 @@ typedef struct smp__pipe {
     smp__xfer *sends;
     int nsends, sends_cap;
     bool failed_remote;
+    /* on-device models */
+    bool on_device;
+    bool dev_p2p;          /* payloads through the backend's point to point (else staged through host buffers) */
+    bool dev_connected;
+    int *dev_sent, *dev_posted; /* [mp rank]: this step's device transfers sent to it / receives queued from it */
     int *inflight;         /* [nstages] */
     smp_step_stats stats;
     smp__event *events;
@@ -908,8 +944,6 @@ typedef struct smp__pipe {
     int nbuckets;
     int *bucket_of;        /* [nparams]: bucket of each parameter, -1 if none */
     int *bucket_params;    /* parameters in backward order */
-    MPI_Comm *dead_comms;  /* communicators of failed steps, freed with the model */
-    int ndead, dead_cap;
 } smp__pipe;
 
 static smp_status smp__timeline_write(smp__pipe *ps);
@@ -929,9 +963,8 @@ static void smp__pipe_free(void *p) {
     if (smp__ctx.initialized) {
         MPI_Comm_free(&ps->comm);
         MPI_Comm_free(&ps->err_comm);
-        for (int i = 0; i < ps->ndead; i++) MPI_Comm_free(&ps->dead_comms[i]);
     }
-    smp__free(ps->dead_comms);
+    smp__free(ps->dev_sent);
     smp__free(ps->inflight);
     smp__free(ps->events);
     for (int b = 0; b < ps->nbuckets; b++) smp__free(ps->buckets[b].data); /* parameters stop pointing here first */
@@ -1015,15 +1048,23 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     }
     smp__free(link_of);
     ps->inflight = (int *)smp__alloc(sizeof(int) * (size_t)S, SMP__ALLOC_OTHER);
+    const smp_device_backend *b = &smp__ctx.device;
+    ps->on_device = md->desc.on_device;
+    ps->dev_p2p = ps->on_device && b->p2p_connect && b->isend && b->irecv && b->test && b->wait && !(b->p2p_through_host && b->p2p_through_host());
+    int P = smp__ctx.cfg.partitions;
+    ps->dev_sent = (int *)smp__alloc(sizeof(int) * 2 * (size_t)P, SMP__ALLOC_OTHER);
+    ps->dev_posted = ps->dev_sent + P;
     ps->timeline = getenv("SMP_TIMELINE") && *getenv("SMP_TIMELINE");
     ps->t_origin = smp__now();
     smp__pipe_comms(ps);
     return ps;
 }
 
-/* acc += t, elementwise, in the tensors' dtype (halves through f32). */
-static void smp__add_into(smp_tensor *acc, const smp_tensor *t) {
+/* acc += t, elementwise, in the tensors' dtype (halves through f32); on the
+   device by the backend, which does the same arithmetic. */
+static smp_status smp__add_into(smp_tensor *acc, const smp_tensor *t) {
     int64_t n = smp_tensor_numel(acc);
+    if (acc->device != SMP_HOST) return n ? smp__ctx.device.add(acc->data, t->data, acc->dtype, n) : SMP_OK;
     switch (acc->dtype) {
     case SMP_F32: { float *a = (float *)acc->data; const float *b = (const float *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
     case SMP_F64: { double *a = (double *)acc->data; const double *b = (const double *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
@@ -1033,6 +1074,13 @@ static void smp__add_into(smp_tensor *acc, const smp_tensor *t) {
     case SMP_I64: { int64_t *a = (int64_t *)acc->data; const int64_t *b = (const int64_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
     default: { uint8_t *a = (uint8_t *)acc->data; const uint8_t *b = (const uint8_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] = (uint8_t)(a[x] + b[x]); } break;
     }
+    return SMP_OK;
+}
+
+/* t *= by for floating-point dtypes (others are left alone), on t's side. */
+static smp_status smp__tensor_scale(const smp_tensor *t, double by) {
+    if (t->device == SMP_HOST) { smp__scale(t->data, t->dtype, smp_tensor_numel(t), by); return SMP_OK; }
+    return smp__ctx.device.scale(t->data, t->dtype, smp_tensor_numel(t), by);
 }
 
 /* ---------------------------------------------------------------- transport */
@@ -1047,9 +1095,9 @@ static void smp__post_recv(smp__pipe *ps, int link, int mb, bool backward) {
     smp__xfer *x = smp__recv_slot(ps, link, mb, backward);
     x->ntensors = backward ? l->nedges : l->ntensors;
     x->peer = backward ? l->peer_to : l->peer_from;
-    x->hdr = (int64_t *)smp__alloc(sizeof(int64_t) * 10 * (size_t)x->ntensors, SMP__ALLOC_OTHER);
+    x->hdr = (int64_t *)smp__alloc(sizeof(int64_t) * (size_t)SMP__HDR_WORDS(x->ntensors), SMP__ALLOC_OTHER);
     x->state = 1;
-    MPI_Irecv(x->hdr, 10 * x->ntensors, MPI_INT64_T, x->peer, smp__tag(ps, link, backward), ps->comm, &x->req[0]);
+    MPI_Irecv(x->hdr, SMP__HDR_WORDS(x->ntensors), MPI_INT64_T, x->peer, smp__tag(ps, link, backward), ps->comm, &x->req[0]);
     x->req[1] = MPI_REQUEST_NULL;
 }
 
@@ -1058,30 +1106,118 @@ static size_t smp__hdr_bytes(const int64_t *h) {
     return smp_tensor_nbytes(&t);
 }
 
-/* Sends tensors without copying them: a datatype of absolute addresses. */
-static void smp__send(smp__pipe *ps, int link, bool backward, const smp_tensor *const *ts, int nt, void *free_after) {
+/* The backend's point to point, for device payloads. A transfer it cannot
+   queue or finish leaves the pairing of the two ranks' transfers unknown
+   (every later one would land in the wrong buffer), so the job stops. */
+static void smp__device_transfer_failed(const char *what, int peer) {
+    smp__fatal("the device backend failed to %s a pipeline transfer with mp rank %d: %s", what, peer, smp__errbuf);
+}
+
+/* Whether every device transfer of x has finished. */
+static bool smp__device_done(smp__xfer *x) {
+    for (int i = 0; i < x->ndev_req; i++) {
+        bool done = false;
+        if (smp__ctx.device.test(x->dev_req[i], &done)) smp__device_transfer_failed("test", x->peer);
+        if (!done) return false;
+    }
+    return true;
+}
+
+/* Finishes x's device transfers (for a receive: orders the engine's later
+   work after them). */
+static void smp__device_wait_all(smp__xfer *x) {
+    for (int i = 0; i < x->ndev_req; i++)
+        if (smp__ctx.device.wait(x->dev_req[i])) smp__device_transfer_failed("finish", x->peer);
+    x->ndev_req = 0;
+}
+
+/* The device receives of an arrived header, into one device buffer. */
+static void smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
+    x->buf = smp__dev_alloc(x->bytes, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER);
+    if (!x->buf) smp__fatal("out of device memory for a pipeline message of %zu bytes from mp rank %d: %s", x->bytes, x->peer, smp__errbuf);
+    x->dev_req = (void **)smp__alloc(sizeof(void *) * (size_t)(x->ntensors + 1), SMP__ALLOC_OTHER);
+    char *p = (char *)x->buf;
+    for (int t = 0; t < x->ntensors; t++) {
+        size_t bytes = smp__hdr_bytes(x->hdr + 10 * t);
+        if (!bytes) continue;
+        if (smp__ctx.device.irecv(p, bytes, x->peer, SMP_MP_GROUP, &x->dev_req[x->ndev_req])) smp__device_transfer_failed("queue", x->peer);
+        x->ndev_req++;
+        ps->dev_posted[x->peer]++;
+        p += bytes;
+    }
+    x->state = 2;
+}
+
+/* Sends tensors of stage `stage`, microbatch `mb`: host tensors without
+   copying them (a datatype of absolute addresses), device tensors through
+   the backend or a host staging buffer (see the executor's comment). */
+static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_tensor *const *ts, int nt, int stage, int mb) {
     smp__link *l = &ps->links[link];
     smp__grow((void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer));
     smp__xfer *x = &ps->sends[ps->nsends++];
     memset(x, 0, sizeof *x);
     x->peer = backward ? l->peer_from : l->peer_to;
-    x->hdr = (int64_t *)smp__alloc(sizeof(int64_t) * 10 * (size_t)nt, SMP__ALLOC_OTHER);
-    x->buf = free_after;
+    x->stage = stage;
+    x->mb = mb;
+    x->backward = backward;
+    x->hdr = (int64_t *)smp__alloc(sizeof(int64_t) * (size_t)SMP__HDR_WORDS(nt), SMP__ALLOC_OTHER);
     x->type = MPI_DATATYPE_NULL;
+    x->req[0] = x->req[1] = MPI_REQUEST_NULL;
     x->state = 1;
-    int *lens = (int *)smp__alloc(sizeof(int) * (size_t)nt, SMP__ALLOC_OTHER);
-    MPI_Aint *addrs = (MPI_Aint *)smp__alloc(sizeof(MPI_Aint) * (size_t)nt, SMP__ALLOC_OTHER);
+    size_t total = 0;
     for (int i = 0; i < nt; i++) {
         int64_t *h = x->hdr + 10 * i;
         memset(h, 0, sizeof(int64_t) * 10);
         h[0] = ts[i]->dtype;
         h[1] = ts[i]->ndim;
         for (int d = 0; d < ts[i]->ndim; d++) h[2 + d] = ts[i]->shape[d];
+        total += smp_tensor_nbytes(ts[i]);
+        SMP_ASSERT((ts[i]->device != SMP_HOST) == ps->on_device);
+    }
+    x->hdr[10 * nt] = ps->dev_sent[x->peer];
+    int tag = smp__tag(ps, link, backward);
+    if (ps->dev_p2p) {
+        /* the transfers first: the peer queues its receives when the header arrives */
+        x->dev_req = (void **)smp__alloc(sizeof(void *) * (size_t)(nt + 1), SMP__ALLOC_OTHER);
+        for (int i = 0; i < nt; i++) {
+            size_t bytes = smp_tensor_nbytes(ts[i]);
+            if (!bytes) continue;
+            if (smp__ctx.device.isend(ts[i]->data, bytes, x->peer, SMP_MP_GROUP, &x->dev_req[x->ndev_req])) smp__device_transfer_failed("queue", x->peer);
+            x->ndev_req++;
+            ps->dev_sent[x->peer]++;
+        }
+        MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]);
+        return SMP_OK;
+    }
+    if (ps->on_device) { /* staged: the bytes go to the host, then as one MPI message */
+        smp_status st = total > (size_t)INT32_MAX ? smp_error(SMP_ERR_ARG, "a pipeline message of %zu bytes is larger than 2 GiB", total) : SMP_OK;
+        char *staging = (char *)smp__alloc(total ? total : 1, SMP__ALLOC_OTHER);
+        size_t at = 0;
+        for (int i = 0; i < nt && !st; i++) {
+            smp_tensor h = *ts[i];
+            h.data = staging + at;
+            h.device = SMP_HOST;
+            st = smp__tensor_copy(&h, ts[i]);
+            at += smp_tensor_nbytes(ts[i]);
+        }
+        if (st) { /* nothing went out: the step fails like any other error */
+            smp__free(staging);
+            smp__free(x->hdr);
+            ps->nsends--;
+            return st;
+        }
+        x->buf = staging;
+        MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]);
+        MPI_Isend(staging, (int)total, MPI_BYTE, x->peer, tag + 1, ps->comm, &x->req[1]);
+        return SMP_OK;
+    }
+    int *lens = (int *)smp__alloc(sizeof(int) * (size_t)(nt + 1), SMP__ALLOC_OTHER);
+    MPI_Aint *addrs = (MPI_Aint *)smp__alloc(sizeof(MPI_Aint) * (size_t)(nt + 1), SMP__ALLOC_OTHER);
+    for (int i = 0; i < nt; i++) {
         lens[i] = (int)smp_tensor_nbytes(ts[i]);
         MPI_Get_address(ts[i]->data, &addrs[i]);
     }
-    int tag = smp__tag(ps, link, backward);
-    MPI_Isend(x->hdr, 10 * nt, MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]);
+    MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]);
     if (nt == 1) {
         MPI_Isend(ts[0]->data, lens[0], MPI_BYTE, x->peer, tag + 1, ps->comm, &x->req[1]);
     } else {
@@ -1091,23 +1227,24 @@ static void smp__send(smp__pipe *ps, int link, bool backward, const smp_tensor *
     }
     smp__free(lens);
     smp__free(addrs);
+    return SMP_OK;
 }
 
 static void smp__send_done(smp__xfer *x) {
     smp__free(x->hdr);
     smp__free(x->buf);
+    smp__free(x->dev_req);
     if (x->type != MPI_DATATYPE_NULL) MPI_Type_free(&x->type);
     x->hdr = NULL;
     x->buf = NULL;
+    x->dev_req = NULL;
     x->state = 0;
 }
 
-/* Moves every transfer forward once; true when another rank reported an error. */
-static bool smp__progress(smp__pipe *ps) {
+/* Moves every transfer forward once. */
+static void smp__progress_transfers(smp__pipe *ps) {
     int flag = 0;
     MPI_Status st;
-    MPI_Test(&ps->err_req, &flag, &st);
-    if (flag) { ps->failed_remote = true; return true; }
     /* Data receives share one tag per (link, direction), so they must be
        posted in microbatch order: MPI may complete the headers of several
        microbatches inside one MPI_Test, and posting the data receive of a
@@ -1121,31 +1258,96 @@ static bool smp__progress(smp__pipe *ps) {
                 if (x->state == 1) {
                     MPI_Test(&x->req[0], &flag, &st);
                     if (!flag) break;
-                    size_t total = 0;
-                    for (int t = 0; t < x->ntensors; t++) total += smp__hdr_bytes(x->hdr + 10 * t);
-                    if (total > (size_t)INT32_MAX) smp__fatal("a pipeline message of %zu bytes is larger than 2 GiB", total);
-                    x->buf = smp__alloc(total ? total : 1, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER);
-                    MPI_Irecv(x->buf, (int)total, MPI_BYTE, x->peer, st.MPI_TAG + 1, ps->comm, &x->req[1]);
+                    x->bytes = 0;
+                    for (int t = 0; t < x->ntensors; t++) x->bytes += smp__hdr_bytes(x->hdr + 10 * t);
+                    if (ps->dev_p2p) {
+                        x->state = 4; /* queued below, in the order the peer sent */
+                        continue;
+                    }
+                    if (x->bytes > (size_t)INT32_MAX) smp__fatal("a pipeline message of %zu bytes is larger than 2 GiB", x->bytes);
+                    x->buf = smp__alloc(x->bytes ? x->bytes : 1, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER);
+                    MPI_Irecv(x->buf, (int)x->bytes, MPI_BYTE, x->peer, st.MPI_TAG + 1, ps->comm, &x->req[1]);
                     x->state = 2;
                 }
                 if (x->state == 2) {
-                    MPI_Test(&x->req[1], &flag, MPI_STATUS_IGNORE);
+                    if (ps->dev_p2p) flag = smp__device_done(x);
+                    else MPI_Test(&x->req[1], &flag, MPI_STATUS_IGNORE);
                     if (flag) x->state = 3;
                 }
             }
+    if (ps->dev_p2p) {
+        size_t nrecv = (size_t)ps->nlinks * (size_t)ps->m * 2;
+        for (bool queued = true; queued;) {
+            queued = false;
+            for (size_t i = 0; i < nrecv; i++) {
+                smp__xfer *x = &ps->recv[i];
+                if (x->state == 4 && x->hdr[10 * x->ntensors] == ps->dev_posted[x->peer]) {
+                    smp__queue_device_recv(ps, x);
+                    queued = true;
+                }
+            }
+        }
+    }
     for (int i = 0; i < ps->nsends; i++) {
         smp__xfer *x = &ps->sends[i];
         if (x->state != 1) continue;
         int done = 0;
         MPI_Status sts[2];
         MPI_Testall(2, x->req, &done, sts);
-        if (done) smp__send_done(x);
+        if (done && smp__device_done(x)) {
+            smp__device_wait_all(x);
+            smp__send_done(x);
+        }
     }
     /* drop finished sends from the front so the list stays short */
     int k = 0;
     while (k < ps->nsends && ps->sends[k].state == 0) k++;
     if (k) { memmove(ps->sends, ps->sends + k, sizeof(smp__xfer) * (size_t)(ps->nsends - k)); ps->nsends -= k; }
+}
+
+/* Moves every transfer forward once; true when another rank reported an error. */
+static bool smp__progress(smp__pipe *ps) {
+    int flag = 0;
+    MPI_Status st;
+    MPI_Test(&ps->err_req, &flag, &st);
+    if (flag) { ps->failed_remote = true; return true; }
+    smp__progress_transfers(ps);
     return false;
+}
+
+/* The device sends of F(s, i) read its activations until they are done.
+   Called once B(s, i) has run, when the peers have received them. */
+static void smp__finish_forward_sends(smp__pipe *ps, int s, int i) {
+    for (int k = 0; k < ps->nsends; k++) {
+        smp__xfer *x = &ps->sends[k];
+        if (x->state == 1 && !x->backward && x->stage == s && x->mb == i) smp__device_wait_all(x);
+    }
+}
+
+/* A failed step may leave device transfers in flight that no receive has
+   matched yet, and the backend pairs transfers in order: they would fill
+   the next step's receives. So each rank learns how many transfers every
+   peer sent it, queues receives for all of them (the header of each sent
+   message arrives: every receive was posted when the step began), and
+   waits for them and for its own sends. */
+static void smp__drain_device(smp__pipe *ps) {
+    int P = smp__ctx.cfg.partitions;
+    int *sent_to_me = (int *)smp__alloc(sizeof(int) * (size_t)P, SMP__ALLOC_OTHER);
+    MPI_Request req;
+    MPI_Ialltoall(ps->dev_sent, 1, MPI_INT, sent_to_me, 1, MPI_INT, ps->comm, &req);
+    smp_wait_requests(1, &req, "the device transfer counts of a failed step", SMP_MP_GROUP, -1);
+    size_t nrecv = (size_t)ps->nlinks * (size_t)ps->m * 2;
+    smp__backoff b = smp__backoff_start();
+    for (;;) {
+        smp__progress_transfers(ps);
+        bool pending = ps->nsends > 0;
+        for (int p = 0; p < P; p++) pending = pending || ps->dev_posted[p] < sent_to_me[p];
+        for (size_t i = 0; i < nrecv; i++) pending = pending || ps->recv[i].state == 2;
+        if (!pending) break;
+        if (!smp__backoff_pause(&b)) smp__timeout_abort("the device transfers of a failed step", SMP_MP_GROUP, -1, smp__now() - b.start);
+    }
+    for (size_t i = 0; i < nrecv; i++) smp__device_wait_all(&ps->recv[i]);
+    smp__free(sent_to_me);
 }
 
 static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0) {
@@ -1210,19 +1412,17 @@ SMPDEF smp_status smp_mb_return(smp_mb *mb, int i, const smp_tensor *v) {
     if (st) return st;
     smp_tensor *r = &mb->st->returned[i];
     smp__free(r->data);
-    *r = *v;
-    size_t bytes = smp_tensor_nbytes(v);
-    r->data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_OTHER);
-    memcpy(r->data, v->data, bytes);
-    r->device = SMP_HOST;
-    return SMP_OK;
+    *r = *v; /* StepOutputs live on the host: a device value is copied down */
+    smp__tensor_alloc(r, false, SMP__ALLOC_OTHER);
+    return smp__tensor_copy(r, v);
 }
 SMPDEF smp_status smp_mb_return_f32(smp_mb *mb, int i, float value) {
     smp_tensor t = smp_tensor_make(&value, SMP_F32, 0, NULL);
     return smp_mb_return(mb, i, &t);
 }
 
-/* Slices argument `a` for microbatch `i`: a view along axis 0, a copy along others. */
+/* Slices argument `a` for microbatch `i`: a view along axis 0, a copy along
+   others (on the argument's side, host or device). */
 static smp_tensor smp__slice(const smp_tensor *t, int axis, int m, int i, void **copy, smp__alloc_kind kind) {
     smp_tensor s = *t;
     int64_t part = t->shape[axis] / m, outer = 1, inner = 1;
@@ -1231,11 +1431,15 @@ static smp_tensor smp__slice(const smp_tensor *t, int axis, int m, int i, void *
     for (int d = axis + 1; d < t->ndim; d++) inner *= t->shape[d];
     size_t es = smp_dtype_size(t->dtype), run = (size_t)(part * inner) * es;
     if (outer == 1) { s.data = (char *)t->data + (size_t)i * run; *copy = NULL; return s; }
-    char *dst = (char *)smp__alloc(run * (size_t)outer + 1, kind);
-    for (int64_t o = 0; o < outer; o++)
-        memcpy(dst + (size_t)o * run, (const char *)t->data + ((size_t)o * (size_t)t->shape[axis] * (size_t)inner + (size_t)i * (size_t)part * (size_t)inner) * es, run);
-    s.data = dst;
-    *copy = dst;
+    if (!smp__tensor_alloc(&s, t->device != SMP_HOST, kind)) smp__fatal("out of memory slicing a step argument (%zu bytes): %s", run * (size_t)outer, smp__errbuf);
+    for (int64_t o = 0; o < outer; o++) {
+        smp_tensor from = smp_tensor_1d((char *)t->data + ((size_t)o * (size_t)t->shape[axis] * (size_t)inner + (size_t)i * (size_t)part * (size_t)inner) * es, SMP_U8, (int64_t)run);
+        smp_tensor to = smp_tensor_1d((char *)s.data + (size_t)o * run, SMP_U8, (int64_t)run);
+        from.device = t->device;
+        to.device = s.device;
+        if (smp__tensor_copy(&to, &from)) smp__fatal("slicing a step argument on the device failed: %s", smp__errbuf);
+    }
+    *copy = s.data;
     return s;
 }
 
@@ -1307,19 +1511,26 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
         b->count = k - j;
         b->bytes = bytes;
         b->numel = (int64_t)(bytes / smp_dtype_size(b->dtype));
-        b->data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_PARAM);
+        smp_tensor whole = smp_tensor_1d(NULL, b->dtype, b->numel);
+        if (!smp__tensor_alloc(&whole, ps->on_device, SMP__ALLOC_PARAM))
+            return smp_error(SMP_ERR_NOMEM, "out of memory for a data-parallel gradient bucket of %zu bytes: %s", bytes, smp_last_error());
+        b->data = whole.data;
+        b->device = whole.device;
+        ps->nbuckets++; /* freed with the model from here on */
         size_t at = 0;
         for (int q = j; q < k; q++) {
             smp_param *p = md->params[order[q]];
             size_t pb = smp_tensor_nbytes(&p->grad);
-            memcpy((char *)b->data + at, p->grad.data, pb);
+            smp_tensor place = p->grad;
+            place.data = (char *)b->data + at;
+            smp_status st = smp__tensor_copy(&place, &p->grad);
+            if (st) return st;
             if (!p->grad_in_bucket) smp__free(p->grad.data);
-            p->grad.data = (char *)b->data + at;
+            p->grad.data = place.data;
             p->grad_in_bucket = true;
-            ps->bucket_of[order[q]] = ps->nbuckets;
+            ps->bucket_of[order[q]] = ps->nbuckets - 1;
             at += pb;
         }
-        ps->nbuckets++;
         j = k;
     }
     ps->bucket_params = order;
@@ -1328,13 +1539,25 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
 
 static smp__pipe *smp__ddp_inflight; /* the step whose buckets are in flight, for smp_poll */
 
-static void smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
-    if (b->started) return;
+static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
+    if (b->started) return SMP_OK;
     b->started = true;
+    bool deterministic = smp__ctx.cfg.deterministic_reduction == SMP_ON;
+    if (b->device != SMP_HOST) {
+        /* the backend queues the collective (NCCL: on its stream, ordered after the backward's kernels) */
+        b->req = MPI_REQUEST_NULL;
+        smp_tensor t = smp_tensor_1d(b->data, b->dtype, b->numel), all = smp_tensor_1d(NULL, b->dtype, b->numel * smp_dp_size());
+        t.device = b->device;
+        if (!deterministic) return smp_all_reduce(&t, &t, SMP_SUM, SMP_DP_GROUP);
+        if (!smp__tensor_alloc(&all, true, SMP__ALLOC_OTHER))
+            return smp_error(SMP_ERR_NOMEM, "out of device memory gathering a gradient bucket (%zu bytes): %s", b->bytes * (size_t)smp_dp_size(), smp_last_error());
+        b->gather = all.data;
+        return smp_all_gather(&t, &all, SMP_DP_GROUP);
+    }
     smp__ddp_inflight = ps;
     MPI_Comm comm = smp__ctx.groups[SMP_DP_GROUP].comm;
     int n = (int)b->numel;
-    if (smp__ctx.cfg.deterministic_reduction == SMP_ON) {
+    if (deterministic) {
         /* every replica's gradient, summed below in dp-rank order */
         int dp = smp_dp_size();
         b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_OTHER);
@@ -1344,7 +1567,7 @@ static void smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
         smp__mpi_op(SMP_SUM, b->dtype, "data-parallel gradients", &op);
         MPI_Iallreduce(MPI_IN_PLACE, b->data, n, smp__mpi_type(b->dtype), op, comm, &b->req);
     }
-    (void)ps;
+    return SMP_OK;
 }
 
 /* Lets the buckets in flight move; one test runs MPI's whole progress engine. */
@@ -1363,14 +1586,16 @@ SMPDEF void smp_poll(void) {
 }
 
 /* Call k's parameters are final: start the buckets that became complete. */
-static void smp__ddp_call_final(smp__pipe *ps, smp_model *md, int k) {
-    for (int i = 0; i < md->nparams; i++) {
+static smp_status smp__ddp_call_final(smp__pipe *ps, smp_model *md, int k) {
+    smp_status st = SMP_OK;
+    for (int i = 0; i < md->nparams && !st; i++) {
         smp_param *p = md->params[i];
         int b = ps->bucket_of[i];
         if (b < 0 || p->module->owner_call != k) continue;
         if (++ps->buckets[b].final == ps->buckets[b].count && smp__ctx.cfg.overlapping_allreduce == SMP_ON)
-            smp__bucket_start(ps, &ps->buckets[b]);
+            st = smp__bucket_start(ps, &ps->buckets[b]);
     }
+    return st;
 }
 
 /* Starts every bucket not started yet (in index order, the order every
@@ -1381,8 +1606,12 @@ static void smp__ddp_call_final(smp__pipe *ps, smp_model *md, int k) {
    between polls (up to 1 ms) slow the sync down. The replicas arrive
    together, so the spin is short; sched_yield lets a rank that shares the
    core run. The timeout still applies. */
-static void smp__ddp_complete(smp__pipe *ps) {
-    for (int b = 0; b < ps->nbuckets; b++) smp__bucket_start(ps, &ps->buckets[b]);
+static smp_status smp__ddp_complete(smp__pipe *ps) {
+    smp_status st = SMP_OK;
+    for (int b = 0; b < ps->nbuckets; b++) { /* every bucket, even after an error: the replicas expect each collective */
+        smp_status bs = smp__bucket_start(ps, &ps->buckets[b]);
+        if (!st) st = bs;
+    }
     double start = smp__now(), deadline = start + smp_timeout();
     for (int b = 0; b < ps->nbuckets;) {
         int done = 0;
@@ -1393,23 +1622,26 @@ static void smp__ddp_complete(smp__pipe *ps) {
         sched_yield();
     }
     smp__ddp_inflight = NULL;
+    return st;
 }
 
 /* Finishes the step's gradient sync once smp__ddp_complete has run: every
    bucket summed (the loss gradient was already divided, see smp_step).
    After a failed step the collectives have still completed, and the result
    is dropped. */
-static void smp__ddp_finish(smp__pipe *ps, bool failed) {
+static smp_status smp__ddp_finish(smp__pipe *ps, bool failed) {
     int dp = smp_dp_size();
+    smp_status st = SMP_OK;
     for (int b = 0; b < ps->nbuckets; b++) {
         smp__bucket *k = &ps->buckets[b];
-        if (!failed && k->gather) {
+        smp_tensor acc = smp_tensor_1d(k->data, k->dtype, k->numel);
+        acc.device = k->device;
+        if (!failed && !st && k->gather) {
             size_t es = smp_dtype_size(k->dtype);
-            memcpy(k->data, k->gather, k->bytes);
-            smp_tensor acc = smp_tensor_1d(k->data, k->dtype, k->numel);
-            for (int r = 1; r < dp; r++) {
-                smp_tensor t = smp_tensor_1d((char *)k->gather + (size_t)r * k->numel * es, k->dtype, k->numel);
-                smp__add_into(&acc, &t);
+            for (int r = 0; r < dp && !st; r++) {
+                smp_tensor t = smp_tensor_1d((char *)k->gather + (size_t)r * (size_t)k->numel * es, k->dtype, k->numel);
+                t.device = k->device;
+                st = r == 0 ? smp__tensor_copy(&acc, &t) : smp__add_into(&acc, &t);
             }
         }
         smp__free(k->gather);
@@ -1417,6 +1649,7 @@ static void smp__ddp_finish(smp__pipe *ps, bool failed) {
         k->started = false;
         k->final = 0;
     }
+    return st;
 }
 
 /* ---------------------------------------------------------------- gradient norm, clipping */
@@ -1431,6 +1664,19 @@ static double smp__grad_at(const smp_tensor *g, int64_t x) {
     }
 }
 
+/* A parameter's gradient where the host can read it: itself, or a copy in
+   *copy (free it) for a device gradient. The norm and the scaler's overflow
+   check read device gradients through such copies: one pass over the
+   gradients per step, and the host sums keep the norm bitwise equal to the
+   one-process norm wherever the gradients live. */
+static smp_status smp__grad_on_host(const smp_param *p, smp_tensor *view, void **copy) {
+    *view = p->grad;
+    *copy = NULL;
+    if (p->grad.device == SMP_HOST) return SMP_OK;
+    *copy = smp__tensor_alloc(view, false, SMP__ALLOC_OTHER);
+    return smp__tensor_copy(view, &p->grad);
+}
+
 SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm) {
     smp_status st = smp__require_init("smp_grad_norm");
     if (st) return st;
@@ -1442,14 +1688,20 @@ SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm) {
         smp_param *p = m->params[i];
         sq[i] = 0;
         if (p->is_buffer || !p->grad.data || !smp_module_is_local(p->module)) continue;
-        int64_t n = smp_tensor_numel(&p->grad);
+        smp_tensor g;
+        void *copy;
+        smp_status cs = smp__grad_on_host(p, &g, &copy);
+        if (cs && !st) st = cs;
+        int64_t n = cs ? 0 : smp_tensor_numel(&g);
         for (int64_t x = 0; x < n; x++) {
-            double v = smp__grad_at(&p->grad, x);
+            double v = smp__grad_at(&g, x);
             sq[i] += v * v;
         }
+        smp__free(copy);
     }
     smp_tensor t = smp_tensor_1d(sq, SMP_F64, m->nparams);
-    st = smp_all_reduce(&t, &t, SMP_SUM, SMP_MP_GROUP);
+    smp_status rs = smp_all_reduce(&t, &t, SMP_SUM, SMP_MP_GROUP); /* even after a local error: the others wait for it */
+    if (!st) st = rs;
     double total = 0;
     for (int i = 0; i < m->nparams; i++) total += sq[i];
     smp__free(sq);
@@ -1465,11 +1717,11 @@ SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *tota
     if (total_norm) *total_norm = norm;
     double coef = max_norm / (norm + 1e-6);
     if (coef >= 1.0) return SMP_OK;
-    for (int i = 0; i < m->nparams; i++) {
+    for (int i = 0; i < m->nparams && !st; i++) {
         smp_param *p = m->params[i];
-        if (!p->is_buffer && p->grad.data && smp_module_is_local(p->module)) smp__scale(p->grad.data, p->grad.dtype, smp_tensor_numel(&p->grad), coef);
+        if (!p->is_buffer && p->grad.data && smp_module_is_local(p->module)) st = smp__tensor_scale(&p->grad, coef);
     }
-    return SMP_OK;
+    return st;
 }
 
 /* ---------------------------------------------------------------- loss scaling */
@@ -1484,28 +1736,35 @@ SMPDEF double smp_grad_scaler_scale(smp_grad_scaler *s) { smp__scaler_defaults(s
 SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool *skip) {
     smp__scaler_defaults(s);
     int bad = 0;
-    for (int i = 0; i < m->nparams && !bad; i++) {
+    smp_status st = SMP_OK;
+    for (int i = 0; i < m->nparams && !bad && !st; i++) {
         smp_param *p = m->params[i];
         if (p->is_buffer || !p->grad.data || !smp_module_is_local(p->module)) continue;
-        int64_t n = smp_tensor_numel(&p->grad);
+        smp_tensor g;
+        void *copy;
+        st = smp__grad_on_host(p, &g, &copy);
+        int64_t n = st ? 0 : smp_tensor_numel(&g);
         for (int64_t x = 0; x < n && !bad; x++) {
-            double v = smp__grad_at(&p->grad, x);
+            double v = smp__grad_at(&g, x);
             bad = !isfinite(v);
         }
+        smp__free(copy);
     }
+    if (st) bad = 1; /* unreadable gradients: skip the step everywhere, and say why here */
     smp_tensor t = smp_tensor_1d(&bad, SMP_I32, 1);
-    smp_status st = smp_all_reduce(&t, &t, SMP_MAX, SMP_WORLD); /* one rank's overflow is everyone's */
-    if (st) return st;
+    smp_status rs = smp_all_reduce(&t, &t, SMP_MAX, SMP_WORLD); /* one rank's overflow is everyone's */
     *skip = bad != 0;
+    if (st || rs) return st ? st : rs;
     if (bad) {
         s->scale *= s->backoff_factor;
         s->good_steps = 0;
         return SMP_OK;
     }
-    for (int i = 0; i < m->nparams; i++) {
+    for (int i = 0; i < m->nparams && !st; i++) {
         smp_param *p = m->params[i];
-        if (!p->is_buffer && p->grad.data && smp_module_is_local(p->module)) smp__scale(p->grad.data, p->grad.dtype, smp_tensor_numel(&p->grad), 1.0 / s->scale);
+        if (!p->is_buffer && p->grad.data && smp_module_is_local(p->module)) st = smp__tensor_scale(&p->grad, 1.0 / s->scale);
     }
+    if (st) return st;
     if (++s->good_steps >= s->growth_interval) { s->scale *= s->growth_factor; s->good_steps = 0; }
     return SMP_OK;
 }
@@ -1573,13 +1832,25 @@ static smp_status smp__receive(smp__pipe *ps, int s, int i, bool backward) {
         }
     smp_status rc = smp__await(ps, wait, nw, backward ? "gradients" : "activations", s, i);
     for (int w = 0; w < nw && !rc; w++) {
+        smp__xfer *x = wait[w];
+        if (ps->dev_p2p) smp__device_wait_all(x); /* the engine's work from here on comes after the transfers */
+        else if (ps->on_device) { /* staged: the bytes arrived on the host */
+            smp_tensor host = smp_tensor_1d(x->buf, SMP_U8, (int64_t)x->bytes), dev = host;
+            if (!smp__tensor_alloc(&dev, true, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER))
+                return smp_error(SMP_ERR_DEVICE, "out of device memory for the %s of microbatch %d for stage %d (%zu bytes): %s",
+                                 backward ? "gradients" : "activations", i, s, x->bytes, smp_last_error());
+            rc = smp__tensor_copy(&dev, &host);
+            smp__free(x->buf);
+            x->buf = dev.data;
+        }
         const smp__link *l = &ps->links[lk[w]];
-        char *p = (char *)wait[w]->buf;
+        char *p = (char *)x->buf;
         int n = backward ? l->nedges : l->ntensors;
         for (int t = 0; t < n; t++) {
-            const int64_t *h = wait[w]->hdr + 10 * t;
+            const int64_t *h = x->hdr + 10 * t;
             smp_tensor *dst = backward ? &ps->mb[i].contrib[l->edges[t]] : &ps->mb[i].act[l->tensors[t]];
             *dst = smp_tensor_make(p, (smp_dtype)h[0], (int)h[1], h + 2);
+            if (ps->on_device) dst->device = smp__ctx.device.current_device();
             p += smp_tensor_nbytes(dst);
         }
     }
@@ -1630,7 +1901,7 @@ static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i)
         int nt = 0;
         for (int t = 0; t < L->ntensors && nt < 64; t++) ts[nt++] = &st->act[L->tensors[t]];
         SMP_ASSERT(nt == L->ntensors);
-        smp__send(ps, l, false, ts, nt, NULL);
+        if ((rc = smp__send(ps, l, false, ts, nt, s, i))) return rc;
     }
     return SMP_OK;
 }
@@ -1640,12 +1911,12 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
     smp_mb mb = {ps, md, i, st};
     if (ps->training)
         for (int o = 0; o < md->desc.noutputs; o++) {
-            const smp_tensor *y = smp_mb_output(&mb, o);
             smp_tensor *g = &st->out_grad[o];
-            *g = *y;
-            size_t bytes = smp_tensor_nbytes(y);
-            g->data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_STASH);
-            memset(g->data, 0, bytes);
+            *g = *smp_mb_output(&mb, o);
+            if (!smp__tensor_alloc(g, ps->on_device, SMP__ALLOC_STASH))
+                return smp_error(SMP_ERR_NOMEM, "out of memory for the gradient of model output %d (%zu bytes): %s", o, smp_tensor_nbytes(g), smp_last_error());
+            smp_status zs = smp__tensor_zero(g);
+            if (zs) return zs;
         }
     if (!ps->desc->body) return SMP_OK;
     double t0 = smp__now();
@@ -1661,7 +1932,8 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
     double divisor = cfg->average_grads_across_microbatches == SMP_ON ? ps->m : 1;
     if (cfg->ddp == SMP_ON) divisor *= (double)smp_dp_size() * cfg->backward_passes_per_step;
     if (ps->training && divisor != 1)
-        for (int o = 0; o < md->desc.noutputs; o++) smp__scale(st->out_grad[o].data, st->out_grad[o].dtype, smp_tensor_numel(&st->out_grad[o]), 1.0 / divisor);
+        for (int o = 0; o < md->desc.noutputs && !rc; o++) rc = smp__tensor_scale(&st->out_grad[o], 1.0 / divisor);
+    if (rc) return rc;
     /* the output gradients are the body's contributions to the model outputs */
     if (ps->training)
         for (int o = 0; o < md->desc.noutputs; o++) {
@@ -1686,27 +1958,30 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         smp_call_ctx *c = &st->ctx[k];
         /* gradient of each output: its consumers' contributions, latest consumer first */
         smp_tensor *gout = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER);
-        for (int j = 0; j < rec->nout; j++) {
+        memset(gout, 0, sizeof(smp_tensor) * (size_t)rec->nout);
+        for (int j = 0; j < rec->nout && !rc; j++) {
             gout[j] = c->outputs[j];
-            size_t bytes = smp_tensor_nbytes(&gout[j]);
-            gout[j].data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_STASH);
+            if (!smp__tensor_alloc(&gout[j], ps->on_device, SMP__ALLOC_STASH)) {
+                rc = smp_error(SMP_ERR_NOMEM, "out of memory for a gradient of %s (%zu bytes): %s", rec->module->full_name, smp_tensor_nbytes(&gout[j]), smp_last_error());
+                break;
+            }
             int t = k * mo + j, first = ps->first_edge[t], last = ps->first_edge[t + 1] - 1;
-            if (last < first) { memset(gout[j].data, 0, bytes); continue; }
-            memcpy(gout[j].data, st->contrib[last].data, bytes);
-            for (int e = last - 1; e >= first; e--) smp__add_into(&gout[j], &st->contrib[e]);
+            if (last < first) { rc = smp__tensor_zero(&gout[j]); continue; }
+            rc = smp__tensor_copy(&gout[j], &st->contrib[last]);
+            for (int e = last - 1; e >= first && !rc; e--) rc = smp__add_into(&gout[j], &st->contrib[e]);
         }
         smp_tensor *gin = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER);
         for (int j = 0; j < rec->nin; j++) {
             gin[j] = c->inputs[j];
             gin[j].data = NULL;
-            if (rec->in[j].call < 0) continue; /* model inputs take no gradient */
-            size_t bytes = smp_tensor_nbytes(&gin[j]);
-            gin[j].data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_STASH);
-            memset(gin[j].data, 0, bytes);
+            if (rec->in[j].call < 0 || rc) continue; /* model inputs take no gradient */
+            if (!smp__tensor_alloc(&gin[j], ps->on_device, SMP__ALLOC_STASH))
+                rc = smp_error(SMP_ERR_NOMEM, "out of memory for a gradient of %s (%zu bytes): %s", rec->module->full_name, smp_tensor_nbytes(&gin[j]), smp_last_error());
+            else rc = smp__tensor_zero(&gin[j]);
         }
         c->grad_outputs = gout;
         c->grad_inputs = gin;
-        rc = smp__run_callback(c, true);
+        if (!rc) rc = smp__run_callback(c, true);
         for (int j = 0; j < rec->nout; j++) smp__free(gout[j].data);
         smp__free(gout);
         c->grad_outputs = NULL;
@@ -1716,8 +1991,8 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         }
         smp__free(gin);
         c->grad_inputs = NULL;
+        if (!rc && ps->sync && i == ps->m - 1) rc = smp__ddp_call_final(ps, md, k);
         if (rc) return rc;
-        if (ps->sync && i == ps->m - 1) smp__ddp_call_final(ps, md, k);
         if (ps->sync) smp__ddp_poll(ps); /* between calls: buckets started earlier move on */
     }
     smp__event_add(ps, 1, s, i, t0);
@@ -1729,7 +2004,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         int nt = 0;
         for (int e = 0; e < L->nedges && nt < 64; e++) ts[nt++] = &st->contrib[L->edges[e]];
         SMP_ASSERT(nt == L->nedges);
-        smp__send(ps, l, true, ts, nt, NULL);
+        if ((rc = smp__send(ps, l, true, ts, nt, s, i))) return rc;
     }
     ps->inflight[s]--;
     return SMP_OK;
@@ -1739,6 +2014,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
    contributions a stage sent stay until the send completes (freed at step end). */
 static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
+    if (ps->dev_p2p) smp__finish_forward_sends(ps, s, i);
     for (int k = md->stage_first[s]; k <= md->stage_last[s]; k++) {
         smp_call_ctx *c = &st->ctx[k];
         if (!c->module) continue;
@@ -1772,6 +2048,7 @@ static void smp__release_step(smp__pipe *ps, smp_model *md, bool cancel) {
         }
         smp__free(x->hdr);
         smp__free(x->buf);
+        smp__free(x->dev_req);
     }
     smp__free(ps->recv);
     ps->recv = NULL;
@@ -1779,8 +2056,8 @@ static void smp__release_step(smp__pipe *ps, smp_model *md, bool cancel) {
         if (ps->sends[i].state == 1) {
             /* only on failure: the peer stopped receiving; let MPI drop the
                requests and keep their buffers (freed with smp) */
-            MPI_Request_free(&ps->sends[i].req[0]);
-            MPI_Request_free(&ps->sends[i].req[1]);
+            for (int r = 0; r < 2; r++)
+                if (ps->sends[i].req[r] != MPI_REQUEST_NULL) MPI_Request_free(&ps->sends[i].req[r]);
             ps->sends[i].hdr = NULL;
         }
     smp__free(ps->sends);
@@ -1901,6 +2178,20 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     }
     if (!md->pipeline) { md->pipeline = smp__pipe_build(md); md->pipeline_free = smp__pipe_free; }
     smp__pipe *ps = (smp__pipe *)md->pipeline;
+    if (ps->dev_p2p && !ps->dev_connected) { /* the backend's channels to every pipeline neighbour, once */
+        int *peers = (int *)smp__alloc(sizeof(int) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER), np = 0, me = smp__ctx.mp_rank;
+        for (int l = 0; l < ps->nlinks; l++) {
+            int other = ps->links[l].peer_from == me ? ps->links[l].peer_to : ps->links[l].peer_to == me ? ps->links[l].peer_from : -1;
+            bool seen = other < 0;
+            for (int k = 0; k < np && !seen; k++) seen = peers[k] == other;
+            if (!seen) peers[np++] = other;
+        }
+        st = np ? smp__ctx.device.p2p_connect(SMP_MP_GROUP, peers, np) : SMP_OK;
+        smp__free(peers);
+        st = smp__agree_on(smp__ctx.world, st, "device point-to-point set-up");
+        if (st) return st;
+        ps->dev_connected = true;
+    }
     if (cfg->ddp == SMP_ON && !ps->ddp_ready) {
         st = smp__agree_on(smp__ctx.world, smp__ddp_setup(ps, md), "data-parallel set-up");
         if (st) return st;
@@ -1918,6 +2209,7 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     ps->training = training;
     ps->desc = d;
     ps->failed_remote = false;
+    memset(ps->dev_sent, 0, sizeof(int) * 2 * (size_t)cfg->partitions); /* and dev_posted */
     int S = md->nstages, n = md->ncalls, me = smp__ctx.mp_rank;
     memset(ps->inflight, 0, sizeof(int) * (size_t)S);
     memset(&ps->stats, 0, sizeof ps->stats);
@@ -1978,23 +2270,28 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     /* every replica runs the bucket collectives, failed step or not; they
        complete before the agreement, whose wait backs off into sleeps and
        would stall the buckets still in flight */
-    if (ps->sync) smp__ddp_complete(ps);
+    if (ps->sync) {
+        smp_status ds = smp__ddp_complete(ps);
+        if (!st) st = ds;
+    }
     smp_status agreed = smp__agree_on(smp__ctx.world, st, "the step");
-    if (ps->sync) smp__ddp_finish(ps, agreed != SMP_OK);
+    smp_status finished = ps->sync ? smp__ddp_finish(ps, agreed != SMP_OK) : SMP_OK;
     if (agreed) {
+        if (ps->dev_p2p) smp__drain_device(ps);
         smp__release_step(ps, md, true);
         /* messages of the failed step may still be in flight: start over on fresh communicators */
         if (ps->err_req != MPI_REQUEST_NULL) { MPI_Cancel(&ps->err_req); MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE); }
-        /* the old communicators stay allocated until the model is freed: freeing
-           them now would let MPI hand their context to the new ones while
-           abandoned messages are still in flight, to be matched by the next step */
-        smp__grow((void **)&ps->dead_comms, &ps->dead_cap, ps->ndead + 2, sizeof(MPI_Comm));
-        ps->dead_comms[ps->ndead++] = ps->comm;
-        ps->dead_comms[ps->ndead++] = ps->err_comm;
+        /* The old communicators are never freed. Abandoned messages (a
+           failure notice that arrived after its receive was cancelled, sends
+           nobody received) wait in MPI's queues for as long as the process
+           lives, and MPI hands a freed communicator's context to the next one
+           created - another step's, or another model's - whose receives
+           would then match them. A failed step costs two communicators. */
         smp__pipe_comms(ps);
         return agreed;
     }
     if (nouts) st = smp__share_outputs(ps, md, outs, nouts);
+    if (!st) st = finished;
     ps->stats.local_stages = 0;
     for (int s = 0; s < S && s < 64; s++)
         if (md->stage_rank[s] == me) {

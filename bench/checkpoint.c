@@ -130,7 +130,7 @@ int main(int argc, char **argv) {
         smp_partition_pop();
     }
     smp_model *model;
-    smp_model_desc md = {net_forward, 1, 1, &n};
+    smp_model_desc md = {net_forward, 1, 1, &n, false};
     if (smp_model_new(root, &md, &model) != SMP_OK) die("smp_model_new");
     float xin[4] = {1, 2, 3, 4};
     smp_tensor x = smp_tensor_2d(xin, SMP_F32, 1, 4);

@@ -189,7 +189,7 @@ static smp_model *start(net *n, bool overlap) {
         n->st[k].w = smp_param_new(n->mods[k], "w", SMP_F32, 1, shape, smp_init_constant, NULL);
     }
     smp_model *m = NULL;
-    smp_model_desc md = {net_forward, 1, 1, n};
+    smp_model_desc md = {net_forward, 1, 1, n, false};
     if (smp_model_new(n->root, &md, &m) != SMP_OK) die("smp_model_new");
     smp_tensor x = smp_tensor_2d(g_x, SMP_F32, 1, WIDTH);
     if (smp_model_trace(m, &x, 1) != SMP_OK) die("smp_model_trace");

@@ -166,7 +166,7 @@ static smp_model *chain_build(chain *ch, int ncalls, const int *placement) {
         SMP_PARTITION(placement[k]) { ch->mod[k] = smp_module_new(ch->root, name, &d); }
     }
     smp_model *m = NULL;
-    smp_model_desc md = {chain_forward, 1, 1, ch};
+    smp_model_desc md = {chain_forward, 1, 1, ch, false};
     return smp_model_new(ch->root, &md, &m) ? NULL : m;
 }
 

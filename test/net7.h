@@ -115,9 +115,13 @@ static smp_status net_forward(smp_model *m, const smp_tensor *in, int nin, smp_t
     return SMP_OK;
 }
 
+/* The module callbacks of the three kinds of module: the host ones above,
+   or an engine's device versions of the same kernels (test_device.c). */
+typedef struct { smp_module_fn lin_f, lin_b, relu_f, relu_b, add_f, add_b; } net_fns;
+
 /* placement[k]: partition of call k's module (manual); NULL: auto */
-static smp_model *build(net *n, const int *placement) {
-    static const smp_module_desc relu = {relu_forward, relu_backward, NULL}, add = {add_forward, add_backward, NULL};
+static inline smp_model *build_with(net *n, const int *placement, const net_fns *f, bool on_device) {
+    const smp_module_desc relu = {f->relu_f, f->relu_b, NULL}, add = {f->add_f, f->add_b, NULL};
     memset(n, 0, sizeof *n);
     n->root = smp_module_new(NULL, "", NULL);
     /* call order: lin0 relu1 lin1 add3 lin2 relu5 lin3 */
@@ -129,7 +133,7 @@ static smp_model *build(net *n, const int *placement) {
         if (l >= 0) {
             n->st[l].in = lin_in[l];
             n->st[l].out = lin_out[l];
-            smp_module_desc d = {lin_forward, lin_backward, &n->st[l]};
+            smp_module_desc d = {f->lin_f, f->lin_b, &n->st[l]};
             n->lin[l] = smp_module_new(n->root, names[k], &d);
             int64_t ws[2] = {lin_out[l], lin_in[l]}, bs[1] = {lin_out[l]};
             n->st[l].w = smp_param_new(n->lin[l], "weight", SMP_F32, 2, ws, smp_init_uniform, NULL);
@@ -140,9 +144,13 @@ static smp_model *build(net *n, const int *placement) {
         if (placement) smp_partition_pop();
     }
     smp_model *m = NULL;
-    smp_model_desc md = {net_forward, 1, 1, n};
+    smp_model_desc md = {net_forward, 1, 1, n, on_device};
     smp_status st = smp_model_new(n->root, &md, &m);
     return st ? NULL : m;
+}
+static inline smp_model *build(net *n, const int *placement) {
+    static const net_fns host = {lin_forward, lin_backward, relu_forward, relu_backward, add_forward, add_backward};
+    return build_with(n, placement, &host, false);
 }
 
 /* ---------------------------------------------------------------- the reference */
@@ -162,10 +170,11 @@ static void ref_params(ref_t *r) {
     }
 }
 
-/* Loss gradients are divided by grad_divisor (the microbatch count, times
-   dp * backward_passes_per_step with ddp), as smp_step does. */
-static void ref_step_divided(ref_t *r, const float *x, const float *t, int m, bool train, double grad_divisor) {
-    int n = B / m;
+/* One step on a batch of `rows` (at most B) in m microbatches, the loss
+   gradients divided by grad_divisor (the microbatch count, times dp *
+   backward_passes_per_step with ddp), as smp_step does. */
+static inline void ref_step_core(ref_t *r, const float *x, const float *t, int rows, int m, bool train, double grad_divisor) {
+    int n = rows / m;
     for (int i = 0; i < m; i++) {
         const float *xi = x + i * n * D, *ti = t + i * n * C;
         float a0[B * H], a1[B * H], a2[B * H], a3[B * H], a4[B * H], a5[B * H], y[B * C], gy[B * C];
@@ -192,8 +201,11 @@ static void ref_step_divided(ref_t *r, const float *x, const float *t, int m, bo
         linear_bwd(xi, r->w[0], g0, NULL, r->gw[0], r->gb[0], n, D, H);
     }
 }
-
-static inline void ref_step(ref_t *r, const float *x, const float *t, int m, bool train) { ref_step_divided(r, x, t, m, train, m); }
+static inline void ref_step_rows(ref_t *r, const float *x, const float *t, int rows, int m, bool train) { ref_step_core(r, x, t, rows, m, train, m); }
+static inline void ref_step(ref_t *r, const float *x, const float *t, int m, bool train) { ref_step_core(r, x, t, B, m, train, m); }
+static inline void ref_step_divided(ref_t *r, const float *x, const float *t, int m, bool train, double grad_divisor) {
+    ref_step_core(r, x, t, B, m, train, grad_divisor);
+}
 
 
 

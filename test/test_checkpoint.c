@@ -126,7 +126,7 @@ static smp_model *build(net *n) {
     smp_buffer_new(n->lin[3], "mask", SMP_U8, 1, s3, NULL, NULL);
     smp_buffer_new(n->lin[1], "flags", SMP_BOOL, 1, s2, NULL, NULL);
     smp_model *m = NULL;
-    smp_model_desc md = {net_forward, 1, 1, n};
+    smp_model_desc md = {net_forward, 1, 1, n, false};
     return smp_model_new(n->root, &md, &m) ? NULL : m;
 }
 

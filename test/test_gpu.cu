@@ -5,7 +5,9 @@
    unequal splits, in place and out of place) x dtype (f32 f64 f16 bf16 i32
    i64 u8) x group (world, MP_GROUP, DP_GROUP), then copies, ordering on an
    engine stream of the test's own, point-to-point transfers (a ring on the
-   world, both directions at once between pipeline neighbours) and argument
+   world, both directions at once between pipeline neighbours), the
+   pipeline of an on_device model (net7.h with CUDA kernels, through NCCL
+   or host-staged) bitwise against the host reference, and argument
    errors. The reference for each result is computed here from what every
    rank put in: the inputs are small integers, so sums, products, minima and
    maxima are exact in every dtype; means are compared with a tolerance.
@@ -21,12 +23,15 @@
 */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
+#include "smp_pipeline.h"
 #include "smp_nccl.h"
 #include "test.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "net7.h"
 
 static int W_RANK, W_SIZE, PARTS;
 static const char *MODE = "?";
@@ -554,6 +559,177 @@ static void test_p2p_pipeline(void) {
     check("p2p both directions", "f32", "mp", &res);
 }
 
+/* ---------------------------------------------------------------- a pipeline on the device */
+/* net7.h's model (test_pipeline.c's) as an on_device model: CUDA kernels that
+   do the host kernels' arithmetic in the same order, one thread per result,
+   with explicitly rounded operations (no fused multiply-add), so losses,
+   outputs and gradients must equal the host reference bit for bit. */
+__global__ void k_net_linear(const float *x, const float *w, const float *b, float *y, int n, int in, int out) {
+    int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n * out) return;
+    int r = k / out, o = k % out;
+    float acc = b[o];
+    for (int i = 0; i < in; i++) acc = __fadd_rn(acc, __fmul_rn(x[r * in + i], w[o * in + i]));
+    y[k] = acc;
+}
+__global__ void k_net_linear_gx(const float *w, const float *gy, float *gx, int n, int in, int out) {
+    int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n * in) return;
+    int r = k / in, i = k % in;
+    float acc = 0;
+    for (int o = 0; o < out; o++) acc = __fadd_rn(acc, __fmul_rn(gy[r * out + o], w[o * in + i]));
+    gx[k] = acc;
+}
+__global__ void k_net_linear_gw(const float *x, const float *gy, float *gw, float *gb, int n, int in, int out) {
+    int k = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= out * (in + 1)) return;
+    int o = k / (in + 1), i = k % (in + 1) - 1; /* i == -1: the bias */
+    float acc = 0;
+    for (int r = 0; r < n; r++) acc = __fadd_rn(acc, i < 0 ? gy[r * out + o] : __fmul_rn(gy[r * out + o], x[r * in + i]));
+    if (i < 0) gb[o] = __fadd_rn(gb[o], acc);
+    else gw[o * in + i] = __fadd_rn(gw[o * in + i], acc);
+}
+__global__ void k_net_relu(const float *x, const float *gy, float *y, long long n) { /* gy NULL: forward */
+    long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (k < n) y[k] = x[k] > 0 ? (gy ? gy[k] : x[k]) : 0;
+}
+__global__ void k_net_add(const float *a, const float *b, float *y, long long n) {
+    long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (k < n) y[k] = __fadd_rn(a[k], b[k]);
+}
+__global__ void k_net_mse(const float *y, const float *t, float *g, float *loss, int n) { /* one thread: the host's order */
+    float acc = 0;
+    for (int i = 0; i < n; i++) {
+        float d = __fsub_rn(y[i], t[i]);
+        acc = __fadd_rn(acc, __fmul_rn(d, d));
+        if (g) g[i] = __fdiv_rn(__fmul_rn(2.0f, d), (float)n);
+    }
+    *loss = __fdiv_rn(acc, (float)n);
+}
+
+static unsigned net_blocks(long long n) { return (unsigned)((n + 127) / 128); }
+static smp_status net_launched(void) {
+    cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? SMP_OK : smp_error(SMP_ERR_DEVICE, "a kernel launch failed: %s", cudaGetErrorString(e));
+}
+static float *F(const smp_tensor *t) { return (float *)t->data; }
+
+static smp_status gpu_lin_forward(smp_call_ctx *c) {
+    lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0);
+    int64_t n = x->shape[0], shape[2] = {n, s->out};
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
+    k_net_linear<<<net_blocks(n * s->out), 128, 0, smp_nccl_get_stream()>>>(F(x), F(smp_param_value(s->w)), F(smp_param_value(s->b)), F(y), (int)n, s->in, s->out);
+    return net_launched();
+}
+static smp_status gpu_lin_backward(smp_call_ctx *c) {
+    lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0), *gy = smp_call_grad_output(c, 0);
+    smp_tensor *gx = smp_call_grad_input(c, 0);
+    int n = (int)x->shape[0];
+    if (gx) k_net_linear_gx<<<net_blocks((long long)n * s->in), 128, 0, smp_nccl_get_stream()>>>(F(smp_param_value(s->w)), F(gy), F(gx), n, s->in, s->out);
+    k_net_linear_gw<<<net_blocks((long long)s->out * (s->in + 1)), 128, 0, smp_nccl_get_stream()>>>(F(x), F(gy), F(smp_param_grad(s->w)), F(smp_param_grad(s->b)), n, s->in, s->out);
+    return net_launched();
+}
+static smp_status gpu_relu_forward(smp_call_ctx *c) {
+    const smp_tensor *x = smp_call_input(c, 0);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    k_net_relu<<<net_blocks(smp_tensor_numel(x)), 128, 0, smp_nccl_get_stream()>>>(F(x), NULL, F(y), smp_tensor_numel(x));
+    return net_launched();
+}
+static smp_status gpu_relu_backward(smp_call_ctx *c) {
+    smp_tensor *gx = smp_call_grad_input(c, 0);
+    if (gx) k_net_relu<<<net_blocks(smp_tensor_numel(gx)), 128, 0, smp_nccl_get_stream()>>>(F(smp_call_input(c, 0)), F(smp_call_grad_output(c, 0)), F(gx), smp_tensor_numel(gx));
+    return net_launched();
+}
+static smp_status gpu_add_forward(smp_call_ctx *c) {
+    const smp_tensor *a = smp_call_input(c, 0), *b = smp_call_input(c, 1);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, a->ndim, a->shape);
+    k_net_add<<<net_blocks(smp_tensor_numel(a)), 128, 0, smp_nccl_get_stream()>>>(F(a), F(b), F(y), smp_tensor_numel(a));
+    return net_launched();
+}
+static smp_status gpu_add_backward(smp_call_ctx *c) {
+    const smp_tensor *gy = smp_call_grad_output(c, 0);
+    for (int k = 0; k < 2; k++) {
+        smp_tensor *g = smp_call_grad_input(c, k);
+        if (g && cudaMemcpyAsync(g->data, gy->data, smp_tensor_nbytes(gy), cudaMemcpyDeviceToDevice, smp_nccl_get_stream()) != cudaSuccess)
+            return net_launched();
+    }
+    return SMP_OK;
+}
+static const net_fns GPU_NET = {gpu_lin_forward, gpu_lin_backward, gpu_relu_forward, gpu_relu_backward, gpu_add_forward, gpu_add_backward};
+
+static float *g_net_loss; /* device: one loss per microbatch */
+
+/* The loss stays on the device until smp_mb_return copies it to the host. */
+SMP_STEP_BODY(gpu_mse_body) {
+    const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
+    smp_tensor *g = smp_mb_output_grad(mb, 0);
+    float *loss = g_net_loss + smp_mb_index(mb);
+    k_net_mse<<<1, 1, 0, smp_nccl_get_stream()>>>(F(y), F(t), g ? F(g) : NULL, loss, (int)smp_tensor_numel(y));
+    smp_status st = net_launched();
+    smp_tensor l = smp_tensor_make(loss, SMP_F32, 0, NULL);
+    l.device = smp_nccl_device();
+    if (!st) st = smp_mb_return(mb, 0, &l);
+    return st ? st : smp_mb_return(mb, 1, y);
+}
+
+static void test_pipeline_on_device(void) {
+    result res = ok_result();
+    static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
+    int m = smp_get_config()->microbatches;
+    net n;
+    smp_model *model = build_with(&n, NULL, &GPU_NET, true);
+    if (!model) fail(&res, "build: %s", smp_last_error());
+    ref_t ref;
+    ref_params(&ref);
+    float hx[B * D], ht[B * C];
+    uint64_t seed = 99;
+    for (int i = 0; i < B * D; i++) hx[i] = (float)(smp_rng_uniform(&seed) * 2 - 1);
+    for (int i = 0; i < B * C; i++) ht[i] = (float)(smp_rng_uniform(&seed) * 2 - 1);
+    float *dx = (float *)dalloc(sizeof hx), *dt = (float *)dalloc(sizeof ht);
+    up(dx, hx, sizeof hx);
+    up(dt, ht, sizeof ht);
+    g_net_loss = (float *)smp_nccl_alloc(sizeof(float) * 8);
+    for (int step = 0; step < 2 && res.ok; step++) { /* the batch halves: every shape changes */
+        int rows = step ? B / 2 : B;
+        smp_tensor x = smp_tensor_2d(dx, SMP_F32, rows, D), t = smp_tensor_2d(dt, SMP_F32, rows, C);
+        x.device = t.device = smp_nccl_device();
+        smp_step_output outs[2];
+        memset(outs, 0, sizeof outs);
+        smp_status st = SMP_TRAIN_STEP(model, gpu_mse_body, NULL, outs, 2, x, t);
+        ref_step_rows(&ref, hx, ht, rows, m, true);
+        if (st) fail(&res, "step %d: %s", step, smp_last_error());
+        for (int i = 0; i < m && res.ok; i++)
+            if (memcmp(outs[0].values[i].data, &ref.loss[i], 4))
+                fail(&res, "step %d: loss of microbatch %d is %.9g, reference %.9g", step, i, *(const float *)outs[0].values[i].data, ref.loss[i]);
+        float all[B * C];
+        smp_tensor cat = smp_tensor_2d(all, SMP_F32, rows, C);
+        if (res.ok && (smp_step_output_concat(&outs[1], &cat) || memcmp(all, ref.out, sizeof(float) * (size_t)(rows * C))))
+            fail(&res, "step %d: the outputs differ from the reference", step);
+        for (int l = 0; l < NLIN && res.ok; l++) {
+            char nm[64];
+            snprintf(nm, sizeof nm, "%s.weight", names[l]);
+            smp_param *pw = smp_model_find_param(model, nm);
+            snprintf(nm, sizeof nm, "%s.bias", names[l]);
+            smp_param *pb = smp_model_find_param(model, nm);
+            if (!smp_module_is_local(smp_param_module(pw))) continue;
+            float gw[H * H], gb[H];
+            down(gw, smp_param_grad(pw)->data, smp_tensor_nbytes(smp_param_grad(pw)));
+            down(gb, smp_param_grad(pb)->data, smp_tensor_nbytes(smp_param_grad(pb)));
+            if (memcmp(gw, ref.gw[l], smp_tensor_nbytes(smp_param_grad(pw))) || memcmp(gb, ref.gb[l], smp_tensor_nbytes(smp_param_grad(pb))))
+                fail(&res, "step %d: the gradient of %s differs (first weight element %.9g, reference %.9g)", step, names[l], gw[0], ref.gw[l][0]);
+        }
+        smp_step_output_free(&outs[0]);
+        smp_step_output_free(&outs[1]);
+    }
+    smp_model_free(model);
+    smp_nccl_free(g_net_loss);
+    CK(cudaFree(dx));
+    CK(cudaFree(dt));
+    check("pipeline of an on_device model equals the host reference", "f32", "mp", &res);
+}
+
 /* ---------------------------------------------------------------- errors */
 static void test_errors(void) {
     result res = ok_result();
@@ -595,6 +771,7 @@ static void run_suite(void) {
     if (W_SIZE > 1) test_p2p_ring();
     else if (W_RANK == 0) { snprintf(name, sizeof name, "gpu %s p2p", MODE); test_skip(name, "needs 2 ranks or more"); }
     if (PARTS == 2) test_p2p_pipeline();
+    test_pipeline_on_device();
     test_errors();
     smp_status st = smp_nccl_synchronize();
     snprintf(name, sizeof name, "gpu %s synchronize", MODE);
@@ -616,6 +793,7 @@ int main(int argc, char **argv) {
     smp_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.partitions = PARTS;
+    cfg.microbatches = 4; /* for the pipeline test; the collectives ignore it */
     if (W_SIZE / PARTS > 1) cfg.ddp = SMP_ON;
     if (!getenv("SMP_TIMEOUT")) cfg.timeout = 120; /* a hang ends the test with a message */
     smp_status st = start(&cfg);

@@ -231,7 +231,7 @@ static smp_model *chain_build(chain_t *ch, int n, int d, int manual_p, smp_statu
     }
     ch->seq.mods = ch->mods;
     ch->seq.n = n;
-    smp_model_desc md = {seq_forward, 1, 1, &ch->seq};
+    smp_model_desc md = {seq_forward, 1, 1, &ch->seq, false};
     smp_model *m = NULL;
     *status = smp_model_new(ch->root, &md, &m);
     return m;
@@ -264,7 +264,7 @@ static smp_model *ctx_build(ctx_tree *t, int outer, int inner, smp_status *st) {
     t->child[3] = smp_module_new(t->root, "child3", &ident_desc);
     t->seq.mods = t->child;
     t->seq.n = 4;
-    smp_model_desc md = {seq_forward, 1, 1, &t->seq};
+    smp_model_desc md = {seq_forward, 1, 1, &t->seq, false};
     smp_model *m = NULL;
     *st = smp_model_new(t->root, &md, &m);
     return m;
@@ -369,7 +369,7 @@ static void test_error_duplicates(void) {
     smp_module_new(enc, "block", &ident_desc);
     smp_module *again = smp_module_new(enc, "block", &ident_desc);
     seq_t q = {&enc, 1};
-    smp_model_desc md = {seq_forward, 1, 1, &q};
+    smp_model_desc md = {seq_forward, 1, 1, &q, false};
     smp_model *m = (smp_model *)1;
     smp_status st = smp_model_new(root, &md, &m);
     MPI_CHECK(st == SMP_ERR_ARG && m == NULL && again == NULL && has(smp_last_error(), "\"encoder\"") && has(smp_last_error(), "\"block\""),
@@ -425,7 +425,7 @@ static void build_before_init(ctx_tree *t) {
 }
 static void test_error_context_before_init(ctx_tree *t) {
     int P = errors_p();
-    smp_model_desc md = {seq_forward, 1, 1, &t->seq};
+    smp_model_desc md = {seq_forward, 1, 1, &t->seq, false};
     smp_model *m = NULL;
     smp_status st = smp_model_new(t->root, &md, &m);
     char want[32];
@@ -444,7 +444,7 @@ static void test_error_no_placement(void) {
     mods[1] = smp_module_new(root, "orphan", &ident_desc);
     SMP_PARTITION(P - 1) { mods[2] = smp_module_new(root, "last", &ident_desc); }
     seq_t q = {mods, 3};
-    smp_model_desc md = {seq_forward, 1, 1, &q};
+    smp_model_desc md = {seq_forward, 1, 1, &q, false};
     smp_model *m = NULL;
     smp_status st = smp_model_new(root, &md, &m);
     smp_status built = st;
@@ -492,14 +492,14 @@ static void test_error_forwards(void) {
     smp_module *oroot = smp_module_new(NULL, "", NULL);
     g_other_mod = smp_module_new(oroot, "stranger", &ident_desc);
     seq_t oq = {&g_other_mod, 1};
-    smp_model_desc omd = {seq_forward, 1, 1, &oq};
+    smp_model_desc omd = {seq_forward, 1, 1, &oq, false};
     smp_model *other = NULL;
     smp_model_new(oroot, &omd, &other);
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         smp_module *root = smp_module_new(NULL, "", NULL);
         g_bad_mod = smp_module_new(root, "body", &ident_desc);
         bad_kind k = cases[i].k;
-        smp_model_desc md = {bad_forward, 1, 1, &k};
+        smp_model_desc md = {bad_forward, 1, 1, &k, false};
         smp_model *m = NULL;
         smp_status st = smp_model_new(root, &md, &m);
         smp_tensor x = smp_tensor_2d(g_small, SMP_F32, 2, 4);
@@ -514,7 +514,7 @@ static void test_error_forwards(void) {
     smp_module *root = smp_module_new(NULL, "", NULL);
     smp_module *one = smp_module_new(root, "one", &ident_desc);
     seq_t q = {&one, 1};
-    smp_model_desc md = {seq_forward, 2, 1, &q};
+    smp_model_desc md = {seq_forward, 2, 1, &q, false};
     smp_model *m = NULL;
     smp_status st = smp_model_new(root, &md, &m);
     smp_tensor x = smp_tensor_2d(g_small, SMP_F32, 2, 4);
@@ -571,7 +571,7 @@ static void test_error_empty_partition(void) {
         }
     }
     seq_t q = {mods, 3};
-    smp_model_desc md = {seq_forward, 1, 1, &q};
+    smp_model_desc md = {seq_forward, 1, 1, &q, false};
     smp_model *m = NULL;
     smp_tensor x = smp_tensor_2d(g_small, SMP_F32, 2, 4);
     smp_status st = smp_model_new(root, &md, &m);
@@ -711,7 +711,7 @@ static void test_cost_of_children(void) {
     int64_t big[1] = {1 << 18};
     proj_s.p = smp_param_new(proj, "alpha", SMP_F32, 1, big, smp_init_uniform, NULL);
     seq_t q = {mods, 4};
-    smp_model_desc md = {seq_forward, 1, 1, &q};
+    smp_model_desc md = {seq_forward, 1, 1, &q, false};
     smp_model *m = NULL;
     smp_status st = smp_model_new(root, &md, &m);
     smp_tensor x = smp_tensor_2d(g_small, SMP_F32, 2, 4);
@@ -844,7 +844,7 @@ static smp_model *zoo_build(zoo_t *z, smp_status *st) {
     z->calls[0] = z->embed, z->calls[1] = z->block, z->calls[2] = z->norm, z->calls[3] = z->attn, z->calls[4] = z->mix;
     z->seq.mods = z->calls;
     z->seq.n = 5;
-    smp_model_desc md = {seq_forward, 1, 1, &z->seq};
+    smp_model_desc md = {seq_forward, 1, 1, &z->seq, false};
     smp_model *m = NULL;
     *st = smp_model_new(z->root, &md, &m);
     return m;
