@@ -2631,6 +2631,7 @@ struct smp_model {
     int nhooks, hooks_cap;
     void *pipeline;       /* smp_pipeline.h's per-model state */
     void (*pipeline_free)(void *);
+    unsigned long zero_grad_calls; /* tells the pipeline whether gradients it averaged were zeroed since */
 };
 
 struct smp_call_ctx {
@@ -3008,6 +3009,7 @@ SMPDEF void smp_model_on_partitioned(smp_model *m, smp_post_partition_fn fn, voi
     m->hooks[m->nhooks++].user = user;
 }
 SMPDEF void smp_model_zero_grad(smp_model *m) {
+    m->zero_grad_calls++;
     for (int i = 0; i < m->nparams; i++)
         if (m->params[i]->grad.data && !m->params[i]->is_buffer && smp__tensor_zero(&m->params[i]->grad))
             smp__fatal("smp_model_zero_grad: %s", smp__errbuf); /* the device failed: gradients would silently accumulate */
@@ -3096,36 +3098,67 @@ static void smp__trace_add(const void *data, int call, int index) {
     smp__mod.table[smp__mod.ntable++].ref.index = index;
 }
 
+/* Swaps the gradients of a module tree's parameters with zeroed scratch
+   (restore false) or gives the originals back (restore true): the trace's
+   backward must not add into a gradient that exists beyond the trace. */
+static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool restore, smp_tensor **saved, int *n, int *cap) {
+    smp_status st = SMP_OK;
+    for (int i = 0; i < m->nparams && !st; i++) {
+        smp_param *p = m->params[i];
+        if (p->is_buffer || (!restore && !p->grad.data)) continue;
+        if (restore) {
+            smp__free(p->grad.data);
+            p->grad = (*saved)[(*n)++];
+            continue;
+        }
+        smp__grow((void **)saved, cap, *n + 1, sizeof(smp_tensor));
+        (*saved)[(*n)++] = p->grad;
+        if (!smp__tensor_alloc(&p->grad, on_device, SMP__ALLOC_OTHER))
+            smp__fatal("out of memory allocating a scratch gradient for %s while tracing", p->full_name);
+        st = smp__tensor_zero(&p->grad);
+    }
+    for (int i = 0; i < m->nchildren && !st; i++) st = smp__trace_scratch_grads(m->children[i], on_device, restore, saved, n, cap);
+    return st;
+}
+
 /* Runs a traced call's backward once on zero output gradients and adds its
    time to *time: a stage's cost is its forward and its backward, and the two
    differ per call (the first layer computes no input gradient, for one), so
    timing forwards alone misplaces the balance point. */
 static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec, double *time) {
     if (!c->module->desc.backward) return SMP_OK;
+    bool dev = smp__model_on_device(c->module->model);
     smp_tensor *gout = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER);
     smp_tensor *gin = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(c->nin + 1), SMP__ALLOC_OTHER);
+    smp_tensor *saved = NULL;
+    int nsaved = 0, cap = 0;
+    smp_status st = SMP_OK;
     for (int j = 0; j < c->nout; j++) {
         gout[j] = c->outputs[j];
-        size_t bytes = smp_tensor_nbytes(&gout[j]);
-        gout[j].data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_OTHER);
-        memset(gout[j].data, 0, bytes);
+        if (!smp__tensor_alloc(&gout[j], dev, SMP__ALLOC_OTHER)) smp__fatal("out of memory while tracing %s", c->module->full_name);
+        if (!st) st = smp__tensor_zero(&gout[j]);
     }
     for (int j = 0; j < c->nin; j++) {
         gin[j] = c->inputs[j];
         gin[j].data = NULL;
         if (rec->in[j].call < 0) continue; /* as in a step: model inputs take no gradient */
-        size_t bytes = smp_tensor_nbytes(&gin[j]);
-        gin[j].data = smp__alloc(bytes ? bytes : 1, SMP__ALLOC_OTHER);
-        memset(gin[j].data, 0, bytes);
+        if (!smp__tensor_alloc(&gin[j], dev, SMP__ALLOC_OTHER)) smp__fatal("out of memory while tracing %s", c->module->full_name);
+        if (!st) st = smp__tensor_zero(&gin[j]);
     }
-    c->grad_outputs = gout;
-    c->grad_inputs = gin;
-    double t0 = smp__now();
-    smp_status st = smp__run_callback(c, true);
-    *time += smp__now() - t0;
-    c->in_backward = false;
-    c->grad_outputs = NULL;
-    c->grad_inputs = NULL;
+    if (!st) st = smp__trace_scratch_grads(c->module, dev, false, &saved, &nsaved, &cap);
+    if (!st) {
+        c->grad_outputs = gout;
+        c->grad_inputs = gin;
+        double t0 = smp__now();
+        st = smp__run_callback(c, true);
+        *time += smp__now() - t0;
+        c->in_backward = false;
+        c->grad_outputs = NULL;
+        c->grad_inputs = NULL;
+    }
+    nsaved = 0;
+    smp__trace_scratch_grads(c->module, dev, true, &saved, &nsaved, &cap);
+    smp__free(saved);
     for (int j = 0; j < c->nout; j++) smp__free(gout[j].data);
     for (int j = 0; j < c->nin; j++) smp__free(gin[j].data);
     smp__free(gout);

@@ -939,6 +939,8 @@ typedef struct smp__pipe {
     double t_origin;
     /* data parallelism */
     bool ddp_ready, sync;
+    bool averaged_grads_held;       /* the last sync's result may still be in the gradients */
+    unsigned long zero_calls_at_sync; /* smp_model_zero_grad calls when it ran */
     long passes;           /* training steps so far (backward_passes_per_step) */
     smp__bucket *buckets;
     int nbuckets;
@@ -2199,6 +2201,17 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     }
     ps->sync = cfg->ddp == SMP_ON && training && (ps->passes + 1) % cfg->backward_passes_per_step == 0;
     if (training) ps->passes++;
+    if (training && ps->averaged_grads_held) {
+        /* gradients that accumulate on top of an earlier average (no
+           smp_model_zero_grad since) would be summed dp times by the next
+           sync, the loss gradient being the only part divided: divide them */
+        ps->averaged_grads_held = false;
+        for (int i = 0; i < md->nparams && !st && md->zero_grad_calls == ps->zero_calls_at_sync; i++) {
+            smp_param *p = md->params[i];
+            if (!p->is_buffer && p->grad.data && smp_module_is_local(p->module)) st = smp__tensor_scale(&p->grad, 1.0 / smp_dp_size());
+        }
+        if (st) return smp__agree_on(smp__ctx.world, st, "gradients kept from the last step");
+    }
     smp_schedule *sc = &ps->sched[training ? 0 : 1];
     if (sc->microbatches != m || !sc->ops) {
         smp_schedule_free(sc);
@@ -2292,6 +2305,10 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     }
     if (nouts) st = smp__share_outputs(ps, md, outs, nouts);
     if (!st) st = finished;
+    if (ps->sync && smp_dp_size() > 1) {
+        ps->averaged_grads_held = true;
+        ps->zero_calls_at_sync = md->zero_grad_calls;
+    }
     ps->stats.local_stages = 0;
     for (int s = 0; s < S && s < 64; s++)
         if (md->stage_rank[s] == me) {
