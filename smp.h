@@ -3090,8 +3090,12 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
         smp__materialise_tree(m, +1);
         rec.param_bytes = smp__tree_param_bytes(m);
         int64_t before = smp__ctx.mem.current_bytes;
+        /* device work is asynchronous: the time of a call is until the device has done it */
+        smp_status (*sync)(void) = smp__model_on_device(md) ? smp__ctx.device.synchronize : NULL;
+        if (sync) st = sync();
         double t0 = smp__now();
-        st = smp__run_callback(&c, false);
+        if (!st) st = smp__run_callback(&c, false);
+        if (!st && sync) st = sync();
         rec.time = smp__now() - t0;
         rec.activation_bytes = (double)(smp__ctx.mem.current_bytes - before);
         smp__materialise_tree(m, -1);
