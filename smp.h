@@ -3149,8 +3149,10 @@ static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec,
     if (!st) {
         c->grad_outputs = gout;
         c->grad_inputs = gin;
+        smp_status (*sync)(void) = dev ? smp__ctx.device.synchronize : NULL;
         double t0 = smp__now();
         st = smp__run_callback(c, true);
+        if (!st && sync) st = sync();
         *time += smp__now() - t0;
         c->in_backward = false;
         c->grad_outputs = NULL;
@@ -3239,8 +3241,12 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
         rec.param_bytes = smp__tree_param_bytes(m);
         int64_t before = smp__ctx.mem.current_bytes;
         c.training = true; /* so the forward stashes what its backward reads */
+        /* device work is asynchronous: the time of a call is until the device has done it */
+        smp_status (*sync)(void) = smp__model_on_device(md) ? smp__ctx.device.synchronize : NULL;
+        if (sync) st = sync();
         double t0 = smp__now();
-        st = smp__run_callback(&c, false);
+        if (!st) st = smp__run_callback(&c, false);
+        if (!st && sync) st = sync();
         rec.time = smp__now() - t0;
         rec.activation_bytes = (double)(smp__ctx.mem.current_bytes - before);
         if (!st) st = smp__trace_backward(&c, &rec, &rec.time);
@@ -3250,6 +3256,7 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
             double t = 0;
             t0 = smp__now();
             st = smp__run_callback(&c, false);
+            if (!st && sync) st = sync();
             t = smp__now() - t0;
             if (!st) st = smp__trace_backward(&c, &rec, &t);
             if (r == 0 || t < rec.time) rec.time = t;
