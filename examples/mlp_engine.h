@@ -11,6 +11,9 @@
      #include "mlp_engine.h"        (every function is static inline; no
                                      implementation macro, no globals)
      Build: cc -std=c11 -O2 prog.c -lopenblas -lz -lm
+     An engine with arithmetic of its own (a GPU one) that wants only the
+     loader, the seeded init and the RNG defines MLP_ENGINE_NO_BLAS first:
+     no cblas.h, no OpenBLAS, no mlp_linear_* or mlp_set_blas_threads.
 
    CONVENTIONS
      - Matrices are row-major float. A batch of n rows of width d is n*d
@@ -51,7 +54,9 @@
 #ifndef MLP_ENGINE_H
 #define MLP_ENGINE_H
 
+#ifndef MLP_ENGINE_NO_BLAS
 #include <cblas.h>
+#endif
 #include <errno.h>
 #include <float.h>
 #include <math.h>
@@ -395,6 +400,7 @@ static inline void mlp_zero(float *p, size_t n) {
     if (n) memset(p, 0, n * sizeof(float));
 }
 
+#ifndef MLP_ENGINE_NO_BLAS
 /* Linear, W is out x in (PyTorch layout), b has out entries (NULL: none).
    y (n x out) = x (n x in) * W^T + b.  Save x for the backward pass. */
 static inline void mlp_linear_forward(const float *x, const float *W,
@@ -441,6 +447,7 @@ static inline void mlp_linear_backward(const float *x, const float *W,
             for (int j = 0; j < out; j++) db[j] += r[j];
         }
 }
+#endif /* MLP_ENGINE_NO_BLAS */
 
 /* ReLU over n floats; y may equal x (in place). NaN passes through.
    Save y: the backward pass needs the output, not the input. */
@@ -645,6 +652,7 @@ static inline float mlp_kaiming_bound(int fan_in) {
     return fan_in > 0 ? sqrtf(6.0f / (float)fan_in) : 0.0f;
 }
 
+#ifndef MLP_ENGINE_NO_BLAS
 /* ======================================================================
    BLAS threads
    ====================================================================== */
@@ -656,5 +664,6 @@ static inline float mlp_kaiming_bound(int fan_in) {
 static inline void mlp_set_blas_threads(int n) {
     openblas_set_num_threads(n > 0 ? n : 1);
 }
+#endif /* MLP_ENGINE_NO_BLAS */
 
 #endif /* MLP_ENGINE_H */
