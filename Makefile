@@ -76,9 +76,13 @@ examples: $(addprefix build/examples/,$(EXAMPLES))
 
 # CUDA sources: compiled and linked with nvcc (no GPU needed to build them).
 NVFLAGS  := -ccbin mpicxx -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror
-CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu
+CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu build/cuda/fmnist
 build/cuda/%: examples/%.cu $(HEADERS) | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lnccl
+# Fashion-MNIST on GPUs: the CPU demo's loop with cuBLAS and kernels of its own.
+CUDA_MLP := examples/fmnist_cuda.h examples/mlp_engine.h
+build/cuda/fmnist: examples/fmnist.cu $(HEADERS) $(CUDA_MLP) Makefile | build/cuda
+	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl -lz
 build/cuda/test_gpu: test/test_gpu.cu $(HEADERS) test/test.h test/net7.h | build/cuda
 	$(NVCC) $(NVFLAGS) -Xcompiler -ffp-contract=off -I. -Itest $< -o $@ -lnccl
 build/cuda:

@@ -1,0 +1,459 @@
+/* fmnist_cuda.h - the Fashion-MNIST MLP of fmnist_model.h on a GPU, shared
+   by the CUDA demo (fmnist.cu) and the NCCL benchmark (bench/nccl.cu).
+
+   The same modules, parameter names (fc0.weight, ...), shapes and initial
+   weights as the CPU model, so a checkpoint of either loads into the other
+   (and into fmnist_infer). The arithmetic is the GPU's: cuBLAS sgemm for the
+   linear layers, small kernels of this file for the bias, ReLU, softmax
+   cross-entropy, accuracy and Adam.
+
+     gpu_engine      the stream and cuBLAS handle everything runs on
+     gpu_*           layers, loss, optimizer: device pointers and sizes, as
+                     mlp_engine.h's mlp_* take host pointers and sizes
+     linear, relu    the layers as smp modules; build_model, train_body,
+                     evaluate as in fmnist_model.h
+
+   STREAMS
+     All work is queued on the engine stream, which gpu_engine_init also
+     hands to smp (smp_nccl_set_stream): smp then orders its transfers after
+     the kernels that produce their data, and the kernels that consume
+     received data after the transfers, without any host wait. The one host
+     wait is in gpu_xent_loss: smp takes a step's return values on the host.
+
+   DEVICE MODELS
+     build_model sets smp_model_desc.on_device: smp keeps parameters,
+     gradients, activations and their gradients in device memory, and step
+     arguments may be device tensors. Init callbacks still fill a host
+     tensor, which smp copies to the device; so the weights start as the CPU
+     demo's, bit for bit.
+
+   NUMBERS
+     cuBLAS runs sgemm in full f32 (its default math mode; no TF32 unless
+     NVIDIA_TF32_OVERRIDE says so). Loss sums and bias gradients add in a
+     fixed order, so a run repeats itself on the same GPU; results differ
+     from the CPU demo's in the last bits (different sgemm summation, fused
+     multiply-adds), not in accuracy.
+
+   Include after smp.h, smp_pipeline.h and smp_nccl.h, from a .cu file.
+   Link: -lcublas -lnccl -lz
+*/
+#ifndef FMNIST_CUDA_H
+#define FMNIST_CUDA_H
+#define MLP_ENGINE_NO_BLAS /* the loader, the seeded init and Adam's settings; the arithmetic is below */
+#include "mlp_engine.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#if CUDART_VERSION < 11050
+#error "fmnist_cuda.h needs CUDA 11.5 or newer (cublasGetStatusString)"
+#endif
+
+/* ---------------------------------------------------------------- errors */
+/* Engine failures become smp errors: inside a module callback smp adds the
+   module's name and makes the error every rank's. */
+static inline smp_status gpu_cuda_fail(cudaError_t e, const char *call) {
+    (void)cudaGetLastError(); /* clear a non-sticky error so the next call is not blamed for it */
+    return smp_error(SMP_ERR_DEVICE, "%s failed: %s (%s)", call, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+#define GPU_CUDA(fn, args)                                                                                  \
+    do {                                                                                                    \
+        cudaError_t e_ = fn args;                                                                           \
+        if (e_ != cudaSuccess) return gpu_cuda_fail(e_, #fn);                                               \
+    } while (0)
+#define GPU_CUBLAS(fn, args)                                                                                \
+    do {                                                                                                    \
+        cublasStatus_t s_ = fn args;                                                                        \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                                    \
+            return smp_error(SMP_ERR_DEVICE, "%s failed: %s (%s)", #fn, cublasGetStatusString(s_),         \
+                             cublasGetStatusName(s_));                                                      \
+    } while (0)
+/* A launch reports a bad configuration at once; a fault in the kernel
+   surfaces later, at the next call that waits for the stream. */
+#define GPU_LAUNCHED(kernel)                                                                                \
+    do {                                                                                                    \
+        cudaError_t e_ = cudaGetLastError();                                                                \
+        if (e_ != cudaSuccess) return gpu_cuda_fail(e_, "launching " #kernel);                              \
+    } while (0)
+
+/* smp agrees on the outcome of its own collective calls; the engine's
+   calls between them are the engine's to agree on: a rank that failed alone
+   would leave the others waiting for it in the next collective. */
+static inline smp_status gpu_agree(smp_status st) {
+    int failed = st != SMP_OK;
+    MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_LOR, MPI_COMM_WORLD);
+    return st ? st : failed ? smp_error(SMP_ERR_REMOTE, "another rank failed (its message is above)") : SMP_OK;
+}
+
+/* ---------------------------------------------------------------- the engine */
+typedef struct gpu_engine {
+    cudaStream_t stream;   /* every kernel, copy and cuBLAS call; smp's engine stream too */
+    cublasHandle_t blas;
+    float *stats;          /* device: one microbatch's loss and correct count, read back together */
+} gpu_engine;
+
+/* After smp_init, which made this rank's GPU current. */
+static inline smp_status gpu_engine_init(gpu_engine *e) {
+    memset(e, 0, sizeof *e);
+    /* non-blocking: no implicit ordering with the legacy default stream,
+       which some libraries use behind our back */
+    GPU_CUDA(cudaStreamCreateWithFlags, (&e->stream, cudaStreamNonBlocking));
+    smp_nccl_set_stream(e->stream);
+    GPU_CUBLAS(cublasCreate, (&e->blas));
+    GPU_CUBLAS(cublasSetStream, (e->blas, e->stream));
+    e->stats = (float *)smp_nccl_alloc(2 * sizeof(float));
+    return e->stats ? SMP_OK : SMP_ERR_DEVICE; /* smp_nccl_alloc left the message */
+}
+
+/* Before smp_finalize (smp_nccl_free needs smp), after smp_model_free (the
+   model's device memory is freed in order on this stream). */
+static inline void gpu_engine_free(gpu_engine *e) {
+    if (!e->stream) return;
+    smp_nccl_free(e->stats);
+    cudaError_t sync = cudaStreamSynchronize(e->stream);
+    if (sync != cudaSuccess) fprintf(stderr, "cudaStreamSynchronize failed at shut-down: %s\n", cudaGetErrorString(sync));
+    if (e->blas) {
+        cublasStatus_t s = cublasDestroy(e->blas);
+        if (s != CUBLAS_STATUS_SUCCESS) fprintf(stderr, "cublasDestroy failed: %s\n", cublasGetStatusString(s));
+    }
+    smp_nccl_set_stream(0); /* smp must not order anything after a destroyed stream */
+    cudaError_t destroy = cudaStreamDestroy(e->stream);
+    if (destroy != cudaSuccess) fprintf(stderr, "cudaStreamDestroy failed: %s\n", cudaGetErrorString(destroy));
+    memset(e, 0, sizeof *e);
+}
+
+/* Host to device on the engine stream. From pageable memory the call
+   returns once src has been copied out, so the caller may refill src at
+   once; the kernels queued after it see the data. */
+static inline smp_status gpu_upload(const gpu_engine *e, void *dst, const void *src, size_t bytes) {
+    GPU_CUDA(cudaMemcpyAsync, (dst, src, bytes, cudaMemcpyHostToDevice, e->stream));
+    return SMP_OK;
+}
+
+/* A view of device memory as an smp tensor. */
+static inline smp_tensor device_tensor(smp_tensor t) {
+    t.device = smp_nccl_device();
+    return t;
+}
+
+/* ---------------------------------------------------------------- kernels */
+enum { GPU_THREADS = 256 };
+
+/* Grid-stride loops: enough blocks to fill the GPU, never more than a
+   launch may have. */
+static inline unsigned gpu_blocks(int64_t count) {
+    int64_t b = (count + GPU_THREADS - 1) / GPU_THREADS;
+    return (unsigned)(b < 4096 ? b : 4096);
+}
+
+__global__ void add_bias_rows_kernel(float *y, const float *b, int64_t rows, int out) {
+    int64_t total = rows * out;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] += b[i % out];
+}
+
+/* One thread per column, rows in order: the same float additions, in the
+   same order, as mlp_linear_backward. */
+__global__ void bias_grad_kernel(const float *dy, float *db, int rows, int out) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= out) return;
+    float s = db[j];
+    for (int i = 0; i < rows; i++) s += dy[(int64_t)i * out + j];
+    db[j] = s;
+}
+
+__global__ void relu_forward_kernel(const float *x, float *y, int64_t count) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = x[i] < 0.0f ? 0.0f : x[i]; /* NaN passes through, as on the CPU */
+}
+
+__global__ void relu_backward_kernel(const float *y, const float *dy, float *dx, int64_t count) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x)
+        dx[i] = y[i] > 0.0f ? dy[i] : 0.0f;
+}
+
+/* Softmax cross-entropy over a microbatch in one block: each thread takes
+   rows tid, tid + blockDim, ... and thread 0 adds the threads' sums in
+   order, so the loss is the same bits on every run. A microbatch is at
+   most a few thousand rows of 10 classes: one block is plenty.
+   stats[0] = mean loss, stats[1] = rows whose arg-max (first on ties)
+   is the label. dlogits (may be NULL) = grad_scale * (softmax - onehot). */
+__global__ void xent_kernel(const float *logits, const uint8_t *labels, int rows, int k, float *dlogits, float grad_scale,
+                            float *stats) {
+    __shared__ double loss_part[GPU_THREADS];
+    __shared__ int correct_part[GPU_THREADS];
+    double loss = 0.0;
+    int correct = 0;
+    for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+        const float *z = logits + (int64_t)i * k;
+        int label = labels[i], best = 0;
+        float m = z[0];
+        for (int j = 1; j < k; j++) {
+            if (z[j] > m) m = z[j];
+            if (z[j] > z[best]) best = j;
+        }
+        double s = 0.0;
+        for (int j = 0; j < k; j++) s += exp((double)z[j] - m);
+        double lse = m + log(s);
+        loss += lse - z[label];
+        correct += best == label;
+        if (dlogits) {
+            float *g = dlogits + (int64_t)i * k;
+            for (int j = 0; j < k; j++) g[j] = (float)(exp((double)z[j] - lse) - (j == label)) * grad_scale;
+        }
+    }
+    loss_part[threadIdx.x] = loss;
+    correct_part[threadIdx.x] = correct;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double total = 0.0;
+        int hits = 0;
+        for (unsigned t = 0; t < blockDim.x; t++) {
+            total += loss_part[t];
+            hits += correct_part[t];
+        }
+        stats[0] = rows > 0 ? (float)(total / rows) : 0.0f;
+        stats[1] = (float)hits;
+    }
+}
+
+/* mlp_adam_step, one thread per element; the host folds the bias
+   corrections into step and inv_sqrt_bc2 once per tensor. */
+__global__ void adam_kernel(float *p, const float *g, float *m, float *v, int64_t n, float b1, float b2, float step,
+                            float inv_sqrt_bc2, float eps, float decay) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float mi = b1 * m[i] + (1.0f - b1) * g[i];
+        float vi = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+        /* as on the CPU: moments of dead units decay into subnormals, which
+           change nothing in p; keep them exact zeros */
+        if (fabsf(mi) < FLT_MIN) mi = 0.0f;
+        if (vi < FLT_MIN) vi = 0.0f;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = p[i] * decay - step * mi / (sqrtf(vi) * inv_sqrt_bc2 + eps);
+    }
+}
+
+/* ---------------------------------------------------------------- layers */
+/* Linear, W is out x in (PyTorch layout), all row-major:
+   y (n x out) = x (n x in) * W^T + b. cuBLAS is column-major, where a
+   row-major matrix reads as its transpose: y^T = W * x^T, i.e. op(W^T) = T
+   on W's (in x out) column-major view. */
+static inline smp_status gpu_linear_forward(const gpu_engine *e, const float *x, const float *W, const float *b, float *y, int n, int in,
+                                     int out) {
+    if (n <= 0 || out <= 0) return SMP_OK;
+    const float one = 1.0f, zero = 0.0f;
+    GPU_CUBLAS(cublasSgemm, (e->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, W, in, x, in, &zero, y, out));
+    if (b) {
+        add_bias_rows_kernel<<<gpu_blocks((int64_t)n * out), GPU_THREADS, 0, e->stream>>>(y, b, n, out);
+        GPU_LAUNCHED(add_bias_rows_kernel);
+    }
+    return SMP_OK;
+}
+
+/* Given dy (n x out) and the forward's input x (n x in):
+     dx  = dy * W            (overwritten; NULL: not wanted)   dx^T = W^T dy^T
+     dW += dy^T * x          (accumulated)                      dW^T += x^T dy
+     db += column sums of dy (accumulated, rows in order) */
+static inline smp_status gpu_linear_backward(const gpu_engine *e, const float *x, const float *W, const float *dy, float *dx, float *dW,
+                                      float *db, int n, int in, int out) {
+    if (n <= 0 || in <= 0 || out <= 0) return SMP_OK;
+    const float one = 1.0f, zero = 0.0f;
+    if (dx) GPU_CUBLAS(cublasSgemm, (e->blas, CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, &one, W, in, dy, out, &zero, dx, in));
+    if (dW) GPU_CUBLAS(cublasSgemm, (e->blas, CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, &one, x, in, dy, out, &one, dW, in));
+    if (db) {
+        bias_grad_kernel<<<(out + GPU_THREADS - 1) / GPU_THREADS, GPU_THREADS, 0, e->stream>>>(dy, db, n, out);
+        GPU_LAUNCHED(bias_grad_kernel);
+    }
+    return SMP_OK;
+}
+
+static inline smp_status gpu_relu_forward(const gpu_engine *e, const float *x, float *y, int64_t count) {
+    if (count <= 0) return SMP_OK;
+    relu_forward_kernel<<<gpu_blocks(count), GPU_THREADS, 0, e->stream>>>(x, y, count);
+    GPU_LAUNCHED(relu_forward_kernel);
+    return SMP_OK;
+}
+
+/* dx = dy where the forward's output y > 0, else 0; dx may equal dy. */
+static inline smp_status gpu_relu_backward(const gpu_engine *e, const float *y, const float *dy, float *dx, int64_t count) {
+    if (count <= 0) return SMP_OK;
+    relu_backward_kernel<<<gpu_blocks(count), GPU_THREADS, 0, e->stream>>>(y, dy, dx, count);
+    GPU_LAUNCHED(relu_backward_kernel);
+    return SMP_OK;
+}
+
+/* mlp_xent_loss and mlp_count_correct in one pass: *loss (mean over the n
+   rows) and *correct come back to the host, which waits for the stream -
+   for this microbatch's forward, which has to be done anyway. */
+static inline smp_status gpu_xent_loss(const gpu_engine *e, const float *logits, const uint8_t *labels, int n, int k, float *dlogits,
+                                float grad_scale, float *loss, float *correct) {
+    float host[2] = {0.0f, 0.0f};
+    if (n > 0) {
+        xent_kernel<<<1, GPU_THREADS, 0, e->stream>>>(logits, labels, n, k, dlogits, grad_scale, e->stats);
+        GPU_LAUNCHED(xent_kernel);
+        GPU_CUDA(cudaMemcpyAsync, (host, e->stats, sizeof host, cudaMemcpyDeviceToHost, e->stream));
+        GPU_CUDA(cudaStreamSynchronize, (e->stream));
+    }
+    *loss = host[0];
+    *correct = host[1];
+    return SMP_OK;
+}
+
+/* One Adam step on n device parameters (mlp_adam_step's arithmetic); t
+   counts from 1. */
+static inline smp_status gpu_adam_step(const gpu_engine *e, float *p, const float *g, float *m, float *v, size_t n, int64_t t,
+                                const mlp_adam_cfg *c) {
+    if (!n) return SMP_OK;
+    float bc1 = (float)(1.0 - pow((double)c->beta1, (double)t));
+    float bc2 = (float)(1.0 - pow((double)c->beta2, (double)t));
+    adam_kernel<<<gpu_blocks((int64_t)n), GPU_THREADS, 0, e->stream>>>(p, g, m, v, (int64_t)n, c->beta1, c->beta2, c->lr / bc1,
+                                                                        1.0f / sqrtf(bc2), c->eps, 1.0f - c->lr * c->weight_decay);
+    GPU_LAUNCHED(adam_kernel);
+    return SMP_OK;
+}
+
+/* ---------------------------------------------------------------- layers as smp modules */
+enum { NLAYERS = 5 };
+static const int widths[NLAYERS + 1] = {FM_PIXELS, 512, 512, 256, 128, FM_CLASSES};
+
+typedef struct linear { smp_param *weight, *bias; int in, out; const gpu_engine *engine; } linear;
+
+static inline float *values_of(smp_param *p) { return (float *)smp_param_value(p)->data; }
+static inline float *grads_of(smp_param *p) { return (float *)smp_param_grad(p)->data; }
+
+static inline smp_status linear_forward(smp_call_ctx *c) {
+    const linear *l = (const linear *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0);
+    int n = (int)x->shape[0];
+    const int64_t shape[2] = {n, l->out};
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
+    return gpu_linear_forward(l->engine, (const float *)x->data, values_of(l->weight), values_of(l->bias), (float *)y->data, n,
+                              l->in, l->out);
+}
+
+static inline smp_status linear_backward(smp_call_ctx *c) {
+    const linear *l = (const linear *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
+    smp_tensor *dx = smp_call_grad_input(c, 0); /* NULL for the first layer: images need no gradient */
+    return gpu_linear_backward(l->engine, (const float *)x->data, values_of(l->weight), (const float *)dy->data,
+                               dx ? (float *)dx->data : NULL, grads_of(l->weight), grads_of(l->bias), (int)x->shape[0], l->in,
+                               l->out);
+}
+
+static inline smp_status relu_forward(smp_call_ctx *c) {
+    const gpu_engine *engine = (const gpu_engine *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    return gpu_relu_forward(engine, (const float *)x->data, (float *)y->data, smp_tensor_numel(x));
+}
+
+static inline smp_status relu_backward(smp_call_ctx *c) {
+    const gpu_engine *engine = (const gpu_engine *)smp_module_user(smp_call_module(c));
+    const smp_tensor *y = smp_call_output_value(c, 0), *dy = smp_call_grad_output(c, 0);
+    smp_tensor *dx = smp_call_grad_input(c, 0);
+    if (!dx) return SMP_OK;
+    return gpu_relu_backward(engine, (const float *)y->data, (const float *)dy->data, (float *)dx->data, smp_tensor_numel(y));
+}
+
+/* Kaiming-uniform weights, zero biases, on the host: smp copies them to the
+   device. The same values as the CPU demo's. */
+static inline void init_weight(smp_tensor *w, uint64_t seed, void *user) {
+    (void)user;
+    mlp_init((float *)w->data, (size_t)smp_tensor_numel(w), "weight", seed, mlp_kaiming_bound((int)w->shape[1]));
+}
+
+typedef struct mlp {
+    smp_module *root, *fc[NLAYERS], *act[NLAYERS - 1];
+    linear lin[NLAYERS];
+} mlp;
+
+static inline smp_status mlp_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
+    (void)m, (void)nin, (void)nout;
+    mlp *net = (mlp *)user;
+    smp_tensor h = in[0];
+    for (int i = 0; i < NLAYERS; i++) {
+        smp_status st = smp_call(net->fc[i], &h, 1, i == NLAYERS - 1 ? out : &h, 1);
+        if (!st && i < NLAYERS - 1) st = smp_call(net->act[i], &h, 1, &h, 1);
+        if (st) return st;
+    }
+    return SMP_OK;
+}
+
+/* Builds the model on the device. With --manual the layers go to partitions
+   by SMP_PARTITION contexts, as in the reference's manual-partitioning
+   script; otherwise smp splits the traced calls itself. */
+static inline smp_status build_model(mlp *net, const gpu_engine *engine, int partitions, smp_model **model) {
+    static const smp_module_desc fc = {linear_forward, linear_backward, NULL};
+    smp_module_desc relu = {relu_forward, relu_backward, (void *)engine};
+    net->root = smp_module_new(NULL, "", NULL);
+    for (int i = 0; i < NLAYERS; i++) {
+        char name[16];
+        SMP_PARTITION(i * partitions / NLAYERS) {
+            snprintf(name, sizeof name, "fc%d", i);
+            smp_module_desc d = fc;
+            d.user = &net->lin[i];
+            net->lin[i].in = widths[i];
+            net->lin[i].out = widths[i + 1];
+            net->lin[i].engine = engine;
+            net->fc[i] = smp_module_new(net->root, name, &d);
+            const int64_t weight_shape[2] = {widths[i + 1], widths[i]}, bias_shape[1] = {widths[i + 1]};
+            net->lin[i].weight = smp_param_new(net->fc[i], "weight", SMP_F32, 2, weight_shape, init_weight, NULL);
+            net->lin[i].bias = smp_param_new(net->fc[i], "bias", SMP_F32, 1, bias_shape, smp_init_constant, NULL);
+            if (i < NLAYERS - 1) {
+                snprintf(name, sizeof name, "act%d", i);
+                net->act[i] = smp_module_new(net->root, name, &relu);
+            }
+        }
+    }
+    smp_model_desc desc = {};
+    desc.forward = mlp_forward;
+    desc.user = net;
+    desc.on_device = true;
+    return smp_model_new(net->root, &desc, model);
+}
+
+/* ---------------------------------------------------------------- the step */
+/* Runs once per microbatch where the logits live: loss and its gradient,
+   computed on the device; the two numbers smp collects come back to the
+   host. The step's user pointer is the engine. */
+SMP_STEP_BODY(train_body) {
+    const gpu_engine *engine = (const gpu_engine *)smp_mb_user(mb);
+    const smp_tensor *logits = smp_mb_output(mb, 0), *labels = smp_mb_arg(mb, 1);
+    smp_tensor *dlogits = smp_mb_output_grad(mb, 0); /* NULL in evaluation */
+    int n = (int)logits->shape[0];
+    float loss = 0.0f, correct = 0.0f;
+    smp_status st = gpu_xent_loss(engine, (const float *)logits->data, (const uint8_t *)labels->data, n, FM_CLASSES,
+                                  dlogits ? (float *)dlogits->data : NULL, 1.0f / (float)n, &loss, &correct);
+    if (!st) st = smp_mb_return_f32(mb, 0, loss);
+    return st ? st : smp_mb_return_f32(mb, 1, correct);
+}
+
+/* Pipelined evaluation over a host dataset, a batch at a time through the
+   device: returns accuracy. */
+static inline smp_status evaluate(smp_model *model, const gpu_engine *engine, const fm_dataset *ds, int batch, double *accuracy) {
+    int64_t n = (int64_t)ds->n / batch * batch, correct = 0;
+    float *images = (float *)smp_nccl_alloc(sizeof(float) * (size_t)batch * FM_PIXELS);
+    uint8_t *labels = (uint8_t *)smp_nccl_alloc((size_t)batch);
+    smp_status st = gpu_agree(images && labels ? SMP_OK : SMP_ERR_DEVICE); /* smp_nccl_alloc left the message */
+    for (int64_t at = 0; at < n && !st; at += batch) {
+        st = gpu_upload(engine, images, ds->images + at * FM_PIXELS, sizeof(float) * (size_t)batch * FM_PIXELS);
+        if (!st) st = gpu_upload(engine, labels, ds->labels + at, (size_t)batch);
+        if ((st = gpu_agree(st))) break;
+        smp_tensor x = device_tensor(smp_tensor_2d(images, SMP_F32, batch, FM_PIXELS));
+        smp_tensor y = device_tensor(smp_tensor_1d(labels, SMP_U8, batch));
+        smp_step_output out[2] = {{0, NULL}, {0, NULL}};
+        if ((st = SMP_EVAL_STEP(model, train_body, (void *)engine, out, 2, x, y))) break;
+        float sum;
+        smp_tensor sum_t = smp_tensor_make(&sum, SMP_F32, 0, NULL);
+        st = smp_step_output_reduce_sum(&out[1], &sum_t);
+        correct += (int64_t)sum;
+        smp_step_output_free(&out[0]);
+        smp_step_output_free(&out[1]);
+    }
+    smp_nccl_free(images);
+    smp_nccl_free(labels);
+    *accuracy = n ? (double)correct / (double)n : 0;
+    return st;
+}
+
+#endif
