@@ -15,7 +15,7 @@ MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp t
 SCRIPT_TESTS := test/run_timeout.sh test/test_install.sh test/test_demo.sh test/run_fuzz.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout
-BENCHES    := collectives partition schedule ddp checkpoint fmnist
+BENCHES    := collectives partition schedule ddp checkpoint fmnist nccl
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
@@ -76,12 +76,14 @@ examples: $(addprefix build/examples/,$(EXAMPLES))
 
 # CUDA sources: compiled and linked with nvcc (no GPU needed to build them).
 NVFLAGS  := -ccbin mpicxx -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror
-CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu build/cuda/fmnist
+CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu build/cuda/fmnist build/bench/nccl
 build/cuda/%: examples/%.cu $(HEADERS) | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lnccl
 # Fashion-MNIST on GPUs: the CPU demo's loop with cuBLAS and kernels of its own.
 CUDA_MLP := examples/fmnist_cuda.h examples/mlp_engine.h
 build/cuda/fmnist: examples/fmnist.cu $(HEADERS) $(CUDA_MLP) Makefile | build/cuda
+	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl -lz
+build/bench/nccl: bench/nccl.cu $(HEADERS) $(CUDA_MLP) Makefile | build/bench
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl -lz
 build/cuda/test_gpu: test/test_gpu.cu $(HEADERS) test/test.h test/net7.h | build/cuda
 	$(NVCC) $(NVFLAGS) -Xcompiler -ffp-contract=off -I. -Itest $< -o $@ -lnccl
@@ -119,6 +121,15 @@ bench-fmnist: build/examples/fmnist
 	bash bench/fmnist.sh
 bench-checkpoint: build/bench/checkpoint
 	mpirun -n 2 build/bench/checkpoint
+# smp against raw NCCL on GPUs: 2 ranks where there are 2 GPUs (NCCL takes
+# one GPU per rank), else 1 rank (the all-reduce part only); BENCH_NCCL_NP
+# overrides. Without nvcc or a GPU it says "skipped" and succeeds.
+bench-nccl:
+	@if [ ! -x "$(NVCC)" ]; then echo "skipped: bench-nccl: nvcc not found at $(NVCC)"; exit 0; fi; \
+	$(MAKE) --no-print-directory build/bench/nccl || exit 1; \
+	gpus=$$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); \
+	np=$${BENCH_NCCL_NP:-$$([ "$${gpus:-0}" -ge 2 ] && echo 2 || echo 1)}; \
+	echo "mpirun -n $$np build/bench/nccl"; mpirun -n $$np build/bench/nccl
 
 # The checkpoint header parser under libFuzzer for longer than make test's 20 s.
 fuzz:
