@@ -1,6 +1,6 @@
 /* fmnist.cu - Fashion-MNIST trained split across GPUs with smp.
 
-   fmnist.c on the GPU: the same MLP (784 -> 512 -> 512 -> 256 -> 128 -> 10,
+   fmnist.c on the GPU: the same MLP (784 -> 512 -> 512 -> 512 -> 512 -> 10,
    ReLU), the same data, flags, initial weights and training loop, with the
    layers' arithmetic in fmnist_cuda.h (cuBLAS and small kernels) and the
    parameters, activations and gradients in device memory. smp moves
@@ -75,6 +75,7 @@ static int parse_options(int argc, char **argv, options *o) {
     o->checkpoint = "fmnist.safetensors";
     o->cfg.partitions = 2;
     o->cfg.microbatches = 4;
+    o->cfg.trace_execution_times = SMP_ON; /* time each layer's forward and backward a few times: a balanced split */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define OPT(name) (!strcmp(a, name) && v && ++i)

@@ -314,7 +314,7 @@ static inline smp_status gpu_adam_step(const gpu_engine *e, float *p, const floa
 
 /* ---------------------------------------------------------------- layers as smp modules */
 enum { NLAYERS = 5 };
-static const int widths[NLAYERS + 1] = {FM_PIXELS, 512, 512, 256, 128, FM_CLASSES};
+static const int widths[NLAYERS + 1] = {FM_PIXELS, 512, 512, 512, 512, FM_CLASSES};
 
 typedef struct linear { smp_param *weight, *bias; int in, out; const gpu_engine *engine; } linear;
 
