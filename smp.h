@@ -174,7 +174,7 @@ typedef struct smp_config {
     smp_placement placement_strategy; /* default: cluster */
     double memory_weight;           /* 0: from optimize (speed 0, memory 1) */
     smp_trace_device trace_device;  /* default: gpu when a device backend is present, else cpu */
-    smp_switch trace_execution_times;  /* default off */
+    smp_switch trace_execution_times;  /* default off: each call timed once; on: best of 3 after a warm-up */
     smp_switch trace_memory_usage;     /* default off */
     smp_switch overlapping_allreduce;  /* default on */
     int backward_passes_per_step;      /* 0: 1 */
