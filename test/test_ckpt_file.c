@@ -216,6 +216,33 @@ static void test_crc(void) {
     }
 }
 
+/* The load's copy into host tensors (streaming stores for large ones): every
+   byte at any alignment, and nothing outside the destination. */
+static void test_copy_in(void) {
+    size_t cap = ((size_t)1 << 20) + 4096, i;
+    uint8_t *src = (uint8_t *)malloc(cap + 128), *dst = (uint8_t *)malloc(cap + 256);
+    static const size_t lens[] = {0, 1, 63, 64, 4097, ((size_t)1 << 20) - 1, (size_t)1 << 20, ((size_t)1 << 20) + 1,
+                                  ((size_t)1 << 20) + 63, ((size_t)1 << 20) + 4095};
+    size_t so, d, li;
+    char why[160] = "";
+    int ok = 1;
+    for (i = 0; i < cap + 128; i++) src[i] = (uint8_t)(i * 2654435761u >> 9);
+    for (li = 0; li < sizeof lens / sizeof lens[0] && ok; li++)
+        for (so = 0; so < 3 && ok; so++)
+            for (d = 0; d < 70 && ok; d += 13) {
+                size_t n = lens[li];
+                memset(dst, 0xa5, cap + 256);
+                smp__ckpt_copy_in_host(dst + 64 + d, src + so * 17, n);
+                if (memcmp(dst + 64 + d, src + so * 17, n)) ok = 0;
+                for (i = 0; i < 64 + d && ok; i++) ok = dst[i] == 0xa5;
+                for (i = 64 + d + n; i < cap + 256 && ok; i++) ok = dst[i] == 0xa5;
+                if (!ok) snprintf(why, sizeof why, "length %zu, dst +%zu, src +%zu", n, d, so * 17);
+            }
+    CHECK(ok, "load copy: every byte at every alignment, nothing outside", "%s", why);
+    free(src);
+    free(dst);
+}
+
 static void test_roundtrip(void) {
     char p[512], p2[512];
     const char *why;
@@ -748,6 +775,7 @@ int main(void) {
         return 1;
     }
     test_crc();
+    test_copy_in();
     test_roundtrip();
     test_writer_misuse();
     test_faults();
