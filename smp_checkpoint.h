@@ -467,7 +467,13 @@ static pthread_once_t smp__ckpt_crc_once = PTHREAD_ONCE_INIT;
    waits on each result, so blocks of 3 x LANE bytes run as three
    independent chains, joined through CRC linearity: feeding bytes X to a
    register r gives shift_|X|(r) ^ crc_raw(0, X), where shift_L (L zero bytes)
-   is a fixed linear map, applied through four 256-entry tables. */
+   is a fixed linear map, applied through four 256-entry tables.
+   Three chains run at about the speed memory delivers, but each lane enters
+   a new 4 KiB page every block and the hardware prefetcher stops at page
+   boundaries, so a pass over data that is not in cache waited on memory at
+   the start of every page: each lane asks for its line of the next block
+   while it works on this one (the load's checksum pass over 128 MiB went
+   from ~11 to ~8 ms per rank here, the speed of a plain read). */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(SMP_CKPT_NO_HW_CRC)
 #define SMP__CKPT_HW_CRC 1
 #define SMP__CKPT_CRC_LANE 4096
@@ -487,8 +493,15 @@ __attribute__((target("sse4.2"))) static uint32_t smp__ckpt_crc32c_hw(uint32_t c
     }
     while (n >= 3 * SMP__CKPT_CRC_LANE) {
         uint64_t a = c, b = 0, d = 0, va, vb, vd;
+        /* the last block prefetches itself: no address past the buffer */
+        const uint8_t *next = n >= 6 * SMP__CKPT_CRC_LANE ? p + 3 * SMP__CKPT_CRC_LANE : p;
         size_t i;
         for (i = 0; i < SMP__CKPT_CRC_LANE; i += 8) {
+            if (!(i & 63)) {
+                __builtin_prefetch(next + i);
+                __builtin_prefetch(next + SMP__CKPT_CRC_LANE + i);
+                __builtin_prefetch(next + 2 * SMP__CKPT_CRC_LANE + i);
+            }
             memcpy(&va, p + i, 8);
             memcpy(&vb, p + SMP__CKPT_CRC_LANE + i, 8);
             memcpy(&vd, p + 2 * SMP__CKPT_CRC_LANE + i, 8);
