@@ -2134,7 +2134,8 @@ static smp_status smp__ck_copy(void *dst, int dst_dev, const void *src, int src_
    each at once, 13-14 ms per rank instead of 18-19 here. They also leave
    the tensor out of the cache, which costs nothing for a tensor larger than
    the cache and would for a small one, hence the threshold. SSE2 is part
-   of x86-64, so no dispatch; 32- and 64-byte stores measured no faster. */
+   of x86-64, so no dispatch: 32- and 64-byte stores measured within the
+   noise of 16-byte ones (the bus, not the core, sets the pace). */
 #if defined(__x86_64__) && defined(__SSE2__) && !defined(SMP_CKPT_NO_STREAM)
 #define SMP__CK_STREAM 1
 #define SMP__CK_STREAM_MIN ((size_t)1 << 20)
