@@ -743,6 +743,120 @@ static void test_corruption(int P) {
     }
 }
 
+/* ---------------------------------------------------------------- large tensors */
+/* Tensors over the load's streaming-copy threshold (1 MiB), of a size that is
+   no multiple of a cache line: they round-trip bitwise, and a flipped byte
+   at the very end of the last one leaves every one of them unchanged. */
+static smp_status big_forward(smp_call_ctx *c) {
+    const smp_tensor *x = smp_call_input(c, 0);
+    smp_tensor *y = smp_call_output(c, 0, x->dtype, x->ndim, x->shape);
+    memcpy(y->data, x->data, smp_tensor_nbytes(x));
+    return SMP_OK;
+}
+enum { NBIG = 4 };
+typedef struct { smp_module *mods[NBIG]; } big_net;
+static smp_status big_net_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
+    (void)m; (void)nin; (void)nout;
+    big_net *n = (big_net *)user;
+    smp_tensor a = in[0], b;
+    for (int i = 0; i < NBIG; i++) {
+        smp_status st = smp_call(n->mods[i], &a, 1, &b, 1);
+        if (st) return st;
+        a = b;
+    }
+    out[0] = a;
+    return SMP_OK;
+}
+static void big_set(smp_model *m, int version) {
+    smp_param *p;
+    for (int i = 0; (p = smp_model_param(m, i, true)); i++)
+        fill(smp_param_value(p)->data, smp_tensor_nbytes(smp_param_value(p)), SMP_F32, smp_param_name(p), version);
+}
+static int big_check(smp_model *m, int version, char *why, size_t cap) {
+    smp_param *p;
+    int ok = 1;
+    for (int i = 0; (p = smp_model_param(m, i, true)) && ok; i++) {
+        size_t k = smp_tensor_nbytes(smp_param_value(p));
+        uint8_t *want = malloc(k);
+        fill(want, k, SMP_F32, smp_param_name(p), version);
+        if (memcmp(want, smp_param_value(p)->data, k)) {
+            ok = 0;
+            snprintf(why, cap, "'%s' differs from version %d", smp_param_name(p), version);
+        }
+        free(want);
+    }
+    return ok;
+}
+
+static void test_large(void) {
+    int P = allowed(2) ? 2 : 1;
+    smp_config cfg = {0};
+    cfg.partitions = P;
+    cfg.ddp = world > P ? SMP_ON : SMP_OFF;
+    cfg.auto_partition = SMP_OFF;
+    if (smp_init(&cfg) != SMP_OK) { MPI_CHECK(0, "checkpoint/large tensors", "smp_init: %s", smp_last_error()); return; }
+    big_net n;
+    smp_module *root = smp_module_new(NULL, "", NULL);
+    smp_module_desc d = {big_forward, NULL, NULL};
+    for (int i = 0; i < NBIG; i++) {
+        char nm[16];
+        int64_t shape[2] = {257, 1021 + i}; /* 1,049,588 bytes and up */
+        snprintf(nm, sizeof nm, "big%d", i);
+        smp_partition_push(i * P / NBIG);
+        n.mods[i] = smp_module_new(root, nm, &d);
+        smp_param_new(n.mods[i], "weight", SMP_F32, 2, shape, NULL, NULL);
+        smp_partition_pop();
+    }
+    smp_model *m = NULL;
+    smp_model_desc md = {big_net_forward, 1, 1, &n};
+    float xin[4] = {1, 2, 3, 4};
+    smp_tensor x = smp_tensor_2d(xin, SMP_F32, 1, 4);
+    if (smp_model_new(root, &md, &m) != SMP_OK || smp_model_trace(m, &x, 1) != SMP_OK) {
+        MPI_CHECK(0, "checkpoint/large tensors", "building the model: %s", smp_last_error());
+        smp_finalize();
+        return;
+    }
+    for (int partial = 0; partial < 2; partial++) {
+        char path[512], name[200], why[256] = "";
+        snprintf(path, sizeof path, "%s/large_%d", dir, partial);
+        snprintf(name, sizeof name, "checkpoint/large tensors round-trip bitwise (%s, P=%d)", partial ? "partial" : "full", P);
+        big_set(m, 1);
+        smp_status st = save(m, NULL, path, partial, 0);
+        big_set(m, 2);
+        if (!st) st = load(m, NULL, path, partial, NULL);
+        int ok = !st && big_check(m, 1, why, sizeof why);
+        MPI_CHECK(ok, name, "%s", st ? smp_last_error() : why);
+
+        /* the last tensor of the last file, its last byte */
+        snprintf(name, sizeof name, "checkpoint/large tensors: a flipped last byte changes none of them (%s, P=%d)",
+                 partial ? "partial" : "full", P);
+        char file[600], tensor[64] = "";
+        snprintf(file, sizeof file, partial ? "%s_%d" : "%s", path, P - 1);
+        ok = 1;
+        if (me == 0) {
+            last_tensor(file, tensor, sizeof tensor);
+            struct stat sb;
+            FILE *fp = fopen(file, "r+b");
+            ok = tensor[0] && fp && stat(file, &sb) == 0 && fseek(fp, (long)sb.st_size - 1, SEEK_SET) == 0;
+            if (ok) {
+                int c = fgetc(fp);
+                ok = c != EOF && fseek(fp, (long)sb.st_size - 1, SEEK_SET) == 0 && fputc(c ^ 0x01, fp) != EOF;
+            }
+            if (fp) fclose(fp);
+        }
+        MPI_Bcast(&ok, 1, MPI_INT, 0, MPI_COMM_WORLD);
+        MPI_Bcast(tensor, sizeof tensor, MPI_CHAR, 0, MPI_COMM_WORLD);
+        big_set(m, 3);
+        st = ok ? load(m, NULL, path, partial, NULL) : SMP_ERR_IO;
+        int good = ok && st != SMP_OK && strstr(smp_last_error(), "checksum mismatch") && strstr(smp_last_error(), tensor);
+        int same = big_check(m, 3, why, sizeof why);
+        MPI_CHECK(good && same, name, "status %d, %s; message: %s", (int)st, same ? "tensors unchanged" : why,
+                  ok ? smp_last_error() : "could not flip the byte");
+    }
+    smp_model_free(m);
+    smp_finalize();
+}
+
 /* ---------------------------------------------------------------- failed saves */
 static int count_tmp(const char *prefix) {
     char cmd[900];
@@ -901,6 +1015,7 @@ int main(int argc, char **argv) {
     if (world > 1) test_corruption(1); /* every rank a replica of one partition */
     test_failed_saves();
     test_misuse();
+    test_large();
     int failed = test__failed_total, any;
     MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
     if (me == 0) {

@@ -214,6 +214,69 @@ static void test_crc(void) {
         CHECK(ok, "crc32c fast == table on long buffers (multi-lane blocks)", "mismatch");
         free(b);
     }
+    { /* iSCSI's test vectors (RFC 3720, B.4) */
+        uint8_t v[32];
+        uint32_t got[4];
+        memset(v, 0, 32);
+        got[0] = smp_ckpt_crc32c(0, v, 32);
+        memset(v, 0xff, 32);
+        got[1] = smp_ckpt_crc32c(0, v, 32);
+        for (i = 0; i < 32; i++) v[i] = (uint8_t)i;
+        got[2] = smp_ckpt_crc32c(0, v, 32);
+        for (i = 0; i < 32; i++) v[i] = (uint8_t)(31 - i);
+        got[3] = smp_ckpt_crc32c(0, v, 32);
+        CHECK(got[0] == 0x8a9136aau && got[1] == 0x62a8ab43u && got[2] == 0x46dd794eu && got[3] == 0x113fdb5cu,
+              "crc32c RFC 3720 vectors", "got %08x %08x %08x %08x", (unsigned)got[0], (unsigned)got[1],
+              (unsigned)got[2], (unsigned)got[3]);
+    }
+    { /* random lengths and alignments up to a few hundred KiB, where the fast
+         path prefetches the next block or, in its last block, does not */
+        size_t big = 400000;
+        uint8_t *b = (uint8_t *)malloc(big + 64);
+        uint64_t s = 99;
+        char why[160] = "";
+        int k;
+        for (i = 0; i < big + 64; i++) b[i] = (uint8_t)(smp_rng_uniform(&s) * 256);
+        ok = 1;
+        for (k = 0; k < 300 && ok; k++) {
+            size_t o = (size_t)(smp_rng_uniform(&s) * 64);
+            size_t len = k < 9 ? (size_t)(6 * 4096 - 4 + k) : (size_t)(smp_rng_uniform(&s) * (double)big);
+            uint32_t a = smp_ckpt_crc32c(0, b + o, len), t = smp__ckpt_crc32c_sw(0, b + o, len);
+            if (a != t) {
+                ok = 0;
+                snprintf(why, sizeof why, "offset %zu length %zu: %08x, table %08x", o, len, (unsigned)a, (unsigned)t);
+            }
+        }
+        CHECK(ok, "crc32c fast == table at random lengths and alignments", "%s", why);
+        free(b);
+    }
+}
+
+/* The load's copy into host tensors (streaming stores for large ones): every
+   byte at any alignment, and nothing outside the destination. */
+static void test_copy_in(void) {
+    size_t cap = ((size_t)1 << 20) + 4096, i;
+    uint8_t *src = (uint8_t *)malloc(cap + 128), *dst = (uint8_t *)malloc(cap + 256);
+    static const size_t lens[] = {0, 1, 63, 64, 4097, ((size_t)1 << 20) - 1, (size_t)1 << 20, ((size_t)1 << 20) + 1,
+                                  ((size_t)1 << 20) + 63, ((size_t)1 << 20) + 4095};
+    size_t so, d, li;
+    char why[160] = "";
+    int ok = 1;
+    for (i = 0; i < cap + 128; i++) src[i] = (uint8_t)(i * 2654435761u >> 9);
+    for (li = 0; li < sizeof lens / sizeof lens[0] && ok; li++)
+        for (so = 0; so < 3 && ok; so++)
+            for (d = 0; d < 70 && ok; d += 13) {
+                size_t n = lens[li];
+                memset(dst, 0xa5, cap + 256);
+                smp__ckpt_copy_in_host(dst + 64 + d, src + so * 17, n);
+                if (memcmp(dst + 64 + d, src + so * 17, n)) ok = 0;
+                for (i = 0; i < 64 + d && ok; i++) ok = dst[i] == 0xa5;
+                for (i = 64 + d + n; i < cap + 256 && ok; i++) ok = dst[i] == 0xa5;
+                if (!ok) snprintf(why, sizeof why, "length %zu, dst +%zu, src +%zu", n, d, so * 17);
+            }
+    CHECK(ok, "load copy: every byte at every alignment, nothing outside", "%s", why);
+    free(src);
+    free(dst);
 }
 
 static void test_roundtrip(void) {
@@ -748,6 +811,7 @@ int main(void) {
         return 1;
     }
     test_crc();
+    test_copy_in();
     test_roundtrip();
     test_writer_misuse();
     test_faults();
