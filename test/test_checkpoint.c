@@ -808,7 +808,7 @@ static void test_large(void) {
         smp_partition_pop();
     }
     smp_model *m = NULL;
-    smp_model_desc md = {big_net_forward, 1, 1, &n};
+    smp_model_desc md = {.forward = big_net_forward, .ninputs = 1, .noutputs = 1, .user = &n};
     float xin[4] = {1, 2, 3, 4};
     smp_tensor x = smp_tensor_2d(xin, SMP_F32, 1, 4);
     if (smp_model_new(root, &md, &m) != SMP_OK || smp_model_trace(m, &x, 1) != SMP_OK) {
