@@ -1935,8 +1935,8 @@ static bool smp__backoff_pause(smp__backoff *b) {
         /* a sleep delays noticing the message by up to its length: keep that
            within 2% of the time already waited (a pipeline's critical path
            is a chain of such waits), between 50 us and 1 ms */
-        long cap = (long)(quiet * 0.02 * 1e9);
-        cap = cap < 50000 ? 50000 : cap > 1000000 ? 1000000 : cap;
+        long cap = (long)(quiet * 0.01 * 1e9);
+        cap = cap < 20000 ? 20000 : cap > 1000000 ? 1000000 : cap;
         b->sleep_ns = b->sleep_ns * 2 < cap ? b->sleep_ns * 2 : cap;
         smp__sleep_ns(b->sleep_ns);
     }
