@@ -524,7 +524,6 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b);
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 #if !defined(_POSIX_C_SOURCE) && !defined(__cplusplus)
 #include <threads.h>
 #endif
@@ -570,7 +569,6 @@ static struct {
     smp_config cfg;
     MPI_Comm world;          /* smp's duplicate of the host communicator */
     int rank, size, local_rank, local_size, mp_rank, dp_rank;
-    bool oversubscribed;     /* more ranks on this host than cores */
     smp__group_info groups[SMP_GROUP_COUNT];
     MPI_Op half_ops[2][5];   /* [f16, bf16][smp_op] (AVG unused) */
     MPI_Datatype half_type;
@@ -1928,9 +1926,7 @@ static bool smp__backoff_pause(smp__backoff *b) {
         b->sleep_ns = 1000;
     }
     double quiet = now - b->quiet_since;
-    /* yielding keeps a core busy whenever another rank is runnable; when
-       ranks outnumber cores, one that computes needs that core: sleep */
-    if (quiet < (smp__ctx.oversubscribed ? 0 : 2e-3)) sched_yield();
+    if (quiet < 2e-3) sched_yield();
     else {
         /* a sleep delays noticing the message by up to its length: keep that
            within 2% of the time already waited (a pipeline's critical path
@@ -2111,10 +2107,6 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     MPI_Comm_rank(local, &smp__ctx.local_rank);
     MPI_Comm_size(local, &smp__ctx.local_size);
     MPI_Comm_free(&local);
-#ifdef _SC_NPROCESSORS_ONLN
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    smp__ctx.oversubscribed = cores > 0 && smp__ctx.local_size > cores;
-#endif
 
     smp_topology_of(rank, size, smp__ctx.cfg.partitions, smp__ctx.cfg.placement_strategy, &smp__ctx.mp_rank, &smp__ctx.dp_rank);
     MPI_Comm mp, dp;
