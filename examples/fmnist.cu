@@ -35,80 +35,12 @@
 #include "smp_checkpoint.h"
 #include "smp_nccl.h" /* registers the CUDA backend */
 #include "fmnist_cuda.h"
+#include "fmnist_options.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-
-/* ---------------------------------------------------------------- options */
-typedef struct options {
-    int epochs, batch, seed, log_every;
-    float lr, lr_decay;
-    const char *data_dir, *config_json;
-    smp_config cfg;
-    long max_steps; /* stop after this many steps (tests); 0: no limit */
-    long epoch_steps; /* steps per epoch (tests); 0: the whole training set */
-    const char *checkpoint; /* saved after every epoch */
-    bool partial, resume;
-    bool print_losses; /* every step's loss, exactly (tests compare runs bit for bit) */
-} options;
-
-static void usage(const char *prog) {
-    fprintf(stderr,
-            "usage: %s [--epochs N] [--batch B] [--lr X] [--lr-decay X] [--seed S]\n"
-            "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved]\n"
-            "          [--ddp] [--deterministic] [--manual] [--config JSON] [--data DIR]\n"
-            "          [--checkpoint PATH] [--partial] [--resume]\n"
-            "  --batch is the global batch: every replica gets batch / replicas rows\n"
-            "  --manual places layers with SMP_PARTITION contexts instead of auto-partitioning\n",
-            prog);
-}
-
-static int parse_options(int argc, char **argv, options *o) {
-    memset(o, 0, sizeof *o);
-    o->epochs = 5;
-    o->batch = 128;
-    o->lr = 1e-3f;
-    o->lr_decay = 0.5f;
-    o->seed = 1;
-    o->checkpoint = "fmnist.safetensors";
-    o->cfg.partitions = 2;
-    o->cfg.microbatches = 4;
-    o->cfg.trace_execution_times = SMP_ON; /* time each layer's forward and backward a few times: a balanced split */
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-#define OPT(name) (!strcmp(a, name) && v && ++i)
-        if (OPT("--epochs")) o->epochs = atoi(v);
-        else if (OPT("--batch")) o->batch = atoi(v);
-        else if (OPT("--lr")) o->lr = strtof(v, NULL);
-        else if (OPT("--lr-decay")) o->lr_decay = strtof(v, NULL);
-        else if (OPT("--seed")) o->seed = atoi(v);
-        else if (OPT("--partitions")) o->cfg.partitions = atoi(v);
-        else if (OPT("--microbatches")) o->cfg.microbatches = atoi(v);
-        else if (OPT("--pipeline")) o->cfg.pipeline = !strcmp(v, "simple") ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED;
-        else if (OPT("--config")) o->config_json = v;
-        else if (OPT("--data")) o->data_dir = v;
-        else if (OPT("--max-steps")) o->max_steps = atol(v);
-        else if (OPT("--epoch-steps")) o->epoch_steps = atol(v);
-        else if (OPT("--checkpoint")) o->checkpoint = v;
-        else if (!strcmp(a, "--partial")) o->partial = true;
-        else if (!strcmp(a, "--resume")) o->resume = true;
-        else if (!strcmp(a, "--print-losses")) o->print_losses = true;
-        else if (!strcmp(a, "--ddp")) o->cfg.ddp = SMP_ON;
-        else if (!strcmp(a, "--deterministic")) o->cfg.deterministic_reduction = SMP_ON;
-        else if (!strcmp(a, "--manual")) o->cfg.auto_partition = SMP_OFF;
-        else { usage(argv[0]); return 1; }
-#undef OPT
-    }
-    o->cfg.seed = (uint64_t)o->seed;
-    if (o->config_json && smp_config_from_json(o->config_json, &o->cfg)) {
-        fprintf(stderr, "--config: %s\n", smp_last_error());
-        return 1;
-    }
-    if (o->epochs < 1 || o->batch < 1) { usage(argv[0]); return 1; }
-    return 0;
-}
 
 /* ---------------------------------------------------------------- the optimizer */
 /* Adam over this rank's parameters (smp.DistributedOptimizer: each rank
