@@ -349,8 +349,8 @@ typedef void (*smp_post_partition_fn)(smp_model *m, void *user);
      smp_call_output, smp_call_grad_input and smp_call_grad_output,
      activations and gradients received from other partitions,
      smp_mb_output and smp_mb_output_grad in a step body.
-   What stays in host memory: smp_call_stash (the engine's own bytes: save
-   device pointers or small host values there, not device data), step
+   What stays in host memory: smp_call_stash (the engine's own bytes;
+   smp_call_stash_device keeps device data until the backward), step
    arguments given on the host (a step takes host or device arguments and
    slices either), and StepOutputs (smp_mb_return copies a device value to
    the host). Module inputs that are model inputs are the step arguments'
@@ -400,6 +400,11 @@ SMPDEF const smp_tensor *smp_call_grad_output(const smp_call_ctx *c, int i);  /*
 SMPDEF smp_tensor *smp_call_grad_input(smp_call_ctx *c, int i);               /* backward; NULL: no gradient wanted */
 SMPDEF void *smp_call_stash(smp_call_ctx *c, size_t bytes);                   /* forward: memory kept until backward */
 SMPDEF void *smp_call_stashed(const smp_call_ctx *c, size_t *bytes);          /* backward */
+/* The same on the model's device (host memory for a host model): what a
+   device kernel saves for the backward, such as a dropout mask. NULL when
+   the device is out of memory. */
+SMPDEF void *smp_call_stash_device(smp_call_ctx *c, size_t bytes);
+SMPDEF void *smp_call_stashed_device(const smp_call_ctx *c, size_t *bytes);
 SMPDEF smp_module *smp_call_module(const smp_call_ctx *c);
 SMPDEF int smp_call_microbatch(const smp_call_ctx *c);
 SMPDEF bool smp_call_training(const smp_call_ctx *c); /* false in evaluation steps: no backward will follow */
@@ -2643,8 +2648,8 @@ struct smp_call_ctx {
     smp_tensor *outputs;
     const smp_tensor *grad_outputs;
     smp_tensor *grad_inputs; /* data NULL: no gradient wanted for that input */
-    void *stash;
-    size_t stash_bytes;
+    void *stash, *device_stash;
+    size_t stash_bytes, device_stash_bytes;
     smp__alloc_kind kind;    /* outputs and stash: counted as stash when training */
     void **owned;            /* nested calls' outputs, freed with this call */
     int nowned, owned_cap;
@@ -3045,6 +3050,18 @@ SMPDEF void *smp_call_stash(smp_call_ctx *c, size_t bytes) {
     c->stash_bytes = bytes;
     return c->stash;
 }
+SMPDEF void *smp_call_stash_device(smp_call_ctx *c, size_t bytes) {
+    if (c->in_backward) return NULL;
+    smp__free(c->device_stash);
+    smp_tensor t = smp_tensor_1d(NULL, SMP_U8, (int64_t)bytes);
+    c->device_stash = smp__tensor_alloc(&t, smp__model_on_device(c->module->model), c->kind);
+    c->device_stash_bytes = c->device_stash ? bytes : 0;
+    return c->device_stash;
+}
+SMPDEF void *smp_call_stashed_device(const smp_call_ctx *c, size_t *bytes) {
+    if (bytes) *bytes = c->device_stash_bytes;
+    return c->device_stash;
+}
 SMPDEF void *smp_call_stashed(const smp_call_ctx *c, size_t *bytes) {
     if (bytes) *bytes = c->stash_bytes;
     return c->stash;
@@ -3078,8 +3095,9 @@ static void smp__call_release(smp_call_ctx *c, bool outputs) {
     if (outputs)
         for (int i = 0; i < c->nout; i++) { smp__free(c->outputs[i].data); c->outputs[i].data = NULL; }
     smp__free(c->stash);
-    c->stash = NULL;
-    c->stash_bytes = 0;
+    smp__free(c->device_stash);
+    c->stash = c->device_stash = NULL;
+    c->stash_bytes = c->device_stash_bytes = 0;
     for (int i = 0; i < c->nowned; i++) smp__free(c->owned[i]);
     smp__free(c->owned);
     c->owned = NULL;

@@ -356,19 +356,35 @@ static smp_status dev_lin_backward(smp_call_ctx *c) {
                dev_of(smp_param_grad(s->b), "bias gradient"), (int)x->shape[0], s->in, s->out);
     return SMP_OK;
 }
+/* ReLU keeps its mask in the device stash, as a CUDA engine would: the
+   backward faults unless the stash is live device memory. */
 static smp_status dev_relu_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
     const float *xs = mem_of(x, "relu input");
     float *ys = dev_of(y, "relu output");
-    for (int64_t i = 0; i < smp_tensor_numel(x); i++) ys[i] = xs[i] > 0 ? xs[i] : 0;
+    size_t n = (size_t)smp_tensor_numel(x);
+    unsigned char *mask = NULL;
+    if (smp_call_training(c)) {
+        void *d = smp_call_stash_device(c, n);
+        if (!d) return SMP_ERR_NOMEM;
+        mask = (unsigned char *)dev_mem(d, n, "relu mask (device stash)");
+    }
+    for (size_t i = 0; i < n; i++) {
+        ys[i] = xs[i] > 0 ? xs[i] : 0;
+        if (mask) mask[i] = xs[i] > 0;
+    }
     return SMP_OK;
 }
 static smp_status dev_relu_backward(smp_call_ctx *c) {
-    const float *x = mem_of(smp_call_input(c, 0), "relu input"), *gy = dev_of(smp_call_grad_output(c, 0), "relu output gradient");
+    const float *gy = dev_of(smp_call_grad_output(c, 0), "relu output gradient");
+    size_t n = 0;
+    const void *d = smp_call_stashed_device(c, &n);
+    const unsigned char *mask = (const unsigned char *)dev_mem(d, n, "relu mask (device stash)");
     smp_tensor *gx = smp_call_grad_input(c, 0);
     float *g = gx ? dev_of(gx, "relu input gradient") : NULL;
-    for (int64_t i = 0; g && i < smp_tensor_numel(gx); i++) g[i] = x[i] > 0 ? gy[i] : 0;
+    if (g && (size_t)smp_tensor_numel(gx) != n) device_fault("relu mask: %zu bytes stashed for %lld elements", n, (long long)smp_tensor_numel(gx));
+    for (size_t i = 0; g && i < n; i++) g[i] = mask[i] ? gy[i] : 0;
     return SMP_OK;
 }
 static smp_status dev_add_forward(smp_call_ctx *c) {
