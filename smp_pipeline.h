@@ -880,7 +880,7 @@ typedef struct smp__xfer {
 } smp__xfer;
 #define SMP__HDR_WORDS(ntensors) (10 * (ntensors) + 1)
 
-typedef struct smp__event { double t0, t1; int kind, stage, mb; } smp__event; /* kind: 0 fwd, 1 bwd, 2 wait, 3 body */
+typedef struct smp__event { double t0, t1; int kind, stage, mb; } smp__event; /* kind: 0 fwd, 1 bwd, 2 wait, 3 body, 4 all-reduce (mb: bucket) */
 
 typedef struct smp__mbstate {
     smp_tensor *act;       /* [ncalls * maxout]: this microbatch's tensors known here */
@@ -902,6 +902,7 @@ typedef struct smp__bucket {
     bool started;
     MPI_Request req;     /* host buckets; device collectives are the backend's to order */
     void *gather;        /* deterministic reduction: every replica's copy */
+    double t_start;      /* when its collective started (timeline) */
     int device;          /* SMP_HOST or where data lives */
 } smp__bucket;
 
@@ -1557,6 +1558,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
         return smp_all_gather(&t, &all, SMP_DP_GROUP);
     }
     smp__ddp_inflight = ps;
+    b->t_start = smp__now();
     MPI_Comm comm = smp__ctx.groups[SMP_DP_GROUP].comm;
     int n = (int)b->numel;
     if (deterministic) {
@@ -1573,12 +1575,21 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
 }
 
 /* Lets the buckets in flight move; one test runs MPI's whole progress engine. */
+/* Whether bucket b's host collective has finished; its timeline event when it just did. */
+static bool smp__bucket_test(smp__pipe *ps, int b) {
+    smp__bucket *k = &ps->buckets[b];
+    if (k->req == MPI_REQUEST_NULL) return true;
+    int done = 0;
+    MPI_Test(&k->req, &done, MPI_STATUS_IGNORE);
+    if (done) smp__event_add(ps, 4, -1, b, k->t_start);
+    return done;
+}
+
 static void smp__ddp_poll(smp__pipe *ps) {
     for (int b = 0; b < ps->nbuckets; b++) {
         smp__bucket *k = &ps->buckets[b];
         if (!k->started || k->req == MPI_REQUEST_NULL) continue;
-        int done = 0;
-        MPI_Test(&k->req, &done, MPI_STATUS_IGNORE);
+        smp__bucket_test(ps, b);
         return;
     }
 }
@@ -1616,9 +1627,7 @@ static smp_status smp__ddp_complete(smp__pipe *ps) {
     }
     double start = smp__now(), deadline = start + smp_timeout();
     for (int b = 0; b < ps->nbuckets;) {
-        int done = 0;
-        MPI_Test(&ps->buckets[b].req, &done, MPI_STATUS_IGNORE);
-        if (done) { b++; continue; }
+        if (smp__bucket_test(ps, b)) { b++; continue; }
         double now = smp__now();
         if (now > deadline) smp__timeout_abort("data-parallel gradient all-reduce", SMP_DP_GROUP, -1, now - start);
         sched_yield();
@@ -2402,9 +2411,15 @@ static smp_status smp__timeline_write(smp__pipe *ps) {
     if (!path || !*path) return SMP_OK;
     size_t cap = 64 + (ps ? (size_t)ps->nevents * 160 : 0), len = 0;
     char *mine = (char *)smp__alloc(cap, SMP__ALLOC_OTHER);
-    static const char *names[] = {"forward", "backward", "wait", "body"};
+    static const char *names[] = {"forward", "backward", "wait", "body", "allreduce"};
     for (int e = 0; ps && e < ps->nevents; e++) {
         smp__event *ev = &ps->events[e];
+        if (ev->kind == 4) { /* a gradient bucket's all-reduce, on a track of its own */
+            len += (size_t)snprintf(mine + len, cap - len,
+                                    "%s{\"name\":\"AR b%d\",\"cat\":\"allreduce\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":2,\"args\":{\"bucket\":%d,\"bytes\":%zu}}",
+                                    len ? "," : "", ev->mb, ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6, smp__ctx.rank, ev->mb, ps->buckets[ev->mb].bytes);
+            continue;
+        }
         len += (size_t)snprintf(mine + len, cap - len,
                                 "%s{\"name\":\"%c%d s%d\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":%d,\"args\":{\"stage\":%d,\"microbatch\":%d}}",
                                 len ? "," : "", "FBWL"[ev->kind], ev->mb, ev->stage, names[ev->kind], ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6,

@@ -4,12 +4,14 @@
    both schedules, manual placement 0,1,0,1 and interleaving; the loss of
    each microbatch and every gradient must equal, bit for bit, a plain C
    implementation of the same model with the same kernels and microbatching. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
 #include "test.h"
 
 #include "net7.h"
+#include <unistd.h>
 
 static float g_x[B * D], g_t[B * C];
 static float g_losses[8];
@@ -160,6 +162,78 @@ static void run_error_case(int P) {
     smp_finalize();
 }
 
+/* Occurrences of needle in hay. */
+static int count_of(const char *hay, const char *needle) {
+    int n = 0;
+    for (const char *at = strstr(hay, needle); at; at = strstr(at + 1, needle)) n++;
+    return n;
+}
+
+/* SMP_TIMELINE: one file with every rank's forwards, backwards and (ddp)
+   bucket all-reduces, written when the model is freed. */
+static void run_timeline_case(int P) {
+    int m = 4, steps = 2, me;
+    MPI_Comm_rank(MPI_COMM_WORLD, &me);
+    int tag = (int)getpid();
+    MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    char path[64], name[128], why[2600] = "";
+    snprintf(path, sizeof path, "/tmp/smp_test_timeline_%d.json", tag);
+    snprintf(name, sizeof name, "pipeline/SMP_TIMELINE has every rank's operations%s/P=%d", world > P ? " and all-reduces" : "", P);
+    setenv("SMP_TIMELINE", path, 1);
+    smp_config cfg = {0};
+    cfg.partitions = P;
+    cfg.microbatches = m;
+    cfg.ddp = world > P ? SMP_ON : SMP_OFF;
+    cfg.seed = 7;
+    int ok = smp_init(&cfg) == SMP_OK;
+    net n;
+    smp_model *model = ok ? build(&n, NULL) : NULL;
+    for (int step = 0; step < steps && model && ok; step++) {
+        smp_step_output outs[2] = {{0}};
+        smp_tensor x = smp_tensor_2d(g_x, SMP_F32, B, D), t = smp_tensor_2d(g_t, SMP_F32, B, C);
+        ok = SMP_TRAIN_STEP(model, mse_body, NULL, outs, 2, x, t) == SMP_OK;
+        smp_step_output_free(&outs[0]);
+        smp_step_output_free(&outs[1]);
+    }
+    int stages = model ? smp_model_num_stages(model) : 0;
+    if (!ok) snprintf(why, sizeof why, "step: %s", smp_last_error());
+    smp_model_free(model); /* writes the file */
+    smp_finalize();
+    unsetenv("SMP_TIMELINE");
+    if (ok && me == 0) {
+        FILE *f = fopen(path, "rb");
+        char *text = NULL;
+        long len = 0;
+        if (f && !fseek(f, 0, SEEK_END) && (len = ftell(f)) > 0 && !fseek(f, 0, SEEK_SET) && (text = calloc(1, (size_t)len + 1)))
+            ok = fread(text, 1, (size_t)len, f) == (size_t)len;
+        else ok = 0;
+        if (f) fclose(f);
+        if (!ok) snprintf(why, sizeof why, "cannot read %s", path);
+        int want = (world / P) * stages * m * steps; /* every replica's stages, every microbatch and step */
+        int fwd = ok ? count_of(text, "\"cat\":\"forward\"") : 0, bwd = ok ? count_of(text, "\"cat\":\"backward\"") : 0;
+        int ar = ok ? count_of(text, "\"cat\":\"allreduce\"") : 0, open = ok ? count_of(text, "{") : 0, close = ok ? count_of(text, "}") : 0;
+        if (ok && (strncmp(text, "{\"displayTimeUnit\"", 18) || open != close || strcmp(text + len - 3, "]}\n"))) {
+            snprintf(why, sizeof why, "not one JSON object (%d '{' against %d '}')", open, close);
+            ok = 0;
+        } else if (ok && (fwd != want || bwd != want)) {
+            snprintf(why, sizeof why, "%d forward and %d backward events, expected %d each", fwd, bwd, want);
+            ok = 0;
+        } else if (ok && (world > P ? ar < world * steps : ar != 0)) {
+            snprintf(why, sizeof why, "%d all-reduce events for %d ranks over %d steps (ddp %s)", ar, world, steps, world > P ? "on" : "off");
+            ok = 0;
+        }
+        for (int r = 0; ok && r < world; r++) {
+            char pid[32];
+            snprintf(pid, sizeof pid, "\"pid\":%d,\"tid\":0", r);
+            if (!strstr(text, pid)) { snprintf(why, sizeof why, "no operation of rank %d", r); ok = 0; }
+        }
+        free(text);
+        remove(path);
+    }
+    MPI_Bcast(&ok, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    MPI_CHECK(ok, name, "%s", why);
+}
+
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
@@ -184,6 +258,8 @@ int main(int argc, char **argv) {
     }
     for (int P = 1; P <= world && P <= 4; P *= 2)
         if (world % P == 0) run_error_case(P);
+    for (int P = 1; P <= world && P <= 4; P *= 2)
+        if (world % P == 0) run_timeline_case(P);
     (void)g_losses;
     int rc = test_exit_code();
     MPI_Finalize();
