@@ -876,11 +876,12 @@ typedef struct smp__xfer {
     void **dev_req;          /* the backend's transfers of this message, until waited */
     int ndev_req;
     int stage, mb;           /* send: the forward or backward that sent it */
+    double t_post;           /* send: when it was posted (timeline) */
     bool backward;
 } smp__xfer;
 #define SMP__HDR_WORDS(ntensors) (10 * (ntensors) + 1)
 
-typedef struct smp__event { double t0, t1; int kind, stage, mb; } smp__event; /* kind: 0 fwd, 1 bwd, 2 wait, 3 body, 4 all-reduce (mb: bucket) */
+typedef struct smp__event { double t0, t1; int kind, stage, mb; } smp__event; /* kind: 0 fwd, 1 bwd, 2 wait (receive), 3 body, 4 all-reduce (mb: bucket), 5 send (posted to completed) */
 
 typedef struct smp__mbstate {
     smp_tensor *act;       /* [ncalls * maxout]: this microbatch's tensors known here */
@@ -950,6 +951,7 @@ typedef struct smp__pipe {
 } smp__pipe;
 
 static smp_status smp__timeline_write(smp__pipe *ps);
+static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0);
 
 static void smp__pipe_free(void *p) {
     smp__pipe *ps = (smp__pipe *)p;
@@ -1163,6 +1165,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
     x->stage = stage;
     x->mb = mb;
     x->backward = backward;
+    x->t_post = smp__now();
     x->hdr = (int64_t *)smp__alloc(sizeof(int64_t) * (size_t)SMP__HDR_WORDS(nt), SMP__ALLOC_OTHER);
     x->type = MPI_DATATYPE_NULL;
     x->req[0] = x->req[1] = MPI_REQUEST_NULL;
@@ -1299,6 +1302,7 @@ static void smp__progress_transfers(smp__pipe *ps) {
         MPI_Testall(2, x->req, &done, sts);
         if (done && smp__device_done(x)) {
             smp__device_wait_all(x);
+            smp__event_add(ps, 5, x->stage, x->mb, x->t_post);
             smp__send_done(x);
         }
     }
@@ -2411,7 +2415,8 @@ static smp_status smp__timeline_write(smp__pipe *ps) {
     if (!path || !*path) return SMP_OK;
     size_t cap = 64 + (ps ? (size_t)ps->nevents * 160 : 0), len = 0;
     char *mine = (char *)smp__alloc(cap, SMP__ALLOC_OTHER);
-    static const char *names[] = {"forward", "backward", "wait", "body", "allreduce"};
+    static const char *names[] = {"forward", "backward", "wait", "body", "allreduce", "send"};
+    static const int track[] = {0, 0, 1, 0, 2, 3}; /* waits, all-reduces and sends overlap the compute */
     for (int e = 0; ps && e < ps->nevents; e++) {
         smp__event *ev = &ps->events[e];
         if (ev->kind == 4) { /* a gradient bucket's all-reduce, on a track of its own */
@@ -2422,8 +2427,8 @@ static smp_status smp__timeline_write(smp__pipe *ps) {
         }
         len += (size_t)snprintf(mine + len, cap - len,
                                 "%s{\"name\":\"%c%d s%d\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":%d,\"args\":{\"stage\":%d,\"microbatch\":%d}}",
-                                len ? "," : "", "FBWL"[ev->kind], ev->mb, ev->stage, names[ev->kind], ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6,
-                                smp__ctx.rank, ev->kind == 2 ? 1 : 0, ev->stage, ev->mb);
+                                len ? "," : "", "FBWL S"[ev->kind], ev->mb, ev->stage, names[ev->kind], ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6,
+                                smp__ctx.rank, track[ev->kind], ev->stage, ev->mb);
     }
     int n = smp__ctx.size;
     size_t *lens = (size_t *)smp__alloc(sizeof(size_t) * (size_t)n, SMP__ALLOC_OTHER);

@@ -178,7 +178,7 @@ static void run_timeline_case(int P) {
     MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
     char path[64], name[128], why[2600] = "";
     snprintf(path, sizeof path, "/tmp/smp_test_timeline_%d.json", tag);
-    snprintf(name, sizeof name, "pipeline/SMP_TIMELINE has every rank's operations%s/P=%d", world > P ? " and all-reduces" : "", P);
+    snprintf(name, sizeof name, "pipeline/SMP_TIMELINE has every rank's forwards, backwards, sends%s/P=%d", world > P ? " and all-reduces" : "", P);
     setenv("SMP_TIMELINE", path, 1);
     smp_config cfg = {0};
     cfg.partitions = P;
@@ -212,11 +212,15 @@ static void run_timeline_case(int P) {
         int want = (world / P) * stages * m * steps; /* every replica's stages, every microbatch and step */
         int fwd = ok ? count_of(text, "\"cat\":\"forward\"") : 0, bwd = ok ? count_of(text, "\"cat\":\"backward\"") : 0;
         int ar = ok ? count_of(text, "\"cat\":\"allreduce\"") : 0, open = ok ? count_of(text, "{") : 0, close = ok ? count_of(text, "}") : 0;
+        int sends = ok ? count_of(text, "\"cat\":\"send\"") : 0, min_sends = 2 * (world / P) * (stages - 1) * m * steps; /* each boundary, both ways */
         if (ok && (strncmp(text, "{\"displayTimeUnit\"", 18) || open != close || strcmp(text + len - 3, "]}\n"))) {
             snprintf(why, sizeof why, "not one JSON object (%d '{' against %d '}')", open, close);
             ok = 0;
         } else if (ok && (fwd != want || bwd != want)) {
             snprintf(why, sizeof why, "%d forward and %d backward events, expected %d each", fwd, bwd, want);
+            ok = 0;
+        } else if (ok && (P > 1 ? sends < min_sends : sends != 0)) {
+            snprintf(why, sizeof why, "%d send events, expected %s%d", sends, P > 1 ? "at least " : "", min_sends);
             ok = 0;
         } else if (ok && (world > P ? ar < world * steps : ar != 0)) {
             snprintf(why, sizeof why, "%d all-reduce events for %d ranks over %d steps (ddp %s)", ar, world, steps, world > P ? "on" : "off");
