@@ -548,7 +548,7 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b);
    MPI already requires to match on every rank (count, type, op), so every
    rank hits and misses the same slots in the same order. */
 #define SMP__PERSIST_SLOTS 8
-#define SMP__PERSIST_MAX_BYTES ((size_t)32 << 10)
+#define SMP__PERSIST_MAX_BYTES ((size_t)8 << 10) /* above it the staging copies cost more than the request saves */
 typedef struct smp__persist {
     MPI_Request req;
     /* send == NULL: an empty slot */

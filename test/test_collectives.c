@@ -1030,9 +1030,9 @@ int main(int argc, char **argv) {
     test_argument_errors();
 
     /* small all-reduces keep staging buffers for their persistent requests
-       (at most 8 per group, each at most 2 x 32 KiB) until smp_finalize */
+       (at most 8 per group, each at most 2 x 8 KiB) until smp_finalize */
     int64_t held = smp_memory().current_bytes - mem_before;
-    MPI_CHECK(held >= 0 && held <= 3 * 8 * 2 * (32 << 10), "collectives/scratch_held_is_bounded", "%lld bytes held between calls", (long long)held);
+    MPI_CHECK(held >= 0 && held <= 3 * 8 * 2 * (8 << 10), "collectives/scratch_held_is_bounded", "%lld bytes held between calls", (long long)held);
     smp_finalize();
     int64_t leaked = smp_memory().current_bytes - mem_at_start;
     MPI_CHECK(leaked == 0, "collectives/no_leaked_scratch", "%lld bytes allocated through smp were not given back by smp_finalize", (long long)leaked);
