@@ -68,7 +68,7 @@ EXLIBS   := -lopenblas -lz -lm
 # -O3 -fno-math-errno vectorises the engine's elementwise loops (ReLU, Adam's
 # sqrtf); neither reorders floating-point sums, so results do not change.
 EXFLAGS  := -O3 -fno-math-errno -g
-build/examples/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_options.h | build/examples
+build/examples/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h | build/examples
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(EXFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
 build/examples:
 	@mkdir -p $@
@@ -80,7 +80,7 @@ CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu build/cuda/fmnist bui
 build/cuda/%: examples/%.cu $(HEADERS) | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lnccl
 # Fashion-MNIST on GPUs: the CPU demo's loop with cuBLAS and kernels of its own.
-CUDA_MLP := examples/fmnist_cuda.h examples/mlp_engine.h examples/fmnist_options.h
+CUDA_MLP := examples/fmnist_cuda.h examples/mlp_engine.h examples/fmnist_shared.h
 build/cuda/fmnist: examples/fmnist.cu $(HEADERS) $(CUDA_MLP) Makefile | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl -lz
 build/bench/nccl: bench/nccl.cu $(HEADERS) $(CUDA_MLP) Makefile | build/bench

@@ -29,12 +29,11 @@
 #include "smp_pipeline.h"
 #include "smp_checkpoint.h"
 #include "fmnist_model.h"
-#include "fmnist_options.h"
+#include "fmnist_shared.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 /* ---------------------------------------------------------------- the optimizer */
 /* Adam over this rank's parameters (smp.DistributedOptimizer: each rank
@@ -84,31 +83,6 @@ static void adam_free(adam *o) {
     for (int i = 0; i < o->nparams; i++) { free(o->m[i]); free(o->v[i]); }
     free(o->m);
     free(o->v);
-}
-
-/* ---------------------------------------------------------------- progress */
-static void progress(int epoch, int epochs, long done, long total, double loss, double rate, bool final) {
-    if (smp_rank() != 0) return;
-    if (isatty(STDOUT_FILENO)) {
-        int width = 30, filled = total ? (int)(width * done / total) : width;
-        printf("\repoch %d/%d [%.*s%*s] %5.1f%%  loss %.4f  %6.0f samples/s", epoch, epochs, filled,
-               "##############################", width - filled, "", 100.0 * (double)done / (double)total, loss, rate);
-        if (final) printf("\n");
-        fflush(stdout);
-    } else if (final) {
-        printf("epoch %d/%d  loss %.4f  %.0f samples/s\n", epoch, epochs, loss, rate);
-        fflush(stdout);
-    }
-}
-
-static double now(void) { return MPI_Wtime(); }
-
-/* What a checkpoint's metadata says about where training stopped. */
-typedef struct resume_state { int epoch; long steps; } resume_state;
-static void on_meta(const char *key, const char *value, void *user) {
-    resume_state *r = user;
-    if (!strcmp(key, "epoch")) r->epoch = atoi(value);
-    else if (!strcmp(key, "step")) r->steps = atol(value);
 }
 
 int main(int argc, char **argv) {

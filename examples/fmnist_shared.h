@@ -1,11 +1,12 @@
-/* fmnist_options.h - the command line of the Fashion-MNIST demo, shared by
-   the CPU (fmnist.c) and CUDA (fmnist.cu) programs so that their training
-   loops stay the only difference. Include after smp.h. */
-#ifndef FMNIST_OPTIONS_H
-#define FMNIST_OPTIONS_H
+/* fmnist_shared.h - what the CPU (fmnist.c) and CUDA (fmnist.cu) demos
+   share outside their training loops: the command line, the progress
+   output and the resume metadata. Include after smp.h. */
+#ifndef FMNIST_SHARED_H
+#define FMNIST_SHARED_H
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ---------------------------------------------------------------- options */
 typedef struct options {
@@ -76,6 +77,31 @@ static int parse_options(int argc, char **argv, options *o) {
     }
     if (o->epochs < 1 || o->batch < 1) { usage(argv[0]); return 1; }
     return 0;
+}
+
+/* ---------------------------------------------------------------- progress */
+static void progress(int epoch, int epochs, long done, long total, double loss, double rate, bool final) {
+    if (smp_rank() != 0) return;
+    if (isatty(STDOUT_FILENO)) {
+        int width = 30, filled = total ? (int)(width * done / total) : width;
+        printf("\repoch %d/%d [%.*s%*s] %5.1f%%  loss %.4f  %6.0f samples/s", epoch, epochs, filled,
+               "##############################", width - filled, "", 100.0 * (double)done / (double)total, loss, rate);
+        if (final) printf("\n");
+        fflush(stdout);
+    } else if (final) {
+        printf("epoch %d/%d  loss %.4f  %.0f samples/s\n", epoch, epochs, loss, rate);
+        fflush(stdout);
+    }
+}
+
+static double now(void) { return MPI_Wtime(); }
+
+/* What a checkpoint's metadata says about where training stopped. */
+typedef struct resume_state { int epoch; long steps; } resume_state;
+static void on_meta(const char *key, const char *value, void *user) {
+    resume_state *r = (resume_state *)user;
+    if (!strcmp(key, "epoch")) r->epoch = atoi(value);
+    else if (!strcmp(key, "step")) r->steps = atol(value);
 }
 
 #endif
