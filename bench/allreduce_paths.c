@@ -1,0 +1,77 @@
+/* bench/allreduce_paths.c - what one small all-reduce costs through each
+   path MPI offers, to choose smp_all_reduce's (see bench/RESULTS.md):
+   blocking MPI_Allreduce, MPI_Iallreduce polled with MPI_Test, a persistent
+   request (MPI_Allreduce_init) started and polled with staging copies in
+   and out (what smp does up to SMP__PERSIST_MAX_BYTES), and the same
+   persistent request bound to the caller's buffers (no copies).
+   Build: make build/bench/allreduce_paths
+   Run:   mpirun -n 2 build/bench/allreduce_paths
+   Each figure is the best of 5 runs of 20000 calls; ratios are to blocking. */
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { BLOCKING, NONBLOCKING, PERSISTENT_COPIES, PERSISTENT_BOUND, NPATHS };
+
+static void poll_until_done(MPI_Request *r) {
+    int done = 0;
+    while (!done) MPI_Test(r, &done, MPI_STATUS_IGNORE);
+}
+
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    int rank;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    static const int sizes[] = {1 << 10, 4 << 10, 8 << 10, 16 << 10, 64 << 10};
+    if (rank == 0) printf("%8s %12s %22s %22s %22s\n", "bytes", "blocking us", "iallreduce", "persistent+copies", "persistent bound");
+    for (int si = 0; si < (int)(sizeof sizes / sizeof *sizes); si++) {
+        size_t bytes = (size_t)sizes[si];
+        int n = (int)(bytes / sizeof(float));
+        float *in = malloc(bytes), *out = malloc(bytes), *stage_in = malloc(bytes), *stage_out = malloc(bytes);
+        for (int i = 0; i < n; i++) in[i] = (float)i;
+        MPI_Request staged, bound;
+        MPI_Allreduce_init(stage_in, stage_out, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, MPI_INFO_NULL, &staged);
+        MPI_Allreduce_init(in, out, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, MPI_INFO_NULL, &bound);
+        double best[NPATHS];
+        for (int p = 0; p < NPATHS; p++) best[p] = 1e30;
+        const int calls = 20000;
+        for (int rep = 0; rep < 5; rep++)
+            for (int p = 0; p < NPATHS; p++) {
+                MPI_Barrier(MPI_COMM_WORLD);
+                double t = MPI_Wtime();
+                for (int c = 0; c < calls; c++) {
+                    MPI_Request r;
+                    switch (p) {
+                    case BLOCKING: MPI_Allreduce(in, out, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); break;
+                    case NONBLOCKING:
+                        MPI_Iallreduce(in, out, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &r);
+                        poll_until_done(&r);
+                        break;
+                    case PERSISTENT_COPIES:
+                        memcpy(stage_in, in, bytes);
+                        MPI_Start(&staged);
+                        poll_until_done(&staged);
+                        memcpy(out, stage_out, bytes);
+                        break;
+                    default:
+                        MPI_Start(&bound);
+                        poll_until_done(&bound);
+                    }
+                }
+                t = (MPI_Wtime() - t) / calls * 1e6;
+                if (t < best[p]) best[p] = t;
+            }
+        if (rank == 0)
+            printf("%8zu %12.2f %14.2f (x%.2f) %14.2f (x%.2f) %14.2f (x%.2f)\n", bytes, best[0], best[1], best[1] / best[0], best[2],
+                   best[2] / best[0], best[3], best[3] / best[0]);
+        MPI_Request_free(&staged);
+        MPI_Request_free(&bound);
+        free(in);
+        free(out);
+        free(stage_in);
+        free(stage_out);
+    }
+    MPI_Finalize();
+    return 0;
+}
