@@ -900,7 +900,7 @@ typedef struct smp__bucket {
     smp_dtype dtype;
     int first, count;    /* its parameters: bucket_params[first .. first + count) */
     int final;           /* how many of them are final this step */
-    bool started;
+    bool ready;          /* may start: overlap on and all final, or the step's end */
     MPI_Request req;     /* host buckets; device collectives are the backend's to order */
     void *gather;        /* deterministic reduction: every replica's copy */
     double t_start;      /* when its collective started (timeline) */
@@ -946,6 +946,7 @@ typedef struct smp__pipe {
     long passes;           /* training steps so far (backward_passes_per_step) */
     smp__bucket *buckets;
     int nbuckets;
+    int next_bucket;       /* the first bucket not started this step */
     int *bucket_of;        /* [nparams]: bucket of each parameter, -1 if none */
     int *bucket_params;    /* parameters in backward order */
 } smp__pipe;
@@ -1547,8 +1548,6 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
 static smp__pipe *smp__ddp_inflight; /* the step whose buckets are in flight, for smp_poll */
 
 static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
-    if (b->started) return SMP_OK;
-    b->started = true;
     bool deterministic = smp__ctx.cfg.deterministic_reduction == SMP_ON;
     if (b->device != SMP_HOST) {
         /* the backend queues the collective (NCCL: on its stream, ordered after the backward's kernels) */
@@ -1578,7 +1577,6 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
     return SMP_OK;
 }
 
-/* Lets the buckets in flight move; one test runs MPI's whole progress engine. */
 /* Whether bucket b's host collective has finished; its timeline event when it just did. */
 static bool smp__bucket_test(smp__pipe *ps, int b) {
     smp__bucket *k = &ps->buckets[b];
@@ -1589,13 +1587,29 @@ static bool smp__bucket_test(smp__pipe *ps, int b) {
     return done;
 }
 
-static void smp__ddp_poll(smp__pipe *ps) {
-    for (int b = 0; b < ps->nbuckets; b++) {
-        smp__bucket *k = &ps->buckets[b];
-        if (!k->started || k->req == MPI_REQUEST_NULL) continue;
-        smp__bucket_test(ps, b);
-        return;
+/* Starts ready buckets in index order (the order every replica uses), a
+   host bucket only once the one before it has finished: started together,
+   MPICH's all-reduces compete for memory bandwidth and cache, and three
+   24 MiB buckets take 10% longer side by side than one after another
+   (bench/RESULTS.md). The test of the bucket before runs MPI's whole
+   progress engine, so it also moves the bucket in flight. A device
+   backend orders its collectives on its stream and starts each at once. */
+static smp_status smp__ddp_advance(smp__pipe *ps) {
+    smp_status st = SMP_OK;
+    while (ps->next_bucket < ps->nbuckets) {
+        smp__bucket *b = &ps->buckets[ps->next_bucket];
+        if (!b->ready || (b->device == SMP_HOST && ps->next_bucket > 0 && !smp__bucket_test(ps, ps->next_bucket - 1))) break;
+        smp_status bs = smp__bucket_start(ps, b);
+        if (!st) st = bs;
+        ps->next_bucket++;
     }
+    return st;
+}
+
+/* Between calls: the bucket in flight moves on, and the next starts once it is done. */
+static void smp__ddp_poll(smp__pipe *ps) {
+    if (ps->next_bucket > 0 && ps->next_bucket < ps->nbuckets) smp__ddp_advance(ps);
+    else if (ps->next_bucket > 0) smp__bucket_test(ps, ps->nbuckets - 1);
 }
 
 SMPDEF void smp_poll(void) {
@@ -1609,29 +1623,32 @@ static smp_status smp__ddp_call_final(smp__pipe *ps, smp_model *md, int k) {
         smp_param *p = md->params[i];
         int b = ps->bucket_of[i];
         if (b < 0 || p->module->owner_call != k) continue;
-        if (++ps->buckets[b].final == ps->buckets[b].count && smp__ctx.cfg.overlapping_allreduce == SMP_ON)
-            st = smp__bucket_start(ps, &ps->buckets[b]);
+        if (++ps->buckets[b].final == ps->buckets[b].count && smp__ctx.cfg.overlapping_allreduce == SMP_ON) {
+            ps->buckets[b].ready = true;
+            st = smp__ddp_advance(ps);
+        }
     }
     return st;
 }
 
-/* Starts every bucket not started yet (in index order, the order every
-   replica uses) and waits for all of them. The wait polls without sleeping:
-   MPI moves a large collective only inside MPI calls, a fixed amount per
-   call (MPICH 4.0 over shared memory: about 0.5 MiB, so a 24 MiB bucket
-   takes some 50 calls however far apart), and the back-off's sleeps
-   between polls (up to 1 ms) slow the sync down. The replicas arrive
-   together, so the spin is short; sched_yield lets a rank that shares the
-   core run. The timeout still applies. */
+/* Starts every bucket not started yet and waits for all of them. The wait
+   polls without sleeping: MPI moves a large collective only inside MPI
+   calls, a fixed amount per call (MPICH 4.0 over shared memory: about
+   0.5 MiB, so a 24 MiB bucket takes some 50 calls however far apart), and
+   the back-off's sleeps between polls (up to 1 ms) slow the sync down.
+   The replicas arrive together, so the spin is short; sched_yield lets a
+   rank that shares the core run. The timeout still applies. */
 static smp_status smp__ddp_complete(smp__pipe *ps) {
     smp_status st = SMP_OK;
-    for (int b = 0; b < ps->nbuckets; b++) { /* every bucket, even after an error: the replicas expect each collective */
-        smp_status bs = smp__bucket_start(ps, &ps->buckets[b]);
-        if (!st) st = bs;
-    }
+    for (int b = 0; b < ps->nbuckets; b++) ps->buckets[b].ready = true;
     double start = smp__now(), deadline = start + smp_timeout();
-    for (int b = 0; b < ps->nbuckets;) {
-        if (smp__bucket_test(ps, b)) { b++; continue; }
+    for (;;) {
+        /* every bucket, even after an error: the replicas expect each collective */
+        smp_status bs = smp__ddp_advance(ps);
+        if (!st) st = bs;
+        bool done = ps->next_bucket == ps->nbuckets;
+        for (int b = 0; b < ps->nbuckets && done; b++) done = smp__bucket_test(ps, b);
+        if (done) break;
         double now = smp__now();
         if (now > deadline) smp__timeout_abort("data-parallel gradient all-reduce", SMP_DP_GROUP, -1, now - start);
         sched_yield();
@@ -1661,9 +1678,10 @@ static smp_status smp__ddp_finish(smp__pipe *ps, bool failed) {
         }
         smp__free(k->gather);
         k->gather = NULL;
-        k->started = false;
+        k->ready = false;
         k->final = 0;
     }
+    ps->next_bucket = 0;
     return st;
 }
 
