@@ -268,9 +268,10 @@ SMPDEF smp_status smp_timeline_write(smp_model *m);
    first step parameters (and buffers, with broadcast_buffers) are broadcast
    from dp rank 0; every step then averages gradients over the DP_GROUP.
    Gradients live in buckets of bucket_cap_mb, in the order backward
-   finishes them; with overlapping_allreduce a bucket's all-reduce starts as
-   soon as its last gradient is final during the last microbatch's
-   backward. With deterministic_reduction the sum is taken in dp-rank order
+   finishes them; with overlapping_allreduce a bucket's all-reduce starts
+   during the last microbatch's backward, once its last gradient is final
+   and the bucket before it has finished (one bucket at a time, as NCCL
+   runs a stream's collectives). With deterministic_reduction the sum is taken in dp-rank order
    after an all-gather, so results do not depend on MPI's algorithm. */
 
 /* Scales gradients so that their global norm (over the whole model, every
@@ -285,7 +286,7 @@ SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm);
    memory: about 0.5 MiB per call), and a step makes none while a module's
    backward runs. A long backward that calls smp_poll() every millisecond
    or so gets the early buckets' all-reduce done behind it. Costs one
-   MPI_Test; does nothing when no all-reduce is in flight. Call it from the
+   MPI_Test (and starts the next bucket when one finished); does nothing when no all-reduce is in flight. Call it from the
    thread that called smp_step. */
 SMPDEF void smp_poll(void);
 
