@@ -254,7 +254,11 @@ typedef enum smp_op { SMP_SUM = 0, SMP_AVG, SMP_MIN, SMP_MAX, SMP_PROD } smp_op;
 
 /* In place when in->data == out->data. Host tensors move over MPI; device
    tensors over the registered device backend (smp_nccl.h). f16 and bf16 are
-   reduced in f32 precision per combining step. */
+   reduced in f32 precision per combining step.
+   A call that fails on some members only (say, one rank passes a tensor of
+   the wrong size) returns the error there; a member waiting for it in that
+   collective (host tensors, and the byte and barrier calls above) aborts
+   the job with that error instead of waiting for SMP_TIMEOUT. */
 SMPDEF smp_status smp_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g);
 SMPDEF smp_status smp_broadcast(smp_tensor *t, int root, smp_group g);
 /* out is used on root only (may be NULL elsewhere). */
@@ -566,6 +570,13 @@ typedef struct smp__group_info {
     int *world_ranks; /* group rank -> world rank */
     smp__persist persist[SMP__PERSIST_SLOTS];
     unsigned long long persist_clock;
+    /* public collectives called on the group, the one running included; a
+       member that fails one tells the others which (smp__coll_exit) */
+    unsigned long long coll_seq;
+    bool in_coll;
+    unsigned long long failed_ahead; /* a member failed this one before this rank got there (0: none) */
+    int failed_ahead_rank;
+    char *failed_ahead_msg;
 } smp__group_info;
 
 typedef enum smp__alloc_kind { SMP__ALLOC_OTHER, SMP__ALLOC_PARAM, SMP__ALLOC_STASH } smp__alloc_kind;
@@ -1958,8 +1969,101 @@ static void smp__timeout_abort(const char *what, smp_group g, int peer, double w
                smp__group_name(g), smp_timeout());
 }
 
+/* A collective that fails on one member (bad arguments, out of memory)
+   would leave the others waiting until SMP_TIMEOUT. So the failing member
+   sends each other member the collective's number in the group and its
+   error, and a member that waits in that collective aborts the job with
+   the message at once. Where every member fails the same call, nobody
+   waits and the messages are dropped as stale. */
+#define SMP__TAG_FAILED 7002
+typedef struct smp__failure_send { MPI_Request req; char *buf; } smp__failure_send;
+static struct { smp__failure_send *sends; int n, cap; } smp__failures; /* in flight */
+
+static smp__group_info *smp__group(smp_group g);
+static char *smp__strdup(const char *s);
+static bool smp__grow(void **arr, int *cap, int need, size_t elem);
+
+static void smp__member_failed(smp_group g, int rank, const char *error) {
+    if (g == SMP_WORLD) smp__fatal("world rank %d failed the collective this rank waits in: %s; aborting the job", rank, error);
+    smp__fatal("%s rank %d (world rank %d) failed the collective this rank waits in: %s; aborting the job", smp__group_name(g), rank,
+               smp_group_world_rank(g, rank), error);
+}
+
+static void smp__check_member_failed(smp__group_info *gi, smp_group g) {
+    for (;;) {
+        int found = 0;
+        MPI_Status status;
+        MPI_Iprobe(MPI_ANY_SOURCE, SMP__TAG_FAILED, gi->comm, &found, &status);
+        if (!found) break;
+        int len;
+        MPI_Get_count(&status, MPI_BYTE, &len);
+        char msg[8 + sizeof smp__errbuf];
+        if (len < 8 || len > (int)sizeof msg - 1) smp__fatal("a malformed failure message (%d bytes) in %s", len, smp__group_name(g));
+        MPI_Recv(msg, len, MPI_BYTE, status.MPI_SOURCE, SMP__TAG_FAILED, gi->comm, MPI_STATUS_IGNORE);
+        msg[len] = 0;
+        unsigned long long seq;
+        memcpy(&seq, msg, 8);
+        if (seq == gi->coll_seq && gi->in_coll) smp__member_failed(g, status.MPI_SOURCE, msg + 8);
+        if (seq > gi->coll_seq && !gi->failed_ahead) { /* this rank gets there later */
+            gi->failed_ahead = seq;
+            gi->failed_ahead_rank = status.MPI_SOURCE;
+            gi->failed_ahead_msg = smp__strdup(msg + 8);
+        }
+    }
+    if (gi->in_coll && gi->failed_ahead == gi->coll_seq) smp__member_failed(g, gi->failed_ahead_rank, gi->failed_ahead_msg);
+}
+
+static smp__group_info *smp__coll_enter(smp_group g) {
+    smp__group_info *gi = smp__ctx.initialized ? smp__group(g) : NULL;
+    if (gi) {
+        gi->coll_seq++;
+        gi->in_coll = true;
+    }
+    return gi;
+}
+
+/* Completes the failure messages in flight (cancel: those nobody received). */
+static void smp__failures_reap(bool cancel) {
+    int kept = 0;
+    for (int i = 0; i < smp__failures.n; i++) {
+        smp__failure_send *f = &smp__failures.sends[i];
+        int done = 0;
+        MPI_Test(&f->req, &done, MPI_STATUS_IGNORE);
+        if (!done && cancel) {
+            MPI_Cancel(&f->req);
+            MPI_Wait(&f->req, MPI_STATUS_IGNORE);
+        }
+        if (done || cancel) smp__free(f->buf);
+        else smp__failures.sends[kept++] = *f;
+    }
+    smp__failures.n = kept;
+}
+
+static smp_status smp__coll_exit(smp__group_info *gi, smp_status st) {
+    if (!gi) return st;
+    gi->in_coll = false;
+    if (!st) return st;
+    smp__failures_reap(false);
+    size_t len = strlen(smp__errbuf);
+    for (int r = 0; r < gi->size; r++) {
+        if (r == gi->rank) continue;
+        char *buf = (char *)smp__alloc(8 + len, SMP__ALLOC_OTHER);
+        if (!buf || !smp__grow((void **)&smp__failures.sends, &smp__failures.cap, smp__failures.n + 1, sizeof(smp__failure_send))) {
+            smp__free(buf);
+            return st; /* out of memory: the others fall back on the timeout */
+        }
+        memcpy(buf, &gi->coll_seq, 8);
+        memcpy(buf + 8, smp__errbuf, len);
+        smp__failure_send *f = &smp__failures.sends[smp__failures.n++];
+        f->buf = buf;
+        MPI_Isend(buf, (int)(8 + len), MPI_BYTE, r, SMP__TAG_FAILED, gi->comm, &f->req);
+    }
+    return st;
+}
+
 SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_group g, int peer) {
     smp__backoff b = smp__backoff_start();
+    smp__group_info *gi = smp__ctx.initialized ? smp__group(g) : NULL;
     for (;;) {
         int all = 1;
         for (int i = 0; i < n && all; i += 16) { /* real status arrays: gcc flags MPI_STATUSES_IGNORE */
@@ -1970,6 +2074,8 @@ SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_gr
             if (rc != MPI_SUCCESS) smp__fatal("MPI_Test%s failed while waiting for %s", k == 1 ? "" : "all", what);
         }
         if (all) return;
+        /* past the spin: has a member failed the collective this rank waits in? */
+        if (gi && gi->in_coll && b.polls >= 64 && b.polls % 16 == 0) smp__check_member_failed(gi, g);
         if (!smp__backoff_pause(&b)) smp__timeout_abort(what, g, peer, smp__now() - b.start);
     }
 }
@@ -2144,7 +2250,11 @@ static void smp__persist_free(smp__persist *p) {
 SMPDEF void smp_finalize(void) {
     if (!smp__ctx.initialized) return;
     if (smp__ctx.has_device && smp__ctx.device.on_finalize) smp__ctx.device.on_finalize();
+    smp__failures_reap(true);
+    smp__free(smp__failures.sends);
+    memset(&smp__failures, 0, sizeof smp__failures);
     for (int g = 0; g < SMP_GROUP_COUNT; g++) {
+        smp__free(smp__ctx.groups[g].failed_ahead_msg);
         for (int i = 0; i < SMP__PERSIST_SLOTS; i++) smp__persist_free(&smp__ctx.groups[g].persist[i]);
         MPI_Comm_free(&smp__ctx.groups[g].comm);
         smp__free(smp__ctx.groups[g].world_ranks);
@@ -2231,7 +2341,7 @@ static smp_status smp__group_arg(smp_group g, const char *fn, smp__group_info **
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_broadcast_bytes(void **buf, size_t *len, int root, smp_group g) {
+static smp_status smp__broadcast_bytes(void **buf, size_t *len, int root, smp_group g) {
     smp__group_info *gi;
     smp_status st = smp__group_arg(g, "smp_broadcast_bytes", &gi);
     if (st) return st;
@@ -2252,7 +2362,12 @@ SMPDEF smp_status smp_broadcast_bytes(void **buf, size_t *len, int root, smp_gro
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
+SMPDEF smp_status smp_broadcast_bytes(void **buf, size_t *len, int root, smp_group g) {
+    smp__group_info *member = smp__coll_enter(g);
+    return smp__coll_exit(member, smp__broadcast_bytes(buf, len, root, g));
+}
+
+static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
     smp__group_info *gi;
     smp_status st = smp__group_arg(g, "smp_allgather_bytes", &gi);
     if (st) return st;
@@ -2275,7 +2390,12 @@ SMPDEF smp_status smp_allgather_bytes(const void *buf, size_t len, smp_group g, 
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_barrier(smp_group g) {
+SMPDEF smp_status smp_allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
+    smp__group_info *member = smp__coll_enter(g);
+    return smp__coll_exit(member, smp__allgather_bytes(buf, len, g, out, lens));
+}
+
+static smp_status smp__barrier(smp_group g) {
     smp__group_info *gi;
     smp_status st = smp__group_arg(g, "smp_barrier", &gi);
     if (st) return st;
@@ -2283,6 +2403,11 @@ SMPDEF smp_status smp_barrier(smp_group g) {
     SMP__MPI(MPI_Ibarrier(gi->comm, &req));
     smp_wait_requests(1, &req, "barrier", g, -1);
     return SMP_OK;
+}
+
+SMPDEF smp_status smp_barrier(smp_group g) {
+    smp__group_info *member = smp__coll_enter(g);
+    return smp__coll_exit(member, smp__barrier(g));
 }
 
 /* ---------------------------------------------------------------- collectives */
@@ -2431,7 +2556,7 @@ static smp__persist *smp__persist_slot(smp__group_info *gi, int count, MPI_Datat
 #endif
 }
 
-SMPDEF smp_status smp_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
+static smp_status smp__all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
     smp__group_info *gi;
     MPI_Op mop;
     smp_status st = smp__coll_args("smp_all_reduce", g, &gi, in, "in", out, "out");
@@ -2456,7 +2581,12 @@ SMPDEF smp_status smp_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op o
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_broadcast(smp_tensor *t, int root, smp_group g) {
+SMPDEF smp_status smp_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
+    smp__group_info *member = smp__coll_enter(g);
+    return smp__coll_exit(member, smp__all_reduce(in, out, op, g));
+}
+
+static smp_status smp__broadcast(smp_tensor *t, int root, smp_group g) {
     smp__group_info *gi;
     smp_status st = smp__coll_args("smp_broadcast", g, &gi, t, "tensor", NULL, NULL);
     if (st) return st;
@@ -2468,7 +2598,12 @@ SMPDEF smp_status smp_broadcast(smp_tensor *t, int root, smp_group g) {
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g) {
+SMPDEF smp_status smp_broadcast(smp_tensor *t, int root, smp_group g) {
+    smp__group_info *member = smp__coll_enter(g);
+    return smp__coll_exit(member, smp__broadcast(t, root, g));
+}
+
+static smp_status smp__reduce(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g) {
     smp__group_info *gi;
     MPI_Op mop;
     smp_status st = smp__group_arg(g, "smp_reduce", &gi);
@@ -2489,7 +2624,12 @@ SMPDEF smp_status smp_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, i
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
+SMPDEF smp_status smp_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g) {
+    smp__group_info *member = smp__coll_enter(g);
+    return smp__coll_exit(member, smp__reduce(in, out, op, root, g));
+}
+
+static smp_status smp__all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
     smp__group_info *gi;
     smp_status st = smp__coll_args("smp_all_gather", g, &gi, in, "in", out, "out");
     if (st) return st;
@@ -2506,7 +2646,12 @@ SMPDEF smp_status smp_all_gather(const smp_tensor *in, smp_tensor *out, smp_grou
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
+SMPDEF smp_status smp_all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
+    smp__group_info *member = smp__coll_enter(g);
+    return smp__coll_exit(member, smp__all_gather(in, out, g));
+}
+
+static smp_status smp__reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
     smp__group_info *gi;
     MPI_Op mop;
     smp_status st = smp__coll_args("smp_reduce_scatter", g, &gi, in, "in", out, "out");
@@ -2529,8 +2674,13 @@ SMPDEF smp_status smp_reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
-                                        const int64_t *in_splits, smp_group g) {
+SMPDEF smp_status smp_reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
+    smp__group_info *member = smp__coll_enter(g);
+    return smp__coll_exit(member, smp__reduce_scatter(in, out, op, g));
+}
+
+static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
+                                         const int64_t *in_splits, smp_group g) {
     const char *fn = "smp_all_to_all_single";
     smp__group_info *gi;
     smp_status st = smp__coll_args(fn, g, &gi, in, "in", out, "out");
@@ -2561,13 +2711,11 @@ SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, c
         return smp_error(SMP_ERR_ARG, "%s: splits add up to %lld rows in and %lld out, but the tensors have %lld and %lld", fn,
                          (long long)sat, (long long)rat, (long long)in_rows, (long long)out_rows);
     }
-    size_t esize = smp_dtype_size(in->dtype);
     void *send = in->data;
     if (in->data == out->data && smp_tensor_nbytes(in)) { /* in place: MPI needs separate buffers */
         send = smp__alloc(smp_tensor_nbytes(in), SMP__ALLOC_OTHER);
         memcpy(send, in->data, smp_tensor_nbytes(in));
     }
-    (void)esize;
     MPI_Request req;
     MPI_Datatype t = smp__mpi_type(in->dtype);
     int rc = MPI_Ialltoallv(send, scount, sdispl, t, out->data, rcount, rdispl, t, gi->comm, &req);
@@ -2576,6 +2724,12 @@ SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, c
     smp__free(buf);
     if (rc != MPI_SUCCESS) return smp__mpi_error(rc, "MPI_Ialltoallv");
     return SMP_OK;
+}
+
+SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
+                                        const int64_t *in_splits, smp_group g) {
+    smp__group_info *member = smp__coll_enter(g);
+    return smp__coll_exit(member, smp__all_to_all_single(in, out, out_splits, in_splits, g));
 }
 
 /* ---------------------------------------------------------------- modules */

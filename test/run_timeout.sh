@@ -4,8 +4,11 @@
 # For each mode of test_timeout (rank 0 waits, rank 1 sleeps 30 s and never
 # joins) it runs the job under SMP_TIMEOUT=2 with a wall-clock guard and
 # checks: the job exits non-zero, in under 20 s, and rank 0's stderr names
-# what it waited for and the group. Prints one PASS:/FAIL: line per mode, in
-# test.h's format; exits 1 if any failed.
+# what it waited for and the group. Mode bad_args_world (rank 1 fails the
+# collective with bad arguments) runs under SMP_TIMEOUT=120 and must end
+# in under 20 s all the same, with rank 1's error in rank 0's message.
+# Prints one PASS:/FAIL: line per mode, in test.h's format; exits 1 if any
+# failed.
 #
 #   bash test/run_timeout.sh [BUILD_DIR | path/to/test_timeout]
 # (test/run.sh passes its build directory.) Without an argument it uses
@@ -26,13 +29,14 @@ LOG=$(mktemp -d "${TMPDIR:-/tmp}/smp_timeout.XXXXXX")
 trap 'rm -rf "$LOG"' EXIT
 failed=0
 
-# mode, then fixed strings rank 0's message must contain
+# SMP_TIMEOUT, mode, the phrase that marks rank 0's message, then fixed
+# strings that message must contain
 check() {
-    local mode=$1; shift
+    local timeout_s=$1 mode=$2 marker=$3; shift 3
     local err="$LOG/$mode.err" out="$LOG/$mode.out"
     local t0 t1 rc elapsed
     t0=$(date +%s.%N)
-    SMP_TIMEOUT=2 timeout 60 mpirun -n 2 "$BIN" "$mode" >"$out" 2>"$err" </dev/null
+    SMP_TIMEOUT=$timeout_s timeout 60 mpirun -n 2 "$BIN" "$mode" >"$out" 2>"$err" </dev/null
     rc=$?
     t1=$(date +%s.%N)
     elapsed=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
@@ -46,11 +50,11 @@ check() {
     elif ! awk -v e="$elapsed" 'BEGIN { exit !(e < 20) }'; then
         why="the job took ${elapsed} s (want < 20 s)"
     else
-        # the message comes from rank 0 and says it timed out
+        # the message comes from rank 0 and says why it gave up
         local line
-        line=$(grep -F "smp[0] error:" "$err" | grep -F "timed out" | head -n 1)
+        line=$(grep -F "smp[0] error:" "$err" | grep -F "$marker" | head -n 1)
         if [ -z "$line" ]; then
-            why="no 'smp[0] error: ... timed out' line on stderr"
+            why="no 'smp[0] error: ... $marker' line on stderr"
         else
             local want
             for want in "$@"; do
@@ -70,8 +74,9 @@ check() {
     fi
 }
 
-check all_reduce_world "waiting for all_reduce" "in world" "SMP_TIMEOUT=2"
-check all_reduce_mp "waiting for all_reduce" "in MP_GROUP"
-check barrier_world "waiting for barrier" "in world"
-check recv_dp "smp_recv_from" "from DP_GROUP rank 1" "world rank 1"
+check 2 all_reduce_world "timed out" "waiting for all_reduce" "in world" "SMP_TIMEOUT=2"
+check 2 all_reduce_mp "timed out" "waiting for all_reduce" "in MP_GROUP"
+check 2 barrier_world "timed out" "waiting for barrier" "in world"
+check 2 recv_dp "timed out" "smp_recv_from" "from DP_GROUP rank 1" "world rank 1"
+check 120 bad_args_world "failed the collective this rank waits in" "world rank 1" "out has 999 elements but in's count needs 1000"
 exit $failed

@@ -5,6 +5,11 @@
    up after about 2 s, say on stderr what it waited for and in which group,
    and abort the whole job (rank 1 included) with a non-zero status.
 
+   Mode bad_args_world: rank 1 does call smp_all_reduce, but with an output
+   tensor of the wrong size, so it returns an error there and then sleeps.
+   Rank 0 must not wait for SMP_TIMEOUT: it learns of rank 1's failure and
+   aborts the job with rank 1's message.
+
    This program does not judge itself: run it through test/run_timeout.sh,
    which times the job and reads its stderr.
 
@@ -14,6 +19,7 @@
             all_reduce_mp      all_reduce on SMP_MP_GROUP (partitions = 2)
             recv_dp            smp_recv_from DP_GROUP rank 1 (ddp, partitions = 1)
             barrier_world      smp_barrier on SMP_WORLD
+            bad_args_world     rank 1 fails all_reduce on SMP_WORLD (bad out)
 */
 #define _POSIX_C_SOURCE 200809L /* nanosleep */
 #define SMP_IMPLEMENTATION
@@ -44,6 +50,15 @@ int main(int argc, char **argv) {
     }
     if (rank == 0) fprintf(stderr, "test_timeout: mode %s, timeout %g s\n", mode, smp_timeout());
 
+    float x[1000];
+    for (int i = 0; i < 1000; i++) x[i] = (float)i;
+    smp_tensor t = smp_tensor_1d(x, SMP_F32, 1000);
+    if (rank == 1 && strcmp(mode, "bad_args_world") == 0) {
+        smp_tensor short_out = smp_tensor_1d(x, SMP_F32, 999);
+        smp_status st = smp_all_reduce(&t, &short_out, SMP_SUM, SMP_WORLD);
+        fprintf(stderr, "test_timeout: rank 1's all_reduce returned %s: %s\n", smp_status_name(st), smp_last_error());
+        if (st != SMP_ERR_ARG) MPI_Abort(MPI_COMM_WORLD, 0); /* status 0: the script reports it */
+    }
     if (rank == 1) {
         /* never joins; the job should be gone long before this ends */
         struct timespec ts = {30, 0};
@@ -52,11 +67,8 @@ int main(int argc, char **argv) {
         MPI_Finalize();
         return 0;
     }
-    float x[1000];
-    for (int i = 0; i < 1000; i++) x[i] = (float)i;
-    smp_tensor t = smp_tensor_1d(x, SMP_F32, 1000);
     smp_status st = SMP_OK;
-    if (strcmp(mode, "all_reduce_world") == 0) st = smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD);
+    if (strcmp(mode, "all_reduce_world") == 0 || strcmp(mode, "bad_args_world") == 0) st = smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD);
     else if (strcmp(mode, "all_reduce_mp") == 0) st = smp_all_reduce(&t, &t, SMP_SUM, SMP_MP_GROUP);
     else if (strcmp(mode, "barrier_world") == 0) st = smp_barrier(SMP_WORLD);
     else if (strcmp(mode, "recv_dp") == 0) {
