@@ -15,20 +15,7 @@ import glob
 import os
 import sys
 
-failed = 0
-
-
-def check(ok, name, why=""):
-    global failed
-    if ok:
-        print(f"PASS: {name}")
-    else:
-        failed += 1
-        print(f"FAIL: {name}: {why}")
-    sys.stdout.flush()
-
-
-SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I32": 4, "I64": 8, "U8": 1, "BOOL": 1}
+from safetensors_common import SIZES, check, exit_status
 
 
 def main():
@@ -98,7 +85,7 @@ def main():
     check(not misaligned and widths == sorted(widths, reverse=True),
           "checkpoint/python: tensors ordered widest dtype first, each aligned to its element size",
           f"misaligned {misaligned}, widths in file order {widths}")
-    return 3 if failed else 0
+    return exit_status()
 
 
 if __name__ == "__main__":

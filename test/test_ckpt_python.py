@@ -18,17 +18,7 @@ skipped), 3 some check failed; anything else is a crash.
 import os
 import sys
 
-failed = 0
-
-
-def check(ok, name, why=""):
-    global failed
-    if ok:
-        print(f"PASS: {name}")
-    else:
-        failed += 1
-        print(f"FAIL: {name}: {why}")
-    sys.stdout.flush()
+from safetensors_common import SIZES, check, crc32c, exit_status
 
 
 def fill(n, i, dtype):
@@ -37,17 +27,6 @@ def fill(n, i, dtype):
         return bytes(1 if (i + k) % 3 == 0 else 0 for k in range(n))
     return bytes((i * 37 + k * 11 + (k >> 8) * 5 + 1) & 0xFF for k in range(n))
 
-
-def crc32c(data):
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc ^= b
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
-    return crc ^ 0xFFFFFFFF
-
-
-SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I32": 4, "I64": 8, "U8": 1, "BOOL": 1}
 
 # make_entries() in test_ckpt_file.c, in the same order
 ALL = [
@@ -165,7 +144,7 @@ def main():
     except Exception as e:  # noqa: BLE001
         check(False, "python: save_file for the C side", repr(e))
 
-    return 3 if failed else 0
+    return exit_status()
 
 
 if __name__ == "__main__":
