@@ -119,8 +119,9 @@ static smp_status net_forward(smp_model *m, const smp_tensor *in, int nin, smp_t
    or an engine's device versions of the same kernels (test_device.c). */
 typedef struct { smp_module_fn lin_f, lin_b, relu_f, relu_b, add_f, add_b; } net_fns;
 
-/* placement[k]: partition of call k's module (manual); NULL: auto */
-static inline smp_model *build_with(net *n, const int *placement, const net_fns *f, bool on_device) {
+/* The modules and parameters; placement[k]: partition of call k's module
+   (manual); NULL: auto. A test may add buffers before net_model. */
+static inline void net_modules(net *n, const int *placement, const net_fns *f) {
     const smp_module_desc relu = {f->relu_f, f->relu_b, NULL}, add = {f->add_f, f->add_b, NULL};
     memset(n, 0, sizeof *n);
     n->root = smp_module_new(NULL, "", NULL);
@@ -143,20 +144,24 @@ static inline smp_model *build_with(net *n, const int *placement, const net_fns 
         else n->relu5 = smp_module_new(n->root, names[k], &relu);
         if (placement) smp_partition_pop();
     }
+}
+static inline smp_model *net_model(net *n, bool on_device) {
     smp_model *m = NULL;
     smp_model_desc md = {net_forward, 1, 1, n, on_device};
     smp_status st = smp_model_new(n->root, &md, &m);
     return st ? NULL : m;
 }
-static inline smp_model *build(net *n, const int *placement) {
-    static const net_fns host = {lin_forward, lin_backward, relu_forward, relu_backward, add_forward, add_backward};
-    return build_with(n, placement, &host, false);
+static inline smp_model *build_with(net *n, const int *placement, const net_fns *f, bool on_device) {
+    net_modules(n, placement, f);
+    return net_model(n, on_device);
 }
+static const net_fns net_host_fns = {lin_forward, lin_backward, relu_forward, relu_backward, add_forward, add_backward};
+static inline smp_model *build(net *n, const int *placement) { return build_with(n, placement, &net_host_fns, false); }
 
 /* ---------------------------------------------------------------- the reference */
 typedef struct { float w[NLIN][H * H], b[NLIN][H], gw[NLIN][H * H], gb[NLIN][H]; float loss[8]; float out[B * C]; } ref_t;
 
-static void ref_params(ref_t *r) {
+static inline void ref_params(ref_t *r) {
     static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
     memset(r, 0, sizeof *r);
     for (int l = 0; l < NLIN; l++) {
@@ -206,8 +211,6 @@ static inline void ref_step(ref_t *r, const float *x, const float *t, int m, boo
 static inline void ref_step_divided(ref_t *r, const float *x, const float *t, int m, bool train, double grad_divisor) {
     ref_step_core(r, x, t, B, m, train, grad_divisor);
 }
-
-
 
 /* Per-microbatch losses and the gradients of one replica's batch. */
 static inline void ref_zero_grads(ref_t *r) { memset(r->gw, 0, sizeof r->gw); memset(r->gb, 0, sizeof r->gb); }

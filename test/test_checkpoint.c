@@ -36,6 +36,7 @@
 #include "smp.h"
 #include "smp_checkpoint.h"
 #include "test.h"
+#include "net7.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -44,80 +45,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-enum { B = 24, D = 5, H = 6, C = 3, NLIN = 4 };
-static const int lin_in[NLIN] = {D, H, H, H}, lin_out[NLIN] = {H, H, H, C};
-
-/* ---------------------------------------------------------------- the model (test_pipeline.c's) */
-static void linear_fwd(const float *x, const float *w, const float *b, float *y, int n, int in, int out) {
-    for (int r = 0; r < n; r++)
-        for (int o = 0; o < out; o++) {
-            float acc = b[o];
-            for (int i = 0; i < in; i++) acc += x[r * in + i] * w[o * in + i];
-            y[r * out + o] = acc;
-        }
-}
-
-typedef struct { smp_param *w, *b; int in, out; } lin_state;
-
-static smp_status lin_forward(smp_call_ctx *c) {
-    lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
-    const smp_tensor *x = smp_call_input(c, 0);
-    int64_t n = x->shape[0], shape[2] = {n, s->out};
-    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
-    linear_fwd((const float *)x->data, (const float *)smp_param_value(s->w)->data, (const float *)smp_param_value(s->b)->data,
-               (float *)y->data, (int)n, s->in, s->out);
-    return SMP_OK;
-}
-static smp_status relu_forward(smp_call_ctx *c) {
-    const smp_tensor *x = smp_call_input(c, 0);
-    smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
-    for (int64_t i = 0; i < smp_tensor_numel(x); i++) ((float *)y->data)[i] = ((const float *)x->data)[i] > 0 ? ((const float *)x->data)[i] : 0;
-    return SMP_OK;
-}
-static smp_status add_forward(smp_call_ctx *c) {
-    const smp_tensor *a = smp_call_input(c, 0), *b = smp_call_input(c, 1);
-    smp_tensor *y = smp_call_output(c, 0, SMP_F32, a->ndim, a->shape);
-    for (int64_t i = 0; i < smp_tensor_numel(a); i++) ((float *)y->data)[i] = ((const float *)a->data)[i] + ((const float *)b->data)[i];
-    return SMP_OK;
-}
-
-typedef struct { smp_module *root, *lin[NLIN], *relu1, *relu5, *add3; lin_state st[NLIN]; } net;
-
-static smp_status net_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
-    (void)m; (void)nin; (void)nout;
-    net *n = (net *)user;
-    smp_tensor a0, a1, a2, a3, a4, a5, pair[2];
-    smp_status st;
-    if ((st = smp_call(n->lin[0], &in[0], 1, &a0, 1)) || (st = smp_call(n->relu1, &a0, 1, &a1, 1)) || (st = smp_call(n->lin[1], &a1, 1, &a2, 1)))
-        return st;
-    pair[0] = a2;
-    pair[1] = a0; /* the skip connection */
-    if ((st = smp_call(n->add3, pair, 2, &a3, 1)) || (st = smp_call(n->lin[2], &a3, 1, &a4, 1)) || (st = smp_call(n->relu5, &a4, 1, &a5, 1)) ||
-        (st = smp_call(n->lin[3], &a5, 1, &out[0], 1)))
-        return st;
-    return SMP_OK;
-}
-
-static smp_model *build(net *n) {
-    static const smp_module_desc relu = {relu_forward, NULL, NULL}, add = {add_forward, NULL, NULL};
-    memset(n, 0, sizeof *n);
-    n->root = smp_module_new(NULL, "", NULL);
-    const char *names[7] = {"fc0", "act1", "fc1", "skip", "fc2", "act2", "head"};
-    int lin_of_call[7] = {0, -1, 1, -1, 2, -1, 3};
-    for (int k = 0; k < 7; k++) {
-        int l = lin_of_call[k];
-        if (l >= 0) {
-            n->st[l].in = lin_in[l];
-            n->st[l].out = lin_out[l];
-            smp_module_desc d = {lin_forward, NULL, &n->st[l]};
-            n->lin[l] = smp_module_new(n->root, names[k], &d);
-            int64_t ws[2] = {lin_out[l], lin_in[l]}, bs[1] = {lin_out[l]};
-            n->st[l].w = smp_param_new(n->lin[l], "weight", SMP_F32, 2, ws, smp_init_uniform, NULL);
-            n->st[l].b = smp_param_new(n->lin[l], "bias", SMP_F32, 1, bs, smp_init_uniform, NULL);
-        } else if (k == 3) n->add3 = smp_module_new(n->root, names[k], &add);
-        else if (k == 1) n->relu1 = smp_module_new(n->root, names[k], &relu);
-        else n->relu5 = smp_module_new(n->root, names[k], &relu);
-    }
+/* ---------------------------------------------------------------- the model (test_pipeline.c's, with buffers) */
+static smp_model *build_ckpt(net *n) {
+    net_modules(n, NULL, &net_host_fns);
     /* buffers of every width: the file puts 8-byte dtypes first */
     int64_t s6[1] = {6}, s3[1] = {3}, s2[1] = {2};
     smp_buffer_new(n->lin[0], "num_batches", SMP_I64, 0, NULL, NULL, NULL);
@@ -125,9 +55,7 @@ static smp_model *build(net *n) {
     smp_buffer_new(n->lin[3], "scale", SMP_F16, 1, s3, NULL, NULL);
     smp_buffer_new(n->lin[3], "mask", SMP_U8, 1, s3, NULL, NULL);
     smp_buffer_new(n->lin[1], "flags", SMP_BOOL, 1, s2, NULL, NULL);
-    smp_model *m = NULL;
-    smp_model_desc md = {net_forward, 1, 1, n, false};
-    return smp_model_new(n->root, &md, &m) ? NULL : m;
+    return net_model(n, false);
 }
 
 /* ---------------------------------------------------------------- values */
@@ -243,7 +171,7 @@ static smp_model *start(int P, net *n) {
     cfg.ddp = world > P ? SMP_ON : SMP_OFF;
     cfg.seed = 11;
     if (smp_init(&cfg) != SMP_OK) return NULL;
-    smp_model *m = build(n);
+    smp_model *m = build_ckpt(n);
     smp_tensor x = smp_tensor_2d(g_x, SMP_F32, B, D);
     if (!m || smp_model_trace(m, &x, 1) != SMP_OK) return NULL;
     return m;
@@ -942,7 +870,7 @@ static void test_misuse(void) {
     smp_config cfg = {0};
     cfg.ddp = world > 1 ? SMP_ON : SMP_OFF;
     smp_init(&cfg);
-    smp_model *m = build(&n);
+    smp_model *m = build_ckpt(&n);
     char path[512];
     path_in(path, sizeof path, "misuse");
     smp_status st = smp_save(m, path, NULL);
