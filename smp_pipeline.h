@@ -271,8 +271,9 @@ SMPDEF smp_status smp_timeline_write(smp_model *m);
    finishes them; with overlapping_allreduce a bucket's all-reduce starts
    during the last microbatch's backward, once its last gradient is final
    and the bucket before it has finished (one bucket at a time, as NCCL
-   runs a stream's collectives). With deterministic_reduction the sum is taken in dp-rank order
-   after an all-gather, so results do not depend on MPI's algorithm. */
+   runs a stream's collectives). With deterministic_reduction the sum is
+   taken in dp-rank order after an all-gather, so results do not depend on
+   MPI's algorithm. */
 
 /* Scales gradients so that their global norm (over the whole model, every
    partition) is at most max_norm; *total_norm gets the norm before
@@ -286,8 +287,9 @@ SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm);
    memory: about 0.5 MiB per call), and a step makes none while a module's
    backward runs. A long backward that calls smp_poll() every millisecond
    or so gets the early buckets' all-reduce done behind it. Costs one
-   MPI_Test (and starts the next bucket when one finished); does nothing when no all-reduce is in flight. Call it from the
-   thread that called smp_step. */
+   MPI_Test (and starts the next bucket when one has finished); does
+   nothing when no all-reduce is in flight. Call it from the thread that
+   called smp_step. */
 SMPDEF void smp_poll(void);
 
 /* Dynamic loss scaling for f16/bf16 engines (zero fields mean defaults:
