@@ -1316,13 +1316,17 @@ static void smp__progress_transfers(smp__pipe *ps) {
     if (k) { memmove(ps->sends, ps->sends + k, sizeof(smp__xfer) * (size_t)(ps->nsends - k)); ps->nsends -= k; }
 }
 
-/* Moves every transfer forward once; true when another rank reported an error. */
+static void smp__ddp_poll(smp__pipe *ps);
+
+/* Moves every transfer forward once, and the gradient buckets (the next
+   starts while this rank waits); true when another rank reported an error. */
 static bool smp__progress(smp__pipe *ps) {
     int flag = 0;
     MPI_Status st;
     MPI_Test(&ps->err_req, &flag, &st);
     if (flag) { ps->failed_remote = true; return true; }
     smp__progress_transfers(ps);
+    if (ps->sync) smp__ddp_poll(ps);
     return false;
 }
 
