@@ -7,12 +7,14 @@
        |smp - ref| <= (dp - 1) * 2^-23 * sum_r |g_r|   (+ one ulp of the result)
    where g_r is replica r's gradient, already divided by dp (smp divides
    the loss gradient, not the sum). */
+#define _POSIX_C_SOURCE 200809L /* setenv, getpid for the timeline test */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
 #include "test.h"
 #include "net7.h"
 #include <float.h>
+#include <unistd.h>
 
 enum { MAXDP = 4 };
 static float g_x[MAXDP * 2 * B * D], g_t[MAXDP * 2 * B * C];
@@ -273,6 +275,91 @@ static void data_helpers(void) {
     smp_finalize();
 }
 
+/* One event of a timeline file: its category, start and length (us), rank, and bucket for all-reduces. */
+typedef struct { char cat[16]; double ts, dur; int pid, bucket; } tl_event;
+
+static int read_timeline(const char *path, tl_event *ev, int cap) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return -1;
+    static char text[1 << 20];
+    size_t len = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[len] = 0;
+    int n = 0;
+    for (const char *at = strstr(text, "{\"name\":\""); at && n < cap; at = strstr(at + 1, "{\"name\":\"")) {
+        tl_event e = {{0}, 0, 0, -1, -1};
+        const char *cat = strstr(at, "\"cat\":\"");
+        if (!cat || sscanf(cat, "\"cat\":\"%15[^\"]\",\"ph\":\"X\",\"ts\":%lf,\"dur\":%lf,\"pid\":%d", e.cat, &e.ts, &e.dur, &e.pid) != 4) continue;
+        sscanf(at, "{\"name\":\"AR b%d\"", &e.bucket);
+        ev[n++] = e;
+    }
+    return n;
+}
+
+/* From the timeline of two steps with several buckets: on every rank the
+   buckets all-reduce one at a time in index order, each starting after the
+   one before it has finished; with overlapping_allreduce the first starts
+   during the last microbatch's backward, without it once that has ended. */
+static void bucket_order(bool overlap) {
+    int steps = 2, m = 4, me;
+    MPI_Comm_rank(MPI_COMM_WORLD, &me);
+    int tag = (int)getpid();
+    MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    char path[64], name[128], why[2600] = "";
+    snprintf(path, sizeof path, "/tmp/smp_test_buckets_%d.json", tag);
+    snprintf(name, sizeof name, "ddp/buckets all-reduce in order, one at a time, %s", overlap ? "the first during the last backward" : "after the backward");
+    setenv("SMP_TIMELINE", path, 1);
+    ddp_case c = {1, m, 1, false, overlap, 1e-4, false};
+    net n;
+    smp_model *model = start(&c, &n);
+    int ok = model != NULL;
+    for (int st = 0; st < steps && ok; st++) {
+        smp_step_output out = {0};
+        smp_tensor x = smp_tensor_2d(g_x, SMP_F32, B, D), t = smp_tensor_2d(g_t, SMP_F32, B, C);
+        ok = SMP_TRAIN_STEP(model, mse_body, NULL, &out, 1, x, t) == SMP_OK;
+        smp_step_output_free(&out);
+    }
+    if (!ok) snprintf(why, sizeof why, "step: %s", smp_last_error());
+    smp_model_free(model); /* writes the file */
+    smp_finalize();
+    unsetenv("SMP_TIMELINE");
+    static tl_event ev[4096];
+    int nev = ok && me == 0 ? read_timeline(path, ev, 4096) : 0;
+    if (ok && me == 0 && nev <= 0) { snprintf(why, sizeof why, "cannot read %s", path); ok = 0; }
+    for (int r = 0; ok && me == 0 && r < world; r++) {
+        tl_event bwd[64], ar[256];
+        int nb = 0, na = 0;
+        for (int i = 0; i < nev; i++) {
+            if (ev[i].pid != r) continue;
+            if (!strcmp(ev[i].cat, "backward") && nb < 64) bwd[nb++] = ev[i];
+            if (!strcmp(ev[i].cat, "allreduce") && na < 256) ar[na++] = ev[i];
+        }
+        int per = na / steps; /* buckets per step */
+        if (nb != m * steps || per < 2 || na != per * steps) {
+            snprintf(why, sizeof why, "rank %d: %d backward and %d all-reduce events (want %d, and at least 2 buckets a step)", r, nb, na, m * steps);
+            ok = 0;
+        }
+        for (int s = 0; ok && s < steps; s++) {
+            const tl_event *a = ar + s * per, *last = &bwd[s * m + m - 1];
+            double backward_end = last->ts + last->dur;
+            for (int k = 0; ok && k < per; k++) {
+                if (a[k].bucket != k) { snprintf(why, sizeof why, "rank %d step %d: all-reduce %d is bucket %d", r, s, k, a[k].bucket); ok = 0; }
+                else if (k && a[k].ts < a[k - 1].ts + a[k - 1].dur - 0.002) {
+                    snprintf(why, sizeof why, "rank %d step %d: bucket %d started at %.3f us, before bucket %d finished (%.3f)", r, s, k, a[k].ts, k - 1, a[k - 1].ts + a[k - 1].dur);
+                    ok = 0;
+                }
+            }
+            if (ok && overlap != (a[0].ts < backward_end - 0.002)) {
+                snprintf(why, sizeof why, "rank %d step %d: bucket 0 started at %.3f us, the last backward ended at %.3f", r, s, a[0].ts, backward_end);
+                ok = 0;
+            }
+        }
+    }
+    if (me == 0) remove(path);
+    MPI_Bcast(&ok, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    MPI_CHECK(ok, name, "%s", why);
+}
+
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
@@ -306,6 +393,10 @@ int main(int argc, char **argv) {
         snprintf(name, sizeof name, "ddp/backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
         same(name, bp2, m8, 2, B / 2, 1, B);
         clipping_and_scaler(P);
+    }
+    if (world > 1) {
+        bucket_order(true);
+        bucket_order(false);
     }
     data_helpers();
     int rc = test_exit_code();
