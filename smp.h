@@ -2039,10 +2039,11 @@ static void smp__failures_reap(bool cancel) {
     smp__failures.n = kept;
 }
 
-static smp_status smp__coll_exit(smp__group_info *gi, smp_status st) {
+static smp_status smp__coll_exit(smp__group_info *gi, smp_group g, smp_status st) {
     if (!gi) return st;
     gi->in_coll = false;
     if (!st) return st;
+    smp__check_member_failed(gi, g); /* drops the messages of failures this rank shared */
     smp__failures_reap(false);
     size_t len = strlen(smp__errbuf);
     for (int r = 0; r < gi->size; r++) {
@@ -2364,7 +2365,7 @@ static smp_status smp__broadcast_bytes(void **buf, size_t *len, int root, smp_gr
 
 SMPDEF smp_status smp_broadcast_bytes(void **buf, size_t *len, int root, smp_group g) {
     smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, smp__broadcast_bytes(buf, len, root, g));
+    return smp__coll_exit(member, g, smp__broadcast_bytes(buf, len, root, g));
 }
 
 static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
@@ -2392,7 +2393,7 @@ static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g,
 
 SMPDEF smp_status smp_allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
     smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, smp__allgather_bytes(buf, len, g, out, lens));
+    return smp__coll_exit(member, g, smp__allgather_bytes(buf, len, g, out, lens));
 }
 
 static smp_status smp__barrier(smp_group g) {
@@ -2407,7 +2408,7 @@ static smp_status smp__barrier(smp_group g) {
 
 SMPDEF smp_status smp_barrier(smp_group g) {
     smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, smp__barrier(g));
+    return smp__coll_exit(member, g, smp__barrier(g));
 }
 
 /* ---------------------------------------------------------------- collectives */
@@ -2583,7 +2584,7 @@ static smp_status smp__all_reduce(const smp_tensor *in, smp_tensor *out, smp_op 
 
 SMPDEF smp_status smp_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
     smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, smp__all_reduce(in, out, op, g));
+    return smp__coll_exit(member, g, smp__all_reduce(in, out, op, g));
 }
 
 static smp_status smp__broadcast(smp_tensor *t, int root, smp_group g) {
@@ -2600,7 +2601,7 @@ static smp_status smp__broadcast(smp_tensor *t, int root, smp_group g) {
 
 SMPDEF smp_status smp_broadcast(smp_tensor *t, int root, smp_group g) {
     smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, smp__broadcast(t, root, g));
+    return smp__coll_exit(member, g, smp__broadcast(t, root, g));
 }
 
 static smp_status smp__reduce(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g) {
@@ -2626,7 +2627,7 @@ static smp_status smp__reduce(const smp_tensor *in, smp_tensor *out, smp_op op, 
 
 SMPDEF smp_status smp_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g) {
     smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, smp__reduce(in, out, op, root, g));
+    return smp__coll_exit(member, g, smp__reduce(in, out, op, root, g));
 }
 
 static smp_status smp__all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
@@ -2648,7 +2649,7 @@ static smp_status smp__all_gather(const smp_tensor *in, smp_tensor *out, smp_gro
 
 SMPDEF smp_status smp_all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
     smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, smp__all_gather(in, out, g));
+    return smp__coll_exit(member, g, smp__all_gather(in, out, g));
 }
 
 static smp_status smp__reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
@@ -2676,7 +2677,7 @@ static smp_status smp__reduce_scatter(const smp_tensor *in, smp_tensor *out, smp
 
 SMPDEF smp_status smp_reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
     smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, smp__reduce_scatter(in, out, op, g));
+    return smp__coll_exit(member, g, smp__reduce_scatter(in, out, op, g));
 }
 
 static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
@@ -2729,7 +2730,7 @@ static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, 
 SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
                                         const int64_t *in_splits, smp_group g) {
     smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, smp__all_to_all_single(in, out, out_splits, in_splits, g));
+    return smp__coll_exit(member, g, smp__all_to_all_single(in, out, out_splits, in_splits, g));
 }
 
 /* ---------------------------------------------------------------- modules */
