@@ -509,6 +509,14 @@ typedef struct smp_device_backend {
        false); the executor then stages device payloads over its own MPI
        path instead, as it does when the p2p entries are NULL. */
     bool (*p2p_through_host)(void);
+    /* Data-parallel gradient buckets (NULL: all_reduce, SMP_SUM). Sums n
+       elements at data over g in place as all_reduce does, but leaves the
+       engine's stream free to run on meanwhile, so the backward keeps
+       computing while buckets reduce; bucket_fence, called once the step
+       has started every bucket, orders the engine's stream after them all.
+       A backend sets both or neither. */
+    smp_status (*bucket_all_reduce)(void *data, smp_dtype dt, int64_t n, smp_group g);
+    smp_status (*bucket_fence)(void);
 } smp_device_backend;
 #define SMP_DEVICE_BACKEND_P2P 1 /* the fields above exist (smp_nccl.h fills them) */
 SMPDEF void smp_register_device_backend(const smp_device_backend *b);

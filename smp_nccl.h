@@ -85,6 +85,10 @@
      when the host memory is ready (or free to reuse).
      Other streams of the engine must be ordered against its main stream
      by the engine, as with any CUDA library.
+     The pipeline executor's data-parallel gradient buckets skip step 3:
+     the engine's backward kernels run on while a bucket reduces, and the
+     engine stream waits for all the buckets once, before smp_step returns
+     (so the optimizer sees the sums).
 
    POINT TO POINT (for pipelines)
      smp_nccl_p2p_connect(g, peers, n)      both ranks, once, all peers in one call
@@ -92,9 +96,14 @@
      smp_nccl_test / smp_nccl_wait          poll it / order the engine after it
      smp_nccl_send / _recv / _sendrecv      isend/irecv + wait
      Each direction between two ranks gets its own two-rank NCCL
-     communicator and stream (a channel), so a send never waits behind a
-     receive, or a receive behind a send: no order of sends and receives
-     between two ranks can deadlock. Within a direction, messages pair in
+     communicator and stream (a channel), so a queued send never waits
+     behind a receive, or a receive behind a send: isends and irecvs posted
+     in any order, then waited for, cannot deadlock. The blocking calls are
+     another matter: waiting on a send orders the engine after it, and a
+     later irecv starts after the engine, so smp_nccl_send followed by
+     smp_nccl_recv on both ranks of a pair deadlocks once the message
+     outgrows NCCL's buffers (as MPI_Send against MPI_Send can): use
+     smp_nccl_sendrecv, or post both and wait after. Within a direction, messages pair in
      order: the k-th isend from A to B fills the k-th irecv on B from A, and
      their sizes must match. An irecv may be queued long before the data is
      sent; its data reaches the engine stream only through smp_nccl_wait.
@@ -762,7 +771,9 @@ static smp_status smp__nc_stage_end(smp__nc_stage *sg, bool ok, const char *what
 }
 
 /* ---------------------------------------------------------------- collectives */
-static smp_status smp__nc_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
+/* order_engine false: the engine's stream runs on while NCCL reduces (the
+   executor's gradient buckets; smp__nc_bucket_fence orders it later). */
+static smp_status smp__nc_all_reduce_on(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g, bool order_engine) {
     smp_status st;
     ncclDataType_t t;
     ncclRedOp_t r;
@@ -792,8 +803,20 @@ static smp_status smp__nc_all_reduce(const smp_tensor *in, smp_tensor *out, smp_
     SMP__NC_ST(st, c, g, ncclAllReduce, (src, out->data, n, t, r, c, smp__nc.stream));
     smp_status st2 = smp__nc_tmp_free(tmp);
     if (st || st2) return st ? st : st2;
-    return smp__nc_finish("all_reduce", g);
+    return order_engine ? smp__nc_finish("all_reduce", g) : SMP_OK;
 }
+
+static smp_status smp__nc_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
+    return smp__nc_all_reduce_on(in, out, op, g, true);
+}
+
+static smp_status smp__nc_bucket_all_reduce(void *data, smp_dtype dt, int64_t n, smp_group g) {
+    smp_tensor t = smp_tensor_1d(data, dt, n);
+    t.device = smp__nc.device;
+    return smp__nc_all_reduce_on(&t, &t, SMP_SUM, g, false);
+}
+
+static smp_status smp__nc_bucket_fence(void) { return smp__nc_finish("gradient buckets", SMP_DP_GROUP); }
 
 static smp_status smp__nc_broadcast(smp_tensor *x, int root, smp_group g) {
     smp_status st;
@@ -1851,6 +1874,8 @@ SMPDEF void smp_nccl_register(void) {
     b.scale = smp_nccl_scale;
     b.zero = smp_nccl_zero;
     b.p2p_through_host = smp__nc_b_through_host;
+    b.bucket_all_reduce = smp__nc_bucket_all_reduce;
+    b.bucket_fence = smp__nc_bucket_fence;
 #endif
     smp_register_device_backend(&b);
 }

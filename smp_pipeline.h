@@ -950,6 +950,7 @@ typedef struct smp__pipe {
     smp__bucket *buckets;
     int nbuckets;
     int next_bucket;       /* the first bucket not started this step */
+    bool fence_buckets;    /* device buckets reduce behind the engine: fence it before the step returns */
     int *bucket_of;        /* [nparams]: bucket of each parameter, -1 if none */
     int *bucket_params;    /* parameters in backward order */
 } smp__pipe;
@@ -1561,6 +1562,10 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
         b->req = MPI_REQUEST_NULL;
         smp_tensor t = smp_tensor_1d(b->data, b->dtype, b->numel), all = smp_tensor_1d(NULL, b->dtype, b->numel * smp_dp_size());
         t.device = b->device;
+        if (!deterministic && smp__ctx.device.bucket_all_reduce && smp__ctx.device.bucket_fence) {
+            ps->fence_buckets = true;
+            return smp__ctx.device.bucket_all_reduce(b->data, b->dtype, b->numel, SMP_DP_GROUP);
+        }
         if (!deterministic) return smp_all_reduce(&t, &t, SMP_SUM, SMP_DP_GROUP);
         if (!smp__tensor_alloc(&all, true, SMP__ALLOC_OTHER))
             return smp_error(SMP_ERR_NOMEM, "out of device memory gathering a gradient bucket (%zu bytes): %s", b->bytes * (size_t)smp_dp_size(), smp_last_error());
@@ -1659,6 +1664,11 @@ static smp_status smp__ddp_complete(smp__pipe *ps) {
         double now = smp__now();
         if (now > deadline) smp__timeout_abort("data-parallel gradient all-reduce", SMP_DP_GROUP, -1, now - start);
         sched_yield();
+    }
+    if (ps->fence_buckets) {
+        smp_status fs = smp__ctx.device.bucket_fence();
+        if (!st) st = fs;
+        ps->fence_buckets = false;
     }
     smp__ddp_inflight = NULL;
     return st;

@@ -144,6 +144,23 @@ static smp_status fake_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op 
     smp_tensor a = host_view(in, "all_reduce in"), b = host_view(out, "all_reduce out");
     return smp_all_reduce(&a, &b, op, g);
 }
+/* Gradient buckets: the fake is synchronous, so ordering is trivially
+   right; the counters show that the executor reduces every bucket through
+   the hook and fences the engine once per step, after the last bucket. */
+static int g_bucket_reductions, g_unfenced, g_fences, g_fenced_buckets;
+static smp_status fake_bucket_all_reduce(void *data, smp_dtype dt, int64_t n, smp_group g) {
+    smp_tensor t = smp_tensor_1d(data, dt, n);
+    t.device = g_device_ordinal;
+    g_bucket_reductions++;
+    g_unfenced++;
+    return fake_all_reduce(&t, &t, SMP_SUM, g);
+}
+static smp_status fake_bucket_fence(void) {
+    g_fences++;
+    g_fenced_buckets = g_unfenced;
+    g_unfenced = 0;
+    return SMP_OK;
+}
 static smp_status fake_broadcast(smp_tensor *t, int root, smp_group g) {
     smp_tensor a = host_view(t, "broadcast");
     return smp_broadcast(&a, root, g);
@@ -324,6 +341,8 @@ static void register_fake(int via) {
     b.current_device = fake_current_device;
     b.scale = fake_scale;
     b.zero = fake_zero;
+    b.bucket_all_reduce = fake_bucket_all_reduce;
+    b.bucket_fence = fake_bucket_fence;
     smp_register_device_backend(&b);
 }
 
@@ -632,7 +651,14 @@ static void ddp_case(int P, bool deterministic) {
     step_args a;
     make_args(&a, g_x + (size_t)r * B * D, g_t + (size_t)r * B * C, B, true);
     smp_step_output outs[2] = {{0, NULL}, {0, NULL}};
+    g_bucket_reductions = g_unfenced = g_fences = g_fenced_buckets = 0;
     smp_status st = train(model, &a, outs, false);
+    if (!deterministic) {
+        snprintf(name, sizeof name, "device/ddp/%dx%d/buckets reduce behind the engine, fenced once after the last", P, dp);
+        MPI_CHECK(st == SMP_OK && g_bucket_reductions >= 2 && g_fences == 1 && g_fenced_buckets == g_bucket_reductions && g_unfenced == 0, name,
+                  "%d bucket reductions, %d fences (the last after %d of them), %d unfenced", g_bucket_reductions, g_fences, g_fenced_buckets, g_unfenced);
+        snprintf(name, sizeof name, "device/ddp/%dx%d/%s bitwise equal to one process", P, dp, "two replicas,");
+    }
     ref_t base, rep;
     ref_params(&base);
     float gw[NLIN][H * H], gb[NLIN][H];

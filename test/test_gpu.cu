@@ -30,6 +30,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "net7.h"
 
@@ -652,8 +653,8 @@ static smp_status gpu_add_backward(smp_call_ctx *c) {
     const smp_tensor *gy = smp_call_grad_output(c, 0);
     for (int k = 0; k < 2; k++) {
         smp_tensor *g = smp_call_grad_input(c, k);
-        if (g && cudaMemcpyAsync(g->data, gy->data, smp_tensor_nbytes(gy), cudaMemcpyDeviceToDevice, smp_nccl_get_stream()) != cudaSuccess)
-            return net_launched();
+        cudaError_t e = g ? cudaMemcpyAsync(g->data, gy->data, smp_tensor_nbytes(gy), cudaMemcpyDeviceToDevice, smp_nccl_get_stream()) : cudaSuccess;
+        if (e != cudaSuccess) return smp_error(SMP_ERR_DEVICE, "cudaMemcpyAsync of the add's gradient failed: %s", cudaGetErrorString(e));
     }
     return SMP_OK;
 }
@@ -803,6 +804,14 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (smp_nccl_get_mode() == SMP_NCCL_MODE_NONE) {
+        /* a machine with NVIDIA's device files has a GPU: CUDA failing there
+           (a driver too old for this CUDA, say) is a failure, not a skip */
+        if (access("/dev/nvidiactl", F_OK) == 0) {
+            MPI_CHECK(false, "gpu init", "this machine has /dev/nvidiactl but CUDA finds no usable device: %.300s", smp_nccl_describe());
+            smp_finalize();
+            MPI_Finalize();
+            return 1;
+        }
         if (W_RANK == 0) test_skip("gpu", "skipped: no GPU");
         smp_finalize();
         MPI_Finalize();
