@@ -1998,6 +1998,11 @@ static void smp__member_failed(smp_group g, int rank, const char *error) {
 }
 
 static void smp__check_member_failed(smp__group_info *gi, smp_group g) {
+    if (gi->failed_ahead && gi->failed_ahead < gi->coll_seq) { /* that one failed here too, or passed */
+        smp__free(gi->failed_ahead_msg);
+        gi->failed_ahead_msg = NULL;
+        gi->failed_ahead = 0;
+    }
     for (;;) {
         int found = 0;
         MPI_Status status;
