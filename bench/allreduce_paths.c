@@ -4,17 +4,21 @@
    request (MPI_Allreduce_init) reducing in place in a staging buffer that
    the caller's data is copied into and out of (what smp does up to
    SMP__PERSIST_MAX_BYTES), the same with separate send and receive staging
-   buffers (MPI then copies send to receive itself), and a persistent
-   request bound to the caller's buffers (no copies).
+   buffers (MPI then copies send to receive itself), a persistent
+   request bound to the caller's buffers (no copies), and smp_all_reduce
+   itself (what its checks and wait add to the path it takes).
    Build: make build/bench/allreduce_paths
    Run:   mpirun -n 2 build/bench/allreduce_paths
    Each figure is the best of 5 runs of 20000 calls; ratios are to blocking. */
+#define SMP_IMPLEMENTATION
+#include "smp.h"
+
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { BLOCKING, NONBLOCKING, PERSISTENT_IN_PLACE, PERSISTENT_TWO_BUFFERS, PERSISTENT_BOUND, NPATHS };
+enum { BLOCKING, NONBLOCKING, PERSISTENT_IN_PLACE, PERSISTENT_TWO_BUFFERS, PERSISTENT_BOUND, SMP, NPATHS };
 
 static void poll_until_done(MPI_Request *r) {
     int done = 0;
@@ -23,11 +27,18 @@ static void poll_until_done(MPI_Request *r) {
 
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
+    smp_config cfg = {0};
+    cfg.ddp = SMP_ON; /* the world is data-parallel replicas of nothing */
+    if (smp_init(&cfg) != SMP_OK) {
+        fprintf(stderr, "smp_init: %s\n", smp_last_error());
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
     int rank;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     static const int sizes[] = {1 << 10, 4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10};
     if (rank == 0)
-        printf("%8s %12s %18s %18s %18s %18s\n", "bytes", "blocking us", "iallreduce", "persist in place", "persist 2 buffers", "persist bound");
+        printf("%8s %12s %18s %18s %18s %18s %18s\n", "bytes", "blocking us", "iallreduce", "persist in place", "persist 2 buffers", "persist bound",
+               "smp_all_reduce");
     for (int si = 0; si < (int)(sizeof sizes / sizeof *sizes); si++) {
         size_t bytes = (size_t)sizes[si];
         int n = (int)(bytes / sizeof(float));
@@ -64,6 +75,14 @@ int main(int argc, char **argv) {
                         poll_until_done(&staged);
                         memcpy(out, stage_out, bytes);
                         break;
+                    case SMP: {
+                        smp_tensor ti = smp_tensor_1d(in, SMP_F32, n), to = smp_tensor_1d(out, SMP_F32, n);
+                        if (smp_all_reduce(&ti, &to, SMP_SUM, SMP_WORLD) != SMP_OK) {
+                            fprintf(stderr, "smp_all_reduce: %s\n", smp_last_error());
+                            MPI_Abort(MPI_COMM_WORLD, 1);
+                        }
+                        break;
+                    }
                     default:
                         MPI_Start(&bound);
                         poll_until_done(&bound);
@@ -85,6 +104,7 @@ int main(int argc, char **argv) {
         free(stage_in);
         free(stage_out);
     }
+    smp_finalize();
     MPI_Finalize();
     return 0;
 }
