@@ -238,7 +238,10 @@ SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_gr
 /* ---------------------------------------------------------------- objects */
 /* Byte messages, like the reference common API's send / recv_from /
    broadcast / allgather. Received buffers come from SMP_MALLOC; free them
-   with smp_free. */
+   with smp_free. A send that fails on its arguments tells the receiver:
+   the matching smp_recv_from returns SMP_ERR_REMOTE with the sender's
+   error, and later messages pair as before. Messages travel on a
+   communicator of smp's own, apart from smp_group_comm's. */
 SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_rank_type rt);
 SMPDEF smp_status smp_recv_from(int src, smp_rank_type rt, void **buf, size_t *len);
 SMPDEF smp_status smp_broadcast_bytes(void **buf, size_t *len, int root, smp_group g);
@@ -574,6 +577,7 @@ typedef struct smp__persist {
 
 typedef struct smp__group_info {
     MPI_Comm comm;
+    MPI_Comm objects, notices; /* private: object messages; failed-collective notices */
     int rank, size;
     int *world_ranks; /* group rank -> world rank */
     smp__persist persist[SMP__PERSIST_SLOTS];
@@ -2006,13 +2010,13 @@ static void smp__check_member_failed(smp__group_info *gi, smp_group g) {
     for (;;) {
         int found = 0;
         MPI_Status status;
-        MPI_Iprobe(MPI_ANY_SOURCE, SMP__TAG_FAILED, gi->comm, &found, &status);
+        MPI_Iprobe(MPI_ANY_SOURCE, SMP__TAG_FAILED, gi->notices, &found, &status);
         if (!found) break;
         int len;
         MPI_Get_count(&status, MPI_BYTE, &len);
         char msg[8 + sizeof smp__errbuf];
         if (len < 8 || len > (int)sizeof msg - 1) smp__fatal("a malformed failure message (%d bytes) in %s", len, smp__group_name(g));
-        MPI_Recv(msg, len, MPI_BYTE, status.MPI_SOURCE, SMP__TAG_FAILED, gi->comm, MPI_STATUS_IGNORE);
+        MPI_Recv(msg, len, MPI_BYTE, status.MPI_SOURCE, SMP__TAG_FAILED, gi->notices, MPI_STATUS_IGNORE);
         msg[len] = 0;
         unsigned long long seq;
         memcpy(&seq, msg, 8);
@@ -2052,26 +2056,32 @@ static void smp__failures_reap(bool cancel) {
     smp__failures.n = kept;
 }
 
+/* Sends dest `head` followed by this rank's error message, tracked until
+   it completes; false when out of memory (dest then falls back on the
+   timeout). */
+static bool smp__send_failure(const void *head, size_t head_len, int dest, int tag, MPI_Comm comm) {
+    size_t len = strlen(smp__errbuf);
+    char *buf = (char *)smp__alloc(head_len + len + 1, SMP__ALLOC_OTHER);
+    if (!buf || !smp__grow((void **)&smp__failures.sends, &smp__failures.cap, smp__failures.n + 1, sizeof(smp__failure_send))) {
+        smp__free(buf);
+        return false;
+    }
+    if (head_len) memcpy(buf, head, head_len);
+    memcpy(buf + head_len, smp__errbuf, len);
+    smp__failure_send *f = &smp__failures.sends[smp__failures.n++];
+    f->buf = buf;
+    MPI_Isend(buf, (int)(head_len + len), MPI_BYTE, dest, tag, comm, &f->req);
+    return true;
+}
+
 static smp_status smp__coll_exit(smp__group_info *gi, smp_group g, smp_status st) {
     if (!gi) return st;
     gi->in_coll = false;
     if (!st) return st;
     smp__check_member_failed(gi, g); /* drops the messages of failures this rank shared */
     smp__failures_reap(false);
-    size_t len = strlen(smp__errbuf);
-    for (int r = 0; r < gi->size; r++) {
-        if (r == gi->rank) continue;
-        char *buf = (char *)smp__alloc(8 + len, SMP__ALLOC_OTHER);
-        if (!buf || !smp__grow((void **)&smp__failures.sends, &smp__failures.cap, smp__failures.n + 1, sizeof(smp__failure_send))) {
-            smp__free(buf);
-            return st; /* out of memory: the others fall back on the timeout */
-        }
-        memcpy(buf, &gi->coll_seq, 8);
-        memcpy(buf + 8, smp__errbuf, len);
-        smp__failure_send *f = &smp__failures.sends[smp__failures.n++];
-        f->buf = buf;
-        MPI_Isend(buf, (int)(8 + len), MPI_BYTE, r, SMP__TAG_FAILED, gi->comm, &f->req);
-    }
+    for (int r = 0; r < gi->size; r++)
+        if (r != gi->rank && !smp__send_failure(&gi->coll_seq, 8, r, SMP__TAG_FAILED, gi->notices)) break;
     return st;
 }
 
@@ -2137,6 +2147,8 @@ SMPDEF int smp_group_world_rank(smp_group g, int group_rank) {
 
 static smp_status smp__make_group(smp__group_info *gi, MPI_Comm comm) {
     gi->comm = comm;
+    MPI_Comm_dup(comm, &gi->objects);
+    MPI_Comm_dup(comm, &gi->notices);
     MPI_Comm_rank(comm, &gi->rank);
     MPI_Comm_size(comm, &gi->size);
     gi->world_ranks = (int *)smp__alloc(sizeof(int) * (size_t)gi->size, SMP__ALLOC_OTHER);
@@ -2271,6 +2283,8 @@ SMPDEF void smp_finalize(void) {
         smp__free(smp__ctx.groups[g].failed_ahead_msg);
         for (int i = 0; i < SMP__PERSIST_SLOTS; i++) smp__persist_free(&smp__ctx.groups[g].persist[i]);
         MPI_Comm_free(&smp__ctx.groups[g].comm);
+        MPI_Comm_free(&smp__ctx.groups[g].objects);
+        MPI_Comm_free(&smp__ctx.groups[g].notices);
         smp__free(smp__ctx.groups[g].world_ranks);
     }
     for (int d = 0; d < 2; d++)
@@ -2295,7 +2309,10 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b) {
 }
 
 /* ---------------------------------------------------------------- object messaging */
+/* On a group's private objects communicator, in the order sent: a
+   message, or the notice that a send to this rank failed. */
 #define SMP__TAG_OBJECT 7001
+#define SMP__TAG_SEND_FAILED 7003
 
 static smp_status smp__resolve_peer(int peer, smp_rank_type rt, const char *fn, smp_group *g) {
     SMP_ASSERT(smp__ctx.initialized);
@@ -2311,10 +2328,16 @@ SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_rank_type 
     smp_status st;
     smp_group g;
     if ((st = smp__require_init("smp_send")) || (st = smp__resolve_peer(dest, rt, "smp_send", &g))) return st;
-    if (len > (size_t)INT32_MAX) return smp_error(SMP_ERR_ARG, "smp_send: %zu bytes is more than one message carries (2 GiB)", len);
-    if (len && !buf) return smp_error(SMP_ERR_ARG, "smp_send: buffer is NULL");
+    MPI_Comm comm = smp__ctx.groups[g].objects;
+    if (len > (size_t)INT32_MAX) st = smp_error(SMP_ERR_ARG, "smp_send: %zu bytes is more than one message carries (2 GiB)", len);
+    else if (len && !buf) st = smp_error(SMP_ERR_ARG, "smp_send: buffer is NULL");
+    if (st) { /* the receiver learns instead of waiting for SMP_TIMEOUT */
+        smp__failures_reap(false);
+        smp__send_failure(NULL, 0, dest, SMP__TAG_SEND_FAILED, comm);
+        return st;
+    }
     MPI_Request req;
-    SMP__MPI(MPI_Isend(buf, (int)len, MPI_BYTE, dest, SMP__TAG_OBJECT, smp__ctx.groups[g].comm, &req));
+    SMP__MPI(MPI_Isend(buf, (int)len, MPI_BYTE, dest, SMP__TAG_OBJECT, comm, &req));
     smp_wait_requests(1, &req, "smp_send to be received", g, dest);
     return SMP_OK;
 }
@@ -2324,18 +2347,26 @@ SMPDEF smp_status smp_recv_from(int src, smp_rank_type rt, void **buf, size_t *l
     smp_group g;
     if ((st = smp__require_init("smp_recv_from")) || (st = smp__resolve_peer(src, rt, "smp_recv_from", &g))) return st;
     if (!buf || !len) return smp_error(SMP_ERR_ARG, "smp_recv_from: buf and len must not be NULL");
-    MPI_Comm comm = smp__ctx.groups[g].comm;
+    MPI_Comm comm = smp__ctx.groups[g].objects;
     MPI_Message msg;
     MPI_Status status;
     int found = 0;
     smp__backoff b = smp__backoff_start();
     for (;;) {
-        SMP__MPI(MPI_Improbe(src, SMP__TAG_OBJECT, comm, &found, &msg, &status));
+        SMP__MPI(MPI_Improbe(src, MPI_ANY_TAG, comm, &found, &msg, &status));
         if (found) break;
         if (!smp__backoff_pause(&b)) smp__timeout_abort("an object (smp_recv_from)", g, src, smp__now() - b.start);
     }
     int count;
     MPI_Get_count(&status, MPI_BYTE, &count);
+    if (status.MPI_TAG == SMP__TAG_SEND_FAILED) {
+        char why[sizeof smp__errbuf];
+        if (count < 0 || count > (int)sizeof why - 1) smp__fatal("a malformed send-failure notice (%d bytes)", count);
+        MPI_Mrecv(why, count, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
+        why[count] = 0;
+        return smp_error(SMP_ERR_REMOTE, "smp_recv_from: %s rank %d (world rank %d) failed its smp_send to this rank: %s", smp__group_name(g), src,
+                         smp_group_world_rank(g, src), why);
+    }
     void *p = smp__alloc((size_t)count + 1, SMP__ALLOC_OTHER);
     if (!p) return smp_error(SMP_ERR_NOMEM, "smp_recv_from: out of memory for %d bytes", count);
     MPI_Request req;

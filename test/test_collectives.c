@@ -597,6 +597,27 @@ static void test_send_recv(smp_rank_type rt, int gi) {
         smp_free(got);
         free(buf);
     }
+    /* a send that fails on the sender: the receiver gets its error instead
+       of waiting for the timeout, and the next message pairs as before */
+    {
+        void *got = NULL;
+        size_t got_len = 0;
+        smp_status s1 = smp_send(NULL, 5, to, rt), s2 = smp_recv_from(from, rt, &got, &got_len);
+        if (s1 != SMP_ERR_ARG) fail(&a, "a send of NULL gave %s", smp_status_name(s1));
+        else if (s2 != SMP_ERR_REMOTE || !strstr(smp_last_error(), "failed its smp_send to this rank") || !strstr(smp_last_error(), "buffer is NULL"))
+            fail(&a, "the receive of a failed send gave %s (%.200s)", smp_status_name(s2), smp_last_error());
+        const char next[] = "next";
+        if (m.me % 2 == 0) {
+            s1 = smp_send(next, sizeof next, to, rt);
+            s2 = smp_recv_from(from, rt, &got, &got_len);
+        } else {
+            s2 = smp_recv_from(from, rt, &got, &got_len);
+            s1 = smp_send(next, sizeof next, to, rt);
+        }
+        if (s1 || s2 || got_len != sizeof next || strcmp((const char *)got, next))
+            fail(&a, "the message after a failed send: send %s, recv %s, %zu bytes", smp_status_name(s1), smp_status_name(s2), got_len);
+        smp_free(got);
+    }
     /* outside the group, and itself */
     char b = 0;
     smp_status st = smp_send(&b, 1, m.n, rt);
