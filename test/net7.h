@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 enum { B = 24, D = 5, H = 6, C = 3, NLIN = 4 };
 static const int lin_in[NLIN] = {D, H, H, H}, lin_out[NLIN] = {H, H, H, C};
@@ -210,6 +211,29 @@ static inline void ref_step_rows(ref_t *r, const float *x, const float *t, int r
 static inline void ref_step(ref_t *r, const float *x, const float *t, int m, bool train) { ref_step_core(r, x, t, B, m, train, m); }
 static inline void ref_step_divided(ref_t *r, const float *x, const float *t, int m, bool train, double grad_divisor) {
     ref_step_core(r, x, t, B, m, train, grad_divisor);
+}
+
+/* ---------------------------------------------------------------- timelines */
+/* Points SMP_TIMELINE at one file for the whole job (named by rank 0's
+   pid); smp writes it when the model is freed. */
+static inline void timeline_to(const char *stem, char *path, size_t cap) {
+    int tag = (int)getpid();
+    MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    snprintf(path, cap, "/tmp/smp_test_%s_%d.json", stem, tag);
+    setenv("SMP_TIMELINE", path, 1);
+}
+
+/* A file's text, NUL-terminated (free it); NULL if it cannot be read. */
+static inline char *read_text(const char *path, long *len) {
+    FILE *f = fopen(path, "rb");
+    char *text = NULL;
+    if (f && !fseek(f, 0, SEEK_END) && (*len = ftell(f)) > 0 && !fseek(f, 0, SEEK_SET) && (text = (char *)calloc(1, (size_t)*len + 1)) &&
+        fread(text, 1, (size_t)*len, f) != (size_t)*len) {
+        free(text);
+        text = NULL;
+    }
+    if (f) fclose(f);
+    return text;
 }
 
 /* Per-microbatch losses and the gradients of one replica's batch. */

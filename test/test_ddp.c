@@ -7,14 +7,13 @@
        |smp - ref| <= (dp - 1) * 2^-23 * sum_r |g_r|   (+ one ulp of the result)
    where g_r is replica r's gradient, already divided by dp (smp divides
    the loss gradient, not the sum). */
-#define _POSIX_C_SOURCE 200809L /* setenv, getpid for the timeline test */
+#define _POSIX_C_SOURCE 200809L /* setenv, getpid: net7.h's timeline_to */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
 #include "test.h"
 #include "net7.h"
 #include <float.h>
-#include <unistd.h>
 
 enum { MAXDP = 4 };
 static float g_x[MAXDP * 2 * B * D], g_t[MAXDP * 2 * B * C];
@@ -279,12 +278,9 @@ static void data_helpers(void) {
 typedef struct { char cat[16]; double ts, dur; int pid, bucket; } tl_event;
 
 static int read_timeline(const char *path, tl_event *ev, int cap) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return -1;
-    static char text[1 << 20];
-    size_t len = fread(text, 1, sizeof text - 1, f);
-    fclose(f);
-    text[len] = 0;
+    long len;
+    char *text = read_text(path, &len);
+    if (!text) return -1;
     int n = 0;
     for (const char *at = strstr(text, "{\"name\":\""); at && n < cap; at = strstr(at + 1, "{\"name\":\"")) {
         tl_event e = {{0}, 0, 0, -1, -1};
@@ -293,6 +289,7 @@ static int read_timeline(const char *path, tl_event *ev, int cap) {
         sscanf(at, "{\"name\":\"AR b%d\"", &e.bucket);
         ev[n++] = e;
     }
+    free(text);
     return n;
 }
 
@@ -303,12 +300,9 @@ static int read_timeline(const char *path, tl_event *ev, int cap) {
 static void bucket_order(bool overlap) {
     int steps = 2, m = 4, me;
     MPI_Comm_rank(MPI_COMM_WORLD, &me);
-    int tag = (int)getpid();
-    MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
     char path[64], name[128], why[2600] = "";
-    snprintf(path, sizeof path, "/tmp/smp_test_buckets_%d.json", tag);
+    timeline_to("buckets", path, sizeof path);
     snprintf(name, sizeof name, "ddp/buckets all-reduce in order, one at a time, %s", overlap ? "the first during the last backward" : "after the backward");
-    setenv("SMP_TIMELINE", path, 1);
     ddp_case c = {1, m, 1, false, overlap, 1e-4, false};
     net n;
     smp_model *model = start(&c, &n);

@@ -174,12 +174,9 @@ static int count_of(const char *hay, const char *needle) {
 static void run_timeline_case(int P) {
     int m = 4, steps = 2, me;
     MPI_Comm_rank(MPI_COMM_WORLD, &me);
-    int tag = (int)getpid();
-    MPI_Bcast(&tag, 1, MPI_INT, 0, MPI_COMM_WORLD);
     char path[64], name[128], why[2600] = "";
-    snprintf(path, sizeof path, "/tmp/smp_test_timeline_%d.json", tag);
+    timeline_to("timeline", path, sizeof path);
     snprintf(name, sizeof name, "pipeline/SMP_TIMELINE has every rank's forwards, backwards, sends%s/P=%d", world > P ? " and all-reduces" : "", P);
-    setenv("SMP_TIMELINE", path, 1);
     smp_config cfg = {0};
     cfg.partitions = P;
     cfg.microbatches = m;
@@ -201,13 +198,9 @@ static void run_timeline_case(int P) {
     smp_finalize();
     unsetenv("SMP_TIMELINE");
     if (ok && me == 0) {
-        FILE *f = fopen(path, "rb");
-        char *text = NULL;
         long len = 0;
-        if (f && !fseek(f, 0, SEEK_END) && (len = ftell(f)) > 0 && !fseek(f, 0, SEEK_SET) && (text = calloc(1, (size_t)len + 1)))
-            ok = fread(text, 1, (size_t)len, f) == (size_t)len;
-        else ok = 0;
-        if (f) fclose(f);
+        char *text = read_text(path, &len);
+        ok = text != NULL;
         if (!ok) snprintf(why, sizeof why, "cannot read %s", path);
         int want = (world / P) * stages * m * steps; /* every replica's stages, every microbatch and step */
         int fwd = ok ? count_of(text, "\"cat\":\"forward\"") : 0, bwd = ok ? count_of(text, "\"cat\":\"backward\"") : 0;
