@@ -34,6 +34,11 @@
 
 #include "net7.h"
 
+/* what results are called: test/fake_test_gpu.cu runs this suite on a CPU stand-in as "fake-gpu" */
+#ifndef GPU_LABEL
+#define GPU_LABEL "gpu"
+#endif
+
 static int W_RANK, W_SIZE, PARTS;
 static const char *MODE = "?";
 
@@ -68,7 +73,7 @@ static result ok_result(void) { result r; r.ok = true; r.why[0] = 0; return r; }
 
 static void check(const char *what, const char *dtname, const char *group, result *r) {
     char name[200];
-    snprintf(name, sizeof name, "gpu %s %s %s %s", MODE, what, dtname, group);
+    snprintf(name, sizeof name, "%s %s %s %s %s", GPU_LABEL, MODE, what, dtname, group);
     MPI_CHECK(r->ok, name, "%s", r->why);
 }
 
@@ -770,12 +775,12 @@ static void run_suite(void) {
     test_engine_stream();
     char name[64];
     if (W_SIZE > 1) test_p2p_ring();
-    else if (W_RANK == 0) { snprintf(name, sizeof name, "gpu %s p2p", MODE); test_skip(name, "needs 2 ranks or more"); }
+    else if (W_RANK == 0) { snprintf(name, sizeof name, "%s %s p2p", GPU_LABEL, MODE); test_skip(name, "needs 2 ranks or more"); }
     if (PARTS == 2) test_p2p_pipeline();
     test_pipeline_on_device();
     test_errors();
     smp_status st = smp_nccl_synchronize();
-    snprintf(name, sizeof name, "gpu %s synchronize", MODE);
+    snprintf(name, sizeof name, "%s %s synchronize", GPU_LABEL, MODE);
     MPI_CHECK(st == SMP_OK, name, "%s", smp_last_error());
 }
 
@@ -799,7 +804,7 @@ int main(int argc, char **argv) {
     if (!getenv("SMP_TIMEOUT")) cfg.timeout = 120; /* a hang ends the test with a message */
     smp_status st = start(&cfg);
     if (st != SMP_OK) {
-        MPI_CHECK(false, "gpu init", "smp_init: %.300s", smp_last_error());
+        MPI_CHECK(false, GPU_LABEL " init", "smp_init: %.300s", smp_last_error());
         MPI_Finalize();
         return 1;
     }
@@ -807,7 +812,7 @@ int main(int argc, char **argv) {
         /* a machine with NVIDIA's device files has a GPU: CUDA failing there
            (a driver too old for this CUDA, say) is a failure, not a skip */
         if (access("/dev/nvidiactl", F_OK) == 0) {
-            MPI_CHECK(false, "gpu init", "this machine has /dev/nvidiactl but CUDA finds no usable device: %.300s", smp_nccl_describe());
+            MPI_CHECK(false, GPU_LABEL " init", "this machine has /dev/nvidiactl but CUDA finds no usable device: %.300s", smp_nccl_describe());
             smp_finalize();
             MPI_Finalize();
             return 1;
@@ -824,7 +829,7 @@ int main(int argc, char **argv) {
     if (was_nccl) { /* and once more through host memory */
         setenv("SMP_NCCL", "staged", 1);
         st = start(&cfg);
-        MPI_CHECK(st == SMP_OK && smp_nccl_get_mode() == SMP_NCCL_MODE_STAGED, "gpu staged init", "smp_init: %.300s (mode %s)",
+        MPI_CHECK(st == SMP_OK && smp_nccl_get_mode() == SMP_NCCL_MODE_STAGED, GPU_LABEL " staged init", "smp_init: %.300s (mode %s)",
                   smp_last_error(), MODE);
         if (st == SMP_OK) {
             run_suite();
