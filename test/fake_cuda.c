@@ -124,6 +124,7 @@ static struct {
     cudaError_t last_error;
     char nccl_last[256];
     int group_depth;
+    bool fail_next;
     task *group;
     int ngroup, cap_group;
     cudaStream_t *group_streams;
@@ -468,8 +469,8 @@ static bool run_nccl(op *o) {
     bool aborted = false;
     for (int i = 0; i < o->u.nc.ntasks; i++) {
         ncomm *c = o->u.nc.tasks[i].comm;
-        if (c->state == COMM_ABORTED || c->state == COMM_FAILED) aborted = true;
-        else if (c->state != COMM_READY) return false; /* still connecting */
+        if (c->state == COMM_ABORTED) aborted = true;
+        else if (c->state != COMM_READY) return false; /* still connecting, or failed: hangs until aborted, as on a GPU */
     }
     if (aborted) { /* an aborted communicator's work ends without its data */
         for (int i = 0; i < o->u.nc.nreqs; i++)
@@ -1191,6 +1192,12 @@ static ncclResult_t submit(task t, const char *call, cudaStream_t stream) {
         t.recv = recvs ? (char *)dev_range(t.recv, recv_bytes, call) : NULL;
     }
     c->inflight++;
+    if (G.fail_next) { /* its peers never hear from it; ncclCommGetAsyncError says why */
+        G.fail_next = false;
+        c->state = COMM_FAILED;
+        c->error = ncclRemoteError;
+        snprintf(c->last, sizeof c->last, "fake NCCL: injected failure (fake_nccl_fail_next)");
+    }
     if (G.group_depth > 0) {
         if (G.ngroup == G.cap_group) {
             G.cap_group = G.cap_group ? 2 * G.cap_group : 16;
@@ -1262,6 +1269,8 @@ ncclResult_t ncclGroupEnd(void) {
     UNLOCK();
     return ncclSuccess;
 }
+
+void fake_nccl_fail_next(void) { LOCK(); G.fail_next = true; UNLOCK(); }
 
 /* ---------------------------------------------------------------- cuBLAS */
 struct cublasContext { cudaStream_t stream; };

@@ -42,6 +42,10 @@ typedef void (*fake_cuda_run_fn)(const void *host_fn, void **args);
 void fake_cuda_register_twin(const void *kernel_stub, const void *host_fn, int nargs, const size_t *sizes, fake_cuda_run_fn run);
 /* for twins: the launch's threads in all (grid x block) and per block */
 void fake_cuda_launch_dims(long long *threads, int *per_block);
+/* the next NCCL operation this process queues fails its communicator: the
+   operation never finishes, and ncclCommGetAsyncError reports ncclRemoteError
+   until the communicator is aborted */
+void fake_nccl_fail_next(void);
 /* the host address behind a device pointer (host pointers come back as they are) */
 void *fake_cuda_host_ptr(const void *p);
 #ifdef __cplusplus
