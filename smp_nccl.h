@@ -182,11 +182,13 @@ SMPDEF smp_status smp_nccl_synchronize(void);
    engine stream is ordered after it). */
 SMPDEF smp_status smp_nccl_copy(void *dst, int dst_device, const void *src, int src_device, size_t n);
 
-/* Device memory of this rank's GPU, ordered on the engine stream (stream-
+/* Device memory of this rank's GPU, ordered on the engine stream: stream-
    ordered cudaMallocAsync/cudaFreeAsync where the device supports memory
-   pools, else cudaMalloc/cudaFree). smp_nccl_alloc returns NULL and sets
-   smp_last_error() on failure. Free a buffer a transfer used only after
-   smp_nccl_wait on that transfer. */
+   pools; elsewhere cudaMalloc, and freed blocks are kept for reuse (by the
+   same size, once the engine's work queued before the free is done) until
+   smp_finalize, because cudaFree waits for the whole device. smp_nccl_alloc
+   returns NULL and sets smp_last_error() on failure. Free a buffer a
+   transfer used only after smp_nccl_wait on that transfer. */
 SMPDEF void *smp_nccl_alloc(size_t bytes);
 SMPDEF void smp_nccl_free(void *p);
 /* dst += src elementwise on the engine stream (f16/bf16 added in f32 and
@@ -271,6 +273,16 @@ typedef struct smp__nc_pin {
     cudaEvent_t ev;
 } smp__nc_pin;
 
+/* Devices without memory pools: a freed block waits here for reuse once the
+   work queued before its free is done, because cudaFree would wait for the
+   whole device - and for transfers that wait on peers. */
+typedef struct smp__nc_block {
+    void *p;
+    size_t bytes;
+    cudaEvent_t ev;      /* recorded at the free */
+    bool cached;         /* freed, reusable once ev completes */
+} smp__nc_block;
+
 enum { SMP__NC_REQ_DONE, SMP__NC_REQ_NCCL, SMP__NC_REQ_STAGED_SEND, SMP__NC_REQ_STAGED_RECV };
 
 struct smp_nccl_request {
@@ -304,6 +316,8 @@ static struct {
     int nchans[SMP_GROUP_COUNT];
     smp__nc_pin *pins;
     int npins, pins_cap;
+    smp__nc_block *blocks;             /* no memory pools: device blocks smp handed out or keeps for reuse */
+    int nblocks, blocks_cap;
     cudaEvent_t *events;               /* free events for requests */
     int nevents, events_cap;
     unsigned char *dummy;              /* 256 device bytes: the channels' warm-up transfers */
@@ -514,37 +528,75 @@ static smp_status smp__nc_stream_idle(cudaStream_t s, const char *what) {
 /* Device scratch on smp's stream: stream-ordered when the device has memory
    pools, otherwise plain cudaMalloc (rare: only for partly overlapping
    arguments). */
-static smp_status smp__nc_tmp_alloc(void **p, size_t n) {
+/* Device memory ordered on stream s: cudaMallocAsync/cudaFreeAsync with
+   memory pools, else the block cache above (exact sizes: a step's shapes
+   repeat). */
+static smp_status smp__nc_dev_alloc(void **p, size_t n, cudaStream_t s) {
     *p = NULL;
+    if (!n) n = 1;
     if (smp__nc.pools) {
-        SMP__CU(cudaMallocAsync, (p, n, smp__nc.stream));
-    } else {
-        SMP__CU(cudaMalloc, (p, n));
+        SMP__CU(cudaMallocAsync, (p, n, s));
+        return SMP_OK;
     }
+    for (int i = 0; i < smp__nc.nblocks; i++) {
+        smp__nc_block *b = &smp__nc.blocks[i];
+        if (!b->cached || b->bytes != n) continue;
+        cudaError_t q = cudaEventQuery(b->ev);
+        if (q == cudaErrorNotReady) continue;
+        if (q != cudaSuccess) return smp__nc_cuda_fail(q, "cudaEventQuery");
+        b->cached = false;
+        *p = b->p;
+        return SMP_OK;
+    }
+    if (smp__nc.nblocks == smp__nc.blocks_cap) {
+        int cap = smp__nc.blocks_cap ? 2 * smp__nc.blocks_cap : 32;
+        smp__nc_block *nb = (smp__nc_block *)smp_malloc(sizeof(smp__nc_block) * (size_t)cap);
+        if (!nb) return smp_error(SMP_ERR_NOMEM, "%s: out of memory for device block records", smp__nc_opname());
+        if (smp__nc.nblocks) memcpy(nb, smp__nc.blocks, sizeof(smp__nc_block) * (size_t)smp__nc.nblocks);
+        smp_free(smp__nc.blocks);
+        smp__nc.blocks = nb;
+        smp__nc.blocks_cap = cap;
+    }
+    smp__nc_block b;
+    memset(&b, 0, sizeof b);
+    b.bytes = n;
+    SMP__CU(cudaEventCreateWithFlags, (&b.ev, cudaEventDisableTiming));
+    cudaError_t e = cudaMalloc(&b.p, n);
+    if (e != cudaSuccess) {
+        (void)cudaEventDestroy(b.ev);
+        return smp__nc_cuda_fail(e, "cudaMalloc");
+    }
+    smp__nc.blocks[smp__nc.nblocks++] = b;
+    *p = b.p;
+    return SMP_OK;
+}
+
+static smp_status smp__nc_dev_free(void *p, cudaStream_t s) {
+    if (!p) return SMP_OK;
+    if (smp__nc.pools) {
+        SMP__CU(cudaFreeAsync, (p, s));
+        return SMP_OK;
+    }
+    for (int i = 0; i < smp__nc.nblocks; i++) {
+        smp__nc_block *b = &smp__nc.blocks[i];
+        if (b->p != p || b->cached) continue;
+        SMP__CU(cudaEventRecord, (b->ev, s));
+        b->cached = true;
+        return SMP_OK;
+    }
+    SMP__CU(cudaFree, (p)); /* not smp's (from before this smp_init): the slow way */
     return SMP_OK;
 }
 
 /* A scratch copy of n device bytes at src, queued on smp's stream. */
 static smp_status smp__nc_tmp_copy(void **tmp, const void *src, size_t n) {
-    SMP__TRY(smp__nc_tmp_alloc(tmp, n));
+    SMP__TRY(smp__nc_dev_alloc(tmp, n, smp__nc.stream));
     cudaError_t e = cudaMemcpyAsync(*tmp, src, n, cudaMemcpyDeviceToDevice, smp__nc.stream);
     if (e != cudaSuccess) {
         smp_status st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
-        if (smp__nc.pools) (void)cudaFreeAsync(*tmp, smp__nc.stream);
-        else (void)cudaFree(*tmp);
+        (void)smp__nc_dev_free(*tmp, smp__nc.stream);
         *tmp = NULL;
         return st;
-    }
-    return SMP_OK;
-}
-
-static smp_status smp__nc_tmp_free(void *p) {
-    if (!p) return SMP_OK;
-    if (smp__nc.pools) {
-        SMP__CU(cudaFreeAsync, (p, smp__nc.stream));
-    } else {
-        SMP__TRY(smp__nc_stream_idle(smp__nc.stream, "scratch memory to be released"));
-        SMP__CU(cudaFree, (p));
     }
     return SMP_OK;
 }
@@ -801,7 +853,7 @@ static smp_status smp__nc_all_reduce_on(const smp_tensor *in, smp_tensor *out, s
         src = tmp;
     }
     SMP__NC_ST(st, c, g, ncclAllReduce, (src, out->data, n, t, r, c, smp__nc.stream));
-    smp_status st2 = smp__nc_tmp_free(tmp);
+    smp_status st2 = smp__nc_dev_free(tmp, smp__nc.stream);
     if (st || st2) return st ? st : st2;
     return order_engine ? smp__nc_finish("all_reduce", g) : SMP_OK;
 }
@@ -874,7 +926,7 @@ static smp_status smp__nc_reduce(const smp_tensor *in, smp_tensor *out, smp_op o
     }
     /* recvbuff is only written on the root; elsewhere pass the input */
     SMP__NC_ST(st, c, g, ncclReduce, (src, is_root ? out->data : in->data, n, t, r, root, c, smp__nc.stream));
-    smp_status st2 = smp__nc_tmp_free(tmp);
+    smp_status st2 = smp__nc_dev_free(tmp, smp__nc.stream);
     if (st || st2) return st ? st : st2;
     return smp__nc_finish("reduce", g);
 }
@@ -907,7 +959,7 @@ static smp_status smp__nc_all_gather(const smp_tensor *in, smp_tensor *out, smp_
         src = tmp;
     }
     SMP__NC_ST(st, c, g, ncclAllGather, (src, out->data, n, t, c, smp__nc.stream));
-    smp_status st2 = smp__nc_tmp_free(tmp);
+    smp_status st2 = smp__nc_dev_free(tmp, smp__nc.stream);
     if (st || st2) return st ? st : st2;
     return smp__nc_finish("all_gather", g);
 }
@@ -936,7 +988,7 @@ static smp_status smp__nc_reduce_scatter(const smp_tensor *in, smp_tensor *out, 
     void *dst = out->data, *tmp = NULL;
     bool in_place = (const char *)in->data + block * (size_t)smp_group_rank(g) == (const char *)out->data;
     if (!in_place && smp__nc_overlap(in->data, total, out->data, block)) {
-        SMP__TRY(smp__nc_tmp_alloc(&tmp, block));
+        SMP__TRY(smp__nc_dev_alloc(&tmp, block, smp__nc.stream));
         dst = tmp;
     }
     SMP__NC_ST(st, c, g, ncclReduceScatter, (in->data, dst, n, t, r, c, smp__nc.stream));
@@ -945,7 +997,7 @@ static smp_status smp__nc_reduce_scatter(const smp_tensor *in, smp_tensor *out, 
             cudaError_t e = cudaMemcpyAsync(out->data, tmp, block, cudaMemcpyDeviceToDevice, smp__nc.stream);
             if (e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
         }
-        smp_status st2 = smp__nc_tmp_free(tmp);
+        smp_status st2 = smp__nc_dev_free(tmp, smp__nc.stream);
         if (!st) st = st2;
     }
     if (st) return st;
@@ -1009,7 +1061,7 @@ static smp_status smp__nc_a2a_nccl(const smp_tensor *in, smp_tensor *out, const 
         if (failed) st = smp__nc_nccl_fail(r, failed, c);
         else if (re != ncclSuccess) st = smp__nc_nccl_fail(re, "ncclGroupEnd", c);
     }
-    smp_status st2 = smp__nc_tmp_free(tmp);
+    smp_status st2 = smp__nc_dev_free(tmp, smp__nc.stream);
     if (st || st2) return st ? st : st2;
     return smp__nc_finish("all_to_all_single", g);
 }
@@ -1366,6 +1418,11 @@ static void smp__nc_on_finalize(void) {
         (void)cudaEventDestroy(smp__nc.pins[i].ev);
     }
     smp_free(smp__nc.pins);
+    for (int i = 0; i < smp__nc.nblocks; i++) { /* blocks still handed out stay the engine's */
+        if (smp__nc.blocks[i].cached) (void)cudaFree(smp__nc.blocks[i].p);
+        (void)cudaEventDestroy(smp__nc.blocks[i].ev);
+    }
+    smp_free(smp__nc.blocks);
     for (int i = 0; i < smp__nc.nevents; i++) (void)cudaEventDestroy(smp__nc.events[i]);
     smp_free(smp__nc.events);
     if (smp__nc.ev_engine) (void)cudaEventDestroy(smp__nc.ev_engine);
@@ -1694,18 +1751,12 @@ SMPDEF smp_status smp_nccl_sendrecv(const void *sendbuf, size_t sendbytes, int d
 SMPDEF void *smp_nccl_alloc(size_t bytes) {
     if (smp__nc_ready("smp_nccl_alloc")) return NULL;
     void *p = NULL;
-    cudaError_t e = smp__nc.pools ? cudaMallocAsync(&p, bytes ? bytes : 1, smp__nc_engine) : cudaMalloc(&p, bytes ? bytes : 1);
-    if (e != cudaSuccess) {
-        smp__nc_cuda_fail(e, smp__nc.pools ? "cudaMallocAsync" : "cudaMalloc");
-        return NULL;
-    }
-    return p;
+    return smp__nc_dev_alloc(&p, bytes, smp__nc_engine) == SMP_OK ? p : NULL;
 }
 
 SMPDEF void smp_nccl_free(void *p) {
     if (!p || smp__nc_ready("smp_nccl_free")) return;
-    cudaError_t e = smp__nc.pools ? cudaFreeAsync(p, smp__nc_engine) : cudaFree(p);
-    if (e != cudaSuccess) smp_log(SMP_LOG_WARN, "smp_nccl_free: %s failed: %s", smp__nc.pools ? "cudaFreeAsync" : "cudaFree", cudaGetErrorString(e));
+    if (smp__nc_dev_free(p, smp__nc_engine) != SMP_OK) smp_log(SMP_LOG_WARN, "smp_nccl_free: %s", smp_last_error());
 }
 
 #ifdef __CUDACC__

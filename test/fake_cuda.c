@@ -125,6 +125,8 @@ static struct {
     char nccl_last[256];
     int group_depth;
     bool fail_next;
+    long device_syncs; /* calls that wait for the whole device */
+    const char *last_device_sync;
     task *group;
     int ngroup, cap_group;
     cudaStream_t *group_streams;
@@ -283,6 +285,12 @@ static bool device_done(const void *unused) {
 static bool event_done(const void *e) {
     const struct CUevent_st *ev = (const struct CUevent_st *)e;
     return !ev->stream || ev->stream->done >= ev->seq;
+}
+
+static void device_sync(const char *call) {
+    G.device_syncs++;
+    G.last_device_sync = call;
+    wait_until(device_done, NULL);
 }
 
 /* ---------------------------------------------------------------- reductions (NCCL) */
@@ -883,7 +891,7 @@ cudaError_t cudaFree(void *p) {
     LOCK();
     cudaError_t e = dev_free_check(p);
     if (!e && p) {
-        wait_until(device_done, NULL); /* cudaFree waits for the whole device */
+        device_sync("cudaFree"); /* cudaFree waits for the whole device */
         release_alloc((uintptr_t)p & ~DEV_BIT);
     }
     UNLOCK();
@@ -902,6 +910,7 @@ cudaError_t cudaFreeAsync(void *p, cudaStream_t s) {
 }
 cudaError_t cudaMallocHost(void **p, size_t n) {
     LOCK();
+    device_sync("cudaMallocHost"); /* pinning pages may wait for the device */
     void *h = malloc(n ? n : 1);
     if (h) add_alloc((uintptr_t)h, n, true);
     *p = h;
@@ -913,7 +922,7 @@ cudaError_t cudaFreeHost(void *p) {
     alloc *a = p ? find_alloc((uintptr_t)p) : NULL;
     cudaError_t e = !p ? cudaSuccess : a && a->pinned && a->base == (uintptr_t)p ? cudaSuccess : fail(cudaErrorInvalidValue);
     if (!e && p) {
-        wait_until(device_done, NULL);
+        device_sync("cudaFreeHost");
         release_alloc((uintptr_t)p);
     }
     UNLOCK();
@@ -1017,7 +1026,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) { LOCK(); wait_until(stream_done, S(s)); UNLOCK(); return cudaSuccess; }
 cudaError_t cudaStreamQuery(cudaStream_t s) { LOCK(); bool idle = stream_idle(S(s)); UNLOCK(); return idle ? cudaSuccess : cudaErrorNotReady; }
-cudaError_t cudaDeviceSynchronize(void) { LOCK(); wait_until(device_done, NULL); UNLOCK(); return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void) { LOCK(); device_sync("cudaDeviceSynchronize"); UNLOCK(); return cudaSuccess; }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
     (void)flags;
@@ -1271,6 +1280,8 @@ ncclResult_t ncclGroupEnd(void) {
 }
 
 void fake_nccl_fail_next(void) { LOCK(); G.fail_next = true; UNLOCK(); }
+long fake_cuda_device_syncs(void) { return G.device_syncs; }
+const char *fake_cuda_last_device_sync(void) { return G.last_device_sync ? G.last_device_sync : "none"; }
 
 /* ---------------------------------------------------------------- cuBLAS */
 struct cublasContext { cudaStream_t stream; };

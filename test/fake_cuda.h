@@ -46,6 +46,10 @@ void fake_cuda_launch_dims(long long *threads, int *per_block);
    operation never finishes, and ncclCommGetAsyncError reports ncclRemoteError
    until the communicator is aborted */
 void fake_nccl_fail_next(void);
+/* how many calls so far waited for the whole device (cudaDeviceSynchronize,
+   cudaFree, cudaFreeHost, cudaMallocHost), and the last one's name */
+long fake_cuda_device_syncs(void);
+const char *fake_cuda_last_device_sync(void);
 /* the host address behind a device pointer (host pointers come back as they are) */
 void *fake_cuda_host_ptr(const void *p);
 #ifdef __cplusplus

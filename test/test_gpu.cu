@@ -667,6 +667,11 @@ static const net_fns GPU_NET = {gpu_lin_forward, gpu_lin_backward, gpu_relu_forw
 
 static float *g_net_loss; /* device: one loss per microbatch */
 
+/* test/fake_cuda.c counts calls that wait for the whole device; a GPU build
+   has no such counter, and these stay NULL */
+extern "C" __attribute__((weak)) long fake_cuda_device_syncs(void);
+extern "C" __attribute__((weak)) const char *fake_cuda_last_device_sync(void);
+
 /* The loss stays on the device until smp_mb_return copies it to the host. */
 SMP_STEP_BODY(gpu_mse_body) {
     const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
@@ -703,7 +708,14 @@ static void test_pipeline_on_device(void) {
         x.device = t.device = smp_nccl_device();
         smp_step_output outs[2];
         memset(outs, 0, sizeof outs);
+        long syncs = fake_cuda_device_syncs ? fake_cuda_device_syncs() : 0;
         smp_status st = SMP_TRAIN_STEP(model, gpu_mse_body, NULL, outs, 2, x, t);
+        if (fake_cuda_device_syncs && step == 1) { /* the first step allocates: the second is the steady state */
+            long n_syncs = fake_cuda_device_syncs() - syncs;
+            result hot = ok_result();
+            if (n_syncs) fail(&hot, "%ld call(s) waited for the whole device during a step, the last %s", n_syncs, fake_cuda_last_device_sync());
+            check("a training step waits for no whole-device synchronisation", "f32", "mp", &hot);
+        }
         ref_step_rows(&ref, hx, ht, rows, m, true);
         if (st) fail(&res, "step %d: %s", step, smp_last_error());
         for (int i = 0; i < m && res.ok; i++)
