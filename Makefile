@@ -91,7 +91,7 @@ build/cuda:
 	@mkdir -p $@
 # The same CUDA programs on test/fake_cuda.c, a CPU stand-in for the CUDA
 # runtime, NCCL and cuBLAS (-cudart none): smp_nccl.h's logic runs without a GPU.
-FAKE_BINS := build/fake/test_gpu build/fake/fake_faults build/fake/nccl_allreduce
+FAKE_BINS := build/fake/test_gpu build/fake/fake_faults build/fake/nccl_allreduce build/fake/test_gpu_asan
 FAKE_FLAGS := $(NVFLAGS) -Xcompiler -ffp-contract=off -cudart none -I. -Itest
 build/fake/fake_cuda.o: test/fake_cuda.c test/fake_cuda.h Makefile | build/fake
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) -O2 -g -I$(CUDA_HOME)/include -Itest -c $< -o $@
@@ -102,6 +102,13 @@ build/fake/fake_faults: test/fake_faults.cu test/fake_twins.h build/fake/fake_cu
 	$(NVCC) $(FAKE_FLAGS) $< build/fake/fake_cuda.o -o $@ -lpthread
 build/fake/nccl_allreduce: test/fake_nccl_allreduce.cu examples/nccl_allreduce.cu test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
 	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread
+# and the GPU suite again under AddressSanitizer + UBSan (nvcc compiles, mpicxx links the sanitizers)
+build/fake/fake_cuda_asan.o: test/fake_cuda.c test/fake_cuda.h Makefile | build/fake
+	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(SANFLAGS) -I$(CUDA_HOME)/include -Itest -c $< -o $@
+build/fake/test_gpu_asan: test/fake_test_gpu.cu test/test_gpu.cu test/fake_twins.h build/fake/fake_cuda_asan.o $(HEADERS) test/test.h test/net7.h | build/fake
+	$(NVCC) $(NVFLAGS) -g -Xcompiler -ffp-contract=off,-fsanitize=address,-fsanitize=undefined,-fno-omit-frame-pointer,-fno-sanitize-recover=undefined \
+	  -cudart none -I. -Itest -c $< -o $@.o
+	mpicxx -fsanitize=address,undefined $@.o build/fake/fake_cuda_asan.o -o $@ -lpthread
 build/fake:
 	@mkdir -p $@
 cuda:

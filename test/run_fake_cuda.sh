@@ -31,6 +31,16 @@ variant "2 ranks, 2 GPUs, smp's streams slow" 2 FAKE_CUDA_DEVICES=2 FAKE_CUDA_SL
 # a GPU without memory pools: cudaMalloc/cudaFree instead of the stream-ordered calls
 variant "2 ranks, 2 GPUs, no memory pools" 2 FAKE_CUDA_DEVICES=2 FAKE_CUDA_POOLS=0
 
+# under AddressSanitizer + UBSan
+asan=build/fake/test_gpu_asan
+if [ -x "$asan" ]; then
+  plain=$bin; bin=$asan
+  variant "ASan+UBSan, 2 ranks, 2 GPUs" 2 FAKE_CUDA_DEVICES=2 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+  bin=$plain
+else
+  echo "FAIL: $asan is not built"; status=1
+fi
+
 # no GPU at all: the suite says so and counts nothing
 FAKE_CUDA_DEVICES=0 timeout 120 mpirun -n 2 "$bin" >"$out" 2>&1
 if [ $? -eq 0 ] && grep -qx 'SKIP: gpu: skipped: no GPU' "$out" && ! grep -q '^PASS' "$out"; then
