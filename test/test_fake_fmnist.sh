@@ -4,7 +4,8 @@
 # twins of its kernels after it). test_demo.sh's comparisons, on the GPU code:
 #  - the loss of every step of a 2-partition run over NCCL equals the
 #    one-process run bit for bit, and so does a run of 2 ranks sharing one
-#    GPU (smp's host-staged path);
+#    GPU (smp's host-staged path), and one on GPUs without memory pools
+#    (smp keeps freed blocks for reuse instead of cudaFree);
 #  - 2 partitions x 2 replicas (deterministic reduction) equal 2 replicas in
 #    one stage bit for bit, and so do they with NCCL's bucketed all-reduce
 #    (two replicas' sum is the same bits in either order) and NCCL slowed
@@ -51,7 +52,7 @@ steps="--data $tmp/data --batch 32 --epochs 1 --max-steps $nsteps --print-losses
 # name, fake GPUs per node, ranks, options...: $tmp/NAME holds the step lines, NAME.acc the accuracy
 run() {
   local out=$1 gpus=$2 np=$3; shift 3
-  FAKE_CUDA_DEVICES=$gpus timeout 300 mpirun -n "$np" "${prog:-$bin}" $steps --checkpoint "$tmp/$out.ckpt" "$@" >"$tmp/$out.log" 2>"$tmp/$out.err"
+  SMP_TIMEOUT=120 FAKE_CUDA_DEVICES=$gpus timeout 300 mpirun -n "$np" "${prog:-$bin}" $steps --checkpoint "$tmp/$out.ckpt" "$@" >"$tmp/$out.log" 2>"$tmp/$out.err"
   echo $? >"$tmp/$out.rc"
   grep '^step' "$tmp/$out.log" >"$tmp/$out"
   grep '^test accuracy' "$tmp/$out.log" >"$tmp/$out.acc"
@@ -79,6 +80,8 @@ start=$SECONDS
 run one 1 1 --partitions 1 --microbatches 4
 run pp2 2 2 --partitions 2 --microbatches 4
 same "fake-fmnist/2 partitions on 2 fake GPUs (NCCL) equal one process, every step and the accuracy bitwise" one pp2 "(CUDA, nccl:"
+FAKE_CUDA_POOLS=0 run nopools 2 2 --partitions 2 --microbatches 4
+same "fake-fmnist/2 partitions on fake GPUs without memory pools (cudaMalloc, smp's cache of freed blocks) equal one process bitwise" one nopools "(CUDA, nccl:"
 run shared 1 2 --partitions 2 --microbatches 4
 same "fake-fmnist/2 partitions sharing one fake GPU (host-staged) equal one process bitwise" one shared "host-staged: ranks share GPUs"
 
