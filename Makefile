@@ -52,7 +52,7 @@ test: deps
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	test/run.sh build/asan "$(UNIT_TESTS)" "$(MPI_TESTS)" "" "1 2" > build/test-asan.log 2>&1; b=$$?; cat build/test-asan.log; \
 	echo "== CUDA sources (built with nvcc): the GPU suite where a GPU is present, and on the fake CPU device"; \
-	test/run.sh build/cuda "" "$$([ -x build/cuda/test_gpu ] && echo test_gpu)" "test/run_fake_cuda.sh" "1 2" > build/test-cuda.log 2>&1; c=$$?; cat build/test-cuda.log; \
+	test/run.sh build/cuda "" "$$([ -x build/cuda/test_gpu ] && echo test_gpu)" "test/run_fake_cuda.sh test/test_fake_fmnist.sh" "1 2" > build/test-cuda.log 2>&1; c=$$?; cat build/test-cuda.log; \
 	p=0; f=0; s=0; for l in build/test-gcc.log build/test-asan.log build/test-cuda.log; do \
 	  set -- $$(tail -n1 $$l | tr -d ','); p=$$((p + $$1)); f=$$((f + $$3)); s=$$((s + $${5:-0})); done; \
 	echo; if [ $$s -gt 0 ]; then echo "$$p passed, $$f failed, $$s skipped"; else echo "$$p passed, $$f failed"; fi; \
@@ -91,7 +91,7 @@ build/cuda:
 	@mkdir -p $@
 # The same CUDA programs on test/fake_cuda.c, a CPU stand-in for the CUDA
 # runtime, NCCL and cuBLAS (-cudart none): smp_nccl.h's logic runs without a GPU.
-FAKE_BINS := build/fake/test_gpu build/fake/fake_faults build/fake/nccl_allreduce build/fake/test_gpu_asan
+FAKE_BINS := build/fake/test_gpu build/fake/fake_faults build/fake/nccl_allreduce build/fake/test_gpu_asan build/fake/fmnist
 FAKE_FLAGS := $(NVFLAGS) -Xcompiler -ffp-contract=off -cudart none -I. -Itest
 build/fake/fake_cuda.o: test/fake_cuda.c test/fake_cuda.h Makefile | build/fake
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) -O2 -g -I$(CUDA_HOME)/include -Itest -c $< -o $@
@@ -102,6 +102,8 @@ build/fake/fake_faults: test/fake_faults.cu test/fake_twins.h build/fake/fake_cu
 	$(NVCC) $(FAKE_FLAGS) $< build/fake/fake_cuda.o -o $@ -lpthread
 build/fake/nccl_allreduce: test/fake_nccl_allreduce.cu examples/nccl_allreduce.cu test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
 	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread
+build/fake/fmnist: test/fake_fmnist.cu examples/fmnist.cu $(CUDA_MLP) test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
+	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread -lz
 # and the GPU suite again under AddressSanitizer + UBSan (nvcc compiles, mpicxx links the sanitizers)
 build/fake/fake_cuda_asan.o: test/fake_cuda.c test/fake_cuda.h Makefile | build/fake
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(SANFLAGS) -I$(CUDA_HOME)/include -Itest -c $< -o $@
@@ -120,7 +122,7 @@ test-gpu: cuda
 	@test/run.sh build/cuda "" "test_gpu" "" "1 2 4"
 # The GPU suite on the fake CPU device, in its variants (test/run_fake_cuda.sh).
 test-fake-gpu: cuda
-	@test/run.sh build/cuda "" "" "test/run_fake_cuda.sh"
+	@test/run.sh build/cuda "" "" "test/run_fake_cuda.sh test/test_fake_fmnist.sh"
 
 # The main job: Fashion-MNIST on NP processes, 2 partitions (x replicas with NP=4).
 demo: deps
