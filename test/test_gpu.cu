@@ -469,6 +469,41 @@ static void test_alloc_add(void) {
     check("alloc + add", "all", "local", &res);
 }
 
+/* Without memory pools smp keeps freed blocks for reuse; one may come back
+   only after the engine's work queued before its free. Here that work waits
+   on a receive that world rank 1 sends only after rank 0 has looked. */
+static void test_block_reuse(void) {
+    int pools = 1;
+    CK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, smp_nccl_device()));
+    if (pools || W_SIZE < 2 || smp_nccl_get_mode() != SMP_NCCL_MODE_NCCL) return; /* cudaMallocAsync orders reuse itself */
+    result res = ok_result();
+    const size_t bytes = 4096 * sizeof(float);
+    int peer = 1 - W_RANK;
+    smp_status st = W_RANK < 2 ? smp_nccl_p2p_connect(SMP_WORLD, &peer, 1) : SMP_OK;
+    float *x = (float *)dalloc(bytes);
+    if (st) fail(&res, "smp_nccl_p2p_connect: %s", smp_last_error());
+    if (W_RANK == 0 && !st) {
+        smp_nccl_request *r = NULL;
+        st = smp_nccl_irecv(x, bytes, 1, SMP_WORLD, &r);
+        if (!st) st = smp_nccl_wait(r); /* the engine now waits for rank 1 */
+        void *a = smp_nccl_alloc(bytes);
+        CK(cudaMemcpyAsync(a, x, bytes, cudaMemcpyDeviceToDevice, smp_nccl_get_stream()));
+        smp_nccl_free(a);
+        void *b = smp_nccl_alloc(bytes);
+        if (st || !a || !b) fail(&res, "%s", smp_last_error());
+        else if (b == a) fail(&res, "a freed block came back while the engine work queued before its free still waited");
+        MPI_Barrier(MPI_COMM_WORLD);
+        if (smp_nccl_synchronize()) fail(&res, "smp_nccl_synchronize: %s", smp_last_error());
+        CK(cudaStreamSynchronize(smp_nccl_get_stream()));
+        smp_nccl_free(b);
+    } else {
+        MPI_Barrier(MPI_COMM_WORLD);
+        if (W_RANK == 1 && !st && smp_nccl_send(x, bytes, 0, SMP_WORLD)) fail(&res, "smp_nccl_send: %s", smp_last_error());
+    }
+    CK(cudaFree(x));
+    check("a freed block is reused only after the work before its free", "f32", "world", &res);
+}
+
 /* ---------------------------------------------------------------- point to point */
 static float p2p_val(int from, int k, int i) { return (float)(from * 100 + k * 10 + i % 7); }
 
@@ -784,6 +819,7 @@ static void run_suite(void) {
         }
     test_copy();
     test_alloc_add();
+    test_block_reuse();
     test_engine_stream();
     char name[64];
     if (W_SIZE > 1) test_p2p_ring();
