@@ -2273,6 +2273,24 @@ static void smp__persist_free(smp__persist *p) {
     memset(p, 0, sizeof *p);
 }
 
+/* Notices of a collective that failed on every member are never asked for:
+   take them in before the communicator goes, so MPI ends with nothing
+   unmatched (UCX warns of each at exit). */
+static void smp__drop_notices(MPI_Comm c) {
+    for (;;) {
+        int found = 0;
+        MPI_Message m;
+        MPI_Status st;
+        MPI_Improbe(MPI_ANY_SOURCE, SMP__TAG_FAILED, c, &found, &m, &st);
+        if (!found) return;
+        char msg[8 + sizeof smp__errbuf];
+        int len = 0;
+        MPI_Get_count(&st, MPI_BYTE, &len);
+        if (len < 0 || len > (int)sizeof msg) len = (int)sizeof msg;
+        MPI_Mrecv(msg, len, MPI_BYTE, &m, MPI_STATUS_IGNORE);
+    }
+}
+
 SMPDEF void smp_finalize(void) {
     if (!smp__ctx.initialized) return;
     if (smp__ctx.has_device && smp__ctx.device.on_finalize) smp__ctx.device.on_finalize();
@@ -2284,6 +2302,7 @@ SMPDEF void smp_finalize(void) {
         for (int i = 0; i < SMP__PERSIST_SLOTS; i++) smp__persist_free(&smp__ctx.groups[g].persist[i]);
         MPI_Comm_free(&smp__ctx.groups[g].comm);
         MPI_Comm_free(&smp__ctx.groups[g].objects);
+        smp__drop_notices(smp__ctx.groups[g].notices);
         MPI_Comm_free(&smp__ctx.groups[g].notices);
         smp__free(smp__ctx.groups[g].world_ranks);
     }
