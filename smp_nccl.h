@@ -528,6 +528,20 @@ static smp_status smp__nc_stream_idle(cudaStream_t s, const char *what) {
 /* Device scratch on smp's stream: stream-ordered when the device has memory
    pools, otherwise plain cudaMalloc (rare: only for partly overlapping
    arguments). */
+/* Room for one more record in one of smp__nc's growing arrays: the array,
+   moved if it had to grow (the old one freed), or NULL when out of memory
+   (the old one kept). */
+static void *smp__nc_grow(void *items, int n, int *cap, size_t size) {
+    if (n < *cap) return items;
+    int more = *cap ? 2 * *cap : 16;
+    void *p = smp_malloc(size * (size_t)more);
+    if (!p) return NULL;
+    if (n) memcpy(p, items, size * (size_t)n);
+    smp_free(items);
+    *cap = more;
+    return p;
+}
+
 /* Device memory ordered on stream s: cudaMallocAsync/cudaFreeAsync with
    memory pools, else the block cache above (exact sizes: a step's shapes
    repeat). */
@@ -548,15 +562,9 @@ static smp_status smp__nc_dev_alloc(void **p, size_t n, cudaStream_t s) {
         *p = b->p;
         return SMP_OK;
     }
-    if (smp__nc.nblocks == smp__nc.blocks_cap) {
-        int cap = smp__nc.blocks_cap ? 2 * smp__nc.blocks_cap : 32;
-        smp__nc_block *nb = (smp__nc_block *)smp_malloc(sizeof(smp__nc_block) * (size_t)cap);
-        if (!nb) return smp_error(SMP_ERR_NOMEM, "%s: out of memory for device block records", smp__nc_opname());
-        if (smp__nc.nblocks) memcpy(nb, smp__nc.blocks, sizeof(smp__nc_block) * (size_t)smp__nc.nblocks);
-        smp_free(smp__nc.blocks);
-        smp__nc.blocks = nb;
-        smp__nc.blocks_cap = cap;
-    }
+    smp__nc_block *blocks = (smp__nc_block *)smp__nc_grow(smp__nc.blocks, smp__nc.nblocks, &smp__nc.blocks_cap, sizeof *blocks);
+    if (!blocks) return smp_error(SMP_ERR_NOMEM, "%s: out of memory for device block records", smp__nc_opname());
+    smp__nc.blocks = blocks;
     smp__nc_block b;
     memset(&b, 0, sizeof b);
     b.bytes = n;
@@ -616,15 +624,9 @@ static smp_status smp__nc_pin_get(size_t n, int *idx) {
         if (e->state == 0 && e->cap >= n && (best < 0 || e->cap < smp__nc.pins[best].cap)) best = i;
     }
     if (best < 0) {
-        if (smp__nc.npins == smp__nc.pins_cap) {
-            int cap = smp__nc.pins_cap ? 2 * smp__nc.pins_cap : 8;
-            smp__nc_pin *np = (smp__nc_pin *)smp_malloc(sizeof(smp__nc_pin) * (size_t)cap);
-            if (!np) return smp_error(SMP_ERR_NOMEM, "%s: out of memory for pinned buffer records", smp__nc_opname());
-            if (smp__nc.npins) memcpy(np, smp__nc.pins, sizeof(smp__nc_pin) * (size_t)smp__nc.npins);
-            smp_free(smp__nc.pins);
-            smp__nc.pins = np;
-            smp__nc.pins_cap = cap;
-        }
+        smp__nc_pin *pins = (smp__nc_pin *)smp__nc_grow(smp__nc.pins, smp__nc.npins, &smp__nc.pins_cap, sizeof *pins);
+        if (!pins) return smp_error(SMP_ERR_NOMEM, "%s: out of memory for pinned buffer records", smp__nc_opname());
+        smp__nc.pins = pins;
         size_t cap = (size_t)64 << 10;
         while (cap < n && cap < ((size_t)64 << 20)) cap *= 2;
         if (cap < n) cap = (n + ((size_t)1 << 20) - 1) & ~(((size_t)1 << 20) - 1);
@@ -668,15 +670,12 @@ static smp_status smp__nc_event_get(cudaEvent_t *ev) {
 }
 
 static void smp__nc_event_put(cudaEvent_t ev) {
-    if (smp__nc.nevents == smp__nc.events_cap) {
-        int cap = smp__nc.events_cap ? 2 * smp__nc.events_cap : 16;
-        cudaEvent_t *ne = (cudaEvent_t *)smp_malloc(sizeof(cudaEvent_t) * (size_t)cap);
-        if (!ne) { (void)cudaEventDestroy(ev); return; }
-        if (smp__nc.nevents) memcpy(ne, smp__nc.events, sizeof(cudaEvent_t) * (size_t)smp__nc.nevents);
-        smp_free(smp__nc.events);
-        smp__nc.events = ne;
-        smp__nc.events_cap = cap;
+    cudaEvent_t *events = (cudaEvent_t *)smp__nc_grow(smp__nc.events, smp__nc.nevents, &smp__nc.events_cap, sizeof *events);
+    if (!events) {
+        (void)cudaEventDestroy(ev);
+        return;
     }
+    smp__nc.events = events;
     smp__nc.events[smp__nc.nevents++] = ev;
 }
 
