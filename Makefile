@@ -91,7 +91,7 @@ build/cuda:
 	@mkdir -p $@
 # The same CUDA programs on test/fake_cuda.c, a CPU stand-in for the CUDA
 # runtime, NCCL and cuBLAS (-cudart none): smp_nccl.h's logic runs without a GPU.
-FAKE_BINS := build/fake/test_gpu build/fake/fake_faults build/fake/nccl_allreduce build/fake/test_gpu_asan build/fake/fmnist
+FAKE_BINS := build/fake/test_gpu build/fake/fake_faults build/fake/nccl_allreduce build/fake/test_gpu_asan build/fake/fmnist build/fake/bench_nccl build/fake/c_engine
 FAKE_FLAGS := $(NVFLAGS) -Xcompiler -ffp-contract=off -cudart none -I. -Itest
 build/fake/fake_cuda.o: test/fake_cuda.c test/fake_cuda.h Makefile | build/fake
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) -O2 -g -I$(CUDA_HOME)/include -Itest -c $< -o $@
@@ -102,8 +102,13 @@ build/fake/fake_faults: test/fake_faults.cu test/fake_twins.h build/fake/fake_cu
 	$(NVCC) $(FAKE_FLAGS) $< build/fake/fake_cuda.o -o $@ -lpthread
 build/fake/nccl_allreduce: test/fake_nccl_allreduce.cu examples/nccl_allreduce.cu test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
 	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread
-build/fake/fmnist: test/fake_fmnist.cu examples/fmnist.cu $(CUDA_MLP) test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
+build/fake/fmnist: test/fake_fmnist.cu examples/fmnist.cu $(CUDA_MLP) test/fake_fmnist_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
 	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread -lz
+build/fake/bench_nccl: test/fake_bench_nccl.cu bench/nccl.cu $(CUDA_MLP) test/fake_fmnist_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
+	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread -lz
+build/fake/c_engine: test/fake_c_engine.c build/fake/fake_cuda.o $(HEADERS) test/test.h | build/fake
+	MPICH_CC=gcc mpicc $(CSTD) $(WARN) -O2 -I. -Itest -I$(CUDA_HOME)/include $< build/fake/fake_cuda.o -o $@ -lpthread -lm
+	MPICH_CC=clang mpicc $(CSTD) $(WARN) -O2 -I. -Itest -I$(CUDA_HOME)/include $< build/fake/fake_cuda.o -o $@.clang -lpthread -lm
 # and the GPU suite again under AddressSanitizer + UBSan (nvcc compiles, mpicxx links the sanitizers)
 build/fake/fake_cuda_asan.o: test/fake_cuda.c test/fake_cuda.h Makefile | build/fake
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(SANFLAGS) -I$(CUDA_HOME)/include -Itest -c $< -o $@

@@ -70,6 +70,24 @@ for v in "2 2" "4 4" "4 1"; do
   fi
 done
 
+# smp_nccl.h compiled as C (gcc and clang builds)
+for b in build/fake/c_engine build/fake/c_engine.clang; do
+  FAKE_CUDA_DEVICES=2 timeout 120 mpirun -n 2 "$b" >"$out" 2>&1; rc=$?
+  grep -E '^(PASS|FAIL): ' "$out" | sed "s|^\(PASS\|FAIL\): |&[$(basename "$b")] |"
+  if [ $rc -ne 0 ]; then echo "FAIL: $b exited with status $rc"; grep -v UCX "$out" | tail -n 5 | sed 's/^/    /'; status=1; fi
+done
+
+# bench/nccl: its timings mean nothing here, but its raw-NCCL pipeline must compute smp's step exactly
+bench=build/fake/bench_nccl
+FAKE_CUDA_DEVICES=2 timeout 120 mpirun -n 2 "$bench" --iters 1 --warmup 0 --mib 1 --batch 64 --microbatches 4 >"$out" 2>&1; rc=$?
+check=$(grep '^check: ' "$out")
+if [ $rc -eq 0 ] && echo "$check" | grep -q 'gradients differ by 0.0e+00' && echo "$check" | awk '{ exit !($4 ";" == $6) }' \
+   && grep -q '^nccl smp/raw time ratio: ' "$out" && ! grep -q WARNING "$out"; then
+  echo "PASS: fake-gpu bench/nccl runs, and its hand-written NCCL pipeline computes smp's step bit for bit ($check)"
+else
+  echo "FAIL: fake-gpu bench/nccl (exit $rc):"; grep -v UCX "$out" | tail -n 6 | sed 's/^/    /'; status=1
+fi
+
 # NCCL failing: an asynchronous error is reported, not waited out (SMP_TIMEOUT=60 would show as a FAIL on time)
 faults=build/fake/fake_faults
 start=$SECONDS
