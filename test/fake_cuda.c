@@ -35,7 +35,6 @@ typedef struct twin {
     int nargs;
     size_t sizes[MAX_ARGS];
     fake_cuda_run_fn run;
-    const char *name;
 } twin;
 
 typedef struct fstream fstream;
@@ -44,8 +43,7 @@ struct CUstream_st { int unused; };
 
 struct fstream {
     struct CUstream_st handle; /* what the program holds: &fs->handle */
-    int priority;
-    bool blocking, destroyed, slow;
+    bool blocking, slow; /* slow: its kernels and copies run FAKE_CUDA_DELAY_US late */
     uint64_t enqueued, done;
     op *head, *tail;
     fstream *next;
@@ -169,7 +167,6 @@ static void setup_once(void) { /* under G.mu */
     G.delay = (e && *e ? atof(e) : 300.0) * 1e-6;
     e = getenv("FAKE_CUDA_SLOW");
     G.slow_comm = e && strcmp(e, "comm") == 0;
-    G.legacy.priority = 0;
     G.legacy.blocking = true;
     G.legacy.slow = !G.slow_comm;
     G.streams = &G.legacy;
@@ -1004,7 +1001,6 @@ cudaError_t cudaStreamCreateWithPriority(cudaStream_t *out, unsigned flags, int 
     LOCK();
     fstream *s = (fstream *)calloc(1, sizeof *s);
     if (!s) fatal("out of host memory");
-    s->priority = priority;
     s->blocking = !(flags & cudaStreamNonBlocking);
     s->slow = G.slow_comm ? priority < 0 : priority >= 0;
     fstream **p = &G.streams;
@@ -1019,8 +1015,7 @@ cudaError_t cudaStreamCreate(cudaStream_t *s) { return cudaStreamCreateWithPrior
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
     LOCK();
     if (!s || S(s) == &G.legacy) { UNLOCK(); return fail(cudaErrorInvalidResourceHandle); }
-    S(s)->destroyed = true; /* kept: events recorded on it may still be asked about */
-    pthread_cond_signal(&G.dev_cv);
+    /* kept: its queued work still runs, and events recorded on it may still be asked about */
     UNLOCK();
     return cudaSuccess;
 }
