@@ -519,9 +519,10 @@ static smp_status smp__nc_finish(const char *what, smp_group g) {
     return SMP_OK;
 }
 
-static smp_status smp__nc_stream_idle(cudaStream_t s, const char *what) {
+/* Waits on the host for stream s; g and peer name whom it waits for (peer -1: the group). */
+static smp_status smp__nc_stream_idle(cudaStream_t s, const char *what, smp_group g, int peer) {
     SMP__CU(cudaEventRecord, (smp__nc.ev_sync, s));
-    return smp__nc_wait_event(smp__nc.ev_sync, what, SMP_WORLD, -1);
+    return smp__nc_wait_event(smp__nc.ev_sync, what, g, peer);
 }
 
 /* ---------------------------------------------------------------- memory */
@@ -1393,12 +1394,12 @@ static void smp__nc_on_finalize(void) {
     if (!smp__nc.started) return;
     smp__nc.op = "smp_finalize";
     if (smp__nc.up && smp__nc.mode != SMP_NCCL_MODE_NONE && smp__nc.stream) {
-        if (smp__nc_stream_idle(smp__nc.stream, "smp's device work to finish") != SMP_OK)
+        if (smp__nc_stream_idle(smp__nc.stream, "smp's device work to finish", SMP_WORLD, -1) != SMP_OK)
             smp_log(SMP_LOG_WARN, "device backend shut-down: %s", smp_last_error());
         for (int g = 0; g < SMP_GROUP_COUNT; g++)
             for (int i = 0; i < smp__nc.nchans[g]; i++) {
                 smp__nc_chan *c = smp__nc.chans[g][i];
-                if (c && !c->dead && smp__nc_stream_idle(c->stream, "point-to-point transfers to finish") != SMP_OK)
+                if (c && !c->dead && smp__nc_stream_idle(c->stream, i % 2 ? "point-to-point receives to finish" : "point-to-point sends to finish", (smp_group)g, i / 2) != SMP_OK)
                     smp_log(SMP_LOG_WARN, "device backend shut-down: %s", smp_last_error());
             }
     }
@@ -1854,11 +1855,11 @@ SMPDEF smp_status smp_nccl_copy(void *dst, int dst_device, const void *src, int 
 
 SMPDEF smp_status smp_nccl_synchronize(void) {
     SMP__TRY(smp__nc_ready("smp_nccl_synchronize"));
-    SMP__TRY(smp__nc_stream_idle(smp__nc.stream, "smp's device work (smp_nccl_synchronize)"));
+    SMP__TRY(smp__nc_stream_idle(smp__nc.stream, "smp's device work (smp_nccl_synchronize)", SMP_WORLD, -1));
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
         for (int i = 0; i < smp__nc.nchans[g]; i++) {
             smp__nc_chan *c = smp__nc.chans[g][i];
-            if (c && !c->dead) SMP__TRY(smp__nc_stream_idle(c->stream, "point-to-point transfers (smp_nccl_synchronize)"));
+            if (c && !c->dead) SMP__TRY(smp__nc_stream_idle(c->stream, i % 2 ? "point-to-point receives (smp_nccl_synchronize)" : "point-to-point sends (smp_nccl_synchronize)", (smp_group)g, i / 2));
         }
     return smp__nc.mode == SMP_NCCL_MODE_NCCL ? smp__nc_poll_async("smp_nccl_synchronize") : SMP_OK;
 }

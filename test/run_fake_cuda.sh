@@ -90,20 +90,25 @@ fi
 
 # NCCL failing: an asynchronous error is reported, not waited out (SMP_TIMEOUT=60 would show as a FAIL on time)
 faults=build/fake/fake_faults
-start=$SECONDS
-FAKE_CUDA_DEVICES=2 SMP_TIMEOUT=60 timeout 120 mpirun -n 2 "$faults" async >"$out" 2>&1; rc=$?
-grep -E '^(PASS|FAIL): ' "$out"
-if [ $rc -ne 0 ] || [ $((SECONDS - start)) -ge 30 ]; then
-  echo "FAIL: fake-gpu faults: async run exited $rc after $((SECONDS - start)) s; its last lines:"; tail -n 8 "$out" | sed 's/^/    /'; status=1
-fi
-# a peer that never comes: the wait's deadline aborts the communicators and the job
-start=$SECONDS
-FAKE_CUDA_DEVICES=2 SMP_TIMEOUT=3 timeout 120 mpirun -n 2 "$faults" timeout >"$out" 2>&1; rc=$?
-took=$((SECONDS - start))
-if [ $rc -ne 0 ] && [ $took -lt 30 ] && grep -q 'smp_nccl_synchronize: timed out after 3.0 s waiting for .*aborting the NCCL communicators and the job' "$out" \
-   && ! grep -q '^FAIL' "$out"; then
-  echo "PASS: fake-gpu faults: a device wait past SMP_TIMEOUT aborts the NCCL communicators and the job, saying what it waited for (${took} s)"
-else
-  echo "FAIL: fake-gpu faults: timeout run exited $rc after $took s; its last lines:"; tail -n 8 "$out" | sed 's/^/    /'; status=1
-fi
+for mode in async p2p; do
+  start=$SECONDS
+  FAKE_CUDA_DEVICES=2 SMP_TIMEOUT=60 timeout 120 mpirun -n 2 "$faults" $mode >"$out" 2>&1; rc=$?
+  grep -E '^(PASS|FAIL): ' "$out"
+  if [ $rc -ne 0 ] || [ $((SECONDS - start)) -ge 30 ]; then
+    echo "FAIL: fake-gpu faults: $mode run exited $rc after $((SECONDS - start)) s; its last lines:"; tail -n 8 "$out" | sed 's/^/    /'; status=1
+  fi
+done
+# a peer that never comes: the wait's deadline aborts the communicators and the job, naming what it waited for
+for v in "timeout|waiting for smp's device work" "p2p-timeout|waiting for point-to-point receives (smp_nccl_synchronize) with world rank 1"; do
+  mode=${v%%|*}; expect=${v#*|}
+  start=$SECONDS
+  FAKE_CUDA_DEVICES=2 SMP_TIMEOUT=3 timeout 120 mpirun -n 2 "$faults" $mode >"$out" 2>&1; rc=$?
+  took=$((SECONDS - start))
+  if [ $rc -ne 0 ] && [ $took -lt 30 ] && grep -qF "smp_nccl_synchronize: timed out after 3.0 s $expect" "$out" \
+     && grep -q 'aborting the NCCL communicators and the job' "$out" && ! grep -q '^FAIL' "$out"; then
+    echo "PASS: fake-gpu faults: $mode: a device wait past SMP_TIMEOUT aborts the NCCL communicators and the job, saying '$expect' (${took} s)"
+  else
+    echo "FAIL: fake-gpu faults: $mode run exited $rc after $took s, expected '$expect'; its last lines:"; tail -n 8 "$out" | sed 's/^/    /'; status=1
+  fi
+done
 exit $status
