@@ -526,9 +526,6 @@ static smp_status smp__nc_stream_idle(cudaStream_t s, const char *what, smp_grou
 }
 
 /* ---------------------------------------------------------------- memory */
-/* Device scratch on smp's stream: stream-ordered when the device has memory
-   pools, otherwise plain cudaMalloc (rare: only for partly overlapping
-   arguments). */
 /* Room for one more record in one of smp__nc's growing arrays: the array,
    moved if it had to grow (the old one freed), or NULL when out of memory
    (the old one kept). */
