@@ -7,8 +7,10 @@
    engine stream of the test's own, point-to-point transfers (a ring on the
    world, both directions at once between pipeline neighbours), the
    pipeline of an on_device model (net7.h with CUDA kernels, through NCCL
-   or host-staged) bitwise against the host reference, and argument
-   errors. The reference for each result is computed here from what every
+   or host-staged) bitwise against the host reference, the reuse of freed
+   blocks on a GPU without memory pools, and argument errors. On the fake
+   device (test/fake_test_gpu.cu) a training step must also make no call
+   that waits for the whole device. The reference for each result is computed here from what every
    rank put in: the inputs are small integers, so sums, products, minima and
    maxima are exact in every dtype; means are compared with a tolerance.
 
