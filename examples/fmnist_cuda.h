@@ -177,30 +177,33 @@ __global__ void relu_backward_kernel(const float *y, const float *dy, float *dx,
    most a few thousand rows of 10 classes: one block is plenty.
    stats[0] = mean loss, stats[1] = rows whose arg-max (first on ties)
    is the label. dlogits (may be NULL) = grad_scale * (softmax - onehot). */
+/* One row of k logits z: adds its loss and whether its arg-max is the label;
+   g (may be NULL) gets the row's gradient. Host code can call it too (the
+   tests' CPU stand-in for this kernel does). */
+__host__ __device__ inline void xent_row(const float *z, int label, int k, float *g, float grad_scale, double *loss, int *correct) {
+    int best = 0;
+    float m = z[0];
+    for (int j = 1; j < k; j++) {
+        if (z[j] > m) m = z[j];
+        if (z[j] > z[best]) best = j;
+    }
+    double s = 0.0;
+    for (int j = 0; j < k; j++) s += exp((double)z[j] - m);
+    double lse = m + log(s);
+    *loss += lse - z[label];
+    *correct += best == label;
+    if (g)
+        for (int j = 0; j < k; j++) g[j] = (float)(exp((double)z[j] - lse) - (j == label)) * grad_scale;
+}
+
 __global__ void xent_kernel(const float *logits, const uint8_t *labels, int rows, int k, float *dlogits, float grad_scale,
                             float *stats) {
     __shared__ double loss_part[GPU_THREADS];
     __shared__ int correct_part[GPU_THREADS];
     double loss = 0.0;
     int correct = 0;
-    for (int i = threadIdx.x; i < rows; i += blockDim.x) {
-        const float *z = logits + (int64_t)i * k;
-        int label = labels[i], best = 0;
-        float m = z[0];
-        for (int j = 1; j < k; j++) {
-            if (z[j] > m) m = z[j];
-            if (z[j] > z[best]) best = j;
-        }
-        double s = 0.0;
-        for (int j = 0; j < k; j++) s += exp((double)z[j] - m);
-        double lse = m + log(s);
-        loss += lse - z[label];
-        correct += best == label;
-        if (dlogits) {
-            float *g = dlogits + (int64_t)i * k;
-            for (int j = 0; j < k; j++) g[j] = (float)(exp((double)z[j] - lse) - (j == label)) * grad_scale;
-        }
-    }
+    for (int i = threadIdx.x; i < rows; i += blockDim.x)
+        xent_row(logits + (int64_t)i * k, labels[i], k, dlogits ? dlogits + (int64_t)i * k : NULL, grad_scale, &loss, &correct);
     loss_part[threadIdx.x] = loss;
     correct_part[threadIdx.x] = correct;
     __syncthreads();

@@ -46,24 +46,8 @@ static void twin_xent(const float *logits, const uint8_t *labels, int rows, int 
     for (int t = 0; t < block; t++) {
         double loss = 0.0;
         int correct = 0;
-        for (int i = t; i < rows; i += block) {
-            const float *z = logits + (int64_t)i * k;
-            int label = labels[i], best = 0;
-            float m = z[0];
-            for (int j = 1; j < k; j++) {
-                if (z[j] > m) m = z[j];
-                if (z[j] > z[best]) best = j;
-            }
-            double s = 0.0;
-            for (int j = 0; j < k; j++) s += exp((double)z[j] - m);
-            double lse = m + log(s);
-            loss += lse - z[label];
-            correct += best == label;
-            if (dlogits) {
-                float *g = dlogits + (int64_t)i * k;
-                for (int j = 0; j < k; j++) g[j] = (float)(exp((double)z[j] - lse) - (j == label)) * grad_scale;
-            }
-        }
+        for (int i = t; i < rows; i += block)
+            xent_row(logits + (int64_t)i * k, labels[i], k, dlogits ? dlogits + (int64_t)i * k : NULL, grad_scale, &loss, &correct);
         total += loss;
         hits += correct;
     }
