@@ -83,7 +83,7 @@ struct op {
 
 enum { COMM_PENDING, COMM_READY, COMM_FAILED, COMM_ABORTED };
 struct ncclComm {
-    int nranks, rank, creator, serial, state, tag;
+    int nranks, rank, state, tag;
     int *world; /* world rank of each NCCL rank */
     int inflight;
     bool finalizing, blocking;
@@ -103,7 +103,7 @@ static struct {
     pthread_t thread;
     bool thread_up, stop, mpi_up;
     MPI_Comm comm;
-    int wrank, wsize, tag_ub;
+    int wrank;
     int ndevices, device, pools;
     double delay;
     bool slow_comm;
@@ -673,11 +673,10 @@ static void after_init(int provided) {
     if (provided < MPI_THREAD_MULTIPLE) fatal("MPI gives thread level %d; the fake device needs MPI_THREAD_MULTIPLE", provided);
     PMPI_Comm_dup(MPI_COMM_WORLD, &G.comm);
     PMPI_Comm_rank(MPI_COMM_WORLD, &G.wrank);
-    PMPI_Comm_size(MPI_COMM_WORLD, &G.wsize);
     int *ub = NULL, flag = 0;
     PMPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
-    G.tag_ub = flag ? *ub : 32767;
-    if (G.tag_ub < (TAG_DATA | (1 << 24))) fatal("MPI_TAG_UB %d is too small for the fake device's tags", G.tag_ub);
+    int tag_ub = flag ? *ub : 32767;
+    if (tag_ub < (TAG_DATA | (1 << 24))) fatal("MPI_TAG_UB %d is too small for the fake device's tags", tag_ub);
     G.mpi_up = true;
 }
 
@@ -1099,8 +1098,6 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id
     if (!c) fatal("out of host memory");
     c->nranks = nranks;
     c->rank = rank;
-    c->creator = f.creator;
-    c->serial = f.serial;
     c->tag = TAG_DATA | (f.creator << 16) | f.serial;
     c->blocking = !config || config->blocking != 0;
     c->state = COMM_PENDING;
