@@ -89,6 +89,8 @@ typedef enum smp_status {
 } smp_status;
 
 SMPDEF const char *smp_last_error(void);
+/* Returns from the enclosing function when expr fails (module callbacks, forwards). */
+#define SMP_TRY(expr) do { smp_status smp_try_status_ = (expr); if (smp_try_status_ != SMP_OK) return smp_try_status_; } while (0)
 SMPDEF const char *smp_status_name(smp_status s);
 /* Records an error message (printf-style) and returns `s`; engine code may
    use it from module callbacks so its message reaches every rank. */
@@ -181,6 +183,7 @@ typedef struct smp_config {
     smp_switch average_grads_across_microbatches; /* default on */
     double bucket_cap_mb;              /* 0: 25 */
     smp_switch broadcast_buffers;      /* default on */
+    smp_switch activation_checkpointing; /* default off; on: every top-level call recomputes (smp_module_set_recompute) */
     /* smp's own keys */
     int virtual_stages;             /* interleaving factor for auto partitioning; 0: 1 */
     smp_switch deterministic_reduction; /* fixed-order DP sums; default off */
@@ -287,7 +290,38 @@ SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, c
                smp_param_grad(p) (the runtime zeroes them only in
                smp_model_zero_grad; microbatches arrive in increasing order).
    In a model built with on_device (smp_model_desc), outputs, gradients and
-   parameters are device tensors and the callbacks launch device work. */
+   parameters are device tensors and the callbacks launch device work.
+
+   A module is a LEAF (the callbacks above) or a COMPOSITE: a forward that
+   only calls children through smp_call, under the rules of the model's
+   forward, and names its outputs with smp_call_set_output; no backward of
+   its own and no parameters (they belong to its children). smp records the
+   nested calls when it traces the model and from then on runs the leaves:
+   their backwards in reverse order, gradients summed where one value feeds
+   several calls (a residual), at any depth. A transformer block:
+
+     static smp_status block_forward(smp_call_ctx *c) {
+         block *b = smp_module_user(smp_call_module(c));
+         smp_tensor x = *smp_call_input(c, 0), h, a, r[2], m;
+         SMP_TRY(smp_call(b->ln1, &x, 1, &h, 1));
+         SMP_TRY(smp_call(b->attn, &h, 1, &a, 1));
+         smp_tensor res1[2] = {x, a};
+         SMP_TRY(smp_call(b->add1, res1, 2, &r[0], 1));    // smp_module_new_add
+         SMP_TRY(smp_call(b->ln2, &r[0], 1, &h, 1));
+         SMP_TRY(smp_call(b->mlp, &h, 1, &m, 1));          // itself a composite
+         smp_tensor res2[2] = {r[0], m};
+         SMP_TRY(smp_call(b->add2, res2, 2, &r[1], 1));
+         return smp_call_set_output(c, 0, &r[1]);
+     }
+
+   Inside a model or composite forward: no arithmetic on tensors (put it in
+   a leaf module; an input that no smp_call produced is an error), no edits
+   of what smp_call returned (tracing checksums every output and names the
+   call whose output changed), the same calls for any input. A module
+   called at several positions is SHARED (tied embeddings): every partition
+   that calls it holds a copy, and its gradient is the sum over its calls,
+   each call's microbatches in order, then the calls in call order, in
+   every partitioning and in one process. */
 typedef struct smp_module smp_module;
 typedef struct smp_param smp_param;
 typedef struct smp_model smp_model;
@@ -300,7 +334,7 @@ typedef void (*smp_init_fn)(smp_tensor *value, uint64_t seed, void *user);
 
 typedef struct smp_module_desc {
     smp_module_fn forward;
-    smp_module_fn backward; /* NULL: the module has nothing to learn and passes no gradient */
+    smp_module_fn backward; /* NULL: the module has nothing to learn and passes no gradient; NULL for a composite */
     void *user;             /* the engine's per-module state, smp_module_user() */
 } smp_module_desc;
 
@@ -320,6 +354,22 @@ SMPDEF smp_tensor *smp_param_value(smp_param *p);        /* data NULL where not 
 SMPDEF smp_tensor *smp_param_grad(smp_param *p);         /* NULL for buffers */
 SMPDEF bool smp_param_is_buffer(const smp_param *p);
 SMPDEF smp_module *smp_param_module(const smp_param *p);
+
+/* Built-in leaf modules every engine otherwise writes by hand, for host
+   and device tensors of any floating-point dtype:
+     add       y = x0 + x1 + ... + x(n-1), elementwise, left to right (n >= 1
+               inputs of one dtype and element count; y has x0's shape): the
+               residual connection; every input gets the output gradient;
+     identity  y = a copy of x0 (a composite that must return its input). */
+SMPDEF smp_module *smp_module_new_add(smp_module *parent, const char *name);
+SMPDEF smp_module *smp_module_new_identity(smp_module *parent, const char *name);
+/* Activation recomputation (SageMaker's smp.set_activation_checkpointing):
+   after a call of m, only the call's inputs are kept; the outputs of the
+   calls nested inside it (its own outputs, which later calls read, stay)
+   and their stashes are freed, and its forward runs again just before its
+   backward. Calls must then be deterministic given smp_call_seed. The
+   config key activation_checkpointing does this for every top-level call. */
+SMPDEF void smp_module_set_recompute(smp_module *m, bool on);
 
 /* Built-in initialisers (f32): uniform in [-bound, bound] (user points to a
    float bound; NULL: 1/sqrt(fan_in) with fan_in the last dimension), and
@@ -415,6 +465,14 @@ SMPDEF void *smp_call_stashed_device(const smp_call_ctx *c, size_t *bytes);
 SMPDEF smp_module *smp_call_module(const smp_call_ctx *c);
 SMPDEF int smp_call_microbatch(const smp_call_ctx *c);
 SMPDEF bool smp_call_training(const smp_call_ctx *c); /* false in evaluation steps: no backward will follow */
+/* A seed for this call's randomness (dropout): the same for a call and a
+   sample position in every partitioning, in a recomputation and in one
+   process; different for every call, microbatch, data-parallel replica and
+   training step. */
+SMPDEF uint64_t smp_call_seed(const smp_call_ctx *c);
+/* In a composite's forward: output i of this call is t, a tensor that a
+   nested smp_call returned (or one of this call's inputs). */
+SMPDEF smp_status smp_call_set_output(smp_call_ctx *c, int i, const smp_tensor *t);
 
 /* ---------------------------------------------------------------- auto-partitioner
    Splits the traced top-level calls, in execution order, into `nstages`
@@ -2565,6 +2623,23 @@ static smp_status smp__tensor_copy(const smp_tensor *dst, const smp_tensor *src)
     return bytes ? smp__ctx.device.copy(dst->data, dst->device, src->data, src->device, bytes) : SMP_OK;
 }
 
+/* acc += t, elementwise, in the tensors' dtype (halves through f32); on the
+   device by the backend, which does the same arithmetic. */
+static smp_status smp__add_into(smp_tensor *acc, const smp_tensor *t) {
+    int64_t n = smp_tensor_numel(acc);
+    if (acc->device != SMP_HOST) return n ? smp__ctx.device.add(acc->data, t->data, acc->dtype, n) : SMP_OK;
+    switch (acc->dtype) {
+    case SMP_F32: { float *a = (float *)acc->data; const float *b = (const float *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
+    case SMP_F64: { double *a = (double *)acc->data; const double *b = (const double *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
+    case SMP_F16: { uint16_t *a = (uint16_t *)acc->data; const uint16_t *b = (const uint16_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] = smp_f32_to_f16(smp_f16_to_f32(a[x]) + smp_f16_to_f32(b[x])); } break;
+    case SMP_BF16: { uint16_t *a = (uint16_t *)acc->data; const uint16_t *b = (const uint16_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] = smp_f32_to_bf16(smp_bf16_to_f32(a[x]) + smp_bf16_to_f32(b[x])); } break;
+    case SMP_I32: { int32_t *a = (int32_t *)acc->data; const int32_t *b = (const int32_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
+    case SMP_I64: { int64_t *a = (int64_t *)acc->data; const int64_t *b = (const int64_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
+    default: { uint8_t *a = (uint8_t *)acc->data; const uint8_t *b = (const uint8_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] = (uint8_t)(a[x] + b[x]); } break;
+    }
+    return SMP_OK;
+}
+
 /* Shared argument checks; *gi is the group; device tells which backend. */
 static smp_status smp__coll_args(const char *fn, smp_group g, smp__group_info **gi, const smp_tensor *a, const char *an,
                                  const smp_tensor *b, const char *bn) {
@@ -2816,8 +2891,12 @@ struct smp_module {
     int nparams;
     smp_module_desc desc;
     int context_partition; /* innermost SMP_PARTITION at creation; -1: none */
-    int partition;         /* after partitioning */
-    int owner_call;        /* first top-level call that ran it (tracing); -1: never ran */
+    int partition;         /* after partitioning: the first partition holding it */
+    bool local;            /* after partitioning: this rank holds it (or a copy) */
+    int owner_call;        /* first leaf call that reads its parameters (tracing); -1: none */
+    int uses;              /* leaf calls that read its parameters: more than 1 makes it shared */
+    bool composite;        /* its forward called children when traced */
+    bool recompute;        /* smp_module_set_recompute */
     int materialised;      /* nesting count while tracing */
     smp_model *model;
 };
@@ -2825,6 +2904,7 @@ struct smp_module {
 /* Where a tensor of the graph comes from: a model input or a call's output. */
 typedef struct smp__ref { int call; /* -1: model input */ int index; } smp__ref;
 
+/* A leaf call: what the executor runs. Composites leave only their leaves. */
 typedef struct smp__call_rec {
     smp_module *module;
     int nin, nout;
@@ -2833,7 +2913,17 @@ typedef struct smp__call_rec {
     smp_tensor *out_meta; /* each output's dtype and shape as traced */
     double time, activation_bytes, param_bytes;
     int stage;
+    int unit;             /* the top-level call it belongs to */
+    int context;          /* its SMP_PARTITION context (its own, else its callers'); -1: none */
+    int recompute_first, recompute_last; /* the recomputed call it is part of, as leaf calls; -1: none */
 } smp__call_rec;
+
+/* A top-level call of the model's forward: the unit auto-partitioning places. */
+typedef struct smp__unit {
+    smp_module *module;
+    int first, last;      /* its leaf calls */
+    double time, activation_bytes, param_bytes;
+} smp__unit;
 
 typedef struct smp__hook { smp_post_partition_fn fn; void *user; } smp__hook;
 
@@ -2844,8 +2934,10 @@ struct smp_model {
     int nmodules;
     smp_param **params;   /* every parameter and buffer, declaration order */
     int nparams;
-    smp__call_rec *calls;
+    smp__call_rec *calls; /* leaf calls, in execution order */
     int ncalls;
+    smp__unit *units;     /* top-level calls */
+    int nunits;
     smp__ref *outputs;    /* the forward's outputs */
     bool traced, partitioned;
     int nstages;
@@ -2869,9 +2961,14 @@ struct smp_call_ctx {
     void *stash, *device_stash;
     size_t stash_bytes, device_stash_bytes;
     smp__alloc_kind kind;    /* outputs and stash: counted as stash when training */
-    void **owned;            /* nested calls' outputs, freed with this call */
-    int nowned, owned_cap;
     bool in_backward;
+    int call;                /* the leaf call's index (-1: not yet a leaf, while tracing) */
+    smp_call_ctx *caller;    /* while tracing: the composite call that made this one */
+    uint64_t seed;           /* smp_call_seed */
+    /* while tracing */
+    bool made_calls, made_output; /* the forward called smp_call / smp_call_output */
+    bool *output_set;        /* smp_call_set_output, per output */
+    int context;             /* SMP_PARTITION context of the nearest caller that has one */
 };
 
 static struct {
@@ -2883,7 +2980,8 @@ static struct {
     char build_msg[sizeof smp__errbuf];
     bool tracing;
     smp_model *trace_model;
-    struct { const void *data; smp__ref ref; } *table; /* trace: tensors seen so far */
+    /* trace: every tensor handed out so far, with a checksum of its bytes */
+    struct { smp_tensor t; smp__ref ref; uint64_t sum; bool owned; } *table;
     int ntable, table_cap;
     smp_call_ctx *current; /* the call whose callback is running */
 } smp__mod;
@@ -3009,7 +3107,8 @@ SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, 
 SMPDEF const char *smp_module_name(const smp_module *m) { return m->full_name; }
 SMPDEF void *smp_module_user(const smp_module *m) { return m->desc.user; }
 SMPDEF int smp_module_partition(const smp_module *m) { return m->partition; }
-SMPDEF bool smp_module_is_local(const smp_module *m) { return m->partition >= 0 && m->partition == smp__ctx.mp_rank; }
+SMPDEF bool smp_module_is_local(const smp_module *m) { return m->local; }
+SMPDEF void smp_module_set_recompute(smp_module *m, bool on) { if (m) m->recompute = on; }
 SMPDEF const char *smp_param_name(const smp_param *p) { return p->full_name; }
 SMPDEF smp_tensor *smp_param_value(smp_param *p) { return &p->value; }
 SMPDEF smp_tensor *smp_param_grad(smp_param *p) { return p->is_buffer ? NULL : &p->grad; }
@@ -3165,6 +3264,9 @@ static void smp__free_calls(smp_model *m) {
     smp__free(m->calls);
     m->calls = NULL;
     m->ncalls = 0;
+    smp__free(m->units);
+    m->units = NULL;
+    m->nunits = 0;
 }
 
 static void smp__free_module(smp_module *m) {
@@ -3250,9 +3352,11 @@ SMPDEF smp_tensor *smp_call_grad_input(smp_call_ctx *c, int i) {
 SMPDEF smp_module *smp_call_module(const smp_call_ctx *c) { return c->module; }
 SMPDEF int smp_call_microbatch(const smp_call_ctx *c) { return c->microbatch; }
 SMPDEF bool smp_call_training(const smp_call_ctx *c) { return c->training; }
+SMPDEF uint64_t smp_call_seed(const smp_call_ctx *c) { return c->seed; }
 
 SMPDEF smp_tensor *smp_call_output(smp_call_ctx *c, int i, smp_dtype dt, int ndim, const int64_t *shape) {
     if (c->in_backward || i < 0 || i >= c->nout || smp_dtype_size(dt) == 0 || ndim < 0 || ndim > SMP_MAX_DIMS) return NULL;
+    c->made_output = true;
     smp_tensor *t = &c->outputs[i];
     if (t->data) smp__free(t->data); /* asked twice: the last one counts */
     *t = smp_tensor_make(NULL, dt, ndim, shape);
@@ -3285,6 +3389,49 @@ SMPDEF void *smp_call_stashed(const smp_call_ctx *c, size_t *bytes) {
     return c->stash;
 }
 
+/* ---------------------------------------------------------------- built-in modules */
+static smp_status smp__add_forward(smp_call_ctx *c) {
+    const smp_tensor *x0 = smp_call_input(c, 0);
+    if (!x0) return smp_error(SMP_ERR_ARG, "add module \"%s\" needs at least one input", c->module->full_name);
+    for (int j = 1; j < c->nin; j++) {
+        const smp_tensor *x = smp_call_input(c, j);
+        if (x->dtype != x0->dtype || smp_tensor_numel(x) != smp_tensor_numel(x0)) {
+            char a[96], b[96];
+            return smp_error(SMP_ERR_ARG, "add module \"%s\": input %d is %s but input 0 is %s (inputs must match in dtype and size)",
+                             c->module->full_name, j, smp_tensor_describe(x, a, sizeof a), smp_tensor_describe(x0, b, sizeof b));
+        }
+    }
+    smp_tensor *y = smp_call_output(c, 0, x0->dtype, x0->ndim, x0->shape);
+    if (!y) return smp_error(SMP_ERR_ARG, "add module \"%s\" is called with %d outputs; it has one", c->module->full_name, c->nout);
+    smp_status st = smp__tensor_copy(y, x0);
+    for (int j = 1; j < c->nin && !st; j++) st = smp__add_into(y, smp_call_input(c, j));
+    return st;
+}
+/* Sum and identity pass the output gradient to every input unchanged. */
+static smp_status smp__pass_backward(smp_call_ctx *c) {
+    smp_status st = SMP_OK;
+    for (int j = 0; j < c->nin && !st; j++) {
+        smp_tensor *g = smp_call_grad_input(c, j);
+        if (g) st = smp__tensor_copy(g, smp_call_grad_output(c, 0));
+    }
+    return st;
+}
+static smp_status smp__identity_forward(smp_call_ctx *c) {
+    const smp_tensor *x = smp_call_input(c, 0);
+    if (c->nin != 1 || c->nout != 1)
+        return smp_error(SMP_ERR_ARG, "identity module \"%s\" takes one input and one output, got %d and %d", c->module->full_name, c->nin, c->nout);
+    smp_tensor *y = smp_call_output(c, 0, x->dtype, x->ndim, x->shape);
+    return smp__tensor_copy(y, x);
+}
+SMPDEF smp_module *smp_module_new_add(smp_module *parent, const char *name) {
+    smp_module_desc d = {smp__add_forward, smp__pass_backward, NULL};
+    return smp_module_new(parent, name, &d);
+}
+SMPDEF smp_module *smp_module_new_identity(smp_module *parent, const char *name) {
+    smp_module_desc d = {smp__identity_forward, smp__pass_backward, NULL};
+    return smp_module_new(parent, name, &d);
+}
+
 /* Runs a module's forward (or backward) with `c` as the current call. */
 static smp_status smp__run_callback(smp_call_ctx *c, bool backward) {
     smp_module_fn fn = backward ? c->module->desc.backward : c->module->desc.forward;
@@ -3301,14 +3448,14 @@ static smp_status smp__run_callback(smp_call_ctx *c, bool backward) {
         return smp_error(SMP_ERR_MODULE, "%s of module \"%s\" failed (microbatch %d): %s", backward ? "backward" : "forward",
                          c->module->full_name, c->microbatch, *msg ? msg : smp_status_name(st));
     }
-    if (!backward)
+    if (!backward && !c->made_calls) /* a composite's outputs: smp__check_composite */
         for (int i = 0; i < c->nout; i++)
             if (!c->outputs[i].data)
                 return smp_error(SMP_ERR_MODULE, "forward of module \"%s\" did not allocate output %d (smp_call_output)", c->module->full_name, i);
     return SMP_OK;
 }
 
-/* Frees what a call holds: outputs (unless kept), stash, nested outputs. */
+/* Frees what a call holds: outputs (unless kept) and stash. */
 static void smp__call_release(smp_call_ctx *c, bool outputs) {
     if (outputs)
         for (int i = 0; i < c->nout; i++) { smp__free(c->outputs[i].data); c->outputs[i].data = NULL; }
@@ -3316,22 +3463,54 @@ static void smp__call_release(smp_call_ctx *c, bool outputs) {
     smp__free(c->device_stash);
     c->stash = c->device_stash = NULL;
     c->stash_bytes = c->device_stash_bytes = 0;
-    for (int i = 0; i < c->nowned; i++) smp__free(c->owned[i]);
-    smp__free(c->owned);
-    c->owned = NULL;
-    c->nowned = c->owned_cap = 0;
 }
 
-static smp__ref *smp__trace_lookup(const void *data) {
-    for (int i = smp__mod.ntable - 1; i >= 0; i--)
-        if (smp__mod.table[i].data == data) return &smp__mod.table[i].ref;
-    return NULL;
+/* The trace's table: every tensor the forward has been handed (model
+   inputs, leaf outputs) and a checksum of its bytes, so that an edit made
+   after smp_call returned (which replaying the calls would silently drop)
+   is caught where the tensor is next read. */
+static uint64_t smp__checksum(const smp_tensor *t) {
+    size_t n = smp_tensor_nbytes(t);
+    const unsigned char *b = (const unsigned char *)t->data;
+    void *copy = NULL;
+    if (t->device != SMP_HOST && n) { /* tracing only: a host copy is affordable */
+        smp_tensor h = *t;
+        h.device = SMP_HOST;
+        h.data = copy = smp__alloc(n, SMP__ALLOC_OTHER);
+        if (!copy || smp__tensor_copy(&h, t)) smp__fatal("cannot copy a traced tensor to the host to checksum it: %s", smp__errbuf);
+        b = (const unsigned char *)copy;
+    }
+    uint64_t h = 0xcbf29ce484222325ull ^ n, w;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) { memcpy(&w, b + i, 8); h = (h ^ w) * 0x100000001b3ull; h ^= h >> 29; }
+    for (; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    smp__free(copy);
+    return h;
 }
-static void smp__trace_add(const void *data, int call, int index) {
-    smp__grow((void **)&smp__mod.table, &smp__mod.table_cap, smp__mod.ntable + 1, sizeof *smp__mod.table);
-    smp__mod.table[smp__mod.ntable].data = data;
+static int smp__trace_find(const void *data) {
+    for (int i = smp__mod.ntable - 1; i >= 0; i--)
+        if (smp__mod.table[i].t.data == data) return i;
+    return -1;
+}
+static void smp__trace_add(const smp_tensor *t, int call, int index, bool owned) {
+    if (!smp__grow((void **)&smp__mod.table, &smp__mod.table_cap, smp__mod.ntable + 1, sizeof *smp__mod.table))
+        smp__fatal("out of memory recording the trace");
+    smp__mod.table[smp__mod.ntable].t = *t;
     smp__mod.table[smp__mod.ntable].ref.call = call;
-    smp__mod.table[smp__mod.ntable++].ref.index = index;
+    smp__mod.table[smp__mod.ntable].ref.index = index;
+    smp__mod.table[smp__mod.ntable].sum = smp__checksum(t);
+    smp__mod.table[smp__mod.ntable++].owned = owned;
+}
+/* Entry e must be as it was handed out; `where` says who reads it now. */
+static smp_status smp__trace_check(int e, const char *where) {
+    if (smp__checksum(&smp__mod.table[e].t) == smp__mod.table[e].sum) return SMP_OK;
+    smp__ref r = smp__mod.table[e].ref;
+    const char *how = "outputs are read-only in the model's and composites' forwards: put the computation in a leaf module "
+                      "(smp_module_new_add for a residual), which writes a new output";
+    if (r.call < 0) return smp_error(SMP_ERR_ARG, "model input %d was changed in place during the model's forward (seen %s); %s", r.index, where, how);
+    return smp_error(SMP_ERR_ARG, "output %d of call %d (module \"%s\") was changed in place after smp_call returned it (seen %s); "
+                     "the model's forward, a composite's forward or a later module's forward wrote into it; %s", r.index, r.call,
+                     smp__mod.trace_model->calls[r.call].module->full_name, where, how);
 }
 
 /* Swaps the gradients of a module tree's parameters with zeroed scratch
@@ -3404,6 +3583,115 @@ static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec,
     return st;
 }
 
+/* Per-call seeds: splitmix over the global seed, the leaf call, the sample
+   position (data-parallel rank x microbatches + microbatch, which names
+   the same samples in any partitioning) and the training step. */
+static uint64_t smp__call_seed(int call, int position, long step) {
+    uint64_t s = smp__ctx.cfg.seed ^ 0x5eedca11u;
+    s ^= smp__splitmix(&s) + (uint64_t)call;
+    s ^= smp__splitmix(&s) + (uint64_t)position;
+    s ^= smp__splitmix(&s) + (uint64_t)step;
+    return smp__splitmix(&s);
+}
+
+SMPDEF smp_status smp_call_set_output(smp_call_ctx *c, int i, const smp_tensor *t) {
+    if (!c || !t) return smp_error(SMP_ERR_ARG, "smp_call_set_output: call and tensor are required");
+    const char *name = c->module->full_name;
+    if (!smp__mod.tracing || !c->output_set || c->in_backward)
+        return smp_error(SMP_ERR_STATE, "smp_call_set_output(\"%s\"): only a composite's forward names its outputs, and it runs only while smp traces the model", name);
+    if (i < 0 || i >= c->nout) return smp_error(SMP_ERR_ARG, "smp_call_set_output(\"%s\"): output %d of %d", name, i, c->nout);
+    int e = smp__trace_find(t->data);
+    if (e < 0)
+        return smp_error(SMP_ERR_ARG, "smp_call_set_output(\"%s\"): output %d is not a tensor that an smp_call returned or an input of the call "
+                         "(compute it in a leaf module)", name, i);
+    char where[160];
+    snprintf(where, sizeof where, "when composite \"%s\" named it output %d", name, i);
+    smp_status st = smp__trace_check(e, where);
+    if (st) return st;
+    c->outputs[i] = *t;
+    c->output_set[i] = true;
+    return SMP_OK;
+}
+
+/* What a composite's forward did wrong (see "A module is a LEAF"); before
+   it has returned only what it can no longer put right. */
+static smp_status smp__check_composite(const smp_call_ctx *c, bool returned) {
+    const smp_module *m = c->module;
+    if (m->desc.backward)
+        return smp_error(SMP_ERR_MODULE, "module \"%s\" calls other modules through smp_call, which makes it a composite, but it has a backward: "
+                         "smp differentiates a composite through its children; remove the backward (or make it a leaf that calls no module)", m->full_name);
+    if (c->made_output)
+        return smp_error(SMP_ERR_MODULE, "composite module \"%s\" calls other modules and also makes an output of its own with smp_call_output: "
+                         "a composite may not compute; move the arithmetic into a leaf module (smp_module_new_add for a residual) "
+                         "and name its result with smp_call_set_output", m->full_name);
+    if (m->nparams)
+        return smp_error(SMP_ERR_MODULE, "composite module \"%s\" declares %s \"%s\", which no backward would update: declare it on a leaf child",
+                         m->full_name, m->params[0]->is_buffer ? "buffer" : "parameter", m->params[0]->name);
+    if (!returned) return SMP_OK;
+    if (!c->made_calls)
+        return smp_error(SMP_ERR_MODULE, "module \"%s\" names its outputs with smp_call_set_output but calls no module: a composite passes "
+                         "work to its children (smp_module_new_identity returns its input)", m->full_name);
+    for (int i = 0; i < c->nout; i++)
+        if (!c->output_set[i])
+            return smp_error(SMP_ERR_MODULE, "composite module \"%s\" did not name output %d (smp_call_set_output)", m->full_name, i);
+    return SMP_OK;
+}
+
+/* Records leaf call `c` as the next call of the traced model: its inputs'
+   sources, shapes, costs; its outputs join the table. */
+static smp_status smp__record_leaf(smp_model *md, smp_call_ctx *c, smp__ref *in, smp_tensor *in_meta, double time, double act_bytes,
+                                   double param_bytes, bool top) {
+    smp__call_rec rec;
+    memset(&rec, 0, sizeof rec);
+    rec.module = c->module;
+    rec.nin = c->nin;
+    rec.nout = c->nout;
+    rec.in = in;
+    rec.in_meta = in_meta;
+    rec.out_meta = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER);
+    int cap = md->ncalls;
+    if (!rec.out_meta || !smp__grow((void **)&md->calls, &cap, md->ncalls + 1, sizeof(smp__call_rec)))
+        smp__fatal("out of memory recording the trace");
+    rec.time = time;
+    rec.activation_bytes = act_bytes;
+    rec.param_bytes = param_bytes;
+    rec.unit = md->nunits;
+    rec.context = c->context;
+    bool recompute = c->module->recompute || (top && smp__ctx.cfg.activation_checkpointing == SMP_ON);
+    rec.recompute_first = rec.recompute_last = recompute ? md->ncalls : -1;
+    int k = md->ncalls;
+    for (int i = 0; i < c->nout; i++) {
+        rec.out_meta[i] = c->outputs[i];
+        rec.out_meta[i].data = NULL;
+        smp__trace_add(&c->outputs[i], k, i, true);
+    }
+    md->calls[md->ncalls++] = rec;
+    c->module->uses++;
+    if (c->module->owner_call < 0) c->module->owner_call = k;
+    return SMP_OK;
+}
+
+/* A top-level call costs what its leaf calls cost. */
+static void smp__unit_costs(const smp_model *md, smp__unit *u) {
+    u->time = u->activation_bytes = u->param_bytes = 0;
+    for (int k = u->first; k <= u->last; k++) {
+        u->time += md->calls[k].time;
+        u->activation_bytes += md->calls[k].activation_bytes;
+        u->param_bytes += md->calls[k].param_bytes;
+    }
+}
+
+static void smp__add_unit(smp_model *md, smp_module *m, int first) {
+    int cap = md->nunits;
+    if (!smp__grow((void **)&md->units, &cap, md->nunits + 1, sizeof(smp__unit))) smp__fatal("out of memory recording the trace");
+    smp__unit *u = &md->units[md->nunits++];
+    memset(u, 0, sizeof *u);
+    u->module = m;
+    u->first = first;
+    u->last = md->ncalls - 1;
+    smp__unit_costs(md, u);
+}
+
 SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp_tensor *outputs, int nout) {
     if (!m) return smp_error(SMP_ERR_ARG, "smp_call: module is NULL");
     if (nin < 0 || nout < 1 || (nin && !inputs) || !outputs) return smp_error(SMP_ERR_ARG, "smp_call(\"%s\"): needs inputs and at least one output", m->full_name);
@@ -3413,79 +3701,97 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
     }
     smp_call_ctx *parent = smp__mod.current;
     smp_model *md = smp__mod.trace_model;
-    if (!parent && !smp__mod.tracing)
-        return smp_error(SMP_ERR_STATE, "smp_call(\"%s\") outside tracing and outside a module: the model's forward runs only when smp traces it", m->full_name);
-    if (!parent && m->model != md)
-        return smp_error(SMP_ERR_ARG, "smp_call: module \"%s\" is not part of the model being traced", m->full_name);
-
-    smp_call_ctx c;
-    memset(&c, 0, sizeof c);
-    c.module = m;
-    c.microbatch = parent ? parent->microbatch : 0;
-    c.training = parent ? parent->training : false;
-    c.kind = parent ? parent->kind : SMP__ALLOC_OTHER;
-    c.nin = nin;
-    c.nout = nout;
-    c.inputs = inputs;
-    c.outputs = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)nout, SMP__ALLOC_OTHER);
-    memset(c.outputs, 0, sizeof(smp_tensor) * (size_t)nout);
-
-    if (parent) { /* nested: runs here, its outputs live as long as the parent call */
-        smp_status st = smp__run_callback(&c, false);
-        for (int i = 0; i < nout; i++) {
-            outputs[i] = c.outputs[i];
-            if (c.outputs[i].data) {
-                smp__grow((void **)&parent->owned, &parent->owned_cap, parent->nowned + 1, sizeof(void *));
-                parent->owned[parent->nowned++] = c.outputs[i].data;
-            }
-        }
-        if (m->owner_call < 0 && parent->module->owner_call >= 0) m->owner_call = parent->module->owner_call;
-        smp__call_release(&c, false);
-        smp__free(c.outputs);
-        return st;
+    if (!smp__mod.tracing)
+        return parent ? smp_error(SMP_ERR_STATE, "smp_call(\"%s\") from the %s of module \"%s\" after tracing: only a composite's forward calls "
+                                  "modules, and it must do so when smp traces the model (it runs only then)", m->full_name,
+                                  parent->in_backward ? "backward" : "forward", parent->module->full_name)
+                      : smp_error(SMP_ERR_STATE, "smp_call(\"%s\") outside tracing and outside a module: the model's forward runs only when smp traces it", m->full_name);
+    if (m->model != md) return smp_error(SMP_ERR_ARG, "smp_call: module \"%s\" is not part of the model being traced", m->full_name);
+    if (parent) {
+        if (parent->in_backward) return smp_error(SMP_ERR_MODULE, "smp_call(\"%s\") from the backward of \"%s\": backwards call no modules", m->full_name, parent->module->full_name);
+        parent->made_calls = true;
+        SMP_TRY(smp__check_composite(parent, false));
+        for (const smp_call_ctx *a = parent; a; a = a->caller)
+            if (a->module == m) return smp_error(SMP_ERR_MODULE, "module \"%s\" calls itself (through \"%s\"): a model is a finite graph of calls", m->full_name, parent->module->full_name);
     }
 
-    /* a top-level call while tracing: record it and run it for real */
-    smp__call_rec rec;
-    memset(&rec, 0, sizeof rec);
-    rec.module = m;
-    rec.nin = nin;
-    rec.nout = nout;
-    rec.in = (smp__ref *)smp__alloc(sizeof(smp__ref) * (size_t)(nin ? nin : 1), SMP__ALLOC_OTHER);
-    rec.in_meta = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(nin ? nin : 1), SMP__ALLOC_OTHER);
-    rec.out_meta = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)nout, SMP__ALLOC_OTHER);
+    /* where each input comes from, and that it is as it was handed out */
+    smp__ref *in = (smp__ref *)smp__alloc(sizeof(smp__ref) * (size_t)(nin ? nin : 1), SMP__ALLOC_OTHER);
+    smp_tensor *in_meta = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(nin ? nin : 1), SMP__ALLOC_OTHER);
+    if (!in || !in_meta) smp__fatal("out of memory recording the trace");
     smp_status st = SMP_OK;
+    char where[200];
     for (int i = 0; i < nin && !st; i++) {
-        smp__ref *r = smp__trace_lookup(inputs[i].data);
-        if (!r) {
+        int e = smp__trace_find(inputs[i].data);
+        if (e < 0) {
             st = smp_error(SMP_ERR_ARG, "smp_call(\"%s\"): input %d is neither a model input nor an output of an earlier smp_call "
                                         "(compute it inside a module so smp can move it between partitions)", m->full_name, i);
             break;
         }
-        const smp_tensor *src = r->call < 0 ? NULL : &md->calls[r->call].out_meta[r->index];
-        if (src && smp_tensor_numel(src) != smp_tensor_numel(&inputs[i]))
+        snprintf(where, sizeof where, "when it was passed as input %d to module \"%s\"", i, m->full_name);
+        st = smp__trace_check(e, where);
+        const smp_tensor *src = &smp__mod.table[e].t;
+        if (!st && smp_tensor_numel(src) != smp_tensor_numel(&inputs[i]))
             st = smp_error(SMP_ERR_ARG, "smp_call(\"%s\"): input %d has %lld elements but the tensor it views has %lld", m->full_name, i,
                            (long long)smp_tensor_numel(&inputs[i]), (long long)smp_tensor_numel(src));
-        rec.in[i] = *r;
-        rec.in_meta[i] = inputs[i];
-        rec.in_meta[i].data = NULL;
+        in[i] = smp__mod.table[e].ref;
+        in_meta[i] = inputs[i];
+        in_meta[i].data = NULL;
     }
-    int index = md->ncalls;
-    if (m->owner_call < 0) m->owner_call = index;
-    if (!st) {
-        smp__materialise_tree(m, +1);
-        rec.param_bytes = smp__tree_param_bytes(m);
-        int64_t before = smp__ctx.mem.current_bytes;
-        c.training = true; /* so the forward stashes what its backward reads */
-        /* device work is asynchronous: the time of a call is until the device has done it */
-        smp_status (*sync)(void) = smp__model_on_device(md) ? smp__ctx.device.synchronize : NULL;
-        if (sync) st = sync();
-        double t0 = smp__now();
-        if (!st) st = smp__run_callback(&c, false);
-        if (!st && sync) st = sync();
-        rec.time = smp__now() - t0;
-        rec.activation_bytes = (double)(smp__ctx.mem.current_bytes - before);
-        if (!st) st = smp__trace_backward(&c, &rec, &rec.time);
+    if (st) { smp__free(in); smp__free(in_meta); return st; }
+
+    smp_call_ctx c;
+    memset(&c, 0, sizeof c);
+    c.module = m;
+    c.caller = parent;
+    c.call = -1;
+    c.seed = smp__call_seed(md->ncalls, 0, 0);
+    c.training = true; /* so the forward stashes what its backward reads */
+    c.kind = SMP__ALLOC_OTHER;
+    c.nin = nin;
+    c.nout = nout;
+    c.inputs = inputs;
+    c.context = m->context_partition >= 0 ? m->context_partition : parent ? parent->context : -1;
+    c.outputs = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)nout, SMP__ALLOC_OTHER);
+    c.output_set = (bool *)smp__alloc((size_t)nout, SMP__ALLOC_OTHER);
+    if (!c.outputs || !c.output_set) smp__fatal("out of memory recording the trace");
+    memset(c.outputs, 0, sizeof(smp_tensor) * (size_t)nout);
+    memset(c.output_set, 0, (size_t)nout);
+    int first = md->ncalls;
+    smp__materialise_tree(m, +1);
+    double param_bytes = smp__tree_param_bytes(m);
+    int64_t before = smp__ctx.mem.current_bytes;
+    /* device work is asynchronous: the time of a call is until the device has done it */
+    smp_status (*sync)(void) = smp__model_on_device(md) ? smp__ctx.device.synchronize : NULL;
+    if (sync) st = sync();
+    double t0 = smp__now();
+    if (!st) st = smp__run_callback(&c, false);
+    if (!st && sync) st = sync();
+    double time = smp__now() - t0;
+    bool composite = c.made_calls;
+    for (int i = 0; i < nout && !composite; i++) composite = c.output_set[i];
+    if (composite) {
+        if (!st) st = smp__check_composite(&c, true);
+        smp__free(in);
+        smp__free(in_meta);
+        for (int i = 0; i < nout; i++) {
+            if (!c.output_set[i]) smp__free(c.outputs[i].data); /* made with smp_call_output: an error above */
+            outputs[i] = c.output_set[i] ? c.outputs[i] : (smp_tensor){0};
+        }
+        if (!st) {
+            m->composite = true;
+            if (m->owner_call < 0) m->owner_call = first;
+            if (m->recompute || (!parent && smp__ctx.cfg.activation_checkpointing == SMP_ON))
+                for (int k = first; k < md->ncalls; k++) { /* the outermost recomputed call wins */
+                    md->calls[k].recompute_first = first;
+                    md->calls[k].recompute_last = md->ncalls - 1;
+                }
+            if (!parent) smp__add_unit(md, m, first);
+        }
+    } else {
+        smp__call_rec probe; /* what trace_backward reads: which inputs are model inputs */
+        probe.in = in;
+        if (!st) st = smp__trace_backward(&c, &probe, &time);
         /* trace_execution_times: the run above warmed caches and touched
            fresh memory; the best of a few more is the call's steady cost */
         for (int r = 0; r < 3 && !st && smp__ctx.cfg.trace_execution_times == SMP_ON; r++) {
@@ -3494,24 +3800,23 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
             st = smp__run_callback(&c, false);
             if (!st && sync) st = sync();
             t = smp__now() - t0;
-            if (!st) st = smp__trace_backward(&c, &rec, &t);
-            if (r == 0 || t < rec.time) rec.time = t;
+            if (!st) st = smp__trace_backward(&c, &probe, &t);
+            if (t < time) time = t;
         }
-        smp__materialise_tree(m, -1);
+        if (st) {
+            for (int i = 0; i < nout; i++) smp__free(c.outputs[i].data);
+            smp__free(in);
+            smp__free(in_meta);
+        } else {
+            st = smp__record_leaf(md, &c, in, in_meta, time, (double)(smp__ctx.mem.current_bytes - before), param_bytes, !parent);
+            for (int i = 0; i < nout; i++) outputs[i] = c.outputs[i];
+            if (!parent) smp__add_unit(md, m, first);
+        }
     }
-    for (int i = 0; i < nout; i++) {
-        outputs[i] = c.outputs[i];
-        rec.out_meta[i] = c.outputs[i];
-        rec.out_meta[i].data = NULL;
-        if (c.outputs[i].data) smp__trace_add(c.outputs[i].data, index, i);
-    }
-    int cap = md->ncalls;
-    smp__grow((void **)&md->calls, &cap, md->ncalls + 1, sizeof(smp__call_rec));
-    md->calls[md->ncalls++] = rec;
-    /* outputs stay allocated until the trace ends; the rest goes now */
-    c.nout = 0;
-    smp__call_release(&c, false);
+    smp__materialise_tree(m, -1);
+    smp__call_release(&c, false); /* the outputs stay in the table until the trace ends */
     smp__free(c.outputs);
+    smp__free(c.output_set);
     return st;
 }
 
@@ -3730,32 +4035,36 @@ SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nsta
 /* Memory per parameter byte beyond value and gradient: Adam's two moments. */
 #define SMP__OPTIMIZER_STATE_FACTOR 2.0
 
+/* The partition of every leaf call: auto partitioning places top-level
+   calls (a composite block moves whole), manual placement each leaf by its
+   SMP_PARTITION context (its own, else the nearest composite caller's). */
 static smp_status smp__assign_partitions(smp_model *m, int *call_part) {
     const smp_config *cfg = &smp__ctx.cfg;
-    int P = cfg->partitions, n = m->ncalls;
+    int P = cfg->partitions, n = m->ncalls, nu = m->nunits;
     if (cfg->auto_partition == SMP_ON && P > 1) {
         int chunks = P * cfg->virtual_stages;
-        if (chunks > n)
-            return smp_error(SMP_ERR_CONFIG, "the model makes %d top-level calls, too few for %d partitions x %d virtual stages", n, P, cfg->virtual_stages);
-        smp_call_cost *costs = (smp_call_cost *)smp__alloc(sizeof(smp_call_cost) * (size_t)n, SMP__ALLOC_OTHER);
-        for (int i = 0; i < n; i++) {
-            costs[i].time = m->calls[i].time;
-            costs[i].param_bytes = m->calls[i].param_bytes;
-            costs[i].activation_bytes = m->calls[i].activation_bytes;
+        if (chunks > nu)
+            return smp_error(SMP_ERR_CONFIG, "the model makes %d top-level calls, too few for %d partitions x %d virtual stages", nu, P, cfg->virtual_stages);
+        smp_call_cost *costs = (smp_call_cost *)smp__alloc(sizeof(smp_call_cost) * (size_t)nu, SMP__ALLOC_OTHER);
+        int *unit_part = (int *)smp__alloc(sizeof(int) * (size_t)nu, SMP__ALLOC_OTHER);
+        if (!costs || !unit_part) smp__fatal("out of memory partitioning the model");
+        for (int u = 0; u < nu; u++) {
+            costs[u].time = m->units[u].time;
+            costs[u].param_bytes = m->units[u].param_bytes;
+            costs[u].activation_bytes = m->units[u].activation_bytes;
         }
-        smp_status st = smp_auto_partition(costs, n, chunks, cfg->memory_weight, SMP__OPTIMIZER_STATE_FACTOR, call_part, NULL);
+        smp_status st = smp_auto_partition(costs, nu, chunks, cfg->memory_weight, SMP__OPTIMIZER_STATE_FACTOR, unit_part, NULL);
+        for (int k = 0; k < n && !st; k++) call_part[k] = unit_part[m->calls[k].unit] % P;
         smp__free(costs);
-        if (st) return st;
-        for (int i = 0; i < n; i++) call_part[i] %= P;
-        return SMP_OK;
+        smp__free(unit_part);
+        return st;
     }
     for (int i = 0; i < n; i++) {
-        smp_module *mod = m->calls[i].module;
-        int p = P == 1 ? 0 : mod->context_partition;
+        int p = P == 1 ? 0 : m->calls[i].context;
         if (p < 0) {
             if (!cfg->has_default_partition)
                 return smp_error(SMP_ERR_CONFIG, "module \"%s\" was created outside every SMP_PARTITION context and no default_partition is set "
-                                 "(auto_partition is off)", mod->full_name);
+                                 "(auto_partition is off)", m->calls[i].module->full_name);
             p = cfg->default_partition;
         }
         call_part[i] = p;
@@ -3768,12 +4077,17 @@ static void smp__report(smp_model *m) {
     int S = m->nstages;
     double *t = (double *)smp__alloc(sizeof(double) * 2 * (size_t)S, SMP__ALLOC_OTHER), *mem = t + S;
     char line[256];
-    smp_log(SMP_LOG_INFO, "partition report: %d calls, %d stages over %d partitions", m->ncalls, S, smp__ctx.cfg.partitions);
+    smp_log(SMP_LOG_INFO, "partition report: %d top-level calls (%d leaf calls), %d stages over %d partitions", m->nunits, m->ncalls, S,
+            smp__ctx.cfg.partitions);
     smp_log(SMP_LOG_INFO, "  %-5s %-28s %5s %5s %12s %10s %12s", "call", "module", "part", "stage", "params(B)", "time(ms)", "activ.(B)");
-    for (int i = 0; i < m->ncalls; i++) {
-        smp__call_rec *c = &m->calls[i];
-        snprintf(line, sizeof line, "  %-5d %-28s %5d %5d %12.0f %10.3f %12.0f", i, *c->module->full_name ? c->module->full_name : "(root)",
-                 m->stage_rank[c->stage], c->stage, c->param_bytes, c->time * 1e3, c->activation_bytes);
+    for (int u = 0; u < m->nunits; u++) {
+        smp__unit *c = &m->units[u];
+        int s0 = m->calls[c->first].stage, s1 = m->calls[c->last].stage;
+        char stages[24];
+        snprintf(stages, sizeof stages, s0 == s1 ? "%d" : "%d-%d", s0, s1);
+        snprintf(line, sizeof line, "  %-5d %-28s %5d %5s %12.0f %10.3f %12.0f%s", u, *c->module->full_name ? c->module->full_name : "(root)",
+                 m->stage_rank[s0], stages, c->param_bytes, c->time * 1e3, c->activation_bytes,
+                 c->last > c->first ? " (composite)" : m->calls[c->first].recompute_first >= 0 ? " (recomputed)" : "");
         smp_log(SMP_LOG_INFO, "%s", line);
     }
     memset(t, 0, sizeof(double) * 2 * (size_t)S);
@@ -3783,27 +4097,64 @@ static void smp__report(smp_model *m) {
     }
     double tmax = 0, tsum = 0, mmax = 0, msum = 0;
     for (int s = 0; s < S; s++) {
-        smp_log(SMP_LOG_INFO, "  stage %d (partition %d): calls %d..%d, time %.3f ms, memory %.0f B", s, m->stage_rank[s], m->stage_first[s],
+        smp_log(SMP_LOG_INFO, "  stage %d (partition %d): leaf calls %d..%d, time %.3f ms, memory %.0f B", s, m->stage_rank[s], m->stage_first[s],
                 m->stage_last[s], t[s] * 1e3, mem[s]);
         tmax = t[s] > tmax ? t[s] : tmax; tsum += t[s];
         mmax = mem[s] > mmax ? mem[s] : mmax; msum += mem[s];
     }
     smp_log(SMP_LOG_INFO, "  imbalance (largest / mean stage): time %.2f, memory %.2f", tsum > 0 ? tmax * S / tsum : 1.0, msum > 0 ? mmax * S / msum : 1.0);
+    for (int i = 0; i < m->nmodules; i++) { /* shared modules: where their copies live */
+        smp_module *mod = m->modules[i];
+        if (mod->uses < 2 || (mod->parent && mod->parent->uses == mod->uses && mod->parent->owner_call == mod->owner_call)) continue;
+        int at = snprintf(line, sizeof line, "  shared: \"%s\", %d calls, copies on partitions", mod->full_name, mod->uses);
+        for (int p = 0, last = -1; p < smp__ctx.cfg.partitions && at < (int)sizeof line - 8; p++)
+            for (int k = 0; k < m->ncalls; k++)
+                if (m->calls[k].module == mod && m->stage_rank[m->calls[k].stage] == p && p != last) { at += snprintf(line + at, sizeof line - (size_t)at, " %d", p); last = p; }
+        smp_log(SMP_LOG_INFO, "%s", line);
+    }
     smp__free(t);
+}
+
+/* Where a module lives once its calls are placed: with its leaf calls (on
+   every partition that calls it: copies of a shared module), a composite
+   with its first leaf, a module no call reads with its parent (whose
+   forward reads it), else by its context or default_partition. */
+static void smp__place_modules(smp_model *m, const int *part) {
+    int me = smp__ctx.mp_rank;
+    for (int i = 0; i < m->nmodules; i++) { m->modules[i]->partition = -1; m->modules[i]->local = false; }
+    for (int k = 0; k < m->ncalls; k++) {
+        smp_module *mod = m->calls[k].module;
+        if (mod->partition < 0) mod->partition = part[k];
+        if (part[k] == me) mod->local = true;
+    }
+    for (int i = 0; i < m->nmodules; i++) { /* creation order: parents first */
+        smp_module *mod = m->modules[i];
+        if (mod->uses > 0) continue;
+        if (mod->composite) mod->partition = part[mod->owner_call];
+        else if (mod->parent && mod->parent->owner_call >= 0) {
+            mod->owner_call = mod->parent->owner_call;
+            mod->uses = mod->parent->uses;
+            mod->partition = mod->parent->partition;
+            mod->local = mod->parent->local;
+            continue;
+        } else if (mod->context_partition >= 0 && smp__ctx.cfg.auto_partition != SMP_ON) mod->partition = mod->context_partition;
+        else mod->partition = smp__ctx.cfg.has_default_partition ? smp__ctx.cfg.default_partition : 0;
+        mod->local = mod->partition == me;
+    }
 }
 
 static smp_status smp__partition(smp_model *m) {
     int n = m->ncalls, P = smp__ctx.cfg.partitions;
     int *part = (int *)smp__alloc(sizeof(int) * (size_t)(n ? n : 1), SMP__ALLOC_OTHER);
     smp_status st = n ? smp__assign_partitions(m, part) : smp_error(SMP_ERR_ARG, "the model's forward made no smp_call");
-    /* a module called more than once keeps its parameters in one place */
-    for (int i = 0; i < n && !st; i++)
-        for (int j = 0; j < i; j++)
-            if (m->calls[j].module == m->calls[i].module && part[i] != part[j]) {
-                st = smp_error(SMP_ERR_CONFIG, "module \"%s\" is called at positions %d and %d, which fall on partitions %d and %d; "
-                               "a module's parameters live on one partition", m->calls[i].module->full_name, j, i, part[j], part[i]);
-                break;
-            }
+    for (int k = 0; k < n && !st; k++) {
+        const smp__call_rec *c = &m->calls[k];
+        if (c->recompute_first >= 0 && part[c->recompute_first] != part[k])
+            st = smp_error(SMP_ERR_CONFIG, "module \"%s\" is recomputed, but its calls fall on partitions %d (\"%s\") and %d (\"%s\"): a recomputed call "
+                           "runs again within one stage; place all of it on one partition, or do not recompute it",
+                           m->calls[c->recompute_first].module->full_name, part[c->recompute_first], m->calls[c->recompute_first].module->full_name,
+                           part[k], c->module->full_name);
+    }
     if (st) { smp__free(part); return st; }
     int S = 0;
     for (int i = 0; i < n; i++) S += i == 0 || part[i] != part[i - 1];
@@ -3822,18 +4173,7 @@ static smp_status smp__partition(smp_model *m) {
     for (int p = 0; p < P && !st; p++)
         if (!used[p]) st = smp_error(SMP_ERR_CONFIG, "partition %d has no module calls; every partition needs work (partitions = %d)", p, P);
     smp__free(used);
-    /* modules live where the top-level call that ran them lives */
-    for (int i = 0; i < m->nmodules && !st; i++) {
-        smp_module *mod = m->modules[i];
-        if (mod->owner_call >= 0) mod->partition = part[mod->owner_call];
-        else if (mod->parent && mod->parent->owner_call >= 0) {
-            /* never called itself: its parent's forward reads its parameters, so it lives (and is final) with the parent
-               (modules are in creation order, parents first, so grandchildren follow too) */
-            mod->owner_call = mod->parent->owner_call;
-            mod->partition = mod->parent->partition;
-        } else if (mod->context_partition >= 0 && smp__ctx.cfg.auto_partition != SMP_ON) mod->partition = mod->context_partition;
-        else mod->partition = smp__ctx.cfg.has_default_partition ? smp__ctx.cfg.default_partition : 0;
-    }
+    if (!st) smp__place_modules(m, part);
     smp__free(part);
     if (st) return st;
     for (int i = 0; i < m->nparams; i++)
@@ -3850,9 +4190,10 @@ static smp_status smp__share_trace(smp_model *m) {
     int n = m->ncalls;
     uint64_t sig[2] = {(uint64_t)n, 1469598103934665603ull};
     for (int i = 0; i < n; i++) {
-        uint64_t v = (uint64_t)m->calls[i].nin * 31 + (uint64_t)m->calls[i].nout;
-        for (const char *c = m->calls[i].module->full_name; *c; c++) v = v * 131 + (unsigned char)*c;
-        for (int j = 0; j < m->calls[i].nin; j++) v = v * 1000003 + (uint64_t)(m->calls[i].in[j].call + 7) * 17 + (uint64_t)m->calls[i].in[j].index;
+        const smp__call_rec *c = &m->calls[i];
+        uint64_t v = (uint64_t)c->nin * 31 + (uint64_t)c->nout + (uint64_t)c->unit * 7919 + (uint64_t)(c->recompute_first + 2) * 104729;
+        for (const char *ch = c->module->full_name; *ch; ch++) v = v * 131 + (unsigned char)*ch;
+        for (int j = 0; j < c->nin; j++) v = v * 1000003 + (uint64_t)(c->in[j].call + 7) * 17 + (uint64_t)c->in[j].index;
         sig[1] = (sig[1] ^ v) * 1099511628211ull;
     }
     uint64_t lo[2], hi[2];
@@ -3877,6 +4218,7 @@ static smp_status smp__share_trace(smp_model *m) {
         m->calls[i].activation_bytes = costs[3 * i + 2];
     }
     smp__free(costs);
+    for (int u = 0; u < m->nunits; u++) smp__unit_costs(m, &m->units[u]);
     return SMP_OK;
 }
 
@@ -3892,19 +4234,20 @@ SMPDEF smp_status smp_model_trace(smp_model *m, const smp_tensor *inputs, int ni
         smp__mod.tracing = true;
         smp__mod.trace_model = m;
         smp__mod.ntable = 0;
-        for (int i = 0; i < ninputs; i++) smp__trace_add(inputs[i].data, -1, i);
+        for (int i = 0; i < ninputs; i++) smp__trace_add(&inputs[i], -1, i, false);
         st = m->desc.forward(m, inputs, ninputs, outs, m->desc.noutputs, m->desc.user);
         if (st && !strstr(smp__errbuf, "module")) smp_error(st, "the model's forward failed while tracing: %s", smp__errbuf);
         m->outputs = (smp__ref *)smp__alloc(sizeof(smp__ref) * (size_t)m->desc.noutputs, SMP__ALLOC_OTHER);
         for (int i = 0; i < m->desc.noutputs && !st; i++) {
-            smp__ref *r = outs[i].data ? smp__trace_lookup(outs[i].data) : NULL;
-            if (!r || r->call < 0)
+            int e = outs[i].data ? smp__trace_find(outs[i].data) : -1;
+            if (e < 0 || smp__mod.table[e].ref.call < 0)
                 st = smp_error(SMP_ERR_ARG, "model output %d is not an output of an smp_call (set outputs[%d] to a tensor smp_call returned)", i, i);
-            else m->outputs[i] = *r;
+            else m->outputs[i] = smp__mod.table[e].ref;
         }
+        for (int e = 0; e < smp__mod.ntable && !st; e++) st = smp__trace_check(e, "when the model's forward returned");
         /* the trace's activations are no longer needed */
         for (int i = 0; i < smp__mod.ntable; i++)
-            if (smp__mod.table[i].ref.call >= 0) smp__free((void *)smp__mod.table[i].data);
+            if (smp__mod.table[i].owned) smp__free(smp__mod.table[i].t.data);
         smp__free(smp__mod.table);
         smp__mod.table = NULL;
         smp__mod.ntable = smp__mod.table_cap = 0;
@@ -3915,7 +4258,13 @@ SMPDEF smp_status smp_model_trace(smp_model *m, const smp_tensor *inputs, int ni
     st = smp__agree_on(smp__ctx.world, st, "tracing");
     if (!st) st = smp__agree_on(smp__ctx.world, smp__share_trace(m), "trace agreement");
     if (!st) st = smp__agree_on(smp__ctx.world, smp__partition(m), "partitioning");
-    if (st) { smp__free_calls(m); smp__free(m->outputs); m->outputs = NULL; return st; }
+    if (st) {
+        smp__free_calls(m);
+        smp__free(m->outputs);
+        m->outputs = NULL;
+        for (int i = 0; i < m->nmodules; i++) { m->modules[i]->uses = 0; m->modules[i]->owner_call = -1; m->modules[i]->composite = false; }
+        return st;
+    }
     m->traced = true;
     return SMP_OK;
 }

@@ -250,8 +250,9 @@ SMPDEF void smp_step_output_free(smp_step_output *o);
 /* What the last step did on this rank. */
 typedef struct smp_step_stats {
     int local_stages;
-    int peak_inflight[64];        /* per stage of this rank, in stage order */
-    int stage_index[64];          /* the global stage each entry is */
+    const int *peak_inflight;     /* [local_stages]: per stage of this rank, in stage order */
+    const int *stage_index;       /* [local_stages]: the global stage each entry is */
+    /* (both valid until the next step of the model or smp_model_free) */
     int64_t stash_peak_bytes;     /* activation memory held for backward, at its peak */
     double seconds;
 } smp_step_stats;
@@ -922,6 +923,16 @@ typedef struct smp__pipe {
     char err_msg[sizeof smp__errbuf + 8];
     int body_stage;
     smp_schedule sched[2]; /* [evaluate] */
+    const smp_tensor **scratch; /* [max tensors on a link]: what one message carries */
+    smp__xfer **await;     /* [nlinks]: the receives one stage waits for */
+    int *await_link;
+    int *peak, *stage_index; /* [nstages]: step stats */
+    /* activation recomputation */
+    bool *internal;        /* [ncalls * maxout]: an output only its recomputed call reads (freed after the forward, made again before the backward) */
+    /* shared modules: the gradient each call of one adds, gathered and summed in call order at the step's end */
+    struct smp__shared { int call, param, part; smp_tensor grad; } *shared; /* in call order, then parameter order */
+    int nshared;
+    int *shared_first;     /* [ncalls + 1]: each call's slots */
     /* per step */
     int m;
     bool training;
@@ -965,6 +976,14 @@ static void smp__pipe_free(void *p) {
     smp__free(ps->edges);
     smp__free(ps->first_edge);
     smp__free(ps->edge_of_input);
+    smp__free(ps->scratch);
+    smp__free(ps->await);
+    smp__free(ps->await_link);
+    smp__free(ps->peak); /* and stage_index */
+    smp__free(ps->internal);
+    for (int q = 0; q < ps->nshared; q++) smp__free(ps->shared[q].grad.data);
+    smp__free(ps->shared);
+    smp__free(ps->shared_first);
     for (int i = 0; i < ps->nlinks; i++) { smp__free(ps->links[i].tensors); smp__free(ps->links[i].edges); }
     smp__free(ps->links);
     smp_schedule_free(&ps->sched[0]);
@@ -988,6 +1007,36 @@ static void smp__pipe_comms(smp__pipe *ps) {
     MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->comm);
     MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->err_comm);
     MPI_Irecv(ps->err_msg, (int)sizeof ps->err_msg, MPI_CHAR, MPI_ANY_SOURCE, 1, ps->err_comm, &ps->err_req);
+}
+
+static bool smp__in_subtree(const smp_module *m, const smp_module *root) {
+    for (; m; m = m->parent)
+        if (m == root) return true;
+    return false;
+}
+
+/* One slot per (leaf call of a shared module, parameter of the module's
+   tree), every rank alike: the gradient that call adds up over the step. */
+static void smp__shared_build(smp__pipe *ps, smp_model *md) {
+    int n = md->ncalls, cap = 0;
+    ps->shared_first = (int *)smp__alloc(sizeof(int) * (size_t)(n + 1), SMP__ALLOC_OTHER);
+    for (int k = 0; k < n; k++) {
+        ps->shared_first[k] = ps->nshared;
+        smp_module *mod = md->calls[k].module;
+        if (mod->uses < 2) continue;
+        for (int i = 0; i < md->nparams; i++) {
+            smp_param *p = md->params[i];
+            if (p->is_buffer || !smp__in_subtree(p->module, mod)) continue;
+            if (!smp__grow((void **)&ps->shared, &cap, ps->nshared + 1, sizeof *ps->shared)) smp__fatal("out of memory building the pipeline");
+            struct smp__shared *q = &ps->shared[ps->nshared++];
+            q->call = k;
+            q->param = i;
+            q->part = md->stage_rank[md->calls[k].stage];
+            q->grad = p->grad;
+            q->grad.data = NULL;
+        }
+    }
+    ps->shared_first[n] = ps->nshared;
 }
 
 static smp__pipe *smp__pipe_build(smp_model *md) {
@@ -1057,6 +1106,29 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
         l->edges[l->nedges++] = e;
     }
     smp__free(link_of);
+    int most = 1;
+    for (int l = 0; l < ps->nlinks; l++) {
+        if (ps->links[l].ntensors > most) most = ps->links[l].ntensors;
+        if (ps->links[l].nedges > most) most = ps->links[l].nedges;
+    }
+    ps->scratch = (const smp_tensor **)smp__alloc(sizeof(smp_tensor *) * (size_t)most, SMP__ALLOC_OTHER);
+    ps->await = (smp__xfer **)smp__alloc(sizeof(smp__xfer *) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER);
+    ps->await_link = (int *)smp__alloc(sizeof(int) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER);
+    ps->peak = (int *)smp__alloc(sizeof(int) * 2 * (size_t)S, SMP__ALLOC_OTHER);
+    ps->stage_index = ps->peak + S;
+    ps->internal = (bool *)smp__alloc((size_t)T + 1, SMP__ALLOC_OTHER);
+    memset(ps->internal, 0, (size_t)T + 1);
+    for (int k = 0; k < n; k++) {
+        const smp__call_rec *c = &md->calls[k];
+        for (int j = 0; j < c->nout && c->recompute_first >= 0; j++) {
+            int t = k * ps->maxout + j;
+            bool inside = true;
+            for (int e = ps->first_edge[t]; e < ps->first_edge[t + 1]; e++)
+                inside = inside && ps->edges[e].consumer >= c->recompute_first && ps->edges[e].consumer <= c->recompute_last;
+            ps->internal[t] = inside;
+        }
+    }
+    smp__shared_build(ps, md);
     ps->inflight = (int *)smp__alloc(sizeof(int) * (size_t)S, SMP__ALLOC_OTHER);
     const smp_device_backend *b = &smp__ctx.device;
     ps->on_device = md->desc.on_device;
@@ -1068,23 +1140,6 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     ps->t_origin = smp__now();
     smp__pipe_comms(ps);
     return ps;
-}
-
-/* acc += t, elementwise, in the tensors' dtype (halves through f32); on the
-   device by the backend, which does the same arithmetic. */
-static smp_status smp__add_into(smp_tensor *acc, const smp_tensor *t) {
-    int64_t n = smp_tensor_numel(acc);
-    if (acc->device != SMP_HOST) return n ? smp__ctx.device.add(acc->data, t->data, acc->dtype, n) : SMP_OK;
-    switch (acc->dtype) {
-    case SMP_F32: { float *a = (float *)acc->data; const float *b = (const float *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
-    case SMP_F64: { double *a = (double *)acc->data; const double *b = (const double *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
-    case SMP_F16: { uint16_t *a = (uint16_t *)acc->data; const uint16_t *b = (const uint16_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] = smp_f32_to_f16(smp_f16_to_f32(a[x]) + smp_f16_to_f32(b[x])); } break;
-    case SMP_BF16: { uint16_t *a = (uint16_t *)acc->data; const uint16_t *b = (const uint16_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] = smp_f32_to_bf16(smp_bf16_to_f32(a[x]) + smp_bf16_to_f32(b[x])); } break;
-    case SMP_I32: { int32_t *a = (int32_t *)acc->data; const int32_t *b = (const int32_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
-    case SMP_I64: { int64_t *a = (int64_t *)acc->data; const int64_t *b = (const int64_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
-    default: { uint8_t *a = (uint8_t *)acc->data; const uint8_t *b = (const uint8_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] = (uint8_t)(a[x] + b[x]); } break;
-    }
-    return SMP_OK;
 }
 
 /* t *= by for floating-point dtypes (others are left alone), on t's side. */
@@ -1485,6 +1540,11 @@ static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, i
 }
 
 /* ---------------------------------------------------------------- data parallel: buckets */
+/* The leaf call whose last backward makes a parameter's gradient final:
+   the first call that reads it (backwards run in reverse); -1 for a shared
+   module's, final once smp__shared_finish has run, and for one no call reads. */
+static int smp__final_call(const smp_param *p) { return p->module->uses > 1 ? -1 : p->module->owner_call; }
+
 /* Broadcasts parameters (and buffers) from dp rank 0, and lays every local
    gradient out in buckets in the order backward finishes them. */
 static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
@@ -1495,14 +1555,13 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
         smp_status st = smp_broadcast(&p->value, 0, SMP_DP_GROUP);
         if (st) return st;
     }
-    /* backward order: the call that finishes a parameter is the first call of its module (owner_call) */
+    /* backward order: the call that finishes a parameter (smp__final_call), those final only at the step's end last */
     int n = 0;
     int *order = (int *)smp__alloc(sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER);
     for (int k = md->ncalls - 1; k >= -1; k--)
         for (int i = md->nparams - 1; i >= 0; i--) {
             smp_param *p = md->params[i];
-            if (p->is_buffer || !smp_module_is_local(p->module) || p->module->owner_call != k) continue;
-            if (k == -1 && p->module->owner_call >= 0) continue;
+            if (p->is_buffer || !smp_module_is_local(p->module) || smp__final_call(p) != k) continue;
             order[n++] = i;
         }
     double cap = cfg->bucket_cap_mb * 1048576.0;
@@ -1634,7 +1693,7 @@ static smp_status smp__ddp_call_final(smp__pipe *ps, smp_model *md, int k) {
     for (int i = 0; i < md->nparams && !st; i++) {
         smp_param *p = md->params[i];
         int b = ps->bucket_of[i];
-        if (b < 0 || p->module->owner_call != k) continue;
+        if (b < 0 || smp__final_call(p) != k) continue;
         if (++ps->buckets[b].final == ps->buckets[b].count && smp__ctx.cfg.overlapping_allreduce == SMP_ON) {
             ps->buckets[b].ready = true;
             st = smp__ddp_advance(ps);
@@ -1737,7 +1796,8 @@ SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm) {
     for (int i = 0; i < m->nparams; i++) {
         smp_param *p = m->params[i];
         sq[i] = 0;
-        if (p->is_buffer || !p->grad.data || !smp_module_is_local(p->module)) continue;
+        /* a shared module's copies hold one gradient: its first partition counts it */
+        if (p->is_buffer || !p->grad.data || !smp_module_is_local(p->module) || p->module->partition != smp__ctx.mp_rank) continue;
         smp_tensor g;
         void *copy;
         smp_status cs = smp__grad_on_host(p, &g, &copy);
@@ -1872,11 +1932,10 @@ SMPDEF smp_status smp_agree_batches(int64_t batches) {
    contributions into contrib (backward). The tensors are views into the
    receive buffers, which the step frees. */
 static smp_status smp__receive(smp__pipe *ps, int s, int i, bool backward) {
-    smp__xfer *wait[64];
-    int nw = 0, lk[64];
+    smp__xfer **wait = ps->await;
+    int nw = 0, *lk = ps->await_link;
     for (int l = 0; l < ps->nlinks; l++)
         if ((backward ? ps->links[l].from : ps->links[l].to) == s) {
-            SMP_ASSERT(nw < 64);
             lk[nw] = l;
             wait[nw++] = smp__recv_slot(ps, l, i, backward);
         }
@@ -1907,16 +1966,140 @@ static smp_status smp__receive(smp__pipe *ps, int s, int i, bool backward) {
     return rc;
 }
 
+/* ---------------------------------------------------------------- shared modules */
+static void smp__swap_grad(smp_model *md, struct smp__shared *q) {
+    smp_param *p = md->params[q->param];
+    void *d = p->grad.data;
+    p->grad.data = q->grad.data;
+    q->grad.data = d;
+}
+
+/* Whether partition `part` holds a copy of parameter `param`. */
+static bool smp__shared_held(const smp__pipe *ps, int param, int part) {
+    for (int q = 0; q < ps->nshared; q++)
+        if (ps->shared[q].param == param && ps->shared[q].part == part) return true;
+    return false;
+}
+
+/* Each step starts its calls' slots from zero. */
+static smp_status smp__shared_start(smp__pipe *ps) {
+    smp_status st = SMP_OK;
+    for (int q = 0; q < ps->nshared && !st; q++) {
+        struct smp__shared *s = &ps->shared[q];
+        if (s->part != smp__ctx.mp_rank) continue;
+        if (!s->grad.data && !smp__tensor_alloc(&s->grad, ps->on_device, SMP__ALLOC_PARAM))
+            return smp_error(SMP_ERR_NOMEM, "out of memory for the gradient of a shared parameter (%zu bytes): %s", smp_tensor_nbytes(&s->grad), smp_last_error());
+        st = smp__tensor_zero(&s->grad);
+    }
+    return st;
+}
+
+/* The end of a training step for shared modules: every partition holding a
+   copy gets the slots of the calls other partitions ran (one message per
+   pair of partitions, host memory), then adds every call's slot into the
+   gradient in call order. Every copy and one process add the same numbers
+   in the same order, so all are bitwise equal. */
+static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
+    int P = smp__ctx.cfg.partitions, me = smp__ctx.mp_rank, nreq = 0;
+    char **buf = (char **)smp__alloc(sizeof(char *) * 2 * (size_t)P, SMP__ALLOC_OTHER);
+    MPI_Request *req = (MPI_Request *)smp__alloc(sizeof(MPI_Request) * 2 * (size_t)P, SMP__ALLOC_OTHER);
+    if (!buf || !req) smp__fatal("out of memory gathering shared gradients");
+    memset(buf, 0, sizeof(char *) * 2 * (size_t)P);
+    smp_status st = SMP_OK;
+    /* pass 0: receive what peer ran for parameters here; pass 1: send what this rank ran for parameters there */
+    for (int pass = 0; pass < 2; pass++)
+        for (int peer = 0; peer < P && !st; peer++) {
+            if (peer == me) continue;
+            size_t bytes = 0;
+            for (int q = 0; q < ps->nshared; q++) {
+                struct smp__shared *s = &ps->shared[q];
+                if (pass ? s->part == me && smp__shared_held(ps, s->param, peer) : s->part == peer && md->params[s->param]->module->local)
+                    bytes += smp_tensor_nbytes(&s->grad);
+            }
+            if (!bytes) continue;
+            if (bytes > (size_t)INT_MAX) {
+                st = smp_error(SMP_ERR_ARG, "shared gradients of %zu bytes between partitions %d and %d: more than one message carries (2 GiB)", bytes, me, peer);
+                break;
+            }
+            char *b = buf[pass * P + peer] = (char *)smp__alloc(bytes, SMP__ALLOC_OTHER);
+            if (!b) { st = smp_error(SMP_ERR_NOMEM, "out of memory for %zu bytes of shared gradients", bytes); break; }
+            for (size_t at = 0, q = 0; pass && q < (size_t)ps->nshared && !st; q++) {
+                struct smp__shared *s = &ps->shared[q];
+                if (s->part != me || !smp__shared_held(ps, s->param, peer)) continue;
+                smp_tensor h = s->grad;
+                h.device = SMP_HOST;
+                h.data = b + at;
+                st = smp__tensor_copy(&h, &s->grad);
+                at += smp_tensor_nbytes(&h);
+            }
+            if (pass) MPI_Isend(b, (int)bytes, MPI_BYTE, peer, 1, ps->comm, &req[nreq++]);
+            else MPI_Irecv(b, (int)bytes, MPI_BYTE, peer, 1, ps->comm, &req[nreq++]);
+        }
+    smp__backoff wait = smp__backoff_start();
+    for (bool done = false; !done && !st;) {
+        done = true;
+        for (int r = 0; r < nreq; r++) {
+            int flag = 0;
+            MPI_Test(&req[r], &flag, MPI_STATUS_IGNORE);
+            done = done && flag;
+        }
+        if (done) break;
+        if (smp__progress(ps)) st = smp_error(SMP_ERR_REMOTE, "another rank failed");
+        else if (!smp__backoff_pause(&wait)) smp__timeout_abort("gradients of shared modules", SMP_MP_GROUP, -1, smp__now() - wait.start);
+    }
+    if (st) { /* leave the messages and their buffers to MPI: the step's communicators are replaced after a failure */
+        for (int r = 0; r < nreq; r++) MPI_Request_free(&req[r]);
+        memset(buf, 0, sizeof(char *) * 2 * (size_t)P);
+    }
+    for (int peer = 0; peer < P && !st; peer++) { /* unpack what arrived */
+        char *b = buf[peer];
+        for (size_t at = 0, q = 0; b && q < (size_t)ps->nshared && !st; q++) {
+            struct smp__shared *s = &ps->shared[q];
+            if (s->part != peer || !md->params[s->param]->module->local) continue;
+            if (!s->grad.data && !smp__tensor_alloc(&s->grad, ps->on_device, SMP__ALLOC_PARAM))
+                st = smp_error(SMP_ERR_NOMEM, "out of memory for the gradient of a shared parameter (%zu bytes): %s", smp_tensor_nbytes(&s->grad), smp_last_error());
+            smp_tensor h = s->grad;
+            h.device = SMP_HOST;
+            h.data = b + at;
+            if (!st) st = smp__tensor_copy(&s->grad, &h);
+            at += smp_tensor_nbytes(&h);
+        }
+    }
+    for (int q = 0; q < ps->nshared && !st; q++) { /* in call order: the sum every copy computes */
+        smp_param *p = md->params[ps->shared[q].param];
+        if (p->module->local) st = smp__add_into(&p->grad, &ps->shared[q].grad);
+    }
+    for (int r = 0; r < 2 * P; r++) smp__free(buf[r]);
+    smp__free(buf);
+    smp__free(req);
+    return st;
+}
+
 /* ---------------------------------------------------------------- forward and backward of one stage */
-static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i) {
+/* Points call k's inputs at this microbatch's tensors. */
+static void smp__call_inputs(smp__pipe *ps, smp_model *md, int k, int i, smp_tensor *in) {
+    const smp__call_rec *rec = &md->calls[k];
     smp__mbstate *st = &ps->mb[i];
+    for (int j = 0; j < rec->nin; j++) {
+        smp__ref r = rec->in[j];
+        const smp_tensor *src = r.call < 0 ? &st->args[ps->desc->nmodel_inputs ? ps->desc->model_inputs[r.index] : r.index] : &st->act[r.call * ps->maxout + r.index];
+        in[j] = *src;
+        if (r.call >= 0 && smp_tensor_numel(src) == smp_tensor_numel(&rec->in_meta[j]) && rec->in_meta[j].ndim) {
+            /* the call viewed its input with another shape at trace time (a reshape) */
+            in[j].ndim = rec->in_meta[j].ndim;
+            memcpy(in[j].shape, rec->in_meta[j].shape, sizeof in[j].shape);
+        }
+    }
+}
+
+/* Runs the forward of call k on microbatch i; a recomputation (again)
+   keeps the outputs others read and makes only the internal ones anew. */
+static smp_status smp__call_forward(smp__pipe *ps, smp_model *md, int k, int i, bool again) {
+    smp__call_rec *rec = &md->calls[k];
+    smp__mbstate *st = &ps->mb[i];
+    smp_call_ctx *c = &st->ctx[k];
     int mo = ps->maxout;
-    smp_status rc = smp__receive(ps, s, i, false);
-    if (rc) return rc;
-    double t0 = smp__now();
-    for (int k = md->stage_first[s]; k <= md->stage_last[s]; k++) {
-        smp__call_rec *rec = &md->calls[k];
-        smp_call_ctx *c = &st->ctx[k];
+    if (!again) {
         memset(c, 0, sizeof *c);
         c->module = rec->module;
         c->microbatch = i;
@@ -1924,34 +2107,57 @@ static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i)
         c->kind = ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER;
         c->nin = rec->nin;
         c->nout = rec->nout;
-        smp_tensor *in = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER);
-        for (int j = 0; j < rec->nin; j++) {
-            smp__ref r = rec->in[j];
-            const smp_tensor *src = r.call < 0 ? &st->args[ps->desc->nmodel_inputs ? ps->desc->model_inputs[r.index] : r.index] : &st->act[r.call * mo + r.index];
-            in[j] = *src;
-            if (r.call >= 0 && smp_tensor_numel(src) == smp_tensor_numel(&rec->in_meta[j]) && rec->in_meta[j].ndim) {
-                /* the call viewed its input with another shape at trace time (a reshape) */
-                in[j].ndim = rec->in_meta[j].ndim;
-                memcpy(in[j].shape, rec->in_meta[j].shape, sizeof in[j].shape);
-            }
-        }
-        c->inputs = in;
+        c->call = k;
+        c->seed = smp__call_seed(k, smp__ctx.dp_rank * ps->m + i, ps->passes);
+        c->inputs = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER);
         c->outputs = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER);
+        if (!c->inputs || !c->outputs) return smp_error(SMP_ERR_NOMEM, "out of memory running %s", rec->module->full_name);
         memset(c->outputs, 0, sizeof(smp_tensor) * (size_t)rec->nout);
-        rc = smp__run_callback(c, false);
-        if (rc) return rc;
-        for (int j = 0; j < rec->nout; j++) st->act[k * mo + j] = c->outputs[j];
     }
+    smp__call_inputs(ps, md, k, i, (smp_tensor *)c->inputs); /* again: the internal ones moved */
+    smp_tensor *kept = again ? (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER) : NULL;
+    for (int j = 0; j < rec->nout && kept; j++) {
+        kept[j] = c->outputs[j];
+        c->outputs[j].data = NULL;
+    }
+    smp_status rc = smp__run_callback(c, false);
+    for (int j = 0; j < rec->nout; j++) {
+        if (kept && !ps->internal[k * mo + j]) { /* the same bytes: keep the tensor later calls already read */
+            smp__free(c->outputs[j].data);
+            c->outputs[j] = kept[j];
+        }
+        st->act[k * mo + j] = c->outputs[j];
+    }
+    smp__free(kept);
+    return rc;
+}
+
+static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i) {
+    smp__mbstate *st = &ps->mb[i];
+    int mo = ps->maxout;
+    smp_status rc = smp__receive(ps, s, i, false);
+    if (rc) return rc;
+    double t0 = smp__now();
+    for (int k = md->stage_first[s]; k <= md->stage_last[s] && !rc; k++) rc = smp__call_forward(ps, md, k, i, false);
+    if (rc) return rc;
     smp__event_add(ps, 0, s, i, t0);
     ps->inflight[s]++;
     for (int l = 0; l < ps->nlinks; l++) {
         smp__link *L = &ps->links[l];
         if (L->from != s) continue;
-        const smp_tensor *ts[64];
-        int nt = 0;
-        for (int t = 0; t < L->ntensors && nt < 64; t++) ts[nt++] = &st->act[L->tensors[t]];
-        SMP_ASSERT(nt == L->ntensors);
-        if ((rc = smp__send(ps, l, false, ts, nt, s, i))) return rc;
+        for (int t = 0; t < L->ntensors; t++) ps->scratch[t] = &st->act[L->tensors[t]];
+        if ((rc = smp__send(ps, l, false, ps->scratch, L->ntensors, s, i))) return rc;
+    }
+    /* recomputed calls keep their inputs only; their backward makes the rest again */
+    for (int k = md->stage_first[s]; k <= md->stage_last[s] && ps->training; k++) {
+        if (md->calls[k].recompute_first < 0) continue;
+        smp_call_ctx *c = &st->ctx[k];
+        smp__call_release(c, false);
+        for (int j = 0; j < c->nout; j++)
+            if (ps->internal[k * mo + j]) {
+                smp__free(c->outputs[j].data);
+                c->outputs[j].data = st->act[k * mo + j].data = NULL;
+            }
     }
     return SMP_OK;
 }
@@ -2006,6 +2212,8 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
     for (int k = md->stage_last[s]; k >= md->stage_first[s]; k--) {
         smp__call_rec *rec = &md->calls[k];
         smp_call_ctx *c = &st->ctx[k];
+        if (rec->recompute_last == k) /* the last call of a recomputed one: run its forward again */
+            for (int q = rec->recompute_first; q <= k && !rc; q++) rc = smp__call_forward(ps, md, q, i, true);
         /* gradient of each output: its consumers' contributions, latest consumer first */
         smp_tensor *gout = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER);
         memset(gout, 0, sizeof(smp_tensor) * (size_t)rec->nout);
@@ -2031,7 +2239,10 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         }
         c->grad_outputs = gout;
         c->grad_inputs = gin;
+        /* a shared module's call adds into its own slot (see smp__shared_finish) */
+        for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
         if (!rc) rc = smp__run_callback(c, true);
+        for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
         for (int j = 0; j < rec->nout; j++) smp__free(gout[j].data);
         smp__free(gout);
         c->grad_outputs = NULL;
@@ -2050,11 +2261,8 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
     for (int l = 0; l < ps->nlinks; l++) {
         smp__link *L = &ps->links[l];
         if (L->to != s) continue;
-        const smp_tensor *ts[64];
-        int nt = 0;
-        for (int e = 0; e < L->nedges && nt < 64; e++) ts[nt++] = &st->contrib[L->edges[e]];
-        SMP_ASSERT(nt == L->nedges);
-        if ((rc = smp__send(ps, l, true, ts, nt, s, i))) return rc;
+        for (int e = 0; e < L->nedges; e++) ps->scratch[e] = &st->contrib[L->edges[e]];
+        if ((rc = smp__send(ps, l, true, ps->scratch, L->nedges, s, i))) return rc;
     }
     ps->inflight[s]--;
     return SMP_OK;
@@ -2308,13 +2516,15 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     }
     smp_memory_stats mem0 = smp__ctx.mem;
     smp__ctx.mem.stash_peak_bytes = smp__ctx.mem.stash_bytes;
-    int peak[64] = {0};
+    int *peak = ps->peak;
+    memset(peak, 0, sizeof(int) * (size_t)S);
+    if (training && ps->nshared) st = smp__shared_start(ps);
     for (int o = 0; o < nops && !st; o++) {
         int s = ops[o].stage, i = ops[o].microbatch;
         if (ops[o].kind == SMP_SCHED_FORWARD) {
             st = smp__stage_forward(ps, md, s, i);
             if (!st && s == ps->body_stage) st = smp__run_body(ps, md, i);
-            if (s < 64 && ps->inflight[s] > peak[s]) peak[s] = ps->inflight[s];
+            if (ps->inflight[s] > peak[s]) peak[s] = ps->inflight[s];
         } else {
             st = smp__stage_backward(ps, md, s, i);
             if (!st) smp__stage_release(ps, md, s, i);
@@ -2327,6 +2537,7 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
             else if (ps->nsends && !smp__backoff_pause(&b)) smp__timeout_abort("pipeline sends to be received", SMP_MP_GROUP, ps->sends[0].peer, smp__now() - b.start);
         }
     }
+    if (!st && training && ps->nshared) st = smp__shared_finish(ps, md); /* before the buckets: it finishes their gradients */
     if (st && !ps->failed_remote) smp__notify_failure(ps);
     /* every replica runs the bucket collectives, failed step or not; they
        complete before the agreement, whose wait backs off into sleeps and
@@ -2358,11 +2569,13 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
         ps->zero_calls_at_sync = md->zero_grad_calls;
     }
     ps->stats.local_stages = 0;
-    for (int s = 0; s < S && s < 64; s++)
+    for (int s = 0; s < S; s++)
         if (md->stage_rank[s] == me) {
-            ps->stats.stage_index[ps->stats.local_stages] = s;
-            ps->stats.peak_inflight[ps->stats.local_stages++] = peak[s];
+            ps->stage_index[ps->stats.local_stages] = s;
+            peak[ps->stats.local_stages++] = peak[s]; /* in place: the entry written never lies ahead of the one read */
         }
+    ps->stats.peak_inflight = peak;
+    ps->stats.stage_index = ps->stage_index;
     ps->stats.stash_peak_bytes = smp__ctx.mem.stash_peak_bytes - mem0.stash_bytes;
     smp__release_step(ps, md, false);
     ps->stats.seconds = smp__now() - t_start;

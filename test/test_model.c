@@ -72,7 +72,6 @@ static void note_tracing(bool backward) {
    child's parameter the forward reads directly (no smp_call). */
 typedef struct lin_t {
     smp_param *w, *b, *extra, *gate;
-    smp_module *inner;
     int in, out;
 } lin_t;
 
@@ -86,12 +85,7 @@ static smp_status lin_forward(smp_call_ctx *c) {
     lin_t *s = (lin_t *)smp_module_user(smp_call_module(c));
     note_tracing(false);
     const smp_tensor *x = smp_call_input(c, 0);
-    smp_tensor u;
     smp_status st;
-    if (s->inner) {
-        if ((st = smp_call(s->inner, x, 1, &u, 1))) return st;
-        x = &u;
-    }
     if ((st = need_storage(s->w)) || (st = need_storage(s->b)) || (st = need_storage(s->extra)) || (st = need_storage(s->gate))) return st;
     if (x->ndim != 2 || x->shape[1] != s->in)
         return smp_error(SMP_ERR_MODULE, "expected an input of [n, %d], got %d dimensions", s->in, x->ndim);
@@ -672,11 +666,8 @@ static void test_memory(bool manual) {
 static smp_status wrap_forward(smp_call_ctx *c) {
     smp_module *child = *(smp_module *const *)smp_module_user(smp_call_module(c));
     smp_tensor u;
-    smp_status st = smp_call(child, smp_call_input(c, 0), 1, &u, 1);
-    if (st) return st;
-    smp_tensor *y = smp_call_output(c, 0, u.dtype, u.ndim, u.shape);
-    memcpy(y->data, u.data, smp_tensor_nbytes(&u));
-    return SMP_OK;
+    SMP_TRY(smp_call(child, smp_call_input(c, 0), 1, &u, 1));
+    return smp_call_set_output(c, 0, &u); /* a composite */
 }
 
 /* ident that keeps 4 KiB for its backward: activation memory without parameters */
@@ -779,8 +770,9 @@ static float g_bound = 0.3f, g_half = 0.5f, g_ramp_off = 1.0f, g_one = 1.0f;
 
 /* root
      embed                              lin 6->8, + buffer position
-     block                              lin 8->8, calls block.inner through smp_call
+     block                              composite: block.inner, then block.lin
        inner                            scale by alpha
+       lin                              lin 8->8
      norm                               scale by an f64 parameter, i32 buffer
      encoder.layers.0.attention_output  lin 8->8 (a long dotted name)
      mix                                lin 8->3, reads mix.gate.weight directly
@@ -788,12 +780,20 @@ static float g_bound = 0.3f, g_half = 0.5f, g_ramp_off = 1.0f, g_one = 1.0f;
      spare                              never called
    calls: embed, block, norm, encoder.layers.0.attention_output, mix */
 typedef struct zoo_t {
-    smp_module *root, *embed, *block, *inner, *norm, *enc, *layers, *l0, *attn, *mix, *gate, *spare, *calls[5];
+    smp_module *root, *embed, *block, *inner, *blin, *norm, *enc, *layers, *l0, *attn, *mix, *gate, *spare, *calls[5];
     lin_t embed_s, block_s, attn_s, mix_s;
     scale_t inner_s, norm_s;
     seq_t seq;
 } zoo_t;
 static const char *const g_zoo_calls[5] = {"embed", "block", "norm", "encoder.layers.0.attention_output", "mix"};
+
+static smp_status block_forward(smp_call_ctx *c) {
+    zoo_t *z = (zoo_t *)smp_module_user(smp_call_module(c));
+    smp_tensor u, y;
+    SMP_TRY(smp_call(z->inner, smp_call_input(c, 0), 1, &u, 1));
+    SMP_TRY(smp_call(z->blin, &u, 1, &y, 1));
+    return smp_call_set_output(c, 0, &y);
+}
 
 static smp_model *zoo_build(zoo_t *z, smp_status *st) {
     memset(z, 0, sizeof *z);
@@ -807,14 +807,16 @@ static smp_model *zoo_build(zoo_t *z, smp_status *st) {
     z->embed_s.b = decl(z->embed, "embed", "bias", false, SMP_F32, 1, Z_H, 0, smp_init_uniform, NULL);
     z->embed_s.extra = decl(z->embed, "embed", "position", true, SMP_F32, 1, Z_H, 0, smp_init_constant, &g_half);
 
-    d = (smp_module_desc){lin_forward, NULL, &z->block_s};
+    d = (smp_module_desc){block_forward, NULL, z};
     z->block = smp_module_new(z->root, "block", &d);
-    z->block_s.in = z->block_s.out = Z_H;
-    z->block_s.w = decl(z->block, "block", "weight", false, SMP_F32, 2, Z_H, Z_H, smp_init_uniform, &g_bound);
-    z->block_s.b = decl(z->block, "block", "bias", false, SMP_F32, 1, Z_H, 0, smp_init_constant, NULL);
     d = (smp_module_desc){scale_forward, NULL, &z->inner_s};
-    z->inner = z->block_s.inner = smp_module_new(z->block, "inner", &d);
+    z->inner = smp_module_new(z->block, "inner", &d);
     z->inner_s.p = decl(z->inner, "block.inner", "alpha", false, SMP_F32, 1, Z_H, 0, init_ramp, &g_ramp_off);
+    d = (smp_module_desc){lin_forward, NULL, &z->block_s};
+    z->blin = smp_module_new(z->block, "lin", &d);
+    z->block_s.in = z->block_s.out = Z_H;
+    z->block_s.w = decl(z->blin, "block.lin", "weight", false, SMP_F32, 2, Z_H, Z_H, smp_init_uniform, &g_bound);
+    z->block_s.b = decl(z->blin, "block.lin", "bias", false, SMP_F32, 1, Z_H, 0, smp_init_constant, NULL);
 
     d = (smp_module_desc){scale_forward, NULL, &z->norm_s};
     z->norm = smp_module_new(z->root, "norm", &d);
