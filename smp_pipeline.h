@@ -2132,13 +2132,32 @@ static smp_status smp__call_forward(smp__pipe *ps, smp_model *md, int k, int i, 
     return rc;
 }
 
+/* What a recomputed call keeps between its forward and its backward, and
+   after its backward: its inputs (and the outputs later calls read). The
+   outputs only its own calls read and every stash go. */
+static void smp__recompute_drop(smp__pipe *ps, int i, int first, int last) {
+    smp__mbstate *st = &ps->mb[i];
+    for (int k = first; k <= last; k++) {
+        smp_call_ctx *c = &st->ctx[k];
+        smp__call_release(c, false);
+        for (int j = 0; j < c->nout; j++)
+            if (ps->internal[k * ps->maxout + j]) {
+                smp__free(c->outputs[j].data);
+                c->outputs[j].data = st->act[k * ps->maxout + j].data = NULL;
+            }
+    }
+}
+
 static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
-    int mo = ps->maxout;
     smp_status rc = smp__receive(ps, s, i, false);
     if (rc) return rc;
     double t0 = smp__now();
-    for (int k = md->stage_first[s]; k <= md->stage_last[s] && !rc; k++) rc = smp__call_forward(ps, md, k, i, false);
+    for (int k = md->stage_first[s]; k <= md->stage_last[s] && !rc; k++) {
+        rc = smp__call_forward(ps, md, k, i, false);
+        const smp__call_rec *rec = &md->calls[k];
+        if (!rc && ps->training && rec->recompute_last == k) smp__recompute_drop(ps, i, rec->recompute_first, k);
+    }
     if (rc) return rc;
     smp__event_add(ps, 0, s, i, t0);
     ps->inflight[s]++;
@@ -2147,17 +2166,6 @@ static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i)
         if (L->from != s) continue;
         for (int t = 0; t < L->ntensors; t++) ps->scratch[t] = &st->act[L->tensors[t]];
         if ((rc = smp__send(ps, l, false, ps->scratch, L->ntensors, s, i))) return rc;
-    }
-    /* recomputed calls keep their inputs only; their backward makes the rest again */
-    for (int k = md->stage_first[s]; k <= md->stage_last[s] && ps->training; k++) {
-        if (md->calls[k].recompute_first < 0) continue;
-        smp_call_ctx *c = &st->ctx[k];
-        smp__call_release(c, false);
-        for (int j = 0; j < c->nout; j++)
-            if (ps->internal[k * mo + j]) {
-                smp__free(c->outputs[j].data);
-                c->outputs[j].data = st->act[k * mo + j].data = NULL;
-            }
     }
     return SMP_OK;
 }
@@ -2252,6 +2260,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         }
         smp__free(gin);
         c->grad_inputs = NULL;
+        if (!rc && rec->recompute_first == k) smp__recompute_drop(ps, i, k, rec->recompute_last);
         if (!rc && ps->sync && i == ps->m - 1) rc = smp__ddp_call_final(ps, md, k);
         if (rc) return rc;
         if (ps->sync) smp__ddp_poll(ps); /* between calls: buckets started earlier move on */
