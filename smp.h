@@ -37,6 +37,7 @@
      average_grads_across_microbatches (true)  bucket_cap_mb (25)
      broadcast_buffers (true)
    smp's own keys: virtual_stages (1), deterministic_reduction (false),
+     activation_checkpointing (false: recompute every top-level call),
      timeout (seconds, also SMP_TIMEOUT; 600), seed (0).
 
    HOOKS: define before including, in the implementation file:
@@ -1084,7 +1085,7 @@ typedef enum smp__cfg_id {
     SMP__CFG_AUTO_PARTITION, SMP__CFG_DEFAULT_PARTITION, SMP__CFG_DDP, SMP__CFG_PLACEMENT,
     SMP__CFG_MEMORY_WEIGHT, SMP__CFG_TRACE_DEVICE, SMP__CFG_TRACE_TIMES, SMP__CFG_TRACE_MEMORY,
     SMP__CFG_OVERLAP, SMP__CFG_BACKWARD_PASSES, SMP__CFG_AVERAGE_GRADS, SMP__CFG_BUCKET_MB,
-    SMP__CFG_BROADCAST_BUFFERS, SMP__CFG_VIRTUAL_STAGES, SMP__CFG_DETERMINISTIC,
+    SMP__CFG_BROADCAST_BUFFERS, SMP__CFG_ACTIVATION_CHECKPOINTING, SMP__CFG_VIRTUAL_STAGES, SMP__CFG_DETERMINISTIC,
     SMP__CFG_TIMEOUT, SMP__CFG_SEED,
     SMP__CFG_NKEYS
 } smp__cfg_id;
@@ -1117,6 +1118,7 @@ static const struct smp__cfg_key {
     {"average_grads_across_microbatches", SMP__CFG_KIND_BOOL, NULL},
     {"bucket_cap_mb", SMP__CFG_KIND_NUMBER, NULL},
     {"broadcast_buffers", SMP__CFG_KIND_BOOL, NULL},
+    {"activation_checkpointing", SMP__CFG_KIND_BOOL, NULL},
     {"virtual_stages", SMP__CFG_KIND_COUNT, NULL},
     {"deterministic_reduction", SMP__CFG_KIND_BOOL, NULL},
     {"timeout", SMP__CFG_KIND_NUMBER, NULL},
@@ -1647,6 +1649,7 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
         case SMP__CFG_OVERLAP: cfg->overlapping_allreduce = s; break;
         case SMP__CFG_AVERAGE_GRADS: cfg->average_grads_across_microbatches = s; break;
         case SMP__CFG_BROADCAST_BUFFERS: cfg->broadcast_buffers = s; break;
+        case SMP__CFG_ACTIVATION_CHECKPOINTING: cfg->activation_checkpointing = s; break;
         case SMP__CFG_DETERMINISTIC: cfg->deterministic_reduction = s; break;
         default: break;
         }
@@ -1899,6 +1902,7 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
         (st = smp__cfg_check_switch("average_grads_across_microbatches", c.average_grads_across_microbatches, SMP_ON,
                                     &c.average_grads_across_microbatches)) ||
         (st = smp__cfg_check_switch("broadcast_buffers", c.broadcast_buffers, SMP_ON, &c.broadcast_buffers)) ||
+        (st = smp__cfg_check_switch("activation_checkpointing", c.activation_checkpointing, SMP_OFF, &c.activation_checkpointing)) ||
         (st = smp__cfg_check_switch("deterministic_reduction", c.deterministic_reduction, SMP_OFF,
                                     &c.deterministic_reduction)))
         return st;

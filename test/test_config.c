@@ -31,6 +31,7 @@ static int cfg_equal(const smp_config *a, const smp_config *b) {
            a->backward_passes_per_step == b->backward_passes_per_step &&
            a->average_grads_across_microbatches == b->average_grads_across_microbatches &&
            a->bucket_cap_mb == b->bucket_cap_mb && a->broadcast_buffers == b->broadcast_buffers &&
+           a->activation_checkpointing == b->activation_checkpointing &&
            a->virtual_stages == b->virtual_stages && a->deterministic_reduction == b->deterministic_reduction &&
            a->timeout == b->timeout && a->seed == b->seed && memcmp(&a->comm, &b->comm, sizeof a->comm) == 0;
 }
@@ -73,7 +74,7 @@ static void expect_resolve_error(const char *name, smp_config c, int world, cons
 static int resolved_is_concrete(const smp_config *r) {
     const smp_switch sw[] = {r->auto_partition, r->ddp, r->trace_execution_times, r->trace_memory_usage,
                              r->overlapping_allreduce, r->average_grads_across_microbatches, r->broadcast_buffers,
-                             r->deterministic_reduction};
+                             r->deterministic_reduction, r->activation_checkpointing};
     for (size_t i = 0; i < sizeof sw / sizeof sw[0]; i++)
         if (sw[i] != SMP_ON && sw[i] != SMP_OFF) return 0;
     return r->pipeline != SMP_PIPELINE_DEFAULT && r->optimize != SMP_OPTIMIZE_DEFAULT &&
@@ -108,6 +109,7 @@ static void test_defaults(void) {
     CHECK(r.bucket_cap_mb == 25.0, "defaults: bucket_cap_mb 25", "%g", r.bucket_cap_mb);
     CHECK(r.broadcast_buffers == SMP_ON, "defaults: broadcast_buffers on", "%d", (int)r.broadcast_buffers);
     CHECK(r.virtual_stages == 1, "defaults: virtual_stages 1", "%d", r.virtual_stages);
+    CHECK(r.activation_checkpointing == SMP_OFF, "defaults: activation_checkpointing off", "%d", (int)r.activation_checkpointing);
     CHECK(r.deterministic_reduction == SMP_OFF, "defaults: deterministic_reduction off", "%d",
           (int)r.deterministic_reduction);
     CHECK(r.timeout == 600.0, "defaults: timeout 600 without SMP_TIMEOUT", "%g", r.timeout);
@@ -168,6 +170,7 @@ static void test_every_key(void) {
         "  \"overlapping_allreduce\": false,\n"
         "  \"average_grads_across_microbatches\": false,\n"
         "  \"broadcast_buffers\": false,\n"
+        "  \"activation_checkpointing\": true,\n"
         "  \"deterministic_reduction\": true,\n"
         "  \"backward_passes_per_step\": 2,\n"
         "  \"bucket_cap_mb\": 12.5,\n"
@@ -178,7 +181,7 @@ static void test_every_key(void) {
     smp_config c;
     memset(&c, 0, sizeof c);
     smp_status st = smp_config_from_json(json, &c);
-    CHECK(st == SMP_OK, "json: all 21 keys parse", "%s", smp_last_error());
+    CHECK(st == SMP_OK, "json: all 22 keys parse", "%s", smp_last_error());
     CHECK(c.partitions == 4, "json: partitions", "%d", c.partitions);
     CHECK(c.microbatches == 8, "json: microbatches", "%d", c.microbatches);
     CHECK(c.pipeline == SMP_PIPELINE_SIMPLE, "json: pipeline simple", "%d", (int)c.pipeline);
@@ -198,6 +201,7 @@ static void test_every_key(void) {
           (int)c.average_grads_across_microbatches);
     CHECK(c.broadcast_buffers == SMP_OFF, "json: broadcast_buffers false", "%d", (int)c.broadcast_buffers);
     CHECK(c.deterministic_reduction == SMP_ON, "json: deterministic_reduction", "%d", (int)c.deterministic_reduction);
+    CHECK(c.activation_checkpointing == SMP_ON, "json: activation_checkpointing", "%d", (int)c.activation_checkpointing);
     CHECK(c.backward_passes_per_step == 2, "json: backward_passes_per_step", "%d", c.backward_passes_per_step);
     CHECK(c.bucket_cap_mb == 12.5, "json: bucket_cap_mb", "%g", c.bucket_cap_mb);
     CHECK(c.virtual_stages == 3, "json: virtual_stages", "%d", c.virtual_stages);
