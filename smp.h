@@ -425,9 +425,9 @@ typedef struct smp_model_desc {
    building it (bad partition contexts, duplicate names). */
 SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, smp_model **out);
 SMPDEF void smp_model_free(smp_model *m); /* collective when SMP_TIMELINE is set (writes the timeline) */
-/* Runs module m on inputs; outputs receive tensors owned by smp (valid for
-   the current microbatch). From the model forward during tracing, or from a
-   module's forward (a nested call, which runs where its parent runs). */
+/* Runs module m on inputs; outputs receive tensors owned by smp. From the
+   model's forward or a composite's forward, while smp traces the model:
+   afterwards smp replays the recorded leaf calls. */
 SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int ninputs, smp_tensor *outputs, int noutputs);
 /* Traces the model on one sample microbatch (the first step does it if not
    done) and partitions it. Collective over the world. */
@@ -443,7 +443,7 @@ SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *full_name); /* 
 SMPDEF int smp_model_num_params(const smp_model *m, bool include_buffers);   /* all ranks' */
 SMPDEF smp_param *smp_model_param_at(smp_model *m, int index);             /* all, local or not */
 SMPDEF smp_module *smp_model_module(smp_model *m, int index);              /* all modules, creation order */
-SMPDEF int smp_model_num_calls(const smp_model *m);
+SMPDEF int smp_model_num_calls(const smp_model *m);                        /* leaf calls (composites count their leaves) */
 SMPDEF int smp_model_num_stages(const smp_model *m);
 SMPDEF int smp_model_stage_rank(const smp_model *m, int stage);            /* mp rank running a stage */
 SMPDEF int smp_model_call_stage(const smp_model *m, int call);
