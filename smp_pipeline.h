@@ -2032,8 +2032,9 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
                 st = smp__tensor_copy(&h, &s->grad);
                 at += smp_tensor_nbytes(&h);
             }
-            if (pass) MPI_Isend(b, (int)bytes, MPI_BYTE, peer, 1, ps->comm, &req[nreq++]);
-            else MPI_Irecv(b, (int)bytes, MPI_BYTE, peer, 1, ps->comm, &req[nreq++]);
+            int tag = smp__tag(ps, ps->nlinks, false); /* past every link's */
+            if (pass) MPI_Isend(b, (int)bytes, MPI_BYTE, peer, tag, ps->comm, &req[nreq++]);
+            else MPI_Irecv(b, (int)bytes, MPI_BYTE, peer, tag, ps->comm, &req[nreq++]);
         }
     smp__backoff wait = smp__backoff_start();
     for (bool done = false; !done && !st;) {
