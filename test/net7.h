@@ -99,25 +99,44 @@ static smp_status add_backward(smp_call_ctx *c) {
     return SMP_OK;
 }
 
-typedef struct { smp_module *root, *lin[NLIN], *relu1, *relu5, *add3; lin_state st[NLIN]; } net;
+typedef struct { smp_module *root, *lin[NLIN], *relu1, *relu5, *add3, *block; lin_state st[NLIN]; } net;
+
+/* The same model with fc1 and the skip add in one composite call:
+   block(a1, a0) = skip(fc1(a1), a0). Same modules, same parameters. */
+static smp_status block_forward(smp_call_ctx *c) {
+    net *n = (net *)smp_module_user(smp_call_module(c));
+    smp_tensor pair[2], y;
+    SMP_TRY(smp_call(n->lin[1], smp_call_input(c, 0), 1, &pair[0], 1));
+    pair[1] = *smp_call_input(c, 1);
+    SMP_TRY(smp_call(n->add3, pair, 2, &y, 1));
+    return smp_call_set_output(c, 0, &y);
+}
 
 static smp_status net_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
     (void)m; (void)nin; (void)nout;
     net *n = (net *)user;
     smp_tensor a0, a1, a2, a3, a4, a5, pair[2];
     smp_status st;
-    if ((st = smp_call(n->lin[0], &in[0], 1, &a0, 1)) || (st = smp_call(n->relu1, &a0, 1, &a1, 1)) || (st = smp_call(n->lin[1], &a1, 1, &a2, 1)))
-        return st;
-    pair[0] = a2;
-    pair[1] = a0; /* the skip connection */
-    if ((st = smp_call(n->add3, pair, 2, &a3, 1)) || (st = smp_call(n->lin[2], &a3, 1, &a4, 1)) || (st = smp_call(n->relu5, &a4, 1, &a5, 1)) ||
+    if ((st = smp_call(n->lin[0], &in[0], 1, &a0, 1)) || (st = smp_call(n->relu1, &a0, 1, &a1, 1))) return st;
+    if (n->block) {
+        pair[0] = a1;
+        pair[1] = a0;
+        st = smp_call(n->block, pair, 2, &a3, 1);
+    } else {
+        st = smp_call(n->lin[1], &a1, 1, &a2, 1);
+        pair[0] = a2;
+        pair[1] = a0; /* the skip connection */
+        if (!st) st = smp_call(n->add3, pair, 2, &a3, 1);
+    }
+    if (st || (st = smp_call(n->lin[2], &a3, 1, &a4, 1)) || (st = smp_call(n->relu5, &a4, 1, &a5, 1)) ||
         (st = smp_call(n->lin[3], &a5, 1, &out[0], 1)))
         return st;
     return SMP_OK;
 }
 
 /* The module callbacks of the three kinds of module: the host ones above,
-   or an engine's device versions of the same kernels (test_device.c). */
+   or an engine's device versions of the same kernels (test_device.c);
+   add_f NULL: smp's built-in add. */
 typedef struct { smp_module_fn lin_f, lin_b, relu_f, relu_b, add_f, add_b; } net_fns;
 
 /* The modules and parameters; placement[k]: partition of call k's module
@@ -140,11 +159,17 @@ static inline void net_modules(net *n, const int *placement, const net_fns *f) {
             int64_t ws[2] = {lin_out[l], lin_in[l]}, bs[1] = {lin_out[l]};
             n->st[l].w = smp_param_new(n->lin[l], "weight", SMP_F32, 2, ws, smp_init_uniform, NULL);
             n->st[l].b = smp_param_new(n->lin[l], "bias", SMP_F32, 1, bs, smp_init_uniform, NULL);
-        } else if (k == 3) n->add3 = smp_module_new(n->root, names[k], &add);
+        } else if (k == 3) n->add3 = f->add_f ? smp_module_new(n->root, names[k], &add) : smp_module_new_add(n->root, names[k]);
         else if (k == 1) n->relu1 = smp_module_new(n->root, names[k], &relu);
         else n->relu5 = smp_module_new(n->root, names[k], &relu);
         if (placement) smp_partition_pop();
     }
+}
+/* Turns fc1 + skip into the composite call above (auto placement keeps it whole). */
+static inline void net_block(net *n, bool recompute) {
+    const smp_module_desc d = {block_forward, NULL, n};
+    n->block = smp_module_new(n->root, "block", &d);
+    smp_module_set_recompute(n->block, recompute);
 }
 static inline smp_model *net_model(net *n, bool on_device) {
     smp_model *m = NULL;

@@ -20,7 +20,9 @@
    connection of net7.h), with the batch halving between steps, three ways:
    through the backend's point to point; with no point to point (the
    executor stages payloads through host buffers); and with point to point
-   that says it goes through the host anyway (smp_nccl's staged mode).
+   that says it goes through the host anyway (smp_nccl's staged mode); and
+   with fc1 and the skip add as one recomputed composite call whose add is
+   smp's built-in one (the backend's copy and add on device tensors).
    Losses, outputs and gradients must equal the one-process host model bit
    for bit, and so must data-parallel gradients with deterministic
    reduction, the gradient norm and clipping. A module failure must reach
@@ -423,6 +425,9 @@ static smp_status dev_add_backward(smp_call_ctx *c) {
     return SMP_OK;
 }
 static const net_fns DEV_FNS = {dev_lin_forward, dev_lin_backward, dev_relu_forward, dev_relu_backward, dev_add_forward, dev_add_backward};
+/* smp's built-in add, on the device through the backend's copy and add */
+static const net_fns DEV_FNS_BUILTIN_ADD = {dev_lin_forward, dev_lin_backward, dev_relu_forward, dev_relu_backward, NULL, NULL};
+static bool g_block; /* pipeline_case: fc1 + the built-in skip add as one recomputed composite call */
 
 /* Loss and output gradient on the device; the third argument, split along
    axis 1, must hold this microbatch's columns. */
@@ -561,7 +566,9 @@ static void pipeline_case(int P, int m, smp_pipeline_kind kind, const int *place
              kind == SMP_PIPELINE_SIMPLE ? "simple" : "interleaved");
     if (smp_init(&cfg)) { MPI_CHECK(0, name, "smp_init: %s", smp_last_error()); return; }
     net n;
-    smp_model *model = build_with(&n, placement, &DEV_FNS, true);
+    net_modules(&n, placement, g_block ? &DEV_FNS_BUILTIN_ADD : &DEV_FNS);
+    if (g_block) net_block(&n, true);
+    smp_model *model = net_model(&n, true);
     ref_t ref;
     ref_params(&ref);
     int ok = model != NULL;
@@ -859,6 +866,13 @@ int main(int argc, char **argv) {
         }
         pipeline_case(2, 4, SMP_PIPELINE_INTERLEAVED, manual, 1, VIA_NO_P2P, true, "manual 0,1,0,1");
     }
+    g_block = true; /* a composite call, recomputed, with smp's add on the device */
+    for (int P = 1; P <= world && P <= 4; P *= 2)
+        if (world % P == 0)
+            for (int kind = 0; kind < 2; kind++)
+                pipeline_case(P, 4, kind ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED, NULL, 1, P > 1 ? VIA_NO_P2P : VIA_P2P, true,
+                              "composite fc1 + built-in add, recomputed");
+    g_block = false;
     for (int P = 1; P <= world && P <= 4; P *= 2) {
         if (world % P) continue;
         failure_case(P, VIA_P2P);
