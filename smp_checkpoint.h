@@ -2084,6 +2084,7 @@ typedef struct smp__ck_item {
     int kind;                /* SMP__CK_PARAM ... */
     int saver_has;           /* optimizer state: registered on the rank that saves it */
     const smp_tensor *local; /* this rank's tensor, or NULL */
+    const smp_tensor *copy;  /* a shared module's copy on this rank, saved by partition `mp`; loads like local */
     /* load */
     int file;                /* index of the file holding it; -1: none */
     const smp_ckpt_info *src;
@@ -2560,6 +2561,7 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
             break;
         }
         if (it->mp == pl->mp) it->local = v;
+        else if (smp_module_is_local(smp_param_module(p))) it->copy = v;
     }
     if (!st) st = smp__ck_merge_optimizer(pl, coords, counts, displs, opt, &nitems);
     smp__ckpt_free(coords);
@@ -3322,7 +3324,7 @@ static smp_status smp__ck_verify_local(smp__ck_plan *pl, smp_ckpt_file **files) 
         smp_ckpt_file *f;
         const uint8_t *base;
         smp_status st;
-        if (!it->local || !it->src || !it->nbytes) continue;
+        if (!(it->local || it->copy) || !it->src || !it->nbytes) continue;
         f = files[it->file];
         base = smp__ck_map(f);
         if (base) {
@@ -3376,8 +3378,9 @@ SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *
         for (i = 0; i < pl.n; i++) {
             const smp__ck_item *it = &pl.items[i];
             smp_status s2;
-            if (!it->local || !it->src || !it->nbytes) continue;
-            s2 = smp__ck_copy_in(it->local->data, it->local->device, it->bytes, (size_t)it->nbytes);
+            const smp_tensor *dst = it->local ? it->local : it->copy;
+            if (!dst || !it->src || !it->nbytes) continue;
+            s2 = smp__ck_copy_in(dst->data, dst->device, it->bytes, (size_t)it->nbytes);
             if (!cs) cs = s2;
         }
         st = smp__agree_on(pl.comm, cs, "copying the checkpoint into the model");
