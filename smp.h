@@ -322,7 +322,11 @@ SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, c
    called at several positions is SHARED (tied embeddings): every partition
    that calls it holds a copy, and its gradient is the sum over its calls,
    each call's microbatches in order, then the calls in call order, in
-   every partitioning and in one process. */
+   every partitioning and in one process. Manual placement puts a call
+   where its module's SMP_PARTITION context says, else where its composite
+   caller's does, else on default_partition: to split a tied embedding,
+   create it outside every context and call it from composites created in
+   the first and last partitions' contexts (an "embed" and a "head"). */
 typedef struct smp_module smp_module;
 typedef struct smp_param smp_param;
 typedef struct smp_model smp_model;
