@@ -160,7 +160,10 @@ SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[
 
 /* ---------------------------------------------------------------- config */
 typedef enum smp_switch { SMP_DEFAULT = 0, SMP_ON = 1, SMP_OFF = -1 } smp_switch;
-typedef enum smp_pipeline_kind { SMP_PIPELINE_DEFAULT = 0, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_SIMPLE } smp_pipeline_kind;
+/* interleaved: 1F1B; simple: GPipe; zero_bubble: ZB-H1 (1F1B's memory, each
+   backward split into input-gradient B and weight-gradient W ops, the Ws
+   filling 1F1B's bubbles; smp_pipeline.h) */
+typedef enum smp_pipeline_kind { SMP_PIPELINE_DEFAULT = 0, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_SIMPLE, SMP_PIPELINE_ZERO_BUBBLE } smp_pipeline_kind;
 typedef enum smp_optimize { SMP_OPTIMIZE_DEFAULT = 0, SMP_OPTIMIZE_SPEED, SMP_OPTIMIZE_MEMORY } smp_optimize;
 typedef enum smp_placement { SMP_PLACEMENT_DEFAULT = 0, SMP_PLACEMENT_CLUSTER, SMP_PLACEMENT_SPREAD } smp_placement;
 typedef enum smp_trace_device { SMP_TRACE_DEFAULT = 0, SMP_TRACE_CPU, SMP_TRACE_GPU } smp_trace_device;
@@ -375,6 +378,15 @@ SMPDEF smp_module *smp_module_new_identity(smp_module *parent, const char *name)
    backward. Calls must then be deterministic given smp_call_seed. The
    config key activation_checkpointing does this for every top-level call. */
 SMPDEF void smp_module_set_recompute(smp_module *m, bool on);
+/* Splits a leaf's backward for zero-bubble schedules (pipeline
+   "zero_bubble"), in place of desc.backward, which must be NULL:
+   backward_input writes the input gradients (the B op, on the critical
+   path); backward_weight later ADDS the parameter gradients (the W op,
+   which fills pipeline bubbles). W may read what B may (inputs, outputs,
+   stash, smp_call_grad_output: smp keeps them until W has run) and writes
+   no input gradient. Other schedules run the two back to back; a module
+   with only backward runs it whole as B and has no W. */
+SMPDEF void smp_module_set_backward_split(smp_module *m, smp_module_fn backward_input, smp_module_fn backward_weight);
 
 /* Built-in initialisers (f32): uniform in [-bound, bound] (user points to a
    float bound; NULL: 1/sqrt(fan_in) with fan_in the last dimension), and
@@ -1095,7 +1107,7 @@ typedef enum smp__cfg_id {
 } smp__cfg_id;
 
 /* Enum strings: the value of names[i] is i + 1 (0 is each enum's DEFAULT). */
-static const char *const smp__cfg_pipeline_names[] = {"interleaved", "simple", NULL};
+static const char *const smp__cfg_pipeline_names[] = {"interleaved", "simple", "zero_bubble", NULL};
 static const char *const smp__cfg_optimize_names[] = {"speed", "memory", NULL};
 static const char *const smp__cfg_placement_names[] = {"cluster", "spread", NULL};
 static const char *const smp__cfg_trace_names[] = {"cpu", "gpu", NULL};
@@ -1881,8 +1893,8 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
     int e = 0;
 
     /* enums and switches first: everything below reads them */
-    if ((st = smp__cfg_check_enum("pipeline", (int)c.pipeline, 2,
-                                  "SMP_PIPELINE_INTERLEAVED (1) or SMP_PIPELINE_SIMPLE (2)",
+    if ((st = smp__cfg_check_enum("pipeline", (int)c.pipeline, 3,
+                                  "SMP_PIPELINE_INTERLEAVED (1), SMP_PIPELINE_SIMPLE (2) or SMP_PIPELINE_ZERO_BUBBLE (3)",
                                   SMP_PIPELINE_INTERLEAVED, &e)) != SMP_OK) return st;
     c.pipeline = (smp_pipeline_kind)e;
     if ((st = smp__cfg_check_enum("optimize", (int)c.optimize, 2, "SMP_OPTIMIZE_SPEED (1) or SMP_OPTIMIZE_MEMORY (2)",
@@ -2905,6 +2917,7 @@ struct smp_module {
     int uses;              /* leaf calls that read its parameters: more than 1 makes it shared */
     bool composite;        /* its forward called children when traced */
     bool recompute;        /* smp_module_set_recompute */
+    smp_module_fn backward_input, backward_weight; /* smp_module_set_backward_split */
     int materialised;      /* nesting count while tracing */
     smp_model *model;
 };
@@ -2919,7 +2932,8 @@ typedef struct smp__call_rec {
     smp__ref *in;
     smp_tensor *in_meta;  /* each input's dtype and shape as the call saw it */
     smp_tensor *out_meta; /* each output's dtype and shape as traced */
-    double time, activation_bytes, param_bytes;
+    double time, activation_bytes, param_bytes; /* time: forward + backward */
+    double cost[3];       /* seconds of its forward, backward input (B) and backward weight (W) phases */
     int stage;
     int unit;             /* the top-level call it belongs to */
     int context;          /* its SMP_PARTITION context (its own, else its callers'); -1: none */
@@ -3117,6 +3131,15 @@ SMPDEF void *smp_module_user(const smp_module *m) { return m->desc.user; }
 SMPDEF int smp_module_partition(const smp_module *m) { return m->partition; }
 SMPDEF bool smp_module_is_local(const smp_module *m) { return m->local; }
 SMPDEF void smp_module_set_recompute(smp_module *m, bool on) { if (m) m->recompute = on; }
+SMPDEF void smp_module_set_backward_split(smp_module *m, smp_module_fn backward_input, smp_module_fn backward_weight) {
+    if (!m || !backward_input || !backward_weight || m->desc.backward) {
+        smp__build_error(SMP_ERR_ARG, "smp_module_set_backward_split(\"%s\"): needs a module without a backward and both functions "
+                         "(backward_input writes input gradients, backward_weight adds parameter gradients)", m ? m->full_name : "(null)");
+        return;
+    }
+    m->backward_input = backward_input;
+    m->backward_weight = backward_weight;
+}
 SMPDEF const char *smp_param_name(const smp_param *p) { return p->full_name; }
 SMPDEF smp_tensor *smp_param_value(smp_param *p) { return &p->value; }
 SMPDEF smp_tensor *smp_param_grad(smp_param *p) { return p->is_buffer ? NULL : &p->grad; }
@@ -3440,23 +3463,37 @@ SMPDEF smp_module *smp_module_new_identity(smp_module *parent, const char *name)
     return smp_module_new(parent, name, &d);
 }
 
-/* Runs a module's forward (or backward) with `c` as the current call. */
-static smp_status smp__run_callback(smp_call_ctx *c, bool backward) {
-    smp_module_fn fn = backward ? c->module->desc.backward : c->module->desc.forward;
-    if (!fn) return backward ? SMP_OK : smp_error(SMP_ERR_MODULE, "module \"%s\" has no forward", c->module->full_name);
+/* What a callback run does: the forward, the whole backward, or its two
+   halves (a module without the split runs its backward whole as B, and
+   has no W). */
+typedef enum smp__phase { SMP__FORWARD, SMP__BACKWARD, SMP__BACKWARD_INPUT, SMP__BACKWARD_WEIGHT } smp__phase;
+static bool smp__split_backward(const smp_module *m) { return m->backward_input != NULL; }
+
+/* Runs one phase of a module's callbacks with `c` as the current call. */
+static smp_status smp__run_callback(smp_call_ctx *c, smp__phase phase) {
+    const smp_module_desc *d = &c->module->desc;
+    bool split = smp__split_backward(c->module);
+    if (phase == SMP__BACKWARD && split) {
+        smp_status st = smp__run_callback(c, SMP__BACKWARD_INPUT);
+        return st ? st : smp__run_callback(c, SMP__BACKWARD_WEIGHT);
+    }
+    smp_module_fn fn = phase == SMP__FORWARD ? d->forward : phase == SMP__BACKWARD_WEIGHT ? c->module->backward_weight
+                       : split ? c->module->backward_input : d->backward;
+    if (!fn) return phase != SMP__FORWARD ? SMP_OK : smp_error(SMP_ERR_MODULE, "module \"%s\" has no forward", c->module->full_name);
     smp_call_ctx *saved = smp__mod.current;
     smp__mod.current = c;
-    c->in_backward = backward;
+    c->in_backward = phase != SMP__FORWARD;
     smp__errbuf[0] = 0;
     smp_status st = fn(c);
     smp__mod.current = saved;
     if (st) {
+        static const char *const what[] = {"forward", "backward", "backward_input", "backward_weight"};
         char msg[sizeof smp__errbuf];
         snprintf(msg, sizeof msg, "%s", smp__errbuf);
-        return smp_error(SMP_ERR_MODULE, "%s of module \"%s\" failed (microbatch %d): %s", backward ? "backward" : "forward",
-                         c->module->full_name, c->microbatch, *msg ? msg : smp_status_name(st));
+        return smp_error(SMP_ERR_MODULE, "%s of module \"%s\" failed (microbatch %d): %s", what[phase], c->module->full_name, c->microbatch,
+                         *msg ? msg : smp_status_name(st));
     }
-    if (!backward && !c->made_calls) /* a composite's outputs: smp__check_composite */
+    if (phase == SMP__FORWARD && !c->made_calls) /* a composite's outputs: smp__check_composite */
         for (int i = 0; i < c->nout; i++)
             if (!c->outputs[i].data)
                 return smp_error(SMP_ERR_MODULE, "forward of module \"%s\" did not allocate output %d (smp_call_output)", c->module->full_name, i);
@@ -3548,8 +3585,8 @@ static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool r
    time to *time: a stage's cost is its forward and its backward, and the two
    differ per call (the first layer computes no input gradient, for one), so
    timing forwards alone misplaces the balance point. */
-static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec, double *time) {
-    if (!c->module->desc.backward) return SMP_OK;
+static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec, double *time) { /* time[0]: B, time[1]: W */
+    if (!c->module->desc.backward && !smp__split_backward(c->module)) return SMP_OK;
     bool dev = smp__model_on_device(c->module->model);
     smp_tensor *gout = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER);
     smp_tensor *gin = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(c->nin + 1), SMP__ALLOC_OTHER);
@@ -3573,10 +3610,12 @@ static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec,
         c->grad_outputs = gout;
         c->grad_inputs = gin;
         smp_status (*sync)(void) = dev ? smp__ctx.device.synchronize : NULL;
-        double t0 = smp__now();
-        st = smp__run_callback(c, true);
-        if (!st && sync) st = sync();
-        *time += smp__now() - t0;
+        for (int half = 0; half < 2 && !st; half++) {
+            double t0 = smp__now();
+            st = smp__run_callback(c, half ? SMP__BACKWARD_WEIGHT : SMP__BACKWARD_INPUT);
+            if (!st && sync) st = sync();
+            time[half] += smp__now() - t0;
+        }
         c->in_backward = false;
         c->grad_outputs = NULL;
         c->grad_inputs = NULL;
@@ -3625,7 +3664,7 @@ SMPDEF smp_status smp_call_set_output(smp_call_ctx *c, int i, const smp_tensor *
    it has returned only what it can no longer put right. */
 static smp_status smp__check_composite(const smp_call_ctx *c, bool returned) {
     const smp_module *m = c->module;
-    if (m->desc.backward)
+    if (m->desc.backward || smp__split_backward(m))
         return smp_error(SMP_ERR_MODULE, "module \"%s\" calls other modules through smp_call, which makes it a composite, but it has a backward: "
                          "smp differentiates a composite through its children; remove the backward (or make it a leaf that calls no module)", m->full_name);
     if (c->made_output)
@@ -3647,7 +3686,7 @@ static smp_status smp__check_composite(const smp_call_ctx *c, bool returned) {
 
 /* Records leaf call `c` as the next call of the traced model: its inputs'
    sources, shapes, costs; its outputs join the table. */
-static smp_status smp__record_leaf(smp_model *md, smp_call_ctx *c, smp__ref *in, smp_tensor *in_meta, double time, double act_bytes,
+static smp_status smp__record_leaf(smp_model *md, smp_call_ctx *c, smp__ref *in, smp_tensor *in_meta, const double cost[3], double act_bytes,
                                    double param_bytes, bool top) {
     smp__call_rec rec;
     memset(&rec, 0, sizeof rec);
@@ -3660,7 +3699,8 @@ static smp_status smp__record_leaf(smp_model *md, smp_call_ctx *c, smp__ref *in,
     int cap = md->ncalls;
     if (!rec.out_meta || !smp__grow((void **)&md->calls, &cap, md->ncalls + 1, sizeof(smp__call_rec)))
         smp__fatal("out of memory recording the trace");
-    rec.time = time;
+    memcpy(rec.cost, cost, sizeof rec.cost);
+    rec.time = cost[0] + cost[1] + cost[2];
     rec.activation_bytes = act_bytes;
     rec.param_bytes = param_bytes;
     rec.unit = md->nunits;
@@ -3773,9 +3813,9 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
     smp_status (*sync)(void) = smp__model_on_device(md) ? smp__ctx.device.synchronize : NULL;
     if (sync) st = sync();
     double t0 = smp__now();
-    if (!st) st = smp__run_callback(&c, false);
+    if (!st) st = smp__run_callback(&c, SMP__FORWARD);
     if (!st && sync) st = sync();
-    double time = smp__now() - t0;
+    double cost[3] = {smp__now() - t0, 0, 0};
     bool composite = c.made_calls;
     for (int i = 0; i < nout && !composite; i++) composite = c.output_set[i];
     if (composite) {
@@ -3799,24 +3839,23 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
     } else {
         smp__call_rec probe; /* what trace_backward reads: which inputs are model inputs */
         probe.in = in;
-        if (!st) st = smp__trace_backward(&c, &probe, &time);
+        if (!st) st = smp__trace_backward(&c, &probe, cost + 1);
         /* trace_execution_times: the run above warmed caches and touched
            fresh memory; the best of a few more is the call's steady cost */
         for (int r = 0; r < 3 && !st && smp__ctx.cfg.trace_execution_times == SMP_ON; r++) {
-            double t = 0;
             t0 = smp__now();
-            st = smp__run_callback(&c, false);
+            st = smp__run_callback(&c, SMP__FORWARD);
             if (!st && sync) st = sync();
-            t = smp__now() - t0;
-            if (!st) st = smp__trace_backward(&c, &probe, &t);
-            if (t < time) time = t;
+            double t[3] = {smp__now() - t0, 0, 0};
+            if (!st) st = smp__trace_backward(&c, &probe, t + 1);
+            if (t[0] + t[1] + t[2] < cost[0] + cost[1] + cost[2]) memcpy(cost, t, sizeof cost);
         }
         if (st) {
             for (int i = 0; i < nout; i++) smp__free(c.outputs[i].data);
             smp__free(in);
             smp__free(in_meta);
         } else {
-            st = smp__record_leaf(md, &c, in, in_meta, time, (double)(smp__ctx.mem.current_bytes - before), param_bytes, !parent);
+            st = smp__record_leaf(md, &c, in, in_meta, cost, (double)(smp__ctx.mem.current_bytes - before), param_bytes, !parent);
             for (int i = 0; i < nout; i++) outputs[i] = c.outputs[i];
             if (!parent) smp__add_unit(md, m, first);
         }
@@ -4212,18 +4251,19 @@ static smp_status smp__share_trace(smp_model *m) {
     if (lo[0] != hi[0] || lo[1] != hi[1])
         return smp_error(SMP_ERR_STATE, "ranks traced different models (call counts %llu..%llu): the forward must make the same calls on every rank",
                          (unsigned long long)lo[0], (unsigned long long)hi[0]);
-    double *costs = (double *)smp__alloc(sizeof(double) * 3 * (size_t)(n ? n : 1), SMP__ALLOC_OTHER);
+    double *costs = (double *)smp__alloc(sizeof(double) * 5 * (size_t)(n ? n : 1), SMP__ALLOC_OTHER);
     for (int i = 0; i < n; i++) {
-        costs[3 * i] = m->calls[i].time;
-        costs[3 * i + 1] = m->calls[i].param_bytes;
-        costs[3 * i + 2] = m->calls[i].activation_bytes;
+        memcpy(costs + 5 * i, m->calls[i].cost, sizeof m->calls[i].cost);
+        costs[5 * i + 3] = m->calls[i].param_bytes;
+        costs[5 * i + 4] = m->calls[i].activation_bytes;
     }
-    MPI_Ibcast(costs, 3 * n, MPI_DOUBLE, 0, smp__ctx.world, &r[0]);
+    MPI_Ibcast(costs, 5 * n, MPI_DOUBLE, 0, smp__ctx.world, &r[0]);
     smp_wait_requests(1, r, "trace costs from rank 0", SMP_WORLD, 0);
     for (int i = 0; i < n; i++) {
-        m->calls[i].time = costs[3 * i];
-        m->calls[i].param_bytes = costs[3 * i + 1];
-        m->calls[i].activation_bytes = costs[3 * i + 2];
+        memcpy(m->calls[i].cost, costs + 5 * i, sizeof m->calls[i].cost);
+        m->calls[i].time = costs[5 * i] + costs[5 * i + 1] + costs[5 * i + 2];
+        m->calls[i].param_bytes = costs[5 * i + 3];
+        m->calls[i].activation_bytes = costs[5 * i + 4];
     }
     smp__free(costs);
     for (int u = 0; u < m->nunits; u++) smp__unit_costs(m, &m->units[u]);

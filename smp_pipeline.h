@@ -2121,7 +2121,7 @@ static smp_status smp__call_forward(smp__pipe *ps, smp_model *md, int k, int i, 
         kept[j] = c->outputs[j];
         c->outputs[j].data = NULL;
     }
-    smp_status rc = smp__run_callback(c, false);
+    smp_status rc = smp__run_callback(c, SMP__FORWARD);
     for (int j = 0; j < rec->nout; j++) {
         if (kept && !ps->internal[k * mo + j]) { /* the same bytes: keep the tensor later calls already read */
             smp__free(c->outputs[j].data);
@@ -2250,7 +2250,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         c->grad_inputs = gin;
         /* a shared module's call adds into its own slot (see smp__shared_finish) */
         for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
-        if (!rc) rc = smp__run_callback(c, true);
+        if (!rc) rc = smp__run_callback(c, SMP__BACKWARD);
         for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
         for (int j = 0; j < rec->nout; j++) smp__free(gout[j].data);
         smp__free(gout);
