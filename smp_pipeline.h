@@ -94,7 +94,9 @@ extern "C" {
    schedules and simulator
    ====================================================================== */
 
-typedef enum smp_sched_op_kind { SMP_SCHED_FORWARD = 0, SMP_SCHED_BACKWARD = 1 } smp_sched_op_kind;
+/* BACKWARD is the whole backward, or in zero-bubble schedules its input
+   half (B); WEIGHT is the weight half (W), zero-bubble schedules only. */
+typedef enum smp_sched_op_kind { SMP_SCHED_FORWARD = 0, SMP_SCHED_BACKWARD = 1, SMP_SCHED_WEIGHT = 2 } smp_sched_op_kind;
 
 typedef struct smp_sched_op {
     smp_sched_op_kind kind;
@@ -103,7 +105,7 @@ typedef struct smp_sched_op {
 } smp_sched_op;
 
 typedef struct smp_schedule {
-    smp_pipeline_kind kind; /* SIMPLE or INTERLEAVED (never DEFAULT) */
+    smp_pipeline_kind kind; /* SIMPLE, INTERLEAVED or ZERO_BUBBLE (never DEFAULT) */
     int nranks, nstages, microbatches;
     bool forward_only;      /* evaluation step: forwards only */
     int *stage_rank;        /* [nstages]: rank that runs each stage */
@@ -137,14 +139,20 @@ typedef struct smp_sim_result {
                                (F or B, stage, microbatch) */
 } smp_sim_result;
 
-/* Runs schedule s without computation. fwd_cost / bwd_cost are per stage
-   (NULL: 1.0 each); comm_latency is added when an operation's dependency ran
-   on another rank. A deadlock is a result (out->deadlock), not an error;
+/* Runs schedule s without computation. fwd_cost, bwd_cost and wgt_cost are
+   per stage: forward, backward input gradient (B) and weight gradient (W).
+   In a zero-bubble schedule B and W are apart; in the others a backward op
+   costs bwd + wgt. NULL: 1.0 each, except wgt_cost NULL outside zero-bubble
+   schedules: 0 (bwd_cost is then the whole backward). comm_latency is added
+   when an operation's dependency ran on another rank. A microbatch counts
+   as in flight on a stage from its forward to its last op there (W in
+   zero-bubble schedules: what the stage keeps for it until then).
+   A deadlock is a result (out->deadlock), not an error;
    errors (SMP_ERR_ARG) are a malformed schedule (an operation out of range,
    on the wrong rank, repeated or missing) or a negative or non-finite cost.
    Release out's arrays with smp_sim_result_free. */
 SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd_cost, const double *bwd_cost,
-                                        double comm_latency, smp_sim_result *out);
+                                        const double *wgt_cost, double comm_latency, smp_sim_result *out);
 SMPDEF void smp_sim_result_free(smp_sim_result *r);
 
 /* ======================================================================
@@ -395,7 +403,7 @@ static smp_status smp__sched_check_map(int nranks, int nstages, const int *stage
    sized for every op of the rank. */
 static smp_status smp__sched_alloc(smp_schedule *out, const int *map) {
     int R = out->nranks, S = out->nstages, m = out->microbatches;
-    int per_stage = out->forward_only ? m : 2 * m;
+    int per_stage = out->forward_only ? m : out->kind == SMP_PIPELINE_ZERO_BUBBLE ? 3 * m : 2 * m;
     out->stage_rank = (int *)smp__sched_calloc((size_t)S, sizeof(int));
     out->nops = (int *)smp__sched_calloc((size_t)R, sizeof(int));
     out->ops = (smp_sched_op **)smp__sched_calloc((size_t)R, sizeof(smp_sched_op *));
@@ -468,8 +476,9 @@ typedef struct smp__sched_gen {
     int R, S, m;
     bool fo;
     const int *map;
-    long *fin_f, *fin_b;  /* [stage * m + mb]: finish time, -1 until started */
-    int *next_f, *next_b; /* [stage]: next microbatch to run */
+    bool zb;              /* zero bubble: W ops apart, forwards bounded by what W has freed */
+    long *fin_f, *fin_b, *fin_w; /* [stage * m + mb]: finish time, -1 until started */
+    int *next_f, *next_b, *next_w; /* [stage]: next microbatch to run */
     int *chunk;           /* [stage]: position among its rank's stages */
     int *local, *first;   /* stages of rank r: local[first[r] .. first[r+1]-1] */
     int *rank_cap;        /* [rank]: the rank bound, 0: none */
@@ -488,7 +497,7 @@ static int smp__sched_pick(const smp__sched_gen *g, int r, long t, bool use_rank
     for (int q = g->first[r]; q < g->first[r + 1]; q++) {
         int s = g->local[q], c = g->chunk[s];
         int i = g->next_f[s];
-        if (i < m && rank_room && (g->fo || i - g->next_b[s] < S - s)) {
+        if (i < m && rank_room && (g->fo || i - g->next_b[s] < S - s) && (!g->zb || i - g->next_w[s] < S)) {
             long in = s == 0 ? 0 : g->fin_f[(size_t)(s - 1) * (size_t)m + (size_t)i];
             long k0 = i / R, k1 = c;
             if (in >= 0 && in <= t && (bf < 0 || k0 < kf0 || (k0 == kf0 && k1 < kf1))) {
@@ -510,21 +519,32 @@ static int smp__sched_pick(const smp__sched_gen *g, int r, long t, bool use_rank
         return bf;
     }
     *kind = SMP_SCHED_BACKWARD;
-    return bb;
+    if (bb >= 0 || !g->zb) return bb;
+    /* nothing on the critical path is ready: a weight gradient fills the gap */
+    int bw = -1;
+    for (int q = g->first[r]; q < g->first[r + 1]; q++) {
+        int s = g->local[q], i = g->next_w[s];
+        if (i < g->next_b[s] && g->fin_b[(size_t)s * (size_t)m + (size_t)i] <= t && (bw < 0 || i < g->next_w[bw])) bw = s;
+    }
+    *kind = SMP_SCHED_WEIGHT;
+    return bw;
 }
 
 static smp_status smp__sched_interleaved(smp_schedule *sc) {
     int R = sc->nranks, S = sc->nstages, m = sc->microbatches;
-    const long cost_f = 1, cost_b = 2;
     size_t n = (size_t)S * (size_t)m;
     smp_status st = SMP_OK;
     smp__sched_gen g;
     memset(&g, 0, sizeof g);
     g.R = R; g.S = S; g.m = m; g.fo = sc->forward_only; g.map = sc->stage_rank;
+    g.zb = sc->kind == SMP_PIPELINE_ZERO_BUBBLE && !g.fo;
+    const long cost_f = 1, cost_b = g.zb ? 1 : 2, cost_w = 1; /* ZB-H1 assumes F = B = W */
     g.fin_f = (long *)smp__sched_calloc(n, sizeof(long));
     g.fin_b = (long *)smp__sched_calloc(n, sizeof(long));
+    g.fin_w = (long *)smp__sched_calloc(n, sizeof(long));
     g.next_f = (int *)smp__sched_calloc((size_t)S, sizeof(int));
     g.next_b = (int *)smp__sched_calloc((size_t)S, sizeof(int));
+    g.next_w = (int *)smp__sched_calloc((size_t)S, sizeof(int));
     g.chunk = (int *)smp__sched_calloc((size_t)S, sizeof(int));
     g.local = (int *)smp__sched_calloc((size_t)S, sizeof(int));
     g.first = (int *)smp__sched_calloc((size_t)R + 1, sizeof(int));
@@ -532,11 +552,11 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
     g.rank_inflight = (int *)smp__sched_calloc((size_t)R, sizeof(int));
     g.last_kind = (int *)smp__sched_calloc((size_t)R, sizeof(int));
     g.free_at = (long *)smp__sched_calloc((size_t)R, sizeof(long));
-    if (!g.fin_f || !g.fin_b || !g.next_f || !g.next_b || !g.chunk || !g.local || !g.first || !g.rank_cap ||
+    if (!g.fin_f || !g.fin_b || !g.fin_w || !g.next_f || !g.next_b || !g.next_w || !g.chunk || !g.local || !g.first || !g.rank_cap ||
         !g.rank_inflight || !g.last_kind || !g.free_at) {
         st = SMP_ERR_NOMEM;
     } else {
-        for (size_t q = 0; q < n; q++) g.fin_f[q] = g.fin_b[q] = -1;
+        for (size_t q = 0; q < n; q++) g.fin_f[q] = g.fin_b[q] = g.fin_w[q] = -1;
         /* chunk numbers and the stages of each rank (rank_inflight counts
            them for now) */
         for (int s = 0; s < S; s++) g.chunk[s] = g.rank_inflight[g.map[s]]++;
@@ -551,7 +571,7 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
             g.last_kind[r] = SMP_SCHED_BACKWARD; /* so the first pick prefers a forward */
         }
 
-        long remaining = (long)n * (g.fo ? 1 : 2), t = 0;
+        long remaining = (long)n * (g.fo ? 1 : g.zb ? 3 : 2), t = 0;
         while (remaining > 0) {
             bool any_busy = false, started = false;
             for (int pass = 0; pass < 2 && !started && !any_busy; pass++) {
@@ -566,13 +586,16 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
                         i = g.next_f[s]++;
                         g.free_at[r] = g.fin_f[(size_t)s * (size_t)m + (size_t)i] = t + cost_f;
                         g.rank_inflight[r]++;
-                    } else {
+                    } else if (kind == SMP_SCHED_BACKWARD) {
                         i = g.next_b[s]++;
                         g.free_at[r] = g.fin_b[(size_t)s * (size_t)m + (size_t)i] = t + cost_b;
                         g.rank_inflight[r]--;
+                    } else {
+                        i = g.next_w[s]++;
+                        g.free_at[r] = g.fin_w[(size_t)s * (size_t)m + (size_t)i] = t + cost_w;
                     }
                     smp__sched_push(sc, r, kind, s, i);
-                    g.last_kind[r] = (int)kind;
+                    if (kind != SMP_SCHED_WEIGHT) g.last_kind[r] = (int)kind;
                     remaining--;
                     started = true;
                 }
@@ -590,7 +613,7 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
             t = next;
         }
     }
-    SMP_FREE(g.fin_f); SMP_FREE(g.fin_b); SMP_FREE(g.next_f); SMP_FREE(g.next_b); SMP_FREE(g.chunk);
+    SMP_FREE(g.fin_f); SMP_FREE(g.fin_b); SMP_FREE(g.fin_w); SMP_FREE(g.next_f); SMP_FREE(g.next_b); SMP_FREE(g.next_w); SMP_FREE(g.chunk);
     SMP_FREE(g.local); SMP_FREE(g.first); SMP_FREE(g.rank_cap); SMP_FREE(g.rank_inflight);
     SMP_FREE(g.last_kind); SMP_FREE(g.free_at);
     return st;
@@ -611,11 +634,11 @@ SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nst
     if (!out) return smp_error(SMP_ERR_ARG, "smp_schedule_build: out is NULL");
     memset(out, 0, sizeof *out);
     if (kind == SMP_PIPELINE_DEFAULT) kind = SMP_PIPELINE_INTERLEAVED;
-    if (kind != SMP_PIPELINE_INTERLEAVED && kind != SMP_PIPELINE_SIMPLE)
-        return smp_error(SMP_ERR_ARG, "unknown pipeline kind %d (expected simple or interleaved)", (int)kind);
+    if (kind != SMP_PIPELINE_INTERLEAVED && kind != SMP_PIPELINE_SIMPLE && kind != SMP_PIPELINE_ZERO_BUBBLE)
+        return smp_error(SMP_ERR_ARG, "unknown pipeline kind %d (expected simple, interleaved or zero_bubble)", (int)kind);
     smp_status st = smp__sched_check_map(nranks, nstages, stage_rank, microbatches);
     if (st != SMP_OK) return st;
-    if ((long long)nstages * microbatches * 2 > 0x7fffffffLL)
+    if ((long long)nstages * microbatches * 3 > 0x7fffffffLL)
         return smp_error(SMP_ERR_ARG, "%d stages x %d microbatches is too many operations", nstages, microbatches);
 
     int *map = (int *)smp__sched_calloc((size_t)nstages, sizeof(int));
@@ -662,7 +685,7 @@ static void smp__sched_append(char *buf, size_t cap, size_t *len, const char *fm
     }
 }
 
-static char smp__sched_letter(smp_sched_op_kind k) { return k == SMP_SCHED_FORWARD ? 'F' : 'B'; }
+static char smp__sched_letter(smp_sched_op_kind k) { return "FBW"[k]; }
 
 SMPDEF void smp_sim_result_free(smp_sim_result *r) {
     if (!r) return;
@@ -672,7 +695,7 @@ SMPDEF void smp_sim_result_free(smp_sim_result *r) {
 }
 
 SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd_cost, const double *bwd_cost,
-                                        double comm_latency, smp_sim_result *out) {
+                                        const double *wgt_cost, double comm_latency, smp_sim_result *out) {
     if (!out) return smp_error(SMP_ERR_ARG, "smp_schedule_simulate: out is NULL");
     memset(out, 0, sizeof *out);
     if (!s) return smp_error(SMP_ERR_ARG, "smp_schedule_simulate: schedule is NULL");
@@ -683,17 +706,20 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
         return smp_error(SMP_ERR_ARG, "schedule has no stage map or no op lists");
     if (!(comm_latency >= 0) || !isfinite(comm_latency))
         return smp_error(SMP_ERR_ARG, "comm_latency must be finite and >= 0, got %g", comm_latency);
-    for (int q = 0; q < S; q++) {
-        double f = fwd_cost ? fwd_cost[q] : 1.0, b = bwd_cost ? bwd_cost[q] : 1.0;
-        if (!(f >= 0) || !isfinite(f))
-            return smp_error(SMP_ERR_ARG, "forward cost of stage %d must be finite and >= 0, got %g", q, f);
-        if (!(b >= 0) || !isfinite(b))
-            return smp_error(SMP_ERR_ARG, "backward cost of stage %d must be finite and >= 0, got %g", q, b);
-    }
+    static const char *const cost_name[3] = {"forward", "backward", "weight"};
+    for (int q = 0; q < S; q++)
+        for (int kd = 0; kd < 3; kd++) {
+            const double *c = kd == 0 ? fwd_cost : kd == 1 ? bwd_cost : wgt_cost;
+            double v = c ? c[q] : 1.0;
+            if (!(v >= 0) || !isfinite(v))
+                return smp_error(SMP_ERR_ARG, "%s cost of stage %d must be finite and >= 0, got %g", cost_name[kd], q, v);
+        }
+    bool zb = s->kind == SMP_PIPELINE_ZERO_BUBBLE && !s->forward_only;
+    int kinds = s->forward_only ? 1 : zb ? 3 : 2;
 
     size_t n = (size_t)S * (size_t)m;
-    double *fin = (double *)smp__sched_calloc(2 * n, sizeof(double)); /* [kind][stage][mb] */
-    char *done = (char *)smp__sched_calloc(2 * n, 1);  /* 1: listed (validation), 2: finished */
+    double *fin = (double *)smp__sched_calloc(3 * n, sizeof(double)); /* [kind][stage][mb] */
+    char *done = (char *)smp__sched_calloc(3 * n, 1);  /* 1: listed (validation), 2: finished */
     int *idx = (int *)smp__sched_calloc((size_t)R, sizeof(int));
     double *clock = (double *)smp__sched_calloc((size_t)R, sizeof(double));
     int *cnt = (int *)smp__sched_calloc((size_t)S, sizeof(int));
@@ -713,7 +739,7 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
         }
         for (int k = 0; k < s->nops[r]; k++) {
             smp_sched_op op = s->ops[r][k];
-            if (op.kind != SMP_SCHED_FORWARD && op.kind != SMP_SCHED_BACKWARD) {
+            if (op.kind != SMP_SCHED_FORWARD && op.kind != SMP_SCHED_BACKWARD && op.kind != SMP_SCHED_WEIGHT) {
                 st = smp_error(SMP_ERR_ARG, "rank %d op %d has unknown kind %d", r, k, (int)op.kind);
                 break;
             }
@@ -728,8 +754,10 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
                                s->stage_rank[op.stage]);
                 break;
             }
-            if (s->forward_only && op.kind == SMP_SCHED_BACKWARD) {
-                st = smp_error(SMP_ERR_ARG, "rank %d op %d is a backward in a forward-only schedule", r, k);
+            if ((int)op.kind >= kinds) {
+                st = smp_error(SMP_ERR_ARG, "rank %d op %d is a %s in a %s schedule", r, k,
+                               op.kind == SMP_SCHED_WEIGHT ? "weight-gradient op" : "backward",
+                               s->forward_only ? "forward-only" : "non-zero-bubble");
                 break;
             }
             size_t at = (size_t)op.kind * n + (size_t)op.stage * (size_t)m + (size_t)op.microbatch;
@@ -741,7 +769,7 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
             done[at] = 1;
         }
     }
-    for (int kd = 0; kd < (s->forward_only ? 1 : 2) && st == SMP_OK; kd++)
+    for (int kd = 0; kd < kinds && st == SMP_OK; kd++)
         for (size_t at = 0; at < n; at++)
             if (!done[(size_t)kd * n + at]) {
                 st = smp_error(SMP_ERR_ARG, "the schedule never runs %c(stage %d, microbatch %d)",
@@ -753,7 +781,10 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
 
     /* run: sweep the ranks, advancing each as far as its next op's
        dependency is finished. An op's start depends only on its rank's
-       previous op and its dependency, so sweep order does not matter. */
+       previous op and its dependency, so sweep order does not matter.
+       Dependencies: F(s) on F(s-1); B(S-1) on F(S-1); B(s) on B(s+1);
+       W(s) on B(s). A microbatch holds the stage's memory from its F to its
+       last op there (W in zero-bubble schedules, else B). */
     {
         long total = 0, finished = 0;
         for (int r = 0; r < R; r++) total += s->nops[r];
@@ -763,32 +794,30 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
                 while (idx[r] < s->nops[r]) {
                     smp_sched_op op = s->ops[r][idx[r]];
                     size_t me = (size_t)op.kind * n + (size_t)op.stage * (size_t)m + (size_t)op.microbatch;
-                    long dep = -1; /* index of the dependency in fin/done, -1: none */
-                    int dep_stage = -1;
-                    if (op.kind == SMP_SCHED_FORWARD) {
-                        if (op.stage > 0) dep_stage = op.stage - 1;
-                        if (dep_stage >= 0) dep = (long)((size_t)dep_stage * (size_t)m + (size_t)op.microbatch);
-                    } else if (op.stage == S - 1) {
+                    int dep_kind = SMP_SCHED_FORWARD, dep_stage = op.stage - 1; /* -1: no dependency */
+                    if (op.kind == SMP_SCHED_BACKWARD) {
+                        dep_kind = op.stage == S - 1 ? SMP_SCHED_FORWARD : SMP_SCHED_BACKWARD;
+                        dep_stage = op.stage == S - 1 ? op.stage : op.stage + 1;
+                    } else if (op.kind == SMP_SCHED_WEIGHT) {
+                        dep_kind = SMP_SCHED_BACKWARD;
                         dep_stage = op.stage;
-                        dep = (long)((size_t)dep_stage * (size_t)m + (size_t)op.microbatch);
-                    } else {
-                        dep_stage = op.stage + 1;
-                        dep = (long)(n + (size_t)dep_stage * (size_t)m + (size_t)op.microbatch);
                     }
                     double start = clock[r];
-                    if (dep >= 0) {
+                    if (dep_stage >= 0) {
+                        size_t dep = (size_t)dep_kind * n + (size_t)dep_stage * (size_t)m + (size_t)op.microbatch;
                         if (done[dep] != 2) break;
                         double ready = fin[dep] + (s->stage_rank[dep_stage] != r ? comm_latency : 0.0);
                         if (ready > start) start = ready;
                     }
-                    double cost = op.kind == SMP_SCHED_FORWARD ? (fwd_cost ? fwd_cost[op.stage] : 1.0)
-                                                               : (bwd_cost ? bwd_cost[op.stage] : 1.0);
+                    double f = fwd_cost ? fwd_cost[op.stage] : 1.0, b = bwd_cost ? bwd_cost[op.stage] : 1.0,
+                           w = wgt_cost ? wgt_cost[op.stage] : (zb ? 1.0 : 0.0);
+                    double cost = op.kind == SMP_SCHED_FORWARD ? f : op.kind == SMP_SCHED_WEIGHT ? w : zb ? b : b + w;
                     fin[me] = start + cost;
                     done[me] = 2;
                     clock[r] = fin[me];
                     out->busy += cost;
                     if (fin[me] > out->makespan) out->makespan = fin[me];
-                    if (!s->forward_only) {
+                    if (!s->forward_only && op.kind != (zb ? SMP_SCHED_BACKWARD : SMP_SCHED_WEIGHT)) {
                         int d = op.kind == SMP_SCHED_FORWARD ? 1 : -1;
                         cnt[op.stage] += d;
                         rcnt[r] += d;
@@ -808,10 +837,11 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
                 for (int r = 0; r < R; r++) {
                     if (idx[r] >= s->nops[r]) continue;
                     smp_sched_op op = s->ops[r][idx[r]];
-                    smp_sched_op_kind dk = op.kind == SMP_SCHED_BACKWARD && op.stage < S - 1 ? SMP_SCHED_BACKWARD
-                                                                                             : SMP_SCHED_FORWARD;
+                    smp_sched_op_kind dk = op.kind == SMP_SCHED_FORWARD ? SMP_SCHED_FORWARD
+                                           : op.kind == SMP_SCHED_WEIGHT || op.stage < S - 1 ? SMP_SCHED_BACKWARD
+                                                                                          : SMP_SCHED_FORWARD;
                     int ds = op.kind == SMP_SCHED_FORWARD ? op.stage - 1
-                                                          : (op.stage < S - 1 ? op.stage + 1 : op.stage);
+                             : op.kind == SMP_SCHED_WEIGHT ? op.stage : (op.stage < S - 1 ? op.stage + 1 : op.stage);
                     smp__sched_append(out->deadlock_reason, sizeof out->deadlock_reason, &len,
                                       " rank %d at %c%d.%d waits for %c%d.%d (rank %d);", r,
                                       smp__sched_letter(op.kind), op.stage, op.microbatch, smp__sched_letter(dk), ds,
@@ -823,8 +853,10 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
     }
     {
         double work = 0;
-        for (int q = 0; q < S; q++)
-            work += (double)m * ((fwd_cost ? fwd_cost[q] : 1.0) + (s->forward_only ? 0.0 : (bwd_cost ? bwd_cost[q] : 1.0)));
+        for (int q = 0; q < S; q++) {
+            double f = fwd_cost ? fwd_cost[q] : 1.0, b = bwd_cost ? bwd_cost[q] : 1.0, w = wgt_cost ? wgt_cost[q] : (zb ? 1.0 : 0.0);
+            work += (double)m * (f + (s->forward_only ? 0.0 : b + w));
+        }
         out->ideal = work / R;
         out->bubble_fraction = out->makespan > 0 ? 1.0 - out->busy / ((double)R * out->makespan) : 0.0;
     }

@@ -314,7 +314,7 @@ static bool run_config(int R, int m, smp_pipeline_kind kind, int vstages, int wa
             if (d) res->bwd_call += med; else res->fwd_call += med;
         }
     smp_sim_result sim;
-    if (smp_schedule_simulate(&sc, fcost, bcost, latency, &sim)) die("smp_schedule_simulate");
+    if (smp_schedule_simulate(&sc, fcost, bcost, NULL, latency, &sim)) die("smp_schedule_simulate");
     if (sim.deadlock) {
         fprintf(stderr, "bench/schedule: simulator deadlock: %s\n", sim.deadlock_reason);
         MPI_Abort(MPI_COMM_WORLD, 1);

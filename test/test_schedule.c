@@ -160,7 +160,7 @@ static void test_gpipe_bubble(void) {
                 ok = fail("build p=%d m=%d: %s", p, m, smp_last_error());
                 break;
             }
-            if (smp_schedule_simulate(&sc, f, b, 0.0, &r) != SMP_OK) {
+            if (smp_schedule_simulate(&sc, f, b, NULL, 0.0, &r) != SMP_OK) {
                 ok = fail("simulate p=%d m=%d: %s", p, m, smp_last_error());
             } else {
                 double want = (double)(p - 1) / (double)(m + p - 1);
@@ -187,7 +187,7 @@ static void test_1f1b_bubble(void) {
                 ok = fail("build: %s", smp_last_error());
                 break;
             }
-            if (smp_schedule_simulate(&sc, NULL, NULL, 0.0, &r) != SMP_OK) {
+            if (smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.0, &r) != SMP_OK) {
                 ok = fail("simulate: %s", smp_last_error());
             } else {
                 double want = (double)(p - 1) / (double)(m + p - 1);
@@ -242,7 +242,7 @@ static void test_exhaustive(void) {
                             NOTE(ok_1f1b, w_1f1b, "%s", why);
 
                         smp_sim_result r;
-                        if (smp_schedule_simulate(&sc, NULL, NULL, 0.0, &r) != SMP_OK) {
+                        if (smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.0, &r) != SMP_OK) {
                             NOTE(ok_sim, w_sim, ctx_fmt, kind_name(kind), R, v, m, fo, smp_last_error());
                         } else {
                             if (r.deadlock) NOTE(ok_sim, w_sim, ctx_fmt, kind_name(kind), R, v, m, fo, r.deadlock_reason);
@@ -281,7 +281,7 @@ static void test_exhaustive(void) {
                         if (kind == SMP_PIPELINE_INTERLEAVED && !fo && m % R == 0) {
                             double f[32], b[32];
                             for (int s = 0; s < S; s++) { f[s] = 1; b[s] = 2; }
-                            if (smp_schedule_simulate(&sc, f, b, 0.0, &r) == SMP_OK) {
+                            if (smp_schedule_simulate(&sc, f, b, NULL, 0.0, &r) == SMP_OK) {
                                 double want = (double)(R - 1) / (double)(v * m + R - 1);
                                 if (fabs(r.bubble_fraction - want) > 1e-12)
                                     NOTE(ok_megatron, w_megatron, "R=%d v=%d m=%d: bubble %.6f, want %.6f", R, v, m,
@@ -296,7 +296,7 @@ static void test_exhaustive(void) {
                         if ((R + v + m) % 3 == 0) {
                             double f[32], b[32], lat = rnd_uniform(0, 0.5);
                             for (int s = 0; s < S; s++) { f[s] = rnd_uniform(0.2, 3); b[s] = rnd_uniform(0.2, 5); }
-                            if (smp_schedule_simulate(&sc, f, b, lat, &r) != SMP_OK) {
+                            if (smp_schedule_simulate(&sc, f, b, NULL, lat, &r) != SMP_OK) {
                                 NOTE(ok_rand, w_rand, "simulate: %s", smp_last_error());
                             } else {
                                 double maxload = 0;
@@ -371,7 +371,7 @@ static void test_other_maps(void) {
                     }
                     double f[16], b[16];
                     for (int s = 0; s < S; s++) { f[s] = rnd_uniform(0.2, 3); b[s] = rnd_uniform(0.2, 5); }
-                    if (ok && smp_schedule_simulate(&sc, f, b, rnd_uniform(0, 1), &r) == SMP_OK) {
+                    if (ok && smp_schedule_simulate(&sc, f, b, NULL, rnd_uniform(0, 1), &r) == SMP_OK) {
                         if (r.deadlock) ok = fail("map %d %s m=%d: %s", q, kind_name(kind), m, r.deadlock_reason);
                         for (int s = 0; s < S && ok && !fo; s++) {
                             int bound = kind == SMP_PIPELINE_SIMPLE ? m : (m < S - s ? m : S - s);
@@ -428,7 +428,7 @@ static void test_simulator_by_hand(void) {
     smp_sim_result r;
     double f[2] = {1, 2}, b[2] = {3, 4};
     int ok = smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 1, false, &sc) == SMP_OK &&
-             smp_schedule_simulate(&sc, f, b, 0.5, &r) == SMP_OK;
+             smp_schedule_simulate(&sc, f, b, NULL, 0.5, &r) == SMP_OK;
     if (ok) {
         ok = fabs(r.makespan - 11) < 1e-12 && fabs(r.busy - 10) < 1e-12 && fabs(r.ideal - 5) < 1e-12 &&
              fabs(r.bubble_fraction - (1 - 10.0 / 22)) < 1e-12 && !r.deadlock && r.peak_inflight[0] == 1 &&
@@ -443,7 +443,7 @@ static void test_simulator_by_hand(void) {
 
     /* forward-only: nothing stays in flight; ideal counts forwards only */
     ok = smp_schedule_build(SMP_PIPELINE_INTERLEAVED, 2, 4, NULL, 3, true, &sc) == SMP_OK &&
-         smp_schedule_simulate(&sc, NULL, NULL, 0, &r) == SMP_OK;
+         smp_schedule_simulate(&sc, NULL, NULL, NULL, 0, &r) == SMP_OK;
     if (ok) {
         int zero = 1;
         for (int s = 0; s < 4; s++) zero = zero && r.peak_inflight[s] == 0;
@@ -484,7 +484,7 @@ static void test_deadlock(void) {
     hand_init(&h, 2, 3, map, 1, false);
     hand_op(&h, 0, F, 2, 0); hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, B, 2, 0); hand_op(&h, 0, B, 0, 0);
     hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, B, 1, 0);
-    smp_status st = smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r);
+    smp_status st = smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r);
     CHECK(st == SMP_OK && r.deadlock && strstr(r.deadlock_reason, "rank 0 at F2.0 waits for F1.0 (rank 1)") &&
               strstr(r.deadlock_reason, "rank 1 at F1.0 waits for F0.0 (rank 0)"),
           "simulator: two ranks waiting on each other is a deadlock, with who waits for what", "status %d, %s: %s",
@@ -495,7 +495,7 @@ static void test_deadlock(void) {
     hand_init(&h, 2, 3, map, 1, false);
     hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, F, 2, 0); hand_op(&h, 0, B, 2, 0); hand_op(&h, 0, B, 0, 0);
     hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, B, 1, 0);
-    st = smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r);
+    st = smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r);
     CHECK(st == SMP_OK && !r.deadlock && fabs(r.makespan - 6) < 1e-12, "simulator: a hand-made good order runs",
           "status %d deadlock %d makespan %g", (int)st, (int)r.deadlock, r.makespan);
     smp_sim_result_free(&r);
@@ -505,7 +505,7 @@ static void test_deadlock(void) {
     hand_init(&h, 2, 2, map2, 2, false);
     hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, F, 0, 1); hand_op(&h, 0, B, 0, 0); hand_op(&h, 0, B, 0, 1);
     hand_op(&h, 1, B, 1, 0); hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, F, 1, 1); hand_op(&h, 1, B, 1, 1);
-    st = smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r);
+    st = smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r);
     CHECK(st == SMP_OK && r.deadlock && strstr(r.deadlock_reason, "rank 1 at B1.0 waits for F1.0 (rank 1)") &&
               strstr(r.deadlock_reason, "rank 0 at B0.0 waits for B1.0 (rank 1)"),
           "simulator: a backward before its own forward is a deadlock", "%s", r.deadlock_reason);
@@ -551,25 +551,25 @@ static void test_errors(void) {
     hand_init(&h, 2, 2, map, 1, false);
     hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, B, 0, 0); hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, F, 1, 0);
     hand_op(&h, 1, B, 1, 0);
-    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r), "F(stage 1, microbatch 0) appears twice",
+    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r), "F(stage 1, microbatch 0) appears twice",
                 "simulator error: repeated op");
     hand_init(&h, 2, 2, map, 1, false);
     hand_op(&h, 0, F, 0, 0); hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, B, 1, 0);
-    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r), "never runs B(stage 0, microbatch 0)",
+    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r), "never runs B(stage 0, microbatch 0)",
                 "simulator error: missing op");
     hand_init(&h, 2, 2, map, 1, false);
     hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, F, 1, 0);
-    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r), "stage 1 runs on rank 1",
+    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r), "stage 1 runs on rank 1",
                 "simulator error: op on the wrong rank");
     hand_init(&h, 2, 2, map, 1, false);
     hand_op(&h, 0, F, 0, 3);
-    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, 0, &r), "outside 2 stages x 1 microbatches",
+    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r), "outside 2 stages x 1 microbatches",
                 "simulator error: op out of range");
     smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 1, false, &sc);
     double neg[2] = {1, -1}, nan2[2] = {NAN, 1};
-    check_error(smp_schedule_simulate(&sc, neg, NULL, 0, &r), "forward cost of stage 1", "simulator error: negative cost");
-    check_error(smp_schedule_simulate(&sc, NULL, nan2, 0, &r), "backward cost of stage 0", "simulator error: NaN cost");
-    check_error(smp_schedule_simulate(&sc, NULL, NULL, -1, &r), "comm_latency", "simulator error: negative latency");
+    check_error(smp_schedule_simulate(&sc, neg, NULL, NULL, 0, &r), "forward cost of stage 1", "simulator error: negative cost");
+    check_error(smp_schedule_simulate(&sc, NULL, nan2, NULL, 0, &r), "backward cost of stage 0", "simulator error: NaN cost");
+    check_error(smp_schedule_simulate(&sc, NULL, NULL, NULL, -1, &r), "comm_latency", "simulator error: negative latency");
     CHECK(r.peak_inflight == NULL && r.rank_peak_inflight == NULL, "simulator error: leaves no arrays", "arrays left");
     smp_schedule_free(&sc);
     smp_schedule_free(&sc); /* twice: harmless */
