@@ -15,7 +15,7 @@ MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp t
 SCRIPT_TESTS := test/run_timeout.sh test/test_install.sh test/test_demo.sh test/run_fuzz.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout
-BENCHES    := collectives partition schedule ddp checkpoint fmnist nccl
+BENCHES    := collectives partition schedule ddp checkpoint fmnist nccl recompute
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
@@ -153,6 +153,11 @@ bench-fmnist: build/examples/fmnist
 	bash bench/fmnist.sh
 bench-checkpoint: build/bench/checkpoint
 	mpirun -n 2 build/bench/checkpoint
+# Activation recomputation on a 12-block composite model (OpenBLAS linears).
+build/bench/recompute: bench/recompute.c $(HEADERS) Makefile | build/bench
+	MPICH_CC=gcc mpicc $(CSTD) $(WARN) -O2 $(INCLUDES) $< -o $@ -lopenblas -lm
+bench-recompute: build/bench/recompute
+	mpirun -n 2 build/bench/recompute
 # smp against raw NCCL on GPUs: 2 ranks where there are 2 GPUs (NCCL takes
 # one GPU per rank), else 1 rank (the all-reduce part only); BENCH_NCCL_NP
 # overrides. Without nvcc or a GPU it says "skipped" and succeeds.
