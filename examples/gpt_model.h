@@ -1,0 +1,618 @@
+/* gpt_model.h - a GPT-2-shaped decoder-only transformer as smp modules, in
+   plain C with OpenBLAS sgemm, f32, host memory. Shared by the training
+   example (gpt.c) and, later, a pipelined generator.
+
+   THE MODEL (nanoGPT's layout and parameter names, so a full checkpoint
+   loads into nanoGPT's GPT with strict names)
+
+     transformer.wte    token embedding, a LEAF called twice: on the i32
+                        token ids it returns their rows (the embedding), on
+                        f32 hidden states it returns h W^T (the output
+                        projection, nanoGPT's lm_head). One module, one
+                        weight: smp holds a copy on each partition that
+                        calls it and sums the two calls' gradients.
+     transformer.wpe    position embedding: x + wpe[t] (+ dropout)
+     transformer.h.<i>  a COMPOSITE block, pre-norm:
+                          ln_1 -> attn -> add_1(x, .) -> ln_2 -> mlp -> add_2(r, .)
+                        attn is a composite: c_attn (linear C -> 3C),
+                        sdpa (causal multi-head softmax attention, no
+                        parameters), c_proj (linear C -> C) [, resid_dropout];
+                        mlp is a composite: c_fc (linear C -> 4C), gelu
+                        (tanh approximation), c_proj (linear 4C -> C)
+                        [, dropout]; add_1 and add_2 are smp's built-in add.
+     transformer.ln_f   final layernorm
+
+   Parameters (nn.Linear layout: weight [out_features, in_features]):
+     transformer.wte.weight [V, C]      transformer.wpe.weight [T, C]
+     transformer.h.<i>.ln_1.weight/.bias [C]
+     transformer.h.<i>.attn.c_attn.weight [3C, C], .bias [3C]
+     transformer.h.<i>.attn.c_proj.weight [C, C], .bias [C]
+     transformer.h.<i>.ln_2.weight/.bias [C]
+     transformer.h.<i>.mlp.c_fc.weight [4C, C], .bias [4C]
+     transformer.h.<i>.mlp.c_proj.weight [C, 4C], .bias [C]
+     transformer.ln_f.weight/.bias [C]
+   nanoGPT's lm_head.weight is transformer.wte.weight (stored once).
+   Initialisation as GPT-2: weights N(0, 0.02), c_proj weights N(0,
+   0.02 / sqrt(2 n_layer)), biases 0, layernorms 1 and 0; each parameter
+   from its own seed (smp_param_seed: global seed + full name), so every
+   partitioning starts from the same bits.
+
+   Every leaf has a forward and a backward; backwards ADD parameter
+   gradients (microbatches arrive in increasing order) and write input
+   gradients in full. Dropout (default 0) draws its mask from
+   smp_call_seed(c) and regenerates it in the backward, so recomputation
+   and any partitioning see the same mask; attention-probability dropout
+   is not implemented.
+
+   The step body: gpt_loss_body computes the mean cross-entropy over every
+   token of the microbatch (step arguments: 0 token ids i32 [B, T],
+   1 targets i32 [B, T]) and returns it as a StepOutput (f64).
+
+   Include after smp.h and smp_pipeline.h; link with -lopenblas -lm. */
+#ifndef GPT_MODEL_H
+#define GPT_MODEL_H
+#include "mlp_engine.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct gpt_config {
+    int vocab;      /* V */
+    int n_layer;
+    int n_embd;     /* C */
+    int n_head;
+    int block_size; /* T: the longest context */
+    float dropout;  /* 0: none */
+} gpt_config;
+
+/* ---------------------------------------------------------------- small kernels */
+/* A uniform float in [0, 1) from (seed, index) alone: the dropout mask. */
+static inline float gpt__hash_uniform(uint64_t seed, uint64_t i) {
+    uint64_t z = mlp_mix64(seed ^ mlp_mix64(i + 1));
+    return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+
+/* y = x * mask / (1 - p) with mask drawn from seed; dropout's forward and
+   (on gradients) its backward. */
+static inline void gpt__dropout(const float *x, float *y, size_t n, float p, uint64_t seed) {
+    float scale = 1.0f / (1.0f - p);
+    for (size_t i = 0; i < n; i++) y[i] = gpt__hash_uniform(seed, i) < p ? 0.0f : x[i] * scale;
+}
+
+/* Layernorm over rows of C: y = (x - mean) * rstd * w + b; mean and rstd
+   per row saved for the backward. Sums in float, left to right. */
+static inline void gpt__layernorm_forward(const float *x, const float *w, const float *b, float *y, float *mean,
+                                          float *rstd, int n, int C) {
+    const float eps = 1e-5f;
+    for (int r = 0; r < n; r++) {
+        const float *xr = x + (size_t)r * C;
+        float *yr = y + (size_t)r * C;
+        float m = 0;
+        for (int i = 0; i < C; i++) m += xr[i];
+        m /= (float)C;
+        float v = 0;
+        for (int i = 0; i < C; i++) { float d = xr[i] - m; v += d * d; }
+        v /= (float)C;
+        float s = 1.0f / sqrtf(v + eps);
+        for (int i = 0; i < C; i++) yr[i] = (xr[i] - m) * s * w[i] + b[i];
+        mean[r] = m;
+        rstd[r] = s;
+    }
+}
+
+/* dx (overwritten), dw and db (accumulated, rows in order). */
+static inline void gpt__layernorm_backward(const float *x, const float *w, const float *mean, const float *rstd,
+                                           const float *dy, float *dx, float *dw, float *db, int n, int C) {
+    for (int r = 0; r < n; r++) {
+        const float *xr = x + (size_t)r * C, *dyr = dy + (size_t)r * C;
+        float m = mean[r], s = rstd[r];
+        float a = 0, bsum = 0; /* mean of dy*w and of dy*w*xhat */
+        for (int i = 0; i < C; i++) {
+            float xh = (xr[i] - m) * s, g = dyr[i] * w[i];
+            a += g;
+            bsum += g * xh;
+        }
+        a /= (float)C;
+        bsum /= (float)C;
+        for (int i = 0; i < C; i++) {
+            float xh = (xr[i] - m) * s;
+            if (dx) dx[(size_t)r * C + i] = (dyr[i] * w[i] - a - xh * bsum) * s;
+            dw[i] += dyr[i] * xh;
+            db[i] += dyr[i];
+        }
+    }
+}
+
+#define GPT__GELU_K 0.7978845608028654f /* sqrt(2 / pi) */
+/* GELU, tanh approximation (nn.GELU(approximate='tanh')); t gets the tanh
+   for the backward. */
+static inline void gpt__gelu_forward(const float *x, float *y, float *t, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        float v = x[i], u = GPT__GELU_K * (v + 0.044715f * v * v * v);
+        float th = 1.0f - 2.0f / (expf(2.0f * u) + 1.0f); /* tanh(u), a few times faster than tanhf */
+        t[i] = th;
+        y[i] = 0.5f * v * (1.0f + th);
+    }
+}
+
+static inline void gpt__gelu_backward(const float *x, const float *t, const float *dy, float *dx, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        float v = x[i], th = t[i];
+        float d = 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * GPT__GELU_K * (1.0f + 3.0f * 0.044715f * v * v);
+        dx[i] = dy[i] * d;
+    }
+}
+
+/* Causal multi-head attention on qkv [B, T, 3C] (q, k, v side by side, head
+   h at columns h*hd of each): y [B, T, C]; P [B, H, T, T] gets the
+   attention probabilities (zero above the diagonal). */
+static inline void gpt__attention_forward(const float *qkv, float *y, float *P, int B, int T, int C, int H) {
+    int hd = C / H, C3 = 3 * C;
+    float scale = 1.0f / sqrtf((float)hd);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            const float *q = qkv + (size_t)b * T * C3 + (size_t)h * hd, *k = q + C, *v = q + 2 * C;
+            float *p = P + ((size_t)b * H + h) * T * T, *yh = y + (size_t)b * T * C + (size_t)h * hd;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hd, scale, q, C3, k, C3, 0.0f, p, T);
+            for (int i = 0; i < T; i++) {
+                float *row = p + (size_t)i * T, mx = row[0];
+                for (int j = 1; j <= i; j++) mx = row[j] > mx ? row[j] : mx;
+                float sum = 0;
+                for (int j = 0; j <= i; j++) { row[j] = expf(row[j] - mx); sum += row[j]; }
+                float inv = 1.0f / sum;
+                for (int j = 0; j <= i; j++) row[j] *= inv;
+                for (int j = i + 1; j < T; j++) row[j] = 0.0f;
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hd, T, 1.0f, p, T, v, C3, 0.0f, yh, C);
+        }
+}
+
+/* dqkv [B, T, 3C] (overwritten) from dy [B, T, C]; dP is T x T scratch. */
+static inline void gpt__attention_backward(const float *qkv, const float *P, const float *dy, float *dqkv, float *dP,
+                                           int B, int T, int C, int H) {
+    int hd = C / H, C3 = 3 * C;
+    float scale = 1.0f / sqrtf((float)hd);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++) {
+            size_t off = (size_t)b * T * C3 + (size_t)h * hd;
+            const float *q = qkv + off, *k = q + C, *v = q + 2 * C;
+            float *dq = dqkv + off, *dk = dq + C, *dv = dq + 2 * C;
+            const float *p = P + ((size_t)b * H + h) * T * T, *dyh = dy + (size_t)b * T * C + (size_t)h * hd;
+            /* dV = P^T dY; dP = dY V^T */
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hd, T, 1.0f, p, T, dyh, C, 0.0f, dv, C3);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hd, 1.0f, dyh, C, v, C3, 0.0f, dP, T);
+            /* softmax backward: dS = P * (dP - sum_j P dP), zero above the diagonal */
+            for (int i = 0; i < T; i++) {
+                const float *pr = p + (size_t)i * T;
+                float *dr = dP + (size_t)i * T, dot = 0;
+                for (int j = 0; j <= i; j++) dot += pr[j] * dr[j];
+                for (int j = 0; j <= i; j++) dr[j] = pr[j] * (dr[j] - dot);
+                for (int j = i + 1; j < T; j++) dr[j] = 0.0f;
+            }
+            /* dQ = scale dS K; dK = scale dS^T Q */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hd, T, scale, dP, T, k, C3, 0.0f, dq, C3);
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hd, T, scale, dP, T, q, C3, 0.0f, dk, C3);
+        }
+}
+
+/* ---------------------------------------------------------------- the modules */
+typedef struct gpt_linear { smp_param *weight, *bias; int in, out; } gpt_linear;
+typedef struct gpt_norm { smp_param *weight, *bias; int C; } gpt_norm;
+
+typedef struct gpt_block {
+    smp_module *mod, *ln_1, *attn, *c_attn, *sdpa, *attn_proj, *attn_drop, *add_1;
+    smp_module *ln_2, *mlp, *c_fc, *gelu, *mlp_proj, *mlp_drop, *add_2;
+    gpt_norm n1, n2;
+    gpt_linear l_attn, l_aproj, l_fc, l_mproj;
+} gpt_block;
+
+typedef struct gpt {
+    gpt_config cfg;
+    smp_module *root, *transformer, *wte, *wpe, *h, *ln_f, *drop;
+    smp_param *wte_w, *wpe_w;
+    gpt_norm nf;
+    gpt_block *blocks; /* [n_layer] */
+} gpt;
+
+static const gpt *gpt__of(smp_call_ctx *c) { return (const gpt *)smp_module_user(smp_call_module(c)); }
+
+/* rows of the last dimension d in a tensor */
+static int gpt__rows(const smp_tensor *t, int d) { return (int)(smp_tensor_numel(t) / d); }
+
+/* transformer.wte: i32 ids [B, T] -> f32 [B, T, C]; f32 h [B, T, C] -> logits [B, T, V]. */
+static smp_status gpt_wte_forward(smp_call_ctx *c) {
+    const gpt *g = gpt__of(c);
+    const smp_tensor *x = smp_call_input(c, 0);
+    int V = g->cfg.vocab, C = g->cfg.n_embd;
+    const float *W = (const float *)smp_param_value(g->wte_w)->data;
+    if (x->dtype == SMP_I32) {
+        int64_t shape[SMP_MAX_DIMS];
+        memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
+        shape[x->ndim] = C;
+        smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim + 1, shape);
+        const int32_t *id = (const int32_t *)x->data;
+        int64_t n = smp_tensor_numel(x);
+        for (int64_t i = 0; i < n; i++) {
+            if (id[i] < 0 || id[i] >= V)
+                return smp_error(SMP_ERR_ARG, "token id %d at position %lld is outside the vocabulary of %d", (int)id[i], (long long)i, V);
+            memcpy((float *)y->data + i * C, W + (size_t)id[i] * C, sizeof(float) * (size_t)C);
+        }
+        return SMP_OK;
+    }
+    if (x->dtype != SMP_F32 || x->shape[x->ndim - 1] != C)
+        return smp_error(SMP_ERR_ARG, "transformer.wte takes i32 token ids or f32 hidden states of width %d", C);
+    int64_t shape[SMP_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
+    shape[x->ndim - 1] = V;
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, shape);
+    mlp_linear_forward((const float *)x->data, W, NULL, (float *)y->data, gpt__rows(x, C), C, V);
+    return SMP_OK;
+}
+
+static smp_status gpt_wte_backward(smp_call_ctx *c) {
+    const gpt *g = gpt__of(c);
+    const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
+    int V = g->cfg.vocab, C = g->cfg.n_embd;
+    float *dW = (float *)smp_param_grad(g->wte_w)->data;
+    if (x->dtype == SMP_I32) { /* rows of the ids, in order */
+        const int32_t *id = (const int32_t *)x->data;
+        const float *d = (const float *)dy->data;
+        int64_t n = smp_tensor_numel(x);
+        for (int64_t i = 0; i < n; i++) {
+            float *row = dW + (size_t)id[i] * C;
+            for (int j = 0; j < C; j++) row[j] += d[i * C + j];
+        }
+        return SMP_OK;
+    }
+    smp_tensor *dx = smp_call_grad_input(c, 0);
+    mlp_linear_backward((const float *)x->data, (const float *)smp_param_value(g->wte_w)->data, (const float *)dy->data,
+                        dx ? (float *)dx->data : NULL, dW, NULL, gpt__rows(x, C), C, V);
+    return SMP_OK;
+}
+
+/* transformer.wpe: x [B, T, C] -> x + wpe[t] (then embedding dropout). */
+static smp_status gpt_wpe_forward(smp_call_ctx *c) {
+    const gpt *g = gpt__of(c);
+    const smp_tensor *x = smp_call_input(c, 0);
+    int C = g->cfg.n_embd;
+    if (x->ndim != 3 || x->shape[2] != C)
+        return smp_error(SMP_ERR_ARG, "transformer.wpe takes [batch, time, %d] embeddings", C);
+    int B = (int)x->shape[0], T = (int)x->shape[1];
+    if (T > g->cfg.block_size)
+        return smp_error(SMP_ERR_ARG, "a context of %d tokens is longer than the model's %d", T, g->cfg.block_size);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, x->shape);
+    const float *P = (const float *)smp_param_value(g->wpe_w)->data, *xs = (const float *)x->data;
+    float *ys = (float *)y->data;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < C; j++) {
+                size_t i = ((size_t)b * T + t) * C + j;
+                ys[i] = xs[i] + P[(size_t)t * C + j];
+            }
+    if (g->cfg.dropout > 0 && smp_call_training(c))
+        gpt__dropout(ys, ys, (size_t)smp_tensor_numel(y), g->cfg.dropout, smp_call_seed(c));
+    return SMP_OK;
+}
+
+static smp_status gpt_wpe_backward(smp_call_ctx *c) {
+    const gpt *g = gpt__of(c);
+    const smp_tensor *dy = smp_call_grad_output(c, 0);
+    smp_tensor *dx = smp_call_grad_input(c, 0);
+    int C = g->cfg.n_embd, B = (int)dy->shape[0], T = (int)dy->shape[1];
+    size_t n = (size_t)smp_tensor_numel(dy);
+    const float *d = (const float *)dy->data;
+    float *tmp = NULL;
+    if (g->cfg.dropout > 0) { /* the same mask again, from the same seed */
+        tmp = (float *)malloc(n * sizeof(float));
+        if (!tmp) return smp_error(SMP_ERR_NOMEM, "transformer.wpe: out of memory");
+        gpt__dropout(d, tmp, n, g->cfg.dropout, smp_call_seed(c));
+        d = tmp;
+    }
+    float *dP = (float *)smp_param_grad(g->wpe_w)->data;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < C; j++) dP[(size_t)t * C + j] += d[((size_t)b * T + t) * C + j];
+    if (dx) memcpy(dx->data, d, n * sizeof(float));
+    free(tmp);
+    return SMP_OK;
+}
+
+/* nn.Linear on the last dimension. */
+static smp_status gpt_linear_forward(smp_call_ctx *c) {
+    const gpt_linear *l = (const gpt_linear *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0);
+    if (x->dtype != SMP_F32 || x->shape[x->ndim - 1] != l->in)
+        return smp_error(SMP_ERR_ARG, "%s takes f32 inputs of width %d", smp_module_name(smp_call_module(c)), l->in);
+    int64_t shape[SMP_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
+    shape[x->ndim - 1] = l->out;
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, shape);
+    mlp_linear_forward((const float *)x->data, (const float *)smp_param_value(l->weight)->data,
+                       (const float *)smp_param_value(l->bias)->data, (float *)y->data, gpt__rows(x, l->in), l->in, l->out);
+    return SMP_OK;
+}
+
+static smp_status gpt_linear_backward(smp_call_ctx *c) {
+    const gpt_linear *l = (const gpt_linear *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
+    smp_tensor *dx = smp_call_grad_input(c, 0);
+    mlp_linear_backward((const float *)x->data, (const float *)smp_param_value(l->weight)->data, (const float *)dy->data,
+                        dx ? (float *)dx->data : NULL, (float *)smp_param_grad(l->weight)->data,
+                        (float *)smp_param_grad(l->bias)->data, gpt__rows(x, l->in), l->in, l->out);
+    return SMP_OK;
+}
+
+/* nn.LayerNorm(C) with bias; the stash holds mean and rstd per row. */
+static smp_status gpt_layernorm_forward(smp_call_ctx *c) {
+    const gpt_norm *l = (const gpt_norm *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0);
+    if (x->dtype != SMP_F32 || x->shape[x->ndim - 1] != l->C)
+        return smp_error(SMP_ERR_ARG, "%s takes f32 inputs of width %d", smp_module_name(smp_call_module(c)), l->C);
+    int n = gpt__rows(x, l->C);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    float *stats = (float *)smp_call_stash(c, sizeof(float) * 2 * (size_t)n);
+    if (!stats) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", smp_module_name(smp_call_module(c)));
+    gpt__layernorm_forward((const float *)x->data, (const float *)smp_param_value(l->weight)->data,
+                           (const float *)smp_param_value(l->bias)->data, (float *)y->data, stats, stats + n, n, l->C);
+    return SMP_OK;
+}
+
+static smp_status gpt_layernorm_backward(smp_call_ctx *c) {
+    const gpt_norm *l = (const gpt_norm *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
+    smp_tensor *dx = smp_call_grad_input(c, 0);
+    int n = gpt__rows(x, l->C);
+    const float *stats = (const float *)smp_call_stashed(c, NULL);
+    gpt__layernorm_backward((const float *)x->data, (const float *)smp_param_value(l->weight)->data, stats, stats + n,
+                            (const float *)dy->data, dx ? (float *)dx->data : NULL,
+                            (float *)smp_param_grad(l->weight)->data, (float *)smp_param_grad(l->bias)->data, n, l->C);
+    return SMP_OK;
+}
+
+/* GELU; the stash holds tanh of every element. */
+static smp_status gpt_gelu_forward(smp_call_ctx *c) {
+    const smp_tensor *x = smp_call_input(c, 0);
+    size_t n = (size_t)smp_tensor_numel(x);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    float *t = smp_call_training(c) ? (float *)smp_call_stash(c, n * sizeof(float)) : (float *)malloc(n * sizeof(float));
+    if (!t) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", smp_module_name(smp_call_module(c)));
+    gpt__gelu_forward((const float *)x->data, (float *)y->data, t, n);
+    if (!smp_call_training(c)) free(t);
+    return SMP_OK;
+}
+
+static smp_status gpt_gelu_backward(smp_call_ctx *c) {
+    const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
+    smp_tensor *dx = smp_call_grad_input(c, 0);
+    if (dx) gpt__gelu_backward((const float *)x->data, (const float *)smp_call_stashed(c, NULL), (const float *)dy->data,
+                               (float *)dx->data, (size_t)smp_tensor_numel(x));
+    return SMP_OK;
+}
+
+/* Causal self-attention on qkv [B, T, 3C] -> [B, T, C]; the stash holds the
+   probabilities [B, H, T, T]. */
+static smp_status gpt_sdpa_forward(smp_call_ctx *c) {
+    const gpt *g = gpt__of(c);
+    const smp_tensor *x = smp_call_input(c, 0);
+    int C = g->cfg.n_embd, H = g->cfg.n_head;
+    if (x->ndim != 3 || x->shape[2] != 3 * C) return smp_error(SMP_ERR_ARG, "attention takes qkv of shape [batch, time, %d]", 3 * C);
+    int B = (int)x->shape[0], T = (int)x->shape[1];
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, (int64_t[]){B, T, C});
+    size_t pbytes = sizeof(float) * (size_t)B * H * T * T;
+    float *P = smp_call_training(c) ? (float *)smp_call_stash(c, pbytes) : (float *)malloc(pbytes);
+    if (!P) return smp_error(SMP_ERR_NOMEM, "%s: out of memory for %zu bytes of attention", smp_module_name(smp_call_module(c)), pbytes);
+    gpt__attention_forward((const float *)x->data, (float *)y->data, P, B, T, C, H);
+    if (!smp_call_training(c)) free(P);
+    return SMP_OK;
+}
+
+static smp_status gpt_sdpa_backward(smp_call_ctx *c) {
+    const gpt *g = gpt__of(c);
+    const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
+    smp_tensor *dx = smp_call_grad_input(c, 0);
+    if (!dx) return SMP_OK;
+    int C = g->cfg.n_embd, H = g->cfg.n_head, B = (int)x->shape[0], T = (int)x->shape[1];
+    float *dP = (float *)malloc(sizeof(float) * (size_t)T * T);
+    if (!dP) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", smp_module_name(smp_call_module(c)));
+    gpt__attention_backward((const float *)x->data, (const float *)smp_call_stashed(c, NULL), (const float *)dy->data,
+                            (float *)dx->data, dP, B, T, C, H);
+    free(dP);
+    return SMP_OK;
+}
+
+/* Dropout with p = cfg.dropout; the mask comes again from the call's seed. */
+static smp_status gpt_dropout_forward(smp_call_ctx *c) {
+    const gpt *g = gpt__of(c);
+    const smp_tensor *x = smp_call_input(c, 0);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    size_t n = (size_t)smp_tensor_numel(x);
+    if (smp_call_training(c)) gpt__dropout((const float *)x->data, (float *)y->data, n, g->cfg.dropout, smp_call_seed(c));
+    else memcpy(y->data, x->data, n * sizeof(float));
+    return SMP_OK;
+}
+
+static smp_status gpt_dropout_backward(smp_call_ctx *c) {
+    const gpt *g = gpt__of(c);
+    const smp_tensor *dy = smp_call_grad_output(c, 0);
+    smp_tensor *dx = smp_call_grad_input(c, 0);
+    if (dx) gpt__dropout((const float *)dy->data, (float *)dx->data, (size_t)smp_tensor_numel(dy), g->cfg.dropout, smp_call_seed(c));
+    return SMP_OK;
+}
+
+/* ---------------------------------------------------------------- composites */
+static smp_status gpt_attn_forward(smp_call_ctx *c) {
+    const gpt_block *b = (const gpt_block *)smp_module_user(smp_call_module(c));
+    smp_tensor qkv, y, o;
+    SMP_TRY(smp_call(b->c_attn, smp_call_input(c, 0), 1, &qkv, 1));
+    SMP_TRY(smp_call(b->sdpa, &qkv, 1, &y, 1));
+    SMP_TRY(smp_call(b->attn_proj, &y, 1, &o, 1));
+    if (b->attn_drop) SMP_TRY(smp_call(b->attn_drop, &o, 1, &o, 1));
+    return smp_call_set_output(c, 0, &o);
+}
+
+static smp_status gpt_mlp_forward(smp_call_ctx *c) {
+    const gpt_block *b = (const gpt_block *)smp_module_user(smp_call_module(c));
+    smp_tensor h, a, o;
+    SMP_TRY(smp_call(b->c_fc, smp_call_input(c, 0), 1, &h, 1));
+    SMP_TRY(smp_call(b->gelu, &h, 1, &a, 1));
+    SMP_TRY(smp_call(b->mlp_proj, &a, 1, &o, 1));
+    if (b->mlp_drop) SMP_TRY(smp_call(b->mlp_drop, &o, 1, &o, 1));
+    return smp_call_set_output(c, 0, &o);
+}
+
+/* transformer.h.<i>: x + attn(ln_1(x)), then r + mlp(ln_2(r)). */
+static smp_status gpt_block_forward(smp_call_ctx *c) {
+    const gpt_block *b = (const gpt_block *)smp_module_user(smp_call_module(c));
+    smp_tensor x = *smp_call_input(c, 0), h, a, r, m, y;
+    SMP_TRY(smp_call(b->ln_1, &x, 1, &h, 1));
+    SMP_TRY(smp_call(b->attn, &h, 1, &a, 1));
+    SMP_TRY(smp_call(b->add_1, (smp_tensor[]){x, a}, 2, &r, 1));
+    SMP_TRY(smp_call(b->ln_2, &r, 1, &h, 1));
+    SMP_TRY(smp_call(b->mlp, &h, 1, &m, 1));
+    SMP_TRY(smp_call(b->add_2, (smp_tensor[]){r, m}, 2, &y, 1));
+    return smp_call_set_output(c, 0, &y);
+}
+
+/* The model's forward: ids [B, T] -> logits [B, T, V]. */
+static smp_status gpt_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
+    (void)m, (void)nin, (void)nout;
+    const gpt *g = (const gpt *)user;
+    smp_tensor x;
+    SMP_TRY(smp_call(g->wte, &in[0], 1, &x, 1));          /* embedding lookup */
+    SMP_TRY(smp_call(g->wpe, &x, 1, &x, 1));
+    for (int i = 0; i < g->cfg.n_layer; i++) SMP_TRY(smp_call(g->blocks[i].mod, &x, 1, &x, 1));
+    SMP_TRY(smp_call(g->ln_f, &x, 1, &x, 1));
+    return smp_call(g->wte, &x, 1, &out[0], 1);            /* the same module: tied output projection */
+}
+
+/* ---------------------------------------------------------------- building it */
+/* N(0, std) by Box-Muller from the parameter's seed; user points to std. */
+static void gpt_init_normal(smp_tensor *w, uint64_t seed, void *user) {
+    float std = *(const float *)user;
+    mlp_rng r = mlp_rng_seed(seed);
+    float *p = (float *)w->data;
+    int64_t n = smp_tensor_numel(w);
+    for (int64_t i = 0; i < n; i += 2) {
+        double u1 = ((double)(mlp_rng_next(&r) >> 11) + 1.0) * (1.0 / 9007199254740992.0); /* (0, 1] */
+        double u2 = (double)(mlp_rng_next(&r) >> 11) * (1.0 / 9007199254740992.0);
+        double rad = sqrt(-2.0 * log(u1)), th = 6.283185307179586 * u2;
+        p[i] = (float)(std * rad * cos(th));
+        if (i + 1 < n) p[i + 1] = (float)(std * rad * sin(th));
+    }
+}
+
+static const float gpt__std = 0.02f, gpt__one = 1.0f;
+
+static void gpt__linear(gpt_linear *l, smp_module *parent, const char *name, int in, int out, const float *std,
+                        smp_module **mod) {
+    smp_module_desc d = {gpt_linear_forward, gpt_linear_backward, l};
+    l->in = in;
+    l->out = out;
+    *mod = smp_module_new(parent, name, &d);
+    l->weight = smp_param_new(*mod, "weight", SMP_F32, 2, (int64_t[]){out, in}, gpt_init_normal, (void *)std);
+    l->bias = smp_param_new(*mod, "bias", SMP_F32, 1, (int64_t[]){out}, smp_init_constant, NULL);
+}
+
+static smp_module *gpt__norm(gpt_norm *l, smp_module *parent, const char *name, int C) {
+    smp_module_desc d = {gpt_layernorm_forward, gpt_layernorm_backward, l};
+    l->C = C;
+    smp_module *m = smp_module_new(parent, name, &d);
+    l->weight = smp_param_new(m, "weight", SMP_F32, 1, (int64_t[]){C}, smp_init_constant, (void *)&gpt__one);
+    l->bias = smp_param_new(m, "bias", SMP_F32, 1, (int64_t[]){C}, smp_init_constant, NULL);
+    return m;
+}
+
+/* Declares the modules (nothing is allocated until smp partitions the
+   model) and wraps them in an smp model. recompute: every block is
+   recomputed in its backward (activation checkpointing). */
+static smp_status gpt_build(gpt *g, const gpt_config *cfg, bool recompute, smp_model **model) {
+    memset(g, 0, sizeof *g);
+    g->cfg = *cfg;
+    int C = cfg->n_embd, L = cfg->n_layer;
+    if (cfg->vocab < 1 || L < 1 || C < 1 || cfg->n_head < 1 || C % cfg->n_head || cfg->block_size < 1)
+        return smp_error(SMP_ERR_ARG, "bad model size: vocab %d, %d layers, width %d, %d heads (must divide the width), context %d",
+                         cfg->vocab, L, C, cfg->n_head, cfg->block_size);
+    static float proj_std;
+    proj_std = gpt__std / sqrtf(2.0f * (float)L);
+    g->blocks = (gpt_block *)calloc((size_t)L, sizeof(gpt_block));
+    if (!g->blocks) return smp_error(SMP_ERR_NOMEM, "out of memory");
+    g->root = smp_module_new(NULL, "", NULL);
+    g->transformer = smp_module_new(g->root, "transformer", NULL);
+    g->wte = smp_module_new(g->transformer, "wte", &(smp_module_desc){gpt_wte_forward, gpt_wte_backward, g});
+    g->wte_w = smp_param_new(g->wte, "weight", SMP_F32, 2, (int64_t[]){cfg->vocab, C}, gpt_init_normal, (void *)&gpt__std);
+    g->wpe = smp_module_new(g->transformer, "wpe", &(smp_module_desc){gpt_wpe_forward, gpt_wpe_backward, g});
+    g->wpe_w = smp_param_new(g->wpe, "weight", SMP_F32, 2, (int64_t[]){cfg->block_size, C}, gpt_init_normal, (void *)&gpt__std);
+    g->h = smp_module_new(g->transformer, "h", NULL);
+    const smp_module_desc drop = {gpt_dropout_forward, gpt_dropout_backward, g};
+    for (int i = 0; i < L; i++) {
+        gpt_block *b = &g->blocks[i];
+        char name[16];
+        snprintf(name, sizeof name, "%d", i);
+        b->mod = smp_module_new(g->h, name, &(smp_module_desc){gpt_block_forward, NULL, b});
+        b->ln_1 = gpt__norm(&b->n1, b->mod, "ln_1", C);
+        b->attn = smp_module_new(b->mod, "attn", &(smp_module_desc){gpt_attn_forward, NULL, b});
+        gpt__linear(&b->l_attn, b->attn, "c_attn", C, 3 * C, &gpt__std, &b->c_attn);
+        b->sdpa = smp_module_new(b->attn, "sdpa", &(smp_module_desc){gpt_sdpa_forward, gpt_sdpa_backward, g});
+        gpt__linear(&b->l_aproj, b->attn, "c_proj", C, C, &proj_std, &b->attn_proj);
+        if (cfg->dropout > 0) b->attn_drop = smp_module_new(b->attn, "resid_dropout", &drop);
+        b->add_1 = smp_module_new_add(b->mod, "add_1");
+        b->ln_2 = gpt__norm(&b->n2, b->mod, "ln_2", C);
+        b->mlp = smp_module_new(b->mod, "mlp", &(smp_module_desc){gpt_mlp_forward, NULL, b});
+        gpt__linear(&b->l_fc, b->mlp, "c_fc", C, 4 * C, &gpt__std, &b->c_fc);
+        b->gelu = smp_module_new(b->mlp, "gelu", &(smp_module_desc){gpt_gelu_forward, gpt_gelu_backward, NULL});
+        gpt__linear(&b->l_mproj, b->mlp, "c_proj", 4 * C, C, &proj_std, &b->mlp_proj);
+        if (cfg->dropout > 0) b->mlp_drop = smp_module_new(b->mlp, "dropout", &drop);
+        b->add_2 = smp_module_new_add(b->mod, "add_2");
+        if (recompute) smp_module_set_recompute(b->mod, true);
+    }
+    g->ln_f = gpt__norm(&g->nf, g->transformer, "ln_f", C);
+    return smp_model_new(g->root, &(smp_model_desc){.forward = gpt_forward, .user = g}, model);
+}
+
+static void gpt_free(gpt *g) {
+    free(g->blocks);
+    g->blocks = NULL;
+}
+
+/* ---------------------------------------------------------------- the loss */
+/* Mean over the n rows of -log softmax(logits)[target] (logits n x V, in
+   double, rows in order). dlogits (may be NULL) gets grad_scale *
+   (softmax - onehot), overwritten. */
+static double gpt_xent(const float *logits, const int32_t *target, int n, int V, float *dlogits, float grad_scale) {
+    double sum = 0;
+    for (int r = 0; r < n; r++) {
+        const float *z = logits + (size_t)r * V;
+        float mx = z[0];
+        for (int j = 1; j < V; j++) mx = z[j] > mx ? z[j] : mx;
+        float s = 0;
+        for (int j = 0; j < V; j++) s += expf(z[j] - mx);
+        float lse = mx + logf(s);
+        sum += (double)(lse - z[target[r]]);
+        if (dlogits) {
+            float *d = dlogits + (size_t)r * V, inv = 1.0f / s;
+            for (int j = 0; j < V; j++) d[j] = expf(z[j] - mx) * inv * grad_scale;
+            d[target[r]] -= grad_scale;
+        }
+    }
+    return n ? sum / n : 0;
+}
+
+/* The step body: arguments 0 ids [B, T], 1 targets [B, T] (i32). Returns
+   the microbatch's mean loss over its tokens (f64) as StepOutput 0, and
+   writes its gradient where training (smp scales it by 1/microbatches). */
+SMP_STEP_BODY(gpt_loss_body) {
+    const smp_tensor *logits = smp_mb_output(mb, 0), *target = smp_mb_arg(mb, 1);
+    smp_tensor *dlogits = smp_mb_output_grad(mb, 0); /* NULL in evaluation */
+    int V = (int)logits->shape[logits->ndim - 1], n = (int)smp_tensor_numel(target);
+    const int32_t *t = (const int32_t *)target->data;
+    for (int i = 0; i < n; i++)
+        if (t[i] < 0 || t[i] >= V) return smp_error(SMP_ERR_ARG, "target %d at position %d is outside the vocabulary of %d", t[i], i, V);
+    double loss = gpt_xent((const float *)logits->data, t, n, V, dlogits ? (float *)dlogits->data : NULL, 1.0f / (float)n);
+    smp_tensor lt = smp_tensor_1d(&loss, SMP_F64, 1);
+    return smp_mb_return(mb, 0, &lt);
+}
+
+#endif
