@@ -917,7 +917,7 @@ typedef struct smp__xfer {
 } smp__xfer;
 #define SMP__HDR_WORDS(ntensors) (10 * (ntensors) + 1)
 
-typedef struct smp__event { double t0, t1; int kind, stage, mb; } smp__event; /* kind: 0 fwd, 1 bwd, 2 wait (receive), 3 body, 4 all-reduce (mb: bucket), 5 send (posted to completed) */
+typedef struct smp__event { double t0, t1; int kind, stage, mb; } smp__event; /* kind: 0 fwd, 1 bwd, 2 wait (receive), 3 body, 4 all-reduce (mb: bucket), 5 send (posted to completed), 6 weight gradients (W) */
 
 typedef struct smp__mbstate {
     smp_tensor *act;       /* [ncalls * maxout]: this microbatch's tensors known here */
@@ -968,6 +968,7 @@ typedef struct smp__pipe {
     /* per step */
     int m;
     bool training;
+    bool zb;               /* this step's schedule has W ops (zero bubble, training) */
     const smp_step_desc *desc;
     smp__mbstate *mb;
     smp__xfer *recv;       /* [(link * m + mb) * 2 + backward] */
@@ -2244,6 +2245,15 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
     return SMP_OK;
 }
 
+/* Call k has no more backward work on microbatch i: a recomputed call lets
+   go of what it made again, and after the last microbatch its gradients
+   are final for the data-parallel buckets. */
+static smp_status smp__backward_done(smp__pipe *ps, smp_model *md, int k, int i) {
+    const smp__call_rec *rec = &md->calls[k];
+    if (rec->recompute_first == k) smp__recompute_drop(ps, i, k, rec->recompute_last);
+    return ps->sync && i == ps->m - 1 ? smp__ddp_call_final(ps, md, k) : SMP_OK;
+}
+
 static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
     int mo = ps->maxout;
@@ -2268,6 +2278,11 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
             if (last < first) { rc = smp__tensor_zero(&gout[j]); continue; }
             rc = smp__tensor_copy(&gout[j], &st->contrib[last]);
             for (int e = last - 1; e >= first && !rc; e--) rc = smp__add_into(&gout[j], &st->contrib[e]);
+            for (int e = first; e <= last && !rc; e++) { /* summed: the ones made here go now (received ones are views) */
+                int cons = ps->edges[e].consumer, cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
+                if (md->stage_rank[cs] == md->stage_rank[s]) smp__free(st->contrib[e].data);
+                st->contrib[e].data = NULL;
+            }
         }
         smp_tensor *gin = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER);
         for (int j = 0; j < rec->nin; j++) {
@@ -2282,19 +2297,22 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         c->grad_inputs = gin;
         /* a shared module's call adds into its own slot (see smp__shared_finish) */
         for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
-        if (!rc) rc = smp__run_callback(c, SMP__BACKWARD);
+        /* zero bubble: a split module's weight half waits for the W op, and so does its output gradient */
+        bool later = ps->zb && smp__split_backward(rec->module);
+        if (!rc) rc = smp__run_callback(c, later ? SMP__BACKWARD_INPUT : SMP__BACKWARD);
         for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
-        for (int j = 0; j < rec->nout; j++) smp__free(gout[j].data);
-        smp__free(gout);
-        c->grad_outputs = NULL;
+        if (!later || rc) {
+            for (int j = 0; j < rec->nout; j++) smp__free(gout[j].data);
+            smp__free(gout);
+            c->grad_outputs = NULL;
+        }
         for (int j = 0; j < rec->nin; j++) {
             int e = ps->edge_of_input[k * ps->maxin + j];
             if (e >= 0) { st->contrib[e] = gin[j]; st->contrib[e].shape[0] = gin[j].shape[0]; }
         }
         smp__free(gin);
         c->grad_inputs = NULL;
-        if (!rc && rec->recompute_first == k) smp__recompute_drop(ps, i, k, rec->recompute_last);
-        if (!rc && ps->sync && i == ps->m - 1) rc = smp__ddp_call_final(ps, md, k);
+        if (!rc && !ps->zb) rc = smp__backward_done(ps, md, k, i);
         if (rc) return rc;
         if (ps->sync) smp__ddp_poll(ps); /* between calls: buckets started earlier move on */
     }
@@ -2306,8 +2324,33 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         for (int e = 0; e < L->nedges; e++) ps->scratch[e] = &st->contrib[L->edges[e]];
         if ((rc = smp__send(ps, l, true, ps->scratch, L->nedges, s, i))) return rc;
     }
-    ps->inflight[s]--;
+    if (!ps->zb) ps->inflight[s]--;
     return SMP_OK;
+}
+
+/* The W op of a zero-bubble schedule: the weight halves of stage s's split
+   modules on microbatch i, in backward order, each with the output gradient
+   its B kept. Gradients are then final for this microbatch. */
+static smp_status smp__stage_weight(smp__pipe *ps, smp_model *md, int s, int i) {
+    smp__mbstate *st = &ps->mb[i];
+    smp_status rc = SMP_OK;
+    double t0 = smp__now();
+    for (int k = md->stage_last[s]; k >= md->stage_first[s] && !rc; k--) {
+        smp_call_ctx *c = &st->ctx[k];
+        if (smp__split_backward(md->calls[k].module)) {
+            for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
+            rc = smp__run_callback(c, SMP__BACKWARD_WEIGHT);
+            for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
+            for (int j = 0; j < c->nout; j++) smp__free(c->grad_outputs[j].data);
+            smp__free((void *)c->grad_outputs);
+            c->grad_outputs = NULL;
+        }
+        if (!rc) rc = smp__backward_done(ps, md, k, i);
+        if (ps->sync) smp__ddp_poll(ps);
+    }
+    smp__event_add(ps, 6, s, i, t0);
+    ps->inflight[s]--;
+    return rc;
 }
 
 /* Frees what stage s holds for microbatch i once nothing needs it. The
@@ -2518,6 +2561,7 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     }
     ps->m = m;
     ps->training = training;
+    ps->zb = training && sc->kind == SMP_PIPELINE_ZERO_BUBBLE;
     ps->desc = d;
     ps->failed_remote = false;
     memset(ps->dev_sent, 0, sizeof(int) * 2 * (size_t)cfg->partitions); /* and dev_posted */
@@ -2552,6 +2596,7 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     const smp_sched_op *ops = sc->ops[me];
     int nops = sc->nops[me];
     for (int o = 0; o < nops; o++) {
+        if (ops[o].kind == SMP_SCHED_WEIGHT) continue; /* receives nothing */
         bool bwd = ops[o].kind == SMP_SCHED_BACKWARD;
         for (int l = 0; l < ps->nlinks; l++)
             if ((bwd ? ps->links[l].from : ps->links[l].to) == ops[o].stage) smp__post_recv(ps, l, ops[o].microbatch, bwd);
@@ -2567,8 +2612,11 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
             st = smp__stage_forward(ps, md, s, i);
             if (!st && s == ps->body_stage) st = smp__run_body(ps, md, i);
             if (ps->inflight[s] > peak[s]) peak[s] = ps->inflight[s];
-        } else {
+        } else if (ops[o].kind == SMP_SCHED_BACKWARD) {
             st = smp__stage_backward(ps, md, s, i);
+            if (!st && !ps->zb) smp__stage_release(ps, md, s, i);
+        } else {
+            st = smp__stage_weight(ps, md, s, i);
             if (!st) smp__stage_release(ps, md, s, i);
         }
     }
@@ -2705,8 +2753,8 @@ static smp_status smp__timeline_write(smp__pipe *ps) {
     if (!path || !*path) return SMP_OK;
     size_t cap = 64 + (ps ? (size_t)ps->nevents * 160 : 0), len = 0;
     char *mine = (char *)smp__alloc(cap, SMP__ALLOC_OTHER);
-    static const char *names[] = {"forward", "backward", "wait", "body", "allreduce", "send"};
-    static const int track[] = {0, 0, 1, 0, 2, 3}; /* waits, all-reduces and sends overlap the compute */
+    static const char *names[] = {"forward", "backward", "wait", "body", "allreduce", "send", "weight"};
+    static const int track[] = {0, 0, 1, 0, 2, 3, 0}; /* waits, all-reduces and sends overlap the compute */
     for (int e = 0; ps && e < ps->nevents; e++) {
         smp__event *ev = &ps->events[e];
         if (ev->kind == 4) { /* a gradient bucket's all-reduce, on a track of its own */
@@ -2717,7 +2765,7 @@ static smp_status smp__timeline_write(smp__pipe *ps) {
         }
         len += (size_t)snprintf(mine + len, cap - len,
                                 "%s{\"name\":\"%c%d s%d\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":%d,\"args\":{\"stage\":%d,\"microbatch\":%d}}",
-                                len ? "," : "", "FBWL S"[ev->kind], ev->mb, ev->stage, names[ev->kind], ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6,
+                                len ? "," : "", "FBRL SW"[ev->kind], ev->mb, ev->stage, names[ev->kind], ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6,
                                 smp__ctx.rank, track[ev->kind], ev->stage, ev->mb);
     }
     int n = smp__ctx.size;

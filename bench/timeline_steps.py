@@ -16,7 +16,7 @@ import sys
 def main():
     events = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("ph") == "X"]
     for rank in sorted({e["pid"] for e in events}):
-        ops = sorted((e for e in events if e["pid"] == rank and e["cat"] in ("forward", "backward", "body", "wait")), key=lambda e: e["ts"])
+        ops = sorted((e for e in events if e["pid"] == rank and e["cat"] in ("forward", "backward", "weight", "body", "wait")), key=lambda e: e["ts"])
         steps, current = [], []
         for e in ops:  # a step starts with the forward of microbatch 0
             if e["cat"] == "forward" and e["args"]["microbatch"] == 0 and any(x["cat"] == "forward" for x in current):
