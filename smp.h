@@ -3376,9 +3376,9 @@ SMPDEF int smp_call_num_inputs(const smp_call_ctx *c) { return c->nin; }
 SMPDEF int smp_call_num_outputs(const smp_call_ctx *c) { return c->nout; }
 SMPDEF const smp_tensor *smp_call_input(const smp_call_ctx *c, int i) { return i >= 0 && i < c->nin ? &c->inputs[i] : NULL; }
 SMPDEF const smp_tensor *smp_call_output_value(const smp_call_ctx *c, int i) { return i >= 0 && i < c->nout ? &c->outputs[i] : NULL; }
-SMPDEF const smp_tensor *smp_call_grad_output(const smp_call_ctx *c, int i) { return c->in_backward && i >= 0 && i < c->nout ? &c->grad_outputs[i] : NULL; }
+SMPDEF const smp_tensor *smp_call_grad_output(const smp_call_ctx *c, int i) { return c->in_backward && c->grad_outputs && i >= 0 && i < c->nout ? &c->grad_outputs[i] : NULL; }
 SMPDEF smp_tensor *smp_call_grad_input(smp_call_ctx *c, int i) {
-    return c->in_backward && i >= 0 && i < c->nin && c->grad_inputs[i].data ? &c->grad_inputs[i] : NULL;
+    return c->in_backward && c->grad_inputs && i >= 0 && i < c->nin && c->grad_inputs[i].data ? &c->grad_inputs[i] : NULL;
 }
 SMPDEF smp_module *smp_call_module(const smp_call_ctx *c) { return c->module; }
 SMPDEF int smp_call_microbatch(const smp_call_ctx *c) { return c->microbatch; }
@@ -3824,7 +3824,8 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
         smp__free(in_meta);
         for (int i = 0; i < nout; i++) {
             if (!c.output_set[i]) smp__free(c.outputs[i].data); /* made with smp_call_output: an error above */
-            outputs[i] = c.output_set[i] ? c.outputs[i] : (smp_tensor){0};
+            if (c.output_set[i]) outputs[i] = c.outputs[i];
+            else memset(&outputs[i], 0, sizeof outputs[i]);
         }
         if (!st) {
             m->composite = true;

@@ -943,6 +943,9 @@ typedef struct smp__bucket {
     int device;          /* SMP_HOST or where data lives */
 } smp__bucket;
 
+/* The gradient one call of a shared module adds over a step (on the partition that runs the call). */
+typedef struct smp__shared { int call, param, part; smp_tensor grad; } smp__shared;
+
 typedef struct smp__pipe {
     int maxout, nedges, nlinks;
     smp__edge *edges;       /* grouped by producer tensor, consumers in increasing order */
@@ -962,7 +965,7 @@ typedef struct smp__pipe {
     /* activation recomputation */
     bool *internal;        /* [ncalls * maxout]: an output only its recomputed call reads (freed after the forward, made again before the backward) */
     /* shared modules: the gradient each call of one adds, gathered and summed in call order at the step's end */
-    struct smp__shared { int call, param, part; smp_tensor grad; } *shared; /* in call order, then parameter order */
+    smp__shared *shared;   /* in call order, then parameter order */
     int nshared;
     int *shared_first;     /* [ncalls + 1]: each call's slots */
     /* per step */
@@ -1061,7 +1064,7 @@ static void smp__shared_build(smp__pipe *ps, smp_model *md) {
             smp_param *p = md->params[i];
             if (p->is_buffer || !smp__in_subtree(p->module, mod)) continue;
             if (!smp__grow((void **)&ps->shared, &cap, ps->nshared + 1, sizeof *ps->shared)) smp__fatal("out of memory building the pipeline");
-            struct smp__shared *q = &ps->shared[ps->nshared++];
+            smp__shared *q = &ps->shared[ps->nshared++];
             q->call = k;
             q->param = i;
             q->part = md->stage_rank[md->calls[k].stage];
@@ -2000,7 +2003,7 @@ static smp_status smp__receive(smp__pipe *ps, int s, int i, bool backward) {
 }
 
 /* ---------------------------------------------------------------- shared modules */
-static void smp__swap_grad(smp_model *md, struct smp__shared *q) {
+static void smp__swap_grad(smp_model *md, smp__shared *q) {
     smp_param *p = md->params[q->param];
     void *d = p->grad.data;
     p->grad.data = q->grad.data;
@@ -2018,7 +2021,7 @@ static bool smp__shared_held(const smp__pipe *ps, int param, int part) {
 static smp_status smp__shared_start(smp__pipe *ps) {
     smp_status st = SMP_OK;
     for (int q = 0; q < ps->nshared && !st; q++) {
-        struct smp__shared *s = &ps->shared[q];
+        smp__shared *s = &ps->shared[q];
         if (s->part != smp__ctx.mp_rank) continue;
         if (!s->grad.data && !smp__tensor_alloc(&s->grad, ps->on_device, SMP__ALLOC_PARAM))
             return smp_error(SMP_ERR_NOMEM, "out of memory for the gradient of a shared parameter (%zu bytes): %s", smp_tensor_nbytes(&s->grad), smp_last_error());
@@ -2045,7 +2048,7 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
             if (peer == me) continue;
             size_t bytes = 0;
             for (int q = 0; q < ps->nshared; q++) {
-                struct smp__shared *s = &ps->shared[q];
+                smp__shared *s = &ps->shared[q];
                 if (pass ? s->part == me && smp__shared_held(ps, s->param, peer) : s->part == peer && md->params[s->param]->module->local)
                     bytes += smp_tensor_nbytes(&s->grad);
             }
@@ -2057,7 +2060,7 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
             char *b = buf[pass * P + peer] = (char *)smp__alloc(bytes, SMP__ALLOC_OTHER);
             if (!b) { st = smp_error(SMP_ERR_NOMEM, "out of memory for %zu bytes of shared gradients", bytes); break; }
             for (size_t at = 0, q = 0; pass && q < (size_t)ps->nshared && !st; q++) {
-                struct smp__shared *s = &ps->shared[q];
+                smp__shared *s = &ps->shared[q];
                 if (s->part != me || !smp__shared_held(ps, s->param, peer)) continue;
                 smp_tensor h = s->grad;
                 h.device = SMP_HOST;
@@ -2088,7 +2091,7 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
     for (int peer = 0; peer < P && !st; peer++) { /* unpack what arrived */
         char *b = buf[peer];
         for (size_t at = 0, q = 0; b && q < (size_t)ps->nshared && !st; q++) {
-            struct smp__shared *s = &ps->shared[q];
+            smp__shared *s = &ps->shared[q];
             if (s->part != peer || !md->params[s->param]->module->local) continue;
             if (!s->grad.data && !smp__tensor_alloc(&s->grad, ps->on_device, SMP__ALLOC_PARAM))
                 st = smp_error(SMP_ERR_NOMEM, "out of memory for the gradient of a shared parameter (%zu bytes): %s", smp_tensor_nbytes(&s->grad), smp_last_error());

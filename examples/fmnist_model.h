@@ -24,12 +24,22 @@ static smp_status linear_forward(smp_call_ctx *c) {
     return SMP_OK;
 }
 
-static smp_status linear_backward(smp_call_ctx *c) {
+/* The backward in two halves, so zero-bubble schedules can run the weight
+   half (dW += dy^T x, db += column sums of dy) in a pipeline bubble; the
+   input half (dx = dy W) is what the previous stage waits for. */
+static smp_status linear_backward_input(smp_call_ctx *c) {
     const linear *l = smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0); /* NULL for the first layer: images need no gradient */
-    mlp_linear_backward(x->data, smp_param_value(l->weight)->data, dy->data, dx ? dx->data : NULL,
-                        smp_param_grad(l->weight)->data, smp_param_grad(l->bias)->data, (int)x->shape[0], l->in, l->out);
+    if (dx) mlp_linear_backward(x->data, smp_param_value(l->weight)->data, dy->data, dx->data, NULL, NULL, (int)x->shape[0], l->in, l->out);
+    return SMP_OK;
+}
+
+static smp_status linear_backward_weight(smp_call_ctx *c) {
+    const linear *l = smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
+    mlp_linear_backward(x->data, smp_param_value(l->weight)->data, dy->data, NULL, smp_param_grad(l->weight)->data,
+                        smp_param_grad(l->bias)->data, (int)x->shape[0], l->in, l->out);
     return SMP_OK;
 }
 
@@ -74,7 +84,7 @@ static smp_status mlp_forward(smp_model *m, const smp_tensor *in, int nin, smp_t
    SMP_PARTITION contexts, as in the reference's manual-partitioning script;
    otherwise smp splits the traced calls itself. */
 static smp_status build_model(mlp *net, int partitions, smp_model **model) {
-    static const smp_module_desc fc = {linear_forward, linear_backward, NULL}, relu = {relu_forward, relu_backward, NULL};
+    static const smp_module_desc fc = {linear_forward, NULL, NULL}, relu = {relu_forward, relu_backward, NULL};
     net->root = smp_module_new(NULL, "", NULL);
     for (int i = 0; i < NLAYERS; i++) {
         char name[16];
@@ -85,6 +95,7 @@ static smp_status build_model(mlp *net, int partitions, smp_model **model) {
             net->lin[i].in = widths[i];
             net->lin[i].out = widths[i + 1];
             net->fc[i] = smp_module_new(net->root, name, &d);
+            smp_module_set_backward_split(net->fc[i], linear_backward_input, linear_backward_weight);
             net->lin[i].weight = smp_param_new(net->fc[i], "weight", SMP_F32, 2, (int64_t[]){widths[i + 1], widths[i]}, init_weight, NULL);
             net->lin[i].bias = smp_param_new(net->fc[i], "bias", SMP_F32, 1, (int64_t[]){widths[i + 1]}, smp_init_constant, NULL);
             if (i < NLAYERS - 1) {

@@ -25,7 +25,7 @@ typedef struct options {
 static void usage(const char *prog) {
     fprintf(stderr,
             "usage: %s [--epochs N] [--batch B] [--lr X] [--lr-decay X] [--seed S]\n"
-            "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved]\n"
+            "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved|zero_bubble]\n"
             "          [--ddp] [--deterministic] [--manual] [--config JSON] [--data DIR]\n"
             "          [--checkpoint PATH] [--partial] [--resume]\n"
             "  --batch is the global batch: every replica gets batch / replicas rows\n"
@@ -54,7 +54,7 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (OPT("--seed")) o->seed = atoi(v);
         else if (OPT("--partitions")) o->cfg.partitions = atoi(v);
         else if (OPT("--microbatches")) o->cfg.microbatches = atoi(v);
-        else if (OPT("--pipeline")) o->cfg.pipeline = !strcmp(v, "simple") ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED;
+        else if (OPT("--pipeline")) o->cfg.pipeline = !strcmp(v, "simple") ? SMP_PIPELINE_SIMPLE : !strcmp(v, "zero_bubble") ? SMP_PIPELINE_ZERO_BUBBLE : SMP_PIPELINE_INTERLEAVED;
         else if (OPT("--config")) o->config_json = v;
         else if (OPT("--data")) o->data_dir = v;
         else if (OPT("--max-steps")) o->max_steps = atol(v);
