@@ -24,9 +24,11 @@ run one 1 --partitions 1 --microbatches 4
 run pp2 2 --partitions 2 --microbatches 4
 run pp2s 2 --partitions 2 --microbatches 4 --pipeline simple
 run pp2m 2 --partitions 2 --microbatches 4 --manual
+run pp2zb 2 --partitions 2 --microbatches 4 --pipeline zero_bubble
 same "demo/2 partitions equal one process, every step bitwise" one pp2
 same "demo/2 partitions, simple pipeline, equal one process bitwise" one pp2s
 same "demo/2 partitions placed by SMP_PARTITION equal one process bitwise" one pp2m
+same "demo/2 partitions, zero-bubble pipeline (split linear backward), equal one process bitwise" one pp2zb
 run dp_pp 4 --partitions 2 --ddp --deterministic --microbatches 4
 run dp_one 2 --partitions 1 --ddp --deterministic --microbatches 4
 same "demo/2 partitions x 2 replicas equal 2 replicas in one stage bitwise (deterministic)" dp_one dp_pp
