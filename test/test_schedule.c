@@ -53,7 +53,10 @@ static void note(int *flag, char *buf, const char *fmt, ...) {
     va_end(ap);
 }
 
-static const char *kind_name(smp_pipeline_kind k) { return k == SMP_PIPELINE_SIMPLE ? "simple" : "interleaved"; }
+static const char *kind_name(smp_pipeline_kind k) {
+    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : "interleaved";
+}
+static char op_letter(smp_sched_op_kind k) { return k == SMP_SCHED_FORWARD ? 'F' : k == SMP_SCHED_BACKWARD ? 'B' : 'W'; }
 
 static unsigned long long rng_state = 0x9e3779b97f4a7c15ULL;
 static unsigned rnd(void) { /* xorshift64*, fixed seed: the test is reproducible */
@@ -65,10 +68,13 @@ static unsigned rnd(void) { /* xorshift64*, fixed seed: the test is reproducible
 static double rnd_uniform(double lo, double hi) { return lo + (hi - lo) * (rnd() / 2147483648.0); }
 
 /* Every (kind, stage, microbatch) exactly once, on stage_rank[stage], and on
-   each stage forwards and backwards in increasing microbatch order. */
+   each stage forwards, backwards and (zero bubble) weight-gradient ops in
+   increasing microbatch order; W ops only in zero-bubble training schedules,
+   each after its own B (on the same rank: a stage's ops share it). */
 static int check_valid(const smp_schedule *sc, const int *map) {
     int S = sc->nstages, m = sc->microbatches;
-    int *next = (int *)calloc((size_t)(2 * S), sizeof(int));
+    bool zb = sc->kind == SMP_PIPELINE_ZERO_BUBBLE && !sc->forward_only;
+    int *next = (int *)calloc((size_t)(3 * S), sizeof(int));
     int ok = 1;
     for (int s = 0; s < S && ok; s++)
         if (sc->stage_rank[s] != map[s]) ok = fail("stage_rank[%d] = %d, expected %d", s, sc->stage_rank[s], map[s]);
@@ -78,10 +84,23 @@ static int check_valid(const smp_schedule *sc, const int *map) {
             if (op.stage < 0 || op.stage >= S) { ok = fail("rank %d op %d: stage %d out of range", r, k, op.stage); break; }
             if (map[op.stage] != r) { ok = fail("rank %d op %d runs stage %d of rank %d", r, k, op.stage, map[op.stage]); break; }
             if (op.kind == SMP_SCHED_BACKWARD && sc->forward_only) { ok = fail("backward in a forward-only schedule"); break; }
-            int *nx = &next[(op.kind == SMP_SCHED_BACKWARD ? S : 0) + op.stage];
+            if (op.kind != SMP_SCHED_FORWARD && op.kind != SMP_SCHED_BACKWARD && op.kind != SMP_SCHED_WEIGHT) {
+                ok = fail("rank %d op %d: kind %d", r, k, (int)op.kind);
+                break;
+            }
+            if (op.kind == SMP_SCHED_WEIGHT && !zb) {
+                ok = fail("rank %d op %d: W op in a %s%s schedule", r, k, sc->forward_only ? "forward-only " : "",
+                          kind_name(sc->kind));
+                break;
+            }
+            int *nx = &next[(int)op.kind * S + op.stage];
             if (op.microbatch != *nx) {
                 ok = fail("rank %d op %d: %c(stage %d) microbatch %d, expected %d (out of order or repeated)", r, k,
-                          op.kind == SMP_SCHED_FORWARD ? 'F' : 'B', op.stage, op.microbatch, *nx);
+                          op_letter(op.kind), op.stage, op.microbatch, *nx);
+                break;
+            }
+            if (op.kind == SMP_SCHED_WEIGHT && next[S + op.stage] <= op.microbatch) {
+                ok = fail("rank %d op %d: W%d.%d before its B", r, k, op.stage, op.microbatch);
                 break;
             }
             (*nx)++;
@@ -89,6 +108,7 @@ static int check_valid(const smp_schedule *sc, const int *map) {
     for (int s = 0; s < S && ok; s++) {
         if (next[s] != m) ok = fail("stage %d runs %d forwards of %d", s, next[s], m);
         else if (next[S + s] != (sc->forward_only ? 0 : m)) ok = fail("stage %d runs %d backwards", s, next[S + s]);
+        else if (next[2 * S + s] != (zb ? m : 0)) ok = fail("stage %d runs %d weight-gradient ops", s, next[2 * S + s]);
     }
     free(next);
     return ok;
@@ -200,22 +220,94 @@ static void test_1f1b_bubble(void) {
     CHECK(ok, "1f1b bubble is (p-1)/(m+p-1) for unit costs", "%s", why);
 }
 
+/* ZB-H1 (Qi et al., ICLR 2024), one stage per rank, equal costs on every
+   stage: when m >= p its makespan is m(F+B+W) + (p-1)(F+B-W), 3m + p - 1 at
+   F = B = W = 1, against 1F1B's (m+p-1)(F+B+W) for the same work (1F1B's
+   backward is B + W). At unit costs the idle time p * makespan - busy is
+   then exactly a third of 1F1B's (p(p-1) against 3p(p-1)), so the bubble
+   fraction is (p-1)/(3m+p-1) against 1F1B's (p-1)/(m+p-1). For every m
+   (m < p too) zero_bubble is never slower than 1F1B. */
+static void test_zb_h1_bubble(void) {
+    /* W <= min(F, B): the formula's regime (with W > F the schedule made for
+       F = B = W waits on W ops and the formula does not hold) */
+    static const double costs[][3] = {{1, 1, 1}, {2.5, 2.5, 2.5}, {1, 1.5, 0.75}, {2, 1, 1}, {1, 2, 1}};
+    int ok_formula = 1, ok_third = 1, ok_faster = 1, tried = 0;
+    char w_formula[512] = "", w_third[512] = "", w_faster[512] = "";
+#define NOTE(flag, buf, ...) note(&flag, buf, __VA_ARGS__)
+    for (int p = 1; p <= 8; p++)
+        for (int m = 1; m <= 32; m++) {
+            smp_schedule zb, one;
+            if (smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE, p, p, NULL, m, false, &zb) != SMP_OK ||
+                smp_schedule_build(SMP_PIPELINE_INTERLEAVED, p, p, NULL, m, false, &one) != SMP_OK) {
+                NOTE(ok_formula, w_formula, "build p=%d m=%d: %s", p, m, smp_last_error());
+                smp_schedule_free(&zb);
+                continue;
+            }
+            for (int c = 0; c < (int)(sizeof costs / sizeof costs[0]); c++) {
+                double f[8], b[8], w[8], F = costs[c][0], Bc = costs[c][1], W = costs[c][2];
+                for (int s = 0; s < p; s++) { f[s] = F; b[s] = Bc; w[s] = W; }
+                smp_sim_result rz, r1;
+                if (smp_schedule_simulate(&zb, f, b, w, 0.0, &rz) != SMP_OK) {
+                    NOTE(ok_formula, w_formula, "simulate p=%d m=%d: %s", p, m, smp_last_error());
+                    continue;
+                }
+                if (smp_schedule_simulate(&one, f, b, w, 0.0, &r1) != SMP_OK) {
+                    NOTE(ok_formula, w_formula, "simulate 1F1B p=%d m=%d: %s", p, m, smp_last_error());
+                    smp_sim_result_free(&rz);
+                    continue;
+                }
+                tried++;
+                double want = m * (F + Bc + W) + (p - 1) * (F + Bc - W);
+                if (rz.deadlock || (m >= p && fabs(rz.makespan - want) > 1e-9))
+                    NOTE(ok_formula, w_formula, "p=%d m=%d F=%g B=%g W=%g: makespan %.12g, want m(F+B+W) + (p-1)(F+B-W) = %.12g%s",
+                         p, m, F, Bc, W, rz.makespan, want, rz.deadlock ? " (deadlock)" : "");
+                if (rz.makespan > r1.makespan + 1e-9 || fabs(rz.busy - r1.busy) > 1e-9)
+                    NOTE(ok_faster, w_faster, "p=%d m=%d F=%g B=%g W=%g: zero_bubble %g (busy %g), 1F1B %g (busy %g)", p, m, F,
+                         Bc, W, rz.makespan, rz.busy, r1.makespan, r1.busy);
+                if (c == 0 && m >= p) {
+                    double idle_z = p * rz.makespan - rz.busy, idle_1 = p * r1.makespan - r1.busy;
+                    double bz = (double)(p - 1) / (3.0 * m + p - 1), b1 = (double)(p - 1) / (double)(m + p - 1);
+                    if (fabs(3 * idle_z - idle_1) > 1e-9 || fabs(idle_z - p * (p - 1.0)) > 1e-9)
+                        NOTE(ok_third, w_third, "p=%d m=%d: idle time %g, 1F1B's %g (want p(p-1) = %d and a third of 1F1B's)", p,
+                             m, idle_z, idle_1, p * (p - 1));
+                    else if (fabs(rz.bubble_fraction - bz) > 1e-12 || fabs(r1.bubble_fraction - b1) > 1e-12)
+                        NOTE(ok_third, w_third, "p=%d m=%d: bubble %.15f (want %.15f), 1F1B's %.15f (want %.15f)", p, m,
+                             rz.bubble_fraction, bz, r1.bubble_fraction, b1);
+                }
+                smp_sim_result_free(&rz);
+                smp_sim_result_free(&r1);
+            }
+            smp_schedule_free(&zb);
+            smp_schedule_free(&one);
+        }
+    CHECK(ok_formula, "zero_bubble (ZB-H1) makespan is m(F+B+W) + (p-1)(F+B-W) for equal stage costs, m >= p (3m+p-1 at unit costs)",
+          "%s", w_formula);
+    CHECK(ok_third, "zero_bubble idle time is exactly a third of 1F1B's at F=B=W=1, m >= p: bubble (p-1)/(3m+p-1) "
+          "against (p-1)/(m+p-1)", "%s", w_third);
+    CHECK(ok_faster && tried == 8 * 32 * 5, "zero_bubble is never slower than 1F1B for the same work (p <= 8, m <= 32, m < p too)",
+          "%s (%d simulations)", w_faster, tried);
+#undef NOTE
+}
+
 /* For every nranks 1..8, virtual stages per rank 1..4 (round robin),
-   microbatches 1..16, both kinds, training and evaluation. */
+   microbatches 1..16, every kind (simple, interleaved, zero_bubble),
+   training and evaluation. */
 static void test_exhaustive(void) {
     int ok_build = 1, ok_valid = 1, ok_sim = 1, ok_rand = 1, ok_1f1b = 1, ok_peak = 1, ok_rank_peak = 1,
-        ok_megatron = 1, ok_pure = 1, ok_reject = 1, ok_fo = 1;
+        ok_megatron = 1, ok_pure = 1, ok_reject = 1, ok_fo = 1, ok_zb_peak = 1, ok_zb_fo = 1;
     char w_build[512] = "", w_valid[512] = "", w_sim[512] = "", w_rand[512] = "", w_1f1b[512] = "",
          w_peak[512] = "", w_rank_peak[512] = "", w_megatron[512] = "", w_pure[512] = "", w_reject[512] = "",
-         w_fo[512] = "";
+         w_fo[512] = "", w_zb_peak[512] = "", w_zb_fo[512] = "";
+    static const smp_pipeline_kind kinds[3] = {SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_SIMPLE, SMP_PIPELINE_ZERO_BUBBLE};
 #define NOTE(flag, buf, ...) note(&flag, buf, __VA_ARGS__)
     int cases = 0;
     for (int R = 1; R <= 8; R++)
         for (int v = 1; v <= 4; v++)
             for (int m = 1; m <= 16; m++)
-                for (int kk = 0; kk < 2; kk++)
+                for (int kk = 0; kk < 3; kk++)
                     for (int fo = 0; fo < 2; fo++) {
-                        smp_pipeline_kind kind = kk ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED;
+                        smp_pipeline_kind kind = kinds[kk];
+                        bool zb = kind == SMP_PIPELINE_ZERO_BUBBLE && !fo;
                         int S = R * v, map[32];
                         for (int s = 0; s < S; s++) map[s] = s % R;
                         smp_schedule sc, again;
@@ -226,6 +318,11 @@ static void test_exhaustive(void) {
                             continue;
                         }
                         cases++;
+                        if (st == SMP_OK && sc.kind != kind) {
+                            NOTE(ok_build, w_build, "%s R=%d v=%d m=%d: built kind %d", kind_name(kind), R, v, m, (int)sc.kind);
+                            smp_schedule_free(&sc);
+                            continue;
+                        }
                         if (st != SMP_OK) {
                             NOTE(ok_build, w_build, "%s R=%d v=%d m=%d fo=%d: %s", kind_name(kind), R, v, m, fo,
                                  smp_last_error());
@@ -249,7 +346,36 @@ static void test_exhaustive(void) {
                             if (!(r.bubble_fraction >= -1e-12 && r.bubble_fraction < 1) || r.makespan + 1e-9 < r.ideal)
                                 NOTE(ok_sim, w_sim, "%s R=%d v=%d m=%d: bubble %g makespan %g ideal %g",
                                      kind_name(kind), R, v, m, r.bubble_fraction, r.makespan, r.ideal);
-                            for (int s = 0; s < S; s++) {
+                            for (int s = 0; s < S && zb; s++) {
+                                /* zero bubble: a microbatch stays in flight until its W; at most
+                                   min(m, S) per stage (1F1B's bound for stage 0), whatever the map */
+                                int bound = m < S ? m : S;
+                                if (r.peak_inflight[s] > bound || r.peak_inflight[s] < 1)
+                                    NOTE(ok_zb_peak, w_zb_peak, "R=%d v=%d m=%d: stage %d peak in-flight %d, want 1..%d", R, v,
+                                         m, s, r.peak_inflight[s], bound);
+                            }
+                            if (zb && v == 1) {
+                                /* ZB-H1 keeps 1F1B's memory: the most any rank holds is 1F1B's */
+                                smp_schedule one;
+                                smp_sim_result r1;
+                                if (smp_schedule_build(SMP_PIPELINE_INTERLEAVED, R, S, NULL, m, false, &one) != SMP_OK ||
+                                    smp_schedule_simulate(&one, NULL, NULL, NULL, 0.0, &r1) != SMP_OK) {
+                                    NOTE(ok_zb_peak, w_zb_peak, "1F1B R=%d m=%d: %s", R, m, smp_last_error());
+                                } else {
+                                    int pz = 0, p1 = 0;
+                                    for (int q = 0; q < R; q++) {
+                                        if (r.rank_peak_inflight[q] > pz) pz = r.rank_peak_inflight[q];
+                                        if (r1.rank_peak_inflight[q] > p1) p1 = r1.rank_peak_inflight[q];
+                                    }
+                                    if (pz > p1)
+                                        NOTE(ok_zb_peak, w_zb_peak,
+                                             "R=%d m=%d: zero_bubble's busiest rank holds %d microbatches, 1F1B's %d", R, m,
+                                             pz, p1);
+                                    smp_sim_result_free(&r1);
+                                }
+                                smp_schedule_free(&one);
+                            }
+                            for (int s = 0; s < S && !zb; s++) {
                                 int want = fo ? 0 : kind == SMP_PIPELINE_SIMPLE ? m : (m < S - s ? m : S - s);
                                 int got = r.peak_inflight[s];
                                 /* simple and 1F1B: exactly; interleaved 1F1B: at most the bound */
@@ -274,6 +400,14 @@ static void test_exhaustive(void) {
                                 if (sc.nops[q] != v * m)
                                     NOTE(ok_fo, w_fo, "%s R=%d v=%d m=%d: rank %d has %d ops, want %d forwards",
                                          kind_name(kind), R, v, m, q, sc.nops[q], v * m);
+                            /* an evaluation step has nothing to split: zero_bubble runs interleaved's forwards */
+                            smp_schedule il;
+                            if (kind == SMP_PIPELINE_ZERO_BUBBLE &&
+                                (smp_schedule_build(SMP_PIPELINE_INTERLEAVED, R, S, NULL, m, true, &il) != SMP_OK ||
+                                 !same_schedule(&sc, &il)))
+                                NOTE(ok_zb_fo, w_zb_fo,
+                                     "R=%d v=%d m=%d: forward-only zero_bubble differs from forward-only interleaved", R, v, m);
+                            if (kind == SMP_PIPELINE_ZERO_BUBBLE) smp_schedule_free(&il);
                         }
 
                         /* interleaved 1F1B reaches Megatron-LM's bubble (p-1)/(v*m+p-1)
@@ -292,11 +426,16 @@ static void test_exhaustive(void) {
                             }
                         }
 
-                        /* random costs and latency on a subset */
-                        if ((R + v + m) % 3 == 0) {
-                            double f[32], b[32], lat = rnd_uniform(0, 0.5);
-                            for (int s = 0; s < S; s++) { f[s] = rnd_uniform(0.2, 3); b[s] = rnd_uniform(0.2, 5); }
-                            if (smp_schedule_simulate(&sc, f, b, NULL, lat, &r) != SMP_OK) {
+                        /* random costs (W too: outside zero bubble a backward costs B + W) and
+                           latency on a subset; every zero-bubble case, twice */
+                        for (int draw = 0; draw < (zb ? 2 : (R + v + m) % 3 == 0); draw++) {
+                            double f[32], b[32], w[32], lat = rnd_uniform(0, 0.5);
+                            for (int s = 0; s < S; s++) {
+                                f[s] = rnd_uniform(0.2, 3);
+                                b[s] = rnd_uniform(0.2, 5);
+                                w[s] = rnd_uniform(0, 3);
+                            }
+                            if (smp_schedule_simulate(&sc, f, b, w, lat, &r) != SMP_OK) {
                                 NOTE(ok_rand, w_rand, "simulate: %s", smp_last_error());
                             } else {
                                 double maxload = 0;
@@ -304,23 +443,24 @@ static void test_exhaustive(void) {
                                     double load = 0;
                                     for (int k = 0; k < sc.nops[q]; k++) {
                                         smp_sched_op op = sc.ops[q][k];
-                                        load += op.kind == SMP_SCHED_FORWARD ? f[op.stage] : b[op.stage];
+                                        load += op.kind == SMP_SCHED_FORWARD ? f[op.stage] : op.kind == SMP_SCHED_WEIGHT ? w[op.stage]
+                                                : zb ? b[op.stage] : b[op.stage] + w[op.stage];
                                     }
                                     if (load > maxload) maxload = load;
                                 }
                                 if (r.deadlock)
                                     NOTE(ok_rand, w_rand, ctx_fmt, kind_name(kind), R, v, m, fo, r.deadlock_reason);
                                 else if (r.makespan + 1e-9 < maxload)
-                                    NOTE(ok_rand, w_rand, "R=%d v=%d m=%d: makespan %g below a rank's load %g", R, v,
-                                         m, r.makespan, maxload);
+                                    NOTE(ok_rand, w_rand, "%s R=%d v=%d m=%d: makespan %g below a rank's load %g",
+                                         kind_name(kind), R, v, m, r.makespan, maxload);
                                 smp_sim_result_free(&r);
                             }
                         }
                         smp_schedule_free(&sc);
                     }
     CHECK(ok_reject, "exhaustive: 1 rank with several stages is rejected", "%s", w_reject);
-    CHECK(ok_build && cases == 7 * 4 * 16 * 4 + 16 * 4, "exhaustive: every schedule builds", "%s (%d cases)", w_build,
-          cases);
+    CHECK(ok_build && cases == (7 * 4 * 16 + 16) * 3 * 2, "exhaustive: every schedule builds, of the kind asked for",
+          "%s (%d cases)", w_build, cases);
     CHECK(ok_valid, "exhaustive: every op once, on its rank, microbatches in order per stage", "%s", w_valid);
     CHECK(ok_pure, "exhaustive: building is a pure function of the inputs", "%s", w_pure);
     CHECK(ok_1f1b, "exhaustive: interleaved with one stage per rank is exactly 1F1B", "%s", w_1f1b);
@@ -333,6 +473,9 @@ static void test_exhaustive(void) {
     CHECK(ok_megatron, "exhaustive: interleaved 1F1B bubble is (p-1)/(v*m+p-1) (m a multiple of p, b = 2f)", "%s",
           w_megatron);
     CHECK(ok_fo, "exhaustive: evaluation schedules hold only forwards", "%s", w_fo);
+    CHECK(ok_zb_peak, "exhaustive: zero_bubble holds at most min(m, S) per stage until W; one stage per rank: "
+          "its busiest rank holds no more than 1F1B's", "%s", w_zb_peak);
+    CHECK(ok_zb_fo, "exhaustive: forward-only zero_bubble equals forward-only interleaved", "%s", w_zb_fo);
 #undef NOTE
 }
 
@@ -354,9 +497,10 @@ static void test_other_maps(void) {
             random_map(R, S, map);
         }
         for (int m = 1; m <= 13 && ok; m += 3)
-            for (int kk = 0; kk < 2 && ok; kk++)
+            for (int kk = 0; kk < 3 && ok; kk++)
                 for (int fo = 0; fo < 2 && ok; fo++) {
-                    smp_pipeline_kind kind = kk ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED;
+                    smp_pipeline_kind kind = kk == 2 ? SMP_PIPELINE_ZERO_BUBBLE : kk ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED;
+                    bool zb = kind == SMP_PIPELINE_ZERO_BUBBLE && !fo;
                     smp_schedule sc;
                     smp_sim_result r;
                     tried++;
@@ -369,12 +513,13 @@ static void test_other_maps(void) {
                         snprintf(w, sizeof w, "%s", why);
                         ok = fail("map %d %s m=%d: %s", q, kind_name(kind), m, w);
                     }
-                    double f[16], b[16];
-                    for (int s = 0; s < S; s++) { f[s] = rnd_uniform(0.2, 3); b[s] = rnd_uniform(0.2, 5); }
-                    if (ok && smp_schedule_simulate(&sc, f, b, NULL, rnd_uniform(0, 1), &r) == SMP_OK) {
+                    double f[16], b[16], w[16];
+                    for (int s = 0; s < S; s++) { f[s] = rnd_uniform(0.2, 3); b[s] = rnd_uniform(0.2, 5); w[s] = rnd_uniform(0, 3); }
+                    if (ok && smp_schedule_simulate(&sc, f, b, w, rnd_uniform(0, 1), &r) == SMP_OK) {
                         if (r.deadlock) ok = fail("map %d %s m=%d: %s", q, kind_name(kind), m, r.deadlock_reason);
                         for (int s = 0; s < S && ok && !fo; s++) {
-                            int bound = kind == SMP_PIPELINE_SIMPLE ? m : (m < S - s ? m : S - s);
+                            /* zero bubble: in flight until W, at most min(m, S) */
+                            int bound = kind == SMP_PIPELINE_SIMPLE ? m : zb ? (m < S ? m : S) : (m < S - s ? m : S - s);
                             if (kind == SMP_PIPELINE_SIMPLE ? r.peak_inflight[s] != bound : r.peak_inflight[s] > bound)
                                 ok = fail("map %d %s m=%d: stage %d peak %d, bound %d", q, kind_name(kind), m, s,
                                           r.peak_inflight[s], bound);
@@ -386,8 +531,8 @@ static void test_other_maps(void) {
                     smp_schedule_free(&sc);
                 }
     }
-    CHECK(ok, "other stage maps (fixed and 300 random): valid, no deadlock, in-flight bounds", "%s (%d schedules)", why,
-          tried);
+    CHECK(ok, "other stage maps (fixed and 300 random), every kind: valid, no deadlock (random F/B/W costs and latency), "
+          "in-flight bounds", "%s (%d schedules)", why, tried);
 }
 
 static void test_simple_order(void) {
@@ -422,6 +567,33 @@ static void test_interleaved_order(void) {
     smp_schedule_free(&sc);
 }
 
+static void test_zero_bubble_order(void) {
+    /* ZB-H1 with 4 stages and 6 microbatches: 1F1B's warm-up (S - s
+       forwards), then each B as soon as it can run, and the W ops where
+       1F1B would idle: stage s delays its first W by s slots (the last
+       stage runs its first W after 4 F/B pairs) and runs the leftover
+       Ws at the end, where 1F1B's cool-down bubble was */
+    static const char *want[4] = {
+        "F0.0 F0.1 F0.2 F0.3 B0.0 W0.0 F0.4 B0.1 W0.1 F0.5 B0.2 W0.2 B0.3 W0.3 B0.4 W0.4 B0.5 W0.5 ",
+        "F1.0 F1.1 F1.2 B1.0 F1.3 B1.1 W1.0 F1.4 B1.2 W1.1 F1.5 B1.3 W1.2 B1.4 W1.3 B1.5 W1.4 W1.5 ",
+        "F2.0 F2.1 B2.0 F2.2 B2.1 F2.3 B2.2 W2.0 F2.4 B2.3 W2.1 F2.5 B2.4 W2.2 B2.5 W2.3 W2.4 W2.5 ",
+        "F3.0 B3.0 F3.1 B3.1 F3.2 B3.2 F3.3 B3.3 W3.0 F3.4 B3.4 W3.1 F3.5 B3.5 W3.2 W3.3 W3.4 W3.5 "};
+    smp_schedule sc;
+    int ok = smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE, 4, 4, NULL, 6, false, &sc) == SMP_OK && sc.kind == SMP_PIPELINE_ZERO_BUBBLE;
+    char got[4][256] = {"", "", "", ""};
+    int bad = -1;
+    for (int r = 0; ok && r < 4; r++) {
+        size_t len = 0;
+        for (int k = 0; k < sc.nops[r] && len < sizeof got[r]; k++)
+            len += (size_t)snprintf(got[r] + len, sizeof got[r] - len, "%c%d.%d ", op_letter(sc.ops[r][k].kind),
+                                    sc.ops[r][k].stage, sc.ops[r][k].microbatch);
+        if (strcmp(got[r], want[r])) { ok = 0; bad = r; }
+    }
+    CHECK(ok, "zero_bubble with 4 stages, 6 microbatches: ZB-H1's order (W ops in 1F1B's bubbles)", "rank %d: %s| want %s", bad,
+          bad >= 0 ? got[bad] : smp_last_error(), bad >= 0 ? want[bad] : "");
+    smp_schedule_free(&sc);
+}
+
 static void test_simulator_by_hand(void) {
     /* 2 stages, 1 microbatch, GPipe: F0 [0,1], F1 [1.5,3.5], B1 [3.5,7.5], B0 [8,11] */
     smp_schedule sc;
@@ -440,6 +612,50 @@ static void test_simulator_by_hand(void) {
         CHECK(0, "simulator: makespan, busy, ideal and bubble of a 2-stage step by hand", "%s", smp_last_error());
     }
     smp_schedule_free(&sc);
+
+    /* the same step with W costs: zero bubble runs W apart (F0 [0,1], F1 [1.5,3.5],
+       B1 [3.5,7.5], W1 [7.5,8.5], B0 [8,11], W0 [11,11.5]); GPipe's backward
+       costs B + W (B1 [3.5,8.5], B0 [9,12.5]) */
+    double w[2] = {0.5, 1};
+    ok = smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE, 2, 2, NULL, 1, false, &sc) == SMP_OK &&
+         smp_schedule_simulate(&sc, f, b, w, 0.5, &r) == SMP_OK;
+    if (ok) {
+        ok = fabs(r.makespan - 11.5) < 1e-12 && fabs(r.busy - 11.5) < 1e-12 && fabs(r.ideal - 5.75) < 1e-12 &&
+             fabs(r.bubble_fraction - 0.5) < 1e-12 && !r.deadlock && r.peak_inflight[0] == 1 && r.peak_inflight[1] == 1;
+        CHECK(ok, "simulator: zero_bubble 2-stage step by hand (B and W apart)", "makespan %g busy %g ideal %g bubble %g",
+              r.makespan, r.busy, r.ideal, r.bubble_fraction);
+        smp_sim_result_free(&r);
+    } else {
+        CHECK(0, "simulator: zero_bubble 2-stage step by hand (B and W apart)", "%s", smp_last_error());
+    }
+    smp_schedule_free(&sc);
+    ok = smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 1, false, &sc) == SMP_OK &&
+         smp_schedule_simulate(&sc, f, b, w, 0.5, &r) == SMP_OK;
+    if (ok) {
+        ok = fabs(r.makespan - 12.5) < 1e-12 && fabs(r.busy - 11.5) < 1e-12 && fabs(r.ideal - 5.75) < 1e-12 && !r.deadlock;
+        CHECK(ok, "simulator: outside zero bubble a backward costs B + W", "makespan %g busy %g ideal %g", r.makespan, r.busy,
+              r.ideal);
+        smp_sim_result_free(&r);
+    } else {
+        CHECK(0, "simulator: outside zero bubble a backward costs B + W", "%s", smp_last_error());
+    }
+    smp_schedule_free(&sc);
+    /* default costs: W 1 in zero bubble, 0 elsewhere (the backward cost is then the whole backward) */
+    double mz = -1, mi = -1;
+    if (smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE, 1, 1, NULL, 1, false, &sc) == SMP_OK &&
+        smp_schedule_simulate(&sc, NULL, NULL, NULL, 0, &r) == SMP_OK) {
+        mz = r.makespan;
+        smp_sim_result_free(&r);
+    }
+    smp_schedule_free(&sc);
+    if (smp_schedule_build(SMP_PIPELINE_INTERLEAVED, 1, 1, NULL, 1, false, &sc) == SMP_OK &&
+        smp_schedule_simulate(&sc, NULL, NULL, NULL, 0, &r) == SMP_OK) {
+        mi = r.makespan;
+        smp_sim_result_free(&r);
+    }
+    smp_schedule_free(&sc);
+    CHECK(mz == 3 && mi == 2, "simulator: NULL costs are 1, and W's is 0 outside zero bubble",
+          "zero_bubble %g (want 3), interleaved %g (want 2)", mz, mi);
 
     /* forward-only: nothing stays in flight; ideal counts forwards only */
     ok = smp_schedule_build(SMP_PIPELINE_INTERLEAVED, 2, 4, NULL, 3, true, &sc) == SMP_OK &&
@@ -510,6 +726,36 @@ static void test_deadlock(void) {
               strstr(r.deadlock_reason, "rank 0 at B0.0 waits for B1.0 (rank 1)"),
           "simulator: a backward before its own forward is a deadlock", "%s", r.deadlock_reason);
     smp_sim_result_free(&r);
+
+    /* zero bubble: a W before its own B waits forever */
+    const smp_sched_op_kind W = SMP_SCHED_WEIGHT;
+    hand_init(&h, 2, 2, map2, 1, false);
+    h.sc.kind = SMP_PIPELINE_ZERO_BUBBLE;
+    hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, W, 0, 0); hand_op(&h, 0, B, 0, 0);
+    hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, B, 1, 0); hand_op(&h, 1, W, 1, 0);
+    st = smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r);
+    CHECK(st == SMP_OK && r.deadlock && strstr(r.deadlock_reason, "rank 0 at W0.0 waits for B0.0 (rank 0)"),
+          "simulator: a W before its own B is a deadlock", "status %d: %s", (int)st, r.deadlock_reason);
+    smp_sim_result_free(&r);
+
+    /* zero bubble: a microbatch stays in flight until its W, not its B */
+    static const int map1[] = {0};
+    int peak[2] = {-1, -1};
+    for (int late = 0; late < 2; late++) {
+        hand_init(&h, 1, 1, map1, 2, false);
+        h.sc.kind = SMP_PIPELINE_ZERO_BUBBLE;
+        hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, B, 0, 0);
+        if (!late) hand_op(&h, 0, W, 0, 0);
+        hand_op(&h, 0, F, 0, 1);
+        if (late) hand_op(&h, 0, W, 0, 0);
+        hand_op(&h, 0, B, 0, 1); hand_op(&h, 0, W, 0, 1);
+        if (smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r) == SMP_OK) {
+            peak[late] = r.deadlock ? -2 : r.peak_inflight[0] * 10 + r.rank_peak_inflight[0];
+            smp_sim_result_free(&r);
+        }
+    }
+    CHECK(peak[0] == 11 && peak[1] == 22, "simulator: zero bubble counts a microbatch in flight until its W",
+          "F B W F B W: %d, F B F W B W: %d (stage peak * 10 + rank peak; want 11 and 22)", peak[0], peak[1]);
 }
 
 static void check_error(smp_status st, const char *phrase, const char *name) {
@@ -536,6 +782,8 @@ static void test_errors(void) {
                 "error: rank out of range");
     check_error(smp_schedule_build((smp_pipeline_kind)42, 2, 2, NULL, 1, false, &sc), "unknown pipeline kind 42",
                 "error: unknown kind");
+    check_error(smp_schedule_build((smp_pipeline_kind)42, 2, 2, NULL, 1, false, &sc), "zero_bubble",
+                "error: unknown kind lists zero_bubble among the kinds");
     check_error(smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 1, false, NULL), "out is NULL", "error: no output");
     /* a failed build leaves a zeroed schedule that free accepts */
     smp_schedule_build(SMP_PIPELINE_SIMPLE, 0, 1, NULL, 1, false, &sc);
@@ -565,10 +813,34 @@ static void test_errors(void) {
     hand_op(&h, 0, F, 0, 3);
     check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r), "outside 2 stages x 1 microbatches",
                 "simulator error: op out of range");
+    /* W ops: only in zero-bubble training schedules, each once */
+    const smp_sched_op_kind W = SMP_SCHED_WEIGHT;
+    for (int k = 0; k < 2; k++) {
+        hand_init(&h, 2, 2, map, 1, false);
+        h.sc.kind = k ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED;
+        hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, B, 0, 0); hand_op(&h, 0, W, 0, 0); hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, B, 1, 0);
+        check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r),
+                    "rank 0 op 2 is a weight-gradient op in a non-zero-bubble schedule",
+                    k ? "simulator error: W op in a simple schedule" : "simulator error: W op in an interleaved schedule");
+    }
+    hand_init(&h, 2, 2, map, 1, true);
+    h.sc.kind = SMP_PIPELINE_ZERO_BUBBLE;
+    hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, W, 0, 0); hand_op(&h, 1, F, 1, 0);
+    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r), "weight-gradient op in a forward-only schedule",
+                "simulator error: W op in a forward-only zero_bubble schedule");
+    hand_init(&h, 2, 2, map, 1, false);
+    h.sc.kind = SMP_PIPELINE_ZERO_BUBBLE;
+    hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, B, 0, 0); hand_op(&h, 0, W, 0, 0); hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, B, 1, 0);
+    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r), "never runs W(stage 1, microbatch 0)",
+                "simulator error: zero_bubble schedule missing a W op");
+    hand_op(&h, 1, W, 1, 0); hand_op(&h, 1, W, 1, 0);
+    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r), "W(stage 1, microbatch 0) appears twice",
+                "simulator error: repeated W op");
     smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 1, false, &sc);
     double neg[2] = {1, -1}, nan2[2] = {NAN, 1};
     check_error(smp_schedule_simulate(&sc, neg, NULL, NULL, 0, &r), "forward cost of stage 1", "simulator error: negative cost");
     check_error(smp_schedule_simulate(&sc, NULL, nan2, NULL, 0, &r), "backward cost of stage 0", "simulator error: NaN cost");
+    check_error(smp_schedule_simulate(&sc, NULL, NULL, neg, 0, &r), "weight cost of stage 1", "simulator error: negative W cost");
     check_error(smp_schedule_simulate(&sc, NULL, NULL, NULL, -1, &r), "comm_latency", "simulator error: negative latency");
     CHECK(r.peak_inflight == NULL && r.rank_peak_inflight == NULL, "simulator error: leaves no arrays", "arrays left");
     smp_schedule_free(&sc);
@@ -580,10 +852,12 @@ int main(void) {
     (void)test_mpi_check;
     test_gpipe_bubble();
     test_1f1b_bubble();
+    test_zb_h1_bubble();
     test_exhaustive();
     test_other_maps();
     test_simple_order();
     test_interleaved_order();
+    test_zero_bubble_order();
     test_simulator_by_hand();
     test_deadlock();
     test_errors();
