@@ -334,13 +334,23 @@ static inline smp_status linear_forward(smp_call_ctx *c) {
                               l->in, l->out);
 }
 
-static inline smp_status linear_backward(smp_call_ctx *c) {
+/* The backward in two halves, as in fmnist_model.h: the input half (dx =
+   dy W) is what the previous stage waits for; zero-bubble schedules run the
+   weight half (dW, db) in a pipeline bubble. */
+static inline smp_status linear_backward_input(smp_call_ctx *c) {
     const linear *l = (const linear *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0); /* NULL for the first layer: images need no gradient */
-    return gpu_linear_backward(l->engine, (const float *)x->data, values_of(l->weight), (const float *)dy->data,
-                               dx ? (float *)dx->data : NULL, grads_of(l->weight), grads_of(l->bias), (int)x->shape[0], l->in,
-                               l->out);
+    if (!dx) return SMP_OK;
+    return gpu_linear_backward(l->engine, (const float *)x->data, values_of(l->weight), (const float *)dy->data, (float *)dx->data, NULL,
+                               NULL, (int)x->shape[0], l->in, l->out);
+}
+
+static inline smp_status linear_backward_weight(smp_call_ctx *c) {
+    const linear *l = (const linear *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
+    return gpu_linear_backward(l->engine, (const float *)x->data, values_of(l->weight), (const float *)dy->data, NULL, grads_of(l->weight),
+                               grads_of(l->bias), (int)x->shape[0], l->in, l->out);
 }
 
 static inline smp_status relu_forward(smp_call_ctx *c) {
@@ -386,7 +396,7 @@ static inline smp_status mlp_forward(smp_model *m, const smp_tensor *in, int nin
    by SMP_PARTITION contexts, as in the reference's manual-partitioning
    script; otherwise smp splits the traced calls itself. */
 static inline smp_status build_model(mlp *net, const gpu_engine *engine, int partitions, smp_model **model) {
-    static const smp_module_desc fc = {linear_forward, linear_backward, NULL};
+    static const smp_module_desc fc = {linear_forward, NULL, NULL};
     smp_module_desc relu = {relu_forward, relu_backward, (void *)engine};
     net->root = smp_module_new(NULL, "", NULL);
     for (int i = 0; i < NLAYERS; i++) {
@@ -399,6 +409,7 @@ static inline smp_status build_model(mlp *net, const gpu_engine *engine, int par
             net->lin[i].out = widths[i + 1];
             net->lin[i].engine = engine;
             net->fc[i] = smp_module_new(net->root, name, &d);
+            smp_module_set_backward_split(net->fc[i], linear_backward_input, linear_backward_weight);
             const int64_t weight_shape[2] = {widths[i + 1], widths[i]}, bias_shape[1] = {widths[i + 1]};
             net->lin[i].weight = smp_param_new(net->fc[i], "weight", SMP_F32, 2, weight_shape, init_weight, NULL);
             net->lin[i].bias = smp_param_new(net->fc[i], "bias", SMP_F32, 1, bias_shape, smp_init_constant, NULL);

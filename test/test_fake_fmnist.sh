@@ -82,6 +82,8 @@ run pp2 2 2 --partitions 2 --microbatches 4
 same "fake-fmnist/2 partitions on 2 fake GPUs (NCCL) equal one process, every step and the accuracy bitwise" one pp2 "(CUDA, nccl:"
 FAKE_CUDA_POOLS=0 run nopools 2 2 --partitions 2 --microbatches 4
 same "fake-fmnist/2 partitions on fake GPUs without memory pools (cudaMalloc, smp's cache of freed blocks) equal one process bitwise" one nopools "(CUDA, nccl:"
+run zb 2 2 --partitions 2 --microbatches 4 --pipeline zero_bubble
+same "fake-fmnist/2 partitions, zero-bubble pipeline (split linear backward on the device), equal one process bitwise" one zb "(CUDA, nccl:"
 run shared 1 2 --partitions 2 --microbatches 4
 same "fake-fmnist/2 partitions sharing one fake GPU (host-staged) equal one process bitwise" one shared "host-staged: ranks share GPUs"
 
