@@ -2497,6 +2497,37 @@ static void smp__notify_failure(smp__pipe *ps) {
     }
 }
 
+/* The partition report's last part (rank 0, SMP_VERBOSE=1): what each
+   schedule would make of this model, simulated with the traced forward,
+   backward-input and backward-weight times of every stage. */
+static void smp__schedule_report(const smp_model *md) {
+    if (smp__ctx.rank != 0 || !getenv("SMP_VERBOSE")) return;
+    int S = md->nstages, m = smp__ctx.cfg.microbatches;
+    double *cost = (double *)smp__alloc(sizeof(double) * 3 * (size_t)S, SMP__ALLOC_OTHER);
+    if (!cost) return;
+    memset(cost, 0, sizeof(double) * 3 * (size_t)S);
+    for (int k = 0; k < md->ncalls; k++)
+        for (int h = 0; h < 3; h++) cost[h * S + md->calls[k].stage] += md->calls[k].cost[h];
+    smp_log(SMP_LOG_INFO, "schedules for this model, %d stages x %d microbatches, simulated with the traced per-stage times "
+            "(a module without smp_module_set_backward_split has no W: its whole backward is B):", S, m);
+    static const smp_pipeline_kind kinds[] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE};
+    static const char *const names[] = {"simple", "interleaved", "zero_bubble"};
+    for (int q = 0; q < 3; q++) {
+        smp_schedule sc;
+        smp_sim_result r;
+        if (smp_schedule_build(kinds[q], smp__ctx.cfg.partitions, S, md->stage_rank, m, false, &sc)) continue;
+        if (!smp_schedule_simulate(&sc, cost, cost + S, cost + 2 * S, 0.0, &r)) {
+            int peak = 0;
+            for (int p = 0; p < sc.nranks; p++) peak = r.rank_peak_inflight[p] > peak ? r.rank_peak_inflight[p] : peak;
+            smp_log(SMP_LOG_INFO, "  %-12s step %9.3f ms  bubble %5.1f%%  peak microbatches in flight on a rank %d%s", names[q], r.makespan * 1e3,
+                    100.0 * r.bubble_fraction, peak, kinds[q] == smp__ctx.cfg.pipeline ? "  (this run)" : "");
+            smp_sim_result_free(&r);
+        }
+        smp_schedule_free(&sc);
+    }
+    smp__free(cost);
+}
+
 SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
     smp_status st = smp__require_init("smp_step");
     if (st) return st;
@@ -2522,7 +2553,11 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
         for (int i = 0; i < md->desc.ninputs; i++) smp__free(copies[i]);
         if (st) return st;
     }
-    if (!md->pipeline) { md->pipeline = smp__pipe_build(md); md->pipeline_free = smp__pipe_free; }
+    if (!md->pipeline) {
+        md->pipeline = smp__pipe_build(md);
+        md->pipeline_free = smp__pipe_free;
+        smp__schedule_report(md);
+    }
     smp__pipe *ps = (smp__pipe *)md->pipeline;
     if (ps->dev_p2p && !ps->dev_connected) { /* the backend's channels to every pipeline neighbour, once */
         int *peers = (int *)smp__alloc(sizeof(int) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER), np = 0, me = smp__ctx.mp_rank;
