@@ -28,7 +28,7 @@
 
    CONFIG KEYS (smp_config fields, or the same keys as JSON in SMP_CONFIG /
    smp_config_from_json, as in SageMaker's "modelparallel" parameters):
-     partitions (1)            microbatches (1)        pipeline (interleaved|simple)
+     partitions (1)            microbatches (1)        pipeline (interleaved|simple|zero_bubble)
      optimize (speed|memory)   auto_partition (true)   default_partition (none)
      ddp (false)               placement_strategy (cluster|spread)
      memory_weight (speed: 0, memory: 1)               trace_device (cpu|gpu)

@@ -25,6 +25,20 @@
                                  interleaved 1F1B: microbatches go through a
                                  rank's model chunks in groups of nranks, as
                                  in Megatron-LM, for any microbatch count.
+       SMP_PIPELINE_ZERO_BUBBLE  ZB-H1 (Qi et al., "Zero Bubble Pipeline
+                                 Parallelism", ICLR 2024): each backward is
+                                 B(s, i), the input gradient the previous
+                                 stage waits for, and W(s, i), the weight
+                                 gradient, which needs B(s, i) only and runs
+                                 where 1F1B would idle. The same rhythm as
+                                 1F1B, with forwards also held back until
+                                 fewer than S microbatches wait for their W
+                                 on the stage, so memory stays at 1F1B's
+                                 peak; with F = B = W and m >= S the step
+                                 takes m(F+B+W) + (S-1)(F+B-W), a third of
+                                 1F1B's bubble. Modules split their backward
+                                 with smp_module_set_backward_split (a module
+                                 without the split runs it whole as B).
        (SMP_PIPELINE_DEFAULT means INTERLEAVED.)
 
          smp_schedule sc;
@@ -40,12 +54,12 @@
      smp_schedule_simulate() runs any schedule (built or hand-made) without
      computation: each rank runs its list in order, an operation starts when
      the rank is free and its dependency is done (plus comm_latency when the
-     dependency ran on another rank). It reports the makespan, the bubble
+     dependency ran on another rank; W(s, i) needs B(s, i)). It reports the makespan, the bubble
      (idle fraction), the ideal time, peak in-flight microbatches per stage
      and per rank, and a deadlock with the ranks that wait and what for.
 
          smp_sim_result r;
-         smp_schedule_simulate(&sc, NULL, NULL, 0.0, &r);  // unit costs
+         smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.0, &r);  // unit costs
          printf("makespan %g bubble %.3f\n", r.makespan, r.bubble_fraction);
          smp_sim_result_free(&r);
 
