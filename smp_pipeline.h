@@ -2379,6 +2379,10 @@ static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
         smp_call_ctx *c = &st->ctx[k];
         if (!c->module) continue;
         smp__call_release(c, true);
+        if (c->grad_outputs) { /* kept for a W that a failed step never ran */
+            for (int j = 0; j < c->nout; j++) smp__free(c->grad_outputs[j].data);
+            smp__free((void *)c->grad_outputs);
+        }
         smp__free((void *)c->inputs);
         smp__free(c->outputs);
         memset(c, 0, sizeof *c);
