@@ -679,6 +679,9 @@ static struct {
     smp_memory_stats mem;
     smp_device_backend device;
     bool has_device;
+    /* where this rank is, for the exit guard: steps begun, and in a step the
+       operation running ('F', 'B', 'W' or the body 'L'; 0: between operations) */
+    struct { long steps; char op; int stage, microbatch; bool in_step; } at;
 } smp__ctx;
 
 static char smp__errbuf[2048];
@@ -731,7 +734,9 @@ static void smp__fatal(const char *fmt, ...)
     __attribute__((format(printf, 1, 2), noreturn))
 #endif
     ;
+static bool smp__aborting; /* the exit guard stands down: the job is going anyway */
 static void smp__fatal(const char *fmt, ...) {
+    smp__aborting = true;
     va_list ap;
     va_start(ap, fmt);
     smp__vlog(SMP_LOG_ERROR, fmt, ap);
@@ -2275,6 +2280,29 @@ static smp_status smp__agree_on(MPI_Comm comm, smp_status local, const char *wha
 /* ---------------------------------------------------------------- init */
 static void smp__half_op_fns(void);
 
+/* Runs at exit(): a rank that leaves while smp is initialised (exit() in a
+   module, a return from main without smp_finalize) would leave the others
+   waiting for it, and the launcher reports status 0 once they time out or
+   finish what they can. It aborts the whole job instead, saying where it was. */
+static void smp__exit_guard(void) {
+    int down = 0;
+    MPI_Finalized(&down);
+    if (!smp__ctx.initialized || down || smp__aborting) return;
+    char where[160];
+    if (smp__ctx.at.in_step && smp__ctx.at.op) {
+        static const char *const what[] = {"F", "forward", "B", "backward", "W", "weight gradients", "L", "step body"};
+        const char *op = "operation";
+        for (int i = 0; i < 8; i += 2)
+            if (smp__ctx.at.op == what[i][0]) op = what[i + 1];
+        snprintf(where, sizeof where, "in step %ld, during the %s of stage %d on microbatch %d", smp__ctx.at.steps, op, smp__ctx.at.stage,
+                 smp__ctx.at.microbatch);
+    } else if (smp__ctx.at.in_step) snprintf(where, sizeof where, "in step %ld", smp__ctx.at.steps);
+    else snprintf(where, sizeof where, "after %ld steps, outside a step", smp__ctx.at.steps);
+    smp__fatal("rank %d (mp rank %d, dp rank %d) is exiting while smp is initialised (exit() or a return from main before smp_finalize), "
+               "%s: the other ranks would wait for it, so the whole job aborts; call smp_finalize on every rank before leaving main",
+               smp__ctx.rank, smp__ctx.mp_rank, smp__ctx.dp_rank, where);
+}
+
 SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     if (smp__ctx.initialized) return smp_error(SMP_ERR_STATE, "smp_init called twice");
     int up = 0, down = 0;
@@ -2337,6 +2365,8 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
         return st;
     }
     smp__half_op_fns();
+    static bool guarded;
+    if (!guarded) guarded = atexit(smp__exit_guard) == 0;
     if (smp__ctx.has_device && smp__ctx.device.on_init) {
         st = smp__agree_on(smp__ctx.world, smp__ctx.device.on_init(), "device backend start-up");
         if (st) { smp_finalize(); return st; }

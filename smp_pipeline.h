@@ -2546,7 +2546,17 @@ static void smp__schedule_report(const smp_model *md) {
     smp__free(cost);
 }
 
+static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts);
 SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
+    smp__ctx.at.steps++; /* where this rank is, should it exit (smp__exit_guard) */
+    smp__ctx.at.in_step = true;
+    smp_status st = smp__step(d, outs, nouts);
+    smp__ctx.at.in_step = false;
+    smp__ctx.at.op = 0;
+    return st;
+}
+
+static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
     smp_status st = smp__require_init("smp_step");
     if (st) return st;
     if (!d || !d->model) return smp_error(SMP_ERR_ARG, "smp_step: desc and desc->model are required");
@@ -2664,9 +2674,15 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     if (training && ps->nshared) st = smp__shared_start(ps);
     for (int o = 0; o < nops && !st; o++) {
         int s = ops[o].stage, i = ops[o].microbatch;
+        smp__ctx.at.op = "FBW"[ops[o].kind];
+        smp__ctx.at.stage = s;
+        smp__ctx.at.microbatch = i;
         if (ops[o].kind == SMP_SCHED_FORWARD) {
             st = smp__stage_forward(ps, md, s, i);
-            if (!st && s == ps->body_stage) st = smp__run_body(ps, md, i);
+            if (!st && s == ps->body_stage) {
+                smp__ctx.at.op = 'L';
+                st = smp__run_body(ps, md, i);
+            }
             if (ps->inflight[s] > peak[s]) peak[s] = ps->inflight[s];
         } else if (ops[o].kind == SMP_SCHED_BACKWARD) {
             st = smp__stage_backward(ps, md, s, i);
@@ -2676,6 +2692,7 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
             if (!st) smp__stage_release(ps, md, s, i);
         }
     }
+    smp__ctx.at.op = 0;
     if (!st) { /* the last sends must land before their buffers go */
         smp__backoff b = smp__backoff_start();
         while (ps->nsends && !st) {
