@@ -349,7 +349,7 @@ static void test_bad_json_values(void) {
     expect_json_error("bad json: bool given as a number", "{\"auto_partition\": 1}", "\"auto_partition\"",
                       "true or false", "number 1");
     expect_json_error("bad json: unknown pipeline", "{\"pipeline\": \"gpipe\"}", "config key \"pipeline\"",
-                      "\"interleaved\" or \"simple\"", "\"gpipe\"");
+                      "\"interleaved\", \"simple\", or \"zero_bubble\"", "\"gpipe\"");
     expect_json_error("bad json: pipeline as a number", "{\"pipeline\": 1}", "\"pipeline\"", "string", "number 1");
     expect_json_error("bad json: enum is case-sensitive", "{\"optimize\": \"Speed\"}", "\"optimize\"",
                       "\"speed\" or \"memory\"", "\"Speed\"");
