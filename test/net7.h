@@ -1,7 +1,9 @@
 /* net7.h - the test model of the pipeline and data-parallel tests: seven
    calls (fc0 act1 fc1 skip fc2 act2 head) with a skip connection from fc0 to
    skip, its modules on smp's API, and the same model written as plain C
-   (the one-process reference) with the same kernels. */
+   (the one-process reference) with the same kernels. The linears may split
+   their backward (zero-bubble schedules: net_modules_split); the ReLUs and
+   the skip add keep a whole one. */
 #ifndef NET7_H
 #define NET7_H
 #include <math.h>
@@ -21,14 +23,18 @@ static void linear_fwd(const float *x, const float *w, const float *b, float *y,
             y[r * out + o] = acc;
         }
 }
-static void linear_bwd(const float *x, const float *w, const float *gy, float *gx, float *gw, float *gb, int n, int in, int out) {
-    if (gx)
-        for (int r = 0; r < n; r++)
-            for (int i = 0; i < in; i++) {
-                float acc = 0;
-                for (int o = 0; o < out; o++) acc += gy[r * out + o] * w[o * in + i];
-                gx[r * in + i] = acc;
-            }
+/* The backward in its two halves: the input gradient gx = gy W (B), and the
+   weight and bias gradients added into gw += gy^T x, gb += sum of gy's rows
+   (W). linear_bwd runs both, so a split backward sums exactly as a whole one. */
+static void linear_bwd_input(const float *w, const float *gy, float *gx, int n, int in, int out) {
+    for (int r = 0; r < n; r++)
+        for (int i = 0; i < in; i++) {
+            float acc = 0;
+            for (int o = 0; o < out; o++) acc += gy[r * out + o] * w[o * in + i];
+            gx[r * in + i] = acc;
+        }
+}
+static void linear_bwd_weight(const float *x, const float *gy, float *gw, float *gb, int n, int in, int out) {
     for (int o = 0; o < out; o++) {
         float sb = 0;
         for (int r = 0; r < n; r++) sb += gy[r * out + o];
@@ -39,6 +45,10 @@ static void linear_bwd(const float *x, const float *w, const float *gy, float *g
             gw[o * in + i] += sw;
         }
     }
+}
+static void linear_bwd(const float *x, const float *w, const float *gy, float *gx, float *gw, float *gb, int n, int in, int out) {
+    if (gx) linear_bwd_input(w, gy, gx, n, in, out);
+    linear_bwd_weight(x, gy, gw, gb, n, in, out);
 }
 static float mse(const float *y, const float *t, float *g, int n) { /* mean over elements */
     float loss = 0;
@@ -51,8 +61,12 @@ static float mse(const float *y, const float *t, float *g, int n) { /* mean over
 }
 
 /* ---------------------------------------------------------------- modules */
-typedef struct { smp_param *w, *b; int in, out, fail_mp_rank; } lin_state;
+typedef struct { smp_param *w, *b; int in, out, fail_mp_rank, seq_slot; } lin_state;
 static int g_fail = -1, g_fail_mb = -1; /* mp rank (and microbatch, -1: any) whose linear fails (error test) */
+static int g_fail_w = -1;                /* mp rank whose split linears' W fails on microbatch 1 */
+/* g_lin_seq numbers the linears' callbacks on this rank (split backward below) */
+static long g_lin_seq, g_w_adjacent, g_w_deferred, g_b_calls, g_w_calls;
+static long g_b_seq[NLIN * 8]; /* [linear * 8 + microbatch % 8]: when its B ran */
 
 static smp_status lin_forward(smp_call_ctx *c) {
     lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
@@ -60,6 +74,7 @@ static smp_status lin_forward(smp_call_ctx *c) {
     if (g_fail >= 0 && smp_mp_rank() == g_fail && (g_fail_mb < 0 || smp_call_microbatch(c) == g_fail_mb)) return smp_error(SMP_ERR_MODULE, "injected failure");
     int64_t n = x->shape[0], shape[2] = {n, s->out};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
+    g_lin_seq++;
     linear_fwd((const float *)x->data, (const float *)smp_param_value(s->w)->data, (const float *)smp_param_value(s->b)->data,
                (float *)y->data, (int)n, s->in, s->out);
     return SMP_OK;
@@ -70,6 +85,34 @@ static smp_status lin_backward(smp_call_ctx *c) {
     smp_tensor *gx = smp_call_grad_input(c, 0);
     linear_bwd((const float *)x->data, (const float *)smp_param_value(s->w)->data, (const float *)smp_call_grad_output(c, 0)->data,
                gx ? (float *)gx->data : NULL, (float *)smp_param_grad(s->w)->data, (float *)smp_param_grad(s->b)->data, (int)x->shape[0], s->in, s->out);
+    return SMP_OK;
+}
+/* The split backward. W finds the input and output gradient B had (smp
+   keeps them until W) and only adds into the parameter gradients. A test
+   tells a W that ran right after its own B (schedules without W ops) from
+   one the schedule put later, after other linears' work (g_w_adjacent,
+   g_w_deferred). */
+static smp_status lin_backward_input(smp_call_ctx *c) {
+    lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
+    const smp_tensor *gy = smp_call_grad_output(c, 0);
+    smp_tensor *gx = smp_call_grad_input(c, 0);
+    if (!gy) return smp_error(SMP_ERR_MODULE, "backward_input without an output gradient");
+    if (gx) linear_bwd_input((const float *)smp_param_value(s->w)->data, (const float *)gy->data, (float *)gx->data, (int)gy->shape[0], s->in, s->out);
+    g_b_seq[s->seq_slot * 8 + smp_call_microbatch(c) % 8] = ++g_lin_seq;
+    g_b_calls++;
+    return SMP_OK;
+}
+static smp_status lin_backward_weight(smp_call_ctx *c) {
+    lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0), *gy = smp_call_grad_output(c, 0);
+    if (!x || !x->data || !gy || !gy->data) return smp_error(SMP_ERR_MODULE, "backward_weight without its input or output gradient");
+    if (g_fail_w >= 0 && smp_mp_rank() == g_fail_w && smp_call_microbatch(c) == 1) return smp_error(SMP_ERR_MODULE, "injected W failure");
+    linear_bwd_weight((const float *)x->data, (const float *)gy->data, (float *)smp_param_grad(s->w)->data, (float *)smp_param_grad(s->b)->data,
+                      (int)x->shape[0], s->in, s->out);
+    if (g_b_seq[s->seq_slot * 8 + smp_call_microbatch(c) % 8] == g_lin_seq) g_w_adjacent++;
+    else g_w_deferred++;
+    ++g_lin_seq;
+    g_w_calls++;
     return SMP_OK;
 }
 static smp_status relu_forward(smp_call_ctx *c) {
@@ -138,10 +181,15 @@ static smp_status net_forward(smp_model *m, const smp_tensor *in, int nin, smp_t
    or an engine's device versions of the same kernels (test_device.c);
    add_f NULL: smp's built-in add. */
 typedef struct { smp_module_fn lin_f, lin_b, relu_f, relu_b, add_f, add_b; } net_fns;
+/* A split backward for the linears, in place of lin_b (ReLU and add keep
+   theirs: modules with a whole backward beside split ones). */
+typedef struct { smp_module_fn lin_bi, lin_bw; } net_split_fns;
+static const net_split_fns net_host_split = {lin_backward_input, lin_backward_weight};
 
 /* The modules and parameters; placement[k]: partition of call k's module
-   (manual); NULL: auto. A test may add buffers before net_model. */
-static inline void net_modules(net *n, const int *placement, const net_fns *f) {
+   (manual); NULL: auto; split NULL: the linears' backward whole. A test may
+   add buffers before net_model. */
+static inline void net_modules_split(net *n, const int *placement, const net_fns *f, const net_split_fns *split) {
     const smp_module_desc relu = {f->relu_f, f->relu_b, NULL}, add = {f->add_f, f->add_b, NULL};
     memset(n, 0, sizeof *n);
     n->root = smp_module_new(NULL, "", NULL);
@@ -154,8 +202,10 @@ static inline void net_modules(net *n, const int *placement, const net_fns *f) {
         if (l >= 0) {
             n->st[l].in = lin_in[l];
             n->st[l].out = lin_out[l];
-            smp_module_desc d = {f->lin_f, f->lin_b, &n->st[l]};
+            n->st[l].seq_slot = l;
+            smp_module_desc d = {f->lin_f, split ? NULL : f->lin_b, &n->st[l]};
             n->lin[l] = smp_module_new(n->root, names[k], &d);
+            if (split) smp_module_set_backward_split(n->lin[l], split->lin_bi, split->lin_bw);
             int64_t ws[2] = {lin_out[l], lin_in[l]}, bs[1] = {lin_out[l]};
             n->st[l].w = smp_param_new(n->lin[l], "weight", SMP_F32, 2, ws, smp_init_uniform, NULL);
             n->st[l].b = smp_param_new(n->lin[l], "bias", SMP_F32, 1, bs, smp_init_uniform, NULL);
@@ -165,6 +215,7 @@ static inline void net_modules(net *n, const int *placement, const net_fns *f) {
         if (placement) smp_partition_pop();
     }
 }
+static inline void net_modules(net *n, const int *placement, const net_fns *f) { net_modules_split(n, placement, f, NULL); }
 /* Turns fc1 + skip into the composite call above (auto placement keeps it whole). */
 static inline void net_block(net *n, bool recompute) {
     const smp_module_desc d = {block_forward, NULL, n};
@@ -183,6 +234,11 @@ static inline smp_model *build_with(net *n, const int *placement, const net_fns 
 }
 static const net_fns net_host_fns = {lin_forward, lin_backward, relu_forward, relu_backward, add_forward, add_backward};
 static inline smp_model *build(net *n, const int *placement) { return build_with(n, placement, &net_host_fns, false); }
+/* build, with the linears' backward split (split false: build) */
+static inline smp_model *build_split(net *n, const int *placement, bool split) {
+    net_modules_split(n, placement, &net_host_fns, split ? &net_host_split : NULL);
+    return net_model(n, false);
+}
 
 /* ---------------------------------------------------------------- the reference */
 typedef struct { float w[NLIN][H * H], b[NLIN][H], gw[NLIN][H * H], gb[NLIN][H]; float loss[8]; float out[B * C]; } ref_t;

@@ -1,9 +1,13 @@
 /* test_pipeline.c - the executor against the same model run in one process.
    A 7-call model with a skip connection (call 0 feeds calls 1 and 3) runs
    for every partition count that fits the world, microbatches 1, 2, 3, 4, 8,
-   both schedules, manual placement 0,1,0,1 and interleaving; the loss of
-   each microbatch and every gradient must equal, bit for bit, a plain C
-   implementation of the same model with the same kernels and microbatching. */
+   every schedule (simple, interleaved, zero_bubble), manual placement
+   0,1,0,1 and interleaving; the loss of each microbatch and every gradient
+   must equal, bit for bit, a plain C implementation of the same model with
+   the same kernels and microbatching. zero_bubble runs with the linears'
+   backward split into B and W (beside the ReLUs' and the add's whole
+   backward) and with every backward whole; the split linears also run
+   under the other schedules, which run B and W back to back. */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
@@ -52,7 +56,43 @@ static int compare(smp_model *m, const ref_t *r, const smp_step_output *outs, in
 
 static int world;
 
-static void run_case(int P, int m, smp_pipeline_kind kind, const int *placement, int vstages, const char *label) {
+static const char *kind_name(smp_pipeline_kind k) {
+    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : "interleaved";
+}
+
+/* The zero-bubble stats: each stage's peak in flight (F to W) equals what the
+   simulator counts for the same schedule, is at most min(m, S), and with one
+   stage per rank no stage holds more than 1F1B's busiest (min(m, S), stage 0). */
+static int check_zb_stats(smp_model *model, int P, int m, char *why, size_t cap) {
+    smp_step_stats ss = smp_last_step_stats(model);
+    int S = smp_model_num_stages(model), map[16], ok = 1;
+    for (int s = 0; s < S && s < 16; s++) map[s] = smp_model_stage_rank(model, s);
+    smp_schedule sc;
+    smp_sim_result r;
+    if (S > 16 || smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE, P, S, map, m, false, &sc) != SMP_OK) {
+        snprintf(why, cap, "cannot build the schedule to compare with: %s", smp_last_error());
+        return 0;
+    }
+    if (smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.0, &r) != SMP_OK) {
+        snprintf(why, cap, "cannot simulate the schedule: %s", smp_last_error());
+        smp_schedule_free(&sc);
+        return 0;
+    }
+    int bound = m < S ? m : S;
+    for (int k = 0; k < ss.local_stages && ok; k++) {
+        int s = ss.stage_index[k], got = ss.peak_inflight[k];
+        if (got != r.peak_inflight[s] || got > bound) {
+            snprintf(why, cap, "stage %d held %d microbatches at its peak (in flight until W); the simulator counts %d, bound min(m, S) = %d",
+                     s, got, r.peak_inflight[s], bound);
+            ok = 0;
+        }
+    }
+    smp_sim_result_free(&r);
+    smp_schedule_free(&sc);
+    return ok;
+}
+
+static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *placement, int vstages, bool split, const char *label) {
     smp_config cfg = {0};
     cfg.partitions = P;
     cfg.microbatches = m;
@@ -62,17 +102,19 @@ static void run_case(int P, int m, smp_pipeline_kind kind, const int *placement,
     cfg.seed = 7;
     if (placement) { cfg.auto_partition = SMP_OFF; }
     char name[160], why[4096] = "";
-    snprintf(name, sizeof name, "pipeline/%s/P=%d/m=%d/%s", label, P, m, kind == SMP_PIPELINE_SIMPLE ? "simple" : "interleaved");
+    snprintf(name, sizeof name, "pipeline/%s/P=%d/m=%d/%s%s", label, P, m, kind_name(kind), split ? "/split linears" : "");
     smp_status st = smp_init(&cfg);
     if (st) { MPI_CHECK(0, name, "smp_init: %s", smp_last_error()); return; }
     net n;
-    smp_model *model = build(&n, placement);
+    smp_model *model = build_split(&n, placement, split);
+    long b0 = 0, w0 = 0, deferred0 = 0, adjacent0 = 0;
     ref_t ref;
     ref_params(&ref);
     int ok = model != NULL;
     if (!ok) snprintf(why, sizeof why, "build: %s", smp_last_error());
     for (int step = 0; step < 2 && ok; step++) { /* two steps: gradients accumulate across them too */
         smp_step_output outs[2] = {{0}};
+        if (step == 1) { b0 = g_b_calls; w0 = g_w_calls; deferred0 = g_w_deferred; adjacent0 = g_w_adjacent; } /* (tracing ran step 0's calls once more) */
         smp_tensor x = smp_tensor_2d(g_x, SMP_F32, B, D), t = smp_tensor_2d(g_t, SMP_F32, B, C);
         st = SMP_TRAIN_STEP(model, mse_body, NULL, outs, 2, x, t);
         ref_step(&ref, g_x, g_t, m, true);
@@ -83,7 +125,8 @@ static void run_case(int P, int m, smp_pipeline_kind kind, const int *placement,
             smp_tensor cat = smp_tensor_2d(all, SMP_F32, B, C);
             if (smp_step_output_concat(&outs[1], &cat) || memcmp(all, ref.out, sizeof all)) { snprintf(why, sizeof why, "concatenated outputs differ"); ok = 0; }
         }
-        if (ok) { /* stash peaks: simple holds every microbatch, 1F1B at most S - s */
+        if (ok && kind == SMP_PIPELINE_ZERO_BUBBLE) ok = check_zb_stats(model, P, m, why, sizeof why);
+        if (ok && kind != SMP_PIPELINE_ZERO_BUBBLE) { /* stash peaks: simple holds every microbatch, 1F1B at most S - s */
             smp_step_stats ss = smp_last_step_stats(model);
             int S = smp_model_num_stages(model);
             for (int k = 0; k < ss.local_stages && ok; k++) {
@@ -101,9 +144,32 @@ static void run_case(int P, int m, smp_pipeline_kind kind, const int *placement,
         MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, MPI_COMM_WORLD); /* every rank takes the same path */
         if (!all_ok && ok) { ok = 0; snprintf(why, sizeof why, "another rank failed at step %d", step); }
     }
+    /* split linears, in the second step: one B and one W per local linear and microbatch;
+       W right after its B unless the schedule has W ops, and then (all ranks
+       together) at least one W put later once there are several microbatches */
+    long nb = g_b_calls - b0, nw = g_w_calls - w0, deferred = g_w_deferred - deferred0, adjacent = g_w_adjacent - adjacent0, any_deferred;
+    int local_lin = 0;
+    for (int l = 0; model && l < NLIN; l++) local_lin += smp_module_is_local(n.lin[l]);
+    MPI_Allreduce(&deferred, &any_deferred, 1, MPI_LONG, MPI_SUM, MPI_COMM_WORLD);
+    if (ok && split && (nb != (long)m * local_lin || nw != nb)) {
+        snprintf(why, sizeof why, "%ld B and %ld W calls of the linears, expected %d each", nb, nw, m * local_lin);
+        ok = 0;
+    } else if (ok && !split && (nb || nw)) {
+        snprintf(why, sizeof why, "whole-backward linears ran %ld B and %ld W callbacks", nb, nw);
+        ok = 0;
+    } else if (ok && split && kind != SMP_PIPELINE_ZERO_BUBBLE && deferred) {
+        snprintf(why, sizeof why, "%ld of %ld W calls did not follow their own B under %s", deferred, nw, kind_name(kind));
+        ok = 0;
+    } else if (ok && split && kind == SMP_PIPELINE_ZERO_BUBBLE && m > 1 && !any_deferred) {
+        snprintf(why, sizeof why, "every W ran right after its own B (%ld here): zero_bubble deferred none", adjacent);
+        ok = 0;
+    }
     MPI_CHECK(ok, name, "%s", why);
     smp_model_free(model);
     smp_finalize();
+}
+static void run_case(int P, int m, smp_pipeline_kind kind, const int *placement, int vstages, const char *label) {
+    run_case_split(P, m, kind, placement, vstages, false, label);
 }
 
 /* One rank's module fails: every rank gets the error, and the next step works. */
@@ -162,6 +228,63 @@ static void run_error_case(int P) {
     smp_finalize();
 }
 
+/* zero_bubble with split linears: a failing forward or W reaches every rank
+   (what W ops keep for later is let go), and the next step equals the
+   reference bit for bit. */
+static void run_zb_error_case(int P) {
+    smp_config cfg = {0};
+    cfg.partitions = P;
+    cfg.microbatches = 4;
+    cfg.pipeline = SMP_PIPELINE_ZERO_BUBBLE;
+    cfg.ddp = world > P ? SMP_ON : SMP_OFF;
+    cfg.seed = 7;
+    char name[160], why[4096] = "";
+    int ok = smp_init(&cfg) == SMP_OK;
+    net n;
+    smp_model *model = ok ? build_split(&n, NULL, true) : NULL;
+    smp_step_output outs[2] = {{0}};
+    smp_tensor x = smp_tensor_2d(g_x, SMP_F32, B, D), t = smp_tensor_2d(g_t, SMP_F32, B, C);
+    if (model) smp_model_trace(model, &x, 1);
+    g_fail = P - 1;
+    g_fail_mb = 2;
+    smp_status st = model ? SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t) : SMP_ERR_STATE;
+    g_fail = g_fail_mb = -1;
+    snprintf(name, sizeof name, "pipeline/zero_bubble: a failing forward (microbatch 2, last stage) reaches every rank/P=%d", P);
+    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected failure") && strstr(smp_last_error(), "microbatch 2"), name,
+              "status %d, message: %s", st, smp_last_error());
+    g_fail_w = 0; /* mp rank 0 holds fc0 whatever P is */
+    st = model ? SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t) : SMP_ERR_STATE;
+    g_fail_w = -1;
+    snprintf(name, sizeof name, "pipeline/zero_bubble: a failing W reaches every rank, naming backward_weight/P=%d", P);
+    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected W failure") && strstr(smp_last_error(), "backward_weight"), name,
+              "status %d, message: %s", st, smp_last_error());
+    ref_t ref;
+    ref_params(&ref);
+    ref_step(&ref, g_x, g_t, 4, true);
+    if (model) smp_model_zero_grad(model);
+    st = model ? SMP_TRAIN_STEP(model, mse_body, NULL, outs, 2, x, t) : SMP_ERR_STATE;
+    ok = st == SMP_OK;
+    if (!ok) snprintf(why, sizeof why, "%s", smp_last_error());
+    else ok = compare(model, &ref, outs, 4, why, sizeof why);
+    snprintf(name, sizeof name, "pipeline/zero_bubble: the step after the failures equals the reference/P=%d", P);
+    MPI_CHECK(ok, name, "%s", why);
+    /* evaluation: forward only (no W ops), outputs equal the reference forward */
+    smp_step_output eo[2] = {{0}, {0}};
+    ref_step(&ref, g_x, g_t, 4, false);
+    st = model ? SMP_EVAL_STEP(model, mse_body, NULL, eo, 2, x, t) : SMP_ERR_STATE;
+    float all[B * C];
+    smp_tensor cat = smp_tensor_2d(all, SMP_F32, B, C);
+    snprintf(name, sizeof name, "pipeline/zero_bubble: evaluation step outputs/P=%d", P);
+    MPI_CHECK(st == SMP_OK && !smp_step_output_concat(&eo[1], &cat) && !memcmp(all, ref.out, sizeof all), name, "%s",
+              st ? smp_last_error() : "outputs differ");
+    smp_step_output_free(&eo[0]);
+    smp_step_output_free(&eo[1]);
+    smp_step_output_free(&outs[0]);
+    smp_step_output_free(&outs[1]);
+    smp_model_free(model);
+    smp_finalize();
+}
+
 /* Occurrences of needle in hay. */
 static int count_of(const char *hay, const char *needle) {
     int n = 0;
@@ -170,21 +293,25 @@ static int count_of(const char *hay, const char *needle) {
 }
 
 /* SMP_TIMELINE: one file with every rank's forwards, backwards and (ddp)
-   bucket all-reduces, written when the model is freed. */
-static void run_timeline_case(int P) {
+   bucket all-reduces, written when the model is freed; zero_bubble adds a
+   "weight" event per W op. */
+static void run_timeline_case(int P, smp_pipeline_kind kind) {
     int m = 4, steps = 2, me;
     MPI_Comm_rank(MPI_COMM_WORLD, &me);
-    char path[64], name[128], why[2600] = "";
+    char path[64], name[192], why[2600] = "";
     timeline_to("timeline", path, sizeof path);
-    snprintf(name, sizeof name, "pipeline/SMP_TIMELINE has every rank's forwards, backwards, sends%s/P=%d", world > P ? " and all-reduces" : "", P);
+    bool zb = kind == SMP_PIPELINE_ZERO_BUBBLE;
+    snprintf(name, sizeof name, "pipeline/SMP_TIMELINE has every rank's forwards, backwards, %ssends%s/P=%d%s", zb ? "weight gradients, " : "",
+             world > P ? " and all-reduces" : "", P, zb ? "/zero_bubble/split linears" : "");
     smp_config cfg = {0};
     cfg.partitions = P;
     cfg.microbatches = m;
+    cfg.pipeline = kind;
     cfg.ddp = world > P ? SMP_ON : SMP_OFF;
     cfg.seed = 7;
     int ok = smp_init(&cfg) == SMP_OK;
     net n;
-    smp_model *model = ok ? build(&n, NULL) : NULL;
+    smp_model *model = ok ? build_split(&n, NULL, zb) : NULL;
     for (int step = 0; step < steps && model && ok; step++) {
         smp_step_output outs[2] = {{0}};
         smp_tensor x = smp_tensor_2d(g_x, SMP_F32, B, D), t = smp_tensor_2d(g_t, SMP_F32, B, C);
@@ -205,12 +332,14 @@ static void run_timeline_case(int P) {
         int want = (world / P) * stages * m * steps; /* every replica's stages, every microbatch and step */
         int fwd = ok ? count_of(text, "\"cat\":\"forward\"") : 0, bwd = ok ? count_of(text, "\"cat\":\"backward\"") : 0;
         int ar = ok ? count_of(text, "\"cat\":\"allreduce\"") : 0, open = ok ? count_of(text, "{") : 0, close = ok ? count_of(text, "}") : 0;
+        int wgt = ok ? count_of(text, "\"cat\":\"weight\"") : 0;
         int sends = ok ? count_of(text, "\"cat\":\"send\"") : 0, min_sends = 2 * (world / P) * (stages - 1) * m * steps; /* each boundary, both ways */
         if (ok && (strncmp(text, "{\"displayTimeUnit\"", 18) || open != close || strcmp(text + len - 3, "]}\n"))) {
             snprintf(why, sizeof why, "not one JSON object (%d '{' against %d '}')", open, close);
             ok = 0;
-        } else if (ok && (fwd != want || bwd != want)) {
-            snprintf(why, sizeof why, "%d forward and %d backward events, expected %d each", fwd, bwd, want);
+        } else if (ok && (fwd != want || bwd != want || wgt != (zb ? want : 0))) {
+            snprintf(why, sizeof why, "%d forward, %d backward and %d weight events, expected %d, %d and %d", fwd, bwd, wgt, want, want,
+                     zb ? want : 0);
             ok = 0;
         } else if (ok && (P > 1 ? sends < min_sends : sends != 0)) {
             snprintf(why, sizeof why, "%d send events, expected %s%d", sends, P > 1 ? "at least " : "", min_sends);
@@ -243,7 +372,12 @@ int main(int argc, char **argv) {
         for (int k = 0; k < 5; k++) {
             run_case(P, ms[k], SMP_PIPELINE_SIMPLE, NULL, 1, "auto");
             run_case(P, ms[k], SMP_PIPELINE_INTERLEAVED, NULL, 1, "auto");
+            run_case(P, ms[k], SMP_PIPELINE_ZERO_BUBBLE, NULL, 1, "auto");
+            run_case_split(P, ms[k], SMP_PIPELINE_ZERO_BUBBLE, NULL, 1, true, "auto");
         }
+        /* the split linears under schedules without W ops: B and W back to back */
+        run_case_split(P, 4, SMP_PIPELINE_INTERLEAVED, NULL, 1, true, "auto");
+        run_case_split(P, 3, SMP_PIPELINE_SIMPLE, NULL, 1, true, "auto");
     }
     if (world % 2 == 0) {
         static const int manual[7] = {0, 0, 1, 1, 0, 0, 1}; /* stages on ranks 0,1,0,1 */
@@ -251,12 +385,20 @@ int main(int argc, char **argv) {
             run_case(2, ms[k], SMP_PIPELINE_INTERLEAVED, manual, 1, "manual 0,1,0,1");
             run_case(2, ms[k], SMP_PIPELINE_SIMPLE, manual, 1, "manual 0,1,0,1");
             run_case(2, ms[k], SMP_PIPELINE_INTERLEAVED, NULL, 2, "auto, 2 virtual stages");
+            run_case(2, ms[k], SMP_PIPELINE_ZERO_BUBBLE, manual, 1, "manual 0,1,0,1");
+            run_case_split(2, ms[k], SMP_PIPELINE_ZERO_BUBBLE, manual, 1, true, "manual 0,1,0,1");
+            run_case_split(2, ms[k], SMP_PIPELINE_ZERO_BUBBLE, NULL, 2, true, "auto, 2 virtual stages");
         }
     }
     for (int P = 1; P <= world && P <= 4; P *= 2)
         if (world % P == 0) run_error_case(P);
     for (int P = 1; P <= world && P <= 4; P *= 2)
-        if (world % P == 0) run_timeline_case(P);
+        if (world % P == 0) run_zb_error_case(P);
+    for (int P = 1; P <= world && P <= 4; P *= 2)
+        if (world % P == 0) {
+            run_timeline_case(P, SMP_PIPELINE_INTERLEAVED);
+            run_timeline_case(P, SMP_PIPELINE_ZERO_BUBBLE);
+        }
     (void)g_losses;
     int rc = test_exit_code();
     MPI_Finalize();
