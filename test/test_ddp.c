@@ -6,7 +6,10 @@
    within the bound of summing dp numbers in another order:
        |smp - ref| <= (dp - 1) * 2^-23 * sum_r |g_r|   (+ one ulp of the result)
    where g_r is replica r's gradient, already divided by dp (smp divides
-   the loss gradient, not the sum). */
+   the loss gradient, not the sum). The zero_bubble schedule, with the
+   linears' backward split into B and W ops, must give the same bits: a
+   parameter's bucket may start its all-reduce only after the parameter's
+   last W. */
 #define _POSIX_C_SOURCE 200809L /* setenv, getpid: net7.h's timeline_to */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
@@ -76,7 +79,9 @@ static double check_grads(smp_model *model, const grads_t *want, const grads_t *
     return 0;
 }
 
-typedef struct { int P, m, bpps; bool deterministic, overlap; double bucket_mb; bool perturb; } ddp_case;
+typedef struct { int P, m, bpps; bool deterministic, overlap; double bucket_mb; bool perturb; smp_pipeline_kind kind; bool split; } ddp_case;
+/* the case under zero_bubble, with the linears' backward split */
+static void zb_split(ddp_case *c) { c->kind = SMP_PIPELINE_ZERO_BUBBLE; c->split = true; }
 
 static smp_model *start(const ddp_case *c, net *n) {
     smp_config cfg = {0};
@@ -88,12 +93,13 @@ static smp_model *start(const ddp_case *c, net *n) {
     cfg.deterministic_reduction = c->deterministic ? SMP_ON : SMP_OFF;
     cfg.overlapping_allreduce = c->overlap ? SMP_ON : SMP_OFF;
     cfg.bucket_cap_mb = c->bucket_mb;
+    cfg.pipeline = c->kind;
     /* manual placement: traced times must not move calls between the runs compared */
     int placement[7];
     for (int k = 0; k < 7; k++) placement[k] = k * c->P / 7;
     if (c->P > 1) cfg.auto_partition = SMP_OFF;
     if (smp_init(&cfg)) return NULL;
-    return build(n, c->P > 1 ? placement : NULL);
+    return build_split(n, c->P > 1 ? placement : NULL, c->split);
 }
 
 /* Runs `steps` training steps; returns this rank's gradients flattened by name order into out (for cross-config comparison). */
@@ -134,11 +140,12 @@ static int run(const ddp_case *c, int steps, int rows, grads_t *got, char *why, 
     return ok;
 }
 
-static void equivalence(int P, bool deterministic) {
-    ddp_case c = {P, 4, 1, deterministic, true, 25, false};
+static void equivalence(int P, bool deterministic, bool zb) {
+    ddp_case c = {P, 4, 1, deterministic, true, 25, false, SMP_PIPELINE_DEFAULT, false};
+    if (zb) zb_split(&c);
     int dp = world / P, rows = B;
     char name[128], why[4096] = "";
-    snprintf(name, sizeof name, "ddp/%dx%d/%s", P, dp, deterministic ? "deterministic, bitwise" : "within bound");
+    snprintf(name, sizeof name, "ddp/%dx%d/%s%s", P, dp, deterministic ? "deterministic, bitwise" : "within bound", zb ? "/zero_bubble/split linears" : "");
     grads_t got, want, abs;
     float losses[8];
     int ok = run(&c, 1, rows, &got, why, sizeof why, losses);
@@ -189,8 +196,10 @@ static void same(const char *label, ddp_case a, ddp_case b, int steps_a, int row
     MPI_CHECK(ok, label, "%s", why);
 }
 
-static void clipping_and_scaler(int P) {
-    ddp_case c = {P, 4, 1, true, true, 25, false};
+static void clipping_and_scaler(int P, bool zb) {
+    ddp_case c = {P, 4, 1, true, true, 25, false, SMP_PIPELINE_DEFAULT, false};
+    const char *sfx = zb ? "/zero_bubble/split linears" : "";
+    if (zb) zb_split(&c);
     net n;
     smp_model *model = start(&c, &n);
     int dp = smp_dp_size(), r = smp_dp_rank();
@@ -219,7 +228,7 @@ static void clipping_and_scaler(int P) {
     char why[4096] = "", name[96];
     int ok = !st && memcmp(&got_norm, &norm, sizeof norm) == 0 && check_grads(model, &want, &abs, dp, true, why, sizeof why) == 0;
     if (!ok && !*why) snprintf(why, sizeof why, "status %d (%s), norm %.17g vs %.17g", st, st ? smp_last_error() : "", got_norm, norm);
-    snprintf(name, sizeof name, "ddp/clipping equals the one-process model/P=%d", P);
+    snprintf(name, sizeof name, "ddp/clipping equals the one-process model/P=%d%s", P, sfx);
     MPI_CHECK(ok, name, "%s", why);
     /* the scaler: an overflow on the last rank skips the step everywhere */
     smp_grad_scaler scaler = {0};
@@ -228,14 +237,14 @@ static void clipping_and_scaler(int P) {
     if (smp_rank() == world - 1 && p0) ((float *)smp_param_grad(p0)->data)[0] = INFINITY;
     bool skip = false;
     st = smp_grad_scaler_unscale(model, &scaler, &skip);
-    snprintf(name, sizeof name, "ddp/scaler skips the same step everywhere/P=%d", P);
+    snprintf(name, sizeof name, "ddp/scaler skips the same step everywhere/P=%d%s", P, sfx);
     MPI_CHECK(!st && skip && scaler.scale == s0 * 0.5, name, "skip %d, scale %g (was %g)", skip, scaler.scale, s0);
     smp_model_zero_grad(model);
     st = SMP_TRAIN_STEP(model, mse_body, NULL, &out, 1, x, t);
     float before = p0 ? ((float *)smp_param_grad(p0)->data)[0] : 0;
     if (!st) st = smp_grad_scaler_unscale(model, &scaler, &skip);
     float after = p0 ? ((float *)smp_param_grad(p0)->data)[0] : 0;
-    snprintf(name, sizeof name, "ddp/scaler unscales a clean step/P=%d", P);
+    snprintf(name, sizeof name, "ddp/scaler unscales a clean step/P=%d%s", P, sfx);
     MPI_CHECK(!st && !skip && (!p0 || after == before / (float)scaler.scale), name, "skip %d, %g -> %g", skip, before, after);
     smp_step_output_free(&out);
     smp_model_free(model);
@@ -296,14 +305,20 @@ static int read_timeline(const char *path, tl_event *ev, int cap) {
 /* From the timeline of two steps with several buckets: on every rank the
    buckets all-reduce one at a time in index order, each starting after the
    one before it has finished; with overlapping_allreduce the first starts
-   during the last microbatch's backward, without it once that has ended. */
-static void bucket_order(bool overlap) {
+   during the last microbatch's backward, without it once that has ended.
+   Under zero_bubble (split linears) the gradients are final only after the
+   last microbatch's W op: the first bucket starts during it (overlap) or
+   after it (without), never before it began. */
+static void bucket_order(bool overlap, bool zb) {
     int steps = 2, m = 4, me;
     MPI_Comm_rank(MPI_COMM_WORLD, &me);
     char path[64], name[128], why[2600] = "";
     timeline_to("buckets", path, sizeof path);
-    snprintf(name, sizeof name, "ddp/buckets all-reduce in order, one at a time, %s", overlap ? "the first during the last backward" : "after the backward");
-    ddp_case c = {1, m, 1, false, overlap, 1e-4, false};
+    snprintf(name, sizeof name, "ddp/buckets all-reduce in order, one at a time, %s%s",
+             overlap ? (zb ? "the first during the last W" : "the first during the last backward") : (zb ? "after the last W" : "after the backward"),
+             zb ? "/zero_bubble/split linears" : "");
+    ddp_case c = {1, m, 1, false, overlap, 1e-4, false, SMP_PIPELINE_DEFAULT, false};
+    if (zb) zb_split(&c);
     net n;
     smp_model *model = start(&c, &n);
     int ok = model != NULL;
@@ -323,14 +338,15 @@ static void bucket_order(bool overlap) {
     for (int r = 0; ok && me == 0 && r < world; r++) {
         tl_event bwd[64], ar[256];
         int nb = 0, na = 0;
+        const char *last_kind = zb ? "weight" : "backward"; /* the op that makes gradients final */
         for (int i = 0; i < nev; i++) {
             if (ev[i].pid != r) continue;
-            if (!strcmp(ev[i].cat, "backward") && nb < 64) bwd[nb++] = ev[i];
+            if (!strcmp(ev[i].cat, last_kind) && nb < 64) bwd[nb++] = ev[i];
             if (!strcmp(ev[i].cat, "allreduce") && na < 256) ar[na++] = ev[i];
         }
         int per = na / steps; /* buckets per step */
         if (nb != m * steps || per < 2 || na != per * steps) {
-            snprintf(why, sizeof why, "rank %d: %d backward and %d all-reduce events (want %d, and at least 2 buckets a step)", r, nb, na, m * steps);
+            snprintf(why, sizeof why, "rank %d: %d %s and %d all-reduce events (want %d, and at least 2 buckets a step)", r, nb, last_kind, na, m * steps);
             ok = 0;
         }
         for (int s = 0; ok && s < steps; s++) {
@@ -343,8 +359,9 @@ static void bucket_order(bool overlap) {
                     ok = 0;
                 }
             }
-            if (ok && overlap != (a[0].ts < backward_end - 0.002)) {
-                snprintf(why, sizeof why, "rank %d step %d: bucket 0 started at %.3f us, the last backward ended at %.3f", r, s, a[0].ts, backward_end);
+            if (ok && (overlap != (a[0].ts < backward_end - 0.002) || a[0].ts < last->ts - 0.002)) {
+                snprintf(why, sizeof why, "rank %d step %d: bucket 0 started at %.3f us, the last %s ran from %.3f to %.3f", r, s, a[0].ts, last_kind,
+                         last->ts, backward_end);
                 ok = 0;
             }
         }
@@ -362,10 +379,11 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof g_t / sizeof g_t[0]; i++) g_t[i] = (float)(smp_rng_uniform(&s) * 2 - 1);
     for (int P = 1; P <= world; P *= 2) {
         if (world % P) continue;
-        equivalence(P, true);
-        equivalence(P, false);
+        equivalence(P, true, false);
+        equivalence(P, false, false);
+        equivalence(P, true, true);
         char name[128];
-        ddp_case base = {P, 4, 1, true, true, 25, false};
+        ddp_case base = {P, 4, 1, true, true, 25, false, SMP_PIPELINE_DEFAULT, false};
         ddp_case no_overlap = base, tiny = base, perturbed = base, bp2 = base, m8 = base;
         no_overlap.overlap = false;
         tiny.bucket_mb = 1e-4; /* about 100 bytes: a bucket per parameter */
@@ -386,11 +404,29 @@ int main(int argc, char **argv) {
         m8.m = 4;
         snprintf(name, sizeof name, "ddp/backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
         same(name, bp2, m8, 2, B / 2, 1, B);
-        clipping_and_scaler(P);
+        clipping_and_scaler(P, false);
+        /* zero_bubble, linears split: bucket per parameter or one bucket, overlapping or
+           not, the bits of interleaved 1F1B with whole backwards */
+        ddp_case zb = base, zb_tiny = tiny, zb_no = no_overlap;
+        zb_split(&zb);
+        zb_split(&zb_tiny);
+        zb_split(&zb_no);
+        snprintf(name, sizeof name, "ddp/zero_bubble with split linears equals interleaved/P=%d", P);
+        same(name, base, zb, 1, B, 1, B);
+        snprintf(name, sizeof name, "ddp/zero_bubble: overlapping all-reduce with a bucket per parameter equals all-reduce at the end/P=%d", P);
+        same(name, zb_tiny, zb_no, 1, B, 1, B);
+        ddp_case zb_bp2 = bp2, zb_m8 = m8;
+        zb_split(&zb_bp2);
+        zb_split(&zb_m8);
+        snprintf(name, sizeof name, "ddp/zero_bubble: backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
+        same(name, zb_bp2, zb_m8, 2, B / 2, 1, B);
+        clipping_and_scaler(P, true);
     }
     if (world > 1) {
-        bucket_order(true);
-        bucket_order(false);
+        bucket_order(true, false);
+        bucket_order(false, false);
+        bucket_order(true, true);
+        bucket_order(false, true);
     }
     data_helpers();
     int rc = test_exit_code();
