@@ -22,7 +22,11 @@
    executor stages payloads through host buffers); and with point to point
    that says it goes through the host anyway (smp_nccl's staged mode); and
    with fc1 and the skip add as one recomputed composite call whose add is
-   smp's built-in one (the backend's copy and add on device tensors).
+   smp's built-in one (the backend's copy and add on device tensors); and
+   under zero_bubble with the linears' backward split into B and W (the
+   device kernels of W read the input and the output gradient B had, which
+   smp keeps live on the device until W), with and without the recomputed
+   composite, and with data parallelism.
    Losses, outputs and gradients must equal the one-process host model bit
    for bit, and so must data-parallel gradients with deterministic
    reduction, the gradient norm and clipping. A module failure must reach
@@ -377,6 +381,29 @@ static smp_status dev_lin_backward(smp_call_ctx *c) {
                dev_of(smp_param_grad(s->b), "bias gradient"), (int)x->shape[0], s->in, s->out);
     return SMP_OK;
 }
+/* The split backward (zero_bubble): B writes the input gradient, W adds
+   the weight and bias gradients, each reading only live device memory. */
+static smp_status dev_lin_backward_input(smp_call_ctx *c) {
+    lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
+    const smp_tensor *gy = smp_call_grad_output(c, 0);
+    smp_tensor *gx = smp_call_grad_input(c, 0);
+    if (!gy) return smp_error(SMP_ERR_MODULE, "backward_input without an output gradient");
+    if (gx)
+        linear_bwd_input(dev_of(smp_param_value(s->w), "weight"), dev_of(gy, "linear output gradient (B)"), dev_of(gx, "linear input gradient"),
+                         (int)gy->shape[0], s->in, s->out);
+    return SMP_OK;
+}
+static smp_status dev_lin_backward_weight(smp_call_ctx *c) {
+    lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0), *gy = smp_call_grad_output(c, 0);
+    if (!x || !gy) return smp_error(SMP_ERR_MODULE, "backward_weight without its input or output gradient");
+    linear_bwd_weight(mem_of(x, "linear input (W)"), dev_of(gy, "linear output gradient (W)"), dev_of(smp_param_grad(s->w), "weight gradient"),
+                      dev_of(smp_param_grad(s->b), "bias gradient"), (int)x->shape[0], s->in, s->out);
+    return SMP_OK;
+}
+static const net_split_fns DEV_SPLIT = {dev_lin_backward_input, dev_lin_backward_weight};
+static bool g_split; /* pipeline_case and ddp_case: the linears' backward split */
+
 /* ReLU keeps its mask in the device stash, as a CUDA engine would: the
    backward faults unless the stash is live device memory. */
 static smp_status dev_relu_forward(smp_call_ctx *c) {
@@ -562,11 +589,11 @@ static void pipeline_case(int P, int m, smp_pipeline_kind kind, const int *place
     cfg.virtual_stages = vstages;
     if (placement) cfg.auto_partition = SMP_OFF;
     char name[200], why[4096] = "";
-    snprintf(name, sizeof name, "device/%s/%s%s/P=%d/m=%d/%s", VIA_NAME[via], label, device_args ? "" : ", host arguments", P, m,
-             kind == SMP_PIPELINE_SIMPLE ? "simple" : "interleaved");
+    snprintf(name, sizeof name, "device/%s/%s%s/P=%d/m=%d/%s%s", VIA_NAME[via], label, device_args ? "" : ", host arguments", P, m,
+             kind == SMP_PIPELINE_SIMPLE ? "simple" : kind == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : "interleaved", g_split ? "/split linears" : "");
     if (smp_init(&cfg)) { MPI_CHECK(0, name, "smp_init: %s", smp_last_error()); return; }
     net n;
-    net_modules(&n, placement, g_block ? &DEV_FNS_BUILTIN_ADD : &DEV_FNS);
+    net_modules_split(&n, placement, g_block ? &DEV_FNS_BUILTIN_ADD : &DEV_FNS, g_split ? &DEV_SPLIT : NULL);
     if (g_block) net_block(&n, true);
     smp_model *model = net_model(&n, true);
     ref_t ref;
@@ -649,10 +676,16 @@ static void ddp_case(int P, bool deterministic) {
     cfg.ddp = SMP_ON;
     cfg.deterministic_reduction = deterministic ? SMP_ON : SMP_OFF;
     cfg.bucket_cap_mb = 1e-4; /* about 100 bytes: several buckets */
+    if (g_split) cfg.pipeline = SMP_PIPELINE_ZERO_BUBBLE;
+    const char *sfx = g_split ? "/zero_bubble/split linears" : "";
     char name[200], why[4096] = "";
-    snprintf(name, sizeof name, "device/ddp/%dx%d/%s bitwise equal to one process", P, dp, deterministic ? "deterministic reduction," : "two replicas,");
+    snprintf(name, sizeof name, "device/ddp/%dx%d/%s bitwise equal to one process%s", P, dp, deterministic ? "deterministic reduction," : "two replicas,", sfx);
     net n;
-    smp_model *model = smp_init(&cfg) ? NULL : build_with(&n, NULL, &DEV_FNS, true);
+    smp_model *model = NULL;
+    if (!smp_init(&cfg)) {
+        net_modules_split(&n, NULL, &DEV_FNS, g_split ? &DEV_SPLIT : NULL);
+        model = net_model(&n, true);
+    }
     if (!model) { MPI_CHECK(0, name, "set-up: %s", smp_last_error()); return; }
     int r = smp_dp_rank();
     step_args a;
@@ -664,7 +697,7 @@ static void ddp_case(int P, bool deterministic) {
         snprintf(name, sizeof name, "device/ddp/%dx%d/buckets reduce behind the engine, fenced once after the last", P, dp);
         MPI_CHECK(st == SMP_OK && g_bucket_reductions >= 2 && g_fences == 1 && g_fenced_buckets == g_bucket_reductions && g_unfenced == 0, name,
                   "%d bucket reductions, %d fences (the last after %d of them), %d unfenced", g_bucket_reductions, g_fences, g_fenced_buckets, g_unfenced);
-        snprintf(name, sizeof name, "device/ddp/%dx%d/%s bitwise equal to one process", P, dp, "two replicas,");
+        snprintf(name, sizeof name, "device/ddp/%dx%d/%s bitwise equal to one process%s", P, dp, "two replicas,", sfx);
     }
     ref_t base, rep;
     ref_params(&base);
@@ -701,7 +734,7 @@ static void ddp_case(int P, bool deterministic) {
         ok = st == SMP_OK && memcmp(&got, &norm, sizeof norm) == 0;
         if (!ok) snprintf(why, sizeof why, "status %d (%s), norm %.17g vs %.17g", (int)st, st ? smp_last_error() : "", got, norm);
         if (ok) ok = compare_params(model, (const float (*)[H * H])gw, (const float (*)[H])gb, NULL, why, sizeof why);
-        snprintf(name, sizeof name, "device/ddp/%dx%d/gradient norm and clipping of device gradients equal one process", P, dp);
+        snprintf(name, sizeof name, "device/ddp/%dx%d/gradient norm and clipping of device gradients equal one process%s", P, dp, sfx);
         MPI_CHECK(ok, name, "%s", why);
         /* the scaler: an overflow in the last rank's device gradients skips the step everywhere */
         smp_grad_scaler scaler;
@@ -711,14 +744,14 @@ static void ddp_case(int P, bool deterministic) {
         if (smp_rank() == world - 1 && p0) dev_of(smp_param_grad(p0), "gradient")[0] = INFINITY;
         bool skip = false;
         st = smp_grad_scaler_unscale(model, &scaler, &skip);
-        snprintf(name, sizeof name, "device/ddp/%dx%d/the scaler finds an overflow in device gradients on one rank", P, dp);
+        snprintf(name, sizeof name, "device/ddp/%dx%d/the scaler finds an overflow in device gradients on one rank%s", P, dp, sfx);
         MPI_CHECK(!st && skip && scaler.scale == s0 * 0.5, name, "status %d, skip %d, scale %g (was %g)", (int)st, skip, scaler.scale, s0);
     }
     smp_step_output_free(&outs[0]);
     smp_step_output_free(&outs[1]);
     free_args(&a);
     ok = finish(model, 1, why, sizeof why);
-    snprintf(name, sizeof name, "device/ddp/%dx%d/%s: no device memory left behind", P, dp, deterministic ? "deterministic" : "all-reduce");
+    snprintf(name, sizeof name, "device/ddp/%dx%d/%s: no device memory left behind%s", P, dp, deterministic ? "deterministic" : "all-reduce", sfx);
     MPI_CHECK(ok, name, "%s", why);
 }
 
@@ -873,6 +906,17 @@ int main(int argc, char **argv) {
                 pipeline_case(P, 4, kind ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED, NULL, 1, P > 1 ? VIA_NO_P2P : VIA_P2P, true,
                               "composite fc1 + built-in add, recomputed");
     g_block = false;
+    /* zero_bubble with the linears split: every partition count, the recomputed
+       composite beside them, and data parallelism (buckets after the last W) */
+    g_split = true;
+    for (int P = 1; P <= world && P <= 4; P *= 2)
+        if (world % P == 0) pipeline_case(P, 4, SMP_PIPELINE_ZERO_BUBBLE, NULL, 1, VIA_P2P, true, "auto");
+    if (world % 2 == 0) pipeline_case(2, 3, SMP_PIPELINE_ZERO_BUBBLE, manual, 1, VIA_NO_P2P, true, "manual 0,1,0,1");
+    g_block = true;
+    pipeline_case(world >= 2 ? 2 : 1, 4, SMP_PIPELINE_ZERO_BUBBLE, NULL, 1, VIA_P2P, true, "composite fc1 + built-in add, recomputed");
+    g_block = false;
+    if (world > 1) ddp_case(world / 2, true);
+    g_split = false;
     for (int P = 1; P <= world && P <= 4; P *= 2) {
         if (world % P) continue;
         failure_case(P, VIA_P2P);
