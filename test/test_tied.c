@@ -32,7 +32,10 @@
      so gradients accumulate across steps): every microbatch's loss, the
      model's outputs, every local parameter's gradient and value bitwise
      equal to the reference, and an evaluation step's outputs after
-     training; simple and interleaved pipelines; auto partitioning (also
+     training; simple, interleaved and zero_bubble pipelines (zero_bubble
+     also with every linear's backward split into B and W, the tied
+     module's too: each call's W adds into that call's share of W and b);
+     auto partitioning (also
      with the tied calls inside composites), interleaved virtual stages
      (virtual_stages = 2, P = 2 and 4), manual placement. A wrong tied
      gradient is named: one call dropped, a call twice, the wrong order.
@@ -133,6 +136,16 @@ typedef struct {
     int dflt;                  /* default_partition; -1: none */
 } layout;
 static const layout AUTO = {NULL, -1, -1, -1, -1}, AUTO_WRAPPED = {NULL, -1, -2, -2, -1};
+static bool g_split; /* the linears (tied included) with net7.h's split backward */
+
+static smp_module *new_linear(tnet *n, const char *name, int l) {
+    n->st[l].in = n->st[l].out = TD;
+    n->st[l].seq_slot = l;
+    smp_module_desc d = {lin_forward, g_split ? NULL : lin_backward, &n->st[l]};
+    smp_module *m = smp_module_new(n->root, name, &d);
+    if (g_split) smp_module_set_backward_split(m, lin_backward_input, lin_backward_weight);
+    return m;
+}
 
 static smp_model *tnet_build(tnet *n, const layout *L) {
     memset(n, 0, sizeof *n);
@@ -147,9 +160,7 @@ static smp_model *tnet_build(tnet *n, const layout *L) {
         if (L->embed_ctx >= 0) smp_partition_pop();
     }
     if (placement && tied_ctx >= 0) smp_partition_push(tied_ctx);
-    n->st[0].in = n->st[0].out = TD;
-    smp_module_desc td = {lin_forward, lin_backward, &n->st[0]};
-    n->tied = smp_module_new(n->root, "tied", &td);
+    n->tied = new_linear(n, "tied", 0);
     n->st[0].w = smp_param_new(n->tied, "weight", SMP_F32, 2, ws, smp_init_uniform, NULL);
     n->st[0].b = smp_param_new(n->tied, "bias", SMP_F32, 1, bs, smp_init_uniform, NULL);
     if (placement && tied_ctx >= 0) smp_partition_pop();
@@ -160,9 +171,7 @@ static smp_model *tnet_build(tnet *n, const layout *L) {
         else if (k == 4) n->skip = smp_module_new(n->root, names[k], &add);
         else {
             int l = k == 0 ? 1 : k == 2 ? 2 : 3;
-            n->st[l].in = n->st[l].out = TD;
-            smp_module_desc d = {lin_forward, lin_backward, &n->st[l]};
-            n->fc[l - 1] = smp_module_new(n->root, names[k], &d);
+            n->fc[l - 1] = new_linear(n, names[k], l);
             n->st[l].w = smp_param_new(n->fc[l - 1], "weight", SMP_F32, 2, ws, smp_init_uniform, NULL);
             n->st[l].b = smp_param_new(n->fc[l - 1], "bias", SMP_F32, 1, bs, smp_init_uniform, NULL);
         }
@@ -575,7 +584,8 @@ static smp_model *start(int P, int m, smp_pipeline_kind kind, int vstages, const
 static int run_case(const tcase *c) {
     char name[256], why[4096] = "", pname[400];
     int dpw = world / c->P;
-    snprintf(name, sizeof name, "tied/%s/P=%d/dp=%d/m=%d/%s", c->label, c->P, dpw, c->m, c->kind == SMP_PIPELINE_SIMPLE ? "simple" : "interleaved");
+    snprintf(name, sizeof name, "tied/%s/P=%d/dp=%d/m=%d/%s%s", c->label, c->P, dpw, c->m,
+             c->kind == SMP_PIPELINE_SIMPLE ? "simple" : c->kind == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : "interleaved", g_split ? "/split linears" : "");
     tnet n;
     smp_model *model = start(c->P, c->m, c->kind, c->vstages, c->L, &n);
     int ok = model != NULL;
@@ -871,6 +881,39 @@ int main(int argc, char **argv) {
             run_case(&v);
         }
     else if (me == 0) test_skip("tied/ddp 2x2", "needs a world of 4 ranks");
+    /* zero_bubble: the linears whole (W ops with nothing to run, the tied
+       copies' gradients finished after them) and split (each tied call's W
+       adds into its own share). With a world of 4, P = 2 is DDP 2x2. */
+    const smp_pipeline_kind ZB = SMP_PIPELINE_ZERO_BUBBLE;
+    for (int P = 1; P <= 4; P *= 2) {
+        if (!allowed(P)) continue;
+        for (int sp = 0; sp < 2; sp++) {
+            g_split = sp;
+            if (sp || P > 1) {
+                tcase c = {P, sp ? 3 : 4, 1, ZB, &AUTO, 0, P - 1, "auto", NULL, NULL, NULL};
+                run_case(&c);
+            }
+            if (P > 1) {
+                tcase w = {P, 4, 1, ZB, &AUTO_WRAPPED, 0, P - 1, "auto, tied called by composites embed and head", NULL, NULL, NULL};
+                run_case(&w);
+            }
+            if (sp && P == 2) {
+                tcase v = {P, 4, 2, ZB, &AUTO, 0, P - 1, "auto, 2 virtual stages", NULL, NULL, NULL};
+                run_case(&v);
+            }
+        }
+        g_split = false;
+    }
+    g_split = true;
+    if (allowed(2)) {
+        tcase c = {2, 3, 1, ZB, &m2[1], m2_want[1][0], m2_want[1][1], m2_label[1], NULL, NULL, NULL};
+        run_case(&c);
+    }
+    if (allowed(4)) {
+        tcase c = {4, 4, 1, ZB, &m4[0], m4_want[0][0], m4_want[0][1], m4_label[0], NULL, NULL, NULL};
+        run_case(&c);
+    }
+    g_split = false;
     /* the float64 reference on the largest partitioning */
     {
         int P = allowed(4) ? 4 : allowed(2) ? 2 : 1;
