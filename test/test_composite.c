@@ -19,7 +19,10 @@
         written as 6 composite blocks and as 26 flat top-level calls with the
         same parameter names. Per-microbatch losses and every parameter after
         3 SGD steps equal the reference bit for bit, for partitions 1/2/4,
-        simple and interleaved, microbatches 1/2/4, auto and manual placement
+        simple, interleaved and zero_bubble (whose W ops run no callback
+        here: every leaf has a whole backward, but a call's recomputed
+        activations and its stage's memory go only after its W),
+        microbatches 1/2/4, auto and manual placement
         (block boundaries on partition boundaries; 0,1,0,1 virtual stages;
         auto with 2 virtual stages); every parameter changes and lives on
         exactly one rank of the group;
@@ -739,11 +742,15 @@ static void skip_once(const char *what, int P) {
     if (g_rank == 0) test_skip(key, why);
 }
 
+static const char *kind_name(smp_pipeline_kind k) {
+    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : "interleaved";
+}
+
 static void spec_name(const spec *s, char *out, size_t cap, const char *what) {
     char vs[32] = "";
     if (s->vs > 1) snprintf(vs, sizeof vs, "/%d virtual stages", s->vs);
-    snprintf(out, cap, "%s/P=%d/%s/m=%d/%s%s%s: %s", variant_name[s->variant], s->P, s->kind == SMP_PIPELINE_SIMPLE ? "simple" : "interleaved", s->m,
-             place_name[s->place], vs, rc_name[s->recompute], what);
+    snprintf(out, cap, "%s/P=%d/%s/m=%d/%s%s%s: %s", variant_name[s->variant], s->P, kind_name(s->kind), s->m, place_name[s->place], vs,
+             rc_name[s->recompute], what);
 }
 
 /* Every parameter on exactly one rank of the group (a collective over the group). */
@@ -873,6 +880,19 @@ static void test_equivalence(void) {
             spec s = {v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], 4, 2, PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_INTERLEAVED, STEPS, true, false};
             free(run_checked(&s));
         }
+    /* zero_bubble: manual placement (auto with one partition), then 0,1,0,1 and
+       0,1,2,3,0,1,2,3 virtual stages */
+    for (int a = 0; a < 3; a++)
+        for (int v = 0; v < 2; v++)
+            for (int b = 0; b < 3; b++) {
+                spec s = {v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], ms[b], 1, Ps[a] > 1 ? PL_CONTIG : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE,
+                          STEPS, true, false};
+                free(run_checked(&s));
+            }
+    for (int a = 1; a < 3; a++) {
+        spec s = {V_COMPOSITE, Ps[a], 4, 1, PL_ALT, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
+        free(run_checked(&s));
+    }
 }
 
 static void test_nested(void) {
@@ -884,6 +904,10 @@ static void test_nested(void) {
                     spec s = {V_NESTED, Ps[a], ms[b], 1, pl, RC_NONE, ERR_NONE, kinds[kk], STEPS, true, false};
                     free(run_checked(&s));
                 }
+    for (int a = 1; a < 3; a++) {
+        spec s = {V_NESTED, Ps[a], 4, 1, PL_CONTIG, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
+        free(run_checked(&s));
+    }
 }
 
 /* ---------------------------------------------------------------- 3: recomputation */
@@ -944,6 +968,15 @@ static void test_recompute(void) {
         spec s = {V_COMPOSITE, Ps[a], 4, 1, PL_ALT, RC_BLOCKS, ERR_NONE, SMP_PIPELINE_INTERLEAVED, STEPS, true, false};
         free(run_checked(&s));
     }
+    /* zero_bubble: a recomputed call lets go of what it made again only after its W */
+    for (int a = 0; a < 3; a++) {
+        spec s = {V_COMPOSITE, Ps[a], 4, 1, Ps[a] > 1 ? PL_CONTIG : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
+        recompute_pair(s, RC_BLOCKS);
+    }
+    for (int a = 1; a < 3; a++) {
+        spec s = {V_COMPOSITE, Ps[a], 4, 1, PL_ALT, RC_BLOCKS, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
+        free(run_checked(&s));
+    }
     /* two levels: recompute the block (around a composite) or only the inner composite */
     for (int a = 0; a < 3; a++)
         for (int rc = RC_BLOCKS; rc <= RC_INNER; rc++) {
@@ -987,6 +1020,7 @@ static void test_dropout(void) {
         {2, PL_AUTO, RC_NONE, SMP_PIPELINE_INTERLEAVED},  {2, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED}, {2, PL_CONTIG, RC_NONE, SMP_PIPELINE_SIMPLE},
         {2, PL_CONTIG, RC_BLOCKS, SMP_PIPELINE_SIMPLE},   {2, PL_ALT, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED},  {4, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED},
         {4, PL_CONTIG, RC_NONE, SMP_PIPELINE_SIMPLE},     {4, PL_CONTIG, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED}, {4, PL_ALT, RC_BLOCKS, SMP_PIPELINE_SIMPLE},
+        {2, PL_CONTIG, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE}, {4, PL_ALT, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE},
     };
     layout L;
     resnet_layout(&L, false);
@@ -1070,8 +1104,8 @@ static void test_fan(void) {
     for (int b = 0; b < 3; b++) {
         spec one = {V_FAN, 1, ms[b], 1, PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_INTERLEAVED, STEPS, true, false};
         free(run_checked(&one));
-        for (int kk = 0; kk < 2; kk++) {
-            spec s = {V_FAN, 2, ms[b], 1, PL_CONTIG, RC_NONE, ERR_NONE, kinds[kk], STEPS, true, false};
+        for (int kk = 0; kk < 3; kk++) {
+            spec s = {V_FAN, 2, ms[b], 1, PL_CONTIG, RC_NONE, ERR_NONE, kk < 2 ? kinds[kk] : SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
             free(run_checked(&s));
         }
     }
