@@ -38,7 +38,12 @@
                                  takes m(F+B+W) + (S-1)(F+B-W), a third of
                                  1F1B's bubble. Modules split their backward
                                  with smp_module_set_backward_split (a module
-                                 without the split runs it whole as B).
+                                 without the split runs it whole as B). With
+                                 several stages per rank, microbatches count
+                                 against the rank's interleaved bound until
+                                 their W: memory near interleaved 1F1B's, and
+                                 little gain over it (ZB-V, which needs two
+                                 chunks per rank in a V, is not implemented).
        (SMP_PIPELINE_DEFAULT means INTERLEAVED.)
 
          smp_schedule sc;
@@ -603,10 +608,11 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
                     } else if (kind == SMP_SCHED_BACKWARD) {
                         i = g.next_b[s]++;
                         g.free_at[r] = g.fin_b[(size_t)s * (size_t)m + (size_t)i] = t + cost_b;
-                        g.rank_inflight[r]--;
+                        if (!g.zb) g.rank_inflight[r]--;
                     } else {
                         i = g.next_w[s]++;
                         g.free_at[r] = g.fin_w[(size_t)s * (size_t)m + (size_t)i] = t + cost_w;
+                        g.rank_inflight[r]--; /* zero bubble: the memory goes with the W */
                     }
                     smp__sched_push(sc, r, kind, s, i);
                     if (kind != SMP_SCHED_WEIGHT) g.last_kind[r] = (int)kind;
@@ -2262,12 +2268,20 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
     return SMP_OK;
 }
 
+/* Whether the recomputed call that starts at leaf k holds a split module,
+   whose W still reads what the recomputation made. */
+static bool smp__recompute_waits_for_w(const smp_model *md, int k) {
+    for (int q = k; q <= md->calls[k].recompute_last; q++)
+        if (smp__split_backward(md->calls[q].module)) return true;
+    return false;
+}
+
 /* Call k has no more backward work on microbatch i: a recomputed call lets
    go of what it made again, and after the last microbatch its gradients
    are final for the data-parallel buckets. */
 static smp_status smp__backward_done(smp__pipe *ps, smp_model *md, int k, int i) {
     const smp__call_rec *rec = &md->calls[k];
-    if (rec->recompute_first == k) smp__recompute_drop(ps, i, k, rec->recompute_last);
+    if (rec->recompute_first == k && (!ps->zb || smp__recompute_waits_for_w(md, k))) smp__recompute_drop(ps, i, k, rec->recompute_last);
     return ps->sync && i == ps->m - 1 ? smp__ddp_call_final(ps, md, k) : SMP_OK;
 }
 
@@ -2330,6 +2344,8 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         smp__free(gin);
         c->grad_inputs = NULL;
         if (!rc && !ps->zb) rc = smp__backward_done(ps, md, k, i);
+        else if (!rc && rec->recompute_first == k && !smp__recompute_waits_for_w(md, k)) /* no W will read it */
+            smp__recompute_drop(ps, i, k, rec->recompute_last);
         if (rc) return rc;
         if (ps->sync) smp__ddp_poll(ps); /* between calls: buckets started earlier move on */
     }
