@@ -12,7 +12,7 @@ LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
 MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_device test_tied test_composite
-SCRIPT_TESTS := test/run_timeout.sh test/test_install.sh test/test_demo.sh test/run_fuzz.sh
+SCRIPT_TESTS := test/run_timeout.sh test/test_install.sh test/test_demo.sh test/test_gpt.sh test/run_fuzz.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout
 BENCHES    := collectives partition schedule ddp checkpoint fmnist nccl recompute
@@ -20,7 +20,7 @@ BENCHES    := collectives partition schedule ddp checkpoint fmnist nccl recomput
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
 
-.PHONY: all deps test test-quick test-asan build-gcc build-clang build-asan bench install clean examples demo fuzz cuda test-gpu test-fake-gpu
+.PHONY: all deps test test-quick test-asan build-gcc build-clang build-asan bench install clean examples demo demo-gpt fuzz cuda test-gpu test-fake-gpu
 all: build-gcc
 
 deps:
@@ -63,13 +63,14 @@ test-quick: build-gcc
 	@test/run.sh build/gcc "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(SCRIPT_TESTS)" "1 2 4"
 
 # ---------------------------------------------------------------- examples and the demo
-EXAMPLES := fmnist fmnist_infer
+EXAMPLES := fmnist fmnist_infer gpt
 EXLIBS   := -lopenblas -lz -lm
 # -O3 -fno-math-errno vectorises the engine's elementwise loops (ReLU, Adam's
 # sqrtf); neither reorders floating-point sums, so results do not change.
 EXFLAGS  := -O3 -fno-math-errno -g
 build/examples/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h | build/examples
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(EXFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
+build/examples/gpt: examples/gpt_model.h
 build/examples:
 	@mkdir -p $@
 examples: $(addprefix build/examples/,$(EXAMPLES))
@@ -133,6 +134,12 @@ test-fake-gpu: cuda
 demo: deps
 	@$(MAKE) --no-print-directory build/examples/fmnist
 	mpirun -n $(NP) build/examples/fmnist --partitions 2 $(if $(filter-out 1 2,$(NP)),--ddp) --checkpoint build/fmnist.safetensors $(DEMO_ARGS)
+
+# The GPT example: a character-level transformer on Debian's fortunes, 2
+# pipeline stages on NP processes (x replicas with NP=4), about 3 minutes on 2 cores.
+demo-gpt: deps
+	@$(MAKE) --no-print-directory build/examples/gpt
+	mpirun -n $(NP) build/examples/gpt --partitions 2 $(if $(filter-out 1 2,$(NP)),--ddp) --save build/gpt.safetensors $(DEMO_ARGS)
 
 # ---------------------------------------------------------------- benchmarks
 build/bench/%: bench/%.c $(HEADERS) | build/bench
