@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Draws one step of an smp timeline (SMP_TIMELINE=path, Chrome trace JSON).
 
-One row per rank; forwards and backwards as boxes labelled with their
-microbatch (blue forward, orange backward; a rank's second and later model
+One row per rank; forwards, backwards and weight-gradient halves as boxes
+labelled with their microbatch (blue forward, orange backward - in
+zero-bubble schedules its input-gradient half B -, green the weight half W
+that zero-bubble schedules run apart; a rank's second and later model
 chunks, i.e. virtual stages, in lighter shades), the step body as a thin
 dark tick and the waits for a peer as a grey band under the row.
 
@@ -32,6 +34,9 @@ from matplotlib.patches import Patch  # noqa: E402
 
 FWD = ["#1f5fa8", "#6f9fd8", "#a9c6ea", "#d3e2f5"]
 BWD = ["#d9731a", "#f0a25c", "#f6c597", "#fae2cb"]
+WGT = ["#2e8b3a", "#74c17f", "#a8dcae", "#d4eed7"]
+PALETTE = {"forward": FWD, "backward": BWD, "weight": WGT}
+OPS = tuple(PALETTE)
 
 
 def load(path):
@@ -44,11 +49,11 @@ def load(path):
 
 
 def pick_step(events, step):
-    """The step's forward/backward events keyed by (kind, stage, mb), and
+    """The step's forward/backward/weight events keyed by (kind, stage, mb), and
     every event (waits and bodies included) inside its time window."""
     occ = collections.defaultdict(list)
     for e in sorted(events, key=lambda e: e["ts"]):
-        if e["cat"] in ("forward", "backward"):
+        if e["cat"] in OPS:
             occ[(e["cat"], e["args"]["stage"], e["args"]["microbatch"])].append(e)
     nsteps = min(len(v) for v in occ.values())
     if step is None:
@@ -71,6 +76,8 @@ def align(ops):
     for (cat, s, i), e in ops.items():
         if cat == "forward":
             d = ("forward", s - 1, i) if s > 0 else None
+        elif cat == "weight":
+            d = None  # its B ran on the same rank
         else:
             d = ("backward", s + 1, i) if s < nst - 1 else ("forward", s, i)
         if d and ops[d]["pid"] != e["pid"]:
@@ -128,7 +135,7 @@ def main():
         x = (e["ts"] + shift[e["pid"]] - t0) / 1e3
         w = e["dur"] / 1e3
         y = ranks.index(e["pid"])
-        pal = FWD if cat == "forward" else BWD
+        pal = PALETTE[cat]
         c = chunk[s]
         ax.broken_barh([(x, w)], (y - 0.3, 0.6), facecolors=pal[min(c, len(pal) - 1)], edgecolor="white", linewidth=0.6)
         if w > span / 1e3 / 150:
@@ -139,9 +146,15 @@ def main():
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step's first operation")
     ax.set_xlim(0, span / 1e3 * 1.01)
-    legend = [Patch(color=FWD[0], label="forward"), Patch(color=BWD[0], label="backward")]
+    has_w = any(k[0] == "weight" for k in ops)
+    legend = [Patch(color=FWD[0], label="forward"),
+              Patch(color=BWD[0], label="backward, input half (B)" if has_w else "backward")]
+    if has_w:
+        legend.append(Patch(color=WGT[0], label="weight half (W)"))
     if nchunks > 1:
-        legend += [Patch(color=FWD[1], label="forward, 2nd chunk"), Patch(color=BWD[1], label="backward, 2nd chunk")]
+        legend += [Patch(color=FWD[1], label="forward, 2nd chunk"), Patch(color=BWD[1], label="B, 2nd chunk" if has_w else "backward, 2nd chunk")]
+        if has_w:
+            legend.append(Patch(color=WGT[1], label="W, 2nd chunk"))
     legend.append(Patch(color="#b8b8b8", label="waiting for a peer"))
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8, frameon=False)
     title = a.title or f"{a.trace}: step {step} of {nsteps} ({len(ranks)} ranks, {mbs} microbatches)" + (

@@ -9,19 +9,27 @@
        simple, interleaved   one stage per rank       (0,0,0,0,1,1,1,1 on 2 ranks)
        interleaved, 2 vs     two virtual stages/rank  (0,0,1,1,0,0,1,1 on 2 ranks,
                                                        0,1,2,3,0,1,2,3 on 4)
+       zero_bubble           one stage per rank, ZB-H1   (as 1F1B's placement)
+       zero_bubble, 2 vs     two virtual stages/rank     (as interleaved 2 vs)
    for m = 4, 8, 16 microbatches. N = 8 on 2 and 4 ranks (2R * ceil(8/2R)
-   in general).
+   in general). In the zero_bubble configurations every module's backward
+   is split (smp_module_set_backward_split): its input half (B) sleeps F ms
+   and passes the gradient on, its weight half (W) sleeps F ms, the same
+   2F ms as the whole backward the other kinds run; so F = B = W, ZB-H1's
+   case.
 
    Per configuration it reports
      measured   median over the timed steps of one smp_step (barrier before;
                 the slowest rank's time), after warm-up steps;
      simulated  smp_schedule_simulate's makespan for the schedule the executor
-                runs (same builder, same stage map), each stage's forward and
-                backward costing the median of what its module callbacks
-                measured (a sleep overshoots its nominal time by ~0.1 ms, more
-                on a loaded machine; the simulator gets what the modules
-                really took), with the transport's latency (the best MPI
-                half round trip of one activation message);
+                runs (same builder, same stage map), each stage's forward,
+                backward (B: the whole backward outside zero_bubble) and
+                weight half (W, zero_bubble) costing the median of what its
+                module callbacks measured (a sleep overshoots its nominal
+                time by ~0.1 ms, more on a loaded machine; the simulator
+                gets what the modules really took), with the transport's
+                latency (the best MPI half round trip of one activation
+                message);
      ideal      total work / ranks (no bubble);
      sim/meas   simulated / measured: 1.00 means the executor runs the
                 schedule as fast as the simulator says it can; the issue's
@@ -39,18 +47,32 @@
           (make bench-schedule runs both)
    Options: --f-ms X (forward sleep per module, default 5), --steps N (timed
             steps, default 7), --warmup N (default 2), --only TEXT (run the
-            configurations whose name contains TEXT, e.g. "interleaved 2vs m=8").
+            configurations whose name contains TEXT, e.g. "interleaved 2vs m=8"),
+            --timeline PREFIX (each configuration writes its timeline to
+            PREFIX<name>.json, spaces and '=' as '_', e.g.
+            PREFIXinterleaved_m_8.json), --table (print the bubble table
+            below; on by default with 2 ranks and no --only).
    Timeline: SMP_TIMELINE=/tmp/timeline.json mpirun -n 2 build/bench/schedule --only "2vs m=8"
             writes the Chrome trace of the last configuration run, all its
             steps (smp_model_free writes it); bench/plot_timeline.py draws
-            one step of it.
+            one step of it. --timeline writes one per configuration.
 
+   Bubble table (--table; the 2-rank run of make bench-schedule prints it):
+   the simulator alone, no execution: the bubble fraction of simple,
+   interleaved (1F1B) and zero_bubble (ZB-H1) for p = 2, 4, 8 stages (one
+   per rank) and m = 4, 8, 16 microbatches at F = B = W = 1 (the other
+   kinds' backward costs B + W = 2) and no latency, with ZB-H1's makespan
+   beside the paper's m(F+B+W) + (p-1)(F+B-W) (which assumes m >= p).
+
+   Before the last two lines, the worst sim/meas of each kind:
+       measured/simulated by kind (worst config): simple X.XX, interleaved X.XX, ...
    The last two lines are always
        replay efficiency replayed/measured (worst config): X.XX
        schedule efficiency measured/simulated (worst config): X.XX
    where X.XX is the smallest rep/meas, resp. sim/meas (simulated / measured,
-   whatever the label says), over the configurations: <= 1 up to noise, 1.00
-   when the executor matches the simulator. */
+   whatever the label says), over the configurations (zero_bubble's
+   included): <= 1 up to noise, 1.00 when the executor matches the
+   simulator. */
 #define _POSIX_C_SOURCE 200809L
 #define SMP_IMPLEMENTATION
 #include "smp.h"
@@ -98,9 +120,11 @@ static double median(const double *v, int n) {
 /* ---------------------------------------------------------------- the model */
 static double g_fwd_s;  /* forward sleep per module and microbatch */
 static int g_step = -1; /* timed step being run, -1: warm-up (not recorded) */
-/* how long each callback took: [timed step][0 forward, 1 backward][call][microbatch];
-   a call runs on one rank, the others keep zeros */
-static double g_op[MAX_STEPS][2][MAX_CALLS][MAX_MB];
+/* how long each callback took: [timed step][0 forward, 1 backward (whole, or
+   the input half B), 2 weight half W][call][microbatch]; a call runs on one
+   rank, the others keep zeros */
+enum { KINDS = 3 };
+static double g_op[MAX_STEPS][KINDS][MAX_CALLS][MAX_MB];
 
 typedef struct { int call; } sleeper;
 
@@ -123,6 +147,28 @@ static smp_status sleep_backward(smp_call_ctx *c) {
     if (gx) memcpy(gx->data, gy->data, smp_tensor_nbytes(gy));
     sleep_s(2.0 * g_fwd_s);
     if (g_step >= 0) g_op[g_step][1][s->call][smp_call_microbatch(c)] = now_s() - t0;
+    return SMP_OK;
+}
+
+/* The split backward (zero_bubble): B passes the gradient on and sleeps F,
+   W sleeps F (it would add x^T dy into the weight gradient). */
+static smp_status sleep_backward_input(smp_call_ctx *c) {
+    double t0 = now_s();
+    const sleeper *s = (const sleeper *)smp_module_user(smp_call_module(c));
+    const smp_tensor *gy = smp_call_grad_output(c, 0);
+    smp_tensor *gx = smp_call_grad_input(c, 0);
+    if (gx) memcpy(gx->data, gy->data, smp_tensor_nbytes(gy));
+    sleep_s(g_fwd_s);
+    if (g_step >= 0) g_op[g_step][1][s->call][smp_call_microbatch(c)] = now_s() - t0;
+    return SMP_OK;
+}
+
+static smp_status sleep_backward_weight(smp_call_ctx *c) {
+    double t0 = now_s();
+    const sleeper *s = (const sleeper *)smp_module_user(smp_call_module(c));
+    if (!smp_call_grad_output(c, 0)) return SMP_ERR_STATE; /* smp keeps it until W ran */
+    sleep_s(g_fwd_s);
+    if (g_step >= 0) g_op[g_step][2][s->call][smp_call_microbatch(c)] = now_s() - t0;
     return SMP_OK;
 }
 
@@ -153,8 +199,8 @@ SMP_STEP_BODY(mean_body) {
     return smp_mb_return_f32(mb, 0, (float)(acc / (double)n));
 }
 
-/* placement[k]: partition of call k */
-static smp_model *chain_build(chain *ch, int ncalls, const int *placement) {
+/* placement[k]: partition of call k; split: every module's backward in halves */
+static smp_model *chain_build(chain *ch, int ncalls, const int *placement, bool split) {
     memset(ch, 0, sizeof *ch);
     ch->ncalls = ncalls;
     ch->root = smp_module_new(NULL, "", NULL);
@@ -162,8 +208,9 @@ static smp_model *chain_build(chain *ch, int ncalls, const int *placement) {
         char name[32];
         snprintf(name, sizeof name, "layer%d", k);
         ch->st[k].call = k;
-        smp_module_desc d = {sleep_forward, sleep_backward, &ch->st[k]};
+        smp_module_desc d = {sleep_forward, split ? NULL : sleep_backward, &ch->st[k]};
         SMP_PARTITION(placement[k]) { ch->mod[k] = smp_module_new(ch->root, name, &d); }
+        if (split) smp_module_set_backward_split(ch->mod[k], sleep_backward_input, sleep_backward_weight);
     }
     smp_model *m = NULL;
     smp_model_desc md = {chain_forward, 1, 1, ch, false};
@@ -172,14 +219,15 @@ static smp_model *chain_build(chain *ch, int ncalls, const int *placement) {
 
 /* ---------------------------------------------------------------- replay */
 /* The makespan of schedule sc when operation (kind, stage, microbatch)
-   costs cost[(kind * S + stage) * m + microbatch]: the simulator's rules
-   (each rank runs its list in order; an operation starts when its rank is
-   free and its dependency has finished, plus latency across ranks) with a
-   cost per operation instead of per stage. */
+   costs cost[(kind * S + stage) * m + microbatch] (kind 0 F, 1 B, 2 W): the
+   simulator's rules (each rank runs its list in order; an operation starts
+   when its rank is free and its dependency has finished, plus latency
+   across ranks; W(s, i) follows B(s, i)) with a cost per operation instead
+   of per stage. */
 static double replay(const smp_schedule *sc, const double *cost, double latency) {
     int R = sc->nranks, S = sc->nstages, m = sc->microbatches;
-    static double fin[2 * MAX_CALLS * MAX_MB];
-    static char done[2 * MAX_CALLS * MAX_MB];
+    static double fin[KINDS * MAX_CALLS * MAX_MB];
+    static char done[KINDS * MAX_CALLS * MAX_MB];
     int idx[MAX_CALLS] = {0};
     double clock[MAX_CALLS] = {0}, makespan = 0;
     memset(done, 0, sizeof done);
@@ -188,9 +236,10 @@ static double replay(const smp_schedule *sc, const double *cost, double latency)
         for (int r = 0; r < R; r++)
             for (; idx[r] < sc->nops[r]; idx[r]++) {
                 smp_sched_op op = sc->ops[r][idx[r]];
-                int k = op.kind == SMP_SCHED_FORWARD ? 0 : 1, s = op.stage, i = op.microbatch;
+                int k = op.kind == SMP_SCHED_FORWARD ? 0 : op.kind == SMP_SCHED_BACKWARD ? 1 : 2, s = op.stage, i = op.microbatch;
                 int dk = k, ds = k == 0 ? s - 1 : s + 1;
                 if (k == 1 && s == S - 1) { dk = 0; ds = s; } /* the loss follows the last forward */
+                if (k == 2) { dk = 1; ds = s; }               /* W follows its B */
                 double start = clock[r];
                 if (ds >= 0 && ds < S) {
                     int d = (dk * S + ds) * m + i;
@@ -217,8 +266,15 @@ static double replay(const smp_schedule *sc, const double *cost, double latency)
 typedef struct {
     char name[64];
     double measured, lo, hi, simulated, ideal, bubble, ratio, replayed, replay_ratio;
-    double fwd_call, bwd_call; /* median callback durations (s) */
+    double fwd_call, bwd_call, wgt_call; /* median callback durations (s); bwd: B only in zero_bubble */
+    smp_pipeline_kind kind;
+    int vstages, m;
+    int peak; /* the simulator's most microbatches in flight on one rank (summed over its stages) */
 } result;
+
+static const char *kind_name(smp_pipeline_kind kind) {
+    return kind == SMP_PIPELINE_SIMPLE ? "simple" : kind == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : "interleaved";
+}
 
 static void die(const char *what) {
     fprintf(stderr, "bench/schedule: %s: %s\n", what, smp_last_error());
@@ -226,11 +282,21 @@ static void die(const char *what) {
 }
 
 static bool run_config(int R, int m, smp_pipeline_kind kind, int vstages, int warmup, int steps, double latency,
-                       const char *only, result *res) {
+                       const char *only, const char *timeline, result *res) {
     int per = 2 * R, ncalls = per * ((8 + per - 1) / per);
-    snprintf(res->name, sizeof res->name, "%s%s m=%d", kind == SMP_PIPELINE_SIMPLE ? "simple" : "interleaved",
-             vstages > 1 ? " 2vs" : "", m);
+    bool zb = kind == SMP_PIPELINE_ZERO_BUBBLE;
+    snprintf(res->name, sizeof res->name, "%s%s m=%d", kind_name(kind), vstages > 1 ? " 2vs" : "", m);
     if (only && !strstr(res->name, only)) return false;
+    res->kind = kind;
+    res->vstages = vstages;
+    res->m = m;
+    if (timeline) { /* read when the executor is built and when smp_model_free writes it */
+        char path[4096];
+        int n = snprintf(path, sizeof path, "%s%s.json", timeline, res->name);
+        for (char *p = path + strlen(timeline); p < path + n; p++)
+            if (*p == ' ' || *p == '=') *p = '_';
+        setenv("SMP_TIMELINE", path, 1);
+    }
 
     /* equal stages: ncalls / (R * vstages) consecutive calls each, stage q on rank q % R */
     int placement[MAX_CALLS], nst = R * vstages, run = ncalls / nst;
@@ -244,7 +310,7 @@ static bool run_config(int R, int m, smp_pipeline_kind kind, int vstages, int wa
     cfg.ddp = SMP_OFF;
     if (smp_init(&cfg)) die("smp_init");
     chain ch;
-    smp_model *model = chain_build(&ch, ncalls, placement);
+    smp_model *model = chain_build(&ch, ncalls, placement, zb);
     if (!model) die("building the chain");
 
     static float x[MAX_MB * ROWS * WIDTH];
@@ -274,8 +340,8 @@ static bool run_config(int R, int m, smp_pipeline_kind kind, int vstages, int wa
         if (it >= warmup) t[it - warmup] = slowest;
     }
     g_step = -1;
-    static double all[MAX_STEPS][2][MAX_CALLS][MAX_MB];
-    MPI_Allreduce(g_op, all, steps * 2 * MAX_CALLS * MAX_MB, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+    static double all[MAX_STEPS][KINDS][MAX_CALLS][MAX_MB];
+    MPI_Allreduce(g_op, all, steps * KINDS * MAX_CALLS * MAX_MB, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
 
     /* the executor's stage map and schedule */
     int S = smp_model_num_stages(model), stage_rank[MAX_CALLS];
@@ -288,33 +354,34 @@ static bool run_config(int R, int m, smp_pipeline_kind kind, int vstages, int wa
     if (smp_schedule_build(kind, R, S, stage_rank, m, false, &sc)) die("smp_schedule_build");
 
     /* what each operation of each timed step took: its stage's calls summed */
-    static double opcost[MAX_STEPS][2 * MAX_CALLS * MAX_MB];
+    static double opcost[MAX_STEPS][KINDS * MAX_CALLS * MAX_MB];
     memset(opcost, 0, sizeof opcost);
     for (int k = 0; k < steps; k++)
-        for (int d = 0; d < 2; d++)
+        for (int d = 0; d < KINDS; d++)
             for (int c = 0; c < ncalls; c++)
                 for (int i = 0; i < m; i++) opcost[k][(d * S + smp_model_call_stage(model, c)) * m + i] += all[k][d][c][i];
 
-    /* the simulator, on each stage's median forward and backward */
+    /* the simulator, on each stage's median forward, backward (B) and weight half (W; 0 outside zero_bubble) */
     static double v[MAX_STEPS * MAX_MB];
-    double fcost[MAX_CALLS], bcost[MAX_CALLS], flat[2 * MAX_CALLS * MAX_MB];
-    for (int d = 0; d < 2; d++)
+    double cost[KINDS][MAX_CALLS];
+    static double flat[KINDS * MAX_CALLS * MAX_MB];
+    for (int d = 0; d < KINDS; d++)
         for (int s = 0; s < S; s++) {
             for (int k = 0; k < steps; k++)
                 for (int i = 0; i < m; i++) v[k * m + i] = opcost[k][(d * S + s) * m + i];
             double med = median(v, steps * m);
-            (d ? bcost : fcost)[s] = med;
+            cost[d][s] = med;
             for (int i = 0; i < m; i++) flat[(d * S + s) * m + i] = med;
         }
-    for (int d = 0; d < 2; d++)
+    for (int d = 0; d < KINDS; d++)
         for (int c = 0; c < ncalls; c++) {
             for (int k = 0; k < steps; k++)
                 for (int i = 0; i < m; i++) v[k * m + i] = all[k][d][c][i];
             double med = median(v, steps * m) / ncalls;
-            if (d) res->bwd_call += med; else res->fwd_call += med;
+            *(d == 0 ? &res->fwd_call : d == 1 ? &res->bwd_call : &res->wgt_call) += med;
         }
     smp_sim_result sim;
-    if (smp_schedule_simulate(&sc, fcost, bcost, NULL, latency, &sim)) die("smp_schedule_simulate");
+    if (smp_schedule_simulate(&sc, cost[0], cost[1], cost[2], latency, &sim)) die("smp_schedule_simulate");
     if (sim.deadlock) {
         fprintf(stderr, "bench/schedule: simulator deadlock: %s\n", sim.deadlock_reason);
         MPI_Abort(MPI_COMM_WORLD, 1);
@@ -333,6 +400,8 @@ static bool run_config(int R, int m, smp_pipeline_kind kind, int vstages, int wa
     res->measured = median(t, steps);
     res->lo = res->hi = t[0];
     for (int i = 1; i < steps; i++) { if (t[i] < res->lo) res->lo = t[i]; if (t[i] > res->hi) res->hi = t[i]; }
+    for (int r = 0; r < R; r++)
+        if (sim.rank_peak_inflight[r] > res->peak) res->peak = sim.rank_peak_inflight[r];
     res->simulated = sim.makespan;
     res->ideal = sim.ideal;
     res->bubble = sim.bubble_fraction;
@@ -411,6 +480,48 @@ static double measure_latency(void) {
     return half;
 }
 
+/* The simulator alone: bubble fraction of each kind at F = B = W = 1, one
+   stage per rank, no latency (the other kinds' backward costs B + W = 2). */
+static void bubble_table(void) {
+    static const int ps[3] = {2, 4, 8}, ms[3] = {4, 8, 16};
+    static const smp_pipeline_kind kinds[3] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE};
+    double one[8];
+    for (int s = 0; s < 8; s++) one[s] = 1.0;
+    printf("simulated bubble fraction per kind, F = B = W = 1 (simple and interleaved run B + W = 2 as one backward),\n"
+           "p stages on p ranks, no latency; ZB-H1 formula m(F+B+W) + (p-1)(F+B-W) = 3m + p - 1 (paper: m >= p)\n\n"
+           "| p |  m | simple | interleaved (1F1B) | zero_bubble (ZB-H1) | 1F1B makespan | ZB-H1 makespan | ZB-H1 formula | ZB/1F1B idle | peak in flight 1F1B / ZB |\n"
+           "|--:|---:|-------:|-------------------:|--------------------:|--------------:|---------------:|--------------:|-------------:|-------------------------:|\n");
+    for (int a = 0; a < 3; a++)
+        for (int b = 0; b < 3; b++) {
+            int p = ps[a], m = ms[b];
+            smp_sim_result r[3];
+            for (int k = 0; k < 3; k++) {
+                smp_schedule sc;
+                if (smp_schedule_build(kinds[k], p, p, NULL, m, false, &sc)) die("smp_schedule_build");
+                if (smp_schedule_simulate(&sc, one, one, one, 0.0, &r[k])) die("smp_schedule_simulate");
+                if (r[k].deadlock) {
+                    fprintf(stderr, "bench/schedule: simulator deadlock: %s\n", r[k].deadlock_reason);
+                    MPI_Abort(MPI_COMM_WORLD, 1);
+                }
+                smp_schedule_free(&sc);
+            }
+            double formula = 3.0 * m + (p - 1), idle1 = p * r[1].makespan - r[1].busy, idlez = p * r[2].makespan - r[2].busy;
+            int pk1 = 0, pkz = 0;
+            for (int q = 0; q < p; q++) {
+                if (r[1].rank_peak_inflight[q] > pk1) pk1 = r[1].rank_peak_inflight[q];
+                if (r[2].rank_peak_inflight[q] > pkz) pkz = r[2].rank_peak_inflight[q];
+            }
+            char fs[32], pk[32];
+            snprintf(fs, sizeof fs, "%s%.0f", m < p ? "(m < p) " : "", formula);
+            snprintf(pk, sizeof pk, "%d / %d", pk1, pkz);
+            printf("| %d | %2d | %6.3f | %18.3f | %19.3f | %13.0f | %14.0f | %13s | %12.3f | %24s |\n", p, m, r[0].bubble_fraction,
+                   r[1].bubble_fraction, r[2].bubble_fraction, r[1].makespan, r[2].makespan, fs, idle1 > 0 ? idlez / idle1 : 0.0,
+                   pk);
+            for (int k = 0; k < 3; k++) smp_sim_result_free(&r[k]);
+        }
+    printf("\n");
+}
+
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     int rank, R;
@@ -418,14 +529,17 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &R);
     double f_ms = 5.0;
     int steps = 7, warmup = 2;
-    const char *only = NULL;
+    const char *only = NULL, *timeline = NULL;
+    bool table = false;
     for (int a = 1; a < argc; a++) {
         if (!strcmp(argv[a], "--f-ms") && a + 1 < argc) f_ms = atof(argv[++a]);
         else if (!strcmp(argv[a], "--steps") && a + 1 < argc) steps = atoi(argv[++a]);
         else if (!strcmp(argv[a], "--warmup") && a + 1 < argc) warmup = atoi(argv[++a]);
         else if (!strcmp(argv[a], "--only") && a + 1 < argc) only = argv[++a];
+        else if (!strcmp(argv[a], "--timeline") && a + 1 < argc) timeline = argv[++a];
+        else if (!strcmp(argv[a], "--table")) table = true;
         else {
-            if (rank == 0) fprintf(stderr, "usage: %s [--f-ms X] [--steps N] [--warmup N] [--only TEXT]\n", argv[0]);
+            if (rank == 0) fprintf(stderr, "usage: %s [--f-ms X] [--steps N] [--warmup N] [--only TEXT] [--timeline PREFIX] [--table]\n", argv[0]);
             MPI_Finalize();
             return 2;
         }
@@ -440,24 +554,35 @@ int main(int argc, char **argv) {
     calibrate(&cal_f, &cal_b);
     int per = 2 * R, ncalls = per * ((8 + per - 1) / per);
 
+    if (R == 2 && !only) table = true;
+    if (table && rank == 0) bubble_table();
+
+    enum { NKINDS = 5 };
     static const int ms[3] = {4, 8, 16};
-    static const struct { smp_pipeline_kind kind; int vs; } kinds[3] = {
-        {SMP_PIPELINE_SIMPLE, 1}, {SMP_PIPELINE_INTERLEAVED, 1}, {SMP_PIPELINE_INTERLEAVED, 2}};
-    result res[9];
+    static const struct { smp_pipeline_kind kind; int vs; } kinds[NKINDS] = {
+        {SMP_PIPELINE_SIMPLE, 1}, {SMP_PIPELINE_INTERLEAVED, 1}, {SMP_PIPELINE_INTERLEAVED, 2},
+        {SMP_PIPELINE_ZERO_BUBBLE, 1}, {SMP_PIPELINE_ZERO_BUBBLE, 2}};
+    result res[NKINDS * 3];
     memset(res, 0, sizeof res);
     int nres = 0;
-    for (int k = 0; k < 3; k++)
+    for (int k = 0; k < NKINDS; k++)
         for (int j = 0; j < 3; j++)
-            if (run_config(R, ms[j], kinds[k].kind, kinds[k].vs, warmup, steps, latency, only, &res[nres])) nres++;
+            if (run_config(R, ms[j], kinds[k].kind, kinds[k].vs, warmup, steps, latency, only, timeline, &res[nres])) nres++;
 
     if (rank == 0) {
-        double worst = 1e300, worst_replay = 1e300, fcall = 0, bcall = 0;
+        double worst = 1e300, worst_replay = 1e300, fcall = 0, bcall = 0, bcall_zb = 0, wcall_zb = 0;
+        int nwhole = 0, nsplit = 0;
+        for (int i = 0; i < nres; i++) {
+            if (res[i].kind == SMP_PIPELINE_ZERO_BUBBLE) nsplit++;
+            else nwhole++;
+        }
         printf("pipeline schedules, %d ranks: a chain of %d modules sleeping %.3g ms forward, %.3g ms backward per microbatch\n"
-               "(fixed per microbatch), placed by hand in equal stages; comm latency %.1f us (best MPI half round trip)\n\n",
-               R, ncalls, f_ms, 2 * f_ms, latency * 1e6);
+               "(fixed per microbatch; zero_bubble: B %.3g ms + W %.3g ms), placed by hand in equal stages; comm latency %.1f us\n"
+               "(best MPI half round trip)\n\n",
+               R, ncalls, f_ms, 2 * f_ms, f_ms, f_ms, latency * 1e6);
         printf("measured   median of %d steps after %d warm-up (time of the slowest rank; min-max beside it)\n"
-               "simulated  smp_schedule_simulate, each stage's forward and backward costing the median of what its\n"
-               "           modules measured (all timed steps and microbatches)\n"
+               "simulated  smp_schedule_simulate, each stage's forward, backward (zero_bubble: B and W apart) costing\n"
+               "           the median of what its modules measured (all timed steps and microbatches)\n"
                "ideal      total work / ranks (no bubble); bubble: the simulator's idle fraction\n"
                "sim/meas   simulated / measured (1.00: the executor runs as fast as the simulator says it can)\n"
                "replayed   the same schedule replayed with every operation's own measured duration (machine noise\n"
@@ -475,10 +600,50 @@ int main(int argc, char **argv) {
             if (r->ratio < worst) worst = r->ratio;
             if (r->replay_ratio < worst_replay) worst_replay = r->replay_ratio;
             fcall += r->fwd_call / nres;
-            bcall += r->bwd_call / nres;
+            if (r->kind == SMP_PIPELINE_ZERO_BUBBLE) {
+                bcall_zb += r->bwd_call / nsplit;
+                wcall_zb += r->wgt_call / nsplit;
+            } else {
+                bcall += r->bwd_call / nwhole;
+            }
+        }
+        /* zero_bubble against 1F1B on the same stage map and microbatches */
+        bool head = false;
+        for (int i = 0; i < nres; i++) {
+            const result *z = &res[i], *o = NULL;
+            if (z->kind != SMP_PIPELINE_ZERO_BUBBLE) continue;
+            for (int j = 0; j < nres; j++)
+                if (res[j].kind == SMP_PIPELINE_INTERLEAVED && res[j].vstages == z->vstages && res[j].m == z->m) o = &res[j];
+            if (!o) continue;
+            if (!head) {
+                printf("\nzero_bubble against interleaved (1F1B) on the same stages and microbatches: step time (measured), bubble\n"
+                       "(simulated) and the most microbatches in flight on one rank (simulated; activation memory)\n\n"
+                       "| ranks | config                  | 1F1B ms | ZB ms   | ZB/1F1B measured | ZB/1F1B simulated | 1F1B bubble | ZB bubble | in flight 1F1B / ZB |\n"
+                       "|------:|-------------------------|--------:|--------:|-----------------:|------------------:|------------:|----------:|--------------------:|\n");
+                head = true;
+            }
+            char pk[32];
+            snprintf(pk, sizeof pk, "%d / %d", o->peak, z->peak);
+            printf("| %5d | %-23s | %7.1f | %7.1f | %16.3f | %17.3f | %11.3f | %9.3f | %19s |\n", R, z->name, o->measured * 1e3,
+                   z->measured * 1e3, z->measured / o->measured, z->simulated / o->simulated, o->bubble, z->bubble, pk);
         }
         printf("\nmodule sleeps: %.3f ms forward, %.3f ms backward (median in the steps); %.3f, %.3f alone (nominal %.3g, %.3g)\n",
                fcall * 1e3, bcall * 1e3, cal_f * 1e3, cal_b * 1e3, f_ms, 2 * f_ms);
+        if (nsplit)
+            printf("zero_bubble's split backward: %.3f ms B + %.3f ms W (median in the steps; nominal %.3g + %.3g)\n", bcall_zb * 1e3,
+                   wcall_zb * 1e3, f_ms, f_ms);
+        /* the worst sim/meas of each kind */
+        printf("measured/simulated by kind (worst config):");
+        bool firstk = true;
+        for (int k = 0; k < NKINDS; k++) {
+            double w = 1e300;
+            for (int i = 0; i < nres; i++)
+                if (res[i].kind == kinds[k].kind && res[i].vstages == kinds[k].vs && res[i].ratio < w) w = res[i].ratio;
+            if (w > 1e299) continue;
+            printf("%s %s%s %.2f", firstk ? "" : ",", kind_name(kinds[k].kind), kinds[k].vs > 1 ? " 2vs" : "", w);
+            firstk = false;
+        }
+        printf("\n");
         printf("replay efficiency replayed/measured (worst config): %.2f\n", nres ? worst_replay : 0.0);
         printf("schedule efficiency measured/simulated (worst config): %.2f\n", nres ? worst : 0.0);
     }
