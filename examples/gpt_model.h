@@ -1,6 +1,6 @@
 /* gpt_model.h - a GPT-2-shaped decoder-only transformer as smp modules, in
    plain C with OpenBLAS sgemm, f32, host memory. Shared by the training
-   example (gpt.c) and, later, a pipelined generator.
+   example (gpt.c) and its pipelined generation (gpt.c --generate).
 
    THE MODEL (nanoGPT's layout and parameter names, so a full checkpoint
    loads into nanoGPT's GPT with strict names)
@@ -47,6 +47,15 @@
    The step body: gpt_loss_body computes the mean cross-entropy over every
    token of the microbatch (step arguments: 0 token ids i32 [B, T],
    1 targets i32 [B, T]) and returns it as a StepOutput (f64).
+
+   GENERATION WITH A KV CACHE: gpt_kv_start(g, M) puts the model in
+   "cached" mode (see gpt_kv below): a step's input is then only each
+   microbatch's new tokens, from position kv->pos[mb]; transformer.wpe
+   offsets its positions and each block's sdpa keeps the keys and values of
+   (block, smp_call_microbatch) in its cache and attends over it, so a
+   token costs one position, not the whole context. Only evaluation steps
+   run in cached mode; training never sets it and runs exactly the code
+   above.
 
    Include after smp.h and smp_pipeline.h; link with -lopenblas -lm. */
 #ifndef GPT_MODEL_H
@@ -202,15 +211,35 @@ static inline void gpt__attention_backward(const float *qkv, const float *P, con
 typedef struct gpt_linear { smp_param *weight, *bias; int in, out; } gpt_linear;
 typedef struct gpt_norm { smp_param *weight, *bias; int C; } gpt_norm;
 
+struct gpt;
 typedef struct gpt_block {
+    const struct gpt *g; /* the model, and this block's index in it (the KV cache's key) */
+    int index;
     smp_module *mod, *ln_1, *attn, *c_attn, *sdpa, *attn_proj, *attn_drop, *add_1;
     smp_module *ln_2, *mlp, *c_fc, *gelu, *mlp_proj, *mlp_drop, *add_2;
     gpt_norm n1, n2;
     gpt_linear l_attn, l_aproj, l_fc, l_mproj;
 } gpt_block;
 
+/* The KV cache of generation ("cached" mode): while gpt.kv is set, a step
+   input holds only the new tokens of each microbatch (one sequence per
+   microbatch), starting at position pos[mb]; transformer.wpe adds the
+   position embeddings from there, and each block's attention appends the
+   new keys and values to its cache for (block, microbatch) at positions
+   pos[mb].. and attends over the cache up to each new token. Keys at
+   positions >= pos[mb] are overwritten, so a step may restart a sequence
+   from an earlier position (a prompt padded on the right continues from
+   its real end). Caches are allocated on first use: only for the blocks
+   this rank holds. Training never sets kv. */
+typedef struct gpt_kv {
+    int M, L;   /* microbatches, blocks */
+    int *pos;   /* [M]: the position of each microbatch's first new token; set by the caller before each step */
+    float **k, **v; /* [n_layer * M]: [block_size, C] each, or NULL */
+} gpt_kv;
+
 typedef struct gpt {
     gpt_config cfg;
+    gpt_kv *kv; /* NULL: the ordinary forward over whole sequences (training, evaluation) */
     smp_module *root, *transformer, *wte, *wpe, *h, *ln_f, *drop;
     smp_param *wte_w, *wpe_w;
     gpt_norm nf;
@@ -280,9 +309,14 @@ static smp_status gpt_wpe_forward(smp_call_ctx *c) {
     int C = g->cfg.n_embd;
     if (x->ndim != 3 || x->shape[2] != C)
         return smp_error(SMP_ERR_ARG, "transformer.wpe takes [batch, time, %d] embeddings", C);
-    int B = (int)x->shape[0], T = (int)x->shape[1];
-    if (T > g->cfg.block_size)
-        return smp_error(SMP_ERR_ARG, "a context of %d tokens is longer than the model's %d", T, g->cfg.block_size);
+    int B = (int)x->shape[0], T = (int)x->shape[1], p = 0;
+    if (g->kv) { /* cached mode: the new tokens start at position pos[mb] */
+        int mb = smp_call_microbatch(c);
+        if (mb < 0 || mb >= g->kv->M) return smp_error(SMP_ERR_ARG, "transformer.wpe: microbatch %d has no KV cache (of %d)", mb, g->kv->M);
+        p = g->kv->pos[mb];
+    }
+    if (p + T > g->cfg.block_size)
+        return smp_error(SMP_ERR_ARG, "a context of %d tokens is longer than the model's %d", p + T, g->cfg.block_size);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, x->shape);
     const float *P = (const float *)smp_param_value(g->wpe_w)->data, *xs = (const float *)x->data;
     float *ys = (float *)y->data;
@@ -290,7 +324,7 @@ static smp_status gpt_wpe_forward(smp_call_ctx *c) {
         for (int t = 0; t < T; t++)
             for (int j = 0; j < C; j++) {
                 size_t i = ((size_t)b * T + t) * C + j;
-                ys[i] = xs[i] + P[(size_t)t * C + j];
+                ys[i] = xs[i] + P[(size_t)(p + t) * C + j];
             }
     if (g->cfg.dropout > 0 && smp_call_training(c))
         gpt__dropout(ys, ys, (size_t)smp_tensor_numel(y), g->cfg.dropout, smp_call_seed(c));
@@ -394,11 +428,67 @@ static smp_status gpt_gelu_backward(smp_call_ctx *c) {
 
 /* Causal self-attention on qkv [B, T, 3C] -> [B, T, C]; the stash holds the
    probabilities [B, H, T, T]. */
+/* Cached mode (gpt.kv set): qkv [1, S, 3C] of S new tokens at positions
+   p = kv->pos[mb] .. p + S - 1. Their keys and values go into the cache of
+   (this block, this microbatch) at those positions; each new token attends
+   over the cached positions 0 .. its own. */
+static smp_status gpt__sdpa_cached(smp_call_ctx *c, const gpt_block *b, const smp_tensor *x) {
+    const gpt *g = b->g;
+    gpt_kv *kv = g->kv;
+    int C = g->cfg.n_embd, H = g->cfg.n_head, hd = C / H, Tmax = g->cfg.block_size, C3 = 3 * C;
+    int B = (int)x->shape[0], S = (int)x->shape[1], mb = smp_call_microbatch(c);
+    const char *name = smp_module_name(smp_call_module(c));
+    if (B != 1) return smp_error(SMP_ERR_ARG, "%s: cached attention takes one sequence per microbatch, not %d", name, B);
+    if (mb < 0 || mb >= kv->M) return smp_error(SMP_ERR_ARG, "%s: microbatch %d has no KV cache (of %d)", name, mb, kv->M);
+    int p = kv->pos[mb];
+    if (p < 0 || p + S > Tmax)
+        return smp_error(SMP_ERR_ARG, "a context of %d tokens is longer than the model's %d", p + S, Tmax);
+    size_t slot = (size_t)b->index * (size_t)kv->M + (size_t)mb;
+    if (!kv->k[slot]) kv->k[slot] = (float *)calloc((size_t)Tmax * C, sizeof(float));
+    if (!kv->v[slot]) kv->v[slot] = (float *)calloc((size_t)Tmax * C, sizeof(float));
+    float *K = kv->k[slot], *Vc = kv->v[slot], *s = (float *)malloc(sizeof(float) * (size_t)Tmax);
+    if (!K || !Vc || !s) { free(s); return smp_error(SMP_ERR_NOMEM, "%s: out of memory for the KV cache", name); }
+    const float *qkv = (const float *)x->data;
+    for (int t = 0; t < S; t++) {
+        memcpy(K + (size_t)(p + t) * C, qkv + (size_t)t * C3 + C, sizeof(float) * (size_t)C);
+        memcpy(Vc + (size_t)(p + t) * C, qkv + (size_t)t * C3 + 2 * C, sizeof(float) * (size_t)C);
+    }
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, (int64_t[]){1, S, C});
+    float *ys = (float *)y->data, scale = 1.0f / sqrtf((float)hd);
+    for (int t = 0; t < S; t++) {
+        int n = p + t + 1; /* keys 0 .. p + t */
+        for (int h = 0; h < H; h++) {
+            const float *q = qkv + (size_t)t * C3 + (size_t)h * hd;
+            float mx = -INFINITY;
+            for (int j = 0; j < n; j++) {
+                const float *k = K + (size_t)j * C + (size_t)h * hd;
+                float d = 0;
+                for (int e = 0; e < hd; e++) d += q[e] * k[e];
+                s[j] = d * scale;
+                mx = s[j] > mx ? s[j] : mx;
+            }
+            float sum = 0;
+            for (int j = 0; j < n; j++) { s[j] = expf(s[j] - mx); sum += s[j]; }
+            float inv = 1.0f / sum, *yh = ys + (size_t)t * C + (size_t)h * hd;
+            for (int e = 0; e < hd; e++) yh[e] = 0.0f;
+            for (int j = 0; j < n; j++) {
+                const float *v = Vc + (size_t)j * C + (size_t)h * hd;
+                float w = s[j] * inv;
+                for (int e = 0; e < hd; e++) yh[e] += w * v[e];
+            }
+        }
+    }
+    free(s);
+    return SMP_OK;
+}
+
 static smp_status gpt_sdpa_forward(smp_call_ctx *c) {
-    const gpt *g = gpt__of(c);
+    const gpt_block *blk = (const gpt_block *)smp_module_user(smp_call_module(c));
+    const gpt *g = blk->g;
     const smp_tensor *x = smp_call_input(c, 0);
     int C = g->cfg.n_embd, H = g->cfg.n_head;
     if (x->ndim != 3 || x->shape[2] != 3 * C) return smp_error(SMP_ERR_ARG, "attention takes qkv of shape [batch, time, %d]", 3 * C);
+    if (g->kv) return gpt__sdpa_cached(c, blk, x);
     int B = (int)x->shape[0], T = (int)x->shape[1];
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, (int64_t[]){B, T, C});
     size_t pbytes = sizeof(float) * (size_t)B * H * T * T;
@@ -410,7 +500,7 @@ static smp_status gpt_sdpa_forward(smp_call_ctx *c) {
 }
 
 static smp_status gpt_sdpa_backward(smp_call_ctx *c) {
-    const gpt *g = gpt__of(c);
+    const gpt *g = ((const gpt_block *)smp_module_user(smp_call_module(c)))->g;
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0);
     if (!dx) return SMP_OK;
@@ -555,7 +645,9 @@ static smp_status gpt_build(gpt *g, const gpt_config *cfg, bool recompute, smp_m
         b->ln_1 = gpt__norm(&b->n1, b->mod, "ln_1", C);
         b->attn = smp_module_new(b->mod, "attn", &(smp_module_desc){gpt_attn_forward, NULL, b});
         gpt__linear(&b->l_attn, b->attn, "c_attn", C, 3 * C, &gpt__std, &b->c_attn);
-        b->sdpa = smp_module_new(b->attn, "sdpa", &(smp_module_desc){gpt_sdpa_forward, gpt_sdpa_backward, g});
+        b->g = g;
+        b->index = i;
+        b->sdpa = smp_module_new(b->attn, "sdpa", &(smp_module_desc){gpt_sdpa_forward, gpt_sdpa_backward, b});
         gpt__linear(&b->l_aproj, b->attn, "c_proj", C, C, &proj_std, &b->attn_proj);
         if (cfg->dropout > 0) b->attn_drop = smp_module_new(b->attn, "resid_dropout", &drop);
         b->add_1 = smp_module_new_add(b->mod, "add_1");
@@ -572,7 +664,34 @@ static smp_status gpt_build(gpt *g, const gpt_config *cfg, bool recompute, smp_m
     return smp_model_new(g->root, &(smp_model_desc){.forward = gpt_forward, .user = g}, model);
 }
 
+static void gpt_kv_free(gpt_kv *kv) {
+    if (!kv) return;
+    for (int i = 0; kv->k && kv->v && i < kv->M * kv->L; i++) { free(kv->k[i]); free(kv->v[i]); }
+    free(kv->k);
+    free(kv->v);
+    free(kv->pos);
+    free(kv);
+}
+
+/* Switches g to cached mode with empty caches for M microbatches. */
+static smp_status gpt_kv_start(gpt *g, int M) {
+    gpt_kv *kv = (gpt_kv *)calloc(1, sizeof *kv);
+    if (kv) {
+        kv->M = M;
+        kv->L = g->cfg.n_layer;
+        kv->pos = (int *)calloc((size_t)M, sizeof(int));
+        kv->k = (float **)calloc((size_t)M * (size_t)kv->L, sizeof(float *));
+        kv->v = (float **)calloc((size_t)M * (size_t)kv->L, sizeof(float *));
+    }
+    if (!kv || !kv->pos || !kv->k || !kv->v) { gpt_kv_free(kv); return smp_error(SMP_ERR_NOMEM, "out of memory for the KV cache"); }
+    gpt_kv_free(g->kv);
+    g->kv = kv;
+    return SMP_OK;
+}
+
 static void gpt_free(gpt *g) {
+    gpt_kv_free(g->kv);
+    g->kv = NULL;
     free(g->blocks);
     g->blocks = NULL;
 }

@@ -8,7 +8,11 @@
 # deterministic reduction equals, bit for bit, one process that runs the
 # two replicas' shards in turn and sums their gradients in replica order
 # (--replicas 2), and 2 replicas in one stage. The loss falls. Bad input
-# gives clear errors on every rank.
+# gives clear errors on every rank. Pipelined generation (--generate) from
+# a checkpoint, 4 prompts at once: the same text for 1, 2 and 4 partitions,
+# greedy and sampled; with the KV cache the same text as re-running the
+# whole context (--no-cache); a context longer than the model's is an
+# error on every rank before anything runs.
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 bin="$top/build/examples/gpt"
@@ -83,3 +87,46 @@ expect_error() { # name, pattern, np, args...
 expect_error "gpt/a missing corpus folder is an error on every rank" "$tmp/none: cannot open" 2 --partitions 2 --data "$tmp/none"
 expect_error "gpt/a prompt character outside the vocabulary is an error on every rank" "not in the vocabulary" 2 --partitions 2 --prompt "$(printf 'A\001')"
 expect_error "gpt/a batch that does not divide into microbatches" "does not divide into 3 microbatches" 2 --partitions 2 --microbatches 3
+
+# pipelined generation (--generate): a checkpoint of a tiny model trained a little longer, loaded into 1, 2 and 4
+# partitions, 4 prompts of different lengths (one per microbatch), an evaluation step per character
+mpirun -n 1 "$bin" --partitions 1 --layers 2 --dmodel 32 --heads 4 --context 32 --batch 16 --microbatches 1 --steps 200 \
+  --warmup 10 --lr 1e-2 --val-batches 0 --sample-len 0 --log-every 1000 --save "$tmp/gen.safetensors" >"$tmp/gen_train" 2>&1 \
+  || echo "FAIL: gpt/generation: training its checkpoint: $(tail -c 300 "$tmp/gen_train")"
+gen() { # out, np, args...
+  local out=$1 np=$2; shift 2
+  mpirun -n "$np" "$bin" --generate --load "$tmp/gen.safetensors" --prompts "The|A m|Why |I" --tokens 24 "$@" >"$tmp/$out.raw" 2>"$tmp/$out.err"
+  echo "exit $?" >>"$tmp/$out.raw"
+  grep -a -v -e '^gpt:' -e '^placement:' -e '^generated ' "$tmp/$out.raw" >"$tmp/$out"
+}
+gen_same() { # name, file a, file b
+  if grep -q '^--- prompt 3:' "$tmp/$2" && grep -q 'exit 0' "$tmp/$2" && cmp -s "$tmp/$2" "$tmp/$3"; then echo "PASS: $1"
+  else echo "FAIL: $1: $(diff "$tmp/$2" "$tmp/$3" | head -n 6 | tr '\n' ' ') $(head -c 300 "$tmp/$3.err")"; fi
+}
+for temp in 0 0.8; do
+  what=$([ "$temp" = 0 ] && echo greedy || echo "sampled at temperature $temp, seed 3")
+  gen "g1_$temp" 1 --partitions 1 --temperature "$temp" --seed 3
+  gen "g2_$temp" 2 --partitions 2 --temperature "$temp" --seed 3
+  gen "g4_$temp" 4 --partitions 4 --pipeline simple --temperature "$temp" --seed 3
+  gen "n1_$temp" 1 --partitions 1 --temperature "$temp" --seed 3 --no-cache
+  gen "n2_$temp" 2 --partitions 2 --temperature "$temp" --seed 3 --no-cache
+  gen_same "gpt/generation ($what): 2 partitions with the KV cache write the text of one process" "g1_$temp" "g2_$temp"
+  gen_same "gpt/generation ($what): 4 partitions with the KV cache write the text of one process" "g1_$temp" "g4_$temp"
+  gen_same "gpt/generation ($what): the KV cache writes the text of re-running the whole context, one process" "n1_$temp" "g1_$temp"
+  gen_same "gpt/generation ($what): the KV cache writes the text of re-running the whole context, 2 partitions" "n2_$temp" "g2_$temp"
+done
+if grep -q '^--- prompt 3:' "$tmp/g1_0.8" && ! cmp -s "$tmp/g1_0" "$tmp/g1_0.8" && [ "$(grep -c '^--- prompt' "$tmp/g1_0.8")" = 4 ] \
+   && [ "$(grep -a -A1 '^--- prompt 0:' "$tmp/g1_0.8" | tail -n 1 | head -c 3)" = "The" ]; then
+  echo "PASS: gpt/generation: 4 prompts continued; sampling differs from greedy"
+else echo "FAIL: gpt/generation: 4 prompts continued; sampling differs from greedy: $(head -c 300 "$tmp/g1_0.8")"; fi
+gen_err() { # name, pattern, np, args...
+  local name=$1 pat=$2 np=$3; shift 3
+  mpirun -n "$np" "$bin" --generate --load "$tmp/gen.safetensors" "$@" >"$tmp/out" 2>&1; local rc=$?
+  local n; n=$(grep -c -- "$pat" "$tmp/out")
+  if [ $rc -ne 0 ] && [ "$n" -ge "$np" ]; then echo "PASS: $name"
+  else echo "FAIL: $name: exit $rc, $n of $np ranks said '$pat': $(head -c 300 "$tmp/out")"; fi
+}
+gen_err "gpt/generation: prompt + tokens longer than the model's context is an error on every rank" \
+  "prompt 1: a context of 33 characters (4 of prompt + 29 tokens) is longer than the model's 32" 2 --partitions 2 --prompts "The|Why |I" --tokens 29
+gen_err "gpt/generation: a prompt character outside the vocabulary is an error on every rank" \
+  "not in the vocabulary" 2 --partitions 2 --prompts "$(printf 'The|A\001')" --tokens 4
