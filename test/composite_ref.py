@@ -26,17 +26,7 @@ import glob
 import os
 import sys
 
-failures = 0
-
-
-def check(ok, name, why=""):
-    global failures
-    if ok:
-        print(f"PASS: {name}")
-    else:
-        failures += 1
-        print(f"FAIL: {name}: {why}")
-    sys.stdout.flush()
+from safetensors_common import check, exit_status
 
 
 def main():
@@ -148,7 +138,7 @@ def main():
     check(not bad, f"composite/float64 reference: all {len(expected)} gradients agree with float64 to float32 rounding "
           "(max |diff| <= 1e-5 * (1 + max |g|))", "; ".join(bad))
     check(not small, "composite/float64 reference: every reference gradient is far from zero, so a dropped one fails", "; ".join(small))
-    return 3 if failures else 0
+    return exit_status()
 
 
 if __name__ == "__main__":

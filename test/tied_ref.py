@@ -33,18 +33,9 @@ Exit status: 0 all passed (or skipped), 3 some check failed, else a crash.
 import os
 import sys
 
+from safetensors_common import check, exit_status
+
 NAMES = ["tied.weight", "tied.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
-failed = False
-
-
-def check(ok, name, why=""):
-    global failed
-    if ok:
-        print(f"PASS: {name}")
-    else:
-        failed = True
-        print(f"FAIL: {name}: {why}")
-    sys.stdout.flush()
 
 
 def main():
@@ -165,7 +156,7 @@ def main():
         shares = [np.abs(calls[c][key]).max() for c in range(2)]
         check(min(shares) > 10 * tol, f"{label}: each call's share of {n} is far above the tolerance (a dropped call would fail)",
               f"largest element of call 0's share {shares[0]:.3g}, of call 7's {shares[1]:.3g}, tolerance {tol:.3g}")
-    return 3 if failed else 0
+    return exit_status()
 
 
 if __name__ == "__main__":
