@@ -82,7 +82,7 @@ static void usage(const char *prog) {
     fprintf(stderr,
             "usage: %s [--steps N] [--batch B] [--lr X] [--min-lr X] [--warmup N] [--weight-decay X]\n"
             "          [--layers L] [--dmodel C] [--heads H] [--context T] [--dropout P]\n"
-            "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved] [--ddp]\n"
+            "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved|zero_bubble] [--ddp]\n"
             "          [--deterministic] [--recompute] [--config JSON] [--data DIR] [--save PATH]\n"
             "          [--val-batches N] [--prompt TEXT] [--sample-len N] [--temperature X] [--seed S]\n"
             "          [--threads N] [--log-every N] [--print-losses] [--digest] [--replicas R]\n"
@@ -141,7 +141,8 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (OPT("--pipeline")) {
             if (!strcmp(v, "simple")) o->cfg.pipeline = SMP_PIPELINE_SIMPLE;
             else if (!strcmp(v, "interleaved")) o->cfg.pipeline = SMP_PIPELINE_INTERLEAVED;
-            else { fprintf(stderr, "--pipeline: \"%s\" is neither simple nor interleaved\n", v); return 1; }
+            else if (!strcmp(v, "zero_bubble")) o->cfg.pipeline = SMP_PIPELINE_ZERO_BUBBLE;
+            else { fprintf(stderr, "--pipeline: \"%s\" is not simple, interleaved or zero_bubble\n", v); return 1; }
         }
         else if (OPT("--config")) o->config_json = v;
         else if (OPT("--data")) o->data = v;

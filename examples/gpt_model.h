@@ -369,13 +369,26 @@ static smp_status gpt_linear_forward(smp_call_ctx *c) {
     return SMP_OK;
 }
 
-static smp_status gpt_linear_backward(smp_call_ctx *c) {
+/* The backward in two halves (smp_module_set_backward_split): the input
+   gradient dx = dy W, which the block before waits for, and the weight
+   gradients dW += dy^T x, db += column sums of dy, which a zero-bubble
+   schedule runs in a pipeline bubble. */
+static smp_status gpt_linear_backward_input(smp_call_ctx *c) {
     const gpt_linear *l = (const gpt_linear *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0);
-    mlp_linear_backward((const float *)x->data, (const float *)smp_param_value(l->weight)->data, (const float *)dy->data,
-                        dx ? (float *)dx->data : NULL, (float *)smp_param_grad(l->weight)->data,
-                        (float *)smp_param_grad(l->bias)->data, gpt__rows(x, l->in), l->in, l->out);
+    if (dx)
+        mlp_linear_backward((const float *)x->data, (const float *)smp_param_value(l->weight)->data, (const float *)dy->data,
+                            (float *)dx->data, NULL, NULL, gpt__rows(x, l->in), l->in, l->out);
+    return SMP_OK;
+}
+
+static smp_status gpt_linear_backward_weight(smp_call_ctx *c) {
+    const gpt_linear *l = (const gpt_linear *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
+    mlp_linear_backward((const float *)x->data, (const float *)smp_param_value(l->weight)->data, (const float *)dy->data, NULL,
+                        (float *)smp_param_grad(l->weight)->data, (float *)smp_param_grad(l->bias)->data, gpt__rows(x, l->in), l->in,
+                        l->out);
     return SMP_OK;
 }
 
@@ -598,10 +611,11 @@ static const float gpt__std = 0.02f, gpt__one = 1.0f;
 
 static void gpt__linear(gpt_linear *l, smp_module *parent, const char *name, int in, int out, const float *std,
                         smp_module **mod) {
-    smp_module_desc d = {gpt_linear_forward, gpt_linear_backward, l};
+    smp_module_desc d = {gpt_linear_forward, NULL, l};
     l->in = in;
     l->out = out;
     *mod = smp_module_new(parent, name, &d);
+    smp_module_set_backward_split(*mod, gpt_linear_backward_input, gpt_linear_backward_weight);
     l->weight = smp_param_new(*mod, "weight", SMP_F32, 2, (int64_t[]){out, in}, gpt_init_normal, (void *)std);
     l->bias = smp_param_new(*mod, "bias", SMP_F32, 1, (int64_t[]){out}, smp_init_constant, NULL);
 }

@@ -36,7 +36,7 @@ same() { # name, file a, file b
 
 run one 1 --partitions 1 --save "$tmp/one.safetensors"
 for p in 1 2 4; do
-  for pipe in simple interleaved; do
+  for pipe in simple interleaved zero_bubble; do
     for rc in "" --recompute; do
       name="p${p}_${pipe}${rc:+_recompute}"
       run "$name" "$p" --partitions "$p" --pipeline "$pipe" $rc
