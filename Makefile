@@ -29,7 +29,7 @@ deps:
 # ---------------------------------------------------------------- builds
 # One build directory per compiler/sanitizer variant.
 define variant
-build/$(1)/%: test/%.c $(HEADERS) test/test.h test/net7.h Makefile | build/$(1)
+build/$(1)/%: test/%.c $(HEADERS) test/test.h test/net7.h test/linear_ref.h Makefile | build/$(1)
 	MPICH_CC=$(2) mpicc $(CSTD) $(WARN) $(3) $(INCLUDES) $$< -o $$@ $(LDLIBS)
 build/$(1):
 	@mkdir -p $$@
@@ -86,7 +86,7 @@ build/cuda/fmnist: examples/fmnist.cu $(HEADERS) $(CUDA_MLP) Makefile | build/cu
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl -lz
 build/bench/nccl: bench/nccl.cu $(HEADERS) $(CUDA_MLP) Makefile | build/bench
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl -lz
-build/cuda/test_gpu: test/test_gpu.cu $(HEADERS) test/test.h test/net7.h | build/cuda
+build/cuda/test_gpu: test/test_gpu.cu $(HEADERS) test/test.h test/net7.h test/linear_ref.h | build/cuda
 	$(NVCC) $(NVFLAGS) -Xcompiler -ffp-contract=off -I. -Itest $< -o $@ -lnccl
 build/cuda:
 	@mkdir -p $@
@@ -97,7 +97,7 @@ FAKE_FLAGS := $(NVFLAGS) -Xcompiler -ffp-contract=off -cudart none -I. -Itest
 build/fake/fake_cuda.o: test/fake_cuda.c test/fake_cuda.h Makefile | build/fake
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) -O2 -g -I$(CUDA_HOME)/include -Itest -c $< -o $@
 	MPICH_CC=clang mpicc $(CSTD) $(WARN) -O2 -I$(CUDA_HOME)/include -Itest -c $< -o $@.clang
-build/fake/test_gpu: test/fake_test_gpu.cu test/test_gpu.cu test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) test/test.h test/net7.h | build/fake
+build/fake/test_gpu: test/fake_test_gpu.cu test/test_gpu.cu test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) test/test.h test/net7.h test/linear_ref.h | build/fake
 	$(NVCC) $(FAKE_FLAGS) $< build/fake/fake_cuda.o -o $@ -lpthread
 build/fake/fake_faults: test/fake_faults.cu test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) test/test.h | build/fake
 	$(NVCC) $(FAKE_FLAGS) $< build/fake/fake_cuda.o -o $@ -lpthread
@@ -113,7 +113,7 @@ build/fake/c_engine: test/fake_c_engine.c build/fake/fake_cuda.o $(HEADERS) test
 # and the GPU suite again under AddressSanitizer + UBSan (nvcc compiles, mpicxx links the sanitizers)
 build/fake/fake_cuda_asan.o: test/fake_cuda.c test/fake_cuda.h Makefile | build/fake
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(SANFLAGS) -I$(CUDA_HOME)/include -Itest -c $< -o $@
-build/fake/test_gpu_asan: test/fake_test_gpu.cu test/test_gpu.cu test/fake_twins.h build/fake/fake_cuda_asan.o $(HEADERS) test/test.h test/net7.h | build/fake
+build/fake/test_gpu_asan: test/fake_test_gpu.cu test/test_gpu.cu test/fake_twins.h build/fake/fake_cuda_asan.o $(HEADERS) test/test.h test/net7.h test/linear_ref.h | build/fake
 	$(NVCC) $(NVFLAGS) -g -Xcompiler -ffp-contract=off,-fsanitize=address,-fsanitize=undefined,-fno-omit-frame-pointer,-fno-sanitize-recover=undefined \
 	  -cudart none -I. -Itest -c $< -o $@.o
 	mpicxx -fsanitize=address,undefined $@.o build/fake/fake_cuda_asan.o -o $@ -lpthread

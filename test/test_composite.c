@@ -72,33 +72,7 @@ static int g_world, g_rank;
 static float g_x[BATCH * IN], g_t[BATCH * CLS];
 
 /* ---------------------------------------------------------------- kernels shared by smp's modules and the reference */
-static void linear_fwd(const float *x, const float *w, const float *b, float *y, int n, int in, int out) {
-    for (int r = 0; r < n; r++)
-        for (int o = 0; o < out; o++) {
-            float acc = b[o];
-            for (int i = 0; i < in; i++) acc += x[r * in + i] * w[o * in + i];
-            y[r * out + o] = acc;
-        }
-}
-static void linear_bwd(const float *x, const float *w, const float *gy, float *gx, float *gw, float *gb, int n, int in, int out) {
-    if (gx)
-        for (int r = 0; r < n; r++)
-            for (int i = 0; i < in; i++) {
-                float acc = 0;
-                for (int o = 0; o < out; o++) acc += gy[r * out + o] * w[o * in + i];
-                gx[r * in + i] = acc;
-            }
-    for (int o = 0; o < out; o++) {
-        float sb = 0;
-        for (int r = 0; r < n; r++) sb += gy[r * out + o];
-        gb[o] += sb;
-        for (int i = 0; i < in; i++) {
-            float sw = 0;
-            for (int r = 0; r < n; r++) sw += gy[r * out + o] * x[r * in + i];
-            gw[o * in + i] += sw;
-        }
-    }
-}
+#include "linear_ref.h"
 static float mse(const float *y, const float *t, float *g, int n) { /* mean over elements */
     float loss = 0;
     for (int i = 0; i < n; i++) {
