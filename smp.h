@@ -28,7 +28,8 @@
 
    CONFIG KEYS (smp_config fields, or the same keys as JSON in SMP_CONFIG /
    smp_config_from_json, as in SageMaker's "modelparallel" parameters):
-     partitions (1)            microbatches (1)        pipeline (interleaved|simple|zero_bubble)
+     partitions (1)            microbatches (1)
+     pipeline (interleaved|simple|zero_bubble|zero_bubble_v)
      optimize (speed|memory)   auto_partition (true)   default_partition (none)
      ddp (false)               placement_strategy (cluster|spread)
      memory_weight (speed: 0, memory: 1)               trace_device (cpu|gpu)
@@ -162,8 +163,13 @@ SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[
 typedef enum smp_switch { SMP_DEFAULT = 0, SMP_ON = 1, SMP_OFF = -1 } smp_switch;
 /* interleaved: 1F1B; simple: GPipe; zero_bubble: ZB-H1 (1F1B's memory, each
    backward split into input-gradient B and weight-gradient W ops, the Ws
-   filling 1F1B's bubbles; smp_pipeline.h) */
-typedef enum smp_pipeline_kind { SMP_PIPELINE_DEFAULT = 0, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_SIMPLE, SMP_PIPELINE_ZERO_BUBBLE } smp_pipeline_kind;
+   filling 1F1B's bubbles); zero_bubble_v: ZB-V (the model in 2 x partitions
+   stages placed in a V, partition r running stages r and 2P-1-r, the loss
+   back on partition 0; a near-zero bubble at 1F1B's peak memory; see
+   smp_pipeline.h) */
+typedef enum smp_pipeline_kind {
+    SMP_PIPELINE_DEFAULT = 0, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_SIMPLE, SMP_PIPELINE_ZERO_BUBBLE, SMP_PIPELINE_ZERO_BUBBLE_V
+} smp_pipeline_kind;
 typedef enum smp_optimize { SMP_OPTIMIZE_DEFAULT = 0, SMP_OPTIMIZE_SPEED, SMP_OPTIMIZE_MEMORY } smp_optimize;
 typedef enum smp_placement { SMP_PLACEMENT_DEFAULT = 0, SMP_PLACEMENT_CLUSTER, SMP_PLACEMENT_SPREAD } smp_placement;
 typedef enum smp_trace_device { SMP_TRACE_DEFAULT = 0, SMP_TRACE_CPU, SMP_TRACE_GPU } smp_trace_device;
@@ -1112,7 +1118,7 @@ typedef enum smp__cfg_id {
 } smp__cfg_id;
 
 /* Enum strings: the value of names[i] is i + 1 (0 is each enum's DEFAULT). */
-static const char *const smp__cfg_pipeline_names[] = {"interleaved", "simple", "zero_bubble", NULL};
+static const char *const smp__cfg_pipeline_names[] = {"interleaved", "simple", "zero_bubble", "zero_bubble_v", NULL};
 static const char *const smp__cfg_optimize_names[] = {"speed", "memory", NULL};
 static const char *const smp__cfg_placement_names[] = {"cluster", "spread", NULL};
 static const char *const smp__cfg_trace_names[] = {"cpu", "gpu", NULL};
@@ -1898,8 +1904,9 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
     int e = 0;
 
     /* enums and switches first: everything below reads them */
-    if ((st = smp__cfg_check_enum("pipeline", (int)c.pipeline, 3,
-                                  "SMP_PIPELINE_INTERLEAVED (1), SMP_PIPELINE_SIMPLE (2) or SMP_PIPELINE_ZERO_BUBBLE (3)",
+    if ((st = smp__cfg_check_enum("pipeline", (int)c.pipeline, 4,
+                                  "SMP_PIPELINE_INTERLEAVED (1), SMP_PIPELINE_SIMPLE (2), SMP_PIPELINE_ZERO_BUBBLE (3) "
+                                  "or SMP_PIPELINE_ZERO_BUBBLE_V (4)",
                                   SMP_PIPELINE_INTERLEAVED, &e)) != SMP_OK) return st;
     c.pipeline = (smp_pipeline_kind)e;
     if ((st = smp__cfg_check_enum("optimize", (int)c.optimize, 2, "SMP_OPTIMIZE_SPEED (1) or SMP_OPTIMIZE_MEMORY (2)",
@@ -1969,6 +1976,9 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
     if (c.virtual_stages < 0)
         return smp_error(SMP_ERR_CONFIG, "config key \"virtual_stages\" must be at least 1, got %d", c.virtual_stages);
     if (c.virtual_stages == 0) c.virtual_stages = 1;
+    if (c.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V && c.virtual_stages > 2)
+        return smp_error(SMP_ERR_CONFIG, "config key \"virtual_stages\" is %d, but pipeline \"zero_bubble_v\" runs exactly 2 stages "
+                         "per partition (its V): leave virtual_stages at 1 or 2", c.virtual_stages);
 
     if (!isfinite(c.timeout) || c.timeout < 0 || c.timeout > SMP__CFG_MAX_TIMEOUT)
         return smp_error(SMP_ERR_CONFIG, "config key \"timeout\" must be a positive number of seconds up to %g, got %g",
@@ -4113,14 +4123,25 @@ SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nsta
 /* Memory per parameter byte beyond value and gradient: Adam's two moments. */
 #define SMP__OPTIMIZER_STATE_FACTOR 2.0
 
+/* Pipeline zero_bubble_v's V: stage k of 2P on partition k, or 2P-1-k past the middle. */
+static int smp__vee_partition(int k, int P) { return k < P ? k : 2 * P - 1 - k; }
+
 /* The partition of every leaf call: auto partitioning places top-level
    calls (a composite block moves whole), manual placement each leaf by its
-   SMP_PARTITION context (its own, else the nearest composite caller's). */
-static smp_status smp__assign_partitions(smp_model *m, int *call_part) {
+   SMP_PARTITION context (its own, else the nearest composite caller's).
+   Under zero_bubble_v auto partitioning cuts 2P stages and places them in
+   a V; *vee_cut is then the first call of stage P (the second of the two
+   the middle partition runs back to back), else -1. */
+static smp_status smp__assign_partitions(smp_model *m, int *call_part, int *vee_cut) {
     const smp_config *cfg = &smp__ctx.cfg;
     int P = cfg->partitions, n = m->ncalls, nu = m->nunits;
-    if (cfg->auto_partition == SMP_ON && P > 1) {
-        int chunks = P * cfg->virtual_stages;
+    bool vee = cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE_V;
+    *vee_cut = -1;
+    if (cfg->auto_partition == SMP_ON && (P > 1 || vee)) {
+        int chunks = vee ? 2 * P : P * cfg->virtual_stages;
+        if (chunks > nu && vee)
+            return smp_error(SMP_ERR_CONFIG, "the model makes %d top-level call%s, too few for pipeline \"zero_bubble_v\", which cuts it in 2 stages "
+                             "per partition (%d for %d partitions): use fewer partitions or another pipeline", nu, nu == 1 ? "" : "s", chunks, P);
         if (chunks > nu)
             return smp_error(SMP_ERR_CONFIG, "the model makes %d top-level calls, too few for %d partitions x %d virtual stages", nu, P, cfg->virtual_stages);
         smp_call_cost *costs = (smp_call_cost *)smp__alloc(sizeof(smp_call_cost) * (size_t)nu, SMP__ALLOC_OTHER);
@@ -4132,7 +4153,11 @@ static smp_status smp__assign_partitions(smp_model *m, int *call_part) {
             costs[u].activation_bytes = m->units[u].activation_bytes;
         }
         smp_status st = smp_auto_partition(costs, nu, chunks, cfg->memory_weight, SMP__OPTIMIZER_STATE_FACTOR, unit_part, NULL);
-        for (int k = 0; k < n && !st; k++) call_part[k] = unit_part[m->calls[k].unit] % P;
+        for (int k = 0; k < n && !st; k++) {
+            int c = unit_part[m->calls[k].unit];
+            call_part[k] = vee ? smp__vee_partition(c, P) : c % P;
+            if (vee && c == P && *vee_cut < 0) *vee_cut = k;
+        }
         smp__free(costs);
         smp__free(unit_part);
         return st;
@@ -4221,10 +4246,53 @@ static void smp__place_modules(smp_model *m, const int *part) {
     }
 }
 
+/* Pipeline zero_bubble_v: the placement must run over the partitions in a
+   V, 0, 1, ..., P-1, ..., 1, 0 along the calls; the middle partition's run
+   becomes two stages (P-1 and P). Auto partitioning cut them already
+   (*cut >= 0); a manual placement is cut here, at the start of the top-level
+   call that balances the two halves' traced time best. */
+static smp_status smp__vee_stages(const smp_model *m, const int *part, int *cut) {
+    int n = m->ncalls, P = smp__ctx.cfg.partitions, runs = 0, bad = -1, first = -1, last = -1;
+    char seen[160];
+    int at = 0;
+    seen[0] = 0;
+    for (int i = 0; i < n; i++) {
+        if (i > 0 && part[i] == part[i - 1]) continue;
+        if (bad < 0 && (runs >= 2 * P - 1 || part[i] != (runs < P ? runs : 2 * P - 2 - runs))) bad = runs; /* the middle two stages make one run */
+        if (at >= 0 && at < (int)sizeof seen - 24) at += snprintf(seen + at, sizeof seen - (size_t)at, runs ? ", %d" : "%d", part[i]);
+        else if (at >= 0) { snprintf(seen + at, sizeof seen - (size_t)at, ", ..."); at = -1; }
+        if (runs == P - 1) first = i;
+        runs++;
+    }
+    if (bad < 0 && runs != 2 * P - 1) bad = runs;
+    if (bad >= 0)
+        return smp_error(SMP_ERR_CONFIG, "pipeline \"zero_bubble_v\" needs the model placed in a V: partitions 0, 1, ..., %d, ..., 1, 0 along its calls "
+                         "(partition r runs stages r and %d-r, partition %d its two middle stages back to back); this placement runs over "
+                         "partitions %s. Place the modules so with SMP_PARTITION, or turn auto_partition on (it cuts and places the V itself)",
+                         P - 1, 2 * P - 1, P - 1, seen);
+    for (last = first; last + 1 < n && part[last + 1] == part[first]; last++) {}
+    if (*cut >= 0) return SMP_OK;
+    double total = 0, left = 0, best = -1;
+    for (int i = first; i <= last; i++) total += m->calls[i].time > 0 ? m->calls[i].time : 0;
+    for (int c = first + 1; c <= last; c++) {
+        left += m->calls[c - 1].time > 0 ? m->calls[c - 1].time : 0;
+        const smp__call_rec *r = &m->calls[c];
+        if (m->units[r->unit].first != c || (r->recompute_first >= 0 && r->recompute_first != c)) continue; /* inside a top-level call */
+        double worse = left > total - left ? left : total - left;
+        if (best < 0 || worse < best) { best = worse; *cut = c; }
+    }
+    if (*cut < 0)
+        return smp_error(SMP_ERR_CONFIG, "pipeline \"zero_bubble_v\" cuts partition %d's part of the model (the bottom of the V) in two stages, "
+                         "but it is one top-level call (\"%s\"): place at least two top-level calls on partition %d, or turn auto_partition on",
+                         P - 1, m->units[m->calls[first].unit].module->full_name, P - 1);
+    return SMP_OK;
+}
+
 static smp_status smp__partition(smp_model *m) {
-    int n = m->ncalls, P = smp__ctx.cfg.partitions;
+    int n = m->ncalls, P = smp__ctx.cfg.partitions, vee_cut = -1;
     int *part = (int *)smp__alloc(sizeof(int) * (size_t)(n ? n : 1), SMP__ALLOC_OTHER);
-    smp_status st = n ? smp__assign_partitions(m, part) : smp_error(SMP_ERR_ARG, "the model's forward made no smp_call");
+    smp_status st = n ? smp__assign_partitions(m, part, &vee_cut) : smp_error(SMP_ERR_ARG, "the model's forward made no smp_call");
+    if (!st && smp__ctx.cfg.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V) st = smp__vee_stages(m, part, &vee_cut);
     for (int k = 0; k < n && !st; k++) {
         const smp__call_rec *c = &m->calls[k];
         if (c->recompute_first >= 0 && part[c->recompute_first] != part[k])
@@ -4235,13 +4303,13 @@ static smp_status smp__partition(smp_model *m) {
     }
     if (st) { smp__free(part); return st; }
     int S = 0;
-    for (int i = 0; i < n; i++) S += i == 0 || part[i] != part[i - 1];
+    for (int i = 0; i < n; i++) S += i == 0 || part[i] != part[i - 1] || i == vee_cut;
     m->nstages = S;
     m->stage_rank = (int *)smp__alloc(sizeof(int) * 3 * (size_t)S, SMP__ALLOC_OTHER);
     m->stage_first = m->stage_rank + S;
     m->stage_last = m->stage_rank + 2 * S;
     for (int i = 0, s = -1; i < n; i++) {
-        if (i == 0 || part[i] != part[i - 1]) { s++; m->stage_rank[s] = part[i]; m->stage_first[s] = i; }
+        if (i == 0 || part[i] != part[i - 1] || i == vee_cut) { s++; m->stage_rank[s] = part[i]; m->stage_first[s] = i; }
         m->stage_last[s] = i;
         m->calls[i].stage = s;
     }

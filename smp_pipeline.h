@@ -7,7 +7,7 @@
      B(s, i) of global (virtual) stage s on microbatch i. Stages form a chain
      0..S-1; stage_rank[s] names the rank that runs stage s, and two
      consecutive stages never share a rank (0,1,0,1 gives two ranks two
-     virtual stages each). F(s, i) needs F(s-1, i); B(s, i) needs B(s+1, i),
+     virtual stages each), except in ZB-V's V. F(s, i) needs F(s-1, i); B(s, i) needs B(s+1, i),
      and B(S-1, i) needs F(S-1, i) (the loss belongs to the last forward).
      On every stage, forwards and backwards run in increasing microbatch
      order, whatever the schedule, so gradients accumulate in one order.
@@ -42,8 +42,27 @@
                                  several stages per rank, microbatches count
                                  against the rank's interleaved bound until
                                  their W: memory near interleaved 1F1B's, and
-                                 little gain over it (ZB-V, which needs two
-                                 chunks per rank in a V, is not implemented).
+                                 little gain over it (ZB-V below is the
+                                 zero-bubble way to two chunks per rank).
+       SMP_PIPELINE_ZERO_BUBBLE_V
+                                 ZB-V (the same paper; torch's
+                                 ScheduleZBVZeroBubble): 2p stages on p
+                                 ranks in a V, rank r running stage r and
+                                 stage 2p-1-r, so rank p-1 runs the two
+                                 middle stages back to back (handing
+                                 activations and gradients over in memory)
+                                 and the loss is back on rank 0. B and W
+                                 apart as in ZB-H1. A rank holds at most
+                                 2 min(m, p) microbatch-stages until W, each
+                                 half of a 1F1B stage: 1F1B's peak memory.
+                                 With F = B = W per stage and m >= 2p-1 the
+                                 step takes 6m + p - 1 (unit ops), an idle
+                                 time half ZB-H1's and a sixth of 1F1B's for
+                                 the same model. The stage map must be the V
+                                 (NULL gives it); with pipeline
+                                 "zero_bubble_v" smp partitions the model so
+                                 (auto: 2p stages; manual: a placement
+                                 running over partitions 0..p-1..0).
        (SMP_PIPELINE_DEFAULT means INTERLEAVED.)
 
          smp_schedule sc;
@@ -124,7 +143,7 @@ typedef struct smp_sched_op {
 } smp_sched_op;
 
 typedef struct smp_schedule {
-    smp_pipeline_kind kind; /* SIMPLE, INTERLEAVED or ZERO_BUBBLE (never DEFAULT) */
+    smp_pipeline_kind kind; /* SIMPLE, INTERLEAVED, ZERO_BUBBLE or ZERO_BUBBLE_V (never DEFAULT) */
     int nranks, nstages, microbatches;
     bool forward_only;      /* evaluation step: forwards only */
     int *stage_rank;        /* [nstages]: rank that runs each stage */
@@ -133,10 +152,11 @@ typedef struct smp_schedule {
 } smp_schedule;
 
 /* Builds the per-rank operation lists of one step. stage_rank may be NULL
-   (round robin: stage s on rank s % nranks). Fails with SMP_ERR_ARG on
-   nranks < 1, nstages < nranks, microbatches < 1, a rank out of range or
-   without a stage, or two consecutive stages on one rank. Arrays come from
-   SMP_MALLOC; release them with smp_schedule_free. */
+   (round robin: stage s on rank s % nranks; ZERO_BUBBLE_V: the V). Fails
+   with SMP_ERR_ARG on nranks < 1, nstages < nranks, microbatches < 1, a
+   rank out of range or without a stage, or two consecutive stages on one
+   rank; ZERO_BUBBLE_V on nstages != 2 nranks or a map other than the V.
+   Arrays come from SMP_MALLOC; release them with smp_schedule_free. */
 SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nstages, const int *stage_rank,
                                      int microbatches, bool forward_only, smp_schedule *out);
 /* Frees what smp_schedule_build allocated (each array with SMP_FREE, each
@@ -388,9 +408,25 @@ static void *smp__sched_calloc(size_t n, size_t size) {
     return p;
 }
 
-/* Checks the shape of a pipeline and its stage map. */
-static smp_status smp__sched_check_map(int nranks, int nstages, const int *stage_rank, int microbatches) {
+/* Whether a kind splits each backward into B and W ops. */
+static bool smp__sched_split(smp_pipeline_kind k) { return k == SMP_PIPELINE_ZERO_BUBBLE || k == SMP_PIPELINE_ZERO_BUBBLE_V; }
+
+/* Checks the shape of a pipeline and its stage map; vee: ZB-V's, which
+   must be the V (2 x nranks stages, stage s on rank s or 2 nranks - 1 - s). */
+static smp_status smp__sched_check_map(int nranks, int nstages, const int *stage_rank, int microbatches, bool vee) {
     if (nranks < 1) return smp_error(SMP_ERR_ARG, "a pipeline needs at least 1 rank, got nranks = %d", nranks);
+    if (vee) {
+        if (microbatches < 1)
+            return smp_error(SMP_ERR_ARG, "a step needs at least 1 microbatch, got microbatches = %d", microbatches);
+        if (nstages != 2 * nranks)
+            return smp_error(SMP_ERR_ARG, "zero_bubble_v runs 2 stages per rank in a V: %d rank%s need %d stages, got %d", nranks,
+                             nranks == 1 ? "" : "s", 2 * nranks, nstages);
+        for (int s = 0; s < nstages && stage_rank; s++)
+            if (stage_rank[s] != smp__vee_partition(s, nranks))
+                return smp_error(SMP_ERR_ARG, "stage %d is placed on rank %d, but zero_bubble_v's V puts it on rank %d (rank r runs "
+                                 "stages r and %d - r)", s, stage_rank[s], smp__vee_partition(s, nranks), nstages - 1);
+        return SMP_OK;
+    }
     if (nstages < nranks)
         return smp_error(SMP_ERR_ARG, "%d stages cannot occupy %d ranks: every rank needs at least one stage",
                          nstages, nranks);
@@ -422,7 +458,7 @@ static smp_status smp__sched_check_map(int nranks, int nstages, const int *stage
    sized for every op of the rank. */
 static smp_status smp__sched_alloc(smp_schedule *out, const int *map) {
     int R = out->nranks, S = out->nstages, m = out->microbatches;
-    int per_stage = out->forward_only ? m : out->kind == SMP_PIPELINE_ZERO_BUBBLE ? 3 * m : 2 * m;
+    int per_stage = out->forward_only ? m : smp__sched_split(out->kind) ? 3 * m : 2 * m;
     out->stage_rank = (int *)smp__sched_calloc((size_t)S, sizeof(int));
     out->nops = (int *)smp__sched_calloc((size_t)R, sizeof(int));
     out->ops = (smp_sched_op **)smp__sched_calloc((size_t)R, sizeof(smp_sched_op *));
@@ -639,6 +675,65 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
     return st;
 }
 
+/* ZB-V (Qi et al., ICLR 2024, section 6; torch.distributed.pipelining's
+   ScheduleZBVZeroBubble): rank r runs chunk 0 = stage r and chunk 1 =
+   stage 2p-1-r of 2p. With n = max(m, 2p-1) microbatches each rank runs
+     warm-up    2(p-r)-1 F0; r times F1 F0; p-r times F1 B1 W1
+     steady     F0 (while some remain) B0 W0 F1 B1 W1, until every F ran
+     cool-down  r times B0 B1; p-r times B0 W0; the remaining W1, then W0
+   and the ops of microbatches >= m are dropped (m < 2p-1). The rank holds
+   at most 2p microbatch-chunks from F to W (2 min(m, p) for every m), half
+   a stage each: 1F1B's peak, min(m, p) whole stages. With F = B = W = 1
+   per chunk the step takes max(6m + p - 1, 4(m + p) - 2): for m >= 2p-1
+   an idle time of p(p-1), half ZB-H1's and a sixth of 1F1B's for the same
+   work, and never more than either for any m (test_schedule.c).
+   Evaluation runs the same order's forwards. Every rank's list keeps the
+   order of the full n-microbatch one, whose operations and dependencies
+   form no cycle (the tests check every p <= 8, m <= 16), and dropping
+   whole microbatches keeps it so. On rank r, W1(i) always comes before
+   W0(i): the executor frees what chunk 0 made for i after W0(i), and chunk
+   1 may read it (a skip connection across the V) until W1(i). */
+static smp_status smp__sched_zbv(smp_schedule *sc) {
+    int p = sc->nranks, S = sc->nstages, m = sc->microbatches, n = m > 2 * p - 1 ? m : 2 * p - 1;
+    smp_sched_op *tmp = (smp_sched_op *)smp__sched_calloc((size_t)6 * (size_t)n, sizeof(smp_sched_op));
+    if (!tmp) return SMP_ERR_NOMEM;
+    for (int r = 0; r < p; r++) {
+        int c0 = r, c1 = S - 1 - r, k = 0, f0 = 0, f1 = 0, b0 = 0, b1 = 0, w0, w1;
+#define SMP__ZBV(KIND, STAGE, MB) (tmp[k].kind = (KIND), tmp[k].stage = (STAGE), tmp[k].microbatch = (MB), k++)
+        for (int q = 0; q < 2 * (p - r) - 1; q++) SMP__ZBV(SMP_SCHED_FORWARD, c0, f0++);
+        for (int q = 0; q < r; q++) { SMP__ZBV(SMP_SCHED_FORWARD, c1, f1++); SMP__ZBV(SMP_SCHED_FORWARD, c0, f0++); }
+        for (int q = 0; q < p - r; q++) {
+            SMP__ZBV(SMP_SCHED_FORWARD, c1, f1++);
+            SMP__ZBV(SMP_SCHED_BACKWARD, c1, b1);
+            SMP__ZBV(SMP_SCHED_WEIGHT, c1, b1++);
+        }
+        while (f1 < f0 || f0 < n) {
+            if (f0 < n) SMP__ZBV(SMP_SCHED_FORWARD, c0, f0++);
+            SMP__ZBV(SMP_SCHED_BACKWARD, c0, b0);
+            SMP__ZBV(SMP_SCHED_WEIGHT, c0, b0++);
+            SMP__ZBV(SMP_SCHED_FORWARD, c1, f1++);
+            SMP__ZBV(SMP_SCHED_BACKWARD, c1, b1);
+            SMP__ZBV(SMP_SCHED_WEIGHT, c1, b1++);
+        }
+        w0 = b0;
+        w1 = b1;
+        for (int q = 0; q < r; q++) { SMP__ZBV(SMP_SCHED_BACKWARD, c0, b0++); SMP__ZBV(SMP_SCHED_BACKWARD, c1, b1++); }
+        for (int q = 0; q < p - r; q++) { SMP__ZBV(SMP_SCHED_BACKWARD, c0, b0++); SMP__ZBV(SMP_SCHED_WEIGHT, c0, w0++); }
+        while (w1 < b1) SMP__ZBV(SMP_SCHED_WEIGHT, c1, w1++);
+        while (w0 < b0) SMP__ZBV(SMP_SCHED_WEIGHT, c0, w0++);
+#undef SMP__ZBV
+        if (k != 6 * n || f0 != n || f1 != n || b0 != n || b1 != n || w0 != n || w1 != n) {
+            SMP_FREE(tmp);
+            return smp_error(SMP_ERR_STATE, "smp bug: the zero_bubble_v schedule of rank %d has %d ops for %d microbatches", r, k, n);
+        }
+        for (int q = 0; q < k; q++)
+            if (tmp[q].microbatch < m && (!sc->forward_only || tmp[q].kind == SMP_SCHED_FORWARD))
+                smp__sched_push(sc, r, tmp[q].kind, tmp[q].stage, tmp[q].microbatch);
+    }
+    SMP_FREE(tmp);
+    return SMP_OK;
+}
+
 SMPDEF void smp_schedule_free(smp_schedule *s) {
     if (!s) return;
     if (s->ops)
@@ -654,16 +749,17 @@ SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nst
     if (!out) return smp_error(SMP_ERR_ARG, "smp_schedule_build: out is NULL");
     memset(out, 0, sizeof *out);
     if (kind == SMP_PIPELINE_DEFAULT) kind = SMP_PIPELINE_INTERLEAVED;
-    if (kind != SMP_PIPELINE_INTERLEAVED && kind != SMP_PIPELINE_SIMPLE && kind != SMP_PIPELINE_ZERO_BUBBLE)
-        return smp_error(SMP_ERR_ARG, "unknown pipeline kind %d (expected simple, interleaved or zero_bubble)", (int)kind);
-    smp_status st = smp__sched_check_map(nranks, nstages, stage_rank, microbatches);
+    if (kind != SMP_PIPELINE_INTERLEAVED && kind != SMP_PIPELINE_SIMPLE && kind != SMP_PIPELINE_ZERO_BUBBLE && kind != SMP_PIPELINE_ZERO_BUBBLE_V)
+        return smp_error(SMP_ERR_ARG, "unknown pipeline kind %d (expected simple, interleaved, zero_bubble or zero_bubble_v)", (int)kind);
+    bool vee = kind == SMP_PIPELINE_ZERO_BUBBLE_V;
+    smp_status st = smp__sched_check_map(nranks, nstages, stage_rank, microbatches, vee);
     if (st != SMP_OK) return st;
     if ((long long)nstages * microbatches * 3 > 0x7fffffffLL)
         return smp_error(SMP_ERR_ARG, "%d stages x %d microbatches is too many operations", nstages, microbatches);
 
     int *map = (int *)smp__sched_calloc((size_t)nstages, sizeof(int));
     if (!map) return smp_error(SMP_ERR_NOMEM, "out of memory building a schedule");
-    for (int s = 0; s < nstages; s++) map[s] = stage_rank ? stage_rank[s] : s % nranks;
+    for (int s = 0; s < nstages; s++) map[s] = stage_rank ? stage_rank[s] : vee ? smp__vee_partition(s, nranks) : s % nranks;
 
     out->kind = kind;
     out->nranks = nranks;
@@ -674,6 +770,7 @@ SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nst
     SMP_FREE(map);
     if (st == SMP_OK) {
         if (kind == SMP_PIPELINE_SIMPLE) smp__sched_simple(out);
+        else if (vee) st = smp__sched_zbv(out);
         else st = smp__sched_interleaved(out);
     }
     if (st != SMP_OK) {
@@ -720,7 +817,7 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
     memset(out, 0, sizeof *out);
     if (!s) return smp_error(SMP_ERR_ARG, "smp_schedule_simulate: schedule is NULL");
     int R = s->nranks, S = s->nstages, m = s->microbatches;
-    smp_status st = smp__sched_check_map(R, S, s->stage_rank, m);
+    smp_status st = smp__sched_check_map(R, S, s->stage_rank, m, s->kind == SMP_PIPELINE_ZERO_BUBBLE_V);
     if (st != SMP_OK) return st;
     if (!s->stage_rank || !s->nops || !s->ops)
         return smp_error(SMP_ERR_ARG, "schedule has no stage map or no op lists");
@@ -734,7 +831,7 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
             if (!(v >= 0) || !isfinite(v))
                 return smp_error(SMP_ERR_ARG, "%s cost of stage %d must be finite and >= 0, got %g", cost_name[kd], q, v);
         }
-    bool zb = s->kind == SMP_PIPELINE_ZERO_BUBBLE && !s->forward_only;
+    bool zb = smp__sched_split(s->kind) && !s->forward_only;
     int kinds = s->forward_only ? 1 : zb ? 3 : 2;
 
     size_t n = (size_t)S * (size_t)m;
@@ -2533,33 +2630,56 @@ static void smp__notify_failure(smp__pipe *ps) {
 
 /* The partition report's last part (rank 0, SMP_VERBOSE=1): what each
    schedule would make of this model, simulated with the traced forward,
-   backward-input and backward-weight times of every stage. */
+   backward-input and backward-weight times of every stage. The stages
+   stay as partitioned; a kind that cannot run on their placement runs on
+   the nearest it can: zero_bubble_v on the same stages in a V (when there
+   are 2 per partition), the others on a V model's stages round robin. */
 static void smp__schedule_report(const smp_model *md) {
     if (smp__ctx.rank != 0 || !getenv("SMP_VERBOSE")) return;
-    int S = md->nstages, m = smp__ctx.cfg.microbatches;
+    int S = md->nstages, m = smp__ctx.cfg.microbatches, P = smp__ctx.cfg.partitions;
     double *cost = (double *)smp__alloc(sizeof(double) * 3 * (size_t)S, SMP__ALLOC_OTHER);
-    if (!cost) return;
+    int *map = (int *)smp__alloc(sizeof(int) * (size_t)S, SMP__ALLOC_OTHER);
+    if (!cost || !map) { smp__free(cost); smp__free(map); return; }
     memset(cost, 0, sizeof(double) * 3 * (size_t)S);
     for (int k = 0; k < md->ncalls; k++)
         for (int h = 0; h < 3; h++) cost[h * S + md->calls[k].stage] += md->calls[k].cost[h];
+    bool model_vee = smp__ctx.cfg.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V;
     smp_log(SMP_LOG_INFO, "schedules for this model, %d stages x %d microbatches, simulated with the traced per-stage times "
             "(a module without smp_module_set_backward_split has no W: its whole backward is B):", S, m);
-    static const smp_pipeline_kind kinds[] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE};
-    static const char *const names[] = {"simple", "interleaved", "zero_bubble"};
-    for (int q = 0; q < 3; q++) {
+    static const smp_pipeline_kind kinds[] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE, SMP_PIPELINE_ZERO_BUBBLE_V};
+    static const char *const names[] = {"simple", "interleaved", "zero_bubble", "zero_bubble_v"};
+    for (int q = 0; q < 4; q++) {
+        bool vee = kinds[q] == SMP_PIPELINE_ZERO_BUBBLE_V;
+        const char *placed = "";
+        if (vee == model_vee) memcpy(map, md->stage_rank, sizeof(int) * (size_t)S);
+        else if (vee) {
+            if (S != 2 * P) {
+                smp_log(SMP_LOG_INFO, "  %-13s not simulated: it cuts the model in 2 stages per partition (pipeline zero_bubble_v partitions so)", names[q]);
+                continue;
+            }
+            for (int s = 0; s < S; s++) map[s] = smp__vee_partition(s, P);
+            placed = "  (these stages in a V)";
+        } else {
+            for (int s = 0; s < S; s++) map[s] = s % P;
+            placed = "  (these stages round robin)";
+        }
         smp_schedule sc;
         smp_sim_result r;
-        if (smp_schedule_build(kinds[q], smp__ctx.cfg.partitions, S, md->stage_rank, m, false, &sc)) continue;
+        if (smp_schedule_build(kinds[q], P, S, map, m, false, &sc)) {
+            smp_log(SMP_LOG_INFO, "  %-13s not simulated: %s", names[q], smp_last_error());
+            continue;
+        }
         if (!smp_schedule_simulate(&sc, cost, cost + S, cost + 2 * S, 0.0, &r)) {
             int peak = 0;
             for (int p = 0; p < sc.nranks; p++) peak = r.rank_peak_inflight[p] > peak ? r.rank_peak_inflight[p] : peak;
-            smp_log(SMP_LOG_INFO, "  %-12s step %9.3f ms  bubble %5.1f%%  peak microbatches in flight on a rank %d%s", names[q], r.makespan * 1e3,
-                    100.0 * r.bubble_fraction, peak, kinds[q] == smp__ctx.cfg.pipeline ? "  (this run)" : "");
+            smp_log(SMP_LOG_INFO, "  %-13s step %9.3f ms  bubble %5.1f%%  peak microbatch-stages in flight on a rank %d%s%s", names[q],
+                    r.makespan * 1e3, 100.0 * r.bubble_fraction, peak, kinds[q] == smp__ctx.cfg.pipeline ? "  (this run)" : "", placed);
             smp_sim_result_free(&r);
         }
         smp_schedule_free(&sc);
     }
     smp__free(cost);
+    smp__free(map);
 }
 
 static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts);
@@ -2643,7 +2763,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     }
     ps->m = m;
     ps->training = training;
-    ps->zb = training && sc->kind == SMP_PIPELINE_ZERO_BUBBLE;
+    ps->zb = training && smp__sched_split(sc->kind);
     ps->desc = d;
     ps->failed_remote = false;
     memset(ps->dev_sent, 0, sizeof(int) * 2 * (size_t)cfg->partitions); /* and dev_posted */

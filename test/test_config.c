@@ -223,6 +223,17 @@ static void test_every_key(void) {
               c.placement_strategy == SMP_PLACEMENT_CLUSTER && c.trace_device == SMP_TRACE_CPU &&
               c.auto_partition == SMP_ON && c.ddp == SMP_OFF,
           "json: remaining enum values and bools", "%s", smp_last_error());
+    for (int v = 1; v <= 2; v++) { /* zero_bubble_v runs 2 stages per partition: virtual_stages 1 or 2 */
+        char text[96];
+        snprintf(text, sizeof text, "{\"pipeline\": \"zero_bubble_v\", \"virtual_stages\": %d}", v);
+        memset(&c, 0, sizeof c);
+        st = smp_config_from_json(text, &c);
+        smp_config r2;
+        smp_status rs = st ? st : smp_config_resolve(&c, 1, &r2);
+        CHECK(st == SMP_OK && rs == SMP_OK && c.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V && r2.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V &&
+                  r2.virtual_stages == v,
+              v == 1 ? "json: pipeline zero_bubble_v" : "json: pipeline zero_bubble_v with virtual_stages 2", "%s", smp_last_error());
+    }
 
     /* number forms */
     memset(&c, 0, sizeof c);
@@ -349,7 +360,7 @@ static void test_bad_json_values(void) {
     expect_json_error("bad json: bool given as a number", "{\"auto_partition\": 1}", "\"auto_partition\"",
                       "true or false", "number 1");
     expect_json_error("bad json: unknown pipeline", "{\"pipeline\": \"gpipe\"}", "config key \"pipeline\"",
-                      "\"interleaved\", \"simple\", or \"zero_bubble\"", "\"gpipe\"");
+                      "\"interleaved\", \"simple\", \"zero_bubble\", or \"zero_bubble_v\"", "\"gpipe\"");
     expect_json_error("bad json: pipeline as a number", "{\"pipeline\": 1}", "\"pipeline\"", "string", "number 1");
     expect_json_error("bad json: enum is case-sensitive", "{\"optimize\": \"Speed\"}", "\"optimize\"",
                       "\"speed\" or \"memory\"", "\"Speed\"");
@@ -496,6 +507,14 @@ static void test_bad_structs(void) {
     expect_resolve_error("bad struct: negative timeout", b, 4, "\"timeout\"", "-1", NULL);
     b.timeout = INFINITY;
     expect_resolve_error("bad struct: infinite timeout", b, 4, "\"timeout\"", "inf", NULL);
+    b = c;
+    b.pipeline = SMP_PIPELINE_ZERO_BUBBLE_V;
+    b.virtual_stages = 3;
+    expect_resolve_error("bad struct: zero_bubble_v with virtual_stages 3", b, 4, "\"virtual_stages\" is 3", "zero_bubble_v",
+                         "leave virtual_stages at 1 or 2");
+    b = c;
+    b.pipeline = (smp_pipeline_kind)5;
+    expect_resolve_error("bad struct: pipeline = 5", b, 4, "\"pipeline\"", "5", "SMP_PIPELINE_ZERO_BUBBLE_V (4)");
     b = c;
     b.pipeline = (smp_pipeline_kind)7;
     expect_resolve_error("bad struct: pipeline = 7", b, 4, "\"pipeline\"", "7", "SMP_PIPELINE_SIMPLE");

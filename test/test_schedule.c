@@ -54,8 +54,9 @@ static void note(int *flag, char *buf, const char *fmt, ...) {
 }
 
 static const char *kind_name(smp_pipeline_kind k) {
-    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : "interleaved";
+    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : k == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved";
 }
+static bool split_kind(smp_pipeline_kind k) { return k == SMP_PIPELINE_ZERO_BUBBLE || k == SMP_PIPELINE_ZERO_BUBBLE_V; }
 static char op_letter(smp_sched_op_kind k) { return k == SMP_SCHED_FORWARD ? 'F' : k == SMP_SCHED_BACKWARD ? 'B' : 'W'; }
 
 static unsigned long long rng_state = 0x9e3779b97f4a7c15ULL;
@@ -73,7 +74,7 @@ static double rnd_uniform(double lo, double hi) { return lo + (hi - lo) * (rnd()
    each after its own B (on the same rank: a stage's ops share it). */
 static int check_valid(const smp_schedule *sc, const int *map) {
     int S = sc->nstages, m = sc->microbatches;
-    bool zb = sc->kind == SMP_PIPELINE_ZERO_BUBBLE && !sc->forward_only;
+    bool zb = split_kind(sc->kind) && !sc->forward_only;
     int *next = (int *)calloc((size_t)(3 * S), sizeof(int));
     int ok = 1;
     for (int s = 0; s < S && ok; s++)
@@ -479,6 +480,221 @@ static void test_exhaustive(void) {
 #undef NOTE
 }
 
+/* ZB-V's V: stage s of 2p on rank s, or 2p-1-s past the middle. */
+static int vee(int s, int p) { return s < p ? s : 2 * p - 1 - s; }
+
+/* ZB-V (zero_bubble_v), p ranks, 2p stages in a V, equal costs per chunk.
+   At F = B = W = 1 the step takes max(6m + p - 1, 4(m + p) - 2), so for
+   m >= 2p - 1 the idle time p * makespan - busy is p(p-1): half of ZB-H1's
+   and a sixth of 1F1B's for the same work (their stages being two chunks,
+   F = B = W = 2), and the bubble (p-1)/(6m+p-1). For every m it is never
+   slower than either. Memory: a rank holds at most 2 min(m, p)
+   microbatch-chunks from F to W, half a stage each: 1F1B's busiest rank
+   (min(m, p) stages). */
+static void test_zbv_bubble(void) {
+    int ok_formula = 1, ok_idle = 1, ok_faster = 1, ok_peak = 1, ok_scale = 1, tried = 0;
+    char w_formula[512] = "", w_idle[512] = "", w_faster[512] = "", w_peak[512] = "", w_scale[512] = "";
+#define NOTE(flag, buf, ...) note(&flag, buf, __VA_ARGS__)
+    for (int p = 1; p <= 8; p++)
+        for (int m = 1; m <= 32; m++) {
+            smp_schedule v, h1, one;
+            if (smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, p, 2 * p, NULL, m, false, &v) != SMP_OK) {
+                NOTE(ok_formula, w_formula, "build p=%d m=%d: %s", p, m, smp_last_error());
+                continue;
+            }
+            if (smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE, p, p, NULL, m, false, &h1) != SMP_OK ||
+                smp_schedule_build(SMP_PIPELINE_INTERLEAVED, p, p, NULL, m, false, &one) != SMP_OK) {
+                NOTE(ok_formula, w_formula, "build ZB-H1/1F1B p=%d m=%d: %s", p, m, smp_last_error());
+                smp_schedule_free(&v);
+                continue;
+            }
+            double two[8], f5[16];
+            for (int s = 0; s < 8; s++) two[s] = 2;
+            for (int s = 0; s < 16; s++) f5[s] = 2.5;
+            smp_sim_result rv, rh, r1, r5;
+            if (smp_schedule_simulate(&v, NULL, NULL, NULL, 0.0, &rv) != SMP_OK ||
+                smp_schedule_simulate(&h1, two, two, two, 0.0, &rh) != SMP_OK ||
+                smp_schedule_simulate(&one, two, two, two, 0.0, &r1) != SMP_OK ||
+                smp_schedule_simulate(&v, f5, f5, f5, 0.0, &r5) != SMP_OK) {
+                NOTE(ok_formula, w_formula, "simulate p=%d m=%d: %s", p, m, smp_last_error());
+            } else {
+                tried++;
+                double a = 6.0 * m + p - 1, b = 4.0 * (m + p) - 2, want = a > b ? a : b;
+                if (rv.deadlock || fabs(rv.makespan - want) > 1e-9 || fabs(rv.busy - 6.0 * m * p) > 1e-9)
+                    NOTE(ok_formula, w_formula, "p=%d m=%d: makespan %g (busy %g), want max(6m+p-1, 4(m+p)-2) = %g%s", p, m,
+                         rv.makespan, rv.busy, want, rv.deadlock ? " (deadlock)" : "");
+                if (fabs(r5.makespan - 2.5 * rv.makespan) > 1e-9)
+                    NOTE(ok_scale, w_scale, "p=%d m=%d: F=B=W=2.5 makespan %g, want 2.5 x %g", p, m, r5.makespan, rv.makespan);
+                if (m >= 2 * p - 1) {
+                    double iv = p * rv.makespan - rv.busy, ih = p * rh.makespan - rh.busy, i1 = p * r1.makespan - r1.busy;
+                    if (fabs(iv - p * (p - 1.0)) > 1e-9 || fabs(2 * iv - ih) > 1e-9 || fabs(6 * iv - i1) > 1e-9 ||
+                        fabs(rv.bubble_fraction - (p - 1.0) / (6.0 * m + p - 1)) > 1e-12)
+                        NOTE(ok_idle, w_idle, "p=%d m=%d: idle %g (want p(p-1) = %d), ZB-H1's %g (want twice), 1F1B's %g (want 6x), "
+                             "bubble %.15f", p, m, iv, p * (p - 1), ih, i1, rv.bubble_fraction);
+                }
+                if (rv.makespan > rh.makespan + 1e-9 || rv.makespan > r1.makespan + 1e-9 || fabs(rv.busy - rh.busy) > 1e-9)
+                    NOTE(ok_faster, w_faster, "p=%d m=%d: zero_bubble_v %g (busy %g), ZB-H1 %g (busy %g), 1F1B %g", p, m, rv.makespan,
+                         rv.busy, rh.makespan, rh.busy, r1.makespan);
+                int pv = 0, p1 = 0;
+                for (int q = 0; q < p; q++) {
+                    if (rv.rank_peak_inflight[q] > pv) pv = rv.rank_peak_inflight[q];
+                    if (r1.rank_peak_inflight[q] > p1) p1 = r1.rank_peak_inflight[q];
+                }
+                if (pv != 2 * (m < p ? m : p) || pv > 2 * p1)
+                    NOTE(ok_peak, w_peak, "p=%d m=%d: zero_bubble_v's busiest rank holds %d chunks (want 2 min(m, p) = %d), 1F1B's %d stages",
+                         p, m, pv, 2 * (m < p ? m : p), p1);
+                smp_sim_result_free(&rv);
+                smp_sim_result_free(&rh);
+                smp_sim_result_free(&r1);
+                smp_sim_result_free(&r5);
+            }
+            smp_schedule_free(&v);
+            smp_schedule_free(&h1);
+            smp_schedule_free(&one);
+        }
+    CHECK(ok_formula && tried == 8 * 32, "zero_bubble_v makespan is max(6m+p-1, 4(m+p)-2) at F=B=W=1 per chunk (p <= 8, m <= 32)",
+          "%s (%d simulations)", w_formula, tried);
+    CHECK(ok_scale, "zero_bubble_v at F=B=W=2.5: the unit-cost step scaled", "%s", w_scale);
+    CHECK(ok_idle, "zero_bubble_v idle time p(p-1) for m >= 2p-1: half ZB-H1's, a sixth of 1F1B's, bubble (p-1)/(6m+p-1)",
+          "%s", w_idle);
+    CHECK(ok_faster, "zero_bubble_v is never slower than ZB-H1 or 1F1B on the same work (their stage = two chunks), m < p too", "%s",
+          w_faster);
+    CHECK(ok_peak, "zero_bubble_v's busiest rank holds 2 min(m, p) chunks until W: 1F1B's peak (min(m, p) stages of twice the size)",
+          "%s", w_peak);
+#undef NOTE
+}
+
+/* zero_bubble_v for every p = 1..8 (2 to 16 stages), m = 1..16, training and
+   evaluation: valid, pure, no deadlock at unit costs and at random costs
+   with latency, W of chunk 1 before W of chunk 0 for each microbatch. */
+static void test_zbv_exhaustive(void) {
+    int ok_build = 1, ok_valid = 1, ok_pure = 1, ok_sim = 1, ok_rand = 1, ok_order = 1, ok_fo = 1, ok_peak = 1, cases = 0;
+    char w_build[512] = "", w_valid[512] = "", w_pure[512] = "", w_sim[512] = "", w_rand[512] = "", w_order[512] = "",
+         w_fo[512] = "", w_peak[512] = "";
+#define NOTE(flag, buf, ...) note(&flag, buf, __VA_ARGS__)
+    for (int p = 1; p <= 8; p++)
+        for (int m = 1; m <= 16; m++)
+            for (int fo = 0; fo < 2; fo++) {
+                int S = 2 * p, map[16];
+                for (int s = 0; s < S; s++) map[s] = vee(s, p);
+                smp_schedule sc, again;
+                if (smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, p, S, NULL, m, fo, &sc) != SMP_OK || sc.kind != SMP_PIPELINE_ZERO_BUBBLE_V) {
+                    NOTE(ok_build, w_build, "p=%d m=%d fo=%d: %s", p, m, fo, smp_last_error());
+                    continue;
+                }
+                cases++;
+                if (!check_valid(&sc, map)) NOTE(ok_valid, w_valid, "p=%d m=%d fo=%d: %s", p, m, fo, why);
+                if (smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, p, S, map, m, fo, &again) != SMP_OK || !same_schedule(&sc, &again))
+                    NOTE(ok_pure, w_pure, "p=%d m=%d fo=%d: a second build (explicit map) differs", p, m, fo);
+                smp_schedule_free(&again);
+                for (int r = 0; r < p; r++) {
+                    if (sc.nops[r] != (fo ? 2 : 6) * m) NOTE(ok_fo, w_fo, "p=%d m=%d fo=%d: rank %d has %d ops", p, m, fo, r, sc.nops[r]);
+                    /* W1(i) before W0(i): chunk 1 may read chunk 0's outputs until its W */
+                    int w1 = 0;
+                    for (int k = 0; k < sc.nops[r]; k++) {
+                        smp_sched_op op = sc.ops[r][k];
+                        if (op.kind != SMP_SCHED_WEIGHT) continue;
+                        if (op.stage == S - 1 - r) w1++;
+                        else if (op.microbatch >= w1 && op.stage != S - 1 - r)
+                            NOTE(ok_order, w_order, "p=%d m=%d rank %d: W%d.%d before W%d.%d", p, m, r, op.stage, op.microbatch,
+                                 S - 1 - r, op.microbatch);
+                    }
+                }
+                smp_sim_result r;
+                if (smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.0, &r) != SMP_OK) {
+                    NOTE(ok_sim, w_sim, "p=%d m=%d fo=%d: %s", p, m, fo, smp_last_error());
+                } else {
+                    if (r.deadlock) NOTE(ok_sim, w_sim, "p=%d m=%d fo=%d: %s", p, m, fo, r.deadlock_reason);
+                    for (int q = 0; q < p && !fo; q++)
+                        if (r.rank_peak_inflight[q] > 2 * (m < p ? m : p) || r.peak_inflight[q] > (m < S ? m : S))
+                            NOTE(ok_peak, w_peak, "p=%d m=%d: rank %d holds %d (bound 2 min(m, p)), stage %d %d", p, m, q,
+                                 r.rank_peak_inflight[q], q, r.peak_inflight[q]);
+                    smp_sim_result_free(&r);
+                }
+                for (int draw = 0; draw < 3; draw++) {
+                    double f[16], b[16], w[16], lat = draw ? rnd_uniform(0, 0.5) : 0;
+                    for (int s = 0; s < S; s++) { f[s] = rnd_uniform(0.2, 3); b[s] = rnd_uniform(0.2, 5); w[s] = rnd_uniform(0, 3); }
+                    if (smp_schedule_simulate(&sc, f, b, w, lat, &r) != SMP_OK) {
+                        NOTE(ok_rand, w_rand, "simulate: %s", smp_last_error());
+                        continue;
+                    }
+                    double maxload = 0;
+                    for (int q = 0; q < p; q++) {
+                        double load = 0;
+                        for (int k = 0; k < sc.nops[q]; k++) {
+                            smp_sched_op op = sc.ops[q][k];
+                            load += op.kind == SMP_SCHED_FORWARD ? f[op.stage] : op.kind == SMP_SCHED_WEIGHT ? w[op.stage] : b[op.stage];
+                        }
+                        if (load > maxload) maxload = load;
+                    }
+                    if (r.deadlock) NOTE(ok_rand, w_rand, "p=%d m=%d fo=%d: %s", p, m, fo, r.deadlock_reason);
+                    else if (r.makespan + 1e-9 < maxload)
+                        NOTE(ok_rand, w_rand, "p=%d m=%d: makespan %g below a rank's load %g", p, m, r.makespan, maxload);
+                    smp_sim_result_free(&r);
+                }
+                smp_schedule_free(&sc);
+            }
+    CHECK(ok_build && cases == 8 * 16 * 2, "zero_bubble_v exhaustive (p <= 8, 2p stages, m <= 16, evaluation too): every schedule builds",
+          "%s (%d cases)", w_build, cases);
+    CHECK(ok_valid, "zero_bubble_v exhaustive: every op once, on its rank of the V, in microbatch order per stage, W after B", "%s", w_valid);
+    CHECK(ok_pure, "zero_bubble_v exhaustive: building is a pure function (NULL map = the V)", "%s", w_pure);
+    CHECK(ok_fo, "zero_bubble_v exhaustive: 6m ops per rank (training), 2m forwards (evaluation)", "%s", w_fo);
+    CHECK(ok_sim, "zero_bubble_v exhaustive: no deadlock at unit costs", "%s", w_sim);
+    CHECK(ok_rand, "zero_bubble_v exhaustive: no deadlock at random F/B/W costs, with and without latency", "%s", w_rand);
+    CHECK(ok_peak, "zero_bubble_v exhaustive: a rank holds at most 2 min(m, p) chunks until W", "%s", w_peak);
+    CHECK(ok_order, "zero_bubble_v exhaustive: on each rank W of chunk 1 runs before W of chunk 0 for a microbatch", "%s", w_order);
+#undef NOTE
+}
+
+static void test_zbv_order(void) {
+    /* ZB-V, 2 ranks (stages 0 and 3 on rank 0, 1 and 2 on rank 1) x 4
+       microbatches, and 3 ranks x 2 microbatches (m < p: the 5-microbatch
+       order with microbatches 2..4 left out): torch.distributed.pipelining's
+       ScheduleZBVZeroBubble, op for op */
+    static const char *want2[2] = {
+        "F0.0 F0.1 F0.2 F3.0 B3.0 W3.0 F3.1 B3.1 W3.1 F0.3 B0.0 W0.0 F3.2 B3.2 W3.2 B0.1 W0.1 F3.3 B3.3 W3.3 B0.2 W0.2 B0.3 W0.3 ",
+        "F1.0 F2.0 F1.1 F2.1 B2.0 W2.0 F1.2 B1.0 W1.0 F2.2 B2.1 W2.1 F1.3 B1.1 W1.1 F2.3 B2.2 W2.2 B1.2 B2.3 B1.3 W1.2 W2.3 W1.3 "};
+    static const char *want3[3] = {"F0.0 F0.1 F5.0 B5.0 W5.0 F5.1 B5.1 W5.1 B0.0 W0.0 B0.1 W0.1 ",
+                                   "F1.0 F1.1 F4.0 F4.1 B4.0 W4.0 B4.1 W4.1 B1.0 W1.0 B1.1 W1.1 ",
+                                   "F2.0 F3.0 F2.1 F3.1 B3.0 W3.0 B2.0 W2.0 B3.1 W3.1 B2.1 W2.1 "};
+    for (int c = 0; c < 2; c++) {
+        int p = c ? 3 : 2, m = c ? 2 : 4;
+        const char *const *want = c ? want3 : want2;
+        smp_schedule sc;
+        int ok = smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, p, 2 * p, NULL, m, false, &sc) == SMP_OK, bad = -1;
+        char got[3][256] = {"", "", ""};
+        for (int r = 0; ok && r < p; r++) {
+            size_t len = 0;
+            for (int k = 0; k < sc.nops[r] && len < sizeof got[r]; k++)
+                len += (size_t)snprintf(got[r] + len, sizeof got[r] - len, "%c%d.%d ", op_letter(sc.ops[r][k].kind), sc.ops[r][k].stage,
+                                        sc.ops[r][k].microbatch);
+            if (strcmp(got[r], want[r])) { ok = 0; bad = r; }
+        }
+        CHECK(ok, c ? "zero_bubble_v with 3 ranks, 2 microbatches (m < p): ZB-V's order, later microbatches left out"
+                    : "zero_bubble_v with 2 ranks, 4 microbatches: ZB-V's order (torch's ScheduleZBVZeroBubble)",
+              "rank %d: %s| want %s", bad, bad >= 0 ? got[bad] : smp_last_error(), bad >= 0 ? want[bad] : "");
+        smp_schedule_free(&sc);
+    }
+    /* the middle hand-off is local: no latency. p = 2, m = 1, latency L:
+       F0 [0,1] F1 [1+L,2+L] F2 [2+L,3+L] F3 B3 W3 [3+2L,6+2L] B2 W2 B1 W1
+       [6+3L,10+3L]... B0 W0 [8+4L,10+4L] (B1 ends at 8+3L) */
+    smp_schedule sc;
+    smp_sim_result r;
+    int ok = smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 2, 4, NULL, 1, false, &sc) == SMP_OK &&
+             smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.5, &r) == SMP_OK;
+    CHECK(ok && fabs(r.makespan - 12) < 1e-12 && !r.deadlock, "zero_bubble_v: the middle hand-off (stage 1 to 2, one rank) costs no latency",
+          "makespan %g, want 10 + 4 x 0.5 = 12 (four hops between ranks)", ok ? r.makespan : -1);
+    if (ok) smp_sim_result_free(&r);
+    smp_schedule_free(&sc);
+    ok = smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 1, 2, NULL, 3, false, &sc) == SMP_OK &&
+         smp_schedule_simulate(&sc, NULL, NULL, NULL, 7, &r) == SMP_OK;
+    CHECK(ok && fabs(r.makespan - 18) < 1e-12 && r.bubble_fraction == 0 && r.rank_peak_inflight[0] == 2,
+          "zero_bubble_v with one rank: both stages local, no bubble, 2 chunks in flight", "makespan %g bubble %g peak %d",
+          ok ? r.makespan : -1, ok ? r.bubble_fraction : -1, ok ? r.rank_peak_inflight[0] : -1);
+    if (ok) smp_sim_result_free(&r);
+    smp_schedule_free(&sc);
+}
+
 static void test_other_maps(void) {
     static const int maps[][8] = {
         {0, 1, 2, 0, 1, 2}, {1, 0},          {0, 1, 0, 2},    {2, 1, 0, 1, 2},
@@ -782,8 +998,20 @@ static void test_errors(void) {
                 "error: rank out of range");
     check_error(smp_schedule_build((smp_pipeline_kind)42, 2, 2, NULL, 1, false, &sc), "unknown pipeline kind 42",
                 "error: unknown kind");
-    check_error(smp_schedule_build((smp_pipeline_kind)42, 2, 2, NULL, 1, false, &sc), "zero_bubble",
-                "error: unknown kind lists zero_bubble among the kinds");
+    check_error(smp_schedule_build((smp_pipeline_kind)42, 2, 2, NULL, 1, false, &sc), "zero_bubble or zero_bubble_v",
+                "error: unknown kind lists zero_bubble and zero_bubble_v among the kinds");
+    static const int alternating[] = {0, 1, 0, 1}, vee3[] = {0, 1, 2, 2, 1, 0};
+    check_error(smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 2, 3, NULL, 4, false, &sc), "2 ranks need 4 stages, got 3",
+                "error: zero_bubble_v needs 2 stages per rank");
+    check_error(smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 2, 4, alternating, 4, false, &sc),
+                "stage 2 is placed on rank 0, but zero_bubble_v's V puts it on rank 1", "error: zero_bubble_v on 0,1,0,1 names the V");
+    check_error(smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 2, 4, NULL, 0, false, &sc), "microbatches = 0",
+                "error: zero_bubble_v with no microbatch");
+    check_error(smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE, 3, 6, vee3, 4, false, &sc), "stages 2 and 3 both run on rank 2",
+                "error: the V's consecutive stages only under zero_bubble_v");
+    CHECK(smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 3, 6, vee3, 4, false, &sc) == SMP_OK, "zero_bubble_v accepts the V 0,1,2,2,1,0",
+          "%s", smp_last_error());
+    smp_schedule_free(&sc);
     check_error(smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 1, false, NULL), "out is NULL", "error: no output");
     /* a failed build leaves a zeroed schedule that free accepts */
     smp_schedule_build(SMP_PIPELINE_SIMPLE, 0, 1, NULL, 1, false, &sc);
@@ -836,6 +1064,21 @@ static void test_errors(void) {
     hand_op(&h, 1, W, 1, 0); hand_op(&h, 1, W, 1, 0);
     check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r), "W(stage 1, microbatch 0) appears twice",
                 "simulator error: repeated W op");
+    /* a zero_bubble_v schedule off its V, and the V under another kind */
+    static const int map4[] = {0, 1, 0, 1}, vee2[] = {0, 1, 1, 0};
+    hand_init(&h, 2, 4, map4, 1, true);
+    h.sc.kind = SMP_PIPELINE_ZERO_BUBBLE_V;
+    hand_op(&h, 0, F, 0, 0); hand_op(&h, 1, F, 1, 0); hand_op(&h, 0, F, 2, 0); hand_op(&h, 1, F, 3, 0);
+    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r), "zero_bubble_v's V puts it on rank 1",
+                "simulator error: zero_bubble_v off its V");
+    hand_init(&h, 2, 4, vee2, 1, true);
+    hand_op(&h, 0, F, 0, 0); hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, F, 2, 0); hand_op(&h, 0, F, 3, 0);
+    check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r), "stages 1 and 2 both run on rank 1",
+                "simulator error: the V in an interleaved schedule");
+    h.sc.kind = SMP_PIPELINE_ZERO_BUBBLE_V;
+    CHECK(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r) == SMP_OK && !r.deadlock && r.makespan == 4,
+          "simulator: a hand-made zero_bubble_v evaluation runs", "%s", smp_last_error());
+    smp_sim_result_free(&r);
     smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 1, false, &sc);
     double neg[2] = {1, -1}, nan2[2] = {NAN, 1};
     check_error(smp_schedule_simulate(&sc, neg, NULL, NULL, 0, &r), "forward cost of stage 1", "simulator error: negative cost");
@@ -858,6 +1101,9 @@ int main(void) {
     test_simple_order();
     test_interleaved_order();
     test_zero_bubble_order();
+    test_zbv_bubble();
+    test_zbv_exhaustive();
+    test_zbv_order();
     test_simulator_by_hand();
     test_deadlock();
     test_errors();
