@@ -1,8 +1,9 @@
 /* test_pipeline.c - the executor against the same model run in one process.
    A 7-call model with a skip connection (call 0 feeds calls 1 and 3) runs
    for every partition count that fits the world, microbatches 1, 2, 3, 4, 8,
-   every schedule (simple, interleaved, zero_bubble), manual placement
-   0,1,0,1 and interleaving; the loss of each microbatch and every gradient
+   every schedule (simple, interleaved, zero_bubble, zero_bubble_v), manual
+   placement 0,1,0,1 and interleaving (zero_bubble_v: auto and manual V
+   placements, two stages per rank, the middle two on one rank); the loss of each microbatch and every gradient
    must equal, bit for bit, a plain C implementation of the same model with
    the same kernels and microbatching. zero_bubble runs with the linears'
    backward split into B and W (beside the ReLUs' and the add's whole
@@ -57,19 +58,29 @@ static int compare(smp_model *m, const ref_t *r, const smp_step_output *outs, in
 static int world;
 
 static const char *kind_name(smp_pipeline_kind k) {
-    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : "interleaved";
+    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : k == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved";
 }
+static bool split_kind(smp_pipeline_kind k) { return k == SMP_PIPELINE_ZERO_BUBBLE || k == SMP_PIPELINE_ZERO_BUBBLE_V; }
 
 /* The zero-bubble stats: each stage's peak in flight (F to W) equals what the
    simulator counts for the same schedule, is at most min(m, S), and with one
-   stage per rank no stage holds more than 1F1B's busiest (min(m, S), stage 0). */
-static int check_zb_stats(smp_model *model, int P, int m, char *why, size_t cap) {
+   stage per rank no stage holds more than 1F1B's busiest (min(m, S), stage 0).
+   zero_bubble_v: the stages form the V, and the rank holds at most 2 min(m, P). */
+static int check_zb_stats(smp_model *model, smp_pipeline_kind kind, int P, int m, char *why, size_t cap) {
     smp_step_stats ss = smp_last_step_stats(model);
     int S = smp_model_num_stages(model), map[16], ok = 1;
     for (int s = 0; s < S && s < 16; s++) map[s] = smp_model_stage_rank(model, s);
     smp_schedule sc;
     smp_sim_result r;
-    if (S > 16 || smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE, P, S, map, m, false, &sc) != SMP_OK) {
+    if (kind == SMP_PIPELINE_ZERO_BUBBLE_V) {
+        for (int s = 0; s < S && S == 2 * P; s++)
+            if (map[s] != (s < P ? s : 2 * P - 1 - s)) S = -1;
+        if (S != 2 * P) {
+            snprintf(why, cap, "zero_bubble_v partitioned the model into %d stages, not the V of %d", smp_model_num_stages(model), 2 * P);
+            return 0;
+        }
+    }
+    if (S > 16 || smp_schedule_build(kind, P, S, map, m, false, &sc) != SMP_OK) {
         snprintf(why, cap, "cannot build the schedule to compare with: %s", smp_last_error());
         return 0;
     }
@@ -79,6 +90,7 @@ static int check_zb_stats(smp_model *model, int P, int m, char *why, size_t cap)
         return 0;
     }
     int bound = m < S ? m : S;
+    int held = 0, me = smp_mp_rank();
     for (int k = 0; k < ss.local_stages && ok; k++) {
         int s = ss.stage_index[k], got = ss.peak_inflight[k];
         if (got != r.peak_inflight[s] || got > bound) {
@@ -86,6 +98,12 @@ static int check_zb_stats(smp_model *model, int P, int m, char *why, size_t cap)
                      s, got, r.peak_inflight[s], bound);
             ok = 0;
         }
+        held += got;
+    }
+    if (ok && kind == SMP_PIPELINE_ZERO_BUBBLE_V && (ss.local_stages != 2 || r.rank_peak_inflight[me] > 2 * (m < P ? m : P) || held < r.rank_peak_inflight[me])) {
+        snprintf(why, cap, "rank %d: %d stages, %d microbatch-stages in flight at the simulator's peak (bound 2 min(m, P) = %d)", me, ss.local_stages,
+                 r.rank_peak_inflight[me], 2 * (m < P ? m : P));
+        ok = 0;
     }
     smp_sim_result_free(&r);
     smp_schedule_free(&sc);
@@ -125,8 +143,8 @@ static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *plac
             smp_tensor cat = smp_tensor_2d(all, SMP_F32, B, C);
             if (smp_step_output_concat(&outs[1], &cat) || memcmp(all, ref.out, sizeof all)) { snprintf(why, sizeof why, "concatenated outputs differ"); ok = 0; }
         }
-        if (ok && kind == SMP_PIPELINE_ZERO_BUBBLE) ok = check_zb_stats(model, P, m, why, sizeof why);
-        if (ok && kind != SMP_PIPELINE_ZERO_BUBBLE) { /* stash peaks: simple holds every microbatch, 1F1B at most S - s */
+        if (ok && split_kind(kind)) ok = check_zb_stats(model, kind, P, m, why, sizeof why);
+        if (ok && !split_kind(kind)) { /* stash peaks: simple holds every microbatch, 1F1B at most S - s */
             smp_step_stats ss = smp_last_step_stats(model);
             int S = smp_model_num_stages(model);
             for (int k = 0; k < ss.local_stages && ok; k++) {
@@ -157,11 +175,12 @@ static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *plac
     } else if (ok && !split && (nb || nw)) {
         snprintf(why, sizeof why, "whole-backward linears ran %ld B and %ld W callbacks", nb, nw);
         ok = 0;
-    } else if (ok && split && kind != SMP_PIPELINE_ZERO_BUBBLE && deferred) {
+    } else if (ok && split && !split_kind(kind) && deferred) {
         snprintf(why, sizeof why, "%ld of %ld W calls did not follow their own B under %s", deferred, nw, kind_name(kind));
         ok = 0;
-    } else if (ok && split && kind == SMP_PIPELINE_ZERO_BUBBLE && m > 1 && !any_deferred) {
-        snprintf(why, sizeof why, "every W ran right after its own B (%ld here): zero_bubble deferred none", adjacent);
+    } else if (ok && split && split_kind(kind) && m > 1 && (kind == SMP_PIPELINE_ZERO_BUBBLE || m >= 2 * P - 1) && !any_deferred) {
+        /* (zero_bubble_v with fewer than 2P-1 microbatches may run each W right after its B) */
+        snprintf(why, sizeof why, "every W ran right after its own B (%ld here): %s deferred none", adjacent, kind_name(kind));
         ok = 0;
     }
     MPI_CHECK(ok, name, "%s", why);
@@ -231,11 +250,12 @@ static void run_error_case(int P) {
 /* zero_bubble with split linears: a failing forward or W reaches every rank
    (what W ops keep for later is let go), and the next step equals the
    reference bit for bit. */
-static void run_zb_error_case(int P) {
+static void run_zb_error_case(int P, smp_pipeline_kind kind) {
     smp_config cfg = {0};
     cfg.partitions = P;
     cfg.microbatches = 4;
-    cfg.pipeline = SMP_PIPELINE_ZERO_BUBBLE;
+    cfg.pipeline = kind;
+    const char *kn = kind_name(kind);
     cfg.ddp = world > P ? SMP_ON : SMP_OFF;
     cfg.seed = 7;
     char name[160], why[4096] = "";
@@ -249,13 +269,13 @@ static void run_zb_error_case(int P) {
     g_fail_mb = 2;
     smp_status st = model ? SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t) : SMP_ERR_STATE;
     g_fail = g_fail_mb = -1;
-    snprintf(name, sizeof name, "pipeline/zero_bubble: a failing forward (microbatch 2, last stage) reaches every rank/P=%d", P);
+    snprintf(name, sizeof name, "pipeline/%s: a failing forward (microbatch 2, rank %d) reaches every rank/P=%d", kn, P - 1, P);
     MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected failure") && strstr(smp_last_error(), "microbatch 2"), name,
               "status %d, message: %s", st, smp_last_error());
     g_fail_w = 0; /* mp rank 0 holds fc0 whatever P is */
     st = model ? SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t) : SMP_ERR_STATE;
     g_fail_w = -1;
-    snprintf(name, sizeof name, "pipeline/zero_bubble: a failing W reaches every rank, naming backward_weight/P=%d", P);
+    snprintf(name, sizeof name, "pipeline/%s: a failing W reaches every rank, naming backward_weight/P=%d", kn, P);
     MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected W failure") && strstr(smp_last_error(), "backward_weight"), name,
               "status %d, message: %s", st, smp_last_error());
     ref_t ref;
@@ -266,7 +286,7 @@ static void run_zb_error_case(int P) {
     ok = st == SMP_OK;
     if (!ok) snprintf(why, sizeof why, "%s", smp_last_error());
     else ok = compare(model, &ref, outs, 4, why, sizeof why);
-    snprintf(name, sizeof name, "pipeline/zero_bubble: the step after the failures equals the reference/P=%d", P);
+    snprintf(name, sizeof name, "pipeline/%s: the step after the failures equals the reference/P=%d", kn, P);
     MPI_CHECK(ok, name, "%s", why);
     /* evaluation: forward only (no W ops), outputs equal the reference forward */
     smp_step_output eo[2] = {{0}, {0}};
@@ -274,7 +294,7 @@ static void run_zb_error_case(int P) {
     st = model ? SMP_EVAL_STEP(model, mse_body, NULL, eo, 2, x, t) : SMP_ERR_STATE;
     float all[B * C];
     smp_tensor cat = smp_tensor_2d(all, SMP_F32, B, C);
-    snprintf(name, sizeof name, "pipeline/zero_bubble: evaluation step outputs/P=%d", P);
+    snprintf(name, sizeof name, "pipeline/%s: evaluation step outputs/P=%d", kn, P);
     MPI_CHECK(st == SMP_OK && !smp_step_output_concat(&eo[1], &cat) && !memcmp(all, ref.out, sizeof all), name, "%s",
               st ? smp_last_error() : "outputs differ");
     smp_step_output_free(&eo[0]);
@@ -300,9 +320,9 @@ static void run_timeline_case(int P, smp_pipeline_kind kind) {
     MPI_Comm_rank(MPI_COMM_WORLD, &me);
     char path[64], name[192], why[2600] = "";
     timeline_to("timeline", path, sizeof path);
-    bool zb = kind == SMP_PIPELINE_ZERO_BUBBLE;
-    snprintf(name, sizeof name, "pipeline/SMP_TIMELINE has every rank's forwards, backwards, %ssends%s/P=%d%s", zb ? "weight gradients, " : "",
-             world > P ? " and all-reduces" : "", P, zb ? "/zero_bubble/split linears" : "");
+    bool zb = split_kind(kind);
+    snprintf(name, sizeof name, "pipeline/SMP_TIMELINE has every rank's forwards, backwards, %ssends%s/P=%d%s%s", zb ? "weight gradients, " : "",
+             world > P ? " and all-reduces" : "", P, zb ? "/split linears/" : "", zb ? kind_name(kind) : "");
     smp_config cfg = {0};
     cfg.partitions = P;
     cfg.microbatches = m;
@@ -319,7 +339,8 @@ static void run_timeline_case(int P, smp_pipeline_kind kind) {
         smp_step_output_free(&outs[0]);
         smp_step_output_free(&outs[1]);
     }
-    int stages = model ? smp_model_num_stages(model) : 0;
+    int stages = model ? smp_model_num_stages(model) : 0, cross = 0; /* boundaries between ranks (the V's middle one is not) */
+    for (int s = 1; s < stages; s++) cross += smp_model_stage_rank(model, s) != smp_model_stage_rank(model, s - 1);
     if (!ok) snprintf(why, sizeof why, "step: %s", smp_last_error());
     smp_model_free(model); /* writes the file */
     smp_finalize();
@@ -333,7 +354,7 @@ static void run_timeline_case(int P, smp_pipeline_kind kind) {
         int fwd = ok ? count_of(text, "\"cat\":\"forward\"") : 0, bwd = ok ? count_of(text, "\"cat\":\"backward\"") : 0;
         int ar = ok ? count_of(text, "\"cat\":\"allreduce\"") : 0, open = ok ? count_of(text, "{") : 0, close = ok ? count_of(text, "}") : 0;
         int wgt = ok ? count_of(text, "\"cat\":\"weight\"") : 0;
-        int sends = ok ? count_of(text, "\"cat\":\"send\"") : 0, min_sends = 2 * (world / P) * (stages - 1) * m * steps; /* each boundary, both ways */
+        int sends = ok ? count_of(text, "\"cat\":\"send\"") : 0, min_sends = 2 * (world / P) * cross * m * steps; /* each boundary, both ways */
         if (ok && (strncmp(text, "{\"displayTimeUnit\"", 18) || open != close || strcmp(text + len - 3, "]}\n"))) {
             snprintf(why, sizeof why, "not one JSON object (%d '{' against %d '}')", open, close);
             ok = 0;
@@ -360,6 +381,46 @@ static void run_timeline_case(int P, smp_pipeline_kind kind) {
     MPI_CHECK(ok, name, "%s", why);
 }
 
+/* zero_bubble_v placements that are not a V: errors on every rank that name
+   the fix. 2 partitions: manual 0,1,0,1 and a middle partition with one
+   top-level call; 4 partitions: too few calls for 8 stages, and an
+   interleaving factor other than 2. */
+static void vee_error(int P, const int *placement, int vstages, const char *phrase, const char *label) {
+    smp_config cfg = {0};
+    cfg.partitions = P;
+    cfg.microbatches = 2;
+    cfg.pipeline = SMP_PIPELINE_ZERO_BUBBLE_V;
+    cfg.ddp = world > P ? SMP_ON : SMP_OFF;
+    cfg.virtual_stages = vstages;
+    if (placement) cfg.auto_partition = SMP_OFF;
+    char name[160];
+    snprintf(name, sizeof name, "pipeline/zero_bubble_v: %s is an error naming the fix/P=%d", label, P);
+    smp_status st = smp_init(&cfg);
+    if (st) {
+        MPI_CHECK(strstr(smp_last_error(), phrase) != NULL, name, "smp_init: %s", smp_last_error());
+        return;
+    }
+    net n;
+    smp_model *model = build_split(&n, placement, true);
+    smp_step_output outs[1] = {{0}};
+    smp_tensor x = smp_tensor_2d(g_x, SMP_F32, B, D), t = smp_tensor_2d(g_t, SMP_F32, B, C);
+    st = model ? SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t) : SMP_ERR_STATE;
+    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), phrase), name, "status %d: %s", (int)st, smp_last_error());
+    smp_step_output_free(&outs[0]);
+    smp_model_free(model);
+    smp_finalize();
+}
+static void run_vee_errors(void) {
+    static const int alt[7] = {0, 0, 1, 1, 0, 0, 1}, one_call[7] = {0, 0, 0, 1, 0, 0, 0};
+    vee_error(1, NULL, 3, "leave virtual_stages at 1 or 2", "virtual_stages 3");
+    if (world % 2) return;
+    vee_error(2, alt, 1, "partitions 0, 1, 0, 1. Place the modules so with SMP_PARTITION, or turn auto_partition on", "manual 0,1,0,1");
+    vee_error(2, one_call, 1, "place at least two top-level calls on partition 1", "one call on the middle partition");
+    if (world % 4) return;
+    vee_error(4, NULL, 1, "too few for pipeline \"zero_bubble_v\", which cuts it in 2 stages per partition (8 for 4 partitions)",
+              "7 calls on 4 partitions");
+}
+
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
@@ -379,6 +440,18 @@ int main(int argc, char **argv) {
         run_case_split(P, 4, SMP_PIPELINE_INTERLEAVED, NULL, 1, true, "auto");
         run_case_split(P, 3, SMP_PIPELINE_SIMPLE, NULL, 1, true, "auto");
     }
+    /* zero_bubble_v: 2P stages in a V (7 calls: P = 1 and 2; P = 4 wants 8 stages) */
+    for (int P = 1; P <= world && P <= 2; P *= 2) {
+        if (world % P) continue;
+        for (int k = 0; k < 5; k++) {
+            run_case(P, ms[k], SMP_PIPELINE_ZERO_BUBBLE_V, NULL, 1, "auto");
+            run_case_split(P, ms[k], SMP_PIPELINE_ZERO_BUBBLE_V, NULL, 1, true, "auto");
+        }
+        static const int vee1[7] = {0, 0, 0, 0, 0, 0, 0}, vee2[7] = {0, 0, 1, 1, 1, 0, 0};
+        run_case_split(P, 4, SMP_PIPELINE_ZERO_BUBBLE_V, P == 1 ? vee1 : vee2, 1, true, P == 1 ? "manual, cut in two" : "manual V 0,1,0");
+        run_case_split(P, 3, SMP_PIPELINE_ZERO_BUBBLE_V, NULL, 2, true, "auto, virtual_stages 2");
+    }
+    run_vee_errors();
     if (world % 2 == 0) {
         static const int manual[7] = {0, 0, 1, 1, 0, 0, 1}; /* stages on ranks 0,1,0,1 */
         for (int k = 0; k < 5; k++) {
@@ -393,11 +466,14 @@ int main(int argc, char **argv) {
     for (int P = 1; P <= world && P <= 4; P *= 2)
         if (world % P == 0) run_error_case(P);
     for (int P = 1; P <= world && P <= 4; P *= 2)
-        if (world % P == 0) run_zb_error_case(P);
+        if (world % P == 0) run_zb_error_case(P, SMP_PIPELINE_ZERO_BUBBLE);
+    for (int P = 1; P <= world && P <= 2; P *= 2)
+        if (world % P == 0) run_zb_error_case(P, SMP_PIPELINE_ZERO_BUBBLE_V);
     for (int P = 1; P <= world && P <= 4; P *= 2)
         if (world % P == 0) {
             run_timeline_case(P, SMP_PIPELINE_INTERLEAVED);
             run_timeline_case(P, SMP_PIPELINE_ZERO_BUBBLE);
+            if (P <= 2) run_timeline_case(P, SMP_PIPELINE_ZERO_BUBBLE_V);
         }
     (void)g_losses;
     int rc = test_exit_code();
