@@ -9,7 +9,8 @@
    the loss gradient, not the sum). The zero_bubble schedule, with the
    linears' backward split into B and W ops, must give the same bits: a
    parameter's bucket may start its all-reduce only after the parameter's
-   last W. */
+   last W. So must zero_bubble_v (2 stages per partition in a V, at 1 and
+   2 partitions: the 7-call model has too few calls for 8 stages). */
 #define _POSIX_C_SOURCE 200809L /* setenv, getpid: net7.h's timeline_to */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
@@ -79,9 +80,15 @@ static double check_grads(smp_model *model, const grads_t *want, const grads_t *
     return 0;
 }
 
-typedef struct { int P, m, bpps; bool deterministic, overlap; double bucket_mb; bool perturb; smp_pipeline_kind kind; bool split; } ddp_case;
+typedef struct { int P, m, bpps; bool deterministic, overlap; double bucket_mb; bool perturb; smp_pipeline_kind kind; bool split, vee; } ddp_case;
+/* vee: zero_bubble_v's placement whatever the kind (interleaved runs it as 3 stages on partitions 0, 1, 0) */
 /* the case under zero_bubble, with the linears' backward split */
 static void zb_split(ddp_case *c) { c->kind = SMP_PIPELINE_ZERO_BUBBLE; c->split = true; }
+/* the case under zero_bubble_v, with the linears' backward split */
+static void zbv_split(ddp_case *c) { c->kind = SMP_PIPELINE_ZERO_BUBBLE_V; c->split = true; }
+static const char *zb_suffix(const ddp_case *c) {
+    return c->kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "/zero_bubble_v/split linears" : c->kind == SMP_PIPELINE_ZERO_BUBBLE ? "/zero_bubble/split linears" : "";
+}
 
 static smp_model *start(const ddp_case *c, net *n) {
     smp_config cfg = {0};
@@ -97,6 +104,8 @@ static smp_model *start(const ddp_case *c, net *n) {
     /* manual placement: traced times must not move calls between the runs compared */
     int placement[7];
     for (int k = 0; k < 7; k++) placement[k] = k * c->P / 7;
+    if (c->kind == SMP_PIPELINE_ZERO_BUBBLE_V || c->vee) /* a V: 0,1,...,P-1,...,1,0 (P <= 2) */
+        for (int k = 0; k < 7; k++) placement[k] = c->P == 2 && k >= 2 && k <= 4;
     if (c->P > 1) cfg.auto_partition = SMP_OFF;
     if (smp_init(&cfg)) return NULL;
     return build_split(n, c->P > 1 ? placement : NULL, c->split);
@@ -140,12 +149,13 @@ static int run(const ddp_case *c, int steps, int rows, grads_t *got, char *why, 
     return ok;
 }
 
-static void equivalence(int P, bool deterministic, bool zb) {
-    ddp_case c = {P, 4, 1, deterministic, true, 25, false, SMP_PIPELINE_DEFAULT, false};
-    if (zb) zb_split(&c);
+static void equivalence(int P, bool deterministic, smp_pipeline_kind kind) {
+    ddp_case c = {P, 4, 1, deterministic, true, 25, false, SMP_PIPELINE_DEFAULT, false, false};
+    if (kind == SMP_PIPELINE_ZERO_BUBBLE) zb_split(&c);
+    if (kind == SMP_PIPELINE_ZERO_BUBBLE_V) zbv_split(&c);
     int dp = world / P, rows = B;
     char name[128], why[4096] = "";
-    snprintf(name, sizeof name, "ddp/%dx%d/%s%s", P, dp, deterministic ? "deterministic, bitwise" : "within bound", zb ? "/zero_bubble/split linears" : "");
+    snprintf(name, sizeof name, "ddp/%dx%d/%s%s", P, dp, deterministic ? "deterministic, bitwise" : "within bound", zb_suffix(&c));
     grads_t got, want, abs;
     float losses[8];
     int ok = run(&c, 1, rows, &got, why, sizeof why, losses);
@@ -196,10 +206,11 @@ static void same(const char *label, ddp_case a, ddp_case b, int steps_a, int row
     MPI_CHECK(ok, label, "%s", why);
 }
 
-static void clipping_and_scaler(int P, bool zb) {
-    ddp_case c = {P, 4, 1, true, true, 25, false, SMP_PIPELINE_DEFAULT, false};
-    const char *sfx = zb ? "/zero_bubble/split linears" : "";
-    if (zb) zb_split(&c);
+static void clipping_and_scaler(int P, smp_pipeline_kind kind) {
+    ddp_case c = {P, 4, 1, true, true, 25, false, SMP_PIPELINE_DEFAULT, false, false};
+    if (kind == SMP_PIPELINE_ZERO_BUBBLE) zb_split(&c);
+    if (kind == SMP_PIPELINE_ZERO_BUBBLE_V) zbv_split(&c);
+    const char *sfx = zb_suffix(&c);
     net n;
     smp_model *model = start(&c, &n);
     int dp = smp_dp_size(), r = smp_dp_rank();
@@ -284,7 +295,7 @@ static void data_helpers(void) {
 }
 
 /* One event of a timeline file: its category, start and length (us), rank, and bucket for all-reduces. */
-typedef struct { char cat[16]; double ts, dur; int pid, bucket; } tl_event;
+typedef struct { char cat[16]; double ts, dur; int pid, bucket, stage; } tl_event;
 
 static int read_timeline(const char *path, tl_event *ev, int cap) {
     long len;
@@ -292,10 +303,12 @@ static int read_timeline(const char *path, tl_event *ev, int cap) {
     if (!text) return -1;
     int n = 0;
     for (const char *at = strstr(text, "{\"name\":\""); at && n < cap; at = strstr(at + 1, "{\"name\":\"")) {
-        tl_event e = {{0}, 0, 0, -1, -1};
+        tl_event e = {{0}, 0, 0, -1, -1, -1};
         const char *cat = strstr(at, "\"cat\":\"");
         if (!cat || sscanf(cat, "\"cat\":\"%15[^\"]\",\"ph\":\"X\",\"ts\":%lf,\"dur\":%lf,\"pid\":%d", e.cat, &e.ts, &e.dur, &e.pid) != 4) continue;
         sscanf(at, "{\"name\":\"AR b%d\"", &e.bucket);
+        const char *stage = strstr(at, "\"args\":{\"stage\":");
+        if (stage) sscanf(stage, "\"args\":{\"stage\":%d", &e.stage);
         ev[n++] = e;
     }
     free(text);
@@ -308,17 +321,21 @@ static int read_timeline(const char *path, tl_event *ev, int cap) {
    during the last microbatch's backward, without it once that has ended.
    Under zero_bubble (split linears) the gradients are final only after the
    last microbatch's W op: the first bucket starts during it (overlap) or
-   after it (without), never before it began. */
-static void bucket_order(bool overlap, bool zb) {
+   after it (without), never before it began. With several stages on a rank
+   (zero_bubble_v) that is the W of the rank's last stage, which holds the
+   first bucket's parameters (the model's last calls). */
+static void bucket_order(bool overlap, smp_pipeline_kind kind) {
+    bool zb = kind != SMP_PIPELINE_DEFAULT;
     int steps = 2, m = 4, me;
     MPI_Comm_rank(MPI_COMM_WORLD, &me);
     char path[64], name[128], why[2600] = "";
     timeline_to("buckets", path, sizeof path);
     snprintf(name, sizeof name, "ddp/buckets all-reduce in order, one at a time, %s%s",
              overlap ? (zb ? "the first during the last W" : "the first during the last backward") : (zb ? "after the last W" : "after the backward"),
-             zb ? "/zero_bubble/split linears" : "");
-    ddp_case c = {1, m, 1, false, overlap, 1e-4, false, SMP_PIPELINE_DEFAULT, false};
-    if (zb) zb_split(&c);
+             kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "/zero_bubble_v/split linears" : zb ? "/zero_bubble/split linears" : "");
+    ddp_case c = {1, m, 1, false, overlap, 1e-4, false, SMP_PIPELINE_DEFAULT, false, false};
+    if (kind == SMP_PIPELINE_ZERO_BUBBLE) zb_split(&c);
+    if (kind == SMP_PIPELINE_ZERO_BUBBLE_V) zbv_split(&c);
     net n;
     smp_model *model = start(&c, &n);
     int ok = model != NULL;
@@ -339,9 +356,12 @@ static void bucket_order(bool overlap, bool zb) {
         tl_event bwd[64], ar[256];
         int nb = 0, na = 0;
         const char *last_kind = zb ? "weight" : "backward"; /* the op that makes gradients final */
+        int top = -1; /* the rank's last stage */
+        for (int i = 0; i < nev; i++)
+            if (ev[i].pid == r && !strcmp(ev[i].cat, last_kind) && ev[i].stage > top) top = ev[i].stage;
         for (int i = 0; i < nev; i++) {
             if (ev[i].pid != r) continue;
-            if (!strcmp(ev[i].cat, last_kind) && nb < 64) bwd[nb++] = ev[i];
+            if (!strcmp(ev[i].cat, last_kind) && ev[i].stage == top && nb < 64) bwd[nb++] = ev[i];
             if (!strcmp(ev[i].cat, "allreduce") && na < 256) ar[na++] = ev[i];
         }
         int per = na / steps; /* buckets per step */
@@ -379,11 +399,12 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof g_t / sizeof g_t[0]; i++) g_t[i] = (float)(smp_rng_uniform(&s) * 2 - 1);
     for (int P = 1; P <= world; P *= 2) {
         if (world % P) continue;
-        equivalence(P, true, false);
-        equivalence(P, false, false);
-        equivalence(P, true, true);
+        equivalence(P, true, SMP_PIPELINE_DEFAULT);
+        equivalence(P, false, SMP_PIPELINE_DEFAULT);
+        equivalence(P, true, SMP_PIPELINE_ZERO_BUBBLE);
+        if (P <= 2) equivalence(P, true, SMP_PIPELINE_ZERO_BUBBLE_V);
         char name[128];
-        ddp_case base = {P, 4, 1, true, true, 25, false, SMP_PIPELINE_DEFAULT, false};
+        ddp_case base = {P, 4, 1, true, true, 25, false, SMP_PIPELINE_DEFAULT, false, false};
         ddp_case no_overlap = base, tiny = base, perturbed = base, bp2 = base, m8 = base;
         no_overlap.overlap = false;
         tiny.bucket_mb = 1e-4; /* about 100 bytes: a bucket per parameter */
@@ -404,7 +425,7 @@ int main(int argc, char **argv) {
         m8.m = 4;
         snprintf(name, sizeof name, "ddp/backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
         same(name, bp2, m8, 2, B / 2, 1, B);
-        clipping_and_scaler(P, false);
+        clipping_and_scaler(P, SMP_PIPELINE_DEFAULT);
         /* zero_bubble, linears split: bucket per parameter or one bucket, overlapping or
            not, the bits of interleaved 1F1B with whole backwards */
         ddp_case zb = base, zb_tiny = tiny, zb_no = no_overlap;
@@ -420,13 +441,32 @@ int main(int argc, char **argv) {
         zb_split(&zb_m8);
         snprintf(name, sizeof name, "ddp/zero_bubble: backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
         same(name, zb_bp2, zb_m8, 2, B / 2, 1, B);
-        clipping_and_scaler(P, true);
+        clipping_and_scaler(P, SMP_PIPELINE_ZERO_BUBBLE);
+        if (P > 2) continue;
+        /* zero_bubble_v: the same, on 2 stages per partition in a V */
+        ddp_case v = base, v_tiny = tiny, v_no = no_overlap, v_bp2 = bp2, v_m8 = m8;
+        zbv_split(&v);
+        zbv_split(&v_tiny);
+        zbv_split(&v_no);
+        zbv_split(&v_bp2);
+        zbv_split(&v_m8);
+        ddp_case base_v = base; /* the same modules on each partition */
+        base_v.vee = true;
+        snprintf(name, sizeof name, "ddp/zero_bubble_v with split linears equals interleaved/P=%d", P);
+        same(name, base_v, v, 1, B, 1, B);
+        snprintf(name, sizeof name, "ddp/zero_bubble_v: overlapping all-reduce with a bucket per parameter equals all-reduce at the end/P=%d", P);
+        same(name, v_tiny, v_no, 1, B, 1, B);
+        snprintf(name, sizeof name, "ddp/zero_bubble_v: backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
+        same(name, v_bp2, v_m8, 2, B / 2, 1, B);
+        clipping_and_scaler(P, SMP_PIPELINE_ZERO_BUBBLE_V);
     }
     if (world > 1) {
-        bucket_order(true, false);
-        bucket_order(false, false);
-        bucket_order(true, true);
-        bucket_order(false, true);
+        bucket_order(true, SMP_PIPELINE_DEFAULT);
+        bucket_order(false, SMP_PIPELINE_DEFAULT);
+        bucket_order(true, SMP_PIPELINE_ZERO_BUBBLE);
+        bucket_order(false, SMP_PIPELINE_ZERO_BUBBLE);
+        bucket_order(true, SMP_PIPELINE_ZERO_BUBBLE_V);
+        bucket_order(false, SMP_PIPELINE_ZERO_BUBBLE_V);
     }
     data_helpers();
     int rc = test_exit_code();
