@@ -37,7 +37,9 @@
      module's too: each call's W adds into that call's share of W and b);
      auto partitioning (also
      with the tied calls inside composites), interleaved virtual stages
-     (virtual_stages = 2, P = 2 and 4), manual placement. A wrong tied
+     (virtual_stages = 2, P = 2 and 4), manual placement; and zero_bubble_v
+     (2P stages in a V: calls 0 and 7 both on partition 0, one copy there),
+     auto, through embed and head, and manual V placements. A wrong tied
      gradient is named: one call dropped, a call twice, the wrong order.
    - Manual placement puts a leaf call on its module's SMP_PARTITION
      context, else on the context of the composite call around it, else on
@@ -585,7 +587,8 @@ static int run_case(const tcase *c) {
     char name[256], why[4096] = "", pname[400];
     int dpw = world / c->P;
     snprintf(name, sizeof name, "tied/%s/P=%d/dp=%d/m=%d/%s%s", c->label, c->P, dpw, c->m,
-             c->kind == SMP_PIPELINE_SIMPLE ? "simple" : c->kind == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : "interleaved", g_split ? "/split linears" : "");
+             c->kind == SMP_PIPELINE_SIMPLE ? "simple" : c->kind == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : c->kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved",
+             g_split ? "/split linears" : "");
     tnet n;
     smp_model *model = start(c->P, c->m, c->kind, c->vstages, c->L, &n);
     int ok = model != NULL;
@@ -914,6 +917,36 @@ int main(int argc, char **argv) {
         run_case(&c);
     }
     g_split = false;
+    /* zero_bubble_v: 2P stages in a V, so the tied module's first and last
+       calls both run on partition 0 (one copy, both calls' shares summed
+       there); the linears whole and split; at a world of 4, P = 2 is DDP 2x2 */
+    const smp_pipeline_kind ZBV = SMP_PIPELINE_ZERO_BUBBLE_V;
+    static const int v2[6] = {0, 1, 1, 1, 1, 0}, v4[6] = {1, 2, 3, 3, 2, 1};
+    static const layout mv2[2] = {{v2, 0, -1, -1, -1}, {v2, -1, 0, 0, -1}}, mv4 = {v4, 0, -1, -1, -1};
+    for (int P = 1; P <= 4; P *= 2) {
+        if (!allowed(P)) continue;
+        for (int sp = 0; sp < 2; sp++) {
+            g_split = sp;
+            tcase c = {P, sp ? 3 : 4, 1, ZBV, &AUTO, 0, 0, "auto", NULL, NULL, NULL};
+            run_case(&c);
+            if (sp && P > 1) {
+                tcase w = {P, 4, 1, ZBV, &AUTO_WRAPPED, 0, 0, "auto, tied called by composites embed and head", NULL, NULL, NULL};
+                run_case(&w);
+            }
+        }
+        g_split = true;
+        if (P == 2) {
+            tcase a = {2, 4, 1, ZBV, &mv2[0], 0, 0, "manual V 0,1,1,1,1,0 after tied in partition 0", NULL, NULL, NULL};
+            run_case(&a);
+            tcase b = {2, 2, 1, ZBV, &mv2[1], 0, 0, "manual V 0,1,1,1,1,0, tied called by embed and head (both partition 0)", NULL, NULL, NULL};
+            run_case(&b);
+        }
+        if (P == 4) {
+            tcase c = {4, 4, 1, ZBV, &mv4, 0, 0, "manual V 1,2,3,3,2,1 after tied in partition 0", NULL, NULL, NULL};
+            run_case(&c);
+        }
+        g_split = false;
+    }
     /* the float64 reference on the largest partitioning */
     {
         int P = allowed(4) ? 4 : allowed(2) ? 2 : 1;
