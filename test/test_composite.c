@@ -19,12 +19,14 @@
         written as 6 composite blocks and as 26 flat top-level calls with the
         same parameter names. Per-microbatch losses and every parameter after
         3 SGD steps equal the reference bit for bit, for partitions 1/2/4,
-        simple, interleaved and zero_bubble (whose W ops run no callback
+        simple, interleaved, zero_bubble (whose W ops run no callback
         here: every leaf has a whole backward, but a call's recomputed
-        activations and its stage's memory go only after its W),
+        activations and its stage's memory go only after its W) and
+        zero_bubble_v (2P stages in a V, the middle two on one rank),
         microbatches 1/2/4, auto and manual placement
         (block boundaries on partition boundaries; 0,1,0,1 virtual stages;
-        auto with 2 virtual stages); every parameter changes and lives on
+        auto with 2 virtual stages; the V 0,0,1,1,1,1,0,0 and
+        0,1,2,3,3,2,1,0); every parameter changes and lives on
         exactly one rank of the group;
      2. two levels of nesting (the block's MLP a composite that ends in the
         built-in identity);
@@ -407,8 +409,8 @@ static smp_status join_backward(smp_call_ctx *c) {
 /* ---------------------------------------------------------------- the networks */
 enum { V_FLAT, V_COMPOSITE, V_NESTED, V_DROPOUT, V_FAN };
 static const char *const variant_name[] = {"flat", "composite", "nested", "dropout", "fan"};
-enum { PL_AUTO, PL_CONTIG, PL_ALT };
-static const char *const place_name[] = {"auto", "manual", "manual alternating"};
+enum { PL_AUTO, PL_CONTIG, PL_ALT, PL_VEE };
+static const char *const place_name[] = {"auto", "manual", "manual alternating", "manual V"};
 enum { RC_NONE, RC_BLOCKS, RC_INNER, RC_CONFIG };
 static const char *const rc_name[] = {"", "/recompute every block", "/recompute the inner MLPs", "/activation_checkpointing on"};
 
@@ -433,8 +435,10 @@ typedef struct net_t {
 static int place_of(int place, int P, int q) {
     static const int contig2[8] = {0, 0, 0, 0, 1, 1, 1, 1}, contig4[8] = {0, 0, 1, 2, 2, 3, 3, 3};
     static const int alt2[8] = {0, 0, 1, 1, 0, 0, 1, 1}, alt4[8] = {0, 1, 2, 3, 0, 1, 2, 3};
+    static const int vee2[8] = {0, 0, 1, 1, 1, 1, 0, 0}, vee4[8] = {0, 1, 2, 3, 3, 2, 1, 0}; /* zero_bubble_v */
     if (P == 1) return 0;
     if (place == PL_ALT) return P == 2 ? alt2[q] : alt4[q];
+    if (place == PL_VEE) return P == 2 ? vee2[q] : vee4[q];
     return P == 2 ? contig2[q] : contig4[q];
 }
 static void push(const spec *s, int q) {
@@ -717,7 +721,7 @@ static void skip_once(const char *what, int P) {
 }
 
 static const char *kind_name(smp_pipeline_kind k) {
-    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : "interleaved";
+    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : k == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved";
 }
 
 static void spec_name(const spec *s, char *out, size_t cap, const char *what) {
@@ -867,6 +871,15 @@ static void test_equivalence(void) {
         spec s = {V_COMPOSITE, Ps[a], 4, 1, PL_ALT, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
         free(run_checked(&s));
     }
+    /* zero_bubble_v: 2P stages in a V, auto and manual (P = 1: one run cut in two) */
+    for (int a = 0; a < 3; a++)
+        for (int v = 0; v < 2; v++)
+            for (int b = 0; b < 3; b++)
+                for (int pl = 0; pl < 2; pl++) {
+                    spec s = {v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], ms[b], 1, pl ? PL_VEE : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE_V,
+                              STEPS, true, false};
+                    free(run_checked(&s));
+                }
 }
 
 static void test_nested(void) {
@@ -880,6 +893,10 @@ static void test_nested(void) {
                 }
     for (int a = 1; a < 3; a++) {
         spec s = {V_NESTED, Ps[a], 4, 1, PL_CONTIG, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
+        free(run_checked(&s));
+    }
+    for (int a = 0; a < 3; a++) {
+        spec s = {V_NESTED, Ps[a], 4, 1, PL_VEE, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE_V, STEPS, true, false};
         free(run_checked(&s));
     }
 }
@@ -951,6 +968,11 @@ static void test_recompute(void) {
         spec s = {V_COMPOSITE, Ps[a], 4, 1, PL_ALT, RC_BLOCKS, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
         free(run_checked(&s));
     }
+    /* zero_bubble_v: the same, two stages per rank in a V */
+    for (int a = 0; a < 3; a++) {
+        spec s = {V_COMPOSITE, Ps[a], 4, 1, PL_VEE, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE_V, STEPS, true, false};
+        recompute_pair(s, RC_BLOCKS);
+    }
     /* two levels: recompute the block (around a composite) or only the inner composite */
     for (int a = 0; a < 3; a++)
         for (int rc = RC_BLOCKS; rc <= RC_INNER; rc++) {
@@ -995,6 +1017,7 @@ static void test_dropout(void) {
         {2, PL_CONTIG, RC_BLOCKS, SMP_PIPELINE_SIMPLE},   {2, PL_ALT, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED},  {4, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED},
         {4, PL_CONTIG, RC_NONE, SMP_PIPELINE_SIMPLE},     {4, PL_CONTIG, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED}, {4, PL_ALT, RC_BLOCKS, SMP_PIPELINE_SIMPLE},
         {2, PL_CONTIG, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE}, {4, PL_ALT, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE},
+        {1, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE_V}, {2, PL_VEE, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE_V}, {4, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE_V},
     };
     layout L;
     resnet_layout(&L, false);
@@ -1078,6 +1101,9 @@ static void test_fan(void) {
     for (int b = 0; b < 3; b++) {
         spec one = {V_FAN, 1, ms[b], 1, PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_INTERLEAVED, STEPS, true, false};
         free(run_checked(&one));
+        /* zero_bubble_v on one rank: the 100 tensors cross between its two stages in memory */
+        spec vee = {V_FAN, 1, ms[b], 1, PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE_V, STEPS, true, false};
+        free(run_checked(&vee));
         for (int kk = 0; kk < 3; kk++) {
             spec s = {V_FAN, 2, ms[b], 1, PL_CONTIG, RC_NONE, ERR_NONE, kk < 2 ? kinds[kk] : SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
             free(run_checked(&s));
