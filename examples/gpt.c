@@ -82,14 +82,14 @@ static void usage(const char *prog) {
     fprintf(stderr,
             "usage: %s [--steps N] [--batch B] [--lr X] [--min-lr X] [--warmup N] [--weight-decay X]\n"
             "          [--layers L] [--dmodel C] [--heads H] [--context T] [--dropout P]\n"
-            "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved|zero_bubble] [--ddp]\n"
+            "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved|zero_bubble|zero_bubble_v] [--ddp]\n"
             "          [--deterministic] [--recompute] [--config JSON] [--data DIR] [--save PATH]\n"
             "          [--val-batches N] [--prompt TEXT] [--sample-len N] [--temperature X] [--seed S]\n"
             "          [--threads N] [--log-every N] [--print-losses] [--digest] [--replicas R]\n"
             "  --batch is the global batch in sequences of --context characters\n"
             "  --save \"\" skips the checkpoint\n"
             "   or: %s --generate --load CKPT --prompts \"A|B|...\" [--tokens N] [--temperature X] [--seed S]\n"
-            "          [--partitions P] [--pipeline simple|interleaved] [--no-cache] [--threads N]\n"
+            "          [--partitions P] [--pipeline simple|interleaved|zero_bubble_v] [--no-cache] [--threads N]\n"
             "  generates N characters after each prompt, one prompt per microbatch, with a KV cache\n"
             "  (--no-cache: by re-running the whole context each token); --temperature 0 is greedy\n",
             prog,
@@ -142,7 +142,8 @@ static int parse_options(int argc, char **argv, options *o) {
             if (!strcmp(v, "simple")) o->cfg.pipeline = SMP_PIPELINE_SIMPLE;
             else if (!strcmp(v, "interleaved")) o->cfg.pipeline = SMP_PIPELINE_INTERLEAVED;
             else if (!strcmp(v, "zero_bubble")) o->cfg.pipeline = SMP_PIPELINE_ZERO_BUBBLE;
-            else { fprintf(stderr, "--pipeline: \"%s\" is not simple, interleaved or zero_bubble\n", v); return 1; }
+            else if (!strcmp(v, "zero_bubble_v")) o->cfg.pipeline = SMP_PIPELINE_ZERO_BUBBLE_V;
+            else { fprintf(stderr, "--pipeline: \"%s\" is not simple, interleaved, zero_bubble or zero_bubble_v\n", v); return 1; }
         }
         else if (OPT("--config")) o->config_json = v;
         else if (OPT("--data")) o->data = v;
@@ -762,7 +763,9 @@ int main(int argc, char **argv) {
         printf("gpt: %zu training and %zu validation characters from %s\n", text.ntrain, text.nval, opt.data);
         printf("gpt: %d processes, %d partitions x %d replicas, batch %d x %d characters (%lld per replica%s) in %d microbatches, %s pipeline%s\n",
                smp_size(), cfg->partitions, smp_dp_size() * R, opt.batch, T, (long long)local_batch,
-               R > 1 ? ", replicas run in turn" : "", M, cfg->pipeline == SMP_PIPELINE_SIMPLE ? "simple" : "interleaved",
+               R > 1 ? ", replicas run in turn" : "", M,
+               cfg->pipeline == SMP_PIPELINE_SIMPLE ? "simple" : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble"
+               : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved",
                opt.recompute ? ", blocks recomputed" : "");
         fflush(stdout);
     }

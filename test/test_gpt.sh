@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPT example (examples/gpt.c) against itself in one process, on a tiny
-# model so each run takes a second: for partitions 1, 2 and 4, both
-# pipelines, with and without recomputed blocks, every step's loss, a
+# model so each run takes a second: for partitions 1, 2 and 4, every
+# pipeline (zero_bubble_v, 2 stages per partition, at 1 and 2, and at 4 on
+# a 4-layer model), with and without recomputed blocks, every step's loss, a
 # checksum of every parameter after training, the validation loss and the
 # generated sample are bitwise equal to the one-process run; so with
 # dropout (masks drawn from smp_call_seed) and recomputation. DDP 2x2 with
@@ -44,6 +45,17 @@ for p in 1 2 4; do
     done
   done
 done
+for p in 1 2; do
+  for rc in "" --recompute; do
+    name="p${p}_zbv${rc:+_recompute}"
+    run "$name" "$p" --partitions "$p" --pipeline zero_bubble_v $rc
+    same "gpt/$p partitions, zero_bubble_v pipeline (2 stages each, in a V)${rc:+, blocks recomputed}: losses, parameters, validation and sample equal one process bitwise" one "$name"
+  done
+done
+# 4 partitions in a V are 8 stages: the model's 8 top-level calls with 4 layers
+run one_l4 1 --partitions 1 --layers 4
+run p4_zbv 4 --partitions 4 --layers 4 --pipeline zero_bubble_v
+same "gpt/4 partitions, zero_bubble_v pipeline (8 stages, one call each), 4 layers: equal one process bitwise" one_l4 p4_zbv
 run virt 2 --partitions 2 --config '{"virtual_stages": 2}'
 same "gpt/2 partitions x 2 virtual stages (interleaved 1F1B) equal one process bitwise" one virt
 
@@ -59,7 +71,9 @@ if ! cmp -s "$tmp/one" "$tmp/drop1"; then echo "PASS: gpt/dropout changes the ru
 run rep2 1 --partitions 1 --replicas 2
 run dp2x2 4 --partitions 2 --ddp --deterministic
 run dp1x2 2 --partitions 1 --ddp --deterministic
+run dp2x2v 4 --partitions 2 --ddp --deterministic --pipeline zero_bubble_v
 same "gpt/DDP 2x2 (deterministic) equals one process running both replicas' shards, bitwise" rep2 dp2x2
+same "gpt/DDP 2x2 (deterministic), zero_bubble_v: equals one process running both replicas' shards, bitwise" rep2 dp2x2v
 same "gpt/DDP 2x2 equals 2 replicas in one stage, bitwise" dp1x2 dp2x2
 
 # training works: the loss falls well within a few steps
@@ -108,10 +122,12 @@ for temp in 0 0.8; do
   gen "g1_$temp" 1 --partitions 1 --temperature "$temp" --seed 3
   gen "g2_$temp" 2 --partitions 2 --temperature "$temp" --seed 3
   gen "g4_$temp" 4 --partitions 4 --pipeline simple --temperature "$temp" --seed 3
+  gen "v2_$temp" 2 --partitions 2 --pipeline zero_bubble_v --temperature "$temp" --seed 3
   gen "n1_$temp" 1 --partitions 1 --temperature "$temp" --seed 3 --no-cache
   gen "n2_$temp" 2 --partitions 2 --temperature "$temp" --seed 3 --no-cache
   gen_same "gpt/generation ($what): 2 partitions with the KV cache write the text of one process" "g1_$temp" "g2_$temp"
   gen_same "gpt/generation ($what): 4 partitions with the KV cache write the text of one process" "g1_$temp" "g4_$temp"
+  gen_same "gpt/generation ($what): 2 partitions in a V (zero_bubble_v) write the text of one process" "g1_$temp" "v2_$temp"
   gen_same "gpt/generation ($what): the KV cache writes the text of re-running the whole context, one process" "n1_$temp" "g1_$temp"
   gen_same "gpt/generation ($what): the KV cache writes the text of re-running the whole context, 2 partitions" "n2_$temp" "g2_$temp"
 done
