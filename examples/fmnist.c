@@ -147,7 +147,7 @@ int main(int argc, char **argv) {
     if (smp_rank() == 0)
         printf("fmnist: %d processes, %d partitions x %d replicas, batch %d (%lld per replica) in %d microbatches, %s pipeline\n",
                smp_size(), cfg->partitions, smp_dp_size(), opt.batch, (long long)local_batch, cfg->microbatches,
-               cfg->pipeline == SMP_PIPELINE_SIMPLE ? "simple" : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : "interleaved");
+               pipeline_name(cfg->pipeline));
 
     for (int epoch = resumed.epoch; epoch < opt.epochs && (!opt.max_steps || steps < opt.max_steps); epoch++) {
         int64_t count, batches;

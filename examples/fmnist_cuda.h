@@ -394,14 +394,17 @@ static inline smp_status mlp_forward(smp_model *m, const smp_tensor *in, int nin
 
 /* Builds the model on the device. With --manual the layers go to partitions
    by SMP_PARTITION contexts, as in the reference's manual-partitioning
-   script; otherwise smp splits the traced calls itself. */
+   script (in a V under zero_bubble_v, as fmnist_model.h places them);
+   otherwise smp splits the traced calls itself. */
 static inline smp_status build_model(mlp *net, const gpu_engine *engine, int partitions, smp_model **model) {
     static const smp_module_desc fc = {linear_forward, NULL, NULL};
     smp_module_desc relu = {relu_forward, relu_backward, (void *)engine};
     net->root = smp_module_new(NULL, "", NULL);
     for (int i = 0; i < NLAYERS; i++) {
         char name[16];
-        SMP_PARTITION(i * partitions / NLAYERS) {
+        int stage = i * 2 * partitions / NLAYERS;
+        bool vee = smp_get_config()->pipeline == SMP_PIPELINE_ZERO_BUBBLE_V;
+        SMP_PARTITION(vee ? (stage < partitions ? stage : 2 * partitions - 1 - stage) : i * partitions / NLAYERS) {
             snprintf(name, sizeof name, "fc%d", i);
             smp_module_desc d = fc;
             d.user = &net->lin[i];

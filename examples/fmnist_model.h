@@ -81,14 +81,18 @@ static smp_status mlp_forward(smp_model *m, const smp_tensor *in, int nin, smp_t
 }
 
 /* Builds the model. With --manual the layers go to partitions by
-   SMP_PARTITION contexts, as in the reference's manual-partitioning script;
-   otherwise smp splits the traced calls itself. */
+   SMP_PARTITION contexts, as in the reference's manual-partitioning script
+   (under pipeline zero_bubble_v in a V: layer i in stage i * 2P / NLAYERS
+   of 2P, stage k on partition k, or 2P-1-k past the middle); otherwise smp
+   splits the traced calls itself. */
 static smp_status build_model(mlp *net, int partitions, smp_model **model) {
     static const smp_module_desc fc = {linear_forward, NULL, NULL}, relu = {relu_forward, relu_backward, NULL};
     net->root = smp_module_new(NULL, "", NULL);
     for (int i = 0; i < NLAYERS; i++) {
         char name[16];
-        SMP_PARTITION(i * partitions / NLAYERS) {
+        int stage = i * 2 * partitions / NLAYERS;
+        bool vee = smp_get_config()->pipeline == SMP_PIPELINE_ZERO_BUBBLE_V;
+        SMP_PARTITION(vee ? (stage < partitions ? stage : 2 * partitions - 1 - stage) : i * partitions / NLAYERS) {
             snprintf(name, sizeof name, "fc%d", i);
             smp_module_desc d = fc;
             d.user = &net->lin[i];

@@ -25,7 +25,7 @@ typedef struct options {
 static void usage(const char *prog) {
     fprintf(stderr,
             "usage: %s [--epochs N] [--batch B] [--lr X] [--lr-decay X] [--seed S]\n"
-            "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved|zero_bubble]\n"
+            "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved|zero_bubble|zero_bubble_v]\n"
             "          [--ddp] [--deterministic] [--manual] [--config JSON] [--data DIR]\n"
             "          [--checkpoint PATH] [--partial] [--resume]\n"
             "  --batch is the global batch: every replica gets batch / replicas rows\n"
@@ -54,7 +54,8 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (OPT("--seed")) o->seed = atoi(v);
         else if (OPT("--partitions")) o->cfg.partitions = atoi(v);
         else if (OPT("--microbatches")) o->cfg.microbatches = atoi(v);
-        else if (OPT("--pipeline")) o->cfg.pipeline = !strcmp(v, "simple") ? SMP_PIPELINE_SIMPLE : !strcmp(v, "zero_bubble") ? SMP_PIPELINE_ZERO_BUBBLE : SMP_PIPELINE_INTERLEAVED;
+        else if (OPT("--pipeline")) o->cfg.pipeline = !strcmp(v, "simple") ? SMP_PIPELINE_SIMPLE : !strcmp(v, "zero_bubble") ? SMP_PIPELINE_ZERO_BUBBLE
+                                                   : !strcmp(v, "zero_bubble_v") ? SMP_PIPELINE_ZERO_BUBBLE_V : SMP_PIPELINE_INTERLEAVED;
         else if (OPT("--config")) o->config_json = v;
         else if (OPT("--data")) o->data_dir = v;
         else if (OPT("--max-steps")) o->max_steps = atol(v);
@@ -104,4 +105,8 @@ static void on_meta(const char *key, const char *value, void *user) {
     else if (!strcmp(key, "step")) r->steps = atol(value);
 }
 
+/* The name of a pipeline kind, as --pipeline spells it. */
+static inline const char *pipeline_name(smp_pipeline_kind k) {
+    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : k == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved";
+}
 #endif

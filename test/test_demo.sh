@@ -25,10 +25,14 @@ run pp2 2 --partitions 2 --microbatches 4
 run pp2s 2 --partitions 2 --microbatches 4 --pipeline simple
 run pp2m 2 --partitions 2 --microbatches 4 --manual
 run pp2zb 2 --partitions 2 --microbatches 4 --pipeline zero_bubble
+run pp2zbv 2 --partitions 2 --microbatches 4 --pipeline zero_bubble_v
+run pp2zbvm 2 --partitions 2 --microbatches 4 --pipeline zero_bubble_v --manual
 same "demo/2 partitions equal one process, every step bitwise" one pp2
 same "demo/2 partitions, simple pipeline, equal one process bitwise" one pp2s
 same "demo/2 partitions placed by SMP_PARTITION equal one process bitwise" one pp2m
 same "demo/2 partitions, zero-bubble pipeline (split linear backward), equal one process bitwise" one pp2zb
+same "demo/2 partitions, zero_bubble_v pipeline (4 stages in a V), equal one process bitwise" one pp2zbv
+same "demo/2 partitions, zero_bubble_v, layers placed in a V by SMP_PARTITION, equal one process bitwise" one pp2zbvm
 run dp_pp 4 --partitions 2 --ddp --deterministic --microbatches 4
 run dp_one 2 --partitions 1 --ddp --deterministic --microbatches 4
 same "demo/2 partitions x 2 replicas equal 2 replicas in one stage bitwise (deterministic)" dp_one dp_pp

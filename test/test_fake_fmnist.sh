@@ -84,6 +84,8 @@ FAKE_CUDA_POOLS=0 run nopools 2 2 --partitions 2 --microbatches 4
 same "fake-fmnist/2 partitions on fake GPUs without memory pools (cudaMalloc, smp's cache of freed blocks) equal one process bitwise" one nopools "(CUDA, nccl:"
 run zb 2 2 --partitions 2 --microbatches 4 --pipeline zero_bubble
 same "fake-fmnist/2 partitions, zero-bubble pipeline (split linear backward on the device), equal one process bitwise" one zb "(CUDA, nccl:"
+run zbv 2 2 --partitions 2 --microbatches 4 --pipeline zero_bubble_v
+same "fake-fmnist/2 partitions, zero_bubble_v pipeline (4 stages in a V, the middle hand-off in device memory), equal one process bitwise" one zbv "(CUDA, nccl:"
 run shared 1 2 --partitions 2 --microbatches 4
 same "fake-fmnist/2 partitions sharing one fake GPU (host-staged) equal one process bitwise" one shared "host-staged: ranks share GPUs"
 
