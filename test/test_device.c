@@ -590,7 +590,8 @@ static void pipeline_case(int P, int m, smp_pipeline_kind kind, const int *place
     if (placement) cfg.auto_partition = SMP_OFF;
     char name[200], why[4096] = "";
     snprintf(name, sizeof name, "device/%s/%s%s/P=%d/m=%d/%s%s", VIA_NAME[via], label, device_args ? "" : ", host arguments", P, m,
-             kind == SMP_PIPELINE_SIMPLE ? "simple" : kind == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : "interleaved", g_split ? "/split linears" : "");
+             kind == SMP_PIPELINE_SIMPLE ? "simple" : kind == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved",
+             g_split ? "/split linears" : "");
     if (smp_init(&cfg)) { MPI_CHECK(0, name, "smp_init: %s", smp_last_error()); return; }
     net n;
     net_modules_split(&n, placement, g_block ? &DEV_FNS_BUILTIN_ADD : &DEV_FNS, g_split ? &DEV_SPLIT : NULL);
@@ -915,6 +916,10 @@ int main(int argc, char **argv) {
     g_block = true;
     pipeline_case(world >= 2 ? 2 : 1, 4, SMP_PIPELINE_ZERO_BUBBLE, NULL, 1, VIA_P2P, true, "composite fc1 + built-in add, recomputed");
     g_block = false;
+    /* zero_bubble_v: 2 stages per partition in a V, the middle hand-off in device memory */
+    for (int P = 1; P <= world && P <= 2; P *= 2)
+        if (world % P == 0) pipeline_case(P, 4, SMP_PIPELINE_ZERO_BUBBLE_V, NULL, 1, P > 1 ? VIA_NO_P2P : VIA_P2P, true, "auto");
+    if (world % 2 == 0) pipeline_case(2, 3, SMP_PIPELINE_ZERO_BUBBLE_V, NULL, 1, VIA_P2P, true, "auto");
     if (world > 1) ddp_case(world / 2, true);
     g_split = false;
     for (int P = 1; P <= world && P <= 4; P *= 2) {
