@@ -11,8 +11,10 @@
                                                        0,1,2,3,0,1,2,3 on 4)
        zero_bubble           one stage per rank, ZB-H1   (as 1F1B's placement)
        zero_bubble, 2 vs     two virtual stages/rank     (as interleaved 2 vs)
+       zero_bubble_v         two stages/rank in a V, ZB-V (0,0,1,1,1,1,0,0 on 2
+                                                       ranks, 0,1,2,3,3,2,1,0 on 4)
    for m = 4, 8, 16 microbatches. N = 8 on 2 and 4 ranks (2R * ceil(8/2R)
-   in general). In the zero_bubble configurations every module's backward
+   in general). In the zero_bubble configurations (both kinds) every module's backward
    is split (smp_module_set_backward_split): its input half (B) sleeps F ms
    and passes the gradient on, its weight half (W) sleeps F ms, the same
    2F ms as the whole backward the other kinds run; so F = B = W, ZB-H1's
@@ -62,7 +64,10 @@
    interleaved (1F1B) and zero_bubble (ZB-H1) for p = 2, 4, 8 stages (one
    per rank) and m = 4, 8, 16 microbatches at F = B = W = 1 (the other
    kinds' backward costs B + W = 2) and no latency, with ZB-H1's makespan
-   beside the paper's m(F+B+W) + (p-1)(F+B-W) (which assumes m >= p).
+   beside the paper's m(F+B+W) + (p-1)(F+B-W) (which assumes m >= p); and
+   zero_bubble_v (ZB-V) on the same work cut in 2p stages in a V, each
+   chunk's F = B = W = 1/2, with its makespan beside
+   max(6m + p - 1, 4(m + p) - 2) / 2 (test_schedule.c).
 
    Before the last two lines, the worst sim/meas of each kind:
        measured/simulated by kind (worst config): simple X.XX, interleaved X.XX, ...
@@ -273,8 +278,9 @@ typedef struct {
 } result;
 
 static const char *kind_name(smp_pipeline_kind kind) {
-    return kind == SMP_PIPELINE_SIMPLE ? "simple" : kind == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : "interleaved";
+    return kind == SMP_PIPELINE_SIMPLE ? "simple" : kind == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved";
 }
+static bool split_kind(smp_pipeline_kind kind) { return kind == SMP_PIPELINE_ZERO_BUBBLE || kind == SMP_PIPELINE_ZERO_BUBBLE_V; }
 
 static void die(const char *what) {
     fprintf(stderr, "bench/schedule: %s: %s\n", what, smp_last_error());
@@ -284,8 +290,9 @@ static void die(const char *what) {
 static bool run_config(int R, int m, smp_pipeline_kind kind, int vstages, int warmup, int steps, double latency,
                        const char *only, const char *timeline, result *res) {
     int per = 2 * R, ncalls = per * ((8 + per - 1) / per);
-    bool zb = kind == SMP_PIPELINE_ZERO_BUBBLE;
-    snprintf(res->name, sizeof res->name, "%s%s m=%d", kind_name(kind), vstages > 1 ? " 2vs" : "", m);
+    bool zb = kind == SMP_PIPELINE_ZERO_BUBBLE || kind == SMP_PIPELINE_ZERO_BUBBLE_V, vee = kind == SMP_PIPELINE_ZERO_BUBBLE_V;
+    if (vee) vstages = 2; /* ZB-V: two stages per rank, always */
+    snprintf(res->name, sizeof res->name, "%s%s m=%d", kind_name(kind), vstages > 1 && !vee ? " 2vs" : "", m);
     if (only && !strstr(res->name, only)) return false;
     res->kind = kind;
     res->vstages = vstages;
@@ -298,9 +305,12 @@ static bool run_config(int R, int m, smp_pipeline_kind kind, int vstages, int wa
         setenv("SMP_TIMELINE", path, 1);
     }
 
-    /* equal stages: ncalls / (R * vstages) consecutive calls each, stage q on rank q % R */
+    /* equal stages: ncalls / (R * vstages) consecutive calls each, stage q on rank q % R (ZB-V: in a V) */
     int placement[MAX_CALLS], nst = R * vstages, run = ncalls / nst;
-    for (int k = 0; k < ncalls; k++) placement[k] = (k / run) % R;
+    for (int k = 0; k < ncalls; k++) {
+        int q = k / run;
+        placement[k] = vee ? (q < R ? q : 2 * R - 1 - q) : q % R;
+    }
 
     smp_config cfg = {0};
     cfg.partitions = R;
@@ -481,43 +491,48 @@ static double measure_latency(void) {
 }
 
 /* The simulator alone: bubble fraction of each kind at F = B = W = 1, one
-   stage per rank, no latency (the other kinds' backward costs B + W = 2). */
+   stage per rank, no latency (the other kinds' backward costs B + W = 2);
+   ZB-V on the same work in 2p half-size stages (F = B = W = 1/2 each). */
 static void bubble_table(void) {
     static const int ps[3] = {2, 4, 8}, ms[3] = {4, 8, 16};
-    static const smp_pipeline_kind kinds[3] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE};
-    double one[8];
-    for (int s = 0; s < 8; s++) one[s] = 1.0;
+    static const smp_pipeline_kind kinds[4] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE, SMP_PIPELINE_ZERO_BUBBLE_V};
+    double one[16], half[16];
+    for (int s = 0; s < 16; s++) { one[s] = 1.0; half[s] = 0.5; }
     printf("simulated bubble fraction per kind, F = B = W = 1 (simple and interleaved run B + W = 2 as one backward),\n"
-           "p stages on p ranks, no latency; ZB-H1 formula m(F+B+W) + (p-1)(F+B-W) = 3m + p - 1 (paper: m >= p)\n\n"
-           "| p |  m | simple | interleaved (1F1B) | zero_bubble (ZB-H1) | 1F1B makespan | ZB-H1 makespan | ZB-H1 formula | ZB/1F1B idle | peak in flight 1F1B / ZB |\n"
-           "|--:|---:|-------:|-------------------:|--------------------:|--------------:|---------------:|--------------:|-------------:|-------------------------:|\n");
+           "p stages on p ranks, no latency; ZB-H1 formula m(F+B+W) + (p-1)(F+B-W) = 3m + p - 1 (paper: m >= p); zero_bubble_v\n"
+           "(ZB-V) on the same work in 2p stages of half the size placed in a V (F = B = W = 1/2 each), formula\n"
+           "max(6m + p - 1, 4(m + p) - 2) / 2; idle = p x makespan - work, against 1F1B's; peak = the most microbatches in flight\n"
+           "on a rank, in whole stages' activations (ZB-V: its half-size chunks / 2)\n\n"
+           "| p |  m | simple | 1F1B  | ZB-H1 | ZB-V  | 1F1B makespan | ZB-H1 makespan | ZB-H1 formula | ZB-V makespan | ZB-V formula | idle ZB-H1/1F1B | idle ZB-V/1F1B | peak 1F1B / H1 / V |\n"
+           "|--:|---:|-------:|------:|------:|------:|--------------:|---------------:|--------------:|--------------:|-------------:|----------------:|---------------:|-------------------:|\n");
     for (int a = 0; a < 3; a++)
         for (int b = 0; b < 3; b++) {
             int p = ps[a], m = ms[b];
-            smp_sim_result r[3];
-            for (int k = 0; k < 3; k++) {
+            smp_sim_result r[4];
+            for (int k = 0; k < 4; k++) {
                 smp_schedule sc;
-                if (smp_schedule_build(kinds[k], p, p, NULL, m, false, &sc)) die("smp_schedule_build");
-                if (smp_schedule_simulate(&sc, one, one, one, 0.0, &r[k])) die("smp_schedule_simulate");
+                bool vee = kinds[k] == SMP_PIPELINE_ZERO_BUBBLE_V;
+                if (smp_schedule_build(kinds[k], p, vee ? 2 * p : p, NULL, m, false, &sc)) die("smp_schedule_build");
+                if (smp_schedule_simulate(&sc, vee ? half : one, vee ? half : one, vee ? half : one, 0.0, &r[k])) die("smp_schedule_simulate");
                 if (r[k].deadlock) {
                     fprintf(stderr, "bench/schedule: simulator deadlock: %s\n", r[k].deadlock_reason);
                     MPI_Abort(MPI_COMM_WORLD, 1);
                 }
                 smp_schedule_free(&sc);
             }
-            double formula = 3.0 * m + (p - 1), idle1 = p * r[1].makespan - r[1].busy, idlez = p * r[2].makespan - r[2].busy;
-            int pk1 = 0, pkz = 0;
-            for (int q = 0; q < p; q++) {
-                if (r[1].rank_peak_inflight[q] > pk1) pk1 = r[1].rank_peak_inflight[q];
-                if (r[2].rank_peak_inflight[q] > pkz) pkz = r[2].rank_peak_inflight[q];
-            }
-            char fs[32], pk[32];
+            double formula = 3.0 * m + (p - 1), fv1 = 6.0 * m + p - 1, fv2 = 4.0 * (m + p) - 2, fv = (fv1 > fv2 ? fv1 : fv2) / 2;
+            double idle1 = p * r[1].makespan - r[1].busy, idlez = p * r[2].makespan - r[2].busy, idlev = p * r[3].makespan - r[3].busy;
+            int pk[4] = {0, 0, 0, 0};
+            for (int k = 1; k < 4; k++)
+                for (int q = 0; q < p; q++)
+                    if (r[k].rank_peak_inflight[q] > pk[k]) pk[k] = r[k].rank_peak_inflight[q];
+            char fs[32], pks[32];
             snprintf(fs, sizeof fs, "%s%.0f", m < p ? "(m < p) " : "", formula);
-            snprintf(pk, sizeof pk, "%d / %d", pk1, pkz);
-            printf("| %d | %2d | %6.3f | %18.3f | %19.3f | %13.0f | %14.0f | %13s | %12.3f | %24s |\n", p, m, r[0].bubble_fraction,
-                   r[1].bubble_fraction, r[2].bubble_fraction, r[1].makespan, r[2].makespan, fs, idle1 > 0 ? idlez / idle1 : 0.0,
-                   pk);
-            for (int k = 0; k < 3; k++) smp_sim_result_free(&r[k]);
+            snprintf(pks, sizeof pks, "%d / %d / %g", pk[1], pk[2], pk[3] / 2.0);
+            printf("| %d | %2d | %6.3f | %5.3f | %5.3f | %5.3f | %13.0f | %14.0f | %13s | %13.1f | %12.1f | %15.3f | %14.3f | %18s |\n", p, m,
+                   r[0].bubble_fraction, r[1].bubble_fraction, r[2].bubble_fraction, r[3].bubble_fraction, r[1].makespan, r[2].makespan, fs,
+                   r[3].makespan, fv, idle1 > 0 ? idlez / idle1 : 0.0, idle1 > 0 ? idlev / idle1 : 0.0, pks);
+            for (int k = 0; k < 4; k++) smp_sim_result_free(&r[k]);
         }
     printf("\n");
 }
@@ -557,11 +572,11 @@ int main(int argc, char **argv) {
     if (R == 2 && !only) table = true;
     if (table && rank == 0) bubble_table();
 
-    enum { NKINDS = 5 };
+    enum { NKINDS = 6 };
     static const int ms[3] = {4, 8, 16};
     static const struct { smp_pipeline_kind kind; int vs; } kinds[NKINDS] = {
         {SMP_PIPELINE_SIMPLE, 1}, {SMP_PIPELINE_INTERLEAVED, 1}, {SMP_PIPELINE_INTERLEAVED, 2},
-        {SMP_PIPELINE_ZERO_BUBBLE, 1}, {SMP_PIPELINE_ZERO_BUBBLE, 2}};
+        {SMP_PIPELINE_ZERO_BUBBLE, 1}, {SMP_PIPELINE_ZERO_BUBBLE, 2}, {SMP_PIPELINE_ZERO_BUBBLE_V, 2}};
     result res[NKINDS * 3];
     memset(res, 0, sizeof res);
     int nres = 0;
@@ -573,15 +588,15 @@ int main(int argc, char **argv) {
         double worst = 1e300, worst_replay = 1e300, fcall = 0, bcall = 0, bcall_zb = 0, wcall_zb = 0;
         int nwhole = 0, nsplit = 0;
         for (int i = 0; i < nres; i++) {
-            if (res[i].kind == SMP_PIPELINE_ZERO_BUBBLE) nsplit++;
+            if (split_kind(res[i].kind)) nsplit++;
             else nwhole++;
         }
         printf("pipeline schedules, %d ranks: a chain of %d modules sleeping %.3g ms forward, %.3g ms backward per microbatch\n"
-               "(fixed per microbatch; zero_bubble: B %.3g ms + W %.3g ms), placed by hand in equal stages; comm latency %.1f us\n"
+               "(fixed per microbatch; zero_bubble, zero_bubble_v: B %.3g ms + W %.3g ms), placed by hand in equal stages; comm latency %.1f us\n"
                "(best MPI half round trip)\n\n",
                R, ncalls, f_ms, 2 * f_ms, f_ms, f_ms, latency * 1e6);
         printf("measured   median of %d steps after %d warm-up (time of the slowest rank; min-max beside it)\n"
-               "simulated  smp_schedule_simulate, each stage's forward, backward (zero_bubble: B and W apart) costing\n"
+               "simulated  smp_schedule_simulate, each stage's forward, backward (zero_bubble*: B and W apart) costing\n"
                "           the median of what its modules measured (all timed steps and microbatches)\n"
                "ideal      total work / ranks (no bubble); bubble: the simulator's idle fraction\n"
                "sim/meas   simulated / measured (1.00: the executor runs as fast as the simulator says it can)\n"
@@ -600,24 +615,26 @@ int main(int argc, char **argv) {
             if (r->ratio < worst) worst = r->ratio;
             if (r->replay_ratio < worst_replay) worst_replay = r->replay_ratio;
             fcall += r->fwd_call / nres;
-            if (r->kind == SMP_PIPELINE_ZERO_BUBBLE) {
+            if (split_kind(r->kind)) {
                 bcall_zb += r->bwd_call / nsplit;
                 wcall_zb += r->wgt_call / nsplit;
             } else {
                 bcall += r->bwd_call / nwhole;
             }
         }
-        /* zero_bubble against 1F1B on the same stage map and microbatches */
+        /* zero_bubble against 1F1B on the same stage map and microbatches; zero_bubble_v against 1F1B with one stage per rank */
         bool head = false;
         for (int i = 0; i < nres; i++) {
             const result *z = &res[i], *o = NULL;
-            if (z->kind != SMP_PIPELINE_ZERO_BUBBLE) continue;
+            if (!split_kind(z->kind)) continue;
+            int vs = z->kind == SMP_PIPELINE_ZERO_BUBBLE_V ? 1 : z->vstages;
             for (int j = 0; j < nres; j++)
-                if (res[j].kind == SMP_PIPELINE_INTERLEAVED && res[j].vstages == z->vstages && res[j].m == z->m) o = &res[j];
+                if (res[j].kind == SMP_PIPELINE_INTERLEAVED && res[j].vstages == vs && res[j].m == z->m) o = &res[j];
             if (!o) continue;
             if (!head) {
-                printf("\nzero_bubble against interleaved (1F1B) on the same stages and microbatches: step time (measured), bubble\n"
-                       "(simulated) and the most microbatches in flight on one rank (simulated; activation memory)\n\n"
+                printf("\nzero_bubble against interleaved (1F1B) on the same stages and microbatches (zero_bubble_v: against 1F1B with\n"
+                       "one stage per rank, the same modules): step time (measured), bubble (simulated) and the most microbatch-stages\n"
+                       "in flight on one rank (simulated; a zero_bubble_v stage holds half of a 1F1B stage's activations)\n\n"
                        "| ranks | config                  | 1F1B ms | ZB ms   | ZB/1F1B measured | ZB/1F1B simulated | 1F1B bubble | ZB bubble | in flight 1F1B / ZB |\n"
                        "|------:|-------------------------|--------:|--------:|-----------------:|------------------:|------------:|----------:|--------------------:|\n");
                 head = true;
@@ -630,7 +647,7 @@ int main(int argc, char **argv) {
         printf("\nmodule sleeps: %.3f ms forward, %.3f ms backward (median in the steps); %.3f, %.3f alone (nominal %.3g, %.3g)\n",
                fcall * 1e3, bcall * 1e3, cal_f * 1e3, cal_b * 1e3, f_ms, 2 * f_ms);
         if (nsplit)
-            printf("zero_bubble's split backward: %.3f ms B + %.3f ms W (median in the steps; nominal %.3g + %.3g)\n", bcall_zb * 1e3,
+            printf("zero_bubble's and zero_bubble_v's split backward: %.3f ms B + %.3f ms W (median in the steps; nominal %.3g + %.3g)\n", bcall_zb * 1e3,
                    wcall_zb * 1e3, f_ms, f_ms);
         /* the worst sim/meas of each kind */
         printf("measured/simulated by kind (worst config):");
@@ -640,7 +657,7 @@ int main(int argc, char **argv) {
             for (int i = 0; i < nres; i++)
                 if (res[i].kind == kinds[k].kind && res[i].vstages == kinds[k].vs && res[i].ratio < w) w = res[i].ratio;
             if (w > 1e299) continue;
-            printf("%s %s%s %.2f", firstk ? "" : ",", kind_name(kinds[k].kind), kinds[k].vs > 1 ? " 2vs" : "", w);
+            printf("%s %s%s %.2f", firstk ? "" : ",", kind_name(kinds[k].kind), kinds[k].vs > 1 && kinds[k].kind != SMP_PIPELINE_ZERO_BUBBLE_V ? " 2vs" : "", w);
             firstk = false;
         }
         printf("\n");
