@@ -575,11 +575,16 @@ static int smp__sched_pick(const smp__sched_gen *g, int r, long t, bool use_rank
     }
     *kind = SMP_SCHED_BACKWARD;
     if (bb >= 0 || !g->zb) return bb;
-    /* nothing on the critical path is ready: a weight gradient fills the gap */
+    /* nothing on the critical path is ready: a weight gradient fills the gap,
+       the smallest microbatch first and, among the rank's stages at the same
+       microbatch, the last stage first (<=: local[] is in stage order). So
+       W(s, i) always runs before W(s', i) for s' < s on one rank: the
+       executor frees what stage s' made for i after W(s', i), and a later
+       stage of the rank may read it (a skip connection) until its own W. */
     int bw = -1;
     for (int q = g->first[r]; q < g->first[r + 1]; q++) {
         int s = g->local[q], i = g->next_w[s];
-        if (i < g->next_b[s] && g->fin_b[(size_t)s * (size_t)m + (size_t)i] <= t && (bw < 0 || i < g->next_w[bw])) bw = s;
+        if (i < g->next_b[s] && g->fin_b[(size_t)s * (size_t)m + (size_t)i] <= t && (bw < 0 || i <= g->next_w[bw])) bw = s;
     }
     *kind = SMP_SCHED_WEIGHT;
     return bw;

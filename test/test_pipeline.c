@@ -381,6 +381,148 @@ static void run_timeline_case(int P, smp_pipeline_kind kind) {
     MPI_CHECK(ok, name, "%s", why);
 }
 
+/* A skip connection into a later stage of the same rank, read by a split
+   module's W: x -> A -> a; a -> B -> b; b -> C -> c; a -> E -> e; c + e.
+   A, C and E are split scalar linears (y = w x; W adds sum(dy x) into the
+   weight's gradient), B copies. zero_bubble on stages 0,1,0,1 (A | B | C E
+   | add) and zero_bubble_v on its V (A | B | C | E add, 2 ranks): E's W
+   reads a, which stage 0 made on the same rank, so stage 0 must keep it
+   until E's W has run (the schedules run a rank's later stage's W first;
+   AddressSanitizer would see the read of freed memory otherwise).
+   Gradients against the same sums in plain C, to 1e-5. */
+enum { SK_ROWS = 8, SK_W = 3 };
+typedef struct { smp_param *w; } sk_lin;
+static smp_status sk_fwd(smp_call_ctx *c) {
+    float w = *(const float *)smp_param_value(((sk_lin *)smp_module_user(smp_call_module(c)))->w)->data;
+    const smp_tensor *x = smp_call_input(c, 0);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, x->shape);
+    for (int64_t i = 0; i < smp_tensor_numel(x); i++) ((float *)y->data)[i] = w * ((const float *)x->data)[i];
+    return SMP_OK;
+}
+static smp_status sk_bwd_input(smp_call_ctx *c) {
+    float w = *(const float *)smp_param_value(((sk_lin *)smp_module_user(smp_call_module(c)))->w)->data;
+    const smp_tensor *gy = smp_call_grad_output(c, 0);
+    smp_tensor *gx = smp_call_grad_input(c, 0);
+    for (int64_t i = 0; gx && i < smp_tensor_numel(gy); i++) ((float *)gx->data)[i] = w * ((const float *)gy->data)[i];
+    return SMP_OK;
+}
+static smp_status sk_bwd_weight(smp_call_ctx *c) {
+    float *g = (float *)smp_param_grad(((sk_lin *)smp_module_user(smp_call_module(c)))->w)->data;
+    const smp_tensor *gy = smp_call_grad_output(c, 0), *x = smp_call_input(c, 0);
+    for (int64_t i = 0; i < smp_tensor_numel(gy); i++) g[0] += ((const float *)gy->data)[i] * ((const float *)x->data)[i];
+    return SMP_OK;
+}
+static smp_status sk_copy_fwd(smp_call_ctx *c) {
+    const smp_tensor *x = smp_call_input(c, 0);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, x->shape);
+    memcpy(y->data, x->data, smp_tensor_nbytes(x));
+    return SMP_OK;
+}
+static smp_status sk_copy_bwd(smp_call_ctx *c) {
+    smp_tensor *gx = smp_call_grad_input(c, 0);
+    if (gx) memcpy(gx->data, smp_call_grad_output(c, 0)->data, smp_tensor_nbytes(gx));
+    return SMP_OK;
+}
+typedef struct { smp_module *A, *B, *C, *E, *add; sk_lin l[3]; } sk_net;
+static smp_status sk_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
+    (void)m; (void)nin; (void)nout;
+    sk_net *n = (sk_net *)user;
+    smp_tensor a, b, c, e, pair[2];
+    SMP_TRY(smp_call(n->A, &in[0], 1, &a, 1));
+    SMP_TRY(smp_call(n->B, &a, 1, &b, 1));
+    SMP_TRY(smp_call(n->C, &b, 1, &c, 1));
+    SMP_TRY(smp_call(n->E, &a, 1, &e, 1));
+    pair[0] = c;
+    pair[1] = e;
+    return smp_call(n->add, pair, 2, &out[0], 1);
+}
+SMP_STEP_BODY(sk_body) {
+    smp_tensor *g = smp_mb_output_grad(mb, 0);
+    for (int64_t i = 0; g && i < smp_tensor_numel(g); i++) ((float *)g->data)[i] = 1.0f;
+    return smp_mb_return_f32(mb, 0, 0.0f);
+}
+static void run_skip_case(smp_pipeline_kind kind, int m) {
+    const int P = 2;
+    static const int zb_place[5] = {0, 1, 0, 0, 1}, v_place[5] = {0, 1, 1, 0, 0}; /* A B C E add */
+    const int *place = kind == SMP_PIPELINE_ZERO_BUBBLE_V ? v_place : zb_place;
+    smp_config cfg = {0};
+    cfg.partitions = P;
+    cfg.microbatches = m;
+    cfg.pipeline = kind;
+    cfg.auto_partition = SMP_OFF;
+    cfg.ddp = world > P ? SMP_ON : SMP_OFF;
+    cfg.seed = 3;
+    char name[200], why[4096] = "";
+    snprintf(name, sizeof name, "pipeline/%s: a split module's W reads an earlier stage's output on its own rank (skip connection)/P=2/m=%d",
+             kind_name(kind), m);
+    if (smp_init(&cfg)) { MPI_CHECK(0, name, "smp_init: %s", smp_last_error()); return; }
+    static sk_net n;
+    memset(&n, 0, sizeof n);
+    smp_module *root = smp_module_new(NULL, "", NULL);
+    smp_module **mods[5] = {&n.A, &n.B, &n.C, &n.E, &n.add};
+    static const char *names[5] = {"A", "B", "C", "E", "add"};
+    for (int k = 0; k < 5; k++) {
+        smp_partition_push(place[k]);
+        int l = k == 0 ? 0 : k == 2 ? 1 : k == 3 ? 2 : -1;
+        if (k == 4) *mods[k] = smp_module_new_add(root, names[k]);
+        else {
+            smp_module_desc d = {l >= 0 ? sk_fwd : sk_copy_fwd, l >= 0 ? NULL : sk_copy_bwd, l >= 0 ? &n.l[l] : NULL};
+            *mods[k] = smp_module_new(root, names[k], &d);
+        }
+        if (l >= 0) {
+            smp_module_set_backward_split(*mods[k], sk_bwd_input, sk_bwd_weight);
+            static float bound = 0.9f; /* read when the parameter is made, after partitioning */
+            n.l[l].w = smp_param_new(*mods[k], "w", SMP_F32, 1, (int64_t[]){1}, smp_init_uniform, &bound);
+        }
+        smp_partition_pop();
+    }
+    smp_model *model = NULL;
+    smp_model_desc md = {sk_forward, 1, 1, &n, false};
+    int ok = smp_model_new(root, &md, &model) == SMP_OK;
+    float x[SK_ROWS * SK_W];
+    for (int i = 0; i < SK_ROWS * SK_W; i++) x[i] = 0.25f * (float)(i % 7) - 0.5f;
+    smp_step_output o = {0};
+    int dp = world / P, stages = 0;
+    if (ok) {
+        smp_model_zero_grad(model);
+        smp_tensor xt = smp_tensor_2d(x, SMP_F32, SK_ROWS, SK_W);
+        ok = SMP_TRAIN_STEP(model, sk_body, NULL, &o, 1, xt) == SMP_OK;
+        stages = smp_model_num_stages(model);
+    }
+    if (!ok) snprintf(why, sizeof why, "%s", smp_last_error());
+    else if (stages != 4) { snprintf(why, sizeof why, "%d stages, expected 4", stages); ok = 0; }
+    /* the reference: every replica runs the same batch, so the average over replicas is one replica's */
+    float w[3];
+    for (int l = 0; l < 3 && ok; l++) {
+        char nm[8];
+        snprintf(nm, sizeof nm, "%s.w", l == 0 ? "A" : l == 1 ? "C" : "E");
+        smp_tensor t = smp_tensor_1d(&w[l], SMP_F32, 1);
+        smp_init_uniform(&t, smp_param_seed(nm), (float[]){0.9f});
+    }
+    double want[3] = {0, 0, 0};
+    int rows = SK_ROWS / m;
+    for (int i = 0; i < m && ok; i++)
+        for (int r = 0; r < rows * SK_W; r++) {
+            double xv = x[i * rows * SK_W + r], a = w[0] * xv, gy = 1.0 / m;
+            want[1] += gy * a;                        /* C: dy x, its input b = a */
+            want[2] += gy * a;                        /* E */
+            want[0] += (gy * w[2] + gy * w[1]) * xv;  /* A: da = E's + C's through B */
+        }
+    for (int l = 0; l < 3 && ok; l++) {
+        smp_module *mod = l == 0 ? n.A : l == 1 ? n.C : n.E;
+        if (!smp_module_is_local(mod)) continue;
+        float got = *(const float *)smp_param_grad(n.l[l].w)->data;
+        if (fabs(got - want[l]) > 1e-5 * (fabs(want[l]) + 1)) {
+            snprintf(why, sizeof why, "gradient of %s.w %.9g, reference %.9g (dp %d)", l == 0 ? "A" : l == 1 ? "C" : "E", got, want[l], dp);
+            ok = 0;
+        }
+    }
+    smp_step_output_free(&o);
+    smp_model_free(model);
+    smp_finalize();
+    MPI_CHECK(ok, name, "%s", why);
+}
+
 /* zero_bubble_v placements that are not a V: errors on every rank that name
    the fix. 2 partitions: manual 0,1,0,1 and a middle partition with one
    top-level call; 4 partitions: too few calls for 8 stages, and an
@@ -452,6 +594,11 @@ int main(int argc, char **argv) {
         run_case_split(P, 3, SMP_PIPELINE_ZERO_BUBBLE_V, NULL, 2, true, "auto, virtual_stages 2");
     }
     run_vee_errors();
+    for (int k = 0; k < 3 && world % 2 == 0; k++) {
+        static const int skm[3] = {2, 4, 8};
+        run_skip_case(SMP_PIPELINE_ZERO_BUBBLE, skm[k]);
+        run_skip_case(SMP_PIPELINE_ZERO_BUBBLE_V, skm[k]);
+    }
     if (world % 2 == 0) {
         static const int manual[7] = {0, 0, 1, 1, 0, 0, 1}; /* stages on ranks 0,1,0,1 */
         for (int k = 0; k < 5; k++) {

@@ -140,6 +140,27 @@ static int check_1f1b(const smp_schedule *sc) {
     return 1;
 }
 
+/* Zero bubble: on every rank, W(s, i) before W(s', i) for each of its
+   stages s' < s. The executor frees what stage s' made for microbatch i
+   after W(s', i), and a later stage of the rank may read it (a skip
+   connection) until its own W. */
+static int check_w_order(const smp_schedule *sc) {
+    int S = sc->nstages, m = sc->microbatches;
+    char *done = (char *)calloc((size_t)S * (size_t)m, 1);
+    int ok = 1;
+    for (int r = 0; r < sc->nranks && ok; r++)
+        for (int k = 0; k < sc->nops[r] && ok; k++) {
+            smp_sched_op op = sc->ops[r][k];
+            if (op.kind != SMP_SCHED_WEIGHT) continue;
+            for (int s2 = op.stage + 1; s2 < S && ok; s2++)
+                if (sc->stage_rank[s2] == r && !done[(size_t)s2 * (size_t)m + (size_t)op.microbatch])
+                    ok = fail("rank %d: W%d.%d before W%d.%d (a later stage of the rank)", r, op.stage, op.microbatch, s2, op.microbatch);
+            done[(size_t)op.stage * (size_t)m + (size_t)op.microbatch] = 1;
+        }
+    free(done);
+    return ok;
+}
+
 static int same_schedule(const smp_schedule *a, const smp_schedule *b) {
     if (a->nranks != b->nranks || a->nstages != b->nstages) return 0;
     for (int r = 0; r < a->nranks; r++) {
@@ -295,10 +316,10 @@ static void test_zb_h1_bubble(void) {
    training and evaluation. */
 static void test_exhaustive(void) {
     int ok_build = 1, ok_valid = 1, ok_sim = 1, ok_rand = 1, ok_1f1b = 1, ok_peak = 1, ok_rank_peak = 1,
-        ok_megatron = 1, ok_pure = 1, ok_reject = 1, ok_fo = 1, ok_zb_peak = 1, ok_zb_fo = 1;
+        ok_megatron = 1, ok_pure = 1, ok_reject = 1, ok_fo = 1, ok_zb_peak = 1, ok_zb_fo = 1, ok_worder = 1;
     char w_build[512] = "", w_valid[512] = "", w_sim[512] = "", w_rand[512] = "", w_1f1b[512] = "",
          w_peak[512] = "", w_rank_peak[512] = "", w_megatron[512] = "", w_pure[512] = "", w_reject[512] = "",
-         w_fo[512] = "", w_zb_peak[512] = "", w_zb_fo[512] = "";
+         w_fo[512] = "", w_zb_peak[512] = "", w_zb_fo[512] = "", w_worder[512] = "";
     static const smp_pipeline_kind kinds[3] = {SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_SIMPLE, SMP_PIPELINE_ZERO_BUBBLE};
 #define NOTE(flag, buf, ...) note(&flag, buf, __VA_ARGS__)
     int cases = 0;
@@ -338,6 +359,7 @@ static void test_exhaustive(void) {
                         smp_schedule_free(&again);
                         if (kind == SMP_PIPELINE_INTERLEAVED && v == 1 && !fo && !check_1f1b(&sc))
                             NOTE(ok_1f1b, w_1f1b, "%s", why);
+                        if (zb && !check_w_order(&sc)) NOTE(ok_worder, w_worder, "R=%d v=%d m=%d: %s", R, v, m, why);
 
                         smp_sim_result r;
                         if (smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.0, &r) != SMP_OK) {
@@ -477,6 +499,8 @@ static void test_exhaustive(void) {
     CHECK(ok_zb_peak, "exhaustive: zero_bubble holds at most min(m, S) per stage until W; one stage per rank: "
           "its busiest rank holds no more than 1F1B's", "%s", w_zb_peak);
     CHECK(ok_zb_fo, "exhaustive: forward-only zero_bubble equals forward-only interleaved", "%s", w_zb_fo);
+    CHECK(ok_worder, "exhaustive: zero_bubble runs a rank's later stage's W first for each microbatch (what an earlier stage "
+          "made stays until then)", "%s", w_worder);
 #undef NOTE
 }
 
@@ -587,19 +611,10 @@ static void test_zbv_exhaustive(void) {
                 if (smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, p, S, map, m, fo, &again) != SMP_OK || !same_schedule(&sc, &again))
                     NOTE(ok_pure, w_pure, "p=%d m=%d fo=%d: a second build (explicit map) differs", p, m, fo);
                 smp_schedule_free(&again);
-                for (int r = 0; r < p; r++) {
+                for (int r = 0; r < p; r++)
                     if (sc.nops[r] != (fo ? 2 : 6) * m) NOTE(ok_fo, w_fo, "p=%d m=%d fo=%d: rank %d has %d ops", p, m, fo, r, sc.nops[r]);
-                    /* W1(i) before W0(i): chunk 1 may read chunk 0's outputs until its W */
-                    int w1 = 0;
-                    for (int k = 0; k < sc.nops[r]; k++) {
-                        smp_sched_op op = sc.ops[r][k];
-                        if (op.kind != SMP_SCHED_WEIGHT) continue;
-                        if (op.stage == S - 1 - r) w1++;
-                        else if (op.microbatch >= w1 && op.stage != S - 1 - r)
-                            NOTE(ok_order, w_order, "p=%d m=%d rank %d: W%d.%d before W%d.%d", p, m, r, op.stage, op.microbatch,
-                                 S - 1 - r, op.microbatch);
-                    }
-                }
+                /* W1(i) before W0(i): chunk 1 may read chunk 0's outputs until its W */
+                if (!check_w_order(&sc)) NOTE(ok_order, w_order, "p=%d m=%d: %s", p, m, why);
                 smp_sim_result r;
                 if (smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.0, &r) != SMP_OK) {
                     NOTE(ok_sim, w_sim, "p=%d m=%d fo=%d: %s", p, m, fo, smp_last_error());
@@ -724,7 +739,7 @@ static void test_other_maps(void) {
                         ok = fail("map %d (R=%d S=%d) m=%d: %s", q, R, S, m, smp_last_error());
                         break;
                     }
-                    if (!check_valid(&sc, map)) {
+                    if (!check_valid(&sc, map) || (zb && !check_w_order(&sc))) {
                         char w[512];
                         snprintf(w, sizeof w, "%s", why);
                         ok = fail("map %d %s m=%d: %s", q, kind_name(kind), m, w);
@@ -748,7 +763,7 @@ static void test_other_maps(void) {
                 }
     }
     CHECK(ok, "other stage maps (fixed and 300 random), every kind: valid, no deadlock (random F/B/W costs and latency), "
-          "in-flight bounds", "%s (%d schedules)", why, tried);
+          "in-flight bounds, zero_bubble's later stages' W first", "%s (%d schedules)", why, tried);
 }
 
 static void test_simple_order(void) {
