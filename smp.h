@@ -49,6 +49,20 @@
    ERRORS: calls that can fail on user input return smp_status (SMP_OK is 0)
    and smp_last_error() says what went wrong in the caller's terms. An error
    found on one rank while others wait becomes an error on every rank.
+
+   OUT OF MEMORY (one policy): an allocation smp needs that fails, host or
+   device, in a step, a collective, a save or a load, makes that call return
+   SMP_ERR_NOMEM naming the bytes and what they were for; in a step every
+   other rank returns SMP_ERR_REMOTE with that message, the step changes no
+   parameter, and the engine may free memory and run the step again. The
+   calls that hand memory to the engine's callbacks (smp_call_output,
+   smp_call_stash) return NULL then, and the step fails with SMP_ERR_NOMEM
+   even if the callback goes on. smp aborts the job only on broken
+   invariants and on waits past their deadline.
+
+   TESTING: with SMP_TESTING defined, smp_testing_fail() makes the n-th
+   allocation, pipeline send or pipeline message check from now fail, so
+   tests can inject failures where they happen in real jobs.
 */
 #ifndef SMP_H
 #define SMP_H
@@ -547,6 +561,20 @@ typedef struct smp_memory_stats { /* device memory of on_device models counts wi
 SMPDEF smp_memory_stats smp_memory(void);
 SMPDEF void smp_memory_reset_peaks(void);
 
+#ifdef SMP_TESTING
+/* Fault injection for tests (see TESTING above): after `skip` more events of
+   the kind on this rank, the next one fails (skip < 0: never). Each kind
+   fails once per call; smp_testing_events counts the kind's events so far. */
+typedef enum smp_testing_fault {
+    SMP_FAULT_ALLOC,   /* an allocation through smp returns NULL */
+    SMP_FAULT_SEND,    /* a pipeline send reports an MPI failure */
+    SMP_FAULT_MESSAGE, /* a pipeline message arrives with a corrupt header */
+    SMP_FAULT_COUNT
+} smp_testing_fault;
+SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip);
+SMPDEF long smp_testing_events(smp_testing_fault kind);
+#endif
+
 /* ---------------------------------------------------------------- device backend */
 /* Registered by smp_nccl.h; collectives on tensors with device >= 0 go here. */
 typedef struct smp_device_backend {
@@ -612,6 +640,8 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b);
 #define SMP_H_IMPLEMENTED
 
 #include <errno.h>
+#include <limits.h>
+#include <locale.h>
 #include <math.h>
 #include <sched.h>
 #include <stdarg.h>
@@ -758,6 +788,31 @@ static smp_status smp__mpi_error(int rc, const char *call) {
 }
 #define SMP__MPI(call) do { int rc__ = (call); if (rc__ != MPI_SUCCESS) return smp__mpi_error(rc__, #call); } while (0)
 
+/* MPI counts are int. n bytes as one (count, datatype): MPI_BYTE up to
+   INT_MAX bytes, beyond that a derived type of 1 GiB blocks and the rest
+   (count 1), which the caller frees (MPI_Type_free) once the transfer is
+   posted. So a message of any size is one message, in every MPI. */
+static smp_status smp__bytes_type(size_t n, int *count, MPI_Datatype *type) {
+    *type = MPI_BYTE;
+    *count = (int)n;
+    if (n <= (size_t)INT_MAX) return SMP_OK;
+    const size_t block = (size_t)1 << 30;
+    MPI_Datatype gib, blocks;
+    int lens[2] = {1, (int)(n % block)};
+    MPI_Aint at[2] = {0, (MPI_Aint)(n - n % block)};
+    MPI_Datatype parts[2];
+    SMP__MPI(MPI_Type_contiguous((int)block, MPI_BYTE, &gib));
+    SMP__MPI(MPI_Type_contiguous((int)(n / block), gib, &blocks));
+    parts[0] = blocks;
+    parts[1] = MPI_BYTE;
+    SMP__MPI(MPI_Type_create_struct(lens[1] ? 2 : 1, lens, at, parts, type));
+    MPI_Type_free(&gib);
+    MPI_Type_free(&blocks);
+    SMP__MPI(MPI_Type_commit(type));
+    *count = 1;
+    return SMP_OK;
+}
+
 static smp_status smp__require_init(const char *fn) {
     if (!smp__ctx.initialized) return smp_error(SMP_ERR_STATE, "%s called before smp_init", fn);
     return SMP_OK;
@@ -852,7 +907,22 @@ static void *smp__dev_alloc(size_t n, smp__alloc_kind kind) {
     return p;
 }
 
+#ifdef SMP_TESTING
+static struct { long events[SMP_FAULT_COUNT], fail_at[SMP_FAULT_COUNT]; } smp__testing = {{0}, {-1, -1, -1}};
+SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip) { smp__testing.fail_at[kind] = skip < 0 ? -1 : smp__testing.events[kind] + skip; }
+SMPDEF long smp_testing_events(smp_testing_fault kind) { return smp__testing.events[kind]; }
+/* Counts an event of the kind; true when it is the one to fail. */
+static bool smp__injected(smp_testing_fault kind) {
+    if (smp__testing.events[kind]++ != smp__testing.fail_at[kind]) return false;
+    smp__testing.fail_at[kind] = -1;
+    return true;
+}
+#else
+#define smp__injected(kind) false
+#endif
+
 static void *smp__alloc(size_t n, smp__alloc_kind kind) {
+    if (smp__injected(SMP_FAULT_ALLOC)) return NULL;
     unsigned char *p = (unsigned char *)SMP_MALLOC(n + SMP__HDR);
     if (!p) return NULL;
     /* keep the payload 64-byte aligned even when malloc only gives 16 */
@@ -884,6 +954,23 @@ static void smp__free(void *ptr) {
     memcpy(meta, user - sizeof meta, sizeof meta);
     smp__count((smp__alloc_kind)meta[1], -(int64_t)meta[0]);
     SMP_FREE(user - SMP__HDR - meta[2]);
+}
+
+/* The out-of-memory policy's message: what could not be had and for what. */
+static smp_status smp__nomem(size_t bytes, const char *what) {
+    return smp_error(SMP_ERR_NOMEM, "out of memory: %zu bytes for %s on rank %d; free memory (or use fewer or smaller "
+                     "microbatches, or activation_checkpointing) and run it again", bytes, what, smp__ctx.rank);
+}
+
+/* Zeroed memory for a call that reports errors: NULL and SMP_ERR_NOMEM in
+   *st when there is none, and nothing at all once *st holds an error, so a
+   run of allocations needs one check at its end. */
+static void *smp__alloc_or(smp_status *st, size_t n, smp__alloc_kind kind, const char *what) {
+    if (*st) return NULL;
+    void *p = smp__alloc(n ? n : 1, kind);
+    if (!p) { *st = smp__nomem(n, what); return NULL; }
+    memset(p, 0, n);
+    return p;
 }
 
 SMPDEF void *smp_malloc(size_t n) { return smp__alloc(n, SMP__ALLOC_OTHER); }
@@ -1068,14 +1155,6 @@ SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[
    Nothing is allocated. Numbers are converted with strtod; if the host has
    set a locale whose decimal point is not '.', the conversion adapts.
 */
-#include <limits.h>
-#include <locale.h>
-#include <math.h>
-#include <stdarg.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
 #define SMP__JSON_MAX_DEPTH 32   /* objects/arrays nested deeper are refused */
 #define SMP__JSON_STR_CAP 96     /* bytes of a decoded string kept; longer ones are marked truncated */
 #define SMP__JSON_NUM_CAP 512    /* longest number token converted */
@@ -2456,15 +2535,19 @@ SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_rank_type 
     smp_group g;
     if ((st = smp__require_init("smp_send")) || (st = smp__resolve_peer(dest, rt, "smp_send", &g))) return st;
     MPI_Comm comm = smp__ctx.groups[g].objects;
-    if (len > (size_t)INT32_MAX) st = smp_error(SMP_ERR_ARG, "smp_send: %zu bytes is more than one message carries (2 GiB)", len);
-    else if (len && !buf) st = smp_error(SMP_ERR_ARG, "smp_send: buffer is NULL");
+    MPI_Datatype type = MPI_BYTE;
+    int count = 0;
+    if (len && !buf) st = smp_error(SMP_ERR_ARG, "smp_send: buffer is NULL");
+    else st = smp__bytes_type(len, &count, &type);
     if (st) { /* the receiver learns instead of waiting for SMP_TIMEOUT */
         smp__failures_reap(false);
         smp__send_failure(NULL, 0, dest, SMP__TAG_SEND_FAILED, comm);
         return st;
     }
     MPI_Request req;
-    SMP__MPI(MPI_Isend(buf, (int)len, MPI_BYTE, dest, SMP__TAG_OBJECT, comm, &req));
+    int rc = MPI_Isend(buf, count, type, dest, SMP__TAG_OBJECT, comm, &req);
+    if (type != MPI_BYTE) MPI_Type_free(&type);
+    if (rc != MPI_SUCCESS) return smp__mpi_error(rc, "MPI_Isend");
     smp_wait_requests(1, &req, "smp_send to be received", g, dest);
     return SMP_OK;
 }
@@ -2484,24 +2567,33 @@ SMPDEF smp_status smp_recv_from(int src, smp_rank_type rt, void **buf, size_t *l
         if (found) break;
         if (!smp__backoff_pause(&b)) smp__timeout_abort("an object (smp_recv_from)", g, src, smp__now() - b.start);
     }
-    int count;
-    MPI_Get_count(&status, MPI_BYTE, &count);
+    MPI_Count bytes;
+    MPI_Get_elements_x(&status, MPI_BYTE, &bytes); /* MPI_Get_count's int stops at 2 GiB */
     if (status.MPI_TAG == SMP__TAG_SEND_FAILED) {
         char why[sizeof smp__errbuf];
-        if (count < 0 || count > (int)sizeof why - 1) smp__fatal("a malformed send-failure notice (%d bytes)", count);
-        MPI_Mrecv(why, count, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
-        why[count] = 0;
+        if (bytes < 0 || bytes > (MPI_Count)sizeof why - 1) smp__fatal("a malformed send-failure notice (%lld bytes)", (long long)bytes);
+        MPI_Mrecv(why, (int)bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
+        why[bytes] = 0;
         return smp_error(SMP_ERR_REMOTE, "smp_recv_from: %s rank %d (world rank %d) failed its smp_send to this rank: %s", smp__group_name(g), src,
                          smp_group_world_rank(g, src), why);
     }
-    void *p = smp__alloc((size_t)count + 1, SMP__ALLOC_OTHER);
-    if (!p) return smp_error(SMP_ERR_NOMEM, "smp_recv_from: out of memory for %d bytes", count);
+    size_t n = (size_t)bytes;
+    MPI_Datatype type;
+    int count;
+    char *p = (char *)smp__alloc_or(&st, n + 1, SMP__ALLOC_OTHER, "an object smp_recv_from receives");
+    if (!st) st = smp__bytes_type(n, &count, &type);
+    if (st) { /* MPI matched the message to this probe: no other receive can have it */
+        smp__free(p);
+        return smp_error(st, "smp_recv_from: the object from %s rank %d is lost: %s", smp__group_name(g), src, smp_last_error());
+    }
     MPI_Request req;
-    SMP__MPI(MPI_Imrecv(p, count, MPI_BYTE, &msg, &req));
+    int rc = MPI_Imrecv(p, count, type, &msg, &req);
+    if (type != MPI_BYTE) MPI_Type_free(&type);
+    if (rc != MPI_SUCCESS) { smp__free(p); return smp__mpi_error(rc, "MPI_Imrecv"); }
     smp_wait_requests(1, &req, "an object's bytes", g, src);
-    ((char *)p)[count] = 0; /* convenient for strings */
+    p[n] = 0; /* convenient for strings */
     *buf = p;
-    *len = (size_t)count;
+    *len = n;
     return SMP_OK;
 }
 
@@ -2522,14 +2614,18 @@ static smp_status smp__broadcast_bytes(void **buf, size_t *len, int root, smp_gr
     MPI_Request req;
     SMP__MPI(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, gi->comm, &req));
     smp_wait_requests(1, &req, "broadcast length", g, root);
-    if (n > (uint64_t)INT32_MAX) return smp_error(SMP_ERR_ARG, "smp_broadcast_bytes: %llu bytes is more than one message carries", (unsigned long long)n);
+    MPI_Datatype type;
+    int count;
+    SMP_TRY(smp__bytes_type((size_t)n, &count, &type));
     if (gi->rank != root) {
         *buf = smp__alloc((size_t)n + 1, SMP__ALLOC_OTHER);
-        if (!*buf) smp__fatal("out of memory receiving a %llu-byte broadcast", (unsigned long long)n);
+        if (!*buf) smp__fatal("out of memory: %llu bytes to receive a broadcast on rank %d, which the group's other ranks are in", (unsigned long long)n, smp__ctx.rank);
         ((char *)*buf)[n] = 0;
         *len = (size_t)n;
     }
-    SMP__MPI(MPI_Ibcast(*buf, (int)n, MPI_BYTE, root, gi->comm, &req));
+    int rc = MPI_Ibcast(*buf, count, type, root, gi->comm, &req);
+    if (type != MPI_BYTE) MPI_Type_free(&type);
+    if (rc != MPI_SUCCESS) return smp__mpi_error(rc, "MPI_Ibcast");
     smp_wait_requests(1, &req, "broadcast bytes", g, root);
     return SMP_OK;
 }
@@ -2657,6 +2753,16 @@ static void *smp__tensor_alloc(smp_tensor *t, bool on_device, smp__alloc_kind ki
     t->device = on_device ? smp__ctx.device.current_device() : SMP_HOST;
     t->data = on_device ? smp__dev_alloc(bytes, kind) : smp__alloc(bytes ? bytes : 1, kind);
     return t->data;
+}
+
+/* smp__tensor_alloc under the out-of-memory policy, as smp__alloc_or. */
+static void *smp__tensor_alloc_or(smp_status *st, smp_tensor *t, bool on_device, smp__alloc_kind kind, const char *what) {
+    if (*st) return NULL;
+    if (smp__tensor_alloc(t, on_device, kind)) return t->data;
+    char why[256];
+    snprintf(why, sizeof why, "%s (%s memory: %.150s)", what, on_device ? "device" : "host", on_device ? smp__errbuf : "malloc failed");
+    *st = smp__nomem(smp_tensor_nbytes(t), why);
+    return NULL;
 }
 
 static smp_status smp__tensor_zero(const smp_tensor *t) {
@@ -3017,6 +3123,9 @@ struct smp_call_ctx {
     int call;                /* the leaf call's index (-1: not yet a leaf, while tracing) */
     smp_call_ctx *caller;    /* while tracing: the composite call that made this one */
     uint64_t seed;           /* smp_call_seed */
+    /* memory the call asked smp for and did not get: the call fails with it */
+    size_t nomem_bytes;
+    const char *nomem_what;
     /* while tracing */
     bool made_calls, made_output; /* the forward called smp_call / smp_call_output */
     bool *output_set;        /* smp_call_set_output, per output */
@@ -3415,23 +3524,28 @@ SMPDEF int smp_call_microbatch(const smp_call_ctx *c) { return c->microbatch; }
 SMPDEF bool smp_call_training(const smp_call_ctx *c) { return c->training; }
 SMPDEF uint64_t smp_call_seed(const smp_call_ctx *c) { return c->seed; }
 
+/* Whether memory a callback asked for came; when not, the call fails with
+   SMP_ERR_NOMEM whatever the callback returns (the out-of-memory policy). */
+static bool smp__call_got(smp_call_ctx *c, const void *p, size_t bytes, const char *what) {
+    if (!p && !c->nomem_what) { c->nomem_bytes = bytes; c->nomem_what = what; }
+    return p != NULL;
+}
+
 SMPDEF smp_tensor *smp_call_output(smp_call_ctx *c, int i, smp_dtype dt, int ndim, const int64_t *shape) {
     if (c->in_backward || i < 0 || i >= c->nout || smp_dtype_size(dt) == 0 || ndim < 0 || ndim > SMP_MAX_DIMS) return NULL;
     c->made_output = true;
     smp_tensor *t = &c->outputs[i];
     if (t->data) smp__free(t->data); /* asked twice: the last one counts */
     *t = smp_tensor_make(NULL, dt, ndim, shape);
-    if (!smp__tensor_alloc(t, smp__model_on_device(c->module->model), c->kind))
-        smp__fatal("out of memory allocating output %d of %s (%zu bytes): %s", i, c->module->full_name, smp_tensor_nbytes(t), smp__errbuf);
-    return t;
+    return smp__call_got(c, smp__tensor_alloc(t, smp__model_on_device(c->module->model), c->kind), smp_tensor_nbytes(t), "an output") ? t : NULL;
 }
 
 SMPDEF void *smp_call_stash(smp_call_ctx *c, size_t bytes) {
     if (c->in_backward) return NULL;
     smp__free(c->stash);
     c->stash = smp__alloc(bytes ? bytes : 1, c->kind);
-    c->stash_bytes = bytes;
-    return c->stash;
+    c->stash_bytes = c->stash ? bytes : 0;
+    return smp__call_got(c, c->stash, bytes, "a stash") ? c->stash : NULL;
 }
 SMPDEF void *smp_call_stash_device(smp_call_ctx *c, size_t bytes) {
     if (c->in_backward) return NULL;
@@ -3439,7 +3553,7 @@ SMPDEF void *smp_call_stash_device(smp_call_ctx *c, size_t bytes) {
     smp_tensor t = smp_tensor_1d(NULL, SMP_U8, (int64_t)bytes);
     c->device_stash = smp__tensor_alloc(&t, smp__model_on_device(c->module->model), c->kind);
     c->device_stash_bytes = c->device_stash ? bytes : 0;
-    return c->device_stash;
+    return smp__call_got(c, c->device_stash, bytes, "a device stash") ? c->device_stash : NULL;
 }
 SMPDEF void *smp_call_stashed_device(const smp_call_ctx *c, size_t *bytes) {
     if (bytes) *bytes = c->device_stash_bytes;
@@ -3516,11 +3630,18 @@ static smp_status smp__run_callback(smp_call_ctx *c, smp__phase phase) {
     smp__errbuf[0] = 0;
     smp_status st = fn(c);
     smp__mod.current = saved;
+    if (c->nomem_what) {
+        static const char *const what[] = {"forward", "backward", "backward_input", "backward_weight"};
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s of the %s of module \"%s\" (microbatch %d)", c->nomem_what, what[phase], c->module->full_name, c->microbatch);
+        c->nomem_what = NULL;
+        return smp__nomem(c->nomem_bytes, msg);
+    }
     if (st) {
         static const char *const what[] = {"forward", "backward", "backward_input", "backward_weight"};
         char msg[sizeof smp__errbuf];
         snprintf(msg, sizeof msg, "%s", smp__errbuf);
-        return smp_error(SMP_ERR_MODULE, "%s of module \"%s\" failed (microbatch %d): %s", what[phase], c->module->full_name, c->microbatch,
+        return smp_error(st == SMP_ERR_NOMEM ? st : SMP_ERR_MODULE, "%s of module \"%s\" failed (microbatch %d): %s", what[phase], c->module->full_name, c->microbatch,
                          *msg ? msg : smp_status_name(st));
     }
     if (phase == SMP__FORWARD && !c->made_calls) /* a composite's outputs: smp__check_composite */
@@ -3532,8 +3653,7 @@ static smp_status smp__run_callback(smp_call_ctx *c, smp__phase phase) {
 
 /* Frees what a call holds: outputs (unless kept) and stash. */
 static void smp__call_release(smp_call_ctx *c, bool outputs) {
-    if (outputs)
-        for (int i = 0; i < c->nout; i++) { smp__free(c->outputs[i].data); c->outputs[i].data = NULL; }
+    for (int i = 0; i < c->nout && outputs && c->outputs; i++) { smp__free(c->outputs[i].data); c->outputs[i].data = NULL; }
     smp__free(c->stash);
     smp__free(c->device_stash);
     c->stash = c->device_stash = NULL;
@@ -3589,25 +3709,27 @@ static smp_status smp__trace_check(int e, const char *where) {
 }
 
 /* Swaps the gradients of a module tree's parameters with zeroed scratch
-   (restore false) or gives the originals back (restore true): the trace's
-   backward must not add into a gradient that exists beyond the trace. */
-static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool restore, smp_tensor **saved, int *n, int *cap) {
+   (restore false) or gives the first `swapped` originals back (restore
+   true): the trace's backward must not add into a gradient that exists
+   beyond the trace. */
+static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool restore, smp_tensor **saved, int *n, int *cap, int swapped) {
     smp_status st = SMP_OK;
     for (int i = 0; i < m->nparams && !st; i++) {
         smp_param *p = m->params[i];
-        if (p->is_buffer || (!restore && !p->grad.data)) continue;
+        if (p->is_buffer || !p->grad.data || (restore && *n == swapped)) continue;
         if (restore) {
             smp__free(p->grad.data);
             p->grad = (*saved)[(*n)++];
             continue;
         }
-        smp__grow((void **)saved, cap, *n + 1, sizeof(smp_tensor));
+        if (!smp__grow((void **)saved, cap, *n + 1, sizeof(smp_tensor))) return smp__nomem(sizeof(smp_tensor) * (size_t)(*n + 1), "tracing");
+        smp_tensor scratch = p->grad;
+        if (!smp__tensor_alloc_or(&st, &scratch, on_device, SMP__ALLOC_OTHER, "a scratch gradient while tracing")) break;
         (*saved)[(*n)++] = p->grad;
-        if (!smp__tensor_alloc(&p->grad, on_device, SMP__ALLOC_OTHER))
-            smp__fatal("out of memory allocating a scratch gradient for %s while tracing", p->full_name);
+        p->grad = scratch;
         st = smp__tensor_zero(&p->grad);
     }
-    for (int i = 0; i < m->nchildren && !st; i++) st = smp__trace_scratch_grads(m->children[i], on_device, restore, saved, n, cap);
+    for (int i = 0; i < m->nchildren && !st; i++) st = smp__trace_scratch_grads(m->children[i], on_device, restore, saved, n, cap, swapped);
     return st;
 }
 
@@ -3618,24 +3740,23 @@ static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool r
 static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec, double *time) { /* time[0]: B, time[1]: W */
     if (!c->module->desc.backward && !smp__split_backward(c->module)) return SMP_OK;
     bool dev = smp__model_on_device(c->module->model);
-    smp_tensor *gout = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER);
-    smp_tensor *gin = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(c->nin + 1), SMP__ALLOC_OTHER);
+    smp_status st = SMP_OK;
+    smp_tensor *gout = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER, "tracing");
+    smp_tensor *gin = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)(c->nin + 1), SMP__ALLOC_OTHER, "tracing");
+    if (st) { smp__free(gout); return st; }
     smp_tensor *saved = NULL;
     int nsaved = 0, cap = 0;
-    smp_status st = SMP_OK;
-    for (int j = 0; j < c->nout; j++) {
+    for (int j = 0; j < c->nout && !st; j++) {
         gout[j] = c->outputs[j];
-        if (!smp__tensor_alloc(&gout[j], dev, SMP__ALLOC_OTHER)) smp__fatal("out of memory while tracing %s", c->module->full_name);
-        if (!st) st = smp__tensor_zero(&gout[j]);
+        if (smp__tensor_alloc_or(&st, &gout[j], dev, SMP__ALLOC_OTHER, "an output gradient while tracing")) st = smp__tensor_zero(&gout[j]);
     }
-    for (int j = 0; j < c->nin; j++) {
+    for (int j = 0; j < c->nin && !st; j++) {
         gin[j] = c->inputs[j];
         gin[j].data = NULL;
         if (rec->in[j].call < 0) continue; /* as in a step: model inputs take no gradient */
-        if (!smp__tensor_alloc(&gin[j], dev, SMP__ALLOC_OTHER)) smp__fatal("out of memory while tracing %s", c->module->full_name);
-        if (!st) st = smp__tensor_zero(&gin[j]);
+        if (smp__tensor_alloc_or(&st, &gin[j], dev, SMP__ALLOC_OTHER, "an input gradient while tracing")) st = smp__tensor_zero(&gin[j]);
     }
-    if (!st) st = smp__trace_scratch_grads(c->module, dev, false, &saved, &nsaved, &cap);
+    if (!st) st = smp__trace_scratch_grads(c->module, dev, false, &saved, &nsaved, &cap, 0);
     if (!st) {
         c->grad_outputs = gout;
         c->grad_inputs = gin;
@@ -3650,8 +3771,9 @@ static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec,
         c->grad_outputs = NULL;
         c->grad_inputs = NULL;
     }
+    int swapped = nsaved;
     nsaved = 0;
-    smp__trace_scratch_grads(c->module, dev, true, &saved, &nsaved, &cap);
+    smp__trace_scratch_grads(c->module, dev, true, &saved, &nsaved, &cap, swapped);
     smp__free(saved);
     for (int j = 0; j < c->nout; j++) smp__free(gout[j].data);
     for (int j = 0; j < c->nin; j++) smp__free(gin[j].data);
