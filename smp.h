@@ -2614,19 +2614,20 @@ static smp_status smp__broadcast_bytes(void **buf, size_t *len, int root, smp_gr
     MPI_Request req;
     SMP__MPI(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, gi->comm, &req));
     smp_wait_requests(1, &req, "broadcast length", g, root);
-    MPI_Datatype type;
-    int count;
-    SMP_TRY(smp__bytes_type((size_t)n, &count, &type));
-    if (gi->rank != root) {
-        *buf = smp__alloc((size_t)n + 1, SMP__ALLOC_OTHER);
-        if (!*buf) smp__fatal("out of memory: %llu bytes to receive a broadcast on rank %d, which the group's other ranks are in", (unsigned long long)n, smp__ctx.rank);
-        ((char *)*buf)[n] = 0;
-        *len = (size_t)n;
+    char *into = gi->rank == root ? (char *)*buf : (char *)smp__alloc_or(&st, (size_t)n + 1, SMP__ALLOC_OTHER, "a broadcast's bytes");
+    /* in pieces of `spare`'s size, so a member without the memory for the
+       whole still takes part (into spare, which is touched only then) and
+       returns SMP_ERR_NOMEM instead of leaving the others waiting */
+    static char spare[1 << 20];
+    for (uint64_t at = 0; at < n; at += sizeof spare) {
+        int piece = (int)(n - at < sizeof spare ? n - at : sizeof spare);
+        SMP__MPI(MPI_Ibcast(into ? into + at : spare, piece, MPI_BYTE, root, gi->comm, &req));
+        smp_wait_requests(1, &req, "broadcast bytes", g, root);
     }
-    int rc = MPI_Ibcast(*buf, count, type, root, gi->comm, &req);
-    if (type != MPI_BYTE) MPI_Type_free(&type);
-    if (rc != MPI_SUCCESS) return smp__mpi_error(rc, "MPI_Ibcast");
-    smp_wait_requests(1, &req, "broadcast bytes", g, root);
+    if (st || gi->rank == root) return st;
+    into[n] = 0;
+    *buf = into;
+    *len = (size_t)n;
     return SMP_OK;
 }
 
@@ -3596,7 +3597,7 @@ static smp_status smp__identity_forward(smp_call_ctx *c) {
     if (c->nin != 1 || c->nout != 1)
         return smp_error(SMP_ERR_ARG, "identity module \"%s\" takes one input and one output, got %d and %d", c->module->full_name, c->nin, c->nout);
     smp_tensor *y = smp_call_output(c, 0, x->dtype, x->ndim, x->shape);
-    return smp__tensor_copy(y, x);
+    return y ? smp__tensor_copy(y, x) : SMP_ERR_NOMEM; /* smp__run_callback says what was missing */
 }
 SMPDEF smp_module *smp_module_new_add(smp_module *parent, const char *name) {
     smp_module_desc d = {smp__add_forward, smp__pass_backward, NULL};

@@ -2821,6 +2821,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     smp_status agreed = smp__agree_on(smp__ctx.world, st, "the step");
     smp_status finished = ps->sync ? smp__ddp_finish(ps, agreed != SMP_OK) : SMP_OK;
     if (agreed) {
+        if (training) ps->passes--; /* the step did not happen: run again, it draws the same seeds */
         if (ps->dev_p2p) smp__drain_device(ps);
         smp__release_step(ps, md, true);
         /* messages of the failed step may still be in flight: start over on fresh communicators */
