@@ -12,15 +12,15 @@ LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
 MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_device test_tied test_composite test_chaos
-SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/test_install.sh test/test_demo.sh test/test_gpt.sh test/run_fuzz.sh
+SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/run_large.sh test/test_install.sh test/test_demo.sh test/test_gpt.sh test/run_fuzz.sh
 # Built with the tests, run by a script.
-HELPER_TESTS := test_timeout test_exit
+HELPER_TESTS := test_timeout test_exit test_large
 BENCHES    := collectives partition schedule ddp checkpoint fmnist nccl recompute
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
 
-.PHONY: all deps test test-quick test-asan build-gcc build-clang build-asan bench install clean examples demo demo-gpt fuzz cuda test-gpu test-fake-gpu
+.PHONY: all deps test test-large test-quick test-asan build-gcc build-clang build-asan bench install clean examples demo demo-gpt fuzz cuda test-gpu test-fake-gpu
 all: build-gcc
 
 deps:
@@ -57,6 +57,10 @@ test: deps
 	  set -- $$(tail -n1 $$l | tr -d ','); p=$$((p + $$1)); f=$$((f + $$3)); s=$$((s + $${5:-0})); done; \
 	echo; if [ $$s -gt 0 ]; then echo "$$p passed, $$f failed, $$s skipped"; else echo "$$p passed, $$f failed"; fi; \
 	[ $$a -eq 0 ] && [ $$b -eq 0 ] && [ $$c -eq 0 ]
+
+# Messages past 2 GiB; make test runs it too when there is the memory.
+test-large: build/gcc/test_large
+	@test/run.sh build/gcc "" "" "test/run_large.sh" "1"
 
 # The gcc suite only, for a quick loop while developing.
 test-quick: build-gcc
