@@ -703,6 +703,8 @@ static struct {
     smp_config cfg;
     MPI_Comm world;          /* smp's duplicate of the host communicator */
     int rank, size, local_rank, local_size, mp_rank, dp_rank;
+    char *hosts;             /* every world rank's host name, back to back */
+    int *host_at;            /* world rank -> offset of its name in hosts */
     smp__group_info groups[SMP_GROUP_COUNT];
     MPI_Op half_ops[2][5];   /* [f16, bf16][smp_op] (AVG unused) */
     MPI_Datatype half_type;
@@ -2135,12 +2137,27 @@ static const char *smp__group_name(smp_group g) {
     return g == SMP_WORLD ? "world" : g == SMP_MP_GROUP ? "MP_GROUP" : g == SMP_DP_GROUP ? "DP_GROUP" : "?";
 }
 
+static const char *smp__rank_host(int rank);
 static void smp__timeout_abort(const char *what, smp_group g, int peer, double waited) {
-    if (peer >= 0)
-        smp__fatal("timed out after %.1f s waiting for %s from %s rank %d (world rank %d); aborting the job (SMP_TIMEOUT=%g)",
-                   waited, what, smp__group_name(g), peer, smp_group_world_rank(g, peer), smp_timeout());
-    smp__fatal("timed out after %.1f s waiting for %s in %s; aborting the job (SMP_TIMEOUT=%g)", waited, what,
-               smp__group_name(g), smp_timeout());
+    if (peer >= 0) {
+        int w = smp_group_world_rank(g, peer);
+        smp__fatal("timed out after %.1f s waiting for %s from %s rank %d (world rank %d on host %s); aborting the job (SMP_TIMEOUT=%g)",
+                   waited, what, smp__group_name(g), peer, w, smp__rank_host(w), smp_timeout());
+    }
+    /* MPI cannot say which member of a collective has not arrived: name the
+       others and their hosts (the first 8) */
+    char others[640] = "";
+    size_t at = 0;
+    int n = smp_group_size(g), named = 0;
+    for (int i = 0; i < n && at < sizeof others; i++) {
+        int w = smp_group_world_rank(g, i);
+        if (w == smp__ctx.rank) continue;
+        if (named == 8) { at += (size_t)snprintf(others + at, sizeof others - at, ", and %d more", n - 1 - named); break; }
+        at += (size_t)snprintf(others + at, sizeof others - at, "%s%d on %s", named ? ", " : "", w, smp__rank_host(w));
+        named++;
+    }
+    smp__fatal("timed out after %.1f s waiting for %s in %s (with world rank%s %s); aborting the job (SMP_TIMEOUT=%g)", waited,
+               what, smp__group_name(g), named == 1 ? "" : "s", others, smp_timeout());
 }
 
 /* A collective that fails on one member (bad arguments, out of memory)
@@ -2306,6 +2323,39 @@ SMPDEF int smp_group_world_rank(smp_group g, int group_rank) {
     smp__group_info *gi = smp__group(g);
     return gi && group_rank >= 0 && group_rank < gi->size ? gi->world_ranks[group_rank] : -1;
 }
+/* The host world rank `rank` runs on (MPI_Get_processor_name, gathered at
+   smp_init); "" before smp_init or for a rank outside the world. */
+static const char *smp__rank_host(int rank) {
+    if (!smp__ctx.initialized || !smp__ctx.hosts || rank < 0 || rank >= smp__ctx.size) return "";
+    return smp__ctx.hosts + smp__ctx.host_at[rank];
+}
+
+/* Every rank's host name, gathered once at init, so that a message about a
+   peer can say where it runs (the peer may be gone by then). */
+static void smp__gather_hosts(void) {
+    char name[MPI_MAX_PROCESSOR_NAME + 1];
+    int len = 0, n = smp__ctx.size;
+    memset(name, 0, sizeof name);
+    MPI_Get_processor_name(name, &len);
+    len++; /* the NUL */
+    int *lens = (int *)smp__alloc(sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER);
+    int ok = lens != NULL, all_ok = 0;
+    MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, smp__ctx.world);
+    if (!all_ok) { smp__free(lens); return; } /* messages then name no host */
+    MPI_Allgather(&len, 1, MPI_INT, lens, 1, MPI_INT, smp__ctx.world);
+    int *at = lens + n;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) { at[i] = (int)total; total += (size_t)lens[i]; }
+    char *hosts = (char *)smp__alloc(total, SMP__ALLOC_OTHER);
+    ok = hosts != NULL;
+    MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, smp__ctx.world);
+    if (!all_ok) { smp__free(hosts); smp__free(lens); return; }
+    MPI_Allgatherv(name, len, MPI_CHAR, hosts, lens, at, MPI_CHAR, smp__ctx.world);
+    /* lens is no longer needed, at is: keep the block, offsets in its second half */
+    memmove(lens, at, sizeof(int) * (size_t)n);
+    smp__ctx.hosts = hosts;
+    smp__ctx.host_at = lens;
+}
 
 static smp_status smp__make_group(smp__group_info *gi, MPI_Comm comm) {
     gi->comm = comm;
@@ -2424,6 +2474,7 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     smp__ctx.owns_mpi = owns;
     smp__ctx.size = size;
     MPI_Comm_dup(host, &smp__ctx.world);
+    smp__gather_hosts();
 
     MPI_Comm local;
     MPI_Comm_split_type(smp__ctx.world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
@@ -2493,6 +2544,10 @@ SMPDEF void smp_finalize(void) {
         MPI_Comm_free(&smp__ctx.groups[g].notices);
         smp__free(smp__ctx.groups[g].world_ranks);
     }
+    smp__free(smp__ctx.hosts);
+    smp__free(smp__ctx.host_at);
+    smp__ctx.hosts = NULL;
+    smp__ctx.host_at = NULL;
     for (int d = 0; d < 2; d++)
         for (int o = 0; o < 5; o++)
             if (smp__ctx.half_ops[d][o] != MPI_OP_NULL) MPI_Op_free(&smp__ctx.half_ops[d][o]);
