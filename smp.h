@@ -52,13 +52,18 @@
 
    OUT OF MEMORY (one policy): an allocation smp needs that fails, host or
    device, in a step, a collective, a save or a load, makes that call return
-   SMP_ERR_NOMEM naming the bytes and what they were for; in a step every
-   other rank returns SMP_ERR_REMOTE with that message, the step changes no
-   parameter, and the engine may free memory and run the step again. The
-   calls that hand memory to the engine's callbacks (smp_call_output,
-   smp_call_stash) return NULL then, and the step fails with SMP_ERR_NOMEM
-   even if the callback goes on. smp aborts the job only on broken
-   invariants and on waits past their deadline.
+   SMP_ERR_NOMEM naming the bytes and what they were for. Calls that agree
+   (a step, saves, loads, smp_init) return it on every rank, the others'
+   message naming the rank; a step then changes no parameter, does not count
+   as a training step, and the engine may free memory and run it again. In
+   a collective called on its own, a rank waiting for the one that failed
+   aborts the job with its message, as for any collective that fails on one
+   member. The calls that hand memory to the engine's callbacks
+   (smp_call_output, smp_call_stash) return NULL, and the step fails with
+   SMP_ERR_NOMEM even if the callback goes on. smp aborts the job only on
+   broken invariants, on waits past their deadline, and where a rank cannot
+   take part in a collective the others are in already (the gather buffer
+   of deterministic_reduction, a persistent all-reduce's buffer).
 
    TESTING: with SMP_TESTING defined, smp_testing_fail() makes the n-th
    allocation, pipeline send or pipeline message check from now fail, so
@@ -2697,7 +2702,8 @@ static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g,
     if (st) return st;
     if (len > (size_t)INT32_MAX) return smp_error(SMP_ERR_ARG, "smp_allgather_bytes: %zu bytes is more than one message carries", len);
     int n = gi->size, mine = (int)len;
-    int *counts = (int *)smp__alloc(sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER);
+    int *counts = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER, "smp_allgather_bytes's lengths");
+    if (st) return st;
     int *displs = counts + n;
     MPI_Request req;
     MPI_Iallgather(&mine, 1, MPI_INT, counts, 1, MPI_INT, gi->comm, &req);
@@ -2705,7 +2711,8 @@ static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g,
     int64_t total = 0;
     for (int i = 0; i < n; i++) { displs[i] = (int)total; total += counts[i]; lens[i] = (size_t)counts[i]; }
     if (total > INT32_MAX) { smp__free(counts); return smp_error(SMP_ERR_ARG, "smp_allgather_bytes: %lld bytes in all is more than one gather carries", (long long)total); }
-    char *all = (char *)smp__alloc((size_t)total + 1, SMP__ALLOC_OTHER);
+    char *all = (char *)smp__alloc_or(&st, (size_t)total + 1, SMP__ALLOC_OTHER, "smp_allgather_bytes's result");
+    if (st) { smp__free(counts); return st; }
     MPI_Iallgatherv(buf, mine, MPI_BYTE, all, counts, displs, MPI_BYTE, gi->comm, &req);
     smp_wait_requests(1, &req, "allgather bytes", g, -1);
     all[total] = 0;
@@ -2893,6 +2900,9 @@ static smp__persist *smp__persist_slot(smp__group_info *gi, int count, MPI_Datat
         MPI_Type_size(type, &size);
         size_t bytes = (size_t)count * (size_t)size;
         p->staging = (char *)smp__alloc(bytes, SMP__ALLOC_OTHER);
+        if (!p->staging) /* the others make the persistent collective now: this rank cannot stay out */
+            smp__fatal("out of memory: %zu bytes for a persistent all-reduce's buffer on rank %d, which the group's other ranks are "
+                       "setting up; the job stops (free memory and run it again)", bytes, smp__ctx.rank);
         if (MPI_Allreduce_init(MPI_IN_PLACE, p->staging, count, type, op, gi->comm, MPI_INFO_NULL, &p->req) != MPI_SUCCESS)
             smp__fatal("MPI_Allreduce_init failed");
         p->count = count;
@@ -3016,7 +3026,8 @@ static smp_status smp__reduce_scatter(const smp_tensor *in, smp_tensor *out, smp
     /* in place when `out` is this member's block of `in`: reduce into a
        scratch block first, since MPI reads all of `in` */
     bool overlap = (const char *)out->data >= (const char *)in->data && (const char *)out->data < (const char *)in->data + bytes * (size_t)gi->size;
-    void *dst = overlap ? smp__alloc(bytes, SMP__ALLOC_OTHER) : out->data;
+    void *dst = overlap ? smp__alloc_or(&st, bytes, SMP__ALLOC_OTHER, "smp_reduce_scatter's scratch block") : out->data;
+    if (st) return st;
     MPI_Request req;
     SMP__MPI(MPI_Ireduce_scatter_block(in->data, dst, (int)n, smp__mpi_type(in->dtype), mop, gi->comm, &req));
     smp_wait_requests(1, &req, "reduce_scatter", g, -1);
@@ -3043,7 +3054,8 @@ static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, 
         return smp_error(SMP_ERR_ARG, "%s: in's rows have %lld elements but out's have %lld", fn, (long long)in_row, (long long)out_row);
     int64_t row = in_rows ? in_row : out_row;
     if (in->device != SMP_HOST) return smp__ctx.device.all_to_all_single(in, out, out_splits, in_splits, g);
-    int *buf = (int *)smp__alloc(sizeof(int) * 4 * (size_t)n, SMP__ALLOC_OTHER);
+    int *buf = (int *)smp__alloc_or(&st, sizeof(int) * 4 * (size_t)n, SMP__ALLOC_OTHER, "all_to_all_single's counts");
+    if (st) return st;
     int *scount = buf, *sdispl = buf + n, *rcount = buf + 2 * n, *rdispl = buf + 3 * n;
     int64_t sat = 0, rat = 0;
     for (int i = 0; i < n; i++) {
@@ -3064,7 +3076,7 @@ static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, 
     }
     void *send = in->data;
     if (in->data == out->data && smp_tensor_nbytes(in)) { /* in place: MPI needs separate buffers */
-        send = smp__alloc(smp_tensor_nbytes(in), SMP__ALLOC_OTHER);
+        if (!(send = smp__alloc_or(&st, smp_tensor_nbytes(in), SMP__ALLOC_OTHER, "all_to_all_single's copy of in"))) { smp__free(buf); return st; }
         memcpy(send, in->data, smp_tensor_nbytes(in));
     }
     MPI_Request req;
