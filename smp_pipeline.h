@@ -1115,6 +1115,9 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     if (ps->maxin == 0) ps->maxin = 1;
     int T = n * ps->maxout;
     /* edges: every (producer tensor -> consumer input), consumers in call order, the body last */
+    /* (declared before the first goto: C++ builds of this header reject a jump past an initialisation) */
+    int *link_of = NULL, cap = 0, most = 1, P = smp__ctx.cfg.partitions;
+    const smp_device_backend *b = &smp__ctx.device;
     int *count = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(T + 1), SMP__ALLOC_OTHER, what);
     ps->first_edge = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(T + 1), SMP__ALLOC_OTHER, what);
     ps->edge_of_input = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(n * ps->maxin), SMP__ALLOC_OTHER, what);
@@ -1146,9 +1149,8 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     count = NULL;
     ps->body_stage = S - 1;
     /* links between stages on different ranks */
-    int *link_of = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(S * S), SMP__ALLOC_OTHER, what);
+    link_of = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(S * S), SMP__ALLOC_OTHER, what);
     for (int i = 0; i < S * S && !st; i++) link_of[i] = -1;
-    int cap = 0;
     for (int e = 0; e < ps->nedges && !st; e++) {
         int from = md->calls[ps->edges[e].call].stage;
         int to = ps->edges[e].consumer < n ? md->calls[ps->edges[e].consumer].stage : ps->body_stage;
@@ -1174,7 +1176,6 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     }
     smp__free(link_of);
     if (st) goto fail;
-    int most = 1;
     for (int l = 0; l < ps->nlinks; l++) {
         if (ps->links[l].ntensors > most) most = ps->links[l].ntensors;
         if (ps->links[l].nedges > most) most = ps->links[l].nedges;
@@ -1184,7 +1185,6 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     ps->await_link = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER, what);
     ps->peak = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)S, SMP__ALLOC_OTHER, what);
     ps->internal = (bool *)smp__alloc_or(&st, (size_t)T + 1, SMP__ALLOC_OTHER, what);
-    int P = smp__ctx.cfg.partitions;
     ps->inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)S, SMP__ALLOC_OTHER, what);
     ps->dev_sent = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
     if (st || (st = smp__shared_build(ps, md))) goto fail;
@@ -1200,7 +1200,6 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
             ps->internal[t] = inside;
         }
     }
-    const smp_device_backend *b = &smp__ctx.device;
     ps->on_device = md->desc.on_device;
     ps->dev_p2p = ps->on_device && b->p2p_connect && b->isend && b->irecv && b->test && b->wait && !(b->p2p_through_host && b->p2p_through_host());
     ps->timeline = getenv("SMP_TIMELINE") && *getenv("SMP_TIMELINE");
