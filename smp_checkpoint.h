@@ -145,7 +145,8 @@
        flush    after all data and checksums are written, before fsync
        rename   after the tmp file is fsynced and closed, before the rename
        dirsync  after the rename, before the folder is fsynced
-   the writer calls _exit(77) at that point. Never set it outside tests.
+   the writer logs "SMP_CKPT_FAULT=<phase>: ..." and calls _exit(77) at that
+   point. Never set it outside tests.
 
    ALIGNMENT: offsets follow entry order and the data section starts at a
    multiple of 8. safetensors' own writer puts the widest dtypes first so
@@ -813,7 +814,9 @@ static int smp__ckpt_pid_alive(long pid) {
 
 /* ---------------------------------------------------------------- writer */
 enum { SMP__CKPT_FAULT_NONE, SMP__CKPT_FAULT_HEADER, SMP__CKPT_FAULT_DATA, SMP__CKPT_FAULT_FLUSH,
-       SMP__CKPT_FAULT_RENAME, SMP__CKPT_FAULT_DIRSYNC };
+       SMP__CKPT_FAULT_RENAME, SMP__CKPT_FAULT_DIRSYNC, SMP__CKPT_FAULT_COUNT };
+static const char *const smp__ckpt_fault_names[SMP__CKPT_FAULT_COUNT] = {"", "header", "data", "flush", "rename",
+                                                                         "dirsync"};
 
 struct smp_ckpt_writer {
     char *path, *tmp, *dir; /* dir: for the folder fsync */
@@ -838,19 +841,27 @@ struct smp_ckpt_writer {
 
 static int smp__ckpt_fault_from_env(int *fault) {
     const char *s = getenv("SMP_CKPT_FAULT");
+    int i;
     *fault = SMP__CKPT_FAULT_NONE;
     if (!s || !*s) return 1;
-    if (!strcmp(s, "header")) *fault = SMP__CKPT_FAULT_HEADER;
-    else if (!strcmp(s, "data")) *fault = SMP__CKPT_FAULT_DATA;
-    else if (!strcmp(s, "flush")) *fault = SMP__CKPT_FAULT_FLUSH;
-    else if (!strcmp(s, "rename")) *fault = SMP__CKPT_FAULT_RENAME;
-    else if (!strcmp(s, "dirsync")) *fault = SMP__CKPT_FAULT_DIRSYNC;
-    else return 0;
-    return 1;
+    for (i = 1; i < SMP__CKPT_FAULT_COUNT; i++)
+        if (!strcmp(s, smp__ckpt_fault_names[i])) {
+            *fault = i;
+            return 1;
+        }
+    return 0;
+}
+
+/* Ends the process as a crash would, saying so first (tests check that the
+   fault they asked for is the one that fired). */
+static void smp__ckpt_die(int phase) {
+    smp_log(SMP_LOG_ERROR, "SMP_CKPT_FAULT=%s: test fault injection ends this process (status 77)",
+            smp__ckpt_fault_names[phase]);
+    _exit(77);
 }
 
 static void smp__ckpt_fault(const smp_ckpt_writer *w, int phase) {
-    if (w->fault == phase) _exit(77);
+    if (w->fault == phase) smp__ckpt_die(phase);
 }
 
 static void smp__ckpt_writer_free(smp_ckpt_writer *w) {
@@ -1196,7 +1207,7 @@ SMPDEF smp_status smp_ckpt_writer_write(smp_ckpt_writer *w, const void *bytes, s
     }
     if (w->fault == SMP__CKPT_FAULT_DATA) {
         smp__ckpt_writer_flush(w);
-        _exit(77);
+        smp__ckpt_die(SMP__CKPT_FAULT_DATA);
     }
     return SMP_OK;
 }
