@@ -499,6 +499,8 @@ static int child_save(const char *p, const char *phase, const char *log, pid_t *
 
 static void test_faults(void) {
     static const char *phases[] = {"header", "data", "flush", "rename", "dirsync"};
+    /* the phases of a partial model save (smp_save) never fire in a file write */
+    static const char *model_phases[] = {"renamed", "manifest", "commit", "cleanup"};
     char p[512], old_copy[512], name[128], tmp[640], log[512], line[128];
     int i;
     path_in(log, sizeof log, "fault_child.log");
@@ -537,6 +539,19 @@ static void test_faults(void) {
         ok = smp_ckpt_write_file(p, ents, NT, mkeys, mvals, NMETA) == SMP_OK && check_contents(p, &why);
         snprintf(name, sizeof name, "fault %s: the next save succeeds and removes the stale tmp file", phases[i]);
         CHECK(ok && count_prefix(tmp) == 1, name, "%s; %d files", why, count_prefix(tmp));
+    }
+    for (i = 0; i < 4; i++) {
+        const char *why = "";
+        pid_t pid = 0;
+        int rc;
+        path_in(p, sizeof p, "fault_model_phase.safetensors");
+        make_entries(0);
+        smp_ckpt_write_file(p, ents, NT, mkeys, mvals, NMETA);
+        rc = child_save(p, model_phases[i], log, &pid);
+        make_entries(1);
+        snprintf(name, sizeof name, "fault %s (a phase of partial model saves) does not fire in a file write", model_phases[i]);
+        CHECK(rc == 0 && check_contents(p, &why) && count_prefix("fault_model_phase.safetensors") == 1, name,
+              "exit status %d; %s; %d files", rc, why, count_prefix("fault_model_phase.safetensors"));
     }
 }
 
