@@ -644,16 +644,21 @@ static int fault_fired(const char *log, const char *phase, int rank) {
 }
 
 /* The status of a job that a fault injection ended, as MPICH's mpirun
-   (Hydra) reports it. The rank at the fault _exit()s with 77; the proxy
-   then kills the others (SIGKILL) and ignores their statuses, and mpirun
-   returns the bitwise OR of the raw wait statuses it kept: usually the
-   77 alone; 9 when the SIGKILL status of a rank it killed was counted
-   (the OR is then a signal status, which the shell reports as its low
-   byte); 1 when a surviving rank's MPI noticed its peer gone and its fatal
-   error handler aborted (exit code 1) before the proxy collected the 77.
-   2 and 3 are this program's own (no fault fired): never accepted. The
-   checks that matter read the child's log: the fault fired on the rank and
-   at the phase asked for, and the child did not finish. */
+   (Hydra 4.0) reports it: the bitwise OR of the raw wait statuses that its
+   proxy reports for the ranks (mpirun -print-all-exitcodes shows them).
+   The rank at the fault _exit()s with 77 (raw 77 << 8); the proxy then
+   SIGKILLs the others and reports 0 for them, so mpirun usually exits 77.
+   Two races in the proxy change that: a rank it killed is reported with
+   its SIGKILL status (raw 9), and the OR, now a signal status, reaches the
+   shell as 9; or it reports 1 for the rank that exited 77, and mpirun,
+   taking 1 for a raw status ("Hangup (signal 1)"), exits 1. (Traced: in
+   such a run that rank called exit_group(77), the other was SIGKILLed, and
+   no process exited with 1 or got a SIGHUP; 4 runs in 60 of "renamed" on
+   rank 1, none in 30 of the full save's "data".) So 77, 9 and 1 all mean
+   "a rank died and the job ended"; 2 and 3 are this program's own (no
+   fault fired) and 0 is a finished child: never accepted. Which rank died
+   where is checked in the child's log: the fault's own line, from the rank
+   and phase asked for, and no line of the child finishing. */
 #define KILLED(rc) ((rc) == 77 || (rc) == 9 || (rc) == 1)
 
 /* MPI_Bcast from rank 0 that sleeps between polls: the other ranks wait
