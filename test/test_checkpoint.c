@@ -16,14 +16,23 @@
      load, compare every tensor by name;
    - Python's safetensors reads the full checkpoint and equals the model
      (test_checkpoint_python.py, against raw dumps this test writes);
-   - a save killed mid-way (SMP_CKPT_FAULT=data, in a separate 2-rank
-     mpirun) leaves the previous checkpoint bitwise intact and loadable;
+   - partial saves commit through a manifest: a save leaves its manifest
+     and P files only; consecutive saves, also at a smaller P, leave only
+     the last generation's;
+   - a save killed at every phase (separate 2-rank mpiruns; see "a killed
+     save"): a full save mid-file, and a partial save at each phase on each
+     rank, also over a checkpoint saved before manifests; each then loads
+     as exactly the old or the new checkpoint, bitwise, and the next save
+     clears what the killed one left;
    - corruption: a flipped byte (full and partial), a truncated file, a wrong
      dtype, a wrong shape, a missing and an unexpected tensor, missing
-     optimizer state, files of two saves mixed: each a clear error naming the
-     tensor, on every rank, with every tensor of the model unchanged;
-   - a save failing on one rank fails on all and leaves the previous files
-     intact with no tmp files; a load without an optimizer skips its state;
+     optimizer state, files of two saves mixed (with and without a
+     manifest), a damaged manifest, a committed file gone, shortened or
+     edited: each a clear error naming the tensor or file, on every rank,
+     with every tensor of the model unchanged;
+   - a save failing on one rank, before its file is written or after every
+     file is renamed, fails on all and leaves the previous files intact with
+     no new or tmp files; a load without an optimizer skips its state;
      misuse (unpartitioned model, reserved metadata keys, wrong partial flag,
      bad optimizer registrations) is a clear error.
 
@@ -459,6 +468,43 @@ static void test_reshard(void) {
                 stop(m);
             }
         }
+    }
+}
+
+/* ---------------------------------------------------------------- generations */
+/* Consecutive partial saves to one path: each commits a new generation and
+   leaves only its own files, also when the partition count shrinks (the
+   files of partitions that no longer exist go too); the load follows the
+   manifest to the latest. */
+static void test_generations(void) {
+    int Ps[2] = {allowed(4) ? 4 : 2, allowed(4) ? 2 : 1};
+    if (world < 2) return;
+    char path[512], why[4096] = "", name[200], f[700];
+    path_in(path, sizeof path, "gens");
+    for (int i = 0; i < 2; i++) {
+        int P = Ps[i];
+        net n;
+        smp_model *m = start(P, &n);
+        opt_store o;
+        opt_make(&o, m);
+        int ok = 1;
+        for (int v = 0; v < 2 && ok; v++) {
+            set_all(m, &o, 30 + 2 * i + v);
+            smp_status st = save(m, &o, path, 1, 0);
+            char want[64];
+            snprintf(want, sizeof want, "gens.g%d_0", 2 * i + v + 1);
+            if (st) { ok = 0; snprintf(why, sizeof why, "save: %s", smp_last_error()); }
+            else if (me == 0 && !only_committed("gens", P, why, sizeof why)) ok = 0;
+            else if (me == 0 && (!part_file(path, 0, f, sizeof f) || strcmp(strrchr(f, '/') + 1, want))) { ok = 0; snprintf(why, sizeof why, "file 0 is '%s', expected %s", f, want); }
+        }
+        set_all(m, &o, 0);
+        if (ok && load(m, &o, path, 1, NULL) != SMP_OK) { ok = 0; snprintf(why, sizeof why, "load: %s", smp_last_error()); }
+        if (ok) ok = check_all(m, &o, 30 + 2 * i + 1, why, sizeof why);
+        snprintf(name, sizeof name, "checkpoint/generations: two partial saves at P=%d%s, each leaves only its own files, the load takes the last", P,
+                 i ? " after a save at a larger P" : "");
+        MPI_CHECK(ok, name, "%s", why);
+        opt_free(&o);
+        stop(m);
     }
 }
 
@@ -1201,6 +1247,7 @@ int main(int argc, char **argv) {
         test_roundtrip(Ps[a], 0, 40);
     }
     test_reshard();
+    test_generations();
     test_python();
     test_killed_save(argv[0]);
     test_corruption(allowed(4) ? 4 : allowed(2) ? 2 : 1);
