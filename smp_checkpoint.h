@@ -3992,10 +3992,11 @@ static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file 
         }
         kind = smp_ckpt_meta(f0, "smp.kind");
         if (kind && strcmp(kind, "full")) {
+            const char *mpr = smp_ckpt_meta(f0, "smp.mp_rank"), *gen = smp_ckpt_meta(f0, "smp.generation");
             st = smp_error(SMP_ERR_FORMAT,
                            "checkpoint '%s' is file %s of a %s checkpoint; load that with partial = SMP_ON and the path "
-                           "without the \"_<mp_rank>\"",
-                           path, smp_ckpt_meta(f0, "smp.mp_rank") ? smp_ckpt_meta(f0, "smp.mp_rank") : "?", kind);
+                           "without the \"%s%s_%s\"",
+                           path, mpr ? mpr : "?", kind, gen ? ".g" : "", gen ? gen : "", mpr ? mpr : "<mp_rank>");
             smp_ckpt_close(f0);
             return st;
         }

@@ -1199,6 +1199,17 @@ static void test_misuse(void) {
     ld.partial = SMP_OFF;
     st = st ? st : smp_load(m, path, &ld);
     MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "partial = SMP_ON"), "checkpoint/loading a partial checkpoint as full hints at partial", "%s", smp_last_error());
+    char f0[700] = "";
+    st = part_file(path, 0, f0, sizeof f0) ? smp_load(m, f0, &ld) : SMP_ERR_IO;
+    MPI_CHECK(st == SMP_ERR_FORMAT && strstr(smp_last_error(), "partial = SMP_ON and the path without the \".g1_0\""),
+              "checkpoint/loading one file of a partial checkpoint as full names the path to load", "%s", smp_last_error());
+    ld.partial = SMP_ON;
+    char nowhere[600];
+    path_in(nowhere, sizeof nowhere, "no_such_checkpoint");
+    st = smp_load(m, nowhere, &ld);
+    MPI_CHECK(st == SMP_ERR_IO && strstr(smp_last_error(), "neither its manifest") && strstr(smp_last_error(), "no_such_checkpoint_0"),
+              "checkpoint/loading a partial checkpoint that does not exist names both layouts it looked for", "%s", smp_last_error());
+    ld.partial = SMP_OFF;
     smp_optimizer *o;
     smp_optimizer_new(m, &o);
     float z[36];
