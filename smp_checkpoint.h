@@ -35,44 +35,71 @@
      "/ckpt/model", which Python's safetensors opens as the whole model under
      the PyTorch module's dotted names ("layers.3.mlp.fc1.weight").
 
-     Files. Partial: "<path>_<mp_rank>", one per partition, written by dp rank
-     0 of each; full: "<path>", written by world rank 0's partition saver,
-     which receives the others' tensors in chunk_bytes pieces (4 MiB; at most
-     8 in flight per rank) and never holds the whole model. Tensor names:
+     Files. Partial: "<path>.g<N>_<mp_rank>", one per partition, written by
+     dp rank 0 of each, and the manifest "<path>.manifest", written by world
+     rank 0, which commits them (see Crash safety); N, the generation, counts
+     the partial saves to `path`, and the folder must be the same on every
+     rank (one machine, or a shared file system). Full: "<path>", written by
+     world rank 0's partition saver, which receives the others' tensors in
+     chunk_bytes pieces (4 MiB; at most 8 in flight per rank) and never holds
+     the whole model. Tensor names:
      parameters and buffers by their full dotted names; optimizer state as
      "optimizer.<param>.<state>" and "optimizer.<state>" (whole optimizer,
      held by every rank, saved from world rank 0's partition). Entries are
      ordered widest dtype first, so each lies at a multiple of its size.
      Metadata: the user's strings (keys must not start with "smp."), a CRC-32C
      per tensor (smp.checksum.<name>), and smp.format, smp.kind
-     (full|partial), smp.partitions, smp.mp_rank (partial), smp.save_id and
-     smp.partition.<name> (the partition holding each tensor) for resharding
-     and checks.
+     (full|partial), smp.partitions, smp.mp_rank and smp.generation
+     (partial), smp.save_id and smp.partition.<name> (the partition holding
+     each tensor) for resharding and checks. The manifest is JSON:
+         {"format": "smp-checkpoint-manifest/1", "kind": "partial",
+          "generation": 3, "save_id": "...", "partitions": 2,
+          "files": [{"mp_rank": 0, "name": "model.g3_0", "bytes": 1234,
+                     "header_crc32c": "crc32c:1a2b3c4d"}, ...]}
+     naming each file (in the manifest's folder) with its size and the
+     CRC-32C of its length prefix and header, which holds every tensor's
+     checksum. smp_ckpt_partial_file gives the file of one partition.
 
      Resharding. A full checkpoint loads into any partitioning and any number
      of dp replicas; partial checkpoints saved with P partitions load into Q:
-     "<path>_0" names P, every rank opens the P headers and takes its tensors
-     by name. Optimizer state follows its parameter the same way.
+     the manifest names P files, every rank opens their headers and takes
+     its tensors by name. Optimizer state follows its parameter the same way.
 
-     Loading checks everything before it copies anything: that the files form
-     one save (same smp.save_id and partition count), every tensor's name,
+     Loading checks everything before it copies anything: that the files are
+     the ones the manifest committed (same smp.save_id, generation, partition
+     count, size and header checksum), every tensor's name,
      dtype and shape against the model (missing and unexpected tensors are
      errors), and the checksum of every tensor it will load. An error names
      the file and the tensor, reaches every rank, and leaves every parameter,
      buffer and optimizer state as it was. A load without an optimizer
      (ld.optimizer NULL, for inference) skips the files' optimizer state.
 
-     Crash safety. Each file is written to "<file>.tmp.<pid>", fsynced, and
-     renamed over its name only after every file of the save is complete on
-     disk; a save that fails or is killed before that leaves the previous
-     checkpoint untouched. The renames of a partial save are not one atomic
-     step: a crash between them leaves files of two saves, which smp_load
-     refuses by their save ids rather than load a mix. Stale files of an
-     older save with more partitions ("<path>_5" after a 4-partition save) are
-     left alone and never read.
+     Crash safety: a checkpoint is replaced at one instant, and a crash at
+     any other leaves the previous one loadable, bitwise. A full save writes
+     "<path>.tmp.<pid>", fsyncs it and renames it over "<path>". A partial
+     save writes every file of a new generation, each to a tmp file that is
+     fsynced and renamed to "<path>.g<N>_<mp>" (a name no loader follows yet)
+     with its folder fsynced; once every rank's file is in place, world rank
+     0 writes the manifest naming them to a tmp file, fsyncs it and renames
+     it over "<path>.manifest": that rename is the commit. Only then are the
+     files the new generation replaced removed (previous generations, files
+     of partitions that no longer exist, files of the format below, tmp
+     files of killed writers), each after its header shows it is one; a
+     crash during the removal leaves the new checkpoint loadable and the
+     next save removes the rest. A save that fails (on any rank) before the
+     commit removes its new files and returns the error everywhere.
+
+     Checkpoints saved before manifests. Partial checkpoints of earlier
+     versions, "<path>_0" .. "<path>_<P-1>" without "<path>.manifest", still
+     load (their files must share one smp.save_id); the first partial save
+     to the same path commits a manifest and then removes them. Where both
+     exist, the manifest wins.
 
      Costs. A partial save writes in parallel and moves no data between
-     ranks; a full save streams every other partition's bytes to one writer,
+     ranks; its commit adds, on world rank 0, a manifest of about 100 bytes
+     per partition (write, fsync, rename) and a folder fsync: two journal
+     commits, 1-16 ms per save on a virtual disk (bench/RESULTS.md). A full
+     save streams every other partition's bytes to one writer,
      whose I/O thread writes while the next chunks arrive. Loading reads each
      byte twice (a checksum pass, then the copy) through a read-only mapping
      of the files (plain reads where mmap fails), so it costs about two
@@ -144,8 +171,19 @@
                 (or at commit when there is no data)
        flush    after all data and checksums are written, before fsync
        rename   after the tmp file is fsynced and closed, before the rename
+                (in a partial model save: once every other rank's file is
+                renamed, so the process dies between the per-rank renames)
        dirsync  after the rename, before the folder is fsynced
-   the writer calls _exit(77) at that point. Never set it outside tests.
+   the writer logs "SMP_CKPT_FAULT=<phase>: ..." and calls _exit(77) at that
+   point. A partial smp_save adds phases of its own:
+       renamed  every rank's file renamed into place, no manifest written
+       manifest (world rank 0) the manifest's tmp file complete and fsynced,
+                not renamed
+       commit   (world rank 0) the manifest renamed into place, the folder
+                not yet fsynced
+       cleanup  after this rank removed one file that the save replaced
+   Set it in the environment of one rank to kill that rank there. Never set
+   it outside tests.
 
    ALIGNMENT: offsets follow entry order and the data section starts at a
    multiple of 8. safetensors' own writer puts the widest dtypes first so
@@ -282,7 +320,8 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
 SMPDEF int smp_optimizer_state_count(const smp_optimizer *o);
 
 typedef struct smp_save_desc {
-    smp_switch partial;             /* default ON: one file per mp rank, "<path>_<mp_rank>";
+    smp_switch partial;             /* default ON: one file per mp rank, "<path>.g<N>_<mp_rank>",
+                                       committed by the manifest "<path>.manifest";
                                        OFF: one file with the whole model, "<path>" */
     const smp_optimizer *optimizer; /* NULL: no optimizer state */
     const char *const *meta_keys;   /* user metadata (epoch, step, ...), strings; */
@@ -295,14 +334,25 @@ typedef struct smp_save_desc {
    metadata). Collective over the world; the model must be partitioned
    (smp_model_trace or a first step). Only dp rank 0 of each partition
    writes; a full save streams every tensor to world rank 0's writer in
-   chunks, never gathering the model in one place. Every file is written
-   next to its final name and renamed over it only once every file of the
-   save is complete on disk; an error on any rank is an error on every rank,
-   and then no file of the previous checkpoint was touched. */
+   chunks, never gathering the model in one place. The new checkpoint
+   replaces the previous one in a single rename, once every file of the save
+   is complete on disk (a partial save's manifest; see Crash safety at the
+   top); an error on any rank is an error on every rank, and then the
+   previous checkpoint is as it was. */
 SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *desc);
 
+/* The file holding partition `mp_rank` of the partial checkpoint at `path`,
+   as smp_load reads it: the one its manifest "<path>.manifest" names
+   ("<path>.g<N>_<mp_rank>"), or "<path>_<mp_rank>" for a checkpoint saved
+   before manifests. Copies the path (NUL included) into out[cap] and sets
+   *partitions (when not NULL) to the checkpoint's partition count. For
+   tools that read or copy the files; not collective, checks no data. */
+SMPDEF smp_status smp_ckpt_partial_file(const char *path, int mp_rank, char *out, size_t cap, int *partitions);
+
 typedef struct smp_load_desc {
-    smp_switch partial;       /* default ON: "<path>_0" .. "<path>_<P-1>"; OFF: the one file "<path>" */
+    smp_switch partial;       /* default ON: the files "<path>.manifest" names (or "<path>_0" ..
+                                 "<path>_<P-1>" of a checkpoint saved before manifests);
+                                 OFF: the one file "<path>" */
     smp_optimizer *optimizer; /* NULL: optimizer state in the files is ignored */
     /* Called on every rank after a successful load, once per user metadata
        entry (smp's own "smp.*" entries are not passed). */
@@ -812,8 +862,13 @@ static int smp__ckpt_pid_alive(long pid) {
 }
 
 /* ---------------------------------------------------------------- writer */
+/* Test-only fault injection (SMP_CKPT_FAULT): the file layer's phases,
+   which any writer hits, then those of a partial model save (smp_save). */
 enum { SMP__CKPT_FAULT_NONE, SMP__CKPT_FAULT_HEADER, SMP__CKPT_FAULT_DATA, SMP__CKPT_FAULT_FLUSH,
-       SMP__CKPT_FAULT_RENAME, SMP__CKPT_FAULT_DIRSYNC };
+       SMP__CKPT_FAULT_RENAME, SMP__CKPT_FAULT_DIRSYNC, SMP__CKPT_FAULT_RENAMED, SMP__CKPT_FAULT_MANIFEST,
+       SMP__CKPT_FAULT_COMMIT, SMP__CKPT_FAULT_CLEANUP, SMP__CKPT_FAULT_COUNT };
+static const char *const smp__ckpt_fault_names[SMP__CKPT_FAULT_COUNT] = {
+    "", "header", "data", "flush", "rename", "dirsync", "renamed", "manifest", "commit", "cleanup"};
 
 struct smp_ckpt_writer {
     char *path, *tmp, *dir; /* dir: for the folder fsync */
@@ -834,23 +889,32 @@ struct smp_ckpt_writer {
     smp_status failed;      /* first error; later calls repeat it */
     char *failed_msg;
     int sealed;             /* the tmp file is complete and closed, not yet renamed */
+    uint32_t header_crc;    /* once sealed: CRC-32C of the length prefix + header as on disk */
 };
 
 static int smp__ckpt_fault_from_env(int *fault) {
     const char *s = getenv("SMP_CKPT_FAULT");
+    int i;
     *fault = SMP__CKPT_FAULT_NONE;
     if (!s || !*s) return 1;
-    if (!strcmp(s, "header")) *fault = SMP__CKPT_FAULT_HEADER;
-    else if (!strcmp(s, "data")) *fault = SMP__CKPT_FAULT_DATA;
-    else if (!strcmp(s, "flush")) *fault = SMP__CKPT_FAULT_FLUSH;
-    else if (!strcmp(s, "rename")) *fault = SMP__CKPT_FAULT_RENAME;
-    else if (!strcmp(s, "dirsync")) *fault = SMP__CKPT_FAULT_DIRSYNC;
-    else return 0;
-    return 1;
+    for (i = 1; i < SMP__CKPT_FAULT_COUNT; i++)
+        if (!strcmp(s, smp__ckpt_fault_names[i])) {
+            *fault = i;
+            return 1;
+        }
+    return 0;
+}
+
+/* Ends the process as a crash would, saying so first (tests check that the
+   fault they asked for is the one that fired). */
+static void smp__ckpt_die(int phase) {
+    smp_log(SMP_LOG_ERROR, "SMP_CKPT_FAULT=%s: test fault injection ends this process (status 77)",
+            smp__ckpt_fault_names[phase]);
+    _exit(77);
 }
 
 static void smp__ckpt_fault(const smp_ckpt_writer *w, int phase) {
-    if (w->fault == phase) _exit(77);
+    if (w->fault == phase) smp__ckpt_die(phase);
 }
 
 static void smp__ckpt_writer_free(smp_ckpt_writer *w) {
@@ -1074,7 +1138,8 @@ SMPDEF smp_status smp_ckpt_writer_open(smp_ckpt_writer **out, const char *path, 
     if (!smp__ckpt_fault_from_env(&w->fault)) {
         smp__ckpt_writer_free(w);
         return smp__ckpt_fail(SMP_ERR_ARG, label, NULL,
-                              "SMP_CKPT_FAULT='%s' is not one of header, data, flush, rename, dirsync",
+                              "SMP_CKPT_FAULT='%s' is not one of header, data, flush, rename, dirsync, renamed, "
+                              "manifest, commit, cleanup (a test-only setting: unset it)",
                               getenv("SMP_CKPT_FAULT"));
     }
     for (i = 0; i < n; i++) names_len += strlen(entries[i].name) + 1;
@@ -1196,7 +1261,7 @@ SMPDEF smp_status smp_ckpt_writer_write(smp_ckpt_writer *w, const void *bytes, s
     }
     if (w->fault == SMP__CKPT_FAULT_DATA) {
         smp__ckpt_writer_flush(w);
-        _exit(77);
+        smp__ckpt_die(SMP__CKPT_FAULT_DATA);
     }
     return SMP_OK;
 }
@@ -1253,6 +1318,7 @@ static smp_status smp__ckpt_writer_seal(smp_ckpt_writer *w) {
             return st;
         }
     }
+    w->header_crc = smp_ckpt_crc32c(0, w->header, w->header_len);
     smp__ckpt_fault(w, SMP__CKPT_FAULT_FLUSH);
     if (fsync(w->fd) != 0) {
         st = smp_error(SMP_ERR_IO, "checkpoint '%s': fsync of '%s' failed: %s", w->path, w->tmp, strerror(errno));
@@ -1353,6 +1419,7 @@ struct smp_ckpt_file {
     smp__ckpt_meta *meta_sorted;
     const uint8_t *map;      /* the whole file mapped read-only (model loads), or NULL */
     int map_tried;
+    uint32_t header_crc;     /* CRC-32C of the length prefix + header as read (manifests record it) */
 };
 
 /* The header parser. Strict JSON for exactly the safetensors schema, so it
@@ -1363,19 +1430,21 @@ typedef struct smp__ckpt_jp {
     size_t n, i;
     const char *label;
     const char *tensor; /* for messages */
+    const char *doc;    /* what is parsed, for messages: NULL for "header" */
 } smp__ckpt_jp;
 
 static smp_status smp__ckpt_jerr(smp__ckpt_jp *jp, const char *fmt, ...) SMP__CKPT_PRINTF(2, 3);
 static smp_status smp__ckpt_jerr(smp__ckpt_jp *jp, const char *fmt, ...) {
     char msg[512], found[32];
+    const char *doc = jp->doc ? jp->doc : "header";
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    if (jp->i >= jp->n) snprintf(found, sizeof found, "the end of the header");
+    if (jp->i >= jp->n) snprintf(found, sizeof found, "the end of the %s", doc);
     else if (jp->s[jp->i] >= 0x20 && jp->s[jp->i] < 0x7f) snprintf(found, sizeof found, "'%c'", jp->s[jp->i]);
     else snprintf(found, sizeof found, "byte 0x%02x", jp->s[jp->i]);
-    return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, jp->tensor, "malformed JSON header at byte %llu: %s, found %s",
+    return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, jp->tensor, "malformed JSON %s at byte %llu: %s, found %s", doc,
                           (smp__ckpt_ull)jp->i, msg, found);
 }
 
@@ -1820,6 +1889,7 @@ static smp_status smp__ckpt_load(smp_ckpt_file *f) {
                                           (smp__ckpt_ull)hlen);
     if ((st = smp__ckpt_pread_all(f, f->header, f->header_len, 8)) != SMP_OK) return st;
     f->header[f->header_len] = 0;
+    f->header_crc = smp_ckpt_crc32c(smp_ckpt_crc32c(0, pre, 8), f->header, f->header_len); /* before parsing decodes it */
     return smp__ckpt_parse(f);
 }
 
@@ -2023,9 +2093,17 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
    8-byte dtypes first, then 4, 2, 1 (declaration order within a width), so
    every tensor lies at a multiple of its element size.
 
-   PARTIAL SAVE: each saver writes "<path>_<mp>" with its partition's
-   tensors (1), seals it: data, checksums, fsync, but no rename (2); only
-   when every saver has sealed does each rename its file into place (3).
+   PARTIAL SAVE: world rank 0 picks the generation N, one past the
+   manifest's and past any "<path>.g<M>_*" in the folder (0); each saver
+   writes "<path>.g<N>_<mp>" with its partition's tensors and seals it:
+   data, checksums, fsync, but no rename (1); only when every saver has
+   sealed does each rename its file into place and fsync the folder (2);
+   then world rank 0 gathers every file's size and header checksum and
+   commits: the manifest's tmp file, fsync, rename over "<path>.manifest",
+   folder fsync (3); then each saver removes what the new generation
+   replaced for its partition, partition 0's saver also for partitions
+   that no longer exist (4). A failure before the commit removes the new
+   files (each saver its own).
 
    FULL SAVE: world rank 0's saver opens the one file and writes the header
    for all tensors (1); then it takes the tensors in file order, its own from
@@ -2036,8 +2114,10 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
    next chunks, and the file puts partition 0's own tensors last in each
    dtype width, so the transfers overlap the disk (2); then it commits (3).
 
-   LOAD: open the headers (partial: "<path>_0" names the partition count P,
-   then "<path>_1" .. "<path>_<P-1>"; all must carry the same save id) (1);
+   LOAD: open the headers (partial: the files the manifest names, each
+   checked against it; without a manifest, the format before them:
+   "<path>_0" names the partition count P, then "<path>_1" .. "<path>_<P-1>",
+   all with the same save id) (1);
    match every tensor of the files with the model by name, dtype and shape,
    missing and unexpected ones being errors (2); checksum every tensor this
    rank will load, reading the files through a read-only mapping (3); only
@@ -2051,6 +2131,7 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
        smp.kind              "full" or "partial"
        smp.partitions        the partition count of the model that saved it
        smp.mp_rank           (partial) the partition this file holds
+       smp.generation        (partial) N of "<path>.g<N>_<mp>"
        smp.save_id           the same in every file of one save
        smp.partition.<name>  for every tensor of the model (in every file):
                              the partition that held it */
@@ -2909,7 +2990,8 @@ static void smp__ck_meta_free(smp__ck_meta *md) {
     memset(md, 0, sizeof *md);
 }
 
-static smp_status smp__ck_build_meta(const smp__ck_plan *pl, const smp_save_desc *d, int partial, smp__ck_meta *md) {
+static smp_status smp__ck_build_meta(const smp__ck_plan *pl, const smp_save_desc *d, int partial, uint64_t gen,
+                                     smp__ck_meta *md) {
     char num[48];
     int i;
     memset(md, 0, sizeof *md);
@@ -2923,6 +3005,10 @@ static smp_status smp__ck_build_meta(const smp__ck_plan *pl, const smp_save_desc
         smp__ck_meta_add(md, "smp.mp_rank", NULL, num);
     }
     smp__ck_meta_add(md, "smp.save_id", NULL, pl->save_id);
+    if (partial) {
+        snprintf(num, sizeof num, "%llu", (smp__ckpt_ull)gen);
+        smp__ck_meta_add(md, "smp.generation", NULL, num);
+    }
     for (i = 0; i < pl->n; i++) {
         snprintf(num, sizeof num, "%d", pl->items[i].mp);
         smp__ck_meta_add(md, "smp.partition.", pl->items[i].name, num);
@@ -2988,6 +3074,551 @@ static char *smp__ck_part_path(const char *path, int k) {
     return p;
 }
 
+/* ---------------------------------------------------------------- partial checkpoints: generations and manifests
+   A partial save writes its files under a new generation number N,
+   "<path>.g<N>_<mp>", and commits them all at once by renaming a small JSON
+   manifest, "<path>.manifest", over the previous one (see PARTIAL SAVE
+   above). These helpers name, scan, write and read those files. */
+#define SMP__CK_MANIFEST_FORMAT "smp-checkpoint-manifest/1"
+#define SMP__CK_MANIFEST_MAX ((size_t)64 << 20)
+#define SMP__CK_FAULT_PACE_NS 1000000L /* test-only pacing: 1 ms polls, 10 s at most */
+
+static char *smp__ck_manifest_path(const char *path) {
+    size_t n = strlen(path) + 16;
+    char *p = (char *)SMP_MALLOC(n);
+    if (p) snprintf(p, n, "%s.manifest", path);
+    return p;
+}
+
+static char *smp__ck_gen_path(const char *path, uint64_t gen, int k) {
+    size_t n = strlen(path) + 48;
+    char *p = (char *)SMP_MALLOC(n);
+    if (p) snprintf(p, n, "%s.g%llu_%d", path, (smp__ckpt_ull)gen, k);
+    return p;
+}
+
+static int smp__ck_exists(const char *path) {
+    struct stat sb;
+    return path && stat(path, &sb) == 0;
+}
+
+/* "<dir>/<name>" */
+static char *smp__ck_join(const char *dir, const char *name) {
+    size_t dl = strlen(dir), nl = strlen(name);
+    char *p = (char *)SMP_MALLOC(dl + nl + 2);
+    if (!p) return NULL;
+    memcpy(p, dir, dl);
+    p[dl] = '/';
+    memcpy(p + dl + 1, name, nl + 1);
+    return p;
+}
+
+/* Decimal digits at s without a leading zero ("0" itself is fine), at most
+   18 of them: their count (0: none, or not a plain number) and value. */
+static int smp__ck_digits(const char *s, uint64_t *v) {
+    int n = 0;
+    *v = 0;
+    while (s[n] >= '0' && s[n] <= '9') {
+        if (n == 18) return 0;
+        *v = *v * 10 + (uint64_t)(s[n] - '0');
+        n++;
+    }
+    if (n > 1 && s[0] == '0') return 0;
+    return n;
+}
+
+/* What a name in the checkpoint's folder is, for the checkpoint "<base>":
+   a generation's file "<base>.g<gen>_<k>", a file of the format before
+   manifests "<base>_<k>", either possibly a killed writer's
+   "<name>.tmp.<pid>" (*tmp_pid > 0), or something else. */
+enum { SMP__CK_NAME_OTHER, SMP__CK_NAME_GEN, SMP__CK_NAME_LEGACY };
+
+static int smp__ck_classify(const char *name, const char *base, uint64_t *gen, int *k, long *tmp_pid) {
+    size_t bl = strlen(base);
+    const char *p;
+    uint64_t v;
+    int kind, n;
+    *gen = 0;
+    *k = -1;
+    *tmp_pid = 0;
+    if (strncmp(name, base, bl) != 0) return SMP__CK_NAME_OTHER;
+    p = name + bl;
+    if (p[0] == '.' && p[1] == 'g') {
+        if (!(n = smp__ck_digits(p + 2, gen)) || p[2 + n] != '_') return SMP__CK_NAME_OTHER;
+        p += 2 + n + 1;
+        kind = SMP__CK_NAME_GEN;
+    } else if (p[0] == '_') {
+        p++;
+        kind = SMP__CK_NAME_LEGACY;
+    } else {
+        return SMP__CK_NAME_OTHER;
+    }
+    if (!(n = smp__ck_digits(p, &v)) || v > (1u << 20)) return SMP__CK_NAME_OTHER;
+    *k = (int)v;
+    p += n;
+    if (!*p) return kind;
+    if (strncmp(p, ".tmp.", 5) != 0 || !(n = smp__ck_digits(p + 5, &v)) || p[5 + n] || v == 0 || v > 0x7fffffff)
+        return SMP__CK_NAME_OTHER;
+    *tmp_pid = (long)v;
+    return kind;
+}
+
+/* The names in a folder (NULL-terminated, malloc'd; NULL if it cannot be read). */
+static char **smp__ck_list_dir(const char *dir) {
+    DIR *d = opendir(dir);
+    struct dirent *de;
+    char **names = NULL;
+    int n = 0, cap = 0, ok = 1;
+    if (!d) return NULL;
+    while (ok && (de = readdir(d)) != NULL) {
+        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+        if (!smp__ckpt_grow((void **)&names, &cap, n + 2, sizeof *names) || !(names[n] = smp__ckpt_strdup(de->d_name)))
+            ok = 0;
+        else
+            names[++n] = NULL;
+    }
+    closedir(d);
+    if (!ok || !names) { /* out of memory, or empty: an empty list either way */
+        int i;
+        for (i = 0; i < n; i++) SMP_FREE(names[i]);
+        smp__ckpt_free(names);
+        names = (char **)SMP_MALLOC(sizeof *names);
+        if (names) names[0] = NULL;
+    }
+    return names;
+}
+
+static void smp__ck_free_list(char **names) {
+    int i;
+    if (!names) return;
+    for (i = 0; names[i]; i++) SMP_FREE(names[i]);
+    SMP_FREE(names);
+}
+
+/* ---- the manifest */
+typedef struct smp__ck_mfile {
+    const char *name;    /* in the manifest's folder */
+    uint64_t bytes;      /* the file's size */
+    uint32_t header_crc; /* CRC-32C of its length prefix and header */
+} smp__ck_mfile;
+
+typedef struct smp__ck_manifest {
+    uint64_t generation;
+    int partitions;
+    const char *save_id;
+    smp__ck_mfile *files; /* [partitions], by mp rank */
+    int nfiles, cap;
+    uint8_t *text;        /* the manifest's bytes, strings decoded in place */
+} smp__ck_manifest;
+
+static void smp__ck_manifest_free(smp__ck_manifest *m) {
+    smp__ckpt_free(m->files);
+    smp__ckpt_free(m->text);
+    memset(m, 0, sizeof *m);
+}
+
+static smp_status smp__ck_jcrc(smp__ckpt_jp *jp, uint32_t *out) {
+    const char *v;
+    uint32_t hi, lo;
+    size_t plen = strlen(SMP__CKPT_CRC_PREFIX);
+    int j;
+    smp_status st = smp__ckpt_jstring(jp, &v, "header_crc32c");
+    if (st) return st;
+    if (strlen(v) != plen + 8 || strncmp(v, SMP__CKPT_CRC_PREFIX, plen) != 0)
+        return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
+                              "header_crc32c \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 hex digits", v);
+    for (j = 0; j < 8; j++) {
+        char c = v[plen + j];
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
+            return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
+                                  "header_crc32c \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 lowercase hex digits", v);
+    }
+    smp__ckpt_hex4((const uint8_t *)v + plen, &hi);
+    smp__ckpt_hex4((const uint8_t *)v + plen + 4, &lo);
+    *out = (hi << 16) | lo;
+    return SMP_OK;
+}
+
+static smp_status smp__ck_manifest_file(smp__ckpt_jp *jp, smp__ck_manifest *m) {
+    int have[4] = {0, 0, 0, 0}, idx = m->nfiles;
+    uint64_t mp = 0;
+    smp__ck_mfile *f;
+    smp_status st;
+    if (!smp__ckpt_grow((void **)&m->files, &m->cap, m->nfiles + 1, sizeof *m->files))
+        return smp__ckpt_fail(SMP_ERR_NOMEM, jp->label, NULL, "out of memory reading the manifest");
+    f = &m->files[m->nfiles++];
+    memset(f, 0, sizeof *f);
+    if (!smp__ckpt_eat(jp, '{')) return smp__ckpt_jerr(jp, "each entry of \"files\" must be an object");
+    for (;;) {
+        const char *k;
+        int which;
+        if ((st = smp__ckpt_jstring(jp, &k, "a key")) != SMP_OK) return st;
+        if (!smp__ckpt_eat(jp, ':')) return smp__ckpt_jerr(jp, "expected ':' after key '%s'", k);
+        which = !strcmp(k, "mp_rank") ? 0 : !strcmp(k, "name") ? 1 : !strcmp(k, "bytes") ? 2
+              : !strcmp(k, "header_crc32c") ? 3 : -1;
+        if (which < 0)
+            return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
+                                  "file %d: unknown key \"%s\" (a file has mp_rank, name, bytes, header_crc32c)", idx, k);
+        if (have[which]++) return smp__ckpt_jerr(jp, "key '%s' appears twice in file %d", k, idx);
+        if (which == 0) st = smp__ckpt_juint(jp, &mp, "mp_rank");
+        else if (which == 1) st = smp__ckpt_jstring(jp, &f->name, "the file name");
+        else if (which == 2) st = smp__ckpt_juint(jp, &f->bytes, "bytes");
+        else st = smp__ck_jcrc(jp, &f->header_crc);
+        if (st) return st;
+        if (smp__ckpt_eat(jp, ',')) continue;
+        if (smp__ckpt_eat(jp, '}')) break;
+        return smp__ckpt_jerr(jp, "expected ',' or '}' after key '%s'", k);
+    }
+    if (!have[0] || !have[1] || !have[2] || !have[3])
+        return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL, "file %d has no \"%s\"", idx,
+                              !have[0] ? "mp_rank" : !have[1] ? "name" : !have[2] ? "bytes" : "header_crc32c");
+    if (mp != (uint64_t)idx)
+        return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL, "file %d of \"files\" has mp_rank %llu (files are listed by mp_rank)",
+                              idx, (smp__ckpt_ull)mp);
+    if (!f->name[0] || strchr(f->name, '/') || !strcmp(f->name, ".") || !strcmp(f->name, ".."))
+        return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
+                              "file %d: \"%s\" is not the name of a file in the manifest's folder", idx, f->name);
+    return SMP_OK;
+}
+
+/* Parses a manifest held in text[0..n) (malloc'd, n + 1 bytes, decoded in
+   place): m owns text on success; on error text is freed. */
+static smp_status smp__ck_manifest_parse(uint8_t *text, size_t n, const char *label, smp__ck_manifest *m) {
+    smp__ckpt_jp jp;
+    int have[6] = {0, 0, 0, 0, 0, 0};
+    uint64_t parts = 0;
+    smp_status st = SMP_OK;
+    memset(m, 0, sizeof *m);
+    m->text = text;
+    memset(&jp, 0, sizeof jp);
+    jp.s = text;
+    jp.n = n;
+    jp.label = label;
+    jp.doc = "manifest";
+    if (!smp__ckpt_eat(&jp, '{')) st = smp__ckpt_jerr(&jp, "a manifest is a JSON object");
+    while (!st) {
+        const char *k, *v;
+        int which;
+        if ((st = smp__ckpt_jstring(&jp, &k, "a key")) != SMP_OK) break;
+        if (!smp__ckpt_eat(&jp, ':')) {
+            st = smp__ckpt_jerr(&jp, "expected ':' after key '%s'", k);
+            break;
+        }
+        which = !strcmp(k, "format") ? 0 : !strcmp(k, "kind") ? 1 : !strcmp(k, "generation") ? 2
+              : !strcmp(k, "save_id") ? 3 : !strcmp(k, "partitions") ? 4 : !strcmp(k, "files") ? 5 : -1;
+        if (which < 0) {
+            st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL,
+                                "unknown key \"%s\" (a manifest has format, kind, generation, save_id, partitions, files)", k);
+            break;
+        }
+        if (have[which]++) {
+            st = smp__ckpt_jerr(&jp, "key '%s' appears twice", k);
+            break;
+        }
+        switch (which) {
+        case 0:
+            if (!(st = smp__ckpt_jstring(&jp, &v, "the format")) && strcmp(v, SMP__CK_MANIFEST_FORMAT))
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL,
+                                    "format \"%s\" is not \"" SMP__CK_MANIFEST_FORMAT "\" (written by another version of smp?)", v);
+            break;
+        case 1:
+            if (!(st = smp__ckpt_jstring(&jp, &v, "the kind")) && strcmp(v, "partial"))
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "kind \"%s\" is not \"partial\"", v);
+            break;
+        case 2:
+            if (!(st = smp__ckpt_juint(&jp, &m->generation, "generation")) && m->generation == 0)
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "generation 0 (generations count from 1)");
+            break;
+        case 3:
+            if (!(st = smp__ckpt_jstring(&jp, &m->save_id, "the save id")) && (!m->save_id[0] || strlen(m->save_id) >= 40))
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "save_id \"%s\" is empty or longer than 39 bytes", m->save_id);
+            break;
+        case 4:
+            if (!(st = smp__ckpt_juint(&jp, &parts, "partitions")) && (parts < 1 || parts > (1u << 20)))
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "partitions %llu is outside 1..%d", (smp__ckpt_ull)parts,
+                                    1 << 20);
+            break;
+        default:
+            if (!smp__ckpt_eat(&jp, '[')) {
+                st = smp__ckpt_jerr(&jp, "\"files\" must be an array");
+                break;
+            }
+            if (smp__ckpt_eat(&jp, ']')) break;
+            for (;;) {
+                if (m->nfiles >= (1 << 20)) {
+                    st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "more than %d files", 1 << 20);
+                    break;
+                }
+                if ((st = smp__ck_manifest_file(&jp, m)) != SMP_OK) break;
+                if (smp__ckpt_eat(&jp, ',')) continue;
+                if (smp__ckpt_eat(&jp, ']')) break;
+                st = smp__ckpt_jerr(&jp, "expected ',' or ']' in \"files\"");
+                break;
+            }
+        }
+        if (st) break;
+        if (smp__ckpt_eat(&jp, ',')) continue;
+        if (smp__ckpt_eat(&jp, '}')) break;
+        st = smp__ckpt_jerr(&jp, "expected ',' or '}' after key '%s'", k);
+    }
+    if (!st) {
+        int i;
+        smp__ckpt_ws(&jp);
+        if (jp.i != jp.n) st = smp__ckpt_jerr(&jp, "only spaces may follow the manifest's closing '}'");
+        for (i = 0; i < 6 && !st; i++)
+            if (!have[i]) {
+                static const char *const keys[6] = {"format", "kind", "generation", "save_id", "partitions", "files"};
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "the manifest has no \"%s\"", keys[i]);
+            }
+        if (!st && (uint64_t)m->nfiles != parts)
+            st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "\"files\" lists %d files for %llu partitions", m->nfiles,
+                                (smp__ckpt_ull)parts);
+        m->partitions = (int)parts;
+    }
+    if (st) smp__ck_manifest_free(m);
+    return st;
+}
+
+/* Internal, for fuzzing: validates a manifest image exactly as loading
+   does (`label` names it in messages). */
+SMPDEF smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label);
+SMPDEF smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label) {
+    smp__ck_manifest m;
+    uint8_t *text;
+    smp_status st;
+    if (!bytes && n) return smp_error(SMP_ERR_ARG, "smp__ckpt_manifest_check: bytes is NULL");
+    text = (uint8_t *)SMP_MALLOC(n + 1);
+    if (!text) return smp_error(SMP_ERR_NOMEM, "out of memory");
+    if (n) memcpy(text, bytes, n);
+    text[n] = 0;
+    st = smp__ck_manifest_parse(text, n, label ? label : "manifest", &m);
+    if (!st) smp__ck_manifest_free(&m);
+    return st;
+}
+
+/* Reads and parses the manifest at mpath. */
+static smp_status smp__ck_manifest_read(const char *mpath, smp__ck_manifest *m) {
+    char label[600];
+    struct stat sb;
+    uint8_t *text;
+    size_t got = 0;
+    int fd;
+    memset(m, 0, sizeof *m);
+    snprintf(label, sizeof label, "checkpoint manifest '%s'", mpath);
+    fd = open(mpath, O_RDONLY | SMP__CKPT_O_CLOEXEC);
+    if (fd < 0) return smp_error(SMP_ERR_IO, "cannot open %s: %s", label, strerror(errno));
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return smp_error(SMP_ERR_IO, "%s is not a regular file", label);
+    }
+    if ((uint64_t)sb.st_size > SMP__CK_MANIFEST_MAX) {
+        close(fd);
+        return smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "%llu bytes is over the %llu-byte limit of a manifest",
+                              (smp__ckpt_ull)sb.st_size, (smp__ckpt_ull)SMP__CK_MANIFEST_MAX);
+    }
+    text = (uint8_t *)SMP_MALLOC((size_t)sb.st_size + 1);
+    if (!text) {
+        close(fd);
+        return smp__ckpt_fail(SMP_ERR_NOMEM, label, NULL, "out of memory");
+    }
+    while (got < (size_t)sb.st_size) {
+        ssize_t k = read(fd, text + got, (size_t)sb.st_size - got);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) {
+            smp_status st = smp__ckpt_fail(SMP_ERR_IO, label, NULL, "read failed: %s", k < 0 ? strerror(errno) : "short file");
+            close(fd);
+            SMP_FREE(text);
+            return st;
+        }
+        got += (size_t)k;
+    }
+    close(fd);
+    text[got] = 0;
+    return smp__ck_manifest_parse(text, got, label, m);
+}
+
+/* Writes "<path>.manifest" naming generation `gen`'s P files (their sizes
+   and header checksums): tmp file, fsync, rename over the old manifest,
+   folder fsync. *committed says whether the rename happened: from then on
+   the new checkpoint is the one smp_load sees. */
+static smp_status smp__ck_manifest_write(const char *path, uint64_t gen, const char *save_id, int P,
+                                         const uint64_t *bytes, const uint32_t *crcs, int fault, int *committed) {
+    smp__ckpt_sbuf b;
+    char *mpath = smp__ck_manifest_path(path), *tmp = NULL, *dir = NULL, num[128];
+    const char *base, *mbase;
+    smp_status st = SMP_OK;
+    int k, fd = -1, dfd;
+    *committed = 0;
+    memset(&b, 0, sizeof b);
+    if (!mpath) return smp_error(SMP_ERR_NOMEM, "out of memory writing the manifest of '%s'", path);
+    dir = smp__ckpt_dirname(path, &base);
+    tmp = (char *)SMP_MALLOC(strlen(mpath) + 32);
+    if (!dir || !tmp) {
+        st = smp_error(SMP_ERR_NOMEM, "out of memory writing '%s'", mpath);
+        goto out;
+    }
+    smp__ckpt_puts(&b, "{\n  \"format\": \"" SMP__CK_MANIFEST_FORMAT "\",\n  \"kind\": \"partial\",\n");
+    snprintf(num, sizeof num, "  \"generation\": %llu,\n  \"save_id\": ", (smp__ckpt_ull)gen);
+    smp__ckpt_puts(&b, num);
+    smp__ckpt_put_jstr(&b, NULL, save_id);
+    snprintf(num, sizeof num, ",\n  \"partitions\": %d,\n  \"files\": [\n", P);
+    smp__ckpt_puts(&b, num);
+    for (k = 0; k < P; k++) {
+        snprintf(num, sizeof num, "    {\"mp_rank\": %d, \"name\": ", k);
+        smp__ckpt_puts(&b, num);
+        smp__ckpt_puts(&b, "\"");
+        smp__ckpt_put_escaped(&b, base);
+        snprintf(num, sizeof num, ".g%llu_%d\", \"bytes\": %llu, \"header_crc32c\": \"" SMP__CKPT_CRC_PREFIX "%08x\"}%s\n",
+                 (smp__ckpt_ull)gen, k, (smp__ckpt_ull)bytes[k], (unsigned)crcs[k], k + 1 < P ? "," : "");
+        smp__ckpt_puts(&b, num);
+    }
+    smp__ckpt_puts(&b, "  ]\n}\n");
+    if (b.oom) {
+        st = smp_error(SMP_ERR_NOMEM, "out of memory writing '%s'", mpath);
+        goto out;
+    }
+    mbase = strrchr(mpath, '/') ? strrchr(mpath, '/') + 1 : mpath;
+    smp__ckpt_remove_stale(dir, mbase);
+    snprintf(tmp, strlen(mpath) + 32, "%s.tmp.%ld", mpath, (long)getpid());
+    fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | SMP__CKPT_O_CLOEXEC, 0666);
+    if (fd < 0 && errno == EEXIST) {
+        unlink(tmp);
+        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | SMP__CKPT_O_CLOEXEC, 0666);
+    }
+    if (fd < 0) {
+        st = smp_error(SMP_ERR_IO, "checkpoint '%s': cannot create its manifest '%s': %s", path, tmp, strerror(errno));
+        goto out;
+    }
+    if (smp__ckpt_write_all(fd, b.p, b.len) != 0 || fsync(fd) != 0) {
+        st = smp_error(SMP_ERR_IO, "checkpoint '%s': writing its manifest '%s' failed: %s", path, tmp, strerror(errno));
+        close(fd);
+        unlink(tmp);
+        goto out;
+    }
+    if (close(fd) != 0) {
+        st = smp_error(SMP_ERR_IO, "checkpoint '%s': closing its manifest '%s' failed: %s", path, tmp, strerror(errno));
+        unlink(tmp);
+        goto out;
+    }
+    if (fault == SMP__CKPT_FAULT_MANIFEST) smp__ckpt_die(fault);
+    if (rename(tmp, mpath) != 0) {
+        st = smp_error(SMP_ERR_IO, "checkpoint '%s': renaming '%s' over its manifest '%s' failed: %s", path, tmp, mpath,
+                       strerror(errno));
+        unlink(tmp);
+        goto out;
+    }
+    *committed = 1;
+    if (fault == SMP__CKPT_FAULT_COMMIT) smp__ckpt_die(fault);
+    dfd = open(dir, O_RDONLY | SMP__CKPT_O_DIRECTORY | SMP__CKPT_O_CLOEXEC);
+    if (dfd < 0 || (fsync(dfd) != 0 && errno != EINVAL && errno != ENOTSUP && errno != EOPNOTSUPP))
+        st = smp_error(SMP_ERR_IO,
+                       "checkpoint '%s': its manifest '%s' is in place, but flushing the folder '%s' failed: %s (the "
+                       "previous generation's files were kept)",
+                       path, mpath, dir, strerror(errno));
+    if (dfd >= 0) close(dfd);
+out:
+    smp__ckpt_free(b.p);
+    smp__ckpt_free(mpath);
+    smp__ckpt_free(tmp);
+    smp__ckpt_free(dir);
+    return st;
+}
+
+/* Whether the file at `full` is a partial checkpoint file of mp rank k,
+   and, for a generation's file, of generation `gen` (smp.generation): what
+   the cleanup checks before it deletes anything. */
+static int smp__ck_is_ours(const char *full, int kind, uint64_t gen, int k) {
+    smp_ckpt_file *f;
+    const char *fmt, *knd, *mp, *g;
+    uint64_t v;
+    int ok;
+    if (smp_ckpt_open(&f, full) != SMP_OK) return 0;
+    fmt = smp_ckpt_meta(f, "smp.format");
+    knd = smp_ckpt_meta(f, "smp.kind");
+    mp = smp_ckpt_meta(f, "smp.mp_rank");
+    g = smp_ckpt_meta(f, "smp.generation");
+    ok = fmt && !strcmp(fmt, SMP__CK_FORMAT) && knd && !strcmp(knd, "partial") && mp &&
+         smp__ck_digits(mp, &v) == (int)strlen(mp) && v == (uint64_t)k;
+    if (ok && kind == SMP__CK_NAME_GEN) ok = g && smp__ck_digits(g, &v) == (int)strlen(g) && v == gen;
+    smp_ckpt_close(f);
+    return ok;
+}
+
+/* The generation a new save of `path` takes: one past the manifest's and
+   past any generation's file (or a killed writer's tmp file) in the
+   folder, so an interrupted save's leftovers are never reused. */
+static uint64_t smp__ck_next_generation(const char *path) {
+    smp__ck_manifest m;
+    char *mpath = smp__ck_manifest_path(path), *dir;
+    const char *base;
+    char **names;
+    uint64_t g = 0, gen;
+    long pid;
+    int i, k;
+    if (mpath && !smp__ck_manifest_read(mpath, &m)) {
+        g = m.generation;
+        smp__ck_manifest_free(&m);
+    }
+    smp__ckpt_free(mpath);
+    dir = smp__ckpt_dirname(path, &base);
+    names = dir ? smp__ck_list_dir(dir) : NULL;
+    for (i = 0; names && names[i]; i++)
+        if (smp__ck_classify(names[i], base, &gen, &k, &pid) == SMP__CK_NAME_GEN && gen > g) g = gen;
+    smp__ck_free_list(names);
+    smp__ckpt_free(dir);
+    return g + 1;
+}
+
+/* Removes, once generation `gen` of `path` is committed, what it replaced:
+   the files of other generations and of the format before manifests
+   ("<base>_<k>") for partition `mine` (and, with `strays`, for partitions
+   >= P, which an earlier save with more partitions left), each only after
+   its header shows it is such a file (smp__ck_is_ours), and the tmp files of
+   writers killed while saving them (their process gone from this host).
+   Best effort: what cannot be removed stays, and the next save tries again. */
+static void smp__ck_cleanup(const char *path, uint64_t gen, int mine, int P, int strays, int fault) {
+    const char *base;
+    char *dir = smp__ckpt_dirname(path, &base), **names;
+    int i, removed = 0;
+    names = dir ? smp__ck_list_dir(dir) : NULL;
+    for (i = 0; names && names[i]; i++) {
+        uint64_t g;
+        long pid;
+        int k, kind = smp__ck_classify(names[i], base, &g, &k, &pid);
+        char *full;
+        if (kind == SMP__CK_NAME_OTHER || (kind == SMP__CK_NAME_GEN && g == gen)) continue;
+        if (k != mine && !(strays && k >= P)) continue;
+        if (!(full = smp__ck_join(dir, names[i]))) continue;
+        if (pid ? (pid != (long)getpid() && !smp__ckpt_pid_alive(pid)) : smp__ck_is_ours(full, kind, g, k)) {
+            if (unlink(full) == 0 && !pid) removed++;
+            if (removed == 1 && fault == SMP__CKPT_FAULT_CLEANUP) smp__ckpt_die(fault);
+        }
+        SMP_FREE(full);
+    }
+    smp__ck_free_list(names);
+    smp__ckpt_free(dir);
+    if (fault == SMP__CKPT_FAULT_CLEANUP) smp__ckpt_die(fault); /* nothing to remove: die at the end of it */
+}
+
+/* Test-only (SMP_CKPT_FAULT=rename in a partial save): before this rank
+   dies ahead of its rename, let every other saver rename its file, so the
+   kill falls between the per-rank renames. */
+static void smp__ck_fault_pace(const char *path, uint64_t gen, int P, int mine) {
+    int tries, k;
+    for (tries = 0; tries < 10000; tries++) {
+        int all = 1;
+        for (k = 0; k < P && all; k++) {
+            char *p;
+            if (k == mine) continue;
+            p = smp__ck_gen_path(path, gen, k);
+            all = p && smp__ck_exists(p);
+            smp__ckpt_free(p);
+        }
+        if (all) return;
+        smp__sleep_ns(SMP__CK_FAULT_PACE_NS);
+    }
+}
+
 static smp_status smp__ck_check_common(smp_model *m, const char *path, const char *fn) {
     if (!m) return smp_error(SMP_ERR_ARG, "%s: model is NULL", fn);
     if (!path || !*path) return smp_error(SMP_ERR_ARG, "%s: no path", fn);
@@ -3025,6 +3656,7 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
     smp_ckpt_entry *entries = NULL;
     char *file = NULL;
     int partial, ne = 0, i;
+    uint64_t gen = 0;
     smp_status st;
 
     if (!smp_is_initialized()) return smp_error(SMP_ERR_STATE, "smp_save called before smp_init");
@@ -3035,6 +3667,12 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
     if (st) return st;
 
     st = smp__ck_plan_init(&pl, m, d.optimizer, d.chunk_bytes);
+    if (partial) { /* 0. the generation: world rank 0 looks at the folder */
+        MPI_Request req;
+        if (pl.rank == 0) gen = smp__ck_next_generation(path);
+        MPI_Ibcast(&gen, 1, MPI_UINT64_T, 0, pl.comm, &req);
+        smp_wait_requests(1, &req, "checkpoint generation", SMP_WORLD, 0);
+    }
     for (i = 0; i < pl.n && !st; i++) {
         const smp__ck_item *it = &pl.items[i];
         if ((it->kind == SMP__CK_OPTIM || it->kind == SMP__CK_GLOBAL) && !it->saver_has)
@@ -3044,14 +3682,20 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
                            it->name, pl.saver[it->mp], it->mp);
     }
     memset(&md, 0, sizeof md);
-    if (!st) st = smp__ck_build_meta(&pl, &d, partial, &md);
+    if (!st) st = smp__ck_build_meta(&pl, &d, partial, gen, &md);
     st = smp__agree_on(pl.comm, st, "planning the save");
     if (st) goto done;
 
     if (partial) {
-        /* 1. each partition's saver writes and seals its file */
+        uint64_t fbytes = 0, mine[3];
+        uint64_t *all = NULL;
+        uint32_t fcrc = 0;
+        int fault = SMP__CKPT_FAULT_NONE, committed = 0;
+        MPI_Request req;
+        smp__ckpt_fault_from_env(&fault); /* an unknown value: the writer says so */
+        /* 1. each partition's saver writes and seals "<path>.g<gen>_<mp>" */
         if (pl.dp == 0) {
-            file = smp__ck_part_path(path, pl.mp);
+            file = smp__ck_gen_path(path, gen, pl.mp);
             entries = smp__ck_entries(&pl, pl.mp, &ne);
             if (!file || !entries) st = smp_error(SMP_ERR_NOMEM, "smp_save: out of memory");
             if (!st)
@@ -3068,18 +3712,63 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
             if (!st) {
                 st = smp__ckpt_writer_seal(w); /* frees w on error */
                 if (st) w = NULL;
+                else {
+                    fbytes = w->header_len + w->total;
+                    fcrc = w->header_crc;
+                }
             }
         }
         st = smp__agree_on(pl.comm, st, "writing the partial checkpoint files");
         if (st) {
             if (w) smp_ckpt_writer_abort(w); /* deletes the sealed tmp file */
             w = NULL;
+            smp__agree_on(pl.comm, SMP_OK, "removing the failed save's files"); /* every rank returns after */
             goto done;
         }
-        /* 2. every file is complete on disk: rename them all into place */
-        if (w) st = smp__ckpt_writer_publish(w);
+        /* 2. every file is complete on disk: each goes to its name, which no
+           loader follows until the manifest names it */
+        if (w) {
+            if (fault == SMP__CKPT_FAULT_RENAME) smp__ck_fault_pace(path, gen, pl.P, pl.mp);
+            st = smp__ckpt_writer_publish(w);
+        }
         w = NULL;
         st = smp__agree_on(pl.comm, st, "renaming the partial checkpoint files into place");
+        if (!st && fault == SMP__CKPT_FAULT_RENAMED) smp__ckpt_die(fault);
+        /* 3. world rank 0 commits them: one rename of the manifest, which
+           records every file's size and header checksum */
+        if (!st) {
+            mine[0] = pl.dp == 0 ? (uint64_t)pl.mp : UINT64_MAX;
+            mine[1] = fbytes;
+            mine[2] = fcrc;
+            if (pl.rank == 0 && !(all = (uint64_t *)SMP_MALLOC(sizeof(uint64_t) * 3 * ((size_t)pl.size + (size_t)pl.P))))
+                smp__fatal("out of memory committing a checkpoint");
+            MPI_Igather(mine, 3, MPI_UINT64_T, all, 3, MPI_UINT64_T, 0, pl.comm, &req);
+            smp_wait_requests(1, &req, "checkpoint file sizes", SMP_WORLD, 0);
+            if (pl.rank == 0) {
+                uint64_t *bytes = all + 3 * (size_t)pl.size;
+                uint32_t *crcs = (uint32_t *)(void *)(bytes + pl.P);
+                for (i = 0; i < pl.size; i++)
+                    if (all[3 * i] < (uint64_t)pl.P) {
+                        bytes[all[3 * i]] = all[3 * i + 1];
+                        crcs[all[3 * i]] = (uint32_t)all[3 * i + 2];
+                    }
+                st = smp__ck_manifest_write(path, gen, pl.save_id, pl.P, bytes, crcs, fault, &committed);
+            }
+            smp__ckpt_free(all);
+            st = smp__agree_on(pl.comm, st, "committing the partial checkpoint (renaming its manifest into place)");
+            MPI_Ibcast(&committed, 1, MPI_INT, 0, pl.comm, &req);
+            smp_wait_requests(1, &req, "checkpoint commit", SMP_WORLD, 0);
+        }
+        if (st) { /* not committed: the new generation goes, the previous one stays as it was */
+            if (!committed && file && pl.dp == 0) unlink(file);
+            smp__agree_on(pl.comm, SMP_OK, "removing the failed save's files"); /* every rank returns after */
+            goto done;
+        }
+        /* 4. what the new generation replaced goes: each saver removes its
+           partition's old files, partition 0's also those of partitions
+           that no longer exist */
+        if (pl.dp == 0) smp__ck_cleanup(path, gen, pl.mp, pl.P, pl.mp == 0, fault);
+        st = smp__agree_on(pl.comm, SMP_OK, "removing the previous generation of the checkpoint");
     } else {
         int writer = pl.saver[0];
         if (pl.rank == writer) {
@@ -3122,11 +3811,6 @@ static const uint8_t *smp__ck_map(smp_ckpt_file *f) {
     return f->map;
 }
 
-static int smp__ck_exists(const char *path) {
-    struct stat sb;
-    return path && stat(path, &sb) == 0;
-}
-
 /* Parses a metadata integer in [lo, hi]; -1 (with an error) otherwise. */
 static int smp__ck_meta_int(const smp_ckpt_file *f, const char *key, int lo, int hi) {
     const char *v = smp_ckpt_meta(f, key);
@@ -3145,6 +3829,146 @@ static int smp__ck_meta_int(const smp_ckpt_file *f, const char *key, int lo, int
     return (int)x;
 }
 
+/* Opens the files that the manifest of a partial checkpoint commits and
+   checks each against it: the same save and generation, its mp rank, its
+   size and the checksum of its header. */
+static smp_status smp__ck_open_manifest_set(const char *mpath, smp_ckpt_file ***out, int *nout) {
+    static const char *const fix = "restore it from a copy of the checkpoint, or save the checkpoint again";
+    smp__ck_manifest m;
+    smp_ckpt_file **files;
+    char *dir, *full = NULL;
+    const char *mbase;
+    int k, P;
+    smp_status st = smp__ck_manifest_read(mpath, &m);
+    if (st)
+        return smp_error(st,
+                         "%s; smp_save writes a partial checkpoint's manifest whole and renames it into place in one "
+                         "step, so it was damaged or edited after the save: %s",
+                         smp_last_error(), fix);
+    P = m.partitions;
+    files = (smp_ckpt_file **)SMP_MALLOC(sizeof *files * (size_t)P);
+    dir = smp__ckpt_dirname(mpath, &mbase);
+    if (!files || !dir) {
+        smp__ckpt_free(files);
+        smp__ckpt_free(dir);
+        smp__ck_manifest_free(&m);
+        return smp_error(SMP_ERR_NOMEM, "out of memory opening a checkpoint");
+    }
+    memset(files, 0, sizeof *files * (size_t)P);
+    for (k = 0; k < P && !st; k++) {
+        const smp__ck_mfile *mf = &m.files[k];
+        smp_ckpt_file *f;
+        const char *fmt, *kind, *id, *gen;
+        char want[32];
+        if (!(full = smp__ck_join(dir, mf->name))) {
+            st = smp_error(SMP_ERR_NOMEM, "out of memory opening a checkpoint");
+            break;
+        }
+        st = smp_ckpt_open(&files[k], full);
+        f = files[k];
+        if (st) {
+            st = smp_error(st,
+                           "%s: it is file %d of the %d that the manifest '%s' commits; a checkpoint's files must stay "
+                           "next to its manifest: restore the file, or save the checkpoint again",
+                           smp_last_error(), k, P, mpath);
+        } else {
+            fmt = smp_ckpt_meta(f, "smp.format");
+            kind = smp_ckpt_meta(f, "smp.kind");
+            id = smp_ckpt_meta(f, "smp.save_id");
+            gen = smp_ckpt_meta(f, "smp.generation");
+            snprintf(want, sizeof want, "%llu", (smp__ckpt_ull)m.generation);
+            if (!fmt || strcmp(fmt, SMP__CK_FORMAT) || !kind || strcmp(kind, "partial"))
+                st = smp_error(SMP_ERR_FORMAT,
+                               "checkpoint '%s' is not a file of an smp partial checkpoint, but the manifest '%s' names "
+                               "it: %s",
+                               full, mpath, fix);
+            else if (!id || strcmp(id, m.save_id) || !gen || strcmp(gen, want))
+                st = smp_error(SMP_ERR_FORMAT,
+                               "checkpoint '%s' comes from another save than the manifest '%s' commits (smp.save_id %s "
+                               "and smp.generation %s, not %s and %s): files of two checkpoints are mixed; %s",
+                               full, mpath, id ? id : "missing", gen ? gen : "missing", m.save_id, want, fix);
+            else if (smp__ck_meta_int(f, "smp.partitions", P, P) < 0 || smp__ck_meta_int(f, "smp.mp_rank", k, k) < 0)
+                st = smp_error(SMP_ERR_FORMAT, "%s, but the manifest '%s' lists it as file %d of %d: %s",
+                               smp_last_error(), mpath, k, P, fix);
+            else if (f->size != mf->bytes)
+                st = smp_error(SMP_ERR_FORMAT,
+                               "checkpoint '%s' is %llu bytes, but its manifest '%s' records %llu: the file was "
+                               "changed after the save committed it; %s",
+                               full, (smp__ckpt_ull)f->size, mpath, (smp__ckpt_ull)mf->bytes, fix);
+            else if (f->header_crc != mf->header_crc)
+                st = smp_error(SMP_ERR_FORMAT,
+                               "checkpoint '%s': its header's checksum is " SMP__CKPT_CRC_PREFIX "%08x, but its "
+                               "manifest '%s' records " SMP__CKPT_CRC_PREFIX "%08x: the file was changed after the "
+                               "save committed it; %s",
+                               full, (unsigned)f->header_crc, mpath, (unsigned)mf->header_crc, fix);
+        }
+        SMP_FREE(full);
+        full = NULL;
+    }
+    smp__ckpt_free(dir);
+    smp__ck_manifest_free(&m);
+    if (st) {
+        for (k = 0; k < P; k++) smp_ckpt_close(files[k]);
+        SMP_FREE(files);
+        return st;
+    }
+    *out = files;
+    *nout = P;
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_ckpt_partial_file(const char *path, int mp_rank, char *out, size_t cap, int *partitions) {
+    smp_status st = SMP_OK;
+    char *mpath, *file = NULL;
+    int P = 0;
+    if (partitions) *partitions = 0;
+    if (!path || !*path || !out || !cap) return smp_error(SMP_ERR_ARG, "smp_ckpt_partial_file: path and out must be given");
+    out[0] = 0;
+    if (!(mpath = smp__ck_manifest_path(path))) return smp_error(SMP_ERR_NOMEM, "out of memory");
+    if (smp__ck_exists(mpath)) {
+        smp__ck_manifest m;
+        const char *mbase;
+        char *dir;
+        if ((st = smp__ck_manifest_read(mpath, &m)) == SMP_OK) {
+            P = m.partitions;
+            if (mp_rank >= 0 && mp_rank < P) {
+                dir = smp__ckpt_dirname(mpath, &mbase);
+                file = dir ? smp__ck_join(dir, m.files[mp_rank].name) : NULL;
+                smp__ckpt_free(dir);
+                if (!file) st = smp_error(SMP_ERR_NOMEM, "out of memory");
+            }
+            smp__ck_manifest_free(&m);
+        }
+    } else {
+        smp_ckpt_file *f0 = NULL;
+        char *p0 = smp__ck_part_path(path, 0);
+        if (!p0) st = smp_error(SMP_ERR_NOMEM, "out of memory");
+        else if (!smp__ck_exists(p0))
+            st = smp_error(SMP_ERR_IO,
+                           "no partial checkpoint at '%s': neither its manifest '%s' nor '%s' (file 0 of a checkpoint "
+                           "saved before manifests) exists",
+                           path, mpath, p0);
+        else if ((st = smp_ckpt_open(&f0, p0)) == SMP_OK && (P = smp__ck_meta_int(f0, "smp.partitions", 1, 1 << 20)) < 0)
+            st = SMP_ERR_FORMAT;
+        smp_ckpt_close(f0);
+        smp__ckpt_free(p0);
+        if (!st && mp_rank >= 0 && mp_rank < P && !(file = smp__ck_part_path(path, mp_rank)))
+            st = smp_error(SMP_ERR_NOMEM, "out of memory");
+    }
+    if (!st && (mp_rank < 0 || mp_rank >= P))
+        st = smp_error(SMP_ERR_ARG, "smp_ckpt_partial_file: checkpoint '%s' has %d partitions, so no mp rank %d", path, P,
+                       mp_rank);
+    if (!st && strlen(file) >= cap)
+        st = smp_error(SMP_ERR_ARG, "smp_ckpt_partial_file: '%s' does not fit in %zu bytes", file, cap);
+    if (!st) {
+        memcpy(out, file, strlen(file) + 1);
+        if (partitions) *partitions = P;
+    }
+    smp__ckpt_free(file);
+    smp__ckpt_free(mpath);
+    return st;
+}
+
 /* Opens the file(s) of a checkpoint and checks that they form one save. */
 static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file ***out, int *nout) {
     smp_ckpt_file **files = NULL, *f0 = NULL;
@@ -3157,19 +3981,22 @@ static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file 
     if (!partial) {
         st = smp_ckpt_open(&f0, path);
         if (st) {
+            char *mp = smp__ck_manifest_path(path);
             p = smp__ck_part_path(path, 0);
-            if (!smp__ck_exists(path) && smp__ck_exists(p))
+            if (!smp__ck_exists(path) && (smp__ck_exists(mp) || smp__ck_exists(p)))
                 st = smp_error(st, "%s (but '%s' exists: a partial checkpoint? load it with partial = SMP_ON)",
-                               smp_last_error(), p);
+                               smp_last_error(), smp__ck_exists(mp) ? mp : p);
             smp__ckpt_free(p);
+            smp__ckpt_free(mp);
             return st;
         }
         kind = smp_ckpt_meta(f0, "smp.kind");
         if (kind && strcmp(kind, "full")) {
+            const char *mpr = smp_ckpt_meta(f0, "smp.mp_rank"), *gen = smp_ckpt_meta(f0, "smp.generation");
             st = smp_error(SMP_ERR_FORMAT,
                            "checkpoint '%s' is file %s of a %s checkpoint; load that with partial = SMP_ON and the path "
-                           "without the \"_<mp_rank>\"",
-                           path, smp_ckpt_meta(f0, "smp.mp_rank") ? smp_ckpt_meta(f0, "smp.mp_rank") : "?", kind);
+                           "without the \"%s%s_%s\"",
+                           path, mpr ? mpr : "?", kind, gen ? ".g" : "", gen ? gen : "", mpr ? mpr : "<mp_rank>");
             smp_ckpt_close(f0);
             return st;
         }
@@ -3183,13 +4010,29 @@ static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file 
         *nout = 1;
         return SMP_OK;
     }
+    /* a manifest commits the files of a partial checkpoint; without one,
+       "<path>_0" .. are a checkpoint saved before manifests */
+    p = smp__ck_manifest_path(path);
+    if (!p) return smp_error(SMP_ERR_NOMEM, "out of memory");
+    if (smp__ck_exists(p)) {
+        st = smp__ck_open_manifest_set(p, out, nout);
+        SMP_FREE(p);
+        return st;
+    }
+    SMP_FREE(p);
     p = smp__ck_part_path(path, 0);
     if (!p) return smp_error(SMP_ERR_NOMEM, "out of memory");
+    if (!smp__ck_exists(p)) {
+        st = smp_error(SMP_ERR_IO,
+                       "no partial checkpoint at '%s': neither its manifest '%s.manifest' nor '%s' (file 0 of a "
+                       "checkpoint saved before manifests) exists%s%s%s",
+                       path, path, p, smp__ck_exists(path) ? " (but '" : "", smp__ck_exists(path) ? path : "",
+                       smp__ck_exists(path) ? "' exists: a full checkpoint? load it with partial = SMP_OFF)" : "");
+        SMP_FREE(p);
+        return st;
+    }
     st = smp_ckpt_open(&f0, p);
     if (st) {
-        if (!smp__ck_exists(p) && smp__ck_exists(path))
-            st = smp_error(st, "%s (but '%s' exists: a full checkpoint? load it with partial = SMP_OFF)",
-                           smp_last_error(), path);
         SMP_FREE(p);
         return st;
     }
