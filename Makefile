@@ -2,6 +2,8 @@
 # with `make deps`, so on a fresh Debian machine each is one command.
 
 HEADERS   := smp.h smp_nccl.h smp_pipeline.h smp_checkpoint.h
+# the version the pkg-config files carry: smp.h's
+SMP_VERSION := $(shell sed -n 's/^#define SMP_VERSION_STRING "\(.*\)"/\1/p' smp.h)
 PREFIX    ?= /usr/local
 NP        ?= 2
 CSTD      := -std=c11
@@ -196,9 +198,9 @@ install:
 	install -m 644 $(HEADERS) $(DESTDIR)$(PREFIX)/include/
 	@mpi_cflags="$$(mpicc -show -c | cut -d' ' -f2- | tr ' ' '\n' | grep -E '^-I' | tr '\n' ' ')"; \
 	mpi_libs="$$(mpicc -show | tr ' ' '\n' | grep -E '^-(L|l|Wl)' | tr '\n' ' ')"; \
-	printf 'prefix=%s\nincludedir=$${prefix}/include\n\nName: smp\nDescription: header-only pipeline and data parallel runtime over MPI\nVersion: 0.1.0\nCflags: -I$${includedir} %s\nLibs: %s -lm\n' \
+	printf 'prefix=%s\nincludedir=$${prefix}/include\n\nName: smp\nDescription: header-only pipeline and data parallel runtime over MPI\nVersion: $(SMP_VERSION)\nCflags: -I$${includedir} %s\nLibs: %s -lm\n' \
 	  "$(PREFIX)" "$$mpi_cflags" "$$mpi_libs" > $(DESTDIR)$(PREFIX)/lib/pkgconfig/smp.pc; \
-	printf 'prefix=%s\ncuda=%s\n\nName: smp-nccl\nDescription: smp device backend over CUDA and NCCL\nVersion: 0.1.0\nRequires: smp\nCflags: -I$${cuda}/include\nLibs: -L$${cuda}/lib64 -lnccl -lcudart\n' \
+	printf 'prefix=%s\ncuda=%s\n\nName: smp-nccl\nDescription: smp device backend over CUDA and NCCL\nVersion: $(SMP_VERSION)\nRequires: smp\nCflags: -I$${cuda}/include\nLibs: -L$${cuda}/lib64 -lnccl -lcudart\n' \
 	  "$(PREFIX)" "$(CUDA_HOME)" > $(DESTDIR)$(PREFIX)/lib/pkgconfig/smp-nccl.pc
 	@echo "installed smp headers and smp.pc, smp-nccl.pc under $(DESTDIR)$(PREFIX)"
 

@@ -65,12 +65,21 @@
    take part in a collective the others are in already (the gather buffer
    of deterministic_reduction, a persistent all-reduce's buffer).
 
+   VERSION AND LICENCE: SMP_VERSION_MAJOR/MINOR/PATCH and SMP_VERSION_STRING
+   below; MIT (the LICENSE file next to the headers).
+
    TESTING: with SMP_TESTING defined, smp_testing_fail() makes the n-th
    allocation, pipeline send or pipeline message check from now fail, so
    tests can inject failures where they happen in real jobs.
 */
 #ifndef SMP_H
 #define SMP_H
+
+/* The version of the four headers, which ship together (MIT licence: LICENSE). */
+#define SMP_VERSION_MAJOR 0
+#define SMP_VERSION_MINOR 2
+#define SMP_VERSION_PATCH 0
+#define SMP_VERSION_STRING "0.2.0"
 
 #include <mpi.h>
 #include <stdbool.h>
