@@ -12,19 +12,50 @@
          #include "smp.h"
      Everywhere else include "smp.h" for the declarations only.
 
-   THE SMALLEST PROGRAM
+   THE SMALLEST PROGRAM: four layers in two pipeline stages, trained with
+   SGD on 4 microbatches a step (examples/minimal.c has it whole, kernels
+   included; make test builds and runs it):
          #define SMP_IMPLEMENTATION
          #include "smp.h"
+         #include "smp_pipeline.h"
+         static smp_status fc_forward(smp_call_ctx *c);   // your kernels: read smp_call_input,
+         static smp_status fc_backward(smp_call_ctx *c);  // write smp_call_output / _grad_input
+         static smp_module *layer[4];
+         static smp_status forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *u) {
+             smp_tensor h = in[0];                         // the model: modules called in order
+             for (int l = 0; l < 4; l++) SMP_TRY(smp_call(layer[l], &h, 1, l == 3 ? out : &h, 1));
+             return SMP_OK;
+         }
+         SMP_STEP_BODY(mse_body) {                        // per microbatch, where the output lives
+             float loss = my_mse(smp_mb_output(mb, 0), smp_mb_arg(mb, 1), smp_mb_output_grad(mb, 0));
+             return smp_mb_return_f32(mb, 0, loss);
+         }
          int main(void) {
-             smp_config cfg = {0};                // zero means defaults
+             smp_config cfg = {0};                         // zero means defaults
              cfg.partitions = 2;
-             if (smp_init(&cfg) != SMP_OK) return 1;   // message already logged
-             float x[4] = {1, 2, 3, 4};
-             smp_tensor t = smp_tensor_1d(x, SMP_F32, 4);
-             smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD);
+             cfg.microbatches = 4;
+             if (smp_init(&cfg)) return 1;                 // smp.init()
+             smp_module *root = smp_module_new(NULL, "", NULL);
+             for (int l = 0; l < 4; l++) {
+                 char name[8];
+                 snprintf(name, sizeof name, "fc%d", l);
+                 layer[l] = smp_module_new(root, name, &(smp_module_desc){fc_forward, fc_backward, NULL});
+                 smp_param_new(layer[l], "weight", SMP_F32, 2, (int64_t[]){16, 16}, smp_init_uniform, NULL);
+             }
+             smp_model *model;                             // smp.DistributedModel(...)
+             smp_model_new(root, &(smp_model_desc){.forward = forward}, &model);
+             for (int step = 0; step < 60; step++) {
+                 smp_step_output loss = {0};
+                 smp_model_zero_grad(model);
+                 SMP_TRAIN_STEP(model, mse_body, NULL, &loss, 1, x, target);  // @smp.step
+                 my_sgd(model);                            // smp_model_param(model, i, false): local ones
+                 printf("loss %g\n", smp_step_output_mean(&loss));          // loss.reduce_mean()
+                 smp_step_output_free(&loss);
+             }
+             smp_model_free(model);
              smp_finalize();
          }
-     Build: mpicc -O2 prog.c -o prog -lm      Run: mpirun -n 2 ./prog
+     Build: mpicc -std=c11 -O2 prog.c -o prog -lm      Run: mpirun -n 2 ./prog
 
    CONFIG KEYS (smp_config fields, or the same keys as JSON in SMP_CONFIG /
    smp_config_from_json, as in SageMaker's "modelparallel" parameters):
