@@ -497,6 +497,27 @@ static smp_status smp__ckpt_fail(smp_status st, const char *label, const char *t
     return smp_error(st, "%s: %s", label, msg);
 }
 
+/* The out-of-memory policy's error (smp.h's smp__nomem: the bytes and what
+   they were for, on which rank), `what` continued by " of <label>" when a
+   label names the file. */
+static smp_status smp__ckpt_nomem(size_t bytes, const char *label, const char *what) {
+    char buf[768];
+    if (label) snprintf(buf, sizeof buf, "%s of %s", what, label);
+    else snprintf(buf, sizeof buf, "%s", what);
+    return smp__nomem(bytes, buf);
+}
+
+/* SMP_MALLOC(n) for a call that reports errors: NULL and the policy's error
+   in *st when there is none, and nothing at all once *st holds an error, so
+   a run of allocations needs one check at its end. */
+static void *smp__ckpt_alloc(smp_status *st, size_t n, const char *label, const char *what) {
+    void *p;
+    if (*st) return NULL;
+    p = SMP_MALLOC(n ? n : 1);
+    if (!p) *st = smp__ckpt_nomem(n, label, what);
+    return p;
+}
+
 static const char *smp__ckpt_shape_str(const int64_t *shape, int ndim, char *buf, size_t cap) {
     size_t len = 0;
     int i;
@@ -654,18 +675,25 @@ static void smp__ckpt_free(void *p) {
     if (p) SMP_FREE(p);
 }
 
-/* Grows *p (elements of `elem` bytes, *cap of them) to hold `need`. */
-static int smp__ckpt_grow(void **p, int *cap, int need, size_t elem) {
+/* Grows *p (elements of `elem` bytes, *cap of them) to hold `need`; on
+   failure *wanted (when not NULL) holds the bytes it asked for. */
+static int smp__ckpt_grow(void **p, int *cap, int need, size_t elem, size_t *wanted) {
     int ncap;
     void *q;
     if (need <= *cap) return 1;
     ncap = *cap ? *cap : 16;
     while (ncap < need) {
-        if (ncap > (1 << 29)) return 0;
+        if (ncap > (1 << 29)) {
+            if (wanted) *wanted = (size_t)-1;
+            return 0;
+        }
         ncap *= 2;
     }
     q = SMP_MALLOC((size_t)ncap * elem);
-    if (!q) return 0;
+    if (!q) {
+        if (wanted) *wanted = (size_t)ncap * elem;
+        return 0;
+    }
     if (*cap) memcpy(q, *p, (size_t)*cap * elem);
     smp__ckpt_free(*p);
     *p = q;
@@ -727,6 +755,7 @@ typedef struct smp__ckpt_sbuf {
     char *p;
     size_t len, cap;
     int oom;
+    size_t want; /* after oom: the bytes it could not have */
 } smp__ckpt_sbuf;
 
 static void smp__ckpt_put(smp__ckpt_sbuf *b, const char *s, size_t n) {
@@ -737,6 +766,7 @@ static void smp__ckpt_put(smp__ckpt_sbuf *b, const char *s, size_t n) {
         while (cap < b->len + n + 1) {
             if (cap > ((size_t)-1) / 4) {
                 b->oom = 1;
+                b->want = (size_t)-1;
                 return;
             }
             cap *= 2;
@@ -744,6 +774,7 @@ static void smp__ckpt_put(smp__ckpt_sbuf *b, const char *s, size_t n) {
         q = (char *)SMP_MALLOC(cap);
         if (!q) {
             b->oom = 1;
+            b->want = cap;
             return;
         }
         if (b->len) memcpy(q, b->p, b->len);
@@ -887,7 +918,7 @@ struct smp_ckpt_writer {
     uint8_t *buf;           /* output buffer */
     size_t buf_len, buf_cap;
     smp_status failed;      /* first error; later calls repeat it */
-    char *failed_msg;
+    char failed_msg[sizeof smp__errbuf]; /* its message (no allocation on an error path) */
     int sealed;             /* the tmp file is complete and closed, not yet renamed */
     uint32_t header_crc;    /* once sealed: CRC-32C of the length prefix + header as on disk */
 };
@@ -935,7 +966,6 @@ static void smp__ckpt_writer_free(smp_ckpt_writer *w) {
     smp__ckpt_free(w->name_of);
     smp__ckpt_free(w->header);
     smp__ckpt_free(w->buf);
-    smp__ckpt_free(w->failed_msg);
     SMP_FREE(w);
 }
 
@@ -943,13 +973,13 @@ static void smp__ckpt_writer_free(smp_ckpt_writer *w) {
 static smp_status smp__ckpt_writer_failed(smp_ckpt_writer *w, smp_status st) {
     if (!w->failed) {
         w->failed = st;
-        w->failed_msg = smp__ckpt_strdup(smp_last_error());
+        snprintf(w->failed_msg, sizeof w->failed_msg, "%s", smp_last_error());
     }
     return st;
 }
 
 static smp_status smp__ckpt_writer_repeat(const smp_ckpt_writer *w) {
-    return smp_error(w->failed, "%s", w->failed_msg ? w->failed_msg : "an earlier checkpoint write failed");
+    return smp_error(w->failed, "%s", w->failed_msg[0] ? w->failed_msg : "an earlier checkpoint write failed");
 }
 
 /* Deletes `<base>.tmp.<pid>` files in dir whose process is gone from this
@@ -969,16 +999,20 @@ static void smp__ckpt_remove_stale(const char *dir, const char *base) {
         if (nd == 0 || digits[nd] != 0 || pid <= 0 || pid > 0x7fffffff) continue;
         if ((pid_t)pid == getpid()) continue;
         if (smp__ckpt_pid_alive((long)pid)) continue;
+#ifdef SMP__CKPT_POSIX2008
+        unlinkat(dirfd(d), nm, 0); /* no path to build: nothing to allocate */
+#else
         {
             size_t dl = strlen(dir), nl = strlen(nm);
             char *full = (char *)SMP_MALLOC(dl + nl + 2);
-            if (!full) continue;
+            if (!full) continue; /* best effort: the next writer tries again */
             memcpy(full, dir, dl);
             full[dl] = '/';
             memcpy(full + dl + 1, nm, nl + 1);
             unlink(full);
             SMP_FREE(full);
         }
+#endif
     }
     closedir(d);
 }
@@ -1029,7 +1063,7 @@ static smp_status smp__ckpt_check_entries(const char *label, const smp_ckpt_entr
     k = n > nmeta ? n : nmeta;
     if (k < 2) return SMP_OK;
     sorted = (const char **)SMP_MALLOC((size_t)k * sizeof *sorted);
-    if (!sorted) return smp__ckpt_fail(SMP_ERR_NOMEM, label, NULL, "out of memory");
+    if (!sorted) return smp__ckpt_nomem((size_t)k * sizeof *sorted, label, "checking the names");
     for (i = 0; i < n; i++) sorted[i] = entries[i].name;
     qsort(sorted, (size_t)n, sizeof *sorted, smp__ckpt_strcmp_p);
     for (i = 1; i < n && !st; i++)
@@ -1096,7 +1130,7 @@ static smp_status smp__ckpt_build_header(smp_ckpt_writer *w, const char *label, 
     while (!b.oom && b.len % 8) smp__ckpt_puts(&b, " ");
     if (b.oom) {
         smp__ckpt_free(b.p);
-        return smp__ckpt_fail(SMP_ERR_NOMEM, label, NULL, "out of memory building the header");
+        return smp__ckpt_nomem(b.want, label, "the header");
     }
     hlen = b.len - 8;
     if (hlen > SMP__CKPT_MAX_HEADER) {
@@ -1129,8 +1163,8 @@ SMPDEF smp_status smp_ckpt_writer_open(smp_ckpt_writer **out, const char *path, 
     st = smp__ckpt_check_entries(label, entries, n, mk, mv, nmeta, &total);
     if (st) return st;
 
-    w = (smp_ckpt_writer *)SMP_MALLOC(sizeof *w);
-    if (!w) return smp__ckpt_fail(SMP_ERR_NOMEM, label, NULL, "out of memory");
+    w = (smp_ckpt_writer *)smp__ckpt_alloc(&st, sizeof *w, label, "the writer");
+    if (!w) return st;
     memset(w, 0, sizeof *w);
     w->fd = -1;
     w->n = n;
@@ -1143,20 +1177,21 @@ SMPDEF smp_status smp_ckpt_writer_open(smp_ckpt_writer **out, const char *path, 
                               getenv("SMP_CKPT_FAULT"));
     }
     for (i = 0; i < n; i++) names_len += strlen(entries[i].name) + 1;
-    w->path = smp__ckpt_strdup(path);
-    w->tmp = (char *)SMP_MALLOC(strlen(path) + 32);
-    w->dir = smp__ckpt_dirname(path, &base);
-    w->sizes = (uint64_t *)SMP_MALLOC(sizeof(uint64_t) * (size_t)(n ? n : 1));
-    w->crcs = (uint32_t *)SMP_MALLOC(sizeof(uint32_t) * (size_t)(n ? n : 1));
-    w->crc_pos = (size_t *)SMP_MALLOC(sizeof(size_t) * (size_t)(n ? n : 1));
-    w->name_of = (char **)SMP_MALLOC(sizeof(char *) * (size_t)(n ? n : 1));
-    w->names = (char *)SMP_MALLOC(names_len ? names_len : 1);
+    if ((w->path = (char *)smp__ckpt_alloc(&st, strlen(path) + 1, label, "the writer's path")))
+        memcpy(w->path, path, strlen(path) + 1);
+    w->tmp = (char *)smp__ckpt_alloc(&st, strlen(path) + 32, label, "the tmp file's name");
+    if (!st && !(w->dir = smp__ckpt_dirname(path, &base)))
+        st = smp__ckpt_nomem(strlen(path) + 1, label, "the folder's name");
+    w->sizes = (uint64_t *)smp__ckpt_alloc(&st, sizeof(uint64_t) * (size_t)n, label, "the tensor sizes");
+    w->crcs = (uint32_t *)smp__ckpt_alloc(&st, sizeof(uint32_t) * (size_t)n, label, "the tensor checksums");
+    w->crc_pos = (size_t *)smp__ckpt_alloc(&st, sizeof(size_t) * (size_t)n, label, "the checksums' places");
+    w->name_of = (char **)smp__ckpt_alloc(&st, sizeof(char *) * (size_t)n, label, "the tensor names");
+    w->names = (char *)smp__ckpt_alloc(&st, names_len, label, "the tensor names");
     w->buf_cap = total < SMP__CKPT_IO_CHUNK ? (size_t)total : SMP__CKPT_IO_CHUNK;
-    w->buf = (uint8_t *)SMP_MALLOC(w->buf_cap ? w->buf_cap : 1);
-    if (!w->path || !w->tmp || !w->dir || !w->sizes || !w->crcs || !w->crc_pos || !w->name_of || !w->names ||
-        !w->buf) {
+    w->buf = (uint8_t *)smp__ckpt_alloc(&st, w->buf_cap, label, "the write buffer");
+    if (st) {
         smp__ckpt_writer_free(w);
-        return smp__ckpt_fail(SMP_ERR_NOMEM, label, NULL, "out of memory");
+        return st;
     }
     pos = 0;
     for (i = 0; i < n; i++) {
@@ -1594,8 +1629,9 @@ static smp_status smp__ckpt_parse_meta(smp__ckpt_jp *jp, smp_ckpt_file *f) {
             return smp__ckpt_jerr(jp, "the value of metadata key '%s' is not a string (metadata holds strings only)",
                                   k);
         if ((st = smp__ckpt_jstring(jp, &v, "a metadata value")) != SMP_OK) return st;
-        if (!smp__ckpt_grow((void **)&f->meta, &f->meta_cap, f->nmeta + 1, sizeof *f->meta))
-            return smp__ckpt_fail(SMP_ERR_NOMEM, jp->label, NULL, "out of memory reading the header");
+        size_t want;
+        if (!smp__ckpt_grow((void **)&f->meta, &f->meta_cap, f->nmeta + 1, sizeof *f->meta, &want))
+            return smp__ckpt_nomem(want, jp->label, "the header's metadata");
         f->meta[f->nmeta].key = k;
         f->meta[f->nmeta].value = v;
         f->nmeta++;
@@ -1718,12 +1754,15 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
                                   (smp__ckpt_ull)(e->offset + e->nbytes), (smp__ckpt_ull)e->nbytes);
     }
     /* names */
-    f->by_name = (smp_ckpt_info **)SMP_MALLOC(sizeof(smp_ckpt_info *) * (size_t)(f->n ? f->n : 1));
-    by_off = (smp_ckpt_info **)SMP_MALLOC(sizeof(smp_ckpt_info *) * (size_t)(f->n ? f->n : 1));
-    f->meta_sorted = (smp__ckpt_meta *)SMP_MALLOC(sizeof(smp__ckpt_meta) * (size_t)(f->nmeta ? f->nmeta : 1));
-    if (!f->by_name || !by_off || !f->meta_sorted) {
+    f->by_name = (smp_ckpt_info **)smp__ckpt_alloc(&st, sizeof(smp_ckpt_info *) * (size_t)f->n, f->label,
+                                                   "the tensors sorted by name");
+    by_off = (smp_ckpt_info **)smp__ckpt_alloc(&st, sizeof(smp_ckpt_info *) * (size_t)f->n, f->label,
+                                               "the tensors sorted by offset");
+    f->meta_sorted = (smp__ckpt_meta *)smp__ckpt_alloc(&st, sizeof(smp__ckpt_meta) * (size_t)f->nmeta, f->label,
+                                                       "the metadata sorted by key");
+    if (st) {
         smp__ckpt_free(by_off);
-        return smp__ckpt_fail(SMP_ERR_NOMEM, f->label, NULL, "out of memory");
+        return st;
     }
     for (i = 0; i < f->n; i++) f->by_name[i] = by_off[i] = &f->info[i];
     qsort(f->by_name, (size_t)f->n, sizeof *f->by_name, smp__ckpt_cmp_name);
@@ -1812,8 +1851,9 @@ static smp_status smp__ckpt_parse(smp_ckpt_file *f) {
                 if ((st = smp__ckpt_parse_meta(&jp, f)) != SMP_OK) return st;
             } else {
                 smp_ckpt_info *e;
-                if (!smp__ckpt_grow((void **)&f->info, &f->cap, f->n + 1, sizeof *f->info))
-                    return smp__ckpt_fail(SMP_ERR_NOMEM, f->label, NULL, "out of memory reading the header");
+                size_t want;
+                if (!smp__ckpt_grow((void **)&f->info, &f->cap, f->n + 1, sizeof *f->info, &want))
+                    return smp__ckpt_nomem(want, f->label, "the header's tensor list");
                 e = &f->info[f->n++];
                 memset(e, 0, sizeof *e);
                 e->name = name;
@@ -1885,29 +1925,33 @@ static smp_status smp__ckpt_load(smp_ckpt_file *f) {
     f->data_start = 8 + hlen;
     f->data_len = f->size - f->data_start;
     f->header = (uint8_t *)SMP_MALLOC(f->header_len + 1);
-    if (!f->header) return smp__ckpt_fail(SMP_ERR_NOMEM, f->label, NULL, "out of memory for a %llu-byte header",
-                                          (smp__ckpt_ull)hlen);
+    if (!f->header) return smp__ckpt_nomem(f->header_len + 1, f->label, "the header");
     if ((st = smp__ckpt_pread_all(f, f->header, f->header_len, 8)) != SMP_OK) return st;
     f->header[f->header_len] = 0;
     f->header_crc = smp_ckpt_crc32c(smp_ckpt_crc32c(0, pre, 8), f->header, f->header_len); /* before parsing decodes it */
     return smp__ckpt_parse(f);
 }
 
-static smp_ckpt_file *smp__ckpt_file_new(const char *path) {
-    smp_ckpt_file *f = (smp_ckpt_file *)SMP_MALLOC(sizeof *f);
-    size_t n;
-    if (!f) return NULL;
+static smp_status smp__ckpt_file_new(smp_ckpt_file **out, const char *path) {
+    char label[600];
+    smp_status st = SMP_OK;
+    smp_ckpt_file *f;
+    size_t n = strlen(path) + 16;
+    snprintf(label, sizeof label, "checkpoint '%s'", path);
+    *out = f = (smp_ckpt_file *)smp__ckpt_alloc(&st, sizeof *f, label, "opening it");
+    if (!f) return st;
     memset(f, 0, sizeof *f);
     f->fd = -1;
-    n = strlen(path) + 16;
-    f->path = smp__ckpt_strdup(path);
-    f->label = (char *)SMP_MALLOC(n);
-    if (!f->path || !f->label) {
+    if ((f->path = (char *)smp__ckpt_alloc(&st, strlen(path) + 1, label, "its path")))
+        memcpy(f->path, path, strlen(path) + 1);
+    f->label = (char *)smp__ckpt_alloc(&st, n, label, "its name in messages");
+    if (st) {
         smp_ckpt_close(f);
-        return NULL;
+        *out = NULL;
+        return st;
     }
     snprintf(f->label, n, "checkpoint '%s'", path);
-    return f;
+    return SMP_OK;
 }
 
 SMPDEF smp_status smp_ckpt_open(smp_ckpt_file **out, const char *path) {
@@ -1917,8 +1961,7 @@ SMPDEF smp_status smp_ckpt_open(smp_ckpt_file **out, const char *path) {
     if (!out) return smp_error(SMP_ERR_ARG, "smp_ckpt_open: out is NULL");
     *out = NULL;
     if (!path) return smp_error(SMP_ERR_ARG, "smp_ckpt_open: path is NULL");
-    f = smp__ckpt_file_new(path);
-    if (!f) return smp_error(SMP_ERR_NOMEM, "checkpoint '%s': out of memory", path);
+    if ((st = smp__ckpt_file_new(&f, path)) != SMP_OK) return st;
     f->fd = open(path, O_RDONLY | SMP__CKPT_O_CLOEXEC);
     if (f->fd < 0) {
         st = smp_error(SMP_ERR_IO, "cannot open checkpoint '%s': %s", path, strerror(errno));
@@ -1945,8 +1988,7 @@ SMPDEF smp_status smp__ckpt_open_memory(smp_ckpt_file **out, const char *label, 
     if (!out) return smp_error(SMP_ERR_ARG, "smp__ckpt_open_memory: out is NULL");
     *out = NULL;
     if (!bytes && n) return smp_error(SMP_ERR_ARG, "smp__ckpt_open_memory: bytes is NULL");
-    f = smp__ckpt_file_new(label ? label : "<memory>");
-    if (!f) return smp_error(SMP_ERR_NOMEM, "out of memory");
+    if ((st = smp__ckpt_file_new(&f, label ? label : "<memory>")) != SMP_OK) return st;
     f->mem = (const uint8_t *)(bytes ? bytes : "");
     f->size = n;
     if ((st = smp__ckpt_load(f)) != SMP_OK) {
@@ -2061,7 +2103,7 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
     if (!f) return smp_error(SMP_ERR_ARG, "smp_ckpt_verify_all: file is NULL");
     if (f->data_len < cap) cap = f->data_len ? (size_t)f->data_len : 1;
     buf = (uint8_t *)SMP_MALLOC(cap);
-    if (!buf) return smp__ckpt_fail(SMP_ERR_NOMEM, f->label, NULL, "out of memory");
+    if (!buf) return smp__ckpt_nomem(cap, f->label, "verifying its checksums");
     for (i = 0; i < f->n && !st; i++) {
         const smp_ckpt_info *e = &f->info[i];
         uint64_t off = 0;
@@ -2336,7 +2378,7 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
             SMP_FREE(full);
             return st;
         }
-    if (!smp__ckpt_grow((void **)&o->s, &o->cap, o->n + 1, sizeof *o->s)) {
+    if (!smp__ckpt_grow((void **)&o->s, &o->cap, o->n + 1, sizeof *o->s, NULL)) {
         SMP_FREE(full);
         return smp_error(SMP_ERR_NOMEM, "%s: out of memory", fn);
     }
@@ -2478,7 +2520,7 @@ static smp_status smp__ck_merge_optimizer(smp__ck_plan *pl, const int *coords, c
             p += 8 * (size_t)rec.ndim;
             rec.rank = r;
             rec.index = index++;
-            if (!smp__ckpt_grow((void **)&recs, &cap, nrec + 1, sizeof *recs)) {
+            if (!smp__ckpt_grow((void **)&recs, &cap, nrec + 1, sizeof *recs, NULL)) {
                 smp__ckpt_free(recs);
                 return smp_error(SMP_ERR_NOMEM, "out of memory merging optimizer state");
             }
@@ -2958,8 +3000,8 @@ static void smp__ck_meta_add(smp__ck_meta *md, const char *k1, const char *k2, c
     char *k, *val;
     int cap2 = md->cap;
     if (md->oom) return;
-    if (!smp__ckpt_grow((void **)&md->keys, &md->cap, md->n + 1, sizeof(char *)) ||
-        !smp__ckpt_grow((void **)&md->vals, &cap2, md->n + 1, sizeof(char *))) {
+    if (!smp__ckpt_grow((void **)&md->keys, &md->cap, md->n + 1, sizeof(char *), NULL) ||
+        !smp__ckpt_grow((void **)&md->vals, &cap2, md->n + 1, sizeof(char *), NULL)) {
         md->oom = 1;
         return;
     }
@@ -3172,7 +3214,7 @@ static char **smp__ck_list_dir(const char *dir) {
     if (!d) return NULL;
     while (ok && (de = readdir(d)) != NULL) {
         if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
-        if (!smp__ckpt_grow((void **)&names, &cap, n + 2, sizeof *names) || !(names[n] = smp__ckpt_strdup(de->d_name)))
+        if (!smp__ckpt_grow((void **)&names, &cap, n + 2, sizeof *names, NULL) || !(names[n] = smp__ckpt_strdup(de->d_name)))
             ok = 0;
         else
             names[++n] = NULL;
@@ -3244,7 +3286,7 @@ static smp_status smp__ck_manifest_file(smp__ckpt_jp *jp, smp__ck_manifest *m) {
     uint64_t mp = 0;
     smp__ck_mfile *f;
     smp_status st;
-    if (!smp__ckpt_grow((void **)&m->files, &m->cap, m->nfiles + 1, sizeof *m->files))
+    if (!smp__ckpt_grow((void **)&m->files, &m->cap, m->nfiles + 1, sizeof *m->files, NULL))
         return smp__ckpt_fail(SMP_ERR_NOMEM, jp->label, NULL, "out of memory reading the manifest");
     f = &m->files[m->nfiles++];
     memset(f, 0, sizeof *f);
