@@ -1005,8 +1005,8 @@ static void smp__free(void *ptr) {
 
 /* The out-of-memory policy's message: what could not be had and for what. */
 static smp_status smp__nomem(size_t bytes, const char *what) {
-    return smp_error(SMP_ERR_NOMEM, "out of memory: %zu bytes for %s on rank %d; free memory (or use fewer or smaller "
-                     "microbatches, or activation_checkpointing) and run it again", bytes, what, smp__ctx.rank);
+    return smp_error(SMP_ERR_NOMEM, "out of memory: %zu bytes for %s on rank %d; free memory%s and run it again", bytes, what,
+                     smp__ctx.rank, smp__ctx.at.in_step ? " (or use fewer or smaller microbatches, or activation_checkpointing)" : "");
 }
 
 /* Zeroed memory for a call that reports errors: NULL and SMP_ERR_NOMEM in
