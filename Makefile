@@ -186,7 +186,9 @@ bench-nccl:
 	np=$${BENCH_NCCL_NP:-$$([ "$${gpus:-0}" -ge 2 ] && echo 2 || echo 1)}; \
 	echo "mpirun -n $$np build/bench/nccl"; mpirun -n $$np build/bench/nccl
 
-# The checkpoint header parser under libFuzzer for longer than make test's 20 s.
+# The libFuzzer harnesses (checkpoint header parser, config JSON reader) for
+# longer than make test's 20 s: FUZZ_SECONDS in all (default 600), split
+# evenly; FUZZ_TARGETS=config (or ckpt) runs one.
 fuzz:
 	FUZZ_SECONDS=$${FUZZ_SECONDS:-600} bash test/run_fuzz.sh
 
