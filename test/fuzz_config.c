@@ -30,6 +30,13 @@
      mkdir -p /tmp/config_corpus && /tmp/fuzz_config -max_total_time=60 \
            -dict=test/corpus/config.dict /tmp/config_corpus test/corpus/config
    Reproduce a finding: /tmp/fuzz_config path/to/crash-file
+
+   With -DFUZZ_CONFIG_EXACT_INTEGERS it also checks that integer keys hold
+   exactly the number their token spells (off by default: smp.h rounds such
+   tokens through a double today). It fails on the seeds
+   test/corpus/config/num_seed_float_rounded.json and friends:
+     mpicc -cc=clang ... -DFUZZ_CONFIG_EXACT_INTEGERS test/fuzz_config.c -o /tmp/fuzz_config_exact -lm
+     /tmp/fuzz_config_exact test/corpus/config/num_*.json
 */
 #define _POSIX_C_SOURCE 200809L
 #define SMP_IMPLEMENTATION
@@ -232,6 +239,94 @@ static void check_resolve(const smp_config *z) {
     FUZZ_ASSERT(st == SMP_OK && cfg_equal(&r, &r2), "resolving a resolved config changes it (status %d)", (int)st);
 }
 
+#ifdef FUZZ_CONFIG_EXACT_INTEGERS
+/* Integer keys hold the number their token spells, exactly: 2.0 and 2e0 are
+   2, 1.9999999999999999 is not an integer, 12345678901234567890.0 is not
+   12345678901234567168. Off by default: smp.h converts tokens with a
+   fraction or an exponent through a double today (see the report of the
+   asan branch); build with -DFUZZ_CONFIG_EXACT_INTEGERS to check it. Only
+   top-level members whose key has no escape are looked at. */
+static const char *skip_string(const char *p) {
+    for (p++; *p != '"'; p++)
+        if (*p == '\\') p++;
+    return p + 1;
+}
+static const char *skip_value(const char *p) {
+    if (*p == '"') return skip_string(p);
+    if (*p == '{' || *p == '[') {
+        int d = 0;
+        do {
+            if (*p == '"') { p = skip_string(p); continue; }
+            if (*p == '{' || *p == '[') d++;
+            else if (*p == '}' || *p == ']') d--;
+            p++;
+        } while (d > 0);
+        return p;
+    }
+    while (*p && !strchr(",}] \t\r\n", *p)) p++;
+    return p;
+}
+/* The integer a number token spells, as decimal digits with a sign ("0" for
+   zero); returns 1 when it is not an integer, 2 when it has more than 30
+   digits, 3 when the token is too long to look at here. */
+static int exact_integer(const char *t, size_t len, char *out, size_t cap) {
+    char d[1200];
+    size_t nd = 0, i = 0;
+    long point = 0, e = 0;
+    bool neg = t[0] == '-', eneg = false;
+    if (len >= sizeof d) return 3;
+    if (neg) i++;
+    for (; i < len && t[i] >= '0' && t[i] <= '9'; i++) { if (nd || t[i] != '0') d[nd++] = t[i]; if (nd) point++; }
+    if (i < len && t[i] == '.')
+        for (i++; i < len && t[i] >= '0' && t[i] <= '9'; i++) { if (nd || t[i] != '0') d[nd++] = t[i]; else point--; }
+    if (i < len && (t[i] == 'e' || t[i] == 'E')) {
+        i++;
+        if (t[i] == '+' || t[i] == '-') eneg = t[i++] == '-';
+        for (; i < len; i++) if (e < 100000) e = e * 10 + (t[i] - '0');
+    }
+    while (nd && d[nd - 1] == '0') nd--; /* trailing zeros of the mantissa change nothing */
+    if (nd == 0) { snprintf(out, cap, "0"); return 0; }
+    point += eneg ? -e : e; /* the value is 0.d[0]d[1]... x 10^point */
+    if (point < (long)nd) return 1;
+    if (point > 30) return 2;
+    size_t o = (size_t)snprintf(out, cap, "%s%.*s", neg ? "-" : "", (int)nd, d);
+    for (long z = (long)nd; z < point && o + 1 < cap; z++) out[o++] = '0';
+    out[o] = 0;
+    return 0;
+}
+static void check_exact_integers(const char *doc, const smp_config *z) {
+    const char *p = doc;
+    while (*p != '{') p++;
+    p++;
+    for (;;) {
+        while (strchr(" \t\r\n,", *p) && *p) p++;
+        if (*p != '"') return;
+        const char *k = p + 1, *ke = skip_string(p) - 1;
+        p = ke + 1;
+        while (*p != ':') p++;
+        p++;
+        while (strchr(" \t\r\n", *p) && *p) p++;
+        const char *v = p;
+        p = skip_value(p);
+        if (memchr(k, '\\', (size_t)(ke - k)) || !(*v == '-' || (*v >= '0' && *v <= '9'))) continue;
+        char key[64], want[64], got[64];
+        snprintf(key, sizeof key, "%.*s", (int)(ke - k), k);
+        if (!strcmp(key, "partitions")) snprintf(got, sizeof got, "%d", z->partitions);
+        else if (!strcmp(key, "microbatches")) snprintf(got, sizeof got, "%d", z->microbatches);
+        else if (!strcmp(key, "default_partition")) snprintf(got, sizeof got, "%d", z->default_partition);
+        else if (!strcmp(key, "backward_passes_per_step")) snprintf(got, sizeof got, "%d", z->backward_passes_per_step);
+        else if (!strcmp(key, "virtual_stages")) snprintf(got, sizeof got, "%d", z->virtual_stages);
+        else if (!strcmp(key, "seed")) snprintf(got, sizeof got, "%llu", (unsigned long long)z->seed);
+        else continue;
+        int r = exact_integer(v, (size_t)(p - v), want, sizeof want);
+        if (r == 3) continue;
+        if (!strcmp(want, "-0")) snprintf(want, sizeof want, "0");
+        FUZZ_ASSERT(r == 0 && !strcmp(want, got), "\"%s\": %.*s is %s, but smp_config_from_json accepted it as %s", key,
+                    (int)(p - v), v, r == 1 ? "not an integer" : r == 2 ? "out of range" : want, got);
+    }
+}
+#endif
+
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argc; (void)argv;
@@ -239,18 +334,27 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     return 0;
 }
 
+/* A C string of exactly len bytes + NUL in its own allocation, so that a read
+   past the terminator is an ASan report. */
+static char *cstr(const void *p, size_t len, const char *tail) {
+    size_t t = strlen(tail);
+    char *s = (char *)malloc(len + t + 1);
+    memcpy(s, p, len);
+    memcpy(s + len, tail, t + 1);
+    return s;
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    static char buf[1 << 16], back[1 << 16];
+    static char out[4096];
     uint64_t seed = fnv1a(data, size);
     smp_config z, z2;
     smp_status st;
     size_t n, last;
+    char *buf, *back;
 
-    if (size >= sizeof buf - 8) return 0;
-    memcpy(buf, data, size);
-    buf[size] = 0;
-    n = strlen(buf);
+    n = strnlen((const char *)data, size);
+    buf = cstr(data, n, "");
     cur_input = buf;
 
     memset(&z, 0, sizeof z);
@@ -262,10 +366,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         smp_config w;
         char before[2048];
         snprintf(before, sizeof before, "%s", smp_last_error());
-        memcpy(back, buf, n);
-        memcpy(back + n, " \n\t\r", 5);
+        back = cstr(buf, n, " \n\t\r");
         memset(&w, 0, sizeof w);
         smp_status sw = smp_config_from_json(back, &w);
+        free(back);
         FUZZ_ASSERT(sw == st, "appending whitespace changes the status from %d to %d", (int)st, (int)sw);
         if (st == SMP_OK) FUZZ_ASSERT(cfg_equal(&w, &z), "appending whitespace changes the config");
         else if (!syntax_error) FUZZ_ASSERT(strcmp(before, smp_last_error()) == 0, "appending whitespace changes the key error");
@@ -279,11 +383,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         size_t cuts[2] = {last - 1, (size_t)(next_rand(&seed) % last)};
         for (int i = 0; i < 2; i++) {
             smp_config t, t_before;
-            memcpy(back, buf, cuts[i]);
-            back[cuts[i]] = 0;
+            back = cstr(buf, cuts[i], "");
             fill_arbitrary(&t, seed + (uint64_t)i);
             memcpy(&t_before, &t, sizeof t);
             smp_status sc = smp_config_from_json(back, &t);
+            free(back);
             long at = syntax_offset();
             FUZZ_ASSERT(sc == SMP_ERR_CONFIG && at >= 0 && at <= (long)cuts[i],
                         "cut at byte %zu: status %d, not a syntax error at or before the cut", cuts[i], (int)sc);
@@ -291,17 +395,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             check_message("cut document");
         }
     }
-    if (st != SMP_OK) return 0;
+    if (st != SMP_OK) { free(buf); return 0; }
 
     /* round trip: written back as JSON, it parses to the same values */
-    write_json(&z, seed & 1, back, sizeof back);
+    back = cstr(out, write_json(&z, seed & 1, out, sizeof out), "");
     cur_input = back;
     memset(&z2, 0, sizeof z2);
     st = smp_config_from_json(back, &z2);
     FUZZ_ASSERT(st == SMP_OK, "the config written back does not parse");
     FUZZ_ASSERT(cfg_equal(&z, &z2), "the config written back parses to other values");
     cur_input = buf;
+    free(back);
 
     check_resolve(&z);
+#ifdef FUZZ_CONFIG_EXACT_INTEGERS
+    check_exact_integers(buf, &z);
+#endif
+    free(buf);
     return 0;
 }

@@ -93,6 +93,14 @@ def main():
     files["valid_double_tiny"] = '{"memory_weight": 5e-324, "bucket_cap_mb": 2.2250738585072014e-308, "timeout": 1e-300}'
     files["valid_neg_zero_weight"] = '{"memory_weight": -0.0}'
     files["valid_exponent_forms"] = '{"memory_weight": 0.5E+0, "timeout": 1e+01, "bucket_cap_mb": 25e-0}'
+    # integer keys spelled with a fraction or an exponent: accepted today through a
+    # double (rounded); fuzz_config.c built with -DFUZZ_CONFIG_EXACT_INTEGERS refuses
+    # these values, and a 600-digit 2.000... is refused as out of int range
+    files["num_seed_float_rounded"] = '{"seed": 12345678901234567890.0}'
+    files["num_seed_float_2p53"] = '{"seed": 9007199254740993.0}'
+    files["num_count_near_integer"] = '{"partitions": 1.9999999999999999}'
+    files["num_index_underflow_zero"] = '{"default_partition": 1e-400}'
+    files["num_count_long_integral"] = obj('"partitions": 2.' + "0" * 600)
     # escapes that decode to valid keys and values
     files["valid_escaped_key"] = '{"\\u0070artitions": 2, "pipelin\\u0065": "\\u0073imple"}'
     files["valid_escaped_solidus"] = '{"optimize": "\\u006demory", "trace_device": "gp\\u0075"}'
