@@ -1627,34 +1627,57 @@ static const char *smp__jvalue_describe(const smp__jvalue *v, char *buf, size_t 
 }
 
 /* ------------------------------------------------------------ number values */
-static bool smp__json_is_plain_int(const char *tok, size_t len) {
-    for (size_t i = 0; i < len; i++)
-        if (tok[i] == '.' || tok[i] == 'e' || tok[i] == 'E') return false;
-    return true;
+/* The integer a number token spells, exactly, from its digits (the token
+   is already in JSON's grammar): 0 with |value| in *mag and the sign in
+   *neg; 1 when it is not an integer (1.5, 1e-400, 1.9999999999999999);
+   2 when |value| is 2^64 or more. No double is involved, so 2.0, 2e0 and
+   20e-1 are 2 and 12345678901234567890.0 keeps every digit. */
+static int smp__json_exact_int(const char *tok, size_t len, bool *neg, uint64_t *mag) {
+    size_t i = 0;
+    uint64_t m = 0;
+    bool big = false, nonzero = false;
+    long long nfrac = 0, zeros = 0, e = 0; /* value = m * 10^(zeros + e - nfrac) */
+    *neg = tok[0] == '-';
+    if (*neg) i++;
+    for (bool frac = false; i < len && tok[i] != 'e' && tok[i] != 'E'; i++) {
+        if (tok[i] == '.') { frac = true; continue; }
+        unsigned d = (unsigned)(tok[i] - '0');
+        if (frac) nfrac++;
+        if (d == 0) { if (nonzero) zeros++; continue; } /* trailing zeros wait: they may be a fraction's */
+        nonzero = true;
+        for (; zeros >= 0 && !big; zeros--) { /* m = m * 10^zeros * 10 + d */
+            if (m > (UINT64_MAX - (zeros ? 0 : d)) / 10) big = true;
+            else m = m * 10 + (zeros ? 0 : d);
+        }
+        zeros = 0;
+    }
+    if (i < len) { /* the exponent, saturated: past 10^6 only its sign matters */
+        bool eneg = tok[++i] == '-';
+        if (tok[i] == '-' || tok[i] == '+') i++;
+        for (; i < len; i++) if (e < 1000000) e = e * 10 + (tok[i] - '0');
+        if (eneg) e = -e;
+    }
+    if (!nonzero) { *mag = 0; return 0; } /* 0, -0.0, 0e7 */
+    long long k = zeros + e - nfrac;
+    if (k < 0) return 1; /* the last digit that is not 0 lies after the point */
+    if (big) return 2;
+    for (; k > 0; k--) {
+        if (m > UINT64_MAX / 10) return 2;
+        m *= 10;
+    }
+    *mag = m;
+    return 0;
 }
 
 /* Integer value of a number token within [lo, hi]. Returns 0 on success,
    1 when not integral, 2 when outside the range. */
 static int smp__json_to_int(const char *tok, size_t len, long long lo, long long hi, long long *out) {
-    if (smp__json_is_plain_int(tok, len)) {
-        bool neg = tok[0] == '-';
-        unsigned long long m = 0;
-        const unsigned long long cap = (unsigned long long)LLONG_MAX; /* plenty for int */
-        for (size_t i = neg ? 1 : 0; i < len; i++) {
-            unsigned d = (unsigned)(tok[i] - '0');
-            if (m > (cap - d) / 10) return 2;
-            m = m * 10 + d;
-        }
-        long long x = neg ? -(long long)m : (long long)m;
-        if (x < lo || x > hi) return 2;
-        *out = x;
-        return 0;
-    }
-    double d;
-    if (!smp__cfg_strtod(tok, len, &d) || !isfinite(d)) return 2;
-    if (d < -9.0e18 || d > 9.0e18) return 2;
-    long long x = (long long)d;
-    if ((double)x != d) return 1;
+    bool neg;
+    uint64_t mag;
+    int r = smp__json_exact_int(tok, len, &neg, &mag);
+    if (r) return r;
+    if (mag > (uint64_t)LLONG_MAX) return 2; /* plenty for int */
+    long long x = neg ? -(long long)mag : (long long)mag;
     if (x < lo || x > hi) return 2;
     *out = x;
     return 0;
@@ -1662,25 +1685,13 @@ static int smp__json_to_int(const char *tok, size_t len, long long lo, long long
 
 /* Same for the 64-bit seed: 0 ok, 1 not integral, 2 out of range, 3 negative. */
 static int smp__json_to_u64(const char *tok, size_t len, uint64_t *out) {
-    if (smp__json_is_plain_int(tok, len)) {
-        uint64_t m = 0;
-        bool neg = tok[0] == '-';
-        for (size_t i = neg ? 1 : 0; i < len; i++) {
-            unsigned d = (unsigned)(tok[i] - '0');
-            if (m > (UINT64_MAX - d) / 10) return neg ? 3 : 2;
-            m = m * 10 + d;
-        }
-        if (neg && m != 0) return 3;
-        *out = m;
-        return 0;
-    }
-    double d;
-    if (!smp__cfg_strtod(tok, len, &d)) return 2;
-    if (d == 0) { *out = 0; return 0; } /* -0.0 included */
-    if (d < 0) return 3;
-    if (!isfinite(d) || d >= 18446744073709551616.0) return 2;
-    if (d < 9007199254740992.0 && d != (double)(long long)d) return 1;
-    *out = (uint64_t)d;
+    bool neg;
+    uint64_t mag;
+    int r = smp__json_exact_int(tok, len, &neg, &mag);
+    if (r == 1) return 1;
+    if (neg && (r == 2 || mag != 0)) return 3;
+    if (r == 2) return 2;
+    *out = mag;
     return 0;
 }
 
@@ -1872,6 +1883,10 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
         double d = 0;
         if (v->type != SMP__J_NUMBER) {
             snprintf(msg, cap, "config key \"%s\" must be a number, got %s", name, got);
+            return false;
+        }
+        if (v->num_len > SMP__JSON_NUM_CAP) {
+            snprintf(msg, cap, "config key \"%s\" takes numbers of at most %d characters, got one of %zu", name, SMP__JSON_NUM_CAP, v->num_len);
             return false;
         }
         if (!smp__cfg_strtod(v->num, v->num_len, &d) || !isfinite(d)) {

@@ -31,12 +31,9 @@
            -dict=test/corpus/config.dict /tmp/config_corpus test/corpus/config
    Reproduce a finding: /tmp/fuzz_config path/to/crash-file
 
-   With -DFUZZ_CONFIG_EXACT_INTEGERS it also checks that integer keys hold
-   exactly the number their token spells (off by default: smp.h rounds such
-   tokens through a double today). It fails on the seeds
-   test/corpus/config/num_seed_float_rounded.json and friends:
-     mpicc -cc=clang ... -DFUZZ_CONFIG_EXACT_INTEGERS test/fuzz_config.c -o /tmp/fuzz_config_exact -lm
-     /tmp/fuzz_config_exact test/corpus/config/num_*.json
+   It also checks that integer keys hold exactly the number their token
+   spells (smp.h once rounded 2.0-style tokens through a double; the seeds
+   test/corpus/config/num_*.json are the cases that caught it).
 */
 #define _POSIX_C_SOURCE 200809L
 #define SMP_IMPLEMENTATION
@@ -239,13 +236,10 @@ static void check_resolve(const smp_config *z) {
     FUZZ_ASSERT(st == SMP_OK && cfg_equal(&r, &r2), "resolving a resolved config changes it (status %d)", (int)st);
 }
 
-#ifdef FUZZ_CONFIG_EXACT_INTEGERS
 /* Integer keys hold the number their token spells, exactly: 2.0 and 2e0 are
    2, 1.9999999999999999 is not an integer, 12345678901234567890.0 is not
-   12345678901234567168. Off by default: smp.h converts tokens with a
-   fraction or an exponent through a double today (see the report of the
-   asan branch); build with -DFUZZ_CONFIG_EXACT_INTEGERS to check it. Only
-   top-level members whose key has no escape are looked at. */
+   12345678901234567168. Only top-level members whose key has no escape are
+   looked at. */
 static const char *skip_string(const char *p) {
     for (p++; *p != '"'; p++)
         if (*p == '\\') p++;
@@ -325,7 +319,6 @@ static void check_exact_integers(const char *doc, const smp_config *z) {
                     (int)(p - v), v, r == 1 ? "not an integer" : r == 2 ? "out of range" : want, got);
     }
 }
-#endif
 
 int LLVMFuzzerInitialize(int *argc, char ***argv);
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
@@ -408,9 +401,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     free(back);
 
     check_resolve(&z);
-#ifdef FUZZ_CONFIG_EXACT_INTEGERS
     check_exact_integers(buf, &z);
-#endif
     free(buf);
     return 0;
 }
