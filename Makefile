@@ -2,6 +2,8 @@
 # with `make deps`, so on a fresh Debian machine each is one command.
 
 HEADERS   := smp.h smp_nccl.h smp_pipeline.h smp_checkpoint.h
+# the version the pkg-config files carry: smp.h's
+SMP_VERSION := $(shell sed -n 's/^#define SMP_VERSION_STRING "\(.*\)"/\1/p' smp.h)
 PREFIX    ?= /usr/local
 NP        ?= 2
 CSTD      := -std=c11
@@ -11,16 +13,32 @@ INCLUDES  := -I. -Itest
 LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
-MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_device test_tied test_composite
-SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/test_install.sh test/test_demo.sh test/test_gpt.sh test/run_fuzz.sh
+MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_device test_tied test_composite test_chaos
+SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/run_large.sh test/test_install.sh test/test_demo.sh test/test_gpt.sh test/run_fuzz.sh test/run_hosts.sh test/test_minimal.sh
 # Built with the tests, run by a script.
-HELPER_TESTS := test_timeout test_exit
+HELPER_TESTS := test_timeout test_exit test_large test_hosts
+# Under AddressSanitizer + UBSan at 4 ranks in make test: the whole of
+# MPI_TESTS there takes 6 minutes on 2 quiet cores (11 under load), so a
+# subset whose 4-rank runs reach what 1 and 2 ranks cannot: 2 partitions x 2
+# replicas (DP and MP groups both of 2) in test_ddp, test_checkpoint
+# (partial saves by dp rank 0 of each partition, resharding) and test_chaos
+# (failures injected on a random rank: the error and cleanup paths), 4
+# pipeline stages in test_pipeline, and test_model. `make test-asan` runs
+# all of MPI_TESTS at 1, 2 and 4 ranks.
+ASAN4_TESTS := test_model test_pipeline test_ddp test_checkpoint test_chaos
+# The script tests under the sanitizers: those that take build/asan, and the
+# example-based ones on build/examples-asan. (run_fuzz.sh is sanitized
+# already; run_hosts.sh preloads a shim that ASan's link-order check refuses
+# and runs on build/examples/gpt; test_install.sh builds its own program.)
+ASAN_SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/run_large.sh test/test_demo.sh test/test_gpt.sh
+ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+            SMP_SANITIZER_LOGS=1 SMP_EXAMPLES=$(CURDIR)/build/examples-asan
 BENCHES    := collectives partition schedule ddp checkpoint fmnist nccl recompute
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
 
-.PHONY: all deps test test-quick test-asan build-gcc build-clang build-asan bench install clean examples demo demo-gpt fuzz cuda test-gpu test-fake-gpu
+.PHONY: all deps test test-large test-hosts test-quick test-asan build-gcc build-clang build-asan bench install clean examples examples-asan demo demo-gpt fuzz cuda test-gpu test-fake-gpu
 all: build-gcc
 
 deps:
@@ -43,27 +61,47 @@ $(eval $(call variant,asan,gcc,$(SANFLAGS)))
 
 # ---------------------------------------------------------------- tests
 # Everything: warnings as errors under gcc and clang, the suite at 1, 2 and
-# 4 ranks, then again under AddressSanitizer + UBSan at 1 and 2 ranks.
+# 4 ranks (the fuzzers included), then again under AddressSanitizer + UBSan
+# at 1 and 2 ranks, ASAN4_TESTS at 4 and the script tests; a sanitizer
+# report anywhere is a FAIL (test/run.sh, SMP_SANITIZER_LOGS).
 test: deps
-	@$(MAKE) --no-print-directory build-gcc build-clang build-asan examples
+	@$(MAKE) --no-print-directory build-gcc build-clang build-asan examples examples-asan
 	@echo "== gcc build, mpirun -n 1, 2, 4"; \
 	test/run.sh build/gcc "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(SCRIPT_TESTS)" "1 2 4" > build/test-gcc.log 2>&1; a=$$?; cat build/test-gcc.log; \
 	echo "== AddressSanitizer + UBSan build, mpirun -n 1, 2"; \
-	ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	test/run.sh build/asan "$(UNIT_TESTS)" "$(MPI_TESTS)" "" "1 2" > build/test-asan.log 2>&1; b=$$?; cat build/test-asan.log; \
+	$(ASAN_ENV) test/run.sh build/asan "$(UNIT_TESTS)" "$(MPI_TESTS)" "" "1 2" > build/test-asan.log 2>&1; b=$$?; cat build/test-asan.log; \
+	echo "== AddressSanitizer + UBSan build, mpirun -n 4 ($(ASAN4_TESTS)), and the script tests"; \
+	$(ASAN_ENV) test/run.sh build/asan "" "$(ASAN4_TESTS)" "$(ASAN_SCRIPT_TESTS)" "4" > build/test-asan4.log 2>&1; d=$$?; cat build/test-asan4.log; \
 	echo "== CUDA sources (built with nvcc): the GPU suite where a GPU is present, and on the fake CPU device"; \
 	test/run.sh build/cuda "" "$$([ -x build/cuda/test_gpu ] && echo test_gpu)" "test/run_fake_cuda.sh test/test_fake_fmnist.sh" "1 2" > build/test-cuda.log 2>&1; c=$$?; cat build/test-cuda.log; \
-	p=0; f=0; s=0; for l in build/test-gcc.log build/test-asan.log build/test-cuda.log; do \
+	p=0; f=0; s=0; for l in build/test-gcc.log build/test-asan.log build/test-asan4.log build/test-cuda.log; do \
 	  set -- $$(tail -n1 $$l | tr -d ','); p=$$((p + $$1)); f=$$((f + $$3)); s=$$((s + $${5:-0})); done; \
 	echo; if [ $$s -gt 0 ]; then echo "$$p passed, $$f failed, $$s skipped"; else echo "$$p passed, $$f failed"; fi; \
-	[ $$a -eq 0 ] && [ $$b -eq 0 ] && [ $$c -eq 0 ]
+	[ $$a -eq 0 ] && [ $$b -eq 0 ] && [ $$c -eq 0 ] && [ $$d -eq 0 ]
+
+# The whole suite under AddressSanitizer + UBSan: every MPI test at 1, 2 and
+# 4 ranks and the script tests (make test runs ASAN4_TESTS at 4).
+test-asan: deps
+	@$(MAKE) --no-print-directory build-asan examples-asan
+	@$(ASAN_ENV) test/run.sh build/asan "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(ASAN_SCRIPT_TESTS)" "1 2 4"
+
+# Messages past 2 GiB; make test runs it too when there is the memory.
+test-large: build/gcc/test_large
+	@test/run.sh build/gcc "" "" "test/run_large.sh" "1"
 
 # The gcc suite only, for a quick loop while developing.
 test-quick: build-gcc
 	@test/run.sh build/gcc "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(SCRIPT_TESTS)" "1 2 4"
 
+# Two simulated hosts (network namespaces joined by a veth pair, hydra
+# starting 2 ranks in each): placement, a training step and a checkpoint
+# across hosts, and a host cut off. Needs root and `ip netns`; reports
+# skipped with the reason where the machine cannot run it.
+test-hosts: build/gcc/test_hosts build/examples/gpt
+	@test/run.sh build/gcc "" "" "test/run_hosts.sh"
+
 # ---------------------------------------------------------------- examples and the demo
-EXAMPLES := fmnist fmnist_infer gpt
+EXAMPLES := fmnist fmnist_infer gpt minimal
 EXLIBS   := -lopenblas -lz -lm
 # -O3 -fno-math-errno vectorises the engine's elementwise loops (ReLU, Adam's
 # sqrtf); neither reorders floating-point sums, so results do not change.
@@ -74,6 +112,14 @@ build/examples/gpt: examples/gpt_model.h
 build/examples:
 	@mkdir -p $@
 examples: $(addprefix build/examples/,$(EXAMPLES))
+# The same examples under AddressSanitizer + UBSan, for the script tests
+# (test_demo.sh, test_gpt.sh with SMP_EXAMPLES=build/examples-asan).
+build/examples-asan/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h | build/examples-asan
+	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(SANFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
+build/examples-asan/gpt: examples/gpt_model.h
+build/examples-asan:
+	@mkdir -p $@
+examples-asan: $(addprefix build/examples-asan/,$(EXAMPLES))
 
 # CUDA sources: compiled and linked with nvcc (no GPU needed to build them).
 NVFLAGS  := -ccbin mpicxx -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror
@@ -175,7 +221,9 @@ bench-nccl:
 	np=$${BENCH_NCCL_NP:-$$([ "$${gpus:-0}" -ge 2 ] && echo 2 || echo 1)}; \
 	echo "mpirun -n $$np build/bench/nccl"; mpirun -n $$np build/bench/nccl
 
-# The checkpoint header parser under libFuzzer for longer than make test's 20 s.
+# The libFuzzer harnesses (checkpoint header parser, config JSON reader) for
+# longer than make test's 20 s: FUZZ_SECONDS in all (default 600), split
+# evenly; FUZZ_TARGETS=config (or ckpt) runs one.
 fuzz:
 	FUZZ_SECONDS=$${FUZZ_SECONDS:-600} bash test/run_fuzz.sh
 
@@ -185,9 +233,9 @@ install:
 	install -m 644 $(HEADERS) $(DESTDIR)$(PREFIX)/include/
 	@mpi_cflags="$$(mpicc -show -c | cut -d' ' -f2- | tr ' ' '\n' | grep -E '^-I' | tr '\n' ' ')"; \
 	mpi_libs="$$(mpicc -show | tr ' ' '\n' | grep -E '^-(L|l|Wl)' | tr '\n' ' ')"; \
-	printf 'prefix=%s\nincludedir=$${prefix}/include\n\nName: smp\nDescription: header-only pipeline and data parallel runtime over MPI\nVersion: 0.1.0\nCflags: -I$${includedir} %s\nLibs: %s -lm\n' \
+	printf 'prefix=%s\nincludedir=$${prefix}/include\n\nName: smp\nDescription: header-only pipeline and data parallel runtime over MPI\nVersion: $(SMP_VERSION)\nCflags: -I$${includedir} %s\nLibs: %s -lm\n' \
 	  "$(PREFIX)" "$$mpi_cflags" "$$mpi_libs" > $(DESTDIR)$(PREFIX)/lib/pkgconfig/smp.pc; \
-	printf 'prefix=%s\ncuda=%s\n\nName: smp-nccl\nDescription: smp device backend over CUDA and NCCL\nVersion: 0.1.0\nRequires: smp\nCflags: -I$${cuda}/include\nLibs: -L$${cuda}/lib64 -lnccl -lcudart\n' \
+	printf 'prefix=%s\ncuda=%s\n\nName: smp-nccl\nDescription: smp device backend over CUDA and NCCL\nVersion: $(SMP_VERSION)\nRequires: smp\nCflags: -I$${cuda}/include\nLibs: -L$${cuda}/lib64 -lnccl -lcudart\n' \
 	  "$(PREFIX)" "$(CUDA_HOME)" > $(DESTDIR)$(PREFIX)/lib/pkgconfig/smp-nccl.pc
 	@echo "installed smp headers and smp.pc, smp-nccl.pc under $(DESTDIR)$(PREFIX)"
 

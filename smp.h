@@ -12,19 +12,50 @@
          #include "smp.h"
      Everywhere else include "smp.h" for the declarations only.
 
-   THE SMALLEST PROGRAM
+   THE SMALLEST PROGRAM: four layers in two pipeline stages, trained with
+   SGD on 4 microbatches a step (examples/minimal.c has it whole, kernels
+   included; make test builds and runs it):
          #define SMP_IMPLEMENTATION
          #include "smp.h"
+         #include "smp_pipeline.h"
+         static smp_status fc_forward(smp_call_ctx *c);   // your kernels: read smp_call_input,
+         static smp_status fc_backward(smp_call_ctx *c);  // write smp_call_output / _grad_input
+         static smp_module *layer[4];
+         static smp_status forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *u) {
+             smp_tensor h = in[0];                         // the model: modules called in order
+             for (int l = 0; l < 4; l++) SMP_TRY(smp_call(layer[l], &h, 1, l == 3 ? out : &h, 1));
+             return SMP_OK;
+         }
+         SMP_STEP_BODY(mse_body) {                        // per microbatch, where the output lives
+             float loss = my_mse(smp_mb_output(mb, 0), smp_mb_arg(mb, 1), smp_mb_output_grad(mb, 0));
+             return smp_mb_return_f32(mb, 0, loss);
+         }
          int main(void) {
-             smp_config cfg = {0};                // zero means defaults
+             smp_config cfg = {0};                         // zero means defaults
              cfg.partitions = 2;
-             if (smp_init(&cfg) != SMP_OK) return 1;   // message already logged
-             float x[4] = {1, 2, 3, 4};
-             smp_tensor t = smp_tensor_1d(x, SMP_F32, 4);
-             smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD);
+             cfg.microbatches = 4;
+             if (smp_init(&cfg)) return 1;                 // smp.init()
+             smp_module *root = smp_module_new(NULL, "", NULL);
+             for (int l = 0; l < 4; l++) {
+                 char name[8];
+                 snprintf(name, sizeof name, "fc%d", l);
+                 layer[l] = smp_module_new(root, name, &(smp_module_desc){fc_forward, fc_backward, NULL});
+                 smp_param_new(layer[l], "weight", SMP_F32, 2, (int64_t[]){16, 16}, smp_init_uniform, NULL);
+             }
+             smp_model *model;                             // smp.DistributedModel(...)
+             smp_model_new(root, &(smp_model_desc){.forward = forward}, &model);
+             for (int step = 0; step < 60; step++) {
+                 smp_step_output loss = {0};
+                 smp_model_zero_grad(model);
+                 SMP_TRAIN_STEP(model, mse_body, NULL, &loss, 1, x, target);  // @smp.step
+                 my_sgd(model);                            // smp_model_param(model, i, false): local ones
+                 printf("loss %g\n", smp_step_output_mean(&loss));          // loss.reduce_mean()
+                 smp_step_output_free(&loss);
+             }
+             smp_model_free(model);
              smp_finalize();
          }
-     Build: mpicc -O2 prog.c -o prog -lm      Run: mpirun -n 2 ./prog
+     Build: mpicc -std=c11 -O2 prog.c -o prog -lm      Run: mpirun -n 2 ./prog
 
    CONFIG KEYS (smp_config fields, or the same keys as JSON in SMP_CONFIG /
    smp_config_from_json, as in SageMaker's "modelparallel" parameters):
@@ -50,9 +81,37 @@
    ERRORS: calls that can fail on user input return smp_status (SMP_OK is 0)
    and smp_last_error() says what went wrong in the caller's terms. An error
    found on one rank while others wait becomes an error on every rank.
+
+   OUT OF MEMORY (one policy): an allocation smp needs that fails, host or
+   device, in a step, a collective, a save or a load, makes that call return
+   SMP_ERR_NOMEM naming the bytes and what they were for. Calls that agree
+   (a step, saves, loads, smp_init) return it on every rank, the others'
+   message naming the rank; a step then changes no parameter, does not count
+   as a training step, and the engine may free memory and run it again. In
+   a collective called on its own, a rank waiting for the one that failed
+   aborts the job with its message, as for any collective that fails on one
+   member. The calls that hand memory to the engine's callbacks
+   (smp_call_output, smp_call_stash) return NULL, and the step fails with
+   SMP_ERR_NOMEM even if the callback goes on. smp aborts the job only on
+   broken invariants, on waits past their deadline, and where a rank cannot
+   take part in a collective the others are in already (the gather buffer
+   of deterministic_reduction, a persistent all-reduce's buffer).
+
+   VERSION AND LICENCE: SMP_VERSION_MAJOR/MINOR/PATCH and SMP_VERSION_STRING
+   below; MIT (the LICENSE file next to the headers).
+
+   TESTING: with SMP_TESTING defined, smp_testing_fail() makes the n-th
+   allocation, pipeline send or pipeline message check from now fail, so
+   tests can inject failures where they happen in real jobs.
 */
 #ifndef SMP_H
 #define SMP_H
+
+/* The version of the four headers, which ship together (MIT licence: LICENSE). */
+#define SMP_VERSION_MAJOR 0
+#define SMP_VERSION_MINOR 2
+#define SMP_VERSION_PATCH 0
+#define SMP_VERSION_STRING "0.2.0"
 
 #include <mpi.h>
 #include <stdbool.h>
@@ -553,6 +612,20 @@ typedef struct smp_memory_stats { /* device memory of on_device models counts wi
 SMPDEF smp_memory_stats smp_memory(void);
 SMPDEF void smp_memory_reset_peaks(void);
 
+#ifdef SMP_TESTING
+/* Fault injection for tests (see TESTING above): after `skip` more events of
+   the kind on this rank, the next one fails (skip < 0: never). Each kind
+   fails once per call; smp_testing_events counts the kind's events so far. */
+typedef enum smp_testing_fault {
+    SMP_FAULT_ALLOC,   /* an allocation through smp returns NULL */
+    SMP_FAULT_SEND,    /* a pipeline send reports an MPI failure */
+    SMP_FAULT_MESSAGE, /* a pipeline message arrives with a corrupt header */
+    SMP_FAULT_COUNT
+} smp_testing_fault;
+SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip);
+SMPDEF long smp_testing_events(smp_testing_fault kind);
+#endif
+
 /* ---------------------------------------------------------------- device backend */
 /* Registered by smp_nccl.h; collectives on tensors with device >= 0 go here. */
 typedef struct smp_device_backend {
@@ -618,6 +691,8 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b);
 #define SMP_H_IMPLEMENTED
 
 #include <errno.h>
+#include <limits.h>
+#include <locale.h>
 #include <math.h>
 #include <sched.h>
 #include <stdarg.h>
@@ -679,6 +754,8 @@ static struct {
     smp_config cfg;
     MPI_Comm world;          /* smp's duplicate of the host communicator */
     int rank, size, local_rank, local_size, mp_rank, dp_rank;
+    char *hosts;             /* every world rank's host name, back to back */
+    int *host_at;            /* world rank -> offset of its name in hosts */
     smp__group_info groups[SMP_GROUP_COUNT];
     MPI_Op half_ops[2][5];   /* [f16, bf16][smp_op] (AVG unused) */
     MPI_Datatype half_type;
@@ -763,6 +840,31 @@ static smp_status smp__mpi_error(int rc, const char *call) {
     return smp_error(SMP_ERR_MPI, "%s failed: %s", call, text);
 }
 #define SMP__MPI(call) do { int rc__ = (call); if (rc__ != MPI_SUCCESS) return smp__mpi_error(rc__, #call); } while (0)
+
+/* MPI counts are int. n bytes as one (count, datatype): MPI_BYTE up to
+   INT_MAX bytes, beyond that a derived type of 1 GiB blocks and the rest
+   (count 1), which the caller frees (MPI_Type_free) once the transfer is
+   posted. So a message of any size is one message, in every MPI. */
+static smp_status smp__bytes_type(size_t n, int *count, MPI_Datatype *type) {
+    *type = MPI_BYTE;
+    *count = (int)n;
+    if (n <= (size_t)INT_MAX) return SMP_OK;
+    const size_t block = (size_t)1 << 30;
+    MPI_Datatype gib, blocks;
+    int lens[2] = {1, (int)(n % block)};
+    MPI_Aint at[2] = {0, (MPI_Aint)(n - n % block)};
+    MPI_Datatype parts[2];
+    SMP__MPI(MPI_Type_contiguous((int)block, MPI_BYTE, &gib));
+    SMP__MPI(MPI_Type_contiguous((int)(n / block), gib, &blocks));
+    parts[0] = blocks;
+    parts[1] = MPI_BYTE;
+    SMP__MPI(MPI_Type_create_struct(lens[1] ? 2 : 1, lens, at, parts, type));
+    MPI_Type_free(&gib);
+    MPI_Type_free(&blocks);
+    SMP__MPI(MPI_Type_commit(type));
+    *count = 1;
+    return SMP_OK;
+}
 
 static smp_status smp__require_init(const char *fn) {
     if (!smp__ctx.initialized) return smp_error(SMP_ERR_STATE, "%s called before smp_init", fn);
@@ -858,7 +960,22 @@ static void *smp__dev_alloc(size_t n, smp__alloc_kind kind) {
     return p;
 }
 
+#ifdef SMP_TESTING
+static struct { long events[SMP_FAULT_COUNT], fail_at[SMP_FAULT_COUNT]; } smp__testing = {{0}, {-1, -1, -1}};
+SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip) { smp__testing.fail_at[kind] = skip < 0 ? -1 : smp__testing.events[kind] + skip; }
+SMPDEF long smp_testing_events(smp_testing_fault kind) { return smp__testing.events[kind]; }
+/* Counts an event of the kind; true when it is the one to fail. */
+static bool smp__injected(smp_testing_fault kind) {
+    if (smp__testing.events[kind]++ != smp__testing.fail_at[kind]) return false;
+    smp__testing.fail_at[kind] = -1;
+    return true;
+}
+#else
+#define smp__injected(kind) false
+#endif
+
 static void *smp__alloc(size_t n, smp__alloc_kind kind) {
+    if (smp__injected(SMP_FAULT_ALLOC)) return NULL;
     unsigned char *p = (unsigned char *)SMP_MALLOC(n + SMP__HDR);
     if (!p) return NULL;
     /* keep the payload 64-byte aligned even when malloc only gives 16 */
@@ -890,6 +1007,23 @@ static void smp__free(void *ptr) {
     memcpy(meta, user - sizeof meta, sizeof meta);
     smp__count((smp__alloc_kind)meta[1], -(int64_t)meta[0]);
     SMP_FREE(user - SMP__HDR - meta[2]);
+}
+
+/* The out-of-memory policy's message: what could not be had and for what. */
+static smp_status smp__nomem(size_t bytes, const char *what) {
+    return smp_error(SMP_ERR_NOMEM, "out of memory: %zu bytes for %s on rank %d; free memory%s and run it again", bytes, what,
+                     smp__ctx.rank, smp__ctx.at.in_step ? " (or use fewer or smaller microbatches, or activation_checkpointing)" : "");
+}
+
+/* Zeroed memory for a call that reports errors: NULL and SMP_ERR_NOMEM in
+   *st when there is none, and nothing at all once *st holds an error, so a
+   run of allocations needs one check at its end. */
+static void *smp__alloc_or(smp_status *st, size_t n, smp__alloc_kind kind, const char *what) {
+    if (*st) return NULL;
+    void *p = smp__alloc(n ? n : 1, kind);
+    if (!p) { *st = smp__nomem(n, what); return NULL; }
+    memset(p, 0, n);
+    return p;
 }
 
 SMPDEF void *smp_malloc(size_t n) { return smp__alloc(n, SMP__ALLOC_OTHER); }
@@ -1074,14 +1208,6 @@ SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[
    Nothing is allocated. Numbers are converted with strtod; if the host has
    set a locale whose decimal point is not '.', the conversion adapts.
 */
-#include <limits.h>
-#include <locale.h>
-#include <math.h>
-#include <stdarg.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
 #define SMP__JSON_MAX_DEPTH 32   /* objects/arrays nested deeper are refused */
 #define SMP__JSON_STR_CAP 96     /* bytes of a decoded string kept; longer ones are marked truncated */
 #define SMP__JSON_NUM_CAP 512    /* longest number token converted */
@@ -1507,34 +1633,57 @@ static const char *smp__jvalue_describe(const smp__jvalue *v, char *buf, size_t 
 }
 
 /* ------------------------------------------------------------ number values */
-static bool smp__json_is_plain_int(const char *tok, size_t len) {
-    for (size_t i = 0; i < len; i++)
-        if (tok[i] == '.' || tok[i] == 'e' || tok[i] == 'E') return false;
-    return true;
+/* The integer a number token spells, exactly, from its digits (the token
+   is already in JSON's grammar): 0 with |value| in *mag and the sign in
+   *neg; 1 when it is not an integer (1.5, 1e-400, 1.9999999999999999);
+   2 when |value| is 2^64 or more. No double is involved, so 2.0, 2e0 and
+   20e-1 are 2 and 12345678901234567890.0 keeps every digit. */
+static int smp__json_exact_int(const char *tok, size_t len, bool *neg, uint64_t *mag) {
+    size_t i = 0;
+    uint64_t m = 0;
+    bool big = false, nonzero = false;
+    long long nfrac = 0, zeros = 0, e = 0; /* value = m * 10^(zeros + e - nfrac) */
+    *neg = tok[0] == '-';
+    if (*neg) i++;
+    for (bool frac = false; i < len && tok[i] != 'e' && tok[i] != 'E'; i++) {
+        if (tok[i] == '.') { frac = true; continue; }
+        unsigned d = (unsigned)(tok[i] - '0');
+        if (frac) nfrac++;
+        if (d == 0) { if (nonzero) zeros++; continue; } /* trailing zeros wait: they may be a fraction's */
+        nonzero = true;
+        for (; zeros >= 0 && !big; zeros--) { /* m = m * 10^zeros * 10 + d */
+            if (m > (UINT64_MAX - (zeros ? 0 : d)) / 10) big = true;
+            else m = m * 10 + (zeros ? 0 : d);
+        }
+        zeros = 0;
+    }
+    if (i < len) { /* the exponent, saturated: past 10^6 only its sign matters */
+        bool eneg = tok[++i] == '-';
+        if (tok[i] == '-' || tok[i] == '+') i++;
+        for (; i < len; i++) if (e < 1000000) e = e * 10 + (tok[i] - '0');
+        if (eneg) e = -e;
+    }
+    if (!nonzero) { *mag = 0; return 0; } /* 0, -0.0, 0e7 */
+    long long k = zeros + e - nfrac;
+    if (k < 0) return 1; /* the last digit that is not 0 lies after the point */
+    if (big) return 2;
+    for (; k > 0; k--) {
+        if (m > UINT64_MAX / 10) return 2;
+        m *= 10;
+    }
+    *mag = m;
+    return 0;
 }
 
 /* Integer value of a number token within [lo, hi]. Returns 0 on success,
    1 when not integral, 2 when outside the range. */
 static int smp__json_to_int(const char *tok, size_t len, long long lo, long long hi, long long *out) {
-    if (smp__json_is_plain_int(tok, len)) {
-        bool neg = tok[0] == '-';
-        unsigned long long m = 0;
-        const unsigned long long cap = (unsigned long long)LLONG_MAX; /* plenty for int */
-        for (size_t i = neg ? 1 : 0; i < len; i++) {
-            unsigned d = (unsigned)(tok[i] - '0');
-            if (m > (cap - d) / 10) return 2;
-            m = m * 10 + d;
-        }
-        long long x = neg ? -(long long)m : (long long)m;
-        if (x < lo || x > hi) return 2;
-        *out = x;
-        return 0;
-    }
-    double d;
-    if (!smp__cfg_strtod(tok, len, &d) || !isfinite(d)) return 2;
-    if (d < -9.0e18 || d > 9.0e18) return 2;
-    long long x = (long long)d;
-    if ((double)x != d) return 1;
+    bool neg;
+    uint64_t mag;
+    int r = smp__json_exact_int(tok, len, &neg, &mag);
+    if (r) return r;
+    if (mag > (uint64_t)LLONG_MAX) return 2; /* plenty for int */
+    long long x = neg ? -(long long)mag : (long long)mag;
     if (x < lo || x > hi) return 2;
     *out = x;
     return 0;
@@ -1542,25 +1691,13 @@ static int smp__json_to_int(const char *tok, size_t len, long long lo, long long
 
 /* Same for the 64-bit seed: 0 ok, 1 not integral, 2 out of range, 3 negative. */
 static int smp__json_to_u64(const char *tok, size_t len, uint64_t *out) {
-    if (smp__json_is_plain_int(tok, len)) {
-        uint64_t m = 0;
-        bool neg = tok[0] == '-';
-        for (size_t i = neg ? 1 : 0; i < len; i++) {
-            unsigned d = (unsigned)(tok[i] - '0');
-            if (m > (UINT64_MAX - d) / 10) return neg ? 3 : 2;
-            m = m * 10 + d;
-        }
-        if (neg && m != 0) return 3;
-        *out = m;
-        return 0;
-    }
-    double d;
-    if (!smp__cfg_strtod(tok, len, &d)) return 2;
-    if (d == 0) { *out = 0; return 0; } /* -0.0 included */
-    if (d < 0) return 3;
-    if (!isfinite(d) || d >= 18446744073709551616.0) return 2;
-    if (d < 9007199254740992.0 && d != (double)(long long)d) return 1;
-    *out = (uint64_t)d;
+    bool neg;
+    uint64_t mag;
+    int r = smp__json_exact_int(tok, len, &neg, &mag);
+    if (r == 1) return 1;
+    if (neg && (r == 2 || mag != 0)) return 3;
+    if (r == 2) return 2;
+    *out = mag;
     return 0;
 }
 
@@ -1752,6 +1889,10 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
         double d = 0;
         if (v->type != SMP__J_NUMBER) {
             snprintf(msg, cap, "config key \"%s\" must be a number, got %s", name, got);
+            return false;
+        }
+        if (v->num_len > SMP__JSON_NUM_CAP) {
+            snprintf(msg, cap, "config key \"%s\" takes numbers of at most %d characters, got one of %zu", name, SMP__JSON_NUM_CAP, v->num_len);
             return false;
         }
         if (!smp__cfg_strtod(v->num, v->num_len, &d) || !isfinite(d)) {
@@ -2066,12 +2207,27 @@ static const char *smp__group_name(smp_group g) {
     return g == SMP_WORLD ? "world" : g == SMP_MP_GROUP ? "MP_GROUP" : g == SMP_DP_GROUP ? "DP_GROUP" : "?";
 }
 
+static const char *smp__rank_host(int rank);
 static void smp__timeout_abort(const char *what, smp_group g, int peer, double waited) {
-    if (peer >= 0)
-        smp__fatal("timed out after %.1f s waiting for %s from %s rank %d (world rank %d); aborting the job (SMP_TIMEOUT=%g)",
-                   waited, what, smp__group_name(g), peer, smp_group_world_rank(g, peer), smp_timeout());
-    smp__fatal("timed out after %.1f s waiting for %s in %s; aborting the job (SMP_TIMEOUT=%g)", waited, what,
-               smp__group_name(g), smp_timeout());
+    if (peer >= 0) {
+        int w = smp_group_world_rank(g, peer);
+        smp__fatal("timed out after %.1f s waiting for %s from %s rank %d (world rank %d on host %s); aborting the job (SMP_TIMEOUT=%g)",
+                   waited, what, smp__group_name(g), peer, w, smp__rank_host(w), smp_timeout());
+    }
+    /* MPI cannot say which member of a collective has not arrived: name the
+       others and their hosts (the first 8) */
+    char others[640] = "";
+    size_t at = 0;
+    int n = smp_group_size(g), named = 0;
+    for (int i = 0; i < n && at < sizeof others; i++) {
+        int w = smp_group_world_rank(g, i);
+        if (w == smp__ctx.rank) continue;
+        if (named == 8) { at += (size_t)snprintf(others + at, sizeof others - at, ", and %d more", n - 1 - named); break; }
+        at += (size_t)snprintf(others + at, sizeof others - at, "%s%d on %s", named ? ", " : "", w, smp__rank_host(w));
+        named++;
+    }
+    smp__fatal("timed out after %.1f s waiting for %s in %s (with world rank%s %s); aborting the job (SMP_TIMEOUT=%g)", waited,
+               what, smp__group_name(g), named == 1 ? "" : "s", others, smp_timeout());
 }
 
 /* A collective that fails on one member (bad arguments, out of memory)
@@ -2237,6 +2393,39 @@ SMPDEF int smp_group_world_rank(smp_group g, int group_rank) {
     smp__group_info *gi = smp__group(g);
     return gi && group_rank >= 0 && group_rank < gi->size ? gi->world_ranks[group_rank] : -1;
 }
+/* The host world rank `rank` runs on (MPI_Get_processor_name, gathered at
+   smp_init); "" before smp_init or for a rank outside the world. */
+static const char *smp__rank_host(int rank) {
+    if (!smp__ctx.initialized || !smp__ctx.hosts || rank < 0 || rank >= smp__ctx.size) return "";
+    return smp__ctx.hosts + smp__ctx.host_at[rank];
+}
+
+/* Every rank's host name, gathered once at init, so that a message about a
+   peer can say where it runs (the peer may be gone by then). */
+static void smp__gather_hosts(void) {
+    char name[MPI_MAX_PROCESSOR_NAME + 1];
+    int len = 0, n = smp__ctx.size;
+    memset(name, 0, sizeof name);
+    MPI_Get_processor_name(name, &len);
+    len++; /* the NUL */
+    int *lens = (int *)smp__alloc(sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER);
+    int ok = lens != NULL, all_ok = 0;
+    MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, smp__ctx.world);
+    if (!all_ok) { smp__free(lens); return; } /* messages then name no host */
+    MPI_Allgather(&len, 1, MPI_INT, lens, 1, MPI_INT, smp__ctx.world);
+    int *at = lens + n;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) { at[i] = (int)total; total += (size_t)lens[i]; }
+    char *hosts = (char *)smp__alloc(total, SMP__ALLOC_OTHER);
+    ok = hosts != NULL;
+    MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, smp__ctx.world);
+    if (!all_ok) { smp__free(hosts); smp__free(lens); return; }
+    MPI_Allgatherv(name, len, MPI_CHAR, hosts, lens, at, MPI_CHAR, smp__ctx.world);
+    /* lens is no longer needed, at is: keep the block, offsets in its second half */
+    memmove(lens, at, sizeof(int) * (size_t)n);
+    smp__ctx.hosts = hosts;
+    smp__ctx.host_at = lens;
+}
 
 static smp_status smp__make_group(smp__group_info *gi, MPI_Comm comm) {
     gi->comm = comm;
@@ -2355,6 +2544,7 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     smp__ctx.owns_mpi = owns;
     smp__ctx.size = size;
     MPI_Comm_dup(host, &smp__ctx.world);
+    smp__gather_hosts();
 
     MPI_Comm local;
     MPI_Comm_split_type(smp__ctx.world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
@@ -2424,6 +2614,10 @@ SMPDEF void smp_finalize(void) {
         MPI_Comm_free(&smp__ctx.groups[g].notices);
         smp__free(smp__ctx.groups[g].world_ranks);
     }
+    smp__free(smp__ctx.hosts);
+    smp__free(smp__ctx.host_at);
+    smp__ctx.hosts = NULL;
+    smp__ctx.host_at = NULL;
     for (int d = 0; d < 2; d++)
         for (int o = 0; o < 5; o++)
             if (smp__ctx.half_ops[d][o] != MPI_OP_NULL) MPI_Op_free(&smp__ctx.half_ops[d][o]);
@@ -2466,15 +2660,19 @@ SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_rank_type 
     smp_group g;
     if ((st = smp__require_init("smp_send")) || (st = smp__resolve_peer(dest, rt, "smp_send", &g))) return st;
     MPI_Comm comm = smp__ctx.groups[g].objects;
-    if (len > (size_t)INT32_MAX) st = smp_error(SMP_ERR_ARG, "smp_send: %zu bytes is more than one message carries (2 GiB)", len);
-    else if (len && !buf) st = smp_error(SMP_ERR_ARG, "smp_send: buffer is NULL");
+    MPI_Datatype type = MPI_BYTE;
+    int count = 0;
+    if (len && !buf) st = smp_error(SMP_ERR_ARG, "smp_send: buffer is NULL");
+    else st = smp__bytes_type(len, &count, &type);
     if (st) { /* the receiver learns instead of waiting for SMP_TIMEOUT */
         smp__failures_reap(false);
         smp__send_failure(NULL, 0, dest, SMP__TAG_SEND_FAILED, comm);
         return st;
     }
     MPI_Request req;
-    SMP__MPI(MPI_Isend(buf, (int)len, MPI_BYTE, dest, SMP__TAG_OBJECT, comm, &req));
+    int rc = MPI_Isend(buf, count, type, dest, SMP__TAG_OBJECT, comm, &req);
+    if (type != MPI_BYTE) MPI_Type_free(&type);
+    if (rc != MPI_SUCCESS) return smp__mpi_error(rc, "MPI_Isend");
     smp_wait_requests(1, &req, "smp_send to be received", g, dest);
     return SMP_OK;
 }
@@ -2494,24 +2692,33 @@ SMPDEF smp_status smp_recv_from(int src, smp_rank_type rt, void **buf, size_t *l
         if (found) break;
         if (!smp__backoff_pause(&b)) smp__timeout_abort("an object (smp_recv_from)", g, src, smp__now() - b.start);
     }
-    int count;
-    MPI_Get_count(&status, MPI_BYTE, &count);
+    MPI_Count bytes;
+    MPI_Get_elements_x(&status, MPI_BYTE, &bytes); /* MPI_Get_count's int stops at 2 GiB */
     if (status.MPI_TAG == SMP__TAG_SEND_FAILED) {
         char why[sizeof smp__errbuf];
-        if (count < 0 || count > (int)sizeof why - 1) smp__fatal("a malformed send-failure notice (%d bytes)", count);
-        MPI_Mrecv(why, count, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
-        why[count] = 0;
+        if (bytes < 0 || bytes > (MPI_Count)sizeof why - 1) smp__fatal("a malformed send-failure notice (%lld bytes)", (long long)bytes);
+        MPI_Mrecv(why, (int)bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
+        why[bytes] = 0;
         return smp_error(SMP_ERR_REMOTE, "smp_recv_from: %s rank %d (world rank %d) failed its smp_send to this rank: %s", smp__group_name(g), src,
                          smp_group_world_rank(g, src), why);
     }
-    void *p = smp__alloc((size_t)count + 1, SMP__ALLOC_OTHER);
-    if (!p) return smp_error(SMP_ERR_NOMEM, "smp_recv_from: out of memory for %d bytes", count);
+    size_t n = (size_t)bytes;
+    MPI_Datatype type;
+    int count;
+    char *p = (char *)smp__alloc_or(&st, n + 1, SMP__ALLOC_OTHER, "an object smp_recv_from receives");
+    if (!st) st = smp__bytes_type(n, &count, &type);
+    if (st) { /* MPI matched the message to this probe: no other receive can have it */
+        smp__free(p);
+        return smp_error(st, "smp_recv_from: the object from %s rank %d is lost: %s", smp__group_name(g), src, smp_last_error());
+    }
     MPI_Request req;
-    SMP__MPI(MPI_Imrecv(p, count, MPI_BYTE, &msg, &req));
+    int rc = MPI_Imrecv(p, count, type, &msg, &req);
+    if (type != MPI_BYTE) MPI_Type_free(&type);
+    if (rc != MPI_SUCCESS) { smp__free(p); return smp__mpi_error(rc, "MPI_Imrecv"); }
     smp_wait_requests(1, &req, "an object's bytes", g, src);
-    ((char *)p)[count] = 0; /* convenient for strings */
+    p[n] = 0; /* convenient for strings */
     *buf = p;
-    *len = (size_t)count;
+    *len = n;
     return SMP_OK;
 }
 
@@ -2532,15 +2739,20 @@ static smp_status smp__broadcast_bytes(void **buf, size_t *len, int root, smp_gr
     MPI_Request req;
     SMP__MPI(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, gi->comm, &req));
     smp_wait_requests(1, &req, "broadcast length", g, root);
-    if (n > (uint64_t)INT32_MAX) return smp_error(SMP_ERR_ARG, "smp_broadcast_bytes: %llu bytes is more than one message carries", (unsigned long long)n);
-    if (gi->rank != root) {
-        *buf = smp__alloc((size_t)n + 1, SMP__ALLOC_OTHER);
-        if (!*buf) smp__fatal("out of memory receiving a %llu-byte broadcast", (unsigned long long)n);
-        ((char *)*buf)[n] = 0;
-        *len = (size_t)n;
+    char *into = gi->rank == root ? (char *)*buf : (char *)smp__alloc_or(&st, (size_t)n + 1, SMP__ALLOC_OTHER, "a broadcast's bytes");
+    /* in pieces of `spare`'s size, so a member without the memory for the
+       whole still takes part (into spare, which is touched only then) and
+       returns SMP_ERR_NOMEM instead of leaving the others waiting */
+    static char spare[1 << 20];
+    for (uint64_t at = 0; at < n; at += sizeof spare) {
+        int piece = (int)(n - at < sizeof spare ? n - at : sizeof spare);
+        SMP__MPI(MPI_Ibcast(into ? into + at : spare, piece, MPI_BYTE, root, gi->comm, &req));
+        smp_wait_requests(1, &req, "broadcast bytes", g, root);
     }
-    SMP__MPI(MPI_Ibcast(*buf, (int)n, MPI_BYTE, root, gi->comm, &req));
-    smp_wait_requests(1, &req, "broadcast bytes", g, root);
+    if (st || gi->rank == root) return st;
+    into[n] = 0;
+    *buf = into;
+    *len = (size_t)n;
     return SMP_OK;
 }
 
@@ -2555,7 +2767,8 @@ static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g,
     if (st) return st;
     if (len > (size_t)INT32_MAX) return smp_error(SMP_ERR_ARG, "smp_allgather_bytes: %zu bytes is more than one message carries", len);
     int n = gi->size, mine = (int)len;
-    int *counts = (int *)smp__alloc(sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER);
+    int *counts = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER, "smp_allgather_bytes's lengths");
+    if (st) return st;
     int *displs = counts + n;
     MPI_Request req;
     MPI_Iallgather(&mine, 1, MPI_INT, counts, 1, MPI_INT, gi->comm, &req);
@@ -2563,7 +2776,8 @@ static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g,
     int64_t total = 0;
     for (int i = 0; i < n; i++) { displs[i] = (int)total; total += counts[i]; lens[i] = (size_t)counts[i]; }
     if (total > INT32_MAX) { smp__free(counts); return smp_error(SMP_ERR_ARG, "smp_allgather_bytes: %lld bytes in all is more than one gather carries", (long long)total); }
-    char *all = (char *)smp__alloc((size_t)total + 1, SMP__ALLOC_OTHER);
+    char *all = (char *)smp__alloc_or(&st, (size_t)total + 1, SMP__ALLOC_OTHER, "smp_allgather_bytes's result");
+    if (st) { smp__free(counts); return st; }
     MPI_Iallgatherv(buf, mine, MPI_BYTE, all, counts, displs, MPI_BYTE, gi->comm, &req);
     smp_wait_requests(1, &req, "allgather bytes", g, -1);
     all[total] = 0;
@@ -2669,6 +2883,16 @@ static void *smp__tensor_alloc(smp_tensor *t, bool on_device, smp__alloc_kind ki
     return t->data;
 }
 
+/* smp__tensor_alloc under the out-of-memory policy, as smp__alloc_or. */
+static void *smp__tensor_alloc_or(smp_status *st, smp_tensor *t, bool on_device, smp__alloc_kind kind, const char *what) {
+    if (*st) return NULL;
+    if (smp__tensor_alloc(t, on_device, kind)) return t->data;
+    char why[256];
+    snprintf(why, sizeof why, "%s (%s memory: %.150s)", what, on_device ? "device" : "host", on_device ? smp__errbuf : "malloc failed");
+    *st = smp__nomem(smp_tensor_nbytes(t), why);
+    return NULL;
+}
+
 static smp_status smp__tensor_zero(const smp_tensor *t) {
     size_t bytes = smp_tensor_nbytes(t);
     if (t->device == SMP_HOST) { memset(t->data, 0, bytes); return SMP_OK; }
@@ -2741,6 +2965,9 @@ static smp__persist *smp__persist_slot(smp__group_info *gi, int count, MPI_Datat
         MPI_Type_size(type, &size);
         size_t bytes = (size_t)count * (size_t)size;
         p->staging = (char *)smp__alloc(bytes, SMP__ALLOC_OTHER);
+        if (!p->staging) /* the others make the persistent collective now: this rank cannot stay out */
+            smp__fatal("out of memory: %zu bytes for a persistent all-reduce's buffer on rank %d, which the group's other ranks are "
+                       "setting up; the job stops (free memory and run it again)", bytes, smp__ctx.rank);
         if (MPI_Allreduce_init(MPI_IN_PLACE, p->staging, count, type, op, gi->comm, MPI_INFO_NULL, &p->req) != MPI_SUCCESS)
             smp__fatal("MPI_Allreduce_init failed");
         p->count = count;
@@ -2864,7 +3091,8 @@ static smp_status smp__reduce_scatter(const smp_tensor *in, smp_tensor *out, smp
     /* in place when `out` is this member's block of `in`: reduce into a
        scratch block first, since MPI reads all of `in` */
     bool overlap = (const char *)out->data >= (const char *)in->data && (const char *)out->data < (const char *)in->data + bytes * (size_t)gi->size;
-    void *dst = overlap ? smp__alloc(bytes, SMP__ALLOC_OTHER) : out->data;
+    void *dst = overlap ? smp__alloc_or(&st, bytes, SMP__ALLOC_OTHER, "smp_reduce_scatter's scratch block") : out->data;
+    if (st) return st;
     MPI_Request req;
     SMP__MPI(MPI_Ireduce_scatter_block(in->data, dst, (int)n, smp__mpi_type(in->dtype), mop, gi->comm, &req));
     smp_wait_requests(1, &req, "reduce_scatter", g, -1);
@@ -2891,7 +3119,8 @@ static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, 
         return smp_error(SMP_ERR_ARG, "%s: in's rows have %lld elements but out's have %lld", fn, (long long)in_row, (long long)out_row);
     int64_t row = in_rows ? in_row : out_row;
     if (in->device != SMP_HOST) return smp__ctx.device.all_to_all_single(in, out, out_splits, in_splits, g);
-    int *buf = (int *)smp__alloc(sizeof(int) * 4 * (size_t)n, SMP__ALLOC_OTHER);
+    int *buf = (int *)smp__alloc_or(&st, sizeof(int) * 4 * (size_t)n, SMP__ALLOC_OTHER, "all_to_all_single's counts");
+    if (st) return st;
     int *scount = buf, *sdispl = buf + n, *rcount = buf + 2 * n, *rdispl = buf + 3 * n;
     int64_t sat = 0, rat = 0;
     for (int i = 0; i < n; i++) {
@@ -2912,7 +3141,7 @@ static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, 
     }
     void *send = in->data;
     if (in->data == out->data && smp_tensor_nbytes(in)) { /* in place: MPI needs separate buffers */
-        send = smp__alloc(smp_tensor_nbytes(in), SMP__ALLOC_OTHER);
+        if (!(send = smp__alloc_or(&st, smp_tensor_nbytes(in), SMP__ALLOC_OTHER, "all_to_all_single's copy of in"))) { smp__free(buf); return st; }
         memcpy(send, in->data, smp_tensor_nbytes(in));
     }
     MPI_Request req;
@@ -3027,6 +3256,9 @@ struct smp_call_ctx {
     int call;                /* the leaf call's index (-1: not yet a leaf, while tracing) */
     smp_call_ctx *caller;    /* while tracing: the composite call that made this one */
     uint64_t seed;           /* smp_call_seed */
+    /* memory the call asked smp for and did not get: the call fails with it */
+    size_t nomem_bytes;
+    const char *nomem_what;
     /* while tracing */
     bool made_calls, made_output; /* the forward called smp_call / smp_call_output */
     bool *output_set;        /* smp_call_set_output, per output */
@@ -3425,23 +3657,28 @@ SMPDEF int smp_call_microbatch(const smp_call_ctx *c) { return c->microbatch; }
 SMPDEF bool smp_call_training(const smp_call_ctx *c) { return c->training; }
 SMPDEF uint64_t smp_call_seed(const smp_call_ctx *c) { return c->seed; }
 
+/* Whether memory a callback asked for came; when not, the call fails with
+   SMP_ERR_NOMEM whatever the callback returns (the out-of-memory policy). */
+static bool smp__call_got(smp_call_ctx *c, const void *p, size_t bytes, const char *what) {
+    if (!p && !c->nomem_what) { c->nomem_bytes = bytes; c->nomem_what = what; }
+    return p != NULL;
+}
+
 SMPDEF smp_tensor *smp_call_output(smp_call_ctx *c, int i, smp_dtype dt, int ndim, const int64_t *shape) {
     if (c->in_backward || i < 0 || i >= c->nout || smp_dtype_size(dt) == 0 || ndim < 0 || ndim > SMP_MAX_DIMS) return NULL;
     c->made_output = true;
     smp_tensor *t = &c->outputs[i];
     if (t->data) smp__free(t->data); /* asked twice: the last one counts */
     *t = smp_tensor_make(NULL, dt, ndim, shape);
-    if (!smp__tensor_alloc(t, smp__model_on_device(c->module->model), c->kind))
-        smp__fatal("out of memory allocating output %d of %s (%zu bytes): %s", i, c->module->full_name, smp_tensor_nbytes(t), smp__errbuf);
-    return t;
+    return smp__call_got(c, smp__tensor_alloc(t, smp__model_on_device(c->module->model), c->kind), smp_tensor_nbytes(t), "an output") ? t : NULL;
 }
 
 SMPDEF void *smp_call_stash(smp_call_ctx *c, size_t bytes) {
     if (c->in_backward) return NULL;
     smp__free(c->stash);
     c->stash = smp__alloc(bytes ? bytes : 1, c->kind);
-    c->stash_bytes = bytes;
-    return c->stash;
+    c->stash_bytes = c->stash ? bytes : 0;
+    return smp__call_got(c, c->stash, bytes, "a stash") ? c->stash : NULL;
 }
 SMPDEF void *smp_call_stash_device(smp_call_ctx *c, size_t bytes) {
     if (c->in_backward) return NULL;
@@ -3449,7 +3686,7 @@ SMPDEF void *smp_call_stash_device(smp_call_ctx *c, size_t bytes) {
     smp_tensor t = smp_tensor_1d(NULL, SMP_U8, (int64_t)bytes);
     c->device_stash = smp__tensor_alloc(&t, smp__model_on_device(c->module->model), c->kind);
     c->device_stash_bytes = c->device_stash ? bytes : 0;
-    return c->device_stash;
+    return smp__call_got(c, c->device_stash, bytes, "a device stash") ? c->device_stash : NULL;
 }
 SMPDEF void *smp_call_stashed_device(const smp_call_ctx *c, size_t *bytes) {
     if (bytes) *bytes = c->device_stash_bytes;
@@ -3492,7 +3729,7 @@ static smp_status smp__identity_forward(smp_call_ctx *c) {
     if (c->nin != 1 || c->nout != 1)
         return smp_error(SMP_ERR_ARG, "identity module \"%s\" takes one input and one output, got %d and %d", c->module->full_name, c->nin, c->nout);
     smp_tensor *y = smp_call_output(c, 0, x->dtype, x->ndim, x->shape);
-    return smp__tensor_copy(y, x);
+    return y ? smp__tensor_copy(y, x) : SMP_ERR_NOMEM; /* smp__run_callback says what was missing */
 }
 SMPDEF smp_module *smp_module_new_add(smp_module *parent, const char *name) {
     smp_module_desc d = {smp__add_forward, smp__pass_backward, NULL};
@@ -3526,11 +3763,18 @@ static smp_status smp__run_callback(smp_call_ctx *c, smp__phase phase) {
     smp__errbuf[0] = 0;
     smp_status st = fn(c);
     smp__mod.current = saved;
+    if (c->nomem_what) {
+        static const char *const what[] = {"forward", "backward", "backward_input", "backward_weight"};
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s of the %s of module \"%s\" (microbatch %d)", c->nomem_what, what[phase], c->module->full_name, c->microbatch);
+        c->nomem_what = NULL;
+        return smp__nomem(c->nomem_bytes, msg);
+    }
     if (st) {
         static const char *const what[] = {"forward", "backward", "backward_input", "backward_weight"};
         char msg[sizeof smp__errbuf];
         snprintf(msg, sizeof msg, "%s", smp__errbuf);
-        return smp_error(SMP_ERR_MODULE, "%s of module \"%s\" failed (microbatch %d): %s", what[phase], c->module->full_name, c->microbatch,
+        return smp_error(st == SMP_ERR_NOMEM ? st : SMP_ERR_MODULE, "%s of module \"%s\" failed (microbatch %d): %s", what[phase], c->module->full_name, c->microbatch,
                          *msg ? msg : smp_status_name(st));
     }
     if (phase == SMP__FORWARD && !c->made_calls) /* a composite's outputs: smp__check_composite */
@@ -3542,8 +3786,7 @@ static smp_status smp__run_callback(smp_call_ctx *c, smp__phase phase) {
 
 /* Frees what a call holds: outputs (unless kept) and stash. */
 static void smp__call_release(smp_call_ctx *c, bool outputs) {
-    if (outputs)
-        for (int i = 0; i < c->nout; i++) { smp__free(c->outputs[i].data); c->outputs[i].data = NULL; }
+    for (int i = 0; i < c->nout && outputs && c->outputs; i++) { smp__free(c->outputs[i].data); c->outputs[i].data = NULL; }
     smp__free(c->stash);
     smp__free(c->device_stash);
     c->stash = c->device_stash = NULL;
@@ -3599,25 +3842,27 @@ static smp_status smp__trace_check(int e, const char *where) {
 }
 
 /* Swaps the gradients of a module tree's parameters with zeroed scratch
-   (restore false) or gives the originals back (restore true): the trace's
-   backward must not add into a gradient that exists beyond the trace. */
-static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool restore, smp_tensor **saved, int *n, int *cap) {
+   (restore false) or gives the first `swapped` originals back (restore
+   true): the trace's backward must not add into a gradient that exists
+   beyond the trace. */
+static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool restore, smp_tensor **saved, int *n, int *cap, int swapped) {
     smp_status st = SMP_OK;
     for (int i = 0; i < m->nparams && !st; i++) {
         smp_param *p = m->params[i];
-        if (p->is_buffer || (!restore && !p->grad.data)) continue;
+        if (p->is_buffer || !p->grad.data || (restore && *n == swapped)) continue;
         if (restore) {
             smp__free(p->grad.data);
             p->grad = (*saved)[(*n)++];
             continue;
         }
-        smp__grow((void **)saved, cap, *n + 1, sizeof(smp_tensor));
+        if (!smp__grow((void **)saved, cap, *n + 1, sizeof(smp_tensor))) return smp__nomem(sizeof(smp_tensor) * (size_t)(*n + 1), "tracing");
+        smp_tensor scratch = p->grad;
+        if (!smp__tensor_alloc_or(&st, &scratch, on_device, SMP__ALLOC_OTHER, "a scratch gradient while tracing")) break;
         (*saved)[(*n)++] = p->grad;
-        if (!smp__tensor_alloc(&p->grad, on_device, SMP__ALLOC_OTHER))
-            smp__fatal("out of memory allocating a scratch gradient for %s while tracing", p->full_name);
+        p->grad = scratch;
         st = smp__tensor_zero(&p->grad);
     }
-    for (int i = 0; i < m->nchildren && !st; i++) st = smp__trace_scratch_grads(m->children[i], on_device, restore, saved, n, cap);
+    for (int i = 0; i < m->nchildren && !st; i++) st = smp__trace_scratch_grads(m->children[i], on_device, restore, saved, n, cap, swapped);
     return st;
 }
 
@@ -3628,24 +3873,23 @@ static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool r
 static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec, double *time) { /* time[0]: B, time[1]: W */
     if (!c->module->desc.backward && !smp__split_backward(c->module)) return SMP_OK;
     bool dev = smp__model_on_device(c->module->model);
-    smp_tensor *gout = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER);
-    smp_tensor *gin = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(c->nin + 1), SMP__ALLOC_OTHER);
+    smp_status st = SMP_OK;
+    smp_tensor *gout = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER, "tracing");
+    smp_tensor *gin = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)(c->nin + 1), SMP__ALLOC_OTHER, "tracing");
+    if (st) { smp__free(gout); return st; }
     smp_tensor *saved = NULL;
     int nsaved = 0, cap = 0;
-    smp_status st = SMP_OK;
-    for (int j = 0; j < c->nout; j++) {
+    for (int j = 0; j < c->nout && !st; j++) {
         gout[j] = c->outputs[j];
-        if (!smp__tensor_alloc(&gout[j], dev, SMP__ALLOC_OTHER)) smp__fatal("out of memory while tracing %s", c->module->full_name);
-        if (!st) st = smp__tensor_zero(&gout[j]);
+        if (smp__tensor_alloc_or(&st, &gout[j], dev, SMP__ALLOC_OTHER, "an output gradient while tracing")) st = smp__tensor_zero(&gout[j]);
     }
-    for (int j = 0; j < c->nin; j++) {
+    for (int j = 0; j < c->nin && !st; j++) {
         gin[j] = c->inputs[j];
         gin[j].data = NULL;
         if (rec->in[j].call < 0) continue; /* as in a step: model inputs take no gradient */
-        if (!smp__tensor_alloc(&gin[j], dev, SMP__ALLOC_OTHER)) smp__fatal("out of memory while tracing %s", c->module->full_name);
-        if (!st) st = smp__tensor_zero(&gin[j]);
+        if (smp__tensor_alloc_or(&st, &gin[j], dev, SMP__ALLOC_OTHER, "an input gradient while tracing")) st = smp__tensor_zero(&gin[j]);
     }
-    if (!st) st = smp__trace_scratch_grads(c->module, dev, false, &saved, &nsaved, &cap);
+    if (!st) st = smp__trace_scratch_grads(c->module, dev, false, &saved, &nsaved, &cap, 0);
     if (!st) {
         c->grad_outputs = gout;
         c->grad_inputs = gin;
@@ -3660,8 +3904,9 @@ static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec,
         c->grad_outputs = NULL;
         c->grad_inputs = NULL;
     }
+    int swapped = nsaved;
     nsaved = 0;
-    smp__trace_scratch_grads(c->module, dev, true, &saved, &nsaved, &cap);
+    smp__trace_scratch_grads(c->module, dev, true, &saved, &nsaved, &cap, swapped);
     smp__free(saved);
     for (int j = 0; j < c->nout; j++) smp__free(gout[j].data);
     for (int j = 0; j < c->nin; j++) smp__free(gin[j].data);

@@ -35,44 +35,87 @@
      "/ckpt/model", which Python's safetensors opens as the whole model under
      the PyTorch module's dotted names ("layers.3.mlp.fc1.weight").
 
-     Files. Partial: "<path>_<mp_rank>", one per partition, written by dp rank
-     0 of each; full: "<path>", written by world rank 0's partition saver,
-     which receives the others' tensors in chunk_bytes pieces (4 MiB; at most
-     8 in flight per rank) and never holds the whole model. Tensor names:
+     Files. Partial: "<path>.g<N>_<mp_rank>", one per partition, written by
+     dp rank 0 of each, and the manifest "<path>.manifest", written by world
+     rank 0, which commits them (see Crash safety); N, the generation, counts
+     the partial saves to `path`, and the folder must be the same on every
+     rank (one machine, or a shared file system). Full: "<path>", written by
+     world rank 0's partition saver, which receives the others' tensors in
+     chunk_bytes pieces (4 MiB; at most 8 in flight per rank) and never holds
+     the whole model. Tensor names:
      parameters and buffers by their full dotted names; optimizer state as
      "optimizer.<param>.<state>" and "optimizer.<state>" (whole optimizer,
      held by every rank, saved from world rank 0's partition). Entries are
      ordered widest dtype first, so each lies at a multiple of its size.
      Metadata: the user's strings (keys must not start with "smp."), a CRC-32C
      per tensor (smp.checksum.<name>), and smp.format, smp.kind
-     (full|partial), smp.partitions, smp.mp_rank (partial), smp.save_id and
-     smp.partition.<name> (the partition holding each tensor) for resharding
-     and checks.
+     (full|partial), smp.partitions, smp.mp_rank and smp.generation
+     (partial), smp.save_id and smp.partition.<name> (the partition holding
+     each tensor) for resharding and checks. The manifest is JSON:
+         {"format": "smp-checkpoint-manifest/1", "kind": "partial",
+          "generation": 3, "save_id": "...", "partitions": 2,
+          "files": [{"mp_rank": 0, "name": "model.g3_0", "bytes": 1234,
+                     "header_crc32c": "crc32c:1a2b3c4d"}, ...]}
+     naming each file (in the manifest's folder) with its size and the
+     CRC-32C of its length prefix and header, which holds every tensor's
+     checksum. smp_ckpt_partial_file gives the file of one partition.
 
      Resharding. A full checkpoint loads into any partitioning and any number
      of dp replicas; partial checkpoints saved with P partitions load into Q:
-     "<path>_0" names P, every rank opens the P headers and takes its tensors
-     by name. Optimizer state follows its parameter the same way.
+     the manifest names P files, every rank opens their headers and takes
+     its tensors by name. Optimizer state follows its parameter the same way.
 
-     Loading checks everything before it copies anything: that the files form
-     one save (same smp.save_id and partition count), every tensor's name,
+     Loading checks everything before it copies anything: that the files are
+     the ones the manifest committed (same smp.save_id, generation, partition
+     count, size and header checksum), every tensor's name,
      dtype and shape against the model (missing and unexpected tensors are
      errors), and the checksum of every tensor it will load. An error names
      the file and the tensor, reaches every rank, and leaves every parameter,
      buffer and optimizer state as it was. A load without an optimizer
      (ld.optimizer NULL, for inference) skips the files' optimizer state.
 
-     Crash safety. Each file is written to "<file>.tmp.<pid>", fsynced, and
-     renamed over its name only after every file of the save is complete on
-     disk; a save that fails or is killed before that leaves the previous
-     checkpoint untouched. The renames of a partial save are not one atomic
-     step: a crash between them leaves files of two saves, which smp_load
-     refuses by their save ids rather than load a mix. Stale files of an
-     older save with more partitions ("<path>_5" after a 4-partition save) are
-     left alone and never read.
+     Crash safety: a checkpoint is replaced at one instant, and a crash at
+     any other leaves the previous one loadable, bitwise. A full save writes
+     "<path>.tmp.<pid>", fsyncs it and renames it over "<path>". A partial
+     save writes every file of a new generation, each to a tmp file that is
+     fsynced and renamed to "<path>.g<N>_<mp>" (a name no loader follows yet)
+     with its folder fsynced; once every rank's file is in place, world rank
+     0 writes the manifest naming them to a tmp file, fsyncs it and renames
+     it over "<path>.manifest": that rename is the commit. Only then are the
+     files the new generation replaced removed (previous generations, files
+     of partitions that no longer exist, files of the format below, tmp
+     files of killed writers), each after its header shows it is one; a
+     crash during the removal leaves the new checkpoint loadable and the
+     next save removes the rest. A save that fails (on any rank) before the
+     commit removes its new files and returns the error everywhere.
+
+     Out of memory (smp.h's one policy): an allocation that fails anywhere
+     in smp_save or smp_load, on any rank, makes the call return
+     SMP_ERR_NOMEM there, naming the bytes and what they were for ("out of
+     memory: 4096 bytes for the header of checkpoint '...' on rank 1"), and
+     SMP_ERR_NOMEM on every other rank with that message after "rank 1: ";
+     the previous checkpoint is as it was, no file of the failed save is
+     left, and a load changes nothing. What an exchange between ranks fills
+     (the plan's exchanges, a full save's ring of chunk buffers) is allocated
+     and agreed on before any rank enters it, so no rank fails inside one
+     while the others wait. One exception: a partial save that runs out of
+     memory after its commit, while removing the files of the generation it
+     replaced, returns SMP_OK (the new checkpoint is committed and loads)
+     and logs a warning; the next save removes what was left.
+     test/test_ckpt_nomem.c fails each allocation of a save and a load in
+     turn, on each rank.
+
+     Checkpoints saved before manifests. Partial checkpoints of earlier
+     versions, "<path>_0" .. "<path>_<P-1>" without "<path>.manifest", still
+     load (their files must share one smp.save_id); the first partial save
+     to the same path commits a manifest and then removes them. Where both
+     exist, the manifest wins.
 
      Costs. A partial save writes in parallel and moves no data between
-     ranks; a full save streams every other partition's bytes to one writer,
+     ranks; its commit adds, on world rank 0, a manifest of about 100 bytes
+     per partition (write, fsync, rename) and a folder fsync: two journal
+     commits, 1-16 ms per save on a virtual disk (bench/RESULTS.md). A full
+     save streams every other partition's bytes to one writer,
      whose I/O thread writes while the next chunks arrive. Loading reads each
      byte twice (a checksum pass, then the copy) through a read-only mapping
      of the files (plain reads where mmap fails), so it costs about two
@@ -144,8 +187,19 @@
                 (or at commit when there is no data)
        flush    after all data and checksums are written, before fsync
        rename   after the tmp file is fsynced and closed, before the rename
+                (in a partial model save: once every other rank's file is
+                renamed, so the process dies between the per-rank renames)
        dirsync  after the rename, before the folder is fsynced
-   the writer calls _exit(77) at that point. Never set it outside tests.
+   the writer logs "SMP_CKPT_FAULT=<phase>: ..." and calls _exit(77) at that
+   point. A partial smp_save adds phases of its own:
+       renamed  every rank's file renamed into place, no manifest written
+       manifest (world rank 0) the manifest's tmp file complete and fsynced,
+                not renamed
+       commit   (world rank 0) the manifest renamed into place, the folder
+                not yet fsynced
+       cleanup  after this rank removed one file that the save replaced
+   Set it in the environment of one rank to kill that rank there. Never set
+   it outside tests.
 
    ALIGNMENT: offsets follow entry order and the data section starts at a
    multiple of 8. safetensors' own writer puts the widest dtypes first so
@@ -282,7 +336,8 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
 SMPDEF int smp_optimizer_state_count(const smp_optimizer *o);
 
 typedef struct smp_save_desc {
-    smp_switch partial;             /* default ON: one file per mp rank, "<path>_<mp_rank>";
+    smp_switch partial;             /* default ON: one file per mp rank, "<path>.g<N>_<mp_rank>",
+                                       committed by the manifest "<path>.manifest";
                                        OFF: one file with the whole model, "<path>" */
     const smp_optimizer *optimizer; /* NULL: no optimizer state */
     const char *const *meta_keys;   /* user metadata (epoch, step, ...), strings; */
@@ -295,14 +350,25 @@ typedef struct smp_save_desc {
    metadata). Collective over the world; the model must be partitioned
    (smp_model_trace or a first step). Only dp rank 0 of each partition
    writes; a full save streams every tensor to world rank 0's writer in
-   chunks, never gathering the model in one place. Every file is written
-   next to its final name and renamed over it only once every file of the
-   save is complete on disk; an error on any rank is an error on every rank,
-   and then no file of the previous checkpoint was touched. */
+   chunks, never gathering the model in one place. The new checkpoint
+   replaces the previous one in a single rename, once every file of the save
+   is complete on disk (a partial save's manifest; see Crash safety at the
+   top); an error on any rank is an error on every rank, and then the
+   previous checkpoint is as it was. */
 SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *desc);
 
+/* The file holding partition `mp_rank` of the partial checkpoint at `path`,
+   as smp_load reads it: the one its manifest "<path>.manifest" names
+   ("<path>.g<N>_<mp_rank>"), or "<path>_<mp_rank>" for a checkpoint saved
+   before manifests. Copies the path (NUL included) into out[cap] and sets
+   *partitions (when not NULL) to the checkpoint's partition count. For
+   tools that read or copy the files; not collective, checks no data. */
+SMPDEF smp_status smp_ckpt_partial_file(const char *path, int mp_rank, char *out, size_t cap, int *partitions);
+
 typedef struct smp_load_desc {
-    smp_switch partial;       /* default ON: "<path>_0" .. "<path>_<P-1>"; OFF: the one file "<path>" */
+    smp_switch partial;       /* default ON: the files "<path>.manifest" names (or "<path>_0" ..
+                                 "<path>_<P-1>" of a checkpoint saved before manifests);
+                                 OFF: the one file "<path>" */
     smp_optimizer *optimizer; /* NULL: optimizer state in the files is ignored */
     /* Called on every rank after a successful load, once per user metadata
        entry (smp's own "smp.*" entries are not passed). */
@@ -445,6 +511,27 @@ static smp_status smp__ckpt_fail(smp_status st, const char *label, const char *t
     va_end(ap);
     if (tensor) return smp_error(st, "%s: tensor '%s': %s", label, tensor, msg);
     return smp_error(st, "%s: %s", label, msg);
+}
+
+/* The out-of-memory policy's error (smp.h's smp__nomem: the bytes and what
+   they were for, on which rank), `what` continued by " of <label>" when a
+   label names the file. */
+static smp_status smp__ckpt_nomem(size_t bytes, const char *label, const char *what) {
+    char buf[768];
+    if (label) snprintf(buf, sizeof buf, "%s of %s", what, label);
+    else snprintf(buf, sizeof buf, "%s", what);
+    return smp__nomem(bytes, buf);
+}
+
+/* SMP_MALLOC(n) for a call that reports errors: NULL and the policy's error
+   in *st when there is none, and nothing at all once *st holds an error, so
+   a run of allocations needs one check at its end. */
+static void *smp__ckpt_alloc(smp_status *st, size_t n, const char *label, const char *what) {
+    void *p;
+    if (*st) return NULL;
+    p = SMP_MALLOC(n ? n : 1);
+    if (!p) *st = smp__ckpt_nomem(n, label, what);
+    return p;
 }
 
 static const char *smp__ckpt_shape_str(const int64_t *shape, int ndim, char *buf, size_t cap) {
@@ -604,18 +691,25 @@ static void smp__ckpt_free(void *p) {
     if (p) SMP_FREE(p);
 }
 
-/* Grows *p (elements of `elem` bytes, *cap of them) to hold `need`. */
-static int smp__ckpt_grow(void **p, int *cap, int need, size_t elem) {
+/* Grows *p (elements of `elem` bytes, *cap of them) to hold `need`; on
+   failure *wanted (when not NULL) holds the bytes it asked for. */
+static int smp__ckpt_grow(void **p, int *cap, int need, size_t elem, size_t *wanted) {
     int ncap;
     void *q;
     if (need <= *cap) return 1;
     ncap = *cap ? *cap : 16;
     while (ncap < need) {
-        if (ncap > (1 << 29)) return 0;
+        if (ncap > (1 << 29)) {
+            if (wanted) *wanted = (size_t)-1;
+            return 0;
+        }
         ncap *= 2;
     }
     q = SMP_MALLOC((size_t)ncap * elem);
-    if (!q) return 0;
+    if (!q) {
+        if (wanted) *wanted = (size_t)ncap * elem;
+        return 0;
+    }
     if (*cap) memcpy(q, *p, (size_t)*cap * elem);
     smp__ckpt_free(*p);
     *p = q;
@@ -677,6 +771,7 @@ typedef struct smp__ckpt_sbuf {
     char *p;
     size_t len, cap;
     int oom;
+    size_t want; /* after oom: the bytes it could not have */
 } smp__ckpt_sbuf;
 
 static void smp__ckpt_put(smp__ckpt_sbuf *b, const char *s, size_t n) {
@@ -687,6 +782,7 @@ static void smp__ckpt_put(smp__ckpt_sbuf *b, const char *s, size_t n) {
         while (cap < b->len + n + 1) {
             if (cap > ((size_t)-1) / 4) {
                 b->oom = 1;
+                b->want = (size_t)-1;
                 return;
             }
             cap *= 2;
@@ -694,6 +790,7 @@ static void smp__ckpt_put(smp__ckpt_sbuf *b, const char *s, size_t n) {
         q = (char *)SMP_MALLOC(cap);
         if (!q) {
             b->oom = 1;
+            b->want = cap;
             return;
         }
         if (b->len) memcpy(q, b->p, b->len);
@@ -812,8 +909,13 @@ static int smp__ckpt_pid_alive(long pid) {
 }
 
 /* ---------------------------------------------------------------- writer */
+/* Test-only fault injection (SMP_CKPT_FAULT): the file layer's phases,
+   which any writer hits, then those of a partial model save (smp_save). */
 enum { SMP__CKPT_FAULT_NONE, SMP__CKPT_FAULT_HEADER, SMP__CKPT_FAULT_DATA, SMP__CKPT_FAULT_FLUSH,
-       SMP__CKPT_FAULT_RENAME, SMP__CKPT_FAULT_DIRSYNC };
+       SMP__CKPT_FAULT_RENAME, SMP__CKPT_FAULT_DIRSYNC, SMP__CKPT_FAULT_RENAMED, SMP__CKPT_FAULT_MANIFEST,
+       SMP__CKPT_FAULT_COMMIT, SMP__CKPT_FAULT_CLEANUP, SMP__CKPT_FAULT_COUNT };
+static const char *const smp__ckpt_fault_names[SMP__CKPT_FAULT_COUNT] = {
+    "", "header", "data", "flush", "rename", "dirsync", "renamed", "manifest", "commit", "cleanup"};
 
 struct smp_ckpt_writer {
     char *path, *tmp, *dir; /* dir: for the folder fsync */
@@ -832,25 +934,34 @@ struct smp_ckpt_writer {
     uint8_t *buf;           /* output buffer */
     size_t buf_len, buf_cap;
     smp_status failed;      /* first error; later calls repeat it */
-    char *failed_msg;
+    char failed_msg[sizeof smp__errbuf]; /* its message (no allocation on an error path) */
     int sealed;             /* the tmp file is complete and closed, not yet renamed */
+    uint32_t header_crc;    /* once sealed: CRC-32C of the length prefix + header as on disk */
 };
 
 static int smp__ckpt_fault_from_env(int *fault) {
     const char *s = getenv("SMP_CKPT_FAULT");
+    int i;
     *fault = SMP__CKPT_FAULT_NONE;
     if (!s || !*s) return 1;
-    if (!strcmp(s, "header")) *fault = SMP__CKPT_FAULT_HEADER;
-    else if (!strcmp(s, "data")) *fault = SMP__CKPT_FAULT_DATA;
-    else if (!strcmp(s, "flush")) *fault = SMP__CKPT_FAULT_FLUSH;
-    else if (!strcmp(s, "rename")) *fault = SMP__CKPT_FAULT_RENAME;
-    else if (!strcmp(s, "dirsync")) *fault = SMP__CKPT_FAULT_DIRSYNC;
-    else return 0;
-    return 1;
+    for (i = 1; i < SMP__CKPT_FAULT_COUNT; i++)
+        if (!strcmp(s, smp__ckpt_fault_names[i])) {
+            *fault = i;
+            return 1;
+        }
+    return 0;
+}
+
+/* Ends the process as a crash would, saying so first (tests check that the
+   fault they asked for is the one that fired). */
+static void smp__ckpt_die(int phase) {
+    smp_log(SMP_LOG_ERROR, "SMP_CKPT_FAULT=%s: test fault injection ends this process (status 77)",
+            smp__ckpt_fault_names[phase]);
+    _exit(77);
 }
 
 static void smp__ckpt_fault(const smp_ckpt_writer *w, int phase) {
-    if (w->fault == phase) _exit(77);
+    if (w->fault == phase) smp__ckpt_die(phase);
 }
 
 static void smp__ckpt_writer_free(smp_ckpt_writer *w) {
@@ -871,7 +982,6 @@ static void smp__ckpt_writer_free(smp_ckpt_writer *w) {
     smp__ckpt_free(w->name_of);
     smp__ckpt_free(w->header);
     smp__ckpt_free(w->buf);
-    smp__ckpt_free(w->failed_msg);
     SMP_FREE(w);
 }
 
@@ -879,13 +989,13 @@ static void smp__ckpt_writer_free(smp_ckpt_writer *w) {
 static smp_status smp__ckpt_writer_failed(smp_ckpt_writer *w, smp_status st) {
     if (!w->failed) {
         w->failed = st;
-        w->failed_msg = smp__ckpt_strdup(smp_last_error());
+        snprintf(w->failed_msg, sizeof w->failed_msg, "%s", smp_last_error());
     }
     return st;
 }
 
 static smp_status smp__ckpt_writer_repeat(const smp_ckpt_writer *w) {
-    return smp_error(w->failed, "%s", w->failed_msg ? w->failed_msg : "an earlier checkpoint write failed");
+    return smp_error(w->failed, "%s", w->failed_msg[0] ? w->failed_msg : "an earlier checkpoint write failed");
 }
 
 /* Deletes `<base>.tmp.<pid>` files in dir whose process is gone from this
@@ -905,16 +1015,20 @@ static void smp__ckpt_remove_stale(const char *dir, const char *base) {
         if (nd == 0 || digits[nd] != 0 || pid <= 0 || pid > 0x7fffffff) continue;
         if ((pid_t)pid == getpid()) continue;
         if (smp__ckpt_pid_alive((long)pid)) continue;
+#ifdef SMP__CKPT_POSIX2008
+        unlinkat(dirfd(d), nm, 0); /* no path to build: nothing to allocate */
+#else
         {
             size_t dl = strlen(dir), nl = strlen(nm);
             char *full = (char *)SMP_MALLOC(dl + nl + 2);
-            if (!full) continue;
+            if (!full) continue; /* best effort: the next writer tries again */
             memcpy(full, dir, dl);
             full[dl] = '/';
             memcpy(full + dl + 1, nm, nl + 1);
             unlink(full);
             SMP_FREE(full);
         }
+#endif
     }
     closedir(d);
 }
@@ -965,7 +1079,7 @@ static smp_status smp__ckpt_check_entries(const char *label, const smp_ckpt_entr
     k = n > nmeta ? n : nmeta;
     if (k < 2) return SMP_OK;
     sorted = (const char **)SMP_MALLOC((size_t)k * sizeof *sorted);
-    if (!sorted) return smp__ckpt_fail(SMP_ERR_NOMEM, label, NULL, "out of memory");
+    if (!sorted) return smp__ckpt_nomem((size_t)k * sizeof *sorted, label, "checking the names");
     for (i = 0; i < n; i++) sorted[i] = entries[i].name;
     qsort(sorted, (size_t)n, sizeof *sorted, smp__ckpt_strcmp_p);
     for (i = 1; i < n && !st; i++)
@@ -1032,7 +1146,7 @@ static smp_status smp__ckpt_build_header(smp_ckpt_writer *w, const char *label, 
     while (!b.oom && b.len % 8) smp__ckpt_puts(&b, " ");
     if (b.oom) {
         smp__ckpt_free(b.p);
-        return smp__ckpt_fail(SMP_ERR_NOMEM, label, NULL, "out of memory building the header");
+        return smp__ckpt_nomem(b.want, label, "the header");
     }
     hlen = b.len - 8;
     if (hlen > SMP__CKPT_MAX_HEADER) {
@@ -1065,8 +1179,8 @@ SMPDEF smp_status smp_ckpt_writer_open(smp_ckpt_writer **out, const char *path, 
     st = smp__ckpt_check_entries(label, entries, n, mk, mv, nmeta, &total);
     if (st) return st;
 
-    w = (smp_ckpt_writer *)SMP_MALLOC(sizeof *w);
-    if (!w) return smp__ckpt_fail(SMP_ERR_NOMEM, label, NULL, "out of memory");
+    w = (smp_ckpt_writer *)smp__ckpt_alloc(&st, sizeof *w, label, "the writer");
+    if (!w) return st;
     memset(w, 0, sizeof *w);
     w->fd = -1;
     w->n = n;
@@ -1074,24 +1188,26 @@ SMPDEF smp_status smp_ckpt_writer_open(smp_ckpt_writer **out, const char *path, 
     if (!smp__ckpt_fault_from_env(&w->fault)) {
         smp__ckpt_writer_free(w);
         return smp__ckpt_fail(SMP_ERR_ARG, label, NULL,
-                              "SMP_CKPT_FAULT='%s' is not one of header, data, flush, rename, dirsync",
+                              "SMP_CKPT_FAULT='%s' is not one of header, data, flush, rename, dirsync, renamed, "
+                              "manifest, commit, cleanup (a test-only setting: unset it)",
                               getenv("SMP_CKPT_FAULT"));
     }
     for (i = 0; i < n; i++) names_len += strlen(entries[i].name) + 1;
-    w->path = smp__ckpt_strdup(path);
-    w->tmp = (char *)SMP_MALLOC(strlen(path) + 32);
-    w->dir = smp__ckpt_dirname(path, &base);
-    w->sizes = (uint64_t *)SMP_MALLOC(sizeof(uint64_t) * (size_t)(n ? n : 1));
-    w->crcs = (uint32_t *)SMP_MALLOC(sizeof(uint32_t) * (size_t)(n ? n : 1));
-    w->crc_pos = (size_t *)SMP_MALLOC(sizeof(size_t) * (size_t)(n ? n : 1));
-    w->name_of = (char **)SMP_MALLOC(sizeof(char *) * (size_t)(n ? n : 1));
-    w->names = (char *)SMP_MALLOC(names_len ? names_len : 1);
+    if ((w->path = (char *)smp__ckpt_alloc(&st, strlen(path) + 1, label, "the writer's path")))
+        memcpy(w->path, path, strlen(path) + 1);
+    w->tmp = (char *)smp__ckpt_alloc(&st, strlen(path) + 32, label, "the tmp file's name");
+    if (!st && !(w->dir = smp__ckpt_dirname(path, &base)))
+        st = smp__ckpt_nomem(strlen(path) + 1, label, "the folder's name");
+    w->sizes = (uint64_t *)smp__ckpt_alloc(&st, sizeof(uint64_t) * (size_t)n, label, "the tensor sizes");
+    w->crcs = (uint32_t *)smp__ckpt_alloc(&st, sizeof(uint32_t) * (size_t)n, label, "the tensor checksums");
+    w->crc_pos = (size_t *)smp__ckpt_alloc(&st, sizeof(size_t) * (size_t)n, label, "the checksums' places");
+    w->name_of = (char **)smp__ckpt_alloc(&st, sizeof(char *) * (size_t)n, label, "the tensor names");
+    w->names = (char *)smp__ckpt_alloc(&st, names_len, label, "the tensor names");
     w->buf_cap = total < SMP__CKPT_IO_CHUNK ? (size_t)total : SMP__CKPT_IO_CHUNK;
-    w->buf = (uint8_t *)SMP_MALLOC(w->buf_cap ? w->buf_cap : 1);
-    if (!w->path || !w->tmp || !w->dir || !w->sizes || !w->crcs || !w->crc_pos || !w->name_of || !w->names ||
-        !w->buf) {
+    w->buf = (uint8_t *)smp__ckpt_alloc(&st, w->buf_cap, label, "the write buffer");
+    if (st) {
         smp__ckpt_writer_free(w);
-        return smp__ckpt_fail(SMP_ERR_NOMEM, label, NULL, "out of memory");
+        return st;
     }
     pos = 0;
     for (i = 0; i < n; i++) {
@@ -1196,7 +1312,7 @@ SMPDEF smp_status smp_ckpt_writer_write(smp_ckpt_writer *w, const void *bytes, s
     }
     if (w->fault == SMP__CKPT_FAULT_DATA) {
         smp__ckpt_writer_flush(w);
-        _exit(77);
+        smp__ckpt_die(SMP__CKPT_FAULT_DATA);
     }
     return SMP_OK;
 }
@@ -1253,6 +1369,7 @@ static smp_status smp__ckpt_writer_seal(smp_ckpt_writer *w) {
             return st;
         }
     }
+    w->header_crc = smp_ckpt_crc32c(0, w->header, w->header_len);
     smp__ckpt_fault(w, SMP__CKPT_FAULT_FLUSH);
     if (fsync(w->fd) != 0) {
         st = smp_error(SMP_ERR_IO, "checkpoint '%s': fsync of '%s' failed: %s", w->path, w->tmp, strerror(errno));
@@ -1353,6 +1470,7 @@ struct smp_ckpt_file {
     smp__ckpt_meta *meta_sorted;
     const uint8_t *map;      /* the whole file mapped read-only (model loads), or NULL */
     int map_tried;
+    uint32_t header_crc;     /* CRC-32C of the length prefix + header as read (manifests record it) */
 };
 
 /* The header parser. Strict JSON for exactly the safetensors schema, so it
@@ -1363,19 +1481,21 @@ typedef struct smp__ckpt_jp {
     size_t n, i;
     const char *label;
     const char *tensor; /* for messages */
+    const char *doc;    /* what is parsed, for messages: NULL for "header" */
 } smp__ckpt_jp;
 
 static smp_status smp__ckpt_jerr(smp__ckpt_jp *jp, const char *fmt, ...) SMP__CKPT_PRINTF(2, 3);
 static smp_status smp__ckpt_jerr(smp__ckpt_jp *jp, const char *fmt, ...) {
     char msg[512], found[32];
+    const char *doc = jp->doc ? jp->doc : "header";
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    if (jp->i >= jp->n) snprintf(found, sizeof found, "the end of the header");
+    if (jp->i >= jp->n) snprintf(found, sizeof found, "the end of the %s", doc);
     else if (jp->s[jp->i] >= 0x20 && jp->s[jp->i] < 0x7f) snprintf(found, sizeof found, "'%c'", jp->s[jp->i]);
     else snprintf(found, sizeof found, "byte 0x%02x", jp->s[jp->i]);
-    return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, jp->tensor, "malformed JSON header at byte %llu: %s, found %s",
+    return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, jp->tensor, "malformed JSON %s at byte %llu: %s, found %s", doc,
                           (smp__ckpt_ull)jp->i, msg, found);
 }
 
@@ -1525,8 +1645,9 @@ static smp_status smp__ckpt_parse_meta(smp__ckpt_jp *jp, smp_ckpt_file *f) {
             return smp__ckpt_jerr(jp, "the value of metadata key '%s' is not a string (metadata holds strings only)",
                                   k);
         if ((st = smp__ckpt_jstring(jp, &v, "a metadata value")) != SMP_OK) return st;
-        if (!smp__ckpt_grow((void **)&f->meta, &f->meta_cap, f->nmeta + 1, sizeof *f->meta))
-            return smp__ckpt_fail(SMP_ERR_NOMEM, jp->label, NULL, "out of memory reading the header");
+        size_t want;
+        if (!smp__ckpt_grow((void **)&f->meta, &f->meta_cap, f->nmeta + 1, sizeof *f->meta, &want))
+            return smp__ckpt_nomem(want, jp->label, "the header's metadata");
         f->meta[f->nmeta].key = k;
         f->meta[f->nmeta].value = v;
         f->nmeta++;
@@ -1649,12 +1770,15 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
                                   (smp__ckpt_ull)(e->offset + e->nbytes), (smp__ckpt_ull)e->nbytes);
     }
     /* names */
-    f->by_name = (smp_ckpt_info **)SMP_MALLOC(sizeof(smp_ckpt_info *) * (size_t)(f->n ? f->n : 1));
-    by_off = (smp_ckpt_info **)SMP_MALLOC(sizeof(smp_ckpt_info *) * (size_t)(f->n ? f->n : 1));
-    f->meta_sorted = (smp__ckpt_meta *)SMP_MALLOC(sizeof(smp__ckpt_meta) * (size_t)(f->nmeta ? f->nmeta : 1));
-    if (!f->by_name || !by_off || !f->meta_sorted) {
+    f->by_name = (smp_ckpt_info **)smp__ckpt_alloc(&st, sizeof(smp_ckpt_info *) * (size_t)f->n, f->label,
+                                                   "the tensors sorted by name");
+    by_off = (smp_ckpt_info **)smp__ckpt_alloc(&st, sizeof(smp_ckpt_info *) * (size_t)f->n, f->label,
+                                               "the tensors sorted by offset");
+    f->meta_sorted = (smp__ckpt_meta *)smp__ckpt_alloc(&st, sizeof(smp__ckpt_meta) * (size_t)f->nmeta, f->label,
+                                                       "the metadata sorted by key");
+    if (st) {
         smp__ckpt_free(by_off);
-        return smp__ckpt_fail(SMP_ERR_NOMEM, f->label, NULL, "out of memory");
+        return st;
     }
     for (i = 0; i < f->n; i++) f->by_name[i] = by_off[i] = &f->info[i];
     qsort(f->by_name, (size_t)f->n, sizeof *f->by_name, smp__ckpt_cmp_name);
@@ -1743,8 +1867,9 @@ static smp_status smp__ckpt_parse(smp_ckpt_file *f) {
                 if ((st = smp__ckpt_parse_meta(&jp, f)) != SMP_OK) return st;
             } else {
                 smp_ckpt_info *e;
-                if (!smp__ckpt_grow((void **)&f->info, &f->cap, f->n + 1, sizeof *f->info))
-                    return smp__ckpt_fail(SMP_ERR_NOMEM, f->label, NULL, "out of memory reading the header");
+                size_t want;
+                if (!smp__ckpt_grow((void **)&f->info, &f->cap, f->n + 1, sizeof *f->info, &want))
+                    return smp__ckpt_nomem(want, f->label, "the header's tensor list");
                 e = &f->info[f->n++];
                 memset(e, 0, sizeof *e);
                 e->name = name;
@@ -1816,28 +1941,33 @@ static smp_status smp__ckpt_load(smp_ckpt_file *f) {
     f->data_start = 8 + hlen;
     f->data_len = f->size - f->data_start;
     f->header = (uint8_t *)SMP_MALLOC(f->header_len + 1);
-    if (!f->header) return smp__ckpt_fail(SMP_ERR_NOMEM, f->label, NULL, "out of memory for a %llu-byte header",
-                                          (smp__ckpt_ull)hlen);
+    if (!f->header) return smp__ckpt_nomem(f->header_len + 1, f->label, "the header");
     if ((st = smp__ckpt_pread_all(f, f->header, f->header_len, 8)) != SMP_OK) return st;
     f->header[f->header_len] = 0;
+    f->header_crc = smp_ckpt_crc32c(smp_ckpt_crc32c(0, pre, 8), f->header, f->header_len); /* before parsing decodes it */
     return smp__ckpt_parse(f);
 }
 
-static smp_ckpt_file *smp__ckpt_file_new(const char *path) {
-    smp_ckpt_file *f = (smp_ckpt_file *)SMP_MALLOC(sizeof *f);
-    size_t n;
-    if (!f) return NULL;
+static smp_status smp__ckpt_file_new(smp_ckpt_file **out, const char *path) {
+    char label[600];
+    smp_status st = SMP_OK;
+    smp_ckpt_file *f;
+    size_t n = strlen(path) + 16;
+    snprintf(label, sizeof label, "checkpoint '%s'", path);
+    *out = f = (smp_ckpt_file *)smp__ckpt_alloc(&st, sizeof *f, label, "opening it");
+    if (!f) return st;
     memset(f, 0, sizeof *f);
     f->fd = -1;
-    n = strlen(path) + 16;
-    f->path = smp__ckpt_strdup(path);
-    f->label = (char *)SMP_MALLOC(n);
-    if (!f->path || !f->label) {
+    if ((f->path = (char *)smp__ckpt_alloc(&st, strlen(path) + 1, label, "its path")))
+        memcpy(f->path, path, strlen(path) + 1);
+    f->label = (char *)smp__ckpt_alloc(&st, n, label, "its name in messages");
+    if (st) {
         smp_ckpt_close(f);
-        return NULL;
+        *out = NULL;
+        return st;
     }
     snprintf(f->label, n, "checkpoint '%s'", path);
-    return f;
+    return SMP_OK;
 }
 
 SMPDEF smp_status smp_ckpt_open(smp_ckpt_file **out, const char *path) {
@@ -1847,8 +1977,7 @@ SMPDEF smp_status smp_ckpt_open(smp_ckpt_file **out, const char *path) {
     if (!out) return smp_error(SMP_ERR_ARG, "smp_ckpt_open: out is NULL");
     *out = NULL;
     if (!path) return smp_error(SMP_ERR_ARG, "smp_ckpt_open: path is NULL");
-    f = smp__ckpt_file_new(path);
-    if (!f) return smp_error(SMP_ERR_NOMEM, "checkpoint '%s': out of memory", path);
+    if ((st = smp__ckpt_file_new(&f, path)) != SMP_OK) return st;
     f->fd = open(path, O_RDONLY | SMP__CKPT_O_CLOEXEC);
     if (f->fd < 0) {
         st = smp_error(SMP_ERR_IO, "cannot open checkpoint '%s': %s", path, strerror(errno));
@@ -1875,8 +2004,7 @@ SMPDEF smp_status smp__ckpt_open_memory(smp_ckpt_file **out, const char *label, 
     if (!out) return smp_error(SMP_ERR_ARG, "smp__ckpt_open_memory: out is NULL");
     *out = NULL;
     if (!bytes && n) return smp_error(SMP_ERR_ARG, "smp__ckpt_open_memory: bytes is NULL");
-    f = smp__ckpt_file_new(label ? label : "<memory>");
-    if (!f) return smp_error(SMP_ERR_NOMEM, "out of memory");
+    if ((st = smp__ckpt_file_new(&f, label ? label : "<memory>")) != SMP_OK) return st;
     f->mem = (const uint8_t *)(bytes ? bytes : "");
     f->size = n;
     if ((st = smp__ckpt_load(f)) != SMP_OK) {
@@ -1991,7 +2119,7 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
     if (!f) return smp_error(SMP_ERR_ARG, "smp_ckpt_verify_all: file is NULL");
     if (f->data_len < cap) cap = f->data_len ? (size_t)f->data_len : 1;
     buf = (uint8_t *)SMP_MALLOC(cap);
-    if (!buf) return smp__ckpt_fail(SMP_ERR_NOMEM, f->label, NULL, "out of memory");
+    if (!buf) return smp__ckpt_nomem(cap, f->label, "verifying its checksums");
     for (i = 0; i < f->n && !st; i++) {
         const smp_ckpt_info *e = &f->info[i];
         uint64_t off = 0;
@@ -2023,12 +2151,21 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
    8-byte dtypes first, then 4, 2, 1 (declaration order within a width), so
    every tensor lies at a multiple of its element size.
 
-   PARTIAL SAVE: each saver writes "<path>_<mp>" with its partition's
-   tensors (1), seals it: data, checksums, fsync, but no rename (2); only
-   when every saver has sealed does each rename its file into place (3).
+   PARTIAL SAVE: world rank 0 picks the generation N, one past the
+   manifest's and past any "<path>.g<M>_*" in the folder (0); each saver
+   writes "<path>.g<N>_<mp>" with its partition's tensors and seals it:
+   data, checksums, fsync, but no rename, while world rank 0 takes the
+   memory its commit needs (1); only when every saver has
+   sealed does each rename its file into place and fsync the folder (2);
+   then world rank 0 gathers every file's size and header checksum and
+   commits: the manifest's tmp file, fsync, rename over "<path>.manifest",
+   folder fsync (3); then each saver removes what the new generation
+   replaced for its partition, partition 0's saver also for partitions
+   that no longer exist (4). A failure before the commit removes the new
+   files (each saver its own).
 
    FULL SAVE: world rank 0's saver opens the one file and writes the header
-   for all tensors (1); then it takes the tensors in file order, its own from
+   for all tensors, and every rank takes the buffers of the transfer (1); then it takes the tensors in file order, its own from
    memory and the others' from their savers, which send them in chunks
    (chunk_bytes, 4 MiB) over MPI, at most SMP__CK_RING chunks in flight per
    rank: no rank ever holds more than that of another's data. An I/O thread
@@ -2036,8 +2173,10 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
    next chunks, and the file puts partition 0's own tensors last in each
    dtype width, so the transfers overlap the disk (2); then it commits (3).
 
-   LOAD: open the headers (partial: "<path>_0" names the partition count P,
-   then "<path>_1" .. "<path>_<P-1>"; all must carry the same save id) (1);
+   LOAD: open the headers (partial: the files the manifest names, each
+   checked against it; without a manifest, the format before them:
+   "<path>_0" names the partition count P, then "<path>_1" .. "<path>_<P-1>",
+   all with the same save id) (1);
    match every tensor of the files with the model by name, dtype and shape,
    missing and unexpected ones being errors (2); checksum every tensor this
    rank will load, reading the files through a read-only mapping (3); only
@@ -2051,6 +2190,7 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
        smp.kind              "full" or "partial"
        smp.partitions        the partition count of the model that saved it
        smp.mp_rank           (partial) the partition this file holds
+       smp.generation        (partial) N of "<path>.g<N>_<mp>"
        smp.save_id           the same in every file of one save
        smp.partition.<name>  for every tensor of the model (in every file):
                              the partition that held it */
@@ -2103,7 +2243,19 @@ typedef struct smp__ck_plan {
     char *gathered; /* every rank's optimizer registrations (names point into it) */
     size_t chunk;
     char save_id[40];
+    smp_status failed; /* an agreement failed: every rank holds this error */
 } smp__ck_plan;
+
+/* An agreement of the plan's ranks (smp__agree_on), made once per failure:
+   once one has failed, every rank holds the agreed error and the later ones
+   return it without agreeing again (a second agreement would credit the
+   error to the lowest rank and prefix its message twice). */
+static smp_status smp__ck_agree(smp__ck_plan *pl, smp_status st, const char *what) {
+    if (pl->failed) return pl->failed;
+    st = smp__agree_on(pl->comm, st, what);
+    pl->failed = st;
+    return st;
+}
 
 static const char *smp__ck_kind_name(int kind) {
     return kind == SMP__CK_PARAM ? "parameter" : kind == SMP__CK_BUFFER ? "buffer" : "optimizer state";
@@ -2195,7 +2347,7 @@ SMPDEF smp_status smp_optimizer_new(smp_model *m, smp_optimizer **out) {
     *out = NULL;
     if (!m) return smp_error(SMP_ERR_ARG, "smp_optimizer_new: model is NULL");
     o = (smp_optimizer *)SMP_MALLOC(sizeof *o);
-    if (!o) return smp_error(SMP_ERR_NOMEM, "smp_optimizer_new: out of memory");
+    if (!o) return smp__nomem(sizeof *o, "smp_optimizer_new's registry");
     memset(o, 0, sizeof *o);
     o->model = m;
     *out = o;
@@ -2247,7 +2399,7 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
     }
     len = strlen(SMP_CKPT_OPTIMIZER_PREFIX) + (param ? strlen(param) + 1 : 0) + strlen(name) + 1;
     full = (char *)SMP_MALLOC(len);
-    if (!full) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", fn);
+    if (!full) return smp__nomem(len, "the name of the optimizer state smp_optimizer_state_add registers");
     snprintf(full, len, "%s%s%s%s", SMP_CKPT_OPTIMIZER_PREFIX, param ? param : "", param ? "." : "", name);
     for (i = 0; i < o->n; i++)
         if (!strcmp(o->s[i].full, full)) {
@@ -2255,9 +2407,9 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
             SMP_FREE(full);
             return st;
         }
-    if (!smp__ckpt_grow((void **)&o->s, &o->cap, o->n + 1, sizeof *o->s)) {
+    if (!smp__ckpt_grow((void **)&o->s, &o->cap, o->n + 1, sizeof *o->s, &len)) {
         SMP_FREE(full);
-        return smp_error(SMP_ERR_NOMEM, "%s: out of memory", fn);
+        return smp__nomem(len, "the optimizer registry smp_optimizer_state_add extends");
     }
     o->s[o->n].full = full;
     o->s[o->n].global = param == NULL;
@@ -2350,7 +2502,7 @@ static smp_status smp__ck_pack(const smp_optimizer *o, char **out, size_t *len) 
     if (!o || !o->n) return SMP_OK;
     for (i = 0; i < o->n; i++) n += 1 + strlen(o->s[i].full) + 1 + 8 + 8 * (size_t)o->s[i].t.ndim;
     b = (char *)SMP_MALLOC(n);
-    if (!b) return smp_error(SMP_ERR_NOMEM, "out of memory packing optimizer state names");
+    if (!b) return smp__nomem(n, "this rank's optimizer state names, packed for the other ranks (a checkpoint's plan)");
     for (i = 0; i < o->n; i++) {
         const smp__ck_state *s = &o->s[i];
         int32_t v[2];
@@ -2397,9 +2549,12 @@ static smp_status smp__ck_merge_optimizer(smp__ck_plan *pl, const int *coords, c
             p += 8 * (size_t)rec.ndim;
             rec.rank = r;
             rec.index = index++;
-            if (!smp__ckpt_grow((void **)&recs, &cap, nrec + 1, sizeof *recs)) {
-                smp__ckpt_free(recs);
-                return smp_error(SMP_ERR_NOMEM, "out of memory merging optimizer state");
+            {
+                size_t want;
+                if (!smp__ckpt_grow((void **)&recs, &cap, nrec + 1, sizeof *recs, &want)) {
+                    smp__ckpt_free(recs);
+                    return smp__nomem(want, "merging every rank's optimizer state names (a checkpoint's plan)");
+                }
             }
             recs[nrec++] = rec;
         }
@@ -2444,7 +2599,10 @@ static smp_status smp__ck_merge_optimizer(smp__ck_plan *pl, const int *coords, c
 }
 
 /* Builds the plan. Collective over the world; every rank makes the same MPI
-   calls whatever fails locally, and the caller agrees on the result. */
+   calls whatever fails locally. The buffers its exchanges fill are agreed
+   on (allocated on every rank) before any rank enters an exchange; the
+   caller agrees on the rest (smp__ck_agree, which returns an agreed failure
+   of the plan without agreeing again). */
 static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_optimizer *opt, size_t chunk) {
     MPI_Request req;
     int *coords = NULL, *counts = NULL, *displs = NULL, mine[2], np, i, nitems = 0, total;
@@ -2466,11 +2624,18 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
     pl->mp = smp_mp_rank();
     pl->dp = smp_dp_rank();
 
+    /* what the exchanges below fill, and this rank's part of them */
+    coords = (int *)smp__ckpt_alloc(&st, sizeof(int) * 2 * (size_t)pl->size, NULL,
+                                    "every rank's partition and replica (a checkpoint's plan)");
+    counts = (int *)smp__ckpt_alloc(&st, sizeof(int) * 2 * (size_t)pl->size, NULL,
+                                    "the lengths of every rank's optimizer state names (a checkpoint's plan)");
+    pl->saver = (int *)smp__ckpt_alloc(&st, sizeof(int) * (size_t)pl->P, NULL,
+                                       "the saver of each partition (a checkpoint's plan)");
+    if (!st) st = smp__ck_pack(opt, &packed, &packed_len);
+    if (!st && packed_len > (size_t)INT32_MAX) st = smp_error(SMP_ERR_ARG, "too many optimizer state names to exchange");
+    if ((st = smp__ck_agree(pl, st, "planning the checkpoint")) != SMP_OK) goto out;
+
     /* who saves each partition */
-    coords = (int *)SMP_MALLOC(sizeof(int) * 2 * (size_t)pl->size);
-    counts = (int *)SMP_MALLOC(sizeof(int) * 2 * (size_t)pl->size);
-    pl->saver = (int *)SMP_MALLOC(sizeof(int) * (size_t)pl->P);
-    if (!coords || !counts || !pl->saver) smp__fatal("out of memory planning a checkpoint");
     displs = counts + pl->size;
     mine[0] = pl->mp;
     mine[1] = pl->dp;
@@ -2500,11 +2665,6 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
     pl->chunk = (size_t)head.chunk;
 
     /* optimizer registrations, from every rank */
-    st = smp__ck_pack(opt, &packed, &packed_len);
-    if (packed_len > (size_t)INT32_MAX) {
-        st = smp_error(SMP_ERR_ARG, "too many optimizer state names to exchange");
-        packed_len = 0;
-    }
     {
         int len = (int)packed_len;
         MPI_Iallgather(&len, 1, MPI_INT, counts, 1, MPI_INT, pl->comm, &req);
@@ -2515,11 +2675,13 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
         displs[i] = total;
         total += counts[i];
     }
-    pl->gathered = (char *)SMP_MALLOC((size_t)total + 1);
-    if (!pl->gathered) smp__fatal("out of memory gathering optimizer state names");
+    pl->gathered = (char *)smp__ckpt_alloc(&st, (size_t)total + 1, NULL,
+                                           "every rank's optimizer state names (a checkpoint's plan)");
+    if ((st = smp__ck_agree(pl, st, "planning the checkpoint")) != SMP_OK) goto out;
     MPI_Iallgatherv(packed, (int)packed_len, MPI_BYTE, pl->gathered, counts, displs, MPI_BYTE, pl->comm, &req);
     smp_wait_requests(1, &req, "optimizer state names", SMP_WORLD, -1);
     smp__ckpt_free(packed);
+    packed = NULL;
 
     /* items: parameters and buffers, then optimizer state */
     np = smp_model_num_params(m, true);
@@ -2534,13 +2696,10 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
             p += 8 + 8 * (size_t)v[1];
             nrec++;
         }
-        pl->items = (smp__ck_item *)SMP_MALLOC(sizeof(smp__ck_item) * (size_t)(np + nrec + 1));
+        pl->items = (smp__ck_item *)smp__ckpt_alloc(&st, sizeof(smp__ck_item) * (size_t)(np + nrec + 1), NULL,
+                                                    "the list of the model's tensors (a checkpoint's plan)");
     }
-    if (!pl->items) {
-        smp__ckpt_free(coords);
-        smp__ckpt_free(counts);
-        return smp_error(SMP_ERR_NOMEM, "out of memory planning a checkpoint");
-    }
+    if (st) goto out;
     for (i = 0; i < np && !st; i++) {
         smp_param *p = smp_model_param_at(m, i);
         const smp_tensor *v = smp_param_value(p);
@@ -2564,27 +2723,31 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
         else if (smp_module_is_local(smp_param_module(p))) it->copy = v;
     }
     if (!st) st = smp__ck_merge_optimizer(pl, coords, counts, displs, opt, &nitems);
-    smp__ckpt_free(coords);
-    smp__ckpt_free(counts);
     pl->n = nitems;
-    if (st) return st;
+    if (st) goto out;
 
     /* names are unique; file order */
-    pl->by_name = (int *)SMP_MALLOC(sizeof(int) * (size_t)(pl->n + 1));
-    pl->order = (int *)SMP_MALLOC(sizeof(int) * (size_t)(pl->n + 1));
-    if (!pl->by_name || !pl->order) return smp_error(SMP_ERR_NOMEM, "out of memory planning a checkpoint");
+    pl->by_name = (int *)smp__ckpt_alloc(&st, sizeof(int) * (size_t)(pl->n + 1), NULL,
+                                         "the model's tensors sorted by name (a checkpoint's plan)");
+    pl->order = (int *)smp__ckpt_alloc(&st, sizeof(int) * (size_t)(pl->n + 1), NULL,
+                                       "the model's tensors in file order (a checkpoint's plan)");
+    if (st) goto out;
     for (i = 0; i < pl->n; i++) pl->by_name[i] = pl->order[i] = i;
     smp__ck_sort_plan = pl;
     qsort(pl->by_name, (size_t)pl->n, sizeof(int), smp__ck_cmp_name);
     qsort(pl->order, (size_t)pl->n, sizeof(int), smp__ck_cmp_order);
     smp__ck_sort_plan = NULL;
-    for (i = 1; i < pl->n; i++) {
+    for (i = 1; i < pl->n && !st; i++) {
         const smp__ck_item *a = &pl->items[pl->by_name[i - 1]], *b = &pl->items[pl->by_name[i]];
         if (!strcmp(a->name, b->name))
-            return smp_error(SMP_ERR_ARG, "two tensors of the checkpoint would be called '%s' (a %s and a %s)", a->name,
-                             smp__ck_kind_name(a->kind), smp__ck_kind_name(b->kind));
+            st = smp_error(SMP_ERR_ARG, "two tensors of the checkpoint would be called '%s' (a %s and a %s)", a->name,
+                           smp__ck_kind_name(a->kind), smp__ck_kind_name(b->kind));
     }
-    return SMP_OK;
+out:
+    smp__ckpt_free(coords);
+    smp__ckpt_free(counts);
+    smp__ckpt_free(packed);
+    return st;
 }
 
 /* ---------------------------------------------------------------- streaming to one rank */
@@ -2669,9 +2832,10 @@ typedef struct smp__ck_rx {
     int receiver, qp; /* posting cursor: position in file order ... */
     uint64_t offp;    /* ... and offset in that item */
     long posted, done;
-    uint8_t *buf[SMP__CK_RING];
+    uint8_t *buf[SMP__CK_RING]; /* allocated before the transfer (smp__ck_stream_prepare) */
     MPI_Request req[SMP__CK_RING];
     size_t cap;
+    uint8_t *stage; /* the receiver's own device tensors go through it */
     smp__ck_io *io;
 } smp__ck_rx;
 
@@ -2693,8 +2857,7 @@ static int smp__ck_post(smp__ck_rx *rx, int block) {
     if (!smp__ck_io_free(rx->io, s, block)) return 0;
     ip = &pl->items[pl->order[rx->qp]];
     lp = ip->nbytes - rx->offp < pl->chunk ? (size_t)(ip->nbytes - rx->offp) : pl->chunk;
-    if (!rx->buf[s] && !(rx->buf[s] = (uint8_t *)SMP_MALLOC(rx->cap)))
-        smp__fatal("out of memory for a %zu-byte checkpoint transfer buffer", rx->cap);
+    SMP_ASSERT(rx->buf[s] != NULL);
     MPI_Irecv(rx->buf[s], (int)lp, MPI_BYTE, smp__ck_source(pl, ip), SMP__CK_TAG, pl->comm, &rx->req[s]);
     rx->posted++;
     rx->offp += lp;
@@ -2729,14 +2892,11 @@ static smp_status smp__ck_receive(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ct
                     if (rx->io) smp__ck_io_push(rx->io, j);
                     else if (!st) st = sink(ctx, idx, off, j.p, len);
                 } else { /* staged through a buffer of its own (never threaded) */
-                    uint8_t *stage;
                     len = it->nbytes - off < pl->chunk ? (size_t)(it->nbytes - off) : pl->chunk;
-                    stage = (uint8_t *)SMP_MALLOC(len);
-                    st2 = stage ? smp__ck_copy(stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len)
-                                : smp_error(SMP_ERR_NOMEM, "out of memory staging '%s'", it->name);
+                    SMP_ASSERT(rx->stage != NULL);
+                    st2 = smp__ck_copy(rx->stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
                     if (!st) st = st2;
-                    if (!st) st = sink(ctx, idx, off, stage, len);
-                    smp__ckpt_free(stage);
+                    if (!st) st = sink(ctx, idx, off, rx->stage, len);
                 }
             } else {
                 int slot = (int)(rx->done % SMP__CK_RING), ready = 0;
@@ -2781,20 +2941,59 @@ static smp_status smp__ck_receive(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ct
     return st;
 }
 
-static smp_status smp__ck_stream(smp__ck_plan *pl, int receiver, smp__ck_sink_fn sink, void *ctx, int threaded) {
-    smp_status st = SMP_OK, st2;
-    const int K = SMP__CK_RING;
+/* Allocates what this rank needs to take part in smp__ck_stream to
+   `receiver`: the receiver's ring of SMP__CK_RING chunk buffers (fewer when
+   fewer chunks come) and a staging buffer for its own device tensors; a
+   sender's ring when it sends device tensors (staged through host memory).
+   Called, and agreed on, before the transfer starts, so no rank runs out of
+   memory inside it while the others wait. */
+static smp_status smp__ck_stream_prepare(smp__ck_plan *pl, int receiver, smp__ck_rx *rx) {
+    smp_status st = SMP_OK;
     uint64_t biggest = 0;
-    char what[128];
-    int q, i;
-    smp__ck_rx rx;
-    memset(&rx, 0, sizeof rx);
-    rx.pl = pl;
-    rx.receiver = receiver;
+    long chunks = 0;
+    int i, device = 0, own_device = 0;
+    memset(rx, 0, sizeof *rx);
+    rx->pl = pl;
+    rx->receiver = receiver;
     for (i = 0; i < pl->n; i++)
         if (pl->items[i].nbytes > biggest) biggest = pl->items[i].nbytes;
-    rx.cap = biggest < pl->chunk ? (size_t)biggest : pl->chunk;
-    if (!rx.cap) rx.cap = 1;
+    rx->cap = biggest < pl->chunk ? (size_t)biggest : pl->chunk;
+    if (!rx->cap) rx->cap = 1;
+    for (i = 0; i < pl->n; i++) {
+        const smp__ck_item *it = &pl->items[i];
+        int src = smp__ck_source(pl, it);
+        long n = (long)((it->nbytes + pl->chunk - 1) / pl->chunk);
+        if (pl->rank == receiver && src != receiver) chunks += n;
+        if (pl->rank != receiver && src == pl->rank) {
+            chunks += n;
+            if (it->local && it->local->device >= 0) device = 1;
+        }
+        if (pl->rank == receiver && src == receiver && it->local && it->local->device >= 0) own_device = 1;
+    }
+    if (pl->rank != receiver && !device) chunks = 0; /* a host sender sends from the tensors themselves */
+    for (i = 0; i < SMP__CK_RING && i < chunks; i++)
+        rx->buf[i] = (uint8_t *)smp__ckpt_alloc(&st, rx->cap, NULL, "a checkpoint transfer buffer (one of 8)");
+    if (own_device) rx->stage = (uint8_t *)smp__ckpt_alloc(&st, rx->cap, NULL, "staging a device tensor to save it");
+    return st;
+}
+
+static void smp__ck_stream_free(smp__ck_rx *rx) {
+    int i;
+    for (i = 0; i < SMP__CK_RING; i++) smp__ckpt_free(rx->buf[i]);
+    smp__ckpt_free(rx->stage);
+    memset(rx->buf, 0, sizeof rx->buf);
+    rx->stage = NULL;
+}
+
+/* Streams every item to `receiver` (see smp__ck_receive), with the buffers
+   smp__ck_stream_prepare allocated on every rank. */
+static smp_status smp__ck_stream(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ctx, int threaded) {
+    smp__ck_plan *pl = rx->pl;
+    int receiver = rx->receiver;
+    smp_status st = SMP_OK, st2;
+    const int K = SMP__CK_RING;
+    char what[128];
+    int q, i;
 
     if (pl->rank == receiver) {
         smp__ck_io io;
@@ -2809,14 +3008,14 @@ static smp_status smp__ck_stream(smp__ck_plan *pl, int receiver, smp__ck_sink_fn
             pthread_mutex_init(&io.mu, NULL);
             pthread_cond_init(&io.cv, NULL);
             if (pthread_create(&th, NULL, smp__ck_io_main, &io) == 0) {
-                rx.io = &io;
+                rx->io = &io;
             } else {
                 pthread_cond_destroy(&io.cv);
                 pthread_mutex_destroy(&io.mu);
             }
         }
-        st = smp__ck_receive(&rx, sink, ctx);
-        if (rx.io) {
+        st = smp__ck_receive(rx, sink, ctx);
+        if (rx->io) {
             pthread_mutex_lock(&io.mu);
             io.quit = 1;
             pthread_cond_broadcast(&io.cv);
@@ -2839,29 +3038,28 @@ static smp_status smp__ck_stream(smp__ck_plan *pl, int receiver, smp__ck_sink_fn
                 const void *p;
                 if (sent >= K) { /* senders may sleep between polls: the receiver drives the copy */
                     snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
-                    smp_wait_requests(1, &rx.req[slot], what, SMP_WORLD, receiver);
+                    smp_wait_requests(1, &rx->req[slot], what, SMP_WORLD, receiver);
                 }
                 if (it->local->device < 0) {
                     p = (const uint8_t *)it->local->data + off;
                 } else { /* send what the copy gave; a failure fails the save later */
-                    if (!rx.buf[slot] && !(rx.buf[slot] = (uint8_t *)SMP_MALLOC(rx.cap)))
-                        smp__fatal("out of memory for a %zu-byte checkpoint transfer buffer", rx.cap);
-                    st2 = smp__ck_copy(rx.buf[slot], SMP_HOST, (const uint8_t *)it->local->data + off,
+                    SMP_ASSERT(rx->buf[slot] != NULL);
+                    st2 = smp__ck_copy(rx->buf[slot], SMP_HOST, (const uint8_t *)it->local->data + off,
                                        it->local->device, len);
                     if (!st) st = st2;
-                    p = rx.buf[slot];
+                    p = rx->buf[slot];
                 }
-                MPI_Isend(p, (int)len, MPI_BYTE, receiver, SMP__CK_TAG, pl->comm, &rx.req[slot]);
+                MPI_Isend(p, (int)len, MPI_BYTE, receiver, SMP__CK_TAG, pl->comm, &rx->req[slot]);
                 sent++;
                 off += len;
             }
         }
         for (k = sent > K ? sent - K : 0; k < sent; k++) {
             snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
-            smp_wait_requests(1, &rx.req[k % K], what, SMP_WORLD, receiver);
+            smp_wait_requests(1, &rx->req[k % K], what, SMP_WORLD, receiver);
         }
     }
-    for (i = 0; i < K; i++) smp__ckpt_free(rx.buf[i]);
+    rx->io = NULL;
     return st;
 }
 
@@ -2870,6 +3068,7 @@ typedef struct smp__ck_meta {
     char **keys, **vals;
     int n, cap;
     int oom;
+    size_t want; /* after oom: the bytes it could not have */
 } smp__ck_meta;
 
 static void smp__ck_meta_add(smp__ck_meta *md, const char *k1, const char *k2, const char *v) {
@@ -2877,16 +3076,16 @@ static void smp__ck_meta_add(smp__ck_meta *md, const char *k1, const char *k2, c
     char *k, *val;
     int cap2 = md->cap;
     if (md->oom) return;
-    if (!smp__ckpt_grow((void **)&md->keys, &md->cap, md->n + 1, sizeof(char *)) ||
-        !smp__ckpt_grow((void **)&md->vals, &cap2, md->n + 1, sizeof(char *))) {
+    if (!smp__ckpt_grow((void **)&md->keys, &md->cap, md->n + 1, sizeof(char *), &md->want) ||
+        !smp__ckpt_grow((void **)&md->vals, &cap2, md->n + 1, sizeof(char *), &md->want)) {
         md->oom = 1;
         return;
     }
     k = (char *)SMP_MALLOC(l1 + l2 + 1);
-    val = smp__ckpt_strdup(v);
+    val = k ? smp__ckpt_strdup(v) : NULL;
     if (!k || !val) {
+        md->want = !k ? l1 + l2 + 1 : strlen(v) + 1;
         smp__ckpt_free(k);
-        smp__ckpt_free(val);
         md->oom = 1;
         return;
     }
@@ -2909,7 +3108,8 @@ static void smp__ck_meta_free(smp__ck_meta *md) {
     memset(md, 0, sizeof *md);
 }
 
-static smp_status smp__ck_build_meta(const smp__ck_plan *pl, const smp_save_desc *d, int partial, smp__ck_meta *md) {
+static smp_status smp__ck_build_meta(const smp__ck_plan *pl, const smp_save_desc *d, int partial, uint64_t gen,
+                                     smp__ck_meta *md) {
     char num[48];
     int i;
     memset(md, 0, sizeof *md);
@@ -2923,21 +3123,29 @@ static smp_status smp__ck_build_meta(const smp__ck_plan *pl, const smp_save_desc
         smp__ck_meta_add(md, "smp.mp_rank", NULL, num);
     }
     smp__ck_meta_add(md, "smp.save_id", NULL, pl->save_id);
+    if (partial) {
+        snprintf(num, sizeof num, "%llu", (smp__ckpt_ull)gen);
+        smp__ck_meta_add(md, "smp.generation", NULL, num);
+    }
     for (i = 0; i < pl->n; i++) {
         snprintf(num, sizeof num, "%d", pl->items[i].mp);
         smp__ck_meta_add(md, "smp.partition.", pl->items[i].name, num);
     }
     if (md->oom) {
+        size_t want = md->want;
         smp__ck_meta_free(md);
-        return smp_error(SMP_ERR_NOMEM, "out of memory building checkpoint metadata");
+        return smp__nomem(want, "the metadata of the checkpoint's files");
     }
     return SMP_OK;
 }
 
-/* The entries of the items for which keep(item) holds, in file order. */
-static smp_ckpt_entry *smp__ck_entries(const smp__ck_plan *pl, int only_mp, int *count) {
-    smp_ckpt_entry *e = (smp_ckpt_entry *)SMP_MALLOC(sizeof(smp_ckpt_entry) * (size_t)(pl->n + 1));
+/* The entries of the items of partition only_mp (-1: all), in file order;
+   NULL and the out-of-memory error in *st when there is no memory. */
+static smp_ckpt_entry *smp__ck_entries(const smp__ck_plan *pl, int only_mp, int *count, smp_status *st) {
+    smp_ckpt_entry *e = (smp_ckpt_entry *)smp__ckpt_alloc(st, sizeof(smp_ckpt_entry) * (size_t)(pl->n + 1), NULL,
+                                                          "the list of tensors of a checkpoint file");
     int q, n = 0;
+    *count = 0;
     if (!e) return NULL;
     for (q = 0; q < pl->n; q++) {
         const smp__ck_item *it = &pl->items[pl->order[q]];
@@ -2970,7 +3178,7 @@ static smp_status smp__ck_write_local(smp_ckpt_writer *w, const smp__ck_item *it
     if (!it->nbytes) return SMP_OK;
     if (t->device < 0) return smp_ckpt_writer_write(w, t->data, (size_t)it->nbytes);
     stage = (uint8_t *)SMP_MALLOC(chunk);
-    if (!stage) return smp_error(SMP_ERR_NOMEM, "out of memory staging '%s'", it->name);
+    if (!stage) return smp__nomem(chunk, "staging a device tensor to save it");
     while (off < it->nbytes && !st) {
         size_t len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
         st = smp__ck_copy(stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
@@ -2986,6 +3194,587 @@ static char *smp__ck_part_path(const char *path, int k) {
     char *p = (char *)SMP_MALLOC(n);
     if (p) snprintf(p, n, "%s_%d", path, k);
     return p;
+}
+
+/* ---------------------------------------------------------------- partial checkpoints: generations and manifests
+   A partial save writes its files under a new generation number N,
+   "<path>.g<N>_<mp>", and commits them all at once by renaming a small JSON
+   manifest, "<path>.manifest", over the previous one (see PARTIAL SAVE
+   above). These helpers name, scan, write and read those files. */
+#define SMP__CK_MANIFEST_FORMAT "smp-checkpoint-manifest/1"
+#define SMP__CK_MANIFEST_MAX ((size_t)64 << 20)
+#define SMP__CK_FAULT_PACE_NS 1000000L /* test-only pacing: 1 ms polls, 10 s at most */
+
+static char *smp__ck_manifest_path(const char *path) {
+    size_t n = strlen(path) + 16;
+    char *p = (char *)SMP_MALLOC(n);
+    if (p) snprintf(p, n, "%s.manifest", path);
+    return p;
+}
+
+static char *smp__ck_gen_path(const char *path, uint64_t gen, int k) {
+    size_t n = strlen(path) + 48;
+    char *p = (char *)SMP_MALLOC(n);
+    if (p) snprintf(p, n, "%s.g%llu_%d", path, (smp__ckpt_ull)gen, k);
+    return p;
+}
+
+static int smp__ck_exists(const char *path) {
+    struct stat sb;
+    return path && stat(path, &sb) == 0;
+}
+
+/* "<dir>/<name>" */
+static char *smp__ck_join(const char *dir, const char *name) {
+    size_t dl = strlen(dir), nl = strlen(name);
+    char *p = (char *)SMP_MALLOC(dl + nl + 2);
+    if (!p) return NULL;
+    memcpy(p, dir, dl);
+    p[dl] = '/';
+    memcpy(p + dl + 1, name, nl + 1);
+    return p;
+}
+
+/* Decimal digits at s without a leading zero ("0" itself is fine), at most
+   18 of them: their count (0: none, or not a plain number) and value. */
+static int smp__ck_digits(const char *s, uint64_t *v) {
+    int n = 0;
+    *v = 0;
+    while (s[n] >= '0' && s[n] <= '9') {
+        if (n == 18) return 0;
+        *v = *v * 10 + (uint64_t)(s[n] - '0');
+        n++;
+    }
+    if (n > 1 && s[0] == '0') return 0;
+    return n;
+}
+
+/* What a name in the checkpoint's folder is, for the checkpoint "<base>":
+   a generation's file "<base>.g<gen>_<k>", a file of the format before
+   manifests "<base>_<k>", either possibly a killed writer's
+   "<name>.tmp.<pid>" (*tmp_pid > 0), or something else. */
+enum { SMP__CK_NAME_OTHER, SMP__CK_NAME_GEN, SMP__CK_NAME_LEGACY };
+
+static int smp__ck_classify(const char *name, const char *base, uint64_t *gen, int *k, long *tmp_pid) {
+    size_t bl = strlen(base);
+    const char *p;
+    uint64_t v;
+    int kind, n;
+    *gen = 0;
+    *k = -1;
+    *tmp_pid = 0;
+    if (strncmp(name, base, bl) != 0) return SMP__CK_NAME_OTHER;
+    p = name + bl;
+    if (p[0] == '.' && p[1] == 'g') {
+        if (!(n = smp__ck_digits(p + 2, gen)) || p[2 + n] != '_') return SMP__CK_NAME_OTHER;
+        p += 2 + n + 1;
+        kind = SMP__CK_NAME_GEN;
+    } else if (p[0] == '_') {
+        p++;
+        kind = SMP__CK_NAME_LEGACY;
+    } else {
+        return SMP__CK_NAME_OTHER;
+    }
+    if (!(n = smp__ck_digits(p, &v)) || v > (1u << 20)) return SMP__CK_NAME_OTHER;
+    *k = (int)v;
+    p += n;
+    if (!*p) return kind;
+    if (strncmp(p, ".tmp.", 5) != 0 || !(n = smp__ck_digits(p + 5, &v)) || p[5 + n] || v == 0 || v > 0x7fffffff)
+        return SMP__CK_NAME_OTHER;
+    *tmp_pid = (long)v;
+    return kind;
+}
+
+/* The names in a folder, into *out (NULL-terminated, malloc'd; NULL when
+   the folder cannot be read, or is empty). SMP_ERR_NOMEM when the list
+   cannot be had, with *out NULL. */
+static smp_status smp__ck_list_dir(const char *dir, char ***out) {
+    DIR *d = opendir(dir);
+    struct dirent *de;
+    char **names = NULL;
+    int n = 0, cap = 0, i;
+    size_t want = 0;
+    *out = NULL;
+    if (!d) return SMP_OK;
+    while ((de = readdir(d)) != NULL) {
+        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+        if (!smp__ckpt_grow((void **)&names, &cap, n + 2, sizeof *names, &want)) break;
+        if (!(names[n] = smp__ckpt_strdup(de->d_name))) {
+            want = strlen(de->d_name) + 1;
+            break;
+        }
+        names[++n] = NULL;
+    }
+    closedir(d);
+    if (want) {
+        for (i = 0; i < n; i++) SMP_FREE(names[i]);
+        smp__ckpt_free(names);
+        return smp__ckpt_nomem(want, NULL, "listing the checkpoint's folder");
+    }
+    *out = names;
+    return SMP_OK;
+}
+
+static void smp__ck_free_list(char **names) {
+    int i;
+    if (!names) return;
+    for (i = 0; names[i]; i++) SMP_FREE(names[i]);
+    SMP_FREE(names);
+}
+
+/* ---- the manifest */
+typedef struct smp__ck_mfile {
+    const char *name;    /* in the manifest's folder */
+    uint64_t bytes;      /* the file's size */
+    uint32_t header_crc; /* CRC-32C of its length prefix and header */
+} smp__ck_mfile;
+
+typedef struct smp__ck_manifest {
+    uint64_t generation;
+    int partitions;
+    const char *save_id;
+    smp__ck_mfile *files; /* [partitions], by mp rank */
+    int nfiles, cap;
+    uint8_t *text;        /* the manifest's bytes, strings decoded in place */
+} smp__ck_manifest;
+
+static void smp__ck_manifest_free(smp__ck_manifest *m) {
+    smp__ckpt_free(m->files);
+    smp__ckpt_free(m->text);
+    memset(m, 0, sizeof *m);
+}
+
+static smp_status smp__ck_jcrc(smp__ckpt_jp *jp, uint32_t *out) {
+    const char *v;
+    uint32_t hi, lo;
+    size_t plen = strlen(SMP__CKPT_CRC_PREFIX);
+    int j;
+    smp_status st = smp__ckpt_jstring(jp, &v, "header_crc32c");
+    if (st) return st;
+    if (strlen(v) != plen + 8 || strncmp(v, SMP__CKPT_CRC_PREFIX, plen) != 0)
+        return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
+                              "header_crc32c \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 hex digits", v);
+    for (j = 0; j < 8; j++) {
+        char c = v[plen + j];
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
+            return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
+                                  "header_crc32c \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 lowercase hex digits", v);
+    }
+    smp__ckpt_hex4((const uint8_t *)v + plen, &hi);
+    smp__ckpt_hex4((const uint8_t *)v + plen + 4, &lo);
+    *out = (hi << 16) | lo;
+    return SMP_OK;
+}
+
+static smp_status smp__ck_manifest_file(smp__ckpt_jp *jp, smp__ck_manifest *m) {
+    int have[4] = {0, 0, 0, 0}, idx = m->nfiles;
+    uint64_t mp = 0;
+    smp__ck_mfile *f;
+    smp_status st;
+    size_t want;
+    if (!smp__ckpt_grow((void **)&m->files, &m->cap, m->nfiles + 1, sizeof *m->files, &want))
+        return smp__ckpt_nomem(want, jp->label, "the list of files");
+    f = &m->files[m->nfiles++];
+    memset(f, 0, sizeof *f);
+    if (!smp__ckpt_eat(jp, '{')) return smp__ckpt_jerr(jp, "each entry of \"files\" must be an object");
+    for (;;) {
+        const char *k;
+        int which;
+        if ((st = smp__ckpt_jstring(jp, &k, "a key")) != SMP_OK) return st;
+        if (!smp__ckpt_eat(jp, ':')) return smp__ckpt_jerr(jp, "expected ':' after key '%s'", k);
+        which = !strcmp(k, "mp_rank") ? 0 : !strcmp(k, "name") ? 1 : !strcmp(k, "bytes") ? 2
+              : !strcmp(k, "header_crc32c") ? 3 : -1;
+        if (which < 0)
+            return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
+                                  "file %d: unknown key \"%s\" (a file has mp_rank, name, bytes, header_crc32c)", idx, k);
+        if (have[which]++) return smp__ckpt_jerr(jp, "key '%s' appears twice in file %d", k, idx);
+        if (which == 0) st = smp__ckpt_juint(jp, &mp, "mp_rank");
+        else if (which == 1) st = smp__ckpt_jstring(jp, &f->name, "the file name");
+        else if (which == 2) st = smp__ckpt_juint(jp, &f->bytes, "bytes");
+        else st = smp__ck_jcrc(jp, &f->header_crc);
+        if (st) return st;
+        if (smp__ckpt_eat(jp, ',')) continue;
+        if (smp__ckpt_eat(jp, '}')) break;
+        return smp__ckpt_jerr(jp, "expected ',' or '}' after key '%s'", k);
+    }
+    if (!have[0] || !have[1] || !have[2] || !have[3])
+        return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL, "file %d has no \"%s\"", idx,
+                              !have[0] ? "mp_rank" : !have[1] ? "name" : !have[2] ? "bytes" : "header_crc32c");
+    if (mp != (uint64_t)idx)
+        return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL, "file %d of \"files\" has mp_rank %llu (files are listed by mp_rank)",
+                              idx, (smp__ckpt_ull)mp);
+    if (!f->name[0] || strchr(f->name, '/') || !strcmp(f->name, ".") || !strcmp(f->name, ".."))
+        return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
+                              "file %d: \"%s\" is not the name of a file in the manifest's folder", idx, f->name);
+    return SMP_OK;
+}
+
+/* Parses a manifest held in text[0..n) (malloc'd, n + 1 bytes, decoded in
+   place): m owns text on success; on error text is freed. */
+static smp_status smp__ck_manifest_parse(uint8_t *text, size_t n, const char *label, smp__ck_manifest *m) {
+    smp__ckpt_jp jp;
+    int have[6] = {0, 0, 0, 0, 0, 0};
+    uint64_t parts = 0;
+    smp_status st = SMP_OK;
+    memset(m, 0, sizeof *m);
+    m->text = text;
+    memset(&jp, 0, sizeof jp);
+    jp.s = text;
+    jp.n = n;
+    jp.label = label;
+    jp.doc = "manifest";
+    if (!smp__ckpt_eat(&jp, '{')) st = smp__ckpt_jerr(&jp, "a manifest is a JSON object");
+    while (!st) {
+        const char *k, *v;
+        int which;
+        if ((st = smp__ckpt_jstring(&jp, &k, "a key")) != SMP_OK) break;
+        if (!smp__ckpt_eat(&jp, ':')) {
+            st = smp__ckpt_jerr(&jp, "expected ':' after key '%s'", k);
+            break;
+        }
+        which = !strcmp(k, "format") ? 0 : !strcmp(k, "kind") ? 1 : !strcmp(k, "generation") ? 2
+              : !strcmp(k, "save_id") ? 3 : !strcmp(k, "partitions") ? 4 : !strcmp(k, "files") ? 5 : -1;
+        if (which < 0) {
+            st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL,
+                                "unknown key \"%s\" (a manifest has format, kind, generation, save_id, partitions, files)", k);
+            break;
+        }
+        if (have[which]++) {
+            st = smp__ckpt_jerr(&jp, "key '%s' appears twice", k);
+            break;
+        }
+        switch (which) {
+        case 0:
+            if (!(st = smp__ckpt_jstring(&jp, &v, "the format")) && strcmp(v, SMP__CK_MANIFEST_FORMAT))
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL,
+                                    "format \"%s\" is not \"" SMP__CK_MANIFEST_FORMAT "\" (written by another version of smp?)", v);
+            break;
+        case 1:
+            if (!(st = smp__ckpt_jstring(&jp, &v, "the kind")) && strcmp(v, "partial"))
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "kind \"%s\" is not \"partial\"", v);
+            break;
+        case 2:
+            if (!(st = smp__ckpt_juint(&jp, &m->generation, "generation")) && m->generation == 0)
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "generation 0 (generations count from 1)");
+            break;
+        case 3:
+            if (!(st = smp__ckpt_jstring(&jp, &m->save_id, "the save id")) && (!m->save_id[0] || strlen(m->save_id) >= 40))
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "save_id \"%s\" is empty or longer than 39 bytes", m->save_id);
+            break;
+        case 4:
+            if (!(st = smp__ckpt_juint(&jp, &parts, "partitions")) && (parts < 1 || parts > (1u << 20)))
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "partitions %llu is outside 1..%d", (smp__ckpt_ull)parts,
+                                    1 << 20);
+            break;
+        default:
+            if (!smp__ckpt_eat(&jp, '[')) {
+                st = smp__ckpt_jerr(&jp, "\"files\" must be an array");
+                break;
+            }
+            if (smp__ckpt_eat(&jp, ']')) break;
+            for (;;) {
+                if (m->nfiles >= (1 << 20)) {
+                    st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "more than %d files", 1 << 20);
+                    break;
+                }
+                if ((st = smp__ck_manifest_file(&jp, m)) != SMP_OK) break;
+                if (smp__ckpt_eat(&jp, ',')) continue;
+                if (smp__ckpt_eat(&jp, ']')) break;
+                st = smp__ckpt_jerr(&jp, "expected ',' or ']' in \"files\"");
+                break;
+            }
+        }
+        if (st) break;
+        if (smp__ckpt_eat(&jp, ',')) continue;
+        if (smp__ckpt_eat(&jp, '}')) break;
+        st = smp__ckpt_jerr(&jp, "expected ',' or '}' after key '%s'", k);
+    }
+    if (!st) {
+        int i;
+        smp__ckpt_ws(&jp);
+        if (jp.i != jp.n) st = smp__ckpt_jerr(&jp, "only spaces may follow the manifest's closing '}'");
+        for (i = 0; i < 6 && !st; i++)
+            if (!have[i]) {
+                static const char *const keys[6] = {"format", "kind", "generation", "save_id", "partitions", "files"};
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "the manifest has no \"%s\"", keys[i]);
+            }
+        if (!st && (uint64_t)m->nfiles != parts)
+            st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "\"files\" lists %d files for %llu partitions", m->nfiles,
+                                (smp__ckpt_ull)parts);
+        m->partitions = (int)parts;
+    }
+    if (st) smp__ck_manifest_free(m);
+    return st;
+}
+
+/* Internal, for fuzzing: validates a manifest image exactly as loading
+   does (`label` names it in messages). */
+SMPDEF smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label);
+SMPDEF smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label) {
+    smp__ck_manifest m;
+    uint8_t *text;
+    smp_status st;
+    if (!bytes && n) return smp_error(SMP_ERR_ARG, "smp__ckpt_manifest_check: bytes is NULL");
+    text = (uint8_t *)SMP_MALLOC(n + 1);
+    if (!text) return smp__ckpt_nomem(n + 1, NULL, "a copy of the manifest to check");
+    if (n) memcpy(text, bytes, n);
+    text[n] = 0;
+    st = smp__ck_manifest_parse(text, n, label ? label : "manifest", &m);
+    if (!st) smp__ck_manifest_free(&m);
+    return st;
+}
+
+/* Reads and parses the manifest at mpath. */
+static smp_status smp__ck_manifest_read(const char *mpath, smp__ck_manifest *m) {
+    char label[600];
+    struct stat sb;
+    uint8_t *text;
+    size_t got = 0;
+    int fd;
+    memset(m, 0, sizeof *m);
+    snprintf(label, sizeof label, "checkpoint manifest '%s'", mpath);
+    fd = open(mpath, O_RDONLY | SMP__CKPT_O_CLOEXEC);
+    if (fd < 0) return smp_error(SMP_ERR_IO, "cannot open %s: %s", label, strerror(errno));
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        return smp_error(SMP_ERR_IO, "%s is not a regular file", label);
+    }
+    if ((uint64_t)sb.st_size > SMP__CK_MANIFEST_MAX) {
+        close(fd);
+        return smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "%llu bytes is over the %llu-byte limit of a manifest",
+                              (smp__ckpt_ull)sb.st_size, (smp__ckpt_ull)SMP__CK_MANIFEST_MAX);
+    }
+    text = (uint8_t *)SMP_MALLOC((size_t)sb.st_size + 1);
+    if (!text) {
+        close(fd);
+        return smp__ckpt_nomem((size_t)sb.st_size + 1, label, "the text");
+    }
+    while (got < (size_t)sb.st_size) {
+        ssize_t k = read(fd, text + got, (size_t)sb.st_size - got);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) {
+            smp_status st = smp__ckpt_fail(SMP_ERR_IO, label, NULL, "read failed: %s", k < 0 ? strerror(errno) : "short file");
+            close(fd);
+            SMP_FREE(text);
+            return st;
+        }
+        got += (size_t)k;
+    }
+    close(fd);
+    text[got] = 0;
+    return smp__ck_manifest_parse(text, got, label, m);
+}
+
+/* Writes "<path>.manifest" naming generation `gen`'s P files (their sizes
+   and header checksums): tmp file, fsync, rename over the old manifest,
+   folder fsync. *committed says whether the rename happened: from then on
+   the new checkpoint is the one smp_load sees. */
+static smp_status smp__ck_manifest_write(const char *path, uint64_t gen, const char *save_id, int P,
+                                         const uint64_t *bytes, const uint32_t *crcs, int fault, int *committed) {
+    smp__ckpt_sbuf b;
+    char *mpath = smp__ck_manifest_path(path), *tmp = NULL, *dir = NULL, num[128];
+    const char *base, *mbase;
+    smp_status st = SMP_OK;
+    int k, fd = -1, dfd;
+    *committed = 0;
+    memset(&b, 0, sizeof b);
+    if (!mpath) return smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
+    if (!(dir = smp__ckpt_dirname(path, &base))) {
+        st = smp__nomem(strlen(path) + 1, "the name of the checkpoint's folder");
+        goto out;
+    }
+    if (!(tmp = (char *)smp__ckpt_alloc(&st, strlen(mpath) + 32, NULL, "the name of the manifest's tmp file"))) goto out;
+    smp__ckpt_puts(&b, "{\n  \"format\": \"" SMP__CK_MANIFEST_FORMAT "\",\n  \"kind\": \"partial\",\n");
+    snprintf(num, sizeof num, "  \"generation\": %llu,\n  \"save_id\": ", (smp__ckpt_ull)gen);
+    smp__ckpt_puts(&b, num);
+    smp__ckpt_put_jstr(&b, NULL, save_id);
+    snprintf(num, sizeof num, ",\n  \"partitions\": %d,\n  \"files\": [\n", P);
+    smp__ckpt_puts(&b, num);
+    for (k = 0; k < P; k++) {
+        snprintf(num, sizeof num, "    {\"mp_rank\": %d, \"name\": ", k);
+        smp__ckpt_puts(&b, num);
+        smp__ckpt_puts(&b, "\"");
+        smp__ckpt_put_escaped(&b, base);
+        snprintf(num, sizeof num, ".g%llu_%d\", \"bytes\": %llu, \"header_crc32c\": \"" SMP__CKPT_CRC_PREFIX "%08x\"}%s\n",
+                 (smp__ckpt_ull)gen, k, (smp__ckpt_ull)bytes[k], (unsigned)crcs[k], k + 1 < P ? "," : "");
+        smp__ckpt_puts(&b, num);
+    }
+    smp__ckpt_puts(&b, "  ]\n}\n");
+    if (b.oom) {
+        st = smp__ckpt_nomem(b.want, NULL, "the text of the checkpoint's manifest");
+        goto out;
+    }
+    mbase = strrchr(mpath, '/') ? strrchr(mpath, '/') + 1 : mpath;
+    smp__ckpt_remove_stale(dir, mbase);
+    snprintf(tmp, strlen(mpath) + 32, "%s.tmp.%ld", mpath, (long)getpid());
+    fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | SMP__CKPT_O_CLOEXEC, 0666);
+    if (fd < 0 && errno == EEXIST) {
+        unlink(tmp);
+        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | SMP__CKPT_O_CLOEXEC, 0666);
+    }
+    if (fd < 0) {
+        st = smp_error(SMP_ERR_IO, "checkpoint '%s': cannot create its manifest '%s': %s", path, tmp, strerror(errno));
+        goto out;
+    }
+    if (smp__ckpt_write_all(fd, b.p, b.len) != 0 || fsync(fd) != 0) {
+        st = smp_error(SMP_ERR_IO, "checkpoint '%s': writing its manifest '%s' failed: %s", path, tmp, strerror(errno));
+        close(fd);
+        unlink(tmp);
+        goto out;
+    }
+    if (close(fd) != 0) {
+        st = smp_error(SMP_ERR_IO, "checkpoint '%s': closing its manifest '%s' failed: %s", path, tmp, strerror(errno));
+        unlink(tmp);
+        goto out;
+    }
+    if (fault == SMP__CKPT_FAULT_MANIFEST) smp__ckpt_die(fault);
+    if (rename(tmp, mpath) != 0) {
+        st = smp_error(SMP_ERR_IO, "checkpoint '%s': renaming '%s' over its manifest '%s' failed: %s", path, tmp, mpath,
+                       strerror(errno));
+        unlink(tmp);
+        goto out;
+    }
+    *committed = 1;
+    if (fault == SMP__CKPT_FAULT_COMMIT) smp__ckpt_die(fault);
+    dfd = open(dir, O_RDONLY | SMP__CKPT_O_DIRECTORY | SMP__CKPT_O_CLOEXEC);
+    if (dfd < 0 || (fsync(dfd) != 0 && errno != EINVAL && errno != ENOTSUP && errno != EOPNOTSUPP))
+        st = smp_error(SMP_ERR_IO,
+                       "checkpoint '%s': its manifest '%s' is in place, but flushing the folder '%s' failed: %s (the "
+                       "previous generation's files were kept)",
+                       path, mpath, dir, strerror(errno));
+    if (dfd >= 0) close(dfd);
+out:
+    smp__ckpt_free(b.p);
+    smp__ckpt_free(mpath);
+    smp__ckpt_free(tmp);
+    smp__ckpt_free(dir);
+    return st;
+}
+
+/* Whether the file at `full` is a partial checkpoint file of mp rank k,
+   and, for a generation's file, of generation `gen` (smp.generation): what
+   the cleanup checks before it deletes anything. -1: no memory to tell. */
+static int smp__ck_is_ours(const char *full, int kind, uint64_t gen, int k) {
+    smp_ckpt_file *f;
+    const char *fmt, *knd, *mp, *g;
+    uint64_t v;
+    int ok;
+    smp_status st = smp_ckpt_open(&f, full);
+    if (st) return st == SMP_ERR_NOMEM ? -1 : 0;
+    fmt = smp_ckpt_meta(f, "smp.format");
+    knd = smp_ckpt_meta(f, "smp.kind");
+    mp = smp_ckpt_meta(f, "smp.mp_rank");
+    g = smp_ckpt_meta(f, "smp.generation");
+    ok = fmt && !strcmp(fmt, SMP__CK_FORMAT) && knd && !strcmp(knd, "partial") && mp &&
+         smp__ck_digits(mp, &v) == (int)strlen(mp) && v == (uint64_t)k;
+    if (ok && kind == SMP__CK_NAME_GEN) ok = g && smp__ck_digits(g, &v) == (int)strlen(g) && v == gen;
+    smp_ckpt_close(f);
+    return ok;
+}
+
+/* The generation a new save of `path` takes, into *out: one past the
+   manifest's and past any generation's file (or a killed writer's tmp file)
+   in the folder, so an interrupted save's leftovers are never reused. Out
+   of memory is an error: a generation picked without seeing the manifest
+   or the folder could be the committed one, whose files the save would
+   then overwrite. */
+static smp_status smp__ck_next_generation(const char *path, uint64_t *out) {
+    smp__ck_manifest m;
+    char *mpath, *dir = NULL, **names = NULL;
+    const char *base;
+    uint64_t g = 0, gen;
+    size_t n = strlen(path) + 16;
+    long pid;
+    int i, k;
+    smp_status st = SMP_OK;
+    *out = 0;
+    if ((mpath = (char *)smp__ckpt_alloc(&st, n, NULL, "the name of the checkpoint's manifest")) != NULL) {
+        snprintf(mpath, n, "%s.manifest", path);
+        st = smp__ck_manifest_read(mpath, &m);
+        if (!st) {
+            g = m.generation;
+            smp__ck_manifest_free(&m);
+        } else if (st != SMP_ERR_NOMEM) {
+            st = SMP_OK; /* none, or unreadable: the folder's names decide */
+        }
+        SMP_FREE(mpath);
+    }
+    if (!st && !(dir = smp__ckpt_dirname(path, &base)))
+        st = smp__nomem(strlen(path) + 1, "the name of the checkpoint's folder");
+    if (!st) st = smp__ck_list_dir(dir, &names);
+    for (i = 0; names && names[i]; i++)
+        if (smp__ck_classify(names[i], base, &gen, &k, &pid) == SMP__CK_NAME_GEN && gen > g) g = gen;
+    smp__ck_free_list(names);
+    smp__ckpt_free(dir);
+    *out = g + 1;
+    return st;
+}
+
+/* Removes, once generation `gen` of `path` is committed, what it replaced:
+   the files of other generations and of the format before manifests
+   ("<base>_<k>") for partition `mine` (and, with `strays`, for partitions
+   >= P, which an earlier save with more partitions left), each only after
+   its header shows it is such a file (smp__ck_is_ours), and the tmp files of
+   writers killed while saving them (their process gone from this host).
+   Best effort: what cannot be removed stays, and the next save tries again.
+   It runs after the commit, so running out of memory here does not fail the
+   save (the new checkpoint is in place): it keeps the files it could not
+   look at and says so in a warning. */
+static void smp__ck_cleanup(const char *path, uint64_t gen, int mine, int P, int strays, int fault) {
+    const char *base;
+    char *dir = smp__ckpt_dirname(path, &base), **names = NULL;
+    int i, removed = 0, short_of_memory = !dir;
+    if (dir && smp__ck_list_dir(dir, &names) != SMP_OK) short_of_memory = 1;
+    for (i = 0; names && names[i]; i++) {
+        uint64_t g;
+        long pid;
+        int k, kind = smp__ck_classify(names[i], base, &g, &k, &pid), ours = 0;
+        char *full;
+        if (kind == SMP__CK_NAME_OTHER || (kind == SMP__CK_NAME_GEN && g == gen)) continue;
+        if (k != mine && !(strays && k >= P)) continue;
+        if (!(full = smp__ck_join(dir, names[i]))) {
+            short_of_memory = 1;
+            continue;
+        }
+        if (pid) {
+            ours = pid != (long)getpid() && !smp__ckpt_pid_alive(pid);
+        } else {
+            ours = smp__ck_is_ours(full, kind, g, k);
+            if (ours < 0) short_of_memory = 1;
+        }
+        if (ours > 0) {
+            if (unlink(full) == 0 && !pid) removed++;
+            if (removed == 1 && fault == SMP__CKPT_FAULT_CLEANUP) smp__ckpt_die(fault);
+        }
+        SMP_FREE(full);
+    }
+    smp__ck_free_list(names);
+    smp__ckpt_free(dir);
+    if (short_of_memory)
+        smp_log(SMP_LOG_WARN,
+                "checkpoint '%s': generation %llu is saved and committed, but out of memory removing the files it "
+                "replaced (%s); the next save of it removes them",
+                path, (smp__ckpt_ull)gen, smp_last_error());
+    if (fault == SMP__CKPT_FAULT_CLEANUP) smp__ckpt_die(fault); /* nothing to remove: die at the end of it */
+}
+
+/* Test-only (SMP_CKPT_FAULT=rename in a partial save): before this rank
+   dies ahead of its rename, let every other saver rename its file, so the
+   kill falls between the per-rank renames. */
+static void smp__ck_fault_pace(const char *path, uint64_t gen, int P, int mine) {
+    int tries, k;
+    for (tries = 0; tries < 10000; tries++) {
+        int all = 1;
+        for (k = 0; k < P && all; k++) {
+            char *p;
+            if (k == mine) continue;
+            p = smp__ck_gen_path(path, gen, k);
+            all = p && smp__ck_exists(p);
+            smp__ckpt_free(p);
+        }
+        if (all) return;
+        smp__sleep_ns(SMP__CK_FAULT_PACE_NS);
+    }
 }
 
 static smp_status smp__ck_check_common(smp_model *m, const char *path, const char *fn) {
@@ -3021,10 +3810,12 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
     smp_save_desc d;
     smp__ck_plan pl;
     smp__ck_meta md;
+    smp__ck_rx rx;
     smp_ckpt_writer *w = NULL;
     smp_ckpt_entry *entries = NULL;
     char *file = NULL;
     int partial, ne = 0, i;
+    uint64_t gen = 0;
     smp_status st;
 
     if (!smp_is_initialized()) return smp_error(SMP_ERR_STATE, "smp_save called before smp_init");
@@ -3034,7 +3825,15 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
     st = smp__agree_on(smp_group_comm(SMP_WORLD), smp__ck_check_save(m, path, &d), "smp_save arguments");
     if (st) return st;
 
+    memset(&md, 0, sizeof md);
+    memset(&rx, 0, sizeof rx);
     st = smp__ck_plan_init(&pl, m, d.optimizer, d.chunk_bytes);
+    if (partial) { /* 0. the generation: world rank 0 looks at the folder */
+        MPI_Request req;
+        if (pl.rank == 0 && !st) st = smp__ck_next_generation(path, &gen);
+        MPI_Ibcast(&gen, 1, MPI_UINT64_T, 0, pl.comm, &req);
+        smp_wait_requests(1, &req, "checkpoint generation", SMP_WORLD, 0);
+    }
     for (i = 0; i < pl.n && !st; i++) {
         const smp__ck_item *it = &pl.items[i];
         if ((it->kind == SMP__CK_OPTIM || it->kind == SMP__CK_GLOBAL) && !it->saver_has)
@@ -3043,17 +3842,28 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
                            "partition %d), which saves it",
                            it->name, pl.saver[it->mp], it->mp);
     }
-    memset(&md, 0, sizeof md);
-    if (!st) st = smp__ck_build_meta(&pl, &d, partial, &md);
-    st = smp__agree_on(pl.comm, st, "planning the save");
+    if (!st) st = smp__ck_build_meta(&pl, &d, partial, gen, &md);
+    st = smp__ck_agree(&pl, st, "planning the save");
     if (st) goto done;
 
     if (partial) {
-        /* 1. each partition's saver writes and seals its file */
-        if (pl.dp == 0) {
-            file = smp__ck_part_path(path, pl.mp);
-            entries = smp__ck_entries(&pl, pl.mp, &ne);
-            if (!file || !entries) st = smp_error(SMP_ERR_NOMEM, "smp_save: out of memory");
+        uint64_t fbytes = 0, mine[3];
+        uint64_t *all = NULL;
+        uint32_t fcrc = 0;
+        int fault = SMP__CKPT_FAULT_NONE, committed = 0;
+        MPI_Request req;
+        smp__ckpt_fault_from_env(&fault); /* an unknown value: the writer says so */
+        /* 1. each partition's saver writes and seals "<path>.g<gen>_<mp>";
+           world rank 0 also takes the memory its commit needs (3) now,
+           while a failure still fails the save everywhere */
+        if (pl.rank == 0)
+            all = (uint64_t *)smp__ckpt_alloc(&st, sizeof(uint64_t) * 3 * ((size_t)pl.size + (size_t)pl.P), NULL,
+                                              "every file's size and header checksum (the checkpoint's manifest)");
+        if (pl.dp == 0 && !st) {
+            size_t n = strlen(path) + 48;
+            if ((file = (char *)smp__ckpt_alloc(&st, n, NULL, "the name of this partition's checkpoint file")))
+                snprintf(file, n, "%s.g%llu_%d", path, (smp__ckpt_ull)gen, pl.mp);
+            if (!st) entries = smp__ck_entries(&pl, pl.mp, &ne, &st);
             if (!st)
                 st = smp_ckpt_writer_open(&w, file, entries, ne, (const char *const *)md.keys,
                                           (const char *const *)md.vals, md.n);
@@ -3068,40 +3878,88 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
             if (!st) {
                 st = smp__ckpt_writer_seal(w); /* frees w on error */
                 if (st) w = NULL;
+                else {
+                    fbytes = w->header_len + w->total;
+                    fcrc = w->header_crc;
+                }
             }
         }
-        st = smp__agree_on(pl.comm, st, "writing the partial checkpoint files");
+        st = smp__ck_agree(&pl, st, "writing the partial checkpoint files");
         if (st) {
             if (w) smp_ckpt_writer_abort(w); /* deletes the sealed tmp file */
             w = NULL;
+            smp__ckpt_free(all);
+            smp__agree_on(pl.comm, SMP_OK, "removing the failed save's files"); /* every rank returns after */
             goto done;
         }
-        /* 2. every file is complete on disk: rename them all into place */
-        if (w) st = smp__ckpt_writer_publish(w);
+        /* 2. every file is complete on disk: each goes to its name, which no
+           loader follows until the manifest names it */
+        if (w) {
+            if (fault == SMP__CKPT_FAULT_RENAME) smp__ck_fault_pace(path, gen, pl.P, pl.mp);
+            st = smp__ckpt_writer_publish(w);
+        }
         w = NULL;
-        st = smp__agree_on(pl.comm, st, "renaming the partial checkpoint files into place");
+        st = smp__ck_agree(&pl, st, "renaming the partial checkpoint files into place");
+        if (!st && fault == SMP__CKPT_FAULT_RENAMED) smp__ckpt_die(fault);
+        /* 3. world rank 0 commits them: one rename of the manifest, which
+           records every file's size and header checksum */
+        if (!st) {
+            mine[0] = pl.dp == 0 ? (uint64_t)pl.mp : UINT64_MAX;
+            mine[1] = fbytes;
+            mine[2] = fcrc;
+            MPI_Igather(mine, 3, MPI_UINT64_T, all, 3, MPI_UINT64_T, 0, pl.comm, &req);
+            smp_wait_requests(1, &req, "checkpoint file sizes", SMP_WORLD, 0);
+            if (pl.rank == 0) {
+                uint64_t *bytes = all + 3 * (size_t)pl.size;
+                uint32_t *crcs = (uint32_t *)(void *)(bytes + pl.P);
+                for (i = 0; i < pl.size; i++)
+                    if (all[3 * i] < (uint64_t)pl.P) {
+                        bytes[all[3 * i]] = all[3 * i + 1];
+                        crcs[all[3 * i]] = (uint32_t)all[3 * i + 2];
+                    }
+                st = smp__ck_manifest_write(path, gen, pl.save_id, pl.P, bytes, crcs, fault, &committed);
+            }
+            st = smp__ck_agree(&pl, st, "committing the partial checkpoint (renaming its manifest into place)");
+            MPI_Ibcast(&committed, 1, MPI_INT, 0, pl.comm, &req);
+            smp_wait_requests(1, &req, "checkpoint commit", SMP_WORLD, 0);
+        }
+        smp__ckpt_free(all);
+        if (st) { /* not committed: the new generation goes, the previous one stays as it was */
+            if (!committed && file && pl.dp == 0) unlink(file);
+            smp__agree_on(pl.comm, SMP_OK, "removing the failed save's files"); /* every rank returns after */
+            goto done;
+        }
+        /* 4. what the new generation replaced goes: each saver removes its
+           partition's old files, partition 0's also those of partitions
+           that no longer exist (best effort: the save stands) */
+        if (pl.dp == 0) smp__ck_cleanup(path, gen, pl.mp, pl.P, pl.mp == 0, fault);
+        st = smp__agree_on(pl.comm, SMP_OK, "removing the previous generation of the checkpoint");
     } else {
         int writer = pl.saver[0];
-        if (pl.rank == writer) {
-            entries = smp__ck_entries(&pl, -1, &ne);
-            st = entries ? smp_ckpt_writer_open(&w, path, entries, ne, (const char *const *)md.keys,
-                                                (const char *const *)md.vals, md.n)
-                         : smp_error(SMP_ERR_NOMEM, "smp_save: out of memory");
+        /* 1. the writer opens the file; every rank takes the buffers of the
+           transfer (2), so none runs out of memory inside it */
+        st = smp__ck_stream_prepare(&pl, writer, &rx);
+        if (pl.rank == writer && !st) {
+            entries = smp__ck_entries(&pl, -1, &ne, &st);
+            if (!st)
+                st = smp_ckpt_writer_open(&w, path, entries, ne, (const char *const *)md.keys,
+                                          (const char *const *)md.vals, md.n);
         }
-        st = smp__agree_on(pl.comm, st, "opening the checkpoint file");
+        st = smp__ck_agree(&pl, st, "opening the checkpoint file");
         if (st) goto done; /* w is NULL wherever opening failed */
-        st = smp__ck_stream(&pl, writer, smp__ck_file_sink, w, 1);
-        st = smp__agree_on(pl.comm, st, "writing the checkpoint");
+        st = smp__ck_stream(&rx, smp__ck_file_sink, w, 1);
+        st = smp__ck_agree(&pl, st, "writing the checkpoint");
         if (w) {
             if (st) smp_ckpt_writer_abort(w);
             else st = smp_ckpt_writer_commit(w);
             w = NULL;
         }
-        st = smp__agree_on(pl.comm, st, "committing the checkpoint file");
+        st = smp__ck_agree(&pl, st, "committing the checkpoint file");
     }
 
 done:
     if (w) smp_ckpt_writer_abort(w);
+    smp__ck_stream_free(&rx);
     smp__ckpt_free(entries);
     smp__ckpt_free(file);
     smp__ck_meta_free(&md);
@@ -3122,11 +3980,6 @@ static const uint8_t *smp__ck_map(smp_ckpt_file *f) {
     return f->map;
 }
 
-static int smp__ck_exists(const char *path) {
-    struct stat sb;
-    return path && stat(path, &sb) == 0;
-}
-
 /* Parses a metadata integer in [lo, hi]; -1 (with an error) otherwise. */
 static int smp__ck_meta_int(const smp_ckpt_file *f, const char *key, int lo, int hi) {
     const char *v = smp_ckpt_meta(f, key);
@@ -3145,6 +3998,148 @@ static int smp__ck_meta_int(const smp_ckpt_file *f, const char *key, int lo, int
     return (int)x;
 }
 
+/* Opens the files that the manifest of a partial checkpoint commits and
+   checks each against it: the same save and generation, its mp rank, its
+   size and the checksum of its header. */
+static smp_status smp__ck_open_manifest_set(const char *mpath, smp_ckpt_file ***out, int *nout) {
+    static const char *const fix = "restore it from a copy of the checkpoint, or save the checkpoint again";
+    smp__ck_manifest m;
+    smp_ckpt_file **files;
+    char *dir = NULL, *full = NULL;
+    const char *mbase;
+    int k, P;
+    smp_status st = smp__ck_manifest_read(mpath, &m);
+    if (st == SMP_ERR_NOMEM) return st; /* its message says what for */
+    if (st)
+        return smp_error(st,
+                         "%s; smp_save writes a partial checkpoint's manifest whole and renames it into place in one "
+                         "step, so it was damaged or edited after the save: %s",
+                         smp_last_error(), fix);
+    P = m.partitions;
+    files = (smp_ckpt_file **)smp__ckpt_alloc(&st, sizeof *files * (size_t)P, NULL, "the list of a checkpoint's files");
+    if (!st && !(dir = smp__ckpt_dirname(mpath, &mbase))) st = smp__nomem(strlen(mpath) + 1, "the name of the checkpoint's folder");
+    if (st) {
+        smp__ckpt_free(files);
+        smp__ck_manifest_free(&m);
+        return st;
+    }
+    memset(files, 0, sizeof *files * (size_t)P);
+    for (k = 0; k < P && !st; k++) {
+        const smp__ck_mfile *mf = &m.files[k];
+        smp_ckpt_file *f;
+        const char *fmt, *kind, *id, *gen;
+        char want[32];
+        if (!(full = smp__ck_join(dir, mf->name))) {
+            st = smp__nomem(strlen(dir) + strlen(mf->name) + 2, "the name of a checkpoint file");
+            break;
+        }
+        st = smp_ckpt_open(&files[k], full);
+        f = files[k];
+        if (st == SMP_ERR_NOMEM) {
+            /* its message says what for; the file is fine */
+        } else if (st) {
+            st = smp_error(st,
+                           "%s: it is file %d of the %d that the manifest '%s' commits; a checkpoint's files must stay "
+                           "next to its manifest: restore the file, or save the checkpoint again",
+                           smp_last_error(), k, P, mpath);
+        } else {
+            fmt = smp_ckpt_meta(f, "smp.format");
+            kind = smp_ckpt_meta(f, "smp.kind");
+            id = smp_ckpt_meta(f, "smp.save_id");
+            gen = smp_ckpt_meta(f, "smp.generation");
+            snprintf(want, sizeof want, "%llu", (smp__ckpt_ull)m.generation);
+            if (!fmt || strcmp(fmt, SMP__CK_FORMAT) || !kind || strcmp(kind, "partial"))
+                st = smp_error(SMP_ERR_FORMAT,
+                               "checkpoint '%s' is not a file of an smp partial checkpoint, but the manifest '%s' names "
+                               "it: %s",
+                               full, mpath, fix);
+            else if (!id || strcmp(id, m.save_id) || !gen || strcmp(gen, want))
+                st = smp_error(SMP_ERR_FORMAT,
+                               "checkpoint '%s' comes from another save than the manifest '%s' commits (smp.save_id %s "
+                               "and smp.generation %s, not %s and %s): files of two checkpoints are mixed; %s",
+                               full, mpath, id ? id : "missing", gen ? gen : "missing", m.save_id, want, fix);
+            else if (smp__ck_meta_int(f, "smp.partitions", P, P) < 0 || smp__ck_meta_int(f, "smp.mp_rank", k, k) < 0)
+                st = smp_error(SMP_ERR_FORMAT, "%s, but the manifest '%s' lists it as file %d of %d: %s",
+                               smp_last_error(), mpath, k, P, fix);
+            else if (f->size != mf->bytes)
+                st = smp_error(SMP_ERR_FORMAT,
+                               "checkpoint '%s' is %llu bytes, but its manifest '%s' records %llu: the file was "
+                               "changed after the save committed it; %s",
+                               full, (smp__ckpt_ull)f->size, mpath, (smp__ckpt_ull)mf->bytes, fix);
+            else if (f->header_crc != mf->header_crc)
+                st = smp_error(SMP_ERR_FORMAT,
+                               "checkpoint '%s': its header's checksum is " SMP__CKPT_CRC_PREFIX "%08x, but its "
+                               "manifest '%s' records " SMP__CKPT_CRC_PREFIX "%08x: the file was changed after the "
+                               "save committed it; %s",
+                               full, (unsigned)f->header_crc, mpath, (unsigned)mf->header_crc, fix);
+        }
+        SMP_FREE(full);
+        full = NULL;
+    }
+    smp__ckpt_free(dir);
+    smp__ck_manifest_free(&m);
+    if (st) {
+        for (k = 0; k < P; k++) smp_ckpt_close(files[k]);
+        SMP_FREE(files);
+        return st;
+    }
+    *out = files;
+    *nout = P;
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_ckpt_partial_file(const char *path, int mp_rank, char *out, size_t cap, int *partitions) {
+    smp_status st = SMP_OK;
+    char *mpath, *file = NULL;
+    int P = 0;
+    if (partitions) *partitions = 0;
+    if (!path || !*path || !out || !cap) return smp_error(SMP_ERR_ARG, "smp_ckpt_partial_file: path and out must be given");
+    out[0] = 0;
+    if (!(mpath = smp__ck_manifest_path(path))) return smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
+    if (smp__ck_exists(mpath)) {
+        smp__ck_manifest m;
+        const char *mbase;
+        char *dir;
+        if ((st = smp__ck_manifest_read(mpath, &m)) == SMP_OK) {
+            P = m.partitions;
+            if (mp_rank >= 0 && mp_rank < P) {
+                dir = smp__ckpt_dirname(mpath, &mbase);
+                file = dir ? smp__ck_join(dir, m.files[mp_rank].name) : NULL;
+                smp__ckpt_free(dir);
+                if (!file) st = smp__nomem(strlen(mpath) + strlen(m.files[mp_rank].name) + 2, "the name of a checkpoint file");
+            }
+            smp__ck_manifest_free(&m);
+        }
+    } else {
+        smp_ckpt_file *f0 = NULL;
+        char *p0 = smp__ck_part_path(path, 0);
+        if (!p0) st = smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
+        else if (!smp__ck_exists(p0))
+            st = smp_error(SMP_ERR_IO,
+                           "no partial checkpoint at '%s': neither its manifest '%s' nor '%s' (file 0 of a checkpoint "
+                           "saved before manifests) exists",
+                           path, mpath, p0);
+        else if ((st = smp_ckpt_open(&f0, p0)) == SMP_OK && (P = smp__ck_meta_int(f0, "smp.partitions", 1, 1 << 20)) < 0)
+            st = SMP_ERR_FORMAT;
+        smp_ckpt_close(f0);
+        smp__ckpt_free(p0);
+        if (!st && mp_rank >= 0 && mp_rank < P && !(file = smp__ck_part_path(path, mp_rank)))
+            st = smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
+    }
+    if (!st && (mp_rank < 0 || mp_rank >= P))
+        st = smp_error(SMP_ERR_ARG, "smp_ckpt_partial_file: checkpoint '%s' has %d partitions, so no mp rank %d", path, P,
+                       mp_rank);
+    if (!st && strlen(file) >= cap)
+        st = smp_error(SMP_ERR_ARG, "smp_ckpt_partial_file: '%s' does not fit in %zu bytes", file, cap);
+    if (!st) {
+        memcpy(out, file, strlen(file) + 1);
+        if (partitions) *partitions = P;
+    }
+    smp__ckpt_free(file);
+    smp__ckpt_free(mpath);
+    return st;
+}
+
 /* Opens the file(s) of a checkpoint and checks that they form one save. */
 static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file ***out, int *nout) {
     smp_ckpt_file **files = NULL, *f0 = NULL;
@@ -3157,39 +4152,58 @@ static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file 
     if (!partial) {
         st = smp_ckpt_open(&f0, path);
         if (st) {
+            char *mp = smp__ck_manifest_path(path);
             p = smp__ck_part_path(path, 0);
-            if (!smp__ck_exists(path) && smp__ck_exists(p))
+            if (!smp__ck_exists(path) && (smp__ck_exists(mp) || smp__ck_exists(p)))
                 st = smp_error(st, "%s (but '%s' exists: a partial checkpoint? load it with partial = SMP_ON)",
-                               smp_last_error(), p);
+                               smp_last_error(), smp__ck_exists(mp) ? mp : p);
             smp__ckpt_free(p);
+            smp__ckpt_free(mp);
             return st;
         }
         kind = smp_ckpt_meta(f0, "smp.kind");
         if (kind && strcmp(kind, "full")) {
+            const char *mpr = smp_ckpt_meta(f0, "smp.mp_rank"), *gen = smp_ckpt_meta(f0, "smp.generation");
             st = smp_error(SMP_ERR_FORMAT,
                            "checkpoint '%s' is file %s of a %s checkpoint; load that with partial = SMP_ON and the path "
-                           "without the \"_<mp_rank>\"",
-                           path, smp_ckpt_meta(f0, "smp.mp_rank") ? smp_ckpt_meta(f0, "smp.mp_rank") : "?", kind);
+                           "without the \"%s%s_%s\"",
+                           path, mpr ? mpr : "?", kind, gen ? ".g" : "", gen ? gen : "", mpr ? mpr : "<mp_rank>");
             smp_ckpt_close(f0);
             return st;
         }
         files = (smp_ckpt_file **)SMP_MALLOC(sizeof *files);
         if (!files) {
             smp_ckpt_close(f0);
-            return smp_error(SMP_ERR_NOMEM, "out of memory");
+            return smp__nomem(sizeof *files, "the list of a checkpoint's files");
         }
         files[0] = f0;
         *out = files;
         *nout = 1;
         return SMP_OK;
     }
+    /* a manifest commits the files of a partial checkpoint; without one,
+       "<path>_0" .. are a checkpoint saved before manifests */
+    p = smp__ck_manifest_path(path);
+    if (!p) return smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
+    if (smp__ck_exists(p)) {
+        st = smp__ck_open_manifest_set(p, out, nout);
+        SMP_FREE(p);
+        return st;
+    }
+    SMP_FREE(p);
     p = smp__ck_part_path(path, 0);
-    if (!p) return smp_error(SMP_ERR_NOMEM, "out of memory");
+    if (!p) return smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
+    if (!smp__ck_exists(p)) {
+        st = smp_error(SMP_ERR_IO,
+                       "no partial checkpoint at '%s': neither its manifest '%s.manifest' nor '%s' (file 0 of a "
+                       "checkpoint saved before manifests) exists%s%s%s",
+                       path, path, p, smp__ck_exists(path) ? " (but '" : "", smp__ck_exists(path) ? path : "",
+                       smp__ck_exists(path) ? "' exists: a full checkpoint? load it with partial = SMP_OFF)" : "");
+        SMP_FREE(p);
+        return st;
+    }
     st = smp_ckpt_open(&f0, p);
     if (st) {
-        if (!smp__ck_exists(p) && smp__ck_exists(path))
-            st = smp_error(st, "%s (but '%s' exists: a full checkpoint? load it with partial = SMP_OFF)",
-                           smp_last_error(), path);
         SMP_FREE(p);
         return st;
     }
@@ -3220,7 +4234,7 @@ static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file 
     files = (smp_ckpt_file **)SMP_MALLOC(sizeof *files * (size_t)P);
     if (!files) {
         smp_ckpt_close(f0);
-        return smp_error(SMP_ERR_NOMEM, "out of memory");
+        return smp__nomem(sizeof *files * (size_t)P, "the list of a checkpoint's files");
     }
     memset(files, 0, sizeof *files * (size_t)P);
     files[0] = f0;
@@ -3229,7 +4243,7 @@ static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file 
         const char *fk, *kk, *idk;
         p = smp__ck_part_path(path, k);
         if (!p) {
-            st = smp_error(SMP_ERR_NOMEM, "out of memory");
+            st = smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
             break;
         }
         st = smp_ckpt_open(&files[k], p);
@@ -3293,7 +4307,7 @@ static smp_status smp__ck_match(smp__ck_plan *pl, smp_ckpt_file **files, int nf,
                 const char *v;
                 size_t kl = strlen("smp.partition.") + strlen(e->name) + 1;
                 char *kb = kl <= sizeof key ? key : (char *)SMP_MALLOC(kl);
-                if (!kb) return smp_error(SMP_ERR_NOMEM, "out of memory");
+                if (!kb) return smp__nomem(kl, "a metadata key to look up (smp.partition.<tensor>)");
                 snprintf(kb, kl, "smp.partition.%s", e->name);
                 v = smp_ckpt_meta(f, kb);
                 if (kb != key) SMP_FREE(kb);
@@ -3335,9 +4349,11 @@ static smp_status smp__ck_verify_local(smp__ck_plan *pl, smp_ckpt_file **files) 
             }
         } else {
             it->staged = (uint8_t *)SMP_MALLOC((size_t)it->nbytes);
-            if (!it->staged)
-                return smp_error(SMP_ERR_NOMEM, "out of memory reading tensor '%s' (%llu bytes)", it->name,
-                                 (smp__ckpt_ull)it->nbytes);
+            if (!it->staged) {
+                char what[600];
+                snprintf(what, sizeof what, "reading tensor '%s' of %s", it->name, f->label);
+                return smp__nomem((size_t)it->nbytes, what);
+            }
             if ((st = smp_ckpt_read(f, it->src, it->staged, (size_t)it->nbytes)) != SMP_OK) return st;
             it->bytes = it->staged;
         }
@@ -3367,12 +4383,12 @@ SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *
     st = smp__agree_on(smp_group_comm(SMP_WORLD), smp__ck_check_load(m, path, &d), "smp_load arguments");
     if (st) return st;
     st = smp__ck_plan_init(&pl, m, d.optimizer, 0);
-    st = smp__agree_on(pl.comm, st, "planning the load");
+    st = smp__ck_agree(&pl, st, "planning the load");
     /* 1. headers; 2. names, dtypes, shapes; 3. checksums; 4. copies */
-    if (!st) st = smp__agree_on(pl.comm, smp__ck_open_set(path, partial, &files, &nf), "opening the checkpoint");
-    if (!st) st = smp__agree_on(pl.comm, smp__ck_match(&pl, files, nf, partial, d.optimizer != NULL),
+    if (!st) st = smp__ck_agree(&pl, smp__ck_open_set(path, partial, &files, &nf), "opening the checkpoint");
+    if (!st) st = smp__ck_agree(&pl, smp__ck_match(&pl, files, nf, partial, d.optimizer != NULL),
                                 "checking the checkpoint against the model");
-    if (!st) st = smp__agree_on(pl.comm, smp__ck_verify_local(&pl, files), "verifying the checkpoint's checksums");
+    if (!st) st = smp__ck_agree(&pl, smp__ck_verify_local(&pl, files), "verifying the checkpoint's checksums");
     if (!st) {
         smp_status cs = SMP_OK;
         for (i = 0; i < pl.n; i++) {
@@ -3383,7 +4399,7 @@ SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *
             s2 = smp__ck_copy_in(dst->data, dst->device, it->bytes, (size_t)it->nbytes);
             if (!cs) cs = s2;
         }
-        st = smp__agree_on(pl.comm, cs, "copying the checkpoint into the model");
+        st = smp__ck_agree(&pl, cs, "copying the checkpoint into the model");
     }
     if (!st && d.on_meta) {
         for (i = 0; i < smp_ckpt_meta_count(files[0]); i++) {
@@ -3408,7 +4424,9 @@ SMPDEF smp_status smp_model_local_state_dict(smp_model *m, const smp_optimizer *
         return smp_error(SMP_ERR_STATE, "smp_model_local_state_dict: the model is not partitioned yet");
     np = smp_model_num_params(m, true);
     out->entries = (smp_named_tensor *)SMP_MALLOC(sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1));
-    if (!out->entries) return smp_error(SMP_ERR_NOMEM, "smp_model_local_state_dict: out of memory");
+    if (!out->entries)
+        return smp__nomem(sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1),
+                          "the entries of smp_model_local_state_dict's result");
     for (i = 0; i < np; i++) {
         smp_param *p = smp_model_param_at(m, i);
         if (!smp_module_is_local(smp_param_module(p))) continue;
@@ -3434,6 +4452,7 @@ static smp_status smp__ck_mem_sink(void *ctx, int item, uint64_t off, const void
 
 SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, int root, smp_state_dict *out) {
     smp__ck_plan pl;
+    smp__ck_rx rx;
     smp_status st = SMP_OK;
     int i;
     if (!smp_is_initialized()) return smp_error(SMP_ERR_STATE, "smp_model_state_dict called before smp_init");
@@ -3447,6 +4466,7 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
         st = smp_error(SMP_ERR_ARG, "smp_model_state_dict: the optimizer registry belongs to another model");
     st = smp__agree_on(smp_group_comm(SMP_WORLD), st, "smp_model_state_dict arguments");
     if (st) return st;
+    memset(&rx, 0, sizeof rx);
     st = smp__ck_plan_init(&pl, m, opt, 0);
     for (i = 0; i < pl.n && !st; i++)
         if ((pl.items[i].kind == SMP__CK_OPTIM || pl.items[i].kind == SMP__CK_GLOBAL) && !pl.items[i].saver_has)
@@ -3456,11 +4476,11 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
         size_t names = 0, at = 0;
         char *blob;
         for (i = 0; i < pl.n; i++) names += strlen(pl.items[i].name) + 1;
-        out->entries = (smp_named_tensor *)SMP_MALLOC(sizeof(smp_named_tensor) * (size_t)(pl.n + 1));
-        blob = (char *)SMP_MALLOC(names + 1);
+        out->entries = (smp_named_tensor *)smp__ckpt_alloc(&st, sizeof(smp_named_tensor) * (size_t)(pl.n + 1), NULL,
+                                                           "the entries of smp_model_state_dict's result");
+        blob = (char *)smp__ckpt_alloc(&st, names + 1, NULL, "the names in smp_model_state_dict's result");
         out->storage_ = blob;
         if (out->entries) memset(out->entries, 0, sizeof(smp_named_tensor) * (size_t)(pl.n + 1));
-        if (!out->entries || !blob) st = smp_error(SMP_ERR_NOMEM, "smp_model_state_dict: out of memory");
         for (i = 0; i < pl.n && !st; i++) {
             const smp__ck_item *it = &pl.items[i];
             smp_named_tensor *e = &out->entries[i];
@@ -3471,15 +4491,19 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
             e->tensor = smp_tensor_make(NULL, it->dtype, it->ndim, it->shape);
             e->tensor.data = SMP_MALLOC(it->nbytes ? (size_t)it->nbytes : 1);
             out->n = i + 1;
-            if (!e->tensor.data)
-                st = smp_error(SMP_ERR_NOMEM, "smp_model_state_dict: out of memory for '%s' (%llu bytes)", it->name,
-                               (smp__ckpt_ull)it->nbytes);
+            if (!e->tensor.data) {
+                char what[400];
+                snprintf(what, sizeof what, "tensor '%s' in smp_model_state_dict's result", it->name);
+                st = smp__nomem((size_t)it->nbytes, what);
+            }
         }
     }
-    st = smp__agree_on(pl.comm, st, "preparing the state dict");
-    if (!st) st = smp__agree_on(pl.comm, smp__ck_stream(&pl, root, smp__ck_mem_sink, out, 0), "gathering the state dict");
+    if (!st) st = smp__ck_stream_prepare(&pl, root, &rx);
+    st = smp__ck_agree(&pl, st, "preparing the state dict");
+    if (!st) st = smp__ck_agree(&pl, smp__ck_stream(&rx, smp__ck_mem_sink, out, 0), "gathering the state dict");
     if (st) smp_state_dict_free(out);
     else if (pl.rank != root) memset(out, 0, sizeof *out);
+    smp__ck_stream_free(&rx);
     smp__ck_plan_free(&pl);
     return st;
 }

@@ -1024,10 +1024,10 @@ typedef struct smp__link {
 
 typedef struct smp__xfer {
     MPI_Request req[2];
-    int64_t *hdr;            /* SMP__HDR_WORDS(ntensors): dtype, ndim, shape[8] per tensor, then the first device transfer's number */
+    int64_t *hdr;            /* SMP__HDR_WORDS(ntensors): dtype, ndim, shape[8] per tensor, the first device
+                                transfer's number, and a check of all that (smp__hdr_seal) */
     void *buf;               /* receive: the bytes; send: what to free once sent */
     size_t bytes;            /* receive: of buf */
-    MPI_Datatype type;       /* send: the gathering datatype, or MPI_DATATYPE_NULL */
     int state;               /* receive: 0 idle, 1 header posted, 4 header arrived (device transfers not queued yet),
                                 2 data posted, 3 arrived; send: 1 in flight */
     int peer, ntensors;
@@ -1037,7 +1037,7 @@ typedef struct smp__xfer {
     double t_post;           /* send: when it was posted (timeline) */
     bool backward;
 } smp__xfer;
-#define SMP__HDR_WORDS(ntensors) (10 * (ntensors) + 1)
+#define SMP__HDR_WORDS(ntensors) (10 * (ntensors) + 2)
 
 typedef struct smp__event { double t0, t1; int kind, stage, mb; } smp__event; /* kind: 0 fwd, 1 bwd, 2 wait (receive), 3 body, 4 all-reduce (mb: bucket), 5 send (posted to completed), 6 weight gradients (W) */
 
@@ -1147,7 +1147,7 @@ static void smp__pipe_free(void *p) {
     smp_schedule_free(&ps->sched[0]);
     smp_schedule_free(&ps->sched[1]);
     if (ps->err_req != MPI_REQUEST_NULL) { MPI_Cancel(&ps->err_req); MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE); }
-    if (smp__ctx.initialized) {
+    if (smp__ctx.initialized && ps->comm != MPI_COMM_NULL) {
         MPI_Comm_free(&ps->comm);
         MPI_Comm_free(&ps->err_comm);
     }
@@ -1175,17 +1175,19 @@ static bool smp__in_subtree(const smp_module *m, const smp_module *root) {
 
 /* One slot per (leaf call of a shared module, parameter of the module's
    tree), every rank alike: the gradient that call adds up over the step. */
-static void smp__shared_build(smp__pipe *ps, smp_model *md) {
+static smp_status smp__shared_build(smp__pipe *ps, smp_model *md) {
     int n = md->ncalls, cap = 0;
-    ps->shared_first = (int *)smp__alloc(sizeof(int) * (size_t)(n + 1), SMP__ALLOC_OTHER);
-    for (int k = 0; k < n; k++) {
+    smp_status st = SMP_OK;
+    ps->shared_first = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(n + 1), SMP__ALLOC_OTHER, "the pipeline's shared modules");
+    for (int k = 0; k < n && !st; k++) {
         ps->shared_first[k] = ps->nshared;
         smp_module *mod = md->calls[k].module;
         if (mod->uses < 2) continue;
         for (int i = 0; i < md->nparams; i++) {
             smp_param *p = md->params[i];
             if (p->is_buffer || !smp__in_subtree(p->module, mod)) continue;
-            if (!smp__grow((void **)&ps->shared, &cap, ps->nshared + 1, sizeof *ps->shared)) smp__fatal("out of memory building the pipeline");
+            if (!smp__grow((void **)&ps->shared, &cap, ps->nshared + 1, sizeof *ps->shared))
+                return smp__nomem(sizeof *ps->shared * (size_t)(ps->nshared + 1), "the pipeline's shared modules");
             smp__shared *q = &ps->shared[ps->nshared++];
             q->call = k;
             q->param = i;
@@ -1194,12 +1196,19 @@ static void smp__shared_build(smp__pipe *ps, smp_model *md) {
             q->grad.data = NULL;
         }
     }
-    ps->shared_first[n] = ps->nshared;
+    if (!st) ps->shared_first[n] = ps->nshared;
+    return st;
 }
 
+/* The executor's tables for a traced, partitioned model; NULL with
+   SMP_ERR_NOMEM when there is no memory for them. */
 static smp__pipe *smp__pipe_build(smp_model *md) {
-    smp__pipe *ps = (smp__pipe *)smp__alloc(sizeof *ps, SMP__ALLOC_OTHER);
-    memset(ps, 0, sizeof *ps);
+    smp_status st = SMP_OK;
+    const char *what = "the pipeline's tables";
+    smp__pipe *ps = (smp__pipe *)smp__alloc_or(&st, sizeof *ps, SMP__ALLOC_OTHER, what);
+    if (!ps) return NULL;
+    ps->comm = ps->err_comm = MPI_COMM_NULL;
+    ps->err_req = MPI_REQUEST_NULL;
     int n = md->ncalls, S = md->nstages;
     for (int k = 0; k < n; k++) {
         if (md->calls[k].nout > ps->maxout) ps->maxout = md->calls[k].nout;
@@ -1208,18 +1217,21 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     if (ps->maxin == 0) ps->maxin = 1;
     int T = n * ps->maxout;
     /* edges: every (producer tensor -> consumer input), consumers in call order, the body last */
-    int *count = (int *)smp__alloc(sizeof(int) * (size_t)(T + 1), SMP__ALLOC_OTHER);
-    memset(count, 0, sizeof(int) * (size_t)(T + 1));
+    /* (declared before the first goto: C++ builds of this header reject a jump past an initialisation) */
+    int *link_of = NULL, cap = 0, most = 1, P = smp__ctx.cfg.partitions;
+    const smp_device_backend *b = &smp__ctx.device;
+    int *count = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(T + 1), SMP__ALLOC_OTHER, what);
+    ps->first_edge = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(T + 1), SMP__ALLOC_OTHER, what);
+    ps->edge_of_input = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(n * ps->maxin), SMP__ALLOC_OTHER, what);
+    if (st) goto fail;
     for (int c = 0; c < n; c++)
         for (int i = 0; i < md->calls[c].nin; i++)
             if (md->calls[c].in[i].call >= 0) count[md->calls[c].in[i].call * ps->maxout + md->calls[c].in[i].index]++;
     for (int o = 0; o < md->desc.noutputs; o++) count[md->outputs[o].call * ps->maxout + md->outputs[o].index]++;
-    ps->first_edge = (int *)smp__alloc(sizeof(int) * (size_t)(T + 1), SMP__ALLOC_OTHER);
-    ps->first_edge[0] = 0;
     for (int t = 0; t < T; t++) ps->first_edge[t + 1] = ps->first_edge[t] + count[t];
     ps->nedges = ps->first_edge[T];
-    ps->edges = (smp__edge *)smp__alloc(sizeof(smp__edge) * (size_t)(ps->nedges ? ps->nedges : 1), SMP__ALLOC_OTHER);
-    ps->edge_of_input = (int *)smp__alloc(sizeof(int) * (size_t)(n * ps->maxin), SMP__ALLOC_OTHER);
+    ps->edges = (smp__edge *)smp__alloc_or(&st, sizeof(smp__edge) * (size_t)ps->nedges, SMP__ALLOC_OTHER, what);
+    if (st) goto fail;
     for (int i = 0; i < n * ps->maxin; i++) ps->edge_of_input[i] = -1;
     memset(count, 0, sizeof(int) * (size_t)(T + 1));
     for (int c = 0; c <= n; c++) {
@@ -1236,18 +1248,18 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
         }
     }
     smp__free(count);
+    count = NULL;
     ps->body_stage = S - 1;
     /* links between stages on different ranks */
-    int *link_of = (int *)smp__alloc(sizeof(int) * (size_t)(S * S), SMP__ALLOC_OTHER);
-    for (int i = 0; i < S * S; i++) link_of[i] = -1;
-    int cap = 0;
-    for (int e = 0; e < ps->nedges; e++) {
+    link_of = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(S * S), SMP__ALLOC_OTHER, what);
+    for (int i = 0; i < S * S && !st; i++) link_of[i] = -1;
+    for (int e = 0; e < ps->nedges && !st; e++) {
         int from = md->calls[ps->edges[e].call].stage;
         int to = ps->edges[e].consumer < n ? md->calls[ps->edges[e].consumer].stage : ps->body_stage;
         if (md->stage_rank[from] == md->stage_rank[to]) continue;
         int *L = &link_of[from * S + to];
         if (*L < 0) {
-            smp__grow((void **)&ps->links, &cap, ps->nlinks + 1, sizeof(smp__link));
+            if (!smp__grow((void **)&ps->links, &cap, ps->nlinks + 1, sizeof(smp__link))) { st = smp__nomem(sizeof(smp__link) * (size_t)(ps->nlinks + 1), what); break; }
             *L = ps->nlinks++;
             smp__link *l = &ps->links[*L];
             memset(l, 0, sizeof *l);
@@ -1255,8 +1267,9 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
             l->to = to;
             l->peer_from = md->stage_rank[from];
             l->peer_to = md->stage_rank[to];
-            l->tensors = (int *)smp__alloc(sizeof(int) * (size_t)ps->nedges, SMP__ALLOC_OTHER);
-            l->edges = (int *)smp__alloc(sizeof(int) * (size_t)ps->nedges, SMP__ALLOC_OTHER);
+            l->tensors = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)ps->nedges, SMP__ALLOC_OTHER, what);
+            l->edges = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)ps->nedges, SMP__ALLOC_OTHER, what);
+            if (st) break;
         }
         smp__link *l = &ps->links[*L];
         int t = ps->edges[e].call * ps->maxout + ps->edges[e].out;
@@ -1264,18 +1277,21 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
         l->edges[l->nedges++] = e;
     }
     smp__free(link_of);
-    int most = 1;
+    if (st) goto fail;
     for (int l = 0; l < ps->nlinks; l++) {
         if (ps->links[l].ntensors > most) most = ps->links[l].ntensors;
         if (ps->links[l].nedges > most) most = ps->links[l].nedges;
     }
-    ps->scratch = (const smp_tensor **)smp__alloc(sizeof(smp_tensor *) * (size_t)most, SMP__ALLOC_OTHER);
-    ps->await = (smp__xfer **)smp__alloc(sizeof(smp__xfer *) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER);
-    ps->await_link = (int *)smp__alloc(sizeof(int) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER);
-    ps->peak = (int *)smp__alloc(sizeof(int) * 2 * (size_t)S, SMP__ALLOC_OTHER);
+    ps->scratch = (const smp_tensor **)smp__alloc_or(&st, sizeof(smp_tensor *) * (size_t)most, SMP__ALLOC_OTHER, what);
+    ps->await = (smp__xfer **)smp__alloc_or(&st, sizeof(smp__xfer *) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER, what);
+    ps->await_link = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER, what);
+    ps->peak = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)S, SMP__ALLOC_OTHER, what);
+    ps->internal = (bool *)smp__alloc_or(&st, (size_t)T + 1, SMP__ALLOC_OTHER, what);
+    ps->inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)S, SMP__ALLOC_OTHER, what);
+    ps->dev_sent = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
+    if (st || (st = smp__shared_build(ps, md))) goto fail;
     ps->stage_index = ps->peak + S;
-    ps->internal = (bool *)smp__alloc((size_t)T + 1, SMP__ALLOC_OTHER);
-    memset(ps->internal, 0, (size_t)T + 1);
+    ps->dev_posted = ps->dev_sent + P;
     for (int k = 0; k < n; k++) {
         const smp__call_rec *c = &md->calls[k];
         for (int j = 0; j < c->nout && c->recompute_first >= 0; j++) {
@@ -1286,18 +1302,16 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
             ps->internal[t] = inside;
         }
     }
-    smp__shared_build(ps, md);
-    ps->inflight = (int *)smp__alloc(sizeof(int) * (size_t)S, SMP__ALLOC_OTHER);
-    const smp_device_backend *b = &smp__ctx.device;
     ps->on_device = md->desc.on_device;
     ps->dev_p2p = ps->on_device && b->p2p_connect && b->isend && b->irecv && b->test && b->wait && !(b->p2p_through_host && b->p2p_through_host());
-    int P = smp__ctx.cfg.partitions;
-    ps->dev_sent = (int *)smp__alloc(sizeof(int) * 2 * (size_t)P, SMP__ALLOC_OTHER);
-    ps->dev_posted = ps->dev_sent + P;
     ps->timeline = getenv("SMP_TIMELINE") && *getenv("SMP_TIMELINE");
     ps->t_origin = smp__now();
     smp__pipe_comms(ps);
     return ps;
+fail:
+    smp__free(count);
+    smp__pipe_free(ps);
+    return NULL;
 }
 
 /* t *= by for floating-point dtypes (others are left alone), on t's side. */
@@ -1313,20 +1327,50 @@ static smp__xfer *smp__recv_slot(smp__pipe *ps, int link, int mb, bool backward)
     return &ps->recv[((size_t)link * (size_t)ps->m + (size_t)mb) * 2 + (backward ? 1 : 0)];
 }
 
-static void smp__post_recv(smp__pipe *ps, int link, int mb, bool backward) {
+static smp_status smp__post_recv(smp__pipe *ps, int link, int mb, bool backward) {
     smp__link *l = &ps->links[link];
     smp__xfer *x = smp__recv_slot(ps, link, mb, backward);
+    smp_status st = SMP_OK;
     x->ntensors = backward ? l->nedges : l->ntensors;
     x->peer = backward ? l->peer_to : l->peer_from;
-    x->hdr = (int64_t *)smp__alloc(sizeof(int64_t) * (size_t)SMP__HDR_WORDS(x->ntensors), SMP__ALLOC_OTHER);
+    x->hdr = (int64_t *)smp__alloc_or(&st, sizeof(int64_t) * (size_t)SMP__HDR_WORDS(x->ntensors), SMP__ALLOC_OTHER, "a pipeline message header");
+    if (st) return st;
     x->state = 1;
     MPI_Irecv(x->hdr, SMP__HDR_WORDS(x->ntensors), MPI_INT64_T, x->peer, smp__tag(ps, link, backward), ps->comm, &x->req[0]);
     x->req[1] = MPI_REQUEST_NULL;
+    return SMP_OK;
 }
 
 static size_t smp__hdr_bytes(const int64_t *h) {
     smp_tensor t = smp_tensor_make(NULL, (smp_dtype)h[0], (int)h[1], h + 2);
     return smp_tensor_nbytes(&t);
+}
+
+static int64_t smp__hdr_hash(const int64_t *h, int nt) {
+    uint64_t x = 0x736d702d68647221ull;
+    for (int w = 0; w < 10 * nt + 1; w++) x = (x ^ (uint64_t)h[w]) * 0x100000001b3ull;
+    return (int64_t)(x ^ (x >> 29));
+}
+
+/* The last word of a header checks the others: a header that does not match
+   would make the receiver size and cut the bytes that follow wrongly. */
+static void smp__hdr_seal(int64_t *h, int nt) {
+    h[10 * nt + 1] = smp__hdr_hash(h, nt);
+    if (smp__injected(SMP_FAULT_MESSAGE)) h[2]++; /* a test's corrupt header: after the seal */
+}
+
+/* SMP_OK, or why the header of a message from mp rank `peer` cannot be used. */
+static smp_status smp__hdr_check(const int64_t *h, int nt, int peer, size_t *bytes) {
+    bool sane = h[10 * nt + 1] == smp__hdr_hash(h, nt);
+    *bytes = 0;
+    for (int t = 0; t < nt && sane; t++) {
+        const int64_t *d = h + 10 * t;
+        sane = smp_dtype_size((smp_dtype)d[0]) > 0 && d[1] >= 0 && d[1] <= SMP_MAX_DIMS;
+        for (int k = 0; k < d[1] && sane; k++) sane = d[2 + k] >= 0;
+        if (sane) *bytes += smp__hdr_bytes(d);
+    }
+    return sane ? SMP_OK : smp_error(SMP_ERR_FORMAT, "a pipeline message from mp rank %d arrived with a corrupt header (its check does not match); "
+                                     "nothing was read from it", peer);
 }
 
 /* The backend's point to point, for device payloads. A transfer it cannot
@@ -1355,10 +1399,16 @@ static void smp__device_wait_all(smp__xfer *x) {
 }
 
 /* The device receives of an arrived header, into one device buffer. */
-static void smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
+static smp_status smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
+    smp_status st = SMP_OK;
     x->buf = smp__dev_alloc(x->bytes, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER);
-    if (!x->buf) smp__fatal("out of device memory for a pipeline message of %zu bytes from mp rank %d: %s", x->bytes, x->peer, smp__errbuf);
-    x->dev_req = (void **)smp__alloc(sizeof(void *) * (size_t)(x->ntensors + 1), SMP__ALLOC_OTHER);
+    if (!x->buf) {
+        char why[256];
+        snprintf(why, sizeof why, "a pipeline message from mp rank %d (device memory: %.150s)", x->peer, smp__errbuf);
+        return smp__nomem(x->bytes, why);
+    }
+    x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(x->ntensors + 1), SMP__ALLOC_OTHER, "a pipeline message received");
+    if (st) return st;
     char *p = (char *)x->buf;
     for (int t = 0; t < x->ntensors; t++) {
         size_t bytes = smp__hdr_bytes(x->hdr + 10 * t);
@@ -1369,6 +1419,30 @@ static void smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
         p += bytes;
     }
     x->state = 2;
+    return SMP_OK;
+}
+
+/* The bytes of nt host tensors, wherever each lies, as one MPI (count,
+   datatype) from MPI_BOTTOM (their absolute addresses), any sizes. */
+static smp_status smp__gather_type(const smp_tensor *const *ts, int nt, int *count, MPI_Datatype *type) {
+    smp_status st = SMP_OK;
+    int *lens = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)nt, SMP__ALLOC_OTHER, "a pipeline message's datatype");
+    MPI_Aint *at = (MPI_Aint *)smp__alloc_or(&st, sizeof(MPI_Aint) * (size_t)nt, SMP__ALLOC_OTHER, "a pipeline message's datatype");
+    MPI_Datatype *parts = (MPI_Datatype *)smp__alloc_or(&st, sizeof(MPI_Datatype) * (size_t)nt, SMP__ALLOC_OTHER, "a pipeline message's datatype");
+    int made = 0;
+    for (; made < nt && !st; made++) {
+        st = smp__bytes_type(smp_tensor_nbytes(ts[made]), &lens[made], &parts[made]);
+        MPI_Get_address(ts[made]->data, &at[made]);
+    }
+    if (!st && MPI_Type_create_struct(nt, lens, at, parts, type) != MPI_SUCCESS) st = smp_error(SMP_ERR_MPI, "MPI_Type_create_struct failed for a pipeline message");
+    if (!st) MPI_Type_commit(type);
+    for (int i = 0; i < made && parts; i++)
+        if (parts[i] != MPI_BYTE) MPI_Type_free(&parts[i]);
+    smp__free(lens);
+    smp__free(at);
+    smp__free(parts);
+    *count = 1;
+    return st;
 }
 
 /* Sends tensors of stage `stage`, microbatch `mb`: host tensors without
@@ -1376,33 +1450,53 @@ static void smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
    the backend or a host staging buffer (see the executor's comment). */
 static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_tensor *const *ts, int nt, int stage, int mb) {
     smp__link *l = &ps->links[link];
-    smp__grow((void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer));
-    smp__xfer *x = &ps->sends[ps->nsends++];
+    smp_status st = SMP_OK;
+    const char *what = "a pipeline message";
+    if (smp__injected(SMP_FAULT_SEND))
+        return smp_error(SMP_ERR_MPI, "MPI_Isend to mp rank %d failed: injected by smp_testing_fail", backward ? l->peer_from : l->peer_to);
+    if (!smp__grow((void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer))) return smp__nomem(sizeof(smp__xfer) * (size_t)(ps->nsends + 1), what);
+    smp__xfer *x = &ps->sends[ps->nsends];
     memset(x, 0, sizeof *x);
     x->peer = backward ? l->peer_from : l->peer_to;
     x->stage = stage;
     x->mb = mb;
     x->backward = backward;
     x->t_post = smp__now();
-    x->hdr = (int64_t *)smp__alloc(sizeof(int64_t) * (size_t)SMP__HDR_WORDS(nt), SMP__ALLOC_OTHER);
-    x->type = MPI_DATATYPE_NULL;
     x->req[0] = x->req[1] = MPI_REQUEST_NULL;
-    x->state = 1;
+    x->hdr = (int64_t *)smp__alloc_or(&st, sizeof(int64_t) * (size_t)SMP__HDR_WORDS(nt), SMP__ALLOC_OTHER, what);
+    if (ps->dev_p2p) x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(nt + 1), SMP__ALLOC_OTHER, what);
     size_t total = 0;
+    for (int i = 0; i < nt; i++) total += smp_tensor_nbytes(ts[i]);
+    /* staged device tensors: the bytes go to the host, then as one MPI message */
+    char *staging = ps->on_device && !ps->dev_p2p ? (char *)smp__alloc_or(&st, total, SMP__ALLOC_OTHER, "a pipeline message staged on the host") : NULL;
+    size_t at = 0;
+    for (int i = 0; i < nt && staging && !st; i++) {
+        smp_tensor h = *ts[i];
+        h.data = staging + at;
+        h.device = SMP_HOST;
+        st = smp__tensor_copy(&h, ts[i]);
+        at += smp_tensor_nbytes(ts[i]);
+    }
+    if (st) { /* nothing went out: the step fails like any other error */
+        smp__free(staging);
+        smp__free(x->hdr);
+        smp__free(x->dev_req);
+        return st;
+    }
+    ps->nsends++;
+    x->state = 1;
     for (int i = 0; i < nt; i++) {
         int64_t *h = x->hdr + 10 * i;
-        memset(h, 0, sizeof(int64_t) * 10);
         h[0] = ts[i]->dtype;
         h[1] = ts[i]->ndim;
         for (int d = 0; d < ts[i]->ndim; d++) h[2 + d] = ts[i]->shape[d];
-        total += smp_tensor_nbytes(ts[i]);
         SMP_ASSERT((ts[i]->device != SMP_HOST) == ps->on_device);
     }
     x->hdr[10 * nt] = ps->dev_sent[x->peer];
+    smp__hdr_seal(x->hdr, nt);
     int tag = smp__tag(ps, link, backward);
     if (ps->dev_p2p) {
         /* the transfers first: the peer queues its receives when the header arrives */
-        x->dev_req = (void **)smp__alloc(sizeof(void *) * (size_t)(nt + 1), SMP__ALLOC_OTHER);
         for (int i = 0; i < nt; i++) {
             size_t bytes = smp_tensor_nbytes(ts[i]);
             if (!bytes) continue;
@@ -1413,44 +1507,18 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
         MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]);
         return SMP_OK;
     }
-    if (ps->on_device) { /* staged: the bytes go to the host, then as one MPI message */
-        smp_status st = total > (size_t)INT32_MAX ? smp_error(SMP_ERR_ARG, "a pipeline message of %zu bytes is larger than 2 GiB", total) : SMP_OK;
-        char *staging = (char *)smp__alloc(total ? total : 1, SMP__ALLOC_OTHER);
-        size_t at = 0;
-        for (int i = 0; i < nt && !st; i++) {
-            smp_tensor h = *ts[i];
-            h.data = staging + at;
-            h.device = SMP_HOST;
-            st = smp__tensor_copy(&h, ts[i]);
-            at += smp_tensor_nbytes(ts[i]);
-        }
-        if (st) { /* nothing went out: the step fails like any other error */
-            smp__free(staging);
-            smp__free(x->hdr);
-            ps->nsends--;
-            return st;
-        }
-        x->buf = staging;
-        MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]);
-        MPI_Isend(staging, (int)total, MPI_BYTE, x->peer, tag + 1, ps->comm, &x->req[1]);
-        return SMP_OK;
-    }
-    int *lens = (int *)smp__alloc(sizeof(int) * (size_t)(nt + 1), SMP__ALLOC_OTHER);
-    MPI_Aint *addrs = (MPI_Aint *)smp__alloc(sizeof(MPI_Aint) * (size_t)(nt + 1), SMP__ALLOC_OTHER);
-    for (int i = 0; i < nt; i++) {
-        lens[i] = (int)smp_tensor_nbytes(ts[i]);
-        MPI_Get_address(ts[i]->data, &addrs[i]);
-    }
     MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]);
-    if (nt == 1) {
-        MPI_Isend(ts[0]->data, lens[0], MPI_BYTE, x->peer, tag + 1, ps->comm, &x->req[1]);
-    } else {
-        MPI_Type_create_hindexed(nt, lens, addrs, MPI_BYTE, &x->type);
-        MPI_Type_commit(&x->type);
-        MPI_Isend(MPI_BOTTOM, 1, x->type, x->peer, tag + 1, ps->comm, &x->req[1]);
-    }
-    smp__free(lens);
-    smp__free(addrs);
+    /* the bytes of every tensor as one message, without copying host tensors:
+       a datatype of absolute addresses (MPI_BOTTOM), any size (smp__bytes_type) */
+    MPI_Datatype type;
+    int count;
+    const void *from = x->buf = staging;
+    if (staging || nt == 1) st = smp__bytes_type(total, &count, &type);
+    else st = smp__gather_type(ts, nt, &count, &type);
+    if (st) return st;
+    if (!staging) from = nt == 1 ? ts[0]->data : MPI_BOTTOM;
+    MPI_Isend(from, count, type, x->peer, tag + 1, ps->comm, &x->req[1]);
+    if (type != MPI_BYTE) MPI_Type_free(&type); /* MPI keeps it for the send in flight */
     return SMP_OK;
 }
 
@@ -1458,15 +1526,16 @@ static void smp__send_done(smp__xfer *x) {
     smp__free(x->hdr);
     smp__free(x->buf);
     smp__free(x->dev_req);
-    if (x->type != MPI_DATATYPE_NULL) MPI_Type_free(&x->type);
     x->hdr = NULL;
     x->buf = NULL;
     x->dev_req = NULL;
     x->state = 0;
 }
 
-/* Moves every transfer forward once. */
-static void smp__progress_transfers(smp__pipe *ps) {
+/* Moves every transfer forward once; an error when an arrived header is
+   corrupt or there is no memory for the bytes that follow it. */
+static smp_status smp__progress_transfers(smp__pipe *ps) {
+    smp_status err = SMP_OK;
     int flag = 0;
     MPI_Status st;
     /* Data receives share one tag per (link, direction), so they must be
@@ -1475,22 +1544,25 @@ static void smp__progress_transfers(smp__pipe *ps) {
        later one first would hand it an earlier microbatch's bytes. Walk
        each (link, direction) in order and stop at the first header that has
        not arrived. */
-    for (int l = 0; l < ps->nlinks; l++)
-        for (int dir = 0; dir < 2; dir++)
+    for (int l = 0; l < ps->nlinks && !err; l++)
+        for (int dir = 0; dir < 2 && !err; dir++)
             for (int mb = 0; mb < ps->m; mb++) {
                 smp__xfer *x = smp__recv_slot(ps, l, mb, dir);
                 if (x->state == 1) {
                     MPI_Test(&x->req[0], &flag, &st);
                     if (!flag) break;
-                    x->bytes = 0;
-                    for (int t = 0; t < x->ntensors; t++) x->bytes += smp__hdr_bytes(x->hdr + 10 * t);
+                    x->state = 5; /* arrived, its bytes not asked for: a failed step leaves it so */
+                    if ((err = smp__hdr_check(x->hdr, x->ntensors, x->peer, &x->bytes))) break;
                     if (ps->dev_p2p) {
                         x->state = 4; /* queued below, in the order the peer sent */
                         continue;
                     }
-                    if (x->bytes > (size_t)INT32_MAX) smp__fatal("a pipeline message of %zu bytes is larger than 2 GiB", x->bytes);
-                    x->buf = smp__alloc(x->bytes ? x->bytes : 1, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER);
-                    MPI_Irecv(x->buf, (int)x->bytes, MPI_BYTE, x->peer, st.MPI_TAG + 1, ps->comm, &x->req[1]);
+                    MPI_Datatype type;
+                    int count;
+                    x->buf = smp__alloc_or(&err, x->bytes, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER, "a pipeline message received");
+                    if (err || (err = smp__bytes_type(x->bytes, &count, &type))) break;
+                    MPI_Irecv(x->buf, count, type, x->peer, st.MPI_TAG + 1, ps->comm, &x->req[1]);
+                    if (type != MPI_BYTE) MPI_Type_free(&type);
                     x->state = 2;
                 }
                 if (x->state == 2) {
@@ -1499,14 +1571,14 @@ static void smp__progress_transfers(smp__pipe *ps) {
                     if (flag) x->state = 3;
                 }
             }
-    if (ps->dev_p2p) {
+    if (ps->dev_p2p && !err) {
         size_t nrecv = (size_t)ps->nlinks * (size_t)ps->m * 2;
         for (bool queued = true; queued;) {
             queued = false;
             for (size_t i = 0; i < nrecv; i++) {
                 smp__xfer *x = &ps->recv[i];
                 if (x->state == 4 && x->hdr[10 * x->ntensors] == ps->dev_posted[x->peer]) {
-                    smp__queue_device_recv(ps, x);
+                    if ((err = smp__queue_device_recv(ps, x))) break;
                     queued = true;
                 }
             }
@@ -1528,20 +1600,22 @@ static void smp__progress_transfers(smp__pipe *ps) {
     int k = 0;
     while (k < ps->nsends && ps->sends[k].state == 0) k++;
     if (k) { memmove(ps->sends, ps->sends + k, sizeof(smp__xfer) * (size_t)(ps->nsends - k)); ps->nsends -= k; }
+    return err;
 }
 
 static void smp__ddp_poll(smp__pipe *ps);
 
 /* Moves every transfer forward once, and the gradient buckets (the next
-   starts while this rank waits); true when another rank reported an error. */
-static bool smp__progress(smp__pipe *ps) {
+   starts while this rank waits); SMP_ERR_REMOTE when another rank reported
+   an error, or this rank's own transfer error. */
+static smp_status smp__progress(smp__pipe *ps) {
     int flag = 0;
     MPI_Status st;
     MPI_Test(&ps->err_req, &flag, &st);
-    if (flag) { ps->failed_remote = true; return true; }
-    smp__progress_transfers(ps);
-    if (ps->sync) smp__ddp_poll(ps);
-    return false;
+    if (flag) { ps->failed_remote = true; return smp_error(SMP_ERR_REMOTE, "another rank failed"); }
+    smp_status err = smp__progress_transfers(ps);
+    if (!err && ps->sync) smp__ddp_poll(ps);
+    return err;
 }
 
 /* The device sends of F(s, i) read its activations until they are done.
@@ -1562,13 +1636,14 @@ static void smp__finish_forward_sends(smp__pipe *ps, int s, int i) {
 static void smp__drain_device(smp__pipe *ps) {
     int P = smp__ctx.cfg.partitions;
     int *sent_to_me = (int *)smp__alloc(sizeof(int) * (size_t)P, SMP__ALLOC_OTHER);
+    if (!sent_to_me || !ps->recv) smp__fatal("out of memory cleaning up the device transfers of a failed step");
     MPI_Request req;
     MPI_Ialltoall(ps->dev_sent, 1, MPI_INT, sent_to_me, 1, MPI_INT, ps->comm, &req);
     smp_wait_requests(1, &req, "the device transfer counts of a failed step", SMP_MP_GROUP, -1);
     size_t nrecv = (size_t)ps->nlinks * (size_t)ps->m * 2;
     smp__backoff b = smp__backoff_start();
     for (;;) {
-        smp__progress_transfers(ps);
+        (void)smp__progress_transfers(ps); /* the step failed already */
         bool pending = ps->nsends > 0;
         for (int p = 0; p < P; p++) pending = pending || ps->dev_posted[p] < sent_to_me[p];
         for (size_t i = 0; i < nrecv; i++) pending = pending || ps->recv[i].state == 2;
@@ -1581,7 +1656,12 @@ static void smp__drain_device(smp__pipe *ps) {
 
 static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0) {
     if (!ps->timeline) return;
-    smp__grow((void **)&ps->events, &ps->events_cap, ps->nevents + 1, sizeof(smp__event));
+    if (!smp__grow((void **)&ps->events, &ps->events_cap, ps->nevents + 1, sizeof(smp__event))) {
+        /* a diagnostic, not the job's work: it stops, and says so */
+        smp_log(SMP_LOG_WARN, "out of memory recording the timeline after %d events: SMP_TIMELINE records no more", ps->nevents);
+        ps->timeline = false;
+        return;
+    }
     smp__event *e = &ps->events[ps->nevents++];
     e->t0 = t0 - ps->t_origin;
     e->t1 = smp__now() - ps->t_origin;
@@ -1596,7 +1676,8 @@ static smp_status smp__await(smp__pipe *ps, smp__xfer **xs, int n, const char *w
     double t0 = smp__now();
     smp__backoff b = smp__backoff_start();
     for (;;) {
-        if (smp__progress(ps)) return smp_error(SMP_ERR_REMOTE, "another rank failed");
+        smp_status st = smp__progress(ps);
+        if (st) return st;
         int ready = 0;
         for (int i = 0; i < n; i++) ready += xs[i]->state == 3;
         if (ready == n) break;
@@ -1642,7 +1723,7 @@ SMPDEF smp_status smp_mb_return(smp_mb *mb, int i, const smp_tensor *v) {
     smp_tensor *r = &mb->st->returned[i];
     smp__free(r->data);
     *r = *v; /* StepOutputs live on the host: a device value is copied down */
-    smp__tensor_alloc(r, false, SMP__ALLOC_OTHER);
+    if (!smp__tensor_alloc_or(&st, r, false, SMP__ALLOC_OTHER, "a value the step body returned")) return st;
     return smp__tensor_copy(r, v);
 }
 SMPDEF smp_status smp_mb_return_f32(smp_mb *mb, int i, float value) {
@@ -1652,24 +1733,27 @@ SMPDEF smp_status smp_mb_return_f32(smp_mb *mb, int i, float value) {
 
 /* Slices argument `a` for microbatch `i`: a view along axis 0, a copy along
    others (on the argument's side, host or device). */
-static smp_tensor smp__slice(const smp_tensor *t, int axis, int m, int i, void **copy, smp__alloc_kind kind) {
+static smp_status smp__slice(const smp_tensor *t, int axis, int m, int i, smp_tensor *out, void **copy, smp__alloc_kind kind) {
     smp_tensor s = *t;
+    smp_status st = SMP_OK;
     int64_t part = t->shape[axis] / m, outer = 1, inner = 1;
     s.shape[axis] = part;
     for (int d = 0; d < axis; d++) outer *= t->shape[d];
     for (int d = axis + 1; d < t->ndim; d++) inner *= t->shape[d];
     size_t es = smp_dtype_size(t->dtype), run = (size_t)(part * inner) * es;
-    if (outer == 1) { s.data = (char *)t->data + (size_t)i * run; *copy = NULL; return s; }
-    if (!smp__tensor_alloc(&s, t->device != SMP_HOST, kind)) smp__fatal("out of memory slicing a step argument (%zu bytes): %s", run * (size_t)outer, smp__errbuf);
-    for (int64_t o = 0; o < outer; o++) {
+    *copy = NULL;
+    if (outer == 1) { s.data = (char *)t->data + (size_t)i * run; *out = s; return SMP_OK; }
+    if (!smp__tensor_alloc_or(&st, &s, t->device != SMP_HOST, kind, "a microbatch's slice of a step argument")) return st;
+    *copy = s.data;
+    for (int64_t o = 0; o < outer && !st; o++) {
         smp_tensor from = smp_tensor_1d((char *)t->data + ((size_t)o * (size_t)t->shape[axis] * (size_t)inner + (size_t)i * (size_t)part * (size_t)inner) * es, SMP_U8, (int64_t)run);
         smp_tensor to = smp_tensor_1d((char *)s.data + (size_t)o * run, SMP_U8, (int64_t)run);
         from.device = t->device;
         to.device = s.device;
-        if (smp__tensor_copy(&to, &from)) smp__fatal("slicing a step argument on the device failed: %s", smp__errbuf);
+        st = smp__tensor_copy(&to, &from);
     }
-    *copy = s.data;
-    return s;
+    *out = s;
+    return st;
 }
 
 static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, int m) {
@@ -1715,7 +1799,12 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
     }
     /* backward order: the call that finishes a parameter (smp__final_call), those final only at the step's end last */
     int n = 0;
-    int *order = (int *)smp__alloc(sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER);
+    smp_status st = SMP_OK;
+    int *order = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER, "the data-parallel buckets");
+    ps->buckets = (smp__bucket *)smp__alloc_or(&st, sizeof(smp__bucket) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER, "the data-parallel buckets");
+    ps->bucket_of = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER, "the data-parallel buckets");
+    ps->bucket_params = order;
+    if (st) return st;
     for (int k = md->ncalls - 1; k >= -1; k--)
         for (int i = md->nparams - 1; i >= 0; i--) {
             smp_param *p = md->params[i];
@@ -1723,8 +1812,6 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
             order[n++] = i;
         }
     double cap = cfg->bucket_cap_mb * 1048576.0;
-    ps->buckets = (smp__bucket *)smp__alloc(sizeof(smp__bucket) * (size_t)(n + 1), SMP__ALLOC_OTHER);
-    ps->bucket_of = (int *)smp__alloc(sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER);
     for (int i = 0; i < md->nparams; i++) ps->bucket_of[i] = -1;
     ps->nbuckets = 0;
     for (int j = 0; j < n;) { /* a bucket: consecutive parameters of one dtype up to the cap */
@@ -1745,8 +1832,7 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
         b->bytes = bytes;
         b->numel = (int64_t)(bytes / smp_dtype_size(b->dtype));
         smp_tensor whole = smp_tensor_1d(NULL, b->dtype, b->numel);
-        if (!smp__tensor_alloc(&whole, ps->on_device, SMP__ALLOC_PARAM))
-            return smp_error(SMP_ERR_NOMEM, "out of memory for a data-parallel gradient bucket of %zu bytes: %s", bytes, smp_last_error());
+        if (!smp__tensor_alloc_or(&st, &whole, ps->on_device, SMP__ALLOC_PARAM, "a data-parallel gradient bucket")) return st;
         b->data = whole.data;
         b->device = whole.device;
         ps->nbuckets++; /* freed with the model from here on */
@@ -1756,8 +1842,7 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
             size_t pb = smp_tensor_nbytes(&p->grad);
             smp_tensor place = p->grad;
             place.data = (char *)b->data + at;
-            smp_status st = smp__tensor_copy(&place, &p->grad);
-            if (st) return st;
+            if ((st = smp__tensor_copy(&place, &p->grad))) return st;
             if (!p->grad_in_bucket) smp__free(p->grad.data);
             p->grad.data = place.data;
             p->grad_in_bucket = true;
@@ -1766,11 +1851,18 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
         }
         j = k;
     }
-    ps->bucket_params = order;
     return SMP_OK;
 }
 
 static smp__pipe *smp__ddp_inflight; /* the step whose buckets are in flight, for smp_poll */
+
+/* The exception to the out-of-memory policy: the other replicas are in this
+   bucket's collective already, or will be, and a replica cannot take part
+   without the memory to gather into. */
+static void smp__bucket_nomem(size_t bytes) {
+    smp__fatal("out of memory: %zu bytes to gather a gradient bucket for deterministic_reduction on rank %d; the other replicas are in "
+               "its collective, so the job stops (free memory, or lower bucket_cap_mb)", bytes, smp__ctx.rank);
+}
 
 static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
     bool deterministic = smp__ctx.cfg.deterministic_reduction == SMP_ON;
@@ -1784,8 +1876,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
             return smp__ctx.device.bucket_all_reduce(b->data, b->dtype, b->numel, SMP_DP_GROUP);
         }
         if (!deterministic) return smp_all_reduce(&t, &t, SMP_SUM, SMP_DP_GROUP);
-        if (!smp__tensor_alloc(&all, true, SMP__ALLOC_OTHER))
-            return smp_error(SMP_ERR_NOMEM, "out of device memory gathering a gradient bucket (%zu bytes): %s", b->bytes * (size_t)smp_dp_size(), smp_last_error());
+        if (!smp__tensor_alloc(&all, true, SMP__ALLOC_OTHER)) smp__bucket_nomem(b->bytes * (size_t)smp_dp_size());
         b->gather = all.data;
         return smp_all_gather(&t, &all, SMP_DP_GROUP);
     }
@@ -1797,6 +1888,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
         /* every replica's gradient, summed below in dp-rank order */
         int dp = smp_dp_size();
         b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_OTHER);
+        if (!b->gather) smp__bucket_nomem(b->bytes * (size_t)dp);
         MPI_Iallgather(b->data, n, smp__mpi_type(b->dtype), b->gather, n, smp__mpi_type(b->dtype), comm, &b->req);
     } else {
         MPI_Op op;
@@ -2103,9 +2195,8 @@ static smp_status smp__receive(smp__pipe *ps, int s, int i, bool backward) {
         if (ps->dev_p2p) smp__device_wait_all(x); /* the engine's work from here on comes after the transfers */
         else if (ps->on_device) { /* staged: the bytes arrived on the host */
             smp_tensor host = smp_tensor_1d(x->buf, SMP_U8, (int64_t)x->bytes), dev = host;
-            if (!smp__tensor_alloc(&dev, true, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER))
-                return smp_error(SMP_ERR_DEVICE, "out of device memory for the %s of microbatch %d for stage %d (%zu bytes): %s",
-                                 backward ? "gradients" : "activations", i, s, x->bytes, smp_last_error());
+            if (!smp__tensor_alloc_or(&rc, &dev, true, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER, "a pipeline message moved to the device"))
+                return rc;
             rc = smp__tensor_copy(&dev, &host);
             smp__free(x->buf);
             x->buf = dev.data;
@@ -2159,11 +2250,11 @@ static smp_status smp__shared_start(smp__pipe *ps) {
    in the same order, so all are bitwise equal. */
 static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
     int P = smp__ctx.cfg.partitions, me = smp__ctx.mp_rank, nreq = 0;
-    char **buf = (char **)smp__alloc(sizeof(char *) * 2 * (size_t)P, SMP__ALLOC_OTHER);
-    MPI_Request *req = (MPI_Request *)smp__alloc(sizeof(MPI_Request) * 2 * (size_t)P, SMP__ALLOC_OTHER);
-    if (!buf || !req) smp__fatal("out of memory gathering shared gradients");
-    memset(buf, 0, sizeof(char *) * 2 * (size_t)P);
     smp_status st = SMP_OK;
+    const char *what = "the gradients of shared modules";
+    char **buf = (char **)smp__alloc_or(&st, sizeof(char *) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
+    MPI_Request *req = (MPI_Request *)smp__alloc_or(&st, sizeof(MPI_Request) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
+    if (st) { smp__free(buf); return st; }
     /* pass 0: receive what peer ran for parameters here; pass 1: send what this rank ran for parameters there */
     for (int pass = 0; pass < 2; pass++)
         for (int peer = 0; peer < P && !st; peer++) {
@@ -2175,12 +2266,8 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
                     bytes += smp_tensor_nbytes(&s->grad);
             }
             if (!bytes) continue;
-            if (bytes > (size_t)INT_MAX) {
-                st = smp_error(SMP_ERR_ARG, "shared gradients of %zu bytes between partitions %d and %d: more than one message carries (2 GiB)", bytes, me, peer);
-                break;
-            }
-            char *b = buf[pass * P + peer] = (char *)smp__alloc(bytes, SMP__ALLOC_OTHER);
-            if (!b) { st = smp_error(SMP_ERR_NOMEM, "out of memory for %zu bytes of shared gradients", bytes); break; }
+            char *b = buf[pass * P + peer] = (char *)smp__alloc_or(&st, bytes, SMP__ALLOC_OTHER, what);
+            if (!b) break;
             for (size_t at = 0, q = 0; pass && q < (size_t)ps->nshared && !st; q++) {
                 smp__shared *s = &ps->shared[q];
                 if (s->part != me || !smp__shared_held(ps, s->param, peer)) continue;
@@ -2190,9 +2277,12 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
                 st = smp__tensor_copy(&h, &s->grad);
                 at += smp_tensor_nbytes(&h);
             }
-            int tag = smp__tag(ps, ps->nlinks, false); /* past every link's */
-            if (pass) MPI_Isend(b, (int)bytes, MPI_BYTE, peer, tag, ps->comm, &req[nreq++]);
-            else MPI_Irecv(b, (int)bytes, MPI_BYTE, peer, tag, ps->comm, &req[nreq++]);
+            int tag = smp__tag(ps, ps->nlinks, false), count; /* past every link's */
+            MPI_Datatype type;
+            if (st || (st = smp__bytes_type(bytes, &count, &type))) break;
+            if (pass) MPI_Isend(b, count, type, peer, tag, ps->comm, &req[nreq++]);
+            else MPI_Irecv(b, count, type, peer, tag, ps->comm, &req[nreq++]);
+            if (type != MPI_BYTE) MPI_Type_free(&type);
         }
     smp__backoff wait = smp__backoff_start();
     for (bool done = false; !done && !st;) {
@@ -2203,8 +2293,8 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
             done = done && flag;
         }
         if (done) break;
-        if (smp__progress(ps)) st = smp_error(SMP_ERR_REMOTE, "another rank failed");
-        else if (!smp__backoff_pause(&wait)) smp__timeout_abort("gradients of shared modules", SMP_MP_GROUP, -1, smp__now() - wait.start);
+        st = smp__progress(ps);
+        if (!st && !smp__backoff_pause(&wait)) smp__timeout_abort("gradients of shared modules", SMP_MP_GROUP, -1, smp__now() - wait.start);
     }
     if (st) { /* leave the messages and their buffers to MPI: the step's communicators are replaced after a failure */
         for (int r = 0; r < nreq; r++) MPI_Request_free(&req[r]);
@@ -2268,18 +2358,18 @@ static smp_status smp__call_forward(smp__pipe *ps, smp_model *md, int k, int i, 
         c->nout = rec->nout;
         c->call = k;
         c->seed = smp__call_seed(k, smp__ctx.dp_rank * ps->m + i, ps->passes);
-        c->inputs = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER);
-        c->outputs = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER);
-        if (!c->inputs || !c->outputs) return smp_error(SMP_ERR_NOMEM, "out of memory running %s", rec->module->full_name);
-        memset(c->outputs, 0, sizeof(smp_tensor) * (size_t)rec->nout);
     }
+    smp_status rc = SMP_OK;
+    if (!c->inputs) c->inputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER, "a call's inputs");
+    if (!c->outputs) c->outputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a call's outputs");
+    smp_tensor *kept = again ? (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a recomputation") : NULL;
+    if (rc) return rc;
     smp__call_inputs(ps, md, k, i, (smp_tensor *)c->inputs); /* again: the internal ones moved */
-    smp_tensor *kept = again ? (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER) : NULL;
     for (int j = 0; j < rec->nout && kept; j++) {
         kept[j] = c->outputs[j];
         c->outputs[j].data = NULL;
     }
-    smp_status rc = smp__run_callback(c, SMP__FORWARD);
+    rc = smp__run_callback(c, SMP__FORWARD);
     for (int j = 0; j < rec->nout; j++) {
         if (kept && !ps->internal[k * mo + j]) { /* the same bytes: keep the tensor later calls already read */
             smp__free(c->outputs[j].data);
@@ -2336,9 +2426,9 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
         for (int o = 0; o < md->desc.noutputs; o++) {
             smp_tensor *g = &st->out_grad[o];
             *g = *smp_mb_output(&mb, o);
-            if (!smp__tensor_alloc(g, ps->on_device, SMP__ALLOC_STASH))
-                return smp_error(SMP_ERR_NOMEM, "out of memory for the gradient of model output %d (%zu bytes): %s", o, smp_tensor_nbytes(g), smp_last_error());
-            smp_status zs = smp__tensor_zero(g);
+            smp_status zs = SMP_OK;
+            if (!smp__tensor_alloc_or(&zs, g, ps->on_device, SMP__ALLOC_STASH, "the gradient of a model output")) return zs;
+            zs = smp__tensor_zero(g);
             if (zs) return zs;
         }
     if (!ps->desc->body) return SMP_OK;
@@ -2349,7 +2439,7 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
     if (rc) {
         char msg[sizeof smp__errbuf];
         memcpy(msg, smp__errbuf, sizeof msg);
-        return smp_error(SMP_ERR_MODULE, "the step body failed on microbatch %d: %s", i, *msg ? msg : smp_status_name(rc));
+        return smp_error(rc == SMP_ERR_NOMEM ? rc : SMP_ERR_MODULE, "the step body failed on microbatch %d: %s", i, *msg ? msg : smp_status_name(rc));
     }
     const smp_config *cfg = &smp__ctx.cfg;
     double divisor = cfg->average_grads_across_microbatches == SMP_ON ? ps->m : 1;
@@ -2399,14 +2489,12 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         if (rec->recompute_last == k) /* the last call of a recomputed one: run its forward again */
             for (int q = rec->recompute_first; q <= k && !rc; q++) rc = smp__call_forward(ps, md, q, i, true);
         /* gradient of each output: its consumers' contributions, latest consumer first */
-        smp_tensor *gout = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER);
-        memset(gout, 0, sizeof(smp_tensor) * (size_t)rec->nout);
+        smp_tensor *gout = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a call's output gradients");
+        smp_tensor *gin = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER, "a call's input gradients");
+        if (rc) { smp__free(gout); return rc; }
         for (int j = 0; j < rec->nout && !rc; j++) {
             gout[j] = c->outputs[j];
-            if (!smp__tensor_alloc(&gout[j], ps->on_device, SMP__ALLOC_STASH)) {
-                rc = smp_error(SMP_ERR_NOMEM, "out of memory for a gradient of %s (%zu bytes): %s", rec->module->full_name, smp_tensor_nbytes(&gout[j]), smp_last_error());
-                break;
-            }
+            if (!smp__tensor_alloc_or(&rc, &gout[j], ps->on_device, SMP__ALLOC_STASH, "an output gradient")) break;
             int t = k * mo + j, first = ps->first_edge[t], last = ps->first_edge[t + 1] - 1;
             if (last < first) { rc = smp__tensor_zero(&gout[j]); continue; }
             rc = smp__tensor_copy(&gout[j], &st->contrib[last]);
@@ -2417,14 +2505,11 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
                 st->contrib[e].data = NULL;
             }
         }
-        smp_tensor *gin = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER);
         for (int j = 0; j < rec->nin; j++) {
             gin[j] = c->inputs[j];
             gin[j].data = NULL;
             if (rec->in[j].call < 0 || rc) continue; /* model inputs take no gradient */
-            if (!smp__tensor_alloc(&gin[j], ps->on_device, SMP__ALLOC_STASH))
-                rc = smp_error(SMP_ERR_NOMEM, "out of memory for a gradient of %s (%zu bytes): %s", rec->module->full_name, smp_tensor_nbytes(&gin[j]), smp_last_error());
-            else rc = smp__tensor_zero(&gin[j]);
+            if (smp__tensor_alloc_or(&rc, &gin[j], ps->on_device, SMP__ALLOC_STASH, "an input gradient")) rc = smp__tensor_zero(&gin[j]);
         }
         c->grad_outputs = gout;
         c->grad_inputs = gin;
@@ -2520,7 +2605,7 @@ static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
 
 /* ---------------------------------------------------------------- the step */
 static void smp__release_step(smp__pipe *ps, smp_model *md, bool cancel) {
-    size_t nrecv = (size_t)ps->nlinks * (size_t)ps->m * 2;
+    size_t nrecv = ps->recv ? (size_t)ps->nlinks * (size_t)ps->m * 2 : 0;
     for (size_t i = 0; i < nrecv; i++) {
         smp__xfer *x = &ps->recv[i];
         if (cancel && (x->state == 1 || x->state == 2)) {
@@ -2545,20 +2630,21 @@ static void smp__release_step(smp__pipe *ps, smp_model *md, bool cancel) {
     smp__free(ps->sends);
     ps->sends = NULL;
     ps->nsends = ps->sends_cap = 0;
-    for (int i = 0; i < ps->m; i++) {
+    for (int i = 0; i < ps->m && ps->mb; i++) {
         smp__mbstate *st = &ps->mb[i];
-        for (int s = 0; s < md->nstages; s++)
+        bool whole = st->act && st->ctx && st->contrib && st->out_grad && st->args && st->arg_copies && st->returned;
+        for (int s = 0; s < md->nstages && whole; s++)
             if (md->stage_rank[s] == smp__ctx.mp_rank) smp__stage_release(ps, md, s, i);
-        for (int e = 0; e < ps->nedges; e++) {
+        for (int e = 0; e < ps->nedges && whole; e++) {
             /* whatever is left: contributions produced here for remote producers */
             int cons = ps->edges[e].consumer;
             int cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
             if (md->stage_rank[cs] == smp__ctx.mp_rank && md->stage_rank[md->calls[ps->edges[e].call].stage] != smp__ctx.mp_rank)
                 smp__free(st->contrib[e].data);
         }
-        for (int o = 0; o < md->desc.noutputs; o++) smp__free(st->out_grad[o].data);
-        for (int a = 0; a < ps->desc->nargs; a++) smp__free(st->arg_copies[a]);
-        for (int r = 0; r < SMP_MAX_STEP_ARGS; r++) smp__free(st->returned[r].data);
+        for (int o = 0; o < md->desc.noutputs && whole; o++) smp__free(st->out_grad[o].data);
+        for (int a = 0; a < ps->desc->nargs && st->arg_copies; a++) smp__free(st->arg_copies[a]);
+        for (int r = 0; r < SMP_MAX_STEP_ARGS && whole; r++) smp__free(st->returned[r].data);
         smp__free(st->act);
         smp__free(st->ctx);
         smp__free(st->contrib);
@@ -2591,18 +2677,23 @@ static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_outp
                     at += sizeof h + b;
                 }
             if (!pass) { len = at; buf = (char *)smp__alloc(len + 1, SMP__ALLOC_OTHER); }
+            if (!buf) break;
         }
     }
+    smp_status st = mine && !buf ? smp__nomem(len, "the step's outputs") : SMP_OK;
     void *p = buf;
-    smp_status st = smp_broadcast_bytes(&p, &len, root, SMP_MP_GROUP);
-    if (st) { smp__free(buf); return st; }
+    static char failed[1]; /* one byte, shorter than any real layout: the body's rank ran out of memory */
+    if (st) { p = failed; len = 1; }
+    smp_status sent = smp_broadcast_bytes(&p, &len, root, SMP_MP_GROUP);
+    if (st || sent) { smp__free(buf); return st ? st : sent; }
     buf = (char *)p;
+    if (len == 1) { smp__free(buf); return smp_error(SMP_ERR_REMOTE, "mp rank %d had no memory for the step's outputs", root); }
     size_t at = 0;
-    for (int o = 0; o < nouts; o++) {
-        smp_step_output_free(&outs[o]);
-        outs[o].microbatches = ps->m;
-        outs[o].values = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)ps->m, SMP__ALLOC_OTHER);
-        for (int i = 0; i < ps->m; i++) {
+    for (int o = 0; o < nouts; o++) smp_step_output_free(&outs[o]);
+    for (int o = 0; o < nouts && !st; o++) {
+        outs[o].values = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)ps->m, SMP__ALLOC_OTHER, "the step's outputs");
+        outs[o].microbatches = st ? 0 : ps->m;
+        for (int i = 0; i < ps->m && !st; i++) {
             int64_t h[10];
             memcpy(h, buf + at, sizeof h);
             at += sizeof h;
@@ -2610,12 +2701,16 @@ static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_outp
             *v = smp_tensor_make(NULL, (smp_dtype)h[0], (int)h[1], h + 2);
             if (!h[0]) { v->ndim = 0; continue; } /* the body returned nothing here */
             size_t b = smp_tensor_nbytes(v);
-            v->data = smp__alloc(b ? b : 1, SMP__ALLOC_OTHER);
+            if (!(v->data = smp__alloc_or(&st, b, SMP__ALLOC_OTHER, "the step's outputs"))) break;
             memcpy(v->data, buf + at, b);
             at += b;
         }
     }
     smp__free(buf);
+    if (st) {
+        for (int o = 0; o < nouts; o++) smp_step_output_free(&outs[o]);
+        return st;
+    }
     for (int o = 0; o < nouts; o++)
         for (int i = 0; i < ps->m; i++)
             if (!outs[o].values[i].data)
@@ -2716,14 +2811,19 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
         void *copies[SMP_MAX_STEP_ARGS] = {0};
         for (int i = 0; i < md->desc.ninputs; i++) {
             int a = d->nmodel_inputs ? d->model_inputs[i] : i;
-            sample[i] = d->non_split[a] ? d->args[a] : smp__slice(&d->args[a], d->split_axis[a], m, 0, &copies[i], SMP__ALLOC_OTHER);
+            if (d->non_split[a]) sample[i] = d->args[a];
+            else if (!st) st = smp__slice(&d->args[a], d->split_axis[a], m, 0, &sample[i], &copies[i], SMP__ALLOC_OTHER);
         }
-        st = smp_model_trace(md, sample, md->desc.ninputs);
+        st = smp__agree_on(smp__ctx.world, st, "the tracing sample");
+        if (!st) st = smp_model_trace(md, sample, md->desc.ninputs);
         for (int i = 0; i < md->desc.ninputs; i++) smp__free(copies[i]);
         if (st) return st;
     }
     if (!md->pipeline) {
-        md->pipeline = smp__pipe_build(md);
+        smp__pipe *built = smp__pipe_build(md);
+        st = smp__agree_on(smp__ctx.world, built ? SMP_OK : SMP_ERR_NOMEM, "the pipeline's set-up");
+        if (st) { smp__pipe_free(built); return st; }
+        md->pipeline = built;
         md->pipeline_free = smp__pipe_free;
         smp__schedule_report(md);
     }
@@ -2775,38 +2875,30 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     int S = md->nstages, n = md->ncalls, me = smp__ctx.mp_rank;
     memset(ps->inflight, 0, sizeof(int) * (size_t)S);
     memset(&ps->stats, 0, sizeof ps->stats);
-    ps->mb = (smp__mbstate *)smp__alloc(sizeof(smp__mbstate) * (size_t)m, SMP__ALLOC_OTHER);
-    for (int i = 0; i < m; i++) {
+    const char *what = "the step's microbatch state";
+    ps->mb = (smp__mbstate *)smp__alloc_or(&st, sizeof(smp__mbstate) * (size_t)m, SMP__ALLOC_OTHER, what);
+    for (int i = 0; i < m && !st; i++) {
         smp__mbstate *s = &ps->mb[i];
-        size_t na = (size_t)n * (size_t)ps->maxout;
-        s->act = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * na, SMP__ALLOC_OTHER);
-        memset(s->act, 0, sizeof(smp_tensor) * na);
-        s->ctx = (smp_call_ctx *)smp__alloc(sizeof(smp_call_ctx) * (size_t)n, SMP__ALLOC_OTHER);
-        memset(s->ctx, 0, sizeof(smp_call_ctx) * (size_t)n);
-        s->contrib = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(ps->nedges + 1), SMP__ALLOC_OTHER);
-        memset(s->contrib, 0, sizeof(smp_tensor) * (size_t)(ps->nedges + 1));
-        s->out_grad = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)md->desc.noutputs, SMP__ALLOC_OTHER);
-        memset(s->out_grad, 0, sizeof(smp_tensor) * (size_t)md->desc.noutputs);
-        s->args = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)d->nargs, SMP__ALLOC_OTHER);
-        s->arg_copies = (void **)smp__alloc(sizeof(void *) * (size_t)d->nargs, SMP__ALLOC_OTHER);
-        s->returned = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * SMP_MAX_STEP_ARGS, SMP__ALLOC_OTHER);
-        memset(s->returned, 0, sizeof(smp_tensor) * SMP_MAX_STEP_ARGS);
-        for (int a = 0; a < d->nargs; a++) {
-            s->arg_copies[a] = NULL;
-            s->args[a] = d->non_split[a] ? d->args[a] : smp__slice(&d->args[a], d->split_axis[a], m, i, &s->arg_copies[a], SMP__ALLOC_OTHER);
-        }
+        s->act = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)n * (size_t)ps->maxout, SMP__ALLOC_OTHER, what);
+        s->ctx = (smp_call_ctx *)smp__alloc_or(&st, sizeof(smp_call_ctx) * (size_t)n, SMP__ALLOC_OTHER, what);
+        s->contrib = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)(ps->nedges + 1), SMP__ALLOC_OTHER, what);
+        s->out_grad = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)md->desc.noutputs, SMP__ALLOC_OTHER, what);
+        s->args = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)d->nargs, SMP__ALLOC_OTHER, what);
+        s->arg_copies = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)d->nargs, SMP__ALLOC_OTHER, what);
+        s->returned = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * SMP_MAX_STEP_ARGS, SMP__ALLOC_OTHER, what);
+        for (int a = 0; a < d->nargs && !st; a++)
+            st = d->non_split[a] ? (s->args[a] = d->args[a], SMP_OK) : smp__slice(&d->args[a], d->split_axis[a], m, i, &s->args[a], &s->arg_copies[a], SMP__ALLOC_OTHER);
     }
     /* every receive of the step, posted up front in the order of this rank's operations */
     size_t nrecv = (size_t)ps->nlinks * (size_t)m * 2;
-    ps->recv = (smp__xfer *)smp__alloc(sizeof(smp__xfer) * (nrecv ? nrecv : 1), SMP__ALLOC_OTHER);
-    memset(ps->recv, 0, sizeof(smp__xfer) * (nrecv ? nrecv : 1));
+    ps->recv = (smp__xfer *)smp__alloc_or(&st, sizeof(smp__xfer) * nrecv, SMP__ALLOC_OTHER, what);
     const smp_sched_op *ops = sc->ops[me];
     int nops = sc->nops[me];
-    for (int o = 0; o < nops; o++) {
+    for (int o = 0; o < nops && !st; o++) {
         if (ops[o].kind == SMP_SCHED_WEIGHT) continue; /* receives nothing */
         bool bwd = ops[o].kind == SMP_SCHED_BACKWARD;
-        for (int l = 0; l < ps->nlinks; l++)
-            if ((bwd ? ps->links[l].from : ps->links[l].to) == ops[o].stage) smp__post_recv(ps, l, ops[o].microbatch, bwd);
+        for (int l = 0; l < ps->nlinks && !st; l++)
+            if ((bwd ? ps->links[l].from : ps->links[l].to) == ops[o].stage) st = smp__post_recv(ps, l, ops[o].microbatch, bwd);
     }
     smp_memory_stats mem0 = smp__ctx.mem;
     smp__ctx.mem.stash_peak_bytes = smp__ctx.mem.stash_bytes;
@@ -2837,8 +2929,8 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     if (!st) { /* the last sends must land before their buffers go */
         smp__backoff b = smp__backoff_start();
         while (ps->nsends && !st) {
-            if (smp__progress(ps)) st = smp_error(SMP_ERR_REMOTE, "another rank failed");
-            else if (ps->nsends && !smp__backoff_pause(&b)) smp__timeout_abort("pipeline sends to be received", SMP_MP_GROUP, ps->sends[0].peer, smp__now() - b.start);
+            st = smp__progress(ps);
+            if (!st && ps->nsends && !smp__backoff_pause(&b)) smp__timeout_abort("pipeline sends to be received", SMP_MP_GROUP, ps->sends[0].peer, smp__now() - b.start);
         }
     }
     if (!st && training && ps->nshared) st = smp__shared_finish(ps, md); /* before the buckets: it finishes their gradients */
@@ -2853,6 +2945,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     smp_status agreed = smp__agree_on(smp__ctx.world, st, "the step");
     smp_status finished = ps->sync ? smp__ddp_finish(ps, agreed != SMP_OK) : SMP_OK;
     if (agreed) {
+        if (training) ps->passes--; /* the step did not happen: run again, it draws the same seeds */
         if (ps->dev_p2p) smp__drain_device(ps);
         smp__release_step(ps, md, true);
         /* messages of the failed step may still be in flight: start over on fresh communicators */

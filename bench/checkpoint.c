@@ -5,7 +5,9 @@
    and the same bytes are written and read with plain POSIX calls in the same
    run, interleaved, on the same disk:
 
-     partial save   smp: each rank writes "<path>_<mp>" (its 128 MiB),
+     partial save   smp: each rank writes "<path>.g<N>_<mp>" (its 128 MiB),
+                    rank 0 commits them with the manifest "<path>.manifest",
+                    then each rank removes its file of the previous save,
                     raw: each rank write()s its 128 MiB to its own file, fsync
      full save      smp: rank 0 writes one 256 MiB file, half of it streamed
                     from rank 1 in 4 MiB chunks; raw: rank 0 write()s 256 MiB
@@ -186,8 +188,7 @@ int main(int argc, char **argv) {
     enum { NOPS = 6 };
     double best[NOPS][2];
     for (int k = 0; k < NOPS; k++) best[k][0] = best[k][1] = 1e30;
-    char smp_mine[700];
-    snprintf(smp_mine, sizeof smp_mine, "%s_%d", smp_path, smp_mp_rank());
+    char smp_mine[800];
     smp_save_desc sd = {0};
     smp_load_desc ld = {0};
     for (int r = 0; r < REPS; r++) {
@@ -220,6 +221,8 @@ int main(int argc, char **argv) {
         drop_cached(raw_mine);
         TIMED(t, raw_read(raw_mine, rbuf, local, 0));
         if (t < best[4][0]) best[4][0] = t;
+        if (smp_ckpt_partial_file(smp_path, smp_mp_rank(), smp_mine, sizeof smp_mine, NULL) != SMP_OK)
+            die("naming this rank's partial file");
         drop_cached(smp_mine);
         ld.partial = SMP_ON;
         TIMED(t, if (smp_load(model, smp_path, &ld) != SMP_OK) die("partial load from disk"));
@@ -268,10 +271,10 @@ int main(int argc, char **argv) {
         char f[700];
         unlink(raw_full);
         unlink(smp_path);
-        for (int k = 0; k < cfg.partitions; k++) {
-            snprintf(f, sizeof f, "%s_%d", smp_path, k);
-            unlink(f);
-        }
+        for (int k = 0; k < cfg.partitions; k++)
+            if (smp_ckpt_partial_file(smp_path, k, f, sizeof f, NULL) == SMP_OK) unlink(f);
+        snprintf(f, sizeof f, "%s.manifest", smp_path);
+        unlink(f);
     }
     free(mine);
     free(big);

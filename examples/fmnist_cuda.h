@@ -330,6 +330,7 @@ static inline smp_status linear_forward(smp_call_ctx *c) {
     int n = (int)x->shape[0];
     const int64_t shape[2] = {n, l->out};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
+    if (!y) return SMP_ERR_NOMEM; /* smp's message says which bytes were missing; the step can be retried */
     return gpu_linear_forward(l->engine, (const float *)x->data, values_of(l->weight), values_of(l->bias), (float *)y->data, n,
                               l->in, l->out);
 }
@@ -357,6 +358,7 @@ static inline smp_status relu_forward(smp_call_ctx *c) {
     const gpu_engine *engine = (const gpu_engine *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    if (!y) return SMP_ERR_NOMEM;
     return gpu_relu_forward(engine, (const float *)x->data, (float *)y->data, smp_tensor_numel(x));
 }
 

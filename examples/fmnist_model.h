@@ -20,6 +20,7 @@ static smp_status linear_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     int n = (int)x->shape[0];
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, (int64_t[]){n, l->out});
+    if (!y) return SMP_ERR_NOMEM; /* smp's message says which bytes were missing; the step can be retried */
     mlp_linear_forward(x->data, smp_param_value(l->weight)->data, smp_param_value(l->bias)->data, y->data, n, l->in, l->out);
     return SMP_OK;
 }
@@ -46,6 +47,7 @@ static smp_status linear_backward_weight(smp_call_ctx *c) {
 static smp_status relu_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    if (!y) return SMP_ERR_NOMEM;
     mlp_relu_forward(x->data, y->data, (size_t)smp_tensor_numel(x));
     return SMP_OK;
 }

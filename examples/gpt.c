@@ -41,9 +41,12 @@
           build/examples/gpt --partitions 1 --layers 2 --dmodel 64 --heads 4 --context 32 --steps 50
 
    For tests: --print-losses prints every step's loss exactly (%a),
-   --digest a checksum of every parameter after training, and --replicas R
-   runs R data-parallel replicas' work in one process (each replica's
-   gradient over its shard, summed in replica order as smp's
+   --digest a checksum of every parameter after training, --logits TEXT the
+   logits of the character after TEXT once trained (%a), --grads PATH saves
+   the first step's weights, gradients, batch and loss (a PyTorch check
+   recomputes them), --generate --print-logits every step's logits, and
+   --replicas R runs R data-parallel replicas' work in one process (each
+   replica's gradient over its shard, summed in replica order as smp's
    deterministic_reduction sums them), which a --ddp --deterministic run
    equals bit for bit. */
 #define _POSIX_C_SOURCE 200809L
@@ -70,9 +73,10 @@ typedef struct options {
     int steps, batch, seed, warmup, log_every, val_batches, sample_len, replicas, threads;
     float lr, min_lr, weight_decay, beta1, beta2, clip, temperature;
     const char *data, *save, *prompt, *config_json;
+    const char *logits, *grads; /* --logits TEXT, --grads PATH (for tests) */
     bool recompute, print_losses, digest;
     /* --generate: pipelined generation from a checkpoint, one prompt per microbatch */
-    bool generate, no_cache;
+    bool generate, no_cache, print_logits;
     const char *load, *prompts;
     int tokens;
     smp_config cfg;
@@ -86,12 +90,16 @@ static void usage(const char *prog) {
             "          [--deterministic] [--recompute] [--config JSON] [--data DIR] [--save PATH]\n"
             "          [--val-batches N] [--prompt TEXT] [--sample-len N] [--temperature X] [--seed S]\n"
             "          [--threads N] [--log-every N] [--print-losses] [--digest] [--replicas R]\n"
+            "          [--logits TEXT] [--grads PATH]\n"
             "  --batch is the global batch in sequences of --context characters\n"
             "  --save \"\" skips the checkpoint\n"
+            "  --logits TEXT prints the logits of the character after TEXT once trained (hex floats)\n"
+            "  --grads PATH saves the weights, gradients, batch and loss of the first step (one replica)\n"
             "   or: %s --generate --load CKPT --prompts \"A|B|...\" [--tokens N] [--temperature X] [--seed S]\n"
-            "          [--partitions P] [--pipeline simple|interleaved|zero_bubble_v] [--no-cache] [--threads N]\n"
+            "          [--partitions P] [--pipeline simple|interleaved|zero_bubble_v] [--no-cache] [--print-logits] [--threads N]\n"
             "  generates N characters after each prompt, one prompt per microbatch, with a KV cache\n"
-            "  (--no-cache: by re-running the whole context each token); --temperature 0 is greedy\n",
+            "  (--no-cache: by re-running the whole context each token); --temperature 0 is greedy;\n"
+            "  --print-logits prints the logits each character was drawn from (hex floats)\n",
             prog,
             prog);
 }
@@ -158,8 +166,11 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (OPT("--load")) o->load = v;
         else if (OPT("--prompts")) o->prompts = v;
         else if (OPT("--tokens")) o->tokens = atoi(v);
+        else if (OPT("--logits")) o->logits = v;
+        else if (OPT("--grads")) o->grads = v;
         else if (!strcmp(a, "--generate")) o->generate = true;
         else if (!strcmp(a, "--no-cache")) o->no_cache = true;
+        else if (!strcmp(a, "--print-logits")) o->print_logits = true;
         else if (!strcmp(a, "--ddp")) o->cfg.ddp = SMP_ON;
         else if (!strcmp(a, "--deterministic")) o->cfg.deterministic_reduction = SMP_ON;
         else if (!strcmp(a, "--recompute")) o->recompute = true;
@@ -446,11 +457,48 @@ SMP_STEP_BODY(next_logits_body) {
     return st;
 }
 
+/* The logits of the character after ctx[0 .. len), on every rank: `rows`
+   copies of the context (a batch must fill the microbatches), padded with
+   id 0 to S >= len characters (the attention is causal: what comes after
+   position len - 1 does not change it), through an evaluation step;
+   logits gets [rows, V], x is scratch of rows x S ids. */
+static smp_status context_logits(smp_model *model, const int32_t *ctx, int len, int S, int rows, int V, int32_t *x,
+                                 float *logits) {
+    int pos = len - 1;
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < S; t++) x[(size_t)r * S + t] = t < len ? ctx[t] : 0;
+    smp_tensor xt = smp_tensor_2d(x, SMP_I32, rows, S);
+    smp_step_output lo = {0};
+    smp_status st = SMP_EVAL_STEP(model, next_logits_body, &pos, &lo, 1, xt, xt);
+    if (!st) st = smp_step_output_concat(&lo, &(smp_tensor){.data = logits, .dtype = SMP_F32, .ndim = 2, .shape = {rows, V}});
+    smp_step_output_free(&lo);
+    return st;
+}
+
+/* --logits TEXT: "logits Z0 Z1 ..." on rank 0, the logits of the character
+   after TEXT (the whole text, unpadded, as one sequence per microbatch), in
+   %a: what a test compares bit for bit across partitionings and against
+   PyTorch. */
+static smp_status print_context_logits(smp_model *model, const corpus *c, const char *text, int rows) {
+    int len = (int)strlen(text), V = c->vocab;
+    int32_t *ctx = encode(c, text, (size_t)len), *x = malloc(sizeof(int32_t) * (size_t)rows * len);
+    float *logits = malloc(sizeof(float) * (size_t)rows * V);
+    smp_status st = ctx && x && logits ? context_logits(model, ctx, len, len, rows, V, x, logits) : smp_error(SMP_ERR_NOMEM, "out of memory");
+    if (!st && smp_rank() == 0) {
+        printf("logits");
+        for (int j = 0; j < V; j++) printf(" %a", logits[j]);
+        printf("\n");
+        fflush(stdout);
+    }
+    free(ctx); free(x); free(logits);
+    return st;
+}
+
 /* Generates n characters after the prompt: every step runs the last T
-   characters (padded after the end; the attention is causal) through an
-   evaluation step. Every row of the batch carries the same context: a
-   batch must fill the microbatches. Every rank of the replica samples from
-   the same logits with the same generator, so all agree on each character. */
+   characters (padded after the end) through an evaluation step. Every row
+   of the batch carries the same context. Every rank of the replica samples
+   from the same logits with the same generator, so all agree on each
+   character. */
 static smp_status generate(smp_model *model, const corpus *c, const options *o, int rows, char **text) {
     int T = o->model.block_size, V = c->vocab;
     size_t plen = strlen(o->prompt), cap = plen + (size_t)o->sample_len + 1;
@@ -468,15 +516,7 @@ static smp_status generate(smp_model *model, const corpus *c, const options *o, 
     mlp_rng rng = mlp_rng_seed((uint64_t)o->seed * 7919u + 17u);
     for (int k = 0; k < o->sample_len && !st; k++) {
         size_t start = n > (size_t)T ? n - (size_t)T : 0;
-        int len = (int)(n - start), pos = len - 1;
-        for (int r = 0; r < rows; r++)
-            for (int t = 0; t < T; t++) x[(size_t)r * T + t] = t < len ? ctx[start + (size_t)t] : 0;
-        smp_tensor xt = smp_tensor_2d(x, SMP_I32, rows, T);
-        smp_step_output lo = {0};
-        if ((st = SMP_EVAL_STEP(model, next_logits_body, &pos, &lo, 1, xt, xt))) break;
-        st = smp_step_output_concat(&lo, &(smp_tensor){.data = logits, .dtype = SMP_F32, .ndim = 2, .shape = {rows, V}});
-        smp_step_output_free(&lo);
-        if (st) break;
+        if ((st = context_logits(model, ctx + start, (int)(n - start), T, rows, V, x, logits))) break;
         /* row 0: sample at the temperature (0: greedy) */
         int best = 0;
         for (int j = 1; j < V; j++) best = logits[j] > logits[best] ? j : best;
@@ -518,6 +558,75 @@ static int fail_all(smp_status st, const char *what) {
     MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_LOR, MPI_COMM_WORLD);
     if (bad) fprintf(stderr, "gpt: rank %d: %s: %s\n", smp_rank(), what, smp_last_error());
     return any;
+}
+
+/* The metadata of gpt.c's files: the vocabulary (its bytes in id order, in
+   hex) and the model's sizes, which --generate and the Python checks read. */
+typedef struct ckpt_meta {
+    char hex[2 * 256 + 1], v[16], L[16], H[16], C[16], T[16], steps[16], loss[40];
+    const char *keys[8], *vals[8];
+    int n;
+} ckpt_meta;
+
+static void ckpt_meta_init(ckpt_meta *m, const corpus *text, const options *o) {
+    for (int i = 0; i < text->vocab; i++) snprintf(m->hex + 2 * i, 3, "%02x", text->chars[i]);
+    snprintf(m->v, sizeof m->v, "%d", text->vocab);
+    snprintf(m->L, sizeof m->L, "%d", o->model.n_layer);
+    snprintf(m->H, sizeof m->H, "%d", o->model.n_head);
+    snprintf(m->C, sizeof m->C, "%d", o->model.n_embd);
+    snprintf(m->T, sizeof m->T, "%d", o->model.block_size);
+    snprintf(m->steps, sizeof m->steps, "%d", o->steps);
+    const char *keys[] = {"vocab_bytes", "vocab_size", "n_layer", "n_head", "n_embd", "block_size", "step"};
+    const char *vals[] = {m->hex, m->v, m->L, m->H, m->C, m->T, m->steps};
+    m->n = 7;
+    memcpy(m->keys, keys, sizeof keys);
+    memcpy(m->vals, vals, sizeof vals);
+}
+
+/* --grads PATH: the first training step as a test needs it, in one
+   safetensors file written by rank 0: every parameter under its name (the
+   weights the step started from), its gradient as "optimizer.<name>.grad"
+   (registered as optimizer state for the moment, so smp gathers it from
+   whichever partition holds it; the tied weight's is the sum of both
+   calls'), the batch as "batch.x" and "batch.y" (i32 [rows, T]), and in
+   the metadata the model's sizes and the step's loss ("loss", %a). Runs
+   after the step, before clipping and the optimizer. Collective. */
+static smp_status save_grads(smp_model *model, const char *path, const corpus *text, const options *o, const int32_t *x,
+                             const int32_t *y, int rows, double loss) {
+    int T = o->model.block_size;
+    smp_optimizer *reg = NULL;
+    smp_state_dict sd = {0};
+    smp_ckpt_entry *e = NULL;
+    smp_param *p;
+    smp_status st = smp_optimizer_new(model, &reg);
+    for (int i = 0; !st && (p = smp_model_param(model, i, false)); i++)
+        st = smp_optimizer_state_add(reg, smp_param_name(p), "grad", smp_param_grad(p));
+    int bad = st != SMP_OK; /* the gather below is collective: every rank goes on or none */
+    MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_LOR, MPI_COMM_WORLD);
+    if (!st && bad) st = smp_error(SMP_ERR_ARG, "another rank could not register its gradients");
+    if (!st) st = smp_model_state_dict(model, reg, 0, &sd);
+    if (!st && smp_rank() == 0) {
+        ckpt_meta m;
+        ckpt_meta_init(&m, text, o);
+        snprintf(m.steps, sizeof m.steps, "0"); /* the weights before the first update */
+        snprintf(m.loss, sizeof m.loss, "%a", loss);
+        m.keys[m.n] = "loss";
+        m.vals[m.n++] = m.loss;
+        e = malloc(sizeof *e * ((size_t)sd.n + 2));
+        if (!e) st = smp_error(SMP_ERR_NOMEM, "out of memory");
+        for (int i = 0; !st && i < sd.n; i++) e[i] = smp_ckpt_entry_of(sd.entries[i].name, &sd.entries[i].tensor);
+        if (!st) {
+            smp_tensor xt = smp_tensor_2d((void *)x, SMP_I32, rows, T), yt = smp_tensor_2d((void *)y, SMP_I32, rows, T);
+            e[sd.n] = smp_ckpt_entry_of("batch.x", &xt);
+            e[sd.n + 1] = smp_ckpt_entry_of("batch.y", &yt);
+            st = smp_ckpt_write_file(path, e, sd.n + 2, m.keys, m.vals, m.n);
+        }
+        if (!st) printf("gradients: %s (the first step's weights, gradients, batch and loss)\n", path);
+    }
+    free(e);
+    smp_state_dict_free(&sd);
+    smp_optimizer_free(reg);
+    return st;
 }
 
 /* ---------------------------------------------------------------- pipelined generation */
@@ -664,6 +773,11 @@ static int generate_main(options *o) {
         if ((st = SMP_EVAL_STEP(model, pick_logits_body, pick, &lo, 1, xt))) break;
         st = smp_step_output_concat(&lo, &(smp_tensor){.data = logits, .dtype = SMP_F32, .ndim = 2, .shape = {M, mc.vocab}});
         smp_step_output_free(&lo);
+        for (int i = 0; i < M && !st && o->print_logits && root; i++) { /* "logits STEP PROMPT Z0 Z1 ...", %a */
+            printf("logits %d %d", k, i);
+            for (int j = 0; j < mc.vocab; j++) printf(" %a", logits[(size_t)i * mc.vocab + j]);
+            printf("\n");
+        }
         for (int i = 0; i < M && !st; i++) ctx[i][len[i]++] = sample_token(logits + (size_t)i * mc.vocab, mc.vocab, o->temperature, &rng[i]);
     }
     if (fail_all(st, "generation")) goto done;
@@ -732,6 +846,13 @@ int main(int argc, char **argv) {
     for (size_t i = 0; !st && opt.sample_len > 0 && opt.prompt[i]; i++) /* before training, not after it */
         if (text.id_of[(unsigned char)opt.prompt[i]] < 0)
             st = smp_error(SMP_ERR_ARG, "the prompt's character %zu (byte 0x%02x) is not in the vocabulary", i, (unsigned char)opt.prompt[i]);
+    if (!st && opt.logits && (!*opt.logits || strlen(opt.logits) > (size_t)T))
+        st = smp_error(SMP_ERR_ARG, "--logits: a context of %zu characters; the model takes 1 to %d", strlen(opt.logits), T);
+    for (size_t i = 0; !st && opt.logits && opt.logits[i]; i++)
+        if (text.id_of[(unsigned char)opt.logits[i]] < 0)
+            st = smp_error(SMP_ERR_ARG, "--logits: character %zu (byte 0x%02x) is not in the vocabulary", i, (unsigned char)opt.logits[i]);
+    if (!st && opt.grads && (smp_dp_size() > 1 || R > 1))
+        st = smp_error(SMP_ERR_CONFIG, "--grads saves one replica's first step: run it without --ddp and --replicas");
     if (fail_all(st, "input")) goto done;
     train_ids = encode(&text, text.train, text.ntrain);
     val_ids = encode(&text, text.val, text.nval);
@@ -807,6 +928,7 @@ int main(int argc, char **argv) {
                 memcpy(smp_param_grad(p)->data, acc[i], smp_tensor_nbytes(smp_param_grad(p)));
         }
         loss = dp_mean(loss);                                             /* the global batch's loss */
+        if (step == 0 && opt.grads && fail_all(save_grads(model, opt.grads, &text, &opt, x, y, (int)rows, loss), "--grads")) goto done;
         if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
         adamw_step(&opt_state, model, &opt, lr);                          /* optimizer.step() */
         tokens += (long)opt.batch * T;
@@ -852,6 +974,8 @@ int main(int argc, char **argv) {
         }
     }
 
+    if (opt.logits && fail_all(print_context_logits(model, &text, opt.logits, M), "--logits")) goto done;
+
     /* ---------------------------------------------------------------- a sample */
     if (opt.sample_len > 0) {
         char *sample_text = NULL;
@@ -863,17 +987,9 @@ int main(int argc, char **argv) {
 
     /* ---------------------------------------------------------------- the checkpoint */
     if (opt.save && *opt.save) {
-        char hex[2 * 256 + 1], v[16], L[16], H[16], C[16], Tb[16], steps[16];
-        for (int i = 0; i < text.vocab; i++) snprintf(hex + 2 * i, 3, "%02x", text.chars[i]);
-        snprintf(v, sizeof v, "%d", text.vocab);
-        snprintf(L, sizeof L, "%d", opt.model.n_layer);
-        snprintf(H, sizeof H, "%d", opt.model.n_head);
-        snprintf(C, sizeof C, "%d", opt.model.n_embd);
-        snprintf(Tb, sizeof Tb, "%d", T);
-        snprintf(steps, sizeof steps, "%d", opt.steps);
-        const char *keys[] = {"vocab_bytes", "vocab_size", "n_layer", "n_head", "n_embd", "block_size", "step"};
-        const char *vals[] = {hex, v, L, H, C, Tb, steps};
-        st = smp_save(model, opt.save, &(smp_save_desc){.partial = SMP_OFF, .meta_keys = keys, .meta_values = vals, .nmeta = 7});
+        ckpt_meta m;
+        ckpt_meta_init(&m, &text, &opt);
+        st = smp_save(model, opt.save, &(smp_save_desc){.partial = SMP_OFF, .meta_keys = m.keys, .meta_values = m.vals, .nmeta = m.n});
         if (fail_all(st, "checkpoint")) goto done;
         if (root) printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n", opt.save);
     }

@@ -262,6 +262,7 @@ static smp_status gpt_wte_forward(smp_call_ctx *c) {
         memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
         shape[x->ndim] = C;
         smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim + 1, shape);
+        if (!y) return SMP_ERR_NOMEM; /* smp names the bytes; the step can be retried */
         const int32_t *id = (const int32_t *)x->data;
         int64_t n = smp_tensor_numel(x);
         for (int64_t i = 0; i < n; i++) {
@@ -277,6 +278,7 @@ static smp_status gpt_wte_forward(smp_call_ctx *c) {
     memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
     shape[x->ndim - 1] = V;
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, shape);
+    if (!y) return SMP_ERR_NOMEM;
     mlp_linear_forward((const float *)x->data, W, NULL, (float *)y->data, gpt__rows(x, C), C, V);
     return SMP_OK;
 }
@@ -318,6 +320,7 @@ static smp_status gpt_wpe_forward(smp_call_ctx *c) {
     if (p + T > g->cfg.block_size)
         return smp_error(SMP_ERR_ARG, "a context of %d tokens is longer than the model's %d", p + T, g->cfg.block_size);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, x->shape);
+    if (!y) return SMP_ERR_NOMEM;
     const float *P = (const float *)smp_param_value(g->wpe_w)->data, *xs = (const float *)x->data;
     float *ys = (float *)y->data;
     for (int b = 0; b < B; b++)
@@ -364,6 +367,7 @@ static smp_status gpt_linear_forward(smp_call_ctx *c) {
     memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
     shape[x->ndim - 1] = l->out;
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, shape);
+    if (!y) return SMP_ERR_NOMEM;
     mlp_linear_forward((const float *)x->data, (const float *)smp_param_value(l->weight)->data,
                        (const float *)smp_param_value(l->bias)->data, (float *)y->data, gpt__rows(x, l->in), l->in, l->out);
     return SMP_OK;
@@ -400,6 +404,7 @@ static smp_status gpt_layernorm_forward(smp_call_ctx *c) {
         return smp_error(SMP_ERR_ARG, "%s takes f32 inputs of width %d", smp_module_name(smp_call_module(c)), l->C);
     int n = gpt__rows(x, l->C);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    if (!y) return SMP_ERR_NOMEM;
     float *stats = (float *)smp_call_stash(c, sizeof(float) * 2 * (size_t)n);
     if (!stats) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", smp_module_name(smp_call_module(c)));
     gpt__layernorm_forward((const float *)x->data, (const float *)smp_param_value(l->weight)->data,
@@ -424,6 +429,7 @@ static smp_status gpt_gelu_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     size_t n = (size_t)smp_tensor_numel(x);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    if (!y) return SMP_ERR_NOMEM;
     float *t = smp_call_training(c) ? (float *)smp_call_stash(c, n * sizeof(float)) : (float *)malloc(n * sizeof(float));
     if (!t) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", smp_module_name(smp_call_module(c)));
     gpt__gelu_forward((const float *)x->data, (float *)y->data, t, n);
@@ -467,6 +473,7 @@ static smp_status gpt__sdpa_cached(smp_call_ctx *c, const gpt_block *b, const sm
         memcpy(Vc + (size_t)(p + t) * C, qkv + (size_t)t * C3 + 2 * C, sizeof(float) * (size_t)C);
     }
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, (int64_t[]){1, S, C});
+    if (!y) return SMP_ERR_NOMEM;
     float *ys = (float *)y->data, scale = 1.0f / sqrtf((float)hd);
     for (int t = 0; t < S; t++) {
         int n = p + t + 1; /* keys 0 .. p + t */
@@ -504,6 +511,7 @@ static smp_status gpt_sdpa_forward(smp_call_ctx *c) {
     if (g->kv) return gpt__sdpa_cached(c, blk, x);
     int B = (int)x->shape[0], T = (int)x->shape[1];
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, (int64_t[]){B, T, C});
+    if (!y) return SMP_ERR_NOMEM;
     size_t pbytes = sizeof(float) * (size_t)B * H * T * T;
     float *P = smp_call_training(c) ? (float *)smp_call_stash(c, pbytes) : (float *)malloc(pbytes);
     if (!P) return smp_error(SMP_ERR_NOMEM, "%s: out of memory for %zu bytes of attention", smp_module_name(smp_call_module(c)), pbytes);
@@ -531,6 +539,7 @@ static smp_status gpt_dropout_forward(smp_call_ctx *c) {
     const gpt *g = gpt__of(c);
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    if (!y) return SMP_ERR_NOMEM;
     size_t n = (size_t)smp_tensor_numel(x);
     if (smp_call_training(c)) gpt__dropout((const float *)x->data, (float *)y->data, n, g->cfg.dropout, smp_call_seed(c));
     else memcpy(y->data, x->data, n * sizeof(float));

@@ -1,8 +1,9 @@
-/* fuzz_ckpt_header.c - libFuzzer harness for smp_checkpoint.h's reader.
+/* fuzz_ckpt_header.c - libFuzzer harness for smp_checkpoint.h's readers.
 
    Each input is a whole file image (8-byte length, JSON header, data). It
    goes through smp__ckpt_open_memory, the validation smp_ckpt_open runs on
-   a file. Rejected inputs must be SMP_ERR_FORMAT with a message; accepted
+   a file, and through smp__ckpt_manifest_check, the parser of a partial
+   checkpoint's manifest (which must accept or reject it with a message). Rejected inputs must be SMP_ERR_FORMAT with a message; accepted
    ones must satisfy what the reader promises (lookups, coverage of the data,
    checksums) and must survive a write + read round trip through the writer
    (names and metadata re-escaped, bytes identical).
@@ -90,6 +91,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         snprintf(tmp_path, sizeof tmp_path, "%s/fuzz_ckpt_%ld.safetensors", d, (long)getpid());
     }
     smp_error(SMP_OK, "%s", "");
+    /* every input is also a partial checkpoint's manifest to the manifest parser */
+    st = smp__ckpt_manifest_check(data, size, "fuzz manifest");
+    FUZZ_ASSERT(st == SMP_OK || (st == SMP_ERR_FORMAT && strstr(smp_last_error(), "fuzz manifest")));
     st = smp__ckpt_open_memory(&f, "fuzz", data, size);
     if (st != SMP_OK) {
         FUZZ_ASSERT(st == SMP_ERR_FORMAT && smp_last_error()[0] && strstr(smp_last_error(), "fuzz"));

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes the seed corpus of fuzz_ckpt_header.c into test/corpus/ckpt/:
 a few tiny valid safetensors files (as smp writes them, and as Python's
-safetensors writes them) and broken ones, one flaw each. Standard library
+safetensors writes them) and broken ones, one flaw each, and partial
+checkpoints' manifests, valid and broken. Standard library
 only; the output is deterministic.
 
     python3 test/gen_ckpt_corpus.py [OUT_DIR]
@@ -94,7 +95,26 @@ def main():
     for name, blob in sorted(files.items()):
         with open(os.path.join(out, name + ".safetensors"), "wb") as fh:
             fh.write(blob)
-    print(f"wrote {len(files)} files to {out}")
+    # partial checkpoints' manifests (the harness parses every input as one too)
+    entry = '{"mp_rank": %d, "name": "model.g3_%d", "bytes": 1234, "header_crc32c": "crc32c:1a2b3c4d"}'
+    def manifest(files_json, partitions=2, extra=""):
+        return ('{\n  "format": "smp-checkpoint-manifest/1",\n  "kind": "partial",\n  "generation": 3,\n'
+                '  "save_id": "65a1b2c3-1f-2",\n  "partitions": %d,%s\n  "files": [%s]\n}\n'
+                % (partitions, extra, files_json)).encode()
+    both = ", ".join(entry % (k, k) for k in range(2))
+    manifests = {
+        "manifest_valid": manifest(both),
+        "manifest_bad_count": manifest(entry % (0, 0)),
+        "manifest_bad_order": manifest(", ".join(entry % (k, k) for k in (1, 0))),
+        "manifest_bad_key": manifest(both, extra=' "extra": 1,'),
+        "manifest_bad_name": manifest(both.replace("model.g3_1", "../model.g3_1")),
+        "manifest_bad_crc": manifest(both.replace("crc32c:1a2b3c4d", "crc32c:1A2B3C4D", 1)),
+        "manifest_truncated": manifest(both)[:-20],
+    }
+    for name, blob in sorted(manifests.items()):
+        with open(os.path.join(out, name + ".json"), "wb") as fh:
+            fh.write(blob)
+    print(f"wrote {len(files) + len(manifests)} files to {out}")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ does, runs nanoGPT's forward (GPT-2 layout, tanh GELU) in float64 numpy
 and checks the mean validation loss against gpt.c's within 1e-4.
 Prints PASS:/FAIL: lines; numpy or safetensors missing is a SKIP.
 """
-import os
 import sys
 
 try:
     import numpy as np
     from safetensors import safe_open
+
+    import gpt_data
 except ImportError as e:  # pragma: no cover
     print(f"SKIP: gpt/numpy forward of the checkpoint: {e}")
     sys.exit(0)
@@ -27,7 +28,6 @@ with safe_open(path, "np") as f:
     meta = f.metadata()
     sd = {k: f.get_tensor(k).astype(np.float64) for k in f.keys()}
 L, H, C, T, V = (int(meta[k]) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"))
-chars = bytes.fromhex(meta["vocab_bytes"])
 
 # strict names and shapes, as nanoGPT's GPT(GPTConfig(bias=True)).state_dict()
 want = {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (T, C),
@@ -46,23 +46,8 @@ if got != want:
     print(f"FAIL: {NAME}: missing {missing[:4]}, unexpected {extra[:4]}, wrong shapes {wrong[:4]}")
     sys.exit(0)
 
-# the validation text: every tenth fortune of the sorted text files
-val, fortune = bytearray(), 0
-for name in sorted(os.listdir(corpus)):
-    full = os.path.join(corpus, name)
-    if name.startswith(".") or name.endswith(".dat") or name.endswith(".u8") or os.path.islink(full) or not os.path.isfile(full):
-        continue
-    text = open(full, "rb").read()
-    if text and not text.endswith(b"\n"):
-        text += b"\n"
-    lines, cur = text.splitlines(keepends=True), []
-    for i, line in enumerate(lines):
-        cur.append(line)
-        if line == b"%\n" or i == len(lines) - 1:
-            if fortune % 10 == 9:
-                val += b"".join(cur)
-            fortune, cur = fortune + 1, []
-ids = np.array([chars.index(b) for b in val], dtype=np.int64)
+# the validation text and windows, as gpt.c builds them
+ids = gpt_data.encode(gpt_data.validation_text(corpus), meta["vocab_bytes"])
 
 # nanoGPT's forward in float64
 def layernorm(x, w, b):
@@ -92,10 +77,7 @@ def forward(idx):
     x = layernorm(x, sd["transformer.ln_f.weight"], sd["transformer.ln_f.bias"])
     return x @ sd["transformer.wte.weight"].T  # lm_head, tied
 
-nw, span = val_batches * batch, len(ids) - T - 1
-starts = [int(float(w) * float(span) / float(nw - 1)) if nw > 1 else 0 for w in range(nw)]
-x = np.stack([ids[a:a + T] for a in starts])
-y = np.stack([ids[a + 1:a + T + 1] for a in starts])
+x, y = gpt_data.validation_windows(ids, T, val_batches, batch)
 z = forward(x)
 z = z - z.max(-1, keepdims=True)
 logp = z - np.log(np.exp(z).sum(-1, keepdims=True))

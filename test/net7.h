@@ -40,6 +40,7 @@ static smp_status lin_forward(smp_call_ctx *c) {
     if (g_fail >= 0 && smp_mp_rank() == g_fail && (g_fail_mb < 0 || smp_call_microbatch(c) == g_fail_mb)) return smp_error(SMP_ERR_MODULE, "injected failure");
     int64_t n = x->shape[0], shape[2] = {n, s->out};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
+    if (!y) return SMP_ERR_NOMEM; /* smp names what was missing */
     g_lin_seq++;
     linear_fwd((const float *)x->data, (const float *)smp_param_value(s->w)->data, (const float *)smp_param_value(s->b)->data,
                (float *)y->data, (int)n, s->in, s->out);
@@ -84,6 +85,7 @@ static smp_status lin_backward_weight(smp_call_ctx *c) {
 static smp_status relu_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    if (!y) return SMP_ERR_NOMEM;
     for (int64_t i = 0; i < smp_tensor_numel(x); i++) ((float *)y->data)[i] = ((const float *)x->data)[i] > 0 ? ((const float *)x->data)[i] : 0;
     return SMP_OK;
 }
@@ -96,6 +98,7 @@ static smp_status relu_backward(smp_call_ctx *c) {
 static smp_status add_forward(smp_call_ctx *c) {
     const smp_tensor *a = smp_call_input(c, 0), *b = smp_call_input(c, 1);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, a->ndim, a->shape);
+    if (!y) return SMP_ERR_NOMEM;
     for (int64_t i = 0; i < smp_tensor_numel(a); i++) ((float *)y->data)[i] = ((const float *)a->data)[i] + ((const float *)b->data)[i];
     return SMP_OK;
 }

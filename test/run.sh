@@ -2,10 +2,22 @@
 # Runs smp's tests and adds up their PASS/FAIL lines (see test/test.h).
 # usage: test/run.sh BUILD_DIR "unit tests" "mpi tests" "script tests" [rank counts]
 # Ends with the line "N passed, N failed" and exits non-zero if anything failed.
+# With SMP_SANITIZER_LOGS=1 (sanitizer builds) a sanitizer report anywhere is
+# a FAIL that quotes its first lines, even where the test expects the job to
+# fail (the timeout and exit scripts): AddressSanitizer writes its reports to
+# files (log_path), which catches every process; UBSan under gcc ignores
+# log_path (libubsan is a runtime of its own), so its "runtime error:" lines
+# are looked for in what the test printed (scripts check their own captures).
 set -u
 build=$1; unit=$2; mpi=$3; scripts=$4; nps=${5:-"1 2 4"}
 passed=0; failed=0; skipped=0
 log=$(mktemp)
+san=""
+san_re='runtime error: |==[0-9]+==ERROR: [A-Za-z]*Sanitizer|[A-Za-z]*Sanitizer:DEADLYSIGNAL'
+if [ -n "${SMP_SANITIZER_LOGS:-}" ]; then
+  san=$(mktemp -d)
+  export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}log_path=$san/asan"
+fi
 run() { # label, command...
   local label=$1; shift
   local start=$SECONDS
@@ -14,7 +26,14 @@ run() { # label, command...
   local p f s
   p=$(grep -c '^PASS: ' "$log"); f=$(grep -c '^FAIL: ' "$log"); s=$(grep -c '^SKIP: ' "$log")
   sed -n 's/^\(FAIL: .*\)/  \1/p; s/^\(SKIP: .*\)/  \1/p' "$log"
-  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+  if [ -n "$san" ] && { [ -n "$(ls -A "$san")" ] || grep -q -E "$san_re" "$log"; }; then
+    local r
+    r=$(ls "$san"/* 2>/dev/null | head -n 1)
+    echo "  FAIL: $label: sanitizer report${r:+ ($(ls "$san" | wc -l) AddressSanitizer log(s), the first from pid ${r##*.})}:"
+    grep -h -m1 -A6 -E "$san_re" ${r:+"$r"} "$log" | head -n 7 | cut -c 1-200 | sed 's/^/    /'
+    rm -f "$san"/*
+    f=$((f + 1))
+  elif [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
     echo "  FAIL: $label exited with status $rc and reported no failure; its last lines:"
     tail -n 15 "$log" | sed 's/^/    /'
     f=1
@@ -27,7 +46,7 @@ for t in $mpi; do
   for np in $nps; do run "$t (mpirun -n $np)" mpirun -n "$np" "$build/$t"; done
 done
 for s in $scripts; do run "$s" bash "$s" "$build"; done
-rm -f "$log"
+rm -f "$log"; [ -z "$san" ] || rm -rf "$san"
 echo
 if [ "$skipped" -gt 0 ]; then echo "$passed passed, $failed failed, $skipped skipped"; else echo "$passed passed, $failed failed"; fi
 [ "$failed" -eq 0 ]

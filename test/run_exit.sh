@@ -17,7 +17,8 @@ check() {
     local mode=$1 want=$2; shift 2
     SMP_TIMEOUT=60 timeout 120 mpirun -n 2 "$BIN" "$mode" >"$LOG/$mode.out" 2>"$LOG/$mode.err" </dev/null
     local rc=$? why=""
-    if [ "$rc" -eq 124 ]; then why="the job was still running after 120 s"
+    if grep -q 'runtime error: ' "$LOG/$mode.err"; then why="UBSan: $(grep -m1 'runtime error: ' "$LOG/$mode.err")" # asan builds
+    elif [ "$rc" -eq 124 ]; then why="the job was still running after 120 s"
     elif [ "$want" = 0 ] && [ "$rc" -ne 0 ]; then why="exit status $rc, want 0"
     elif [ "$want" != 0 ] && [ "$rc" -eq 0 ]; then why="exit status 0: the job ended as if nothing was missing"
     else

@@ -41,7 +41,9 @@ check() {
     t1=$(date +%s.%N)
     elapsed=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
     local why=""
-    if [ "$rc" -eq 124 ]; then
+    if grep -q 'runtime error: ' "$err"; then # UBSan (asan builds): a job that fails anyway still must not hit one
+        why="UBSan: $(grep -m1 'runtime error: ' "$err")"
+    elif [ "$rc" -eq 124 ]; then
         why="the job was still running after 60 s (killed by the guard)"
     elif grep -q "the wait returned" "$err"; then
         why="the wait returned although rank 1 never joined"

@@ -30,3 +30,27 @@ def crc32c(data):
         for _ in range(8):
             crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
     return crc ^ 0xFFFFFFFF
+
+
+NUMPY_DTYPES = {"F32": "<f4", "F64": "<f8", "F16": "<f2", "I32": "<i4", "I64": "<i8", "U8": "u1", "BOOL": "?"}
+
+
+def read_numpy(path):
+    """A safetensors file as ({name: numpy array}, {metadata}), read with numpy
+    alone (no safetensors package: Debian's python3-torch brings numpy but not
+    it). Copies every tensor; for small test files."""
+    import json
+    import struct
+
+    import numpy as np
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    meta = header.pop("__metadata__", {})
+    tensors = {}
+    for name, e in header.items():
+        begin, end = e["data_offsets"]
+        tensors[name] = np.frombuffer(data[begin:end], dtype=NUMPY_DTYPES[e["dtype"]]).reshape(e["shape"]).copy()
+    return tensors, meta

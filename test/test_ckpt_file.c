@@ -453,15 +453,37 @@ static void test_writer_misuse(void) {
     }
 }
 
-/* Saves a new checkpoint over `p` in a child that dies at `phase`. */
-static int child_save(const char *p, const char *phase, pid_t *pid_out) {
+/* The child's log: where the fault says that it fired. */
+static void child_logger(smp_log_level level, const char *msg, void *user) {
+    FILE *f = fopen((const char *)user, "a");
+    (void)level;
+    if (f) {
+        fprintf(f, "%s\n", msg);
+        fclose(f);
+    }
+}
+
+/* Whether file `path` holds `needle`. */
+static int file_has(const char *path, const char *needle) {
+    size_t n;
+    uint8_t *b = slurp(path, &n);
+    int found = b && strstr((const char *)b, needle) != NULL;
+    free(b);
+    return found;
+}
+
+/* Saves a new checkpoint over `p` in a child that dies at `phase`; its
+   log goes to `log`. */
+static int child_save(const char *p, const char *phase, const char *log, pid_t *pid_out) {
     pid_t pid;
     int status;
     fflush(stdout);
+    remove(log);
     pid = fork();
     if (pid == 0) {
         smp_ckpt_writer *w;
         int i;
+        smp_set_logger(child_logger, (void *)log);
         setenv("SMP_CKPT_FAULT", phase, 1);
         make_entries(1); /* different bytes */
         if (smp_ckpt_writer_open(&w, p, ents, NT, mkeys, mvals, NMETA) != SMP_OK) _exit(2);
@@ -477,8 +499,11 @@ static int child_save(const char *p, const char *phase, pid_t *pid_out) {
 
 static void test_faults(void) {
     static const char *phases[] = {"header", "data", "flush", "rename", "dirsync"};
-    char p[512], old_copy[512], name[128], tmp[640];
+    /* the phases of a partial model save (smp_save) never fire in a file write */
+    static const char *model_phases[] = {"renamed", "manifest", "commit", "cleanup"};
+    char p[512], old_copy[512], name[128], tmp[640], log[512], line[128];
     int i;
+    path_in(log, sizeof log, "fault_child.log");
     for (i = 0; i < 5; i++) {
         const char *why = "";
         pid_t pid = 0;
@@ -490,9 +515,11 @@ static void test_faults(void) {
         make_entries(0);
         smp_ckpt_write_file(p, ents, NT, mkeys, mvals, NMETA);
         smp_ckpt_write_file(old_copy, ents, NT, mkeys, mvals, NMETA);
-        rc = child_save(p, phases[i], &pid);
-        snprintf(name, sizeof name, "fault %s: the child dies with 77", phases[i]);
-        CHECK(rc == 77, name, "exit status %d", rc);
+        rc = child_save(p, phases[i], log, &pid);
+        snprintf(name, sizeof name, "fault %s: the child dies with 77, saying so", phases[i]);
+        snprintf(line, sizeof line, "SMP_CKPT_FAULT=%s: test fault injection", phases[i]);
+        CHECK(rc == 77 && file_has(log, line), name, "exit status %d, %s", rc,
+              file_has(log, line) ? "logged" : "no log line");
 
         make_entries(want_new ? 1 : 0);
         ok = check_contents(p, &why);
@@ -512,6 +539,19 @@ static void test_faults(void) {
         ok = smp_ckpt_write_file(p, ents, NT, mkeys, mvals, NMETA) == SMP_OK && check_contents(p, &why);
         snprintf(name, sizeof name, "fault %s: the next save succeeds and removes the stale tmp file", phases[i]);
         CHECK(ok && count_prefix(tmp) == 1, name, "%s; %d files", why, count_prefix(tmp));
+    }
+    for (i = 0; i < 4; i++) {
+        const char *why = "";
+        pid_t pid = 0;
+        int rc;
+        path_in(p, sizeof p, "fault_model_phase.safetensors");
+        make_entries(0);
+        smp_ckpt_write_file(p, ents, NT, mkeys, mvals, NMETA);
+        rc = child_save(p, model_phases[i], log, &pid);
+        make_entries(1);
+        snprintf(name, sizeof name, "fault %s (a phase of partial model saves) does not fire in a file write", model_phases[i]);
+        CHECK(rc == 0 && check_contents(p, &why) && count_prefix("fault_model_phase.safetensors") == 1, name,
+              "exit status %d; %s; %d files", rc, why, count_prefix("fault_model_phase.safetensors"));
     }
 }
 

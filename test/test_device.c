@@ -810,13 +810,14 @@ static void checkpoint_case(int P) {
     int ok = finish(ma, agree(st == SMP_OK), why, sizeof why);
     snprintf(name, sizeof name, "device/checkpoints of an on_device model: partial and full save, load into cleared weights/P=%d", P);
     MPI_CHECK(ok, name, "%s", why);
-    if (world_rank() == 0)
-        for (int k = -1; k < P; k++) {
-            char file[96];
-            if (k < 0) snprintf(file, sizeof file, "%s", path);
-            else snprintf(file, sizeof file, "%s_%d", path, k);
-            remove(file);
-        }
+    if (world_rank() == 0) { /* the partial save's files are named by its manifest: read them before it goes */
+        char file[160];
+        for (int k = 0; k < P; k++)
+            if (smp_ckpt_partial_file(path, k, file, sizeof file, NULL) == SMP_OK) remove(file);
+        snprintf(file, sizeof file, "%s.manifest", path);
+        remove(file);
+        remove(path);
+    }
 }
 
 /* ---------------------------------------------------------------- what on_device needs */

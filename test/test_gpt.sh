@@ -3,45 +3,59 @@
 # model so each run takes a second: for partitions 1, 2 and 4, every
 # pipeline (zero_bubble_v, 2 stages per partition, at 1 and 2, and at 4 on
 # a 4-layer model), with and without recomputed blocks, every step's loss, a
-# checksum of every parameter after training, the validation loss and the
-# generated sample are bitwise equal to the one-process run; so with
-# dropout (masks drawn from smp_call_seed) and recomputation. DDP 2x2 with
-# deterministic reduction equals, bit for bit, one process that runs the
-# two replicas' shards in turn and sums their gradients in replica order
-# (--replicas 2), and 2 replicas in one stage. The loss falls. Bad input
-# gives clear errors on every rank. Pipelined generation (--generate) from
-# a checkpoint, 4 prompts at once: the same text for 1, 2 and 4 partitions,
-# greedy and sampled; with the KV cache the same text as re-running the
-# whole context (--no-cache); a context longer than the model's is an
-# error on every rank before anything runs.
+# checksum of every parameter after training, the validation loss, the
+# logits after a fixed context (--logits) and the generated sample are
+# bitwise equal to the one-process run; so with dropout (masks drawn from
+# smp_call_seed) and recomputation. DDP 2x2 with deterministic reduction
+# equals, bit for bit, one process that runs the two replicas' shards in
+# turn and sums their gradients in replica order (--replicas 2), and 2
+# replicas in one stage. The loss falls. Against independent references:
+# test/gpt_ref.py (numpy, float64) loads the checkpoint with nanoGPT's
+# strict names and recomputes the validation loss; test/gpt_torch_check.py
+# loads it with load_state_dict(strict=True) into a PyTorch GPT of nanoGPT's
+# layout (Debian's python3-torch, float64; SKIP without it) and matches the
+# validation loss and the logits within 1e-4, and, from the weights and
+# batch of the first step (--grads), its loss and the gradient of every
+# parameter (autograd against gpt.c's backward, within 1e-5 of each one's
+# largest entry). Bad input gives clear errors on every rank. Pipelined
+# generation (--generate) from a checkpoint, 4 prompts at once: the same
+# text and the same logits, bitwise, for 1, 2 and 4 partitions (and 2 in a
+# V), greedy and sampled; with the KV cache the same text as re-running the whole context
+# (--no-cache), and logits equal within 1e-5 of max(1, |logit|) (not
+# bitwise: the cached attention sums q.k and p.v in its own loops over the
+# cache, and its linear layers run one row where the whole-context run
+# runs all of them through sgemm, so the float32 sums are rounded in other
+# orders); a context longer than the model's is an error on every rank
+# before anything runs.
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
-bin="$top/build/examples/gpt"
+bin="${SMP_EXAMPLES:-$top/build/examples}/gpt" # SMP_EXAMPLES: another build (make test: build/examples-asan)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 [ -x "$bin" ] || { echo "FAIL: gpt/binary: $bin is not built (make examples)"; exit 1; }
 [ -d /usr/share/games/fortunes ] || { echo "FAIL: gpt/corpus: /usr/share/games/fortunes is missing (make deps installs fortunes)"; exit 1; }
+ctx="It was a dark" # --logits: the next-character logits after it
 tiny="--layers 2 --dmodel 32 --heads 4 --context 16 --batch 8 --microbatches 4 --steps 8 --warmup 2 --lr 1e-2
       --val-batches 2 --sample-len 24 --print-losses --digest --log-every 1000 --save $tmp/ckpt.safetensors"
 # what must match: exact losses, parameter checksums, validation loss, the sample
 run() { # out, np, args...
   local out=$1 np=$2; shift 2
-  mpirun -n "$np" "$bin" $tiny "$@" >"$tmp/$out.raw" 2>"$tmp/$out.err"
+  mpirun -n "$np" "$bin" $tiny --logits "$ctx" "$@" >"$tmp/$out.raw" 2>"$tmp/$out.err"
   echo "exit $?" >>"$tmp/$out.raw"
-  grep -a -v -e 'tokens/s' -e '^placement:' -e '^gpt:' -e '^checkpoint:' "$tmp/$out.raw" >"$tmp/$out"
+  grep -a -v -e 'tokens/s' -e '^placement:' -e '^gpt:' -e '^checkpoint:' -e '^gradients:' "$tmp/$out.raw" >"$tmp/$out"
 }
 same() { # name, file a, file b
-  if [ -s "$tmp/$2" ] && grep -q '^param ' "$tmp/$2" && grep -q 'exit 0' "$tmp/$2" && cmp -s "$tmp/$2" "$tmp/$3"; then echo "PASS: $1"
+  if [ -s "$tmp/$2" ] && grep -q '^param ' "$tmp/$2" && grep -q '^logits ' "$tmp/$2" && grep -q 'exit 0' "$tmp/$2" && cmp -s "$tmp/$2" "$tmp/$3"; then echo "PASS: $1"
   else echo "FAIL: $1: $(diff "$tmp/$2" "$tmp/$3" | head -n 4 | tr '\n' ' ') $(head -c 300 "$tmp/$3.err")"; fi
 }
 
-run one 1 --partitions 1 --save "$tmp/one.safetensors"
+run one 1 --partitions 1 --save "$tmp/one.safetensors" --grads "$tmp/grads.safetensors"
 for p in 1 2 4; do
   for pipe in simple interleaved zero_bubble; do
     for rc in "" --recompute; do
       name="p${p}_${pipe}${rc:+_recompute}"
       run "$name" "$p" --partitions "$p" --pipeline "$pipe" $rc
-      same "gpt/$p partitions, $pipe pipeline${rc:+, blocks recomputed}: losses, parameters, validation and sample equal one process bitwise" one "$name"
+      same "gpt/$p partitions, $pipe pipeline${rc:+, blocks recomputed}: losses, parameters, validation, logits and sample equal one process bitwise" one "$name"
     done
   done
 done
@@ -89,13 +103,26 @@ then echo "PASS: gpt/the loss falls (first step $(sed -n 's/^step 0 loss //p' "$
 else echo "FAIL: gpt/the loss falls: $(grep '^step\|^validation loss' "$tmp/one" | tr '\n' ' ')"; fi
 # the checkpoint in an independent forward pass (numpy, float64, nanoGPT's layout and strict names)
 python3 "$top/test/gpt_ref.py" "$tmp/one.safetensors" /usr/share/games/fortunes "$(sed -n 's/^validation \(0x[^ ]*\)$/\1/p' "$tmp/one")" 2 8
+# ... and in PyTorch (float64): strict load, validation loss, logits, the first step's loss and gradients.
+# Debian's python3-torch is in Debian's python3, which need not be the first python3 on the PATH.
+torch_py=python3
+for py in python3 /usr/bin/python3; do
+  if "$py" -c 'import torch' 2>/dev/null; then torch_py=$py; break; fi
+done
+"$torch_py" "$top/test/gpt_torch_check.py" "$tmp/one.safetensors" /usr/share/games/fortunes "$tmp/one" 2 8 "$ctx" "$tmp/grads.safetensors" \
+  || { rc=$?; [ $rc -eq 3 ] || echo "FAIL: gpt/torch: gpt_torch_check.py exited with status $rc"; } # 3: it reported a FAIL
+# the first step's gradients gathered from 2 partitions (the tied weight's summed over both copies): the same file
+mpirun -n 2 "$bin" $tiny --partitions 2 --steps 1 --val-batches 0 --sample-len 0 --save "" --grads "$tmp/grads2.safetensors" \
+  >"$tmp/grads2.out" 2>&1
+if cmp -s "$tmp/grads.safetensors" "$tmp/grads2.safetensors"; then echo "PASS: gpt/--grads at 2 partitions writes the file of one process, byte for byte"
+else echo "FAIL: gpt/--grads at 2 partitions writes the file of one process, byte for byte: $(tail -c 300 "$tmp/grads2.out")"; fi
 
 # bad input
 expect_error() { # name, pattern, np, args...
   local name=$1 pat=$2 np=$3; shift 3
   mpirun -n "$np" "$bin" $tiny "$@" >"$tmp/out" 2>&1; local rc=$?
   local n; n=$(grep -c -- "$pat" "$tmp/out")
-  if [ $rc -ne 0 ] && [ "$n" -ge "$np" ]; then echo "PASS: $name"
+  if [ $rc -ne 0 ] && [ "$n" -ge "$np" ] && ! grep -q 'runtime error: ' "$tmp/out"; then echo "PASS: $name"
   else echo "FAIL: $name: exit $rc, $n of $np ranks said '$pat': $(head -c 300 "$tmp/out")"; fi
 }
 expect_error "gpt/a missing corpus folder is an error on every rank" "$tmp/none: cannot open" 2 --partitions 2 --data "$tmp/none"
@@ -107,15 +134,37 @@ expect_error "gpt/a batch that does not divide into microbatches" "does not divi
 mpirun -n 1 "$bin" --partitions 1 --layers 2 --dmodel 32 --heads 4 --context 32 --batch 16 --microbatches 1 --steps 200 \
   --warmup 10 --lr 1e-2 --val-batches 0 --sample-len 0 --log-every 1000 --save "$tmp/gen.safetensors" >"$tmp/gen_train" 2>&1 \
   || echo "FAIL: gpt/generation: training its checkpoint: $(tail -c 300 "$tmp/gen_train")"
-gen() { # out, np, args...
+gen() { # out, np, args...: $out has the text and every step's logits (--print-logits), $out.text the text alone
   local out=$1 np=$2; shift 2
-  mpirun -n "$np" "$bin" --generate --load "$tmp/gen.safetensors" --prompts "The|A m|Why |I" --tokens 24 "$@" >"$tmp/$out.raw" 2>"$tmp/$out.err"
+  mpirun -n "$np" "$bin" --generate --load "$tmp/gen.safetensors" --prompts "The|A m|Why |I" --tokens 24 --print-logits "$@" \
+    >"$tmp/$out.raw" 2>"$tmp/$out.err"
   echo "exit $?" >>"$tmp/$out.raw"
   grep -a -v -e '^gpt:' -e '^placement:' -e '^generated ' "$tmp/$out.raw" >"$tmp/$out"
+  grep -a -v '^logits ' "$tmp/$out" >"$tmp/$out.text"
 }
 gen_same() { # name, file a, file b
   if grep -q '^--- prompt 3:' "$tmp/$2" && grep -q 'exit 0' "$tmp/$2" && cmp -s "$tmp/$2" "$tmp/$3"; then echo "PASS: $1"
-  else echo "FAIL: $1: $(diff "$tmp/$2" "$tmp/$3" | head -n 6 | tr '\n' ' ') $(head -c 300 "$tmp/$3.err")"; fi
+  else echo "FAIL: $1: $(diff "$tmp/$2" "$tmp/$3" | head -n 6 | cut -c 1-200 | tr '\n' ' ') $(head -c 300 "$tmp/${3%.text}.err")"; fi
+}
+# Every step's logits of the KV cache (file b) against re-running the whole context (file a): the same
+# steps and prompts, each logit within 1e-5 of max(1, |logit|). Float32 rounds to u = 6e-8; the two runs
+# sum the same products in other orders (attention over up to 32 positions, linear layers over up to
+# 4C = 128 inputs, two blocks): as a random walk about sqrt(128) * 10 * u = 7e-6; measured: 7e-7. A
+# wrong position, a stale or missing cache entry moves logits by 0.1 and more.
+gen_close() { # name, file a, file b
+  if python3 - "$tmp/$2" "$tmp/$3" >"$tmp/close" 2>&1 <<'PY'
+import sys
+def logits(path):
+    return {tuple(l.split()[1:3]): [float.fromhex(v) for v in l.split()[3:]] for l in open(path, errors='replace') if l.startswith('logits ')}
+a, b = logits(sys.argv[1]), logits(sys.argv[2])
+assert a and a.keys() == b.keys(), (len(a), len(b))
+worst = max(abs(x - y) / max(1.0, abs(x)) for k in a for x, y in zip(a[k], b[k], strict=True))
+same = sum(a[k] == b[k] for k in a)
+print(f"{len(a)} steps x prompts, largest difference {worst:.1e} of max(1, |logit|), {same} bitwise equal")
+assert worst <= 1e-5, worst
+PY
+  then echo "PASS: $1 ($(cat "$tmp/close"))"
+  else echo "FAIL: $1: $(tail -c 300 "$tmp/close")"; fi
 }
 for temp in 0 0.8; do
   what=$([ "$temp" = 0 ] && echo greedy || echo "sampled at temperature $temp, seed 3")
@@ -125,11 +174,13 @@ for temp in 0 0.8; do
   gen "v2_$temp" 2 --partitions 2 --pipeline zero_bubble_v --temperature "$temp" --seed 3
   gen "n1_$temp" 1 --partitions 1 --temperature "$temp" --seed 3 --no-cache
   gen "n2_$temp" 2 --partitions 2 --temperature "$temp" --seed 3 --no-cache
-  gen_same "gpt/generation ($what): 2 partitions with the KV cache write the text of one process" "g1_$temp" "g2_$temp"
-  gen_same "gpt/generation ($what): 4 partitions with the KV cache write the text of one process" "g1_$temp" "g4_$temp"
-  gen_same "gpt/generation ($what): 2 partitions in a V (zero_bubble_v) write the text of one process" "g1_$temp" "v2_$temp"
-  gen_same "gpt/generation ($what): the KV cache writes the text of re-running the whole context, one process" "n1_$temp" "g1_$temp"
-  gen_same "gpt/generation ($what): the KV cache writes the text of re-running the whole context, 2 partitions" "n2_$temp" "g2_$temp"
+  gen_same "gpt/generation ($what): 2 partitions with the KV cache write the text and logits of one process, bitwise" "g1_$temp" "g2_$temp"
+  gen_same "gpt/generation ($what): 4 partitions with the KV cache write the text and logits of one process, bitwise" "g1_$temp" "g4_$temp"
+  gen_same "gpt/generation ($what): 2 partitions in a V (zero_bubble_v) write the text and logits of one process, bitwise" "g1_$temp" "v2_$temp"
+  gen_same "gpt/generation ($what): re-running the whole context, 2 partitions write the text and logits of one process, bitwise" "n1_$temp" "n2_$temp"
+  gen_same "gpt/generation ($what): the KV cache writes the text of re-running the whole context, one process" "n1_$temp.text" "g1_$temp.text"
+  gen_same "gpt/generation ($what): the KV cache writes the text of re-running the whole context, 2 partitions" "n2_$temp.text" "g2_$temp.text"
+  gen_close "gpt/generation ($what): the KV cache's logits equal re-running the whole context's within 1e-5" "n1_$temp" "g1_$temp"
 done
 if grep -q '^--- prompt 3:' "$tmp/g1_0.8" && ! cmp -s "$tmp/g1_0" "$tmp/g1_0.8" && [ "$(grep -c '^--- prompt' "$tmp/g1_0.8")" = 4 ] \
    && [ "$(grep -a -A1 '^--- prompt 0:' "$tmp/g1_0.8" | tail -n 1 | head -c 3)" = "The" ]; then
@@ -139,7 +190,7 @@ gen_err() { # name, pattern, np, args...
   local name=$1 pat=$2 np=$3; shift 3
   mpirun -n "$np" "$bin" --generate --load "$tmp/gen.safetensors" "$@" >"$tmp/out" 2>&1; local rc=$?
   local n; n=$(grep -c -- "$pat" "$tmp/out")
-  if [ $rc -ne 0 ] && [ "$n" -ge "$np" ]; then echo "PASS: $name"
+  if [ $rc -ne 0 ] && [ "$n" -ge "$np" ] && ! grep -q 'runtime error: ' "$tmp/out"; then echo "PASS: $name"
   else echo "FAIL: $name: exit $rc, $n of $np ranks said '$pat': $(head -c 300 "$tmp/out")"; fi
 }
 gen_err "gpt/generation: prompt + tokens longer than the model's context is an error on every rank" \

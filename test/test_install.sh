@@ -34,3 +34,6 @@ echo "PASS: install/build with pkg-config smp"
 out=$(mpirun -n 2 "$tmp/prog" 2>&1)
 [ "$out" = "sum 3" ] && echo "PASS: install/installed program runs on 2 ranks" || echo "FAIL: install/installed program printed: $out"
 pkg-config --cflags smp-nccl >/dev/null 2>&1 && echo "PASS: install/smp-nccl.pc is readable" || echo "FAIL: install/smp-nccl.pc is not readable"
+want=$(sed -n 's/^#define SMP_VERSION_STRING "\(.*\)"/\1/p' "$tmp/prefix/include/smp.h")
+got=$(pkg-config --modversion smp 2>/dev/null)
+[ -n "$want" ] && [ "$got" = "$want" ] && echo "PASS: install/smp.pc's version is smp.h's ($got)" || echo "FAIL: install/smp.pc says version '$got', smp.h says '$want'"

@@ -738,7 +738,9 @@ static void checkpoint_section(void) {
     if (me == 0) {
         int nw = 0, nb = 0, no = 0, bad = 0;
         for (int k = 0; k < Psave; k++) {
-            snprintf(path, sizeof path, "%s/ckpt_part_%d", dir, k);
+            char base[sizeof path];
+            snprintf(base, sizeof base, "%s/ckpt_part", dir);
+            if (smp_ckpt_partial_file(base, k, path, sizeof path, NULL) != SMP_OK) path[0] = 0; /* the file its manifest names */
             int a = header_count(path, "\"tied.weight\""), b = header_count(path, "\"tied.bias\""), e = header_count(path, "\"optimizer.tied.weight.exp_avg\"");
             if (a < 0 || b < 0 || e < 0) bad = 1;
             nw += a;
