@@ -125,7 +125,7 @@ static long syntax_offset(void) {
 /* Writes every key a parse from zero set (as read by the parser: the values
    are valid JSON values), in forward or reverse order. */
 static size_t write_json(const smp_config *c, bool reverse, char *out, size_t cap) {
-    static const char *pipe[] = {"", "interleaved", "simple", "zero_bubble"}, *opt[] = {"", "speed", "memory"},
+    static const char *pipe[] = {"", "interleaved", "simple", "zero_bubble", "zero_bubble_v"}, *opt[] = {"", "speed", "memory"},
                       *place[] = {"", "cluster", "spread"}, *trace[] = {"", "cpu", "gpu"};
     char item[32][128];
     int n = 0;
@@ -212,7 +212,8 @@ static smp_status parse_both(const char *s, uint64_t seed, smp_config *zero_out)
 
 static int in_range(const smp_config *c, int world) {
     return c->partitions <= world && (!c->has_default_partition || (c->default_partition >= 0 && c->default_partition < (c->partitions ? c->partitions : 1))) &&
-           c->memory_weight >= 0 && c->memory_weight <= 1 && c->bucket_cap_mb <= 1e6 && c->timeout <= 1e9;
+           c->memory_weight >= 0 && c->memory_weight <= 1 && c->bucket_cap_mb <= 1e6 && c->timeout <= 1e9 &&
+           (c->pipeline != SMP_PIPELINE_ZERO_BUBBLE_V || c->virtual_stages <= 2); /* its V: 2 stages per partition */
 }
 
 static void check_resolve(const smp_config *z) {

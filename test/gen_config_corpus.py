@@ -77,6 +77,7 @@ def main():
     files["valid_all_keys_alt"] = json.dumps(ALL_KEYS_ALT, separators=(",", ":"))
     files["valid_all_keys_reversed"] = json.dumps(dict(reversed(list(ALL_KEYS.items()))))
     files["valid_zero_bubble"] = '{"pipeline": "zero_bubble", "partitions": 4, "microbatches": 8}'
+    files["valid_zero_bubble_v"] = '{"pipeline": "zero_bubble_v", "partitions": 2, "microbatches": 8, "virtual_stages": 2}'
     files["valid_empty"] = "{}"
     files["valid_empty_ws"] = " \t\r\n{ \t\r\n} \t\r\n"
     files["valid_sagemaker"] = ('{"partitions": 2, "microbatches": 4, "placement_strategy": "spread", '
