@@ -15,7 +15,7 @@ MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp t
 SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/test_install.sh test/test_demo.sh test/test_gpt.sh test/run_fuzz.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout test_exit
-BENCHES    := collectives partition schedule ddp checkpoint fmnist nccl recompute
+BENCHES    := collectives partition schedule ddp checkpoint fmnist gpt nccl recompute
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
@@ -158,6 +158,10 @@ bench-schedule: build/bench/schedule
 	mpirun -n 4 build/bench/schedule
 bench-fmnist: build/examples/fmnist
 	bash bench/fmnist.sh
+# The GPT example: 2 pipeline partitions (each schedule) against one process,
+# the best one process does on 2 cores, DDP; pipelined generation (~4 min).
+bench-gpt: build/examples/gpt
+	bash bench/gpt.sh
 bench-checkpoint: build/bench/checkpoint
 	mpirun -n 2 build/bench/checkpoint
 # Activation recomputation on a 12-block composite model (OpenBLAS linears).
