@@ -33,7 +33,7 @@ ASAN4_TESTS := test_model test_pipeline test_ddp test_checkpoint test_chaos
 ASAN_SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/run_large.sh test/test_demo.sh test/test_gpt.sh
 ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
             SMP_SANITIZER_LOGS=1 SMP_EXAMPLES=$(CURDIR)/build/examples-asan
-BENCHES    := collectives partition schedule ddp checkpoint fmnist nccl recompute
+BENCHES    := collectives partition schedule ddp checkpoint fmnist gpt nccl recompute
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
@@ -204,6 +204,10 @@ bench-schedule: build/bench/schedule
 	mpirun -n 4 build/bench/schedule
 bench-fmnist: build/examples/fmnist
 	bash bench/fmnist.sh
+# The GPT example: 2 pipeline partitions (each schedule) against one process,
+# the best one process does on 2 cores, DDP; pipelined generation (~4 min).
+bench-gpt: build/examples/gpt
+	bash bench/gpt.sh
 bench-checkpoint: build/bench/checkpoint
 	mpirun -n 2 build/bench/checkpoint
 # Activation recomputation on a 12-block composite model (OpenBLAS linears).
