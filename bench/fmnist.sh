@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # bench/fmnist: training samples/s of the demo on this machine, in one run:
-# 2 processes as 2 pipeline partitions, as 2 data-parallel replicas, 1
-# process with one BLAS thread, 1 process with two BLAS threads; and the
-# pipeline's bubble from its timeline. Last line: fmnist samples/s pp2/single.
+# 2 processes as 2 pipeline partitions under each schedule (1F1B, ZB-H1,
+# ZB-V), as 2 data-parallel replicas, 1 process with one BLAS thread at the
+# same microbatching (single: what the runtime's schedule is measured
+# against), and 1 process with two BLAS threads at 1 and at 4 microbatches
+# (the best a user could do in one process on these cores); and the 1F1B
+# pipeline's bubble from its timeline. The line before the last:
+# fmnist samples/s pp2/best-single (pp2's best schedule against the best
+# one-process figure); the last: fmnist samples/s pp2/single, best schedule.
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 bin="$top/build/examples/fmnist"
@@ -17,14 +22,18 @@ median() { printf '%s\n' "$@" | sort -n | awk '{v[NR] = $1} END {print v[int((NR
 export OPENBLAS_NUM_THREADS=1
 # The configurations take turns, round after round, so that load from other
 # jobs on the machine falls on all of them alike; each figure is a median.
-s1=(); s2=(); p2=(); d2=()
+s1=(); s2=(); s2m1=(); p2=(); zb=(); zbv=(); d2=()
 for r in $(seq "$rounds"); do
   s1+=("$(rate mpirun -n 1 "$bin" --partitions 1)")
   s2+=("$(OPENBLAS_NUM_THREADS=2 rate mpirun -n 1 "$bin" --partitions 1 --threads 2)")
+  s2m1+=("$(OPENBLAS_NUM_THREADS=2 rate mpirun -n 1 "$bin" --partitions 1 --threads 2 --microbatches 1)")
   p2+=("$(SMP_TIMELINE="$tmp/timeline.json" rate mpirun -n 2 "$bin" --partitions 2)")
+  zb+=("$(rate mpirun -n 2 "$bin" --partitions 2 --pipeline zero_bubble)")
+  zbv+=("$(rate mpirun -n 2 "$bin" --partitions 2 --pipeline zero_bubble_v)")
   d2+=("$(rate mpirun -n 2 "$bin" --partitions 1 --ddp)")
 done
-single=$(median "${s1[@]}"); single2=$(median "${s2[@]}"); pp2=$(median "${p2[@]}"); dp2=$(median "${d2[@]}")
+single=$(median "${s1[@]}"); single2=$(median "${s2[@]}"); single2m1=$(median "${s2m1[@]}")
+pp2=$(median "${p2[@]}"); ppzb=$(median "${zb[@]}"); ppzbv=$(median "${zbv[@]}"); dp2=$(median "${d2[@]}")
 bubble=$(python3 - "$tmp/timeline.json" <<'PY'
 import json, sys, collections
 ev = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("ph") == "X"]
@@ -37,8 +46,21 @@ for e in ev:
 print("%.3f" % (1 - sum(busy.values()) / sum(hi - lo for lo, hi in span.values())))
 PY
 )
-printf '%-44s %10s\n' "configuration (median of $rounds, $steps steps, batch 128)" "samples/s"
-printf '%-44s %10s\n' "1 process, 1 BLAS thread (single)" "$single" "1 process, 2 BLAS threads" "$single2" \
-  "2 processes: 2 pipeline partitions (pp2)" "$pp2" "2 processes: 2 data-parallel replicas" "$dp2"
-echo "pipeline idle fraction (bubble + transfers) from the pp2 timeline: $bubble"
-python3 -c "import sys; s,t,p,d=map(float,sys.argv[1:]); print('pp2/single %.2f  dp2/single %.2f  single-2-threads/single %.2f' % (p/s, d/s, t/s)); print('fmnist samples/s pp2/single: %.2f' % (p/s))" "$single" "$single2" "$pp2" "$dp2"
+printf '%-52s %10s\n' "configuration (median of $rounds, $steps steps, batch 128)" "samples/s"
+printf '%-52s %10s\n' "1 process, 1 BLAS thread, 4 microbatches (single)" "$single" "1 process, 2 BLAS threads, 4 microbatches" "$single2" \
+  "1 process, 2 BLAS threads, 1 microbatch" "$single2m1" \
+  "2 pipeline partitions, interleaved (1F1B)" "$pp2" "2 pipeline partitions, zero_bubble (ZB-H1)" "$ppzb" \
+  "2 pipeline partitions, zero_bubble_v (ZB-V)" "$ppzbv" "2 data-parallel replicas" "$dp2"
+echo "pipeline idle fraction (bubble + transfers) from the 1F1B timeline: $bubble"
+python3 - "$single" "$single2" "$single2m1" "$pp2" "$ppzb" "$ppzbv" "$dp2" <<'PY'
+import sys
+s, t4, t1, p, zb, zbv, d = map(float, sys.argv[1:])
+kinds = {"interleaved": p, "zero_bubble": zb, "zero_bubble_v": zbv}
+best = max(kinds, key=kinds.get)
+best_single = max(t4, t1)
+print("pp2/single by schedule: " + "  ".join("%s %.2f" % (k, v / s) for k, v in kinds.items()) +
+      "   dp2/single %.2f  single-2-threads/single %.2f (4 mb) %.2f (1 mb)" % (d / s, t4 / s, t1 / s))
+print("fmnist samples/s pp2/best-single: %.2f (pp2 %s against 1 process, 2 BLAS threads, %d microbatch%s)"
+      % (kinds[best] / best_single, best, 4 if t4 >= t1 else 1, "es" if t4 >= t1 else ""))
+print("fmnist samples/s pp2/single: %.2f (%s)" % (kinds[best] / s, best))
+PY
