@@ -37,7 +37,7 @@
              if (smp_init(&cfg)) return 1;                 // smp.init()
              smp_module *root = smp_module_new(NULL, "", NULL);
              for (int l = 0; l < 4; l++) {
-                 char name[8];
+                 char name[16];
                  snprintf(name, sizeof name, "fc%d", l);
                  layer[l] = smp_module_new(root, name, &(smp_module_desc){fc_forward, fc_backward, NULL});
                  smp_param_new(layer[l], "weight", SMP_F32, 2, (int64_t[]){16, 16}, smp_init_uniform, NULL);

@@ -77,7 +77,7 @@ int main(void) {
     if (smp_init(&cfg)) { fprintf(stderr, "%s\n", smp_last_error()); return 1; }
     smp_module *root = smp_module_new(NULL, "", NULL);
     for (int l = 0; l < LAYERS; l++) {
-        char name[8];
+        char name[16];
         snprintf(name, sizeof name, "fc%d", l);
         layer[l] = smp_module_new(root, name, &(smp_module_desc){fc_forward, fc_backward, &weight[l]});
         weight[l] = smp_param_new(layer[l], "weight", SMP_F32, 2, (int64_t[]){WIDTH, WIDTH}, smp_init_uniform, NULL);
