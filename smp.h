@@ -1015,14 +1015,20 @@ static smp_status smp__nomem(size_t bytes, const char *what) {
                      smp__ctx.rank, smp__ctx.at.in_step ? " (or use fewer or smaller microbatches, or activation_checkpointing)" : "");
 }
 
-/* Zeroed memory for a call that reports errors: NULL and SMP_ERR_NOMEM in
-   *st when there is none, and nothing at all once *st holds an error, so a
-   run of allocations needs one check at its end. */
-static void *smp__alloc_or(smp_status *st, size_t n, smp__alloc_kind kind, const char *what) {
+/* Memory for a call that reports errors: NULL and SMP_ERR_NOMEM in *st
+   when there is none, and nothing at all once *st holds an error, so a run
+   of allocations needs one check at its end. Uninitialised: for payloads
+   that are written whole (messages), where zeroing would be a second pass. */
+static void *smp__bytes_or(smp_status *st, size_t n, smp__alloc_kind kind, const char *what) {
     if (*st) return NULL;
     void *p = smp__alloc(n ? n : 1, kind);
-    if (!p) { *st = smp__nomem(n, what); return NULL; }
-    memset(p, 0, n);
+    if (!p) *st = smp__nomem(n, what);
+    return p;
+}
+/* The same, zeroed: for tables. */
+static void *smp__alloc_or(smp_status *st, size_t n, smp__alloc_kind kind, const char *what) {
+    void *p = smp__bytes_or(st, n, kind, what);
+    if (p) memset(p, 0, n);
     return p;
 }
 
@@ -2705,7 +2711,7 @@ SMPDEF smp_status smp_recv_from(int src, smp_rank_type rt, void **buf, size_t *l
     size_t n = (size_t)bytes;
     MPI_Datatype type;
     int count;
-    char *p = (char *)smp__alloc_or(&st, n + 1, SMP__ALLOC_OTHER, "an object smp_recv_from receives");
+    char *p = (char *)smp__bytes_or(&st, n + 1, SMP__ALLOC_OTHER, "an object smp_recv_from receives");
     if (!st) st = smp__bytes_type(n, &count, &type);
     if (st) { /* MPI matched the message to this probe: no other receive can have it */
         smp__free(p);
@@ -2739,7 +2745,7 @@ static smp_status smp__broadcast_bytes(void **buf, size_t *len, int root, smp_gr
     MPI_Request req;
     SMP__MPI(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, gi->comm, &req));
     smp_wait_requests(1, &req, "broadcast length", g, root);
-    char *into = gi->rank == root ? (char *)*buf : (char *)smp__alloc_or(&st, (size_t)n + 1, SMP__ALLOC_OTHER, "a broadcast's bytes");
+    char *into = gi->rank == root ? (char *)*buf : (char *)smp__bytes_or(&st, (size_t)n + 1, SMP__ALLOC_OTHER, "a broadcast's bytes");
     /* in pieces of `spare`'s size, so a member without the memory for the
        whole still takes part (into spare, which is touched only then) and
        returns SMP_ERR_NOMEM instead of leaving the others waiting */

@@ -1468,7 +1468,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
     size_t total = 0;
     for (int i = 0; i < nt; i++) total += smp_tensor_nbytes(ts[i]);
     /* staged device tensors: the bytes go to the host, then as one MPI message */
-    char *staging = ps->on_device && !ps->dev_p2p ? (char *)smp__alloc_or(&st, total, SMP__ALLOC_OTHER, "a pipeline message staged on the host") : NULL;
+    char *staging = ps->on_device && !ps->dev_p2p ? (char *)smp__bytes_or(&st, total, SMP__ALLOC_OTHER, "a pipeline message staged on the host") : NULL;
     size_t at = 0;
     for (int i = 0; i < nt && staging && !st; i++) {
         smp_tensor h = *ts[i];
@@ -1559,7 +1559,7 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
                     }
                     MPI_Datatype type;
                     int count;
-                    x->buf = smp__alloc_or(&err, x->bytes, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER, "a pipeline message received");
+                    x->buf = smp__bytes_or(&err, x->bytes, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER, "a pipeline message received");
                     if (err || (err = smp__bytes_type(x->bytes, &count, &type))) break;
                     MPI_Irecv(x->buf, count, type, x->peer, st.MPI_TAG + 1, ps->comm, &x->req[1]);
                     if (type != MPI_BYTE) MPI_Type_free(&type);
