@@ -149,28 +149,27 @@ typedef enum smp_status {
     SMP_ERR_REMOTE    /* another rank failed; smp_last_error() says which */
 } smp_status;
 
+/* The printf-format check every header's printf-style function carries. */
+#if defined(__GNUC__)
+#define SMP__PRINTF(fmt, args) __attribute__((format(printf, fmt, args)))
+#else
+#define SMP__PRINTF(fmt, args)
+#endif
+
 SMPDEF const char *smp_last_error(void);
 /* Returns from the enclosing function when expr fails (module callbacks, forwards). */
 #define SMP_TRY(expr) do { smp_status smp_try_status_ = (expr); if (smp_try_status_ != SMP_OK) return smp_try_status_; } while (0)
 SMPDEF const char *smp_status_name(smp_status s);
 /* Records an error message (printf-style) and returns `s`; engine code may
    use it from module callbacks so its message reaches every rank. */
-SMPDEF smp_status smp_error(smp_status s, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
+SMPDEF smp_status smp_error(smp_status s, const char *fmt, ...) SMP__PRINTF(2, 3);
 
 typedef enum smp_log_level { SMP_LOG_DEBUG, SMP_LOG_INFO, SMP_LOG_WARN, SMP_LOG_ERROR } smp_log_level;
 typedef void (*smp_log_fn)(smp_log_level level, const char *msg, void *user);
 /* NULL restores the default, which writes WARN and ERROR (and INFO when
    SMP_VERBOSE is set) to stderr prefixed with the rank. */
 SMPDEF void smp_set_logger(smp_log_fn fn, void *user);
-SMPDEF void smp_log(smp_log_level level, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
+SMPDEF void smp_log(smp_log_level level, const char *fmt, ...) SMP__PRINTF(2, 3);
 
 /* ---------------------------------------------------------------- tensors */
 typedef enum smp_dtype {
@@ -811,12 +810,16 @@ SMPDEF void smp_log(smp_log_level level, const char *fmt, ...) {
 
 static void smp__sleep_ns(long ns);
 
-/* A broken invariant or a wait past its deadline: the whole job stops. */
-static void smp__fatal(const char *fmt, ...)
 #if defined(__GNUC__)
-    __attribute__((format(printf, 1, 2), noreturn))
+#define SMP__NORETURN __attribute__((noreturn))
+#define SMP__CORE static __attribute__((unused)) /* core helpers some programs' headers do not call */
+#else
+#define SMP__NORETURN
+#define SMP__CORE static
 #endif
-    ;
+/* A broken invariant or a wait past its deadline, in any of the headers:
+   the whole job stops, and the message reaches stderr first. */
+static void smp__fatal(const char *fmt, ...) SMP__PRINTF(1, 2) SMP__NORETURN;
 static bool smp__aborting; /* the exit guard stands down: the job is going anyway */
 static void smp__fatal(const char *fmt, ...) {
     smp__aborting = true;
@@ -1032,6 +1035,342 @@ static void *smp__alloc_or(smp_status *st, size_t n, smp__alloc_kind kind, const
     return p;
 }
 
+/* ---------------------------------------------------------------- the core every header uses
+   Growable arrays and text, counted in smp_memory() like every block smp
+   holds. */
+
+/* Grows *arr (elements of elem bytes, *cap of them) to hold need; false
+   when there is no memory (or the count would pass INT_MAX), *arr intact
+   and *want (when not NULL) the bytes it asked for. */
+static bool smp__grow(void **arr, int *cap, int need, size_t elem, size_t *want) {
+    if (need <= *cap) return true;
+    int nc = *cap ? *cap : 8;
+    while (nc < need) {
+        if (nc > INT_MAX / 2) { if (want) *want = SIZE_MAX; return false; }
+        nc *= 2;
+    }
+    void *p = smp__alloc((size_t)nc * elem, SMP__ALLOC_OTHER);
+    if (!p) { if (want) *want = (size_t)nc * elem; return false; }
+    if (*arr) { memcpy(p, *arr, (size_t)*cap * elem); smp__free(*arr); }
+    *arr = p;
+    *cap = nc;
+    return true;
+}
+/* The same for a call that reports errors: the out-of-memory policy's
+   error names `what`; nothing at all once *st holds an error. */
+SMP__CORE bool smp__grow_or(smp_status *st, void **arr, int *cap, int need, size_t elem, const char *what) {
+    size_t want = 0;
+    if (*st) return false;
+    if (smp__grow(arr, cap, need, elem, &want)) return true;
+    *st = smp__nomem(want, what);
+    return false;
+}
+
+/* Growable text, always NUL-terminated. Once an append fails, `oom` is set,
+   `want` holds the bytes it asked for and the rest are dropped, so a run of
+   appends needs one check at its end (the caller names the purpose). */
+typedef struct smp__sbuf {
+    char *p;
+    size_t len, cap;
+    bool oom;
+    size_t want;
+} smp__sbuf;
+
+SMP__CORE bool smp__sbuf_reserve(smp__sbuf *b, size_t n) {
+    if (b->oom) return false;
+    if (b->len + n + 1 <= b->cap) return true;
+    size_t cap = b->cap ? b->cap : 1024;
+    while (cap < b->len + n + 1) {
+        if (cap > SIZE_MAX / 4) { b->oom = true; b->want = SIZE_MAX; return false; }
+        cap *= 2;
+    }
+    char *q = (char *)smp__alloc(cap, SMP__ALLOC_OTHER);
+    if (!q) { b->oom = true; b->want = cap; return false; }
+    if (b->len) memcpy(q, b->p, b->len);
+    smp__free(b->p);
+    b->p = q;
+    b->cap = cap;
+    return true;
+}
+SMP__CORE void smp__sbuf_put(smp__sbuf *b, const char *s, size_t n) {
+    if (!smp__sbuf_reserve(b, n)) return;
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
+}
+SMP__CORE void smp__sbuf_puts(smp__sbuf *b, const char *s) { smp__sbuf_put(b, s, strlen(s)); }
+SMP__CORE void smp__sbuf_printf(smp__sbuf *b, const char *fmt, ...) SMP__PRINTF(2, 3);
+SMP__CORE void smp__sbuf_printf(smp__sbuf *b, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0 || !smp__sbuf_reserve(b, (size_t)n)) return;
+    va_start(ap, fmt);
+    vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+}
+/* s with JSON's escapes, without quotes (UTF-8 passes through). */
+SMP__CORE void smp__sbuf_escaped(smp__sbuf *b, const char *s) {
+    const char *run = s;
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c >= 0x20 && c != '"' && c != '\\') continue;
+        smp__sbuf_put(b, run, (size_t)(s - run));
+        switch (c) {
+        case '"': smp__sbuf_puts(b, "\\\""); break;
+        case '\\': smp__sbuf_puts(b, "\\\\"); break;
+        case '\n': smp__sbuf_puts(b, "\\n"); break;
+        case '\r': smp__sbuf_puts(b, "\\r"); break;
+        case '\t': smp__sbuf_puts(b, "\\t"); break;
+        case '\b': smp__sbuf_puts(b, "\\b"); break;
+        case '\f': smp__sbuf_puts(b, "\\f"); break;
+        default: smp__sbuf_printf(b, "\\u%04x", c);
+        }
+        run = s + 1;
+    }
+    smp__sbuf_put(b, run, (size_t)(s - run));
+}
+/* prefix + s as one JSON string (prefix may be NULL). */
+SMP__CORE void smp__sbuf_jstr(smp__sbuf *b, const char *prefix, const char *s) {
+    smp__sbuf_puts(b, "\"");
+    if (prefix) smp__sbuf_escaped(b, prefix);
+    smp__sbuf_escaped(b, s);
+    smp__sbuf_puts(b, "\"");
+}
+
+/* JSON reading, for every reader in the headers (smp.h's config,
+   smp_checkpoint.h's header and manifest): strict RFC 8259 pieces over text
+   s[0..n) with s[n] == 0. Errors give a message and the byte offset. */
+
+/* Where whitespace after i ends. */
+static size_t smp__json_skip_ws(const char *s, size_t n, size_t i) {
+    while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r')) i++;
+    return i;
+}
+
+/* Names the byte at `at` for a syntax error: 'x', byte 0x.., or the end of
+   the `doc` ("input", "header"). */
+static const char *smp__json_found(const char *s, size_t n, size_t at, const char *doc, char *buf, size_t cap) {
+    unsigned char c = at < n ? (unsigned char)s[at] : 0;
+    if (at >= n) snprintf(buf, cap, "the end of the %s", doc);
+    else if (c >= 0x20 && c < 0x7f) snprintf(buf, cap, "'%c'", c);
+    else snprintf(buf, cap, "byte 0x%02x", c);
+    return buf;
+}
+
+/* Length of the well-formed UTF-8 sequence at s (n bytes left), 0 if there
+   is none: no overlong forms, no surrogates, nothing past U+10FFFF. */
+static size_t smp__utf8_len(const unsigned char *s, size_t n) {
+    unsigned char c = s[0];
+    if (c < 0x80) return 1;
+    if (c < 0xC2) return 0;
+    if (c < 0xE0) return (n >= 2 && (s[1] & 0xC0) == 0x80) ? 2 : 0;
+    if (c < 0xF0) {
+        if (n < 3 || (s[1] & 0xC0) != 0x80 || (s[2] & 0xC0) != 0x80) return 0;
+        if (c == 0xE0 && s[1] < 0xA0) return 0;
+        if (c == 0xED && s[1] >= 0xA0) return 0;
+        return 3;
+    }
+    if (c < 0xF5) {
+        if (n < 4 || (s[1] & 0xC0) != 0x80 || (s[2] & 0xC0) != 0x80 || (s[3] & 0xC0) != 0x80) return 0;
+        if (c == 0xF0 && s[1] < 0x90) return 0;
+        if (c == 0xF4 && s[1] >= 0x90) return 0;
+        return 4;
+    }
+    return 0;
+}
+
+/* The number of hex digits at s, up to 4; *out their value when 4. */
+static int smp__json_hex4(const char *s, size_t left, unsigned *out) {
+    unsigned v = 0;
+    for (int i = 0; i < 4; i++) {
+        char c = (size_t)i < left ? s[i] : 0;
+        unsigned d;
+        if (c >= '0' && c <= '9') d = (unsigned)(c - '0');
+        else if (c >= 'a' && c <= 'f') d = (unsigned)(c - 'a' + 10);
+        else if (c >= 'A' && c <= 'F') d = (unsigned)(c - 'A' + 10);
+        else return i; /* offset of the bad digit */
+        v = v * 16 + d;
+    }
+    *out = v;
+    return 4;
+}
+
+/* Where a string's decoded text goes: out (cap bytes, whole characters
+   only; `more` once one did not fit), or nowhere when out is NULL. out may
+   point into the input behind the read position (decoding in place), since
+   decoded text never outruns its source. */
+typedef struct smp__jstr {
+    char *out;
+    size_t cap, len;
+    bool more;
+    bool no_nul; /* \u0000 is an error (the text becomes a C string) */
+} smp__jstr;
+
+static void smp__jstr_put(smp__jstr *d, const char *b, size_t k) {
+    if (!d->out) return;
+    if (d->more || d->len + k > d->cap) { d->more = true; return; }
+    memmove(d->out + d->len, b, k);
+    d->len += k;
+}
+
+/* Decodes the string whose opening quote is at s[*pos]. On success *pos is
+   past the closing quote. On failure false, with the reason in why and
+   *pos at the byte it is about. */
+static bool smp__json_string_at(const char *s, size_t n, size_t *pos, smp__jstr *d, char *why, size_t why_cap) {
+    const unsigned char *u = (const unsigned char *)s;
+    size_t start = *pos, i = start + 1;
+    for (;;) {
+        if (i >= n) {
+            snprintf(why, why_cap, "unterminated string (the input ends at byte %zu)", n);
+            *pos = start;
+            return false;
+        }
+        unsigned c = u[i];
+        char b[4];
+        *pos = i;
+        if (c == '"') { *pos = i + 1; return true; }
+        if (c < 0x20) { snprintf(why, why_cap, "raw control character 0x%02x inside a string (escape it)", c); return false; }
+        if (c >= 0x80) {
+            size_t k = smp__utf8_len(u + i, n - i);
+            if (!k) {
+                if (c < 0xC2 || c > 0xF4) snprintf(why, why_cap, "invalid UTF-8 byte 0x%02x in a string", c);
+                else snprintf(why, why_cap, "invalid UTF-8 sequence in a string");
+                return false;
+            }
+            smp__jstr_put(d, s + i, k);
+            i += k;
+            continue;
+        }
+        if (c != '\\') { b[0] = (char)c; smp__jstr_put(d, b, 1); i++; continue; }
+        unsigned cp;
+        unsigned char e = i + 1 < n ? u[i + 1] : 0;
+        switch (e) {
+        case '"': cp = '"'; break;
+        case '\\': cp = '\\'; break;
+        case '/': cp = '/'; break;
+        case 'b': cp = '\b'; break;
+        case 'f': cp = '\f'; break;
+        case 'n': cp = '\n'; break;
+        case 'r': cp = '\r'; break;
+        case 't': cp = '\t'; break;
+        case 'u': {
+            int ok = smp__json_hex4(s + i + 2, n - i - 2, &cp);
+            if (ok < 4) { *pos = i + 2 + (size_t)ok; snprintf(why, why_cap, "\\u must be followed by 4 hex digits"); return false; }
+            if (cp >= 0xDC00 && cp <= 0xDFFF) {
+                snprintf(why, why_cap, "\\u%04X is a low surrogate without a high surrogate before it", cp);
+                return false;
+            }
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+                unsigned lo = 0;
+                if (i + 7 >= n || u[i + 6] != '\\' || u[i + 7] != 'u' || smp__json_hex4(s + i + 8, n - i - 8, &lo) < 4 || lo < 0xDC00 || lo > 0xDFFF) {
+                    snprintf(why, why_cap, "\\u%04X is a high surrogate not followed by a \\u low surrogate", cp);
+                    return false;
+                }
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                i += 6;
+            }
+            if (cp == 0 && d->no_nul) {
+                snprintf(why, why_cap, "\\u0000 in a string (names and values cannot hold NUL)");
+                return false;
+            }
+            i += 4;
+            break;
+        }
+        default:
+            if (i + 1 >= n) {
+                snprintf(why, why_cap, "unterminated string (the input ends at byte %zu)", n);
+                *pos = start;
+                return false;
+            }
+            if (e >= 0x20 && e < 0x7f) snprintf(why, why_cap, "invalid escape '\\%c' in a string", e);
+            else snprintf(why, why_cap, "invalid escape (a backslash before byte 0x%02x) in a string", e);
+            return false;
+        }
+        i += 2;
+        size_t k = cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+        if (k == 1) b[0] = (char)cp;
+        else if (k == 2) { b[0] = (char)(0xC0 | (cp >> 6)); b[1] = (char)(0x80 | (cp & 0x3F)); }
+        else if (k == 3) { b[0] = (char)(0xE0 | (cp >> 12)); b[1] = (char)(0x80 | ((cp >> 6) & 0x3F)); b[2] = (char)(0x80 | (cp & 0x3F)); }
+        else {
+            b[0] = (char)(0xF0 | (cp >> 18)); b[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+            b[2] = (char)(0x80 | ((cp >> 6) & 0x3F)); b[3] = (char)(0x80 | (cp & 0x3F));
+        }
+        smp__jstr_put(d, b, k);
+    }
+}
+
+/* Scans a number in JSON's grammar at s. Returns its length, or 0 with *why
+   and *bad (offset from s) set when it is malformed. */
+static size_t smp__json_scan_number(const char *s, const char **why, size_t *bad) {
+    size_t i = 0;
+    if (s[i] == '-') i++;
+    if (s[i] == '0') {
+        i++;
+        if (s[i] >= '0' && s[i] <= '9') { *why = "a number may not have leading zeros"; *bad = i; return 0; }
+    } else if (s[i] >= '1' && s[i] <= '9') {
+        while (s[i] >= '0' && s[i] <= '9') i++;
+    } else {
+        *why = "'-' must be followed by a digit"; *bad = i; return 0;
+    }
+    if (s[i] == '.') {
+        i++;
+        if (!(s[i] >= '0' && s[i] <= '9')) { *why = "a digit must follow the decimal point"; *bad = i; return 0; }
+        while (s[i] >= '0' && s[i] <= '9') i++;
+    }
+    if (s[i] == 'e' || s[i] == 'E') {
+        i++;
+        if (s[i] == '+' || s[i] == '-') i++;
+        if (!(s[i] >= '0' && s[i] <= '9')) { *why = "a digit must follow the exponent"; *bad = i; return 0; }
+        while (s[i] >= '0' && s[i] <= '9') i++;
+    }
+    return i;
+}
+
+/* The integer a number token spells, exactly, from its digits (the token
+   is already in JSON's grammar): 0 with |value| in *mag and the sign in
+   *neg; 1 when it is not an integer (1.5, 1e-400, 1.9999999999999999);
+   2 when |value| is 2^64 or more. No double is involved, so 2.0, 2e0 and
+   20e-1 are 2 and 12345678901234567890.0 keeps every digit. */
+static int smp__json_exact_int(const char *tok, size_t len, bool *neg, uint64_t *mag) {
+    size_t i = 0;
+    uint64_t m = 0;
+    bool big = false, nonzero = false;
+    long long nfrac = 0, zeros = 0, e = 0; /* value = m * 10^(zeros + e - nfrac) */
+    *neg = tok[0] == '-';
+    if (*neg) i++;
+    for (bool frac = false; i < len && tok[i] != 'e' && tok[i] != 'E'; i++) {
+        if (tok[i] == '.') { frac = true; continue; }
+        unsigned d = (unsigned)(tok[i] - '0');
+        if (frac) nfrac++;
+        if (d == 0) { if (nonzero) zeros++; continue; } /* trailing zeros wait: they may be a fraction's */
+        nonzero = true;
+        for (; zeros >= 0 && !big; zeros--) { /* m = m * 10^zeros * 10 + d */
+            if (m > (UINT64_MAX - (zeros ? 0 : d)) / 10) big = true;
+            else m = m * 10 + (zeros ? 0 : d);
+        }
+        zeros = 0;
+    }
+    if (i < len) { /* the exponent, saturated: past 10^6 only its sign matters */
+        bool eneg = tok[++i] == '-';
+        if (tok[i] == '-' || tok[i] == '+') i++;
+        for (; i < len; i++) if (e < 1000000) e = e * 10 + (tok[i] - '0');
+        if (eneg) e = -e;
+    }
+    if (!nonzero) { *mag = 0; return 0; } /* 0, -0.0, 0e7 */
+    long long k = zeros + e - nfrac;
+    if (k < 0) return 1; /* the last digit that is not 0 lies after the point */
+    if (big) return 2;
+    for (; k > 0; k--) {
+        if (m > UINT64_MAX / 10) return 2;
+        m *= 10;
+    }
+    *mag = m;
+    return 0;
+}
+
 SMPDEF void *smp_malloc(size_t n) { return smp__alloc(n, SMP__ALLOC_OTHER); }
 SMPDEF void smp_free(void *p) { smp__free(p); }
 SMPDEF smp_memory_stats smp_memory(void) { return smp__ctx.mem; }
@@ -1043,19 +1382,21 @@ SMPDEF void smp_memory_reset_peaks(void) {
 }
 
 /* ---------------------------------------------------------------- dtypes, tensors */
-SMPDEF size_t smp_dtype_size(smp_dtype dt) {
-    switch (dt) {
-    case SMP_F32: case SMP_I32: return 4;
-    case SMP_F64: case SMP_I64: return 8;
-    case SMP_F16: case SMP_BF16: return 2;
-    case SMP_U8: case SMP_BOOL: return 1;
-    default: return 0;
-    }
-}
+/* Every dtype's name, its safetensors name and its size, in smp_dtype order:
+   the one table the headers read. */
+static const struct { const char *name, *file_name; size_t size; } smp__dtypes[SMP_DTYPE_COUNT] = {
+    {"invalid", NULL, 0}, {"f32", "F32", 4}, {"f16", "F16", 2}, {"bf16", "BF16", 2}, {"f64", "F64", 8},
+    {"i32", "I32", 4}, {"i64", "I64", 8}, {"u8", "U8", 1}, {"bool", "BOOL", 1}};
 
-SMPDEF const char *smp_dtype_name(smp_dtype dt) {
-    static const char *names[] = {"invalid", "f32", "f16", "bf16", "f64", "i32", "i64", "u8", "bool"};
-    return (unsigned)dt < SMP_DTYPE_COUNT ? names[dt] : "invalid";
+SMPDEF size_t smp_dtype_size(smp_dtype dt) { return (unsigned)dt < SMP_DTYPE_COUNT ? smp__dtypes[dt].size : 0; }
+SMPDEF const char *smp_dtype_name(smp_dtype dt) { return smp__dtypes[(unsigned)dt < SMP_DTYPE_COUNT ? dt : 0].name; }
+
+/* "[2, 3]" into buf, cut to cap; returns buf. */
+static const char *smp__shape_text(const int64_t *shape, int ndim, char *buf, size_t cap) {
+    size_t at = (size_t)snprintf(buf, cap, "[");
+    for (int i = 0; i < ndim && at < cap; i++) at += (size_t)snprintf(buf + at, cap - at, i ? ", %lld" : "%lld", (long long)shape[i]);
+    if (at < cap) snprintf(buf + at, cap - at, "]");
+    return buf;
 }
 
 SMPDEF smp_tensor smp_tensor_make(void *data, smp_dtype dt, int ndim, const int64_t *shape) {
@@ -1086,9 +1427,8 @@ SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b) {
     return true;
 }
 SMPDEF const char *smp_tensor_describe(const smp_tensor *t, char *buf, size_t cap) {
-    size_t at = (size_t)snprintf(buf, cap, "%s[", smp_dtype_name(t->dtype));
-    for (int i = 0; i < t->ndim && at < cap; i++) at += (size_t)snprintf(buf + at, cap - at, i ? ", %lld" : "%lld", (long long)t->shape[i]);
-    if (at < cap) snprintf(buf + at, cap - at, "]");
+    size_t at = (size_t)snprintf(buf, cap, "%s", smp_dtype_name(t->dtype));
+    if (at < cap) smp__shape_text(t->shape, t->ndim, buf + at, cap - at);
     return buf;
 }
 
@@ -1223,12 +1563,6 @@ SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[
 #define SMP__CFG_DEFAULT_TIMEOUT 600.0
 #define SMP__CFG_DEFAULT_BUCKET_MB 25.0
 
-#if defined(__GNUC__)
-#define SMP__CFG_PRINTF(a, b) __attribute__((format(printf, a, b)))
-#else
-#define SMP__CFG_PRINTF(a, b)
-#endif
-
 /* ------------------------------------------------------------ key table */
 typedef enum smp__cfg_kind {
     SMP__CFG_KIND_COUNT,  /* integer >= 1 (0 in the struct means default) */
@@ -1285,7 +1619,7 @@ static const struct smp__cfg_key {
 };
 
 /* ------------------------------------------------------------ small text helpers */
-static void smp__cfg_appendf(char *buf, size_t cap, const char *fmt, ...) SMP__CFG_PRINTF(3, 4);
+static void smp__cfg_appendf(char *buf, size_t cap, const char *fmt, ...) SMP__PRINTF(3, 4);
 static void smp__cfg_appendf(char *buf, size_t cap, const char *fmt, ...) {
     size_t n = strlen(buf);
     if (n + 1 >= cap) return;
@@ -1293,11 +1627,6 @@ static void smp__cfg_appendf(char *buf, size_t cap, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(buf + n, cap - n, fmt, ap);
     va_end(ap);
-}
-
-/* Length of the UTF-8 sequence a lead byte starts (input is already validated). */
-static size_t smp__cfg_utf8_len(unsigned char c) {
-    return c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
 }
 
 /* Writes s (len bytes) as a double-quoted, escaped string for a message,
@@ -1318,7 +1647,8 @@ static void smp__cfg_quote(char *buf, size_t cap, const char *s, size_t len, boo
         else if (c == '\r') { memcpy(esc, "\\r", 3); k = 1; }
         else if (c < 0x20 || c == 0x7f) { snprintf(esc, sizeof esc, "\\u%04x", c); k = 1; }
         else {
-            k = smp__cfg_utf8_len(c);
+            k = smp__utf8_len((const unsigned char *)s + i, len - i);
+            if (!k) k = 1;
             if (i + k > len) k = len - i;
             if (o + k + 5 > cap) { more = true; break; }
             memcpy(buf + o, s + i, k);
@@ -1358,33 +1688,6 @@ static bool smp__cfg_strtod(const char *s, size_t len, double *out) {
     return *end == 0;
 }
 
-/* Scans a number in JSON's grammar at s. Returns its length, or 0 with *why
-   and *bad (offset from s) set when it is malformed. */
-static size_t smp__json_scan_number(const char *s, const char **why, size_t *bad) {
-    size_t i = 0;
-    if (s[i] == '-') i++;
-    if (s[i] == '0') {
-        i++;
-        if (s[i] >= '0' && s[i] <= '9') { *why = "a number may not have leading zeros"; *bad = i; return 0; }
-    } else if (s[i] >= '1' && s[i] <= '9') {
-        while (s[i] >= '0' && s[i] <= '9') i++;
-    } else {
-        *why = "'-' must be followed by a digit"; *bad = i; return 0;
-    }
-    if (s[i] == '.') {
-        i++;
-        if (!(s[i] >= '0' && s[i] <= '9')) { *why = "a digit must follow the decimal point"; *bad = i; return 0; }
-        while (s[i] >= '0' && s[i] <= '9') i++;
-    }
-    if (s[i] == 'e' || s[i] == 'E') {
-        i++;
-        if (s[i] == '+' || s[i] == '-') i++;
-        if (!(s[i] >= '0' && s[i] <= '9')) { *why = "a digit must follow the exponent"; *bad = i; return 0; }
-        while (s[i] >= '0' && s[i] <= '9') i++;
-    }
-    return i;
-}
-
 /* ------------------------------------------------------------ JSON reader */
 typedef enum smp__jtype {
     SMP__J_NULL, SMP__J_FALSE, SMP__J_TRUE, SMP__J_NUMBER, SMP__J_STRING, SMP__J_OBJECT, SMP__J_ARRAY
@@ -1401,12 +1704,12 @@ typedef struct smp__jvalue {
 
 typedef struct smp__json {
     const char *src;
-    size_t pos;
+    size_t n, pos;
     int depth;
     char msg[SMP__CFG_MSG_CAP]; /* the syntax error, once one is found */
 } smp__json;
 
-static bool smp__json_fail(smp__json *j, size_t at, const char *fmt, ...) SMP__CFG_PRINTF(3, 4);
+static bool smp__json_fail(smp__json *j, size_t at, const char *fmt, ...) SMP__PRINTF(3, 4);
 static bool smp__json_fail(smp__json *j, size_t at, const char *fmt, ...) {
     int n = snprintf(j->msg, sizeof j->msg, "invalid config JSON at byte %zu: ", at);
     if (n > 0 && (size_t)n < sizeof j->msg) {
@@ -1418,129 +1721,20 @@ static bool smp__json_fail(smp__json *j, size_t at, const char *fmt, ...) {
     return false;
 }
 
-/* Describes the byte at `at` for a syntax error: 'x', end of input, byte 0x.. */
-static const char *smp__json_found(const smp__json *j, size_t at, char *buf, size_t cap) {
-    unsigned char c = (unsigned char)j->src[at];
-    if (c == 0) snprintf(buf, cap, "the end of the input");
-    else if (c >= 0x20 && c < 0x7f) snprintf(buf, cap, "'%c'", c);
-    else snprintf(buf, cap, "byte 0x%02x", c);
-    return buf;
+static const char *smp__cfg_found(const smp__json *j, size_t at, char *buf, size_t cap) {
+    return smp__json_found(j->src, j->n, at, "input", buf, cap);
 }
 
-static void smp__json_ws(smp__json *j) {
-    for (;;) {
-        char c = j->src[j->pos];
-        if (c == ' ' || c == '\t' || c == '\n' || c == '\r') j->pos++;
-        else return;
-    }
-}
-
-static int smp__json_hex4(const char *s, unsigned *out) {
-    unsigned v = 0;
-    for (int i = 0; i < 4; i++) {
-        char c = s[i];
-        unsigned d;
-        if (c >= '0' && c <= '9') d = (unsigned)(c - '0');
-        else if (c >= 'a' && c <= 'f') d = (unsigned)(c - 'a' + 10);
-        else if (c >= 'A' && c <= 'F') d = (unsigned)(c - 'A' + 10);
-        else return i; /* offset of the bad digit */
-        v = v * 16 + d;
-    }
-    *out = v;
-    return 4;
-}
-
-/* Appends bytes to a decoded string, keeping whole characters only. */
-static void smp__json_put(smp__jvalue *v, const char *b, size_t k) {
-    if (!v) return;
-    if (v->str_len + k > SMP__JSON_STR_CAP) { v->str_more = true; return; }
-    if (v->str_more) return;
-    memcpy(v->str + v->str_len, b, k);
-    v->str_len += k;
-    v->str[v->str_len] = 0;
-}
+static void smp__cfg_ws(smp__json *j) { j->pos = smp__json_skip_ws(j->src, j->n, j->pos); }
 
 /* Reads the string at j->pos (a '"'), decoding it into v (v may be NULL). */
-static bool smp__json_string(smp__json *j, smp__jvalue *v) {
-    const unsigned char *s = (const unsigned char *)j->src;
-    size_t start = j->pos;
-    if (v) { v->type = SMP__J_STRING; v->str[0] = 0; v->str_len = 0; v->str_more = false; }
-    j->pos++;
-    for (;;) {
-        size_t at = j->pos;
-        unsigned c = s[at];
-        char b[4];
-        if (c == 0) return smp__json_fail(j, start, "unterminated string (the input ends at byte %zu)", at);
-        if (c == '"') { j->pos++; return true; }
-        if (c < 0x20)
-            return smp__json_fail(j, at, "raw control character 0x%02x inside a string (escape it)", c);
-        if (c == '\\') {
-            unsigned cp;
-            char e = (char)s[at + 1];
-            switch (e) {
-            case '"': cp = '"'; break;
-            case '\\': cp = '\\'; break;
-            case '/': cp = '/'; break;
-            case 'b': cp = '\b'; break;
-            case 'f': cp = '\f'; break;
-            case 'n': cp = '\n'; break;
-            case 'r': cp = '\r'; break;
-            case 't': cp = '\t'; break;
-            case 'u': {
-                int ok = smp__json_hex4(j->src + at + 2, &cp);
-                if (ok < 4) return smp__json_fail(j, at + 2 + (size_t)ok, "\\u must be followed by 4 hex digits");
-                if (cp >= 0xDC00 && cp <= 0xDFFF)
-                    return smp__json_fail(j, at, "\\u%04X is a low surrogate without a high surrogate before it", cp);
-                if (cp >= 0xD800 && cp <= 0xDBFF) {
-                    unsigned lo = 0;
-                    if (s[at + 6] != '\\' || s[at + 7] != 'u' || smp__json_hex4(j->src + at + 8, &lo) < 4 ||
-                        lo < 0xDC00 || lo > 0xDFFF)
-                        return smp__json_fail(j, at, "\\u%04X is a high surrogate not followed by a \\u low surrogate", cp);
-                    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-                    j->pos += 6;
-                }
-                j->pos += 4;
-                break;
-            }
-            case 0: return smp__json_fail(j, start, "unterminated string (the input ends at byte %zu)", at + 1);
-            default:
-                if ((unsigned char)e >= 0x20 && (unsigned char)e < 0x7f)
-                    return smp__json_fail(j, at, "invalid escape '\\%c' in a string", e);
-                return smp__json_fail(j, at, "invalid escape (a backslash before byte 0x%02x) in a string", (unsigned char)e);
-            }
-            j->pos += 2;
-            /* encode cp as UTF-8 */
-            if (cp < 0x80) { b[0] = (char)cp; smp__json_put(v, b, 1); }
-            else if (cp < 0x800) {
-                b[0] = (char)(0xC0 | (cp >> 6)); b[1] = (char)(0x80 | (cp & 0x3F));
-                smp__json_put(v, b, 2);
-            } else if (cp < 0x10000) {
-                b[0] = (char)(0xE0 | (cp >> 12)); b[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-                b[2] = (char)(0x80 | (cp & 0x3F));
-                smp__json_put(v, b, 3);
-            } else {
-                b[0] = (char)(0xF0 | (cp >> 18)); b[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-                b[2] = (char)(0x80 | ((cp >> 6) & 0x3F)); b[3] = (char)(0x80 | (cp & 0x3F));
-                smp__json_put(v, b, 4);
-            }
-            continue;
-        }
-        if (c < 0x80) { b[0] = (char)c; smp__json_put(v, b, 1); j->pos++; continue; }
-        /* a multi-byte UTF-8 sequence: check it is well formed */
-        size_t k;
-        unsigned lo = 0x80, hi = 0xBF;
-        if (c >= 0xC2 && c <= 0xDF) k = 2;
-        else if (c >= 0xE0 && c <= 0xEF) { k = 3; if (c == 0xE0) lo = 0xA0; if (c == 0xED) hi = 0x9F; }
-        else if (c >= 0xF0 && c <= 0xF4) { k = 4; if (c == 0xF0) lo = 0x90; if (c == 0xF4) hi = 0x8F; }
-        else return smp__json_fail(j, at, "invalid UTF-8 byte 0x%02x in a string", c);
-        for (size_t i = 1; i < k; i++) {
-            unsigned d = s[at + i];
-            unsigned l = i == 1 ? lo : 0x80, h = i == 1 ? hi : 0xBF;
-            if (d < l || d > h) return smp__json_fail(j, at, "invalid UTF-8 sequence in a string");
-        }
-        smp__json_put(v, j->src + at, k);
-        j->pos += k;
-    }
+static bool smp__cfg_string(smp__json *j, smp__jvalue *v) {
+    smp__jstr d = {0};
+    char why[160];
+    if (v) { v->type = SMP__J_STRING; d.out = v->str; d.cap = SMP__JSON_STR_CAP; }
+    bool ok = smp__json_string_at(j->src, j->n, &j->pos, &d, why, sizeof why);
+    if (v) { v->str_len = d.len; v->str[d.len] = 0; v->str_more = d.more; }
+    return ok ? true : smp__json_fail(j, j->pos, "%s", why);
 }
 
 static bool smp__json_value(smp__json *j, smp__jvalue *v);
@@ -1552,33 +1746,33 @@ static bool smp__json_container(smp__json *j, bool object) {
     if (++j->depth > SMP__JSON_MAX_DEPTH)
         return smp__json_fail(j, open, "objects and arrays nested deeper than %d levels", SMP__JSON_MAX_DEPTH);
     j->pos++;
-    smp__json_ws(j);
+    smp__cfg_ws(j);
     if (j->src[j->pos] == close) { j->pos++; j->depth--; return true; }
     for (;;) {
         if (object) {
             if (j->src[j->pos] != '"')
                 return smp__json_fail(j, j->pos, "expected a key in double quotes, found %s",
-                                      smp__json_found(j, j->pos, f, sizeof f));
-            if (!smp__json_string(j, NULL)) return false;
-            smp__json_ws(j);
+                                      smp__cfg_found(j, j->pos, f, sizeof f));
+            if (!smp__cfg_string(j, NULL)) return false;
+            smp__cfg_ws(j);
             if (j->src[j->pos] != ':')
                 return smp__json_fail(j, j->pos, "expected ':' after a key, found %s",
-                                      smp__json_found(j, j->pos, f, sizeof f));
+                                      smp__cfg_found(j, j->pos, f, sizeof f));
             j->pos++;
-            smp__json_ws(j);
+            smp__cfg_ws(j);
         }
         if (!smp__json_value(j, NULL)) return false;
-        smp__json_ws(j);
+        smp__cfg_ws(j);
         if (j->src[j->pos] == ',') {
             size_t comma = j->pos++;
-            smp__json_ws(j);
+            smp__cfg_ws(j);
             if (j->src[j->pos] == close)
                 return smp__json_fail(j, comma, "trailing comma before '%c'", close);
             continue;
         }
         if (j->src[j->pos] == close) { j->pos++; j->depth--; return true; }
         return smp__json_fail(j, j->pos, "expected ',' or '%c' in the %s opened at byte %zu, found %s", close,
-                              object ? "object" : "array", open, smp__json_found(j, j->pos, f, sizeof f));
+                              object ? "object" : "array", open, smp__cfg_found(j, j->pos, f, sizeof f));
     }
 }
 
@@ -1589,7 +1783,7 @@ static bool smp__json_value(smp__json *j, smp__jvalue *v) {
     char f[32];
     if (!v) v = &scratch;
     switch (*p) {
-    case '"': return smp__json_string(j, v == &scratch ? NULL : v);
+    case '"': return smp__cfg_string(j, v == &scratch ? NULL : v);
     case '{': v->type = SMP__J_OBJECT; return smp__json_container(j, true);
     case '[': v->type = SMP__J_ARRAY; return smp__json_container(j, false);
     case 't': if (strncmp(p, "true", 4) == 0) { v->type = SMP__J_TRUE; j->pos += 4; return true; } break;
@@ -1614,7 +1808,7 @@ static bool smp__json_value(smp__json *j, smp__jvalue *v) {
     else if (*p == '\'')
         hint = " (JSON strings take double quotes)";
     return smp__json_fail(j, j->pos, "expected a value (string, number, object, array, true, false or null), found %s%s",
-                          smp__json_found(j, j->pos, f, sizeof f), hint);
+                          smp__cfg_found(j, j->pos, f, sizeof f), hint);
 }
 
 /* "string \"2\"", "number 2.5", "true", "an object", ... for type errors. */
@@ -1636,49 +1830,6 @@ static const char *smp__jvalue_describe(const smp__jvalue *v, char *buf, size_t 
         break;
     }
     return buf;
-}
-
-/* ------------------------------------------------------------ number values */
-/* The integer a number token spells, exactly, from its digits (the token
-   is already in JSON's grammar): 0 with |value| in *mag and the sign in
-   *neg; 1 when it is not an integer (1.5, 1e-400, 1.9999999999999999);
-   2 when |value| is 2^64 or more. No double is involved, so 2.0, 2e0 and
-   20e-1 are 2 and 12345678901234567890.0 keeps every digit. */
-static int smp__json_exact_int(const char *tok, size_t len, bool *neg, uint64_t *mag) {
-    size_t i = 0;
-    uint64_t m = 0;
-    bool big = false, nonzero = false;
-    long long nfrac = 0, zeros = 0, e = 0; /* value = m * 10^(zeros + e - nfrac) */
-    *neg = tok[0] == '-';
-    if (*neg) i++;
-    for (bool frac = false; i < len && tok[i] != 'e' && tok[i] != 'E'; i++) {
-        if (tok[i] == '.') { frac = true; continue; }
-        unsigned d = (unsigned)(tok[i] - '0');
-        if (frac) nfrac++;
-        if (d == 0) { if (nonzero) zeros++; continue; } /* trailing zeros wait: they may be a fraction's */
-        nonzero = true;
-        for (; zeros >= 0 && !big; zeros--) { /* m = m * 10^zeros * 10 + d */
-            if (m > (UINT64_MAX - (zeros ? 0 : d)) / 10) big = true;
-            else m = m * 10 + (zeros ? 0 : d);
-        }
-        zeros = 0;
-    }
-    if (i < len) { /* the exponent, saturated: past 10^6 only its sign matters */
-        bool eneg = tok[++i] == '-';
-        if (tok[i] == '-' || tok[i] == '+') i++;
-        for (; i < len; i++) if (e < 1000000) e = e * 10 + (tok[i] - '0');
-        if (eneg) e = -e;
-    }
-    if (!nonzero) { *mag = 0; return 0; } /* 0, -0.0, 0e7 */
-    long long k = zeros + e - nfrac;
-    if (k < 0) return 1; /* the last digit that is not 0 lies after the point */
-    if (big) return 2;
-    for (; k > 0; k--) {
-        if (m > UINT64_MAX / 10) return 2;
-        m *= 10;
-    }
-    *mag = m;
-    return 0;
 }
 
 /* Integer value of a number token within [lo, hi]. Returns 0 on success,
@@ -1932,37 +2083,38 @@ SMPDEF smp_status smp_config_from_json(const char *json, smp_config *cfg) {
     uint32_t seen = 0;
     memset(&j, 0, sizeof j);
     j.src = json;
+    j.n = strlen(json);
 
-    smp__json_ws(&j);
+    smp__cfg_ws(&j);
     if (json[j.pos] != '{') {
         if (json[j.pos] == '[')
             smp__json_fail(&j, j.pos, "the top level must be an object ({\"partitions\": 2, ...}), found an array");
         else
             smp__json_fail(&j, j.pos, "the top level must be an object ({\"partitions\": 2, ...}), found %s",
-                           smp__json_found(&j, j.pos, f, sizeof f));
+                           smp__cfg_found(&j, j.pos, f, sizeof f));
         return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
     }
     size_t open = j.pos++;
     j.depth = 1;
-    smp__json_ws(&j);
+    smp__cfg_ws(&j);
     if (json[j.pos] == '}') j.pos++;
     else for (;;) {
         if (json[j.pos] != '"') {
-            smp__json_fail(&j, j.pos, "expected a key in double quotes, found %s%s", smp__json_found(&j, j.pos, f, sizeof f),
+            smp__json_fail(&j, j.pos, "expected a key in double quotes, found %s%s", smp__cfg_found(&j, j.pos, f, sizeof f),
                            json[j.pos] == '\'' ? " (JSON strings take double quotes)" : "");
             return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
         }
-        if (!smp__json_string(&j, &key)) return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
-        smp__json_ws(&j);
+        if (!smp__cfg_string(&j, &key)) return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
+        smp__cfg_ws(&j);
         if (json[j.pos] != ':') {
             char q[128];
             smp__cfg_quote(q, sizeof q, key.str, key.str_len, key.str_more);
             smp__json_fail(&j, j.pos, "expected ':' after the key %s, found %s", q,
-                           smp__json_found(&j, j.pos, f, sizeof f));
+                           smp__cfg_found(&j, j.pos, f, sizeof f));
             return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
         }
         j.pos++;
-        smp__json_ws(&j);
+        smp__cfg_ws(&j);
         if (!smp__json_value(&j, &val)) return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
         if (!sem[0]) {
             int id = smp__cfg_find_key(key.str, key.str_len, key.str_more);
@@ -1977,10 +2129,10 @@ SMPDEF smp_status smp_config_from_json(const char *json, smp_config *cfg) {
                 smp__cfg_apply(id, &val, &work, sem, sizeof sem);
             }
         }
-        smp__json_ws(&j);
+        smp__cfg_ws(&j);
         if (json[j.pos] == ',') {
             size_t comma = j.pos++;
-            smp__json_ws(&j);
+            smp__cfg_ws(&j);
             if (json[j.pos] == '}') {
                 smp__json_fail(&j, comma, "trailing comma before '}'");
                 return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
@@ -1989,12 +2141,12 @@ SMPDEF smp_status smp_config_from_json(const char *json, smp_config *cfg) {
         }
         if (json[j.pos] == '}') { j.pos++; break; }
         smp__json_fail(&j, j.pos, "expected ',' or '}' in the object opened at byte %zu, found %s", open,
-                       smp__json_found(&j, j.pos, f, sizeof f));
+                       smp__cfg_found(&j, j.pos, f, sizeof f));
         return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
     }
-    smp__json_ws(&j);
+    smp__cfg_ws(&j);
     if (json[j.pos] != 0) {
-        smp__json_fail(&j, j.pos, "unexpected %s after the top-level object", smp__json_found(&j, j.pos, f, sizeof f));
+        smp__json_fail(&j, j.pos, "unexpected %s after the top-level object", smp__cfg_found(&j, j.pos, f, sizeof f));
         return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
     }
     if (sem[0]) return smp_error(SMP_ERR_CONFIG, "%s", sem);
@@ -2248,7 +2400,6 @@ static struct { smp__failure_send *sends; int n, cap; } smp__failures; /* in fli
 
 static smp__group_info *smp__group(smp_group g);
 static char *smp__strdup(const char *s);
-static bool smp__grow(void **arr, int *cap, int need, size_t elem);
 
 static void smp__member_failed(smp_group g, int rank, const char *error) {
     if (g == SMP_WORLD) smp__fatal("world rank %d failed the collective this rank waits in: %s; aborting the job", rank, error);
@@ -2317,7 +2468,7 @@ static void smp__failures_reap(bool cancel) {
 static bool smp__send_failure(const void *head, size_t head_len, int dest, int tag, MPI_Comm comm) {
     size_t len = strlen(smp__errbuf);
     char *buf = (char *)smp__alloc(head_len + len + 1, SMP__ALLOC_OTHER);
-    if (!buf || !smp__grow((void **)&smp__failures.sends, &smp__failures.cap, smp__failures.n + 1, sizeof(smp__failure_send))) {
+    if (!buf || !smp__grow((void **)&smp__failures.sends, &smp__failures.cap, smp__failures.n + 1, sizeof(smp__failure_send), NULL)) {
         smp__free(buf);
         return false;
     }
@@ -3293,25 +3444,10 @@ static char *smp__strdup(const char *s) {
     return d;
 }
 
-static bool smp__grow(void **arr, int *cap, int need, size_t elem) {
-    if (need <= *cap) return true;
-    int nc = *cap ? *cap * 2 : 8;
-    while (nc < need) nc *= 2;
-    void *p = smp__alloc((size_t)nc * elem, SMP__ALLOC_OTHER);
-    if (!p) return false;
-    if (*arr) { memcpy(p, *arr, (size_t)*cap * elem); smp__free(*arr); }
-    *arr = p;
-    *cap = nc;
-    return true;
-}
 
 /* Errors while building the tree are remembered and reported by
    smp_model_new, so engine code can build without checking each call. */
-static void smp__build_error(smp_status st, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
+static void smp__build_error(smp_status st, const char *fmt, ...) SMP__PRINTF(2, 3);
 static void smp__build_error(smp_status st, const char *fmt, ...) {
     char msg[sizeof smp__errbuf];
     va_list ap;
@@ -3362,10 +3498,10 @@ SMPDEF smp_module *smp_module_new(smp_module *parent, const char *name, const sm
     m->owner_call = -1;
     if (parent) {
         int cap = parent->nchildren; /* grows by one each time: trees are built once */
-        smp__grow((void **)&parent->children, &cap, parent->nchildren + 1, sizeof(smp_module *));
+        smp__grow((void **)&parent->children, &cap, parent->nchildren + 1, sizeof(smp_module *), NULL);
         parent->children[parent->nchildren++] = m;
     }
-    smp__grow((void **)&smp__mod.all, &smp__mod.cap, smp__mod.nall + 1, sizeof(smp_module *));
+    smp__grow((void **)&smp__mod.all, &smp__mod.cap, smp__mod.nall + 1, sizeof(smp_module *), NULL);
     smp__mod.all[smp__mod.nall++] = m;
     return m;
 }
@@ -3393,7 +3529,7 @@ static smp_param *smp__declare(smp_module *m, const char *name, smp_dtype dt, in
     p->init = init;
     p->init_user = user;
     int cap = m->nparams;
-    smp__grow((void **)&m->params, &cap, m->nparams + 1, sizeof(smp_param *));
+    smp__grow((void **)&m->params, &cap, m->nparams + 1, sizeof(smp_param *), NULL);
     m->params[m->nparams++] = p;
     return p;
 }
@@ -3514,11 +3650,11 @@ static smp_status smp__check_device_backend(void) {
 }
 
 static void smp__collect(smp_model *md, smp_module *m, int *mcap, int *pcap) {
-    smp__grow((void **)&md->modules, mcap, md->nmodules + 1, sizeof(smp_module *));
+    smp__grow((void **)&md->modules, mcap, md->nmodules + 1, sizeof(smp_module *), NULL);
     md->modules[md->nmodules++] = m;
     m->model = md;
     for (int i = 0; i < m->nparams; i++) {
-        smp__grow((void **)&md->params, pcap, md->nparams + 1, sizeof(smp_param *));
+        smp__grow((void **)&md->params, pcap, md->nparams + 1, sizeof(smp_param *), NULL);
         md->params[md->nparams++] = m->params[i];
     }
     for (int i = 0; i < m->nchildren; i++) smp__collect(md, m->children[i], mcap, pcap);
@@ -3638,7 +3774,7 @@ SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *name) {
 }
 SMPDEF void smp_model_on_partitioned(smp_model *m, smp_post_partition_fn fn, void *user) {
     if (m->partitioned) { fn(m, user); return; }
-    smp__grow((void **)&m->hooks, &m->hooks_cap, m->nhooks + 1, sizeof(smp__hook));
+    smp__grow((void **)&m->hooks, &m->hooks_cap, m->nhooks + 1, sizeof(smp__hook), NULL);
     m->hooks[m->nhooks].fn = fn;
     m->hooks[m->nhooks++].user = user;
 }
@@ -3827,7 +3963,7 @@ static int smp__trace_find(const void *data) {
     return -1;
 }
 static void smp__trace_add(const smp_tensor *t, int call, int index, bool owned) {
-    if (!smp__grow((void **)&smp__mod.table, &smp__mod.table_cap, smp__mod.ntable + 1, sizeof *smp__mod.table))
+    if (!smp__grow((void **)&smp__mod.table, &smp__mod.table_cap, smp__mod.ntable + 1, sizeof *smp__mod.table, NULL))
         smp__fatal("out of memory recording the trace");
     smp__mod.table[smp__mod.ntable].t = *t;
     smp__mod.table[smp__mod.ntable].ref.call = call;
@@ -3861,7 +3997,7 @@ static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool r
             p->grad = (*saved)[(*n)++];
             continue;
         }
-        if (!smp__grow((void **)saved, cap, *n + 1, sizeof(smp_tensor))) return smp__nomem(sizeof(smp_tensor) * (size_t)(*n + 1), "tracing");
+        if (!smp__grow((void **)saved, cap, *n + 1, sizeof(smp_tensor), NULL)) return smp__nomem(sizeof(smp_tensor) * (size_t)(*n + 1), "tracing");
         smp_tensor scratch = p->grad;
         if (!smp__tensor_alloc_or(&st, &scratch, on_device, SMP__ALLOC_OTHER, "a scratch gradient while tracing")) break;
         (*saved)[(*n)++] = p->grad;
@@ -3988,7 +4124,7 @@ static smp_status smp__record_leaf(smp_model *md, smp_call_ctx *c, smp__ref *in,
     rec.in_meta = in_meta;
     rec.out_meta = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER);
     int cap = md->ncalls;
-    if (!rec.out_meta || !smp__grow((void **)&md->calls, &cap, md->ncalls + 1, sizeof(smp__call_rec)))
+    if (!rec.out_meta || !smp__grow((void **)&md->calls, &cap, md->ncalls + 1, sizeof(smp__call_rec), NULL))
         smp__fatal("out of memory recording the trace");
     memcpy(rec.cost, cost, sizeof rec.cost);
     rec.time = cost[0] + cost[1] + cost[2];
@@ -4022,7 +4158,7 @@ static void smp__unit_costs(const smp_model *md, smp__unit *u) {
 
 static void smp__add_unit(smp_model *md, smp_module *m, int first) {
     int cap = md->nunits;
-    if (!smp__grow((void **)&md->units, &cap, md->nunits + 1, sizeof(smp__unit))) smp__fatal("out of memory recording the trace");
+    if (!smp__grow((void **)&md->units, &cap, md->nunits + 1, sizeof(smp__unit), NULL)) smp__fatal("out of memory recording the trace");
     smp__unit *u = &md->units[md->nunits++];
     memset(u, 0, sizeof *u);
     u->module = m;

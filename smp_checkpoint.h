@@ -420,19 +420,15 @@ SMPDEF const smp_tensor *smp_state_dict_find(const smp_state_dict *sd, const cha
 #if defined(SMP_IMPLEMENTATION) && !defined(SMP_CHECKPOINT_IMPLEMENTATION_DONE)
 #define SMP_CHECKPOINT_IMPLEMENTATION_DONE
 
+/* the POSIX headers files need; the C library's come with smp.h's
+   implementation, as do SMP_MALLOC, the allocators and the internal core */
 #include <dirent.h>
-#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
-#include <stdarg.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/types.h>
-#include <time.h>
 #include <unistd.h>
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
@@ -463,19 +459,6 @@ SMPDEF const smp_tensor *smp_state_dict_find(const smp_state_dict *sd, const cha
 #error "smp_checkpoint.h writes tensor data as it lies in memory, and safetensors is little-endian"
 #endif
 
-#ifndef SMP_MALLOC
-#define SMP_MALLOC(n) malloc(n)
-#endif
-#ifndef SMP_FREE
-#define SMP_FREE(p) free(p)
-#endif
-
-#if defined(__GNUC__)
-#define SMP__CKPT_PRINTF(a, b) __attribute__((format(printf, a, b)))
-#else
-#define SMP__CKPT_PRINTF(a, b)
-#endif
-
 #define SMP__CKPT_MAX_HEADER 100000000ull /* the limit the safetensors reference uses */
 #define SMP__CKPT_IO_CHUNK ((size_t)1 << 20)
 #define SMP__CKPT_CRC_PREFIX "crc32c:"
@@ -488,21 +471,17 @@ extern "C" {
 typedef unsigned long long smp__ckpt_ull; /* for printf */
 
 /* ---------------------------------------------------------------- dtypes */
-static const char *const smp__ckpt_dtype_names[SMP_DTYPE_COUNT] = {
-    /* order of smp_dtype */
-    NULL, "F32", "F16", "BF16", "F64", "I32", "I64", "U8", "BOOL"};
-static const size_t smp__ckpt_dtype_sizes[SMP_DTYPE_COUNT] = {0, 4, 2, 2, 8, 4, 8, 1, 1};
 
 SMPDEF const char *smp_ckpt_dtype_string(smp_dtype dt) {
     if ((int)dt <= (int)SMP_DTYPE_INVALID || (int)dt >= (int)SMP_DTYPE_COUNT) return NULL;
-    return smp__ckpt_dtype_names[dt];
+    return smp__dtypes[dt].file_name;
 }
 
 /* ---------------------------------------------------------------- messages */
 /* Records "<label>: tensor '<tensor>': <message>" (the tensor part when
    tensor is non-NULL) as the last error and returns st. */
 static smp_status smp__ckpt_fail(smp_status st, const char *label, const char *tensor, const char *fmt, ...)
-    SMP__CKPT_PRINTF(4, 5);
+    SMP__PRINTF(4, 5);
 static smp_status smp__ckpt_fail(smp_status st, const char *label, const char *tensor, const char *fmt, ...) {
     char msg[768];
     va_list ap;
@@ -523,26 +502,15 @@ static smp_status smp__ckpt_nomem(size_t bytes, const char *label, const char *w
     return smp__nomem(bytes, buf);
 }
 
-/* SMP_MALLOC(n) for a call that reports errors: NULL and the policy's error
-   in *st when there is none, and nothing at all once *st holds an error, so
-   a run of allocations needs one check at its end. */
+/* smp's counted allocation (smp__bytes_or) for a call that reports
+   errors, the purpose continued by " of <label>" when a label names the file. */
 static void *smp__ckpt_alloc(smp_status *st, size_t n, const char *label, const char *what) {
-    void *p;
-    if (*st) return NULL;
-    p = SMP_MALLOC(n ? n : 1);
-    if (!p) *st = smp__ckpt_nomem(n, label, what);
-    return p;
-}
-
-static const char *smp__ckpt_shape_str(const int64_t *shape, int ndim, char *buf, size_t cap) {
-    size_t len = 0;
-    int i;
-    buf[0] = 0;
-    len += (size_t)snprintf(buf, cap, "[");
-    for (i = 0; i < ndim && len < cap; i++)
-        len += (size_t)snprintf(buf + len, cap - len, "%s%lld", i ? ", " : "", (long long)shape[i]);
-    if (len < cap) snprintf(buf + len, cap - len, "]");
-    return buf;
+    char buf[768];
+    if (label) {
+        snprintf(buf, sizeof buf, "%s of %s", what, label);
+        what = buf;
+    }
+    return smp__bytes_or(st, n, SMP__ALLOC_OTHER, what);
 }
 
 /* ---------------------------------------------------------------- CRC-32C */
@@ -680,70 +648,11 @@ SMPDEF uint32_t smp_ckpt_crc32c(uint32_t crc, const void *data, size_t n) {
 }
 
 /* ---------------------------------------------------------------- small helpers */
-static char *smp__ckpt_strdup(const char *s) {
-    size_t n = strlen(s) + 1;
-    char *p = (char *)SMP_MALLOC(n);
-    if (p) memcpy(p, s, n);
-    return p;
-}
-
-static void smp__ckpt_free(void *p) {
-    if (p) SMP_FREE(p);
-}
-
-/* Grows *p (elements of `elem` bytes, *cap of them) to hold `need`; on
-   failure *wanted (when not NULL) holds the bytes it asked for. */
-static int smp__ckpt_grow(void **p, int *cap, int need, size_t elem, size_t *wanted) {
-    int ncap;
-    void *q;
-    if (need <= *cap) return 1;
-    ncap = *cap ? *cap : 16;
-    while (ncap < need) {
-        if (ncap > (1 << 29)) {
-            if (wanted) *wanted = (size_t)-1;
-            return 0;
-        }
-        ncap *= 2;
-    }
-    q = SMP_MALLOC((size_t)ncap * elem);
-    if (!q) {
-        if (wanted) *wanted = (size_t)ncap * elem;
-        return 0;
-    }
-    if (*cap) memcpy(q, *p, (size_t)*cap * elem);
-    smp__ckpt_free(*p);
-    *p = q;
-    *cap = ncap;
-    return 1;
-}
-
-/* Length of the valid UTF-8 sequence at s (n bytes left), 0 if invalid:
-   no overlong forms, no surrogates, nothing past U+10FFFF. */
-static size_t smp__ckpt_utf8_len(const uint8_t *s, size_t n) {
-    uint8_t c = s[0];
-    if (c < 0x80) return 1;
-    if (c < 0xC2) return 0;
-    if (c < 0xE0) return (n >= 2 && (s[1] & 0xC0) == 0x80) ? 2 : 0;
-    if (c < 0xF0) {
-        if (n < 3 || (s[1] & 0xC0) != 0x80 || (s[2] & 0xC0) != 0x80) return 0;
-        if (c == 0xE0 && s[1] < 0xA0) return 0;
-        if (c == 0xED && s[1] >= 0xA0) return 0;
-        return 3;
-    }
-    if (c < 0xF5) {
-        if (n < 4 || (s[1] & 0xC0) != 0x80 || (s[2] & 0xC0) != 0x80 || (s[3] & 0xC0) != 0x80) return 0;
-        if (c == 0xF0 && s[1] < 0x90) return 0;
-        if (c == 0xF4 && s[1] >= 0x90) return 0;
-        return 4;
-    }
-    return 0;
-}
-
 static int smp__ckpt_utf8_valid(const char *s) {
     const uint8_t *p = (const uint8_t *)s;
     size_t n = strlen(s), i = 0, k;
     while (i < n) {
-        k = smp__ckpt_utf8_len(p + i, n - i);
+        k = smp__utf8_len(p + i, n - i);
         if (!k) return 0;
         i += k;
     }
@@ -753,7 +662,7 @@ static int smp__ckpt_utf8_valid(const char *s) {
 /* Bytes of a tensor; 0 on overflow of int64/uint64 (reported by callers). */
 static int smp__ckpt_tensor_bytes(smp_dtype dt, int ndim, const int64_t *shape, int64_t *numel, uint64_t *bytes) {
     int64_t ne = 1;
-    size_t es = smp__ckpt_dtype_sizes[dt];
+    size_t es = smp__dtypes[dt].size;
     int i;
     for (i = 0; i < ndim; i++) {
         if (shape[i] < 0) return 0;
@@ -764,77 +673,6 @@ static int smp__ckpt_tensor_bytes(smp_dtype dt, int ndim, const int64_t *shape, 
     *numel = ne;
     *bytes = (uint64_t)ne * es;
     return 1;
-}
-
-/* Growable text buffer for the header. */
-typedef struct smp__ckpt_sbuf {
-    char *p;
-    size_t len, cap;
-    int oom;
-    size_t want; /* after oom: the bytes it could not have */
-} smp__ckpt_sbuf;
-
-static void smp__ckpt_put(smp__ckpt_sbuf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        char *q;
-        while (cap < b->len + n + 1) {
-            if (cap > ((size_t)-1) / 4) {
-                b->oom = 1;
-                b->want = (size_t)-1;
-                return;
-            }
-            cap *= 2;
-        }
-        q = (char *)SMP_MALLOC(cap);
-        if (!q) {
-            b->oom = 1;
-            b->want = cap;
-            return;
-        }
-        if (b->len) memcpy(q, b->p, b->len);
-        smp__ckpt_free(b->p);
-        b->p = q;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-}
-
-static void smp__ckpt_puts(smp__ckpt_sbuf *b, const char *s) { smp__ckpt_put(b, s, strlen(s)); }
-
-static void smp__ckpt_put_escaped(smp__ckpt_sbuf *b, const char *s) {
-    const char *run = s;
-    char esc[8];
-    for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        if (c >= 0x20 && c != '"' && c != '\\') continue;
-        smp__ckpt_put(b, run, (size_t)(s - run));
-        switch (c) {
-        case '"': smp__ckpt_puts(b, "\\\""); break;
-        case '\\': smp__ckpt_puts(b, "\\\\"); break;
-        case '\n': smp__ckpt_puts(b, "\\n"); break;
-        case '\r': smp__ckpt_puts(b, "\\r"); break;
-        case '\t': smp__ckpt_puts(b, "\\t"); break;
-        case '\b': smp__ckpt_puts(b, "\\b"); break;
-        case '\f': smp__ckpt_puts(b, "\\f"); break;
-        default:
-            snprintf(esc, sizeof esc, "\\u%04x", c);
-            smp__ckpt_puts(b, esc);
-        }
-        run = s + 1;
-    }
-    smp__ckpt_put(b, run, (size_t)(s - run));
-}
-
-/* "prefix+s" as a JSON string. */
-static void smp__ckpt_put_jstr(smp__ckpt_sbuf *b, const char *prefix, const char *s) {
-    smp__ckpt_puts(b, "\"");
-    if (prefix) smp__ckpt_put_escaped(b, prefix);
-    smp__ckpt_put_escaped(b, s);
-    smp__ckpt_puts(b, "\"");
 }
 
 static int smp__ckpt_strcmp_p(const void *a, const void *b) {
@@ -850,11 +688,11 @@ static char *smp__ckpt_dirname(const char *path, const char **base) {
     size_t n;
     if (!slash) {
         *base = path;
-        return smp__ckpt_strdup(".");
+        return smp__strdup(".");
     }
     *base = slash + 1;
     n = slash == path ? 1 : (size_t)(slash - path);
-    dir = (char *)SMP_MALLOC(n + 1);
+    dir = (char *)smp__alloc(n + 1, SMP__ALLOC_OTHER);
     if (!dir) return NULL;
     memcpy(dir, path, n);
     dir[n] = 0;
@@ -972,17 +810,17 @@ static void smp__ckpt_writer_free(smp_ckpt_writer *w) {
     } else if (w->sealed && w->tmp) {
         unlink(w->tmp);
     }
-    smp__ckpt_free(w->path);
-    smp__ckpt_free(w->tmp);
-    smp__ckpt_free(w->dir);
-    smp__ckpt_free(w->sizes);
-    smp__ckpt_free(w->crcs);
-    smp__ckpt_free(w->crc_pos);
-    smp__ckpt_free(w->names);
-    smp__ckpt_free(w->name_of);
-    smp__ckpt_free(w->header);
-    smp__ckpt_free(w->buf);
-    SMP_FREE(w);
+    smp__free(w->path);
+    smp__free(w->tmp);
+    smp__free(w->dir);
+    smp__free(w->sizes);
+    smp__free(w->crcs);
+    smp__free(w->crc_pos);
+    smp__free(w->names);
+    smp__free(w->name_of);
+    smp__free(w->header);
+    smp__free(w->buf);
+    smp__free(w);
 }
 
 /* Remembers the error just recorded so later calls on w can repeat it. */
@@ -1020,13 +858,13 @@ static void smp__ckpt_remove_stale(const char *dir, const char *base) {
 #else
         {
             size_t dl = strlen(dir), nl = strlen(nm);
-            char *full = (char *)SMP_MALLOC(dl + nl + 2);
+            char *full = (char *)smp__alloc(dl + nl + 2, SMP__ALLOC_OTHER);
             if (!full) continue; /* best effort: the next writer tries again */
             memcpy(full, dir, dl);
             full[dl] = '/';
             memcpy(full + dl + 1, nm, nl + 1);
             unlink(full);
-            SMP_FREE(full);
+            smp__free(full);
         }
 #endif
     }
@@ -1078,7 +916,7 @@ static smp_status smp__ckpt_check_entries(const char *label, const smp_ckpt_entr
     /* duplicates: names, then metadata keys */
     k = n > nmeta ? n : nmeta;
     if (k < 2) return SMP_OK;
-    sorted = (const char **)SMP_MALLOC((size_t)k * sizeof *sorted);
+    sorted = (const char **)smp__alloc((size_t)k * sizeof *sorted, SMP__ALLOC_OTHER);
     if (!sorted) return smp__ckpt_nomem((size_t)k * sizeof *sorted, label, "checking the names");
     for (i = 0; i < n; i++) sorted[i] = entries[i].name;
     qsort(sorted, (size_t)n, sizeof *sorted, smp__ckpt_strcmp_p);
@@ -1092,7 +930,7 @@ static smp_status smp__ckpt_check_entries(const char *label, const smp_ckpt_entr
             if (!strcmp(sorted[i - 1], sorted[i]))
                 st = smp__ckpt_fail(SMP_ERR_ARG, label, NULL, "metadata key '%s' appears twice", sorted[i]);
     }
-    SMP_FREE(sorted);
+    smp__free(sorted);
     return st;
 }
 
@@ -1100,57 +938,57 @@ static smp_status smp__ckpt_check_entries(const char *label, const smp_ckpt_entr
    each checksum's hex digits go. */
 static smp_status smp__ckpt_build_header(smp_ckpt_writer *w, const char *label, const smp_ckpt_entry *entries,
                                          const char *const *mk, const char *const *mv, int nmeta) {
-    smp__ckpt_sbuf b;
+    smp__sbuf b;
     int i, k, first = 1;
     uint64_t off = 0, hlen;
     char num[64];
     memset(&b, 0, sizeof b);
-    smp__ckpt_put(&b, "\0\0\0\0\0\0\0\0", 8); /* length, patched below */
-    smp__ckpt_puts(&b, "{");
+    smp__sbuf_put(&b, "\0\0\0\0\0\0\0\0", 8); /* length, patched below */
+    smp__sbuf_puts(&b, "{");
     if (w->n > 0 || nmeta > 0) {
-        smp__ckpt_puts(&b, "\"__metadata__\":{");
+        smp__sbuf_puts(&b, "\"__metadata__\":{");
         for (i = 0; i < nmeta; i++) {
-            if (i) smp__ckpt_puts(&b, ",");
-            smp__ckpt_put_jstr(&b, NULL, mk[i]);
-            smp__ckpt_puts(&b, ":");
-            smp__ckpt_put_jstr(&b, NULL, mv[i]);
+            if (i) smp__sbuf_puts(&b, ",");
+            smp__sbuf_jstr(&b, NULL, mk[i]);
+            smp__sbuf_puts(&b, ":");
+            smp__sbuf_jstr(&b, NULL, mv[i]);
         }
         for (i = 0; i < w->n; i++) {
-            if (i || nmeta) smp__ckpt_puts(&b, ",");
-            smp__ckpt_put_jstr(&b, SMP__CKPT_CRC_KEY, entries[i].name);
-            smp__ckpt_puts(&b, ":\"" SMP__CKPT_CRC_PREFIX);
+            if (i || nmeta) smp__sbuf_puts(&b, ",");
+            smp__sbuf_jstr(&b, SMP__CKPT_CRC_KEY, entries[i].name);
+            smp__sbuf_puts(&b, ":\"" SMP__CKPT_CRC_PREFIX);
             w->crc_pos[i] = b.len;
-            smp__ckpt_puts(&b, "00000000\"");
+            smp__sbuf_puts(&b, "00000000\"");
         }
-        smp__ckpt_puts(&b, "}");
+        smp__sbuf_puts(&b, "}");
         first = 0;
     }
     for (i = 0; i < w->n; i++) {
         const smp_ckpt_entry *e = &entries[i];
-        if (!first) smp__ckpt_puts(&b, ",");
+        if (!first) smp__sbuf_puts(&b, ",");
         first = 0;
-        smp__ckpt_put_jstr(&b, NULL, e->name);
-        smp__ckpt_puts(&b, ":{\"dtype\":\"");
-        smp__ckpt_puts(&b, smp__ckpt_dtype_names[e->dtype]);
-        smp__ckpt_puts(&b, "\",\"shape\":[");
+        smp__sbuf_jstr(&b, NULL, e->name);
+        smp__sbuf_puts(&b, ":{\"dtype\":\"");
+        smp__sbuf_puts(&b, smp__dtypes[e->dtype].file_name);
+        smp__sbuf_puts(&b, "\",\"shape\":[");
         for (k = 0; k < e->ndim; k++) {
             snprintf(num, sizeof num, "%s%lld", k ? "," : "", (long long)e->shape[k]);
-            smp__ckpt_puts(&b, num);
+            smp__sbuf_puts(&b, num);
         }
         snprintf(num, sizeof num, "],\"data_offsets\":[%llu,%llu]}", (smp__ckpt_ull)off,
                  (smp__ckpt_ull)(off + w->sizes[i]));
-        smp__ckpt_puts(&b, num);
+        smp__sbuf_puts(&b, num);
         off += w->sizes[i];
     }
-    smp__ckpt_puts(&b, "}");
-    while (!b.oom && b.len % 8) smp__ckpt_puts(&b, " ");
+    smp__sbuf_puts(&b, "}");
+    while (!b.oom && b.len % 8) smp__sbuf_puts(&b, " ");
     if (b.oom) {
-        smp__ckpt_free(b.p);
+        smp__free(b.p);
         return smp__ckpt_nomem(b.want, label, "the header");
     }
     hlen = b.len - 8;
     if (hlen > SMP__CKPT_MAX_HEADER) {
-        SMP_FREE(b.p);
+        smp__free(b.p);
         return smp__ckpt_fail(SMP_ERR_ARG, label, NULL,
                               "the header would be %llu bytes, over the %llu-byte limit of safetensors readers",
                               (smp__ckpt_ull)hlen, (smp__ckpt_ull)SMP__CKPT_MAX_HEADER);
@@ -1234,7 +1072,7 @@ SMPDEF smp_status smp_ckpt_writer_open(smp_ckpt_writer **out, const char *path, 
     }
     if (fd < 0) {
         st = smp__ckpt_fail(SMP_ERR_IO, label, NULL, "cannot create '%s': %s", w->tmp, strerror(errno));
-        smp__ckpt_free(w->tmp);
+        smp__free(w->tmp);
         w->tmp = NULL; /* not ours to delete */
         smp__ckpt_writer_free(w);
         return st;
@@ -1449,6 +1287,21 @@ SMPDEF smp_ckpt_entry smp_ckpt_entry_of(const char *name, const smp_tensor *t) {
     return e;
 }
 
+/* Reads "crc32c:" and 8 lowercase hex digits; NULL, or what it should have
+   been instead. */
+static const char *smp__ckpt_crc_text(const char *v, uint32_t *out) {
+    size_t plen = strlen(SMP__CKPT_CRC_PREFIX);
+    if (strlen(v) != plen + 8 || strncmp(v, SMP__CKPT_CRC_PREFIX, plen) != 0) return "8 hex digits";
+    uint32_t crc = 0;
+    for (int j = 0; j < 8; j++) {
+        char c = v[plen + (size_t)j];
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return "8 lowercase hex digits";
+        crc = crc << 4 | (uint32_t)(c <= '9' ? c - '0' : c - 'a' + 10);
+    }
+    *out = crc;
+    return NULL;
+}
+
 /* ---------------------------------------------------------------- reader */
 typedef struct smp__ckpt_meta {
     const char *key, *value;
@@ -1484,26 +1337,20 @@ typedef struct smp__ckpt_jp {
     const char *doc;    /* what is parsed, for messages: NULL for "header" */
 } smp__ckpt_jp;
 
-static smp_status smp__ckpt_jerr(smp__ckpt_jp *jp, const char *fmt, ...) SMP__CKPT_PRINTF(2, 3);
+static smp_status smp__ckpt_jerr(smp__ckpt_jp *jp, const char *fmt, ...) SMP__PRINTF(2, 3);
 static smp_status smp__ckpt_jerr(smp__ckpt_jp *jp, const char *fmt, ...) {
-    char msg[512], found[32];
     const char *doc = jp->doc ? jp->doc : "header";
+    char msg[512], found[32];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    if (jp->i >= jp->n) snprintf(found, sizeof found, "the end of the %s", doc);
-    else if (jp->s[jp->i] >= 0x20 && jp->s[jp->i] < 0x7f) snprintf(found, sizeof found, "'%c'", jp->s[jp->i]);
-    else snprintf(found, sizeof found, "byte 0x%02x", jp->s[jp->i]);
+    smp__json_found((const char *)jp->s, jp->n, jp->i, doc, found, sizeof found);
     return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, jp->tensor, "malformed JSON %s at byte %llu: %s, found %s", doc,
                           (smp__ckpt_ull)jp->i, msg, found);
 }
 
-static void smp__ckpt_ws(smp__ckpt_jp *jp) {
-    while (jp->i < jp->n &&
-           (jp->s[jp->i] == ' ' || jp->s[jp->i] == '\t' || jp->s[jp->i] == '\n' || jp->s[jp->i] == '\r'))
-        jp->i++;
-}
+static void smp__ckpt_ws(smp__ckpt_jp *jp) { jp->i = smp__json_skip_ws((const char *)jp->s, jp->n, jp->i); }
 
 /* Skips whitespace, then eats c if it is next. */
 static int smp__ckpt_eat(smp__ckpt_jp *jp, char c) {
@@ -1515,119 +1362,42 @@ static int smp__ckpt_eat(smp__ckpt_jp *jp, char c) {
     return 0;
 }
 
-static int smp__ckpt_hex4(const uint8_t *p, uint32_t *v) {
-    int k;
-    *v = 0;
-    for (k = 0; k < 4; k++) {
-        uint8_t c = p[k];
-        uint32_t d;
-        if (c >= '0' && c <= '9') d = (uint32_t)(c - '0');
-        else if (c >= 'a' && c <= 'f') d = (uint32_t)(c - 'a' + 10);
-        else if (c >= 'A' && c <= 'F') d = (uint32_t)(c - 'A' + 10);
-        else return 0;
-        *v = *v * 16 + d;
-    }
-    return 1;
-}
-
-/* Parses a string at jp->i (after whitespace); *out points into the buffer. */
+/* Parses a string at jp->i (after whitespace), decoded in place and
+   NUL-terminated; *out points into the buffer. */
 static smp_status smp__ckpt_jstring(smp__ckpt_jp *jp, const char **out, const char *what) {
-    size_t o;
     smp__ckpt_ws(jp);
     if (jp->i >= jp->n || jp->s[jp->i] != '"') return smp__ckpt_jerr(jp, "expected %s in double quotes", what);
-    o = ++jp->i;
-    *out = (const char *)jp->s + o;
-    for (;;) {
-        uint8_t c;
-        if (jp->i >= jp->n) return smp__ckpt_jerr(jp, "unterminated string");
-        c = jp->s[jp->i];
-        if (c == '"') {
-            jp->s[o] = 0; /* o <= jp->i: at most overwrites the closing quote */
-            jp->i++;
-            return SMP_OK;
-        }
-        if (c < 0x20) return smp__ckpt_jerr(jp, "control character inside a string (must be escaped)");
-        if (c == '\\') {
-            uint32_t cp, lo;
-            if (jp->i + 1 >= jp->n) {
-                jp->i++;
-                return smp__ckpt_jerr(jp, "unterminated escape");
-            }
-            c = jp->s[jp->i + 1];
-            switch (c) {
-            case '"': case '\\': case '/': jp->s[o++] = c; jp->i += 2; continue;
-            case 'b': jp->s[o++] = '\b'; jp->i += 2; continue;
-            case 'f': jp->s[o++] = '\f'; jp->i += 2; continue;
-            case 'n': jp->s[o++] = '\n'; jp->i += 2; continue;
-            case 'r': jp->s[o++] = '\r'; jp->i += 2; continue;
-            case 't': jp->s[o++] = '\t'; jp->i += 2; continue;
-            case 'u': break;
-            default: jp->i++; return smp__ckpt_jerr(jp, "unknown escape");
-            }
-            if (jp->n - jp->i < 6 || !smp__ckpt_hex4(jp->s + jp->i + 2, &cp))
-                return smp__ckpt_jerr(jp, "\\u needs four hex digits");
-            if (cp >= 0xDC00 && cp <= 0xDFFF) return smp__ckpt_jerr(jp, "lone low surrogate in \\u escape");
-            if (cp >= 0xD800 && cp <= 0xDBFF) {
-                if (jp->n - jp->i < 12 || jp->s[jp->i + 6] != '\\' || jp->s[jp->i + 7] != 'u' ||
-                    !smp__ckpt_hex4(jp->s + jp->i + 8, &lo) || lo < 0xDC00 || lo > 0xDFFF)
-                    return smp__ckpt_jerr(jp, "high surrogate in \\u escape without its low half");
-                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-                jp->i += 12;
-            } else {
-                jp->i += 6;
-            }
-            if (cp == 0) {
-                jp->i -= 6;
-                return smp__ckpt_jerr(jp, "\\u0000 in a string (names and values cannot hold NUL)");
-            }
-            if (cp < 0x80) {
-                jp->s[o++] = (uint8_t)cp;
-            } else if (cp < 0x800) {
-                jp->s[o++] = (uint8_t)(0xC0 | (cp >> 6));
-                jp->s[o++] = (uint8_t)(0x80 | (cp & 0x3F));
-            } else if (cp < 0x10000) {
-                jp->s[o++] = (uint8_t)(0xE0 | (cp >> 12));
-                jp->s[o++] = (uint8_t)(0x80 | ((cp >> 6) & 0x3F));
-                jp->s[o++] = (uint8_t)(0x80 | (cp & 0x3F));
-            } else {
-                jp->s[o++] = (uint8_t)(0xF0 | (cp >> 18));
-                jp->s[o++] = (uint8_t)(0x80 | ((cp >> 12) & 0x3F));
-                jp->s[o++] = (uint8_t)(0x80 | ((cp >> 6) & 0x3F));
-                jp->s[o++] = (uint8_t)(0x80 | (cp & 0x3F));
-            }
-            continue;
-        }
-        if (c >= 0x80) {
-            size_t k = smp__ckpt_utf8_len(jp->s + jp->i, jp->n - jp->i);
-            if (!k) return smp__ckpt_jerr(jp, "invalid UTF-8 in a string");
-            while (k--) jp->s[o++] = jp->s[jp->i++];
-            continue;
-        }
-        jp->s[o++] = c;
-        jp->i++;
-    }
+    char *text = (char *)jp->s + jp->i + 1, why[160];
+    smp__jstr d = {0};
+    d.out = text;
+    d.cap = jp->n;
+    d.no_nul = true;
+    if (!smp__json_string_at((const char *)jp->s, jp->n, &jp->i, &d, why, sizeof why)) return smp__ckpt_jerr(jp, "%s", why);
+    text[d.len] = 0; /* at most where the closing quote was */
+    *out = text;
+    return SMP_OK;
 }
 
 /* A JSON integer >= 0 that fits in 63 bits (no sign, fraction or exponent). */
 static smp_status smp__ckpt_juint(smp__ckpt_jp *jp, uint64_t *out, const char *what) {
-    uint64_t v = 0;
-    size_t start;
     smp__ckpt_ws(jp);
-    start = jp->i;
-    if (jp->i < jp->n && jp->s[jp->i] == '-') return smp__ckpt_jerr(jp, "%s must not be negative", what);
-    while (jp->i < jp->n && jp->s[jp->i] >= '0' && jp->s[jp->i] <= '9') {
-        uint64_t d = (uint64_t)(jp->s[jp->i] - '0');
-        if (v > ((uint64_t)INT64_MAX - d) / 10) return smp__ckpt_jerr(jp, "%s does not fit in 63 bits", what);
-        v = v * 10 + d;
-        jp->i++;
+    const char *p = (const char *)jp->s + jp->i, *why = NULL;
+    if (jp->i < jp->n && *p == '-') return smp__ckpt_jerr(jp, "%s must not be negative", what);
+    if (jp->i >= jp->n || *p < '0' || *p > '9') return smp__ckpt_jerr(jp, "expected %s (an integer)", what);
+    size_t bad = 0, len = smp__json_scan_number(p, &why, &bad), digits = 0;
+    if (!len) {
+        jp->i += bad;
+        return smp__ckpt_jerr(jp, "%s: %s", what, why);
     }
-    if (jp->i == start) return smp__ckpt_jerr(jp, "expected %s (an integer)", what);
-    if (jp->i - start > 1 && jp->s[start] == '0') {
-        jp->i = start;
-        return smp__ckpt_jerr(jp, "%s has a leading zero", what);
-    }
-    if (jp->i < jp->n && (jp->s[jp->i] == '.' || jp->s[jp->i] == 'e' || jp->s[jp->i] == 'E'))
+    while (digits < len && p[digits] >= '0' && p[digits] <= '9') digits++;
+    if (digits < len) {
+        jp->i += digits;
         return smp__ckpt_jerr(jp, "%s must be an integer", what);
+    }
+    bool neg;
+    uint64_t v = 0;
+    if (smp__json_exact_int(p, len, &neg, &v) || v > (uint64_t)INT64_MAX) return smp__ckpt_jerr(jp, "%s does not fit in 63 bits", what);
+    jp->i += len;
     *out = v;
     return SMP_OK;
 }
@@ -1646,7 +1416,7 @@ static smp_status smp__ckpt_parse_meta(smp__ckpt_jp *jp, smp_ckpt_file *f) {
                                   k);
         if ((st = smp__ckpt_jstring(jp, &v, "a metadata value")) != SMP_OK) return st;
         size_t want;
-        if (!smp__ckpt_grow((void **)&f->meta, &f->meta_cap, f->nmeta + 1, sizeof *f->meta, &want))
+        if (!smp__grow((void **)&f->meta, &f->meta_cap, f->nmeta + 1, sizeof *f->meta, &want))
             return smp__ckpt_nomem(want, jp->label, "the header's metadata");
         f->meta[f->nmeta].key = k;
         f->meta[f->nmeta].value = v;
@@ -1671,7 +1441,7 @@ static smp_status smp__ckpt_parse_tensor(smp__ckpt_jp *jp, smp_ckpt_info *e) {
                 if (have_dtype++) return smp__ckpt_jerr(jp, "dtype appears twice");
                 if ((st = smp__ckpt_jstring(jp, &dt, "the dtype")) != SMP_OK) return st;
                 for (d = 1; d < SMP_DTYPE_COUNT; d++)
-                    if (!strcmp(dt, smp__ckpt_dtype_names[d])) break;
+                    if (!strcmp(dt, smp__dtypes[d].file_name)) break;
                 if (d == SMP_DTYPE_COUNT)
                     return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, jp->tensor,
                                           "dtype \"%s\" is not one smp reads (F32 F16 BF16 F64 I32 I64 U8 BOOL)", dt);
@@ -1761,12 +1531,12 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
                                   (smp__ckpt_ull)f->data_len);
         if (!smp__ckpt_tensor_bytes(e->dtype, e->ndim, e->shape, &e->numel, &need))
             return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, e->name, "shape %s overflows 64 bits",
-                                  smp__ckpt_shape_str(e->shape, e->ndim, shp, sizeof shp));
+                                  smp__shape_text(e->shape, e->ndim, shp, sizeof shp));
         if (need != e->nbytes)
             return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, e->name,
                                   "shape %s of %s is %llu bytes, but data_offsets [%llu, %llu] span %llu",
-                                  smp__ckpt_shape_str(e->shape, e->ndim, shp, sizeof shp),
-                                  smp__ckpt_dtype_names[e->dtype], (smp__ckpt_ull)need, (smp__ckpt_ull)e->offset,
+                                  smp__shape_text(e->shape, e->ndim, shp, sizeof shp),
+                                  smp__dtypes[e->dtype].file_name, (smp__ckpt_ull)need, (smp__ckpt_ull)e->offset,
                                   (smp__ckpt_ull)(e->offset + e->nbytes), (smp__ckpt_ull)e->nbytes);
     }
     /* names */
@@ -1777,7 +1547,7 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
     f->meta_sorted = (smp__ckpt_meta *)smp__ckpt_alloc(&st, sizeof(smp__ckpt_meta) * (size_t)f->nmeta, f->label,
                                                        "the metadata sorted by key");
     if (st) {
-        smp__ckpt_free(by_off);
+        smp__free(by_off);
         return st;
     }
     for (i = 0; i < f->n; i++) f->by_name[i] = by_off[i] = &f->info[i];
@@ -1807,7 +1577,7 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
                                 "the data section is %llu bytes but the tensors cover only the first %llu",
                                 (smp__ckpt_ull)f->data_len, (smp__ckpt_ull)pos);
     }
-    SMP_FREE(by_off);
+    smp__free(by_off);
     if (st) return st;
     /* metadata: unique keys, checksums of existing tensors */
     if (f->nmeta) memcpy(f->meta_sorted, f->meta, sizeof(smp__ckpt_meta) * (size_t)f->nmeta);
@@ -1818,30 +1588,17 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
                                   f->meta_sorted[i].key);
     for (i = 0; i < f->nmeta; i++) {
         const char *k = f->meta[i].key, *v = f->meta[i].value, *name;
-        size_t plen = strlen(SMP__CKPT_CRC_PREFIX);
         smp_ckpt_info *e;
-        uint32_t hi, lo;
-        int j;
         if (!smp__ckpt_starts(k, SMP__CKPT_CRC_KEY)) continue;
         name = k + strlen(SMP__CKPT_CRC_KEY);
         e = smp__ckpt_lookup(f, name);
         if (!e)
             return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, name,
                                   "metadata holds a checksum for it, but the header has no such tensor");
-        if (strlen(v) != plen + 8 || strncmp(v, SMP__CKPT_CRC_PREFIX, plen) != 0)
-            return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, name,
-                                  "checksum \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 hex digits", v);
-        for (j = 0; j < 8; j++) {
-            char c = v[plen + j];
-            if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
-                return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, name,
-                                      "checksum \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 lowercase hex digits",
-                                      v);
-        }
-        smp__ckpt_hex4((const uint8_t *)v + plen, &hi);
-        smp__ckpt_hex4((const uint8_t *)v + plen + 4, &lo);
+        const char *bad = smp__ckpt_crc_text(v, &e->checksum);
+        if (bad)
+            return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, name, "checksum \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and %s", v, bad);
         e->has_checksum = true;
-        e->checksum = (hi << 16) | lo;
     }
     return SMP_OK;
 }
@@ -1868,7 +1625,7 @@ static smp_status smp__ckpt_parse(smp_ckpt_file *f) {
             } else {
                 smp_ckpt_info *e;
                 size_t want;
-                if (!smp__ckpt_grow((void **)&f->info, &f->cap, f->n + 1, sizeof *f->info, &want))
+                if (!smp__grow((void **)&f->info, &f->cap, f->n + 1, sizeof *f->info, &want))
                     return smp__ckpt_nomem(want, f->label, "the header's tensor list");
                 e = &f->info[f->n++];
                 memset(e, 0, sizeof *e);
@@ -1940,7 +1697,7 @@ static smp_status smp__ckpt_load(smp_ckpt_file *f) {
     f->header_len = (size_t)hlen;
     f->data_start = 8 + hlen;
     f->data_len = f->size - f->data_start;
-    f->header = (uint8_t *)SMP_MALLOC(f->header_len + 1);
+    f->header = (uint8_t *)smp__alloc(f->header_len + 1, SMP__ALLOC_OTHER);
     if (!f->header) return smp__ckpt_nomem(f->header_len + 1, f->label, "the header");
     if ((st = smp__ckpt_pread_all(f, f->header, f->header_len, 8)) != SMP_OK) return st;
     f->header[f->header_len] = 0;
@@ -2019,14 +1776,14 @@ SMPDEF void smp_ckpt_close(smp_ckpt_file *f) {
     if (!f) return;
     if (f->map && !f->mem) munmap((void *)(uintptr_t)f->map, (size_t)f->size);
     if (f->fd >= 0) close(f->fd);
-    smp__ckpt_free(f->path);
-    smp__ckpt_free(f->label);
-    smp__ckpt_free(f->header);
-    smp__ckpt_free(f->info);
-    smp__ckpt_free(f->by_name);
-    smp__ckpt_free(f->meta);
-    smp__ckpt_free(f->meta_sorted);
-    SMP_FREE(f);
+    smp__free(f->path);
+    smp__free(f->label);
+    smp__free(f->header);
+    smp__free(f->info);
+    smp__free(f->by_name);
+    smp__free(f->meta);
+    smp__free(f->meta_sorted);
+    smp__free(f);
 }
 
 SMPDEF const char *smp_ckpt_path(const smp_ckpt_file *f) { return f ? f->path : NULL; }
@@ -2118,7 +1875,7 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
     int i;
     if (!f) return smp_error(SMP_ERR_ARG, "smp_ckpt_verify_all: file is NULL");
     if (f->data_len < cap) cap = f->data_len ? (size_t)f->data_len : 1;
-    buf = (uint8_t *)SMP_MALLOC(cap);
+    buf = (uint8_t *)smp__alloc(cap, SMP__ALLOC_OTHER);
     if (!buf) return smp__ckpt_nomem(cap, f->label, "verifying its checksums");
     for (i = 0; i < f->n && !st; i++) {
         const smp_ckpt_info *e = &f->info[i];
@@ -2133,7 +1890,7 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
         }
         if (!st && crc != e->checksum) st = smp__ckpt_mismatch(f, e, crc);
     }
-    SMP_FREE(buf);
+    smp__free(buf);
     return st;
 }
 
@@ -2167,7 +1924,7 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
    FULL SAVE: world rank 0's saver opens the one file and writes the header
    for all tensors, and every rank takes the buffers of the transfer (1); then it takes the tensors in file order, its own from
    memory and the others' from their savers, which send them in chunks
-   (chunk_bytes, 4 MiB) over MPI, at most SMP__CK_RING chunks in flight per
+   (chunk_bytes, 4 MiB) over MPI, at most SMP__CKPT_RING chunks in flight per
    rank: no rank ever holds more than that of another's data. An I/O thread
    of the writer checksums and writes while its main thread receives the
    next chunks, and the file puts partition 0's own tensors last in each
@@ -2195,33 +1952,33 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
        smp.partition.<name>  for every tensor of the model (in every file):
                              the partition that held it */
 
-#define SMP__CK_FORMAT "smp-checkpoint/1"
-#define SMP__CK_TAG 7411
-#define SMP__CK_RING 8
+#define SMP__CKPT_FORMAT "smp-checkpoint/1"
+#define SMP__CKPT_TAG 7411
+#define SMP__CKPT_RING 8
 
-enum { SMP__CK_PARAM, SMP__CK_BUFFER, SMP__CK_OPTIM, SMP__CK_GLOBAL };
+enum { SMP__CKPT_PARAM, SMP__CKPT_BUFFER, SMP__CKPT_OPTIM, SMP__CKPT_GLOBAL };
 
-typedef struct smp__ck_state {
+typedef struct smp__ckpt_state {
     char *full; /* name in files: "optimizer.<param>.<name>" or "optimizer.<name>" */
     int global; /* state of the optimizer as a whole */
     smp_tensor t;
-} smp__ck_state;
+} smp__ckpt_state;
 
 struct smp_optimizer {
     smp_model *model;
-    smp__ck_state *s;
+    smp__ckpt_state *s;
     int n, cap;
 };
 
 /* One tensor of the whole model, as the plan sees it. */
-typedef struct smp__ck_item {
+typedef struct smp__ckpt_item {
     const char *name;
     smp_dtype dtype;
     int ndim;
     int64_t shape[SMP_MAX_DIMS];
     uint64_t nbytes;
     int mp;                  /* the partition holding it (whole-optimizer state: 0) */
-    int kind;                /* SMP__CK_PARAM ... */
+    int kind;                /* SMP__CKPT_PARAM ... */
     int saver_has;           /* optimizer state: registered on the rank that saves it */
     const smp_tensor *local; /* this rank's tensor, or NULL */
     const smp_tensor *copy;  /* a shared module's copy on this rank, saved by partition `mp`; loads like local */
@@ -2230,13 +1987,13 @@ typedef struct smp__ck_item {
     const smp_ckpt_info *src;
     const uint8_t *bytes;    /* its verified data (mapped or staged) */
     uint8_t *staged;         /* owned copy when the file could not be mapped */
-} smp__ck_item;
+} smp__ckpt_item;
 
-typedef struct smp__ck_plan {
+typedef struct smp__ckpt_plan {
     MPI_Comm comm; /* private duplicate of the world */
     int rank, size, P, mp, dp;
     int *saver;    /* [P]: world rank of dp rank 0 of each partition */
-    smp__ck_item *items;
+    smp__ckpt_item *items;
     int n;
     int *order;    /* file order */
     int *by_name;  /* indices sorted by name */
@@ -2244,32 +2001,32 @@ typedef struct smp__ck_plan {
     size_t chunk;
     char save_id[40];
     smp_status failed; /* an agreement failed: every rank holds this error */
-} smp__ck_plan;
+} smp__ckpt_plan;
 
 /* An agreement of the plan's ranks (smp__agree_on), made once per failure:
    once one has failed, every rank holds the agreed error and the later ones
    return it without agreeing again (a second agreement would credit the
    error to the lowest rank and prefix its message twice). */
-static smp_status smp__ck_agree(smp__ck_plan *pl, smp_status st, const char *what) {
+static smp_status smp__ckpt_agree(smp__ckpt_plan *pl, smp_status st, const char *what) {
     if (pl->failed) return pl->failed;
     st = smp__agree_on(pl->comm, st, what);
     pl->failed = st;
     return st;
 }
 
-static const char *smp__ck_kind_name(int kind) {
-    return kind == SMP__CK_PARAM ? "parameter" : kind == SMP__CK_BUFFER ? "buffer" : "optimizer state";
+static const char *smp__ckpt_kind_name(int kind) {
+    return kind == SMP__CKPT_PARAM ? "parameter" : kind == SMP__CKPT_BUFFER ? "buffer" : "optimizer state";
 }
 
-static const char *smp__ck_describe(smp_dtype dt, int ndim, const int64_t *shape, char *buf, size_t cap) {
+static const char *smp__ckpt_describe(smp_dtype dt, int ndim, const int64_t *shape, char *buf, size_t cap) {
     char shp[160];
     const char *d = smp_ckpt_dtype_string(dt);
-    snprintf(buf, cap, "%s %s", d ? d : "?", smp__ckpt_shape_str(shape, ndim, shp, sizeof shp));
+    snprintf(buf, cap, "%s %s", d ? d : "?", smp__shape_text(shape, ndim, shp, sizeof shp));
     return buf;
 }
 
 /* Host <-> host or device copies; devices go through the registered backend. */
-static smp_status smp__ck_copy(void *dst, int dst_dev, const void *src, int src_dev, size_t n) {
+static smp_status smp__ckpt_copy(void *dst, int dst_dev, const void *src, int src_dev, size_t n) {
     if (!n) return SMP_OK;
     if (dst_dev < 0 && src_dev < 0) {
         memcpy(dst, src, n);
@@ -2291,9 +2048,9 @@ static smp_status smp__ck_copy(void *dst, int dst_dev, const void *src, int src_
    of x86-64, so no dispatch: 32- and 64-byte stores measured within the
    noise of 16-byte ones (the bus, not the core, sets the pace). */
 #if defined(__x86_64__) && defined(__SSE2__) && !defined(SMP_CKPT_NO_STREAM)
-#define SMP__CK_STREAM 1
-#define SMP__CK_STREAM_MIN ((size_t)1 << 20)
-static void smp__ck_stream_copy(void *dst, const void *src, size_t n) {
+#define SMP__CKPT_STREAM 1
+#define SMP__CKPT_STREAM_MIN ((size_t)1 << 20)
+static void smp__ckpt_stream_copy(void *dst, const void *src, size_t n) {
     uint8_t *d = (uint8_t *)dst;
     const uint8_t *s = (const uint8_t *)src;
     size_t head = (size_t)(-(uintptr_t)d & 63);
@@ -2323,21 +2080,21 @@ static void smp__ck_stream_copy(void *dst, const void *src, size_t n) {
    tests. */
 SMPDEF void smp__ckpt_copy_in_host(void *dst, const void *src, size_t n);
 SMPDEF void smp__ckpt_copy_in_host(void *dst, const void *src, size_t n) {
-#ifdef SMP__CK_STREAM
-    if (n >= SMP__CK_STREAM_MIN) {
-        smp__ck_stream_copy(dst, src, n);
+#ifdef SMP__CKPT_STREAM
+    if (n >= SMP__CKPT_STREAM_MIN) {
+        smp__ckpt_stream_copy(dst, src, n);
         return;
     }
 #endif
     if (n) memcpy(dst, src, n);
 }
 
-static smp_status smp__ck_copy_in(void *dst, int dst_dev, const void *src, size_t n) {
+static smp_status smp__ckpt_copy_in(void *dst, int dst_dev, const void *src, size_t n) {
     if (dst_dev < 0) {
         smp__ckpt_copy_in_host(dst, src, n);
         return SMP_OK;
     }
-    return smp__ck_copy(dst, dst_dev, src, SMP_HOST, n);
+    return smp__ckpt_copy(dst, dst_dev, src, SMP_HOST, n);
 }
 
 /* ---------------------------------------------------------------- optimizer registry */
@@ -2346,7 +2103,7 @@ SMPDEF smp_status smp_optimizer_new(smp_model *m, smp_optimizer **out) {
     if (!out) return smp_error(SMP_ERR_ARG, "smp_optimizer_new: out is NULL");
     *out = NULL;
     if (!m) return smp_error(SMP_ERR_ARG, "smp_optimizer_new: model is NULL");
-    o = (smp_optimizer *)SMP_MALLOC(sizeof *o);
+    o = (smp_optimizer *)smp__alloc(sizeof *o, SMP__ALLOC_OTHER);
     if (!o) return smp__nomem(sizeof *o, "smp_optimizer_new's registry");
     memset(o, 0, sizeof *o);
     o->model = m;
@@ -2357,24 +2114,20 @@ SMPDEF smp_status smp_optimizer_new(smp_model *m, smp_optimizer **out) {
 SMPDEF void smp_optimizer_free(smp_optimizer *o) {
     int i;
     if (!o) return;
-    for (i = 0; i < o->n; i++) smp__ckpt_free(o->s[i].full);
-    smp__ckpt_free(o->s);
-    SMP_FREE(o);
+    for (i = 0; i < o->n; i++) smp__free(o->s[i].full);
+    smp__free(o->s);
+    smp__free(o);
 }
 
 SMPDEF int smp_optimizer_state_count(const smp_optimizer *o) { return o ? o->n : 0; }
 
 SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, const char *name, const smp_tensor *t) {
     const char *fn = "smp_optimizer_state_add";
-    smp_param *p = NULL;
-    char *full;
-    size_t len;
-    int64_t numel;
-    uint64_t bytes;
-    int i;
     if (!o || !name || !t) return smp_error(SMP_ERR_ARG, "%s: optimizer, name and tensor must not be NULL", fn);
     if (!*name || strchr(name, '.'))
         return smp_error(SMP_ERR_ARG, "%s: state name \"%s\" must be non-empty and hold no '.'", fn, name);
+    int64_t numel;
+    uint64_t bytes;
     if ((int)t->dtype <= (int)SMP_DTYPE_INVALID || (int)t->dtype >= (int)SMP_DTYPE_COUNT || t->ndim < 0 ||
         t->ndim > SMP_MAX_DIMS || !smp__ckpt_tensor_bytes(t->dtype, t->ndim, t->shape, &numel, &bytes))
         return smp_error(SMP_ERR_ARG, "%s: state '%s' of '%s': invalid dtype, ndim or shape", fn, name,
@@ -2382,10 +2135,9 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
     if (bytes && !t->data)
         return smp_error(SMP_ERR_ARG, "%s: state '%s' of '%s' has no data", fn, name, param ? param : "(optimizer)");
     if (param) {
-        int part;
-        p = smp_model_find_param(o->model, param);
+        smp_param *p = smp_model_find_param(o->model, param);
         if (!p) return smp_error(SMP_ERR_ARG, "%s: the model has no parameter '%s'", fn, param);
-        part = smp_module_partition(smp_param_module(p));
+        int part = smp_module_partition(smp_param_module(p));
         if (!smp_model_partitioned(o->model) || part < 0)
             return smp_error(SMP_ERR_STATE,
                              "%s: the model is not partitioned yet; register optimizer state of '%s' after "
@@ -2397,19 +2149,20 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
                              "state on the ranks of partition %d",
                              fn, param, part, smp_mp_rank(), part);
     }
-    len = strlen(SMP_CKPT_OPTIMIZER_PREFIX) + (param ? strlen(param) + 1 : 0) + strlen(name) + 1;
-    full = (char *)SMP_MALLOC(len);
-    if (!full) return smp__nomem(len, "the name of the optimizer state smp_optimizer_state_add registers");
+    smp_status st = SMP_OK;
+    size_t len = strlen(SMP_CKPT_OPTIMIZER_PREFIX) + (param ? strlen(param) + 1 : 0) + strlen(name) + 1;
+    char *full = (char *)smp__bytes_or(&st, len, SMP__ALLOC_OTHER, "the name of the optimizer state smp_optimizer_state_add registers");
+    if (st) return st;
     snprintf(full, len, "%s%s%s%s", SMP_CKPT_OPTIMIZER_PREFIX, param ? param : "", param ? "." : "", name);
-    for (i = 0; i < o->n; i++)
+    for (int i = 0; i < o->n; i++)
         if (!strcmp(o->s[i].full, full)) {
-            smp_status st = smp_error(SMP_ERR_ARG, "%s: '%s' is already registered", fn, full);
-            SMP_FREE(full);
+            st = smp_error(SMP_ERR_ARG, "%s: '%s' is already registered", fn, full);
+            smp__free(full);
             return st;
         }
-    if (!smp__ckpt_grow((void **)&o->s, &o->cap, o->n + 1, sizeof *o->s, &len)) {
-        SMP_FREE(full);
-        return smp__nomem(len, "the optimizer registry smp_optimizer_state_add extends");
+    if (!smp__grow_or(&st, (void **)&o->s, &o->cap, o->n + 1, sizeof *o->s, "the optimizer registry smp_optimizer_state_add extends")) {
+        smp__free(full);
+        return st;
     }
     o->s[o->n].full = full;
     o->s[o->n].global = param == NULL;
@@ -2419,42 +2172,42 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
 }
 
 /* ---------------------------------------------------------------- the plan */
-static void smp__ck_plan_free(smp__ck_plan *pl) {
+static void smp__ckpt_plan_free(smp__ckpt_plan *pl) {
     int i;
     if (pl->items)
-        for (i = 0; i < pl->n; i++) smp__ckpt_free(pl->items[i].staged);
+        for (i = 0; i < pl->n; i++) smp__free(pl->items[i].staged);
     if (pl->comm != MPI_COMM_NULL) MPI_Comm_free(&pl->comm);
-    smp__ckpt_free(pl->saver);
-    smp__ckpt_free(pl->items);
-    smp__ckpt_free(pl->order);
-    smp__ckpt_free(pl->by_name);
-    smp__ckpt_free(pl->gathered);
+    smp__free(pl->saver);
+    smp__free(pl->items);
+    smp__free(pl->order);
+    smp__free(pl->by_name);
+    smp__free(pl->gathered);
     memset(pl, 0, sizeof *pl);
     pl->comm = MPI_COMM_NULL;
 }
 
-static const smp__ck_plan *smp__ck_sort_plan; /* qsort has no context argument */
+static const smp__ckpt_plan *smp__ckpt_sort_plan; /* qsort has no context argument */
 
-static int smp__ck_cmp_name(const void *a, const void *b) {
-    return strcmp(smp__ck_sort_plan->items[*(const int *)a].name, smp__ck_sort_plan->items[*(const int *)b].name);
+static int smp__ckpt_cmp_item_name(const void *a, const void *b) {
+    return strcmp(smp__ckpt_sort_plan->items[*(const int *)a].name, smp__ckpt_sort_plan->items[*(const int *)b].name);
 }
 
 /* File order: widest dtype first (alignment); within a width, partition
    0's tensors last, so a full save's writer (partition 0's saver) receives
    the others' data while its disk is busy, and writes its own at the end;
    then declaration order. */
-static int smp__ck_cmp_order(const void *a, const void *b) {
+static int smp__ckpt_cmp_order(const void *a, const void *b) {
     int x = *(const int *)a, y = *(const int *)b, lx, ly;
-    size_t sx = smp__ckpt_dtype_sizes[smp__ck_sort_plan->items[x].dtype],
-           sy = smp__ckpt_dtype_sizes[smp__ck_sort_plan->items[y].dtype];
+    size_t sx = smp__dtypes[smp__ckpt_sort_plan->items[x].dtype].size,
+           sy = smp__dtypes[smp__ckpt_sort_plan->items[y].dtype].size;
     if (sx != sy) return sx > sy ? -1 : 1;
-    lx = smp__ck_sort_plan->items[x].mp == 0;
-    ly = smp__ck_sort_plan->items[y].mp == 0;
+    lx = smp__ckpt_sort_plan->items[x].mp == 0;
+    ly = smp__ckpt_sort_plan->items[y].mp == 0;
     if (lx != ly) return lx - ly;
     return x < y ? -1 : x > y;
 }
 
-static int smp__ck_find(const smp__ck_plan *pl, const char *name) {
+static int smp__ckpt_find(const smp__ckpt_plan *pl, const char *name) {
     int lo = 0, hi = pl->n - 1;
     while (lo <= hi) {
         int mid = lo + (hi - lo) / 2, c = strcmp(pl->items[pl->by_name[mid]].name, name);
@@ -2466,25 +2219,25 @@ static int smp__ck_find(const smp__ck_plan *pl, const char *name) {
 }
 
 /* The world rank that sends an item's data when saving or gathering. */
-static int smp__ck_source(const smp__ck_plan *pl, const smp__ck_item *it) { return pl->saver[it->mp]; }
+static int smp__ckpt_source(const smp__ckpt_plan *pl, const smp__ckpt_item *it) { return pl->saver[it->mp]; }
 
 /* One registration record as it travels: global (1 byte), name + NUL,
    dtype, ndim (int32 each), shape (int64 x ndim). */
-typedef struct smp__ck_rec {
+typedef struct smp__ckpt_rec {
     const char *name;
     int rank, global, index; /* index: in the registry of `rank` */
     smp_dtype dtype;
     int ndim;
     int64_t shape[SMP_MAX_DIMS];
-} smp__ck_rec;
+} smp__ckpt_rec;
 
-static int smp__ck_cmp_rec(const void *a, const void *b) {
-    const smp__ck_rec *x = (const smp__ck_rec *)a, *y = (const smp__ck_rec *)b;
+static int smp__ckpt_cmp_rec(const void *a, const void *b) {
+    const smp__ckpt_rec *x = (const smp__ckpt_rec *)a, *y = (const smp__ckpt_rec *)b;
     int c = strcmp(x->name, y->name);
     return c ? c : (x->rank < y->rank ? -1 : x->rank > y->rank);
 }
 
-static int smp__ck_same_shape(int na, const int64_t *a, int nb, const int64_t *b) {
+static int smp__ckpt_same_shape(int na, const int64_t *a, int nb, const int64_t *b) {
     int i;
     if (na != nb) return 0;
     for (i = 0; i < na; i++)
@@ -2493,7 +2246,7 @@ static int smp__ck_same_shape(int na, const int64_t *a, int nb, const int64_t *b
 }
 
 /* Serialises this rank's registrations into *out (malloc'd). */
-static smp_status smp__ck_pack(const smp_optimizer *o, char **out, size_t *len) {
+static smp_status smp__ckpt_pack(const smp_optimizer *o, char **out, size_t *len) {
     size_t n = 0, at = 0;
     int i;
     char *b;
@@ -2501,10 +2254,10 @@ static smp_status smp__ck_pack(const smp_optimizer *o, char **out, size_t *len) 
     *len = 0;
     if (!o || !o->n) return SMP_OK;
     for (i = 0; i < o->n; i++) n += 1 + strlen(o->s[i].full) + 1 + 8 + 8 * (size_t)o->s[i].t.ndim;
-    b = (char *)SMP_MALLOC(n);
+    b = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
     if (!b) return smp__nomem(n, "this rank's optimizer state names, packed for the other ranks (a checkpoint's plan)");
     for (i = 0; i < o->n; i++) {
-        const smp__ck_state *s = &o->s[i];
+        const smp__ckpt_state *s = &o->s[i];
         int32_t v[2];
         size_t k = strlen(s->full) + 1;
         b[at++] = (char)s->global;
@@ -2525,9 +2278,9 @@ static smp_status smp__ck_pack(const smp_optimizer *o, char **out, size_t *len) 
 /* Merges every rank's optimizer registrations into plan items, from
    `first` on. Every rank sees the same gathered bytes, so every rank
    reaches the same verdict. */
-static smp_status smp__ck_merge_optimizer(smp__ck_plan *pl, const int *coords, const int *counts, const int *displs,
+static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coords, const int *counts, const int *displs,
                                           const smp_optimizer *opt, int *nitems) {
-    smp__ck_rec *recs = NULL;
+    smp__ckpt_rec *recs = NULL;
     int nrec = 0, cap = 0, r, i, j;
     smp_status st = SMP_OK;
     char d1[200], d2[200];
@@ -2535,7 +2288,7 @@ static smp_status smp__ck_merge_optimizer(smp__ck_plan *pl, const int *coords, c
         const char *p = pl->gathered + displs[r], *end = p + counts[r];
         int index = 0;
         while (p < end) {
-            smp__ck_rec rec;
+            smp__ckpt_rec rec;
             int32_t v[2];
             memset(&rec, 0, sizeof rec);
             rec.global = *p++;
@@ -2549,28 +2302,25 @@ static smp_status smp__ck_merge_optimizer(smp__ck_plan *pl, const int *coords, c
             p += 8 * (size_t)rec.ndim;
             rec.rank = r;
             rec.index = index++;
-            {
-                size_t want;
-                if (!smp__ckpt_grow((void **)&recs, &cap, nrec + 1, sizeof *recs, &want)) {
-                    smp__ckpt_free(recs);
-                    return smp__nomem(want, "merging every rank's optimizer state names (a checkpoint's plan)");
-                }
+            if (!smp__grow_or(&st, (void **)&recs, &cap, nrec + 1, sizeof *recs, "merging every rank's optimizer state names (a checkpoint's plan)")) {
+                smp__free(recs);
+                return st;
             }
             recs[nrec++] = rec;
         }
     }
-    if (nrec) qsort(recs, (size_t)nrec, sizeof *recs, smp__ck_cmp_rec);
+    if (nrec) qsort(recs, (size_t)nrec, sizeof *recs, smp__ckpt_cmp_rec);
     for (i = 0; i < nrec && !st; i = j) {
-        smp__ck_item *it = &pl->items[*nitems];
-        const smp__ck_rec *a = &recs[i];
+        smp__ckpt_item *it = &pl->items[*nitems];
+        const smp__ckpt_rec *a = &recs[i];
         for (j = i; j < nrec && !strcmp(recs[j].name, a->name); j++) {
-            const smp__ck_rec *b = &recs[j];
-            if (b->global != a->global || b->dtype != a->dtype || !smp__ck_same_shape(a->ndim, a->shape, b->ndim, b->shape)) {
+            const smp__ckpt_rec *b = &recs[j];
+            if (b->global != a->global || b->dtype != a->dtype || !smp__ckpt_same_shape(a->ndim, a->shape, b->ndim, b->shape)) {
                 st = smp_error(SMP_ERR_ARG,
                                "optimizer state '%s' is registered as %s%s on world rank %d but as %s%s on world rank %d",
-                               a->name, smp__ck_describe(a->dtype, a->ndim, a->shape, d1, sizeof d1),
+                               a->name, smp__ckpt_describe(a->dtype, a->ndim, a->shape, d1, sizeof d1),
                                a->global ? " (whole optimizer)" : "", a->rank,
-                               smp__ck_describe(b->dtype, b->ndim, b->shape, d2, sizeof d2),
+                               smp__ckpt_describe(b->dtype, b->ndim, b->shape, d2, sizeof d2),
                                b->global ? " (whole optimizer)" : "", b->rank);
                 break;
             }
@@ -2581,7 +2331,7 @@ static smp_status smp__ck_merge_optimizer(smp__ck_plan *pl, const int *coords, c
         it->dtype = a->dtype;
         it->ndim = a->ndim;
         memcpy(it->shape, a->shape, sizeof it->shape);
-        it->kind = a->global ? SMP__CK_GLOBAL : SMP__CK_OPTIM;
+        it->kind = a->global ? SMP__CKPT_GLOBAL : SMP__CKPT_OPTIM;
         it->mp = a->global ? 0 : coords[2 * a->rank];
         it->file = -1;
         {
@@ -2594,16 +2344,16 @@ static smp_status smp__ck_merge_optimizer(smp__ck_plan *pl, const int *coords, c
         }
         (*nitems)++;
     }
-    smp__ckpt_free(recs);
+    smp__free(recs);
     return st;
 }
 
 /* Builds the plan. Collective over the world; every rank makes the same MPI
    calls whatever fails locally. The buffers its exchanges fill are agreed
    on (allocated on every rank) before any rank enters an exchange; the
-   caller agrees on the rest (smp__ck_agree, which returns an agreed failure
+   caller agrees on the rest (smp__ckpt_agree, which returns an agreed failure
    of the plan without agreeing again). */
-static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_optimizer *opt, size_t chunk) {
+static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const smp_optimizer *opt, size_t chunk) {
     MPI_Request req;
     int *coords = NULL, *counts = NULL, *displs = NULL, mine[2], np, i, nitems = 0, total;
     char *packed = NULL;
@@ -2631,9 +2381,9 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
                                     "the lengths of every rank's optimizer state names (a checkpoint's plan)");
     pl->saver = (int *)smp__ckpt_alloc(&st, sizeof(int) * (size_t)pl->P, NULL,
                                        "the saver of each partition (a checkpoint's plan)");
-    if (!st) st = smp__ck_pack(opt, &packed, &packed_len);
+    if (!st) st = smp__ckpt_pack(opt, &packed, &packed_len);
     if (!st && packed_len > (size_t)INT32_MAX) st = smp_error(SMP_ERR_ARG, "too many optimizer state names to exchange");
-    if ((st = smp__ck_agree(pl, st, "planning the checkpoint")) != SMP_OK) goto out;
+    if ((st = smp__ckpt_agree(pl, st, "planning the checkpoint")) != SMP_OK) goto out;
 
     /* who saves each partition */
     displs = counts + pl->size;
@@ -2677,10 +2427,10 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
     }
     pl->gathered = (char *)smp__ckpt_alloc(&st, (size_t)total + 1, NULL,
                                            "every rank's optimizer state names (a checkpoint's plan)");
-    if ((st = smp__ck_agree(pl, st, "planning the checkpoint")) != SMP_OK) goto out;
+    if ((st = smp__ckpt_agree(pl, st, "planning the checkpoint")) != SMP_OK) goto out;
     MPI_Iallgatherv(packed, (int)packed_len, MPI_BYTE, pl->gathered, counts, displs, MPI_BYTE, pl->comm, &req);
     smp_wait_requests(1, &req, "optimizer state names", SMP_WORLD, -1);
-    smp__ckpt_free(packed);
+    smp__free(packed);
     packed = NULL;
 
     /* items: parameters and buffers, then optimizer state */
@@ -2696,14 +2446,14 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
             p += 8 + 8 * (size_t)v[1];
             nrec++;
         }
-        pl->items = (smp__ck_item *)smp__ckpt_alloc(&st, sizeof(smp__ck_item) * (size_t)(np + nrec + 1), NULL,
+        pl->items = (smp__ckpt_item *)smp__ckpt_alloc(&st, sizeof(smp__ckpt_item) * (size_t)(np + nrec + 1), NULL,
                                                     "the list of the model's tensors (a checkpoint's plan)");
     }
     if (st) goto out;
     for (i = 0; i < np && !st; i++) {
         smp_param *p = smp_model_param_at(m, i);
         const smp_tensor *v = smp_param_value(p);
-        smp__ck_item *it = &pl->items[nitems++];
+        smp__ckpt_item *it = &pl->items[nitems++];
         int64_t numel;
         memset(it, 0, sizeof *it);
         it->name = smp_param_name(p);
@@ -2711,18 +2461,18 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
         it->ndim = v->ndim;
         memcpy(it->shape, v->shape, sizeof it->shape);
         smp__ckpt_tensor_bytes(it->dtype, it->ndim, it->shape, &numel, &it->nbytes);
-        it->kind = smp_param_is_buffer(p) ? SMP__CK_BUFFER : SMP__CK_PARAM;
+        it->kind = smp_param_is_buffer(p) ? SMP__CKPT_BUFFER : SMP__CKPT_PARAM;
         it->mp = smp_module_partition(smp_param_module(p));
         it->file = -1;
         if (it->mp < 0 || it->mp >= pl->P) {
             st = smp_error(SMP_ERR_STATE, "%s '%s' has no partition; is the model partitioned?",
-                           smp__ck_kind_name(it->kind), it->name);
+                           smp__ckpt_kind_name(it->kind), it->name);
             break;
         }
         if (it->mp == pl->mp) it->local = v;
         else if (smp_module_is_local(smp_param_module(p))) it->copy = v;
     }
-    if (!st) st = smp__ck_merge_optimizer(pl, coords, counts, displs, opt, &nitems);
+    if (!st) st = smp__ckpt_merge_optimizer(pl, coords, counts, displs, opt, &nitems);
     pl->n = nitems;
     if (st) goto out;
 
@@ -2733,56 +2483,56 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
                                        "the model's tensors in file order (a checkpoint's plan)");
     if (st) goto out;
     for (i = 0; i < pl->n; i++) pl->by_name[i] = pl->order[i] = i;
-    smp__ck_sort_plan = pl;
-    qsort(pl->by_name, (size_t)pl->n, sizeof(int), smp__ck_cmp_name);
-    qsort(pl->order, (size_t)pl->n, sizeof(int), smp__ck_cmp_order);
-    smp__ck_sort_plan = NULL;
+    smp__ckpt_sort_plan = pl;
+    qsort(pl->by_name, (size_t)pl->n, sizeof(int), smp__ckpt_cmp_item_name);
+    qsort(pl->order, (size_t)pl->n, sizeof(int), smp__ckpt_cmp_order);
+    smp__ckpt_sort_plan = NULL;
     for (i = 1; i < pl->n && !st; i++) {
-        const smp__ck_item *a = &pl->items[pl->by_name[i - 1]], *b = &pl->items[pl->by_name[i]];
+        const smp__ckpt_item *a = &pl->items[pl->by_name[i - 1]], *b = &pl->items[pl->by_name[i]];
         if (!strcmp(a->name, b->name))
             st = smp_error(SMP_ERR_ARG, "two tensors of the checkpoint would be called '%s' (a %s and a %s)", a->name,
-                           smp__ck_kind_name(a->kind), smp__ck_kind_name(b->kind));
+                           smp__ckpt_kind_name(a->kind), smp__ckpt_kind_name(b->kind));
     }
 out:
-    smp__ckpt_free(coords);
-    smp__ckpt_free(counts);
-    smp__ckpt_free(packed);
+    smp__free(coords);
+    smp__free(counts);
+    smp__free(packed);
     return st;
 }
 
 /* ---------------------------------------------------------------- streaming to one rank */
-typedef smp_status (*smp__ck_sink_fn)(void *ctx, int item, uint64_t off, const void *bytes, size_t n);
+typedef smp_status (*smp__ckpt_sink_fn)(void *ctx, int item, uint64_t off, const void *bytes, size_t n);
 
 /* The receiver's I/O thread. The main thread receives (MPI stays on it)
    and queues pieces; this thread hands them to the sink in order, so a sink
    that blocks on the disk does not stop the transfer. Ring slots holding a
    received chunk are "busy" until written. */
-#define SMP__CK_QUEUE 64
+#define SMP__CKPT_QUEUE 64
 
-typedef struct smp__ck_job {
+typedef struct smp__ckpt_job {
     int item;
     uint64_t off;
     const void *p;
     size_t n;
     int slot; /* ring slot to release once written; -1: none */
-} smp__ck_job;
+} smp__ckpt_job;
 
-typedef struct smp__ck_io {
+typedef struct smp__ckpt_io {
     pthread_mutex_t mu;
     pthread_cond_t cv; /* broadcast on every change: work queued, work done, quit */
-    smp__ck_job q[SMP__CK_QUEUE];
+    smp__ckpt_job q[SMP__CKPT_QUEUE];
     int head, count, quit;
-    int busy[SMP__CK_RING];
-    smp__ck_sink_fn sink;
+    int busy[SMP__CKPT_RING];
+    smp__ckpt_sink_fn sink;
     void *ctx;
     smp_status st; /* the sink's first error (its message is the last error) */
-} smp__ck_io;
+} smp__ckpt_io;
 
-static void *smp__ck_io_main(void *arg) {
-    smp__ck_io *io = (smp__ck_io *)arg;
+static void *smp__ckpt_io_main(void *arg) {
+    smp__ckpt_io *io = (smp__ckpt_io *)arg;
     pthread_mutex_lock(&io->mu);
     for (;;) {
-        smp__ck_job j;
+        smp__ckpt_job j;
         smp_status st = SMP_OK;
         while (!io->count && !io->quit) pthread_cond_wait(&io->cv, &io->mu);
         if (!io->count) break;
@@ -2791,7 +2541,7 @@ static void *smp__ck_io_main(void *arg) {
         if (!io->st) st = io->sink(io->ctx, j.item, j.off, j.p, j.n); /* after an error: drain */
         pthread_mutex_lock(&io->mu);
         if (!io->st) io->st = st;
-        io->head = (io->head + 1) % SMP__CK_QUEUE;
+        io->head = (io->head + 1) % SMP__CKPT_QUEUE;
         io->count--;
         if (j.slot >= 0) io->busy[j.slot] = 0;
         pthread_cond_broadcast(&io->cv);
@@ -2800,10 +2550,10 @@ static void *smp__ck_io_main(void *arg) {
     return NULL;
 }
 
-static void smp__ck_io_push(smp__ck_io *io, smp__ck_job j) {
+static void smp__ckpt_io_push(smp__ckpt_io *io, smp__ckpt_job j) {
     pthread_mutex_lock(&io->mu);
-    while (io->count == SMP__CK_QUEUE) pthread_cond_wait(&io->cv, &io->mu);
-    io->q[(io->head + io->count) % SMP__CK_QUEUE] = j;
+    while (io->count == SMP__CKPT_QUEUE) pthread_cond_wait(&io->cv, &io->mu);
+    io->q[(io->head + io->count) % SMP__CKPT_QUEUE] = j;
     io->count++;
     if (j.slot >= 0) io->busy[j.slot] = 1;
     pthread_cond_broadcast(&io->cv);
@@ -2811,7 +2561,7 @@ static void smp__ck_io_push(smp__ck_io *io, smp__ck_job j) {
 }
 
 /* Whether ring slot s may take a new receive; with `block`, waits for it. */
-static int smp__ck_io_free(smp__ck_io *io, int s, int block) {
+static int smp__ckpt_io_free(smp__ckpt_io *io, int s, int block) {
     int ok;
     if (!io) return 1;
     pthread_mutex_lock(&io->mu);
@@ -2824,60 +2574,60 @@ static int smp__ck_io_free(smp__ck_io *io, int s, int block) {
 /* Receives, on `receiver`, the data of every item in file order (its own
    from memory, the others' from their savers, chunk by chunk), handing each
    piece to sink in order. Collective over the plan's communicator. At most
-   SMP__CK_RING chunks are in flight to or buffered on any rank. After a
+   SMP__CKPT_RING chunks are in flight to or buffered on any rank. After a
    sink error the receiver keeps draining, so no sender is left waiting.
    With `threaded`, the sink runs on an I/O thread of the receiver. */
-typedef struct smp__ck_rx {
-    smp__ck_plan *pl;
+typedef struct smp__ckpt_rx {
+    smp__ckpt_plan *pl;
     int receiver, qp; /* posting cursor: position in file order ... */
     uint64_t offp;    /* ... and offset in that item */
     long posted, done;
-    uint8_t *buf[SMP__CK_RING]; /* allocated before the transfer (smp__ck_stream_prepare) */
-    MPI_Request req[SMP__CK_RING];
+    uint8_t *buf[SMP__CKPT_RING]; /* allocated before the transfer (smp__ckpt_stream_prepare) */
+    MPI_Request req[SMP__CKPT_RING];
     size_t cap;
     uint8_t *stage; /* the receiver's own device tensors go through it */
-    smp__ck_io *io;
-} smp__ck_rx;
+    smp__ckpt_io *io;
+} smp__ckpt_rx;
 
 /* Posts the receive of the next remote chunk if its slot is free (or, with
    `block`, once it is); returns whether it posted one. */
-static int smp__ck_post(smp__ck_rx *rx, int block) {
-    smp__ck_plan *pl = rx->pl;
-    const smp__ck_item *ip;
+static int smp__ckpt_post(smp__ckpt_rx *rx, int block) {
+    smp__ckpt_plan *pl = rx->pl;
+    const smp__ckpt_item *ip;
     size_t lp;
     int s;
-    if (rx->posted - rx->done >= SMP__CK_RING) return 0;
-    while (rx->qp < pl->n && (smp__ck_source(pl, &pl->items[pl->order[rx->qp]]) == rx->receiver ||
+    if (rx->posted - rx->done >= SMP__CKPT_RING) return 0;
+    while (rx->qp < pl->n && (smp__ckpt_source(pl, &pl->items[pl->order[rx->qp]]) == rx->receiver ||
                               rx->offp >= pl->items[pl->order[rx->qp]].nbytes)) {
         rx->qp++;
         rx->offp = 0;
     }
     if (rx->qp >= pl->n) return 0;
-    s = (int)(rx->posted % SMP__CK_RING);
-    if (!smp__ck_io_free(rx->io, s, block)) return 0;
+    s = (int)(rx->posted % SMP__CKPT_RING);
+    if (!smp__ckpt_io_free(rx->io, s, block)) return 0;
     ip = &pl->items[pl->order[rx->qp]];
     lp = ip->nbytes - rx->offp < pl->chunk ? (size_t)(ip->nbytes - rx->offp) : pl->chunk;
     SMP_ASSERT(rx->buf[s] != NULL);
-    MPI_Irecv(rx->buf[s], (int)lp, MPI_BYTE, smp__ck_source(pl, ip), SMP__CK_TAG, pl->comm, &rx->req[s]);
+    MPI_Irecv(rx->buf[s], (int)lp, MPI_BYTE, smp__ckpt_source(pl, ip), SMP__CKPT_TAG, pl->comm, &rx->req[s]);
     rx->posted++;
     rx->offp += lp;
     return 1;
 }
 
-static smp_status smp__ck_receive(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ctx) {
-    smp__ck_plan *pl = rx->pl;
+static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, void *ctx) {
+    smp__ckpt_plan *pl = rx->pl;
     smp_status st = SMP_OK, st2;
     char what[256];
     int q;
     for (q = 0; q < pl->n; q++) {
         int idx = pl->order[q];
-        const smp__ck_item *it = &pl->items[idx];
-        int src = smp__ck_source(pl, it);
+        const smp__ckpt_item *it = &pl->items[idx];
+        int src = smp__ckpt_source(pl, it);
         uint64_t off = 0;
         while (off < it->nbytes) {
             size_t len;
-            smp__ck_job j;
-            while (smp__ck_post(rx, 0)) {
+            smp__ckpt_job j;
+            while (smp__ckpt_post(rx, 0)) {
             } /* receives posted ahead progress while we poll below */
             if (src == rx->receiver) { /* this rank's own tensor */
                 const smp_tensor *t = it->local;
@@ -2889,21 +2639,21 @@ static smp_status smp__ck_receive(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ct
                     j.p = (const uint8_t *)t->data + off;
                     j.n = len;
                     j.slot = -1;
-                    if (rx->io) smp__ck_io_push(rx->io, j);
+                    if (rx->io) smp__ckpt_io_push(rx->io, j);
                     else if (!st) st = sink(ctx, idx, off, j.p, len);
                 } else { /* staged through a buffer of its own (never threaded) */
                     len = it->nbytes - off < pl->chunk ? (size_t)(it->nbytes - off) : pl->chunk;
                     SMP_ASSERT(rx->stage != NULL);
-                    st2 = smp__ck_copy(rx->stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
+                    st2 = smp__ckpt_copy(rx->stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
                     if (!st) st = st2;
                     if (!st) st = sink(ctx, idx, off, rx->stage, len);
                 }
             } else {
-                int slot = (int)(rx->done % SMP__CK_RING), ready = 0;
+                int slot = (int)(rx->done % SMP__CKPT_RING), ready = 0;
                 unsigned polls = 0;
                 double start = MPI_Wtime(), deadline = start + smp_timeout();
                 len = it->nbytes - off < pl->chunk ? (size_t)(it->nbytes - off) : pl->chunk;
-                if (rx->posted <= rx->done && !smp__ck_post(rx, 1)) /* the cursor is at this very chunk */
+                if (rx->posted <= rx->done && !smp__ckpt_post(rx, 1)) /* the cursor is at this very chunk */
                     smp__fatal("internal error: checkpoint chunk %ld of '%s' cannot be received", rx->done, it->name);
                 /* The receiver drives large transfers within a node (it copies
                    from the sender), so it polls without sleeping, yielding the
@@ -2916,7 +2666,7 @@ static smp_status smp__ck_receive(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ct
                     if (MPI_Test(&rx->req[slot], &ready, &status) != MPI_SUCCESS)
                         smp__fatal("MPI_Test failed receiving checkpoint data");
                     if (!ready && ++polls % 16 == 0) {
-                        while (smp__ck_post(rx, 0)) {
+                        while (smp__ckpt_post(rx, 0)) {
                         }
                         if (MPI_Wtime() > deadline) {
                             snprintf(what, sizeof what, "checkpoint data of '%s' from world rank %d", it->name, src);
@@ -2930,7 +2680,7 @@ static smp_status smp__ck_receive(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ct
                 j.p = rx->buf[slot];
                 j.n = len;
                 j.slot = slot;
-                if (rx->io) smp__ck_io_push(rx->io, j);
+                if (rx->io) smp__ckpt_io_push(rx->io, j);
                 else if (!st) st = sink(ctx, idx, off, j.p, len);
                 rx->done++;
             }
@@ -2941,13 +2691,13 @@ static smp_status smp__ck_receive(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ct
     return st;
 }
 
-/* Allocates what this rank needs to take part in smp__ck_stream to
-   `receiver`: the receiver's ring of SMP__CK_RING chunk buffers (fewer when
+/* Allocates what this rank needs to take part in smp__ckpt_stream to
+   `receiver`: the receiver's ring of SMP__CKPT_RING chunk buffers (fewer when
    fewer chunks come) and a staging buffer for its own device tensors; a
    sender's ring when it sends device tensors (staged through host memory).
    Called, and agreed on, before the transfer starts, so no rank runs out of
    memory inside it while the others wait. */
-static smp_status smp__ck_stream_prepare(smp__ck_plan *pl, int receiver, smp__ck_rx *rx) {
+static smp_status smp__ckpt_stream_prepare(smp__ckpt_plan *pl, int receiver, smp__ckpt_rx *rx) {
     smp_status st = SMP_OK;
     uint64_t biggest = 0;
     long chunks = 0;
@@ -2960,8 +2710,8 @@ static smp_status smp__ck_stream_prepare(smp__ck_plan *pl, int receiver, smp__ck
     rx->cap = biggest < pl->chunk ? (size_t)biggest : pl->chunk;
     if (!rx->cap) rx->cap = 1;
     for (i = 0; i < pl->n; i++) {
-        const smp__ck_item *it = &pl->items[i];
-        int src = smp__ck_source(pl, it);
+        const smp__ckpt_item *it = &pl->items[i];
+        int src = smp__ckpt_source(pl, it);
         long n = (long)((it->nbytes + pl->chunk - 1) / pl->chunk);
         if (pl->rank == receiver && src != receiver) chunks += n;
         if (pl->rank != receiver && src == pl->rank) {
@@ -2971,35 +2721,35 @@ static smp_status smp__ck_stream_prepare(smp__ck_plan *pl, int receiver, smp__ck
         if (pl->rank == receiver && src == receiver && it->local && it->local->device >= 0) own_device = 1;
     }
     if (pl->rank != receiver && !device) chunks = 0; /* a host sender sends from the tensors themselves */
-    for (i = 0; i < SMP__CK_RING && i < chunks; i++)
+    for (i = 0; i < SMP__CKPT_RING && i < chunks; i++)
         rx->buf[i] = (uint8_t *)smp__ckpt_alloc(&st, rx->cap, NULL, "a checkpoint transfer buffer (one of 8)");
     if (own_device) rx->stage = (uint8_t *)smp__ckpt_alloc(&st, rx->cap, NULL, "staging a device tensor to save it");
     return st;
 }
 
-static void smp__ck_stream_free(smp__ck_rx *rx) {
+static void smp__ckpt_stream_free(smp__ckpt_rx *rx) {
     int i;
-    for (i = 0; i < SMP__CK_RING; i++) smp__ckpt_free(rx->buf[i]);
-    smp__ckpt_free(rx->stage);
+    for (i = 0; i < SMP__CKPT_RING; i++) smp__free(rx->buf[i]);
+    smp__free(rx->stage);
     memset(rx->buf, 0, sizeof rx->buf);
     rx->stage = NULL;
 }
 
-/* Streams every item to `receiver` (see smp__ck_receive), with the buffers
-   smp__ck_stream_prepare allocated on every rank. */
-static smp_status smp__ck_stream(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ctx, int threaded) {
-    smp__ck_plan *pl = rx->pl;
+/* Streams every item to `receiver` (see smp__ckpt_receive), with the buffers
+   smp__ckpt_stream_prepare allocated on every rank. */
+static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, void *ctx, int threaded) {
+    smp__ckpt_plan *pl = rx->pl;
     int receiver = rx->receiver;
     smp_status st = SMP_OK, st2;
-    const int K = SMP__CK_RING;
+    const int K = SMP__CKPT_RING;
     char what[128];
     int q, i;
 
     if (pl->rank == receiver) {
-        smp__ck_io io;
+        smp__ckpt_io io;
         pthread_t th;
         for (i = 0; i < pl->n && threaded; i++) /* device tensors are staged on the main thread */
-            if (smp__ck_source(pl, &pl->items[i]) == receiver && pl->items[i].local && pl->items[i].local->device >= 0)
+            if (smp__ckpt_source(pl, &pl->items[i]) == receiver && pl->items[i].local && pl->items[i].local->device >= 0)
                 threaded = 0;
         if (threaded) {
             memset(&io, 0, sizeof io);
@@ -3007,14 +2757,14 @@ static smp_status smp__ck_stream(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ctx
             io.ctx = ctx;
             pthread_mutex_init(&io.mu, NULL);
             pthread_cond_init(&io.cv, NULL);
-            if (pthread_create(&th, NULL, smp__ck_io_main, &io) == 0) {
+            if (pthread_create(&th, NULL, smp__ckpt_io_main, &io) == 0) {
                 rx->io = &io;
             } else {
                 pthread_cond_destroy(&io.cv);
                 pthread_mutex_destroy(&io.mu);
             }
         }
-        st = smp__ck_receive(rx, sink, ctx);
+        st = smp__ckpt_receive(rx, sink, ctx);
         if (rx->io) {
             pthread_mutex_lock(&io.mu);
             io.quit = 1;
@@ -3028,9 +2778,9 @@ static smp_status smp__ck_stream(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ctx
     } else {
         long sent = 0, k;
         for (q = 0; q < pl->n; q++) {
-            const smp__ck_item *it = &pl->items[pl->order[q]];
+            const smp__ckpt_item *it = &pl->items[pl->order[q]];
             uint64_t off = 0;
-            if (smp__ck_source(pl, it) != pl->rank) continue;
+            if (smp__ckpt_source(pl, it) != pl->rank) continue;
             SMP_ASSERT(it->local != NULL);
             while (off < it->nbytes) {
                 int slot = (int)(sent % K);
@@ -3044,12 +2794,12 @@ static smp_status smp__ck_stream(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ctx
                     p = (const uint8_t *)it->local->data + off;
                 } else { /* send what the copy gave; a failure fails the save later */
                     SMP_ASSERT(rx->buf[slot] != NULL);
-                    st2 = smp__ck_copy(rx->buf[slot], SMP_HOST, (const uint8_t *)it->local->data + off,
+                    st2 = smp__ckpt_copy(rx->buf[slot], SMP_HOST, (const uint8_t *)it->local->data + off,
                                        it->local->device, len);
                     if (!st) st = st2;
                     p = rx->buf[slot];
                 }
-                MPI_Isend(p, (int)len, MPI_BYTE, receiver, SMP__CK_TAG, pl->comm, &rx->req[slot]);
+                MPI_Isend(p, (int)len, MPI_BYTE, receiver, SMP__CKPT_TAG, pl->comm, &rx->req[slot]);
                 sent++;
                 off += len;
             }
@@ -3064,28 +2814,28 @@ static smp_status smp__ck_stream(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ctx
 }
 
 /* ---------------------------------------------------------------- saving */
-typedef struct smp__ck_meta {
+typedef struct smp__ckpt_meta_list {
     char **keys, **vals;
     int n, cap;
     int oom;
     size_t want; /* after oom: the bytes it could not have */
-} smp__ck_meta;
+} smp__ckpt_meta_list;
 
-static void smp__ck_meta_add(smp__ck_meta *md, const char *k1, const char *k2, const char *v) {
+static void smp__ckpt_meta_add(smp__ckpt_meta_list *md, const char *k1, const char *k2, const char *v) {
     size_t l1 = strlen(k1), l2 = k2 ? strlen(k2) : 0;
     char *k, *val;
     int cap2 = md->cap;
     if (md->oom) return;
-    if (!smp__ckpt_grow((void **)&md->keys, &md->cap, md->n + 1, sizeof(char *), &md->want) ||
-        !smp__ckpt_grow((void **)&md->vals, &cap2, md->n + 1, sizeof(char *), &md->want)) {
+    if (!smp__grow((void **)&md->keys, &md->cap, md->n + 1, sizeof(char *), &md->want) ||
+        !smp__grow((void **)&md->vals, &cap2, md->n + 1, sizeof(char *), &md->want)) {
         md->oom = 1;
         return;
     }
-    k = (char *)SMP_MALLOC(l1 + l2 + 1);
-    val = k ? smp__ckpt_strdup(v) : NULL;
+    k = (char *)smp__alloc(l1 + l2 + 1, SMP__ALLOC_OTHER);
+    val = k ? smp__strdup(v) : NULL;
     if (!k || !val) {
         md->want = !k ? l1 + l2 + 1 : strlen(v) + 1;
-        smp__ckpt_free(k);
+        smp__free(k);
         md->oom = 1;
         return;
     }
@@ -3097,43 +2847,43 @@ static void smp__ck_meta_add(smp__ck_meta *md, const char *k1, const char *k2, c
     md->n++;
 }
 
-static void smp__ck_meta_free(smp__ck_meta *md) {
+static void smp__ckpt_meta_free(smp__ckpt_meta_list *md) {
     int i;
     for (i = 0; i < md->n; i++) {
-        SMP_FREE(md->keys[i]);
-        SMP_FREE(md->vals[i]);
+        smp__free(md->keys[i]);
+        smp__free(md->vals[i]);
     }
-    smp__ckpt_free(md->keys);
-    smp__ckpt_free(md->vals);
+    smp__free(md->keys);
+    smp__free(md->vals);
     memset(md, 0, sizeof *md);
 }
 
-static smp_status smp__ck_build_meta(const smp__ck_plan *pl, const smp_save_desc *d, int partial, uint64_t gen,
-                                     smp__ck_meta *md) {
+static smp_status smp__ckpt_build_meta(const smp__ckpt_plan *pl, const smp_save_desc *d, int partial, uint64_t gen,
+                                     smp__ckpt_meta_list *md) {
     char num[48];
     int i;
     memset(md, 0, sizeof *md);
-    for (i = 0; i < d->nmeta; i++) smp__ck_meta_add(md, d->meta_keys[i], NULL, d->meta_values[i]);
-    smp__ck_meta_add(md, "smp.format", NULL, SMP__CK_FORMAT);
-    smp__ck_meta_add(md, "smp.kind", NULL, partial ? "partial" : "full");
+    for (i = 0; i < d->nmeta; i++) smp__ckpt_meta_add(md, d->meta_keys[i], NULL, d->meta_values[i]);
+    smp__ckpt_meta_add(md, "smp.format", NULL, SMP__CKPT_FORMAT);
+    smp__ckpt_meta_add(md, "smp.kind", NULL, partial ? "partial" : "full");
     snprintf(num, sizeof num, "%d", pl->P);
-    smp__ck_meta_add(md, "smp.partitions", NULL, num);
+    smp__ckpt_meta_add(md, "smp.partitions", NULL, num);
     if (partial) {
         snprintf(num, sizeof num, "%d", pl->mp);
-        smp__ck_meta_add(md, "smp.mp_rank", NULL, num);
+        smp__ckpt_meta_add(md, "smp.mp_rank", NULL, num);
     }
-    smp__ck_meta_add(md, "smp.save_id", NULL, pl->save_id);
+    smp__ckpt_meta_add(md, "smp.save_id", NULL, pl->save_id);
     if (partial) {
         snprintf(num, sizeof num, "%llu", (smp__ckpt_ull)gen);
-        smp__ck_meta_add(md, "smp.generation", NULL, num);
+        smp__ckpt_meta_add(md, "smp.generation", NULL, num);
     }
     for (i = 0; i < pl->n; i++) {
         snprintf(num, sizeof num, "%d", pl->items[i].mp);
-        smp__ck_meta_add(md, "smp.partition.", pl->items[i].name, num);
+        smp__ckpt_meta_add(md, "smp.partition.", pl->items[i].name, num);
     }
     if (md->oom) {
         size_t want = md->want;
-        smp__ck_meta_free(md);
+        smp__ckpt_meta_free(md);
         return smp__nomem(want, "the metadata of the checkpoint's files");
     }
     return SMP_OK;
@@ -3141,14 +2891,14 @@ static smp_status smp__ck_build_meta(const smp__ck_plan *pl, const smp_save_desc
 
 /* The entries of the items of partition only_mp (-1: all), in file order;
    NULL and the out-of-memory error in *st when there is no memory. */
-static smp_ckpt_entry *smp__ck_entries(const smp__ck_plan *pl, int only_mp, int *count, smp_status *st) {
+static smp_ckpt_entry *smp__ckpt_entries(const smp__ckpt_plan *pl, int only_mp, int *count, smp_status *st) {
     smp_ckpt_entry *e = (smp_ckpt_entry *)smp__ckpt_alloc(st, sizeof(smp_ckpt_entry) * (size_t)(pl->n + 1), NULL,
                                                           "the list of tensors of a checkpoint file");
     int q, n = 0;
     *count = 0;
     if (!e) return NULL;
     for (q = 0; q < pl->n; q++) {
-        const smp__ck_item *it = &pl->items[pl->order[q]];
+        const smp__ckpt_item *it = &pl->items[pl->order[q]];
         if (only_mp >= 0 && it->mp != only_mp) continue;
         memset(&e[n], 0, sizeof e[n]);
         e[n].name = it->name;
@@ -3162,7 +2912,7 @@ static smp_ckpt_entry *smp__ck_entries(const smp__ck_plan *pl, int only_mp, int 
     return e;
 }
 
-static smp_status smp__ck_file_sink(void *ctx, int item, uint64_t off, const void *bytes, size_t n) {
+static smp_status smp__ckpt_file_sink(void *ctx, int item, uint64_t off, const void *bytes, size_t n) {
     (void)item;
     (void)off;
     return smp_ckpt_writer_write((smp_ckpt_writer *)ctx, bytes, n);
@@ -3170,28 +2920,28 @@ static smp_status smp__ck_file_sink(void *ctx, int item, uint64_t off, const voi
 
 /* Writes one local tensor's bytes (staged through host memory when it
    lives on a device). */
-static smp_status smp__ck_write_local(smp_ckpt_writer *w, const smp__ck_item *it, size_t chunk) {
+static smp_status smp__ckpt_write_local(smp_ckpt_writer *w, const smp__ckpt_item *it, size_t chunk) {
     const smp_tensor *t = it->local;
     uint8_t *stage;
     uint64_t off = 0;
     smp_status st = SMP_OK;
     if (!it->nbytes) return SMP_OK;
     if (t->device < 0) return smp_ckpt_writer_write(w, t->data, (size_t)it->nbytes);
-    stage = (uint8_t *)SMP_MALLOC(chunk);
+    stage = (uint8_t *)smp__alloc(chunk, SMP__ALLOC_OTHER);
     if (!stage) return smp__nomem(chunk, "staging a device tensor to save it");
     while (off < it->nbytes && !st) {
         size_t len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
-        st = smp__ck_copy(stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
+        st = smp__ckpt_copy(stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
         if (!st) st = smp_ckpt_writer_write(w, stage, len);
         off += len;
     }
-    SMP_FREE(stage);
+    smp__free(stage);
     return st;
 }
 
-static char *smp__ck_part_path(const char *path, int k) {
+static char *smp__ckpt_part_path(const char *path, int k) {
     size_t n = strlen(path) + 16;
-    char *p = (char *)SMP_MALLOC(n);
+    char *p = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
     if (p) snprintf(p, n, "%s_%d", path, k);
     return p;
 }
@@ -3201,33 +2951,33 @@ static char *smp__ck_part_path(const char *path, int k) {
    "<path>.g<N>_<mp>", and commits them all at once by renaming a small JSON
    manifest, "<path>.manifest", over the previous one (see PARTIAL SAVE
    above). These helpers name, scan, write and read those files. */
-#define SMP__CK_MANIFEST_FORMAT "smp-checkpoint-manifest/1"
-#define SMP__CK_MANIFEST_MAX ((size_t)64 << 20)
-#define SMP__CK_FAULT_PACE_NS 1000000L /* test-only pacing: 1 ms polls, 10 s at most */
+#define SMP__CKPT_MANIFEST_FORMAT "smp-checkpoint-manifest/1"
+#define SMP__CKPT_MANIFEST_MAX ((size_t)64 << 20)
+#define SMP__CKPT_FAULT_PACE_NS 1000000L /* test-only pacing: 1 ms polls, 10 s at most */
 
-static char *smp__ck_manifest_path(const char *path) {
+static char *smp__ckpt_manifest_path(const char *path) {
     size_t n = strlen(path) + 16;
-    char *p = (char *)SMP_MALLOC(n);
+    char *p = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
     if (p) snprintf(p, n, "%s.manifest", path);
     return p;
 }
 
-static char *smp__ck_gen_path(const char *path, uint64_t gen, int k) {
+static char *smp__ckpt_gen_path(const char *path, uint64_t gen, int k) {
     size_t n = strlen(path) + 48;
-    char *p = (char *)SMP_MALLOC(n);
+    char *p = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
     if (p) snprintf(p, n, "%s.g%llu_%d", path, (smp__ckpt_ull)gen, k);
     return p;
 }
 
-static int smp__ck_exists(const char *path) {
+static int smp__ckpt_exists(const char *path) {
     struct stat sb;
     return path && stat(path, &sb) == 0;
 }
 
 /* "<dir>/<name>" */
-static char *smp__ck_join(const char *dir, const char *name) {
+static char *smp__ckpt_join(const char *dir, const char *name) {
     size_t dl = strlen(dir), nl = strlen(name);
-    char *p = (char *)SMP_MALLOC(dl + nl + 2);
+    char *p = (char *)smp__alloc(dl + nl + 2, SMP__ALLOC_OTHER);
     if (!p) return NULL;
     memcpy(p, dir, dl);
     p[dl] = '/';
@@ -3237,7 +2987,7 @@ static char *smp__ck_join(const char *dir, const char *name) {
 
 /* Decimal digits at s without a leading zero ("0" itself is fine), at most
    18 of them: their count (0: none, or not a plain number) and value. */
-static int smp__ck_digits(const char *s, uint64_t *v) {
+static int smp__ckpt_digits(const char *s, uint64_t *v) {
     int n = 0;
     *v = 0;
     while (s[n] >= '0' && s[n] <= '9') {
@@ -3253,9 +3003,9 @@ static int smp__ck_digits(const char *s, uint64_t *v) {
    a generation's file "<base>.g<gen>_<k>", a file of the format before
    manifests "<base>_<k>", either possibly a killed writer's
    "<name>.tmp.<pid>" (*tmp_pid > 0), or something else. */
-enum { SMP__CK_NAME_OTHER, SMP__CK_NAME_GEN, SMP__CK_NAME_LEGACY };
+enum { SMP__CKPT_NAME_OTHER, SMP__CKPT_NAME_GEN, SMP__CKPT_NAME_LEGACY };
 
-static int smp__ck_classify(const char *name, const char *base, uint64_t *gen, int *k, long *tmp_pid) {
+static int smp__ckpt_classify(const char *name, const char *base, uint64_t *gen, int *k, long *tmp_pid) {
     size_t bl = strlen(base);
     const char *p;
     uint64_t v;
@@ -3263,24 +3013,24 @@ static int smp__ck_classify(const char *name, const char *base, uint64_t *gen, i
     *gen = 0;
     *k = -1;
     *tmp_pid = 0;
-    if (strncmp(name, base, bl) != 0) return SMP__CK_NAME_OTHER;
+    if (strncmp(name, base, bl) != 0) return SMP__CKPT_NAME_OTHER;
     p = name + bl;
     if (p[0] == '.' && p[1] == 'g') {
-        if (!(n = smp__ck_digits(p + 2, gen)) || p[2 + n] != '_') return SMP__CK_NAME_OTHER;
+        if (!(n = smp__ckpt_digits(p + 2, gen)) || p[2 + n] != '_') return SMP__CKPT_NAME_OTHER;
         p += 2 + n + 1;
-        kind = SMP__CK_NAME_GEN;
+        kind = SMP__CKPT_NAME_GEN;
     } else if (p[0] == '_') {
         p++;
-        kind = SMP__CK_NAME_LEGACY;
+        kind = SMP__CKPT_NAME_LEGACY;
     } else {
-        return SMP__CK_NAME_OTHER;
+        return SMP__CKPT_NAME_OTHER;
     }
-    if (!(n = smp__ck_digits(p, &v)) || v > (1u << 20)) return SMP__CK_NAME_OTHER;
+    if (!(n = smp__ckpt_digits(p, &v)) || v > (1u << 20)) return SMP__CKPT_NAME_OTHER;
     *k = (int)v;
     p += n;
     if (!*p) return kind;
-    if (strncmp(p, ".tmp.", 5) != 0 || !(n = smp__ck_digits(p + 5, &v)) || p[5 + n] || v == 0 || v > 0x7fffffff)
-        return SMP__CK_NAME_OTHER;
+    if (strncmp(p, ".tmp.", 5) != 0 || !(n = smp__ckpt_digits(p + 5, &v)) || p[5 + n] || v == 0 || v > 0x7fffffff)
+        return SMP__CKPT_NAME_OTHER;
     *tmp_pid = (long)v;
     return kind;
 }
@@ -3288,7 +3038,7 @@ static int smp__ck_classify(const char *name, const char *base, uint64_t *gen, i
 /* The names in a folder, into *out (NULL-terminated, malloc'd; NULL when
    the folder cannot be read, or is empty). SMP_ERR_NOMEM when the list
    cannot be had, with *out NULL. */
-static smp_status smp__ck_list_dir(const char *dir, char ***out) {
+static smp_status smp__ckpt_list_dir(const char *dir, char ***out) {
     DIR *d = opendir(dir);
     struct dirent *de;
     char **names = NULL;
@@ -3298,8 +3048,8 @@ static smp_status smp__ck_list_dir(const char *dir, char ***out) {
     if (!d) return SMP_OK;
     while ((de = readdir(d)) != NULL) {
         if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
-        if (!smp__ckpt_grow((void **)&names, &cap, n + 2, sizeof *names, &want)) break;
-        if (!(names[n] = smp__ckpt_strdup(de->d_name))) {
+        if (!smp__grow((void **)&names, &cap, n + 2, sizeof *names, &want)) break;
+        if (!(names[n] = smp__strdup(de->d_name))) {
             want = strlen(de->d_name) + 1;
             break;
         }
@@ -3307,72 +3057,60 @@ static smp_status smp__ck_list_dir(const char *dir, char ***out) {
     }
     closedir(d);
     if (want) {
-        for (i = 0; i < n; i++) SMP_FREE(names[i]);
-        smp__ckpt_free(names);
+        for (i = 0; i < n; i++) smp__free(names[i]);
+        smp__free(names);
         return smp__ckpt_nomem(want, NULL, "listing the checkpoint's folder");
     }
     *out = names;
     return SMP_OK;
 }
 
-static void smp__ck_free_list(char **names) {
+static void smp__ckpt_free_list(char **names) {
     int i;
     if (!names) return;
-    for (i = 0; names[i]; i++) SMP_FREE(names[i]);
-    SMP_FREE(names);
+    for (i = 0; names[i]; i++) smp__free(names[i]);
+    smp__free(names);
 }
 
 /* ---- the manifest */
-typedef struct smp__ck_mfile {
+typedef struct smp__ckpt_mfile {
     const char *name;    /* in the manifest's folder */
     uint64_t bytes;      /* the file's size */
     uint32_t header_crc; /* CRC-32C of its length prefix and header */
-} smp__ck_mfile;
+} smp__ckpt_mfile;
 
-typedef struct smp__ck_manifest {
+typedef struct smp__ckpt_manifest {
     uint64_t generation;
     int partitions;
     const char *save_id;
-    smp__ck_mfile *files; /* [partitions], by mp rank */
+    smp__ckpt_mfile *files; /* [partitions], by mp rank */
     int nfiles, cap;
     uint8_t *text;        /* the manifest's bytes, strings decoded in place */
-} smp__ck_manifest;
+} smp__ckpt_manifest;
 
-static void smp__ck_manifest_free(smp__ck_manifest *m) {
-    smp__ckpt_free(m->files);
-    smp__ckpt_free(m->text);
+static void smp__ckpt_manifest_free(smp__ckpt_manifest *m) {
+    smp__free(m->files);
+    smp__free(m->text);
     memset(m, 0, sizeof *m);
 }
 
-static smp_status smp__ck_jcrc(smp__ckpt_jp *jp, uint32_t *out) {
+static smp_status smp__ckpt_jcrc(smp__ckpt_jp *jp, uint32_t *out) {
     const char *v;
-    uint32_t hi, lo;
-    size_t plen = strlen(SMP__CKPT_CRC_PREFIX);
-    int j;
     smp_status st = smp__ckpt_jstring(jp, &v, "header_crc32c");
     if (st) return st;
-    if (strlen(v) != plen + 8 || strncmp(v, SMP__CKPT_CRC_PREFIX, plen) != 0)
-        return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
-                              "header_crc32c \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 hex digits", v);
-    for (j = 0; j < 8; j++) {
-        char c = v[plen + j];
-        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
-            return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
-                                  "header_crc32c \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 lowercase hex digits", v);
-    }
-    smp__ckpt_hex4((const uint8_t *)v + plen, &hi);
-    smp__ckpt_hex4((const uint8_t *)v + plen + 4, &lo);
-    *out = (hi << 16) | lo;
+    const char *bad = smp__ckpt_crc_text(v, out);
+    if (bad)
+        return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL, "header_crc32c \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and %s", v, bad);
     return SMP_OK;
 }
 
-static smp_status smp__ck_manifest_file(smp__ckpt_jp *jp, smp__ck_manifest *m) {
+static smp_status smp__ckpt_manifest_file(smp__ckpt_jp *jp, smp__ckpt_manifest *m) {
     int have[4] = {0, 0, 0, 0}, idx = m->nfiles;
     uint64_t mp = 0;
-    smp__ck_mfile *f;
+    smp__ckpt_mfile *f;
     smp_status st;
     size_t want;
-    if (!smp__ckpt_grow((void **)&m->files, &m->cap, m->nfiles + 1, sizeof *m->files, &want))
+    if (!smp__grow((void **)&m->files, &m->cap, m->nfiles + 1, sizeof *m->files, &want))
         return smp__ckpt_nomem(want, jp->label, "the list of files");
     f = &m->files[m->nfiles++];
     memset(f, 0, sizeof *f);
@@ -3391,7 +3129,7 @@ static smp_status smp__ck_manifest_file(smp__ckpt_jp *jp, smp__ck_manifest *m) {
         if (which == 0) st = smp__ckpt_juint(jp, &mp, "mp_rank");
         else if (which == 1) st = smp__ckpt_jstring(jp, &f->name, "the file name");
         else if (which == 2) st = smp__ckpt_juint(jp, &f->bytes, "bytes");
-        else st = smp__ck_jcrc(jp, &f->header_crc);
+        else st = smp__ckpt_jcrc(jp, &f->header_crc);
         if (st) return st;
         if (smp__ckpt_eat(jp, ',')) continue;
         if (smp__ckpt_eat(jp, '}')) break;
@@ -3411,7 +3149,7 @@ static smp_status smp__ck_manifest_file(smp__ckpt_jp *jp, smp__ck_manifest *m) {
 
 /* Parses a manifest held in text[0..n) (malloc'd, n + 1 bytes, decoded in
    place): m owns text on success; on error text is freed. */
-static smp_status smp__ck_manifest_parse(uint8_t *text, size_t n, const char *label, smp__ck_manifest *m) {
+static smp_status smp__ckpt_manifest_parse(uint8_t *text, size_t n, const char *label, smp__ckpt_manifest *m) {
     smp__ckpt_jp jp;
     int have[6] = {0, 0, 0, 0, 0, 0};
     uint64_t parts = 0;
@@ -3445,9 +3183,9 @@ static smp_status smp__ck_manifest_parse(uint8_t *text, size_t n, const char *la
         }
         switch (which) {
         case 0:
-            if (!(st = smp__ckpt_jstring(&jp, &v, "the format")) && strcmp(v, SMP__CK_MANIFEST_FORMAT))
+            if (!(st = smp__ckpt_jstring(&jp, &v, "the format")) && strcmp(v, SMP__CKPT_MANIFEST_FORMAT))
                 st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL,
-                                    "format \"%s\" is not \"" SMP__CK_MANIFEST_FORMAT "\" (written by another version of smp?)", v);
+                                    "format \"%s\" is not \"" SMP__CKPT_MANIFEST_FORMAT "\" (written by another version of smp?)", v);
             break;
         case 1:
             if (!(st = smp__ckpt_jstring(&jp, &v, "the kind")) && strcmp(v, "partial"))
@@ -3477,7 +3215,7 @@ static smp_status smp__ck_manifest_parse(uint8_t *text, size_t n, const char *la
                     st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "more than %d files", 1 << 20);
                     break;
                 }
-                if ((st = smp__ck_manifest_file(&jp, m)) != SMP_OK) break;
+                if ((st = smp__ckpt_manifest_file(&jp, m)) != SMP_OK) break;
                 if (smp__ckpt_eat(&jp, ',')) continue;
                 if (smp__ckpt_eat(&jp, ']')) break;
                 st = smp__ckpt_jerr(&jp, "expected ',' or ']' in \"files\"");
@@ -3503,7 +3241,7 @@ static smp_status smp__ck_manifest_parse(uint8_t *text, size_t n, const char *la
                                 (smp__ckpt_ull)parts);
         m->partitions = (int)parts;
     }
-    if (st) smp__ck_manifest_free(m);
+    if (st) smp__ckpt_manifest_free(m);
     return st;
 }
 
@@ -3511,21 +3249,21 @@ static smp_status smp__ck_manifest_parse(uint8_t *text, size_t n, const char *la
    does (`label` names it in messages). */
 SMPDEF smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label);
 SMPDEF smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label) {
-    smp__ck_manifest m;
+    smp__ckpt_manifest m;
     uint8_t *text;
     smp_status st;
     if (!bytes && n) return smp_error(SMP_ERR_ARG, "smp__ckpt_manifest_check: bytes is NULL");
-    text = (uint8_t *)SMP_MALLOC(n + 1);
+    text = (uint8_t *)smp__alloc(n + 1, SMP__ALLOC_OTHER);
     if (!text) return smp__ckpt_nomem(n + 1, NULL, "a copy of the manifest to check");
     if (n) memcpy(text, bytes, n);
     text[n] = 0;
-    st = smp__ck_manifest_parse(text, n, label ? label : "manifest", &m);
-    if (!st) smp__ck_manifest_free(&m);
+    st = smp__ckpt_manifest_parse(text, n, label ? label : "manifest", &m);
+    if (!st) smp__ckpt_manifest_free(&m);
     return st;
 }
 
 /* Reads and parses the manifest at mpath. */
-static smp_status smp__ck_manifest_read(const char *mpath, smp__ck_manifest *m) {
+static smp_status smp__ckpt_manifest_read(const char *mpath, smp__ckpt_manifest *m) {
     char label[600];
     struct stat sb;
     uint8_t *text;
@@ -3539,12 +3277,12 @@ static smp_status smp__ck_manifest_read(const char *mpath, smp__ck_manifest *m) 
         close(fd);
         return smp_error(SMP_ERR_IO, "%s is not a regular file", label);
     }
-    if ((uint64_t)sb.st_size > SMP__CK_MANIFEST_MAX) {
+    if ((uint64_t)sb.st_size > SMP__CKPT_MANIFEST_MAX) {
         close(fd);
         return smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "%llu bytes is over the %llu-byte limit of a manifest",
-                              (smp__ckpt_ull)sb.st_size, (smp__ckpt_ull)SMP__CK_MANIFEST_MAX);
+                              (smp__ckpt_ull)sb.st_size, (smp__ckpt_ull)SMP__CKPT_MANIFEST_MAX);
     }
-    text = (uint8_t *)SMP_MALLOC((size_t)sb.st_size + 1);
+    text = (uint8_t *)smp__alloc((size_t)sb.st_size + 1, SMP__ALLOC_OTHER);
     if (!text) {
         close(fd);
         return smp__ckpt_nomem((size_t)sb.st_size + 1, label, "the text");
@@ -3555,24 +3293,24 @@ static smp_status smp__ck_manifest_read(const char *mpath, smp__ck_manifest *m) 
         if (k <= 0) {
             smp_status st = smp__ckpt_fail(SMP_ERR_IO, label, NULL, "read failed: %s", k < 0 ? strerror(errno) : "short file");
             close(fd);
-            SMP_FREE(text);
+            smp__free(text);
             return st;
         }
         got += (size_t)k;
     }
     close(fd);
     text[got] = 0;
-    return smp__ck_manifest_parse(text, got, label, m);
+    return smp__ckpt_manifest_parse(text, got, label, m);
 }
 
 /* Writes "<path>.manifest" naming generation `gen`'s P files (their sizes
    and header checksums): tmp file, fsync, rename over the old manifest,
    folder fsync. *committed says whether the rename happened: from then on
    the new checkpoint is the one smp_load sees. */
-static smp_status smp__ck_manifest_write(const char *path, uint64_t gen, const char *save_id, int P,
+static smp_status smp__ckpt_manifest_write(const char *path, uint64_t gen, const char *save_id, int P,
                                          const uint64_t *bytes, const uint32_t *crcs, int fault, int *committed) {
-    smp__ckpt_sbuf b;
-    char *mpath = smp__ck_manifest_path(path), *tmp = NULL, *dir = NULL, num[128];
+    smp__sbuf b;
+    char *mpath = smp__ckpt_manifest_path(path), *tmp = NULL, *dir = NULL, num[128];
     const char *base, *mbase;
     smp_status st = SMP_OK;
     int k, fd = -1, dfd;
@@ -3584,22 +3322,22 @@ static smp_status smp__ck_manifest_write(const char *path, uint64_t gen, const c
         goto out;
     }
     if (!(tmp = (char *)smp__ckpt_alloc(&st, strlen(mpath) + 32, NULL, "the name of the manifest's tmp file"))) goto out;
-    smp__ckpt_puts(&b, "{\n  \"format\": \"" SMP__CK_MANIFEST_FORMAT "\",\n  \"kind\": \"partial\",\n");
+    smp__sbuf_puts(&b, "{\n  \"format\": \"" SMP__CKPT_MANIFEST_FORMAT "\",\n  \"kind\": \"partial\",\n");
     snprintf(num, sizeof num, "  \"generation\": %llu,\n  \"save_id\": ", (smp__ckpt_ull)gen);
-    smp__ckpt_puts(&b, num);
-    smp__ckpt_put_jstr(&b, NULL, save_id);
+    smp__sbuf_puts(&b, num);
+    smp__sbuf_jstr(&b, NULL, save_id);
     snprintf(num, sizeof num, ",\n  \"partitions\": %d,\n  \"files\": [\n", P);
-    smp__ckpt_puts(&b, num);
+    smp__sbuf_puts(&b, num);
     for (k = 0; k < P; k++) {
         snprintf(num, sizeof num, "    {\"mp_rank\": %d, \"name\": ", k);
-        smp__ckpt_puts(&b, num);
-        smp__ckpt_puts(&b, "\"");
-        smp__ckpt_put_escaped(&b, base);
+        smp__sbuf_puts(&b, num);
+        smp__sbuf_puts(&b, "\"");
+        smp__sbuf_escaped(&b, base);
         snprintf(num, sizeof num, ".g%llu_%d\", \"bytes\": %llu, \"header_crc32c\": \"" SMP__CKPT_CRC_PREFIX "%08x\"}%s\n",
                  (smp__ckpt_ull)gen, k, (smp__ckpt_ull)bytes[k], (unsigned)crcs[k], k + 1 < P ? "," : "");
-        smp__ckpt_puts(&b, num);
+        smp__sbuf_puts(&b, num);
     }
-    smp__ckpt_puts(&b, "  ]\n}\n");
+    smp__sbuf_puts(&b, "  ]\n}\n");
     if (b.oom) {
         st = smp__ckpt_nomem(b.want, NULL, "the text of the checkpoint's manifest");
         goto out;
@@ -3644,17 +3382,17 @@ static smp_status smp__ck_manifest_write(const char *path, uint64_t gen, const c
                        path, mpath, dir, strerror(errno));
     if (dfd >= 0) close(dfd);
 out:
-    smp__ckpt_free(b.p);
-    smp__ckpt_free(mpath);
-    smp__ckpt_free(tmp);
-    smp__ckpt_free(dir);
+    smp__free(b.p);
+    smp__free(mpath);
+    smp__free(tmp);
+    smp__free(dir);
     return st;
 }
 
 /* Whether the file at `full` is a partial checkpoint file of mp rank k,
    and, for a generation's file, of generation `gen` (smp.generation): what
    the cleanup checks before it deletes anything. -1: no memory to tell. */
-static int smp__ck_is_ours(const char *full, int kind, uint64_t gen, int k) {
+static int smp__ckpt_is_ours(const char *full, int kind, uint64_t gen, int k) {
     smp_ckpt_file *f;
     const char *fmt, *knd, *mp, *g;
     uint64_t v;
@@ -3665,9 +3403,9 @@ static int smp__ck_is_ours(const char *full, int kind, uint64_t gen, int k) {
     knd = smp_ckpt_meta(f, "smp.kind");
     mp = smp_ckpt_meta(f, "smp.mp_rank");
     g = smp_ckpt_meta(f, "smp.generation");
-    ok = fmt && !strcmp(fmt, SMP__CK_FORMAT) && knd && !strcmp(knd, "partial") && mp &&
-         smp__ck_digits(mp, &v) == (int)strlen(mp) && v == (uint64_t)k;
-    if (ok && kind == SMP__CK_NAME_GEN) ok = g && smp__ck_digits(g, &v) == (int)strlen(g) && v == gen;
+    ok = fmt && !strcmp(fmt, SMP__CKPT_FORMAT) && knd && !strcmp(knd, "partial") && mp &&
+         smp__ckpt_digits(mp, &v) == (int)strlen(mp) && v == (uint64_t)k;
+    if (ok && kind == SMP__CKPT_NAME_GEN) ok = g && smp__ckpt_digits(g, &v) == (int)strlen(g) && v == gen;
     smp_ckpt_close(f);
     return ok;
 }
@@ -3678,8 +3416,8 @@ static int smp__ck_is_ours(const char *full, int kind, uint64_t gen, int k) {
    of memory is an error: a generation picked without seeing the manifest
    or the folder could be the committed one, whose files the save would
    then overwrite. */
-static smp_status smp__ck_next_generation(const char *path, uint64_t *out) {
-    smp__ck_manifest m;
+static smp_status smp__ckpt_next_generation(const char *path, uint64_t *out) {
+    smp__ckpt_manifest m;
     char *mpath, *dir = NULL, **names = NULL;
     const char *base;
     uint64_t g = 0, gen;
@@ -3690,22 +3428,22 @@ static smp_status smp__ck_next_generation(const char *path, uint64_t *out) {
     *out = 0;
     if ((mpath = (char *)smp__ckpt_alloc(&st, n, NULL, "the name of the checkpoint's manifest")) != NULL) {
         snprintf(mpath, n, "%s.manifest", path);
-        st = smp__ck_manifest_read(mpath, &m);
+        st = smp__ckpt_manifest_read(mpath, &m);
         if (!st) {
             g = m.generation;
-            smp__ck_manifest_free(&m);
+            smp__ckpt_manifest_free(&m);
         } else if (st != SMP_ERR_NOMEM) {
             st = SMP_OK; /* none, or unreadable: the folder's names decide */
         }
-        SMP_FREE(mpath);
+        smp__free(mpath);
     }
     if (!st && !(dir = smp__ckpt_dirname(path, &base)))
         st = smp__nomem(strlen(path) + 1, "the name of the checkpoint's folder");
-    if (!st) st = smp__ck_list_dir(dir, &names);
+    if (!st) st = smp__ckpt_list_dir(dir, &names);
     for (i = 0; names && names[i]; i++)
-        if (smp__ck_classify(names[i], base, &gen, &k, &pid) == SMP__CK_NAME_GEN && gen > g) g = gen;
-    smp__ck_free_list(names);
-    smp__ckpt_free(dir);
+        if (smp__ckpt_classify(names[i], base, &gen, &k, &pid) == SMP__CKPT_NAME_GEN && gen > g) g = gen;
+    smp__ckpt_free_list(names);
+    smp__free(dir);
     *out = g + 1;
     return st;
 }
@@ -3714,42 +3452,42 @@ static smp_status smp__ck_next_generation(const char *path, uint64_t *out) {
    the files of other generations and of the format before manifests
    ("<base>_<k>") for partition `mine` (and, with `strays`, for partitions
    >= P, which an earlier save with more partitions left), each only after
-   its header shows it is such a file (smp__ck_is_ours), and the tmp files of
+   its header shows it is such a file (smp__ckpt_is_ours), and the tmp files of
    writers killed while saving them (their process gone from this host).
    Best effort: what cannot be removed stays, and the next save tries again.
    It runs after the commit, so running out of memory here does not fail the
    save (the new checkpoint is in place): it keeps the files it could not
    look at and says so in a warning. */
-static void smp__ck_cleanup(const char *path, uint64_t gen, int mine, int P, int strays, int fault) {
+static void smp__ckpt_cleanup(const char *path, uint64_t gen, int mine, int P, int strays, int fault) {
     const char *base;
     char *dir = smp__ckpt_dirname(path, &base), **names = NULL;
     int i, removed = 0, short_of_memory = !dir;
-    if (dir && smp__ck_list_dir(dir, &names) != SMP_OK) short_of_memory = 1;
+    if (dir && smp__ckpt_list_dir(dir, &names) != SMP_OK) short_of_memory = 1;
     for (i = 0; names && names[i]; i++) {
         uint64_t g;
         long pid;
-        int k, kind = smp__ck_classify(names[i], base, &g, &k, &pid), ours = 0;
+        int k, kind = smp__ckpt_classify(names[i], base, &g, &k, &pid), ours = 0;
         char *full;
-        if (kind == SMP__CK_NAME_OTHER || (kind == SMP__CK_NAME_GEN && g == gen)) continue;
+        if (kind == SMP__CKPT_NAME_OTHER || (kind == SMP__CKPT_NAME_GEN && g == gen)) continue;
         if (k != mine && !(strays && k >= P)) continue;
-        if (!(full = smp__ck_join(dir, names[i]))) {
+        if (!(full = smp__ckpt_join(dir, names[i]))) {
             short_of_memory = 1;
             continue;
         }
         if (pid) {
             ours = pid != (long)getpid() && !smp__ckpt_pid_alive(pid);
         } else {
-            ours = smp__ck_is_ours(full, kind, g, k);
+            ours = smp__ckpt_is_ours(full, kind, g, k);
             if (ours < 0) short_of_memory = 1;
         }
         if (ours > 0) {
             if (unlink(full) == 0 && !pid) removed++;
             if (removed == 1 && fault == SMP__CKPT_FAULT_CLEANUP) smp__ckpt_die(fault);
         }
-        SMP_FREE(full);
+        smp__free(full);
     }
-    smp__ck_free_list(names);
-    smp__ckpt_free(dir);
+    smp__ckpt_free_list(names);
+    smp__free(dir);
     if (short_of_memory)
         smp_log(SMP_LOG_WARN,
                 "checkpoint '%s': generation %llu is saved and committed, but out of memory removing the files it "
@@ -3761,23 +3499,23 @@ static void smp__ck_cleanup(const char *path, uint64_t gen, int mine, int P, int
 /* Test-only (SMP_CKPT_FAULT=rename in a partial save): before this rank
    dies ahead of its rename, let every other saver rename its file, so the
    kill falls between the per-rank renames. */
-static void smp__ck_fault_pace(const char *path, uint64_t gen, int P, int mine) {
+static void smp__ckpt_fault_pace(const char *path, uint64_t gen, int P, int mine) {
     int tries, k;
     for (tries = 0; tries < 10000; tries++) {
         int all = 1;
         for (k = 0; k < P && all; k++) {
             char *p;
             if (k == mine) continue;
-            p = smp__ck_gen_path(path, gen, k);
-            all = p && smp__ck_exists(p);
-            smp__ckpt_free(p);
+            p = smp__ckpt_gen_path(path, gen, k);
+            all = p && smp__ckpt_exists(p);
+            smp__free(p);
         }
         if (all) return;
-        smp__sleep_ns(SMP__CK_FAULT_PACE_NS);
+        smp__sleep_ns(SMP__CKPT_FAULT_PACE_NS);
     }
 }
 
-static smp_status smp__ck_check_common(smp_model *m, const char *path, const char *fn) {
+static smp_status smp__ckpt_check_common(smp_model *m, const char *path, const char *fn) {
     if (!m) return smp_error(SMP_ERR_ARG, "%s: model is NULL", fn);
     if (!path || !*path) return smp_error(SMP_ERR_ARG, "%s: no path", fn);
     if (!smp_model_partitioned(m))
@@ -3788,8 +3526,8 @@ static smp_status smp__ck_check_common(smp_model *m, const char *path, const cha
     return SMP_OK;
 }
 
-static smp_status smp__ck_check_save(smp_model *m, const char *path, const smp_save_desc *d) {
-    smp_status st = smp__ck_check_common(m, path, "smp_save");
+static smp_status smp__ckpt_check_save(smp_model *m, const char *path, const smp_save_desc *d) {
+    smp_status st = smp__ckpt_check_common(m, path, "smp_save");
     int i;
     if (st) return st;
     if (d->optimizer && d->optimizer->model != m)
@@ -3808,9 +3546,9 @@ static smp_status smp__ck_check_save(smp_model *m, const char *path, const smp_s
 
 SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *desc) {
     smp_save_desc d;
-    smp__ck_plan pl;
-    smp__ck_meta md;
-    smp__ck_rx rx;
+    smp__ckpt_plan pl;
+    smp__ckpt_meta_list md;
+    smp__ckpt_rx rx;
     smp_ckpt_writer *w = NULL;
     smp_ckpt_entry *entries = NULL;
     char *file = NULL;
@@ -3822,28 +3560,28 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
     if (desc) d = *desc;
     else memset(&d, 0, sizeof d);
     partial = d.partial != SMP_OFF;
-    st = smp__agree_on(smp_group_comm(SMP_WORLD), smp__ck_check_save(m, path, &d), "smp_save arguments");
+    st = smp__agree_on(smp_group_comm(SMP_WORLD), smp__ckpt_check_save(m, path, &d), "smp_save arguments");
     if (st) return st;
 
     memset(&md, 0, sizeof md);
     memset(&rx, 0, sizeof rx);
-    st = smp__ck_plan_init(&pl, m, d.optimizer, d.chunk_bytes);
+    st = smp__ckpt_plan_init(&pl, m, d.optimizer, d.chunk_bytes);
     if (partial) { /* 0. the generation: world rank 0 looks at the folder */
         MPI_Request req;
-        if (pl.rank == 0 && !st) st = smp__ck_next_generation(path, &gen);
+        if (pl.rank == 0 && !st) st = smp__ckpt_next_generation(path, &gen);
         MPI_Ibcast(&gen, 1, MPI_UINT64_T, 0, pl.comm, &req);
         smp_wait_requests(1, &req, "checkpoint generation", SMP_WORLD, 0);
     }
     for (i = 0; i < pl.n && !st; i++) {
-        const smp__ck_item *it = &pl.items[i];
-        if ((it->kind == SMP__CK_OPTIM || it->kind == SMP__CK_GLOBAL) && !it->saver_has)
+        const smp__ckpt_item *it = &pl.items[i];
+        if ((it->kind == SMP__CKPT_OPTIM || it->kind == SMP__CKPT_GLOBAL) && !it->saver_has)
             st = smp_error(SMP_ERR_ARG,
                            "optimizer state '%s' is registered on some ranks but not on world rank %d (dp rank 0 of "
                            "partition %d), which saves it",
                            it->name, pl.saver[it->mp], it->mp);
     }
-    if (!st) st = smp__ck_build_meta(&pl, &d, partial, gen, &md);
-    st = smp__ck_agree(&pl, st, "planning the save");
+    if (!st) st = smp__ckpt_build_meta(&pl, &d, partial, gen, &md);
+    st = smp__ckpt_agree(&pl, st, "planning the save");
     if (st) goto done;
 
     if (partial) {
@@ -3863,13 +3601,13 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
             size_t n = strlen(path) + 48;
             if ((file = (char *)smp__ckpt_alloc(&st, n, NULL, "the name of this partition's checkpoint file")))
                 snprintf(file, n, "%s.g%llu_%d", path, (smp__ckpt_ull)gen, pl.mp);
-            if (!st) entries = smp__ck_entries(&pl, pl.mp, &ne, &st);
+            if (!st) entries = smp__ckpt_entries(&pl, pl.mp, &ne, &st);
             if (!st)
                 st = smp_ckpt_writer_open(&w, file, entries, ne, (const char *const *)md.keys,
                                           (const char *const *)md.vals, md.n);
             for (i = 0; i < pl.n && !st; i++) {
-                const smp__ck_item *it = &pl.items[pl.order[i]];
-                if (it->mp == pl.mp) st = smp__ck_write_local(w, it, pl.chunk);
+                const smp__ckpt_item *it = &pl.items[pl.order[i]];
+                if (it->mp == pl.mp) st = smp__ckpt_write_local(w, it, pl.chunk);
             }
             if (w && st) {
                 smp_ckpt_writer_abort(w);
@@ -3884,22 +3622,22 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
                 }
             }
         }
-        st = smp__ck_agree(&pl, st, "writing the partial checkpoint files");
+        st = smp__ckpt_agree(&pl, st, "writing the partial checkpoint files");
         if (st) {
             if (w) smp_ckpt_writer_abort(w); /* deletes the sealed tmp file */
             w = NULL;
-            smp__ckpt_free(all);
+            smp__free(all);
             smp__agree_on(pl.comm, SMP_OK, "removing the failed save's files"); /* every rank returns after */
             goto done;
         }
         /* 2. every file is complete on disk: each goes to its name, which no
            loader follows until the manifest names it */
         if (w) {
-            if (fault == SMP__CKPT_FAULT_RENAME) smp__ck_fault_pace(path, gen, pl.P, pl.mp);
+            if (fault == SMP__CKPT_FAULT_RENAME) smp__ckpt_fault_pace(path, gen, pl.P, pl.mp);
             st = smp__ckpt_writer_publish(w);
         }
         w = NULL;
-        st = smp__ck_agree(&pl, st, "renaming the partial checkpoint files into place");
+        st = smp__ckpt_agree(&pl, st, "renaming the partial checkpoint files into place");
         if (!st && fault == SMP__CKPT_FAULT_RENAMED) smp__ckpt_die(fault);
         /* 3. world rank 0 commits them: one rename of the manifest, which
            records every file's size and header checksum */
@@ -3917,13 +3655,13 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
                         bytes[all[3 * i]] = all[3 * i + 1];
                         crcs[all[3 * i]] = (uint32_t)all[3 * i + 2];
                     }
-                st = smp__ck_manifest_write(path, gen, pl.save_id, pl.P, bytes, crcs, fault, &committed);
+                st = smp__ckpt_manifest_write(path, gen, pl.save_id, pl.P, bytes, crcs, fault, &committed);
             }
-            st = smp__ck_agree(&pl, st, "committing the partial checkpoint (renaming its manifest into place)");
+            st = smp__ckpt_agree(&pl, st, "committing the partial checkpoint (renaming its manifest into place)");
             MPI_Ibcast(&committed, 1, MPI_INT, 0, pl.comm, &req);
             smp_wait_requests(1, &req, "checkpoint commit", SMP_WORLD, 0);
         }
-        smp__ckpt_free(all);
+        smp__free(all);
         if (st) { /* not committed: the new generation goes, the previous one stays as it was */
             if (!committed && file && pl.dp == 0) unlink(file);
             smp__agree_on(pl.comm, SMP_OK, "removing the failed save's files"); /* every rank returns after */
@@ -3932,43 +3670,43 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
         /* 4. what the new generation replaced goes: each saver removes its
            partition's old files, partition 0's also those of partitions
            that no longer exist (best effort: the save stands) */
-        if (pl.dp == 0) smp__ck_cleanup(path, gen, pl.mp, pl.P, pl.mp == 0, fault);
+        if (pl.dp == 0) smp__ckpt_cleanup(path, gen, pl.mp, pl.P, pl.mp == 0, fault);
         st = smp__agree_on(pl.comm, SMP_OK, "removing the previous generation of the checkpoint");
     } else {
         int writer = pl.saver[0];
         /* 1. the writer opens the file; every rank takes the buffers of the
            transfer (2), so none runs out of memory inside it */
-        st = smp__ck_stream_prepare(&pl, writer, &rx);
+        st = smp__ckpt_stream_prepare(&pl, writer, &rx);
         if (pl.rank == writer && !st) {
-            entries = smp__ck_entries(&pl, -1, &ne, &st);
+            entries = smp__ckpt_entries(&pl, -1, &ne, &st);
             if (!st)
                 st = smp_ckpt_writer_open(&w, path, entries, ne, (const char *const *)md.keys,
                                           (const char *const *)md.vals, md.n);
         }
-        st = smp__ck_agree(&pl, st, "opening the checkpoint file");
+        st = smp__ckpt_agree(&pl, st, "opening the checkpoint file");
         if (st) goto done; /* w is NULL wherever opening failed */
-        st = smp__ck_stream(&rx, smp__ck_file_sink, w, 1);
-        st = smp__ck_agree(&pl, st, "writing the checkpoint");
+        st = smp__ckpt_stream(&rx, smp__ckpt_file_sink, w, 1);
+        st = smp__ckpt_agree(&pl, st, "writing the checkpoint");
         if (w) {
             if (st) smp_ckpt_writer_abort(w);
             else st = smp_ckpt_writer_commit(w);
             w = NULL;
         }
-        st = smp__ck_agree(&pl, st, "committing the checkpoint file");
+        st = smp__ckpt_agree(&pl, st, "committing the checkpoint file");
     }
 
 done:
     if (w) smp_ckpt_writer_abort(w);
-    smp__ck_stream_free(&rx);
-    smp__ckpt_free(entries);
-    smp__ckpt_free(file);
-    smp__ck_meta_free(&md);
-    smp__ck_plan_free(&pl);
+    smp__ckpt_stream_free(&rx);
+    smp__free(entries);
+    smp__free(file);
+    smp__ckpt_meta_free(&md);
+    smp__ckpt_plan_free(&pl);
     return st;
 }
 
 /* ---------------------------------------------------------------- loading */
-static const uint8_t *smp__ck_map(smp_ckpt_file *f) {
+static const uint8_t *smp__ckpt_map(smp_ckpt_file *f) {
     if (f->mem) return f->mem;
     if (!f->map_tried) {
         f->map_tried = 1;
@@ -3981,7 +3719,7 @@ static const uint8_t *smp__ck_map(smp_ckpt_file *f) {
 }
 
 /* Parses a metadata integer in [lo, hi]; -1 (with an error) otherwise. */
-static int smp__ck_meta_int(const smp_ckpt_file *f, const char *key, int lo, int hi) {
+static int smp__ckpt_meta_int(const smp_ckpt_file *f, const char *key, int lo, int hi) {
     const char *v = smp_ckpt_meta(f, key);
     long x = 0;
     int nd = 0;
@@ -4001,14 +3739,14 @@ static int smp__ck_meta_int(const smp_ckpt_file *f, const char *key, int lo, int
 /* Opens the files that the manifest of a partial checkpoint commits and
    checks each against it: the same save and generation, its mp rank, its
    size and the checksum of its header. */
-static smp_status smp__ck_open_manifest_set(const char *mpath, smp_ckpt_file ***out, int *nout) {
+static smp_status smp__ckpt_open_manifest_set(const char *mpath, smp_ckpt_file ***out, int *nout) {
     static const char *const fix = "restore it from a copy of the checkpoint, or save the checkpoint again";
-    smp__ck_manifest m;
+    smp__ckpt_manifest m;
     smp_ckpt_file **files;
     char *dir = NULL, *full = NULL;
     const char *mbase;
     int k, P;
-    smp_status st = smp__ck_manifest_read(mpath, &m);
+    smp_status st = smp__ckpt_manifest_read(mpath, &m);
     if (st == SMP_ERR_NOMEM) return st; /* its message says what for */
     if (st)
         return smp_error(st,
@@ -4019,17 +3757,17 @@ static smp_status smp__ck_open_manifest_set(const char *mpath, smp_ckpt_file ***
     files = (smp_ckpt_file **)smp__ckpt_alloc(&st, sizeof *files * (size_t)P, NULL, "the list of a checkpoint's files");
     if (!st && !(dir = smp__ckpt_dirname(mpath, &mbase))) st = smp__nomem(strlen(mpath) + 1, "the name of the checkpoint's folder");
     if (st) {
-        smp__ckpt_free(files);
-        smp__ck_manifest_free(&m);
+        smp__free(files);
+        smp__ckpt_manifest_free(&m);
         return st;
     }
     memset(files, 0, sizeof *files * (size_t)P);
     for (k = 0; k < P && !st; k++) {
-        const smp__ck_mfile *mf = &m.files[k];
+        const smp__ckpt_mfile *mf = &m.files[k];
         smp_ckpt_file *f;
         const char *fmt, *kind, *id, *gen;
         char want[32];
-        if (!(full = smp__ck_join(dir, mf->name))) {
+        if (!(full = smp__ckpt_join(dir, mf->name))) {
             st = smp__nomem(strlen(dir) + strlen(mf->name) + 2, "the name of a checkpoint file");
             break;
         }
@@ -4048,7 +3786,7 @@ static smp_status smp__ck_open_manifest_set(const char *mpath, smp_ckpt_file ***
             id = smp_ckpt_meta(f, "smp.save_id");
             gen = smp_ckpt_meta(f, "smp.generation");
             snprintf(want, sizeof want, "%llu", (smp__ckpt_ull)m.generation);
-            if (!fmt || strcmp(fmt, SMP__CK_FORMAT) || !kind || strcmp(kind, "partial"))
+            if (!fmt || strcmp(fmt, SMP__CKPT_FORMAT) || !kind || strcmp(kind, "partial"))
                 st = smp_error(SMP_ERR_FORMAT,
                                "checkpoint '%s' is not a file of an smp partial checkpoint, but the manifest '%s' names "
                                "it: %s",
@@ -4058,7 +3796,7 @@ static smp_status smp__ck_open_manifest_set(const char *mpath, smp_ckpt_file ***
                                "checkpoint '%s' comes from another save than the manifest '%s' commits (smp.save_id %s "
                                "and smp.generation %s, not %s and %s): files of two checkpoints are mixed; %s",
                                full, mpath, id ? id : "missing", gen ? gen : "missing", m.save_id, want, fix);
-            else if (smp__ck_meta_int(f, "smp.partitions", P, P) < 0 || smp__ck_meta_int(f, "smp.mp_rank", k, k) < 0)
+            else if (smp__ckpt_meta_int(f, "smp.partitions", P, P) < 0 || smp__ckpt_meta_int(f, "smp.mp_rank", k, k) < 0)
                 st = smp_error(SMP_ERR_FORMAT, "%s, but the manifest '%s' lists it as file %d of %d: %s",
                                smp_last_error(), mpath, k, P, fix);
             else if (f->size != mf->bytes)
@@ -4073,14 +3811,14 @@ static smp_status smp__ck_open_manifest_set(const char *mpath, smp_ckpt_file ***
                                "save committed it; %s",
                                full, (unsigned)f->header_crc, mpath, (unsigned)mf->header_crc, fix);
         }
-        SMP_FREE(full);
+        smp__free(full);
         full = NULL;
     }
-    smp__ckpt_free(dir);
-    smp__ck_manifest_free(&m);
+    smp__free(dir);
+    smp__ckpt_manifest_free(&m);
     if (st) {
         for (k = 0; k < P; k++) smp_ckpt_close(files[k]);
-        SMP_FREE(files);
+        smp__free(files);
         return st;
     }
     *out = files;
@@ -4095,35 +3833,35 @@ SMPDEF smp_status smp_ckpt_partial_file(const char *path, int mp_rank, char *out
     if (partitions) *partitions = 0;
     if (!path || !*path || !out || !cap) return smp_error(SMP_ERR_ARG, "smp_ckpt_partial_file: path and out must be given");
     out[0] = 0;
-    if (!(mpath = smp__ck_manifest_path(path))) return smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
-    if (smp__ck_exists(mpath)) {
-        smp__ck_manifest m;
+    if (!(mpath = smp__ckpt_manifest_path(path))) return smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
+    if (smp__ckpt_exists(mpath)) {
+        smp__ckpt_manifest m;
         const char *mbase;
         char *dir;
-        if ((st = smp__ck_manifest_read(mpath, &m)) == SMP_OK) {
+        if ((st = smp__ckpt_manifest_read(mpath, &m)) == SMP_OK) {
             P = m.partitions;
             if (mp_rank >= 0 && mp_rank < P) {
                 dir = smp__ckpt_dirname(mpath, &mbase);
-                file = dir ? smp__ck_join(dir, m.files[mp_rank].name) : NULL;
-                smp__ckpt_free(dir);
+                file = dir ? smp__ckpt_join(dir, m.files[mp_rank].name) : NULL;
+                smp__free(dir);
                 if (!file) st = smp__nomem(strlen(mpath) + strlen(m.files[mp_rank].name) + 2, "the name of a checkpoint file");
             }
-            smp__ck_manifest_free(&m);
+            smp__ckpt_manifest_free(&m);
         }
     } else {
         smp_ckpt_file *f0 = NULL;
-        char *p0 = smp__ck_part_path(path, 0);
+        char *p0 = smp__ckpt_part_path(path, 0);
         if (!p0) st = smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
-        else if (!smp__ck_exists(p0))
+        else if (!smp__ckpt_exists(p0))
             st = smp_error(SMP_ERR_IO,
                            "no partial checkpoint at '%s': neither its manifest '%s' nor '%s' (file 0 of a checkpoint "
                            "saved before manifests) exists",
                            path, mpath, p0);
-        else if ((st = smp_ckpt_open(&f0, p0)) == SMP_OK && (P = smp__ck_meta_int(f0, "smp.partitions", 1, 1 << 20)) < 0)
+        else if ((st = smp_ckpt_open(&f0, p0)) == SMP_OK && (P = smp__ckpt_meta_int(f0, "smp.partitions", 1, 1 << 20)) < 0)
             st = SMP_ERR_FORMAT;
         smp_ckpt_close(f0);
-        smp__ckpt_free(p0);
-        if (!st && mp_rank >= 0 && mp_rank < P && !(file = smp__ck_part_path(path, mp_rank)))
+        smp__free(p0);
+        if (!st && mp_rank >= 0 && mp_rank < P && !(file = smp__ckpt_part_path(path, mp_rank)))
             st = smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
     }
     if (!st && (mp_rank < 0 || mp_rank >= P))
@@ -4135,13 +3873,13 @@ SMPDEF smp_status smp_ckpt_partial_file(const char *path, int mp_rank, char *out
         memcpy(out, file, strlen(file) + 1);
         if (partitions) *partitions = P;
     }
-    smp__ckpt_free(file);
-    smp__ckpt_free(mpath);
+    smp__free(file);
+    smp__free(mpath);
     return st;
 }
 
 /* Opens the file(s) of a checkpoint and checks that they form one save. */
-static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file ***out, int *nout) {
+static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_file ***out, int *nout) {
     smp_ckpt_file **files = NULL, *f0 = NULL;
     char *p;
     const char *kind, *fmt, *id0;
@@ -4152,13 +3890,13 @@ static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file 
     if (!partial) {
         st = smp_ckpt_open(&f0, path);
         if (st) {
-            char *mp = smp__ck_manifest_path(path);
-            p = smp__ck_part_path(path, 0);
-            if (!smp__ck_exists(path) && (smp__ck_exists(mp) || smp__ck_exists(p)))
+            char *mp = smp__ckpt_manifest_path(path);
+            p = smp__ckpt_part_path(path, 0);
+            if (!smp__ckpt_exists(path) && (smp__ckpt_exists(mp) || smp__ckpt_exists(p)))
                 st = smp_error(st, "%s (but '%s' exists: a partial checkpoint? load it with partial = SMP_ON)",
-                               smp_last_error(), smp__ck_exists(mp) ? mp : p);
-            smp__ckpt_free(p);
-            smp__ckpt_free(mp);
+                               smp_last_error(), smp__ckpt_exists(mp) ? mp : p);
+            smp__free(p);
+            smp__free(mp);
             return st;
         }
         kind = smp_ckpt_meta(f0, "smp.kind");
@@ -4171,7 +3909,7 @@ static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file 
             smp_ckpt_close(f0);
             return st;
         }
-        files = (smp_ckpt_file **)SMP_MALLOC(sizeof *files);
+        files = (smp_ckpt_file **)smp__alloc(sizeof *files, SMP__ALLOC_OTHER);
         if (!files) {
             smp_ckpt_close(f0);
             return smp__nomem(sizeof *files, "the list of a checkpoint's files");
@@ -4183,38 +3921,38 @@ static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file 
     }
     /* a manifest commits the files of a partial checkpoint; without one,
        "<path>_0" .. are a checkpoint saved before manifests */
-    p = smp__ck_manifest_path(path);
+    p = smp__ckpt_manifest_path(path);
     if (!p) return smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
-    if (smp__ck_exists(p)) {
-        st = smp__ck_open_manifest_set(p, out, nout);
-        SMP_FREE(p);
+    if (smp__ckpt_exists(p)) {
+        st = smp__ckpt_open_manifest_set(p, out, nout);
+        smp__free(p);
         return st;
     }
-    SMP_FREE(p);
-    p = smp__ck_part_path(path, 0);
+    smp__free(p);
+    p = smp__ckpt_part_path(path, 0);
     if (!p) return smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
-    if (!smp__ck_exists(p)) {
+    if (!smp__ckpt_exists(p)) {
         st = smp_error(SMP_ERR_IO,
                        "no partial checkpoint at '%s': neither its manifest '%s.manifest' nor '%s' (file 0 of a "
                        "checkpoint saved before manifests) exists%s%s%s",
-                       path, path, p, smp__ck_exists(path) ? " (but '" : "", smp__ck_exists(path) ? path : "",
-                       smp__ck_exists(path) ? "' exists: a full checkpoint? load it with partial = SMP_OFF)" : "");
-        SMP_FREE(p);
+                       path, path, p, smp__ckpt_exists(path) ? " (but '" : "", smp__ckpt_exists(path) ? path : "",
+                       smp__ckpt_exists(path) ? "' exists: a full checkpoint? load it with partial = SMP_OFF)" : "");
+        smp__free(p);
         return st;
     }
     st = smp_ckpt_open(&f0, p);
     if (st) {
-        SMP_FREE(p);
+        smp__free(p);
         return st;
     }
-    SMP_FREE(p);
+    smp__free(p);
     fmt = smp_ckpt_meta(f0, "smp.format");
     kind = smp_ckpt_meta(f0, "smp.kind");
     id0 = smp_ckpt_meta(f0, "smp.save_id");
-    if (!fmt || strcmp(fmt, SMP__CK_FORMAT) || !kind || !id0) {
+    if (!fmt || strcmp(fmt, SMP__CKPT_FORMAT) || !kind || !id0) {
         st = smp_error(SMP_ERR_FORMAT,
                        "checkpoint '%s' is not a file of an smp partial checkpoint (its metadata lacks smp.format "
-                       "\"" SMP__CK_FORMAT "\", smp.kind or smp.save_id)",
+                       "\"" SMP__CKPT_FORMAT "\", smp.kind or smp.save_id)",
                        smp_ckpt_path(f0));
         smp_ckpt_close(f0);
         return st;
@@ -4225,13 +3963,13 @@ static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file 
         smp_ckpt_close(f0);
         return st;
     }
-    if ((P = smp__ck_meta_int(f0, "smp.partitions", 1, 1 << 20)) < 0 ||
-        smp__ck_meta_int(f0, "smp.mp_rank", 0, 0) < 0) {
+    if ((P = smp__ckpt_meta_int(f0, "smp.partitions", 1, 1 << 20)) < 0 ||
+        smp__ckpt_meta_int(f0, "smp.mp_rank", 0, 0) < 0) {
         st = SMP_ERR_FORMAT;
         smp_ckpt_close(f0);
         return st;
     }
-    files = (smp_ckpt_file **)SMP_MALLOC(sizeof *files * (size_t)P);
+    files = (smp_ckpt_file **)smp__alloc(sizeof *files * (size_t)P, SMP__ALLOC_OTHER);
     if (!files) {
         smp_ckpt_close(f0);
         return smp__nomem(sizeof *files * (size_t)P, "the list of a checkpoint's files");
@@ -4241,7 +3979,7 @@ static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file 
     st = SMP_OK;
     for (k = 1; k < P && !st; k++) {
         const char *fk, *kk, *idk;
-        p = smp__ck_part_path(path, k);
+        p = smp__ckpt_part_path(path, k);
         if (!p) {
             st = smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
             break;
@@ -4253,22 +3991,22 @@ static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file 
             fk = smp_ckpt_meta(files[k], "smp.format");
             kk = smp_ckpt_meta(files[k], "smp.kind");
             idk = smp_ckpt_meta(files[k], "smp.save_id");
-            if (!fk || strcmp(fk, SMP__CK_FORMAT) || !kk || strcmp(kk, "partial"))
+            if (!fk || strcmp(fk, SMP__CKPT_FORMAT) || !kk || strcmp(kk, "partial"))
                 st = smp_error(SMP_ERR_FORMAT, "checkpoint '%s' is not a file of an smp partial checkpoint", p);
             else if (!idk || strcmp(idk, id0))
                 st = smp_error(SMP_ERR_FORMAT,
                                "checkpoint '%s' comes from another save than '%s' (smp.save_id %s, not %s): a save was "
                                "interrupted between files, or files of two checkpoints are mixed",
                                p, smp_ckpt_path(f0), idk ? idk : "missing", id0);
-            else if (smp__ck_meta_int(files[k], "smp.partitions", P, P) < 0 ||
-                     smp__ck_meta_int(files[k], "smp.mp_rank", k, k) < 0)
+            else if (smp__ckpt_meta_int(files[k], "smp.partitions", P, P) < 0 ||
+                     smp__ckpt_meta_int(files[k], "smp.mp_rank", k, k) < 0)
                 st = SMP_ERR_FORMAT;
         }
-        SMP_FREE(p);
+        smp__free(p);
     }
     if (st) {
         for (k = 0; k < P; k++) smp_ckpt_close(files[k]);
-        SMP_FREE(files);
+        smp__free(files);
         return st;
     }
     *out = files;
@@ -4277,7 +4015,7 @@ static smp_status smp__ck_open_set(const char *path, int partial, smp_ckpt_file 
 }
 
 /* Matches the files' tensors with the model: same on every rank. */
-static smp_status smp__ck_match(smp__ck_plan *pl, smp_ckpt_file **files, int nf, int partial, int with_opt) {
+static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int nf, int partial, int with_opt) {
     int k, i;
     char d1[200], d2[200];
     size_t plen = strlen(SMP_CKPT_OPTIMIZER_PREFIX);
@@ -4285,8 +4023,8 @@ static smp_status smp__ck_match(smp__ck_plan *pl, smp_ckpt_file **files, int nf,
         smp_ckpt_file *f = files[k];
         for (i = 0; i < smp_ckpt_count(f); i++) {
             const smp_ckpt_info *e = smp_ckpt_info_at(f, i);
-            int idx = smp__ck_find(pl, e->name), is_opt = !strncmp(e->name, SMP_CKPT_OPTIMIZER_PREFIX, plen);
-            smp__ck_item *it;
+            int idx = smp__ckpt_find(pl, e->name), is_opt = !strncmp(e->name, SMP_CKPT_OPTIMIZER_PREFIX, plen);
+            smp__ckpt_item *it;
             if (idx < 0) {
                 if (is_opt && !with_opt) continue; /* loading without an optimizer */
                 return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is unexpected: %s", smp_ckpt_path(f),
@@ -4298,19 +4036,19 @@ static smp_status smp__ck_match(smp__ck_plan *pl, smp_ckpt_file **files, int nf,
             if (it->src)
                 return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is also in '%s'", smp_ckpt_path(f),
                                  e->name, smp_ckpt_path(files[it->file]));
-            if (e->dtype != it->dtype || !smp__ck_same_shape(e->ndim, e->shape, it->ndim, it->shape))
+            if (e->dtype != it->dtype || !smp__ckpt_same_shape(e->ndim, e->shape, it->ndim, it->shape))
                 return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is %s in the file but %s in the model",
-                                 smp_ckpt_path(f), e->name, smp__ck_describe(e->dtype, e->ndim, e->shape, d1, sizeof d1),
-                                 smp__ck_describe(it->dtype, it->ndim, it->shape, d2, sizeof d2));
+                                 smp_ckpt_path(f), e->name, smp__ckpt_describe(e->dtype, e->ndim, e->shape, d1, sizeof d1),
+                                 smp__ckpt_describe(it->dtype, it->ndim, it->shape, d2, sizeof d2));
             if (partial) { /* the partition map must agree with where the tensor is */
                 char key[64 + 8];
                 const char *v;
                 size_t kl = strlen("smp.partition.") + strlen(e->name) + 1;
-                char *kb = kl <= sizeof key ? key : (char *)SMP_MALLOC(kl);
+                char *kb = kl <= sizeof key ? key : (char *)smp__alloc(kl, SMP__ALLOC_OTHER);
                 if (!kb) return smp__nomem(kl, "a metadata key to look up (smp.partition.<tensor>)");
                 snprintf(kb, kl, "smp.partition.%s", e->name);
                 v = smp_ckpt_meta(f, kb);
-                if (kb != key) SMP_FREE(kb);
+                if (kb != key) smp__free(kb);
                 if (v && atoi(v) != k)
                     return smp_error(SMP_ERR_FORMAT,
                                      "checkpoint '%s': tensor '%s' is in file %d but the partition map says %s",
@@ -4321,26 +4059,26 @@ static smp_status smp__ck_match(smp__ck_plan *pl, smp_ckpt_file **files, int nf,
         }
     }
     for (i = 0; i < pl->n; i++) {
-        const smp__ck_item *it = &pl->items[i];
+        const smp__ckpt_item *it = &pl->items[i];
         if (!it->src)
             return smp_error(SMP_ERR_FORMAT, "checkpoint '%s'%s: tensor '%s' is missing (the model has this %s)",
                              smp_ckpt_path(files[0]), nf > 1 ? " and the other files of its save" : "", it->name,
-                             smp__ck_kind_name(it->kind));
+                             smp__ckpt_kind_name(it->kind));
     }
     return SMP_OK;
 }
 
 /* Checks the checksum of every tensor this rank loads. */
-static smp_status smp__ck_verify_local(smp__ck_plan *pl, smp_ckpt_file **files) {
+static smp_status smp__ckpt_verify_local(smp__ckpt_plan *pl, smp_ckpt_file **files) {
     int i;
     for (i = 0; i < pl->n; i++) {
-        smp__ck_item *it = &pl->items[pl->order[i]];
+        smp__ckpt_item *it = &pl->items[pl->order[i]];
         smp_ckpt_file *f;
         const uint8_t *base;
         smp_status st;
         if (!(it->local || it->copy) || !it->src || !it->nbytes) continue;
         f = files[it->file];
-        base = smp__ck_map(f);
+        base = smp__ckpt_map(f);
         if (base) {
             it->bytes = base + f->data_start + it->src->offset;
             if (it->src->has_checksum) {
@@ -4348,7 +4086,7 @@ static smp_status smp__ck_verify_local(smp__ck_plan *pl, smp_ckpt_file **files) 
                 if (got != it->src->checksum) return smp__ckpt_mismatch(f, it->src, got);
             }
         } else {
-            it->staged = (uint8_t *)SMP_MALLOC((size_t)it->nbytes);
+            it->staged = (uint8_t *)smp__alloc((size_t)it->nbytes, SMP__ALLOC_OTHER);
             if (!it->staged) {
                 char what[600];
                 snprintf(what, sizeof what, "reading tensor '%s' of %s", it->name, f->label);
@@ -4361,8 +4099,8 @@ static smp_status smp__ck_verify_local(smp__ck_plan *pl, smp_ckpt_file **files) 
     return SMP_OK;
 }
 
-static smp_status smp__ck_check_load(smp_model *m, const char *path, const smp_load_desc *d) {
-    smp_status st = smp__ck_check_common(m, path, "smp_load");
+static smp_status smp__ckpt_check_load(smp_model *m, const char *path, const smp_load_desc *d) {
+    smp_status st = smp__ckpt_check_common(m, path, "smp_load");
     if (st) return st;
     if (d->optimizer && d->optimizer->model != m)
         return smp_error(SMP_ERR_ARG, "smp_load: the optimizer registry belongs to another model");
@@ -4371,7 +4109,7 @@ static smp_status smp__ck_check_load(smp_model *m, const char *path, const smp_l
 
 SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *desc) {
     smp_load_desc d;
-    smp__ck_plan pl;
+    smp__ckpt_plan pl;
     smp_ckpt_file **files = NULL;
     int nf = 0, i, partial;
     smp_status st;
@@ -4380,26 +4118,26 @@ SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *
     if (desc) d = *desc;
     else memset(&d, 0, sizeof d);
     partial = d.partial != SMP_OFF;
-    st = smp__agree_on(smp_group_comm(SMP_WORLD), smp__ck_check_load(m, path, &d), "smp_load arguments");
+    st = smp__agree_on(smp_group_comm(SMP_WORLD), smp__ckpt_check_load(m, path, &d), "smp_load arguments");
     if (st) return st;
-    st = smp__ck_plan_init(&pl, m, d.optimizer, 0);
-    st = smp__ck_agree(&pl, st, "planning the load");
+    st = smp__ckpt_plan_init(&pl, m, d.optimizer, 0);
+    st = smp__ckpt_agree(&pl, st, "planning the load");
     /* 1. headers; 2. names, dtypes, shapes; 3. checksums; 4. copies */
-    if (!st) st = smp__ck_agree(&pl, smp__ck_open_set(path, partial, &files, &nf), "opening the checkpoint");
-    if (!st) st = smp__ck_agree(&pl, smp__ck_match(&pl, files, nf, partial, d.optimizer != NULL),
+    if (!st) st = smp__ckpt_agree(&pl, smp__ckpt_open_set(path, partial, &files, &nf), "opening the checkpoint");
+    if (!st) st = smp__ckpt_agree(&pl, smp__ckpt_match(&pl, files, nf, partial, d.optimizer != NULL),
                                 "checking the checkpoint against the model");
-    if (!st) st = smp__ck_agree(&pl, smp__ck_verify_local(&pl, files), "verifying the checkpoint's checksums");
+    if (!st) st = smp__ckpt_agree(&pl, smp__ckpt_verify_local(&pl, files), "verifying the checkpoint's checksums");
     if (!st) {
         smp_status cs = SMP_OK;
         for (i = 0; i < pl.n; i++) {
-            const smp__ck_item *it = &pl.items[i];
+            const smp__ckpt_item *it = &pl.items[i];
             smp_status s2;
             const smp_tensor *dst = it->local ? it->local : it->copy;
             if (!dst || !it->src || !it->nbytes) continue;
-            s2 = smp__ck_copy_in(dst->data, dst->device, it->bytes, (size_t)it->nbytes);
+            s2 = smp__ckpt_copy_in(dst->data, dst->device, it->bytes, (size_t)it->nbytes);
             if (!cs) cs = s2;
         }
-        st = smp__ck_agree(&pl, cs, "copying the checkpoint into the model");
+        st = smp__ckpt_agree(&pl, cs, "copying the checkpoint into the model");
     }
     if (!st && d.on_meta) {
         for (i = 0; i < smp_ckpt_meta_count(files[0]); i++) {
@@ -4409,8 +4147,8 @@ SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *
         }
     }
     for (i = 0; i < nf; i++) smp_ckpt_close(files[i]);
-    smp__ckpt_free(files);
-    smp__ck_plan_free(&pl);
+    smp__free(files);
+    smp__ckpt_plan_free(&pl);
     return st;
 }
 
@@ -4423,7 +4161,7 @@ SMPDEF smp_status smp_model_local_state_dict(smp_model *m, const smp_optimizer *
     if (!smp_model_partitioned(m))
         return smp_error(SMP_ERR_STATE, "smp_model_local_state_dict: the model is not partitioned yet");
     np = smp_model_num_params(m, true);
-    out->entries = (smp_named_tensor *)SMP_MALLOC(sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1));
+    out->entries = (smp_named_tensor *)smp__alloc(sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1), SMP__ALLOC_OTHER);
     if (!out->entries)
         return smp__nomem(sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1),
                           "the entries of smp_model_local_state_dict's result");
@@ -4444,15 +4182,15 @@ SMPDEF smp_status smp_model_local_state_dict(smp_model *m, const smp_optimizer *
     return SMP_OK;
 }
 
-static smp_status smp__ck_mem_sink(void *ctx, int item, uint64_t off, const void *bytes, size_t n) {
+static smp_status smp__ckpt_mem_sink(void *ctx, int item, uint64_t off, const void *bytes, size_t n) {
     smp_state_dict *sd = (smp_state_dict *)ctx;
     memcpy((uint8_t *)sd->entries[item].tensor.data + off, bytes, n);
     return SMP_OK;
 }
 
 SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, int root, smp_state_dict *out) {
-    smp__ck_plan pl;
-    smp__ck_rx rx;
+    smp__ckpt_plan pl;
+    smp__ckpt_rx rx;
     smp_status st = SMP_OK;
     int i;
     if (!smp_is_initialized()) return smp_error(SMP_ERR_STATE, "smp_model_state_dict called before smp_init");
@@ -4467,9 +4205,9 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
     st = smp__agree_on(smp_group_comm(SMP_WORLD), st, "smp_model_state_dict arguments");
     if (st) return st;
     memset(&rx, 0, sizeof rx);
-    st = smp__ck_plan_init(&pl, m, opt, 0);
+    st = smp__ckpt_plan_init(&pl, m, opt, 0);
     for (i = 0; i < pl.n && !st; i++)
-        if ((pl.items[i].kind == SMP__CK_OPTIM || pl.items[i].kind == SMP__CK_GLOBAL) && !pl.items[i].saver_has)
+        if ((pl.items[i].kind == SMP__CKPT_OPTIM || pl.items[i].kind == SMP__CKPT_GLOBAL) && !pl.items[i].saver_has)
             st = smp_error(SMP_ERR_ARG, "optimizer state '%s' is not registered on world rank %d, which holds it for all",
                            pl.items[i].name, pl.saver[pl.items[i].mp]);
     if (!st && pl.rank == root) { /* names and data, owned by the dict */
@@ -4482,14 +4220,14 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
         out->storage_ = blob;
         if (out->entries) memset(out->entries, 0, sizeof(smp_named_tensor) * (size_t)(pl.n + 1));
         for (i = 0; i < pl.n && !st; i++) {
-            const smp__ck_item *it = &pl.items[i];
+            const smp__ckpt_item *it = &pl.items[i];
             smp_named_tensor *e = &out->entries[i];
             size_t k = strlen(it->name) + 1;
             memcpy(blob + at, it->name, k);
             e->name = blob + at;
             at += k;
             e->tensor = smp_tensor_make(NULL, it->dtype, it->ndim, it->shape);
-            e->tensor.data = SMP_MALLOC(it->nbytes ? (size_t)it->nbytes : 1);
+            e->tensor.data = smp__alloc(it->nbytes ? (size_t)it->nbytes : 1, SMP__ALLOC_OTHER);
             out->n = i + 1;
             if (!e->tensor.data) {
                 char what[400];
@@ -4498,13 +4236,13 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
             }
         }
     }
-    if (!st) st = smp__ck_stream_prepare(&pl, root, &rx);
-    st = smp__ck_agree(&pl, st, "preparing the state dict");
-    if (!st) st = smp__ck_agree(&pl, smp__ck_stream(&rx, smp__ck_mem_sink, out, 0), "gathering the state dict");
+    if (!st) st = smp__ckpt_stream_prepare(&pl, root, &rx);
+    st = smp__ckpt_agree(&pl, st, "preparing the state dict");
+    if (!st) st = smp__ckpt_agree(&pl, smp__ckpt_stream(&rx, smp__ckpt_mem_sink, out, 0), "gathering the state dict");
     if (st) smp_state_dict_free(out);
     else if (pl.rank != root) memset(out, 0, sizeof *out);
-    smp__ck_stream_free(&rx);
-    smp__ck_plan_free(&pl);
+    smp__ckpt_stream_free(&rx);
+    smp__ckpt_plan_free(&pl);
     return st;
 }
 
@@ -4512,9 +4250,9 @@ SMPDEF void smp_state_dict_free(smp_state_dict *sd) {
     int i;
     if (!sd) return;
     if (sd->storage_ && sd->entries)
-        for (i = 0; i < sd->n; i++) smp__ckpt_free(sd->entries[i].tensor.data);
-    smp__ckpt_free(sd->storage_);
-    smp__ckpt_free(sd->entries);
+        for (i = 0; i < sd->n; i++) smp__free(sd->entries[i].tensor.data);
+    smp__free(sd->storage_);
+    smp__free(sd->entries);
     memset(sd, 0, sizeof *sd);
 }
 

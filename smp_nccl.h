@@ -244,17 +244,7 @@ SMPDEF smp_status smp_nccl_sendrecv(const void *sendbuf, size_t sendbytes, int d
 #if defined(SMP_IMPLEMENTATION) && !defined(SMP_NCCL_IMPLEMENTED)
 #define SMP_NCCL_IMPLEMENTED
 
-#include <limits.h>
-#include <sched.h>
-#include <stdarg.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#if !defined(_POSIX_C_SOURCE) && !defined(__cplusplus)
-#include <threads.h>
-#endif
-
+/* (the system headers it uses come with smp.h's implementation) */
 #define SMP__NC_TAG_CONNECT 7301 /* unique ids of p2p channels, on the backend's own communicators */
 #define SMP__NC_TAG_P2P 7302     /* staged point-to-point payloads */
 #define SMP__NC_KEY 64           /* bytes identifying a GPU on a node: UUID (16) + PCI bus id */
@@ -329,26 +319,7 @@ static struct {
 static cudaStream_t smp__nc_engine; /* survives smp_finalize: the engine's choice */
 
 /* ---------------------------------------------------------------- errors, waiting */
-static const char *smp__nc_gname(smp_group g) {
-    return g == SMP_WORLD ? "world" : g == SMP_MP_GROUP ? "MP_GROUP" : g == SMP_DP_GROUP ? "DP_GROUP" : "?";
-}
 static const char *smp__nc_opname(void) { return smp__nc.op ? smp__nc.op : "smp_nccl"; }
-
-static void smp__nc_fatal(const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 1, 2), noreturn))
-#endif
-    ;
-static void smp__nc_fatal(const char *fmt, ...) {
-    char msg[1536];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    smp_log(SMP_LOG_ERROR, "%s", msg);
-    MPI_Abort(MPI_COMM_WORLD, 3);
-    abort();
-}
 
 static smp_status smp__nc_cuda_fail(cudaError_t e, const char *call) {
     (void)cudaGetLastError(); /* clear a non-sticky error so the next call is not blamed for it */
@@ -372,43 +343,6 @@ static smp_status smp__nc_nccl_fail(ncclResult_t r, const char *call, ncclComm_t
         cudaError_t e__ = fn args;                                          \
         if (e__ != cudaSuccess) return smp__nc_cuda_fail(e__, #fn);         \
     } while (0)
-#define SMP__TRY(expr)                                                      \
-    do {                                                                    \
-        smp_status s__ = (expr);                                            \
-        if (s__ != SMP_OK) return s__;                                      \
-    } while (0)
-
-/* Polling with back-off, as smp's own waits: spin, yield, then sleep in
-   growing steps up to a millisecond. */
-typedef struct smp__nc_backoff { double start, deadline; unsigned polls; long ns; } smp__nc_backoff;
-
-static smp__nc_backoff smp__nc_backoff_start(void) {
-    smp__nc_backoff b;
-    b.start = MPI_Wtime();
-    b.deadline = b.start + smp_timeout();
-    b.polls = 0;
-    b.ns = 1000;
-    return b;
-}
-
-static bool smp__nc_pause(smp__nc_backoff *b) {
-    b->polls++;
-    if (b->polls < 64) return true;
-    double now = MPI_Wtime();
-    if (now > b->deadline) return false;
-    if (now - b->start < 2e-3) { sched_yield(); return true; }
-    struct timespec ts;
-    ts.tv_sec = 0;
-    ts.tv_nsec = b->ns;
-#if defined(_POSIX_C_SOURCE) || defined(__cplusplus)
-    nanosleep(&ts, NULL);
-#else
-    thrd_sleep(&ts, NULL);
-#endif
-    if (b->ns < 1000000) b->ns *= 2;
-    return true;
-}
-
 static void smp__nc_abort_all(void) {
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
         if (smp__nc.comm[g] && !smp__nc.comm_dead[g]) { (void)ncclCommAbort(smp__nc.comm[g]); smp__nc.comm_dead[g] = true; }
@@ -422,25 +356,25 @@ static void smp__nc_abort_all(void) {
 static void smp__nc_timeout(const char *what, smp_group g, int peer, double waited) {
     smp__nc_abort_all();
     if (peer >= 0)
-        smp__nc_fatal("%s: timed out after %.1f s waiting for %s with %s rank %d (world rank %d) on CUDA device %d; "
+        smp__fatal("%s: timed out after %.1f s waiting for %s with %s rank %d (world rank %d) on CUDA device %d; "
                       "aborting the NCCL communicators and the job (SMP_TIMEOUT=%g)",
-                      smp__nc_opname(), waited, what, smp__nc_gname(g), peer, smp_group_world_rank(g, peer), smp__nc.device, smp_timeout());
-    smp__nc_fatal("%s: timed out after %.1f s waiting for %s in the %s on CUDA device %d; aborting the NCCL communicators "
+                      smp__nc_opname(), waited, what, smp__group_name(g), peer, smp_group_world_rank(g, peer), smp__nc.device, smp_timeout());
+    smp__fatal("%s: timed out after %.1f s waiting for %s in the %s on CUDA device %d; aborting the NCCL communicators "
                   "and the job (SMP_TIMEOUT=%g)",
-                  smp__nc_opname(), waited, what, smp__nc_gname(g), smp__nc.device, smp_timeout());
+                  smp__nc_opname(), waited, what, smp__group_name(g), smp__nc.device, smp_timeout());
 }
 
 /* A nonblocking communicator may answer ncclInProgress: poll until the call
    has really been issued (or failed). */
 static ncclResult_t smp__nc_settle(ncclComm_t comm, ncclResult_t r, const char *call, smp_group g) {
     if (r != ncclInProgress) return r;
-    smp__nc_backoff b = smp__nc_backoff_start();
+    smp__backoff b = smp__backoff_start();
     for (;;) {
         ncclResult_t state = ncclInProgress;
         ncclResult_t q = ncclCommGetAsyncError(comm, &state);
         if (q != ncclSuccess) return q;
         if (state != ncclInProgress) return state;
-        if (!smp__nc_pause(&b)) smp__nc_timeout(call, g, -1, MPI_Wtime() - b.start);
+        if (!smp__backoff_pause(&b)) smp__nc_timeout(call, g, -1, MPI_Wtime() - b.start);
     }
 }
 
@@ -475,24 +409,24 @@ static smp_status smp__nc_check_comm(ncclComm_t comm, bool *dead, const char *na
 
 static smp_status smp__nc_poll_async(const char *what) {
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
-        if (smp__nc.alias[g] == g) SMP__TRY(smp__nc_check_comm(smp__nc.comm[g], &smp__nc.comm_dead[g], smp__nc_gname((smp_group)g), what));
+        if (smp__nc.alias[g] == g) SMP_TRY(smp__nc_check_comm(smp__nc.comm[g], &smp__nc.comm_dead[g], smp__group_name((smp_group)g), what));
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
         for (int i = 0; i < smp__nc.nchans[g]; i++) {
             smp__nc_chan *c = smp__nc.chans[g][i];
-            if (c) SMP__TRY(smp__nc_check_comm(c->comm, &c->dead, "point-to-point", what));
+            if (c) SMP_TRY(smp__nc_check_comm(c->comm, &c->dead, "point-to-point", what));
         }
     return SMP_OK;
 }
 
 /* Waits on the host until `ev` has completed, watching NCCL for errors. */
 static smp_status smp__nc_wait_event(cudaEvent_t ev, const char *what, smp_group g, int peer) {
-    smp__nc_backoff b = smp__nc_backoff_start();
+    smp__backoff b = smp__backoff_start();
     for (;;) {
         cudaError_t e = cudaEventQuery(ev);
         if (e == cudaSuccess) return SMP_OK;
         if (e != cudaErrorNotReady) return smp__nc_cuda_fail(e, "cudaEventQuery");
-        if (smp__nc.mode == SMP_NCCL_MODE_NCCL) SMP__TRY(smp__nc_poll_async(what));
-        if (!smp__nc_pause(&b)) smp__nc_timeout(what, g, peer, MPI_Wtime() - b.start);
+        if (smp__nc.mode == SMP_NCCL_MODE_NCCL) SMP_TRY(smp__nc_poll_async(what));
+        if (!smp__backoff_pause(&b)) smp__nc_timeout(what, g, peer, MPI_Wtime() - b.start);
     }
 }
 
@@ -514,7 +448,7 @@ static smp_status smp__nc_engine_after(cudaStream_t s) {
 /* The end of a collective: the engine waits for smp's stream; with
    SMP_NCCL_SYNC the host too. */
 static smp_status smp__nc_finish(const char *what, smp_group g) {
-    SMP__TRY(smp__nc_engine_after(smp__nc.stream));
+    SMP_TRY(smp__nc_engine_after(smp__nc.stream));
     if (smp__nc.sync_each) return smp__nc_wait_event(smp__nc.ev_done, what, g, -1);
     return SMP_OK;
 }
@@ -526,20 +460,6 @@ static smp_status smp__nc_stream_idle(cudaStream_t s, const char *what, smp_grou
 }
 
 /* ---------------------------------------------------------------- memory */
-/* Room for one more record in one of smp__nc's growing arrays: the array,
-   moved if it had to grow (the old one freed), or NULL when out of memory
-   (the old one kept). */
-static void *smp__nc_grow(void *items, int n, int *cap, size_t size) {
-    if (n < *cap) return items;
-    int more = *cap ? 2 * *cap : 16;
-    void *p = smp_malloc(size * (size_t)more);
-    if (!p) return NULL;
-    if (n) memcpy(p, items, size * (size_t)n);
-    smp_free(items);
-    *cap = more;
-    return p;
-}
-
 /* Device memory ordered on stream s: cudaMallocAsync/cudaFreeAsync with
    memory pools, else the block cache above (exact sizes: a step's shapes
    repeat). */
@@ -560,9 +480,8 @@ static smp_status smp__nc_dev_alloc(void **p, size_t n, cudaStream_t s) {
         *p = b->p;
         return SMP_OK;
     }
-    smp__nc_block *blocks = (smp__nc_block *)smp__nc_grow(smp__nc.blocks, smp__nc.nblocks, &smp__nc.blocks_cap, sizeof *blocks);
-    if (!blocks) return smp_error(SMP_ERR_NOMEM, "%s: out of memory for device block records", smp__nc_opname());
-    smp__nc.blocks = blocks;
+    if (!smp__grow((void **)&smp__nc.blocks, &smp__nc.blocks_cap, smp__nc.nblocks + 1, sizeof *smp__nc.blocks, NULL))
+        return smp_error(SMP_ERR_NOMEM, "%s: out of memory for device block records", smp__nc_opname());
     smp__nc_block b;
     memset(&b, 0, sizeof b);
     b.bytes = n;
@@ -596,7 +515,7 @@ static smp_status smp__nc_dev_free(void *p, cudaStream_t s) {
 
 /* A scratch copy of n device bytes at src, queued on smp's stream. */
 static smp_status smp__nc_tmp_copy(void **tmp, const void *src, size_t n) {
-    SMP__TRY(smp__nc_dev_alloc(tmp, n, smp__nc.stream));
+    SMP_TRY(smp__nc_dev_alloc(tmp, n, smp__nc.stream));
     cudaError_t e = cudaMemcpyAsync(*tmp, src, n, cudaMemcpyDeviceToDevice, smp__nc.stream);
     if (e != cudaSuccess) {
         smp_status st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
@@ -622,9 +541,8 @@ static smp_status smp__nc_pin_get(size_t n, int *idx) {
         if (e->state == 0 && e->cap >= n && (best < 0 || e->cap < smp__nc.pins[best].cap)) best = i;
     }
     if (best < 0) {
-        smp__nc_pin *pins = (smp__nc_pin *)smp__nc_grow(smp__nc.pins, smp__nc.npins, &smp__nc.pins_cap, sizeof *pins);
-        if (!pins) return smp_error(SMP_ERR_NOMEM, "%s: out of memory for pinned buffer records", smp__nc_opname());
-        smp__nc.pins = pins;
+        if (!smp__grow((void **)&smp__nc.pins, &smp__nc.pins_cap, smp__nc.npins + 1, sizeof *smp__nc.pins, NULL))
+            return smp_error(SMP_ERR_NOMEM, "%s: out of memory for pinned buffer records", smp__nc_opname());
         size_t cap = (size_t)64 << 10;
         while (cap < n && cap < ((size_t)64 << 20)) cap *= 2;
         if (cap < n) cap = (n + ((size_t)1 << 20) - 1) & ~(((size_t)1 << 20) - 1);
@@ -668,12 +586,10 @@ static smp_status smp__nc_event_get(cudaEvent_t *ev) {
 }
 
 static void smp__nc_event_put(cudaEvent_t ev) {
-    cudaEvent_t *events = (cudaEvent_t *)smp__nc_grow(smp__nc.events, smp__nc.nevents, &smp__nc.events_cap, sizeof *events);
-    if (!events) {
+    if (!smp__grow((void **)&smp__nc.events, &smp__nc.events_cap, smp__nc.nevents + 1, sizeof *smp__nc.events, NULL)) {
         (void)cudaEventDestroy(ev);
         return;
     }
-    smp__nc.events = events;
     smp__nc.events[smp__nc.nevents++] = ev;
 }
 
@@ -749,9 +665,9 @@ static smp_status smp__nc_group_comm(smp_group g, ncclComm_t *c) {
     if ((unsigned)g >= SMP_GROUP_COUNT) return smp_error(SMP_ERR_ARG, "%s: unknown group %d", smp__nc_opname(), (int)g);
     int a = smp__nc.alias[g];
     if (smp__nc.comm_dead[a])
-        return smp_error(SMP_ERR_DEVICE, "%s: the NCCL communicator of the %s was aborted after an earlier error", smp__nc_opname(), smp__nc_gname(g));
+        return smp_error(SMP_ERR_DEVICE, "%s: the NCCL communicator of the %s was aborted after an earlier error", smp__nc_opname(), smp__group_name(g));
     *c = smp__nc.comm[a];
-    if (!*c) return smp_error(SMP_ERR_STATE, "%s: the %s has no NCCL communicator", smp__nc_opname(), smp__nc_gname(g));
+    if (!*c) return smp_error(SMP_ERR_STATE, "%s: the %s has no NCCL communicator", smp__nc_opname(), smp__group_name(g));
     return SMP_OK;
 }
 
@@ -826,27 +742,27 @@ static smp_status smp__nc_all_reduce_on(const smp_tensor *in, smp_tensor *out, s
     smp_status st;
     ncclDataType_t t;
     ncclRedOp_t r;
-    SMP__TRY(smp__nc_ready("smp_all_reduce"));
-    SMP__TRY(smp__nc_types(in->dtype, op, &t, &r));
-    SMP__TRY(smp__nc_check_tensor("in", in));
-    SMP__TRY(smp__nc_check_tensor("out", out));
+    SMP_TRY(smp__nc_ready("smp_all_reduce"));
+    SMP_TRY(smp__nc_types(in->dtype, op, &t, &r));
+    SMP_TRY(smp__nc_check_tensor("in", in));
+    SMP_TRY(smp__nc_check_tensor("out", out));
     size_t n = (size_t)smp_tensor_numel(in), bytes = smp_tensor_nbytes(in);
     if (!n) return SMP_OK;
     if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
         smp__nc_stage sg;
-        SMP__TRY(smp__nc_stage_begin(&sg, in->data, bytes, out->data, bytes, "all_reduce input", g));
+        SMP_TRY(smp__nc_stage_begin(&sg, in->data, bytes, out->data, bytes, "all_reduce input", g));
         smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = smp__nc_host_view(out, sg.hout);
         st = smp_all_reduce(&hi, &ho, op, g);
         smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "all_reduce", g);
         return st ? st : st2;
     }
     ncclComm_t c;
-    SMP__TRY(smp__nc_group_comm(g, &c));
-    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    SMP_TRY(smp__nc_group_comm(g, &c));
+    SMP_TRY(smp__nc_after_engine(smp__nc.stream));
     const void *src = in->data;
     void *tmp = NULL;
     if (in->data != out->data && smp__nc_overlap(in->data, bytes, out->data, bytes)) { /* NCCL takes identical or disjoint buffers */
-        SMP__TRY(smp__nc_tmp_copy(&tmp, in->data, bytes));
+        SMP_TRY(smp__nc_tmp_copy(&tmp, in->data, bytes));
         src = tmp;
     }
     SMP__NC_ST(st, c, g, ncclAllReduce, (src, out->data, n, t, r, c, smp__nc.stream));
@@ -870,15 +786,15 @@ static smp_status smp__nc_bucket_fence(void) { return smp__nc_finish("gradient b
 static smp_status smp__nc_broadcast(smp_tensor *x, int root, smp_group g) {
     smp_status st;
     ncclDataType_t t;
-    SMP__TRY(smp__nc_ready("smp_broadcast"));
-    SMP__TRY(smp__nc_types(x->dtype, SMP_SUM, &t, NULL));
-    SMP__TRY(smp__nc_check_tensor("tensor", x));
+    SMP_TRY(smp__nc_ready("smp_broadcast"));
+    SMP_TRY(smp__nc_types(x->dtype, SMP_SUM, &t, NULL));
+    SMP_TRY(smp__nc_check_tensor("tensor", x));
     size_t n = (size_t)smp_tensor_numel(x), bytes = smp_tensor_nbytes(x);
     if (!n) return SMP_OK;
     bool is_root = smp_group_rank(g) == root;
     if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
         smp__nc_stage sg;
-        SMP__TRY(smp__nc_stage_begin(&sg, is_root ? x->data : NULL, is_root ? bytes : 0, is_root ? NULL : x->data,
+        SMP_TRY(smp__nc_stage_begin(&sg, is_root ? x->data : NULL, is_root ? bytes : 0, is_root ? NULL : x->data,
                                      is_root ? 0 : bytes, "broadcast input", g));
         smp_tensor h = smp__nc_host_view(x, is_root ? sg.hin : sg.hout);
         st = smp_broadcast(&h, root, g);
@@ -886,8 +802,8 @@ static smp_status smp__nc_broadcast(smp_tensor *x, int root, smp_group g) {
         return st ? st : st2;
     }
     ncclComm_t c;
-    SMP__TRY(smp__nc_group_comm(g, &c));
-    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    SMP_TRY(smp__nc_group_comm(g, &c));
+    SMP_TRY(smp__nc_after_engine(smp__nc.stream));
     SMP__NC(c, g, ncclBroadcast, (x->data, x->data, n, t, root, c, smp__nc.stream));
     return smp__nc_finish("broadcast", g);
 }
@@ -896,16 +812,16 @@ static smp_status smp__nc_reduce(const smp_tensor *in, smp_tensor *out, smp_op o
     smp_status st;
     ncclDataType_t t;
     ncclRedOp_t r;
-    SMP__TRY(smp__nc_ready("smp_reduce"));
-    SMP__TRY(smp__nc_types(in->dtype, op, &t, &r));
+    SMP_TRY(smp__nc_ready("smp_reduce"));
+    SMP_TRY(smp__nc_types(in->dtype, op, &t, &r));
     bool is_root = smp_group_rank(g) == root;
-    SMP__TRY(smp__nc_check_tensor("in", in));
-    if (is_root) SMP__TRY(smp__nc_check_tensor("out", out));
+    SMP_TRY(smp__nc_check_tensor("in", in));
+    if (is_root) SMP_TRY(smp__nc_check_tensor("out", out));
     size_t n = (size_t)smp_tensor_numel(in), bytes = smp_tensor_nbytes(in);
     if (!n) return SMP_OK;
     if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
         smp__nc_stage sg;
-        SMP__TRY(smp__nc_stage_begin(&sg, in->data, bytes, is_root ? out->data : NULL, is_root ? bytes : 0, "reduce input", g));
+        SMP_TRY(smp__nc_stage_begin(&sg, in->data, bytes, is_root ? out->data : NULL, is_root ? bytes : 0, "reduce input", g));
         smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = hi;
         if (is_root) ho = smp__nc_host_view(out, sg.hout);
         st = smp_reduce(&hi, is_root ? &ho : NULL, op, root, g);
@@ -913,12 +829,12 @@ static smp_status smp__nc_reduce(const smp_tensor *in, smp_tensor *out, smp_op o
         return st ? st : st2;
     }
     ncclComm_t c;
-    SMP__TRY(smp__nc_group_comm(g, &c));
-    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    SMP_TRY(smp__nc_group_comm(g, &c));
+    SMP_TRY(smp__nc_after_engine(smp__nc.stream));
     const void *src = in->data;
     void *tmp = NULL;
     if (is_root && in->data != out->data && smp__nc_overlap(in->data, bytes, out->data, bytes)) {
-        SMP__TRY(smp__nc_tmp_copy(&tmp, in->data, bytes));
+        SMP_TRY(smp__nc_tmp_copy(&tmp, in->data, bytes));
         src = tmp;
     }
     /* recvbuff is only written on the root; elsewhere pass the input */
@@ -931,28 +847,28 @@ static smp_status smp__nc_reduce(const smp_tensor *in, smp_tensor *out, smp_op o
 static smp_status smp__nc_all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
     smp_status st;
     ncclDataType_t t;
-    SMP__TRY(smp__nc_ready("smp_all_gather"));
-    SMP__TRY(smp__nc_types(in->dtype, SMP_SUM, &t, NULL));
-    SMP__TRY(smp__nc_check_tensor("in", in));
-    SMP__TRY(smp__nc_check_tensor("out", out));
+    SMP_TRY(smp__nc_ready("smp_all_gather"));
+    SMP_TRY(smp__nc_types(in->dtype, SMP_SUM, &t, NULL));
+    SMP_TRY(smp__nc_check_tensor("in", in));
+    SMP_TRY(smp__nc_check_tensor("out", out));
     size_t n = (size_t)smp_tensor_numel(in), block = smp_tensor_nbytes(in), total = smp_tensor_nbytes(out);
     if (!n) return SMP_OK;
     if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
         smp__nc_stage sg;
-        SMP__TRY(smp__nc_stage_begin(&sg, in->data, block, out->data, total, "all_gather input", g));
+        SMP_TRY(smp__nc_stage_begin(&sg, in->data, block, out->data, total, "all_gather input", g));
         smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = smp__nc_host_view(out, sg.hout);
         st = smp_all_gather(&hi, &ho, g);
         smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "all_gather", g);
         return st ? st : st2;
     }
     ncclComm_t c;
-    SMP__TRY(smp__nc_group_comm(g, &c));
-    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    SMP_TRY(smp__nc_group_comm(g, &c));
+    SMP_TRY(smp__nc_after_engine(smp__nc.stream));
     const void *src = in->data;
     void *tmp = NULL;
     bool in_place = (const char *)out->data + block * (size_t)smp_group_rank(g) == (const char *)in->data;
     if (!in_place && smp__nc_overlap(in->data, block, out->data, total)) {
-        SMP__TRY(smp__nc_tmp_copy(&tmp, in->data, block));
+        SMP_TRY(smp__nc_tmp_copy(&tmp, in->data, block));
         src = tmp;
     }
     SMP__NC_ST(st, c, g, ncclAllGather, (src, out->data, n, t, c, smp__nc.stream));
@@ -965,27 +881,27 @@ static smp_status smp__nc_reduce_scatter(const smp_tensor *in, smp_tensor *out, 
     smp_status st;
     ncclDataType_t t;
     ncclRedOp_t r;
-    SMP__TRY(smp__nc_ready("smp_reduce_scatter"));
-    SMP__TRY(smp__nc_types(in->dtype, op, &t, &r));
-    SMP__TRY(smp__nc_check_tensor("in", in));
-    SMP__TRY(smp__nc_check_tensor("out", out));
+    SMP_TRY(smp__nc_ready("smp_reduce_scatter"));
+    SMP_TRY(smp__nc_types(in->dtype, op, &t, &r));
+    SMP_TRY(smp__nc_check_tensor("in", in));
+    SMP_TRY(smp__nc_check_tensor("out", out));
     size_t n = (size_t)smp_tensor_numel(out), block = smp_tensor_nbytes(out), total = smp_tensor_nbytes(in);
     if (!n) return SMP_OK;
     if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
         smp__nc_stage sg;
-        SMP__TRY(smp__nc_stage_begin(&sg, in->data, total, out->data, block, "reduce_scatter input", g));
+        SMP_TRY(smp__nc_stage_begin(&sg, in->data, total, out->data, block, "reduce_scatter input", g));
         smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = smp__nc_host_view(out, sg.hout);
         st = smp_reduce_scatter(&hi, &ho, op, g);
         smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "reduce_scatter", g);
         return st ? st : st2;
     }
     ncclComm_t c;
-    SMP__TRY(smp__nc_group_comm(g, &c));
-    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    SMP_TRY(smp__nc_group_comm(g, &c));
+    SMP_TRY(smp__nc_after_engine(smp__nc.stream));
     void *dst = out->data, *tmp = NULL;
     bool in_place = (const char *)in->data + block * (size_t)smp_group_rank(g) == (const char *)out->data;
     if (!in_place && smp__nc_overlap(in->data, total, out->data, block)) {
-        SMP__TRY(smp__nc_dev_alloc(&tmp, block, smp__nc.stream));
+        SMP_TRY(smp__nc_dev_alloc(&tmp, block, smp__nc.stream));
         dst = tmp;
     }
     SMP__NC_ST(st, c, g, ncclReduceScatter, (in->data, dst, n, t, r, c, smp__nc.stream));
@@ -1029,15 +945,15 @@ static smp_status smp__nc_a2a_nccl(const smp_tensor *in, smp_tensor *out, const 
         return smp_error(SMP_ERR_ARG, "%s: this rank sends itself %zu elements but expects %zu from itself", fn, sc[me], rc[me]);
     ncclDataType_t t;
     ncclComm_t c;
-    SMP__TRY(smp__nc_types(in->dtype, SMP_SUM, &t, NULL));
-    SMP__TRY(smp__nc_group_comm(g, &c));
-    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    SMP_TRY(smp__nc_types(in->dtype, SMP_SUM, &t, NULL));
+    SMP_TRY(smp__nc_group_comm(g, &c));
+    SMP_TRY(smp__nc_after_engine(smp__nc.stream));
     size_t in_bytes = smp_tensor_nbytes(in), out_bytes = smp_tensor_nbytes(out);
     const char *src = (const char *)in->data;
     char *dst = (char *)out->data;
     void *tmp = NULL;
     if (smp__nc_overlap(in->data, in_bytes, out->data, out_bytes)) { /* in place (or overlapping): send from a copy */
-        SMP__TRY(smp__nc_tmp_copy(&tmp, in->data, in_bytes));
+        SMP_TRY(smp__nc_tmp_copy(&tmp, in->data, in_bytes));
         src = (const char *)tmp;
     }
     smp_status st = SMP_OK;
@@ -1066,13 +982,13 @@ static smp_status smp__nc_a2a_nccl(const smp_tensor *in, smp_tensor *out, const 
 static smp_status smp__nc_all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
                                             const int64_t *in_splits, smp_group g) {
     smp_status st;
-    SMP__TRY(smp__nc_ready("smp_all_to_all_single"));
-    SMP__TRY(smp__nc_check_tensor("in", in));
-    SMP__TRY(smp__nc_check_tensor("out", out));
+    SMP_TRY(smp__nc_ready("smp_all_to_all_single"));
+    SMP_TRY(smp__nc_check_tensor("in", in));
+    SMP_TRY(smp__nc_check_tensor("out", out));
     size_t in_bytes = smp_tensor_nbytes(in), out_bytes = smp_tensor_nbytes(out);
     if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
         smp__nc_stage sg;
-        SMP__TRY(smp__nc_stage_begin(&sg, in->data, in_bytes, out->data, out_bytes, "all_to_all_single input", g));
+        SMP_TRY(smp__nc_stage_begin(&sg, in->data, in_bytes, out->data, out_bytes, "all_to_all_single input", g));
         smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = smp__nc_host_view(out, sg.hout);
         st = smp_all_to_all_single(&hi, &ho, out_splits, in_splits, g);
         smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "all_to_all_single", g);
@@ -1087,16 +1003,16 @@ static smp_status smp__nc_all_to_all_single(const smp_tensor *in, smp_tensor *ou
 }
 
 static smp_status smp__nc_copy(void *dst, int dst_device, const void *src, int src_device, size_t n) {
-    SMP__TRY(smp__nc_ready("smp_nccl_copy"));
+    SMP_TRY(smp__nc_ready("smp_nccl_copy"));
     if (!n) return SMP_OK;
     if (!dst || !src) return smp_error(SMP_ERR_ARG, "smp_nccl_copy: %s is NULL", dst ? "src" : "dst");
     if (dst_device < 0 && src_device < 0) {
         memmove(dst, src, n);
         return SMP_OK;
     }
-    if (dst_device >= 0) SMP__TRY(smp__nc_check_ptr("the destination", dst, dst_device, n));
-    if (src_device >= 0) SMP__TRY(smp__nc_check_ptr("the source", src, src_device, n));
-    SMP__TRY(smp__nc_after_engine(smp__nc.stream));
+    if (dst_device >= 0) SMP_TRY(smp__nc_check_ptr("the destination", dst, dst_device, n));
+    if (src_device >= 0) SMP_TRY(smp__nc_check_ptr("the source", src, src_device, n));
+    SMP_TRY(smp__nc_after_engine(smp__nc.stream));
     SMP__CU(cudaMemcpyAsync, (dst, src, n, cudaMemcpyDefault, smp__nc.stream));
     if (dst_device < 0 || src_device < 0) { /* host memory: done means done */
         SMP__CU(cudaEventRecord, (smp__nc.ev_done, smp__nc.stream));
@@ -1144,7 +1060,7 @@ static smp_status smp__nc_probe(int count, unsigned char key[SMP__NC_KEY]) {
     int pools = 0;
     SMP__CU(cudaDeviceGetAttribute, (&pools, cudaDevAttrMemoryPoolsSupported, smp__nc.device));
     smp__nc.pools = pools != 0;
-    SMP__TRY(smp__nc_make_stream(&smp__nc.stream));
+    SMP_TRY(smp__nc_make_stream(&smp__nc.stream));
     SMP__CU(cudaMalloc, ((void **)&smp__nc.dummy, 256));
     SMP__CU(cudaEventCreateWithFlags, (&smp__nc.ev_engine, cudaEventDisableTiming));
     SMP__CU(cudaEventCreateWithFlags, (&smp__nc.ev_done, cudaEventDisableTiming));
@@ -1162,7 +1078,7 @@ static int smp__nc_shared_with(const unsigned char key[SMP__NC_KEY], int *node_s
     MPI_Comm_size(node, &n);
     *node_size = n;
     unsigned char *all = (unsigned char *)smp_malloc((size_t)n * SMP__NC_KEY);
-    if (!all) smp__nc_fatal("device backend start-up: out of memory comparing the GPUs of %d local ranks", n); /* the others wait in the gather */
+    if (!all) smp__fatal("device backend start-up: out of memory comparing the GPUs of %d local ranks", n); /* the others wait in the gather */
     {
         MPI_Request req;
         MPI_Iallgather(key, SMP__NC_KEY, MPI_BYTE, all, SMP__NC_KEY, MPI_BYTE, node, &req);
@@ -1210,7 +1126,7 @@ static smp_status smp__nc_init_comms(void) {
         smp_wait_requests(1, &req, "the NCCL unique id", (smp_group)g, 0);
     }
     int f = local != SMP_OK;
-    SMP__TRY(smp__nc_agree(&f, 1, "NCCL unique ids"));
+    SMP_TRY(smp__nc_agree(&f, 1, "NCCL unique ids"));
     if (f) return local; /* the rank that failed tells everyone, through smp_init */
     for (int g = 0; g < SMP_GROUP_COUNT && !local; g++) {
         if (smp__nc.alias[g] != g) continue;
@@ -1222,9 +1138,9 @@ static smp_status smp__nc_init_comms(void) {
         else local = smp__nc_nccl_fail(r, "ncclCommInitRankConfig", NULL);
     }
     f = local != SMP_OK;
-    SMP__TRY(smp__nc_agree(&f, 1, "NCCL communicator start-up"));
+    SMP_TRY(smp__nc_agree(&f, 1, "NCCL communicator start-up"));
     if (f) { smp__nc_abort_all(); return local; } /* abort what started: nobody will finish it */
-    smp__nc_backoff b = smp__nc_backoff_start();
+    smp__backoff b = smp__backoff_start();
     for (;;) {
         int pending = 0;
         for (int g = 0; g < SMP_GROUP_COUNT && !local; g++) {
@@ -1235,14 +1151,14 @@ static smp_status smp__nc_init_comms(void) {
             if (state == ncclInProgress) pending++;
             else if (state != ncclSuccess)
                 local = smp_error(SMP_ERR_DEVICE, "device backend start-up: the NCCL communicator of the %s failed to start: %s%s%s",
-                                  smp__nc_gname((smp_group)g), ncclGetErrorString(state), *smp__nc_last(smp__nc.comm[g]) ? ": " : "",
+                                  smp__group_name((smp_group)g), ncclGetErrorString(state), *smp__nc_last(smp__nc.comm[g]) ? ": " : "",
                                   smp__nc_last(smp__nc.comm[g]));
         }
         if (local || !pending) break;
-        if (!smp__nc_pause(&b)) smp__nc_timeout("the NCCL communicators to start (ncclCommInitRankConfig)", SMP_WORLD, -1, MPI_Wtime() - b.start);
+        if (!smp__backoff_pause(&b)) smp__nc_timeout("the NCCL communicators to start (ncclCommInitRankConfig)", SMP_WORLD, -1, MPI_Wtime() - b.start);
     }
     f = local != SMP_OK;
-    SMP__TRY(smp__nc_agree(&f, 1, "NCCL communicators"));
+    SMP_TRY(smp__nc_agree(&f, 1, "NCCL communicators"));
     if (f) smp__nc_abort_all();
     return local;
 }
@@ -1253,7 +1169,7 @@ static smp_status smp__nc_on_init(void) {
     smp__nc.started = true;
     for (int g = 0; g < SMP_GROUP_COUNT; g++) /* same order on every rank: collective over each group */
         if (MPI_Comm_dup(smp_group_comm((smp_group)g), &smp__nc.mpi[g]) != MPI_SUCCESS)
-            return smp_error(SMP_ERR_MPI, "device backend start-up: MPI_Comm_dup of the %s failed", smp__nc_gname((smp_group)g));
+            return smp_error(SMP_ERR_MPI, "device backend start-up: MPI_Comm_dup of the %s failed", smp__group_name((smp_group)g));
     smp__nc.have_mpi = true;
     int wsize = smp_size(), wrank = smp_rank();
 
@@ -1282,7 +1198,7 @@ static smp_status smp__nc_on_init(void) {
     memset(key, 0, sizeof key);
     if (!local && count > 0) local = smp__nc_probe(count, key);
     int v[4] = {local != SMP_OK, count == 0 ? wsize - wrank : 0, want == 2, want == 1};
-    SMP__TRY(smp__nc_agree(v, 4, "the device backend's start-up"));
+    SMP_TRY(smp__nc_agree(v, 4, "the device backend's start-up"));
     if (v[0]) return local;
     if (v[1]) { /* some rank has no GPU: host-only, on every rank */
         if (count > 0)
@@ -1302,10 +1218,10 @@ static smp_status smp__nc_on_init(void) {
                           "one GPU per rank, and this node runs %d ranks on %d GPU(s); unset SMP_NCCL to move device tensors "
                           "through host memory instead", other, smp__nc.device, (const char *)key + 16, node_size, count);
     int w[2] = {local != SMP_OK, other >= 0};
-    SMP__TRY(smp__nc_agree(w, 2, "whether GPUs are shared"));
+    SMP_TRY(smp__nc_agree(w, 2, "whether GPUs are shared"));
     if (w[0]) return local;
     smp__nc.mode = v[2] || w[1] ? SMP_NCCL_MODE_STAGED : SMP_NCCL_MODE_NCCL;
-    if (smp__nc.mode == SMP_NCCL_MODE_NCCL) SMP__TRY(smp__nc_init_comms());
+    if (smp__nc.mode == SMP_NCCL_MODE_NCCL) SMP_TRY(smp__nc_init_comms());
 
     int version = 0;
     (void)ncclGetVersion(&version);
@@ -1356,7 +1272,7 @@ static void smp__nc_close_all(void) {
             (void)ncclCommAbort(c[i]);
         }
     }
-    smp__nc_backoff b = smp__nc_backoff_start();
+    smp__backoff b = smp__backoff_start();
     for (;;) {
         int pending = 0;
         for (int i = 0; i < n; i++) {
@@ -1373,7 +1289,7 @@ static void smp__nc_close_all(void) {
             }
         }
         if (!pending) break;
-        if (!smp__nc_pause(&b)) smp__nc_timeout("the NCCL communicators to finalize (every rank must call smp_finalize)", SMP_WORLD, -1, MPI_Wtime() - b.start);
+        if (!smp__backoff_pause(&b)) smp__nc_timeout("the NCCL communicators to finalize (every rank must call smp_finalize)", SMP_WORLD, -1, MPI_Wtime() - b.start);
     }
     for (int i = 0; i < n; i++) {
         if (state[i] != 1) continue;
@@ -1436,7 +1352,7 @@ static void smp__nc_on_finalize(void) {
 static smp_status smp__nc_peer_arg(smp_group g, int peer) {
     if ((unsigned)g >= SMP_GROUP_COUNT) return smp_error(SMP_ERR_ARG, "%s: unknown group %d", smp__nc_opname(), (int)g);
     int n = smp_group_size(g);
-    if (peer < 0 || peer >= n) return smp_error(SMP_ERR_ARG, "%s: rank %d is outside the %s (size %d)", smp__nc_opname(), peer, smp__nc_gname(g), n);
+    if (peer < 0 || peer >= n) return smp_error(SMP_ERR_ARG, "%s: rank %d is outside the %s (size %d)", smp__nc_opname(), peer, smp__group_name(g), n);
     if (peer == smp_group_rank(g)) return smp_error(SMP_ERR_ARG, "%s: rank %d is this rank", smp__nc_opname(), peer);
     return SMP_OK;
 }
@@ -1470,7 +1386,7 @@ static smp_status smp__nc_warm_up(smp_group g, const int *todo, int nt) {
             if (r != ncclSuccess && r != ncclInProgress) st = smp__nc_nccl_fail(r, dir == 0 ? "ncclSend" : "ncclRecv", c->comm);
         }
     if (st) return st;
-    smp__nc_backoff b = smp__nc_backoff_start();
+    smp__backoff b = smp__backoff_start();
     for (;;) {
         int pending = 0;
         for (int k = 0; k < nt && !st; k++)
@@ -1482,17 +1398,17 @@ static smp_status smp__nc_warm_up(smp_group g, const int *todo, int nt) {
                 if (state == ncclInProgress) pending++;
                 else if (state != ncclSuccess)
                     st = smp_error(SMP_ERR_DEVICE, "smp_nccl_p2p_connect: the channel %s %s rank %d failed to connect: %s%s%s", dir == 0 ? "to" : "from",
-                                   smp__nc_gname(g), todo[k], ncclGetErrorString(state), *smp__nc_last(c->comm) ? ": " : "", smp__nc_last(c->comm));
+                                   smp__group_name(g), todo[k], ncclGetErrorString(state), *smp__nc_last(c->comm) ? ": " : "", smp__nc_last(c->comm));
             }
         if (st || !pending) return st;
-        if (!smp__nc_pause(&b)) smp__nc_timeout("point-to-point channels to connect (the peer must call smp_nccl_p2p_connect too)", g, todo[0], MPI_Wtime() - b.start);
+        if (!smp__backoff_pause(&b)) smp__nc_timeout("point-to-point channels to connect (the peer must call smp_nccl_p2p_connect too)", g, todo[0], MPI_Wtime() - b.start);
     }
 }
 
 SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers) {
-    SMP__TRY(smp__nc_ready("smp_nccl_p2p_connect"));
+    SMP_TRY(smp__nc_ready("smp_nccl_p2p_connect"));
     if (npeers < 0 || (npeers && !peers)) return smp_error(SMP_ERR_ARG, "smp_nccl_p2p_connect: no peer list");
-    for (int i = 0; i < npeers; i++) SMP__TRY(smp__nc_peer_arg(g, peers[i]));
+    for (int i = 0; i < npeers; i++) SMP_TRY(smp__nc_peer_arg(g, peers[i]));
     if (smp__nc.mode == SMP_NCCL_MODE_STAGED) return SMP_OK; /* MPI needs nothing */
     int n = smp_group_size(g);
     if (!smp__nc.chans[g]) {
@@ -1529,7 +1445,7 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
     if (st) goto done;
     for (int k = 0; k < nt; k++)
         if (!mine[2 * k + 1].ok) {
-            st = smp_error(SMP_ERR_DEVICE, "smp_nccl_p2p_connect: %s rank %d could not create an NCCL id", smp__nc_gname(g), todo[k]);
+            st = smp_error(SMP_ERR_DEVICE, "smp_nccl_p2p_connect: %s rank %d could not create an NCCL id", smp__group_name(g), todo[k]);
             goto done;
         }
     /* start every channel, then wait for all: no order between peers matters */
@@ -1548,7 +1464,7 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
         }
     }
     if (!st) {
-        smp__nc_backoff b = smp__nc_backoff_start();
+        smp__backoff b = smp__backoff_start();
         for (;;) {
             int pending = 0;
             for (int k = 0; k < nt && !st; k++)
@@ -1560,10 +1476,10 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
                     if (state == ncclInProgress) pending++;
                     else if (state != ncclSuccess)
                         st = smp_error(SMP_ERR_DEVICE, "smp_nccl_p2p_connect: the channel %s %s rank %d failed to start: %s", dir == 0 ? "to" : "from",
-                                       smp__nc_gname(g), todo[k], ncclGetErrorString(state));
+                                       smp__group_name(g), todo[k], ncclGetErrorString(state));
                 }
             if (st || !pending) break;
-            if (!smp__nc_pause(&b)) smp__nc_timeout("point-to-point channels to start (the peer must call smp_nccl_p2p_connect too)", g, todo[0], MPI_Wtime() - b.start);
+            if (!smp__backoff_pause(&b)) smp__nc_timeout("point-to-point channels to start (the peer must call smp_nccl_p2p_connect too)", g, todo[0], MPI_Wtime() - b.start);
         }
     }
     if (!st) st = smp__nc_warm_up(g, todo, nt);
@@ -1590,21 +1506,21 @@ static smp_status smp__nc_chan_of(smp_group g, int peer, int dir, smp__nc_chan *
     *out = c;
     if (!c)
         return smp_error(SMP_ERR_STATE, "%s: no channel %s %s rank %d: call smp_nccl_p2p_connect on both ranks first", smp__nc_opname(),
-                         dir == 0 ? "to" : "from", smp__nc_gname(g), peer);
+                         dir == 0 ? "to" : "from", smp__group_name(g), peer);
     if (c->dead)
         return smp_error(SMP_ERR_DEVICE, "%s: the channel %s %s rank %d was aborted after an earlier error", smp__nc_opname(),
-                         dir == 0 ? "to" : "from", smp__nc_gname(g), peer);
+                         dir == 0 ? "to" : "from", smp__group_name(g), peer);
     return SMP_OK;
 }
 
 /* NCCL: queue on the channel's stream after the engine; record completion. */
 static smp_status smp__nc_p2p_nccl(smp_nccl_request *r, void *buf, size_t bytes, int dir) {
     smp__nc_chan *c;
-    SMP__TRY(smp__nc_chan_of(r->g, r->peer, dir, &c));
-    SMP__TRY(smp__nc_after_engine(c->stream));
+    SMP_TRY(smp__nc_chan_of(r->g, r->peer, dir, &c));
+    SMP_TRY(smp__nc_after_engine(c->stream));
     if (dir == 0) SMP__NC(c->comm, r->g, ncclSend, (buf, bytes, ncclUint8, c->peer, c->comm, c->stream));
     else SMP__NC(c->comm, r->g, ncclRecv, (buf, bytes, ncclUint8, c->peer, c->comm, c->stream));
-    SMP__TRY(smp__nc_event_get(&r->ev));
+    SMP_TRY(smp__nc_event_get(&r->ev));
     cudaError_t e = cudaEventRecord(r->ev, c->stream);
     if (e != cudaSuccess) { smp__nc_event_put(r->ev); r->ev = NULL; return smp__nc_cuda_fail(e, "cudaEventRecord"); }
     r->chan = c;
@@ -1614,8 +1530,8 @@ static smp_status smp__nc_p2p_nccl(smp_nccl_request *r, void *buf, size_t bytes,
 
 static smp_status smp__nc_p2p_start(void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req, int dir) {
     *req = NULL;
-    SMP__TRY(smp__nc_peer_arg(g, peer));
-    SMP__TRY(smp__nc_check_ptr("the buffer", buf, smp__nc.device, bytes));
+    SMP_TRY(smp__nc_peer_arg(g, peer));
+    SMP_TRY(smp__nc_check_ptr("the buffer", buf, smp__nc.device, bytes));
     smp_nccl_request *r = smp__nc_req_new(g, peer, SMP__NC_REQ_DONE);
     if (!r) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", smp__nc_opname());
     smp_status st = SMP_OK;
@@ -1658,19 +1574,19 @@ static smp_status smp__nc_p2p_start(void *buf, size_t bytes, int peer, smp_group
 SMPDEF smp_status smp_nccl_isend(const void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req) {
     if (!req) return smp_error(SMP_ERR_ARG, "smp_nccl_isend: req is NULL");
     *req = NULL;
-    SMP__TRY(smp__nc_ready("smp_nccl_isend"));
+    SMP_TRY(smp__nc_ready("smp_nccl_isend"));
     return smp__nc_p2p_start((void *)buf, bytes, peer, g, req, 0);
 }
 
 SMPDEF smp_status smp_nccl_irecv(void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req) {
     if (!req) return smp_error(SMP_ERR_ARG, "smp_nccl_irecv: req is NULL");
     *req = NULL;
-    SMP__TRY(smp__nc_ready("smp_nccl_irecv"));
+    SMP_TRY(smp__nc_ready("smp_nccl_irecv"));
     return smp__nc_p2p_start(buf, bytes, peer, g, req, 1);
 }
 
 SMPDEF smp_status smp_nccl_test(smp_nccl_request *r, bool *done) {
-    SMP__TRY(smp__nc_ready("smp_nccl_test"));
+    SMP_TRY(smp__nc_ready("smp_nccl_test"));
     if (!r || !done) return smp_error(SMP_ERR_ARG, "smp_nccl_test: %s is NULL", r ? "done" : "the request");
     *done = false;
     switch (r->kind) {
@@ -1694,7 +1610,7 @@ SMPDEF smp_status smp_nccl_test(smp_nccl_request *r, bool *done) {
 }
 
 SMPDEF smp_status smp_nccl_wait(smp_nccl_request *r) {
-    SMP__TRY(smp__nc_ready("smp_nccl_wait"));
+    SMP_TRY(smp__nc_ready("smp_nccl_wait"));
     if (!r) return smp_error(SMP_ERR_ARG, "smp_nccl_wait: the request is NULL");
     smp_status st = SMP_OK;
     if (r->kind == SMP__NC_REQ_NCCL) {
@@ -1724,20 +1640,20 @@ SMPDEF smp_status smp_nccl_wait(smp_nccl_request *r) {
 
 SMPDEF smp_status smp_nccl_send(const void *buf, size_t bytes, int peer, smp_group g) {
     smp_nccl_request *r;
-    SMP__TRY(smp_nccl_isend(buf, bytes, peer, g, &r));
+    SMP_TRY(smp_nccl_isend(buf, bytes, peer, g, &r));
     return smp_nccl_wait(r);
 }
 
 SMPDEF smp_status smp_nccl_recv(void *buf, size_t bytes, int peer, smp_group g) {
     smp_nccl_request *r;
-    SMP__TRY(smp_nccl_irecv(buf, bytes, peer, g, &r));
+    SMP_TRY(smp_nccl_irecv(buf, bytes, peer, g, &r));
     return smp_nccl_wait(r);
 }
 
 SMPDEF smp_status smp_nccl_sendrecv(const void *sendbuf, size_t sendbytes, int dst, void *recvbuf, size_t recvbytes, int src,
                                     smp_group g) {
     smp_nccl_request *s = NULL, *r = NULL;
-    if (dst >= 0) SMP__TRY(smp_nccl_isend(sendbuf, sendbytes, dst, g, &s));
+    if (dst >= 0) SMP_TRY(smp_nccl_isend(sendbuf, sendbytes, dst, g, &s));
     smp_status st = src >= 0 ? smp_nccl_irecv(recvbuf, recvbytes, src, g, &r) : SMP_OK;
     smp_status st2 = r ? smp_nccl_wait(r) : SMP_OK; /* receive first: on the staged path the peer's send may wait for it */
     smp_status st3 = s ? smp_nccl_wait(s) : SMP_OK;
@@ -1786,13 +1702,13 @@ __global__ void smp__nc_scale_bf16(__nv_bfloat16 *d, float by, long long n) {
 #endif
 
 SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t n) {
-    SMP__TRY(smp__nc_ready("smp_nccl_add"));
+    SMP_TRY(smp__nc_ready("smp_nccl_add"));
     if (n < 0) return smp_error(SMP_ERR_ARG, "smp_nccl_add: negative count %lld", (long long)n);
     size_t bytes = (size_t)n * smp_dtype_size(dt);
     if (!smp_dtype_size(dt)) return smp_error(SMP_ERR_ARG, "smp_nccl_add: invalid dtype %d", (int)dt);
     if (!n) return SMP_OK;
-    SMP__TRY(smp__nc_check_ptr("dst", dst, smp__nc.device, bytes));
-    SMP__TRY(smp__nc_check_ptr("src", src, smp__nc.device, bytes));
+    SMP_TRY(smp__nc_check_ptr("dst", dst, smp__nc.device, bytes));
+    SMP_TRY(smp__nc_check_ptr("src", src, smp__nc.device, bytes));
 #ifdef __CUDACC__
     long long nn = (long long)n;
     unsigned grid = (unsigned)((nn + 255) / 256 < 4096 ? (nn + 255) / 256 : 4096);
@@ -1814,11 +1730,11 @@ SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t
 }
 
 SMPDEF smp_status smp_nccl_scale(void *data, smp_dtype dt, int64_t n, double by) {
-    SMP__TRY(smp__nc_ready("smp_nccl_scale"));
+    SMP_TRY(smp__nc_ready("smp_nccl_scale"));
     if (n < 0) return smp_error(SMP_ERR_ARG, "smp_nccl_scale: negative count %lld", (long long)n);
     if (!smp_dtype_size(dt)) return smp_error(SMP_ERR_ARG, "smp_nccl_scale: invalid dtype %d", (int)dt);
     if (!n || (dt != SMP_F32 && dt != SMP_F64 && dt != SMP_F16 && dt != SMP_BF16)) return SMP_OK;
-    SMP__TRY(smp__nc_check_ptr("data", data, smp__nc.device, (size_t)n * smp_dtype_size(dt)));
+    SMP_TRY(smp__nc_check_ptr("data", data, smp__nc.device, (size_t)n * smp_dtype_size(dt)));
 #ifdef __CUDACC__
     long long nn = (long long)n;
     unsigned grid = (unsigned)((nn + 255) / 256 < 4096 ? (nn + 255) / 256 : 4096);
@@ -1838,9 +1754,9 @@ SMPDEF smp_status smp_nccl_scale(void *data, smp_dtype dt, int64_t n, double by)
 }
 
 SMPDEF smp_status smp_nccl_zero(void *p, size_t bytes) {
-    SMP__TRY(smp__nc_ready("smp_nccl_zero"));
+    SMP_TRY(smp__nc_ready("smp_nccl_zero"));
     if (!bytes) return SMP_OK;
-    SMP__TRY(smp__nc_check_ptr("the buffer", p, smp__nc.device, bytes));
+    SMP_TRY(smp__nc_check_ptr("the buffer", p, smp__nc.device, bytes));
     SMP__CU(cudaMemsetAsync, (p, 0, bytes, smp__nc_engine));
     return SMP_OK;
 }
@@ -1851,12 +1767,12 @@ SMPDEF smp_status smp_nccl_copy(void *dst, int dst_device, const void *src, int 
 }
 
 SMPDEF smp_status smp_nccl_synchronize(void) {
-    SMP__TRY(smp__nc_ready("smp_nccl_synchronize"));
-    SMP__TRY(smp__nc_stream_idle(smp__nc.stream, "smp's device work (smp_nccl_synchronize)", SMP_WORLD, -1));
+    SMP_TRY(smp__nc_ready("smp_nccl_synchronize"));
+    SMP_TRY(smp__nc_stream_idle(smp__nc.stream, "smp's device work (smp_nccl_synchronize)", SMP_WORLD, -1));
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
         for (int i = 0; i < smp__nc.nchans[g]; i++) {
             smp__nc_chan *c = smp__nc.chans[g][i];
-            if (c && !c->dead) SMP__TRY(smp__nc_stream_idle(c->stream, i % 2 ? "point-to-point receives (smp_nccl_synchronize)" : "point-to-point sends (smp_nccl_synchronize)", (smp_group)g, i / 2));
+            if (c && !c->dead) SMP_TRY(smp__nc_stream_idle(c->stream, i % 2 ? "point-to-point receives (smp_nccl_synchronize)" : "point-to-point sends (smp_nccl_synchronize)", (smp_group)g, i / 2));
         }
     return smp__nc.mode == SMP_NCCL_MODE_NCCL ? smp__nc_poll_async("smp_nccl_synchronize") : SMP_OK;
 }

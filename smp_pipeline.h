@@ -383,18 +383,8 @@ SMPDEF smp_status smp_agree_batches(int64_t batches);
 #ifndef SMP_PIPELINE_IMPLEMENTED
 #define SMP_PIPELINE_IMPLEMENTED
 
-#include <math.h>
-#include <stdarg.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-#ifndef SMP_MALLOC
-#define SMP_MALLOC(n) malloc(n)
-#endif
-#ifndef SMP_FREE
-#define SMP_FREE(p) free(p)
-#endif
+/* (the system headers, SMP_MALLOC and the internal core come with smp.h's
+   implementation) */
 
 /* ======================================================================
    schedules and simulator: implementation
@@ -787,11 +777,7 @@ SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nst
 
 /* Appends printf-style text to buf (capacity cap, length *len), keeping it
    terminated; once full, further text is dropped and "..." marks the cut. */
-static void smp__sched_append(char *buf, size_t cap, size_t *len, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 4, 5)))
-#endif
-    ;
+static void smp__sched_append(char *buf, size_t cap, size_t *len, const char *fmt, ...) SMP__PRINTF(4, 5);
 static void smp__sched_append(char *buf, size_t cap, size_t *len, const char *fmt, ...) {
     if (*len + 1 >= cap) return;
     va_list ap;
@@ -1186,7 +1172,7 @@ static smp_status smp__shared_build(smp__pipe *ps, smp_model *md) {
         for (int i = 0; i < md->nparams; i++) {
             smp_param *p = md->params[i];
             if (p->is_buffer || !smp__in_subtree(p->module, mod)) continue;
-            if (!smp__grow((void **)&ps->shared, &cap, ps->nshared + 1, sizeof *ps->shared))
+            if (!smp__grow((void **)&ps->shared, &cap, ps->nshared + 1, sizeof *ps->shared, NULL))
                 return smp__nomem(sizeof *ps->shared * (size_t)(ps->nshared + 1), "the pipeline's shared modules");
             smp__shared *q = &ps->shared[ps->nshared++];
             q->call = k;
@@ -1259,7 +1245,7 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
         if (md->stage_rank[from] == md->stage_rank[to]) continue;
         int *L = &link_of[from * S + to];
         if (*L < 0) {
-            if (!smp__grow((void **)&ps->links, &cap, ps->nlinks + 1, sizeof(smp__link))) { st = smp__nomem(sizeof(smp__link) * (size_t)(ps->nlinks + 1), what); break; }
+            if (!smp__grow((void **)&ps->links, &cap, ps->nlinks + 1, sizeof(smp__link), NULL)) { st = smp__nomem(sizeof(smp__link) * (size_t)(ps->nlinks + 1), what); break; }
             *L = ps->nlinks++;
             smp__link *l = &ps->links[*L];
             memset(l, 0, sizeof *l);
@@ -1454,7 +1440,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
     const char *what = "a pipeline message";
     if (smp__injected(SMP_FAULT_SEND))
         return smp_error(SMP_ERR_MPI, "MPI_Isend to mp rank %d failed: injected by smp_testing_fail", backward ? l->peer_from : l->peer_to);
-    if (!smp__grow((void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer))) return smp__nomem(sizeof(smp__xfer) * (size_t)(ps->nsends + 1), what);
+    if (!smp__grow((void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer), NULL)) return smp__nomem(sizeof(smp__xfer) * (size_t)(ps->nsends + 1), what);
     smp__xfer *x = &ps->sends[ps->nsends];
     memset(x, 0, sizeof *x);
     x->peer = backward ? l->peer_from : l->peer_to;
@@ -1656,7 +1642,7 @@ static void smp__drain_device(smp__pipe *ps) {
 
 static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0) {
     if (!ps->timeline) return;
-    if (!smp__grow((void **)&ps->events, &ps->events_cap, ps->nevents + 1, sizeof(smp__event))) {
+    if (!smp__grow((void **)&ps->events, &ps->events_cap, ps->nevents + 1, sizeof(smp__event), NULL)) {
         /* a diagnostic, not the job's work: it stops, and says so */
         smp_log(SMP_LOG_WARN, "out of memory recording the timeline after %d events: SMP_TIMELINE records no more", ps->nevents);
         ps->timeline = false;
@@ -3058,28 +3044,29 @@ SMPDEF smp_status smp_timeline_write(smp_model *m) { return smp__timeline_write(
 static smp_status smp__timeline_write(smp__pipe *ps) {
     const char *path = getenv("SMP_TIMELINE");
     if (!path || !*path) return SMP_OK;
-    size_t cap = 64 + (ps ? (size_t)ps->nevents * 160 : 0), len = 0;
-    char *mine = (char *)smp__alloc(cap, SMP__ALLOC_OTHER);
+    smp__sbuf mine = {0};
     static const char *names[] = {"forward", "backward", "wait", "body", "allreduce", "send", "weight"};
     static const int track[] = {0, 0, 1, 0, 2, 3, 0}; /* waits, all-reduces and sends overlap the compute */
     for (int e = 0; ps && e < ps->nevents; e++) {
         smp__event *ev = &ps->events[e];
         if (ev->kind == 4) { /* a gradient bucket's all-reduce, on a track of its own */
-            len += (size_t)snprintf(mine + len, cap - len,
-                                    "%s{\"name\":\"AR b%d\",\"cat\":\"allreduce\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":2,\"args\":{\"bucket\":%d,\"bytes\":%zu}}",
-                                    len ? "," : "", ev->mb, ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6, smp__ctx.rank, ev->mb, ps->buckets[ev->mb].bytes);
+            smp__sbuf_printf(&mine, "%s{\"name\":\"AR b%d\",\"cat\":\"allreduce\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":2,\"args\":{\"bucket\":%d,\"bytes\":%zu}}",
+                             mine.len ? "," : "", ev->mb, ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6, smp__ctx.rank, ev->mb, ps->buckets[ev->mb].bytes);
             continue;
         }
-        len += (size_t)snprintf(mine + len, cap - len,
-                                "%s{\"name\":\"%c%d s%d\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":%d,\"args\":{\"stage\":%d,\"microbatch\":%d}}",
-                                len ? "," : "", "FBRL SW"[ev->kind], ev->mb, ev->stage, names[ev->kind], ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6,
-                                smp__ctx.rank, track[ev->kind], ev->stage, ev->mb);
+        smp__sbuf_printf(&mine, "%s{\"name\":\"%c%d s%d\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":%d,\"args\":{\"stage\":%d,\"microbatch\":%d}}",
+                         mine.len ? "," : "", "FBRL SW"[ev->kind], ev->mb, ev->stage, names[ev->kind], ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6,
+                         smp__ctx.rank, track[ev->kind], ev->stage, ev->mb);
     }
     int n = smp__ctx.size;
+    /* a rank out of memory still takes part in the gather, with nothing */
+    smp_status st = mine.oom ? smp__nomem(mine.want, "the timeline's events") : SMP_OK;
     size_t *lens = (size_t *)smp__alloc(sizeof(size_t) * (size_t)n, SMP__ALLOC_OTHER);
+    if (!lens) smp__fatal("out of memory: %zu bytes for the timeline's lengths on rank %d, which the other ranks wait on", sizeof(size_t) * (size_t)n, smp__ctx.rank);
     void *all = NULL;
-    smp_status st = smp_allgather_bytes(mine, len, SMP_WORLD, &all, lens);
-    smp__free(mine);
+    smp_status gst = smp_allgather_bytes(st ? NULL : mine.p, st ? 0 : mine.len, SMP_WORLD, &all, lens);
+    if (!st) st = gst;
+    smp__free(mine.p);
     if (!st && smp__ctx.rank == 0) {
         FILE *f = fopen(path, "w");
         if (!f) st = smp_error(SMP_ERR_IO, "SMP_TIMELINE: cannot write %s: %s", path, strerror(errno));
