@@ -102,7 +102,10 @@
 
    TESTING: with SMP_TESTING defined, smp_testing_fail() makes the n-th
    allocation, pipeline send or pipeline message check from now fail, so
-   tests can inject failures where they happen in real jobs.
+   tests can inject failures where they happen in real jobs, and
+   smp_checkpoint.h exports its test hooks (smp__ckpt_open_memory, ...) and
+   obeys SMP_CKPT_FAULT (a crash at a chosen point of a save); without it
+   neither exists.
 */
 #ifndef SMP_H
 #define SMP_H

@@ -181,7 +181,8 @@
    uncovered, duplicate tensor names, non-string metadata, malformed or
    orphaned smp checksums.
 
-   TEST-ONLY FAULT INJECTION: with SMP_CKPT_FAULT set to one of
+   TEST-ONLY FAULT INJECTION, compiled only where SMP_TESTING is defined
+   (other builds ignore SMP_CKPT_FAULT): with SMP_CKPT_FAULT set to one of
        header   after the header is in the tmp file, before any data
        data     after the first write() call's bytes are in the tmp file
                 (or at commit when there is no data)
@@ -301,11 +302,19 @@ SMPDEF uint32_t smp_ckpt_crc32c(uint32_t crc, const void *data, size_t n);
 /* "F32", "BF16", ... (safetensors spelling); NULL for an invalid dtype. */
 SMPDEF const char *smp_ckpt_dtype_string(smp_dtype dt);
 
-/* Internal, for tests and fuzzing: validates an in-memory file image
-   (length prefix + header + data) exactly as smp_ckpt_open validates a file;
-   reads are then served from `bytes`, which must outlive *f. `label` names
-   it in messages. */
+#ifdef SMP_TESTING
+/* Test hooks (SMP_TESTING builds only). smp__ckpt_open_memory validates an
+   in-memory file image (length prefix + header + data) exactly as
+   smp_ckpt_open validates a file; reads are then served from `bytes`, which
+   must outlive *f; `label` names it in messages. smp__ckpt_manifest_check
+   parses a partial checkpoint's manifest. smp__ckpt_crc32c_sw is the CRC
+   without the CPU's instruction; smp__ckpt_copy_in_host the copy a load
+   uses for host memory. */
 SMPDEF smp_status smp__ckpt_open_memory(smp_ckpt_file **f, const char *label, const void *bytes, size_t n);
+SMPDEF smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label);
+SMPDEF uint32_t smp__ckpt_crc32c_sw(uint32_t crc, const void *data, size_t n);
+SMPDEF void smp__ckpt_copy_in_host(void *dst, const void *src, size_t n);
+#endif
 
 /* ---------------------------------------------------------------- model checkpoints
    smp_save / smp_load: the parameters, buffers and optimizer state of a
@@ -454,6 +463,13 @@ SMPDEF const smp_tensor *smp_state_dict_find(const smp_state_dict *sd, const cha
 #define SMP__CKPT_O_DIRECTORY O_DIRECTORY
 #else
 #define SMP__CKPT_O_DIRECTORY 0
+#endif
+/* Test hooks are part of the API only in SMP_TESTING builds; elsewhere
+   they are internal (and some unused). */
+#ifdef SMP_TESTING
+#define SMP__CKPT_HOOK SMPDEF
+#else
+#define SMP__CKPT_HOOK SMP__CORE
 #endif
 #if defined(__BYTE_ORDER__) && defined(__ORDER_BIG_ENDIAN__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
 #error "smp_checkpoint.h writes tensor data as it lies in memory, and safetensors is little-endian"
@@ -615,8 +631,7 @@ static void smp__ckpt_crc_init(void) {
 
 /* The table version (slicing by 8), used where the CPU has no CRC-32C
    instruction; internal, exposed for tests. */
-SMPDEF uint32_t smp__ckpt_crc32c_sw(uint32_t crc, const void *data, size_t n);
-SMPDEF uint32_t smp__ckpt_crc32c_sw(uint32_t crc, const void *data, size_t n) {
+SMP__CKPT_HOOK uint32_t smp__ckpt_crc32c_sw(uint32_t crc, const void *data, size_t n) {
     const uint8_t *p = (const uint8_t *)data;
     uint32_t (*t)[256] = smp__ckpt_crc_table;
     pthread_once(&smp__ckpt_crc_once, smp__ckpt_crc_init);
@@ -752,8 +767,10 @@ static int smp__ckpt_pid_alive(long pid) {
 enum { SMP__CKPT_FAULT_NONE, SMP__CKPT_FAULT_HEADER, SMP__CKPT_FAULT_DATA, SMP__CKPT_FAULT_FLUSH,
        SMP__CKPT_FAULT_RENAME, SMP__CKPT_FAULT_DIRSYNC, SMP__CKPT_FAULT_RENAMED, SMP__CKPT_FAULT_MANIFEST,
        SMP__CKPT_FAULT_COMMIT, SMP__CKPT_FAULT_CLEANUP, SMP__CKPT_FAULT_COUNT };
+#ifdef SMP_TESTING
 static const char *const smp__ckpt_fault_names[SMP__CKPT_FAULT_COUNT] = {
     "", "header", "data", "flush", "rename", "dirsync", "renamed", "manifest", "commit", "cleanup"};
+#endif
 
 struct smp_ckpt_writer {
     char *path, *tmp, *dir; /* dir: for the folder fsync */
@@ -777,6 +794,7 @@ struct smp_ckpt_writer {
     uint32_t header_crc;    /* once sealed: CRC-32C of the length prefix + header as on disk */
 };
 
+#ifdef SMP_TESTING
 static int smp__ckpt_fault_from_env(int *fault) {
     const char *s = getenv("SMP_CKPT_FAULT");
     int i;
@@ -801,6 +819,21 @@ static void smp__ckpt_die(int phase) {
 static void smp__ckpt_fault(const smp_ckpt_writer *w, int phase) {
     if (w->fault == phase) smp__ckpt_die(phase);
 }
+
+/* Test-only (SMP_CKPT_FAULT=rename in a partial save): before this rank
+   dies ahead of its rename, let every other saver rename its file, so the
+   kill falls between the per-rank renames. */
+static void smp__ckpt_fault_pace(const char *path, uint64_t gen, int P, int mine);
+#else
+/* Without SMP_TESTING nothing reads SMP_CKPT_FAULT and nothing exits. */
+static int smp__ckpt_fault_from_env(int *fault) {
+    *fault = SMP__CKPT_FAULT_NONE;
+    return 1;
+}
+#define smp__ckpt_die(phase) ((void)(phase))
+#define smp__ckpt_fault(w, phase) ((void)(w), (void)(phase))
+#define smp__ckpt_fault_pace(path, gen, P, mine) ((void)(path), (void)(gen), (void)(P), (void)(mine))
+#endif
 
 static void smp__ckpt_writer_free(smp_ckpt_writer *w) {
     if (!w) return;
@@ -1755,7 +1788,7 @@ SMPDEF smp_status smp_ckpt_open(smp_ckpt_file **out, const char *path) {
     return SMP_OK;
 }
 
-SMPDEF smp_status smp__ckpt_open_memory(smp_ckpt_file **out, const char *label, const void *bytes, size_t n) {
+SMP__CKPT_HOOK smp_status smp__ckpt_open_memory(smp_ckpt_file **out, const char *label, const void *bytes, size_t n) {
     smp_ckpt_file *f;
     smp_status st;
     if (!out) return smp_error(SMP_ERR_ARG, "smp__ckpt_open_memory: out is NULL");
@@ -2078,8 +2111,7 @@ static void smp__ckpt_stream_copy(void *dst, const void *src, size_t n) {
 
 /* The host-to-host copy of a load, whatever the size; internal, exposed for
    tests. */
-SMPDEF void smp__ckpt_copy_in_host(void *dst, const void *src, size_t n);
-SMPDEF void smp__ckpt_copy_in_host(void *dst, const void *src, size_t n) {
+SMP__CKPT_HOOK void smp__ckpt_copy_in_host(void *dst, const void *src, size_t n) {
 #ifdef SMP__CKPT_STREAM
     if (n >= SMP__CKPT_STREAM_MIN) {
         smp__ckpt_stream_copy(dst, src, n);
@@ -2953,19 +2985,11 @@ static char *smp__ckpt_part_path(const char *path, int k) {
    above). These helpers name, scan, write and read those files. */
 #define SMP__CKPT_MANIFEST_FORMAT "smp-checkpoint-manifest/1"
 #define SMP__CKPT_MANIFEST_MAX ((size_t)64 << 20)
-#define SMP__CKPT_FAULT_PACE_NS 1000000L /* test-only pacing: 1 ms polls, 10 s at most */
 
 static char *smp__ckpt_manifest_path(const char *path) {
     size_t n = strlen(path) + 16;
     char *p = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
     if (p) snprintf(p, n, "%s.manifest", path);
-    return p;
-}
-
-static char *smp__ckpt_gen_path(const char *path, uint64_t gen, int k) {
-    size_t n = strlen(path) + 48;
-    char *p = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
-    if (p) snprintf(p, n, "%s.g%llu_%d", path, (smp__ckpt_ull)gen, k);
     return p;
 }
 
@@ -3247,8 +3271,7 @@ static smp_status smp__ckpt_manifest_parse(uint8_t *text, size_t n, const char *
 
 /* Internal, for fuzzing: validates a manifest image exactly as loading
    does (`label` names it in messages). */
-SMPDEF smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label);
-SMPDEF smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label) {
+SMP__CKPT_HOOK smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label) {
     smp__ckpt_manifest m;
     uint8_t *text;
     smp_status st;
@@ -3496,9 +3519,17 @@ static void smp__ckpt_cleanup(const char *path, uint64_t gen, int mine, int P, i
     if (fault == SMP__CKPT_FAULT_CLEANUP) smp__ckpt_die(fault); /* nothing to remove: die at the end of it */
 }
 
-/* Test-only (SMP_CKPT_FAULT=rename in a partial save): before this rank
-   dies ahead of its rename, let every other saver rename its file, so the
-   kill falls between the per-rank renames. */
+#ifdef SMP_TESTING
+#define SMP__CKPT_FAULT_PACE_NS 1000000L /* test-only pacing: 1 ms polls, 10 s at most */
+
+/* the name a saver's file of generation gen has once renamed */
+static char *smp__ckpt_gen_path(const char *path, uint64_t gen, int k) {
+    size_t n = strlen(path) + 48;
+    char *p = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
+    if (p) snprintf(p, n, "%s.g%llu_%d", path, (smp__ckpt_ull)gen, k);
+    return p;
+}
+
 static void smp__ckpt_fault_pace(const char *path, uint64_t gen, int P, int mine) {
     int tries, k;
     for (tries = 0; tries < 10000; tries++) {
@@ -3514,6 +3545,7 @@ static void smp__ckpt_fault_pace(const char *path, uint64_t gen, int P, int mine
         smp__sleep_ns(SMP__CKPT_FAULT_PACE_NS);
     }
 }
+#endif
 
 static smp_status smp__ckpt_check_common(smp_model *m, const char *path, const char *fn) {
     if (!m) return smp_error(SMP_ERR_ARG, "%s: model is NULL", fn);

@@ -18,6 +18,7 @@
    (new inputs go to the first folder, so the checked-in seeds stay small)
 */
 #define _POSIX_C_SOURCE 200809L
+#define SMP_TESTING /* smp__ckpt_open_memory, smp__ckpt_manifest_check */
 #define SMP_IMPLEMENTATION
 #include "../smp_checkpoint.h"
 

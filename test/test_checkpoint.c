@@ -41,6 +41,7 @@
      mpirun -n 4 /tmp/tc
 */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp, setenv, truncate for the test itself */
+#define SMP_TESTING /* SMP_CKPT_FAULT, the killed-save tests */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_checkpoint.h"

@@ -13,6 +13,7 @@
 #ifndef TEST_CKPT_NO_POSIX
 #define _POSIX_C_SOURCE 200809L /* fork, mkdtemp, setenv; smp_checkpoint.h needs none */
 #endif
+#define SMP_TESTING /* the test hooks (smp__ckpt_*) and SMP_CKPT_FAULT */
 #define SMP_IMPLEMENTATION
 #include "../smp_checkpoint.h"
 #include "test.h"
