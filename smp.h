@@ -56,6 +56,7 @@
              smp_finalize();
          }
      Build: mpicc -std=c11 -O2 prog.c -o prog -lm      Run: mpirun -n 2 ./prog
+     (-std=c99 works as well; the headers need gcc or clang there)
 
    CONFIG KEYS (smp_config fields, or the same keys as JSON in SMP_CONFIG /
    smp_config_from_json, as in SageMaker's "modelparallel" parameters):
@@ -96,6 +97,15 @@
    broken invariants, on waits past their deadline, and where a rank cannot
    take part in a collective the others are in already (the gather buffer
    of deterministic_reduction, a persistent all-reduce's buffer).
+
+   THREADING: call smp from one thread, the one that called smp_init (MPI
+   is initialised for that). smp_last_error() is per thread: the message of
+   the last call that failed on the calling thread. smp runs one thread of
+   its own, the I/O thread that writes a checkpoint (or fills a state dict)
+   on the rank that receives the data; it shares only its queue with the
+   main thread, under a lock, and a failure on it comes back as the status
+   of smp_save (or smp_model_state_dict) with its message in the main
+   thread's smp_last_error(). make test runs it under ThreadSanitizer.
 
    VERSION AND LICENCE: SMP_VERSION_MAJOR/MINOR/PATCH and SMP_VERSION_STRING
    below; MIT (the LICENSE file next to the headers).
@@ -769,7 +779,19 @@ static struct {
     struct { long steps; char op; int stage, microbatch; bool in_step; } at;
 } smp__ctx;
 
-static char smp__errbuf[2048];
+/* Each thread's last error: the checkpoint I/O thread's failures never
+   overwrite (or tear) the message the main thread is reading; the I/O
+   thread hands its message over when it is joined. */
+#if defined(__cplusplus)
+#define SMP__THREAD_LOCAL thread_local
+#elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
+#define SMP__THREAD_LOCAL _Thread_local
+#elif defined(__GNUC__)
+#define SMP__THREAD_LOCAL __thread /* C99 under gcc and clang */
+#else
+#error "smp needs thread-local storage: compile as C11 (-std=c11) or with gcc or clang"
+#endif
+static SMP__THREAD_LOCAL char smp__errbuf[2048];
 static smp_log_fn smp__logger;
 static void *smp__logger_user;
 

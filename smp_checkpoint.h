@@ -2432,11 +2432,10 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     /* one save id and chunk size for all: rank 0's */
     memset(&head, 0, sizeof head);
     if (pl->rank == 0) {
-        struct timespec ts;
         static unsigned counter;
-        timespec_get(&ts, TIME_UTC);
-        snprintf(head.id, sizeof head.id, "%08llx%08llx-%x-%x", (smp__ckpt_ull)ts.tv_sec & 0xffffffffull,
-                 (smp__ckpt_ull)ts.tv_nsec, (unsigned)getpid(), ++counter);
+        double now = MPI_Wtime(); /* (C99 has no timespec_get) */
+        snprintf(head.id, sizeof head.id, "%08llx%08llx-%x-%x", (smp__ckpt_ull)time(NULL) & 0xffffffffull,
+                 (smp__ckpt_ull)((now - floor(now)) * 1e9), (unsigned)getpid(), ++counter);
         head.chunk = chunk ? chunk : SMP_CKPT_DEFAULT_CHUNK;
         if (head.chunk > ((size_t)1 << 30)) head.chunk = (size_t)1 << 30;
     }
@@ -2557,7 +2556,8 @@ typedef struct smp__ckpt_io {
     int busy[SMP__CKPT_RING];
     smp__ckpt_sink_fn sink;
     void *ctx;
-    smp_status st; /* the sink's first error (its message is the last error) */
+    smp_status st; /* the sink's first error */
+    char msg[sizeof smp__errbuf]; /* its message: the last error is per thread */
 } smp__ckpt_io;
 
 static void *smp__ckpt_io_main(void *arg) {
@@ -2572,7 +2572,10 @@ static void *smp__ckpt_io_main(void *arg) {
         pthread_mutex_unlock(&io->mu);
         if (!io->st) st = io->sink(io->ctx, j.item, j.off, j.p, j.n); /* after an error: drain */
         pthread_mutex_lock(&io->mu);
-        if (!io->st) io->st = st;
+        if (!io->st && st) {
+            io->st = st;
+            memcpy(io->msg, smp__errbuf, sizeof io->msg);
+        }
         io->head = (io->head + 1) % SMP__CKPT_QUEUE;
         io->count--;
         if (j.slot >= 0) io->busy[j.slot] = 0;
@@ -2803,7 +2806,7 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
             pthread_cond_broadcast(&io.cv);
             pthread_mutex_unlock(&io.mu);
             pthread_join(th, NULL);
-            if (!st) st = io.st;
+            if (!st && io.st) st = smp_error(io.st, "%s", io.msg);
             pthread_cond_destroy(&io.cv);
             pthread_mutex_destroy(&io.mu);
         }

@@ -13,7 +13,7 @@ build=$1; unit=$2; mpi=$3; scripts=$4; nps=${5:-"1 2 4"}
 passed=0; failed=0; skipped=0
 log=$(mktemp)
 san=""
-san_re='runtime error: |==[0-9]+==ERROR: [A-Za-z]*Sanitizer|[A-Za-z]*Sanitizer:DEADLYSIGNAL'
+san_re='runtime error: |==[0-9]+==ERROR: [A-Za-z]*Sanitizer|[A-Za-z]*Sanitizer:DEADLYSIGNAL|WARNING: ThreadSanitizer: '
 if [ -n "${SMP_SANITIZER_LOGS:-}" ]; then
   san=$(mktemp -d)
   export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}log_path=$san/asan"
