@@ -1131,13 +1131,12 @@ static smp_status smp__ckpt_writer_flush(smp_ckpt_writer *w) {
 }
 
 static smp_status smp__ckpt_writer_out(smp_ckpt_writer *w, const uint8_t *p, size_t n) {
-    smp_status st;
     if (w->buf_len + n <= w->buf_cap) {
         memcpy(w->buf + w->buf_len, p, n);
         w->buf_len += n;
         return SMP_OK;
     }
-    if ((st = smp__ckpt_writer_flush(w)) != SMP_OK) return st;
+    SMP_TRY(smp__ckpt_writer_flush(w));
     if (n >= w->buf_cap) {
         if (smp__ckpt_write_all(w->fd, p, n) != 0)
             return smp__ckpt_writer_failed(w, smp_error(SMP_ERR_IO, "checkpoint '%s': writing '%s' failed: %s",
@@ -1151,7 +1150,6 @@ static smp_status smp__ckpt_writer_out(smp_ckpt_writer *w, const uint8_t *p, siz
 
 SMPDEF smp_status smp_ckpt_writer_write(smp_ckpt_writer *w, const void *bytes, size_t n) {
     const uint8_t *p = (const uint8_t *)bytes;
-    smp_status st;
     if (!w) return smp_error(SMP_ERR_ARG, "smp_ckpt_writer_write: writer is NULL");
     if (w->failed) return smp__ckpt_writer_repeat(w);
     if (n && !bytes)
@@ -1175,7 +1173,7 @@ SMPDEF smp_status smp_ckpt_writer_write(smp_ckpt_writer *w, const void *bytes, s
            cache rather than reading the whole piece from memory twice */
         if (take > SMP__CKPT_IO_CHUNK) take = SMP__CKPT_IO_CHUNK;
         w->crcs[w->cur] = smp_ckpt_crc32c(w->crcs[w->cur], p, take);
-        if ((st = smp__ckpt_writer_out(w, p, take)) != SMP_OK) return st;
+        SMP_TRY(smp__ckpt_writer_out(w, p, take));
         w->done += take;
         w->written += take;
         p += take;
@@ -1436,18 +1434,17 @@ static smp_status smp__ckpt_juint(smp__ckpt_jp *jp, uint64_t *out, const char *w
 }
 
 static smp_status smp__ckpt_parse_meta(smp__ckpt_jp *jp, smp_ckpt_file *f) {
-    smp_status st;
     if (!smp__ckpt_eat(jp, '{')) return smp__ckpt_jerr(jp, "__metadata__ must be an object of strings");
     if (smp__ckpt_eat(jp, '}')) return SMP_OK;
     for (;;) {
         const char *k, *v;
-        if ((st = smp__ckpt_jstring(jp, &k, "a metadata key")) != SMP_OK) return st;
+        SMP_TRY(smp__ckpt_jstring(jp, &k, "a metadata key"));
         if (!smp__ckpt_eat(jp, ':')) return smp__ckpt_jerr(jp, "expected ':' after metadata key '%s'", k);
         smp__ckpt_ws(jp);
         if (jp->i >= jp->n || jp->s[jp->i] != '"')
             return smp__ckpt_jerr(jp, "the value of metadata key '%s' is not a string (metadata holds strings only)",
                                   k);
-        if ((st = smp__ckpt_jstring(jp, &v, "a metadata value")) != SMP_OK) return st;
+        SMP_TRY(smp__ckpt_jstring(jp, &v, "a metadata value"));
         size_t want;
         if (!smp__grow((void **)&f->meta, &f->meta_cap, f->nmeta + 1, sizeof *f->meta, &want))
             return smp__ckpt_nomem(want, jp->label, "the header's metadata");
@@ -1463,16 +1460,15 @@ static smp_status smp__ckpt_parse_meta(smp__ckpt_jp *jp, smp_ckpt_file *f) {
 static smp_status smp__ckpt_parse_tensor(smp__ckpt_jp *jp, smp_ckpt_info *e) {
     int have_dtype = 0, have_shape = 0, have_offsets = 0, d;
     uint64_t v, begin = 0, end = 0;
-    smp_status st;
     if (!smp__ckpt_eat(jp, '{')) return smp__ckpt_jerr(jp, "expected '{' holding dtype, shape and data_offsets");
     if (!smp__ckpt_eat(jp, '}')) {
         for (;;) {
             const char *k, *dt;
-            if ((st = smp__ckpt_jstring(jp, &k, "a key")) != SMP_OK) return st;
+            SMP_TRY(smp__ckpt_jstring(jp, &k, "a key"));
             if (!smp__ckpt_eat(jp, ':')) return smp__ckpt_jerr(jp, "expected ':' after key '%s'", k);
             if (!strcmp(k, "dtype")) {
                 if (have_dtype++) return smp__ckpt_jerr(jp, "dtype appears twice");
-                if ((st = smp__ckpt_jstring(jp, &dt, "the dtype")) != SMP_OK) return st;
+                SMP_TRY(smp__ckpt_jstring(jp, &dt, "the dtype"));
                 for (d = 1; d < SMP_DTYPE_COUNT; d++)
                     if (!strcmp(dt, smp__dtypes[d].file_name)) break;
                 if (d == SMP_DTYPE_COUNT)
@@ -1487,7 +1483,7 @@ static smp_status smp__ckpt_parse_tensor(smp__ckpt_jp *jp, smp_ckpt_info *e) {
                         if (e->ndim == SMP_MAX_DIMS)
                             return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, jp->tensor,
                                                   "shape has more than %d dimensions", SMP_MAX_DIMS);
-                        if ((st = smp__ckpt_juint(jp, &v, "a dimension")) != SMP_OK) return st;
+                        SMP_TRY(smp__ckpt_juint(jp, &v, "a dimension"));
                         e->shape[e->ndim++] = (int64_t)v;
                         if (smp__ckpt_eat(jp, ',')) continue;
                         if (smp__ckpt_eat(jp, ']')) break;
@@ -1497,9 +1493,9 @@ static smp_status smp__ckpt_parse_tensor(smp__ckpt_jp *jp, smp_ckpt_info *e) {
             } else if (!strcmp(k, "data_offsets")) {
                 if (have_offsets++) return smp__ckpt_jerr(jp, "data_offsets appears twice");
                 if (!smp__ckpt_eat(jp, '[')) return smp__ckpt_jerr(jp, "data_offsets must be [begin, end]");
-                if ((st = smp__ckpt_juint(jp, &begin, "the begin offset")) != SMP_OK) return st;
+                SMP_TRY(smp__ckpt_juint(jp, &begin, "the begin offset"));
                 if (!smp__ckpt_eat(jp, ',')) return smp__ckpt_jerr(jp, "data_offsets must be [begin, end]");
-                if ((st = smp__ckpt_juint(jp, &end, "the end offset")) != SMP_OK) return st;
+                SMP_TRY(smp__ckpt_juint(jp, &end, "the end offset"));
                 if (!smp__ckpt_eat(jp, ']')) return smp__ckpt_jerr(jp, "data_offsets must be [begin, end]");
             } else {
                 return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, jp->tensor,
@@ -1638,7 +1634,6 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
 
 static smp_status smp__ckpt_parse(smp_ckpt_file *f) {
     smp__ckpt_jp jp;
-    smp_status st;
     int have_meta = 0;
     memset(&jp, 0, sizeof jp);
     jp.s = f->header;
@@ -1650,11 +1645,11 @@ static smp_status smp__ckpt_parse(smp_ckpt_file *f) {
         for (;;) {
             const char *name;
             jp.tensor = NULL;
-            if ((st = smp__ckpt_jstring(&jp, &name, "a tensor name")) != SMP_OK) return st;
+            SMP_TRY(smp__ckpt_jstring(&jp, &name, "a tensor name"));
             if (!smp__ckpt_eat(&jp, ':')) return smp__ckpt_jerr(&jp, "expected ':' after name '%s'", name);
             if (!strcmp(name, "__metadata__")) {
                 if (have_meta++) return smp__ckpt_jerr(&jp, "__metadata__ appears twice");
-                if ((st = smp__ckpt_parse_meta(&jp, f)) != SMP_OK) return st;
+                SMP_TRY(smp__ckpt_parse_meta(&jp, f));
             } else {
                 smp_ckpt_info *e;
                 size_t want;
@@ -1664,7 +1659,7 @@ static smp_status smp__ckpt_parse(smp_ckpt_file *f) {
                 memset(e, 0, sizeof *e);
                 e->name = name;
                 jp.tensor = name;
-                if ((st = smp__ckpt_parse_tensor(&jp, e)) != SMP_OK) return st;
+                SMP_TRY(smp__ckpt_parse_tensor(&jp, e));
                 jp.tensor = NULL;
             }
             if (smp__ckpt_eat(&jp, ',')) continue;
@@ -1712,13 +1707,12 @@ static smp_status smp__ckpt_pread_all(smp_ckpt_file *f, void *dst, size_t n, uin
 static smp_status smp__ckpt_load(smp_ckpt_file *f) {
     uint8_t pre[8];
     uint64_t hlen = 0;
-    smp_status st;
     int i;
     if (f->size < 8)
         return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, NULL,
                               "the file is %llu bytes, shorter than the 8-byte header length it must start with",
                               (smp__ckpt_ull)f->size);
-    if ((st = smp__ckpt_pread_all(f, pre, 8, 0)) != SMP_OK) return st;
+    SMP_TRY(smp__ckpt_pread_all(f, pre, 8, 0));
     for (i = 7; i >= 0; i--) hlen = (hlen << 8) | pre[i];
     if (hlen > f->size - 8)
         return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, NULL,
@@ -1732,7 +1726,7 @@ static smp_status smp__ckpt_load(smp_ckpt_file *f) {
     f->data_len = f->size - f->data_start;
     f->header = (uint8_t *)smp__alloc(f->header_len + 1, SMP__ALLOC_OTHER);
     if (!f->header) return smp__ckpt_nomem(f->header_len + 1, f->label, "the header");
-    if ((st = smp__ckpt_pread_all(f, f->header, f->header_len, 8)) != SMP_OK) return st;
+    SMP_TRY(smp__ckpt_pread_all(f, f->header, f->header_len, 8));
     f->header[f->header_len] = 0;
     f->header_crc = smp_ckpt_crc32c(smp_ckpt_crc32c(0, pre, 8), f->header, f->header_len); /* before parsing decodes it */
     return smp__ckpt_parse(f);
@@ -1767,7 +1761,7 @@ SMPDEF smp_status smp_ckpt_open(smp_ckpt_file **out, const char *path) {
     if (!out) return smp_error(SMP_ERR_ARG, "smp_ckpt_open: out is NULL");
     *out = NULL;
     if (!path) return smp_error(SMP_ERR_ARG, "smp_ckpt_open: path is NULL");
-    if ((st = smp__ckpt_file_new(&f, path)) != SMP_OK) return st;
+    SMP_TRY(smp__ckpt_file_new(&f, path));
     f->fd = open(path, O_RDONLY | SMP__CKPT_O_CLOEXEC);
     if (f->fd < 0) {
         st = smp_error(SMP_ERR_IO, "cannot open checkpoint '%s': %s", path, strerror(errno));
@@ -1794,7 +1788,7 @@ SMP__CKPT_HOOK smp_status smp__ckpt_open_memory(smp_ckpt_file **out, const char 
     if (!out) return smp_error(SMP_ERR_ARG, "smp__ckpt_open_memory: out is NULL");
     *out = NULL;
     if (!bytes && n) return smp_error(SMP_ERR_ARG, "smp__ckpt_open_memory: bytes is NULL");
-    if ((st = smp__ckpt_file_new(&f, label ? label : "<memory>")) != SMP_OK) return st;
+    SMP_TRY(smp__ckpt_file_new(&f, label ? label : "<memory>"));
     f->mem = (const uint8_t *)(bytes ? bytes : "");
     f->size = n;
     if ((st = smp__ckpt_load(f)) != SMP_OK) {
@@ -1895,7 +1889,7 @@ SMPDEF smp_status smp_ckpt_read(smp_ckpt_file *f, const smp_ckpt_info *e, void *
     if (cap < e->nbytes)
         return smp__ckpt_fail(SMP_ERR_ARG, f->label, e->name, "a buffer of %zu bytes cannot hold its %llu bytes", cap,
                               (smp__ckpt_ull)e->nbytes);
-    if ((st = smp_ckpt_read_range(f, e, 0, dst, (size_t)e->nbytes)) != SMP_OK) return st;
+    SMP_TRY(smp_ckpt_read_range(f, e, 0, dst, (size_t)e->nbytes));
     if (!e->has_checksum) return SMP_OK;
     got = smp_ckpt_crc32c(0, dst, (size_t)e->nbytes);
     return got == e->checksum ? SMP_OK : smp__ckpt_mismatch(f, e, got);
@@ -3145,7 +3139,7 @@ static smp_status smp__ckpt_manifest_file(smp__ckpt_jp *jp, smp__ckpt_manifest *
     for (;;) {
         const char *k;
         int which;
-        if ((st = smp__ckpt_jstring(jp, &k, "a key")) != SMP_OK) return st;
+        SMP_TRY(smp__ckpt_jstring(jp, &k, "a key"));
         if (!smp__ckpt_eat(jp, ':')) return smp__ckpt_jerr(jp, "expected ':' after key '%s'", k);
         which = !strcmp(k, "mp_rank") ? 0 : !strcmp(k, "name") ? 1 : !strcmp(k, "bytes") ? 2
               : !strcmp(k, "header_crc32c") ? 3 : -1;
@@ -4110,7 +4104,6 @@ static smp_status smp__ckpt_verify_local(smp__ckpt_plan *pl, smp_ckpt_file **fil
         smp__ckpt_item *it = &pl->items[pl->order[i]];
         smp_ckpt_file *f;
         const uint8_t *base;
-        smp_status st;
         if (!(it->local || it->copy) || !it->src || !it->nbytes) continue;
         f = files[it->file];
         base = smp__ckpt_map(f);
@@ -4127,7 +4120,7 @@ static smp_status smp__ckpt_verify_local(smp__ckpt_plan *pl, smp_ckpt_file **fil
                 snprintf(what, sizeof what, "reading tensor '%s' of %s", it->name, f->label);
                 return smp__nomem((size_t)it->nbytes, what);
             }
-            if ((st = smp_ckpt_read(f, it->src, it->staged, (size_t)it->nbytes)) != SMP_OK) return st;
+            SMP_TRY(smp_ckpt_read(f, it->src, it->staged, (size_t)it->nbytes));
             it->bytes = it->staged;
         }
     }
