@@ -678,8 +678,7 @@ static int smp__ckpt_utf8_valid(const char *s) {
 static int smp__ckpt_tensor_bytes(smp_dtype dt, int ndim, const int64_t *shape, int64_t *numel, uint64_t *bytes) {
     int64_t ne = 1;
     size_t es = smp__dtypes[dt].size;
-    int i;
-    for (i = 0; i < ndim; i++) {
+    for (int i = 0; i < ndim; i++) {
         if (shape[i] < 0) return 0;
         if (shape[i] != 0 && ne > INT64_MAX / shape[i]) return 0;
         ne *= shape[i];
@@ -797,10 +796,9 @@ struct smp_ckpt_writer {
 #ifdef SMP_TESTING
 static int smp__ckpt_fault_from_env(int *fault) {
     const char *s = getenv("SMP_CKPT_FAULT");
-    int i;
     *fault = SMP__CKPT_FAULT_NONE;
     if (!s || !*s) return 1;
-    for (i = 1; i < SMP__CKPT_FAULT_COUNT; i++)
+    for (int i = 1; i < SMP__CKPT_FAULT_COUNT; i++)
         if (!strcmp(s, smp__ckpt_fault_names[i])) {
             *fault = i;
             return 1;
@@ -1197,7 +1195,6 @@ SMPDEF void smp_ckpt_writer_abort(smp_ckpt_writer *w) { smp__ckpt_writer_free(w)
    file). Model checkpoints seal every file of a save before renaming any. */
 static smp_status smp__ckpt_writer_seal(smp_ckpt_writer *w) {
     smp_status st;
-    int i;
     if (!w) return smp_error(SMP_ERR_ARG, "smp_ckpt_writer_commit: writer is NULL");
     if (w->failed) {
         st = smp__ckpt_writer_repeat(w);
@@ -1228,7 +1225,7 @@ static smp_status smp__ckpt_writer_seal(smp_ckpt_writer *w) {
     if (w->n > 0) {
         size_t lo = w->crc_pos[0], hi = w->crc_pos[w->n - 1] + 8;
         char hex[16];
-        for (i = 0; i < w->n; i++) {
+        for (int i = 0; i < w->n; i++) {
             snprintf(hex, sizeof hex, "%08x", (unsigned)w->crcs[i]);
             memcpy(w->header + w->crc_pos[i], hex, 8);
         }
@@ -1245,10 +1242,10 @@ static smp_status smp__ckpt_writer_seal(smp_ckpt_writer *w) {
         smp__ckpt_writer_free(w);
         return st;
     }
-    i = close(w->fd);
+    int closed = close(w->fd);
     w->fd = -1;
     w->sealed = 1; /* from here on, freeing w deletes the tmp file */
-    if (i != 0) {
+    if (closed != 0) {
         st = smp_error(SMP_ERR_IO, "checkpoint '%s': closing '%s' failed: %s", w->path, w->tmp, strerror(errno));
         smp__ckpt_writer_free(w);
         return st;
@@ -1307,13 +1304,12 @@ SMPDEF smp_status smp_ckpt_write_file(const char *path, const smp_ckpt_entry *en
 
 SMPDEF smp_ckpt_entry smp_ckpt_entry_of(const char *name, const smp_tensor *t) {
     smp_ckpt_entry e;
-    int i;
     memset(&e, 0, sizeof e);
     e.name = name;
     if (!t) return e;
     e.dtype = t->dtype;
     e.ndim = t->ndim;
-    for (i = 0; i < t->ndim && i < SMP_MAX_DIMS; i++) e.shape[i] = t->shape[i];
+    for (int i = 0; i < t->ndim && i < SMP_MAX_DIMS; i++) e.shape[i] = t->shape[i];
     e.data = t->data;
     return e;
 }
@@ -1547,10 +1543,9 @@ static smp_ckpt_info *smp__ckpt_lookup(const smp_ckpt_file *f, const char *name)
 static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
     smp_ckpt_info **by_off;
     uint64_t pos = 0;
-    int i;
     char shp[160];
     smp_status st = SMP_OK;
-    for (i = 0; i < f->n; i++) {
+    for (int i = 0; i < f->n; i++) {
         smp_ckpt_info *e = &f->info[i];
         uint64_t need;
         if (e->offset + e->nbytes > f->data_len)
@@ -1579,15 +1574,15 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
         smp__free(by_off);
         return st;
     }
-    for (i = 0; i < f->n; i++) f->by_name[i] = by_off[i] = &f->info[i];
+    for (int i = 0; i < f->n; i++) f->by_name[i] = by_off[i] = &f->info[i];
     qsort(f->by_name, (size_t)f->n, sizeof *f->by_name, smp__ckpt_cmp_name);
-    for (i = 1; i < f->n && !st; i++)
+    for (int i = 1; i < f->n && !st; i++)
         if (!strcmp(f->by_name[i - 1]->name, f->by_name[i]->name))
             st = smp__ckpt_fail(SMP_ERR_FORMAT, f->label, f->by_name[i]->name, "the name appears twice in the header");
     /* coverage: sorted by offset, each tensor starts where the last ended */
     if (!st) {
         qsort(by_off, (size_t)f->n, sizeof *by_off, smp__ckpt_cmp_offset);
-        for (i = 0; i < f->n && !st; i++) {
+        for (int i = 0; i < f->n && !st; i++) {
             smp_ckpt_info *e = by_off[i];
             if (e->offset < pos)
                 st = smp__ckpt_fail(SMP_ERR_FORMAT, f->label, e->name,
@@ -1611,11 +1606,11 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
     /* metadata: unique keys, checksums of existing tensors */
     if (f->nmeta) memcpy(f->meta_sorted, f->meta, sizeof(smp__ckpt_meta) * (size_t)f->nmeta);
     qsort(f->meta_sorted, (size_t)f->nmeta, sizeof *f->meta_sorted, smp__ckpt_cmp_meta);
-    for (i = 1; i < f->nmeta; i++)
+    for (int i = 1; i < f->nmeta; i++)
         if (!strcmp(f->meta_sorted[i - 1].key, f->meta_sorted[i].key))
             return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, NULL, "metadata key '%s' appears twice",
                                   f->meta_sorted[i].key);
-    for (i = 0; i < f->nmeta; i++) {
+    for (int i = 0; i < f->nmeta; i++) {
         const char *k = f->meta[i].key, *v = f->meta[i].value, *name;
         smp_ckpt_info *e;
         if (!smp__ckpt_starts(k, SMP__CKPT_CRC_KEY)) continue;
@@ -1707,13 +1702,12 @@ static smp_status smp__ckpt_pread_all(smp_ckpt_file *f, void *dst, size_t n, uin
 static smp_status smp__ckpt_load(smp_ckpt_file *f) {
     uint8_t pre[8];
     uint64_t hlen = 0;
-    int i;
     if (f->size < 8)
         return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, NULL,
                               "the file is %llu bytes, shorter than the 8-byte header length it must start with",
                               (smp__ckpt_ull)f->size);
     SMP_TRY(smp__ckpt_pread_all(f, pre, 8, 0));
-    for (i = 7; i >= 0; i--) hlen = (hlen << 8) | pre[i];
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | pre[i];
     if (hlen > f->size - 8)
         return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, NULL,
                               "the header length %llu is larger than the file (%llu bytes after the length)",
@@ -1899,12 +1893,11 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
     uint8_t *buf;
     size_t cap = SMP__CKPT_IO_CHUNK;
     smp_status st = SMP_OK;
-    int i;
     if (!f) return smp_error(SMP_ERR_ARG, "smp_ckpt_verify_all: file is NULL");
     if (f->data_len < cap) cap = f->data_len ? (size_t)f->data_len : 1;
     buf = (uint8_t *)smp__alloc(cap, SMP__ALLOC_OTHER);
     if (!buf) return smp__ckpt_nomem(cap, f->label, "verifying its checksums");
-    for (i = 0; i < f->n && !st; i++) {
+    for (int i = 0; i < f->n && !st; i++) {
         const smp_ckpt_info *e = &f->info[i];
         uint64_t off = 0;
         uint32_t crc = 0;
@@ -2138,9 +2131,8 @@ SMPDEF smp_status smp_optimizer_new(smp_model *m, smp_optimizer **out) {
 }
 
 SMPDEF void smp_optimizer_free(smp_optimizer *o) {
-    int i;
     if (!o) return;
-    for (i = 0; i < o->n; i++) smp__free(o->s[i].full);
+    for (int i = 0; i < o->n; i++) smp__free(o->s[i].full);
     smp__free(o->s);
     smp__free(o);
 }
@@ -2199,9 +2191,8 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
 
 /* ---------------------------------------------------------------- the plan */
 static void smp__ckpt_plan_free(smp__ckpt_plan *pl) {
-    int i;
     if (pl->items)
-        for (i = 0; i < pl->n; i++) smp__free(pl->items[i].staged);
+        for (int i = 0; i < pl->n; i++) smp__free(pl->items[i].staged);
     if (pl->comm != MPI_COMM_NULL) MPI_Comm_free(&pl->comm);
     smp__free(pl->saver);
     smp__free(pl->items);
@@ -2264,9 +2255,8 @@ static int smp__ckpt_cmp_rec(const void *a, const void *b) {
 }
 
 static int smp__ckpt_same_shape(int na, const int64_t *a, int nb, const int64_t *b) {
-    int i;
     if (na != nb) return 0;
-    for (i = 0; i < na; i++)
+    for (int i = 0; i < na; i++)
         if (a[i] != b[i]) return 0;
     return 1;
 }
@@ -2274,15 +2264,14 @@ static int smp__ckpt_same_shape(int na, const int64_t *a, int nb, const int64_t 
 /* Serialises this rank's registrations into *out (malloc'd). */
 static smp_status smp__ckpt_pack(const smp_optimizer *o, char **out, size_t *len) {
     size_t n = 0, at = 0;
-    int i;
     char *b;
     *out = NULL;
     *len = 0;
     if (!o || !o->n) return SMP_OK;
-    for (i = 0; i < o->n; i++) n += 1 + strlen(o->s[i].full) + 1 + 8 + 8 * (size_t)o->s[i].t.ndim;
+    for (int i = 0; i < o->n; i++) n += 1 + strlen(o->s[i].full) + 1 + 8 + 8 * (size_t)o->s[i].t.ndim;
     b = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
     if (!b) return smp__nomem(n, "this rank's optimizer state names, packed for the other ranks (a checkpoint's plan)");
-    for (i = 0; i < o->n; i++) {
+    for (int i = 0; i < o->n; i++) {
         const smp__ckpt_state *s = &o->s[i];
         int32_t v[2];
         size_t k = strlen(s->full) + 1;
@@ -2647,8 +2636,7 @@ static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, vo
     smp__ckpt_plan *pl = rx->pl;
     smp_status st = SMP_OK, st2;
     char what[256];
-    int q;
-    for (q = 0; q < pl->n; q++) {
+    for (int q = 0; q < pl->n; q++) {
         int idx = pl->order[q];
         const smp__ckpt_item *it = &pl->items[idx];
         int src = smp__ckpt_source(pl, it);
@@ -2757,8 +2745,7 @@ static smp_status smp__ckpt_stream_prepare(smp__ckpt_plan *pl, int receiver, smp
 }
 
 static void smp__ckpt_stream_free(smp__ckpt_rx *rx) {
-    int i;
-    for (i = 0; i < SMP__CKPT_RING; i++) smp__free(rx->buf[i]);
+    for (int i = 0; i < SMP__CKPT_RING; i++) smp__free(rx->buf[i]);
     smp__free(rx->stage);
     memset(rx->buf, 0, sizeof rx->buf);
     rx->stage = NULL;
@@ -2772,12 +2759,11 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
     smp_status st = SMP_OK, st2;
     const int K = SMP__CKPT_RING;
     char what[128];
-    int q, i;
 
     if (pl->rank == receiver) {
         smp__ckpt_io io;
         pthread_t th;
-        for (i = 0; i < pl->n && threaded; i++) /* device tensors are staged on the main thread */
+        for (int i = 0; i < pl->n && threaded; i++) /* device tensors are staged on the main thread */
             if (smp__ckpt_source(pl, &pl->items[i]) == receiver && pl->items[i].local && pl->items[i].local->device >= 0)
                 threaded = 0;
         if (threaded) {
@@ -2806,7 +2792,7 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
         }
     } else {
         long sent = 0, k;
-        for (q = 0; q < pl->n; q++) {
+        for (int q = 0; q < pl->n; q++) {
             const smp__ckpt_item *it = &pl->items[pl->order[q]];
             uint64_t off = 0;
             if (smp__ckpt_source(pl, it) != pl->rank) continue;
@@ -2877,8 +2863,7 @@ static void smp__ckpt_meta_add(smp__ckpt_meta_list *md, const char *k1, const ch
 }
 
 static void smp__ckpt_meta_free(smp__ckpt_meta_list *md) {
-    int i;
-    for (i = 0; i < md->n; i++) {
+    for (int i = 0; i < md->n; i++) {
         smp__free(md->keys[i]);
         smp__free(md->vals[i]);
     }
@@ -3087,9 +3072,8 @@ static smp_status smp__ckpt_list_dir(const char *dir, char ***out) {
 }
 
 static void smp__ckpt_free_list(char **names) {
-    int i;
     if (!names) return;
-    for (i = 0; names[i]; i++) smp__free(names[i]);
+    for (int i = 0; names[i]; i++) smp__free(names[i]);
     smp__free(names);
 }
 
@@ -3443,7 +3427,7 @@ static smp_status smp__ckpt_next_generation(const char *path, uint64_t *out) {
     uint64_t g = 0, gen;
     size_t n = strlen(path) + 16;
     long pid;
-    int i, k;
+    int k;
     smp_status st = SMP_OK;
     *out = 0;
     if ((mpath = (char *)smp__ckpt_alloc(&st, n, NULL, "the name of the checkpoint's manifest")) != NULL) {
@@ -3460,7 +3444,7 @@ static smp_status smp__ckpt_next_generation(const char *path, uint64_t *out) {
     if (!st && !(dir = smp__ckpt_dirname(path, &base)))
         st = smp__nomem(strlen(path) + 1, "the name of the checkpoint's folder");
     if (!st) st = smp__ckpt_list_dir(dir, &names);
-    for (i = 0; names && names[i]; i++)
+    for (int i = 0; names && names[i]; i++)
         if (smp__ckpt_classify(names[i], base, &gen, &k, &pid) == SMP__CKPT_NAME_GEN && gen > g) g = gen;
     smp__ckpt_free_list(names);
     smp__free(dir);
@@ -3528,10 +3512,9 @@ static char *smp__ckpt_gen_path(const char *path, uint64_t gen, int k) {
 }
 
 static void smp__ckpt_fault_pace(const char *path, uint64_t gen, int P, int mine) {
-    int tries, k;
-    for (tries = 0; tries < 10000; tries++) {
+    for (int tries = 0; tries < 10000; tries++) {
         int all = 1;
-        for (k = 0; k < P && all; k++) {
+        for (int k = 0; k < P && all; k++) {
             char *p;
             if (k == mine) continue;
             p = smp__ckpt_gen_path(path, gen, k);
@@ -3557,13 +3540,12 @@ static smp_status smp__ckpt_check_common(smp_model *m, const char *path, const c
 
 static smp_status smp__ckpt_check_save(smp_model *m, const char *path, const smp_save_desc *d) {
     smp_status st = smp__ckpt_check_common(m, path, "smp_save");
-    int i;
     if (st) return st;
     if (d->optimizer && d->optimizer->model != m)
         return smp_error(SMP_ERR_ARG, "smp_save: the optimizer registry belongs to another model");
     if (d->nmeta < 0 || (d->nmeta > 0 && (!d->meta_keys || !d->meta_values)))
         return smp_error(SMP_ERR_ARG, "smp_save: %d metadata entries but keys or values is NULL", d->nmeta);
-    for (i = 0; i < d->nmeta; i++) {
+    for (int i = 0; i < d->nmeta; i++) {
         if (!d->meta_keys[i] || !d->meta_values[i])
             return smp_error(SMP_ERR_ARG, "smp_save: metadata entry %d has a NULL key or value", i);
         if (!strncmp(d->meta_keys[i], "smp.", 4))
@@ -4045,12 +4027,11 @@ static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_fil
 
 /* Matches the files' tensors with the model: same on every rank. */
 static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int nf, int partial, int with_opt) {
-    int k, i;
     char d1[200], d2[200];
     size_t plen = strlen(SMP_CKPT_OPTIMIZER_PREFIX);
-    for (k = 0; k < nf; k++) {
+    for (int k = 0; k < nf; k++) {
         smp_ckpt_file *f = files[k];
-        for (i = 0; i < smp_ckpt_count(f); i++) {
+        for (int i = 0; i < smp_ckpt_count(f); i++) {
             const smp_ckpt_info *e = smp_ckpt_info_at(f, i);
             int idx = smp__ckpt_find(pl, e->name), is_opt = !strncmp(e->name, SMP_CKPT_OPTIMIZER_PREFIX, plen);
             smp__ckpt_item *it;
@@ -4087,7 +4068,7 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
             it->src = e;
         }
     }
-    for (i = 0; i < pl->n; i++) {
+    for (int i = 0; i < pl->n; i++) {
         const smp__ckpt_item *it = &pl->items[i];
         if (!it->src)
             return smp_error(SMP_ERR_FORMAT, "checkpoint '%s'%s: tensor '%s' is missing (the model has this %s)",
@@ -4099,8 +4080,7 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
 
 /* Checks the checksum of every tensor this rank loads. */
 static smp_status smp__ckpt_verify_local(smp__ckpt_plan *pl, smp_ckpt_file **files) {
-    int i;
-    for (i = 0; i < pl->n; i++) {
+    for (int i = 0; i < pl->n; i++) {
         smp__ckpt_item *it = &pl->items[pl->order[i]];
         smp_ckpt_file *f;
         const uint8_t *base;
@@ -4220,7 +4200,6 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
     smp__ckpt_plan pl;
     smp__ckpt_rx rx;
     smp_status st = SMP_OK;
-    int i;
     if (!smp_is_initialized()) return smp_error(SMP_ERR_STATE, "smp_model_state_dict called before smp_init");
     if (out) memset(out, 0, sizeof *out);
     if (!out || !m) st = smp_error(SMP_ERR_ARG, "smp_model_state_dict: model and out must not be NULL");
@@ -4234,20 +4213,20 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
     if (st) return st;
     memset(&rx, 0, sizeof rx);
     st = smp__ckpt_plan_init(&pl, m, opt, 0);
-    for (i = 0; i < pl.n && !st; i++)
+    for (int i = 0; i < pl.n && !st; i++)
         if ((pl.items[i].kind == SMP__CKPT_OPTIM || pl.items[i].kind == SMP__CKPT_GLOBAL) && !pl.items[i].saver_has)
             st = smp_error(SMP_ERR_ARG, "optimizer state '%s' is not registered on world rank %d, which holds it for all",
                            pl.items[i].name, pl.saver[pl.items[i].mp]);
     if (!st && pl.rank == root) { /* names and data, owned by the dict */
         size_t names = 0, at = 0;
         char *blob;
-        for (i = 0; i < pl.n; i++) names += strlen(pl.items[i].name) + 1;
+        for (int i = 0; i < pl.n; i++) names += strlen(pl.items[i].name) + 1;
         out->entries = (smp_named_tensor *)smp__ckpt_alloc(&st, sizeof(smp_named_tensor) * (size_t)(pl.n + 1), NULL,
                                                            "the entries of smp_model_state_dict's result");
         blob = (char *)smp__ckpt_alloc(&st, names + 1, NULL, "the names in smp_model_state_dict's result");
         out->storage_ = blob;
         if (out->entries) memset(out->entries, 0, sizeof(smp_named_tensor) * (size_t)(pl.n + 1));
-        for (i = 0; i < pl.n && !st; i++) {
+        for (int i = 0; i < pl.n && !st; i++) {
             const smp__ckpt_item *it = &pl.items[i];
             smp_named_tensor *e = &out->entries[i];
             size_t k = strlen(it->name) + 1;
@@ -4275,19 +4254,17 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
 }
 
 SMPDEF void smp_state_dict_free(smp_state_dict *sd) {
-    int i;
     if (!sd) return;
     if (sd->storage_ && sd->entries)
-        for (i = 0; i < sd->n; i++) smp__free(sd->entries[i].tensor.data);
+        for (int i = 0; i < sd->n; i++) smp__free(sd->entries[i].tensor.data);
     smp__free(sd->storage_);
     smp__free(sd->entries);
     memset(sd, 0, sizeof *sd);
 }
 
 SMPDEF const smp_tensor *smp_state_dict_find(const smp_state_dict *sd, const char *name) {
-    int i;
     if (!sd || !name) return NULL;
-    for (i = 0; i < sd->n; i++)
+    for (int i = 0; i < sd->n; i++)
         if (!strcmp(sd->entries[i].name, name)) return &sd->entries[i].tensor;
     return NULL;
 }
