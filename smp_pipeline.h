@@ -1618,6 +1618,18 @@ static smp_status smp__progress(smp__pipe *ps) {
     return err;
 }
 
+/* Between two calls of a stage. A send over MPI's rendezvous size moves
+   only while its sender is inside MPI, and a stage computes for
+   milliseconds without entering it, so the peer waiting for that gradient
+   or activation would wait for the whole stage; one pass over the
+   transfers between calls lets it finish meanwhile (and started DDP
+   buckets move on). */
+static smp_status smp__between_calls(smp__pipe *ps) {
+    smp_status err = smp__progress_transfers(ps);
+    if (!err && ps->sync) smp__ddp_poll(ps);
+    return err;
+}
+
 /* The device sends of F(s, i) read its activations until they are done.
    Called once B(s, i) has run, when the peers have received them. */
 static void smp__finish_forward_sends(smp__pipe *ps, int s, int i) {
@@ -2408,6 +2420,7 @@ static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i)
         rc = smp__call_forward(ps, md, k, i, false);
         const smp__call_rec *rec = &md->calls[k];
         if (!rc && ps->training && rec->recompute_last == k) smp__recompute_drop(ps, i, rec->recompute_first, k);
+        if (!rc && k < md->stage_last[s]) rc = smp__between_calls(ps);
     }
     if (rc) return rc;
     smp__event_add(ps, 0, s, i, t0);
@@ -2535,8 +2548,8 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         if (!rc && !ps->zb) rc = smp__backward_done(ps, md, k, i);
         else if (!rc && rec->recompute_first == k && !smp__recompute_waits_for_w(md, k)) /* no W will read it */
             smp__recompute_drop(ps, i, k, rec->recompute_last);
+        if (!rc) rc = smp__between_calls(ps);
         if (rc) return rc;
-        if (ps->sync) smp__ddp_poll(ps); /* between calls: buckets started earlier move on */
     }
     smp__event_add(ps, 1, s, i, t0);
     /* gradients for producers on other ranks */
@@ -2568,7 +2581,7 @@ static smp_status smp__stage_weight(smp__pipe *ps, smp_model *md, int s, int i) 
             c->grad_outputs = NULL;
         }
         if (!rc) rc = smp__backward_done(ps, md, k, i);
-        if (ps->sync) smp__ddp_poll(ps);
+        if (!rc) rc = smp__between_calls(ps);
     }
     smp__event_add(ps, 6, s, i, t0);
     ps->inflight[s]--;
