@@ -1754,7 +1754,8 @@ static void smp__cfg_ws(smp__json *j) { j->pos = smp__json_skip_ws(j->src, j->n,
 
 /* Reads the string at j->pos (a '"'), decoding it into v (v may be NULL). */
 static bool smp__cfg_string(smp__json *j, smp__jvalue *v) {
-    smp__jstr d = {0};
+    smp__jstr d;
+    memset(&d, 0, sizeof d);
     char why[160];
     if (v) { v->type = SMP__J_STRING; d.out = v->str; d.cap = SMP__JSON_STR_CAP; }
     bool ok = smp__json_string_at(j->src, j->n, &j->pos, &d, why, sizeof why);

@@ -1395,7 +1395,8 @@ static smp_status smp__ckpt_jstring(smp__ckpt_jp *jp, const char **out, const ch
     smp__ckpt_ws(jp);
     if (jp->i >= jp->n || jp->s[jp->i] != '"') return smp__ckpt_jerr(jp, "expected %s in double quotes", what);
     char *text = (char *)jp->s + jp->i + 1, why[160];
-    smp__jstr d = {0};
+    smp__jstr d;
+    memset(&d, 0, sizeof d);
     d.out = text;
     d.cap = jp->n;
     d.no_nul = true;

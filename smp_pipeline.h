@@ -3060,7 +3060,8 @@ SMPDEF smp_status smp_timeline_write(smp_model *m) { return smp__timeline_write(
 static smp_status smp__timeline_write(smp__pipe *ps) {
     const char *path = getenv("SMP_TIMELINE");
     if (!path || !*path) return SMP_OK;
-    smp__sbuf mine = {0};
+    smp__sbuf mine;
+    memset(&mine, 0, sizeof mine);
     static const char *names[] = {"forward", "backward", "wait", "body", "allreduce", "send", "weight"};
     static const int track[] = {0, 0, 1, 0, 2, 3, 0}; /* waits, all-reduces and sends overlap the compute */
     for (int e = 0; ps && e < ps->nevents; e++) {
