@@ -464,11 +464,21 @@ SMPDEF uint64_t smp_param_seed(const char *full_name);
 SMPDEF double smp_rng_uniform(uint64_t *state);
 
 /* ---------------------------------------------------------------- partition contexts */
+/* Modules created between push and pop go to `partition`, when
+   auto_partition is off. With auto_partition on (the default) the
+   partitioner places every module itself and contexts are ignored, as
+   SageMaker's smp.partition is; smp warns once per model on rank 0, naming
+   a module created in a context, so the placement is not silently lost. */
 SMPDEF void smp_partition_push(int partition);
 SMPDEF void smp_partition_pop(void);
 /* SMP_PARTITION(1) { child = smp_module_new(root, "child", &d); }
-   Leave the block normally (no break/return/goto out of it). */
-#define SMP_PARTITION(k) for (int smp__pctx_once = (smp_partition_push(k), 1); smp__pctx_once; smp__pctx_once = (smp_partition_pop(), 0))
+   Leave the block at its end: a break, return or goto out of it skips the
+   pop, and smp_model_new then fails naming the file and line of the
+   context left open. */
+#define SMP_PARTITION(k) \
+    for (int smp__pctx_once = (smp__partition_push_at((k), __FILE__, __LINE__), 1); smp__pctx_once; smp__pctx_once = (smp_partition_pop(), 0))
+/* smp_partition_push that remembers where the context was opened (for SMP_PARTITION). */
+SMPDEF void smp__partition_push_at(int partition, const char *file, int line);
 
 /* ---------------------------------------------------------------- the model */
 /* The engine's forward: calls modules through smp_call and sets outputs[i]
@@ -3275,7 +3285,11 @@ static struct {
     smp_module **all; /* every module ever created, for cleanup */
     int nall, cap;
     int stack[64];
+    struct { const char *file; int line; } opened[64]; /* where each open context began (file NULL: smp_partition_push) */
     int depth;
+    bool stray_pop;          /* smp_partition_pop with no context open */
+    smp_model **models;      /* every live model, freed by smp_finalize if the engine did not */
+    int nmodels, models_cap;
     smp_status build_status; /* the first error made while building modules */
     char build_msg[sizeof smp__errbuf];
     bool tracing;
@@ -3325,14 +3339,55 @@ static void smp__build_error(smp_status st, const char *fmt, ...) {
     }
 }
 
-SMPDEF void smp_partition_push(int partition) {
-    if (smp__mod.depth >= 64) { smp__build_error(SMP_ERR_ARG, "SMP_PARTITION contexts nested more than 64 deep"); return; }
+SMPDEF void smp__partition_push_at(int partition, const char *file, int line) {
+    if (smp__mod.depth >= 64) {
+        /* 64 deep is in practice contexts left by break/return/goto: say where the first began */
+        if (smp__mod.opened[0].file)
+            smp__build_error(SMP_ERR_ARG, "SMP_PARTITION contexts nested more than 64 deep (the first opened at %s:%d); a break, return or goto "
+                             "out of an SMP_PARTITION block leaves its context open", smp__mod.opened[0].file, smp__mod.opened[0].line);
+        else smp__build_error(SMP_ERR_ARG, "SMP_PARTITION contexts nested more than 64 deep (smp_partition_push without smp_partition_pop?)");
+        return;
+    }
     if (partition < 0 || (smp__ctx.initialized && partition >= smp__ctx.cfg.partitions))
         smp__build_error(SMP_ERR_CONFIG, "SMP_PARTITION(%d): partition must be in 0..%d (partitions = %d)", partition,
                          smp__ctx.cfg.partitions - 1, smp__ctx.cfg.partitions);
+    smp__mod.opened[smp__mod.depth].file = file;
+    smp__mod.opened[smp__mod.depth].line = line;
     smp__mod.stack[smp__mod.depth++] = partition;
 }
-SMPDEF void smp_partition_pop(void) { if (smp__mod.depth > 0) smp__mod.depth--; }
+SMPDEF void smp_partition_push(int partition) { smp__partition_push_at(partition, NULL, 0); }
+SMPDEF void smp_partition_pop(void) {
+    if (smp__mod.depth > 0) smp__mod.depth--;
+    else smp__mod.stray_pop = true;
+}
+
+/* A context still open (or a pop without a push) when a model is made:
+   the engine left an SMP_PARTITION block early, and every module created
+   since went to that partition without anyone asking. The error names the
+   outermost open context; the stack is emptied so the next build starts
+   clean. */
+static smp_status smp__check_contexts_closed(void) {
+    smp_status st = SMP_OK;
+    if (smp__mod.depth > 0) {
+        int d = 0; /* the outermost: the first left open */
+        if (smp__mod.opened[d].file)
+            st = smp_error(SMP_ERR_STATE, "smp_model_new: the SMP_PARTITION(%d) context opened at %s:%d is still open (%d context%s open): a break, "
+                           "return or goto out of an SMP_PARTITION block skips closing it, and every module created since went to partition %d. "
+                           "Leave the block at its end (or call smp_partition_pop for every smp_partition_push)",
+                           smp__mod.stack[d], smp__mod.opened[d].file, smp__mod.opened[d].line, smp__mod.depth, smp__mod.depth == 1 ? "" : "s",
+                           smp__mod.stack[smp__mod.depth - 1]);
+        else
+            st = smp_error(SMP_ERR_STATE, "smp_model_new: smp_partition_push(%d) has no matching smp_partition_pop (%d context%s open): "
+                           "call smp_partition_pop once the modules of that partition are created",
+                           smp__mod.stack[d], smp__mod.depth, smp__mod.depth == 1 ? "" : "s");
+    } else if (smp__mod.stray_pop) {
+        st = smp_error(SMP_ERR_STATE, "smp_model_new: smp_partition_pop was called with no SMP_PARTITION context open "
+                       "(one pop too many: pair each smp_partition_push with one pop)");
+    }
+    smp__mod.depth = 0;
+    smp__mod.stray_pop = false;
+    return st;
+}
 
 SMPDEF smp_module *smp_module_new(smp_module *parent, const char *name, const smp_module_desc *desc) {
     if (!name || (parent && !*name) || strchr(name, '.')) {
@@ -3542,6 +3597,8 @@ SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, sm
         st = smp_error(smp__mod.build_status, "%s", smp__mod.build_msg);
         smp__mod.build_status = SMP_OK;
     }
+    if (!st) st = smp__check_contexts_closed();
+    else smp__mod.depth = 0, smp__mod.stray_pop = false;
     if (!st && (!root || !desc || !desc->forward)) st = smp_error(SMP_ERR_ARG, "smp_model_new needs a root module and a desc with a forward function");
     if (!st && root->parent) st = smp_error(SMP_ERR_ARG, "smp_model_new: module \"%s\" is not a root", root->full_name);
     if (!st && desc->on_device) st = smp__check_device_backend();
@@ -4377,6 +4434,27 @@ SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nsta
 /* Pipeline zero_bubble_v's V: stage k of 2P on partition k, or 2P-1-k past the middle. */
 static int smp__vee_partition(int k, int P) { return k < P ? k : 2 * P - 1 - k; }
 
+/* auto_partition places every module itself and ignores SMP_PARTITION
+   contexts, as SageMaker's smp.partition is ignored under auto_partition.
+   An engine that wrote contexts meant a placement, so losing it silently
+   is the surprise: rank 0 says so once per model, naming a module and the
+   fix. A warning, not an error: a model written for manual placement
+   should still run when auto_partition is tried on it. */
+static void smp__warn_ignored_contexts(const smp_model *m) {
+    if (smp__ctx.rank != 0) return;
+    const smp_module *first = NULL;
+    int n = 0;
+    for (int i = 0; i < m->nmodules; i++)
+        if (m->modules[i]->context_partition >= 0) { n++; if (!first) first = m->modules[i]; }
+    if (!first) return;
+    char others[48] = "";
+    if (n > 1) snprintf(others, sizeof others, " (and %d other module%s)", n - 1, n == 2 ? "" : "s");
+    smp_log(SMP_LOG_WARN, "module \"%s\"%s was created inside SMP_PARTITION(%d), but auto_partition is on, so SMP_PARTITION contexts are "
+            "ignored and the partitioner places every module: to place modules by their contexts, turn auto_partition off "
+            "(cfg.auto_partition = SMP_OFF, or \"auto_partition\": false in SMP_CONFIG) and set default_partition for modules outside them",
+            *first->full_name ? first->full_name : "(root)", others, first->context_partition);
+}
+
 /* The partition of every leaf call: auto partitioning places top-level
    calls (a composite block moves whole), manual placement each leaf by its
    SMP_PARTITION context (its own, else the nearest composite caller's).
@@ -4404,6 +4482,7 @@ static smp_status smp__assign_partitions(smp_model *m, int *call_part, int *vee_
             costs[u].activation_bytes = m->units[u].activation_bytes;
         }
         smp_status st = smp_auto_partition(costs, nu, chunks, cfg->memory_weight, SMP__OPTIMIZER_STATE_FACTOR, unit_part, NULL);
+        smp__warn_ignored_contexts(m);
         for (int k = 0; k < n && !st; k++) {
             int c = unit_part[m->calls[k].unit];
             call_part[k] = vee ? smp__vee_partition(c, P) : c % P;
