@@ -245,7 +245,7 @@ typedef struct smp_config {
     smp_placement placement_strategy; /* default: cluster */
     double memory_weight;           /* 0: from optimize (speed 0, memory 1) */
     smp_trace_device trace_device;  /* default: gpu when a device backend is present, else cpu */
-    smp_switch trace_execution_times;  /* default off: each call timed once; on: best of 3 after a warm-up */
+    smp_switch trace_execution_times;  /* after a warm-up run, each call is timed 3 times; default off: their median; on: their best */
     smp_switch trace_memory_usage;     /* default off */
     smp_switch overlapping_allreduce;  /* default on */
     int backward_passes_per_step;      /* 0: 1 */
@@ -3966,6 +3966,15 @@ static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool r
    time to *time: a stage's cost is its forward and its backward, and the two
    differ per call (the first layer computes no input gradient, for one), so
    timing forwards alone misplaces the balance point. */
+/* The clock tracing times calls by. A host call's cost is the processor
+   time the process spends in it, not the wall time: on a machine whose
+   cores are shared (CI, a developer's laptop, ranks sharing cores) wall
+   times measure the neighbours, and partitioning on them moved modules from
+   run to run. Process time counts every thread, so a multithreaded kernel
+   weighs its whole work. Device work is asynchronous and waited for, so a
+   device call's cost is wall time up to the synchronisation. */
+static double smp__trace_now(bool device) { return device ? smp__now() : (double)clock() / CLOCKS_PER_SEC; }
+
 static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec, double *time) { /* time[0]: B, time[1]: W */
     if (!c->module->desc.backward && !smp__split_backward(c->module)) return SMP_OK;
     bool dev = smp__model_on_device(c->module->model);
@@ -3991,10 +4000,10 @@ static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec,
         c->grad_inputs = gin;
         smp_status (*sync)(void) = dev ? smp__ctx.device.synchronize : NULL;
         for (int half = 0; half < 2 && !st; half++) {
-            double t0 = smp__now();
+            double t0 = smp__trace_now(dev);
             st = smp__run_callback(c, half ? SMP__BACKWARD_WEIGHT : SMP__BACKWARD_INPUT);
             if (!st && sync) st = sync();
-            time[half] += smp__now() - t0;
+            time[half] += smp__trace_now(dev) - t0;
         }
         c->in_backward = false;
         c->grad_outputs = NULL;
@@ -4063,6 +4072,31 @@ static smp_status smp__check_composite(const smp_call_ctx *c, bool returned) {
         if (!c->output_set[i])
             return smp_error(SMP_ERR_MODULE, "composite module \"%s\" did not name output %d (smp_call_set_output)", m->full_name, i);
     return SMP_OK;
+}
+
+/* Timed runs of each leaf call after its warm-up run, when tracing. */
+#define SMP__TRACE_RUNS 3
+
+/* The run whose total time is the median of n (ties: the earliest), or
+   with best the fastest. Whole runs, not per-phase medians, so a call's
+   forward, B and W costs come from one run and add up to its time. */
+static int smp__trace_pick(double (*runs)[3], int n, bool best) {
+    int pick = 0;
+    for (int i = 0; i < n; i++) {
+        double ti = runs[i][0] + runs[i][1] + runs[i][2];
+        if (best) {
+            if (ti < runs[pick][0] + runs[pick][1] + runs[pick][2]) pick = i;
+            continue;
+        }
+        int below = 0, same_before = 0;
+        for (int j = 0; j < n; j++) {
+            double tj = runs[j][0] + runs[j][1] + runs[j][2];
+            below += tj < ti;
+            same_before += tj == ti && j < i;
+        }
+        if (below + same_before == (n - 1) / 2) pick = i; /* its rank in the sorted order is the middle one */
+    }
+    return pick;
 }
 
 /* Records leaf call `c` as the next call of the traced model: its inputs'
@@ -4191,12 +4225,13 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
     double param_bytes = smp__tree_param_bytes(m);
     int64_t before = smp__ctx.mem.current_bytes;
     /* device work is asynchronous: the time of a call is until the device has done it */
-    smp_status (*sync)(void) = smp__model_on_device(md) ? smp__ctx.device.synchronize : NULL;
+    bool on_dev = smp__model_on_device(md);
+    smp_status (*sync)(void) = on_dev ? smp__ctx.device.synchronize : NULL;
     if (sync) st = sync();
-    double t0 = smp__now();
+    double t0 = smp__trace_now(on_dev);
     if (!st) st = smp__run_callback(&c, SMP__FORWARD);
     if (!st && sync) st = sync();
-    double cost[3] = {smp__now() - t0, 0, 0};
+    double cost[3] = {smp__trace_now(on_dev) - t0, 0, 0};
     bool composite = c.made_calls;
     for (int i = 0; i < nout && !composite; i++) composite = c.output_set[i];
     if (composite) {
@@ -4222,16 +4257,27 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
         smp__call_rec probe; /* what trace_backward reads: which inputs are model inputs */
         probe.in = in;
         if (!st) st = smp__trace_backward(&c, &probe, cost + 1);
-        /* trace_execution_times: the run above warmed caches and touched
-           fresh memory; the best of a few more is the call's steady cost */
-        for (int r = 0; r < 3 && !st && smp__ctx.cfg.trace_execution_times == SMP_ON; r++) {
-            t0 = smp__now();
+        /* The run above is cold: caches, first-touched pages and the
+           engine's own first-call work (autotuning, lazy set-up) make it
+           slower by amounts that differ from call to call and run to run,
+           and partitioning on it split models unevenly and differently
+           each time. So it only warms up; the cost is taken from
+           SMP__TRACE_RUNS more: by default their median (one disturbed
+           run, a preemption, moves nothing), with trace_execution_times
+           their best (the steady cost, for a quiet machine). */
+        double runs[SMP__TRACE_RUNS][3];
+        int nruns = 0;
+        for (int r = 0; r < SMP__TRACE_RUNS && !st; r++) {
+            t0 = smp__trace_now(on_dev);
             st = smp__run_callback(&c, SMP__FORWARD);
             if (!st && sync) st = sync();
-            double t[3] = {smp__now() - t0, 0, 0};
+            double *t = runs[nruns];
+            t[0] = smp__trace_now(on_dev) - t0;
+            t[1] = t[2] = 0;
             if (!st) st = smp__trace_backward(&c, &probe, t + 1);
-            if (t[0] + t[1] + t[2] < cost[0] + cost[1] + cost[2]) memcpy(cost, t, sizeof cost);
+            if (!st) nruns++;
         }
+        if (!st && nruns) memcpy(cost, runs[smp__trace_pick(runs, nruns, smp__ctx.cfg.trace_execution_times == SMP_ON)], sizeof cost);
         if (st) {
             for (int i = 0; i < nout; i++) smp__free(c.outputs[i].data);
             smp__free(in);
