@@ -1,5 +1,20 @@
 /* smp.h - split one model across many processes (pipeline + data parallel).
 
+   CONTENTS (this comment, in order)
+     USAGE                  one C file defines SMP_IMPLEMENTATION
+     THE SMALLEST PROGRAM   a 2-stage pipeline that trains, whole
+     CONFIG KEYS            smp_config fields and their JSON names
+     ENVIRONMENT VARIABLES  every variable the four headers read
+     THREADING MODEL        which thread calls what; the MPI thread level
+     HOOKS                  SMP_MALLOC, SMP_FREE, SMP_ASSERT, SMPDEF, logging
+     ERRORS                 smp_status and smp_last_error
+     OUT OF MEMORY          one policy
+     VERSION AND LICENCE
+     TESTING                SMP_TESTING's fault injection
+   Then: smp_pipeline.h (schedules, steps, StepOutput, DDP, the timeline),
+   smp_checkpoint.h (saves and loads), smp_nccl.h (the CUDA/NCCL backend),
+   each opening with a comment of the same kind; README.md (the build).
+
    The core of smp: context and config, topology and groups, tensors, the
    module tree, partition contexts, tracing, the auto-partitioner, object
    messaging and host-memory collectives over MPI. Pipelines live in
@@ -71,6 +86,68 @@
    smp's own keys: virtual_stages (1), deterministic_reduction (false),
      activation_checkpointing (false: recompute every top-level call),
      timeout (seconds, also SMP_TIMEOUT; 600), seed (0).
+
+   ENVIRONMENT VARIABLES: all that the four headers read, in one table.
+   Give each the same value on every rank (mpirun -x / -genv), except
+   SMP_CKPT_FAULT. The other headers point here.
+     variable        header            read by            effect
+     SMP_CONFIG      smp.h             smp_init           JSON of the CONFIG KEYS above,
+                                                          '{"partitions": 2, "microbatches": 8}';
+                                                          overrides the smp_config passed; a
+                                                          bad key or value fails smp_init
+     SMP_TIMEOUT     smp.h             smp_init (and      seconds any one wait may take
+                                       waits before it)   (> 0, default 600; a nonzero config
+                                                          timeout wins); past it the rank says
+                                                          what it waited for and from whom,
+                                                          and the job aborts
+     SMP_VERBOSE     smp.h,            the default        set: INFO messages go to stderr too:
+                     smp_pipeline.h    logger             the partition report and, at the
+                                                          first step, what each schedule would
+                                                          make of the model (rank 0)
+     SMP_TIMELINE    smp_pipeline.h    a model's first    a path: every rank records its
+                                       step               operations; smp_model_free (or
+                                                          smp_timeline_write) has rank 0 write
+                                                          one Chrome trace / Perfetto file
+     SMP_NCCL        smp_nccl.h        smp_init           auto (default) | nccl | staged: the
+                                                          device path (smp_nccl.h, DEVICES AND
+                                                          PATHS); nccl refuses GPUs shared by
+                                                          ranks, staged forces host staging
+     SMP_NCCL_SYNC   smp_nccl.h        smp_init           set and not 0: each device collective
+                                                          also waits on the host, under the
+                                                          deadline (a hang becomes a message)
+     SMP_CKPT_FAULT  smp_checkpoint.h  each checkpoint    TESTS ONLY, on one rank: a phase
+                                       write              (header, data, flush, rename, dirsync,
+                                                          renamed, manifest, commit, cleanup;
+                                                          smp_checkpoint.h says where each is)
+                                                          where the writer _exit(77)s, to test
+                                                          crash safety; an unknown name fails
+                                                          the save
+   Nothing else in the environment changes what smp does (MPI's, UCX's and
+   NCCL's own variables aside).
+
+   THREADING MODEL
+     smp is called from one thread per process: the thread that called
+     smp_init (the "main" thread) makes every smp call, and module
+     callbacks, step bodies, init callbacks, post-partition hooks and the
+     logger run on it, inside the smp call that runs them. Calls are not
+     reentrant: a callback may call what its header says it may (smp_call
+     and smp_call_* in module callbacks, smp_mb_* in a body), not a step,
+     a collective or a save. All MPI calls smp makes are on the main thread,
+     so smp needs MPI_THREAD_FUNNELED: smp_init asks MPI_Init_thread for it
+     when it initialises MPI; an engine that initialises MPI itself must ask
+     for FUNNELED or more (SERIALIZED, MULTIPLE) and make its own MPI calls
+     on other communicators, never inside an smp call's callbacks while
+     smp waits on the same communicator.
+     The one thread smp starts is the checkpoint I/O thread
+     (smp_checkpoint.h): a full save's writer (world rank 0) checksums and
+     writes file chunks on it while the main thread receives the next ones;
+     it lives only inside that save call and makes no MPI call; an error it
+     meets is recorded for smp_last_error and returned by the save on the
+     main thread, and the only engine code it can reach is the logger, for
+     SMP_CKPT_FAULT's last words (tests only). smp_nccl.h starts none; device work is queued on the
+     engine's stream from the main thread. The engine's own threads (a data
+     loader, OpenMP or BLAS threads inside kernels) may run freely, but may
+     not call smp.
 
    HOOKS: define before including, in the implementation file:
      SMP_MALLOC(n) / SMP_FREE(p)   allocation (default malloc/free)

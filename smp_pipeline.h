@@ -308,7 +308,7 @@ typedef struct smp_step_stats {
 } smp_step_stats;
 SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
 
-/* Writes the timeline (SMP_TIMELINE=path) of every rank into one Chrome
+/* Writes the timeline (SMP_TIMELINE=path; smp.h, ENVIRONMENT VARIABLES) of every rank into one Chrome
    trace / Perfetto JSON file on rank 0. Collective. With SMP_TIMELINE set,
    smp_model_free calls it too, so there it is collective as well. */
 SMPDEF smp_status smp_timeline_write(smp_model *m);
