@@ -181,8 +181,9 @@
    uncovered, duplicate tensor names, non-string metadata, malformed or
    orphaned smp checksums.
 
-   TEST-ONLY FAULT INJECTION, compiled only where SMP_TESTING is defined
-   (other builds ignore SMP_CKPT_FAULT): with SMP_CKPT_FAULT set to one of
+   TEST-ONLY FAULT INJECTION (SMP_CKPT_FAULT, in smp.h's ENVIRONMENT
+   VARIABLES with the others; the phases are here), compiled only where
+   SMP_TESTING is defined (other builds ignore it): with it set to one of
        header   after the header is in the tmp file, before any data
        data     after the first write() call's bytes are in the tmp file
                 (or at commit when there is no data)
