@@ -102,19 +102,22 @@
    smp_init and derives every other from that copy) and never changes the
    error handler of a communicator the engine holds. Every MPI call in the
    four headers is checked. A failed call becomes SMP_ERR_MPI, its message
-   naming the call, its purpose, the peer or group, and MPI's own text. In
-   a step, a save, a load or smp_init the error reaches every rank through
-   the agreement that ends the call: it returns SMP_ERR_MPI everywhere,
-   changes no parameter (a step does not count) and the next call may
-   succeed. A collective called on its own (smp_all_reduce, ...) whose MPI
-   call fails on some members returns the error there, and a member waiting
-   for them aborts the job with their message (as for out of memory); a
-   failure on every member returns on every member. Where no agreement can
-   follow - a failure inside the agreement itself, a blocking collective
-   (MPI_Comm_dup, MPI_Comm_split), a wait on a request the others are in
-   (a data-parallel gradient bucket, a checkpoint's data stream), a failure
-   notice that cannot be sent - the job aborts with the message. Releasing
-   what no result depends on (MPI_Type_free, MPI_Comm_free) logs a failure.
+   naming the call, its purpose, the peer or group, and MPI's own text.
+   In a step (pipeline messages, the shared-gradient exchange) and before
+   a save's or load's first agreement, the error reaches every rank through
+   the agreement that ends the call: SMP_ERR_MPI everywhere, no parameter
+   changed (a step does not count, the previous checkpoint stays) and the
+   next call may succeed. A collective called on its own (smp_all_reduce,
+   ...) and a step's data-parallel gradient bucket, whose MPI call fails on
+   some members, return the error there while a member waiting for them
+   aborts the job with their message (as for out of memory); a failure on
+   every member returns on every member. Where no agreement can follow -
+   inside the agreement itself, blocking collectives (smp_init's
+   communicators), a wait on a request others are in (a bucket in flight),
+   a checkpoint's collectives and data stream, the device backend's
+   start-up, a failure notice that cannot be sent - the job aborts with the
+   message. Releasing what no result depends on (MPI_Type_free,
+   MPI_Comm_free) logs a failure.
 
    VERSION AND LICENCE: SMP_VERSION_MAJOR/MINOR/PATCH and SMP_VERSION_STRING
    below; MIT (the LICENSE file next to the headers).
@@ -2529,8 +2532,9 @@ static smp_status smp__make_group(smp__group_info *gi, MPI_Comm comm) {
     gi->comm = comm;
     SMP__MPI_FATAL(MPI_Comm_dup(comm, &gi->objects), "making a group's object communicator at smp_init");
     SMP__MPI_FATAL(MPI_Comm_dup(comm, &gi->notices), "making a group's failure-notice communicator at smp_init");
-    SMP__MPI(MPI_Comm_rank(comm, &gi->rank), "asking this rank's place in a group at smp_init");
-    SMP__MPI(MPI_Comm_size(comm, &gi->size), "asking a group's size at smp_init");
+    /* the others go on into the group's MPI_Allgather, a blocking collective */
+    SMP__MPI_FATAL(MPI_Comm_rank(comm, &gi->rank), "asking this rank's place in a group at smp_init");
+    SMP__MPI_FATAL(MPI_Comm_size(comm, &gi->size), "asking a group's size at smp_init");
     gi->world_ranks = (int *)smp__alloc(sizeof(int) * (size_t)gi->size, SMP__ALLOC_OTHER);
     if (!gi->world_ranks) return smp_error(SMP_ERR_NOMEM, "out of memory building groups");
     SMP__MPI_FATAL(MPI_Allgather(&smp__ctx.rank, 1, MPI_INT, gi->world_ranks, 1, MPI_INT, comm), "gathering a group's world ranks at smp_init");
@@ -2608,11 +2612,11 @@ static void smp__exit_guard(void) {
 SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     if (smp__ctx.initialized) return smp_error(SMP_ERR_STATE, "smp_init called twice");
     int up = 0, down = 0;
-    SMP__MPI(MPI_Finalized(&down), "asking whether MPI was finalized (smp_init)");
+    SMP__MPI_FATAL(MPI_Finalized(&down), "asking whether MPI was finalized (smp_init)");
     if (down) /* MPI cannot start twice in one process */
         return smp_error(SMP_ERR_STATE, "smp_init after MPI was finalized: MPI cannot start again in this process "
                                         "(to init smp several times, call MPI_Init yourself before the first smp_init)");
-    SMP__MPI(MPI_Initialized(&up), "asking whether MPI is initialized (smp_init)");
+    SMP__MPI_FATAL(MPI_Initialized(&up), "asking whether MPI is initialized (smp_init)");
     bool owns = false;
     if (!up) {
         int provided;
@@ -2628,14 +2632,12 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
 
     int size, rank;
     /* smp's own copy of the engine's communicator, with MPI_ERRORS_RETURN:
-       the engine's keeps its error handler. MPI_Comm_dup is collective:
-       a rank it fails on leaves the others inside it, so that aborts */
-    smp_status st = SMP__MPI_CHECK(MPI_Comm_size(host, &size), "asking the size of the engine's communicator (smp_init)");
-    if (!st) st = SMP__MPI_CHECK(MPI_Comm_rank(host, &rank), "asking this rank in the engine's communicator (smp_init)");
-    if (st) {
-        if (owns) MPI_Finalize();
-        return st;
-    }
+       the engine's keeps its error handler. Until the agreement below, a
+       rank that fails and returns would leave the others inside
+       MPI_Comm_dup, a blocking collective: these failures abort */
+    SMP__MPI_FATAL(MPI_Comm_size(host, &size), "asking the size of the engine's communicator (smp_init)");
+    SMP__MPI_FATAL(MPI_Comm_rank(host, &rank), "asking this rank in the engine's communicator (smp_init)");
+    smp_status st = SMP_OK;
     SMP__MPI_FATAL(MPI_Comm_dup(host, &smp__ctx.world), "copying the engine's communicator (smp_init)");
     SMP__MPI_FATAL(MPI_Comm_set_errhandler(smp__ctx.world, MPI_ERRORS_RETURN), "setting MPI_ERRORS_RETURN on smp's communicator (smp_init)");
     const char *env = getenv("SMP_CONFIG");
