@@ -181,7 +181,8 @@
    uncovered, duplicate tensor names, non-string metadata, malformed or
    orphaned smp checksums.
 
-   TEST-ONLY FAULT INJECTION: with SMP_CKPT_FAULT set to one of
+   TEST-ONLY FAULT INJECTION (SMP_CKPT_FAULT, in smp.h's ENVIRONMENT
+   VARIABLES with the others; the phases are here): with it set to one of
        header   after the header is in the tmp file, before any data
        data     after the first write() call's bytes are in the tmp file
                 (or at commit when there is no data)
@@ -1832,7 +1833,7 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
             return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, name,
                                   "checksum \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 hex digits", v);
         for (j = 0; j < 8; j++) {
-            char c = v[plen + j];
+            char c = v[plen + (size_t)j];
             if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
                 return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, name,
                                       "checksum \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 lowercase hex digits",
@@ -3361,7 +3362,7 @@ static smp_status smp__ck_jcrc(smp__ckpt_jp *jp, uint32_t *out) {
         return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
                               "header_crc32c \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 hex digits", v);
     for (j = 0; j < 8; j++) {
-        char c = v[plen + j];
+        char c = v[plen + (size_t)j];
         if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
             return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
                                   "header_crc32c \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 lowercase hex digits", v);
