@@ -1991,7 +1991,9 @@ static smp_status smp__ddp_advance(smp__pipe *ps) {
     while (ps->next_bucket < ps->nbuckets) {
         smp__bucket *b = &ps->buckets[ps->next_bucket];
         if (!b->ready || (b->device == SMP_HOST && ps->next_bucket > 0 && !smp__bucket_test(ps, ps->next_bucket - 1))) break;
-        smp_status bs = ps->bucket_failed && b->device == SMP_HOST ? (b->req = MPI_REQUEST_NULL, SMP_OK) : smp__bucket_start(ps, b);
+        smp_status bs = SMP_OK;
+        if (ps->bucket_failed && b->device == SMP_HOST) b->req = MPI_REQUEST_NULL; /* not started: see smp__bucket_start */
+        else bs = smp__bucket_start(ps, b);
         if (!st) st = bs;
         ps->next_bucket++;
     }
