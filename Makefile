@@ -23,9 +23,10 @@ HELPER_TESTS := test_timeout test_exit test_large test_hosts
 # replicas (DP and MP groups both of 2) in test_ddp, test_checkpoint
 # (partial saves by dp rank 0 of each partition, resharding) and test_chaos
 # (failures injected on a random rank: the error and cleanup paths), 4
-# pipeline stages in test_pipeline, and test_model. `make test-asan` runs
-# all of MPI_TESTS at 1, 2 and 4 ranks.
-ASAN4_TESTS := test_model test_pipeline test_ddp test_checkpoint test_chaos
+# pipeline stages in test_pipeline, and test_model, and test_mpi_errors (an
+# MPI failure at each call of a 4-stage step, 4 replicas' buckets: about a
+# minute). `make test-asan` runs all of MPI_TESTS at 1, 2 and 4 ranks.
+ASAN4_TESTS := test_model test_pipeline test_ddp test_checkpoint test_chaos test_mpi_errors
 # The script tests under the sanitizers: those that take build/asan, and the
 # example-based ones on build/examples-asan. (run_fuzz.sh is sanitized
 # already; run_hosts.sh preloads a shim that ASan's link-order check refuses
