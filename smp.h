@@ -2740,7 +2740,7 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     st = smp__agree_on(smp__ctx.world, st, "configuration agreement");
     if (st) {
         SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.world), "releasing smp's communicator after a failed smp_init");
-        if (owns) MPI_Finalize();
+        if (owns) SMP__MPI_WARN(MPI_Finalize(), "finalizing MPI after a failed smp_init");
         return st;
     }
     smp__ctx.cfg.comm = host;
