@@ -998,11 +998,7 @@ static void smp__mpi_vtext(char *out, size_t cap, int rc, const char *call, cons
     while (call[name] && call[name] != '(') name++; /* the function's name, not its arguments */
     snprintf(out, cap, "%.*s failed %s: %s", name, call, purpose, text);
 }
-static smp_status smp__mpi_check(int rc, const char *call, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 3, 4)))
-#endif
-    ;
+static smp_status smp__mpi_check(int rc, const char *call, const char *fmt, ...) SMP__PRINTF(3, 4);
 static smp_status smp__mpi_check(int rc, const char *call, const char *fmt, ...) {
     if (rc == MPI_SUCCESS) return SMP_OK;
     char msg[sizeof smp__errbuf];
@@ -1012,11 +1008,7 @@ static smp_status smp__mpi_check(int rc, const char *call, const char *fmt, ...)
     va_end(ap);
     return smp_error(SMP_ERR_MPI, "%s", msg);
 }
-static void smp__mpi_fatal(int rc, const char *call, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 3, 4)))
-#endif
-    ;
+static void smp__mpi_fatal(int rc, const char *call, const char *fmt, ...) SMP__PRINTF(3, 4);
 static void smp__mpi_fatal(int rc, const char *call, const char *fmt, ...) {
     if (rc == MPI_SUCCESS) return;
     char msg[sizeof smp__errbuf];
@@ -1026,11 +1018,7 @@ static void smp__mpi_fatal(int rc, const char *call, const char *fmt, ...) {
     va_end(ap);
     smp__fatal("%s; the other ranks cannot learn of it otherwise, so the job aborts", msg);
 }
-static void smp__mpi_warn(int rc, const char *call, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 3, 4)))
-#endif
-    ;
+static void smp__mpi_warn(int rc, const char *call, const char *fmt, ...) SMP__PRINTF(3, 4);
 static void smp__mpi_warn(int rc, const char *call, const char *fmt, ...) {
     if (rc == MPI_SUCCESS) return;
     char msg[sizeof smp__errbuf];
