@@ -1105,6 +1105,9 @@ typedef struct smp__pipe {
     bool dev_p2p;          /* payloads through the backend's point to point (else staged through host buffers) */
     bool dev_connected;
     int *dev_sent, *dev_posted; /* [mp rank]: this step's device transfers sent to it / receives queued from it */
+    int *msgs_sent;        /* [mp rank * 2]: this step's MPI messages sent to it on comm, and failure notices on err_comm */
+    int *msgs_got;         /* [mp rank]: messages from it on comm received outside the receive slots (shared gradients) */
+    int err_from;          /* the mp rank whose failure notice err_req received, or -1 */
     int *inflight;         /* [nstages] */
     smp_step_stats stats;
     smp__event *events;
@@ -1161,10 +1164,16 @@ static void smp__pipe_free(void *p) {
     smp__free(ps);
 }
 
+/* The receive of another rank's failure notice, one per step. */
+static void smp__post_err(smp__pipe *ps) {
+    ps->err_from = -1;
+    MPI_Irecv(ps->err_msg, (int)sizeof ps->err_msg, MPI_CHAR, MPI_ANY_SOURCE, 1, ps->err_comm, &ps->err_req);
+}
+
 static void smp__pipe_comms(smp__pipe *ps) {
     MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->comm);
     MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->err_comm);
-    MPI_Irecv(ps->err_msg, (int)sizeof ps->err_msg, MPI_CHAR, MPI_ANY_SOURCE, 1, ps->err_comm, &ps->err_req);
+    smp__post_err(ps);
 }
 
 static bool smp__in_subtree(const smp_module *m, const smp_module *root) {
@@ -1288,10 +1297,12 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     ps->peak = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)S, SMP__ALLOC_OTHER, what);
     ps->internal = (bool *)smp__alloc_or(&st, (size_t)T + 1, SMP__ALLOC_OTHER, what);
     ps->inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)S, SMP__ALLOC_OTHER, what);
-    ps->dev_sent = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
+    ps->dev_sent = (int *)smp__alloc_or(&st, sizeof(int) * 5 * (size_t)P, SMP__ALLOC_OTHER, what);
     if (st || (st = smp__shared_build(ps, md))) goto fail;
     ps->stage_index = ps->peak + S;
     ps->dev_posted = ps->dev_sent + P;
+    ps->msgs_sent = ps->dev_sent + 2 * P;
+    ps->msgs_got = ps->dev_sent + 4 * P;
     for (int k = 0; k < n; k++) {
         const smp__call_rec *c = &md->calls[k];
         for (int j = 0; j < c->nout && c->recompute_first >= 0; j++) {
@@ -1505,9 +1516,11 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
             ps->dev_sent[x->peer]++;
         }
         MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]);
+        ps->msgs_sent[2 * x->peer]++;
         return SMP_OK;
     }
     MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]);
+    ps->msgs_sent[2 * x->peer]++;
     /* the bytes of every tensor as one message, without copying host tensors:
        a datatype of absolute addresses (MPI_BOTTOM), any size (smp__bytes_type) */
     MPI_Datatype type;
@@ -1518,6 +1531,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
     if (st) return st;
     if (!staging) from = nt == 1 ? ts[0]->data : MPI_BOTTOM;
     MPI_Isend(from, count, type, x->peer, tag + 1, ps->comm, &x->req[1]);
+    ps->msgs_sent[2 * x->peer]++;
     if (type != MPI_BYTE) MPI_Type_free(&type); /* MPI keeps it for the send in flight */
     return SMP_OK;
 }
@@ -1592,7 +1606,7 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
         MPI_Testall(2, x->req, &done, sts);
         if (done && smp__device_done(x)) {
             smp__device_wait_all(x);
-            smp__event_add(ps, 5, x->stage, x->mb, x->t_post);
+            if (x->hdr) smp__event_add(ps, 5, x->stage, x->mb, x->t_post); /* not a failed step's shared gradients */
             smp__send_done(x);
         }
     }
@@ -1612,6 +1626,7 @@ static smp_status smp__progress(smp__pipe *ps) {
     int flag = 0;
     MPI_Status st;
     MPI_Test(&ps->err_req, &flag, &st);
+    if (flag && ps->err_from < 0) ps->err_from = st.MPI_SOURCE;
     if (flag) { ps->failed_remote = true; return smp_error(SMP_ERR_REMOTE, "another rank failed"); }
     smp_status err = smp__progress_transfers(ps);
     if (!err && ps->sync) smp__ddp_poll(ps);
@@ -1644,7 +1659,8 @@ static void smp__drain_device(smp__pipe *ps) {
     smp__backoff b = smp__backoff_start();
     for (;;) {
         (void)smp__progress_transfers(ps); /* the step failed already */
-        bool pending = ps->nsends > 0;
+        bool pending = false;
+        for (int i = 0; i < ps->nsends; i++) pending = pending || (ps->sends[i].state == 1 && ps->sends[i].hdr); /* shared gradients: smp__drain_messages */
         for (int p = 0; p < P; p++) pending = pending || ps->dev_posted[p] < sent_to_me[p];
         for (size_t i = 0; i < nrecv; i++) pending = pending || ps->recv[i].state == 2;
         if (!pending) break;
@@ -1652,6 +1668,103 @@ static void smp__drain_device(smp__pipe *ps) {
     }
     for (size_t i = 0; i < nrecv; i++) smp__device_wait_all(&ps->recv[i]);
     smp__free(sent_to_me);
+}
+
+/* A failed step must leave no message behind: one nobody receives sits in
+   MPI's queues until the process ends (UCX warns about each at
+   MPI_Finalize), and the next step on the same communicator and tag would
+   receive it in place of its own. Every rank learns how many messages each
+   peer sent it this step (pipeline headers and bytes, shared gradients,
+   failure notices), takes back its receives that have not matched
+   (MPI_Cancel), counts those that have, and receives and drops the rest
+   (MPI_Improbe / MPI_Mrecv); then every send it made has a receiver and
+   completes. The step's communicators are clean again and serve the next
+   step. Called by every rank of the replica after they agreed the step
+   failed, before the step's buffers go (host sends read the activations
+   in place). */
+static void smp__drain_messages(smp__pipe *ps) {
+    int P = smp__ctx.cfg.partitions;
+    smp_status st = SMP_OK;
+    int *left = (int *)smp__alloc_or(&st, sizeof(int) * 4 * (size_t)P, SMP__ALLOC_OTHER, "the message counts of a failed step");
+    if (st) smp__fatal("out of memory cleaning up the messages of a failed step: %s", smp_last_error());
+    int *sent_to_me = left + 2 * P;
+    MPI_Request req;
+    MPI_Ialltoall(ps->msgs_sent, 2, MPI_INT, sent_to_me, 2, MPI_INT, ps->comm, &req);
+    for (int p = 0; p < P; p++) left[2 * p] = -ps->msgs_got[p];
+    size_t nrecv = ps->recv ? (size_t)ps->nlinks * (size_t)ps->m * 2 : 0;
+    for (size_t i = 0; i < nrecv; i++) {
+        smp__xfer *x = &ps->recv[i];
+        if (!x->state) continue; /* never posted */
+        /* states: 1 header posted; 5, 4 header arrived; 2 bytes posted (host) or queued (device); 3 all arrived */
+        bool bytes_over_mpi = !ps->dev_p2p, pending = x->state == 1 || (x->state == 2 && bytes_over_mpi);
+        int got = x->state == 1 ? 0 : 1 + (x->state == 3 && bytes_over_mpi);
+        if (pending) {
+            MPI_Status cs;
+            int cancelled = 0;
+            MPI_Cancel(&x->req[x->state - 1]);
+            MPI_Wait(&x->req[x->state - 1], &cs);
+            MPI_Test_cancelled(&cs, &cancelled);
+            got += !cancelled;
+            x->state = cancelled ? 0 : x->state == 1 ? 5 : 3;
+        }
+        left[2 * x->peer] -= got;
+    }
+    int from = ps->err_from;
+    if (ps->err_req != MPI_REQUEST_NULL) {
+        MPI_Status cs;
+        int cancelled = 0;
+        MPI_Cancel(&ps->err_req);
+        MPI_Wait(&ps->err_req, &cs);
+        MPI_Test_cancelled(&cs, &cancelled);
+        if (!cancelled) from = cs.MPI_SOURCE;
+    }
+    if (from >= 0) left[2 * from + 1]--;
+    smp_wait_requests(1, &req, "the message counts of a failed step", SMP_MP_GROUP, -1);
+    for (int k = 0; k < 2 * P; k++) {
+        left[k] += sent_to_me[k];
+        if (left[k] < 0)
+            smp__fatal("mp rank %d sent %d %s in a failed step, but %d arrived here: a message of another step was received", k / 2,
+                       sent_to_me[k], k % 2 ? "failure notices" : "pipeline messages", sent_to_me[k] - left[k]);
+    }
+    smp__backoff b = smp__backoff_start();
+    for (;;) {
+        bool pending = false;
+        for (int k = 0; k < 2 * P; k++)
+            while (left[k] > 0) {
+                int flag = 0, count;
+                MPI_Message msg;
+                MPI_Status ms;
+                MPI_Datatype type;
+                MPI_Count n = 0;
+                MPI_Improbe(k / 2, MPI_ANY_TAG, k % 2 ? ps->err_comm : ps->comm, &flag, &msg, &ms);
+                if (!flag) { pending = true; break; }
+                MPI_Get_elements_x(&ms, MPI_BYTE, &n);
+                void *drop = smp__bytes_or(&st, (size_t)n, SMP__ALLOC_OTHER, "a message of a failed step, received to be dropped");
+                if (st || (st = smp__bytes_type((size_t)n, &count, &type)))
+                    smp__fatal("cleaning up the messages of a failed step: %s", smp_last_error());
+                MPI_Mrecv(drop, count, type, &msg, MPI_STATUS_IGNORE);
+                if (type != MPI_BYTE) MPI_Type_free(&type);
+                smp__free(drop);
+                left[k]--;
+                b = smp__backoff_start(); /* the deadline counts from the last message */
+            }
+        for (int i = 0; i < ps->nsends; i++) {
+            smp__xfer *x = &ps->sends[i];
+            int done = 0;
+            MPI_Status sts[2];
+            if (x->state == 1) MPI_Testall(2, x->req, &done, sts);
+            if (done && smp__device_done(x)) {
+                smp__device_wait_all(x);
+                smp__send_done(x);
+            }
+            pending = pending || x->state == 1;
+        }
+        if (!pending) break;
+        if (!smp__backoff_pause(&b)) smp__timeout_abort("the messages of a failed step", SMP_MP_GROUP, -1, smp__now() - b.start);
+    }
+    ps->nsends = 0;
+    smp__free(left);
+    smp__post_err(ps);
 }
 
 static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0) {
@@ -2254,7 +2367,8 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
     const char *what = "the gradients of shared modules";
     char **buf = (char **)smp__alloc_or(&st, sizeof(char *) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
     MPI_Request *req = (MPI_Request *)smp__alloc_or(&st, sizeof(MPI_Request) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
-    if (st) { smp__free(buf); return st; }
+    int *slot = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)P, SMP__ALLOC_OTHER, what); /* [request]: pass * P + peer */
+    if (st) { smp__free(buf); smp__free(req); return st; }
     /* pass 0: receive what peer ran for parameters here; pass 1: send what this rank ran for parameters there */
     for (int pass = 0; pass < 2; pass++)
         for (int peer = 0; peer < P && !st; peer++) {
@@ -2280,8 +2394,10 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
             int tag = smp__tag(ps, ps->nlinks, false), count; /* past every link's */
             MPI_Datatype type;
             if (st || (st = smp__bytes_type(bytes, &count, &type))) break;
+            slot[nreq] = pass * P + peer;
             if (pass) MPI_Isend(b, count, type, peer, tag, ps->comm, &req[nreq++]);
             else MPI_Irecv(b, count, type, peer, tag, ps->comm, &req[nreq++]);
+            ps->msgs_sent[2 * peer] += pass;
             if (type != MPI_BYTE) MPI_Type_free(&type);
         }
     smp__backoff wait = smp__backoff_start();
@@ -2296,9 +2412,32 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
         st = smp__progress(ps);
         if (!st && !smp__backoff_pause(&wait)) smp__timeout_abort("gradients of shared modules", SMP_MP_GROUP, -1, smp__now() - wait.start);
     }
-    if (st) { /* leave the messages and their buffers to MPI: the step's communicators are replaced after a failure */
-        for (int r = 0; r < nreq; r++) MPI_Request_free(&req[r]);
-        memset(buf, 0, sizeof(char *) * 2 * (size_t)P);
+    for (int r = 0; r < nreq; r++) {
+        int peer = slot[r] % P;
+        if (slot[r] >= P) { /* a send: still in flight only after a failure, when the step's drain finishes it */
+            if (req[r] == MPI_REQUEST_NULL) continue;
+            if (!smp__grow((void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer)))
+                smp__fatal("out of memory keeping a send of a failed step until it is received");
+            smp__xfer *x = &ps->sends[ps->nsends++];
+            memset(x, 0, sizeof *x);
+            x->req[0] = req[r];
+            x->req[1] = MPI_REQUEST_NULL;
+            x->peer = peer;
+            x->buf = buf[slot[r]]; /* freed once sent */
+            buf[slot[r]] = NULL;
+            x->state = 1;
+            continue;
+        }
+        /* a receive: a failed step takes back one that has not matched; the
+           step's drain (smp__drain_messages) counts the others */
+        int cancelled = 0;
+        if (req[r] != MPI_REQUEST_NULL) {
+            MPI_Status cs;
+            MPI_Cancel(&req[r]);
+            MPI_Wait(&req[r], &cs);
+            MPI_Test_cancelled(&cs, &cancelled);
+        }
+        if (!cancelled) ps->msgs_got[peer]++;
     }
     for (int peer = 0; peer < P && !st; peer++) { /* unpack what arrived */
         char *b = buf[peer];
@@ -2321,6 +2460,7 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
     for (int r = 0; r < 2 * P; r++) smp__free(buf[r]);
     smp__free(buf);
     smp__free(req);
+    smp__free(slot);
     return st;
 }
 
@@ -2604,29 +2744,20 @@ static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
 }
 
 /* ---------------------------------------------------------------- the step */
-static void smp__release_step(smp__pipe *ps, smp_model *md, bool cancel) {
+/* Frees what the step made. Every transfer has finished: the step ran to
+   its end, or a failed step was drained (smp__drain_messages). */
+static void smp__release_step(smp__pipe *ps, smp_model *md) {
     size_t nrecv = ps->recv ? (size_t)ps->nlinks * (size_t)ps->m * 2 : 0;
     for (size_t i = 0; i < nrecv; i++) {
         smp__xfer *x = &ps->recv[i];
-        if (cancel && (x->state == 1 || x->state == 2)) {
-            MPI_Request *r = &x->req[x->state - 1];
-            MPI_Cancel(r);
-            MPI_Wait(r, MPI_STATUS_IGNORE);
-        }
+        SMP_ASSERT(x->state != 1 && (x->state != 2 || ps->dev_p2p));
         smp__free(x->hdr);
         smp__free(x->buf);
         smp__free(x->dev_req);
     }
     smp__free(ps->recv);
     ps->recv = NULL;
-    for (int i = 0; i < ps->nsends; i++)
-        if (ps->sends[i].state == 1) {
-            /* only on failure: the peer stopped receiving; let MPI drop the
-               requests and keep their buffers (freed with smp) */
-            for (int r = 0; r < 2; r++)
-                if (ps->sends[i].req[r] != MPI_REQUEST_NULL) MPI_Request_free(&ps->sends[i].req[r]);
-            ps->sends[i].hdr = NULL;
-        }
+    for (int i = 0; i < ps->nsends; i++) SMP_ASSERT(ps->sends[i].state != 1);
     smp__free(ps->sends);
     ps->sends = NULL;
     ps->nsends = ps->sends_cap = 0;
@@ -2724,7 +2855,8 @@ static void smp__notify_failure(smp__pipe *ps) {
         if (r == me) continue;
         MPI_Request req;
         MPI_Isend(smp__errbuf, (int)strlen(smp__errbuf) + 1, MPI_CHAR, r, 1, ps->err_comm, &req);
-        MPI_Request_free(&req); /* small: MPI delivers it eagerly; the comm is replaced after a failure */
+        MPI_Request_free(&req); /* small: MPI delivers it eagerly, and the step's drain receives it (smp__drain_messages) */
+        ps->msgs_sent[2 * r + 1]++;
     }
 }
 
@@ -2871,7 +3003,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     ps->zb = training && smp__sched_split(sc->kind);
     ps->desc = d;
     ps->failed_remote = false;
-    memset(ps->dev_sent, 0, sizeof(int) * 2 * (size_t)cfg->partitions); /* and dev_posted */
+    memset(ps->dev_sent, 0, sizeof(int) * 5 * (size_t)cfg->partitions); /* and dev_posted, msgs_sent, msgs_got */
     int S = md->nstages, n = md->ncalls, me = smp__ctx.mp_rank;
     memset(ps->inflight, 0, sizeof(int) * (size_t)S);
     memset(&ps->stats, 0, sizeof ps->stats);
@@ -2947,16 +3079,8 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     if (agreed) {
         if (training) ps->passes--; /* the step did not happen: run again, it draws the same seeds */
         if (ps->dev_p2p) smp__drain_device(ps);
-        smp__release_step(ps, md, true);
-        /* messages of the failed step may still be in flight: start over on fresh communicators */
-        if (ps->err_req != MPI_REQUEST_NULL) { MPI_Cancel(&ps->err_req); MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE); }
-        /* The old communicators are never freed. Abandoned messages (a
-           failure notice that arrived after its receive was cancelled, sends
-           nobody received) wait in MPI's queues for as long as the process
-           lives, and MPI hands a freed communicator's context to the next one
-           created - another step's, or another model's - whose receives
-           would then match them. A failed step costs two communicators. */
-        smp__pipe_comms(ps);
+        smp__drain_messages(ps); /* the next step runs on the same communicators */
+        smp__release_step(ps, md);
         return agreed;
     }
     if (nouts) st = smp__share_outputs(ps, md, outs, nouts);
@@ -2974,7 +3098,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     ps->stats.peak_inflight = peak;
     ps->stats.stage_index = ps->stage_index;
     ps->stats.stash_peak_bytes = smp__ctx.mem.stash_peak_bytes - mem0.stash_bytes;
-    smp__release_step(ps, md, false);
+    smp__release_step(ps, md);
     ps->stats.seconds = smp__now() - t_start;
     return smp__agree_on(smp__ctx.world, st, "step outputs");
 }
