@@ -1011,7 +1011,9 @@ done:
    sequence number of its first transfer, and a receiver queues the
    transfers of arrived headers in that order (peers' per-direction
    counts, reset each step). A failed step drains every transfer that was
-   sent before the ranks move on (smp__drain_device). */
+   sent before the ranks move on (smp__drain_device, then every MPI message
+   of the step: smp__drain_messages), so the next step starts on clean
+   communicators. */
 
 typedef struct smp__edge { int call, out, consumer, input; } smp__edge; /* consumer == ncalls: the body */
 
@@ -2617,6 +2619,28 @@ static smp_status smp__backward_done(smp__pipe *ps, smp_model *md, int k, int i)
     return ps->sync && i == ps->m - 1 ? smp__ddp_call_final(ps, md, k) : SMP_OK;
 }
 
+/* An output's gradient when one consumer made it: the contribution's own
+   buffer, not a copy (a copy would hold an activation-sized gradient twice
+   at the backward's peak). A contribution made on this rank is owned; a
+   received one can be taken when its message carried nothing else, and
+   its receive slot lets go of the buffer. */
+static bool smp__adopt_contrib(smp__pipe *ps, smp_model *md, int s, int i, int e, smp_tensor *gout) {
+    smp_tensor *c = &ps->mb[i].contrib[e];
+    if (!c->data || c->dtype != gout->dtype || smp_tensor_nbytes(c) != smp_tensor_nbytes(gout)) return false;
+    int cons = ps->edges[e].consumer, cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
+    if (md->stage_rank[cs] != md->stage_rank[s]) {
+        smp__xfer *x = NULL;
+        for (int l = 0; l < ps->nlinks && !x; l++)
+            if (ps->links[l].to == cs && ps->links[l].from == s && ps->links[l].nedges == 1 && ps->links[l].edges[0] == e) x = smp__recv_slot(ps, l, i, true);
+        if (!x || x->buf != c->data) return false;
+        x->buf = NULL;
+    }
+    gout->data = c->data;
+    gout->device = c->device;
+    c->data = NULL;
+    return true;
+}
+
 static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
     int mo = ps->maxout;
@@ -2634,8 +2658,9 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         if (rc) { smp__free(gout); return rc; }
         for (int j = 0; j < rec->nout && !rc; j++) {
             gout[j] = c->outputs[j];
-            if (!smp__tensor_alloc_or(&rc, &gout[j], ps->on_device, SMP__ALLOC_STASH, "an output gradient")) break;
             int t = k * mo + j, first = ps->first_edge[t], last = ps->first_edge[t + 1] - 1;
+            if (first == last && smp__adopt_contrib(ps, md, s, i, last, &gout[j])) continue;
+            if (!smp__tensor_alloc_or(&rc, &gout[j], ps->on_device, SMP__ALLOC_STASH, "an output gradient")) break;
             if (last < first) { rc = smp__tensor_zero(&gout[j]); continue; }
             rc = smp__tensor_copy(&gout[j], &st->contrib[last]);
             for (int e = last - 1; e >= first && !rc; e--) rc = smp__add_into(&gout[j], &st->contrib[e]);

@@ -3,13 +3,15 @@
    Two partitions: "wide" on partition 0 turns a one-element input into an
    activation of 2.2 GB, "narrow" on partition 1 counts the elements that
    are not what wide wrote. Its backward sends an input gradient of 2.2 GB
-   back, which wide checks element by element the same way. Then an object of
+   back, which wide checks element by element the same way. smp may hold
+   two activation-sized buffers at once on each rank (the activation and
+   its gradient; the trace's zero gradient), not more. Then an object of
    2.2 GB goes from rank 0 to rank 1 (smp_send / smp_recv_from), and an
    all-reduce runs over 2^31 + 1000 elements, past MPI's int count (u8:
    floats would need 17 GB a rank), every element checked. Needs about 6
    GiB per rank; run by test/run_large.sh, which checks the memory first.
    On one rank it reports skipped. With a count as argv[1] (another
-   activation size) the all-reduce is left out. */
+   activation size, to measure smp's peak) the all-reduce is left out. */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
@@ -107,6 +109,13 @@ int main(int argc, char **argv) {
     int wrong_bwd = 0;
     if (smp_mp_rank() == 0) wrong_bwd = st ? -1 : (int)((float *)smp_param_grad(g_flag)->data)[0];
     MPI_CHECK(wrong_bwd == 0, "large/the 2.2 GB gradient arrives intact", "%d elements differ", wrong_bwd);
+    /* smp's peak over the trace and the step, in activations: the figure that says whether it holds needless copies */
+    double act = (double)N * sizeof(float);
+    double peak = (double)smp_memory().peak_bytes;
+    printf("large: rank %d: smp's peak %.0f MB, %.2f x the activation (%.0f MB)\n", smp_rank(), peak / 1e6, peak / act, act / 1e6);
+    fflush(stdout);
+    MPI_CHECK(peak <= 2 * act + (64 << 20), "large/smp holds at most two activation-sized buffers (no copy of the gradient)",
+              "peak %.0f MB, %.2f activations", peak / 1e6, peak / act);
     smp_step_output_free(&out);
     smp_model_free(model);
 
