@@ -240,6 +240,21 @@ static void run_error_case(int P) {
     snprintf(name, sizeof name, "pipeline/StepOutput reduce_sum and mean/P=%d", P);
     MPI_CHECK(!smp_step_output_reduce_sum(&eo[0], &s1) && fabsf(sum - mean_ref) <= 1e-6f * fabsf(mean_ref) &&
               fabs(smp_step_output_mean(&eo[0]) - mean_ref / 4) <= 1e-6 * fabs(mean_ref), name, "sum %g vs %g", sum, mean_ref);
+    /* body NULL: the step's outputs are the model's outputs, on every rank
+       (the header promises this for "evaluation that only wants outputs") */
+    smp_step_output no = {0};
+    memset(all, 0xff, sizeof all);
+    st = SMP_EVAL_STEP(model, NULL, NULL, &no, 1, x);
+    snprintf(name, sizeof name, "pipeline/evaluation step with body NULL returns the model's outputs/P=%d", P);
+    MPI_CHECK(st == SMP_OK && no.microbatches == 4 && !smp_step_output_concat(&no, &cat) && !memcmp(all, ref.out, sizeof all), name, "%s",
+              st ? smp_last_error() : no.microbatches != 4 ? "not one value per microbatch" : "outputs differ from the reference forward");
+    smp_step_output_free(&no);
+    smp_step_output two[2] = {{0}, {0}};
+    st = SMP_EVAL_STEP(model, NULL, NULL, two, 2, x);
+    snprintf(name, sizeof name, "pipeline/body NULL with more outputs than the model has is an error naming both counts/P=%d", P);
+    MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "body NULL") && strstr(smp_last_error(), "2 outputs requested") &&
+                  strstr(smp_last_error(), "it has 1"),
+              name, "status %d: %s", st, smp_last_error());
     smp_step_output_free(&outs[0]);
     smp_step_output_free(&eo[0]);
     smp_step_output_free(&eo[1]);
