@@ -3327,10 +3327,21 @@ static smp_status smp__coll_args(const char *fn, smp_group g, smp__group_info **
     }
     if (a->device != SMP_HOST && !smp__ctx.has_device)
         return smp_error(SMP_ERR_ARG, "%s: %s is on CUDA device %d but no device backend is registered (include smp_nccl.h)", fn, an, a->device);
-    if (smp_tensor_numel(a) > INT32_MAX || (bn && smp_tensor_numel(b) > INT32_MAX))
-        return smp_error(SMP_ERR_ARG, "%s: more than 2^31-1 elements in one call; split the tensor", fn);
+    /* host collectives go in pieces (smp__coll_chunk); the device backend's take one count */
+    if (a->device != SMP_HOST && (smp_tensor_numel(a) > INT32_MAX || (bn && smp_tensor_numel(b) > INT32_MAX)))
+        return smp_error(SMP_ERR_ARG, "%s: more than 2^31-1 elements in one call on a device; split the tensor", fn);
     return SMP_OK;
 }
+
+/* MPI counts are int. A host collective over more elements than this runs
+   as one MPI call per piece of at most this many elements, in order: every
+   one of them works element by element, so the pieces give what one call
+   would. (A variable, not a constant, so that a test can make the pieces
+   small.) */
+static int64_t smp__coll_chunk = INT_MAX;
+
+/* The size of the piece of n elements that starts at element at. */
+static int smp__piece(int64_t n, int64_t at) { return (int)(n - at < smp__coll_chunk ? n - at : smp__coll_chunk); }
 
 static smp_status smp__elements_match(const char *fn, const smp_tensor *a, const char *an, int64_t want, const char *why) {
     if (smp_tensor_numel(a) != want)
@@ -3381,19 +3392,25 @@ static smp_status smp__all_reduce(const smp_tensor *in, smp_tensor *out, smp_op 
         (st = smp__mpi_op(op, in->dtype, "smp_all_reduce", &mop)))
         return st;
     if (in->device != SMP_HOST) return smp__ctx.device.all_reduce(in, out, op, g);
-    int n = (int)smp_tensor_numel(in);
-    size_t bytes = smp_tensor_nbytes(in);
-    smp__persist *p = bytes && bytes <= SMP__PERSIST_MAX_BYTES ? smp__persist_slot(gi, n, smp__mpi_type(in->dtype), mop) : NULL;
+    int64_t n = smp_tensor_numel(in);
+    size_t bytes = smp_tensor_nbytes(in), es = smp_dtype_size(in->dtype);
+    smp__persist *p = bytes && bytes <= SMP__PERSIST_MAX_BYTES && n <= smp__coll_chunk ? smp__persist_slot(gi, (int)n, smp__mpi_type(in->dtype), mop) : NULL;
     if (p) {
         memcpy(p->staging, in->data, bytes);
         SMP__MPI(MPI_Start(&p->req), "starting an all_reduce in %s", smp__group_name(g));
         smp_wait_requests(1, &p->req, "all_reduce", g, -1);
         memcpy(out->data, p->staging, bytes);
     } else {
-        MPI_Request req;
-        SMP__MPI(MPI_Iallreduce(in->data == out->data ? MPI_IN_PLACE : in->data, out->data, n, smp__mpi_type(in->dtype), mop, gi->comm, &req),
-                 "starting an all_reduce in %s", smp__group_name(g));
-        smp_wait_requests(1, &req, "all_reduce", g, -1);
+        int64_t at = 0;
+        do { /* an empty tensor is still one call */
+            MPI_Request req;
+            const char *from = (const char *)in->data + (size_t)at * es;
+            char *to = (char *)out->data + (size_t)at * es;
+            SMP__MPI(MPI_Iallreduce(in->data == out->data ? MPI_IN_PLACE : from, to, smp__piece(n, at), smp__mpi_type(in->dtype), mop, gi->comm, &req),
+                     "starting an all_reduce in %s", smp__group_name(g));
+            smp_wait_requests(1, &req, "all_reduce", g, -1);
+            at += smp__piece(n, at);
+        } while (at < n);
     }
     if (op == SMP_AVG) smp__scale(out->data, out->dtype, n, 1.0 / gi->size);
     return SMP_OK;
@@ -3410,10 +3427,14 @@ static smp_status smp__broadcast(smp_tensor *t, int root, smp_group g) {
     if (st) return st;
     if (root < 0 || root >= gi->size) return smp_error(SMP_ERR_ARG, "smp_broadcast: root %d is outside the %s (size %d)", root, smp__group_name(g), gi->size);
     if (t->device != SMP_HOST) return smp__ctx.device.broadcast(t, root, g);
-    MPI_Request req;
-    SMP__MPI(MPI_Ibcast(t->data, (int)smp_tensor_numel(t), smp__mpi_type(t->dtype), root, gi->comm, &req), "starting a broadcast from %s rank %d",
-             smp__group_name(g), root);
-    smp_wait_requests(1, &req, "broadcast", g, root);
+    int64_t n = smp_tensor_numel(t), at = 0;
+    do {
+        MPI_Request req;
+        SMP__MPI(MPI_Ibcast((char *)t->data + (size_t)at * smp_dtype_size(t->dtype), smp__piece(n, at), smp__mpi_type(t->dtype), root, gi->comm, &req),
+                 "starting a broadcast from %s rank %d", smp__group_name(g), root);
+        smp_wait_requests(1, &req, "broadcast", g, root);
+        at += smp__piece(n, at);
+    } while (at < n);
     return SMP_OK;
 }
 
@@ -3434,12 +3455,16 @@ static smp_status smp__reduce(const smp_tensor *in, smp_tensor *out, smp_op op, 
         (st = smp__mpi_op(op, in->dtype, "smp_reduce", &mop)))
         return st;
     if (in->device != SMP_HOST) return smp__ctx.device.reduce(in, out, op, root, g);
-    int n = (int)smp_tensor_numel(in);
-    const void *send = is_root && in->data == out->data ? MPI_IN_PLACE : in->data;
-    MPI_Request req;
-    SMP__MPI(MPI_Ireduce(send, is_root ? out->data : NULL, n, smp__mpi_type(in->dtype), mop, root, gi->comm, &req), "starting a reduce to %s rank %d",
-             smp__group_name(g), root);
-    smp_wait_requests(1, &req, "reduce", g, root);
+    int64_t n = smp_tensor_numel(in), at = 0;
+    size_t es = smp_dtype_size(in->dtype);
+    do {
+        const void *send = is_root && in->data == out->data ? MPI_IN_PLACE : (const char *)in->data + (size_t)at * es;
+        MPI_Request req;
+        SMP__MPI(MPI_Ireduce(send, is_root ? (char *)out->data + (size_t)at * es : NULL, smp__piece(n, at), smp__mpi_type(in->dtype), mop, root, gi->comm, &req),
+                 "starting a reduce to %s rank %d", smp__group_name(g), root);
+        smp_wait_requests(1, &req, "reduce", g, root);
+        at += smp__piece(n, at);
+    } while (at < n);
     if (is_root && op == SMP_AVG) smp__scale(out->data, out->dtype, n, 1.0 / gi->size);
     return SMP_OK;
 }
@@ -3461,8 +3486,28 @@ static smp_status smp__all_gather(const smp_tensor *in, smp_tensor *out, smp_gro
     const void *send = (const char *)out->data + block * (size_t)gi->rank == (const char *)in->data ? MPI_IN_PLACE : in->data;
     MPI_Request req;
     MPI_Datatype t = smp__mpi_type(in->dtype);
-    SMP__MPI(MPI_Iallgather(send, (int)n, t, out->data, (int)n, t, gi->comm, &req), "starting an all_gather in %s", smp__group_name(g));
-    smp_wait_requests(1, &req, "all_gather", g, -1);
+    if (n <= smp__coll_chunk) {
+        SMP__MPI(MPI_Iallgather(send, (int)n, t, out->data, (int)n, t, gi->comm, &req), "starting an all_gather in %s", smp__group_name(g));
+        smp_wait_requests(1, &req, "all_gather", g, -1);
+        return SMP_OK;
+    }
+    /* piece [at, at + c) of every member's block: one element of a type c
+       long whose extent is the whole block, so member r's lands at block r */
+    size_t es = smp_dtype_size(in->dtype);
+    for (int64_t at = 0; at < n; at += smp__piece(n, at)) {
+        MPI_Datatype piece, spread;
+        SMP__MPI(MPI_Type_contiguous(smp__piece(n, at), t, &piece), "describing a piece of an all_gather in %s", smp__group_name(g));
+        st = SMP__MPI_CHECK(MPI_Type_create_resized(piece, 0, (MPI_Aint)block, &spread), "describing a piece of an all_gather in %s", smp__group_name(g));
+        SMP__MPI_WARN(MPI_Type_free(&piece), "freeing an all_gather piece's type");
+        if (st) return st;
+        SMP__MPI(MPI_Type_commit(&spread), "describing a piece of an all_gather in %s", smp__group_name(g));
+        st = SMP__MPI_CHECK(MPI_Iallgather(send == MPI_IN_PLACE ? MPI_IN_PLACE : (const char *)in->data + (size_t)at * es, smp__piece(n, at), t,
+                                           (char *)out->data + (size_t)at * es, 1, spread, gi->comm, &req),
+                            "starting an all_gather in %s", smp__group_name(g));
+        SMP__MPI_WARN(MPI_Type_free(&spread), "freeing an all_gather piece's type"); /* MPI keeps it for the collective in flight */
+        if (st) return st;
+        smp_wait_requests(1, &req, "all_gather", g, -1);
+    }
     return SMP_OK;
 }
 
@@ -3488,9 +3533,24 @@ static smp_status smp__reduce_scatter(const smp_tensor *in, smp_tensor *out, smp
     void *dst = overlap ? smp__alloc_or(&st, bytes, SMP__ALLOC_OTHER, "smp_reduce_scatter's scratch block") : out->data;
     if (st) return st;
     MPI_Request req;
-    SMP__MPI(MPI_Ireduce_scatter_block(in->data, dst, (int)n, smp__mpi_type(in->dtype), mop, gi->comm, &req), "starting a reduce_scatter in %s",
-             smp__group_name(g));
-    smp_wait_requests(1, &req, "reduce_scatter", g, -1);
+    if (n <= smp__coll_chunk) {
+        st = SMP__MPI_CHECK(MPI_Ireduce_scatter_block(in->data, dst, (int)n, smp__mpi_type(in->dtype), mop, gi->comm, &req), "starting a reduce_scatter in %s",
+                            smp__group_name(g));
+        if (!st) smp_wait_requests(1, &req, "reduce_scatter", g, -1);
+    }
+    /* more than one piece: each member's block piece by piece, a reduce to that member each */
+    size_t es = smp_dtype_size(in->dtype);
+    for (int64_t at = 0; n > smp__coll_chunk && at < n && !st; at += smp__piece(n, at))
+        for (int r = 0; r < gi->size && !st; r++) {
+            st = SMP__MPI_CHECK(MPI_Ireduce((const char *)in->data + ((size_t)r * (size_t)n + (size_t)at) * es, r == gi->rank ? (char *)dst + (size_t)at * es : NULL,
+                                            smp__piece(n, at), smp__mpi_type(in->dtype), mop, r, gi->comm, &req),
+                                "starting a piece of a reduce_scatter in %s", smp__group_name(g));
+            if (!st) smp_wait_requests(1, &req, "reduce_scatter", g, r);
+        }
+    if (st) {
+        if (overlap) smp__free(dst);
+        return st;
+    }
     if (overlap) { memcpy(out->data, dst, bytes); smp__free(dst); }
     if (op == SMP_AVG) smp__scale(out->data, out->dtype, n, 1.0 / gi->size);
     return SMP_OK;
@@ -3507,6 +3567,8 @@ static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, 
     smp__group_info *gi;
     smp_status st = smp__coll_args(fn, g, &gi, in, "in", out, "out");
     if (st) return st;
+    if (smp_tensor_numel(in) > INT32_MAX || smp_tensor_numel(out) > INT32_MAX) /* MPI_Alltoallv's displacements are int */
+        return smp_error(SMP_ERR_ARG, "%s: more than 2^31-1 elements in one call; split the tensor", fn);
     int n = gi->size;
     int64_t in_rows = in->ndim ? in->shape[0] : 1, out_rows = out->ndim ? out->shape[0] : 1;
     int64_t in_row = in_rows ? smp_tensor_numel(in) / in_rows : 0, out_row = out_rows ? smp_tensor_numel(out) / out_rows : 0;

@@ -1000,7 +1000,9 @@ done:
    sequence number of its first transfer, and a receiver queues the
    transfers of arrived headers in that order (peers' per-direction
    counts, reset each step). A failed step drains every transfer that was
-   sent before the ranks move on (smp__drain_device). */
+   sent before the ranks move on (smp__drain_device, then every MPI message
+   of the step: smp__drain_messages), so the next step starts on clean
+   communicators. */
 
 typedef struct smp__edge { int call, out, consumer, input; } smp__edge; /* consumer == ncalls: the body */
 
@@ -1096,6 +1098,9 @@ typedef struct smp__pipe {
     bool dev_p2p;          /* payloads through the backend's point to point (else staged through host buffers) */
     bool dev_connected;
     int *dev_sent, *dev_posted; /* [mp rank]: this step's device transfers sent to it / receives queued from it */
+    int *msgs_sent;        /* [mp rank * 2]: this step's MPI messages sent to it on comm, and failure notices on err_comm */
+    int *msgs_got;         /* [mp rank]: messages from it on comm received outside the receive slots (shared gradients) */
+    int err_from;          /* the mp rank whose failure notice err_req received, or -1 */
     int *inflight;         /* [nstages] */
     smp_step_stats stats;
     smp__event *events;
@@ -1160,15 +1165,22 @@ static void smp__pipe_free(void *p) {
     smp__free(ps);
 }
 
-/* The step's communicators (they inherit MPI_ERRORS_RETURN from MP_GROUP's).
-   MPI_Comm_dup is a blocking collective of MP_GROUP, and a rank without
-   the receive of failure notices would wait out SMP_TIMEOUT when a peer
-   fails: no agreement can follow either, so their failures abort. */
+/* The receive of another rank's failure notice, one per step. A rank
+   without it would wait out SMP_TIMEOUT when a peer fails, and no
+   agreement could follow: its failure aborts. */
+static void smp__post_err(smp__pipe *ps) {
+    ps->err_from = -1;
+    SMP__MPI_FATAL(MPI_Irecv(ps->err_msg, (int)sizeof ps->err_msg, MPI_CHAR, MPI_ANY_SOURCE, 1, ps->err_comm, &ps->err_req),
+                   "posting the receive of pipeline failure notices (MP_GROUP)");
+}
+
+/* The pipeline's communicators (they inherit MPI_ERRORS_RETURN from
+   MP_GROUP's). MPI_Comm_dup is a blocking collective of MP_GROUP: its
+   failures abort. */
 static void smp__pipe_comms(smp__pipe *ps) {
     SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->comm), "making a pipeline's communicator (MP_GROUP)");
     SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->err_comm), "making a pipeline's failure communicator (MP_GROUP)");
-    SMP__MPI_FATAL(MPI_Irecv(ps->err_msg, (int)sizeof ps->err_msg, MPI_CHAR, MPI_ANY_SOURCE, 1, ps->err_comm, &ps->err_req),
-                   "posting the receive of pipeline failure notices (MP_GROUP)");
+    smp__post_err(ps);
 }
 
 static bool smp__in_subtree(const smp_module *m, const smp_module *root) {
@@ -1292,10 +1304,12 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     ps->peak = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)S, SMP__ALLOC_OTHER, what);
     ps->internal = (bool *)smp__alloc_or(&st, (size_t)T + 1, SMP__ALLOC_OTHER, what);
     ps->inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)S, SMP__ALLOC_OTHER, what);
-    ps->dev_sent = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
+    ps->dev_sent = (int *)smp__alloc_or(&st, sizeof(int) * 5 * (size_t)P, SMP__ALLOC_OTHER, what);
     if (st || (st = smp__shared_build(ps, md))) goto fail;
     ps->stage_index = ps->peak + S;
     ps->dev_posted = ps->dev_sent + P;
+    ps->msgs_sent = ps->dev_sent + 2 * P;
+    ps->msgs_got = ps->dev_sent + 4 * P;
     for (int k = 0; k < n; k++) {
         const smp__call_rec *c = &md->calls[k];
         for (int j = 0; j < c->nout && c->recompute_first >= 0; j++) {
@@ -1518,6 +1532,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
     x->buf = staging;
     st = SMP__MPI_CHECK(MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]),
                         "sending the header of stage %d's %s for microbatch %d to mp rank %d", stage, kind, mb, x->peer);
+    if (!st) ps->msgs_sent[2 * x->peer]++;
     if (ps->dev_p2p || st) return st;
     /* the bytes of every tensor as one message, without copying host tensors:
        a datatype of absolute addresses (MPI_BOTTOM), any size (smp__bytes_type) */
@@ -1530,6 +1545,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
     if (!staging) from = nt == 1 ? ts[0]->data : MPI_BOTTOM;
     st = SMP__MPI_CHECK(MPI_Isend(from, count, type, x->peer, tag + 1, ps->comm, &x->req[1]), "sending stage %d's %s for microbatch %d to mp rank %d",
                         stage, kind, mb, x->peer);
+    if (!st) ps->msgs_sent[2 * x->peer]++;
     if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a pipeline message datatype"); /* MPI keeps it for the send in flight */
     return st;
 }
@@ -1615,7 +1631,7 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
         }
         if (done && smp__device_done(x)) {
             smp__device_wait_all(x);
-            smp__event_add(ps, 5, x->stage, x->mb, x->t_post);
+            if (x->hdr) smp__event_add(ps, 5, x->stage, x->mb, x->t_post); /* not a failed step's shared gradients */
             smp__send_done(x);
         }
     }
@@ -1636,6 +1652,7 @@ static smp_status smp__progress(smp__pipe *ps) {
     MPI_Status st;
     smp_status es = SMP__MPI_CHECK(MPI_Test(&ps->err_req, &flag, &st), "looking for pipeline failure notices (MP_GROUP)");
     if (es) return es;
+    if (flag && ps->err_from < 0) ps->err_from = st.MPI_SOURCE;
     if (flag) { ps->failed_remote = true; return smp_error(SMP_ERR_REMOTE, "another rank failed"); }
     smp_status err = smp__progress_transfers(ps);
     if (!err && ps->sync) smp__ddp_poll(ps);
@@ -1681,7 +1698,8 @@ static void smp__drain_device(smp__pipe *ps) {
     smp__backoff b = smp__backoff_start();
     for (;;) {
         (void)smp__progress_transfers(ps); /* the step failed already */
-        bool pending = ps->nsends > 0;
+        bool pending = false;
+        for (int i = 0; i < ps->nsends; i++) pending = pending || (ps->sends[i].state == 1 && ps->sends[i].hdr); /* shared gradients: smp__drain_messages */
         for (int p = 0; p < P; p++) pending = pending || ps->dev_posted[p] < sent_to_me[p];
         for (size_t i = 0; i < nrecv; i++) pending = pending || ps->recv[i].state == 2;
         if (!pending) break;
@@ -1689,6 +1707,103 @@ static void smp__drain_device(smp__pipe *ps) {
     }
     for (size_t i = 0; i < nrecv; i++) smp__device_wait_all(&ps->recv[i]);
     smp__free(sent_to_me);
+}
+
+/* A failed step must leave no message behind: one nobody receives sits in
+   MPI's queues until the process ends (UCX warns about each at
+   MPI_Finalize), and the next step on the same communicator and tag would
+   receive it in place of its own. Every rank learns how many messages each
+   peer sent it this step (pipeline headers and bytes, shared gradients,
+   failure notices), takes back its receives that have not matched
+   (MPI_Cancel), counts those that have, and receives and drops the rest
+   (MPI_Improbe / MPI_Mrecv); then every send it made has a receiver and
+   completes. The step's communicators are clean again and serve the next
+   step. Called by every rank of the replica after they agreed the step
+   failed, before the step's buffers go (host sends read the activations
+   in place). */
+static void smp__drain_messages(smp__pipe *ps) {
+    int P = smp__ctx.cfg.partitions;
+    smp_status st = SMP_OK;
+    int *left = (int *)smp__alloc_or(&st, sizeof(int) * 4 * (size_t)P, SMP__ALLOC_OTHER, "the message counts of a failed step");
+    if (st) smp__fatal("out of memory cleaning up the messages of a failed step: %s", smp_last_error());
+    int *sent_to_me = left + 2 * P;
+    MPI_Request req;
+    SMP__MPI_FATAL(MPI_Ialltoall(ps->msgs_sent, 2, MPI_INT, sent_to_me, 2, MPI_INT, ps->comm, &req), "exchanging the message counts of a failed step (MP_GROUP)");
+    for (int p = 0; p < P; p++) left[2 * p] = -ps->msgs_got[p];
+    size_t nrecv = ps->recv ? (size_t)ps->nlinks * (size_t)ps->m * 2 : 0;
+    for (size_t i = 0; i < nrecv; i++) {
+        smp__xfer *x = &ps->recv[i];
+        if (!x->state) continue; /* never posted */
+        /* states: 1 header posted; 5, 4 header arrived; 2 bytes posted (host) or queued (device); 3 all arrived */
+        bool bytes_over_mpi = !ps->dev_p2p, pending = x->state == 1 || (x->state == 2 && bytes_over_mpi);
+        int got = x->state == 1 ? 0 : 1 + (x->state == 3 && bytes_over_mpi);
+        if (pending) {
+            MPI_Status cs;
+            int cancelled = 0;
+            SMP__MPI_FATAL(MPI_Cancel(&x->req[x->state - 1]), "withdrawing a receive of a failed step");
+            SMP__MPI_FATAL(MPI_Wait(&x->req[x->state - 1], &cs), "withdrawing a receive of a failed step");
+            SMP__MPI_FATAL(MPI_Test_cancelled(&cs, &cancelled), "withdrawing a receive of a failed step");
+            got += !cancelled;
+            x->state = cancelled ? 0 : x->state == 1 ? 5 : 3;
+        }
+        left[2 * x->peer] -= got;
+    }
+    int from = ps->err_from;
+    if (ps->err_req != MPI_REQUEST_NULL) {
+        MPI_Status cs;
+        int cancelled = 0;
+        SMP__MPI_FATAL(MPI_Cancel(&ps->err_req), "withdrawing a receive of a failed step");
+        SMP__MPI_FATAL(MPI_Wait(&ps->err_req, &cs), "withdrawing a receive of a failed step");
+        SMP__MPI_FATAL(MPI_Test_cancelled(&cs, &cancelled), "withdrawing a receive of a failed step");
+        if (!cancelled) from = cs.MPI_SOURCE;
+    }
+    if (from >= 0) left[2 * from + 1]--;
+    smp_wait_requests(1, &req, "the message counts of a failed step", SMP_MP_GROUP, -1);
+    for (int k = 0; k < 2 * P; k++) {
+        left[k] += sent_to_me[k];
+        if (left[k] < 0)
+            smp__fatal("mp rank %d sent %d %s in a failed step, but %d arrived here: a message of another step was received", k / 2,
+                       sent_to_me[k], k % 2 ? "failure notices" : "pipeline messages", sent_to_me[k] - left[k]);
+    }
+    smp__backoff b = smp__backoff_start();
+    for (;;) {
+        bool pending = false;
+        for (int k = 0; k < 2 * P; k++)
+            while (left[k] > 0) {
+                int flag = 0, count;
+                MPI_Message msg;
+                MPI_Status ms;
+                MPI_Datatype type;
+                MPI_Count n = 0;
+                SMP__MPI_FATAL(MPI_Improbe(k / 2, MPI_ANY_TAG, k % 2 ? ps->err_comm : ps->comm, &flag, &msg, &ms), "looking for messages of a failed step from mp rank %d", k / 2);
+                if (!flag) { pending = true; break; }
+                SMP__MPI_FATAL(MPI_Get_elements_x(&ms, MPI_BYTE, &n), "sizing a message of a failed step from mp rank %d", k / 2);
+                void *drop = smp__bytes_or(&st, (size_t)n, SMP__ALLOC_OTHER, "a message of a failed step, received to be dropped");
+                if (st || (st = smp__bytes_type((size_t)n, &count, &type)))
+                    smp__fatal("cleaning up the messages of a failed step: %s", smp_last_error());
+                SMP__MPI_FATAL(MPI_Mrecv(drop, count, type, &msg, MPI_STATUS_IGNORE), "receiving a message of a failed step from mp rank %d", k / 2);
+                if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a message datatype");
+                smp__free(drop);
+                left[k]--;
+                b = smp__backoff_start(); /* the deadline counts from the last message */
+            }
+        for (int i = 0; i < ps->nsends; i++) {
+            smp__xfer *x = &ps->sends[i];
+            int done = 0;
+            MPI_Status sts[2];
+            if (x->state == 1) SMP__MPI_FATAL(MPI_Testall(2, x->req, &done, sts), "completing a send of a failed step to mp rank %d", x->peer);
+            if (done && smp__device_done(x)) {
+                smp__device_wait_all(x);
+                smp__send_done(x);
+            }
+            pending = pending || x->state == 1;
+        }
+        if (!pending) break;
+        if (!smp__backoff_pause(&b)) smp__timeout_abort("the messages of a failed step", SMP_MP_GROUP, -1, smp__now() - b.start);
+    }
+    ps->nsends = 0;
+    smp__free(left);
+    smp__post_err(ps);
 }
 
 static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0) {
@@ -2318,7 +2433,8 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
     const char *what = "the gradients of shared modules";
     char **buf = (char **)smp__alloc_or(&st, sizeof(char *) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
     MPI_Request *req = (MPI_Request *)smp__alloc_or(&st, sizeof(MPI_Request) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
-    if (st) { smp__free(buf); return st; }
+    int *slot = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)P, SMP__ALLOC_OTHER, what); /* [request]: pass * P + peer */
+    if (st) { smp__free(buf); smp__free(req); return st; }
     /* pass 0: receive what peer ran for parameters here; pass 1: send what this rank ran for parameters there */
     for (int pass = 0; pass < 2; pass++)
         for (int peer = 0; peer < P && !st; peer++) {
@@ -2344,9 +2460,11 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
             int tag = smp__tag(ps, ps->nlinks, false), count; /* past every link's */
             MPI_Datatype type;
             if (st || (st = smp__bytes_type(bytes, &count, &type))) break;
+            slot[nreq] = pass * P + peer;
             req[nreq] = MPI_REQUEST_NULL;
             if (pass) st = SMP__MPI_CHECK(MPI_Isend(b, count, type, peer, tag, ps->comm, &req[nreq]), "sending shared modules' gradients to mp rank %d", peer);
             else st = SMP__MPI_CHECK(MPI_Irecv(b, count, type, peer, tag, ps->comm, &req[nreq]), "receiving shared modules' gradients from mp rank %d", peer);
+            if (pass && !st) ps->msgs_sent[2 * peer]++;
             nreq++;
             if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a shared gradients' datatype");
         }
@@ -2362,10 +2480,32 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
         st = smp__progress(ps);
         if (!st && !smp__backoff_pause(&wait)) smp__timeout_abort("gradients of shared modules", SMP_MP_GROUP, -1, smp__now() - wait.start);
     }
-    if (st) { /* leave the messages and their buffers to MPI: the step's communicators are replaced after a failure */
-        for (int r = 0; r < nreq; r++)
-            if (req[r] != MPI_REQUEST_NULL) SMP__MPI_WARN(MPI_Request_free(&req[r]), "dropping a shared gradients' transfer of a failed step");
-        memset(buf, 0, sizeof(char *) * 2 * (size_t)P);
+    for (int r = 0; r < nreq; r++) {
+        int peer = slot[r] % P;
+        if (slot[r] >= P) { /* a send: still in flight only after a failure, when the step's drain finishes it */
+            if (req[r] == MPI_REQUEST_NULL) continue;
+            if (!smp__grow((void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer)))
+                smp__fatal("out of memory keeping a send of a failed step until it is received");
+            smp__xfer *x = &ps->sends[ps->nsends++];
+            memset(x, 0, sizeof *x);
+            x->req[0] = req[r];
+            x->req[1] = MPI_REQUEST_NULL;
+            x->peer = peer;
+            x->buf = buf[slot[r]]; /* freed once sent */
+            buf[slot[r]] = NULL;
+            x->state = 1;
+            continue;
+        }
+        /* a receive: a failed step takes back one that has not matched; the
+           step's drain (smp__drain_messages) counts the others */
+        int cancelled = 0;
+        if (req[r] != MPI_REQUEST_NULL) {
+            MPI_Status cs;
+            SMP__MPI_WARN(MPI_Cancel(&req[r]), "withdrawing a shared gradients' receive of a failed step");
+            SMP__MPI_WARN(MPI_Wait(&req[r], &cs), "withdrawing a shared gradients' receive of a failed step");
+            SMP__MPI_WARN(MPI_Test_cancelled(&cs, &cancelled), "withdrawing a shared gradients' receive of a failed step");
+        }
+        if (!cancelled) ps->msgs_got[peer]++;
     }
     for (int peer = 0; peer < P && !st; peer++) { /* unpack what arrived */
         char *b = buf[peer];
@@ -2388,6 +2528,7 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
     for (int r = 0; r < 2 * P; r++) smp__free(buf[r]);
     smp__free(buf);
     smp__free(req);
+    smp__free(slot);
     return st;
 }
 
@@ -2553,6 +2694,28 @@ static smp_status smp__backward_done(smp__pipe *ps, smp_model *md, int k, int i)
     return ps->sync && i == ps->m - 1 ? smp__ddp_call_final(ps, md, k) : SMP_OK;
 }
 
+/* An output's gradient when one consumer made it: the contribution's own
+   buffer, not a copy (a copy would hold an activation-sized gradient twice
+   at the backward's peak). A contribution made on this rank is owned; a
+   received one can be taken when its message carried nothing else, and
+   its receive slot lets go of the buffer. */
+static bool smp__adopt_contrib(smp__pipe *ps, smp_model *md, int s, int i, int e, smp_tensor *gout) {
+    smp_tensor *c = &ps->mb[i].contrib[e];
+    if (!c->data || c->dtype != gout->dtype || smp_tensor_nbytes(c) != smp_tensor_nbytes(gout)) return false;
+    int cons = ps->edges[e].consumer, cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
+    if (md->stage_rank[cs] != md->stage_rank[s]) {
+        smp__xfer *x = NULL;
+        for (int l = 0; l < ps->nlinks && !x; l++)
+            if (ps->links[l].to == cs && ps->links[l].from == s && ps->links[l].nedges == 1 && ps->links[l].edges[0] == e) x = smp__recv_slot(ps, l, i, true);
+        if (!x || x->buf != c->data) return false;
+        x->buf = NULL;
+    }
+    gout->data = c->data;
+    gout->device = c->device;
+    c->data = NULL;
+    return true;
+}
+
 static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
     int mo = ps->maxout;
@@ -2570,8 +2733,9 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         if (rc) { smp__free(gout); return rc; }
         for (int j = 0; j < rec->nout && !rc; j++) {
             gout[j] = c->outputs[j];
-            if (!smp__tensor_alloc_or(&rc, &gout[j], ps->on_device, SMP__ALLOC_STASH, "an output gradient")) break;
             int t = k * mo + j, first = ps->first_edge[t], last = ps->first_edge[t + 1] - 1;
+            if (first == last && smp__adopt_contrib(ps, md, s, i, last, &gout[j])) continue;
+            if (!smp__tensor_alloc_or(&rc, &gout[j], ps->on_device, SMP__ALLOC_STASH, "an output gradient")) break;
             if (last < first) { rc = smp__tensor_zero(&gout[j]); continue; }
             rc = smp__tensor_copy(&gout[j], &st->contrib[last]);
             for (int e = last - 1; e >= first && !rc; e--) rc = smp__add_into(&gout[j], &st->contrib[e]);
@@ -2680,31 +2844,20 @@ static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
 }
 
 /* ---------------------------------------------------------------- the step */
-static void smp__release_step(smp__pipe *ps, smp_model *md, bool cancel) {
+/* Frees what the step made. Every transfer has finished: the step ran to
+   its end, or a failed step was drained (smp__drain_messages). */
+static void smp__release_step(smp__pipe *ps, smp_model *md) {
     size_t nrecv = ps->recv ? (size_t)ps->nlinks * (size_t)ps->m * 2 : 0;
     for (size_t i = 0; i < nrecv; i++) {
         smp__xfer *x = &ps->recv[i];
-        if (cancel && (x->state == 1 || x->state == 2)) {
-            MPI_Request *r = &x->req[x->state - 1];
-            if (*r != MPI_REQUEST_NULL) {
-                SMP__MPI_WARN(MPI_Cancel(r), "withdrawing a receive of a failed step");
-                SMP__MPI_WARN(MPI_Wait(r, MPI_STATUS_IGNORE), "withdrawing a receive of a failed step");
-            }
-        }
+        SMP_ASSERT(x->state != 1 && (x->state != 2 || ps->dev_p2p));
         smp__free(x->hdr);
         smp__free(x->buf);
         smp__free(x->dev_req);
     }
     smp__free(ps->recv);
     ps->recv = NULL;
-    for (int i = 0; i < ps->nsends; i++)
-        if (ps->sends[i].state == 1) {
-            /* only on failure: the peer stopped receiving; let MPI drop the
-               requests and keep their buffers (freed with smp) */
-            for (int r = 0; r < 2; r++)
-                if (ps->sends[i].req[r] != MPI_REQUEST_NULL) SMP__MPI_WARN(MPI_Request_free(&ps->sends[i].req[r]), "dropping a send of a failed step");
-            ps->sends[i].hdr = NULL;
-        }
+    for (int i = 0; i < ps->nsends; i++) SMP_ASSERT(ps->sends[i].state != 1);
     smp__free(ps->sends);
     ps->sends = NULL;
     ps->nsends = ps->sends_cap = 0;
@@ -2803,8 +2956,9 @@ static void smp__notify_failure(smp__pipe *ps) {
         MPI_Request req;
         /* a peer not told would wait out SMP_TIMEOUT for this rank's messages */
         SMP__MPI_FATAL(MPI_Isend(smp__errbuf, (int)strlen(smp__errbuf) + 1, MPI_CHAR, r, 1, ps->err_comm, &req), "telling mp rank %d the step failed here", r);
-        /* small: MPI delivers it eagerly; the comm is replaced after a failure */
+        /* small: MPI delivers it eagerly, and the step's drain receives it (smp__drain_messages) */
         SMP__MPI_WARN(MPI_Request_free(&req), "releasing a pipeline failure notice");
+        ps->msgs_sent[2 * r + 1]++;
     }
 }
 
@@ -2955,7 +3109,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     ps->desc = d;
     ps->model_outs = d->body ? 0 : nouts;
     ps->failed_remote = false;
-    memset(ps->dev_sent, 0, sizeof(int) * 2 * (size_t)cfg->partitions); /* and dev_posted */
+    memset(ps->dev_sent, 0, sizeof(int) * 5 * (size_t)cfg->partitions); /* and dev_posted, msgs_sent, msgs_got */
     int S = md->nstages, n = md->ncalls, me = smp__ctx.mp_rank;
     memset(ps->inflight, 0, sizeof(int) * (size_t)S);
     memset(&ps->stats, 0, sizeof ps->stats);
@@ -3032,16 +3186,8 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     if (agreed) {
         if (training) ps->passes--; /* the step did not happen: run again, it draws the same seeds */
         if (ps->dev_p2p) smp__drain_device(ps);
-        smp__release_step(ps, md, true);
-        /* messages of the failed step may still be in flight: start over on fresh communicators */
-        smp__cancel_err_recv(ps);
-        /* The old communicators are never freed. Abandoned messages (a
-           failure notice that arrived after its receive was cancelled, sends
-           nobody received) wait in MPI's queues for as long as the process
-           lives, and MPI hands a freed communicator's context to the next one
-           created - another step's, or another model's - whose receives
-           would then match them. A failed step costs two communicators. */
-        smp__pipe_comms(ps);
+        smp__drain_messages(ps); /* the next step runs on the same communicators */
+        smp__release_step(ps, md);
         return agreed;
     }
     if (nouts) st = smp__share_outputs(ps, md, outs, nouts);
@@ -3059,7 +3205,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     ps->stats.peak_inflight = peak;
     ps->stats.stage_index = ps->stage_index;
     ps->stats.stash_peak_bytes = smp__ctx.mem.stash_peak_bytes - mem0.stash_bytes;
-    smp__release_step(ps, md, false);
+    smp__release_step(ps, md);
     ps->stats.seconds = smp__now() - t_start;
     return smp__agree_on(smp__ctx.world, st, "step outputs");
 }

@@ -9,7 +9,11 @@
    Every failed step must return an error on every rank and change no
    parameter; the run goes on with the next batch. At the end the
    parameters must equal, bit for bit, those of a clean run that skipped
-   exactly the failed steps' batches. Built with SMP_TESTING. */
+   exactly the failed steps' batches. After every step, failed or not,
+   nothing may wait unreceived on the pipeline's communicators: a message
+   a failed step left behind would be matched by a later step's receive
+   (and MPI over UCX warns about each at MPI_Finalize). Built with
+   SMP_TESTING. */
 #define _POSIX_C_SOURCE 200809L
 #define SMP_TESTING
 #define SMP_IMPLEMENTATION
@@ -67,6 +71,29 @@ static smp_model *start(net *n, int P, int world) {
     return build(n, P > 1 ? placement : NULL);
 }
 
+/* Messages waiting on the pipeline's communicators (smp's internals: the
+   test defines SMP_IMPLEMENTATION). Asked before the ranks next meet, so
+   no peer can have started the next step's sends. */
+static int pending_messages(smp_model *model) {
+    smp__pipe *ps = (smp__pipe *)model->pipeline;
+    int n = 0;
+    for (int c = 0; ps && c < 2; c++)
+        for (;;) {
+            int flag = 0;
+            MPI_Status st;
+            MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, c ? ps->err_comm : ps->comm, &flag, &st);
+            if (!flag) break;
+            n++;
+            /* receive it, so the count is of messages, not of probes of the first one */
+            int bytes = 0;
+            MPI_Get_count(&st, MPI_BYTE, &bytes);
+            char *buf = (char *)malloc(bytes > 0 ? (size_t)bytes : 1);
+            MPI_Recv(buf, bytes, MPI_BYTE, st.MPI_SOURCE, st.MPI_TAG, c ? ps->err_comm : ps->comm, MPI_STATUS_IGNORE);
+            free(buf);
+        }
+    return n;
+}
+
 /* One training step of batch s: zero_grad, the step, SGD when it worked. */
 static smp_status train(smp_model *model, int s) {
     static float x[B * D], t[B * C];
@@ -90,7 +117,7 @@ int main(int argc, char **argv) {
         return 0;
     }
     bool failed[STEPS] = {false};
-    int injected[KINDS] = {0}, reported = 0, unchanged = 0, wrong = 0;
+    int injected[KINDS] = {0}, reported = 0, unchanged = 0, wrong = 0, left_behind = 0, steps_leaving = 0, moved = 0;
     uint64_t chaos_digest = 0;
     net n;
     smp_model *model = start(&n, P, world);
@@ -119,7 +146,12 @@ int main(int argc, char **argv) {
         int armed = inject && me == target && (kind == K_MODULE || per_step[kind] > 0), any = 0;
         MPI_Allreduce(&armed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
         uint64_t before = digest(model);
+        MPI_Comm comm = ((smp__pipe *)model->pipeline)->comm;
         smp_status st = train(model, s);
+        moved += ((smp__pipe *)model->pipeline)->comm != comm; /* probing a fresh one would prove nothing */
+        int left = pending_messages(model);
+        left_behind += left;
+        steps_leaving += left > 0;
         int bad = st != SMP_OK, all_bad = 0, some_bad = 0;
         MPI_Allreduce(&bad, &all_bad, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
         MPI_Allreduce(&bad, &some_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
@@ -142,6 +174,8 @@ int main(int argc, char **argv) {
     MPI_CHECK(wrong == 0, "chaos/every injected failure fails the step on every rank, and no other step fails", "%d steps went otherwise", wrong);
     MPI_CHECK(reported == total && total >= STEPS / 10, "chaos/failures reported", "%d injected, %d reported", total, reported);
     MPI_CHECK(unchanged == reported, "chaos/a failed step changes no parameter", "%d of %d failed steps changed a parameter", reported - unchanged, reported);
+    MPI_CHECK(left_behind == 0 && moved == 0, "chaos/no step leaves a message unreceived", "%d messages were waiting after %d steps; %d steps replaced the communicator",
+              left_behind, steps_leaving, moved);
 
     /* the clean run: the same batches, the failed ones skipped */
     g_fail = g_fail_mb = -1;

@@ -8,7 +8,10 @@
    and product is exact in every dtype and the comparison is exact (a mean
    over 3 ranks, -n 3, is allowed 2 units in the last place). Also: object
    messaging, DLPack, f16/bf16 conversion over all 65536 bit patterns and all
-   halfway points, and argument errors.
+   halfway points, and argument errors. Then the collectives again with MPI
+   calls of at most 300 elements (smp__coll_chunk: what a tensor of more
+   than 2^31 elements goes through; test_large.c runs one that big), named
+   pieces/...
 
    Runs under mpirun -n 1, 2 and 4 (partitions = 2 when the world is even, so
    MP_GROUP and DP_GROUP differ from the world and from each other).
@@ -32,6 +35,7 @@
 
 #define MAXR 64
 #define BIG (1 << 20)
+static const char *PIECES = ""; /* "pieces/" while smp__coll_chunk is small */
 
 static int W_RANK, W_SIZE, PARTS;
 
@@ -312,7 +316,7 @@ static void test_all_reduce(smp_dtype dt, smp_op op, int gi) {
             free(in);
         }
     char name[128];
-    snprintf(name, sizeof name, "all_reduce/%s/%s/%s", smp_dtype_name(dt), OP_NAMES[op], GROUP_NAMES[gi]);
+    snprintf(name, sizeof name, "%sall_reduce/%s/%s/%s", PIECES, smp_dtype_name(dt), OP_NAMES[op], GROUP_NAMES[gi]);
     MPI_CHECK(a.ok, name, "%s", a.why);
 }
 
@@ -352,7 +356,7 @@ static void test_reduce(smp_dtype dt, smp_op op, int gi) {
             }
         }
     char name[128];
-    snprintf(name, sizeof name, "reduce/%s/%s/%s", smp_dtype_name(dt), OP_NAMES[op], GROUP_NAMES[gi]);
+    snprintf(name, sizeof name, "%sreduce/%s/%s/%s", PIECES, smp_dtype_name(dt), OP_NAMES[op], GROUP_NAMES[gi]);
     MPI_CHECK(a.ok, name, "%s", a.why);
 }
 
@@ -382,7 +386,7 @@ static void test_broadcast(smp_dtype dt, int gi) {
         }
     }
     char name[128];
-    snprintf(name, sizeof name, "broadcast/%s/%s", smp_dtype_name(dt), GROUP_NAMES[gi]);
+    snprintf(name, sizeof name, "%sbroadcast/%s/%s", PIECES, smp_dtype_name(dt), GROUP_NAMES[gi]);
     MPI_CHECK(a.ok, name, "%s", a.why);
 }
 
@@ -416,7 +420,7 @@ static void test_all_gather(smp_dtype dt, int gi) {
             free(out);
         }
     char name[128];
-    snprintf(name, sizeof name, "all_gather/%s/%s", smp_dtype_name(dt), GROUP_NAMES[gi]);
+    snprintf(name, sizeof name, "%sall_gather/%s/%s", PIECES, smp_dtype_name(dt), GROUP_NAMES[gi]);
     MPI_CHECK(a.ok, name, "%s", a.why);
 }
 
@@ -453,7 +457,7 @@ static void test_reduce_scatter(smp_dtype dt, smp_op op, int gi) {
             free(in);
         }
     char name[128];
-    snprintf(name, sizeof name, "reduce_scatter/%s/%s/%s", smp_dtype_name(dt), OP_NAMES[op], GROUP_NAMES[gi]);
+    snprintf(name, sizeof name, "%sreduce_scatter/%s/%s/%s", PIECES, smp_dtype_name(dt), OP_NAMES[op], GROUP_NAMES[gi]);
     MPI_CHECK(a.ok, name, "%s", a.why);
 }
 
@@ -1040,6 +1044,26 @@ int main(int argc, char **argv) {
             test_all_to_all(DTYPES[d], gi, false);
         }
     for (int gi = 0; gi < 3; gi++) test_barrier(gi);
+
+    /* in pieces of 300 elements: sizes 0, 1 and 7 fit one, 1000 is four
+       (the last short), 3001 per member eleven; each dtype width, every op */
+    PIECES = "pieces/";
+    smp__coll_chunk = 300;
+    SIZES[4] = 3001;
+    static const smp_dtype PIECE_DTYPES[] = {SMP_F32, SMP_F64, SMP_F16, SMP_U8};
+    for (int gi = 0; gi < 3; gi++)
+        for (int d = 0; d < 4; d++) {
+            for (int o = 0; o < 5; o++) {
+                test_all_reduce(PIECE_DTYPES[d], OPS[o], gi);
+                test_reduce(PIECE_DTYPES[d], OPS[o], gi);
+                test_reduce_scatter(PIECE_DTYPES[d], OPS[o], gi);
+            }
+            test_broadcast(PIECE_DTYPES[d], gi);
+            test_all_gather(PIECE_DTYPES[d], gi);
+        }
+    smp__coll_chunk = INT_MAX;
+    SIZES[4] = BIG;
+    PIECES = "";
 
     static const smp_rank_type RT[] = {SMP_WORLD_RANK, SMP_MP_RANK, SMP_DP_RANK};
     for (int gi = 0; gi < 3; gi++) {

@@ -3,12 +3,15 @@
    Two partitions: "wide" on partition 0 turns a one-element input into an
    activation of 2.2 GB, "narrow" on partition 1 counts the elements that
    are not what wide wrote. Its backward sends an input gradient of 2.2 GB
-   back, which wide checks element by element the same way. Then an object
-   of 2.2 GB goes from rank 0 to rank 1 (smp_send / smp_recv_from). Needs
-   about 6 GiB per rank; run by test/run_large.sh, which checks the memory
-   first. On one rank it reports skipped. (At 2.5 GiB the trace held four
-   copies of the activation at once, not two: not yet understood, see
-   bench/RESULTS.md's notes.) */
+   back, which wide checks element by element the same way. smp may hold
+   two activation-sized buffers at once on each rank (the activation and
+   its gradient; the trace's zero gradient), not more. Then an object of
+   2.2 GB goes from rank 0 to rank 1 (smp_send / smp_recv_from), and an
+   all-reduce runs over 2^31 + 1000 elements, past MPI's int count (u8:
+   floats would need 17 GB a rank), every element checked. Needs about 6
+   GiB per rank; run by test/run_large.sh, which checks the memory first.
+   On one rank it reports skipped. With a count as argv[1] (another
+   activation size, to measure smp's peak) the all-reduce is left out. */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
@@ -106,6 +109,13 @@ int main(int argc, char **argv) {
     int wrong_bwd = 0;
     if (smp_mp_rank() == 0) wrong_bwd = st ? -1 : (int)((float *)smp_param_grad(g_flag)->data)[0];
     MPI_CHECK(wrong_bwd == 0, "large/the 2.2 GB gradient arrives intact", "%d elements differ", wrong_bwd);
+    /* smp's peak over the trace and the step, in activations: the figure that says whether it holds needless copies */
+    double act = (double)N * sizeof(float);
+    double peak = (double)smp_memory().peak_bytes;
+    printf("large: rank %d: smp's peak %.0f MB, %.2f x the activation (%.0f MB)\n", smp_rank(), peak / 1e6, peak / act, act / 1e6);
+    fflush(stdout);
+    MPI_CHECK(peak <= 2 * act + (64 << 20), "large/smp holds at most two activation-sized buffers (no copy of the gradient)",
+              "peak %.0f MB, %.2f activations", peak / 1e6, peak / act);
     smp_step_output_free(&out);
     smp_model_free(model);
 
@@ -126,6 +136,22 @@ int main(int argc, char **argv) {
         smp_free(buf);
     }
     MPI_CHECK(st == SMP_OK && bad == 0, "large/smp_send of a 2.2 GB object arrives intact", "%s (%lld)", st ? smp_last_error() : "wrong bytes", (long long)bad);
+
+    /* a host all-reduce of 2^31 + 1000 elements, in place: MPI calls of at
+       most INT_MAX elements. Each rank's values stay below 128, so the sum
+       of the two fits a u8 and every element has one right answer. */
+    if (argc <= 1) {
+        const int64_t n = ((int64_t)1 << 31) + 1000;
+        uint8_t *v = (uint8_t *)malloc((size_t)n);
+        for (int64_t i = 0; v && i < n; i++) v[i] = (uint8_t)((i * 7 + smp_rank()) & 127);
+        smp_tensor vt = smp_tensor_1d(v, SMP_U8, n);
+        st = v ? smp_all_reduce(&vt, &vt, SMP_SUM, SMP_WORLD) : SMP_ERR_NOMEM;
+        bad = st ? -1 : 0;
+        for (int64_t i = 0; !st && i < n; i++) bad += v[i] != (uint8_t)(((i * 7) & 127) + ((i * 7 + 1) & 127));
+        free(v);
+        MPI_CHECK(st == SMP_OK && bad == 0, "large/an all-reduce over 2^31 + 1000 elements is right in every element", "%s (%lld wrong)",
+                  st ? smp_last_error() : "wrong values", (long long)bad);
+    }
     smp_finalize();
     MPI_Finalize();
     return test_exit_code();
