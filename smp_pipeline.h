@@ -2484,7 +2484,7 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
         int peer = slot[r] % P;
         if (slot[r] >= P) { /* a send: still in flight only after a failure, when the step's drain finishes it */
             if (req[r] == MPI_REQUEST_NULL) continue;
-            if (!smp__grow((void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer)))
+            if (!smp__grow((void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer), NULL))
                 smp__fatal("out of memory keeping a send of a failed step until it is received");
             smp__xfer *x = &ps->sends[ps->nsends++];
             memset(x, 0, sizeof *x);
