@@ -102,7 +102,9 @@
 
    TESTING: with SMP_TESTING defined, smp_testing_fail() makes the n-th
    allocation, pipeline send or pipeline message check from now fail, so
-   tests can inject failures where they happen in real jobs.
+   tests can inject failures where they happen in real jobs. Test builds
+   also see the introspection only tests use (declared at the top of the
+   implementation, outside the API).
 */
 #ifndef SMP_H
 #define SMP_H
@@ -166,11 +168,6 @@ typedef void (*smp_log_fn)(smp_log_level level, const char *msg, void *user);
 /* NULL restores the default, which writes WARN and ERROR (and INFO when
    SMP_VERBOSE is set) to stderr prefixed with the rank. */
 SMPDEF void smp_set_logger(smp_log_fn fn, void *user);
-SMPDEF void smp_log(smp_log_level level, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
 
 /* ---------------------------------------------------------------- tensors */
 typedef enum smp_dtype {
@@ -198,15 +195,7 @@ SMPDEF smp_tensor smp_tensor_1d(void *data, smp_dtype dt, int64_t n);
 SMPDEF smp_tensor smp_tensor_2d(void *data, smp_dtype dt, int64_t rows, int64_t cols);
 SMPDEF int64_t smp_tensor_numel(const smp_tensor *t);
 SMPDEF size_t smp_tensor_nbytes(const smp_tensor *t);
-SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b);
-/* "f32[64, 784]" into buf; returns buf. */
-SMPDEF const char *smp_tensor_describe(const smp_tensor *t, char *buf, size_t cap);
 
-/* f16 / bf16 <-> f32, round to nearest even. */
-SMPDEF float smp_f16_to_f32(uint16_t h);
-SMPDEF uint16_t smp_f32_to_f16(float f);
-SMPDEF float smp_bf16_to_f32(uint16_t h);
-SMPDEF uint16_t smp_f32_to_bf16(float f);
 
 /* DLPack interop, without copying. Available when <dlpack/dlpack.h> is
    included before smp.h (or SMP_DLPACK is defined). */
@@ -264,8 +253,6 @@ typedef struct smp_config {
 /* Parses SageMaker-style JSON ({"partitions": 2, ...}) into *cfg, on top of
    what cfg already holds. Unknown keys and wrong types name the key. */
 SMPDEF smp_status smp_config_from_json(const char *json, smp_config *cfg);
-/* Fills defaults and checks values against a world of `world_size` ranks. */
-SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out);
 
 /* ---------------------------------------------------------------- context */
 /* Initialises MPI if the host has not, reads SMP_CONFIG (its keys override
@@ -291,14 +278,6 @@ SMPDEF int smp_dp_size(void);
 SMPDEF int smp_group_rank(smp_group g);
 SMPDEF int smp_group_size(smp_group g);
 SMPDEF MPI_Comm smp_group_comm(smp_group g);
-/* World ranks of this rank's group, in group-rank order; returns the count. */
-SMPDEF int smp_group_ranks(smp_group g, int *world_ranks, int cap);
-/* World rank of member `group_rank` of this rank's group g. */
-SMPDEF int smp_group_world_rank(smp_group g, int group_rank);
-/* The topology a world of `size` ranks would have, without MPI: the model
-   parallel and data parallel coordinates of world rank `rank`. */
-SMPDEF void smp_topology_of(int rank, int size, int partitions, smp_placement placement,
-                            int *mp_rank, int *dp_rank);
 
 /* ---------------------------------------------------------------- waiting */
 /* Seconds any single wait may take before the job aborts (SMP_TIMEOUT). */
@@ -321,7 +300,6 @@ SMPDEF smp_status smp_broadcast_bytes(void **buf, size_t *len, int root, smp_gro
    (caller-sized: group size) their sizes in group-rank order. */
 SMPDEF smp_status smp_allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens);
 SMPDEF smp_status smp_barrier(smp_group g);
-SMPDEF void *smp_malloc(size_t n); /* counted by the allocator statistics */
 SMPDEF void smp_free(void *p);
 
 /* ---------------------------------------------------------------- collectives */
@@ -522,12 +500,11 @@ SMPDEF void smp_model_zero_grad(smp_model *m);
 SMPDEF smp_param *smp_model_param(smp_model *m, int index, bool include_buffers);
 SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *full_name); /* any rank's */
 SMPDEF int smp_model_num_params(const smp_model *m, bool include_buffers);   /* all ranks' */
-SMPDEF smp_param *smp_model_param_at(smp_model *m, int index);             /* all, local or not */
-SMPDEF smp_module *smp_model_module(smp_model *m, int index);              /* all modules, creation order */
-SMPDEF int smp_model_num_calls(const smp_model *m);                        /* leaf calls (composites count their leaves) */
+/* Every rank's parameters (and buffers), local or not, in declaration
+   order: index < smp_model_num_params(m, include_buffers). */
+SMPDEF smp_param *smp_model_global_param(smp_model *m, int index, bool include_buffers);
 SMPDEF int smp_model_num_stages(const smp_model *m);
 SMPDEF int smp_model_stage_rank(const smp_model *m, int stage);            /* mp rank running a stage */
-SMPDEF int smp_model_call_stage(const smp_model *m, int call);
 
 /* ---------------------------------------------------------------- inside module callbacks */
 SMPDEF int smp_call_num_inputs(const smp_call_ctx *c);
@@ -599,9 +576,6 @@ typedef struct smp_call_cost {
    On error (SMP_ERR_ARG, SMP_ERR_NOMEM) the outputs are left untouched. */
 SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nstages, double memory_weight,
                                      double optimizer_state_factor, int *stage_of_call, double *max_stage_cost);
-/* The core on plain costs: the same contract, cost[i] >= 0 being call i's. */
-SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
-                                        double *max_stage_cost);
 
 /* ---------------------------------------------------------------- memory stats */
 typedef struct smp_memory_stats { /* device memory of on_device models counts with host memory */
@@ -610,21 +584,6 @@ typedef struct smp_memory_stats { /* device memory of on_device models counts wi
     int64_t stash_bytes, stash_peak_bytes; /* activation stash */
 } smp_memory_stats;
 SMPDEF smp_memory_stats smp_memory(void);
-SMPDEF void smp_memory_reset_peaks(void);
-
-#ifdef SMP_TESTING
-/* Fault injection for tests (see TESTING above): after `skip` more events of
-   the kind on this rank, the next one fails (skip < 0: never). Each kind
-   fails once per call; smp_testing_events counts the kind's events so far. */
-typedef enum smp_testing_fault {
-    SMP_FAULT_ALLOC,   /* an allocation through smp returns NULL */
-    SMP_FAULT_SEND,    /* a pipeline send reports an MPI failure */
-    SMP_FAULT_MESSAGE, /* a pipeline message arrives with a corrupt header */
-    SMP_FAULT_COUNT
-} smp_testing_fault;
-SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip);
-SMPDEF long smp_testing_events(smp_testing_fault kind);
-#endif
 
 /* ---------------------------------------------------------------- device backend */
 /* Registered by smp_nccl.h; collectives on tensors with device >= 0 go here. */
@@ -689,6 +648,44 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b);
 #ifdef SMP_IMPLEMENTATION
 #ifndef SMP_H_IMPLEMENTED
 #define SMP_H_IMPLEMENTED
+
+/* Test hooks and the introspection only tests use: not part of the API (and
+   not counted in it), declared for the test builds, which define SMP_TESTING. */
+#ifdef SMP_TESTING
+/* Fault injection for tests (see TESTING above): after `skip` more events of
+   the kind on this rank, the next one fails (skip < 0: never). Each kind
+   fails once per call; smp_testing_events counts the kind's events so far. */
+typedef enum smp_testing_fault {
+    SMP_FAULT_ALLOC,   /* an allocation through smp returns NULL */
+    SMP_FAULT_SEND,    /* a pipeline send reports an MPI failure */
+    SMP_FAULT_MESSAGE, /* a pipeline message arrives with a corrupt header */
+    SMP_FAULT_COUNT
+} smp_testing_fault;
+SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip);
+SMPDEF long smp_testing_events(smp_testing_fault kind);
+SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b);
+/* f16 / bf16 <-> f32, round to nearest even. */
+SMPDEF float smp_f16_to_f32(uint16_t h);
+SMPDEF uint16_t smp_f32_to_f16(float f);
+SMPDEF float smp_bf16_to_f32(uint16_t h);
+SMPDEF uint16_t smp_f32_to_bf16(float f);
+/* Fills defaults and checks values against a world of `world_size` ranks. */
+SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out);
+/* World ranks of this rank's group, in group-rank order; returns the count. */
+SMPDEF int smp_group_ranks(smp_group g, int *world_ranks, int cap);
+/* World rank of member `group_rank` of this rank's group g. */
+SMPDEF int smp_group_world_rank(smp_group g, int group_rank);
+/* The topology a world of `size` ranks would have, without MPI: the model
+   parallel and data parallel coordinates of world rank `rank`. */
+SMPDEF void smp_topology_of(int rank, int size, int partitions, smp_placement placement,
+                            int *mp_rank, int *dp_rank);
+SMPDEF int smp_model_num_calls(const smp_model *m);                        /* leaf calls (composites count their leaves) */
+SMPDEF int smp_model_call_stage(const smp_model *m, int call);
+/* The core on plain costs: the same contract, cost[i] >= 0 being call i's. */
+SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
+                                        double *max_stage_cost);
+SMPDEF void smp_memory_reset_peaks(void);
+#endif
 
 #include <errno.h>
 #include <limits.h>
@@ -802,7 +799,13 @@ static void smp__vlog(smp_log_level level, const char *fmt, va_list ap) {
     fflush(stderr);
 }
 
-SMPDEF void smp_log(smp_log_level level, const char *fmt, ...) {
+/* The library's own messages, through the logger set by smp_set_logger. */
+static void smp_log(smp_log_level level, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static void smp_log(smp_log_level level, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     smp__vlog(level, fmt, ap);
@@ -1032,7 +1035,8 @@ static void *smp__alloc_or(smp_status *st, size_t n, smp__alloc_kind kind, const
     return p;
 }
 
-SMPDEF void *smp_malloc(size_t n) { return smp__alloc(n, SMP__ALLOC_OTHER); }
+/* Counted host memory for the other headers' own bookkeeping. */
+#define smp_malloc(n) smp__alloc((n), SMP__ALLOC_OTHER)
 SMPDEF void smp_free(void *p) { smp__free(p); }
 SMPDEF smp_memory_stats smp_memory(void) { return smp__ctx.mem; }
 SMPDEF void smp_memory_reset_peaks(void) {
@@ -1085,7 +1089,8 @@ SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b) {
         if (a->shape[i] != b->shape[i]) return false;
     return true;
 }
-SMPDEF const char *smp_tensor_describe(const smp_tensor *t, char *buf, size_t cap) {
+/* "f32[64, 784]" into buf; returns buf. */
+static const char *smp_tensor_describe(const smp_tensor *t, char *buf, size_t cap) {
     size_t at = (size_t)snprintf(buf, cap, "%s[", smp_dtype_name(t->dtype));
     for (int i = 0; i < t->ndim && at < cap; i++) at += (size_t)snprintf(buf + at, cap - at, i ? ", %lld" : "%lld", (long long)t->shape[i]);
     if (at < cap) snprintf(buf + at, cap - at, "]");
@@ -2208,6 +2213,8 @@ static bool smp__backoff_pause(smp__backoff *b) {
     b->last = smp__now();
     return true;
 }
+
+SMPDEF int smp_group_world_rank(smp_group g, int group_rank); /* a test hook (SMP_TESTING) the waits use */
 
 static const char *smp__group_name(smp_group g) {
     return g == SMP_WORLD ? "world" : g == SMP_MP_GROUP ? "MP_GROUP" : g == SMP_DP_GROUP ? "DP_GROUP" : "?";
@@ -3616,8 +3623,13 @@ SMPDEF int smp_model_num_calls(const smp_model *m) { return m->ncalls; }
 SMPDEF int smp_model_num_stages(const smp_model *m) { return m->nstages; }
 SMPDEF int smp_model_stage_rank(const smp_model *m, int s) { return s >= 0 && s < m->nstages ? m->stage_rank[s] : -1; }
 SMPDEF int smp_model_call_stage(const smp_model *m, int c) { return c >= 0 && c < m->ncalls ? m->calls[c].stage : -1; }
-SMPDEF smp_module *smp_model_module(smp_model *m, int i) { return i >= 0 && i < m->nmodules ? m->modules[i] : NULL; }
-SMPDEF smp_param *smp_model_param_at(smp_model *m, int i) { return i >= 0 && i < m->nparams ? m->params[i] : NULL; }
+SMPDEF smp_param *smp_model_global_param(smp_model *m, int index, bool buffers) {
+    if (index < 0) return NULL;
+    if (buffers) return index < m->nparams ? m->params[index] : NULL; /* the checkpoint's loops: O(1) */
+    for (int i = 0; i < m->nparams; i++)
+        if (!m->params[i]->is_buffer && index-- == 0) return m->params[i];
+    return NULL;
+}
 SMPDEF int smp_model_num_params(const smp_model *m, bool buffers) {
     int n = 0;
     for (int i = 0; i < m->nparams; i++) n += buffers || !m->params[i]->is_buffer;

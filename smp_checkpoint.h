@@ -2701,7 +2701,7 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
     }
     if (st) goto out;
     for (i = 0; i < np && !st; i++) {
-        smp_param *p = smp_model_param_at(m, i);
+        smp_param *p = smp_model_global_param(m, i, true);
         const smp_tensor *v = smp_param_value(p);
         smp__ck_item *it = &pl->items[nitems++];
         int64_t numel;
@@ -4428,7 +4428,7 @@ SMPDEF smp_status smp_model_local_state_dict(smp_model *m, const smp_optimizer *
         return smp__nomem(sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1),
                           "the entries of smp_model_local_state_dict's result");
     for (i = 0; i < np; i++) {
-        smp_param *p = smp_model_param_at(m, i);
+        smp_param *p = smp_model_global_param(m, i, true);
         if (!smp_module_is_local(smp_param_module(p))) continue;
         out->entries[n].name = smp_param_name(p);
         out->entries[n].tensor = *smp_param_value(p);

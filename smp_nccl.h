@@ -94,16 +94,14 @@
      smp_nccl_p2p_connect(g, peers, n)      both ranks, once, all peers in one call
      smp_nccl_isend / smp_nccl_irecv        queue a transfer, get a request
      smp_nccl_test / smp_nccl_wait          poll it / order the engine after it
-     smp_nccl_send / _recv / _sendrecv      isend/irecv + wait
      Each direction between two ranks gets its own two-rank NCCL
      communicator and stream (a channel), so a queued send never waits
      behind a receive, or a receive behind a send: isends and irecvs posted
-     in any order, then waited for, cannot deadlock. The blocking calls are
-     another matter: waiting on a send orders the engine after it, and a
-     later irecv starts after the engine, so smp_nccl_send followed by
-     smp_nccl_recv on both ranks of a pair deadlocks once the message
-     outgrows NCCL's buffers (as MPI_Send against MPI_Send can): use
-     smp_nccl_sendrecv, or post both and wait after. Within a direction, messages pair in
+     in any order, then waited for, cannot deadlock. Waiting on a send
+     orders the engine after it, so wait on a send before posting the
+     receive it pairs with on both ranks of a pair, and the two deadlock
+     once the message outgrows NCCL's buffers (as MPI_Send against MPI_Send
+     can): post both, then wait. Within a direction, messages pair in
      order: the k-th isend from A to B fills the k-th irecv on B from A, and
      their sizes must match. An irecv may be queued long before the data is
      sent; its data reaches the engine stream only through smp_nccl_wait.
@@ -168,8 +166,6 @@ SMPDEF int smp_nccl_device(void);
    streams). May be called before or after smp_init. */
 SMPDEF void smp_nccl_set_stream(cudaStream_t engine_stream);
 SMPDEF cudaStream_t smp_nccl_get_stream(void);
-/* smp's own stream, on which collectives run (NULL before smp_init). */
-SMPDEF cudaStream_t smp_nccl_comm_stream(void);
 /* The NCCL communicator of a group (NULL unless the mode is NCCL). */
 SMPDEF ncclComm_t smp_nccl_comm(smp_group g);
 /* Waits on the host until all device work smp has queued (collectives,
@@ -195,11 +191,6 @@ SMPDEF void smp_nccl_free(void *p);
    rounded, as on the host). Needs the implementation compiled by nvcc (a
    .cu file); elsewhere it returns SMP_ERR_STATE. */
 SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t n);
-/* data *= by for f32, f64, f16 and bf16 (halves through f32; other dtypes
-   are left alone), on the engine stream; needs nvcc like smp_nccl_add.
-   smp_nccl_zero clears `bytes` at p on the engine stream. */
-SMPDEF smp_status smp_nccl_scale(void *data, smp_dtype dt, int64_t n, double by);
-SMPDEF smp_status smp_nccl_zero(void *p, size_t bytes);
 
 /* ---------------------------------------------------------------- point to point */
 typedef struct smp_nccl_request smp_nccl_request;
@@ -227,11 +218,6 @@ SMPDEF smp_status smp_nccl_test(smp_nccl_request *req, bool *done);
    free send buffers without holding up the engine, poll smp_nccl_test and
    wait once it says done. */
 SMPDEF smp_status smp_nccl_wait(smp_nccl_request *req);
-SMPDEF smp_status smp_nccl_send(const void *buf, size_t bytes, int peer, smp_group g);
-SMPDEF smp_status smp_nccl_recv(void *buf, size_t bytes, int peer, smp_group g);
-/* Sends to dst and receives from src at once (either may be -1: none). */
-SMPDEF smp_status smp_nccl_sendrecv(const void *sendbuf, size_t sendbytes, int dst, void *recvbuf, size_t recvbytes,
-                                    int src, smp_group g);
 
 #ifdef __cplusplus
 }
@@ -1722,28 +1708,6 @@ SMPDEF smp_status smp_nccl_wait(smp_nccl_request *r) {
     return st;
 }
 
-SMPDEF smp_status smp_nccl_send(const void *buf, size_t bytes, int peer, smp_group g) {
-    smp_nccl_request *r;
-    SMP__TRY(smp_nccl_isend(buf, bytes, peer, g, &r));
-    return smp_nccl_wait(r);
-}
-
-SMPDEF smp_status smp_nccl_recv(void *buf, size_t bytes, int peer, smp_group g) {
-    smp_nccl_request *r;
-    SMP__TRY(smp_nccl_irecv(buf, bytes, peer, g, &r));
-    return smp_nccl_wait(r);
-}
-
-SMPDEF smp_status smp_nccl_sendrecv(const void *sendbuf, size_t sendbytes, int dst, void *recvbuf, size_t recvbytes, int src,
-                                    smp_group g) {
-    smp_nccl_request *s = NULL, *r = NULL;
-    if (dst >= 0) SMP__TRY(smp_nccl_isend(sendbuf, sendbytes, dst, g, &s));
-    smp_status st = src >= 0 ? smp_nccl_irecv(recvbuf, recvbytes, src, g, &r) : SMP_OK;
-    smp_status st2 = r ? smp_nccl_wait(r) : SMP_OK; /* receive first: on the staged path the peer's send may wait for it */
-    smp_status st3 = s ? smp_nccl_wait(s) : SMP_OK;
-    return st ? st : st2 ? st2 : st3;
-}
-
 /* ---------------------------------------------------------------- device memory, add */
 SMPDEF void *smp_nccl_alloc(size_t bytes) {
     if (smp__nc_ready("smp_nccl_alloc")) return NULL;
@@ -1813,7 +1777,10 @@ SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t
 #endif
 }
 
-SMPDEF smp_status smp_nccl_scale(void *data, smp_dtype dt, int64_t n, double by) {
+/* The backend's scale and zero (smp_device_backend): data *= by for f32,
+   f64, f16 and bf16 (halves through f32; other dtypes are left alone), and
+   bytes cleared, on the engine stream. */
+static smp_status smp_nccl_scale(void *data, smp_dtype dt, int64_t n, double by) {
     SMP__TRY(smp__nc_ready("smp_nccl_scale"));
     if (n < 0) return smp_error(SMP_ERR_ARG, "smp_nccl_scale: negative count %lld", (long long)n);
     if (!smp_dtype_size(dt)) return smp_error(SMP_ERR_ARG, "smp_nccl_scale: invalid dtype %d", (int)dt);
@@ -1837,7 +1804,7 @@ SMPDEF smp_status smp_nccl_scale(void *data, smp_dtype dt, int64_t n, double by)
 #endif
 }
 
-SMPDEF smp_status smp_nccl_zero(void *p, size_t bytes) {
+static smp_status smp_nccl_zero(void *p, size_t bytes) {
     SMP__TRY(smp__nc_ready("smp_nccl_zero"));
     if (!bytes) return SMP_OK;
     SMP__TRY(smp__nc_check_ptr("the buffer", p, smp__nc.device, bytes));
@@ -1869,7 +1836,6 @@ SMPDEF const char *smp_nccl_describe(void) { return smp__nc.up ? smp__nc.desc : 
 SMPDEF int smp_nccl_device(void) { return smp__nc.up && smp__nc.mode != SMP_NCCL_MODE_NONE ? smp__nc.device : -1; }
 SMPDEF void smp_nccl_set_stream(cudaStream_t s) { smp__nc_engine = s; }
 SMPDEF cudaStream_t smp_nccl_get_stream(void) { return smp__nc_engine; }
-SMPDEF cudaStream_t smp_nccl_comm_stream(void) { return smp__nc.up ? smp__nc.stream : NULL; }
 SMPDEF ncclComm_t smp_nccl_comm(smp_group g) {
     if (!smp__nc.up || smp__nc.mode != SMP_NCCL_MODE_NCCL || (unsigned)g >= SMP_GROUP_COUNT) return NULL;
     return smp__nc.comm[smp__nc.alias[g]];

@@ -115,7 +115,7 @@
      Activations and gradients cross partitions through the device
      backend's point to point (smp_nccl.h: NCCL), or through host buffers
      over MPI when it has none or is itself host-staged; data-parallel
-     buckets are reduced by the backend. smp_grad_norm, smp_clip_grad_norm's
+     buckets are reduced by the backend. smp_clip_grad_norm's
      norm and the grad scaler's overflow check read device gradients
      through host copies; scaling them stays on the device.
 */
@@ -280,7 +280,6 @@ SMPDEF smp_tensor *smp_mb_output_grad(smp_mb *mb, int i);    /* training: write 
 SMPDEF smp_status smp_mb_return(smp_mb *mb, int i, const smp_tensor *value); /* copied into outputs[i] */
 SMPDEF smp_status smp_mb_return_f32(smp_mb *mb, int i, float value);
 SMPDEF int smp_mb_index(const smp_mb *mb);
-SMPDEF int smp_mb_count(const smp_mb *mb);
 SMPDEF void *smp_mb_user(const smp_mb *mb);
 SMPDEF bool smp_mb_training(const smp_mb *mb);
 
@@ -305,10 +304,9 @@ typedef struct smp_step_stats {
 } smp_step_stats;
 SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
 
-/* Writes the timeline (SMP_TIMELINE=path) of every rank into one Chrome
-   trace / Perfetto JSON file on rank 0. Collective. With SMP_TIMELINE set,
-   smp_model_free calls it too, so there it is collective as well. */
-SMPDEF smp_status smp_timeline_write(smp_model *m);
+/* The timeline (SMP_TIMELINE=path): smp_model_free writes every rank's
+   operations into one Chrome trace / Perfetto JSON file on rank 0, so with
+   SMP_TIMELINE set smp_model_free is collective. */
 /* ======================================================================
    data parallelism and training helpers
    ====================================================================== */
@@ -326,9 +324,9 @@ SMPDEF smp_status smp_timeline_write(smp_model *m);
 /* Scales gradients so that their global norm (over the whole model, every
    partition) is at most max_norm; *total_norm gets the norm before
    clipping (may be NULL). The sum runs over parameters in model order, so
-   it equals the one-process norm bit for bit. Collective over MP_GROUP. */
+   it equals the one-process norm bit for bit. max_norm INFINITY only
+   measures the norm. Collective over MP_GROUP. */
 SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *total_norm);
-SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm);
 
 /* Lets the gradient all-reduce that overlapping_allreduce started move on.
    MPI advances a collective only inside MPI calls (MPICH over shared
@@ -1713,7 +1711,6 @@ SMPDEF smp_tensor *smp_mb_output_grad(smp_mb *mb, int i) {
     return &mb->st->out_grad[i];
 }
 SMPDEF int smp_mb_index(const smp_mb *mb) { return mb->index; }
-SMPDEF int smp_mb_count(const smp_mb *mb) { return mb->ps->m; }
 SMPDEF void *smp_mb_user(const smp_mb *mb) { return mb->ps->desc->user; }
 SMPDEF bool smp_mb_training(const smp_mb *mb) { return mb->ps->training; }
 SMPDEF smp_status smp_mb_return(smp_mb *mb, int i, const smp_tensor *v) {
@@ -2036,8 +2033,8 @@ static smp_status smp__grad_on_host(const smp_param *p, smp_tensor *view, void *
     return smp__tensor_copy(view, &p->grad);
 }
 
-SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm) {
-    smp_status st = smp__require_init("smp_grad_norm");
+static smp_status smp_grad_norm(smp_model *m, double *total_norm) {
+    smp_status st = smp__require_init("smp_clip_grad_norm");
     if (st) return st;
     /* one partial sum per parameter, owned by exactly one rank of the
        MP_GROUP: summing them (x + 0 is exact) and then adding them up in
@@ -3053,8 +3050,6 @@ SMPDEF void smp_step_output_free(smp_step_output *o) {
 }
 
 /* ---------------------------------------------------------------- timeline */
-SMPDEF smp_status smp_timeline_write(smp_model *m) { return smp__timeline_write(m ? (smp__pipe *)m->pipeline : NULL); }
-
 static smp_status smp__timeline_write(smp__pipe *ps) {
     const char *path = getenv("SMP_TIMELINE");
     if (!path || !*path) return SMP_OK;

@@ -421,7 +421,7 @@ static void fmt_time(double s, char *buf, size_t cap) {
 static void print_placement(smp_model *model, const gpt *g) {
     if (smp_rank() != 0) return;
     int P = smp_get_config()->partitions, L = g->cfg.n_layer;
-    int head = smp_model_stage_rank(model, smp_model_call_stage(model, smp_model_num_calls(model) - 1));
+    int head = smp_model_stage_rank(model, smp_model_num_stages(model) - 1); /* the last call is in the last stage */
     printf("placement:");
     for (int k = 0; k < P; k++) {
         printf("%s %d:", k ? " |" : "", k);
@@ -878,7 +878,7 @@ int main(int argc, char **argv) {
     if (fail_all(st, "partitioning")) goto done;
     if (root) {
         long nparams = 0;
-        for (int i = 0; i < smp_model_num_params(model, false); i++) nparams += (long)smp_tensor_numel(smp_param_value(smp_model_param_at(model, i)));
+        for (int i = 0; i < smp_model_num_params(model, false); i++) nparams += (long)smp_tensor_numel(smp_param_value(smp_model_global_param(model, i, false)));
         printf("gpt: %d layers, width %d, %d heads, context %d, vocabulary %d, %.2fM parameters\n", opt.model.n_layer,
                opt.model.n_embd, opt.model.n_head, T, text.vocab, (double)nparams / 1e6);
         printf("gpt: %zu training and %zu validation characters from %s\n", text.ntrain, text.nval, opt.data);

@@ -36,6 +36,7 @@
    test/corpus/config/num_*.json are the cases that caught it).
 */
 #define _POSIX_C_SOURCE 200809L
+#define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "../smp.h"
 

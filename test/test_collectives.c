@@ -18,6 +18,7 @@
 */
 #define _POSIX_C_SOURCE 200809L /* fork, waitpid, nanosleep */
 #include <dlpack/dlpack.h>
+#define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "test.h"

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "../smp.h"
 

@@ -23,6 +23,8 @@
               test/test_gpu.cu -o build/gpu/test_gpu -lnccl
    Run:   mpirun -n 1 build/gpu/test_gpu; mpirun -n 2 ...; mpirun -n 4 ...
 */
+#define SMP_TESTING /* the test hooks and test-only introspection */
+#define SMP_NCCL_NO_AUTO_REGISTER /* main registers the backend itself: smp_nccl_register */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
@@ -500,7 +502,9 @@ static void test_block_reuse(void) {
         smp_nccl_free(b);
     } else {
         MPI_Barrier(MPI_COMM_WORLD);
-        if (W_RANK == 1 && !st && smp_nccl_send(x, bytes, 0, SMP_WORLD)) fail(&res, "smp_nccl_send: %s", smp_last_error());
+        smp_nccl_request *r = NULL;
+        if (W_RANK == 1 && !st && (smp_nccl_isend(x, bytes, 0, SMP_WORLD, &r) || smp_nccl_wait(r)))
+            fail(&res, "smp_nccl_isend + wait: %s", smp_last_error());
     }
     CK(cudaFree(x));
     check("a freed block is reused only after the work before its free", "f32", "world", &res);
@@ -552,14 +556,18 @@ static void test_p2p_ring(void) {
             if (h[i] != p2p_val(prev, k, i)) fail(&res, "message %d element %d is %g, expected %g", k, i, h[i], p2p_val(prev, k, i));
         free(h);
     }
-    /* sendrecv around the ring the other way */
+    /* around the ring the other way, both posted before either is waited for */
     if (res.ok) {
-        st = smp_nccl_sendrecv(dsend[0], sizeof(float) * 1000, prev, drecv[0], sizeof(float) * 1000, next, SMP_WORLD);
-        if (st) fail(&res, "sendrecv: %s", smp_last_error());
+        smp_nccl_request *s1 = NULL, *r1 = NULL;
+        st = smp_nccl_isend(dsend[0], sizeof(float) * 1000, prev, SMP_WORLD, &s1);
+        if (!st) st = smp_nccl_irecv(drecv[0], sizeof(float) * 1000, next, SMP_WORLD, &r1);
+        smp_status w1 = r1 ? smp_nccl_wait(r1) : SMP_OK, w2 = s1 ? smp_nccl_wait(s1) : SMP_OK;
+        if (!st) st = w1 ? w1 : w2;
+        if (st) fail(&res, "isend + irecv the other way: %s", smp_last_error());
         float *h = (float *)halloc(sizeof(float) * 1000);
         down(h, drecv[0], sizeof(float) * 1000);
         for (int i = 0; i < 1000 && res.ok && !st; i++)
-            if (h[i] != p2p_val(next, 0, i)) fail(&res, "sendrecv element %d is %g, expected %g", i, h[i], p2p_val(next, 0, i));
+            if (h[i] != p2p_val(next, 0, i)) fail(&res, "the other way: element %d is %g, expected %g", i, h[i], p2p_val(next, 0, i));
         free(h);
     }
     for (int k = 0; k < K; k++) { CK(cudaFree(dsend[k])); CK(cudaFree(drecv[k])); }
@@ -802,11 +810,32 @@ static void test_errors(void) {
     st = smp_all_reduce(&empty, &empty, SMP_SUM, SMP_WORLD);
     if (st) fail(&res, "an empty device tensor: %s", smp_last_error());
     if (smp_size() > 1) {
-        st = smp_nccl_send(d, 64, smp_rank(), SMP_WORLD);
+        smp_nccl_request *r = NULL;
+        st = smp_nccl_isend(d, 64, smp_rank(), SMP_WORLD, &r);
+        if (!st && r) smp_nccl_wait(r);
         if (st == SMP_OK || !strstr(smp_last_error(), "this rank")) fail(&res, "a send to itself: status %d, \"%s\"", (int)st, smp_last_error());
     }
     CK(cudaFree(d));
     check("errors", "f32", "world", &res);
+}
+
+/* Each group's NCCL communicator spans that group, with this rank at its
+   group rank; on the staged path there is none. */
+static void test_comms(void) {
+    static const smp_group gs[3] = {SMP_WORLD, SMP_MP_GROUP, SMP_DP_GROUP};
+    static const char *gn[3] = {"world", "mp", "dp"};
+    for (int k = 0; k < 3; k++) {
+        result res = ok_result();
+        ncclComm_t c = smp_nccl_comm(gs[k]);
+        int n = -1, r = -1;
+        if (smp_nccl_get_mode() != SMP_NCCL_MODE_NCCL) {
+            if (c) fail(&res, "a communicator on the %s path", MODE);
+        } else if (!c) fail(&res, "no communicator");
+        else if (ncclCommCount(c, &n) != ncclSuccess || ncclCommUserRank(c, &r) != ncclSuccess) fail(&res, "NCCL does not know the communicator");
+        else if (n != smp_group_size(gs[k]) || r != smp_group_rank(gs[k]))
+            fail(&res, "rank %d of %d, the group has this rank at %d of %d", r, n, smp_group_rank(gs[k]), smp_group_size(gs[k]));
+        check("smp_nccl_comm", "-", gn[k], &res);
+    }
 }
 
 static void run_suite(void) {
@@ -829,6 +858,7 @@ static void run_suite(void) {
     if (PARTS == 2) test_p2p_pipeline();
     test_pipeline_on_device();
     test_errors();
+    test_comms();
     smp_status st = smp_nccl_synchronize();
     snprintf(name, sizeof name, "%s %s synchronize", GPU_LABEL, MODE);
     MPI_CHECK(st == SMP_OK, name, "%s", smp_last_error());
@@ -852,6 +882,7 @@ int main(int argc, char **argv) {
     cfg.microbatches = 4; /* for the pipeline test; the collectives ignore it */
     if (W_SIZE / PARTS > 1) cfg.ddp = SMP_ON;
     if (!getenv("SMP_TIMEOUT")) cfg.timeout = 120; /* a hang ends the test with a message */
+    smp_nccl_register(); /* without it smp_init finds no device backend, and every device test fails */
     smp_status st = start(&cfg);
     if (st != SMP_OK) {
         printf("FAIL: " GPU_LABEL " init: rank %d: smp_init: %.300s\n", W_RANK, smp_last_error()); /* every rank: each says why */

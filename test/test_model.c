@@ -16,6 +16,7 @@
      6. smp_is_tracing() inside module callbacks.
    Build (from the repository root):
      mpicc -std=c11 -Wall -Wextra -Werror -O2 -g -I. -Itest test/test_model.c -o build/gcc/test_model -lm */
+#define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
@@ -162,6 +163,10 @@ static smp_status ident_forward(smp_call_ctx *c) {
 }
 static smp_status ident_backward(smp_call_ctx *c) {
     note_tracing(true);
+    /* what the forward produced is still there, and is the input again */
+    const smp_tensor *x = smp_call_input(c, 0), *y = smp_call_output_value(c, 0);
+    if (!y || !smp_tensor_same_shape(x, y) || y->dtype != x->dtype || memcmp(y->data, x->data, smp_tensor_nbytes(x)))
+        return smp_error(SMP_ERR_MODULE, "ident backward: smp_call_output_value is not what the forward wrote");
     smp_tensor *gx = smp_call_grad_input(c, 0);
     if (gx) memcpy(gx->data, smp_call_grad_output(c, 0)->data, smp_tensor_nbytes(gx));
     return SMP_OK;
@@ -620,7 +625,7 @@ static void test_memory(bool manual) {
     chain_t ch;
     smp_model *m = chain_build(&ch, MEM_MODS, MEM_D, manual ? 4 : 0, &st);
     int64_t total = 0;
-    for (int i = 0; m && i < smp_model_num_params(m, true); i++) total += (int64_t)smp_tensor_nbytes(smp_param_value(smp_model_param_at(m, i)));
+    for (int i = 0; m && i < smp_model_num_params(m, true); i++) total += (int64_t)smp_tensor_nbytes(smp_param_value(smp_model_global_param(m, i, true)));
     smp_tensor sample = smp_tensor_2d(g_mem_x, SMP_F32, MEM_BATCH / 2, MEM_D);
     if (!st) st = smp_model_trace(m, &sample, 1);
     int ok = st == SMP_OK;
@@ -1003,7 +1008,7 @@ static void test_partitioned(int P) {
     for (int buffers = 0; buffers < 2 && ok; buffers++) {
         int k = 0;
         for (int i = 0; i < smp_model_num_params(m, true) && ok; i++) {
-            smp_param *p = smp_model_param_at(m, i);
+            smp_param *p = smp_model_global_param(m, i, true);
             bool local = smp_module_is_local(smp_param_module(p));
             if (local != (smp_param_value(p)->data != NULL)) {
                 ok = 0;
@@ -1015,14 +1020,26 @@ static void test_partitioned(int P) {
             if (q != p && ok) { ok = 0; snprintf(why, sizeof why, "local %s %d is %s, expected %s", buffers ? "entry" : "parameter", k - 1, q ? smp_param_name(q) : "(end)", smp_param_name(p)); }
         }
         if (ok && smp_model_param(m, k, buffers)) { ok = 0; snprintf(why, sizeof why, "local iteration (buffers %d) yields more than %d entries", buffers, k); }
+        /* the global iteration and its count agree, with and without buffers */
+        int g = 0;
+        for (int i = 0; i < smp_model_num_params(m, true) && ok; i++) {
+            smp_param *p = smp_model_global_param(m, i, true);
+            if (!buffers && smp_param_is_buffer(p)) continue;
+            smp_param *q = smp_model_global_param(m, g++, buffers);
+            if (q != p) { ok = 0; snprintf(why, sizeof why, "global %s %d is %s, expected %s", buffers ? "entry" : "parameter", g - 1, q ? smp_param_name(q) : "(end)", smp_param_name(p)); }
+        }
+        if (ok && (g != smp_model_num_params(m, buffers) || smp_model_global_param(m, g, buffers) || smp_model_global_param(m, -1, buffers))) {
+            ok = 0;
+            snprintf(why, sizeof why, "global iteration (buffers %d) yields %d entries, smp_model_num_params counts %d", buffers, g, smp_model_num_params(m, buffers));
+        }
     }
-    snprintf(name, sizeof name, "partitioned/P=%d: smp_model_param yields exactly the local parameters (with and without buffers)", P);
+    snprintf(name, sizeof name, "partitioned/P=%d: smp_model_param yields exactly the local parameters, smp_model_global_param every rank's as counted (with and without buffers)", P);
     MPI_CHECK(ok, name, "%s", why);
 
     ok = smp_model_find_param(m, "nothing.here") == NULL && smp_model_find_param(m, "mix") == NULL;
     if (!ok) snprintf(why, sizeof why, "found a parameter that does not exist");
     for (int i = 0; i < smp_model_num_params(m, true) && ok; i++) {
-        smp_param *p = smp_model_param_at(m, i);
+        smp_param *p = smp_model_global_param(m, i, true);
         if (smp_model_find_param(m, smp_param_name(p)) != p) { ok = 0; snprintf(why, sizeof why, "smp_model_find_param(\"%s\") misses", smp_param_name(p)); }
     }
     snprintf(name, sizeof name, "partitioned/P=%d: smp_model_find_param finds every parameter by full name, local or not", P);

@@ -73,6 +73,7 @@
    Build and run from the repository root:
      make build/gcc/test_tied && mpirun -n 4 build/gcc/test_tied */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp, setenv (net7.h) */
+#define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
@@ -330,7 +331,7 @@ static int compare(smp_model *model, const tref *r, const float before[NP][WN], 
         return 0;
     }
     for (int i = 0; i < np; i++) {
-        smp_param *p = smp_model_param_at(model, i);
+        smp_param *p = smp_model_global_param(model, i, true);
         int k = p ? pindex(smp_param_name(p)) : -1;
         if (k < 0) { snprintf(why, cap, "%s: unexpected parameter %d '%s'", when, i, p ? smp_param_name(p) : "(null)"); return 0; }
         if (!smp_module_is_local(smp_param_module(p))) continue;

@@ -12,6 +12,7 @@
    Run:   mpirun -n 4 build/test_topology
 */
 #define _POSIX_C_SOURCE 200809L /* fork, execve, waitpid */
+#define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "test.h"
