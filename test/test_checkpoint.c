@@ -1217,8 +1217,13 @@ static void test_misuse(void) {
     st = smp_optimizer_state_add(o, "nope.weight", "exp_avg", &t);
     int ok = st == SMP_ERR_ARG && strstr(smp_last_error(), "nope.weight");
     st = smp_optimizer_state_add(o, NULL, "a.b", &t);
-    ok = ok && st == SMP_ERR_ARG;
-    MPI_CHECK(ok, "checkpoint/optimizer registry rejects unknown parameters and dotted names", "%s", smp_last_error());
+    ok = ok && st == SMP_ERR_ARG && smp_optimizer_state_count(o) == 0;
+    MPI_CHECK(ok, "checkpoint/optimizer registry rejects unknown parameters and dotted names, and counts none of them", "%s (%d registered)",
+              smp_last_error(), smp_optimizer_state_count(o));
+    st = smp_optimizer_state_add(o, NULL, "lr", &t);
+    if (!st) st = smp_optimizer_state_add(o, NULL, "beta", &t);
+    MPI_CHECK(st == SMP_OK && smp_optimizer_state_count(o) == 2, "checkpoint/optimizer registry counts what it holds",
+              "%s, %d registered", st ? smp_last_error() : "ok", smp_optimizer_state_count(o));
     smp_optimizer_free(o);
     smp_model_free(m);
     smp_finalize();
