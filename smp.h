@@ -222,17 +222,22 @@ typedef enum smp_optimize { SMP_OPTIMIZE_DEFAULT = 0, SMP_OPTIMIZE_SPEED, SMP_OP
 typedef enum smp_placement { SMP_PLACEMENT_DEFAULT = 0, SMP_PLACEMENT_CLUSTER, SMP_PLACEMENT_SPREAD } smp_placement;
 typedef enum smp_trace_device { SMP_TRACE_DEFAULT = 0, SMP_TRACE_CPU, SMP_TRACE_GPU } smp_trace_device;
 
+/* Zero is the default in every field (smp_config cfg = {0}): a number's 0
+   means its default below; an enum's 0 member is its DEFAULT (smp_switch:
+   DEFAULT, ON, OFF); the two values for which 0 means something of its own
+   (partition 0, a weight of 0) count only where their has_ flag is true. */
 typedef struct smp_config {
     int partitions;                 /* pipeline stages per model replica; 0: 1 */
     int microbatches;               /* per step; 0: 1 */
     smp_pipeline_kind pipeline;     /* default: interleaved (1F1B) */
     smp_optimize optimize;          /* auto-partition objective; default: speed */
     smp_switch auto_partition;      /* default: on */
-    int default_partition;          /* used only when has_default_partition */
+    int default_partition;          /* used only when has_default_partition; default none */
     bool has_default_partition;
     smp_switch ddp;                 /* data parallel over partitions x replicas; default off */
     smp_placement placement_strategy; /* default: cluster */
-    double memory_weight;           /* 0: from optimize (speed 0, memory 1) */
+    double memory_weight;           /* used only when has_memory_weight; default from optimize (speed 0, memory 1) */
+    bool has_memory_weight;
     smp_trace_device trace_device;  /* default: gpu when a device backend is present, else cpu */
     smp_switch trace_execution_times;  /* default off: each call timed once; on: best of 3 after a warm-up */
     smp_switch trace_memory_usage;     /* default off */
@@ -1916,7 +1921,7 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
             return false;
         }
         switch (id) {
-        case SMP__CFG_MEMORY_WEIGHT: cfg->memory_weight = d; break;
+        case SMP__CFG_MEMORY_WEIGHT: cfg->memory_weight = d; cfg->has_memory_weight = true; break;
         case SMP__CFG_BUCKET_MB: cfg->bucket_cap_mb = d; break;
         case SMP__CFG_TIMEOUT: cfg->timeout = d; break;
         default: break;
@@ -2106,6 +2111,15 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
         return smp_error(SMP_ERR_CONFIG, "config key \"microbatches\" must be at least 1, got %d", c.microbatches);
     if (c.microbatches == 0) c.microbatches = 1;
 
+    /* a value set without its flag would be dropped without a word */
+    if (!c.has_default_partition && c.default_partition != 0)
+        return smp_error(SMP_ERR_CONFIG, "default_partition = %d is set but has_default_partition is false: set "
+                                         "has_default_partition = true (0 is a partition, so smp cannot tell it from unset)",
+                         c.default_partition);
+    if (!c.has_memory_weight && c.memory_weight != 0)
+        return smp_error(SMP_ERR_CONFIG, "memory_weight = %g is set but has_memory_weight is false: set has_memory_weight = "
+                                         "true (0 is a weight, so smp cannot tell it from unset)",
+                         c.memory_weight);
     if (c.has_default_partition && (c.default_partition < 0 || c.default_partition >= c.partitions))
         return smp_error(SMP_ERR_CONFIG,
                          "config key \"default_partition\" = %d is not a partition (partitions = %d: use 0 to %d)",
@@ -2113,7 +2127,8 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
 
     if (isnan(c.memory_weight) || c.memory_weight < 0 || c.memory_weight > 1)
         return smp_error(SMP_ERR_CONFIG, "config key \"memory_weight\" must be between 0 and 1, got %g", c.memory_weight);
-    if (c.memory_weight == 0) c.memory_weight = c.optimize == SMP_OPTIMIZE_MEMORY ? 1.0 : 0.0;
+    if (!c.has_memory_weight) c.memory_weight = c.optimize == SMP_OPTIMIZE_MEMORY ? 1.0 : 0.0;
+    c.has_memory_weight = true;
 
     if (c.backward_passes_per_step < 0)
         return smp_error(SMP_ERR_CONFIG, "config key \"backward_passes_per_step\" must be at least 1, got %d",
