@@ -38,7 +38,7 @@ BENCHES    := collectives partition schedule ddp checkpoint fmnist gpt nccl reco
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
 
-.PHONY: all deps test test-large test-hosts test-quick test-asan build-gcc build-clang build-asan bench install clean examples examples-asan demo demo-gpt fuzz cuda test-gpu test-fake-gpu
+.PHONY: all deps test test-large test-hosts test-quick test-asan build-gcc build-clang build-asan build-strict bench install clean examples examples-asan demo demo-gpt fuzz cuda test-gpu test-fake-gpu
 all: build-gcc
 
 deps:
@@ -59,13 +59,40 @@ $(eval $(call variant,clang,clang,$(CFLAGS)))
 SANFLAGS  := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 $(eval $(call variant,asan,gcc,$(SANFLAGS)))
 
+# The headers as an engine with strict warnings and -Werror includes them
+# (test/strict_headers.c), under gcc and clang, with and without SMP_TESTING,
+# and a test and the README's minimal program with the same flags. Compiled,
+# not linked or run: a warning fails make test. smp_nccl.h is in where the
+# CUDA and NCCL headers are (it needs only their declarations from C).
+STRICT_WARN := $(WARN) -Wconversion -Wsign-conversion -Wcast-qual -Wdouble-promotion -Wshadow -Wpedantic
+STRICT_NCCL := $(if $(and $(wildcard $(CUDA_HOME)/include/cuda_runtime_api.h),$(wildcard $(CUDA_HOME)/include/nccl.h)),-DSMP_STRICT_NCCL -I$(CUDA_HOME)/include)
+STRICT_OBJS :=
+define strict
+build/strict/headers_$(1).o: test/strict_headers.c $(HEADERS) Makefile | build/strict
+	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 -I. $(STRICT_NCCL) -c $$< -o $$@
+build/strict/headers_testing_$(1).o: test/strict_headers.c $(HEADERS) Makefile | build/strict
+	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 -DSMP_TESTING -I. $(STRICT_NCCL) -c $$< -o $$@
+build/strict/test_chaos_$(1).o: test/test_chaos.c $(HEADERS) test/test.h test/net7.h test/linear_ref.h Makefile | build/strict
+	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 $(INCLUDES) -c $$< -o $$@
+build/strict/minimal_$(1).o: examples/minimal.c $(HEADERS) Makefile | build/strict
+	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 -I. -c $$< -o $$@
+STRICT_OBJS += $(addprefix build/strict/,headers_$(1).o headers_testing_$(1).o test_chaos_$(1).o minimal_$(1).o)
+endef
+$(eval $(call strict,gcc))
+$(eval $(call strict,clang))
+build/strict:
+	@mkdir -p $@
+build-strict: $(STRICT_OBJS)
+	@$(if $(STRICT_NCCL),true,echo "build-strict: smp_nccl.h not checked: no cuda_runtime_api.h and nccl.h under CUDA_HOME=$(CUDA_HOME)")
+
 # ---------------------------------------------------------------- tests
-# Everything: warnings as errors under gcc and clang, the suite at 1, 2 and
-# 4 ranks (the fuzzers included), then again under AddressSanitizer + UBSan
-# at 1 and 2 ranks, ASAN4_TESTS at 4 and the script tests; a sanitizer
-# report anywhere is a FAIL (test/run.sh, SMP_SANITIZER_LOGS).
+# Everything: warnings as errors under gcc and clang (the strict set too:
+# build-strict), the suite at 1, 2 and 4 ranks (the fuzzers included), then
+# again under AddressSanitizer + UBSan at 1 and 2 ranks, ASAN4_TESTS at 4
+# and the script tests; a sanitizer report anywhere is a FAIL (test/run.sh,
+# SMP_SANITIZER_LOGS).
 test: deps
-	@$(MAKE) --no-print-directory build-gcc build-clang build-asan examples examples-asan
+	@$(MAKE) --no-print-directory build-gcc build-clang build-asan build-strict examples examples-asan
 	@echo "== gcc build, mpirun -n 1, 2, 4"; \
 	test/run.sh build/gcc "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(SCRIPT_TESTS)" "1 2 4" > build/test-gcc.log 2>&1; a=$$?; cat build/test-gcc.log; \
 	echo "== AddressSanitizer + UBSan build, mpirun -n 1, 2"; \

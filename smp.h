@@ -3465,7 +3465,7 @@ SMPDEF void smp_init_uniform(smp_tensor *v, uint64_t seed, void *user) {
     int64_t n = smp_tensor_numel(v), fan_in = v->ndim ? v->shape[v->ndim - 1] : 1;
     float bound = user ? *(const float *)user : (float)(1.0 / sqrt((double)(fan_in > 0 ? fan_in : 1)));
     float *p = (float *)v->data;
-    for (int64_t i = 0; i < n; i++) p[i] = (float)((2.0 * smp_rng_uniform(&seed) - 1.0) * bound);
+    for (int64_t i = 0; i < n; i++) p[i] = (float)((2.0 * smp_rng_uniform(&seed) - 1.0) * (double)bound);
 }
 SMPDEF void smp_init_constant(smp_tensor *v, uint64_t seed, void *user) {
     (void)seed;

@@ -1832,7 +1832,7 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
             return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, name,
                                   "checksum \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 hex digits", v);
         for (j = 0; j < 8; j++) {
-            char c = v[plen + j];
+            char c = v[plen + (size_t)j];
             if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
                 return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, name,
                                       "checksum \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 lowercase hex digits",
@@ -3355,7 +3355,7 @@ static smp_status smp__ck_jcrc(smp__ckpt_jp *jp, uint32_t *out) {
         return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
                               "header_crc32c \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 hex digits", v);
     for (j = 0; j < 8; j++) {
-        char c = v[plen + j];
+        char c = v[plen + (size_t)j];
         if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
             return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
                                   "header_crc32c \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and 8 lowercase hex digits", v);

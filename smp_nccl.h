@@ -1645,7 +1645,7 @@ SMPDEF smp_status smp_nccl_isend(const void *buf, size_t bytes, int peer, smp_gr
     if (!req) return smp_error(SMP_ERR_ARG, "smp_nccl_isend: req is NULL");
     *req = NULL;
     SMP__TRY(smp__nc_ready("smp_nccl_isend"));
-    return smp__nc_p2p_start((void *)buf, bytes, peer, g, req, 0);
+    return smp__nc_p2p_start((void *)(uintptr_t)buf, bytes, peer, g, req, 0); /* a send only reads buf */
 }
 
 SMPDEF smp_status smp_nccl_irecv(void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req) {

@@ -1616,6 +1616,18 @@ static smp_status smp__progress(smp__pipe *ps) {
     return err;
 }
 
+/* Between two calls of a stage. A send over MPI's rendezvous size moves
+   only while its sender is inside MPI, and a stage computes for
+   milliseconds without entering it, so the peer waiting for that gradient
+   or activation would wait for the whole stage; one pass over the
+   transfers between calls lets it finish meanwhile (and started DDP
+   buckets move on). */
+static smp_status smp__between_calls(smp__pipe *ps) {
+    smp_status err = smp__progress_transfers(ps);
+    if (!err && ps->sync) smp__ddp_poll(ps);
+    return err;
+}
+
 /* The device sends of F(s, i) read its activations until they are done.
    Called once B(s, i) has run, when the peers have received them. */
 static void smp__finish_forward_sends(smp__pipe *ps, int s, int i) {
@@ -2137,7 +2149,7 @@ SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int6
     int64_t *perm = (int64_t *)smp__alloc(sizeof(int64_t) * (size_t)n, SMP__ALLOC_OTHER);
     for (int64_t i = 0; i < n; i++) perm[i] = i;
     if (d->shuffle) {
-        uint64_t state = d->seed * 0x9e3779b97f4a7c15ull + (uint64_t)epoch;
+        uint64_t state = d->seed * UINT64_C(0x9e3779b97f4a7c15) + (uint64_t)epoch;
         for (int64_t i = n - 1; i > 0; i--) {
             int64_t j = (int64_t)(smp__splitmix(&state) % (uint64_t)(i + 1));
             int64_t t = perm[i]; perm[i] = perm[j]; perm[j] = t;
@@ -2361,7 +2373,9 @@ static smp_status smp__call_forward(smp__pipe *ps, smp_model *md, int k, int i, 
     if (!c->outputs) c->outputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a call's outputs");
     smp_tensor *kept = again ? (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a recomputation") : NULL;
     if (rc) return rc;
-    smp__call_inputs(ps, md, k, i, (smp_tensor *)c->inputs); /* again: the internal ones moved */
+    /* the context shows the engine const inputs; smp allocated them just above
+       and owns them, hence the cast through uintptr_t (-Wcast-qual) */
+    smp__call_inputs(ps, md, k, i, (smp_tensor *)(uintptr_t)c->inputs); /* again: the internal ones moved */
     for (int j = 0; j < rec->nout && kept; j++) {
         kept[j] = c->outputs[j];
         c->outputs[j].data = NULL;
@@ -2403,6 +2417,7 @@ static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i)
         rc = smp__call_forward(ps, md, k, i, false);
         const smp__call_rec *rec = &md->calls[k];
         if (!rc && ps->training && rec->recompute_last == k) smp__recompute_drop(ps, i, rec->recompute_first, k);
+        if (!rc && k < md->stage_last[s]) rc = smp__between_calls(ps);
     }
     if (rc) return rc;
     smp__event_add(ps, 0, s, i, t0);
@@ -2530,8 +2545,8 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         if (!rc && !ps->zb) rc = smp__backward_done(ps, md, k, i);
         else if (!rc && rec->recompute_first == k && !smp__recompute_waits_for_w(md, k)) /* no W will read it */
             smp__recompute_drop(ps, i, k, rec->recompute_last);
+        if (!rc) rc = smp__between_calls(ps);
         if (rc) return rc;
-        if (ps->sync) smp__ddp_poll(ps); /* between calls: buckets started earlier move on */
     }
     smp__event_add(ps, 1, s, i, t0);
     /* gradients for producers on other ranks */
@@ -2559,11 +2574,11 @@ static smp_status smp__stage_weight(smp__pipe *ps, smp_model *md, int s, int i) 
             rc = smp__run_callback(c, SMP__BACKWARD_WEIGHT);
             for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
             for (int j = 0; j < c->nout; j++) smp__free(c->grad_outputs[j].data);
-            smp__free((void *)c->grad_outputs);
+            smp__free((void *)(uintptr_t)c->grad_outputs); /* smp's own, const only to the engine */
             c->grad_outputs = NULL;
         }
         if (!rc) rc = smp__backward_done(ps, md, k, i);
-        if (ps->sync) smp__ddp_poll(ps);
+        if (!rc) rc = smp__between_calls(ps);
     }
     smp__event_add(ps, 6, s, i, t0);
     ps->inflight[s]--;
@@ -2581,9 +2596,9 @@ static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
         smp__call_release(c, true);
         if (c->grad_outputs) { /* kept for a W that a failed step never ran */
             for (int j = 0; j < c->nout; j++) smp__free(c->grad_outputs[j].data);
-            smp__free((void *)c->grad_outputs);
+            smp__free((void *)(uintptr_t)c->grad_outputs); /* smp's own, const only to the engine */
         }
-        smp__free((void *)c->inputs);
+        smp__free((void *)(uintptr_t)c->inputs);
         smp__free(c->outputs);
         memset(c, 0, sizeof *c);
         /* contributions to this call's outputs were consumed by its backward */
@@ -2884,7 +2899,8 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
         s->arg_copies = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)d->nargs, SMP__ALLOC_OTHER, what);
         s->returned = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * SMP_MAX_STEP_ARGS, SMP__ALLOC_OTHER, what);
         for (int a = 0; a < d->nargs && !st; a++)
-            st = d->non_split[a] ? (s->args[a] = d->args[a], SMP_OK) : smp__slice(&d->args[a], d->split_axis[a], m, i, &s->args[a], &s->arg_copies[a], SMP__ALLOC_OTHER);
+            if (d->non_split[a]) s->args[a] = d->args[a];
+            else st = smp__slice(&d->args[a], d->split_axis[a], m, i, &s->args[a], &s->arg_copies[a], SMP__ALLOC_OTHER);
     }
     /* every receive of the step, posted up front in the order of this rank's operations */
     size_t nrecv = (size_t)ps->nlinks * (size_t)m * 2;
@@ -3033,11 +3049,11 @@ static smp_status smp__join_out(const smp_step_output *o, smp_tensor *r, bool st
 SMPDEF smp_status smp_step_output_concat(const smp_step_output *o, smp_tensor *r) { return smp__join_out(o, r, false, "smp_step_output_concat"); }
 SMPDEF smp_status smp_step_output_stack(const smp_step_output *o, smp_tensor *r) { return smp__join_out(o, r, true, "smp_step_output_stack"); }
 SMPDEF double smp_step_output_mean(const smp_step_output *o) {
-    if (!o || o->microbatches < 1) return NAN;
+    if (!o || o->microbatches < 1) return (double)NAN;
     double acc = 0;
     for (int i = 0; i < o->microbatches; i++) {
         const smp_tensor *v = &o->values[i];
-        acc += v->dtype == SMP_F64 ? ((const double *)v->data)[0] : v->dtype == SMP_F32 ? (double)((const float *)v->data)[0] : NAN;
+        acc += v->dtype == SMP_F64 ? ((const double *)v->data)[0] : v->dtype == SMP_F32 ? (double)((const float *)v->data)[0] : (double)NAN;
     }
     return acc / o->microbatches;
 }
