@@ -48,8 +48,8 @@
                  smp_step_output loss = {0};
                  smp_model_zero_grad(model);
                  SMP_TRAIN_STEP(model, mse_body, NULL, &loss, 1, x, target);  // @smp.step
-                 my_sgd(model);                            // smp_model_param(model, i, false): local ones
-                 printf("loss %g\n", smp_step_output_mean(&loss));          // loss.reduce_mean()
+                 my_sgd(model);                            // smp_model_local_param(model, i, false): local ones
+                 printf("loss %g\n", smp_step_output_reduce_mean_f64(&loss));          // loss.reduce_mean()
                  smp_step_output_free(&loss);
              }
              smp_model_free(model);
@@ -267,10 +267,9 @@ SMPDEF smp_status smp_init(const smp_config *cfg);
 /* Frees smp's state; finalizes MPI only if smp_init initialised it. */
 SMPDEF void smp_finalize(void);
 SMPDEF bool smp_is_initialized(void);
-SMPDEF const smp_config *smp_get_config(void); /* resolved values */
+SMPDEF const smp_config *smp_current_config(void); /* resolved values */
 
 typedef enum smp_group { SMP_WORLD = 0, SMP_MP_GROUP, SMP_DP_GROUP, SMP_GROUP_COUNT } smp_group;
-typedef enum smp_rank_type { SMP_WORLD_RANK = 0, SMP_MP_RANK, SMP_DP_RANK } smp_rank_type;
 
 SMPDEF int smp_rank(void);
 SMPDEF int smp_size(void);
@@ -298,12 +297,12 @@ SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_gr
    the matching smp_recv_from returns SMP_ERR_REMOTE with the sender's
    error, and later messages pair as before. Messages travel on a
    communicator of smp's own, apart from smp_group_comm's. */
-SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_rank_type rt);
-SMPDEF smp_status smp_recv_from(int src, smp_rank_type rt, void **buf, size_t *len);
+SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_group group);
+SMPDEF smp_status smp_recv_from(int src, smp_group group, void **buf, size_t *len);
 SMPDEF smp_status smp_broadcast_bytes(void **buf, size_t *len, int root, smp_group g);
 /* Gathers one buffer from each member: *out holds them back to back, lens[i]
    (caller-sized: group size) their sizes in group-rank order. */
-SMPDEF smp_status smp_allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens);
+SMPDEF smp_status smp_all_gather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens);
 SMPDEF smp_status smp_barrier(smp_group g);
 SMPDEF void smp_free(void *p);
 
@@ -497,16 +496,16 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int ninputs,
    done) and partitions it. Collective over the world. */
 SMPDEF smp_status smp_model_trace(smp_model *m, const smp_tensor *sample_inputs, int ninputs);
 SMPDEF bool smp_is_tracing(void);
-SMPDEF bool smp_model_partitioned(const smp_model *m);
+SMPDEF bool smp_model_is_partitioned(const smp_model *m);
 SMPDEF void smp_model_on_partitioned(smp_model *m, smp_post_partition_fn fn, void *user);
 SMPDEF void smp_model_zero_grad(smp_model *m);
 /* Local parameters (and buffers) in declaration order; iterate with
-   for (i = 0; (p = smp_model_param(m, i, false)); i++). */
-SMPDEF smp_param *smp_model_param(smp_model *m, int index, bool include_buffers);
+   for (i = 0; (p = smp_model_local_param(m, i, false)); i++). */
+SMPDEF smp_param *smp_model_local_param(smp_model *m, int index, bool include_buffers);
 SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *full_name); /* any rank's */
-SMPDEF int smp_model_num_params(const smp_model *m, bool include_buffers);   /* all ranks' */
+SMPDEF int smp_model_num_global_params(const smp_model *m, bool include_buffers);   /* all ranks' */
 /* Every rank's parameters (and buffers), local or not, in declaration
-   order: index < smp_model_num_params(m, include_buffers). */
+   order: index < smp_model_num_global_params(m, include_buffers). */
 SMPDEF smp_param *smp_model_global_param(smp_model *m, int index, bool include_buffers);
 SMPDEF int smp_model_num_stages(const smp_model *m);
 SMPDEF int smp_model_stage_rank(const smp_model *m, int stage);            /* mp rank running a stage */
@@ -528,7 +527,7 @@ SMPDEF void *smp_call_stash_device(smp_call_ctx *c, size_t bytes);
 SMPDEF void *smp_call_stashed_device(const smp_call_ctx *c, size_t *bytes);
 SMPDEF smp_module *smp_call_module(const smp_call_ctx *c);
 SMPDEF int smp_call_microbatch(const smp_call_ctx *c);
-SMPDEF bool smp_call_training(const smp_call_ctx *c); /* false in evaluation steps: no backward will follow */
+SMPDEF bool smp_call_is_training(const smp_call_ctx *c); /* false in evaluation steps: no backward will follow */
 /* A seed for this call's randomness (dropout): the same for a call and a
    sample position in every partitioning, in a recomputation and in one
    process; different for every call, microbatch, data-parallel replica and
@@ -805,12 +804,12 @@ static void smp__vlog(smp_log_level level, const char *fmt, va_list ap) {
 }
 
 /* The library's own messages, through the logger set by smp_set_logger. */
-static void smp_log(smp_log_level level, const char *fmt, ...)
+static void smp__log(smp_log_level level, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
-static void smp_log(smp_log_level level, const char *fmt, ...) {
+static void smp__log(smp_log_level level, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     smp__vlog(level, fmt, ap);
@@ -1041,7 +1040,7 @@ static void *smp__alloc_or(smp_status *st, size_t n, smp__alloc_kind kind, const
 }
 
 /* Counted host memory for the other headers' own bookkeeping. */
-#define smp_malloc(n) smp__alloc((n), SMP__ALLOC_OTHER)
+#define smp__malloc(n) smp__alloc((n), SMP__ALLOC_OTHER)
 SMPDEF void smp_free(void *p) { smp__free(p); }
 SMPDEF smp_memory_stats smp_memory(void) { return smp__ctx.mem; }
 SMPDEF void smp_memory_reset_peaks(void) {
@@ -1095,7 +1094,7 @@ SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b) {
     return true;
 }
 /* "f32[64, 784]" into buf; returns buf. */
-static const char *smp_tensor_describe(const smp_tensor *t, char *buf, size_t cap) {
+static const char *smp__tensor_describe(const smp_tensor *t, char *buf, size_t cap) {
     size_t at = (size_t)snprintf(buf, cap, "%s[", smp_dtype_name(t->dtype));
     for (int i = 0; i < t->ndim && at < cap; i++) at += (size_t)snprintf(buf + at, cap - at, i ? ", %lld" : "%lld", (long long)t->shape[i]);
     if (at < cap) snprintf(buf + at, cap - at, "]");
@@ -2402,7 +2401,7 @@ SMPDEF int smp_mp_size(void) { return smp__ctx.cfg.partitions; }
 SMPDEF int smp_dp_rank(void) { return smp__ctx.dp_rank; }
 SMPDEF int smp_dp_size(void) { return smp__ctx.initialized ? smp__ctx.size / smp__ctx.cfg.partitions : 1; }
 SMPDEF bool smp_is_initialized(void) { return smp__ctx.initialized; }
-SMPDEF const smp_config *smp_get_config(void) { return &smp__ctx.cfg; }
+SMPDEF const smp_config *smp_current_config(void) { return &smp__ctx.cfg; }
 
 static smp__group_info *smp__group(smp_group g) {
     if ((unsigned)g >= SMP_GROUP_COUNT || !smp__ctx.initialized) return NULL;
@@ -2673,20 +2672,20 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b) {
 #define SMP__TAG_OBJECT 7001
 #define SMP__TAG_SEND_FAILED 7003
 
-static smp_status smp__resolve_peer(int peer, smp_rank_type rt, const char *fn, smp_group *g) {
+static smp_status smp__resolve_peer(int peer, smp_group group, const char *fn, smp_group *g) {
     SMP_ASSERT(smp__ctx.initialized);
-    *g = rt == SMP_WORLD_RANK ? SMP_WORLD : rt == SMP_MP_RANK ? SMP_MP_GROUP : rt == SMP_DP_RANK ? SMP_DP_GROUP : SMP_GROUP_COUNT;
-    if (*g == SMP_GROUP_COUNT) return smp_error(SMP_ERR_ARG, "%s: unknown rank type %d", fn, (int)rt);
+    *g = group;
+    if ((unsigned)group >= SMP_GROUP_COUNT) return smp_error(SMP_ERR_ARG, "%s: unknown group %d (SMP_WORLD, SMP_MP_GROUP or SMP_DP_GROUP)", fn, (int)group);
     int n = smp__ctx.groups[*g].size;
     if (peer < 0 || peer >= n) return smp_error(SMP_ERR_ARG, "%s: rank %d is outside the %s (size %d)", fn, peer, smp__group_name(*g), n);
     if (peer == smp__ctx.groups[*g].rank) return smp_error(SMP_ERR_ARG, "%s: rank %d is this rank", fn, peer);
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_rank_type rt) {
+SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_group group) {
     smp_status st;
     smp_group g;
-    if ((st = smp__require_init("smp_send")) || (st = smp__resolve_peer(dest, rt, "smp_send", &g))) return st;
+    if ((st = smp__require_init("smp_send")) || (st = smp__resolve_peer(dest, group, "smp_send", &g))) return st;
     MPI_Comm comm = smp__ctx.groups[g].objects;
     MPI_Datatype type = MPI_BYTE;
     int count = 0;
@@ -2705,10 +2704,10 @@ SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_rank_type 
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_recv_from(int src, smp_rank_type rt, void **buf, size_t *len) {
+SMPDEF smp_status smp_recv_from(int src, smp_group group, void **buf, size_t *len) {
     smp_status st;
     smp_group g;
-    if ((st = smp__require_init("smp_recv_from")) || (st = smp__resolve_peer(src, rt, "smp_recv_from", &g))) return st;
+    if ((st = smp__require_init("smp_recv_from")) || (st = smp__resolve_peer(src, group, "smp_recv_from", &g))) return st;
     if (!buf || !len) return smp_error(SMP_ERR_ARG, "smp_recv_from: buf and len must not be NULL");
     MPI_Comm comm = smp__ctx.groups[g].objects;
     MPI_Message msg;
@@ -2791,11 +2790,11 @@ SMPDEF smp_status smp_broadcast_bytes(void **buf, size_t *len, int root, smp_gro
 
 static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
     smp__group_info *gi;
-    smp_status st = smp__group_arg(g, "smp_allgather_bytes", &gi);
+    smp_status st = smp__group_arg(g, "smp_all_gather_bytes", &gi);
     if (st) return st;
-    if (len > (size_t)INT32_MAX) return smp_error(SMP_ERR_ARG, "smp_allgather_bytes: %zu bytes is more than one message carries", len);
+    if (len > (size_t)INT32_MAX) return smp_error(SMP_ERR_ARG, "smp_all_gather_bytes: %zu bytes is more than one message carries", len);
     int n = gi->size, mine = (int)len;
-    int *counts = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER, "smp_allgather_bytes's lengths");
+    int *counts = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER, "smp_all_gather_bytes's lengths");
     if (st) return st;
     int *displs = counts + n;
     MPI_Request req;
@@ -2803,8 +2802,8 @@ static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g,
     smp_wait_requests(1, &req, "allgather lengths", g, -1);
     int64_t total = 0;
     for (int i = 0; i < n; i++) { displs[i] = (int)total; total += counts[i]; lens[i] = (size_t)counts[i]; }
-    if (total > INT32_MAX) { smp__free(counts); return smp_error(SMP_ERR_ARG, "smp_allgather_bytes: %lld bytes in all is more than one gather carries", (long long)total); }
-    char *all = (char *)smp__alloc_or(&st, (size_t)total + 1, SMP__ALLOC_OTHER, "smp_allgather_bytes's result");
+    if (total > INT32_MAX) { smp__free(counts); return smp_error(SMP_ERR_ARG, "smp_all_gather_bytes: %lld bytes in all is more than one gather carries", (long long)total); }
+    char *all = (char *)smp__alloc_or(&st, (size_t)total + 1, SMP__ALLOC_OTHER, "smp_all_gather_bytes's result");
     if (st) { smp__free(counts); return st; }
     MPI_Iallgatherv(buf, mine, MPI_BYTE, all, counts, displs, MPI_BYTE, gi->comm, &req);
     smp_wait_requests(1, &req, "allgather bytes", g, -1);
@@ -2814,7 +2813,7 @@ static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g,
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
+SMPDEF smp_status smp_all_gather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
     smp__group_info *member = smp__coll_enter(g);
     return smp__coll_exit(member, g, smp__allgather_bytes(buf, len, g, out, lens));
 }
@@ -3633,7 +3632,7 @@ SMPDEF void smp_model_free(smp_model *m) {
 }
 
 SMPDEF bool smp_is_tracing(void) { return smp__mod.tracing; }
-SMPDEF bool smp_model_partitioned(const smp_model *m) { return m->partitioned; }
+SMPDEF bool smp_model_is_partitioned(const smp_model *m) { return m->partitioned; }
 SMPDEF int smp_model_num_calls(const smp_model *m) { return m->ncalls; }
 SMPDEF int smp_model_num_stages(const smp_model *m) { return m->nstages; }
 SMPDEF int smp_model_stage_rank(const smp_model *m, int s) { return s >= 0 && s < m->nstages ? m->stage_rank[s] : -1; }
@@ -3645,12 +3644,12 @@ SMPDEF smp_param *smp_model_global_param(smp_model *m, int index, bool buffers) 
         if (!m->params[i]->is_buffer && index-- == 0) return m->params[i];
     return NULL;
 }
-SMPDEF int smp_model_num_params(const smp_model *m, bool buffers) {
+SMPDEF int smp_model_num_global_params(const smp_model *m, bool buffers) {
     int n = 0;
     for (int i = 0; i < m->nparams; i++) n += buffers || !m->params[i]->is_buffer;
     return n;
 }
-SMPDEF smp_param *smp_model_param(smp_model *m, int index, bool buffers) {
+SMPDEF smp_param *smp_model_local_param(smp_model *m, int index, bool buffers) {
     for (int i = 0; i < m->nparams; i++) {
         smp_param *p = m->params[i];
         if ((!buffers && p->is_buffer) || !smp_module_is_local(p->module)) continue;
@@ -3687,7 +3686,7 @@ SMPDEF smp_tensor *smp_call_grad_input(smp_call_ctx *c, int i) {
 }
 SMPDEF smp_module *smp_call_module(const smp_call_ctx *c) { return c->module; }
 SMPDEF int smp_call_microbatch(const smp_call_ctx *c) { return c->microbatch; }
-SMPDEF bool smp_call_training(const smp_call_ctx *c) { return c->training; }
+SMPDEF bool smp_call_is_training(const smp_call_ctx *c) { return c->training; }
 SMPDEF uint64_t smp_call_seed(const smp_call_ctx *c) { return c->seed; }
 
 /* Whether memory a callback asked for came; when not, the call fails with
@@ -3739,7 +3738,7 @@ static smp_status smp__add_forward(smp_call_ctx *c) {
         if (x->dtype != x0->dtype || smp_tensor_numel(x) != smp_tensor_numel(x0)) {
             char a[96], b[96];
             return smp_error(SMP_ERR_ARG, "add module \"%s\": input %d is %s but input 0 is %s (inputs must match in dtype and size)",
-                             c->module->full_name, j, smp_tensor_describe(x, a, sizeof a), smp_tensor_describe(x0, b, sizeof b));
+                             c->module->full_name, j, smp__tensor_describe(x, a, sizeof a), smp__tensor_describe(x0, b, sizeof b));
         }
     }
     smp_tensor *y = smp_call_output(c, 0, x0->dtype, x0->ndim, x0->shape);
@@ -4458,9 +4457,9 @@ static void smp__report(smp_model *m) {
     int S = m->nstages;
     double *t = (double *)smp__alloc(sizeof(double) * 2 * (size_t)S, SMP__ALLOC_OTHER), *mem = t + S;
     char line[256];
-    smp_log(SMP_LOG_INFO, "partition report: %d top-level calls (%d leaf calls), %d stages over %d partitions", m->nunits, m->ncalls, S,
+    smp__log(SMP_LOG_INFO, "partition report: %d top-level calls (%d leaf calls), %d stages over %d partitions", m->nunits, m->ncalls, S,
             smp__ctx.cfg.partitions);
-    smp_log(SMP_LOG_INFO, "  %-5s %-28s %5s %5s %12s %10s %12s", "call", "module", "part", "stage", "params(B)", "time(ms)", "activ.(B)");
+    smp__log(SMP_LOG_INFO, "  %-5s %-28s %5s %5s %12s %10s %12s", "call", "module", "part", "stage", "params(B)", "time(ms)", "activ.(B)");
     for (int u = 0; u < m->nunits; u++) {
         smp__unit *c = &m->units[u];
         int s0 = m->calls[c->first].stage, s1 = m->calls[c->last].stage;
@@ -4469,7 +4468,7 @@ static void smp__report(smp_model *m) {
         snprintf(line, sizeof line, "  %-5d %-28s %5d %5s %12.0f %10.3f %12.0f%s", u, *c->module->full_name ? c->module->full_name : "(root)",
                  m->stage_rank[s0], stages, c->param_bytes, c->time * 1e3, c->activation_bytes,
                  c->last > c->first ? " (composite)" : m->calls[c->first].recompute_first >= 0 ? " (recomputed)" : "");
-        smp_log(SMP_LOG_INFO, "%s", line);
+        smp__log(SMP_LOG_INFO, "%s", line);
     }
     memset(t, 0, sizeof(double) * 2 * (size_t)S);
     for (int i = 0; i < m->ncalls; i++) {
@@ -4478,12 +4477,12 @@ static void smp__report(smp_model *m) {
     }
     double tmax = 0, tsum = 0, mmax = 0, msum = 0;
     for (int s = 0; s < S; s++) {
-        smp_log(SMP_LOG_INFO, "  stage %d (partition %d): leaf calls %d..%d, time %.3f ms, memory %.0f B", s, m->stage_rank[s], m->stage_first[s],
+        smp__log(SMP_LOG_INFO, "  stage %d (partition %d): leaf calls %d..%d, time %.3f ms, memory %.0f B", s, m->stage_rank[s], m->stage_first[s],
                 m->stage_last[s], t[s] * 1e3, mem[s]);
         tmax = t[s] > tmax ? t[s] : tmax; tsum += t[s];
         mmax = mem[s] > mmax ? mem[s] : mmax; msum += mem[s];
     }
-    smp_log(SMP_LOG_INFO, "  imbalance (largest / mean stage): time %.2f, memory %.2f", tsum > 0 ? tmax * S / tsum : 1.0, msum > 0 ? mmax * S / msum : 1.0);
+    smp__log(SMP_LOG_INFO, "  imbalance (largest / mean stage): time %.2f, memory %.2f", tsum > 0 ? tmax * S / tsum : 1.0, msum > 0 ? mmax * S / msum : 1.0);
     for (int i = 0; i < m->nmodules; i++) { /* shared modules: where their copies live */
         smp_module *mod = m->modules[i];
         if (mod->uses < 2 || (mod->parent && mod->parent->uses == mod->uses && mod->parent->owner_call == mod->owner_call)) continue;
@@ -4491,7 +4490,7 @@ static void smp__report(smp_model *m) {
         for (int p = 0, last = -1; p < smp__ctx.cfg.partitions && at < (int)sizeof line - 8; p++)
             for (int k = 0; k < m->ncalls; k++)
                 if (m->calls[k].module == mod && m->stage_rank[m->calls[k].stage] == p && p != last) { at += snprintf(line + at, sizeof line - (size_t)at, " %d", p); last = p; }
-        smp_log(SMP_LOG_INFO, "%s", line);
+        smp__log(SMP_LOG_INFO, "%s", line);
     }
     smp__free(t);
 }

@@ -120,7 +120,7 @@ static int run(const ddp_case *c, int steps, int rows, grads_t *got, char *why, 
     smp_tensor x0 = smp_tensor_2d(g_x, SMP_F32, rows / c->m, D);
     smp_model_trace(model, &x0, 1);
     if (c->perturb && r != 0) /* replicas that start apart must be equal after the first step */
-        for (int i = 0; smp_model_param(model, i, false); i++) ((float *)smp_param_value(smp_model_param(model, i, false))->data)[0] += 0.5f;
+        for (int i = 0; smp_model_local_param(model, i, false); i++) ((float *)smp_param_value(smp_model_local_param(model, i, false))->data)[0] += 0.5f;
     smp_model_zero_grad(model);
     int ok = 1;
     for (int s = 0; s < steps && ok; s++) {
@@ -261,7 +261,7 @@ static void clipping_and_scaler(int P, smp_pipeline_kind kind) {
     /* the scaler: an overflow on the last rank skips the step everywhere */
     smp_grad_scaler scaler = {0};
     double s0 = smp_grad_scaler_scale(&scaler);
-    smp_param *p0 = smp_model_param(model, 0, false);
+    smp_param *p0 = smp_model_local_param(model, 0, false);
     if (smp_rank() == world - 1 && p0) ((float *)smp_param_grad(p0)->data)[0] = INFINITY;
     bool skip = false;
     st = smp_grad_scaler_unscale(model, &scaler, &skip);

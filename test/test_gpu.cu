@@ -479,7 +479,7 @@ static void test_alloc_add(void) {
 static void test_block_reuse(void) {
     int pools = 1;
     CK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, smp_nccl_device()));
-    if (pools || W_SIZE < 2 || smp_nccl_get_mode() != SMP_NCCL_MODE_NCCL) return; /* cudaMallocAsync orders reuse itself */
+    if (pools || W_SIZE < 2 || smp_nccl_current_mode() != SMP_NCCL_MODE_NCCL) return; /* cudaMallocAsync orders reuse itself */
     result res = ok_result();
     const size_t bytes = 4096 * sizeof(float);
     int peer = 1 - W_RANK;
@@ -491,14 +491,14 @@ static void test_block_reuse(void) {
         st = smp_nccl_irecv(x, bytes, 1, SMP_WORLD, &r);
         if (!st) st = smp_nccl_wait(r); /* the engine now waits for rank 1 */
         void *a = smp_nccl_alloc(bytes);
-        CK(cudaMemcpyAsync(a, x, bytes, cudaMemcpyDeviceToDevice, smp_nccl_get_stream()));
+        CK(cudaMemcpyAsync(a, x, bytes, cudaMemcpyDeviceToDevice, smp_nccl_stream()));
         smp_nccl_free(a);
         void *b = smp_nccl_alloc(bytes);
         if (st || !a || !b) fail(&res, "%s", smp_last_error());
         else if (b == a) fail(&res, "a freed block came back while the engine work queued before its free still waited");
         MPI_Barrier(MPI_COMM_WORLD);
         if (smp_nccl_synchronize()) fail(&res, "smp_nccl_synchronize: %s", smp_last_error());
-        CK(cudaStreamSynchronize(smp_nccl_get_stream()));
+        CK(cudaStreamSynchronize(smp_nccl_stream()));
         smp_nccl_free(b);
     } else {
         MPI_Barrier(MPI_COMM_WORLD);
@@ -670,7 +670,7 @@ static smp_status gpu_lin_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     int64_t n = x->shape[0], shape[2] = {n, s->out};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
-    k_net_linear<<<net_blocks(n * s->out), 128, 0, smp_nccl_get_stream()>>>(F(x), F(smp_param_value(s->w)), F(smp_param_value(s->b)), F(y), (int)n, s->in, s->out);
+    k_net_linear<<<net_blocks(n * s->out), 128, 0, smp_nccl_stream()>>>(F(x), F(smp_param_value(s->w)), F(smp_param_value(s->b)), F(y), (int)n, s->in, s->out);
     return net_launched();
 }
 static smp_status gpu_lin_backward(smp_call_ctx *c) {
@@ -678,32 +678,32 @@ static smp_status gpu_lin_backward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0), *gy = smp_call_grad_output(c, 0);
     smp_tensor *gx = smp_call_grad_input(c, 0);
     int n = (int)x->shape[0];
-    if (gx) k_net_linear_gx<<<net_blocks((long long)n * s->in), 128, 0, smp_nccl_get_stream()>>>(F(smp_param_value(s->w)), F(gy), F(gx), n, s->in, s->out);
-    k_net_linear_gw<<<net_blocks((long long)s->out * (s->in + 1)), 128, 0, smp_nccl_get_stream()>>>(F(x), F(gy), F(smp_param_grad(s->w)), F(smp_param_grad(s->b)), n, s->in, s->out);
+    if (gx) k_net_linear_gx<<<net_blocks((long long)n * s->in), 128, 0, smp_nccl_stream()>>>(F(smp_param_value(s->w)), F(gy), F(gx), n, s->in, s->out);
+    k_net_linear_gw<<<net_blocks((long long)s->out * (s->in + 1)), 128, 0, smp_nccl_stream()>>>(F(x), F(gy), F(smp_param_grad(s->w)), F(smp_param_grad(s->b)), n, s->in, s->out);
     return net_launched();
 }
 static smp_status gpu_relu_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
-    k_net_relu<<<net_blocks(smp_tensor_numel(x)), 128, 0, smp_nccl_get_stream()>>>(F(x), NULL, F(y), smp_tensor_numel(x));
+    k_net_relu<<<net_blocks(smp_tensor_numel(x)), 128, 0, smp_nccl_stream()>>>(F(x), NULL, F(y), smp_tensor_numel(x));
     return net_launched();
 }
 static smp_status gpu_relu_backward(smp_call_ctx *c) {
     smp_tensor *gx = smp_call_grad_input(c, 0);
-    if (gx) k_net_relu<<<net_blocks(smp_tensor_numel(gx)), 128, 0, smp_nccl_get_stream()>>>(F(smp_call_input(c, 0)), F(smp_call_grad_output(c, 0)), F(gx), smp_tensor_numel(gx));
+    if (gx) k_net_relu<<<net_blocks(smp_tensor_numel(gx)), 128, 0, smp_nccl_stream()>>>(F(smp_call_input(c, 0)), F(smp_call_grad_output(c, 0)), F(gx), smp_tensor_numel(gx));
     return net_launched();
 }
 static smp_status gpu_add_forward(smp_call_ctx *c) {
     const smp_tensor *a = smp_call_input(c, 0), *b = smp_call_input(c, 1);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, a->ndim, a->shape);
-    k_net_add<<<net_blocks(smp_tensor_numel(a)), 128, 0, smp_nccl_get_stream()>>>(F(a), F(b), F(y), smp_tensor_numel(a));
+    k_net_add<<<net_blocks(smp_tensor_numel(a)), 128, 0, smp_nccl_stream()>>>(F(a), F(b), F(y), smp_tensor_numel(a));
     return net_launched();
 }
 static smp_status gpu_add_backward(smp_call_ctx *c) {
     const smp_tensor *gy = smp_call_grad_output(c, 0);
     for (int k = 0; k < 2; k++) {
         smp_tensor *g = smp_call_grad_input(c, k);
-        cudaError_t e = g ? cudaMemcpyAsync(g->data, gy->data, smp_tensor_nbytes(gy), cudaMemcpyDeviceToDevice, smp_nccl_get_stream()) : cudaSuccess;
+        cudaError_t e = g ? cudaMemcpyAsync(g->data, gy->data, smp_tensor_nbytes(gy), cudaMemcpyDeviceToDevice, smp_nccl_stream()) : cudaSuccess;
         if (e != cudaSuccess) return smp_error(SMP_ERR_DEVICE, "cudaMemcpyAsync of the add's gradient failed: %s", cudaGetErrorString(e));
     }
     return SMP_OK;
@@ -722,7 +722,7 @@ SMP_STEP_BODY(gpu_mse_body) {
     const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
     smp_tensor *g = smp_mb_output_grad(mb, 0);
     float *loss = g_net_loss + smp_mb_index(mb);
-    k_net_mse<<<1, 1, 0, smp_nccl_get_stream()>>>(F(y), F(t), g ? F(g) : NULL, loss, (int)smp_tensor_numel(y));
+    k_net_mse<<<1, 1, 0, smp_nccl_stream()>>>(F(y), F(t), g ? F(g) : NULL, loss, (int)smp_tensor_numel(y));
     smp_status st = net_launched();
     smp_tensor l = smp_tensor_make(loss, SMP_F32, 0, NULL);
     l.device = smp_nccl_device();
@@ -733,7 +733,7 @@ SMP_STEP_BODY(gpu_mse_body) {
 static void test_pipeline_on_device(void) {
     result res = ok_result();
     static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
-    int m = smp_get_config()->microbatches;
+    int m = smp_current_config()->microbatches;
     net n;
     smp_model *model = build_with(&n, NULL, &GPU_NET, true);
     if (!model) fail(&res, "build: %s", smp_last_error());
@@ -828,7 +828,7 @@ static void test_comms(void) {
         result res = ok_result();
         ncclComm_t c = smp_nccl_comm(gs[k]);
         int n = -1, r = -1;
-        if (smp_nccl_get_mode() != SMP_NCCL_MODE_NCCL) {
+        if (smp_nccl_current_mode() != SMP_NCCL_MODE_NCCL) {
             if (c) fail(&res, "a communicator on the %s path", MODE);
         } else if (!c) fail(&res, "no communicator");
         else if (ncclCommCount(c, &n) != ncclSuccess || ncclCommUserRank(c, &r) != ncclSuccess) fail(&res, "NCCL does not know the communicator");
@@ -866,7 +866,7 @@ static void run_suite(void) {
 
 static smp_status start(smp_config *cfg) {
     smp_status st = smp_init(cfg);
-    MODE = smp_nccl_mode_name(smp_nccl_get_mode());
+    MODE = smp_nccl_mode_name(smp_nccl_current_mode());
     return st;
 }
 
@@ -889,7 +889,7 @@ int main(int argc, char **argv) {
         MPI_Finalize();
         return 1;
     }
-    if (smp_nccl_get_mode() == SMP_NCCL_MODE_NONE) {
+    if (smp_nccl_current_mode() == SMP_NCCL_MODE_NONE) {
         /* a machine with NVIDIA's device files has a GPU: CUDA failing there
            (a driver too old for this CUDA, say) is a failure, not a skip */
         if (access("/dev/nvidiactl", F_OK) == 0) {
@@ -904,13 +904,13 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (W_RANK == 0) { printf("# %s, %d rank(s)\n", smp_nccl_describe(), W_SIZE); fflush(stdout); }
-    bool was_nccl = smp_nccl_get_mode() == SMP_NCCL_MODE_NCCL;
+    bool was_nccl = smp_nccl_current_mode() == SMP_NCCL_MODE_NCCL;
     run_suite();
     smp_finalize();
     if (was_nccl) { /* and once more through host memory */
         setenv("SMP_NCCL", "staged", 1);
         st = start(&cfg);
-        MPI_CHECK(st == SMP_OK && smp_nccl_get_mode() == SMP_NCCL_MODE_STAGED, GPU_LABEL " staged init", "smp_init: %.300s (mode %s)",
+        MPI_CHECK(st == SMP_OK && smp_nccl_current_mode() == SMP_NCCL_MODE_STAGED, GPU_LABEL " staged init", "smp_init: %.300s (mode %s)",
                   smp_last_error(), MODE);
         if (st == SMP_OK) {
             run_suite();
