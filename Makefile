@@ -270,7 +270,12 @@ install:
 	  "$(PREFIX)" "$$mpi_cflags" "$$mpi_libs" > $(DESTDIR)$(PREFIX)/lib/pkgconfig/smp.pc; \
 	printf 'prefix=%s\ncuda=%s\n\nName: smp-nccl\nDescription: smp device backend over CUDA and NCCL\nVersion: $(SMP_VERSION)\nRequires: smp\nCflags: -I$${cuda}/include\nLibs: -L$${cuda}/lib64 -lnccl -lcudart\n' \
 	  "$(PREFIX)" "$(CUDA_HOME)" > $(DESTDIR)$(PREFIX)/lib/pkgconfig/smp-nccl.pc
-	@echo "installed smp headers and smp.pc, smp-nccl.pc under $(DESTDIR)$(PREFIX)"
+	@if command -v cmake >/dev/null 2>&1; then \
+	  mkdir -p build && cmake -S . -B build/cmake-install >build/cmake-install.log 2>&1 && \
+	  DESTDIR="$(DESTDIR)" cmake --install build/cmake-install --prefix "$(PREFIX)" >>build/cmake-install.log 2>&1 || \
+	  { echo "install: cmake failed (build/cmake-install.log):"; tail -n 5 build/cmake-install.log; exit 1; }; \
+	  echo "installed smp headers, smp.pc, smp-nccl.pc and lib/cmake/smp (find_package(smp)) under $(DESTDIR)$(PREFIX)"; \
+	else echo "installed smp headers and smp.pc, smp-nccl.pc under $(DESTDIR)$(PREFIX) (no cmake here: no lib/cmake/smp)"; fi
 
 clean:
 	rm -rf build

@@ -1,5 +1,20 @@
 /* smp.h - split one model across many processes (pipeline + data parallel).
 
+   CONTENTS (this comment, in order)
+     USAGE                  one C file defines SMP_IMPLEMENTATION
+     THE SMALLEST PROGRAM   a 2-stage pipeline that trains, whole
+     CONFIG KEYS            smp_config fields and their JSON names
+     ENVIRONMENT VARIABLES  every variable the four headers read
+     THREADING MODEL        which thread calls what; the MPI thread level
+     HOOKS                  SMP_MALLOC, SMP_FREE, SMP_ASSERT, SMPDEF, logging
+     ERRORS                 smp_status and smp_last_error
+     OUT OF MEMORY          one policy
+     VERSION AND LICENCE
+     TESTING                SMP_TESTING's fault injection
+   Then: smp_pipeline.h (schedules, steps, StepOutput, DDP, the timeline),
+   smp_checkpoint.h (saves and loads), smp_nccl.h (the CUDA/NCCL backend),
+   each opening with a comment of the same kind; README.md (the build).
+
    The core of smp: context and config, topology and groups, tensors, the
    module tree, partition contexts, tracing, the auto-partitioner, object
    messaging and host-memory collectives over MPI. Pipelines live in
@@ -71,6 +86,68 @@
    smp's own keys: virtual_stages (1), deterministic_reduction (false),
      activation_checkpointing (false: recompute every top-level call),
      timeout (seconds, also SMP_TIMEOUT; 600), seed (0).
+
+   ENVIRONMENT VARIABLES: all that the four headers read, in one table.
+   Give each the same value on every rank (mpirun -x / -genv), except
+   SMP_CKPT_FAULT. The other headers point here.
+     variable        header            read by            effect
+     SMP_CONFIG      smp.h             smp_init           JSON of the CONFIG KEYS above,
+                                                          '{"partitions": 2, "microbatches": 8}';
+                                                          overrides the smp_config passed; a
+                                                          bad key or value fails smp_init
+     SMP_TIMEOUT     smp.h             smp_init (and      seconds any one wait may take
+                                       waits before it)   (> 0, default 600; a nonzero config
+                                                          timeout wins); past it the rank says
+                                                          what it waited for and from whom,
+                                                          and the job aborts
+     SMP_VERBOSE     smp.h,            the default        set: INFO messages go to stderr too:
+                     smp_pipeline.h    logger             the partition report and, at the
+                                                          first step, what each schedule would
+                                                          make of the model (rank 0)
+     SMP_TIMELINE    smp_pipeline.h    a model's first    a path: every rank records its
+                                       step               operations; smp_model_free has
+                                                          rank 0 write them into one Chrome
+                                                          trace / Perfetto file
+     SMP_NCCL        smp_nccl.h        smp_init           auto (default) | nccl | staged: the
+                                                          device path (smp_nccl.h, DEVICES AND
+                                                          PATHS); nccl refuses GPUs shared by
+                                                          ranks, staged forces host staging
+     SMP_NCCL_SYNC   smp_nccl.h        smp_init           set and not 0: each device collective
+                                                          also waits on the host, under the
+                                                          deadline (a hang becomes a message)
+     SMP_CKPT_FAULT  smp_checkpoint.h  each checkpoint    TESTS ONLY, on one rank: a phase
+                                       write              (header, data, flush, rename, dirsync,
+                                                          renamed, manifest, commit, cleanup;
+                                                          smp_checkpoint.h says where each is)
+                                                          where the writer _exit(77)s, to test
+                                                          crash safety; an unknown name fails
+                                                          the save
+   Nothing else in the environment changes what smp does (MPI's, UCX's and
+   NCCL's own variables aside).
+
+   THREADING MODEL
+     smp is called from one thread per process: the thread that called
+     smp_init (the "main" thread) makes every smp call, and module
+     callbacks, step bodies, init callbacks, post-partition hooks and the
+     logger run on it, inside the smp call that runs them. Calls are not
+     reentrant: a callback may call what its header says it may (smp_call
+     and smp_call_* in module callbacks, smp_mb_* in a body), not a step,
+     a collective or a save. All MPI calls smp makes are on the main thread,
+     so smp needs MPI_THREAD_FUNNELED: smp_init asks MPI_Init_thread for it
+     when it initialises MPI; an engine that initialises MPI itself must ask
+     for FUNNELED or more (SERIALIZED, MULTIPLE) and make its own MPI calls
+     on other communicators, never inside an smp call's callbacks while
+     smp waits on the same communicator.
+     The one thread smp starts is the checkpoint I/O thread
+     (smp_checkpoint.h): a full save's writer (world rank 0) checksums and
+     writes file chunks on it while the main thread receives the next ones;
+     it lives only inside that save call and makes no MPI call; an error it
+     meets is recorded for smp_last_error and returned by the save on the
+     main thread, and the only engine code it can reach is the logger, for
+     SMP_CKPT_FAULT's last words (tests only). smp_nccl.h starts none; device work is queued on the
+     engine's stream from the main thread. The engine's own threads (a data
+     loader, OpenMP or BLAS threads inside kernels) may run freely, but may
+     not call smp.
 
    HOOKS: define before including, in the implementation file:
      SMP_MALLOC(n) / SMP_FREE(p)   allocation (default malloc/free)
@@ -239,7 +316,7 @@ typedef struct smp_config {
     double memory_weight;           /* used only when has_memory_weight; default from optimize (speed 0, memory 1) */
     bool has_memory_weight;
     smp_trace_device trace_device;  /* default: gpu when a device backend is present, else cpu */
-    smp_switch trace_execution_times;  /* default off: each call timed once; on: best of 3 after a warm-up */
+    smp_switch trace_execution_times;  /* after a warm-up run, each call is timed 3 times; default off: their median; on: their best */
     smp_switch trace_memory_usage;     /* default off */
     smp_switch overlapping_allreduce;  /* default on */
     int backward_passes_per_step;      /* 0: 1 */
@@ -264,7 +341,10 @@ SMPDEF smp_status smp_config_from_json(const char *json, smp_config *cfg);
    cfg's), validates, and builds the groups. Collective over the communicator.
    On error every rank returns the same status. cfg may be NULL. */
 SMPDEF smp_status smp_init(const smp_config *cfg);
-/* Frees smp's state; finalizes MPI only if smp_init initialised it. */
+/* Frees smp's state; finalizes MPI only if smp_init initialised it.
+   Models and modules still alive are freed too (smp_model_free on each, in
+   creation order: collective where that is, so every rank must hold the
+   same models); pointers to them are dangling afterwards. */
 SMPDEF void smp_finalize(void);
 SMPDEF bool smp_is_initialized(void);
 SMPDEF const smp_config *smp_current_config(void); /* resolved values */
@@ -446,11 +526,21 @@ SMPDEF uint64_t smp_param_seed(const char *full_name);
 SMPDEF double smp_rng_uniform(uint64_t *state);
 
 /* ---------------------------------------------------------------- partition contexts */
+/* Modules created between push and pop go to `partition`, when
+   auto_partition is off. With auto_partition on (the default) the
+   partitioner places every module itself and contexts are ignored, as
+   SageMaker's smp.partition is; smp warns once per model on rank 0, naming
+   a module created in a context, so the placement is not silently lost. */
 SMPDEF void smp_partition_push(int partition);
 SMPDEF void smp_partition_pop(void);
 /* SMP_PARTITION(1) { child = smp_module_new(root, "child", &d); }
-   Leave the block normally (no break/return/goto out of it). */
-#define SMP_PARTITION(k) for (int smp__pctx_once = (smp_partition_push(k), 1); smp__pctx_once; smp__pctx_once = (smp_partition_pop(), 0))
+   Leave the block at its end: a break, return or goto out of it skips the
+   pop, and smp_model_new then fails naming the file and line of the
+   context left open. */
+#define SMP_PARTITION(k) \
+    for (int smp__pctx_once = (smp__partition_push_at((k), __FILE__, __LINE__), 1); smp__pctx_once; smp__pctx_once = (smp_partition_pop(), 0))
+/* smp_partition_push that remembers where the context was opened (for SMP_PARTITION). */
+SMPDEF void smp__partition_push_at(int partition, const char *file, int line);
 
 /* ---------------------------------------------------------------- the model */
 /* The engine's forward: calls modules through smp_call and sets outputs[i]
@@ -2626,8 +2716,10 @@ static void smp__drop_notices(MPI_Comm c) {
     }
 }
 
+static void smp__free_forgotten(void);
 SMPDEF void smp_finalize(void) {
     if (!smp__ctx.initialized) return;
+    smp__free_forgotten(); /* first: a model's pipeline state holds communicators and device memory */
     if (smp__ctx.has_device && smp__ctx.device.on_finalize) smp__ctx.device.on_finalize();
     smp__failures_reap(true);
     smp__free(smp__failures.sends);
@@ -3296,7 +3388,11 @@ static struct {
     smp_module **all; /* every module ever created, for cleanup */
     int nall, cap;
     int stack[64];
+    struct { const char *file; int line; } opened[64]; /* where each open context began (file NULL: smp_partition_push) */
     int depth;
+    bool stray_pop;          /* smp_partition_pop with no context open */
+    smp_model **models;      /* every live model, freed by smp_finalize if the engine did not */
+    int nmodels, models_cap;
     smp_status build_status; /* the first error made while building modules */
     char build_msg[sizeof smp__errbuf];
     bool tracing;
@@ -3346,14 +3442,55 @@ static void smp__build_error(smp_status st, const char *fmt, ...) {
     }
 }
 
-SMPDEF void smp_partition_push(int partition) {
-    if (smp__mod.depth >= 64) { smp__build_error(SMP_ERR_ARG, "SMP_PARTITION contexts nested more than 64 deep"); return; }
+SMPDEF void smp__partition_push_at(int partition, const char *file, int line) {
+    if (smp__mod.depth >= 64) {
+        /* 64 deep is in practice contexts left by break/return/goto: say where the first began */
+        if (smp__mod.opened[0].file)
+            smp__build_error(SMP_ERR_ARG, "SMP_PARTITION contexts nested more than 64 deep (the first opened at %s:%d); a break, return or goto "
+                             "out of an SMP_PARTITION block leaves its context open", smp__mod.opened[0].file, smp__mod.opened[0].line);
+        else smp__build_error(SMP_ERR_ARG, "SMP_PARTITION contexts nested more than 64 deep (smp_partition_push without smp_partition_pop?)");
+        return;
+    }
     if (partition < 0 || (smp__ctx.initialized && partition >= smp__ctx.cfg.partitions))
         smp__build_error(SMP_ERR_CONFIG, "SMP_PARTITION(%d): partition must be in 0..%d (partitions = %d)", partition,
                          smp__ctx.cfg.partitions - 1, smp__ctx.cfg.partitions);
+    smp__mod.opened[smp__mod.depth].file = file;
+    smp__mod.opened[smp__mod.depth].line = line;
     smp__mod.stack[smp__mod.depth++] = partition;
 }
-SMPDEF void smp_partition_pop(void) { if (smp__mod.depth > 0) smp__mod.depth--; }
+SMPDEF void smp_partition_push(int partition) { smp__partition_push_at(partition, NULL, 0); }
+SMPDEF void smp_partition_pop(void) {
+    if (smp__mod.depth > 0) smp__mod.depth--;
+    else smp__mod.stray_pop = true;
+}
+
+/* A context still open (or a pop without a push) when a model is made:
+   the engine left an SMP_PARTITION block early, and every module created
+   since went to that partition without anyone asking. The error names the
+   outermost open context; the stack is emptied so the next build starts
+   clean. */
+static smp_status smp__check_contexts_closed(void) {
+    smp_status st = SMP_OK;
+    if (smp__mod.depth > 0) {
+        int d = 0; /* the outermost: the first left open */
+        if (smp__mod.opened[d].file)
+            st = smp_error(SMP_ERR_STATE, "smp_model_new: the SMP_PARTITION(%d) context opened at %s:%d is still open (%d context%s open): a break, "
+                           "return or goto out of an SMP_PARTITION block skips closing it, and every module created since went to partition %d. "
+                           "Leave the block at its end (or call smp_partition_pop for every smp_partition_push)",
+                           smp__mod.stack[d], smp__mod.opened[d].file, smp__mod.opened[d].line, smp__mod.depth, smp__mod.depth == 1 ? "" : "s",
+                           smp__mod.stack[smp__mod.depth - 1]);
+        else
+            st = smp_error(SMP_ERR_STATE, "smp_model_new: smp_partition_push(%d) has no matching smp_partition_pop (%d context%s open): "
+                           "call smp_partition_pop once the modules of that partition are created",
+                           smp__mod.stack[d], smp__mod.depth, smp__mod.depth == 1 ? "" : "s");
+    } else if (smp__mod.stray_pop) {
+        st = smp_error(SMP_ERR_STATE, "smp_model_new: smp_partition_pop was called with no SMP_PARTITION context open "
+                       "(one pop too many: pair each smp_partition_push with one pop)");
+    }
+    smp__mod.depth = 0;
+    smp__mod.stray_pop = false;
+    return st;
+}
 
 SMPDEF smp_module *smp_module_new(smp_module *parent, const char *name, const smp_module_desc *desc) {
     if (!name || (parent && !*name) || strchr(name, '.')) {
@@ -3563,6 +3700,8 @@ SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, sm
         st = smp_error(smp__mod.build_status, "%s", smp__mod.build_msg);
         smp__mod.build_status = SMP_OK;
     }
+    if (!st) st = smp__check_contexts_closed();
+    else smp__mod.depth = 0, smp__mod.stray_pop = false;
     if (!st && (!root || !desc || !desc->forward)) st = smp_error(SMP_ERR_ARG, "smp_model_new needs a root module and a desc with a forward function");
     if (!st && root->parent) st = smp_error(SMP_ERR_ARG, "smp_model_new: module \"%s\" is not a root", root->full_name);
     if (!st && desc->on_device) st = smp__check_device_backend();
@@ -3572,6 +3711,9 @@ SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, sm
             st = smp_error(SMP_ERR_CONFIG, "module \"%s\" was created inside SMP_PARTITION(%d): partition must be in 0..%d (partitions = %d)",
                            bad->full_name, bad->context_partition, smp__ctx.cfg.partitions - 1, smp__ctx.cfg.partitions);
     }
+    /* the registry smp_finalize frees forgotten models from */
+    if (!st && !smp__grow((void **)&smp__mod.models, &smp__mod.models_cap, smp__mod.nmodels + 1, sizeof(smp_model *)))
+        st = smp__nomem(sizeof(smp_model *) * (size_t)(smp__mod.nmodels + 1), "the list of live models");
     if (st) { *out = NULL; return smp__agree_on(smp__ctx.world, st, "model construction"); }
     smp_model *m = (smp_model *)smp__alloc(sizeof *m, SMP__ALLOC_OTHER);
     memset(m, 0, sizeof *m);
@@ -3581,6 +3723,7 @@ SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, sm
     if (m->desc.noutputs <= 0) m->desc.noutputs = 1;
     int mcap = 0, pcap = 0;
     smp__collect(m, root, &mcap, &pcap);
+    smp__mod.models[smp__mod.nmodels++] = m; /* room made above */
     *out = m;
     return smp__agree_on(smp__ctx.world, SMP_OK, "model construction");
 }
@@ -3615,6 +3758,8 @@ static void smp__free_module(smp_module *m) {
 
 SMPDEF void smp_model_free(smp_model *m) {
     if (!m) return;
+    for (int j = 0; j < smp__mod.nmodels; j++)
+        if (smp__mod.models[j] == m) { memmove(smp__mod.models + j, smp__mod.models + j + 1, sizeof(smp_model *) * (size_t)(smp__mod.nmodels - j - 1)); smp__mod.nmodels--; break; }
     if (m->pipeline_free) m->pipeline_free(m->pipeline);
     for (int i = 0; i < m->nmodules; i++) {
         /* forget it in the registry, then free it */
@@ -3629,6 +3774,28 @@ SMPDEF void smp_model_free(smp_model *m) {
     smp__free(m->stage_rank); /* stage_first and stage_last share its block */
     smp__free(m->hooks);
     smp__free(m);
+}
+
+/* smp_finalize frees what the engine did not: models (with their modules,
+   parameters and pipeline state: each smp_model_free, collective as that
+   is, in creation order, the same on every rank) and modules never wrapped
+   in a model. Without it every rank leaks them, which LeakSanitizer and
+   UCX's exit checks report against the engine. Said only at INFO: freeing
+   at shutdown is the finalizer's job, not the engine's mistake. */
+static void smp__free_forgotten(void) {
+    int nmodels = smp__mod.nmodels, nloose = 0;
+    while (smp__mod.nmodels > 0) smp_model_free(smp__mod.models[0]);
+    for (int j = 0; j < smp__mod.nall; j++, nloose++) smp__free_module(smp__mod.all[j]);
+    if (nmodels || nloose)
+        smp__log(SMP_LOG_INFO, "smp_finalize freed %d model%s and %d module%s the program had not freed", nmodels, nmodels == 1 ? "" : "s",
+                nloose, nloose == 1 ? "" : "s");
+    smp__free(smp__mod.all);
+    smp__free(smp__mod.models);
+    smp__mod.all = NULL;
+    smp__mod.models = NULL;
+    smp__mod.nall = smp__mod.cap = smp__mod.nmodels = smp__mod.models_cap = 0;
+    smp__mod.depth = 0;
+    smp__mod.stray_pop = false;
 }
 
 SMPDEF bool smp_is_tracing(void) { return smp__mod.tracing; }
@@ -3902,6 +4069,15 @@ static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool r
    time to *time: a stage's cost is its forward and its backward, and the two
    differ per call (the first layer computes no input gradient, for one), so
    timing forwards alone misplaces the balance point. */
+/* The clock tracing times calls by. A host call's cost is the processor
+   time the process spends in it, not the wall time: on a machine whose
+   cores are shared (CI, a developer's laptop, ranks sharing cores) wall
+   times measure the neighbours, and partitioning on them moved modules from
+   run to run. Process time counts every thread, so a multithreaded kernel
+   weighs its whole work. Device work is asynchronous and waited for, so a
+   device call's cost is wall time up to the synchronisation. */
+static double smp__trace_now(bool device) { return device ? smp__now() : (double)clock() / CLOCKS_PER_SEC; }
+
 static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec, double *time) { /* time[0]: B, time[1]: W */
     if (!c->module->desc.backward && !smp__split_backward(c->module)) return SMP_OK;
     bool dev = smp__model_on_device(c->module->model);
@@ -3927,10 +4103,10 @@ static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec,
         c->grad_inputs = gin;
         smp_status (*sync)(void) = dev ? smp__ctx.device.synchronize : NULL;
         for (int half = 0; half < 2 && !st; half++) {
-            double t0 = smp__now();
+            double t0 = smp__trace_now(dev);
             st = smp__run_callback(c, half ? SMP__BACKWARD_WEIGHT : SMP__BACKWARD_INPUT);
             if (!st && sync) st = sync();
-            time[half] += smp__now() - t0;
+            time[half] += smp__trace_now(dev) - t0;
         }
         c->in_backward = false;
         c->grad_outputs = NULL;
@@ -3999,6 +4175,31 @@ static smp_status smp__check_composite(const smp_call_ctx *c, bool returned) {
         if (!c->output_set[i])
             return smp_error(SMP_ERR_MODULE, "composite module \"%s\" did not name output %d (smp_call_set_output)", m->full_name, i);
     return SMP_OK;
+}
+
+/* Timed runs of each leaf call after its warm-up run, when tracing. */
+#define SMP__TRACE_RUNS 3
+
+/* The run whose total time is the median of n (ties: the earliest), or
+   with best the fastest. Whole runs, not per-phase medians, so a call's
+   forward, B and W costs come from one run and add up to its time. */
+static int smp__trace_pick(double (*runs)[3], int n, bool best) {
+    int pick = 0;
+    for (int i = 0; i < n; i++) {
+        double ti = runs[i][0] + runs[i][1] + runs[i][2];
+        if (best) {
+            if (ti < runs[pick][0] + runs[pick][1] + runs[pick][2]) pick = i;
+            continue;
+        }
+        int below = 0, same_before = 0;
+        for (int j = 0; j < n; j++) {
+            double tj = runs[j][0] + runs[j][1] + runs[j][2];
+            below += tj < ti;
+            same_before += tj == ti && j < i;
+        }
+        if (below + same_before == (n - 1) / 2) pick = i; /* its rank in the sorted order is the middle one */
+    }
+    return pick;
 }
 
 /* Records leaf call `c` as the next call of the traced model: its inputs'
@@ -4127,12 +4328,13 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
     double param_bytes = smp__tree_param_bytes(m);
     int64_t before = smp__ctx.mem.current_bytes;
     /* device work is asynchronous: the time of a call is until the device has done it */
-    smp_status (*sync)(void) = smp__model_on_device(md) ? smp__ctx.device.synchronize : NULL;
+    bool on_dev = smp__model_on_device(md);
+    smp_status (*sync)(void) = on_dev ? smp__ctx.device.synchronize : NULL;
     if (sync) st = sync();
-    double t0 = smp__now();
+    double t0 = smp__trace_now(on_dev);
     if (!st) st = smp__run_callback(&c, SMP__FORWARD);
     if (!st && sync) st = sync();
-    double cost[3] = {smp__now() - t0, 0, 0};
+    double cost[3] = {smp__trace_now(on_dev) - t0, 0, 0};
     bool composite = c.made_calls;
     for (int i = 0; i < nout && !composite; i++) composite = c.output_set[i];
     if (composite) {
@@ -4158,16 +4360,27 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
         smp__call_rec probe; /* what trace_backward reads: which inputs are model inputs */
         probe.in = in;
         if (!st) st = smp__trace_backward(&c, &probe, cost + 1);
-        /* trace_execution_times: the run above warmed caches and touched
-           fresh memory; the best of a few more is the call's steady cost */
-        for (int r = 0; r < 3 && !st && smp__ctx.cfg.trace_execution_times == SMP_ON; r++) {
-            t0 = smp__now();
+        /* The run above is cold: caches, first-touched pages and the
+           engine's own first-call work (autotuning, lazy set-up) make it
+           slower by amounts that differ from call to call and run to run,
+           and partitioning on it split models unevenly and differently
+           each time. So it only warms up; the cost is taken from
+           SMP__TRACE_RUNS more: by default their median (one disturbed
+           run, a preemption, moves nothing), with trace_execution_times
+           their best (the steady cost, for a quiet machine). */
+        double runs[SMP__TRACE_RUNS][3];
+        int nruns = 0;
+        for (int r = 0; r < SMP__TRACE_RUNS && !st; r++) {
+            t0 = smp__trace_now(on_dev);
             st = smp__run_callback(&c, SMP__FORWARD);
             if (!st && sync) st = sync();
-            double t[3] = {smp__now() - t0, 0, 0};
+            double *t = runs[nruns];
+            t[0] = smp__trace_now(on_dev) - t0;
+            t[1] = t[2] = 0;
             if (!st) st = smp__trace_backward(&c, &probe, t + 1);
-            if (t[0] + t[1] + t[2] < cost[0] + cost[1] + cost[2]) memcpy(cost, t, sizeof cost);
+            if (!st) nruns++;
         }
+        if (!st && nruns) memcpy(cost, runs[smp__trace_pick(runs, nruns, smp__ctx.cfg.trace_execution_times == SMP_ON)], sizeof cost);
         if (st) {
             for (int i = 0; i < nout; i++) smp__free(c.outputs[i].data);
             smp__free(in);
@@ -4403,6 +4616,27 @@ SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nsta
 /* Pipeline zero_bubble_v's V: stage k of 2P on partition k, or 2P-1-k past the middle. */
 static int smp__vee_partition(int k, int P) { return k < P ? k : 2 * P - 1 - k; }
 
+/* auto_partition places every module itself and ignores SMP_PARTITION
+   contexts, as SageMaker's smp.partition is ignored under auto_partition.
+   An engine that wrote contexts meant a placement, so losing it silently
+   is the surprise: rank 0 says so once per model, naming a module and the
+   fix. A warning, not an error: a model written for manual placement
+   should still run when auto_partition is tried on it. */
+static void smp__warn_ignored_contexts(const smp_model *m) {
+    if (smp__ctx.rank != 0) return;
+    const smp_module *first = NULL;
+    int n = 0;
+    for (int i = 0; i < m->nmodules; i++)
+        if (m->modules[i]->context_partition >= 0) { n++; if (!first) first = m->modules[i]; }
+    if (!first) return;
+    char others[48] = "";
+    if (n > 1) snprintf(others, sizeof others, " (and %d other module%s)", n - 1, n == 2 ? "" : "s");
+    smp__log(SMP_LOG_WARN, "module \"%s\"%s was created inside SMP_PARTITION(%d), but auto_partition is on, so SMP_PARTITION contexts are "
+            "ignored and the partitioner places every module: to place modules by their contexts, turn auto_partition off "
+            "(cfg.auto_partition = SMP_OFF, or \"auto_partition\": false in SMP_CONFIG) and set default_partition for modules outside them",
+            *first->full_name ? first->full_name : "(root)", others, first->context_partition);
+}
+
 /* The partition of every leaf call: auto partitioning places top-level
    calls (a composite block moves whole), manual placement each leaf by its
    SMP_PARTITION context (its own, else the nearest composite caller's).
@@ -4430,6 +4664,7 @@ static smp_status smp__assign_partitions(smp_model *m, int *call_part, int *vee_
             costs[u].activation_bytes = m->units[u].activation_bytes;
         }
         smp_status st = smp_auto_partition(costs, nu, chunks, cfg->memory_weight, SMP__OPTIMIZER_STATE_FACTOR, unit_part, NULL);
+        smp__warn_ignored_contexts(m);
         for (int k = 0; k < n && !st; k++) {
             int c = unit_part[m->calls[k].unit];
             call_part[k] = vee ? smp__vee_partition(c, P) : c % P;

@@ -181,7 +181,8 @@
    uncovered, duplicate tensor names, non-string metadata, malformed or
    orphaned smp checksums.
 
-   TEST-ONLY FAULT INJECTION: with SMP_CKPT_FAULT set to one of
+   TEST-ONLY FAULT INJECTION (SMP_CKPT_FAULT, in smp.h's ENVIRONMENT
+   VARIABLES with the others; the phases are here): with it set to one of
        header   after the header is in the tmp file, before any data
        data     after the first write() call's bytes are in the tmp file
                 (or at commit when there is no data)

@@ -55,14 +55,10 @@
                              visible): smp_init still succeeds and host
                              tensors work; a device tensor is an error
                              (SMP_ERR_DEVICE) saying "no CUDA device" and why.
-     Environment:
-       SMP_NCCL=auto|nccl|staged  auto (default) as above; nccl makes a
-                             shared GPU an error at smp_init; staged forces
-                             the host-staged path (for debugging).
-       SMP_NCCL_SYNC=1       every collective also waits on the host until
-                             its result is ready (deadline, NCCL errors
-                             checked): turns a hang into a message.
-       SMP_TIMEOUT           the deadline of every wait (smp's).
+     Environment: SMP_NCCL=auto|nccl|staged picks the path (nccl makes a
+     shared GPU an error at smp_init, staged forces host staging),
+     SMP_NCCL_SYNC makes every collective wait on the host, SMP_TIMEOUT is
+     every wait's deadline: smp.h's ENVIRONMENT VARIABLES has them all.
 
    STREAMS: WHAT "DONE" MEANS
      The engine computes on one stream: the legacy default stream unless it

@@ -211,7 +211,7 @@ typedef smp_status (*smp_step_body_fn)(smp_mb *mb);
 
 typedef struct smp_step_desc {
     smp_model *model;
-    smp_step_body_fn body;   /* NULL: no body (evaluation that only wants outputs) */
+    smp_step_body_fn body;   /* NULL: no body; output i of the step is then model output i (evaluation that only wants outputs) */
     void *user;
     int nargs;
     smp_tensor args[SMP_MAX_STEP_ARGS];   /* the whole batch, identical on every rank of a replica */
@@ -231,7 +231,10 @@ typedef struct smp_step_output {
 /* Runs one step: slices the arguments into microbatches, runs the
    schedule, calls the body per microbatch, and gives every rank of the
    model replica the values the body returned, in outputs[0..noutputs-1]
-   (outputs may be NULL when noutputs is 0). Gradients accumulate into the
+   (outputs may be NULL when noutputs is 0). With body NULL the values are
+   the model's outputs themselves: outputs[i] holds model output i of each
+   microbatch (smp_step_output_concat gives the whole batch's), noutputs
+   at most the model's. Gradients accumulate into the
    local parameters' gradients, averaged over microbatches unless
    average_grads_across_microbatches is off, and with ddp over the replicas
    and backward_passes_per_step. smp averages by scaling the loss gradient
@@ -304,9 +307,10 @@ typedef struct smp_step_stats {
 } smp_step_stats;
 SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
 
-/* The timeline (SMP_TIMELINE=path): smp_model_free writes every rank's
-   operations into one Chrome trace / Perfetto JSON file on rank 0, so with
-   SMP_TIMELINE set smp_model_free is collective. */
+/* The timeline (SMP_TIMELINE=path; smp.h, ENVIRONMENT VARIABLES):
+   smp_model_free writes every rank's operations into one Chrome trace /
+   Perfetto JSON file on rank 0, so with SMP_TIMELINE set smp_model_free is
+   collective. */
 /* ======================================================================
    data parallelism and training helpers
    ====================================================================== */
@@ -1092,6 +1096,7 @@ typedef struct smp__pipe {
     int m;
     bool training;
     bool zb;               /* this step's schedule has W ops (zero bubble, training) */
+    int model_outs;        /* body NULL: how many of the model's outputs become the step's outputs */
     const smp_step_desc *desc;
     smp__mbstate *mb;
     smp__xfer *recv;       /* [(link * m + mb) * 2 + backward] */
@@ -2443,7 +2448,13 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
             zs = smp__tensor_zero(g);
             if (zs) return zs;
         }
-    if (!ps->desc->body) return SMP_OK;
+    if (!ps->desc->body) { /* no body: the model's outputs are what the step returns */
+        for (int o = 0; o < ps->model_outs; o++) {
+            smp_status rs = smp_mb_return(&mb, o, smp_mb_output(&mb, o));
+            if (rs) return rs;
+        }
+        return SMP_OK;
+    }
     double t0 = smp__now();
     smp__errbuf[0] = 0;
     smp_status rc = ps->desc->body(&mb);
@@ -2815,6 +2826,9 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     st = smp__check_step(d, md, m);
     if (!st && (nouts < 0 || nouts > SMP_MAX_STEP_ARGS || (nouts && !outs)))
         st = smp_error(SMP_ERR_ARG, "smp_step: %d outputs requested (0..%d, with an array)", nouts, SMP_MAX_STEP_ARGS);
+    if (!st && !d->body && nouts > md->desc.noutputs)
+        st = smp_error(SMP_ERR_ARG, "smp_step: %d outputs requested, but with body NULL the step's outputs are the model's, and it has %d "
+                       "(ask for at most %d, or give a body that returns more with smp_mb_return)", nouts, md->desc.noutputs, md->desc.noutputs);
     st = smp__agree_on(smp__ctx.world, st, "step arguments");
     if (st) return st;
     bool training = !d->evaluate;
@@ -2882,6 +2896,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     ps->training = training;
     ps->zb = training && smp__sched_split(sc->kind);
     ps->desc = d;
+    ps->model_outs = d->body ? 0 : nouts;
     ps->failed_remote = false;
     memset(ps->dev_sent, 0, sizeof(int) * 2 * (size_t)cfg->partitions); /* and dev_posted */
     int S = md->nstages, n = md->ncalls, me = smp__ctx.mp_rank;

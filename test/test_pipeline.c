@@ -261,11 +261,11 @@ static void run_error_case(int P) {
     int red_ok = !smp_step_output_reduce_mean(&eo[0], &lm) && !smp_step_output_reduce_mean(&eo[1], &om) &&
                  !smp_step_output_stack(&eo[1], &stk);
     double worst = 0;
-    for (int x = 0; red_ok && x < MB_ROWS * C; x++) {
+    for (int k = 0; red_ok && k < MB_ROWS * C; k++) {
         double want = 0;
-        for (int i = 0; i < 4; i++) want += ref.out[i * MB_ROWS * C + x];
+        for (int i = 0; i < 4; i++) want += ref.out[i * MB_ROWS * C + k];
         want /= 4;
-        double err = fabs(omean[x] - want) / (fabs(want) > 1e-3 ? fabs(want) : 1e-3);
+        double err = fabs(omean[k] - want) / (fabs(want) > 1e-3 ? fabs(want) : 1e-3);
         if (err > worst) worst = err;
     }
     snprintf(name, sizeof name, "pipeline/StepOutput reduce_mean (loss and outputs) and stack/P=%d", P);
@@ -277,6 +277,21 @@ static void run_error_case(int P) {
     MPI_CHECK(st == SMP_OK && g_bodies_eval == 0 && g_bodies_confused == 0 && g_bodies_training == (last ? 4 : 0), name,
               "%s: training step: %d bodies said training, %d evaluating, %d disagreed with their output gradient",
               st ? smp_last_error() : "counts", g_bodies_training, g_bodies_eval, g_bodies_confused);
+    /* body NULL: the step's outputs are the model's outputs, on every rank
+       (the header promises this for "evaluation that only wants outputs") */
+    smp_step_output no = {0};
+    memset(all, 0xff, sizeof all);
+    st = SMP_EVAL_STEP(model, NULL, NULL, &no, 1, x);
+    snprintf(name, sizeof name, "pipeline/evaluation step with body NULL returns the model's outputs/P=%d", P);
+    MPI_CHECK(st == SMP_OK && no.microbatches == 4 && !smp_step_output_concat(&no, &cat) && !memcmp(all, ref.out, sizeof all), name, "%s",
+              st ? smp_last_error() : no.microbatches != 4 ? "not one value per microbatch" : "outputs differ from the reference forward");
+    smp_step_output_free(&no);
+    smp_step_output two[2] = {{0}, {0}};
+    st = SMP_EVAL_STEP(model, NULL, NULL, two, 2, x);
+    snprintf(name, sizeof name, "pipeline/body NULL with more outputs than the model has is an error naming both counts/P=%d", P);
+    MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "body NULL") && strstr(smp_last_error(), "2 outputs requested") &&
+                  strstr(smp_last_error(), "it has 1"),
+              name, "status %d: %s", st, smp_last_error());
     smp_step_output_free(&outs[0]);
     smp_step_output_free(&eo[0]);
     smp_step_output_free(&eo[1]);

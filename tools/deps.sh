@@ -2,7 +2,7 @@
 # Installs what smp's build, tests and demo need, and nothing when all is there.
 # Debian packages by apt-get; Python test tools by pip.
 set -euo pipefail
-debs=(mpich libmpich-dev libdlpack-dev zlib1g-dev dataset-fashion-mnist fortunes libopenblas-dev clang libclang-rt-14-dev
+debs=(mpich libmpich-dev cmake libdlpack-dev zlib1g-dev dataset-fashion-mnist fortunes libopenblas-dev clang libclang-rt-14-dev
       python3-torch) # python3-torch: test-only (test/gpt_torch_check.py, run by Debian's /usr/bin/python3)
 missing=()
 for p in "${debs[@]}"; do

@@ -1,0 +1,16 @@
+# find_package(smp [COMPONENTS nccl]): smp::smp (MPI), and smp::nccl where
+# CUDA and NCCL are found (see smpNccl.cmake).
+include(CMakeFindDependencyMacro)
+find_dependency(MPI COMPONENTS C)
+find_dependency(Threads)
+include(${CMAKE_CURRENT_LIST_DIR}/smpTargets.cmake)
+include(${CMAKE_CURRENT_LIST_DIR}/smpNccl.cmake)
+foreach(smp_component ${smp_FIND_COMPONENTS})
+  if(NOT smp_component STREQUAL "nccl")
+    set(smp_FOUND FALSE)
+    set(smp_NOT_FOUND_MESSAGE "smp has no component \"${smp_component}\" (its one component is nccl)")
+  elseif(smp_FIND_REQUIRED_nccl AND NOT smp_nccl_FOUND)
+    set(smp_FOUND FALSE)
+    set(smp_NOT_FOUND_MESSAGE "${smp_nccl_NOT_FOUND_MESSAGE}")
+  endif()
+endforeach()
