@@ -13,8 +13,8 @@ INCLUDES  := -I. -Itest
 LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
-MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_device test_tied test_composite test_chaos
-SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/run_large.sh test/test_install.sh test/test_demo.sh test/test_gpt.sh test/run_fuzz.sh test/run_hosts.sh test/test_minimal.sh
+MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_device test_tied test_composite test_chaos test_mpi_errors
+SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/run_large.sh test/test_install.sh test/test_demo.sh test/test_gpt.sh test/run_fuzz.sh test/run_hosts.sh test/test_minimal.sh test/run_mpi_errors.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout test_exit test_large test_hosts
 # Under AddressSanitizer + UBSan at 4 ranks in make test: the whole of
@@ -23,14 +23,15 @@ HELPER_TESTS := test_timeout test_exit test_large test_hosts
 # replicas (DP and MP groups both of 2) in test_ddp, test_checkpoint
 # (partial saves by dp rank 0 of each partition, resharding) and test_chaos
 # (failures injected on a random rank: the error and cleanup paths), 4
-# pipeline stages in test_pipeline, and test_model. `make test-asan` runs
-# all of MPI_TESTS at 1, 2 and 4 ranks.
-ASAN4_TESTS := test_model test_pipeline test_ddp test_checkpoint test_chaos
+# pipeline stages in test_pipeline, and test_model, and test_mpi_errors (an
+# MPI failure at each call of a 4-stage step, 4 replicas' buckets: about a
+# minute). `make test-asan` runs all of MPI_TESTS at 1, 2 and 4 ranks.
+ASAN4_TESTS := test_model test_pipeline test_ddp test_checkpoint test_chaos test_mpi_errors
 # The script tests under the sanitizers: those that take build/asan, and the
 # example-based ones on build/examples-asan. (run_fuzz.sh is sanitized
 # already; run_hosts.sh preloads a shim that ASan's link-order check refuses
 # and runs on build/examples/gpt; test_install.sh builds its own program.)
-ASAN_SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/run_large.sh test/test_demo.sh test/test_gpt.sh
+ASAN_SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/run_large.sh test/test_demo.sh test/test_gpt.sh test/run_mpi_errors.sh
 ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
             SMP_SANITIZER_LOGS=1 SMP_EXAMPLES=$(CURDIR)/build/examples-asan
 BENCHES    := collectives partition schedule ddp checkpoint fmnist gpt nccl recompute

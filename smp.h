@@ -174,14 +174,37 @@
    take part in a collective the others are in already (the gather buffer
    of deterministic_reduction, a persistent all-reduce's buffer).
 
+   MPI ERRORS (one policy): smp sets MPI_ERRORS_RETURN on the communicators
+   it owns (it duplicates the engine's communicator, or MPI_COMM_WORLD, at
+   smp_init and derives every other from that copy) and never changes the
+   error handler of a communicator the engine holds. Every MPI call in the
+   four headers is checked. A failed call becomes SMP_ERR_MPI, its message
+   naming the call, its purpose, the peer or group, and MPI's own text.
+   In a step (pipeline messages, the shared-gradient exchange) and before
+   a save's or load's first agreement, the error reaches every rank through
+   the agreement that ends the call: SMP_ERR_MPI everywhere, no parameter
+   changed (a step does not count, the previous checkpoint stays) and the
+   next call may succeed. A collective called on its own (smp_all_reduce,
+   ...) and a step's data-parallel gradient bucket, whose MPI call fails on
+   some members, return the error there while a member waiting for them
+   aborts the job with their message (as for out of memory); a failure on
+   every member returns on every member. Where no agreement can follow -
+   inside the agreement itself, blocking collectives (smp_init's
+   communicators), a wait on a request others are in (a bucket in flight),
+   a checkpoint's collectives and data stream, the device backend's
+   start-up, a failure notice that cannot be sent - the job aborts with the
+   message. Releasing what no result depends on (MPI_Type_free,
+   MPI_Comm_free) logs a failure.
+
    VERSION AND LICENCE: SMP_VERSION_MAJOR/MINOR/PATCH and SMP_VERSION_STRING
    below; MIT (the LICENSE file next to the headers).
 
    TESTING: with SMP_TESTING defined, smp_testing_fail() makes the n-th
-   allocation, pipeline send or pipeline message check from now fail, so
-   tests can inject failures where they happen in real jobs. Test builds
-   also see the introspection only tests use (declared at the top of the
-   implementation, outside the API).
+   allocation, pipeline send, pipeline message check or MPI call whose
+   failure returns a status (SMP_FAULT_MPI; not those that abort) from now
+   fail, so tests can inject failures where they happen in real jobs. Test
+   builds also see the introspection only tests use (declared at the top of
+   the implementation, outside the API).
 */
 #ifndef SMP_H
 #define SMP_H
@@ -753,6 +776,7 @@ typedef enum smp_testing_fault {
     SMP_FAULT_ALLOC,   /* an allocation through smp returns NULL */
     SMP_FAULT_SEND,    /* a pipeline send reports an MPI failure */
     SMP_FAULT_MESSAGE, /* a pipeline message arrives with a corrupt header */
+    SMP_FAULT_MPI,     /* a checked MPI call is skipped and reports MPI_ERR_OTHER (see MPI ERRORS) */
     SMP_FAULT_COUNT
 } smp_testing_fault;
 SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip);
@@ -922,7 +946,7 @@ static void smp__fatal(const char *fmt, ...) {
     smp__vlog(SMP_LOG_ERROR, fmt, ap);
     va_end(ap);
     int up = 0;
-    MPI_Initialized(&up);
+    if (MPI_Initialized(&up) != MPI_SUCCESS) up = 0; /* then abort() alone ends this process */
     /* the launcher forwards stderr asynchronously: give the message time to
        leave before MPI_Abort tears every process down */
     smp__sleep_ns(200000000L);
@@ -930,13 +954,77 @@ static void smp__fatal(const char *fmt, ...) {
     abort();
 }
 
-static smp_status smp__mpi_error(int rc, const char *call) {
-    char text[MPI_MAX_ERROR_STRING];
-    int len = 0;
-    MPI_Error_string(rc, text, &len);
-    return smp_error(SMP_ERR_MPI, "%s failed: %s", call, text);
+/* MPI calls, under the MPI ERRORS policy above. Each checked call names its
+   purpose (printf-style, with the peer or group); a failure reads
+   "MPI_Isend failed sending <purpose>: <MPI_Error_string's text>".
+     SMP__MPI_CHECK(call, ...)  an smp_status: SMP_OK, or SMP_ERR_MPI with that message
+     SMP__MPI(call, ...)        the same, returned from the enclosing function on failure
+     SMP__MPI_FATAL(call, ...)  a failure aborts the job with the message (where no
+                                agreement is possible: inside the collective that agrees,
+                                a blocking collective, a request other ranks are in)
+     SMP__MPI_WARN(call, ...)   a failure is logged (releasing what no result depends on)
+   Under SMP_TESTING, SMP_FAULT_MPI counts the calls of SMP__MPI_CHECK and
+   SMP__MPI: an injected failure skips the call and returns MPI_ERR_OTHER. */
+#ifdef SMP_TESTING
+static bool smp__mpi_injected(void);
+#define SMP__MPI_RUN(call) (smp__mpi_injected() ? MPI_ERR_OTHER : (call))
+#else
+#define SMP__MPI_RUN(call) (call)
+#endif
+static void smp__mpi_vtext(char *out, size_t cap, int rc, const char *call, const char *fmt, va_list ap) {
+    char text[MPI_MAX_ERROR_STRING], purpose[512];
+    int len = 0, name = 0;
+    if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) snprintf(text, sizeof text, "MPI error code %d", rc);
+    vsnprintf(purpose, sizeof purpose, fmt, ap);
+    while (call[name] && call[name] != '(') name++; /* the function's name, not its arguments */
+    snprintf(out, cap, "%.*s failed %s: %s", name, call, purpose, text);
 }
-#define SMP__MPI(call) do { int rc__ = (call); if (rc__ != MPI_SUCCESS) return smp__mpi_error(rc__, #call); } while (0)
+static smp_status smp__mpi_check(int rc, const char *call, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static smp_status smp__mpi_check(int rc, const char *call, const char *fmt, ...) {
+    if (rc == MPI_SUCCESS) return SMP_OK;
+    char msg[sizeof smp__errbuf];
+    va_list ap;
+    va_start(ap, fmt);
+    smp__mpi_vtext(msg, sizeof msg, rc, call, fmt, ap);
+    va_end(ap);
+    return smp_error(SMP_ERR_MPI, "%s", msg);
+}
+static void smp__mpi_fatal(int rc, const char *call, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static void smp__mpi_fatal(int rc, const char *call, const char *fmt, ...) {
+    if (rc == MPI_SUCCESS) return;
+    char msg[sizeof smp__errbuf];
+    va_list ap;
+    va_start(ap, fmt);
+    smp__mpi_vtext(msg, sizeof msg, rc, call, fmt, ap);
+    va_end(ap);
+    smp__fatal("%s; the other ranks cannot learn of it otherwise, so the job aborts", msg);
+}
+static void smp__mpi_warn(int rc, const char *call, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static void smp__mpi_warn(int rc, const char *call, const char *fmt, ...) {
+    if (rc == MPI_SUCCESS) return;
+    char msg[sizeof smp__errbuf];
+    va_list ap;
+    va_start(ap, fmt);
+    smp__mpi_vtext(msg, sizeof msg, rc, call, fmt, ap);
+    va_end(ap);
+    smp__log(SMP_LOG_WARN, "%s", msg);
+}
+#define SMP__MPI_CHECK(call, ...) smp__mpi_check(SMP__MPI_RUN(call), #call, __VA_ARGS__)
+#define SMP__MPI(call, ...) do { smp_status smp_mpi_st_ = SMP__MPI_CHECK(call, __VA_ARGS__); if (smp_mpi_st_) return smp_mpi_st_; } while (0)
+#define SMP__MPI_FATAL(call, ...) smp__mpi_fatal((call), #call, __VA_ARGS__)
+#define SMP__MPI_WARN(call, ...) smp__mpi_warn((call), #call, __VA_ARGS__)
 
 /* MPI counts are int. n bytes as one (count, datatype): MPI_BYTE up to
    INT_MAX bytes, beyond that a derived type of 1 GiB blocks and the rest
@@ -947,18 +1035,20 @@ static smp_status smp__bytes_type(size_t n, int *count, MPI_Datatype *type) {
     *count = (int)n;
     if (n <= (size_t)INT_MAX) return SMP_OK;
     const size_t block = (size_t)1 << 30;
-    MPI_Datatype gib, blocks;
+    MPI_Datatype gib, blocks = MPI_DATATYPE_NULL;
     int lens[2] = {1, (int)(n % block)};
     MPI_Aint at[2] = {0, (MPI_Aint)(n - n % block)};
     MPI_Datatype parts[2];
-    SMP__MPI(MPI_Type_contiguous((int)block, MPI_BYTE, &gib));
-    SMP__MPI(MPI_Type_contiguous((int)(n / block), gib, &blocks));
+    SMP__MPI(MPI_Type_contiguous((int)block, MPI_BYTE, &gib), "making the datatype of a %zu-byte message", n);
+    smp_status st = SMP__MPI_CHECK(MPI_Type_contiguous((int)(n / block), gib, &blocks), "making the datatype of a %zu-byte message", n);
     parts[0] = blocks;
     parts[1] = MPI_BYTE;
-    SMP__MPI(MPI_Type_create_struct(lens[1] ? 2 : 1, lens, at, parts, type));
-    MPI_Type_free(&gib);
-    MPI_Type_free(&blocks);
-    SMP__MPI(MPI_Type_commit(type));
+    if (!st) st = SMP__MPI_CHECK(MPI_Type_create_struct(lens[1] ? 2 : 1, lens, at, parts, type), "making the datatype of a %zu-byte message", n);
+    if (!st && (st = SMP__MPI_CHECK(MPI_Type_commit(type), "committing the datatype of a %zu-byte message", n)))
+        SMP__MPI_WARN(MPI_Type_free(type), "releasing an uncommitted message datatype");
+    SMP__MPI_WARN(MPI_Type_free(&gib), "releasing a part of a message datatype");
+    if (blocks != MPI_DATATYPE_NULL) SMP__MPI_WARN(MPI_Type_free(&blocks), "releasing a part of a message datatype");
+    if (st) { *type = MPI_BYTE; return st; }
     *count = 1;
     return SMP_OK;
 }
@@ -1058,7 +1148,7 @@ static void *smp__dev_alloc(size_t n, smp__alloc_kind kind) {
 }
 
 #ifdef SMP_TESTING
-static struct { long events[SMP_FAULT_COUNT], fail_at[SMP_FAULT_COUNT]; } smp__testing = {{0}, {-1, -1, -1}};
+static struct { long events[SMP_FAULT_COUNT], fail_at[SMP_FAULT_COUNT]; } smp__testing = {{0}, {-1, -1, -1, -1}};
 SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip) { smp__testing.fail_at[kind] = skip < 0 ? -1 : smp__testing.events[kind] + skip; }
 SMPDEF long smp_testing_events(smp_testing_fault kind) { return smp__testing.events[kind]; }
 /* Counts an event of the kind; true when it is the one to fail. */
@@ -1067,6 +1157,7 @@ static bool smp__injected(smp_testing_fault kind) {
     smp__testing.fail_at[kind] = -1;
     return true;
 }
+static bool smp__mpi_injected(void) { return smp__injected(SMP_FAULT_MPI); }
 #else
 #define smp__injected(kind) false
 #endif
@@ -2376,13 +2467,15 @@ static void smp__check_member_failed(smp__group_info *gi, smp_group g) {
     for (;;) {
         int found = 0;
         MPI_Status status;
-        MPI_Iprobe(MPI_ANY_SOURCE, SMP__TAG_FAILED, gi->notices, &found, &status);
+        SMP__MPI_FATAL(MPI_Iprobe(MPI_ANY_SOURCE, SMP__TAG_FAILED, gi->notices, &found, &status), "looking for failure notices in %s",
+                       smp__group_name(g));
         if (!found) break;
         int len;
-        MPI_Get_count(&status, MPI_BYTE, &len);
+        SMP__MPI_FATAL(MPI_Get_count(&status, MPI_BYTE, &len), "sizing a failure notice in %s", smp__group_name(g));
         char msg[8 + sizeof smp__errbuf];
         if (len < 8 || len > (int)sizeof msg - 1) smp__fatal("a malformed failure message (%d bytes) in %s", len, smp__group_name(g));
-        MPI_Recv(msg, len, MPI_BYTE, status.MPI_SOURCE, SMP__TAG_FAILED, gi->notices, MPI_STATUS_IGNORE);
+        SMP__MPI_FATAL(MPI_Recv(msg, len, MPI_BYTE, status.MPI_SOURCE, SMP__TAG_FAILED, gi->notices, MPI_STATUS_IGNORE),
+                       "receiving a failure notice from %s rank %d", smp__group_name(g), status.MPI_SOURCE);
         msg[len] = 0;
         unsigned long long seq;
         memcpy(&seq, msg, 8);
@@ -2411,10 +2504,10 @@ static void smp__failures_reap(bool cancel) {
     for (int i = 0; i < smp__failures.n; i++) {
         smp__failure_send *f = &smp__failures.sends[i];
         int done = 0;
-        MPI_Test(&f->req, &done, MPI_STATUS_IGNORE);
+        SMP__MPI_FATAL(MPI_Test(&f->req, &done, MPI_STATUS_IGNORE), "completing a failure notice sent to a peer");
         if (!done && cancel) {
-            MPI_Cancel(&f->req);
-            MPI_Wait(&f->req, MPI_STATUS_IGNORE);
+            SMP__MPI_WARN(MPI_Cancel(&f->req), "withdrawing a failure notice nobody received");
+            SMP__MPI_WARN(MPI_Wait(&f->req, MPI_STATUS_IGNORE), "withdrawing a failure notice nobody received");
         }
         if (done || cancel) smp__free(f->buf);
         else smp__failures.sends[kept++] = *f;
@@ -2436,7 +2529,9 @@ static bool smp__send_failure(const void *head, size_t head_len, int dest, int t
     memcpy(buf + head_len, smp__errbuf, len);
     smp__failure_send *f = &smp__failures.sends[smp__failures.n++];
     f->buf = buf;
-    MPI_Isend(buf, (int)(head_len + len), MPI_BYTE, dest, tag, comm, &f->req);
+    /* the peer would wait for what this rank cannot do until SMP_TIMEOUT: stop the job now instead */
+    SMP__MPI_FATAL(MPI_Isend(buf, (int)(head_len + len), MPI_BYTE, dest, tag, comm, &f->req), "sending rank %d the failure \"%s\"", dest,
+                   smp__errbuf);
     return true;
 }
 
@@ -2461,7 +2556,7 @@ SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_gr
             int k = n - i < 16 ? n - i : 16;
             /* MPI_Test for one: MPICH 4.0's MPI_Testall fails on a started persistent collective */
             int rc = k == 1 ? MPI_Test(reqs + i, &all, statuses) : MPI_Testall(k, reqs + i, &all, statuses);
-            if (rc != MPI_SUCCESS) smp__fatal("MPI_Test%s failed while waiting for %s", k == 1 ? "" : "all", what);
+            smp__mpi_fatal(rc, k == 1 ? "MPI_Test" : "MPI_Testall", "waiting for %s", what);
         }
         if (all) return;
         /* past the spin: has a member failed the collective this rank waits in? */
@@ -2523,21 +2618,21 @@ static void smp__gather_hosts(void) {
     char name[MPI_MAX_PROCESSOR_NAME + 1];
     int len = 0, n = smp__ctx.size;
     memset(name, 0, sizeof name);
-    MPI_Get_processor_name(name, &len);
+    SMP__MPI_FATAL(MPI_Get_processor_name(name, &len), "naming this rank's host at smp_init");
     len++; /* the NUL */
     int *lens = (int *)smp__alloc(sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER);
     int ok = lens != NULL, all_ok = 0;
-    MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, smp__ctx.world);
+    SMP__MPI_FATAL(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, smp__ctx.world), "agreeing on memory for host names at smp_init (world)");
     if (!all_ok) { smp__free(lens); return; } /* messages then name no host */
-    MPI_Allgather(&len, 1, MPI_INT, lens, 1, MPI_INT, smp__ctx.world);
+    SMP__MPI_FATAL(MPI_Allgather(&len, 1, MPI_INT, lens, 1, MPI_INT, smp__ctx.world), "gathering host name lengths at smp_init (world)");
     int *at = lens + n;
     size_t total = 0;
     for (int i = 0; i < n; i++) { at[i] = (int)total; total += (size_t)lens[i]; }
     char *hosts = (char *)smp__alloc(total, SMP__ALLOC_OTHER);
     ok = hosts != NULL;
-    MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, smp__ctx.world);
+    SMP__MPI_FATAL(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, smp__ctx.world), "agreeing on memory for host names at smp_init (world)");
     if (!all_ok) { smp__free(hosts); smp__free(lens); return; }
-    MPI_Allgatherv(name, len, MPI_CHAR, hosts, lens, at, MPI_CHAR, smp__ctx.world);
+    SMP__MPI_FATAL(MPI_Allgatherv(name, len, MPI_CHAR, hosts, lens, at, MPI_CHAR, smp__ctx.world), "gathering host names at smp_init (world)");
     /* lens is no longer needed, at is: keep the block, offsets in its second half */
     memmove(lens, at, sizeof(int) * (size_t)n);
     smp__ctx.hosts = hosts;
@@ -2546,13 +2641,14 @@ static void smp__gather_hosts(void) {
 
 static smp_status smp__make_group(smp__group_info *gi, MPI_Comm comm) {
     gi->comm = comm;
-    MPI_Comm_dup(comm, &gi->objects);
-    MPI_Comm_dup(comm, &gi->notices);
-    MPI_Comm_rank(comm, &gi->rank);
-    MPI_Comm_size(comm, &gi->size);
+    SMP__MPI_FATAL(MPI_Comm_dup(comm, &gi->objects), "making a group's object communicator at smp_init");
+    SMP__MPI_FATAL(MPI_Comm_dup(comm, &gi->notices), "making a group's failure-notice communicator at smp_init");
+    /* the others go on into the group's MPI_Allgather, a blocking collective */
+    SMP__MPI_FATAL(MPI_Comm_rank(comm, &gi->rank), "asking this rank's place in a group at smp_init");
+    SMP__MPI_FATAL(MPI_Comm_size(comm, &gi->size), "asking a group's size at smp_init");
     gi->world_ranks = (int *)smp__alloc(sizeof(int) * (size_t)gi->size, SMP__ALLOC_OTHER);
     if (!gi->world_ranks) return smp_error(SMP_ERR_NOMEM, "out of memory building groups");
-    SMP__MPI(MPI_Allgather(&smp__ctx.rank, 1, MPI_INT, gi->world_ranks, 1, MPI_INT, comm));
+    SMP__MPI_FATAL(MPI_Allgather(&smp__ctx.rank, 1, MPI_INT, gi->world_ranks, 1, MPI_INT, comm), "gathering a group's world ranks at smp_init");
     return SMP_OK;
 }
 
@@ -2564,11 +2660,13 @@ static smp_status smp__make_group(smp__group_info *gi, MPI_Comm comm) {
    every rank with a failure of its own, so the message names the cause. */
 static smp_status smp__agree_on(MPI_Comm comm, smp_status local, const char *what) {
     int me, n;
-    MPI_Comm_rank(comm, &me);
-    MPI_Comm_size(comm, &n);
+    SMP__MPI_FATAL(MPI_Comm_rank(comm, &me), "agreeing on %s", what);
+    SMP__MPI_FATAL(MPI_Comm_size(comm, &n), "agreeing on %s", what);
     int mine = local == SMP_OK ? 2 * n : local == SMP_ERR_REMOTE ? n + me : me, first = 2 * n;
     MPI_Request req;
-    MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm, &req);
+    /* this is the agreement: a rank that cannot take part can tell nobody */
+    SMP__MPI_FATAL(MPI_Iallreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm, &req), "agreeing on %s (%s)", what,
+                   local ? smp__errbuf : "no error here");
     smp_wait_requests(1, &req, what, SMP_WORLD, -1);
     if (first == 2 * n) return SMP_OK;
     first %= n;
@@ -2576,17 +2674,20 @@ static smp_status smp__agree_on(MPI_Comm comm, smp_status local, const char *wha
     pkt.status = (int)local;
     memcpy(pkt.msg, smp__errbuf, sizeof pkt.msg);
     pkt.msg[sizeof pkt.msg - 1] = 0;
-    MPI_Ibcast(&pkt, (int)sizeof pkt, MPI_BYTE, first, comm, &req);
+    SMP__MPI_FATAL(MPI_Ibcast(&pkt, (int)sizeof pkt, MPI_BYTE, first, comm, &req), "sharing the error of rank %d in %s", first, what);
     smp_wait_requests(1, &req, what, SMP_WORLD, first);
     if (first != me) {
         int world_rank = first;
         if (smp__ctx.initialized) {
             MPI_Group a, b;
-            MPI_Comm_group(comm, &a);
-            MPI_Comm_group(smp__ctx.world, &b);
-            MPI_Group_translate_ranks(a, 1, &first, b, &world_rank);
-            MPI_Group_free(&a);
-            MPI_Group_free(&b);
+            if (SMP__MPI_CHECK(MPI_Comm_group(comm, &a), "naming the failed rank of %s", what) == SMP_OK) {
+                if (SMP__MPI_CHECK(MPI_Comm_group(smp__ctx.world, &b), "naming the failed rank of %s", what) == SMP_OK) {
+                    if (SMP__MPI_CHECK(MPI_Group_translate_ranks(a, 1, &first, b, &world_rank), "naming the failed rank of %s", what))
+                        world_rank = first; /* the message then names the rank in `comm` */
+                    SMP__MPI_WARN(MPI_Group_free(&b), "releasing a group");
+                }
+                SMP__MPI_WARN(MPI_Group_free(&a), "releasing a group");
+            }
         }
         return smp_error((smp_status)pkt.status, "rank %d: %s", world_rank, pkt.msg);
     }
@@ -2602,7 +2703,7 @@ static void smp__half_op_fns(void);
    finish what they can. It aborts the whole job instead, saying where it was. */
 static void smp__exit_guard(void) {
     int down = 0;
-    MPI_Finalized(&down);
+    if (MPI_Finalized(&down) != MPI_SUCCESS) return; /* at exit, with nothing to report it to */
     if (!smp__ctx.initialized || down || smp__aborting) return;
     char where[160];
     if (smp__ctx.at.in_step && smp__ctx.at.op) {
@@ -2622,16 +2723,15 @@ static void smp__exit_guard(void) {
 SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     if (smp__ctx.initialized) return smp_error(SMP_ERR_STATE, "smp_init called twice");
     int up = 0, down = 0;
-    MPI_Finalized(&down);
+    SMP__MPI_FATAL(MPI_Finalized(&down), "asking whether MPI was finalized (smp_init)");
     if (down) /* MPI cannot start twice in one process */
         return smp_error(SMP_ERR_STATE, "smp_init after MPI was finalized: MPI cannot start again in this process "
                                         "(to init smp several times, call MPI_Init yourself before the first smp_init)");
-    MPI_Initialized(&up);
+    SMP__MPI_FATAL(MPI_Initialized(&up), "asking whether MPI is initialized (smp_init)");
     bool owns = false;
     if (!up) {
         int provided;
-        if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
-            return smp_error(SMP_ERR_MPI, "MPI_Init_thread failed");
+        SMP__MPI(MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided), "starting MPI (smp_init)");
         owns = true;
     }
     smp_config cfg;
@@ -2642,9 +2742,15 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     MPI_Comm host = memcmp(&cfg.comm, &zero_comm, sizeof zero_comm) == 0 ? MPI_COMM_WORLD : cfg.comm;
 
     int size, rank;
-    MPI_Comm_size(host, &size);
-    MPI_Comm_rank(host, &rank);
+    /* smp's own copy of the engine's communicator, with MPI_ERRORS_RETURN:
+       the engine's keeps its error handler. Until the agreement below, a
+       rank that fails and returns would leave the others inside
+       MPI_Comm_dup, a blocking collective: these failures abort */
+    SMP__MPI_FATAL(MPI_Comm_size(host, &size), "asking the size of the engine's communicator (smp_init)");
+    SMP__MPI_FATAL(MPI_Comm_rank(host, &rank), "asking this rank in the engine's communicator (smp_init)");
     smp_status st = SMP_OK;
+    SMP__MPI_FATAL(MPI_Comm_dup(host, &smp__ctx.world), "copying the engine's communicator (smp_init)");
+    SMP__MPI_FATAL(MPI_Comm_set_errhandler(smp__ctx.world, MPI_ERRORS_RETURN), "setting MPI_ERRORS_RETURN on smp's communicator (smp_init)");
     const char *env = getenv("SMP_CONFIG");
     if (env && *env) {
         st = smp_config_from_json(env, &cfg);
@@ -2652,29 +2758,29 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     }
     if (!st) st = smp_config_resolve(&cfg, size, &smp__ctx.cfg);
     smp__ctx.rank = rank;
-    st = smp__agree_on(host, st, "configuration agreement");
+    st = smp__agree_on(smp__ctx.world, st, "configuration agreement");
     if (st) {
-        if (owns) MPI_Finalize();
+        SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.world), "releasing smp's communicator after a failed smp_init");
+        if (owns) SMP__MPI_WARN(MPI_Finalize(), "finalizing MPI after a failed smp_init");
         return st;
     }
     smp__ctx.cfg.comm = host;
     smp__ctx.owns_mpi = owns;
     smp__ctx.size = size;
-    MPI_Comm_dup(host, &smp__ctx.world);
     smp__gather_hosts();
 
     MPI_Comm local;
-    MPI_Comm_split_type(smp__ctx.world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
-    MPI_Comm_rank(local, &smp__ctx.local_rank);
-    MPI_Comm_size(local, &smp__ctx.local_size);
-    MPI_Comm_free(&local);
+    SMP__MPI_FATAL(MPI_Comm_split_type(smp__ctx.world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local), "finding the ranks on this host (smp_init)");
+    SMP__MPI_FATAL(MPI_Comm_rank(local, &smp__ctx.local_rank), "asking this rank's place on its host (smp_init)");
+    SMP__MPI_FATAL(MPI_Comm_size(local, &smp__ctx.local_size), "asking how many ranks share this host (smp_init)");
+    SMP__MPI_WARN(MPI_Comm_free(&local), "releasing the host communicator");
 
     smp_topology_of(rank, size, smp__ctx.cfg.partitions, smp__ctx.cfg.placement_strategy, &smp__ctx.mp_rank, &smp__ctx.dp_rank);
     MPI_Comm mp, dp;
-    MPI_Comm_split(smp__ctx.world, smp__ctx.dp_rank, smp__ctx.mp_rank, &mp);
-    MPI_Comm_split(smp__ctx.world, smp__ctx.mp_rank, smp__ctx.dp_rank, &dp);
+    SMP__MPI_FATAL(MPI_Comm_split(smp__ctx.world, smp__ctx.dp_rank, smp__ctx.mp_rank, &mp), "making MP_GROUP (smp_init)");
+    SMP__MPI_FATAL(MPI_Comm_split(smp__ctx.world, smp__ctx.mp_rank, smp__ctx.dp_rank, &dp), "making DP_GROUP (smp_init)");
     MPI_Comm w;
-    MPI_Comm_dup(smp__ctx.world, &w);
+    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.world, &w), "making the world group's communicator (smp_init)");
     smp__ctx.initialized = true; /* the group builders below use the context */
     if ((st = smp__make_group(&smp__ctx.groups[SMP_WORLD], w)) || (st = smp__make_group(&smp__ctx.groups[SMP_MP_GROUP], mp)) ||
         (st = smp__make_group(&smp__ctx.groups[SMP_DP_GROUP], dp))) {
@@ -2693,7 +2799,7 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
 
 static void smp__persist_free(smp__persist *p) {
     if (!p->staging) return; /* empty */
-    MPI_Request_free(&p->req);
+    SMP__MPI_WARN(MPI_Request_free(&p->req), "releasing a persistent all-reduce");
     smp__free(p->staging);
     memset(p, 0, sizeof *p);
 }
@@ -2706,13 +2812,14 @@ static void smp__drop_notices(MPI_Comm c) {
         int found = 0;
         MPI_Message m;
         MPI_Status st;
-        MPI_Improbe(MPI_ANY_SOURCE, SMP__TAG_FAILED, c, &found, &m, &st);
+        if (SMP__MPI_CHECK(MPI_Improbe(MPI_ANY_SOURCE, SMP__TAG_FAILED, c, &found, &m, &st), "taking in stale failure notices (smp_finalize)"))
+            smp__log(SMP_LOG_WARN, "%s", smp_last_error());
         if (!found) return;
         char msg[8 + sizeof smp__errbuf];
         int len = 0;
-        MPI_Get_count(&st, MPI_BYTE, &len);
+        SMP__MPI_WARN(MPI_Get_count(&st, MPI_BYTE, &len), "sizing a stale failure notice (smp_finalize)");
         if (len < 0 || len > (int)sizeof msg) len = (int)sizeof msg;
-        MPI_Mrecv(msg, len, MPI_BYTE, &m, MPI_STATUS_IGNORE);
+        SMP__MPI_WARN(MPI_Mrecv(msg, len, MPI_BYTE, &m, MPI_STATUS_IGNORE), "taking in a stale failure notice (smp_finalize)");
     }
 }
 
@@ -2727,10 +2834,10 @@ SMPDEF void smp_finalize(void) {
     for (int g = 0; g < SMP_GROUP_COUNT; g++) {
         smp__free(smp__ctx.groups[g].failed_ahead_msg);
         for (int i = 0; i < SMP__PERSIST_SLOTS; i++) smp__persist_free(&smp__ctx.groups[g].persist[i]);
-        MPI_Comm_free(&smp__ctx.groups[g].comm);
-        MPI_Comm_free(&smp__ctx.groups[g].objects);
+        SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.groups[g].comm), "releasing %s (smp_finalize)", smp__group_name((smp_group)g));
+        SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.groups[g].objects), "releasing %s's object communicator (smp_finalize)", smp__group_name((smp_group)g));
         smp__drop_notices(smp__ctx.groups[g].notices);
-        MPI_Comm_free(&smp__ctx.groups[g].notices);
+        SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.groups[g].notices), "releasing %s's notice communicator (smp_finalize)", smp__group_name((smp_group)g));
         smp__free(smp__ctx.groups[g].world_ranks);
     }
     smp__free(smp__ctx.hosts);
@@ -2739,9 +2846,9 @@ SMPDEF void smp_finalize(void) {
     smp__ctx.host_at = NULL;
     for (int d = 0; d < 2; d++)
         for (int o = 0; o < 5; o++)
-            if (smp__ctx.half_ops[d][o] != MPI_OP_NULL) MPI_Op_free(&smp__ctx.half_ops[d][o]);
-    MPI_Type_free(&smp__ctx.half_type);
-    MPI_Comm_free(&smp__ctx.world);
+            if (smp__ctx.half_ops[d][o] != MPI_OP_NULL) SMP__MPI_WARN(MPI_Op_free(&smp__ctx.half_ops[d][o]), "releasing a half-precision reduction");
+    SMP__MPI_WARN(MPI_Type_free(&smp__ctx.half_type), "releasing the half-precision datatype");
+    SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.world), "releasing smp's copy of the engine's communicator (smp_finalize)");
     bool owns = smp__ctx.owns_mpi;
     smp_memory_stats mem = smp__ctx.mem;
     smp_device_backend dev = smp__ctx.device;
@@ -2750,7 +2857,7 @@ SMPDEF void smp_finalize(void) {
     smp__ctx.mem = mem;
     smp__ctx.device = dev;
     smp__ctx.has_device = has_dev;
-    if (owns) MPI_Finalize();
+    if (owns) SMP__MPI_WARN(MPI_Finalize(), "finalizing MPI (smp_finalize)");
 }
 
 SMPDEF void smp_register_device_backend(const smp_device_backend *b) {
@@ -2789,9 +2896,14 @@ SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_group grou
         return st;
     }
     MPI_Request req;
-    int rc = MPI_Isend(buf, count, type, dest, SMP__TAG_OBJECT, comm, &req);
-    if (type != MPI_BYTE) MPI_Type_free(&type);
-    if (rc != MPI_SUCCESS) return smp__mpi_error(rc, "MPI_Isend");
+    st = SMP__MPI_CHECK(MPI_Isend(buf, count, type, dest, SMP__TAG_OBJECT, comm, &req), "sending an object (smp_send) to %s rank %d",
+                        smp__group_name(g), dest);
+    if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing an object's datatype");
+    if (st) { /* as above: the receiver hears of it */
+        smp__failures_reap(false);
+        smp__send_failure(NULL, 0, dest, SMP__TAG_SEND_FAILED, comm);
+        return st;
+    }
     smp_wait_requests(1, &req, "smp_send to be received", g, dest);
     return SMP_OK;
 }
@@ -2807,16 +2919,18 @@ SMPDEF smp_status smp_recv_from(int src, smp_group group, void **buf, size_t *le
     int found = 0;
     smp__backoff b = smp__backoff_start();
     for (;;) {
-        SMP__MPI(MPI_Improbe(src, MPI_ANY_TAG, comm, &found, &msg, &status));
+        SMP__MPI(MPI_Improbe(src, MPI_ANY_TAG, comm, &found, &msg, &status), "looking for an object (smp_recv_from) from %s rank %d",
+                 smp__group_name(g), src);
         if (found) break;
         if (!smp__backoff_pause(&b)) smp__timeout_abort("an object (smp_recv_from)", g, src, smp__now() - b.start);
     }
     MPI_Count bytes;
-    MPI_Get_elements_x(&status, MPI_BYTE, &bytes); /* MPI_Get_count's int stops at 2 GiB */
+    /* MPI_Get_count's int stops at 2 GiB; the message is matched to this rank: a failure loses it */
+    SMP__MPI_FATAL(MPI_Get_elements_x(&status, MPI_BYTE, &bytes), "sizing an object from %s rank %d", smp__group_name(g), src);
     if (status.MPI_TAG == SMP__TAG_SEND_FAILED) {
         char why[sizeof smp__errbuf];
         if (bytes < 0 || bytes > (MPI_Count)sizeof why - 1) smp__fatal("a malformed send-failure notice (%lld bytes)", (long long)bytes);
-        MPI_Mrecv(why, (int)bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE);
+        SMP__MPI(MPI_Mrecv(why, (int)bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE), "receiving a send-failure notice from %s rank %d", smp__group_name(g), src);
         why[bytes] = 0;
         return smp_error(SMP_ERR_REMOTE, "smp_recv_from: %s rank %d (world rank %d) failed its smp_send to this rank: %s", smp__group_name(g), src,
                          smp_group_world_rank(g, src), why);
@@ -2831,9 +2945,9 @@ SMPDEF smp_status smp_recv_from(int src, smp_group group, void **buf, size_t *le
         return smp_error(st, "smp_recv_from: the object from %s rank %d is lost: %s", smp__group_name(g), src, smp_last_error());
     }
     MPI_Request req;
-    int rc = MPI_Imrecv(p, count, type, &msg, &req);
-    if (type != MPI_BYTE) MPI_Type_free(&type);
-    if (rc != MPI_SUCCESS) { smp__free(p); return smp__mpi_error(rc, "MPI_Imrecv"); }
+    st = SMP__MPI_CHECK(MPI_Imrecv(p, count, type, &msg, &req), "receiving an object (smp_recv_from) from %s rank %d", smp__group_name(g), src);
+    if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing an object's datatype");
+    if (st) { smp__free(p); return st; }
     smp_wait_requests(1, &req, "an object's bytes", g, src);
     p[n] = 0; /* convenient for strings */
     *buf = p;
@@ -2856,16 +2970,22 @@ static smp_status smp__broadcast_bytes(void **buf, size_t *len, int root, smp_gr
     if (root < 0 || root >= gi->size) return smp_error(SMP_ERR_ARG, "smp_broadcast_bytes: root %d is outside the %s (size %d)", root, smp__group_name(g), gi->size);
     uint64_t n = gi->rank == root ? (uint64_t)*len : 0;
     MPI_Request req;
-    SMP__MPI(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, gi->comm, &req));
+    SMP__MPI(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, gi->comm, &req), "broadcasting a length (smp_broadcast_bytes) from %s rank %d", smp__group_name(g), root);
     smp_wait_requests(1, &req, "broadcast length", g, root);
     char *into = gi->rank == root ? (char *)*buf : (char *)smp__bytes_or(&st, (size_t)n + 1, SMP__ALLOC_OTHER, "a broadcast's bytes");
     /* in pieces of `spare`'s size, so a member without the memory for the
        whole still takes part (into spare, which is touched only then) and
        returns SMP_ERR_NOMEM instead of leaving the others waiting */
     static char spare[1 << 20];
+    smp_status st2;
     for (uint64_t at = 0; at < n; at += sizeof spare) {
         int piece = (int)(n - at < sizeof spare ? n - at : sizeof spare);
-        SMP__MPI(MPI_Ibcast(into ? into + at : spare, piece, MPI_BYTE, root, gi->comm, &req));
+        st2 = SMP__MPI_CHECK(MPI_Ibcast(into ? into + at : spare, piece, MPI_BYTE, root, gi->comm, &req), "broadcasting bytes (smp_broadcast_bytes) from %s rank %d",
+                             smp__group_name(g), root);
+        if (st2) {
+            if (gi->rank != root) smp__free(into);
+            return st2;
+        }
         smp_wait_requests(1, &req, "broadcast bytes", g, root);
     }
     if (st || gi->rank == root) return st;
@@ -2890,14 +3010,23 @@ static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g,
     if (st) return st;
     int *displs = counts + n;
     MPI_Request req;
-    MPI_Iallgather(&mine, 1, MPI_INT, counts, 1, MPI_INT, gi->comm, &req);
+    if ((st = SMP__MPI_CHECK(MPI_Iallgather(&mine, 1, MPI_INT, counts, 1, MPI_INT, gi->comm, &req), "gathering lengths (smp_all_gather_bytes) in %s",
+                             smp__group_name(g)))) {
+        smp__free(counts);
+        return st;
+    }
     smp_wait_requests(1, &req, "allgather lengths", g, -1);
     int64_t total = 0;
     for (int i = 0; i < n; i++) { displs[i] = (int)total; total += counts[i]; lens[i] = (size_t)counts[i]; }
     if (total > INT32_MAX) { smp__free(counts); return smp_error(SMP_ERR_ARG, "smp_all_gather_bytes: %lld bytes in all is more than one gather carries", (long long)total); }
     char *all = (char *)smp__alloc_or(&st, (size_t)total + 1, SMP__ALLOC_OTHER, "smp_all_gather_bytes's result");
     if (st) { smp__free(counts); return st; }
-    MPI_Iallgatherv(buf, mine, MPI_BYTE, all, counts, displs, MPI_BYTE, gi->comm, &req);
+    if ((st = SMP__MPI_CHECK(MPI_Iallgatherv(buf, mine, MPI_BYTE, all, counts, displs, MPI_BYTE, gi->comm, &req),
+                             "gathering bytes (smp_all_gather_bytes) in %s", smp__group_name(g)))) {
+        smp__free(all);
+        smp__free(counts);
+        return st;
+    }
     smp_wait_requests(1, &req, "allgather bytes", g, -1);
     all[total] = 0;
     smp__free(counts);
@@ -2915,7 +3044,7 @@ static smp_status smp__barrier(smp_group g) {
     smp_status st = smp__group_arg(g, "smp_barrier", &gi);
     if (st) return st;
     MPI_Request req;
-    SMP__MPI(MPI_Ibarrier(gi->comm, &req));
+    SMP__MPI(MPI_Ibarrier(gi->comm, &req), "entering a barrier in %s", smp__group_name(g));
     smp_wait_requests(1, &req, "barrier", g, -1);
     return SMP_OK;
 }
@@ -2948,9 +3077,10 @@ static void smp__half_op_fns(void) {
     MPI_User_function *fns[2][5] = {{smp__f16_sum, smp__f16_sum, smp__f16_min, smp__f16_max, smp__f16_prod},
                                     {smp__bf16_sum, smp__bf16_sum, smp__bf16_min, smp__bf16_max, smp__bf16_prod}};
     for (int d = 0; d < 2; d++)
-        for (int o = 0; o < 5; o++) MPI_Op_create(fns[d][o], 1, &smp__ctx.half_ops[d][o]);
-    MPI_Type_contiguous(2, MPI_BYTE, &smp__ctx.half_type);
-    MPI_Type_commit(&smp__ctx.half_type);
+        for (int o = 0; o < 5; o++)
+            SMP__MPI_FATAL(MPI_Op_create(fns[d][o], 1, &smp__ctx.half_ops[d][o]), "making a half-precision reduction (smp_init)");
+    SMP__MPI_FATAL(MPI_Type_contiguous(2, MPI_BYTE, &smp__ctx.half_type), "making the half-precision datatype (smp_init)");
+    SMP__MPI_FATAL(MPI_Type_commit(&smp__ctx.half_type), "making the half-precision datatype (smp_init)");
 }
 
 static MPI_Datatype smp__mpi_type(smp_dtype dt) {
@@ -3081,14 +3211,14 @@ static smp__persist *smp__persist_slot(smp__group_info *gi, int count, MPI_Datat
             if (gi->persist[i].last_use < p->last_use) p = &gi->persist[i];
         smp__persist_free(p);
         int size;
-        MPI_Type_size(type, &size);
+        SMP__MPI_FATAL(MPI_Type_size(type, &size), "sizing a persistent all-reduce's elements");
         size_t bytes = (size_t)count * (size_t)size;
         p->staging = (char *)smp__alloc(bytes, SMP__ALLOC_OTHER);
         if (!p->staging) /* the others make the persistent collective now: this rank cannot stay out */
             smp__fatal("out of memory: %zu bytes for a persistent all-reduce's buffer on rank %d, which the group's other ranks are "
                        "setting up; the job stops (free memory and run it again)", bytes, smp__ctx.rank);
-        if (MPI_Allreduce_init(MPI_IN_PLACE, p->staging, count, type, op, gi->comm, MPI_INFO_NULL, &p->req) != MPI_SUCCESS)
-            smp__fatal("MPI_Allreduce_init failed");
+        SMP__MPI_FATAL(MPI_Allreduce_init(MPI_IN_PLACE, p->staging, count, type, op, gi->comm, MPI_INFO_NULL, &p->req),
+                       "setting up a persistent all-reduce, which the group's other ranks are setting up too");
         p->count = count;
         p->type = type;
         p->op = op;
@@ -3114,12 +3244,13 @@ static smp_status smp__all_reduce(const smp_tensor *in, smp_tensor *out, smp_op 
     smp__persist *p = bytes && bytes <= SMP__PERSIST_MAX_BYTES ? smp__persist_slot(gi, n, smp__mpi_type(in->dtype), mop) : NULL;
     if (p) {
         memcpy(p->staging, in->data, bytes);
-        SMP__MPI(MPI_Start(&p->req));
+        SMP__MPI(MPI_Start(&p->req), "starting an all_reduce in %s", smp__group_name(g));
         smp_wait_requests(1, &p->req, "all_reduce", g, -1);
         memcpy(out->data, p->staging, bytes);
     } else {
         MPI_Request req;
-        SMP__MPI(MPI_Iallreduce(in->data == out->data ? MPI_IN_PLACE : in->data, out->data, n, smp__mpi_type(in->dtype), mop, gi->comm, &req));
+        SMP__MPI(MPI_Iallreduce(in->data == out->data ? MPI_IN_PLACE : in->data, out->data, n, smp__mpi_type(in->dtype), mop, gi->comm, &req),
+                 "starting an all_reduce in %s", smp__group_name(g));
         smp_wait_requests(1, &req, "all_reduce", g, -1);
     }
     if (op == SMP_AVG) smp__scale(out->data, out->dtype, n, 1.0 / gi->size);
@@ -3138,7 +3269,8 @@ static smp_status smp__broadcast(smp_tensor *t, int root, smp_group g) {
     if (root < 0 || root >= gi->size) return smp_error(SMP_ERR_ARG, "smp_broadcast: root %d is outside the %s (size %d)", root, smp__group_name(g), gi->size);
     if (t->device != SMP_HOST) return smp__ctx.device.broadcast(t, root, g);
     MPI_Request req;
-    SMP__MPI(MPI_Ibcast(t->data, (int)smp_tensor_numel(t), smp__mpi_type(t->dtype), root, gi->comm, &req));
+    SMP__MPI(MPI_Ibcast(t->data, (int)smp_tensor_numel(t), smp__mpi_type(t->dtype), root, gi->comm, &req), "starting a broadcast from %s rank %d",
+             smp__group_name(g), root);
     smp_wait_requests(1, &req, "broadcast", g, root);
     return SMP_OK;
 }
@@ -3163,7 +3295,8 @@ static smp_status smp__reduce(const smp_tensor *in, smp_tensor *out, smp_op op, 
     int n = (int)smp_tensor_numel(in);
     const void *send = is_root && in->data == out->data ? MPI_IN_PLACE : in->data;
     MPI_Request req;
-    SMP__MPI(MPI_Ireduce(send, is_root ? out->data : NULL, n, smp__mpi_type(in->dtype), mop, root, gi->comm, &req));
+    SMP__MPI(MPI_Ireduce(send, is_root ? out->data : NULL, n, smp__mpi_type(in->dtype), mop, root, gi->comm, &req), "starting a reduce to %s rank %d",
+             smp__group_name(g), root);
     smp_wait_requests(1, &req, "reduce", g, root);
     if (is_root && op == SMP_AVG) smp__scale(out->data, out->dtype, n, 1.0 / gi->size);
     return SMP_OK;
@@ -3186,7 +3319,7 @@ static smp_status smp__all_gather(const smp_tensor *in, smp_tensor *out, smp_gro
     const void *send = (const char *)out->data + block * (size_t)gi->rank == (const char *)in->data ? MPI_IN_PLACE : in->data;
     MPI_Request req;
     MPI_Datatype t = smp__mpi_type(in->dtype);
-    SMP__MPI(MPI_Iallgather(send, (int)n, t, out->data, (int)n, t, gi->comm, &req));
+    SMP__MPI(MPI_Iallgather(send, (int)n, t, out->data, (int)n, t, gi->comm, &req), "starting an all_gather in %s", smp__group_name(g));
     smp_wait_requests(1, &req, "all_gather", g, -1);
     return SMP_OK;
 }
@@ -3213,7 +3346,8 @@ static smp_status smp__reduce_scatter(const smp_tensor *in, smp_tensor *out, smp
     void *dst = overlap ? smp__alloc_or(&st, bytes, SMP__ALLOC_OTHER, "smp_reduce_scatter's scratch block") : out->data;
     if (st) return st;
     MPI_Request req;
-    SMP__MPI(MPI_Ireduce_scatter_block(in->data, dst, (int)n, smp__mpi_type(in->dtype), mop, gi->comm, &req));
+    SMP__MPI(MPI_Ireduce_scatter_block(in->data, dst, (int)n, smp__mpi_type(in->dtype), mop, gi->comm, &req), "starting a reduce_scatter in %s",
+             smp__group_name(g));
     smp_wait_requests(1, &req, "reduce_scatter", g, -1);
     if (overlap) { memcpy(out->data, dst, bytes); smp__free(dst); }
     if (op == SMP_AVG) smp__scale(out->data, out->dtype, n, 1.0 / gi->size);
@@ -3265,12 +3399,12 @@ static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, 
     }
     MPI_Request req;
     MPI_Datatype t = smp__mpi_type(in->dtype);
-    int rc = MPI_Ialltoallv(send, scount, sdispl, t, out->data, rcount, rdispl, t, gi->comm, &req);
-    if (rc == MPI_SUCCESS) smp_wait_requests(1, &req, "all_to_all_single", g, -1);
+    st = SMP__MPI_CHECK(MPI_Ialltoallv(send, scount, sdispl, t, out->data, rcount, rdispl, t, gi->comm, &req), "starting an all_to_all_single in %s",
+                        smp__group_name(g));
+    if (!st) smp_wait_requests(1, &req, "all_to_all_single", g, -1);
     if (send != in->data) smp__free(send);
     smp__free(buf);
-    if (rc != MPI_SUCCESS) return smp__mpi_error(rc, "MPI_Ialltoallv");
-    return SMP_OK;
+    return st;
 }
 
 SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
@@ -4856,8 +4990,9 @@ static smp_status smp__share_trace(smp_model *m) {
     }
     uint64_t lo[2], hi[2];
     MPI_Request r[2];
-    MPI_Iallreduce(sig, lo, 2, MPI_UINT64_T, MPI_MIN, smp__ctx.world, &r[0]);
-    MPI_Iallreduce(sig, hi, 2, MPI_UINT64_T, MPI_MAX, smp__ctx.world, &r[1]);
+    /* world collectives every rank is in: one that fails here leaves the others waiting */
+    SMP__MPI_FATAL(MPI_Iallreduce(sig, lo, 2, MPI_UINT64_T, MPI_MIN, smp__ctx.world, &r[0]), "comparing the traced models (world)");
+    SMP__MPI_FATAL(MPI_Iallreduce(sig, hi, 2, MPI_UINT64_T, MPI_MAX, smp__ctx.world, &r[1]), "comparing the traced models (world)");
     smp_wait_requests(2, r, "trace agreement", SMP_WORLD, -1);
     if (lo[0] != hi[0] || lo[1] != hi[1])
         return smp_error(SMP_ERR_STATE, "ranks traced different models (call counts %llu..%llu): the forward must make the same calls on every rank",
@@ -4868,7 +5003,7 @@ static smp_status smp__share_trace(smp_model *m) {
         costs[5 * i + 3] = m->calls[i].param_bytes;
         costs[5 * i + 4] = m->calls[i].activation_bytes;
     }
-    MPI_Ibcast(costs, 5 * n, MPI_DOUBLE, 0, smp__ctx.world, &r[0]);
+    SMP__MPI_FATAL(MPI_Ibcast(costs, 5 * n, MPI_DOUBLE, 0, smp__ctx.world, &r[0]), "sharing traced costs from world rank 0");
     smp_wait_requests(1, r, "trace costs from rank 0", SMP_WORLD, 0);
     for (int i = 0; i < n; i++) {
         memcpy(m->calls[i].cost, costs + 5 * i, sizeof m->calls[i].cost);

@@ -2424,7 +2424,7 @@ static void smp__ck_plan_free(smp__ck_plan *pl) {
     int i;
     if (pl->items)
         for (i = 0; i < pl->n; i++) smp__ckpt_free(pl->items[i].staged);
-    if (pl->comm != MPI_COMM_NULL) MPI_Comm_free(&pl->comm);
+    if (pl->comm != MPI_COMM_NULL) SMP__MPI_WARN(MPI_Comm_free(&pl->comm), "releasing a checkpoint's communicator");
     smp__ckpt_free(pl->saver);
     smp__ckpt_free(pl->items);
     smp__ckpt_free(pl->order);
@@ -2617,10 +2617,14 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
 
     memset(pl, 0, sizeof *pl);
     pl->comm = MPI_COMM_NULL;
-    MPI_Comm_idup(smp_group_comm(SMP_WORLD), &pl->comm, &req);
+    /* The collectives of a save or load: a rank whose call fails leaves the
+       others inside it, with no agreement possible, so those failures abort
+       (MPI ERRORS in smp.h); what fails before an agreement returns there. */
+    SMP__MPI_FATAL(MPI_Comm_idup(smp_group_comm(SMP_WORLD), &pl->comm, &req), "copying the world communicator for a checkpoint");
     smp_wait_requests(1, &req, "checkpoint communicator", SMP_WORLD, -1);
-    MPI_Comm_rank(pl->comm, &pl->rank);
-    MPI_Comm_size(pl->comm, &pl->size);
+    st = SMP__MPI_CHECK(MPI_Comm_rank(pl->comm, &pl->rank), "asking this rank in a checkpoint's communicator");
+    if (!st) st = SMP__MPI_CHECK(MPI_Comm_size(pl->comm, &pl->size), "asking the size of a checkpoint's communicator");
+    if (st) pl->size = 0; /* nothing to plan for: the agreement below fails the call everywhere */
     pl->P = smp_mp_size();
     pl->mp = smp_mp_rank();
     pl->dp = smp_dp_rank();
@@ -2640,7 +2644,7 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
     displs = counts + pl->size;
     mine[0] = pl->mp;
     mine[1] = pl->dp;
-    MPI_Iallgather(mine, 2, MPI_INT, coords, 2, MPI_INT, pl->comm, &req);
+    SMP__MPI_FATAL(MPI_Iallgather(mine, 2, MPI_INT, coords, 2, MPI_INT, pl->comm, &req), "gathering every rank's partition and replica (a checkpoint's plan)");
     smp_wait_requests(1, &req, "checkpoint topology", SMP_WORLD, -1);
     for (i = 0; i < pl->P; i++) pl->saver[i] = -1;
     for (i = 0; i < pl->size; i++)
@@ -2659,7 +2663,7 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
         head.chunk = chunk ? chunk : SMP_CKPT_DEFAULT_CHUNK;
         if (head.chunk > ((size_t)1 << 30)) head.chunk = (size_t)1 << 30;
     }
-    MPI_Ibcast(&head, (int)sizeof head, MPI_BYTE, 0, pl->comm, &req);
+    SMP__MPI_FATAL(MPI_Ibcast(&head, (int)sizeof head, MPI_BYTE, 0, pl->comm, &req), "sharing the save id from world rank 0 (a checkpoint's plan)");
     smp_wait_requests(1, &req, "checkpoint save id", SMP_WORLD, 0);
     memcpy(pl->save_id, head.id, sizeof pl->save_id);
     pl->save_id[sizeof pl->save_id - 1] = 0;
@@ -2668,7 +2672,7 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
     /* optimizer registrations, from every rank */
     {
         int len = (int)packed_len;
-        MPI_Iallgather(&len, 1, MPI_INT, counts, 1, MPI_INT, pl->comm, &req);
+        SMP__MPI_FATAL(MPI_Iallgather(&len, 1, MPI_INT, counts, 1, MPI_INT, pl->comm, &req), "gathering the lengths of optimizer state names (a checkpoint's plan)");
         smp_wait_requests(1, &req, "optimizer state names", SMP_WORLD, -1);
     }
     total = 0;
@@ -2679,7 +2683,8 @@ static smp_status smp__ck_plan_init(smp__ck_plan *pl, smp_model *m, const smp_op
     pl->gathered = (char *)smp__ckpt_alloc(&st, (size_t)total + 1, NULL,
                                            "every rank's optimizer state names (a checkpoint's plan)");
     if ((st = smp__ck_agree(pl, st, "planning the checkpoint")) != SMP_OK) goto out;
-    MPI_Iallgatherv(packed, (int)packed_len, MPI_BYTE, pl->gathered, counts, displs, MPI_BYTE, pl->comm, &req);
+    SMP__MPI_FATAL(MPI_Iallgatherv(packed, (int)packed_len, MPI_BYTE, pl->gathered, counts, displs, MPI_BYTE, pl->comm, &req),
+                   "gathering optimizer state names (a checkpoint's plan)");
     smp_wait_requests(1, &req, "optimizer state names", SMP_WORLD, -1);
     smp__ckpt_free(packed);
     packed = NULL;
@@ -2859,7 +2864,8 @@ static int smp__ck_post(smp__ck_rx *rx, int block) {
     ip = &pl->items[pl->order[rx->qp]];
     lp = ip->nbytes - rx->offp < pl->chunk ? (size_t)(ip->nbytes - rx->offp) : pl->chunk;
     SMP_ASSERT(rx->buf[s] != NULL);
-    MPI_Irecv(rx->buf[s], (int)lp, MPI_BYTE, smp__ck_source(pl, ip), SMP__CK_TAG, pl->comm, &rx->req[s]);
+    SMP__MPI_FATAL(MPI_Irecv(rx->buf[s], (int)lp, MPI_BYTE, smp__ck_source(pl, ip), SMP__CK_TAG, pl->comm, &rx->req[s]),
+                   "receiving checkpoint data of '%s' from world rank %d", ip->name, smp__ck_source(pl, ip));
     rx->posted++;
     rx->offp += lp;
     return 1;
@@ -2914,8 +2920,7 @@ static smp_status smp__ck_receive(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ct
                    the I/O thread has freed. Past smp_timeout() the job aborts. */
                 while (!ready) {
                     MPI_Status status;
-                    if (MPI_Test(&rx->req[slot], &ready, &status) != MPI_SUCCESS)
-                        smp__fatal("MPI_Test failed receiving checkpoint data");
+                    SMP__MPI_FATAL(MPI_Test(&rx->req[slot], &ready, &status), "receiving checkpoint data of '%s' from world rank %d", it->name, src);
                     if (!ready && ++polls % 16 == 0) {
                         while (smp__ck_post(rx, 0)) {
                         }
@@ -3050,7 +3055,8 @@ static smp_status smp__ck_stream(smp__ck_rx *rx, smp__ck_sink_fn sink, void *ctx
                     if (!st) st = st2;
                     p = rx->buf[slot];
                 }
-                MPI_Isend(p, (int)len, MPI_BYTE, receiver, SMP__CK_TAG, pl->comm, &rx->req[slot]);
+                SMP__MPI_FATAL(MPI_Isend(p, (int)len, MPI_BYTE, receiver, SMP__CK_TAG, pl->comm, &rx->req[slot]),
+                               "sending checkpoint data of '%s' to world rank %d", it->name, receiver);
                 sent++;
                 off += len;
             }
@@ -3832,7 +3838,7 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
     if (partial) { /* 0. the generation: world rank 0 looks at the folder */
         MPI_Request req;
         if (pl.rank == 0 && !st) st = smp__ck_next_generation(path, &gen);
-        MPI_Ibcast(&gen, 1, MPI_UINT64_T, 0, pl.comm, &req);
+        SMP__MPI_FATAL(MPI_Ibcast(&gen, 1, MPI_UINT64_T, 0, pl.comm, &req), "sharing the checkpoint generation from world rank 0");
         smp_wait_requests(1, &req, "checkpoint generation", SMP_WORLD, 0);
     }
     for (i = 0; i < pl.n && !st; i++) {
@@ -3908,7 +3914,7 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
             mine[0] = pl.dp == 0 ? (uint64_t)pl.mp : UINT64_MAX;
             mine[1] = fbytes;
             mine[2] = fcrc;
-            MPI_Igather(mine, 3, MPI_UINT64_T, all, 3, MPI_UINT64_T, 0, pl.comm, &req);
+            SMP__MPI_FATAL(MPI_Igather(mine, 3, MPI_UINT64_T, all, 3, MPI_UINT64_T, 0, pl.comm, &req), "gathering checkpoint file sizes to world rank 0");
             smp_wait_requests(1, &req, "checkpoint file sizes", SMP_WORLD, 0);
             if (pl.rank == 0) {
                 uint64_t *bytes = all + 3 * (size_t)pl.size;
@@ -3921,7 +3927,7 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
                 st = smp__ck_manifest_write(path, gen, pl.save_id, pl.P, bytes, crcs, fault, &committed);
             }
             st = smp__ck_agree(&pl, st, "committing the partial checkpoint (renaming its manifest into place)");
-            MPI_Ibcast(&committed, 1, MPI_INT, 0, pl.comm, &req);
+            SMP__MPI_FATAL(MPI_Ibcast(&committed, 1, MPI_INT, 0, pl.comm, &req), "sharing whether world rank 0 committed the checkpoint");
             smp_wait_requests(1, &req, "checkpoint commit", SMP_WORLD, 0);
         }
         smp__ckpt_free(all);

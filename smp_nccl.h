@@ -1100,8 +1100,8 @@ static void smp__nc_reset(void) {
 /* Agreement among all ranks: element-wise maximum, in place. */
 static smp_status smp__nc_agree(int *v, int n, const char *what) {
     MPI_Request req;
-    int rc = MPI_Iallreduce(MPI_IN_PLACE, v, n, MPI_INT, MPI_MAX, smp__nc.mpi[SMP_WORLD], &req);
-    if (rc != MPI_SUCCESS) return smp_error(SMP_ERR_MPI, "device backend start-up: MPI_Iallreduce failed while agreeing on %s", what);
+    /* the agreement itself: a rank that cannot take part can tell nobody */
+    SMP__MPI_FATAL(MPI_Iallreduce(MPI_IN_PLACE, v, n, MPI_INT, MPI_MAX, smp__nc.mpi[SMP_WORLD], &req), "agreeing on %s (device backend start-up)", what);
     smp_wait_requests(1, &req, what, SMP_WORLD, -1);
     return SMP_OK;
 }
@@ -1139,15 +1139,17 @@ static int smp__nc_shared_with(const unsigned char key[SMP__NC_KEY], int *node_s
     MPI_Comm node;
     int me = 0, n = 1, other = -1;
     *node_size = 1;
-    if (MPI_Comm_split_type(smp__nc.mpi[SMP_WORLD], MPI_COMM_TYPE_SHARED, smp_rank(), MPI_INFO_NULL, &node) != MPI_SUCCESS) return -1;
-    MPI_Comm_rank(node, &me);
-    MPI_Comm_size(node, &n);
+    /* start-up collectives the other ranks are in: their failures abort (MPI ERRORS in smp.h) */
+    SMP__MPI_FATAL(MPI_Comm_split_type(smp__nc.mpi[SMP_WORLD], MPI_COMM_TYPE_SHARED, smp_rank(), MPI_INFO_NULL, &node),
+                   "finding the ranks on this node (device backend start-up)");
+    SMP__MPI_FATAL(MPI_Comm_rank(node, &me), "asking this rank's place on its node (device backend start-up)");
+    SMP__MPI_FATAL(MPI_Comm_size(node, &n), "asking how many ranks share this node (device backend start-up)");
     *node_size = n;
     unsigned char *all = (unsigned char *)smp__malloc((size_t)n * SMP__NC_KEY);
     if (!all) smp__nc_fatal("device backend start-up: out of memory comparing the GPUs of %d local ranks", n); /* the others wait in the gather */
     {
         MPI_Request req;
-        MPI_Iallgather(key, SMP__NC_KEY, MPI_BYTE, all, SMP__NC_KEY, MPI_BYTE, node, &req);
+        SMP__MPI_FATAL(MPI_Iallgather(key, SMP__NC_KEY, MPI_BYTE, all, SMP__NC_KEY, MPI_BYTE, node, &req), "comparing the GPUs of this node's ranks");
         smp_wait_requests(1, &req, "the GPUs of this node's ranks", SMP_WORLD, -1);
         for (int j = 0; j < n && other < 0; j++) {
             if (j == me) continue;
@@ -1158,7 +1160,7 @@ static int smp__nc_shared_with(const unsigned char key[SMP__NC_KEY], int *node_s
         }
         smp_free(all);
     }
-    MPI_Comm_free(&node);
+    SMP__MPI_WARN(MPI_Comm_free(&node), "releasing the node communicator (device backend start-up)");
     return other;
 }
 
@@ -1188,7 +1190,8 @@ static smp_status smp__nc_init_comms(void) {
             if (r != ncclSuccess && !local) local = smp__nc_nccl_fail(r, "ncclGetUniqueId", NULL);
         }
         MPI_Request req;
-        MPI_Ibcast(&pkt[g], (int)sizeof pkt[g], MPI_BYTE, 0, smp__nc.mpi[g], &req);
+        SMP__MPI_FATAL(MPI_Ibcast(&pkt[g], (int)sizeof pkt[g], MPI_BYTE, 0, smp__nc.mpi[g], &req), "sharing the NCCL unique id of the %s from its rank 0",
+                       smp__nc_gname((smp_group)g));
         smp_wait_requests(1, &req, "the NCCL unique id", (smp_group)g, 0);
     }
     int f = local != SMP_OK;
@@ -1234,8 +1237,8 @@ static smp_status smp__nc_on_init(void) {
     smp__nc.op = "device backend start-up";
     smp__nc.started = true;
     for (int g = 0; g < SMP_GROUP_COUNT; g++) /* same order on every rank: collective over each group */
-        if (MPI_Comm_dup(smp_group_comm((smp_group)g), &smp__nc.mpi[g]) != MPI_SUCCESS)
-            return smp_error(SMP_ERR_MPI, "device backend start-up: MPI_Comm_dup of the %s failed", smp__nc_gname((smp_group)g));
+        SMP__MPI_FATAL(MPI_Comm_dup(smp_group_comm((smp_group)g), &smp__nc.mpi[g]), "copying the %s's communicator (device backend start-up)",
+                       smp__nc_gname((smp_group)g));
     smp__nc.have_mpi = true;
     int wsize = smp_size(), wrank = smp_rank();
 
@@ -1410,7 +1413,7 @@ static void smp__nc_on_finalize(void) {
     if (smp__nc.stream) (void)cudaStreamDestroy(smp__nc.stream);
     if (smp__nc.dummy) (void)cudaFree(smp__nc.dummy);
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
-        if (smp__nc.mpi[g] != MPI_COMM_NULL) MPI_Comm_free(&smp__nc.mpi[g]);
+        if (smp__nc.mpi[g] != MPI_COMM_NULL) SMP__MPI_WARN(MPI_Comm_free(&smp__nc.mpi[g]), "releasing the device backend's copy of the %s", smp__nc_gname((smp_group)g));
     smp__nc_reset();
 }
 
@@ -1504,8 +1507,11 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
         ncclResult_t r = ncclGetUniqueId(&mine[2 * k].id);
         mine[2 * k].ok = r == ncclSuccess;
         if (r != ncclSuccess && !st) st = smp__nc_nccl_fail(r, "ncclGetUniqueId", NULL);
-        MPI_Isend(&mine[2 * k], (int)sizeof(idpkt), MPI_BYTE, todo[k], SMP__NC_TAG_CONNECT, smp__nc.mpi[g], &reqs[2 * k]);
-        MPI_Irecv(&mine[2 * k + 1], (int)sizeof(idpkt), MPI_BYTE, todo[k], SMP__NC_TAG_CONNECT, smp__nc.mpi[g], &reqs[2 * k + 1]);
+        /* the peer waits for this id: a failure here cannot reach it */
+        SMP__MPI_FATAL(MPI_Isend(&mine[2 * k], (int)sizeof(idpkt), MPI_BYTE, todo[k], SMP__NC_TAG_CONNECT, smp__nc.mpi[g], &reqs[2 * k]),
+                       "sending a channel's NCCL id to %s rank %d", smp__nc_gname(g), todo[k]);
+        SMP__MPI_FATAL(MPI_Irecv(&mine[2 * k + 1], (int)sizeof(idpkt), MPI_BYTE, todo[k], SMP__NC_TAG_CONNECT, smp__nc.mpi[g], &reqs[2 * k + 1]),
+                       "receiving a channel's NCCL id from %s rank %d", smp__nc_gname(g), todo[k]);
     }
     smp_wait_requests(2 * nt, reqs, "point-to-point channel set-up (NCCL ids)", g, -1);
     if (st) goto done;
@@ -1617,13 +1623,14 @@ static smp_status smp__nc_p2p_start(void *buf, size_t bytes, int peer, smp_group
                     if (e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
                 }
                 if (!st) st = smp__nc_wait_event(smp__nc.ev_done, "a device buffer to reach the host", g, peer);
-                if (!st && MPI_Isend(h, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi) != MPI_SUCCESS)
-                    st = smp_error(SMP_ERR_MPI, "%s: MPI_Isend failed", smp__nc_opname());
+                if (!st)
+                    st = SMP__MPI_CHECK(MPI_Isend(h, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi), "sending a host-staged device buffer (%s) to %s rank %d",
+                                        smp__nc_opname(), smp__nc_gname(g), peer);
                 r->kind = SMP__NC_REQ_STAGED_SEND;
             } else {
                 r->dst = buf;
-                if (MPI_Irecv(h, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi) != MPI_SUCCESS)
-                    st = smp_error(SMP_ERR_MPI, "%s: MPI_Irecv failed", smp__nc_opname());
+                st = SMP__MPI_CHECK(MPI_Irecv(h, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi), "receiving a host-staged device buffer (%s) from %s rank %d",
+                                    smp__nc_opname(), smp__nc_gname(g), peer);
                 r->kind = SMP__NC_REQ_STAGED_RECV;
             }
             if (st) {
@@ -1667,7 +1674,8 @@ SMPDEF smp_status smp_nccl_test(smp_nccl_request *r, bool *done) {
         int flag = 0;
         if (r->mpi == MPI_REQUEST_NULL) { *done = true; return SMP_OK; }
         MPI_Status s;
-        if (MPI_Test(&r->mpi, &flag, &s) != MPI_SUCCESS) return smp_error(SMP_ERR_MPI, "smp_nccl_test: MPI_Test failed");
+        SMP__MPI(MPI_Test(&r->mpi, &flag, &s), "completing a host-staged device %s with %s rank %d (smp_nccl_test)",
+                 r->kind == SMP__NC_REQ_STAGED_SEND ? "send" : "receive", smp__nc_gname(r->g), r->peer);
         *done = flag != 0;
         return SMP_OK;
     }

@@ -1079,6 +1079,7 @@ typedef struct smp__pipe {
     smp__link *links;
     MPI_Comm comm, err_comm;
     MPI_Request err_req;
+    bool bucket_failed; /* a host bucket's collective failed to start on this rank this step */
     char err_msg[sizeof smp__errbuf + 8];
     int body_stage;
     smp_schedule sched[2]; /* [evaluate] */
@@ -1130,6 +1131,14 @@ typedef struct smp__pipe {
 static smp_status smp__timeline_write(smp__pipe *ps);
 static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0);
 
+/* Withdraws the receive of failure notices (a step failed, or the model goes). */
+static void smp__cancel_err_recv(smp__pipe *ps) {
+    if (ps->err_req == MPI_REQUEST_NULL) return;
+    SMP__MPI_WARN(MPI_Cancel(&ps->err_req), "withdrawing the receive of pipeline failure notices");
+    SMP__MPI_WARN(MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE), "withdrawing the receive of pipeline failure notices");
+    ps->err_req = MPI_REQUEST_NULL;
+}
+
 static void smp__pipe_free(void *p) {
     smp__pipe *ps = (smp__pipe *)p;
     if (!ps) return;
@@ -1149,10 +1158,10 @@ static void smp__pipe_free(void *p) {
     smp__free(ps->links);
     smp_schedule_free(&ps->sched[0]);
     smp_schedule_free(&ps->sched[1]);
-    if (ps->err_req != MPI_REQUEST_NULL) { MPI_Cancel(&ps->err_req); MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE); }
+    smp__cancel_err_recv(ps);
     if (smp__ctx.initialized && ps->comm != MPI_COMM_NULL) {
-        MPI_Comm_free(&ps->comm);
-        MPI_Comm_free(&ps->err_comm);
+        SMP__MPI_WARN(MPI_Comm_free(&ps->comm), "releasing a pipeline's communicator");
+        SMP__MPI_WARN(MPI_Comm_free(&ps->err_comm), "releasing a pipeline's failure communicator");
     }
     smp__free(ps->dev_sent);
     smp__free(ps->inflight);
@@ -1164,10 +1173,15 @@ static void smp__pipe_free(void *p) {
     smp__free(ps);
 }
 
+/* The step's communicators (they inherit MPI_ERRORS_RETURN from MP_GROUP's).
+   MPI_Comm_dup is a blocking collective of MP_GROUP, and a rank without
+   the receive of failure notices would wait out SMP_TIMEOUT when a peer
+   fails: no agreement can follow either, so their failures abort. */
 static void smp__pipe_comms(smp__pipe *ps) {
-    MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->comm);
-    MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->err_comm);
-    MPI_Irecv(ps->err_msg, (int)sizeof ps->err_msg, MPI_CHAR, MPI_ANY_SOURCE, 1, ps->err_comm, &ps->err_req);
+    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->comm), "making a pipeline's communicator (MP_GROUP)");
+    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->err_comm), "making a pipeline's failure communicator (MP_GROUP)");
+    SMP__MPI_FATAL(MPI_Irecv(ps->err_msg, (int)sizeof ps->err_msg, MPI_CHAR, MPI_ANY_SOURCE, 1, ps->err_comm, &ps->err_req),
+                   "posting the receive of pipeline failure notices (MP_GROUP)");
 }
 
 static bool smp__in_subtree(const smp_module *m, const smp_module *root) {
@@ -1338,9 +1352,10 @@ static smp_status smp__post_recv(smp__pipe *ps, int link, int mb, bool backward)
     x->peer = backward ? l->peer_to : l->peer_from;
     x->hdr = (int64_t *)smp__alloc_or(&st, sizeof(int64_t) * (size_t)SMP__HDR_WORDS(x->ntensors), SMP__ALLOC_OTHER, "a pipeline message header");
     if (st) return st;
+    x->req[0] = x->req[1] = MPI_REQUEST_NULL;
+    SMP__MPI(MPI_Irecv(x->hdr, SMP__HDR_WORDS(x->ntensors), MPI_INT64_T, x->peer, smp__tag(ps, link, backward), ps->comm, &x->req[0]),
+             "posting the receive of %s %d's header from mp rank %d", backward ? "a gradient for microbatch" : "an activation of microbatch", mb, x->peer);
     x->state = 1;
-    MPI_Irecv(x->hdr, SMP__HDR_WORDS(x->ntensors), MPI_INT64_T, x->peer, smp__tag(ps, link, backward), ps->comm, &x->req[0]);
-    x->req[1] = MPI_REQUEST_NULL;
     return SMP_OK;
 }
 
@@ -1435,12 +1450,13 @@ static smp_status smp__gather_type(const smp_tensor *const *ts, int nt, int *cou
     int made = 0;
     for (; made < nt && !st; made++) {
         st = smp__bytes_type(smp_tensor_nbytes(ts[made]), &lens[made], &parts[made]);
-        MPI_Get_address(ts[made]->data, &at[made]);
+        if (!st) st = SMP__MPI_CHECK(MPI_Get_address(ts[made]->data, &at[made]), "locating tensor %d of a pipeline message", made);
     }
-    if (!st && MPI_Type_create_struct(nt, lens, at, parts, type) != MPI_SUCCESS) st = smp_error(SMP_ERR_MPI, "MPI_Type_create_struct failed for a pipeline message");
-    if (!st) MPI_Type_commit(type);
+    if (!st) st = SMP__MPI_CHECK(MPI_Type_create_struct(nt, lens, at, parts, type), "making the datatype of a %d-tensor pipeline message", nt);
+    if (!st && (st = SMP__MPI_CHECK(MPI_Type_commit(type), "committing the datatype of a %d-tensor pipeline message", nt)))
+        SMP__MPI_WARN(MPI_Type_free(type), "releasing an uncommitted pipeline message datatype");
     for (int i = 0; i < made && parts; i++)
-        if (parts[i] != MPI_BYTE) MPI_Type_free(&parts[i]);
+        if (parts[i] != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&parts[i]), "releasing a part of a pipeline message datatype");
     smp__free(lens);
     smp__free(at);
     smp__free(parts);
@@ -1507,22 +1523,28 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
             x->ndev_req++;
             ps->dev_sent[x->peer]++;
         }
-        MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]);
-        return SMP_OK;
     }
-    MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]);
+    /* A failed MPI call leaves its request null: the send then completes as
+       done and is freed like any other, and the step fails (the peer hears
+       of it through the failure notice, not the message) */
+    const char *kind = backward ? "gradients" : "activations";
+    x->buf = staging;
+    st = SMP__MPI_CHECK(MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]),
+                        "sending the header of stage %d's %s for microbatch %d to mp rank %d", stage, kind, mb, x->peer);
+    if (ps->dev_p2p || st) return st;
     /* the bytes of every tensor as one message, without copying host tensors:
        a datatype of absolute addresses (MPI_BOTTOM), any size (smp__bytes_type) */
     MPI_Datatype type;
     int count;
-    const void *from = x->buf = staging;
+    const void *from = staging;
     if (staging || nt == 1) st = smp__bytes_type(total, &count, &type);
     else st = smp__gather_type(ts, nt, &count, &type);
     if (st) return st;
     if (!staging) from = nt == 1 ? ts[0]->data : MPI_BOTTOM;
-    MPI_Isend(from, count, type, x->peer, tag + 1, ps->comm, &x->req[1]);
-    if (type != MPI_BYTE) MPI_Type_free(&type); /* MPI keeps it for the send in flight */
-    return SMP_OK;
+    st = SMP__MPI_CHECK(MPI_Isend(from, count, type, x->peer, tag + 1, ps->comm, &x->req[1]), "sending stage %d's %s for microbatch %d to mp rank %d",
+                        stage, kind, mb, x->peer);
+    if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a pipeline message datatype"); /* MPI keeps it for the send in flight */
+    return st;
 }
 
 static void smp__send_done(smp__xfer *x) {
@@ -1552,7 +1574,9 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
             for (int mb = 0; mb < ps->m; mb++) {
                 smp__xfer *x = smp__recv_slot(ps, l, mb, dir);
                 if (x->state == 1) {
-                    MPI_Test(&x->req[0], &flag, &st);
+                    if ((err = SMP__MPI_CHECK(MPI_Test(&x->req[0], &flag, &st), "receiving the header of %s %d from mp rank %d",
+                                              dir ? "a gradient for microbatch" : "an activation of microbatch", mb, x->peer)))
+                        break;
                     if (!flag) break;
                     x->state = 5; /* arrived, its bytes not asked for: a failed step leaves it so */
                     if ((err = smp__hdr_check(x->hdr, x->ntensors, x->peer, &x->bytes))) break;
@@ -1564,13 +1588,17 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
                     int count;
                     x->buf = smp__bytes_or(&err, x->bytes, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER, "a pipeline message received");
                     if (err || (err = smp__bytes_type(x->bytes, &count, &type))) break;
-                    MPI_Irecv(x->buf, count, type, x->peer, st.MPI_TAG + 1, ps->comm, &x->req[1]);
-                    if (type != MPI_BYTE) MPI_Type_free(&type);
+                    err = SMP__MPI_CHECK(MPI_Irecv(x->buf, count, type, x->peer, st.MPI_TAG + 1, ps->comm, &x->req[1]), "posting the receive of %s %d from mp rank %d",
+                                         dir ? "the gradients for microbatch" : "the activations of microbatch", mb, x->peer);
+                    if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a pipeline message datatype");
+                    if (err) break;
                     x->state = 2;
                 }
                 if (x->state == 2) {
                     if (ps->dev_p2p) flag = smp__device_done(x);
-                    else MPI_Test(&x->req[1], &flag, MPI_STATUS_IGNORE);
+                    else if ((err = SMP__MPI_CHECK(MPI_Test(&x->req[1], &flag, MPI_STATUS_IGNORE), "receiving %s %d from mp rank %d",
+                                                   dir ? "the gradients for microbatch" : "the activations of microbatch", mb, x->peer)))
+                        break;
                     if (flag) x->state = 3;
                 }
             }
@@ -1592,7 +1620,12 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
         if (x->state != 1) continue;
         int done = 0;
         MPI_Status sts[2];
-        MPI_Testall(2, x->req, &done, sts);
+        smp_status ts = SMP__MPI_CHECK(MPI_Testall(2, x->req, &done, sts), "sending stage %d's %s for microbatch %d to mp rank %d", x->stage,
+                                       x->backward ? "gradients" : "activations", x->mb, x->peer);
+        if (ts) {
+            if (!err) err = ts;
+            continue; /* the step fails; its sends are dropped with it */
+        }
         if (done && smp__device_done(x)) {
             smp__device_wait_all(x);
             smp__event_add(ps, 5, x->stage, x->mb, x->t_post);
@@ -1614,7 +1647,8 @@ static void smp__ddp_poll(smp__pipe *ps);
 static smp_status smp__progress(smp__pipe *ps) {
     int flag = 0;
     MPI_Status st;
-    MPI_Test(&ps->err_req, &flag, &st);
+    smp_status es = SMP__MPI_CHECK(MPI_Test(&ps->err_req, &flag, &st), "looking for pipeline failure notices (MP_GROUP)");
+    if (es) return es;
     if (flag) { ps->failed_remote = true; return smp_error(SMP_ERR_REMOTE, "another rank failed"); }
     smp_status err = smp__progress_transfers(ps);
     if (!err && ps->sync) smp__ddp_poll(ps);
@@ -1653,7 +1687,8 @@ static void smp__drain_device(smp__pipe *ps) {
     int *sent_to_me = (int *)smp__alloc(sizeof(int) * (size_t)P, SMP__ALLOC_OTHER);
     if (!sent_to_me || !ps->recv) smp__fatal("out of memory cleaning up the device transfers of a failed step");
     MPI_Request req;
-    MPI_Ialltoall(ps->dev_sent, 1, MPI_INT, sent_to_me, 1, MPI_INT, ps->comm, &req);
+    SMP__MPI_FATAL(MPI_Ialltoall(ps->dev_sent, 1, MPI_INT, sent_to_me, 1, MPI_INT, ps->comm, &req),
+                   "exchanging the device transfer counts of a failed step (MP_GROUP)");
     smp_wait_requests(1, &req, "the device transfer counts of a failed step", SMP_MP_GROUP, -1);
     size_t nrecv = (size_t)ps->nlinks * (size_t)ps->m * 2;
     smp__backoff b = smp__backoff_start();
@@ -1896,18 +1931,34 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
     }
     smp__ddp_inflight = ps;
     b->t_start = smp__now();
+    b->req = MPI_REQUEST_NULL;
     MPI_Comm comm = smp__ctx.groups[SMP_DP_GROUP].comm;
-    int n = (int)b->numel;
+    int n = (int)b->numel, index = (int)(b - ps->buckets);
+    /* A host bucket's collective counts as one of DP_GROUP's (one at a time,
+       see smp__ddp_advance): a replica whose call fails tells the others
+       (smp__coll_exit), a replica waiting in that collective aborts with
+       its message (smp__ddp_complete), and where every replica failed it
+       the step fails everywhere */
+    smp__group_info *gi = smp__coll_enter(SMP_DP_GROUP);
+    smp_status st = SMP_OK;
     if (deterministic) {
         /* every replica's gradient, summed below in dp-rank order */
         int dp = smp_dp_size();
         b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_OTHER);
         if (!b->gather) smp__bucket_nomem(b->bytes * (size_t)dp);
-        MPI_Iallgather(b->data, n, smp__mpi_type(b->dtype), b->gather, n, smp__mpi_type(b->dtype), comm, &b->req);
+        st = SMP__MPI_CHECK(MPI_Iallgather(b->data, n, smp__mpi_type(b->dtype), b->gather, n, smp__mpi_type(b->dtype), comm, &b->req),
+                            "gathering data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", index, b->bytes);
     } else {
         MPI_Op op;
-        smp__mpi_op(SMP_SUM, b->dtype, "data-parallel gradients", &op);
-        MPI_Iallreduce(MPI_IN_PLACE, b->data, n, smp__mpi_type(b->dtype), op, comm, &b->req);
+        st = smp__mpi_op(SMP_SUM, b->dtype, "data-parallel gradients", &op);
+        if (!st)
+            st = SMP__MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, b->data, n, smp__mpi_type(b->dtype), op, comm, &b->req),
+                                "all-reducing data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", index, b->bytes);
+    }
+    if (st) {
+        b->req = MPI_REQUEST_NULL;
+        ps->bucket_failed = true; /* no later bucket starts: the replicas would pair the wrong ones */
+        return smp__coll_exit(gi, SMP_DP_GROUP, st);
     }
     return SMP_OK;
 }
@@ -1917,8 +1968,12 @@ static bool smp__bucket_test(smp__pipe *ps, int b) {
     smp__bucket *k = &ps->buckets[b];
     if (k->req == MPI_REQUEST_NULL) return true;
     int done = 0;
-    MPI_Test(&k->req, &done, MPI_STATUS_IGNORE);
-    if (done) smp__event_add(ps, 4, -1, b, k->t_start);
+    /* the other replicas are in this collective: a rank that loses track of it cannot tell them */
+    SMP__MPI_FATAL(MPI_Test(&k->req, &done, MPI_STATUS_IGNORE), "completing data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", b, k->bytes);
+    if (done) {
+        smp__event_add(ps, 4, -1, b, k->t_start);
+        if (smp__ctx.initialized) smp__ctx.groups[SMP_DP_GROUP].in_coll = false;
+    }
     return done;
 }
 
@@ -1934,7 +1989,9 @@ static smp_status smp__ddp_advance(smp__pipe *ps) {
     while (ps->next_bucket < ps->nbuckets) {
         smp__bucket *b = &ps->buckets[ps->next_bucket];
         if (!b->ready || (b->device == SMP_HOST && ps->next_bucket > 0 && !smp__bucket_test(ps, ps->next_bucket - 1))) break;
-        smp_status bs = smp__bucket_start(ps, b);
+        smp_status bs = SMP_OK;
+        if (ps->bucket_failed && b->device == SMP_HOST) b->req = MPI_REQUEST_NULL; /* not started: see smp__bucket_start */
+        else bs = smp__bucket_start(ps, b);
         if (!st) st = bs;
         ps->next_bucket++;
     }
@@ -1977,6 +2034,7 @@ static smp_status smp__ddp_complete(smp__pipe *ps) {
     smp_status st = SMP_OK;
     for (int b = 0; b < ps->nbuckets; b++) ps->buckets[b].ready = true;
     double start = smp__now(), deadline = start + smp_timeout();
+    unsigned polls = 0;
     for (;;) {
         /* every bucket, even after an error: the replicas expect each collective */
         smp_status bs = smp__ddp_advance(ps);
@@ -1986,6 +2044,9 @@ static smp_status smp__ddp_complete(smp__pipe *ps) {
         if (done) break;
         double now = smp__now();
         if (now > deadline) smp__timeout_abort("data-parallel gradient all-reduce", SMP_DP_GROUP, -1, now - start);
+        /* a replica whose bucket collective failed to start says so (smp__bucket_start) */
+        smp__group_info *gi = &smp__ctx.groups[SMP_DP_GROUP];
+        if (gi->in_coll && ++polls % 64 == 0) smp__check_member_failed(gi, SMP_DP_GROUP);
         sched_yield();
     }
     if (ps->fence_buckets) {
@@ -2022,6 +2083,7 @@ static smp_status smp__ddp_finish(smp__pipe *ps, bool failed) {
         k->final = 0;
     }
     ps->next_bucket = 0;
+    ps->bucket_failed = false;
     return st;
 }
 
@@ -2294,24 +2356,27 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
             int tag = smp__tag(ps, ps->nlinks, false), count; /* past every link's */
             MPI_Datatype type;
             if (st || (st = smp__bytes_type(bytes, &count, &type))) break;
-            if (pass) MPI_Isend(b, count, type, peer, tag, ps->comm, &req[nreq++]);
-            else MPI_Irecv(b, count, type, peer, tag, ps->comm, &req[nreq++]);
-            if (type != MPI_BYTE) MPI_Type_free(&type);
+            req[nreq] = MPI_REQUEST_NULL;
+            if (pass) st = SMP__MPI_CHECK(MPI_Isend(b, count, type, peer, tag, ps->comm, &req[nreq]), "sending shared modules' gradients to mp rank %d", peer);
+            else st = SMP__MPI_CHECK(MPI_Irecv(b, count, type, peer, tag, ps->comm, &req[nreq]), "receiving shared modules' gradients from mp rank %d", peer);
+            nreq++;
+            if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a shared gradients' datatype");
         }
     smp__backoff wait = smp__backoff_start();
     for (bool done = false; !done && !st;) {
         done = true;
         for (int r = 0; r < nreq; r++) {
             int flag = 0;
-            MPI_Test(&req[r], &flag, MPI_STATUS_IGNORE);
+            if ((st = SMP__MPI_CHECK(MPI_Test(&req[r], &flag, MPI_STATUS_IGNORE), "exchanging shared modules' gradients (MP_GROUP)"))) break;
             done = done && flag;
         }
-        if (done) break;
+        if (done || st) break;
         st = smp__progress(ps);
         if (!st && !smp__backoff_pause(&wait)) smp__timeout_abort("gradients of shared modules", SMP_MP_GROUP, -1, smp__now() - wait.start);
     }
     if (st) { /* leave the messages and their buffers to MPI: the step's communicators are replaced after a failure */
-        for (int r = 0; r < nreq; r++) MPI_Request_free(&req[r]);
+        for (int r = 0; r < nreq; r++)
+            if (req[r] != MPI_REQUEST_NULL) SMP__MPI_WARN(MPI_Request_free(&req[r]), "dropping a shared gradients' transfer of a failed step");
         memset(buf, 0, sizeof(char *) * 2 * (size_t)P);
     }
     for (int peer = 0; peer < P && !st; peer++) { /* unpack what arrived */
@@ -2633,8 +2698,10 @@ static void smp__release_step(smp__pipe *ps, smp_model *md, bool cancel) {
         smp__xfer *x = &ps->recv[i];
         if (cancel && (x->state == 1 || x->state == 2)) {
             MPI_Request *r = &x->req[x->state - 1];
-            MPI_Cancel(r);
-            MPI_Wait(r, MPI_STATUS_IGNORE);
+            if (*r != MPI_REQUEST_NULL) {
+                SMP__MPI_WARN(MPI_Cancel(r), "withdrawing a receive of a failed step");
+                SMP__MPI_WARN(MPI_Wait(r, MPI_STATUS_IGNORE), "withdrawing a receive of a failed step");
+            }
         }
         smp__free(x->hdr);
         smp__free(x->buf);
@@ -2647,7 +2714,7 @@ static void smp__release_step(smp__pipe *ps, smp_model *md, bool cancel) {
             /* only on failure: the peer stopped receiving; let MPI drop the
                requests and keep their buffers (freed with smp) */
             for (int r = 0; r < 2; r++)
-                if (ps->sends[i].req[r] != MPI_REQUEST_NULL) MPI_Request_free(&ps->sends[i].req[r]);
+                if (ps->sends[i].req[r] != MPI_REQUEST_NULL) SMP__MPI_WARN(MPI_Request_free(&ps->sends[i].req[r]), "dropping a send of a failed step");
             ps->sends[i].hdr = NULL;
         }
     smp__free(ps->sends);
@@ -2746,8 +2813,10 @@ static void smp__notify_failure(smp__pipe *ps) {
     for (int r = 0; r < n; r++) {
         if (r == me) continue;
         MPI_Request req;
-        MPI_Isend(smp__errbuf, (int)strlen(smp__errbuf) + 1, MPI_CHAR, r, 1, ps->err_comm, &req);
-        MPI_Request_free(&req); /* small: MPI delivers it eagerly; the comm is replaced after a failure */
+        /* a peer not told would wait out SMP_TIMEOUT for this rank's messages */
+        SMP__MPI_FATAL(MPI_Isend(smp__errbuf, (int)strlen(smp__errbuf) + 1, MPI_CHAR, r, 1, ps->err_comm, &req), "telling mp rank %d the step failed here", r);
+        /* small: MPI delivers it eagerly; the comm is replaced after a failure */
+        SMP__MPI_WARN(MPI_Request_free(&req), "releasing a pipeline failure notice");
     }
 }
 
@@ -2977,7 +3046,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
         if (ps->dev_p2p) smp__drain_device(ps);
         smp__release_step(ps, md, true);
         /* messages of the failed step may still be in flight: start over on fresh communicators */
-        if (ps->err_req != MPI_REQUEST_NULL) { MPI_Cancel(&ps->err_req); MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE); }
+        smp__cancel_err_recv(ps);
         /* The old communicators are never freed. Abandoned messages (a
            failure notice that arrived after its receive was cancelled, sends
            nobody received) wait in MPI's queues for as long as the process
