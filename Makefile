@@ -133,8 +133,10 @@ test-asan: deps
 test-large: build/gcc/test_large
 	@test/run.sh build/gcc "" "" "test/run_large.sh" "1"
 
-# The gcc suite only, for a quick loop while developing.
-test-quick: build-gcc
+# The gcc suite only, for a quick loop while developing. The script tests
+# run the examples (test_demo.sh, test_gpt.sh, test_minimal.sh), so they are
+# rebuilt too: a stale demo binary would test old headers.
+test-quick: build-gcc examples
 	@test/run.sh build/gcc "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(SCRIPT_TESTS)" "1 2 4"
 
 # Two simulated hosts (network namespaces joined by a veth pair, hydra

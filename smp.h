@@ -63,8 +63,8 @@
                  smp_step_output loss = {0};
                  smp_model_zero_grad(model);
                  SMP_TRAIN_STEP(model, mse_body, NULL, &loss, 1, x, target);  // @smp.step
-                 my_sgd(model);                            // smp_model_param(model, i, false): local ones
-                 printf("loss %g\n", smp_step_output_mean(&loss));          // loss.reduce_mean()
+                 my_sgd(model);                            // smp_model_local_param(model, i, false): local ones
+                 printf("loss %g\n", smp_step_output_reduce_mean_f64(&loss));          // loss.reduce_mean()
                  smp_step_output_free(&loss);
              }
              smp_model_free(model);
@@ -106,9 +106,9 @@
                                                           first step, what each schedule would
                                                           make of the model (rank 0)
      SMP_TIMELINE    smp_pipeline.h    a model's first    a path: every rank records its
-                                       step               operations; smp_model_free (or
-                                                          smp_timeline_write) has rank 0 write
-                                                          one Chrome trace / Perfetto file
+                                       step               operations; smp_model_free has
+                                                          rank 0 write them into one Chrome
+                                                          trace / Perfetto file
      SMP_NCCL        smp_nccl.h        smp_init           auto (default) | nccl | staged: the
                                                           device path (smp_nccl.h, DEVICES AND
                                                           PATHS); nccl refuses GPUs shared by
@@ -210,10 +210,12 @@
    TESTING: with SMP_TESTING defined, smp_testing_fail() makes the n-th
    allocation, pipeline send, pipeline message check or MPI call whose
    failure returns a status (SMP_FAULT_MPI; not those that abort) from now
-   fail, so tests can inject failures where they happen in real jobs, and
+   fail, so tests can inject failures where they happen in real jobs. Test
+   builds also see the introspection only tests use (declared at the top of
+   the implementation, outside the API).
    smp_checkpoint.h exports its test hooks (smp__ckpt_open_memory, ...) and
-   obeys SMP_CKPT_FAULT (a crash at a chosen point of a save); without it
-   neither exists.
+   obeys SMP_CKPT_FAULT (a crash at a chosen point of a save); without
+   SMP_TESTING neither exists.
 */
 #ifndef SMP_H
 #define SMP_H
@@ -280,7 +282,6 @@ typedef void (*smp_log_fn)(smp_log_level level, const char *msg, void *user);
 /* NULL restores the default, which writes WARN and ERROR (and INFO when
    SMP_VERBOSE is set) to stderr prefixed with the rank. */
 SMPDEF void smp_set_logger(smp_log_fn fn, void *user);
-SMPDEF void smp_log(smp_log_level level, const char *fmt, ...) SMP__PRINTF(2, 3);
 
 /* ---------------------------------------------------------------- tensors */
 typedef enum smp_dtype {
@@ -308,15 +309,7 @@ SMPDEF smp_tensor smp_tensor_1d(void *data, smp_dtype dt, int64_t n);
 SMPDEF smp_tensor smp_tensor_2d(void *data, smp_dtype dt, int64_t rows, int64_t cols);
 SMPDEF int64_t smp_tensor_numel(const smp_tensor *t);
 SMPDEF size_t smp_tensor_nbytes(const smp_tensor *t);
-SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b);
-/* "f32[64, 784]" into buf; returns buf. */
-SMPDEF const char *smp_tensor_describe(const smp_tensor *t, char *buf, size_t cap);
 
-/* f16 / bf16 <-> f32, round to nearest even. */
-SMPDEF float smp_f16_to_f32(uint16_t h);
-SMPDEF uint16_t smp_f32_to_f16(float f);
-SMPDEF float smp_bf16_to_f32(uint16_t h);
-SMPDEF uint16_t smp_f32_to_bf16(float f);
 
 /* DLPack interop, without copying. Available when <dlpack/dlpack.h> is
    included before smp.h (or SMP_DLPACK is defined). */
@@ -343,17 +336,22 @@ typedef enum smp_optimize { SMP_OPTIMIZE_DEFAULT = 0, SMP_OPTIMIZE_SPEED, SMP_OP
 typedef enum smp_placement { SMP_PLACEMENT_DEFAULT = 0, SMP_PLACEMENT_CLUSTER, SMP_PLACEMENT_SPREAD } smp_placement;
 typedef enum smp_trace_device { SMP_TRACE_DEFAULT = 0, SMP_TRACE_CPU, SMP_TRACE_GPU } smp_trace_device;
 
+/* Zero is the default in every field (smp_config cfg = {0}): a number's 0
+   means its default below; an enum's 0 member is its DEFAULT (smp_switch:
+   DEFAULT, ON, OFF); the two values for which 0 means something of its own
+   (partition 0, a weight of 0) count only where their has_ flag is true. */
 typedef struct smp_config {
     int partitions;                 /* pipeline stages per model replica; 0: 1 */
     int microbatches;               /* per step; 0: 1 */
     smp_pipeline_kind pipeline;     /* default: interleaved (1F1B) */
     smp_optimize optimize;          /* auto-partition objective; default: speed */
     smp_switch auto_partition;      /* default: on */
-    int default_partition;          /* used only when has_default_partition */
+    int default_partition;          /* used only when has_default_partition; default none */
     bool has_default_partition;
     smp_switch ddp;                 /* data parallel over partitions x replicas; default off */
     smp_placement placement_strategy; /* default: cluster */
-    double memory_weight;           /* 0: from optimize (speed 0, memory 1) */
+    double memory_weight;           /* used only when has_memory_weight; default from optimize (speed 0, memory 1) */
+    bool has_memory_weight;
     smp_trace_device trace_device;  /* default: gpu when a device backend is present, else cpu */
     smp_switch trace_execution_times;  /* after a warm-up run, each call is timed 3 times; default off: their median; on: their best */
     smp_switch trace_memory_usage;     /* default off */
@@ -374,8 +372,6 @@ typedef struct smp_config {
 /* Parses SageMaker-style JSON ({"partitions": 2, ...}) into *cfg, on top of
    what cfg already holds. Unknown keys and wrong types name the key. */
 SMPDEF smp_status smp_config_from_json(const char *json, smp_config *cfg);
-/* Fills defaults and checks values against a world of `world_size` ranks. */
-SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out);
 
 /* ---------------------------------------------------------------- context */
 /* Initialises MPI if the host has not, reads SMP_CONFIG (its keys override
@@ -388,10 +384,9 @@ SMPDEF smp_status smp_init(const smp_config *cfg);
    same models); pointers to them are dangling afterwards. */
 SMPDEF void smp_finalize(void);
 SMPDEF bool smp_is_initialized(void);
-SMPDEF const smp_config *smp_get_config(void); /* resolved values */
+SMPDEF const smp_config *smp_current_config(void); /* resolved values */
 
 typedef enum smp_group { SMP_WORLD = 0, SMP_MP_GROUP, SMP_DP_GROUP, SMP_GROUP_COUNT } smp_group;
-typedef enum smp_rank_type { SMP_WORLD_RANK = 0, SMP_MP_RANK, SMP_DP_RANK } smp_rank_type;
 
 SMPDEF int smp_rank(void);
 SMPDEF int smp_size(void);
@@ -404,14 +399,6 @@ SMPDEF int smp_dp_size(void);
 SMPDEF int smp_group_rank(smp_group g);
 SMPDEF int smp_group_size(smp_group g);
 SMPDEF MPI_Comm smp_group_comm(smp_group g);
-/* World ranks of this rank's group, in group-rank order; returns the count. */
-SMPDEF int smp_group_ranks(smp_group g, int *world_ranks, int cap);
-/* World rank of member `group_rank` of this rank's group g. */
-SMPDEF int smp_group_world_rank(smp_group g, int group_rank);
-/* The topology a world of `size` ranks would have, without MPI: the model
-   parallel and data parallel coordinates of world rank `rank`. */
-SMPDEF void smp_topology_of(int rank, int size, int partitions, smp_placement placement,
-                            int *mp_rank, int *dp_rank);
 
 /* ---------------------------------------------------------------- waiting */
 /* Seconds any single wait may take before the job aborts (SMP_TIMEOUT). */
@@ -427,14 +414,13 @@ SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_gr
    the matching smp_recv_from returns SMP_ERR_REMOTE with the sender's
    error, and later messages pair as before. Messages travel on a
    communicator of smp's own, apart from smp_group_comm's. */
-SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_rank_type rt);
-SMPDEF smp_status smp_recv_from(int src, smp_rank_type rt, void **buf, size_t *len);
+SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_group group);
+SMPDEF smp_status smp_recv_from(int src, smp_group group, void **buf, size_t *len);
 SMPDEF smp_status smp_broadcast_bytes(void **buf, size_t *len, int root, smp_group g);
 /* Gathers one buffer from each member: *out holds them back to back, lens[i]
    (caller-sized: group size) their sizes in group-rank order. */
-SMPDEF smp_status smp_allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens);
+SMPDEF smp_status smp_all_gather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens);
 SMPDEF smp_status smp_barrier(smp_group g);
-SMPDEF void *smp_malloc(size_t n); /* counted by the allocator statistics */
 SMPDEF void smp_free(void *p);
 
 /* ---------------------------------------------------------------- collectives */
@@ -637,20 +623,19 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int ninputs,
    done) and partitions it. Collective over the world. */
 SMPDEF smp_status smp_model_trace(smp_model *m, const smp_tensor *sample_inputs, int ninputs);
 SMPDEF bool smp_is_tracing(void);
-SMPDEF bool smp_model_partitioned(const smp_model *m);
+SMPDEF bool smp_model_is_partitioned(const smp_model *m);
 SMPDEF void smp_model_on_partitioned(smp_model *m, smp_post_partition_fn fn, void *user);
 SMPDEF void smp_model_zero_grad(smp_model *m);
 /* Local parameters (and buffers) in declaration order; iterate with
-   for (i = 0; (p = smp_model_param(m, i, false)); i++). */
-SMPDEF smp_param *smp_model_param(smp_model *m, int index, bool include_buffers);
+   for (i = 0; (p = smp_model_local_param(m, i, false)); i++). */
+SMPDEF smp_param *smp_model_local_param(smp_model *m, int index, bool include_buffers);
 SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *full_name); /* any rank's */
-SMPDEF int smp_model_num_params(const smp_model *m, bool include_buffers);   /* all ranks' */
-SMPDEF smp_param *smp_model_param_at(smp_model *m, int index);             /* all, local or not */
-SMPDEF smp_module *smp_model_module(smp_model *m, int index);              /* all modules, creation order */
-SMPDEF int smp_model_num_calls(const smp_model *m);                        /* leaf calls (composites count their leaves) */
+SMPDEF int smp_model_num_global_params(const smp_model *m, bool include_buffers);   /* all ranks' */
+/* Every rank's parameters (and buffers), local or not, in declaration
+   order: index < smp_model_num_global_params(m, include_buffers). */
+SMPDEF smp_param *smp_model_global_param(smp_model *m, int index, bool include_buffers);
 SMPDEF int smp_model_num_stages(const smp_model *m);
 SMPDEF int smp_model_stage_rank(const smp_model *m, int stage);            /* mp rank running a stage */
-SMPDEF int smp_model_call_stage(const smp_model *m, int call);
 
 /* ---------------------------------------------------------------- inside module callbacks */
 SMPDEF int smp_call_num_inputs(const smp_call_ctx *c);
@@ -669,7 +654,7 @@ SMPDEF void *smp_call_stash_device(smp_call_ctx *c, size_t bytes);
 SMPDEF void *smp_call_stashed_device(const smp_call_ctx *c, size_t *bytes);
 SMPDEF smp_module *smp_call_module(const smp_call_ctx *c);
 SMPDEF int smp_call_microbatch(const smp_call_ctx *c);
-SMPDEF bool smp_call_training(const smp_call_ctx *c); /* false in evaluation steps: no backward will follow */
+SMPDEF bool smp_call_is_training(const smp_call_ctx *c); /* false in evaluation steps: no backward will follow */
 /* A seed for this call's randomness (dropout): the same for a call and a
    sample position in every partitioning, in a recomputation and in one
    process; different for every call, microbatch, data-parallel replica and
@@ -722,9 +707,6 @@ typedef struct smp_call_cost {
    On error (SMP_ERR_ARG, SMP_ERR_NOMEM) the outputs are left untouched. */
 SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nstages, double memory_weight,
                                      double optimizer_state_factor, int *stage_of_call, double *max_stage_cost);
-/* The core on plain costs: the same contract, cost[i] >= 0 being call i's. */
-SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
-                                        double *max_stage_cost);
 
 /* ---------------------------------------------------------------- memory stats */
 typedef struct smp_memory_stats { /* device memory of on_device models counts with host memory */
@@ -733,22 +715,6 @@ typedef struct smp_memory_stats { /* device memory of on_device models counts wi
     int64_t stash_bytes, stash_peak_bytes; /* activation stash */
 } smp_memory_stats;
 SMPDEF smp_memory_stats smp_memory(void);
-SMPDEF void smp_memory_reset_peaks(void);
-
-#ifdef SMP_TESTING
-/* Fault injection for tests (see TESTING above): after `skip` more events of
-   the kind on this rank, the next one fails (skip < 0: never). Each kind
-   fails once per call; smp_testing_events counts the kind's events so far. */
-typedef enum smp_testing_fault {
-    SMP_FAULT_ALLOC,   /* an allocation through smp returns NULL */
-    SMP_FAULT_SEND,    /* a pipeline send reports an MPI failure */
-    SMP_FAULT_MESSAGE, /* a pipeline message arrives with a corrupt header */
-    SMP_FAULT_MPI,     /* a checked MPI call is skipped and reports MPI_ERR_OTHER (see MPI ERRORS) */
-    SMP_FAULT_COUNT
-} smp_testing_fault;
-SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip);
-SMPDEF long smp_testing_events(smp_testing_fault kind);
-#endif
 
 /* ---------------------------------------------------------------- device backend */
 /* Registered by smp_nccl.h; collectives on tensors with device >= 0 go here. */
@@ -813,6 +779,45 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b);
 #ifdef SMP_IMPLEMENTATION
 #ifndef SMP_H_IMPLEMENTED
 #define SMP_H_IMPLEMENTED
+
+/* Test hooks and the introspection only tests use: not part of the API (and
+   not counted in it), declared for the test builds, which define SMP_TESTING. */
+#ifdef SMP_TESTING
+/* Fault injection for tests (see TESTING above): after `skip` more events of
+   the kind on this rank, the next one fails (skip < 0: never). Each kind
+   fails once per call; smp_testing_events counts the kind's events so far. */
+typedef enum smp_testing_fault {
+    SMP_FAULT_ALLOC,   /* an allocation through smp returns NULL */
+    SMP_FAULT_SEND,    /* a pipeline send reports an MPI failure */
+    SMP_FAULT_MESSAGE, /* a pipeline message arrives with a corrupt header */
+    SMP_FAULT_MPI,     /* a checked MPI call is skipped and reports MPI_ERR_OTHER (see MPI ERRORS) */
+    SMP_FAULT_COUNT
+} smp_testing_fault;
+SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip);
+SMPDEF long smp_testing_events(smp_testing_fault kind);
+SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b);
+/* f16 / bf16 <-> f32, round to nearest even. */
+SMPDEF float smp_f16_to_f32(uint16_t h);
+SMPDEF uint16_t smp_f32_to_f16(float f);
+SMPDEF float smp_bf16_to_f32(uint16_t h);
+SMPDEF uint16_t smp_f32_to_bf16(float f);
+/* Fills defaults and checks values against a world of `world_size` ranks. */
+SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out);
+/* World ranks of this rank's group, in group-rank order; returns the count. */
+SMPDEF int smp_group_ranks(smp_group g, int *world_ranks, int cap);
+/* World rank of member `group_rank` of this rank's group g. */
+SMPDEF int smp_group_world_rank(smp_group g, int group_rank);
+/* The topology a world of `size` ranks would have, without MPI: the model
+   parallel and data parallel coordinates of world rank `rank`. */
+SMPDEF void smp_topology_of(int rank, int size, int partitions, smp_placement placement,
+                            int *mp_rank, int *dp_rank);
+SMPDEF int smp_model_num_calls(const smp_model *m);                        /* leaf calls (composites count their leaves) */
+SMPDEF int smp_model_call_stage(const smp_model *m, int call);
+/* The core on plain costs: the same contract, cost[i] >= 0 being call i's. */
+SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
+                                        double *max_stage_cost);
+SMPDEF void smp_memory_reset_peaks(void);
+#endif
 
 #include <errno.h>
 #include <limits.h>
@@ -938,7 +943,13 @@ static void smp__vlog(smp_log_level level, const char *fmt, va_list ap) {
     fflush(stderr);
 }
 
-SMPDEF void smp_log(smp_log_level level, const char *fmt, ...) {
+/* The library's own messages, through the logger set by smp_set_logger. */
+static void smp__log(smp_log_level level, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static void smp__log(smp_log_level level, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     smp__vlog(level, fmt, ap);
@@ -1026,7 +1037,7 @@ static void smp__mpi_warn(int rc, const char *call, const char *fmt, ...) {
     va_start(ap, fmt);
     smp__mpi_vtext(msg, sizeof msg, rc, call, fmt, ap);
     va_end(ap);
-    smp_log(SMP_LOG_WARN, "%s", msg);
+    smp__log(SMP_LOG_WARN, "%s", msg);
 }
 #define SMP__MPI_CHECK(call, ...) smp__mpi_check(SMP__MPI_RUN(call), #call, __VA_ARGS__)
 #define SMP__MPI(call, ...) do { smp_status smp_mpi_st_ = SMP__MPI_CHECK(call, __VA_ARGS__); if (smp_mpi_st_) return smp_mpi_st_; } while (0)
@@ -1564,6 +1575,9 @@ static int smp__json_exact_int(const char *tok, size_t len, bool *neg, uint64_t 
 }
 
 SMPDEF void *smp_malloc(size_t n) { return smp__alloc(n, SMP__ALLOC_OTHER); }
+
+/* Counted host memory for the other headers' own bookkeeping. */
+#define smp__malloc(n) smp__alloc((n), SMP__ALLOC_OTHER)
 SMPDEF void smp_free(void *p) { smp__free(p); }
 SMPDEF smp_memory_stats smp_memory(void) { return smp__ctx.mem; }
 SMPDEF void smp_memory_reset_peaks(void) {
@@ -1618,7 +1632,8 @@ SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b) {
         if (a->shape[i] != b->shape[i]) return false;
     return true;
 }
-SMPDEF const char *smp_tensor_describe(const smp_tensor *t, char *buf, size_t cap) {
+/* "f32[64, 784]" into buf; returns buf. */
+static const char *smp__tensor_describe(const smp_tensor *t, char *buf, size_t cap) {
     size_t at = (size_t)snprintf(buf, cap, "%s", smp_dtype_name(t->dtype));
     if (at < cap) smp__shape_text(t->shape, t->ndim, buf + at, cap - at);
     return buf;
@@ -2255,7 +2270,7 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
             return false;
         }
         switch (id) {
-        case SMP__CFG_MEMORY_WEIGHT: cfg->memory_weight = d; break;
+        case SMP__CFG_MEMORY_WEIGHT: cfg->memory_weight = d; cfg->has_memory_weight = true; break;
         case SMP__CFG_BUCKET_MB: cfg->bucket_cap_mb = d; break;
         case SMP__CFG_TIMEOUT: cfg->timeout = d; break;
         default: break;
@@ -2446,6 +2461,15 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
         return smp_error(SMP_ERR_CONFIG, "config key \"microbatches\" must be at least 1, got %d", c.microbatches);
     if (c.microbatches == 0) c.microbatches = 1;
 
+    /* a value set without its flag would be dropped without a word */
+    if (!c.has_default_partition && c.default_partition != 0)
+        return smp_error(SMP_ERR_CONFIG, "default_partition = %d is set but has_default_partition is false: set "
+                                         "has_default_partition = true (0 is a partition, so smp cannot tell it from unset)",
+                         c.default_partition);
+    if (!c.has_memory_weight && c.memory_weight != 0)
+        return smp_error(SMP_ERR_CONFIG, "memory_weight = %g is set but has_memory_weight is false: set has_memory_weight = "
+                                         "true (0 is a weight, so smp cannot tell it from unset)",
+                         c.memory_weight);
     if (c.has_default_partition && (c.default_partition < 0 || c.default_partition >= c.partitions))
         return smp_error(SMP_ERR_CONFIG,
                          "config key \"default_partition\" = %d is not a partition (partitions = %d: use 0 to %d)",
@@ -2453,7 +2477,8 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
 
     if (isnan(c.memory_weight) || c.memory_weight < 0 || c.memory_weight > 1)
         return smp_error(SMP_ERR_CONFIG, "config key \"memory_weight\" must be between 0 and 1, got %g", c.memory_weight);
-    if (c.memory_weight == 0) c.memory_weight = c.optimize == SMP_OPTIMIZE_MEMORY ? 1.0 : 0.0;
+    if (!c.has_memory_weight) c.memory_weight = c.optimize == SMP_OPTIMIZE_MEMORY ? 1.0 : 0.0;
+    c.has_memory_weight = true;
 
     if (c.backward_passes_per_step < 0)
         return smp_error(SMP_ERR_CONFIG, "config key \"backward_passes_per_step\" must be at least 1, got %d",
@@ -2553,6 +2578,8 @@ static bool smp__backoff_pause(smp__backoff *b) {
     b->last = smp__now();
     return true;
 }
+
+SMPDEF int smp_group_world_rank(smp_group g, int group_rank); /* a test hook (SMP_TESTING) the waits use */
 
 static const char *smp__group_name(smp_group g) {
     return g == SMP_WORLD ? "world" : g == SMP_MP_GROUP ? "MP_GROUP" : g == SMP_DP_GROUP ? "DP_GROUP" : "?";
@@ -2728,7 +2755,7 @@ SMPDEF int smp_mp_size(void) { return smp__ctx.cfg.partitions; }
 SMPDEF int smp_dp_rank(void) { return smp__ctx.dp_rank; }
 SMPDEF int smp_dp_size(void) { return smp__ctx.initialized ? smp__ctx.size / smp__ctx.cfg.partitions : 1; }
 SMPDEF bool smp_is_initialized(void) { return smp__ctx.initialized; }
-SMPDEF const smp_config *smp_get_config(void) { return &smp__ctx.cfg; }
+SMPDEF const smp_config *smp_current_config(void) { return &smp__ctx.cfg; }
 
 static smp__group_info *smp__group(smp_group g) {
     if ((unsigned)g >= SMP_GROUP_COUNT || !smp__ctx.initialized) return NULL;
@@ -2955,7 +2982,7 @@ static void smp__drop_notices(MPI_Comm c) {
         MPI_Message m;
         MPI_Status st;
         if (SMP__MPI_CHECK(MPI_Improbe(MPI_ANY_SOURCE, SMP__TAG_FAILED, c, &found, &m, &st), "taking in stale failure notices (smp_finalize)"))
-            smp_log(SMP_LOG_WARN, "%s", smp_last_error());
+            smp__log(SMP_LOG_WARN, "%s", smp_last_error());
         if (!found) return;
         char msg[8 + sizeof smp__errbuf];
         int len = 0;
@@ -3013,20 +3040,20 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b) {
 #define SMP__TAG_OBJECT 7001
 #define SMP__TAG_SEND_FAILED 7003
 
-static smp_status smp__resolve_peer(int peer, smp_rank_type rt, const char *fn, smp_group *g) {
+static smp_status smp__resolve_peer(int peer, smp_group group, const char *fn, smp_group *g) {
     SMP_ASSERT(smp__ctx.initialized);
-    *g = rt == SMP_WORLD_RANK ? SMP_WORLD : rt == SMP_MP_RANK ? SMP_MP_GROUP : rt == SMP_DP_RANK ? SMP_DP_GROUP : SMP_GROUP_COUNT;
-    if (*g == SMP_GROUP_COUNT) return smp_error(SMP_ERR_ARG, "%s: unknown rank type %d", fn, (int)rt);
+    *g = group;
+    if ((unsigned)group >= SMP_GROUP_COUNT) return smp_error(SMP_ERR_ARG, "%s: unknown group %d (SMP_WORLD, SMP_MP_GROUP or SMP_DP_GROUP)", fn, (int)group);
     int n = smp__ctx.groups[*g].size;
     if (peer < 0 || peer >= n) return smp_error(SMP_ERR_ARG, "%s: rank %d is outside the %s (size %d)", fn, peer, smp__group_name(*g), n);
     if (peer == smp__ctx.groups[*g].rank) return smp_error(SMP_ERR_ARG, "%s: rank %d is this rank", fn, peer);
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_rank_type rt) {
+SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_group group) {
     smp_status st;
     smp_group g;
-    if ((st = smp__require_init("smp_send")) || (st = smp__resolve_peer(dest, rt, "smp_send", &g))) return st;
+    if ((st = smp__require_init("smp_send")) || (st = smp__resolve_peer(dest, group, "smp_send", &g))) return st;
     MPI_Comm comm = smp__ctx.groups[g].objects;
     MPI_Datatype type = MPI_BYTE;
     int count = 0;
@@ -3050,10 +3077,10 @@ SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_rank_type 
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_recv_from(int src, smp_rank_type rt, void **buf, size_t *len) {
+SMPDEF smp_status smp_recv_from(int src, smp_group group, void **buf, size_t *len) {
     smp_status st;
     smp_group g;
-    if ((st = smp__require_init("smp_recv_from")) || (st = smp__resolve_peer(src, rt, "smp_recv_from", &g))) return st;
+    if ((st = smp__require_init("smp_recv_from")) || (st = smp__resolve_peer(src, group, "smp_recv_from", &g))) return st;
     if (!buf || !len) return smp_error(SMP_ERR_ARG, "smp_recv_from: buf and len must not be NULL");
     MPI_Comm comm = smp__ctx.groups[g].objects;
     MPI_Message msg;
@@ -3144,15 +3171,15 @@ SMPDEF smp_status smp_broadcast_bytes(void **buf, size_t *len, int root, smp_gro
 
 static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
     smp__group_info *gi;
-    smp_status st = smp__group_arg(g, "smp_allgather_bytes", &gi);
+    smp_status st = smp__group_arg(g, "smp_all_gather_bytes", &gi);
     if (st) return st;
-    if (len > (size_t)INT32_MAX) return smp_error(SMP_ERR_ARG, "smp_allgather_bytes: %zu bytes is more than one message carries", len);
+    if (len > (size_t)INT32_MAX) return smp_error(SMP_ERR_ARG, "smp_all_gather_bytes: %zu bytes is more than one message carries", len);
     int n = gi->size, mine = (int)len;
-    int *counts = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER, "smp_allgather_bytes's lengths");
+    int *counts = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER, "smp_all_gather_bytes's lengths");
     if (st) return st;
     int *displs = counts + n;
     MPI_Request req;
-    if ((st = SMP__MPI_CHECK(MPI_Iallgather(&mine, 1, MPI_INT, counts, 1, MPI_INT, gi->comm, &req), "gathering lengths (smp_allgather_bytes) in %s",
+    if ((st = SMP__MPI_CHECK(MPI_Iallgather(&mine, 1, MPI_INT, counts, 1, MPI_INT, gi->comm, &req), "gathering lengths (smp_all_gather_bytes) in %s",
                              smp__group_name(g)))) {
         smp__free(counts);
         return st;
@@ -3160,11 +3187,11 @@ static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g,
     smp_wait_requests(1, &req, "allgather lengths", g, -1);
     int64_t total = 0;
     for (int i = 0; i < n; i++) { displs[i] = (int)total; total += counts[i]; lens[i] = (size_t)counts[i]; }
-    if (total > INT32_MAX) { smp__free(counts); return smp_error(SMP_ERR_ARG, "smp_allgather_bytes: %lld bytes in all is more than one gather carries", (long long)total); }
-    char *all = (char *)smp__alloc_or(&st, (size_t)total + 1, SMP__ALLOC_OTHER, "smp_allgather_bytes's result");
+    if (total > INT32_MAX) { smp__free(counts); return smp_error(SMP_ERR_ARG, "smp_all_gather_bytes: %lld bytes in all is more than one gather carries", (long long)total); }
+    char *all = (char *)smp__alloc_or(&st, (size_t)total + 1, SMP__ALLOC_OTHER, "smp_all_gather_bytes's result");
     if (st) { smp__free(counts); return st; }
     if ((st = SMP__MPI_CHECK(MPI_Iallgatherv(buf, mine, MPI_BYTE, all, counts, displs, MPI_BYTE, gi->comm, &req),
-                             "gathering bytes (smp_allgather_bytes) in %s", smp__group_name(g)))) {
+                             "gathering bytes (smp_all_gather_bytes) in %s", smp__group_name(g)))) {
         smp__free(all);
         smp__free(counts);
         return st;
@@ -3176,7 +3203,7 @@ static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g,
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
+SMPDEF smp_status smp_all_gather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
     smp__group_info *member = smp__coll_enter(g);
     return smp__coll_exit(member, g, smp__allgather_bytes(buf, len, g, out, lens));
 }
@@ -4109,7 +4136,7 @@ static void smp__free_forgotten(void) {
     while (smp__mod.nmodels > 0) smp_model_free(smp__mod.models[0]);
     for (int j = 0; j < smp__mod.nall; j++, nloose++) smp__free_module(smp__mod.all[j]);
     if (nmodels || nloose)
-        smp_log(SMP_LOG_INFO, "smp_finalize freed %d model%s and %d module%s the program had not freed", nmodels, nmodels == 1 ? "" : "s",
+        smp__log(SMP_LOG_INFO, "smp_finalize freed %d model%s and %d module%s the program had not freed", nmodels, nmodels == 1 ? "" : "s",
                 nloose, nloose == 1 ? "" : "s");
     smp__free(smp__mod.all);
     smp__free(smp__mod.models);
@@ -4121,19 +4148,24 @@ static void smp__free_forgotten(void) {
 }
 
 SMPDEF bool smp_is_tracing(void) { return smp__mod.tracing; }
-SMPDEF bool smp_model_partitioned(const smp_model *m) { return m->partitioned; }
+SMPDEF bool smp_model_is_partitioned(const smp_model *m) { return m->partitioned; }
 SMPDEF int smp_model_num_calls(const smp_model *m) { return m->ncalls; }
 SMPDEF int smp_model_num_stages(const smp_model *m) { return m->nstages; }
 SMPDEF int smp_model_stage_rank(const smp_model *m, int s) { return s >= 0 && s < m->nstages ? m->stage_rank[s] : -1; }
 SMPDEF int smp_model_call_stage(const smp_model *m, int c) { return c >= 0 && c < m->ncalls ? m->calls[c].stage : -1; }
-SMPDEF smp_module *smp_model_module(smp_model *m, int i) { return i >= 0 && i < m->nmodules ? m->modules[i] : NULL; }
-SMPDEF smp_param *smp_model_param_at(smp_model *m, int i) { return i >= 0 && i < m->nparams ? m->params[i] : NULL; }
-SMPDEF int smp_model_num_params(const smp_model *m, bool buffers) {
+SMPDEF smp_param *smp_model_global_param(smp_model *m, int index, bool buffers) {
+    if (index < 0) return NULL;
+    if (buffers) return index < m->nparams ? m->params[index] : NULL; /* the checkpoint's loops: O(1) */
+    for (int i = 0; i < m->nparams; i++)
+        if (!m->params[i]->is_buffer && index-- == 0) return m->params[i];
+    return NULL;
+}
+SMPDEF int smp_model_num_global_params(const smp_model *m, bool buffers) {
     int n = 0;
     for (int i = 0; i < m->nparams; i++) n += buffers || !m->params[i]->is_buffer;
     return n;
 }
-SMPDEF smp_param *smp_model_param(smp_model *m, int index, bool buffers) {
+SMPDEF smp_param *smp_model_local_param(smp_model *m, int index, bool buffers) {
     for (int i = 0; i < m->nparams; i++) {
         smp_param *p = m->params[i];
         if ((!buffers && p->is_buffer) || !smp_module_is_local(p->module)) continue;
@@ -4170,7 +4202,7 @@ SMPDEF smp_tensor *smp_call_grad_input(smp_call_ctx *c, int i) {
 }
 SMPDEF smp_module *smp_call_module(const smp_call_ctx *c) { return c->module; }
 SMPDEF int smp_call_microbatch(const smp_call_ctx *c) { return c->microbatch; }
-SMPDEF bool smp_call_training(const smp_call_ctx *c) { return c->training; }
+SMPDEF bool smp_call_is_training(const smp_call_ctx *c) { return c->training; }
 SMPDEF uint64_t smp_call_seed(const smp_call_ctx *c) { return c->seed; }
 
 /* Whether memory a callback asked for came; when not, the call fails with
@@ -4222,7 +4254,7 @@ static smp_status smp__add_forward(smp_call_ctx *c) {
         if (x->dtype != x0->dtype || smp_tensor_numel(x) != smp_tensor_numel(x0)) {
             char a[96], b[96];
             return smp_error(SMP_ERR_ARG, "add module \"%s\": input %d is %s but input 0 is %s (inputs must match in dtype and size)",
-                             c->module->full_name, j, smp_tensor_describe(x, a, sizeof a), smp_tensor_describe(x0, b, sizeof b));
+                             c->module->full_name, j, smp__tensor_describe(x, a, sizeof a), smp__tensor_describe(x0, b, sizeof b));
         }
     }
     smp_tensor *y = smp_call_output(c, 0, x0->dtype, x0->ndim, x0->shape);
@@ -4948,7 +4980,7 @@ static void smp__warn_ignored_contexts(const smp_model *m) {
     if (!first) return;
     char others[48] = "";
     if (n > 1) snprintf(others, sizeof others, " (and %d other module%s)", n - 1, n == 2 ? "" : "s");
-    smp_log(SMP_LOG_WARN, "module \"%s\"%s was created inside SMP_PARTITION(%d), but auto_partition is on, so SMP_PARTITION contexts are "
+    smp__log(SMP_LOG_WARN, "module \"%s\"%s was created inside SMP_PARTITION(%d), but auto_partition is on, so SMP_PARTITION contexts are "
             "ignored and the partitioner places every module: to place modules by their contexts, turn auto_partition off "
             "(cfg.auto_partition = SMP_OFF, or \"auto_partition\": false in SMP_CONFIG) and set default_partition for modules outside them",
             *first->full_name ? first->full_name : "(root)", others, first->context_partition);
@@ -5009,9 +5041,9 @@ static void smp__report(smp_model *m) {
     int S = m->nstages;
     double *t = (double *)smp__alloc(sizeof(double) * 2 * (size_t)S, SMP__ALLOC_OTHER), *mem = t + S;
     char line[256];
-    smp_log(SMP_LOG_INFO, "partition report: %d top-level calls (%d leaf calls), %d stages over %d partitions", m->nunits, m->ncalls, S,
+    smp__log(SMP_LOG_INFO, "partition report: %d top-level calls (%d leaf calls), %d stages over %d partitions", m->nunits, m->ncalls, S,
             smp__ctx.cfg.partitions);
-    smp_log(SMP_LOG_INFO, "  %-5s %-28s %5s %5s %12s %10s %12s", "call", "module", "part", "stage", "params(B)", "time(ms)", "activ.(B)");
+    smp__log(SMP_LOG_INFO, "  %-5s %-28s %5s %5s %12s %10s %12s", "call", "module", "part", "stage", "params(B)", "time(ms)", "activ.(B)");
     for (int u = 0; u < m->nunits; u++) {
         smp__unit *c = &m->units[u];
         int s0 = m->calls[c->first].stage, s1 = m->calls[c->last].stage;
@@ -5020,7 +5052,7 @@ static void smp__report(smp_model *m) {
         snprintf(line, sizeof line, "  %-5d %-28s %5d %5s %12.0f %10.3f %12.0f%s", u, *c->module->full_name ? c->module->full_name : "(root)",
                  m->stage_rank[s0], stages, c->param_bytes, c->time * 1e3, c->activation_bytes,
                  c->last > c->first ? " (composite)" : m->calls[c->first].recompute_first >= 0 ? " (recomputed)" : "");
-        smp_log(SMP_LOG_INFO, "%s", line);
+        smp__log(SMP_LOG_INFO, "%s", line);
     }
     memset(t, 0, sizeof(double) * 2 * (size_t)S);
     for (int i = 0; i < m->ncalls; i++) {
@@ -5029,12 +5061,12 @@ static void smp__report(smp_model *m) {
     }
     double tmax = 0, tsum = 0, mmax = 0, msum = 0;
     for (int s = 0; s < S; s++) {
-        smp_log(SMP_LOG_INFO, "  stage %d (partition %d): leaf calls %d..%d, time %.3f ms, memory %.0f B", s, m->stage_rank[s], m->stage_first[s],
+        smp__log(SMP_LOG_INFO, "  stage %d (partition %d): leaf calls %d..%d, time %.3f ms, memory %.0f B", s, m->stage_rank[s], m->stage_first[s],
                 m->stage_last[s], t[s] * 1e3, mem[s]);
         tmax = t[s] > tmax ? t[s] : tmax; tsum += t[s];
         mmax = mem[s] > mmax ? mem[s] : mmax; msum += mem[s];
     }
-    smp_log(SMP_LOG_INFO, "  imbalance (largest / mean stage): time %.2f, memory %.2f", tsum > 0 ? tmax * S / tsum : 1.0, msum > 0 ? mmax * S / msum : 1.0);
+    smp__log(SMP_LOG_INFO, "  imbalance (largest / mean stage): time %.2f, memory %.2f", tsum > 0 ? tmax * S / tsum : 1.0, msum > 0 ? mmax * S / msum : 1.0);
     for (int i = 0; i < m->nmodules; i++) { /* shared modules: where their copies live */
         smp_module *mod = m->modules[i];
         if (mod->uses < 2 || (mod->parent && mod->parent->uses == mod->uses && mod->parent->owner_call == mod->owner_call)) continue;
@@ -5042,7 +5074,7 @@ static void smp__report(smp_model *m) {
         for (int p = 0, last = -1; p < smp__ctx.cfg.partitions && at < (int)sizeof line - 8; p++)
             for (int k = 0; k < m->ncalls; k++)
                 if (m->calls[k].module == mod && m->stage_rank[m->calls[k].stage] == p && p != last) { at += snprintf(line + at, sizeof line - (size_t)at, " %d", p); last = p; }
-        smp_log(SMP_LOG_INFO, "%s", line);
+        smp__log(SMP_LOG_INFO, "%s", line);
     }
     smp__free(t);
 }

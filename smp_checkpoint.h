@@ -17,7 +17,7 @@
          // the model is partitioned: after smp_model_trace(model, ...) or a step
          smp_optimizer *opt;                       // smp.DistributedOptimizer
          smp_optimizer_new(model, &opt);
-         for (i = 0; (p = smp_model_param(model, i, false)); i++)   // local ones
+         for (i = 0; (p = smp_model_local_param(model, i, false)); i++)   // local ones
              smp_optimizer_state_add(opt, smp_param_name(p), "exp_avg", &exp_avg[i]);
          smp_optimizer_state_add(opt, NULL, "step", &step);         // whole optimizer
 
@@ -139,7 +139,7 @@
 
    WRITING (streamed: never holds more than one chunk)
          smp_ckpt_writer *w;
-         smp_ckpt_writer_open(&w, path, entries, n, keys, vals, nmeta);
+         smp_ckpt_writer_open(path, entries, n, keys, vals, nmeta, &w);
          while (more) smp_ckpt_writer_write(w, chunk, chunk_bytes);  // entry order
          smp_ckpt_writer_commit(w);     // or smp_ckpt_writer_abort(w)
      The bytes are the tensors' data back to back in entry order, in any chunk
@@ -148,7 +148,7 @@
 
    READING
          smp_ckpt_file *f;
-         if (smp_ckpt_open(&f, "model.safetensors") != SMP_OK) ...  // whole header checked
+         if (smp_ckpt_open("model.safetensors", &f) != SMP_OK) ...  // whole header checked
          const smp_ckpt_info *e = smp_ckpt_find(f, "fc1.weight");   // NULL: not there
          smp_ckpt_read(f, e, w, sizeof w);                         // checksum checked
          const char *epoch = smp_ckpt_meta(f, "epoch");             // NULL: not there
@@ -241,9 +241,9 @@ typedef struct smp_ckpt_writer smp_ckpt_writer;
 
 /* Creates the tmp file and writes the header. The entries and metadata are
    copied; metadata keys must not start with "smp.checksum.". */
-SMPDEF smp_status smp_ckpt_writer_open(smp_ckpt_writer **w, const char *path, const smp_ckpt_entry *entries,
+SMPDEF smp_status smp_ckpt_writer_open(const char *path, const smp_ckpt_entry *entries,
                                        int n, const char *const *meta_keys, const char *const *meta_values,
-                                       int nmeta);
+                                       int nmeta, smp_ckpt_writer **w);
 /* Appends data in entry order; any chunk size. More bytes than the entries
    declare is an error. */
 SMPDEF smp_status smp_ckpt_writer_write(smp_ckpt_writer *w, const void *bytes, size_t n);
@@ -274,7 +274,7 @@ typedef struct smp_ckpt_info {
 typedef struct smp_ckpt_file smp_ckpt_file;
 
 /* Opens and validates the whole header (not the data: see verify_all). */
-SMPDEF smp_status smp_ckpt_open(smp_ckpt_file **f, const char *path);
+SMPDEF smp_status smp_ckpt_open(const char *path, smp_ckpt_file **f);
 SMPDEF void smp_ckpt_close(smp_ckpt_file *f);
 SMPDEF const char *smp_ckpt_path(const smp_ckpt_file *f);
 /* Tensors in header order. */
@@ -810,7 +810,7 @@ static int smp__ckpt_fault_from_env(int *fault) {
 /* Ends the process as a crash would, saying so first (tests check that the
    fault they asked for is the one that fired). */
 static void smp__ckpt_die(int phase) {
-    smp_log(SMP_LOG_ERROR, "SMP_CKPT_FAULT=%s: test fault injection ends this process (status 77)",
+    smp__log(SMP_LOG_ERROR, "SMP_CKPT_FAULT=%s: test fault injection ends this process (status 77)",
             smp__ckpt_fault_names[phase]);
     _exit(77);
 }
@@ -1031,8 +1031,8 @@ static smp_status smp__ckpt_build_header(smp_ckpt_writer *w, const char *label, 
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_ckpt_writer_open(smp_ckpt_writer **out, const char *path, const smp_ckpt_entry *entries,
-                                       int n, const char *const *mk, const char *const *mv, int nmeta) {
+SMPDEF smp_status smp_ckpt_writer_open(const char *path, const smp_ckpt_entry *entries,
+                                       int n, const char *const *mk, const char *const *mv, int nmeta, smp_ckpt_writer **out) {
     smp_ckpt_writer *w;
     char label[512];
     const char *base;
@@ -1286,7 +1286,7 @@ SMPDEF smp_status smp_ckpt_writer_commit(smp_ckpt_writer *w) {
 SMPDEF smp_status smp_ckpt_write_file(const char *path, const smp_ckpt_entry *entries, int n,
                                       const char *const *mk, const char *const *mv, int nmeta) {
     smp_ckpt_writer *w;
-    smp_status st = smp_ckpt_writer_open(&w, path, entries, n, mk, mv, nmeta);
+    smp_status st = smp_ckpt_writer_open(path, entries, n, mk, mv, nmeta, &w);
     int i;
     if (st) return st;
     for (i = 0; i < n; i++) {
@@ -1750,7 +1750,7 @@ static smp_status smp__ckpt_file_new(smp_ckpt_file **out, const char *path) {
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_ckpt_open(smp_ckpt_file **out, const char *path) {
+SMPDEF smp_status smp_ckpt_open(const char *path, smp_ckpt_file **out) {
     smp_ckpt_file *f;
     struct stat sb;
     smp_status st;
@@ -2158,7 +2158,7 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
         smp_param *p = smp_model_find_param(o->model, param);
         if (!p) return smp_error(SMP_ERR_ARG, "%s: the model has no parameter '%s'", fn, param);
         int part = smp_module_partition(smp_param_module(p));
-        if (!smp_model_partitioned(o->model) || part < 0)
+        if (!smp_model_is_partitioned(o->model) || part < 0)
             return smp_error(SMP_ERR_STATE,
                              "%s: the model is not partitioned yet; register optimizer state of '%s' after "
                              "smp_model_trace or the first step",
@@ -2455,7 +2455,7 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     packed = NULL;
 
     /* items: parameters and buffers, then optimizer state */
-    np = smp_model_num_params(m, true);
+    np = smp_model_num_global_params(m, true);
     {
         int nrec = 0;
         const char *p = pl->gathered, *end = pl->gathered + total;
@@ -2472,7 +2472,7 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     }
     if (st) goto out;
     for (i = 0; i < np && !st; i++) {
-        smp_param *p = smp_model_param_at(m, i);
+        smp_param *p = smp_model_global_param(m, i, true);
         const smp_tensor *v = smp_param_value(p);
         smp__ckpt_item *it = &pl->items[nitems++];
         int64_t numel;
@@ -3409,7 +3409,7 @@ static int smp__ckpt_is_ours(const char *full, int kind, uint64_t gen, int k) {
     const char *fmt, *knd, *mp, *g;
     uint64_t v;
     int ok;
-    smp_status st = smp_ckpt_open(&f, full);
+    smp_status st = smp_ckpt_open(full, &f);
     if (st) return st == SMP_ERR_NOMEM ? -1 : 0;
     fmt = smp_ckpt_meta(f, "smp.format");
     knd = smp_ckpt_meta(f, "smp.kind");
@@ -3501,7 +3501,7 @@ static void smp__ckpt_cleanup(const char *path, uint64_t gen, int mine, int P, i
     smp__ckpt_free_list(names);
     smp__free(dir);
     if (short_of_memory)
-        smp_log(SMP_LOG_WARN,
+        smp__log(SMP_LOG_WARN,
                 "checkpoint '%s': generation %llu is saved and committed, but out of memory removing the files it "
                 "replaced (%s); the next save of it removes them",
                 path, (smp__ckpt_ull)gen, smp_last_error());
@@ -3538,7 +3538,7 @@ static void smp__ckpt_fault_pace(const char *path, uint64_t gen, int P, int mine
 static smp_status smp__ckpt_check_common(smp_model *m, const char *path, const char *fn) {
     if (!m) return smp_error(SMP_ERR_ARG, "%s: model is NULL", fn);
     if (!path || !*path) return smp_error(SMP_ERR_ARG, "%s: no path", fn);
-    if (!smp_model_partitioned(m))
+    if (!smp_model_is_partitioned(m))
         return smp_error(SMP_ERR_STATE,
                          "%s: the model is not partitioned yet (parameters exist only after smp_model_trace or the "
                          "first step)",
@@ -3622,8 +3622,8 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
                 snprintf(file, n, "%s.g%llu_%d", path, (smp__ckpt_ull)gen, pl.mp);
             if (!st) entries = smp__ckpt_entries(&pl, pl.mp, &ne, &st);
             if (!st)
-                st = smp_ckpt_writer_open(&w, file, entries, ne, (const char *const *)md.keys,
-                                          (const char *const *)md.vals, md.n);
+                st = smp_ckpt_writer_open(file, entries, ne, (const char *const *)md.keys,
+                                          (const char *const *)md.vals, md.n, &w);
             for (i = 0; i < pl.n && !st; i++) {
                 const smp__ckpt_item *it = &pl.items[pl.order[i]];
                 if (it->mp == pl.mp) st = smp__ckpt_write_local(w, it, pl.chunk);
@@ -3699,8 +3699,8 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
         if (pl.rank == writer && !st) {
             entries = smp__ckpt_entries(&pl, -1, &ne, &st);
             if (!st)
-                st = smp_ckpt_writer_open(&w, path, entries, ne, (const char *const *)md.keys,
-                                          (const char *const *)md.vals, md.n);
+                st = smp_ckpt_writer_open(path, entries, ne, (const char *const *)md.keys,
+                                          (const char *const *)md.vals, md.n, &w);
         }
         st = smp__ckpt_agree(&pl, st, "opening the checkpoint file");
         if (st) goto done; /* w is NULL wherever opening failed */
@@ -3790,7 +3790,7 @@ static smp_status smp__ckpt_open_manifest_set(const char *mpath, smp_ckpt_file *
             st = smp__nomem(strlen(dir) + strlen(mf->name) + 2, "the name of a checkpoint file");
             break;
         }
-        st = smp_ckpt_open(&files[k], full);
+        st = smp_ckpt_open(full, &files[k]);
         f = files[k];
         if (st == SMP_ERR_NOMEM) {
             /* its message says what for; the file is fine */
@@ -3876,7 +3876,7 @@ SMPDEF smp_status smp_ckpt_partial_file(const char *path, int mp_rank, char *out
                            "no partial checkpoint at '%s': neither its manifest '%s' nor '%s' (file 0 of a checkpoint "
                            "saved before manifests) exists",
                            path, mpath, p0);
-        else if ((st = smp_ckpt_open(&f0, p0)) == SMP_OK && (P = smp__ckpt_meta_int(f0, "smp.partitions", 1, 1 << 20)) < 0)
+        else if ((st = smp_ckpt_open(p0, &f0)) == SMP_OK && (P = smp__ckpt_meta_int(f0, "smp.partitions", 1, 1 << 20)) < 0)
             st = SMP_ERR_FORMAT;
         smp_ckpt_close(f0);
         smp__free(p0);
@@ -3907,7 +3907,7 @@ static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_fil
     *out = NULL;
     *nout = 0;
     if (!partial) {
-        st = smp_ckpt_open(&f0, path);
+        st = smp_ckpt_open(path, &f0);
         if (st) {
             char *mp = smp__ckpt_manifest_path(path);
             p = smp__ckpt_part_path(path, 0);
@@ -3959,7 +3959,7 @@ static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_fil
         smp__free(p);
         return st;
     }
-    st = smp_ckpt_open(&f0, p);
+    st = smp_ckpt_open(p, &f0);
     if (st) {
         smp__free(p);
         return st;
@@ -4003,7 +4003,7 @@ static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_fil
             st = smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
             break;
         }
-        st = smp_ckpt_open(&files[k], p);
+        st = smp_ckpt_open(p, &files[k]);
         if (st) {
             st = smp_error(st, "%s (file %d of the %d that '%s' announces)", smp_last_error(), k, P, smp_ckpt_path(f0));
         } else {
@@ -4174,15 +4174,15 @@ SMPDEF smp_status smp_model_local_state_dict(smp_model *m, const smp_optimizer *
     if (!out) return smp_error(SMP_ERR_ARG, "smp_model_local_state_dict: out is NULL");
     memset(out, 0, sizeof *out);
     if (!m) return smp_error(SMP_ERR_ARG, "smp_model_local_state_dict: model is NULL");
-    if (!smp_model_partitioned(m))
+    if (!smp_model_is_partitioned(m))
         return smp_error(SMP_ERR_STATE, "smp_model_local_state_dict: the model is not partitioned yet");
-    np = smp_model_num_params(m, true);
+    np = smp_model_num_global_params(m, true);
     out->entries = (smp_named_tensor *)smp__alloc(sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1), SMP__ALLOC_OTHER);
     if (!out->entries)
         return smp__nomem(sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1),
                           "the entries of smp_model_local_state_dict's result");
     for (i = 0; i < np; i++) {
-        smp_param *p = smp_model_param_at(m, i);
+        smp_param *p = smp_model_global_param(m, i, true);
         if (!smp_module_is_local(smp_param_module(p))) continue;
         out->entries[n].name = smp_param_name(p);
         out->entries[n].tensor = *smp_param_value(p);
@@ -4211,7 +4211,7 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
     if (!smp_is_initialized()) return smp_error(SMP_ERR_STATE, "smp_model_state_dict called before smp_init");
     if (out) memset(out, 0, sizeof *out);
     if (!out || !m) st = smp_error(SMP_ERR_ARG, "smp_model_state_dict: model and out must not be NULL");
-    else if (!smp_model_partitioned(m))
+    else if (!smp_model_is_partitioned(m))
         st = smp_error(SMP_ERR_STATE, "smp_model_state_dict: the model is not partitioned yet");
     else if (root < 0 || root >= smp_size())
         st = smp_error(SMP_ERR_ARG, "smp_model_state_dict: root %d is outside the world (size %d)", root, smp_size());

@@ -40,7 +40,7 @@
    DEVICES AND PATHS
      smp_init sets this rank's device to smp_local_rank() % (GPUs visible to
      the rank) - what the reference scripts do with set_device(local_rank) -
-     and every rank then agrees on one path (smp_nccl_get_mode()):
+     and every rank then agrees on one path (smp_nccl_current_mode()):
        SMP_NCCL_MODE_NCCL    every rank has a GPU of its own: one NCCL
                              communicator per group (world, MP_GROUP,
                              DP_GROUP; a group with the world's ranks in the
@@ -90,16 +90,14 @@
      smp_nccl_p2p_connect(g, peers, n)      both ranks, once, all peers in one call
      smp_nccl_isend / smp_nccl_irecv        queue a transfer, get a request
      smp_nccl_test / smp_nccl_wait          poll it / order the engine after it
-     smp_nccl_send / _recv / _sendrecv      isend/irecv + wait
      Each direction between two ranks gets its own two-rank NCCL
      communicator and stream (a channel), so a queued send never waits
      behind a receive, or a receive behind a send: isends and irecvs posted
-     in any order, then waited for, cannot deadlock. The blocking calls are
-     another matter: waiting on a send orders the engine after it, and a
-     later irecv starts after the engine, so smp_nccl_send followed by
-     smp_nccl_recv on both ranks of a pair deadlocks once the message
-     outgrows NCCL's buffers (as MPI_Send against MPI_Send can): use
-     smp_nccl_sendrecv, or post both and wait after. Within a direction, messages pair in
+     in any order, then waited for, cannot deadlock. Waiting on a send
+     orders the engine after it, so wait on a send before posting the
+     receive it pairs with on both ranks of a pair, and the two deadlock
+     once the message outgrows NCCL's buffers (as MPI_Send against MPI_Send
+     can): post both, then wait. Within a direction, messages pair in
      order: the k-th isend from A to B fills the k-th irecv on B from A, and
      their sizes must match. An irecv may be queued long before the data is
      sent; its data reaches the engine stream only through smp_nccl_wait.
@@ -152,7 +150,7 @@ typedef enum smp_nccl_mode {
 /* Registers the backend (done for you unless SMP_NCCL_NO_AUTO_REGISTER). */
 SMPDEF void smp_nccl_register(void);
 /* The path smp_init chose; NONE before smp_init. */
-SMPDEF smp_nccl_mode smp_nccl_get_mode(void);
+SMPDEF smp_nccl_mode smp_nccl_current_mode(void);
 SMPDEF const char *smp_nccl_mode_name(smp_nccl_mode m); /* "none", "nccl", "staged" */
 /* One line for logs: the path, the device, NCCL's version; or why there is no device. */
 SMPDEF const char *smp_nccl_describe(void);
@@ -163,9 +161,7 @@ SMPDEF int smp_nccl_device(void);
    or the per-thread one when this file is compiled with per-thread default
    streams). May be called before or after smp_init. */
 SMPDEF void smp_nccl_set_stream(cudaStream_t engine_stream);
-SMPDEF cudaStream_t smp_nccl_get_stream(void);
-/* smp's own stream, on which collectives run (NULL before smp_init). */
-SMPDEF cudaStream_t smp_nccl_comm_stream(void);
+SMPDEF cudaStream_t smp_nccl_stream(void);
 /* The NCCL communicator of a group (NULL unless the mode is NCCL). */
 SMPDEF ncclComm_t smp_nccl_comm(smp_group g);
 /* Waits on the host until all device work smp has queued (collectives,
@@ -191,11 +187,6 @@ SMPDEF void smp_nccl_free(void *p);
    rounded, as on the host). Needs the implementation compiled by nvcc (a
    .cu file); elsewhere it returns SMP_ERR_STATE. */
 SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t n);
-/* data *= by for f32, f64, f16 and bf16 (halves through f32; other dtypes
-   are left alone), on the engine stream; needs nvcc like smp_nccl_add.
-   smp_nccl_zero clears `bytes` at p on the engine stream. */
-SMPDEF smp_status smp_nccl_scale(void *data, smp_dtype dt, int64_t n, double by);
-SMPDEF smp_status smp_nccl_zero(void *p, size_t bytes);
 
 /* ---------------------------------------------------------------- point to point */
 typedef struct smp_nccl_request smp_nccl_request;
@@ -223,11 +214,6 @@ SMPDEF smp_status smp_nccl_test(smp_nccl_request *req, bool *done);
    free send buffers without holding up the engine, poll smp_nccl_test and
    wait once it says done. */
 SMPDEF smp_status smp_nccl_wait(smp_nccl_request *req);
-SMPDEF smp_status smp_nccl_send(const void *buf, size_t bytes, int peer, smp_group g);
-SMPDEF smp_status smp_nccl_recv(void *buf, size_t bytes, int peer, smp_group g);
-/* Sends to dst and receives from src at once (either may be -1: none). */
-SMPDEF smp_status smp_nccl_sendrecv(const void *sendbuf, size_t sendbytes, int dst, void *recvbuf, size_t recvbytes,
-                                    int src, smp_group g);
 
 #ifdef __cplusplus
 }
@@ -991,7 +977,7 @@ static smp_status smp__nc_all_to_all_single(const smp_tensor *in, smp_tensor *ou
         return st ? st : st2;
     }
     int n = smp_group_size(g);
-    size_t *off = (size_t *)smp_malloc(sizeof(size_t) * 4 * (size_t)(n > 0 ? n : 1));
+    size_t *off = (size_t *)smp__malloc(sizeof(size_t) * 4 * (size_t)(n > 0 ? n : 1));
     if (!off) return smp_error(SMP_ERR_NOMEM, "smp_all_to_all_single: out of memory");
     st = smp__nc_a2a_nccl(in, out, out_splits, in_splits, g, off);
     smp_free(off);
@@ -1075,7 +1061,7 @@ static int smp__nc_shared_with(const unsigned char key[SMP__NC_KEY], int *node_s
     SMP__MPI_FATAL(MPI_Comm_rank(node, &me), "asking this rank's place on its node (device backend start-up)");
     SMP__MPI_FATAL(MPI_Comm_size(node, &n), "asking how many ranks share this node (device backend start-up)");
     *node_size = n;
-    unsigned char *all = (unsigned char *)smp_malloc((size_t)n * SMP__NC_KEY);
+    unsigned char *all = (unsigned char *)smp__malloc((size_t)n * SMP__NC_KEY);
     if (!all) smp__fatal("device backend start-up: out of memory comparing the GPUs of %d local ranks", n); /* the others wait in the gather */
     {
         MPI_Request req;
@@ -1104,7 +1090,7 @@ static smp_status smp__nc_init_comms(void) {
     for (int g = 1; g < SMP_GROUP_COUNT; g++) { /* a group equal to the world, in the world's order, shares its communicator */
         int n = smp_group_size((smp_group)g);
         if (n != wsize) continue;
-        int *r = (int *)smp_malloc(sizeof(int) * (size_t)n);
+        int *r = (int *)smp__malloc(sizeof(int) * (size_t)n);
         if (!r) return smp_error(SMP_ERR_NOMEM, "device backend start-up: out of memory");
         smp_group_ranks((smp_group)g, r, n);
         bool same = true;
@@ -1205,7 +1191,7 @@ static smp_status smp__nc_on_init(void) {
         smp__nc.mode = SMP_NCCL_MODE_NONE;
         smp__nc.up = true;
         snprintf(smp__nc.desc, sizeof smp__nc.desc, "none: no CUDA device (%s)", smp__nc.why);
-        if (wrank == 0) smp_log(SMP_LOG_INFO, "device backend: %s", smp__nc.desc);
+        if (wrank == 0) smp__log(SMP_LOG_INFO, "device backend: %s", smp__nc.desc);
         return SMP_OK;
     }
 
@@ -1229,8 +1215,8 @@ static smp_status smp__nc_on_init(void) {
              smp__nc.mode == SMP_NCCL_MODE_STAGED ? (v[2] ? ", host-staged by SMP_NCCL=staged" : ", host-staged: ranks share GPUs") : "");
     if (wrank == 0) {
         if (smp__nc.mode == SMP_NCCL_MODE_STAGED && !v[2])
-            smp_log(SMP_LOG_WARN, "device backend: local ranks share GPUs (NCCL needs one GPU per rank); device tensors move through pinned host memory over MPI");
-        smp_log(SMP_LOG_INFO, "device backend: %s", smp__nc.desc);
+            smp__log(SMP_LOG_WARN, "device backend: local ranks share GPUs (NCCL needs one GPU per rank); device tensors move through pinned host memory over MPI");
+        smp__log(SMP_LOG_INFO, "device backend: %s", smp__nc.desc);
     }
     smp__nc.up = true;
     return SMP_OK;
@@ -1248,12 +1234,12 @@ static void smp__nc_close_all(void) {
             if (smp__nc.chans[g][i] && smp__nc.chans[g][i]->comm && !smp__nc.chans[g][i]->dead) n++;
     }
     if (!n) return;
-    ncclComm_t *c = (ncclComm_t *)smp_malloc(sizeof(ncclComm_t) * (size_t)n);
-    int *state = (int *)smp_malloc(sizeof(int) * (size_t)n); /* 0 finalizing, 1 finalized, 2 aborted */
+    ncclComm_t *c = (ncclComm_t *)smp__malloc(sizeof(ncclComm_t) * (size_t)n);
+    int *state = (int *)smp__malloc(sizeof(int) * (size_t)n); /* 0 finalizing, 1 finalized, 2 aborted */
     if (!c || !state) {
         smp_free(c);
         smp_free(state);
-        smp_log(SMP_LOG_WARN, "device backend shut-down: out of memory; aborting the NCCL communicators");
+        smp__log(SMP_LOG_WARN, "device backend shut-down: out of memory; aborting the NCCL communicators");
         smp__nc_abort_all();
         return;
     }
@@ -1267,7 +1253,7 @@ static void smp__nc_close_all(void) {
         ncclResult_t r = ncclCommFinalize(c[i]);
         state[i] = r == ncclSuccess || r == ncclInProgress ? 0 : 2;
         if (state[i] == 2) {
-            smp_log(SMP_LOG_WARN, "device backend shut-down: ncclCommFinalize failed (%s); aborting the communicator", ncclGetErrorString(r));
+            smp__log(SMP_LOG_WARN, "device backend shut-down: ncclCommFinalize failed (%s); aborting the communicator", ncclGetErrorString(r));
             (void)ncclCommAbort(c[i]);
         }
     }
@@ -1282,7 +1268,7 @@ static void smp__nc_close_all(void) {
             if (s == ncclInProgress) pending++;
             else if (s == ncclSuccess) state[i] = 1;
             else {
-                smp_log(SMP_LOG_WARN, "device backend shut-down: finalizing an NCCL communicator failed (%s); aborting it", ncclGetErrorString(s));
+                smp__log(SMP_LOG_WARN, "device backend shut-down: finalizing an NCCL communicator failed (%s); aborting it", ncclGetErrorString(s));
                 (void)ncclCommAbort(c[i]);
                 state[i] = 2;
             }
@@ -1294,7 +1280,7 @@ static void smp__nc_close_all(void) {
         if (state[i] != 1) continue;
         ncclResult_t r = ncclCommDestroy(c[i]);
         if (r != ncclSuccess) {
-            smp_log(SMP_LOG_WARN, "device backend shut-down: ncclCommDestroy failed (%s); aborting the communicator", ncclGetErrorString(r));
+            smp__log(SMP_LOG_WARN, "device backend shut-down: ncclCommDestroy failed (%s); aborting the communicator", ncclGetErrorString(r));
             (void)ncclCommAbort(c[i]);
         }
     }
@@ -1307,12 +1293,12 @@ static void smp__nc_on_finalize(void) {
     smp__nc.op = "smp_finalize";
     if (smp__nc.up && smp__nc.mode != SMP_NCCL_MODE_NONE && smp__nc.stream) {
         if (smp__nc_stream_idle(smp__nc.stream, "smp's device work to finish", SMP_WORLD, -1) != SMP_OK)
-            smp_log(SMP_LOG_WARN, "device backend shut-down: %s", smp_last_error());
+            smp__log(SMP_LOG_WARN, "device backend shut-down: %s", smp_last_error());
         for (int g = 0; g < SMP_GROUP_COUNT; g++)
             for (int i = 0; i < smp__nc.nchans[g]; i++) {
                 smp__nc_chan *c = smp__nc.chans[g][i];
                 if (c && !c->dead && smp__nc_stream_idle(c->stream, i % 2 ? "point-to-point receives to finish" : "point-to-point sends to finish", (smp_group)g, i / 2) != SMP_OK)
-                    smp_log(SMP_LOG_WARN, "device backend shut-down: %s", smp_last_error());
+                    smp__log(SMP_LOG_WARN, "device backend shut-down: %s", smp_last_error());
             }
     }
     smp__nc_close_all();
@@ -1357,7 +1343,7 @@ static smp_status smp__nc_peer_arg(smp_group g, int peer) {
 }
 
 static smp_nccl_request *smp__nc_req_new(smp_group g, int peer, int kind) {
-    smp_nccl_request *r = (smp_nccl_request *)smp_malloc(sizeof *r);
+    smp_nccl_request *r = (smp_nccl_request *)smp__malloc(sizeof *r);
     if (!r) return NULL;
     memset(r, 0, sizeof *r);
     r->kind = kind;
@@ -1411,16 +1397,16 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
     if (smp__nc.mode == SMP_NCCL_MODE_STAGED) return SMP_OK; /* MPI needs nothing */
     int n = smp_group_size(g);
     if (!smp__nc.chans[g]) {
-        smp__nc.chans[g] = (smp__nc_chan **)smp_malloc(sizeof(smp__nc_chan *) * 2 * (size_t)n);
+        smp__nc.chans[g] = (smp__nc_chan **)smp__malloc(sizeof(smp__nc_chan *) * 2 * (size_t)n);
         if (!smp__nc.chans[g]) return smp_error(SMP_ERR_NOMEM, "smp_nccl_p2p_connect: out of memory");
         memset(smp__nc.chans[g], 0, sizeof(smp__nc_chan *) * 2 * (size_t)n);
         smp__nc.nchans[g] = 2 * n;
     }
     /* the peers not connected yet, each once */
-    int *todo = (int *)smp_malloc(sizeof(int) * (size_t)(npeers ? npeers : 1));
+    int *todo = (int *)smp__malloc(sizeof(int) * (size_t)(npeers ? npeers : 1));
     typedef struct { int ok; ncclUniqueId id; } idpkt;
-    idpkt *mine = (idpkt *)smp_malloc(sizeof(idpkt) * 2 * (size_t)(npeers ? npeers : 1));
-    MPI_Request *reqs = (MPI_Request *)smp_malloc(sizeof(MPI_Request) * 2 * (size_t)(npeers ? npeers : 1));
+    idpkt *mine = (idpkt *)smp__malloc(sizeof(idpkt) * 2 * (size_t)(npeers ? npeers : 1));
+    MPI_Request *reqs = (MPI_Request *)smp__malloc(sizeof(MPI_Request) * 2 * (size_t)(npeers ? npeers : 1));
     smp_status st = SMP_OK;
     int nt = 0;
     if (!todo || !mine || !reqs) { st = smp_error(SMP_ERR_NOMEM, "smp_nccl_p2p_connect: out of memory"); goto done; }
@@ -1453,7 +1439,7 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
     /* start every channel, then wait for all: no order between peers matters */
     for (int k = 0; k < nt && !st; k++) {
         for (int dir = 0; dir < 2 && !st; dir++) {
-            smp__nc_chan *c = (smp__nc_chan *)smp_malloc(sizeof *c);
+            smp__nc_chan *c = (smp__nc_chan *)smp__malloc(sizeof *c);
             if (!c) { st = smp_error(SMP_ERR_NOMEM, "smp_nccl_p2p_connect: out of memory"); break; }
             memset(c, 0, sizeof *c);
             c->peer = dir == 0 ? 1 : 0; /* the sending side is rank 0 of the channel */
@@ -1642,28 +1628,6 @@ SMPDEF smp_status smp_nccl_wait(smp_nccl_request *r) {
     return st;
 }
 
-SMPDEF smp_status smp_nccl_send(const void *buf, size_t bytes, int peer, smp_group g) {
-    smp_nccl_request *r;
-    SMP_TRY(smp_nccl_isend(buf, bytes, peer, g, &r));
-    return smp_nccl_wait(r);
-}
-
-SMPDEF smp_status smp_nccl_recv(void *buf, size_t bytes, int peer, smp_group g) {
-    smp_nccl_request *r;
-    SMP_TRY(smp_nccl_irecv(buf, bytes, peer, g, &r));
-    return smp_nccl_wait(r);
-}
-
-SMPDEF smp_status smp_nccl_sendrecv(const void *sendbuf, size_t sendbytes, int dst, void *recvbuf, size_t recvbytes, int src,
-                                    smp_group g) {
-    smp_nccl_request *s = NULL, *r = NULL;
-    if (dst >= 0) SMP_TRY(smp_nccl_isend(sendbuf, sendbytes, dst, g, &s));
-    smp_status st = src >= 0 ? smp_nccl_irecv(recvbuf, recvbytes, src, g, &r) : SMP_OK;
-    smp_status st2 = r ? smp_nccl_wait(r) : SMP_OK; /* receive first: on the staged path the peer's send may wait for it */
-    smp_status st3 = s ? smp_nccl_wait(s) : SMP_OK;
-    return st ? st : st2 ? st2 : st3;
-}
-
 /* ---------------------------------------------------------------- device memory, add */
 SMPDEF void *smp_nccl_alloc(size_t bytes) {
     if (smp__nc_ready("smp_nccl_alloc")) return NULL;
@@ -1673,7 +1637,7 @@ SMPDEF void *smp_nccl_alloc(size_t bytes) {
 
 SMPDEF void smp_nccl_free(void *p) {
     if (!p || smp__nc_ready("smp_nccl_free")) return;
-    if (smp__nc_dev_free(p, smp__nc_engine) != SMP_OK) smp_log(SMP_LOG_WARN, "smp_nccl_free: %s", smp_last_error());
+    if (smp__nc_dev_free(p, smp__nc_engine) != SMP_OK) smp__log(SMP_LOG_WARN, "smp_nccl_free: %s", smp_last_error());
 }
 
 #ifdef __CUDACC__
@@ -1733,10 +1697,13 @@ SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t
 #endif
 }
 
-SMPDEF smp_status smp_nccl_scale(void *data, smp_dtype dt, int64_t n, double by) {
-    SMP_TRY(smp__nc_ready("smp_nccl_scale"));
-    if (n < 0) return smp_error(SMP_ERR_ARG, "smp_nccl_scale: negative count %lld", (long long)n);
-    if (!smp_dtype_size(dt)) return smp_error(SMP_ERR_ARG, "smp_nccl_scale: invalid dtype %d", (int)dt);
+/* The backend's scale and zero (smp_device_backend): data *= by for f32,
+   f64, f16 and bf16 (halves through f32; other dtypes are left alone), and
+   bytes cleared, on the engine stream. */
+static smp_status smp__nc_scale(void *data, smp_dtype dt, int64_t n, double by) {
+    SMP_TRY(smp__nc_ready("smp__nc_scale"));
+    if (n < 0) return smp_error(SMP_ERR_ARG, "smp__nc_scale: negative count %lld", (long long)n);
+    if (!smp_dtype_size(dt)) return smp_error(SMP_ERR_ARG, "smp__nc_scale: invalid dtype %d", (int)dt);
     if (!n || (dt != SMP_F32 && dt != SMP_F64 && dt != SMP_F16 && dt != SMP_BF16)) return SMP_OK;
     SMP_TRY(smp__nc_check_ptr("data", data, smp__nc.device, (size_t)n * smp_dtype_size(dt)));
 #ifdef __CUDACC__
@@ -1753,12 +1720,12 @@ SMPDEF smp_status smp_nccl_scale(void *data, smp_dtype dt, int64_t n, double by)
     return SMP_OK;
 #else
     (void)by;
-    return smp_error(SMP_ERR_STATE, "smp_nccl_scale: needs smp_nccl.h's implementation compiled by nvcc (define SMP_IMPLEMENTATION in a .cu file)");
+    return smp_error(SMP_ERR_STATE, "smp__nc_scale: needs smp_nccl.h's implementation compiled by nvcc (define SMP_IMPLEMENTATION in a .cu file)");
 #endif
 }
 
-SMPDEF smp_status smp_nccl_zero(void *p, size_t bytes) {
-    SMP_TRY(smp__nc_ready("smp_nccl_zero"));
+static smp_status smp__nc_zero(void *p, size_t bytes) {
+    SMP_TRY(smp__nc_ready("smp__nc_zero"));
     if (!bytes) return SMP_OK;
     SMP_TRY(smp__nc_check_ptr("the buffer", p, smp__nc.device, bytes));
     SMP__CU(cudaMemsetAsync, (p, 0, bytes, smp__nc_engine));
@@ -1781,15 +1748,14 @@ SMPDEF smp_status smp_nccl_synchronize(void) {
     return smp__nc.mode == SMP_NCCL_MODE_NCCL ? smp__nc_poll_async("smp_nccl_synchronize") : SMP_OK;
 }
 
-SMPDEF smp_nccl_mode smp_nccl_get_mode(void) { return smp__nc.up ? smp__nc.mode : SMP_NCCL_MODE_NONE; }
+SMPDEF smp_nccl_mode smp_nccl_current_mode(void) { return smp__nc.up ? smp__nc.mode : SMP_NCCL_MODE_NONE; }
 SMPDEF const char *smp_nccl_mode_name(smp_nccl_mode m) {
     return m == SMP_NCCL_MODE_NCCL ? "nccl" : m == SMP_NCCL_MODE_STAGED ? "staged" : "none";
 }
 SMPDEF const char *smp_nccl_describe(void) { return smp__nc.up ? smp__nc.desc : "none: smp_init has not run"; }
 SMPDEF int smp_nccl_device(void) { return smp__nc.up && smp__nc.mode != SMP_NCCL_MODE_NONE ? smp__nc.device : -1; }
 SMPDEF void smp_nccl_set_stream(cudaStream_t s) { smp__nc_engine = s; }
-SMPDEF cudaStream_t smp_nccl_get_stream(void) { return smp__nc_engine; }
-SMPDEF cudaStream_t smp_nccl_comm_stream(void) { return smp__nc.up ? smp__nc.stream : NULL; }
+SMPDEF cudaStream_t smp_nccl_stream(void) { return smp__nc_engine; }
 SMPDEF ncclComm_t smp_nccl_comm(smp_group g) {
     if (!smp__nc.up || smp__nc.mode != SMP_NCCL_MODE_NCCL || (unsigned)g >= SMP_GROUP_COUNT) return NULL;
     return smp__nc.comm[smp__nc.alias[g]];
@@ -1839,8 +1805,8 @@ SMPDEF void smp_nccl_register(void) {
     b.add = smp_nccl_add;
     b.synchronize = smp_nccl_synchronize;
     b.current_device = smp_nccl_device;
-    b.scale = smp_nccl_scale;
-    b.zero = smp_nccl_zero;
+    b.scale = smp__nc_scale;
+    b.zero = smp__nc_zero;
     b.p2p_through_host = smp__nc_b_through_host;
     b.bucket_all_reduce = smp__nc_bucket_all_reduce;
     b.bucket_fence = smp__nc_bucket_fence;

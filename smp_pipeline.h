@@ -104,7 +104,7 @@
          smp_step_output loss_mb = {0};
          smp_model_zero_grad(model);                     // optimizer.zero_grad()
          SMP_TRAIN_STEP(model, train_body, NULL, &loss_mb, 1, data, labels);
-         double loss = smp_step_output_mean(&loss_mb);   // loss_mb.reduce_mean()
+         double loss = smp_step_output_reduce_mean_f64(&loss_mb);   // loss_mb.reduce_mean()
          my_optimizer_step(model);                       // optimizer.step()
 
    ON THE DEVICE
@@ -115,7 +115,7 @@
      Activations and gradients cross partitions through the device
      backend's point to point (smp_nccl.h: NCCL), or through host buffers
      over MPI when it has none or is itself host-staged; data-parallel
-     buckets are reduced by the backend. smp_grad_norm, smp_clip_grad_norm's
+     buckets are reduced by the backend. smp_clip_grad_norm's
      norm and the grad scaler's overflow check read device gradients
      through host copies; scaling them stays on the device.
 */
@@ -283,9 +283,8 @@ SMPDEF smp_tensor *smp_mb_output_grad(smp_mb *mb, int i);    /* training: write 
 SMPDEF smp_status smp_mb_return(smp_mb *mb, int i, const smp_tensor *value); /* copied into outputs[i] */
 SMPDEF smp_status smp_mb_return_f32(smp_mb *mb, int i, float value);
 SMPDEF int smp_mb_index(const smp_mb *mb);
-SMPDEF int smp_mb_count(const smp_mb *mb);
 SMPDEF void *smp_mb_user(const smp_mb *mb);
-SMPDEF bool smp_mb_training(const smp_mb *mb);
+SMPDEF bool smp_mb_is_training(const smp_mb *mb);
 
 /* StepOutput reductions over microbatches, in microbatch order. result is
    the caller's tensor: the shape of one value (mean, sum), microbatches x
@@ -294,7 +293,7 @@ SMPDEF smp_status smp_step_output_reduce_mean(const smp_step_output *o, smp_tens
 SMPDEF smp_status smp_step_output_reduce_sum(const smp_step_output *o, smp_tensor *result);
 SMPDEF smp_status smp_step_output_concat(const smp_step_output *o, smp_tensor *result);
 SMPDEF smp_status smp_step_output_stack(const smp_step_output *o, smp_tensor *result);
-SMPDEF double smp_step_output_mean(const smp_step_output *o); /* mean of element 0: the usual loss */
+SMPDEF double smp_step_output_reduce_mean_f64(const smp_step_output *o); /* reduce_mean of element 0, as a double: the usual loss */
 SMPDEF void smp_step_output_free(smp_step_output *o);
 
 /* What the last step did on this rank. */
@@ -308,10 +307,10 @@ typedef struct smp_step_stats {
 } smp_step_stats;
 SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
 
-/* Writes the timeline (SMP_TIMELINE=path; smp.h, ENVIRONMENT VARIABLES) of every rank into one Chrome
-   trace / Perfetto JSON file on rank 0. Collective. With SMP_TIMELINE set,
-   smp_model_free calls it too, so there it is collective as well. */
-SMPDEF smp_status smp_timeline_write(smp_model *m);
+/* The timeline (SMP_TIMELINE=path; smp.h, ENVIRONMENT VARIABLES):
+   smp_model_free writes every rank's operations into one Chrome trace /
+   Perfetto JSON file on rank 0, so with SMP_TIMELINE set smp_model_free is
+   collective. */
 /* ======================================================================
    data parallelism and training helpers
    ====================================================================== */
@@ -329,9 +328,9 @@ SMPDEF smp_status smp_timeline_write(smp_model *m);
 /* Scales gradients so that their global norm (over the whole model, every
    partition) is at most max_norm; *total_norm gets the norm before
    clipping (may be NULL). The sum runs over parameters in model order, so
-   it equals the one-process norm bit for bit. Collective over MP_GROUP. */
+   it equals the one-process norm bit for bit. max_norm INFINITY only
+   measures the norm. Collective over MP_GROUP. */
 SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *total_norm);
-SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm);
 
 /* Lets the gradient all-reduce that overlapping_allreduce started move on.
    MPI advances a collective only inside MPI calls (MPICH over shared
@@ -1810,7 +1809,7 @@ static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0
     if (!ps->timeline) return;
     if (!smp__grow((void **)&ps->events, &ps->events_cap, ps->nevents + 1, sizeof(smp__event), NULL)) {
         /* a diagnostic, not the job's work: it stops, and says so */
-        smp_log(SMP_LOG_WARN, "out of memory recording the timeline after %d events: SMP_TIMELINE records no more", ps->nevents);
+        smp__log(SMP_LOG_WARN, "out of memory recording the timeline after %d events: SMP_TIMELINE records no more", ps->nevents);
         ps->timeline = false;
         return;
     }
@@ -1865,9 +1864,8 @@ SMPDEF smp_tensor *smp_mb_output_grad(smp_mb *mb, int i) {
     return &mb->st->out_grad[i];
 }
 SMPDEF int smp_mb_index(const smp_mb *mb) { return mb->index; }
-SMPDEF int smp_mb_count(const smp_mb *mb) { return mb->ps->m; }
 SMPDEF void *smp_mb_user(const smp_mb *mb) { return mb->ps->desc->user; }
-SMPDEF bool smp_mb_training(const smp_mb *mb) { return mb->ps->training; }
+SMPDEF bool smp_mb_is_training(const smp_mb *mb) { return mb->ps->training; }
 SMPDEF smp_status smp_mb_return(smp_mb *mb, int i, const smp_tensor *v) {
     if (i < 0 || i >= SMP_MAX_STEP_ARGS) return smp_error(SMP_ERR_ARG, "smp_mb_return: index %d is outside 0..%d", i, SMP_MAX_STEP_ARGS - 1);
     smp_status st = smp__check_tensor(v, "smp_mb_return", "value");
@@ -2215,8 +2213,8 @@ static smp_status smp__grad_on_host(const smp_param *p, smp_tensor *view, void *
     return smp__tensor_copy(view, &p->grad);
 }
 
-SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm) {
-    smp_status st = smp__require_init("smp_grad_norm");
+static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
+    smp_status st = smp__require_init("smp_clip_grad_norm");
     if (st) return st;
     /* one partial sum per parameter, owned by exactly one rank of the
        MP_GROUP: summing them (x + 0 is exact) and then adding them up in
@@ -2251,7 +2249,7 @@ SMPDEF smp_status smp_grad_norm(smp_model *m, double *total_norm) {
 SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *total_norm) {
     if (!(max_norm > 0)) return smp_error(SMP_ERR_ARG, "smp_clip_grad_norm: max_norm must be positive, got %g", max_norm);
     double norm;
-    smp_status st = smp_grad_norm(m, &norm);
+    smp_status st = smp__grad_norm(m, &norm);
     if (st) return st;
     if (total_norm) *total_norm = norm;
     double coef = max_norm / (norm + 1e-6);
@@ -2978,7 +2976,7 @@ static void smp__schedule_report(const smp_model *md) {
     for (int k = 0; k < md->ncalls; k++)
         for (int h = 0; h < 3; h++) cost[h * S + md->calls[k].stage] += md->calls[k].cost[h];
     bool model_vee = smp__ctx.cfg.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V;
-    smp_log(SMP_LOG_INFO, "schedules for this model, %d stages x %d microbatches, simulated with the traced per-stage times "
+    smp__log(SMP_LOG_INFO, "schedules for this model, %d stages x %d microbatches, simulated with the traced per-stage times "
             "(a module without smp_module_set_backward_split has no W: its whole backward is B):", S, m);
     static const smp_pipeline_kind kinds[] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE, SMP_PIPELINE_ZERO_BUBBLE_V};
     static const char *const names[] = {"simple", "interleaved", "zero_bubble", "zero_bubble_v"};
@@ -2988,7 +2986,7 @@ static void smp__schedule_report(const smp_model *md) {
         if (vee == model_vee) memcpy(map, md->stage_rank, sizeof(int) * (size_t)S);
         else if (vee) {
             if (S != 2 * P) {
-                smp_log(SMP_LOG_INFO, "  %-13s not simulated: it cuts the model in 2 stages per partition (pipeline zero_bubble_v partitions so)", names[q]);
+                smp__log(SMP_LOG_INFO, "  %-13s not simulated: it cuts the model in 2 stages per partition (pipeline zero_bubble_v partitions so)", names[q]);
                 continue;
             }
             for (int s = 0; s < S; s++) map[s] = smp__vee_partition(s, P);
@@ -3000,13 +2998,13 @@ static void smp__schedule_report(const smp_model *md) {
         smp_schedule sc;
         smp_sim_result r;
         if (smp_schedule_build(kinds[q], P, S, map, m, false, &sc)) {
-            smp_log(SMP_LOG_INFO, "  %-13s not simulated: %s", names[q], smp_last_error());
+            smp__log(SMP_LOG_INFO, "  %-13s not simulated: %s", names[q], smp_last_error());
             continue;
         }
         if (!smp_schedule_simulate(&sc, cost, cost + S, cost + 2 * S, 0.0, &r)) {
             int peak = 0;
             for (int p = 0; p < sc.nranks; p++) peak = r.rank_peak_inflight[p] > peak ? r.rank_peak_inflight[p] : peak;
-            smp_log(SMP_LOG_INFO, "  %-13s step %9.3f ms  bubble %5.1f%%  peak microbatch-stages in flight on a rank %d%s%s", names[q],
+            smp__log(SMP_LOG_INFO, "  %-13s step %9.3f ms  bubble %5.1f%%  peak microbatch-stages in flight on a rank %d%s%s", names[q],
                     r.makespan * 1e3, 100.0 * r.bubble_fraction, peak, kinds[q] == smp__ctx.cfg.pipeline ? "  (this run)" : "", placed);
             smp_sim_result_free(&r);
         }
@@ -3266,7 +3264,7 @@ static smp_status smp__join_out(const smp_step_output *o, smp_tensor *r, bool st
 }
 SMPDEF smp_status smp_step_output_concat(const smp_step_output *o, smp_tensor *r) { return smp__join_out(o, r, false, "smp_step_output_concat"); }
 SMPDEF smp_status smp_step_output_stack(const smp_step_output *o, smp_tensor *r) { return smp__join_out(o, r, true, "smp_step_output_stack"); }
-SMPDEF double smp_step_output_mean(const smp_step_output *o) {
+SMPDEF double smp_step_output_reduce_mean_f64(const smp_step_output *o) {
     if (!o || o->microbatches < 1) return (double)NAN;
     double acc = 0;
     for (int i = 0; i < o->microbatches; i++) {
@@ -3284,8 +3282,6 @@ SMPDEF void smp_step_output_free(smp_step_output *o) {
 }
 
 /* ---------------------------------------------------------------- timeline */
-SMPDEF smp_status smp_timeline_write(smp_model *m) { return smp__timeline_write(m ? (smp__pipe *)m->pipeline : NULL); }
-
 static smp_status smp__timeline_write(smp__pipe *ps) {
     const char *path = getenv("SMP_TIMELINE");
     if (!path || !*path) return SMP_OK;
@@ -3310,7 +3306,7 @@ static smp_status smp__timeline_write(smp__pipe *ps) {
     size_t *lens = (size_t *)smp__alloc(sizeof(size_t) * (size_t)n, SMP__ALLOC_OTHER);
     if (!lens) smp__fatal("out of memory: %zu bytes for the timeline's lengths on rank %d, which the other ranks wait on", sizeof(size_t) * (size_t)n, smp__ctx.rank);
     void *all = NULL;
-    smp_status gst = smp_allgather_bytes(st ? NULL : mine.p, st ? 0 : mine.len, SMP_WORLD, &all, lens);
+    smp_status gst = smp_all_gather_bytes(st ? NULL : mine.p, st ? 0 : mine.len, SMP_WORLD, &all, lens);
     if (!st) st = gst;
     smp__free(mine.p);
     if (!st && smp__ctx.rank == 0) {

@@ -154,7 +154,7 @@ int main(int argc, char **argv) {
     /* fill the local weights; the raw side writes the same bytes */
     size_t local = 0;
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(model, i, false)); i++) {
+    for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
         smp_tensor *v = smp_param_value(p);
         uint64_t s = 1234 + (uint64_t)i * 7 + (uint64_t)me;
         float *f = (float *)v->data;
@@ -169,7 +169,7 @@ int main(int argc, char **argv) {
     memset(rbuf, 0, local);
     {
         size_t at = 0;
-        for (int i = 0; (p = smp_model_param(model, i, false)); i++) {
+        for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
             memcpy(mine + at, smp_param_value(p)->data, smp_tensor_nbytes(smp_param_value(p)));
             at += smp_tensor_nbytes(smp_param_value(p));
         }
@@ -239,7 +239,7 @@ int main(int argc, char **argv) {
     {
         size_t at = 0;
         int ok = 1, all;
-        for (int i = 0; (p = smp_model_param(model, i, false)); i++) {
+        for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
             ok &= !memcmp(mine + at, smp_param_value(p)->data, smp_tensor_nbytes(smp_param_value(p)));
             at += smp_tensor_nbytes(smp_param_value(p));
         }

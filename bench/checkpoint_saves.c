@@ -94,7 +94,7 @@ int main(int argc, char **argv) {
     smp_tensor x = smp_tensor_2d(xin, SMP_F32, 1, 4);
     if (smp_model_trace(model, &x, 1) != SMP_OK) die("smp_model_trace");
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(model, i, false)); i++) {
+    for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
         float *f = (float *)smp_param_value(p)->data;
         for (int64_t k = 0; k < smp_tensor_numel(smp_param_value(p)); k++) f[k] = (float)(k % 1000);
     }

@@ -209,7 +209,7 @@ static size_t boundary_count(const pipeline_bench *b) {
 
 static void zero_local_grads(pipeline_bench *b) {
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(b->model, i, false)) != NULL; i++)
+    for (int i = 0; (p = smp_model_local_param(b->model, i, false)) != NULL; i++)
         CUDA_CHECK(cudaMemsetAsync(smp_param_grad(p)->data, 0, smp_tensor_nbytes(smp_param_grad(p)), b->engine->stream));
 }
 
@@ -267,7 +267,7 @@ static void pipeline_smp(void *p) {
     smp_step_output loss_mb = {0, NULL};
     smp_model_zero_grad(b->model);
     SMP_CHECK(SMP_TRAIN_STEP(b->model, train_body, (void *)b->engine, &loss_mb, 1, b->x_t, b->y_t));
-    b->smp_loss = smp_step_output_mean(&loss_mb);
+    b->smp_loss = smp_step_output_reduce_mean_f64(&loss_mb);
     smp_step_output_free(&loss_mb);
     SMP_CHECK(smp_nccl_synchronize()); /* its transfers too, as the raw step's are on the engine stream */
 }
@@ -276,10 +276,10 @@ static void pipeline_smp(void *p) {
 static float *local_grads(pipeline_bench *b, size_t *count) {
     smp_param *p;
     size_t n = 0;
-    for (int i = 0; (p = smp_model_param(b->model, i, false)) != NULL; i++) n += (size_t)smp_tensor_numel(smp_param_grad(p));
+    for (int i = 0; (p = smp_model_local_param(b->model, i, false)) != NULL; i++) n += (size_t)smp_tensor_numel(smp_param_grad(p));
     float *h = (float *)malloc(sizeof(float) * (n ? n : 1));
     size_t at = 0;
-    for (int i = 0; (p = smp_model_param(b->model, i, false)) != NULL; i++) {
+    for (int i = 0; (p = smp_model_local_param(b->model, i, false)) != NULL; i++) {
         const smp_tensor *g = smp_param_grad(p);
         CUDA_CHECK(cudaMemcpyAsync(h + at, g->data, smp_tensor_nbytes(g), cudaMemcpyDeviceToHost, b->engine->stream));
         at += (size_t)smp_tensor_numel(g);
@@ -395,7 +395,7 @@ int main(int argc, char **argv) {
         MPI_Finalize();
         return 1;
     }
-    smp_nccl_mode mode = smp_nccl_get_mode();
+    smp_nccl_mode mode = smp_nccl_current_mode();
     if (mode != SMP_NCCL_MODE_NCCL) {
         if (smp_rank() == 0) {
             if (mode == SMP_NCCL_MODE_NONE) printf("skipped: no GPU (%s)\n", smp_nccl_describe());

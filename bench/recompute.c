@@ -258,7 +258,7 @@ static double median(const double *v, int n) {
 
 static void sgd(smp_model *m, float lr) {
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(m, i, false)); i++) {
+    for (int i = 0; (p = smp_model_local_param(m, i, false)); i++) {
         float *w = (float *)smp_param_value(p)->data;
         const float *g = (const float *)smp_param_grad(p)->data;
         int64_t n = smp_tensor_numel(smp_param_value(p));
@@ -385,8 +385,8 @@ int main(int argc, char **argv) {
     /* every local parameter after the last update */
     int pmis = 0;
     smp_param *p, *q;
-    for (int i = 0; (p = smp_model_param(model[0], i, false)); i++) {
-        q = smp_model_param(model[1], i, false);
+    for (int i = 0; (p = smp_model_local_param(model[0], i, false)); i++) {
+        q = smp_model_local_param(model[1], i, false);
         if (!q || strcmp(smp_param_name(p), smp_param_name(q)) ||
             memcmp(smp_param_value(p)->data, smp_param_value(q)->data, smp_tensor_nbytes(smp_param_value(p)))) {
             if (pmis++ < 3) fprintf(stderr, "ERROR: rank %d: parameter %s differs with recomputation\n", me, smp_param_name(p));

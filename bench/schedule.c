@@ -79,6 +79,7 @@
    included): <= 1 up to noise, 1.00 when the executor matches the
    simulator. */
 #define _POSIX_C_SOURCE 200809L
+#define SMP_TESTING /* smp_model_call_stage: the call-to-stage map is test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"

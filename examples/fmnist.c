@@ -15,7 +15,7 @@
      @smp.step def train_step(model, x, y)       SMP_STEP_BODY(train_body)
      optimizer.zero_grad()                       smp_model_zero_grad(model)
      _, loss_mb = train_step(model, x, y)        SMP_TRAIN_STEP(model, train_body, ...)
-     loss = loss_mb.reduce_mean()                smp_step_output_mean(&loss_mb)
+     loss = loss_mb.reduce_mean()                smp_step_output_reduce_mean_f64(&loss_mb)
      optimizer.step()                            adam_step(&opt, model)
      if smp.dp_rank() == 0: smp.save(...)        smp_save(...) (only dp rank 0 writes)
 
@@ -51,14 +51,14 @@ typedef struct adam {
 static smp_status adam_init(adam *o, smp_model *model, float lr) {
     memset(o, 0, sizeof *o);
     o->cfg = mlp_adam_defaults(lr);
-    while (smp_model_param(model, o->nparams, false)) o->nparams++;
+    while (smp_model_local_param(model, o->nparams, false)) o->nparams++;
     o->m = calloc((size_t)o->nparams, sizeof *o->m);
     o->v = calloc((size_t)o->nparams, sizeof *o->v);
     smp_status st = smp_optimizer_new(model, &o->state);
     smp_tensor step = smp_tensor_1d(&o->t, SMP_I64, 1);
     if (!st) st = smp_optimizer_state_add(o->state, NULL, "step", &step);
     for (int i = 0; i < o->nparams && !st; i++) {
-        smp_param *p = smp_model_param(model, i, false);
+        smp_param *p = smp_model_local_param(model, i, false);
         smp_tensor m = *smp_param_value(p), v = m;
         size_t n = (size_t)smp_tensor_numel(&m);
         m.data = o->m[i] = calloc(n, sizeof(float));
@@ -72,7 +72,7 @@ static smp_status adam_init(adam *o, smp_model *model, float lr) {
 static void adam_step(adam *o, smp_model *model) {
     o->t++;
     for (int i = 0; i < o->nparams; i++) {
-        smp_param *p = smp_model_param(model, i, false);
+        smp_param *p = smp_model_local_param(model, i, false);
         mlp_adam_step(smp_param_value(p)->data, smp_param_grad(p)->data, o->m[i], o->v[i],
                       (size_t)smp_tensor_numel(smp_param_value(p)), o->t, &o->cfg);
     }
@@ -95,7 +95,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     mlp_set_blas_threads(opt.threads); /* one core per rank by default: the CPU analogue of set_device(local_rank()) */
-    const smp_config *cfg = smp_get_config();
+    const smp_config *cfg = smp_current_config();
 
     /* the data: every rank reads it; each replica trains on its dp shard */
     char err[512] = "";
@@ -166,7 +166,7 @@ int main(int argc, char **argv) {
             smp_step_output loss_mb = {0};
             smp_model_zero_grad(model);                               /* optimizer.zero_grad() */
             if ((st = SMP_TRAIN_STEP(model, train_body, NULL, &loss_mb, 1, x, y))) break;
-            double loss = smp_step_output_mean(&loss_mb);             /* loss_mb.reduce_mean() */
+            double loss = smp_step_output_reduce_mean_f64(&loss_mb);             /* loss_mb.reduce_mean() */
             smp_step_output_free(&loss_mb);
             smp_tensor loss_t = smp_tensor_1d(&loss, SMP_F64, 1);
             smp_all_reduce(&loss_t, &loss_t, SMP_AVG, SMP_DP_GROUP);    /* the global batch's loss */

@@ -18,7 +18,7 @@
      data.to(device)                             gpu_upload(...) of each batch
      optimizer.zero_grad()                       smp_model_zero_grad(model)
      _, loss_mb = train_step(model, x, y)        SMP_TRAIN_STEP(model, train_body, &engine, ...)
-     loss = loss_mb.reduce_mean()                smp_step_output_mean(&loss_mb)
+     loss = loss_mb.reduce_mean()                smp_step_output_reduce_mean_f64(&loss_mb)
      optimizer.step()                            adam_step(&opt, model)
      if smp.dp_rank() == 0: smp.save(...)        smp_save(...) (only dp rank 0 writes; smp copies device tensors out)
 
@@ -60,14 +60,14 @@ static smp_status adam_init(adam *o, smp_model *model, float lr, const gpu_engin
     memset(o, 0, sizeof *o);
     o->cfg = mlp_adam_defaults(lr);
     o->engine = engine;
-    while (smp_model_param(model, o->nparams, false)) o->nparams++;
+    while (smp_model_local_param(model, o->nparams, false)) o->nparams++;
     o->m = (float **)calloc((size_t)o->nparams, sizeof *o->m);
     o->v = (float **)calloc((size_t)o->nparams, sizeof *o->v);
     smp_status st = smp_optimizer_new(model, &o->state);
     smp_tensor step = smp_tensor_1d(&o->t, SMP_I64, 1); /* host: every rank holds the count */
     if (!st) st = smp_optimizer_state_add(o->state, NULL, "step", &step);
     for (int i = 0; i < o->nparams && !st; i++) {
-        smp_param *p = smp_model_param(model, i, false);
+        smp_param *p = smp_model_local_param(model, i, false);
         smp_tensor m = device_tensor(*smp_param_value(p)), v = m;
         size_t bytes = smp_tensor_nbytes(&m);
         m.data = o->m[i] = (float *)smp_nccl_alloc(bytes);
@@ -86,7 +86,7 @@ static smp_status adam_step(adam *o, smp_model *model) {
     o->t++;
     smp_status st = SMP_OK;
     for (int i = 0; i < o->nparams && !st; i++) {
-        smp_param *p = smp_model_param(model, i, false);
+        smp_param *p = smp_model_local_param(model, i, false);
         st = gpu_adam_step(o->engine, values_of(p), grads_of(p), o->m[i], o->v[i], (size_t)smp_tensor_numel(smp_param_value(p)),
                            o->t, &o->cfg);
     }
@@ -118,7 +118,7 @@ int main(int argc, char **argv) {
         MPI_Finalize();
         return 1;
     }
-    if (smp_nccl_get_mode() == SMP_NCCL_MODE_NONE) {
+    if (smp_nccl_current_mode() == SMP_NCCL_MODE_NONE) {
         if (smp_rank() == 0) printf("fmnist (CUDA): %s: this example needs a GPU on every rank (the CPU demo is build/examples/fmnist)\n", smp_nccl_describe());
         smp_finalize();
         MPI_Finalize();
@@ -132,7 +132,7 @@ int main(int argc, char **argv) {
         gpu_engine_free(&engine);
         smp_finalize(); MPI_Finalize(); return 1;
     }
-    const smp_config *cfg = smp_get_config();
+    const smp_config *cfg = smp_current_config();
 
     /* the data: every rank reads it; each replica trains on its dp shard */
     char err[512] = "";
@@ -222,7 +222,7 @@ int main(int argc, char **argv) {
             smp_step_output loss_mb = {0, NULL};
             smp_model_zero_grad(model);                               /* optimizer.zero_grad() */
             if ((st = SMP_TRAIN_STEP(model, train_body, &engine, &loss_mb, 1, x, y))) break;
-            double loss = smp_step_output_mean(&loss_mb);             /* loss_mb.reduce_mean() */
+            double loss = smp_step_output_reduce_mean_f64(&loss_mb);             /* loss_mb.reduce_mean() */
             smp_step_output_free(&loss_mb);
             smp_tensor loss_t = smp_tensor_1d(&loss, SMP_F64, 1);
             smp_all_reduce(&loss_t, &loss_t, SMP_AVG, SMP_DP_GROUP);    /* the global batch's loss */

@@ -405,7 +405,7 @@ static inline smp_status build_model(mlp *net, const gpu_engine *engine, int par
     for (int i = 0; i < NLAYERS; i++) {
         char name[16];
         int stage = i * 2 * partitions / NLAYERS;
-        bool vee = smp_get_config()->pipeline == SMP_PIPELINE_ZERO_BUBBLE_V;
+        bool vee = smp_current_config()->pipeline == SMP_PIPELINE_ZERO_BUBBLE_V;
         SMP_PARTITION(vee ? (stage < partitions ? stage : 2 * partitions - 1 - stage) : i * partitions / NLAYERS) {
             snprintf(name, sizeof name, "fc%d", i);
             smp_module_desc d = fc;

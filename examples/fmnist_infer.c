@@ -62,8 +62,8 @@ int main(int argc, char **argv) {
     memset(&net, 0, sizeof net);
     smp_model *model;
     pixel_norm norm = {0, 0};
-    smp_tensor sample = smp_tensor_2d(test.images, SMP_F32, batch / smp_get_config()->microbatches, FM_PIXELS);
-    smp_status st = build_model(&net, smp_get_config()->partitions, &model);
+    smp_tensor sample = smp_tensor_2d(test.images, SMP_F32, batch / smp_current_config()->microbatches, FM_PIXELS);
+    smp_status st = build_model(&net, smp_current_config()->partitions, &model);
     if (!st) st = smp_model_trace(model, &sample, 1);
     if (!st) st = smp_load(model, path, &(smp_load_desc){.partial = partial ? SMP_ON : SMP_OFF, .on_meta = on_meta, .user = &norm});
     if (!st && !(norm.stdev > 0)) st = smp_error(SMP_ERR_FORMAT, "%s has no pixel_mean / pixel_std metadata (was it saved by fmnist.c?)", path);
@@ -75,7 +75,7 @@ int main(int argc, char **argv) {
     double secs = MPI_Wtime() - t0;
     if (st) fprintf(stderr, "fmnist_infer: rank %d: %s\n", smp_rank(), smp_last_error());
     else if (smp_rank() == 0)
-        printf("%d partitions: test accuracy: %.4f  (%.0f images/s)\n", smp_get_config()->partitions, accuracy,
+        printf("%d partitions: test accuracy: %.4f  (%.0f images/s)\n", smp_current_config()->partitions, accuracy,
                (double)(test.n / (size_t)batch * (size_t)batch) / secs);
     fm_free(&test);
     smp_model_free(model);

@@ -14,7 +14,7 @@
      @smp.step def train_step(model, x, y)       SMP_STEP_BODY(gpt_loss_body) (gpt_model.h)
      optimizer.zero_grad()                       smp_model_zero_grad(model)
      loss_mb = train_step(model, x, y)           SMP_TRAIN_STEP(model, gpt_loss_body, ...)
-     loss = loss_mb.reduce_mean()                smp_step_output_mean(&loss_mb)
+     loss = loss_mb.reduce_mean()                smp_step_output_reduce_mean_f64(&loss_mb)
      clip_grad_norm_(model.parameters(), 1.0)    smp_clip_grad_norm(model, 1.0, NULL)
      optimizer.step()  (AdamW, cosine schedule)  adamw_step(...) on local parameters
      smp.save(model.state_dict(), ...)           smp_save(model, path, full)
@@ -355,12 +355,12 @@ typedef struct adamw {
 
 static smp_status adamw_init(adamw *o, smp_model *model) {
     memset(o, 0, sizeof *o);
-    while (smp_model_param(model, o->n, false)) o->n++;
+    while (smp_model_local_param(model, o->n, false)) o->n++;
     o->m = calloc((size_t)o->n + 1, sizeof *o->m);
     o->v = calloc((size_t)o->n + 1, sizeof *o->v);
     if (!o->m || !o->v) return smp_error(SMP_ERR_NOMEM, "out of memory for AdamW's state");
     for (int i = 0; i < o->n; i++) {
-        size_t k = (size_t)smp_tensor_numel(smp_param_value(smp_model_param(model, i, false)));
+        size_t k = (size_t)smp_tensor_numel(smp_param_value(smp_model_local_param(model, i, false)));
         o->m[i] = calloc(k ? k : 1, sizeof(float));
         o->v[i] = calloc(k ? k : 1, sizeof(float));
         if (!o->m[i] || !o->v[i]) return smp_error(SMP_ERR_NOMEM, "out of memory for AdamW's state");
@@ -371,7 +371,7 @@ static smp_status adamw_init(adamw *o, smp_model *model) {
 static void adamw_step(adamw *o, smp_model *model, const options *opt, float lr) {
     o->t++;
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(model, i, false)); i++) {
+    for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
         smp_tensor *w = smp_param_value(p);
         mlp_adam_cfg c = {lr, opt->beta1, opt->beta2, 1e-8f, w->ndim >= 2 ? opt->weight_decay : 0.0f};
         mlp_adam_step(w->data, smp_param_grad(p)->data, o->m[i], o->v[i], (size_t)smp_tensor_numel(w), o->t, &c);
@@ -403,7 +403,7 @@ static double dp_mean(double x) {
     double all[64];
     void *buf = NULL;
     size_t lens[64];
-    if (dp > 64 || smp_allgather_bytes(&x, sizeof x, SMP_DP_GROUP, &buf, lens)) return NAN;
+    if (dp > 64 || smp_all_gather_bytes(&x, sizeof x, SMP_DP_GROUP, &buf, lens)) return NAN;
     memcpy(all, buf, sizeof(double) * (size_t)dp);
     smp_free(buf);
     double s = all[0];
@@ -420,8 +420,8 @@ static void fmt_time(double s, char *buf, size_t cap) {
 /* Where the top-level calls run: "0: wte wpe h.0-2 | 1: h.3-5 ln_f lm_head(wte)". */
 static void print_placement(smp_model *model, const gpt *g) {
     if (smp_rank() != 0) return;
-    int P = smp_get_config()->partitions, L = g->cfg.n_layer;
-    int head = smp_model_stage_rank(model, smp_model_call_stage(model, smp_model_num_calls(model) - 1));
+    int P = smp_current_config()->partitions, L = g->cfg.n_layer;
+    int head = smp_model_stage_rank(model, smp_model_num_stages(model) - 1); /* the last call is in the last stage */
     printf("placement:");
     for (int k = 0; k < P; k++) {
         printf("%s %d:", k ? " |" : "", k);
@@ -599,7 +599,7 @@ static smp_status save_grads(smp_model *model, const char *path, const corpus *t
     smp_ckpt_entry *e = NULL;
     smp_param *p;
     smp_status st = smp_optimizer_new(model, &reg);
-    for (int i = 0; !st && (p = smp_model_param(model, i, false)); i++)
+    for (int i = 0; !st && (p = smp_model_local_param(model, i, false)); i++)
         st = smp_optimizer_state_add(reg, smp_param_name(p), "grad", smp_param_grad(p));
     int bad = st != SMP_OK; /* the gather below is collective: every rank goes on or none */
     MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_LOR, MPI_COMM_WORLD);
@@ -666,7 +666,7 @@ static int sample_token(const float *logits, int V, float temperature, mlp_rng *
    rank checks the input before anything runs, and samples the same
    characters from the same logits. */
 static int generate_main(options *o) {
-    const smp_config *cfg = smp_get_config();
+    const smp_config *cfg = smp_current_config();
     int M = cfg->microbatches, N = o->tokens, rc = 1;
     bool root = smp_rank() == 0;
     gpt net;
@@ -685,7 +685,7 @@ static int generate_main(options *o) {
     if (!st && smp_dp_size() != 1)
         st = smp_error(SMP_ERR_CONFIG, "--generate runs without data parallelism: run as many processes as --partitions");
     /* the model's sizes and vocabulary, from the checkpoint's metadata */
-    if (!st) st = smp_ckpt_open(&f, o->load);
+    if (!st) st = smp_ckpt_open(o->load, &f);
     if (!st) {
         const char *hex = smp_ckpt_meta(f, "vocab_bytes"), *L = smp_ckpt_meta(f, "n_layer"), *H = smp_ckpt_meta(f, "n_head"),
                    *C = smp_ckpt_meta(f, "n_embd"), *Tb = smp_ckpt_meta(f, "block_size");
@@ -819,7 +819,7 @@ int main(int argc, char **argv) {
     }
     mlp_set_blas_threads(opt.threads); /* one core per rank by default */
     if (opt.generate) return generate_main(&opt);
-    const smp_config *cfg = smp_get_config();
+    const smp_config *cfg = smp_current_config();
     int T = opt.model.block_size, M = cfg->microbatches, R = opt.replicas;
     bool root = smp_rank() == 0;
     int rc = 1;
@@ -872,13 +872,13 @@ int main(int argc, char **argv) {
     if (!st && R > 1) {
         acc = calloc((size_t)opt_state.n + 1, sizeof *acc);
         for (int i = 0; acc && i < opt_state.n; i++)
-            acc[i] = malloc(sizeof(float) * (size_t)smp_tensor_numel(smp_param_value(smp_model_param(model, i, false))) + 1);
+            acc[i] = malloc(sizeof(float) * (size_t)smp_tensor_numel(smp_param_value(smp_model_local_param(model, i, false))) + 1);
         if (!acc || (opt_state.n && !acc[opt_state.n - 1])) st = smp_error(SMP_ERR_NOMEM, "out of memory");
     }
     if (fail_all(st, "partitioning")) goto done;
     if (root) {
         long nparams = 0;
-        for (int i = 0; i < smp_model_num_params(model, false); i++) nparams += (long)smp_tensor_numel(smp_param_value(smp_model_param_at(model, i)));
+        for (int i = 0; i < smp_model_num_global_params(model, false); i++) nparams += (long)smp_tensor_numel(smp_param_value(smp_model_global_param(model, i, false)));
         printf("gpt: %d layers, width %d, %d heads, context %d, vocabulary %d, %.2fM parameters\n", opt.model.n_layer,
                opt.model.n_embd, opt.model.n_head, T, text.vocab, (double)nparams / 1e6);
         printf("gpt: %zu training and %zu validation characters from %s\n", text.ntrain, text.nval, opt.data);
@@ -905,12 +905,12 @@ int main(int argc, char **argv) {
             smp_step_output loss_mb = {0};
             smp_model_zero_grad(model);                                   /* optimizer.zero_grad() */
             if ((st = SMP_TRAIN_STEP(model, gpt_loss_body, NULL, &loss_mb, 1, xt, yt))) break;
-            double l = smp_step_output_mean(&loss_mb);                    /* loss_mb.reduce_mean() */
+            double l = smp_step_output_reduce_mean_f64(&loss_mb);                    /* loss_mb.reduce_mean() */
             smp_step_output_free(&loss_mb);
             loss = r == 0 ? l : loss + l;
             if (R > 1) { /* replica r's gradient / R, added in replica order (what deterministic DDP sums) */
                 smp_param *p;
-                for (int i = 0; (p = smp_model_param(model, i, false)); i++) {
+                for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
                     float *g = smp_param_grad(p)->data;
                     size_t k = (size_t)smp_tensor_numel(smp_param_grad(p));
                     for (size_t j = 0; j < k; j++) {
@@ -924,7 +924,7 @@ int main(int argc, char **argv) {
         if (R > 1) {
             loss /= R;
             smp_param *p;
-            for (int i = 0; (p = smp_model_param(model, i, false)); i++)
+            for (int i = 0; (p = smp_model_local_param(model, i, false)); i++)
                 memcpy(smp_param_grad(p)->data, acc[i], smp_tensor_nbytes(smp_param_grad(p)));
         }
         loss = dp_mean(loss);                                             /* the global batch's loss */
@@ -960,7 +960,7 @@ int main(int argc, char **argv) {
                 smp_tensor xt = smp_tensor_2d(x, SMP_I32, rows, T), yt = smp_tensor_2d(y, SMP_I32, rows, T);
                 smp_step_output loss_mb = {0};
                 if ((st = SMP_EVAL_STEP(model, gpt_loss_body, NULL, &loss_mb, 1, xt, yt))) break;
-                l = r == 0 ? smp_step_output_mean(&loss_mb) : l + smp_step_output_mean(&loss_mb);
+                l = r == 0 ? smp_step_output_reduce_mean_f64(&loss_mb) : l + smp_step_output_reduce_mean_f64(&loss_mb);
                 smp_step_output_free(&loss_mb);
             }
             val += dp_mean(l / R);

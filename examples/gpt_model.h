@@ -329,7 +329,7 @@ static smp_status gpt_wpe_forward(smp_call_ctx *c) {
                 size_t i = ((size_t)b * T + t) * C + j;
                 ys[i] = xs[i] + P[(size_t)(p + t) * C + j];
             }
-    if (g->cfg.dropout > 0 && smp_call_training(c))
+    if (g->cfg.dropout > 0 && smp_call_is_training(c))
         gpt__dropout(ys, ys, (size_t)smp_tensor_numel(y), g->cfg.dropout, smp_call_seed(c));
     return SMP_OK;
 }
@@ -430,10 +430,10 @@ static smp_status gpt_gelu_forward(smp_call_ctx *c) {
     size_t n = (size_t)smp_tensor_numel(x);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
     if (!y) return SMP_ERR_NOMEM;
-    float *t = smp_call_training(c) ? (float *)smp_call_stash(c, n * sizeof(float)) : (float *)malloc(n * sizeof(float));
+    float *t = smp_call_is_training(c) ? (float *)smp_call_stash(c, n * sizeof(float)) : (float *)malloc(n * sizeof(float));
     if (!t) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", smp_module_name(smp_call_module(c)));
     gpt__gelu_forward((const float *)x->data, (float *)y->data, t, n);
-    if (!smp_call_training(c)) free(t);
+    if (!smp_call_is_training(c)) free(t);
     return SMP_OK;
 }
 
@@ -513,10 +513,10 @@ static smp_status gpt_sdpa_forward(smp_call_ctx *c) {
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, (int64_t[]){B, T, C});
     if (!y) return SMP_ERR_NOMEM;
     size_t pbytes = sizeof(float) * (size_t)B * H * T * T;
-    float *P = smp_call_training(c) ? (float *)smp_call_stash(c, pbytes) : (float *)malloc(pbytes);
+    float *P = smp_call_is_training(c) ? (float *)smp_call_stash(c, pbytes) : (float *)malloc(pbytes);
     if (!P) return smp_error(SMP_ERR_NOMEM, "%s: out of memory for %zu bytes of attention", smp_module_name(smp_call_module(c)), pbytes);
     gpt__attention_forward((const float *)x->data, (float *)y->data, P, B, T, C, H);
-    if (!smp_call_training(c)) free(P);
+    if (!smp_call_is_training(c)) free(P);
     return SMP_OK;
 }
 
@@ -541,7 +541,7 @@ static smp_status gpt_dropout_forward(smp_call_ctx *c) {
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
     if (!y) return SMP_ERR_NOMEM;
     size_t n = (size_t)smp_tensor_numel(x);
-    if (smp_call_training(c)) gpt__dropout((const float *)x->data, (float *)y->data, n, g->cfg.dropout, smp_call_seed(c));
+    if (smp_call_is_training(c)) gpt__dropout((const float *)x->data, (float *)y->data, n, g->cfg.dropout, smp_call_seed(c));
     else memcpy(y->data, x->data, n * sizeof(float));
     return SMP_OK;
 }

@@ -93,10 +93,10 @@ int main(void) {
         smp_status st = SMP_TRAIN_STEP(model, mse_body, NULL, &loss, 1, xs, ts);
         if (st) { fprintf(stderr, "step %d: %s\n", step, smp_last_error()); return 1; }
         smp_param *p;
-        for (int i = 0; (p = smp_model_param(model, i, false)); i++) /* SGD on this rank's layers */
+        for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) /* SGD on this rank's layers */
             for (int64_t k = 0; k < smp_tensor_numel(smp_param_value(p)); k++)
                 ((float *)smp_param_value(p)->data)[k] -= 0.5f * ((float *)smp_param_grad(p)->data)[k];
-        if (smp_rank() == 0 && step % 10 == 0) printf("step %d loss %.5f\n", step, smp_step_output_mean(&loss));
+        if (smp_rank() == 0 && step % 10 == 0) printf("step %d loss %.5f\n", step, smp_step_output_reduce_mean_f64(&loss));
         smp_step_output_free(&loss);
     }
     smp_model_free(model);

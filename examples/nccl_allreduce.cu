@@ -64,7 +64,7 @@ int main(void) {
     cfg.partitions = world % 2 == 0 ? 2 : 1; /* two pipeline stages when the ranks pair up */
     if (world / cfg.partitions > 1) cfg.ddp = SMP_ON;
     SMP_OK_OR_DIE(smp_init(&cfg));
-    if (smp_nccl_get_mode() == SMP_NCCL_MODE_NONE) {
+    if (smp_nccl_current_mode() == SMP_NCCL_MODE_NONE) {
         if (smp_rank() == 0) printf("%s: this example needs a GPU\n", smp_nccl_describe());
         smp_finalize();
         MPI_Finalize();

@@ -32,8 +32,8 @@ int main(int argc, char **argv) {
     memset(&cfg, 0, sizeof cfg);
     cfg.ddp = SMP_ON;
     smp_status st = smp_init(&cfg);
-    MPI_CHECK(st == SMP_OK && smp_nccl_get_mode() == SMP_NCCL_MODE_NCCL, "fake-gpu faults: init on the NCCL path", "%s (mode %s)",
-              st ? smp_last_error() : "", smp_nccl_mode_name(smp_nccl_get_mode()));
+    MPI_CHECK(st == SMP_OK && smp_nccl_current_mode() == SMP_NCCL_MODE_NCCL, "fake-gpu faults: init on the NCCL path", "%s (mode %s)",
+              st ? smp_last_error() : "", smp_nccl_mode_name(smp_nccl_current_mode()));
     if (st) { MPI_Finalize(); return 1; }
     enum { N = 1000 };
     float h[N];

@@ -62,7 +62,7 @@ static void round_trip(smp_ckpt_file *f, const uint8_t *image, uint64_t data_sta
         if (strncmp(keys[nk], "smp.checksum.", 13) != 0) nk++; /* the writer makes its own */
     }
     FUZZ_ASSERT(smp_ckpt_write_file(tmp_path, ents, n, keys, vals, nk) == SMP_OK);
-    FUZZ_ASSERT(smp_ckpt_open(&g, tmp_path) == SMP_OK);
+    FUZZ_ASSERT(smp_ckpt_open(tmp_path, &g) == SMP_OK);
     FUZZ_ASSERT(smp_ckpt_count(g) == n);
     for (i = 0; i < n; i++) {
         const smp_ckpt_info *a = smp_ckpt_info_at(f, i), *b = smp_ckpt_info_at(g, i);

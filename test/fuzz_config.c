@@ -36,6 +36,7 @@
    test/corpus/config/num_*.json are the cases that caught it).
 */
 #define _POSIX_C_SOURCE 200809L
+#define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "../smp.h"
 
@@ -78,7 +79,8 @@ static int cfg_equal(const smp_config *a, const smp_config *b) {
            a->optimize == b->optimize && a->auto_partition == b->auto_partition &&
            a->default_partition == b->default_partition && a->has_default_partition == b->has_default_partition &&
            a->ddp == b->ddp && a->placement_strategy == b->placement_strategy &&
-           same_double(a->memory_weight, b->memory_weight) && a->trace_device == b->trace_device &&
+           same_double(a->memory_weight, b->memory_weight) && a->has_memory_weight == b->has_memory_weight &&
+           a->trace_device == b->trace_device &&
            a->trace_execution_times == b->trace_execution_times && a->trace_memory_usage == b->trace_memory_usage &&
            a->overlapping_allreduce == b->overlapping_allreduce &&
            a->backward_passes_per_step == b->backward_passes_per_step &&
@@ -94,6 +96,7 @@ static void fill_arbitrary(smp_config *c, uint64_t seed) {
     unsigned char *p = (unsigned char *)c;
     for (size_t i = 0; i < sizeof *c; i++) p[i] = (unsigned char)next_rand(&seed);
     c->has_default_partition = (next_rand(&seed) & 1) != 0;
+    c->has_memory_weight = (next_rand(&seed) & 1) != 0;
 }
 
 /* A well-formed message: non-empty, no control bytes, valid UTF-8, not cut off. */
@@ -139,7 +142,7 @@ static size_t write_json(const smp_config *c, bool reverse, char *out, size_t ca
     if (c->has_default_partition) PUT("\"default_partition\": %d", c->default_partition);
     SW("ddp", c->ddp);
     if (c->placement_strategy) PUT("\"placement_strategy\": \"%s\"", place[c->placement_strategy]);
-    if (!same_double(c->memory_weight, 0.0)) PUT("\"memory_weight\": %.17g", c->memory_weight);
+    if (c->has_memory_weight) PUT("\"memory_weight\": %.17g", c->memory_weight);
     if (c->trace_device) PUT("\"trace_device\": \"%s\"", trace[c->trace_device]);
     SW("trace_execution_times", c->trace_execution_times);
     SW("trace_memory_usage", c->trace_memory_usage);
@@ -198,7 +201,9 @@ static smp_status parse_both(const char *s, uint64_t seed, smp_config *zero_out)
 #undef KEEP
 #undef KEEPD
     /* 0 is a value these keys can take, so a zero result says nothing */
-    FUZZ_ASSERT(a.memory_weight == z.memory_weight || (z.memory_weight == 0 && same_double(a.memory_weight, a_before.memory_weight)),
+    FUZZ_ASSERT(z.has_memory_weight ? a.has_memory_weight && same_double(a.memory_weight, z.memory_weight)
+                                    : a.has_memory_weight == a_before.has_memory_weight &&
+                                          same_double(a.memory_weight, a_before.memory_weight),
                 "field memory_weight not merged");
     FUZZ_ASSERT(a.seed == z.seed || (z.seed == 0 && a.seed == a_before.seed), "field seed not merged");
     FUZZ_ASSERT(z.has_default_partition ? a.has_default_partition && a.default_partition == z.default_partition
@@ -212,6 +217,7 @@ static smp_status parse_both(const char *s, uint64_t seed, smp_config *zero_out)
 
 static int in_range(const smp_config *c, int world) {
     return c->partitions <= world && (!c->has_default_partition || (c->default_partition >= 0 && c->default_partition < (c->partitions ? c->partitions : 1))) &&
+           (c->has_default_partition || c->default_partition == 0) && (c->has_memory_weight || c->memory_weight == 0) &&
            c->memory_weight >= 0 && c->memory_weight <= 1 && c->bucket_cap_mb <= 1e6 && c->timeout <= 1e9 &&
            (c->pipeline != SMP_PIPELINE_ZERO_BUBBLE_V || c->virtual_stages <= 2); /* its V: 2 stages per partition */
 }

@@ -89,7 +89,9 @@ static smp_status relu_forward(smp_call_ctx *c) {
     for (int64_t i = 0; i < smp_tensor_numel(x); i++) ((float *)y->data)[i] = ((const float *)x->data)[i] > 0 ? ((const float *)x->data)[i] : 0;
     return SMP_OK;
 }
+static void (*g_relu_backward_hook)(void); /* called from every ReLU backward (test_ddp: smp_poll) */
 static smp_status relu_backward(smp_call_ctx *c) {
+    if (g_relu_backward_hook) g_relu_backward_hook();
     const float *x = (const float *)smp_call_input(c, 0)->data, *gy = (const float *)smp_call_grad_output(c, 0)->data;
     smp_tensor *gx = smp_call_grad_input(c, 0);
     for (int64_t i = 0; gx && i < smp_tensor_numel(gx); i++) ((float *)gx->data)[i] = x[i] > 0 ? gy[i] : 0;

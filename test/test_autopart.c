@@ -1,6 +1,7 @@
 /* test_autopart.c - the auto-partitioner: exact optimum, tie-break, edges, errors.
    Single process; no MPI_Init needed.
    Build (from the repository root): mpicc -std=c11 -Wall -Wextra -Werror -O2 -I. test/test_autopart.c -o build/test_autopart -lm */
+#define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "../smp.h"
 #include "test.h"

@@ -42,16 +42,16 @@ static void batch(int s, int r, float *x, float *t) {
 /* FNV-1a over this rank's local parameter bytes, in model order. */
 static uint64_t digest(smp_model *model) {
     uint64_t h = 1469598103934665603ull;
-    for (int i = 0; smp_model_param(model, i, false); i++) {
-        const smp_tensor *v = smp_param_value(smp_model_param(model, i, false));
+    for (int i = 0; smp_model_local_param(model, i, false); i++) {
+        const smp_tensor *v = smp_param_value(smp_model_local_param(model, i, false));
         for (size_t k = 0; k < smp_tensor_nbytes(v); k++) h = (h ^ ((const unsigned char *)v->data)[k]) * 1099511628211ull;
     }
     return h;
 }
 
 static void sgd(smp_model *model) {
-    for (int i = 0; smp_model_param(model, i, false); i++) {
-        smp_param *p = smp_model_param(model, i, false);
+    for (int i = 0; smp_model_local_param(model, i, false); i++) {
+        smp_param *p = smp_model_local_param(model, i, false);
         if (smp_param_is_buffer(p)) continue;
         float *w = (float *)smp_param_value(p)->data;
         const float *g = (const float *)smp_param_grad(p)->data;
@@ -185,7 +185,7 @@ int main(int argc, char **argv) {
         if (!failed[s]) clean_errors += train(model, s) != SMP_OK;
     bool same = model && clean_errors == 0 && digest(model) == chaos_digest;
     int nparams = 0;
-    while (model && smp_model_param(model, nparams, false)) nparams++;
+    while (model && smp_model_local_param(model, nparams, false)) nparams++;
     MPI_CHECK(same, "chaos/the parameters equal a clean run that skipped the failed steps, bit for bit", "%d clean steps failed; digests %s",
               clean_errors, same ? "equal" : "differ");
     if (me == 0)

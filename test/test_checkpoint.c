@@ -96,7 +96,7 @@ static void opt_make(opt_store *o, smp_model *m) {
     memset(o, 0, sizeof *o);
     smp_optimizer_new(m, &o->reg);
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(m, i, false)); i++) {
+    for (int i = 0; (p = smp_model_local_param(m, i, false)); i++) {
         const smp_tensor *v = smp_param_value(p);
         o->t[o->n] = smp_tensor_make(malloc(smp_tensor_nbytes(v)), SMP_F32, v->ndim, v->shape);
         smp_optimizer_state_add(o->reg, smp_param_name(p), "exp_avg", &o->t[o->n]);
@@ -121,7 +121,7 @@ static void opt_free(opt_store *o) {
 /* Sets every local tensor (parameters, buffers, optimizer state) to `version`. */
 static void set_all(smp_model *m, opt_store *o, int version) {
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(m, i, true)); i++) {
+    for (int i = 0; (p = smp_model_local_param(m, i, true)); i++) {
         smp_tensor *v = smp_param_value(p);
         fill(v->data, smp_tensor_nbytes(v), v->dtype, smp_param_name(p), version);
     }
@@ -132,7 +132,7 @@ static void set_all(smp_model *m, opt_store *o, int version) {
 static int check_all(smp_model *m, opt_store *o, int version, char *why, size_t cap) {
     smp_param *p;
     static uint8_t want[4096];
-    for (int i = 0; (p = smp_model_param(m, i, true)); i++) {
+    for (int i = 0; (p = smp_model_local_param(m, i, true)); i++) {
         smp_tensor *v = smp_param_value(p);
         fill(want, smp_tensor_nbytes(v), v->dtype, smp_param_name(p), version);
         if (memcmp(want, v->data, smp_tensor_nbytes(v))) { snprintf(why, cap, "'%s' differs from version %d", smp_param_name(p), version); return 0; }
@@ -149,7 +149,7 @@ typedef struct { uint8_t *bytes; size_t n; } snapshot;
 static snapshot snap_take(smp_model *m, opt_store *o) {
     snapshot s = {malloc(1 << 16), 0};
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(m, i, true)); i++) {
+    for (int i = 0; (p = smp_model_local_param(m, i, true)); i++) {
         size_t k = smp_tensor_nbytes(smp_param_value(p));
         memcpy(s.bytes + s.n, smp_param_value(p)->data, k);
         s.n += k;
@@ -232,7 +232,7 @@ static smp_status load(smp_model *m, opt_store *o, const char *path, int partial
 static int rewrite_to(const char *path, const char *dst, const char *drop_meta, const char *drop, const char *retype,
                       smp_dtype dt, const char *reshape, int ndim, const int64_t *shape, const char *add) {
     smp_ckpt_file *f;
-    if (smp_ckpt_open(&f, path) != SMP_OK) return 0;
+    if (smp_ckpt_open(path, &f) != SMP_OK) return 0;
     int n = smp_ckpt_count(f), ne = 0, nm = 0;
     smp_ckpt_entry *e = calloc((size_t)n + 1, sizeof *e);
     void **data = calloc((size_t)n + 1, sizeof *data);
@@ -404,7 +404,7 @@ static void test_roundtrip(int P, int partial, size_t chunk) {
         st = smp_model_state_dict(m, o.reg, root, &sd);
         ok = st == SMP_OK;
         snprintf(why, sizeof why, "%s", ok ? "" : smp_last_error());
-        int nparams = smp_model_num_params(m, true), want = nparams + 2 * smp_model_num_params(m, false) + 2;
+        int nparams = smp_model_num_global_params(m, true), want = nparams + 2 * smp_model_num_global_params(m, false) + 2;
         if (ok && me == root) {
             if (sd.n != want || sd.partial) { ok = 0; snprintf(why, sizeof why, "%d entries, expected %d", sd.n, want); }
             for (int i = 0; i < sd.n && ok; i++) {
@@ -423,7 +423,7 @@ static void test_roundtrip(int P, int partial, size_t chunk) {
         ok = smp_model_local_state_dict(m, o.reg, &lsd) == SMP_OK && lsd.partial;
         int local = 0;
         smp_param *p;
-        for (int i = 0; (p = smp_model_param(m, i, true)); i++) local++;
+        for (int i = 0; (p = smp_model_local_param(m, i, true)); i++) local++;
         ok = ok && lsd.n == local + o.n && smp_state_dict_find(&lsd, "optimizer.lr") && smp_state_dict_find(&lsd, "optimizer.lr")->data == o.t[o.n - 2].data;
         smp_state_dict_free(&lsd);
         snprintf(name, sizeof name, "checkpoint/local state dict holds views of this rank's tensors/P=%d", P);
@@ -539,7 +539,7 @@ static void dump_expected(smp_model *m, opt_store *o, const char *edir) {
     FILE *man = fopen(path, "w");
     if (!man) return;
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(m, i, true)); i++) dump_one(man, edir, smp_param_name(p), smp_param_value(p));
+    for (int i = 0; (p = smp_model_local_param(m, i, true)); i++) dump_one(man, edir, smp_param_name(p), smp_param_value(p));
     for (int k = 0; k < o->n; k++)
         if (k < o->n - 2 || me == 0) dump_one(man, edir, o->full[k], &o->t[k]); /* whole-optimizer state: rank 0's */
     fclose(man);
@@ -803,7 +803,7 @@ static void test_killed_save(const char *self) {
 /* Flips one byte in the middle of tensor `name`'s data. */
 static int flip(const char *path, const char *name) {
     smp_ckpt_file *f;
-    if (smp_ckpt_open(&f, path) != SMP_OK) return 0;
+    if (smp_ckpt_open(path, &f) != SMP_OK) return 0;
     const smp_ckpt_info *e = smp_ckpt_find(f, name);
     FILE *fp = fopen(path, "rb");
     uint8_t len8[8];
@@ -828,7 +828,7 @@ static int flip(const char *path, const char *name) {
 static void last_tensor(const char *path, char *out, size_t cap) {
     smp_ckpt_file *f;
     out[0] = 0;
-    if (smp_ckpt_open(&f, path) != SMP_OK) return;
+    if (smp_ckpt_open(path, &f) != SMP_OK) return;
     uint64_t end = 0;
     for (int i = 0; i < smp_ckpt_count(f); i++) {
         const smp_ckpt_info *e = smp_ckpt_info_at(f, i);
@@ -937,7 +937,7 @@ static void test_corruption(int P) {
             case C_GEN_EDITED: { /* same size: an F32 tensor becomes I32 */
                 char f32[200] = "";
                 smp_ckpt_file *f;
-                if (ok && smp_ckpt_open(&f, file) == SMP_OK) {
+                if (ok && smp_ckpt_open(file, &f) == SMP_OK) {
                     for (int i = 0; i < smp_ckpt_count(f) && !f32[0]; i++)
                         if (smp_ckpt_info_at(f, i)->dtype == SMP_F32) snprintf(f32, sizeof f32, "%s", smp_ckpt_info_at(f, i)->name);
                     smp_ckpt_close(f);
@@ -991,13 +991,13 @@ static smp_status big_net_forward(smp_model *m, const smp_tensor *in, int nin, s
 }
 static void big_set(smp_model *m, int version) {
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(m, i, true)); i++)
+    for (int i = 0; (p = smp_model_local_param(m, i, true)); i++)
         fill(smp_param_value(p)->data, smp_tensor_nbytes(smp_param_value(p)), SMP_F32, smp_param_name(p), version);
 }
 static int big_check(smp_model *m, int version, char *why, size_t cap) {
     smp_param *p;
     int ok = 1;
-    for (int i = 0; (p = smp_model_param(m, i, true)) && ok; i++) {
+    for (int i = 0; (p = smp_model_local_param(m, i, true)) && ok; i++) {
         size_t k = smp_tensor_nbytes(smp_param_value(p));
         uint8_t *want = malloc(k);
         fill(want, k, SMP_F32, smp_param_name(p), version);
@@ -1218,8 +1218,13 @@ static void test_misuse(void) {
     st = smp_optimizer_state_add(o, "nope.weight", "exp_avg", &t);
     int ok = st == SMP_ERR_ARG && strstr(smp_last_error(), "nope.weight");
     st = smp_optimizer_state_add(o, NULL, "a.b", &t);
-    ok = ok && st == SMP_ERR_ARG;
-    MPI_CHECK(ok, "checkpoint/optimizer registry rejects unknown parameters and dotted names", "%s", smp_last_error());
+    ok = ok && st == SMP_ERR_ARG && smp_optimizer_state_count(o) == 0;
+    MPI_CHECK(ok, "checkpoint/optimizer registry rejects unknown parameters and dotted names, and counts none of them", "%s (%d registered)",
+              smp_last_error(), smp_optimizer_state_count(o));
+    st = smp_optimizer_state_add(o, NULL, "lr", &t);
+    if (!st) st = smp_optimizer_state_add(o, NULL, "beta", &t);
+    MPI_CHECK(st == SMP_OK && smp_optimizer_state_count(o) == 2, "checkpoint/optimizer registry counts what it holds",
+              "%s, %d registered", st ? smp_last_error() : "ok", smp_optimizer_state_count(o));
     smp_optimizer_free(o);
     smp_model_free(m);
     smp_finalize();

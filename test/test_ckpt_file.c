@@ -159,7 +159,7 @@ static int check_contents(const char *path, const char **why) {
     smp_ckpt_file *f;
     int i, k, ok = 1;
     *why = "";
-    if (smp_ckpt_open(&f, path) != SMP_OK) {
+    if (smp_ckpt_open(path, &f) != SMP_OK) {
         *why = smp_last_error();
         return 0;
     }
@@ -306,7 +306,7 @@ static void test_roundtrip(void) {
         off += sizes[i];
     }
     path_in(p2, sizeof p2, "rt2.safetensors");
-    ok = smp_ckpt_writer_open(&w, p2, ents, NT, mkeys, mvals, NMETA) == SMP_OK;
+    ok = smp_ckpt_writer_open(p2, ents, NT, mkeys, mvals, NMETA, &w) == SMP_OK;
     for (off = 0, ci = 0; ok && off < total; off += c, ci++) {
         c = chunks[ci % 8];
         if (c > total - off) c = total - off;
@@ -335,14 +335,14 @@ static void test_roundtrip(void) {
         big[1].shape[0] = 3;
         fill(d, nb, 5, SMP_U8);
         path_in(p2, sizeof p2, "big.safetensors");
-        ok = smp_ckpt_writer_open(&w, p2, big, 2, NULL, NULL, 0) == SMP_OK;
+        ok = smp_ckpt_writer_open(p2, big, 2, NULL, NULL, 0, &w) == SMP_OK;
         for (off = 0, ci = 0; ok && off < nb; off += c, ci++) {
             c = ci % 2 ? (1u << 20) + 7 : 333333;
             if (c > nb - off) c = nb - off;
             ok = smp_ckpt_writer_write(w, d + off, c) == SMP_OK;
         }
         ok = ok && smp_ckpt_writer_write(w, d, 24) == SMP_OK && smp_ckpt_writer_commit(w) == SMP_OK;
-        ok = ok && smp_ckpt_open(&f, p2) == SMP_OK;
+        ok = ok && smp_ckpt_open(p2, &f) == SMP_OK;
         if (ok) {
             e = smp_ckpt_find(f, "big");
             for (got = 0; ok && e && got < nb; got += c) {
@@ -370,12 +370,30 @@ static void test_roundtrip(void) {
 
     /* no tensors, no metadata */
     path_in(p2, sizeof p2, "empty.safetensors");
-    ok = smp_ckpt_write_file(p2, NULL, 0, NULL, NULL, 0) == SMP_OK && smp_ckpt_open(&f, p2) == SMP_OK;
+    ok = smp_ckpt_write_file(p2, NULL, 0, NULL, NULL, 0) == SMP_OK && smp_ckpt_open(p2, &f) == SMP_OK;
     if (ok) {
         ok = smp_ckpt_count(f) == 0 && smp_ckpt_meta_count(f) == 0;
         smp_ckpt_close(f);
     }
     CHECK(ok, "a file with no tensors", "%s", smp_last_error());
+
+    /* an entry made from a tensor describes it and writes its bytes; the open
+       file knows its path */
+    double vals[6] = {1.5, -2, 3.25, 0, 1e300, -0.0};
+    smp_tensor t = smp_tensor_2d(vals, SMP_F64, 2, 3);
+    smp_ckpt_entry e = smp_ckpt_entry_of("block.w", &t);
+    ok = !strcmp(e.name, "block.w") && e.dtype == SMP_F64 && e.ndim == 2 && e.shape[0] == 2 && e.shape[1] == 3 && e.data == vals;
+    path_in(p2, sizeof p2, "entry_of.safetensors");
+    ok = ok && smp_ckpt_write_file(p2, &e, 1, NULL, NULL, 0) == SMP_OK && smp_ckpt_open(p2, &f) == SMP_OK;
+    if (ok) {
+        const smp_ckpt_info *in = smp_ckpt_find(f, "block.w");
+        double back[6];
+        ok = !strcmp(smp_ckpt_path(f), p2) && in && in->dtype == SMP_F64 && in->ndim == 2 && in->shape[0] == 2 &&
+             in->shape[1] == 3 && smp_ckpt_read(f, in, back, sizeof back) == SMP_OK && !memcmp(back, vals, sizeof vals);
+        smp_ckpt_close(f);
+    }
+    CHECK(ok, "smp_ckpt_entry_of: a tensor's name, dtype, shape and bytes round trip; smp_ckpt_path names the file", "%s",
+          smp_last_error());
 }
 
 static void test_writer_misuse(void) {
@@ -394,35 +412,35 @@ static void test_writer_misuse(void) {
     memset(two, 0, sizeof two);
     two[0].name = two[1].name = "same";
     two[0].dtype = two[1].dtype = SMP_F32;
-    st = smp_ckpt_writer_open(&w, p, two, 2, NULL, NULL, 0);
+    st = smp_ckpt_writer_open(p, two, 2, NULL, NULL, 0, &w);
     CHECK(st == SMP_ERR_ARG && err_has("'same'") && err_has("two entries"), "writer rejects duplicate names", "%d %s",
           st, smp_last_error());
     two[1].name = "other";
     two[1].dtype = SMP_DTYPE_INVALID;
-    st = smp_ckpt_writer_open(&w, p, two, 2, NULL, NULL, 0);
+    st = smp_ckpt_writer_open(p, two, 2, NULL, NULL, 0, &w);
     CHECK(st == SMP_ERR_ARG && err_has("invalid dtype"), "writer rejects an invalid dtype", "%s", smp_last_error());
     two[1].dtype = SMP_F32;
     two[1].ndim = 1;
     two[1].shape[0] = -2;
-    st = smp_ckpt_writer_open(&w, p, two, 2, NULL, NULL, 0);
+    st = smp_ckpt_writer_open(p, two, 2, NULL, NULL, 0, &w);
     CHECK(st == SMP_ERR_ARG && err_has("negative"), "writer rejects a negative dimension", "%s", smp_last_error());
-    st = smp_ckpt_writer_open(&w, p, ents, 1, bad_key, v, 1);
+    st = smp_ckpt_writer_open(p, ents, 1, bad_key, v, 1, &w);
     CHECK(st == SMP_ERR_ARG && err_has("reserved"), "writer rejects reserved metadata keys", "%s", smp_last_error());
-    st = smp_ckpt_writer_open(&w, p, ents, 1, dup_key, dup_val, 2);
+    st = smp_ckpt_writer_open(p, ents, 1, dup_key, dup_val, 2, &w);
     CHECK(st == SMP_ERR_ARG && err_has("'a' appears twice"), "writer rejects duplicate metadata keys", "%s",
           smp_last_error());
     two[1].name = "bad\xff utf8";
     two[1].shape[0] = 1;
-    st = smp_ckpt_writer_open(&w, p, two, 2, NULL, NULL, 0);
+    st = smp_ckpt_writer_open(p, two, 2, NULL, NULL, 0, &w);
     CHECK(st == SMP_ERR_ARG && err_has("UTF-8"), "writer rejects names that are not UTF-8", "%s", smp_last_error());
     setenv("SMP_CKPT_FAULT", "sometimes", 1);
-    st = smp_ckpt_writer_open(&w, p, ents, 1, NULL, NULL, 0);
+    st = smp_ckpt_writer_open(p, ents, 1, NULL, NULL, 0, &w);
     unsetenv("SMP_CKPT_FAULT");
     CHECK(st == SMP_ERR_ARG && err_has("SMP_CKPT_FAULT"), "an unknown SMP_CKPT_FAULT is an error", "%s",
           smp_last_error());
 
     /* too many bytes; then commit repeats the error and saves nothing */
-    st = smp_ckpt_writer_open(&w, p, ents, 1, NULL, NULL, 0); /* 60 bytes */
+    st = smp_ckpt_writer_open(p, ents, 1, NULL, NULL, 0, &w); /* 60 bytes */
     if (st == SMP_OK) {
         smp_ckpt_writer_write(w, b, 40);
         st = smp_ckpt_writer_write(w, b, 40);
@@ -433,7 +451,7 @@ static void test_writer_misuse(void) {
               smp_last_error());
     }
     /* too few bytes */
-    st = smp_ckpt_writer_open(&w, p, ents, 3, NULL, NULL, 0);
+    st = smp_ckpt_writer_open(p, ents, 3, NULL, NULL, 0, &w);
     if (st == SMP_OK) {
         smp_ckpt_writer_write(w, datas[0], sizes[0]);
         smp_ckpt_writer_write(w, datas[1], 3);
@@ -442,7 +460,7 @@ static void test_writer_misuse(void) {
               "commit with missing bytes names the tensor", "%s", smp_last_error());
     }
     /* abort */
-    st = smp_ckpt_writer_open(&w, p, ents, 1, NULL, NULL, 0);
+    st = smp_ckpt_writer_open(p, ents, 1, NULL, NULL, 0, &w);
     if (st == SMP_OK) {
         smp_ckpt_writer_write(w, b, 10);
         smp_ckpt_writer_abort(w);
@@ -487,7 +505,7 @@ static int child_save(const char *p, const char *phase, const char *log, pid_t *
         smp_set_logger(child_logger, (void *)log);
         setenv("SMP_CKPT_FAULT", phase, 1);
         make_entries(1); /* different bytes */
-        if (smp_ckpt_writer_open(&w, p, ents, NT, mkeys, mvals, NMETA) != SMP_OK) _exit(2);
+        if (smp_ckpt_writer_open(p, ents, NT, mkeys, mvals, NMETA, &w) != SMP_OK) _exit(2);
         for (i = 0; i < NT; i++)
             if (smp_ckpt_writer_write(w, datas[i], sizes[i]) != SMP_OK) _exit(3);
         if (smp_ckpt_writer_commit(w) != SMP_OK) _exit(4);
@@ -560,7 +578,7 @@ static void test_faults(void) {
    every one of the (NULL-terminated) needles and the path. */
 static void expect_format(const char *test, const char *path, ...) {
     smp_ckpt_file *f = NULL;
-    smp_status st = smp_ckpt_open(&f, path);
+    smp_status st = smp_ckpt_open(path, &f);
     va_list ap;
     const char *needle, *missing = NULL;
     va_start(ap, path);
@@ -593,7 +611,7 @@ static void test_corruption(void) {
     /* a flipped byte in the data of ints.i32 */
     {
         uint64_t at = 0;
-        if (smp_ckpt_open(&f, p) == SMP_OK) {
+        if (smp_ckpt_open(p, &f) == SMP_OK) {
             at = 8 + hl + smp_ckpt_find(f, "ints.i32")->offset + 5;
             smp_ckpt_close(f);
         }
@@ -601,7 +619,7 @@ static void test_corruption(void) {
         spit(q, img, n);
         img[at] ^= 0x10;
     }
-    st = smp_ckpt_open(&f, q);
+    st = smp_ckpt_open(q, &f);
     CHECK(st == SMP_OK, "a flipped data byte still opens (header intact)", "%s", smp_last_error());
     if (st == SMP_OK) {
         e = smp_ckpt_find(f, "ints.i32");
@@ -641,7 +659,7 @@ static void test_corruption(void) {
     {
         static const char *keys[] = {"k"}, *vals[] = {"v"};
         smp_status s2 = smp_ckpt_write_file(q, NULL, 0, keys, vals, 1);
-        CHECK(s2 == SMP_OK && smp_ckpt_open(&f, q) == SMP_OK, "sanity: metadata-only file", "%s", smp_last_error());
+        CHECK(s2 == SMP_OK && smp_ckpt_open(q, &f) == SMP_OK, "sanity: metadata-only file", "%s", smp_last_error());
         if (s2 == SMP_OK && f) smp_ckpt_close(f);
     }
 
@@ -728,12 +746,12 @@ static void test_corruption(void) {
     expect_format("bad JSON: truncated literal", q, "malformed JSON", NULL);
     write_raw(q, "{\"a\\tb\\u00e9\\ud83d\\ude00\\\"\\/\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}\n\t ",
               d, 1);
-    st = smp_ckpt_open(&f, q);
+    st = smp_ckpt_open(q, &f);
     CHECK(st == SMP_OK && smp_ckpt_find(f, "a\tb\xc3\xa9\xf0\x9f\x98\x80\"/") != NULL,
           "escapes in names decode (\\t, \\u00e9, surrogate pair, \\\", \\/)", "%s", smp_last_error());
     if (st == SMP_OK) smp_ckpt_close(f);
 
-    st = smp_ckpt_open(&f, "/nonexistent/dir/x.safetensors");
+    st = smp_ckpt_open("/nonexistent/dir/x.safetensors", &f);
     CHECK(st == SMP_ERR_IO && err_has("/nonexistent/dir/x.safetensors"), "a missing file is an IO error", "%s",
           smp_last_error());
     free(img);
@@ -825,7 +843,7 @@ static void test_python(void) {
         test_skip("python: smp reads a file written by safetensors", "the script wrote no file");
         return;
     }
-    rc = smp_ckpt_open(&f, py_path) == SMP_OK;
+    rc = smp_ckpt_open(py_path, &f) == SMP_OK;
     if (rc) {
         const smp_ckpt_info *a = smp_ckpt_find(f, "py.f32"), *b = smp_ckpt_find(f, "py.i64"),
                             *c = smp_ckpt_find(f, "py.bool"), *z = smp_ckpt_find(f, "py.empty");

@@ -133,7 +133,7 @@ static void opt_make(opt_store *o, smp_model *m) {
     memset(o, 0, sizeof *o);
     smp_optimizer_new(m, &o->reg);
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(m, i, false)); i++) {
+    for (int i = 0; (p = smp_model_local_param(m, i, false)); i++) {
         const smp_tensor *v = smp_param_value(p);
         o->t[o->n] = smp_tensor_make(malloc(smp_tensor_nbytes(v)), SMP_F32, v->ndim, v->shape);
         smp_optimizer_state_add(o->reg, smp_param_name(p), "exp_avg", &o->t[o->n]);
@@ -154,7 +154,7 @@ static void opt_free(opt_store *o) {
 
 static void set_all(smp_model *m, opt_store *o, int version) {
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(m, i, true)); i++) {
+    for (int i = 0; (p = smp_model_local_param(m, i, true)); i++) {
         smp_tensor *v = smp_param_value(p);
         fill(v->data, smp_tensor_nbytes(v), smp_param_name(p), version);
     }
@@ -163,7 +163,7 @@ static void set_all(smp_model *m, opt_store *o, int version) {
 static int check_all(smp_model *m, opt_store *o, int version, char *why, size_t cap) {
     static uint8_t want[4096];
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(m, i, true)); i++) {
+    for (int i = 0; (p = smp_model_local_param(m, i, true)); i++) {
         smp_tensor *v = smp_param_value(p);
         fill(want, smp_tensor_nbytes(v), smp_param_name(p), version);
         if (memcmp(want, v->data, smp_tensor_nbytes(v))) {
@@ -287,7 +287,7 @@ typedef struct { uint8_t bytes[1 << 14]; size_t n; } snapshot;
 static void snap_take(snapshot *s, smp_model *m, opt_store *o) {
     smp_param *p;
     s->n = 0;
-    for (int i = 0; (p = smp_model_param(m, i, true)); i++) {
+    for (int i = 0; (p = smp_model_local_param(m, i, true)); i++) {
         size_t k = smp_tensor_nbytes(smp_param_value(p));
         memcpy(s->bytes + s->n, smp_param_value(p)->data, k);
         s->n += k;

@@ -99,7 +99,7 @@ int main(int argc, char **argv) {
     if (!st) {
         fill(big, BIG, 1);
         smp_tensor t = smp_tensor_1d(big, SMP_F32, (int64_t)BIG);
-        smp_param *p = smp_model_param(m, 0, false); /* a local one: every rank's data crosses to the writer */
+        smp_param *p = smp_model_local_param(m, 0, false); /* a local one: every rank's data crosses to the writer */
         st = p ? smp_optimizer_state_add(o, smp_param_name(p), "moments", &t) : SMP_ERR_STATE;
     }
     MPI_CHECK(st == SMP_OK, "ckpt threads: a traced model with 12 MiB of optimizer state on every rank", "%s", smp_last_error());

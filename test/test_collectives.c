@@ -21,6 +21,7 @@
 */
 #define _POSIX_C_SOURCE 200809L /* fork, waitpid, nanosleep */
 #include <dlpack/dlpack.h>
+#define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "test.h"
@@ -562,7 +563,7 @@ static unsigned char msg_byte(int from_wr, int to_wr, size_t len, size_t i) {
     return (unsigned char)(from_wr * 31 + to_wr * 17 + len * 3 + i * 7 + 1);
 }
 
-static void test_send_recv(smp_rank_type rt, int gi) {
+static void test_send_recv(smp_group rt, int gi) {
     smp_group g = GROUPS[gi];
     members m = group_members(g);
     agg a = {1, ""};
@@ -680,7 +681,7 @@ static void test_allgather_bytes(int gi) {
         for (size_t i = 0; i < mine; i++) buf[i] = msg_byte(W_RANK, -2, mine, i);
         void *out = NULL;
         size_t lens[MAXR];
-        smp_status st = smp_allgather_bytes(mine ? buf : NULL, mine, g, &out, lens);
+        smp_status st = smp_all_gather_bytes(mine ? buf : NULL, mine, g, &out, lens);
         if (st != SMP_OK) fail(&a, "round %d: %.200s", round, smp_last_error());
         else {
             size_t at = 0;
@@ -954,8 +955,8 @@ static void test_argument_errors(void) {
     {
         void *out = NULL;
         size_t lens[MAXR];
-        expect_error("errors/allgather_bytes/bad_group", smp_allgather_bytes(f, 4, (smp_group)5, &out, lens), SMP_ERR_ARG, "group", NULL);
-        expect_error("errors/send/bad_rank_type", smp_send(f, 4, 0, (smp_rank_type)9), SMP_ERR_ARG, "rank type", NULL);
+        expect_error("errors/allgather_bytes/bad_group", smp_all_gather_bytes(f, 4, (smp_group)5, &out, lens), SMP_ERR_ARG, "group", NULL);
+        expect_error("errors/send/bad_group", smp_send(f, 4, 0, (smp_group)9), SMP_ERR_ARG, "unknown group 9", NULL);
     }
     /* NULL tensors must be refused, not dereferenced (run in a child) */
     {
@@ -990,10 +991,10 @@ static void test_not_running(const char *when) {
     NOT_RUNNING("reduce_scatter", smp_reduce_scatter(&t, &t, SMP_SUM, SMP_WORLD));
     NOT_RUNNING("all_to_all_single", smp_all_to_all_single(&t, &t, NULL, NULL, SMP_WORLD));
     NOT_RUNNING("barrier", smp_barrier(SMP_WORLD));
-    NOT_RUNNING("send", smp_send(f, 4, 0, SMP_WORLD_RANK));
-    NOT_RUNNING("recv_from", smp_recv_from(0, SMP_WORLD_RANK, &p, &n));
+    NOT_RUNNING("send", smp_send(f, 4, 0, SMP_WORLD));
+    NOT_RUNNING("recv_from", smp_recv_from(0, SMP_WORLD, &p, &n));
     NOT_RUNNING("broadcast_bytes", smp_broadcast_bytes(&p, &n, 0, SMP_WORLD));
-    NOT_RUNNING("allgather_bytes", smp_allgather_bytes(f, 4, SMP_WORLD, &p, lens));
+    NOT_RUNNING("allgather_bytes", smp_all_gather_bytes(f, 4, SMP_WORLD, &p, lens));
 #undef NOT_RUNNING
 }
 
@@ -1065,7 +1066,7 @@ int main(int argc, char **argv) {
     SIZES[4] = BIG;
     PIECES = "";
 
-    static const smp_rank_type RT[] = {SMP_WORLD_RANK, SMP_MP_RANK, SMP_DP_RANK};
+    static const smp_group RT[] = {SMP_WORLD, SMP_MP_GROUP, SMP_DP_GROUP};
     for (int gi = 0; gi < 3; gi++) {
         test_send_recv(RT[gi], gi);
         test_broadcast_bytes(gi);

@@ -632,7 +632,7 @@ static void run(const spec *s, MPI_Comm comm, result *r) {
     }
     smp_param *p;
     if (!st && !s->trace_in_step) {
-        for (int i = 0; (p = smp_model_param(model, i, false)); i++) {
+        for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
             int k = layout_find(&L, smp_param_name(p));
             if (k < 0) { fail(r, "unexpected local parameter \"%s\"", smp_param_name(p)); continue; }
             if (r->local[k]) fail(r, "parameter \"%s\" listed twice", L.name[k]);
@@ -676,13 +676,13 @@ static void run(const spec *s, MPI_Comm comm, result *r) {
         }
         smp_step_output_free(&outs[0]);
         if (!st && s->sgd) {
-            for (int i = 0; (p = smp_model_param(model, i, false)); i++)
+            for (int i = 0; (p = smp_model_local_param(model, i, false)); i++)
                 sgd((float *)smp_param_value(p)->data, (const float *)smp_param_grad(p)->data, (int)smp_tensor_numel(smp_param_value(p)));
             smp_model_zero_grad(model);
         }
     }
     if (!st)
-        for (int i = 0; (p = smp_model_param(model, i, false)); i++) {
+        for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
             int k = layout_find(&L, smp_param_name(p));
             if (k < 0 || !r->local[k]) continue;
             memcpy(r->fin[k], smp_param_value(p)->data, sizeof(float) * (size_t)numel_of(&L, k));

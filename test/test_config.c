@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "../smp.h"
 
@@ -26,6 +27,7 @@ static int cfg_equal(const smp_config *a, const smp_config *b) {
            a->optimize == b->optimize && a->auto_partition == b->auto_partition &&
            a->default_partition == b->default_partition && a->has_default_partition == b->has_default_partition &&
            a->ddp == b->ddp && a->placement_strategy == b->placement_strategy && a->memory_weight == b->memory_weight &&
+           a->has_memory_weight == b->has_memory_weight &&
            a->trace_device == b->trace_device && a->trace_execution_times == b->trace_execution_times &&
            a->trace_memory_usage == b->trace_memory_usage && a->overlapping_allreduce == b->overlapping_allreduce &&
            a->backward_passes_per_step == b->backward_passes_per_step &&
@@ -46,6 +48,7 @@ static smp_config sample_config(void) {
     c.ddp = SMP_ON;
     c.seed = 77;
     c.memory_weight = 0.5;
+    c.has_memory_weight = true;
     return c;
 }
 
@@ -122,8 +125,36 @@ static void test_defaults(void) {
     CHECK(st == SMP_OK && r.memory_weight == 1.0, "defaults: memory_weight 1 for optimize memory", "%d %g", (int)st,
           r.memory_weight);
     z.memory_weight = 0.3;
+    z.has_memory_weight = true;
     st = smp_config_resolve(&z, 1, &r);
     CHECK(st == SMP_OK && r.memory_weight == 0.3, "defaults: explicit memory_weight kept", "%g", r.memory_weight);
+    /* 0 is a weight like any other: pure speed, even with optimize memory */
+    z.memory_weight = 0;
+    st = smp_config_resolve(&z, 1, &r);
+    CHECK(st == SMP_OK && r.memory_weight == 0.0, "defaults: explicit memory_weight 0 kept under optimize memory", "%g",
+          r.memory_weight);
+    smp_config j;
+    memset(&j, 0, sizeof j);
+    st = smp_config_from_json("{\"optimize\": \"memory\", \"memory_weight\": 0}", &j);
+    if (!st) st = smp_config_resolve(&j, 1, &r);
+    CHECK(st == SMP_OK && j.has_memory_weight && r.memory_weight == 0.0, "json: \"memory_weight\": 0 is kept under optimize memory",
+          "%s, weight %g", st ? smp_last_error() : "ok", r.memory_weight);
+    /* a value set without its flag is an error naming the flag, never dropped */
+    z.has_memory_weight = false;
+    z.memory_weight = 0.3;
+    st = smp_config_resolve(&z, 1, &r);
+    CHECK(st == SMP_ERR_CONFIG && err_has("has_memory_weight"), "config: memory_weight without has_memory_weight is an error",
+          "%d %s", (int)st, smp_last_error());
+    z.memory_weight = 0;
+    z.partitions = 2;
+    z.default_partition = 1;
+    st = smp_config_resolve(&z, 2, &r);
+    CHECK(st == SMP_ERR_CONFIG && err_has("has_default_partition"),
+          "config: default_partition without has_default_partition is an error", "%d %s", (int)st, smp_last_error());
+    z.has_default_partition = true;
+    st = smp_config_resolve(&z, 2, &r);
+    CHECK(st == SMP_OK && r.has_default_partition && r.default_partition == 1, "config: default_partition with its flag",
+          "%d %s", (int)st, smp_last_error());
 
     /* hybrid: 2 partitions x 2 replicas */
     memset(&z, 0, sizeof z);
@@ -484,6 +515,7 @@ static void test_bad_structs(void) {
     b.default_partition = -1;
     expect_resolve_error("bad struct: negative default_partition", b, 4, "\"default_partition\"", "-1", NULL);
     b = c;
+    b.has_memory_weight = true;
     b.memory_weight = 1.5;
     expect_resolve_error("bad struct: memory_weight above 1", b, 4, "\"memory_weight\"", "1.5", NULL);
     b.memory_weight = -0.25;

@@ -120,7 +120,7 @@ static int run(const ddp_case *c, int steps, int rows, grads_t *got, char *why, 
     smp_tensor x0 = smp_tensor_2d(g_x, SMP_F32, rows / c->m, D);
     smp_model_trace(model, &x0, 1);
     if (c->perturb && r != 0) /* replicas that start apart must be equal after the first step */
-        for (int i = 0; smp_model_param(model, i, false); i++) ((float *)smp_param_value(smp_model_param(model, i, false))->data)[0] += 0.5f;
+        for (int i = 0; smp_model_local_param(model, i, false); i++) ((float *)smp_param_value(smp_model_local_param(model, i, false))->data)[0] += 0.5f;
     smp_model_zero_grad(model);
     int ok = 1;
     for (int s = 0; s < steps && ok; s++) {
@@ -191,6 +191,23 @@ static void equivalence(int P, bool deterministic, smp_pipeline_kind kind) {
     MPI_CHECK(ok, name, "%s", why);
 }
 
+/* smp_poll from inside the backward (every ReLU's), while small buckets'
+   all-reduces are in flight, moves them on without changing a bit of the
+   gradients. */
+static void polled(int P) {
+    ddp_case c = {P, 4, 1, true, true, 0.0005, false, SMP_PIPELINE_DEFAULT, false, false};
+    grads_t ga, gb;
+    char why[4096] = "";
+    int ok = run(&c, 2, B, &ga, why, sizeof why, NULL);
+    g_relu_backward_hook = smp_poll;
+    ok = ok && run(&c, 2, B, &gb, why, sizeof why, NULL);
+    g_relu_backward_hook = NULL;
+    if (ok && memcmp(&ga, &gb, sizeof ga)) { snprintf(why, sizeof why, "the gradients differ with smp_poll in the backward"); ok = 0; }
+    char name[128];
+    snprintf(name, sizeof name, "ddp/smp_poll in module backwards leaves the gradients bitwise equal/P=%d", P);
+    MPI_CHECK(ok, name, "%s", why);
+}
+
 /* Two configurations must give bitwise equal gradients. */
 static void same(const char *label, ddp_case a, ddp_case b, int steps_a, int rows_a, int steps_b, int rows_b) {
     grads_t ga, gb;
@@ -244,7 +261,7 @@ static void clipping_and_scaler(int P, smp_pipeline_kind kind) {
     /* the scaler: an overflow on the last rank skips the step everywhere */
     smp_grad_scaler scaler = {0};
     double s0 = smp_grad_scaler_scale(&scaler);
-    smp_param *p0 = smp_model_param(model, 0, false);
+    smp_param *p0 = smp_model_local_param(model, 0, false);
     if (smp_rank() == world - 1 && p0) ((float *)smp_param_grad(p0)->data)[0] = INFINITY;
     bool skip = false;
     st = smp_grad_scaler_unscale(model, &scaler, &skip);
@@ -400,6 +417,7 @@ int main(int argc, char **argv) {
     for (int P = 1; P <= world; P *= 2) {
         if (world % P) continue;
         equivalence(P, true, SMP_PIPELINE_DEFAULT);
+        polled(P);
         equivalence(P, false, SMP_PIPELINE_DEFAULT);
         equivalence(P, true, SMP_PIPELINE_ZERO_BUBBLE);
         if (P <= 2) equivalence(P, true, SMP_PIPELINE_ZERO_BUBBLE_V);

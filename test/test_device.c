@@ -413,7 +413,7 @@ static smp_status dev_relu_forward(smp_call_ctx *c) {
     float *ys = dev_of(y, "relu output");
     size_t n = (size_t)smp_tensor_numel(x);
     unsigned char *mask = NULL;
-    if (smp_call_training(c)) {
+    if (smp_call_is_training(c)) {
         void *d = smp_call_stash_device(c, n);
         if (!d) return SMP_ERR_NOMEM;
         mask = (unsigned char *)dev_mem(d, n, "relu mask (device stash)");
@@ -741,7 +741,7 @@ static void ddp_case(int P, bool deterministic) {
         smp_grad_scaler scaler;
         memset(&scaler, 0, sizeof scaler);
         double s0 = smp_grad_scaler_scale(&scaler);
-        smp_param *p0 = smp_model_param(model, 0, false);
+        smp_param *p0 = smp_model_local_param(model, 0, false);
         if (smp_rank() == world - 1 && p0) dev_of(smp_param_grad(p0), "gradient")[0] = INFINITY;
         bool skip = false;
         st = smp_grad_scaler_unscale(model, &scaler, &skip);
@@ -785,8 +785,8 @@ static void checkpoint_case(int P) {
             if (!mb) st = SMP_ERR_STATE;
         }
         if (!st) st = smp_model_trace(mb, &args.x, 1);
-        for (int i = 0; !st && smp_model_param(mb, i, true); i++) { /* other weights than the saved ones */
-            const smp_tensor *v = smp_param_value(smp_model_param(mb, i, true));
+        for (int i = 0; !st && smp_model_local_param(mb, i, true); i++) { /* other weights than the saved ones */
+            const smp_tensor *v = smp_param_value(smp_model_local_param(mb, i, true));
             memset(dev_of(v, "parameter"), 0, smp_tensor_nbytes(v));
         }
         smp_load_desc ld;
@@ -794,8 +794,8 @@ static void checkpoint_case(int P) {
         ld.partial = sd.partial;
         if (!st) st = smp_load(mb, path, &ld);
         if (st) snprintf(why, sizeof why, "%s: %s", full ? "full" : "partial", smp_last_error());
-        for (int i = 0; !st && smp_model_param(ma, i, true); i++) {
-            smp_param *pa = smp_model_param(ma, i, true), *pb = smp_model_param(mb, i, true);
+        for (int i = 0; !st && smp_model_local_param(ma, i, true); i++) {
+            smp_param *pa = smp_model_local_param(ma, i, true), *pb = smp_model_local_param(mb, i, true);
             const smp_tensor *va = smp_param_value(pa), *vb = smp_param_value(pb);
             if (memcmp(dev_of(va, "saved parameter"), dev_of(vb, "loaded parameter"), smp_tensor_nbytes(va))) {
                 snprintf(why, sizeof why, "%s: %s did not come back", full ? "full" : "partial", smp_param_name(pa));

@@ -23,6 +23,8 @@
               test/test_gpu.cu -o build/gpu/test_gpu -lnccl
    Run:   mpirun -n 1 build/gpu/test_gpu; mpirun -n 2 ...; mpirun -n 4 ...
 */
+#define SMP_TESTING /* the test hooks and test-only introspection */
+#define SMP_NCCL_NO_AUTO_REGISTER /* main registers the backend itself: smp_nccl_register */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
@@ -477,7 +479,7 @@ static void test_alloc_add(void) {
 static void test_block_reuse(void) {
     int pools = 1;
     CK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, smp_nccl_device()));
-    if (pools || W_SIZE < 2 || smp_nccl_get_mode() != SMP_NCCL_MODE_NCCL) return; /* cudaMallocAsync orders reuse itself */
+    if (pools || W_SIZE < 2 || smp_nccl_current_mode() != SMP_NCCL_MODE_NCCL) return; /* cudaMallocAsync orders reuse itself */
     result res = ok_result();
     const size_t bytes = 4096 * sizeof(float);
     int peer = 1 - W_RANK;
@@ -489,18 +491,20 @@ static void test_block_reuse(void) {
         st = smp_nccl_irecv(x, bytes, 1, SMP_WORLD, &r);
         if (!st) st = smp_nccl_wait(r); /* the engine now waits for rank 1 */
         void *a = smp_nccl_alloc(bytes);
-        CK(cudaMemcpyAsync(a, x, bytes, cudaMemcpyDeviceToDevice, smp_nccl_get_stream()));
+        CK(cudaMemcpyAsync(a, x, bytes, cudaMemcpyDeviceToDevice, smp_nccl_stream()));
         smp_nccl_free(a);
         void *b = smp_nccl_alloc(bytes);
         if (st || !a || !b) fail(&res, "%s", smp_last_error());
         else if (b == a) fail(&res, "a freed block came back while the engine work queued before its free still waited");
         MPI_Barrier(MPI_COMM_WORLD);
         if (smp_nccl_synchronize()) fail(&res, "smp_nccl_synchronize: %s", smp_last_error());
-        CK(cudaStreamSynchronize(smp_nccl_get_stream()));
+        CK(cudaStreamSynchronize(smp_nccl_stream()));
         smp_nccl_free(b);
     } else {
         MPI_Barrier(MPI_COMM_WORLD);
-        if (W_RANK == 1 && !st && smp_nccl_send(x, bytes, 0, SMP_WORLD)) fail(&res, "smp_nccl_send: %s", smp_last_error());
+        smp_nccl_request *r = NULL;
+        if (W_RANK == 1 && !st && (smp_nccl_isend(x, bytes, 0, SMP_WORLD, &r) || smp_nccl_wait(r)))
+            fail(&res, "smp_nccl_isend + wait: %s", smp_last_error());
     }
     CK(cudaFree(x));
     check("a freed block is reused only after the work before its free", "f32", "world", &res);
@@ -552,14 +556,18 @@ static void test_p2p_ring(void) {
             if (h[i] != p2p_val(prev, k, i)) fail(&res, "message %d element %d is %g, expected %g", k, i, h[i], p2p_val(prev, k, i));
         free(h);
     }
-    /* sendrecv around the ring the other way */
+    /* around the ring the other way, both posted before either is waited for */
     if (res.ok) {
-        st = smp_nccl_sendrecv(dsend[0], sizeof(float) * 1000, prev, drecv[0], sizeof(float) * 1000, next, SMP_WORLD);
-        if (st) fail(&res, "sendrecv: %s", smp_last_error());
+        smp_nccl_request *s1 = NULL, *r1 = NULL;
+        st = smp_nccl_isend(dsend[0], sizeof(float) * 1000, prev, SMP_WORLD, &s1);
+        if (!st) st = smp_nccl_irecv(drecv[0], sizeof(float) * 1000, next, SMP_WORLD, &r1);
+        smp_status w1 = r1 ? smp_nccl_wait(r1) : SMP_OK, w2 = s1 ? smp_nccl_wait(s1) : SMP_OK;
+        if (!st) st = w1 ? w1 : w2;
+        if (st) fail(&res, "isend + irecv the other way: %s", smp_last_error());
         float *h = (float *)halloc(sizeof(float) * 1000);
         down(h, drecv[0], sizeof(float) * 1000);
         for (int i = 0; i < 1000 && res.ok && !st; i++)
-            if (h[i] != p2p_val(next, 0, i)) fail(&res, "sendrecv element %d is %g, expected %g", i, h[i], p2p_val(next, 0, i));
+            if (h[i] != p2p_val(next, 0, i)) fail(&res, "the other way: element %d is %g, expected %g", i, h[i], p2p_val(next, 0, i));
         free(h);
     }
     for (int k = 0; k < K; k++) { CK(cudaFree(dsend[k])); CK(cudaFree(drecv[k])); }
@@ -662,7 +670,7 @@ static smp_status gpu_lin_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     int64_t n = x->shape[0], shape[2] = {n, s->out};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
-    k_net_linear<<<net_blocks(n * s->out), 128, 0, smp_nccl_get_stream()>>>(F(x), F(smp_param_value(s->w)), F(smp_param_value(s->b)), F(y), (int)n, s->in, s->out);
+    k_net_linear<<<net_blocks(n * s->out), 128, 0, smp_nccl_stream()>>>(F(x), F(smp_param_value(s->w)), F(smp_param_value(s->b)), F(y), (int)n, s->in, s->out);
     return net_launched();
 }
 static smp_status gpu_lin_backward(smp_call_ctx *c) {
@@ -670,32 +678,32 @@ static smp_status gpu_lin_backward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0), *gy = smp_call_grad_output(c, 0);
     smp_tensor *gx = smp_call_grad_input(c, 0);
     int n = (int)x->shape[0];
-    if (gx) k_net_linear_gx<<<net_blocks((long long)n * s->in), 128, 0, smp_nccl_get_stream()>>>(F(smp_param_value(s->w)), F(gy), F(gx), n, s->in, s->out);
-    k_net_linear_gw<<<net_blocks((long long)s->out * (s->in + 1)), 128, 0, smp_nccl_get_stream()>>>(F(x), F(gy), F(smp_param_grad(s->w)), F(smp_param_grad(s->b)), n, s->in, s->out);
+    if (gx) k_net_linear_gx<<<net_blocks((long long)n * s->in), 128, 0, smp_nccl_stream()>>>(F(smp_param_value(s->w)), F(gy), F(gx), n, s->in, s->out);
+    k_net_linear_gw<<<net_blocks((long long)s->out * (s->in + 1)), 128, 0, smp_nccl_stream()>>>(F(x), F(gy), F(smp_param_grad(s->w)), F(smp_param_grad(s->b)), n, s->in, s->out);
     return net_launched();
 }
 static smp_status gpu_relu_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
-    k_net_relu<<<net_blocks(smp_tensor_numel(x)), 128, 0, smp_nccl_get_stream()>>>(F(x), NULL, F(y), smp_tensor_numel(x));
+    k_net_relu<<<net_blocks(smp_tensor_numel(x)), 128, 0, smp_nccl_stream()>>>(F(x), NULL, F(y), smp_tensor_numel(x));
     return net_launched();
 }
 static smp_status gpu_relu_backward(smp_call_ctx *c) {
     smp_tensor *gx = smp_call_grad_input(c, 0);
-    if (gx) k_net_relu<<<net_blocks(smp_tensor_numel(gx)), 128, 0, smp_nccl_get_stream()>>>(F(smp_call_input(c, 0)), F(smp_call_grad_output(c, 0)), F(gx), smp_tensor_numel(gx));
+    if (gx) k_net_relu<<<net_blocks(smp_tensor_numel(gx)), 128, 0, smp_nccl_stream()>>>(F(smp_call_input(c, 0)), F(smp_call_grad_output(c, 0)), F(gx), smp_tensor_numel(gx));
     return net_launched();
 }
 static smp_status gpu_add_forward(smp_call_ctx *c) {
     const smp_tensor *a = smp_call_input(c, 0), *b = smp_call_input(c, 1);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, a->ndim, a->shape);
-    k_net_add<<<net_blocks(smp_tensor_numel(a)), 128, 0, smp_nccl_get_stream()>>>(F(a), F(b), F(y), smp_tensor_numel(a));
+    k_net_add<<<net_blocks(smp_tensor_numel(a)), 128, 0, smp_nccl_stream()>>>(F(a), F(b), F(y), smp_tensor_numel(a));
     return net_launched();
 }
 static smp_status gpu_add_backward(smp_call_ctx *c) {
     const smp_tensor *gy = smp_call_grad_output(c, 0);
     for (int k = 0; k < 2; k++) {
         smp_tensor *g = smp_call_grad_input(c, k);
-        cudaError_t e = g ? cudaMemcpyAsync(g->data, gy->data, smp_tensor_nbytes(gy), cudaMemcpyDeviceToDevice, smp_nccl_get_stream()) : cudaSuccess;
+        cudaError_t e = g ? cudaMemcpyAsync(g->data, gy->data, smp_tensor_nbytes(gy), cudaMemcpyDeviceToDevice, smp_nccl_stream()) : cudaSuccess;
         if (e != cudaSuccess) return smp_error(SMP_ERR_DEVICE, "cudaMemcpyAsync of the add's gradient failed: %s", cudaGetErrorString(e));
     }
     return SMP_OK;
@@ -714,7 +722,7 @@ SMP_STEP_BODY(gpu_mse_body) {
     const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
     smp_tensor *g = smp_mb_output_grad(mb, 0);
     float *loss = g_net_loss + smp_mb_index(mb);
-    k_net_mse<<<1, 1, 0, smp_nccl_get_stream()>>>(F(y), F(t), g ? F(g) : NULL, loss, (int)smp_tensor_numel(y));
+    k_net_mse<<<1, 1, 0, smp_nccl_stream()>>>(F(y), F(t), g ? F(g) : NULL, loss, (int)smp_tensor_numel(y));
     smp_status st = net_launched();
     smp_tensor l = smp_tensor_make(loss, SMP_F32, 0, NULL);
     l.device = smp_nccl_device();
@@ -725,7 +733,7 @@ SMP_STEP_BODY(gpu_mse_body) {
 static void test_pipeline_on_device(void) {
     result res = ok_result();
     static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
-    int m = smp_get_config()->microbatches;
+    int m = smp_current_config()->microbatches;
     net n;
     smp_model *model = build_with(&n, NULL, &GPU_NET, true);
     if (!model) fail(&res, "build: %s", smp_last_error());
@@ -802,11 +810,32 @@ static void test_errors(void) {
     st = smp_all_reduce(&empty, &empty, SMP_SUM, SMP_WORLD);
     if (st) fail(&res, "an empty device tensor: %s", smp_last_error());
     if (smp_size() > 1) {
-        st = smp_nccl_send(d, 64, smp_rank(), SMP_WORLD);
+        smp_nccl_request *r = NULL;
+        st = smp_nccl_isend(d, 64, smp_rank(), SMP_WORLD, &r);
+        if (!st && r) smp_nccl_wait(r);
         if (st == SMP_OK || !strstr(smp_last_error(), "this rank")) fail(&res, "a send to itself: status %d, \"%s\"", (int)st, smp_last_error());
     }
     CK(cudaFree(d));
     check("errors", "f32", "world", &res);
+}
+
+/* Each group's NCCL communicator spans that group, with this rank at its
+   group rank; on the staged path there is none. */
+static void test_comms(void) {
+    static const smp_group gs[3] = {SMP_WORLD, SMP_MP_GROUP, SMP_DP_GROUP};
+    static const char *gn[3] = {"world", "mp", "dp"};
+    for (int k = 0; k < 3; k++) {
+        result res = ok_result();
+        ncclComm_t c = smp_nccl_comm(gs[k]);
+        int n = -1, r = -1;
+        if (smp_nccl_current_mode() != SMP_NCCL_MODE_NCCL) {
+            if (c) fail(&res, "a communicator on the %s path", MODE);
+        } else if (!c) fail(&res, "no communicator");
+        else if (ncclCommCount(c, &n) != ncclSuccess || ncclCommUserRank(c, &r) != ncclSuccess) fail(&res, "NCCL does not know the communicator");
+        else if (n != smp_group_size(gs[k]) || r != smp_group_rank(gs[k]))
+            fail(&res, "rank %d of %d, the group has this rank at %d of %d", r, n, smp_group_rank(gs[k]), smp_group_size(gs[k]));
+        check("smp_nccl_comm", "-", gn[k], &res);
+    }
 }
 
 static void run_suite(void) {
@@ -829,6 +858,7 @@ static void run_suite(void) {
     if (PARTS == 2) test_p2p_pipeline();
     test_pipeline_on_device();
     test_errors();
+    test_comms();
     smp_status st = smp_nccl_synchronize();
     snprintf(name, sizeof name, "%s %s synchronize", GPU_LABEL, MODE);
     MPI_CHECK(st == SMP_OK, name, "%s", smp_last_error());
@@ -836,7 +866,7 @@ static void run_suite(void) {
 
 static smp_status start(smp_config *cfg) {
     smp_status st = smp_init(cfg);
-    MODE = smp_nccl_mode_name(smp_nccl_get_mode());
+    MODE = smp_nccl_mode_name(smp_nccl_current_mode());
     return st;
 }
 
@@ -852,13 +882,14 @@ int main(int argc, char **argv) {
     cfg.microbatches = 4; /* for the pipeline test; the collectives ignore it */
     if (W_SIZE / PARTS > 1) cfg.ddp = SMP_ON;
     if (!getenv("SMP_TIMEOUT")) cfg.timeout = 120; /* a hang ends the test with a message */
+    smp_nccl_register(); /* without it smp_init finds no device backend, and every device test fails */
     smp_status st = start(&cfg);
     if (st != SMP_OK) {
         printf("FAIL: " GPU_LABEL " init: rank %d: smp_init: %.300s\n", W_RANK, smp_last_error()); /* every rank: each says why */
         MPI_Finalize();
         return 1;
     }
-    if (smp_nccl_get_mode() == SMP_NCCL_MODE_NONE) {
+    if (smp_nccl_current_mode() == SMP_NCCL_MODE_NONE) {
         /* a machine with NVIDIA's device files has a GPU: CUDA failing there
            (a driver too old for this CUDA, say) is a failure, not a skip */
         if (access("/dev/nvidiactl", F_OK) == 0) {
@@ -873,13 +904,13 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (W_RANK == 0) { printf("# %s, %d rank(s)\n", smp_nccl_describe(), W_SIZE); fflush(stdout); }
-    bool was_nccl = smp_nccl_get_mode() == SMP_NCCL_MODE_NCCL;
+    bool was_nccl = smp_nccl_current_mode() == SMP_NCCL_MODE_NCCL;
     run_suite();
     smp_finalize();
     if (was_nccl) { /* and once more through host memory */
         setenv("SMP_NCCL", "staged", 1);
         st = start(&cfg);
-        MPI_CHECK(st == SMP_OK && smp_nccl_get_mode() == SMP_NCCL_MODE_STAGED, GPU_LABEL " staged init", "smp_init: %.300s (mode %s)",
+        MPI_CHECK(st == SMP_OK && smp_nccl_current_mode() == SMP_NCCL_MODE_STAGED, GPU_LABEL " staged init", "smp_init: %.300s (mode %s)",
                   smp_last_error(), MODE);
         if (st == SMP_OK) {
             run_suite();

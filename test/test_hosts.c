@@ -3,7 +3,7 @@
    smp_init with the configuration in SMP_CONFIG (test/run_hosts.sh passes
    partitions 2, ddp, and placement cluster or spread), then every rank
    gathers the host names (MPI_Get_processor_name) of its MP_GROUP and of its
-   DP_GROUP through smp_allgather_bytes, and rank 0 prints one line per rank,
+   DP_GROUP through smp_all_gather_bytes, and rank 0 prints one line per rank,
    in rank order:
 
      rank 0 host host-a local_rank 0/2 mp 0 dp 0 mp_hosts host-a,host-a dp_hosts host-a,host-b
@@ -36,7 +36,7 @@ static smp_status group_hosts(const char *me, smp_group g, char *out, size_t cap
     size_t lens[64];
     void *all = NULL;
     if (n > 64) return smp_error(SMP_ERR_ARG, "test_hosts: a group of %d ranks (at most 64 here)", n);
-    smp_status st = smp_allgather_bytes(me, strlen(me) + 1, g, &all, lens);
+    smp_status st = smp_all_gather_bytes(me, strlen(me) + 1, g, &all, lens);
     if (st) return st;
     size_t at = 0, from = 0;
     out[0] = 0;
@@ -60,9 +60,9 @@ static smp_status exchange(void) {
         void *got = NULL;
         size_t len = 0;
         smp_status st = SMP_OK;
-        if (smp_mp_rank() == 0) st = smp_send(&mine, sizeof mine, partner, SMP_MP_RANK);
-        if (!st) st = smp_recv_from(partner, SMP_MP_RANK, &got, &len);
-        if (!st && smp_mp_rank() == 1) st = smp_send(&mine, sizeof mine, partner, SMP_MP_RANK);
+        if (smp_mp_rank() == 0) st = smp_send(&mine, sizeof mine, partner, SMP_MP_GROUP);
+        if (!st) st = smp_recv_from(partner, SMP_MP_GROUP, &got, &len);
+        if (!st && smp_mp_rank() == 1) st = smp_send(&mine, sizeof mine, partner, SMP_MP_GROUP);
         if (got) smp_free(got);
         if (st) return st;
         if (round == 3 && smp_rank() == 0) {
@@ -97,7 +97,7 @@ int main(int argc, char **argv) {
         void *all = NULL;
         size_t lens[64];
         if (smp_size() > 64) st = smp_error(SMP_ERR_ARG, "test_hosts: %d ranks (at most 64 here)", smp_size());
-        if (!st) st = smp_allgather_bytes(line, strlen(line) + 1, SMP_WORLD, &all, lens);
+        if (!st) st = smp_all_gather_bytes(line, strlen(line) + 1, SMP_WORLD, &all, lens);
         if (!st && smp_rank() == 0) {
             size_t from = 0;
             for (int r = 0; r < smp_size(); r++) {

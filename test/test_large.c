@@ -125,13 +125,13 @@ int main(int argc, char **argv) {
     if (smp_rank() == 0) {
         float *buf = (float *)malloc(bytes);
         for (int64_t i = 0; buf && i < N; i++) buf[i] = pattern(i, 97);
-        st = buf ? smp_send(buf, bytes, 1, SMP_WORLD_RANK) : SMP_ERR_NOMEM;
+        st = buf ? smp_send(buf, bytes, 1, SMP_WORLD) : SMP_ERR_NOMEM;
         free(buf);
         bad = 0;
     } else {
         void *buf = NULL;
         size_t len = 0;
-        st = smp_recv_from(0, SMP_WORLD_RANK, &buf, &len);
+        st = smp_recv_from(0, SMP_WORLD, &buf, &len);
         bad = st ? -1 : len != bytes ? -2 : mismatches((const float *)buf, N, 97);
         smp_free(buf);
     }

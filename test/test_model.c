@@ -20,6 +20,7 @@
         auto-partitioning splits alike despite cold and disturbed timings.
    Build (from the repository root):
      mpicc -std=c11 -Wall -Wextra -Werror -O2 -g -I. -Itest test/test_model.c -o build/gcc/test_model -lm */
+#define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
@@ -167,6 +168,10 @@ static smp_status ident_forward(smp_call_ctx *c) {
 }
 static smp_status ident_backward(smp_call_ctx *c) {
     note_tracing(true);
+    /* what the forward produced is still there, and is the input again */
+    const smp_tensor *x = smp_call_input(c, 0), *y = smp_call_output_value(c, 0);
+    if (!y || !smp_tensor_same_shape(x, y) || y->dtype != x->dtype || memcmp(y->data, x->data, smp_tensor_nbytes(x)))
+        return smp_error(SMP_ERR_MODULE, "ident backward: smp_call_output_value is not what the forward wrote");
     smp_tensor *gx = smp_call_grad_input(c, 0);
     if (gx) memcpy(gx->data, smp_call_grad_output(c, 0)->data, smp_tensor_nbytes(gx));
     return SMP_OK;
@@ -504,7 +509,7 @@ static void test_error_forwards(void) {
         smp_tensor x = smp_tensor_2d(g_small, SMP_F32, 2, 4);
         if (!st) st = smp_model_trace(m, &x, 1);
         MPI_CHECK(st == cases[i].want && has(smp_last_error(), cases[i].words[0]) && has(smp_last_error(), cases[i].words[1]) &&
-                      !smp_model_partitioned(m),
+                      !smp_model_is_partitioned(m),
                   cases[i].name, "status %d (%s), message: %s", st, smp_status_name(st), smp_last_error());
         smp_model_free(m);
     }
@@ -575,7 +580,7 @@ static void test_error_empty_partition(void) {
     smp_tensor x = smp_tensor_2d(g_small, SMP_F32, 2, 4);
     smp_status st = smp_model_new(root, &md, &m);
     if (!st) st = smp_model_trace(m, &x, 1);
-    MPI_CHECK(st == SMP_ERR_CONFIG && has(smp_last_error(), "partition 1 ") && has(smp_last_error(), "no module calls") && !smp_model_partitioned(m),
+    MPI_CHECK(st == SMP_ERR_CONFIG && has(smp_last_error(), "partition 1 ") && has(smp_last_error(), "no module calls") && !smp_model_is_partitioned(m),
               "errors/manual placement leaving a partition without calls", "status %d (%s), message: %s", st, smp_status_name(st), smp_last_error());
     smp_model_free(m);
     smp_finalize();
@@ -625,7 +630,7 @@ static void test_memory(bool manual) {
     chain_t ch;
     smp_model *m = chain_build(&ch, MEM_MODS, MEM_D, manual ? 4 : 0, &st);
     int64_t total = 0;
-    for (int i = 0; m && i < smp_model_num_params(m, true); i++) total += (int64_t)smp_tensor_nbytes(smp_param_value(smp_model_param_at(m, i)));
+    for (int i = 0; m && i < smp_model_num_global_params(m, true); i++) total += (int64_t)smp_tensor_nbytes(smp_param_value(smp_model_global_param(m, i, true)));
     smp_tensor sample = smp_tensor_2d(g_mem_x, SMP_F32, MEM_BATCH / 2, MEM_D);
     if (!st) st = smp_model_trace(m, &sample, 1);
     int ok = st == SMP_OK;
@@ -884,8 +889,8 @@ static void test_values(int P) {
     if (!all_ok(st == SMP_OK)) { smp_model_free(m); smp_finalize(); return; }
 
     /* every local parameter against its init callback run here on a private buffer */
-    int ok = smp_model_num_params(m, true) == g_ndecl;
-    if (!ok) snprintf(why, sizeof why, "%d parameters and buffers, %d declared", smp_model_num_params(m, true), g_ndecl);
+    int ok = smp_model_num_global_params(m, true) == g_ndecl;
+    if (!ok) snprintf(why, sizeof why, "%d parameters and buffers, %d declared", smp_model_num_global_params(m, true), g_ndecl);
     int64_t sum[DECL_MAX] = {0};
     int local[DECL_MAX] = {0};
     for (int i = 0; i < g_ndecl && ok; i++) {
@@ -967,10 +972,10 @@ typedef struct hook_t { int fired, partitioned_inside, storage_inside; } hook_t;
 static void on_partitioned(smp_model *m, void *user) {
     hook_t *h = (hook_t *)user;
     h->fired++;
-    h->partitioned_inside = smp_model_partitioned(m);
+    h->partitioned_inside = smp_model_is_partitioned(m);
     h->storage_inside = 1;
     smp_param *p;
-    for (int i = 0; (p = smp_model_param(m, i, true)); i++)
+    for (int i = 0; (p = smp_model_local_param(m, i, true)); i++)
         if (!smp_param_value(p)->data) h->storage_inside = 0;
 }
 
@@ -981,7 +986,7 @@ static void test_partitioned(int P) {
     zoo_t z;
     smp_model *m = st ? NULL : zoo_build(&z, &st);
     hook_t before = {0, 0, 0}, after = {0, 0, 0};
-    int was_partitioned = m ? smp_model_partitioned(m) : 1;
+    int was_partitioned = m ? smp_model_is_partitioned(m) : 1;
     if (!st) smp_model_on_partitioned(m, on_partitioned, &before);
     int fired_early = before.fired;
     g_loglen = 0;
@@ -991,7 +996,7 @@ static void test_partitioned(int P) {
     if (!st) st = smp_model_trace(m, &x, 1);
     smp_set_logger(NULL, NULL);
     snprintf(name, sizeof name, "partitioned/P=%d: model traced and partitioned", P);
-    MPI_CHECK(st == SMP_OK && !was_partitioned && smp_model_partitioned(m), name, "status %d, partitioned before %d: %s", st, was_partitioned,
+    MPI_CHECK(st == SMP_OK && !was_partitioned && smp_model_is_partitioned(m), name, "status %d, partitioned before %d: %s", st, was_partitioned,
               smp_last_error());
     if (!all_ok(st == SMP_OK)) { smp_model_free(m); smp_finalize(); return; }
 
@@ -1007,8 +1012,8 @@ static void test_partitioned(int P) {
     int ok = 1;
     for (int buffers = 0; buffers < 2 && ok; buffers++) {
         int k = 0;
-        for (int i = 0; i < smp_model_num_params(m, true) && ok; i++) {
-            smp_param *p = smp_model_param_at(m, i);
+        for (int i = 0; i < smp_model_num_global_params(m, true) && ok; i++) {
+            smp_param *p = smp_model_global_param(m, i, true);
             bool local = smp_module_is_local(smp_param_module(p));
             if (local != (smp_param_value(p)->data != NULL)) {
                 ok = 0;
@@ -1016,18 +1021,30 @@ static void test_partitioned(int P) {
             }
             if (smp_param_is_buffer(p) && smp_param_grad(p)) { ok = 0; snprintf(why, sizeof why, "buffer %s has a gradient", smp_param_name(p)); }
             if (!local || (!buffers && smp_param_is_buffer(p))) continue;
-            smp_param *q = smp_model_param(m, k++, buffers);
+            smp_param *q = smp_model_local_param(m, k++, buffers);
             if (q != p && ok) { ok = 0; snprintf(why, sizeof why, "local %s %d is %s, expected %s", buffers ? "entry" : "parameter", k - 1, q ? smp_param_name(q) : "(end)", smp_param_name(p)); }
         }
-        if (ok && smp_model_param(m, k, buffers)) { ok = 0; snprintf(why, sizeof why, "local iteration (buffers %d) yields more than %d entries", buffers, k); }
+        if (ok && smp_model_local_param(m, k, buffers)) { ok = 0; snprintf(why, sizeof why, "local iteration (buffers %d) yields more than %d entries", buffers, k); }
+        /* the global iteration and its count agree, with and without buffers */
+        int g = 0;
+        for (int i = 0; i < smp_model_num_global_params(m, true) && ok; i++) {
+            smp_param *p = smp_model_global_param(m, i, true);
+            if (!buffers && smp_param_is_buffer(p)) continue;
+            smp_param *q = smp_model_global_param(m, g++, buffers);
+            if (q != p) { ok = 0; snprintf(why, sizeof why, "global %s %d is %s, expected %s", buffers ? "entry" : "parameter", g - 1, q ? smp_param_name(q) : "(end)", smp_param_name(p)); }
+        }
+        if (ok && (g != smp_model_num_global_params(m, buffers) || smp_model_global_param(m, g, buffers) || smp_model_global_param(m, -1, buffers))) {
+            ok = 0;
+            snprintf(why, sizeof why, "global iteration (buffers %d) yields %d entries, smp_model_num_global_params counts %d", buffers, g, smp_model_num_global_params(m, buffers));
+        }
     }
-    snprintf(name, sizeof name, "partitioned/P=%d: smp_model_param yields exactly the local parameters (with and without buffers)", P);
+    snprintf(name, sizeof name, "partitioned/P=%d: smp_model_local_param yields exactly the local parameters, smp_model_global_param every rank's as counted (with and without buffers)", P);
     MPI_CHECK(ok, name, "%s", why);
 
     ok = smp_model_find_param(m, "nothing.here") == NULL && smp_model_find_param(m, "mix") == NULL;
     if (!ok) snprintf(why, sizeof why, "found a parameter that does not exist");
-    for (int i = 0; i < smp_model_num_params(m, true) && ok; i++) {
-        smp_param *p = smp_model_param_at(m, i);
+    for (int i = 0; i < smp_model_num_global_params(m, true) && ok; i++) {
+        smp_param *p = smp_model_global_param(m, i, true);
         if (smp_model_find_param(m, smp_param_name(p)) != p) { ok = 0; snprintf(why, sizeof why, "smp_model_find_param(\"%s\") misses", smp_param_name(p)); }
     }
     snprintf(name, sizeof name, "partitioned/P=%d: smp_model_find_param finds every parameter by full name, local or not", P);

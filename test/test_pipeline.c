@@ -20,10 +20,16 @@
 
 static float g_x[B * D], g_t[B * C];
 static float g_losses[8];
+/* bodies that ran in training and in evaluation steps, and those that said
+   one while having (or lacking) the output gradient of the other */
+static int g_bodies_training, g_bodies_eval, g_bodies_confused;
 
 SMP_STEP_BODY(mse_body) {
     const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
     smp_tensor *g = smp_mb_output_grad(mb, 0);
+    if (smp_mb_is_training(mb)) g_bodies_training++;
+    else g_bodies_eval++;
+    if (smp_mb_is_training(mb) != (g != NULL)) g_bodies_confused++;
     float loss = mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y));
     smp_status st = smp_mb_return_f32(mb, 0, loss);
     return st ? st : smp_mb_return(mb, 1, y);
@@ -229,7 +235,13 @@ static void run_error_case(int P) {
     ref_params(&ref);
     ref_step(&ref, g_x, g_t, 4, false);
     smp_step_output eo[2] = {{0}, {0}};
+    g_bodies_training = g_bodies_eval = g_bodies_confused = 0;
     st = SMP_EVAL_STEP(model, mse_body, NULL, eo, 2, x, t);
+    snprintf(name, sizeof name, "pipeline/a body knows an evaluation step from a training step (smp_mb_is_training)/P=%d", P);
+    int last = smp_mp_rank() == P - 1; /* where the model's output, and so the body, lives */
+    MPI_CHECK(g_bodies_training == 0 && g_bodies_confused == 0 && g_bodies_eval == (last ? 4 : 0), name,
+              "evaluation step: %d bodies said training, %d evaluating, %d disagreed with their output gradient",
+              g_bodies_training, g_bodies_eval, g_bodies_confused);
     float all[B * C];
     smp_tensor cat = smp_tensor_2d(all, SMP_F32, B, C);
     snprintf(name, sizeof name, "pipeline/evaluation step outputs/P=%d", P);
@@ -239,7 +251,32 @@ static void run_error_case(int P) {
     smp_tensor s1 = smp_tensor_make(&sum, SMP_F32, 0, NULL);
     snprintf(name, sizeof name, "pipeline/StepOutput reduce_sum and mean/P=%d", P);
     MPI_CHECK(!smp_step_output_reduce_sum(&eo[0], &s1) && fabsf(sum - mean_ref) <= 1e-6f * fabsf(mean_ref) &&
-              fabs(smp_step_output_mean(&eo[0]) - mean_ref / 4) <= 1e-6 * fabs(mean_ref), name, "sum %g vs %g", sum, mean_ref);
+              fabs(smp_step_output_reduce_mean_f64(&eo[0]) - mean_ref / 4) <= 1e-6 * fabs(mean_ref), name, "sum %g vs %g", sum, mean_ref);
+    /* reduce_mean divides each element's sum by the microbatch count; stack
+       lays the values out microbatch by microbatch */
+    enum { MB_ROWS = B / 4 };
+    float lmean, omean[MB_ROWS * C], stacked[B * C];
+    smp_tensor lm = smp_tensor_make(&lmean, SMP_F32, 0, NULL), om = smp_tensor_2d(omean, SMP_F32, MB_ROWS, C);
+    smp_tensor stk = smp_tensor_make(stacked, SMP_F32, 3, (const int64_t[]){4, MB_ROWS, C});
+    int red_ok = !smp_step_output_reduce_mean(&eo[0], &lm) && !smp_step_output_reduce_mean(&eo[1], &om) &&
+                 !smp_step_output_stack(&eo[1], &stk);
+    double worst = 0;
+    for (int k = 0; red_ok && k < MB_ROWS * C; k++) {
+        double want = 0;
+        for (int i = 0; i < 4; i++) want += ref.out[i * MB_ROWS * C + k];
+        want /= 4;
+        double err = fabs(omean[k] - want) / (fabs(want) > 1e-3 ? fabs(want) : 1e-3);
+        if (err > worst) worst = err;
+    }
+    snprintf(name, sizeof name, "pipeline/StepOutput reduce_mean (loss and outputs) and stack/P=%d", P);
+    MPI_CHECK(red_ok && worst <= 1e-6 && fabsf(lmean - mean_ref / 4) <= 1e-6f * fabsf(mean_ref) && !memcmp(stacked, ref.out, sizeof stacked),
+              name, "%s: mean of the outputs off by %g (relative), loss mean %g vs %g", red_ok ? "values" : smp_last_error(), worst, lmean, mean_ref / 4);
+    g_bodies_training = g_bodies_eval = g_bodies_confused = 0;
+    st = SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t);
+    snprintf(name, sizeof name, "pipeline/a body knows a training step (smp_mb_is_training)/P=%d", P);
+    MPI_CHECK(st == SMP_OK && g_bodies_eval == 0 && g_bodies_confused == 0 && g_bodies_training == (last ? 4 : 0), name,
+              "%s: training step: %d bodies said training, %d evaluating, %d disagreed with their output gradient",
+              st ? smp_last_error() : "counts", g_bodies_training, g_bodies_eval, g_bodies_confused);
     /* body NULL: the step's outputs are the model's outputs, on every rank
        (the header promises this for "evaluation that only wants outputs") */
     smp_step_output no = {0};

@@ -73,6 +73,7 @@
    Build and run from the repository root:
      make build/gcc/test_tied && mpirun -n 4 build/gcc/test_tied */
 #define _POSIX_C_SOURCE 200809L /* mkdtemp, setenv (net7.h) */
+#define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
@@ -324,13 +325,13 @@ static int compare(smp_model *model, const tref *r, const float before[NP][WN], 
             return 0;
         }
     }
-    int np = smp_model_num_params(model, false);
+    int np = smp_model_num_global_params(model, false);
     if (np != NP) {
         snprintf(why, cap, "%s: the model counts %d parameters, expected %d (the shared ones once)", when, np, NP);
         return 0;
     }
     for (int i = 0; i < np; i++) {
-        smp_param *p = smp_model_param_at(model, i);
+        smp_param *p = smp_model_global_param(model, i, true);
         int k = p ? pindex(smp_param_name(p)) : -1;
         if (k < 0) { snprintf(why, cap, "%s: unexpected parameter %d '%s'", when, i, p ? smp_param_name(p) : "(null)"); return 0; }
         if (!smp_module_is_local(smp_param_module(p))) continue;
@@ -353,10 +354,10 @@ static int compare(smp_model *model, const tref *r, const float before[NP][WN], 
     /* the local iteration the optimizer uses visits local parameters only, each once */
     smp_param *p;
     int seen[NP] = {0};
-    for (int i = 0; (p = smp_model_param(model, i, false)); i++) {
+    for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
         int k = pindex(smp_param_name(p));
         if (k < 0 || !smp_module_is_local(smp_param_module(p)) || seen[k]++) {
-            snprintf(why, cap, "%s: smp_model_param(m, %d, false) gave '%s' (%s)", when, i, smp_param_name(p), k < 0 ? "unknown" : seen[k] > 1 ? "twice" : "not local");
+            snprintf(why, cap, "%s: smp_model_local_param(m, %d, false) gave '%s' (%s)", when, i, smp_param_name(p), k < 0 ? "unknown" : seen[k] > 1 ? "twice" : "not local");
             return 0;
         }
     }
@@ -472,7 +473,7 @@ static void dump_for_python(smp_model *model, const smp_step_output *outs, int m
         }
     }
     smp_param *p;
-    for (int i = 0; smp_dp_rank() == 0 && (p = smp_model_param(model, i, false)); i++) {
+    for (int i = 0; smp_dp_rank() == 0 && (p = smp_model_local_param(model, i, false)); i++) {
         if (smp_module_partition(smp_param_module(p)) != smp_mp_rank()) continue;
         snprintf(name, sizeof name, "%s/param_%s.bin", sub, smp_param_name(p));
         write_floats(name, (const float *)smp_param_value(p)->data, (size_t)smp_tensor_numel(smp_param_value(p)));
@@ -526,7 +527,7 @@ static smp_status topt_make(topt *o, smp_model *m, float fill) {
     memset(o, 0, sizeof *o);
     smp_status st = smp_optimizer_new(m, &o->reg);
     smp_param *p;
-    for (int i = 0; !st && (p = smp_model_param(m, i, false)); i++) {
+    for (int i = 0; !st && (p = smp_model_local_param(m, i, false)); i++) {
         const smp_tensor *g = smp_param_grad(p);
         o->k[o->n] = pindex(smp_param_name(p));
         o->t[o->n] = smp_tensor_make(malloc(smp_tensor_nbytes(g)), SMP_F32, g->ndim, g->shape);
@@ -621,7 +622,7 @@ static int run_case(const tcase *c) {
         smp_step_output_free(&outs[0]);
         smp_step_output_free(&outs[1]);
         smp_param *p;
-        for (int i = 0; ok && (p = smp_model_param(model, i, false)); i++)
+        for (int i = 0; ok && (p = smp_model_local_param(model, i, false)); i++)
             sgd((float *)smp_param_value(p)->data, (const float *)smp_param_grad(p)->data, (int)smp_tensor_numel(smp_param_value(p)));
         ref_sgd(&ref);
     }
@@ -642,7 +643,7 @@ static int run_case(const tcase *c) {
     }
     MPI_CHECK(ok, name, "%s", why);
     int trained = ok;
-    if (model && smp_model_partitioned(model)) {
+    if (model && smp_model_is_partitioned(model)) {
         if (c->want_first >= 0) snprintf(pname, sizeof pname, "%s: tied copies on partitions %d and %d only", name, c->want_first, c->want_last);
         else snprintf(pname, sizeof pname, "%s: tied copies where its calls run only", name);
         ok = check_placement(model, &n, c->want_first, c->want_last, why, sizeof why);
@@ -724,7 +725,7 @@ static void checkpoint_section(void) {
         int nw = header_count(path, "\"tied.weight\""), nb = header_count(path, "\"tied.bias\""), nf = header_count(path, "\"fc3.weight\"");
         int no = header_count(path, "\"optimizer.tied.weight.exp_avg\"");
         smp_ckpt_file *f = NULL;
-        int tensors = smp_ckpt_open(&f, path) == SMP_OK ? smp_ckpt_count(f) : -1;
+        int tensors = smp_ckpt_open(path, &f) == SMP_OK ? smp_ckpt_count(f) : -1;
         if (f) smp_ckpt_close(f);
         if (nw != 1 || nb != 1 || nf != 1 || no != 1 || tensors != 2 * NP) {
             ok = 0;
@@ -771,7 +772,7 @@ static void checkpoint_section(void) {
             if (ok && smp_model_trace(model, &x0, 1) != SMP_OK) { ok = 0; snprintf(why, sizeof why, "trace: %s", smp_last_error()); }
             ok = agree(ok, why, sizeof why, "start");
             smp_param *p;
-            for (int i = 0; ok && (p = smp_model_param(model, i, false)); i++) /* garbage that the load must replace */
+            for (int i = 0; ok && (p = smp_model_local_param(model, i, false)); i++) /* garbage that the load must replace */
                 for (int64_t e = 0; e < smp_tensor_numel(smp_param_value(p)); e++) ((float *)smp_param_value(p)->data)[e] = 1234.5f;
             topt o = {0};
             if (ok && topt_make(&o, model, 777.0f) != SMP_OK) { ok = 0; snprintf(why, sizeof why, "optimizer: %s", smp_last_error()); }

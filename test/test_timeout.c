@@ -74,7 +74,7 @@ int main(int argc, char **argv) {
     else if (strcmp(mode, "recv_dp") == 0) {
         void *buf = NULL;
         size_t len = 0;
-        st = smp_recv_from(1, SMP_DP_RANK, &buf, &len);
+        st = smp_recv_from(1, SMP_DP_GROUP, &buf, &len);
     } else {
         fprintf(stderr, "test_timeout: unknown mode %s\n", mode);
         MPI_Abort(MPI_COMM_WORLD, 2);

@@ -12,6 +12,7 @@
    Run:   mpirun -n 4 build/test_topology
 */
 #define _POSIX_C_SOURCE 200809L /* fork, execve, waitpid */
+#define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "test.h"
@@ -156,8 +157,8 @@ static void check_running(MPI_Comm host, int parts, smp_placement pl, const char
     COORD(smp_group_size(SMP_MP_GROUP), parts);
     COORD(smp_group_rank(SMP_DP_GROUP), L.dp[hrank]);
     COORD(smp_group_size(SMP_DP_GROUP), hsize / parts);
-    COORD(smp_get_config()->partitions, parts);
-    COORD(smp_get_config()->placement_strategy, pl);
+    COORD(smp_current_config()->partitions, parts);
+    COORD(smp_current_config()->placement_strategy, pl);
 #undef COORD
     MPI_CHECK(ok, name, "%.400s", why);
 
