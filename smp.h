@@ -1009,40 +1009,29 @@ static void smp__mpi_vtext(char *out, size_t cap, int rc, const char *call, cons
     while (call[name] && call[name] != '(') name++; /* the function's name, not its arguments */
     snprintf(out, cap, "%.*s failed %s: %s", name, call, purpose, text);
 }
-static smp_status smp__mpi_check(int rc, const char *call, const char *fmt, ...) SMP__PRINTF(3, 4);
-static smp_status smp__mpi_check(int rc, const char *call, const char *fmt, ...) {
+/* What a failed MPI call becomes under the policy: an SMP_ERR_MPI status
+   (the caller's agreement spreads it), an abort where no agreement can
+   follow, or a warning where no result depends on the call. */
+enum { SMP__MPI_STATUS, SMP__MPI_ABORT, SMP__MPI_LOG };
+static smp_status smp__mpi_failed(int how, int rc, const char *call, const char *fmt, ...) SMP__PRINTF(4, 5);
+static smp_status smp__mpi_failed(int how, int rc, const char *call, const char *fmt, ...) {
     if (rc == MPI_SUCCESS) return SMP_OK;
     char msg[sizeof smp__errbuf];
     va_list ap;
     va_start(ap, fmt);
     smp__mpi_vtext(msg, sizeof msg, rc, call, fmt, ap);
     va_end(ap);
+    if (how == SMP__MPI_ABORT) smp__fatal("%s; the other ranks cannot learn of it otherwise, so the job aborts", msg);
+    if (how == SMP__MPI_LOG) {
+        smp__log(SMP_LOG_WARN, "%s", msg);
+        return SMP_OK;
+    }
     return smp_error(SMP_ERR_MPI, "%s", msg);
 }
-static void smp__mpi_fatal(int rc, const char *call, const char *fmt, ...) SMP__PRINTF(3, 4);
-static void smp__mpi_fatal(int rc, const char *call, const char *fmt, ...) {
-    if (rc == MPI_SUCCESS) return;
-    char msg[sizeof smp__errbuf];
-    va_list ap;
-    va_start(ap, fmt);
-    smp__mpi_vtext(msg, sizeof msg, rc, call, fmt, ap);
-    va_end(ap);
-    smp__fatal("%s; the other ranks cannot learn of it otherwise, so the job aborts", msg);
-}
-static void smp__mpi_warn(int rc, const char *call, const char *fmt, ...) SMP__PRINTF(3, 4);
-static void smp__mpi_warn(int rc, const char *call, const char *fmt, ...) {
-    if (rc == MPI_SUCCESS) return;
-    char msg[sizeof smp__errbuf];
-    va_list ap;
-    va_start(ap, fmt);
-    smp__mpi_vtext(msg, sizeof msg, rc, call, fmt, ap);
-    va_end(ap);
-    smp__log(SMP_LOG_WARN, "%s", msg);
-}
-#define SMP__MPI_CHECK(call, ...) smp__mpi_check(SMP__MPI_RUN(call), #call, __VA_ARGS__)
+#define SMP__MPI_CHECK(call, ...) smp__mpi_failed(SMP__MPI_STATUS, SMP__MPI_RUN(call), #call, __VA_ARGS__)
 #define SMP__MPI(call, ...) do { smp_status smp_mpi_st_ = SMP__MPI_CHECK(call, __VA_ARGS__); if (smp_mpi_st_) return smp_mpi_st_; } while (0)
-#define SMP__MPI_FATAL(call, ...) smp__mpi_fatal((call), #call, __VA_ARGS__)
-#define SMP__MPI_WARN(call, ...) smp__mpi_warn((call), #call, __VA_ARGS__)
+#define SMP__MPI_FATAL(call, ...) (void)smp__mpi_failed(SMP__MPI_ABORT, (call), #call, __VA_ARGS__)
+#define SMP__MPI_WARN(call, ...) (void)smp__mpi_failed(SMP__MPI_LOG, (call), #call, __VA_ARGS__)
 
 /* MPI counts are int. n bytes as one (count, datatype): MPI_BYTE up to
    INT_MAX bytes, beyond that a derived type of 1 GiB blocks and the rest
@@ -2725,7 +2714,7 @@ SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_gr
             int k = n - i < 16 ? n - i : 16;
             /* MPI_Test for one: MPICH 4.0's MPI_Testall fails on a started persistent collective */
             int rc = k == 1 ? MPI_Test(reqs + i, &all, statuses) : MPI_Testall(k, reqs + i, &all, statuses);
-            smp__mpi_fatal(rc, k == 1 ? "MPI_Test" : "MPI_Testall", "waiting for %s", what);
+            (void)smp__mpi_failed(SMP__MPI_ABORT, rc, k == 1 ? "MPI_Test" : "MPI_Testall", "waiting for %s", what);
         }
         if (all) return;
         /* past the spin: has a member failed the collective this rank waits in? */

@@ -718,16 +718,22 @@ static smp_status smp__nc_stage_end(smp__nc_stage *sg, bool ok, const char *what
 }
 
 /* ---------------------------------------------------------------- collectives */
+/* What every collective checks first: the backend is up, the dtype (and
+   op, where r is given) has an NCCL type, and the tensors are device
+   tensors (out may be NULL: a reduce's non-root). */
+static smp_status smp__nc_args(const char *fn, const smp_tensor *in, const smp_tensor *out, smp_op op, ncclDataType_t *t, ncclRedOp_t *r) {
+    SMP_TRY(smp__nc_ready(fn));
+    SMP_TRY(smp__nc_types(in->dtype, op, t, r));
+    SMP_TRY(smp__nc_check_tensor(out ? "in" : "tensor", in));
+    return out ? smp__nc_check_tensor("out", out) : SMP_OK;
+}
 /* order_engine false: the engine's stream runs on while NCCL reduces (the
    executor's gradient buckets; smp__nc_bucket_fence orders it later). */
 static smp_status smp__nc_all_reduce_on(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g, bool order_engine) {
     smp_status st;
     ncclDataType_t t;
     ncclRedOp_t r;
-    SMP_TRY(smp__nc_ready("smp_all_reduce"));
-    SMP_TRY(smp__nc_types(in->dtype, op, &t, &r));
-    SMP_TRY(smp__nc_check_tensor("in", in));
-    SMP_TRY(smp__nc_check_tensor("out", out));
+    SMP_TRY(smp__nc_args("smp_all_reduce", in, out, op, &t, &r));
     size_t n = (size_t)smp_tensor_numel(in), bytes = smp_tensor_nbytes(in);
     if (!n) return SMP_OK;
     if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
@@ -768,9 +774,7 @@ static smp_status smp__nc_bucket_fence(void) { return smp__nc_finish("gradient b
 static smp_status smp__nc_broadcast(smp_tensor *x, int root, smp_group g) {
     smp_status st;
     ncclDataType_t t;
-    SMP_TRY(smp__nc_ready("smp_broadcast"));
-    SMP_TRY(smp__nc_types(x->dtype, SMP_SUM, &t, NULL));
-    SMP_TRY(smp__nc_check_tensor("tensor", x));
+    SMP_TRY(smp__nc_args("smp_broadcast", x, NULL, SMP_SUM, &t, NULL));
     size_t n = (size_t)smp_tensor_numel(x), bytes = smp_tensor_nbytes(x);
     if (!n) return SMP_OK;
     bool is_root = smp_group_rank(g) == root;
@@ -829,10 +833,7 @@ static smp_status smp__nc_reduce(const smp_tensor *in, smp_tensor *out, smp_op o
 static smp_status smp__nc_all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
     smp_status st;
     ncclDataType_t t;
-    SMP_TRY(smp__nc_ready("smp_all_gather"));
-    SMP_TRY(smp__nc_types(in->dtype, SMP_SUM, &t, NULL));
-    SMP_TRY(smp__nc_check_tensor("in", in));
-    SMP_TRY(smp__nc_check_tensor("out", out));
+    SMP_TRY(smp__nc_args("smp_all_gather", in, out, SMP_SUM, &t, NULL));
     size_t n = (size_t)smp_tensor_numel(in), block = smp_tensor_nbytes(in), total = smp_tensor_nbytes(out);
     if (!n) return SMP_OK;
     if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
@@ -863,10 +864,7 @@ static smp_status smp__nc_reduce_scatter(const smp_tensor *in, smp_tensor *out, 
     smp_status st;
     ncclDataType_t t;
     ncclRedOp_t r;
-    SMP_TRY(smp__nc_ready("smp_reduce_scatter"));
-    SMP_TRY(smp__nc_types(in->dtype, op, &t, &r));
-    SMP_TRY(smp__nc_check_tensor("in", in));
-    SMP_TRY(smp__nc_check_tensor("out", out));
+    SMP_TRY(smp__nc_args("smp_reduce_scatter", in, out, op, &t, &r));
     size_t n = (size_t)smp_tensor_numel(out), block = smp_tensor_nbytes(out), total = smp_tensor_nbytes(in);
     if (!n) return SMP_OK;
     if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
