@@ -222,9 +222,9 @@
 
 /* The version of the four headers, which ship together (MIT licence: LICENSE). */
 #define SMP_VERSION_MAJOR 0
-#define SMP_VERSION_MINOR 2
+#define SMP_VERSION_MINOR 3
 #define SMP_VERSION_PATCH 0
-#define SMP_VERSION_STRING "0.2.0"
+#define SMP_VERSION_STRING "0.3.0"
 
 #include <mpi.h>
 #include <stdbool.h>
