@@ -4010,15 +4010,14 @@ static smp_status smp__check_device_backend(void) {
     return SMP_OK;
 }
 
-static void smp__collect(smp_model *md, smp_module *m, int *mcap, int *pcap) {
-    smp__grow((void **)&md->modules, mcap, md->nmodules + 1, sizeof(smp_module *), NULL);
+static void smp__collect(smp_status *st, smp_model *md, smp_module *m, int *mcap, int *pcap) {
+    if (!smp__grow_or(st, (void **)&md->modules, mcap, md->nmodules + 1, sizeof(smp_module *), "a model's list of modules")) return;
     md->modules[md->nmodules++] = m;
-    m->model = md;
     for (int i = 0; i < m->nparams; i++) {
-        smp__grow((void **)&md->params, pcap, md->nparams + 1, sizeof(smp_param *), NULL);
+        if (!smp__grow_or(st, (void **)&md->params, pcap, md->nparams + 1, sizeof(smp_param *), "a model's list of parameters")) return;
         md->params[md->nparams++] = m->params[i];
     }
-    for (int i = 0; i < m->nchildren; i++) smp__collect(md, m->children[i], mcap, pcap);
+    for (int i = 0; i < m->nchildren; i++) smp__collect(st, md, m->children[i], mcap, pcap);
 }
 
 /* The first module of a tree created inside an SMP_PARTITION context past
@@ -4053,17 +4052,26 @@ SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, sm
     /* the registry smp_finalize frees forgotten models from */
     smp__grow_or(&st, (void **)&smp__mod.models, &smp__mod.models_cap, smp__mod.nmodels + 1, sizeof(smp_model *), "the list of live models");
     if (st) { *out = NULL; return smp__agree_on(smp__ctx.world, st, "model construction"); }
-    smp_model *m = (smp_model *)smp__alloc(sizeof *m, SMP__ALLOC_OTHER);
-    memset(m, 0, sizeof *m);
+    smp_model *m = (smp_model *)smp__alloc_or(&st, sizeof *m, SMP__ALLOC_OTHER, "a model");
+    int mcap = 0, pcap = 0;
+    if (!st) smp__collect(&st, m, root, &mcap, &pcap);
+    /* every rank must have its model before any keeps it (out of memory
+       may strike one); until then the modules stay the engine's */
+    st = smp__agree_on(smp__ctx.world, st, "model construction");
+    if (st) {
+        if (m) { smp__free(m->modules); smp__free(m->params); }
+        smp__free(m);
+        *out = NULL;
+        return st;
+    }
+    for (int i = 0; i < m->nmodules; i++) m->modules[i]->model = m;
     m->root = root;
     m->desc = *desc;
     if (m->desc.ninputs <= 0) m->desc.ninputs = 1;
     if (m->desc.noutputs <= 0) m->desc.noutputs = 1;
-    int mcap = 0, pcap = 0;
-    smp__collect(m, root, &mcap, &pcap);
     smp__mod.models[smp__mod.nmodels++] = m; /* room made above */
     *out = m;
-    return smp__agree_on(smp__ctx.world, SMP_OK, "model construction");
+    return SMP_OK;
 }
 
 static void smp__free_calls(smp_model *m) {

@@ -1269,6 +1269,36 @@ static void test_finalize_frees(void) {
               (long long)before, (long long)during, (long long)after);
 }
 
+/* Out of memory inside smp_model_new on the last rank, at each of its
+   allocations in turn: every rank returns SMP_ERR_NOMEM and no model, the
+   modules stay usable, and the next smp_model_new builds the model. */
+static void test_model_new_nomem(void) {
+    smp_config cfg = base_config(1);
+    smp_status st = smp_init(&cfg);
+    smp_module *root = st ? NULL : smp_module_new(NULL, "", NULL);
+    for (int k = 0; root && k < 3; k++) {
+        char name[16];
+        snprintf(name, sizeof name, "m%d", k);
+        smp_param_new(smp_module_new(root, name, &ident_desc), "w", SMP_F32, 1, (int64_t[]){4}, NULL, NULL);
+    }
+    smp_model_desc md = {seq_forward, 1, 1, NULL, false};
+    int failed = 0, wrong = 0;
+    smp_model *m = NULL;
+    for (long skip = 0; !st && skip < 16; skip++) {
+        if (g_rank == g_world - 1) smp_testing_fail(SMP_FAULT_ALLOC, skip);
+        smp_status got = smp_model_new(root, &md, &m);
+        smp_testing_fail(SMP_FAULT_ALLOC, -1);
+        if (got == SMP_OK) break; /* past its last allocation */
+        failed++;
+        if (got != SMP_ERR_NOMEM || m) wrong++;
+    }
+    bool built = !st && m && smp_model_num_global_params(m, false) == 3;
+    MPI_CHECK(!st && failed >= 3 && !wrong && built, "errors/out of memory in smp_model_new: SMP_ERR_NOMEM on every rank, no model, then a model",
+              "status %d; %d allocations failed, %d of them not as NOMEM without a model; built %d", st, failed, wrong, built);
+    smp_model_free(m);
+    smp_finalize();
+}
+
 /* Auto-partitioning on cold timings. Four modules of equal work (3 ms of
    processor time in each forward); one "run" of the job makes module 0's first call
    slow (a cold start: caches, lazy set-up in the engine) and one later
@@ -1361,6 +1391,7 @@ int main(int argc, char **argv) {
     test_contexts_under_auto();
     test_contexts_left_open();
     test_finalize_frees();
+    test_model_new_nomem();
     test_stable_partition();
 
     (void)test_report;
