@@ -55,7 +55,7 @@ deps:
 # ---------------------------------------------------------------- builds
 # One build directory per compiler/sanitizer variant.
 define variant
-build/$(1)/%: test/%.c $(HEADERS) test/test.h test/net7.h test/linear_ref.h Makefile | build/$(1)
+build/$(1)/%: test/%.c $(HEADERS) test/test.h test/net7.h test/net7_train.h test/linear_ref.h Makefile | build/$(1)
 	MPICH_CC=$(2) mpicc $(CSTD) $(WARN) $(3) $(INCLUDES) $$< -o $$@ $(LDLIBS)
 build/$(1):
 	@mkdir -p $$@
@@ -87,7 +87,7 @@ build/strict/headers_$(1).o: test/strict_headers.c $(HEADERS) Makefile | build/s
 	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 -I. $(STRICT_NCCL) -c $$< -o $$@
 build/strict/headers_testing_$(1).o: test/strict_headers.c $(HEADERS) Makefile | build/strict
 	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 -DSMP_TESTING -I. $(STRICT_NCCL) -c $$< -o $$@
-build/strict/test_chaos_$(1).o: test/test_chaos.c $(HEADERS) test/test.h test/net7.h test/linear_ref.h Makefile | build/strict
+build/strict/test_chaos_$(1).o: test/test_chaos.c $(HEADERS) test/test.h test/net7.h test/net7_train.h test/linear_ref.h Makefile | build/strict
 	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 $(INCLUDES) -c $$< -o $$@
 build/strict/minimal_$(1).o: examples/minimal.c $(HEADERS) Makefile | build/strict
 	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 -I. -c $$< -o $$@

@@ -21,43 +21,11 @@
 #include "smp_pipeline.h"
 #include "test.h"
 #include "net7.h"
+#include "net7_train.h"
 
 enum { STEPS = 200, M = 4, KINDS = 4 };
 enum { K_MODULE, K_ALLOC, K_SEND, K_MESSAGE };
 static const char *const kind_name[KINDS] = {"module", "allocation", "send", "message"};
-
-SMP_STEP_BODY(mse_body) {
-    const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
-    smp_tensor *g = smp_mb_output_grad(mb, 0);
-    return smp_mb_return_f32(mb, 0, mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y)));
-}
-
-/* The batch of step s for replica r: the same in both runs. */
-static void batch(int s, int r, float *x, float *t) {
-    uint64_t state = (uint64_t)s * 1000003u + (uint64_t)r * 7919u + 1;
-    for (int i = 0; i < B * D; i++) x[i] = (float)(smp__splitmix(&state) % 2001) / 1000.0f - 1.0f;
-    for (int i = 0; i < B * C; i++) t[i] = (float)(smp__splitmix(&state) % 2001) / 1000.0f - 1.0f;
-}
-
-/* FNV-1a over this rank's local parameter bytes, in model order. */
-static uint64_t digest(smp_model *model) {
-    uint64_t h = 1469598103934665603ull;
-    for (int i = 0; smp_model_local_param(model, i, false); i++) {
-        const smp_tensor *v = smp_param_value(smp_model_local_param(model, i, false));
-        for (size_t k = 0; k < smp_tensor_nbytes(v); k++) h = (h ^ ((const unsigned char *)v->data)[k]) * 1099511628211ull;
-    }
-    return h;
-}
-
-static void sgd(smp_model *model) {
-    for (int i = 0; smp_model_local_param(model, i, false); i++) {
-        smp_param *p = smp_model_local_param(model, i, false);
-        if (smp_param_is_buffer(p)) continue;
-        float *w = (float *)smp_param_value(p)->data;
-        const float *g = (const float *)smp_param_grad(p)->data;
-        for (int64_t k = 0; k < smp_tensor_numel(smp_param_value(p)); k++) w[k] -= 0.05f * g[k];
-    }
-}
 
 static smp_model *start(net *n, int P, int world) {
     smp_config cfg = {0};
