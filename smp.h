@@ -1761,23 +1761,14 @@ SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[
 
 /* ------------------------------------------------------------ key table */
 typedef enum smp__cfg_kind {
-    SMP__CFG_KIND_COUNT,  /* integer >= 1 (0 in the struct means default) */
-    SMP__CFG_KIND_INDEX,  /* any int; range checked against partitions by resolve */
-    SMP__CFG_KIND_SEED,   /* non-negative integer, 64 bits */
-    SMP__CFG_KIND_BOOL,
-    SMP__CFG_KIND_NUMBER, /* finite number */
-    SMP__CFG_KIND_ENUM    /* one of a list of strings */
+    SMP__CFG_KIND_COUNT,    /* integer >= 1 (0 in the struct means 1) */
+    SMP__CFG_KIND_INDEX,    /* default_partition: any int, range checked by resolve; sets has_default_partition */
+    SMP__CFG_KIND_SEED,     /* non-negative integer, 64 bits */
+    SMP__CFG_KIND_BOOL,     /* an smp_switch */
+    SMP__CFG_KIND_WEIGHT,   /* memory_weight: a finite number; sets has_memory_weight */
+    SMP__CFG_KIND_POSITIVE, /* a finite number > 0 (0 in the struct means its default) */
+    SMP__CFG_KIND_ENUM      /* one of a list of strings */
 } smp__cfg_kind;
-
-typedef enum smp__cfg_id {
-    SMP__CFG_PARTITIONS, SMP__CFG_MICROBATCHES, SMP__CFG_PIPELINE, SMP__CFG_OPTIMIZE,
-    SMP__CFG_AUTO_PARTITION, SMP__CFG_DEFAULT_PARTITION, SMP__CFG_DDP, SMP__CFG_PLACEMENT,
-    SMP__CFG_MEMORY_WEIGHT, SMP__CFG_TRACE_DEVICE, SMP__CFG_TRACE_TIMES, SMP__CFG_TRACE_MEMORY,
-    SMP__CFG_OVERLAP, SMP__CFG_BACKWARD_PASSES, SMP__CFG_AVERAGE_GRADS, SMP__CFG_BUCKET_MB,
-    SMP__CFG_BROADCAST_BUFFERS, SMP__CFG_ACTIVATION_CHECKPOINTING, SMP__CFG_VIRTUAL_STAGES, SMP__CFG_DETERMINISTIC,
-    SMP__CFG_TIMEOUT, SMP__CFG_SEED,
-    SMP__CFG_NKEYS
-} smp__cfg_id;
 
 /* Enum strings: the value of names[i] is i + 1 (0 is each enum's DEFAULT). */
 static const char *const smp__cfg_pipeline_names[] = {"interleaved", "simple", "zero_bubble", "zero_bubble_v", NULL};
@@ -1785,34 +1776,59 @@ static const char *const smp__cfg_optimize_names[] = {"speed", "memory", NULL};
 static const char *const smp__cfg_placement_names[] = {"cluster", "spread", NULL};
 static const char *const smp__cfg_trace_names[] = {"cpu", "gpu", NULL};
 
+/* A row a key, naming the smp_config field it sets. Every field but the
+   numbers and the seed is an int or an enum, and smp's enums are int-sized
+   (checked below), so one int accessor serves them all. */
+#define SMP__CFG_FIELD(f) offsetof(smp_config, f)
 static const struct smp__cfg_key {
     const char *name;
     smp__cfg_kind kind;
-    const char *const *values; /* SMP__CFG_KIND_ENUM only */
-} smp__cfg_keys[SMP__CFG_NKEYS] = {
-    {"partitions", SMP__CFG_KIND_COUNT, NULL},
-    {"microbatches", SMP__CFG_KIND_COUNT, NULL},
-    {"pipeline", SMP__CFG_KIND_ENUM, smp__cfg_pipeline_names},
-    {"optimize", SMP__CFG_KIND_ENUM, smp__cfg_optimize_names},
-    {"auto_partition", SMP__CFG_KIND_BOOL, NULL},
-    {"default_partition", SMP__CFG_KIND_INDEX, NULL},
-    {"ddp", SMP__CFG_KIND_BOOL, NULL},
-    {"placement_strategy", SMP__CFG_KIND_ENUM, smp__cfg_placement_names},
-    {"memory_weight", SMP__CFG_KIND_NUMBER, NULL},
-    {"trace_device", SMP__CFG_KIND_ENUM, smp__cfg_trace_names},
-    {"trace_execution_times", SMP__CFG_KIND_BOOL, NULL},
-    {"trace_memory_usage", SMP__CFG_KIND_BOOL, NULL},
-    {"overlapping_allreduce", SMP__CFG_KIND_BOOL, NULL},
-    {"backward_passes_per_step", SMP__CFG_KIND_COUNT, NULL},
-    {"average_grads_across_microbatches", SMP__CFG_KIND_BOOL, NULL},
-    {"bucket_cap_mb", SMP__CFG_KIND_NUMBER, NULL},
-    {"broadcast_buffers", SMP__CFG_KIND_BOOL, NULL},
-    {"activation_checkpointing", SMP__CFG_KIND_BOOL, NULL},
-    {"virtual_stages", SMP__CFG_KIND_COUNT, NULL},
-    {"deterministic_reduction", SMP__CFG_KIND_BOOL, NULL},
-    {"timeout", SMP__CFG_KIND_NUMBER, NULL},
-    {"seed", SMP__CFG_KIND_SEED, NULL},
+    size_t field;
+    int dflt;                  /* BOOL and ENUM: what their DEFAULT (0) resolves to */
+    const char *const *values; /* ENUM: the JSON strings */
+    const char *spelled;       /* ENUM: the C names, for resolve's message */
+} smp__cfg_keys[] = {
+    {"partitions", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(partitions), 0, NULL, NULL},
+    {"microbatches", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(microbatches), 0, NULL, NULL},
+    {"pipeline", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(pipeline), SMP_PIPELINE_INTERLEAVED, smp__cfg_pipeline_names,
+     "SMP_PIPELINE_INTERLEAVED (1), SMP_PIPELINE_SIMPLE (2), SMP_PIPELINE_ZERO_BUBBLE (3) or SMP_PIPELINE_ZERO_BUBBLE_V (4)"},
+    {"optimize", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(optimize), SMP_OPTIMIZE_SPEED, smp__cfg_optimize_names,
+     "SMP_OPTIMIZE_SPEED (1) or SMP_OPTIMIZE_MEMORY (2)"},
+    {"auto_partition", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(auto_partition), SMP_ON, NULL, NULL},
+    {"default_partition", SMP__CFG_KIND_INDEX, SMP__CFG_FIELD(default_partition), 0, NULL, NULL},
+    {"ddp", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(ddp), SMP_OFF, NULL, NULL},
+    {"placement_strategy", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(placement_strategy), SMP_PLACEMENT_CLUSTER,
+     smp__cfg_placement_names, "SMP_PLACEMENT_CLUSTER (1) or SMP_PLACEMENT_SPREAD (2)"},
+    {"memory_weight", SMP__CFG_KIND_WEIGHT, SMP__CFG_FIELD(memory_weight), 0, NULL, NULL},
+    {"trace_device", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(trace_device), SMP_TRACE_CPU, smp__cfg_trace_names,
+     "SMP_TRACE_CPU (1) or SMP_TRACE_GPU (2)"},
+    {"trace_execution_times", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(trace_execution_times), SMP_OFF, NULL, NULL},
+    {"trace_memory_usage", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(trace_memory_usage), SMP_OFF, NULL, NULL},
+    {"overlapping_allreduce", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(overlapping_allreduce), SMP_ON, NULL, NULL},
+    {"backward_passes_per_step", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(backward_passes_per_step), 0, NULL, NULL},
+    {"average_grads_across_microbatches", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(average_grads_across_microbatches), SMP_ON,
+     NULL, NULL},
+    {"bucket_cap_mb", SMP__CFG_KIND_POSITIVE, SMP__CFG_FIELD(bucket_cap_mb), 0, NULL, NULL},
+    {"broadcast_buffers", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(broadcast_buffers), SMP_ON, NULL, NULL},
+    {"activation_checkpointing", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(activation_checkpointing), SMP_OFF, NULL, NULL},
+    {"virtual_stages", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(virtual_stages), 0, NULL, NULL},
+    {"deterministic_reduction", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(deterministic_reduction), SMP_OFF, NULL, NULL},
+    {"timeout", SMP__CFG_KIND_POSITIVE, SMP__CFG_FIELD(timeout), 0, NULL, NULL},
+    {"seed", SMP__CFG_KIND_SEED, SMP__CFG_FIELD(seed), 0, NULL, NULL},
 };
+#define SMP__CFG_NKEYS ((int)(sizeof smp__cfg_keys / sizeof smp__cfg_keys[0]))
+typedef char smp__cfg_enums_are_ints[sizeof(smp_switch) == sizeof(int) && sizeof(smp_pipeline_kind) == sizeof(int) &&
+                                     sizeof(smp_optimize) == sizeof(int) && sizeof(smp_placement) == sizeof(int) &&
+                                     sizeof(smp_trace_device) == sizeof(int) ? 1 : -1];
+
+static int smp__cfg_int(const smp_config *c, const struct smp__cfg_key *key) {
+    int v;
+    memcpy(&v, (const char *)c + key->field, sizeof v);
+    return v;
+}
+static void smp__cfg_set_int(smp_config *c, const struct smp__cfg_key *key, int v) {
+    memcpy((char *)c + key->field, &v, sizeof v);
+}
 
 /* ------------------------------------------------------------ small text helpers */
 static void smp__cfg_appendf(char *buf, size_t cap, const char *fmt, ...) SMP__PRINTF(3, 4);
@@ -1936,8 +1952,10 @@ static bool smp__cfg_string(smp__json *j, smp__jvalue *v) {
 
 static bool smp__json_value(smp__json *j, smp__jvalue *v);
 
-/* Reads an object or array at j->pos (nested values are checked, not kept). */
-static bool smp__json_container(smp__json *j, bool object) {
+/* Reads an object or array at j->pos. Nested values are checked, not kept;
+   `member` (may be NULL) sees each key and value of this object itself. */
+typedef void (*smp__json_member_fn)(const smp__jvalue *key, const smp__jvalue *value, void *ctx);
+static bool smp__json_container(smp__json *j, bool object, smp__json_member_fn member, void *ctx) {
     char close = object ? '}' : ']', f[32];
     size_t open = j->pos;
     if (++j->depth > SMP__JSON_MAX_DEPTH)
@@ -1946,19 +1964,25 @@ static bool smp__json_container(smp__json *j, bool object) {
     smp__cfg_ws(j);
     if (j->src[j->pos] == close) { j->pos++; j->depth--; return true; }
     for (;;) {
+        smp__jvalue key, value;
         if (object) {
             if (j->src[j->pos] != '"')
-                return smp__json_fail(j, j->pos, "expected a key in double quotes, found %s",
-                                      smp__cfg_found(j, j->pos, f, sizeof f));
-            if (!smp__cfg_string(j, NULL)) return false;
+                return smp__json_fail(j, j->pos, "expected a key in double quotes, found %s%s",
+                                      smp__cfg_found(j, j->pos, f, sizeof f),
+                                      j->src[j->pos] == '\'' ? " (JSON strings take double quotes)" : "");
+            if (!smp__cfg_string(j, &key)) return false;
             smp__cfg_ws(j);
-            if (j->src[j->pos] != ':')
-                return smp__json_fail(j, j->pos, "expected ':' after a key, found %s",
+            if (j->src[j->pos] != ':') {
+                char q[128];
+                smp__cfg_quote(q, sizeof q, key.str, key.str_len, key.str_more);
+                return smp__json_fail(j, j->pos, "expected ':' after the key %s, found %s", q,
                                       smp__cfg_found(j, j->pos, f, sizeof f));
+            }
             j->pos++;
             smp__cfg_ws(j);
         }
-        if (!smp__json_value(j, NULL)) return false;
+        if (!smp__json_value(j, member ? &value : NULL)) return false;
+        if (member) member(&key, &value, ctx);
         smp__cfg_ws(j);
         if (j->src[j->pos] == ',') {
             size_t comma = j->pos++;
@@ -1981,8 +2005,8 @@ static bool smp__json_value(smp__json *j, smp__jvalue *v) {
     if (!v) v = &scratch;
     switch (*p) {
     case '"': return smp__cfg_string(j, v == &scratch ? NULL : v);
-    case '{': v->type = SMP__J_OBJECT; return smp__json_container(j, true);
-    case '[': v->type = SMP__J_ARRAY; return smp__json_container(j, false);
+    case '{': v->type = SMP__J_OBJECT; return smp__json_container(j, true, NULL, NULL);
+    case '[': v->type = SMP__J_ARRAY; return smp__json_container(j, false, NULL, NULL);
     case 't': if (strncmp(p, "true", 4) == 0) { v->type = SMP__J_TRUE; j->pos += 4; return true; } break;
     case 'f': if (strncmp(p, "false", 5) == 0) { v->type = SMP__J_FALSE; j->pos += 5; return true; } break;
     case 'n': if (strncmp(p, "null", 4) == 0) { v->type = SMP__J_NULL; j->pos += 4; return true; } break;
@@ -2153,26 +2177,13 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
     char got[160], list[160];
     smp__jvalue_describe(v, got, sizeof got);
     switch (key->kind) {
-    case SMP__CFG_KIND_BOOL: {
+    case SMP__CFG_KIND_BOOL:
         if (v->type != SMP__J_TRUE && v->type != SMP__J_FALSE) {
             snprintf(msg, cap, "config key \"%s\" must be true or false, got %s", name, got);
             return false;
         }
-        smp_switch s = v->type == SMP__J_TRUE ? SMP_ON : SMP_OFF;
-        switch (id) {
-        case SMP__CFG_AUTO_PARTITION: cfg->auto_partition = s; break;
-        case SMP__CFG_DDP: cfg->ddp = s; break;
-        case SMP__CFG_TRACE_TIMES: cfg->trace_execution_times = s; break;
-        case SMP__CFG_TRACE_MEMORY: cfg->trace_memory_usage = s; break;
-        case SMP__CFG_OVERLAP: cfg->overlapping_allreduce = s; break;
-        case SMP__CFG_AVERAGE_GRADS: cfg->average_grads_across_microbatches = s; break;
-        case SMP__CFG_BROADCAST_BUFFERS: cfg->broadcast_buffers = s; break;
-        case SMP__CFG_ACTIVATION_CHECKPOINTING: cfg->activation_checkpointing = s; break;
-        case SMP__CFG_DETERMINISTIC: cfg->deterministic_reduction = s; break;
-        default: break;
-        }
+        smp__cfg_set_int(cfg, key, v->type == SMP__J_TRUE ? SMP_ON : SMP_OFF);
         return true;
-    }
     case SMP__CFG_KIND_ENUM: {
         smp__cfg_enum_list(key->values, list, sizeof list);
         if (v->type != SMP__J_STRING) {
@@ -2189,43 +2200,23 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
             snprintf(msg, cap, "config key \"%s\" must be %s, got %s", name, list, q);
             return false;
         }
-        switch (id) {
-        case SMP__CFG_PIPELINE: cfg->pipeline = (smp_pipeline_kind)value; break;
-        case SMP__CFG_OPTIMIZE: cfg->optimize = (smp_optimize)value; break;
-        case SMP__CFG_PLACEMENT: cfg->placement_strategy = (smp_placement)value; break;
-        case SMP__CFG_TRACE_DEVICE: cfg->trace_device = (smp_trace_device)value; break;
-        default: break;
-        }
+        smp__cfg_set_int(cfg, key, value);
         return true;
     }
     case SMP__CFG_KIND_COUNT:
     case SMP__CFG_KIND_INDEX: {
         long long x = 0;
-        if (v->type != SMP__J_NUMBER) {
-            snprintf(msg, cap, "config key \"%s\" must be an integer, got %s", name, got);
-            return false;
-        }
-        int r = smp__json_to_int(v->num, v->num_len, INT_MIN, INT_MAX, &x);
-        if (r == 1) {
-            snprintf(msg, cap, "config key \"%s\" must be an integer, got %s", name, got);
-            return false;
-        }
-        if (r == 2) {
-            snprintf(msg, cap, "config key \"%s\" must be an integer within int range, got %s", name, got);
+        int r = v->type == SMP__J_NUMBER ? smp__json_to_int(v->num, v->num_len, INT_MIN, INT_MAX, &x) : 1;
+        if (r) {
+            snprintf(msg, cap, "config key \"%s\" must be an integer%s, got %s", name, r == 2 ? " within int range" : "", got);
             return false;
         }
         if (key->kind == SMP__CFG_KIND_COUNT && x < 1) {
             snprintf(msg, cap, "config key \"%s\" must be at least 1, got %lld", name, x);
             return false;
         }
-        switch (id) {
-        case SMP__CFG_PARTITIONS: cfg->partitions = (int)x; break;
-        case SMP__CFG_MICROBATCHES: cfg->microbatches = (int)x; break;
-        case SMP__CFG_BACKWARD_PASSES: cfg->backward_passes_per_step = (int)x; break;
-        case SMP__CFG_VIRTUAL_STAGES: cfg->virtual_stages = (int)x; break;
-        case SMP__CFG_DEFAULT_PARTITION: cfg->default_partition = (int)x; cfg->has_default_partition = true; break;
-        default: break;
-        }
+        smp__cfg_set_int(cfg, key, (int)x);
+        if (key->kind == SMP__CFG_KIND_INDEX) cfg->has_default_partition = true;
         return true;
     }
     case SMP__CFG_KIND_SEED: {
@@ -2239,7 +2230,8 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
         cfg->seed = x;
         return true;
     }
-    case SMP__CFG_KIND_NUMBER: {
+    case SMP__CFG_KIND_WEIGHT:
+    case SMP__CFG_KIND_POSITIVE: {
         double d = 0;
         if (v->type != SMP__J_NUMBER) {
             snprintf(msg, cap, "config key \"%s\" must be a number, got %s", name, got);
@@ -2254,118 +2246,97 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
             return false;
         }
         /* 0 means "default" in the struct, so JSON cannot ask for it */
-        if ((id == SMP__CFG_TIMEOUT || id == SMP__CFG_BUCKET_MB) && !(d > 0)) {
+        if (key->kind == SMP__CFG_KIND_POSITIVE && !(d > 0)) {
             snprintf(msg, cap, "config key \"%s\" must be a positive number, got %s", name, got);
             return false;
         }
-        switch (id) {
-        case SMP__CFG_MEMORY_WEIGHT: cfg->memory_weight = d; cfg->has_memory_weight = true; break;
-        case SMP__CFG_BUCKET_MB: cfg->bucket_cap_mb = d; break;
-        case SMP__CFG_TIMEOUT: cfg->timeout = d; break;
-        default: break;
-        }
+        memcpy((char *)cfg + key->field, &d, sizeof d);
+        if (key->kind == SMP__CFG_KIND_WEIGHT) cfg->has_memory_weight = true;
         return true;
     }
     }
     return true;
 }
 
+/* Applies one top-level member to the config being built; after the first
+   key error the rest are only read (a syntax error later still wins). */
+typedef struct smp__cfg_build {
+    smp_config cfg;
+    uint32_t seen;              /* keys given, by index */
+    char sem[SMP__CFG_MSG_CAP]; /* the first key error */
+} smp__cfg_build;
+
+static void smp__cfg_member(const smp__jvalue *key, const smp__jvalue *val, void *ctx) {
+    smp__cfg_build *b = (smp__cfg_build *)ctx;
+    if (b->sem[0]) return;
+    int id = smp__cfg_find_key(key->str, key->str_len, key->str_more);
+    if (id < 0) {
+        smp__cfg_unknown_key(key, b->sem, sizeof b->sem);
+    } else if (b->seen & (1u << id)) {
+        char got[160];
+        snprintf(b->sem, sizeof b->sem, "config key \"%s\" appears twice (the second time with %s)",
+                 smp__cfg_keys[id].name, smp__jvalue_describe(val, got, sizeof got));
+    } else {
+        b->seen |= 1u << id;
+        smp__cfg_apply(id, val, &b->cfg, b->sem, sizeof b->sem);
+    }
+}
+
 SMPDEF smp_status smp_config_from_json(const char *json, smp_config *cfg) {
     if (!json || !cfg) return smp_error(SMP_ERR_ARG, "smp_config_from_json: %s is NULL", json ? "cfg" : "json");
     smp__json j;
-    smp__jvalue key, val;
-    smp_config work = *cfg;
-    char sem[SMP__CFG_MSG_CAP] = {0}; /* the first key error; reported only if the syntax is fine */
-    char f[32];
-    uint32_t seen = 0;
     memset(&j, 0, sizeof j);
     j.src = json;
     j.n = strlen(json);
+    smp__cfg_build b;
+    memset(&b, 0, sizeof b);
+    b.cfg = *cfg;
+    char f[32];
 
     smp__cfg_ws(&j);
     if (json[j.pos] != '{') {
-        if (json[j.pos] == '[')
-            smp__json_fail(&j, j.pos, "the top level must be an object ({\"partitions\": 2, ...}), found an array");
-        else
-            smp__json_fail(&j, j.pos, "the top level must be an object ({\"partitions\": 2, ...}), found %s",
-                           smp__cfg_found(&j, j.pos, f, sizeof f));
+        smp__json_fail(&j, j.pos, "the top level must be an object ({\"partitions\": 2, ...}), found %s",
+                       json[j.pos] == '[' ? "an array" : smp__cfg_found(&j, j.pos, f, sizeof f));
         return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
     }
-    size_t open = j.pos++;
-    j.depth = 1;
-    smp__cfg_ws(&j);
-    if (json[j.pos] == '}') j.pos++;
-    else for (;;) {
-        if (json[j.pos] != '"') {
-            smp__json_fail(&j, j.pos, "expected a key in double quotes, found %s%s", smp__cfg_found(&j, j.pos, f, sizeof f),
-                           json[j.pos] == '\'' ? " (JSON strings take double quotes)" : "");
-            return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
-        }
-        if (!smp__cfg_string(&j, &key)) return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
-        smp__cfg_ws(&j);
-        if (json[j.pos] != ':') {
-            char q[128];
-            smp__cfg_quote(q, sizeof q, key.str, key.str_len, key.str_more);
-            smp__json_fail(&j, j.pos, "expected ':' after the key %s, found %s", q,
-                           smp__cfg_found(&j, j.pos, f, sizeof f));
-            return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
-        }
-        j.pos++;
-        smp__cfg_ws(&j);
-        if (!smp__json_value(&j, &val)) return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
-        if (!sem[0]) {
-            int id = smp__cfg_find_key(key.str, key.str_len, key.str_more);
-            if (id < 0) smp__cfg_unknown_key(&key, sem, sizeof sem);
-            else if (seen & (1u << id)) {
-                char got[160];
-                snprintf(sem, sizeof sem, "config key \"%s\" appears twice (the second time with %s)",
-                         smp__cfg_keys[id].name, smp__jvalue_describe(&val, got, sizeof got));
-            }
-            else {
-                seen |= 1u << id;
-                smp__cfg_apply(id, &val, &work, sem, sizeof sem);
-            }
-        }
-        smp__cfg_ws(&j);
-        if (json[j.pos] == ',') {
-            size_t comma = j.pos++;
-            smp__cfg_ws(&j);
-            if (json[j.pos] == '}') {
-                smp__json_fail(&j, comma, "trailing comma before '}'");
-                return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
-            }
-            continue;
-        }
-        if (json[j.pos] == '}') { j.pos++; break; }
-        smp__json_fail(&j, j.pos, "expected ',' or '}' in the object opened at byte %zu, found %s", open,
-                       smp__cfg_found(&j, j.pos, f, sizeof f));
-        return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
-    }
+    if (!smp__json_container(&j, true, smp__cfg_member, &b)) return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
     smp__cfg_ws(&j);
     if (json[j.pos] != 0) {
         smp__json_fail(&j, j.pos, "unexpected %s after the top-level object", smp__cfg_found(&j, j.pos, f, sizeof f));
         return smp_error(SMP_ERR_CONFIG, "%s", j.msg);
     }
-    if (sem[0]) return smp_error(SMP_ERR_CONFIG, "%s", sem);
-    *cfg = work;
+    if (b.sem[0]) return smp_error(SMP_ERR_CONFIG, "%s", b.sem);
+    *cfg = b.cfg;
     return SMP_OK;
 }
 
 /* ------------------------------------------------------------ resolve */
-static smp_status smp__cfg_check_switch(const char *name, smp_switch s, smp_switch dflt, smp_switch *out) {
-    if (s != SMP_DEFAULT && s != SMP_ON && s != SMP_OFF)
-        return smp_error(SMP_ERR_CONFIG,
-                         "config key \"%s\" has invalid value %d (use SMP_ON, SMP_OFF, or SMP_DEFAULT (0))", name, (int)s);
-    *out = s == SMP_DEFAULT ? dflt : s;
-    return SMP_OK;
-}
-
-/* Checks an enum field whose concrete values are 1..count (0 = default). */
-static smp_status smp__cfg_check_enum(const char *name, int value, int count, const char *spelled, int dflt, int *out) {
-    if (value < 0 || value > count)
-        return smp_error(SMP_ERR_CONFIG, "config key \"%s\" has invalid value %d (use %s, or 0 for the default)", name,
-                         value, spelled);
-    *out = value == 0 ? dflt : value;
+/* An enum or switch field: a value it names, or 0 for its default. The
+   counts: 0 means 1. */
+static smp_status smp__cfg_resolve_key(smp_config *c, const struct smp__cfg_key *key) {
+    int v = smp__cfg_int(c, key);
+    switch (key->kind) {
+    case SMP__CFG_KIND_ENUM: {
+        int count = 0;
+        while (key->values[count]) count++;
+        if (v < 0 || v > count)
+            return smp_error(SMP_ERR_CONFIG, "config key \"%s\" has invalid value %d (use %s, or 0 for the default)",
+                             key->name, v, key->spelled);
+        break;
+    }
+    case SMP__CFG_KIND_BOOL:
+        if (v != SMP_DEFAULT && v != SMP_ON && v != SMP_OFF)
+            return smp_error(SMP_ERR_CONFIG, "config key \"%s\" has invalid value %d (use SMP_ON, SMP_OFF, or SMP_DEFAULT (0))",
+                             key->name, v);
+        break;
+    case SMP__CFG_KIND_COUNT:
+        if (v < 0) return smp_error(SMP_ERR_CONFIG, "config key \"%s\" must be at least 1, got %d", key->name, v);
+        smp__cfg_set_int(c, key, v == 0 ? 1 : v);
+        return SMP_OK;
+    default:
+        return SMP_OK;
+    }
+    if (v == 0) smp__cfg_set_int(c, key, key->dflt);
     return SMP_OK;
 }
 
@@ -2396,45 +2367,11 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
     if (!in || !out) return smp_error(SMP_ERR_ARG, "smp_config_resolve: %s is NULL", in ? "out" : "in");
     if (world_size < 1) return smp_error(SMP_ERR_ARG, "smp_config_resolve: world size %d is not positive", world_size);
     smp_config c = *in;
-    smp_status st;
-    int e = 0;
 
-    /* enums and switches first: everything below reads them */
-    if ((st = smp__cfg_check_enum("pipeline", (int)c.pipeline, 4,
-                                  "SMP_PIPELINE_INTERLEAVED (1), SMP_PIPELINE_SIMPLE (2), SMP_PIPELINE_ZERO_BUBBLE (3) "
-                                  "or SMP_PIPELINE_ZERO_BUBBLE_V (4)",
-                                  SMP_PIPELINE_INTERLEAVED, &e)) != SMP_OK) return st;
-    c.pipeline = (smp_pipeline_kind)e;
-    if ((st = smp__cfg_check_enum("optimize", (int)c.optimize, 2, "SMP_OPTIMIZE_SPEED (1) or SMP_OPTIMIZE_MEMORY (2)",
-                                  SMP_OPTIMIZE_SPEED, &e)) != SMP_OK) return st;
-    c.optimize = (smp_optimize)e;
-    if ((st = smp__cfg_check_enum("placement_strategy", (int)c.placement_strategy, 2,
-                                  "SMP_PLACEMENT_CLUSTER (1) or SMP_PLACEMENT_SPREAD (2)",
-                                  SMP_PLACEMENT_CLUSTER, &e)) != SMP_OK) return st;
-    c.placement_strategy = (smp_placement)e;
-    if ((st = smp__cfg_check_enum("trace_device", (int)c.trace_device, 2, "SMP_TRACE_CPU (1) or SMP_TRACE_GPU (2)",
-                                  SMP_TRACE_CPU, &e)) != SMP_OK) return st;
-    c.trace_device = (smp_trace_device)e;
-
-    if ((st = smp__cfg_check_switch("auto_partition", c.auto_partition, SMP_ON, &c.auto_partition)) ||
-        (st = smp__cfg_check_switch("ddp", c.ddp, SMP_OFF, &c.ddp)) ||
-        (st = smp__cfg_check_switch("trace_execution_times", c.trace_execution_times, SMP_OFF,
-                                    &c.trace_execution_times)) ||
-        (st = smp__cfg_check_switch("trace_memory_usage", c.trace_memory_usage, SMP_OFF, &c.trace_memory_usage)) ||
-        (st = smp__cfg_check_switch("overlapping_allreduce", c.overlapping_allreduce, SMP_ON,
-                                    &c.overlapping_allreduce)) ||
-        (st = smp__cfg_check_switch("average_grads_across_microbatches", c.average_grads_across_microbatches, SMP_ON,
-                                    &c.average_grads_across_microbatches)) ||
-        (st = smp__cfg_check_switch("broadcast_buffers", c.broadcast_buffers, SMP_ON, &c.broadcast_buffers)) ||
-        (st = smp__cfg_check_switch("activation_checkpointing", c.activation_checkpointing, SMP_OFF, &c.activation_checkpointing)) ||
-        (st = smp__cfg_check_switch("deterministic_reduction", c.deterministic_reduction, SMP_OFF,
-                                    &c.deterministic_reduction)))
-        return st;
+    /* enums, switches and counts first: everything below reads them */
+    for (int i = 0; i < SMP__CFG_NKEYS; i++) SMP_TRY(smp__cfg_resolve_key(&c, &smp__cfg_keys[i]));
 
     /* partitions against the world */
-    if (c.partitions < 0)
-        return smp_error(SMP_ERR_CONFIG, "config key \"partitions\" must be at least 1, got %d", c.partitions);
-    if (c.partitions == 0) c.partitions = 1;
     if (c.partitions > world_size)
         return smp_error(SMP_ERR_CONFIG, "partitions = %d needs at least %d ranks, but the world size is %d",
                          c.partitions, c.partitions, world_size);
@@ -2445,10 +2382,6 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
                          "a world of %d ranks with partitions = %d makes %d model replicas, which needs data "
                          "parallelism: set \"ddp\": true (ddp is off)",
                          world_size, c.partitions, world_size / c.partitions);
-
-    if (c.microbatches < 0)
-        return smp_error(SMP_ERR_CONFIG, "config key \"microbatches\" must be at least 1, got %d", c.microbatches);
-    if (c.microbatches == 0) c.microbatches = 1;
 
     /* a value set without its flag would be dropped without a word */
     if (!c.has_default_partition && c.default_partition != 0)
@@ -2469,19 +2402,11 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
     if (!c.has_memory_weight) c.memory_weight = c.optimize == SMP_OPTIMIZE_MEMORY ? 1.0 : 0.0;
     c.has_memory_weight = true;
 
-    if (c.backward_passes_per_step < 0)
-        return smp_error(SMP_ERR_CONFIG, "config key \"backward_passes_per_step\" must be at least 1, got %d",
-                         c.backward_passes_per_step);
-    if (c.backward_passes_per_step == 0) c.backward_passes_per_step = 1;
-
     if (isnan(c.bucket_cap_mb) || c.bucket_cap_mb < 0 || c.bucket_cap_mb > SMP__CFG_MAX_BUCKET_MB)
         return smp_error(SMP_ERR_CONFIG, "config key \"bucket_cap_mb\" must be a positive number of MB up to %g, got %g",
                          SMP__CFG_MAX_BUCKET_MB, c.bucket_cap_mb);
     if (c.bucket_cap_mb == 0) c.bucket_cap_mb = SMP__CFG_DEFAULT_BUCKET_MB;
 
-    if (c.virtual_stages < 0)
-        return smp_error(SMP_ERR_CONFIG, "config key \"virtual_stages\" must be at least 1, got %d", c.virtual_stages);
-    if (c.virtual_stages == 0) c.virtual_stages = 1;
     if (c.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V && c.virtual_stages > 2)
         return smp_error(SMP_ERR_CONFIG, "config key \"virtual_stages\" is %d, but pipeline \"zero_bubble_v\" runs exactly 2 stages "
                          "per partition (its V): leave virtual_stages at 1 or 2", c.virtual_stages);
@@ -2491,7 +2416,7 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
                          SMP__CFG_MAX_TIMEOUT, c.timeout);
     if (c.timeout == 0) {
         bool found = false;
-        if ((st = smp__cfg_env_timeout(&c.timeout, &found)) != SMP_OK) return st;
+        SMP_TRY(smp__cfg_env_timeout(&c.timeout, &found));
         if (!found) c.timeout = SMP__CFG_DEFAULT_TIMEOUT;
     }
 
