@@ -944,11 +944,7 @@ static void smp__vlog(smp_log_level level, const char *fmt, va_list ap) {
 }
 
 /* The library's own messages, through the logger set by smp_set_logger. */
-static void smp__log(smp_log_level level, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
+static void smp__log(smp_log_level level, const char *fmt, ...) SMP__PRINTF(2, 3);
 static void smp__log(smp_log_level level, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -4847,7 +4843,7 @@ static smp_status smp__part_auto_msg(const smp_call_cost *calls, int n, int nsta
                  isinf(total_time) ? "time" : "memory");
         return SMP_ERR_ARG;
     }
-    cost = (double *)SMP_MALLOC((size_t)n * sizeof *cost);
+    cost = (double *)smp__malloc((size_t)n * sizeof *cost);
     if (!cost) {
         snprintf(msg, cap, "auto-partition: out of memory for %d call costs", n);
         return SMP_ERR_NOMEM;
@@ -4860,7 +4856,7 @@ static smp_status smp__part_auto_msg(const smp_call_cost *calls, int n, int nsta
         cost[i] = (1.0 - w) * t + w * m;
     }
     smp__part_solve(cost, n, nstages, stage_of_call, max_stage_cost);
-    SMP_FREE(cost);
+    smp__free(cost);
     return SMP_OK;
 }
 
