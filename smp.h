@@ -4666,7 +4666,6 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
 }
 
 /* ---------------------------------------------------------------- auto-partitioner */
-#define SMP__PARTITION_FAIL(status, msg) smp_error((status), "%s", (msg))
 
 /* The stages [begin, n) needs when no stage may cost more than cap, each
    stage taking calls while its running left-to-right sum stays within cap
@@ -4770,84 +4769,51 @@ static void smp__part_solve(const double *cost, int n, int nstages, int *stage_o
 
 static int smp__part_bad(double x) { return !(x >= 0.0) || isinf(x); }
 
-static smp_status smp__part_check_shape(int n, int nstages, const void *costs, const int *stage_of_call, char *msg,
-                                        size_t cap) {
-    if (n < 1) {
-        snprintf(msg, cap, "auto-partition: there are %d traced calls to split; at least one is needed", n);
-        return SMP_ERR_ARG;
-    }
-    if (nstages < 1) {
-        snprintf(msg, cap, "auto-partition: %d stages requested; at least one is needed", nstages);
-        return SMP_ERR_ARG;
-    }
-    if (nstages > n) {
-        snprintf(msg, cap,
-                 "auto-partition: cannot split %d traced call%s into %d stages; every stage needs at least one call "
-                 "(use fewer partitions or virtual stages)",
-                 n, n == 1 ? "" : "s", nstages);
-        return SMP_ERR_ARG;
-    }
-    if (!costs || !stage_of_call) {
-        snprintf(msg, cap, "auto-partition: %s is NULL", !costs ? "the cost array" : "stage_of_call");
-        return SMP_ERR_ARG;
-    }
+static smp_status smp__part_check_shape(int n, int nstages, const void *costs, const int *stage_of_call) {
+    if (n < 1) return smp_error(SMP_ERR_ARG, "auto-partition: there are %d traced calls to split; at least one is needed", n);
+    if (nstages < 1) return smp_error(SMP_ERR_ARG, "auto-partition: %d stages requested; at least one is needed", nstages);
+    if (nstages > n)
+        return smp_error(SMP_ERR_ARG, "auto-partition: cannot split %d traced call%s into %d stages; every stage needs at least "
+                         "one call (use fewer partitions or virtual stages)", n, n == 1 ? "" : "s", nstages);
+    if (!costs || !stage_of_call)
+        return smp_error(SMP_ERR_ARG, "auto-partition: %s is NULL", !costs ? "the cost array" : "stage_of_call");
     return SMP_OK;
 }
 
-static smp_status smp__part_min_max_msg(const double *cost, int n, int nstages, int *stage_of_call,
-                                        double *max_stage_cost, char *msg, size_t cap) {
-    smp_status st = smp__part_check_shape(n, nstages, cost, stage_of_call, msg, cap);
-    if (st != SMP_OK) return st;
-    for (int i = 0; i < n; i++) {
-        if (smp__part_bad(cost[i])) {
-            snprintf(msg, cap, "auto-partition: call %d of %d has cost %g; costs must be finite and >= 0", i, n,
-                     cost[i]);
-            return SMP_ERR_ARG;
-        }
-    }
+SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
+                                        double *max_stage_cost) {
+    SMP_TRY(smp__part_check_shape(n, nstages, cost, stage_of_call));
+    for (int i = 0; i < n; i++)
+        if (smp__part_bad(cost[i]))
+            return smp_error(SMP_ERR_ARG, "auto-partition: call %d of %d has cost %g; costs must be finite and >= 0", i, n, cost[i]);
     smp__part_solve(cost, n, nstages, stage_of_call, max_stage_cost);
     return SMP_OK;
 }
 
-static smp_status smp__part_auto_msg(const smp_call_cost *calls, int n, int nstages, double memory_weight,
-                                     double optimizer_state_factor, int *stage_of_call, double *max_stage_cost,
-                                     char *msg, size_t cap) {
-    double total_time = 0.0, total_memory = 0.0, w = memory_weight, *cost;
-    smp_status st = smp__part_check_shape(n, nstages, calls, stage_of_call, msg, cap);
-    if (st != SMP_OK) return st;
-    if (!(w >= 0.0 && w <= 1.0)) {
-        snprintf(msg, cap, "auto-partition: memory_weight is %g; it must lie in [0, 1]", w);
-        return SMP_ERR_ARG;
-    }
-    if (smp__part_bad(optimizer_state_factor)) {
-        snprintf(msg, cap, "auto-partition: optimizer_state_factor is %g; it must be finite and >= 0",
-                 optimizer_state_factor);
-        return SMP_ERR_ARG;
-    }
+SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nstages, double memory_weight,
+                                     double optimizer_state_factor, int *stage_of_call, double *max_stage_cost) {
+    double total_time = 0.0, total_memory = 0.0, w = memory_weight;
+    SMP_TRY(smp__part_check_shape(n, nstages, calls, stage_of_call));
+    if (!(w >= 0.0 && w <= 1.0))
+        return smp_error(SMP_ERR_ARG, "auto-partition: memory_weight is %g; it must lie in [0, 1]", w);
+    if (smp__part_bad(optimizer_state_factor))
+        return smp_error(SMP_ERR_ARG, "auto-partition: optimizer_state_factor is %g; it must be finite and >= 0",
+                         optimizer_state_factor);
     for (int i = 0; i < n; i++) {
         const smp_call_cost *c = &calls[i];
         const double field[3] = {c->time, c->param_bytes, c->activation_bytes};
         static const char *const field_name[3] = {"time", "param_bytes", "activation_bytes"};
-        for (int f = 0; f < 3; f++) {
-            if (smp__part_bad(field[f])) {
-                snprintf(msg, cap, "auto-partition: call %d of %d has %s = %g; it must be finite and >= 0", i, n,
-                         field_name[f], field[f]);
-                return SMP_ERR_ARG;
-            }
-        }
+        for (int f = 0; f < 3; f++)
+            if (smp__part_bad(field[f]))
+                return smp_error(SMP_ERR_ARG, "auto-partition: call %d of %d has %s = %g; it must be finite and >= 0", i, n,
+                                 field_name[f], field[f]);
         total_time += c->time;
         total_memory += c->param_bytes * (2.0 + optimizer_state_factor) + c->activation_bytes;
     }
-    if (isinf(total_time) || isinf(total_memory)) {
-        snprintf(msg, cap, "auto-partition: the calls' total %s overflows a double",
-                 isinf(total_time) ? "time" : "memory");
-        return SMP_ERR_ARG;
-    }
-    cost = (double *)smp__malloc((size_t)n * sizeof *cost);
-    if (!cost) {
-        snprintf(msg, cap, "auto-partition: out of memory for %d call costs", n);
-        return SMP_ERR_NOMEM;
-    }
+    if (isinf(total_time) || isinf(total_memory))
+        return smp_error(SMP_ERR_ARG, "auto-partition: the calls' total %s overflows a double", isinf(total_time) ? "time" : "memory");
+    double *cost = (double *)smp__malloc((size_t)n * sizeof *cost);
+    if (!cost) return smp__nomem((size_t)n * sizeof *cost, "the auto-partitioner's call costs");
     for (int i = 0; i < n; i++) {
         const smp_call_cost *c = &calls[i];
         double memory = c->param_bytes * (2.0 + optimizer_state_factor) + c->activation_bytes;
@@ -4859,22 +4825,6 @@ static smp_status smp__part_auto_msg(const smp_call_cost *calls, int n, int nsta
     smp__free(cost);
     return SMP_OK;
 }
-
-SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
-                                        double *max_stage_cost) {
-    char msg[256];
-    smp_status st = smp__part_min_max_msg(cost, n, nstages, stage_of_call, max_stage_cost, msg, sizeof msg);
-    return st == SMP_OK ? SMP_OK : SMP__PARTITION_FAIL(st, msg);
-}
-
-SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nstages, double memory_weight,
-                                     double optimizer_state_factor, int *stage_of_call, double *max_stage_cost) {
-    char msg[256];
-    smp_status st = smp__part_auto_msg(calls, n, nstages, memory_weight, optimizer_state_factor, stage_of_call,
-                                       max_stage_cost, msg, sizeof msg);
-    return st == SMP_OK ? SMP_OK : SMP__PARTITION_FAIL(st, msg);
-}
-
 
 /* ---------------------------------------------------------------- partitioning */
 /* Memory per parameter byte beyond value and gradient: Adam's two moments. */

@@ -372,7 +372,7 @@ static void test_errors(void) {
     double c[4] = {1, 2, 3, 4}, m;
     smp_call_cost calls[4] = {{1, 1, 1}, {1, 1, 1}, {1, 1, 1}, {1, 1, 1}};
     int s[4];
-    char msg[256];
+    char msg[2048];
     struct {
         int n, k;
         const char *name;
@@ -388,15 +388,13 @@ static void test_errors(void) {
         CHECK(a == SMP_ERR_ARG && b == SMP_ERR_ARG && untouched(s, 4) && m == -7, name, "statuses %d %d", (int)a,
               (int)b);
     }
-    msg[0] = 0;
-    smp__part_min_max_msg(c, 3, 4, s, &m, msg, sizeof msg);
-    CHECK(strstr(msg, "3 traced calls into 4 stages") != NULL, "autopart: k > n message names both counts", "got '%s'",
-          msg);
-#ifdef SMP_H_IMPLEMENTED
+    smp_partition_min_max(c, 3, 4, s, &m);
+    CHECK(strstr(smp_last_error(), "3 traced calls into 4 stages") != NULL, "autopart: k > n message names both counts",
+          "got '%s'", smp_last_error());
+    smp_error(SMP_OK, "-");
     smp_auto_partition(calls, 3, 4, 0.5, 2.0, s, &m);
     CHECK(strstr(smp_last_error(), "3 traced calls into 4 stages") != NULL,
           "autopart: the message reaches smp_last_error()", "got '%s'", smp_last_error());
-#endif
 
     {
         double bad_values[3] = {-1.0, NAN, INFINITY};
@@ -407,10 +405,10 @@ static void test_errors(void) {
             for (int j = 0; j < 4; j++) s[j] = -7;
             ok &= smp_partition_min_max(cc, 4, 2, s, &m) == SMP_ERR_ARG && untouched(s, 4);
         }
-        msg[0] = 0;
         {
             double cc[4] = {1, 2, -3, 4};
-            smp__part_min_max_msg(cc, 4, 2, s, &m, msg, sizeof msg);
+            smp_partition_min_max(cc, 4, 2, s, &m);
+            snprintf(msg, sizeof msg, "%s", smp_last_error());
         }
         CHECK(ok && strstr(msg, "call 2") != NULL, "autopart: negative, NaN and infinite costs are rejected",
               "ok %d, message '%s'", ok, msg);
@@ -428,8 +426,8 @@ static void test_errors(void) {
         int ok = 1;
         for (int i = 0; i < 3; i++) ok &= smp_auto_partition(calls, 4, 2, ws[i], 2.0, s, &m) == SMP_ERR_ARG;
         for (int i = 0; i < 2; i++) ok &= smp_auto_partition(calls, 4, 2, 0.5, fs[i], s, &m) == SMP_ERR_ARG;
-        msg[0] = 0;
-        smp__part_auto_msg(calls, 4, 2, 1.5, 2.0, s, &m, msg, sizeof msg);
+        smp_auto_partition(calls, 4, 2, 1.5, 2.0, s, &m);
+        snprintf(msg, sizeof msg, "%s", smp_last_error());
         CHECK(ok && strstr(msg, "memory_weight") != NULL,
               "autopart: memory_weight outside [0, 1] and a bad optimizer_state_factor are rejected",
               "ok %d, message '%s'", ok, msg);
@@ -437,8 +435,7 @@ static void test_errors(void) {
     {
         smp_call_cost bad[2] = {{1, 1, 1}, {1, -5, 1}}, huge[2] = {{1e308, 0, 0}, {1e308, 0, 0}};
         smp_status a = smp_auto_partition(bad, 2, 2, 0.5, 2.0, s, &m), b;
-        msg[0] = 0;
-        smp__part_auto_msg(bad, 2, 2, 0.5, 2.0, s, &m, msg, sizeof msg);
+        snprintf(msg, sizeof msg, "%s", smp_last_error());
         b = smp_auto_partition(huge, 2, 2, 0.0, 2.0, s, &m);
         CHECK(a == SMP_ERR_ARG && b == SMP_ERR_ARG && strstr(msg, "param_bytes") != NULL,
               "autopart: a negative field and an overflowing total are rejected", "statuses %d %d, message '%s'",
