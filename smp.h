@@ -3629,6 +3629,7 @@ struct smp_model {
     int *stage_rank, *stage_first, *stage_last; /* per stage: mp rank, first and last call */
     smp__hook *hooks;
     int nhooks, hooks_cap;
+    size_t hooks_lost;    /* bytes a registration could not have: partitioning fails with SMP_ERR_NOMEM */
     void *pipeline;       /* smp_pipeline.h's per-model state */
     void (*pipeline_free)(void *);
     unsigned long zero_grad_calls; /* tells the pipeline whether gradients it averaged were zeroed since */
@@ -3702,6 +3703,20 @@ static void smp__build_error(smp_status st, const char *fmt, ...) {
     }
 }
 
+/* Out of memory while building the tree: remembered like any build error. */
+static void smp__build_nomem(const char *what, const char *name) {
+    smp__build_error(SMP_ERR_NOMEM, "out of memory creating %s \"%s\" on rank %d; free memory and build the model again", what, name,
+                     smp__ctx.rank);
+}
+
+/* "prefix.name", or name alone under the root's empty prefix; NULL when out of memory. */
+static char *smp__dotted(const char *prefix, const char *name) {
+    size_t n = strlen(prefix) + strlen(name) + 2;
+    char *s = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
+    if (s) snprintf(s, n, "%s%s%s", prefix, *prefix && *name ? "." : "", name);
+    return s;
+}
+
 SMPDEF void smp__partition_push_at(int partition, const char *file, int line) {
     if (smp__mod.depth >= 64) {
         /* 64 deep is in practice contexts left by break/return/goto: say where the first began */
@@ -3764,26 +3779,25 @@ SMPDEF smp_module *smp_module_new(smp_module *parent, const char *name, const sm
                 return NULL;
             }
     smp_module *m = (smp_module *)smp__alloc(sizeof *m, SMP__ALLOC_OTHER);
-    memset(m, 0, sizeof *m);
-    m->name = smp__strdup(name);
-    if (parent && *parent->full_name) {
-        size_t n = strlen(parent->full_name) + strlen(name) + 2;
-        m->full_name = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
-        snprintf(m->full_name, n, "%s.%s", parent->full_name, name);
-    } else {
-        m->full_name = smp__strdup(parent ? name : "");
+    char *own = smp__strdup(name), *full = smp__dotted(parent ? parent->full_name : "", parent ? name : "");
+    int cap = parent ? parent->nchildren : 0; /* grows by one each time: trees are built once */
+    if (!m || !own || !full || (parent && !smp__grow((void **)&parent->children, &cap, cap + 1, sizeof(smp_module *), NULL)) ||
+        !smp__grow((void **)&smp__mod.all, &smp__mod.cap, smp__mod.nall + 1, sizeof(smp_module *), NULL)) {
+        smp__free(m);
+        smp__free(own);
+        smp__free(full);
+        smp__build_nomem("module", name);
+        return NULL;
     }
+    memset(m, 0, sizeof *m);
+    m->name = own;
+    m->full_name = full;
     m->parent = parent;
     if (desc) m->desc = *desc;
     m->context_partition = smp__mod.depth ? smp__mod.stack[smp__mod.depth - 1] : -1;
     m->partition = -1;
     m->owner_call = -1;
-    if (parent) {
-        int cap = parent->nchildren; /* grows by one each time: trees are built once */
-        smp__grow((void **)&parent->children, &cap, parent->nchildren + 1, sizeof(smp_module *), NULL);
-        parent->children[parent->nchildren++] = m;
-    }
-    smp__grow((void **)&smp__mod.all, &smp__mod.cap, smp__mod.nall + 1, sizeof(smp_module *), NULL);
+    if (parent) parent->children[parent->nchildren++] = m;
     smp__mod.all[smp__mod.nall++] = m;
     return m;
 }
@@ -3799,19 +3813,24 @@ static smp_param *smp__declare(smp_module *m, const char *name, smp_dtype dt, in
     for (int i = 0; i < m->nparams; i++)
         if (!strcmp(m->params[i]->name, name)) { smp__build_error(SMP_ERR_ARG, "module \"%s\" already has a parameter or buffer \"%s\"", m->full_name, name); return NULL; }
     smp_param *p = (smp_param *)smp__alloc(sizeof *p, SMP__ALLOC_OTHER);
+    char *own = smp__strdup(name), *full = smp__dotted(m->full_name, name);
+    int cap = m->nparams;
+    if (!p || !own || !full || !smp__grow((void **)&m->params, &cap, cap + 1, sizeof(smp_param *), NULL)) {
+        smp__free(p);
+        smp__free(own);
+        smp__free(full);
+        smp__build_nomem(what, name);
+        return NULL;
+    }
     memset(p, 0, sizeof *p);
     p->module = m;
-    p->name = smp__strdup(name);
-    size_t n = strlen(m->full_name) + strlen(name) + 2;
-    p->full_name = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
-    snprintf(p->full_name, n, "%s%s%s", m->full_name, *m->full_name ? "." : "", name);
+    p->name = own;
+    p->full_name = full;
     p->value = smp_tensor_make(NULL, dt, ndim, shape);
     p->grad = p->value;
     p->is_buffer = buffer;
     p->init = init;
     p->init_user = user;
-    int cap = m->nparams;
-    smp__grow((void **)&m->params, &cap, m->nparams + 1, sizeof(smp_param *), NULL);
     m->params[m->nparams++] = p;
     return p;
 }
@@ -3871,38 +3890,47 @@ SMPDEF void smp_init_constant(smp_tensor *v, uint64_t seed, void *user) {
 
 static bool smp__model_on_device(const smp_model *m);
 
-static void smp__materialise_param(smp_param *p) {
-    bool on_device = smp__model_on_device(p->module->model);
-    size_t bytes = smp_tensor_nbytes(&p->value);
-    smp_tensor init = p->value; /* init callbacks write host memory: a device parameter starts as a copy of it */
-    init.device = SMP_HOST;
-    init.data = smp__alloc(bytes ? bytes : 1, on_device ? SMP__ALLOC_OTHER : SMP__ALLOC_PARAM);
-    if (!init.data) smp__fatal("out of memory allocating parameter %s (%zu bytes)", p->full_name, bytes);
-    memset(init.data, 0, bytes);
-    if (p->init) p->init(&init, smp_param_seed(p->full_name), p->init_user);
-    if (!on_device) p->value = init;
-    else {
-        if (!smp__tensor_alloc(&p->value, true, SMP__ALLOC_PARAM) || smp__tensor_copy(&p->value, &init))
-            smp__fatal("cannot put parameter %s (%zu bytes) on the device: %s", p->full_name, bytes, smp__errbuf);
-        smp__free(init.data);
-    }
-    if (!p->is_buffer && (!smp__tensor_alloc(&p->grad, on_device, SMP__ALLOC_PARAM) || smp__tensor_zero(&p->grad)))
-        smp__fatal("cannot allocate the gradient of %s (%zu bytes)%s%s", p->full_name, bytes, on_device ? " on the device: " : "",
-                   on_device ? smp__errbuf : "");
-}
 static void smp__release_param(smp_param *p) {
     smp__free(p->value.data);
     if (!p->grad_in_bucket) smp__free(p->grad.data);
     p->grad_in_bucket = false;
     p->value.data = p->grad.data = NULL;
 }
+/* A parameter's storage, initialised, and its gradient, zeroed; out of
+   memory leaves the parameter as it was and names it. */
+static smp_status smp__materialise_param(smp_param *p) {
+    bool on_device = smp__model_on_device(p->module->model);
+    char what[320];
+    snprintf(what, sizeof what, "parameter %s", p->full_name);
+    smp_status st = SMP_OK;
+    smp_tensor init = p->value; /* init callbacks write host memory: a device parameter starts as a copy of it */
+    init.device = SMP_HOST;
+    init.data = smp__alloc_or(&st, smp_tensor_nbytes(&p->value), on_device ? SMP__ALLOC_OTHER : SMP__ALLOC_PARAM, what);
+    if (st) return st;
+    if (p->init) p->init(&init, smp_param_seed(p->full_name), p->init_user);
+    if (!on_device) p->value = init;
+    else {
+        if (smp__tensor_alloc_or(&st, &p->value, true, SMP__ALLOC_PARAM, what)) st = smp__tensor_copy(&p->value, &init);
+        smp__free(init.data);
+    }
+    snprintf(what, sizeof what, "the gradient of parameter %s", p->full_name);
+    if (!st && !p->is_buffer && smp__tensor_alloc_or(&st, &p->grad, on_device, SMP__ALLOC_PARAM, what)) st = smp__tensor_zero(&p->grad);
+    if (st) smp__release_param(p);
+    return st;
+}
 /* While tracing, a module's parameters (and its children's) exist only for
-   the duration of its call: tracing needs memory for the largest module. */
-static void smp__materialise_tree(smp_module *m, int delta) {
+   the duration of its call: tracing needs memory for the largest module.
+   After a failure (*st) the counts still move, so the -1 that follows
+   balances them, but nothing more is allocated. */
+static void smp__materialise_tree(smp_module *m, int delta, smp_status *st) {
     m->materialised += delta;
-    if ((delta > 0 && m->materialised == 1) || (delta < 0 && m->materialised == 0))
-        for (int i = 0; i < m->nparams; i++) delta > 0 ? smp__materialise_param(m->params[i]) : smp__release_param(m->params[i]);
-    for (int i = 0; i < m->nchildren; i++) smp__materialise_tree(m->children[i], delta);
+    if ((delta > 0 && m->materialised == 1) || (delta < 0 && m->materialised == 0)) {
+        for (int i = 0; i < m->nparams; i++) {
+            if (delta < 0) smp__release_param(m->params[i]);
+            else if (!*st) *st = smp__materialise_param(m->params[i]);
+        }
+    }
+    for (int i = 0; i < m->nchildren; i++) smp__materialise_tree(m->children[i], delta, st);
 }
 
 /* Bytes of a module's parameters and its descendants': what its call holds. */
@@ -4098,7 +4126,8 @@ SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *name) {
 }
 SMPDEF void smp_model_on_partitioned(smp_model *m, smp_post_partition_fn fn, void *user) {
     if (m->partitioned) { fn(m, user); return; }
-    smp__grow((void **)&m->hooks, &m->hooks_cap, m->nhooks + 1, sizeof(smp__hook), NULL);
+    size_t want = 0;
+    if (!smp__grow((void **)&m->hooks, &m->hooks_cap, m->nhooks + 1, sizeof(smp__hook), &want)) { m->hooks_lost = want; return; }
     m->hooks[m->nhooks].fn = fn;
     m->hooks[m->nhooks++].user = user;
 }
@@ -4286,9 +4315,13 @@ static int smp__trace_find(const void *data) {
         if (smp__mod.table[i].t.data == data) return i;
     return -1;
 }
+/* Room for n more entries; adding then cannot fail. */
+static bool smp__trace_reserve(smp_status *st, int n) {
+    return smp__grow_or(st, (void **)&smp__mod.table, &smp__mod.table_cap, smp__mod.ntable + n, sizeof *smp__mod.table,
+                        "the trace's table of tensors");
+}
 static void smp__trace_add(const smp_tensor *t, int call, int index, bool owned) {
-    if (!smp__grow((void **)&smp__mod.table, &smp__mod.table_cap, smp__mod.ntable + 1, sizeof *smp__mod.table, NULL))
-        smp__fatal("out of memory recording the trace");
+    SMP_ASSERT(smp__mod.ntable < smp__mod.table_cap);
     smp__mod.table[smp__mod.ntable].t = *t;
     smp__mod.table[smp__mod.ntable].ref.call = call;
     smp__mod.table[smp__mod.ntable].ref.index = index;
@@ -4480,10 +4513,19 @@ static smp_status smp__record_leaf(smp_model *md, smp_call_ctx *c, smp__ref *in,
     rec.nout = c->nout;
     rec.in = in;
     rec.in_meta = in_meta;
-    rec.out_meta = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER);
+    smp_status st = SMP_OK;
+    rec.out_meta = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER, "the trace's record of a call");
     int cap = md->ncalls;
-    if (!rec.out_meta || !smp__grow((void **)&md->calls, &cap, md->ncalls + 1, sizeof(smp__call_rec), NULL))
-        smp__fatal("out of memory recording the trace");
+    smp__grow_or(&st, (void **)&md->calls, &cap, md->ncalls + 1, sizeof(smp__call_rec), "the trace's list of calls");
+    smp__trace_reserve(&st, c->nout);
+    if (st) { /* the call's outputs go too: no table entry will own them */
+        for (int i = 0; i < c->nout; i++) smp__free(c->outputs[i].data);
+        memset(c->outputs, 0, sizeof(smp_tensor) * (size_t)c->nout);
+        smp__free(rec.out_meta);
+        smp__free(in);
+        smp__free(in_meta);
+        return st;
+    }
     memcpy(rec.cost, cost, sizeof rec.cost);
     rec.time = cost[0] + cost[1] + cost[2];
     rec.activation_bytes = act_bytes;
@@ -4514,15 +4556,17 @@ static void smp__unit_costs(const smp_model *md, smp__unit *u) {
     }
 }
 
-static void smp__add_unit(smp_model *md, smp_module *m, int first) {
+static smp_status smp__add_unit(smp_model *md, smp_module *m, int first) {
     int cap = md->nunits;
-    if (!smp__grow((void **)&md->units, &cap, md->nunits + 1, sizeof(smp__unit), NULL)) smp__fatal("out of memory recording the trace");
+    smp_status st = SMP_OK;
+    if (!smp__grow_or(&st, (void **)&md->units, &cap, md->nunits + 1, sizeof(smp__unit), "the trace's list of top-level calls")) return st;
     smp__unit *u = &md->units[md->nunits++];
     memset(u, 0, sizeof *u);
     u->module = m;
     u->first = first;
     u->last = md->ncalls - 1;
     smp__unit_costs(md, u);
+    return SMP_OK;
 }
 
 SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp_tensor *outputs, int nout) {
@@ -4549,10 +4593,9 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
     }
 
     /* where each input comes from, and that it is as it was handed out */
-    smp__ref *in = (smp__ref *)smp__alloc(sizeof(smp__ref) * (size_t)(nin ? nin : 1), SMP__ALLOC_OTHER);
-    smp_tensor *in_meta = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)(nin ? nin : 1), SMP__ALLOC_OTHER);
-    if (!in || !in_meta) smp__fatal("out of memory recording the trace");
     smp_status st = SMP_OK;
+    smp__ref *in = (smp__ref *)smp__alloc_or(&st, sizeof(smp__ref) * (size_t)nin, SMP__ALLOC_OTHER, "a traced call's inputs");
+    smp_tensor *in_meta = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)nin, SMP__ALLOC_OTHER, "a traced call's inputs");
     char where[200];
     for (int i = 0; i < nin && !st; i++) {
         int e = smp__trace_find(inputs[i].data);
@@ -4585,19 +4628,23 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
     c.nout = nout;
     c.inputs = inputs;
     c.context = m->context_partition >= 0 ? m->context_partition : parent ? parent->context : -1;
-    c.outputs = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)nout, SMP__ALLOC_OTHER);
-    c.output_set = (bool *)smp__alloc((size_t)nout, SMP__ALLOC_OTHER);
-    if (!c.outputs || !c.output_set) smp__fatal("out of memory recording the trace");
-    memset(c.outputs, 0, sizeof(smp_tensor) * (size_t)nout);
-    memset(c.output_set, 0, (size_t)nout);
+    c.outputs = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)nout, SMP__ALLOC_OTHER, "a traced call's outputs");
+    c.output_set = (bool *)smp__alloc_or(&st, (size_t)nout, SMP__ALLOC_OTHER, "a traced call's outputs");
+    if (st) {
+        smp__free(c.outputs);
+        smp__free(c.output_set);
+        smp__free(in);
+        smp__free(in_meta);
+        return st;
+    }
     int first = md->ncalls;
-    smp__materialise_tree(m, +1);
+    smp__materialise_tree(m, +1, &st);
     double param_bytes = smp__tree_param_bytes(m);
     int64_t before = smp__ctx.mem.current_bytes;
     /* device work is asynchronous: the time of a call is until the device has done it */
     bool on_dev = smp__model_on_device(md);
     smp_status (*sync)(void) = on_dev ? smp__ctx.device.synchronize : NULL;
-    if (sync) st = sync();
+    if (!st && sync) st = sync();
     double t0 = smp__trace_now(on_dev);
     if (!st) st = smp__run_callback(&c, SMP__FORWARD);
     if (!st && sync) st = sync();
@@ -4621,7 +4668,7 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
                     md->calls[k].recompute_first = first;
                     md->calls[k].recompute_last = md->ncalls - 1;
                 }
-            if (!parent) smp__add_unit(md, m, first);
+            if (!st && !parent) st = smp__add_unit(md, m, first);
         }
     } else {
         smp__call_rec probe; /* what trace_backward reads: which inputs are model inputs */
@@ -4655,10 +4702,11 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
         } else {
             st = smp__record_leaf(md, &c, in, in_meta, cost, (double)(smp__ctx.mem.current_bytes - before), param_bytes, !parent);
             for (int i = 0; i < nout; i++) outputs[i] = c.outputs[i];
-            if (!parent) smp__add_unit(md, m, first);
+            if (!st && !parent) st = smp__add_unit(md, m, first);
         }
     }
-    smp__materialise_tree(m, -1);
+    smp_status released = SMP_OK;
+    smp__materialise_tree(m, -1, &released);
     smp__call_release(&c, false); /* the outputs stay in the table until the trace ends */
     smp__free(c.outputs);
     smp__free(c.output_set);
@@ -4872,15 +4920,15 @@ static smp_status smp__assign_partitions(smp_model *m, int *call_part, int *vee_
                              "per partition (%d for %d partitions): use fewer partitions or another pipeline", nu, nu == 1 ? "" : "s", chunks, P);
         if (chunks > nu)
             return smp_error(SMP_ERR_CONFIG, "the model makes %d top-level calls, too few for %d partitions x %d virtual stages", nu, P, cfg->virtual_stages);
-        smp_call_cost *costs = (smp_call_cost *)smp__alloc(sizeof(smp_call_cost) * (size_t)nu, SMP__ALLOC_OTHER);
-        int *unit_part = (int *)smp__alloc(sizeof(int) * (size_t)nu, SMP__ALLOC_OTHER);
-        if (!costs || !unit_part) smp__fatal("out of memory partitioning the model");
-        for (int u = 0; u < nu; u++) {
+        smp_status st = SMP_OK;
+        smp_call_cost *costs = (smp_call_cost *)smp__alloc_or(&st, sizeof(smp_call_cost) * (size_t)nu, SMP__ALLOC_OTHER, "the auto-partitioner's costs");
+        int *unit_part = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)nu, SMP__ALLOC_OTHER, "the auto-partitioner's placement");
+        for (int u = 0; u < nu && !st; u++) {
             costs[u].time = m->units[u].time;
             costs[u].param_bytes = m->units[u].param_bytes;
             costs[u].activation_bytes = m->units[u].activation_bytes;
         }
-        smp_status st = smp_auto_partition(costs, nu, chunks, cfg->memory_weight, SMP__OPTIMIZER_STATE_FACTOR, unit_part, NULL);
+        if (!st) st = smp_auto_partition(costs, nu, chunks, cfg->memory_weight, SMP__OPTIMIZER_STATE_FACTOR, unit_part, NULL);
         smp__warn_ignored_contexts(m);
         for (int k = 0; k < n && !st; k++) {
             int c = unit_part[m->calls[k].unit];
@@ -4907,7 +4955,9 @@ static smp_status smp__assign_partitions(smp_model *m, int *call_part, int *vee_
 static void smp__report(smp_model *m) {
     if (smp__ctx.rank != 0) return;
     int S = m->nstages;
-    double *t = (double *)smp__alloc(sizeof(double) * 2 * (size_t)S, SMP__ALLOC_OTHER), *mem = t + S;
+    double *t = (double *)smp__alloc(sizeof(double) * 2 * (size_t)S, SMP__ALLOC_OTHER);
+    if (!t) { smp__log(SMP_LOG_WARN, "no partition report: out of memory for %d stages' sums", S); return; }
+    double *mem = t + S;
     char line[256];
     smp__log(SMP_LOG_INFO, "partition report: %d top-level calls (%d leaf calls), %d stages over %d partitions", m->nunits, m->ncalls, S,
             smp__ctx.cfg.partitions);
@@ -5019,8 +5069,9 @@ static smp_status smp__vee_stages(const smp_model *m, const int *part, int *cut)
 
 static smp_status smp__partition(smp_model *m) {
     int n = m->ncalls, P = smp__ctx.cfg.partitions, vee_cut = -1;
-    int *part = (int *)smp__alloc(sizeof(int) * (size_t)(n ? n : 1), SMP__ALLOC_OTHER);
-    smp_status st = n ? smp__assign_partitions(m, part, &vee_cut) : smp_error(SMP_ERR_ARG, "the model's forward made no smp_call");
+    smp_status st = m->hooks_lost ? smp__nomem(m->hooks_lost, "a post-partition hook (smp_model_on_partitioned)") : SMP_OK;
+    int *part = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(n ? n : 1), SMP__ALLOC_OTHER, "the partition of each call");
+    if (!st) st = n ? smp__assign_partitions(m, part, &vee_cut) : smp_error(SMP_ERR_ARG, "the model's forward made no smp_call");
     if (!st && smp__ctx.cfg.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V) st = smp__vee_stages(m, part, &vee_cut);
     for (int k = 0; k < n && !st; k++) {
         const smp__call_rec *c = &m->calls[k];
@@ -5033,8 +5084,10 @@ static smp_status smp__partition(smp_model *m) {
     if (st) { smp__free(part); return st; }
     int S = 0;
     for (int i = 0; i < n; i++) S += i == 0 || part[i] != part[i - 1] || i == vee_cut;
+    bool *used = (bool *)smp__alloc_or(&st, (size_t)P, SMP__ALLOC_OTHER, "the partitions' list of stages");
+    m->stage_rank = (int *)smp__alloc_or(&st, sizeof(int) * 3 * (size_t)S, SMP__ALLOC_OTHER, "the stages of the model");
+    if (st) { smp__free(used); smp__free(part); return st; }
     m->nstages = S;
-    m->stage_rank = (int *)smp__alloc(sizeof(int) * 3 * (size_t)S, SMP__ALLOC_OTHER);
     m->stage_first = m->stage_rank + S;
     m->stage_last = m->stage_rank + 2 * S;
     for (int i = 0, s = -1; i < n; i++) {
@@ -5042,8 +5095,6 @@ static smp_status smp__partition(smp_model *m) {
         m->stage_last[s] = i;
         m->calls[i].stage = s;
     }
-    bool *used = (bool *)smp__alloc((size_t)P, SMP__ALLOC_OTHER);
-    memset(used, 0, (size_t)P);
     for (int s = 0; s < S; s++) used[m->stage_rank[s]] = true;
     for (int p = 0; p < P && !st; p++)
         if (!used[p]) st = smp_error(SMP_ERR_CONFIG, "partition %d has no module calls; every partition needs work (partitions = %d)", p, P);
@@ -5052,7 +5103,11 @@ static smp_status smp__partition(smp_model *m) {
     smp__free(part);
     if (st) return st;
     for (int i = 0; i < m->nparams; i++)
-        if (smp_module_is_local(m->params[i]->module)) smp__materialise_param(m->params[i]);
+        if (!st && smp_module_is_local(m->params[i]->module)) st = smp__materialise_param(m->params[i]);
+    if (st) {
+        for (int i = 0; i < m->nparams; i++) smp__release_param(m->params[i]);
+        return st;
+    }
     m->partitioned = true;
     smp__report(m);
     for (int i = 0; i < m->nhooks; i++) m->hooks[i].fn(m, m->hooks[i].user);
@@ -5080,7 +5135,10 @@ static smp_status smp__share_trace(smp_model *m) {
     if (lo[0] != hi[0] || lo[1] != hi[1])
         return smp_error(SMP_ERR_STATE, "ranks traced different models (call counts %llu..%llu): the forward must make the same calls on every rank",
                          (unsigned long long)lo[0], (unsigned long long)hi[0]);
-    double *costs = (double *)smp__alloc(sizeof(double) * 5 * (size_t)(n ? n : 1), SMP__ALLOC_OTHER);
+    smp_status st = SMP_OK;
+    double *costs = (double *)smp__bytes_or(&st, sizeof(double) * 5 * (size_t)n, SMP__ALLOC_OTHER, "the traced costs");
+    st = smp__agree_on(smp__ctx.world, st, "memory for the traced costs"); /* every rank must be in the broadcast */
+    if (st) { smp__free(costs); return st; }
     for (int i = 0; i < n; i++) {
         memcpy(costs + 5 * i, m->calls[i].cost, sizeof m->calls[i].cost);
         costs[5 * i + 3] = m->calls[i].param_bytes;
@@ -5105,16 +5163,16 @@ SMPDEF smp_status smp_model_trace(smp_model *m, const smp_tensor *inputs, int ni
     if (m->traced) return SMP_OK;
     if (ninputs != m->desc.ninputs)
         st = smp_error(SMP_ERR_ARG, "smp_model_trace: the model takes %d inputs, got %d", m->desc.ninputs, ninputs);
-    smp_tensor *outs = (smp_tensor *)smp__alloc(sizeof(smp_tensor) * (size_t)m->desc.noutputs, SMP__ALLOC_OTHER);
-    memset(outs, 0, sizeof(smp_tensor) * (size_t)m->desc.noutputs);
+    smp_tensor *outs = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)m->desc.noutputs, SMP__ALLOC_OTHER, "the model's outputs");
     if (!st) {
         smp__mod.tracing = true;
         smp__mod.trace_model = m;
         smp__mod.ntable = 0;
-        for (int i = 0; i < ninputs; i++) smp__trace_add(&inputs[i], -1, i, false);
-        st = m->desc.forward(m, inputs, ninputs, outs, m->desc.noutputs, m->desc.user);
+        if (smp__trace_reserve(&st, ninputs))
+            for (int i = 0; i < ninputs; i++) smp__trace_add(&inputs[i], -1, i, false);
+        if (!st) st = m->desc.forward(m, inputs, ninputs, outs, m->desc.noutputs, m->desc.user);
         if (st && !strstr(smp__errbuf, "module")) smp_error(st, "the model's forward failed while tracing: %s", smp__errbuf);
-        m->outputs = (smp__ref *)smp__alloc(sizeof(smp__ref) * (size_t)m->desc.noutputs, SMP__ALLOC_OTHER);
+        m->outputs = (smp__ref *)smp__alloc_or(&st, sizeof(smp__ref) * (size_t)m->desc.noutputs, SMP__ALLOC_OTHER, "the model's outputs");
         for (int i = 0; i < m->desc.noutputs && !st; i++) {
             int e = outs[i].data ? smp__trace_find(outs[i].data) : -1;
             if (e < 0 || smp__mod.table[e].ref.call < 0)

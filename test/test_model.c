@@ -1299,6 +1299,82 @@ static void test_model_new_nomem(void) {
     smp_finalize();
 }
 
+/* Out of memory while the engine builds the tree (smp_module_new,
+   smp_param_new), on the last rank at each allocation in turn: the call
+   returns NULL, nothing is written through a NULL, and smp_model_new
+   reports SMP_ERR_NOMEM on every rank naming what was being created. */
+static void test_build_nomem(void) {
+    smp_config cfg = base_config(1);
+    smp_status st = smp_init(&cfg);
+    smp_model_desc md = {seq_forward, 1, 1, NULL, false};
+    int failed = 0, wrong = 0;
+    bool built = false;
+    for (long skip = 0; !st && skip < 64 && !built; skip++) {
+        if (g_rank == g_world - 1) smp_testing_fail(SMP_FAULT_ALLOC, skip);
+        smp_module *root = smp_module_new(NULL, "", NULL);
+        for (int k = 0; k < 2; k++) {
+            char name[16];
+            snprintf(name, sizeof name, "m%d", k);
+            smp_param_new(smp_module_new(root, name, &ident_desc), "w", SMP_F32, 1, (int64_t[]){4}, NULL, NULL);
+        }
+        smp_testing_fail(SMP_FAULT_ALLOC, -1);
+        smp_model *m = NULL;
+        smp_status got = smp_model_new(root, &md, &m);
+        if (got == SMP_OK) {
+            built = smp_model_num_global_params(m, false) == 2;
+            smp_model_free(m);
+            break;
+        }
+        failed++;
+        if (got != SMP_ERR_NOMEM || m || !strstr(smp_last_error(), "out of memory creating")) wrong++;
+    }
+    MPI_CHECK(!st && failed >= 8 && !wrong && built,
+              "errors/out of memory building modules and parameters: SMP_ERR_NOMEM from smp_model_new on every rank, then a model",
+              "status %d; %d builds failed, %d of them not as NOMEM naming the creation; built %d (%s)", st, failed, wrong, built,
+              smp_last_error());
+    smp_finalize();
+}
+
+/* Out of memory while the first step traces and partitions the model (the
+   trace's records, the parameters and gradients it materialises, the
+   partitioner's arrays), on the last rank at each allocation in turn:
+   SMP_ERR_NOMEM on every rank, never an abort, and the next try works. */
+static void test_trace_nomem(void) {
+    smp_config cfg = base_config(g_world);
+    smp_status st = smp_init(&cfg);
+    smp_module *root = st ? NULL : smp_module_new(NULL, "", NULL), *mods[4];
+    for (int k = 0; root && k < 4; k++) {
+        char name[16];
+        snprintf(name, sizeof name, "id%d", k);
+        mods[k] = smp_module_new_identity(root, name);
+        smp_param_new(mods[k], "w", SMP_F32, 1, (int64_t[]){64}, smp_init_uniform, NULL);
+    }
+    seq_t q = {mods, 4};
+    smp_model_desc md = {seq_forward, 1, 1, &q, false};
+    smp_model *m = NULL;
+    if (!st) st = smp_model_new(root, &md, &m);
+    static float x[2 * 8];
+    smp_tensor xt = smp_tensor_2d(x, SMP_F32, 2, 8);
+    int failed = 0, wrong = 0;
+    bool traced = false;
+    for (long skip = 0; !st && skip < 2000; skip++) {
+        if (g_rank == g_world - 1) smp_testing_fail(SMP_FAULT_ALLOC, skip);
+        smp_status got = smp_model_trace(m, &xt, 1);
+        smp_testing_fail(SMP_FAULT_ALLOC, -1);
+        if (got == SMP_OK) {
+            traced = smp_model_is_partitioned(m) && smp_model_num_calls(m) == 4;
+            break;
+        }
+        failed++;
+        if (got != SMP_ERR_NOMEM) wrong++;
+    }
+    MPI_CHECK(!st && failed >= 20 && !wrong && traced,
+              "errors/out of memory tracing and partitioning: SMP_ERR_NOMEM on every rank at each allocation, then the model partitions",
+              "status %d; %d traces failed, %d of them not as NOMEM (%s); partitioned %d", st, failed, wrong, smp_last_error(), traced);
+    smp_model_free(m);
+    smp_finalize();
+}
+
 /* Auto-partitioning on cold timings. Four modules of equal work (3 ms of
    processor time in each forward); one "run" of the job makes module 0's first call
    slow (a cold start: caches, lazy set-up in the engine) and one later
@@ -1392,6 +1468,8 @@ int main(int argc, char **argv) {
     test_contexts_left_open();
     test_finalize_frees();
     test_model_new_nomem();
+    test_build_nomem();
+    test_trace_nomem();
     test_stable_partition();
 
     (void)test_report;
