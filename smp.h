@@ -2718,17 +2718,15 @@ static void smp__gather_hosts(void) {
     smp__ctx.host_at = lens;
 }
 
-static smp_status smp__make_group(smp__group_info *gi, MPI_Comm comm) {
+/* gi->world_ranks is allocated already (smp_init agrees on that memory). */
+static void smp__make_group(smp__group_info *gi, MPI_Comm comm) {
     gi->comm = comm;
     SMP__MPI_FATAL(MPI_Comm_dup(comm, &gi->objects), "making a group's object communicator at smp_init");
     SMP__MPI_FATAL(MPI_Comm_dup(comm, &gi->notices), "making a group's failure-notice communicator at smp_init");
     /* the others go on into the group's MPI_Allgather, a blocking collective */
     SMP__MPI_FATAL(MPI_Comm_rank(comm, &gi->rank), "asking this rank's place in a group at smp_init");
     SMP__MPI_FATAL(MPI_Comm_size(comm, &gi->size), "asking a group's size at smp_init");
-    gi->world_ranks = (int *)smp__alloc(sizeof(int) * (size_t)gi->size, SMP__ALLOC_OTHER);
-    if (!gi->world_ranks) return smp_error(SMP_ERR_NOMEM, "out of memory building groups");
     SMP__MPI_FATAL(MPI_Allgather(&smp__ctx.rank, 1, MPI_INT, gi->world_ranks, 1, MPI_INT, comm), "gathering a group's world ranks at smp_init");
-    return SMP_OK;
 }
 
 /* ---------------------------------------------------------------- agreement */
@@ -2836,9 +2834,15 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
         if (st) smp_error(st, "SMP_CONFIG: %s", smp__errbuf);
     }
     if (!st) st = smp_config_resolve(&cfg, size, &smp__ctx.cfg);
+    /* the groups' lists of ranks: out of memory is agreed with the configuration, before the groups' collectives */
+    int group_size[SMP_GROUP_COUNT] = {size, smp__ctx.cfg.partitions, st ? 0 : size / smp__ctx.cfg.partitions};
+    for (int g = 0; g < SMP_GROUP_COUNT; g++)
+        smp__ctx.groups[g].world_ranks = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)group_size[g], SMP__ALLOC_OTHER, "a group's ranks");
     smp__ctx.rank = rank;
     st = smp__agree_on(smp__ctx.world, st, "configuration agreement");
     if (st) {
+        for (int g = 0; g < SMP_GROUP_COUNT; g++) smp__free(smp__ctx.groups[g].world_ranks);
+        memset(smp__ctx.groups, 0, sizeof smp__ctx.groups);
         SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.world), "releasing smp's communicator after a failed smp_init");
         if (owns) SMP__MPI_WARN(MPI_Finalize(), "finalizing MPI after a failed smp_init");
         return st;
@@ -2861,11 +2865,9 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     MPI_Comm w;
     SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.world, &w), "making the world group's communicator (smp_init)");
     smp__ctx.initialized = true; /* the group builders below use the context */
-    if ((st = smp__make_group(&smp__ctx.groups[SMP_WORLD], w)) || (st = smp__make_group(&smp__ctx.groups[SMP_MP_GROUP], mp)) ||
-        (st = smp__make_group(&smp__ctx.groups[SMP_DP_GROUP], dp))) {
-        smp__ctx.initialized = false;
-        return st;
-    }
+    smp__make_group(&smp__ctx.groups[SMP_WORLD], w);
+    smp__make_group(&smp__ctx.groups[SMP_MP_GROUP], mp);
+    smp__make_group(&smp__ctx.groups[SMP_DP_GROUP], dp);
     smp__half_op_fns();
     static bool guarded;
     if (!guarded) guarded = atexit(smp__exit_guard) == 0;

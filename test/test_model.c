@@ -1299,6 +1299,28 @@ static void test_model_new_nomem(void) {
     smp_finalize();
 }
 
+/* Out of memory in smp_init on the last rank, at each of its allocations
+   in turn: SMP_ERR_NOMEM on every rank (before, a rank without memory for
+   a group's ranks returned while the others waited in that group's
+   collective), and then smp_init works. */
+static void test_init_nomem(void) {
+    smp_config cfg = base_config(g_world > 1 ? 2 : 1);
+    int failed = 0, wrong = 0;
+    bool up = false;
+    for (long skip = 0; skip < 32 && !up; skip++) {
+        if (g_rank == g_world - 1) smp_testing_fail(SMP_FAULT_ALLOC, skip);
+        smp_status got = smp_init(&cfg);
+        smp_testing_fail(SMP_FAULT_ALLOC, -1);
+        up = got == SMP_OK && smp_group_size(SMP_DP_GROUP) == g_world / cfg.partitions;
+        if (got == SMP_OK) break;
+        failed++;
+        if (got != SMP_ERR_NOMEM || smp_is_initialized()) wrong++;
+    }
+    MPI_CHECK(failed >= 3 && !wrong && up, "errors/out of memory in smp_init: SMP_ERR_NOMEM on every rank, then smp_init works",
+              "%d inits failed, %d of them not as NOMEM or left initialised; then up %d (%s)", failed, wrong, up, smp_last_error());
+    smp_finalize();
+}
+
 /* Out of memory while the engine builds the tree (smp_module_new,
    smp_param_new), on the last rank at each allocation in turn: the call
    returns NULL, nothing is written through a NULL, and smp_model_new
@@ -1468,6 +1490,7 @@ int main(int argc, char **argv) {
     test_contexts_left_open();
     test_finalize_frees();
     test_model_new_nomem();
+    test_init_nomem();
     test_build_nomem();
     test_trace_nomem();
     test_stable_partition();
