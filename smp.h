@@ -2624,6 +2624,11 @@ static smp_status smp__coll_exit(smp__group_info *gi, smp_group g, smp_status st
         if (r != gi->rank && !smp__send_failure(&gi->coll_seq, 8, r, SMP__TAG_FAILED, gi->notices)) break;
     return st;
 }
+/* A host collective's public entry: `call` runs between smp__coll_enter
+   and smp__coll_exit, so a failure on this rank reaches the other members. */
+#define SMP__COLLECTIVE(g, call) \
+    smp__group_info *smp_member_ = smp__coll_enter(g); \
+    return smp__coll_exit(smp_member_, (g), (call))
 
 SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_group g, int peer) {
     smp__backoff b = smp__backoff_start();
@@ -3077,8 +3082,7 @@ static smp_status smp__broadcast_bytes(void **buf, size_t *len, int root, smp_gr
 }
 
 SMPDEF smp_status smp_broadcast_bytes(void **buf, size_t *len, int root, smp_group g) {
-    smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, g, smp__broadcast_bytes(buf, len, root, g));
+    SMP__COLLECTIVE(g, smp__broadcast_bytes(buf, len, root, g));
 }
 
 static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
@@ -3116,8 +3120,7 @@ static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g,
 }
 
 SMPDEF smp_status smp_all_gather_bytes(const void *buf, size_t len, smp_group g, void **out, size_t *lens) {
-    smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, g, smp__allgather_bytes(buf, len, g, out, lens));
+    SMP__COLLECTIVE(g, smp__allgather_bytes(buf, len, g, out, lens));
 }
 
 static smp_status smp__barrier(smp_group g) {
@@ -3131,8 +3134,7 @@ static smp_status smp__barrier(smp_group g) {
 }
 
 SMPDEF smp_status smp_barrier(smp_group g) {
-    smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, g, smp__barrier(g));
+    SMP__COLLECTIVE(g, smp__barrier(g));
 }
 
 /* ---------------------------------------------------------------- collectives */
@@ -3356,8 +3358,7 @@ static smp_status smp__all_reduce(const smp_tensor *in, smp_tensor *out, smp_op 
 }
 
 SMPDEF smp_status smp_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
-    smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, g, smp__all_reduce(in, out, op, g));
+    SMP__COLLECTIVE(g, smp__all_reduce(in, out, op, g));
 }
 
 static smp_status smp__broadcast(smp_tensor *t, int root, smp_group g) {
@@ -3378,8 +3379,7 @@ static smp_status smp__broadcast(smp_tensor *t, int root, smp_group g) {
 }
 
 SMPDEF smp_status smp_broadcast(smp_tensor *t, int root, smp_group g) {
-    smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, g, smp__broadcast(t, root, g));
+    SMP__COLLECTIVE(g, smp__broadcast(t, root, g));
 }
 
 static smp_status smp__reduce(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g) {
@@ -3409,8 +3409,7 @@ static smp_status smp__reduce(const smp_tensor *in, smp_tensor *out, smp_op op, 
 }
 
 SMPDEF smp_status smp_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g) {
-    smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, g, smp__reduce(in, out, op, root, g));
+    SMP__COLLECTIVE(g, smp__reduce(in, out, op, root, g));
 }
 
 static smp_status smp__all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
@@ -3451,8 +3450,7 @@ static smp_status smp__all_gather(const smp_tensor *in, smp_tensor *out, smp_gro
 }
 
 SMPDEF smp_status smp_all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
-    smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, g, smp__all_gather(in, out, g));
+    SMP__COLLECTIVE(g, smp__all_gather(in, out, g));
 }
 
 static smp_status smp__reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
@@ -3496,8 +3494,7 @@ static smp_status smp__reduce_scatter(const smp_tensor *in, smp_tensor *out, smp
 }
 
 SMPDEF smp_status smp_reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
-    smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, g, smp__reduce_scatter(in, out, op, g));
+    SMP__COLLECTIVE(g, smp__reduce_scatter(in, out, op, g));
 }
 
 static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
@@ -3552,8 +3549,7 @@ static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, 
 
 SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
                                         const int64_t *in_splits, smp_group g) {
-    smp__group_info *member = smp__coll_enter(g);
-    return smp__coll_exit(member, g, smp__all_to_all_single(in, out, out_splits, in_splits, g));
+    SMP__COLLECTIVE(g, smp__all_to_all_single(in, out, out_splits, in_splits, g));
 }
 
 /* ---------------------------------------------------------------- modules */
