@@ -2957,49 +2957,46 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b) {
 #define SMP__TAG_OBJECT 7001
 #define SMP__TAG_SEND_FAILED 7003
 
-static smp_status smp__resolve_peer(int peer, smp_group group, const char *fn, smp_group *g) {
-    SMP_ASSERT(smp__ctx.initialized);
-    *g = group;
-    if ((unsigned)group >= SMP_GROUP_COUNT) return smp_error(SMP_ERR_ARG, "%s: unknown group %d (SMP_WORLD, SMP_MP_GROUP or SMP_DP_GROUP)", fn, (int)group);
-    int n = smp__ctx.groups[*g].size;
-    if (peer < 0 || peer >= n) return smp_error(SMP_ERR_ARG, "%s: rank %d is outside the %s (size %d)", fn, peer, smp__group_name(*g), n);
-    if (peer == smp__ctx.groups[*g].rank) return smp_error(SMP_ERR_ARG, "%s: rank %d is this rank", fn, peer);
+static smp_status smp__group_arg(smp_group g, const char *fn, smp__group_info **gi) {
+    SMP_TRY(smp__require_init(fn));
+    *gi = smp__group(g);
+    if (!*gi) return smp_error(SMP_ERR_ARG, "%s: unknown group %d (SMP_WORLD, SMP_MP_GROUP or SMP_DP_GROUP)", fn, (int)g);
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_group group) {
-    smp_status st;
-    smp_group g;
-    if ((st = smp__require_init("smp_send")) || (st = smp__resolve_peer(dest, group, "smp_send", &g))) return st;
-    MPI_Comm comm = smp__ctx.groups[g].objects;
+static smp_status smp__peer_arg(int peer, smp_group g, const char *fn, smp__group_info **gi) {
+    SMP_TRY(smp__group_arg(g, fn, gi));
+    if (peer < 0 || peer >= (*gi)->size) return smp_error(SMP_ERR_ARG, "%s: rank %d is outside the %s (size %d)", fn, peer, smp__group_name(g), (*gi)->size);
+    if (peer == (*gi)->rank) return smp_error(SMP_ERR_ARG, "%s: rank %d is this rank", fn, peer);
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_group g) {
+    smp__group_info *gi;
+    SMP_TRY(smp__peer_arg(dest, g, "smp_send", &gi));
     MPI_Datatype type = MPI_BYTE;
     int count = 0;
-    if (len && !buf) st = smp_error(SMP_ERR_ARG, "smp_send: buffer is NULL");
-    else st = smp__bytes_type(len, &count, &type);
+    MPI_Request req;
+    smp_status st = len && !buf ? smp_error(SMP_ERR_ARG, "smp_send: buffer is NULL") : smp__bytes_type(len, &count, &type);
+    if (!st) {
+        st = SMP__MPI_CHECK(MPI_Isend(buf, count, type, dest, SMP__TAG_OBJECT, gi->objects, &req), "sending an object (smp_send) to %s rank %d",
+                            smp__group_name(g), dest);
+        if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing an object's datatype");
+    }
     if (st) { /* the receiver learns instead of waiting for SMP_TIMEOUT */
         smp__failures_reap(false);
-        smp__send_failure(NULL, 0, dest, SMP__TAG_SEND_FAILED, comm);
-        return st;
-    }
-    MPI_Request req;
-    st = SMP__MPI_CHECK(MPI_Isend(buf, count, type, dest, SMP__TAG_OBJECT, comm, &req), "sending an object (smp_send) to %s rank %d",
-                        smp__group_name(g), dest);
-    if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing an object's datatype");
-    if (st) { /* as above: the receiver hears of it */
-        smp__failures_reap(false);
-        smp__send_failure(NULL, 0, dest, SMP__TAG_SEND_FAILED, comm);
+        smp__send_failure(NULL, 0, dest, SMP__TAG_SEND_FAILED, gi->objects);
         return st;
     }
     smp_wait_requests(1, &req, "smp_send to be received", g, dest);
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_recv_from(int src, smp_group group, void **buf, size_t *len) {
-    smp_status st;
-    smp_group g;
-    if ((st = smp__require_init("smp_recv_from")) || (st = smp__resolve_peer(src, group, "smp_recv_from", &g))) return st;
+SMPDEF smp_status smp_recv_from(int src, smp_group g, void **buf, size_t *len) {
+    smp__group_info *gi;
+    SMP_TRY(smp__peer_arg(src, g, "smp_recv_from", &gi));
     if (!buf || !len) return smp_error(SMP_ERR_ARG, "smp_recv_from: buf and len must not be NULL");
-    MPI_Comm comm = smp__ctx.groups[g].objects;
+    MPI_Comm comm = gi->objects;
     MPI_Message msg;
     MPI_Status status;
     int found = 0;
@@ -3024,6 +3021,7 @@ SMPDEF smp_status smp_recv_from(int src, smp_group group, void **buf, size_t *le
     size_t n = (size_t)bytes;
     MPI_Datatype type;
     int count;
+    smp_status st = SMP_OK;
     char *p = (char *)smp__bytes_or(&st, n + 1, SMP__ALLOC_OTHER, "an object smp_recv_from receives");
     if (!st) st = smp__bytes_type(n, &count, &type);
     if (st) { /* MPI matched the message to this probe: no other receive can have it */
@@ -3041,13 +3039,6 @@ SMPDEF smp_status smp_recv_from(int src, smp_group group, void **buf, size_t *le
     return SMP_OK;
 }
 
-static smp_status smp__group_arg(smp_group g, const char *fn, smp__group_info **gi) {
-    smp_status st = smp__require_init(fn);
-    if (st) return st;
-    *gi = smp__group(g);
-    if (!*gi) return smp_error(SMP_ERR_ARG, "%s: unknown group %d (SMP_WORLD, SMP_MP_GROUP or SMP_DP_GROUP)", fn, (int)g);
-    return SMP_OK;
-}
 
 static smp_status smp__broadcast_bytes(void **buf, size_t *len, int root, smp_group g) {
     smp__group_info *gi;
