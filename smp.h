@@ -1673,23 +1673,24 @@ SMPDEF uint16_t smp_f32_to_bf16(float f) {
 }
 
 #if defined(DLPACK_VERSION) || defined(DLPACK_MAJOR_VERSION) || defined(SMP_DLPACK)
+#if defined(DLPACK_MAJOR_VERSION) || (defined(DLPACK_VERSION) && DLPACK_VERSION >= 80) /* kDLBool: 0.8 and 1.x */
+#define SMP__DL_BOOL kDLBool
+#else
+#define SMP__DL_BOOL kDLUInt /* DLPack before 0.8 has no bool code: bool travels as u8 */
+#endif
+/* Each dtype's DLPack code and bits, in smp_dtype order: both directions read it. */
+static const struct { uint8_t code, bits; } smp__dl_types[SMP_DTYPE_COUNT] = {
+    {0, 0}, {kDLFloat, 32}, {kDLFloat, 16}, {kDLBfloat, 16}, {kDLFloat, 64}, {kDLInt, 32}, {kDLInt, 64}, {kDLUInt, 8}, {SMP__DL_BOOL, 8}};
+
 SMPDEF smp_status smp_tensor_from_dlpack(const DLTensor *dl, smp_tensor *out) {
     if (!dl || !out) return smp_error(SMP_ERR_ARG, "smp_tensor_from_dlpack: NULL argument");
     if (dl->ndim < 0 || dl->ndim > SMP_MAX_DIMS) return smp_error(SMP_ERR_ARG, "DLPack tensor has %d dimensions; smp supports up to %d", dl->ndim, SMP_MAX_DIMS);
     if (dl->dtype.lanes != 1) return smp_error(SMP_ERR_ARG, "DLPack tensor has %d lanes; smp supports 1", dl->dtype.lanes);
     smp_dtype dt = SMP_DTYPE_INVALID;
-    int bits = dl->dtype.bits;
-    switch (dl->dtype.code) {
-    case kDLFloat: dt = bits == 32 ? SMP_F32 : bits == 16 ? SMP_F16 : bits == 64 ? SMP_F64 : dt; break;
-    case kDLBfloat: dt = bits == 16 ? SMP_BF16 : dt; break;
-    case kDLInt: dt = bits == 32 ? SMP_I32 : bits == 64 ? SMP_I64 : dt; break;
-    case kDLUInt: dt = bits == 8 ? SMP_U8 : dt; break;
-#if defined(DLPACK_MAJOR_VERSION) || (defined(DLPACK_VERSION) && DLPACK_VERSION >= 80) /* kDLBool: 0.8 and 1.x */
-    case kDLBool: dt = bits == 8 ? SMP_BOOL : dt; break;
-#endif
-    default: break;
-    }
-    if (dt == SMP_DTYPE_INVALID) return smp_error(SMP_ERR_ARG, "DLPack dtype code %d with %d bits has no smp dtype", dl->dtype.code, bits);
+    for (int k = 1; k < SMP_DTYPE_COUNT && !dt; k++) /* u8 before bool: old DLPack spells both kDLUInt 8 */
+        if (dl->dtype.code == smp__dl_types[k].code && dl->dtype.bits == smp__dl_types[k].bits) dt = (smp_dtype)k;
+    if (dt == SMP_DTYPE_INVALID)
+        return smp_error(SMP_ERR_ARG, "DLPack dtype code %d with %d bits has no smp dtype", dl->dtype.code, dl->dtype.bits);
     int device;
     if (dl->device.device_type == kDLCPU || dl->device.device_type == kDLCUDAHost) device = SMP_HOST;
     else if (dl->device.device_type == kDLCUDA) device = dl->device.device_id;
@@ -1710,21 +1711,14 @@ SMPDEF smp_status smp_tensor_from_dlpack(const DLTensor *dl, smp_tensor *out) {
 SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[SMP_MAX_DIMS]) {
     DLTensor dl;
     memset(&dl, 0, sizeof dl);
-    static const struct { uint8_t code, bits; } map[SMP_DTYPE_COUNT] = {
-        {0, 0}, {kDLFloat, 32}, {kDLFloat, 16}, {kDLBfloat, 16}, {kDLFloat, 64}, {kDLInt, 32}, {kDLInt, 64}, {kDLUInt, 8},
-#if defined(DLPACK_MAJOR_VERSION) || (defined(DLPACK_VERSION) && DLPACK_VERSION >= 80) /* kDLBool: 0.8 and 1.x */
-        {kDLBool, 8}};
-#else
-        {kDLUInt, 8}}; /* DLPack before 0.8 has no bool code */
-#endif
     for (int i = 0; i < t->ndim; i++) shape_storage[i] = t->shape[i];
     dl.data = t->data;
     dl.device.device_type = t->device == SMP_HOST ? kDLCPU : kDLCUDA;
     dl.device.device_id = t->device == SMP_HOST ? 0 : t->device;
     dl.ndim = t->ndim;
     unsigned k = (unsigned)t->dtype < SMP_DTYPE_COUNT ? (unsigned)t->dtype : 0;
-    dl.dtype.code = map[k].code;
-    dl.dtype.bits = map[k].bits;
+    dl.dtype.code = smp__dl_types[k].code;
+    dl.dtype.bits = smp__dl_types[k].bits;
     dl.dtype.lanes = 1;
     dl.shape = shape_storage;
     dl.strides = NULL; /* compact row-major */
