@@ -1405,7 +1405,8 @@ static smp_status smp__ckpt_parse_meta(smp__ckpt_jp *jp, smp_ckpt_file *f) {
                                   k);
         SMP_TRY(smp__ckpt_jstring(jp, &v, "a metadata value"));
         smp__ckpt_meta *m =
-            (smp__ckpt_meta *)smp__ckpt_push((void **)&f->meta, &f->nmeta, &f->meta_cap, sizeof *m, jp->label, "the header's metadata");
+            (smp__ckpt_meta *)smp__ckpt_push((void **)&f->meta, &f->nmeta, &f->meta_cap, sizeof *m, jp->label,
+                                             "the header's metadata");
         if (!m) return SMP_ERR_NOMEM;
         m->key = k;
         m->value = v;
@@ -1602,7 +1603,8 @@ static smp_status smp__ckpt_parse(smp_ckpt_file *f) {
                 SMP_TRY(smp__ckpt_parse_meta(&jp, f));
             } else {
                 smp_ckpt_info *e =
-                    (smp_ckpt_info *)smp__ckpt_push((void **)&f->info, &f->n, &f->cap, sizeof *e, f->label, "the header's tensor list");
+                    (smp_ckpt_info *)smp__ckpt_push((void **)&f->info, &f->n, &f->cap, sizeof *e, f->label,
+                                                    "the header's tensor list");
                 if (!e) return SMP_ERR_NOMEM;
                 e->name = name;
                 jp.tensor = name;
@@ -2037,13 +2039,12 @@ static smp_status smp__ckpt_copy_in(void *dst, int dst_dev, const void *src, siz
 
 /* ---------------------------------------------------------------- optimizer registry */
 SMPDEF smp_status smp_optimizer_new(smp_model *m, smp_optimizer **out) {
-    smp_optimizer *o;
     if (!out) return smp_error(SMP_ERR_ARG, "smp_optimizer_new: out is NULL");
     *out = NULL;
     if (!m) return smp_error(SMP_ERR_ARG, "smp_optimizer_new: model is NULL");
-    o = (smp_optimizer *)smp__alloc(sizeof *o, SMP__ALLOC_OTHER);
-    if (!o) return smp__nomem(sizeof *o, "smp_optimizer_new's registry");
-    memset(o, 0, sizeof *o);
+    smp_status st = SMP_OK;
+    smp_optimizer *o = (smp_optimizer *)smp__alloc_or(&st, sizeof *o, SMP__ALLOC_OTHER, "smp_optimizer_new's registry");
+    if (!o) return st;
     o->model = m;
     *out = o;
     return SMP_OK;
@@ -2144,8 +2145,7 @@ static int smp__ckpt_cmp_order(const void *a, const void *b) {
 }
 
 static int smp__ckpt_find(const smp__ckpt_plan *pl, const char *name) {
-    int lo = 0, hi = pl->n - 1;
-    while (lo <= hi) {
+    for (int lo = 0, hi = pl->n - 1; lo <= hi;) {
         int mid = lo + (hi - lo) / 2, c = strcmp(pl->items[pl->by_name[mid]].name, name);
         if (!c) return pl->by_name[mid];
         if (c < 0) lo = mid + 1;
@@ -2180,25 +2180,39 @@ static int smp__ckpt_same_shape(int na, const int64_t *a, int nb, const int64_t 
     return 1;
 }
 
+/* Sets a plan item: a tensor `name` of partition mp, in no file yet. */
+static void smp__ckpt_item_init(smp__ckpt_item *it, const char *name, smp_dtype dt, int ndim, const int64_t *shape, int kind,
+                                int mp) {
+    int64_t numel;
+    memset(it, 0, sizeof *it);
+    it->name = name;
+    it->dtype = dt;
+    it->ndim = ndim;
+    memcpy(it->shape, shape, sizeof it->shape);
+    smp__ckpt_tensor_bytes(dt, ndim, shape, &numel, &it->nbytes);
+    it->kind = kind;
+    it->mp = mp;
+    it->file = -1;
+}
+
 /* Serialises this rank's registrations into *out (malloc'd). */
 static smp_status smp__ckpt_pack(const smp_optimizer *o, char **out, size_t *len) {
-    size_t n = 0, at = 0;
-    char *b;
     *out = NULL;
     *len = 0;
     if (!o || !o->n) return SMP_OK;
+    size_t n = 0, at = 0;
     for (int i = 0; i < o->n; i++) n += 1 + strlen(o->s[i].full) + 1 + 8 + 8 * (size_t)o->s[i].t.ndim;
-    b = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
-    if (!b) return smp__nomem(n, "this rank's optimizer state names, packed for the other ranks (a checkpoint's plan)");
+    smp_status st = SMP_OK;
+    char *b = (char *)smp__bytes_or(&st, n, SMP__ALLOC_OTHER,
+                                    "this rank's optimizer state names, packed for the other ranks (a checkpoint's plan)");
+    if (!b) return st;
     for (int i = 0; i < o->n; i++) {
         const smp__ckpt_state *s = &o->s[i];
-        int32_t v[2];
         size_t k = strlen(s->full) + 1;
         b[at++] = (char)s->global;
         memcpy(b + at, s->full, k);
         at += k;
-        v[0] = (int32_t)s->t.dtype;
-        v[1] = (int32_t)s->t.ndim;
+        int32_t v[2] = {(int32_t)s->t.dtype, (int32_t)s->t.ndim};
         memcpy(b + at, v, 8);
         at += 8;
         memcpy(b + at, s->t.shape, 8 * (size_t)s->t.ndim);
@@ -2215,13 +2229,11 @@ static smp_status smp__ckpt_pack(const smp_optimizer *o, char **out, size_t *len
 static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coords, const int *counts, const int *displs,
                                           const smp_optimizer *opt, int *nitems) {
     smp__ckpt_rec *recs = NULL;
-    int nrec = 0, cap = 0, r, i, j;
+    int nrec = 0, cap = 0;
     smp_status st = SMP_OK;
-    char d1[200], d2[200];
-    for (r = 0; r < pl->size; r++) {
+    for (int r = 0; r < pl->size; r++) {
         const char *p = pl->gathered + displs[r], *end = p + counts[r];
-        int index = 0;
-        while (p < end) {
+        for (int index = 0; p < end; index++) {
             smp__ckpt_rec rec;
             int32_t v[2];
             memset(&rec, 0, sizeof rec);
@@ -2235,7 +2247,7 @@ static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coord
             memcpy(rec.shape, p, 8 * (size_t)rec.ndim);
             p += 8 * (size_t)rec.ndim;
             rec.rank = r;
-            rec.index = index++;
+            rec.index = index;
             if (!smp__grow_or(&st, (void **)&recs, &cap, nrec + 1, sizeof *recs, "merging every rank's optimizer state names (a checkpoint's plan)")) {
                 smp__free(recs);
                 return st;
@@ -2244,12 +2256,12 @@ static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coord
         }
     }
     if (nrec) qsort(recs, (size_t)nrec, sizeof *recs, smp__ckpt_cmp_rec);
-    for (i = 0; i < nrec && !st; i = j) {
-        smp__ckpt_item *it = &pl->items[*nitems];
+    for (int i = 0, j; i < nrec && !st; i = j) {
         const smp__ckpt_rec *a = &recs[i];
         for (j = i; j < nrec && !strcmp(recs[j].name, a->name); j++) {
             const smp__ckpt_rec *b = &recs[j];
             if (b->global != a->global || b->dtype != a->dtype || !smp__ckpt_same_shape(a->ndim, a->shape, b->ndim, b->shape)) {
+                char d1[200], d2[200];
                 st = smp_error(SMP_ERR_ARG,
                                "optimizer state '%s' is registered as %s%s on world rank %d but as %s%s on world rank %d",
                                a->name, smp__ckpt_describe(a->dtype, a->ndim, a->shape, d1, sizeof d1),
@@ -2260,19 +2272,10 @@ static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coord
             }
         }
         if (st) break;
-        memset(it, 0, sizeof *it);
-        it->name = a->name;
-        it->dtype = a->dtype;
-        it->ndim = a->ndim;
-        memcpy(it->shape, a->shape, sizeof it->shape);
-        it->kind = a->global ? SMP__CKPT_GLOBAL : SMP__CKPT_OPTIM;
-        it->mp = a->global ? 0 : coords[2 * a->rank];
-        it->file = -1;
-        {
-            int64_t numel;
-            smp__ckpt_tensor_bytes(it->dtype, it->ndim, it->shape, &numel, &it->nbytes);
-        }
-        for (r = i; r < j; r++) {
+        smp__ckpt_item *it = &pl->items[*nitems];
+        smp__ckpt_item_init(it, a->name, a->dtype, a->ndim, a->shape, a->global ? SMP__CKPT_GLOBAL : SMP__CKPT_OPTIM,
+                            a->global ? 0 : coords[2 * a->rank]);
+        for (int r = i; r < j; r++) {
             if (recs[r].rank == pl->saver[it->mp]) it->saver_has = 1;
             if (recs[r].rank == pl->rank && opt) it->local = &opt->s[recs[r].index].t;
         }
@@ -2392,16 +2395,9 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
         smp_param *p = smp_model_global_param(m, i, true);
         const smp_tensor *v = smp_param_value(p);
         smp__ckpt_item *it = &pl->items[nitems++];
-        int64_t numel;
-        memset(it, 0, sizeof *it);
-        it->name = smp_param_name(p);
-        it->dtype = v->dtype;
-        it->ndim = v->ndim;
-        memcpy(it->shape, v->shape, sizeof it->shape);
-        smp__ckpt_tensor_bytes(it->dtype, it->ndim, it->shape, &numel, &it->nbytes);
-        it->kind = smp_param_is_buffer(p) ? SMP__CKPT_BUFFER : SMP__CKPT_PARAM;
-        it->mp = smp_module_partition(smp_param_module(p));
-        it->file = -1;
+        smp__ckpt_item_init(it, smp_param_name(p), v->dtype, v->ndim, v->shape,
+                            smp_param_is_buffer(p) ? SMP__CKPT_BUFFER : SMP__CKPT_PARAM,
+                            smp_module_partition(smp_param_module(p)));
         if (it->mp < 0 || it->mp >= pl->P) {
             st = smp_error(SMP_ERR_STATE, "%s '%s' has no partition; is the model partitioned?",
                            smp__ckpt_kind_name(it->kind), it->name);
@@ -2471,12 +2467,11 @@ static void *smp__ckpt_io_main(void *arg) {
     smp__ckpt_io *io = (smp__ckpt_io *)arg;
     pthread_mutex_lock(&io->mu);
     for (;;) {
-        smp__ckpt_job j;
-        smp_status st = SMP_OK;
         while (!io->count && !io->quit) pthread_cond_wait(&io->cv, &io->mu);
         if (!io->count) break;
-        j = io->q[io->head];
+        smp__ckpt_job j = io->q[io->head];
         pthread_mutex_unlock(&io->mu);
+        smp_status st = SMP_OK;
         if (!io->st) st = io->sink(io->ctx, j.item, j.off, j.p, j.n); /* after an error: drain */
         pthread_mutex_lock(&io->mu);
         if (!io->st && st) {
@@ -2504,11 +2499,10 @@ static void smp__ckpt_io_push(smp__ckpt_io *io, smp__ckpt_job j) {
 
 /* Whether ring slot s may take a new receive; with `block`, waits for it. */
 static int smp__ckpt_io_free(smp__ckpt_io *io, int s, int block) {
-    int ok;
     if (!io) return 1;
     pthread_mutex_lock(&io->mu);
     while (block && io->busy[s]) pthread_cond_wait(&io->cv, &io->mu);
-    ok = !io->busy[s];
+    int ok = !io->busy[s];
     pthread_mutex_unlock(&io->mu);
     return ok;
 }
@@ -2535,9 +2529,6 @@ typedef struct smp__ckpt_rx {
    `block`, once it is); returns whether it posted one. */
 static int smp__ckpt_post(smp__ckpt_rx *rx, int block) {
     smp__ckpt_plan *pl = rx->pl;
-    const smp__ckpt_item *ip;
-    size_t lp;
-    int s;
     if (rx->posted - rx->done >= SMP__CKPT_RING) return 0;
     while (rx->qp < pl->n && (smp__ckpt_source(pl, &pl->items[pl->order[rx->qp]]) == rx->receiver ||
                               rx->offp >= pl->items[pl->order[rx->qp]].nbytes)) {
@@ -2545,10 +2536,10 @@ static int smp__ckpt_post(smp__ckpt_rx *rx, int block) {
         rx->offp = 0;
     }
     if (rx->qp >= pl->n) return 0;
-    s = (int)(rx->posted % SMP__CKPT_RING);
+    int s = (int)(rx->posted % SMP__CKPT_RING);
     if (!smp__ckpt_io_free(rx->io, s, block)) return 0;
-    ip = &pl->items[pl->order[rx->qp]];
-    lp = ip->nbytes - rx->offp < pl->chunk ? (size_t)(ip->nbytes - rx->offp) : pl->chunk;
+    const smp__ckpt_item *ip = &pl->items[pl->order[rx->qp]];
+    size_t lp = ip->nbytes - rx->offp < pl->chunk ? (size_t)(ip->nbytes - rx->offp) : pl->chunk;
     SMP_ASSERT(rx->buf[s] != NULL);
     SMP__MPI_FATAL(MPI_Irecv(rx->buf[s], (int)lp, MPI_BYTE, smp__ckpt_source(pl, ip), SMP__CKPT_TAG, pl->comm, &rx->req[s]),
                    "receiving checkpoint data of '%s' from world rank %d", ip->name, smp__ckpt_source(pl, ip));
@@ -2559,8 +2550,7 @@ static int smp__ckpt_post(smp__ckpt_rx *rx, int block) {
 
 static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, void *ctx) {
     smp__ckpt_plan *pl = rx->pl;
-    smp_status st = SMP_OK, st2;
-    char what[256];
+    smp_status st = SMP_OK;
     for (int q = 0; q < pl->n; q++) {
         int idx = pl->order[q];
         const smp__ckpt_item *it = &pl->items[idx];
@@ -2586,7 +2576,7 @@ static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, vo
                 } else { /* staged through a buffer of its own (never threaded) */
                     len = it->nbytes - off < pl->chunk ? (size_t)(it->nbytes - off) : pl->chunk;
                     SMP_ASSERT(rx->stage != NULL);
-                    st2 = smp__ckpt_copy(rx->stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
+                    smp_status st2 = smp__ckpt_copy(rx->stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
                     if (!st) st = st2;
                     if (!st) st = sink(ctx, idx, off, rx->stage, len);
                 }
@@ -2610,6 +2600,7 @@ static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, vo
                         while (smp__ckpt_post(rx, 0)) {
                         }
                         if (MPI_Wtime() > deadline) {
+                            char what[256];
                             snprintf(what, sizeof what, "checkpoint data of '%s' from world rank %d", it->name, src);
                             smp__timeout_abort(what, SMP_WORLD, src, MPI_Wtime() - start);
                         }
@@ -2639,18 +2630,17 @@ static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, vo
    Called, and agreed on, before the transfer starts, so no rank runs out of
    memory inside it while the others wait. */
 static smp_status smp__ckpt_stream_prepare(smp__ckpt_plan *pl, int receiver, smp__ckpt_rx *rx) {
-    smp_status st = SMP_OK;
-    uint64_t biggest = 0;
-    long chunks = 0;
-    int i, device = 0, own_device = 0;
     memset(rx, 0, sizeof *rx);
     rx->pl = pl;
     rx->receiver = receiver;
-    for (i = 0; i < pl->n; i++)
+    uint64_t biggest = 0;
+    for (int i = 0; i < pl->n; i++)
         if (pl->items[i].nbytes > biggest) biggest = pl->items[i].nbytes;
     rx->cap = biggest < pl->chunk ? (size_t)biggest : pl->chunk;
     if (!rx->cap) rx->cap = 1;
-    for (i = 0; i < pl->n; i++) {
+    long chunks = 0;
+    int device = 0, own_device = 0;
+    for (int i = 0; i < pl->n; i++) {
         const smp__ckpt_item *it = &pl->items[i];
         int src = smp__ckpt_source(pl, it);
         long n = (long)((it->nbytes + pl->chunk - 1) / pl->chunk);
@@ -2662,7 +2652,8 @@ static smp_status smp__ckpt_stream_prepare(smp__ckpt_plan *pl, int receiver, smp
         if (pl->rank == receiver && src == receiver && it->local && it->local->device >= 0) own_device = 1;
     }
     if (pl->rank != receiver && !device) chunks = 0; /* a host sender sends from the tensors themselves */
-    for (i = 0; i < SMP__CKPT_RING && i < chunks; i++)
+    smp_status st = SMP_OK;
+    for (int i = 0; i < SMP__CKPT_RING && i < chunks; i++)
         rx->buf[i] = (uint8_t *)smp__ckpt_alloc(&st, rx->cap, NULL, "a checkpoint transfer buffer (one of 8)");
     if (own_device) rx->stage = (uint8_t *)smp__ckpt_alloc(&st, rx->cap, NULL, "staging a device tensor to save it");
     return st;
@@ -2680,9 +2671,10 @@ static void smp__ckpt_stream_free(smp__ckpt_rx *rx) {
 static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, void *ctx, int threaded) {
     smp__ckpt_plan *pl = rx->pl;
     int receiver = rx->receiver;
-    smp_status st = SMP_OK, st2;
+    smp_status st = SMP_OK;
     const int K = SMP__CKPT_RING;
     char what[128];
+    snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
 
     if (pl->rank == receiver) {
         smp__ckpt_io io;
@@ -2715,7 +2707,7 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
             pthread_mutex_destroy(&io.mu);
         }
     } else {
-        long sent = 0, k;
+        long sent = 0;
         for (int q = 0; q < pl->n; q++) {
             const smp__ckpt_item *it = &pl->items[pl->order[q]];
             uint64_t off = 0;
@@ -2725,15 +2717,13 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
                 int slot = (int)(sent % K);
                 size_t len = it->nbytes - off < pl->chunk ? (size_t)(it->nbytes - off) : pl->chunk;
                 const void *p;
-                if (sent >= K) { /* senders may sleep between polls: the receiver drives the copy */
-                    snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
+                if (sent >= K) /* senders may sleep between polls: the receiver drives the copy */
                     smp_wait_requests(1, &rx->req[slot], what, SMP_WORLD, receiver);
-                }
                 if (it->local->device < 0) {
                     p = (const uint8_t *)it->local->data + off;
                 } else { /* send what the copy gave; a failure fails the save later */
                     SMP_ASSERT(rx->buf[slot] != NULL);
-                    st2 = smp__ckpt_copy(rx->buf[slot], SMP_HOST, (const uint8_t *)it->local->data + off,
+                    smp_status st2 = smp__ckpt_copy(rx->buf[slot], SMP_HOST, (const uint8_t *)it->local->data + off,
                                        it->local->device, len);
                     if (!st) st = st2;
                     p = rx->buf[slot];
@@ -2744,10 +2734,8 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
                 off += len;
             }
         }
-        for (k = sent > K ? sent - K : 0; k < sent; k++) {
-            snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
+        for (long k = sent > K ? sent - K : 0; k < sent; k++)
             smp_wait_requests(1, &rx->req[k % K], what, SMP_WORLD, receiver);
-        }
     }
     rx->io = NULL;
     return st;
@@ -2762,26 +2750,20 @@ typedef struct smp__ckpt_meta_list {
 } smp__ckpt_meta_list;
 
 static void smp__ckpt_meta_add(smp__ckpt_meta_list *md, const char *k1, const char *k2, const char *v) {
-    size_t l1 = strlen(k1), l2 = k2 ? strlen(k2) : 0;
-    char *k, *val;
-    int cap2 = md->cap;
     if (md->oom) return;
+    int cap2 = md->cap;
     if (!smp__grow((void **)&md->keys, &md->cap, md->n + 1, sizeof(char *), &md->want) ||
         !smp__grow((void **)&md->vals, &cap2, md->n + 1, sizeof(char *), &md->want)) {
         md->oom = 1;
         return;
     }
-    k = (char *)smp__alloc(l1 + l2 + 1, SMP__ALLOC_OTHER);
-    val = k ? smp__strdup(v) : NULL;
+    char *k = smp__ckpt_strf("%s%s", k1, k2 ? k2 : ""), *val = k ? smp__strdup(v) : NULL;
     if (!k || !val) {
-        md->want = !k ? l1 + l2 + 1 : strlen(v) + 1;
+        md->want = !k ? strlen(k1) + (k2 ? strlen(k2) : 0) + 1 : strlen(v) + 1;
         smp__free(k);
         md->oom = 1;
         return;
     }
-    memcpy(k, k1, l1);
-    if (l2) memcpy(k + l1, k2, l2);
-    k[l1 + l2] = 0;
     md->keys[md->n] = k;
     md->vals[md->n] = val;
     md->n++;
@@ -2831,15 +2813,14 @@ static smp_status smp__ckpt_build_meta(const smp__ckpt_plan *pl, const smp_save_
 /* The entries of the items of partition only_mp (-1: all), in file order;
    NULL and the out-of-memory error in *st when there is no memory. */
 static smp_ckpt_entry *smp__ckpt_entries(const smp__ckpt_plan *pl, int only_mp, int *count, smp_status *st) {
-    smp_ckpt_entry *e = (smp_ckpt_entry *)smp__ckpt_alloc(st, sizeof(smp_ckpt_entry) * (size_t)(pl->n + 1), NULL,
-                                                          "the list of tensors of a checkpoint file");
-    int q, n = 0;
+    smp_ckpt_entry *e = (smp_ckpt_entry *)smp__alloc_or(st, sizeof(smp_ckpt_entry) * (size_t)(pl->n + 1), SMP__ALLOC_OTHER,
+                                                        "the list of tensors of a checkpoint file");
+    int n = 0;
     *count = 0;
     if (!e) return NULL;
-    for (q = 0; q < pl->n; q++) {
+    for (int q = 0; q < pl->n; q++) {
         const smp__ckpt_item *it = &pl->items[pl->order[q]];
         if (only_mp >= 0 && it->mp != only_mp) continue;
-        memset(&e[n], 0, sizeof e[n]);
         e[n].name = it->name;
         e[n].dtype = it->dtype;
         e[n].ndim = it->ndim;
@@ -2861,14 +2842,12 @@ static smp_status smp__ckpt_file_sink(void *ctx, int item, uint64_t off, const v
    lives on a device). */
 static smp_status smp__ckpt_write_local(smp_ckpt_writer *w, const smp__ckpt_item *it, size_t chunk) {
     const smp_tensor *t = it->local;
-    uint8_t *stage;
-    uint64_t off = 0;
-    smp_status st = SMP_OK;
     if (!it->nbytes) return SMP_OK;
     if (t->device < 0) return smp_ckpt_writer_write(w, t->data, (size_t)it->nbytes);
-    stage = (uint8_t *)smp__alloc(chunk, SMP__ALLOC_OTHER);
-    if (!stage) return smp__nomem(chunk, "staging a device tensor to save it");
-    while (off < it->nbytes && !st) {
+    smp_status st = SMP_OK;
+    uint8_t *stage = (uint8_t *)smp__bytes_or(&st, chunk, SMP__ALLOC_OTHER, "staging a device tensor to save it");
+    if (!stage) return st;
+    for (uint64_t off = 0; off < it->nbytes && !st;) {
         size_t len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
         st = smp__ckpt_copy(stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
         if (!st) st = smp_ckpt_writer_write(w, stage, len);
@@ -3770,7 +3749,8 @@ static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_fil
                            "without the \"%s%s_%s\"",
                            path, mpr ? mpr : "?", kind, gen ? ".g" : "", gen ? gen : "", mpr ? mpr : "<mp_rank>");
         }
-        if (!st) files = (smp_ckpt_file **)smp__bytes_or(&st, sizeof *files, SMP__ALLOC_OTHER, "the list of a checkpoint's files");
+        if (!st)
+            files = (smp_ckpt_file **)smp__bytes_or(&st, sizeof *files, SMP__ALLOC_OTHER, "the list of a checkpoint's files");
         if (files) files[0] = f0;
         else smp_ckpt_close(f0);
         return smp__ckpt_set_done(st, files, 1, out, nout);
@@ -3830,7 +3810,6 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
         for (int i = 0; i < smp_ckpt_count(f); i++) {
             const smp_ckpt_info *e = smp_ckpt_info_at(f, i);
             int idx = smp__ckpt_find(pl, e->name), is_opt = !strncmp(e->name, SMP_CKPT_OPTIMIZER_PREFIX, plen);
-            smp__ckpt_item *it;
             if (idx < 0) {
                 if (is_opt && !with_opt) continue; /* loading without an optimizer */
                 return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is unexpected: %s", smp_ckpt_path(f),
@@ -3838,7 +3817,7 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
                                  is_opt ? "no rank registered optimizer state of that name"
                                         : "the model has no parameter or buffer of that name");
             }
-            it = &pl->items[idx];
+            smp__ckpt_item *it = &pl->items[idx];
             if (it->src)
                 return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is also in '%s'", smp_ckpt_path(f),
                                  e->name, smp_ckpt_path(files[it->file]));
@@ -3848,12 +3827,11 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
                                  smp__ckpt_describe(it->dtype, it->ndim, it->shape, d2, sizeof d2));
             if (partial) { /* the partition map must agree with where the tensor is */
                 char key[64 + 8];
-                const char *v;
                 size_t kl = strlen("smp.partition.") + strlen(e->name) + 1;
                 char *kb = kl <= sizeof key ? key : (char *)smp__alloc(kl, SMP__ALLOC_OTHER);
                 if (!kb) return smp__nomem(kl, "a metadata key to look up (smp.partition.<tensor>)");
                 snprintf(kb, kl, "smp.partition.%s", e->name);
-                v = smp_ckpt_meta(f, kb);
+                const char *v = smp_ckpt_meta(f, kb);
                 if (kb != key) smp__free(kb);
                 if (v && atoi(v) != k)
                     return smp_error(SMP_ERR_FORMAT,
@@ -3878,11 +3856,9 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
 static smp_status smp__ckpt_verify_local(smp__ckpt_plan *pl, smp_ckpt_file **files) {
     for (int i = 0; i < pl->n; i++) {
         smp__ckpt_item *it = &pl->items[pl->order[i]];
-        smp_ckpt_file *f;
-        const uint8_t *base;
         if (!(it->local || it->copy) || !it->src || !it->nbytes) continue;
-        f = files[it->file];
-        base = smp__ckpt_map(f);
+        smp_ckpt_file *f = files[it->file];
+        const uint8_t *base = smp__ckpt_map(f);
         if (base) {
             it->bytes = base + f->data_start + it->src->offset;
             if (it->src->has_checksum) {
@@ -3942,25 +3918,24 @@ SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *
 
 /* ---------------------------------------------------------------- state dicts */
 SMPDEF smp_status smp_model_local_state_dict(smp_model *m, const smp_optimizer *opt, smp_state_dict *out) {
-    int np, i, n = 0;
     if (!out) return smp_error(SMP_ERR_ARG, "smp_model_local_state_dict: out is NULL");
     memset(out, 0, sizeof *out);
     if (!m) return smp_error(SMP_ERR_ARG, "smp_model_local_state_dict: model is NULL");
     if (!smp_model_is_partitioned(m))
         return smp_error(SMP_ERR_STATE, "smp_model_local_state_dict: the model is not partitioned yet");
-    np = smp_model_num_global_params(m, true);
-    out->entries = (smp_named_tensor *)smp__alloc(sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1), SMP__ALLOC_OTHER);
-    if (!out->entries)
-        return smp__nomem(sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1),
-                          "the entries of smp_model_local_state_dict's result");
-    for (i = 0; i < np; i++) {
+    int np = smp_model_num_global_params(m, true), n = 0;
+    smp_status st = SMP_OK;
+    out->entries = (smp_named_tensor *)smp__bytes_or(&st, sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1),
+                                                     SMP__ALLOC_OTHER, "the entries of smp_model_local_state_dict's result");
+    if (!out->entries) return st;
+    for (int i = 0; i < np; i++) {
         smp_param *p = smp_model_global_param(m, i, true);
         if (!smp_module_is_local(smp_param_module(p))) continue;
         out->entries[n].name = smp_param_name(p);
         out->entries[n].tensor = *smp_param_value(p);
         n++;
     }
-    for (i = 0; opt && i < opt->n; i++) {
+    for (int i = 0; opt && i < opt->n; i++) {
         out->entries[n].name = opt->s[i].full;
         out->entries[n].tensor = opt->s[i].t;
         n++;
