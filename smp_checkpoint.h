@@ -831,17 +831,8 @@ static void smp__ckpt_writer_free(smp_ckpt_writer *w) {
     } else if (w->sealed && w->tmp) {
         unlink(w->tmp);
     }
-    smp__free(w->path);
-    smp__free(w->tmp);
-    smp__free(w->dir);
-    smp__free(w->sizes);
-    smp__free(w->crcs);
-    smp__free(w->crc_pos);
-    smp__free(w->names);
-    smp__free(w->name_of);
-    smp__free(w->header);
-    smp__free(w->buf);
-    smp__free(w);
+    void *blocks[] = {w->path, w->tmp, w->dir, w->sizes, w->crcs, w->crc_pos, w->names, w->name_of, w->header, w->buf, w};
+    for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) smp__free(blocks[i]);
 }
 
 /* Remembers the error just recorded so later calls on w can repeat it. */
@@ -1690,8 +1681,6 @@ static smp_status smp__ckpt_file_open(smp_ckpt_file **out, const char *path, con
     if (!f) return st;
     memset(f, 0, sizeof *f);
     f->fd = -1;
-    f->mem = mem;
-    f->size = n;
     size_t plen = strlen(path);
     /* one block: the path, then "checkpoint '<path>'" for messages */
     if ((f->path = (char *)smp__ckpt_alloc(&st, 2 * plen + 16, label, "its path and its name in messages"))) {
@@ -1699,6 +1688,8 @@ static smp_status smp__ckpt_file_open(smp_ckpt_file **out, const char *path, con
         f->label = f->path + plen + 1;
         snprintf(f->label, plen + 15, "checkpoint '%s'", path);
     }
+    f->mem = mem;
+    f->size = n;
     if (!st && !mem) {
         struct stat sb;
         if ((f->fd = open(path, O_RDONLY | SMP__CKPT_O_CLOEXEC)) < 0)
