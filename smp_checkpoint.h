@@ -514,20 +514,32 @@ static smp_status smp__ckpt_fail(smp_status st, const char *label, const char *t
    label names the file. */
 static smp_status smp__ckpt_nomem(size_t bytes, const char *label, const char *what) {
     char buf[768];
-    if (label) snprintf(buf, sizeof buf, "%s of %s", what, label);
-    else snprintf(buf, sizeof buf, "%s", what);
+    snprintf(buf, sizeof buf, "%s%s%s", what, label ? " of " : "", label ? label : "");
     return smp__nomem(bytes, buf);
 }
 
-/* smp's counted allocation (smp__bytes_or) for a call that reports
-   errors, the purpose continued by " of <label>" when a label names the file. */
+/* smp's counted allocation (as smp__bytes_or) for a call that reports
+   errors, its purpose named as smp__ckpt_nomem names it. */
 static void *smp__ckpt_alloc(smp_status *st, size_t n, const char *label, const char *what) {
-    char buf[768];
-    if (label) {
-        snprintf(buf, sizeof buf, "%s of %s", what, label);
-        what = buf;
-    }
-    return smp__bytes_or(st, n, SMP__ALLOC_OTHER, what);
+    if (*st) return NULL;
+    void *p = smp__alloc(n ? n : 1, SMP__ALLOC_OTHER);
+    if (!p) *st = smp__ckpt_nomem(n, label, what);
+    return p;
+}
+
+/* printf into memory of its own (smp__free it); NULL when there is none. */
+static char *smp__ckpt_strf(const char *fmt, ...) SMP__PRINTF(1, 2);
+static char *smp__ckpt_strf(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    char *p = n < 0 ? NULL : (char *)smp__alloc((size_t)n + 1, SMP__ALLOC_OTHER);
+    if (!p) return NULL;
+    va_start(ap, fmt);
+    vsnprintf(p, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    return p;
 }
 
 /* ---------------------------------------------------------------- CRC-32C */
@@ -568,8 +580,7 @@ __attribute__((target("sse4.2"))) static uint32_t smp__ckpt_crc32c_hw(uint32_t c
         uint64_t a = c, b = 0, d = 0, va, vb, vd;
         /* the last block prefetches itself: no address past the buffer */
         const uint8_t *next = n >= 6 * SMP__CKPT_CRC_LANE ? p + 3 * SMP__CKPT_CRC_LANE : p;
-        size_t i;
-        for (i = 0; i < SMP__CKPT_CRC_LANE; i += 8) {
+        for (size_t i = 0; i < SMP__CKPT_CRC_LANE; i += 8) {
             if (!(i & 63)) {
                 __builtin_prefetch(next + i);
                 __builtin_prefetch(next + SMP__CKPT_CRC_LANE + i);
@@ -599,33 +610,29 @@ __attribute__((target("sse4.2"))) static uint32_t smp__ckpt_crc32c_hw(uint32_t c
 #endif
 
 static void smp__ckpt_crc_init(void) {
-    uint32_t i, k, c;
-    for (i = 0; i < 256; i++) {
-        c = i;
-        for (k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
         smp__ckpt_crc_table[0][i] = c;
     }
-    for (i = 0; i < 256; i++)
-        for (k = 1; k < 8; k++)
+    for (int i = 0; i < 256; i++)
+        for (int k = 1; k < 8; k++)
             smp__ckpt_crc_table[k][i] =
                 (smp__ckpt_crc_table[k - 1][i] >> 8) ^ smp__ckpt_crc_table[0][smp__ckpt_crc_table[k - 1][i] & 0xff];
 #ifdef SMP__CKPT_HW_CRC
-    {
-        uint32_t basis[32];
-        int bit, byte, v;
-        for (bit = 0; bit < 32; bit++) { /* shift_LANE of each single-bit register */
-            c = 1u << bit;
-            for (k = 0; k < SMP__CKPT_CRC_LANE; k++) c = smp__ckpt_crc_table[0][c & 0xff] ^ (c >> 8);
-            basis[bit] = c;
-        }
-        for (byte = 0; byte < 4; byte++)
-            for (v = 0; v < 256; v++) {
-                c = 0;
-                for (bit = 0; bit < 8; bit++)
-                    if (v & (1 << bit)) c ^= basis[8 * byte + bit];
-                smp__ckpt_crc_shift[byte][v] = c;
-            }
+    uint32_t basis[32];
+    for (int bit = 0; bit < 32; bit++) { /* shift_LANE of each single-bit register */
+        uint32_t c = 1u << bit;
+        for (int k = 0; k < SMP__CKPT_CRC_LANE; k++) c = smp__ckpt_crc_table[0][c & 0xff] ^ (c >> 8);
+        basis[bit] = c;
     }
+    for (int byte = 0; byte < 4; byte++)
+        for (int v = 0; v < 256; v++) {
+            uint32_t c = 0;
+            for (int bit = 0; bit < 8; bit++)
+                if (v & (1 << bit)) c ^= basis[8 * byte + bit];
+            smp__ckpt_crc_shift[byte][v] = c;
+        }
     smp__ckpt_crc_has_hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
 #endif
 }
@@ -666,12 +673,8 @@ SMPDEF uint32_t smp_ckpt_crc32c(uint32_t crc, const void *data, size_t n) {
 /* ---------------------------------------------------------------- small helpers */
 static int smp__ckpt_utf8_valid(const char *s) {
     const uint8_t *p = (const uint8_t *)s;
-    size_t n = strlen(s), i = 0, k;
-    while (i < n) {
-        k = smp__utf8_len(p + i, n - i);
-        if (!k) return 0;
-        i += k;
-    }
+    for (size_t n = strlen(s), i = 0, k; i < n; i += k)
+        if (!(k = smp__utf8_len(p + i, n - i))) return 0;
     return 1;
 }
 
@@ -694,58 +697,44 @@ static int smp__ckpt_strcmp_p(const void *a, const void *b) {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
+/* The first name that names[0..n) (sorted in place) holds twice, or NULL. */
+static const char *smp__ckpt_twice(const char **names, int n) {
+    qsort(names, (size_t)n, sizeof *names, smp__ckpt_strcmp_p);
+    for (int i = 1; i < n; i++)
+        if (!strcmp(names[i - 1], names[i])) return names[i];
+    return NULL;
+}
+
 static int smp__ckpt_starts(const char *s, const char *prefix) { return strncmp(s, prefix, strlen(prefix)) == 0; }
 
 /* Folder and file name of a path ("x" -> "." and "x"). dir is malloc'd. */
 static char *smp__ckpt_dirname(const char *path, const char **base) {
     const char *slash = strrchr(path, '/');
-    char *dir;
-    size_t n;
-    if (!slash) {
-        *base = path;
-        return smp__strdup(".");
-    }
-    *base = slash + 1;
-    n = slash == path ? 1 : (size_t)(slash - path);
-    dir = (char *)smp__alloc(n + 1, SMP__ALLOC_OTHER);
-    if (!dir) return NULL;
-    memcpy(dir, path, n);
-    dir[n] = 0;
-    return dir;
+    *base = slash ? slash + 1 : path;
+    if (!slash) return smp__strdup(".");
+    return smp__ckpt_strf("%.*s", slash == path ? 1 : (int)(slash - path), path);
 }
 
-static int smp__ckpt_write_all(int fd, const void *buf, size_t n) {
-    const char *p = (const char *)buf;
-    while (n) {
-        ssize_t k = write(fd, p, n);
-        if (k < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        p += k;
-        n -= (size_t)k;
-    }
-    return 0;
-}
-
-static int smp__ckpt_pwrite_all(int fd, const void *buf, size_t n, uint64_t off) {
-#ifdef SMP__CKPT_POSIX2008
-    const char *p = (const char *)buf;
-    while (n) {
-        ssize_t k = pwrite(fd, p, n, (off_t)off);
-        if (k < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        p += k;
-        n -= (size_t)k;
-        off += (uint64_t)k;
-    }
-    return 0;
-#else
-    if (lseek(fd, (off_t)off, SEEK_SET) < 0) return -1;
-    return smp__ckpt_write_all(fd, buf, n);
+/* Writes all of buf at offset `off`, or at the file's offset when off < 0. */
+static int smp__ckpt_write_all(int fd, const void *buf, size_t n, int64_t off) {
+#ifndef SMP__CKPT_POSIX2008
+    if (off >= 0 && lseek(fd, (off_t)off, SEEK_SET) < 0) return -1;
+    off = -1;
 #endif
+    const char *p = (const char *)buf;
+    while (n) {
+#ifdef SMP__CKPT_POSIX2008
+        ssize_t k = off >= 0 ? pwrite(fd, p, n, (off_t)off) : write(fd, p, n);
+#else
+        ssize_t k = write(fd, p, n);
+#endif
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0) return -1;
+        p += k;
+        n -= (size_t)k;
+        if (off >= 0) off += k;
+    }
+    return 0;
 }
 
 /* Whether process `pid` may still be running on this host. */
@@ -842,17 +831,8 @@ static void smp__ckpt_writer_free(smp_ckpt_writer *w) {
     } else if (w->sealed && w->tmp) {
         unlink(w->tmp);
     }
-    smp__free(w->path);
-    smp__free(w->tmp);
-    smp__free(w->dir);
-    smp__free(w->sizes);
-    smp__free(w->crcs);
-    smp__free(w->crc_pos);
-    smp__free(w->names);
-    smp__free(w->name_of);
-    smp__free(w->header);
-    smp__free(w->buf);
-    smp__free(w);
+    void *blocks[] = {w->path, w->tmp, w->dir, w->sizes, w->crcs, w->crc_pos, w->names, w->name_of, w->header, w->buf, w};
+    for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) smp__free(blocks[i]);
 }
 
 /* Remembers the error just recorded so later calls on w can repeat it. */
@@ -872,15 +852,14 @@ static smp_status smp__ckpt_writer_repeat(const smp_ckpt_writer *w) {
    host (left by killed writers). Best effort: errors are ignored. */
 static void smp__ckpt_remove_stale(const char *dir, const char *base) {
     DIR *d = opendir(dir);
-    struct dirent *de;
     size_t blen = strlen(base);
     if (!d) return;
-    while ((de = readdir(d)) != NULL) {
-        const char *nm = de->d_name, *digits;
+    for (struct dirent *de; (de = readdir(d)) != NULL;) {
+        const char *nm = de->d_name;
+        if (strncmp(nm, base, blen) != 0 || strncmp(nm + blen, ".tmp.", 5) != 0) continue;
+        const char *digits = nm + blen + 5;
         long long pid = 0;
         int nd = 0;
-        if (strncmp(nm, base, blen) != 0 || strncmp(nm + blen, ".tmp.", 5) != 0) continue;
-        digits = nm + blen + 5;
         while (digits[nd] >= '0' && digits[nd] <= '9' && nd < 10) pid = pid * 10 + (digits[nd++] - '0');
         if (nd == 0 || digits[nd] != 0 || pid <= 0 || pid > 0x7fffffff) continue;
         if ((pid_t)pid == getpid()) continue;
@@ -888,16 +867,10 @@ static void smp__ckpt_remove_stale(const char *dir, const char *base) {
 #ifdef SMP__CKPT_POSIX2008
         unlinkat(dirfd(d), nm, 0); /* no path to build: nothing to allocate */
 #else
-        {
-            size_t dl = strlen(dir), nl = strlen(nm);
-            char *full = (char *)smp__alloc(dl + nl + 2, SMP__ALLOC_OTHER);
-            if (!full) continue; /* best effort: the next writer tries again */
-            memcpy(full, dir, dl);
-            full[dl] = '/';
-            memcpy(full + dl + 1, nm, nl + 1);
-            unlink(full);
-            smp__free(full);
-        }
+        char *full = smp__ckpt_strf("%s/%s", dir, nm);
+        if (!full) continue; /* best effort: the next writer tries again */
+        unlink(full);
+        smp__free(full);
 #endif
     }
     closedir(d);
@@ -906,18 +879,13 @@ static void smp__ckpt_remove_stale(const char *dir, const char *base) {
 static smp_status smp__ckpt_check_entries(const char *label, const smp_ckpt_entry *entries, int n,
                                           const char *const *mk, const char *const *mv, int nmeta,
                                           uint64_t *total) {
-    int i, k;
-    const char **sorted;
-    smp_status st = SMP_OK;
     *total = 0;
     if (n < 0 || nmeta < 0) return smp__ckpt_fail(SMP_ERR_ARG, label, NULL, "negative entry or metadata count");
     if (n > 0 && !entries) return smp__ckpt_fail(SMP_ERR_ARG, label, NULL, "%d entries but entries is NULL", n);
     if (nmeta > 0 && (!mk || !mv))
         return smp__ckpt_fail(SMP_ERR_ARG, label, NULL, "%d metadata entries but keys or values is NULL", nmeta);
-    for (i = 0; i < n; i++) {
+    for (int i = 0; i < n; i++) {
         const smp_ckpt_entry *e = &entries[i];
-        int64_t numel;
-        uint64_t bytes;
         if (!e->name || !*e->name)
             return smp__ckpt_fail(SMP_ERR_ARG, label, NULL, "entry %d has no name", i);
         if (!smp__ckpt_utf8_valid(e->name))
@@ -928,15 +896,17 @@ static smp_status smp__ckpt_check_entries(const char *label, const smp_ckpt_entr
             return smp__ckpt_fail(SMP_ERR_ARG, label, e->name, "invalid dtype %d", (int)e->dtype);
         if (e->ndim < 0 || e->ndim > SMP_MAX_DIMS)
             return smp__ckpt_fail(SMP_ERR_ARG, label, e->name, "ndim %d is outside 0..%d", e->ndim, SMP_MAX_DIMS);
-        for (k = 0; k < e->ndim; k++)
+        for (int k = 0; k < e->ndim; k++)
             if (e->shape[k] < 0)
                 return smp__ckpt_fail(SMP_ERR_ARG, label, e->name, "dimension %d is negative (%lld)", k,
                                       (long long)e->shape[k]);
+        int64_t numel;
+        uint64_t bytes;
         if (!smp__ckpt_tensor_bytes(e->dtype, e->ndim, e->shape, &numel, &bytes) || bytes > UINT64_MAX - *total)
             return smp__ckpt_fail(SMP_ERR_ARG, label, e->name, "its size overflows 64 bits");
         *total += bytes;
     }
-    for (i = 0; i < nmeta; i++) {
+    for (int i = 0; i < nmeta; i++) {
         if (!mk[i] || !mv[i])
             return smp__ckpt_fail(SMP_ERR_ARG, label, NULL, "metadata entry %d has a NULL key or value", i);
         if (!smp__ckpt_utf8_valid(mk[i]) || !smp__ckpt_utf8_valid(mv[i]))
@@ -946,21 +916,17 @@ static smp_status smp__ckpt_check_entries(const char *label, const smp_ckpt_entr
                                   "metadata key '%s' is reserved for smp's checksums (" SMP__CKPT_CRC_KEY "*)", mk[i]);
     }
     /* duplicates: names, then metadata keys */
-    k = n > nmeta ? n : nmeta;
-    if (k < 2) return SMP_OK;
-    sorted = (const char **)smp__alloc((size_t)k * sizeof *sorted, SMP__ALLOC_OTHER);
-    if (!sorted) return smp__ckpt_nomem((size_t)k * sizeof *sorted, label, "checking the names");
-    for (i = 0; i < n; i++) sorted[i] = entries[i].name;
-    qsort(sorted, (size_t)n, sizeof *sorted, smp__ckpt_strcmp_p);
-    for (i = 1; i < n && !st; i++)
-        if (!strcmp(sorted[i - 1], sorted[i]))
-            st = smp__ckpt_fail(SMP_ERR_ARG, label, sorted[i], "two entries have this name");
+    int most = n > nmeta ? n : nmeta;
+    if (most < 2) return SMP_OK;
+    const char **sorted = (const char **)smp__alloc((size_t)most * sizeof *sorted, SMP__ALLOC_OTHER);
+    if (!sorted) return smp__ckpt_nomem((size_t)most * sizeof *sorted, label, "checking the names");
+    for (int i = 0; i < n; i++) sorted[i] = entries[i].name;
+    const char *twice = smp__ckpt_twice(sorted, n);
+    smp_status st = twice ? smp__ckpt_fail(SMP_ERR_ARG, label, twice, "two entries have this name") : SMP_OK;
     if (!st) {
-        for (i = 0; i < nmeta; i++) sorted[i] = mk[i];
-        qsort(sorted, (size_t)nmeta, sizeof *sorted, smp__ckpt_strcmp_p);
-        for (i = 1; i < nmeta && !st; i++)
-            if (!strcmp(sorted[i - 1], sorted[i]))
-                st = smp__ckpt_fail(SMP_ERR_ARG, label, NULL, "metadata key '%s' appears twice", sorted[i]);
+        for (int i = 0; i < nmeta; i++) sorted[i] = mk[i];
+        if ((twice = smp__ckpt_twice(sorted, nmeta)))
+            st = smp__ckpt_fail(SMP_ERR_ARG, label, NULL, "metadata key '%s' appears twice", twice);
     }
     smp__free(sorted);
     return st;
@@ -970,22 +936,19 @@ static smp_status smp__ckpt_check_entries(const char *label, const smp_ckpt_entr
    each checksum's hex digits go. */
 static smp_status smp__ckpt_build_header(smp_ckpt_writer *w, const char *label, const smp_ckpt_entry *entries,
                                          const char *const *mk, const char *const *mv, int nmeta) {
-    smp__sbuf b;
-    int i, k, first = 1;
-    uint64_t off = 0, hlen;
-    char num[64];
-    memset(&b, 0, sizeof b);
+    smp__sbuf b = {0};
+    const char *sep = ""; /* between the top level's members */
     smp__sbuf_put(&b, "\0\0\0\0\0\0\0\0", 8); /* length, patched below */
     smp__sbuf_puts(&b, "{");
     if (w->n > 0 || nmeta > 0) {
         smp__sbuf_puts(&b, "\"__metadata__\":{");
-        for (i = 0; i < nmeta; i++) {
+        for (int i = 0; i < nmeta; i++) {
             if (i) smp__sbuf_puts(&b, ",");
             smp__sbuf_jstr(&b, NULL, mk[i]);
             smp__sbuf_puts(&b, ":");
             smp__sbuf_jstr(&b, NULL, mv[i]);
         }
-        for (i = 0; i < w->n; i++) {
+        for (int i = 0; i < w->n; i++) {
             if (i || nmeta) smp__sbuf_puts(&b, ",");
             smp__sbuf_jstr(&b, SMP__CKPT_CRC_KEY, entries[i].name);
             smp__sbuf_puts(&b, ":\"" SMP__CKPT_CRC_PREFIX);
@@ -993,23 +956,17 @@ static smp_status smp__ckpt_build_header(smp_ckpt_writer *w, const char *label, 
             smp__sbuf_puts(&b, "00000000\"");
         }
         smp__sbuf_puts(&b, "}");
-        first = 0;
+        sep = ",";
     }
-    for (i = 0; i < w->n; i++) {
+    uint64_t off = 0;
+    for (int i = 0; i < w->n; i++) {
         const smp_ckpt_entry *e = &entries[i];
-        if (!first) smp__sbuf_puts(&b, ",");
-        first = 0;
+        smp__sbuf_puts(&b, sep);
+        sep = ",";
         smp__sbuf_jstr(&b, NULL, e->name);
-        smp__sbuf_puts(&b, ":{\"dtype\":\"");
-        smp__sbuf_puts(&b, smp__dtypes[e->dtype].file_name);
-        smp__sbuf_puts(&b, "\",\"shape\":[");
-        for (k = 0; k < e->ndim; k++) {
-            snprintf(num, sizeof num, "%s%lld", k ? "," : "", (long long)e->shape[k]);
-            smp__sbuf_puts(&b, num);
-        }
-        snprintf(num, sizeof num, "],\"data_offsets\":[%llu,%llu]}", (smp__ckpt_ull)off,
-                 (smp__ckpt_ull)(off + w->sizes[i]));
-        smp__sbuf_puts(&b, num);
+        smp__sbuf_printf(&b, ":{\"dtype\":\"%s\",\"shape\":[", smp__dtypes[e->dtype].file_name);
+        for (int k = 0; k < e->ndim; k++) smp__sbuf_printf(&b, "%s%lld", k ? "," : "", (long long)e->shape[k]);
+        smp__sbuf_printf(&b, "],\"data_offsets\":[%llu,%llu]}", (smp__ckpt_ull)off, (smp__ckpt_ull)(off + w->sizes[i]));
         off += w->sizes[i];
     }
     smp__sbuf_puts(&b, "}");
@@ -1018,56 +975,71 @@ static smp_status smp__ckpt_build_header(smp_ckpt_writer *w, const char *label, 
         smp__free(b.p);
         return smp__ckpt_nomem(b.want, label, "the header");
     }
-    hlen = b.len - 8;
+    uint64_t hlen = b.len - 8;
     if (hlen > SMP__CKPT_MAX_HEADER) {
         smp__free(b.p);
         return smp__ckpt_fail(SMP_ERR_ARG, label, NULL,
                               "the header would be %llu bytes, over the %llu-byte limit of safetensors readers",
                               (smp__ckpt_ull)hlen, (smp__ckpt_ull)SMP__CKPT_MAX_HEADER);
     }
-    for (i = 0; i < 8; i++) b.p[i] = (char)((hlen >> (8 * i)) & 0xff);
+    for (int i = 0; i < 8; i++) b.p[i] = (char)((hlen >> (8 * i)) & 0xff);
     w->header = b.p;
     w->header_len = b.len;
     return SMP_OK;
 }
 
+/* Creates the tmp file `tmp` for writing: -1 (errno) when it cannot. */
+static int smp__ckpt_create(const char *tmp) {
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | SMP__CKPT_O_CLOEXEC, 0666);
+    if (fd < 0 && errno == EEXIST) { /* ours from an earlier, killed process with our pid */
+        unlink(tmp);
+        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | SMP__CKPT_O_CLOEXEC, 0666);
+    }
+    return fd;
+}
+
+/* fsyncs the folder `dir` (a file system that cannot is no error): 0, or
+   the errno of the failure. */
+static int smp__ckpt_sync_dir(const char *dir) {
+    int dfd = open(dir, O_RDONLY | SMP__CKPT_O_DIRECTORY | SMP__CKPT_O_CLOEXEC);
+    if (dfd < 0) return errno;
+    int err = fsync(dfd) == 0 || errno == EINVAL || errno == ENOTSUP || errno == EOPNOTSUPP ? 0 : errno;
+    close(dfd);
+    return err;
+}
+
 SMPDEF smp_status smp_ckpt_writer_open(const char *path, const smp_ckpt_entry *entries,
                                        int n, const char *const *mk, const char *const *mv, int nmeta, smp_ckpt_writer **out) {
-    smp_ckpt_writer *w;
-    char label[512];
-    const char *base;
-    uint64_t total;
-    size_t names_len = 0, pos;
-    int i, fd;
-    smp_status st;
-
     if (!out) return smp_error(SMP_ERR_ARG, "smp_ckpt_writer_open: out is NULL");
     *out = NULL;
     if (!path || !*path) return smp_error(SMP_ERR_ARG, "smp_ckpt_writer_open: no path");
+    char label[512];
     snprintf(label, sizeof label, "checkpoint '%s'", path);
     if (path[strlen(path) - 1] == '/') return smp__ckpt_fail(SMP_ERR_ARG, label, NULL, "the path names a folder");
-    st = smp__ckpt_check_entries(label, entries, n, mk, mv, nmeta, &total);
-    if (st) return st;
-
-    w = (smp_ckpt_writer *)smp__ckpt_alloc(&st, sizeof *w, label, "the writer");
-    if (!w) return st;
-    memset(w, 0, sizeof *w);
-    w->fd = -1;
-    w->n = n;
-    w->total = total;
-    if (!smp__ckpt_fault_from_env(&w->fault)) {
-        smp__ckpt_writer_free(w);
+    uint64_t total;
+    SMP_TRY(smp__ckpt_check_entries(label, entries, n, mk, mv, nmeta, &total));
+    int fault;
+    if (!smp__ckpt_fault_from_env(&fault))
         return smp__ckpt_fail(SMP_ERR_ARG, label, NULL,
                               "SMP_CKPT_FAULT='%s' is not one of header, data, flush, rename, dirsync, renamed, "
                               "manifest, commit, cleanup (a test-only setting: unset it)",
                               getenv("SMP_CKPT_FAULT"));
-    }
-    for (i = 0; i < n; i++) names_len += strlen(entries[i].name) + 1;
-    if ((w->path = (char *)smp__ckpt_alloc(&st, strlen(path) + 1, label, "the writer's path")))
-        memcpy(w->path, path, strlen(path) + 1);
-    w->tmp = (char *)smp__ckpt_alloc(&st, strlen(path) + 32, label, "the tmp file's name");
+
+    smp_status st = SMP_OK;
+    smp_ckpt_writer *w = (smp_ckpt_writer *)smp__ckpt_alloc(&st, sizeof *w, label, "the writer");
+    if (!w) return st;
+    memset(w, 0, sizeof *w);
+    w->fd = -1;
+    w->fault = fault;
+    w->n = n;
+    w->total = total;
+    size_t names_len = 0, plen = strlen(path);
+    for (int i = 0; i < n; i++) names_len += strlen(entries[i].name) + 1;
+    const char *base;
+    w->path = (char *)smp__ckpt_alloc(&st, plen + 1, label, "the writer's path");
+    w->tmp = (char *)smp__ckpt_alloc(&st, plen + 32, label, "the tmp file's name");
     if (!st && !(w->dir = smp__ckpt_dirname(path, &base)))
-        st = smp__ckpt_nomem(strlen(path) + 1, label, "the folder's name");
+        st = smp__ckpt_nomem(plen + 1, label, "the folder's name");
     w->sizes = (uint64_t *)smp__ckpt_alloc(&st, sizeof(uint64_t) * (size_t)n, label, "the tensor sizes");
     w->crcs = (uint32_t *)smp__ckpt_alloc(&st, sizeof(uint32_t) * (size_t)n, label, "the tensor checksums");
     w->crc_pos = (size_t *)smp__ckpt_alloc(&st, sizeof(size_t) * (size_t)n, label, "the checksums' places");
@@ -1075,43 +1047,29 @@ SMPDEF smp_status smp_ckpt_writer_open(const char *path, const smp_ckpt_entry *e
     w->names = (char *)smp__ckpt_alloc(&st, names_len, label, "the tensor names");
     w->buf_cap = total < SMP__CKPT_IO_CHUNK ? (size_t)total : SMP__CKPT_IO_CHUNK;
     w->buf = (uint8_t *)smp__ckpt_alloc(&st, w->buf_cap, label, "the write buffer");
+    if (!st) {
+        memcpy(w->path, path, plen + 1);
+        snprintf(w->tmp, plen + 32, "%s.tmp.%ld", path, (long)getpid());
+        size_t pos = 0;
+        for (int i = 0; i < n; i++) {
+            int64_t numel;
+            size_t len = strlen(entries[i].name) + 1;
+            smp__ckpt_tensor_bytes(entries[i].dtype, entries[i].ndim, entries[i].shape, &numel, &w->sizes[i]);
+            w->crcs[i] = 0;
+            w->name_of[i] = w->names + pos;
+            memcpy(w->names + pos, entries[i].name, len);
+            pos += len;
+        }
+        st = smp__ckpt_build_header(w, label, entries, mk, mv, nmeta);
+    }
+    if (!st) {
+        smp__ckpt_remove_stale(w->dir, base);
+        if ((w->fd = smp__ckpt_create(w->tmp)) < 0)
+            st = smp__ckpt_fail(SMP_ERR_IO, label, NULL, "cannot create '%s': %s", w->tmp, strerror(errno));
+        else if (smp__ckpt_write_all(w->fd, w->header, w->header_len, -1) != 0)
+            st = smp__ckpt_fail(SMP_ERR_IO, label, NULL, "writing '%s' failed: %s", w->tmp, strerror(errno));
+    }
     if (st) {
-        smp__ckpt_writer_free(w);
-        return st;
-    }
-    pos = 0;
-    for (i = 0; i < n; i++) {
-        int64_t numel;
-        size_t len = strlen(entries[i].name) + 1;
-        smp__ckpt_tensor_bytes(entries[i].dtype, entries[i].ndim, entries[i].shape, &numel, &w->sizes[i]);
-        w->crcs[i] = 0;
-        w->name_of[i] = w->names + pos;
-        memcpy(w->names + pos, entries[i].name, len);
-        pos += len;
-    }
-    st = smp__ckpt_build_header(w, label, entries, mk, mv, nmeta);
-    if (st) {
-        smp__ckpt_writer_free(w);
-        return st;
-    }
-
-    smp__ckpt_remove_stale(w->dir, base);
-    snprintf(w->tmp, strlen(path) + 32, "%s.tmp.%ld", path, (long)getpid());
-    fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL | SMP__CKPT_O_CLOEXEC, 0666);
-    if (fd < 0 && errno == EEXIST) { /* ours from an earlier, killed process with our pid */
-        unlink(w->tmp);
-        fd = open(w->tmp, O_WRONLY | O_CREAT | O_EXCL | SMP__CKPT_O_CLOEXEC, 0666);
-    }
-    if (fd < 0) {
-        st = smp__ckpt_fail(SMP_ERR_IO, label, NULL, "cannot create '%s': %s", w->tmp, strerror(errno));
-        smp__free(w->tmp);
-        w->tmp = NULL; /* not ours to delete */
-        smp__ckpt_writer_free(w);
-        return st;
-    }
-    w->fd = fd;
-    if (smp__ckpt_write_all(fd, w->header, w->header_len) != 0) {
-        st = smp__ckpt_fail(SMP_ERR_IO, label, NULL, "writing '%s' failed: %s", w->tmp, strerror(errno));
         smp__ckpt_writer_free(w);
         return st;
     }
@@ -1120,30 +1078,29 @@ SMPDEF smp_status smp_ckpt_writer_open(const char *path, const smp_ckpt_entry *e
     return SMP_OK;
 }
 
+/* The error of a failed system call on w's tmp file ("writing", "closing"). */
+static smp_status smp__ckpt_writer_io(const smp_ckpt_writer *w, const char *doing) {
+    return smp_error(SMP_ERR_IO, "checkpoint '%s': %s '%s' failed: %s", w->path, doing, w->tmp, strerror(errno));
+}
+
 static smp_status smp__ckpt_writer_flush(smp_ckpt_writer *w) {
-    if (!w->buf_len) return SMP_OK;
-    if (smp__ckpt_write_all(w->fd, w->buf, w->buf_len) != 0)
-        return smp__ckpt_writer_failed(
-            w, smp_error(SMP_ERR_IO, "checkpoint '%s': writing '%s' failed: %s", w->path, w->tmp, strerror(errno)));
+    if (w->buf_len && smp__ckpt_write_all(w->fd, w->buf, w->buf_len, -1) != 0)
+        return smp__ckpt_writer_failed(w, smp__ckpt_writer_io(w, "writing"));
     w->buf_len = 0;
     return SMP_OK;
 }
 
 static smp_status smp__ckpt_writer_out(smp_ckpt_writer *w, const uint8_t *p, size_t n) {
-    if (w->buf_len + n <= w->buf_cap) {
-        memcpy(w->buf + w->buf_len, p, n);
-        w->buf_len += n;
-        return SMP_OK;
+    if (w->buf_len + n > w->buf_cap) {
+        SMP_TRY(smp__ckpt_writer_flush(w));
+        if (n >= w->buf_cap) { /* straight from the caller's bytes */
+            if (smp__ckpt_write_all(w->fd, p, n, -1) != 0)
+                return smp__ckpt_writer_failed(w, smp__ckpt_writer_io(w, "writing"));
+            return SMP_OK;
+        }
     }
-    SMP_TRY(smp__ckpt_writer_flush(w));
-    if (n >= w->buf_cap) {
-        if (smp__ckpt_write_all(w->fd, p, n) != 0)
-            return smp__ckpt_writer_failed(w, smp_error(SMP_ERR_IO, "checkpoint '%s': writing '%s' failed: %s",
-                                                        w->path, w->tmp, strerror(errno)));
-        return SMP_OK;
-    }
-    memcpy(w->buf, p, n);
-    w->buf_len = n;
+    memcpy(w->buf + w->buf_len, p, n);
+    w->buf_len += n;
     return SMP_OK;
 }
 
@@ -1155,8 +1112,6 @@ SMPDEF smp_status smp_ckpt_writer_write(smp_ckpt_writer *w, const void *bytes, s
         return smp__ckpt_writer_failed(
             w, smp_error(SMP_ERR_ARG, "checkpoint '%s': write of %zu bytes from a NULL pointer", w->path, n));
     while (n) {
-        uint64_t room;
-        size_t take;
         while (w->cur < w->n && w->done == w->sizes[w->cur]) {
             w->cur++;
             w->done = 0;
@@ -1166,8 +1121,8 @@ SMPDEF smp_status smp_ckpt_writer_write(smp_ckpt_writer *w, const void *bytes, s
                 w, smp_error(SMP_ERR_ARG,
                              "checkpoint '%s': got %zu bytes more than the entries declare (%llu bytes in all)",
                              w->path, n, (smp__ckpt_ull)w->total));
-        room = w->sizes[w->cur] - w->done;
-        take = (uint64_t)n < room ? n : (size_t)room;
+        uint64_t room = w->sizes[w->cur] - w->done;
+        size_t take = (uint64_t)n < room ? n : (size_t)room;
         /* checksum and write in slices, so the kernel copies each slice from
            cache rather than reading the whole piece from memory twice */
         if (take > SMP__CKPT_IO_CHUNK) take = SMP__CKPT_IO_CHUNK;
@@ -1195,14 +1150,11 @@ SMPDEF void smp_ckpt_writer_abort(smp_ckpt_writer *w) { smp__ckpt_writer_free(w)
    smp__ckpt_writer_publish or smp_ckpt_writer_abort (which deletes the tmp
    file). Model checkpoints seal every file of a save before renaming any. */
 static smp_status smp__ckpt_writer_seal(smp_ckpt_writer *w) {
-    smp_status st;
     if (!w) return smp_error(SMP_ERR_ARG, "smp_ckpt_writer_commit: writer is NULL");
+    smp_status st = SMP_OK;
     if (w->failed) {
         st = smp__ckpt_writer_repeat(w);
-        smp__ckpt_writer_free(w);
-        return st;
-    }
-    if (w->written != w->total) {
+    } else if (w->written != w->total) {
         int cur = w->cur;
         uint64_t done = w->done;
         while (cur < w->n && done == w->sizes[cur]) { /* skip finished and empty entries */
@@ -1215,65 +1167,52 @@ static smp_status smp__ckpt_writer_seal(smp_ckpt_writer *w) {
                        w->path, (smp__ckpt_ull)w->written, (smp__ckpt_ull)w->total,
                        cur < w->n ? w->name_of[cur] : "?", (smp__ckpt_ull)done,
                        (smp__ckpt_ull)(cur < w->n ? w->sizes[cur] : 0));
-        smp__ckpt_writer_free(w);
-        return st;
     }
-    smp__ckpt_fault(w, SMP__CKPT_FAULT_DATA); /* no data was written: die here */
-    if ((st = smp__ckpt_writer_flush(w)) != SMP_OK) {
-        smp__ckpt_writer_free(w);
-        return st;
+    if (!st) {
+        smp__ckpt_fault(w, SMP__CKPT_FAULT_DATA); /* no data was written: die here */
+        st = smp__ckpt_writer_flush(w);
     }
-    if (w->n > 0) {
-        size_t lo = w->crc_pos[0], hi = w->crc_pos[w->n - 1] + 8;
-        char hex[16];
+    if (!st && w->n > 0) {
         for (int i = 0; i < w->n; i++) {
+            char hex[16];
             snprintf(hex, sizeof hex, "%08x", (unsigned)w->crcs[i]);
             memcpy(w->header + w->crc_pos[i], hex, 8);
         }
-        if (smp__ckpt_pwrite_all(w->fd, w->header + lo, hi - lo, lo) != 0) {
-            st = smp_error(SMP_ERR_IO, "checkpoint '%s': writing '%s' failed: %s", w->path, w->tmp, strerror(errno));
-            smp__ckpt_writer_free(w);
-            return st;
-        }
+        size_t lo = w->crc_pos[0], hi = w->crc_pos[w->n - 1] + 8;
+        if (smp__ckpt_write_all(w->fd, w->header + lo, hi - lo, (int64_t)lo) != 0) st = smp__ckpt_writer_io(w, "writing");
     }
-    w->header_crc = smp_ckpt_crc32c(0, w->header, w->header_len);
-    smp__ckpt_fault(w, SMP__CKPT_FAULT_FLUSH);
-    if (fsync(w->fd) != 0) {
-        st = smp_error(SMP_ERR_IO, "checkpoint '%s': fsync of '%s' failed: %s", w->path, w->tmp, strerror(errno));
-        smp__ckpt_writer_free(w);
-        return st;
+    if (!st) {
+        w->header_crc = smp_ckpt_crc32c(0, w->header, w->header_len);
+        smp__ckpt_fault(w, SMP__CKPT_FAULT_FLUSH);
+        if (fsync(w->fd) != 0) st = smp__ckpt_writer_io(w, "fsync of");
     }
-    int closed = close(w->fd);
-    w->fd = -1;
-    w->sealed = 1; /* from here on, freeing w deletes the tmp file */
-    if (closed != 0) {
-        st = smp_error(SMP_ERR_IO, "checkpoint '%s': closing '%s' failed: %s", w->path, w->tmp, strerror(errno));
-        smp__ckpt_writer_free(w);
-        return st;
+    if (!st) {
+        int closed = close(w->fd);
+        w->fd = -1;
+        w->sealed = 1; /* from here on, freeing w deletes the tmp file */
+        if (closed == 0) return SMP_OK;
+        st = smp__ckpt_writer_io(w, "closing");
     }
-    return SMP_OK;
+    smp__ckpt_writer_free(w);
+    return st;
 }
 
 /* The second half: renames the sealed tmp file over `path` and fsyncs the
    folder. Always frees w. */
 static smp_status smp__ckpt_writer_publish(smp_ckpt_writer *w) {
-    smp_status st;
-    int dfd;
+    smp_status st = SMP_OK;
     smp__ckpt_fault(w, SMP__CKPT_FAULT_RENAME);
     if (rename(w->tmp, w->path) != 0) {
         st = smp_error(SMP_ERR_IO, "checkpoint '%s': renaming '%s' over it failed: %s", w->path, w->tmp,
                        strerror(errno));
-        smp__ckpt_writer_free(w);
-        return st;
+    } else {
+        w->sealed = 0; /* the tmp name is gone */
+        smp__ckpt_fault(w, SMP__CKPT_FAULT_DIRSYNC);
+        int err = smp__ckpt_sync_dir(w->dir);
+        if (err)
+            st = smp_error(SMP_ERR_IO, "checkpoint '%s' is in place, but flushing its folder '%s' failed: %s", w->path,
+                           w->dir, strerror(err));
     }
-    w->sealed = 0; /* the tmp name is gone */
-    smp__ckpt_fault(w, SMP__CKPT_FAULT_DIRSYNC);
-    st = SMP_OK;
-    dfd = open(w->dir, O_RDONLY | SMP__CKPT_O_DIRECTORY | SMP__CKPT_O_CLOEXEC);
-    if (dfd < 0 || (fsync(dfd) != 0 && errno != EINVAL && errno != ENOTSUP && errno != EOPNOTSUPP))
-        st = smp_error(SMP_ERR_IO, "checkpoint '%s' is in place, but flushing its folder '%s' failed: %s", w->path,
-                       w->dir, strerror(errno));
-    if (dfd >= 0) close(dfd);
     smp__ckpt_writer_free(w);
     return st;
 }
@@ -1286,26 +1225,22 @@ SMPDEF smp_status smp_ckpt_writer_commit(smp_ckpt_writer *w) {
 SMPDEF smp_status smp_ckpt_write_file(const char *path, const smp_ckpt_entry *entries, int n,
                                       const char *const *mk, const char *const *mv, int nmeta) {
     smp_ckpt_writer *w;
-    smp_status st = smp_ckpt_writer_open(path, entries, n, mk, mv, nmeta, &w);
-    int i;
-    if (st) return st;
-    for (i = 0; i < n; i++) {
+    SMP_TRY(smp_ckpt_writer_open(path, entries, n, mk, mv, nmeta, &w));
+    smp_status st = SMP_OK;
+    for (int i = 0; i < n && !st; i++) {
         uint64_t bytes = w->sizes[i];
-        if (bytes && !entries[i].data) {
-            smp_ckpt_writer_abort(w);
-            return smp_error(SMP_ERR_ARG, "checkpoint '%s': tensor '%s': data is NULL", path, entries[i].name);
-        }
-        if (bytes && (st = smp_ckpt_writer_write(w, entries[i].data, (size_t)bytes)) != SMP_OK) {
-            smp_ckpt_writer_abort(w);
-            return st;
-        }
+        if (bytes && !entries[i].data)
+            st = smp_error(SMP_ERR_ARG, "checkpoint '%s': tensor '%s': data is NULL", path, entries[i].name);
+        else if (bytes)
+            st = smp_ckpt_writer_write(w, entries[i].data, (size_t)bytes);
     }
-    return smp_ckpt_writer_commit(w);
+    if (!st) return smp_ckpt_writer_commit(w);
+    smp_ckpt_writer_abort(w);
+    return st;
 }
 
 SMPDEF smp_ckpt_entry smp_ckpt_entry_of(const char *name, const smp_tensor *t) {
-    smp_ckpt_entry e;
-    memset(&e, 0, sizeof e);
+    smp_ckpt_entry e = {0};
     e.name = name;
     if (!t) return e;
     e.dtype = t->dtype;
@@ -1315,19 +1250,23 @@ SMPDEF smp_ckpt_entry smp_ckpt_entry_of(const char *name, const smp_tensor *t) {
     return e;
 }
 
-/* Reads "crc32c:" and 8 lowercase hex digits; NULL, or what it should have
-   been instead. */
-static const char *smp__ckpt_crc_text(const char *v, uint32_t *out) {
+/* Reads "crc32c:" and 8 lowercase hex digits from v, the value of `what`
+   (an error of `label` and `tensor` when it is something else). */
+static smp_status smp__ckpt_crc_text(const char *v, uint32_t *out, const char *label, const char *tensor,
+                                     const char *what) {
     size_t plen = strlen(SMP__CKPT_CRC_PREFIX);
-    if (strlen(v) != plen + 8 || strncmp(v, SMP__CKPT_CRC_PREFIX, plen) != 0) return "8 hex digits";
+    const char *bad = strlen(v) != plen + 8 || strncmp(v, SMP__CKPT_CRC_PREFIX, plen) != 0 ? "8 hex digits" : NULL;
     uint32_t crc = 0;
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < 8 && !bad; j++) {
         char c = v[plen + (size_t)j];
-        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return "8 lowercase hex digits";
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) bad = "8 lowercase hex digits";
         crc = crc << 4 | (uint32_t)(c <= '9' ? c - '0' : c - 'a' + 10);
     }
+    if (bad)
+        return smp__ckpt_fail(SMP_ERR_FORMAT, label, tensor, "%s \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and %s", what,
+                              v, bad);
     *out = crc;
-    return NULL;
+    return SMP_OK;
 }
 
 /* ---------------------------------------------------------------- reader */
@@ -1337,7 +1276,7 @@ typedef struct smp__ckpt_meta {
 
 struct smp_ckpt_file {
     char *path;
-    char *label;             /* "checkpoint '<path>'" */
+    char *label;             /* "checkpoint '<path>'", in path's block */
     int fd;                  /* -1 for a memory image */
     const uint8_t *mem;      /* memory image, or NULL */
     uint64_t size, data_start, data_len;
@@ -1431,6 +1370,19 @@ static smp_status smp__ckpt_juint(smp__ckpt_jp *jp, uint64_t *out, const char *w
     return SMP_OK;
 }
 
+/* A new element, zeroed, at the end of the array *arr (*n of them, room
+   for *cap): NULL, with the out-of-memory error, when there is no memory. */
+static void *smp__ckpt_push(void **arr, int *n, int *cap, size_t elem, const char *label, const char *what) {
+    size_t want;
+    if (!smp__grow(arr, cap, *n + 1, elem, &want)) {
+        smp__ckpt_nomem(want, label, what);
+        return NULL;
+    }
+    void *e = (char *)*arr + elem * (size_t)(*n)++;
+    memset(e, 0, elem);
+    return e;
+}
+
 static smp_status smp__ckpt_parse_meta(smp__ckpt_jp *jp, smp_ckpt_file *f) {
     if (!smp__ckpt_eat(jp, '{')) return smp__ckpt_jerr(jp, "__metadata__ must be an object of strings");
     if (smp__ckpt_eat(jp, '}')) return SMP_OK;
@@ -1443,12 +1395,12 @@ static smp_status smp__ckpt_parse_meta(smp__ckpt_jp *jp, smp_ckpt_file *f) {
             return smp__ckpt_jerr(jp, "the value of metadata key '%s' is not a string (metadata holds strings only)",
                                   k);
         SMP_TRY(smp__ckpt_jstring(jp, &v, "a metadata value"));
-        size_t want;
-        if (!smp__grow((void **)&f->meta, &f->meta_cap, f->nmeta + 1, sizeof *f->meta, &want))
-            return smp__ckpt_nomem(want, jp->label, "the header's metadata");
-        f->meta[f->nmeta].key = k;
-        f->meta[f->nmeta].value = v;
-        f->nmeta++;
+        smp__ckpt_meta *m =
+            (smp__ckpt_meta *)smp__ckpt_push((void **)&f->meta, &f->nmeta, &f->meta_cap, sizeof *m, jp->label,
+                                             "the header's metadata");
+        if (!m) return SMP_ERR_NOMEM;
+        m->key = k;
+        m->value = v;
         if (smp__ckpt_eat(jp, ',')) continue;
         if (smp__ckpt_eat(jp, '}')) return SMP_OK;
         return smp__ckpt_jerr(jp, "expected ',' or '}' after metadata key '%s'", k);
@@ -1456,8 +1408,8 @@ static smp_status smp__ckpt_parse_meta(smp__ckpt_jp *jp, smp_ckpt_file *f) {
 }
 
 static smp_status smp__ckpt_parse_tensor(smp__ckpt_jp *jp, smp_ckpt_info *e) {
-    int have_dtype = 0, have_shape = 0, have_offsets = 0, d;
-    uint64_t v, begin = 0, end = 0;
+    int have_dtype = 0, have_shape = 0, have_offsets = 0;
+    uint64_t begin = 0, end = 0;
     if (!smp__ckpt_eat(jp, '{')) return smp__ckpt_jerr(jp, "expected '{' holding dtype, shape and data_offsets");
     if (!smp__ckpt_eat(jp, '}')) {
         for (;;) {
@@ -1467,7 +1419,8 @@ static smp_status smp__ckpt_parse_tensor(smp__ckpt_jp *jp, smp_ckpt_info *e) {
             if (!strcmp(k, "dtype")) {
                 if (have_dtype++) return smp__ckpt_jerr(jp, "dtype appears twice");
                 SMP_TRY(smp__ckpt_jstring(jp, &dt, "the dtype"));
-                for (d = 1; d < SMP_DTYPE_COUNT; d++)
+                int d = 1;
+                for (; d < SMP_DTYPE_COUNT; d++)
                     if (!strcmp(dt, smp__dtypes[d].file_name)) break;
                 if (d == SMP_DTYPE_COUNT)
                     return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, jp->tensor,
@@ -1481,6 +1434,7 @@ static smp_status smp__ckpt_parse_tensor(smp__ckpt_jp *jp, smp_ckpt_info *e) {
                         if (e->ndim == SMP_MAX_DIMS)
                             return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, jp->tensor,
                                                   "shape has more than %d dimensions", SMP_MAX_DIMS);
+                        uint64_t v;
                         SMP_TRY(smp__ckpt_juint(jp, &v, "a dimension"));
                         e->shape[e->ndim++] = (int64_t)v;
                         if (smp__ckpt_eat(jp, ',')) continue;
@@ -1531,22 +1485,15 @@ static int smp__ckpt_cmp_meta(const void *a, const void *b) {
 }
 
 static smp_ckpt_info *smp__ckpt_lookup(const smp_ckpt_file *f, const char *name) {
-    int lo = 0, hi = f->n - 1;
-    while (lo <= hi) {
-        int mid = lo + (hi - lo) / 2, c = strcmp(f->by_name[mid]->name, name);
-        if (!c) return f->by_name[mid];
-        if (c < 0) lo = mid + 1;
-        else hi = mid - 1;
-    }
-    return NULL;
+    smp_ckpt_info key, *kp = &key, **e;
+    key.name = name;
+    e = f->n ? (smp_ckpt_info **)bsearch(&kp, f->by_name, (size_t)f->n, sizeof *e, smp__ckpt_cmp_name) : NULL;
+    return e ? *e : NULL;
 }
 
 /* Everything after the JSON: sizes, bounds, coverage, names, checksums. */
 static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
-    smp_ckpt_info **by_off;
-    uint64_t pos = 0;
     char shp[160];
-    smp_status st = SMP_OK;
     for (int i = 0; i < f->n; i++) {
         smp_ckpt_info *e = &f->info[i];
         uint64_t need;
@@ -1566,9 +1513,10 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
                                   (smp__ckpt_ull)(e->offset + e->nbytes), (smp__ckpt_ull)e->nbytes);
     }
     /* names */
+    smp_status st = SMP_OK;
     f->by_name = (smp_ckpt_info **)smp__ckpt_alloc(&st, sizeof(smp_ckpt_info *) * (size_t)f->n, f->label,
                                                    "the tensors sorted by name");
-    by_off = (smp_ckpt_info **)smp__ckpt_alloc(&st, sizeof(smp_ckpt_info *) * (size_t)f->n, f->label,
+    smp_ckpt_info **by_off = (smp_ckpt_info **)smp__ckpt_alloc(&st, sizeof(smp_ckpt_info *) * (size_t)f->n, f->label,
                                                "the tensors sorted by offset");
     f->meta_sorted = (smp__ckpt_meta *)smp__ckpt_alloc(&st, sizeof(smp__ckpt_meta) * (size_t)f->nmeta, f->label,
                                                        "the metadata sorted by key");
@@ -1582,6 +1530,7 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
         if (!strcmp(f->by_name[i - 1]->name, f->by_name[i]->name))
             st = smp__ckpt_fail(SMP_ERR_FORMAT, f->label, f->by_name[i]->name, "the name appears twice in the header");
     /* coverage: sorted by offset, each tensor starts where the last ended */
+    uint64_t pos = 0;
     if (!st) {
         qsort(by_off, (size_t)f->n, sizeof *by_off, smp__ckpt_cmp_offset);
         for (int i = 0; i < f->n && !st; i++) {
@@ -1613,26 +1562,22 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
             return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, NULL, "metadata key '%s' appears twice",
                                   f->meta_sorted[i].key);
     for (int i = 0; i < f->nmeta; i++) {
-        const char *k = f->meta[i].key, *v = f->meta[i].value, *name;
-        smp_ckpt_info *e;
+        const char *k = f->meta[i].key, *v = f->meta[i].value;
         if (!smp__ckpt_starts(k, SMP__CKPT_CRC_KEY)) continue;
-        name = k + strlen(SMP__CKPT_CRC_KEY);
-        e = smp__ckpt_lookup(f, name);
+        const char *name = k + strlen(SMP__CKPT_CRC_KEY);
+        smp_ckpt_info *e = smp__ckpt_lookup(f, name);
         if (!e)
             return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, name,
                                   "metadata holds a checksum for it, but the header has no such tensor");
-        const char *bad = smp__ckpt_crc_text(v, &e->checksum);
-        if (bad)
-            return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, name, "checksum \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and %s", v, bad);
+        SMP_TRY(smp__ckpt_crc_text(v, &e->checksum, f->label, name, "checksum"));
         e->has_checksum = true;
     }
     return SMP_OK;
 }
 
 static smp_status smp__ckpt_parse(smp_ckpt_file *f) {
-    smp__ckpt_jp jp;
+    smp__ckpt_jp jp = {0};
     int have_meta = 0;
-    memset(&jp, 0, sizeof jp);
     jp.s = f->header;
     jp.n = f->header_len;
     jp.label = f->label;
@@ -1648,12 +1593,10 @@ static smp_status smp__ckpt_parse(smp_ckpt_file *f) {
                 if (have_meta++) return smp__ckpt_jerr(&jp, "__metadata__ appears twice");
                 SMP_TRY(smp__ckpt_parse_meta(&jp, f));
             } else {
-                smp_ckpt_info *e;
-                size_t want;
-                if (!smp__grow((void **)&f->info, &f->cap, f->n + 1, sizeof *f->info, &want))
-                    return smp__ckpt_nomem(want, f->label, "the header's tensor list");
-                e = &f->info[f->n++];
-                memset(e, 0, sizeof *e);
+                smp_ckpt_info *e =
+                    (smp_ckpt_info *)smp__ckpt_push((void **)&f->info, &f->n, &f->cap, sizeof *e, f->label,
+                                                    "the header's tensor list");
+                if (!e) return SMP_ERR_NOMEM;
                 e->name = name;
                 jp.tensor = name;
                 SMP_TRY(smp__ckpt_parse_tensor(&jp, e));
@@ -1702,12 +1645,12 @@ static smp_status smp__ckpt_pread_all(smp_ckpt_file *f, void *dst, size_t n, uin
 
 /* Reads the length prefix and the header of an opened f and validates it. */
 static smp_status smp__ckpt_load(smp_ckpt_file *f) {
-    uint8_t pre[8];
-    uint64_t hlen = 0;
     if (f->size < 8)
         return smp__ckpt_fail(SMP_ERR_FORMAT, f->label, NULL,
                               "the file is %llu bytes, shorter than the 8-byte header length it must start with",
                               (smp__ckpt_ull)f->size);
+    uint8_t pre[8];
+    uint64_t hlen = 0;
     SMP_TRY(smp__ckpt_pread_all(f, pre, 8, 0));
     for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | pre[i];
     if (hlen > f->size - 8)
@@ -1720,87 +1663,67 @@ static smp_status smp__ckpt_load(smp_ckpt_file *f) {
     f->header_len = (size_t)hlen;
     f->data_start = 8 + hlen;
     f->data_len = f->size - f->data_start;
-    f->header = (uint8_t *)smp__alloc(f->header_len + 1, SMP__ALLOC_OTHER);
-    if (!f->header) return smp__ckpt_nomem(f->header_len + 1, f->label, "the header");
+    smp_status st = SMP_OK;
+    if (!(f->header = (uint8_t *)smp__ckpt_alloc(&st, f->header_len + 1, f->label, "the header"))) return st;
     SMP_TRY(smp__ckpt_pread_all(f, f->header, f->header_len, 8));
     f->header[f->header_len] = 0;
     f->header_crc = smp_ckpt_crc32c(smp_ckpt_crc32c(0, pre, 8), f->header, f->header_len); /* before parsing decodes it */
     return smp__ckpt_parse(f);
 }
 
-static smp_status smp__ckpt_file_new(smp_ckpt_file **out, const char *path) {
+/* Opens `path`, or with `mem` the image mem[0..n) that `path` names, and
+   validates its header. */
+static smp_status smp__ckpt_file_open(smp_ckpt_file **out, const char *path, const uint8_t *mem, size_t n) {
     char label[600];
-    smp_status st = SMP_OK;
-    smp_ckpt_file *f;
-    size_t n = strlen(path) + 16;
     snprintf(label, sizeof label, "checkpoint '%s'", path);
-    *out = f = (smp_ckpt_file *)smp__ckpt_alloc(&st, sizeof *f, label, "opening it");
+    smp_status st = SMP_OK;
+    smp_ckpt_file *f = (smp_ckpt_file *)smp__ckpt_alloc(&st, sizeof *f, label, "opening it");
     if (!f) return st;
     memset(f, 0, sizeof *f);
     f->fd = -1;
-    if ((f->path = (char *)smp__ckpt_alloc(&st, strlen(path) + 1, label, "its path")))
-        memcpy(f->path, path, strlen(path) + 1);
-    f->label = (char *)smp__ckpt_alloc(&st, n, label, "its name in messages");
-    if (st) {
-        smp_ckpt_close(f);
-        *out = NULL;
-        return st;
+    size_t plen = strlen(path);
+    /* one block: the path, then "checkpoint '<path>'" for messages */
+    if ((f->path = (char *)smp__ckpt_alloc(&st, 2 * plen + 16, label, "its path and its name in messages"))) {
+        memcpy(f->path, path, plen + 1);
+        f->label = f->path + plen + 1;
+        snprintf(f->label, plen + 15, "checkpoint '%s'", path);
     }
-    snprintf(f->label, n, "checkpoint '%s'", path);
-    return SMP_OK;
+    f->mem = mem;
+    f->size = n;
+    if (!st && !mem) {
+        struct stat sb;
+        if ((f->fd = open(path, O_RDONLY | SMP__CKPT_O_CLOEXEC)) < 0)
+            st = smp_error(SMP_ERR_IO, "cannot open checkpoint '%s': %s", path, strerror(errno));
+        else if (fstat(f->fd, &sb) != 0 || !S_ISREG(sb.st_mode))
+            st = smp_error(SMP_ERR_IO, "checkpoint '%s' is not a regular file", path);
+        else
+            f->size = (uint64_t)sb.st_size;
+    }
+    if (!st) st = smp__ckpt_load(f);
+    if (st) smp_ckpt_close(f);
+    else *out = f;
+    return st;
 }
 
 SMPDEF smp_status smp_ckpt_open(const char *path, smp_ckpt_file **out) {
-    smp_ckpt_file *f;
-    struct stat sb;
-    smp_status st;
     if (!out) return smp_error(SMP_ERR_ARG, "smp_ckpt_open: out is NULL");
     *out = NULL;
     if (!path) return smp_error(SMP_ERR_ARG, "smp_ckpt_open: path is NULL");
-    SMP_TRY(smp__ckpt_file_new(&f, path));
-    f->fd = open(path, O_RDONLY | SMP__CKPT_O_CLOEXEC);
-    if (f->fd < 0) {
-        st = smp_error(SMP_ERR_IO, "cannot open checkpoint '%s': %s", path, strerror(errno));
-        smp_ckpt_close(f);
-        return st;
-    }
-    if (fstat(f->fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        st = smp_error(SMP_ERR_IO, "checkpoint '%s' is not a regular file", path);
-        smp_ckpt_close(f);
-        return st;
-    }
-    f->size = (uint64_t)sb.st_size;
-    if ((st = smp__ckpt_load(f)) != SMP_OK) {
-        smp_ckpt_close(f);
-        return st;
-    }
-    *out = f;
-    return SMP_OK;
+    return smp__ckpt_file_open(out, path, NULL, 0);
 }
 
 SMP__CKPT_HOOK smp_status smp__ckpt_open_memory(smp_ckpt_file **out, const char *label, const void *bytes, size_t n) {
-    smp_ckpt_file *f;
-    smp_status st;
     if (!out) return smp_error(SMP_ERR_ARG, "smp__ckpt_open_memory: out is NULL");
     *out = NULL;
     if (!bytes && n) return smp_error(SMP_ERR_ARG, "smp__ckpt_open_memory: bytes is NULL");
-    SMP_TRY(smp__ckpt_file_new(&f, label ? label : "<memory>"));
-    f->mem = (const uint8_t *)(bytes ? bytes : "");
-    f->size = n;
-    if ((st = smp__ckpt_load(f)) != SMP_OK) {
-        smp_ckpt_close(f);
-        return st;
-    }
-    *out = f;
-    return SMP_OK;
+    return smp__ckpt_file_open(out, label ? label : "<memory>", (const uint8_t *)(bytes ? bytes : ""), n);
 }
 
 SMPDEF void smp_ckpt_close(smp_ckpt_file *f) {
     if (!f) return;
     if (f->map && !f->mem) munmap((void *)(uintptr_t)f->map, (size_t)f->size);
     if (f->fd >= 0) close(f->fd);
-    smp__free(f->path);
-    smp__free(f->label);
+    smp__free(f->path); /* and the label */
     smp__free(f->header);
     smp__free(f->info);
     smp__free(f->by_name);
@@ -1817,12 +1740,11 @@ SMPDEF const smp_ckpt_info *smp_ckpt_info_at(const smp_ckpt_file *f, int i) {
 }
 
 SMPDEF const smp_ckpt_info *smp_ckpt_find(const smp_ckpt_file *f, const char *name) {
-    const smp_ckpt_info *e;
     if (!f || !name) {
         smp_error(SMP_ERR_ARG, "smp_ckpt_find: file or name is NULL");
         return NULL;
     }
-    e = smp__ckpt_lookup(f, name);
+    const smp_ckpt_info *e = smp__ckpt_lookup(f, name);
     if (!e) smp__ckpt_fail(SMP_ERR_ARG, f->label, name, "no tensor of that name in the file (%d tensors)", f->n);
     return e;
 }
@@ -1836,23 +1758,16 @@ SMPDEF void smp_ckpt_meta_at(const smp_ckpt_file *f, int i, const char **key, co
 }
 
 SMPDEF const char *smp_ckpt_meta(const smp_ckpt_file *f, const char *key) {
-    int lo = 0, hi;
-    if (!f || !key) return NULL;
-    hi = f->nmeta - 1;
-    while (lo <= hi) {
-        int mid = lo + (hi - lo) / 2, c = strcmp(f->meta_sorted[mid].key, key);
-        if (!c) return f->meta_sorted[mid].value;
-        if (c < 0) lo = mid + 1;
-        else hi = mid - 1;
-    }
-    return NULL;
+    if (!f || !key || !f->nmeta) return NULL;
+    smp__ckpt_meta k = {key, NULL};
+    const smp__ckpt_meta *m =
+        (const smp__ckpt_meta *)bsearch(&k, f->meta_sorted, (size_t)f->nmeta, sizeof k, smp__ckpt_cmp_meta);
+    return m ? m->value : NULL;
 }
 
 static smp_status smp__ckpt_check_entry(const smp_ckpt_file *f, const smp_ckpt_info *e, const char *fn) {
-    uintptr_t p = (uintptr_t)e, lo, hi;
     if (!f || !e) return smp_error(SMP_ERR_ARG, "%s: file or entry is NULL", fn);
-    lo = (uintptr_t)f->info;
-    hi = (uintptr_t)(f->info + f->n);
+    uintptr_t p = (uintptr_t)e, lo = (uintptr_t)f->info, hi = (uintptr_t)(f->info + f->n);
     if (p < lo || p >= hi || (p - lo) % sizeof *e)
         return smp__ckpt_fail(SMP_ERR_ARG, f->label, NULL, "%s: the entry does not belong to this file", fn);
     return SMP_OK;
@@ -1860,8 +1775,7 @@ static smp_status smp__ckpt_check_entry(const smp_ckpt_file *f, const smp_ckpt_i
 
 SMPDEF smp_status smp_ckpt_read_range(smp_ckpt_file *f, const smp_ckpt_info *e, uint64_t offset, void *dst,
                                       size_t n) {
-    smp_status st = smp__ckpt_check_entry(f, e, "smp_ckpt_read_range");
-    if (st) return st;
+    SMP_TRY(smp__ckpt_check_entry(f, e, "smp_ckpt_read_range"));
     if (offset > e->nbytes || n > e->nbytes - offset)
         return smp__ckpt_fail(SMP_ERR_ARG, f->label, e->name, "bytes [%llu, %llu) are outside its %llu bytes",
                               (smp__ckpt_ull)offset, (smp__ckpt_ull)offset + (smp__ckpt_ull)n,
@@ -1879,26 +1793,22 @@ static smp_status smp__ckpt_mismatch(const smp_ckpt_file *f, const smp_ckpt_info
 }
 
 SMPDEF smp_status smp_ckpt_read(smp_ckpt_file *f, const smp_ckpt_info *e, void *dst, size_t cap) {
-    smp_status st = smp__ckpt_check_entry(f, e, "smp_ckpt_read");
-    uint32_t got;
-    if (st) return st;
+    SMP_TRY(smp__ckpt_check_entry(f, e, "smp_ckpt_read"));
     if (cap < e->nbytes)
         return smp__ckpt_fail(SMP_ERR_ARG, f->label, e->name, "a buffer of %zu bytes cannot hold its %llu bytes", cap,
                               (smp__ckpt_ull)e->nbytes);
     SMP_TRY(smp_ckpt_read_range(f, e, 0, dst, (size_t)e->nbytes));
     if (!e->has_checksum) return SMP_OK;
-    got = smp_ckpt_crc32c(0, dst, (size_t)e->nbytes);
+    uint32_t got = smp_ckpt_crc32c(0, dst, (size_t)e->nbytes);
     return got == e->checksum ? SMP_OK : smp__ckpt_mismatch(f, e, got);
 }
 
 SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
-    uint8_t *buf;
-    size_t cap = SMP__CKPT_IO_CHUNK;
-    smp_status st = SMP_OK;
     if (!f) return smp_error(SMP_ERR_ARG, "smp_ckpt_verify_all: file is NULL");
-    if (f->data_len < cap) cap = f->data_len ? (size_t)f->data_len : 1;
-    buf = (uint8_t *)smp__alloc(cap, SMP__ALLOC_OTHER);
-    if (!buf) return smp__ckpt_nomem(cap, f->label, "verifying its checksums");
+    size_t cap = f->data_len < SMP__CKPT_IO_CHUNK ? (size_t)f->data_len : SMP__CKPT_IO_CHUNK;
+    smp_status st = SMP_OK;
+    uint8_t *buf = (uint8_t *)smp__ckpt_alloc(&st, cap, f->label, "verifying its checksums");
+    if (!buf) return st;
     for (int i = 0; i < f->n && !st; i++) {
         const smp_ckpt_info *e = &f->info[i];
         uint64_t off = 0;
@@ -2120,13 +2030,12 @@ static smp_status smp__ckpt_copy_in(void *dst, int dst_dev, const void *src, siz
 
 /* ---------------------------------------------------------------- optimizer registry */
 SMPDEF smp_status smp_optimizer_new(smp_model *m, smp_optimizer **out) {
-    smp_optimizer *o;
     if (!out) return smp_error(SMP_ERR_ARG, "smp_optimizer_new: out is NULL");
     *out = NULL;
     if (!m) return smp_error(SMP_ERR_ARG, "smp_optimizer_new: model is NULL");
-    o = (smp_optimizer *)smp__alloc(sizeof *o, SMP__ALLOC_OTHER);
-    if (!o) return smp__nomem(sizeof *o, "smp_optimizer_new's registry");
-    memset(o, 0, sizeof *o);
+    smp_status st = SMP_OK;
+    smp_optimizer *o = (smp_optimizer *)smp__alloc_or(&st, sizeof *o, SMP__ALLOC_OTHER, "smp_optimizer_new's registry");
+    if (!o) return st;
     o->model = m;
     *out = o;
     return SMP_OK;
@@ -2227,8 +2136,7 @@ static int smp__ckpt_cmp_order(const void *a, const void *b) {
 }
 
 static int smp__ckpt_find(const smp__ckpt_plan *pl, const char *name) {
-    int lo = 0, hi = pl->n - 1;
-    while (lo <= hi) {
+    for (int lo = 0, hi = pl->n - 1; lo <= hi;) {
         int mid = lo + (hi - lo) / 2, c = strcmp(pl->items[pl->by_name[mid]].name, name);
         if (!c) return pl->by_name[mid];
         if (c < 0) lo = mid + 1;
@@ -2263,25 +2171,39 @@ static int smp__ckpt_same_shape(int na, const int64_t *a, int nb, const int64_t 
     return 1;
 }
 
+/* Sets a plan item: a tensor `name` of partition mp, in no file yet. */
+static void smp__ckpt_item_init(smp__ckpt_item *it, const char *name, smp_dtype dt, int ndim, const int64_t *shape, int kind,
+                                int mp) {
+    int64_t numel;
+    memset(it, 0, sizeof *it);
+    it->name = name;
+    it->dtype = dt;
+    it->ndim = ndim;
+    memcpy(it->shape, shape, sizeof it->shape);
+    smp__ckpt_tensor_bytes(dt, ndim, shape, &numel, &it->nbytes);
+    it->kind = kind;
+    it->mp = mp;
+    it->file = -1;
+}
+
 /* Serialises this rank's registrations into *out (malloc'd). */
 static smp_status smp__ckpt_pack(const smp_optimizer *o, char **out, size_t *len) {
-    size_t n = 0, at = 0;
-    char *b;
     *out = NULL;
     *len = 0;
     if (!o || !o->n) return SMP_OK;
+    size_t n = 0, at = 0;
     for (int i = 0; i < o->n; i++) n += 1 + strlen(o->s[i].full) + 1 + 8 + 8 * (size_t)o->s[i].t.ndim;
-    b = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
-    if (!b) return smp__nomem(n, "this rank's optimizer state names, packed for the other ranks (a checkpoint's plan)");
+    smp_status st = SMP_OK;
+    char *b = (char *)smp__bytes_or(&st, n, SMP__ALLOC_OTHER,
+                                    "this rank's optimizer state names, packed for the other ranks (a checkpoint's plan)");
+    if (!b) return st;
     for (int i = 0; i < o->n; i++) {
         const smp__ckpt_state *s = &o->s[i];
-        int32_t v[2];
         size_t k = strlen(s->full) + 1;
         b[at++] = (char)s->global;
         memcpy(b + at, s->full, k);
         at += k;
-        v[0] = (int32_t)s->t.dtype;
-        v[1] = (int32_t)s->t.ndim;
+        int32_t v[2] = {(int32_t)s->t.dtype, (int32_t)s->t.ndim};
         memcpy(b + at, v, 8);
         at += 8;
         memcpy(b + at, s->t.shape, 8 * (size_t)s->t.ndim);
@@ -2298,13 +2220,11 @@ static smp_status smp__ckpt_pack(const smp_optimizer *o, char **out, size_t *len
 static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coords, const int *counts, const int *displs,
                                           const smp_optimizer *opt, int *nitems) {
     smp__ckpt_rec *recs = NULL;
-    int nrec = 0, cap = 0, r, i, j;
+    int nrec = 0, cap = 0;
     smp_status st = SMP_OK;
-    char d1[200], d2[200];
-    for (r = 0; r < pl->size; r++) {
+    for (int r = 0; r < pl->size; r++) {
         const char *p = pl->gathered + displs[r], *end = p + counts[r];
-        int index = 0;
-        while (p < end) {
+        for (int index = 0; p < end; index++) {
             smp__ckpt_rec rec;
             int32_t v[2];
             memset(&rec, 0, sizeof rec);
@@ -2318,7 +2238,7 @@ static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coord
             memcpy(rec.shape, p, 8 * (size_t)rec.ndim);
             p += 8 * (size_t)rec.ndim;
             rec.rank = r;
-            rec.index = index++;
+            rec.index = index;
             if (!smp__grow_or(&st, (void **)&recs, &cap, nrec + 1, sizeof *recs, "merging every rank's optimizer state names (a checkpoint's plan)")) {
                 smp__free(recs);
                 return st;
@@ -2327,12 +2247,12 @@ static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coord
         }
     }
     if (nrec) qsort(recs, (size_t)nrec, sizeof *recs, smp__ckpt_cmp_rec);
-    for (i = 0; i < nrec && !st; i = j) {
-        smp__ckpt_item *it = &pl->items[*nitems];
+    for (int i = 0, j; i < nrec && !st; i = j) {
         const smp__ckpt_rec *a = &recs[i];
         for (j = i; j < nrec && !strcmp(recs[j].name, a->name); j++) {
             const smp__ckpt_rec *b = &recs[j];
             if (b->global != a->global || b->dtype != a->dtype || !smp__ckpt_same_shape(a->ndim, a->shape, b->ndim, b->shape)) {
+                char d1[200], d2[200];
                 st = smp_error(SMP_ERR_ARG,
                                "optimizer state '%s' is registered as %s%s on world rank %d but as %s%s on world rank %d",
                                a->name, smp__ckpt_describe(a->dtype, a->ndim, a->shape, d1, sizeof d1),
@@ -2343,19 +2263,10 @@ static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coord
             }
         }
         if (st) break;
-        memset(it, 0, sizeof *it);
-        it->name = a->name;
-        it->dtype = a->dtype;
-        it->ndim = a->ndim;
-        memcpy(it->shape, a->shape, sizeof it->shape);
-        it->kind = a->global ? SMP__CKPT_GLOBAL : SMP__CKPT_OPTIM;
-        it->mp = a->global ? 0 : coords[2 * a->rank];
-        it->file = -1;
-        {
-            int64_t numel;
-            smp__ckpt_tensor_bytes(it->dtype, it->ndim, it->shape, &numel, &it->nbytes);
-        }
-        for (r = i; r < j; r++) {
+        smp__ckpt_item *it = &pl->items[*nitems];
+        smp__ckpt_item_init(it, a->name, a->dtype, a->ndim, a->shape, a->global ? SMP__CKPT_GLOBAL : SMP__CKPT_OPTIM,
+                            a->global ? 0 : coords[2 * a->rank]);
+        for (int r = i; r < j; r++) {
             if (recs[r].rank == pl->saver[it->mp]) it->saver_has = 1;
             if (recs[r].rank == pl->rank && opt) it->local = &opt->s[recs[r].index].t;
         }
@@ -2475,16 +2386,9 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
         smp_param *p = smp_model_global_param(m, i, true);
         const smp_tensor *v = smp_param_value(p);
         smp__ckpt_item *it = &pl->items[nitems++];
-        int64_t numel;
-        memset(it, 0, sizeof *it);
-        it->name = smp_param_name(p);
-        it->dtype = v->dtype;
-        it->ndim = v->ndim;
-        memcpy(it->shape, v->shape, sizeof it->shape);
-        smp__ckpt_tensor_bytes(it->dtype, it->ndim, it->shape, &numel, &it->nbytes);
-        it->kind = smp_param_is_buffer(p) ? SMP__CKPT_BUFFER : SMP__CKPT_PARAM;
-        it->mp = smp_module_partition(smp_param_module(p));
-        it->file = -1;
+        smp__ckpt_item_init(it, smp_param_name(p), v->dtype, v->ndim, v->shape,
+                            smp_param_is_buffer(p) ? SMP__CKPT_BUFFER : SMP__CKPT_PARAM,
+                            smp_module_partition(smp_param_module(p)));
         if (it->mp < 0 || it->mp >= pl->P) {
             st = smp_error(SMP_ERR_STATE, "%s '%s' has no partition; is the model partitioned?",
                            smp__ckpt_kind_name(it->kind), it->name);
@@ -2554,12 +2458,11 @@ static void *smp__ckpt_io_main(void *arg) {
     smp__ckpt_io *io = (smp__ckpt_io *)arg;
     pthread_mutex_lock(&io->mu);
     for (;;) {
-        smp__ckpt_job j;
-        smp_status st = SMP_OK;
         while (!io->count && !io->quit) pthread_cond_wait(&io->cv, &io->mu);
         if (!io->count) break;
-        j = io->q[io->head];
+        smp__ckpt_job j = io->q[io->head];
         pthread_mutex_unlock(&io->mu);
+        smp_status st = SMP_OK;
         if (!io->st) st = io->sink(io->ctx, j.item, j.off, j.p, j.n); /* after an error: drain */
         pthread_mutex_lock(&io->mu);
         if (!io->st && st) {
@@ -2587,11 +2490,10 @@ static void smp__ckpt_io_push(smp__ckpt_io *io, smp__ckpt_job j) {
 
 /* Whether ring slot s may take a new receive; with `block`, waits for it. */
 static int smp__ckpt_io_free(smp__ckpt_io *io, int s, int block) {
-    int ok;
     if (!io) return 1;
     pthread_mutex_lock(&io->mu);
     while (block && io->busy[s]) pthread_cond_wait(&io->cv, &io->mu);
-    ok = !io->busy[s];
+    int ok = !io->busy[s];
     pthread_mutex_unlock(&io->mu);
     return ok;
 }
@@ -2618,9 +2520,6 @@ typedef struct smp__ckpt_rx {
    `block`, once it is); returns whether it posted one. */
 static int smp__ckpt_post(smp__ckpt_rx *rx, int block) {
     smp__ckpt_plan *pl = rx->pl;
-    const smp__ckpt_item *ip;
-    size_t lp;
-    int s;
     if (rx->posted - rx->done >= SMP__CKPT_RING) return 0;
     while (rx->qp < pl->n && (smp__ckpt_source(pl, &pl->items[pl->order[rx->qp]]) == rx->receiver ||
                               rx->offp >= pl->items[pl->order[rx->qp]].nbytes)) {
@@ -2628,10 +2527,10 @@ static int smp__ckpt_post(smp__ckpt_rx *rx, int block) {
         rx->offp = 0;
     }
     if (rx->qp >= pl->n) return 0;
-    s = (int)(rx->posted % SMP__CKPT_RING);
+    int s = (int)(rx->posted % SMP__CKPT_RING);
     if (!smp__ckpt_io_free(rx->io, s, block)) return 0;
-    ip = &pl->items[pl->order[rx->qp]];
-    lp = ip->nbytes - rx->offp < pl->chunk ? (size_t)(ip->nbytes - rx->offp) : pl->chunk;
+    const smp__ckpt_item *ip = &pl->items[pl->order[rx->qp]];
+    size_t lp = ip->nbytes - rx->offp < pl->chunk ? (size_t)(ip->nbytes - rx->offp) : pl->chunk;
     SMP_ASSERT(rx->buf[s] != NULL);
     SMP__MPI_FATAL(MPI_Irecv(rx->buf[s], (int)lp, MPI_BYTE, smp__ckpt_source(pl, ip), SMP__CKPT_TAG, pl->comm, &rx->req[s]),
                    "receiving checkpoint data of '%s' from world rank %d", ip->name, smp__ckpt_source(pl, ip));
@@ -2642,8 +2541,7 @@ static int smp__ckpt_post(smp__ckpt_rx *rx, int block) {
 
 static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, void *ctx) {
     smp__ckpt_plan *pl = rx->pl;
-    smp_status st = SMP_OK, st2;
-    char what[256];
+    smp_status st = SMP_OK;
     for (int q = 0; q < pl->n; q++) {
         int idx = pl->order[q];
         const smp__ckpt_item *it = &pl->items[idx];
@@ -2669,7 +2567,7 @@ static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, vo
                 } else { /* staged through a buffer of its own (never threaded) */
                     len = it->nbytes - off < pl->chunk ? (size_t)(it->nbytes - off) : pl->chunk;
                     SMP_ASSERT(rx->stage != NULL);
-                    st2 = smp__ckpt_copy(rx->stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
+                    smp_status st2 = smp__ckpt_copy(rx->stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
                     if (!st) st = st2;
                     if (!st) st = sink(ctx, idx, off, rx->stage, len);
                 }
@@ -2693,6 +2591,7 @@ static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, vo
                         while (smp__ckpt_post(rx, 0)) {
                         }
                         if (MPI_Wtime() > deadline) {
+                            char what[256];
                             snprintf(what, sizeof what, "checkpoint data of '%s' from world rank %d", it->name, src);
                             smp__timeout_abort(what, SMP_WORLD, src, MPI_Wtime() - start);
                         }
@@ -2722,18 +2621,17 @@ static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, vo
    Called, and agreed on, before the transfer starts, so no rank runs out of
    memory inside it while the others wait. */
 static smp_status smp__ckpt_stream_prepare(smp__ckpt_plan *pl, int receiver, smp__ckpt_rx *rx) {
-    smp_status st = SMP_OK;
-    uint64_t biggest = 0;
-    long chunks = 0;
-    int i, device = 0, own_device = 0;
     memset(rx, 0, sizeof *rx);
     rx->pl = pl;
     rx->receiver = receiver;
-    for (i = 0; i < pl->n; i++)
+    uint64_t biggest = 0;
+    for (int i = 0; i < pl->n; i++)
         if (pl->items[i].nbytes > biggest) biggest = pl->items[i].nbytes;
     rx->cap = biggest < pl->chunk ? (size_t)biggest : pl->chunk;
     if (!rx->cap) rx->cap = 1;
-    for (i = 0; i < pl->n; i++) {
+    long chunks = 0;
+    int device = 0, own_device = 0;
+    for (int i = 0; i < pl->n; i++) {
         const smp__ckpt_item *it = &pl->items[i];
         int src = smp__ckpt_source(pl, it);
         long n = (long)((it->nbytes + pl->chunk - 1) / pl->chunk);
@@ -2745,7 +2643,8 @@ static smp_status smp__ckpt_stream_prepare(smp__ckpt_plan *pl, int receiver, smp
         if (pl->rank == receiver && src == receiver && it->local && it->local->device >= 0) own_device = 1;
     }
     if (pl->rank != receiver && !device) chunks = 0; /* a host sender sends from the tensors themselves */
-    for (i = 0; i < SMP__CKPT_RING && i < chunks; i++)
+    smp_status st = SMP_OK;
+    for (int i = 0; i < SMP__CKPT_RING && i < chunks; i++)
         rx->buf[i] = (uint8_t *)smp__ckpt_alloc(&st, rx->cap, NULL, "a checkpoint transfer buffer (one of 8)");
     if (own_device) rx->stage = (uint8_t *)smp__ckpt_alloc(&st, rx->cap, NULL, "staging a device tensor to save it");
     return st;
@@ -2763,9 +2662,10 @@ static void smp__ckpt_stream_free(smp__ckpt_rx *rx) {
 static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, void *ctx, int threaded) {
     smp__ckpt_plan *pl = rx->pl;
     int receiver = rx->receiver;
-    smp_status st = SMP_OK, st2;
+    smp_status st = SMP_OK;
     const int K = SMP__CKPT_RING;
     char what[128];
+    snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
 
     if (pl->rank == receiver) {
         smp__ckpt_io io;
@@ -2798,7 +2698,7 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
             pthread_mutex_destroy(&io.mu);
         }
     } else {
-        long sent = 0, k;
+        long sent = 0;
         for (int q = 0; q < pl->n; q++) {
             const smp__ckpt_item *it = &pl->items[pl->order[q]];
             uint64_t off = 0;
@@ -2808,15 +2708,13 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
                 int slot = (int)(sent % K);
                 size_t len = it->nbytes - off < pl->chunk ? (size_t)(it->nbytes - off) : pl->chunk;
                 const void *p;
-                if (sent >= K) { /* senders may sleep between polls: the receiver drives the copy */
-                    snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
+                if (sent >= K) /* senders may sleep between polls: the receiver drives the copy */
                     smp_wait_requests(1, &rx->req[slot], what, SMP_WORLD, receiver);
-                }
                 if (it->local->device < 0) {
                     p = (const uint8_t *)it->local->data + off;
                 } else { /* send what the copy gave; a failure fails the save later */
                     SMP_ASSERT(rx->buf[slot] != NULL);
-                    st2 = smp__ckpt_copy(rx->buf[slot], SMP_HOST, (const uint8_t *)it->local->data + off,
+                    smp_status st2 = smp__ckpt_copy(rx->buf[slot], SMP_HOST, (const uint8_t *)it->local->data + off,
                                        it->local->device, len);
                     if (!st) st = st2;
                     p = rx->buf[slot];
@@ -2827,10 +2725,8 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
                 off += len;
             }
         }
-        for (k = sent > K ? sent - K : 0; k < sent; k++) {
-            snprintf(what, sizeof what, "world rank %d to take checkpoint data", receiver);
+        for (long k = sent > K ? sent - K : 0; k < sent; k++)
             smp_wait_requests(1, &rx->req[k % K], what, SMP_WORLD, receiver);
-        }
     }
     rx->io = NULL;
     return st;
@@ -2845,26 +2741,20 @@ typedef struct smp__ckpt_meta_list {
 } smp__ckpt_meta_list;
 
 static void smp__ckpt_meta_add(smp__ckpt_meta_list *md, const char *k1, const char *k2, const char *v) {
-    size_t l1 = strlen(k1), l2 = k2 ? strlen(k2) : 0;
-    char *k, *val;
-    int cap2 = md->cap;
     if (md->oom) return;
+    int cap2 = md->cap;
     if (!smp__grow((void **)&md->keys, &md->cap, md->n + 1, sizeof(char *), &md->want) ||
         !smp__grow((void **)&md->vals, &cap2, md->n + 1, sizeof(char *), &md->want)) {
         md->oom = 1;
         return;
     }
-    k = (char *)smp__alloc(l1 + l2 + 1, SMP__ALLOC_OTHER);
-    val = k ? smp__strdup(v) : NULL;
+    char *k = smp__ckpt_strf("%s%s", k1, k2 ? k2 : ""), *val = k ? smp__strdup(v) : NULL;
     if (!k || !val) {
-        md->want = !k ? l1 + l2 + 1 : strlen(v) + 1;
+        md->want = !k ? strlen(k1) + (k2 ? strlen(k2) : 0) + 1 : strlen(v) + 1;
         smp__free(k);
         md->oom = 1;
         return;
     }
-    memcpy(k, k1, l1);
-    if (l2) memcpy(k + l1, k2, l2);
-    k[l1 + l2] = 0;
     md->keys[md->n] = k;
     md->vals[md->n] = val;
     md->n++;
@@ -2914,15 +2804,14 @@ static smp_status smp__ckpt_build_meta(const smp__ckpt_plan *pl, const smp_save_
 /* The entries of the items of partition only_mp (-1: all), in file order;
    NULL and the out-of-memory error in *st when there is no memory. */
 static smp_ckpt_entry *smp__ckpt_entries(const smp__ckpt_plan *pl, int only_mp, int *count, smp_status *st) {
-    smp_ckpt_entry *e = (smp_ckpt_entry *)smp__ckpt_alloc(st, sizeof(smp_ckpt_entry) * (size_t)(pl->n + 1), NULL,
-                                                          "the list of tensors of a checkpoint file");
-    int q, n = 0;
+    smp_ckpt_entry *e = (smp_ckpt_entry *)smp__alloc_or(st, sizeof(smp_ckpt_entry) * (size_t)(pl->n + 1), SMP__ALLOC_OTHER,
+                                                        "the list of tensors of a checkpoint file");
+    int n = 0;
     *count = 0;
     if (!e) return NULL;
-    for (q = 0; q < pl->n; q++) {
+    for (int q = 0; q < pl->n; q++) {
         const smp__ckpt_item *it = &pl->items[pl->order[q]];
         if (only_mp >= 0 && it->mp != only_mp) continue;
-        memset(&e[n], 0, sizeof e[n]);
         e[n].name = it->name;
         e[n].dtype = it->dtype;
         e[n].ndim = it->ndim;
@@ -2944,14 +2833,12 @@ static smp_status smp__ckpt_file_sink(void *ctx, int item, uint64_t off, const v
    lives on a device). */
 static smp_status smp__ckpt_write_local(smp_ckpt_writer *w, const smp__ckpt_item *it, size_t chunk) {
     const smp_tensor *t = it->local;
-    uint8_t *stage;
-    uint64_t off = 0;
-    smp_status st = SMP_OK;
     if (!it->nbytes) return SMP_OK;
     if (t->device < 0) return smp_ckpt_writer_write(w, t->data, (size_t)it->nbytes);
-    stage = (uint8_t *)smp__alloc(chunk, SMP__ALLOC_OTHER);
-    if (!stage) return smp__nomem(chunk, "staging a device tensor to save it");
-    while (off < it->nbytes && !st) {
+    smp_status st = SMP_OK;
+    uint8_t *stage = (uint8_t *)smp__bytes_or(&st, chunk, SMP__ALLOC_OTHER, "staging a device tensor to save it");
+    if (!stage) return st;
+    for (uint64_t off = 0; off < it->nbytes && !st;) {
         size_t len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
         st = smp__ckpt_copy(stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
         if (!st) st = smp_ckpt_writer_write(w, stage, len);
@@ -2959,13 +2846,6 @@ static smp_status smp__ckpt_write_local(smp_ckpt_writer *w, const smp__ckpt_item
     }
     smp__free(stage);
     return st;
-}
-
-static char *smp__ckpt_part_path(const char *path, int k) {
-    size_t n = strlen(path) + 16;
-    char *p = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
-    if (p) snprintf(p, n, "%s_%d", path, k);
-    return p;
 }
 
 /* ---------------------------------------------------------------- partial checkpoints: generations and manifests
@@ -2976,27 +2856,9 @@ static char *smp__ckpt_part_path(const char *path, int k) {
 #define SMP__CKPT_MANIFEST_FORMAT "smp-checkpoint-manifest/1"
 #define SMP__CKPT_MANIFEST_MAX ((size_t)64 << 20)
 
-static char *smp__ckpt_manifest_path(const char *path) {
-    size_t n = strlen(path) + 16;
-    char *p = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
-    if (p) snprintf(p, n, "%s.manifest", path);
-    return p;
-}
-
 static int smp__ckpt_exists(const char *path) {
     struct stat sb;
     return path && stat(path, &sb) == 0;
-}
-
-/* "<dir>/<name>" */
-static char *smp__ckpt_join(const char *dir, const char *name) {
-    size_t dl = strlen(dir), nl = strlen(name);
-    char *p = (char *)smp__alloc(dl + nl + 2, SMP__ALLOC_OTHER);
-    if (!p) return NULL;
-    memcpy(p, dir, dl);
-    p[dl] = '/';
-    memcpy(p + dl + 1, name, nl + 1);
-    return p;
 }
 
 /* Decimal digits at s without a leading zero ("0" itself is fine), at most
@@ -3021,14 +2883,12 @@ enum { SMP__CKPT_NAME_OTHER, SMP__CKPT_NAME_GEN, SMP__CKPT_NAME_LEGACY };
 
 static int smp__ckpt_classify(const char *name, const char *base, uint64_t *gen, int *k, long *tmp_pid) {
     size_t bl = strlen(base);
-    const char *p;
-    uint64_t v;
-    int kind, n;
     *gen = 0;
     *k = -1;
     *tmp_pid = 0;
     if (strncmp(name, base, bl) != 0) return SMP__CKPT_NAME_OTHER;
-    p = name + bl;
+    const char *p = name + bl;
+    int kind, n;
     if (p[0] == '.' && p[1] == 'g') {
         if (!(n = smp__ckpt_digits(p + 2, gen)) || p[2 + n] != '_') return SMP__CKPT_NAME_OTHER;
         p += 2 + n + 1;
@@ -3039,6 +2899,7 @@ static int smp__ckpt_classify(const char *name, const char *base, uint64_t *gen,
     } else {
         return SMP__CKPT_NAME_OTHER;
     }
+    uint64_t v;
     if (!(n = smp__ckpt_digits(p, &v)) || v > (1u << 20)) return SMP__CKPT_NAME_OTHER;
     *k = (int)v;
     p += n;
@@ -3049,18 +2910,23 @@ static int smp__ckpt_classify(const char *name, const char *base, uint64_t *gen,
     return kind;
 }
 
+static void smp__ckpt_free_list(char **names) {
+    if (!names) return;
+    for (int i = 0; names[i]; i++) smp__free(names[i]);
+    smp__free(names);
+}
+
 /* The names in a folder, into *out (NULL-terminated, malloc'd; NULL when
    the folder cannot be read, or is empty). SMP_ERR_NOMEM when the list
    cannot be had, with *out NULL. */
 static smp_status smp__ckpt_list_dir(const char *dir, char ***out) {
     DIR *d = opendir(dir);
-    struct dirent *de;
     char **names = NULL;
-    int n = 0, cap = 0, i;
+    int n = 0, cap = 0;
     size_t want = 0;
     *out = NULL;
     if (!d) return SMP_OK;
-    while ((de = readdir(d)) != NULL) {
+    for (struct dirent *de; (de = readdir(d)) != NULL;) {
         if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
         if (!smp__grow((void **)&names, &cap, n + 2, sizeof *names, &want)) break;
         if (!(names[n] = smp__strdup(de->d_name))) {
@@ -3071,18 +2937,11 @@ static smp_status smp__ckpt_list_dir(const char *dir, char ***out) {
     }
     closedir(d);
     if (want) {
-        for (i = 0; i < n; i++) smp__free(names[i]);
-        smp__free(names);
+        smp__ckpt_free_list(names); /* NULL-terminated at every step */
         return smp__ckpt_nomem(want, NULL, "listing the checkpoint's folder");
     }
     *out = names;
     return SMP_OK;
-}
-
-static void smp__ckpt_free_list(char **names) {
-    if (!names) return;
-    for (int i = 0; names[i]; i++) smp__free(names[i]);
-    smp__free(names);
 }
 
 /* ---- the manifest */
@@ -3107,43 +2966,30 @@ static void smp__ckpt_manifest_free(smp__ckpt_manifest *m) {
     memset(m, 0, sizeof *m);
 }
 
-static smp_status smp__ckpt_jcrc(smp__ckpt_jp *jp, uint32_t *out) {
-    const char *v;
-    smp_status st = smp__ckpt_jstring(jp, &v, "header_crc32c");
-    if (st) return st;
-    const char *bad = smp__ckpt_crc_text(v, out);
-    if (bad)
-        return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL, "header_crc32c \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and %s", v, bad);
-    return SMP_OK;
-}
-
 static smp_status smp__ckpt_manifest_file(smp__ckpt_jp *jp, smp__ckpt_manifest *m) {
     int have[4] = {0, 0, 0, 0}, idx = m->nfiles;
     uint64_t mp = 0;
-    smp__ckpt_mfile *f;
-    smp_status st;
-    size_t want;
-    if (!smp__grow((void **)&m->files, &m->cap, m->nfiles + 1, sizeof *m->files, &want))
-        return smp__ckpt_nomem(want, jp->label, "the list of files");
-    f = &m->files[m->nfiles++];
-    memset(f, 0, sizeof *f);
+    smp__ckpt_mfile *f =
+        (smp__ckpt_mfile *)smp__ckpt_push((void **)&m->files, &m->nfiles, &m->cap, sizeof *f, jp->label, "the list of files");
+    if (!f) return SMP_ERR_NOMEM;
     if (!smp__ckpt_eat(jp, '{')) return smp__ckpt_jerr(jp, "each entry of \"files\" must be an object");
     for (;;) {
-        const char *k;
-        int which;
+        const char *k, *v;
         SMP_TRY(smp__ckpt_jstring(jp, &k, "a key"));
         if (!smp__ckpt_eat(jp, ':')) return smp__ckpt_jerr(jp, "expected ':' after key '%s'", k);
-        which = !strcmp(k, "mp_rank") ? 0 : !strcmp(k, "name") ? 1 : !strcmp(k, "bytes") ? 2
+        int which = !strcmp(k, "mp_rank") ? 0 : !strcmp(k, "name") ? 1 : !strcmp(k, "bytes") ? 2
               : !strcmp(k, "header_crc32c") ? 3 : -1;
         if (which < 0)
             return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
                                   "file %d: unknown key \"%s\" (a file has mp_rank, name, bytes, header_crc32c)", idx, k);
         if (have[which]++) return smp__ckpt_jerr(jp, "key '%s' appears twice in file %d", k, idx);
-        if (which == 0) st = smp__ckpt_juint(jp, &mp, "mp_rank");
-        else if (which == 1) st = smp__ckpt_jstring(jp, &f->name, "the file name");
-        else if (which == 2) st = smp__ckpt_juint(jp, &f->bytes, "bytes");
-        else st = smp__ckpt_jcrc(jp, &f->header_crc);
-        if (st) return st;
+        if (which == 0) SMP_TRY(smp__ckpt_juint(jp, &mp, "mp_rank"));
+        else if (which == 1) SMP_TRY(smp__ckpt_jstring(jp, &f->name, "the file name"));
+        else if (which == 2) SMP_TRY(smp__ckpt_juint(jp, &f->bytes, "bytes"));
+        else {
+            SMP_TRY(smp__ckpt_jstring(jp, &v, "header_crc32c"));
+            SMP_TRY(smp__ckpt_crc_text(v, &f->header_crc, jp->label, NULL, "header_crc32c"));
+        }
         if (smp__ckpt_eat(jp, ',')) continue;
         if (smp__ckpt_eat(jp, '}')) break;
         return smp__ckpt_jerr(jp, "expected ',' or '}' after key '%s'", k);
@@ -3163,13 +3009,12 @@ static smp_status smp__ckpt_manifest_file(smp__ckpt_jp *jp, smp__ckpt_manifest *
 /* Parses a manifest held in text[0..n) (malloc'd, n + 1 bytes, decoded in
    place): m owns text on success; on error text is freed. */
 static smp_status smp__ckpt_manifest_parse(uint8_t *text, size_t n, const char *label, smp__ckpt_manifest *m) {
-    smp__ckpt_jp jp;
+    smp__ckpt_jp jp = {0};
     int have[6] = {0, 0, 0, 0, 0, 0};
     uint64_t parts = 0;
     smp_status st = SMP_OK;
     memset(m, 0, sizeof *m);
     m->text = text;
-    memset(&jp, 0, sizeof jp);
     jp.s = text;
     jp.n = n;
     jp.label = label;
@@ -3177,13 +3022,12 @@ static smp_status smp__ckpt_manifest_parse(uint8_t *text, size_t n, const char *
     if (!smp__ckpt_eat(&jp, '{')) st = smp__ckpt_jerr(&jp, "a manifest is a JSON object");
     while (!st) {
         const char *k, *v;
-        int which;
         if ((st = smp__ckpt_jstring(&jp, &k, "a key")) != SMP_OK) break;
         if (!smp__ckpt_eat(&jp, ':')) {
             st = smp__ckpt_jerr(&jp, "expected ':' after key '%s'", k);
             break;
         }
-        which = !strcmp(k, "format") ? 0 : !strcmp(k, "kind") ? 1 : !strcmp(k, "generation") ? 2
+        int which = !strcmp(k, "format") ? 0 : !strcmp(k, "kind") ? 1 : !strcmp(k, "generation") ? 2
               : !strcmp(k, "save_id") ? 3 : !strcmp(k, "partitions") ? 4 : !strcmp(k, "files") ? 5 : -1;
         if (which < 0) {
             st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL,
@@ -3241,10 +3085,9 @@ static smp_status smp__ckpt_manifest_parse(uint8_t *text, size_t n, const char *
         st = smp__ckpt_jerr(&jp, "expected ',' or '}' after key '%s'", k);
     }
     if (!st) {
-        int i;
         smp__ckpt_ws(&jp);
         if (jp.i != jp.n) st = smp__ckpt_jerr(&jp, "only spaces may follow the manifest's closing '}'");
-        for (i = 0; i < 6 && !st; i++)
+        for (int i = 0; i < 6 && !st; i++)
             if (!have[i]) {
                 static const char *const keys[6] = {"format", "kind", "generation", "save_id", "partitions", "files"};
                 st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "the manifest has no \"%s\"", keys[i]);
@@ -3261,14 +3104,13 @@ static smp_status smp__ckpt_manifest_parse(uint8_t *text, size_t n, const char *
 /* Internal, for fuzzing: validates a manifest image exactly as loading
    does (`label` names it in messages). */
 SMP__CKPT_HOOK smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label) {
-    smp__ckpt_manifest m;
-    uint8_t *text;
-    smp_status st;
     if (!bytes && n) return smp_error(SMP_ERR_ARG, "smp__ckpt_manifest_check: bytes is NULL");
-    text = (uint8_t *)smp__alloc(n + 1, SMP__ALLOC_OTHER);
-    if (!text) return smp__ckpt_nomem(n + 1, NULL, "a copy of the manifest to check");
+    smp_status st = SMP_OK;
+    uint8_t *text = (uint8_t *)smp__ckpt_alloc(&st, n + 1, NULL, "a copy of the manifest to check");
+    if (!text) return st;
     if (n) memcpy(text, bytes, n);
     text[n] = 0;
+    smp__ckpt_manifest m;
     st = smp__ckpt_manifest_parse(text, n, label ? label : "manifest", &m);
     if (!st) smp__ckpt_manifest_free(&m);
     return st;
@@ -3277,40 +3119,32 @@ SMP__CKPT_HOOK smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, 
 /* Reads and parses the manifest at mpath. */
 static smp_status smp__ckpt_manifest_read(const char *mpath, smp__ckpt_manifest *m) {
     char label[600];
-    struct stat sb;
-    uint8_t *text;
-    size_t got = 0;
-    int fd;
     memset(m, 0, sizeof *m);
     snprintf(label, sizeof label, "checkpoint manifest '%s'", mpath);
-    fd = open(mpath, O_RDONLY | SMP__CKPT_O_CLOEXEC);
+    int fd = open(mpath, O_RDONLY | SMP__CKPT_O_CLOEXEC);
     if (fd < 0) return smp_error(SMP_ERR_IO, "cannot open %s: %s", label, strerror(errno));
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        close(fd);
-        return smp_error(SMP_ERR_IO, "%s is not a regular file", label);
-    }
-    if ((uint64_t)sb.st_size > SMP__CKPT_MANIFEST_MAX) {
-        close(fd);
-        return smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "%llu bytes is over the %llu-byte limit of a manifest",
-                              (smp__ckpt_ull)sb.st_size, (smp__ckpt_ull)SMP__CKPT_MANIFEST_MAX);
-    }
-    text = (uint8_t *)smp__alloc((size_t)sb.st_size + 1, SMP__ALLOC_OTHER);
-    if (!text) {
-        close(fd);
-        return smp__ckpt_nomem((size_t)sb.st_size + 1, label, "the text");
-    }
-    while (got < (size_t)sb.st_size) {
+    struct stat sb;
+    uint8_t *text = NULL;
+    size_t got = 0;
+    smp_status st = SMP_OK;
+    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode))
+        st = smp_error(SMP_ERR_IO, "%s is not a regular file", label);
+    else if ((uint64_t)sb.st_size > SMP__CKPT_MANIFEST_MAX)
+        st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "%llu bytes is over the %llu-byte limit of a manifest",
+                            (smp__ckpt_ull)sb.st_size, (smp__ckpt_ull)SMP__CKPT_MANIFEST_MAX);
+    else
+        text = (uint8_t *)smp__ckpt_alloc(&st, (size_t)sb.st_size + 1, label, "the text");
+    while (!st && got < (size_t)sb.st_size) {
         ssize_t k = read(fd, text + got, (size_t)sb.st_size - got);
         if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) {
-            smp_status st = smp__ckpt_fail(SMP_ERR_IO, label, NULL, "read failed: %s", k < 0 ? strerror(errno) : "short file");
-            close(fd);
-            smp__free(text);
-            return st;
-        }
-        got += (size_t)k;
+        if (k <= 0) st = smp__ckpt_fail(SMP_ERR_IO, label, NULL, "read failed: %s", k < 0 ? strerror(errno) : "short file");
+        else got += (size_t)k;
     }
     close(fd);
+    if (st) {
+        smp__free(text);
+        return st;
+    }
     text[got] = 0;
     return smp__ckpt_manifest_parse(text, got, label, m);
 }
@@ -3321,79 +3155,60 @@ static smp_status smp__ckpt_manifest_read(const char *mpath, smp__ckpt_manifest 
    the new checkpoint is the one smp_load sees. */
 static smp_status smp__ckpt_manifest_write(const char *path, uint64_t gen, const char *save_id, int P,
                                          const uint64_t *bytes, const uint32_t *crcs, int fault, int *committed) {
-    smp__sbuf b;
-    char *mpath = smp__ckpt_manifest_path(path), *tmp = NULL, *dir = NULL, num[128];
-    const char *base, *mbase;
-    smp_status st = SMP_OK;
-    int k, fd = -1, dfd;
     *committed = 0;
-    memset(&b, 0, sizeof b);
-    if (!mpath) return smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
-    if (!(dir = smp__ckpt_dirname(path, &base))) {
-        st = smp__nomem(strlen(path) + 1, "the name of the checkpoint's folder");
-        goto out;
+    char *mpath = smp__ckpt_strf("%s.manifest", path), *dir = NULL, *tmp = NULL;
+    const char *base;
+    smp_status st = SMP_OK;
+    if (!mpath) st = smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
+    else if (!(dir = smp__ckpt_dirname(path, &base))) st = smp__nomem(strlen(path) + 1, "the name of the checkpoint's folder");
+    else if (!(tmp = smp__ckpt_strf("%s.tmp.%ld", mpath, (long)getpid())))
+        st = smp__nomem(strlen(mpath) + 32, "the name of the manifest's tmp file");
+    smp__sbuf b = {0};
+    if (!st) {
+        smp__sbuf_printf(&b, "{\n  \"format\": \"" SMP__CKPT_MANIFEST_FORMAT "\",\n  \"kind\": \"partial\",\n"
+                             "  \"generation\": %llu,\n  \"save_id\": ", (smp__ckpt_ull)gen);
+        smp__sbuf_jstr(&b, NULL, save_id);
+        smp__sbuf_printf(&b, ",\n  \"partitions\": %d,\n  \"files\": [\n", P);
+        for (int k = 0; k < P; k++) {
+            smp__sbuf_printf(&b, "    {\"mp_rank\": %d, \"name\": \"", k);
+            smp__sbuf_escaped(&b, base);
+            smp__sbuf_printf(&b, ".g%llu_%d\", \"bytes\": %llu, \"header_crc32c\": \"" SMP__CKPT_CRC_PREFIX "%08x\"}%s\n",
+                             (smp__ckpt_ull)gen, k, (smp__ckpt_ull)bytes[k], (unsigned)crcs[k], k + 1 < P ? "," : "");
+        }
+        smp__sbuf_puts(&b, "  ]\n}\n");
+        if (b.oom) st = smp__ckpt_nomem(b.want, NULL, "the text of the checkpoint's manifest");
     }
-    if (!(tmp = (char *)smp__ckpt_alloc(&st, strlen(mpath) + 32, NULL, "the name of the manifest's tmp file"))) goto out;
-    smp__sbuf_puts(&b, "{\n  \"format\": \"" SMP__CKPT_MANIFEST_FORMAT "\",\n  \"kind\": \"partial\",\n");
-    snprintf(num, sizeof num, "  \"generation\": %llu,\n  \"save_id\": ", (smp__ckpt_ull)gen);
-    smp__sbuf_puts(&b, num);
-    smp__sbuf_jstr(&b, NULL, save_id);
-    snprintf(num, sizeof num, ",\n  \"partitions\": %d,\n  \"files\": [\n", P);
-    smp__sbuf_puts(&b, num);
-    for (k = 0; k < P; k++) {
-        snprintf(num, sizeof num, "    {\"mp_rank\": %d, \"name\": ", k);
-        smp__sbuf_puts(&b, num);
-        smp__sbuf_puts(&b, "\"");
-        smp__sbuf_escaped(&b, base);
-        snprintf(num, sizeof num, ".g%llu_%d\", \"bytes\": %llu, \"header_crc32c\": \"" SMP__CKPT_CRC_PREFIX "%08x\"}%s\n",
-                 (smp__ckpt_ull)gen, k, (smp__ckpt_ull)bytes[k], (unsigned)crcs[k], k + 1 < P ? "," : "");
-        smp__sbuf_puts(&b, num);
+    if (!st) {
+        smp__ckpt_remove_stale(dir, strrchr(mpath, '/') ? strrchr(mpath, '/') + 1 : mpath);
+        int fd = smp__ckpt_create(tmp);
+        if (fd < 0) {
+            st = smp_error(SMP_ERR_IO, "checkpoint '%s': cannot create its manifest '%s': %s", path, tmp, strerror(errno));
+        } else if (smp__ckpt_write_all(fd, b.p, b.len, -1) != 0 || fsync(fd) != 0) {
+            st = smp_error(SMP_ERR_IO, "checkpoint '%s': writing its manifest '%s' failed: %s", path, tmp, strerror(errno));
+            close(fd);
+        } else if (close(fd) != 0) {
+            st = smp_error(SMP_ERR_IO, "checkpoint '%s': closing its manifest '%s' failed: %s", path, tmp, strerror(errno));
+        }
+        if (st && fd >= 0) unlink(tmp);
     }
-    smp__sbuf_puts(&b, "  ]\n}\n");
-    if (b.oom) {
-        st = smp__ckpt_nomem(b.want, NULL, "the text of the checkpoint's manifest");
-        goto out;
+    if (!st) {
+        if (fault == SMP__CKPT_FAULT_MANIFEST) smp__ckpt_die(fault);
+        if (rename(tmp, mpath) != 0) {
+            st = smp_error(SMP_ERR_IO, "checkpoint '%s': renaming '%s' over its manifest '%s' failed: %s", path, tmp,
+                           mpath, strerror(errno));
+            unlink(tmp);
+        }
     }
-    mbase = strrchr(mpath, '/') ? strrchr(mpath, '/') + 1 : mpath;
-    smp__ckpt_remove_stale(dir, mbase);
-    snprintf(tmp, strlen(mpath) + 32, "%s.tmp.%ld", mpath, (long)getpid());
-    fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | SMP__CKPT_O_CLOEXEC, 0666);
-    if (fd < 0 && errno == EEXIST) {
-        unlink(tmp);
-        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | SMP__CKPT_O_CLOEXEC, 0666);
+    if (!st) {
+        *committed = 1;
+        if (fault == SMP__CKPT_FAULT_COMMIT) smp__ckpt_die(fault);
+        int err = smp__ckpt_sync_dir(dir);
+        if (err)
+            st = smp_error(SMP_ERR_IO,
+                           "checkpoint '%s': its manifest '%s' is in place, but flushing the folder '%s' failed: %s (the "
+                           "previous generation's files were kept)",
+                           path, mpath, dir, strerror(err));
     }
-    if (fd < 0) {
-        st = smp_error(SMP_ERR_IO, "checkpoint '%s': cannot create its manifest '%s': %s", path, tmp, strerror(errno));
-        goto out;
-    }
-    if (smp__ckpt_write_all(fd, b.p, b.len) != 0 || fsync(fd) != 0) {
-        st = smp_error(SMP_ERR_IO, "checkpoint '%s': writing its manifest '%s' failed: %s", path, tmp, strerror(errno));
-        close(fd);
-        unlink(tmp);
-        goto out;
-    }
-    if (close(fd) != 0) {
-        st = smp_error(SMP_ERR_IO, "checkpoint '%s': closing its manifest '%s' failed: %s", path, tmp, strerror(errno));
-        unlink(tmp);
-        goto out;
-    }
-    if (fault == SMP__CKPT_FAULT_MANIFEST) smp__ckpt_die(fault);
-    if (rename(tmp, mpath) != 0) {
-        st = smp_error(SMP_ERR_IO, "checkpoint '%s': renaming '%s' over its manifest '%s' failed: %s", path, tmp, mpath,
-                       strerror(errno));
-        unlink(tmp);
-        goto out;
-    }
-    *committed = 1;
-    if (fault == SMP__CKPT_FAULT_COMMIT) smp__ckpt_die(fault);
-    dfd = open(dir, O_RDONLY | SMP__CKPT_O_DIRECTORY | SMP__CKPT_O_CLOEXEC);
-    if (dfd < 0 || (fsync(dfd) != 0 && errno != EINVAL && errno != ENOTSUP && errno != EOPNOTSUPP))
-        st = smp_error(SMP_ERR_IO,
-                       "checkpoint '%s': its manifest '%s' is in place, but flushing the folder '%s' failed: %s (the "
-                       "previous generation's files were kept)",
-                       path, mpath, dir, strerror(errno));
-    if (dfd >= 0) close(dfd);
-out:
     smp__free(b.p);
     smp__free(mpath);
     smp__free(tmp);
@@ -3401,22 +3216,22 @@ out:
     return st;
 }
 
+/* Whether f's metadata says it is a file of an smp partial checkpoint. */
+static int smp__ckpt_is_partial(const smp_ckpt_file *f) {
+    const char *fmt = smp_ckpt_meta(f, "smp.format"), *kind = smp_ckpt_meta(f, "smp.kind");
+    return fmt && !strcmp(fmt, SMP__CKPT_FORMAT) && kind && !strcmp(kind, "partial");
+}
+
 /* Whether the file at `full` is a partial checkpoint file of mp rank k,
    and, for a generation's file, of generation `gen` (smp.generation): what
    the cleanup checks before it deletes anything. -1: no memory to tell. */
 static int smp__ckpt_is_ours(const char *full, int kind, uint64_t gen, int k) {
     smp_ckpt_file *f;
-    const char *fmt, *knd, *mp, *g;
-    uint64_t v;
-    int ok;
     smp_status st = smp_ckpt_open(full, &f);
     if (st) return st == SMP_ERR_NOMEM ? -1 : 0;
-    fmt = smp_ckpt_meta(f, "smp.format");
-    knd = smp_ckpt_meta(f, "smp.kind");
-    mp = smp_ckpt_meta(f, "smp.mp_rank");
-    g = smp_ckpt_meta(f, "smp.generation");
-    ok = fmt && !strcmp(fmt, SMP__CKPT_FORMAT) && knd && !strcmp(knd, "partial") && mp &&
-         smp__ckpt_digits(mp, &v) == (int)strlen(mp) && v == (uint64_t)k;
+    const char *mp = smp_ckpt_meta(f, "smp.mp_rank"), *g = smp_ckpt_meta(f, "smp.generation");
+    uint64_t v;
+    int ok = smp__ckpt_is_partial(f) && mp && smp__ckpt_digits(mp, &v) == (int)strlen(mp) && v == (uint64_t)k;
     if (ok && kind == SMP__CKPT_NAME_GEN) ok = g && smp__ckpt_digits(g, &v) == (int)strlen(g) && v == gen;
     smp_ckpt_close(f);
     return ok;
@@ -3429,17 +3244,12 @@ static int smp__ckpt_is_ours(const char *full, int kind, uint64_t gen, int k) {
    or the folder could be the committed one, whose files the save would
    then overwrite. */
 static smp_status smp__ckpt_next_generation(const char *path, uint64_t *out) {
-    smp__ckpt_manifest m;
-    char *mpath, *dir = NULL, **names = NULL;
-    const char *base;
-    uint64_t g = 0, gen;
-    size_t n = strlen(path) + 16;
-    long pid;
-    int k;
-    smp_status st = SMP_OK;
     *out = 0;
-    if ((mpath = (char *)smp__ckpt_alloc(&st, n, NULL, "the name of the checkpoint's manifest")) != NULL) {
-        snprintf(mpath, n, "%s.manifest", path);
+    char *mpath = smp__ckpt_strf("%s.manifest", path), *dir = NULL, **names = NULL;
+    smp_status st = mpath ? SMP_OK : smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
+    uint64_t g = 0;
+    if (mpath) {
+        smp__ckpt_manifest m;
         st = smp__ckpt_manifest_read(mpath, &m);
         if (!st) {
             g = m.generation;
@@ -3449,9 +3259,13 @@ static smp_status smp__ckpt_next_generation(const char *path, uint64_t *out) {
         }
         smp__free(mpath);
     }
+    const char *base;
     if (!st && !(dir = smp__ckpt_dirname(path, &base)))
         st = smp__nomem(strlen(path) + 1, "the name of the checkpoint's folder");
     if (!st) st = smp__ckpt_list_dir(dir, &names);
+    uint64_t gen;
+    long pid;
+    int k;
     for (int i = 0; names && names[i]; i++)
         if (smp__ckpt_classify(names[i], base, &gen, &k, &pid) == SMP__CKPT_NAME_GEN && gen > g) g = gen;
     smp__ckpt_free_list(names);
@@ -3473,16 +3287,16 @@ static smp_status smp__ckpt_next_generation(const char *path, uint64_t *out) {
 static void smp__ckpt_cleanup(const char *path, uint64_t gen, int mine, int P, int strays, int fault) {
     const char *base;
     char *dir = smp__ckpt_dirname(path, &base), **names = NULL;
-    int i, removed = 0, short_of_memory = !dir;
+    int removed = 0, short_of_memory = !dir;
     if (dir && smp__ckpt_list_dir(dir, &names) != SMP_OK) short_of_memory = 1;
-    for (i = 0; names && names[i]; i++) {
+    for (int i = 0; names && names[i]; i++) {
         uint64_t g;
         long pid;
         int k, kind = smp__ckpt_classify(names[i], base, &g, &k, &pid), ours = 0;
-        char *full;
         if (kind == SMP__CKPT_NAME_OTHER || (kind == SMP__CKPT_NAME_GEN && g == gen)) continue;
         if (k != mine && !(strays && k >= P)) continue;
-        if (!(full = smp__ckpt_join(dir, names[i]))) {
+        char *full = smp__ckpt_strf("%s/%s", dir, names[i]);
+        if (!full) {
             short_of_memory = 1;
             continue;
         }
@@ -3511,21 +3325,12 @@ static void smp__ckpt_cleanup(const char *path, uint64_t gen, int mine, int P, i
 #ifdef SMP_TESTING
 #define SMP__CKPT_FAULT_PACE_NS 1000000L /* test-only pacing: 1 ms polls, 10 s at most */
 
-/* the name a saver's file of generation gen has once renamed */
-static char *smp__ckpt_gen_path(const char *path, uint64_t gen, int k) {
-    size_t n = strlen(path) + 48;
-    char *p = (char *)smp__alloc(n, SMP__ALLOC_OTHER);
-    if (p) snprintf(p, n, "%s.g%llu_%d", path, (smp__ckpt_ull)gen, k);
-    return p;
-}
-
 static void smp__ckpt_fault_pace(const char *path, uint64_t gen, int P, int mine) {
     for (int tries = 0; tries < 10000; tries++) {
         int all = 1;
         for (int k = 0; k < P && all; k++) {
-            char *p;
             if (k == mine) continue;
-            p = smp__ckpt_gen_path(path, gen, k);
+            char *p = smp__ckpt_strf("%s.g%llu_%d", path, (smp__ckpt_ull)gen, k);
             all = p && smp__ckpt_exists(p);
             smp__free(p);
         }
@@ -3535,7 +3340,10 @@ static void smp__ckpt_fault_pace(const char *path, uint64_t gen, int P, int mine
 }
 #endif
 
-static smp_status smp__ckpt_check_common(smp_model *m, const char *path, const char *fn) {
+/* The arguments of smp_save (with its desc d) or smp_load (d NULL), as `fn`
+   checks them on each rank. */
+static smp_status smp__ckpt_check_args(const char *fn, smp_model *m, const char *path, const smp_optimizer *opt,
+                                       const smp_save_desc *d) {
     if (!m) return smp_error(SMP_ERR_ARG, "%s: model is NULL", fn);
     if (!path || !*path) return smp_error(SMP_ERR_ARG, "%s: no path", fn);
     if (!smp_model_is_partitioned(m))
@@ -3543,14 +3351,8 @@ static smp_status smp__ckpt_check_common(smp_model *m, const char *path, const c
                          "%s: the model is not partitioned yet (parameters exist only after smp_model_trace or the "
                          "first step)",
                          fn);
-    return SMP_OK;
-}
-
-static smp_status smp__ckpt_check_save(smp_model *m, const char *path, const smp_save_desc *d) {
-    smp_status st = smp__ckpt_check_common(m, path, "smp_save");
-    if (st) return st;
-    if (d->optimizer && d->optimizer->model != m)
-        return smp_error(SMP_ERR_ARG, "smp_save: the optimizer registry belongs to another model");
+    if (opt && opt->model != m) return smp_error(SMP_ERR_ARG, "%s: the optimizer registry belongs to another model", fn);
+    if (!d) return SMP_OK;
     if (d->nmeta < 0 || (d->nmeta > 0 && (!d->meta_keys || !d->meta_values)))
         return smp_error(SMP_ERR_ARG, "smp_save: %d metadata entries but keys or values is NULL", d->nmeta);
     for (int i = 0; i < d->nmeta; i++) {
@@ -3563,28 +3365,30 @@ static smp_status smp__ckpt_check_save(smp_model *m, const char *path, const smp
     return SMP_OK;
 }
 
+/* smp_save's and smp_load's (fn's) start: their arguments, checked on every
+   rank and agreed on. */
+static smp_status smp__ckpt_begin(const char *fn, smp_model *m, const char *path, const smp_optimizer *opt,
+                                  const smp_save_desc *save) {
+    if (!smp_is_initialized()) return smp_error(SMP_ERR_STATE, "%s called before smp_init", fn);
+    char what[32];
+    snprintf(what, sizeof what, "%s arguments", fn);
+    return smp__agree_on(smp_group_comm(SMP_WORLD), smp__ckpt_check_args(fn, m, path, opt, save), what);
+}
+
 SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *desc) {
-    smp_save_desc d;
+    smp_save_desc d = {SMP_DEFAULT, NULL, NULL, NULL, 0, 0};
+    if (desc) d = *desc;
+    SMP_TRY(smp__ckpt_begin("smp_save", m, path, d.optimizer, &d));
+    int partial = d.partial != SMP_OFF, ne = 0, i;
     smp__ckpt_plan pl;
-    smp__ckpt_meta_list md;
+    smp__ckpt_meta_list md = {0};
     smp__ckpt_rx rx;
     smp_ckpt_writer *w = NULL;
     smp_ckpt_entry *entries = NULL;
     char *file = NULL;
-    int partial, ne = 0, i;
     uint64_t gen = 0;
-    smp_status st;
-
-    if (!smp_is_initialized()) return smp_error(SMP_ERR_STATE, "smp_save called before smp_init");
-    if (desc) d = *desc;
-    else memset(&d, 0, sizeof d);
-    partial = d.partial != SMP_OFF;
-    st = smp__agree_on(smp_group_comm(SMP_WORLD), smp__ckpt_check_save(m, path, &d), "smp_save arguments");
-    if (st) return st;
-
-    memset(&md, 0, sizeof md);
     memset(&rx, 0, sizeof rx);
-    st = smp__ckpt_plan_init(&pl, m, d.optimizer, d.chunk_bytes);
+    smp_status st = smp__ckpt_plan_init(&pl, m, d.optimizer, d.chunk_bytes);
     if (partial) { /* 0. the generation: world rank 0 looks at the folder */
         MPI_Request req;
         if (pl.rank == 0 && !st) st = smp__ckpt_next_generation(path, &gen);
@@ -3617,9 +3421,8 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
             all = (uint64_t *)smp__ckpt_alloc(&st, sizeof(uint64_t) * 3 * ((size_t)pl.size + (size_t)pl.P), NULL,
                                               "every file's size and header checksum (the checkpoint's manifest)");
         if (pl.dp == 0 && !st) {
-            size_t n = strlen(path) + 48;
-            if ((file = (char *)smp__ckpt_alloc(&st, n, NULL, "the name of this partition's checkpoint file")))
-                snprintf(file, n, "%s.g%llu_%d", path, (smp__ckpt_ull)gen, pl.mp);
+            if (!(file = smp__ckpt_strf("%s.g%llu_%d", path, (smp__ckpt_ull)gen, pl.mp)))
+                st = smp__nomem(strlen(path) + 48, "the name of this partition's checkpoint file");
             if (!st) entries = smp__ckpt_entries(&pl, pl.mp, &ne, &st);
             if (!st)
                 st = smp_ckpt_writer_open(file, entries, ne, (const char *const *)md.keys,
@@ -3755,16 +3558,24 @@ static int smp__ckpt_meta_int(const smp_ckpt_file *f, const char *key, int lo, i
     return (int)x;
 }
 
+/* Hands the P files of a checkpoint to *out, or, after an error, closes them. */
+static smp_status smp__ckpt_set_done(smp_status st, smp_ckpt_file **files, int P, smp_ckpt_file ***out, int *nout) {
+    if (st) {
+        for (int k = 0; files && k < P; k++) smp_ckpt_close(files[k]);
+        smp__free(files);
+        return st;
+    }
+    *out = files;
+    *nout = P;
+    return SMP_OK;
+}
+
 /* Opens the files that the manifest of a partial checkpoint commits and
    checks each against it: the same save and generation, its mp rank, its
    size and the checksum of its header. */
 static smp_status smp__ckpt_open_manifest_set(const char *mpath, smp_ckpt_file ***out, int *nout) {
     static const char *const fix = "restore it from a copy of the checkpoint, or save the checkpoint again";
     smp__ckpt_manifest m;
-    smp_ckpt_file **files;
-    char *dir = NULL, *full = NULL;
-    const char *mbase;
-    int k, P;
     smp_status st = smp__ckpt_manifest_read(mpath, &m);
     if (st == SMP_ERR_NOMEM) return st; /* its message says what for */
     if (st)
@@ -3772,26 +3583,22 @@ static smp_status smp__ckpt_open_manifest_set(const char *mpath, smp_ckpt_file *
                          "%s; smp_save writes a partial checkpoint's manifest whole and renames it into place in one "
                          "step, so it was damaged or edited after the save: %s",
                          smp_last_error(), fix);
-    P = m.partitions;
-    files = (smp_ckpt_file **)smp__ckpt_alloc(&st, sizeof *files * (size_t)P, NULL, "the list of a checkpoint's files");
-    if (!st && !(dir = smp__ckpt_dirname(mpath, &mbase))) st = smp__nomem(strlen(mpath) + 1, "the name of the checkpoint's folder");
-    if (st) {
-        smp__free(files);
-        smp__ckpt_manifest_free(&m);
-        return st;
-    }
-    memset(files, 0, sizeof *files * (size_t)P);
-    for (k = 0; k < P && !st; k++) {
+    int P = m.partitions;
+    const char *mbase;
+    char *dir = smp__ckpt_dirname(mpath, &mbase), want[32];
+    if (!dir) st = smp__nomem(strlen(mpath) + 1, "the name of the checkpoint's folder");
+    smp_ckpt_file **files = (smp_ckpt_file **)smp__alloc_or(&st, sizeof *files * (size_t)P, SMP__ALLOC_OTHER,
+                                                            "the list of a checkpoint's files");
+    snprintf(want, sizeof want, "%llu", (smp__ckpt_ull)m.generation);
+    for (int k = 0; k < P && !st; k++) {
         const smp__ckpt_mfile *mf = &m.files[k];
-        smp_ckpt_file *f;
-        const char *fmt, *kind, *id, *gen;
-        char want[32];
-        if (!(full = smp__ckpt_join(dir, mf->name))) {
+        char *full = smp__ckpt_strf("%s/%s", dir, mf->name);
+        if (!full) {
             st = smp__nomem(strlen(dir) + strlen(mf->name) + 2, "the name of a checkpoint file");
             break;
         }
         st = smp_ckpt_open(full, &files[k]);
-        f = files[k];
+        const smp_ckpt_file *f = files[k];
         if (st == SMP_ERR_NOMEM) {
             /* its message says what for; the file is fine */
         } else if (st) {
@@ -3800,12 +3607,8 @@ static smp_status smp__ckpt_open_manifest_set(const char *mpath, smp_ckpt_file *
                            "next to its manifest: restore the file, or save the checkpoint again",
                            smp_last_error(), k, P, mpath);
         } else {
-            fmt = smp_ckpt_meta(f, "smp.format");
-            kind = smp_ckpt_meta(f, "smp.kind");
-            id = smp_ckpt_meta(f, "smp.save_id");
-            gen = smp_ckpt_meta(f, "smp.generation");
-            snprintf(want, sizeof want, "%llu", (smp__ckpt_ull)m.generation);
-            if (!fmt || strcmp(fmt, SMP__CKPT_FORMAT) || !kind || strcmp(kind, "partial"))
+            const char *id = smp_ckpt_meta(f, "smp.save_id"), *gen = smp_ckpt_meta(f, "smp.generation");
+            if (!smp__ckpt_is_partial(f))
                 st = smp_error(SMP_ERR_FORMAT,
                                "checkpoint '%s' is not a file of an smp partial checkpoint, but the manifest '%s' names "
                                "it: %s",
@@ -3831,56 +3634,71 @@ static smp_status smp__ckpt_open_manifest_set(const char *mpath, smp_ckpt_file *
                                full, (unsigned)f->header_crc, mpath, (unsigned)mf->header_crc, fix);
         }
         smp__free(full);
-        full = NULL;
     }
     smp__free(dir);
     smp__ckpt_manifest_free(&m);
+    return smp__ckpt_set_done(st, files, P, out, nout);
+}
+
+/* Opens "<path>_0", file 0 of a partial checkpoint saved before manifests,
+   and checks that it is one; *P: its partition count. */
+static smp_status smp__ckpt_open_legacy0(const char *path, smp_ckpt_file **f0, int *P) {
+    *f0 = NULL;
+    char *p = smp__ckpt_strf("%s_0", path);
+    if (!p) return smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
+    int full = smp__ckpt_exists(path);
+    smp_status st = smp__ckpt_exists(p) ? smp_ckpt_open(p, f0)
+                  : smp_error(SMP_ERR_IO,
+                              "no partial checkpoint at '%s': neither its manifest '%s.manifest' nor '%s' (file 0 of a "
+                              "checkpoint saved before manifests) exists%s%s%s",
+                              path, path, p, full ? " (but '" : "", full ? path : "",
+                              full ? "' exists: a full checkpoint? load it with partial = SMP_OFF)" : "");
+    smp__free(p);
+    if (st) return st;
+    const char *fmt = smp_ckpt_meta(*f0, "smp.format"), *kind = smp_ckpt_meta(*f0, "smp.kind");
+    if (!fmt || strcmp(fmt, SMP__CKPT_FORMAT) || !kind || !smp_ckpt_meta(*f0, "smp.save_id"))
+        st = smp_error(SMP_ERR_FORMAT,
+                       "checkpoint '%s' is not a file of an smp partial checkpoint (its metadata lacks smp.format "
+                       "\"" SMP__CKPT_FORMAT "\", smp.kind or smp.save_id)",
+                       smp_ckpt_path(*f0));
+    else if (strcmp(kind, "partial"))
+        st = smp_error(SMP_ERR_FORMAT, "checkpoint '%s' is a %s checkpoint, not file 0 of a partial one%s",
+                       smp_ckpt_path(*f0), kind, !strcmp(kind, "full") ? "; load it with partial = SMP_OFF" : "");
+    else if ((*P = smp__ckpt_meta_int(*f0, "smp.partitions", 1, 1 << 20)) < 0 ||
+             smp__ckpt_meta_int(*f0, "smp.mp_rank", 0, 0) < 0)
+        st = SMP_ERR_FORMAT;
     if (st) {
-        for (k = 0; k < P; k++) smp_ckpt_close(files[k]);
-        smp__free(files);
-        return st;
+        smp_ckpt_close(*f0);
+        *f0 = NULL;
     }
-    *out = files;
-    *nout = P;
-    return SMP_OK;
+    return st;
 }
 
 SMPDEF smp_status smp_ckpt_partial_file(const char *path, int mp_rank, char *out, size_t cap, int *partitions) {
-    smp_status st = SMP_OK;
-    char *mpath, *file = NULL;
-    int P = 0;
     if (partitions) *partitions = 0;
     if (!path || !*path || !out || !cap) return smp_error(SMP_ERR_ARG, "smp_ckpt_partial_file: path and out must be given");
     out[0] = 0;
-    if (!(mpath = smp__ckpt_manifest_path(path))) return smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
+    char *mpath = smp__ckpt_strf("%s.manifest", path), *file = NULL;
+    if (!mpath) return smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
+    smp_status st = SMP_OK;
+    int P = 0;
     if (smp__ckpt_exists(mpath)) {
         smp__ckpt_manifest m;
-        const char *mbase;
-        char *dir;
         if ((st = smp__ckpt_manifest_read(mpath, &m)) == SMP_OK) {
             P = m.partitions;
             if (mp_rank >= 0 && mp_rank < P) {
-                dir = smp__ckpt_dirname(mpath, &mbase);
-                file = dir ? smp__ckpt_join(dir, m.files[mp_rank].name) : NULL;
+                const char *mbase;
+                char *dir = smp__ckpt_dirname(mpath, &mbase);
+                file = dir ? smp__ckpt_strf("%s/%s", dir, m.files[mp_rank].name) : NULL;
                 smp__free(dir);
                 if (!file) st = smp__nomem(strlen(mpath) + strlen(m.files[mp_rank].name) + 2, "the name of a checkpoint file");
             }
             smp__ckpt_manifest_free(&m);
         }
     } else {
-        smp_ckpt_file *f0 = NULL;
-        char *p0 = smp__ckpt_part_path(path, 0);
-        if (!p0) st = smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
-        else if (!smp__ckpt_exists(p0))
-            st = smp_error(SMP_ERR_IO,
-                           "no partial checkpoint at '%s': neither its manifest '%s' nor '%s' (file 0 of a checkpoint "
-                           "saved before manifests) exists",
-                           path, mpath, p0);
-        else if ((st = smp_ckpt_open(p0, &f0)) == SMP_OK && (P = smp__ckpt_meta_int(f0, "smp.partitions", 1, 1 << 20)) < 0)
-            st = SMP_ERR_FORMAT;
-        smp_ckpt_close(f0);
-        smp__free(p0);
-        if (!st && mp_rank >= 0 && mp_rank < P && !(file = smp__ckpt_part_path(path, mp_rank)))
+        smp_ckpt_file *f0;
+        if ((st = smp__ckpt_open_legacy0(path, &f0, &P)) == SMP_OK) smp_ckpt_close(f0);
+        if (!st && mp_rank >= 0 && mp_rank < P && !(file = smp__ckpt_strf("%s_%d", path, mp_rank)))
             st = smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
     }
     if (!st && (mp_rank < 0 || mp_rank >= P))
@@ -3899,48 +3717,38 @@ SMPDEF smp_status smp_ckpt_partial_file(const char *path, int mp_rank, char *out
 
 /* Opens the file(s) of a checkpoint and checks that they form one save. */
 static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_file ***out, int *nout) {
-    smp_ckpt_file **files = NULL, *f0 = NULL;
-    char *p;
-    const char *kind, *fmt, *id0;
-    int P, k;
-    smp_status st;
     *out = NULL;
     *nout = 0;
+    smp_ckpt_file **files = NULL, *f0;
+    smp_status st;
     if (!partial) {
-        st = smp_ckpt_open(path, &f0);
-        if (st) {
-            char *mp = smp__ckpt_manifest_path(path);
-            p = smp__ckpt_part_path(path, 0);
-            if (!smp__ckpt_exists(path) && (smp__ckpt_exists(mp) || smp__ckpt_exists(p)))
+        if ((st = smp_ckpt_open(path, &f0)) != SMP_OK) {
+            char *mp = smp__ckpt_strf("%s.manifest", path), *p0 = smp__ckpt_strf("%s_0", path);
+            const char *other = smp__ckpt_exists(mp) ? mp : smp__ckpt_exists(p0) ? p0 : NULL;
+            if (other && !smp__ckpt_exists(path))
                 st = smp_error(st, "%s (but '%s' exists: a partial checkpoint? load it with partial = SMP_ON)",
-                               smp_last_error(), smp__ckpt_exists(mp) ? mp : p);
-            smp__free(p);
+                               smp_last_error(), other);
+            smp__free(p0);
             smp__free(mp);
             return st;
         }
-        kind = smp_ckpt_meta(f0, "smp.kind");
+        const char *kind = smp_ckpt_meta(f0, "smp.kind");
         if (kind && strcmp(kind, "full")) {
             const char *mpr = smp_ckpt_meta(f0, "smp.mp_rank"), *gen = smp_ckpt_meta(f0, "smp.generation");
             st = smp_error(SMP_ERR_FORMAT,
                            "checkpoint '%s' is file %s of a %s checkpoint; load that with partial = SMP_ON and the path "
                            "without the \"%s%s_%s\"",
                            path, mpr ? mpr : "?", kind, gen ? ".g" : "", gen ? gen : "", mpr ? mpr : "<mp_rank>");
-            smp_ckpt_close(f0);
-            return st;
         }
-        files = (smp_ckpt_file **)smp__alloc(sizeof *files, SMP__ALLOC_OTHER);
-        if (!files) {
-            smp_ckpt_close(f0);
-            return smp__nomem(sizeof *files, "the list of a checkpoint's files");
-        }
-        files[0] = f0;
-        *out = files;
-        *nout = 1;
-        return SMP_OK;
+        if (!st)
+            files = (smp_ckpt_file **)smp__bytes_or(&st, sizeof *files, SMP__ALLOC_OTHER, "the list of a checkpoint's files");
+        if (files) files[0] = f0;
+        else smp_ckpt_close(f0);
+        return smp__ckpt_set_done(st, files, 1, out, nout);
     }
     /* a manifest commits the files of a partial checkpoint; without one,
        "<path>_0" .. are a checkpoint saved before manifests */
-    p = smp__ckpt_manifest_path(path);
+    char *p = smp__ckpt_strf("%s.manifest", path);
     if (!p) return smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
     if (smp__ckpt_exists(p)) {
         st = smp__ckpt_open_manifest_set(p, out, nout);
@@ -3948,58 +3756,18 @@ static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_fil
         return st;
     }
     smp__free(p);
-    p = smp__ckpt_part_path(path, 0);
-    if (!p) return smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
-    if (!smp__ckpt_exists(p)) {
-        st = smp_error(SMP_ERR_IO,
-                       "no partial checkpoint at '%s': neither its manifest '%s.manifest' nor '%s' (file 0 of a "
-                       "checkpoint saved before manifests) exists%s%s%s",
-                       path, path, p, smp__ckpt_exists(path) ? " (but '" : "", smp__ckpt_exists(path) ? path : "",
-                       smp__ckpt_exists(path) ? "' exists: a full checkpoint? load it with partial = SMP_OFF)" : "");
-        smp__free(p);
-        return st;
-    }
-    st = smp_ckpt_open(p, &f0);
-    if (st) {
-        smp__free(p);
-        return st;
-    }
-    smp__free(p);
-    fmt = smp_ckpt_meta(f0, "smp.format");
-    kind = smp_ckpt_meta(f0, "smp.kind");
-    id0 = smp_ckpt_meta(f0, "smp.save_id");
-    if (!fmt || strcmp(fmt, SMP__CKPT_FORMAT) || !kind || !id0) {
-        st = smp_error(SMP_ERR_FORMAT,
-                       "checkpoint '%s' is not a file of an smp partial checkpoint (its metadata lacks smp.format "
-                       "\"" SMP__CKPT_FORMAT "\", smp.kind or smp.save_id)",
-                       smp_ckpt_path(f0));
-        smp_ckpt_close(f0);
-        return st;
-    }
-    if (strcmp(kind, "partial")) {
-        st = smp_error(SMP_ERR_FORMAT, "checkpoint '%s' is a %s checkpoint, not file 0 of a partial one%s",
-                       smp_ckpt_path(f0), kind, !strcmp(kind, "full") ? "; load it with partial = SMP_OFF" : "");
-        smp_ckpt_close(f0);
-        return st;
-    }
-    if ((P = smp__ckpt_meta_int(f0, "smp.partitions", 1, 1 << 20)) < 0 ||
-        smp__ckpt_meta_int(f0, "smp.mp_rank", 0, 0) < 0) {
-        st = SMP_ERR_FORMAT;
-        smp_ckpt_close(f0);
-        return st;
-    }
-    files = (smp_ckpt_file **)smp__alloc(sizeof *files * (size_t)P, SMP__ALLOC_OTHER);
+    int P;
+    SMP_TRY(smp__ckpt_open_legacy0(path, &f0, &P));
+    st = SMP_OK;
+    files = (smp_ckpt_file **)smp__alloc_or(&st, sizeof *files * (size_t)P, SMP__ALLOC_OTHER, "the list of a checkpoint's files");
     if (!files) {
         smp_ckpt_close(f0);
-        return smp__nomem(sizeof *files * (size_t)P, "the list of a checkpoint's files");
+        return st;
     }
-    memset(files, 0, sizeof *files * (size_t)P);
     files[0] = f0;
-    st = SMP_OK;
-    for (k = 1; k < P && !st; k++) {
-        const char *fk, *kk, *idk;
-        p = smp__ckpt_part_path(path, k);
-        if (!p) {
+    const char *id0 = smp_ckpt_meta(f0, "smp.save_id");
+    for (int k = 1; k < P && !st; k++) {
+        if (!(p = smp__ckpt_strf("%s_%d", path, k))) {
             st = smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
             break;
         }
@@ -4007,10 +3775,8 @@ static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_fil
         if (st) {
             st = smp_error(st, "%s (file %d of the %d that '%s' announces)", smp_last_error(), k, P, smp_ckpt_path(f0));
         } else {
-            fk = smp_ckpt_meta(files[k], "smp.format");
-            kk = smp_ckpt_meta(files[k], "smp.kind");
-            idk = smp_ckpt_meta(files[k], "smp.save_id");
-            if (!fk || strcmp(fk, SMP__CKPT_FORMAT) || !kk || strcmp(kk, "partial"))
+            const char *idk = smp_ckpt_meta(files[k], "smp.save_id");
+            if (!smp__ckpt_is_partial(files[k]))
                 st = smp_error(SMP_ERR_FORMAT, "checkpoint '%s' is not a file of an smp partial checkpoint", p);
             else if (!idk || strcmp(idk, id0))
                 st = smp_error(SMP_ERR_FORMAT,
@@ -4023,14 +3789,7 @@ static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_fil
         }
         smp__free(p);
     }
-    if (st) {
-        for (k = 0; k < P; k++) smp_ckpt_close(files[k]);
-        smp__free(files);
-        return st;
-    }
-    *out = files;
-    *nout = P;
-    return SMP_OK;
+    return smp__ckpt_set_done(st, files, P, out, nout);
 }
 
 /* Matches the files' tensors with the model: same on every rank. */
@@ -4042,7 +3801,6 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
         for (int i = 0; i < smp_ckpt_count(f); i++) {
             const smp_ckpt_info *e = smp_ckpt_info_at(f, i);
             int idx = smp__ckpt_find(pl, e->name), is_opt = !strncmp(e->name, SMP_CKPT_OPTIMIZER_PREFIX, plen);
-            smp__ckpt_item *it;
             if (idx < 0) {
                 if (is_opt && !with_opt) continue; /* loading without an optimizer */
                 return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is unexpected: %s", smp_ckpt_path(f),
@@ -4050,7 +3808,7 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
                                  is_opt ? "no rank registered optimizer state of that name"
                                         : "the model has no parameter or buffer of that name");
             }
-            it = &pl->items[idx];
+            smp__ckpt_item *it = &pl->items[idx];
             if (it->src)
                 return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is also in '%s'", smp_ckpt_path(f),
                                  e->name, smp_ckpt_path(files[it->file]));
@@ -4060,12 +3818,11 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
                                  smp__ckpt_describe(it->dtype, it->ndim, it->shape, d2, sizeof d2));
             if (partial) { /* the partition map must agree with where the tensor is */
                 char key[64 + 8];
-                const char *v;
                 size_t kl = strlen("smp.partition.") + strlen(e->name) + 1;
                 char *kb = kl <= sizeof key ? key : (char *)smp__alloc(kl, SMP__ALLOC_OTHER);
                 if (!kb) return smp__nomem(kl, "a metadata key to look up (smp.partition.<tensor>)");
                 snprintf(kb, kl, "smp.partition.%s", e->name);
-                v = smp_ckpt_meta(f, kb);
+                const char *v = smp_ckpt_meta(f, kb);
                 if (kb != key) smp__free(kb);
                 if (v && atoi(v) != k)
                     return smp_error(SMP_ERR_FORMAT,
@@ -4090,11 +3847,9 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
 static smp_status smp__ckpt_verify_local(smp__ckpt_plan *pl, smp_ckpt_file **files) {
     for (int i = 0; i < pl->n; i++) {
         smp__ckpt_item *it = &pl->items[pl->order[i]];
-        smp_ckpt_file *f;
-        const uint8_t *base;
         if (!(it->local || it->copy) || !it->src || !it->nbytes) continue;
-        f = files[it->file];
-        base = smp__ckpt_map(f);
+        smp_ckpt_file *f = files[it->file];
+        const uint8_t *base = smp__ckpt_map(f);
         if (base) {
             it->bytes = base + f->data_start + it->src->offset;
             if (it->src->has_checksum) {
@@ -4115,29 +3870,14 @@ static smp_status smp__ckpt_verify_local(smp__ckpt_plan *pl, smp_ckpt_file **fil
     return SMP_OK;
 }
 
-static smp_status smp__ckpt_check_load(smp_model *m, const char *path, const smp_load_desc *d) {
-    smp_status st = smp__ckpt_check_common(m, path, "smp_load");
-    if (st) return st;
-    if (d->optimizer && d->optimizer->model != m)
-        return smp_error(SMP_ERR_ARG, "smp_load: the optimizer registry belongs to another model");
-    return SMP_OK;
-}
-
 SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *desc) {
-    smp_load_desc d;
+    smp_load_desc d = {SMP_DEFAULT, NULL, NULL, NULL};
+    if (desc) d = *desc;
+    SMP_TRY(smp__ckpt_begin("smp_load", m, path, d.optimizer, NULL));
+    int nf = 0, partial = d.partial != SMP_OFF;
     smp__ckpt_plan pl;
     smp_ckpt_file **files = NULL;
-    int nf = 0, i, partial;
-    smp_status st;
-
-    if (!smp_is_initialized()) return smp_error(SMP_ERR_STATE, "smp_load called before smp_init");
-    if (desc) d = *desc;
-    else memset(&d, 0, sizeof d);
-    partial = d.partial != SMP_OFF;
-    st = smp__agree_on(smp_group_comm(SMP_WORLD), smp__ckpt_check_load(m, path, &d), "smp_load arguments");
-    if (st) return st;
-    st = smp__ckpt_plan_init(&pl, m, d.optimizer, 0);
-    st = smp__ckpt_agree(&pl, st, "planning the load");
+    smp_status st = smp__ckpt_agree(&pl, smp__ckpt_plan_init(&pl, m, d.optimizer, 0), "planning the load");
     /* 1. headers; 2. names, dtypes, shapes; 3. checksums; 4. copies */
     if (!st) st = smp__ckpt_agree(&pl, smp__ckpt_open_set(path, partial, &files, &nf), "opening the checkpoint");
     if (!st) st = smp__ckpt_agree(&pl, smp__ckpt_match(&pl, files, nf, partial, d.optimizer != NULL),
@@ -4145,24 +3885,23 @@ SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *
     if (!st) st = smp__ckpt_agree(&pl, smp__ckpt_verify_local(&pl, files), "verifying the checkpoint's checksums");
     if (!st) {
         smp_status cs = SMP_OK;
-        for (i = 0; i < pl.n; i++) {
+        for (int i = 0; i < pl.n; i++) {
             const smp__ckpt_item *it = &pl.items[i];
-            smp_status s2;
             const smp_tensor *dst = it->local ? it->local : it->copy;
             if (!dst || !it->src || !it->nbytes) continue;
-            s2 = smp__ckpt_copy_in(dst->data, dst->device, it->bytes, (size_t)it->nbytes);
+            smp_status s2 = smp__ckpt_copy_in(dst->data, dst->device, it->bytes, (size_t)it->nbytes);
             if (!cs) cs = s2;
         }
         st = smp__ckpt_agree(&pl, cs, "copying the checkpoint into the model");
     }
     if (!st && d.on_meta) {
-        for (i = 0; i < smp_ckpt_meta_count(files[0]); i++) {
+        for (int i = 0; i < smp_ckpt_meta_count(files[0]); i++) {
             const char *k, *v;
             smp_ckpt_meta_at(files[0], i, &k, &v);
             if (strncmp(k, "smp.", 4)) d.on_meta(k, v, d.user);
         }
     }
-    for (i = 0; i < nf; i++) smp_ckpt_close(files[i]);
+    for (int i = 0; i < nf; i++) smp_ckpt_close(files[i]);
     smp__free(files);
     smp__ckpt_plan_free(&pl);
     return st;
@@ -4170,25 +3909,24 @@ SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *
 
 /* ---------------------------------------------------------------- state dicts */
 SMPDEF smp_status smp_model_local_state_dict(smp_model *m, const smp_optimizer *opt, smp_state_dict *out) {
-    int np, i, n = 0;
     if (!out) return smp_error(SMP_ERR_ARG, "smp_model_local_state_dict: out is NULL");
     memset(out, 0, sizeof *out);
     if (!m) return smp_error(SMP_ERR_ARG, "smp_model_local_state_dict: model is NULL");
     if (!smp_model_is_partitioned(m))
         return smp_error(SMP_ERR_STATE, "smp_model_local_state_dict: the model is not partitioned yet");
-    np = smp_model_num_global_params(m, true);
-    out->entries = (smp_named_tensor *)smp__alloc(sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1), SMP__ALLOC_OTHER);
-    if (!out->entries)
-        return smp__nomem(sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1),
-                          "the entries of smp_model_local_state_dict's result");
-    for (i = 0; i < np; i++) {
+    int np = smp_model_num_global_params(m, true), n = 0;
+    smp_status st = SMP_OK;
+    out->entries = (smp_named_tensor *)smp__bytes_or(&st, sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1),
+                                                     SMP__ALLOC_OTHER, "the entries of smp_model_local_state_dict's result");
+    if (!out->entries) return st;
+    for (int i = 0; i < np; i++) {
         smp_param *p = smp_model_global_param(m, i, true);
         if (!smp_module_is_local(smp_param_module(p))) continue;
         out->entries[n].name = smp_param_name(p);
         out->entries[n].tensor = *smp_param_value(p);
         n++;
     }
-    for (i = 0; opt && i < opt->n; i++) {
+    for (int i = 0; opt && i < opt->n; i++) {
         out->entries[n].name = opt->s[i].full;
         out->entries[n].tensor = opt->s[i].t;
         n++;
