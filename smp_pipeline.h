@@ -155,12 +155,13 @@ typedef struct smp_schedule {
    (round robin: stage s on rank s % nranks; ZERO_BUBBLE_V: the V). Fails
    with SMP_ERR_ARG on nranks < 1, nstages < nranks, microbatches < 1, a
    rank out of range or without a stage, or two consecutive stages on one
-   rank; ZERO_BUBBLE_V on nstages != 2 nranks or a map other than the V.
-   Arrays come from SMP_MALLOC; release them with smp_schedule_free. */
+   rank; ZERO_BUBBLE_V on nstages != 2 nranks or a map other than the V;
+   SMP_ERR_NOMEM without memory (smp's counted memory, as smp_malloc's: it
+   may be called before smp_init). Release out with smp_schedule_free. */
 SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nstages, const int *stage_rank,
                                      int microbatches, bool forward_only, smp_schedule *out);
-/* Frees what smp_schedule_build allocated (each array with SMP_FREE, each
-   ops[r] separately) and zeroes *s. Safe on a zeroed schedule. */
+/* Frees what smp_schedule_build allocated and zeroes *s. Safe on a zeroed
+   schedule. */
 SMPDEF void smp_schedule_free(smp_schedule *s);
 
 typedef struct smp_sim_result {
@@ -188,8 +189,8 @@ typedef struct smp_sim_result {
    zero-bubble schedules: what the stage keeps for it until then).
    A deadlock is a result (out->deadlock), not an error;
    errors (SMP_ERR_ARG) are a malformed schedule (an operation out of range,
-   on the wrong rank, repeated or missing) or a negative or non-finite cost.
-   Release out's arrays with smp_sim_result_free. */
+   on the wrong rank, repeated or missing) or a negative or non-finite cost,
+   and SMP_ERR_NOMEM. Release out's arrays with smp_sim_result_free. */
 SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd_cost, const double *bwd_cost,
                                         const double *wgt_cost, double comm_latency, smp_sim_result *out);
 SMPDEF void smp_sim_result_free(smp_sim_result *r);
@@ -392,14 +393,6 @@ SMPDEF smp_status smp_agree_batches(int64_t batches);
    schedules and simulator: implementation
    ====================================================================== */
 
-/* Zeroed array of n elements of `size` bytes; NULL when it cannot be had. */
-static void *smp__sched_calloc(size_t n, size_t size) {
-    size_t bytes = (n ? n : 1) * size;
-    void *p = SMP_MALLOC(bytes);
-    if (p) memset(p, 0, bytes);
-    return p;
-}
-
 /* Whether a kind splits each backward into B and W ops. */
 static bool smp__sched_split(smp_pipeline_kind k) { return k == SMP_PIPELINE_ZERO_BUBBLE || k == SMP_PIPELINE_ZERO_BUBBLE_V; }
 
@@ -407,9 +400,11 @@ static bool smp__sched_split(smp_pipeline_kind k) { return k == SMP_PIPELINE_ZER
    must be the V (2 x nranks stages, stage s on rank s or 2 nranks - 1 - s). */
 static smp_status smp__sched_check_map(int nranks, int nstages, const int *stage_rank, int microbatches, bool vee) {
     if (nranks < 1) return smp_error(SMP_ERR_ARG, "a pipeline needs at least 1 rank, got nranks = %d", nranks);
+    if (nstages < nranks && !vee)
+        return smp_error(SMP_ERR_ARG, "%d stages cannot occupy %d ranks: every rank needs at least one stage", nstages, nranks);
+    if (microbatches < 1)
+        return smp_error(SMP_ERR_ARG, "a step needs at least 1 microbatch, got microbatches = %d", microbatches);
     if (vee) {
-        if (microbatches < 1)
-            return smp_error(SMP_ERR_ARG, "a step needs at least 1 microbatch, got microbatches = %d", microbatches);
         if (nstages != 2 * nranks)
             return smp_error(SMP_ERR_ARG, "zero_bubble_v runs 2 stages per rank in a V: %d rank%s need %d stages, got %d", nranks,
                              nranks == 1 ? "" : "s", 2 * nranks, nstages);
@@ -419,11 +414,6 @@ static smp_status smp__sched_check_map(int nranks, int nstages, const int *stage
                                  "stages r and %d - r)", s, stage_rank[s], smp__vee_partition(s, nranks), nstages - 1);
         return SMP_OK;
     }
-    if (nstages < nranks)
-        return smp_error(SMP_ERR_ARG, "%d stages cannot occupy %d ranks: every rank needs at least one stage",
-                         nstages, nranks);
-    if (microbatches < 1)
-        return smp_error(SMP_ERR_ARG, "a step needs at least 1 microbatch, got microbatches = %d", microbatches);
     if (!stage_rank) {
         if (nranks == 1 && nstages > 1)
             return smp_error(SMP_ERR_ARG, "stages 0 and 1 both run on rank 0: consecutive stages must be on "
@@ -446,23 +436,21 @@ static smp_status smp__sched_check_map(int nranks, int nstages, const int *stage
     return SMP_OK;
 }
 
-/* Allocates out's arrays: stage map, op counts and one op list per rank,
-   sized for every op of the rank. */
-static smp_status smp__sched_alloc(smp_schedule *out, const int *map) {
+/* Allocates out's op counts and one op list per rank, sized for every op
+   of the rank (out->stage_rank is set). */
+static smp_status smp__sched_alloc(smp_schedule *out) {
     int R = out->nranks, S = out->nstages, m = out->microbatches;
     int per_stage = out->forward_only ? m : smp__sched_split(out->kind) ? 3 * m : 2 * m;
-    out->stage_rank = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    out->nops = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    out->ops = (smp_sched_op **)smp__sched_calloc((size_t)R, sizeof(smp_sched_op *));
-    if (!out->stage_rank || !out->nops || !out->ops) return SMP_ERR_NOMEM;
-    memcpy(out->stage_rank, map, (size_t)S * sizeof(int));
-    for (int r = 0; r < R; r++) {
+    smp_status st = SMP_OK;
+    out->nops = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)R, SMP__ALLOC_OTHER, "a schedule");
+    out->ops = (smp_sched_op **)smp__alloc_or(&st, sizeof(smp_sched_op *) * (size_t)R, SMP__ALLOC_OTHER, "a schedule");
+    for (int r = 0; r < R && !st; r++) {
         int nst = 0;
-        for (int s = 0; s < S; s++) nst += map[s] == r;
-        out->ops[r] = (smp_sched_op *)smp__sched_calloc((size_t)nst * (size_t)per_stage, sizeof(smp_sched_op));
-        if (!out->ops[r]) return SMP_ERR_NOMEM;
+        for (int s = 0; s < S; s++) nst += out->stage_rank[s] == r;
+        out->ops[r] = (smp_sched_op *)smp__bytes_or(&st, sizeof(smp_sched_op) * (size_t)nst * (size_t)per_stage, SMP__ALLOC_OTHER,
+                                                    "a schedule's operations");
     }
-    return SMP_OK;
+    return st;
 }
 
 static void smp__sched_push(smp_schedule *sc, int rank, smp_sched_op_kind kind, int stage, int mb) {
@@ -524,7 +512,7 @@ typedef struct smp__sched_gen {
     bool fo;
     const int *map;
     bool zb;              /* zero bubble: W ops apart, forwards bounded by what W has freed */
-    long *fin_f, *fin_b, *fin_w; /* [stage * m + mb]: finish time, -1 until started */
+    long *fin_f, *fin_b;  /* [stage * m + mb]: finish time, -1 until started */
     int *next_f, *next_b, *next_w; /* [stage]: next microbatch to run */
     int *chunk;           /* [stage]: position among its rank's stages */
     int *local, *first;   /* stages of rank r: local[first[r] .. first[r+1]-1] */
@@ -591,24 +579,21 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
     g.R = R; g.S = S; g.m = m; g.fo = sc->forward_only; g.map = sc->stage_rank;
     g.zb = sc->kind == SMP_PIPELINE_ZERO_BUBBLE && !g.fo;
     const long cost_f = 1, cost_b = g.zb ? 1 : 2, cost_w = 1; /* ZB-H1 assumes F = B = W */
-    g.fin_f = (long *)smp__sched_calloc(n, sizeof(long));
-    g.fin_b = (long *)smp__sched_calloc(n, sizeof(long));
-    g.fin_w = (long *)smp__sched_calloc(n, sizeof(long));
-    g.next_f = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    g.next_b = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    g.next_w = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    g.chunk = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    g.local = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    g.first = (int *)smp__sched_calloc((size_t)R + 1, sizeof(int));
-    g.rank_cap = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    g.rank_inflight = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    g.last_kind = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    g.free_at = (long *)smp__sched_calloc((size_t)R, sizeof(long));
-    if (!g.fin_f || !g.fin_b || !g.fin_w || !g.next_f || !g.next_b || !g.next_w || !g.chunk || !g.local || !g.first || !g.rank_cap ||
-        !g.rank_inflight || !g.last_kind || !g.free_at) {
-        st = SMP_ERR_NOMEM;
-    } else {
-        for (size_t q = 0; q < n; q++) g.fin_f[q] = g.fin_b[q] = g.fin_w[q] = -1;
+    /* two zeroed blocks: the times (fin_f, fin_b, free_at), the counters */
+    g.fin_f = (long *)smp__alloc_or(&st, sizeof(long) * (2 * n + (size_t)R), SMP__ALLOC_OTHER, "a schedule's generation");
+    g.next_f = (int *)smp__alloc_or(&st, sizeof(int) * (5 * (size_t)S + 4 * (size_t)R + 1), SMP__ALLOC_OTHER, "a schedule's generation");
+    if (!st) {
+        g.fin_b = g.fin_f + n;
+        g.free_at = g.fin_b + n;
+        g.next_b = g.next_f + S;
+        g.next_w = g.next_b + S;
+        g.chunk = g.next_w + S;
+        g.local = g.chunk + S;
+        g.rank_cap = g.local + S;
+        g.rank_inflight = g.rank_cap + R;
+        g.last_kind = g.rank_inflight + R;
+        g.first = g.last_kind + R;
+        for (size_t q = 0; q < n; q++) g.fin_f[q] = g.fin_b[q] = -1;
         /* chunk numbers and the stages of each rank (rank_inflight counts
            them for now) */
         for (int s = 0; s < S; s++) g.chunk[s] = g.rank_inflight[g.map[s]]++;
@@ -644,7 +629,7 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
                         if (!g.zb) g.rank_inflight[r]--;
                     } else {
                         i = g.next_w[s]++;
-                        g.free_at[r] = g.fin_w[(size_t)s * (size_t)m + (size_t)i] = t + cost_w;
+                        g.free_at[r] = t + cost_w;
                         g.rank_inflight[r]--; /* zero bubble: the memory goes with the W */
                     }
                     smp__sched_push(sc, r, kind, s, i);
@@ -666,9 +651,8 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
             t = next;
         }
     }
-    SMP_FREE(g.fin_f); SMP_FREE(g.fin_b); SMP_FREE(g.fin_w); SMP_FREE(g.next_f); SMP_FREE(g.next_b); SMP_FREE(g.next_w); SMP_FREE(g.chunk);
-    SMP_FREE(g.local); SMP_FREE(g.first); SMP_FREE(g.rank_cap); SMP_FREE(g.rank_inflight);
-    SMP_FREE(g.last_kind); SMP_FREE(g.free_at);
+    smp__free(g.fin_f); /* and the other times */
+    smp__free(g.next_f); /* and the other counters */
     return st;
 }
 
@@ -692,8 +676,9 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
    1 may read it (a skip connection across the V) until W1(i). */
 static smp_status smp__sched_zbv(smp_schedule *sc) {
     int p = sc->nranks, S = sc->nstages, m = sc->microbatches, n = m > 2 * p - 1 ? m : 2 * p - 1;
-    smp_sched_op *tmp = (smp_sched_op *)smp__sched_calloc((size_t)6 * (size_t)n, sizeof(smp_sched_op));
-    if (!tmp) return SMP_ERR_NOMEM;
+    smp_status st = SMP_OK;
+    smp_sched_op *tmp = (smp_sched_op *)smp__bytes_or(&st, sizeof(smp_sched_op) * 6 * (size_t)n, SMP__ALLOC_OTHER, "a schedule's generation");
+    if (st) return st;
     for (int r = 0; r < p; r++) {
         int c0 = r, c1 = S - 1 - r, k = 0, f0 = 0, f1 = 0, b0 = 0, b1 = 0, w0, w1;
 #define SMP__ZBV(KIND, STAGE, MB) (tmp[k].kind = (KIND), tmp[k].stage = (STAGE), tmp[k].microbatch = (MB), k++)
@@ -720,24 +705,23 @@ static smp_status smp__sched_zbv(smp_schedule *sc) {
         while (w0 < b0) SMP__ZBV(SMP_SCHED_WEIGHT, c0, w0++);
 #undef SMP__ZBV
         if (k != 6 * n || f0 != n || f1 != n || b0 != n || b1 != n || w0 != n || w1 != n) {
-            SMP_FREE(tmp);
-            return smp_error(SMP_ERR_STATE, "smp bug: the zero_bubble_v schedule of rank %d has %d ops for %d microbatches", r, k, n);
+            st = smp_error(SMP_ERR_STATE, "smp bug: the zero_bubble_v schedule of rank %d has %d ops for %d microbatches", r, k, n);
+            break;
         }
         for (int q = 0; q < k; q++)
             if (tmp[q].microbatch < m && (!sc->forward_only || tmp[q].kind == SMP_SCHED_FORWARD))
                 smp__sched_push(sc, r, tmp[q].kind, tmp[q].stage, tmp[q].microbatch);
     }
-    SMP_FREE(tmp);
-    return SMP_OK;
+    smp__free(tmp);
+    return st;
 }
 
 SMPDEF void smp_schedule_free(smp_schedule *s) {
     if (!s) return;
-    if (s->ops)
-        for (int r = 0; r < s->nranks; r++) SMP_FREE(s->ops[r]);
-    SMP_FREE(s->ops);
-    SMP_FREE(s->nops);
-    SMP_FREE(s->stage_rank);
+    for (int r = 0; r < s->nranks && s->ops; r++) smp__free(s->ops[r]);
+    smp__free(s->ops);
+    smp__free(s->nops);
+    smp__free(s->stage_rank);
     memset(s, 0, sizeof *s);
 }
 
@@ -754,54 +738,166 @@ SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nst
     if ((long long)nstages * microbatches * 3 > 0x7fffffffLL)
         return smp_error(SMP_ERR_ARG, "%d stages x %d microbatches is too many operations", nstages, microbatches);
 
-    int *map = (int *)smp__sched_calloc((size_t)nstages, sizeof(int));
-    if (!map) return smp_error(SMP_ERR_NOMEM, "out of memory building a schedule");
-    for (int s = 0; s < nstages; s++) map[s] = stage_rank ? stage_rank[s] : vee ? smp__vee_partition(s, nranks) : s % nranks;
-
     out->kind = kind;
     out->nranks = nranks;
     out->nstages = nstages;
     out->microbatches = microbatches;
     out->forward_only = forward_only;
-    st = smp__sched_alloc(out, map);
-    SMP_FREE(map);
-    if (st == SMP_OK) {
-        if (kind == SMP_PIPELINE_SIMPLE) smp__sched_simple(out);
-        else if (vee) st = smp__sched_zbv(out);
-        else st = smp__sched_interleaved(out);
-    }
-    if (st != SMP_OK) {
-        smp_schedule_free(out);
-        if (st == SMP_ERR_NOMEM) return smp_error(SMP_ERR_NOMEM, "out of memory building a schedule");
-    }
+    out->stage_rank = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)nstages, SMP__ALLOC_OTHER, "a schedule's stage map");
+    for (int s = 0; s < nstages && !st; s++) out->stage_rank[s] = stage_rank ? stage_rank[s] : vee ? smp__vee_partition(s, nranks) : s % nranks;
+    if (!st) st = smp__sched_alloc(out);
+    if (!st && kind == SMP_PIPELINE_SIMPLE) smp__sched_simple(out);
+    else if (!st) st = vee ? smp__sched_zbv(out) : smp__sched_interleaved(out);
+    if (st) smp_schedule_free(out);
     return st;
-}
-
-/* Appends printf-style text to buf (capacity cap, length *len), keeping it
-   terminated; once full, further text is dropped and "..." marks the cut. */
-static void smp__sched_append(char *buf, size_t cap, size_t *len, const char *fmt, ...) SMP__PRINTF(4, 5);
-static void smp__sched_append(char *buf, size_t cap, size_t *len, const char *fmt, ...) {
-    if (*len + 1 >= cap) return;
-    va_list ap;
-    va_start(ap, fmt);
-    int k = vsnprintf(buf + *len, cap - *len, fmt, ap);
-    va_end(ap);
-    if (k < 0) return;
-    if ((size_t)k >= cap - *len) {
-        *len = cap - 1;
-        if (cap >= 4) memcpy(buf + cap - 4, "...", 4);
-    } else {
-        *len += (size_t)k;
-    }
 }
 
 static char smp__sched_letter(smp_sched_op_kind k) { return "FBW"[k]; }
 
+/* The operation op waits for: its stage (-1: none) and *kind. F(s) waits
+   for F(s-1); B(S-1) for F(S-1); B(s) for B(s+1); W(s) for B(s). */
+static int smp__sched_dep(smp_sched_op op, int S, smp_sched_op_kind *kind) {
+    bool gradient = op.kind == SMP_SCHED_WEIGHT || (op.kind == SMP_SCHED_BACKWARD && op.stage < S - 1);
+    *kind = gradient ? SMP_SCHED_BACKWARD : SMP_SCHED_FORWARD;
+    if (op.kind == SMP_SCHED_FORWARD) return op.stage - 1;
+    return op.kind == SMP_SCHED_BACKWARD && op.stage < S - 1 ? op.stage + 1 : op.stage;
+}
+
+/* Checks rank r's k-th operation (in range, on its stage's rank, of one of
+   the schedule's `kinds`, listed once) and marks it in listed[kind][stage][mb]. */
+static smp_status smp__sim_list(const smp_schedule *s, int r, int k, int kinds, char *listed) {
+    smp_sched_op op = s->ops[r][k];
+    int S = s->nstages, m = s->microbatches;
+    if (op.kind != SMP_SCHED_FORWARD && op.kind != SMP_SCHED_BACKWARD && op.kind != SMP_SCHED_WEIGHT)
+        return smp_error(SMP_ERR_ARG, "rank %d op %d has unknown kind %d", r, k, (int)op.kind);
+    if (op.stage < 0 || op.stage >= S || op.microbatch < 0 || op.microbatch >= m)
+        return smp_error(SMP_ERR_ARG, "rank %d op %d is %c(stage %d, microbatch %d), outside %d stages x %d microbatches", r, k,
+                         smp__sched_letter(op.kind), op.stage, op.microbatch, S, m);
+    if (s->stage_rank[op.stage] != r)
+        return smp_error(SMP_ERR_ARG, "rank %d op %d is %c(stage %d, microbatch %d), but stage %d runs on rank %d", r, k,
+                         smp__sched_letter(op.kind), op.stage, op.microbatch, op.stage, s->stage_rank[op.stage]);
+    if ((int)op.kind >= kinds)
+        return smp_error(SMP_ERR_ARG, "rank %d op %d is a %s in a %s schedule", r, k, op.kind == SMP_SCHED_WEIGHT ? "weight-gradient op" : "backward",
+                         s->forward_only ? "forward-only" : "non-zero-bubble");
+    char *at = &listed[((size_t)op.kind * (size_t)S + (size_t)op.stage) * (size_t)m + (size_t)op.microbatch];
+    if (*at)
+        return smp_error(SMP_ERR_ARG, "%c(stage %d, microbatch %d) appears twice in the schedule", smp__sched_letter(op.kind), op.stage,
+                         op.microbatch);
+    *at = 1;
+    return SMP_OK;
+}
+
 SMPDEF void smp_sim_result_free(smp_sim_result *r) {
     if (!r) return;
-    SMP_FREE(r->peak_inflight);
-    SMP_FREE(r->rank_peak_inflight);
+    smp__free(r->peak_inflight);
+    smp__free(r->rank_peak_inflight);
     memset(r, 0, sizeof *r);
+}
+
+/* smp_schedule_simulate once s has its stage map and op lists, in zeroed
+   memory: fin (3 S m + 3 S + R doubles), done (3 S m), idx (2 R + S ints). */
+static smp_status smp__sim_run(const smp_schedule *s, const double *const given[3], double comm_latency, double *fin, char *done, int *idx,
+                               smp_sim_result *out) {
+    int R = s->nranks, S = s->nstages, m = s->microbatches;
+    bool zb = smp__sched_split(s->kind) && !s->forward_only;
+    int kinds = s->forward_only ? 1 : zb ? 3 : 2;
+    size_t n = (size_t)S * (size_t)m;
+    double *cost = fin + 3 * n, *clock = cost + 3 * S; /* fin: [kind][stage][mb]; cost: [kind][stage]; clock: [rank] */
+    int *cnt = idx + R, *rcnt = cnt + S; /* microbatches in flight per stage and rank */
+    smp_status st = SMP_OK;
+    static const char *const cost_name[3] = {"forward", "backward", "weight"};
+    for (int q = 0; q < S && !st; q++)
+        for (int kd = 0; kd < 3 && !st; kd++) {
+            double v = given[kd] ? given[kd][q] : kd < 2 || zb ? 1.0 : 0.0; /* W: 0 outside zero bubble unless given */
+            if (!(v >= 0) || !isfinite(v))
+                st = smp_error(SMP_ERR_ARG, "%s cost of stage %d must be finite and >= 0, got %g", cost_name[kd], q, v);
+            cost[kd * S + q] = v;
+        }
+    for (int q = 0; q < S && !zb; q++) cost[S + q] += cost[2 * S + q]; /* outside zero bubble a backward is B + W */
+
+    /* validate: every op in range, on its stage's rank, exactly once */
+    for (int r = 0; r < R && !st; r++) {
+        if (s->nops[r] < 0 || (s->nops[r] > 0 && !s->ops[r])) st = smp_error(SMP_ERR_ARG, "rank %d has a bad op list (%d ops)", r, s->nops[r]);
+        for (int k = 0; k < s->nops[r] && !st; k++) st = smp__sim_list(s, r, k, kinds, done);
+    }
+    for (int kd = 0; kd < kinds && st == SMP_OK; kd++)
+        for (size_t at = 0; at < n; at++)
+            if (!done[(size_t)kd * n + at]) {
+                st = smp_error(SMP_ERR_ARG, "the schedule never runs %c(stage %d, microbatch %d)",
+                               smp__sched_letter((smp_sched_op_kind)kd), (int)(at / (size_t)m),
+                               (int)(at % (size_t)m));
+                break;
+            }
+    if (st != SMP_OK) return st;
+
+    /* run: sweep the ranks, advancing each as far as its next op's
+       dependency is finished. An op's start depends only on its rank's
+       previous op and its dependency, so sweep order does not matter.
+       A microbatch holds the stage's memory from its F to its last op
+       there (W in zero-bubble schedules, else B). */
+    long total = 0, finished = 0;
+    for (int r = 0; r < R; r++) total += s->nops[r];
+    while (finished < total) {
+        bool progressed = false;
+        for (int r = 0; r < R; r++) {
+            while (idx[r] < s->nops[r]) {
+                smp_sched_op op = s->ops[r][idx[r]];
+                size_t me = (size_t)op.kind * n + (size_t)op.stage * (size_t)m + (size_t)op.microbatch;
+                smp_sched_op_kind dep_kind;
+                int dep_stage = smp__sched_dep(op, S, &dep_kind);
+                double start = clock[r];
+                if (dep_stage >= 0) {
+                    size_t dep = (size_t)dep_kind * n + (size_t)dep_stage * (size_t)m + (size_t)op.microbatch;
+                    if (done[dep] != 2) break;
+                    double ready = fin[dep] + (s->stage_rank[dep_stage] != r ? comm_latency : 0.0);
+                    if (ready > start) start = ready;
+                }
+                double c = cost[(int)op.kind * S + op.stage];
+                fin[me] = start + c;
+                done[me] = 2;
+                clock[r] = fin[me];
+                out->busy += c;
+                if (fin[me] > out->makespan) out->makespan = fin[me];
+                if (!s->forward_only && op.kind != (zb ? SMP_SCHED_BACKWARD : SMP_SCHED_WEIGHT)) {
+                    int d = op.kind == SMP_SCHED_FORWARD ? 1 : -1;
+                    cnt[op.stage] += d;
+                    rcnt[r] += d;
+                    if (cnt[op.stage] > out->peak_inflight[op.stage]) out->peak_inflight[op.stage] = cnt[op.stage];
+                    if (rcnt[r] > out->rank_peak_inflight[r]) out->rank_peak_inflight[r] = rcnt[r];
+                }
+                idx[r]++;
+                finished++;
+                progressed = true;
+            }
+        }
+        if (finished < total && !progressed) {
+            smp__sbuf why;
+            memset(&why, 0, sizeof why);
+            out->deadlock = true;
+            smp__sbuf_printf(&why, "deadlock after %ld of %ld ops:", finished, total);
+            for (int r = 0; r < R; r++) {
+                if (idx[r] >= s->nops[r]) continue;
+                smp_sched_op op = s->ops[r][idx[r]];
+                smp_sched_op_kind dk;
+                int ds = smp__sched_dep(op, S, &dk);
+                smp__sbuf_printf(&why, " rank %d at %c%d.%d waits for %c%d.%d (rank %d);", r, smp__sched_letter(op.kind), op.stage,
+                                 op.microbatch, smp__sched_letter(dk), ds, op.microbatch, s->stage_rank[ds]);
+            }
+            /* as much as the result holds, "..." marking a cut */
+            size_t cap = sizeof out->deadlock_reason;
+            if (why.oom) st = smp__nomem(why.want, "the description of a deadlock");
+            else snprintf(out->deadlock_reason, cap, "%s", why.p);
+            if (why.len >= cap) memcpy(out->deadlock_reason + cap - 4, "...", 4);
+            smp__free(why.p);
+            break;
+        }
+    }
+    double work = 0;
+    for (int q = 0; q < S; q++)
+        work += (double)m * (cost[q] + (s->forward_only ? 0.0 : zb ? cost[S + q] + cost[2 * S + q] : cost[S + q]));
+    out->ideal = work / R;
+    out->bubble_fraction = out->makespan > 0 ? 1.0 - out->busy / ((double)R * out->makespan) : 0.0;
+    return st;
 }
 
 SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd_cost, const double *bwd_cost,
@@ -816,162 +912,18 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
         return smp_error(SMP_ERR_ARG, "schedule has no stage map or no op lists");
     if (!(comm_latency >= 0) || !isfinite(comm_latency))
         return smp_error(SMP_ERR_ARG, "comm_latency must be finite and >= 0, got %g", comm_latency);
-    static const char *const cost_name[3] = {"forward", "backward", "weight"};
-    for (int q = 0; q < S; q++)
-        for (int kd = 0; kd < 3; kd++) {
-            const double *c = kd == 0 ? fwd_cost : kd == 1 ? bwd_cost : wgt_cost;
-            double v = c ? c[q] : 1.0;
-            if (!(v >= 0) || !isfinite(v))
-                return smp_error(SMP_ERR_ARG, "%s cost of stage %d must be finite and >= 0, got %g", cost_name[kd], q, v);
-        }
-    bool zb = smp__sched_split(s->kind) && !s->forward_only;
-    int kinds = s->forward_only ? 1 : zb ? 3 : 2;
-
     size_t n = (size_t)S * (size_t)m;
-    double *fin = (double *)smp__sched_calloc(3 * n, sizeof(double)); /* [kind][stage][mb] */
-    char *done = (char *)smp__sched_calloc(3 * n, 1);  /* 1: listed (validation), 2: finished */
-    int *idx = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    double *clock = (double *)smp__sched_calloc((size_t)R, sizeof(double));
-    int *cnt = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    int *rcnt = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    out->peak_inflight = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    out->rank_peak_inflight = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    if (!fin || !done || !idx || !clock || !cnt || !rcnt || !out->peak_inflight || !out->rank_peak_inflight) {
-        st = smp_error(SMP_ERR_NOMEM, "out of memory simulating a schedule");
-        goto done;
-    }
-
-    /* validate: every op in range, on its stage's rank, exactly once */
-    for (int r = 0; r < R && st == SMP_OK; r++) {
-        if (s->nops[r] < 0 || (s->nops[r] > 0 && !s->ops[r])) {
-            st = smp_error(SMP_ERR_ARG, "rank %d has a bad op list (%d ops)", r, s->nops[r]);
-            break;
-        }
-        for (int k = 0; k < s->nops[r]; k++) {
-            smp_sched_op op = s->ops[r][k];
-            if (op.kind != SMP_SCHED_FORWARD && op.kind != SMP_SCHED_BACKWARD && op.kind != SMP_SCHED_WEIGHT) {
-                st = smp_error(SMP_ERR_ARG, "rank %d op %d has unknown kind %d", r, k, (int)op.kind);
-                break;
-            }
-            if (op.stage < 0 || op.stage >= S || op.microbatch < 0 || op.microbatch >= m) {
-                st = smp_error(SMP_ERR_ARG, "rank %d op %d is %c(stage %d, microbatch %d), outside %d stages x %d "
-                               "microbatches", r, k, smp__sched_letter(op.kind), op.stage, op.microbatch, S, m);
-                break;
-            }
-            if (s->stage_rank[op.stage] != r) {
-                st = smp_error(SMP_ERR_ARG, "rank %d op %d is %c(stage %d, microbatch %d), but stage %d runs on "
-                               "rank %d", r, k, smp__sched_letter(op.kind), op.stage, op.microbatch, op.stage,
-                               s->stage_rank[op.stage]);
-                break;
-            }
-            if ((int)op.kind >= kinds) {
-                st = smp_error(SMP_ERR_ARG, "rank %d op %d is a %s in a %s schedule", r, k,
-                               op.kind == SMP_SCHED_WEIGHT ? "weight-gradient op" : "backward",
-                               s->forward_only ? "forward-only" : "non-zero-bubble");
-                break;
-            }
-            size_t at = (size_t)op.kind * n + (size_t)op.stage * (size_t)m + (size_t)op.microbatch;
-            if (done[at]) {
-                st = smp_error(SMP_ERR_ARG, "%c(stage %d, microbatch %d) appears twice in the schedule",
-                               smp__sched_letter(op.kind), op.stage, op.microbatch);
-                break;
-            }
-            done[at] = 1;
-        }
-    }
-    for (int kd = 0; kd < kinds && st == SMP_OK; kd++)
-        for (size_t at = 0; at < n; at++)
-            if (!done[(size_t)kd * n + at]) {
-                st = smp_error(SMP_ERR_ARG, "the schedule never runs %c(stage %d, microbatch %d)",
-                               smp__sched_letter((smp_sched_op_kind)kd), (int)(at / (size_t)m),
-                               (int)(at % (size_t)m));
-                break;
-            }
-    if (st != SMP_OK) goto done;
-
-    /* run: sweep the ranks, advancing each as far as its next op's
-       dependency is finished. An op's start depends only on its rank's
-       previous op and its dependency, so sweep order does not matter.
-       Dependencies: F(s) on F(s-1); B(S-1) on F(S-1); B(s) on B(s+1);
-       W(s) on B(s). A microbatch holds the stage's memory from its F to its
-       last op there (W in zero-bubble schedules, else B). */
-    {
-        long total = 0, finished = 0;
-        for (int r = 0; r < R; r++) total += s->nops[r];
-        while (finished < total) {
-            bool progressed = false;
-            for (int r = 0; r < R; r++) {
-                while (idx[r] < s->nops[r]) {
-                    smp_sched_op op = s->ops[r][idx[r]];
-                    size_t me = (size_t)op.kind * n + (size_t)op.stage * (size_t)m + (size_t)op.microbatch;
-                    int dep_kind = SMP_SCHED_FORWARD, dep_stage = op.stage - 1; /* -1: no dependency */
-                    if (op.kind == SMP_SCHED_BACKWARD) {
-                        dep_kind = op.stage == S - 1 ? SMP_SCHED_FORWARD : SMP_SCHED_BACKWARD;
-                        dep_stage = op.stage == S - 1 ? op.stage : op.stage + 1;
-                    } else if (op.kind == SMP_SCHED_WEIGHT) {
-                        dep_kind = SMP_SCHED_BACKWARD;
-                        dep_stage = op.stage;
-                    }
-                    double start = clock[r];
-                    if (dep_stage >= 0) {
-                        size_t dep = (size_t)dep_kind * n + (size_t)dep_stage * (size_t)m + (size_t)op.microbatch;
-                        if (done[dep] != 2) break;
-                        double ready = fin[dep] + (s->stage_rank[dep_stage] != r ? comm_latency : 0.0);
-                        if (ready > start) start = ready;
-                    }
-                    double f = fwd_cost ? fwd_cost[op.stage] : 1.0, b = bwd_cost ? bwd_cost[op.stage] : 1.0,
-                           w = wgt_cost ? wgt_cost[op.stage] : (zb ? 1.0 : 0.0);
-                    double cost = op.kind == SMP_SCHED_FORWARD ? f : op.kind == SMP_SCHED_WEIGHT ? w : zb ? b : b + w;
-                    fin[me] = start + cost;
-                    done[me] = 2;
-                    clock[r] = fin[me];
-                    out->busy += cost;
-                    if (fin[me] > out->makespan) out->makespan = fin[me];
-                    if (!s->forward_only && op.kind != (zb ? SMP_SCHED_BACKWARD : SMP_SCHED_WEIGHT)) {
-                        int d = op.kind == SMP_SCHED_FORWARD ? 1 : -1;
-                        cnt[op.stage] += d;
-                        rcnt[r] += d;
-                        if (cnt[op.stage] > out->peak_inflight[op.stage]) out->peak_inflight[op.stage] = cnt[op.stage];
-                        if (rcnt[r] > out->rank_peak_inflight[r]) out->rank_peak_inflight[r] = rcnt[r];
-                    }
-                    idx[r]++;
-                    finished++;
-                    progressed = true;
-                }
-            }
-            if (finished < total && !progressed) {
-                size_t len = 0;
-                out->deadlock = true;
-                smp__sched_append(out->deadlock_reason, sizeof out->deadlock_reason, &len,
-                                  "deadlock after %ld of %ld ops:", finished, total);
-                for (int r = 0; r < R; r++) {
-                    if (idx[r] >= s->nops[r]) continue;
-                    smp_sched_op op = s->ops[r][idx[r]];
-                    smp_sched_op_kind dk = op.kind == SMP_SCHED_FORWARD ? SMP_SCHED_FORWARD
-                                           : op.kind == SMP_SCHED_WEIGHT || op.stage < S - 1 ? SMP_SCHED_BACKWARD
-                                                                                          : SMP_SCHED_FORWARD;
-                    int ds = op.kind == SMP_SCHED_FORWARD ? op.stage - 1
-                             : op.kind == SMP_SCHED_WEIGHT ? op.stage : (op.stage < S - 1 ? op.stage + 1 : op.stage);
-                    smp__sched_append(out->deadlock_reason, sizeof out->deadlock_reason, &len,
-                                      " rank %d at %c%d.%d waits for %c%d.%d (rank %d);", r,
-                                      smp__sched_letter(op.kind), op.stage, op.microbatch, smp__sched_letter(dk), ds,
-                                      op.microbatch, s->stage_rank[ds]);
-                }
-                break;
-            }
-        }
-    }
-    {
-        double work = 0;
-        for (int q = 0; q < S; q++) {
-            double f = fwd_cost ? fwd_cost[q] : 1.0, b = bwd_cost ? bwd_cost[q] : 1.0, w = wgt_cost ? wgt_cost[q] : (zb ? 1.0 : 0.0);
-            work += (double)m * (f + (s->forward_only ? 0.0 : b + w));
-        }
-        out->ideal = work / R;
-        out->bubble_fraction = out->makespan > 0 ? 1.0 - out->busy / ((double)R * out->makespan) : 0.0;
-    }
-done:
-    SMP_FREE(fin); SMP_FREE(done); SMP_FREE(idx); SMP_FREE(clock); SMP_FREE(cnt); SMP_FREE(rcnt);
+    const char *what = "a schedule's simulation";
+    const double *given[3] = {fwd_cost, bwd_cost, wgt_cost};
+    double *fin = (double *)smp__alloc_or(&st, sizeof(double) * (3 * n + 3 * (size_t)S + (size_t)R), SMP__ALLOC_OTHER, what);
+    char *done = (char *)smp__alloc_or(&st, 3 * n, SMP__ALLOC_OTHER, what);
+    int *idx = (int *)smp__alloc_or(&st, sizeof(int) * (2 * (size_t)R + (size_t)S), SMP__ALLOC_OTHER, what);
+    out->peak_inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)S, SMP__ALLOC_OTHER, what);
+    out->rank_peak_inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)R, SMP__ALLOC_OTHER, what);
+    if (!st) st = smp__sim_run(s, given, comm_latency, fin, done, idx, out);
+    smp__free(fin);
+    smp__free(done);
+    smp__free(idx);
     if (st != SMP_OK) smp_sim_result_free(out);
     return st;
 }
@@ -3096,10 +3048,10 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
         if (st) return smp__agree_on(smp__ctx.world, st, "gradients kept from the last step");
     }
     smp_schedule *sc = &ps->sched[training ? 0 : 1];
-    if (sc->microbatches != m || !sc->ops) {
-        smp_schedule_free(sc);
+    if (!sc->ops) { /* built at the first step of its kind: the same inputs everywhere, but memory may fail on one rank */
         st = smp_schedule_build(cfg->pipeline, cfg->partitions, md->nstages, md->stage_rank, m, !training, sc);
-        if (st) return st; /* same inputs everywhere: every rank fails alike */
+        st = smp__agree_on(smp__ctx.world, st, "the step's schedule");
+        if (st) { smp_schedule_free(sc); return st; }
     }
     ps->m = m;
     ps->training = training;
