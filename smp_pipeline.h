@@ -196,10 +196,6 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
 SMPDEF void smp_sim_result_free(smp_sim_result *r);
 
 /* ======================================================================
-   end of schedules and simulator
-   ====================================================================== */
-
-/* ======================================================================
    steps: microbatches, the executor, StepOutput
    ====================================================================== */
 
@@ -585,14 +581,11 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
     if (!st) {
         g.fin_b = g.fin_f + n;
         g.free_at = g.fin_b + n;
-        g.next_b = g.next_f + S;
-        g.next_w = g.next_b + S;
-        g.chunk = g.next_w + S;
-        g.local = g.chunk + S;
-        g.rank_cap = g.local + S;
-        g.rank_inflight = g.rank_cap + R;
-        g.last_kind = g.rank_inflight + R;
-        g.first = g.last_kind + R;
+        int *at = g.next_f, **part[] = {&g.next_f, &g.next_b, &g.next_w, &g.chunk, &g.local, &g.rank_cap, &g.rank_inflight, &g.last_kind, &g.first};
+        for (int q = 0; q < 9; q++) {
+            *part[q] = at;
+            at += q < 5 ? S : R; /* 5 arrays per stage, then per rank (first: R + 1) */
+        }
         for (size_t q = 0; q < n; q++) g.fin_f[q] = g.fin_b[q] = -1;
         /* chunk numbers and the stages of each rank (rank_inflight counts
            them for now) */
@@ -928,10 +921,6 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
     return st;
 }
 
-/* ======================================================================
-   end of schedules and simulator: implementation
-   ====================================================================== */
-
 /* ---------------------------------------------------------------- executor */
 /* The executor replays the traced calls: per microbatch, each stage runs its
    calls in order; tensors that cross to a stage on another rank travel as
@@ -955,7 +944,8 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
    of the step: smp__drain_messages), so the next step starts on clean
    communicators. */
 
-typedef struct smp__edge { int call, out, consumer, input; } smp__edge; /* consumer == ncalls: the body */
+/* (call, out) feeds input `input` of call `consumer` (ncalls: the body), which runs in stage `stage`; remote: on another rank */
+typedef struct smp__edge { int call, out, consumer, input, stage; bool remote; } smp__edge;
 
 typedef struct smp__link {
     int from, to;        /* producer stage, consumer stage */
@@ -983,7 +973,7 @@ typedef struct smp__xfer {
 
 typedef struct smp__event { double t0, t1; int kind, stage, mb; } smp__event; /* kind: 0 fwd, 1 bwd, 2 wait (receive), 3 body, 4 all-reduce (mb: bucket), 5 send (posted to completed), 6 weight gradients (W) */
 
-typedef struct smp__mbstate {
+typedef struct smp__mbstate { /* one block, from act */
     smp_tensor *act;       /* [ncalls * maxout]: this microbatch's tensors known here */
     smp_call_ctx *ctx;     /* [ncalls]: local calls */
     smp_tensor *contrib;   /* [nedges]: gradient contributions, owned */
@@ -1021,7 +1011,6 @@ typedef struct smp__pipe {
     MPI_Request err_req;
     bool bucket_failed; /* a host bucket's collective failed to start on this rank this step */
     char err_msg[sizeof smp__errbuf + 8];
-    int body_stage;
     smp_schedule sched[2]; /* [evaluate] */
     const smp_tensor **scratch; /* [max tensors on a link]: what one message carries */
     smp__xfer **await;     /* [nlinks]: the receives one stage waits for */
@@ -1091,8 +1080,7 @@ static void smp__pipe_free(void *p) {
     smp__free(ps->edge_of_input);
     smp__free(ps->scratch);
     smp__free(ps->await);
-    smp__free(ps->await_link);
-    smp__free(ps->peak); /* and stage_index */
+    smp__free(ps->peak); /* and the other int arrays of its block */
     smp__free(ps->internal);
     for (int q = 0; q < ps->nshared; q++) smp__free(ps->shared[q].grad.data);
     smp__free(ps->shared);
@@ -1106,8 +1094,6 @@ static void smp__pipe_free(void *p) {
         SMP__MPI_WARN(MPI_Comm_free(&ps->comm), "releasing a pipeline's communicator");
         SMP__MPI_WARN(MPI_Comm_free(&ps->err_comm), "releasing a pipeline's failure communicator");
     }
-    smp__free(ps->dev_sent);
-    smp__free(ps->inflight);
     smp__free(ps->events);
     for (int b = 0; b < ps->nbuckets; b++) smp__free(ps->buckets[b].data); /* parameters stop pointing here first */
     smp__free(ps->buckets);
@@ -1123,15 +1109,6 @@ static void smp__post_err(smp__pipe *ps) {
     ps->err_from = -1;
     SMP__MPI_FATAL(MPI_Irecv(ps->err_msg, (int)sizeof ps->err_msg, MPI_CHAR, MPI_ANY_SOURCE, 1, ps->err_comm, &ps->err_req),
                    "posting the receive of pipeline failure notices (MP_GROUP)");
-}
-
-/* The pipeline's communicators (they inherit MPI_ERRORS_RETURN from
-   MP_GROUP's). MPI_Comm_dup is a blocking collective of MP_GROUP: its
-   failures abort. */
-static void smp__pipe_comms(smp__pipe *ps) {
-    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->comm), "making a pipeline's communicator (MP_GROUP)");
-    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->err_comm), "making a pipeline's failure communicator (MP_GROUP)");
-    smp__post_err(ps);
 }
 
 static bool smp__in_subtree(const smp_module *m, const smp_module *root) {
@@ -1211,19 +1188,19 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
             ps->edges[e].out = r.index;
             ps->edges[e].consumer = c;
             ps->edges[e].input = i;
+            ps->edges[e].stage = c < n ? md->calls[c].stage : S - 1;
+            ps->edges[e].remote = md->stage_rank[ps->edges[e].stage] != md->stage_rank[md->calls[r.call].stage];
             if (c < n) ps->edge_of_input[c * ps->maxin + i] = e;
         }
     }
     smp__free(count);
     count = NULL;
-    ps->body_stage = S - 1;
     /* links between stages on different ranks */
     link_of = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(S * S), SMP__ALLOC_OTHER, what);
     for (int i = 0; i < S * S && !st; i++) link_of[i] = -1;
     for (int e = 0; e < ps->nedges && !st; e++) {
-        int from = md->calls[ps->edges[e].call].stage;
-        int to = ps->edges[e].consumer < n ? md->calls[ps->edges[e].consumer].stage : ps->body_stage;
-        if (md->stage_rank[from] == md->stage_rank[to]) continue;
+        int from = md->calls[ps->edges[e].call].stage, to = ps->edges[e].stage;
+        if (!ps->edges[e].remote) continue;
         int *L = &link_of[from * S + to];
         if (*L < 0) {
             if (!smp__grow((void **)&ps->links, &cap, ps->nlinks + 1, sizeof(smp__link), NULL)) { st = smp__nomem(sizeof(smp__link) * (size_t)(ps->nlinks + 1), what); break; }
@@ -1251,16 +1228,16 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     }
     ps->scratch = (const smp_tensor **)smp__alloc_or(&st, sizeof(smp_tensor *) * (size_t)most, SMP__ALLOC_OTHER, what);
     ps->await = (smp__xfer **)smp__alloc_or(&st, sizeof(smp__xfer *) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER, what);
-    ps->await_link = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER, what);
-    ps->peak = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)S, SMP__ALLOC_OTHER, what);
+    ps->peak = (int *)smp__alloc_or(&st, sizeof(int) * (3 * (size_t)S + 5 * (size_t)P + (size_t)ps->nlinks + 1), SMP__ALLOC_OTHER, what);
     ps->internal = (bool *)smp__alloc_or(&st, (size_t)T + 1, SMP__ALLOC_OTHER, what);
-    ps->inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)S, SMP__ALLOC_OTHER, what);
-    ps->dev_sent = (int *)smp__alloc_or(&st, sizeof(int) * 5 * (size_t)P, SMP__ALLOC_OTHER, what);
     if (st || (st = smp__shared_build(ps, md))) goto fail;
-    ps->stage_index = ps->peak + S;
+    ps->stage_index = ps->peak + S; /* the rest of peak's block */
+    ps->inflight = ps->stage_index + S;
+    ps->dev_sent = ps->inflight + S;
     ps->dev_posted = ps->dev_sent + P;
     ps->msgs_sent = ps->dev_sent + 2 * P;
     ps->msgs_got = ps->dev_sent + 4 * P;
+    ps->await_link = ps->dev_sent + 5 * P;
     for (int k = 0; k < n; k++) {
         const smp__call_rec *c = &md->calls[k];
         for (int j = 0; j < c->nout && c->recompute_first >= 0; j++) {
@@ -1275,7 +1252,11 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     ps->dev_p2p = ps->on_device && b->p2p_connect && b->isend && b->irecv && b->test && b->wait && !(b->p2p_through_host && b->p2p_through_host());
     ps->timeline = getenv("SMP_TIMELINE") && *getenv("SMP_TIMELINE");
     ps->t_origin = smp__now();
-    smp__pipe_comms(ps);
+    /* the pipeline's communicators (they inherit MPI_ERRORS_RETURN from
+       MP_GROUP's). MPI_Comm_dup is a blocking collective of MP_GROUP: its failures abort */
+    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->comm), "making a pipeline's communicator (MP_GROUP)");
+    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->err_comm), "making a pipeline's failure communicator (MP_GROUP)");
+    smp__post_err(ps);
     return ps;
 fail:
     smp__free(count);
@@ -1289,8 +1270,19 @@ static smp_status smp__tensor_scale(const smp_tensor *t, double by) {
     return smp__ctx.device.scale(t->data, t->dtype, smp_tensor_numel(t), by);
 }
 
+/* Whether p has a gradient on this rank. */
+static bool smp__local_grad(const smp_param *p) { return !p->is_buffer && p->grad.data && smp_module_is_local(p->module); }
+
+/* Multiplies every gradient this rank holds by `by`. */
+static smp_status smp__scale_grads(smp_model *md, double by) {
+    smp_status st = SMP_OK;
+    for (int i = 0; i < md->nparams && !st; i++)
+        if (smp__local_grad(md->params[i])) st = smp__tensor_scale(&md->params[i]->grad, by);
+    return st;
+}
+
 /* ---------------------------------------------------------------- transport */
-static int smp__tag(const smp__pipe *ps, int link, bool backward) { (void)ps; return (link * 2 + (backward ? 1 : 0)) * 2; }
+static int smp__tag(int link, bool backward) { return (link * 2 + (backward ? 1 : 0)) * 2; }
 
 static smp__xfer *smp__recv_slot(smp__pipe *ps, int link, int mb, bool backward) {
     return &ps->recv[((size_t)link * (size_t)ps->m + (size_t)mb) * 2 + (backward ? 1 : 0)];
@@ -1305,7 +1297,7 @@ static smp_status smp__post_recv(smp__pipe *ps, int link, int mb, bool backward)
     x->hdr = (int64_t *)smp__alloc_or(&st, sizeof(int64_t) * (size_t)SMP__HDR_WORDS(x->ntensors), SMP__ALLOC_OTHER, "a pipeline message header");
     if (st) return st;
     x->req[0] = x->req[1] = MPI_REQUEST_NULL;
-    SMP__MPI(MPI_Irecv(x->hdr, SMP__HDR_WORDS(x->ntensors), MPI_INT64_T, x->peer, smp__tag(ps, link, backward), ps->comm, &x->req[0]),
+    SMP__MPI(MPI_Irecv(x->hdr, SMP__HDR_WORDS(x->ntensors), MPI_INT64_T, x->peer, smp__tag(link, backward), ps->comm, &x->req[0]),
              "posting the receive of %s %d's header from mp rank %d", backward ? "a gradient for microbatch" : "an activation of microbatch", mb, x->peer);
     x->state = 1;
     return SMP_OK;
@@ -1416,11 +1408,16 @@ static smp_status smp__gather_type(const smp_tensor *const *ts, int nt, int *cou
     return st;
 }
 
-/* Sends tensors of stage `stage`, microbatch `mb`: host tensors without
-   copying them (a datatype of absolute addresses), device tensors through
-   the backend or a host staging buffer (see the executor's comment). */
-static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_tensor *const *ts, int nt, int stage, int mb) {
+/* Sends what the forward (activations) or backward (gradient
+   contributions) of stage `stage` on microbatch `mb` has for a link: host
+   tensors without copying them (a datatype of absolute addresses), device
+   tensors through the backend or a host staging buffer (see the executor's
+   comment). */
+static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, int mb) {
     smp__link *l = &ps->links[link];
+    const smp_tensor **ts = ps->scratch;
+    int nt = backward ? l->nedges : l->ntensors;
+    for (int t = 0; t < nt; t++) ts[t] = backward ? &ps->mb[mb].contrib[l->edges[t]] : &ps->mb[mb].act[l->tensors[t]];
     smp_status st = SMP_OK;
     const char *what = "a pipeline message";
     if (smp__injected(SMP_FAULT_SEND))
@@ -1465,7 +1462,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
     }
     x->hdr[10 * nt] = ps->dev_sent[x->peer];
     smp__hdr_seal(x->hdr, nt);
-    int tag = smp__tag(ps, link, backward);
+    int tag = smp__tag(link, backward);
     if (ps->dev_p2p) {
         /* the transfers first: the peer queues its receives when the header arrives */
         for (int i = 0; i < nt; i++) {
@@ -1501,7 +1498,8 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
     return st;
 }
 
-static void smp__send_done(smp__xfer *x) {
+/* Lets go of a transfer's memory: a send once sent, a receive at the step's end. */
+static void smp__xfer_free(smp__xfer *x) {
     smp__free(x->hdr);
     smp__free(x->buf);
     smp__free(x->dev_req);
@@ -1583,7 +1581,7 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
         if (done && smp__device_done(x)) {
             smp__device_wait_all(x);
             if (x->hdr) smp__event_add(ps, 5, x->stage, x->mb, x->t_post); /* not a failed step's shared gradients */
-            smp__send_done(x);
+            smp__xfer_free(x);
         }
     }
     /* drop finished sends from the front so the list stays short */
@@ -1594,21 +1592,6 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
 }
 
 static void smp__ddp_poll(smp__pipe *ps);
-
-/* Moves every transfer forward once, and the gradient buckets (the next
-   starts while this rank waits); SMP_ERR_REMOTE when another rank reported
-   an error, or this rank's own transfer error. */
-static smp_status smp__progress(smp__pipe *ps) {
-    int flag = 0;
-    MPI_Status st;
-    smp_status es = SMP__MPI_CHECK(MPI_Test(&ps->err_req, &flag, &st), "looking for pipeline failure notices (MP_GROUP)");
-    if (es) return es;
-    if (flag && ps->err_from < 0) ps->err_from = st.MPI_SOURCE;
-    if (flag) { ps->failed_remote = true; return smp_error(SMP_ERR_REMOTE, "another rank failed"); }
-    smp_status err = smp__progress_transfers(ps);
-    if (!err && ps->sync) smp__ddp_poll(ps);
-    return err;
-}
 
 /* Between two calls of a stage. A send over MPI's rendezvous size moves
    only while its sender is inside MPI, and a stage computes for
@@ -1622,13 +1605,16 @@ static smp_status smp__between_calls(smp__pipe *ps) {
     return err;
 }
 
-/* The device sends of F(s, i) read its activations until they are done.
-   Called once B(s, i) has run, when the peers have received them. */
-static void smp__finish_forward_sends(smp__pipe *ps, int s, int i) {
-    for (int k = 0; k < ps->nsends; k++) {
-        smp__xfer *x = &ps->sends[k];
-        if (x->state == 1 && !x->backward && x->stage == s && x->mb == i) smp__device_wait_all(x);
-    }
+/* The same while this rank waits (the next gradient bucket starts
+   meanwhile); SMP_ERR_REMOTE when another rank reported an error. */
+static smp_status smp__progress(smp__pipe *ps) {
+    int flag = 0;
+    MPI_Status st;
+    smp_status es = SMP__MPI_CHECK(MPI_Test(&ps->err_req, &flag, &st), "looking for pipeline failure notices (MP_GROUP)");
+    if (es) return es;
+    if (flag && ps->err_from < 0) ps->err_from = st.MPI_SOURCE;
+    if (flag) { ps->failed_remote = true; return smp_error(SMP_ERR_REMOTE, "another rank failed"); }
+    return smp__between_calls(ps);
 }
 
 /* A failed step may leave device transfers in flight that no receive has
@@ -1660,6 +1646,19 @@ static void smp__drain_device(smp__pipe *ps) {
     smp__free(sent_to_me);
 }
 
+/* Takes back a receive of a failed step: true when it had not matched;
+   else *source (when not NULL) names the sender. Its failures abort: the
+   drain's count of what arrived would be wrong. */
+static bool smp__withdraw(MPI_Request *req, int *source) {
+    MPI_Status cs;
+    int cancelled = 0;
+    SMP__MPI_FATAL(MPI_Cancel(req), "withdrawing a receive of a failed step");
+    SMP__MPI_FATAL(MPI_Wait(req, &cs), "withdrawing a receive of a failed step");
+    SMP__MPI_FATAL(MPI_Test_cancelled(&cs, &cancelled), "withdrawing a receive of a failed step");
+    if (!cancelled && source) *source = cs.MPI_SOURCE;
+    return cancelled;
+}
+
 /* A failed step must leave no message behind: one nobody receives sits in
    MPI's queues until the process ends (UCX warns about each at
    MPI_Finalize), and the next step on the same communicator and tag would
@@ -1689,25 +1688,14 @@ static void smp__drain_messages(smp__pipe *ps) {
         bool bytes_over_mpi = !ps->dev_p2p, pending = x->state == 1 || (x->state == 2 && bytes_over_mpi);
         int got = x->state == 1 ? 0 : 1 + (x->state == 3 && bytes_over_mpi);
         if (pending) {
-            MPI_Status cs;
-            int cancelled = 0;
-            SMP__MPI_FATAL(MPI_Cancel(&x->req[x->state - 1]), "withdrawing a receive of a failed step");
-            SMP__MPI_FATAL(MPI_Wait(&x->req[x->state - 1], &cs), "withdrawing a receive of a failed step");
-            SMP__MPI_FATAL(MPI_Test_cancelled(&cs, &cancelled), "withdrawing a receive of a failed step");
+            bool cancelled = smp__withdraw(&x->req[x->state - 1], NULL);
             got += !cancelled;
             x->state = cancelled ? 0 : x->state == 1 ? 5 : 3;
         }
         left[2 * x->peer] -= got;
     }
     int from = ps->err_from;
-    if (ps->err_req != MPI_REQUEST_NULL) {
-        MPI_Status cs;
-        int cancelled = 0;
-        SMP__MPI_FATAL(MPI_Cancel(&ps->err_req), "withdrawing a receive of a failed step");
-        SMP__MPI_FATAL(MPI_Wait(&ps->err_req, &cs), "withdrawing a receive of a failed step");
-        SMP__MPI_FATAL(MPI_Test_cancelled(&cs, &cancelled), "withdrawing a receive of a failed step");
-        if (!cancelled) from = cs.MPI_SOURCE;
-    }
+    if (ps->err_req != MPI_REQUEST_NULL) smp__withdraw(&ps->err_req, &from); /* one that matched names its sender */
     if (from >= 0) left[2 * from + 1]--;
     smp_wait_requests(1, &req, "the message counts of a failed step", SMP_MP_GROUP, -1);
     for (int k = 0; k < 2 * P; k++) {
@@ -1745,7 +1733,7 @@ static void smp__drain_messages(smp__pipe *ps) {
             if (x->state == 1) SMP__MPI_FATAL(MPI_Testall(2, x->req, &done, sts), "completing a send of a failed step to mp rank %d", x->peer);
             if (done && smp__device_done(x)) {
                 smp__device_wait_all(x);
-                smp__send_done(x);
+                smp__xfer_free(x);
             }
             pending = pending || x->state == 1;
         }
@@ -2152,17 +2140,24 @@ static double smp__grad_at(const smp_tensor *g, int64_t x) {
     }
 }
 
-/* A parameter's gradient where the host can read it: itself, or a copy in
-   *copy (free it) for a device gradient. The norm and the scaler's overflow
-   check read device gradients through such copies: one pass over the
-   gradients per step, and the host sums keep the norm bitwise equal to the
-   one-process norm wherever the gradients live. */
-static smp_status smp__grad_on_host(const smp_param *p, smp_tensor *view, void **copy) {
-    *view = p->grad;
-    *copy = NULL;
-    if (p->grad.device == SMP_HOST) return SMP_OK;
-    *copy = smp__tensor_alloc(view, false, SMP__ALLOC_OTHER);
-    return smp__tensor_copy(view, &p->grad);
+/* Reads p's gradient on the host: adds the sum of its squares to *sq and
+   sets *bad on an inf or NaN. The norm and the scaler's overflow check read
+   a device gradient through a host copy: one pass over the gradients per
+   step, and the host sums keep the norm bitwise equal to the one-process
+   norm wherever the gradients live. */
+static smp_status smp__grad_scan(const smp_param *p, double *sq, int *bad) {
+    smp_tensor g = p->grad;
+    smp_status st = SMP_OK;
+    void *copy = g.device == SMP_HOST ? NULL : smp__tensor_alloc_or(&st, &g, false, SMP__ALLOC_OTHER, "a host copy of a gradient");
+    if (copy) st = smp__tensor_copy(&g, &p->grad);
+    int64_t n = st ? 0 : smp_tensor_numel(&g);
+    for (int64_t x = 0; x < n; x++) {
+        double v = smp__grad_at(&g, x);
+        *sq += v * v;
+        *bad |= !isfinite(v);
+    }
+    smp__free(copy);
+    return st;
 }
 
 static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
@@ -2172,21 +2167,15 @@ static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
        MP_GROUP: summing them (x + 0 is exact) and then adding them up in
        model order gives the one-process result on every rank */
     double *sq = (double *)smp__alloc(sizeof(double) * (size_t)(m->nparams + 1), SMP__ALLOC_OTHER);
+    if (!sq) smp__fatal("out of memory: %d partial sums of the gradient norm on rank %d, which MP_GROUP waits on", m->nparams, smp__ctx.rank);
+    int bad = 0;
     for (int i = 0; i < m->nparams; i++) {
         smp_param *p = m->params[i];
         sq[i] = 0;
         /* a shared module's copies hold one gradient: its first partition counts it */
-        if (p->is_buffer || !p->grad.data || !smp_module_is_local(p->module) || p->module->partition != smp__ctx.mp_rank) continue;
-        smp_tensor g;
-        void *copy;
-        smp_status cs = smp__grad_on_host(p, &g, &copy);
+        if (!smp__local_grad(p) || p->module->partition != smp__ctx.mp_rank) continue;
+        smp_status cs = smp__grad_scan(p, &sq[i], &bad);
         if (cs && !st) st = cs;
-        int64_t n = cs ? 0 : smp_tensor_numel(&g);
-        for (int64_t x = 0; x < n; x++) {
-            double v = smp__grad_at(&g, x);
-            sq[i] += v * v;
-        }
-        smp__free(copy);
     }
     smp_tensor t = smp_tensor_1d(sq, SMP_F64, m->nparams);
     smp_status rs = smp_all_reduce(&t, &t, SMP_SUM, SMP_MP_GROUP); /* even after a local error: the others wait for it */
@@ -2206,11 +2195,7 @@ SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *tota
     if (total_norm) *total_norm = norm;
     double coef = max_norm / (norm + 1e-6);
     if (coef >= 1.0) return SMP_OK;
-    for (int i = 0; i < m->nparams && !st; i++) {
-        smp_param *p = m->params[i];
-        if (!p->is_buffer && p->grad.data && smp_module_is_local(p->module)) st = smp__tensor_scale(&p->grad, coef);
-    }
-    return st;
+    return smp__scale_grads(m, coef);
 }
 
 /* ---------------------------------------------------------------- loss scaling */
@@ -2225,20 +2210,10 @@ SMPDEF double smp_grad_scaler_scale(smp_grad_scaler *s) { smp__scaler_defaults(s
 SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool *skip) {
     smp__scaler_defaults(s);
     int bad = 0;
+    double sq = 0;
     smp_status st = SMP_OK;
-    for (int i = 0; i < m->nparams && !bad && !st; i++) {
-        smp_param *p = m->params[i];
-        if (p->is_buffer || !p->grad.data || !smp_module_is_local(p->module)) continue;
-        smp_tensor g;
-        void *copy;
-        st = smp__grad_on_host(p, &g, &copy);
-        int64_t n = st ? 0 : smp_tensor_numel(&g);
-        for (int64_t x = 0; x < n && !bad; x++) {
-            double v = smp__grad_at(&g, x);
-            bad = !isfinite(v);
-        }
-        smp__free(copy);
-    }
+    for (int i = 0; i < m->nparams && !bad && !st; i++)
+        if (smp__local_grad(m->params[i])) st = smp__grad_scan(m->params[i], &sq, &bad);
     if (st) bad = 1; /* unreadable gradients: skip the step everywhere, and say why here */
     smp_tensor t = smp_tensor_1d(&bad, SMP_I32, 1);
     smp_status rs = smp_all_reduce(&t, &t, SMP_MAX, SMP_WORLD); /* one rank's overflow is everyone's */
@@ -2249,11 +2224,7 @@ SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool
         s->good_steps = 0;
         return SMP_OK;
     }
-    for (int i = 0; i < m->nparams && !st; i++) {
-        smp_param *p = m->params[i];
-        if (!p->is_buffer && p->grad.data && smp_module_is_local(p->module)) st = smp__tensor_scale(&p->grad, 1.0 / s->scale);
-    }
-    if (st) return st;
+    if ((st = smp__scale_grads(m, 1.0 / s->scale))) return st;
     if (++s->good_steps >= s->growth_interval) { s->scale *= s->growth_factor; s->good_steps = 0; }
     return SMP_OK;
 }
@@ -2365,11 +2336,30 @@ static smp_status smp__shared_start(smp__pipe *ps) {
     for (int q = 0; q < ps->nshared && !st; q++) {
         smp__shared *s = &ps->shared[q];
         if (s->part != smp__ctx.mp_rank) continue;
-        if (!s->grad.data && !smp__tensor_alloc(&s->grad, ps->on_device, SMP__ALLOC_PARAM))
-            return smp_error(SMP_ERR_NOMEM, "out of memory for the gradient of a shared parameter (%zu bytes): %s", smp_tensor_nbytes(&s->grad), smp_last_error());
-        st = smp__tensor_zero(&s->grad);
+        if (!s->grad.data) smp__tensor_alloc_or(&st, &s->grad, ps->on_device, SMP__ALLOC_PARAM, "the gradient of a shared parameter");
+        if (!st) st = smp__tensor_zero(&s->grad);
     }
     return st;
+}
+
+/* The slots that travel between this rank and peer one way (send: those
+   this rank ran for a copy there; receive: those peer ran for a parameter
+   here), back to back in host memory: copied into buf (send) or out of it,
+   and their bytes returned (buf NULL: only counted). */
+static size_t smp__shared_pack(smp__pipe *ps, smp_model *md, bool send, int peer, char *buf, smp_status *st) {
+    size_t at = 0;
+    for (int q = 0; q < ps->nshared && !*st; q++) {
+        smp__shared *s = &ps->shared[q];
+        if (send ? s->part != smp__ctx.mp_rank || !smp__shared_held(ps, s->param, peer) : s->part != peer || !md->params[s->param]->module->local)
+            continue;
+        smp_tensor h = s->grad;
+        h.device = SMP_HOST;
+        h.data = buf ? buf + at : NULL;
+        if (buf && !send && !s->grad.data) smp__tensor_alloc_or(st, &s->grad, ps->on_device, SMP__ALLOC_PARAM, "the gradient of a shared parameter");
+        if (buf && !*st) *st = send ? smp__tensor_copy(&h, &s->grad) : smp__tensor_copy(&s->grad, &h);
+        at += smp_tensor_nbytes(&h);
+    }
+    return at;
 }
 
 /* The end of a training step for shared modules: every partition holding a
@@ -2388,26 +2378,11 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
     /* pass 0: receive what peer ran for parameters here; pass 1: send what this rank ran for parameters there */
     for (int pass = 0; pass < 2; pass++)
         for (int peer = 0; peer < P && !st; peer++) {
-            if (peer == me) continue;
-            size_t bytes = 0;
-            for (int q = 0; q < ps->nshared; q++) {
-                smp__shared *s = &ps->shared[q];
-                if (pass ? s->part == me && smp__shared_held(ps, s->param, peer) : s->part == peer && md->params[s->param]->module->local)
-                    bytes += smp_tensor_nbytes(&s->grad);
-            }
+            size_t bytes = peer == me ? 0 : smp__shared_pack(ps, md, pass, peer, NULL, &st);
             if (!bytes) continue;
             char *b = buf[pass * P + peer] = (char *)smp__alloc_or(&st, bytes, SMP__ALLOC_OTHER, what);
-            if (!b) break;
-            for (size_t at = 0, q = 0; pass && q < (size_t)ps->nshared && !st; q++) {
-                smp__shared *s = &ps->shared[q];
-                if (s->part != me || !smp__shared_held(ps, s->param, peer)) continue;
-                smp_tensor h = s->grad;
-                h.device = SMP_HOST;
-                h.data = b + at;
-                st = smp__tensor_copy(&h, &s->grad);
-                at += smp_tensor_nbytes(&h);
-            }
-            int tag = smp__tag(ps, ps->nlinks, false), count; /* past every link's */
+            if (b && pass) smp__shared_pack(ps, md, true, peer, b, &st);
+            int tag = smp__tag(ps->nlinks, false), count; /* past every link's */
             MPI_Datatype type;
             if (st || (st = smp__bytes_type(bytes, &count, &type))) break;
             slot[nreq] = pass * P + peer;
@@ -2448,29 +2423,10 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
         }
         /* a receive: a failed step takes back one that has not matched; the
            step's drain (smp__drain_messages) counts the others */
-        int cancelled = 0;
-        if (req[r] != MPI_REQUEST_NULL) {
-            MPI_Status cs;
-            SMP__MPI_WARN(MPI_Cancel(&req[r]), "withdrawing a shared gradients' receive of a failed step");
-            SMP__MPI_WARN(MPI_Wait(&req[r], &cs), "withdrawing a shared gradients' receive of a failed step");
-            SMP__MPI_WARN(MPI_Test_cancelled(&cs, &cancelled), "withdrawing a shared gradients' receive of a failed step");
-        }
-        if (!cancelled) ps->msgs_got[peer]++;
+        if (req[r] == MPI_REQUEST_NULL || !smp__withdraw(&req[r], NULL)) ps->msgs_got[peer]++;
     }
-    for (int peer = 0; peer < P && !st; peer++) { /* unpack what arrived */
-        char *b = buf[peer];
-        for (size_t at = 0, q = 0; b && q < (size_t)ps->nshared && !st; q++) {
-            smp__shared *s = &ps->shared[q];
-            if (s->part != peer || !md->params[s->param]->module->local) continue;
-            if (!s->grad.data && !smp__tensor_alloc(&s->grad, ps->on_device, SMP__ALLOC_PARAM))
-                st = smp_error(SMP_ERR_NOMEM, "out of memory for the gradient of a shared parameter (%zu bytes): %s", smp_tensor_nbytes(&s->grad), smp_last_error());
-            smp_tensor h = s->grad;
-            h.device = SMP_HOST;
-            h.data = b + at;
-            if (!st) st = smp__tensor_copy(&s->grad, &h);
-            at += smp_tensor_nbytes(&h);
-        }
-    }
+    for (int peer = 0; peer < P && !st; peer++)
+        if (buf[peer]) smp__shared_pack(ps, md, false, peer, buf[peer], &st); /* unpack what arrived */
     for (int q = 0; q < ps->nshared && !st; q++) { /* in call order: the sum every copy computes */
         smp_param *p = md->params[ps->shared[q].param];
         if (p->module->local) st = smp__add_into(&p->grad, &ps->shared[q].grad);
@@ -2558,7 +2514,6 @@ static void smp__recompute_drop(smp__pipe *ps, int i, int first, int last) {
 }
 
 static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i) {
-    smp__mbstate *st = &ps->mb[i];
     smp_status rc = smp__receive(ps, s, i, false);
     if (rc) return rc;
     double t0 = smp__now();
@@ -2571,38 +2526,27 @@ static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i)
     if (rc) return rc;
     smp__event_add(ps, 0, s, i, t0);
     ps->inflight[s]++;
-    for (int l = 0; l < ps->nlinks; l++) {
-        smp__link *L = &ps->links[l];
-        if (L->from != s) continue;
-        for (int t = 0; t < L->ntensors; t++) ps->scratch[t] = &st->act[L->tensors[t]];
-        if ((rc = smp__send(ps, l, false, ps->scratch, L->ntensors, s, i))) return rc;
-    }
-    return SMP_OK;
+    for (int l = 0; l < ps->nlinks && !rc; l++)
+        if (ps->links[l].from == s) rc = smp__send(ps, l, false, s, i);
+    return rc;
 }
 
 static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
     smp__mbstate *st = &ps->mb[i];
     smp_mb mb = {ps, md, i, st};
-    if (ps->training)
-        for (int o = 0; o < md->desc.noutputs; o++) {
-            smp_tensor *g = &st->out_grad[o];
-            *g = *smp_mb_output(&mb, o);
-            smp_status zs = SMP_OK;
-            if (!smp__tensor_alloc_or(&zs, g, ps->on_device, SMP__ALLOC_STASH, "the gradient of a model output")) return zs;
-            zs = smp__tensor_zero(g);
-            if (zs) return zs;
-        }
-    if (!ps->desc->body) { /* no body: the model's outputs are what the step returns */
-        for (int o = 0; o < ps->model_outs; o++) {
-            smp_status rs = smp_mb_return(&mb, o, smp_mb_output(&mb, o));
-            if (rs) return rs;
-        }
-        return SMP_OK;
+    smp_status rc = SMP_OK;
+    for (int o = 0; o < md->desc.noutputs && ps->training && !rc; o++) {
+        smp_tensor *g = &st->out_grad[o];
+        *g = *smp_mb_output(&mb, o);
+        if (smp__tensor_alloc_or(&rc, g, ps->on_device, SMP__ALLOC_STASH, "the gradient of a model output")) rc = smp__tensor_zero(g);
     }
+    /* no body: the model's outputs are what the step returns (model_outs is 0 with a body) */
+    for (int o = 0; o < ps->model_outs && !rc; o++) rc = smp_mb_return(&mb, o, smp_mb_output(&mb, o));
+    if (rc || !ps->desc->body) return rc;
     double t0 = smp__now();
     smp__errbuf[0] = 0;
-    smp_status rc = ps->desc->body(&mb);
-    smp__event_add(ps, 3, ps->body_stage, i, t0);
+    rc = ps->desc->body(&mb);
+    smp__event_add(ps, 3, md->nstages - 1, i, t0);
     if (rc) {
         char msg[sizeof smp__errbuf];
         memcpy(msg, smp__errbuf, sizeof msg);
@@ -2611,20 +2555,24 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
     const smp_config *cfg = &smp__ctx.cfg;
     double divisor = cfg->average_grads_across_microbatches == SMP_ON ? ps->m : 1;
     if (cfg->ddp == SMP_ON) divisor *= (double)smp_dp_size() * cfg->backward_passes_per_step;
-    if (ps->training && divisor != 1)
-        for (int o = 0; o < md->desc.noutputs && !rc; o++) rc = smp__tensor_scale(&st->out_grad[o], 1.0 / divisor);
-    if (rc) return rc;
-    /* the output gradients are the body's contributions to the model outputs */
-    if (ps->training)
-        for (int o = 0; o < md->desc.noutputs; o++) {
-            int t = md->outputs[o].call * ps->maxout + md->outputs[o].index;
-            for (int e = ps->first_edge[t]; e < ps->first_edge[t + 1]; e++)
-                if (ps->edges[e].consumer == md->ncalls && ps->edges[e].input == o) {
-                    st->contrib[e] = st->out_grad[o];
-                    st->out_grad[o].data = NULL; /* owned by the contribution now */
-                }
-        }
-    return SMP_OK;
+    for (int o = 0; o < md->desc.noutputs && ps->training && !rc; o++) {
+        if (divisor != 1) rc = smp__tensor_scale(&st->out_grad[o], 1.0 / divisor);
+        /* the output gradient is the body's contribution to model output o */
+        int t = md->outputs[o].call * ps->maxout + md->outputs[o].index;
+        for (int e = ps->first_edge[t]; e < ps->first_edge[t + 1]; e++)
+            if (ps->edges[e].consumer == md->ncalls && ps->edges[e].input == o) {
+                st->contrib[e] = st->out_grad[o];
+                st->out_grad[o].data = NULL; /* owned by the contribution now */
+            }
+    }
+    return rc;
+}
+
+/* Frees the output gradients a backward made (or kept for its W). */
+static void smp__drop_grad_outputs(smp_call_ctx *c) {
+    for (int j = 0; j < c->nout && c->grad_outputs; j++) smp__free(c->grad_outputs[j].data);
+    smp__free((void *)(uintptr_t)c->grad_outputs); /* smp's own, const only to the engine */
+    c->grad_outputs = NULL;
 }
 
 /* Whether the recomputed call that starts at leaf k holds a split module,
@@ -2649,14 +2597,13 @@ static smp_status smp__backward_done(smp__pipe *ps, smp_model *md, int k, int i)
    at the backward's peak). A contribution made on this rank is owned; a
    received one can be taken when its message carried nothing else, and
    its receive slot lets go of the buffer. */
-static bool smp__adopt_contrib(smp__pipe *ps, smp_model *md, int s, int i, int e, smp_tensor *gout) {
+static bool smp__adopt_contrib(smp__pipe *ps, int s, int i, int e, smp_tensor *gout) {
     smp_tensor *c = &ps->mb[i].contrib[e];
     if (!c->data || c->dtype != gout->dtype || smp_tensor_nbytes(c) != smp_tensor_nbytes(gout)) return false;
-    int cons = ps->edges[e].consumer, cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
-    if (md->stage_rank[cs] != md->stage_rank[s]) {
+    if (ps->edges[e].remote) {
         smp__xfer *x = NULL;
         for (int l = 0; l < ps->nlinks && !x; l++)
-            if (ps->links[l].to == cs && ps->links[l].from == s && ps->links[l].nedges == 1 && ps->links[l].edges[0] == e) x = smp__recv_slot(ps, l, i, true);
+            if (ps->links[l].to == ps->edges[e].stage && ps->links[l].from == s && ps->links[l].nedges == 1 && ps->links[l].edges[0] == e) x = smp__recv_slot(ps, l, i, true);
         if (!x || x->buf != c->data) return false;
         x->buf = NULL;
     }
@@ -2684,14 +2631,13 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         for (int j = 0; j < rec->nout && !rc; j++) {
             gout[j] = c->outputs[j];
             int t = k * mo + j, first = ps->first_edge[t], last = ps->first_edge[t + 1] - 1;
-            if (first == last && smp__adopt_contrib(ps, md, s, i, last, &gout[j])) continue;
+            if (first == last && smp__adopt_contrib(ps, s, i, last, &gout[j])) continue;
             if (!smp__tensor_alloc_or(&rc, &gout[j], ps->on_device, SMP__ALLOC_STASH, "an output gradient")) break;
             if (last < first) { rc = smp__tensor_zero(&gout[j]); continue; }
             rc = smp__tensor_copy(&gout[j], &st->contrib[last]);
             for (int e = last - 1; e >= first && !rc; e--) rc = smp__add_into(&gout[j], &st->contrib[e]);
             for (int e = first; e <= last && !rc; e++) { /* summed: the ones made here go now (received ones are views) */
-                int cons = ps->edges[e].consumer, cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
-                if (md->stage_rank[cs] == md->stage_rank[s]) smp__free(st->contrib[e].data);
+                if (!ps->edges[e].remote) smp__free(st->contrib[e].data);
                 st->contrib[e].data = NULL;
             }
         }
@@ -2709,11 +2655,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         bool later = ps->zb && smp__split_backward(rec->module);
         if (!rc) rc = smp__run_callback(c, later ? SMP__BACKWARD_INPUT : SMP__BACKWARD);
         for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
-        if (!later || rc) {
-            for (int j = 0; j < rec->nout; j++) smp__free(gout[j].data);
-            smp__free(gout);
-            c->grad_outputs = NULL;
-        }
+        if (!later || rc) smp__drop_grad_outputs(c);
         for (int j = 0; j < rec->nin; j++) {
             int e = ps->edge_of_input[k * ps->maxin + j];
             if (e >= 0) { st->contrib[e] = gin[j]; st->contrib[e].shape[0] = gin[j].shape[0]; }
@@ -2727,15 +2669,10 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         if (rc) return rc;
     }
     smp__event_add(ps, 1, s, i, t0);
-    /* gradients for producers on other ranks */
-    for (int l = 0; l < ps->nlinks; l++) {
-        smp__link *L = &ps->links[l];
-        if (L->to != s) continue;
-        for (int e = 0; e < L->nedges; e++) ps->scratch[e] = &st->contrib[L->edges[e]];
-        if ((rc = smp__send(ps, l, true, ps->scratch, L->nedges, s, i))) return rc;
-    }
-    if (!ps->zb) ps->inflight[s]--;
-    return SMP_OK;
+    for (int l = 0; l < ps->nlinks && !rc; l++) /* gradients for producers on other ranks */
+        if (ps->links[l].to == s) rc = smp__send(ps, l, true, s, i);
+    if (!rc && !ps->zb) ps->inflight[s]--;
+    return rc;
 }
 
 /* The W op of a zero-bubble schedule: the weight halves of stage s's split
@@ -2751,9 +2688,7 @@ static smp_status smp__stage_weight(smp__pipe *ps, smp_model *md, int s, int i) 
             for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
             rc = smp__run_callback(c, SMP__BACKWARD_WEIGHT);
             for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
-            for (int j = 0; j < c->nout; j++) smp__free(c->grad_outputs[j].data);
-            smp__free((void *)(uintptr_t)c->grad_outputs); /* smp's own, const only to the engine */
-            c->grad_outputs = NULL;
+            smp__drop_grad_outputs(c);
         }
         if (!rc) rc = smp__backward_done(ps, md, k, i);
         if (!rc) rc = smp__between_calls(ps);
@@ -2767,15 +2702,15 @@ static smp_status smp__stage_weight(smp__pipe *ps, smp_model *md, int s, int i) 
    contributions a stage sent stay until the send completes (freed at step end). */
 static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
-    if (ps->dev_p2p) smp__finish_forward_sends(ps, s, i);
+    for (int k = 0; k < ps->nsends && ps->dev_p2p; k++) { /* F(s, i)'s device sends read its activations until done (received by now) */
+        smp__xfer *x = &ps->sends[k];
+        if (x->state == 1 && !x->backward && x->stage == s && x->mb == i) smp__device_wait_all(x);
+    }
     for (int k = md->stage_first[s]; k <= md->stage_last[s]; k++) {
         smp_call_ctx *c = &st->ctx[k];
         if (!c->module) continue;
         smp__call_release(c, true);
-        if (c->grad_outputs) { /* kept for a W that a failed step never ran */
-            for (int j = 0; j < c->nout; j++) smp__free(c->grad_outputs[j].data);
-            smp__free((void *)(uintptr_t)c->grad_outputs); /* smp's own, const only to the engine */
-        }
+        smp__drop_grad_outputs(c); /* kept for a W that a failed step never ran */
         smp__free((void *)(uintptr_t)c->inputs);
         smp__free(c->outputs);
         memset(c, 0, sizeof *c);
@@ -2783,10 +2718,7 @@ static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
         for (int j = 0; j < md->calls[k].nout; j++) {
             int t = k * ps->maxout + j;
             for (int e = ps->first_edge[t]; e < ps->first_edge[t + 1]; e++) {
-                int cons = ps->edges[e].consumer;
-                int cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
-                bool remote = md->stage_rank[cs] != md->stage_rank[s];
-                if (!remote) smp__free(st->contrib[e].data); /* remote ones are views into a receive buffer */
+                if (!ps->edges[e].remote) smp__free(st->contrib[e].data); /* remote ones are views into a receive buffer */
                 st->contrib[e].data = NULL;
             }
         }
@@ -2801,9 +2733,7 @@ static void smp__release_step(smp__pipe *ps, smp_model *md) {
     for (size_t i = 0; i < nrecv; i++) {
         smp__xfer *x = &ps->recv[i];
         SMP_ASSERT(x->state != 1 && (x->state != 2 || ps->dev_p2p));
-        smp__free(x->hdr);
-        smp__free(x->buf);
-        smp__free(x->dev_req);
+        smp__xfer_free(x);
     }
     smp__free(ps->recv);
     ps->recv = NULL;
@@ -2813,26 +2743,17 @@ static void smp__release_step(smp__pipe *ps, smp_model *md) {
     ps->nsends = ps->sends_cap = 0;
     for (int i = 0; i < ps->m && ps->mb; i++) {
         smp__mbstate *st = &ps->mb[i];
-        bool whole = st->act && st->ctx && st->contrib && st->out_grad && st->args && st->arg_copies && st->returned;
+        bool whole = st->act != NULL;
         for (int s = 0; s < md->nstages && whole; s++)
             if (md->stage_rank[s] == smp__ctx.mp_rank) smp__stage_release(ps, md, s, i);
         for (int e = 0; e < ps->nedges && whole; e++) {
             /* whatever is left: contributions produced here for remote producers */
-            int cons = ps->edges[e].consumer;
-            int cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
-            if (md->stage_rank[cs] == smp__ctx.mp_rank && md->stage_rank[md->calls[ps->edges[e].call].stage] != smp__ctx.mp_rank)
-                smp__free(st->contrib[e].data);
+            if (ps->edges[e].remote && md->stage_rank[ps->edges[e].stage] == smp__ctx.mp_rank) smp__free(st->contrib[e].data);
         }
         for (int o = 0; o < md->desc.noutputs && whole; o++) smp__free(st->out_grad[o].data);
-        for (int a = 0; a < ps->desc->nargs && st->arg_copies; a++) smp__free(st->arg_copies[a]);
+        for (int a = 0; a < ps->desc->nargs && whole; a++) smp__free(st->arg_copies[a]);
         for (int r = 0; r < SMP_MAX_STEP_ARGS && whole; r++) smp__free(st->returned[r].data);
-        smp__free(st->act);
-        smp__free(st->ctx);
-        smp__free(st->contrib);
-        smp__free(st->out_grad);
-        smp__free(st->args);
-        smp__free(st->arg_copies);
-        smp__free(st->returned);
+        smp__free(st->act); /* and the rest of the microbatch's block */
     }
     smp__free(ps->mb);
     ps->mb = NULL;
@@ -2840,7 +2761,7 @@ static void smp__release_step(smp__pipe *ps, smp_model *md) {
 
 /* The body's values, from the body's rank to every rank of the replica. */
 static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_output *outs, int nouts) {
-    int root = md->stage_rank[ps->body_stage];
+    int root = md->stage_rank[md->nstages - 1];
     bool mine = smp__ctx.mp_rank == root;
     /* layout: per (output, microbatch): dtype, ndim, shape[8], then the bytes */
     size_t len = 0;
@@ -2921,24 +2842,24 @@ static void smp__notify_failure(smp__pipe *ps) {
 static void smp__schedule_report(const smp_model *md) {
     if (smp__ctx.rank != 0 || !getenv("SMP_VERBOSE")) return;
     int S = md->nstages, m = smp__ctx.cfg.microbatches, P = smp__ctx.cfg.partitions;
-    double *cost = (double *)smp__alloc(sizeof(double) * 3 * (size_t)S, SMP__ALLOC_OTHER);
-    int *map = (int *)smp__alloc(sizeof(int) * (size_t)S, SMP__ALLOC_OTHER);
-    if (!cost || !map) { smp__free(cost); smp__free(map); return; }
-    memset(cost, 0, sizeof(double) * 3 * (size_t)S);
+    smp_status st = SMP_OK;
+    double *cost = (double *)smp__alloc_or(&st, sizeof(double) * 3 * (size_t)S, SMP__ALLOC_OTHER, "the schedule report");
+    int *map = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)S, SMP__ALLOC_OTHER, "the schedule report");
+    if (st) { smp__free(cost); return; } /* a report, not the job's work */
     for (int k = 0; k < md->ncalls; k++)
         for (int h = 0; h < 3; h++) cost[h * S + md->calls[k].stage] += md->calls[k].cost[h];
     bool model_vee = smp__ctx.cfg.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V;
     smp__log(SMP_LOG_INFO, "schedules for this model, %d stages x %d microbatches, simulated with the traced per-stage times "
             "(a module without smp_module_set_backward_split has no W: its whole backward is B):", S, m);
     static const smp_pipeline_kind kinds[] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE, SMP_PIPELINE_ZERO_BUBBLE_V};
-    static const char *const names[] = {"simple", "interleaved", "zero_bubble", "zero_bubble_v"};
     for (int q = 0; q < 4; q++) {
+        const char *name = smp__cfg_pipeline_names[kinds[q] - 1]; /* the config's names, in smp_pipeline_kind order from 1 */
         bool vee = kinds[q] == SMP_PIPELINE_ZERO_BUBBLE_V;
         const char *placed = "";
         if (vee == model_vee) memcpy(map, md->stage_rank, sizeof(int) * (size_t)S);
         else if (vee) {
             if (S != 2 * P) {
-                smp__log(SMP_LOG_INFO, "  %-13s not simulated: it cuts the model in 2 stages per partition (pipeline zero_bubble_v partitions so)", names[q]);
+                smp__log(SMP_LOG_INFO, "  %-13s not simulated: it cuts the model in 2 stages per partition (pipeline zero_bubble_v partitions so)", name);
                 continue;
             }
             for (int s = 0; s < S; s++) map[s] = smp__vee_partition(s, P);
@@ -2950,13 +2871,13 @@ static void smp__schedule_report(const smp_model *md) {
         smp_schedule sc;
         smp_sim_result r;
         if (smp_schedule_build(kinds[q], P, S, map, m, false, &sc)) {
-            smp__log(SMP_LOG_INFO, "  %-13s not simulated: %s", names[q], smp_last_error());
+            smp__log(SMP_LOG_INFO, "  %-13s not simulated: %s", name, smp_last_error());
             continue;
         }
         if (!smp_schedule_simulate(&sc, cost, cost + S, cost + 2 * S, 0.0, &r)) {
             int peak = 0;
             for (int p = 0; p < sc.nranks; p++) peak = r.rank_peak_inflight[p] > peak ? r.rank_peak_inflight[p] : peak;
-            smp__log(SMP_LOG_INFO, "  %-13s step %9.3f ms  bubble %5.1f%%  peak microbatch-stages in flight on a rank %d%s%s", names[q],
+            smp__log(SMP_LOG_INFO, "  %-13s step %9.3f ms  bubble %5.1f%%  peak microbatch-stages in flight on a rank %d%s%s", name,
                     r.makespan * 1e3, 100.0 * r.bubble_fraction, peak, kinds[q] == smp__ctx.cfg.pipeline ? "  (this run)" : "", placed);
             smp_sim_result_free(&r);
         }
@@ -3041,10 +2962,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
            smp_model_zero_grad since) would be summed dp times by the next
            sync, the loss gradient being the only part divided: divide them */
         ps->averaged_grads_held = false;
-        for (int i = 0; i < md->nparams && !st && md->zero_grad_calls == ps->zero_calls_at_sync; i++) {
-            smp_param *p = md->params[i];
-            if (!p->is_buffer && p->grad.data && smp_module_is_local(p->module)) st = smp__tensor_scale(&p->grad, 1.0 / smp_dp_size());
-        }
+        if (md->zero_grad_calls == ps->zero_calls_at_sync) st = smp__scale_grads(md, 1.0 / smp_dp_size());
         if (st) return smp__agree_on(smp__ctx.world, st, "gradients kept from the last step");
     }
     smp_schedule *sc = &ps->sched[training ? 0 : 1];
@@ -3059,21 +2977,23 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     ps->desc = d;
     ps->model_outs = d->body ? 0 : nouts;
     ps->failed_remote = false;
-    memset(ps->dev_sent, 0, sizeof(int) * 5 * (size_t)cfg->partitions); /* and dev_posted, msgs_sent, msgs_got */
     int S = md->nstages, n = md->ncalls, me = smp__ctx.mp_rank;
-    memset(ps->inflight, 0, sizeof(int) * (size_t)S);
+    memset(ps->inflight, 0, sizeof(int) * (size_t)(S + 5 * cfg->partitions)); /* and dev_sent, dev_posted, msgs_sent, msgs_got */
     memset(&ps->stats, 0, sizeof ps->stats);
     const char *what = "the step's microbatch state";
     ps->mb = (smp__mbstate *)smp__alloc_or(&st, sizeof(smp__mbstate) * (size_t)m, SMP__ALLOC_OTHER, what);
+    size_t nt = (size_t)n * (size_t)ps->maxout, ne = (size_t)ps->nedges, no = (size_t)md->desc.noutputs, na = (size_t)d->nargs;
     for (int i = 0; i < m && !st; i++) {
         smp__mbstate *s = &ps->mb[i];
-        s->act = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)n * (size_t)ps->maxout, SMP__ALLOC_OTHER, what);
-        s->ctx = (smp_call_ctx *)smp__alloc_or(&st, sizeof(smp_call_ctx) * (size_t)n, SMP__ALLOC_OTHER, what);
-        s->contrib = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)(ps->nedges + 1), SMP__ALLOC_OTHER, what);
-        s->out_grad = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)md->desc.noutputs, SMP__ALLOC_OTHER, what);
-        s->args = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)d->nargs, SMP__ALLOC_OTHER, what);
-        s->arg_copies = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)d->nargs, SMP__ALLOC_OTHER, what);
-        s->returned = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * SMP_MAX_STEP_ARGS, SMP__ALLOC_OTHER, what);
+        s->act = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (nt + ne + no + na + SMP_MAX_STEP_ARGS) + sizeof(smp_call_ctx) * (size_t)n +
+                                             sizeof(void *) * na, SMP__ALLOC_OTHER, what);
+        if (st) break;
+        s->contrib = s->act + nt;
+        s->out_grad = s->contrib + ne;
+        s->args = s->out_grad + no;
+        s->returned = s->args + na;
+        s->ctx = (smp_call_ctx *)(void *)(s->returned + SMP_MAX_STEP_ARGS);
+        s->arg_copies = (void **)(void *)(s->ctx + n);
         for (int a = 0; a < d->nargs && !st; a++)
             if (d->non_split[a]) s->args[a] = d->args[a];
             else st = smp__slice(&d->args[a], d->split_axis[a], m, i, &s->args[a], &s->arg_copies[a], SMP__ALLOC_OTHER);
@@ -3101,7 +3021,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
         smp__ctx.at.microbatch = i;
         if (ops[o].kind == SMP_SCHED_FORWARD) {
             st = smp__stage_forward(ps, md, s, i);
-            if (!st && s == ps->body_stage) {
+            if (!st && s == S - 1) { /* the body's stage: the model's outputs */
                 smp__ctx.at.op = 'L';
                 st = smp__run_body(ps, md, i);
             }
@@ -3229,8 +3149,7 @@ SMPDEF void smp_step_output_free(smp_step_output *o) {
     if (!o || !o->values) return;
     for (int i = 0; i < o->microbatches; i++) smp__free(o->values[i].data);
     smp__free(o->values);
-    o->values = NULL;
-    o->microbatches = 0;
+    memset(o, 0, sizeof *o);
 }
 
 /* ---------------------------------------------------------------- timeline */
