@@ -450,10 +450,8 @@ static smp_status smp__sched_alloc(smp_schedule *out) {
 }
 
 static void smp__sched_push(smp_schedule *sc, int rank, smp_sched_op_kind kind, int stage, int mb) {
-    smp_sched_op *op = &sc->ops[rank][sc->nops[rank]++];
-    op->kind = kind;
-    op->stage = stage;
-    op->microbatch = mb;
+    smp_sched_op op = {kind, stage, mb};
+    sc->ops[rank][sc->nops[rank]++] = op;
 }
 
 /* GPipe: on each rank, forwards stage by stage (stages ascending,
@@ -506,7 +504,6 @@ static void smp__sched_simple(smp_schedule *sc) {
 typedef struct smp__sched_gen {
     int R, S, m;
     bool fo;
-    const int *map;
     bool zb;              /* zero bubble: W ops apart, forwards bounded by what W has freed */
     long *fin_f, *fin_b;  /* [stage * m + mb]: finish time, -1 until started */
     int *next_f, *next_b, *next_w; /* [stage]: next microbatch to run */
@@ -572,7 +569,7 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
     smp_status st = SMP_OK;
     smp__sched_gen g;
     memset(&g, 0, sizeof g);
-    g.R = R; g.S = S; g.m = m; g.fo = sc->forward_only; g.map = sc->stage_rank;
+    g.R = R; g.S = S; g.m = m; g.fo = sc->forward_only;
     g.zb = sc->kind == SMP_PIPELINE_ZERO_BUBBLE && !g.fo;
     const long cost_f = 1, cost_b = g.zb ? 1 : 2, cost_w = 1; /* ZB-H1 assumes F = B = W */
     /* two zeroed blocks: the times (fin_f, fin_b, free_at), the counters */
@@ -589,11 +586,11 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
         for (size_t q = 0; q < n; q++) g.fin_f[q] = g.fin_b[q] = -1;
         /* chunk numbers and the stages of each rank (rank_inflight counts
            them for now) */
-        for (int s = 0; s < S; s++) g.chunk[s] = g.rank_inflight[g.map[s]]++;
+        for (int s = 0; s < S; s++) g.chunk[s] = g.rank_inflight[sc->stage_rank[s]]++;
         for (int r = 0; r < R; r++) g.first[r + 1] = g.first[r] + g.rank_inflight[r];
-        for (int s = 0; s < S; s++) g.local[g.first[g.map[s]] + g.chunk[s]] = s;
+        for (int s = 0; s < S; s++) g.local[g.first[sc->stage_rank[s]] + g.chunk[s]] = s;
         bool round_robin = true;
-        for (int s = 0; s < S; s++) round_robin = round_robin && g.map[s] == s % R;
+        for (int s = 0; s < S; s++) round_robin = round_robin && sc->stage_rank[s] == s % R;
         for (int r = 0; r < R; r++) {
             int k = g.rank_inflight[r], last = g.local[g.first[r + 1] - 1];
             if (k > 1 && round_robin) g.rank_cap[r] = (k - 1) * (m < R ? m : R) + 2 * (S - 1 - last) + 1;
@@ -703,7 +700,7 @@ static smp_status smp__sched_zbv(smp_schedule *sc) {
         }
         for (int q = 0; q < k; q++)
             if (tmp[q].microbatch < m && (!sc->forward_only || tmp[q].kind == SMP_SCHED_FORWARD))
-                smp__sched_push(sc, r, tmp[q].kind, tmp[q].stage, tmp[q].microbatch);
+                sc->ops[r][sc->nops[r]++] = tmp[q];
     }
     smp__free(tmp);
     return st;
@@ -1061,14 +1058,21 @@ typedef struct smp__pipe {
 } smp__pipe;
 
 static smp_status smp__timeline_write(smp__pipe *ps);
-static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0);
-
-/* Withdraws the receive of failure notices (a step failed, or the model goes). */
-static void smp__cancel_err_recv(smp__pipe *ps) {
-    if (ps->err_req == MPI_REQUEST_NULL) return;
-    SMP__MPI_WARN(MPI_Cancel(&ps->err_req), "withdrawing the receive of pipeline failure notices");
-    SMP__MPI_WARN(MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE), "withdrawing the receive of pipeline failure notices");
-    ps->err_req = MPI_REQUEST_NULL;
+/* A timeline event (SMP_TIMELINE) from t0 to now. */
+static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0) {
+    if (!ps->timeline) return;
+    if (!smp__grow((void **)&ps->events, &ps->events_cap, ps->nevents + 1, sizeof(smp__event), NULL)) {
+        /* a diagnostic, not the job's work: it stops, and says so */
+        smp__log(SMP_LOG_WARN, "out of memory recording the timeline after %d events: SMP_TIMELINE records no more", ps->nevents);
+        ps->timeline = false;
+        return;
+    }
+    smp__event *e = &ps->events[ps->nevents++];
+    e->t0 = t0 - ps->t_origin;
+    e->t1 = smp__now() - ps->t_origin;
+    e->kind = kind;
+    e->stage = stage;
+    e->mb = mb;
 }
 
 static void smp__pipe_free(void *p) {
@@ -1089,7 +1093,10 @@ static void smp__pipe_free(void *p) {
     smp__free(ps->links);
     smp_schedule_free(&ps->sched[0]);
     smp_schedule_free(&ps->sched[1]);
-    smp__cancel_err_recv(ps);
+    if (ps->err_req != MPI_REQUEST_NULL) { /* the receive of failure notices goes with the model */
+        SMP__MPI_WARN(MPI_Cancel(&ps->err_req), "withdrawing the receive of pipeline failure notices");
+        SMP__MPI_WARN(MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE), "withdrawing the receive of pipeline failure notices");
+    }
     if (smp__ctx.initialized && ps->comm != MPI_COMM_NULL) {
         SMP__MPI_WARN(MPI_Comm_free(&ps->comm), "releasing a pipeline's communicator");
         SMP__MPI_WARN(MPI_Comm_free(&ps->err_comm), "releasing a pipeline's failure communicator");
@@ -1130,8 +1137,7 @@ static smp_status smp__shared_build(smp__pipe *ps, smp_model *md) {
         for (int i = 0; i < md->nparams; i++) {
             smp_param *p = md->params[i];
             if (p->is_buffer || !smp__in_subtree(p->module, mod)) continue;
-            if (!smp__grow((void **)&ps->shared, &cap, ps->nshared + 1, sizeof *ps->shared, NULL))
-                return smp__nomem(sizeof *ps->shared * (size_t)(ps->nshared + 1), "the pipeline's shared modules");
+            if (!smp__grow_or(&st, (void **)&ps->shared, &cap, ps->nshared + 1, sizeof *ps->shared, "the pipeline's shared modules")) return st;
             smp__shared *q = &ps->shared[ps->nshared++];
             q->call = k;
             q->param = i;
@@ -1203,7 +1209,7 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
         if (!ps->edges[e].remote) continue;
         int *L = &link_of[from * S + to];
         if (*L < 0) {
-            if (!smp__grow((void **)&ps->links, &cap, ps->nlinks + 1, sizeof(smp__link), NULL)) { st = smp__nomem(sizeof(smp__link) * (size_t)(ps->nlinks + 1), what); break; }
+            if (!smp__grow_or(&st, (void **)&ps->links, &cap, ps->nlinks + 1, sizeof(smp__link), what)) break;
             *L = ps->nlinks++;
             smp__link *l = &ps->links[*L];
             memset(l, 0, sizeof *l);
@@ -1363,12 +1369,8 @@ static void smp__device_wait_all(smp__xfer *x) {
 /* The device receives of an arrived header, into one device buffer. */
 static smp_status smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
     smp_status st = SMP_OK;
-    x->buf = smp__dev_alloc(x->bytes, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER);
-    if (!x->buf) {
-        char why[256];
-        snprintf(why, sizeof why, "a pipeline message from mp rank %d (device memory: %.150s)", x->peer, smp__errbuf);
-        return smp__nomem(x->bytes, why);
-    }
+    smp_tensor whole = smp_tensor_1d(NULL, SMP_U8, (int64_t)x->bytes);
+    x->buf = smp__tensor_alloc_or(&st, &whole, true, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER, "a pipeline message received");
     x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(x->ntensors + 1), SMP__ALLOC_OTHER, "a pipeline message received");
     if (st) return st;
     char *p = (char *)x->buf;
@@ -1388,10 +1390,10 @@ static smp_status smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
    datatype) from MPI_BOTTOM (their absolute addresses), any sizes. */
 static smp_status smp__gather_type(const smp_tensor *const *ts, int nt, int *count, MPI_Datatype *type) {
     smp_status st = SMP_OK;
-    int *lens = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)nt, SMP__ALLOC_OTHER, "a pipeline message's datatype");
-    MPI_Aint *at = (MPI_Aint *)smp__alloc_or(&st, sizeof(MPI_Aint) * (size_t)nt, SMP__ALLOC_OTHER, "a pipeline message's datatype");
-    MPI_Datatype *parts = (MPI_Datatype *)smp__alloc_or(&st, sizeof(MPI_Datatype) * (size_t)nt, SMP__ALLOC_OTHER, "a pipeline message's datatype");
-    int made = 0;
+    size_t each = sizeof(MPI_Aint) + sizeof(MPI_Datatype) + sizeof(int); /* one block: at, parts, lens */
+    MPI_Aint *at = (MPI_Aint *)smp__alloc_or(&st, each * (size_t)nt, SMP__ALLOC_OTHER, "a pipeline message's datatype");
+    MPI_Datatype *parts = at ? (MPI_Datatype *)(void *)(at + nt) : NULL;
+    int *lens = at ? (int *)(void *)(parts + nt) : NULL, made = 0;
     for (; made < nt && !st; made++) {
         st = smp__bytes_type(smp_tensor_nbytes(ts[made]), &lens[made], &parts[made]);
         if (!st) st = SMP__MPI_CHECK(MPI_Get_address(ts[made]->data, &at[made]), "locating tensor %d of a pipeline message", made);
@@ -1401,11 +1403,20 @@ static smp_status smp__gather_type(const smp_tensor *const *ts, int nt, int *cou
         SMP__MPI_WARN(MPI_Type_free(type), "releasing an uncommitted pipeline message datatype");
     for (int i = 0; i < made && parts; i++)
         if (parts[i] != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&parts[i]), "releasing a part of a pipeline message datatype");
-    smp__free(lens);
     smp__free(at);
-    smp__free(parts);
     *count = 1;
     return st;
+}
+
+/* Lets go of a transfer's memory: a send once sent, a receive at the step's end. */
+static void smp__xfer_free(smp__xfer *x) {
+    smp__free(x->hdr);
+    smp__free(x->buf);
+    smp__free(x->dev_req);
+    x->hdr = NULL;
+    x->buf = NULL;
+    x->dev_req = NULL;
+    x->state = 0;
 }
 
 /* Sends what the forward (activations) or backward (gradient
@@ -1422,7 +1433,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
     const char *what = "a pipeline message";
     if (smp__injected(SMP_FAULT_SEND))
         return smp_error(SMP_ERR_MPI, "MPI_Isend to mp rank %d failed: injected by smp_testing_fail", backward ? l->peer_from : l->peer_to);
-    if (!smp__grow((void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer), NULL)) return smp__nomem(sizeof(smp__xfer) * (size_t)(ps->nsends + 1), what);
+    if (!smp__grow_or(&st, (void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer), what)) return st;
     smp__xfer *x = &ps->sends[ps->nsends];
     memset(x, 0, sizeof *x);
     x->peer = backward ? l->peer_from : l->peer_to;
@@ -1445,10 +1456,9 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
         st = smp__tensor_copy(&h, ts[i]);
         at += smp_tensor_nbytes(ts[i]);
     }
+    x->buf = staging;
     if (st) { /* nothing went out: the step fails like any other error */
-        smp__free(staging);
-        smp__free(x->hdr);
-        smp__free(x->dev_req);
+        smp__xfer_free(x);
         return st;
     }
     ps->nsends++;
@@ -1477,7 +1487,6 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
        done and is freed like any other, and the step fails (the peer hears
        of it through the failure notice, not the message) */
     const char *kind = backward ? "gradients" : "activations";
-    x->buf = staging;
     st = SMP__MPI_CHECK(MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]),
                         "sending the header of stage %d's %s for microbatch %d to mp rank %d", stage, kind, mb, x->peer);
     if (!st) ps->msgs_sent[2 * x->peer]++;
@@ -1496,17 +1505,6 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
     if (!st) ps->msgs_sent[2 * x->peer]++;
     if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a pipeline message datatype"); /* MPI keeps it for the send in flight */
     return st;
-}
-
-/* Lets go of a transfer's memory: a send once sent, a receive at the step's end. */
-static void smp__xfer_free(smp__xfer *x) {
-    smp__free(x->hdr);
-    smp__free(x->buf);
-    smp__free(x->dev_req);
-    x->hdr = NULL;
-    x->buf = NULL;
-    x->dev_req = NULL;
-    x->state = 0;
 }
 
 /* Moves every transfer forward once; an error when an arrived header is
@@ -1745,22 +1743,6 @@ static void smp__drain_messages(smp__pipe *ps) {
     smp__post_err(ps);
 }
 
-static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0) {
-    if (!ps->timeline) return;
-    if (!smp__grow((void **)&ps->events, &ps->events_cap, ps->nevents + 1, sizeof(smp__event), NULL)) {
-        /* a diagnostic, not the job's work: it stops, and says so */
-        smp__log(SMP_LOG_WARN, "out of memory recording the timeline after %d events: SMP_TIMELINE records no more", ps->nevents);
-        ps->timeline = false;
-        return;
-    }
-    smp__event *e = &ps->events[ps->nevents++];
-    e->t0 = t0 - ps->t_origin;
-    e->t1 = smp__now() - ps->t_origin;
-    e->kind = kind;
-    e->stage = stage;
-    e->mb = mb;
-}
-
 /* Waits until the given receives have arrived. SMP_ERR_REMOTE when another
    rank failed meanwhile. */
 static smp_status smp__await(smp__pipe *ps, smp__xfer **xs, int n, const char *what, int stage, int mb) {
@@ -1847,7 +1829,6 @@ static smp_status smp__slice(const smp_tensor *t, int axis, int m, int i, smp_te
 }
 
 static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, int m) {
-    if (!d->model) return smp_error(SMP_ERR_ARG, "smp_step: desc.model is NULL");
     if (d->nargs < 1 || d->nargs > SMP_MAX_STEP_ARGS) return smp_error(SMP_ERR_ARG, "smp_step: %d arguments (1..%d)", d->nargs, SMP_MAX_STEP_ARGS);
     int nmi = d->nmodel_inputs ? d->nmodel_inputs : md->desc.ninputs;
     if (nmi != md->desc.ninputs) return smp_error(SMP_ERR_ARG, "smp_step: %d model inputs named, the model takes %d", nmi, md->desc.ninputs);
@@ -1909,18 +1890,16 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
         memset(b, 0, sizeof *b);
         b->dtype = md->params[order[j]]->grad.dtype;
         b->first = j;
-        size_t bytes = 0;
+        size_t bytes = 0, es = smp_dtype_size(b->dtype);
         int k = j;
-        size_t es = smp_dtype_size(b->dtype);
-        while (k < n && md->params[order[k]]->grad.dtype == b->dtype &&
-               (k == j || ((double)(bytes + smp_tensor_nbytes(&md->params[order[k]]->grad)) <= cap &&
-                           (bytes + smp_tensor_nbytes(&md->params[order[k]]->grad)) / es <= (size_t)INT32_MAX))) { /* MPI counts are int */
-            bytes += smp_tensor_nbytes(&md->params[order[k]]->grad);
-            k++;
+        for (; k < n && md->params[order[k]]->grad.dtype == b->dtype; k++) {
+            size_t more = bytes + smp_tensor_nbytes(&md->params[order[k]]->grad);
+            if (k > j && ((double)more > cap || more / es > (size_t)INT32_MAX)) break; /* MPI counts are int */
+            bytes = more;
         }
         b->count = k - j;
         b->bytes = bytes;
-        b->numel = (int64_t)(bytes / smp_dtype_size(b->dtype));
+        b->numel = (int64_t)(bytes / es);
         smp_tensor whole = smp_tensor_1d(NULL, b->dtype, b->numel);
         if (!smp__tensor_alloc_or(&st, &whole, ps->on_device, SMP__ALLOC_PARAM, "a data-parallel gradient bucket")) return st;
         b->data = whole.data;
@@ -1929,7 +1908,6 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
         size_t at = 0;
         for (int q = j; q < k; q++) {
             smp_param *p = md->params[order[q]];
-            size_t pb = smp_tensor_nbytes(&p->grad);
             smp_tensor place = p->grad;
             place.data = (char *)b->data + at;
             if ((st = smp__tensor_copy(&place, &p->grad))) return st;
@@ -1937,7 +1915,7 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
             p->grad.data = place.data;
             p->grad_in_bucket = true;
             ps->bucket_of[order[q]] = ps->nbuckets - 1;
-            at += pb;
+            at += smp_tensor_nbytes(&place);
         }
         j = k;
     }
@@ -2237,7 +2215,9 @@ SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int6
     int64_t n = d->dataset_size, L = d->batch_size, G = L * dp;
     int64_t nb = d->drop_last ? n / G : (n + G - 1) / G;
     if (nb == 0) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: %lld samples do not fill one global batch of %lld (%d replicas x %lld)", (long long)n, (long long)G, dp, (long long)L);
-    int64_t *perm = (int64_t *)smp__alloc(sizeof(int64_t) * (size_t)n, SMP__ALLOC_OTHER);
+    smp_status st = SMP_OK;
+    int64_t *perm = (int64_t *)smp__bytes_or(&st, sizeof(int64_t) * (size_t)n, SMP__ALLOC_OTHER, "the sampler's permutation");
+    if (st) return st;
     for (int64_t i = 0; i < n; i++) perm[i] = i;
     if (d->shuffle) {
         uint64_t state = d->seed * UINT64_C(0x9e3779b97f4a7c15) + (uint64_t)epoch;
@@ -2937,14 +2917,14 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     }
     smp__pipe *ps = (smp__pipe *)md->pipeline;
     if (ps->dev_p2p && !ps->dev_connected) { /* the backend's channels to every pipeline neighbour, once */
-        int *peers = (int *)smp__alloc(sizeof(int) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER), np = 0, me = smp__ctx.mp_rank;
-        for (int l = 0; l < ps->nlinks; l++) {
+        int *peers = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER, "the pipeline's neighbours"), np = 0;
+        for (int l = 0, me = smp__ctx.mp_rank; l < ps->nlinks && !st; l++) {
             int other = ps->links[l].peer_from == me ? ps->links[l].peer_to : ps->links[l].peer_to == me ? ps->links[l].peer_from : -1;
             bool seen = other < 0;
             for (int k = 0; k < np && !seen; k++) seen = peers[k] == other;
             if (!seen) peers[np++] = other;
         }
-        st = np ? smp__ctx.device.p2p_connect(SMP_MP_GROUP, peers, np) : SMP_OK;
+        if (!st && np) st = smp__ctx.device.p2p_connect(SMP_MP_GROUP, peers, np);
         smp__free(peers);
         st = smp__agree_on(smp__ctx.world, st, "device point-to-point set-up");
         if (st) return st;
@@ -2978,7 +2958,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     ps->model_outs = d->body ? 0 : nouts;
     ps->failed_remote = false;
     int S = md->nstages, n = md->ncalls, me = smp__ctx.mp_rank;
-    memset(ps->inflight, 0, sizeof(int) * (size_t)(S + 5 * cfg->partitions)); /* and dev_sent, dev_posted, msgs_sent, msgs_got */
+    memset(ps->peak, 0, sizeof(int) * (size_t)(3 * S + 5 * cfg->partitions)); /* and stage_index, inflight, the transfer counts */
     memset(&ps->stats, 0, sizeof ps->stats);
     const char *what = "the step's microbatch state";
     ps->mb = (smp__mbstate *)smp__alloc_or(&st, sizeof(smp__mbstate) * (size_t)m, SMP__ALLOC_OTHER, what);
@@ -3012,7 +2992,6 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     smp_memory_stats mem0 = smp__ctx.mem;
     smp__ctx.mem.stash_peak_bytes = smp__ctx.mem.stash_bytes;
     int *peak = ps->peak;
-    memset(peak, 0, sizeof(int) * (size_t)S);
     if (training && ps->nshared) st = smp__shared_start(ps);
     for (int o = 0; o < nops && !st; o++) {
         int s = ops[o].stage, i = ops[o].microbatch;
