@@ -155,12 +155,13 @@ typedef struct smp_schedule {
    (round robin: stage s on rank s % nranks; ZERO_BUBBLE_V: the V). Fails
    with SMP_ERR_ARG on nranks < 1, nstages < nranks, microbatches < 1, a
    rank out of range or without a stage, or two consecutive stages on one
-   rank; ZERO_BUBBLE_V on nstages != 2 nranks or a map other than the V.
-   Arrays come from SMP_MALLOC; release them with smp_schedule_free. */
+   rank; ZERO_BUBBLE_V on nstages != 2 nranks or a map other than the V;
+   SMP_ERR_NOMEM without memory (smp's counted memory, as smp_malloc's: it
+   may be called before smp_init). Release out with smp_schedule_free. */
 SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nstages, const int *stage_rank,
                                      int microbatches, bool forward_only, smp_schedule *out);
-/* Frees what smp_schedule_build allocated (each array with SMP_FREE, each
-   ops[r] separately) and zeroes *s. Safe on a zeroed schedule. */
+/* Frees what smp_schedule_build allocated and zeroes *s. Safe on a zeroed
+   schedule. */
 SMPDEF void smp_schedule_free(smp_schedule *s);
 
 typedef struct smp_sim_result {
@@ -188,15 +189,11 @@ typedef struct smp_sim_result {
    zero-bubble schedules: what the stage keeps for it until then).
    A deadlock is a result (out->deadlock), not an error;
    errors (SMP_ERR_ARG) are a malformed schedule (an operation out of range,
-   on the wrong rank, repeated or missing) or a negative or non-finite cost.
-   Release out's arrays with smp_sim_result_free. */
+   on the wrong rank, repeated or missing) or a negative or non-finite cost,
+   and SMP_ERR_NOMEM. Release out's arrays with smp_sim_result_free. */
 SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd_cost, const double *bwd_cost,
                                         const double *wgt_cost, double comm_latency, smp_sim_result *out);
 SMPDEF void smp_sim_result_free(smp_sim_result *r);
-
-/* ======================================================================
-   end of schedules and simulator
-   ====================================================================== */
 
 /* ======================================================================
    steps: microbatches, the executor, StepOutput
@@ -392,14 +389,6 @@ SMPDEF smp_status smp_agree_batches(int64_t batches);
    schedules and simulator: implementation
    ====================================================================== */
 
-/* Zeroed array of n elements of `size` bytes; NULL when it cannot be had. */
-static void *smp__sched_calloc(size_t n, size_t size) {
-    size_t bytes = (n ? n : 1) * size;
-    void *p = SMP_MALLOC(bytes);
-    if (p) memset(p, 0, bytes);
-    return p;
-}
-
 /* Whether a kind splits each backward into B and W ops. */
 static bool smp__sched_split(smp_pipeline_kind k) { return k == SMP_PIPELINE_ZERO_BUBBLE || k == SMP_PIPELINE_ZERO_BUBBLE_V; }
 
@@ -407,9 +396,11 @@ static bool smp__sched_split(smp_pipeline_kind k) { return k == SMP_PIPELINE_ZER
    must be the V (2 x nranks stages, stage s on rank s or 2 nranks - 1 - s). */
 static smp_status smp__sched_check_map(int nranks, int nstages, const int *stage_rank, int microbatches, bool vee) {
     if (nranks < 1) return smp_error(SMP_ERR_ARG, "a pipeline needs at least 1 rank, got nranks = %d", nranks);
+    if (nstages < nranks && !vee)
+        return smp_error(SMP_ERR_ARG, "%d stages cannot occupy %d ranks: every rank needs at least one stage", nstages, nranks);
+    if (microbatches < 1)
+        return smp_error(SMP_ERR_ARG, "a step needs at least 1 microbatch, got microbatches = %d", microbatches);
     if (vee) {
-        if (microbatches < 1)
-            return smp_error(SMP_ERR_ARG, "a step needs at least 1 microbatch, got microbatches = %d", microbatches);
         if (nstages != 2 * nranks)
             return smp_error(SMP_ERR_ARG, "zero_bubble_v runs 2 stages per rank in a V: %d rank%s need %d stages, got %d", nranks,
                              nranks == 1 ? "" : "s", 2 * nranks, nstages);
@@ -419,11 +410,6 @@ static smp_status smp__sched_check_map(int nranks, int nstages, const int *stage
                                  "stages r and %d - r)", s, stage_rank[s], smp__vee_partition(s, nranks), nstages - 1);
         return SMP_OK;
     }
-    if (nstages < nranks)
-        return smp_error(SMP_ERR_ARG, "%d stages cannot occupy %d ranks: every rank needs at least one stage",
-                         nstages, nranks);
-    if (microbatches < 1)
-        return smp_error(SMP_ERR_ARG, "a step needs at least 1 microbatch, got microbatches = %d", microbatches);
     if (!stage_rank) {
         if (nranks == 1 && nstages > 1)
             return smp_error(SMP_ERR_ARG, "stages 0 and 1 both run on rank 0: consecutive stages must be on "
@@ -446,30 +432,26 @@ static smp_status smp__sched_check_map(int nranks, int nstages, const int *stage
     return SMP_OK;
 }
 
-/* Allocates out's arrays: stage map, op counts and one op list per rank,
-   sized for every op of the rank. */
-static smp_status smp__sched_alloc(smp_schedule *out, const int *map) {
+/* Allocates out's op counts and one op list per rank, sized for every op
+   of the rank (out->stage_rank is set). */
+static smp_status smp__sched_alloc(smp_schedule *out) {
     int R = out->nranks, S = out->nstages, m = out->microbatches;
     int per_stage = out->forward_only ? m : smp__sched_split(out->kind) ? 3 * m : 2 * m;
-    out->stage_rank = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    out->nops = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    out->ops = (smp_sched_op **)smp__sched_calloc((size_t)R, sizeof(smp_sched_op *));
-    if (!out->stage_rank || !out->nops || !out->ops) return SMP_ERR_NOMEM;
-    memcpy(out->stage_rank, map, (size_t)S * sizeof(int));
-    for (int r = 0; r < R; r++) {
+    smp_status st = SMP_OK;
+    out->nops = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)R, SMP__ALLOC_OTHER, "a schedule");
+    out->ops = (smp_sched_op **)smp__alloc_or(&st, sizeof(smp_sched_op *) * (size_t)R, SMP__ALLOC_OTHER, "a schedule");
+    for (int r = 0; r < R && !st; r++) {
         int nst = 0;
-        for (int s = 0; s < S; s++) nst += map[s] == r;
-        out->ops[r] = (smp_sched_op *)smp__sched_calloc((size_t)nst * (size_t)per_stage, sizeof(smp_sched_op));
-        if (!out->ops[r]) return SMP_ERR_NOMEM;
+        for (int s = 0; s < S; s++) nst += out->stage_rank[s] == r;
+        out->ops[r] = (smp_sched_op *)smp__bytes_or(&st, sizeof(smp_sched_op) * (size_t)nst * (size_t)per_stage, SMP__ALLOC_OTHER,
+                                                    "a schedule's operations");
     }
-    return SMP_OK;
+    return st;
 }
 
 static void smp__sched_push(smp_schedule *sc, int rank, smp_sched_op_kind kind, int stage, int mb) {
-    smp_sched_op *op = &sc->ops[rank][sc->nops[rank]++];
-    op->kind = kind;
-    op->stage = stage;
-    op->microbatch = mb;
+    smp_sched_op op = {kind, stage, mb};
+    sc->ops[rank][sc->nops[rank]++] = op;
 }
 
 /* GPipe: on each rank, forwards stage by stage (stages ascending,
@@ -522,9 +504,8 @@ static void smp__sched_simple(smp_schedule *sc) {
 typedef struct smp__sched_gen {
     int R, S, m;
     bool fo;
-    const int *map;
     bool zb;              /* zero bubble: W ops apart, forwards bounded by what W has freed */
-    long *fin_f, *fin_b, *fin_w; /* [stage * m + mb]: finish time, -1 until started */
+    long *fin_f, *fin_b;  /* [stage * m + mb]: finish time, -1 until started */
     int *next_f, *next_b, *next_w; /* [stage]: next microbatch to run */
     int *chunk;           /* [stage]: position among its rank's stages */
     int *local, *first;   /* stages of rank r: local[first[r] .. first[r+1]-1] */
@@ -588,34 +569,28 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
     smp_status st = SMP_OK;
     smp__sched_gen g;
     memset(&g, 0, sizeof g);
-    g.R = R; g.S = S; g.m = m; g.fo = sc->forward_only; g.map = sc->stage_rank;
+    g.R = R; g.S = S; g.m = m; g.fo = sc->forward_only;
     g.zb = sc->kind == SMP_PIPELINE_ZERO_BUBBLE && !g.fo;
     const long cost_f = 1, cost_b = g.zb ? 1 : 2, cost_w = 1; /* ZB-H1 assumes F = B = W */
-    g.fin_f = (long *)smp__sched_calloc(n, sizeof(long));
-    g.fin_b = (long *)smp__sched_calloc(n, sizeof(long));
-    g.fin_w = (long *)smp__sched_calloc(n, sizeof(long));
-    g.next_f = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    g.next_b = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    g.next_w = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    g.chunk = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    g.local = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    g.first = (int *)smp__sched_calloc((size_t)R + 1, sizeof(int));
-    g.rank_cap = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    g.rank_inflight = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    g.last_kind = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    g.free_at = (long *)smp__sched_calloc((size_t)R, sizeof(long));
-    if (!g.fin_f || !g.fin_b || !g.fin_w || !g.next_f || !g.next_b || !g.next_w || !g.chunk || !g.local || !g.first || !g.rank_cap ||
-        !g.rank_inflight || !g.last_kind || !g.free_at) {
-        st = SMP_ERR_NOMEM;
-    } else {
-        for (size_t q = 0; q < n; q++) g.fin_f[q] = g.fin_b[q] = g.fin_w[q] = -1;
+    /* two zeroed blocks: the times (fin_f, fin_b, free_at), the counters */
+    g.fin_f = (long *)smp__alloc_or(&st, sizeof(long) * (2 * n + (size_t)R), SMP__ALLOC_OTHER, "a schedule's generation");
+    g.next_f = (int *)smp__alloc_or(&st, sizeof(int) * (5 * (size_t)S + 4 * (size_t)R + 1), SMP__ALLOC_OTHER, "a schedule's generation");
+    if (!st) {
+        g.fin_b = g.fin_f + n;
+        g.free_at = g.fin_b + n;
+        int *at = g.next_f, **part[] = {&g.next_f, &g.next_b, &g.next_w, &g.chunk, &g.local, &g.rank_cap, &g.rank_inflight, &g.last_kind, &g.first};
+        for (int q = 0; q < 9; q++) {
+            *part[q] = at;
+            at += q < 5 ? S : R; /* 5 arrays per stage, then per rank (first: R + 1) */
+        }
+        for (size_t q = 0; q < n; q++) g.fin_f[q] = g.fin_b[q] = -1;
         /* chunk numbers and the stages of each rank (rank_inflight counts
            them for now) */
-        for (int s = 0; s < S; s++) g.chunk[s] = g.rank_inflight[g.map[s]]++;
+        for (int s = 0; s < S; s++) g.chunk[s] = g.rank_inflight[sc->stage_rank[s]]++;
         for (int r = 0; r < R; r++) g.first[r + 1] = g.first[r] + g.rank_inflight[r];
-        for (int s = 0; s < S; s++) g.local[g.first[g.map[s]] + g.chunk[s]] = s;
+        for (int s = 0; s < S; s++) g.local[g.first[sc->stage_rank[s]] + g.chunk[s]] = s;
         bool round_robin = true;
-        for (int s = 0; s < S; s++) round_robin = round_robin && g.map[s] == s % R;
+        for (int s = 0; s < S; s++) round_robin = round_robin && sc->stage_rank[s] == s % R;
         for (int r = 0; r < R; r++) {
             int k = g.rank_inflight[r], last = g.local[g.first[r + 1] - 1];
             if (k > 1 && round_robin) g.rank_cap[r] = (k - 1) * (m < R ? m : R) + 2 * (S - 1 - last) + 1;
@@ -644,7 +619,7 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
                         if (!g.zb) g.rank_inflight[r]--;
                     } else {
                         i = g.next_w[s]++;
-                        g.free_at[r] = g.fin_w[(size_t)s * (size_t)m + (size_t)i] = t + cost_w;
+                        g.free_at[r] = t + cost_w;
                         g.rank_inflight[r]--; /* zero bubble: the memory goes with the W */
                     }
                     smp__sched_push(sc, r, kind, s, i);
@@ -666,9 +641,8 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
             t = next;
         }
     }
-    SMP_FREE(g.fin_f); SMP_FREE(g.fin_b); SMP_FREE(g.fin_w); SMP_FREE(g.next_f); SMP_FREE(g.next_b); SMP_FREE(g.next_w); SMP_FREE(g.chunk);
-    SMP_FREE(g.local); SMP_FREE(g.first); SMP_FREE(g.rank_cap); SMP_FREE(g.rank_inflight);
-    SMP_FREE(g.last_kind); SMP_FREE(g.free_at);
+    smp__free(g.fin_f); /* and the other times */
+    smp__free(g.next_f); /* and the other counters */
     return st;
 }
 
@@ -692,8 +666,9 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
    1 may read it (a skip connection across the V) until W1(i). */
 static smp_status smp__sched_zbv(smp_schedule *sc) {
     int p = sc->nranks, S = sc->nstages, m = sc->microbatches, n = m > 2 * p - 1 ? m : 2 * p - 1;
-    smp_sched_op *tmp = (smp_sched_op *)smp__sched_calloc((size_t)6 * (size_t)n, sizeof(smp_sched_op));
-    if (!tmp) return SMP_ERR_NOMEM;
+    smp_status st = SMP_OK;
+    smp_sched_op *tmp = (smp_sched_op *)smp__bytes_or(&st, sizeof(smp_sched_op) * 6 * (size_t)n, SMP__ALLOC_OTHER, "a schedule's generation");
+    if (st) return st;
     for (int r = 0; r < p; r++) {
         int c0 = r, c1 = S - 1 - r, k = 0, f0 = 0, f1 = 0, b0 = 0, b1 = 0, w0, w1;
 #define SMP__ZBV(KIND, STAGE, MB) (tmp[k].kind = (KIND), tmp[k].stage = (STAGE), tmp[k].microbatch = (MB), k++)
@@ -720,24 +695,23 @@ static smp_status smp__sched_zbv(smp_schedule *sc) {
         while (w0 < b0) SMP__ZBV(SMP_SCHED_WEIGHT, c0, w0++);
 #undef SMP__ZBV
         if (k != 6 * n || f0 != n || f1 != n || b0 != n || b1 != n || w0 != n || w1 != n) {
-            SMP_FREE(tmp);
-            return smp_error(SMP_ERR_STATE, "smp bug: the zero_bubble_v schedule of rank %d has %d ops for %d microbatches", r, k, n);
+            st = smp_error(SMP_ERR_STATE, "smp bug: the zero_bubble_v schedule of rank %d has %d ops for %d microbatches", r, k, n);
+            break;
         }
         for (int q = 0; q < k; q++)
             if (tmp[q].microbatch < m && (!sc->forward_only || tmp[q].kind == SMP_SCHED_FORWARD))
-                smp__sched_push(sc, r, tmp[q].kind, tmp[q].stage, tmp[q].microbatch);
+                sc->ops[r][sc->nops[r]++] = tmp[q];
     }
-    SMP_FREE(tmp);
-    return SMP_OK;
+    smp__free(tmp);
+    return st;
 }
 
 SMPDEF void smp_schedule_free(smp_schedule *s) {
     if (!s) return;
-    if (s->ops)
-        for (int r = 0; r < s->nranks; r++) SMP_FREE(s->ops[r]);
-    SMP_FREE(s->ops);
-    SMP_FREE(s->nops);
-    SMP_FREE(s->stage_rank);
+    for (int r = 0; r < s->nranks && s->ops; r++) smp__free(s->ops[r]);
+    smp__free(s->ops);
+    smp__free(s->nops);
+    smp__free(s->stage_rank);
     memset(s, 0, sizeof *s);
 }
 
@@ -754,54 +728,166 @@ SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nst
     if ((long long)nstages * microbatches * 3 > 0x7fffffffLL)
         return smp_error(SMP_ERR_ARG, "%d stages x %d microbatches is too many operations", nstages, microbatches);
 
-    int *map = (int *)smp__sched_calloc((size_t)nstages, sizeof(int));
-    if (!map) return smp_error(SMP_ERR_NOMEM, "out of memory building a schedule");
-    for (int s = 0; s < nstages; s++) map[s] = stage_rank ? stage_rank[s] : vee ? smp__vee_partition(s, nranks) : s % nranks;
-
     out->kind = kind;
     out->nranks = nranks;
     out->nstages = nstages;
     out->microbatches = microbatches;
     out->forward_only = forward_only;
-    st = smp__sched_alloc(out, map);
-    SMP_FREE(map);
-    if (st == SMP_OK) {
-        if (kind == SMP_PIPELINE_SIMPLE) smp__sched_simple(out);
-        else if (vee) st = smp__sched_zbv(out);
-        else st = smp__sched_interleaved(out);
-    }
-    if (st != SMP_OK) {
-        smp_schedule_free(out);
-        if (st == SMP_ERR_NOMEM) return smp_error(SMP_ERR_NOMEM, "out of memory building a schedule");
-    }
+    out->stage_rank = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)nstages, SMP__ALLOC_OTHER, "a schedule's stage map");
+    for (int s = 0; s < nstages && !st; s++) out->stage_rank[s] = stage_rank ? stage_rank[s] : vee ? smp__vee_partition(s, nranks) : s % nranks;
+    if (!st) st = smp__sched_alloc(out);
+    if (!st && kind == SMP_PIPELINE_SIMPLE) smp__sched_simple(out);
+    else if (!st) st = vee ? smp__sched_zbv(out) : smp__sched_interleaved(out);
+    if (st) smp_schedule_free(out);
     return st;
-}
-
-/* Appends printf-style text to buf (capacity cap, length *len), keeping it
-   terminated; once full, further text is dropped and "..." marks the cut. */
-static void smp__sched_append(char *buf, size_t cap, size_t *len, const char *fmt, ...) SMP__PRINTF(4, 5);
-static void smp__sched_append(char *buf, size_t cap, size_t *len, const char *fmt, ...) {
-    if (*len + 1 >= cap) return;
-    va_list ap;
-    va_start(ap, fmt);
-    int k = vsnprintf(buf + *len, cap - *len, fmt, ap);
-    va_end(ap);
-    if (k < 0) return;
-    if ((size_t)k >= cap - *len) {
-        *len = cap - 1;
-        if (cap >= 4) memcpy(buf + cap - 4, "...", 4);
-    } else {
-        *len += (size_t)k;
-    }
 }
 
 static char smp__sched_letter(smp_sched_op_kind k) { return "FBW"[k]; }
 
+/* The operation op waits for: its stage (-1: none) and *kind. F(s) waits
+   for F(s-1); B(S-1) for F(S-1); B(s) for B(s+1); W(s) for B(s). */
+static int smp__sched_dep(smp_sched_op op, int S, smp_sched_op_kind *kind) {
+    bool gradient = op.kind == SMP_SCHED_WEIGHT || (op.kind == SMP_SCHED_BACKWARD && op.stage < S - 1);
+    *kind = gradient ? SMP_SCHED_BACKWARD : SMP_SCHED_FORWARD;
+    if (op.kind == SMP_SCHED_FORWARD) return op.stage - 1;
+    return op.kind == SMP_SCHED_BACKWARD && op.stage < S - 1 ? op.stage + 1 : op.stage;
+}
+
+/* Checks rank r's k-th operation (in range, on its stage's rank, of one of
+   the schedule's `kinds`, listed once) and marks it in listed[kind][stage][mb]. */
+static smp_status smp__sim_list(const smp_schedule *s, int r, int k, int kinds, char *listed) {
+    smp_sched_op op = s->ops[r][k];
+    int S = s->nstages, m = s->microbatches;
+    if (op.kind != SMP_SCHED_FORWARD && op.kind != SMP_SCHED_BACKWARD && op.kind != SMP_SCHED_WEIGHT)
+        return smp_error(SMP_ERR_ARG, "rank %d op %d has unknown kind %d", r, k, (int)op.kind);
+    if (op.stage < 0 || op.stage >= S || op.microbatch < 0 || op.microbatch >= m)
+        return smp_error(SMP_ERR_ARG, "rank %d op %d is %c(stage %d, microbatch %d), outside %d stages x %d microbatches", r, k,
+                         smp__sched_letter(op.kind), op.stage, op.microbatch, S, m);
+    if (s->stage_rank[op.stage] != r)
+        return smp_error(SMP_ERR_ARG, "rank %d op %d is %c(stage %d, microbatch %d), but stage %d runs on rank %d", r, k,
+                         smp__sched_letter(op.kind), op.stage, op.microbatch, op.stage, s->stage_rank[op.stage]);
+    if ((int)op.kind >= kinds)
+        return smp_error(SMP_ERR_ARG, "rank %d op %d is a %s in a %s schedule", r, k, op.kind == SMP_SCHED_WEIGHT ? "weight-gradient op" : "backward",
+                         s->forward_only ? "forward-only" : "non-zero-bubble");
+    char *at = &listed[((size_t)op.kind * (size_t)S + (size_t)op.stage) * (size_t)m + (size_t)op.microbatch];
+    if (*at)
+        return smp_error(SMP_ERR_ARG, "%c(stage %d, microbatch %d) appears twice in the schedule", smp__sched_letter(op.kind), op.stage,
+                         op.microbatch);
+    *at = 1;
+    return SMP_OK;
+}
+
 SMPDEF void smp_sim_result_free(smp_sim_result *r) {
     if (!r) return;
-    SMP_FREE(r->peak_inflight);
-    SMP_FREE(r->rank_peak_inflight);
+    smp__free(r->peak_inflight);
+    smp__free(r->rank_peak_inflight);
     memset(r, 0, sizeof *r);
+}
+
+/* smp_schedule_simulate once s has its stage map and op lists, in zeroed
+   memory: fin (3 S m + 3 S + R doubles), done (3 S m), idx (2 R + S ints). */
+static smp_status smp__sim_run(const smp_schedule *s, const double *const given[3], double comm_latency, double *fin, char *done, int *idx,
+                               smp_sim_result *out) {
+    int R = s->nranks, S = s->nstages, m = s->microbatches;
+    bool zb = smp__sched_split(s->kind) && !s->forward_only;
+    int kinds = s->forward_only ? 1 : zb ? 3 : 2;
+    size_t n = (size_t)S * (size_t)m;
+    double *cost = fin + 3 * n, *clock = cost + 3 * S; /* fin: [kind][stage][mb]; cost: [kind][stage]; clock: [rank] */
+    int *cnt = idx + R, *rcnt = cnt + S; /* microbatches in flight per stage and rank */
+    smp_status st = SMP_OK;
+    static const char *const cost_name[3] = {"forward", "backward", "weight"};
+    for (int q = 0; q < S && !st; q++)
+        for (int kd = 0; kd < 3 && !st; kd++) {
+            double v = given[kd] ? given[kd][q] : kd < 2 || zb ? 1.0 : 0.0; /* W: 0 outside zero bubble unless given */
+            if (!(v >= 0) || !isfinite(v))
+                st = smp_error(SMP_ERR_ARG, "%s cost of stage %d must be finite and >= 0, got %g", cost_name[kd], q, v);
+            cost[kd * S + q] = v;
+        }
+    for (int q = 0; q < S && !zb; q++) cost[S + q] += cost[2 * S + q]; /* outside zero bubble a backward is B + W */
+
+    /* validate: every op in range, on its stage's rank, exactly once */
+    for (int r = 0; r < R && !st; r++) {
+        if (s->nops[r] < 0 || (s->nops[r] > 0 && !s->ops[r])) st = smp_error(SMP_ERR_ARG, "rank %d has a bad op list (%d ops)", r, s->nops[r]);
+        for (int k = 0; k < s->nops[r] && !st; k++) st = smp__sim_list(s, r, k, kinds, done);
+    }
+    for (int kd = 0; kd < kinds && st == SMP_OK; kd++)
+        for (size_t at = 0; at < n; at++)
+            if (!done[(size_t)kd * n + at]) {
+                st = smp_error(SMP_ERR_ARG, "the schedule never runs %c(stage %d, microbatch %d)",
+                               smp__sched_letter((smp_sched_op_kind)kd), (int)(at / (size_t)m),
+                               (int)(at % (size_t)m));
+                break;
+            }
+    if (st != SMP_OK) return st;
+
+    /* run: sweep the ranks, advancing each as far as its next op's
+       dependency is finished. An op's start depends only on its rank's
+       previous op and its dependency, so sweep order does not matter.
+       A microbatch holds the stage's memory from its F to its last op
+       there (W in zero-bubble schedules, else B). */
+    long total = 0, finished = 0;
+    for (int r = 0; r < R; r++) total += s->nops[r];
+    while (finished < total) {
+        bool progressed = false;
+        for (int r = 0; r < R; r++) {
+            while (idx[r] < s->nops[r]) {
+                smp_sched_op op = s->ops[r][idx[r]];
+                size_t me = (size_t)op.kind * n + (size_t)op.stage * (size_t)m + (size_t)op.microbatch;
+                smp_sched_op_kind dep_kind;
+                int dep_stage = smp__sched_dep(op, S, &dep_kind);
+                double start = clock[r];
+                if (dep_stage >= 0) {
+                    size_t dep = (size_t)dep_kind * n + (size_t)dep_stage * (size_t)m + (size_t)op.microbatch;
+                    if (done[dep] != 2) break;
+                    double ready = fin[dep] + (s->stage_rank[dep_stage] != r ? comm_latency : 0.0);
+                    if (ready > start) start = ready;
+                }
+                double c = cost[(int)op.kind * S + op.stage];
+                fin[me] = start + c;
+                done[me] = 2;
+                clock[r] = fin[me];
+                out->busy += c;
+                if (fin[me] > out->makespan) out->makespan = fin[me];
+                if (!s->forward_only && op.kind != (zb ? SMP_SCHED_BACKWARD : SMP_SCHED_WEIGHT)) {
+                    int d = op.kind == SMP_SCHED_FORWARD ? 1 : -1;
+                    cnt[op.stage] += d;
+                    rcnt[r] += d;
+                    if (cnt[op.stage] > out->peak_inflight[op.stage]) out->peak_inflight[op.stage] = cnt[op.stage];
+                    if (rcnt[r] > out->rank_peak_inflight[r]) out->rank_peak_inflight[r] = rcnt[r];
+                }
+                idx[r]++;
+                finished++;
+                progressed = true;
+            }
+        }
+        if (finished < total && !progressed) {
+            smp__sbuf why;
+            memset(&why, 0, sizeof why);
+            out->deadlock = true;
+            smp__sbuf_printf(&why, "deadlock after %ld of %ld ops:", finished, total);
+            for (int r = 0; r < R; r++) {
+                if (idx[r] >= s->nops[r]) continue;
+                smp_sched_op op = s->ops[r][idx[r]];
+                smp_sched_op_kind dk;
+                int ds = smp__sched_dep(op, S, &dk);
+                smp__sbuf_printf(&why, " rank %d at %c%d.%d waits for %c%d.%d (rank %d);", r, smp__sched_letter(op.kind), op.stage,
+                                 op.microbatch, smp__sched_letter(dk), ds, op.microbatch, s->stage_rank[ds]);
+            }
+            /* as much as the result holds, "..." marking a cut */
+            size_t cap = sizeof out->deadlock_reason;
+            if (why.oom) st = smp__nomem(why.want, "the description of a deadlock");
+            else snprintf(out->deadlock_reason, cap, "%s", why.p);
+            if (why.len >= cap) memcpy(out->deadlock_reason + cap - 4, "...", 4);
+            smp__free(why.p);
+            break;
+        }
+    }
+    double work = 0;
+    for (int q = 0; q < S; q++)
+        work += (double)m * (cost[q] + (s->forward_only ? 0.0 : zb ? cost[S + q] + cost[2 * S + q] : cost[S + q]));
+    out->ideal = work / R;
+    out->bubble_fraction = out->makespan > 0 ? 1.0 - out->busy / ((double)R * out->makespan) : 0.0;
+    return st;
 }
 
 SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd_cost, const double *bwd_cost,
@@ -816,169 +902,21 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
         return smp_error(SMP_ERR_ARG, "schedule has no stage map or no op lists");
     if (!(comm_latency >= 0) || !isfinite(comm_latency))
         return smp_error(SMP_ERR_ARG, "comm_latency must be finite and >= 0, got %g", comm_latency);
-    static const char *const cost_name[3] = {"forward", "backward", "weight"};
-    for (int q = 0; q < S; q++)
-        for (int kd = 0; kd < 3; kd++) {
-            const double *c = kd == 0 ? fwd_cost : kd == 1 ? bwd_cost : wgt_cost;
-            double v = c ? c[q] : 1.0;
-            if (!(v >= 0) || !isfinite(v))
-                return smp_error(SMP_ERR_ARG, "%s cost of stage %d must be finite and >= 0, got %g", cost_name[kd], q, v);
-        }
-    bool zb = smp__sched_split(s->kind) && !s->forward_only;
-    int kinds = s->forward_only ? 1 : zb ? 3 : 2;
-
     size_t n = (size_t)S * (size_t)m;
-    double *fin = (double *)smp__sched_calloc(3 * n, sizeof(double)); /* [kind][stage][mb] */
-    char *done = (char *)smp__sched_calloc(3 * n, 1);  /* 1: listed (validation), 2: finished */
-    int *idx = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    double *clock = (double *)smp__sched_calloc((size_t)R, sizeof(double));
-    int *cnt = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    int *rcnt = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    out->peak_inflight = (int *)smp__sched_calloc((size_t)S, sizeof(int));
-    out->rank_peak_inflight = (int *)smp__sched_calloc((size_t)R, sizeof(int));
-    if (!fin || !done || !idx || !clock || !cnt || !rcnt || !out->peak_inflight || !out->rank_peak_inflight) {
-        st = smp_error(SMP_ERR_NOMEM, "out of memory simulating a schedule");
-        goto done;
-    }
-
-    /* validate: every op in range, on its stage's rank, exactly once */
-    for (int r = 0; r < R && st == SMP_OK; r++) {
-        if (s->nops[r] < 0 || (s->nops[r] > 0 && !s->ops[r])) {
-            st = smp_error(SMP_ERR_ARG, "rank %d has a bad op list (%d ops)", r, s->nops[r]);
-            break;
-        }
-        for (int k = 0; k < s->nops[r]; k++) {
-            smp_sched_op op = s->ops[r][k];
-            if (op.kind != SMP_SCHED_FORWARD && op.kind != SMP_SCHED_BACKWARD && op.kind != SMP_SCHED_WEIGHT) {
-                st = smp_error(SMP_ERR_ARG, "rank %d op %d has unknown kind %d", r, k, (int)op.kind);
-                break;
-            }
-            if (op.stage < 0 || op.stage >= S || op.microbatch < 0 || op.microbatch >= m) {
-                st = smp_error(SMP_ERR_ARG, "rank %d op %d is %c(stage %d, microbatch %d), outside %d stages x %d "
-                               "microbatches", r, k, smp__sched_letter(op.kind), op.stage, op.microbatch, S, m);
-                break;
-            }
-            if (s->stage_rank[op.stage] != r) {
-                st = smp_error(SMP_ERR_ARG, "rank %d op %d is %c(stage %d, microbatch %d), but stage %d runs on "
-                               "rank %d", r, k, smp__sched_letter(op.kind), op.stage, op.microbatch, op.stage,
-                               s->stage_rank[op.stage]);
-                break;
-            }
-            if ((int)op.kind >= kinds) {
-                st = smp_error(SMP_ERR_ARG, "rank %d op %d is a %s in a %s schedule", r, k,
-                               op.kind == SMP_SCHED_WEIGHT ? "weight-gradient op" : "backward",
-                               s->forward_only ? "forward-only" : "non-zero-bubble");
-                break;
-            }
-            size_t at = (size_t)op.kind * n + (size_t)op.stage * (size_t)m + (size_t)op.microbatch;
-            if (done[at]) {
-                st = smp_error(SMP_ERR_ARG, "%c(stage %d, microbatch %d) appears twice in the schedule",
-                               smp__sched_letter(op.kind), op.stage, op.microbatch);
-                break;
-            }
-            done[at] = 1;
-        }
-    }
-    for (int kd = 0; kd < kinds && st == SMP_OK; kd++)
-        for (size_t at = 0; at < n; at++)
-            if (!done[(size_t)kd * n + at]) {
-                st = smp_error(SMP_ERR_ARG, "the schedule never runs %c(stage %d, microbatch %d)",
-                               smp__sched_letter((smp_sched_op_kind)kd), (int)(at / (size_t)m),
-                               (int)(at % (size_t)m));
-                break;
-            }
-    if (st != SMP_OK) goto done;
-
-    /* run: sweep the ranks, advancing each as far as its next op's
-       dependency is finished. An op's start depends only on its rank's
-       previous op and its dependency, so sweep order does not matter.
-       Dependencies: F(s) on F(s-1); B(S-1) on F(S-1); B(s) on B(s+1);
-       W(s) on B(s). A microbatch holds the stage's memory from its F to its
-       last op there (W in zero-bubble schedules, else B). */
-    {
-        long total = 0, finished = 0;
-        for (int r = 0; r < R; r++) total += s->nops[r];
-        while (finished < total) {
-            bool progressed = false;
-            for (int r = 0; r < R; r++) {
-                while (idx[r] < s->nops[r]) {
-                    smp_sched_op op = s->ops[r][idx[r]];
-                    size_t me = (size_t)op.kind * n + (size_t)op.stage * (size_t)m + (size_t)op.microbatch;
-                    int dep_kind = SMP_SCHED_FORWARD, dep_stage = op.stage - 1; /* -1: no dependency */
-                    if (op.kind == SMP_SCHED_BACKWARD) {
-                        dep_kind = op.stage == S - 1 ? SMP_SCHED_FORWARD : SMP_SCHED_BACKWARD;
-                        dep_stage = op.stage == S - 1 ? op.stage : op.stage + 1;
-                    } else if (op.kind == SMP_SCHED_WEIGHT) {
-                        dep_kind = SMP_SCHED_BACKWARD;
-                        dep_stage = op.stage;
-                    }
-                    double start = clock[r];
-                    if (dep_stage >= 0) {
-                        size_t dep = (size_t)dep_kind * n + (size_t)dep_stage * (size_t)m + (size_t)op.microbatch;
-                        if (done[dep] != 2) break;
-                        double ready = fin[dep] + (s->stage_rank[dep_stage] != r ? comm_latency : 0.0);
-                        if (ready > start) start = ready;
-                    }
-                    double f = fwd_cost ? fwd_cost[op.stage] : 1.0, b = bwd_cost ? bwd_cost[op.stage] : 1.0,
-                           w = wgt_cost ? wgt_cost[op.stage] : (zb ? 1.0 : 0.0);
-                    double cost = op.kind == SMP_SCHED_FORWARD ? f : op.kind == SMP_SCHED_WEIGHT ? w : zb ? b : b + w;
-                    fin[me] = start + cost;
-                    done[me] = 2;
-                    clock[r] = fin[me];
-                    out->busy += cost;
-                    if (fin[me] > out->makespan) out->makespan = fin[me];
-                    if (!s->forward_only && op.kind != (zb ? SMP_SCHED_BACKWARD : SMP_SCHED_WEIGHT)) {
-                        int d = op.kind == SMP_SCHED_FORWARD ? 1 : -1;
-                        cnt[op.stage] += d;
-                        rcnt[r] += d;
-                        if (cnt[op.stage] > out->peak_inflight[op.stage]) out->peak_inflight[op.stage] = cnt[op.stage];
-                        if (rcnt[r] > out->rank_peak_inflight[r]) out->rank_peak_inflight[r] = rcnt[r];
-                    }
-                    idx[r]++;
-                    finished++;
-                    progressed = true;
-                }
-            }
-            if (finished < total && !progressed) {
-                size_t len = 0;
-                out->deadlock = true;
-                smp__sched_append(out->deadlock_reason, sizeof out->deadlock_reason, &len,
-                                  "deadlock after %ld of %ld ops:", finished, total);
-                for (int r = 0; r < R; r++) {
-                    if (idx[r] >= s->nops[r]) continue;
-                    smp_sched_op op = s->ops[r][idx[r]];
-                    smp_sched_op_kind dk = op.kind == SMP_SCHED_FORWARD ? SMP_SCHED_FORWARD
-                                           : op.kind == SMP_SCHED_WEIGHT || op.stage < S - 1 ? SMP_SCHED_BACKWARD
-                                                                                          : SMP_SCHED_FORWARD;
-                    int ds = op.kind == SMP_SCHED_FORWARD ? op.stage - 1
-                             : op.kind == SMP_SCHED_WEIGHT ? op.stage : (op.stage < S - 1 ? op.stage + 1 : op.stage);
-                    smp__sched_append(out->deadlock_reason, sizeof out->deadlock_reason, &len,
-                                      " rank %d at %c%d.%d waits for %c%d.%d (rank %d);", r,
-                                      smp__sched_letter(op.kind), op.stage, op.microbatch, smp__sched_letter(dk), ds,
-                                      op.microbatch, s->stage_rank[ds]);
-                }
-                break;
-            }
-        }
-    }
-    {
-        double work = 0;
-        for (int q = 0; q < S; q++) {
-            double f = fwd_cost ? fwd_cost[q] : 1.0, b = bwd_cost ? bwd_cost[q] : 1.0, w = wgt_cost ? wgt_cost[q] : (zb ? 1.0 : 0.0);
-            work += (double)m * (f + (s->forward_only ? 0.0 : b + w));
-        }
-        out->ideal = work / R;
-        out->bubble_fraction = out->makespan > 0 ? 1.0 - out->busy / ((double)R * out->makespan) : 0.0;
-    }
-done:
-    SMP_FREE(fin); SMP_FREE(done); SMP_FREE(idx); SMP_FREE(clock); SMP_FREE(cnt); SMP_FREE(rcnt);
+    const char *what = "a schedule's simulation";
+    const double *given[3] = {fwd_cost, bwd_cost, wgt_cost};
+    double *fin = (double *)smp__alloc_or(&st, sizeof(double) * (3 * n + 3 * (size_t)S + (size_t)R), SMP__ALLOC_OTHER, what);
+    char *done = (char *)smp__alloc_or(&st, 3 * n, SMP__ALLOC_OTHER, what);
+    int *idx = (int *)smp__alloc_or(&st, sizeof(int) * (2 * (size_t)R + (size_t)S), SMP__ALLOC_OTHER, what);
+    out->peak_inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)S, SMP__ALLOC_OTHER, what);
+    out->rank_peak_inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)R, SMP__ALLOC_OTHER, what);
+    if (!st) st = smp__sim_run(s, given, comm_latency, fin, done, idx, out);
+    smp__free(fin);
+    smp__free(done);
+    smp__free(idx);
     if (st != SMP_OK) smp_sim_result_free(out);
     return st;
 }
-
-/* ======================================================================
-   end of schedules and simulator: implementation
-   ====================================================================== */
 
 /* ---------------------------------------------------------------- executor */
 /* The executor replays the traced calls: per microbatch, each stage runs its
@@ -1003,7 +941,8 @@ done:
    of the step: smp__drain_messages), so the next step starts on clean
    communicators. */
 
-typedef struct smp__edge { int call, out, consumer, input; } smp__edge; /* consumer == ncalls: the body */
+/* (call, out) feeds input `input` of call `consumer` (ncalls: the body), which runs in stage `stage`; remote: on another rank */
+typedef struct smp__edge { int call, out, consumer, input, stage; bool remote; } smp__edge;
 
 typedef struct smp__link {
     int from, to;        /* producer stage, consumer stage */
@@ -1031,7 +970,7 @@ typedef struct smp__xfer {
 
 typedef struct smp__event { double t0, t1; int kind, stage, mb; } smp__event; /* kind: 0 fwd, 1 bwd, 2 wait (receive), 3 body, 4 all-reduce (mb: bucket), 5 send (posted to completed), 6 weight gradients (W) */
 
-typedef struct smp__mbstate {
+typedef struct smp__mbstate { /* one block, from act */
     smp_tensor *act;       /* [ncalls * maxout]: this microbatch's tensors known here */
     smp_call_ctx *ctx;     /* [ncalls]: local calls */
     smp_tensor *contrib;   /* [nedges]: gradient contributions, owned */
@@ -1069,7 +1008,6 @@ typedef struct smp__pipe {
     MPI_Request err_req;
     bool bucket_failed; /* a host bucket's collective failed to start on this rank this step */
     char err_msg[sizeof smp__errbuf + 8];
-    int body_stage;
     smp_schedule sched[2]; /* [evaluate] */
     const smp_tensor **scratch; /* [max tensors on a link]: what one message carries */
     smp__xfer **await;     /* [nlinks]: the receives one stage waits for */
@@ -1120,14 +1058,21 @@ typedef struct smp__pipe {
 } smp__pipe;
 
 static smp_status smp__timeline_write(smp__pipe *ps);
-static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0);
-
-/* Withdraws the receive of failure notices (a step failed, or the model goes). */
-static void smp__cancel_err_recv(smp__pipe *ps) {
-    if (ps->err_req == MPI_REQUEST_NULL) return;
-    SMP__MPI_WARN(MPI_Cancel(&ps->err_req), "withdrawing the receive of pipeline failure notices");
-    SMP__MPI_WARN(MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE), "withdrawing the receive of pipeline failure notices");
-    ps->err_req = MPI_REQUEST_NULL;
+/* A timeline event (SMP_TIMELINE) from t0 to now. */
+static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0) {
+    if (!ps->timeline) return;
+    if (!smp__grow((void **)&ps->events, &ps->events_cap, ps->nevents + 1, sizeof(smp__event), NULL)) {
+        /* a diagnostic, not the job's work: it stops, and says so */
+        smp__log(SMP_LOG_WARN, "out of memory recording the timeline after %d events: SMP_TIMELINE records no more", ps->nevents);
+        ps->timeline = false;
+        return;
+    }
+    smp__event *e = &ps->events[ps->nevents++];
+    e->t0 = t0 - ps->t_origin;
+    e->t1 = smp__now() - ps->t_origin;
+    e->kind = kind;
+    e->stage = stage;
+    e->mb = mb;
 }
 
 static void smp__pipe_free(void *p) {
@@ -1139,8 +1084,7 @@ static void smp__pipe_free(void *p) {
     smp__free(ps->edge_of_input);
     smp__free(ps->scratch);
     smp__free(ps->await);
-    smp__free(ps->await_link);
-    smp__free(ps->peak); /* and stage_index */
+    smp__free(ps->peak); /* and the other int arrays of its block */
     smp__free(ps->internal);
     for (int q = 0; q < ps->nshared; q++) smp__free(ps->shared[q].grad.data);
     smp__free(ps->shared);
@@ -1149,13 +1093,14 @@ static void smp__pipe_free(void *p) {
     smp__free(ps->links);
     smp_schedule_free(&ps->sched[0]);
     smp_schedule_free(&ps->sched[1]);
-    smp__cancel_err_recv(ps);
+    if (ps->err_req != MPI_REQUEST_NULL) { /* the receive of failure notices goes with the model */
+        SMP__MPI_WARN(MPI_Cancel(&ps->err_req), "withdrawing the receive of pipeline failure notices");
+        SMP__MPI_WARN(MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE), "withdrawing the receive of pipeline failure notices");
+    }
     if (smp__ctx.initialized && ps->comm != MPI_COMM_NULL) {
         SMP__MPI_WARN(MPI_Comm_free(&ps->comm), "releasing a pipeline's communicator");
         SMP__MPI_WARN(MPI_Comm_free(&ps->err_comm), "releasing a pipeline's failure communicator");
     }
-    smp__free(ps->dev_sent);
-    smp__free(ps->inflight);
     smp__free(ps->events);
     for (int b = 0; b < ps->nbuckets; b++) smp__free(ps->buckets[b].data); /* parameters stop pointing here first */
     smp__free(ps->buckets);
@@ -1171,15 +1116,6 @@ static void smp__post_err(smp__pipe *ps) {
     ps->err_from = -1;
     SMP__MPI_FATAL(MPI_Irecv(ps->err_msg, (int)sizeof ps->err_msg, MPI_CHAR, MPI_ANY_SOURCE, 1, ps->err_comm, &ps->err_req),
                    "posting the receive of pipeline failure notices (MP_GROUP)");
-}
-
-/* The pipeline's communicators (they inherit MPI_ERRORS_RETURN from
-   MP_GROUP's). MPI_Comm_dup is a blocking collective of MP_GROUP: its
-   failures abort. */
-static void smp__pipe_comms(smp__pipe *ps) {
-    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->comm), "making a pipeline's communicator (MP_GROUP)");
-    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->err_comm), "making a pipeline's failure communicator (MP_GROUP)");
-    smp__post_err(ps);
 }
 
 static bool smp__in_subtree(const smp_module *m, const smp_module *root) {
@@ -1201,8 +1137,7 @@ static smp_status smp__shared_build(smp__pipe *ps, smp_model *md) {
         for (int i = 0; i < md->nparams; i++) {
             smp_param *p = md->params[i];
             if (p->is_buffer || !smp__in_subtree(p->module, mod)) continue;
-            if (!smp__grow((void **)&ps->shared, &cap, ps->nshared + 1, sizeof *ps->shared, NULL))
-                return smp__nomem(sizeof *ps->shared * (size_t)(ps->nshared + 1), "the pipeline's shared modules");
+            if (!smp__grow_or(&st, (void **)&ps->shared, &cap, ps->nshared + 1, sizeof *ps->shared, "the pipeline's shared modules")) return st;
             smp__shared *q = &ps->shared[ps->nshared++];
             q->call = k;
             q->param = i;
@@ -1259,22 +1194,22 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
             ps->edges[e].out = r.index;
             ps->edges[e].consumer = c;
             ps->edges[e].input = i;
+            ps->edges[e].stage = c < n ? md->calls[c].stage : S - 1;
+            ps->edges[e].remote = md->stage_rank[ps->edges[e].stage] != md->stage_rank[md->calls[r.call].stage];
             if (c < n) ps->edge_of_input[c * ps->maxin + i] = e;
         }
     }
     smp__free(count);
     count = NULL;
-    ps->body_stage = S - 1;
     /* links between stages on different ranks */
     link_of = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(S * S), SMP__ALLOC_OTHER, what);
     for (int i = 0; i < S * S && !st; i++) link_of[i] = -1;
     for (int e = 0; e < ps->nedges && !st; e++) {
-        int from = md->calls[ps->edges[e].call].stage;
-        int to = ps->edges[e].consumer < n ? md->calls[ps->edges[e].consumer].stage : ps->body_stage;
-        if (md->stage_rank[from] == md->stage_rank[to]) continue;
+        int from = md->calls[ps->edges[e].call].stage, to = ps->edges[e].stage;
+        if (!ps->edges[e].remote) continue;
         int *L = &link_of[from * S + to];
         if (*L < 0) {
-            if (!smp__grow((void **)&ps->links, &cap, ps->nlinks + 1, sizeof(smp__link), NULL)) { st = smp__nomem(sizeof(smp__link) * (size_t)(ps->nlinks + 1), what); break; }
+            if (!smp__grow_or(&st, (void **)&ps->links, &cap, ps->nlinks + 1, sizeof(smp__link), what)) break;
             *L = ps->nlinks++;
             smp__link *l = &ps->links[*L];
             memset(l, 0, sizeof *l);
@@ -1299,16 +1234,16 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     }
     ps->scratch = (const smp_tensor **)smp__alloc_or(&st, sizeof(smp_tensor *) * (size_t)most, SMP__ALLOC_OTHER, what);
     ps->await = (smp__xfer **)smp__alloc_or(&st, sizeof(smp__xfer *) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER, what);
-    ps->await_link = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER, what);
-    ps->peak = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)S, SMP__ALLOC_OTHER, what);
+    ps->peak = (int *)smp__alloc_or(&st, sizeof(int) * (3 * (size_t)S + 5 * (size_t)P + (size_t)ps->nlinks + 1), SMP__ALLOC_OTHER, what);
     ps->internal = (bool *)smp__alloc_or(&st, (size_t)T + 1, SMP__ALLOC_OTHER, what);
-    ps->inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)S, SMP__ALLOC_OTHER, what);
-    ps->dev_sent = (int *)smp__alloc_or(&st, sizeof(int) * 5 * (size_t)P, SMP__ALLOC_OTHER, what);
     if (st || (st = smp__shared_build(ps, md))) goto fail;
-    ps->stage_index = ps->peak + S;
+    ps->stage_index = ps->peak + S; /* the rest of peak's block */
+    ps->inflight = ps->stage_index + S;
+    ps->dev_sent = ps->inflight + S;
     ps->dev_posted = ps->dev_sent + P;
     ps->msgs_sent = ps->dev_sent + 2 * P;
     ps->msgs_got = ps->dev_sent + 4 * P;
+    ps->await_link = ps->dev_sent + 5 * P;
     for (int k = 0; k < n; k++) {
         const smp__call_rec *c = &md->calls[k];
         for (int j = 0; j < c->nout && c->recompute_first >= 0; j++) {
@@ -1323,7 +1258,11 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     ps->dev_p2p = ps->on_device && b->p2p_connect && b->isend && b->irecv && b->test && b->wait && !(b->p2p_through_host && b->p2p_through_host());
     ps->timeline = getenv("SMP_TIMELINE") && *getenv("SMP_TIMELINE");
     ps->t_origin = smp__now();
-    smp__pipe_comms(ps);
+    /* the pipeline's communicators (they inherit MPI_ERRORS_RETURN from
+       MP_GROUP's). MPI_Comm_dup is a blocking collective of MP_GROUP: its failures abort */
+    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->comm), "making a pipeline's communicator (MP_GROUP)");
+    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->err_comm), "making a pipeline's failure communicator (MP_GROUP)");
+    smp__post_err(ps);
     return ps;
 fail:
     smp__free(count);
@@ -1337,8 +1276,19 @@ static smp_status smp__tensor_scale(const smp_tensor *t, double by) {
     return smp__ctx.device.scale(t->data, t->dtype, smp_tensor_numel(t), by);
 }
 
+/* Whether p has a gradient on this rank. */
+static bool smp__local_grad(const smp_param *p) { return !p->is_buffer && p->grad.data && smp_module_is_local(p->module); }
+
+/* Multiplies every gradient this rank holds by `by`. */
+static smp_status smp__scale_grads(smp_model *md, double by) {
+    smp_status st = SMP_OK;
+    for (int i = 0; i < md->nparams && !st; i++)
+        if (smp__local_grad(md->params[i])) st = smp__tensor_scale(&md->params[i]->grad, by);
+    return st;
+}
+
 /* ---------------------------------------------------------------- transport */
-static int smp__tag(const smp__pipe *ps, int link, bool backward) { (void)ps; return (link * 2 + (backward ? 1 : 0)) * 2; }
+static int smp__tag(int link, bool backward) { return (link * 2 + (backward ? 1 : 0)) * 2; }
 
 static smp__xfer *smp__recv_slot(smp__pipe *ps, int link, int mb, bool backward) {
     return &ps->recv[((size_t)link * (size_t)ps->m + (size_t)mb) * 2 + (backward ? 1 : 0)];
@@ -1353,7 +1303,7 @@ static smp_status smp__post_recv(smp__pipe *ps, int link, int mb, bool backward)
     x->hdr = (int64_t *)smp__alloc_or(&st, sizeof(int64_t) * (size_t)SMP__HDR_WORDS(x->ntensors), SMP__ALLOC_OTHER, "a pipeline message header");
     if (st) return st;
     x->req[0] = x->req[1] = MPI_REQUEST_NULL;
-    SMP__MPI(MPI_Irecv(x->hdr, SMP__HDR_WORDS(x->ntensors), MPI_INT64_T, x->peer, smp__tag(ps, link, backward), ps->comm, &x->req[0]),
+    SMP__MPI(MPI_Irecv(x->hdr, SMP__HDR_WORDS(x->ntensors), MPI_INT64_T, x->peer, smp__tag(link, backward), ps->comm, &x->req[0]),
              "posting the receive of %s %d's header from mp rank %d", backward ? "a gradient for microbatch" : "an activation of microbatch", mb, x->peer);
     x->state = 1;
     return SMP_OK;
@@ -1419,12 +1369,8 @@ static void smp__device_wait_all(smp__xfer *x) {
 /* The device receives of an arrived header, into one device buffer. */
 static smp_status smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
     smp_status st = SMP_OK;
-    x->buf = smp__dev_alloc(x->bytes, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER);
-    if (!x->buf) {
-        char why[256];
-        snprintf(why, sizeof why, "a pipeline message from mp rank %d (device memory: %.150s)", x->peer, smp__errbuf);
-        return smp__nomem(x->bytes, why);
-    }
+    smp_tensor whole = smp_tensor_1d(NULL, SMP_U8, (int64_t)x->bytes);
+    x->buf = smp__tensor_alloc_or(&st, &whole, true, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER, "a pipeline message received");
     x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(x->ntensors + 1), SMP__ALLOC_OTHER, "a pipeline message received");
     if (st) return st;
     char *p = (char *)x->buf;
@@ -1444,10 +1390,10 @@ static smp_status smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
    datatype) from MPI_BOTTOM (their absolute addresses), any sizes. */
 static smp_status smp__gather_type(const smp_tensor *const *ts, int nt, int *count, MPI_Datatype *type) {
     smp_status st = SMP_OK;
-    int *lens = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)nt, SMP__ALLOC_OTHER, "a pipeline message's datatype");
-    MPI_Aint *at = (MPI_Aint *)smp__alloc_or(&st, sizeof(MPI_Aint) * (size_t)nt, SMP__ALLOC_OTHER, "a pipeline message's datatype");
-    MPI_Datatype *parts = (MPI_Datatype *)smp__alloc_or(&st, sizeof(MPI_Datatype) * (size_t)nt, SMP__ALLOC_OTHER, "a pipeline message's datatype");
-    int made = 0;
+    size_t each = sizeof(MPI_Aint) + sizeof(MPI_Datatype) + sizeof(int); /* one block: at, parts, lens */
+    MPI_Aint *at = (MPI_Aint *)smp__alloc_or(&st, each * (size_t)nt, SMP__ALLOC_OTHER, "a pipeline message's datatype");
+    MPI_Datatype *parts = at ? (MPI_Datatype *)(void *)(at + nt) : NULL;
+    int *lens = at ? (int *)(void *)(parts + nt) : NULL, made = 0;
     for (; made < nt && !st; made++) {
         st = smp__bytes_type(smp_tensor_nbytes(ts[made]), &lens[made], &parts[made]);
         if (!st) st = SMP__MPI_CHECK(MPI_Get_address(ts[made]->data, &at[made]), "locating tensor %d of a pipeline message", made);
@@ -1457,23 +1403,37 @@ static smp_status smp__gather_type(const smp_tensor *const *ts, int nt, int *cou
         SMP__MPI_WARN(MPI_Type_free(type), "releasing an uncommitted pipeline message datatype");
     for (int i = 0; i < made && parts; i++)
         if (parts[i] != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&parts[i]), "releasing a part of a pipeline message datatype");
-    smp__free(lens);
     smp__free(at);
-    smp__free(parts);
     *count = 1;
     return st;
 }
 
-/* Sends tensors of stage `stage`, microbatch `mb`: host tensors without
-   copying them (a datatype of absolute addresses), device tensors through
-   the backend or a host staging buffer (see the executor's comment). */
-static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_tensor *const *ts, int nt, int stage, int mb) {
+/* Lets go of a transfer's memory: a send once sent, a receive at the step's end. */
+static void smp__xfer_free(smp__xfer *x) {
+    smp__free(x->hdr);
+    smp__free(x->buf);
+    smp__free(x->dev_req);
+    x->hdr = NULL;
+    x->buf = NULL;
+    x->dev_req = NULL;
+    x->state = 0;
+}
+
+/* Sends what the forward (activations) or backward (gradient
+   contributions) of stage `stage` on microbatch `mb` has for a link: host
+   tensors without copying them (a datatype of absolute addresses), device
+   tensors through the backend or a host staging buffer (see the executor's
+   comment). */
+static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, int mb) {
     smp__link *l = &ps->links[link];
+    const smp_tensor **ts = ps->scratch;
+    int nt = backward ? l->nedges : l->ntensors;
+    for (int t = 0; t < nt; t++) ts[t] = backward ? &ps->mb[mb].contrib[l->edges[t]] : &ps->mb[mb].act[l->tensors[t]];
     smp_status st = SMP_OK;
     const char *what = "a pipeline message";
     if (smp__injected(SMP_FAULT_SEND))
         return smp_error(SMP_ERR_MPI, "MPI_Isend to mp rank %d failed: injected by smp_testing_fail", backward ? l->peer_from : l->peer_to);
-    if (!smp__grow((void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer), NULL)) return smp__nomem(sizeof(smp__xfer) * (size_t)(ps->nsends + 1), what);
+    if (!smp__grow_or(&st, (void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer), what)) return st;
     smp__xfer *x = &ps->sends[ps->nsends];
     memset(x, 0, sizeof *x);
     x->peer = backward ? l->peer_from : l->peer_to;
@@ -1496,10 +1456,9 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
         st = smp__tensor_copy(&h, ts[i]);
         at += smp_tensor_nbytes(ts[i]);
     }
+    x->buf = staging;
     if (st) { /* nothing went out: the step fails like any other error */
-        smp__free(staging);
-        smp__free(x->hdr);
-        smp__free(x->dev_req);
+        smp__xfer_free(x);
         return st;
     }
     ps->nsends++;
@@ -1513,7 +1472,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
     }
     x->hdr[10 * nt] = ps->dev_sent[x->peer];
     smp__hdr_seal(x->hdr, nt);
-    int tag = smp__tag(ps, link, backward);
+    int tag = smp__tag(link, backward);
     if (ps->dev_p2p) {
         /* the transfers first: the peer queues its receives when the header arrives */
         for (int i = 0; i < nt; i++) {
@@ -1528,7 +1487,6 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
        done and is freed like any other, and the step fails (the peer hears
        of it through the failure notice, not the message) */
     const char *kind = backward ? "gradients" : "activations";
-    x->buf = staging;
     st = SMP__MPI_CHECK(MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]),
                         "sending the header of stage %d's %s for microbatch %d to mp rank %d", stage, kind, mb, x->peer);
     if (!st) ps->msgs_sent[2 * x->peer]++;
@@ -1547,16 +1505,6 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, const smp_te
     if (!st) ps->msgs_sent[2 * x->peer]++;
     if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a pipeline message datatype"); /* MPI keeps it for the send in flight */
     return st;
-}
-
-static void smp__send_done(smp__xfer *x) {
-    smp__free(x->hdr);
-    smp__free(x->buf);
-    smp__free(x->dev_req);
-    x->hdr = NULL;
-    x->buf = NULL;
-    x->dev_req = NULL;
-    x->state = 0;
 }
 
 /* Moves every transfer forward once; an error when an arrived header is
@@ -1631,7 +1579,7 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
         if (done && smp__device_done(x)) {
             smp__device_wait_all(x);
             if (x->hdr) smp__event_add(ps, 5, x->stage, x->mb, x->t_post); /* not a failed step's shared gradients */
-            smp__send_done(x);
+            smp__xfer_free(x);
         }
     }
     /* drop finished sends from the front so the list stays short */
@@ -1642,21 +1590,6 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
 }
 
 static void smp__ddp_poll(smp__pipe *ps);
-
-/* Moves every transfer forward once, and the gradient buckets (the next
-   starts while this rank waits); SMP_ERR_REMOTE when another rank reported
-   an error, or this rank's own transfer error. */
-static smp_status smp__progress(smp__pipe *ps) {
-    int flag = 0;
-    MPI_Status st;
-    smp_status es = SMP__MPI_CHECK(MPI_Test(&ps->err_req, &flag, &st), "looking for pipeline failure notices (MP_GROUP)");
-    if (es) return es;
-    if (flag && ps->err_from < 0) ps->err_from = st.MPI_SOURCE;
-    if (flag) { ps->failed_remote = true; return smp_error(SMP_ERR_REMOTE, "another rank failed"); }
-    smp_status err = smp__progress_transfers(ps);
-    if (!err && ps->sync) smp__ddp_poll(ps);
-    return err;
-}
 
 /* Between two calls of a stage. A send over MPI's rendezvous size moves
    only while its sender is inside MPI, and a stage computes for
@@ -1670,13 +1603,16 @@ static smp_status smp__between_calls(smp__pipe *ps) {
     return err;
 }
 
-/* The device sends of F(s, i) read its activations until they are done.
-   Called once B(s, i) has run, when the peers have received them. */
-static void smp__finish_forward_sends(smp__pipe *ps, int s, int i) {
-    for (int k = 0; k < ps->nsends; k++) {
-        smp__xfer *x = &ps->sends[k];
-        if (x->state == 1 && !x->backward && x->stage == s && x->mb == i) smp__device_wait_all(x);
-    }
+/* The same while this rank waits (the next gradient bucket starts
+   meanwhile); SMP_ERR_REMOTE when another rank reported an error. */
+static smp_status smp__progress(smp__pipe *ps) {
+    int flag = 0;
+    MPI_Status st;
+    smp_status es = SMP__MPI_CHECK(MPI_Test(&ps->err_req, &flag, &st), "looking for pipeline failure notices (MP_GROUP)");
+    if (es) return es;
+    if (flag && ps->err_from < 0) ps->err_from = st.MPI_SOURCE;
+    if (flag) { ps->failed_remote = true; return smp_error(SMP_ERR_REMOTE, "another rank failed"); }
+    return smp__between_calls(ps);
 }
 
 /* A failed step may leave device transfers in flight that no receive has
@@ -1708,6 +1644,19 @@ static void smp__drain_device(smp__pipe *ps) {
     smp__free(sent_to_me);
 }
 
+/* Takes back a receive of a failed step: true when it had not matched;
+   else *source (when not NULL) names the sender. Its failures abort: the
+   drain's count of what arrived would be wrong. */
+static bool smp__withdraw(MPI_Request *req, int *source) {
+    MPI_Status cs;
+    int cancelled = 0;
+    SMP__MPI_FATAL(MPI_Cancel(req), "withdrawing a receive of a failed step");
+    SMP__MPI_FATAL(MPI_Wait(req, &cs), "withdrawing a receive of a failed step");
+    SMP__MPI_FATAL(MPI_Test_cancelled(&cs, &cancelled), "withdrawing a receive of a failed step");
+    if (!cancelled && source) *source = cs.MPI_SOURCE;
+    return cancelled;
+}
+
 /* A failed step must leave no message behind: one nobody receives sits in
    MPI's queues until the process ends (UCX warns about each at
    MPI_Finalize), and the next step on the same communicator and tag would
@@ -1737,25 +1686,14 @@ static void smp__drain_messages(smp__pipe *ps) {
         bool bytes_over_mpi = !ps->dev_p2p, pending = x->state == 1 || (x->state == 2 && bytes_over_mpi);
         int got = x->state == 1 ? 0 : 1 + (x->state == 3 && bytes_over_mpi);
         if (pending) {
-            MPI_Status cs;
-            int cancelled = 0;
-            SMP__MPI_FATAL(MPI_Cancel(&x->req[x->state - 1]), "withdrawing a receive of a failed step");
-            SMP__MPI_FATAL(MPI_Wait(&x->req[x->state - 1], &cs), "withdrawing a receive of a failed step");
-            SMP__MPI_FATAL(MPI_Test_cancelled(&cs, &cancelled), "withdrawing a receive of a failed step");
+            bool cancelled = smp__withdraw(&x->req[x->state - 1], NULL);
             got += !cancelled;
             x->state = cancelled ? 0 : x->state == 1 ? 5 : 3;
         }
         left[2 * x->peer] -= got;
     }
     int from = ps->err_from;
-    if (ps->err_req != MPI_REQUEST_NULL) {
-        MPI_Status cs;
-        int cancelled = 0;
-        SMP__MPI_FATAL(MPI_Cancel(&ps->err_req), "withdrawing a receive of a failed step");
-        SMP__MPI_FATAL(MPI_Wait(&ps->err_req, &cs), "withdrawing a receive of a failed step");
-        SMP__MPI_FATAL(MPI_Test_cancelled(&cs, &cancelled), "withdrawing a receive of a failed step");
-        if (!cancelled) from = cs.MPI_SOURCE;
-    }
+    if (ps->err_req != MPI_REQUEST_NULL) smp__withdraw(&ps->err_req, &from); /* one that matched names its sender */
     if (from >= 0) left[2 * from + 1]--;
     smp_wait_requests(1, &req, "the message counts of a failed step", SMP_MP_GROUP, -1);
     for (int k = 0; k < 2 * P; k++) {
@@ -1793,7 +1731,7 @@ static void smp__drain_messages(smp__pipe *ps) {
             if (x->state == 1) SMP__MPI_FATAL(MPI_Testall(2, x->req, &done, sts), "completing a send of a failed step to mp rank %d", x->peer);
             if (done && smp__device_done(x)) {
                 smp__device_wait_all(x);
-                smp__send_done(x);
+                smp__xfer_free(x);
             }
             pending = pending || x->state == 1;
         }
@@ -1803,22 +1741,6 @@ static void smp__drain_messages(smp__pipe *ps) {
     ps->nsends = 0;
     smp__free(left);
     smp__post_err(ps);
-}
-
-static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0) {
-    if (!ps->timeline) return;
-    if (!smp__grow((void **)&ps->events, &ps->events_cap, ps->nevents + 1, sizeof(smp__event), NULL)) {
-        /* a diagnostic, not the job's work: it stops, and says so */
-        smp__log(SMP_LOG_WARN, "out of memory recording the timeline after %d events: SMP_TIMELINE records no more", ps->nevents);
-        ps->timeline = false;
-        return;
-    }
-    smp__event *e = &ps->events[ps->nevents++];
-    e->t0 = t0 - ps->t_origin;
-    e->t1 = smp__now() - ps->t_origin;
-    e->kind = kind;
-    e->stage = stage;
-    e->mb = mb;
 }
 
 /* Waits until the given receives have arrived. SMP_ERR_REMOTE when another
@@ -1907,7 +1829,6 @@ static smp_status smp__slice(const smp_tensor *t, int axis, int m, int i, smp_te
 }
 
 static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, int m) {
-    if (!d->model) return smp_error(SMP_ERR_ARG, "smp_step: desc.model is NULL");
     if (d->nargs < 1 || d->nargs > SMP_MAX_STEP_ARGS) return smp_error(SMP_ERR_ARG, "smp_step: %d arguments (1..%d)", d->nargs, SMP_MAX_STEP_ARGS);
     int nmi = d->nmodel_inputs ? d->nmodel_inputs : md->desc.ninputs;
     if (nmi != md->desc.ninputs) return smp_error(SMP_ERR_ARG, "smp_step: %d model inputs named, the model takes %d", nmi, md->desc.ninputs);
@@ -1969,18 +1890,16 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
         memset(b, 0, sizeof *b);
         b->dtype = md->params[order[j]]->grad.dtype;
         b->first = j;
-        size_t bytes = 0;
+        size_t bytes = 0, es = smp_dtype_size(b->dtype);
         int k = j;
-        size_t es = smp_dtype_size(b->dtype);
-        while (k < n && md->params[order[k]]->grad.dtype == b->dtype &&
-               (k == j || ((double)(bytes + smp_tensor_nbytes(&md->params[order[k]]->grad)) <= cap &&
-                           (bytes + smp_tensor_nbytes(&md->params[order[k]]->grad)) / es <= (size_t)INT32_MAX))) { /* MPI counts are int */
-            bytes += smp_tensor_nbytes(&md->params[order[k]]->grad);
-            k++;
+        for (; k < n && md->params[order[k]]->grad.dtype == b->dtype; k++) {
+            size_t more = bytes + smp_tensor_nbytes(&md->params[order[k]]->grad);
+            if (k > j && ((double)more > cap || more / es > (size_t)INT32_MAX)) break; /* MPI counts are int */
+            bytes = more;
         }
         b->count = k - j;
         b->bytes = bytes;
-        b->numel = (int64_t)(bytes / smp_dtype_size(b->dtype));
+        b->numel = (int64_t)(bytes / es);
         smp_tensor whole = smp_tensor_1d(NULL, b->dtype, b->numel);
         if (!smp__tensor_alloc_or(&st, &whole, ps->on_device, SMP__ALLOC_PARAM, "a data-parallel gradient bucket")) return st;
         b->data = whole.data;
@@ -1989,7 +1908,6 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
         size_t at = 0;
         for (int q = j; q < k; q++) {
             smp_param *p = md->params[order[q]];
-            size_t pb = smp_tensor_nbytes(&p->grad);
             smp_tensor place = p->grad;
             place.data = (char *)b->data + at;
             if ((st = smp__tensor_copy(&place, &p->grad))) return st;
@@ -1997,7 +1915,7 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
             p->grad.data = place.data;
             p->grad_in_bucket = true;
             ps->bucket_of[order[q]] = ps->nbuckets - 1;
-            at += pb;
+            at += smp_tensor_nbytes(&place);
         }
         j = k;
     }
@@ -2200,17 +2118,24 @@ static double smp__grad_at(const smp_tensor *g, int64_t x) {
     }
 }
 
-/* A parameter's gradient where the host can read it: itself, or a copy in
-   *copy (free it) for a device gradient. The norm and the scaler's overflow
-   check read device gradients through such copies: one pass over the
-   gradients per step, and the host sums keep the norm bitwise equal to the
-   one-process norm wherever the gradients live. */
-static smp_status smp__grad_on_host(const smp_param *p, smp_tensor *view, void **copy) {
-    *view = p->grad;
-    *copy = NULL;
-    if (p->grad.device == SMP_HOST) return SMP_OK;
-    *copy = smp__tensor_alloc(view, false, SMP__ALLOC_OTHER);
-    return smp__tensor_copy(view, &p->grad);
+/* Reads p's gradient on the host: adds the sum of its squares to *sq and
+   sets *bad on an inf or NaN. The norm and the scaler's overflow check read
+   a device gradient through a host copy: one pass over the gradients per
+   step, and the host sums keep the norm bitwise equal to the one-process
+   norm wherever the gradients live. */
+static smp_status smp__grad_scan(const smp_param *p, double *sq, int *bad) {
+    smp_tensor g = p->grad;
+    smp_status st = SMP_OK;
+    void *copy = g.device == SMP_HOST ? NULL : smp__tensor_alloc_or(&st, &g, false, SMP__ALLOC_OTHER, "a host copy of a gradient");
+    if (copy) st = smp__tensor_copy(&g, &p->grad);
+    int64_t n = st ? 0 : smp_tensor_numel(&g);
+    for (int64_t x = 0; x < n; x++) {
+        double v = smp__grad_at(&g, x);
+        *sq += v * v;
+        *bad |= !isfinite(v);
+    }
+    smp__free(copy);
+    return st;
 }
 
 static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
@@ -2220,21 +2145,15 @@ static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
        MP_GROUP: summing them (x + 0 is exact) and then adding them up in
        model order gives the one-process result on every rank */
     double *sq = (double *)smp__alloc(sizeof(double) * (size_t)(m->nparams + 1), SMP__ALLOC_OTHER);
+    if (!sq) smp__fatal("out of memory: %d partial sums of the gradient norm on rank %d, which MP_GROUP waits on", m->nparams, smp__ctx.rank);
+    int bad = 0;
     for (int i = 0; i < m->nparams; i++) {
         smp_param *p = m->params[i];
         sq[i] = 0;
         /* a shared module's copies hold one gradient: its first partition counts it */
-        if (p->is_buffer || !p->grad.data || !smp_module_is_local(p->module) || p->module->partition != smp__ctx.mp_rank) continue;
-        smp_tensor g;
-        void *copy;
-        smp_status cs = smp__grad_on_host(p, &g, &copy);
+        if (!smp__local_grad(p) || p->module->partition != smp__ctx.mp_rank) continue;
+        smp_status cs = smp__grad_scan(p, &sq[i], &bad);
         if (cs && !st) st = cs;
-        int64_t n = cs ? 0 : smp_tensor_numel(&g);
-        for (int64_t x = 0; x < n; x++) {
-            double v = smp__grad_at(&g, x);
-            sq[i] += v * v;
-        }
-        smp__free(copy);
     }
     smp_tensor t = smp_tensor_1d(sq, SMP_F64, m->nparams);
     smp_status rs = smp_all_reduce(&t, &t, SMP_SUM, SMP_MP_GROUP); /* even after a local error: the others wait for it */
@@ -2254,11 +2173,7 @@ SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *tota
     if (total_norm) *total_norm = norm;
     double coef = max_norm / (norm + 1e-6);
     if (coef >= 1.0) return SMP_OK;
-    for (int i = 0; i < m->nparams && !st; i++) {
-        smp_param *p = m->params[i];
-        if (!p->is_buffer && p->grad.data && smp_module_is_local(p->module)) st = smp__tensor_scale(&p->grad, coef);
-    }
-    return st;
+    return smp__scale_grads(m, coef);
 }
 
 /* ---------------------------------------------------------------- loss scaling */
@@ -2273,20 +2188,10 @@ SMPDEF double smp_grad_scaler_scale(smp_grad_scaler *s) { smp__scaler_defaults(s
 SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool *skip) {
     smp__scaler_defaults(s);
     int bad = 0;
+    double sq = 0;
     smp_status st = SMP_OK;
-    for (int i = 0; i < m->nparams && !bad && !st; i++) {
-        smp_param *p = m->params[i];
-        if (p->is_buffer || !p->grad.data || !smp_module_is_local(p->module)) continue;
-        smp_tensor g;
-        void *copy;
-        st = smp__grad_on_host(p, &g, &copy);
-        int64_t n = st ? 0 : smp_tensor_numel(&g);
-        for (int64_t x = 0; x < n && !bad; x++) {
-            double v = smp__grad_at(&g, x);
-            bad = !isfinite(v);
-        }
-        smp__free(copy);
-    }
+    for (int i = 0; i < m->nparams && !bad && !st; i++)
+        if (smp__local_grad(m->params[i])) st = smp__grad_scan(m->params[i], &sq, &bad);
     if (st) bad = 1; /* unreadable gradients: skip the step everywhere, and say why here */
     smp_tensor t = smp_tensor_1d(&bad, SMP_I32, 1);
     smp_status rs = smp_all_reduce(&t, &t, SMP_MAX, SMP_WORLD); /* one rank's overflow is everyone's */
@@ -2297,11 +2202,7 @@ SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool
         s->good_steps = 0;
         return SMP_OK;
     }
-    for (int i = 0; i < m->nparams && !st; i++) {
-        smp_param *p = m->params[i];
-        if (!p->is_buffer && p->grad.data && smp_module_is_local(p->module)) st = smp__tensor_scale(&p->grad, 1.0 / s->scale);
-    }
-    if (st) return st;
+    if ((st = smp__scale_grads(m, 1.0 / s->scale))) return st;
     if (++s->good_steps >= s->growth_interval) { s->scale *= s->growth_factor; s->good_steps = 0; }
     return SMP_OK;
 }
@@ -2314,7 +2215,9 @@ SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int6
     int64_t n = d->dataset_size, L = d->batch_size, G = L * dp;
     int64_t nb = d->drop_last ? n / G : (n + G - 1) / G;
     if (nb == 0) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: %lld samples do not fill one global batch of %lld (%d replicas x %lld)", (long long)n, (long long)G, dp, (long long)L);
-    int64_t *perm = (int64_t *)smp__alloc(sizeof(int64_t) * (size_t)n, SMP__ALLOC_OTHER);
+    smp_status st = SMP_OK;
+    int64_t *perm = (int64_t *)smp__bytes_or(&st, sizeof(int64_t) * (size_t)n, SMP__ALLOC_OTHER, "the sampler's permutation");
+    if (st) return st;
     for (int64_t i = 0; i < n; i++) perm[i] = i;
     if (d->shuffle) {
         uint64_t state = d->seed * UINT64_C(0x9e3779b97f4a7c15) + (uint64_t)epoch;
@@ -2413,11 +2316,30 @@ static smp_status smp__shared_start(smp__pipe *ps) {
     for (int q = 0; q < ps->nshared && !st; q++) {
         smp__shared *s = &ps->shared[q];
         if (s->part != smp__ctx.mp_rank) continue;
-        if (!s->grad.data && !smp__tensor_alloc(&s->grad, ps->on_device, SMP__ALLOC_PARAM))
-            return smp_error(SMP_ERR_NOMEM, "out of memory for the gradient of a shared parameter (%zu bytes): %s", smp_tensor_nbytes(&s->grad), smp_last_error());
-        st = smp__tensor_zero(&s->grad);
+        if (!s->grad.data) smp__tensor_alloc_or(&st, &s->grad, ps->on_device, SMP__ALLOC_PARAM, "the gradient of a shared parameter");
+        if (!st) st = smp__tensor_zero(&s->grad);
     }
     return st;
+}
+
+/* The slots that travel between this rank and peer one way (send: those
+   this rank ran for a copy there; receive: those peer ran for a parameter
+   here), back to back in host memory: copied into buf (send) or out of it,
+   and their bytes returned (buf NULL: only counted). */
+static size_t smp__shared_pack(smp__pipe *ps, smp_model *md, bool send, int peer, char *buf, smp_status *st) {
+    size_t at = 0;
+    for (int q = 0; q < ps->nshared && !*st; q++) {
+        smp__shared *s = &ps->shared[q];
+        if (send ? s->part != smp__ctx.mp_rank || !smp__shared_held(ps, s->param, peer) : s->part != peer || !md->params[s->param]->module->local)
+            continue;
+        smp_tensor h = s->grad;
+        h.device = SMP_HOST;
+        h.data = buf ? buf + at : NULL;
+        if (buf && !send && !s->grad.data) smp__tensor_alloc_or(st, &s->grad, ps->on_device, SMP__ALLOC_PARAM, "the gradient of a shared parameter");
+        if (buf && !*st) *st = send ? smp__tensor_copy(&h, &s->grad) : smp__tensor_copy(&s->grad, &h);
+        at += smp_tensor_nbytes(&h);
+    }
+    return at;
 }
 
 /* The end of a training step for shared modules: every partition holding a
@@ -2436,26 +2358,11 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
     /* pass 0: receive what peer ran for parameters here; pass 1: send what this rank ran for parameters there */
     for (int pass = 0; pass < 2; pass++)
         for (int peer = 0; peer < P && !st; peer++) {
-            if (peer == me) continue;
-            size_t bytes = 0;
-            for (int q = 0; q < ps->nshared; q++) {
-                smp__shared *s = &ps->shared[q];
-                if (pass ? s->part == me && smp__shared_held(ps, s->param, peer) : s->part == peer && md->params[s->param]->module->local)
-                    bytes += smp_tensor_nbytes(&s->grad);
-            }
+            size_t bytes = peer == me ? 0 : smp__shared_pack(ps, md, pass, peer, NULL, &st);
             if (!bytes) continue;
             char *b = buf[pass * P + peer] = (char *)smp__alloc_or(&st, bytes, SMP__ALLOC_OTHER, what);
-            if (!b) break;
-            for (size_t at = 0, q = 0; pass && q < (size_t)ps->nshared && !st; q++) {
-                smp__shared *s = &ps->shared[q];
-                if (s->part != me || !smp__shared_held(ps, s->param, peer)) continue;
-                smp_tensor h = s->grad;
-                h.device = SMP_HOST;
-                h.data = b + at;
-                st = smp__tensor_copy(&h, &s->grad);
-                at += smp_tensor_nbytes(&h);
-            }
-            int tag = smp__tag(ps, ps->nlinks, false), count; /* past every link's */
+            if (b && pass) smp__shared_pack(ps, md, true, peer, b, &st);
+            int tag = smp__tag(ps->nlinks, false), count; /* past every link's */
             MPI_Datatype type;
             if (st || (st = smp__bytes_type(bytes, &count, &type))) break;
             slot[nreq] = pass * P + peer;
@@ -2496,29 +2403,10 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
         }
         /* a receive: a failed step takes back one that has not matched; the
            step's drain (smp__drain_messages) counts the others */
-        int cancelled = 0;
-        if (req[r] != MPI_REQUEST_NULL) {
-            MPI_Status cs;
-            SMP__MPI_WARN(MPI_Cancel(&req[r]), "withdrawing a shared gradients' receive of a failed step");
-            SMP__MPI_WARN(MPI_Wait(&req[r], &cs), "withdrawing a shared gradients' receive of a failed step");
-            SMP__MPI_WARN(MPI_Test_cancelled(&cs, &cancelled), "withdrawing a shared gradients' receive of a failed step");
-        }
-        if (!cancelled) ps->msgs_got[peer]++;
+        if (req[r] == MPI_REQUEST_NULL || !smp__withdraw(&req[r], NULL)) ps->msgs_got[peer]++;
     }
-    for (int peer = 0; peer < P && !st; peer++) { /* unpack what arrived */
-        char *b = buf[peer];
-        for (size_t at = 0, q = 0; b && q < (size_t)ps->nshared && !st; q++) {
-            smp__shared *s = &ps->shared[q];
-            if (s->part != peer || !md->params[s->param]->module->local) continue;
-            if (!s->grad.data && !smp__tensor_alloc(&s->grad, ps->on_device, SMP__ALLOC_PARAM))
-                st = smp_error(SMP_ERR_NOMEM, "out of memory for the gradient of a shared parameter (%zu bytes): %s", smp_tensor_nbytes(&s->grad), smp_last_error());
-            smp_tensor h = s->grad;
-            h.device = SMP_HOST;
-            h.data = b + at;
-            if (!st) st = smp__tensor_copy(&s->grad, &h);
-            at += smp_tensor_nbytes(&h);
-        }
-    }
+    for (int peer = 0; peer < P && !st; peer++)
+        if (buf[peer]) smp__shared_pack(ps, md, false, peer, buf[peer], &st); /* unpack what arrived */
     for (int q = 0; q < ps->nshared && !st; q++) { /* in call order: the sum every copy computes */
         smp_param *p = md->params[ps->shared[q].param];
         if (p->module->local) st = smp__add_into(&p->grad, &ps->shared[q].grad);
@@ -2606,7 +2494,6 @@ static void smp__recompute_drop(smp__pipe *ps, int i, int first, int last) {
 }
 
 static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i) {
-    smp__mbstate *st = &ps->mb[i];
     smp_status rc = smp__receive(ps, s, i, false);
     if (rc) return rc;
     double t0 = smp__now();
@@ -2619,38 +2506,27 @@ static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i)
     if (rc) return rc;
     smp__event_add(ps, 0, s, i, t0);
     ps->inflight[s]++;
-    for (int l = 0; l < ps->nlinks; l++) {
-        smp__link *L = &ps->links[l];
-        if (L->from != s) continue;
-        for (int t = 0; t < L->ntensors; t++) ps->scratch[t] = &st->act[L->tensors[t]];
-        if ((rc = smp__send(ps, l, false, ps->scratch, L->ntensors, s, i))) return rc;
-    }
-    return SMP_OK;
+    for (int l = 0; l < ps->nlinks && !rc; l++)
+        if (ps->links[l].from == s) rc = smp__send(ps, l, false, s, i);
+    return rc;
 }
 
 static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
     smp__mbstate *st = &ps->mb[i];
     smp_mb mb = {ps, md, i, st};
-    if (ps->training)
-        for (int o = 0; o < md->desc.noutputs; o++) {
-            smp_tensor *g = &st->out_grad[o];
-            *g = *smp_mb_output(&mb, o);
-            smp_status zs = SMP_OK;
-            if (!smp__tensor_alloc_or(&zs, g, ps->on_device, SMP__ALLOC_STASH, "the gradient of a model output")) return zs;
-            zs = smp__tensor_zero(g);
-            if (zs) return zs;
-        }
-    if (!ps->desc->body) { /* no body: the model's outputs are what the step returns */
-        for (int o = 0; o < ps->model_outs; o++) {
-            smp_status rs = smp_mb_return(&mb, o, smp_mb_output(&mb, o));
-            if (rs) return rs;
-        }
-        return SMP_OK;
+    smp_status rc = SMP_OK;
+    for (int o = 0; o < md->desc.noutputs && ps->training && !rc; o++) {
+        smp_tensor *g = &st->out_grad[o];
+        *g = *smp_mb_output(&mb, o);
+        if (smp__tensor_alloc_or(&rc, g, ps->on_device, SMP__ALLOC_STASH, "the gradient of a model output")) rc = smp__tensor_zero(g);
     }
+    /* no body: the model's outputs are what the step returns (model_outs is 0 with a body) */
+    for (int o = 0; o < ps->model_outs && !rc; o++) rc = smp_mb_return(&mb, o, smp_mb_output(&mb, o));
+    if (rc || !ps->desc->body) return rc;
     double t0 = smp__now();
     smp__errbuf[0] = 0;
-    smp_status rc = ps->desc->body(&mb);
-    smp__event_add(ps, 3, ps->body_stage, i, t0);
+    rc = ps->desc->body(&mb);
+    smp__event_add(ps, 3, md->nstages - 1, i, t0);
     if (rc) {
         char msg[sizeof smp__errbuf];
         memcpy(msg, smp__errbuf, sizeof msg);
@@ -2659,20 +2535,24 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
     const smp_config *cfg = &smp__ctx.cfg;
     double divisor = cfg->average_grads_across_microbatches == SMP_ON ? ps->m : 1;
     if (cfg->ddp == SMP_ON) divisor *= (double)smp_dp_size() * cfg->backward_passes_per_step;
-    if (ps->training && divisor != 1)
-        for (int o = 0; o < md->desc.noutputs && !rc; o++) rc = smp__tensor_scale(&st->out_grad[o], 1.0 / divisor);
-    if (rc) return rc;
-    /* the output gradients are the body's contributions to the model outputs */
-    if (ps->training)
-        for (int o = 0; o < md->desc.noutputs; o++) {
-            int t = md->outputs[o].call * ps->maxout + md->outputs[o].index;
-            for (int e = ps->first_edge[t]; e < ps->first_edge[t + 1]; e++)
-                if (ps->edges[e].consumer == md->ncalls && ps->edges[e].input == o) {
-                    st->contrib[e] = st->out_grad[o];
-                    st->out_grad[o].data = NULL; /* owned by the contribution now */
-                }
-        }
-    return SMP_OK;
+    for (int o = 0; o < md->desc.noutputs && ps->training && !rc; o++) {
+        if (divisor != 1) rc = smp__tensor_scale(&st->out_grad[o], 1.0 / divisor);
+        /* the output gradient is the body's contribution to model output o */
+        int t = md->outputs[o].call * ps->maxout + md->outputs[o].index;
+        for (int e = ps->first_edge[t]; e < ps->first_edge[t + 1]; e++)
+            if (ps->edges[e].consumer == md->ncalls && ps->edges[e].input == o) {
+                st->contrib[e] = st->out_grad[o];
+                st->out_grad[o].data = NULL; /* owned by the contribution now */
+            }
+    }
+    return rc;
+}
+
+/* Frees the output gradients a backward made (or kept for its W). */
+static void smp__drop_grad_outputs(smp_call_ctx *c) {
+    for (int j = 0; j < c->nout && c->grad_outputs; j++) smp__free(c->grad_outputs[j].data);
+    smp__free((void *)(uintptr_t)c->grad_outputs); /* smp's own, const only to the engine */
+    c->grad_outputs = NULL;
 }
 
 /* Whether the recomputed call that starts at leaf k holds a split module,
@@ -2697,14 +2577,13 @@ static smp_status smp__backward_done(smp__pipe *ps, smp_model *md, int k, int i)
    at the backward's peak). A contribution made on this rank is owned; a
    received one can be taken when its message carried nothing else, and
    its receive slot lets go of the buffer. */
-static bool smp__adopt_contrib(smp__pipe *ps, smp_model *md, int s, int i, int e, smp_tensor *gout) {
+static bool smp__adopt_contrib(smp__pipe *ps, int s, int i, int e, smp_tensor *gout) {
     smp_tensor *c = &ps->mb[i].contrib[e];
     if (!c->data || c->dtype != gout->dtype || smp_tensor_nbytes(c) != smp_tensor_nbytes(gout)) return false;
-    int cons = ps->edges[e].consumer, cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
-    if (md->stage_rank[cs] != md->stage_rank[s]) {
+    if (ps->edges[e].remote) {
         smp__xfer *x = NULL;
         for (int l = 0; l < ps->nlinks && !x; l++)
-            if (ps->links[l].to == cs && ps->links[l].from == s && ps->links[l].nedges == 1 && ps->links[l].edges[0] == e) x = smp__recv_slot(ps, l, i, true);
+            if (ps->links[l].to == ps->edges[e].stage && ps->links[l].from == s && ps->links[l].nedges == 1 && ps->links[l].edges[0] == e) x = smp__recv_slot(ps, l, i, true);
         if (!x || x->buf != c->data) return false;
         x->buf = NULL;
     }
@@ -2732,14 +2611,13 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         for (int j = 0; j < rec->nout && !rc; j++) {
             gout[j] = c->outputs[j];
             int t = k * mo + j, first = ps->first_edge[t], last = ps->first_edge[t + 1] - 1;
-            if (first == last && smp__adopt_contrib(ps, md, s, i, last, &gout[j])) continue;
+            if (first == last && smp__adopt_contrib(ps, s, i, last, &gout[j])) continue;
             if (!smp__tensor_alloc_or(&rc, &gout[j], ps->on_device, SMP__ALLOC_STASH, "an output gradient")) break;
             if (last < first) { rc = smp__tensor_zero(&gout[j]); continue; }
             rc = smp__tensor_copy(&gout[j], &st->contrib[last]);
             for (int e = last - 1; e >= first && !rc; e--) rc = smp__add_into(&gout[j], &st->contrib[e]);
             for (int e = first; e <= last && !rc; e++) { /* summed: the ones made here go now (received ones are views) */
-                int cons = ps->edges[e].consumer, cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
-                if (md->stage_rank[cs] == md->stage_rank[s]) smp__free(st->contrib[e].data);
+                if (!ps->edges[e].remote) smp__free(st->contrib[e].data);
                 st->contrib[e].data = NULL;
             }
         }
@@ -2757,11 +2635,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         bool later = ps->zb && smp__split_backward(rec->module);
         if (!rc) rc = smp__run_callback(c, later ? SMP__BACKWARD_INPUT : SMP__BACKWARD);
         for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
-        if (!later || rc) {
-            for (int j = 0; j < rec->nout; j++) smp__free(gout[j].data);
-            smp__free(gout);
-            c->grad_outputs = NULL;
-        }
+        if (!later || rc) smp__drop_grad_outputs(c);
         for (int j = 0; j < rec->nin; j++) {
             int e = ps->edge_of_input[k * ps->maxin + j];
             if (e >= 0) { st->contrib[e] = gin[j]; st->contrib[e].shape[0] = gin[j].shape[0]; }
@@ -2775,15 +2649,10 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         if (rc) return rc;
     }
     smp__event_add(ps, 1, s, i, t0);
-    /* gradients for producers on other ranks */
-    for (int l = 0; l < ps->nlinks; l++) {
-        smp__link *L = &ps->links[l];
-        if (L->to != s) continue;
-        for (int e = 0; e < L->nedges; e++) ps->scratch[e] = &st->contrib[L->edges[e]];
-        if ((rc = smp__send(ps, l, true, ps->scratch, L->nedges, s, i))) return rc;
-    }
-    if (!ps->zb) ps->inflight[s]--;
-    return SMP_OK;
+    for (int l = 0; l < ps->nlinks && !rc; l++) /* gradients for producers on other ranks */
+        if (ps->links[l].to == s) rc = smp__send(ps, l, true, s, i);
+    if (!rc && !ps->zb) ps->inflight[s]--;
+    return rc;
 }
 
 /* The W op of a zero-bubble schedule: the weight halves of stage s's split
@@ -2799,9 +2668,7 @@ static smp_status smp__stage_weight(smp__pipe *ps, smp_model *md, int s, int i) 
             for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
             rc = smp__run_callback(c, SMP__BACKWARD_WEIGHT);
             for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
-            for (int j = 0; j < c->nout; j++) smp__free(c->grad_outputs[j].data);
-            smp__free((void *)(uintptr_t)c->grad_outputs); /* smp's own, const only to the engine */
-            c->grad_outputs = NULL;
+            smp__drop_grad_outputs(c);
         }
         if (!rc) rc = smp__backward_done(ps, md, k, i);
         if (!rc) rc = smp__between_calls(ps);
@@ -2815,15 +2682,15 @@ static smp_status smp__stage_weight(smp__pipe *ps, smp_model *md, int s, int i) 
    contributions a stage sent stay until the send completes (freed at step end). */
 static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
-    if (ps->dev_p2p) smp__finish_forward_sends(ps, s, i);
+    for (int k = 0; k < ps->nsends && ps->dev_p2p; k++) { /* F(s, i)'s device sends read its activations until done (received by now) */
+        smp__xfer *x = &ps->sends[k];
+        if (x->state == 1 && !x->backward && x->stage == s && x->mb == i) smp__device_wait_all(x);
+    }
     for (int k = md->stage_first[s]; k <= md->stage_last[s]; k++) {
         smp_call_ctx *c = &st->ctx[k];
         if (!c->module) continue;
         smp__call_release(c, true);
-        if (c->grad_outputs) { /* kept for a W that a failed step never ran */
-            for (int j = 0; j < c->nout; j++) smp__free(c->grad_outputs[j].data);
-            smp__free((void *)(uintptr_t)c->grad_outputs); /* smp's own, const only to the engine */
-        }
+        smp__drop_grad_outputs(c); /* kept for a W that a failed step never ran */
         smp__free((void *)(uintptr_t)c->inputs);
         smp__free(c->outputs);
         memset(c, 0, sizeof *c);
@@ -2831,10 +2698,7 @@ static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
         for (int j = 0; j < md->calls[k].nout; j++) {
             int t = k * ps->maxout + j;
             for (int e = ps->first_edge[t]; e < ps->first_edge[t + 1]; e++) {
-                int cons = ps->edges[e].consumer;
-                int cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
-                bool remote = md->stage_rank[cs] != md->stage_rank[s];
-                if (!remote) smp__free(st->contrib[e].data); /* remote ones are views into a receive buffer */
+                if (!ps->edges[e].remote) smp__free(st->contrib[e].data); /* remote ones are views into a receive buffer */
                 st->contrib[e].data = NULL;
             }
         }
@@ -2849,9 +2713,7 @@ static void smp__release_step(smp__pipe *ps, smp_model *md) {
     for (size_t i = 0; i < nrecv; i++) {
         smp__xfer *x = &ps->recv[i];
         SMP_ASSERT(x->state != 1 && (x->state != 2 || ps->dev_p2p));
-        smp__free(x->hdr);
-        smp__free(x->buf);
-        smp__free(x->dev_req);
+        smp__xfer_free(x);
     }
     smp__free(ps->recv);
     ps->recv = NULL;
@@ -2861,26 +2723,17 @@ static void smp__release_step(smp__pipe *ps, smp_model *md) {
     ps->nsends = ps->sends_cap = 0;
     for (int i = 0; i < ps->m && ps->mb; i++) {
         smp__mbstate *st = &ps->mb[i];
-        bool whole = st->act && st->ctx && st->contrib && st->out_grad && st->args && st->arg_copies && st->returned;
+        bool whole = st->act != NULL;
         for (int s = 0; s < md->nstages && whole; s++)
             if (md->stage_rank[s] == smp__ctx.mp_rank) smp__stage_release(ps, md, s, i);
         for (int e = 0; e < ps->nedges && whole; e++) {
             /* whatever is left: contributions produced here for remote producers */
-            int cons = ps->edges[e].consumer;
-            int cs = cons < md->ncalls ? md->calls[cons].stage : ps->body_stage;
-            if (md->stage_rank[cs] == smp__ctx.mp_rank && md->stage_rank[md->calls[ps->edges[e].call].stage] != smp__ctx.mp_rank)
-                smp__free(st->contrib[e].data);
+            if (ps->edges[e].remote && md->stage_rank[ps->edges[e].stage] == smp__ctx.mp_rank) smp__free(st->contrib[e].data);
         }
         for (int o = 0; o < md->desc.noutputs && whole; o++) smp__free(st->out_grad[o].data);
-        for (int a = 0; a < ps->desc->nargs && st->arg_copies; a++) smp__free(st->arg_copies[a]);
+        for (int a = 0; a < ps->desc->nargs && whole; a++) smp__free(st->arg_copies[a]);
         for (int r = 0; r < SMP_MAX_STEP_ARGS && whole; r++) smp__free(st->returned[r].data);
-        smp__free(st->act);
-        smp__free(st->ctx);
-        smp__free(st->contrib);
-        smp__free(st->out_grad);
-        smp__free(st->args);
-        smp__free(st->arg_copies);
-        smp__free(st->returned);
+        smp__free(st->act); /* and the rest of the microbatch's block */
     }
     smp__free(ps->mb);
     ps->mb = NULL;
@@ -2888,7 +2741,7 @@ static void smp__release_step(smp__pipe *ps, smp_model *md) {
 
 /* The body's values, from the body's rank to every rank of the replica. */
 static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_output *outs, int nouts) {
-    int root = md->stage_rank[ps->body_stage];
+    int root = md->stage_rank[md->nstages - 1];
     bool mine = smp__ctx.mp_rank == root;
     /* layout: per (output, microbatch): dtype, ndim, shape[8], then the bytes */
     size_t len = 0;
@@ -2969,24 +2822,24 @@ static void smp__notify_failure(smp__pipe *ps) {
 static void smp__schedule_report(const smp_model *md) {
     if (smp__ctx.rank != 0 || !getenv("SMP_VERBOSE")) return;
     int S = md->nstages, m = smp__ctx.cfg.microbatches, P = smp__ctx.cfg.partitions;
-    double *cost = (double *)smp__alloc(sizeof(double) * 3 * (size_t)S, SMP__ALLOC_OTHER);
-    int *map = (int *)smp__alloc(sizeof(int) * (size_t)S, SMP__ALLOC_OTHER);
-    if (!cost || !map) { smp__free(cost); smp__free(map); return; }
-    memset(cost, 0, sizeof(double) * 3 * (size_t)S);
+    smp_status st = SMP_OK;
+    double *cost = (double *)smp__alloc_or(&st, sizeof(double) * 3 * (size_t)S, SMP__ALLOC_OTHER, "the schedule report");
+    int *map = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)S, SMP__ALLOC_OTHER, "the schedule report");
+    if (st) { smp__free(cost); return; } /* a report, not the job's work */
     for (int k = 0; k < md->ncalls; k++)
         for (int h = 0; h < 3; h++) cost[h * S + md->calls[k].stage] += md->calls[k].cost[h];
     bool model_vee = smp__ctx.cfg.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V;
     smp__log(SMP_LOG_INFO, "schedules for this model, %d stages x %d microbatches, simulated with the traced per-stage times "
             "(a module without smp_module_set_backward_split has no W: its whole backward is B):", S, m);
     static const smp_pipeline_kind kinds[] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE, SMP_PIPELINE_ZERO_BUBBLE_V};
-    static const char *const names[] = {"simple", "interleaved", "zero_bubble", "zero_bubble_v"};
     for (int q = 0; q < 4; q++) {
+        const char *name = smp__cfg_pipeline_names[kinds[q] - 1]; /* the config's names, in smp_pipeline_kind order from 1 */
         bool vee = kinds[q] == SMP_PIPELINE_ZERO_BUBBLE_V;
         const char *placed = "";
         if (vee == model_vee) memcpy(map, md->stage_rank, sizeof(int) * (size_t)S);
         else if (vee) {
             if (S != 2 * P) {
-                smp__log(SMP_LOG_INFO, "  %-13s not simulated: it cuts the model in 2 stages per partition (pipeline zero_bubble_v partitions so)", names[q]);
+                smp__log(SMP_LOG_INFO, "  %-13s not simulated: it cuts the model in 2 stages per partition (pipeline zero_bubble_v partitions so)", name);
                 continue;
             }
             for (int s = 0; s < S; s++) map[s] = smp__vee_partition(s, P);
@@ -2998,13 +2851,13 @@ static void smp__schedule_report(const smp_model *md) {
         smp_schedule sc;
         smp_sim_result r;
         if (smp_schedule_build(kinds[q], P, S, map, m, false, &sc)) {
-            smp__log(SMP_LOG_INFO, "  %-13s not simulated: %s", names[q], smp_last_error());
+            smp__log(SMP_LOG_INFO, "  %-13s not simulated: %s", name, smp_last_error());
             continue;
         }
         if (!smp_schedule_simulate(&sc, cost, cost + S, cost + 2 * S, 0.0, &r)) {
             int peak = 0;
             for (int p = 0; p < sc.nranks; p++) peak = r.rank_peak_inflight[p] > peak ? r.rank_peak_inflight[p] : peak;
-            smp__log(SMP_LOG_INFO, "  %-13s step %9.3f ms  bubble %5.1f%%  peak microbatch-stages in flight on a rank %d%s%s", names[q],
+            smp__log(SMP_LOG_INFO, "  %-13s step %9.3f ms  bubble %5.1f%%  peak microbatch-stages in flight on a rank %d%s%s", name,
                     r.makespan * 1e3, 100.0 * r.bubble_fraction, peak, kinds[q] == smp__ctx.cfg.pipeline ? "  (this run)" : "", placed);
             smp_sim_result_free(&r);
         }
@@ -3064,14 +2917,14 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     }
     smp__pipe *ps = (smp__pipe *)md->pipeline;
     if (ps->dev_p2p && !ps->dev_connected) { /* the backend's channels to every pipeline neighbour, once */
-        int *peers = (int *)smp__alloc(sizeof(int) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER), np = 0, me = smp__ctx.mp_rank;
-        for (int l = 0; l < ps->nlinks; l++) {
+        int *peers = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER, "the pipeline's neighbours"), np = 0;
+        for (int l = 0, me = smp__ctx.mp_rank; l < ps->nlinks && !st; l++) {
             int other = ps->links[l].peer_from == me ? ps->links[l].peer_to : ps->links[l].peer_to == me ? ps->links[l].peer_from : -1;
             bool seen = other < 0;
             for (int k = 0; k < np && !seen; k++) seen = peers[k] == other;
             if (!seen) peers[np++] = other;
         }
-        st = np ? smp__ctx.device.p2p_connect(SMP_MP_GROUP, peers, np) : SMP_OK;
+        if (!st && np) st = smp__ctx.device.p2p_connect(SMP_MP_GROUP, peers, np);
         smp__free(peers);
         st = smp__agree_on(smp__ctx.world, st, "device point-to-point set-up");
         if (st) return st;
@@ -3089,17 +2942,14 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
            smp_model_zero_grad since) would be summed dp times by the next
            sync, the loss gradient being the only part divided: divide them */
         ps->averaged_grads_held = false;
-        for (int i = 0; i < md->nparams && !st && md->zero_grad_calls == ps->zero_calls_at_sync; i++) {
-            smp_param *p = md->params[i];
-            if (!p->is_buffer && p->grad.data && smp_module_is_local(p->module)) st = smp__tensor_scale(&p->grad, 1.0 / smp_dp_size());
-        }
+        if (md->zero_grad_calls == ps->zero_calls_at_sync) st = smp__scale_grads(md, 1.0 / smp_dp_size());
         if (st) return smp__agree_on(smp__ctx.world, st, "gradients kept from the last step");
     }
     smp_schedule *sc = &ps->sched[training ? 0 : 1];
-    if (sc->microbatches != m || !sc->ops) {
-        smp_schedule_free(sc);
+    if (!sc->ops) { /* built at the first step of its kind: the same inputs everywhere, but memory may fail on one rank */
         st = smp_schedule_build(cfg->pipeline, cfg->partitions, md->nstages, md->stage_rank, m, !training, sc);
-        if (st) return st; /* same inputs everywhere: every rank fails alike */
+        st = smp__agree_on(smp__ctx.world, st, "the step's schedule");
+        if (st) { smp_schedule_free(sc); return st; }
     }
     ps->m = m;
     ps->training = training;
@@ -3107,21 +2957,23 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     ps->desc = d;
     ps->model_outs = d->body ? 0 : nouts;
     ps->failed_remote = false;
-    memset(ps->dev_sent, 0, sizeof(int) * 5 * (size_t)cfg->partitions); /* and dev_posted, msgs_sent, msgs_got */
     int S = md->nstages, n = md->ncalls, me = smp__ctx.mp_rank;
-    memset(ps->inflight, 0, sizeof(int) * (size_t)S);
+    memset(ps->peak, 0, sizeof(int) * (size_t)(3 * S + 5 * cfg->partitions)); /* and stage_index, inflight, the transfer counts */
     memset(&ps->stats, 0, sizeof ps->stats);
     const char *what = "the step's microbatch state";
     ps->mb = (smp__mbstate *)smp__alloc_or(&st, sizeof(smp__mbstate) * (size_t)m, SMP__ALLOC_OTHER, what);
+    size_t nt = (size_t)n * (size_t)ps->maxout, ne = (size_t)ps->nedges, no = (size_t)md->desc.noutputs, na = (size_t)d->nargs;
     for (int i = 0; i < m && !st; i++) {
         smp__mbstate *s = &ps->mb[i];
-        s->act = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)n * (size_t)ps->maxout, SMP__ALLOC_OTHER, what);
-        s->ctx = (smp_call_ctx *)smp__alloc_or(&st, sizeof(smp_call_ctx) * (size_t)n, SMP__ALLOC_OTHER, what);
-        s->contrib = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)(ps->nedges + 1), SMP__ALLOC_OTHER, what);
-        s->out_grad = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)md->desc.noutputs, SMP__ALLOC_OTHER, what);
-        s->args = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)d->nargs, SMP__ALLOC_OTHER, what);
-        s->arg_copies = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)d->nargs, SMP__ALLOC_OTHER, what);
-        s->returned = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * SMP_MAX_STEP_ARGS, SMP__ALLOC_OTHER, what);
+        s->act = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (nt + ne + no + na + SMP_MAX_STEP_ARGS) + sizeof(smp_call_ctx) * (size_t)n +
+                                             sizeof(void *) * na, SMP__ALLOC_OTHER, what);
+        if (st) break;
+        s->contrib = s->act + nt;
+        s->out_grad = s->contrib + ne;
+        s->args = s->out_grad + no;
+        s->returned = s->args + na;
+        s->ctx = (smp_call_ctx *)(void *)(s->returned + SMP_MAX_STEP_ARGS);
+        s->arg_copies = (void **)(void *)(s->ctx + n);
         for (int a = 0; a < d->nargs && !st; a++)
             if (d->non_split[a]) s->args[a] = d->args[a];
             else st = smp__slice(&d->args[a], d->split_axis[a], m, i, &s->args[a], &s->arg_copies[a], SMP__ALLOC_OTHER);
@@ -3140,7 +2992,6 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     smp_memory_stats mem0 = smp__ctx.mem;
     smp__ctx.mem.stash_peak_bytes = smp__ctx.mem.stash_bytes;
     int *peak = ps->peak;
-    memset(peak, 0, sizeof(int) * (size_t)S);
     if (training && ps->nshared) st = smp__shared_start(ps);
     for (int o = 0; o < nops && !st; o++) {
         int s = ops[o].stage, i = ops[o].microbatch;
@@ -3149,7 +3000,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
         smp__ctx.at.microbatch = i;
         if (ops[o].kind == SMP_SCHED_FORWARD) {
             st = smp__stage_forward(ps, md, s, i);
-            if (!st && s == ps->body_stage) {
+            if (!st && s == S - 1) { /* the body's stage: the model's outputs */
                 smp__ctx.at.op = 'L';
                 st = smp__run_body(ps, md, i);
             }
@@ -3277,8 +3128,7 @@ SMPDEF void smp_step_output_free(smp_step_output *o) {
     if (!o || !o->values) return;
     for (int i = 0; i < o->microbatches; i++) smp__free(o->values[i].data);
     smp__free(o->values);
-    o->values = NULL;
-    o->microbatches = 0;
+    memset(o, 0, sizeof *o);
 }
 
 /* ---------------------------------------------------------------- timeline */

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #define SMP_IMPLEMENTATION
+#define SMP_TESTING /* smp_testing_fail: out of memory at each allocation */
 #include "../smp.h"
 #include "../smp_pipeline.h"
 #include "../smp_pipeline.h" /* twice on purpose: the second inclusion must be harmless */
@@ -1105,6 +1106,33 @@ static void test_errors(void) {
     smp_schedule_free(&sc); /* twice: harmless */
 }
 
+/* Out of memory at each allocation of a build and a simulation in turn
+   (before smp_init: schedules need none): SMP_ERR_NOMEM with the policy's
+   message, nothing left allocated, and a schedule once memory suffices. */
+static void test_nomem(void) {
+    static const smp_pipeline_kind kinds[] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE, SMP_PIPELINE_ZERO_BUBBLE_V};
+    int failed = 0, wrong = 0, ran = 0;
+    for (int q = 0; q < 4; q++)
+        for (long skip = 0; skip < 64; skip++) {
+            smp_schedule sc;
+            smp_sim_result r;
+            int64_t before = smp_memory().current_bytes;
+            smp_testing_fail(SMP_FAULT_ALLOC, skip);
+            smp_status st = smp_schedule_build(kinds[q], 2, 4, NULL, 4, false, &sc);
+            if (st) wrong += sc.ops != NULL;
+            else if ((st = smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.0, &r))) wrong += r.peak_inflight != NULL;
+            smp_testing_fail(SMP_FAULT_ALLOC, -1);
+            if (!st) smp_sim_result_free(&r);
+            smp_schedule_free(&sc);
+            wrong += smp_memory().current_bytes != before;
+            if (!st) { ran++; break; } /* past the last allocation */
+            failed++;
+            wrong += st != SMP_ERR_NOMEM || !strstr(smp_last_error(), "out of memory: ");
+        }
+    CHECK(ran == 4 && failed >= 4 * 4 && !wrong, "out of memory in smp_schedule_build and smp_schedule_simulate: SMP_ERR_NOMEM, nothing kept",
+          "%d of 4 kinds ran, %d allocations failed, %d wrong (last: %s)", ran, failed, wrong, smp_last_error());
+}
+
 int main(void) {
     (void)test_skip; /* test.h's helpers this file does not need */
     (void)test_mpi_check;
@@ -1122,5 +1150,6 @@ int main(void) {
     test_simulator_by_hand();
     test_deadlock();
     test_errors();
+    test_nomem();
     return test_exit_code();
 }
