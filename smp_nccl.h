@@ -292,6 +292,8 @@ static struct {
     int nblocks, blocks_cap;
     cudaEvent_t *events;               /* free events for requests */
     int nevents, events_cap;
+    size_t *a2a;                       /* all_to_all_single's counts and offsets (smp__nc_a2a_plan) */
+    int a2a_cap;
     unsigned char *dummy;              /* 256 device bytes: the channels' warm-up transfers */
     bool pools;                        /* cudaMallocAsync works on this device */
     bool sync_each;                    /* SMP_NCCL_SYNC */
@@ -616,22 +618,18 @@ static smp_status smp__nc_check_tensor(const char *what, const smp_tensor *t) {
     return smp__nc_check_ptr(what, t->data, t->device, smp_tensor_nbytes(t));
 }
 
-static bool smp__nc_dtype(smp_dtype dt, ncclDataType_t *out) {
-    switch (dt) {
-    case SMP_F32: *out = ncclFloat32; return true;
-    case SMP_F64: *out = ncclFloat64; return true;
-    case SMP_F16: *out = ncclFloat16; return true;
-    case SMP_BF16: *out = ncclBfloat16; return true;
-    case SMP_I32: *out = ncclInt32; return true;
-    case SMP_I64: *out = ncclInt64; return true;
-    case SMP_U8: case SMP_BOOL: *out = ncclUint8; return true;
-    default: return false;
-    }
-}
-
+/* NCCL's types for dtype dt and op (SMP_SUM for the collectives that do not reduce). */
 static smp_status smp__nc_types(smp_dtype dt, smp_op op, ncclDataType_t *t, ncclRedOp_t *r) {
-    if (!smp__nc_dtype(dt, t)) return smp_error(SMP_ERR_ARG, "%s: dtype %s has no NCCL equivalent", smp__nc_opname(), smp_dtype_name(dt));
-    if (!r) return SMP_OK;
+    switch (dt) {
+    case SMP_F32: *t = ncclFloat32; break;
+    case SMP_F64: *t = ncclFloat64; break;
+    case SMP_F16: *t = ncclFloat16; break;
+    case SMP_BF16: *t = ncclBfloat16; break;
+    case SMP_I32: *t = ncclInt32; break;
+    case SMP_I64: *t = ncclInt64; break;
+    case SMP_U8: case SMP_BOOL: *t = ncclUint8; break;
+    default: return smp_error(SMP_ERR_ARG, "%s: dtype %s has no NCCL equivalent", smp__nc_opname(), smp_dtype_name(dt));
+    }
     switch (op) {
     case SMP_SUM: *r = ncclSum; return SMP_OK;
     case SMP_AVG: *r = ncclAvg; return SMP_OK;
@@ -653,261 +651,59 @@ static smp_status smp__nc_group_comm(smp_group g, ncclComm_t *c) {
     return SMP_OK;
 }
 
-static smp_tensor smp__nc_host_view(const smp_tensor *t, void *data) {
+/* ---------------------------------------------------------------- host staging */
+/* Copies n device bytes at src, after the engine's work, into a pinned
+   buffer (*pin) and waits on the host for the copy. On failure the buffer
+   is released once the copy, which may still be queued, is done. */
+static smp_status smp__nc_to_host(const void *src, size_t n, int *pin, const char *what, smp_group g, int peer) {
+    SMP_TRY(smp__nc_pin_get(n, pin));
+    smp_status st = smp__nc_after_engine(smp__nc.stream);
+    cudaError_t e = cudaSuccess;
+    if (!st && (e = cudaMemcpyAsync(smp__nc.pins[*pin].p, src, n, cudaMemcpyDeviceToHost, smp__nc.stream)) != cudaSuccess)
+        st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
+    if (!st && (e = cudaEventRecord(smp__nc.ev_done, smp__nc.stream)) != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaEventRecord");
+    if (!st) st = smp__nc_wait_event(smp__nc.ev_done, what, g, peer);
+    if (st) {
+        if (smp__nc_pin_put_after(*pin, smp__nc.stream) != SMP_OK) { /* then it stays out of use */ }
+        *pin = -1;
+    }
+    return st;
+}
+
+/* Queues pinned buffer pin's n bytes to device memory at dst, orders the
+   engine after the copy (smp__nc_finish), and releases the buffer behind it. */
+static smp_status smp__nc_from_host(void *dst, int pin, size_t n, const char *what, smp_group g) {
+    cudaError_t e = cudaMemcpyAsync(dst, smp__nc.pins[pin].p, n, cudaMemcpyHostToDevice, smp__nc.stream);
+    smp_status st = e != cudaSuccess ? smp__nc_cuda_fail(e, "cudaMemcpyAsync") : smp__nc_finish(what, g);
+    smp_status st2 = smp__nc_pin_put_after(pin, smp__nc.stream);
+    return st ? st : st2;
+}
+
+/* t's shape over pinned buffer pin (NULL data where no bytes move). */
+static smp_tensor smp__nc_host_view(const smp_tensor *t, int pin) {
     smp_tensor h = *t;
-    h.data = data;
+    h.data = pin >= 0 ? smp__nc.pins[pin].p : NULL;
     h.device = SMP_HOST;
     return h;
 }
 
-/* ---------------------------------------------------------------- the staged path */
-/* Device data in -> pinned `hin`; the caller runs smp's host collective from
-   hin into pinned `hout`; stage_end copies hout -> device out. */
-typedef struct smp__nc_stage {
-    const void *in;
-    size_t in_bytes;
-    void *out;
-    size_t out_bytes;
-    int pin_in, pin_out;
-    void *hin, *hout;
-} smp__nc_stage;
-
-static smp_status smp__nc_stage_begin(smp__nc_stage *sg, const void *in, size_t in_bytes, void *out, size_t out_bytes,
-                                      const char *what, smp_group g) {
-    sg->in = in; sg->in_bytes = in_bytes; sg->out = out; sg->out_bytes = out_bytes;
-    sg->pin_in = sg->pin_out = -1;
-    sg->hin = sg->hout = NULL;
-    smp_status st = SMP_OK;
-    if (in_bytes && (st = smp__nc_pin_get(in_bytes, &sg->pin_in))) return st;
-    if (out_bytes && (st = smp__nc_pin_get(out_bytes, &sg->pin_out))) { smp__nc_pin_put(sg->pin_in); sg->pin_in = -1; return st; }
-    if (sg->pin_in >= 0) sg->hin = smp__nc.pins[sg->pin_in].p;
-    if (sg->pin_out >= 0) sg->hout = smp__nc.pins[sg->pin_out].p;
-    if ((st = smp__nc_after_engine(smp__nc.stream))) goto fail;
-    if (in_bytes) {
-        cudaError_t e = cudaMemcpyAsync(sg->hin, in, in_bytes, cudaMemcpyDeviceToHost, smp__nc.stream);
-        if (e != cudaSuccess) { st = smp__nc_cuda_fail(e, "cudaMemcpyAsync"); goto fail; }
-        e = cudaEventRecord(smp__nc.ev_done, smp__nc.stream);
-        if (e != cudaSuccess) { st = smp__nc_cuda_fail(e, "cudaEventRecord"); goto fail; }
-        if ((st = smp__nc_wait_event(smp__nc.ev_done, what, g, -1))) goto fail;
-    }
-    return SMP_OK;
-fail:
-    /* the copy may still be queued: release the buffers only behind it */
-    if (smp__nc_pin_put_after(sg->pin_in, smp__nc.stream) != SMP_OK) { /* keep it out of use */ }
-    smp__nc_pin_put(sg->pin_out);
-    sg->pin_in = sg->pin_out = -1;
-    return st;
-}
-
-/* ok: the host collective succeeded, so `out` gets the result. */
-static smp_status smp__nc_stage_end(smp__nc_stage *sg, bool ok, const char *what, smp_group g) {
-    smp_status st = SMP_OK;
-    smp__nc_pin_put(sg->pin_in); /* its device-to-host copy is done: stage_begin waited for it */
-    sg->pin_in = -1;
-    if (ok && sg->out_bytes) {
-        cudaError_t e = cudaMemcpyAsync(sg->out, sg->hout, sg->out_bytes, cudaMemcpyHostToDevice, smp__nc.stream);
-        if (e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
-        if (!st) st = smp__nc_finish(what, g);
-        smp_status st2 = smp__nc_pin_put_after(sg->pin_out, smp__nc.stream);
-        if (!st) st = st2;
-    } else {
-        smp__nc_pin_put(sg->pin_out);
-    }
-    sg->pin_out = -1;
-    return st;
-}
-
 /* ---------------------------------------------------------------- collectives */
-/* What every collective checks first: the backend is up, the dtype (and
-   op, where r is given) has an NCCL type, and the tensors are device
-   tensors (out may be NULL: a reduce's non-root). */
-static smp_status smp__nc_args(const char *fn, const smp_tensor *in, const smp_tensor *out, smp_op op, ncclDataType_t *t, ncclRedOp_t *r) {
-    SMP_TRY(smp__nc_ready(fn));
-    SMP_TRY(smp__nc_types(in->dtype, op, t, r));
-    SMP_TRY(smp__nc_check_tensor(out ? "in" : "tensor", in));
-    return out ? smp__nc_check_tensor("out", out) : SMP_OK;
-}
-/* order_engine false: the engine's stream runs on while NCCL reduces (the
-   executor's gradient buckets; smp__nc_bucket_fence orders it later). */
-static smp_status smp__nc_all_reduce_on(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g, bool order_engine) {
-    smp_status st;
-    ncclDataType_t t;
-    ncclRedOp_t r;
-    SMP_TRY(smp__nc_args("smp_all_reduce", in, out, op, &t, &r));
-    size_t n = (size_t)smp_tensor_numel(in), bytes = smp_tensor_nbytes(in);
-    if (!n) return SMP_OK;
-    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
-        smp__nc_stage sg;
-        SMP_TRY(smp__nc_stage_begin(&sg, in->data, bytes, out->data, bytes, "all_reduce input", g));
-        smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = smp__nc_host_view(out, sg.hout);
-        st = smp_all_reduce(&hi, &ho, op, g);
-        smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "all_reduce", g);
-        return st ? st : st2;
-    }
-    ncclComm_t c;
-    SMP_TRY(smp__nc_group_comm(g, &c));
-    SMP_TRY(smp__nc_after_engine(smp__nc.stream));
-    const void *src = in->data;
-    void *tmp = NULL;
-    if (in->data != out->data && smp__nc_overlap(in->data, bytes, out->data, bytes)) { /* NCCL takes identical or disjoint buffers */
-        SMP_TRY(smp__nc_tmp_copy(&tmp, in->data, bytes));
-        src = tmp;
-    }
-    SMP__NC_ST(st, c, g, ncclAllReduce, (src, out->data, n, t, r, c, smp__nc.stream));
-    smp_status st2 = smp__nc_dev_free(tmp, smp__nc.stream);
-    if (st || st2) return st ? st : st2;
-    return order_engine ? smp__nc_finish("all_reduce", g) : SMP_OK;
-}
-
-static smp_status smp__nc_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
-    return smp__nc_all_reduce_on(in, out, op, g, true);
-}
-
-static smp_status smp__nc_bucket_all_reduce(void *data, smp_dtype dt, int64_t n, smp_group g) {
-    smp_tensor t = smp_tensor_1d(data, dt, n);
-    t.device = smp__nc.device;
-    return smp__nc_all_reduce_on(&t, &t, SMP_SUM, g, false);
-}
-
-static smp_status smp__nc_bucket_fence(void) { return smp__nc_finish("gradient buckets", SMP_DP_GROUP); }
-
-static smp_status smp__nc_broadcast(smp_tensor *x, int root, smp_group g) {
-    smp_status st;
-    ncclDataType_t t;
-    SMP_TRY(smp__nc_args("smp_broadcast", x, NULL, SMP_SUM, &t, NULL));
-    size_t n = (size_t)smp_tensor_numel(x), bytes = smp_tensor_nbytes(x);
-    if (!n) return SMP_OK;
-    bool is_root = smp_group_rank(g) == root;
-    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
-        smp__nc_stage sg;
-        SMP_TRY(smp__nc_stage_begin(&sg, is_root ? x->data : NULL, is_root ? bytes : 0, is_root ? NULL : x->data,
-                                     is_root ? 0 : bytes, "broadcast input", g));
-        smp_tensor h = smp__nc_host_view(x, is_root ? sg.hin : sg.hout);
-        st = smp_broadcast(&h, root, g);
-        smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "broadcast", g);
-        return st ? st : st2;
-    }
-    ncclComm_t c;
-    SMP_TRY(smp__nc_group_comm(g, &c));
-    SMP_TRY(smp__nc_after_engine(smp__nc.stream));
-    SMP__NC(c, g, ncclBroadcast, (x->data, x->data, n, t, root, c, smp__nc.stream));
-    return smp__nc_finish("broadcast", g);
-}
-
-static smp_status smp__nc_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g) {
-    smp_status st;
-    ncclDataType_t t;
-    ncclRedOp_t r;
-    SMP_TRY(smp__nc_ready("smp_reduce"));
-    SMP_TRY(smp__nc_types(in->dtype, op, &t, &r));
-    bool is_root = smp_group_rank(g) == root;
-    SMP_TRY(smp__nc_check_tensor("in", in));
-    if (is_root) SMP_TRY(smp__nc_check_tensor("out", out));
-    size_t n = (size_t)smp_tensor_numel(in), bytes = smp_tensor_nbytes(in);
-    if (!n) return SMP_OK;
-    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
-        smp__nc_stage sg;
-        SMP_TRY(smp__nc_stage_begin(&sg, in->data, bytes, is_root ? out->data : NULL, is_root ? bytes : 0, "reduce input", g));
-        smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = hi;
-        if (is_root) ho = smp__nc_host_view(out, sg.hout);
-        st = smp_reduce(&hi, is_root ? &ho : NULL, op, root, g);
-        smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "reduce", g);
-        return st ? st : st2;
-    }
-    ncclComm_t c;
-    SMP_TRY(smp__nc_group_comm(g, &c));
-    SMP_TRY(smp__nc_after_engine(smp__nc.stream));
-    const void *src = in->data;
-    void *tmp = NULL;
-    if (is_root && in->data != out->data && smp__nc_overlap(in->data, bytes, out->data, bytes)) {
-        SMP_TRY(smp__nc_tmp_copy(&tmp, in->data, bytes));
-        src = tmp;
-    }
-    /* recvbuff is only written on the root; elsewhere pass the input */
-    SMP__NC_ST(st, c, g, ncclReduce, (src, is_root ? out->data : in->data, n, t, r, root, c, smp__nc.stream));
-    smp_status st2 = smp__nc_dev_free(tmp, smp__nc.stream);
-    if (st || st2) return st ? st : st2;
-    return smp__nc_finish("reduce", g);
-}
-
-static smp_status smp__nc_all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
-    smp_status st;
-    ncclDataType_t t;
-    SMP_TRY(smp__nc_args("smp_all_gather", in, out, SMP_SUM, &t, NULL));
-    size_t n = (size_t)smp_tensor_numel(in), block = smp_tensor_nbytes(in), total = smp_tensor_nbytes(out);
-    if (!n) return SMP_OK;
-    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
-        smp__nc_stage sg;
-        SMP_TRY(smp__nc_stage_begin(&sg, in->data, block, out->data, total, "all_gather input", g));
-        smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = smp__nc_host_view(out, sg.hout);
-        st = smp_all_gather(&hi, &ho, g);
-        smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "all_gather", g);
-        return st ? st : st2;
-    }
-    ncclComm_t c;
-    SMP_TRY(smp__nc_group_comm(g, &c));
-    SMP_TRY(smp__nc_after_engine(smp__nc.stream));
-    const void *src = in->data;
-    void *tmp = NULL;
-    bool in_place = (const char *)out->data + block * (size_t)smp_group_rank(g) == (const char *)in->data;
-    if (!in_place && smp__nc_overlap(in->data, block, out->data, total)) {
-        SMP_TRY(smp__nc_tmp_copy(&tmp, in->data, block));
-        src = tmp;
-    }
-    SMP__NC_ST(st, c, g, ncclAllGather, (src, out->data, n, t, c, smp__nc.stream));
-    smp_status st2 = smp__nc_dev_free(tmp, smp__nc.stream);
-    if (st || st2) return st ? st : st2;
-    return smp__nc_finish("all_gather", g);
-}
-
-static smp_status smp__nc_reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
-    smp_status st;
-    ncclDataType_t t;
-    ncclRedOp_t r;
-    SMP_TRY(smp__nc_args("smp_reduce_scatter", in, out, op, &t, &r));
-    size_t n = (size_t)smp_tensor_numel(out), block = smp_tensor_nbytes(out), total = smp_tensor_nbytes(in);
-    if (!n) return SMP_OK;
-    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
-        smp__nc_stage sg;
-        SMP_TRY(smp__nc_stage_begin(&sg, in->data, total, out->data, block, "reduce_scatter input", g));
-        smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = smp__nc_host_view(out, sg.hout);
-        st = smp_reduce_scatter(&hi, &ho, op, g);
-        smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "reduce_scatter", g);
-        return st ? st : st2;
-    }
-    ncclComm_t c;
-    SMP_TRY(smp__nc_group_comm(g, &c));
-    SMP_TRY(smp__nc_after_engine(smp__nc.stream));
-    void *dst = out->data, *tmp = NULL;
-    bool in_place = (const char *)in->data + block * (size_t)smp_group_rank(g) == (const char *)out->data;
-    if (!in_place && smp__nc_overlap(in->data, total, out->data, block)) {
-        SMP_TRY(smp__nc_dev_alloc(&tmp, block, smp__nc.stream));
-        dst = tmp;
-    }
-    SMP__NC_ST(st, c, g, ncclReduceScatter, (in->data, dst, n, t, r, c, smp__nc.stream));
-    if (tmp) {
-        if (!st) {
-            cudaError_t e = cudaMemcpyAsync(out->data, tmp, block, cudaMemcpyDeviceToDevice, smp__nc.stream);
-            if (e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
-        }
-        smp_status st2 = smp__nc_dev_free(tmp, smp__nc.stream);
-        if (!st) st = st2;
-    }
-    if (st) return st;
-    return smp__nc_finish("reduce_scatter", g);
-}
-
-static smp_status smp__nc_a2a_nccl(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
-                                   const int64_t *in_splits, smp_group g, size_t *off) {
+/* all_to_all_single's counts and offsets, in elements, from the splits
+   (NULL: equal blocks of rows) into smp__nc.a2a: [send count, send offset,
+   receive count, receive offset] x group size. */
+static smp_status smp__nc_a2a_plan(const smp_tensor *in, const smp_tensor *out, const int64_t *out_splits,
+                                   const int64_t *in_splits, smp_group g) {
     const char *fn = "smp_all_to_all_single";
     int n = smp_group_size(g), me = smp_group_rank(g);
     int64_t in_rows = in->ndim ? in->shape[0] : 1, out_rows = out->ndim ? out->shape[0] : 1;
     int64_t in_row = in_rows ? smp_tensor_numel(in) / in_rows : 0, out_row = out_rows ? smp_tensor_numel(out) / out_rows : 0;
     if (in_rows && out_rows && in_row != out_row)
         return smp_error(SMP_ERR_ARG, "%s: in's rows have %lld elements but out's have %lld", fn, (long long)in_row, (long long)out_row);
-    size_t row = (size_t)(in_rows ? in_row : out_row), esize = smp_dtype_size(in->dtype);
-    /* off: [send count, send offset, recv count, recv offset] x n, in elements */
-    size_t *sc = off, *sd = off + n, *rc = off + 2 * (size_t)n, *rd = off + 3 * (size_t)n;
+    smp_status st = SMP_OK;
+    if (!smp__grow_or(&st, (void **)&smp__nc.a2a, &smp__nc.a2a_cap, 4 * n, sizeof *smp__nc.a2a, "all_to_all_single's counts"))
+        return st;
+    size_t row = (size_t)(in_rows ? in_row : out_row);
+    size_t *sc = smp__nc.a2a, *sd = sc + n, *rc = sc + 2 * (size_t)n, *rd = sc + 3 * (size_t)n;
     int64_t sat = 0, rat = 0;
     for (int i = 0; i < n; i++) {
         int64_t s = in_splits ? in_splits[i] : (in_rows % n ? -1 : in_rows / n);
@@ -923,63 +719,142 @@ static smp_status smp__nc_a2a_nccl(const smp_tensor *in, smp_tensor *out, const 
                          (long long)sat, (long long)rat, (long long)in_rows, (long long)out_rows);
     if (sc[me] != rc[me])
         return smp_error(SMP_ERR_ARG, "%s: this rank sends itself %zu elements but expects %zu from itself", fn, sc[me], rc[me]);
-    ncclDataType_t t;
+    return SMP_OK;
+}
+
+/* Queues all_to_all_single as smp__nc_a2a_plan counted it: this rank's own
+   block is a copy, the others' blocks one NCCL group of sends and receives. */
+static smp_status smp__nc_a2a_queue(const char *src, char *dst, size_t esize, ncclDataType_t t, ncclComm_t c, smp_group g) {
+    int n = smp_group_size(g), me = smp_group_rank(g);
+    const size_t *sc = smp__nc.a2a, *sd = sc + n, *rc = sc + 2 * (size_t)n, *rd = sc + 3 * (size_t)n;
+    if (rc[me])
+        SMP__CU(cudaMemcpyAsync, (dst + rd[me] * esize, src + sd[me] * esize, rc[me] * esize, cudaMemcpyDeviceToDevice, smp__nc.stream));
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess) return smp__nc_nccl_fail(r, "ncclGroupStart", c);
+    const char *failed = NULL;
+    for (int i = 0; i < n && !failed; i++) {
+        if (i == me) continue;
+        if (sc[i] && (r = ncclSend(src + sd[i] * esize, sc[i], t, i, c, smp__nc.stream)) != ncclSuccess && r != ncclInProgress) failed = "ncclSend";
+        if (!failed && rc[i] && (r = ncclRecv(dst + rd[i] * esize, rc[i], t, i, c, smp__nc.stream)) != ncclSuccess && r != ncclInProgress) failed = "ncclRecv";
+    }
+    ncclResult_t re = smp__nc_settle(c, ncclGroupEnd(), "ncclGroupEnd", g); /* the group is closed even after a failure */
+    if (failed) return smp__nc_nccl_fail(r, failed, c);
+    return re == ncclSuccess ? SMP_OK : smp__nc_nccl_fail(re, "ncclGroupEnd", c);
+}
+
+enum { SMP__NC_ALL_REDUCE, SMP__NC_BROADCAST, SMP__NC_REDUCE, SMP__NC_ALL_GATHER, SMP__NC_REDUCE_SCATTER, SMP__NC_ALL_TO_ALL };
+
+/* Every device collective, by kind: in to out (a broadcast's in and out are
+   its one tensor; out NULL: a reduce's non-root), op where the kind reduces
+   (SMP_SUM elsewhere), the splits for all_to_all_single. smp.h has checked
+   the arguments as for the host; here the tensors must be this GPU's. The
+   staged path runs smp's host collective of the same name on pinned copies.
+   order_engine false: the engine's stream runs on while NCCL reduces (the
+   executor's gradient buckets; smp__nc_bucket_fence orders it later). */
+static smp_status smp__nc_collective(int kind, const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g,
+                                     const int64_t *out_splits, const int64_t *in_splits, bool order_engine) {
+    static const char *const fns[] = {"smp_all_reduce", "smp_broadcast", "smp_reduce", "smp_all_gather", "smp_reduce_scatter",
+                                      "smp_all_to_all_single"};
+    const char *name = fns[kind] + 4; /* without "smp_": what the waits name */
+    ncclDataType_t t = ncclUint8; /* (set by smp__nc_types; initialised for gcc's flow analysis) */
+    ncclRedOp_t r = ncclSum;
+    SMP_TRY(smp__nc_ready(fns[kind]));
+    SMP_TRY(smp__nc_types(in->dtype, op, &t, &r));
+    SMP_TRY(smp__nc_check_tensor(kind == SMP__NC_BROADCAST ? "tensor" : "in", in));
+    if (out && kind != SMP__NC_BROADCAST) SMP_TRY(smp__nc_check_tensor("out", out));
+    int rank = smp_group_rank(g);
+    size_t in_bytes = smp_tensor_nbytes(in), out_bytes = out ? smp_tensor_nbytes(out) : 0;
+    /* NCCL's count: one rank's block. All ranks meet in all_to_all_single even when this one moves nothing. */
+    size_t n = (size_t)smp_tensor_numel(kind == SMP__NC_REDUCE_SCATTER ? out : in);
+    if (!n && kind != SMP__NC_ALL_TO_ALL) return SMP_OK;
+    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
+        bool bcast = kind == SMP__NC_BROADCAST; /* its root only sends, the other ranks only receive */
+        size_t send = bcast && rank != root ? 0 : in_bytes, recv = bcast && rank == root ? 0 : out_bytes;
+        char what[48];
+        snprintf(what, sizeof what, "%s input", name);
+        int pin_in = -1, pin_out = -1;
+        smp_status st = send ? smp__nc_to_host(in->data, send, &pin_in, what, g, -1) : smp__nc_after_engine(smp__nc.stream);
+        if (!st && recv) st = smp__nc_pin_get(recv, &pin_out);
+        if (!st) {
+            smp_tensor hi = smp__nc_host_view(in, pin_in), ho = smp__nc_host_view(out ? out : in, pin_out);
+            switch (kind) {
+            case SMP__NC_ALL_REDUCE: st = smp_all_reduce(&hi, &ho, op, g); break;
+            case SMP__NC_BROADCAST: st = smp_broadcast(send ? &hi : &ho, root, g); break;
+            case SMP__NC_REDUCE: st = smp_reduce(&hi, out ? &ho : NULL, op, root, g); break;
+            case SMP__NC_ALL_GATHER: st = smp_all_gather(&hi, &ho, g); break;
+            case SMP__NC_REDUCE_SCATTER: st = smp_reduce_scatter(&hi, &ho, op, g); break;
+            default: st = smp_all_to_all_single(&hi, &ho, out_splits, in_splits, g); break;
+            }
+        }
+        smp__nc_pin_put(pin_in); /* its copy is done: smp__nc_to_host waited for it */
+        if (st || !recv) {
+            smp__nc_pin_put(pin_out);
+            return st;
+        }
+        return smp__nc_from_host(out->data, pin_out, recv, name, g);
+    }
+    if (kind == SMP__NC_ALL_TO_ALL) SMP_TRY(smp__nc_a2a_plan(in, out, out_splits, in_splits, g));
     ncclComm_t c;
-    SMP_TRY(smp__nc_types(in->dtype, SMP_SUM, &t, NULL));
     SMP_TRY(smp__nc_group_comm(g, &c));
     SMP_TRY(smp__nc_after_engine(smp__nc.stream));
-    size_t in_bytes = smp_tensor_nbytes(in), out_bytes = smp_tensor_nbytes(out);
     const char *src = (const char *)in->data;
-    char *dst = (char *)out->data;
+    char *dst = (char *)(out ? out->data : in->data); /* a reduce's non-root: NCCL writes nothing there */
+    /* NCCL takes identical or disjoint buffers (or in as this rank's block
+       of out, out as this rank's block of in): others send from a copy */
+    bool in_place = kind == SMP__NC_ALL_GATHER ? dst + in_bytes * (size_t)rank == src
+                    : kind == SMP__NC_REDUCE_SCATTER ? src + out_bytes * (size_t)rank == dst
+                    : kind != SMP__NC_ALL_TO_ALL && src == dst;
     void *tmp = NULL;
-    if (smp__nc_overlap(in->data, in_bytes, out->data, out_bytes)) { /* in place (or overlapping): send from a copy */
-        SMP_TRY(smp__nc_tmp_copy(&tmp, in->data, in_bytes));
+    if (!in_place && smp__nc_overlap(src, in_bytes, dst, out_bytes)) {
+        SMP_TRY(smp__nc_tmp_copy(&tmp, src, in_bytes));
         src = (const char *)tmp;
     }
-    smp_status st = SMP_OK;
-    if (rc[me]) { /* this rank's own block: a copy */
-        cudaError_t e = cudaMemcpyAsync(dst + rd[me] * esize, src + sd[me] * esize, rc[me] * esize, cudaMemcpyDeviceToDevice, smp__nc.stream);
-        if (e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
+    smp_status st;
+    cudaStream_t s = smp__nc.stream;
+    switch (kind) {
+    case SMP__NC_ALL_REDUCE: SMP__NC_ST(st, c, g, ncclAllReduce, (src, dst, n, t, r, c, s)); break;
+    case SMP__NC_BROADCAST: SMP__NC_ST(st, c, g, ncclBroadcast, (src, dst, n, t, root, c, s)); break;
+    case SMP__NC_REDUCE: SMP__NC_ST(st, c, g, ncclReduce, (src, dst, n, t, r, root, c, s)); break;
+    case SMP__NC_ALL_GATHER: SMP__NC_ST(st, c, g, ncclAllGather, (src, dst, n, t, c, s)); break;
+    case SMP__NC_REDUCE_SCATTER: SMP__NC_ST(st, c, g, ncclReduceScatter, (src, dst, n, t, r, c, s)); break;
+    default: st = smp__nc_a2a_queue(src, dst, smp_dtype_size(in->dtype), t, c, g); break;
     }
-    ncclResult_t r = ncclSuccess;
-    if (!st && (r = ncclGroupStart()) != ncclSuccess) st = smp__nc_nccl_fail(r, "ncclGroupStart", c);
-    if (!st) {
-        const char *failed = NULL;
-        for (int i = 0; i < n && !failed; i++) {
-            if (i == me) continue;
-            if (sc[i] && (r = ncclSend(src + sd[i] * esize, sc[i], t, i, c, smp__nc.stream)) != ncclSuccess && r != ncclInProgress) failed = "ncclSend";
-            if (!failed && rc[i] && (r = ncclRecv(dst + rd[i] * esize, rc[i], t, i, c, smp__nc.stream)) != ncclSuccess && r != ncclInProgress) failed = "ncclRecv";
-        }
-        ncclResult_t re = smp__nc_settle(c, ncclGroupEnd(), "ncclGroupEnd", g); /* the group is closed even after a failure */
-        if (failed) st = smp__nc_nccl_fail(r, failed, c);
-        else if (re != ncclSuccess) st = smp__nc_nccl_fail(re, "ncclGroupEnd", c);
-    }
-    smp_status st2 = smp__nc_dev_free(tmp, smp__nc.stream);
+    smp_status st2 = smp__nc_dev_free(tmp, s);
     if (st || st2) return st ? st : st2;
-    return smp__nc_finish("all_to_all_single", g);
+    return order_engine ? smp__nc_finish(name, g) : SMP_OK;
+}
+
+static smp_status smp__nc_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
+    return smp__nc_collective(SMP__NC_ALL_REDUCE, in, out, op, 0, g, NULL, NULL, true);
+}
+
+static smp_status smp__nc_bucket_all_reduce(void *data, smp_dtype dt, int64_t n, smp_group g) {
+    smp_tensor t = smp_tensor_1d(data, dt, n);
+    t.device = smp__nc.device;
+    return smp__nc_collective(SMP__NC_ALL_REDUCE, &t, &t, SMP_SUM, 0, g, NULL, NULL, false);
+}
+
+static smp_status smp__nc_bucket_fence(void) { return smp__nc_finish("gradient buckets", SMP_DP_GROUP); }
+
+static smp_status smp__nc_broadcast(smp_tensor *x, int root, smp_group g) {
+    return smp__nc_collective(SMP__NC_BROADCAST, x, x, SMP_SUM, root, g, NULL, NULL, true);
+}
+
+static smp_status smp__nc_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g) {
+    return smp__nc_collective(SMP__NC_REDUCE, in, smp_group_rank(g) == root ? out : NULL, op, root, g, NULL, NULL, true);
+}
+
+static smp_status smp__nc_all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
+    return smp__nc_collective(SMP__NC_ALL_GATHER, in, out, SMP_SUM, 0, g, NULL, NULL, true);
+}
+
+static smp_status smp__nc_reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
+    return smp__nc_collective(SMP__NC_REDUCE_SCATTER, in, out, op, 0, g, NULL, NULL, true);
 }
 
 static smp_status smp__nc_all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
                                             const int64_t *in_splits, smp_group g) {
-    smp_status st;
-    SMP_TRY(smp__nc_ready("smp_all_to_all_single"));
-    SMP_TRY(smp__nc_check_tensor("in", in));
-    SMP_TRY(smp__nc_check_tensor("out", out));
-    size_t in_bytes = smp_tensor_nbytes(in), out_bytes = smp_tensor_nbytes(out);
-    if (smp__nc.mode == SMP_NCCL_MODE_STAGED) {
-        smp__nc_stage sg;
-        SMP_TRY(smp__nc_stage_begin(&sg, in->data, in_bytes, out->data, out_bytes, "all_to_all_single input", g));
-        smp_tensor hi = smp__nc_host_view(in, sg.hin), ho = smp__nc_host_view(out, sg.hout);
-        st = smp_all_to_all_single(&hi, &ho, out_splits, in_splits, g);
-        smp_status st2 = smp__nc_stage_end(&sg, st == SMP_OK, "all_to_all_single", g);
-        return st ? st : st2;
-    }
-    int n = smp_group_size(g);
-    size_t *off = (size_t *)smp__malloc(sizeof(size_t) * 4 * (size_t)(n > 0 ? n : 1));
-    if (!off) return smp_error(SMP_ERR_NOMEM, "smp_all_to_all_single: out of memory");
-    st = smp__nc_a2a_nccl(in, out, out_splits, in_splits, g, off);
-    smp_free(off);
-    return st;
+    return smp__nc_collective(SMP__NC_ALL_TO_ALL, in, out, SMP_SUM, 0, g, out_splits, in_splits, true);
 }
 
 static smp_status smp__nc_copy(void *dst, int dst_device, const void *src, int src_device, size_t n) {
@@ -1321,6 +1196,7 @@ static void smp__nc_on_finalize(void) {
     smp_free(smp__nc.blocks);
     for (int i = 0; i < smp__nc.nevents; i++) (void)cudaEventDestroy(smp__nc.events[i]);
     smp_free(smp__nc.events);
+    smp_free(smp__nc.a2a);
     if (smp__nc.ev_engine) (void)cudaEventDestroy(smp__nc.ev_engine);
     if (smp__nc.ev_done) (void)cudaEventDestroy(smp__nc.ev_done);
     if (smp__nc.ev_sync) (void)cudaEventDestroy(smp__nc.ev_sync);
@@ -1514,62 +1390,48 @@ static smp_status smp__nc_p2p_nccl(smp_nccl_request *r, void *buf, size_t bytes,
     return SMP_OK;
 }
 
-static smp_status smp__nc_p2p_start(void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req, int dir) {
+/* smp_nccl_isend (dir 0) and smp_nccl_irecv (dir 1). */
+static smp_status smp__nc_p2p_start(const char *fn, void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req, int dir) {
+    if (!req) return smp_error(SMP_ERR_ARG, "%s: req is NULL", fn);
     *req = NULL;
+    SMP_TRY(smp__nc_ready(fn));
     SMP_TRY(smp__nc_peer_arg(g, peer));
     SMP_TRY(smp__nc_check_ptr("the buffer", buf, smp__nc.device, bytes));
     smp_nccl_request *r = smp__nc_req_new(g, peer, SMP__NC_REQ_DONE);
-    if (!r) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", smp__nc_opname());
+    if (!r) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", fn);
+    r->dst = buf;
+    r->bytes = bytes;
     smp_status st = SMP_OK;
     if (bytes && smp__nc.mode == SMP_NCCL_MODE_NCCL) {
         st = smp__nc_p2p_nccl(r, buf, bytes, dir);
-    } else if (bytes) { /* staged: MPI through a pinned buffer */
-        if (bytes > (size_t)INT_MAX) {
-            st = smp_error(SMP_ERR_ARG, "%s: %zu bytes is more than one host-staged message carries (2 GiB)", smp__nc_opname(), bytes);
-        } else if (!(st = smp__nc_pin_get(bytes, &r->pin))) {
-            void *h = smp__nc.pins[r->pin].p;
-            r->bytes = bytes;
-            if (dir == 0) {
-                st = smp__nc_after_engine(smp__nc.stream);
-                if (!st) {
-                    cudaError_t e = cudaMemcpyAsync(h, buf, bytes, cudaMemcpyDeviceToHost, smp__nc.stream);
-                    if (e == cudaSuccess) e = cudaEventRecord(smp__nc.ev_done, smp__nc.stream);
-                    if (e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
-                }
-                if (!st) st = smp__nc_wait_event(smp__nc.ev_done, "a device buffer to reach the host", g, peer);
-                if (!st)
-                    st = SMP__MPI_CHECK(MPI_Isend(h, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi), "sending a host-staged device buffer (%s) to %s rank %d",
-                                        smp__nc_opname(), smp__group_name(g), peer);
-                r->kind = SMP__NC_REQ_STAGED_SEND;
-            } else {
-                r->dst = buf;
-                st = SMP__MPI_CHECK(MPI_Irecv(h, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi), "receiving a host-staged device buffer (%s) from %s rank %d",
-                                    smp__nc_opname(), smp__group_name(g), peer);
-                r->kind = SMP__NC_REQ_STAGED_RECV;
-            }
-            if (st) {
-                if (smp__nc_pin_put_after(r->pin, smp__nc.stream) != SMP_OK) { /* keep it out of use */ }
-                r->pin = -1;
-            }
-        }
+    } else if (bytes > (size_t)INT_MAX) { /* staged: one MPI message from or to a pinned buffer */
+        st = smp_error(SMP_ERR_ARG, "%s: %zu bytes is more than one host-staged message carries (2 GiB)", fn, bytes);
+    } else if (bytes && dir == 0) {
+        st = smp__nc_to_host(buf, bytes, &r->pin, "a device buffer to reach the host", g, peer);
+        if (!st)
+            st = SMP__MPI_CHECK(MPI_Isend(smp__nc.pins[r->pin].p, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi),
+                                "sending a host-staged device buffer (%s) to %s rank %d", fn, smp__group_name(g), peer);
+        r->kind = SMP__NC_REQ_STAGED_SEND;
+    } else if (bytes && !(st = smp__nc_pin_get(bytes, &r->pin))) {
+        st = SMP__MPI_CHECK(MPI_Irecv(smp__nc.pins[r->pin].p, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi),
+                            "receiving a host-staged device buffer (%s) from %s rank %d", fn, smp__group_name(g), peer);
+        r->kind = SMP__NC_REQ_STAGED_RECV;
     }
-    if (st) { smp_free(r); return st; }
+    if (st) {
+        smp__nc_pin_put(r->pin); /* no copy from it is queued: smp__nc_to_host waited for its own */
+        smp_free(r);
+        return st;
+    }
     *req = r;
     return SMP_OK;
 }
 
 SMPDEF smp_status smp_nccl_isend(const void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req) {
-    if (!req) return smp_error(SMP_ERR_ARG, "smp_nccl_isend: req is NULL");
-    *req = NULL;
-    SMP_TRY(smp__nc_ready("smp_nccl_isend"));
-    return smp__nc_p2p_start((void *)(uintptr_t)buf, bytes, peer, g, req, 0); /* a send only reads buf */
+    return smp__nc_p2p_start("smp_nccl_isend", (void *)(uintptr_t)buf, bytes, peer, g, req, 0); /* a send only reads buf */
 }
 
 SMPDEF smp_status smp_nccl_irecv(void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req) {
-    if (!req) return smp_error(SMP_ERR_ARG, "smp_nccl_irecv: req is NULL");
-    *req = NULL;
-    SMP_TRY(smp__nc_ready("smp_nccl_irecv"));
-    return smp__nc_p2p_start(buf, bytes, peer, g, req, 1);
+    return smp__nc_p2p_start("smp_nccl_irecv", buf, bytes, peer, g, req, 1);
 }
 
 SMPDEF smp_status smp_nccl_test(smp_nccl_request *r, bool *done) {
@@ -1609,18 +1471,10 @@ SMPDEF smp_status smp_nccl_wait(smp_nccl_request *r) {
     } else if (r->kind == SMP__NC_REQ_STAGED_SEND || r->kind == SMP__NC_REQ_STAGED_RECV) {
         bool recv = r->kind == SMP__NC_REQ_STAGED_RECV;
         smp_wait_requests(1, &r->mpi, recv ? "a device buffer (host-staged receive)" : "a device buffer to be received (host-staged send)", r->g, r->peer);
-        if (recv) {
-            st = smp__nc_after_engine(smp__nc.stream);
-            if (!st) {
-                cudaError_t e = cudaMemcpyAsync(r->dst, smp__nc.pins[r->pin].p, r->bytes, cudaMemcpyHostToDevice, smp__nc.stream);
-                if (e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
-            }
-            if (!st) st = smp__nc_finish("a host-staged receive", r->g);
-            smp_status st2 = smp__nc_pin_put_after(r->pin, smp__nc.stream);
-            if (!st) st = st2;
-        } else {
-            smp__nc_pin_put(r->pin);
-        }
+        if (recv && !(st = smp__nc_after_engine(smp__nc.stream)))
+            st = smp__nc_from_host(r->dst, r->pin, r->bytes, "a host-staged receive", r->g);
+        else
+            smp__nc_pin_put(r->pin); /* a send's message has left it; no copy from it is queued */
     }
     smp_free(r);
     return st;
