@@ -22,13 +22,15 @@
          smp_optimizer_state_add(opt, NULL, "step", &step);         // whole optimizer
 
          const char *keys[] = {"epoch", "step"}, *vals[] = {"3", "12000"};
-         smp_save_desc sd = {0};                   // zero: partial, as in the reference
+         smp_save_desc sd;
+         memset(&sd, 0, sizeof sd);                   // zero: partial, as in the reference
          sd.optimizer = opt;
          sd.meta_keys = keys; sd.meta_values = vals; sd.nmeta = 2;
          if (smp_save(model, "/ckpt/model", &sd) != SMP_OK)   // every rank calls it
              fprintf(stderr, "%s\n", smp_last_error());        // same error on every rank
 
-         smp_load_desc ld = {0};                   // zero: partial
+         smp_load_desc ld;
+         memset(&ld, 0, sizeof ld);                   // zero: partial
          ld.optimizer = opt;
          if (smp_load(model, "/ckpt/model", &ld) != SMP_OK) ... // model unchanged
      sd.partial = SMP_OFF (and ld.partial = SMP_OFF) makes one full file,
@@ -130,7 +132,8 @@
 
    FILE LAYER: WRITING (the whole file at once)
          float w[6] = {0, 1, 2, 3, 4, 5};
-         smp_ckpt_entry e = {0};
+         smp_ckpt_entry e;
+         memset(&e, 0, sizeof e);
          e.name = "fc1.weight"; e.dtype = SMP_F32; e.ndim = 2;
          e.shape[0] = 2; e.shape[1] = 3; e.data = w;
          const char *keys[] = {"epoch"}, *vals[] = {"3"};
@@ -936,7 +939,8 @@ static smp_status smp__ckpt_check_entries(const char *label, const smp_ckpt_entr
    each checksum's hex digits go. */
 static smp_status smp__ckpt_build_header(smp_ckpt_writer *w, const char *label, const smp_ckpt_entry *entries,
                                          const char *const *mk, const char *const *mv, int nmeta) {
-    smp__sbuf b = {0};
+    smp__sbuf b;
+    memset(&b, 0, sizeof b);
     const char *sep = ""; /* between the top level's members */
     smp__sbuf_put(&b, "\0\0\0\0\0\0\0\0", 8); /* length, patched below */
     smp__sbuf_puts(&b, "{");
@@ -1240,7 +1244,8 @@ SMPDEF smp_status smp_ckpt_write_file(const char *path, const smp_ckpt_entry *en
 }
 
 SMPDEF smp_ckpt_entry smp_ckpt_entry_of(const char *name, const smp_tensor *t) {
-    smp_ckpt_entry e = {0};
+    smp_ckpt_entry e;
+    memset(&e, 0, sizeof e);
     e.name = name;
     if (!t) return e;
     e.dtype = t->dtype;
@@ -1576,7 +1581,8 @@ static smp_status smp__ckpt_validate(smp_ckpt_file *f) {
 }
 
 static smp_status smp__ckpt_parse(smp_ckpt_file *f) {
-    smp__ckpt_jp jp = {0};
+    smp__ckpt_jp jp;
+    memset(&jp, 0, sizeof jp);
     int have_meta = 0;
     jp.s = f->header;
     jp.n = f->header_len;
@@ -3009,7 +3015,8 @@ static smp_status smp__ckpt_manifest_file(smp__ckpt_jp *jp, smp__ckpt_manifest *
 /* Parses a manifest held in text[0..n) (malloc'd, n + 1 bytes, decoded in
    place): m owns text on success; on error text is freed. */
 static smp_status smp__ckpt_manifest_parse(uint8_t *text, size_t n, const char *label, smp__ckpt_manifest *m) {
-    smp__ckpt_jp jp = {0};
+    smp__ckpt_jp jp;
+    memset(&jp, 0, sizeof jp);
     int have[6] = {0, 0, 0, 0, 0, 0};
     uint64_t parts = 0;
     smp_status st = SMP_OK;
@@ -3163,7 +3170,8 @@ static smp_status smp__ckpt_manifest_write(const char *path, uint64_t gen, const
     else if (!(dir = smp__ckpt_dirname(path, &base))) st = smp__nomem(strlen(path) + 1, "the name of the checkpoint's folder");
     else if (!(tmp = smp__ckpt_strf("%s.tmp.%ld", mpath, (long)getpid())))
         st = smp__nomem(strlen(mpath) + 32, "the name of the manifest's tmp file");
-    smp__sbuf b = {0};
+    smp__sbuf b;
+    memset(&b, 0, sizeof b);
     if (!st) {
         smp__sbuf_printf(&b, "{\n  \"format\": \"" SMP__CKPT_MANIFEST_FORMAT "\",\n  \"kind\": \"partial\",\n"
                              "  \"generation\": %llu,\n  \"save_id\": ", (smp__ckpt_ull)gen);
@@ -3381,7 +3389,8 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
     SMP_TRY(smp__ckpt_begin("smp_save", m, path, d.optimizer, &d));
     int partial = d.partial != SMP_OFF, ne = 0, i;
     smp__ckpt_plan pl;
-    smp__ckpt_meta_list md = {0};
+    smp__ckpt_meta_list md;
+    memset(&md, 0, sizeof md);
     smp__ckpt_rx rx;
     smp_ckpt_writer *w = NULL;
     smp_ckpt_entry *entries = NULL;

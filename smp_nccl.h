@@ -1228,6 +1228,34 @@ static smp_nccl_request *smp__nc_req_new(smp_group g, int peer, int kind) {
     return r;
 }
 
+/* Polls the channels to todo[0..nt) of group g until none is in progress
+   (`doing`: "start" for their communicators, "connect" for their first
+   transfer), under the deadline. */
+static smp_status smp__nc_chans_wait(smp_group g, const int *todo, int nt, const char *doing) {
+    smp__backoff b = smp__backoff_start();
+    for (;;) {
+        int pending = 0;
+        for (int k = 0; k < nt; k++)
+            for (int dir = 0; dir < 2; dir++) {
+                smp__nc_chan *c = smp__nc.chans[g][2 * todo[k] + dir];
+                ncclResult_t state = ncclInProgress;
+                ncclResult_t q = ncclCommGetAsyncError(c->comm, &state);
+                if (q != ncclSuccess) state = q;
+                if (state == ncclInProgress) pending++;
+                else if (state != ncclSuccess)
+                    return smp_error(SMP_ERR_DEVICE, "smp_nccl_p2p_connect: the channel %s %s rank %d failed to %s: %s%s%s", dir == 0 ? "to" : "from",
+                                     smp__group_name(g), todo[k], doing, ncclGetErrorString(state), *smp__nc_last(c->comm) ? ": " : "",
+                                     smp__nc_last(c->comm));
+            }
+        if (!pending) return SMP_OK;
+        if (!smp__backoff_pause(&b)) {
+            char what[128];
+            snprintf(what, sizeof what, "point-to-point channels to %s (the peer must call smp_nccl_p2p_connect too)", doing);
+            smp__nc_timeout(what, g, todo[0], MPI_Wtime() - b.start);
+        }
+    }
+}
+
 /* NCCL connects the two ranks of a channel lazily, at their first send and
    receive, and on a nonblocking communicator that first call stays "in
    progress" until the peer has made its own. Left to the first real
@@ -1244,24 +1272,7 @@ static smp_status smp__nc_warm_up(smp_group g, const int *todo, int nt) {
                                       : ncclRecv(smp__nc.dummy + 1 + (2 * k + dir) % 255, 1, ncclUint8, c->peer, c->comm, c->stream);
             if (r != ncclSuccess && r != ncclInProgress) st = smp__nc_nccl_fail(r, dir == 0 ? "ncclSend" : "ncclRecv", c->comm);
         }
-    if (st) return st;
-    smp__backoff b = smp__backoff_start();
-    for (;;) {
-        int pending = 0;
-        for (int k = 0; k < nt && !st; k++)
-            for (int dir = 0; dir < 2 && !st; dir++) {
-                smp__nc_chan *c = smp__nc.chans[g][2 * todo[k] + dir];
-                ncclResult_t state = ncclInProgress;
-                ncclResult_t q = ncclCommGetAsyncError(c->comm, &state);
-                if (q != ncclSuccess) state = q;
-                if (state == ncclInProgress) pending++;
-                else if (state != ncclSuccess)
-                    st = smp_error(SMP_ERR_DEVICE, "smp_nccl_p2p_connect: the channel %s %s rank %d failed to connect: %s%s%s", dir == 0 ? "to" : "from",
-                                   smp__group_name(g), todo[k], ncclGetErrorString(state), *smp__nc_last(c->comm) ? ": " : "", smp__nc_last(c->comm));
-            }
-        if (st || !pending) return st;
-        if (!smp__backoff_pause(&b)) smp__nc_timeout("point-to-point channels to connect (the peer must call smp_nccl_p2p_connect too)", g, todo[0], MPI_Wtime() - b.start);
-    }
+    return st ? st : smp__nc_chans_wait(g, todo, nt, "connect");
 }
 
 SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers) {
@@ -1325,25 +1336,7 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
             if (r != ncclSuccess && r != ncclInProgress) { c->comm = NULL; st = smp__nc_nccl_fail(r, "ncclCommInitRankConfig", NULL); }
         }
     }
-    if (!st) {
-        smp__backoff b = smp__backoff_start();
-        for (;;) {
-            int pending = 0;
-            for (int k = 0; k < nt && !st; k++)
-                for (int dir = 0; dir < 2 && !st; dir++) {
-                    smp__nc_chan *c = smp__nc.chans[g][2 * todo[k] + dir];
-                    ncclResult_t state = ncclInProgress;
-                    ncclResult_t q = ncclCommGetAsyncError(c->comm, &state);
-                    if (q != ncclSuccess) state = q;
-                    if (state == ncclInProgress) pending++;
-                    else if (state != ncclSuccess)
-                        st = smp_error(SMP_ERR_DEVICE, "smp_nccl_p2p_connect: the channel %s %s rank %d failed to start: %s", dir == 0 ? "to" : "from",
-                                       smp__group_name(g), todo[k], ncclGetErrorString(state));
-                }
-            if (st || !pending) break;
-            if (!smp__backoff_pause(&b)) smp__nc_timeout("point-to-point channels to start (the peer must call smp_nccl_p2p_connect too)", g, todo[0], MPI_Wtime() - b.start);
-        }
-    }
+    if (!st) st = smp__nc_chans_wait(g, todo, nt, "start");
     if (!st) st = smp__nc_warm_up(g, todo, nt);
     if (st) { /* undo this call's channels */
         for (int k = 0; k < nt; k++)
