@@ -2935,6 +2935,14 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
         if (st) return st;
         ps->ddp_ready = true;
     }
+    /* built at the first step of its kind, before the step counts (a failed
+       step does not): the same inputs everywhere, but memory may fail on one rank */
+    smp_schedule *sc = &ps->sched[training ? 0 : 1];
+    if (!sc->ops) {
+        st = smp_schedule_build(cfg->pipeline, cfg->partitions, md->nstages, md->stage_rank, m, !training, sc);
+        st = smp__agree_on(smp__ctx.world, st, "the step's schedule");
+        if (st) { smp_schedule_free(sc); return st; }
+    }
     ps->sync = cfg->ddp == SMP_ON && training && (ps->passes + 1) % cfg->backward_passes_per_step == 0;
     if (training) ps->passes++;
     if (training && ps->averaged_grads_held) {
@@ -2944,12 +2952,6 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
         ps->averaged_grads_held = false;
         if (md->zero_grad_calls == ps->zero_calls_at_sync) st = smp__scale_grads(md, 1.0 / smp_dp_size());
         if (st) return smp__agree_on(smp__ctx.world, st, "gradients kept from the last step");
-    }
-    smp_schedule *sc = &ps->sched[training ? 0 : 1];
-    if (!sc->ops) { /* built at the first step of its kind: the same inputs everywhere, but memory may fail on one rank */
-        st = smp_schedule_build(cfg->pipeline, cfg->partitions, md->nstages, md->stage_rank, m, !training, sc);
-        st = smp__agree_on(smp__ctx.world, st, "the step's schedule");
-        if (st) { smp_schedule_free(sc); return st; }
     }
     ps->m = m;
     ps->training = training;
