@@ -3164,7 +3164,7 @@ static smp_status smp__ckpt_manifest_write(const char *path, uint64_t gen, const
                                          const uint64_t *bytes, const uint32_t *crcs, int fault, int *committed) {
     *committed = 0;
     char *mpath = smp__ckpt_strf("%s.manifest", path), *dir = NULL, *tmp = NULL;
-    const char *base;
+    const char *base = "";
     smp_status st = SMP_OK;
     if (!mpath) st = smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
     else if (!(dir = smp__ckpt_dirname(path, &base))) st = smp__nomem(strlen(path) + 1, "the name of the checkpoint's folder");
