@@ -2369,8 +2369,12 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
             req[nreq] = MPI_REQUEST_NULL;
             if (pass) st = SMP__MPI_CHECK(MPI_Isend(b, count, type, peer, tag, ps->comm, &req[nreq]), "sending shared modules' gradients to mp rank %d", peer);
             else st = SMP__MPI_CHECK(MPI_Irecv(b, count, type, peer, tag, ps->comm, &req[nreq]), "receiving shared modules' gradients from mp rank %d", peer);
-            if (pass && !st) ps->msgs_sent[2 * peer]++;
-            nreq++;
+            /* only a posted request joins the list: below, a null one is a
+               completed receive, counted as a message that arrived */
+            if (!st) {
+                if (pass) ps->msgs_sent[2 * peer]++;
+                nreq++;
+            }
             if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a shared gradients' datatype");
         }
     smp__backoff wait = smp__backoff_start();
@@ -2994,7 +2998,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     smp_memory_stats mem0 = smp__ctx.mem;
     smp__ctx.mem.stash_peak_bytes = smp__ctx.mem.stash_bytes;
     int *peak = ps->peak;
-    if (training && ps->nshared) st = smp__shared_start(ps);
+    if (!st && training && ps->nshared) st = smp__shared_start(ps); /* a receive that failed to post is this step's error: keep it */
     for (int o = 0; o < nops && !st; o++) {
         int s = ops[o].stage, i = ops[o].microbatch;
         smp__ctx.at.op = "FBW"[ops[o].kind];
