@@ -210,7 +210,9 @@
    TESTING: with SMP_TESTING defined, smp_testing_fail() makes the n-th
    allocation, pipeline send, pipeline message check or MPI call whose
    failure returns a status (SMP_FAULT_MPI; not those that abort) from now
-   fail, so tests can inject failures where they happen in real jobs. Test
+   fail, or the n-th pipeline step after its last message (SMP_FAULT_STEP_END:
+   what a failed step's clean-up must undo is then all of it), so tests can
+   inject failures where they happen in real jobs. Test
    builds also see the introspection only tests use (declared at the top of
    the implementation, outside the API).
    smp_checkpoint.h exports its test hooks (smp__ckpt_open_memory, ...) and
@@ -791,6 +793,7 @@ typedef enum smp_testing_fault {
     SMP_FAULT_SEND,    /* a pipeline send reports an MPI failure */
     SMP_FAULT_MESSAGE, /* a pipeline message arrives with a corrupt header */
     SMP_FAULT_MPI,     /* a checked MPI call is skipped and reports MPI_ERR_OTHER (see MPI ERRORS) */
+    SMP_FAULT_STEP_END, /* a pipeline step fails on this rank after its last message, as the ranks agree on it */
     SMP_FAULT_COUNT
 } smp_testing_fault;
 SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip);
@@ -1151,7 +1154,7 @@ static void *smp__dev_alloc(size_t n, smp__alloc_kind kind) {
 }
 
 #ifdef SMP_TESTING
-static struct { long events[SMP_FAULT_COUNT], fail_at[SMP_FAULT_COUNT]; } smp__testing = {{0}, {-1, -1, -1, -1}};
+static struct { long events[SMP_FAULT_COUNT], fail_at[SMP_FAULT_COUNT]; } smp__testing = {{0}, {-1, -1, -1, -1, -1}};
 SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip) { smp__testing.fail_at[kind] = skip < 0 ? -1 : smp__testing.events[kind] + skip; }
 SMPDEF long smp_testing_events(smp_testing_fault kind) { return smp__testing.events[kind]; }
 /* Counts an event of the kind; true when it is the one to fail. */

@@ -3028,6 +3028,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
         }
     }
     if (!st && training && ps->nshared) st = smp__shared_finish(ps, md); /* before the buckets: it finishes their gradients */
+    if (!st && smp__injected(SMP_FAULT_STEP_END)) st = smp_error(SMP_ERR_MPI, "a failure injected after the step's last message");
     if (st && !ps->failed_remote) smp__notify_failure(ps);
     /* every replica runs the bucket collectives, failed step or not; they
        complete before the agreement, whose wait backs off into sleeps and

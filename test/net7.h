@@ -142,7 +142,8 @@ static smp_status net_forward(smp_model *m, const smp_tensor *in, int nin, smp_t
         pair[1] = a0; /* the skip connection */
         if (!st) st = smp_call(n->add3, pair, 2, &a3, 1);
     }
-    if (st || (st = smp_call(n->lin[2], &a3, 1, &a4, 1)) || (st = smp_call(n->relu5, &a4, 1, &a5, 1)) ||
+    smp_module *fc2 = n->lin[2] ? n->lin[2] : n->lin[1]; /* net_modules_tied: fc1 called again */
+    if (st || (st = smp_call(fc2, &a3, 1, &a4, 1)) || (st = smp_call(n->relu5, &a4, 1, &a5, 1)) ||
         (st = smp_call(n->lin[3], &a5, 1, &out[0], 1)))
         return st;
     return SMP_OK;
@@ -160,7 +161,7 @@ static const net_split_fns net_host_split = {lin_backward_input, lin_backward_we
 /* The modules and parameters; placement[k]: partition of call k's module
    (manual); NULL: auto; split NULL: the linears' backward whole. A test may
    add buffers before net_model. */
-static inline void net_modules_split(net *n, const int *placement, const net_fns *f, const net_split_fns *split) {
+static inline void net_modules_as(net *n, const int *placement, const net_fns *f, const net_split_fns *split, bool tied) {
     const smp_module_desc relu = {f->relu_f, f->relu_b, NULL}, add = {f->add_f, f->add_b, NULL};
     memset(n, 0, sizeof *n);
     n->root = smp_module_new(NULL, "", NULL);
@@ -170,6 +171,10 @@ static inline void net_modules_split(net *n, const int *placement, const net_fns
     for (int k = 0; k < 7; k++) {
         if (placement) smp_partition_push(placement[k]);
         int l = lin_of_call[k];
+        if (l == 2 && tied) {
+            if (placement) smp_partition_pop();
+            continue;
+        }
         if (l >= 0) {
             n->st[l].in = lin_in[l];
             n->st[l].out = lin_out[l];
@@ -185,6 +190,9 @@ static inline void net_modules_split(net *n, const int *placement, const net_fns
         else n->relu5 = smp_module_new(n->root, names[k], &relu);
         if (placement) smp_partition_pop();
     }
+}
+static inline void net_modules_split(net *n, const int *placement, const net_fns *f, const net_split_fns *split) {
+    net_modules_as(n, placement, f, split, false);
 }
 static inline void net_modules(net *n, const int *placement, const net_fns *f) { net_modules_split(n, placement, f, NULL); }
 /* Turns fc1 + skip into the composite call above (auto placement keeps it whole). */
@@ -204,6 +212,10 @@ static inline smp_model *build_with(net *n, const int *placement, const net_fns 
     return net_model(n, on_device);
 }
 static const net_fns net_host_fns = {lin_forward, lin_backward, relu_forward, relu_backward, add_forward, add_backward};
+/* The same model with fc2 tied to fc1 (one module, called at calls 2 and 4:
+   a shared module, held by both partitions when they differ). Not the
+   one-process reference's model: tests compare it with itself. */
+static inline void net_modules_tied(net *n, const int *placement) { net_modules_as(n, placement, &net_host_fns, NULL, true); }
 static inline smp_model *build(net *n, const int *placement) { return build_with(n, placement, &net_host_fns, false); }
 /* build, with the linears' backward split (split false: build) */
 static inline smp_model *build_split(net *n, const int *placement, bool split) {

@@ -1,7 +1,8 @@
 /* net7_train.h - what test_chaos.c and test_mpi_errors.c train net7.h's
    model with: an MSE step body, a seeded batch per (step, replica), a
-   digest of this rank's parameters to compare runs bit for bit, and SGD.
-   Include after smp_pipeline.h and net7.h. */
+   digest of this rank's parameters to compare runs bit for bit, SGD, and
+   a count of the messages a step left queued. Include after smp_pipeline.h
+   and net7.h, with SMP_IMPLEMENTATION (it reads smp's internals). */
 #ifndef NET7_TRAIN_H
 #define NET7_TRAIN_H
 
@@ -36,6 +37,29 @@ static void sgd(smp_model *model) {
         const float *g = (const float *)smp_param_grad(p)->data;
         for (int64_t k = 0; k < smp_tensor_numel(smp_param_value(p)); k++) w[k] -= 0.05f * g[k];
     }
+}
+
+/* Messages waiting on the pipeline's communicators (smp's internals: the
+   test defines SMP_IMPLEMENTATION). Asked before the ranks next meet, so
+   no peer can have started the next step's sends. */
+static int pending_messages(smp_model *model) {
+    smp__pipe *ps = (smp__pipe *)model->pipeline;
+    int n = 0;
+    for (int c = 0; ps && c < 2; c++)
+        for (;;) {
+            int flag = 0;
+            MPI_Status st;
+            MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, c ? ps->err_comm : ps->comm, &flag, &st);
+            if (!flag) break;
+            n++;
+            /* receive it, so the count is of messages, not of probes of the first one */
+            int bytes = 0;
+            MPI_Get_count(&st, MPI_BYTE, &bytes);
+            char *buf = (char *)malloc(bytes > 0 ? (size_t)bytes : 1);
+            MPI_Recv(buf, bytes, MPI_BYTE, st.MPI_SOURCE, st.MPI_TAG, c ? ps->err_comm : ps->comm, MPI_STATUS_IGNORE);
+            free(buf);
+        }
+    return n;
 }
 
 #endif

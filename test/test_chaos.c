@@ -39,29 +39,6 @@ static smp_model *start(net *n, int P, int world) {
     return build(n, P > 1 ? placement : NULL);
 }
 
-/* Messages waiting on the pipeline's communicators (smp's internals: the
-   test defines SMP_IMPLEMENTATION). Asked before the ranks next meet, so
-   no peer can have started the next step's sends. */
-static int pending_messages(smp_model *model) {
-    smp__pipe *ps = (smp__pipe *)model->pipeline;
-    int n = 0;
-    for (int c = 0; ps && c < 2; c++)
-        for (;;) {
-            int flag = 0;
-            MPI_Status st;
-            MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, c ? ps->err_comm : ps->comm, &flag, &st);
-            if (!flag) break;
-            n++;
-            /* receive it, so the count is of messages, not of probes of the first one */
-            int bytes = 0;
-            MPI_Get_count(&st, MPI_BYTE, &bytes);
-            char *buf = (char *)malloc(bytes > 0 ? (size_t)bytes : 1);
-            MPI_Recv(buf, bytes, MPI_BYTE, st.MPI_SOURCE, st.MPI_TAG, c ? ps->err_comm : ps->comm, MPI_STATUS_IGNORE);
-            free(buf);
-        }
-    return n;
-}
-
 /* One training step of batch s: zero_grad, the step, SGD when it worked. */
 static smp_status train(smp_model *model, int s) {
     static float x[B * D], t[B * C];

@@ -15,7 +15,12 @@
    MPI call and what it was for, change no parameter (the previous
    checkpoint still loads), and the next call must succeed. A sweep fails
    each such call of one training step in turn on one rank (n = 0, 1, ...
-   until the step runs clean). The error handlers of the engine's
+   until the step runs clean), on net7.h's model, on it with fc2 tied to
+   fc1 (a shared module on two partitions: its gradients' exchange between
+   them fails at each of its calls) and with fc1 + skip a recomputed
+   composite call: every failure must also leave no message queued for a
+   later step, and the parameters at the end must equal, bit for bit, a
+   clean run's that skipped the failed steps. The error handlers of the engine's
    communicator and of MPI_COMM_WORLD are the same after smp_init and
    smp_finalize as before.
 
@@ -35,7 +40,11 @@
 enum { M = 4 };
 static MPI_Comm engine; /* the engine's communicator, MPI_ERRORS_RETURN set by the engine */
 
-static smp_model *start(net *n, int P, bool ddp) {
+/* The models: net7.h's, with fc2 tied to fc1, with fc1 + skip one recomputed composite call. */
+enum { NET_PLAIN, NET_TIED, NET_COMPOSITE };
+static const char *const variant_name[] = {"net7", "tied", "composite"};
+
+static smp_model *start_as(net *n, int P, bool ddp, int variant) {
     smp_config cfg = {0};
     cfg.comm = engine;
     cfg.partitions = P;
@@ -43,8 +52,12 @@ static smp_model *start(net *n, int P, bool ddp) {
     cfg.ddp = ddp ? SMP_ON : SMP_OFF;
     cfg.timeout = 60;
     if (smp_init(&cfg)) return NULL;
-    return build(n, NULL);
+    if (variant == NET_TIED) net_modules_tied(n, NULL);
+    else net_modules(n, NULL, &net_host_fns);
+    if (variant == NET_COMPOSITE) net_block(n, true);
+    return net_model(n, false);
 }
+static smp_model *start(net *n, int P, bool ddp) { return start_as(n, P, ddp, NET_PLAIN); }
 
 static smp_status train(smp_model *model, int s) {
     static float x[B * D], t[B * C];
@@ -69,14 +82,94 @@ static bool mpi_error(smp_status st, const char *purpose) {
 }
 
 /* Runs step s with the n-th counted MPI call of this step failing on `target`
-   (n < 0: none). *fired: the injection happened on some rank. */
-static smp_status step_failing(smp_model *model, int s, int target, long n, bool *fired) {
-    long before = smp_testing_events(SMP_FAULT_MPI);
-    if (n >= 0 && smp_rank() == target) smp_testing_fail(SMP_FAULT_MPI, n);
+   (n < 0: none). *fired: the injection happened on some rank; *left: the
+   messages the step left queued on this rank, counted before the ranks
+   next meet (so no peer can have started the next step's sends). */
+static smp_status step_failing_at(smp_model *model, int s, smp_testing_fault kind, int target, long n, bool *fired, int *left) {
+    long before = smp_testing_events(kind);
+    if (n >= 0 && smp_rank() == target) smp_testing_fail(kind, n);
     smp_status st = train(model, s);
-    smp_testing_fail(SMP_FAULT_MPI, -1);
-    *fired = all_ranks(n >= 0 && smp_rank() == target && smp_testing_events(SMP_FAULT_MPI) - before > n, MPI_MAX) != 0;
+    smp_testing_fail(kind, -1);
+    *left = pending_messages(model);
+    *fired = all_ranks(n >= 0 && smp_rank() == target && smp_testing_events(kind) - before > n, MPI_MAX) != 0;
     return st;
+}
+static smp_status step_failing(smp_model *model, int s, int target, long n, bool *fired, int *left) {
+    return step_failing_at(model, s, SMP_FAULT_MPI, target, n, fired, left);
+}
+
+/* The sweep: every counted call of a step, in turn, failing on `target`,
+   on a pipeline over every rank, then the clean run of the same batches
+   without the failed ones. */
+enum { MAX_SWEEP_STEPS = 4096 };
+static void sweep(int world, int variant, int target) {
+    static bool failed[MAX_SWEEP_STEPS];
+    memset(failed, 0, sizeof failed);
+    const char *name = variant_name[variant];
+    net n;
+    smp_model *model = start_as(&n, world, false, variant);
+    MPI_CHECK(model != NULL, "mpi_errors/start the sweep", "%s: %s", name, smp_last_error());
+    if (!model) return;
+    int s = 0, clean = 0;
+    for (; s < 2; s++) clean += train(model, s) == SMP_OK; /* the trace and the pipeline's set-up */
+    int shared = all_ranks(((smp__pipe *)model->pipeline)->nshared, MPI_MAX);
+    MPI_CHECK(clean == 2 && (variant != NET_TIED || world == 1 || shared > 0), "mpi_errors/sweep: the model trains",
+              "%s: %d clean steps of 2, %d shared-module copies: %s", name, clean, shared, smp_last_error());
+    int failures = 0, wrong = 0, recoveries = 0, left_total = 0;
+    /* first each rank failing its step after the step's last message: its
+       peers have received all it sent (the shared module's gradients too),
+       and the clean-up must count every one of them */
+    for (int r = 0; r < world; r++) {
+        uint64_t before = digest(model);
+        bool fired;
+        int left;
+        smp_status st = step_failing_at(model, s, SMP_FAULT_STEP_END, r, 0, &fired, &left);
+        failed[s++] = true;
+        bool good = fired && st == SMP_ERR_MPI && digest(model) == before && left == 0;
+        if (!all_ranks(good, MPI_LAND) && wrong++ < 3)
+            printf("sweep %s: a late failure on rank %d: %s: %s; %d messages left\n", name, r, smp_status_name(st), smp_last_error(), left);
+    }
+    /* every call up to the 32nd, then every 2nd, ... (with 4 ranks sharing
+       2 cores a step's waits poll hundreds of times, each poll a call) */
+    long k = 0, tried = 0;
+    for (; s < MAX_SWEEP_STEPS - 2; k += 1 + k / 32, tried++) {
+        uint64_t before = digest(model);
+        bool fired;
+        int left;
+        smp_status st = step_failing(model, s, target, k, &fired, &left);
+        left_total += left;
+        if (!fired) {
+            wrong += st != SMP_OK;
+            s++;
+            break;
+        }
+        failed[s++] = true;
+        failures++;
+        bool good = st == SMP_ERR_MPI && strstr(smp_last_error(), " failed ") && digest(model) == before && left == 0;
+        if (!all_ranks(good, MPI_LAND) && wrong++ < 3)
+            printf("sweep %s: call %ld on rank %d: %s: %s; %d messages left\n", name, k, target, smp_status_name(st), smp_last_error(), left);
+        /* the step after a failure, every 8th time (the sweep's next step is another) */
+        if (failures % 8 == 1) recoveries += train(model, s++) == SMP_OK;
+    }
+    uint64_t swept = digest(model);
+    smp_model_free(model);
+    smp_finalize();
+    char what[320];
+    snprintf(what, sizeof what, "mpi_errors/sweep %s, rank %d failing: each MPI call of a step failing in turn (the first 32, then spaced; and each "
+             "rank failing after its last message) fails the step on every rank, leaves no message queued, and the next step succeeds", name, target);
+    MPI_CHECK(wrong == 0 && failures == tried && failures > 0 && recoveries == (failures + 7) / 8 && all_ranks(left_total, MPI_MAX) == 0, what,
+              "%d of %ld went otherwise, %d recovered, %d messages left queued here", wrong, tried + world, recoveries, left_total);
+    model = start_as(&n, world, false, variant);
+    int clean_errors = 0;
+    for (int c = 0; c < s && model; c++)
+        if (!failed[c]) clean_errors += train(model, c) != SMP_OK;
+    bool same = model && clean_errors == 0 && digest(model) == swept;
+    snprintf(what, sizeof what, "mpi_errors/sweep %s, rank %d failing: the parameters equal a clean run's that skipped the failed steps, bit for bit",
+             name, target);
+    MPI_CHECK(all_ranks(same, MPI_LAND), what, "%d clean steps failed; this rank's digests %s", clean_errors, same ? "equal" : "differ");
+    if (smp_rank() == 0) printf("mpi_errors: sweep %s over %ld of the %ld MPI calls of a step on rank %d\n", name, tried, k, target);
+    smp_model_free(model);
+    smp_finalize();
 }
 
 static void check_handlers(const char *when) {
@@ -103,9 +196,7 @@ static void pipeline_tests(int world) {
     MPI_Errhandler_free(&own);
     check_handlers("after smp_init");
     smp_status st = train(model, 0); /* the trace and the pipeline's set-up */
-    long e0 = smp_testing_events(SMP_FAULT_MPI);
     if (!st) st = train(model, 1);
-    long per_step = all_ranks((int)(smp_testing_events(SMP_FAULT_MPI) - e0), MPI_MIN);
     MPI_CHECK(st == SMP_OK, "mpi_errors/clean steps", "%s", smp_last_error());
     int s = 2;
     {
@@ -113,35 +204,14 @@ static void pipeline_tests(int world) {
            posts, or in one process the poll for failure notices */
         uint64_t before = digest(model);
         bool fired;
-        st = step_failing(model, s++, world - 1, 0, &fired);
-        bool ok = fired && mpi_error(st, world > 1 ? "from mp rank" : "(MP_GROUP)") && digest(model) == before;
+        int left;
+        st = step_failing(model, s++, world - 1, 0, &fired, &left);
+        bool ok = fired && mpi_error(st, world > 1 ? "from mp rank" : "(MP_GROUP)") && digest(model) == before && left == 0;
         MPI_CHECK(ok, "mpi_errors/(a) an MPI failure in a pipeline step: SMP_ERR_MPI on every rank, no parameter changed", "fired %d, %s: %s",
                   fired, smp_status_name(st), smp_last_error());
         st = train(model, s++);
         MPI_CHECK(st == SMP_OK, "mpi_errors/(a) the next step succeeds", "%s", smp_last_error());
 
-        /* the sweep: every counted call of a step, in turn, on the last rank */
-        int failures = 0, wrong = 0, recoveries = 0;
-        long k = 0;
-        for (;; k++) {
-            before = digest(model);
-            st = step_failing(model, s++, world - 1, k, &fired);
-            if (!fired) {
-                wrong += st != SMP_OK;
-                break;
-            }
-            failures++;
-            bool good = st == SMP_ERR_MPI && strstr(smp_last_error(), " failed ") && digest(model) == before;
-            if (!all_ranks(good, MPI_LAND)) {
-                if (wrong++ < 3) printf("sweep: call %ld: %s: %s\n", k, smp_status_name(st), smp_last_error());
-            }
-            /* the step after a failure, every 8th time (the sweep's next step is another) */
-            if (failures % 8 == 1) recoveries += train(model, s++) == SMP_OK;
-        }
-        MPI_CHECK(wrong == 0 && failures == k && failures > 0 && recoveries == (failures + 7) / 8,
-                  "mpi_errors/sweep: each MPI call of a pipeline step failing in turn fails the step on every rank, and the next succeeds",
-                  "%d of %ld went otherwise, %d recovered", wrong, k, recoveries);
-        if (smp_rank() == 0) printf("mpi_errors: sweep over %ld MPI calls of a step on rank %d (%ld counted in a clean step)\n", k, world - 1, per_step);
     }
 
     /* (d) a save: the first counted call of a save fails on the last rank */
@@ -303,6 +373,11 @@ int main(int argc, char **argv) {
     }
     check_handlers("before smp_init");
     pipeline_tests(world);
+    sweep(world, NET_PLAIN, world - 1);
+    /* the shared module's copies exchange gradients: a failure on either side of it */
+    sweep(world, NET_TIED, world - 1);
+    if (world > 1) sweep(world, NET_TIED, 0);
+    sweep(world, NET_COMPOSITE, world - 1);
     ddp_tests(world);
     check_handlers("at the end");
     MPI_Comm_free(&engine);
