@@ -13,7 +13,8 @@
      TESTING                SMP_TESTING's fault injection
    Then: smp_pipeline.h (schedules, steps, StepOutput, DDP, the timeline),
    smp_checkpoint.h (saves and loads), smp_nccl.h (the CUDA/NCCL backend),
-   each opening with a comment of the same kind; README.md (the build).
+   each opening with a comment of the same kind; README.md (the tutorial)
+   and docs/REFERENCE.md (config keys, the environment, failures, hosts).
 
    The core of smp: context and config, topology and groups, tensors, the
    module tree, partition contexts, tracing, the auto-partitioner, object
@@ -203,9 +204,23 @@
    member. The calls that hand memory to the engine's callbacks
    (smp_call_output, smp_call_stash) return NULL, and the step fails with
    SMP_ERR_NOMEM even if the callback goes on. smp aborts the job only on
-   broken invariants, on waits past their deadline, and where a rank cannot
-   take part in a collective the others are in already (the gather buffer
-   of deterministic_reduction, a persistent all-reduce's buffer).
+   broken invariants, on waits past their deadline, and at these places,
+   where out of memory leaves no way back: the other ranks are in, or about
+   to enter, a collective this rank cannot take part in without the memory,
+   or a failed step's clean-up must finish before anything else can run
+   (each aborts naming the bytes or items and what they were for):
+     smp.h             a persistent all-reduce's staging buffer (host
+                       all-reduces of at most 16 KiB); the host copy of a
+                       device tensor that tracing checksums
+     smp_pipeline.h    the gather buffer of a gradient bucket under
+                       deterministic_reduction (bucket_cap_mb x replicas);
+                       smp_clip_grad_norm's partial sums (one double per
+                       parameter); the timeline's lengths (smp_model_free
+                       with SMP_TIMELINE); after a failed step, the counts of
+                       its transfers and messages, a message received to be
+                       dropped, and a send kept until its peer receives it
+     smp_nccl.h        smp_init's device backend start-up (comparing the
+                       GPUs of the ranks on a node)
 
    MPI ERRORS (one policy): smp sets MPI_ERRORS_RETURN on the communicators
    it owns (it duplicates the engine's communicator, or MPI_COMM_WORLD, at
@@ -535,8 +550,9 @@ typedef struct smp_module_desc {
     void *user;             /* the engine's per-module state, smp_module_user() */
 } smp_module_desc;
 
-/* parent NULL makes a root. Created inside SMP_PARTITION(k) { ... } the
-   module goes to partition k (innermost context wins). */
+/* parent NULL makes a root. With auto_partition off, a module created
+   inside SMP_PARTITION(k) { ... } goes to partition k (innermost context
+   wins); auto_partition (the default) ignores contexts (smp_partition_push). */
 SMPDEF smp_module *smp_module_new(smp_module *parent, const char *name, const smp_module_desc *desc);
 SMPDEF smp_param *smp_param_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
                                 smp_init_fn init, void *init_user);
