@@ -208,7 +208,7 @@
    where out of memory leaves no way back: the other ranks are in, or about
    to enter, a collective this rank cannot take part in without the memory,
    or a failed step's clean-up must finish before anything else can run
-   (each aborts naming the bytes or items and what they were for):
+   (each abort's message says what the memory was for):
      smp.h             a persistent all-reduce's staging buffer (host
                        all-reduces of at most 16 KiB); the host copy of a
                        device tensor that tracing checksums
