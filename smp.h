@@ -2,7 +2,7 @@
 
    CONTENTS (this comment, in order)
      USAGE                  one C file defines SMP_IMPLEMENTATION
-     THE SMALLEST PROGRAM   a 2-stage pipeline that trains, whole
+     THE SMALLEST PROGRAM   a 2-stage pipeline that trains (examples/minimal.c)
      CONFIG KEYS            smp_config fields and their JSON names
      ENVIRONMENT VARIABLES  every variable the four headers read
      THREADING MODEL        which thread calls what; the MPI thread level
@@ -13,7 +13,8 @@
      TESTING                SMP_TESTING's fault injection
    Then: smp_pipeline.h (schedules, steps, StepOutput, DDP, the timeline),
    smp_checkpoint.h (saves and loads), smp_nccl.h (the CUDA/NCCL backend),
-   each opening with a comment of the same kind; README.md (the build).
+   each opening with a comment of the same kind; README.md (the tutorial)
+   and docs/REFERENCE.md (config keys, the environment, failures, hosts).
 
    The core of smp: context and config, topology and groups, tensors, the
    module tree, partition contexts, tracing, the auto-partitioner, object
@@ -28,50 +29,75 @@
      Everywhere else include "smp.h" for the declarations only.
 
    THE SMALLEST PROGRAM: four layers in two pipeline stages, trained with
-   SGD on 4 microbatches a step (examples/minimal.c has it whole, kernels
-   included; make test builds and runs it):
-         #define SMP_IMPLEMENTATION
-         #include "smp.h"
-         #include "smp_pipeline.h"
-         static smp_status fc_forward(smp_call_ctx *c);   // your kernels: read smp_call_input,
-         static smp_status fc_backward(smp_call_ctx *c);  // write smp_call_output / _grad_input
-         static smp_module *layer[4];
-         static smp_status forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *u) {
-             smp_tensor h = in[0];                         // the model: modules called in order
-             for (int l = 0; l < 4; l++) SMP_TRY(smp_call(layer[l], &h, 1, l == 3 ? out : &h, 1));
-             return SMP_OK;
-         }
-         SMP_STEP_BODY(mse_body) {                        // per microbatch, where the output lives
-             float loss = my_mse(smp_mb_output(mb, 0), smp_mb_arg(mb, 1), smp_mb_output_grad(mb, 0));
-             return smp_mb_return_f32(mb, 0, loss);
-         }
-         int main(void) {
-             smp_config cfg = {0};                         // zero means defaults
-             cfg.partitions = 2;
-             cfg.microbatches = 4;
-             if (smp_init(&cfg)) return 1;                 // smp.init()
-             smp_module *root = smp_module_new(NULL, "", NULL);
-             for (int l = 0; l < 4; l++) {
-                 char name[16];
-                 snprintf(name, sizeof name, "fc%d", l);
-                 layer[l] = smp_module_new(root, name, &(smp_module_desc){fc_forward, fc_backward, NULL});
-                 smp_param_new(layer[l], "weight", SMP_F32, 2, (int64_t[]){16, 16}, smp_init_uniform, NULL);
-             }
-             smp_model *model;                             // smp.DistributedModel(...)
-             smp_model_new(root, &(smp_model_desc){.forward = forward}, &model);
-             for (int step = 0; step < 60; step++) {
-                 smp_step_output loss = {0};
-                 smp_model_zero_grad(model);
-                 SMP_TRAIN_STEP(model, mse_body, NULL, &loss, 1, x, target);  // @smp.step
-                 my_sgd(model);                            // smp_model_local_param(model, i, false): local ones
-                 printf("loss %g\n", smp_step_output_reduce_mean_f64(&loss));          // loss.reduce_mean()
-                 smp_step_output_free(&loss);
-             }
-             smp_model_free(model);
-             smp_finalize();
-         }
-     Build: mpicc -std=c11 -O2 prog.c -o prog -lm      Run: mpirun -n 2 ./prog
-     (-std=c99 works as well; the headers need gcc or clang there)
+   SGD on 4 microbatches a step. The lines below are examples/minimal.c's,
+   in order, with "..." where lines are left out (the kernels' loops, the
+   comments); make test checks that they are, and builds and runs the file.
+    #define SMP_IMPLEMENTATION
+    #include "smp.h"
+    #include "smp_pipeline.h"
+    ...
+    static smp_status fc_forward(smp_call_ctx *c) {
+        const smp_tensor *x = smp_call_input(c, 0);
+        const float *w = smp_param_value(*(smp_param **)smp_module_user(smp_call_module(c)))->data, *xs = x->data;
+        int64_t n = x->shape[0];
+        smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, (int64_t[]){n, WIDTH});
+        if (!y) return SMP_ERR_NOMEM;
+    ...
+    static smp_status fc_backward(smp_call_ctx *c) {
+        smp_param *p = *(smp_param **)smp_module_user(smp_call_module(c));
+    ...
+    static smp_status forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
+        (void)m, (void)nin, (void)nout, (void)user;
+        smp_tensor h = in[0];
+        for (int l = 0; l < LAYERS; l++) SMP_TRY(smp_call(layer[l], &h, 1, l == LAYERS - 1 ? out : &h, 1));
+        return SMP_OK;
+    }
+    ...
+    SMP_STEP_BODY(mse_body) {
+        const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
+        smp_tensor *g = smp_mb_output_grad(mb, 0);
+        ...
+        return smp_mb_return_f32(mb, 0, loss);
+    }
+    ...
+    int main(void) {
+        smp_config cfg = {0}; // zero means defaults
+        cfg.partitions = 2;
+        cfg.microbatches = 4;
+        if (smp_init(&cfg)) { fprintf(stderr, "%s\n", smp_last_error()); return 1; }
+        smp_module *root = smp_module_new(NULL, "", NULL);
+        for (int l = 0; l < LAYERS; l++) {
+            char name[16];
+            snprintf(name, sizeof name, "fc%d", l);
+            layer[l] = smp_module_new(root, name, &(smp_module_desc){fc_forward, fc_backward, &weight[l]});
+            weight[l] = smp_param_new(layer[l], "weight", SMP_F32, 2, (int64_t[]){WIDTH, WIDTH},
+                                      smp_init_uniform, NULL);
+        }
+        smp_model *model = NULL;
+        smp_status st = smp_model_new(root, &(smp_model_desc){.forward = forward}, &model);
+        if (st) fprintf(stderr, "%s\n", smp_last_error());
+        static float x[BATCH * WIDTH], t[BATCH * WIDTH]; // learn t = sin(x), elementwise
+        for (int i = 0; i < BATCH * WIDTH; i++) { x[i] = (float)((i * 37) % 101) / 50.0f - 1.0f; t[i] = sinf(x[i]); }
+        smp_tensor xs = smp_tensor_2d(x, SMP_F32, BATCH, WIDTH), ts = smp_tensor_2d(t, SMP_F32, BATCH, WIDTH);
+        for (int step = 0; step < STEPS && !st; step++) {
+            smp_step_output loss = {0};
+            smp_model_zero_grad(model);
+            st = SMP_TRAIN_STEP(model, mse_body, NULL, &loss, 1, xs, ts);
+            if (st) { fprintf(stderr, "step %d: %s\n", step, smp_last_error()); break; }
+            smp_param *p;
+            for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) // SGD on this rank's layers
+                for (int64_t k = 0; k < smp_tensor_numel(smp_param_value(p)); k++)
+                    ((float *)smp_param_value(p)->data)[k] -= 0.5f * ((float *)smp_param_grad(p)->data)[k];
+            if (smp_rank() == 0 && step % 10 == 0)
+                printf("step %d loss %.5f\n", step, smp_step_output_reduce_mean_f64(&loss));
+            smp_step_output_free(&loss);
+        }
+        smp_model_free(model);
+        smp_finalize(); // after a failure too: leaving main without it makes the exit guard abort the job
+        return st ? 1 : 0;
+    }
+   Build: mpicc -std=c11 -O2 -I. examples/minimal.c -o minimal -lm
+   Run:   mpirun -n 2 ./minimal    (-std=c99 works as well, with gcc or clang)
 
    CONFIG KEYS (smp_config fields, or the same keys as JSON in SMP_CONFIG /
    smp_config_from_json, as in SageMaker's "modelparallel" parameters):
@@ -178,9 +204,23 @@
    member. The calls that hand memory to the engine's callbacks
    (smp_call_output, smp_call_stash) return NULL, and the step fails with
    SMP_ERR_NOMEM even if the callback goes on. smp aborts the job only on
-   broken invariants, on waits past their deadline, and where a rank cannot
-   take part in a collective the others are in already (the gather buffer
-   of deterministic_reduction, a persistent all-reduce's buffer).
+   broken invariants, on waits past their deadline, and at these places,
+   where out of memory leaves no way back: the other ranks are in, or about
+   to enter, a collective this rank cannot take part in without the memory,
+   or a failed step's clean-up must finish before anything else can run
+   (each abort's message says what the memory was for):
+     smp.h             a persistent all-reduce's staging buffer (host
+                       all-reduces of at most 16 KiB); the host copy of a
+                       device tensor that tracing checksums
+     smp_pipeline.h    the gather buffer of a gradient bucket under
+                       deterministic_reduction (bucket_cap_mb x replicas);
+                       smp_clip_grad_norm's partial sums (one double per
+                       parameter); the timeline's lengths (smp_model_free
+                       with SMP_TIMELINE); after a failed step, the counts of
+                       its transfers and messages, a message received to be
+                       dropped, and a send kept until its peer receives it
+     smp_nccl.h        smp_init's device backend start-up (comparing the
+                       GPUs of the ranks on a node)
 
    MPI ERRORS (one policy): smp sets MPI_ERRORS_RETURN on the communicators
    it owns (it duplicates the engine's communicator, or MPI_COMM_WORLD, at
@@ -512,8 +552,9 @@ typedef struct smp_module_desc {
     void *user;             /* the engine's per-module state, smp_module_user() */
 } smp_module_desc;
 
-/* parent NULL makes a root. Created inside SMP_PARTITION(k) { ... } the
-   module goes to partition k (innermost context wins). */
+/* parent NULL makes a root. With auto_partition off, a module created
+   inside SMP_PARTITION(k) { ... } goes to partition k (innermost context
+   wins); auto_partition (the default) ignores contexts (smp_partition_push). */
 SMPDEF smp_module *smp_module_new(smp_module *parent, const char *name, const smp_module_desc *desc);
 SMPDEF smp_param *smp_param_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
                                 smp_init_fn init, void *init_user);

@@ -156,8 +156,8 @@ typedef struct smp_schedule {
    with SMP_ERR_ARG on nranks < 1, nstages < nranks, microbatches < 1, a
    rank out of range or without a stage, or two consecutive stages on one
    rank; ZERO_BUBBLE_V on nstages != 2 nranks or a map other than the V;
-   SMP_ERR_NOMEM without memory (smp's counted memory, as smp_malloc's: it
-   may be called before smp_init). Release out with smp_schedule_free. */
+   SMP_ERR_NOMEM without memory (smp's counted memory, SMP_MALLOC's, shown by
+   smp_memory(): it may be called before smp_init). Release out with smp_schedule_free. */
 SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nstages, const int *stage_rank,
                                      int microbatches, bool forward_only, smp_schedule *out);
 /* Frees what smp_schedule_build allocated and zeroes *s. Safe on a zeroed
@@ -1924,7 +1924,7 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
 
 static smp__pipe *smp__ddp_inflight; /* the step whose buckets are in flight, for smp_poll */
 
-/* The exception to the out-of-memory policy: the other replicas are in this
+/* One of the out-of-memory aborts smp.h's OUT OF MEMORY lists: the other replicas are in this
    bucket's collective already, or will be, and a replica cannot take part
    without the memory to gather into. */
 static void smp__bucket_nomem(size_t bytes) {

@@ -71,7 +71,7 @@ SMP_STEP_BODY(mse_body) {
 }
 
 int main(void) {
-    smp_config cfg = {0}; /* zero means defaults */
+    smp_config cfg = {0}; // zero means defaults
     cfg.partitions = 2;
     cfg.microbatches = 4;
     if (smp_init(&cfg)) { fprintf(stderr, "%s\n", smp_last_error()); return 1; }
@@ -80,26 +80,29 @@ int main(void) {
         char name[16];
         snprintf(name, sizeof name, "fc%d", l);
         layer[l] = smp_module_new(root, name, &(smp_module_desc){fc_forward, fc_backward, &weight[l]});
-        weight[l] = smp_param_new(layer[l], "weight", SMP_F32, 2, (int64_t[]){WIDTH, WIDTH}, smp_init_uniform, NULL);
+        weight[l] = smp_param_new(layer[l], "weight", SMP_F32, 2, (int64_t[]){WIDTH, WIDTH},
+                                  smp_init_uniform, NULL);
     }
     smp_model *model = NULL;
-    if (smp_model_new(root, &(smp_model_desc){.forward = forward}, &model)) { fprintf(stderr, "%s\n", smp_last_error()); return 1; }
-    static float x[BATCH * WIDTH], t[BATCH * WIDTH]; /* learn t = sin(x), elementwise */
+    smp_status st = smp_model_new(root, &(smp_model_desc){.forward = forward}, &model);
+    if (st) fprintf(stderr, "%s\n", smp_last_error());
+    static float x[BATCH * WIDTH], t[BATCH * WIDTH]; // learn t = sin(x), elementwise
     for (int i = 0; i < BATCH * WIDTH; i++) { x[i] = (float)((i * 37) % 101) / 50.0f - 1.0f; t[i] = sinf(x[i]); }
     smp_tensor xs = smp_tensor_2d(x, SMP_F32, BATCH, WIDTH), ts = smp_tensor_2d(t, SMP_F32, BATCH, WIDTH);
-    for (int step = 0; step < STEPS; step++) {
+    for (int step = 0; step < STEPS && !st; step++) {
         smp_step_output loss = {0};
         smp_model_zero_grad(model);
-        smp_status st = SMP_TRAIN_STEP(model, mse_body, NULL, &loss, 1, xs, ts);
-        if (st) { fprintf(stderr, "step %d: %s\n", step, smp_last_error()); return 1; }
+        st = SMP_TRAIN_STEP(model, mse_body, NULL, &loss, 1, xs, ts);
+        if (st) { fprintf(stderr, "step %d: %s\n", step, smp_last_error()); break; }
         smp_param *p;
-        for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) /* SGD on this rank's layers */
+        for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) // SGD on this rank's layers
             for (int64_t k = 0; k < smp_tensor_numel(smp_param_value(p)); k++)
                 ((float *)smp_param_value(p)->data)[k] -= 0.5f * ((float *)smp_param_grad(p)->data)[k];
-        if (smp_rank() == 0 && step % 10 == 0) printf("step %d loss %.5f\n", step, smp_step_output_reduce_mean_f64(&loss));
+        if (smp_rank() == 0 && step % 10 == 0)
+            printf("step %d loss %.5f\n", step, smp_step_output_reduce_mean_f64(&loss));
         smp_step_output_free(&loss);
     }
     smp_model_free(model);
-    smp_finalize();
-    return 0;
+    smp_finalize(); // after a failure too: leaving main without it makes the exit guard abort the job
+    return st ? 1 : 0;
 }

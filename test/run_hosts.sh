@@ -277,7 +277,7 @@ gen_same() { # name, file a, file b
     elif grep -q '^--- prompt 3:' "$tmp/$2.cmp" && grep -q '^exit 137' "$tmp/$3.cmp" &&
          cmp -s <(grep -v '^exit ' "$tmp/$2.cmp") <(grep -v '^exit ' "$tmp/$3.cmp"); then
         # the whole text came out and was right, then the job sat until the 60 s kill: MPICH 4.0.2's
-        # MPI_Finalize hang over UCX/TCP (README), which the preload shim makes rare, not impossible
+        # MPI_Finalize hang over UCX/TCP (docs/REFERENCE.md), which the preload shim makes rare, not impossible
         echo "SKIP: $1: the text was right but the job hung after it until killed (MPICH 4.0.2's finalize hang over TCP)"
     else fail "$1: $(diff "$tmp/$2.cmp" "$tmp/$3.cmp" | head -n 6 | tr '\n' ' ') $(why_of "$3")"; fi
 }

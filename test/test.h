@@ -1,8 +1,11 @@
 /* test.h - the reporting convention of smp's tests.
    Each check prints one line, "PASS: name" or "FAIL: name: why"; a check that
    cannot run here prints "SKIP: name: why" and counts as neither. test/run.sh
-   adds the lines up into "N passed, N failed". Under mpirun only world rank
-   0 prints, after the ranks agree (a check fails if it failed on any rank). */
+   adds the lines up into "N passed, N failed". Under mpirun, MPI_CHECK has
+   the ranks agree first (a check fails if it failed on any rank) and one
+   rank prints the line: world rank 0 a PASS, the lowest failing rank its
+   FAIL with its reason. CHECK and test_skip print on the rank that calls
+   them. */
 #ifndef SMP_TEST_H
 #define SMP_TEST_H
 #include <stdio.h>
