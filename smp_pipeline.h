@@ -951,14 +951,26 @@ typedef struct smp__link {
     int *edges, nedges;     /* backward: one gradient per edge, in order */
 } smp__link;
 
+/* Where a transfer stands. A receive goes IDLE -> HEADER_POSTED -> HEADER_ARRIVED -> (device: DEVICE_WAITING ->)
+   BYTES_POSTED -> ARRIVED; a send is SENDING until it completes. smp__xfer_free makes either IDLE again. */
+typedef enum smp__xfer_state {
+    SMP__XFER_IDLE,           /* not posted, or finished and let go */
+    SMP__XFER_SENDING,        /* a send in flight (req[0] the header, req[1] the bytes; device transfers) */
+    SMP__XFER_HEADER_POSTED,  /* the header's receive is posted (req[0]) */
+    SMP__XFER_HEADER_ARRIVED, /* the header arrived, its bytes not asked for yet: a failed step may leave it so */
+    SMP__XFER_DEVICE_WAITING, /* device payloads: the header arrived, its receives wait for their turn in the order
+                                 the peer sent (smp__queue_device_recv) */
+    SMP__XFER_BYTES_POSTED,   /* the bytes' receive is posted (req[1]), or the device receives are queued */
+    SMP__XFER_ARRIVED         /* header and bytes have arrived */
+} smp__xfer_state;
+
 typedef struct smp__xfer {
     MPI_Request req[2];
     int64_t *hdr;            /* SMP__HDR_WORDS(ntensors): dtype, ndim, shape[8] per tensor, the first device
                                 transfer's number, and a check of all that (smp__hdr_seal) */
     void *buf;               /* receive: the bytes; send: what to free once sent */
     size_t bytes;            /* receive: of buf */
-    int state;               /* receive: 0 idle, 1 header posted, 4 header arrived (device transfers not queued yet),
-                                2 data posted, 3 arrived; send: 1 in flight */
+    smp__xfer_state state;
     int peer, ntensors;
     void **dev_req;          /* the backend's transfers of this message, until waited */
     int ndev_req;
@@ -968,7 +980,17 @@ typedef struct smp__xfer {
 } smp__xfer;
 #define SMP__HDR_WORDS(ntensors) (10 * (ntensors) + 2)
 
-typedef struct smp__event { double t0, t1; int kind, stage, mb; } smp__event; /* kind: 0 fwd, 1 bwd, 2 wait (receive), 3 body, 4 all-reduce (mb: bucket), 5 send (posted to completed), 6 weight gradients (W) */
+/* A timeline event's kind; the timeline's tables (smp__timeline_write) are in this order. */
+typedef enum smp__event_kind {
+    SMP__EVENT_FORWARD,
+    SMP__EVENT_BACKWARD,  /* a stage's whole backward, or B of a zero-bubble schedule */
+    SMP__EVENT_WAIT,      /* for a receive */
+    SMP__EVENT_BODY,
+    SMP__EVENT_ALLREDUCE, /* a gradient bucket's collective (mb: the bucket) */
+    SMP__EVENT_SEND,      /* posted to completed */
+    SMP__EVENT_WEIGHT     /* W of a zero-bubble schedule */
+} smp__event_kind;
+typedef struct smp__event { double t0, t1; smp__event_kind kind; int stage, mb; } smp__event;
 
 typedef struct smp__mbstate { /* one block, from act */
     smp_tensor *act;       /* [ncalls * maxout]: this microbatch's tensors known here */
@@ -1059,7 +1081,7 @@ typedef struct smp__pipe {
 
 static smp_status smp__timeline_write(smp__pipe *ps);
 /* A timeline event (SMP_TIMELINE) from t0 to now. */
-static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0) {
+static void smp__event_add(smp__pipe *ps, smp__event_kind kind, int stage, int mb, double t0) {
     if (!ps->timeline) return;
     if (!smp__grow((void **)&ps->events, &ps->events_cap, ps->nevents + 1, sizeof(smp__event), NULL)) {
         /* a diagnostic, not the job's work: it stops, and says so */
@@ -1305,7 +1327,7 @@ static smp_status smp__post_recv(smp__pipe *ps, int link, int mb, bool backward)
     x->req[0] = x->req[1] = MPI_REQUEST_NULL;
     SMP__MPI(MPI_Irecv(x->hdr, SMP__HDR_WORDS(x->ntensors), MPI_INT64_T, x->peer, smp__tag(link, backward), ps->comm, &x->req[0]),
              "posting the receive of %s %d's header from mp rank %d", backward ? "a gradient for microbatch" : "an activation of microbatch", mb, x->peer);
-    x->state = 1;
+    x->state = SMP__XFER_HEADER_POSTED;
     return SMP_OK;
 }
 
@@ -1382,7 +1404,7 @@ static smp_status smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
         ps->dev_posted[x->peer]++;
         p += bytes;
     }
-    x->state = 2;
+    x->state = SMP__XFER_BYTES_POSTED;
     return SMP_OK;
 }
 
@@ -1416,7 +1438,7 @@ static void smp__xfer_free(smp__xfer *x) {
     x->hdr = NULL;
     x->buf = NULL;
     x->dev_req = NULL;
-    x->state = 0;
+    x->state = SMP__XFER_IDLE;
 }
 
 /* Sends what the forward (activations) or backward (gradient
@@ -1462,7 +1484,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
         return st;
     }
     ps->nsends++;
-    x->state = 1;
+    x->state = SMP__XFER_SENDING;
     for (int i = 0; i < nt; i++) {
         int64_t *h = x->hdr + 10 * i;
         h[0] = ts[i]->dtype;
@@ -1496,9 +1518,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
     MPI_Datatype type;
     int count;
     const void *from = staging;
-    if (staging || nt == 1) st = smp__bytes_type(total, &count, &type);
-    else st = smp__gather_type(ts, nt, &count, &type);
-    if (st) return st;
+    SMP_TRY(staging || nt == 1 ? smp__bytes_type(total, &count, &type) : smp__gather_type(ts, nt, &count, &type));
     if (!staging) from = nt == 1 ? ts[0]->data : MPI_BOTTOM;
     st = SMP__MPI_CHECK(MPI_Isend(from, count, type, x->peer, tag + 1, ps->comm, &x->req[1]), "sending stage %d's %s for microbatch %d to mp rank %d",
                         stage, kind, mb, x->peer);
@@ -1523,15 +1543,15 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
         for (int dir = 0; dir < 2 && !err; dir++)
             for (int mb = 0; mb < ps->m; mb++) {
                 smp__xfer *x = smp__recv_slot(ps, l, mb, dir);
-                if (x->state == 1) {
+                if (x->state == SMP__XFER_HEADER_POSTED) {
                     if ((err = SMP__MPI_CHECK(MPI_Test(&x->req[0], &flag, &st), "receiving the header of %s %d from mp rank %d",
                                               dir ? "a gradient for microbatch" : "an activation of microbatch", mb, x->peer)))
                         break;
                     if (!flag) break;
-                    x->state = 5; /* arrived, its bytes not asked for: a failed step leaves it so */
+                    x->state = SMP__XFER_HEADER_ARRIVED;
                     if ((err = smp__hdr_check(x->hdr, x->ntensors, x->peer, &x->bytes))) break;
                     if (ps->dev_p2p) {
-                        x->state = 4; /* queued below, in the order the peer sent */
+                        x->state = SMP__XFER_DEVICE_WAITING; /* queued below, in the order the peer sent */
                         continue;
                     }
                     MPI_Datatype type;
@@ -1542,14 +1562,14 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
                                          dir ? "the gradients for microbatch" : "the activations of microbatch", mb, x->peer);
                     if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a pipeline message datatype");
                     if (err) break;
-                    x->state = 2;
+                    x->state = SMP__XFER_BYTES_POSTED;
                 }
-                if (x->state == 2) {
+                if (x->state == SMP__XFER_BYTES_POSTED) {
                     if (ps->dev_p2p) flag = smp__device_done(x);
                     else if ((err = SMP__MPI_CHECK(MPI_Test(&x->req[1], &flag, MPI_STATUS_IGNORE), "receiving %s %d from mp rank %d",
                                                    dir ? "the gradients for microbatch" : "the activations of microbatch", mb, x->peer)))
                         break;
-                    if (flag) x->state = 3;
+                    if (flag) x->state = SMP__XFER_ARRIVED;
                 }
             }
     if (ps->dev_p2p && !err) {
@@ -1558,7 +1578,7 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
             queued = false;
             for (size_t i = 0; i < nrecv; i++) {
                 smp__xfer *x = &ps->recv[i];
-                if (x->state == 4 && x->hdr[10 * x->ntensors] == ps->dev_posted[x->peer]) {
+                if (x->state == SMP__XFER_DEVICE_WAITING && x->hdr[10 * x->ntensors] == ps->dev_posted[x->peer]) {
                     if ((err = smp__queue_device_recv(ps, x))) break;
                     queued = true;
                 }
@@ -1567,7 +1587,7 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
     }
     for (int i = 0; i < ps->nsends; i++) {
         smp__xfer *x = &ps->sends[i];
-        if (x->state != 1) continue;
+        if (x->state != SMP__XFER_SENDING) continue;
         int done = 0;
         MPI_Status sts[2];
         smp_status ts = SMP__MPI_CHECK(MPI_Testall(2, x->req, &done, sts), "sending stage %d's %s for microbatch %d to mp rank %d", x->stage,
@@ -1578,13 +1598,13 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
         }
         if (done && smp__device_done(x)) {
             smp__device_wait_all(x);
-            if (x->hdr) smp__event_add(ps, 5, x->stage, x->mb, x->t_post); /* not a failed step's shared gradients */
+            if (x->hdr) smp__event_add(ps, SMP__EVENT_SEND, x->stage, x->mb, x->t_post); /* not a failed step's shared gradients */
             smp__xfer_free(x);
         }
     }
     /* drop finished sends from the front so the list stays short */
     int k = 0;
-    while (k < ps->nsends && ps->sends[k].state == 0) k++;
+    while (k < ps->nsends && ps->sends[k].state == SMP__XFER_IDLE) k++;
     if (k) { memmove(ps->sends, ps->sends + k, sizeof(smp__xfer) * (size_t)(ps->nsends - k)); ps->nsends -= k; }
     return err;
 }
@@ -1608,8 +1628,7 @@ static smp_status smp__between_calls(smp__pipe *ps) {
 static smp_status smp__progress(smp__pipe *ps) {
     int flag = 0;
     MPI_Status st;
-    smp_status es = SMP__MPI_CHECK(MPI_Test(&ps->err_req, &flag, &st), "looking for pipeline failure notices (MP_GROUP)");
-    if (es) return es;
+    SMP_TRY(SMP__MPI_CHECK(MPI_Test(&ps->err_req, &flag, &st), "looking for pipeline failure notices (MP_GROUP)"));
     if (flag && ps->err_from < 0) ps->err_from = st.MPI_SOURCE;
     if (flag) { ps->failed_remote = true; return smp_error(SMP_ERR_REMOTE, "another rank failed"); }
     return smp__between_calls(ps);
@@ -1634,9 +1653,10 @@ static void smp__drain_device(smp__pipe *ps) {
     for (;;) {
         (void)smp__progress_transfers(ps); /* the step failed already */
         bool pending = false;
-        for (int i = 0; i < ps->nsends; i++) pending = pending || (ps->sends[i].state == 1 && ps->sends[i].hdr); /* shared gradients: smp__drain_messages */
+        for (int i = 0; i < ps->nsends; i++) /* not shared gradients (no header): smp__drain_messages */
+            pending = pending || (ps->sends[i].state == SMP__XFER_SENDING && ps->sends[i].hdr);
         for (int p = 0; p < P; p++) pending = pending || ps->dev_posted[p] < sent_to_me[p];
-        for (size_t i = 0; i < nrecv; i++) pending = pending || ps->recv[i].state == 2;
+        for (size_t i = 0; i < nrecv; i++) pending = pending || ps->recv[i].state == SMP__XFER_BYTES_POSTED;
         if (!pending) break;
         if (!smp__backoff_pause(&b)) smp__timeout_abort("the device transfers of a failed step", SMP_MP_GROUP, -1, smp__now() - b.start);
     }
@@ -1681,14 +1701,15 @@ static void smp__drain_messages(smp__pipe *ps) {
     size_t nrecv = ps->recv ? (size_t)ps->nlinks * (size_t)ps->m * 2 : 0;
     for (size_t i = 0; i < nrecv; i++) {
         smp__xfer *x = &ps->recv[i];
-        if (!x->state) continue; /* never posted */
-        /* states: 1 header posted; 5, 4 header arrived; 2 bytes posted (host) or queued (device); 3 all arrived */
-        bool bytes_over_mpi = !ps->dev_p2p, pending = x->state == 1 || (x->state == 2 && bytes_over_mpi);
-        int got = x->state == 1 ? 0 : 1 + (x->state == 3 && bytes_over_mpi);
+        if (x->state == SMP__XFER_IDLE) continue; /* never posted */
+        /* MPI messages: the header, then (host payloads) the bytes */
+        bool bytes_over_mpi = !ps->dev_p2p, header_pending = x->state == SMP__XFER_HEADER_POSTED;
+        bool pending = header_pending || (x->state == SMP__XFER_BYTES_POSTED && bytes_over_mpi);
+        int got = header_pending ? 0 : 1 + (x->state == SMP__XFER_ARRIVED && bytes_over_mpi);
         if (pending) {
-            bool cancelled = smp__withdraw(&x->req[x->state - 1], NULL);
+            bool cancelled = smp__withdraw(&x->req[header_pending ? 0 : 1], NULL);
             got += !cancelled;
-            x->state = cancelled ? 0 : x->state == 1 ? 5 : 3;
+            x->state = cancelled ? SMP__XFER_IDLE : header_pending ? SMP__XFER_HEADER_ARRIVED : SMP__XFER_ARRIVED;
         }
         left[2 * x->peer] -= got;
     }
@@ -1728,12 +1749,13 @@ static void smp__drain_messages(smp__pipe *ps) {
             smp__xfer *x = &ps->sends[i];
             int done = 0;
             MPI_Status sts[2];
-            if (x->state == 1) SMP__MPI_FATAL(MPI_Testall(2, x->req, &done, sts), "completing a send of a failed step to mp rank %d", x->peer);
+            if (x->state == SMP__XFER_SENDING)
+                SMP__MPI_FATAL(MPI_Testall(2, x->req, &done, sts), "completing a send of a failed step to mp rank %d", x->peer);
             if (done && smp__device_done(x)) {
                 smp__device_wait_all(x);
                 smp__xfer_free(x);
             }
-            pending = pending || x->state == 1;
+            pending = pending || x->state == SMP__XFER_SENDING;
         }
         if (!pending) break;
         if (!smp__backoff_pause(&b)) smp__timeout_abort("the messages of a failed step", SMP_MP_GROUP, -1, smp__now() - b.start);
@@ -1749,21 +1771,20 @@ static smp_status smp__await(smp__pipe *ps, smp__xfer **xs, int n, const char *w
     double t0 = smp__now();
     smp__backoff b = smp__backoff_start();
     for (;;) {
-        smp_status st = smp__progress(ps);
-        if (st) return st;
+        SMP_TRY(smp__progress(ps));
         int ready = 0;
-        for (int i = 0; i < n; i++) ready += xs[i]->state == 3;
+        for (int i = 0; i < n; i++) ready += xs[i]->state == SMP__XFER_ARRIVED;
         if (ready == n) break;
         if (!smp__backoff_pause(&b)) {
             int peer = -1;
             for (int i = 0; i < n; i++)
-                if (xs[i]->state != 3) peer = xs[i]->peer;
+                if (xs[i]->state != SMP__XFER_ARRIVED) peer = xs[i]->peer;
             char buf[160];
             snprintf(buf, sizeof buf, "%s of microbatch %d for stage %d", what, mb, stage);
             smp__timeout_abort(buf, SMP_MP_GROUP, peer, smp__now() - b.start);
         }
     }
-    if (n) smp__event_add(ps, 2, stage, mb, t0);
+    if (n) smp__event_add(ps, SMP__EVENT_WAIT, stage, mb, t0);
     return SMP_OK;
 }
 
@@ -1790,8 +1811,8 @@ SMPDEF void *smp_mb_user(const smp_mb *mb) { return mb->ps->desc->user; }
 SMPDEF bool smp_mb_is_training(const smp_mb *mb) { return mb->ps->training; }
 SMPDEF smp_status smp_mb_return(smp_mb *mb, int i, const smp_tensor *v) {
     if (i < 0 || i >= SMP_MAX_STEP_ARGS) return smp_error(SMP_ERR_ARG, "smp_mb_return: index %d is outside 0..%d", i, SMP_MAX_STEP_ARGS - 1);
-    smp_status st = smp__check_tensor(v, "smp_mb_return", "value");
-    if (st) return st;
+    SMP_TRY(smp__check_tensor(v, "smp_mb_return", "value"));
+    smp_status st = SMP_OK;
     smp_tensor *r = &mb->st->returned[i];
     smp__free(r->data);
     *r = *v; /* StepOutputs live on the host: a device value is copied down */
@@ -1840,8 +1861,7 @@ static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, i
         const smp_tensor *t = &d->args[a];
         char name[32];
         snprintf(name, sizeof name, "argument %d", a);
-        smp_status st = smp__check_tensor(t, "smp_step", name);
-        if (st) return st;
+        SMP_TRY(smp__check_tensor(t, "smp_step", name));
         if (t->device != SMP_HOST && !smp__ctx.has_device) return smp_error(SMP_ERR_ARG, "smp_step: argument %d is on a CUDA device but no device backend is registered", a);
         if (d->non_split[a]) continue;
         int ax = d->split_axis[a];
@@ -1865,8 +1885,7 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
     for (int i = 0; i < md->nparams; i++) {
         smp_param *p = md->params[i];
         if (!smp_module_is_local(p->module) || (p->is_buffer && cfg->broadcast_buffers != SMP_ON)) continue;
-        smp_status st = smp_broadcast(&p->value, 0, SMP_DP_GROUP);
-        if (st) return st;
+        SMP_TRY(smp_broadcast(&p->value, 0, SMP_DP_GROUP));
     }
     /* backward order: the call that finishes a parameter (smp__final_call), those final only at the step's end last */
     int n = 0;
@@ -1990,7 +2009,7 @@ static bool smp__bucket_test(smp__pipe *ps, int b) {
     /* the other replicas are in this collective: a rank that loses track of it cannot tell them */
     SMP__MPI_FATAL(MPI_Test(&k->req, &done, MPI_STATUS_IGNORE), "completing data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", b, k->bytes);
     if (done) {
-        smp__event_add(ps, 4, -1, b, k->t_start);
+        smp__event_add(ps, SMP__EVENT_ALLREDUCE, -1, b, k->t_start);
         if (smp__ctx.initialized) smp__ctx.groups[SMP_DP_GROUP].in_coll = false;
     }
     return done;
@@ -2139,8 +2158,8 @@ static smp_status smp__grad_scan(const smp_param *p, double *sq, int *bad) {
 }
 
 static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
-    smp_status st = smp__require_init("smp_clip_grad_norm");
-    if (st) return st;
+    SMP_TRY(smp__require_init("smp_clip_grad_norm"));
+    smp_status st = SMP_OK;
     /* one partial sum per parameter, owned by exactly one rank of the
        MP_GROUP: summing them (x + 0 is exact) and then adding them up in
        model order gives the one-process result on every rank */
@@ -2168,8 +2187,7 @@ static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
 SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *total_norm) {
     if (!(max_norm > 0)) return smp_error(SMP_ERR_ARG, "smp_clip_grad_norm: max_norm must be positive, got %g", max_norm);
     double norm;
-    smp_status st = smp__grad_norm(m, &norm);
-    if (st) return st;
+    SMP_TRY(smp__grad_norm(m, &norm));
     if (total_norm) *total_norm = norm;
     double coef = max_norm / (norm + 1e-6);
     if (coef >= 1.0) return SMP_OK;
@@ -2246,11 +2264,10 @@ SMPDEF smp_status smp_local_batch_size(int64_t global, int64_t *local) {
 }
 
 SMPDEF smp_status smp_agree_batches(int64_t batches) {
-    smp_status st = smp__require_init("smp_agree_batches");
-    if (st) return st;
+    SMP_TRY(smp__require_init("smp_agree_batches"));
     int64_t v[2] = {batches, -batches};
     smp_tensor t = smp_tensor_1d(v, SMP_I64, 2);
-    if ((st = smp_all_reduce(&t, &t, SMP_MIN, SMP_DP_GROUP))) return st;
+    SMP_TRY(smp_all_reduce(&t, &t, SMP_MIN, SMP_DP_GROUP));
     if (v[0] != -v[1])
         return smp_error(SMP_ERR_ARG, "data-parallel replicas have different numbers of batches (%lld to %lld): shard the data evenly (drop_last)",
                          (long long)v[0], (long long)-v[1]);
@@ -2402,7 +2419,7 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
             x->peer = peer;
             x->buf = buf[slot[r]]; /* freed once sent */
             buf[slot[r]] = NULL;
-            x->state = 1;
+            x->state = SMP__XFER_SENDING;
             continue;
         }
         /* a receive: a failed step takes back one that has not matched; the
@@ -2498,8 +2515,8 @@ static void smp__recompute_drop(smp__pipe *ps, int i, int first, int last) {
 }
 
 static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i) {
-    smp_status rc = smp__receive(ps, s, i, false);
-    if (rc) return rc;
+    SMP_TRY(smp__receive(ps, s, i, false));
+    smp_status rc = SMP_OK;
     double t0 = smp__now();
     for (int k = md->stage_first[s]; k <= md->stage_last[s] && !rc; k++) {
         rc = smp__call_forward(ps, md, k, i, false);
@@ -2508,7 +2525,7 @@ static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i)
         if (!rc && k < md->stage_last[s]) rc = smp__between_calls(ps);
     }
     if (rc) return rc;
-    smp__event_add(ps, 0, s, i, t0);
+    smp__event_add(ps, SMP__EVENT_FORWARD, s, i, t0);
     ps->inflight[s]++;
     for (int l = 0; l < ps->nlinks && !rc; l++)
         if (ps->links[l].from == s) rc = smp__send(ps, l, false, s, i);
@@ -2530,7 +2547,7 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
     double t0 = smp__now();
     smp__errbuf[0] = 0;
     rc = ps->desc->body(&mb);
-    smp__event_add(ps, 3, md->nstages - 1, i, t0);
+    smp__event_add(ps, SMP__EVENT_BODY, md->nstages - 1, i, t0);
     if (rc) {
         char msg[sizeof smp__errbuf];
         memcpy(msg, smp__errbuf, sizeof msg);
@@ -2600,8 +2617,8 @@ static bool smp__adopt_contrib(smp__pipe *ps, int s, int i, int e, smp_tensor *g
 static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
     int mo = ps->maxout;
-    smp_status rc = smp__receive(ps, s, i, true);
-    if (rc) return rc;
+    SMP_TRY(smp__receive(ps, s, i, true));
+    smp_status rc = SMP_OK;
     double t0 = smp__now();
     for (int k = md->stage_last[s]; k >= md->stage_first[s]; k--) {
         smp__call_rec *rec = &md->calls[k];
@@ -2652,7 +2669,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         if (!rc) rc = smp__between_calls(ps);
         if (rc) return rc;
     }
-    smp__event_add(ps, 1, s, i, t0);
+    smp__event_add(ps, SMP__EVENT_BACKWARD, s, i, t0);
     for (int l = 0; l < ps->nlinks && !rc; l++) /* gradients for producers on other ranks */
         if (ps->links[l].to == s) rc = smp__send(ps, l, true, s, i);
     if (!rc && !ps->zb) ps->inflight[s]--;
@@ -2677,7 +2694,7 @@ static smp_status smp__stage_weight(smp__pipe *ps, smp_model *md, int s, int i) 
         if (!rc) rc = smp__backward_done(ps, md, k, i);
         if (!rc) rc = smp__between_calls(ps);
     }
-    smp__event_add(ps, 6, s, i, t0);
+    smp__event_add(ps, SMP__EVENT_WEIGHT, s, i, t0);
     ps->inflight[s]--;
     return rc;
 }
@@ -2688,7 +2705,7 @@ static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
     smp__mbstate *st = &ps->mb[i];
     for (int k = 0; k < ps->nsends && ps->dev_p2p; k++) { /* F(s, i)'s device sends read its activations until done (received by now) */
         smp__xfer *x = &ps->sends[k];
-        if (x->state == 1 && !x->backward && x->stage == s && x->mb == i) smp__device_wait_all(x);
+        if (x->state == SMP__XFER_SENDING && !x->backward && x->stage == s && x->mb == i) smp__device_wait_all(x);
     }
     for (int k = md->stage_first[s]; k <= md->stage_last[s]; k++) {
         smp_call_ctx *c = &st->ctx[k];
@@ -2716,12 +2733,12 @@ static void smp__release_step(smp__pipe *ps, smp_model *md) {
     size_t nrecv = ps->recv ? (size_t)ps->nlinks * (size_t)ps->m * 2 : 0;
     for (size_t i = 0; i < nrecv; i++) {
         smp__xfer *x = &ps->recv[i];
-        SMP_ASSERT(x->state != 1 && (x->state != 2 || ps->dev_p2p));
+        SMP_ASSERT(x->state != SMP__XFER_HEADER_POSTED && (x->state != SMP__XFER_BYTES_POSTED || ps->dev_p2p));
         smp__xfer_free(x);
     }
     smp__free(ps->recv);
     ps->recv = NULL;
-    for (int i = 0; i < ps->nsends; i++) SMP_ASSERT(ps->sends[i].state != 1);
+    for (int i = 0; i < ps->nsends; i++) SMP_ASSERT(ps->sends[i].state != SMP__XFER_SENDING);
     smp__free(ps->sends);
     ps->sends = NULL;
     ps->nsends = ps->sends_cap = 0;
@@ -3074,8 +3091,7 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m) {
 /* ---------------------------------------------------------------- StepOutput */
 static smp_status smp__reduce_check(const smp_step_output *o, const smp_tensor *r, const char *fn, int64_t want) {
     if (!o || !o->values || o->microbatches < 1) return smp_error(SMP_ERR_ARG, "%s: the StepOutput is empty", fn);
-    smp_status st = smp__check_tensor(r, fn, "result");
-    if (st) return st;
+    SMP_TRY(smp__check_tensor(r, fn, "result"));
     for (int i = 0; i < o->microbatches; i++) {
         if (o->values[i].dtype != r->dtype)
             return smp_error(SMP_ERR_ARG, "%s: microbatch %d's value is %s, the result is %s", fn, i, smp_dtype_name(o->values[i].dtype), smp_dtype_name(r->dtype));
@@ -3086,8 +3102,7 @@ static smp_status smp__reduce_check(const smp_step_output *o, const smp_tensor *
 }
 
 static smp_status smp__reduce_out(const smp_step_output *o, smp_tensor *r, bool mean, const char *fn) {
-    smp_status st = smp__reduce_check(o, r, fn, smp_tensor_numel(r));
-    if (st) return st;
+    SMP_TRY(smp__reduce_check(o, r, fn, smp_tensor_numel(r)));
     if (r->dtype != SMP_F32 && r->dtype != SMP_F64) return smp_error(SMP_ERR_ARG, "%s: reduces f32 and f64 values, not %s", fn, smp_dtype_name(r->dtype));
     int64_t n = smp_tensor_numel(r);
     for (int64_t x = 0; x < n; x++) {
@@ -3104,8 +3119,7 @@ SMPDEF smp_status smp_step_output_reduce_mean(const smp_step_output *o, smp_tens
 SMPDEF smp_status smp_step_output_reduce_sum(const smp_step_output *o, smp_tensor *r) { return smp__reduce_out(o, r, false, "smp_step_output_reduce_sum"); }
 
 static smp_status smp__join_out(const smp_step_output *o, smp_tensor *r, bool stack, const char *fn) {
-    smp_status st = smp__reduce_check(o, r, fn, -1);
-    if (st) return st;
+    SMP_TRY(smp__reduce_check(o, r, fn, -1));
     int64_t total = 0;
     for (int i = 0; i < o->microbatches; i++) total += smp_tensor_numel(&o->values[i]);
     if (total != smp_tensor_numel(r))
@@ -3147,7 +3161,7 @@ static smp_status smp__timeline_write(smp__pipe *ps) {
     static const int track[] = {0, 0, 1, 0, 2, 3, 0}; /* waits, all-reduces and sends overlap the compute */
     for (int e = 0; ps && e < ps->nevents; e++) {
         smp__event *ev = &ps->events[e];
-        if (ev->kind == 4) { /* a gradient bucket's all-reduce, on a track of its own */
+        if (ev->kind == SMP__EVENT_ALLREDUCE) { /* on a track of its own */
             smp__sbuf_printf(&mine, "%s{\"name\":\"AR b%d\",\"cat\":\"allreduce\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":2,\"args\":{\"bucket\":%d,\"bytes\":%zu}}",
                              mine.len ? "," : "", ev->mb, ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6, smp__ctx.rank, ev->mb, ps->buckets[ev->mb].bytes);
             continue;
