@@ -1021,7 +1021,7 @@ typedef struct smp__shared { int call, param, part; smp_tensor grad; } smp__shar
 
 /* What is fixed once the model is traced and partitioned: the executor's plan. smp__pipe_build makes its
    tables; the first step of each kind adds that kind's schedule, and the first data-parallel step lays out the
-   buckets (smp__step); after that nothing in the plan changes. What its arrays point at is another
+   buckets (smp__step_prepare); after that nothing in the plan changes. What its arrays point at is another
    matter: the buckets' bytes and the shared slots' gradients are rewritten by every step, and each bucket
    carries its step's progress (final, ready, req, gather), which smp__ddp_finish resets. */
 typedef struct smp__plan {
@@ -1049,7 +1049,7 @@ typedef struct smp__plan {
     int *bucket_params;    /* parameters in backward order */
 } smp__plan;
 
-/* One step's state: set as the step begins (smp__step), let go of by smp__release_step. */
+/* One step's state: set by smp__step_begin and smp__step_post_receives, let go of by smp__release_step. */
 typedef struct smp__step_state {
     int m;
     bool training;
@@ -1057,6 +1057,9 @@ typedef struct smp__step_state {
     bool sync;             /* this step ends with the data-parallel gradient sync */
     int model_outs;        /* body NULL: how many of the model's outputs become the step's outputs */
     const smp_step_desc *desc;
+    const smp_schedule *sched;
+    double t_start;
+    int64_t stash_at_start; /* stash bytes when the step began (its peak is measured from there) */
     smp__mbstate *mb;
     smp__xfer *recv;       /* [(link * m + mb) * 2 + backward] */
     smp__xfer *sends;
@@ -2959,108 +2962,157 @@ static void smp__schedule_report(const smp_model *md) {
     smp__free(map);
 }
 
-static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts);
-SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
-    smp__ctx.at.steps++; /* where this rank is, should it exit (smp__exit_guard) */
-    smp__ctx.at.in_step = true;
-    smp_status st = smp__step(d, outs, nouts);
-    smp__ctx.at.in_step = false;
-    smp__ctx.at.op = 0;
-    return st;
-}
+/* ---------------------------------------------------------------- the step's phases
+   smp__step reads top to bottom: prepare (nothing to undo when it fails), begin (the step counts), post the
+   receives, run the schedule's operations, drain the sends, finish the shared gradients, complete the buckets,
+   agree, then finish or undo. */
 
-static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
-    smp_status st = smp__require_init("smp_step");
-    if (st) return st;
-    if (!d || !d->model) return smp_error(SMP_ERR_ARG, "smp_step: desc and desc->model are required");
+/* The step's arguments, agreed by every rank. */
+static smp_status smp__step_check_args(const smp_step_desc *d, const smp_step_output *outs, int nouts) {
     smp_model *md = d->model;
-    const smp_config *cfg = &smp__ctx.cfg;
-    int m = cfg->microbatches;
-    double t_start = smp__now();
-    st = smp__check_step(d, md, m);
+    smp_status st = smp__check_step(d, md, smp__ctx.cfg.microbatches);
     if (!st && (nouts < 0 || nouts > SMP_MAX_STEP_ARGS || (nouts && !outs)))
         st = smp_error(SMP_ERR_ARG, "smp_step: %d outputs requested (0..%d, with an array)", nouts, SMP_MAX_STEP_ARGS);
     if (!st && !d->body && nouts > md->desc.noutputs)
-        st = smp_error(SMP_ERR_ARG, "smp_step: %d outputs requested, but with body NULL the step's outputs are the model's, and it has %d "
-                       "(ask for at most %d, or give a body that returns more with smp_mb_return)", nouts, md->desc.noutputs, md->desc.noutputs);
-    st = smp__agree_on(smp__ctx.world, st, "step arguments");
-    if (st) return st;
-    bool training = !d->evaluate;
-    if (!md->traced) {
-        smp_tensor sample[SMP_MAX_STEP_ARGS];
-        void *copies[SMP_MAX_STEP_ARGS] = {0};
-        for (int i = 0; i < md->desc.ninputs; i++) {
-            int a = d->nmodel_inputs ? d->model_inputs[i] : i;
-            if (d->non_split[a]) sample[i] = d->args[a];
-            else if (!st) st = smp__slice(&d->args[a], d->split_axis[a], m, 0, &sample[i], &copies[i], SMP__ALLOC_OTHER);
-        }
-        st = smp__agree_on(smp__ctx.world, st, "the tracing sample");
-        if (!st) st = smp_model_trace(md, sample, md->desc.ninputs);
-        for (int i = 0; i < md->desc.ninputs; i++) smp__free(copies[i]);
-        if (st) return st;
+        st = smp_error(SMP_ERR_ARG, "smp_step: %d outputs requested, but with body NULL the step's outputs are the "
+                       "model's, and it has %d (ask for at most %d, or give a body that returns more with "
+                       "smp_mb_return)", nouts, md->desc.noutputs, md->desc.noutputs);
+    return smp__agree_on(smp__ctx.world, st, "step arguments");
+}
+
+/* The first step traces the model on its first microbatch. */
+static smp_status smp__step_trace(const smp_step_desc *d) {
+    smp_model *md = d->model;
+    if (md->traced) return SMP_OK;
+    smp_status st = SMP_OK;
+    smp_tensor sample[SMP_MAX_STEP_ARGS];
+    void *copies[SMP_MAX_STEP_ARGS] = {0};
+    for (int i = 0; i < md->desc.ninputs; i++) {
+        int a = d->nmodel_inputs ? d->model_inputs[i] : i, m = smp__ctx.cfg.microbatches;
+        if (d->non_split[a]) sample[i] = d->args[a];
+        else if (!st) st = smp__slice(&d->args[a], d->split_axis[a], m, 0, &sample[i], &copies[i], SMP__ALLOC_OTHER);
     }
-    if (!md->pipeline) {
-        smp__pipe *built = smp__pipe_build(md);
-        st = smp__agree_on(smp__ctx.world, built ? SMP_OK : SMP_ERR_NOMEM, "the pipeline's set-up");
-        if (st) { smp__pipe_free(built); return st; }
-        md->pipeline = built;
-        md->pipeline_free = smp__pipe_free;
-        smp__schedule_report(md);
+    st = smp__agree_on(smp__ctx.world, st, "the tracing sample");
+    if (!st) st = smp_model_trace(md, sample, md->desc.ninputs);
+    for (int i = 0; i < md->desc.ninputs; i++) smp__free(copies[i]);
+    return st;
+}
+
+/* The first step builds the plan (smp__pipe_build), every rank agreeing it could. */
+static smp_status smp__step_plan(smp_model *md) {
+    if (md->pipeline) return SMP_OK;
+    smp__pipe *built = smp__pipe_build(md);
+    smp_status st = smp__agree_on(smp__ctx.world, built ? SMP_OK : SMP_ERR_NOMEM, "the pipeline's set-up");
+    if (st) {
+        smp__pipe_free(built);
+        return st;
     }
-    smp__pipe *ps = (smp__pipe *)md->pipeline;
-    if (ps->plan.dev_p2p && !ps->dev_connected) { /* the backend's channels to every pipeline neighbour, once */
-        int *peers = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)(ps->plan.nlinks + 1), SMP__ALLOC_OTHER, "the pipeline's neighbours"), np = 0;
-        for (int l = 0, me = smp__ctx.mp_rank; l < ps->plan.nlinks && !st; l++) {
-            int other = ps->plan.links[l].peer_from == me ? ps->plan.links[l].peer_to : ps->plan.links[l].peer_to == me ? ps->plan.links[l].peer_from : -1;
-            bool seen = other < 0;
-            for (int k = 0; k < np && !seen; k++) seen = peers[k] == other;
-            if (!seen) peers[np++] = other;
-        }
-        if (!st && np) st = smp__ctx.device.p2p_connect(SMP_MP_GROUP, peers, np);
-        smp__free(peers);
-        st = smp__agree_on(smp__ctx.world, st, "device point-to-point set-up");
-        if (st) return st;
-        ps->dev_connected = true;
+    md->pipeline = built;
+    md->pipeline_free = smp__pipe_free;
+    smp__schedule_report(md);
+    return SMP_OK;
+}
+
+/* The backend's channels to every pipeline neighbour, made once. */
+static smp_status smp__step_connect(smp__pipe *ps) {
+    if (!ps->plan.dev_p2p || ps->dev_connected) return SMP_OK;
+    smp_status st = SMP_OK;
+    int me = smp__ctx.mp_rank, np = 0;
+    int *peers = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)(ps->plan.nlinks + 1), SMP__ALLOC_OTHER,
+                                      "the pipeline's neighbours");
+    for (int l = 0; l < ps->plan.nlinks && !st; l++) {
+        const smp__link *k = &ps->plan.links[l];
+        int other = k->peer_from == me ? k->peer_to : k->peer_to == me ? k->peer_from : -1;
+        bool seen = other < 0;
+        for (int q = 0; q < np && !seen; q++) seen = peers[q] == other;
+        if (!seen) peers[np++] = other;
     }
-    if (cfg->ddp == SMP_ON && !ps->ddp_ready) {
-        st = smp__agree_on(smp__ctx.world, smp__ddp_setup(ps, md), "data-parallel set-up");
-        if (st) return st;
-        ps->ddp_ready = true;
-    }
-    /* built at the first step of its kind, before the step counts (a failed
-       step does not): the same inputs everywhere, but memory may fail on one rank */
+    if (!st && np) st = smp__ctx.device.p2p_connect(SMP_MP_GROUP, peers, np);
+    smp__free(peers);
+    SMP_TRY(smp__agree_on(smp__ctx.world, st, "device point-to-point set-up"));
+    ps->dev_connected = true;
+    return SMP_OK;
+}
+
+/* The first data-parallel step broadcasts the parameters and lays out the buckets. */
+static smp_status smp__step_ddp_setup(smp__pipe *ps, smp_model *md) {
+    if (smp__ctx.cfg.ddp != SMP_ON || ps->ddp_ready) return SMP_OK;
+    SMP_TRY(smp__agree_on(smp__ctx.world, smp__ddp_setup(ps, md), "data-parallel set-up"));
+    ps->ddp_ready = true;
+    return SMP_OK;
+}
+
+/* The schedule of this kind of step, built at the first step of its kind: the same inputs everywhere, but memory
+   may fail on one rank. */
+static smp_status smp__step_schedule(smp__pipe *ps, smp_model *md, bool training) {
     smp_schedule *sc = &ps->plan.sched[training ? 0 : 1];
-    if (!sc->ops) {
-        st = smp_schedule_build(cfg->pipeline, cfg->partitions, md->nstages, md->stage_rank, m, !training, sc);
-        st = smp__agree_on(smp__ctx.world, st, "the step's schedule");
-        if (st) { smp_schedule_free(sc); return st; }
-    }
-    ps->step.sync = cfg->ddp == SMP_ON && training && (ps->passes + 1) % cfg->backward_passes_per_step == 0;
+    if (sc->ops) return SMP_OK;
+    const smp_config *cfg = &smp__ctx.cfg;
+    smp_status st = smp_schedule_build(cfg->pipeline, cfg->partitions, md->nstages, md->stage_rank, cfg->microbatches,
+                                       !training, sc);
+    st = smp__agree_on(smp__ctx.world, st, "the step's schedule");
+    if (st) smp_schedule_free(sc);
+    return st;
+}
+
+/* Gradients that accumulate on top of the last sync's average (no smp_model_zero_grad since) would be summed dp
+   times by the next sync, the loss gradient being the only part divided: a training step divides them first. */
+static smp_status smp__step_held_grads(smp__pipe *ps, smp_model *md, bool training) {
+    if (!training || !ps->averaged_grads_held) return SMP_OK;
+    ps->averaged_grads_held = false;
+    smp_status st = SMP_OK;
+    if (md->zero_grad_calls == ps->zero_calls_at_sync) st = smp__scale_grads(md, 1.0 / smp_dp_size());
+    return st ? smp__agree_on(smp__ctx.world, st, "gradients kept from the last step") : SMP_OK;
+}
+
+/* What a step needs before it counts, each piece made once and agreed by every rank: its arguments checked, the
+   model traced, the plan built, the device's channels made, the data-parallel buckets laid out, this kind of
+   step's schedule built, gradients kept from the last sync divided. A failure here leaves nothing to undo. */
+static smp_status smp__step_prepare(const smp_step_desc *d, const smp_step_output *outs, int nouts) {
+    if (!d || !d->model) return smp_error(SMP_ERR_ARG, "smp_step: desc and desc->model are required");
+    smp_model *md = d->model;
+    SMP_TRY(smp__step_check_args(d, outs, nouts));
+    SMP_TRY(smp__step_trace(d));
+    SMP_TRY(smp__step_plan(md));
+    smp__pipe *ps = (smp__pipe *)md->pipeline;
+    SMP_TRY(smp__step_connect(ps));
+    SMP_TRY(smp__step_ddp_setup(ps, md));
+    SMP_TRY(smp__step_schedule(ps, md, !d->evaluate));
+    return smp__step_held_grads(ps, md, !d->evaluate);
+}
+
+/* The step counts from here (smp__step_undo takes a failed one back): its state, and each microbatch's slice of
+   the arguments. */
+static smp_status smp__step_begin(smp__pipe *ps, smp_model *md, const smp_step_desc *d, int nouts, double t_start) {
+    const smp_config *cfg = &smp__ctx.cfg;
+    smp__step_state *now = &ps->step;
+    bool training = !d->evaluate;
+    int m = cfg->microbatches, n = md->ncalls;
+    now->sync = cfg->ddp == SMP_ON && training && (ps->passes + 1) % cfg->backward_passes_per_step == 0;
     if (training) ps->passes++;
-    if (training && ps->averaged_grads_held) {
-        /* gradients that accumulate on top of an earlier average (no
-           smp_model_zero_grad since) would be summed dp times by the next
-           sync, the loss gradient being the only part divided: divide them */
-        ps->averaged_grads_held = false;
-        if (md->zero_grad_calls == ps->zero_calls_at_sync) st = smp__scale_grads(md, 1.0 / smp_dp_size());
-        if (st) return smp__agree_on(smp__ctx.world, st, "gradients kept from the last step");
-    }
-    ps->step.m = m;
-    ps->step.training = training;
-    ps->step.zb = training && smp__sched_split(sc->kind);
-    ps->step.desc = d;
-    ps->step.model_outs = d->body ? 0 : nouts;
-    ps->step.failed_remote = false;
-    int S = md->nstages, n = md->ncalls, me = smp__ctx.mp_rank;
-    memset(ps->peak, 0, sizeof(int) * (size_t)(3 * S + 5 * cfg->partitions)); /* and stage_index, inflight, the transfer counts */
+    now->m = m;
+    now->training = training;
+    now->sched = &ps->plan.sched[training ? 0 : 1];
+    now->zb = training && smp__sched_split(now->sched->kind);
+    now->desc = d;
+    now->model_outs = d->body ? 0 : nouts;
+    now->failed_remote = false;
+    now->t_start = t_start;
+    /* and stage_index, inflight, the transfer counts */
+    memset(ps->peak, 0, sizeof(int) * (size_t)(3 * md->nstages + 5 * cfg->partitions));
     memset(&ps->stats, 0, sizeof ps->stats);
+    now->stash_at_start = smp__ctx.mem.stash_bytes;
+    smp__ctx.mem.stash_peak_bytes = smp__ctx.mem.stash_bytes;
+    smp_status st = SMP_OK;
     const char *what = "the step's microbatch state";
-    ps->step.mb = (smp__mbstate *)smp__alloc_or(&st, sizeof(smp__mbstate) * (size_t)m, SMP__ALLOC_OTHER, what);
-    size_t nt = (size_t)n * (size_t)ps->plan.maxout, ne = (size_t)ps->plan.nedges, no = (size_t)md->desc.noutputs, na = (size_t)d->nargs;
+    now->mb = (smp__mbstate *)smp__alloc_or(&st, sizeof(smp__mbstate) * (size_t)m, SMP__ALLOC_OTHER, what);
+    size_t nt = (size_t)n * (size_t)ps->plan.maxout, ne = (size_t)ps->plan.nedges;
+    size_t no = (size_t)md->desc.noutputs, na = (size_t)d->nargs;
     for (int i = 0; i < m && !st; i++) {
-        smp__mbstate *s = &ps->step.mb[i];
-        s->act = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (nt + ne + no + na + SMP_MAX_STEP_ARGS) + sizeof(smp_call_ctx) * (size_t)n +
-                                             sizeof(void *) * na, SMP__ALLOC_OTHER, what);
+        smp__mbstate *s = &now->mb[i];
+        s->act = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (nt + ne + no + na + SMP_MAX_STEP_ARGS) +
+                                             sizeof(smp_call_ctx) * (size_t)n + sizeof(void *) * na,
+                                             SMP__ALLOC_OTHER, what);
         if (st) break;
         s->contrib = s->act + nt;
         s->out_grad = s->contrib + ne;
@@ -3072,29 +3124,43 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
             if (d->non_split[a]) s->args[a] = d->args[a];
             else st = smp__slice(&d->args[a], d->split_axis[a], m, i, &s->args[a], &s->arg_copies[a], SMP__ALLOC_OTHER);
     }
-    /* every receive of the step, posted up front in the order of this rank's operations */
-    size_t nrecv = (size_t)ps->plan.nlinks * (size_t)m * 2;
-    ps->step.recv = (smp__xfer *)smp__alloc_or(&st, sizeof(smp__xfer) * nrecv, SMP__ALLOC_OTHER, what);
-    const smp_sched_op *ops = sc->ops[me];
-    int nops = sc->nops[me];
-    for (int o = 0; o < nops && !st; o++) {
+    return st;
+}
+
+/* Every receive of the step, posted up front in the order of this rank's operations. */
+static smp_status smp__step_post_receives(smp__pipe *ps) {
+    smp__step_state *now = &ps->step;
+    int me = smp__ctx.mp_rank;
+    smp_status st = SMP_OK;
+    size_t nrecv = (size_t)ps->plan.nlinks * (size_t)now->m * 2;
+    now->recv = (smp__xfer *)smp__alloc_or(&st, sizeof(smp__xfer) * nrecv, SMP__ALLOC_OTHER,
+                                           "the step's microbatch state");
+    const smp_sched_op *ops = now->sched->ops[me];
+    for (int o = 0; o < now->sched->nops[me] && !st; o++) {
         if (ops[o].kind == SMP_SCHED_WEIGHT) continue; /* receives nothing */
         bool bwd = ops[o].kind == SMP_SCHED_BACKWARD;
-        for (int l = 0; l < ps->plan.nlinks && !st; l++)
-            if ((bwd ? ps->plan.links[l].from : ps->plan.links[l].to) == ops[o].stage) st = smp__post_recv(ps, l, ops[o].microbatch, bwd);
+        for (int l = 0; l < ps->plan.nlinks && !st; l++) {
+            const smp__link *k = &ps->plan.links[l];
+            if ((bwd ? k->from : k->to) == ops[o].stage) st = smp__post_recv(ps, l, ops[o].microbatch, bwd);
+        }
     }
-    smp_memory_stats mem0 = smp__ctx.mem;
-    smp__ctx.mem.stash_peak_bytes = smp__ctx.mem.stash_bytes;
-    int *peak = ps->peak;
-    if (!st && training && ps->plan.nshared) st = smp__shared_start(ps); /* a receive that failed to post is this step's error: keep it */
-    for (int o = 0; o < nops && !st; o++) {
+    return st;
+}
+
+/* This rank's operations of the step's schedule, in order. */
+static smp_status smp__step_run_ops(smp__pipe *ps, smp_model *md) {
+    const smp_schedule *sc = ps->step.sched;
+    int me = smp__ctx.mp_rank, *peak = ps->peak;
+    const smp_sched_op *ops = sc->ops[me];
+    smp_status st = SMP_OK;
+    for (int o = 0; o < sc->nops[me] && !st; o++) {
         int s = ops[o].stage, i = ops[o].microbatch;
         smp__ctx.at.op = "FBW"[ops[o].kind];
         smp__ctx.at.stage = s;
         smp__ctx.at.microbatch = i;
         if (ops[o].kind == SMP_SCHED_FORWARD) {
             st = smp__stage_forward(ps, md, s, i);
-            if (!st && s == S - 1) { /* the body's stage: the model's outputs */
+            if (!st && s == md->nstages - 1) { /* the body's stage: the model's outputs */
                 smp__ctx.at.op = 'L';
                 st = smp__run_body(ps, md, i);
             }
@@ -3108,49 +3174,95 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
         }
     }
     smp__ctx.at.op = 0;
-    if (!st) { /* the last sends must land before their buffers go */
-        smp__backoff b = smp__backoff_start();
-        while (ps->step.nsends && !st) {
-            st = smp__progress(ps);
-            if (!st && ps->step.nsends && !smp__backoff_pause(&b)) smp__timeout_abort("pipeline sends to be received", SMP_MP_GROUP, ps->step.sends[0].peer, smp__now() - b.start);
-        }
+    return st;
+}
+
+/* The last sends must land before their buffers go. */
+static smp_status smp__step_drain_sends(smp__pipe *ps) {
+    smp_status st = SMP_OK;
+    smp__backoff b = smp__backoff_start();
+    while (ps->step.nsends && !st) {
+        st = smp__progress(ps);
+        if (!st && ps->step.nsends && !smp__backoff_pause(&b))
+            smp__timeout_abort("pipeline sends to be received", SMP_MP_GROUP, ps->step.sends[0].peer,
+                               smp__now() - b.start);
     }
-    if (!st && training && ps->plan.nshared) st = smp__shared_finish(ps, md); /* before the buckets: it finishes their gradients */
-    if (st && !ps->step.failed_remote) smp__notify_failure(ps);
-    /* every replica runs the bucket collectives, failed step or not; they
-       complete before the agreement, whose wait backs off into sleeps and
-       would stall the buckets still in flight */
-    if (ps->step.sync) {
-        smp_status ds = smp__ddp_complete(ps);
-        if (!st) st = ds;
-    }
-    smp_status agreed = smp__agree_on(smp__ctx.world, st, "the step");
-    smp_status finished = ps->step.sync ? smp__ddp_finish(ps, agreed != SMP_OK) : SMP_OK;
-    if (agreed) {
-        if (training) ps->passes--; /* the step did not happen: run again, it draws the same seeds */
-        if (ps->plan.dev_p2p) smp__drain_device(ps);
-        smp__drain_messages(ps); /* the next step runs on the same communicators */
-        smp__release_step(ps, md);
-        return agreed;
-    }
-    if (nouts) st = smp__share_outputs(ps, md, outs, nouts);
-    if (!st) st = finished;
-    if (ps->step.sync && smp_dp_size() > 1) {
-        ps->averaged_grads_held = true;
-        ps->zero_calls_at_sync = md->zero_grad_calls;
-    }
+    return st;
+}
+
+/* The step's statistics (smp_last_step_stats), before its state goes. */
+static void smp__step_stats(smp__pipe *ps, smp_model *md) {
+    int *peak = ps->peak;
     ps->stats.local_stages = 0;
-    for (int s = 0; s < S; s++)
-        if (md->stage_rank[s] == me) {
+    for (int s = 0; s < md->nstages; s++)
+        if (md->stage_rank[s] == smp__ctx.mp_rank) {
             ps->stage_index[ps->stats.local_stages] = s;
             peak[ps->stats.local_stages++] = peak[s]; /* in place: the entry written never lies ahead of the one read */
         }
     ps->stats.peak_inflight = peak;
     ps->stats.stage_index = ps->stage_index;
-    ps->stats.stash_peak_bytes = smp__ctx.mem.stash_peak_bytes - mem0.stash_bytes;
+    ps->stats.stash_peak_bytes = smp__ctx.mem.stash_peak_bytes - ps->step.stash_at_start;
+}
+
+/* A step every rank agreed worked: the data-parallel sums, the body's values to every rank of the replica, the
+   statistics. */
+static smp_status smp__step_finish(smp__pipe *ps, smp_model *md, smp_step_output *outs, int nouts) {
+    smp_status finished = ps->step.sync ? smp__ddp_finish(ps, false) : SMP_OK;
+    smp_status st = nouts ? smp__share_outputs(ps, md, outs, nouts) : SMP_OK;
+    if (!st) st = finished;
+    if (ps->step.sync && smp_dp_size() > 1) {
+        ps->averaged_grads_held = true;
+        ps->zero_calls_at_sync = md->zero_grad_calls;
+    }
+    smp__step_stats(ps, md);
     smp__release_step(ps, md);
-    ps->stats.seconds = smp__now() - t_start;
+    ps->stats.seconds = smp__now() - ps->step.t_start;
     return smp__agree_on(smp__ctx.world, st, "step outputs");
+}
+
+/* Takes back a step every rank agreed failed; the one place that does. The bucket collectives have completed:
+   their result is dropped. The step does not count: run again, it draws the same seeds. Every transfer it
+   started finishes and every message it sent is received, so the next step runs on the same communicators.
+   What it made goes. (Gradients stay as it left them, and so does the division of held gradients, which the
+   gradients still carry.) */
+static smp_status smp__step_undo(smp__pipe *ps, smp_model *md, smp_status agreed) {
+    if (ps->step.sync) (void)smp__ddp_finish(ps, true);
+    if (ps->step.training) ps->passes--;
+    if (ps->plan.dev_p2p) smp__drain_device(ps);
+    smp__drain_messages(ps);
+    smp__release_step(ps, md);
+    return agreed;
+}
+
+static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts);
+SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
+    smp__ctx.at.steps++; /* where this rank is, should it exit (smp__exit_guard) */
+    smp__ctx.at.in_step = true;
+    smp_status st = smp__step(d, outs, nouts);
+    smp__ctx.at.in_step = false;
+    smp__ctx.at.op = 0;
+    return st;
+}
+
+static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
+    SMP_TRY(smp__require_init("smp_step"));
+    double t_start = smp__now();
+    SMP_TRY(smp__step_prepare(d, outs, nouts));
+    smp_model *md = d->model;
+    smp__pipe *ps = (smp__pipe *)md->pipeline;
+    smp_status st = smp__step_begin(ps, md, d, nouts, t_start);
+    if (!st) st = smp__step_post_receives(ps);
+    if (!st && ps->step.training && ps->plan.nshared) st = smp__shared_start(ps);
+    if (!st) st = smp__step_run_ops(ps, md);
+    if (!st) st = smp__step_drain_sends(ps);
+    if (!st && ps->step.training && ps->plan.nshared) st = smp__shared_finish(ps, md); /* before the buckets */
+    if (st && !ps->step.failed_remote) smp__notify_failure(ps);
+    /* every replica runs the bucket collectives, failed step or not; they complete before the agreement, whose
+       wait backs off into sleeps and would stall the buckets still in flight */
+    smp_status buckets = ps->step.sync ? smp__ddp_complete(ps) : SMP_OK;
+    if (!st) st = buckets;
+    smp_status agreed = smp__agree_on(smp__ctx.world, st, "the step");
+    return agreed ? smp__step_undo(ps, md, agreed) : smp__step_finish(ps, md, outs, nouts);
 }
 
 SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m) {
