@@ -951,14 +951,26 @@ typedef struct smp__link {
     int *edges, nedges;     /* backward: one gradient per edge, in order */
 } smp__link;
 
+/* Where a transfer stands. A receive goes IDLE -> HEADER_POSTED -> HEADER_ARRIVED -> (device: DEVICE_WAITING ->)
+   BYTES_POSTED -> ARRIVED; a send is SENDING until it completes. smp__xfer_free makes either IDLE again. */
+typedef enum smp__xfer_state {
+    SMP__XFER_IDLE,           /* not posted, or finished and let go */
+    SMP__XFER_SENDING,        /* a send in flight (req[0] the header, req[1] the bytes; device transfers) */
+    SMP__XFER_HEADER_POSTED,  /* the header's receive is posted (req[0]) */
+    SMP__XFER_HEADER_ARRIVED, /* the header arrived, its bytes not asked for yet: a failed step may leave it so */
+    SMP__XFER_DEVICE_WAITING, /* device payloads: the header arrived, its receives wait for their turn in the order
+                                 the peer sent (smp__queue_device_recv) */
+    SMP__XFER_BYTES_POSTED,   /* the bytes' receive is posted (req[1]), or the device receives are queued */
+    SMP__XFER_ARRIVED         /* header and bytes have arrived */
+} smp__xfer_state;
+
 typedef struct smp__xfer {
     MPI_Request req[2];
     int64_t *hdr;            /* SMP__HDR_WORDS(ntensors): dtype, ndim, shape[8] per tensor, the first device
                                 transfer's number, and a check of all that (smp__hdr_seal) */
     void *buf;               /* receive: the bytes; send: what to free once sent */
     size_t bytes;            /* receive: of buf */
-    int state;               /* receive: 0 idle, 1 header posted, 4 header arrived (device transfers not queued yet),
-                                2 data posted, 3 arrived; send: 1 in flight */
+    smp__xfer_state state;
     int peer, ntensors;
     void **dev_req;          /* the backend's transfers of this message, until waited */
     int ndev_req;
@@ -968,7 +980,17 @@ typedef struct smp__xfer {
 } smp__xfer;
 #define SMP__HDR_WORDS(ntensors) (10 * (ntensors) + 2)
 
-typedef struct smp__event { double t0, t1; int kind, stage, mb; } smp__event; /* kind: 0 fwd, 1 bwd, 2 wait (receive), 3 body, 4 all-reduce (mb: bucket), 5 send (posted to completed), 6 weight gradients (W) */
+/* A timeline event's kind; the timeline's tables (smp__timeline_write) are in this order. */
+typedef enum smp__event_kind {
+    SMP__EVENT_FORWARD,
+    SMP__EVENT_BACKWARD,  /* a stage's whole backward, or B of a zero-bubble schedule */
+    SMP__EVENT_WAIT,      /* for a receive */
+    SMP__EVENT_BODY,
+    SMP__EVENT_ALLREDUCE, /* a gradient bucket's collective (mb: the bucket) */
+    SMP__EVENT_SEND,      /* posted to completed */
+    SMP__EVENT_WEIGHT     /* W of a zero-bubble schedule */
+} smp__event_kind;
+typedef struct smp__event { double t0, t1; smp__event_kind kind; int stage, mb; } smp__event;
 
 typedef struct smp__mbstate { /* one block, from act */
     smp_tensor *act;       /* [ncalls * maxout]: this microbatch's tensors known here */
@@ -997,69 +1019,93 @@ typedef struct smp__bucket {
 /* The gradient one call of a shared module adds over a step (on the partition that runs the call). */
 typedef struct smp__shared { int call, param, part; smp_tensor grad; } smp__shared;
 
-typedef struct smp__pipe {
+/* What is fixed once the model is traced and partitioned: the executor's plan. smp__pipe_build makes its
+   tables; the first step of each kind adds that kind's schedule, and the first data-parallel step lays out the
+   buckets (smp__step_prepare); after that nothing in the plan changes. What its arrays point at is another
+   matter: the buckets' bytes and the shared slots' gradients are rewritten by every step, and each bucket
+   carries its step's progress (final, ready, req, gather), which smp__ddp_finish resets. */
+typedef struct smp__plan {
     int maxout, nedges, nlinks;
     smp__edge *edges;       /* grouped by producer tensor, consumers in increasing order */
     int *first_edge;        /* [ncalls * maxout + 1]: edges of each producer tensor */
     int *edge_of_input;     /* [ncalls * maxin]: the edge feeding (call, input), or -1 */
     int maxin;
     smp__link *links;
-    MPI_Comm comm, err_comm;
-    MPI_Request err_req;
-    bool bucket_failed; /* a host bucket's collective failed to start on this rank this step */
-    char err_msg[sizeof smp__errbuf + 8];
     smp_schedule sched[2]; /* [evaluate] */
-    const smp_tensor **scratch; /* [max tensors on a link]: what one message carries */
-    smp__xfer **await;     /* [nlinks]: the receives one stage waits for */
-    int *await_link;
-    int *peak, *stage_index; /* [nstages]: step stats */
     /* activation recomputation */
-    bool *internal;        /* [ncalls * maxout]: an output only its recomputed call reads (freed after the forward, made again before the backward) */
+    bool *internal;        /* [ncalls * maxout]: an output only its recomputed call reads (freed after the forward,
+                              made again before the backward) */
     /* shared modules: the gradient each call of one adds, gathered and summed in call order at the step's end */
     smp__shared *shared;   /* in call order, then parameter order */
     int nshared;
     int *shared_first;     /* [ncalls + 1]: each call's slots */
-    /* per step */
+    /* on-device models */
+    bool on_device;
+    bool dev_p2p;          /* payloads through the backend's point to point (else staged through host buffers) */
+    /* data parallelism */
+    smp__bucket *buckets;
+    int nbuckets;
+    int *bucket_of;        /* [nparams]: bucket of each parameter, -1 if none */
+    int *bucket_params;    /* parameters in backward order */
+} smp__plan;
+
+/* One step's state: set by smp__step_begin and smp__step_post_receives, let go of by smp__release_step. */
+typedef struct smp__step_state {
     int m;
     bool training;
     bool zb;               /* this step's schedule has W ops (zero bubble, training) */
+    bool sync;             /* this step ends with the data-parallel gradient sync */
     int model_outs;        /* body NULL: how many of the model's outputs become the step's outputs */
     const smp_step_desc *desc;
+    const smp_schedule *sched;
+    double t_start;
+    int64_t stash_at_start; /* stash bytes when the step began (its peak is measured from there) */
     smp__mbstate *mb;
     smp__xfer *recv;       /* [(link * m + mb) * 2 + backward] */
     smp__xfer *sends;
     int nsends, sends_cap;
-    bool failed_remote;
-    /* on-device models */
-    bool on_device;
-    bool dev_p2p;          /* payloads through the backend's point to point (else staged through host buffers) */
-    bool dev_connected;
-    int *dev_sent, *dev_posted; /* [mp rank]: this step's device transfers sent to it / receives queued from it */
-    int *msgs_sent;        /* [mp rank * 2]: this step's MPI messages sent to it on comm, and failure notices on err_comm */
-    int *msgs_got;         /* [mp rank]: messages from it on comm received outside the receive slots (shared gradients) */
-    int err_from;          /* the mp rank whose failure notice err_req received, or -1 */
+    bool failed_remote;    /* another rank's failure notice arrived */
+    /* counters, zeroed as the step begins (their storage: the pipe's workspace) */
     int *inflight;         /* [nstages] */
-    smp_step_stats stats;
+    int *dev_sent, *dev_posted; /* [mp rank]: device transfers sent to it / receives queued from it */
+    int *msgs_sent;        /* [mp rank * 2]: MPI messages sent to it on comm, and failure notices on err_comm */
+    int *msgs_got;         /* [mp rank]: messages from it on comm received outside the receive slots (shared
+                              gradients) */
+    /* data parallelism */
+    int next_bucket;       /* the first bucket not started */
+    bool bucket_failed;    /* a host bucket's collective failed to start on this rank */
+    bool fence_buckets;    /* device buckets reduce behind the engine: fence it before the step returns */
+} smp__step_state;
+
+/* The executor of one model (smp_model's pipeline): its plan, the step in progress, and what lasts from step
+   to step. */
+typedef struct smp__pipe {
+    smp__plan plan;
+    smp__step_state step;
+    MPI_Comm comm, err_comm; /* the pipeline's messages; failure notices */
+    MPI_Request err_req;     /* the receive of a failure notice, reposted after a failed step */
+    int err_from;            /* the mp rank whose failure notice err_req received, or -1 */
+    char err_msg[sizeof smp__errbuf + 8];
+    bool dev_connected;      /* the backend's channels to the pipeline's neighbours are made */
+    bool ddp_ready;          /* parameters broadcast, buckets laid out */
+    long passes;             /* training steps so far (backward_passes_per_step) */
+    bool averaged_grads_held;         /* the last sync's result may still be in the gradients */
+    unsigned long zero_calls_at_sync; /* smp_model_zero_grad calls when it ran */
+    /* workspace, made with the plan */
+    const smp_tensor **scratch; /* [max tensors on a link]: what one message carries */
+    smp__xfer **await;     /* [nlinks]: the receives one stage waits for */
+    int *await_link;
+    int *peak, *stage_index; /* [nstages]: step stats */
+    smp_step_stats stats;  /* the last step's */
     smp__event *events;
     int nevents, events_cap;
     bool timeline;
     double t_origin;
-    /* data parallelism */
-    bool ddp_ready, sync;
-    bool averaged_grads_held;       /* the last sync's result may still be in the gradients */
-    unsigned long zero_calls_at_sync; /* smp_model_zero_grad calls when it ran */
-    long passes;           /* training steps so far (backward_passes_per_step) */
-    smp__bucket *buckets;
-    int nbuckets;
-    int next_bucket;       /* the first bucket not started this step */
-    bool fence_buckets;    /* device buckets reduce behind the engine: fence it before the step returns */
-    int *bucket_of;        /* [nparams]: bucket of each parameter, -1 if none */
-    int *bucket_params;    /* parameters in backward order */
 } smp__pipe;
 
 static smp_status smp__timeline_write(smp__pipe *ps);
 /* A timeline event (SMP_TIMELINE) from t0 to now. */
-static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0) {
+static void smp__event_add(smp__pipe *ps, smp__event_kind kind, int stage, int mb, double t0) {
     if (!ps->timeline) return;
     if (!smp__grow((void **)&ps->events, &ps->events_cap, ps->nevents + 1, sizeof(smp__event), NULL)) {
         /* a diagnostic, not the job's work: it stops, and says so */
@@ -1075,24 +1121,33 @@ static void smp__event_add(smp__pipe *ps, int kind, int stage, int mb, double t0
     e->mb = mb;
 }
 
+/* Lets go of the plan's tables (the buckets' bytes too: parameters stop pointing there first). */
+static void smp__plan_free(smp__plan *pl) {
+    smp__free(pl->edges);
+    smp__free(pl->first_edge);
+    smp__free(pl->edge_of_input);
+    smp__free(pl->internal);
+    for (int q = 0; q < pl->nshared; q++) smp__free(pl->shared[q].grad.data);
+    smp__free(pl->shared);
+    smp__free(pl->shared_first);
+    for (int i = 0; i < pl->nlinks; i++) { smp__free(pl->links[i].tensors); smp__free(pl->links[i].edges); }
+    smp__free(pl->links);
+    smp_schedule_free(&pl->sched[0]);
+    smp_schedule_free(&pl->sched[1]);
+    for (int b = 0; b < pl->nbuckets; b++) smp__free(pl->buckets[b].data);
+    smp__free(pl->buckets);
+    smp__free(pl->bucket_of);
+    smp__free(pl->bucket_params);
+}
+
 static void smp__pipe_free(void *p) {
     smp__pipe *ps = (smp__pipe *)p;
     if (!ps) return;
     if (ps->timeline && smp__ctx.initialized) smp__timeline_write(ps); /* collective, like smp_model_free's documentation says */
-    smp__free(ps->edges);
-    smp__free(ps->first_edge);
-    smp__free(ps->edge_of_input);
+    smp__plan_free(&ps->plan);
     smp__free(ps->scratch);
     smp__free(ps->await);
     smp__free(ps->peak); /* and the other int arrays of its block */
-    smp__free(ps->internal);
-    for (int q = 0; q < ps->nshared; q++) smp__free(ps->shared[q].grad.data);
-    smp__free(ps->shared);
-    smp__free(ps->shared_first);
-    for (int i = 0; i < ps->nlinks; i++) { smp__free(ps->links[i].tensors); smp__free(ps->links[i].edges); }
-    smp__free(ps->links);
-    smp_schedule_free(&ps->sched[0]);
-    smp_schedule_free(&ps->sched[1]);
     if (ps->err_req != MPI_REQUEST_NULL) { /* the receive of failure notices goes with the model */
         SMP__MPI_WARN(MPI_Cancel(&ps->err_req), "withdrawing the receive of pipeline failure notices");
         SMP__MPI_WARN(MPI_Wait(&ps->err_req, MPI_STATUS_IGNORE), "withdrawing the receive of pipeline failure notices");
@@ -1102,10 +1157,6 @@ static void smp__pipe_free(void *p) {
         SMP__MPI_WARN(MPI_Comm_free(&ps->err_comm), "releasing a pipeline's failure communicator");
     }
     smp__free(ps->events);
-    for (int b = 0; b < ps->nbuckets; b++) smp__free(ps->buckets[b].data); /* parameters stop pointing here first */
-    smp__free(ps->buckets);
-    smp__free(ps->bucket_of);
-    smp__free(ps->bucket_params);
     smp__free(ps);
 }
 
@@ -1126,19 +1177,20 @@ static bool smp__in_subtree(const smp_module *m, const smp_module *root) {
 
 /* One slot per (leaf call of a shared module, parameter of the module's
    tree), every rank alike: the gradient that call adds up over the step. */
-static smp_status smp__shared_build(smp__pipe *ps, smp_model *md) {
+static smp_status smp__shared_build(smp__plan *pl, smp_model *md) {
     int n = md->ncalls, cap = 0;
     smp_status st = SMP_OK;
-    ps->shared_first = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(n + 1), SMP__ALLOC_OTHER, "the pipeline's shared modules");
+    const char *what = "the pipeline's shared modules";
+    pl->shared_first = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(n + 1), SMP__ALLOC_OTHER, what);
     for (int k = 0; k < n && !st; k++) {
-        ps->shared_first[k] = ps->nshared;
+        pl->shared_first[k] = pl->nshared;
         smp_module *mod = md->calls[k].module;
         if (mod->uses < 2) continue;
         for (int i = 0; i < md->nparams; i++) {
             smp_param *p = md->params[i];
             if (p->is_buffer || !smp__in_subtree(p->module, mod)) continue;
-            if (!smp__grow_or(&st, (void **)&ps->shared, &cap, ps->nshared + 1, sizeof *ps->shared, "the pipeline's shared modules")) return st;
-            smp__shared *q = &ps->shared[ps->nshared++];
+            if (!smp__grow_or(&st, (void **)&pl->shared, &cap, pl->nshared + 1, sizeof *pl->shared, what)) return st;
+            smp__shared *q = &pl->shared[pl->nshared++];
             q->call = k;
             q->param = i;
             q->part = md->stage_rank[md->calls[k].stage];
@@ -1146,7 +1198,7 @@ static smp_status smp__shared_build(smp__pipe *ps, smp_model *md) {
             q->grad.data = NULL;
         }
     }
-    if (!st) ps->shared_first[n] = ps->nshared;
+    if (!st) pl->shared_first[n] = pl->nshared;
     return st;
 }
 
@@ -1157,46 +1209,47 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     const char *what = "the pipeline's tables";
     smp__pipe *ps = (smp__pipe *)smp__alloc_or(&st, sizeof *ps, SMP__ALLOC_OTHER, what);
     if (!ps) return NULL;
+    smp__plan *pl = &ps->plan;
     ps->comm = ps->err_comm = MPI_COMM_NULL;
     ps->err_req = MPI_REQUEST_NULL;
     int n = md->ncalls, S = md->nstages;
     for (int k = 0; k < n; k++) {
-        if (md->calls[k].nout > ps->maxout) ps->maxout = md->calls[k].nout;
-        if (md->calls[k].nin > ps->maxin) ps->maxin = md->calls[k].nin;
+        if (md->calls[k].nout > pl->maxout) pl->maxout = md->calls[k].nout;
+        if (md->calls[k].nin > pl->maxin) pl->maxin = md->calls[k].nin;
     }
-    if (ps->maxin == 0) ps->maxin = 1;
-    int T = n * ps->maxout;
+    if (pl->maxin == 0) pl->maxin = 1;
+    int T = n * pl->maxout;
     /* edges: every (producer tensor -> consumer input), consumers in call order, the body last */
     /* (declared before the first goto: C++ builds of this header reject a jump past an initialisation) */
     int *link_of = NULL, cap = 0, most = 1, P = smp__ctx.cfg.partitions;
     const smp_device_backend *b = &smp__ctx.device;
     int *count = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(T + 1), SMP__ALLOC_OTHER, what);
-    ps->first_edge = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(T + 1), SMP__ALLOC_OTHER, what);
-    ps->edge_of_input = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(n * ps->maxin), SMP__ALLOC_OTHER, what);
+    pl->first_edge = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(T + 1), SMP__ALLOC_OTHER, what);
+    pl->edge_of_input = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(n * pl->maxin), SMP__ALLOC_OTHER, what);
     if (st) goto fail;
     for (int c = 0; c < n; c++)
         for (int i = 0; i < md->calls[c].nin; i++)
-            if (md->calls[c].in[i].call >= 0) count[md->calls[c].in[i].call * ps->maxout + md->calls[c].in[i].index]++;
-    for (int o = 0; o < md->desc.noutputs; o++) count[md->outputs[o].call * ps->maxout + md->outputs[o].index]++;
-    for (int t = 0; t < T; t++) ps->first_edge[t + 1] = ps->first_edge[t] + count[t];
-    ps->nedges = ps->first_edge[T];
-    ps->edges = (smp__edge *)smp__alloc_or(&st, sizeof(smp__edge) * (size_t)ps->nedges, SMP__ALLOC_OTHER, what);
+            if (md->calls[c].in[i].call >= 0) count[md->calls[c].in[i].call * pl->maxout + md->calls[c].in[i].index]++;
+    for (int o = 0; o < md->desc.noutputs; o++) count[md->outputs[o].call * pl->maxout + md->outputs[o].index]++;
+    for (int t = 0; t < T; t++) pl->first_edge[t + 1] = pl->first_edge[t] + count[t];
+    pl->nedges = pl->first_edge[T];
+    pl->edges = (smp__edge *)smp__alloc_or(&st, sizeof(smp__edge) * (size_t)pl->nedges, SMP__ALLOC_OTHER, what);
     if (st) goto fail;
-    for (int i = 0; i < n * ps->maxin; i++) ps->edge_of_input[i] = -1;
+    for (int i = 0; i < n * pl->maxin; i++) pl->edge_of_input[i] = -1;
     memset(count, 0, sizeof(int) * (size_t)(T + 1));
     for (int c = 0; c <= n; c++) {
         int nin = c < n ? md->calls[c].nin : md->desc.noutputs;
         for (int i = 0; i < nin; i++) {
             smp__ref r = c < n ? md->calls[c].in[i] : md->outputs[i];
             if (r.call < 0) continue;
-            int t = r.call * ps->maxout + r.index, e = ps->first_edge[t] + count[t]++;
-            ps->edges[e].call = r.call;
-            ps->edges[e].out = r.index;
-            ps->edges[e].consumer = c;
-            ps->edges[e].input = i;
-            ps->edges[e].stage = c < n ? md->calls[c].stage : S - 1;
-            ps->edges[e].remote = md->stage_rank[ps->edges[e].stage] != md->stage_rank[md->calls[r.call].stage];
-            if (c < n) ps->edge_of_input[c * ps->maxin + i] = e;
+            int t = r.call * pl->maxout + r.index, e = pl->first_edge[t] + count[t]++;
+            pl->edges[e].call = r.call;
+            pl->edges[e].out = r.index;
+            pl->edges[e].consumer = c;
+            pl->edges[e].input = i;
+            pl->edges[e].stage = c < n ? md->calls[c].stage : S - 1;
+            pl->edges[e].remote = md->stage_rank[pl->edges[e].stage] != md->stage_rank[md->calls[r.call].stage];
+            if (c < n) pl->edge_of_input[c * pl->maxin + i] = e;
         }
     }
     smp__free(count);
@@ -1204,58 +1257,62 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     /* links between stages on different ranks */
     link_of = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(S * S), SMP__ALLOC_OTHER, what);
     for (int i = 0; i < S * S && !st; i++) link_of[i] = -1;
-    for (int e = 0; e < ps->nedges && !st; e++) {
-        int from = md->calls[ps->edges[e].call].stage, to = ps->edges[e].stage;
-        if (!ps->edges[e].remote) continue;
+    for (int e = 0; e < pl->nedges && !st; e++) {
+        int from = md->calls[pl->edges[e].call].stage, to = pl->edges[e].stage;
+        if (!pl->edges[e].remote) continue;
         int *L = &link_of[from * S + to];
         if (*L < 0) {
-            if (!smp__grow_or(&st, (void **)&ps->links, &cap, ps->nlinks + 1, sizeof(smp__link), what)) break;
-            *L = ps->nlinks++;
-            smp__link *l = &ps->links[*L];
+            if (!smp__grow_or(&st, (void **)&pl->links, &cap, pl->nlinks + 1, sizeof(smp__link), what)) break;
+            *L = pl->nlinks++;
+            smp__link *l = &pl->links[*L];
             memset(l, 0, sizeof *l);
             l->from = from;
             l->to = to;
             l->peer_from = md->stage_rank[from];
             l->peer_to = md->stage_rank[to];
-            l->tensors = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)ps->nedges, SMP__ALLOC_OTHER, what);
-            l->edges = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)ps->nedges, SMP__ALLOC_OTHER, what);
+            l->tensors = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)pl->nedges, SMP__ALLOC_OTHER, what);
+            l->edges = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)pl->nedges, SMP__ALLOC_OTHER, what);
             if (st) break;
         }
-        smp__link *l = &ps->links[*L];
-        int t = ps->edges[e].call * ps->maxout + ps->edges[e].out;
+        smp__link *l = &pl->links[*L];
+        int t = pl->edges[e].call * pl->maxout + pl->edges[e].out;
         if (l->ntensors == 0 || l->tensors[l->ntensors - 1] != t) l->tensors[l->ntensors++] = t; /* edges are grouped by tensor */
         l->edges[l->nedges++] = e;
     }
     smp__free(link_of);
     if (st) goto fail;
-    for (int l = 0; l < ps->nlinks; l++) {
-        if (ps->links[l].ntensors > most) most = ps->links[l].ntensors;
-        if (ps->links[l].nedges > most) most = ps->links[l].nedges;
+    for (int l = 0; l < pl->nlinks; l++) {
+        if (pl->links[l].ntensors > most) most = pl->links[l].ntensors;
+        if (pl->links[l].nedges > most) most = pl->links[l].nedges;
     }
     ps->scratch = (const smp_tensor **)smp__alloc_or(&st, sizeof(smp_tensor *) * (size_t)most, SMP__ALLOC_OTHER, what);
-    ps->await = (smp__xfer **)smp__alloc_or(&st, sizeof(smp__xfer *) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER, what);
-    ps->peak = (int *)smp__alloc_or(&st, sizeof(int) * (3 * (size_t)S + 5 * (size_t)P + (size_t)ps->nlinks + 1), SMP__ALLOC_OTHER, what);
-    ps->internal = (bool *)smp__alloc_or(&st, (size_t)T + 1, SMP__ALLOC_OTHER, what);
-    if (st || (st = smp__shared_build(ps, md))) goto fail;
+    ps->await = (smp__xfer **)smp__alloc_or(&st, sizeof(smp__xfer *) * (size_t)(pl->nlinks + 1), SMP__ALLOC_OTHER,
+                                            what);
+    ps->peak = (int *)smp__alloc_or(&st, sizeof(int) * (3 * (size_t)S + 5 * (size_t)P + (size_t)pl->nlinks + 1),
+                                    SMP__ALLOC_OTHER, what);
+    pl->internal = (bool *)smp__alloc_or(&st, (size_t)T + 1, SMP__ALLOC_OTHER, what);
+    if (st || (st = smp__shared_build(pl, md))) goto fail;
     ps->stage_index = ps->peak + S; /* the rest of peak's block */
-    ps->inflight = ps->stage_index + S;
-    ps->dev_sent = ps->inflight + S;
-    ps->dev_posted = ps->dev_sent + P;
-    ps->msgs_sent = ps->dev_sent + 2 * P;
-    ps->msgs_got = ps->dev_sent + 4 * P;
-    ps->await_link = ps->dev_sent + 5 * P;
+    ps->step.inflight = ps->stage_index + S;
+    ps->step.dev_sent = ps->step.inflight + S;
+    ps->step.dev_posted = ps->step.dev_sent + P;
+    ps->step.msgs_sent = ps->step.dev_sent + 2 * P;
+    ps->step.msgs_got = ps->step.dev_sent + 4 * P;
+    ps->await_link = ps->step.dev_sent + 5 * P;
     for (int k = 0; k < n; k++) {
         const smp__call_rec *c = &md->calls[k];
         for (int j = 0; j < c->nout && c->recompute_first >= 0; j++) {
-            int t = k * ps->maxout + j;
+            int t = k * pl->maxout + j;
             bool inside = true;
-            for (int e = ps->first_edge[t]; e < ps->first_edge[t + 1]; e++)
-                inside = inside && ps->edges[e].consumer >= c->recompute_first && ps->edges[e].consumer <= c->recompute_last;
-            ps->internal[t] = inside;
+            for (int e = pl->first_edge[t]; e < pl->first_edge[t + 1]; e++)
+                inside = inside && pl->edges[e].consumer >= c->recompute_first &&
+                         pl->edges[e].consumer <= c->recompute_last;
+            pl->internal[t] = inside;
         }
     }
-    ps->on_device = md->desc.on_device;
-    ps->dev_p2p = ps->on_device && b->p2p_connect && b->isend && b->irecv && b->test && b->wait && !(b->p2p_through_host && b->p2p_through_host());
+    pl->on_device = md->desc.on_device;
+    pl->dev_p2p = pl->on_device && b->p2p_connect && b->isend && b->irecv && b->test && b->wait &&
+                  !(b->p2p_through_host && b->p2p_through_host());
     ps->timeline = getenv("SMP_TIMELINE") && *getenv("SMP_TIMELINE");
     ps->t_origin = smp__now();
     /* the pipeline's communicators (they inherit MPI_ERRORS_RETURN from
@@ -1288,14 +1345,18 @@ static smp_status smp__scale_grads(smp_model *md, double by) {
 }
 
 /* ---------------------------------------------------------------- transport */
+/* What a step's buffers count as: a training step's stay until the backward (the activation stash). */
+static smp__alloc_kind smp__step_kind(const smp__pipe *ps) {
+    return ps->step.training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER;
+}
 static int smp__tag(int link, bool backward) { return (link * 2 + (backward ? 1 : 0)) * 2; }
 
 static smp__xfer *smp__recv_slot(smp__pipe *ps, int link, int mb, bool backward) {
-    return &ps->recv[((size_t)link * (size_t)ps->m + (size_t)mb) * 2 + (backward ? 1 : 0)];
+    return &ps->step.recv[((size_t)link * (size_t)ps->step.m + (size_t)mb) * 2 + (backward ? 1 : 0)];
 }
 
 static smp_status smp__post_recv(smp__pipe *ps, int link, int mb, bool backward) {
-    smp__link *l = &ps->links[link];
+    smp__link *l = &ps->plan.links[link];
     smp__xfer *x = smp__recv_slot(ps, link, mb, backward);
     smp_status st = SMP_OK;
     x->ntensors = backward ? l->nedges : l->ntensors;
@@ -1305,7 +1366,7 @@ static smp_status smp__post_recv(smp__pipe *ps, int link, int mb, bool backward)
     x->req[0] = x->req[1] = MPI_REQUEST_NULL;
     SMP__MPI(MPI_Irecv(x->hdr, SMP__HDR_WORDS(x->ntensors), MPI_INT64_T, x->peer, smp__tag(link, backward), ps->comm, &x->req[0]),
              "posting the receive of %s %d's header from mp rank %d", backward ? "a gradient for microbatch" : "an activation of microbatch", mb, x->peer);
-    x->state = 1;
+    x->state = SMP__XFER_HEADER_POSTED;
     return SMP_OK;
 }
 
@@ -1370,7 +1431,7 @@ static void smp__device_wait_all(smp__xfer *x) {
 static smp_status smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
     smp_status st = SMP_OK;
     smp_tensor whole = smp_tensor_1d(NULL, SMP_U8, (int64_t)x->bytes);
-    x->buf = smp__tensor_alloc_or(&st, &whole, true, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER, "a pipeline message received");
+    x->buf = smp__tensor_alloc_or(&st, &whole, true, smp__step_kind(ps), "a pipeline message received");
     x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(x->ntensors + 1), SMP__ALLOC_OTHER, "a pipeline message received");
     if (st) return st;
     char *p = (char *)x->buf;
@@ -1379,10 +1440,10 @@ static smp_status smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
         if (!bytes) continue;
         if (smp__ctx.device.irecv(p, bytes, x->peer, SMP_MP_GROUP, &x->dev_req[x->ndev_req])) smp__device_transfer_failed("queue", x->peer);
         x->ndev_req++;
-        ps->dev_posted[x->peer]++;
+        ps->step.dev_posted[x->peer]++;
         p += bytes;
     }
-    x->state = 2;
+    x->state = SMP__XFER_BYTES_POSTED;
     return SMP_OK;
 }
 
@@ -1416,7 +1477,7 @@ static void smp__xfer_free(smp__xfer *x) {
     x->hdr = NULL;
     x->buf = NULL;
     x->dev_req = NULL;
-    x->state = 0;
+    x->state = SMP__XFER_IDLE;
 }
 
 /* Sends what the forward (activations) or backward (gradient
@@ -1425,16 +1486,18 @@ static void smp__xfer_free(smp__xfer *x) {
    tensors through the backend or a host staging buffer (see the executor's
    comment). */
 static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, int mb) {
-    smp__link *l = &ps->links[link];
+    smp__link *l = &ps->plan.links[link];
     const smp_tensor **ts = ps->scratch;
     int nt = backward ? l->nedges : l->ntensors;
-    for (int t = 0; t < nt; t++) ts[t] = backward ? &ps->mb[mb].contrib[l->edges[t]] : &ps->mb[mb].act[l->tensors[t]];
+    smp__mbstate *mbs = &ps->step.mb[mb];
+    for (int t = 0; t < nt; t++) ts[t] = backward ? &mbs->contrib[l->edges[t]] : &mbs->act[l->tensors[t]];
     smp_status st = SMP_OK;
     const char *what = "a pipeline message";
     if (smp__injected(SMP_FAULT_SEND))
         return smp_error(SMP_ERR_MPI, "MPI_Isend to mp rank %d failed: injected by smp_testing_fail", backward ? l->peer_from : l->peer_to);
-    if (!smp__grow_or(&st, (void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer), what)) return st;
-    smp__xfer *x = &ps->sends[ps->nsends];
+    if (!smp__grow_or(&st, (void **)&ps->step.sends, &ps->step.sends_cap, ps->step.nsends + 1, sizeof(smp__xfer), what))
+        return st;
+    smp__xfer *x = &ps->step.sends[ps->step.nsends];
     memset(x, 0, sizeof *x);
     x->peer = backward ? l->peer_from : l->peer_to;
     x->stage = stage;
@@ -1443,11 +1506,14 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
     x->t_post = smp__now();
     x->req[0] = x->req[1] = MPI_REQUEST_NULL;
     x->hdr = (int64_t *)smp__alloc_or(&st, sizeof(int64_t) * (size_t)SMP__HDR_WORDS(nt), SMP__ALLOC_OTHER, what);
-    if (ps->dev_p2p) x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(nt + 1), SMP__ALLOC_OTHER, what);
+    if (ps->plan.dev_p2p)
+        x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(nt + 1), SMP__ALLOC_OTHER, what);
     size_t total = 0;
     for (int i = 0; i < nt; i++) total += smp_tensor_nbytes(ts[i]);
     /* staged device tensors: the bytes go to the host, then as one MPI message */
-    char *staging = ps->on_device && !ps->dev_p2p ? (char *)smp__bytes_or(&st, total, SMP__ALLOC_OTHER, "a pipeline message staged on the host") : NULL;
+    bool staged = ps->plan.on_device && !ps->plan.dev_p2p;
+    char *staging = staged ? (char *)smp__bytes_or(&st, total, SMP__ALLOC_OTHER, "a pipeline message staged on the host")
+                           : NULL;
     size_t at = 0;
     for (int i = 0; i < nt && staging && !st; i++) {
         smp_tensor h = *ts[i];
@@ -1461,26 +1527,26 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
         smp__xfer_free(x);
         return st;
     }
-    ps->nsends++;
-    x->state = 1;
+    ps->step.nsends++;
+    x->state = SMP__XFER_SENDING;
     for (int i = 0; i < nt; i++) {
         int64_t *h = x->hdr + 10 * i;
         h[0] = ts[i]->dtype;
         h[1] = ts[i]->ndim;
         for (int d = 0; d < ts[i]->ndim; d++) h[2 + d] = ts[i]->shape[d];
-        SMP_ASSERT((ts[i]->device != SMP_HOST) == ps->on_device);
+        SMP_ASSERT((ts[i]->device != SMP_HOST) == ps->plan.on_device);
     }
-    x->hdr[10 * nt] = ps->dev_sent[x->peer];
+    x->hdr[10 * nt] = ps->step.dev_sent[x->peer];
     smp__hdr_seal(x->hdr, nt);
     int tag = smp__tag(link, backward);
-    if (ps->dev_p2p) {
+    if (ps->plan.dev_p2p) {
         /* the transfers first: the peer queues its receives when the header arrives */
         for (int i = 0; i < nt; i++) {
             size_t bytes = smp_tensor_nbytes(ts[i]);
             if (!bytes) continue;
             if (smp__ctx.device.isend(ts[i]->data, bytes, x->peer, SMP_MP_GROUP, &x->dev_req[x->ndev_req])) smp__device_transfer_failed("queue", x->peer);
             x->ndev_req++;
-            ps->dev_sent[x->peer]++;
+            ps->step.dev_sent[x->peer]++;
         }
     }
     /* A failed MPI call leaves its request null: the send then completes as
@@ -1489,20 +1555,18 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
     const char *kind = backward ? "gradients" : "activations";
     st = SMP__MPI_CHECK(MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]),
                         "sending the header of stage %d's %s for microbatch %d to mp rank %d", stage, kind, mb, x->peer);
-    if (!st) ps->msgs_sent[2 * x->peer]++;
-    if (ps->dev_p2p || st) return st;
+    if (!st) ps->step.msgs_sent[2 * x->peer]++;
+    if (ps->plan.dev_p2p || st) return st;
     /* the bytes of every tensor as one message, without copying host tensors:
        a datatype of absolute addresses (MPI_BOTTOM), any size (smp__bytes_type) */
     MPI_Datatype type;
     int count;
     const void *from = staging;
-    if (staging || nt == 1) st = smp__bytes_type(total, &count, &type);
-    else st = smp__gather_type(ts, nt, &count, &type);
-    if (st) return st;
+    SMP_TRY(staging || nt == 1 ? smp__bytes_type(total, &count, &type) : smp__gather_type(ts, nt, &count, &type));
     if (!staging) from = nt == 1 ? ts[0]->data : MPI_BOTTOM;
     st = SMP__MPI_CHECK(MPI_Isend(from, count, type, x->peer, tag + 1, ps->comm, &x->req[1]), "sending stage %d's %s for microbatch %d to mp rank %d",
                         stage, kind, mb, x->peer);
-    if (!st) ps->msgs_sent[2 * x->peer]++;
+    if (!st) ps->step.msgs_sent[2 * x->peer]++;
     if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a pipeline message datatype"); /* MPI keeps it for the send in flight */
     return st;
 }
@@ -1519,55 +1583,55 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
        later one first would hand it an earlier microbatch's bytes. Walk
        each (link, direction) in order and stop at the first header that has
        not arrived. */
-    for (int l = 0; l < ps->nlinks && !err; l++)
+    for (int l = 0; l < ps->plan.nlinks && !err; l++)
         for (int dir = 0; dir < 2 && !err; dir++)
-            for (int mb = 0; mb < ps->m; mb++) {
+            for (int mb = 0; mb < ps->step.m; mb++) {
                 smp__xfer *x = smp__recv_slot(ps, l, mb, dir);
-                if (x->state == 1) {
+                if (x->state == SMP__XFER_HEADER_POSTED) {
                     if ((err = SMP__MPI_CHECK(MPI_Test(&x->req[0], &flag, &st), "receiving the header of %s %d from mp rank %d",
                                               dir ? "a gradient for microbatch" : "an activation of microbatch", mb, x->peer)))
                         break;
                     if (!flag) break;
-                    x->state = 5; /* arrived, its bytes not asked for: a failed step leaves it so */
+                    x->state = SMP__XFER_HEADER_ARRIVED;
                     if ((err = smp__hdr_check(x->hdr, x->ntensors, x->peer, &x->bytes))) break;
-                    if (ps->dev_p2p) {
-                        x->state = 4; /* queued below, in the order the peer sent */
+                    if (ps->plan.dev_p2p) {
+                        x->state = SMP__XFER_DEVICE_WAITING; /* queued below, in the order the peer sent */
                         continue;
                     }
                     MPI_Datatype type;
                     int count;
-                    x->buf = smp__bytes_or(&err, x->bytes, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER, "a pipeline message received");
+                    x->buf = smp__bytes_or(&err, x->bytes, smp__step_kind(ps), "a pipeline message received");
                     if (err || (err = smp__bytes_type(x->bytes, &count, &type))) break;
                     err = SMP__MPI_CHECK(MPI_Irecv(x->buf, count, type, x->peer, st.MPI_TAG + 1, ps->comm, &x->req[1]), "posting the receive of %s %d from mp rank %d",
                                          dir ? "the gradients for microbatch" : "the activations of microbatch", mb, x->peer);
                     if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a pipeline message datatype");
                     if (err) break;
-                    x->state = 2;
+                    x->state = SMP__XFER_BYTES_POSTED;
                 }
-                if (x->state == 2) {
-                    if (ps->dev_p2p) flag = smp__device_done(x);
+                if (x->state == SMP__XFER_BYTES_POSTED) {
+                    if (ps->plan.dev_p2p) flag = smp__device_done(x);
                     else if ((err = SMP__MPI_CHECK(MPI_Test(&x->req[1], &flag, MPI_STATUS_IGNORE), "receiving %s %d from mp rank %d",
                                                    dir ? "the gradients for microbatch" : "the activations of microbatch", mb, x->peer)))
                         break;
-                    if (flag) x->state = 3;
+                    if (flag) x->state = SMP__XFER_ARRIVED;
                 }
             }
-    if (ps->dev_p2p && !err) {
-        size_t nrecv = (size_t)ps->nlinks * (size_t)ps->m * 2;
+    if (ps->plan.dev_p2p && !err) {
+        size_t nrecv = (size_t)ps->plan.nlinks * (size_t)ps->step.m * 2;
         for (bool queued = true; queued;) {
             queued = false;
             for (size_t i = 0; i < nrecv; i++) {
-                smp__xfer *x = &ps->recv[i];
-                if (x->state == 4 && x->hdr[10 * x->ntensors] == ps->dev_posted[x->peer]) {
+                smp__xfer *x = &ps->step.recv[i];
+                if (x->state == SMP__XFER_DEVICE_WAITING && x->hdr[10 * x->ntensors] == ps->step.dev_posted[x->peer]) {
                     if ((err = smp__queue_device_recv(ps, x))) break;
                     queued = true;
                 }
             }
         }
     }
-    for (int i = 0; i < ps->nsends; i++) {
-        smp__xfer *x = &ps->sends[i];
-        if (x->state != 1) continue;
+    for (int i = 0; i < ps->step.nsends; i++) {
+        smp__xfer *x = &ps->step.sends[i];
+        if (x->state != SMP__XFER_SENDING) continue;
         int done = 0;
         MPI_Status sts[2];
         smp_status ts = SMP__MPI_CHECK(MPI_Testall(2, x->req, &done, sts), "sending stage %d's %s for microbatch %d to mp rank %d", x->stage,
@@ -1578,14 +1642,17 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
         }
         if (done && smp__device_done(x)) {
             smp__device_wait_all(x);
-            if (x->hdr) smp__event_add(ps, 5, x->stage, x->mb, x->t_post); /* not a failed step's shared gradients */
+            if (x->hdr) smp__event_add(ps, SMP__EVENT_SEND, x->stage, x->mb, x->t_post); /* not a failed step's shared gradients */
             smp__xfer_free(x);
         }
     }
     /* drop finished sends from the front so the list stays short */
     int k = 0;
-    while (k < ps->nsends && ps->sends[k].state == 0) k++;
-    if (k) { memmove(ps->sends, ps->sends + k, sizeof(smp__xfer) * (size_t)(ps->nsends - k)); ps->nsends -= k; }
+    while (k < ps->step.nsends && ps->step.sends[k].state == SMP__XFER_IDLE) k++;
+    if (k) {
+        memmove(ps->step.sends, ps->step.sends + k, sizeof(smp__xfer) * (size_t)(ps->step.nsends - k));
+        ps->step.nsends -= k;
+    }
     return err;
 }
 
@@ -1599,7 +1666,7 @@ static void smp__ddp_poll(smp__pipe *ps);
    buckets move on). */
 static smp_status smp__between_calls(smp__pipe *ps) {
     smp_status err = smp__progress_transfers(ps);
-    if (!err && ps->sync) smp__ddp_poll(ps);
+    if (!err && ps->step.sync) smp__ddp_poll(ps);
     return err;
 }
 
@@ -1608,10 +1675,9 @@ static smp_status smp__between_calls(smp__pipe *ps) {
 static smp_status smp__progress(smp__pipe *ps) {
     int flag = 0;
     MPI_Status st;
-    smp_status es = SMP__MPI_CHECK(MPI_Test(&ps->err_req, &flag, &st), "looking for pipeline failure notices (MP_GROUP)");
-    if (es) return es;
+    SMP_TRY(SMP__MPI_CHECK(MPI_Test(&ps->err_req, &flag, &st), "looking for pipeline failure notices (MP_GROUP)"));
     if (flag && ps->err_from < 0) ps->err_from = st.MPI_SOURCE;
-    if (flag) { ps->failed_remote = true; return smp_error(SMP_ERR_REMOTE, "another rank failed"); }
+    if (flag) { ps->step.failed_remote = true; return smp_error(SMP_ERR_REMOTE, "another rank failed"); }
     return smp__between_calls(ps);
 }
 
@@ -1624,23 +1690,24 @@ static smp_status smp__progress(smp__pipe *ps) {
 static void smp__drain_device(smp__pipe *ps) {
     int P = smp__ctx.cfg.partitions;
     int *sent_to_me = (int *)smp__alloc(sizeof(int) * (size_t)P, SMP__ALLOC_OTHER);
-    if (!sent_to_me || !ps->recv) smp__fatal("out of memory cleaning up the device transfers of a failed step");
+    if (!sent_to_me || !ps->step.recv) smp__fatal("out of memory cleaning up the device transfers of a failed step");
     MPI_Request req;
-    SMP__MPI_FATAL(MPI_Ialltoall(ps->dev_sent, 1, MPI_INT, sent_to_me, 1, MPI_INT, ps->comm, &req),
+    SMP__MPI_FATAL(MPI_Ialltoall(ps->step.dev_sent, 1, MPI_INT, sent_to_me, 1, MPI_INT, ps->comm, &req),
                    "exchanging the device transfer counts of a failed step (MP_GROUP)");
     smp_wait_requests(1, &req, "the device transfer counts of a failed step", SMP_MP_GROUP, -1);
-    size_t nrecv = (size_t)ps->nlinks * (size_t)ps->m * 2;
+    size_t nrecv = (size_t)ps->plan.nlinks * (size_t)ps->step.m * 2;
     smp__backoff b = smp__backoff_start();
     for (;;) {
         (void)smp__progress_transfers(ps); /* the step failed already */
         bool pending = false;
-        for (int i = 0; i < ps->nsends; i++) pending = pending || (ps->sends[i].state == 1 && ps->sends[i].hdr); /* shared gradients: smp__drain_messages */
-        for (int p = 0; p < P; p++) pending = pending || ps->dev_posted[p] < sent_to_me[p];
-        for (size_t i = 0; i < nrecv; i++) pending = pending || ps->recv[i].state == 2;
+        for (int i = 0; i < ps->step.nsends; i++) /* not shared gradients (no header): smp__drain_messages */
+            pending = pending || (ps->step.sends[i].state == SMP__XFER_SENDING && ps->step.sends[i].hdr);
+        for (int p = 0; p < P; p++) pending = pending || ps->step.dev_posted[p] < sent_to_me[p];
+        for (size_t i = 0; i < nrecv; i++) pending = pending || ps->step.recv[i].state == SMP__XFER_BYTES_POSTED;
         if (!pending) break;
         if (!smp__backoff_pause(&b)) smp__timeout_abort("the device transfers of a failed step", SMP_MP_GROUP, -1, smp__now() - b.start);
     }
-    for (size_t i = 0; i < nrecv; i++) smp__device_wait_all(&ps->recv[i]);
+    for (size_t i = 0; i < nrecv; i++) smp__device_wait_all(&ps->step.recv[i]);
     smp__free(sent_to_me);
 }
 
@@ -1676,19 +1743,21 @@ static void smp__drain_messages(smp__pipe *ps) {
     if (st) smp__fatal("out of memory cleaning up the messages of a failed step: %s", smp_last_error());
     int *sent_to_me = left + 2 * P;
     MPI_Request req;
-    SMP__MPI_FATAL(MPI_Ialltoall(ps->msgs_sent, 2, MPI_INT, sent_to_me, 2, MPI_INT, ps->comm, &req), "exchanging the message counts of a failed step (MP_GROUP)");
-    for (int p = 0; p < P; p++) left[2 * p] = -ps->msgs_got[p];
-    size_t nrecv = ps->recv ? (size_t)ps->nlinks * (size_t)ps->m * 2 : 0;
+    SMP__MPI_FATAL(MPI_Ialltoall(ps->step.msgs_sent, 2, MPI_INT, sent_to_me, 2, MPI_INT, ps->comm, &req),
+                   "exchanging the message counts of a failed step (MP_GROUP)");
+    for (int p = 0; p < P; p++) left[2 * p] = -ps->step.msgs_got[p];
+    size_t nrecv = ps->step.recv ? (size_t)ps->plan.nlinks * (size_t)ps->step.m * 2 : 0;
     for (size_t i = 0; i < nrecv; i++) {
-        smp__xfer *x = &ps->recv[i];
-        if (!x->state) continue; /* never posted */
-        /* states: 1 header posted; 5, 4 header arrived; 2 bytes posted (host) or queued (device); 3 all arrived */
-        bool bytes_over_mpi = !ps->dev_p2p, pending = x->state == 1 || (x->state == 2 && bytes_over_mpi);
-        int got = x->state == 1 ? 0 : 1 + (x->state == 3 && bytes_over_mpi);
+        smp__xfer *x = &ps->step.recv[i];
+        if (x->state == SMP__XFER_IDLE) continue; /* never posted */
+        /* MPI messages: the header, then (host payloads) the bytes */
+        bool bytes_over_mpi = !ps->plan.dev_p2p, header_pending = x->state == SMP__XFER_HEADER_POSTED;
+        bool pending = header_pending || (x->state == SMP__XFER_BYTES_POSTED && bytes_over_mpi);
+        int got = header_pending ? 0 : 1 + (x->state == SMP__XFER_ARRIVED && bytes_over_mpi);
         if (pending) {
-            bool cancelled = smp__withdraw(&x->req[x->state - 1], NULL);
+            bool cancelled = smp__withdraw(&x->req[header_pending ? 0 : 1], NULL);
             got += !cancelled;
-            x->state = cancelled ? 0 : x->state == 1 ? 5 : 3;
+            x->state = cancelled ? SMP__XFER_IDLE : header_pending ? SMP__XFER_HEADER_ARRIVED : SMP__XFER_ARRIVED;
         }
         left[2 * x->peer] -= got;
     }
@@ -1724,21 +1793,22 @@ static void smp__drain_messages(smp__pipe *ps) {
                 left[k]--;
                 b = smp__backoff_start(); /* the deadline counts from the last message */
             }
-        for (int i = 0; i < ps->nsends; i++) {
-            smp__xfer *x = &ps->sends[i];
+        for (int i = 0; i < ps->step.nsends; i++) {
+            smp__xfer *x = &ps->step.sends[i];
             int done = 0;
             MPI_Status sts[2];
-            if (x->state == 1) SMP__MPI_FATAL(MPI_Testall(2, x->req, &done, sts), "completing a send of a failed step to mp rank %d", x->peer);
+            if (x->state == SMP__XFER_SENDING)
+                SMP__MPI_FATAL(MPI_Testall(2, x->req, &done, sts), "completing a send of a failed step to mp rank %d", x->peer);
             if (done && smp__device_done(x)) {
                 smp__device_wait_all(x);
                 smp__xfer_free(x);
             }
-            pending = pending || x->state == 1;
+            pending = pending || x->state == SMP__XFER_SENDING;
         }
         if (!pending) break;
         if (!smp__backoff_pause(&b)) smp__timeout_abort("the messages of a failed step", SMP_MP_GROUP, -1, smp__now() - b.start);
     }
-    ps->nsends = 0;
+    ps->step.nsends = 0;
     smp__free(left);
     smp__post_err(ps);
 }
@@ -1749,21 +1819,20 @@ static smp_status smp__await(smp__pipe *ps, smp__xfer **xs, int n, const char *w
     double t0 = smp__now();
     smp__backoff b = smp__backoff_start();
     for (;;) {
-        smp_status st = smp__progress(ps);
-        if (st) return st;
+        SMP_TRY(smp__progress(ps));
         int ready = 0;
-        for (int i = 0; i < n; i++) ready += xs[i]->state == 3;
+        for (int i = 0; i < n; i++) ready += xs[i]->state == SMP__XFER_ARRIVED;
         if (ready == n) break;
         if (!smp__backoff_pause(&b)) {
             int peer = -1;
             for (int i = 0; i < n; i++)
-                if (xs[i]->state != 3) peer = xs[i]->peer;
+                if (xs[i]->state != SMP__XFER_ARRIVED) peer = xs[i]->peer;
             char buf[160];
             snprintf(buf, sizeof buf, "%s of microbatch %d for stage %d", what, mb, stage);
             smp__timeout_abort(buf, SMP_MP_GROUP, peer, smp__now() - b.start);
         }
     }
-    if (n) smp__event_add(ps, 2, stage, mb, t0);
+    if (n) smp__event_add(ps, SMP__EVENT_WAIT, stage, mb, t0);
     return SMP_OK;
 }
 
@@ -1778,20 +1847,22 @@ struct smp_mb {
 SMPDEF const smp_tensor *smp_mb_output(smp_mb *mb, int i) {
     smp_model *md = mb->model;
     if (i < 0 || i >= md->desc.noutputs) return NULL;
-    return &mb->st->act[md->outputs[i].call * mb->ps->maxout + md->outputs[i].index];
+    return &mb->st->act[md->outputs[i].call * mb->ps->plan.maxout + md->outputs[i].index];
 }
-SMPDEF const smp_tensor *smp_mb_arg(smp_mb *mb, int i) { return i >= 0 && i < mb->ps->desc->nargs ? &mb->st->args[i] : NULL; }
+SMPDEF const smp_tensor *smp_mb_arg(smp_mb *mb, int i) {
+    return i >= 0 && i < mb->ps->step.desc->nargs ? &mb->st->args[i] : NULL;
+}
 SMPDEF smp_tensor *smp_mb_output_grad(smp_mb *mb, int i) {
-    if (!mb->ps->training || i < 0 || i >= mb->model->desc.noutputs) return NULL;
+    if (!mb->ps->step.training || i < 0 || i >= mb->model->desc.noutputs) return NULL;
     return &mb->st->out_grad[i];
 }
 SMPDEF int smp_mb_index(const smp_mb *mb) { return mb->index; }
-SMPDEF void *smp_mb_user(const smp_mb *mb) { return mb->ps->desc->user; }
-SMPDEF bool smp_mb_is_training(const smp_mb *mb) { return mb->ps->training; }
+SMPDEF void *smp_mb_user(const smp_mb *mb) { return mb->ps->step.desc->user; }
+SMPDEF bool smp_mb_is_training(const smp_mb *mb) { return mb->ps->step.training; }
 SMPDEF smp_status smp_mb_return(smp_mb *mb, int i, const smp_tensor *v) {
     if (i < 0 || i >= SMP_MAX_STEP_ARGS) return smp_error(SMP_ERR_ARG, "smp_mb_return: index %d is outside 0..%d", i, SMP_MAX_STEP_ARGS - 1);
-    smp_status st = smp__check_tensor(v, "smp_mb_return", "value");
-    if (st) return st;
+    SMP_TRY(smp__check_tensor(v, "smp_mb_return", "value"));
+    smp_status st = SMP_OK;
     smp_tensor *r = &mb->st->returned[i];
     smp__free(r->data);
     *r = *v; /* StepOutputs live on the host: a device value is copied down */
@@ -1840,8 +1911,7 @@ static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, i
         const smp_tensor *t = &d->args[a];
         char name[32];
         snprintf(name, sizeof name, "argument %d", a);
-        smp_status st = smp__check_tensor(t, "smp_step", name);
-        if (st) return st;
+        SMP_TRY(smp__check_tensor(t, "smp_step", name));
         if (t->device != SMP_HOST && !smp__ctx.has_device) return smp_error(SMP_ERR_ARG, "smp_step: argument %d is on a CUDA device but no device backend is registered", a);
         if (d->non_split[a]) continue;
         int ax = d->split_axis[a];
@@ -1865,16 +1935,17 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
     for (int i = 0; i < md->nparams; i++) {
         smp_param *p = md->params[i];
         if (!smp_module_is_local(p->module) || (p->is_buffer && cfg->broadcast_buffers != SMP_ON)) continue;
-        smp_status st = smp_broadcast(&p->value, 0, SMP_DP_GROUP);
-        if (st) return st;
+        SMP_TRY(smp_broadcast(&p->value, 0, SMP_DP_GROUP));
     }
     /* backward order: the call that finishes a parameter (smp__final_call), those final only at the step's end last */
     int n = 0;
     smp_status st = SMP_OK;
     int *order = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER, "the data-parallel buckets");
-    ps->buckets = (smp__bucket *)smp__alloc_or(&st, sizeof(smp__bucket) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER, "the data-parallel buckets");
-    ps->bucket_of = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER, "the data-parallel buckets");
-    ps->bucket_params = order;
+    ps->plan.buckets = (smp__bucket *)smp__alloc_or(&st, sizeof(smp__bucket) * (size_t)(md->nparams + 1),
+                                                    SMP__ALLOC_OTHER, "the data-parallel buckets");
+    ps->plan.bucket_of = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER,
+                                              "the data-parallel buckets");
+    ps->plan.bucket_params = order;
     if (st) return st;
     for (int k = md->ncalls - 1; k >= -1; k--)
         for (int i = md->nparams - 1; i >= 0; i--) {
@@ -1883,10 +1954,10 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
             order[n++] = i;
         }
     double cap = cfg->bucket_cap_mb * 1048576.0;
-    for (int i = 0; i < md->nparams; i++) ps->bucket_of[i] = -1;
-    ps->nbuckets = 0;
+    for (int i = 0; i < md->nparams; i++) ps->plan.bucket_of[i] = -1;
+    ps->plan.nbuckets = 0;
     for (int j = 0; j < n;) { /* a bucket: consecutive parameters of one dtype up to the cap */
-        smp__bucket *b = &ps->buckets[ps->nbuckets];
+        smp__bucket *b = &ps->plan.buckets[ps->plan.nbuckets];
         memset(b, 0, sizeof *b);
         b->dtype = md->params[order[j]]->grad.dtype;
         b->first = j;
@@ -1901,10 +1972,11 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
         b->bytes = bytes;
         b->numel = (int64_t)(bytes / es);
         smp_tensor whole = smp_tensor_1d(NULL, b->dtype, b->numel);
-        if (!smp__tensor_alloc_or(&st, &whole, ps->on_device, SMP__ALLOC_PARAM, "a data-parallel gradient bucket")) return st;
+        if (!smp__tensor_alloc_or(&st, &whole, ps->plan.on_device, SMP__ALLOC_PARAM, "a data-parallel gradient bucket"))
+            return st;
         b->data = whole.data;
         b->device = whole.device;
-        ps->nbuckets++; /* freed with the model from here on */
+        ps->plan.nbuckets++; /* freed with the model from here on */
         size_t at = 0;
         for (int q = j; q < k; q++) {
             smp_param *p = md->params[order[q]];
@@ -1914,7 +1986,7 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
             if (!p->grad_in_bucket) smp__free(p->grad.data);
             p->grad.data = place.data;
             p->grad_in_bucket = true;
-            ps->bucket_of[order[q]] = ps->nbuckets - 1;
+            ps->plan.bucket_of[order[q]] = ps->plan.nbuckets - 1;
             at += smp_tensor_nbytes(&place);
         }
         j = k;
@@ -1940,7 +2012,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
         smp_tensor t = smp_tensor_1d(b->data, b->dtype, b->numel), all = smp_tensor_1d(NULL, b->dtype, b->numel * smp_dp_size());
         t.device = b->device;
         if (!deterministic && smp__ctx.device.bucket_all_reduce && smp__ctx.device.bucket_fence) {
-            ps->fence_buckets = true;
+            ps->step.fence_buckets = true;
             return smp__ctx.device.bucket_all_reduce(b->data, b->dtype, b->numel, SMP_DP_GROUP);
         }
         if (!deterministic) return smp_all_reduce(&t, &t, SMP_SUM, SMP_DP_GROUP);
@@ -1952,7 +2024,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
     b->t_start = smp__now();
     b->req = MPI_REQUEST_NULL;
     MPI_Comm comm = smp__ctx.groups[SMP_DP_GROUP].comm;
-    int n = (int)b->numel, index = (int)(b - ps->buckets);
+    int n = (int)b->numel, index = (int)(b - ps->plan.buckets);
     /* A host bucket's collective counts as one of DP_GROUP's (one at a time,
        see smp__ddp_advance): a replica whose call fails tells the others
        (smp__coll_exit), a replica waiting in that collective aborts with
@@ -1976,7 +2048,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
     }
     if (st) {
         b->req = MPI_REQUEST_NULL;
-        ps->bucket_failed = true; /* no later bucket starts: the replicas would pair the wrong ones */
+        ps->step.bucket_failed = true; /* no later bucket starts: the replicas would pair the wrong ones */
         return smp__coll_exit(gi, SMP_DP_GROUP, st);
     }
     return SMP_OK;
@@ -1984,13 +2056,13 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
 
 /* Whether bucket b's host collective has finished; its timeline event when it just did. */
 static bool smp__bucket_test(smp__pipe *ps, int b) {
-    smp__bucket *k = &ps->buckets[b];
+    smp__bucket *k = &ps->plan.buckets[b];
     if (k->req == MPI_REQUEST_NULL) return true;
     int done = 0;
     /* the other replicas are in this collective: a rank that loses track of it cannot tell them */
     SMP__MPI_FATAL(MPI_Test(&k->req, &done, MPI_STATUS_IGNORE), "completing data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", b, k->bytes);
     if (done) {
-        smp__event_add(ps, 4, -1, b, k->t_start);
+        smp__event_add(ps, SMP__EVENT_ALLREDUCE, -1, b, k->t_start);
         if (smp__ctx.initialized) smp__ctx.groups[SMP_DP_GROUP].in_coll = false;
     }
     return done;
@@ -2005,22 +2077,24 @@ static bool smp__bucket_test(smp__pipe *ps, int b) {
    backend orders its collectives on its stream and starts each at once. */
 static smp_status smp__ddp_advance(smp__pipe *ps) {
     smp_status st = SMP_OK;
-    while (ps->next_bucket < ps->nbuckets) {
-        smp__bucket *b = &ps->buckets[ps->next_bucket];
-        if (!b->ready || (b->device == SMP_HOST && ps->next_bucket > 0 && !smp__bucket_test(ps, ps->next_bucket - 1))) break;
+    while (ps->step.next_bucket < ps->plan.nbuckets) {
+        smp__bucket *b = &ps->plan.buckets[ps->step.next_bucket];
+        bool after = b->device == SMP_HOST && ps->step.next_bucket > 0; /* a host bucket after another */
+        if (!b->ready || (after && !smp__bucket_test(ps, ps->step.next_bucket - 1))) break;
         smp_status bs = SMP_OK;
-        if (ps->bucket_failed && b->device == SMP_HOST) b->req = MPI_REQUEST_NULL; /* not started: see smp__bucket_start */
+        if (ps->step.bucket_failed && b->device == SMP_HOST)
+            b->req = MPI_REQUEST_NULL; /* not started: see smp__bucket_start */
         else bs = smp__bucket_start(ps, b);
         if (!st) st = bs;
-        ps->next_bucket++;
+        ps->step.next_bucket++;
     }
     return st;
 }
 
 /* Between calls: the bucket in flight moves on, and the next starts once it is done. */
 static void smp__ddp_poll(smp__pipe *ps) {
-    if (ps->next_bucket > 0 && ps->next_bucket < ps->nbuckets) smp__ddp_advance(ps);
-    else if (ps->next_bucket > 0) smp__bucket_test(ps, ps->nbuckets - 1);
+    if (ps->step.next_bucket > 0 && ps->step.next_bucket < ps->plan.nbuckets) smp__ddp_advance(ps);
+    else if (ps->step.next_bucket > 0) smp__bucket_test(ps, ps->plan.nbuckets - 1);
 }
 
 SMPDEF void smp_poll(void) {
@@ -2032,10 +2106,10 @@ static smp_status smp__ddp_call_final(smp__pipe *ps, smp_model *md, int k) {
     smp_status st = SMP_OK;
     for (int i = 0; i < md->nparams && !st; i++) {
         smp_param *p = md->params[i];
-        int b = ps->bucket_of[i];
+        int b = ps->plan.bucket_of[i];
         if (b < 0 || smp__final_call(p) != k) continue;
-        if (++ps->buckets[b].final == ps->buckets[b].count && smp__ctx.cfg.overlapping_allreduce == SMP_ON) {
-            ps->buckets[b].ready = true;
+        if (++ps->plan.buckets[b].final == ps->plan.buckets[b].count && smp__ctx.cfg.overlapping_allreduce == SMP_ON) {
+            ps->plan.buckets[b].ready = true;
             st = smp__ddp_advance(ps);
         }
     }
@@ -2051,15 +2125,15 @@ static smp_status smp__ddp_call_final(smp__pipe *ps, smp_model *md, int k) {
    rank that shares the core run. The timeout still applies. */
 static smp_status smp__ddp_complete(smp__pipe *ps) {
     smp_status st = SMP_OK;
-    for (int b = 0; b < ps->nbuckets; b++) ps->buckets[b].ready = true;
+    for (int b = 0; b < ps->plan.nbuckets; b++) ps->plan.buckets[b].ready = true;
     double start = smp__now(), deadline = start + smp_timeout();
     unsigned polls = 0;
     for (;;) {
         /* every bucket, even after an error: the replicas expect each collective */
         smp_status bs = smp__ddp_advance(ps);
         if (!st) st = bs;
-        bool done = ps->next_bucket == ps->nbuckets;
-        for (int b = 0; b < ps->nbuckets && done; b++) done = smp__bucket_test(ps, b);
+        bool done = ps->step.next_bucket == ps->plan.nbuckets;
+        for (int b = 0; b < ps->plan.nbuckets && done; b++) done = smp__bucket_test(ps, b);
         if (done) break;
         double now = smp__now();
         if (now > deadline) smp__timeout_abort("data-parallel gradient all-reduce", SMP_DP_GROUP, -1, now - start);
@@ -2068,10 +2142,10 @@ static smp_status smp__ddp_complete(smp__pipe *ps) {
         if (gi->in_coll && ++polls % 64 == 0) smp__check_member_failed(gi, SMP_DP_GROUP);
         sched_yield();
     }
-    if (ps->fence_buckets) {
+    if (ps->step.fence_buckets) {
         smp_status fs = smp__ctx.device.bucket_fence();
         if (!st) st = fs;
-        ps->fence_buckets = false;
+        ps->step.fence_buckets = false;
     }
     smp__ddp_inflight = NULL;
     return st;
@@ -2084,8 +2158,8 @@ static smp_status smp__ddp_complete(smp__pipe *ps) {
 static smp_status smp__ddp_finish(smp__pipe *ps, bool failed) {
     int dp = smp_dp_size();
     smp_status st = SMP_OK;
-    for (int b = 0; b < ps->nbuckets; b++) {
-        smp__bucket *k = &ps->buckets[b];
+    for (int b = 0; b < ps->plan.nbuckets; b++) {
+        smp__bucket *k = &ps->plan.buckets[b];
         smp_tensor acc = smp_tensor_1d(k->data, k->dtype, k->numel);
         acc.device = k->device;
         if (!failed && !st && k->gather) {
@@ -2101,8 +2175,8 @@ static smp_status smp__ddp_finish(smp__pipe *ps, bool failed) {
         k->ready = false;
         k->final = 0;
     }
-    ps->next_bucket = 0;
-    ps->bucket_failed = false;
+    ps->step.next_bucket = 0;
+    ps->step.bucket_failed = false;
     return st;
 }
 
@@ -2139,8 +2213,8 @@ static smp_status smp__grad_scan(const smp_param *p, double *sq, int *bad) {
 }
 
 static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
-    smp_status st = smp__require_init("smp_clip_grad_norm");
-    if (st) return st;
+    SMP_TRY(smp__require_init("smp_clip_grad_norm"));
+    smp_status st = SMP_OK;
     /* one partial sum per parameter, owned by exactly one rank of the
        MP_GROUP: summing them (x + 0 is exact) and then adding them up in
        model order gives the one-process result on every rank */
@@ -2168,8 +2242,7 @@ static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
 SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *total_norm) {
     if (!(max_norm > 0)) return smp_error(SMP_ERR_ARG, "smp_clip_grad_norm: max_norm must be positive, got %g", max_norm);
     double norm;
-    smp_status st = smp__grad_norm(m, &norm);
-    if (st) return st;
+    SMP_TRY(smp__grad_norm(m, &norm));
     if (total_norm) *total_norm = norm;
     double coef = max_norm / (norm + 1e-6);
     if (coef >= 1.0) return SMP_OK;
@@ -2246,11 +2319,10 @@ SMPDEF smp_status smp_local_batch_size(int64_t global, int64_t *local) {
 }
 
 SMPDEF smp_status smp_agree_batches(int64_t batches) {
-    smp_status st = smp__require_init("smp_agree_batches");
-    if (st) return st;
+    SMP_TRY(smp__require_init("smp_agree_batches"));
     int64_t v[2] = {batches, -batches};
     smp_tensor t = smp_tensor_1d(v, SMP_I64, 2);
-    if ((st = smp_all_reduce(&t, &t, SMP_MIN, SMP_DP_GROUP))) return st;
+    SMP_TRY(smp_all_reduce(&t, &t, SMP_MIN, SMP_DP_GROUP));
     if (v[0] != -v[1])
         return smp_error(SMP_ERR_ARG, "data-parallel replicas have different numbers of batches (%lld to %lld): shard the data evenly (drop_last)",
                          (long long)v[0], (long long)-v[1]);
@@ -2264,31 +2336,31 @@ SMPDEF smp_status smp_agree_batches(int64_t batches) {
 static smp_status smp__receive(smp__pipe *ps, int s, int i, bool backward) {
     smp__xfer **wait = ps->await;
     int nw = 0, *lk = ps->await_link;
-    for (int l = 0; l < ps->nlinks; l++)
-        if ((backward ? ps->links[l].from : ps->links[l].to) == s) {
+    for (int l = 0; l < ps->plan.nlinks; l++)
+        if ((backward ? ps->plan.links[l].from : ps->plan.links[l].to) == s) {
             lk[nw] = l;
             wait[nw++] = smp__recv_slot(ps, l, i, backward);
         }
     smp_status rc = smp__await(ps, wait, nw, backward ? "gradients" : "activations", s, i);
     for (int w = 0; w < nw && !rc; w++) {
         smp__xfer *x = wait[w];
-        if (ps->dev_p2p) smp__device_wait_all(x); /* the engine's work from here on comes after the transfers */
-        else if (ps->on_device) { /* staged: the bytes arrived on the host */
+        if (ps->plan.dev_p2p) smp__device_wait_all(x); /* the engine's work from here on comes after the transfers */
+        else if (ps->plan.on_device) { /* staged: the bytes arrived on the host */
             smp_tensor host = smp_tensor_1d(x->buf, SMP_U8, (int64_t)x->bytes), dev = host;
-            if (!smp__tensor_alloc_or(&rc, &dev, true, ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER, "a pipeline message moved to the device"))
+            if (!smp__tensor_alloc_or(&rc, &dev, true, smp__step_kind(ps), "a pipeline message moved to the device"))
                 return rc;
             rc = smp__tensor_copy(&dev, &host);
             smp__free(x->buf);
             x->buf = dev.data;
         }
-        const smp__link *l = &ps->links[lk[w]];
+        const smp__link *l = &ps->plan.links[lk[w]];
         char *p = (char *)x->buf;
         int n = backward ? l->nedges : l->ntensors;
         for (int t = 0; t < n; t++) {
             const int64_t *h = x->hdr + 10 * t;
-            smp_tensor *dst = backward ? &ps->mb[i].contrib[l->edges[t]] : &ps->mb[i].act[l->tensors[t]];
+            smp_tensor *dst = backward ? &ps->step.mb[i].contrib[l->edges[t]] : &ps->step.mb[i].act[l->tensors[t]];
             *dst = smp_tensor_make(p, (smp_dtype)h[0], (int)h[1], h + 2);
-            if (ps->on_device) dst->device = smp__ctx.device.current_device();
+            if (ps->plan.on_device) dst->device = smp__ctx.device.current_device();
             p += smp_tensor_nbytes(dst);
         }
     }
@@ -2296,27 +2368,33 @@ static smp_status smp__receive(smp__pipe *ps, int s, int i, bool backward) {
 }
 
 /* ---------------------------------------------------------------- shared modules */
-static void smp__swap_grad(smp_model *md, smp__shared *q) {
-    smp_param *p = md->params[q->param];
-    void *d = p->grad.data;
-    p->grad.data = q->grad.data;
-    q->grad.data = d;
+/* Swaps the gradients of call k's shared slots with their parameters': around call k's backward, so that it adds
+   into its own slots. */
+static void smp__swap_shared(smp__pipe *ps, smp_model *md, int k) {
+    for (int q = ps->plan.shared_first[k]; q < ps->plan.shared_first[k + 1]; q++) {
+        smp_param *p = md->params[ps->plan.shared[q].param];
+        void *d = p->grad.data;
+        p->grad.data = ps->plan.shared[q].grad.data;
+        ps->plan.shared[q].grad.data = d;
+    }
 }
 
 /* Whether partition `part` holds a copy of parameter `param`. */
 static bool smp__shared_held(const smp__pipe *ps, int param, int part) {
-    for (int q = 0; q < ps->nshared; q++)
-        if (ps->shared[q].param == param && ps->shared[q].part == part) return true;
+    for (int q = 0; q < ps->plan.nshared; q++)
+        if (ps->plan.shared[q].param == param && ps->plan.shared[q].part == part) return true;
     return false;
 }
 
 /* Each step starts its calls' slots from zero. */
 static smp_status smp__shared_start(smp__pipe *ps) {
     smp_status st = SMP_OK;
-    for (int q = 0; q < ps->nshared && !st; q++) {
-        smp__shared *s = &ps->shared[q];
+    for (int q = 0; q < ps->plan.nshared && !st; q++) {
+        smp__shared *s = &ps->plan.shared[q];
         if (s->part != smp__ctx.mp_rank) continue;
-        if (!s->grad.data) smp__tensor_alloc_or(&st, &s->grad, ps->on_device, SMP__ALLOC_PARAM, "the gradient of a shared parameter");
+        if (!s->grad.data)
+            smp__tensor_alloc_or(&st, &s->grad, ps->plan.on_device, SMP__ALLOC_PARAM,
+                                 "the gradient of a shared parameter");
         if (!st) st = smp__tensor_zero(&s->grad);
     }
     return st;
@@ -2328,14 +2406,16 @@ static smp_status smp__shared_start(smp__pipe *ps) {
    and their bytes returned (buf NULL: only counted). */
 static size_t smp__shared_pack(smp__pipe *ps, smp_model *md, bool send, int peer, char *buf, smp_status *st) {
     size_t at = 0;
-    for (int q = 0; q < ps->nshared && !*st; q++) {
-        smp__shared *s = &ps->shared[q];
+    for (int q = 0; q < ps->plan.nshared && !*st; q++) {
+        smp__shared *s = &ps->plan.shared[q];
         if (send ? s->part != smp__ctx.mp_rank || !smp__shared_held(ps, s->param, peer) : s->part != peer || !md->params[s->param]->module->local)
             continue;
         smp_tensor h = s->grad;
         h.device = SMP_HOST;
         h.data = buf ? buf + at : NULL;
-        if (buf && !send && !s->grad.data) smp__tensor_alloc_or(st, &s->grad, ps->on_device, SMP__ALLOC_PARAM, "the gradient of a shared parameter");
+        if (buf && !send && !s->grad.data)
+            smp__tensor_alloc_or(st, &s->grad, ps->plan.on_device, SMP__ALLOC_PARAM,
+                                 "the gradient of a shared parameter");
         if (buf && !*st) *st = send ? smp__tensor_copy(&h, &s->grad) : smp__tensor_copy(&s->grad, &h);
         at += smp_tensor_nbytes(&h);
     }
@@ -2362,7 +2442,7 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
             if (!bytes) continue;
             char *b = buf[pass * P + peer] = (char *)smp__alloc_or(&st, bytes, SMP__ALLOC_OTHER, what);
             if (b && pass) smp__shared_pack(ps, md, true, peer, b, &st);
-            int tag = smp__tag(ps->nlinks, false), count; /* past every link's */
+            int tag = smp__tag(ps->plan.nlinks, false), count; /* past every link's */
             MPI_Datatype type;
             if (st || (st = smp__bytes_type(bytes, &count, &type))) break;
             slot[nreq] = pass * P + peer;
@@ -2372,7 +2452,7 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
             /* only a posted request joins the list: below, a null one is a
                completed receive, counted as a message that arrived */
             if (!st) {
-                if (pass) ps->msgs_sent[2 * peer]++;
+                if (pass) ps->step.msgs_sent[2 * peer]++;
                 nreq++;
             }
             if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a shared gradients' datatype");
@@ -2393,27 +2473,27 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
         int peer = slot[r] % P;
         if (slot[r] >= P) { /* a send: still in flight only after a failure, when the step's drain finishes it */
             if (req[r] == MPI_REQUEST_NULL) continue;
-            if (!smp__grow((void **)&ps->sends, &ps->sends_cap, ps->nsends + 1, sizeof(smp__xfer), NULL))
+            if (!smp__grow((void **)&ps->step.sends, &ps->step.sends_cap, ps->step.nsends + 1, sizeof(smp__xfer), NULL))
                 smp__fatal("out of memory keeping a send of a failed step until it is received");
-            smp__xfer *x = &ps->sends[ps->nsends++];
+            smp__xfer *x = &ps->step.sends[ps->step.nsends++];
             memset(x, 0, sizeof *x);
             x->req[0] = req[r];
             x->req[1] = MPI_REQUEST_NULL;
             x->peer = peer;
             x->buf = buf[slot[r]]; /* freed once sent */
             buf[slot[r]] = NULL;
-            x->state = 1;
+            x->state = SMP__XFER_SENDING;
             continue;
         }
         /* a receive: a failed step takes back one that has not matched; the
            step's drain (smp__drain_messages) counts the others */
-        if (req[r] == MPI_REQUEST_NULL || !smp__withdraw(&req[r], NULL)) ps->msgs_got[peer]++;
+        if (req[r] == MPI_REQUEST_NULL || !smp__withdraw(&req[r], NULL)) ps->step.msgs_got[peer]++;
     }
     for (int peer = 0; peer < P && !st; peer++)
         if (buf[peer]) smp__shared_pack(ps, md, false, peer, buf[peer], &st); /* unpack what arrived */
-    for (int q = 0; q < ps->nshared && !st; q++) { /* in call order: the sum every copy computes */
-        smp_param *p = md->params[ps->shared[q].param];
-        if (p->module->local) st = smp__add_into(&p->grad, &ps->shared[q].grad);
+    for (int q = 0; q < ps->plan.nshared && !st; q++) { /* in call order: the sum every copy computes */
+        smp_param *p = md->params[ps->plan.shared[q].param];
+        if (p->module->local) st = smp__add_into(&p->grad, &ps->plan.shared[q].grad);
     }
     for (int r = 0; r < 2 * P; r++) smp__free(buf[r]);
     smp__free(buf);
@@ -2426,10 +2506,12 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
 /* Points call k's inputs at this microbatch's tensors. */
 static void smp__call_inputs(smp__pipe *ps, smp_model *md, int k, int i, smp_tensor *in) {
     const smp__call_rec *rec = &md->calls[k];
-    smp__mbstate *st = &ps->mb[i];
+    smp__mbstate *st = &ps->step.mb[i];
     for (int j = 0; j < rec->nin; j++) {
         smp__ref r = rec->in[j];
-        const smp_tensor *src = r.call < 0 ? &st->args[ps->desc->nmodel_inputs ? ps->desc->model_inputs[r.index] : r.index] : &st->act[r.call * ps->maxout + r.index];
+        const smp_step_desc *d = ps->step.desc;
+        const smp_tensor *src = r.call < 0 ? &st->args[d->nmodel_inputs ? d->model_inputs[r.index] : r.index]
+                                           : &st->act[r.call * ps->plan.maxout + r.index];
         in[j] = *src;
         if (r.call >= 0 && smp_tensor_numel(src) == smp_tensor_numel(&rec->in_meta[j]) && rec->in_meta[j].ndim) {
             /* the call viewed its input with another shape at trace time (a reshape) */
@@ -2443,19 +2525,19 @@ static void smp__call_inputs(smp__pipe *ps, smp_model *md, int k, int i, smp_ten
    keeps the outputs others read and makes only the internal ones anew. */
 static smp_status smp__call_forward(smp__pipe *ps, smp_model *md, int k, int i, bool again) {
     smp__call_rec *rec = &md->calls[k];
-    smp__mbstate *st = &ps->mb[i];
+    smp__mbstate *st = &ps->step.mb[i];
     smp_call_ctx *c = &st->ctx[k];
-    int mo = ps->maxout;
+    int mo = ps->plan.maxout;
     if (!again) {
         memset(c, 0, sizeof *c);
         c->module = rec->module;
         c->microbatch = i;
-        c->training = ps->training;
-        c->kind = ps->training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER;
+        c->training = ps->step.training;
+        c->kind = ps->step.training ? SMP__ALLOC_STASH : SMP__ALLOC_OTHER;
         c->nin = rec->nin;
         c->nout = rec->nout;
         c->call = k;
-        c->seed = smp__call_seed(k, smp__ctx.dp_rank * ps->m + i, ps->passes);
+        c->seed = smp__call_seed(k, smp__ctx.dp_rank * ps->step.m + i, ps->passes);
     }
     smp_status rc = SMP_OK;
     if (!c->inputs) c->inputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER, "a call's inputs");
@@ -2471,7 +2553,7 @@ static smp_status smp__call_forward(smp__pipe *ps, smp_model *md, int k, int i, 
     }
     rc = smp__run_callback(c, SMP__FORWARD);
     for (int j = 0; j < rec->nout; j++) {
-        if (kept && !ps->internal[k * mo + j]) { /* the same bytes: keep the tensor later calls already read */
+        if (kept && !ps->plan.internal[k * mo + j]) { /* the same bytes: keep the tensor later calls already read */
             smp__free(c->outputs[j].data);
             c->outputs[j] = kept[j];
         }
@@ -2485,66 +2567,67 @@ static smp_status smp__call_forward(smp__pipe *ps, smp_model *md, int k, int i, 
    after its backward: its inputs (and the outputs later calls read). The
    outputs only its own calls read and every stash go. */
 static void smp__recompute_drop(smp__pipe *ps, int i, int first, int last) {
-    smp__mbstate *st = &ps->mb[i];
+    smp__mbstate *st = &ps->step.mb[i];
     for (int k = first; k <= last; k++) {
         smp_call_ctx *c = &st->ctx[k];
         smp__call_release(c, false);
         for (int j = 0; j < c->nout; j++)
-            if (ps->internal[k * ps->maxout + j]) {
+            if (ps->plan.internal[k * ps->plan.maxout + j]) {
                 smp__free(c->outputs[j].data);
-                c->outputs[j].data = st->act[k * ps->maxout + j].data = NULL;
+                c->outputs[j].data = st->act[k * ps->plan.maxout + j].data = NULL;
             }
     }
 }
 
 static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i) {
-    smp_status rc = smp__receive(ps, s, i, false);
-    if (rc) return rc;
+    SMP_TRY(smp__receive(ps, s, i, false));
+    smp_status rc = SMP_OK;
     double t0 = smp__now();
     for (int k = md->stage_first[s]; k <= md->stage_last[s] && !rc; k++) {
         rc = smp__call_forward(ps, md, k, i, false);
         const smp__call_rec *rec = &md->calls[k];
-        if (!rc && ps->training && rec->recompute_last == k) smp__recompute_drop(ps, i, rec->recompute_first, k);
+        if (!rc && ps->step.training && rec->recompute_last == k) smp__recompute_drop(ps, i, rec->recompute_first, k);
         if (!rc && k < md->stage_last[s]) rc = smp__between_calls(ps);
     }
     if (rc) return rc;
-    smp__event_add(ps, 0, s, i, t0);
-    ps->inflight[s]++;
-    for (int l = 0; l < ps->nlinks && !rc; l++)
-        if (ps->links[l].from == s) rc = smp__send(ps, l, false, s, i);
+    smp__event_add(ps, SMP__EVENT_FORWARD, s, i, t0);
+    ps->step.inflight[s]++;
+    for (int l = 0; l < ps->plan.nlinks && !rc; l++)
+        if (ps->plan.links[l].from == s) rc = smp__send(ps, l, false, s, i);
     return rc;
 }
 
 static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
-    smp__mbstate *st = &ps->mb[i];
+    smp__mbstate *st = &ps->step.mb[i];
     smp_mb mb = {ps, md, i, st};
     smp_status rc = SMP_OK;
-    for (int o = 0; o < md->desc.noutputs && ps->training && !rc; o++) {
+    for (int o = 0; o < md->desc.noutputs && ps->step.training && !rc; o++) {
         smp_tensor *g = &st->out_grad[o];
         *g = *smp_mb_output(&mb, o);
-        if (smp__tensor_alloc_or(&rc, g, ps->on_device, SMP__ALLOC_STASH, "the gradient of a model output")) rc = smp__tensor_zero(g);
+        if (smp__tensor_alloc_or(&rc, g, ps->plan.on_device, SMP__ALLOC_STASH, "the gradient of a model output"))
+            rc = smp__tensor_zero(g);
     }
     /* no body: the model's outputs are what the step returns (model_outs is 0 with a body) */
-    for (int o = 0; o < ps->model_outs && !rc; o++) rc = smp_mb_return(&mb, o, smp_mb_output(&mb, o));
-    if (rc || !ps->desc->body) return rc;
+    for (int o = 0; o < ps->step.model_outs && !rc; o++) rc = smp_mb_return(&mb, o, smp_mb_output(&mb, o));
+    if (rc || !ps->step.desc->body) return rc;
     double t0 = smp__now();
     smp__errbuf[0] = 0;
-    rc = ps->desc->body(&mb);
-    smp__event_add(ps, 3, md->nstages - 1, i, t0);
+    rc = ps->step.desc->body(&mb);
+    smp__event_add(ps, SMP__EVENT_BODY, md->nstages - 1, i, t0);
     if (rc) {
         char msg[sizeof smp__errbuf];
         memcpy(msg, smp__errbuf, sizeof msg);
         return smp_error(rc == SMP_ERR_NOMEM ? rc : SMP_ERR_MODULE, "the step body failed on microbatch %d: %s", i, *msg ? msg : smp_status_name(rc));
     }
     const smp_config *cfg = &smp__ctx.cfg;
-    double divisor = cfg->average_grads_across_microbatches == SMP_ON ? ps->m : 1;
+    double divisor = cfg->average_grads_across_microbatches == SMP_ON ? ps->step.m : 1;
     if (cfg->ddp == SMP_ON) divisor *= (double)smp_dp_size() * cfg->backward_passes_per_step;
-    for (int o = 0; o < md->desc.noutputs && ps->training && !rc; o++) {
+    for (int o = 0; o < md->desc.noutputs && ps->step.training && !rc; o++) {
         if (divisor != 1) rc = smp__tensor_scale(&st->out_grad[o], 1.0 / divisor);
         /* the output gradient is the body's contribution to model output o */
-        int t = md->outputs[o].call * ps->maxout + md->outputs[o].index;
-        for (int e = ps->first_edge[t]; e < ps->first_edge[t + 1]; e++)
-            if (ps->edges[e].consumer == md->ncalls && ps->edges[e].input == o) {
+        int t = md->outputs[o].call * ps->plan.maxout + md->outputs[o].index;
+        for (int e = ps->plan.first_edge[t]; e < ps->plan.first_edge[t + 1]; e++)
+            if (ps->plan.edges[e].consumer == md->ncalls && ps->plan.edges[e].input == o) {
                 st->contrib[e] = st->out_grad[o];
                 st->out_grad[o].data = NULL; /* owned by the contribution now */
             }
@@ -2572,8 +2655,9 @@ static bool smp__recompute_waits_for_w(const smp_model *md, int k) {
    are final for the data-parallel buckets. */
 static smp_status smp__backward_done(smp__pipe *ps, smp_model *md, int k, int i) {
     const smp__call_rec *rec = &md->calls[k];
-    if (rec->recompute_first == k && (!ps->zb || smp__recompute_waits_for_w(md, k))) smp__recompute_drop(ps, i, k, rec->recompute_last);
-    return ps->sync && i == ps->m - 1 ? smp__ddp_call_final(ps, md, k) : SMP_OK;
+    if (rec->recompute_first == k && (!ps->step.zb || smp__recompute_waits_for_w(md, k)))
+        smp__recompute_drop(ps, i, k, rec->recompute_last);
+    return ps->step.sync && i == ps->step.m - 1 ? smp__ddp_call_final(ps, md, k) : SMP_OK;
 }
 
 /* An output's gradient when one consumer made it: the contribution's own
@@ -2582,12 +2666,15 @@ static smp_status smp__backward_done(smp__pipe *ps, smp_model *md, int k, int i)
    received one can be taken when its message carried nothing else, and
    its receive slot lets go of the buffer. */
 static bool smp__adopt_contrib(smp__pipe *ps, int s, int i, int e, smp_tensor *gout) {
-    smp_tensor *c = &ps->mb[i].contrib[e];
+    smp_tensor *c = &ps->step.mb[i].contrib[e];
     if (!c->data || c->dtype != gout->dtype || smp_tensor_nbytes(c) != smp_tensor_nbytes(gout)) return false;
-    if (ps->edges[e].remote) {
+    if (ps->plan.edges[e].remote) {
         smp__xfer *x = NULL;
-        for (int l = 0; l < ps->nlinks && !x; l++)
-            if (ps->links[l].to == ps->edges[e].stage && ps->links[l].from == s && ps->links[l].nedges == 1 && ps->links[l].edges[0] == e) x = smp__recv_slot(ps, l, i, true);
+        for (int l = 0; l < ps->plan.nlinks && !x; l++) {
+            const smp__link *k = &ps->plan.links[l];
+            if (k->to == ps->plan.edges[e].stage && k->from == s && k->nedges == 1 && k->edges[0] == e)
+                x = smp__recv_slot(ps, l, i, true);
+        }
         if (!x || x->buf != c->data) return false;
         x->buf = NULL;
     }
@@ -2598,10 +2685,10 @@ static bool smp__adopt_contrib(smp__pipe *ps, int s, int i, int e, smp_tensor *g
 }
 
 static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i) {
-    smp__mbstate *st = &ps->mb[i];
-    int mo = ps->maxout;
-    smp_status rc = smp__receive(ps, s, i, true);
-    if (rc) return rc;
+    smp__mbstate *st = &ps->step.mb[i];
+    int mo = ps->plan.maxout;
+    SMP_TRY(smp__receive(ps, s, i, true));
+    smp_status rc = SMP_OK;
     double t0 = smp__now();
     for (int k = md->stage_last[s]; k >= md->stage_first[s]; k--) {
         smp__call_rec *rec = &md->calls[k];
@@ -2614,14 +2701,14 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         if (rc) { smp__free(gout); return rc; }
         for (int j = 0; j < rec->nout && !rc; j++) {
             gout[j] = c->outputs[j];
-            int t = k * mo + j, first = ps->first_edge[t], last = ps->first_edge[t + 1] - 1;
+            int t = k * mo + j, first = ps->plan.first_edge[t], last = ps->plan.first_edge[t + 1] - 1;
             if (first == last && smp__adopt_contrib(ps, s, i, last, &gout[j])) continue;
-            if (!smp__tensor_alloc_or(&rc, &gout[j], ps->on_device, SMP__ALLOC_STASH, "an output gradient")) break;
+            if (!smp__tensor_alloc_or(&rc, &gout[j], ps->plan.on_device, SMP__ALLOC_STASH, "an output gradient")) break;
             if (last < first) { rc = smp__tensor_zero(&gout[j]); continue; }
             rc = smp__tensor_copy(&gout[j], &st->contrib[last]);
             for (int e = last - 1; e >= first && !rc; e--) rc = smp__add_into(&gout[j], &st->contrib[e]);
             for (int e = first; e <= last && !rc; e++) { /* summed: the ones made here go now (received ones are views) */
-                if (!ps->edges[e].remote) smp__free(st->contrib[e].data);
+                if (!ps->plan.edges[e].remote) smp__free(st->contrib[e].data);
                 st->contrib[e].data = NULL;
             }
         }
@@ -2629,33 +2716,34 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
             gin[j] = c->inputs[j];
             gin[j].data = NULL;
             if (rec->in[j].call < 0 || rc) continue; /* model inputs take no gradient */
-            if (smp__tensor_alloc_or(&rc, &gin[j], ps->on_device, SMP__ALLOC_STASH, "an input gradient")) rc = smp__tensor_zero(&gin[j]);
+            if (smp__tensor_alloc_or(&rc, &gin[j], ps->plan.on_device, SMP__ALLOC_STASH, "an input gradient"))
+                rc = smp__tensor_zero(&gin[j]);
         }
         c->grad_outputs = gout;
         c->grad_inputs = gin;
         /* a shared module's call adds into its own slot (see smp__shared_finish) */
-        for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
+        smp__swap_shared(ps, md, k);
         /* zero bubble: a split module's weight half waits for the W op, and so does its output gradient */
-        bool later = ps->zb && smp__split_backward(rec->module);
+        bool later = ps->step.zb && smp__split_backward(rec->module);
         if (!rc) rc = smp__run_callback(c, later ? SMP__BACKWARD_INPUT : SMP__BACKWARD);
-        for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
+        smp__swap_shared(ps, md, k);
         if (!later || rc) smp__drop_grad_outputs(c);
         for (int j = 0; j < rec->nin; j++) {
-            int e = ps->edge_of_input[k * ps->maxin + j];
+            int e = ps->plan.edge_of_input[k * ps->plan.maxin + j];
             if (e >= 0) { st->contrib[e] = gin[j]; st->contrib[e].shape[0] = gin[j].shape[0]; }
         }
         smp__free(gin);
         c->grad_inputs = NULL;
-        if (!rc && !ps->zb) rc = smp__backward_done(ps, md, k, i);
+        if (!rc && !ps->step.zb) rc = smp__backward_done(ps, md, k, i);
         else if (!rc && rec->recompute_first == k && !smp__recompute_waits_for_w(md, k)) /* no W will read it */
             smp__recompute_drop(ps, i, k, rec->recompute_last);
         if (!rc) rc = smp__between_calls(ps);
         if (rc) return rc;
     }
-    smp__event_add(ps, 1, s, i, t0);
-    for (int l = 0; l < ps->nlinks && !rc; l++) /* gradients for producers on other ranks */
-        if (ps->links[l].to == s) rc = smp__send(ps, l, true, s, i);
-    if (!rc && !ps->zb) ps->inflight[s]--;
+    smp__event_add(ps, SMP__EVENT_BACKWARD, s, i, t0);
+    for (int l = 0; l < ps->plan.nlinks && !rc; l++) /* gradients for producers on other ranks */
+        if (ps->plan.links[l].to == s) rc = smp__send(ps, l, true, s, i);
+    if (!rc && !ps->step.zb) ps->step.inflight[s]--;
     return rc;
 }
 
@@ -2663,32 +2751,33 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
    modules on microbatch i, in backward order, each with the output gradient
    its B kept. Gradients are then final for this microbatch. */
 static smp_status smp__stage_weight(smp__pipe *ps, smp_model *md, int s, int i) {
-    smp__mbstate *st = &ps->mb[i];
+    smp__mbstate *st = &ps->step.mb[i];
     smp_status rc = SMP_OK;
     double t0 = smp__now();
     for (int k = md->stage_last[s]; k >= md->stage_first[s] && !rc; k--) {
         smp_call_ctx *c = &st->ctx[k];
         if (smp__split_backward(md->calls[k].module)) {
-            for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
+            smp__swap_shared(ps, md, k);
             rc = smp__run_callback(c, SMP__BACKWARD_WEIGHT);
-            for (int q = ps->shared_first[k]; q < ps->shared_first[k + 1]; q++) smp__swap_grad(md, &ps->shared[q]);
+            smp__swap_shared(ps, md, k);
             smp__drop_grad_outputs(c);
         }
         if (!rc) rc = smp__backward_done(ps, md, k, i);
         if (!rc) rc = smp__between_calls(ps);
     }
-    smp__event_add(ps, 6, s, i, t0);
-    ps->inflight[s]--;
+    smp__event_add(ps, SMP__EVENT_WEIGHT, s, i, t0);
+    ps->step.inflight[s]--;
     return rc;
 }
 
 /* Frees what stage s holds for microbatch i once nothing needs it. The
    contributions a stage sent stay until the send completes (freed at step end). */
 static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
-    smp__mbstate *st = &ps->mb[i];
-    for (int k = 0; k < ps->nsends && ps->dev_p2p; k++) { /* F(s, i)'s device sends read its activations until done (received by now) */
-        smp__xfer *x = &ps->sends[k];
-        if (x->state == 1 && !x->backward && x->stage == s && x->mb == i) smp__device_wait_all(x);
+    smp__mbstate *st = &ps->step.mb[i];
+    /* F(s, i)'s device sends read its activations until done (received by now) */
+    for (int k = 0; k < ps->step.nsends && ps->plan.dev_p2p; k++) {
+        smp__xfer *x = &ps->step.sends[k];
+        if (x->state == SMP__XFER_SENDING && !x->backward && x->stage == s && x->mb == i) smp__device_wait_all(x);
     }
     for (int k = md->stage_first[s]; k <= md->stage_last[s]; k++) {
         smp_call_ctx *c = &st->ctx[k];
@@ -2700,9 +2789,9 @@ static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
         memset(c, 0, sizeof *c);
         /* contributions to this call's outputs were consumed by its backward */
         for (int j = 0; j < md->calls[k].nout; j++) {
-            int t = k * ps->maxout + j;
-            for (int e = ps->first_edge[t]; e < ps->first_edge[t + 1]; e++) {
-                if (!ps->edges[e].remote) smp__free(st->contrib[e].data); /* remote ones are views into a receive buffer */
+            int t = k * ps->plan.maxout + j;
+            for (int e = ps->plan.first_edge[t]; e < ps->plan.first_edge[t + 1]; e++) {
+                if (!ps->plan.edges[e].remote) smp__free(st->contrib[e].data); /* remote: views into a receive buffer */
                 st->contrib[e].data = NULL;
             }
         }
@@ -2713,34 +2802,35 @@ static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
 /* Frees what the step made. Every transfer has finished: the step ran to
    its end, or a failed step was drained (smp__drain_messages). */
 static void smp__release_step(smp__pipe *ps, smp_model *md) {
-    size_t nrecv = ps->recv ? (size_t)ps->nlinks * (size_t)ps->m * 2 : 0;
+    size_t nrecv = ps->step.recv ? (size_t)ps->plan.nlinks * (size_t)ps->step.m * 2 : 0;
     for (size_t i = 0; i < nrecv; i++) {
-        smp__xfer *x = &ps->recv[i];
-        SMP_ASSERT(x->state != 1 && (x->state != 2 || ps->dev_p2p));
+        smp__xfer *x = &ps->step.recv[i];
+        SMP_ASSERT(x->state != SMP__XFER_HEADER_POSTED && (x->state != SMP__XFER_BYTES_POSTED || ps->plan.dev_p2p));
         smp__xfer_free(x);
     }
-    smp__free(ps->recv);
-    ps->recv = NULL;
-    for (int i = 0; i < ps->nsends; i++) SMP_ASSERT(ps->sends[i].state != 1);
-    smp__free(ps->sends);
-    ps->sends = NULL;
-    ps->nsends = ps->sends_cap = 0;
-    for (int i = 0; i < ps->m && ps->mb; i++) {
-        smp__mbstate *st = &ps->mb[i];
+    smp__free(ps->step.recv);
+    ps->step.recv = NULL;
+    for (int i = 0; i < ps->step.nsends; i++) SMP_ASSERT(ps->step.sends[i].state != SMP__XFER_SENDING);
+    smp__free(ps->step.sends);
+    ps->step.sends = NULL;
+    ps->step.nsends = ps->step.sends_cap = 0;
+    for (int i = 0; i < ps->step.m && ps->step.mb; i++) {
+        smp__mbstate *st = &ps->step.mb[i];
         bool whole = st->act != NULL;
         for (int s = 0; s < md->nstages && whole; s++)
             if (md->stage_rank[s] == smp__ctx.mp_rank) smp__stage_release(ps, md, s, i);
-        for (int e = 0; e < ps->nedges && whole; e++) {
+        for (int e = 0; e < ps->plan.nedges && whole; e++) {
             /* whatever is left: contributions produced here for remote producers */
-            if (ps->edges[e].remote && md->stage_rank[ps->edges[e].stage] == smp__ctx.mp_rank) smp__free(st->contrib[e].data);
+            const smp__edge *x = &ps->plan.edges[e];
+            if (x->remote && md->stage_rank[x->stage] == smp__ctx.mp_rank) smp__free(st->contrib[e].data);
         }
         for (int o = 0; o < md->desc.noutputs && whole; o++) smp__free(st->out_grad[o].data);
-        for (int a = 0; a < ps->desc->nargs && whole; a++) smp__free(st->arg_copies[a]);
+        for (int a = 0; a < ps->step.desc->nargs && whole; a++) smp__free(st->arg_copies[a]);
         for (int r = 0; r < SMP_MAX_STEP_ARGS && whole; r++) smp__free(st->returned[r].data);
         smp__free(st->act); /* and the rest of the microbatch's block */
     }
-    smp__free(ps->mb);
-    ps->mb = NULL;
+    smp__free(ps->step.mb);
+    ps->step.mb = NULL;
 }
 
 /* The body's values, from the body's rank to every rank of the replica. */
@@ -2754,8 +2844,8 @@ static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_outp
         for (int pass = 0; pass < 2; pass++) {
             size_t at = 0;
             for (int o = 0; o < nouts; o++)
-                for (int i = 0; i < ps->m; i++) {
-                    const smp_tensor *v = &ps->mb[i].returned[o];
+                for (int i = 0; i < ps->step.m; i++) {
+                    const smp_tensor *v = &ps->step.mb[i].returned[o];
                     int64_t h[10] = {v->data ? v->dtype : 0, v->ndim};
                     for (int d = 0; d < v->ndim; d++) h[2 + d] = v->shape[d];
                     size_t b = v->data ? smp_tensor_nbytes(v) : 0;
@@ -2777,9 +2867,10 @@ static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_outp
     size_t at = 0;
     for (int o = 0; o < nouts; o++) smp_step_output_free(&outs[o]);
     for (int o = 0; o < nouts && !st; o++) {
-        outs[o].values = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)ps->m, SMP__ALLOC_OTHER, "the step's outputs");
-        outs[o].microbatches = st ? 0 : ps->m;
-        for (int i = 0; i < ps->m && !st; i++) {
+        outs[o].values = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)ps->step.m, SMP__ALLOC_OTHER,
+                                                     "the step's outputs");
+        outs[o].microbatches = st ? 0 : ps->step.m;
+        for (int i = 0; i < ps->step.m && !st; i++) {
             int64_t h[10];
             memcpy(h, buf + at, sizeof h);
             at += sizeof h;
@@ -2798,7 +2889,7 @@ static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_outp
         return st;
     }
     for (int o = 0; o < nouts; o++)
-        for (int i = 0; i < ps->m; i++)
+        for (int i = 0; i < ps->step.m; i++)
             if (!outs[o].values[i].data)
                 return smp_error(SMP_ERR_ARG, "the step body returned no value %d on microbatch %d (smp_mb_return)", o, i);
     return SMP_OK;
@@ -2813,7 +2904,7 @@ static void smp__notify_failure(smp__pipe *ps) {
         SMP__MPI_FATAL(MPI_Isend(smp__errbuf, (int)strlen(smp__errbuf) + 1, MPI_CHAR, r, 1, ps->err_comm, &req), "telling mp rank %d the step failed here", r);
         /* small: MPI delivers it eagerly, and the step's drain receives it (smp__drain_messages) */
         SMP__MPI_WARN(MPI_Request_free(&req), "releasing a pipeline failure notice");
-        ps->msgs_sent[2 * r + 1]++;
+        ps->step.msgs_sent[2 * r + 1]++;
     }
 }
 
@@ -2871,108 +2962,157 @@ static void smp__schedule_report(const smp_model *md) {
     smp__free(map);
 }
 
-static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts);
-SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
-    smp__ctx.at.steps++; /* where this rank is, should it exit (smp__exit_guard) */
-    smp__ctx.at.in_step = true;
-    smp_status st = smp__step(d, outs, nouts);
-    smp__ctx.at.in_step = false;
-    smp__ctx.at.op = 0;
-    return st;
-}
+/* ---------------------------------------------------------------- the step's phases
+   smp__step reads top to bottom: prepare (nothing to undo when it fails), begin (the step counts), post the
+   receives, run the schedule's operations, drain the sends, finish the shared gradients, complete the buckets,
+   agree, then finish or undo. */
 
-static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
-    smp_status st = smp__require_init("smp_step");
-    if (st) return st;
-    if (!d || !d->model) return smp_error(SMP_ERR_ARG, "smp_step: desc and desc->model are required");
+/* The step's arguments, agreed by every rank. */
+static smp_status smp__step_check_args(const smp_step_desc *d, const smp_step_output *outs, int nouts) {
     smp_model *md = d->model;
-    const smp_config *cfg = &smp__ctx.cfg;
-    int m = cfg->microbatches;
-    double t_start = smp__now();
-    st = smp__check_step(d, md, m);
+    smp_status st = smp__check_step(d, md, smp__ctx.cfg.microbatches);
     if (!st && (nouts < 0 || nouts > SMP_MAX_STEP_ARGS || (nouts && !outs)))
         st = smp_error(SMP_ERR_ARG, "smp_step: %d outputs requested (0..%d, with an array)", nouts, SMP_MAX_STEP_ARGS);
     if (!st && !d->body && nouts > md->desc.noutputs)
-        st = smp_error(SMP_ERR_ARG, "smp_step: %d outputs requested, but with body NULL the step's outputs are the model's, and it has %d "
-                       "(ask for at most %d, or give a body that returns more with smp_mb_return)", nouts, md->desc.noutputs, md->desc.noutputs);
-    st = smp__agree_on(smp__ctx.world, st, "step arguments");
-    if (st) return st;
-    bool training = !d->evaluate;
-    if (!md->traced) {
-        smp_tensor sample[SMP_MAX_STEP_ARGS];
-        void *copies[SMP_MAX_STEP_ARGS] = {0};
-        for (int i = 0; i < md->desc.ninputs; i++) {
-            int a = d->nmodel_inputs ? d->model_inputs[i] : i;
-            if (d->non_split[a]) sample[i] = d->args[a];
-            else if (!st) st = smp__slice(&d->args[a], d->split_axis[a], m, 0, &sample[i], &copies[i], SMP__ALLOC_OTHER);
-        }
-        st = smp__agree_on(smp__ctx.world, st, "the tracing sample");
-        if (!st) st = smp_model_trace(md, sample, md->desc.ninputs);
-        for (int i = 0; i < md->desc.ninputs; i++) smp__free(copies[i]);
-        if (st) return st;
+        st = smp_error(SMP_ERR_ARG, "smp_step: %d outputs requested, but with body NULL the step's outputs are the "
+                       "model's, and it has %d (ask for at most %d, or give a body that returns more with "
+                       "smp_mb_return)", nouts, md->desc.noutputs, md->desc.noutputs);
+    return smp__agree_on(smp__ctx.world, st, "step arguments");
+}
+
+/* The first step traces the model on its first microbatch. */
+static smp_status smp__step_trace(const smp_step_desc *d) {
+    smp_model *md = d->model;
+    if (md->traced) return SMP_OK;
+    smp_status st = SMP_OK;
+    smp_tensor sample[SMP_MAX_STEP_ARGS];
+    void *copies[SMP_MAX_STEP_ARGS] = {0};
+    for (int i = 0; i < md->desc.ninputs; i++) {
+        int a = d->nmodel_inputs ? d->model_inputs[i] : i, m = smp__ctx.cfg.microbatches;
+        if (d->non_split[a]) sample[i] = d->args[a];
+        else if (!st) st = smp__slice(&d->args[a], d->split_axis[a], m, 0, &sample[i], &copies[i], SMP__ALLOC_OTHER);
     }
-    if (!md->pipeline) {
-        smp__pipe *built = smp__pipe_build(md);
-        st = smp__agree_on(smp__ctx.world, built ? SMP_OK : SMP_ERR_NOMEM, "the pipeline's set-up");
-        if (st) { smp__pipe_free(built); return st; }
-        md->pipeline = built;
-        md->pipeline_free = smp__pipe_free;
-        smp__schedule_report(md);
+    st = smp__agree_on(smp__ctx.world, st, "the tracing sample");
+    if (!st) st = smp_model_trace(md, sample, md->desc.ninputs);
+    for (int i = 0; i < md->desc.ninputs; i++) smp__free(copies[i]);
+    return st;
+}
+
+/* The first step builds the plan (smp__pipe_build), every rank agreeing it could. */
+static smp_status smp__step_plan(smp_model *md) {
+    if (md->pipeline) return SMP_OK;
+    smp__pipe *built = smp__pipe_build(md);
+    smp_status st = smp__agree_on(smp__ctx.world, built ? SMP_OK : SMP_ERR_NOMEM, "the pipeline's set-up");
+    if (st) {
+        smp__pipe_free(built);
+        return st;
     }
+    md->pipeline = built;
+    md->pipeline_free = smp__pipe_free;
+    smp__schedule_report(md);
+    return SMP_OK;
+}
+
+/* The backend's channels to every pipeline neighbour, made once. */
+static smp_status smp__step_connect(smp__pipe *ps) {
+    if (!ps->plan.dev_p2p || ps->dev_connected) return SMP_OK;
+    smp_status st = SMP_OK;
+    int me = smp__ctx.mp_rank, np = 0;
+    int *peers = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)(ps->plan.nlinks + 1), SMP__ALLOC_OTHER,
+                                      "the pipeline's neighbours");
+    for (int l = 0; l < ps->plan.nlinks && !st; l++) {
+        const smp__link *k = &ps->plan.links[l];
+        int other = k->peer_from == me ? k->peer_to : k->peer_to == me ? k->peer_from : -1;
+        bool seen = other < 0;
+        for (int q = 0; q < np && !seen; q++) seen = peers[q] == other;
+        if (!seen) peers[np++] = other;
+    }
+    if (!st && np) st = smp__ctx.device.p2p_connect(SMP_MP_GROUP, peers, np);
+    smp__free(peers);
+    SMP_TRY(smp__agree_on(smp__ctx.world, st, "device point-to-point set-up"));
+    ps->dev_connected = true;
+    return SMP_OK;
+}
+
+/* The first data-parallel step broadcasts the parameters and lays out the buckets. */
+static smp_status smp__step_ddp_setup(smp__pipe *ps, smp_model *md) {
+    if (smp__ctx.cfg.ddp != SMP_ON || ps->ddp_ready) return SMP_OK;
+    SMP_TRY(smp__agree_on(smp__ctx.world, smp__ddp_setup(ps, md), "data-parallel set-up"));
+    ps->ddp_ready = true;
+    return SMP_OK;
+}
+
+/* The schedule of this kind of step, built at the first step of its kind: the same inputs everywhere, but memory
+   may fail on one rank. */
+static smp_status smp__step_schedule(smp__pipe *ps, smp_model *md, bool training) {
+    smp_schedule *sc = &ps->plan.sched[training ? 0 : 1];
+    if (sc->ops) return SMP_OK;
+    const smp_config *cfg = &smp__ctx.cfg;
+    smp_status st = smp_schedule_build(cfg->pipeline, cfg->partitions, md->nstages, md->stage_rank, cfg->microbatches,
+                                       !training, sc);
+    st = smp__agree_on(smp__ctx.world, st, "the step's schedule");
+    if (st) smp_schedule_free(sc);
+    return st;
+}
+
+/* Gradients that accumulate on top of the last sync's average (no smp_model_zero_grad since) would be summed dp
+   times by the next sync, the loss gradient being the only part divided: a training step divides them first. */
+static smp_status smp__step_held_grads(smp__pipe *ps, smp_model *md, bool training) {
+    if (!training || !ps->averaged_grads_held) return SMP_OK;
+    ps->averaged_grads_held = false;
+    smp_status st = SMP_OK;
+    if (md->zero_grad_calls == ps->zero_calls_at_sync) st = smp__scale_grads(md, 1.0 / smp_dp_size());
+    return st ? smp__agree_on(smp__ctx.world, st, "gradients kept from the last step") : SMP_OK;
+}
+
+/* What a step needs before it counts, each piece made once and agreed by every rank: its arguments checked, the
+   model traced, the plan built, the device's channels made, the data-parallel buckets laid out, this kind of
+   step's schedule built, gradients kept from the last sync divided. A failure here leaves nothing to undo. */
+static smp_status smp__step_prepare(const smp_step_desc *d, const smp_step_output *outs, int nouts) {
+    if (!d || !d->model) return smp_error(SMP_ERR_ARG, "smp_step: desc and desc->model are required");
+    smp_model *md = d->model;
+    SMP_TRY(smp__step_check_args(d, outs, nouts));
+    SMP_TRY(smp__step_trace(d));
+    SMP_TRY(smp__step_plan(md));
     smp__pipe *ps = (smp__pipe *)md->pipeline;
-    if (ps->dev_p2p && !ps->dev_connected) { /* the backend's channels to every pipeline neighbour, once */
-        int *peers = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)(ps->nlinks + 1), SMP__ALLOC_OTHER, "the pipeline's neighbours"), np = 0;
-        for (int l = 0, me = smp__ctx.mp_rank; l < ps->nlinks && !st; l++) {
-            int other = ps->links[l].peer_from == me ? ps->links[l].peer_to : ps->links[l].peer_to == me ? ps->links[l].peer_from : -1;
-            bool seen = other < 0;
-            for (int k = 0; k < np && !seen; k++) seen = peers[k] == other;
-            if (!seen) peers[np++] = other;
-        }
-        if (!st && np) st = smp__ctx.device.p2p_connect(SMP_MP_GROUP, peers, np);
-        smp__free(peers);
-        st = smp__agree_on(smp__ctx.world, st, "device point-to-point set-up");
-        if (st) return st;
-        ps->dev_connected = true;
-    }
-    if (cfg->ddp == SMP_ON && !ps->ddp_ready) {
-        st = smp__agree_on(smp__ctx.world, smp__ddp_setup(ps, md), "data-parallel set-up");
-        if (st) return st;
-        ps->ddp_ready = true;
-    }
-    /* built at the first step of its kind, before the step counts (a failed
-       step does not): the same inputs everywhere, but memory may fail on one rank */
-    smp_schedule *sc = &ps->sched[training ? 0 : 1];
-    if (!sc->ops) {
-        st = smp_schedule_build(cfg->pipeline, cfg->partitions, md->nstages, md->stage_rank, m, !training, sc);
-        st = smp__agree_on(smp__ctx.world, st, "the step's schedule");
-        if (st) { smp_schedule_free(sc); return st; }
-    }
-    ps->sync = cfg->ddp == SMP_ON && training && (ps->passes + 1) % cfg->backward_passes_per_step == 0;
+    SMP_TRY(smp__step_connect(ps));
+    SMP_TRY(smp__step_ddp_setup(ps, md));
+    SMP_TRY(smp__step_schedule(ps, md, !d->evaluate));
+    return smp__step_held_grads(ps, md, !d->evaluate);
+}
+
+/* The step counts from here (smp__step_undo takes a failed one back): its state, and each microbatch's slice of
+   the arguments. */
+static smp_status smp__step_begin(smp__pipe *ps, smp_model *md, const smp_step_desc *d, int nouts, double t_start) {
+    const smp_config *cfg = &smp__ctx.cfg;
+    smp__step_state *now = &ps->step;
+    bool training = !d->evaluate;
+    int m = cfg->microbatches, n = md->ncalls;
+    now->sync = cfg->ddp == SMP_ON && training && (ps->passes + 1) % cfg->backward_passes_per_step == 0;
     if (training) ps->passes++;
-    if (training && ps->averaged_grads_held) {
-        /* gradients that accumulate on top of an earlier average (no
-           smp_model_zero_grad since) would be summed dp times by the next
-           sync, the loss gradient being the only part divided: divide them */
-        ps->averaged_grads_held = false;
-        if (md->zero_grad_calls == ps->zero_calls_at_sync) st = smp__scale_grads(md, 1.0 / smp_dp_size());
-        if (st) return smp__agree_on(smp__ctx.world, st, "gradients kept from the last step");
-    }
-    ps->m = m;
-    ps->training = training;
-    ps->zb = training && smp__sched_split(sc->kind);
-    ps->desc = d;
-    ps->model_outs = d->body ? 0 : nouts;
-    ps->failed_remote = false;
-    int S = md->nstages, n = md->ncalls, me = smp__ctx.mp_rank;
-    memset(ps->peak, 0, sizeof(int) * (size_t)(3 * S + 5 * cfg->partitions)); /* and stage_index, inflight, the transfer counts */
+    now->m = m;
+    now->training = training;
+    now->sched = &ps->plan.sched[training ? 0 : 1];
+    now->zb = training && smp__sched_split(now->sched->kind);
+    now->desc = d;
+    now->model_outs = d->body ? 0 : nouts;
+    now->failed_remote = false;
+    now->t_start = t_start;
+    /* and stage_index, inflight, the transfer counts */
+    memset(ps->peak, 0, sizeof(int) * (size_t)(3 * md->nstages + 5 * cfg->partitions));
     memset(&ps->stats, 0, sizeof ps->stats);
+    now->stash_at_start = smp__ctx.mem.stash_bytes;
+    smp__ctx.mem.stash_peak_bytes = smp__ctx.mem.stash_bytes;
+    smp_status st = SMP_OK;
     const char *what = "the step's microbatch state";
-    ps->mb = (smp__mbstate *)smp__alloc_or(&st, sizeof(smp__mbstate) * (size_t)m, SMP__ALLOC_OTHER, what);
-    size_t nt = (size_t)n * (size_t)ps->maxout, ne = (size_t)ps->nedges, no = (size_t)md->desc.noutputs, na = (size_t)d->nargs;
+    now->mb = (smp__mbstate *)smp__alloc_or(&st, sizeof(smp__mbstate) * (size_t)m, SMP__ALLOC_OTHER, what);
+    size_t nt = (size_t)n * (size_t)ps->plan.maxout, ne = (size_t)ps->plan.nedges;
+    size_t no = (size_t)md->desc.noutputs, na = (size_t)d->nargs;
     for (int i = 0; i < m && !st; i++) {
-        smp__mbstate *s = &ps->mb[i];
-        s->act = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (nt + ne + no + na + SMP_MAX_STEP_ARGS) + sizeof(smp_call_ctx) * (size_t)n +
-                                             sizeof(void *) * na, SMP__ALLOC_OTHER, what);
+        smp__mbstate *s = &now->mb[i];
+        s->act = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (nt + ne + no + na + SMP_MAX_STEP_ARGS) +
+                                             sizeof(smp_call_ctx) * (size_t)n + sizeof(void *) * na,
+                                             SMP__ALLOC_OTHER, what);
         if (st) break;
         s->contrib = s->act + nt;
         s->out_grad = s->contrib + ne;
@@ -2984,86 +3124,146 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
             if (d->non_split[a]) s->args[a] = d->args[a];
             else st = smp__slice(&d->args[a], d->split_axis[a], m, i, &s->args[a], &s->arg_copies[a], SMP__ALLOC_OTHER);
     }
-    /* every receive of the step, posted up front in the order of this rank's operations */
-    size_t nrecv = (size_t)ps->nlinks * (size_t)m * 2;
-    ps->recv = (smp__xfer *)smp__alloc_or(&st, sizeof(smp__xfer) * nrecv, SMP__ALLOC_OTHER, what);
-    const smp_sched_op *ops = sc->ops[me];
-    int nops = sc->nops[me];
-    for (int o = 0; o < nops && !st; o++) {
+    return st;
+}
+
+/* Every receive of the step, posted up front in the order of this rank's operations. */
+static smp_status smp__step_post_receives(smp__pipe *ps) {
+    smp__step_state *now = &ps->step;
+    int me = smp__ctx.mp_rank;
+    smp_status st = SMP_OK;
+    size_t nrecv = (size_t)ps->plan.nlinks * (size_t)now->m * 2;
+    now->recv = (smp__xfer *)smp__alloc_or(&st, sizeof(smp__xfer) * nrecv, SMP__ALLOC_OTHER,
+                                           "the step's microbatch state");
+    const smp_sched_op *ops = now->sched->ops[me];
+    for (int o = 0; o < now->sched->nops[me] && !st; o++) {
         if (ops[o].kind == SMP_SCHED_WEIGHT) continue; /* receives nothing */
         bool bwd = ops[o].kind == SMP_SCHED_BACKWARD;
-        for (int l = 0; l < ps->nlinks && !st; l++)
-            if ((bwd ? ps->links[l].from : ps->links[l].to) == ops[o].stage) st = smp__post_recv(ps, l, ops[o].microbatch, bwd);
+        for (int l = 0; l < ps->plan.nlinks && !st; l++) {
+            const smp__link *k = &ps->plan.links[l];
+            if ((bwd ? k->from : k->to) == ops[o].stage) st = smp__post_recv(ps, l, ops[o].microbatch, bwd);
+        }
     }
-    smp_memory_stats mem0 = smp__ctx.mem;
-    smp__ctx.mem.stash_peak_bytes = smp__ctx.mem.stash_bytes;
-    int *peak = ps->peak;
-    if (!st && training && ps->nshared) st = smp__shared_start(ps); /* a receive that failed to post is this step's error: keep it */
-    for (int o = 0; o < nops && !st; o++) {
+    return st;
+}
+
+/* This rank's operations of the step's schedule, in order. */
+static smp_status smp__step_run_ops(smp__pipe *ps, smp_model *md) {
+    const smp_schedule *sc = ps->step.sched;
+    int me = smp__ctx.mp_rank, *peak = ps->peak;
+    const smp_sched_op *ops = sc->ops[me];
+    smp_status st = SMP_OK;
+    for (int o = 0; o < sc->nops[me] && !st; o++) {
         int s = ops[o].stage, i = ops[o].microbatch;
         smp__ctx.at.op = "FBW"[ops[o].kind];
         smp__ctx.at.stage = s;
         smp__ctx.at.microbatch = i;
         if (ops[o].kind == SMP_SCHED_FORWARD) {
             st = smp__stage_forward(ps, md, s, i);
-            if (!st && s == S - 1) { /* the body's stage: the model's outputs */
+            if (!st && s == md->nstages - 1) { /* the body's stage: the model's outputs */
                 smp__ctx.at.op = 'L';
                 st = smp__run_body(ps, md, i);
             }
-            if (ps->inflight[s] > peak[s]) peak[s] = ps->inflight[s];
+            if (ps->step.inflight[s] > peak[s]) peak[s] = ps->step.inflight[s];
         } else if (ops[o].kind == SMP_SCHED_BACKWARD) {
             st = smp__stage_backward(ps, md, s, i);
-            if (!st && !ps->zb) smp__stage_release(ps, md, s, i);
+            if (!st && !ps->step.zb) smp__stage_release(ps, md, s, i);
         } else {
             st = smp__stage_weight(ps, md, s, i);
             if (!st) smp__stage_release(ps, md, s, i);
         }
     }
     smp__ctx.at.op = 0;
-    if (!st) { /* the last sends must land before their buffers go */
-        smp__backoff b = smp__backoff_start();
-        while (ps->nsends && !st) {
-            st = smp__progress(ps);
-            if (!st && ps->nsends && !smp__backoff_pause(&b)) smp__timeout_abort("pipeline sends to be received", SMP_MP_GROUP, ps->sends[0].peer, smp__now() - b.start);
-        }
+    return st;
+}
+
+/* The last sends must land before their buffers go. */
+static smp_status smp__step_drain_sends(smp__pipe *ps) {
+    smp_status st = SMP_OK;
+    smp__backoff b = smp__backoff_start();
+    while (ps->step.nsends && !st) {
+        st = smp__progress(ps);
+        if (!st && ps->step.nsends && !smp__backoff_pause(&b))
+            smp__timeout_abort("pipeline sends to be received", SMP_MP_GROUP, ps->step.sends[0].peer,
+                               smp__now() - b.start);
     }
-    if (!st && training && ps->nshared) st = smp__shared_finish(ps, md); /* before the buckets: it finishes their gradients */
-    if (!st && smp__injected(SMP_FAULT_STEP_END)) st = smp_error(SMP_ERR_MPI, "a failure injected after the step's last message");
-    if (st && !ps->failed_remote) smp__notify_failure(ps);
-    /* every replica runs the bucket collectives, failed step or not; they
-       complete before the agreement, whose wait backs off into sleeps and
-       would stall the buckets still in flight */
-    if (ps->sync) {
-        smp_status ds = smp__ddp_complete(ps);
-        if (!st) st = ds;
-    }
-    smp_status agreed = smp__agree_on(smp__ctx.world, st, "the step");
-    smp_status finished = ps->sync ? smp__ddp_finish(ps, agreed != SMP_OK) : SMP_OK;
-    if (agreed) {
-        if (training) ps->passes--; /* the step did not happen: run again, it draws the same seeds */
-        if (ps->dev_p2p) smp__drain_device(ps);
-        smp__drain_messages(ps); /* the next step runs on the same communicators */
-        smp__release_step(ps, md);
-        return agreed;
-    }
-    if (nouts) st = smp__share_outputs(ps, md, outs, nouts);
-    if (!st) st = finished;
-    if (ps->sync && smp_dp_size() > 1) {
-        ps->averaged_grads_held = true;
-        ps->zero_calls_at_sync = md->zero_grad_calls;
-    }
+    return st;
+}
+
+/* The step's statistics (smp_last_step_stats), before its state goes. */
+static void smp__step_stats(smp__pipe *ps, smp_model *md) {
+    int *peak = ps->peak;
     ps->stats.local_stages = 0;
-    for (int s = 0; s < S; s++)
-        if (md->stage_rank[s] == me) {
+    for (int s = 0; s < md->nstages; s++)
+        if (md->stage_rank[s] == smp__ctx.mp_rank) {
             ps->stage_index[ps->stats.local_stages] = s;
             peak[ps->stats.local_stages++] = peak[s]; /* in place: the entry written never lies ahead of the one read */
         }
     ps->stats.peak_inflight = peak;
     ps->stats.stage_index = ps->stage_index;
-    ps->stats.stash_peak_bytes = smp__ctx.mem.stash_peak_bytes - mem0.stash_bytes;
+    ps->stats.stash_peak_bytes = smp__ctx.mem.stash_peak_bytes - ps->step.stash_at_start;
+}
+
+/* A step every rank agreed worked: the data-parallel sums, the body's values to every rank of the replica, the
+   statistics. */
+static smp_status smp__step_finish(smp__pipe *ps, smp_model *md, smp_step_output *outs, int nouts) {
+    smp_status finished = ps->step.sync ? smp__ddp_finish(ps, false) : SMP_OK;
+    smp_status st = nouts ? smp__share_outputs(ps, md, outs, nouts) : SMP_OK;
+    if (!st) st = finished;
+    if (ps->step.sync && smp_dp_size() > 1) {
+        ps->averaged_grads_held = true;
+        ps->zero_calls_at_sync = md->zero_grad_calls;
+    }
+    smp__step_stats(ps, md);
     smp__release_step(ps, md);
-    ps->stats.seconds = smp__now() - t_start;
+    ps->stats.seconds = smp__now() - ps->step.t_start;
     return smp__agree_on(smp__ctx.world, st, "step outputs");
+}
+
+/* Takes back a step every rank agreed failed; the one place that does. The bucket collectives have completed:
+   their result is dropped. The step does not count: run again, it draws the same seeds. Every transfer it
+   started finishes and every message it sent is received, so the next step runs on the same communicators.
+   What it made goes. (Gradients stay as it left them, and so does the division of held gradients, which the
+   gradients still carry.) */
+static smp_status smp__step_undo(smp__pipe *ps, smp_model *md, smp_status agreed) {
+    if (ps->step.sync) (void)smp__ddp_finish(ps, true);
+    if (ps->step.training) ps->passes--;
+    if (ps->plan.dev_p2p) smp__drain_device(ps);
+    smp__drain_messages(ps);
+    smp__release_step(ps, md);
+    return agreed;
+}
+
+static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts);
+SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
+    smp__ctx.at.steps++; /* where this rank is, should it exit (smp__exit_guard) */
+    smp__ctx.at.in_step = true;
+    smp_status st = smp__step(d, outs, nouts);
+    smp__ctx.at.in_step = false;
+    smp__ctx.at.op = 0;
+    return st;
+}
+
+static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
+    SMP_TRY(smp__require_init("smp_step"));
+    double t_start = smp__now();
+    SMP_TRY(smp__step_prepare(d, outs, nouts));
+    smp_model *md = d->model;
+    smp__pipe *ps = (smp__pipe *)md->pipeline;
+    smp_status st = smp__step_begin(ps, md, d, nouts, t_start);
+    if (!st) st = smp__step_post_receives(ps);
+    if (!st && ps->step.training && ps->plan.nshared) st = smp__shared_start(ps);
+    if (!st) st = smp__step_run_ops(ps, md);
+    if (!st) st = smp__step_drain_sends(ps);
+    if (!st && ps->step.training && ps->plan.nshared) st = smp__shared_finish(ps, md); /* before the buckets */
+    if (!st && smp__injected(SMP_FAULT_STEP_END)) st = smp_error(SMP_ERR_MPI, "a failure injected after the step's last message");
+    if (st && !ps->step.failed_remote) smp__notify_failure(ps);
+    /* every replica runs the bucket collectives, failed step or not; they complete before the agreement, whose
+       wait backs off into sleeps and would stall the buckets still in flight */
+    smp_status buckets = ps->step.sync ? smp__ddp_complete(ps) : SMP_OK;
+    if (!st) st = buckets;
+    smp_status agreed = smp__agree_on(smp__ctx.world, st, "the step");
+    return agreed ? smp__step_undo(ps, md, agreed) : smp__step_finish(ps, md, outs, nouts);
 }
 
 SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m) {
@@ -3075,8 +3275,7 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m) {
 /* ---------------------------------------------------------------- StepOutput */
 static smp_status smp__reduce_check(const smp_step_output *o, const smp_tensor *r, const char *fn, int64_t want) {
     if (!o || !o->values || o->microbatches < 1) return smp_error(SMP_ERR_ARG, "%s: the StepOutput is empty", fn);
-    smp_status st = smp__check_tensor(r, fn, "result");
-    if (st) return st;
+    SMP_TRY(smp__check_tensor(r, fn, "result"));
     for (int i = 0; i < o->microbatches; i++) {
         if (o->values[i].dtype != r->dtype)
             return smp_error(SMP_ERR_ARG, "%s: microbatch %d's value is %s, the result is %s", fn, i, smp_dtype_name(o->values[i].dtype), smp_dtype_name(r->dtype));
@@ -3087,8 +3286,7 @@ static smp_status smp__reduce_check(const smp_step_output *o, const smp_tensor *
 }
 
 static smp_status smp__reduce_out(const smp_step_output *o, smp_tensor *r, bool mean, const char *fn) {
-    smp_status st = smp__reduce_check(o, r, fn, smp_tensor_numel(r));
-    if (st) return st;
+    SMP_TRY(smp__reduce_check(o, r, fn, smp_tensor_numel(r)));
     if (r->dtype != SMP_F32 && r->dtype != SMP_F64) return smp_error(SMP_ERR_ARG, "%s: reduces f32 and f64 values, not %s", fn, smp_dtype_name(r->dtype));
     int64_t n = smp_tensor_numel(r);
     for (int64_t x = 0; x < n; x++) {
@@ -3105,8 +3303,7 @@ SMPDEF smp_status smp_step_output_reduce_mean(const smp_step_output *o, smp_tens
 SMPDEF smp_status smp_step_output_reduce_sum(const smp_step_output *o, smp_tensor *r) { return smp__reduce_out(o, r, false, "smp_step_output_reduce_sum"); }
 
 static smp_status smp__join_out(const smp_step_output *o, smp_tensor *r, bool stack, const char *fn) {
-    smp_status st = smp__reduce_check(o, r, fn, -1);
-    if (st) return st;
+    SMP_TRY(smp__reduce_check(o, r, fn, -1));
     int64_t total = 0;
     for (int i = 0; i < o->microbatches; i++) total += smp_tensor_numel(&o->values[i]);
     if (total != smp_tensor_numel(r))
@@ -3148,9 +3345,10 @@ static smp_status smp__timeline_write(smp__pipe *ps) {
     static const int track[] = {0, 0, 1, 0, 2, 3, 0}; /* waits, all-reduces and sends overlap the compute */
     for (int e = 0; ps && e < ps->nevents; e++) {
         smp__event *ev = &ps->events[e];
-        if (ev->kind == 4) { /* a gradient bucket's all-reduce, on a track of its own */
+        if (ev->kind == SMP__EVENT_ALLREDUCE) { /* on a track of its own */
             smp__sbuf_printf(&mine, "%s{\"name\":\"AR b%d\",\"cat\":\"allreduce\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":2,\"args\":{\"bucket\":%d,\"bytes\":%zu}}",
-                             mine.len ? "," : "", ev->mb, ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6, smp__ctx.rank, ev->mb, ps->buckets[ev->mb].bytes);
+                             mine.len ? "," : "", ev->mb, ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6, smp__ctx.rank, ev->mb,
+                             ps->plan.buckets[ev->mb].bytes);
             continue;
         }
         smp__sbuf_printf(&mine, "%s{\"name\":\"%c%d s%d\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":%d,\"args\":{\"stage\":%d,\"microbatch\":%d}}",

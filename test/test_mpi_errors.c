@@ -112,7 +112,7 @@ static void sweep(int world, int variant, int target) {
     if (!model) return;
     int s = 0, clean = 0;
     for (; s < 2; s++) clean += train(model, s) == SMP_OK; /* the trace and the pipeline's set-up */
-    int shared = all_ranks(((smp__pipe *)model->pipeline)->nshared, MPI_MAX);
+    int shared = all_ranks(((smp__pipe *)model->pipeline)->plan.nshared, MPI_MAX);
     MPI_CHECK(clean == 2 && (variant != NET_TIED || world == 1 || shared > 0), "mpi_errors/sweep: the model trains",
               "%s: %d clean steps of 2, %d shared-module copies: %s", name, clean, shared, smp_last_error());
     int failures = 0, wrong = 0, recoveries = 0, left_total = 0;
