@@ -48,7 +48,10 @@
    --replicas R runs R data-parallel replicas' work in one process (each
    replica's gradient over its shard, summed in replica order as smp's
    deterministic_reduction sums them), which a --ddp --deterministic run
-   equals bit for bit. */
+   equals bit for bit without --dropout (the masks come from smp_call_seed,
+   which names a sample by its dp rank, and in one process every replica is
+   dp rank 0: test_gpt.sh checks DDP's masks against one process running
+   the global batch in dp x the microbatches instead). */
 #define _POSIX_C_SOURCE 200809L
 #define SMP_IMPLEMENTATION
 #include "smp.h"

@@ -107,6 +107,7 @@ static struct {
     int ndevices, device, pools;
     double delay;
     bool slow_comm;
+    int nccl_version; /* what ncclGetVersion reports: FAKE_NCCL_VERSION, default 22800 (2.28.0) */
     fstream legacy;
     fstream *streams; /* legacy first */
     alloc *allocs;
@@ -167,6 +168,8 @@ static void setup_once(void) { /* under G.mu */
     G.delay = (e && *e ? atof(e) : 300.0) * 1e-6;
     e = getenv("FAKE_CUDA_SLOW");
     G.slow_comm = e && strcmp(e, "comm") == 0;
+    e = getenv("FAKE_NCCL_VERSION");
+    G.nccl_version = e && *e ? atoi(e) : 22800;
     G.legacy.blocking = true;
     G.legacy.slow = !G.slow_comm;
     G.streams = &G.legacy;
@@ -395,13 +398,30 @@ static void average(void *acc, size_t n, ncclDataType_t t, int k) {
     }
 }
 
+/* NCCL 2.27 to 2.29.6 (its issue 1950, fixed in 2.29.7): an ncclAvg on a
+   communicator of one rank runs a kernel whose 32 blocks each take
+   count / 32 elements rounded down (then up to a 16-byte pack), so the
+   last elements of a large count are never written: on an H100 with 2.28.3,
+   262144 of 262147 written for f32 and f64, and counts of 1000 and less
+   whole (hence the 2^18 below which the fake writes all); NCCL's issue shows
+   bf16 on 2.27.5, and the fake does it for every type. How many of `count`
+   those versions write; all of them when the reported version is another. */
+static size_t one_rank_avg_written(size_t count, ncclDataType_t t) {
+    int v = G.nccl_version;
+    size_t blocks = 32, pack = 16 / nccl_size(t);
+    if (v < 22700 || v >= 22907 || count < ((size_t)1 << 18)) return count;
+    size_t per_block = (count / blocks + pack - 1) / pack * pack;
+    return per_block * blocks < count ? per_block * blocks : count;
+}
+
 /* Rank order, so every rank ends with the same bits: blocks[r] is rank r's. */
 static void combine(char *out, char *blocks, const task *t) {
     int n = t->comm->nranks;
     size_t count = t->bytes / nccl_size(t->dt);
     for (int r = 1; r < n; r++) reduce_into(blocks, blocks + (size_t)r * t->bytes, count, t->dt, t->op);
     if (t->op == ncclAvg) average(blocks, count, t->dt, n);
-    memmove(out, blocks, t->bytes);
+    size_t written = n == 1 && t->op == ncclAvg ? one_rank_avg_written(count, t->dt) : count;
+    memmove(out, blocks, written * nccl_size(t->dt));
 }
 
 /* ---------------------------------------------------------------- NCCL tasks on the device thread */
@@ -1049,7 +1069,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {
 }
 
 /* ---------------------------------------------------------------- NCCL */
-ncclResult_t ncclGetVersion(int *v) { *v = 22800; return ncclSuccess; }
+ncclResult_t ncclGetVersion(int *v) { LOCK(); *v = G.nccl_version; UNLOCK(); return ncclSuccess; }
 const char *ncclGetErrorString(ncclResult_t r) {
     switch (r) {
     case ncclSuccess: return "no error";

@@ -20,7 +20,10 @@
      - NCCL communicators are built from the unique id over MPI; collectives
        and point-to-point move over MPI from the device thread, in the
        stream's order, grouped between ncclGroupStart/End. Reductions add in
-       rank order, so every rank gets the same bits.
+       rank order, so every rank gets the same bits. ncclGetVersion reports
+       FAKE_NCCL_VERSION (default 22800, 2.28.0); for a version NCCL's issue
+       1950 affects (2.27 to 2.29.6), an ncclAvg on one rank leaves the last
+       elements of a count of 2^18 or more unwritten, as those versions do.
      - Kernels: nvcc's launch stubs call into fake_cuda.c, which runs the
        kernel's host twin - a plain C++ function with the kernel's
        parameters, registered with fake_cuda_twin below. Pointer arguments
