@@ -42,7 +42,7 @@ static void sgd(smp_model *model) {
 /* Messages waiting on the pipeline's communicators (smp's internals: the
    test defines SMP_IMPLEMENTATION). Asked before the ranks next meet, so
    no peer can have started the next step's sends. */
-static int pending_messages(smp_model *model) {
+static inline int pending_messages(smp_model *model) {
     smp__pipe *ps = (smp__pipe *)model->pipeline;
     int n = 0;
     for (int c = 0; ps && c < 2; c++)
