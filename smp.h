@@ -86,6 +86,7 @@
      broadcast_buffers (true)
    smp's own keys: virtual_stages (1), deterministic_reduction (false),
      activation_checkpointing (false: recompute every top-level call),
+     active_microbatches (0: no cap beyond the schedule's; smp_pipeline.h, ACTIVE MICROBATCHES),
      timeout (seconds, also SMP_TIMEOUT; 600), seed (0).
 
    ENVIRONMENT VARIABLES: all that the four headers read, in one table.
@@ -361,6 +362,7 @@ typedef struct smp_config {
     double bucket_cap_mb;              /* 0: 25 */
     smp_switch broadcast_buffers;      /* default on */
     smp_switch activation_checkpointing; /* default off; on: every top-level call recomputes (smp_module_set_recompute) */
+    int active_microbatches;        /* most microbatches in flight on a rank (smp_pipeline.h); 0: the schedule's own */
     /* smp's own keys */
     int virtual_stages;             /* interleaving factor for auto partitioning; 0: 1 */
     smp_switch deterministic_reduction; /* fixed-order DP sums; default off */
@@ -1752,6 +1754,7 @@ SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[
 /* ------------------------------------------------------------ key table */
 typedef enum smp__cfg_kind {
     SMP__CFG_KIND_COUNT,    /* integer >= 1 (0 in the struct means 1) */
+    SMP__CFG_KIND_LIMIT,    /* integer >= 0, 0: no limit */
     SMP__CFG_KIND_INDEX,    /* default_partition: any int, range checked by resolve; sets has_default_partition */
     SMP__CFG_KIND_SEED,     /* non-negative integer, 64 bits */
     SMP__CFG_KIND_BOOL,     /* an smp_switch */
@@ -1801,6 +1804,7 @@ static const struct smp__cfg_key {
     {"bucket_cap_mb", SMP__CFG_KIND_POSITIVE, SMP__CFG_FIELD(bucket_cap_mb), 0, NULL, NULL},
     {"broadcast_buffers", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(broadcast_buffers), SMP_ON, NULL, NULL},
     {"activation_checkpointing", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(activation_checkpointing), SMP_OFF, NULL, NULL},
+    {"active_microbatches", SMP__CFG_KIND_LIMIT, SMP__CFG_FIELD(active_microbatches), 0, NULL, NULL},
     {"virtual_stages", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(virtual_stages), 0, NULL, NULL},
     {"deterministic_reduction", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(deterministic_reduction), SMP_OFF, NULL, NULL},
     {"timeout", SMP__CFG_KIND_POSITIVE, SMP__CFG_FIELD(timeout), 0, NULL, NULL},
@@ -2194,6 +2198,7 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
         return true;
     }
     case SMP__CFG_KIND_COUNT:
+    case SMP__CFG_KIND_LIMIT:
     case SMP__CFG_KIND_INDEX: {
         long long x = 0;
         int r = v->type == SMP__J_NUMBER ? smp__json_to_int(v->num, v->num_len, INT_MIN, INT_MAX, &x) : 1;
@@ -2203,6 +2208,10 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
         }
         if (key->kind == SMP__CFG_KIND_COUNT && x < 1) {
             snprintf(msg, cap, "config key \"%s\" must be at least 1, got %lld", name, x);
+            return false;
+        }
+        if (key->kind == SMP__CFG_KIND_LIMIT && x < 0) {
+            snprintf(msg, cap, "config key \"%s\" must be at least 1, or 0 for no limit, got %lld", name, x);
             return false;
         }
         smp__cfg_set_int(cfg, key, (int)x);
@@ -2322,6 +2331,9 @@ static smp_status smp__cfg_resolve_key(smp_config *c, const struct smp__cfg_key 
     case SMP__CFG_KIND_COUNT:
         if (v < 0) return smp_error(SMP_ERR_CONFIG, "config key \"%s\" must be at least 1, got %d", key->name, v);
         smp__cfg_set_int(c, key, v == 0 ? 1 : v);
+        return SMP_OK;
+    case SMP__CFG_KIND_LIMIT:
+        if (v < 0) return smp_error(SMP_ERR_CONFIG, "config key \"%s\" must be at least 1, or 0 for no limit, got %d", key->name, v);
         return SMP_OK;
     default:
         return SMP_OK;
