@@ -1544,7 +1544,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
     size_t total = 0;
     for (int i = 0; i < nt; i++) total += smp_tensor_nbytes(ts[i]);
     /* staged device tensors: the bytes go to the host, then as one MPI message */
-    char *staging = ps->on_device && !ps->dev_p2p ? (char *)smp__bytes_or(&st, total, SMP__ALLOC_OTHER, "a pipeline message staged on the host") : NULL;
+    char *staging = ps->on_device && !ps->dev_p2p ? (char *)smp__bytes_or(&st, total, SMP__ALLOC_COMM, "a pipeline message staged on the host") : NULL;
     size_t at = 0;
     for (int i = 0; i < nt && staging && !st; i++) {
         smp_tensor h = *ts[i];
@@ -1812,7 +1812,7 @@ static void smp__drain_messages(smp__pipe *ps) {
                 SMP__MPI_FATAL(MPI_Improbe(k / 2, MPI_ANY_TAG, k % 2 ? ps->err_comm : ps->comm, &flag, &msg, &ms), "looking for messages of a failed step from mp rank %d", k / 2);
                 if (!flag) { pending = true; break; }
                 SMP__MPI_FATAL(MPI_Get_elements_x(&ms, MPI_BYTE, &n), "sizing a message of a failed step from mp rank %d", k / 2);
-                void *drop = smp__bytes_or(&st, (size_t)n, SMP__ALLOC_OTHER, "a message of a failed step, received to be dropped");
+                void *drop = smp__bytes_or(&st, (size_t)n, SMP__ALLOC_COMM, "a message of a failed step, received to be dropped");
                 if (st || (st = smp__bytes_type((size_t)n, &count, &type)))
                     smp__fatal("cleaning up the messages of a failed step: %s", smp_last_error());
                 SMP__MPI_FATAL(MPI_Mrecv(drop, count, type, &msg, MPI_STATUS_IGNORE), "receiving a message of a failed step from mp rank %d", k / 2);
@@ -1998,7 +1998,7 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
         b->bytes = bytes;
         b->numel = (int64_t)(bytes / es);
         smp_tensor whole = smp_tensor_1d(NULL, b->dtype, b->numel);
-        if (!smp__tensor_alloc_or(&st, &whole, ps->on_device, SMP__ALLOC_PARAM, "a data-parallel gradient bucket")) return st;
+        if (!smp__tensor_alloc_or(&st, &whole, ps->on_device, SMP__ALLOC_GRAD, "a data-parallel gradient bucket")) return st;
         b->data = whole.data;
         b->device = whole.device;
         ps->nbuckets++; /* freed with the model from here on */
@@ -2060,7 +2060,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
     if (deterministic) {
         /* every replica's gradient, summed below in dp-rank order */
         int dp = smp_dp_size();
-        b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_OTHER);
+        b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_COMM);
         if (!b->gather) smp__bucket_nomem(b->bytes * (size_t)dp);
         st = SMP__MPI_CHECK(MPI_Iallgather(b->data, n, smp__mpi_type(b->dtype), b->gather, n, smp__mpi_type(b->dtype), comm, &b->req),
                             "gathering data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", index, b->bytes);
@@ -2413,7 +2413,7 @@ static smp_status smp__shared_start(smp__pipe *ps) {
     for (int q = 0; q < ps->nshared && !st; q++) {
         smp__shared *s = &ps->shared[q];
         if (s->part != smp__ctx.mp_rank) continue;
-        if (!s->grad.data) smp__tensor_alloc_or(&st, &s->grad, ps->on_device, SMP__ALLOC_PARAM, "the gradient of a shared parameter");
+        if (!s->grad.data) smp__tensor_alloc_or(&st, &s->grad, ps->on_device, SMP__ALLOC_GRAD, "the gradient of a shared parameter");
         if (!st) st = smp__tensor_zero(&s->grad);
     }
     return st;
@@ -2432,7 +2432,7 @@ static size_t smp__shared_pack(smp__pipe *ps, smp_model *md, bool send, int peer
         smp_tensor h = s->grad;
         h.device = SMP_HOST;
         h.data = buf ? buf + at : NULL;
-        if (buf && !send && !s->grad.data) smp__tensor_alloc_or(st, &s->grad, ps->on_device, SMP__ALLOC_PARAM, "the gradient of a shared parameter");
+        if (buf && !send && !s->grad.data) smp__tensor_alloc_or(st, &s->grad, ps->on_device, SMP__ALLOC_GRAD, "the gradient of a shared parameter");
         if (buf && !*st) *st = send ? smp__tensor_copy(&h, &s->grad) : smp__tensor_copy(&s->grad, &h);
         at += smp_tensor_nbytes(&h);
     }
@@ -2457,7 +2457,7 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
         for (int peer = 0; peer < P && !st; peer++) {
             size_t bytes = peer == me ? 0 : smp__shared_pack(ps, md, pass, peer, NULL, &st);
             if (!bytes) continue;
-            char *b = buf[pass * P + peer] = (char *)smp__alloc_or(&st, bytes, SMP__ALLOC_OTHER, what);
+            char *b = buf[pass * P + peer] = (char *)smp__alloc_or(&st, bytes, SMP__ALLOC_COMM, what);
             if (b && pass) smp__shared_pack(ps, md, true, peer, b, &st);
             int tag = smp__tag(ps->nlinks, false), count; /* past every link's */
             MPI_Datatype type;
