@@ -112,6 +112,7 @@
      broadcast_buffers (true)
    smp's own keys: virtual_stages (1), deterministic_reduction (false),
      activation_checkpointing (false: recompute every top-level call),
+     active_microbatches (0: no cap beyond the schedule's; smp_pipeline.h, ACTIVE MICROBATCHES),
      timeout (seconds, also SMP_TIMEOUT; 600), seed (0).
 
    ENVIRONMENT VARIABLES: all that the four headers read, in one table.
@@ -403,6 +404,7 @@ typedef struct smp_config {
     double bucket_cap_mb;              /* 0: 25 */
     smp_switch broadcast_buffers;      /* default on */
     smp_switch activation_checkpointing; /* default off; on: every top-level call recomputes (smp_module_set_recompute) */
+    int active_microbatches;        /* most microbatches in flight on a rank (smp_pipeline.h); 0: the schedule's own */
     /* smp's own keys */
     int virtual_stages;             /* interleaving factor for auto partitioning; 0: 1 */
     smp_switch deterministic_reduction; /* fixed-order DP sums; default off */
@@ -752,12 +754,43 @@ SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nsta
                                      double optimizer_state_factor, int *stage_of_call, double *max_stage_cost);
 
 /* ---------------------------------------------------------------- memory stats */
-typedef struct smp_memory_stats { /* device memory of on_device models counts with host memory */
-    int64_t current_bytes, peak_bytes;   /* everything allocated through smp */
+/* The memory account of this rank, per category, current and peak. Device
+   memory of on_device models counts with host memory. Every category but
+   OPTIMIZER is memory smp allocated; OPTIMIZER is the engine's state as
+   registered through smp (smp_optimizer_state_add, smp_checkpoint.h),
+   counted while registered, and is not part of current_bytes. */
+typedef enum smp_memory_kind {
+    SMP_MEMORY_OTHER = 0,     /* smp's tables, step outputs, schedules, ... */
+    SMP_MEMORY_PARAMETERS,    /* parameter and buffer values */
+    SMP_MEMORY_GRADIENTS,     /* parameter gradients (data-parallel buckets hold them) */
+    SMP_MEMORY_OPTIMIZER,     /* optimizer state registered through smp */
+    SMP_MEMORY_ACTIVATIONS,   /* what calls keep for their backward, received activations and gradients */
+    SMP_MEMORY_COMMUNICATION, /* staging and gather buffers of messages and collectives */
+    SMP_MEMORY_OFFLOADED,     /* host copies of device activations (offload_activations) */
+    SMP_MEMORY_KINDS
+} smp_memory_kind;
+typedef struct smp_memory_stats {
+    int64_t current_bytes, peak_bytes;     /* everything allocated through smp */
     int64_t param_bytes, param_peak_bytes; /* parameters + gradients */
-    int64_t stash_bytes, stash_peak_bytes; /* activation stash */
+    int64_t stash_bytes, stash_peak_bytes; /* activation stash (= ACTIVATIONS) */
+    int64_t bytes[SMP_MEMORY_KINDS];       /* per category, now */
+    int64_t peak[SMP_MEMORY_KINDS];        /* per category, at its peak since smp_init or smp_memory_reset_peaks */
 } smp_memory_stats;
 SMPDEF smp_memory_stats smp_memory(void);
+/* Sets every peak to the current figure: reset before a step, read after it,
+   and the peaks are that step's. */
+SMPDEF void smp_memory_reset_peaks(void);
+/* The category's name ("parameters", "gradients", "optimizer", "activations",
+   "communication", "offloaded", "other"). */
+SMPDEF const char *smp_memory_kind_name(smp_memory_kind k);
+/* One line of the account into buf (cap bytes; snprintf's return): each
+   category then the total, in MiB, the current figures or (peak) the peaks:
+   "parameters 1.500 MiB, gradients 1.500 MiB, ..., total 4.250 MiB". */
+SMPDEF int smp_memory_format(const smp_memory_stats *s, bool peak, char *buf, size_t cap);
+/* Gathers every rank's account: all (NULL or smp_size() entries) gets them in
+   world-rank order on every rank, and rank 0 logs each rank's peaks (INFO)
+   headed by `title`. Collective over the world. */
+SMPDEF smp_status smp_memory_report(const char *title, smp_memory_stats *all);
 
 /* ---------------------------------------------------------------- device backend */
 /* Registered by smp_nccl.h; collectives on tensors with device >= 0 go here. */
@@ -860,7 +893,6 @@ SMPDEF int smp_model_call_stage(const smp_model *m, int call);
 /* The core on plain costs: the same contract, cost[i] >= 0 being call i's. */
 SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
                                         double *max_stage_cost);
-SMPDEF void smp_memory_reset_peaks(void);
 #endif
 
 #include <errno.h>
@@ -920,7 +952,12 @@ typedef struct smp__group_info {
     char *failed_ahead_msg;
 } smp__group_info;
 
-typedef enum smp__alloc_kind { SMP__ALLOC_OTHER, SMP__ALLOC_PARAM, SMP__ALLOC_STASH } smp__alloc_kind;
+/* what a block is, for the memory account: its category */
+typedef enum smp__alloc_kind {
+    SMP__ALLOC_OTHER = SMP_MEMORY_OTHER, SMP__ALLOC_PARAM = SMP_MEMORY_PARAMETERS, SMP__ALLOC_GRAD = SMP_MEMORY_GRADIENTS,
+    SMP__ALLOC_STASH = SMP_MEMORY_ACTIVATIONS, SMP__ALLOC_COMM = SMP_MEMORY_COMMUNICATION,
+    SMP__ALLOC_OFFLOAD = SMP_MEMORY_OFFLOADED
+} smp__alloc_kind;
 
 static struct {
     bool initialized, owns_mpi;
@@ -1110,11 +1147,19 @@ static smp_status smp__require_init(const char *fn) {
    counted without a lookup and the payload stays 64-byte aligned. */
 #define SMP__HDR 64
 
+/* A category's bytes change by delta (the registered optimizer state's too, which current_bytes leaves out). */
+static void smp__count_kind(smp_memory_kind kind, int64_t delta) {
+    smp_memory_stats *m = &smp__ctx.mem;
+    m->bytes[kind] += delta;
+    if (m->bytes[kind] > m->peak[kind]) m->peak[kind] = m->bytes[kind];
+}
+
 static void smp__count(smp__alloc_kind kind, int64_t delta) {
     smp_memory_stats *m = &smp__ctx.mem;
     m->current_bytes += delta;
     if (m->current_bytes > m->peak_bytes) m->peak_bytes = m->current_bytes;
-    if (kind == SMP__ALLOC_PARAM) {
+    smp__count_kind((smp_memory_kind)kind, delta);
+    if (kind == SMP__ALLOC_PARAM || kind == SMP__ALLOC_GRAD) {
         m->param_bytes += delta;
         if (m->param_bytes > m->param_peak_bytes) m->param_peak_bytes = m->param_bytes;
     } else if (kind == SMP__ALLOC_STASH) {
@@ -1614,6 +1659,13 @@ SMPDEF void smp_memory_reset_peaks(void) {
     m->peak_bytes = m->current_bytes;
     m->param_peak_bytes = m->param_bytes;
     m->stash_peak_bytes = m->stash_bytes;
+    memcpy(m->peak, m->bytes, sizeof m->peak);
+}
+
+SMPDEF const char *smp_memory_kind_name(smp_memory_kind k) {
+    static const char *const names[SMP_MEMORY_KINDS] = {"other", "parameters", "gradients", "optimizer", "activations",
+                                                        "communication", "offloaded"};
+    return (int)k >= 0 && k < SMP_MEMORY_KINDS ? names[k] : "unknown";
 }
 
 /* ---------------------------------------------------------------- dtypes, tensors */
@@ -1796,6 +1848,7 @@ SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[
 /* ------------------------------------------------------------ key table */
 typedef enum smp__cfg_kind {
     SMP__CFG_KIND_COUNT,    /* integer >= 1 (0 in the struct means 1) */
+    SMP__CFG_KIND_LIMIT,    /* integer >= 0, 0: no limit */
     SMP__CFG_KIND_INDEX,    /* default_partition: any int, range checked by resolve; sets has_default_partition */
     SMP__CFG_KIND_SEED,     /* non-negative integer, 64 bits */
     SMP__CFG_KIND_BOOL,     /* an smp_switch */
@@ -1845,6 +1898,7 @@ static const struct smp__cfg_key {
     {"bucket_cap_mb", SMP__CFG_KIND_POSITIVE, SMP__CFG_FIELD(bucket_cap_mb), 0, NULL, NULL},
     {"broadcast_buffers", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(broadcast_buffers), SMP_ON, NULL, NULL},
     {"activation_checkpointing", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(activation_checkpointing), SMP_OFF, NULL, NULL},
+    {"active_microbatches", SMP__CFG_KIND_LIMIT, SMP__CFG_FIELD(active_microbatches), 0, NULL, NULL},
     {"virtual_stages", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(virtual_stages), 0, NULL, NULL},
     {"deterministic_reduction", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(deterministic_reduction), SMP_OFF, NULL, NULL},
     {"timeout", SMP__CFG_KIND_POSITIVE, SMP__CFG_FIELD(timeout), 0, NULL, NULL},
@@ -2238,6 +2292,7 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
         return true;
     }
     case SMP__CFG_KIND_COUNT:
+    case SMP__CFG_KIND_LIMIT:
     case SMP__CFG_KIND_INDEX: {
         long long x = 0;
         int r = v->type == SMP__J_NUMBER ? smp__json_to_int(v->num, v->num_len, INT_MIN, INT_MAX, &x) : 1;
@@ -2247,6 +2302,10 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
         }
         if (key->kind == SMP__CFG_KIND_COUNT && x < 1) {
             snprintf(msg, cap, "config key \"%s\" must be at least 1, got %lld", name, x);
+            return false;
+        }
+        if (key->kind == SMP__CFG_KIND_LIMIT && x < 0) {
+            snprintf(msg, cap, "config key \"%s\" must be at least 1, or 0 for no limit, got %lld", name, x);
             return false;
         }
         smp__cfg_set_int(cfg, key, (int)x);
@@ -2366,6 +2425,9 @@ static smp_status smp__cfg_resolve_key(smp_config *c, const struct smp__cfg_key 
     case SMP__CFG_KIND_COUNT:
         if (v < 0) return smp_error(SMP_ERR_CONFIG, "config key \"%s\" must be at least 1, got %d", key->name, v);
         smp__cfg_set_int(c, key, v == 0 ? 1 : v);
+        return SMP_OK;
+    case SMP__CFG_KIND_LIMIT:
+        if (v < 0) return smp_error(SMP_ERR_CONFIG, "config key \"%s\" must be at least 1, or 0 for no limit, got %d", key->name, v);
         return SMP_OK;
     default:
         return SMP_OK;
@@ -3336,7 +3398,7 @@ static smp__persist *smp__persist_slot(smp__group_info *gi, int count, MPI_Datat
         int size;
         SMP__MPI_FATAL(MPI_Type_size(type, &size), "sizing a persistent all-reduce's elements");
         size_t bytes = (size_t)count * (size_t)size;
-        p->staging = (char *)smp__alloc(bytes, SMP__ALLOC_OTHER);
+        p->staging = (char *)smp__alloc(bytes, SMP__ALLOC_COMM);
         if (!p->staging) /* the others make the persistent collective now: this rank cannot stay out */
             smp__fatal("out of memory: %zu bytes for a persistent all-reduce's buffer on rank %d, which the group's other ranks are "
                        "setting up; the job stops (free memory and run it again)", bytes, smp__ctx.rank);
@@ -3482,6 +3544,45 @@ SMPDEF smp_status smp_all_gather(const smp_tensor *in, smp_tensor *out, smp_grou
     SMP__COLLECTIVE(g, smp__all_gather(in, out, g));
 }
 
+SMPDEF int smp_memory_format(const smp_memory_stats *s, bool peak, char *buf, size_t cap) {
+    const double mib = 1024.0 * 1024.0;
+    int at = 0;
+    if (cap) buf[0] = 0;
+    for (int k = 1; k <= SMP_MEMORY_KINDS; k++) { /* "other" only inside the total, last */
+        bool total = k == SMP_MEMORY_KINDS;
+        double v = (double)(total ? (peak ? s->peak_bytes : s->current_bytes) : (peak ? s->peak[k] : s->bytes[k])) / mib;
+        int w = snprintf(at < (int)cap ? buf + at : NULL, at < (int)cap ? cap - (size_t)at : 0, "%s%s %.3f MiB", k > 1 ? ", " : "",
+                         total ? "total" : smp_memory_kind_name((smp_memory_kind)k), v);
+        at += w > 0 ? w : 0;
+    }
+    return at;
+}
+
+SMPDEF smp_status smp_memory_report(const char *title, smp_memory_stats *all) {
+    smp_status st = smp__require_init("smp_memory_report");
+    if (st) return st;
+    int n = smp__ctx.size;
+    smp_memory_stats mine = smp__ctx.mem; /* before the gather's own blocks */
+    smp_memory_stats *got = all ? all : (smp_memory_stats *)smp__alloc_or(&st, sizeof mine * (size_t)n, SMP__ALLOC_OTHER,
+                                                                          "the memory report");
+    st = smp__agree_on(smp__ctx.world, st, "the memory report");
+    if (st) return st;
+    smp_tensor in = smp_tensor_1d(&mine, SMP_U8, (int64_t)sizeof mine);
+    smp_tensor out = smp_tensor_1d(got, SMP_U8, (int64_t)(sizeof mine * (size_t)n));
+    st = smp_all_gather(&in, &out, SMP_WORLD);
+    if (!st && smp__ctx.rank == 0) {
+        smp__log(SMP_LOG_INFO, "%s: memory per rank at its peak (optimizer: the state registered, outside the total)",
+                 title && *title ? title : "memory account");
+        for (int r = 0; r < n; r++) {
+            char line[512];
+            smp_memory_format(&got[r], true, line, sizeof line);
+            smp__log(SMP_LOG_INFO, "  rank %d: %s", r, line);
+        }
+    }
+    if (!all) smp__free(got);
+    return st;
+}
+
 static smp_status smp__reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
     smp__group_info *gi;
     MPI_Op mop;
@@ -3496,7 +3597,7 @@ static smp_status smp__reduce_scatter(const smp_tensor *in, smp_tensor *out, smp
     /* in place when `out` is this member's block of `in`: reduce into a
        scratch block first, since MPI reads all of `in` */
     bool overlap = (const char *)out->data >= (const char *)in->data && (const char *)out->data < (const char *)in->data + bytes * (size_t)gi->size;
-    void *dst = overlap ? smp__alloc_or(&st, bytes, SMP__ALLOC_OTHER, "smp_reduce_scatter's scratch block") : out->data;
+    void *dst = overlap ? smp__alloc_or(&st, bytes, SMP__ALLOC_COMM, "smp_reduce_scatter's scratch block") : out->data;
     if (st) return st;
     MPI_Request req;
     if (n <= smp__coll_chunk) {
@@ -3563,7 +3664,7 @@ static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, 
     }
     void *send = in->data;
     if (in->data == out->data && smp_tensor_nbytes(in)) { /* in place: MPI needs separate buffers */
-        if (!(send = smp__alloc_or(&st, smp_tensor_nbytes(in), SMP__ALLOC_OTHER, "all_to_all_single's copy of in"))) { smp__free(buf); return st; }
+        if (!(send = smp__alloc_or(&st, smp_tensor_nbytes(in), SMP__ALLOC_COMM, "all_to_all_single's copy of in"))) { smp__free(buf); return st; }
         memcpy(send, in->data, smp_tensor_nbytes(in));
     }
     MPI_Request req;
@@ -3941,7 +4042,7 @@ static smp_status smp__materialise_param(smp_param *p) {
         smp__free(init.data);
     }
     snprintf(what, sizeof what, "the gradient of parameter %s", p->full_name);
-    if (!st && !p->is_buffer && smp__tensor_alloc_or(&st, &p->grad, on_device, SMP__ALLOC_PARAM, what)) st = smp__tensor_zero(&p->grad);
+    if (!st && !p->is_buffer && smp__tensor_alloc_or(&st, &p->grad, on_device, SMP__ALLOC_GRAD, what)) st = smp__tensor_zero(&p->grad);
     if (st) smp__release_param(p);
     return st;
 }
@@ -5220,6 +5321,8 @@ SMPDEF smp_status smp_model_trace(smp_model *m, const smp_tensor *inputs, int ni
     st = smp__agree_on(smp__ctx.world, st, "tracing");
     if (!st) st = smp__agree_on(smp__ctx.world, smp__share_trace(m), "trace agreement");
     if (!st) st = smp__agree_on(smp__ctx.world, smp__partition(m), "partitioning");
+    /* the partition report's memory account, per rank (a collective: SMP_VERBOSE is the same on every rank) */
+    if (!st && getenv("SMP_VERBOSE")) (void)smp_memory_report("partition report", NULL);
     if (st) {
         smp__free_calls(m);
         smp__free(m->outputs);

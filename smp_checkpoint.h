@@ -2049,7 +2049,10 @@ SMPDEF smp_status smp_optimizer_new(smp_model *m, smp_optimizer **out) {
 
 SMPDEF void smp_optimizer_free(smp_optimizer *o) {
     if (!o) return;
-    for (int i = 0; i < o->n; i++) smp__free(o->s[i].full);
+    for (int i = 0; i < o->n; i++) {
+        smp__count_kind(SMP_MEMORY_OPTIMIZER, -(int64_t)smp_tensor_nbytes(&o->s[i].t)); /* the memory account */
+        smp__free(o->s[i].full);
+    }
     smp__free(o->s);
     smp__free(o);
 }
@@ -2103,6 +2106,7 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
     o->s[o->n].global = param == NULL;
     o->s[o->n].t = *t;
     o->n++;
+    smp__count_kind(SMP_MEMORY_OPTIMIZER, (int64_t)bytes); /* the memory account: the engine's state, registered */
     return SMP_OK;
 }
 

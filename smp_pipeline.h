@@ -65,6 +65,29 @@
                                  running over partitions 0..p-1..0).
        (SMP_PIPELINE_DEFAULT means INTERLEAVED.)
 
+   ACTIVE MICROBATCHES
+     active_microbatches = c (config key, SageMaker's; or
+     smp_schedule_build_capped) bounds the microbatches in flight on every
+     rank: a microbatch enters a rank with its first forward there and
+     leaves after its last backward there (W in zero-bubble kinds), and
+     counts once however many of the rank's stages hold it. Each stage
+     still runs its microbatches in increasing order, so a cap changes
+     when things run, never what is computed: results are bitwise those
+     of the uncapped step. Every c >= 1 works for every kind:
+       simple        GPipe in groups of c microbatches (all forwards of a
+                     group, then its backwards): activations for c
+                     microbatches instead of m, for a bubble of (S-1)/(c+S-1)
+                     per group instead of (S-1)/(m+S-1) per step.
+       interleaved,  the generator above holds back a forward that would
+       zero_bubble   bring a new microbatch onto a full rank (the smallest
+                     unfinished microbatch can always move on: it is
+                     already on the rank, or the rank holds none).
+       zero_bubble_v the V above when it fits under c; else the zero_bubble
+                     generator on the V's stage map, under the cap.
+     0 (the default) adds no cap: the schedules above, unchanged. A cap at
+     or above what the schedule holds anyway changes nothing either.
+     Evaluation steps keep nothing for a backward and are not capped.
+
          smp_schedule sc;
          if (smp_schedule_build(SMP_PIPELINE_INTERLEAVED, 4, 8, NULL, 16,
                                 false, &sc) != SMP_OK)
@@ -146,6 +169,7 @@ typedef struct smp_schedule {
     smp_pipeline_kind kind; /* SIMPLE, INTERLEAVED, ZERO_BUBBLE or ZERO_BUBBLE_V (never DEFAULT) */
     int nranks, nstages, microbatches;
     bool forward_only;      /* evaluation step: forwards only */
+    int active_microbatches; /* the cap it was built with (0: none; see ACTIVE MICROBATCHES) */
     int *stage_rank;        /* [nstages]: rank that runs each stage */
     int *nops;              /* [nranks]: length of each rank's list */
     smp_sched_op **ops;     /* [nranks][nops[r]]: each rank's operations in order */
@@ -160,6 +184,12 @@ typedef struct smp_schedule {
    smp_memory(): it may be called before smp_init). Release out with smp_schedule_free. */
 SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nstages, const int *stage_rank,
                                      int microbatches, bool forward_only, smp_schedule *out);
+/* The same with at most active_microbatches microbatches in flight on any
+   rank (0: no cap beyond the kind's own; see ACTIVE MICROBATCHES). Fails
+   with SMP_ERR_ARG on active_microbatches < 0. */
+SMPDEF smp_status smp_schedule_build_capped(smp_pipeline_kind kind, int nranks, int nstages, const int *stage_rank,
+                                            int microbatches, int active_microbatches, bool forward_only,
+                                            smp_schedule *out);
 /* Frees what smp_schedule_build allocated and zeroes *s. Safe on a zeroed
    schedule. */
 SMPDEF void smp_schedule_free(smp_schedule *s);
@@ -173,6 +203,9 @@ typedef struct smp_sim_result {
     int *peak_inflight;     /* [nstages]: most microbatches whose forward on the stage
                                is done and backward is not (0 for forward-only) */
     int *rank_peak_inflight;/* [nranks]: the same, summed over the rank's stages */
+    int *rank_peak_microbatches; /* [nranks]: most distinct microbatches in flight on the rank at once, a
+                               microbatch counting once however many of the rank's stages hold it (what
+                               active_microbatches caps) */
     bool deadlock;          /* no rank could progress while operations remained */
     char deadlock_reason[256]; /* which rank waits for which operation, as
                                "rank 0 at F2.0 waits for F1.0 (rank 1)"
@@ -300,6 +333,8 @@ typedef struct smp_step_stats {
     const int *stage_index;       /* [local_stages]: the global stage each entry is */
     /* (both valid until the next step of the model or smp_model_free) */
     int64_t stash_peak_bytes;     /* activation memory held for backward, at its peak */
+    int peak_active_microbatches; /* most distinct microbatches this rank held for a backward at once, counted as
+                                     the step ran (what active_microbatches caps; 0 in an evaluation step) */
     double seconds;
 } smp_step_stats;
 SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
@@ -459,12 +494,16 @@ static void smp__sched_push(smp_schedule *sc, int rank, smp_sched_op_kind kind, 
    ascending). Every rank's list is a subsequence of one global order in
    which each dependency comes first, so it cannot deadlock. */
 static void smp__sched_simple(smp_schedule *sc) {
-    int S = sc->nstages, m = sc->microbatches;
-    for (int s = 0; s < S; s++)
-        for (int i = 0; i < m; i++) smp__sched_push(sc, sc->stage_rank[s], SMP_SCHED_FORWARD, s, i);
-    if (sc->forward_only) return;
-    for (int s = S - 1; s >= 0; s--)
-        for (int i = 0; i < m; i++) smp__sched_push(sc, sc->stage_rank[s], SMP_SCHED_BACKWARD, s, i);
+    int S = sc->nstages, m = sc->microbatches, cap = sc->active_microbatches;
+    int group = cap > 0 && cap < m && !sc->forward_only ? cap : m; /* active_microbatches: GPipe group by group */
+    for (int i0 = 0; i0 < m; i0 += group) {
+        int i1 = i0 + group < m ? i0 + group : m;
+        for (int s = 0; s < S; s++)
+            for (int i = i0; i < i1; i++) smp__sched_push(sc, sc->stage_rank[s], SMP_SCHED_FORWARD, s, i);
+        if (sc->forward_only) continue;
+        for (int s = S - 1; s >= 0; s--)
+            for (int i = i0; i < i1; i++) smp__sched_push(sc, sc->stage_rank[s], SMP_SCHED_BACKWARD, s, i);
+    }
 }
 
 /* 1F1B and interleaved 1F1B, generated by a deterministic list-scheduling
@@ -513,6 +552,9 @@ typedef struct smp__sched_gen {
     int *rank_inflight;   /* [rank] */
     int *last_kind;       /* [rank] */
     long *free_at;        /* [rank] */
+    int cap;              /* active_microbatches (0: none) */
+    int *held;            /* [rank * m + mb]: the rank's stages holding mb (cap only) */
+    int *active;          /* [rank]: microbatches the rank holds (cap only) */
 } smp__sched_gen;
 
 /* The operation rank r should start at time t, by the rules above: returns
@@ -525,7 +567,8 @@ static int smp__sched_pick(const smp__sched_gen *g, int r, long t, bool use_rank
     for (int q = g->first[r]; q < g->first[r + 1]; q++) {
         int s = g->local[q], c = g->chunk[s];
         int i = g->next_f[s];
-        if (i < m && rank_room && (g->fo || i - g->next_b[s] < S - s) && (!g->zb || i - g->next_w[s] < S)) {
+        bool cap_room = !g->cap || g->held[(size_t)r * (size_t)m + (size_t)i] > 0 || g->active[r] < g->cap;
+        if (i < m && rank_room && cap_room && (g->fo || i - g->next_b[s] < S - s) && (!g->zb || i - g->next_w[s] < S)) {
             long in = s == 0 ? 0 : g->fin_f[(size_t)(s - 1) * (size_t)m + (size_t)i];
             long k0 = i / R, k1 = c;
             if (in >= 0 && in <= t && (bf < 0 || k0 < kf0 || (k0 == kf0 && k1 < kf1))) {
@@ -570,11 +613,15 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
     smp__sched_gen g;
     memset(&g, 0, sizeof g);
     g.R = R; g.S = S; g.m = m; g.fo = sc->forward_only;
-    g.zb = sc->kind == SMP_PIPELINE_ZERO_BUBBLE && !g.fo;
+    g.zb = smp__sched_split(sc->kind) && !g.fo; /* ZERO_BUBBLE_V comes here under a cap its V exceeds */
+    g.cap = g.fo ? 0 : sc->active_microbatches;
     const long cost_f = 1, cost_b = g.zb ? 1 : 2, cost_w = 1; /* ZB-H1 assumes F = B = W */
     /* two zeroed blocks: the times (fin_f, fin_b, free_at), the counters */
     g.fin_f = (long *)smp__alloc_or(&st, sizeof(long) * (2 * n + (size_t)R), SMP__ALLOC_OTHER, "a schedule's generation");
     g.next_f = (int *)smp__alloc_or(&st, sizeof(int) * (5 * (size_t)S + 4 * (size_t)R + 1), SMP__ALLOC_OTHER, "a schedule's generation");
+    if (g.cap) g.held = (int *)smp__alloc_or(&st, sizeof(int) * ((size_t)R * (size_t)m + (size_t)R), SMP__ALLOC_OTHER,
+                                             "a schedule's generation");
+    if (g.held) g.active = g.held + (size_t)R * (size_t)m;
     if (!st) {
         g.fin_b = g.fin_f + n;
         g.free_at = g.fin_b + n;
@@ -613,6 +660,7 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
                         i = g.next_f[s]++;
                         g.free_at[r] = g.fin_f[(size_t)s * (size_t)m + (size_t)i] = t + cost_f;
                         g.rank_inflight[r]++;
+                        if (g.cap && g.held[(size_t)r * (size_t)m + (size_t)i]++ == 0) g.active[r]++;
                     } else if (kind == SMP_SCHED_BACKWARD) {
                         i = g.next_b[s]++;
                         g.free_at[r] = g.fin_b[(size_t)s * (size_t)m + (size_t)i] = t + cost_b;
@@ -623,6 +671,9 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
                         g.rank_inflight[r]--; /* zero bubble: the memory goes with the W */
                     }
                     smp__sched_push(sc, r, kind, s, i);
+                    if (g.cap && kind == (g.zb ? SMP_SCHED_WEIGHT : SMP_SCHED_BACKWARD) &&
+                        --g.held[(size_t)r * (size_t)m + (size_t)i] == 0)
+                        g.active[r]--; /* the microbatch's last op on the rank: it leaves */
                     if (kind != SMP_SCHED_WEIGHT) g.last_kind[r] = (int)kind;
                     remaining--;
                     started = true;
@@ -643,6 +694,7 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
     }
     smp__free(g.fin_f); /* and the other times */
     smp__free(g.next_f); /* and the other counters */
+    smp__free(g.held);
     return st;
 }
 
@@ -715,10 +767,44 @@ SMPDEF void smp_schedule_free(smp_schedule *s) {
     memset(s, 0, sizeof *s);
 }
 
+/* The most distinct microbatches rank r of s holds at once (held: [m] zeroed, left zeroed only when its list is whole). */
+static int smp__sched_rank_peak(const smp_schedule *s, int r, int *held) {
+    smp_sched_op_kind last = smp__sched_split(s->kind) ? SMP_SCHED_WEIGHT : SMP_SCHED_BACKWARD;
+    int active = 0, peak = 0;
+    for (int k = 0; k < s->nops[r] && !s->forward_only; k++) {
+        smp_sched_op op = s->ops[r][k];
+        if (op.kind == SMP_SCHED_FORWARD && held[op.microbatch]++ == 0 && ++active > peak) peak = active;
+        if (op.kind == last && --held[op.microbatch] == 0) active--;
+    }
+    return peak;
+}
+
+/* ZB-V under active_microbatches: its V when every rank fits under the cap,
+   else the zero-bubble generator on the V's stage map with the cap. */
+static smp_status smp__sched_zbv_capped(smp_schedule *sc) {
+    smp_status st = smp__sched_zbv(sc);
+    if (st || !sc->active_microbatches || sc->forward_only) return st;
+    int *held = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)sc->microbatches, SMP__ALLOC_OTHER, "a schedule's generation");
+    bool fits = true;
+    for (int r = 0; r < sc->nranks && fits && !st; r++) fits = smp__sched_rank_peak(sc, r, held) <= sc->active_microbatches;
+    smp__free(held);
+    if (st || fits) return st;
+    for (int r = 0; r < sc->nranks; r++) sc->nops[r] = 0;
+    return smp__sched_interleaved(sc);
+}
+
 SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nstages, const int *stage_rank,
                                      int microbatches, bool forward_only, smp_schedule *out) {
+    return smp_schedule_build_capped(kind, nranks, nstages, stage_rank, microbatches, 0, forward_only, out);
+}
+
+SMPDEF smp_status smp_schedule_build_capped(smp_pipeline_kind kind, int nranks, int nstages, const int *stage_rank,
+                                            int microbatches, int active_microbatches, bool forward_only,
+                                            smp_schedule *out) {
     if (!out) return smp_error(SMP_ERR_ARG, "smp_schedule_build: out is NULL");
     memset(out, 0, sizeof *out);
+    if (active_microbatches < 0)
+        return smp_error(SMP_ERR_ARG, "active_microbatches must be at least 1, or 0 for no cap, got %d", active_microbatches);
     if (kind == SMP_PIPELINE_DEFAULT) kind = SMP_PIPELINE_INTERLEAVED;
     if (kind != SMP_PIPELINE_INTERLEAVED && kind != SMP_PIPELINE_SIMPLE && kind != SMP_PIPELINE_ZERO_BUBBLE && kind != SMP_PIPELINE_ZERO_BUBBLE_V)
         return smp_error(SMP_ERR_ARG, "unknown pipeline kind %d (expected simple, interleaved, zero_bubble or zero_bubble_v)", (int)kind);
@@ -733,11 +819,12 @@ SMPDEF smp_status smp_schedule_build(smp_pipeline_kind kind, int nranks, int nst
     out->nstages = nstages;
     out->microbatches = microbatches;
     out->forward_only = forward_only;
+    out->active_microbatches = active_microbatches;
     out->stage_rank = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)nstages, SMP__ALLOC_OTHER, "a schedule's stage map");
     for (int s = 0; s < nstages && !st; s++) out->stage_rank[s] = stage_rank ? stage_rank[s] : vee ? smp__vee_partition(s, nranks) : s % nranks;
     if (!st) st = smp__sched_alloc(out);
     if (!st && kind == SMP_PIPELINE_SIMPLE) smp__sched_simple(out);
-    else if (!st) st = vee ? smp__sched_zbv(out) : smp__sched_interleaved(out);
+    else if (!st) st = vee ? smp__sched_zbv_capped(out) : smp__sched_interleaved(out);
     if (st) smp_schedule_free(out);
     return st;
 }
@@ -781,11 +868,12 @@ SMPDEF void smp_sim_result_free(smp_sim_result *r) {
     if (!r) return;
     smp__free(r->peak_inflight);
     smp__free(r->rank_peak_inflight);
+    smp__free(r->rank_peak_microbatches);
     memset(r, 0, sizeof *r);
 }
 
 /* smp_schedule_simulate once s has its stage map and op lists, in zeroed
-   memory: fin (3 S m + 3 S + R doubles), done (3 S m), idx (2 R + S ints). */
+   memory: fin (3 S m + 3 S + R doubles), done (3 S m), idx (2 R + S + R m + R ints). */
 static smp_status smp__sim_run(const smp_schedule *s, const double *const given[3], double comm_latency, double *fin, char *done, int *idx,
                                smp_sim_result *out) {
     int R = s->nranks, S = s->nstages, m = s->microbatches;
@@ -794,6 +882,7 @@ static smp_status smp__sim_run(const smp_schedule *s, const double *const given[
     size_t n = (size_t)S * (size_t)m;
     double *cost = fin + 3 * n, *clock = cost + 3 * S; /* fin: [kind][stage][mb]; cost: [kind][stage]; clock: [rank] */
     int *cnt = idx + R, *rcnt = cnt + S; /* microbatches in flight per stage and rank */
+    int *held = rcnt + R, *ract = held + (size_t)R * (size_t)m; /* [rank][mb]: its stages holding mb; [rank]: mbs held */
     smp_status st = SMP_OK;
     static const char *const cost_name[3] = {"forward", "backward", "weight"};
     for (int q = 0; q < S && !st; q++)
@@ -854,6 +943,9 @@ static smp_status smp__sim_run(const smp_schedule *s, const double *const given[
                     rcnt[r] += d;
                     if (cnt[op.stage] > out->peak_inflight[op.stage]) out->peak_inflight[op.stage] = cnt[op.stage];
                     if (rcnt[r] > out->rank_peak_inflight[r]) out->rank_peak_inflight[r] = rcnt[r];
+                    int *h = &held[(size_t)r * (size_t)m + (size_t)op.microbatch];
+                    if (d > 0 ? (*h)++ == 0 : --*h == 0) ract[r] += d; /* the microbatch enters or leaves the rank */
+                    if (ract[r] > out->rank_peak_microbatches[r]) out->rank_peak_microbatches[r] = ract[r];
                 }
                 idx[r]++;
                 finished++;
@@ -907,9 +999,10 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
     const double *given[3] = {fwd_cost, bwd_cost, wgt_cost};
     double *fin = (double *)smp__alloc_or(&st, sizeof(double) * (3 * n + 3 * (size_t)S + (size_t)R), SMP__ALLOC_OTHER, what);
     char *done = (char *)smp__alloc_or(&st, 3 * n, SMP__ALLOC_OTHER, what);
-    int *idx = (int *)smp__alloc_or(&st, sizeof(int) * (2 * (size_t)R + (size_t)S), SMP__ALLOC_OTHER, what);
+    int *idx = (int *)smp__alloc_or(&st, sizeof(int) * (3 * (size_t)R + (size_t)S + (size_t)R * (size_t)m), SMP__ALLOC_OTHER, what);
     out->peak_inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)S, SMP__ALLOC_OTHER, what);
     out->rank_peak_inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)R, SMP__ALLOC_OTHER, what);
+    out->rank_peak_microbatches = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)R, SMP__ALLOC_OTHER, what);
     if (!st) st = smp__sim_run(s, given, comm_latency, fin, done, idx, out);
     smp__free(fin);
     smp__free(done);
@@ -1101,6 +1194,9 @@ typedef struct smp__pipe {
     int nevents, events_cap;
     bool timeline;
     double t_origin;
+    /* memory: microbatches held on this rank (active_microbatches) */
+    int *mb_held;          /* [m]: this rank's stages holding each microbatch for its backward */
+    int mb_held_cap, mb_active;
 } smp__pipe;
 
 static smp_status smp__timeline_write(smp__pipe *ps);
@@ -1157,6 +1253,7 @@ static void smp__pipe_free(void *p) {
         SMP__MPI_WARN(MPI_Comm_free(&ps->err_comm), "releasing a pipeline's failure communicator");
     }
     smp__free(ps->events);
+    smp__free(ps->mb_held);
     smp__free(ps);
 }
 
@@ -1512,7 +1609,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
     for (int i = 0; i < nt; i++) total += smp_tensor_nbytes(ts[i]);
     /* staged device tensors: the bytes go to the host, then as one MPI message */
     bool staged = ps->plan.on_device && !ps->plan.dev_p2p;
-    char *staging = staged ? (char *)smp__bytes_or(&st, total, SMP__ALLOC_OTHER, "a pipeline message staged on the host")
+    char *staging = staged ? (char *)smp__bytes_or(&st, total, SMP__ALLOC_COMM, "a pipeline message staged on the host")
                            : NULL;
     size_t at = 0;
     for (int i = 0; i < nt && staging && !st; i++) {
@@ -1784,7 +1881,7 @@ static void smp__drain_messages(smp__pipe *ps) {
                 SMP__MPI_FATAL(MPI_Improbe(k / 2, MPI_ANY_TAG, k % 2 ? ps->err_comm : ps->comm, &flag, &msg, &ms), "looking for messages of a failed step from mp rank %d", k / 2);
                 if (!flag) { pending = true; break; }
                 SMP__MPI_FATAL(MPI_Get_elements_x(&ms, MPI_BYTE, &n), "sizing a message of a failed step from mp rank %d", k / 2);
-                void *drop = smp__bytes_or(&st, (size_t)n, SMP__ALLOC_OTHER, "a message of a failed step, received to be dropped");
+                void *drop = smp__bytes_or(&st, (size_t)n, SMP__ALLOC_COMM, "a message of a failed step, received to be dropped");
                 if (st || (st = smp__bytes_type((size_t)n, &count, &type)))
                     smp__fatal("cleaning up the messages of a failed step: %s", smp_last_error());
                 SMP__MPI_FATAL(MPI_Mrecv(drop, count, type, &msg, MPI_STATUS_IGNORE), "receiving a message of a failed step from mp rank %d", k / 2);
@@ -1972,7 +2069,7 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
         b->bytes = bytes;
         b->numel = (int64_t)(bytes / es);
         smp_tensor whole = smp_tensor_1d(NULL, b->dtype, b->numel);
-        if (!smp__tensor_alloc_or(&st, &whole, ps->plan.on_device, SMP__ALLOC_PARAM, "a data-parallel gradient bucket"))
+        if (!smp__tensor_alloc_or(&st, &whole, ps->plan.on_device, SMP__ALLOC_GRAD, "a data-parallel gradient bucket"))
             return st;
         b->data = whole.data;
         b->device = whole.device;
@@ -2035,7 +2132,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
     if (deterministic) {
         /* every replica's gradient, summed below in dp-rank order */
         int dp = smp_dp_size();
-        b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_OTHER);
+        b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_COMM);
         if (!b->gather) smp__bucket_nomem(b->bytes * (size_t)dp);
         st = SMP__MPI_CHECK(MPI_Iallgather(b->data, n, smp__mpi_type(b->dtype), b->gather, n, smp__mpi_type(b->dtype), comm, &b->req),
                             "gathering data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", index, b->bytes);
@@ -2393,7 +2490,7 @@ static smp_status smp__shared_start(smp__pipe *ps) {
         smp__shared *s = &ps->plan.shared[q];
         if (s->part != smp__ctx.mp_rank) continue;
         if (!s->grad.data)
-            smp__tensor_alloc_or(&st, &s->grad, ps->plan.on_device, SMP__ALLOC_PARAM,
+            smp__tensor_alloc_or(&st, &s->grad, ps->plan.on_device, SMP__ALLOC_GRAD,
                                  "the gradient of a shared parameter");
         if (!st) st = smp__tensor_zero(&s->grad);
     }
@@ -2414,7 +2511,7 @@ static size_t smp__shared_pack(smp__pipe *ps, smp_model *md, bool send, int peer
         h.device = SMP_HOST;
         h.data = buf ? buf + at : NULL;
         if (buf && !send && !s->grad.data)
-            smp__tensor_alloc_or(st, &s->grad, ps->plan.on_device, SMP__ALLOC_PARAM,
+            smp__tensor_alloc_or(st, &s->grad, ps->plan.on_device, SMP__ALLOC_GRAD,
                                  "the gradient of a shared parameter");
         if (buf && !*st) *st = send ? smp__tensor_copy(&h, &s->grad) : smp__tensor_copy(&s->grad, &h);
         at += smp_tensor_nbytes(&h);
@@ -2440,7 +2537,7 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
         for (int peer = 0; peer < P && !st; peer++) {
             size_t bytes = peer == me ? 0 : smp__shared_pack(ps, md, pass, peer, NULL, &st);
             if (!bytes) continue;
-            char *b = buf[pass * P + peer] = (char *)smp__alloc_or(&st, bytes, SMP__ALLOC_OTHER, what);
+            char *b = buf[pass * P + peer] = (char *)smp__alloc_or(&st, bytes, SMP__ALLOC_COMM, what);
             if (b && pass) smp__shared_pack(ps, md, true, peer, b, &st);
             int tag = smp__tag(ps->plan.nlinks, false), count; /* past every link's */
             MPI_Datatype type;
@@ -2914,6 +3011,31 @@ static void smp__notify_failure(smp__pipe *ps) {
    stay as partitioned; a kind that cannot run on their placement runs on
    the nearest it can: zero_bubble_v on the same stages in a V (when there
    are 2 per partition), the others on a V model's stages round robin. */
+/* Starts counting the microbatches this rank holds (what active_microbatches caps) for a step of m. */
+static smp_status smp__active_begin(smp__pipe *ps, int m) {
+    smp_status st = SMP_OK;
+    ps->mb_active = 0;
+    if (m > ps->mb_held_cap) {
+        int *held = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)m, SMP__ALLOC_OTHER, "the step's microbatch counts");
+        if (st) return st;
+        smp__free(ps->mb_held);
+        ps->mb_held = held;
+        ps->mb_held_cap = m;
+    }
+    memset(ps->mb_held, 0, sizeof(int) * (size_t)m);
+    return st;
+}
+
+/* After op ran: a forward brings its microbatch onto the rank, the last op
+   a stage runs for it (B, or W in zero-bubble schedules) takes it off. */
+static void smp__active_note(smp__pipe *ps, smp_sched_op op) {
+    if (!ps->step.training) return;
+    int *h = &ps->mb_held[op.microbatch];
+    if (op.kind == SMP_SCHED_FORWARD && (*h)++ == 0 && ++ps->mb_active > ps->stats.peak_active_microbatches)
+        ps->stats.peak_active_microbatches = ps->mb_active;
+    if (op.kind == (ps->step.zb ? SMP_SCHED_WEIGHT : SMP_SCHED_BACKWARD) && --*h == 0) ps->mb_active--;
+}
+
 static void smp__schedule_report(const smp_model *md) {
     if (smp__ctx.rank != 0 || !getenv("SMP_VERBOSE")) return;
     int S = md->nstages, m = smp__ctx.cfg.microbatches, P = smp__ctx.cfg.partitions;
@@ -2945,15 +3067,17 @@ static void smp__schedule_report(const smp_model *md) {
         }
         smp_schedule sc;
         smp_sim_result r;
-        if (smp_schedule_build(kinds[q], P, S, map, m, false, &sc)) {
+        if (smp_schedule_build_capped(kinds[q], P, S, map, m, smp__ctx.cfg.active_microbatches, false, &sc)) {
             smp__log(SMP_LOG_INFO, "  %-13s not simulated: %s", name, smp_last_error());
             continue;
         }
         if (!smp_schedule_simulate(&sc, cost, cost + S, cost + 2 * S, 0.0, &r)) {
-            int peak = 0;
+            int peak = 0, mbs = 0;
             for (int p = 0; p < sc.nranks; p++) peak = r.rank_peak_inflight[p] > peak ? r.rank_peak_inflight[p] : peak;
-            smp__log(SMP_LOG_INFO, "  %-13s step %9.3f ms  bubble %5.1f%%  peak microbatch-stages in flight on a rank %d%s%s", name,
-                    r.makespan * 1e3, 100.0 * r.bubble_fraction, peak, kinds[q] == smp__ctx.cfg.pipeline ? "  (this run)" : "", placed);
+            for (int p = 0; p < sc.nranks; p++) mbs = r.rank_peak_microbatches[p] > mbs ? r.rank_peak_microbatches[p] : mbs;
+            smp__log(SMP_LOG_INFO, "  %-13s step %9.3f ms  bubble %5.1f%%  peak in flight on a rank: %d microbatch-stages, "
+                    "%d microbatches%s%s", name, r.makespan * 1e3, 100.0 * r.bubble_fraction, peak, mbs,
+                    kinds[q] == smp__ctx.cfg.pipeline ? "  (this run)" : "", placed);
             smp_sim_result_free(&r);
         }
         smp_schedule_free(&sc);
@@ -3048,8 +3172,8 @@ static smp_status smp__step_schedule(smp__pipe *ps, smp_model *md, bool training
     smp_schedule *sc = &ps->plan.sched[training ? 0 : 1];
     if (sc->ops) return SMP_OK;
     const smp_config *cfg = &smp__ctx.cfg;
-    smp_status st = smp_schedule_build(cfg->pipeline, cfg->partitions, md->nstages, md->stage_rank, cfg->microbatches,
-                                       !training, sc);
+    smp_status st = smp_schedule_build_capped(cfg->pipeline, cfg->partitions, md->nstages, md->stage_rank,
+                                              cfg->microbatches, training ? cfg->active_microbatches : 0, !training, sc);
     st = smp__agree_on(smp__ctx.world, st, "the step's schedule");
     if (st) smp_schedule_free(sc);
     return st;
@@ -3172,6 +3296,7 @@ static smp_status smp__step_run_ops(smp__pipe *ps, smp_model *md) {
             st = smp__stage_weight(ps, md, s, i);
             if (!st) smp__stage_release(ps, md, s, i);
         }
+        if (!st) smp__active_note(ps, ops[o]);
     }
     smp__ctx.at.op = 0;
     return st;
@@ -3252,6 +3377,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     smp__pipe *ps = (smp__pipe *)md->pipeline;
     smp_status st = smp__step_begin(ps, md, d, nouts, t_start);
     if (!st) st = smp__step_post_receives(ps);
+    if (!st) st = smp__active_begin(ps, ps->step.m);
     if (!st && ps->step.training && ps->plan.nshared) st = smp__shared_start(ps);
     if (!st) st = smp__step_run_ops(ps, md);
     if (!st) st = smp__step_drain_sends(ps);

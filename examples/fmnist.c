@@ -197,6 +197,16 @@ int main(int argc, char **argv) {
     if (!st) st = evaluate(model, &test, 1000, &accuracy);
     if (st) fprintf(stderr, "fmnist: rank %d: %s\n", smp_rank(), smp_last_error());
     else if (smp_rank() == 0) printf("test accuracy: %.4f\n", accuracy);
+    if (!st) { /* the memory account's peaks, one line per rank */
+        smp_memory_stats *all = calloc((size_t)smp_size(), sizeof *all);
+        st = all ? smp_memory_report("fmnist", all) : smp_error(SMP_ERR_NOMEM, "out of memory");
+        for (int r = 0; !st && smp_rank() == 0 && r < smp_size(); r++) {
+            char line[512];
+            smp_memory_format(&all[r], true, line, sizeof line);
+            printf("memory peak rank %d: %s\n", r, line);
+        }
+        free(all);
+    }
 
     adam_free(&opt_state);
     free(idx); free(xb); free(yb);

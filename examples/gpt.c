@@ -354,6 +354,7 @@ typedef struct adamw {
     int n;
     float **m, **v;
     int64_t t;
+    smp_optimizer *reg; /* the moments, registered: smp's memory account counts them */
 } adamw;
 
 static smp_status adamw_init(adamw *o, smp_model *model) {
@@ -368,7 +369,16 @@ static smp_status adamw_init(adamw *o, smp_model *model) {
         o->v[i] = calloc(k ? k : 1, sizeof(float));
         if (!o->m[i] || !o->v[i]) return smp_error(SMP_ERR_NOMEM, "out of memory for AdamW's state");
     }
-    return SMP_OK;
+    smp_status st = smp_optimizer_new(model, &o->reg);
+    for (int i = 0; i < o->n && !st; i++) {
+        smp_param *p = smp_model_local_param(model, i, false);
+        smp_tensor m = *smp_param_value(p), v = m;
+        m.data = o->m[i];
+        v.data = o->v[i];
+        st = smp_optimizer_state_add(o->reg, smp_param_name(p), "exp_avg", &m);
+        if (!st) st = smp_optimizer_state_add(o->reg, smp_param_name(p), "exp_avg_sq", &v);
+    }
+    return st;
 }
 
 static void adamw_step(adamw *o, smp_model *model, const options *opt, float lr) {
@@ -382,6 +392,7 @@ static void adamw_step(adamw *o, smp_model *model, const options *opt, float lr)
 }
 
 static void adamw_free(adamw *o) {
+    smp_optimizer_free(o->reg);
     for (int i = 0; i < o->n; i++) { free(o->m[i]); free(o->v[i]); }
     free(o->m);
     free(o->v);
@@ -556,6 +567,19 @@ static smp_status print_digest(smp_model *model) {
 }
 
 /* Every rank returns together: the first failure's message, on rank 0 and on the rank that failed. */
+/* The memory account's peaks, one line per rank (rank 0 prints). Collective. */
+static smp_status print_memory_peaks(void) {
+    smp_memory_stats *all = calloc((size_t)smp_size(), sizeof *all);
+    smp_status st = all ? smp_memory_report("gpt", all) : smp_error(SMP_ERR_NOMEM, "out of memory");
+    for (int r = 0; !st && smp_rank() == 0 && r < smp_size(); r++) {
+        char line[512];
+        smp_memory_format(&all[r], true, line, sizeof line);
+        printf("memory peak rank %d: %s\n", r, line);
+    }
+    free(all);
+    return st;
+}
+
 static int fail_all(smp_status st, const char *what) {
     int bad = st != SMP_OK, any = bad;
     MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_LOR, MPI_COMM_WORLD);
@@ -996,6 +1020,7 @@ int main(int argc, char **argv) {
         if (fail_all(st, "checkpoint")) goto done;
         if (root) printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n", opt.save);
     }
+    if (fail_all(print_memory_peaks(), "the memory account")) goto done;
     rc = 0;
 
 done:

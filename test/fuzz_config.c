@@ -87,6 +87,7 @@ static int cfg_equal(const smp_config *a, const smp_config *b) {
            a->average_grads_across_microbatches == b->average_grads_across_microbatches &&
            same_double(a->bucket_cap_mb, b->bucket_cap_mb) && a->broadcast_buffers == b->broadcast_buffers &&
            a->activation_checkpointing == b->activation_checkpointing && a->virtual_stages == b->virtual_stages &&
+           a->active_microbatches == b->active_microbatches &&
            a->deterministic_reduction == b->deterministic_reduction && same_double(a->timeout, b->timeout) &&
            a->seed == b->seed && memcmp(&a->comm, &b->comm, sizeof a->comm) == 0;
 }
@@ -153,6 +154,7 @@ static size_t write_json(const smp_config *c, bool reverse, char *out, size_t ca
     SW("broadcast_buffers", c->broadcast_buffers);
     SW("activation_checkpointing", c->activation_checkpointing);
     if (c->virtual_stages) PUT("\"virtual_stages\": %d", c->virtual_stages);
+    if (c->active_microbatches) PUT("\"active_microbatches\": %d", c->active_microbatches);
     SW("deterministic_reduction", c->deterministic_reduction);
     if (c->timeout != 0) PUT("\"timeout\": %.17g", c->timeout);
     if (c->seed) PUT("\"seed\": %llu", (unsigned long long)c->seed);
@@ -317,6 +319,7 @@ static void check_exact_integers(const char *doc, const smp_config *z) {
         else if (!strcmp(key, "default_partition")) snprintf(got, sizeof got, "%d", z->default_partition);
         else if (!strcmp(key, "backward_passes_per_step")) snprintf(got, sizeof got, "%d", z->backward_passes_per_step);
         else if (!strcmp(key, "virtual_stages")) snprintf(got, sizeof got, "%d", z->virtual_stages);
+        else if (!strcmp(key, "active_microbatches")) snprintf(got, sizeof got, "%d", z->active_microbatches);
         else if (!strcmp(key, "seed")) snprintf(got, sizeof got, "%llu", (unsigned long long)z->seed);
         else continue;
         int r = exact_integer(v, (size_t)(p - v), want, sizeof want);

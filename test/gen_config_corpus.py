@@ -27,6 +27,7 @@ ALL_KEYS = {
     "trace_memory_usage": True,
     "overlapping_allreduce": True,
     "backward_passes_per_step": 2,
+    "active_microbatches": 2,
     "average_grads_across_microbatches": True,
     "bucket_cap_mb": 12.5,
     "broadcast_buffers": True,

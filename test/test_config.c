@@ -112,6 +112,7 @@ static void test_defaults(void) {
     CHECK(r.bucket_cap_mb == 25.0, "defaults: bucket_cap_mb 25", "%g", r.bucket_cap_mb);
     CHECK(r.broadcast_buffers == SMP_ON, "defaults: broadcast_buffers on", "%d", (int)r.broadcast_buffers);
     CHECK(r.virtual_stages == 1, "defaults: virtual_stages 1", "%d", r.virtual_stages);
+    CHECK(r.active_microbatches == 0, "defaults: active_microbatches 0 (no cap)", "%d", r.active_microbatches);
     CHECK(r.activation_checkpointing == SMP_OFF, "defaults: activation_checkpointing off", "%d", (int)r.activation_checkpointing);
     CHECK(r.deterministic_reduction == SMP_OFF, "defaults: deterministic_reduction off", "%d",
           (int)r.deterministic_reduction);
@@ -383,6 +384,17 @@ static void test_bad_json_values(void) {
                       "int range", "3000000000");
     expect_json_error("bad json: huge integer", "{\"virtual_stages\": 99999999999999999999999}", "\"virtual_stages\"",
                       "int range", "99999999999999999999999");
+    {
+        smp_config a = {0};
+        smp_status st = smp_config_from_json("{\"active_microbatches\": 3}", &a);
+        CHECK(st == SMP_OK && a.active_microbatches == 3, "json: active_microbatches", "status %d, %d: %s", (int)st,
+              a.active_microbatches, smp_last_error());
+        st = smp_config_from_json("{\"active_microbatches\": 0}", &a);
+        CHECK(st == SMP_OK && a.active_microbatches == 0, "json: active_microbatches 0 (no cap)", "status %d, %d: %s", (int)st,
+              a.active_microbatches, smp_last_error());
+    }
+    expect_json_error("bad json: negative active_microbatches", "{\"active_microbatches\": -1}", "\"active_microbatches\"",
+                      "at least 1, or 0 for no limit", "-1");
     expect_json_error("bad json: zero partitions", "{\"partitions\": 0}", "\"partitions\"", "at least 1", "got 0");
     expect_json_error("bad json: negative backward_passes_per_step", "{\"backward_passes_per_step\": -2}",
                       "\"backward_passes_per_step\"", "at least 1", "-2");
@@ -531,6 +543,9 @@ static void test_bad_structs(void) {
     expect_resolve_error("bad struct: negative bucket_cap_mb", b, 4, "\"bucket_cap_mb\"", "-5", NULL);
     b.bucket_cap_mb = 2e6;
     expect_resolve_error("bad struct: enormous bucket_cap_mb", b, 4, "\"bucket_cap_mb\"", "2e+06", NULL);
+    b = c;
+    b.active_microbatches = -2;
+    expect_resolve_error("bad struct: negative active_microbatches", b, 4, "\"active_microbatches\"", "-2", "0 for no limit");
     b = c;
     b.virtual_stages = -3;
     expect_resolve_error("bad struct: negative virtual_stages", b, 4, "\"virtual_stages\"", "-3", NULL);

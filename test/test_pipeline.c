@@ -116,6 +116,38 @@ static int check_zb_stats(smp_model *model, smp_pipeline_kind kind, int P, int m
     return ok;
 }
 
+/* active_microbatches of the cases run_case_split runs (0: none) */
+static int g_active;
+
+/* The microbatches this rank held at once, as the step counted them, equal
+   what the simulator counts for the same (capped) schedule, and are at
+   most the cap. */
+static int check_active(smp_model *model, smp_pipeline_kind kind, int P, int m, int cap, char *why, size_t whycap) {
+    smp_step_stats ss = smp_last_step_stats(model);
+    int S = smp_model_num_stages(model), map[16], me = smp_mp_rank(), ok = 1;
+    for (int s = 0; s < S && s < 16; s++) map[s] = smp_model_stage_rank(model, s);
+    smp_schedule sc;
+    smp_sim_result r;
+    if (S > 16 || smp_schedule_build_capped(kind, P, S, map, m, cap, false, &sc) != SMP_OK) {
+        snprintf(why, whycap, "cannot build the schedule to compare with: %s", smp_last_error());
+        return 0;
+    }
+    if (smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.0, &r) != SMP_OK) {
+        snprintf(why, whycap, "cannot simulate the schedule: %s", smp_last_error());
+        smp_schedule_free(&sc);
+        return 0;
+    }
+    int got = ss.peak_active_microbatches;
+    if (got != r.rank_peak_microbatches[me] || got < 1 || (cap && got > cap)) {
+        snprintf(why, whycap, "rank %d held %d microbatches at once; the simulator counts %d, the cap is %d", me, got,
+                 r.rank_peak_microbatches[me], cap);
+        ok = 0;
+    }
+    smp_sim_result_free(&r);
+    smp_schedule_free(&sc);
+    return ok;
+}
+
 static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *placement, int vstages, bool split, const char *label) {
     smp_config cfg = {0};
     cfg.partitions = P;
@@ -124,9 +156,11 @@ static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *plac
     cfg.ddp = world > P ? SMP_ON : SMP_OFF;
     cfg.virtual_stages = vstages;
     cfg.seed = 7;
+    cfg.active_microbatches = g_active;
     if (placement) { cfg.auto_partition = SMP_OFF; }
-    char name[160], why[4096] = "";
-    snprintf(name, sizeof name, "pipeline/%s/P=%d/m=%d/%s%s", label, P, m, kind_name(kind), split ? "/split linears" : "");
+    char name[160], why[4096] = "", capped[48] = "";
+    if (g_active) snprintf(capped, sizeof capped, "/active_microbatches %d", g_active);
+    snprintf(name, sizeof name, "pipeline/%s/P=%d/m=%d/%s%s%s", label, P, m, kind_name(kind), split ? "/split linears" : "", capped);
     smp_status st = smp_init(&cfg);
     if (st) { MPI_CHECK(0, name, "smp_init: %s", smp_last_error()); return; }
     net n;
@@ -149,8 +183,9 @@ static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *plac
             smp_tensor cat = smp_tensor_2d(all, SMP_F32, B, C);
             if (smp_step_output_concat(&outs[1], &cat) || memcmp(all, ref.out, sizeof all)) { snprintf(why, sizeof why, "concatenated outputs differ"); ok = 0; }
         }
-        if (ok && split_kind(kind)) ok = check_zb_stats(model, kind, P, m, why, sizeof why);
-        if (ok && !split_kind(kind)) { /* stash peaks: simple holds every microbatch, 1F1B at most S - s */
+        if (ok) ok = check_active(model, kind, P, m, g_active, why, sizeof why);
+        if (ok && split_kind(kind) && !g_active) ok = check_zb_stats(model, kind, P, m, why, sizeof why);
+        if (ok && !split_kind(kind) && !g_active) { /* stash peaks: simple holds every microbatch, 1F1B at most S - s */
             smp_step_stats ss = smp_last_step_stats(model);
             int S = smp_model_num_stages(model);
             for (int k = 0; k < ss.local_stages && ok; k++) {
@@ -184,8 +219,10 @@ static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *plac
     } else if (ok && split && !split_kind(kind) && deferred) {
         snprintf(why, sizeof why, "%ld of %ld W calls did not follow their own B under %s", deferred, nw, kind_name(kind));
         ok = 0;
-    } else if (ok && split && split_kind(kind) && m > 1 && (kind == SMP_PIPELINE_ZERO_BUBBLE || m >= 2 * P - 1) && !any_deferred) {
-        /* (zero_bubble_v with fewer than 2P-1 microbatches may run each W right after its B) */
+    } else if (ok && split && split_kind(kind) && m > 1 && (kind == SMP_PIPELINE_ZERO_BUBBLE || m >= 2 * P - 1) && g_active != 1 &&
+               !any_deferred) {
+        /* (zero_bubble_v with fewer than 2P-1 microbatches may run each W right after its B; one microbatch at a time
+           leaves nothing to put a W behind) */
         snprintf(why, sizeof why, "every W ran right after its own B (%ld here): %s deferred none", adjacent, kind_name(kind));
         ok = 0;
     }
@@ -644,6 +681,23 @@ int main(int argc, char **argv) {
         static const int vee1[7] = {0, 0, 0, 0, 0, 0, 0}, vee2[7] = {0, 0, 1, 1, 1, 0, 0};
         run_case_split(P, 4, SMP_PIPELINE_ZERO_BUBBLE_V, P == 1 ? vee1 : vee2, 1, true, P == 1 ? "manual, cut in two" : "manual V 0,1,0");
         run_case_split(P, 3, SMP_PIPELINE_ZERO_BUBBLE_V, NULL, 2, true, "auto, virtual_stages 2");
+    }
+    /* active_microbatches 1..m: the same bits, under the cap, every kind */
+    for (int P = 1; P <= world && P <= 2; P *= 2) {
+        if (world % P) continue;
+        for (g_active = 1; g_active <= 4; g_active++) {
+            run_case(P, 4, SMP_PIPELINE_SIMPLE, NULL, 1, "auto");
+            run_case(P, 4, SMP_PIPELINE_INTERLEAVED, NULL, 1, "auto");
+            run_case_split(P, 4, SMP_PIPELINE_ZERO_BUBBLE, NULL, 1, true, "auto");
+            run_case_split(P, 4, SMP_PIPELINE_ZERO_BUBBLE_V, NULL, 1, true, "auto");
+            if (P == 2) {
+                static const int manual[7] = {0, 0, 1, 1, 0, 0, 1}; /* stages on ranks 0,1,0,1 */
+                run_case(2, 4, SMP_PIPELINE_SIMPLE, manual, 1, "manual 0,1,0,1");
+                run_case(2, 4, SMP_PIPELINE_INTERLEAVED, NULL, 2, "auto, 2 virtual stages");
+                run_case_split(2, 4, SMP_PIPELINE_ZERO_BUBBLE, manual, 1, true, "manual 0,1,0,1");
+            }
+        }
+        g_active = 0;
     }
     run_vee_errors();
     for (int k = 0; k < 3 && world % 2 == 0; k++) {

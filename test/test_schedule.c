@@ -711,6 +711,132 @@ static void test_zbv_order(void) {
     smp_schedule_free(&sc);
 }
 
+/* The most distinct microbatches rank r holds at once, counted apart from
+   the simulator: microbatch i is held from the position of its first
+   forward on r up to its last op there (W in zero-bubble kinds, else B). */
+static int held_peak(const smp_schedule *sc, int r) {
+    int m = sc->microbatches, n = sc->nops[r], peak = 0;
+    int *first = (int *)malloc(sizeof(int) * (size_t)m), *last = (int *)malloc(sizeof(int) * (size_t)m);
+    for (int i = 0; i < m; i++) first[i] = last[i] = -1;
+    for (int k = 0; k < n; k++) {
+        smp_sched_op op = sc->ops[r][k];
+        if (op.kind == SMP_SCHED_FORWARD && first[op.microbatch] < 0) first[op.microbatch] = k;
+        if (op.kind != SMP_SCHED_FORWARD) last[op.microbatch] = k;
+    }
+    for (int k = 0; k < n; k++) {
+        int at = 0;
+        for (int i = 0; i < m; i++) at += first[i] >= 0 && first[i] <= k && last[i] > k;
+        if (at > peak) peak = at;
+    }
+    free(first);
+    free(last);
+    return peak;
+}
+
+/* active_microbatches = c for every kind, stage count and microbatch count
+   in range, c from 1 to m + 1: the schedule stays valid (each op once, in
+   microbatch order per stage, W order), never deadlocks (unit and random
+   costs, latency), no rank ever holds more than c microbatches (the
+   simulator and an independent count agree), c at or above what the
+   uncapped schedule holds changes nothing, and simple is GPipe in groups
+   of c. */
+static void test_active_microbatches(void) {
+    int ok_build = 1, ok_valid = 1, ok_sim = 1, ok_cap = 1, ok_count = 1, ok_same = 1, ok_gpipe = 1, cases = 0;
+    char w_build[512] = "", w_valid[512] = "", w_sim[512] = "", w_cap[512] = "", w_count[512] = "", w_same[512] = "",
+         w_gpipe[512] = "";
+    static const smp_pipeline_kind kinds[4] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE,
+                                               SMP_PIPELINE_ZERO_BUBBLE_V};
+#define NOTE(flag, buf, ...) note(&flag, buf, __VA_ARGS__)
+    for (int kk = 0; kk < 4; kk++)
+        for (int R = 1; R <= 6; R++)
+            for (int v = 1; v <= 3; v++)
+                for (int m = 1; m <= 10; m++) {
+                    smp_pipeline_kind kind = kinds[kk];
+                    bool vk = kind == SMP_PIPELINE_ZERO_BUBBLE_V;
+                    if ((R == 1 && v > 1 && !vk) || (vk && v != 2)) continue;
+                    int S = R * v, map[32];
+                    for (int s = 0; s < S; s++) map[s] = vk ? vee(s, R) : s % R;
+                    smp_schedule free_sc;
+                    smp_sim_result fr;
+                    if (smp_schedule_build(kind, R, S, NULL, m, false, &free_sc) != SMP_OK ||
+                        smp_schedule_simulate(&free_sc, NULL, NULL, NULL, 0.0, &fr) != SMP_OK) {
+                        NOTE(ok_build, w_build, "%s R=%d v=%d m=%d uncapped: %s", kind_name(kind), R, v, m, smp_last_error());
+                        smp_schedule_free(&free_sc);
+                        continue;
+                    }
+                    int natural = 0;
+                    for (int r = 0; r < R; r++) natural = fr.rank_peak_microbatches[r] > natural ? fr.rank_peak_microbatches[r] : natural;
+                    smp_sim_result_free(&fr);
+                    for (int c = 0; c <= m + 1; c++) {
+                        smp_schedule sc;
+                        const char *ctx = kind_name(kind);
+                        if (smp_schedule_build_capped(kind, R, S, NULL, m, c, false, &sc) != SMP_OK) {
+                            NOTE(ok_build, w_build, "%s R=%d v=%d m=%d c=%d: %s", ctx, R, v, m, c, smp_last_error());
+                            continue;
+                        }
+                        cases++;
+                        if (sc.active_microbatches != c || sc.kind != kind)
+                            NOTE(ok_build, w_build, "%s R=%d v=%d m=%d c=%d: built with cap %d, kind %d", ctx, R, v, m, c,
+                                 sc.active_microbatches, (int)sc.kind);
+                        if (!check_valid(&sc, map) || (split_kind(kind) && !check_w_order(&sc)))
+                            NOTE(ok_valid, w_valid, "%s R=%d v=%d m=%d c=%d: %s", ctx, R, v, m, c, why);
+                        if ((c == 0 || c >= natural) && !same_schedule(&sc, &free_sc))
+                            NOTE(ok_same, w_same, "%s R=%d v=%d m=%d c=%d (uncapped holds %d): the schedule changed", ctx, R,
+                                 v, m, c, natural);
+                        for (int draw = 0; draw < 2; draw++) {
+                            double f[32], b[32], w[32], lat = draw ? rnd_uniform(0, 0.5) : 0;
+                            for (int s = 0; s < S; s++) {
+                                f[s] = draw ? rnd_uniform(0.2, 3) : 1;
+                                b[s] = draw ? rnd_uniform(0.2, 5) : 1;
+                                w[s] = draw ? rnd_uniform(0, 3) : 1;
+                            }
+                            smp_sim_result r;
+                            if (smp_schedule_simulate(&sc, f, b, w, lat, &r) != SMP_OK) {
+                                NOTE(ok_sim, w_sim, "%s R=%d v=%d m=%d c=%d: %s", ctx, R, v, m, c, smp_last_error());
+                                continue;
+                            }
+                            if (r.deadlock) NOTE(ok_sim, w_sim, "%s R=%d v=%d m=%d c=%d: %s", ctx, R, v, m, c, r.deadlock_reason);
+                            for (int q = 0; q < R; q++) {
+                                int got = r.rank_peak_microbatches[q], counted = held_peak(&sc, q);
+                                if (got < 1 || (c && got > c))
+                                    NOTE(ok_cap, w_cap, "%s R=%d v=%d m=%d c=%d: rank %d holds %d microbatches", ctx, R, v, m,
+                                         c, q, got);
+                                if (got != counted)
+                                    NOTE(ok_count, w_count, "%s R=%d v=%d m=%d c=%d: rank %d: simulator says %d, counted %d",
+                                         ctx, R, v, m, c, q, got, counted);
+                                if (kind == SMP_PIPELINE_SIMPLE && got != (c && c < m ? c : m))
+                                    NOTE(ok_gpipe, w_gpipe, "R=%d v=%d m=%d c=%d: rank %d holds %d", R, v, m, c, q, got);
+                            }
+                            smp_sim_result_free(&r);
+                        }
+                        smp_schedule_free(&sc);
+                    }
+                    smp_schedule_free(&free_sc);
+                }
+    CHECK(ok_build && cases > 1000, "active_microbatches: every kind builds under every cap 0..m+1", "%s (%d cases)", w_build, cases);
+    CHECK(ok_valid, "active_microbatches: capped schedules are valid (each op once, microbatch order, W order)", "%s", w_valid);
+    CHECK(ok_sim, "active_microbatches: capped schedules never deadlock (unit and random costs, latency)", "%s", w_sim);
+    CHECK(ok_cap, "active_microbatches: no rank ever holds more than the cap", "%s", w_cap);
+    CHECK(ok_count, "active_microbatches: the simulator's peak microbatches per rank matches an independent count", "%s", w_count);
+    CHECK(ok_same, "active_microbatches: 0, or a cap the schedule never reaches, leaves it unchanged", "%s", w_same);
+    CHECK(ok_gpipe, "active_microbatches: simple holds exactly min(c, m) microbatches per rank (GPipe in groups of c)", "%s",
+          w_gpipe);
+    smp_schedule sc;
+    smp_status st = smp_schedule_build_capped(SMP_PIPELINE_INTERLEAVED, 2, 2, NULL, 4, -1, false, &sc);
+    CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "active_microbatches") && strstr(smp_last_error(), "-1"),
+          "active_microbatches: a negative cap is an error naming the key", "status %d: %s", (int)st, smp_last_error());
+    /* GPipe in groups: 2 stages, 4 microbatches, cap 2, unit costs: two GPipe steps of 2, each (2 + 1) x 2 long */
+    smp_sim_result r;
+    int ok = smp_schedule_build_capped(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 4, 2, false, &sc) == SMP_OK &&
+             smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.0, &r) == SMP_OK;
+    CHECK(ok && fabs(r.makespan - 12) < 1e-12 && r.rank_peak_microbatches[0] == 2 && r.rank_peak_microbatches[1] == 2,
+          "active_microbatches: simple with cap 2 of 4 runs two GPipe groups (makespan 12, 2 held)", "makespan %g held %d %d",
+          ok ? r.makespan : -1, ok ? r.rank_peak_microbatches[0] : -1, ok ? r.rank_peak_microbatches[1] : -1);
+    if (ok) smp_sim_result_free(&r);
+    smp_schedule_free(&sc);
+#undef NOTE
+}
+
 static void test_other_maps(void) {
     static const int maps[][8] = {
         {0, 1, 2, 0, 1, 2}, {1, 0},          {0, 1, 0, 2},    {2, 1, 0, 1, 2},
@@ -1147,6 +1273,7 @@ int main(void) {
     test_zbv_bubble();
     test_zbv_exhaustive();
     test_zbv_order();
+    test_active_microbatches();
     test_simulator_by_hand();
     test_deadlock();
     test_errors();
