@@ -88,13 +88,15 @@ static void log_line(const char *call, const char *a, const char *b) {
     static ret (*real)(__VA_ARGS__);                              \
     if (!real) *(void **)&real = dlsym(RTLD_NEXT, name)
 
-static void opened(int fd, char *path) { /* takes path */
-    if (fd < 0 || fd >= MAX_FDS || !path) { free(path); return; }
+/* fd is open on path (NULL: on a path not watched); takes path. An entry
+   left by a close libc made for itself (fclose) goes here. */
+static void opened(int fd, char *path) {
+    if (fd < 0 || fd >= MAX_FDS) { free(path); return; }
     pthread_mutex_lock(&mu);
     free(fd_path[fd]);
     fd_path[fd] = path;
     fd_wrote[fd] = 0;
-    log_line("open", path, NULL);
+    if (path) log_line("open", path, NULL);
     pthread_mutex_unlock(&mu);
 }
 

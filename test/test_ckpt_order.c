@@ -58,7 +58,10 @@ int main(int argc, char **argv) {
     const char *paths[3] = {full, part, part};
     for (int i = 0; i < 3 && !st; i++) {
         st = smp_save(model, paths[i], i == 0 ? &full_desc : NULL);
-        MPI_CHECK(!st, i == 0 ? "ckpt-order/the full save" : i == 1 ? "ckpt-order/the first partial save" : "ckpt-order/the second partial save",
+        MPI_CHECK(!st,
+                  i == 0   ? "ckpt-order/the full save"
+                  : i == 1 ? "ckpt-order/the first partial save"
+                           : "ckpt-order/the second partial save",
                   "%s", smp_last_error());
     }
     for (int i = 0; i < 2 && !st; i++) {
@@ -67,8 +70,9 @@ int main(int argc, char **argv) {
         smp_load_desc ld = {0};
         ld.partial = i ? SMP_ON : SMP_OFF;
         st = smp_load(model, i ? part : full, &ld);
-        MPI_CHECK(!st && digest(model) == trained, i ? "ckpt-order/the partial save loads back" : "ckpt-order/the full save loads back",
-                  "%s", st ? smp_last_error() : "other parameters");
+        MPI_CHECK(!st && digest(model) == trained,
+                  i ? "ckpt-order/the partial save loads back" : "ckpt-order/the full save loads back", "%s",
+                  st ? smp_last_error() : "other parameters");
     }
     smp_model_free(model);
     smp_finalize();

@@ -101,6 +101,8 @@ same "gpt/DDP 2x2 equals 2 replicas in one stage, bitwise" dp1x2 dp2x2
 # ones within 1e-6 (1e-8 seen); masks alike across replicas miss at step 0.
 run dropdp 4 --partitions 2 --ddp --deterministic --microbatches 1 --dropout 0.1
 run drop_mb2 1 --partitions 1 --microbatches 2 --dropout 0.1
+dropdp_name="gpt/dropout, DDP 2x2 (deterministic): each replica draws the masks of its samples, as one process running"
+dropdp_name="$dropdp_name the global batch (step 0 bitwise, steps 1-7 within 1e-6)"
 if python3 - "$tmp/dropdp" "$tmp/drop_mb2" 2>"$tmp/dropdp.check" <<'PY'
 import sys
 def losses(p):
@@ -113,8 +115,8 @@ assert a[0] == b[0], ("step 0", a[0].hex(), b[0].hex())
 worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
 assert worst < 1e-6, worst
 PY
-then echo "PASS: gpt/dropout, DDP 2x2 (deterministic): each replica draws the masks of its samples, as one process running the global batch (step 0 bitwise, steps 1-7 within 1e-6)"
-else echo "FAIL: gpt/dropout, DDP 2x2 (deterministic): each replica draws the masks of its samples, as one process running the global batch (step 0 bitwise, steps 1-7 within 1e-6): $(tail -n 1 "$tmp/dropdp.check") $(head -c 300 "$tmp/dropdp.err")"; fi
+then echo "PASS: $dropdp_name"
+else echo "FAIL: $dropdp_name: $(tail -n 1 "$tmp/dropdp.check") $(head -c 300 "$tmp/dropdp.err")"; fi
 
 # training works: the loss falls well within a few steps
 if python3 - "$tmp/one" <<'PY'

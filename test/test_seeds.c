@@ -54,10 +54,12 @@ static smp_status drop_relu_backward(smp_call_ctx *c) {
     const float *x = (const float *)smp_call_input(c, 0)->data, *gy = (const float *)smp_call_grad_output(c, 0)->data;
     smp_tensor *gx = smp_call_grad_input(c, 0);
     uint64_t seed = smp_call_seed(c);
-    for (int64_t i = 0; gx && i < smp_tensor_numel(gx); i++) ((float *)gx->data)[i] = x[i] > 0 && kept(seed, i) ? 2 * gy[i] : 0;
+    for (int64_t i = 0; gx && i < smp_tensor_numel(gx); i++)
+        ((float *)gx->data)[i] = x[i] > 0 && kept(seed, i) ? 2 * gy[i] : 0;
     return SMP_OK;
 }
-static const net_fns dropout_fns = {lin_forward, lin_backward, drop_relu_forward, drop_relu_backward, add_forward, add_backward};
+static const net_fns dropout_fns = {lin_forward,        lin_backward, drop_relu_forward,
+                                    drop_relu_backward, add_forward,  add_backward};
 static const int placement[7] = {0, 0, 0, 1, 1, 1, 1};
 
 static smp_model *start(net *n, int P, int m, int bpps, MPI_Comm comm) {
@@ -79,7 +81,11 @@ static smp_model *start(net *n, int P, int m, int bpps, MPI_Comm comm) {
 
 /* ---------------------------------------------------------------- 1: replicas against one process */
 enum { STEPS = 4, MAXDP = 2 };
-typedef struct { char name[64]; float v[H * H]; int64_t n; } kept_param;
+typedef struct {
+    char name[64];
+    float v[H * H];
+    int64_t n;
+} kept_param;
 
 static void replicas_against_one_process(int world) {
     int P = world == 4 ? 2 : 1, dp = world / P;
@@ -93,7 +99,8 @@ static void replicas_against_one_process(int world) {
     int rows = B / dp, r = smp_dp_rank();
     for (int s = 0; s < STEPS && model; s++) {
         batch(s, 0, x, t);
-        smp_tensor xt = smp_tensor_2d(x + r * rows * D, SMP_F32, rows, D), tt = smp_tensor_2d(t + r * rows * C, SMP_F32, rows, C);
+        smp_tensor xt = smp_tensor_2d(x + r * rows * D, SMP_F32, rows, D),
+                   tt = smp_tensor_2d(t + r * rows * C, SMP_F32, rows, C);
         smp_step_output out = {0};
         smp_model_zero_grad(model);
         smp_status st = SMP_TRAIN_STEP(model, mse_body, NULL, &out, 1, xt, tt);
@@ -112,7 +119,8 @@ static void replicas_against_one_process(int world) {
     }
     smp_model_free(model);
     smp_finalize();
-    MPI_CHECK(model && errors == 0, "seeds/dropout with data parallelism: the steps", "%d steps failed: %s", errors, smp_last_error());
+    MPI_CHECK(model && errors == 0, "seeds/dropout with data parallelism: the steps", "%d steps failed: %s", errors,
+              smp_last_error());
 
     /* one process: the whole global batch in dp microbatches */
     smp_model *ref = start(&n, 1, dp, 1, MPI_COMM_SELF);
@@ -132,7 +140,8 @@ static void replicas_against_one_process(int world) {
     for (int s = 0; s < STEPS && !*why; s++)
         for (int i = 0; i < dp && !*why; i++)
             if (memcmp(&losses[s][i], &ref_losses[s][i], sizeof(float)))
-                snprintf(why, sizeof why, "step %d: replica %d's loss %a, one process's microbatch %d %a", s, i, losses[s][i], i, ref_losses[s][i]);
+                snprintf(why, sizeof why, "step %d: replica %d's loss %a, one process's microbatch %d %a", s, i,
+                         losses[s][i], i, ref_losses[s][i]);
     int compared = 0;
     for (int k = 0; k < nparams && !*why && ref; k++)
         for (int i = 0; smp_model_local_param(ref, i, false); i++) {
@@ -142,11 +151,15 @@ static void replicas_against_one_process(int world) {
             if (memcmp(smp_param_value(p)->data, params[k].v, sizeof(float) * (size_t)params[k].n))
                 snprintf(why, sizeof why, "parameter %.63s differs after %d steps", params[k].name, STEPS);
         }
-    if (!*why && compared != nparams) snprintf(why, sizeof why, "%d of %d parameters found in the one-process model", compared, nparams);
-    if (!*why && ref_errors) snprintf(why, sizeof why, "%d one-process steps failed: %.900s", ref_errors, smp_last_error());
+    if (!*why && compared != nparams)
+        snprintf(why, sizeof why, "%d of %d parameters found in the one-process model", compared, nparams);
+    if (!*why && ref_errors)
+        snprintf(why, sizeof why, "%d one-process steps failed: %.900s", ref_errors, smp_last_error());
     char name[160];
-    snprintf(name, sizeof name, "seeds/dropout, %d partition%s x %d replicas (deterministic): every loss and parameter equals one process "
-             "running the global batch in %d microbatches, bitwise", P, P > 1 ? "s" : "", dp, dp);
+    snprintf(name, sizeof name,
+             "seeds/dropout, %d partition%s x %d replicas (deterministic): every loss and parameter equals one process "
+             "running the global batch in %d microbatches, bitwise",
+             P, P > 1 ? "s" : "", dp, dp);
     MPI_CHECK(ref && !*why, name, "%s", *why ? why : "no one-process model");
     smp_model_free(ref);
     smp_finalize();
@@ -155,14 +168,18 @@ static void replicas_against_one_process(int world) {
 /* ---------------------------------------------------------------- 2: out of memory, and again */
 enum { UPDATES = 6, PASSES = 2, M = 2 };
 
-typedef struct { float *v; size_t bytes; } grad_copy;
+typedef struct {
+    float *v;
+    size_t bytes;
+} grad_copy;
 
 /* The gradients of this rank's parameters, kept or put back. */
 static void grads(smp_model *model, grad_copy *g, int *ng, bool restore) {
     int k = 0;
     for (smp_param *p; (p = smp_model_local_param(model, k, false)) && k < 2 * NLIN; k++) {
         smp_tensor *gt = smp_param_grad(p);
-        if (restore) memcpy(gt->data, g[k].v, g[k].bytes);
+        if (restore)
+            memcpy(gt->data, g[k].v, g[k].bytes);
         else {
             g[k].bytes = smp_tensor_nbytes(gt);
             g[k].v = (float *)realloc(g[k].v, g[k].bytes);
@@ -192,15 +209,18 @@ static uint64_t run_passes(int world, bool inject, int *nomem, int *other, int *
             int target = (int)(smp__splitmix(&rng) % (uint64_t)world);
             uint64_t pick = smp__splitmix(&rng);
             bool fail_here = inject && u > 0 && (u * PASSES + p) % 3 != 0;
-            if (fail_here && me == target && per_pass[p] > 0) smp_testing_fail(SMP_FAULT_ALLOC, (long)(pick % (uint64_t)per_pass[p]));
+            if (fail_here && me == target && per_pass[p] > 0)
+                smp_testing_fail(SMP_FAULT_ALLOC, (long)(pick % (uint64_t)per_pass[p]));
             grads(model, saved, &ng, false);
             long a0 = smp_testing_events(SMP_FAULT_ALLOC);
             smp_status st = SMP_TRAIN_STEP(model, mse_body, NULL, NULL, 0, xt, tt);
             if (!inject && u == 1) per_pass[p] = smp_testing_events(SMP_FAULT_ALLOC) - a0;
             smp_testing_fail(SMP_FAULT_ALLOC, -1);
             if (fail_here) {
-                if (st == SMP_ERR_NOMEM) (*nomem)++;
-                else (*other)++;
+                if (st == SMP_ERR_NOMEM)
+                    (*nomem)++;
+                else
+                    (*other)++;
                 if (st) { /* the engine's part: the gradients as they were, then the same pass again */
                     grads(model, saved, &ng, true);
                     st = SMP_TRAIN_STEP(model, mse_body, NULL, NULL, 0, xt, tt);
@@ -228,13 +248,19 @@ static void failed_pass_does_not_count(int world) {
     for (int i = PASSES; i < UPDATES * PASSES; i++) injected += i % 3 != 0;
     char name[320];
     int P = world >= 4 ? 2 : 1;
-    snprintf(name, sizeof name, "seeds/out of memory in %d passes of backward_passes_per_step 2 (%d partition%s x %d replica%s): SMP_ERR_NOMEM on "
-             "every rank, and run again the parameters equal a run where nothing failed, bitwise", nomem, P, P > 1 ? "s" : "", world / P,
-             world / P > 1 ? "s" : "");
-    MPI_CHECK(clean && clean_other == 0 && per_pass[0] > 0 && per_pass[1] > 0 && nomem == injected && other == 0 && retries_failed == 0 && failed == clean, name,
-              "%d passes out of memory, %d with another result, %d retries failed (of %d injected; a pass allocates %ld and %ld times); the clean run "
+    snprintf(name, sizeof name,
+             "seeds/out of memory in %d passes of backward_passes_per_step 2 (%d partition%s x %d replica%s): "
+             "SMP_ERR_NOMEM on "
+             "every rank, and run again the parameters equal a run where nothing failed, bitwise",
+             nomem, P, P > 1 ? "s" : "", world / P, world / P > 1 ? "s" : "");
+    MPI_CHECK(clean && clean_other == 0 && per_pass[0] > 0 && per_pass[1] > 0 && nomem == injected && other == 0 &&
+                  retries_failed == 0 && failed == clean,
+              name,
+              "%d passes out of memory, %d with another result, %d retries failed (of %d injected; a pass allocates "
+              "%ld and %ld times); the clean run "
               "%s; parameters %s",
-              nomem, other, retries_failed, injected, per_pass[0], per_pass[1], clean && !clean_other ? "worked" : "failed", failed == clean ? "equal" : "differ");
+              nomem, other, retries_failed, injected, per_pass[0], per_pass[1],
+              clean && !clean_other ? "worked" : "failed", failed == clean ? "equal" : "differ");
 }
 
 int main(int argc, char **argv) {
@@ -246,8 +272,10 @@ int main(int argc, char **argv) {
         MPI_Finalize();
         return 0;
     }
-    if (world > 1) replicas_against_one_process(world);
-    else test_skip("seeds/dropout with data parallelism", "one rank has no replicas (run at 2 and 4)");
+    if (world > 1)
+        replicas_against_one_process(world);
+    else
+        test_skip("seeds/dropout with data parallelism", "one rank has no replicas (run at 2 and 4)");
     failed_pass_does_not_count(world);
     MPI_Finalize();
     return test_exit_code();
