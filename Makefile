@@ -154,7 +154,7 @@ EXLIBS   := -lopenblas -lz -lm
 EXFLAGS  := -O3 -fno-math-errno -g
 build/examples/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h | build/examples
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(EXFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
-build/examples/gpt: examples/gpt_model.h
+build/examples/gpt: examples/gpt_model.h examples/gpt_shared.h
 build/examples:
 	@mkdir -p $@
 examples: $(addprefix build/examples/,$(EXAMPLES))
@@ -162,7 +162,7 @@ examples: $(addprefix build/examples/,$(EXAMPLES))
 # (test_demo.sh, test_gpt.sh with SMP_EXAMPLES=build/examples-asan).
 build/examples-asan/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h | build/examples-asan
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(SANFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
-build/examples-asan/gpt: examples/gpt_model.h
+build/examples-asan/gpt: examples/gpt_model.h examples/gpt_shared.h
 build/examples-asan:
 	@mkdir -p $@
 examples-asan: $(addprefix build/examples-asan/,$(EXAMPLES))
@@ -173,7 +173,7 @@ CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu build/cuda/fmnist bui
 build/cuda/%: examples/%.cu $(HEADERS) | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lnccl
 # Fashion-MNIST on GPUs: the CPU demo's loop with cuBLAS and kernels of its own.
-CUDA_MLP := examples/fmnist_cuda.h examples/mlp_engine.h examples/fmnist_shared.h
+CUDA_MLP := examples/fmnist_cuda.h examples/cuda_engine.h examples/mlp_engine.h examples/fmnist_shared.h
 build/cuda/fmnist: examples/fmnist.cu $(HEADERS) $(CUDA_MLP) Makefile | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl -lz
 build/bench/nccl: bench/nccl.cu $(HEADERS) $(CUDA_MLP) Makefile | build/bench
@@ -195,9 +195,9 @@ build/fake/fake_faults: test/fake_faults.cu test/fake_twins.h build/fake/fake_cu
 	$(NVCC) $(FAKE_FLAGS) $< build/fake/fake_cuda.o -o $@ -lpthread
 build/fake/nccl_allreduce: test/fake_nccl_allreduce.cu examples/nccl_allreduce.cu test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
 	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread
-build/fake/fmnist: test/fake_fmnist.cu examples/fmnist.cu $(CUDA_MLP) test/fake_fmnist_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
+build/fake/fmnist: test/fake_fmnist.cu examples/fmnist.cu $(CUDA_MLP) test/fake_fmnist_twins.h test/fake_engine_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
 	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread -lz
-build/fake/bench_nccl: test/fake_bench_nccl.cu bench/nccl.cu $(CUDA_MLP) test/fake_fmnist_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
+build/fake/bench_nccl: test/fake_bench_nccl.cu bench/nccl.cu $(CUDA_MLP) test/fake_fmnist_twins.h test/fake_engine_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
 	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread -lz
 build/fake/c_engine: test/fake_c_engine.c build/fake/fake_cuda.o $(HEADERS) test/test.h | build/fake
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) -O2 -I. -Itest -I$(CUDA_HOME)/include $< build/fake/fake_cuda.o -o $@ -lpthread -lm
