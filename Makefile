@@ -169,13 +169,17 @@ examples-asan: $(addprefix build/examples-asan/,$(EXAMPLES))
 
 # CUDA sources: compiled and linked with nvcc (no GPU needed to build them).
 NVFLAGS  := -ccbin mpicxx -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror
-CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu build/cuda/fmnist build/bench/nccl
+CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu build/cuda/fmnist build/cuda/gpt build/bench/nccl
 build/cuda/%: examples/%.cu $(HEADERS) | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lnccl
 # Fashion-MNIST on GPUs: the CPU demo's loop with cuBLAS and kernels of its own.
 CUDA_MLP := examples/fmnist_cuda.h examples/cuda_engine.h examples/mlp_engine.h examples/fmnist_shared.h
 build/cuda/fmnist: examples/fmnist.cu $(HEADERS) $(CUDA_MLP) Makefile | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl -lz
+# The GPT on GPUs: gpt.c's model, data and loop with cuBLAS and kernels of its own.
+CUDA_GPT := examples/gpt_cuda.h examples/cuda_engine.h examples/gpt_model.h examples/gpt_shared.h examples/mlp_engine.h
+build/cuda/gpt: examples/gpt.cu $(HEADERS) $(CUDA_GPT) Makefile | build/cuda
+	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl
 build/bench/nccl: bench/nccl.cu $(HEADERS) $(CUDA_MLP) Makefile | build/bench
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl -lz
 build/cuda/test_gpu: test/test_gpu.cu $(HEADERS) test/test.h test/net7.h test/linear_ref.h | build/cuda
@@ -184,7 +188,7 @@ build/cuda:
 	@mkdir -p $@
 # The same CUDA programs on test/fake_cuda.c, a CPU stand-in for the CUDA
 # runtime, NCCL and cuBLAS (-cudart none): smp_nccl.h's logic runs without a GPU.
-FAKE_BINS := build/fake/test_gpu build/fake/fake_faults build/fake/nccl_allreduce build/fake/test_gpu_asan build/fake/fmnist build/fake/bench_nccl build/fake/c_engine
+FAKE_BINS := build/fake/test_gpu build/fake/fake_faults build/fake/nccl_allreduce build/fake/test_gpu_asan build/fake/fmnist build/fake/gpt build/fake/bench_nccl build/fake/c_engine
 FAKE_FLAGS := $(NVFLAGS) -Xcompiler -ffp-contract=off -cudart none -I. -Itest
 build/fake/fake_cuda.o: test/fake_cuda.c test/fake_cuda.h Makefile | build/fake
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) -O2 -g -I$(CUDA_HOME)/include -Itest -c $< -o $@
@@ -197,6 +201,8 @@ build/fake/nccl_allreduce: test/fake_nccl_allreduce.cu examples/nccl_allreduce.c
 	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread
 build/fake/fmnist: test/fake_fmnist.cu examples/fmnist.cu $(CUDA_MLP) test/fake_fmnist_twins.h test/fake_engine_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
 	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread -lz
+build/fake/gpt: test/fake_gpt.cu examples/gpt.cu $(CUDA_GPT) test/fake_gpt_twins.h test/fake_engine_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
+	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread
 build/fake/bench_nccl: test/fake_bench_nccl.cu bench/nccl.cu $(CUDA_MLP) test/fake_fmnist_twins.h test/fake_engine_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
 	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread -lz
 build/fake/c_engine: test/fake_c_engine.c build/fake/fake_cuda.o $(HEADERS) test/test.h | build/fake

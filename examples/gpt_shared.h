@@ -473,7 +473,7 @@ static smp_status print_digest(smp_model *model) {
     smp_status st = smp_model_state_dict(model, NULL, 0, &sd);
     if (st) return st;
     for (int i = 0; i < sd.n; i++) {
-        const unsigned char *b = sd.entries[i].tensor.data;
+        const unsigned char *b = (const unsigned char *)sd.entries[i].tensor.data;
         size_t nb = smp_tensor_nbytes(&sd.entries[i].tensor);
         uint64_t h = 0xcbf29ce484222325ull;
         for (size_t k = 0; k < nb; k++) h = (h ^ b[k]) * 0x100000001b3ull;
