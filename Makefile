@@ -117,7 +117,7 @@ test: deps
 	echo "== ThreadSanitizer build, mpirun -n 1, 2 ($(TSAN_TESTS))"; \
 	$(TSAN_ENV) test/run.sh build/tsan "" "$(TSAN_TESTS)" "" "1 2" > build/test-tsan.log 2>&1; e=$$?; cat build/test-tsan.log; \
 	echo "== CUDA sources (built with nvcc): the GPU suite where a GPU is present, and on the fake CPU device"; \
-	test/run.sh build/cuda "" "$$([ -x build/cuda/test_gpu ] && echo test_gpu)" "test/run_fake_cuda.sh test/test_fake_fmnist.sh" "1 2" > build/test-cuda.log 2>&1; c=$$?; cat build/test-cuda.log; \
+	test/run.sh build/cuda "" "$$([ -x build/cuda/test_gpu ] && echo test_gpu)" "test/run_fake_cuda.sh test/test_fake_fmnist.sh test/test_fake_gpt.sh" "1 2" > build/test-cuda.log 2>&1; c=$$?; cat build/test-cuda.log; \
 	p=0; f=0; s=0; for l in build/test-gcc.log build/test-asan.log build/test-asan4.log build/test-tsan.log build/test-cuda.log; do \
 	  set -- $$(tail -n1 $$l | tr -d ','); p=$$((p + $$1)); f=$$((f + $$3)); s=$$((s + $${5:-0})); done; \
 	echo; if [ $$s -gt 0 ]; then echo "$$p passed, $$f failed, $$s skipped"; else echo "$$p passed, $$f failed"; fi; \
@@ -225,8 +225,8 @@ examples: cuda
 test-gpu: cuda
 	@test/run.sh build/cuda "" "test_gpu" "" "1 2 4"
 # The GPU suite on the fake CPU device, in its variants (test/run_fake_cuda.sh).
-test-fake-gpu: cuda
-	@test/run.sh build/cuda "" "" "test/run_fake_cuda.sh test/test_fake_fmnist.sh"
+test-fake-gpu: cuda build/examples/gpt
+	@test/run.sh build/cuda "" "" "test/run_fake_cuda.sh test/test_fake_fmnist.sh test/test_fake_gpt.sh"
 
 # The main job: Fashion-MNIST on NP processes, 2 partitions (x replicas with NP=4).
 demo: deps

@@ -57,6 +57,13 @@
    run in cached mode; training never sets it and runs exactly the code
    above.
 
+   HOST AND DEVICE: gpt_build_with takes the leaves' callbacks (gpt_leaves)
+   and an engine; gpt_build gives it this file's host leaves (OpenBLAS).
+   gpt_cuda.h gives it device leaves (gpt.cu), whose kernels call the
+   GPT_HD row functions here, so the arithmetic has one copy. Included with
+   MLP_ENGINE_NO_BLAS defined (cuda_engine.h does), only the structure, the
+   row functions and gpt_xent remain.
+
    Include after smp.h and smp_pipeline.h; link with -lopenblas -lm. */
 #ifndef GPT_MODEL_H
 #define GPT_MODEL_H
