@@ -13,8 +13,11 @@
                     cross-entropy: one thread per row or element running
                     gpt_model.h's GPT_HD functions, the same arithmetic as
                     the host model's (the fake device's twins call them too)
-     column kernels the embedding gradients, layernorm's weight gradients:
-                    one thread per column adding rows in order, so a run
+     column sums    the embedding gradients (one thread per element of
+                    wte, over the tokens in order), the position
+                    embedding's (one per element, sequences in order), bias
+                    and layernorm weight gradients (partial sums over
+                    chunks of 32 rows, then the chunks in order): a run
                     repeats itself bit for bit (no atomics)
    Embedding ids and targets are checked on the host before they are
    uploaded (gpt.cu); ids a step takes on the host (generation) are checked
@@ -109,9 +112,14 @@ static inline gpt_gpu *gpt__gpu(const gpt *g) { return (gpt_gpu *)g->engine; }
 GPT_HD static inline void gpt_k_embed(int64_t i, const int32_t *ids, const float *W, float *y, int C) {
     y[i] = W[(size_t)ids[i / C] * C + i % C];
 }
-/* column j of dW: the tokens in order */
-GPT_HD static inline void gpt_k_embed_grad(int64_t j, const int32_t *ids, const float *dy, float *dW, int64_t n, int C) {
-    for (int64_t t = 0; t < n; t++) dW[(size_t)ids[t] * C + j] += dy[t * C + j];
+/* element k of dW [V, C]: the tokens with its id, in order (no atomics;
+   each thread reads all n ids, which the cache holds) */
+GPT_HD static inline void gpt_k_embed_grad(int64_t k, const int32_t *ids, const float *dy, float *dW, int64_t n, int C) {
+    int64_t v = k / C, j = k % C;
+    float s = dW[k];
+    for (int64_t t = 0; t < n; t++)
+        if (ids[t] == v) s += dy[t * C + j];
+    dW[k] = s;
 }
 GPT_HD static inline void gpt_k_add_positions(int64_t i, const float *x, const float *P, float *y, int T, int C, int p0) {
     int64_t t = (i / C) % T;
@@ -129,6 +137,33 @@ GPT_HD static inline void gpt_k_layernorm_backward(int64_t r, const float *x, co
                                                    const float *rstd, const float *dy, float *dx, int C) {
     gpt__layernorm_backward_row(x + r * C, w, mean[r], rstd[r], dy + r * C, dx + r * C, C);
 }
+/* Column sums over many rows, in a fixed order: chunk c's rows
+   [c R, c R + R) go into partial[c][j] (in row order), then each column
+   adds the chunks' partials in chunk order. Enough threads for thousands
+   of rows, and the same bits on every run. */
+#define GPT_CHUNK_ROWS ((int64_t)32)
+static inline int64_t gpt__chunks(int64_t n) { return (n + GPT_CHUNK_ROWS - 1) / GPT_CHUNK_ROWS; }
+/* item k = (chunk c, column j): the chunk's sum of dy's column */
+GPT_HD static inline void gpt_k_bias_partial(int64_t k, const float *dy, float *partial, int64_t n, int C) {
+    int64_t c = k / C, j = k % C, end = (c + 1) * GPT_CHUNK_ROWS < n ? (c + 1) * GPT_CHUNK_ROWS : n;
+    float s = 0;
+    for (int64_t r = c * GPT_CHUNK_ROWS; r < end; r++) s += dy[r * C + j];
+    partial[k] = s;
+}
+/* item k = (chunk c, column j): layernorm's dw and db over the chunk's rows */
+GPT_HD static inline void gpt_k_layernorm_partial(int64_t k, const float *x, const float *mean, const float *rstd, const float *dy,
+                                                  float *pw, float *pb, int64_t n, int C) {
+    int64_t c = k / C, j = k % C, r0 = c * GPT_CHUNK_ROWS, rows = n - r0 < GPT_CHUNK_ROWS ? n - r0 : GPT_CHUNK_ROWS;
+    pw[k] = pb[k] = 0;
+    gpt__layernorm_param_grads(x + r0 * C, mean + r0, rstd + r0, dy + r0 * C, pw + c * C, pb + c * C, (int)rows, C, (int)j);
+}
+/* column j: dst[j] += the chunks' partials, in chunk order */
+GPT_HD static inline void gpt_k_add_partials(int64_t j, const float *partial, float *dst, int64_t chunks, int C) {
+    float s = dst[j];
+    for (int64_t c = 0; c < chunks; c++) s += partial[c * C + j];
+    dst[j] = s;
+}
+
 /* row r of [rows, T] scores: query position r % T */
 GPT_HD static inline void gpt_k_softmax(int64_t r, float *P, int T) { gpt__causal_softmax_row(P + r * T, (int)(r % T), T); }
 GPT_HD static inline void gpt_k_softmax_backward(int64_t r, const float *P, float *dP, int T) {
@@ -149,8 +184,8 @@ GPT_HD static inline void gpt_k_mean_loss(const float *row_loss, int64_t n, doub
 __global__ void gpt_embed_kernel(const int32_t *ids, const float *W, float *y, int64_t count, int C) {
     GPT_GRID_LOOP(i, count) gpt_k_embed(i, ids, W, y, C);
 }
-__global__ void gpt_embed_grad_kernel(const int32_t *ids, const float *dy, float *dW, int64_t n, int C) {
-    GPT_GRID_LOOP(j, C) gpt_k_embed_grad(j, ids, dy, dW, n, C);
+__global__ void gpt_embed_grad_kernel(const int32_t *ids, const float *dy, float *dW, int64_t count, int64_t n, int C) {
+    GPT_GRID_LOOP(k, count) gpt_k_embed_grad(k, ids, dy, dW, n, C);
 }
 __global__ void gpt_add_positions_kernel(const float *x, const float *P, float *y, int64_t count, int T, int C, int p0) {
     GPT_GRID_LOOP(i, count) gpt_k_add_positions(i, x, P, y, T, C, p0);
@@ -166,9 +201,15 @@ __global__ void gpt_layernorm_backward_kernel(const float *x, const float *w, co
                                               float *dx, int64_t n, int C) {
     GPT_GRID_LOOP(r, n) gpt_k_layernorm_backward(r, x, w, mean, rstd, dy, dx, C);
 }
-__global__ void gpt_layernorm_param_grads_kernel(const float *x, const float *mean, const float *rstd, const float *dy, float *dw,
-                                                 float *db, int n, int C) {
-    GPT_GRID_LOOP(i, C) gpt__layernorm_param_grads(x, mean, rstd, dy, dw, db, n, C, (int)i);
+__global__ void gpt_bias_partial_kernel(const float *dy, float *partial, int64_t count, int64_t n, int C) {
+    GPT_GRID_LOOP(k, count) gpt_k_bias_partial(k, dy, partial, n, C);
+}
+__global__ void gpt_layernorm_partial_kernel(const float *x, const float *mean, const float *rstd, const float *dy, float *pw, float *pb,
+                                             int64_t count, int64_t n, int C) {
+    GPT_GRID_LOOP(k, count) gpt_k_layernorm_partial(k, x, mean, rstd, dy, pw, pb, n, C);
+}
+__global__ void gpt_add_partials_kernel(const float *partial, float *dst, int64_t chunks, int C) {
+    GPT_GRID_LOOP(j, C) gpt_k_add_partials(j, partial, dst, chunks, C);
 }
 __global__ void gpt_gelu_kernel(const float *x, float *y, float *t, int64_t count) {
     GPT_GRID_LOOP(i, count) gpt__gelu_forward(x + i, y + i, t + i, 1);
@@ -234,14 +275,24 @@ static inline smp_status gpt__linear_forward(gpt_gpu *gg, const float *x, const 
     return SMP_OK;
 }
 
-/* dx = dy W (overwritten), dW += dy^T x, db += column sums of dy; NULL skips one. */
+/* dx = dy W (overwritten), dW += dy^T x, db += column sums of dy (in
+   chunks of rows: one thread per column, as cuda_engine.h's bias kernel,
+   would walk thousands of rows each); NULL skips one. */
 static inline smp_status gpt__linear_backward(gpt_gpu *gg, const float *x, const float *W, const float *dy, float *dx, float *dW,
                                               float *db, int n, int in, int out) {
-    if (!gg->bf16) return gpu_linear_backward(&gg->e, x, W, dy, dx, dW, db, n, in, out);
     if (n <= 0 || in <= 0 || out <= 0) return SMP_OK;
-    if (dx) SMP_TRY(gpt__gemm_bf16(gg, CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, W, (int64_t)out * in, in, dy, (int64_t)n * out, out, 0.0f, dx, in));
-    if (dW) SMP_TRY(gpt__gemm_bf16(gg, CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, x, (int64_t)n * in, in, dy, (int64_t)n * out, out, 1.0f, dW, in));
-    return db ? gpu_linear_backward(&gg->e, x, W, dy, NULL, NULL, db, n, in, out) : SMP_OK; /* the bias kernel alone */
+    if (!gg->bf16) SMP_TRY(gpu_linear_backward(&gg->e, x, W, dy, dx, dW, NULL, n, in, out));
+    else {
+        if (dx) SMP_TRY(gpt__gemm_bf16(gg, CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, W, (int64_t)out * in, in, dy, (int64_t)n * out, out, 0.0f, dx, in));
+        if (dW) SMP_TRY(gpt__gemm_bf16(gg, CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, x, (int64_t)n * in, in, dy, (int64_t)n * out, out, 1.0f, dW, in));
+    }
+    if (!db) return SMP_OK;
+    int64_t chunks = gpt__chunks(n), count = chunks * out;
+    void *s;
+    SMP_TRY(gpt__scratch(gg, sizeof(float) * (size_t)count, &s));
+    GPT_LAUNCH(gpt_bias_partial_kernel, count, dy, (float *)s, count, (int64_t)n, out);
+    GPT_LAUNCH(gpt_add_partials_kernel, (int64_t)out, (const float *)s, db, chunks, out);
+    return SMP_OK;
 }
 
 /* ---------------------------------------------------------------- attention */
@@ -348,7 +399,8 @@ static smp_status gpt_gpu_wte_backward(smp_call_ctx *c) {
     if (x->dtype == SMP_I32) {
         const int32_t *ids = NULL;
         SMP_TRY(gpt__device_ids(gg, x, V, 0, &ids));
-        GPT_LAUNCH(gpt_embed_grad_kernel, (int64_t)C, ids, gpt__cdata(dy), dW, smp_tensor_numel(x), C);
+        int64_t count = (int64_t)V * C;
+        GPT_LAUNCH(gpt_embed_grad_kernel, count, ids, gpt__cdata(dy), dW, count, smp_tensor_numel(x), C);
         return SMP_OK;
     }
     smp_tensor *dx = smp_call_grad_input(c, 0);
@@ -441,8 +493,13 @@ static smp_status gpt_gpu_layernorm_backward(smp_call_ctx *c) {
     const float *stats = (const float *)smp_call_stashed_device(c, NULL), *w = gpt__cdata(smp_param_value(l->weight));
     if (dx) GPT_LAUNCH(gpt_layernorm_backward_kernel, (int64_t)n, gpt__cdata(x), w, stats, stats + n, gpt__cdata(dy), (float *)dx->data,
                        (int64_t)n, l->C);
-    GPT_LAUNCH(gpt_layernorm_param_grads_kernel, (int64_t)l->C, gpt__cdata(x), stats, stats + n, gpt__cdata(dy),
-               (float *)smp_param_grad(l->weight)->data, (float *)smp_param_grad(l->bias)->data, n, l->C);
+    int64_t chunks = gpt__chunks(n), count = chunks * l->C;
+    void *s;
+    SMP_TRY(gpt__scratch(gg, 2 * sizeof(float) * (size_t)count, &s));
+    float *pw = (float *)s, *pb = pw + count;
+    GPT_LAUNCH(gpt_layernorm_partial_kernel, count, gpt__cdata(x), stats, stats + n, gpt__cdata(dy), pw, pb, count, (int64_t)n, l->C);
+    GPT_LAUNCH(gpt_add_partials_kernel, (int64_t)l->C, pw, (float *)smp_param_grad(l->weight)->data, chunks, l->C);
+    GPT_LAUNCH(gpt_add_partials_kernel, (int64_t)l->C, pb, (float *)smp_param_grad(l->bias)->data, chunks, l->C);
     return SMP_OK;
 }
 

@@ -12,8 +12,8 @@
 static void twin_gpt_embed(const int32_t *ids, const float *W, float *y, int64_t count, int C) {
     TWIN_LOOP(i, count) gpt_k_embed(i, ids, W, y, C);
 }
-static void twin_gpt_embed_grad(const int32_t *ids, const float *dy, float *dW, int64_t n, int C) {
-    TWIN_LOOP(j, C) gpt_k_embed_grad(j, ids, dy, dW, n, C);
+static void twin_gpt_embed_grad(const int32_t *ids, const float *dy, float *dW, int64_t count, int64_t n, int C) {
+    TWIN_LOOP(k, count) gpt_k_embed_grad(k, ids, dy, dW, n, C);
 }
 static void twin_gpt_add_positions(const float *x, const float *P, float *y, int64_t count, int T, int C, int p0) {
     TWIN_LOOP(i, count) gpt_k_add_positions(i, x, P, y, T, C, p0);
@@ -28,9 +28,15 @@ static void twin_gpt_layernorm_backward(const float *x, const float *w, const fl
                                         float *dx, int64_t n, int C) {
     TWIN_LOOP(r, n) gpt_k_layernorm_backward(r, x, w, mean, rstd, dy, dx, C);
 }
-static void twin_gpt_layernorm_param_grads(const float *x, const float *mean, const float *rstd, const float *dy, float *dw,
-                                           float *db, int n, int C) {
-    TWIN_LOOP(i, C) gpt__layernorm_param_grads(x, mean, rstd, dy, dw, db, n, C, (int)i);
+static void twin_gpt_bias_partial(const float *dy, float *partial, int64_t count, int64_t n, int C) {
+    TWIN_LOOP(k, count) gpt_k_bias_partial(k, dy, partial, n, C);
+}
+static void twin_gpt_layernorm_partial(const float *x, const float *mean, const float *rstd, const float *dy, float *pw, float *pb,
+                                       int64_t count, int64_t n, int C) {
+    TWIN_LOOP(k, count) gpt_k_layernorm_partial(k, x, mean, rstd, dy, pw, pb, n, C);
+}
+static void twin_gpt_add_partials(const float *partial, float *dst, int64_t chunks, int C) {
+    TWIN_LOOP(j, C) gpt_k_add_partials(j, partial, dst, chunks, C);
 }
 static void twin_gpt_gelu(const float *x, float *y, float *t, int64_t count) {
     TWIN_LOOP(i, count) gpt__gelu_forward(x + i, y + i, t + i, 1);
@@ -60,7 +66,9 @@ __attribute__((constructor)) static void fake_register_gpt_twins(void) {
     fake_cuda_twin(gpt_position_grad_kernel, twin_gpt_position_grad);
     fake_cuda_twin(gpt_layernorm_kernel, twin_gpt_layernorm);
     fake_cuda_twin(gpt_layernorm_backward_kernel, twin_gpt_layernorm_backward);
-    fake_cuda_twin(gpt_layernorm_param_grads_kernel, twin_gpt_layernorm_param_grads);
+    fake_cuda_twin(gpt_bias_partial_kernel, twin_gpt_bias_partial);
+    fake_cuda_twin(gpt_layernorm_partial_kernel, twin_gpt_layernorm_partial);
+    fake_cuda_twin(gpt_add_partials_kernel, twin_gpt_add_partials);
     fake_cuda_twin(gpt_gelu_kernel, twin_gpt_gelu);
     fake_cuda_twin(gpt_gelu_backward_kernel, twin_gpt_gelu_backward);
     fake_cuda_twin(gpt_softmax_kernel, twin_gpt_softmax);
