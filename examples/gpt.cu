@@ -37,6 +37,10 @@
    --vocab-multiple N pads the vocabulary to a multiple of N ids (GPT-2's
    shapes: ids past the corpus's never occur).
 
+   --plain runs each training step without smp (one rank, one partition):
+   gpt_cuda.h's layer functions in order, for the overhead benchmark
+   (bench/gpt_cuda.sh) and a test that both loops agree.
+
    Not on the device: --dropout, --generate, --replicas, --grads (gpt.c).
 
    Build: make build/cuda/gpt   (nvcc -ccbin mpicxx ... -lcublas -lnccl)
@@ -101,6 +105,118 @@ static void adamw_free(adamw *o) {
     free(o->v);
 }
 
+/* ---------------------------------------------------------------- the plain loop (--plain) */
+/* The same training step without smp: gpt_cuda.h's layer functions called
+   in order on one rank, each microbatch's forward then its backward, the
+   activations in buffers of this loop's own, the gradients added into the
+   model's (so clipping and AdamW are the same calls). What the overhead
+   benchmark measures smp against; its losses must agree with smp's run. */
+typedef struct plain_block { float *x, *h1, *s1, *qkv, *P, *y, *r, *h2, *s2, *f, *g, *t; } plain_block;
+typedef struct plain {
+    int L, N, B;             /* blocks, rows (tokens) and sequences of a microbatch */
+    plain_block *blk;
+    float *out, *hf, *sf, *logits, *dlogits, *d, *d2, *dC, *d3, *d4; /* out: the last block's; d*: gradients */
+    void **all;
+    int nall;
+} plain;
+
+static float *plain_alloc(plain *p, size_t floats) {
+    float *f = (float *)smp_nccl_alloc(sizeof(float) * (floats ? floats : 1));
+    if (f) p->all[p->nall++] = f;
+    return f;
+}
+
+static smp_status plain_init(plain *p, const gpt_config *m, int rows, int T) {
+    memset(p, 0, sizeof *p);
+    size_t N = (size_t)rows * T, C = (size_t)m->n_embd, H = (size_t)m->n_head, V = (size_t)m->vocab;
+    p->L = m->n_layer;
+    p->N = (int)N;
+    p->B = rows;
+    p->blk = (plain_block *)calloc((size_t)p->L, sizeof *p->blk);
+    p->all = (void **)calloc((size_t)p->L * 12 + 16, sizeof *p->all);
+    if (!p->blk || !p->all) return smp_error(SMP_ERR_NOMEM, "out of memory for the plain loop");
+    bool ok = true;
+    for (int l = 0; l < p->L; l++) {
+        plain_block *b = &p->blk[l];
+        ok = ok && (b->x = plain_alloc(p, N * C)) && (b->h1 = plain_alloc(p, N * C)) && (b->s1 = plain_alloc(p, 2 * N)) &&
+             (b->qkv = plain_alloc(p, 3 * N * C)) && (b->P = plain_alloc(p, (size_t)rows * H * T * T)) && (b->y = plain_alloc(p, N * C)) &&
+             (b->r = plain_alloc(p, N * C)) && (b->h2 = plain_alloc(p, N * C)) && (b->s2 = plain_alloc(p, 2 * N)) &&
+             (b->f = plain_alloc(p, 4 * N * C)) && (b->g = plain_alloc(p, 4 * N * C)) && (b->t = plain_alloc(p, 4 * N * C));
+    }
+    ok = ok && (p->out = plain_alloc(p, N * C)) && (p->hf = plain_alloc(p, N * C)) && (p->sf = plain_alloc(p, 2 * N)) &&
+         (p->logits = plain_alloc(p, N * V)) && (p->dlogits = plain_alloc(p, N * V)) && (p->d = plain_alloc(p, N * C)) &&
+         (p->d2 = plain_alloc(p, N * C)) && (p->dC = plain_alloc(p, N * C)) && (p->d3 = plain_alloc(p, 3 * N * C)) &&
+         (p->d4 = plain_alloc(p, 4 * N * C));
+    return ok ? SMP_OK : smp_error(SMP_ERR_NOMEM, "out of device memory for the plain loop: %s", smp_last_error());
+}
+
+static void plain_free(plain *p) {
+    for (int i = 0; i < p->nall; i++) smp_nccl_free(p->all[i]);
+    free(p->all);
+    free(p->blk);
+}
+
+#define PV(prm) ((const float *)smp_param_value(prm)->data)
+#define PG(prm) ((float *)smp_param_grad(prm)->data)
+
+/* One training step's forward and backward over M microbatches of the
+   batch on the device (ids xd, targets yd, [M * rows, T]); adds parameter
+   gradients and returns the mean loss. */
+static smp_status plain_step(plain *p, const gpt *net, gpt_gpu *gg, const int32_t *xd, const int32_t *yd, int M, int T, double *loss) {
+    const gpt_config *m = &net->cfg;
+    int C = m->n_embd, H = m->n_head, V = m->vocab, N = p->N, B = p->B, L = p->L;
+    *loss = 0;
+    for (int mb = 0; mb < M; mb++) {
+        const int32_t *ids = xd + (size_t)mb * N, *tg = yd + (size_t)mb * N;
+        /* forward */
+        float *x0 = L ? p->blk[0].x : p->out;
+        SMP_TRY(gpt_gpu_embed(gg, ids, PV(net->wte_w), x0, N, C));
+        SMP_TRY(gpt_gpu_positions(gg, x0, PV(net->wpe_w), x0, B, T, C));
+        for (int l = 0; l < L; l++) {
+            const gpt_block *k = &net->blocks[l];
+            plain_block *b = &p->blk[l];
+            float *next = l + 1 < L ? p->blk[l + 1].x : p->out;
+            SMP_TRY(gpt_gpu_layernorm(gg, b->x, PV(k->n1.weight), PV(k->n1.bias), b->h1, b->s1, N, C));
+            SMP_TRY(gpt__linear_forward(gg, b->h1, PV(k->l_attn.weight), PV(k->l_attn.bias), b->qkv, N, C, 3 * C));
+            SMP_TRY(gpt__attention_forward(gg, b->qkv, b->y, b->P, B, T, C, H));
+            SMP_TRY(gpt__linear_forward(gg, b->y, PV(k->l_aproj.weight), PV(k->l_aproj.bias), b->r, N, C, C));
+            SMP_TRY(gpt_gpu_add(gg, b->x, b->r, b->r, (int64_t)N * C));
+            SMP_TRY(gpt_gpu_layernorm(gg, b->r, PV(k->n2.weight), PV(k->n2.bias), b->h2, b->s2, N, C));
+            SMP_TRY(gpt__linear_forward(gg, b->h2, PV(k->l_fc.weight), PV(k->l_fc.bias), b->f, N, C, 4 * C));
+            SMP_TRY(gpt_gpu_gelu(gg, b->f, b->g, b->t, (int64_t)N * 4 * C));
+            SMP_TRY(gpt__linear_forward(gg, b->g, PV(k->l_mproj.weight), PV(k->l_mproj.bias), next, N, 4 * C, C));
+            SMP_TRY(gpt_gpu_add(gg, b->r, next, next, (int64_t)N * C));
+        }
+        SMP_TRY(gpt_gpu_layernorm(gg, p->out, PV(net->nf.weight), PV(net->nf.bias), p->hf, p->sf, N, C));
+        SMP_TRY(gpt__linear_forward(gg, p->hf, PV(net->wte_w), NULL, p->logits, N, C, V));
+        SMP_TRY(gpt_gpu_xent(gg, p->logits, tg, N, V, p->dlogits, 1.0f / (float)N / (float)M));
+        double l = 0;
+        GPU_CUDA(cudaMemcpyAsync, (&l, gg->loss, sizeof l, cudaMemcpyDeviceToHost, gg->e.stream));
+        GPU_CUDA(cudaStreamSynchronize, (gg->e.stream));
+        *loss += l / M;
+        /* backward: d is the gradient flowing down the residual stream */
+        SMP_TRY(gpt__linear_backward(gg, p->hf, PV(net->wte_w), p->dlogits, p->d2, PG(net->wte_w), NULL, N, C, V));
+        SMP_TRY(gpt_gpu_layernorm_grad(gg, p->out, PV(net->nf.weight), p->sf, p->d2, p->d, PG(net->nf.weight), PG(net->nf.bias), N, C));
+        for (int l = L - 1; l >= 0; l--) {
+            const gpt_block *k = &net->blocks[l];
+            plain_block *b = &p->blk[l];
+            SMP_TRY(gpt__linear_backward(gg, b->g, PV(k->l_mproj.weight), p->d, p->d4, PG(k->l_mproj.weight), PG(k->l_mproj.bias), N, 4 * C, C));
+            SMP_TRY(gpt_gpu_gelu_grad(gg, b->f, b->t, p->d4, p->d4, (int64_t)N * 4 * C));
+            SMP_TRY(gpt__linear_backward(gg, b->h2, PV(k->l_fc.weight), p->d4, p->d2, PG(k->l_fc.weight), PG(k->l_fc.bias), N, C, 4 * C));
+            SMP_TRY(gpt_gpu_layernorm_grad(gg, b->r, PV(k->n2.weight), b->s2, p->d2, p->dC, PG(k->n2.weight), PG(k->n2.bias), N, C));
+            SMP_TRY(gpt_gpu_add(gg, p->d, p->dC, p->d, (int64_t)N * C));
+            SMP_TRY(gpt__linear_backward(gg, b->y, PV(k->l_aproj.weight), p->d, p->d2, PG(k->l_aproj.weight), PG(k->l_aproj.bias), N, C, C));
+            SMP_TRY(gpt__attention_backward(gg, b->qkv, b->P, p->d2, p->d3, B, T, C, H));
+            SMP_TRY(gpt__linear_backward(gg, b->h1, PV(k->l_attn.weight), p->d3, p->d2, PG(k->l_attn.weight), PG(k->l_attn.bias), N, C, 3 * C));
+            SMP_TRY(gpt_gpu_layernorm_grad(gg, b->x, PV(k->n1.weight), b->s1, p->d2, p->dC, PG(k->n1.weight), PG(k->n1.bias), N, C));
+            SMP_TRY(gpt_gpu_add(gg, p->d, p->dC, p->d, (int64_t)N * C));
+        }
+        SMP_TRY(gpt_gpu_positions_grad(gg, p->d, PG(net->wpe_w), B, T, C));
+        SMP_TRY(gpt_gpu_embed_grad(gg, ids, p->d, PG(net->wte_w), N, V, C));
+    }
+    return SMP_OK;
+}
+
 /* ---------------------------------------------------------------- helpers */
 /* Dense bf16 peak FLOP/s by device name (0: not known). */
 static double peak_bf16(const char *name) {
@@ -155,6 +271,8 @@ int main(int argc, char **argv) {
     memset(&net, 0, sizeof net);
     adamw opt_state;
     memset(&opt_state, 0, sizeof opt_state);
+    plain pl;
+    memset(&pl, 0, sizeof pl);
     smp_status st = gpt_gpu_init(&gg, opt.bf16);
     if (fail_all(st, "the GPU")) goto done;
     st = corpus_load(&text, opt.data);
@@ -199,6 +317,9 @@ int main(int argc, char **argv) {
     smp_tensor sample = device_tensor(smp_tensor_2d(xd, SMP_I32, mrows, T));
     if (!(st = gpu_agree(st))) st = smp_model_trace(model, &sample, 1);
     if (!st) st = gpu_agree(adamw_init(&opt_state, model, &gg));
+    if (!st && opt.plain && (smp_size() != 1 || cfg->partitions != 1))
+        st = smp_error(SMP_ERR_CONFIG, "--plain runs the step without smp on one rank: run 1 process with --partitions 1");
+    if (!st && opt.plain) st = plain_init(&pl, &opt.model, (int)mrows, T);
     if (!st && opt.load) {                                                /* the weights to start from */
         smp_load_desc ld;
         memset(&ld, 0, sizeof ld);
@@ -238,9 +359,14 @@ int main(int argc, char **argv) {
         smp_step_output loss_mb;
         memset(&loss_mb, 0, sizeof loss_mb);
         smp_model_zero_grad(model);                                       /* optimizer.zero_grad() */
-        if ((st = SMP_TRAIN_STEP(model, gpt_gpu_loss_body, &gg, &loss_mb, 1, xt, yt))) break;
-        double loss = dp_mean(smp_step_output_reduce_mean_f64(&loss_mb)); /* the global batch's loss */
-        smp_step_output_free(&loss_mb);
+        double loss = 0;
+        if (opt.plain) {
+            if ((st = plain_step(&pl, &net, &gg, xd, yd, M, T, &loss))) break;
+        } else {
+            if ((st = SMP_TRAIN_STEP(model, gpt_gpu_loss_body, &gg, &loss_mb, 1, xt, yt))) break;
+            loss = dp_mean(smp_step_output_reduce_mean_f64(&loss_mb));    /* the global batch's loss */
+            smp_step_output_free(&loss_mb);
+        }
         if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
         if ((st = adamw_step(&opt_state, model, &opt, lr, &gg))) break;   /* optimizer.step() */
         tokens += (long)opt.batch * T;
@@ -327,6 +453,7 @@ int main(int argc, char **argv) {
     }
 
 done:
+    plain_free(&pl);
     adamw_free(&opt_state);
     if (model) smp_model_free(model);
     gpt_free(&net);

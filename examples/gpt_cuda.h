@@ -231,6 +231,10 @@ __global__ void gpt_xent_kernel(const float *logits, const int32_t *target, int6
 __global__ void gpt_mean_loss_kernel(const float *row_loss, int64_t n, double *out) {
     if (blockIdx.x == 0 && threadIdx.x == 0) gpt_k_mean_loss(row_loss, n, out);
 }
+/* y = a + b (y may be a or b): the plain loop's residuals */
+__global__ void gpt_add_kernel(const float *a, const float *b, float *y, int64_t count) {
+    GPT_GRID_LOOP(i, count) y[i] = a[i] + b[i];
+}
 __global__ void gpt_to_bf16_kernel(const float *x, __nv_bfloat16 *y, int64_t count) {
     GPT_GRID_LOOP(i, count) y[i] = __float2bfloat16_rn(x[i]);
 }
@@ -343,6 +347,68 @@ static inline smp_status gpt__attention_backward(gpt_gpu *gg, const float *qkv, 
     return SMP_OK;
 }
 
+/* ---------------------------------------------------------------- layers on device pointers */
+/* What the leaves below run, callable without smp too (gpt.cu's --plain
+   loop, the overhead benchmark's baseline). */
+static inline smp_status gpt_gpu_embed(gpt_gpu *gg, const int32_t *ids, const float *W, float *y, int64_t n, int C) {
+    GPT_LAUNCH(gpt_embed_kernel, n * C, ids, W, y, n * C, C);
+    return SMP_OK;
+}
+static inline smp_status gpt_gpu_embed_grad(gpt_gpu *gg, const int32_t *ids, const float *dy, float *dW, int64_t n, int V, int C) {
+    int64_t count = (int64_t)V * C;
+    GPT_LAUNCH(gpt_embed_grad_kernel, count, ids, dy, dW, count, n, C);
+    return SMP_OK;
+}
+/* y = x + wpe[t] over [B, T, C] (y may be x) */
+static inline smp_status gpt_gpu_positions(gpt_gpu *gg, const float *x, const float *P, float *y, int B, int T, int C) {
+    int64_t count = (int64_t)B * T * C;
+    GPT_LAUNCH(gpt_add_positions_kernel, count, x, P, y, count, T, C, 0);
+    return SMP_OK;
+}
+static inline smp_status gpt_gpu_positions_grad(gpt_gpu *gg, const float *dy, float *dP, int B, int T, int C) {
+    GPT_LAUNCH(gpt_position_grad_kernel, (int64_t)T * C, dy, dP, B, T, C);
+    return SMP_OK;
+}
+/* stats: mean [n] then rstd [n] */
+static inline smp_status gpt_gpu_layernorm(gpt_gpu *gg, const float *x, const float *w, const float *b, float *y, float *stats, int n,
+                                           int C) {
+    GPT_LAUNCH(gpt_layernorm_kernel, (int64_t)n, x, w, b, y, stats, stats + n, (int64_t)n, C);
+    return SMP_OK;
+}
+static inline smp_status gpt_gpu_layernorm_grad(gpt_gpu *gg, const float *x, const float *w, const float *stats, const float *dy,
+                                                float *dx, float *dw, float *db, int n, int C) {
+    if (dx) GPT_LAUNCH(gpt_layernorm_backward_kernel, (int64_t)n, x, w, stats, stats + n, dy, dx, (int64_t)n, C);
+    int64_t chunks = gpt__chunks(n), count = chunks * C;
+    void *s;
+    SMP_TRY(gpt__scratch(gg, 2 * sizeof(float) * (size_t)count, &s));
+    float *pw = (float *)s, *pb = pw + count;
+    GPT_LAUNCH(gpt_layernorm_partial_kernel, count, x, stats, stats + n, dy, pw, pb, count, (int64_t)n, C);
+    GPT_LAUNCH(gpt_add_partials_kernel, (int64_t)C, pw, dw, chunks, C);
+    GPT_LAUNCH(gpt_add_partials_kernel, (int64_t)C, pb, db, chunks, C);
+    return SMP_OK;
+}
+static inline smp_status gpt_gpu_add(gpt_gpu *gg, const float *a, const float *b, float *y, int64_t n) {
+    GPT_LAUNCH(gpt_add_kernel, n, a, b, y, n);
+    return SMP_OK;
+}
+static inline smp_status gpt_gpu_gelu(gpt_gpu *gg, const float *x, float *y, float *t, int64_t n) {
+    GPT_LAUNCH(gpt_gelu_kernel, n, x, y, t, n);
+    return SMP_OK;
+}
+static inline smp_status gpt_gpu_gelu_grad(gpt_gpu *gg, const float *x, const float *t, const float *dy, float *dx, int64_t n) {
+    GPT_LAUNCH(gpt_gelu_backward_kernel, n, x, t, dy, dx, n);
+    return SMP_OK;
+}
+/* The mean loss of n rows into gg->loss (device); dlogits (may be NULL) gets grad_scale * (softmax - onehot). */
+static inline smp_status gpt_gpu_xent(gpt_gpu *gg, const float *logits, const int32_t *target, int64_t n, int V, float *dlogits,
+                                      float grad_scale) {
+    SMP_TRY(gpt__grow((void **)&gg->row_loss, &gg->row_cap, sizeof(float) * (size_t)(n ? n : 1), "the rows' losses"));
+    GPT_LAUNCH(gpt_xent_kernel, n, logits, target, n, V, dlogits, grad_scale, gg->row_loss);
+    gpt_mean_loss_kernel<<<1, 1, 0, gg->e.stream>>>(gg->row_loss, n, gg->loss);
+    GPU_LAUNCHED(gpt_mean_loss_kernel);
+    return SMP_OK;
+}
+
 /* ---------------------------------------------------------------- the leaves */
 static inline const float *gpt__cdata(const smp_tensor *t) { return (const float *)t->data; }
 
@@ -378,9 +444,7 @@ static smp_status gpt_gpu_wte_forward(smp_call_ctx *c) {
         if (!y) return SMP_ERR_NOMEM;
         const int32_t *ids = NULL;
         SMP_TRY(gpt__device_ids(gg, x, V, 0, &ids));
-        int64_t count = smp_tensor_numel(x) * C;
-        GPT_LAUNCH(gpt_embed_kernel, count, ids, W, (float *)y->data, count, C);
-        return SMP_OK;
+        return gpt_gpu_embed(gg, ids, W, (float *)y->data, smp_tensor_numel(x), C);
     }
     if (x->dtype != SMP_F32 || x->shape[x->ndim - 1] != C)
         return smp_error(SMP_ERR_ARG, "transformer.wte takes i32 token ids or f32 hidden states of width %d", C);
@@ -399,9 +463,7 @@ static smp_status gpt_gpu_wte_backward(smp_call_ctx *c) {
     if (x->dtype == SMP_I32) {
         const int32_t *ids = NULL;
         SMP_TRY(gpt__device_ids(gg, x, V, 0, &ids));
-        int64_t count = (int64_t)V * C;
-        GPT_LAUNCH(gpt_embed_grad_kernel, count, ids, gpt__cdata(dy), dW, count, smp_tensor_numel(x), C);
-        return SMP_OK;
+        return gpt_gpu_embed_grad(gg, ids, gpt__cdata(dy), dW, smp_tensor_numel(x), V, C);
     }
     smp_tensor *dx = smp_call_grad_input(c, 0);
     return gpt__linear_backward(gg, gpt__cdata(x), gpt__cdata(smp_param_value(g->wte_w)), gpt__cdata(dy), dx ? (float *)dx->data : NULL,
@@ -418,9 +480,7 @@ static smp_status gpt_gpu_wpe_forward(smp_call_ctx *c) {
     if (T > g->cfg.block_size) return smp_error(SMP_ERR_ARG, "a context of %d tokens is longer than the model's %d", T, g->cfg.block_size);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, x->shape);
     if (!y) return SMP_ERR_NOMEM;
-    int64_t count = smp_tensor_numel(x);
-    GPT_LAUNCH(gpt_add_positions_kernel, count, gpt__cdata(x), gpt__cdata(smp_param_value(g->wpe_w)), (float *)y->data, count, T, C, 0);
-    return SMP_OK;
+    return gpt_gpu_positions(gg, gpt__cdata(x), gpt__cdata(smp_param_value(g->wpe_w)), (float *)y->data, (int)x->shape[0], T, C);
 }
 
 static smp_status gpt_gpu_wpe_backward(smp_call_ctx *c) {
@@ -429,7 +489,7 @@ static smp_status gpt_gpu_wpe_backward(smp_call_ctx *c) {
     const smp_tensor *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0);
     int C = g->cfg.n_embd, B = (int)dy->shape[0], T = (int)dy->shape[1];
-    GPT_LAUNCH(gpt_position_grad_kernel, (int64_t)T * C, gpt__cdata(dy), (float *)smp_param_grad(g->wpe_w)->data, B, T, C);
+    SMP_TRY(gpt_gpu_positions_grad(gg, gpt__cdata(dy), (float *)smp_param_grad(g->wpe_w)->data, B, T, C));
     if (dx) GPU_CUDA(cudaMemcpyAsync, (dx->data, dy->data, smp_tensor_nbytes(dy), cudaMemcpyDeviceToDevice, gg->e.stream));
     return SMP_OK;
 }
@@ -479,9 +539,8 @@ static smp_status gpt_gpu_layernorm_forward(smp_call_ctx *c) {
     if (!y) return SMP_ERR_NOMEM;
     float *stats = (float *)smp_call_stash_device(c, sizeof(float) * 2 * (size_t)n);
     if (!stats) return SMP_ERR_NOMEM;
-    GPT_LAUNCH(gpt_layernorm_kernel, (int64_t)n, gpt__cdata(x), gpt__cdata(smp_param_value(l->weight)), gpt__cdata(smp_param_value(l->bias)),
-               (float *)y->data, stats, stats + n, (int64_t)n, l->C);
-    return SMP_OK;
+    return gpt_gpu_layernorm(gg, gpt__cdata(x), gpt__cdata(smp_param_value(l->weight)), gpt__cdata(smp_param_value(l->bias)),
+                             (float *)y->data, stats, n, l->C);
 }
 
 static smp_status gpt_gpu_layernorm_backward(smp_call_ctx *c) {
@@ -490,17 +549,9 @@ static smp_status gpt_gpu_layernorm_backward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0);
     int n = gpt__rows(x, l->C);
-    const float *stats = (const float *)smp_call_stashed_device(c, NULL), *w = gpt__cdata(smp_param_value(l->weight));
-    if (dx) GPT_LAUNCH(gpt_layernorm_backward_kernel, (int64_t)n, gpt__cdata(x), w, stats, stats + n, gpt__cdata(dy), (float *)dx->data,
-                       (int64_t)n, l->C);
-    int64_t chunks = gpt__chunks(n), count = chunks * l->C;
-    void *s;
-    SMP_TRY(gpt__scratch(gg, 2 * sizeof(float) * (size_t)count, &s));
-    float *pw = (float *)s, *pb = pw + count;
-    GPT_LAUNCH(gpt_layernorm_partial_kernel, count, gpt__cdata(x), stats, stats + n, gpt__cdata(dy), pw, pb, count, (int64_t)n, l->C);
-    GPT_LAUNCH(gpt_add_partials_kernel, (int64_t)l->C, pw, (float *)smp_param_grad(l->weight)->data, chunks, l->C);
-    GPT_LAUNCH(gpt_add_partials_kernel, (int64_t)l->C, pb, (float *)smp_param_grad(l->bias)->data, chunks, l->C);
-    return SMP_OK;
+    return gpt_gpu_layernorm_grad(gg, gpt__cdata(x), gpt__cdata(smp_param_value(l->weight)), (const float *)smp_call_stashed_device(c, NULL),
+                                  gpt__cdata(dy), dx ? (float *)dx->data : NULL, (float *)smp_param_grad(l->weight)->data,
+                                  (float *)smp_param_grad(l->bias)->data, n, l->C);
 }
 
 /* The device stash holds tanh of every element (scratch in evaluation). */
@@ -514,8 +565,7 @@ static smp_status gpt_gpu_gelu_forward(smp_call_ctx *c) {
     if (smp_call_is_training(c)) {
         if (!(t = smp_call_stash_device(c, sizeof(float) * (size_t)n))) return SMP_ERR_NOMEM;
     } else SMP_TRY(gpt__scratch(gg, sizeof(float) * (size_t)n, &t));
-    GPT_LAUNCH(gpt_gelu_kernel, n, gpt__cdata(x), (float *)y->data, (float *)t, n);
-    return SMP_OK;
+    return gpt_gpu_gelu(gg, gpt__cdata(x), (float *)y->data, (float *)t, n);
 }
 
 static smp_status gpt_gpu_gelu_backward(smp_call_ctx *c) {
@@ -523,9 +573,8 @@ static smp_status gpt_gpu_gelu_backward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0);
     int64_t n = smp_tensor_numel(x);
-    if (dx) GPT_LAUNCH(gpt_gelu_backward_kernel, n, gpt__cdata(x), (const float *)smp_call_stashed_device(c, NULL), gpt__cdata(dy),
-                       (float *)dx->data, n);
-    return SMP_OK;
+    return dx ? gpt_gpu_gelu_grad(gg, gpt__cdata(x), (const float *)smp_call_stashed_device(c, NULL), gpt__cdata(dy), (float *)dx->data, n)
+              : SMP_OK;
 }
 
 /* The device stash holds the probabilities [B, H, T, T] (scratch in evaluation). */
@@ -578,11 +627,8 @@ SMP_STEP_BODY(gpt_gpu_loss_body) {
     int V = (int)logits->shape[logits->ndim - 1];
     int64_t n = smp_tensor_numel(target);
     if (target->device == SMP_HOST) return smp_error(SMP_ERR_ARG, "gpt_gpu_loss_body: the targets must be on the device");
-    SMP_TRY(gpt__grow((void **)&gg->row_loss, &gg->row_cap, sizeof(float) * (size_t)(n ? n : 1), "the rows' losses"));
-    GPT_LAUNCH(gpt_xent_kernel, n, gpt__cdata(logits), (const int32_t *)target->data, n, V, dlogits ? (float *)dlogits->data : NULL,
-               1.0f / (float)n, gg->row_loss);
-    gpt_mean_loss_kernel<<<1, 1, 0, gg->e.stream>>>(gg->row_loss, n, gg->loss);
-    GPU_LAUNCHED(gpt_mean_loss_kernel);
+    SMP_TRY(gpt_gpu_xent(gg, gpt__cdata(logits), (const int32_t *)target->data, n, V, dlogits ? (float *)dlogits->data : NULL,
+                         1.0f / (float)n));
     smp_tensor lt = smp_tensor_1d(gg->loss, SMP_F64, 1);
     lt.device = logits->device;
     return smp_mb_return(mb, 0, &lt); /* smp copies it to the host (a wait for this microbatch's work) */

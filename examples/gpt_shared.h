@@ -27,6 +27,7 @@ typedef struct options {
     bool recompute, print_losses, digest;
     bool bf16;          /* gpt.cu: bf16 GEMM inputs, f32 accumulation and master weights */
     int vocab_multiple; /* gpt.cu: the vocabulary padded to a multiple of this (0: the corpus's) */
+    bool plain;         /* gpt.cu: the same step without smp (one rank), the overhead benchmark's baseline */
     /* --generate: pipelined generation from a checkpoint, one prompt per microbatch */
     bool generate, no_cache, print_logits;
     const char *load, *prompts;
@@ -56,7 +57,7 @@ static void usage(const char *prog) {
             prog);
 }
 
-/* device: gpt.cu, which also takes --bf16, --vocab-multiple N, and --load
+/* device: gpt.cu, which also takes --bf16, --vocab-multiple N, --plain, and --load
    CKPT for training (the weights to start from; --steps 0 then only
    evaluates). */
 static int parse_options(int argc, char **argv, options *o, bool device) {
@@ -128,6 +129,7 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
         else if (OPT("--grads")) o->grads = v;
         else if (device && OPT("--vocab-multiple")) o->vocab_multiple = atoi(v);
         else if (device && !strcmp(a, "--bf16")) o->bf16 = true;
+        else if (device && !strcmp(a, "--plain")) o->plain = true;
         else if (!strcmp(a, "--generate")) o->generate = true;
         else if (!strcmp(a, "--no-cache")) o->no_cache = true;
         else if (!strcmp(a, "--print-logits")) o->print_logits = true;

@@ -55,6 +55,9 @@ static void twin_gpt_xent(const float *logits, const int32_t *target, int64_t n,
     TWIN_LOOP(r, n) gpt_k_xent(r, logits, target, V, dlogits, grad_scale, row_loss);
 }
 static void twin_gpt_mean_loss(const float *row_loss, int64_t n, double *out) { gpt_k_mean_loss(row_loss, n, out); }
+static void twin_gpt_add(const float *a, const float *b, float *y, int64_t count) {
+    TWIN_LOOP(i, count) y[i] = a[i] + b[i];
+}
 static void twin_gpt_to_bf16(const float *x, __nv_bfloat16 *y, int64_t count) {
     TWIN_LOOP(i, count) y[i] = __float2bfloat16_rn(x[i]);
 }
@@ -75,6 +78,7 @@ __attribute__((constructor)) static void fake_register_gpt_twins(void) {
     fake_cuda_twin(gpt_softmax_backward_kernel, twin_gpt_softmax_backward);
     fake_cuda_twin(gpt_xent_kernel, twin_gpt_xent);
     fake_cuda_twin(gpt_mean_loss_kernel, twin_gpt_mean_loss);
+    fake_cuda_twin(gpt_add_kernel, twin_gpt_add);
     fake_cuda_twin(gpt_to_bf16_kernel, twin_gpt_to_bf16);
 }
 #endif

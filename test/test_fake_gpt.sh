@@ -29,6 +29,8 @@
 #  - tools/gpt_bench.sh (what tools/device_run.sh runs at GPT-2 124M's
 #    shape on a lent GPU), at a tiny size: 1 rank and 2 ranks sharing a GPU
 #    train and print their tokens/s;
+#  - the plain loop (--plain, the overhead benchmark's baseline) agrees
+#    with smp's one process within 1e-6, and bench/gpt_cuda.sh runs;
 #  - the loss falls; --dropout is refused with a message on every rank.
 # usage: test/test_fake_gpt.sh [BUILD_DIR] (ignored: the binaries are build/fake/gpt and build/examples/gpt)
 set -u
@@ -177,6 +179,14 @@ if [ $rc -eq 0 ] && [ "$(grep -c 'vocabulary 128, .*bf16 GEMMs' "$tmp/bench")" -
    grep -q '^gpt.cu 124M bf16 tokens/s: [0-9]* (1 rank), [0-9]* (2 ranks, one GPU)$' "$tmp/bench" && grep -q '^gpt.cu 124M bf16 MFU: ' "$tmp/bench"; then
   pass "$name"
 else fail "$name: exit $rc; $(tail -n 4 "$tmp/bench" | tr '\n' ' ')"; fi
+
+# the plain loop (gpt.cu --plain: the same kernels without smp) against smp's one process, and the overhead benchmark
+run plain 1 1 "$bin" --partitions 1 --plain
+close "fake-gpt/the plain loop (--plain: the same kernels called in order, no smp) agrees with smp's one process within 1e-6" plain one 1e-6
+SMP_TIMEOUT=120 bash "$top/bench/gpt_cuda.sh" 1 --dmodel 32 --context 16 --steps 4 >"$tmp/overhead" 2>&1
+name="fake-gpt/bench/gpt_cuda.sh (smp against the plain loop) runs and prints its figure"
+if grep -q '^gpt.cu overhead smp/plain (fake device): [0-9.]*$' "$tmp/overhead"; then pass "$name: $(tail -n 1 "$tmp/overhead")"
+else fail "$name: $(tail -n 2 "$tmp/overhead" | tr '\n' ' ')"; fi
 
 # bad input: refused on every rank, with the reason
 SMP_TIMEOUT=60 FAKE_CUDA_DEVICES=2 timeout 120 mpirun -n 2 "$bin" $tiny --dropout 0.1 >"$tmp/drop.out" 2>&1
