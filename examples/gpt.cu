@@ -80,7 +80,8 @@ static smp_status adamw_init(adamw *o, smp_model *model, const gpt_gpu *gg) {
         o->m[i] = (float *)smp_nccl_alloc(bytes);
         o->v[i] = (float *)smp_nccl_alloc(bytes);
         if (!o->m[i] || !o->v[i])
-            return smp_error(SMP_ERR_NOMEM, "out of device memory for AdamW's state (%zu bytes): %s", bytes, smp_last_error());
+            return smp_error(SMP_ERR_NOMEM, "out of device memory for AdamW's state (%zu bytes): %s", bytes,
+                             smp_last_error());
         GPU_CUDA(cudaMemsetAsync, (o->m[i], 0, bytes, gg->e.stream));
         GPU_CUDA(cudaMemsetAsync, (o->v[i], 0, bytes, gg->e.stream));
     }
@@ -100,7 +101,10 @@ static smp_status adamw_step(adamw *o, smp_model *model, const options *opt, flo
 }
 
 static void adamw_free(adamw *o) {
-    for (int i = 0; i < o->n; i++) { smp_nccl_free(o->m[i]); smp_nccl_free(o->v[i]); }
+    for (int i = 0; i < o->n; i++) {
+        smp_nccl_free(o->m[i]);
+        smp_nccl_free(o->v[i]);
+    }
     free(o->m);
     free(o->v);
 }
@@ -111,9 +115,11 @@ static void adamw_free(adamw *o) {
    activations in buffers of this loop's own, the gradients added into the
    model's (so clipping and AdamW are the same calls). What the overhead
    benchmark measures smp against; its losses must agree with smp's run. */
-typedef struct plain_block { float *x, *h1, *s1, *qkv, *P, *y, *r, *h2, *s2, *f, *g, *t; } plain_block;
+typedef struct plain_block {
+    float *x, *h1, *s1, *qkv, *P, *y, *r, *h2, *s2, *f, *g, *t;
+} plain_block;
 typedef struct plain {
-    int L, N, B;             /* blocks, rows (tokens) and sequences of a microbatch */
+    int L, N, B; /* blocks, rows (tokens) and sequences of a microbatch */
     plain_block *blk;
     float *out, *hf, *sf, *logits, *dlogits, *d, *d2, *dC, *d3, *d4; /* out: the last block's; d*: gradients */
     void **all;
@@ -138,15 +144,17 @@ static smp_status plain_init(plain *p, const gpt_config *m, int rows, int T) {
     bool ok = true;
     for (int l = 0; l < p->L; l++) {
         plain_block *b = &p->blk[l];
-        ok = ok && (b->x = plain_alloc(p, N * C)) && (b->h1 = plain_alloc(p, N * C)) && (b->s1 = plain_alloc(p, 2 * N)) &&
-             (b->qkv = plain_alloc(p, 3 * N * C)) && (b->P = plain_alloc(p, (size_t)rows * H * T * T)) && (b->y = plain_alloc(p, N * C)) &&
-             (b->r = plain_alloc(p, N * C)) && (b->h2 = plain_alloc(p, N * C)) && (b->s2 = plain_alloc(p, 2 * N)) &&
-             (b->f = plain_alloc(p, 4 * N * C)) && (b->g = plain_alloc(p, 4 * N * C)) && (b->t = plain_alloc(p, 4 * N * C));
+        ok = ok && (b->x = plain_alloc(p, N * C)) && (b->h1 = plain_alloc(p, N * C)) &&
+            (b->s1 = plain_alloc(p, 2 * N)) && (b->qkv = plain_alloc(p, 3 * N * C)) &&
+            (b->P = plain_alloc(p, (size_t)rows * H * T * T)) && (b->y = plain_alloc(p, N * C)) &&
+            (b->r = plain_alloc(p, N * C)) && (b->h2 = plain_alloc(p, N * C)) && (b->s2 = plain_alloc(p, 2 * N)) &&
+            (b->f = plain_alloc(p, 4 * N * C)) && (b->g = plain_alloc(p, 4 * N * C)) &&
+            (b->t = plain_alloc(p, 4 * N * C));
     }
     ok = ok && (p->out = plain_alloc(p, N * C)) && (p->hf = plain_alloc(p, N * C)) && (p->sf = plain_alloc(p, 2 * N)) &&
-         (p->logits = plain_alloc(p, N * V)) && (p->dlogits = plain_alloc(p, N * V)) && (p->d = plain_alloc(p, N * C)) &&
-         (p->d2 = plain_alloc(p, N * C)) && (p->dC = plain_alloc(p, N * C)) && (p->d3 = plain_alloc(p, 3 * N * C)) &&
-         (p->d4 = plain_alloc(p, 4 * N * C));
+        (p->logits = plain_alloc(p, N * V)) && (p->dlogits = plain_alloc(p, N * V)) && (p->d = plain_alloc(p, N * C)) &&
+        (p->d2 = plain_alloc(p, N * C)) && (p->dC = plain_alloc(p, N * C)) && (p->d3 = plain_alloc(p, 3 * N * C)) &&
+        (p->d4 = plain_alloc(p, 4 * N * C));
     return ok ? SMP_OK : smp_error(SMP_ERR_NOMEM, "out of device memory for the plain loop: %s", smp_last_error());
 }
 
@@ -162,7 +170,8 @@ static void plain_free(plain *p) {
 /* One training step's forward and backward over M microbatches of the
    batch on the device (ids xd, targets yd, [M * rows, T]); adds parameter
    gradients and returns the mean loss. */
-static smp_status plain_step(plain *p, const gpt *net, gpt_gpu *gg, const int32_t *xd, const int32_t *yd, int M, int T, double *loss) {
+static smp_status plain_step(plain *p, const gpt *net, gpt_gpu *gg, const int32_t *xd, const int32_t *yd, int M, int T,
+                             double *loss) {
     const gpt_config *m = &net->cfg;
     int C = m->n_embd, H = m->n_head, V = m->vocab, N = p->N, B = p->B, L = p->L;
     *loss = 0;
@@ -196,19 +205,26 @@ static smp_status plain_step(plain *p, const gpt *net, gpt_gpu *gg, const int32_
         *loss += l / M;
         /* backward: d is the gradient flowing down the residual stream */
         SMP_TRY(gpt__linear_backward(gg, p->hf, PV(net->wte_w), p->dlogits, p->d2, PG(net->wte_w), NULL, N, C, V));
-        SMP_TRY(gpt_gpu_layernorm_grad(gg, p->out, PV(net->nf.weight), p->sf, p->d2, p->d, PG(net->nf.weight), PG(net->nf.bias), N, C));
+        SMP_TRY(gpt_gpu_layernorm_grad(gg, p->out, PV(net->nf.weight), p->sf, p->d2, p->d, PG(net->nf.weight),
+                                       PG(net->nf.bias), N, C));
         for (int l = L - 1; l >= 0; l--) {
             const gpt_block *k = &net->blocks[l];
             plain_block *b = &p->blk[l];
-            SMP_TRY(gpt__linear_backward(gg, b->g, PV(k->l_mproj.weight), p->d, p->d4, PG(k->l_mproj.weight), PG(k->l_mproj.bias), N, 4 * C, C));
+            SMP_TRY(gpt__linear_backward(gg, b->g, PV(k->l_mproj.weight), p->d, p->d4, PG(k->l_mproj.weight),
+                                         PG(k->l_mproj.bias), N, 4 * C, C));
             SMP_TRY(gpt_gpu_gelu_grad(gg, b->f, b->t, p->d4, p->d4, (int64_t)N * 4 * C));
-            SMP_TRY(gpt__linear_backward(gg, b->h2, PV(k->l_fc.weight), p->d4, p->d2, PG(k->l_fc.weight), PG(k->l_fc.bias), N, C, 4 * C));
-            SMP_TRY(gpt_gpu_layernorm_grad(gg, b->r, PV(k->n2.weight), b->s2, p->d2, p->dC, PG(k->n2.weight), PG(k->n2.bias), N, C));
+            SMP_TRY(gpt__linear_backward(gg, b->h2, PV(k->l_fc.weight), p->d4, p->d2, PG(k->l_fc.weight),
+                                         PG(k->l_fc.bias), N, C, 4 * C));
+            SMP_TRY(gpt_gpu_layernorm_grad(gg, b->r, PV(k->n2.weight), b->s2, p->d2, p->dC, PG(k->n2.weight),
+                                           PG(k->n2.bias), N, C));
             SMP_TRY(gpt_gpu_add(gg, p->d, p->dC, p->d, (int64_t)N * C));
-            SMP_TRY(gpt__linear_backward(gg, b->y, PV(k->l_aproj.weight), p->d, p->d2, PG(k->l_aproj.weight), PG(k->l_aproj.bias), N, C, C));
+            SMP_TRY(gpt__linear_backward(gg, b->y, PV(k->l_aproj.weight), p->d, p->d2, PG(k->l_aproj.weight),
+                                         PG(k->l_aproj.bias), N, C, C));
             SMP_TRY(gpt__attention_backward(gg, b->qkv, b->P, p->d2, p->d3, B, T, C, H));
-            SMP_TRY(gpt__linear_backward(gg, b->h1, PV(k->l_attn.weight), p->d3, p->d2, PG(k->l_attn.weight), PG(k->l_attn.bias), N, C, 3 * C));
-            SMP_TRY(gpt_gpu_layernorm_grad(gg, b->x, PV(k->n1.weight), b->s1, p->d2, p->dC, PG(k->n1.weight), PG(k->n1.bias), N, C));
+            SMP_TRY(gpt__linear_backward(gg, b->h1, PV(k->l_attn.weight), p->d3, p->d2, PG(k->l_attn.weight),
+                                         PG(k->l_attn.bias), N, C, 3 * C));
+            SMP_TRY(gpt_gpu_layernorm_grad(gg, b->x, PV(k->n1.weight), b->s1, p->d2, p->dC, PG(k->n1.weight),
+                                           PG(k->n1.bias), N, C));
             SMP_TRY(gpt_gpu_add(gg, p->d, p->dC, p->d, (int64_t)N * C));
         }
         SMP_TRY(gpt_gpu_positions_grad(gg, p->d, PG(net->wpe_w), B, T, C));
@@ -221,17 +237,20 @@ static smp_status plain_step(plain *p, const gpt *net, gpt_gpu *gg, const int32_
 /* Dense bf16 peak FLOP/s by device name (0: not known). */
 static double peak_bf16(const char *name) {
     if (strstr(name, "H200")) return 989e12;
-    if (strstr(name, "H100")) return strstr(name, "PCIe") ? 756e12 : strstr(name, "NVL") ? 835e12 : 989e12; /* SXM: 989 */
+    if (strstr(name, "H100"))
+        return strstr(name, "PCIe") ? 756e12 : strstr(name, "NVL") ? 835e12 : 989e12; /* SXM: 989 */
     if (strstr(name, "A100")) return 312e12;
     return 0;
 }
 
 /* ids and targets of the batch: checked against the vocabulary (so the
    kernels need not), then copied to the device. */
-static smp_status upload_batch(const gpt_gpu *gg, const int32_t *x, const int32_t *y, size_t n, int V, int32_t *xd, int32_t *yd) {
+static smp_status upload_batch(const gpt_gpu *gg, const int32_t *x, const int32_t *y, size_t n, int V, int32_t *xd,
+                               int32_t *yd) {
     for (size_t i = 0; i < n; i++)
         if (x[i] < 0 || x[i] >= V || y[i] < 0 || y[i] >= V)
-            return smp_error(SMP_ERR_ARG, "token %d or target %d at position %zu is outside the vocabulary of %d", x[i], y[i], i, V);
+            return smp_error(SMP_ERR_ARG, "token %d or target %d at position %zu is outside the vocabulary of %d", x[i],
+                             y[i], i, V);
     SMP_TRY(gpu_upload(&gg->e, xd, x, sizeof(int32_t) * n));
     return gpu_upload(&gg->e, yd, y, sizeof(int32_t) * n);
 }
@@ -239,20 +258,27 @@ static smp_status upload_batch(const gpt_gpu *gg, const int32_t *x, const int32_
 int main(int argc, char **argv) {
     options opt;
     MPI_Init(&argc, &argv);
-    if (parse_options(argc, argv, &opt, true)) { MPI_Finalize(); return 2; }
-    if (opt.generate || opt.replicas > 1 || opt.grads || opt.model.dropout > 0) {
-        fprintf(stderr, "gpt.cu: --generate, --replicas, --grads and --dropout are gpt.c's (build/examples/gpt); the device program "
-                        "trains, evaluates, prints logits and samples, and saves and loads checkpoints\n");
+    if (parse_options(argc, argv, &opt, true)) {
         MPI_Finalize();
         return 2;
     }
-    if (smp_init(&opt.cfg)) {                                             /* smp.init() */
+    if (opt.generate || opt.replicas > 1 || opt.grads || opt.model.dropout > 0) {
+        fprintf(stderr,
+                "gpt.cu: --generate, --replicas, --grads and --dropout are gpt.c's (build/examples/gpt); the device "
+                "program "
+                "trains, evaluates, prints logits and samples, and saves and loads checkpoints\n");
+        MPI_Finalize();
+        return 2;
+    }
+    if (smp_init(&opt.cfg)) { /* smp.init() */
         fprintf(stderr, "smp_init: %s\n", smp_last_error());
         MPI_Finalize();
         return 1;
     }
     if (smp_nccl_current_mode() == SMP_NCCL_MODE_NONE) {
-        if (smp_rank() == 0) printf("gpt (CUDA): %s: this program needs a GPU on every rank (the CPU program is build/examples/gpt)\n", smp_nccl_describe());
+        if (smp_rank() == 0)
+            printf("gpt (CUDA): %s: this program needs a GPU on every rank (the CPU program is build/examples/gpt)\n",
+                   smp_nccl_describe());
         smp_finalize();
         MPI_Finalize();
         return 0;
@@ -280,17 +306,21 @@ int main(int argc, char **argv) {
     local_batch = 0;
     if (!st) st = smp_local_batch_size(opt.batch, &local_batch);
     if (!st && local_batch % M)
-        st = smp_error(SMP_ERR_CONFIG, "batch of %lld per replica does not divide into %d microbatches", (long long)local_batch, M);
+        st = smp_error(SMP_ERR_CONFIG, "batch of %lld per replica does not divide into %d microbatches",
+                       (long long)local_batch, M);
     if (!st && (text.ntrain < (size_t)T + 2 || text.nval < (size_t)T + 2))
         st = smp_error(SMP_ERR_ARG, "the corpus is shorter than a context of %d characters", T);
     for (size_t i = 0; !st && opt.sample_len > 0 && opt.prompt[i]; i++)
         if (text.id_of[(unsigned char)opt.prompt[i]] < 0)
-            st = smp_error(SMP_ERR_ARG, "the prompt's character %zu (byte 0x%02x) is not in the vocabulary", i, (unsigned char)opt.prompt[i]);
+            st = smp_error(SMP_ERR_ARG, "the prompt's character %zu (byte 0x%02x) is not in the vocabulary", i,
+                           (unsigned char)opt.prompt[i]);
     if (!st && opt.logits && (!*opt.logits || strlen(opt.logits) > (size_t)T))
-        st = smp_error(SMP_ERR_ARG, "--logits: a context of %zu characters; the model takes 1 to %d", strlen(opt.logits), T);
+        st = smp_error(SMP_ERR_ARG, "--logits: a context of %zu characters; the model takes 1 to %d",
+                       strlen(opt.logits), T);
     for (size_t i = 0; !st && opt.logits && opt.logits[i]; i++)
         if (text.id_of[(unsigned char)opt.logits[i]] < 0)
-            st = smp_error(SMP_ERR_ARG, "--logits: character %zu (byte 0x%02x) is not in the vocabulary", i, (unsigned char)opt.logits[i]);
+            st = smp_error(SMP_ERR_ARG, "--logits: character %zu (byte 0x%02x) is not in the vocabulary", i,
+                           (unsigned char)opt.logits[i]);
     if (fail_all(st, "input")) goto done;
     train_ids = encode(&text, text.train, text.ntrain);
     val_ids = encode(&text, text.val, text.nval);
@@ -301,155 +331,177 @@ int main(int argc, char **argv) {
     if (!train_ids || !val_ids || !x || !y || !xd || !yd) st = smp_error(SMP_ERR_NOMEM, "out of memory for the batch");
     if (fail_all(st, "data")) goto done;
     {
-    double baseline = unigram_entropy(&text);
-    int V = opt.vocab_multiple > 0 ? (text.vocab + opt.vocab_multiple - 1) / opt.vocab_multiple * opt.vocab_multiple : text.vocab;
-    opt.model.vocab = V;
-    if (V != text.vocab && (opt.logits || opt.sample_len > 0))
-        st = smp_error(SMP_ERR_ARG, "--vocab-multiple pads the vocabulary from %d to %d ids: logits and samples take the corpus's; "
-                                    "run it with --sample-len 0 and without --logits", text.vocab, V);
-    if (fail_all(st, "input")) goto done;
-    st = gpt_gpu_build(&net, &opt.model, opt.recompute, &gg, &model);   /* smp.DistributedModel */
-    if (fail_all(st, "model")) goto done;
-    /* partition now, so the optimizer knows its parameters */
-    int64_t rows = local_batch, mrows = rows / M;
-    fill_batch(train_ids, text.ntrain, T, (uint64_t)opt.seed, 0, opt.batch, 0, (int)mrows, x, y);
-    st = upload_batch(&gg, x, y, (size_t)mrows * T, V, xd, yd);
-    smp_tensor sample = device_tensor(smp_tensor_2d(xd, SMP_I32, mrows, T));
-    if (!(st = gpu_agree(st))) st = smp_model_trace(model, &sample, 1);
-    if (!st) st = gpu_agree(adamw_init(&opt_state, model, &gg));
-    if (!st && opt.plain && (smp_size() != 1 || cfg->partitions != 1))
-        st = smp_error(SMP_ERR_CONFIG, "--plain runs the step without smp on one rank: run 1 process with --partitions 1");
-    if (!st && opt.plain) st = plain_init(&pl, &opt.model, (int)mrows, T);
-    if (!st && opt.load) {                                                /* the weights to start from */
-        smp_load_desc ld;
-        memset(&ld, 0, sizeof ld);
-        ld.partial = SMP_OFF;
-        st = smp_load(model, opt.load, &ld);
-    }
-    if (fail_all(st, "partitioning")) goto done;
-    long nparams = 0;
-    for (int i = 0; i < smp_model_num_global_params(model, false); i++)
-        nparams += (long)smp_tensor_numel(smp_param_value(smp_model_global_param(model, i, false)));
-    int dev = 0;
-    cudaDeviceProp prop;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) snprintf(prop.name, sizeof prop.name, "?");
-    if (root) {
-        printf("gpt (CUDA, %s, %s): %d layers, width %d, %d heads, context %d, vocabulary %d, %.2fM parameters%s\n",
-               smp_nccl_describe(), prop.name, opt.model.n_layer, opt.model.n_embd, opt.model.n_head, T, V, (double)nparams / 1e6,
-               opt.bf16 ? ", bf16 GEMMs (f32 accumulation and master weights)" : ", f32");
-        printf("gpt: %zu training and %zu validation characters from %s%s%s\n", text.ntrain, text.nval, opt.data,
-               opt.load ? ", starting from " : "", opt.load ? opt.load : "");
-        printf("gpt: %d processes, %d partitions x %d replicas, batch %d x %d characters (%lld per replica) in %d microbatches, %s pipeline%s\n",
-               smp_size(), cfg->partitions, smp_dp_size(), opt.batch, T, (long long)local_batch, M,
-               cfg->pipeline == SMP_PIPELINE_SIMPLE ? "simple" : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble"
-               : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved",
-               opt.recompute ? ", blocks recomputed" : "");
-        fflush(stdout);
-    }
-    print_placement(model, &net);
-
-    /* ---------------------------------------------------------------- training */
-    double t0 = now(), loss_avg = 0, timed_from = t0;
-    long tokens = 0, timed_tokens = 0;
-    for (int step = 0; step < opt.steps && !st; step++) {
-        float lr = lr_at(&opt, step);
-        fill_batch(train_ids, text.ntrain, T, (uint64_t)opt.seed, step, opt.batch, smp_dp_rank() * (int)local_batch, (int)rows, x, y);
-        if ((st = upload_batch(&gg, x, y, (size_t)rows * T, V, xd, yd))) break; /* data.to(device) */
-        smp_tensor xt = device_tensor(smp_tensor_2d(xd, SMP_I32, rows, T)), yt = device_tensor(smp_tensor_2d(yd, SMP_I32, rows, T));
-        smp_step_output loss_mb;
-        memset(&loss_mb, 0, sizeof loss_mb);
-        smp_model_zero_grad(model);                                       /* optimizer.zero_grad() */
-        double loss = 0;
-        if (opt.plain) {
-            if ((st = plain_step(&pl, &net, &gg, xd, yd, M, T, &loss))) break;
-        } else {
-            if ((st = SMP_TRAIN_STEP(model, gpt_gpu_loss_body, &gg, &loss_mb, 1, xt, yt))) break;
-            loss = dp_mean(smp_step_output_reduce_mean_f64(&loss_mb));    /* the global batch's loss */
-            smp_step_output_free(&loss_mb);
+        double baseline = unigram_entropy(&text);
+        int V = opt.vocab_multiple > 0 ? (text.vocab + opt.vocab_multiple - 1) / opt.vocab_multiple * opt.vocab_multiple
+                                       : text.vocab;
+        opt.model.vocab = V;
+        if (V != text.vocab && (opt.logits || opt.sample_len > 0))
+            st = smp_error(
+                SMP_ERR_ARG,
+                "--vocab-multiple pads the vocabulary from %d to %d ids: logits and samples take the corpus's; "
+                "run it with --sample-len 0 and without --logits",
+                text.vocab, V);
+        if (fail_all(st, "input")) goto done;
+        st = gpt_gpu_build(&net, &opt.model, opt.recompute, &gg, &model); /* smp.DistributedModel */
+        if (fail_all(st, "model")) goto done;
+        /* partition now, so the optimizer knows its parameters */
+        int64_t rows = local_batch, mrows = rows / M;
+        fill_batch(train_ids, text.ntrain, T, (uint64_t)opt.seed, 0, opt.batch, 0, (int)mrows, x, y);
+        st = upload_batch(&gg, x, y, (size_t)mrows * T, V, xd, yd);
+        smp_tensor sample = device_tensor(smp_tensor_2d(xd, SMP_I32, mrows, T));
+        if (!(st = gpu_agree(st))) st = smp_model_trace(model, &sample, 1);
+        if (!st) st = gpu_agree(adamw_init(&opt_state, model, &gg));
+        if (!st && opt.plain && (smp_size() != 1 || cfg->partitions != 1))
+            st = smp_error(SMP_ERR_CONFIG,
+                           "--plain runs the step without smp on one rank: run 1 process with --partitions 1");
+        if (!st && opt.plain) st = plain_init(&pl, &opt.model, (int)mrows, T);
+        if (!st && opt.load) { /* the weights to start from */
+            smp_load_desc ld;
+            memset(&ld, 0, sizeof ld);
+            ld.partial = SMP_OFF;
+            st = smp_load(model, opt.load, &ld);
         }
-        if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
-        if ((st = adamw_step(&opt_state, model, &opt, lr, &gg))) break;   /* optimizer.step() */
-        tokens += (long)opt.batch * T;
-        if (step == 1) { /* the first two steps trace, allocate and warm up: the throughput is timed after them */
-            if ((st = cudaStreamSynchronize(gg.e.stream) ? smp_error(SMP_ERR_DEVICE, "cudaStreamSynchronize failed") : SMP_OK)) break;
-            timed_from = now();
-        }
-        if (step >= 2) timed_tokens += (long)opt.batch * T;
-        loss_avg = step ? 0.9 * loss_avg + 0.1 * loss : loss;
-        if (opt.print_losses && root) printf("step %d loss %a\n", step, loss);
-        if (root && (step % opt.log_every == 0 || step + 1 == opt.steps)) {
-            double secs = now() - t0, eta = secs / (step + 1) * (opt.steps - step - 1);
-            char e[32], s[32];
-            fmt_time(eta, e, sizeof e);
-            fmt_time(secs, s, sizeof s);
-            printf("step %4d/%d  loss %.4f (avg %.4f)  lr %.2e  %6.0f tokens/s  %s elapsed, ETA %s\n", step + 1, opt.steps,
-                   loss, loss_avg, lr, (double)tokens / secs, s, e);
+        if (fail_all(st, "partitioning")) goto done;
+        long nparams = 0;
+        for (int i = 0; i < smp_model_num_global_params(model, false); i++)
+            nparams += (long)smp_tensor_numel(smp_param_value(smp_model_global_param(model, i, false)));
+        int dev = 0;
+        cudaDeviceProp prop;
+        if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess)
+            snprintf(prop.name, sizeof prop.name, "?");
+        if (root) {
+            printf("gpt (CUDA, %s, %s): %d layers, width %d, %d heads, context %d, vocabulary %d, %.2fM parameters%s\n",
+                   smp_nccl_describe(), prop.name, opt.model.n_layer, opt.model.n_embd, opt.model.n_head, T, V,
+                   (double)nparams / 1e6, opt.bf16 ? ", bf16 GEMMs (f32 accumulation and master weights)" : ", f32");
+            printf("gpt: %zu training and %zu validation characters from %s%s%s\n", text.ntrain, text.nval, opt.data,
+                   opt.load ? ", starting from " : "", opt.load ? opt.load : "");
+            printf("gpt: %d processes, %d partitions x %d replicas, batch %d x %d characters (%lld per replica) in %d "
+                   "microbatches, %s pipeline%s\n",
+                   smp_size(), cfg->partitions, smp_dp_size(), opt.batch, T, (long long)local_batch, M,
+                   cfg->pipeline == SMP_PIPELINE_SIMPLE              ? "simple"
+                       : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE   ? "zero_bubble"
+                       : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v"
+                                                                     : "interleaved",
+                   opt.recompute ? ", blocks recomputed" : "");
             fflush(stdout);
         }
-    }
-    if (!st && cudaStreamSynchronize(gg.e.stream) != cudaSuccess) st = smp_error(SMP_ERR_DEVICE, "cudaStreamSynchronize failed");
-    if (fail_all(st, "training")) goto done;
-    if (root && opt.steps > 0) {
-        double secs = now() - t0, tsecs = now() - timed_from, rate = timed_tokens > 0 ? (double)timed_tokens / tsecs : (double)tokens / secs;
-        double wpe = (double)T * opt.model.n_embd;
-        double flops = 6.0 * ((double)nparams - wpe) + 12.0 * opt.model.n_layer * opt.model.n_embd * T, peak = peak_bf16(prop.name);
-        printf("trained %d steps in %.1f s (%.0f tokens/s)\n", opt.steps, secs, (double)tokens / secs);
-        printf("throughput: %.0f tokens/s (%s), %.3g model FLOPs per token, ", rate, timed_tokens > 0 ? "steps 3 on" : "all steps", flops);
-        if (peak > 0) printf("MFU %.3f of %s's dense bf16 peak %.0f TFLOP/s\n", rate * flops / peak, prop.name, peak / 1e12);
-        else printf("MFU n/a (no bf16 peak known for \"%s\")\n", prop.name);
-        fflush(stdout);
-    }
-    if (opt.digest && fail_all(print_digest(model), "digest")) goto done;
+        print_placement(model, &net);
 
-    /* ---------------------------------------------------------------- validation */
-    if (opt.val_batches > 0) {
-        double val = 0;
-        int nw = opt.val_batches * opt.batch;
-        for (int b = 0; b < opt.val_batches && !st; b++) {
-            fill_val(val_ids, text.nval, T, nw, b * opt.batch + smp_dp_rank() * (int)local_batch, (int)rows, x, y);
-            if ((st = upload_batch(&gg, x, y, (size_t)rows * T, V, xd, yd))) break;
-            smp_tensor xt = device_tensor(smp_tensor_2d(xd, SMP_I32, rows, T)), yt = device_tensor(smp_tensor_2d(yd, SMP_I32, rows, T));
+        /* ---------------------------------------------------------------- training */
+        double t0 = now(), loss_avg = 0, timed_from = t0;
+        long tokens = 0, timed_tokens = 0;
+        for (int step = 0; step < opt.steps && !st; step++) {
+            float lr = lr_at(&opt, step);
+            fill_batch(train_ids, text.ntrain, T, (uint64_t)opt.seed, step, opt.batch, smp_dp_rank() * (int)local_batch,
+                       (int)rows, x, y);
+            if ((st = upload_batch(&gg, x, y, (size_t)rows * T, V, xd, yd))) break; /* data.to(device) */
+            smp_tensor xt = device_tensor(smp_tensor_2d(xd, SMP_I32, rows, T)),
+                       yt = device_tensor(smp_tensor_2d(yd, SMP_I32, rows, T));
             smp_step_output loss_mb;
             memset(&loss_mb, 0, sizeof loss_mb);
-            if ((st = SMP_EVAL_STEP(model, gpt_gpu_loss_body, &gg, &loss_mb, 1, xt, yt))) break;
-            val += dp_mean(smp_step_output_reduce_mean_f64(&loss_mb));
-            smp_step_output_free(&loss_mb);
+            smp_model_zero_grad(model); /* optimizer.zero_grad() */
+            double loss = 0;
+            if (opt.plain) {
+                if ((st = plain_step(&pl, &net, &gg, xd, yd, M, T, &loss))) break;
+            } else {
+                if ((st = SMP_TRAIN_STEP(model, gpt_gpu_loss_body, &gg, &loss_mb, 1, xt, yt))) break;
+                loss = dp_mean(smp_step_output_reduce_mean_f64(&loss_mb)); /* the global batch's loss */
+                smp_step_output_free(&loss_mb);
+            }
+            if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
+            if ((st = adamw_step(&opt_state, model, &opt, lr, &gg))) break; /* optimizer.step() */
+            tokens += (long)opt.batch * T;
+            if (step == 1) { /* the first two steps trace, allocate and warm up: the throughput is timed after them */
+                if ((st = cudaStreamSynchronize(gg.e.stream) ? smp_error(SMP_ERR_DEVICE, "cudaStreamSynchronize failed")
+                                                             : SMP_OK))
+                    break;
+                timed_from = now();
+            }
+            if (step >= 2) timed_tokens += (long)opt.batch * T;
+            loss_avg = step ? 0.9 * loss_avg + 0.1 * loss : loss;
+            if (opt.print_losses && root) printf("step %d loss %a\n", step, loss);
+            if (root && (step % opt.log_every == 0 || step + 1 == opt.steps)) {
+                double secs = now() - t0, eta = secs / (step + 1) * (opt.steps - step - 1);
+                char e[32], s[32];
+                fmt_time(eta, e, sizeof e);
+                fmt_time(secs, s, sizeof s);
+                printf("step %4d/%d  loss %.4f (avg %.4f)  lr %.2e  %6.0f tokens/s  %s elapsed, ETA %s\n", step + 1,
+                       opt.steps, loss, loss_avg, lr, (double)tokens / secs, s, e);
+                fflush(stdout);
+            }
         }
-        if (fail_all(st, "validation")) goto done;
-        val /= opt.val_batches;
-        if (root) {
-            if (opt.print_losses) printf("validation %a\n", val);
-            printf("validation loss: %.3f (unigram baseline: %.3f)\n", val, baseline);
+        if (!st && cudaStreamSynchronize(gg.e.stream) != cudaSuccess)
+            st = smp_error(SMP_ERR_DEVICE, "cudaStreamSynchronize failed");
+        if (fail_all(st, "training")) goto done;
+        if (root && opt.steps > 0) {
+            double secs = now() - t0, tsecs = now() - timed_from,
+                   rate = timed_tokens > 0 ? (double)timed_tokens / tsecs : (double)tokens / secs;
+            double wpe = (double)T * opt.model.n_embd;
+            double flops = 6.0 * ((double)nparams - wpe) + 12.0 * opt.model.n_layer * opt.model.n_embd * T,
+                   peak = peak_bf16(prop.name);
+            printf("trained %d steps in %.1f s (%.0f tokens/s)\n", opt.steps, secs, (double)tokens / secs);
+            printf("throughput: %.0f tokens/s (%s), %.3g model FLOPs per token, ", rate,
+                   timed_tokens > 0 ? "steps 3 on" : "all steps", flops);
+            if (peak > 0)
+                printf("MFU %.3f of %s's dense bf16 peak %.0f TFLOP/s\n", rate * flops / peak, prop.name, peak / 1e12);
+            else
+                printf("MFU n/a (no bf16 peak known for \"%s\")\n", prop.name);
             fflush(stdout);
         }
-    }
+        if (opt.digest && fail_all(print_digest(model), "digest")) goto done;
 
-    if (opt.logits && fail_all(print_context_logits(model, &text, opt.logits, M), "--logits")) goto done;
+        /* ---------------------------------------------------------------- validation */
+        if (opt.val_batches > 0) {
+            double val = 0;
+            int nw = opt.val_batches * opt.batch;
+            for (int b = 0; b < opt.val_batches && !st; b++) {
+                fill_val(val_ids, text.nval, T, nw, b * opt.batch + smp_dp_rank() * (int)local_batch, (int)rows, x, y);
+                if ((st = upload_batch(&gg, x, y, (size_t)rows * T, V, xd, yd))) break;
+                smp_tensor xt = device_tensor(smp_tensor_2d(xd, SMP_I32, rows, T)),
+                           yt = device_tensor(smp_tensor_2d(yd, SMP_I32, rows, T));
+                smp_step_output loss_mb;
+                memset(&loss_mb, 0, sizeof loss_mb);
+                if ((st = SMP_EVAL_STEP(model, gpt_gpu_loss_body, &gg, &loss_mb, 1, xt, yt))) break;
+                val += dp_mean(smp_step_output_reduce_mean_f64(&loss_mb));
+                smp_step_output_free(&loss_mb);
+            }
+            if (fail_all(st, "validation")) goto done;
+            val /= opt.val_batches;
+            if (root) {
+                if (opt.print_losses) printf("validation %a\n", val);
+                printf("validation loss: %.3f (unigram baseline: %.3f)\n", val, baseline);
+                fflush(stdout);
+            }
+        }
 
-    /* ---------------------------------------------------------------- a sample */
-    if (opt.sample_len > 0) {
-        char *sample_text = NULL;
-        st = generate(model, &text, &opt, M, &sample_text);
-        if (fail_all(st, "generation")) goto done;
-        if (root) printf("sample (temperature %.2f, seed %d):\n%s\n", opt.temperature, opt.seed, sample_text);
-        free(sample_text);
-    }
+        if (opt.logits && fail_all(print_context_logits(model, &text, opt.logits, M), "--logits")) goto done;
 
-    /* ---------------------------------------------------------------- the checkpoint */
-    if (opt.save && *opt.save) {
-        ckpt_meta m;
-        ckpt_meta_init(&m, &text, &opt);
-        smp_save_desc sd;
-        memset(&sd, 0, sizeof sd);
-        sd.partial = SMP_OFF;
-        sd.meta_keys = m.keys;
-        sd.meta_values = m.vals;
-        sd.nmeta = m.n;
-        st = smp_save(model, opt.save, &sd);
-        if (fail_all(st, "checkpoint")) goto done;
-        if (root) printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n", opt.save);
-    }
-    rc = 0;
+        /* ---------------------------------------------------------------- a sample */
+        if (opt.sample_len > 0) {
+            char *sample_text = NULL;
+            st = generate(model, &text, &opt, M, &sample_text);
+            if (fail_all(st, "generation")) goto done;
+            if (root) printf("sample (temperature %.2f, seed %d):\n%s\n", opt.temperature, opt.seed, sample_text);
+            free(sample_text);
+        }
+
+        /* ---------------------------------------------------------------- the checkpoint */
+        if (opt.save && *opt.save) {
+            ckpt_meta m;
+            ckpt_meta_init(&m, &text, &opt);
+            smp_save_desc sd;
+            memset(&sd, 0, sizeof sd);
+            sd.partial = SMP_OFF;
+            sd.meta_keys = m.keys;
+            sd.meta_values = m.vals;
+            sd.nmeta = m.n;
+            st = smp_save(model, opt.save, &sd);
+            if (fail_all(st, "checkpoint")) goto done;
+            if (root)
+                printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n",
+                       opt.save);
+        }
+        rc = 0;
     }
 
 done:
@@ -460,8 +512,12 @@ done:
     smp_nccl_free(xd);
     smp_nccl_free(yd);
     gpt_gpu_free(&gg);
-    free(train_ids); free(val_ids); free(x); free(y);
-    free(text.train); free(text.val);
+    free(train_ids);
+    free(val_ids);
+    free(x);
+    free(y);
+    free(text.train);
+    free(text.val);
     smp_finalize();
     MPI_Finalize();
     return rc;

@@ -77,7 +77,8 @@ struct op {
         struct { fstream *on; uint64_t seq; } w;
         struct { task *tasks; int ntasks; bool started; MPI_Request *reqs; int nreqs; } nc;
         struct { void *dev; } f;
-        struct { int ta, tb, m, n, k, lda, ldb, ldc; float alpha, beta; const void *a, *b; float *c; bool abf16, bbf16; } g;
+        struct { int ta, tb, m, n, k, lda, ldb, ldc; float alpha, beta; const void *a, *b; float *c; bool abf16, bbf16; }
+            g; /* abf16, bbf16: A, B hold bf16 (cublasGemmEx) */
     } u;
 };
 
@@ -508,8 +509,10 @@ static void gemm(op *o) {
         for (int i = 0; i < m; i++) {
             float s = 0;
             for (int l = 0; l < k; l++) {
-                float a = gemm_in(o->u.g.a, o->u.g.ta ? l + (size_t)i * o->u.g.lda : i + (size_t)l * o->u.g.lda, o->u.g.abf16);
-                float b = gemm_in(o->u.g.b, o->u.g.tb ? j + (size_t)l * o->u.g.ldb : l + (size_t)j * o->u.g.ldb, o->u.g.bbf16);
+                float a = gemm_in(o->u.g.a, o->u.g.ta ? l + (size_t)i * o->u.g.lda : i + (size_t)l * o->u.g.lda,
+                                  o->u.g.abf16);
+                float b = gemm_in(o->u.g.b, o->u.g.tb ? j + (size_t)l * o->u.g.ldb : l + (size_t)j * o->u.g.ldb,
+                                  o->u.g.bbf16);
                 s += a * b;
             }
             float *c = &o->u.g.c[i + (size_t)j * o->u.g.ldc];
@@ -1288,26 +1291,34 @@ cublasStatus_t cublasCreate_v2(cublasHandle_t *h) {
 cublasStatus_t cublasDestroy_v2(cublasHandle_t h) { free(h); return CUBLAS_STATUS_SUCCESS; }
 cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t s) { h->stream = s; return CUBLAS_STATUS_SUCCESS; }
 const char *cublasGetStatusName(cublasStatus_t s) {
-    return s == CUBLAS_STATUS_SUCCESS ? "CUBLAS_STATUS_SUCCESS" : s == CUBLAS_STATUS_NOT_SUPPORTED ? "CUBLAS_STATUS_NOT_SUPPORTED" : "CUBLAS_STATUS_INVALID_VALUE";
+    return s == CUBLAS_STATUS_SUCCESS      ? "CUBLAS_STATUS_SUCCESS"
+        : s == CUBLAS_STATUS_NOT_SUPPORTED ? "CUBLAS_STATUS_NOT_SUPPORTED"
+                                           : "CUBLAS_STATUS_INVALID_VALUE";
 }
 const char *cublasGetStatusString(cublasStatus_t s) {
-    return s == CUBLAS_STATUS_SUCCESS ? "success" : s == CUBLAS_STATUS_NOT_SUPPORTED ? "the functionality requested is not supported"
-                                                                                   : "an invalid value was used as an argument";
+    return s == CUBLAS_STATUS_SUCCESS      ? "success"
+        : s == CUBLAS_STATUS_NOT_SUPPORTED ? "the functionality requested is not supported"
+                                           : "an invalid value was used as an argument";
 }
 /* One GEMM on the handle's stream: C (f32) = alpha op(A) op(B) + beta C, A
    and B f32 or bf16 (elem: their element size), summed in f32 in k order. */
-static cublasStatus_t enqueue_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float alpha,
-                                   const void *a, size_t aelem, int lda, const void *b, size_t belem, int ldb, float beta, float *c,
-                                   int ldc, const char *call) {
-    if (!h || m < 0 || n < 0 || k < 0 || lda < (ta ? k : m) || lda < 1 || ldb < (tb ? n : k) || ldb < 1 || ldc < m || ldc < 1)
+static cublasStatus_t enqueue_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                                   float alpha, const void *a, size_t aelem, int lda, const void *b, size_t belem,
+                                   int ldb, float beta, float *c, int ldc, const char *call) {
+    if (!h || m < 0 || n < 0 || k < 0 || lda < (ta ? k : m) || lda < 1 || ldb < (tb ? n : k) || ldb < 1 || ldc < m ||
+        ldc < 1)
         return CUBLAS_STATUS_INVALID_VALUE;
     if (!m || !n) return CUBLAS_STATUS_SUCCESS;
     LOCK();
     op *o = new_op(OP_GEMM);
     o->u.g.ta = ta != CUBLAS_OP_N;
     o->u.g.tb = tb != CUBLAS_OP_N;
-    o->u.g.m = m; o->u.g.n = n; o->u.g.k = k;
-    o->u.g.lda = lda; o->u.g.ldb = ldb; o->u.g.ldc = ldc;
+    o->u.g.m = m;
+    o->u.g.n = n;
+    o->u.g.k = k;
+    o->u.g.lda = lda;
+    o->u.g.ldb = ldb;
+    o->u.g.ldc = ldc;
     o->u.g.alpha = alpha;
     o->u.g.beta = beta;
     o->u.g.abf16 = aelem == 2;
@@ -1325,32 +1336,36 @@ static cublasStatus_t enqueue_gemm(cublasHandle_t h, cublasOperation_t ta, cubla
     return CUBLAS_STATUS_SUCCESS;
 }
 
-cublasStatus_t cublasSgemm_v2(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const float *alpha,
-                              const float *a, int lda, const float *b, int ldb, const float *beta, float *c, int ldc) {
+cublasStatus_t cublasSgemm_v2(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                              const float *alpha, const float *a, int lda, const float *b, int ldb, const float *beta,
+                              float *c, int ldc) {
     /* host pointer mode */
-    return enqueue_gemm(h, ta, tb, m, n, k, *alpha, a, sizeof(float), lda, b, sizeof(float), ldb, *beta, c, ldc, "cublasSgemm");
+    return enqueue_gemm(h, ta, tb, m, n, k, *alpha, a, sizeof(float), lda, b, sizeof(float), ldb, *beta, c, ldc,
+                        "cublasSgemm");
 }
 
 /* batch GEMMs one after another, each as cublasSgemm */
-cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
-                                         const float *alpha, const float *a, int lda, long long sa, const float *b, int ldb,
-                                         long long sb, const float *beta, float *c, int ldc, long long sc, int batch) {
+cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                                         int k, const float *alpha, const float *a, int lda, long long sa,
+                                         const float *b, int ldb, long long sb, const float *beta, float *c, int ldc,
+                                         long long sc, int batch) {
     if (batch < 0) return CUBLAS_STATUS_INVALID_VALUE;
     cublasStatus_t r = CUBLAS_STATUS_SUCCESS;
     for (int i = 0; i < batch && r == CUBLAS_STATUS_SUCCESS; i++)
-        r = enqueue_gemm(h, ta, tb, m, n, k, *alpha, a + i * sa, sizeof(float), lda, b + i * sb, sizeof(float), ldb, *beta, c + i * sc, ldc,
-                         "cublasSgemmStridedBatched");
+        r = enqueue_gemm(h, ta, tb, m, n, k, *alpha, a + i * sa, sizeof(float), lda, b + i * sb, sizeof(float), ldb,
+                         *beta, c + i * sc, ldc, "cublasSgemmStridedBatched");
     return r;
 }
 
 /* A and B f32 or bf16, C f32, f32 accumulation: what the examples ask for */
-cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *alpha,
-                            const void *a, cudaDataType at, int lda, const void *b, cudaDataType bt, int ldb, const void *beta, void *c,
-                            cudaDataType ct, int ldc, cublasComputeType_t compute, cublasGemmAlgo_t algo) {
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                            const void *alpha, const void *a, cudaDataType at, int lda, const void *b, cudaDataType bt,
+                            int ldb, const void *beta, void *c, cudaDataType ct, int ldc, cublasComputeType_t compute,
+                            cublasGemmAlgo_t algo) {
     (void)algo;
     bool ok_a = at == CUDA_R_32F || at == CUDA_R_16BF, ok_b = bt == CUDA_R_32F || bt == CUDA_R_16BF;
     if (!ok_a || !ok_b || ct != CUDA_R_32F || (compute != CUBLAS_COMPUTE_32F && compute != CUBLAS_COMPUTE_32F_PEDANTIC))
         return CUBLAS_STATUS_NOT_SUPPORTED;
-    return enqueue_gemm(h, ta, tb, m, n, k, *(const float *)alpha, a, at == CUDA_R_16BF ? 2 : 4, lda, b, bt == CUDA_R_16BF ? 2 : 4, ldb,
-                        *(const float *)beta, (float *)c, ldc, "cublasGemmEx");
+    return enqueue_gemm(h, ta, tb, m, n, k, *(const float *)alpha, a, at == CUDA_R_16BF ? 2 : 4, lda, b,
+                        bt == CUDA_R_16BF ? 2 : 4, ldb, *(const float *)beta, (float *)c, ldc, "cublasGemmEx");
 }

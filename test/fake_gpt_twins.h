@@ -21,18 +21,19 @@ static void twin_gpt_add_positions(const float *x, const float *P, float *y, int
 static void twin_gpt_position_grad(const float *dy, float *dP, int B, int T, int C) {
     TWIN_LOOP(k, (int64_t)T * C) gpt_k_position_grad(k, dy, dP, B, T, C);
 }
-static void twin_gpt_layernorm(const float *x, const float *w, const float *b, float *y, float *mean, float *rstd, int64_t n, int C) {
+static void twin_gpt_layernorm(const float *x, const float *w, const float *b, float *y, float *mean, float *rstd,
+                               int64_t n, int C) {
     TWIN_LOOP(r, n) gpt_k_layernorm(r, x, w, b, y, mean, rstd, C);
 }
-static void twin_gpt_layernorm_backward(const float *x, const float *w, const float *mean, const float *rstd, const float *dy,
-                                        float *dx, int64_t n, int C) {
+static void twin_gpt_layernorm_backward(const float *x, const float *w, const float *mean, const float *rstd,
+                                        const float *dy, float *dx, int64_t n, int C) {
     TWIN_LOOP(r, n) gpt_k_layernorm_backward(r, x, w, mean, rstd, dy, dx, C);
 }
 static void twin_gpt_bias_partial(const float *dy, float *partial, int64_t count, int64_t n, int C) {
     TWIN_LOOP(k, count) gpt_k_bias_partial(k, dy, partial, n, C);
 }
-static void twin_gpt_layernorm_partial(const float *x, const float *mean, const float *rstd, const float *dy, float *pw, float *pb,
-                                       int64_t count, int64_t n, int C) {
+static void twin_gpt_layernorm_partial(const float *x, const float *mean, const float *rstd, const float *dy, float *pw,
+                                       float *pb, int64_t count, int64_t n, int C) {
     TWIN_LOOP(k, count) gpt_k_layernorm_partial(k, x, mean, rstd, dy, pw, pb, n, C);
 }
 static void twin_gpt_add_partials(const float *partial, float *dst, int64_t chunks, int C) {
@@ -44,14 +45,12 @@ static void twin_gpt_gelu(const float *x, float *y, float *t, int64_t count) {
 static void twin_gpt_gelu_backward(const float *x, const float *t, const float *dy, float *dx, int64_t count) {
     TWIN_LOOP(i, count) gpt__gelu_backward(x + i, t + i, dy + i, dx + i, 1);
 }
-static void twin_gpt_softmax(float *P, int64_t rows, int T) {
-    TWIN_LOOP(r, rows) gpt_k_softmax(r, P, T);
-}
+static void twin_gpt_softmax(float *P, int64_t rows, int T) { TWIN_LOOP(r, rows) gpt_k_softmax(r, P, T); }
 static void twin_gpt_softmax_backward(const float *P, float *dP, int64_t rows, int T) {
     TWIN_LOOP(r, rows) gpt_k_softmax_backward(r, P, dP, T);
 }
-static void twin_gpt_xent(const float *logits, const int32_t *target, int64_t n, int V, float *dlogits, float grad_scale,
-                          float *row_loss) {
+static void twin_gpt_xent(const float *logits, const int32_t *target, int64_t n, int V, float *dlogits,
+                          float grad_scale, float *row_loss) {
     TWIN_LOOP(r, n) gpt_k_xent(r, logits, target, V, dlogits, grad_scale, row_loss);
 }
 static void twin_gpt_mean_loss(const float *row_loss, int64_t n, double *out) { gpt_k_mean_loss(row_loss, n, out); }
