@@ -41,7 +41,7 @@ TSAN_TESTS := test_ckpt_threads
 TSAN_ENV := UCX_MEM_EVENTS=no TSAN_OPTIONS=second_deadlock_stack=1 SMP_SANITIZER_LOGS=1
 ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
             SMP_SANITIZER_LOGS=1 SMP_EXAMPLES=$(CURDIR)/build/examples-asan
-BENCHES    := collectives partition schedule ddp checkpoint fmnist gpt nccl recompute
+BENCHES    := collectives partition schedule ddp checkpoint fmnist gpt gpt-cuda nccl recompute
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
@@ -117,7 +117,7 @@ test: deps
 	echo "== ThreadSanitizer build, mpirun -n 1, 2 ($(TSAN_TESTS))"; \
 	$(TSAN_ENV) test/run.sh build/tsan "" "$(TSAN_TESTS)" "" "1 2" > build/test-tsan.log 2>&1; e=$$?; cat build/test-tsan.log; \
 	echo "== CUDA sources (built with nvcc): the GPU suite where a GPU is present, and on the fake CPU device"; \
-	test/run.sh build/cuda "" "$$([ -x build/cuda/test_gpu ] && echo test_gpu)" "test/run_fake_cuda.sh test/test_fake_fmnist.sh" "1 2" > build/test-cuda.log 2>&1; c=$$?; cat build/test-cuda.log; \
+	test/run.sh build/cuda "" "$$([ -x build/cuda/test_gpu ] && echo test_gpu)" "test/run_fake_cuda.sh test/test_fake_fmnist.sh test/test_fake_gpt.sh" "1 2" > build/test-cuda.log 2>&1; c=$$?; cat build/test-cuda.log; \
 	p=0; f=0; s=0; for l in build/test-gcc.log build/test-asan.log build/test-asan4.log build/test-tsan.log build/test-cuda.log; do \
 	  set -- $$(tail -n1 $$l | tr -d ','); p=$$((p + $$1)); f=$$((f + $$3)); s=$$((s + $${5:-0})); done; \
 	echo; if [ $$s -gt 0 ]; then echo "$$p passed, $$f failed, $$s skipped"; else echo "$$p passed, $$f failed"; fi; \
@@ -154,7 +154,7 @@ EXLIBS   := -lopenblas -lz -lm
 EXFLAGS  := -O3 -fno-math-errno -g
 build/examples/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h | build/examples
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(EXFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
-build/examples/gpt: examples/gpt_model.h
+build/examples/gpt: examples/gpt_model.h examples/gpt_shared.h
 build/examples:
 	@mkdir -p $@
 examples: $(addprefix build/examples/,$(EXAMPLES))
@@ -162,20 +162,24 @@ examples: $(addprefix build/examples/,$(EXAMPLES))
 # (test_demo.sh, test_gpt.sh with SMP_EXAMPLES=build/examples-asan).
 build/examples-asan/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h | build/examples-asan
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(SANFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
-build/examples-asan/gpt: examples/gpt_model.h
+build/examples-asan/gpt: examples/gpt_model.h examples/gpt_shared.h
 build/examples-asan:
 	@mkdir -p $@
 examples-asan: $(addprefix build/examples-asan/,$(EXAMPLES))
 
 # CUDA sources: compiled and linked with nvcc (no GPU needed to build them).
 NVFLAGS  := -ccbin mpicxx -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror
-CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu build/cuda/fmnist build/bench/nccl
+CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu build/cuda/fmnist build/cuda/gpt build/bench/nccl
 build/cuda/%: examples/%.cu $(HEADERS) | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lnccl
 # Fashion-MNIST on GPUs: the CPU demo's loop with cuBLAS and kernels of its own.
-CUDA_MLP := examples/fmnist_cuda.h examples/mlp_engine.h examples/fmnist_shared.h
+CUDA_MLP := examples/fmnist_cuda.h examples/cuda_engine.h examples/mlp_engine.h examples/fmnist_shared.h
 build/cuda/fmnist: examples/fmnist.cu $(HEADERS) $(CUDA_MLP) Makefile | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl -lz
+# The GPT on GPUs: gpt.c's model, data and loop with cuBLAS and kernels of its own.
+CUDA_GPT := examples/gpt_cuda.h examples/cuda_engine.h examples/gpt_model.h examples/gpt_shared.h examples/mlp_engine.h
+build/cuda/gpt: examples/gpt.cu $(HEADERS) $(CUDA_GPT) Makefile | build/cuda
+	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl
 build/bench/nccl: bench/nccl.cu $(HEADERS) $(CUDA_MLP) Makefile | build/bench
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl -lz
 build/cuda/test_gpu: test/test_gpu.cu $(HEADERS) test/test.h test/net7.h test/linear_ref.h | build/cuda
@@ -184,7 +188,7 @@ build/cuda:
 	@mkdir -p $@
 # The same CUDA programs on test/fake_cuda.c, a CPU stand-in for the CUDA
 # runtime, NCCL and cuBLAS (-cudart none): smp_nccl.h's logic runs without a GPU.
-FAKE_BINS := build/fake/test_gpu build/fake/fake_faults build/fake/nccl_allreduce build/fake/test_gpu_asan build/fake/fmnist build/fake/bench_nccl build/fake/c_engine
+FAKE_BINS := build/fake/test_gpu build/fake/fake_faults build/fake/nccl_allreduce build/fake/test_gpu_asan build/fake/fmnist build/fake/gpt build/fake/bench_nccl build/fake/c_engine
 FAKE_FLAGS := $(NVFLAGS) -Xcompiler -ffp-contract=off -cudart none -I. -Itest
 build/fake/fake_cuda.o: test/fake_cuda.c test/fake_cuda.h Makefile | build/fake
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) -O2 -g -I$(CUDA_HOME)/include -Itest -c $< -o $@
@@ -195,9 +199,11 @@ build/fake/fake_faults: test/fake_faults.cu test/fake_twins.h build/fake/fake_cu
 	$(NVCC) $(FAKE_FLAGS) $< build/fake/fake_cuda.o -o $@ -lpthread
 build/fake/nccl_allreduce: test/fake_nccl_allreduce.cu examples/nccl_allreduce.cu test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
 	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread
-build/fake/fmnist: test/fake_fmnist.cu examples/fmnist.cu $(CUDA_MLP) test/fake_fmnist_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
+build/fake/fmnist: test/fake_fmnist.cu examples/fmnist.cu $(CUDA_MLP) test/fake_fmnist_twins.h test/fake_engine_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
 	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread -lz
-build/fake/bench_nccl: test/fake_bench_nccl.cu bench/nccl.cu $(CUDA_MLP) test/fake_fmnist_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
+build/fake/gpt: test/fake_gpt.cu examples/gpt.cu $(CUDA_GPT) test/fake_gpt_twins.h test/fake_engine_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
+	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread
+build/fake/bench_nccl: test/fake_bench_nccl.cu bench/nccl.cu $(CUDA_MLP) test/fake_fmnist_twins.h test/fake_engine_twins.h test/fake_twins.h build/fake/fake_cuda.o $(HEADERS) | build/fake
 	$(NVCC) $(FAKE_FLAGS) -Iexamples $< build/fake/fake_cuda.o -o $@ -lpthread -lz
 build/fake/c_engine: test/fake_c_engine.c build/fake/fake_cuda.o $(HEADERS) test/test.h | build/fake
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) -O2 -I. -Itest -I$(CUDA_HOME)/include $< build/fake/fake_cuda.o -o $@ -lpthread -lm
@@ -219,8 +225,8 @@ examples: cuda
 test-gpu: cuda
 	@test/run.sh build/cuda "" "test_gpu" "" "1 2 4"
 # The GPU suite on the fake CPU device, in its variants (test/run_fake_cuda.sh).
-test-fake-gpu: cuda
-	@test/run.sh build/cuda "" "" "test/run_fake_cuda.sh test/test_fake_fmnist.sh"
+test-fake-gpu: cuda build/examples/gpt
+	@test/run.sh build/cuda "" "" "test/run_fake_cuda.sh test/test_fake_fmnist.sh test/test_fake_gpt.sh"
 
 # The main job: Fashion-MNIST on NP processes, 2 partitions (x replicas with NP=4).
 demo: deps
@@ -254,6 +260,10 @@ bench-fmnist: build/examples/fmnist
 # the best one process does on 2 cores, DDP; pipelined generation (~4 min).
 bench-gpt: build/examples/gpt
 	bash bench/gpt.sh
+# gpt.cu through smp against the same kernels in a plain loop, on the fake
+# device (BIN=build/cuda/gpt on a GPU).
+bench-gpt-cuda: build/fake/gpt
+	bash bench/gpt_cuda.sh
 bench-checkpoint: build/bench/checkpoint
 	mpirun -n 2 build/bench/checkpoint
 # Activation recomputation on a 12-block composite model (OpenBLAS linears).

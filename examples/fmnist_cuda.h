@@ -3,22 +3,17 @@
 
    The same modules, parameter names (fc0.weight, ...), shapes and initial
    weights as the CPU model, so a checkpoint of either loads into the other
-   (and into fmnist_infer). The arithmetic is the GPU's: cuBLAS sgemm for the
-   linear layers, small kernels of this file for the bias, ReLU, softmax
-   cross-entropy, accuracy and Adam.
+   (and into fmnist_infer). The arithmetic is the GPU's: cuda_engine.h's
+   engine, linear layers (cuBLAS sgemm) and Adam, and kernels of this file
+   for ReLU, softmax cross-entropy and accuracy.
 
-     gpu_engine      the stream and cuBLAS handle everything runs on
      gpu_*           layers, loss, optimizer: device pointers and sizes, as
                      mlp_engine.h's mlp_* take host pointers and sizes
      linear, relu    the layers as smp modules; build_model, train_body,
                      evaluate as in fmnist_model.h
 
-   STREAMS
-     All work is queued on the engine stream, which gpu_engine_init also
-     hands to smp (smp_nccl_set_stream): smp then orders its transfers after
-     the kernels that produce their data, and the kernels that consume
-     received data after the transfers, without any host wait. The one host
-     wait is in gpu_xent_loss: smp takes a step's return values on the host.
+   The one host wait is in gpu_xent_loss: smp takes a step's return values
+   on the host.
 
    DEVICE MODELS
      build_model sets smp_model_desc.on_device: smp keeps parameters,
@@ -28,139 +23,18 @@
      demo's, bit for bit.
 
    NUMBERS
-     cuBLAS runs sgemm in full f32 (its default math mode; no TF32 unless
-     NVIDIA_TF32_OVERRIDE says so). Loss sums and bias gradients add in a
-     fixed order, so a run repeats itself on the same GPU; results differ
-     from the CPU demo's in the last bits (different sgemm summation, fused
-     multiply-adds), not in accuracy.
+     Loss sums and bias gradients add in a fixed order, so a run repeats
+     itself on the same GPU; results differ from the CPU demo's in the last
+     bits (different sgemm summation, fused multiply-adds), not in accuracy.
 
    Include after smp.h, smp_pipeline.h and smp_nccl.h, from a .cu file.
    Link: -lcublas -lnccl -lz
 */
 #ifndef FMNIST_CUDA_H
 #define FMNIST_CUDA_H
-#define MLP_ENGINE_NO_BLAS /* the loader, the seeded init and Adam's settings; the arithmetic is below */
-#include "mlp_engine.h"
-
-#include <cublas_v2.h>
-#include <cuda_runtime.h>
-#if CUDART_VERSION < 11050
-#error "fmnist_cuda.h needs CUDA 11.5 or newer (cublasGetStatusString)"
-#endif
-
-/* ---------------------------------------------------------------- errors */
-/* Engine failures become smp errors: inside a module callback smp adds the
-   module's name and makes the error every rank's. */
-static inline smp_status gpu_cuda_fail(cudaError_t e, const char *call) {
-    (void)cudaGetLastError(); /* clear a non-sticky error so the next call is not blamed for it */
-    return smp_error(SMP_ERR_DEVICE, "%s failed: %s (%s)", call, cudaGetErrorString(e), cudaGetErrorName(e));
-}
-#define GPU_CUDA(fn, args)                                                                                  \
-    do {                                                                                                    \
-        cudaError_t e_ = fn args;                                                                           \
-        if (e_ != cudaSuccess) return gpu_cuda_fail(e_, #fn);                                               \
-    } while (0)
-#define GPU_CUBLAS(fn, args)                                                                                \
-    do {                                                                                                    \
-        cublasStatus_t s_ = fn args;                                                                        \
-        if (s_ != CUBLAS_STATUS_SUCCESS)                                                                    \
-            return smp_error(SMP_ERR_DEVICE, "%s failed: %s (%s)", #fn, cublasGetStatusString(s_),         \
-                             cublasGetStatusName(s_));                                                      \
-    } while (0)
-/* A launch reports a bad configuration at once; a fault in the kernel
-   surfaces later, at the next call that waits for the stream. */
-#define GPU_LAUNCHED(kernel)                                                                                \
-    do {                                                                                                    \
-        cudaError_t e_ = cudaGetLastError();                                                                \
-        if (e_ != cudaSuccess) return gpu_cuda_fail(e_, "launching " #kernel);                              \
-    } while (0)
-
-/* smp agrees on the outcome of its own collective calls; the engine's
-   calls between them are the engine's to agree on: a rank that failed alone
-   would leave the others waiting for it in the next collective. */
-static inline smp_status gpu_agree(smp_status st) {
-    int failed = st != SMP_OK;
-    MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_LOR, MPI_COMM_WORLD);
-    return st ? st : failed ? smp_error(SMP_ERR_REMOTE, "another rank failed (its message is above)") : SMP_OK;
-}
-
-/* ---------------------------------------------------------------- the engine */
-typedef struct gpu_engine {
-    cudaStream_t stream;   /* every kernel, copy and cuBLAS call; smp's engine stream too */
-    cublasHandle_t blas;
-    float *stats;          /* device: one microbatch's loss and correct count, read back together */
-} gpu_engine;
-
-/* After smp_init, which made this rank's GPU current. */
-static inline smp_status gpu_engine_init(gpu_engine *e) {
-    memset(e, 0, sizeof *e);
-    /* non-blocking: no implicit ordering with the legacy default stream,
-       which some libraries use behind our back */
-    GPU_CUDA(cudaStreamCreateWithFlags, (&e->stream, cudaStreamNonBlocking));
-    smp_nccl_set_stream(e->stream);
-    GPU_CUBLAS(cublasCreate, (&e->blas));
-    GPU_CUBLAS(cublasSetStream, (e->blas, e->stream));
-    e->stats = (float *)smp_nccl_alloc(2 * sizeof(float));
-    return e->stats ? SMP_OK : SMP_ERR_DEVICE; /* smp_nccl_alloc left the message */
-}
-
-/* Before smp_finalize (smp_nccl_free needs smp), after smp_model_free (the
-   model's device memory is freed in order on this stream). */
-static inline void gpu_engine_free(gpu_engine *e) {
-    if (!e->stream) return;
-    smp_nccl_free(e->stats);
-    cudaError_t sync = cudaStreamSynchronize(e->stream);
-    if (sync != cudaSuccess) fprintf(stderr, "cudaStreamSynchronize failed at shut-down: %s\n", cudaGetErrorString(sync));
-    if (e->blas) {
-        cublasStatus_t s = cublasDestroy(e->blas);
-        if (s != CUBLAS_STATUS_SUCCESS) fprintf(stderr, "cublasDestroy failed: %s\n", cublasGetStatusString(s));
-    }
-    smp_nccl_set_stream(0); /* smp must not order anything after a destroyed stream */
-    cudaError_t destroy = cudaStreamDestroy(e->stream);
-    if (destroy != cudaSuccess) fprintf(stderr, "cudaStreamDestroy failed: %s\n", cudaGetErrorString(destroy));
-    memset(e, 0, sizeof *e);
-}
-
-/* Host to device on the engine stream. From pageable memory the call
-   returns once src has been copied out, so the caller may refill src at
-   once; the kernels queued after it see the data. */
-static inline smp_status gpu_upload(const gpu_engine *e, void *dst, const void *src, size_t bytes) {
-    GPU_CUDA(cudaMemcpyAsync, (dst, src, bytes, cudaMemcpyHostToDevice, e->stream));
-    return SMP_OK;
-}
-
-/* A view of device memory as an smp tensor. */
-static inline smp_tensor device_tensor(smp_tensor t) {
-    t.device = smp_nccl_device();
-    return t;
-}
+#include "cuda_engine.h" /* the engine, linear layers and Adam */
 
 /* ---------------------------------------------------------------- kernels */
-enum { GPU_THREADS = 256 };
-
-/* Grid-stride loops: enough blocks to fill the GPU, never more than a
-   launch may have. */
-static inline unsigned gpu_blocks(int64_t count) {
-    int64_t b = (count + GPU_THREADS - 1) / GPU_THREADS;
-    return (unsigned)(b < 4096 ? b : 4096);
-}
-
-__global__ void add_bias_rows_kernel(float *y, const float *b, int64_t rows, int out) {
-    int64_t total = rows * out;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x)
-        y[i] += b[i % out];
-}
-
-/* One thread per column, rows in order: the same float additions, in the
-   same order, as mlp_linear_backward. */
-__global__ void bias_grad_kernel(const float *dy, float *db, int rows, int out) {
-    int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= out) return;
-    float s = db[j];
-    for (int i = 0; i < rows; i++) s += dy[(int64_t)i * out + j];
-    db[j] = s;
-}
-
 __global__ void relu_forward_kernel(const float *x, float *y, int64_t count) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x)
         y[i] = x[i] < 0.0f ? 0.0f : x[i]; /* NaN passes through, as on the CPU */
@@ -219,57 +93,6 @@ __global__ void xent_kernel(const float *logits, const uint8_t *labels, int rows
     }
 }
 
-/* mlp_adam_step, one thread per element; the host folds the bias
-   corrections into step and inv_sqrt_bc2 once per tensor. */
-__global__ void adam_kernel(float *p, const float *g, float *m, float *v, int64_t n, float b1, float b2, float step,
-                            float inv_sqrt_bc2, float eps, float decay) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float mi = b1 * m[i] + (1.0f - b1) * g[i];
-        float vi = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
-        /* as on the CPU: moments of dead units decay into subnormals, which
-           change nothing in p; keep them exact zeros */
-        if (fabsf(mi) < FLT_MIN) mi = 0.0f;
-        if (vi < FLT_MIN) vi = 0.0f;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = p[i] * decay - step * mi / (sqrtf(vi) * inv_sqrt_bc2 + eps);
-    }
-}
-
-/* ---------------------------------------------------------------- layers */
-/* Linear, W is out x in (PyTorch layout), all row-major:
-   y (n x out) = x (n x in) * W^T + b. cuBLAS is column-major, where a
-   row-major matrix reads as its transpose: y^T = W * x^T, i.e. op(W^T) = T
-   on W's (in x out) column-major view. */
-static inline smp_status gpu_linear_forward(const gpu_engine *e, const float *x, const float *W, const float *b, float *y, int n, int in,
-                                     int out) {
-    if (n <= 0 || out <= 0) return SMP_OK;
-    const float one = 1.0f, zero = 0.0f;
-    GPU_CUBLAS(cublasSgemm, (e->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, W, in, x, in, &zero, y, out));
-    if (b) {
-        add_bias_rows_kernel<<<gpu_blocks((int64_t)n * out), GPU_THREADS, 0, e->stream>>>(y, b, n, out);
-        GPU_LAUNCHED(add_bias_rows_kernel);
-    }
-    return SMP_OK;
-}
-
-/* Given dy (n x out) and the forward's input x (n x in):
-     dx  = dy * W            (overwritten; NULL: not wanted)   dx^T = W^T dy^T
-     dW += dy^T * x          (accumulated)                      dW^T += x^T dy
-     db += column sums of dy (accumulated, rows in order) */
-static inline smp_status gpu_linear_backward(const gpu_engine *e, const float *x, const float *W, const float *dy, float *dx, float *dW,
-                                      float *db, int n, int in, int out) {
-    if (n <= 0 || in <= 0 || out <= 0) return SMP_OK;
-    const float one = 1.0f, zero = 0.0f;
-    if (dx) GPU_CUBLAS(cublasSgemm, (e->blas, CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, &one, W, in, dy, out, &zero, dx, in));
-    if (dW) GPU_CUBLAS(cublasSgemm, (e->blas, CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, &one, x, in, dy, out, &one, dW, in));
-    if (db) {
-        bias_grad_kernel<<<(out + GPU_THREADS - 1) / GPU_THREADS, GPU_THREADS, 0, e->stream>>>(dy, db, n, out);
-        GPU_LAUNCHED(bias_grad_kernel);
-    }
-    return SMP_OK;
-}
-
 static inline smp_status gpu_relu_forward(const gpu_engine *e, const float *x, float *y, int64_t count) {
     if (count <= 0) return SMP_OK;
     relu_forward_kernel<<<gpu_blocks(count), GPU_THREADS, 0, e->stream>>>(x, y, count);
@@ -302,27 +125,12 @@ static inline smp_status gpu_xent_loss(const gpu_engine *e, const float *logits,
     return SMP_OK;
 }
 
-/* One Adam step on n device parameters (mlp_adam_step's arithmetic); t
-   counts from 1. */
-static inline smp_status gpu_adam_step(const gpu_engine *e, float *p, const float *g, float *m, float *v, size_t n, int64_t t,
-                                const mlp_adam_cfg *c) {
-    if (!n) return SMP_OK;
-    float bc1 = (float)(1.0 - pow((double)c->beta1, (double)t));
-    float bc2 = (float)(1.0 - pow((double)c->beta2, (double)t));
-    adam_kernel<<<gpu_blocks((int64_t)n), GPU_THREADS, 0, e->stream>>>(p, g, m, v, (int64_t)n, c->beta1, c->beta2, c->lr / bc1,
-                                                                        1.0f / sqrtf(bc2), c->eps, 1.0f - c->lr * c->weight_decay);
-    GPU_LAUNCHED(adam_kernel);
-    return SMP_OK;
-}
-
 /* ---------------------------------------------------------------- layers as smp modules */
 enum { NLAYERS = 5 };
 static const int widths[NLAYERS + 1] = {FM_PIXELS, 512, 512, 512, 512, FM_CLASSES};
 
 typedef struct linear { smp_param *weight, *bias; int in, out; const gpu_engine *engine; } linear;
 
-static inline float *values_of(smp_param *p) { return (float *)smp_param_value(p)->data; }
-static inline float *grads_of(smp_param *p) { return (float *)smp_param_grad(p)->data; }
 
 static inline smp_status linear_forward(smp_call_ctx *c) {
     const linear *l = (const linear *)smp_module_user(smp_call_module(c));

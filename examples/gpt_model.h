@@ -57,6 +57,13 @@
    run in cached mode; training never sets it and runs exactly the code
    above.
 
+   HOST AND DEVICE: gpt_build_with takes the leaves' callbacks (gpt_leaves)
+   and an engine; gpt_build gives it this file's host leaves (OpenBLAS).
+   gpt_cuda.h gives it device leaves (gpt.cu), whose kernels call the
+   GPT_HD row functions here, so the arithmetic has one copy. Included with
+   MLP_ENGINE_NO_BLAS defined (cuda_engine.h does), only the structure, the
+   row functions and gpt_xent remain.
+
    Include after smp.h and smp_pipeline.h; link with -lopenblas -lm. */
 #ifndef GPT_MODEL_H
 #define GPT_MODEL_H
@@ -67,6 +74,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* The row and element functions below run on the host (gpt.c), on the GPU
+   (gpt_cuda.h's kernels call them per row or element) and in the fake
+   device's kernel twins: one copy of the arithmetic for all three. */
+#ifdef __CUDACC__
+#define GPT_HD __host__ __device__
+#else
+#define GPT_HD
+#endif
 
 typedef struct gpt_config {
     int vocab;      /* V */
@@ -93,7 +109,7 @@ static inline void gpt__dropout(const float *x, float *y, size_t n, float p, uin
 
 /* Layernorm over rows of C: y = (x - mean) * rstd * w + b; mean and rstd
    per row saved for the backward. Sums in float, left to right. */
-static inline void gpt__layernorm_forward(const float *x, const float *w, const float *b, float *y, float *mean,
+GPT_HD static inline void gpt__layernorm_forward(const float *x, const float *w, const float *b, float *y, float *mean,
                                           float *rstd, int n, int C) {
     const float eps = 1e-5f;
     for (int r = 0; r < n; r++) {
@@ -112,33 +128,45 @@ static inline void gpt__layernorm_forward(const float *x, const float *w, const 
     }
 }
 
-/* dx (overwritten), dw and db (accumulated, rows in order). */
+/* One row's dx (overwritten) from dy and the forward's mean and rstd. */
+GPT_HD static inline void gpt__layernorm_backward_row(const float *xr, const float *w, float m, float s, const float *dyr,
+                                                      float *dxr, int C) {
+    float a = 0, bsum = 0; /* mean of dy*w and of dy*w*xhat */
+    for (int i = 0; i < C; i++) {
+        float xh = (xr[i] - m) * s, g = dyr[i] * w[i];
+        a += g;
+        bsum += g * xh;
+    }
+    a /= (float)C;
+    bsum /= (float)C;
+    for (int i = 0; i < C; i++) {
+        float xh = (xr[i] - m) * s;
+        dxr[i] = (dyr[i] * w[i] - a - xh * bsum) * s;
+    }
+}
+
+/* Column i of dw and db (accumulated), rows in order. */
+GPT_HD static inline void gpt__layernorm_param_grads(const float *x, const float *mean, const float *rstd, const float *dy,
+                                                     float *dw, float *db, int n, int C, int i) {
+    for (int r = 0; r < n; r++) {
+        float xh = (x[(size_t)r * C + i] - mean[r]) * rstd[r], d = dy[(size_t)r * C + i];
+        dw[i] += d * xh;
+        db[i] += d;
+    }
+}
+
+/* dx (overwritten; NULL: not wanted), dw and db (accumulated, rows in order). */
 static inline void gpt__layernorm_backward(const float *x, const float *w, const float *mean, const float *rstd,
                                            const float *dy, float *dx, float *dw, float *db, int n, int C) {
-    for (int r = 0; r < n; r++) {
-        const float *xr = x + (size_t)r * C, *dyr = dy + (size_t)r * C;
-        float m = mean[r], s = rstd[r];
-        float a = 0, bsum = 0; /* mean of dy*w and of dy*w*xhat */
-        for (int i = 0; i < C; i++) {
-            float xh = (xr[i] - m) * s, g = dyr[i] * w[i];
-            a += g;
-            bsum += g * xh;
-        }
-        a /= (float)C;
-        bsum /= (float)C;
-        for (int i = 0; i < C; i++) {
-            float xh = (xr[i] - m) * s;
-            if (dx) dx[(size_t)r * C + i] = (dyr[i] * w[i] - a - xh * bsum) * s;
-            dw[i] += dyr[i] * xh;
-            db[i] += dyr[i];
-        }
-    }
+    for (int r = 0; dx && r < n; r++)
+        gpt__layernorm_backward_row(x + (size_t)r * C, w, mean[r], rstd[r], dy + (size_t)r * C, dx + (size_t)r * C, C);
+    for (int i = 0; i < C; i++) gpt__layernorm_param_grads(x, mean, rstd, dy, dw, db, n, C, i);
 }
 
 #define GPT__GELU_K 0.7978845608028654f /* sqrt(2 / pi) */
 /* GELU, tanh approximation (nn.GELU(approximate='tanh')); t gets the tanh
    for the backward. */
-static inline void gpt__gelu_forward(const float *x, float *y, float *t, size_t n) {
+GPT_HD static inline void gpt__gelu_forward(const float *x, float *y, float *t, size_t n) {
     for (size_t i = 0; i < n; i++) {
         float v = x[i], u = GPT__GELU_K * (v + 0.044715f * v * v * v);
         float th = 1.0f - 2.0f / (expf(2.0f * u) + 1.0f); /* tanh(u), a few times faster than tanhf */
@@ -147,7 +175,7 @@ static inline void gpt__gelu_forward(const float *x, float *y, float *t, size_t 
     }
 }
 
-static inline void gpt__gelu_backward(const float *x, const float *t, const float *dy, float *dx, size_t n) {
+GPT_HD static inline void gpt__gelu_backward(const float *x, const float *t, const float *dy, float *dx, size_t n) {
     for (size_t i = 0; i < n; i++) {
         float v = x[i], th = t[i];
         float d = 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * GPT__GELU_K * (1.0f + 3.0f * 0.044715f * v * v);
@@ -155,6 +183,43 @@ static inline void gpt__gelu_backward(const float *x, const float *t, const floa
     }
 }
 
+/* Row i of the causal softmax over T scores, in place: positions past i
+   get 0. */
+GPT_HD static inline void gpt__causal_softmax_row(float *row, int i, int T) {
+    float mx = row[0];
+    for (int j = 1; j <= i; j++) mx = row[j] > mx ? row[j] : mx;
+    float sum = 0;
+    for (int j = 0; j <= i; j++) { row[j] = expf(row[j] - mx); sum += row[j]; }
+    float inv = 1.0f / sum;
+    for (int j = 0; j <= i; j++) row[j] *= inv;
+    for (int j = i + 1; j < T; j++) row[j] = 0.0f;
+}
+
+/* Its backward on row i: dr = pr * (dr - sum_j pr dr), zero past i. */
+GPT_HD static inline void gpt__causal_softmax_backward_row(const float *pr, float *dr, int i, int T) {
+    float dot = 0;
+    for (int j = 0; j <= i; j++) dot += pr[j] * dr[j];
+    for (int j = 0; j <= i; j++) dr[j] = pr[j] * (dr[j] - dot);
+    for (int j = i + 1; j < T; j++) dr[j] = 0.0f;
+}
+
+/* One row of V logits: returns -log softmax(z)[target] (lse - z[target],
+   in float); d (may be NULL) gets grad_scale * (softmax - onehot). */
+GPT_HD static inline float gpt__xent_row(const float *z, int target, int V, float *d, float grad_scale) {
+    float mx = z[0];
+    for (int j = 1; j < V; j++) mx = z[j] > mx ? z[j] : mx;
+    float s = 0;
+    for (int j = 0; j < V; j++) s += expf(z[j] - mx);
+    float lse = mx + logf(s);
+    if (d) {
+        float inv = 1.0f / s;
+        for (int j = 0; j < V; j++) d[j] = expf(z[j] - mx) * inv * grad_scale;
+        d[target] -= grad_scale;
+    }
+    return lse - z[target];
+}
+
+#ifndef MLP_ENGINE_NO_BLAS /* the host model's kernels and leaves (gpt.c); a device engine brings its own */
 /* Causal multi-head attention on qkv [B, T, 3C] (q, k, v side by side, head
    h at columns h*hd of each): y [B, T, C]; P [B, H, T, T] gets the
    attention probabilities (zero above the diagonal). */
@@ -166,15 +231,7 @@ static inline void gpt__attention_forward(const float *qkv, float *y, float *P, 
             const float *q = qkv + (size_t)b * T * C3 + (size_t)h * hd, *k = q + C, *v = q + 2 * C;
             float *p = P + ((size_t)b * H + h) * T * T, *yh = y + (size_t)b * T * C + (size_t)h * hd;
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hd, scale, q, C3, k, C3, 0.0f, p, T);
-            for (int i = 0; i < T; i++) {
-                float *row = p + (size_t)i * T, mx = row[0];
-                for (int j = 1; j <= i; j++) mx = row[j] > mx ? row[j] : mx;
-                float sum = 0;
-                for (int j = 0; j <= i; j++) { row[j] = expf(row[j] - mx); sum += row[j]; }
-                float inv = 1.0f / sum;
-                for (int j = 0; j <= i; j++) row[j] *= inv;
-                for (int j = i + 1; j < T; j++) row[j] = 0.0f;
-            }
+            for (int i = 0; i < T; i++) gpt__causal_softmax_row(p + (size_t)i * T, i, T);
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hd, T, 1.0f, p, T, v, C3, 0.0f, yh, C);
         }
 }
@@ -194,24 +251,20 @@ static inline void gpt__attention_backward(const float *qkv, const float *P, con
             cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hd, T, 1.0f, p, T, dyh, C, 0.0f, dv, C3);
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hd, 1.0f, dyh, C, v, C3, 0.0f, dP, T);
             /* softmax backward: dS = P * (dP - sum_j P dP), zero above the diagonal */
-            for (int i = 0; i < T; i++) {
-                const float *pr = p + (size_t)i * T;
-                float *dr = dP + (size_t)i * T, dot = 0;
-                for (int j = 0; j <= i; j++) dot += pr[j] * dr[j];
-                for (int j = 0; j <= i; j++) dr[j] = pr[j] * (dr[j] - dot);
-                for (int j = i + 1; j < T; j++) dr[j] = 0.0f;
-            }
+            for (int i = 0; i < T; i++) gpt__causal_softmax_backward_row(p + (size_t)i * T, dP + (size_t)i * T, i, T);
             /* dQ = scale dS K; dK = scale dS^T Q */
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hd, T, scale, dP, T, k, C3, 0.0f, dq, C3);
             cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hd, T, scale, dP, T, q, C3, 0.0f, dk, C3);
         }
 }
 
-/* ---------------------------------------------------------------- the modules */
-typedef struct gpt_linear { smp_param *weight, *bias; int in, out; } gpt_linear;
-typedef struct gpt_norm { smp_param *weight, *bias; int C; } gpt_norm;
+#endif /* MLP_ENGINE_NO_BLAS */
 
+/* ---------------------------------------------------------------- the modules */
 struct gpt;
+typedef struct gpt_linear { smp_param *weight, *bias; int in, out; const struct gpt *g; } gpt_linear;
+typedef struct gpt_norm { smp_param *weight, *bias; int C; const struct gpt *g; } gpt_norm;
+
 typedef struct gpt_block {
     const struct gpt *g; /* the model, and this block's index in it (the KV cache's key) */
     int index;
@@ -237,8 +290,23 @@ typedef struct gpt_kv {
     float **k, **v; /* [n_layer * M]: [block_size, C] each, or NULL */
 } gpt_kv;
 
+/* The leaves' callbacks: the host's below (gpt_build), a device engine's
+   (gpt_cuda.h) otherwise; the module tree, names, parameters and the
+   composites' forwards are the same. Module users: wte, wpe, dropout and
+   gelu get the gpt, linears their gpt_linear, layernorms their gpt_norm,
+   sdpa its gpt_block; each leads back to the gpt and its engine. */
+typedef struct gpt_leaves {
+    smp_module_fn wte_forward, wte_backward, wpe_forward, wpe_backward;
+    smp_module_fn linear_forward, linear_backward_input, linear_backward_weight;
+    smp_module_fn layernorm_forward, layernorm_backward, gelu_forward, gelu_backward;
+    smp_module_fn sdpa_forward, sdpa_backward, dropout_forward, dropout_backward;
+    bool on_device; /* the model's tensors live on the device (smp_model_desc.on_device) */
+} gpt_leaves;
+
 typedef struct gpt {
     gpt_config cfg;
+    const gpt_leaves *leaves;
+    void *engine; /* the device engine the leaves run on (NULL on the host) */
     gpt_kv *kv; /* NULL: the ordinary forward over whole sequences (training, evaluation) */
     smp_module *root, *transformer, *wte, *wpe, *h, *ln_f, *drop;
     smp_param *wte_w, *wpe_w;
@@ -250,6 +318,8 @@ static const gpt *gpt__of(smp_call_ctx *c) { return (const gpt *)smp_module_user
 
 /* rows of the last dimension d in a tensor */
 static int gpt__rows(const smp_tensor *t, int d) { return (int)(smp_tensor_numel(t) / d); }
+
+#ifndef MLP_ENGINE_NO_BLAS
 
 /* transformer.wte: i32 ids [B, T] -> f32 [B, T, C]; f32 h [B, T, C] -> logits [B, T, V]. */
 static smp_status gpt_wte_forward(smp_call_ctx *c) {
@@ -554,6 +624,8 @@ static smp_status gpt_dropout_backward(smp_call_ctx *c) {
     return SMP_OK;
 }
 
+#endif /* MLP_ENGINE_NO_BLAS */
+
 /* ---------------------------------------------------------------- composites */
 static smp_status gpt_attn_forward(smp_call_ctx *c) {
     const gpt_block *b = (const gpt_block *)smp_module_user(smp_call_module(c));
@@ -581,10 +653,12 @@ static smp_status gpt_block_forward(smp_call_ctx *c) {
     smp_tensor x = *smp_call_input(c, 0), h, a, r, m, y;
     SMP_TRY(smp_call(b->ln_1, &x, 1, &h, 1));
     SMP_TRY(smp_call(b->attn, &h, 1, &a, 1));
-    SMP_TRY(smp_call(b->add_1, (smp_tensor[]){x, a}, 2, &r, 1));
+    smp_tensor xa[2] = {x, a};
+    SMP_TRY(smp_call(b->add_1, xa, 2, &r, 1));
     SMP_TRY(smp_call(b->ln_2, &r, 1, &h, 1));
     SMP_TRY(smp_call(b->mlp, &h, 1, &m, 1));
-    SMP_TRY(smp_call(b->add_2, (smp_tensor[]){r, m}, 2, &y, 1));
+    smp_tensor rm[2] = {r, m};
+    SMP_TRY(smp_call(b->add_2, rm, 2, &y, 1));
     return smp_call_set_output(c, 0, &y);
 }
 
@@ -618,74 +692,104 @@ static void gpt_init_normal(smp_tensor *w, uint64_t seed, void *user) {
 
 static const float gpt__std = 0.02f, gpt__one = 1.0f;
 
-static void gpt__linear(gpt_linear *l, smp_module *parent, const char *name, int in, int out, const float *std,
+static void gpt__linear(gpt_linear *l, const gpt *g, smp_module *parent, const char *name, int in, int out, const float *std,
                         smp_module **mod) {
-    smp_module_desc d = {gpt_linear_forward, NULL, l};
+    smp_module_desc d = {g->leaves->linear_forward, NULL, l};
     l->in = in;
     l->out = out;
+    l->g = g;
     *mod = smp_module_new(parent, name, &d);
-    smp_module_set_backward_split(*mod, gpt_linear_backward_input, gpt_linear_backward_weight);
-    l->weight = smp_param_new(*mod, "weight", SMP_F32, 2, (int64_t[]){out, in}, gpt_init_normal, (void *)std);
-    l->bias = smp_param_new(*mod, "bias", SMP_F32, 1, (int64_t[]){out}, smp_init_constant, NULL);
+    smp_module_set_backward_split(*mod, g->leaves->linear_backward_input, g->leaves->linear_backward_weight);
+    const int64_t wshape[2] = {out, in}, bshape[1] = {out};
+    l->weight = smp_param_new(*mod, "weight", SMP_F32, 2, wshape, gpt_init_normal, (void *)std);
+    l->bias = smp_param_new(*mod, "bias", SMP_F32, 1, bshape, smp_init_constant, NULL);
 }
 
-static smp_module *gpt__norm(gpt_norm *l, smp_module *parent, const char *name, int C) {
-    smp_module_desc d = {gpt_layernorm_forward, gpt_layernorm_backward, l};
+static smp_module *gpt__norm(gpt_norm *l, const gpt *g, smp_module *parent, const char *name, int C) {
+    smp_module_desc d = {g->leaves->layernorm_forward, g->leaves->layernorm_backward, l};
     l->C = C;
+    l->g = g;
     smp_module *m = smp_module_new(parent, name, &d);
-    l->weight = smp_param_new(m, "weight", SMP_F32, 1, (int64_t[]){C}, smp_init_constant, (void *)&gpt__one);
-    l->bias = smp_param_new(m, "bias", SMP_F32, 1, (int64_t[]){C}, smp_init_constant, NULL);
+    const int64_t shape[1] = {C};
+    l->weight = smp_param_new(m, "weight", SMP_F32, 1, shape, smp_init_constant, (void *)&gpt__one);
+    l->bias = smp_param_new(m, "bias", SMP_F32, 1, shape, smp_init_constant, NULL);
     return m;
 }
 
 /* Declares the modules (nothing is allocated until smp partitions the
-   model) and wraps them in an smp model. recompute: every block is
-   recomputed in its backward (activation checkpointing). */
-static smp_status gpt_build(gpt *g, const gpt_config *cfg, bool recompute, smp_model **model) {
+   model) with the leaves' callbacks and engine, and wraps them in an smp
+   model. recompute: every block is recomputed in its backward (activation
+   checkpointing). */
+static smp_status gpt_build_with(gpt *g, const gpt_config *cfg, bool recompute, const gpt_leaves *leaves, void *engine,
+                                 smp_model **model) {
     memset(g, 0, sizeof *g);
     g->cfg = *cfg;
-    int C = cfg->n_embd, L = cfg->n_layer;
-    if (cfg->vocab < 1 || L < 1 || C < 1 || cfg->n_head < 1 || C % cfg->n_head || cfg->block_size < 1)
+    g->leaves = leaves;
+    g->engine = engine;
+    const gpt_leaves *L = leaves;
+    int C = cfg->n_embd, nl = cfg->n_layer;
+    if (cfg->vocab < 1 || nl < 1 || C < 1 || cfg->n_head < 1 || C % cfg->n_head || cfg->block_size < 1)
         return smp_error(SMP_ERR_ARG, "bad model size: vocab %d, %d layers, width %d, %d heads (must divide the width), context %d",
-                         cfg->vocab, L, C, cfg->n_head, cfg->block_size);
+                         cfg->vocab, nl, C, cfg->n_head, cfg->block_size);
     static float proj_std;
-    proj_std = gpt__std / sqrtf(2.0f * (float)L);
-    g->blocks = (gpt_block *)calloc((size_t)L, sizeof(gpt_block));
+    proj_std = gpt__std / sqrtf(2.0f * (float)nl);
+    g->blocks = (gpt_block *)calloc((size_t)nl, sizeof(gpt_block));
     if (!g->blocks) return smp_error(SMP_ERR_NOMEM, "out of memory");
+    const smp_module_desc wte = {L->wte_forward, L->wte_backward, g}, wpe = {L->wpe_forward, L->wpe_backward, g};
+    const smp_module_desc drop = {L->dropout_forward, L->dropout_backward, g}, gelu = {L->gelu_forward, L->gelu_backward, g};
+    const int64_t wte_shape[2] = {cfg->vocab, C}, wpe_shape[2] = {cfg->block_size, C};
     g->root = smp_module_new(NULL, "", NULL);
     g->transformer = smp_module_new(g->root, "transformer", NULL);
-    g->wte = smp_module_new(g->transformer, "wte", &(smp_module_desc){gpt_wte_forward, gpt_wte_backward, g});
-    g->wte_w = smp_param_new(g->wte, "weight", SMP_F32, 2, (int64_t[]){cfg->vocab, C}, gpt_init_normal, (void *)&gpt__std);
-    g->wpe = smp_module_new(g->transformer, "wpe", &(smp_module_desc){gpt_wpe_forward, gpt_wpe_backward, g});
-    g->wpe_w = smp_param_new(g->wpe, "weight", SMP_F32, 2, (int64_t[]){cfg->block_size, C}, gpt_init_normal, (void *)&gpt__std);
+    g->wte = smp_module_new(g->transformer, "wte", &wte);
+    g->wte_w = smp_param_new(g->wte, "weight", SMP_F32, 2, wte_shape, gpt_init_normal, (void *)&gpt__std);
+    g->wpe = smp_module_new(g->transformer, "wpe", &wpe);
+    g->wpe_w = smp_param_new(g->wpe, "weight", SMP_F32, 2, wpe_shape, gpt_init_normal, (void *)&gpt__std);
     g->h = smp_module_new(g->transformer, "h", NULL);
-    const smp_module_desc drop = {gpt_dropout_forward, gpt_dropout_backward, g};
-    for (int i = 0; i < L; i++) {
+    for (int i = 0; i < nl; i++) {
         gpt_block *b = &g->blocks[i];
         char name[16];
         snprintf(name, sizeof name, "%d", i);
-        b->mod = smp_module_new(g->h, name, &(smp_module_desc){gpt_block_forward, NULL, b});
-        b->ln_1 = gpt__norm(&b->n1, b->mod, "ln_1", C);
-        b->attn = smp_module_new(b->mod, "attn", &(smp_module_desc){gpt_attn_forward, NULL, b});
-        gpt__linear(&b->l_attn, b->attn, "c_attn", C, 3 * C, &gpt__std, &b->c_attn);
+        const smp_module_desc block = {gpt_block_forward, NULL, b}, attn = {gpt_attn_forward, NULL, b};
+        const smp_module_desc mlp = {gpt_mlp_forward, NULL, b}, sdpa = {L->sdpa_forward, L->sdpa_backward, b};
         b->g = g;
         b->index = i;
-        b->sdpa = smp_module_new(b->attn, "sdpa", &(smp_module_desc){gpt_sdpa_forward, gpt_sdpa_backward, b});
-        gpt__linear(&b->l_aproj, b->attn, "c_proj", C, C, &proj_std, &b->attn_proj);
+        b->mod = smp_module_new(g->h, name, &block);
+        b->ln_1 = gpt__norm(&b->n1, g, b->mod, "ln_1", C);
+        b->attn = smp_module_new(b->mod, "attn", &attn);
+        gpt__linear(&b->l_attn, g, b->attn, "c_attn", C, 3 * C, &gpt__std, &b->c_attn);
+        b->sdpa = smp_module_new(b->attn, "sdpa", &sdpa);
+        gpt__linear(&b->l_aproj, g, b->attn, "c_proj", C, C, &proj_std, &b->attn_proj);
         if (cfg->dropout > 0) b->attn_drop = smp_module_new(b->attn, "resid_dropout", &drop);
         b->add_1 = smp_module_new_add(b->mod, "add_1");
-        b->ln_2 = gpt__norm(&b->n2, b->mod, "ln_2", C);
-        b->mlp = smp_module_new(b->mod, "mlp", &(smp_module_desc){gpt_mlp_forward, NULL, b});
-        gpt__linear(&b->l_fc, b->mlp, "c_fc", C, 4 * C, &gpt__std, &b->c_fc);
-        b->gelu = smp_module_new(b->mlp, "gelu", &(smp_module_desc){gpt_gelu_forward, gpt_gelu_backward, NULL});
-        gpt__linear(&b->l_mproj, b->mlp, "c_proj", 4 * C, C, &proj_std, &b->mlp_proj);
+        b->ln_2 = gpt__norm(&b->n2, g, b->mod, "ln_2", C);
+        b->mlp = smp_module_new(b->mod, "mlp", &mlp);
+        gpt__linear(&b->l_fc, g, b->mlp, "c_fc", C, 4 * C, &gpt__std, &b->c_fc);
+        b->gelu = smp_module_new(b->mlp, "gelu", &gelu);
+        gpt__linear(&b->l_mproj, g, b->mlp, "c_proj", 4 * C, C, &proj_std, &b->mlp_proj);
         if (cfg->dropout > 0) b->mlp_drop = smp_module_new(b->mlp, "dropout", &drop);
         b->add_2 = smp_module_new_add(b->mod, "add_2");
         if (recompute) smp_module_set_recompute(b->mod, true);
     }
-    g->ln_f = gpt__norm(&g->nf, g->transformer, "ln_f", C);
-    return smp_model_new(g->root, &(smp_model_desc){.forward = gpt_forward, .user = g}, model);
+    g->ln_f = gpt__norm(&g->nf, g, g->transformer, "ln_f", C);
+    smp_model_desc md;
+    memset(&md, 0, sizeof md);
+    md.forward = gpt_forward;
+    md.user = g;
+    md.on_device = leaves->on_device;
+    return smp_model_new(g->root, &md, model);
 }
+
+#ifndef MLP_ENGINE_NO_BLAS
+static const gpt_leaves gpt_host_leaves = {gpt_wte_forward, gpt_wte_backward, gpt_wpe_forward, gpt_wpe_backward,
+                                           gpt_linear_forward, gpt_linear_backward_input, gpt_linear_backward_weight,
+                                           gpt_layernorm_forward, gpt_layernorm_backward, gpt_gelu_forward, gpt_gelu_backward,
+                                           gpt_sdpa_forward, gpt_sdpa_backward, gpt_dropout_forward, gpt_dropout_backward, false};
+
+/* The host model (gpt.c): OpenBLAS and the functions above. */
+static smp_status gpt_build(gpt *g, const gpt_config *cfg, bool recompute, smp_model **model) {
+    return gpt_build_with(g, cfg, recompute, &gpt_host_leaves, NULL, model);
+}
+#endif
 
 static void gpt_kv_free(gpt_kv *kv) {
     if (!kv) return;
@@ -725,23 +829,12 @@ static void gpt_free(gpt *g) {
    (softmax - onehot), overwritten. */
 static double gpt_xent(const float *logits, const int32_t *target, int n, int V, float *dlogits, float grad_scale) {
     double sum = 0;
-    for (int r = 0; r < n; r++) {
-        const float *z = logits + (size_t)r * V;
-        float mx = z[0];
-        for (int j = 1; j < V; j++) mx = z[j] > mx ? z[j] : mx;
-        float s = 0;
-        for (int j = 0; j < V; j++) s += expf(z[j] - mx);
-        float lse = mx + logf(s);
-        sum += (double)(lse - z[target[r]]);
-        if (dlogits) {
-            float *d = dlogits + (size_t)r * V, inv = 1.0f / s;
-            for (int j = 0; j < V; j++) d[j] = expf(z[j] - mx) * inv * grad_scale;
-            d[target[r]] -= grad_scale;
-        }
-    }
+    for (int r = 0; r < n; r++)
+        sum += (double)gpt__xent_row(logits + (size_t)r * V, target[r], V, dlogits ? dlogits + (size_t)r * V : NULL, grad_scale);
     return n ? sum / n : 0;
 }
 
+#ifndef MLP_ENGINE_NO_BLAS
 /* The step body: arguments 0 ids [B, T], 1 targets [B, T] (i32). Returns
    the microbatch's mean loss over its tokens (f64) as StepOutput 0, and
    writes its gradient where training (smp scales it by 1/microbatches). */
@@ -756,5 +849,6 @@ SMP_STEP_BODY(gpt_loss_body) {
     smp_tensor lt = smp_tensor_1d(&loss, SMP_F64, 1);
     return smp_mb_return(mb, 0, &lt);
 }
+#endif
 
 #endif

@@ -77,7 +77,8 @@ struct op {
         struct { fstream *on; uint64_t seq; } w;
         struct { task *tasks; int ntasks; bool started; MPI_Request *reqs; int nreqs; } nc;
         struct { void *dev; } f;
-        struct { int ta, tb, m, n, k, lda, ldb, ldc; float alpha, beta; const float *a, *b; float *c; } g;
+        struct { int ta, tb, m, n, k, lda, ldb, ldc; float alpha, beta; const void *a, *b; float *c; bool abf16, bbf16; }
+            g; /* abf16, bbf16: A, B hold bf16 (cublasGemmEx) */
     } u;
 };
 
@@ -518,14 +519,20 @@ static bool run_nccl(op *o) {
     return true;
 }
 
+static float gemm_in(const void *p, size_t at, bool bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[at]) : ((const float *)p)[at];
+}
+
 static void gemm(op *o) {
     int m = o->u.g.m, n = o->u.g.n, k = o->u.g.k;
     for (int j = 0; j < n; j++)
         for (int i = 0; i < m; i++) {
             float s = 0;
             for (int l = 0; l < k; l++) {
-                float a = o->u.g.ta ? o->u.g.a[l + (size_t)i * o->u.g.lda] : o->u.g.a[i + (size_t)l * o->u.g.lda];
-                float b = o->u.g.tb ? o->u.g.b[j + (size_t)l * o->u.g.ldb] : o->u.g.b[l + (size_t)j * o->u.g.ldb];
+                float a = gemm_in(o->u.g.a, o->u.g.ta ? l + (size_t)i * o->u.g.lda : i + (size_t)l * o->u.g.lda,
+                                  o->u.g.abf16);
+                float b = gemm_in(o->u.g.b, o->u.g.tb ? j + (size_t)l * o->u.g.ldb : l + (size_t)j * o->u.g.ldb,
+                                  o->u.g.bbf16);
                 s += a * b;
             }
             float *c = &o->u.g.c[i + (size_t)j * o->u.g.ldc];
@@ -1303,26 +1310,82 @@ cublasStatus_t cublasCreate_v2(cublasHandle_t *h) {
 }
 cublasStatus_t cublasDestroy_v2(cublasHandle_t h) { free(h); return CUBLAS_STATUS_SUCCESS; }
 cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t s) { h->stream = s; return CUBLAS_STATUS_SUCCESS; }
-const char *cublasGetStatusName(cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS ? "CUBLAS_STATUS_SUCCESS" : "CUBLAS_STATUS_INVALID_VALUE"; }
-const char *cublasGetStatusString(cublasStatus_t s) { return s == CUBLAS_STATUS_SUCCESS ? "success" : "an invalid value was used as an argument"; }
-cublasStatus_t cublasSgemm_v2(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const float *alpha,
-                              const float *a, int lda, const float *b, int ldb, const float *beta, float *c, int ldc) {
-    if (!h || m < 0 || n < 0 || k < 0 || lda < (ta ? k : m) || lda < 1 || ldb < (tb ? n : k) || ldb < 1 || ldc < m || ldc < 1)
+const char *cublasGetStatusName(cublasStatus_t s) {
+    return s == CUBLAS_STATUS_SUCCESS      ? "CUBLAS_STATUS_SUCCESS"
+        : s == CUBLAS_STATUS_NOT_SUPPORTED ? "CUBLAS_STATUS_NOT_SUPPORTED"
+                                           : "CUBLAS_STATUS_INVALID_VALUE";
+}
+const char *cublasGetStatusString(cublasStatus_t s) {
+    return s == CUBLAS_STATUS_SUCCESS      ? "success"
+        : s == CUBLAS_STATUS_NOT_SUPPORTED ? "the functionality requested is not supported"
+                                           : "an invalid value was used as an argument";
+}
+/* One GEMM on the handle's stream: C (f32) = alpha op(A) op(B) + beta C, A
+   and B f32 or bf16 (elem: their element size), summed in f32 in k order. */
+static cublasStatus_t enqueue_gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                                   float alpha, const void *a, size_t aelem, int lda, const void *b, size_t belem,
+                                   int ldb, float beta, float *c, int ldc, const char *call) {
+    if (!h || m < 0 || n < 0 || k < 0 || lda < (ta ? k : m) || lda < 1 || ldb < (tb ? n : k) || ldb < 1 || ldc < m ||
+        ldc < 1)
         return CUBLAS_STATUS_INVALID_VALUE;
     if (!m || !n) return CUBLAS_STATUS_SUCCESS;
     LOCK();
     op *o = new_op(OP_GEMM);
     o->u.g.ta = ta != CUBLAS_OP_N;
     o->u.g.tb = tb != CUBLAS_OP_N;
-    o->u.g.m = m; o->u.g.n = n; o->u.g.k = k;
-    o->u.g.lda = lda; o->u.g.ldb = ldb; o->u.g.ldc = ldc;
-    o->u.g.alpha = *alpha; /* host pointer mode */
-    o->u.g.beta = *beta;
+    o->u.g.m = m;
+    o->u.g.n = n;
+    o->u.g.k = k;
+    o->u.g.lda = lda;
+    o->u.g.ldb = ldb;
+    o->u.g.ldc = ldc;
+    o->u.g.alpha = alpha;
+    o->u.g.beta = beta;
+    o->u.g.abf16 = aelem == 2;
+    o->u.g.bbf16 = belem == 2;
     size_t acols = (size_t)(ta ? m : k), bcols = (size_t)(tb ? k : n);
-    o->u.g.a = k ? (const float *)dev_range(a, sizeof(float) * ((acols - 1) * (size_t)lda + (size_t)(ta ? k : m)), "cublasSgemm A") : NULL;
-    o->u.g.b = k ? (const float *)dev_range(b, sizeof(float) * ((bcols - 1) * (size_t)ldb + (size_t)(tb ? n : k)), "cublasSgemm B") : NULL;
-    o->u.g.c = (float *)dev_range(c, sizeof(float) * (((size_t)n - 1) * (size_t)ldc + (size_t)m), "cublasSgemm C");
+    char what[64];
+    snprintf(what, sizeof what, "%s A", call);
+    o->u.g.a = k ? dev_range(a, aelem * ((acols - 1) * (size_t)lda + (size_t)(ta ? k : m)), what) : NULL;
+    snprintf(what, sizeof what, "%s B", call);
+    o->u.g.b = k ? dev_range(b, belem * ((bcols - 1) * (size_t)ldb + (size_t)(tb ? n : k)), what) : NULL;
+    snprintf(what, sizeof what, "%s C", call);
+    o->u.g.c = (float *)dev_range(c, sizeof(float) * (((size_t)n - 1) * (size_t)ldc + (size_t)m), what);
     enqueue(S(h->stream), o, true);
     UNLOCK();
     return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSgemm_v2(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                              const float *alpha, const float *a, int lda, const float *b, int ldb, const float *beta,
+                              float *c, int ldc) {
+    /* host pointer mode */
+    return enqueue_gemm(h, ta, tb, m, n, k, *alpha, a, sizeof(float), lda, b, sizeof(float), ldb, *beta, c, ldc,
+                        "cublasSgemm");
+}
+
+/* batch GEMMs one after another, each as cublasSgemm */
+cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n,
+                                         int k, const float *alpha, const float *a, int lda, long long sa,
+                                         const float *b, int ldb, long long sb, const float *beta, float *c, int ldc,
+                                         long long sc, int batch) {
+    if (batch < 0) return CUBLAS_STATUS_INVALID_VALUE;
+    cublasStatus_t r = CUBLAS_STATUS_SUCCESS;
+    for (int i = 0; i < batch && r == CUBLAS_STATUS_SUCCESS; i++)
+        r = enqueue_gemm(h, ta, tb, m, n, k, *alpha, a + i * sa, sizeof(float), lda, b + i * sb, sizeof(float), ldb,
+                         *beta, c + i * sc, ldc, "cublasSgemmStridedBatched");
+    return r;
+}
+
+/* A and B f32 or bf16, C f32, f32 accumulation: what the examples ask for */
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                            const void *alpha, const void *a, cudaDataType at, int lda, const void *b, cudaDataType bt,
+                            int ldb, const void *beta, void *c, cudaDataType ct, int ldc, cublasComputeType_t compute,
+                            cublasGemmAlgo_t algo) {
+    (void)algo;
+    bool ok_a = at == CUDA_R_32F || at == CUDA_R_16BF, ok_b = bt == CUDA_R_32F || bt == CUDA_R_16BF;
+    if (!ok_a || !ok_b || ct != CUDA_R_32F || (compute != CUBLAS_COMPUTE_32F && compute != CUBLAS_COMPUTE_32F_PEDANTIC))
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+    return enqueue_gemm(h, ta, tb, m, n, k, *(const float *)alpha, a, at == CUDA_R_16BF ? 2 : 4, lda, b,
+                        bt == CUDA_R_16BF ? 2 : 4, ldb, *(const float *)beta, (float *)c, ldc, "cublasGemmEx");
 }

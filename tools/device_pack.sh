@@ -3,7 +3,8 @@
 # NCCL but no MPICH (the device machines lent to some sessions): the CUDA
 # binaries built here (as CI builds them), MPICH's launcher and every shared
 # library they load that is neither glibc's, the compiler's nor CUDA's,
-# UCX's transport modules, and the Fashion-MNIST files. All of it goes into
+# UCX's transport modules, the Fashion-MNIST files and the fortunes corpus
+# (gpt.cu's text). All of it goes into
 # one archive, .device/pack.tar.xz (git ignores .device; about 45 MiB, so it
 # fits the 64 MiB a device call carries); tools/device_run.sh unpacks it.
 #
@@ -16,8 +17,8 @@ cd "$top"
 make --no-print-directory cuda
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-mkdir -p "$out/lib" "$out/bin" "$out/fashion-mnist" "$out/build"
-bins=(build/cuda/test_gpu build/cuda/fmnist build/cuda/nccl_allreduce build/bench/nccl)
+mkdir -p "$out/lib" "$out/bin" "$out/fashion-mnist" "$out/fortunes" "$out/build"
+bins=(build/cuda/test_gpu build/cuda/fmnist build/cuda/gpt build/cuda/nccl_allreduce build/bench/nccl)
 launcher=(/usr/bin/mpiexec.hydra /usr/bin/hydra_pmi_proxy)
 # ldd lists the whole closure; the device brings its own C and C++ runtimes, CUDA, cuBLAS and NCCL
 ldd "${bins[@]}" "${launcher[@]}" | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
@@ -29,8 +30,9 @@ strip --strip-unneeded "$out"/lib/*.so* "$out"/lib/ucx/*.so*
 cp "${launcher[@]}" "$out/bin/"
 ln -s mpiexec.hydra "$out/bin/mpirun"
 cp /usr/share/datasets/fashion-mnist/*.gz "$out/fashion-mnist/"
+find /usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.dat' ! -name '*.u8' -exec cp {} "$out/fortunes/" \;
 cp "${bins[@]}" "$out/build/"
 mkdir -p .device
 rm -f .device/pack.tar.xz
 tar -C "$out" -cJf .device/pack.tar.xz .
-echo "packed $(du -sh .device/pack.tar.xz | cut -f1) into .device/pack.tar.xz: $(ls "$out/lib" | grep -c '\.so') libraries, the launcher, ${#bins[@]} CUDA programs, the dataset"
+echo "packed $(du -sh .device/pack.tar.xz | cut -f1) into .device/pack.tar.xz: $(ls "$out/lib" | grep -c '\.so') libraries, the launcher, ${#bins[@]} CUDA programs, the datasets"

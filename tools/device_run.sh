@@ -3,7 +3,9 @@
 # suite at 1, 2 and 4 ranks (make test-gpu without rebuilding: NCCL with one
 # rank, the host-staged path with 2 and 4 ranks on one GPU), the CUDA demo
 # (one rank; then 2 partitions on one GPU, which moves activations through
-# the host), and bench/nccl. Everything it prints also goes to $OUT/device.log
+# the host), bench/nccl, and the GPT on CUDA at GPT-2 124M's shape in bf16
+# (tools/gpt_bench.sh: 1 rank, then 2 ranks sharing the GPU; tokens/s and
+# MFU; bench/gpt_cuda.sh: smp against the plain loop). Everything it prints also goes to $OUT/device.log
 # when OUT is set (the device tool sets it).
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,4 +32,9 @@ echo "== CUDA demo, 2 partitions on one GPU"
 timeout 300 mpirun -n 2 "$d/build/fmnist" --data "$d/fashion-mnist" --partitions 2 --epochs 1 --checkpoint /tmp/fmnist_cuda2 || status=1
 echo "== bench/nccl"
 timeout 300 mpirun -n 1 "$d/build/nccl" || status=1
+echo "== gpt.cu at GPT-2 124M's shape, bf16"
+bash tools/gpt_bench.sh "$d/build/gpt" "$d/fortunes" || status=1
+echo "== gpt.cu through smp against the same kernels in a plain loop, GPT-2 124M's shape, bf16, 1 rank"
+BIN="$d/build/gpt" bash bench/gpt_cuda.sh 3 --data "$d/fortunes" --bf16 --layers 12 --dmodel 768 --heads 12 --context 1024 \
+  --vocab-multiple 128 --batch 8 --microbatches 2 || status=1
 exit $status

@@ -1,0 +1,519 @@
+/* gpt_shared.h - what the GPT's host program (gpt.c) and device program
+   (gpt.cu) share besides the model (gpt_model.h): options and usage, the
+   fortunes corpus, the batches, the learning-rate schedule, the
+   next-character logits and sampling, parameter digests, the checkpoint's
+   metadata. The same flags, data and loop in both, so the two compare step
+   for step. Include after smp.h, smp_pipeline.h, smp_checkpoint.h and
+   gpt_model.h (C, or C++ under nvcc). */
+#ifndef GPT_SHARED_H
+#define GPT_SHARED_H
+#include <dirent.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define GPT_DEFAULT_DATA "/usr/share/games/fortunes"
+
+/* ---------------------------------------------------------------- options */
+typedef struct options {
+    gpt_config model;
+    int steps, batch, seed, warmup, log_every, val_batches, sample_len, replicas, threads;
+    float lr, min_lr, weight_decay, beta1, beta2, clip, temperature;
+    const char *data, *save, *prompt, *config_json;
+    const char *logits, *grads; /* --logits TEXT, --grads PATH (for tests) */
+    bool recompute, print_losses, digest;
+    bool bf16;          /* gpt.cu: bf16 GEMM inputs, f32 accumulation and master weights */
+    int vocab_multiple; /* gpt.cu: the vocabulary padded to a multiple of this (0: the corpus's) */
+    bool plain;         /* gpt.cu: the same step without smp (one rank), the overhead benchmark's baseline */
+    /* --generate: pipelined generation from a checkpoint, one prompt per microbatch */
+    bool generate, no_cache, print_logits;
+    const char *load, *prompts;
+    int tokens;
+    smp_config cfg;
+} options;
+
+static void usage(const char *prog) {
+    fprintf(stderr,
+            "usage: %s [--steps N] [--batch B] [--lr X] [--min-lr X] [--warmup N] [--weight-decay X]\n"
+            "          [--layers L] [--dmodel C] [--heads H] [--context T] [--dropout P]\n"
+            "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved|zero_bubble|zero_bubble_v] [--ddp]\n"
+            "          [--deterministic] [--recompute] [--config JSON] [--data DIR] [--save PATH]\n"
+            "          [--val-batches N] [--prompt TEXT] [--sample-len N] [--temperature X] [--seed S]\n"
+            "          [--threads N] [--log-every N] [--print-losses] [--digest] [--replicas R]\n"
+            "          [--logits TEXT] [--grads PATH]\n"
+            "  --batch is the global batch in sequences of --context characters\n"
+            "  --save \"\" skips the checkpoint\n"
+            "  --logits TEXT prints the logits of the character after TEXT once trained (hex floats)\n"
+            "  --grads PATH saves the weights, gradients, batch and loss of the first step (one replica)\n"
+            "   or: %s --generate --load CKPT --prompts \"A|B|...\" [--tokens N] [--temperature X] [--seed S]\n"
+            "          [--partitions P] [--pipeline simple|interleaved|zero_bubble_v] [--no-cache] [--print-logits] [--threads N]\n"
+            "  generates N characters after each prompt, one prompt per microbatch, with a KV cache\n"
+            "  (--no-cache: by re-running the whole context each token); --temperature 0 is greedy;\n"
+            "  --print-logits prints the logits each character was drawn from (hex floats)\n",
+            prog,
+            prog);
+}
+
+/* device: gpt.cu, which also takes --bf16, --vocab-multiple N, --plain, and --load
+   CKPT for training (the weights to start from; --steps 0 then only
+   evaluates). */
+static int parse_options(int argc, char **argv, options *o, bool device) {
+    memset(o, 0, sizeof *o);
+    o->model.n_layer = 6;
+    o->model.n_embd = 192;
+    o->model.n_head = 6;
+    o->model.block_size = 128;
+    o->steps = 700; /* 700 x 8 x 128 characters: under 4 minutes on 2 idle cores, validation loss near 2.3 */
+    o->batch = 8;
+    o->seed = 1;
+    o->warmup = 40;
+    o->log_every = 50;
+    o->val_batches = 8;
+    o->sample_len = 240;
+    o->replicas = 1;
+    o->lr = 2e-3f;
+    o->min_lr = -1;
+    o->weight_decay = 0.1f;
+    o->beta1 = 0.9f;
+    o->beta2 = 0.99f;
+    o->clip = 1.0f;
+    o->temperature = 0.8f;
+    o->data = GPT_DEFAULT_DATA;
+    o->save = "build/gpt.safetensors";
+    o->prompt = "The ";
+    o->cfg.partitions = 2;
+    o->cfg.microbatches = 4;
+    o->cfg.trace_execution_times = SMP_ON; /* time each call a few times: blocks split evenly */
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define OPT(name) (!strcmp(a, name) && v && ++i)
+        if (OPT("--steps")) o->steps = atoi(v);
+        else if (OPT("--batch")) o->batch = atoi(v);
+        else if (OPT("--lr")) o->lr = strtof(v, NULL);
+        else if (OPT("--min-lr")) o->min_lr = strtof(v, NULL);
+        else if (OPT("--warmup")) o->warmup = atoi(v);
+        else if (OPT("--weight-decay")) o->weight_decay = strtof(v, NULL);
+        else if (OPT("--clip")) o->clip = strtof(v, NULL);
+        else if (OPT("--layers")) o->model.n_layer = atoi(v);
+        else if (OPT("--dmodel")) o->model.n_embd = atoi(v);
+        else if (OPT("--heads")) o->model.n_head = atoi(v);
+        else if (OPT("--context")) o->model.block_size = atoi(v);
+        else if (OPT("--dropout")) o->model.dropout = strtof(v, NULL);
+        else if (OPT("--seed")) o->seed = atoi(v);
+        else if (OPT("--partitions")) o->cfg.partitions = atoi(v);
+        else if (OPT("--microbatches")) o->cfg.microbatches = atoi(v);
+        else if (OPT("--pipeline")) {
+            if (!strcmp(v, "simple")) o->cfg.pipeline = SMP_PIPELINE_SIMPLE;
+            else if (!strcmp(v, "interleaved")) o->cfg.pipeline = SMP_PIPELINE_INTERLEAVED;
+            else if (!strcmp(v, "zero_bubble")) o->cfg.pipeline = SMP_PIPELINE_ZERO_BUBBLE;
+            else if (!strcmp(v, "zero_bubble_v")) o->cfg.pipeline = SMP_PIPELINE_ZERO_BUBBLE_V;
+            else { fprintf(stderr, "--pipeline: \"%s\" is not simple, interleaved, zero_bubble or zero_bubble_v\n", v); return 1; }
+        }
+        else if (OPT("--config")) o->config_json = v;
+        else if (OPT("--data")) o->data = v;
+        else if (OPT("--save")) o->save = v;
+        else if (OPT("--val-batches")) o->val_batches = atoi(v);
+        else if (OPT("--prompt")) o->prompt = v;
+        else if (OPT("--sample-len")) o->sample_len = atoi(v);
+        else if (OPT("--temperature")) o->temperature = strtof(v, NULL);
+        else if (OPT("--threads")) o->threads = atoi(v);
+        else if (OPT("--log-every")) o->log_every = atoi(v);
+        else if (OPT("--replicas")) o->replicas = atoi(v);
+        else if (OPT("--load")) o->load = v;
+        else if (OPT("--prompts")) o->prompts = v;
+        else if (OPT("--tokens")) o->tokens = atoi(v);
+        else if (OPT("--logits")) o->logits = v;
+        else if (OPT("--grads")) o->grads = v;
+        else if (device && OPT("--vocab-multiple")) o->vocab_multiple = atoi(v);
+        else if (device && !strcmp(a, "--bf16")) o->bf16 = true;
+        else if (device && !strcmp(a, "--plain")) o->plain = true;
+        else if (!strcmp(a, "--generate")) o->generate = true;
+        else if (!strcmp(a, "--no-cache")) o->no_cache = true;
+        else if (!strcmp(a, "--print-logits")) o->print_logits = true;
+        else if (!strcmp(a, "--ddp")) o->cfg.ddp = SMP_ON;
+        else if (!strcmp(a, "--deterministic")) o->cfg.deterministic_reduction = SMP_ON;
+        else if (!strcmp(a, "--recompute")) o->recompute = true;
+        else if (!strcmp(a, "--print-losses")) o->print_losses = true;
+        else if (!strcmp(a, "--digest")) o->digest = true;
+        else { usage(argv[0]); return 1; }
+#undef OPT
+    }
+    o->cfg.seed = (uint64_t)o->seed;
+    if (o->generate) { /* one prompt per microbatch */
+        if (!o->load || !o->prompts || o->tokens < 1) {
+            fprintf(stderr, "--generate needs --load CKPT, --prompts \"A|B|...\" and --tokens N >= 1\n");
+            return 1;
+        }
+        int n = 1;
+        for (const char *q = o->prompts; *q; q++) n += *q == '|';
+        o->cfg.microbatches = n;
+    }
+    if (o->config_json && smp_config_from_json(o->config_json, &o->cfg)) {
+        fprintf(stderr, "--config: %s\n", smp_last_error());
+        return 1;
+    }
+    if (o->min_lr < 0) o->min_lr = o->lr / 10;
+    if (o->steps < (device && o->load && !o->generate ? 0 : 1) || o->batch < 1 || o->vocab_multiple < 0 || o->replicas < 1 || o->val_batches < 0 || o->sample_len < 0 ||
+        o->model.dropout < 0 || o->model.dropout >= 1) {
+        usage(argv[0]);
+        return 1;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- the corpus */
+/* Every fortune of the package's text files (sorted by name; the .dat
+   indexes and .u8 links skipped), fortunes separated by lines "%". Every
+   tenth fortune is validation text, the rest training text; a fortune
+   keeps its "%" line, so the model learns where fortunes end. */
+typedef struct corpus {
+    char *train, *val;
+    size_t ntrain, nval;
+    int vocab;
+    unsigned char chars[256]; /* id -> byte */
+    int id_of[256];           /* byte -> id, -1: not in the text */
+} corpus;
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+static bool ends_with(const char *s, const char *suffix) {
+    size_t n = strlen(s), k = strlen(suffix);
+    return n >= k && !strcmp(s + n - k, suffix);
+}
+
+static bool append(char **buf, size_t *len, size_t *cap, const char *s, size_t n) {
+    if (*len + n > *cap) {
+        size_t nc = *cap ? *cap : 1 << 20;
+        while (nc < *len + n) nc *= 2;
+        char *p = (char *)realloc(*buf, nc);
+        if (!p) return false;
+        *buf = p;
+        *cap = nc;
+    }
+    memcpy(*buf + *len, s, n);
+    *len += n;
+    return true;
+}
+
+static smp_status corpus_load(corpus *c, const char *dir) {
+    memset(c, 0, sizeof *c);
+    DIR *d = opendir(dir);
+    if (!d) return smp_error(SMP_ERR_IO, "%s: cannot open the corpus folder: %s (Debian's fortunes package: make deps)", dir, strerror(errno));
+    char **names = NULL;
+    size_t n = 0, cap = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.' || ends_with(e->d_name, ".dat") || ends_with(e->d_name, ".u8")) continue;
+        if (n == cap) {
+            cap = cap ? cap * 2 : 64;
+            char **p = (char **)realloc(names, cap * sizeof *names);
+            if (!p) break;
+            names = p;
+        }
+        names[n++] = strdup(e->d_name);
+    }
+    closedir(d);
+    qsort(names, n, sizeof *names, cmp_str);
+    smp_status st = SMP_OK;
+    size_t tcap = 0, vcap = 0, fortune = 0, files = 0;
+    char path[4096];
+    for (size_t i = 0; i < n && !st; i++) {
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        struct stat sb;
+        if (lstat(path, &sb) || !S_ISREG(sb.st_mode)) continue; /* links and folders */
+        FILE *f = fopen(path, "rb");
+        if (!f) { st = smp_error(SMP_ERR_IO, "%s: cannot open: %s", path, strerror(errno)); break; }
+        char *text = (char *)malloc((size_t)sb.st_size + 2);
+        size_t len = text ? fread(text, 1, (size_t)sb.st_size, f) : 0;
+        fclose(f);
+        if (!text) { st = smp_error(SMP_ERR_NOMEM, "out of memory reading %s", path); break; }
+        if (len && text[len - 1] != '\n') text[len++] = '\n';
+        files++;
+        /* fortunes: runs of lines up to and including a line "%" */
+        size_t at = 0;
+        while (at < len) {
+            size_t end = at;
+            for (;;) {
+                char *nl = (char *)memchr(text + end, '\n', len - end);
+                size_t line_end = nl ? (size_t)(nl - text) + 1 : len;
+                bool sep = line_end - end == 2 && text[end] == '%';
+                end = line_end;
+                if (sep || end >= len) break;
+            }
+            bool val = fortune++ % 10 == 9;
+            if (!(val ? append(&c->val, &c->nval, &vcap, text + at, end - at) : append(&c->train, &c->ntrain, &tcap, text + at, end - at)))
+                st = smp_error(SMP_ERR_NOMEM, "out of memory reading the corpus");
+            at = end;
+        }
+        free(text);
+    }
+    for (size_t i = 0; i < n; i++) free(names[i]);
+    free(names);
+    if (!st && !files) st = smp_error(SMP_ERR_IO, "%s holds no fortune text files", dir);
+    if (st) return st;
+    bool seen[256] = {false};
+    for (size_t i = 0; i < c->ntrain; i++) seen[(unsigned char)c->train[i]] = true;
+    for (size_t i = 0; i < c->nval; i++) seen[(unsigned char)c->val[i]] = true;
+    for (int b = 0; b < 256; b++) {
+        c->id_of[b] = seen[b] ? c->vocab : -1;
+        if (seen[b]) c->chars[c->vocab++] = (unsigned char)b;
+    }
+    return SMP_OK;
+}
+
+static int32_t *encode(const corpus *c, const char *text, size_t n) {
+    int32_t *ids = (int32_t *)malloc((n ? n : 1) * sizeof *ids);
+    for (size_t i = 0; ids && i < n; i++) ids[i] = c->id_of[(unsigned char)text[i]];
+    return ids;
+}
+
+/* Entropy in nats of the training text's byte distribution. */
+static double unigram_entropy(const corpus *c) {
+    double count[256] = {0}, h = 0;
+    for (size_t i = 0; i < c->ntrain; i++) count[(unsigned char)c->train[i]]++;
+    for (int b = 0; b < 256; b++)
+        if (count[b] > 0) {
+            double p = count[b] / (double)c->ntrain;
+            h -= p * log(p);
+        }
+    return h;
+}
+
+/* ---------------------------------------------------------------- batches */
+/* Global batch `step`: `batch` windows at offsets drawn from (seed, step);
+   rows [first, first + rows) of it go to x (inputs) and y (next characters). */
+static void fill_batch(const int32_t *ids, size_t n, int T, uint64_t seed, long step, int batch, int first, int rows,
+                       int32_t *x, int32_t *y) {
+    mlp_rng r = mlp_rng_seed(mlp_mix64(seed) ^ mlp_mix64((uint64_t)step + 1));
+    for (int k = 0; k < batch; k++) {
+        size_t at = (size_t)mlp_rng_below(&r, (uint64_t)(n - (size_t)T - 1));
+        if (k < first || k >= first + rows) continue;
+        memcpy(x + (size_t)(k - first) * T, ids + at, sizeof(int32_t) * (size_t)T);
+        memcpy(y + (size_t)(k - first) * T, ids + at + 1, sizeof(int32_t) * (size_t)T);
+    }
+}
+
+/* Validation window w of nw, evenly spread over the validation text. */
+static void fill_val(const int32_t *ids, size_t n, int T, int nw, int first, int rows, int32_t *x, int32_t *y) {
+    size_t span = n - (size_t)T - 1;
+    for (int k = 0; k < rows; k++) {
+        size_t at = nw > 1 ? (size_t)((double)(first + k) * (double)span / (double)(nw - 1)) : 0;
+        memcpy(x + (size_t)k * T, ids + at, sizeof(int32_t) * (size_t)T);
+        memcpy(y + (size_t)k * T, ids + at + 1, sizeof(int32_t) * (size_t)T);
+    }
+}
+
+/* Warm-up from lr/warmup to lr, then a cosine down to min_lr at the last step. */
+static float lr_at(const options *o, int step) {
+    if (step < o->warmup) return o->lr * (float)(step + 1) / (float)o->warmup;
+    int span = o->steps - o->warmup;
+    double frac = span > 1 ? (double)(step - o->warmup) / (double)(span - 1) : 1.0;
+    return (float)(o->min_lr + 0.5 * (1.0 + cos(3.141592653589793 * frac)) * (o->lr - o->min_lr));
+}
+
+/* ---------------------------------------------------------------- helpers */
+static double now(void) { return MPI_Wtime(); }
+
+/* The mean of every replica's value, summed in dp-rank order (the same
+   bits whichever MPI algorithm runs). */
+static double dp_mean(double x) {
+    int dp = smp_dp_size();
+    if (dp == 1) return x;
+    double all[64];
+    void *buf = NULL;
+    size_t lens[64];
+    if (dp > 64 || smp_all_gather_bytes(&x, sizeof x, SMP_DP_GROUP, &buf, lens)) return NAN;
+    memcpy(all, buf, sizeof(double) * (size_t)dp);
+    smp_free(buf);
+    double s = all[0];
+    for (int r = 1; r < dp; r++) s += all[r];
+    return s / dp;
+}
+
+static void fmt_time(double s, char *buf, size_t cap) {
+    long t = (long)(s + 0.5);
+    if (t >= 60) snprintf(buf, cap, "%ldm%02lds", t / 60, t % 60);
+    else snprintf(buf, cap, "%lds", t);
+}
+
+/* Where the top-level calls run: "0: wte wpe h.0-2 | 1: h.3-5 ln_f lm_head(wte)". */
+static void print_placement(smp_model *model, const gpt *g) {
+    if (smp_rank() != 0) return;
+    int P = smp_current_config()->partitions, L = g->cfg.n_layer;
+    int head = smp_model_stage_rank(model, smp_model_num_stages(model) - 1); /* the last call is in the last stage */
+    printf("placement:");
+    for (int k = 0; k < P; k++) {
+        printf("%s %d:", k ? " |" : "", k);
+        if (smp_module_partition(g->wte) == k) printf(" wte");
+        if (smp_module_partition(g->wpe) == k) printf(" wpe");
+        int first = -1;
+        for (int i = 0; i <= L; i++) {
+            bool here = i < L && smp_module_partition(g->blocks[i].mod) == k;
+            if (here && first < 0) first = i;
+            if (!here && first >= 0) {
+                if (i - 1 == first) printf(" h.%d", first);
+                else printf(" h.%d-%d", first, i - 1);
+                first = -1;
+            }
+        }
+        if (smp_module_partition(g->ln_f) == k) printf(" ln_f");
+        if (head == k) printf(" lm_head(=wte)");
+    }
+    printf("\n");
+}
+
+/* The step body of generation: the logits at position *pos of each row.
+   One row per microbatch (what context_logits runs) is returned as a view,
+   so the logits may be on the device (smp copies them to the host). */
+SMP_STEP_BODY(next_logits_body) {
+    const smp_tensor *logits = smp_mb_output(mb, 0);
+    int pos = *(const int *)smp_mb_user(mb), rows = (int)logits->shape[0], T = (int)logits->shape[1], V = (int)logits->shape[2];
+    if (rows == 1) {
+        smp_tensor t = smp_tensor_2d((float *)logits->data + (size_t)pos * V, SMP_F32, 1, V);
+        t.device = logits->device;
+        return smp_mb_return(mb, 0, &t);
+    }
+    if (logits->device != SMP_HOST) return smp_error(SMP_ERR_ARG, "next_logits_body: device logits take one row per microbatch");
+    float *out = (float *)malloc(sizeof(float) * (size_t)rows * V);
+    if (!out) return smp_error(SMP_ERR_NOMEM, "out of memory");
+    for (int r = 0; r < rows; r++)
+        memcpy(out + (size_t)r * V, (const float *)logits->data + ((size_t)r * T + pos) * V, sizeof(float) * (size_t)V);
+    smp_tensor t = smp_tensor_2d(out, SMP_F32, rows, V);
+    smp_status st = smp_mb_return(mb, 0, &t);
+    free(out);
+    return st;
+}
+
+/* The logits of the character after ctx[0 .. len), on every rank: `rows`
+   copies of the context (a batch must fill the microbatches), padded with
+   id 0 to S >= len characters (the attention is causal: what comes after
+   position len - 1 does not change it), through an evaluation step;
+   logits gets [rows, V], x is scratch of rows x S ids. */
+static smp_status context_logits(smp_model *model, const int32_t *ctx, int len, int S, int rows, int V, int32_t *x,
+                                 float *logits) {
+    int pos = len - 1;
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < S; t++) x[(size_t)r * S + t] = t < len ? ctx[t] : 0;
+    smp_tensor xt = smp_tensor_2d(x, SMP_I32, rows, S);
+    smp_step_output lo;
+    memset(&lo, 0, sizeof lo);
+    smp_status st = SMP_EVAL_STEP(model, next_logits_body, &pos, &lo, 1, xt, xt);
+    smp_tensor all = smp_tensor_2d(logits, SMP_F32, rows, V);
+    if (!st) st = smp_step_output_concat(&lo, &all);
+    smp_step_output_free(&lo);
+    return st;
+}
+
+/* --logits TEXT: "logits Z0 Z1 ..." on rank 0, the logits of the character
+   after TEXT (the whole text, unpadded, as one sequence per microbatch), in
+   %a: what a test compares bit for bit across partitionings and against
+   PyTorch. */
+static smp_status print_context_logits(smp_model *model, const corpus *c, const char *text, int rows) {
+    int len = (int)strlen(text), V = c->vocab;
+    int32_t *ctx = encode(c, text, (size_t)len), *x = (int32_t *)malloc(sizeof(int32_t) * (size_t)rows * len);
+    float *logits = (float *)malloc(sizeof(float) * (size_t)rows * V);
+    smp_status st = ctx && x && logits ? context_logits(model, ctx, len, len, rows, V, x, logits) : smp_error(SMP_ERR_NOMEM, "out of memory");
+    if (!st && smp_rank() == 0) {
+        printf("logits");
+        for (int j = 0; j < V; j++) printf(" %a", logits[j]);
+        printf("\n");
+        fflush(stdout);
+    }
+    free(ctx); free(x); free(logits);
+    return st;
+}
+
+/* Generates n characters after the prompt: every step runs the last T
+   characters (padded after the end) through an evaluation step. Every row
+   of the batch carries the same context. Every rank of the replica samples
+   from the same logits with the same generator, so all agree on each
+   character. */
+static smp_status generate(smp_model *model, const corpus *c, const options *o, int rows, char **text) {
+    int T = o->model.block_size, V = c->vocab;
+    size_t plen = strlen(o->prompt), cap = plen + (size_t)o->sample_len + 1;
+    int32_t *ctx = (int32_t *)malloc(sizeof(int32_t) * cap), *x = (int32_t *)malloc(sizeof(int32_t) * (size_t)rows * T);
+    float *logits = (float *)malloc(sizeof(float) * (size_t)rows * V);
+    char *out = (char *)malloc(cap);
+    smp_status st = ctx && x && logits && out ? SMP_OK : smp_error(SMP_ERR_NOMEM, "out of memory");
+    if (!st && !plen) st = smp_error(SMP_ERR_ARG, "the prompt is empty");
+    for (size_t i = 0; i < plen && !st; i++) {
+        int id = c->id_of[(unsigned char)o->prompt[i]];
+        if (id < 0) st = smp_error(SMP_ERR_ARG, "the prompt's character %zu (byte 0x%02x) is not in the vocabulary", i, (unsigned char)o->prompt[i]);
+        ctx[i] = id;
+    }
+    size_t n = plen;
+    mlp_rng rng = mlp_rng_seed((uint64_t)o->seed * 7919u + 17u);
+    for (int k = 0; k < o->sample_len && !st; k++) {
+        size_t start = n > (size_t)T ? n - (size_t)T : 0;
+        if ((st = context_logits(model, ctx + start, (int)(n - start), T, rows, V, x, logits))) break;
+        /* row 0: sample at the temperature (0: greedy) */
+        int best = 0;
+        for (int j = 1; j < V; j++) best = logits[j] > logits[best] ? j : best;
+        int next = best;
+        if (o->temperature > 0) {
+            double sum = 0, p[256];
+            for (int j = 0; j < V; j++) sum += p[j] = exp((double)(logits[j] - logits[best]) / o->temperature);
+            double u = (double)(mlp_rng_next(&rng) >> 11) * (1.0 / 9007199254740992.0) * sum, acc = 0;
+            for (next = 0; next < V - 1; next++) if ((acc += p[next]) > u) break;
+        }
+        ctx[n++] = next;
+    }
+    for (size_t i = 0; i < n && !st; i++) out[i] = (char)c->chars[ctx[i]];
+    if (!st) { out[n] = 0; *text = out; }
+    else free(out);
+    free(ctx); free(x); free(logits);
+    return st;
+}
+
+/* A 64-bit FNV-1a of every parameter, gathered on rank 0: "param NAME HASH". */
+static smp_status print_digest(smp_model *model) {
+    smp_state_dict sd;
+    memset(&sd, 0, sizeof sd);
+    smp_status st = smp_model_state_dict(model, NULL, 0, &sd);
+    if (st) return st;
+    for (int i = 0; i < sd.n; i++) {
+        const unsigned char *b = (const unsigned char *)sd.entries[i].tensor.data;
+        size_t nb = smp_tensor_nbytes(&sd.entries[i].tensor);
+        uint64_t h = 0xcbf29ce484222325ull;
+        for (size_t k = 0; k < nb; k++) h = (h ^ b[k]) * 0x100000001b3ull;
+        printf("param %s %016llx\n", sd.entries[i].name, (unsigned long long)h);
+    }
+    smp_state_dict_free(&sd);
+    return SMP_OK;
+}
+
+/* Every rank returns together: the first failure's message, on rank 0 and on the rank that failed. */
+static int fail_all(smp_status st, const char *what) {
+    int bad = st != SMP_OK, any = bad;
+    MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_LOR, MPI_COMM_WORLD);
+    if (bad) fprintf(stderr, "gpt: rank %d: %s: %s\n", smp_rank(), what, smp_last_error());
+    return any;
+}
+
+/* The metadata of gpt.c's files: the vocabulary (its bytes in id order, in
+   hex) and the model's sizes, which --generate and the Python checks read. */
+typedef struct ckpt_meta {
+    char hex[2 * 256 + 1], v[16], L[16], H[16], C[16], T[16], steps[16], loss[40];
+    const char *keys[8], *vals[8];
+    int n;
+} ckpt_meta;
+
+static void ckpt_meta_init(ckpt_meta *m, const corpus *text, const options *o) {
+    for (int i = 0; i < text->vocab; i++) snprintf(m->hex + 2 * i, 3, "%02x", text->chars[i]);
+    snprintf(m->v, sizeof m->v, "%d", text->vocab);
+    snprintf(m->L, sizeof m->L, "%d", o->model.n_layer);
+    snprintf(m->H, sizeof m->H, "%d", o->model.n_head);
+    snprintf(m->C, sizeof m->C, "%d", o->model.n_embd);
+    snprintf(m->T, sizeof m->T, "%d", o->model.block_size);
+    snprintf(m->steps, sizeof m->steps, "%d", o->steps);
+    const char *keys[] = {"vocab_bytes", "vocab_size", "n_layer", "n_head", "n_embd", "block_size", "step"};
+    const char *vals[] = {m->hex, m->v, m->L, m->H, m->C, m->T, m->steps};
+    m->n = 7;
+    memcpy(m->keys, keys, sizeof keys);
+    memcpy(m->vals, vals, sizeof vals);
+}
+
+#endif

@@ -1,0 +1,199 @@
+#!/usr/bin/env bash
+# The GPT on CUDA (examples/gpt.cu) on test/fake_cuda.c's CPU device, built as
+# build/fake/gpt from test/fake_gpt.cu (the program unchanged, host twins of
+# gpt_cuda.h's kernels after it), on a tiny model (2 layers, width 32,
+# context 16: a run takes a few seconds):
+#  - every step's loss, a checksum of every parameter, the validation loss,
+#    the logits after a fixed context and the sample of 2 partitions on 2
+#    fake GPUs (NCCL) equal the one-process run bit for bit, under every
+#    schedule (simple, interleaved, zero_bubble, zero_bubble_v), with
+#    recomputed blocks, with 2 ranks sharing one GPU (host-staged) and with
+#    4 partitions; so do they in --bf16;
+#  - DDP: 2 partitions x 2 replicas (deterministic reduction) equal 2
+#    replicas in one stage bitwise, and the host program's one process that
+#    runs both replicas' shards in turn (gpt.c --replicas 2) within 1e-5;
+#  - against the host program (examples/gpt.c, OpenBLAS) with the same
+#    flags: after 10 steps every parameter within 1e-5 relative (the norm of
+#    the difference over the norm of gpt.c's), and the losses within 1e-5.
+#    The key bias (columns C..2C of c_attn.bias) is left out: its gradient
+#    is zero in exact arithmetic (softmax ignores a constant added to every
+#    score of a row), so it holds only rounding noise that Adam scales up to
+#    steps of lr; both programs must leave it below 1e-4 in magnitude;
+#  - checkpoints: gpt.cu's loads into gpt.c (--generate --load, the logits
+#    after a context within 1e-5 of gpt.cu's) and gpt.c's into gpt.cu
+#    (--load --steps 0: the same parameter checksums bit for bit, logits
+#    within 1e-5);
+#  - --bf16 (bf16 GEMM inputs, f32 accumulation and master weights): every
+#    loss of 10 steps and the validation loss within 1e-3 relative of the
+#    f32 run's, and not all equal to them (the bf16 path ran);
+#  - tools/gpt_bench.sh (what tools/device_run.sh runs at GPT-2 124M's
+#    shape on a lent GPU), at a tiny size: 1 rank and 2 ranks sharing a GPU
+#    train and print their tokens/s;
+#  - the plain loop (--plain, the overhead benchmark's baseline) agrees
+#    with smp's one process within 1e-6, and bench/gpt_cuda.sh runs;
+#  - the loss falls; --dropout is refused with a message on every rank.
+# usage: test/test_fake_gpt.sh [BUILD_DIR] (ignored: the binaries are build/fake/gpt and build/examples/gpt)
+set -u
+top=$(cd "$(dirname "$0")/.." && pwd)
+bin="$top/build/fake/gpt"
+host="$top/build/examples/gpt"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failed=0
+pass() { echo "PASS: $1"; }
+fail() { echo "FAIL: $1"; failed=1; }
+[ -x "$bin" ] || { echo "FAIL: fake-gpt/binary: $bin is not built (test/fake_gpt.cu with test/fake_cuda.o, nvcc -cudart none)"; exit 1; }
+[ -d /usr/share/games/fortunes ] || { echo "FAIL: fake-gpt/corpus: /usr/share/games/fortunes is missing (make deps installs fortunes)"; exit 1; }
+start=$SECONDS
+ctx="It was a dark"
+tiny="--layers 2 --dmodel 32 --heads 4 --context 16 --batch 8 --microbatches 4 --steps 10 --warmup 2 --val-batches 2
+      --sample-len 8 --print-losses --digest --log-every 1000"
+# name, fake GPUs per node, ranks, program, options...: $tmp/NAME holds what must match, NAME.raw everything
+run() {
+  local out=$1 gpus=$2 np=$3 prog=$4; shift 4
+  SMP_TIMEOUT=120 FAKE_CUDA_DEVICES=$gpus OPENBLAS_NUM_THREADS=1 timeout 300 mpirun -n "$np" "$prog" $tiny --logits "$ctx" "$@" >"$tmp/$out.raw" 2>"$tmp/$out.err"
+  echo "exit $?" >>"$tmp/$out.raw"
+  grep -a -v -e 'tokens/s' -e '^placement:' -e '^gpt' -e '^checkpoint:' "$tmp/$out.raw" >"$tmp/$out"
+}
+complete() { grep -q '^param ' "$tmp/$1" && grep -q '^logits ' "$tmp/$1" && grep -q '^validation ' "$tmp/$1" && grep -q 'exit 0' "$tmp/$1"; }
+why() { echo "$(tail -n 1 "$tmp/$1.raw"); $(head -c 300 "$tmp/$1.err" | tr '\n' ' ')"; }
+same() { # check, run a, run b [pattern b's header must hold]
+  if ! complete "$2"; then fail "$1: $2 did not complete: $(why "$2")"
+  elif ! complete "$3"; then fail "$1: $3 did not complete: $(why "$3")"
+  elif [ -n "${4:-}" ] && ! grep -q -- "$4" "$tmp/$3.raw"; then fail "$1: $3 did not run on the path '$4': $(head -n 1 "$tmp/$3.raw")"
+  elif cmp -s "$tmp/$2" "$tmp/$3"; then pass "$1"
+  else fail "$1: first difference: $(diff "$tmp/$2" "$tmp/$3" | grep -m 2 '^[<>]' | cut -c 1-120 | tr '\n' ' ')"; fi
+}
+
+run one 1 1 "$bin" --partitions 1 --save "$tmp/one.safetensors"
+for pipe in simple interleaved zero_bubble zero_bubble_v; do
+  run "pp2_$pipe" 2 2 "$bin" --partitions 2 --pipeline "$pipe"
+  same "fake-gpt/2 partitions on 2 fake GPUs (NCCL), $pipe pipeline: losses, parameters, validation, logits and sample equal one process bitwise" one "pp2_$pipe" "nccl:"
+done
+run pp2_recompute 2 2 "$bin" --partitions 2 --recompute
+same "fake-gpt/2 partitions, blocks recomputed, equal one process bitwise" one pp2_recompute "nccl:"
+run shared 1 2 "$bin" --partitions 2
+same "fake-gpt/2 partitions sharing one fake GPU (host-staged) equal one process bitwise" one shared "host-staged"
+run pp4 4 4 "$bin" --partitions 4 --pipeline simple
+same "fake-gpt/4 partitions on 4 fake GPUs equal one process bitwise" one pp4 "nccl:"
+
+# data parallelism
+run dp_one 2 2 "$bin" --partitions 1 --ddp --deterministic
+run dp_pp 4 4 "$bin" --partitions 2 --ddp --deterministic
+same "fake-gpt/2 partitions x 2 replicas equal 2 replicas in one stage bitwise (deterministic)" dp_one dp_pp "nccl:"
+# within a tolerance of the host program's two replicas in one process
+close() { # check, run a, run b, relative bound: every step's loss and the validation loss
+  if ! complete "$2"; then fail "$1: $2 did not complete: $(why "$2")"
+  elif ! complete "$3"; then fail "$1: $3 did not complete: $(why "$3")"
+  elif msg=$(python3 - "$tmp/$2" "$tmp/$3" "$4" 2>&1 <<'PY'
+import sys
+def losses(p):
+    return [float.fromhex(l.split()[-1]) for l in open(p, errors="replace") if (l.startswith("step ") and " loss 0x" in l) or l.startswith("validation 0x")]
+a, b, bound = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3])
+assert len(a) == len(b) == 11, ("losses", len(a), len(b))
+worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+assert worst < bound, ("worst relative difference", worst)
+print("worst %.1e" % worst)
+PY
+  ); then pass "$1: $msg"
+  else fail "$1: $(echo "$msg" | tail -n 1)"; fi
+}
+if [ -x "$host" ]; then
+  run host_dp 1 1 "$host" --partitions 1 --replicas 2
+  close "fake-gpt/2x2 replicas equal the host program's 2 replicas in one process (gpt.c --replicas 2) within 1e-5" dp_pp host_dp 1e-5
+else fail "fake-gpt/host: $host is not built (make build/examples/gpt)"; fi
+
+# against the host program, parameter by parameter; and the checkpoints both ways
+if [ -x "$host" ]; then
+  run host 1 1 "$host" --partitions 1 --save "$tmp/host.safetensors"
+  close "fake-gpt/f32 losses equal the host program's (gpt.c) within 1e-5" one host 1e-5
+  name="fake-gpt/after 10 steps every parameter is within 1e-5 (relative norm) of the host program's (the key bias, zero in exact arithmetic, below 1e-4)"
+  if msg=$(python3 - "$tmp/one.safetensors" "$tmp/host.safetensors" 2>&1 <<'PY'
+import sys
+import numpy as np
+from safetensors.numpy import load_file
+a, b = load_file(sys.argv[1]), load_file(sys.argv[2])
+assert sorted(a) == sorted(b) and len(a) == 28, ("names", len(a), len(b))
+C, worst = 32, (0.0, "")
+for k in b:
+    x, y = a[k].astype(np.float64), b[k].astype(np.float64)
+    if k.endswith("c_attn.bias"):
+        assert max(np.abs(x[C:2 * C]).max(), np.abs(y[C:2 * C]).max()) < 1e-4, (k, "key bias", np.abs(x[C:2 * C]).max(), np.abs(y[C:2 * C]).max())
+        x, y = np.concatenate([x[:C], x[2 * C:]]), np.concatenate([y[:C], y[2 * C:]])
+    worst = max(worst, (np.linalg.norm(x - y) / np.linalg.norm(y), k))
+assert worst[0] < 1e-5, worst
+print("worst %.1e (%s)" % worst)
+PY
+  ); then pass "$name: $msg"; else fail "$name: $(echo "$msg" | tail -n 1)"; fi
+
+  # gpt.c's checkpoint into gpt.cu: the same parameters bit for bit, and the same logits within 1e-5
+  run loaded 2 2 "$bin" --partitions 2 --load "$tmp/host.safetensors" --steps 0 --sample-len 0 --val-batches 0
+  name="fake-gpt/gpt.c's checkpoint loads into gpt.cu (2 partitions): every parameter's checksum equal"
+  if grep -q 'exit 0' "$tmp/loaded" && grep -q '^param ' "$tmp/loaded" && cmp -s <(grep '^param ' "$tmp/host") <(grep '^param ' "$tmp/loaded"); then pass "$name"
+  else fail "$name: $(diff <(grep '^param ' "$tmp/host") <(grep '^param ' "$tmp/loaded") | head -n 2 | tr '\n' ' ') $(why loaded)"; fi
+  logits_close() { # check, file a (a "logits Z..." line), file b, pattern of b's line
+    if msg=$(python3 - "$2" "$3" "$4" 2>&1 <<'PY'
+import re, sys
+a = [l for l in open(sys.argv[1], errors="replace") if l.startswith("logits ")]
+b = [l for l in open(sys.argv[2], errors="replace") if re.match(sys.argv[3], l)]
+assert a and b, ("no logits", len(a), len(b))
+za, zb = [float.fromhex(v) for v in a[0].split()[1:]], [float.fromhex(v) for v in b[0].split()[-len(a[0].split()[1:]):]]
+assert len(za) == len(zb) > 10, ("vocabulary", len(za), len(zb))
+worst = max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(za, zb))
+assert worst < 1e-5, ("worst difference / max(1, |logit|)", worst)
+print("worst %.1e" % worst)
+PY
+    ); then pass "$1: $msg"; else fail "$1: $(echo "$msg" | tail -n 1)"; fi
+  }
+  logits_close "fake-gpt/gpt.c's checkpoint loaded into gpt.cu gives gpt.c's logits after '$ctx' within 1e-5" "$tmp/loaded" "$tmp/host" '^logits '
+  # gpt.cu's checkpoint into gpt.c (pipelined generation, one prompt, the whole context)
+  SMP_TIMEOUT=120 OPENBLAS_NUM_THREADS=1 timeout 300 mpirun -n 1 "$host" --partitions 1 --generate --load "$tmp/one.safetensors" \
+    --prompts "$ctx" --tokens 1 --no-cache --print-logits >"$tmp/gen.raw" 2>"$tmp/gen.err"
+  logits_close "fake-gpt/gpt.cu's checkpoint loads into gpt.c (--generate): its logits after '$ctx' within 1e-5 of gpt.cu's" "$tmp/one" "$tmp/gen.raw" '^logits 0 0 '
+fi
+
+# bf16: bitwise across partitions, and close to f32
+run bf16 1 1 "$bin" --partitions 1 --bf16
+run bf16_pp2 2 2 "$bin" --partitions 2 --bf16 --pipeline zero_bubble
+same "fake-gpt/--bf16: 2 partitions (zero_bubble) equal one process bitwise" bf16 bf16_pp2 "bf16 GEMMs"
+close "fake-gpt/--bf16 (bf16 GEMM inputs, f32 accumulation) within 1e-3 of f32: every step's loss and the validation loss" bf16 one 1e-3
+name="fake-gpt/--bf16 changes the losses (the bf16 GEMMs ran)"
+if complete bf16 && ! cmp -s <(grep '^step' "$tmp/bf16") <(grep '^step' "$tmp/one"); then pass "$name"; else fail "$name: $(why bf16)"; fi
+
+name="fake-gpt/the loss falls (at the default learning rate, mean of the last 3 of 10 steps below 0.96 x the first 3's)"
+if complete one && msg=$(python3 - "$tmp/one" 2>&1 <<'PY'
+import math, sys
+a = [float.fromhex(l.split()[3]) for l in open(sys.argv[1], errors="replace") if l.startswith("step ") and " loss 0x" in l]
+first, last = sum(a[:3]) / 3, sum(a[-3:]) / 3
+assert all(math.isfinite(x) for x in a) and last < 0.96 * first, ("first 3 average %.4f, last 3 %.4f" % (first, last))
+print("first 3 average %.4f, last 3 %.4f" % (first, last))
+PY
+); then pass "$name: $msg"; else fail "$name: ${msg:-$(why one)}"; fi
+
+# tools/device_run.sh's GPT-2 124M runs (tools/gpt_bench.sh), at a tiny size (later flags win)
+SMP_TIMEOUT=120 FAKE_CUDA_DEVICES=1 bash "$top/tools/gpt_bench.sh" "$bin" /usr/share/games/fortunes \
+  --layers 2 --dmodel 64 --heads 4 --context 32 --batch 4 --steps 4 --warmup 1 >"$tmp/bench" 2>&1
+rc=$?
+name="fake-gpt/tools/gpt_bench.sh (device_run.sh's 124M runs) at a tiny size: 1 rank and 2 ranks on one GPU train in bf16 with the padded vocabulary and print tokens/s"
+if [ $rc -eq 0 ] && [ "$(grep -c 'vocabulary 128, .*bf16 GEMMs' "$tmp/bench")" -eq 2 ] && grep -q 'host-staged' "$tmp/bench" &&
+   grep -q '^gpt.cu 124M bf16 tokens/s: [0-9]* (1 rank), [0-9]* (2 ranks, one GPU)$' "$tmp/bench" && grep -q '^gpt.cu 124M bf16 MFU: ' "$tmp/bench"; then
+  pass "$name"
+else fail "$name: exit $rc; $(tail -n 4 "$tmp/bench" | tr '\n' ' ')"; fi
+
+# the plain loop (gpt.cu --plain: the same kernels without smp) against smp's one process, and the overhead benchmark
+run plain 1 1 "$bin" --partitions 1 --plain
+close "fake-gpt/the plain loop (--plain: the same kernels called in order, no smp) agrees with smp's one process within 1e-6" plain one 1e-6
+SMP_TIMEOUT=120 bash "$top/bench/gpt_cuda.sh" 1 --dmodel 32 --context 16 --steps 4 >"$tmp/overhead" 2>&1
+name="fake-gpt/bench/gpt_cuda.sh (smp against the plain loop) runs and prints its figure"
+if grep -q '^gpt.cu overhead smp/plain (fake device): [0-9.]*$' "$tmp/overhead"; then pass "$name: $(tail -n 1 "$tmp/overhead")"
+else fail "$name: $(tail -n 2 "$tmp/overhead" | tr '\n' ' ')"; fi
+
+# bad input: refused on every rank, with the reason
+SMP_TIMEOUT=60 FAKE_CUDA_DEVICES=2 timeout 120 mpirun -n 2 "$bin" $tiny --dropout 0.1 >"$tmp/drop.out" 2>&1
+rc=$?
+name="fake-gpt/--dropout is refused (exit 2) with a message naming it and gpt.c, on every rank"
+if [ $rc -eq 2 ] && [ "$(grep -c -- '--dropout are gpt.c' "$tmp/drop.out")" -eq 2 ]; then pass "$name"
+else fail "$name: exit $rc; $(head -c 300 "$tmp/drop.out")"; fi
+
+echo "fake-gpt: the runs took $((SECONDS - start)) s"
+exit $failed
