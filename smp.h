@@ -264,9 +264,9 @@
 
 /* The version of the four headers, which ship together (MIT licence: LICENSE). */
 #define SMP_VERSION_MAJOR 0
-#define SMP_VERSION_MINOR 3
+#define SMP_VERSION_MINOR 4
 #define SMP_VERSION_PATCH 0
-#define SMP_VERSION_STRING "0.3.0"
+#define SMP_VERSION_STRING "0.4.0"
 
 #include <mpi.h>
 #include <stdbool.h>
@@ -333,7 +333,11 @@ typedef enum smp_dtype {
 } smp_dtype;
 
 #define SMP_MAX_DIMS 8
-#define SMP_HOST (-1) /* device of a tensor in host memory */
+/* A tensor's device: zero, the value of a zero-initialised tensor, is host
+   memory; CUDA device n is SMP_CUDA(n) (smp_nccl_device() gives this rank's). */
+#define SMP_HOST 0
+#define SMP_CUDA(ordinal) ((ordinal) + 1)
+#define SMP_CUDA_ORDINAL(device) ((device) - 1) /* the CUDA ordinal of a device that is not SMP_HOST */
 
 /* A contiguous, row-major view of memory smp does not own. */
 typedef struct smp_tensor {
@@ -341,7 +345,7 @@ typedef struct smp_tensor {
     smp_dtype dtype;
     int ndim;
     int64_t shape[SMP_MAX_DIMS];
-    int device; /* SMP_HOST or a CUDA device ordinal */
+    int device; /* SMP_HOST (0) or SMP_CUDA(ordinal) */
 } smp_tensor;
 
 SMPDEF size_t smp_dtype_size(smp_dtype dt);
@@ -634,7 +638,7 @@ typedef void (*smp_post_partition_fn)(smp_model *m, void *user);
 /* on_device puts the model on the device of the registered backend
    (smp_nccl.h: this rank's GPU); smp_model_new fails, naming the problem,
    when there is no backend or it has no usable device. Then these are
-   device tensors (device >= 0, memory from the backend's alloc):
+   device tensors (device SMP_CUDA(n), memory from the backend's alloc):
      parameter values and gradients (init callbacks still fill a host
        tensor; smp copies it to the device),
      smp_call_output, smp_call_grad_input and smp_call_grad_output,
@@ -760,7 +764,8 @@ typedef struct smp_memory_stats { /* device memory of on_device models counts wi
 SMPDEF smp_memory_stats smp_memory(void);
 
 /* ---------------------------------------------------------------- device backend */
-/* Registered by smp_nccl.h; collectives on tensors with device >= 0 go here. */
+/* Registered by smp_nccl.h; collectives on tensors whose device is not SMP_HOST go here. Every
+   device argument below is a tensor's device (SMP_HOST or SMP_CUDA(ordinal)). */
 typedef struct smp_device_backend {
     const char *name;
     smp_status (*all_reduce)(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g);
@@ -788,8 +793,8 @@ typedef struct smp_device_backend {
     smp_status (*add)(void *dst, const void *src, smp_dtype dt, int64_t n);
     /* Waits for all device work the backend queued, with the deadline. */
     smp_status (*synchronize)(void);
-    /* For on_device models. The ordinal alloc's memory lives on (-1: no
-       usable device on this rank); data *= by for f32, f64, f16 and bf16
+    /* For on_device models. The device alloc's memory lives on, SMP_CUDA(ordinal)
+       (SMP_HOST: no usable device on this rank); data *= by for f32, f64, f16 and bf16
        (halves through f32, as smp does on the host; other dtypes are left
        alone); zero bytes at p. Ordered on the engine's stream like add. */
     int (*current_device)(void);
@@ -1669,6 +1674,18 @@ static const char *smp__tensor_describe(const smp_tensor *t, char *buf, size_t c
 }
 
 /* Checks a tensor argument; `what` names it in the message. */
+/* The one check of a tensor's device that every call taking a tensor makes. */
+static smp_status smp__check_device(const smp_tensor *t, const char *fn, const char *what) {
+    if (t->device < 0)
+        return smp_error(SMP_ERR_ARG, "%s: %s has device %d; a device is SMP_HOST (0, host memory) or SMP_CUDA(ordinal)",
+                         fn, what, t->device);
+    if (t->device != SMP_HOST && !smp__ctx.has_device)
+        return smp_error(SMP_ERR_ARG, "%s: %s is on CUDA device %d but no device backend is registered (include smp_nccl.h in "
+                         "the file that defines SMP_IMPLEMENTATION; a host tensor's device is SMP_HOST, 0)",
+                         fn, what, SMP_CUDA_ORDINAL(t->device));
+    return SMP_OK;
+}
+
 static smp_status smp__check_tensor(const smp_tensor *t, const char *fn, const char *what) {
     if (!t) return smp_error(SMP_ERR_ARG, "%s: %s is NULL", fn, what);
     if (smp_dtype_size(t->dtype) == 0) return smp_error(SMP_ERR_ARG, "%s: %s has an invalid dtype (%d)", fn, what, (int)t->dtype);
@@ -1676,7 +1693,7 @@ static smp_status smp__check_tensor(const smp_tensor *t, const char *fn, const c
     for (int i = 0; i < t->ndim; i++)
         if (t->shape[i] < 0) return smp_error(SMP_ERR_ARG, "%s: %s has negative dimension %d (%lld)", fn, what, i, (long long)t->shape[i]);
     if (!t->data && smp_tensor_numel(t) > 0) return smp_error(SMP_ERR_ARG, "%s: %s has no data", fn, what);
-    return SMP_OK;
+    return smp__check_device(t, fn, what);
 }
 
 static uint32_t smp__f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -1737,7 +1754,7 @@ SMPDEF smp_status smp_tensor_from_dlpack(const DLTensor *dl, smp_tensor *out) {
         return smp_error(SMP_ERR_ARG, "DLPack dtype code %d with %d bits has no smp dtype", dl->dtype.code, dl->dtype.bits);
     int device;
     if (dl->device.device_type == kDLCPU || dl->device.device_type == kDLCUDAHost) device = SMP_HOST;
-    else if (dl->device.device_type == kDLCUDA) device = dl->device.device_id;
+    else if (dl->device.device_type == kDLCUDA) device = SMP_CUDA(dl->device.device_id);
     else return smp_error(SMP_ERR_ARG, "DLPack device type %d is neither CPU nor CUDA", (int)dl->device.device_type);
     if (dl->strides) { /* smp tensors are contiguous: accept strides only when they say so */
         int64_t expect = 1;
@@ -1758,7 +1775,7 @@ SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[
     for (int i = 0; i < t->ndim; i++) shape_storage[i] = t->shape[i];
     dl.data = t->data;
     dl.device.device_type = t->device == SMP_HOST ? kDLCPU : kDLCUDA;
-    dl.device.device_id = t->device == SMP_HOST ? 0 : t->device;
+    dl.device.device_id = t->device == SMP_HOST ? 0 : SMP_CUDA_ORDINAL(t->device);
     dl.ndim = t->ndim;
     unsigned k = (unsigned)t->dtype < SMP_DTYPE_COUNT ? (unsigned)t->dtype : 0;
     dl.dtype.code = smp__dl_types[k].code;
@@ -3264,7 +3281,9 @@ static smp_status smp__tensor_zero(const smp_tensor *t) {
 static smp_status smp__tensor_copy(const smp_tensor *dst, const smp_tensor *src) {
     size_t bytes = smp_tensor_nbytes(src);
     if (dst->device == SMP_HOST && src->device == SMP_HOST) { memcpy(dst->data, src->data, bytes); return SMP_OK; }
-    if (!smp__ctx.has_device) return smp_error(SMP_ERR_ARG, "a tensor is on CUDA device %d but no device backend is registered", dst->device == SMP_HOST ? src->device : dst->device);
+    if (!smp__ctx.has_device) /* the calls that take tensors have checked them: smp__check_device */
+        return smp_error(SMP_ERR_ARG, "a tensor is on CUDA device %d but no device backend is registered",
+                         SMP_CUDA_ORDINAL(dst->device == SMP_HOST ? src->device : dst->device));
     return bytes ? smp__ctx.device.copy(dst->data, dst->device, src->data, src->device, bytes) : SMP_OK;
 }
 
@@ -3295,8 +3314,6 @@ static smp_status smp__coll_args(const char *fn, smp_group g, smp__group_info **
         if (a->dtype != b->dtype) return smp_error(SMP_ERR_ARG, "%s: %s is %s but %s is %s", fn, an, smp_dtype_name(a->dtype), bn, smp_dtype_name(b->dtype));
         if ((a->device == SMP_HOST) != (b->device == SMP_HOST)) return smp_error(SMP_ERR_ARG, "%s: %s and %s are on different devices", fn, an, bn);
     }
-    if (a->device != SMP_HOST && !smp__ctx.has_device)
-        return smp_error(SMP_ERR_ARG, "%s: %s is on CUDA device %d but no device backend is registered (include smp_nccl.h)", fn, an, a->device);
     /* host collectives go in pieces (smp__coll_chunk); the device backend's take one count */
     if (a->device != SMP_HOST && (smp_tensor_numel(a) > INT32_MAX || (bn && smp_tensor_numel(b) > INT32_MAX)))
         return smp_error(SMP_ERR_ARG, "%s: more than 2^31-1 elements in one call on a device; split the tensor", fn);
@@ -3981,7 +3998,7 @@ static smp_status smp__check_device_backend(void) {
     const char *missing = !b->alloc ? "alloc" : !b->dealloc ? "dealloc" : !b->copy ? "copy" : !b->add ? "add" : !b->scale ? "scale"
                           : !b->zero ? "zero" : !b->current_device ? "current_device" : NULL;
     if (missing) return smp_error(SMP_ERR_ARG, "smp_model_new: the model is on_device, but the device backend \"%s\" has no %s function", name, missing);
-    if (b->current_device() < 0)
+    if (b->current_device() <= SMP_HOST)
         return smp_error(SMP_ERR_DEVICE, "smp_model_new: the model is on_device, but the device backend \"%s\" has no usable device on this rank", name);
     return SMP_OK;
 }

@@ -1966,13 +1966,13 @@ static const char *smp__ckpt_describe(smp_dtype dt, int ndim, const int64_t *sha
 /* Host <-> host or device copies; devices go through the registered backend. */
 static smp_status smp__ckpt_copy(void *dst, int dst_dev, const void *src, int src_dev, size_t n) {
     if (!n) return SMP_OK;
-    if (dst_dev < 0 && src_dev < 0) {
+    if (dst_dev == SMP_HOST && src_dev == SMP_HOST) {
         memcpy(dst, src, n);
         return SMP_OK;
     }
     if (!smp__ctx.has_device || !smp__ctx.device.copy)
         return smp_error(SMP_ERR_DEVICE, "a tensor on CUDA device %d needs a device backend (include smp_nccl.h)",
-                         dst_dev >= 0 ? dst_dev : src_dev);
+                         SMP_CUDA_ORDINAL(dst_dev != SMP_HOST ? dst_dev : src_dev));
     return smp__ctx.device.copy(dst, dst_dev, src, src_dev, n);
 }
 
@@ -2027,7 +2027,7 @@ SMP__CKPT_HOOK void smp__ckpt_copy_in_host(void *dst, const void *src, size_t n)
 }
 
 static smp_status smp__ckpt_copy_in(void *dst, int dst_dev, const void *src, size_t n) {
-    if (dst_dev < 0) {
+    if (dst_dev == SMP_HOST) {
         smp__ckpt_copy_in_host(dst, src, n);
         return SMP_OK;
     }
@@ -2069,6 +2069,9 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
                          param ? param : "(optimizer)");
     if (bytes && !t->data)
         return smp_error(SMP_ERR_ARG, "%s: state '%s' of '%s' has no data", fn, name, param ? param : "(optimizer)");
+    char what[320];
+    snprintf(what, sizeof what, "state '%s' of '%s'", name, param ? param : "(optimizer)");
+    SMP_TRY(smp__check_device(t, fn, what));
     if (param) {
         smp_param *p = smp_model_find_param(o->model, param);
         if (!p) return smp_error(SMP_ERR_ARG, "%s: the model has no parameter '%s'", fn, param);
@@ -2561,7 +2564,7 @@ static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, vo
             if (src == rx->receiver) { /* this rank's own tensor */
                 const smp_tensor *t = it->local;
                 SMP_ASSERT(t != NULL);
-                if (t->device < 0) {
+                if (t->device == SMP_HOST) {
                     len = (size_t)(it->nbytes - off);
                     j.item = idx;
                     j.off = off;
@@ -2644,9 +2647,9 @@ static smp_status smp__ckpt_stream_prepare(smp__ckpt_plan *pl, int receiver, smp
         if (pl->rank == receiver && src != receiver) chunks += n;
         if (pl->rank != receiver && src == pl->rank) {
             chunks += n;
-            if (it->local && it->local->device >= 0) device = 1;
+            if (it->local && it->local->device != SMP_HOST) device = 1;
         }
-        if (pl->rank == receiver && src == receiver && it->local && it->local->device >= 0) own_device = 1;
+        if (pl->rank == receiver && src == receiver && it->local && it->local->device != SMP_HOST) own_device = 1;
     }
     if (pl->rank != receiver && !device) chunks = 0; /* a host sender sends from the tensors themselves */
     smp_status st = SMP_OK;
@@ -2677,7 +2680,7 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
         smp__ckpt_io io;
         pthread_t th;
         for (int i = 0; i < pl->n && threaded; i++) /* device tensors are staged on the main thread */
-            if (smp__ckpt_source(pl, &pl->items[i]) == receiver && pl->items[i].local && pl->items[i].local->device >= 0)
+            if (smp__ckpt_source(pl, &pl->items[i]) == receiver && pl->items[i].local && pl->items[i].local->device != SMP_HOST)
                 threaded = 0;
         if (threaded) {
             memset(&io, 0, sizeof io);
@@ -2716,7 +2719,7 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
                 const void *p;
                 if (sent >= K) /* senders may sleep between polls: the receiver drives the copy */
                     smp_wait_requests(1, &rx->req[slot], what, SMP_WORLD, receiver);
-                if (it->local->device < 0) {
+                if (it->local->device == SMP_HOST) {
                     p = (const uint8_t *)it->local->data + off;
                 } else { /* send what the copy gave; a failure fails the save later */
                     SMP_ASSERT(rx->buf[slot] != NULL);
@@ -2840,7 +2843,7 @@ static smp_status smp__ckpt_file_sink(void *ctx, int item, uint64_t off, const v
 static smp_status smp__ckpt_write_local(smp_ckpt_writer *w, const smp__ckpt_item *it, size_t chunk) {
     const smp_tensor *t = it->local;
     if (!it->nbytes) return SMP_OK;
-    if (t->device < 0) return smp_ckpt_writer_write(w, t->data, (size_t)it->nbytes);
+    if (t->device == SMP_HOST) return smp_ckpt_writer_write(w, t->data, (size_t)it->nbytes);
     smp_status st = SMP_OK;
     uint8_t *stage = (uint8_t *)smp__bytes_or(&st, chunk, SMP__ALLOC_OTHER, "staging a device tensor to save it");
     if (!stage) return st;

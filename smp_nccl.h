@@ -154,7 +154,9 @@ SMPDEF smp_nccl_mode smp_nccl_current_mode(void);
 SMPDEF const char *smp_nccl_mode_name(smp_nccl_mode m); /* "none", "nccl", "staged" */
 /* One line for logs: the path, the device, NCCL's version; or why there is no device. */
 SMPDEF const char *smp_nccl_describe(void);
-/* This rank's CUDA device (set current by smp_init); -1 when none. */
+/* The device of this rank's GPU (set current by smp_init) as a tensor's device
+   field holds it, SMP_CUDA(ordinal); SMP_HOST (0) when none. CUDA's own calls
+   take SMP_CUDA_ORDINAL(smp_nccl_device()). */
 SMPDEF int smp_nccl_device(void);
 
 /* The engine's compute stream (0, the default: the legacy default stream,
@@ -593,9 +595,9 @@ static bool smp__nc_overlap(const void *a, size_t an, const void *b, size_t bn) 
 /* `what` (device `device`, `bytes` long) must be memory of this rank's GPU. */
 static smp_status smp__nc_check_ptr(const char *what, const void *p, int device, size_t bytes) {
     const char *fn = smp__nc_opname();
-    if (device != smp__nc.device)
+    if (device != SMP_CUDA(smp__nc.device))
         return smp_error(SMP_ERR_ARG, "%s: %s is on CUDA device %d but this rank drives device %d (smp_nccl_device())", fn, what,
-                         device, smp__nc.device);
+                         SMP_CUDA_ORDINAL(device), smp__nc.device);
     if (!bytes) return SMP_OK;
     if (!p) return smp_error(SMP_ERR_ARG, "%s: %s has no data", fn, what);
     struct cudaPointerAttributes a;
@@ -607,10 +609,11 @@ static smp_status smp__nc_check_ptr(const char *what, const void *p, int device,
     }
     if (a.type == cudaMemoryTypeManaged) return SMP_OK;
     if (a.type != cudaMemoryTypeDevice)
-        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data (%p) is %s memory", fn, what, device, p,
+        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data (%p) is %s memory", fn, what, smp__nc.device, p,
                          a.type == cudaMemoryTypeHost ? "pinned host" : "host");
     if (a.device != smp__nc.device)
-        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data lives on device %d", fn, what, device, a.device);
+        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data lives on device %d", fn, what, smp__nc.device,
+                         a.device);
     return SMP_OK;
 }
 
@@ -833,7 +836,7 @@ static smp_status smp__nc_all_reduce(const smp_tensor *in, smp_tensor *out, smp_
 
 static smp_status smp__nc_bucket_all_reduce(void *data, smp_dtype dt, int64_t n, smp_group g) {
     smp_tensor t = smp_tensor_1d(data, dt, n);
-    t.device = smp__nc.device;
+    t.device = SMP_CUDA(smp__nc.device);
     return smp__nc_collective(SMP__NC_ALL_REDUCE, &t, &t, SMP_SUM, 0, g, NULL, NULL, false);
 }
 
@@ -864,15 +867,15 @@ static smp_status smp__nc_copy(void *dst, int dst_device, const void *src, int s
     SMP_TRY(smp__nc_ready("smp_nccl_copy"));
     if (!n) return SMP_OK;
     if (!dst || !src) return smp_error(SMP_ERR_ARG, "smp_nccl_copy: %s is NULL", dst ? "src" : "dst");
-    if (dst_device < 0 && src_device < 0) {
+    if (dst_device == SMP_HOST && src_device == SMP_HOST) {
         memmove(dst, src, n);
         return SMP_OK;
     }
-    if (dst_device >= 0) SMP_TRY(smp__nc_check_ptr("the destination", dst, dst_device, n));
-    if (src_device >= 0) SMP_TRY(smp__nc_check_ptr("the source", src, src_device, n));
+    if (dst_device != SMP_HOST) SMP_TRY(smp__nc_check_ptr("the destination", dst, dst_device, n));
+    if (src_device != SMP_HOST) SMP_TRY(smp__nc_check_ptr("the source", src, src_device, n));
     SMP_TRY(smp__nc_after_engine(smp__nc.stream));
     SMP__CU(cudaMemcpyAsync, (dst, src, n, cudaMemcpyDefault, smp__nc.stream));
-    if (dst_device < 0 || src_device < 0) { /* host memory: done means done */
+    if (dst_device == SMP_HOST || src_device == SMP_HOST) { /* host memory: done means done */
         SMP__CU(cudaEventRecord, (smp__nc.ev_done, smp__nc.stream));
         return smp__nc_wait_event(smp__nc.ev_done, "a copy between host and device", SMP_WORLD, -1);
     }
@@ -1392,7 +1395,7 @@ static smp_status smp__nc_p2p_start(const char *fn, void *buf, size_t bytes, int
     *req = NULL;
     SMP_TRY(smp__nc_ready(fn));
     SMP_TRY(smp__nc_peer_arg(g, peer));
-    SMP_TRY(smp__nc_check_ptr("the buffer", buf, smp__nc.device, bytes));
+    SMP_TRY(smp__nc_check_ptr("the buffer", buf, SMP_CUDA(smp__nc.device), bytes));
     smp_nccl_request *r = smp__nc_req_new(g, peer, SMP__NC_REQ_DONE);
     if (!r) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", fn);
     r->dst = buf;
@@ -1523,8 +1526,8 @@ SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t
     size_t bytes = (size_t)n * smp_dtype_size(dt);
     if (!smp_dtype_size(dt)) return smp_error(SMP_ERR_ARG, "smp_nccl_add: invalid dtype %d", (int)dt);
     if (!n) return SMP_OK;
-    SMP_TRY(smp__nc_check_ptr("dst", dst, smp__nc.device, bytes));
-    SMP_TRY(smp__nc_check_ptr("src", src, smp__nc.device, bytes));
+    SMP_TRY(smp__nc_check_ptr("dst", dst, SMP_CUDA(smp__nc.device), bytes));
+    SMP_TRY(smp__nc_check_ptr("src", src, SMP_CUDA(smp__nc.device), bytes));
 #ifdef __CUDACC__
     long long nn = (long long)n;
     unsigned grid = (unsigned)((nn + 255) / 256 < 4096 ? (nn + 255) / 256 : 4096);
@@ -1553,7 +1556,7 @@ static smp_status smp__nc_scale(void *data, smp_dtype dt, int64_t n, double by) 
     if (n < 0) return smp_error(SMP_ERR_ARG, "smp__nc_scale: negative count %lld", (long long)n);
     if (!smp_dtype_size(dt)) return smp_error(SMP_ERR_ARG, "smp__nc_scale: invalid dtype %d", (int)dt);
     if (!n || (dt != SMP_F32 && dt != SMP_F64 && dt != SMP_F16 && dt != SMP_BF16)) return SMP_OK;
-    SMP_TRY(smp__nc_check_ptr("data", data, smp__nc.device, (size_t)n * smp_dtype_size(dt)));
+    SMP_TRY(smp__nc_check_ptr("data", data, SMP_CUDA(smp__nc.device), (size_t)n * smp_dtype_size(dt)));
 #ifdef __CUDACC__
     long long nn = (long long)n;
     unsigned grid = (unsigned)((nn + 255) / 256 < 4096 ? (nn + 255) / 256 : 4096);
@@ -1575,7 +1578,7 @@ static smp_status smp__nc_scale(void *data, smp_dtype dt, int64_t n, double by) 
 static smp_status smp__nc_zero(void *p, size_t bytes) {
     SMP_TRY(smp__nc_ready("smp__nc_zero"));
     if (!bytes) return SMP_OK;
-    SMP_TRY(smp__nc_check_ptr("the buffer", p, smp__nc.device, bytes));
+    SMP_TRY(smp__nc_check_ptr("the buffer", p, SMP_CUDA(smp__nc.device), bytes));
     SMP__CU(cudaMemsetAsync, (p, 0, bytes, smp__nc_engine));
     return SMP_OK;
 }
@@ -1601,7 +1604,9 @@ SMPDEF const char *smp_nccl_mode_name(smp_nccl_mode m) {
     return m == SMP_NCCL_MODE_NCCL ? "nccl" : m == SMP_NCCL_MODE_STAGED ? "staged" : "none";
 }
 SMPDEF const char *smp_nccl_describe(void) { return smp__nc.up ? smp__nc.desc : "none: smp_init has not run"; }
-SMPDEF int smp_nccl_device(void) { return smp__nc.up && smp__nc.mode != SMP_NCCL_MODE_NONE ? smp__nc.device : -1; }
+SMPDEF int smp_nccl_device(void) {
+    return smp__nc.up && smp__nc.mode != SMP_NCCL_MODE_NONE ? SMP_CUDA(smp__nc.device) : SMP_HOST;
+}
 SMPDEF void smp_nccl_set_stream(cudaStream_t s) { smp__nc_engine = s; }
 SMPDEF cudaStream_t smp_nccl_stream(void) { return smp__nc_engine; }
 SMPDEF ncclComm_t smp_nccl_comm(smp_group g) {

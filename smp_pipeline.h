@@ -1842,7 +1842,6 @@ static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, i
         snprintf(name, sizeof name, "argument %d", a);
         smp_status st = smp__check_tensor(t, "smp_step", name);
         if (st) return st;
-        if (t->device != SMP_HOST && !smp__ctx.has_device) return smp_error(SMP_ERR_ARG, "smp_step: argument %d is on a CUDA device but no device backend is registered", a);
         if (d->non_split[a]) continue;
         int ax = d->split_axis[a];
         if (ax < 0 || ax >= t->ndim) return smp_error(SMP_ERR_ARG, "smp_step: argument %d has %d dimensions, so it cannot be split along axis %d", a, t->ndim, ax);
@@ -3077,6 +3076,7 @@ static smp_status smp__reduce_check(const smp_step_output *o, const smp_tensor *
     if (!o || !o->values || o->microbatches < 1) return smp_error(SMP_ERR_ARG, "%s: the StepOutput is empty", fn);
     smp_status st = smp__check_tensor(r, fn, "result");
     if (st) return st;
+    if (r->device != SMP_HOST) return smp_error(SMP_ERR_ARG, "%s: result is on a CUDA device; StepOutputs are host memory", fn);
     for (int i = 0; i < o->microbatches; i++) {
         if (o->values[i].dtype != r->dtype)
             return smp_error(SMP_ERR_ARG, "%s: microbatch %d's value is %s, the result is %s", fn, i, smp_dtype_name(o->values[i].dtype), smp_dtype_name(r->dtype));

@@ -1,0 +1,131 @@
+/* test_port.c - what porting an existing engine onto smp relies on (issue 25,
+   "friction from porting an existing engine"): a zero-initialised tensor is a
+   host tensor in every call that takes one. */
+#define SMP_IMPLEMENTATION
+#define SMP_TESTING
+#include "smp.h"
+#include "smp_pipeline.h"
+#include "test.h"
+#include <math.h>
+#include <string.h>
+
+enum { BATCH = 8, WIDTH = 4, LAYERS = 4, MICRO = 4 };
+
+typedef struct layer { smp_module *m; smp_param *w; } layer;
+static layer g_layer[LAYERS];
+
+/* y = tanh(x W^T); the backward accumulates into every gradient it is given */
+static smp_status fc_forward(smp_call_ctx *c) {
+    layer *l = (layer *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0);
+    const float *w = (const float *)smp_param_value(l->w)->data, *xs = (const float *)x->data;
+    int64_t n = x->shape[0];
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, (int64_t[]){n, WIDTH});
+    if (!y) return SMP_ERR_NOMEM;
+    for (int64_t r = 0; r < n; r++)
+        for (int o = 0; o < WIDTH; o++) {
+            float z = 0;
+            for (int i = 0; i < WIDTH; i++) z += xs[r * WIDTH + i] * w[o * WIDTH + i];
+            ((float *)y->data)[r * WIDTH + o] = tanhf(z);
+        }
+    return SMP_OK;
+}
+static smp_status fc_backward(smp_call_ctx *c) {
+    layer *l = (layer *)smp_module_user(smp_call_module(c));
+    const float *x = (const float *)smp_call_input(c, 0)->data, *y = (const float *)smp_call_output_value(c, 0)->data;
+    const float *gy = (const float *)smp_call_grad_output(c, 0)->data, *w = (const float *)smp_param_value(l->w)->data;
+    float *gw = (float *)smp_param_grad(l->w)->data;
+    smp_tensor *gx = smp_call_grad_input(c, 0);
+    int64_t n = smp_call_input(c, 0)->shape[0];
+    for (int64_t r = 0; r < n; r++)
+        for (int i = 0; i < WIDTH; i++)
+            for (int o = 0; o < WIDTH; o++) {
+                float dz = gy[r * WIDTH + o] * (1 - y[r * WIDTH + o] * y[r * WIDTH + o]);
+                gw[o * WIDTH + i] += dz * x[r * WIDTH + i];
+                if (gx) ((float *)gx->data)[r * WIDTH + i] += dz * w[o * WIDTH + i];
+            }
+    return SMP_OK;
+}
+
+static smp_status forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
+    (void)m, (void)nin, (void)nout, (void)user;
+    smp_tensor h = in[0];
+    for (int l = 0; l < LAYERS; l++) SMP_TRY(smp_call(g_layer[l].m, &h, 1, l == LAYERS - 1 ? out : &h, 1));
+    return SMP_OK;
+}
+
+static smp_model *build(void) {
+    smp_module *root = smp_module_new(NULL, "", NULL);
+    for (int l = 0; l < LAYERS; l++) {
+        char name[16];
+        snprintf(name, sizeof name, "fc%d", l);
+        g_layer[l].m = smp_module_new(root, name, &(smp_module_desc){fc_forward, fc_backward, &g_layer[l]});
+        g_layer[l].w = smp_param_new(g_layer[l].m, "weight", SMP_F32, 2, (int64_t[]){WIDTH, WIDTH}, smp_init_uniform, NULL);
+    }
+    smp_model *model = NULL;
+    if (smp_model_new(root, &(smp_model_desc){.forward = forward}, &model)) return NULL;
+    return model;
+}
+
+static float g_x[BATCH * WIDTH], g_t[BATCH * WIDTH];
+static void make_data(void) {
+    for (int i = 0; i < BATCH * WIDTH; i++) {
+        g_x[i] = (float)((i * 37) % 101) / 50.0f - 1.0f;
+        g_t[i] = sinf(g_x[i]);
+    }
+}
+
+/* The MSE loss and its gradient; output 0 through a tensor written as a
+   zero-initialised compound literal (no device named), output 1 through
+   smp_mb_return_f32. */
+SMP_STEP_BODY(literal_body) {
+    const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
+    smp_tensor *g = smp_mb_output_grad(mb, 0);
+    int64_t n = smp_tensor_numel(y);
+    float loss = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float d = ((const float *)y->data)[i] - ((const float *)t->data)[i];
+        loss += d * d / (float)n;
+        ((float *)g->data)[i] = 2 * d / (float)n;
+    }
+    SMP_TRY(smp_mb_return(mb, 0, &(smp_tensor){.data = &loss, .dtype = SMP_F32, .ndim = 1, .shape = {1}}));
+    return smp_mb_return_f32(mb, 1, loss);
+}
+
+/* smp_mb_return takes the literal as a host tensor, as every call does. */
+static void test_zero_tensor_is_host(smp_model *model) {
+    smp_tensor xs = smp_tensor_2d(g_x, SMP_F32, BATCH, WIDTH), ts = smp_tensor_2d(g_t, SMP_F32, BATCH, WIDTH);
+    smp_step_output out[2] = {{0}, {0}};
+    smp_model_zero_grad(model);
+    smp_status st = SMP_TRAIN_STEP(model, literal_body, NULL, out, 2, xs, ts);
+    float lit[MICRO] = {0}, f32[MICRO] = {0};
+    smp_tensor lt = smp_tensor_2d(lit, SMP_F32, MICRO, 1), ft = smp_tensor_1d(f32, SMP_F32, MICRO);
+    if (!st) st = smp_step_output_stack(&out[0], &lt);
+    if (!st) st = smp_step_output_stack(&out[1], &ft);
+    MPI_CHECK(!st && !memcmp(lit, f32, sizeof lit) && lit[0] > 0, "port/smp_mb_return takes a zero-initialised tensor as host memory",
+              "%s: %s (losses %g and %g)", smp_status_name(st), smp_last_error(), (double)lit[0], (double)f32[0]);
+    smp_step_output_free(&out[0]);
+    smp_step_output_free(&out[1]);
+}
+
+int main(void) {
+    smp_config cfg = {0};
+    int size;
+    MPI_Init(NULL, NULL);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    cfg.partitions = size >= 2 ? 2 : 1;
+    cfg.microbatches = MICRO;
+    make_data();
+    if (smp_init(&cfg)) {
+        MPI_CHECK(0, "port/init", "%s", smp_last_error());
+        MPI_Finalize();
+        return 1;
+    }
+    smp_model *model = build();
+    MPI_CHECK(model != NULL, "port/model", "%s", smp_last_error());
+    if (model) test_zero_tensor_is_host(model);
+    smp_model_free(model);
+    smp_finalize();
+    MPI_Finalize();
+    return test_exit_code();
+}
