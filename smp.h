@@ -499,10 +499,22 @@ SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, c
    Its callbacks run one call on one microbatch:
      forward:  read inputs, allocate outputs with smp_call_output, save what
                backward needs with smp_call_stash (inputs stay alive anyway);
-     backward: read smp_call_grad_output, write every non-NULL
-               smp_call_grad_input in full, and ADD parameter gradients into
-               smp_param_grad(p) (the runtime zeroes them only in
-               smp_model_zero_grad; microbatches arrive in increasing order).
+     backward: read smp_call_grad_output, write (or add into) every
+               non-NULL smp_call_grad_input, and ADD parameter gradients into
+               smp_param_grad(p) (microbatches arrive in increasing order).
+   Which buffers arrive zeroed, so that kernels which accumulate (+=) may
+   rely on it (test_port checks it whatever allocator smp uses):
+     zero      every smp_call_grad_input, in every backward (tracing's too);
+               smp_mb_output_grad in a step body; parameter gradients when
+               the model is partitioned and after smp_model_zero_grad, and
+               only then: they accumulate over microbatches and steps until
+               the next smp_model_zero_grad (ddp replaces them with the
+               average over replicas as a step ends). A shared module's
+               backward may add into a slot of smp's, zeroed every step, that
+               smp sums into the gradient: add, never assign.
+     not zero  smp_call_output, smp_call_stash, smp_call_stash_device: write
+               every element.
+     read only the inputs, smp_call_output_value, smp_call_grad_output.
    In a model built with on_device (smp_model_desc), outputs, gradients and
    parameters are device tensors and the callbacks launch device work.
 

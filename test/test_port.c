@@ -1,6 +1,19 @@
 /* test_port.c - what porting an existing engine onto smp relies on (issue 25,
    "friction from porting an existing engine"): a zero-initialised tensor is a
-   host tensor in every call that takes one. */
+   host tensor in every call that takes one; the buffers smp.h promises zeroed
+   (input gradients, the body's output gradient, parameter gradients after
+   partitioning and smp_model_zero_grad) are zero when a kernel that
+   accumulates gets them. Every allocation smp makes is filled with garbage
+   first, so a buffer handed over unzeroed shows, whatever allocator smp has. */
+#include <stdlib.h>
+#include <string.h>
+static void *poisoned_malloc(size_t n) {
+    void *p = malloc(n);
+    if (p) memset(p, 0xA5, n);
+    return p;
+}
+#define SMP_MALLOC(n) poisoned_malloc(n)
+#define SMP_FREE(p) free(p)
 #define SMP_IMPLEMENTATION
 #define SMP_TESTING
 #include "smp.h"
@@ -13,6 +26,20 @@ enum { BATCH = 8, WIDTH = 4, LAYERS = 4, MICRO = 4 };
 
 typedef struct layer { smp_module *m; smp_param *w; } layer;
 static layer g_layer[LAYERS];
+
+/* What the kernels found: buffers promised zero that were not, and how many they looked at. */
+static struct { int nonzero, seen; char first[160]; bool param_grads_zero; } g_zero;
+static bool all_zero(const void *p, size_t bytes) {
+    const unsigned char *b = (const unsigned char *)p;
+    for (size_t i = 0; i < bytes; i++)
+        if (b[i]) return false;
+    return true;
+}
+static void expect_zero(const void *p, size_t bytes, const char *what, int mb) {
+    g_zero.seen++;
+    if (all_zero(p, bytes)) return;
+    if (!g_zero.nonzero++) snprintf(g_zero.first, sizeof g_zero.first, "%s (microbatch %d)", what, mb);
+}
 
 /* y = tanh(x W^T); the backward accumulates into every gradient it is given */
 static smp_status fc_forward(smp_call_ctx *c) {
@@ -37,6 +64,9 @@ static smp_status fc_backward(smp_call_ctx *c) {
     float *gw = (float *)smp_param_grad(l->w)->data;
     smp_tensor *gx = smp_call_grad_input(c, 0);
     int64_t n = smp_call_input(c, 0)->shape[0];
+    if (gx) expect_zero(gx->data, smp_tensor_nbytes(gx), "an input gradient", smp_call_microbatch(c));
+    if (g_zero.param_grads_zero && smp_call_microbatch(c) == 0 && !smp_is_tracing())
+        expect_zero(gw, smp_tensor_nbytes(smp_param_grad(l->w)), "a parameter gradient", 0);
     for (int64_t r = 0; r < n; r++)
         for (int i = 0; i < WIDTH; i++)
             for (int o = 0; o < WIDTH; o++) {
@@ -83,10 +113,11 @@ SMP_STEP_BODY(literal_body) {
     smp_tensor *g = smp_mb_output_grad(mb, 0);
     int64_t n = smp_tensor_numel(y);
     float loss = 0;
+    expect_zero(g->data, smp_tensor_nbytes(g), "the body's output gradient", smp_mb_index(mb));
     for (int64_t i = 0; i < n; i++) {
         float d = ((const float *)y->data)[i] - ((const float *)t->data)[i];
         loss += d * d / (float)n;
-        ((float *)g->data)[i] = 2 * d / (float)n;
+        ((float *)g->data)[i] += 2 * d / (float)n;
     }
     SMP_TRY(smp_mb_return(mb, 0, &(smp_tensor){.data = &loss, .dtype = SMP_F32, .ndim = 1, .shape = {1}}));
     return smp_mb_return_f32(mb, 1, loss);
@@ -108,6 +139,26 @@ static void test_zero_tensor_is_host(smp_model *model) {
     smp_step_output_free(&out[1]);
 }
 
+/* Steps after partitioning, after smp_model_zero_grad, and without it (the
+   parameter gradients then hold the last step's: nothing is promised). */
+static void test_zeroed_buffers(smp_model *model) {
+    smp_tensor xs = smp_tensor_2d(g_x, SMP_F32, BATCH, WIDTH), ts = smp_tensor_2d(g_t, SMP_F32, BATCH, WIDTH);
+    smp_status st = SMP_OK;
+    memset(&g_zero, 0, sizeof g_zero);
+    for (int step = 0; step < 4 && !st; step++) {
+        smp_step_output out[2] = {{0}, {0}};
+        g_zero.param_grads_zero = step != 2; /* step 0: fresh from partitioning; step 2 skips zero_grad */
+        if (step == 1 || step == 3) smp_model_zero_grad(model);
+        st = SMP_TRAIN_STEP(model, literal_body, NULL, out, 2, xs, ts);
+        smp_step_output_free(&out[0]);
+        smp_step_output_free(&out[1]);
+    }
+    MPI_CHECK(!st && !g_zero.nonzero && g_zero.seen > 0,
+              "port/input gradients, the body's output gradient and fresh parameter gradients arrive zeroed",
+              "%s %s; %d of %d buffers not zero, the first %s", smp_status_name(st), st ? smp_last_error() : "", g_zero.nonzero,
+              g_zero.seen, g_zero.first);
+}
+
 int main(void) {
     smp_config cfg = {0};
     int size;
@@ -123,6 +174,7 @@ int main(void) {
     }
     smp_model *model = build();
     MPI_CHECK(model != NULL, "port/model", "%s", smp_last_error());
+    if (model) test_zeroed_buffers(model); /* first: the first step finds the gradients as partitioning made them */
     if (model) test_zero_tensor_is_host(model);
     smp_model_free(model);
     smp_finalize();
