@@ -559,7 +559,14 @@ typedef struct smp_call_ctx smp_call_ctx; /* one call of a module on one microba
 
 typedef smp_status (*smp_module_fn)(smp_call_ctx *c);
 /* Fills a parameter deterministically; `seed` is derived from the global
-   seed and the parameter's full name, so every partitioning sees the same. */
+   seed and the parameter's full name, so every partitioning sees the same.
+   It runs on the host, into a host tensor (an on_device model's parameter
+   starts as a copy of it), and more than once: while smp traces the model
+   (on every rank, for each module as its call runs: its parameters exist
+   for that call only) and when the model is partitioned (on the rank that
+   owns the module), so it must fill the same values each time, and what
+   `user` points to must live until the model is partitioned (after
+   smp_model_trace or the first step). */
 typedef void (*smp_init_fn)(smp_tensor *value, uint64_t seed, void *user);
 
 typedef struct smp_module_desc {
@@ -616,6 +623,19 @@ SMPDEF void smp_module_set_backward_split(smp_module *m, smp_module_fn backward_
    constant (user points to a float; NULL: 0). */
 SMPDEF void smp_init_uniform(smp_tensor *value, uint64_t seed, void *user);
 SMPDEF void smp_init_constant(smp_tensor *value, uint64_t seed, void *user);
+/* Loads existing weights: copies the parameter's elements (any dtype, the
+   parameter's) from the engine's own buffer, starting `offset` elements into
+   `data`; user points to an smp_init_copy_desc, which (with the buffer) must
+   live until the model is partitioned (smp_init_fn). For an engine that keeps
+   all its weights in one contiguous buffer:
+       static smp_init_copy_desc wte_src = {weights, 0};   // wte: elements 0..V*C-1
+       smp_param_new(m, "wte", SMP_F32, 2, (int64_t[]){V, C}, smp_init_copy, &wte_src);
+   A NULL user or data is an error smp_model_new reports. */
+typedef struct smp_init_copy_desc {
+    const void *data; /* host memory holding elements of the parameter's dtype */
+    int64_t offset;   /* in elements, where the parameter's first one is */
+} smp_init_copy_desc;
+SMPDEF void smp_init_copy(smp_tensor *value, uint64_t seed, void *user);
 /* The seed smp gives the parameter called full_name. */
 SMPDEF uint64_t smp_param_seed(const char *full_name);
 /* A deterministic generator for init callbacks: uniform in [0, 1). */
@@ -3868,6 +3888,12 @@ static smp_param *smp__declare(smp_module *m, const char *name, smp_dtype dt, in
         if (shape[i] < 0) { smp__build_error(SMP_ERR_ARG, "%s \"%s.%s\": dimension %d is negative", what, m->full_name, name, i); return NULL; }
     for (int i = 0; i < m->nparams; i++)
         if (!strcmp(m->params[i]->name, name)) { smp__build_error(SMP_ERR_ARG, "module \"%s\" already has a parameter or buffer \"%s\"", m->full_name, name); return NULL; }
+    const smp_init_copy_desc *copy = init == smp_init_copy ? (const smp_init_copy_desc *)user : NULL;
+    if (init == smp_init_copy && (!copy || !copy->data || copy->offset < 0)) {
+        smp__build_error(SMP_ERR_ARG, "%s \"%s.%s\": smp_init_copy needs an smp_init_copy_desc with data and an offset >= 0 "
+                         "as its user pointer", what, m->full_name, name);
+        return NULL;
+    }
     smp_param *p = (smp_param *)smp__alloc(sizeof *p, SMP__ALLOC_OTHER);
     char *own = smp__strdup(name), *full = smp__dotted(m->full_name, name);
     int cap = m->nparams;
@@ -3942,6 +3968,11 @@ SMPDEF void smp_init_constant(smp_tensor *v, uint64_t seed, void *user) {
     (void)seed;
     float c = user ? *(const float *)user : 0.0f, *p = (float *)v->data;
     for (int64_t i = 0, n = smp_tensor_numel(v); i < n; i++) p[i] = c;
+}
+SMPDEF void smp_init_copy(smp_tensor *v, uint64_t seed, void *user) {
+    (void)seed;
+    const smp_init_copy_desc *d = (const smp_init_copy_desc *)user; /* not NULL: smp__declare checked */
+    memcpy(v->data, (const char *)d->data + (size_t)d->offset * smp_dtype_size(v->dtype), smp_tensor_nbytes(v));
 }
 
 static bool smp__model_on_device(const smp_model *m);

@@ -4,7 +4,9 @@
    (input gradients, the body's output gradient, parameter gradients after
    partitioning and smp_model_zero_grad) are zero when a kernel that
    accumulates gets them. Every allocation smp makes is filled with garbage
-   first, so a buffer handed over unzeroed shows, whatever allocator smp has. */
+   first, so a buffer handed over unzeroed shows, whatever allocator smp has;
+   smp_init_copy loads an engine's contiguous weights, in tracing and after
+   partitioning. */
 #include <stdlib.h>
 #include <string.h>
 static void *poisoned_malloc(size_t n) {
@@ -42,10 +44,20 @@ static void expect_zero(const void *p, size_t bytes, const char *what, int mb) {
 }
 
 /* y = tanh(x W^T); the backward accumulates into every gradient it is given */
+/* The engine's own weight buffer (layer l at element l * WIDTH * WIDTH), and
+   how many traced calls saw their weights differ from it (NULL: not checked). */
+static float g_weights[LAYERS * WIDTH * WIDTH];
+static const float *g_traced_from;
+static int g_traced_calls, g_traced_wrong;
+
 static smp_status fc_forward(smp_call_ctx *c) {
     layer *l = (layer *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0);
     const float *w = (const float *)smp_param_value(l->w)->data, *xs = (const float *)x->data;
+    if (g_traced_from && smp_is_tracing()) {
+        g_traced_calls++;
+        g_traced_wrong += memcmp(w, g_traced_from + (l - g_layer) * WIDTH * WIDTH, sizeof(float) * WIDTH * WIDTH) != 0;
+    }
     int64_t n = x->shape[0];
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, (int64_t[]){n, WIDTH});
     if (!y) return SMP_ERR_NOMEM;
@@ -84,13 +96,15 @@ static smp_status forward(smp_model *m, const smp_tensor *in, int nin, smp_tenso
     return SMP_OK;
 }
 
-static smp_model *build(void) {
+/* The model; with `from`, layer l's weight is smp_init_copy's from[l]. */
+static smp_model *build(smp_init_copy_desc *from) {
     smp_module *root = smp_module_new(NULL, "", NULL);
     for (int l = 0; l < LAYERS; l++) {
         char name[16];
         snprintf(name, sizeof name, "fc%d", l);
         g_layer[l].m = smp_module_new(root, name, &(smp_module_desc){fc_forward, fc_backward, &g_layer[l]});
-        g_layer[l].w = smp_param_new(g_layer[l].m, "weight", SMP_F32, 2, (int64_t[]){WIDTH, WIDTH}, smp_init_uniform, NULL);
+        g_layer[l].w = smp_param_new(g_layer[l].m, "weight", SMP_F32, 2, (int64_t[]){WIDTH, WIDTH},
+                                     from ? smp_init_copy : smp_init_uniform, from ? &from[l] : NULL);
     }
     smp_model *model = NULL;
     if (smp_model_new(root, &(smp_model_desc){.forward = forward}, &model)) return NULL;
@@ -159,6 +173,39 @@ static void test_zeroed_buffers(smp_model *model) {
               g_zero.seen, g_zero.first);
 }
 
+/* Weights loaded from the engine's buffer: the traced calls already see
+   them, and after partitioning every local parameter holds its slice. */
+static void test_init_copy(void) {
+    static smp_init_copy_desc from[LAYERS];
+    for (int i = 0; i < LAYERS * WIDTH * WIDTH; i++) g_weights[i] = (float)((i * 7919) % 211) / 211.0f - 0.5f;
+    for (int l = 0; l < LAYERS; l++) from[l] = (smp_init_copy_desc){g_weights, (int64_t)l * WIDTH * WIDTH};
+    g_traced_from = g_weights;
+    smp_model *model = build(from);
+    smp_tensor xs = smp_tensor_2d(g_x, SMP_F32, BATCH / MICRO, WIDTH);
+    smp_status st = model ? smp_model_trace(model, &xs, 1) : SMP_ERR_ARG;
+    int wrong = 0, local = 0;
+    for (int l = 0; l < LAYERS && !st; l++)
+        if (smp_module_is_local(g_layer[l].m)) {
+            local++;
+            wrong += memcmp(smp_param_value(g_layer[l].w)->data, g_weights + l * WIDTH * WIDTH, sizeof(float) * WIDTH * WIDTH) != 0;
+        }
+    MPI_CHECK(!st && g_traced_calls >= LAYERS && !g_traced_wrong && local > 0 && !wrong,
+              "port/smp_init_copy loads the engine's weights, in tracing and after partitioning",
+              "%s %s; traced calls %d, %d with other weights; %d of %d local parameters differ", smp_status_name(st),
+              st ? smp_last_error() : "", g_traced_calls, g_traced_wrong, wrong, local);
+    g_traced_from = NULL;
+    smp_model_free(model);
+    /* a copy with nowhere to copy from is an error smp_model_new reports */
+    smp_init_copy_desc none = {NULL, 0};
+    smp_module *root = smp_module_new(NULL, "", NULL), *m = smp_module_new(root, "fc", &(smp_module_desc){fc_forward, fc_backward, NULL});
+    smp_param_new(m, "weight", SMP_F32, 1, (int64_t[]){4}, smp_init_copy, &none);
+    model = NULL;
+    st = smp_model_new(root, &(smp_model_desc){.forward = forward}, &model);
+    MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "fc.weight") && strstr(smp_last_error(), "smp_init_copy"),
+              "port/smp_init_copy without data is an error naming the parameter", "%s: %s", smp_status_name(st), smp_last_error());
+    smp_model_free(model);
+}
+
 int main(void) {
     smp_config cfg = {0};
     int size;
@@ -172,11 +219,12 @@ int main(void) {
         MPI_Finalize();
         return 1;
     }
-    smp_model *model = build();
+    smp_model *model = build(NULL);
     MPI_CHECK(model != NULL, "port/model", "%s", smp_last_error());
     if (model) test_zeroed_buffers(model); /* first: the first step finds the gradients as partitioning made them */
     if (model) test_zero_tensor_is_host(model);
     smp_model_free(model);
+    test_init_copy();
     smp_finalize();
     MPI_Finalize();
     return test_exit_code();
