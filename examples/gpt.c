@@ -14,7 +14,8 @@
      @smp.step def train_step(model, x, y)       SMP_STEP_BODY(gpt_loss_body) (gpt_model.h)
      optimizer.zero_grad()                       smp_model_zero_grad(model)
      loss_mb = train_step(model, x, y)           SMP_TRAIN_STEP(model, gpt_loss_body, ...)
-     loss = loss_mb.reduce_mean()                smp_step_output_reduce_mean_f64(&loss_mb)
+     loss = loss_mb.reduce_mean()                smp_step_output_reduce_mean_global_f64(&loss_mb)
+       (per replica in SageMaker; smp's _global is the mean over every replica: the whole batch's loss)
      clip_grad_norm_(model.parameters(), 1.0)    smp_clip_grad_norm(model, 1.0, NULL)
      optimizer.step()  (AdamW, cosine schedule)  adamw_step(...) on local parameters
      smp.save(model.state_dict(), ...)           smp_save(model, path, full)
@@ -394,22 +395,6 @@ static float lr_at(const options *o, int step) {
 
 /* ---------------------------------------------------------------- helpers */
 static double now(void) { return MPI_Wtime(); }
-
-/* The mean of every replica's value, summed in dp-rank order (the same
-   bits whichever MPI algorithm runs). */
-static double dp_mean(double x) {
-    int dp = smp_dp_size();
-    if (dp == 1) return x;
-    double all[64];
-    void *buf = NULL;
-    size_t lens[64];
-    if (dp > 64 || smp_all_gather_bytes(&x, sizeof x, SMP_DP_GROUP, &buf, lens)) return NAN;
-    memcpy(all, buf, sizeof(double) * (size_t)dp);
-    smp_free(buf);
-    double s = all[0];
-    for (int r = 1; r < dp; r++) s += all[r];
-    return s / dp;
-}
 
 static void fmt_time(double s, char *buf, size_t cap) {
     long t = (long)(s + 0.5);
@@ -905,7 +890,7 @@ int main(int argc, char **argv) {
             smp_step_output loss_mb = {0};
             smp_model_zero_grad(model);                                   /* optimizer.zero_grad() */
             if ((st = SMP_TRAIN_STEP(model, gpt_loss_body, NULL, &loss_mb, 1, xt, yt))) break;
-            double l = smp_step_output_reduce_mean_f64(&loss_mb);                    /* loss_mb.reduce_mean() */
+            double l = smp_step_output_reduce_mean_global_f64(&loss_mb);             /* the global batch's loss */
             smp_step_output_free(&loss_mb);
             loss = r == 0 ? l : loss + l;
             if (R > 1) { /* replica r's gradient / R, added in replica order (what deterministic DDP sums) */
@@ -927,7 +912,6 @@ int main(int argc, char **argv) {
             for (int i = 0; (p = smp_model_local_param(model, i, false)); i++)
                 memcpy(smp_param_grad(p)->data, acc[i], smp_tensor_nbytes(smp_param_grad(p)));
         }
-        loss = dp_mean(loss);                                             /* the global batch's loss */
         if (step == 0 && opt.grads && fail_all(save_grads(model, opt.grads, &text, &opt, x, y, (int)rows, loss), "--grads")) goto done;
         if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
         adamw_step(&opt_state, model, &opt, lr);                          /* optimizer.step() */
@@ -960,10 +944,11 @@ int main(int argc, char **argv) {
                 smp_tensor xt = smp_tensor_2d(x, SMP_I32, rows, T), yt = smp_tensor_2d(y, SMP_I32, rows, T);
                 smp_step_output loss_mb = {0};
                 if ((st = SMP_EVAL_STEP(model, gpt_loss_body, NULL, &loss_mb, 1, xt, yt))) break;
-                l = r == 0 ? smp_step_output_reduce_mean_f64(&loss_mb) : l + smp_step_output_reduce_mean_f64(&loss_mb);
+                double g = smp_step_output_reduce_mean_global_f64(&loss_mb);
+                l = r == 0 ? g : l + g;
                 smp_step_output_free(&loss_mb);
             }
-            val += dp_mean(l / R);
+            val += l / R;
         }
         if (fail_all(st, "validation")) goto done;
         val /= opt.val_batches;

@@ -6,7 +6,8 @@
    accumulates gets them. Every allocation smp makes is filled with garbage
    first, so a buffer handed over unzeroed shows, whatever allocator smp has;
    smp_init_copy loads an engine's contiguous weights, in tracing and after
-   partitioning. */
+   partitioning; the loss over the whole batch (every data-parallel replica's
+   microbatches) comes out the same on every rank. */
 #include <stdlib.h>
 #include <string.h>
 static void *poisoned_malloc(size_t n) {
@@ -206,6 +207,57 @@ static void test_init_copy(void) {
     smp_model_free(model);
 }
 
+/* With ddp, each replica on its own data: the global mean is the mean of
+   every replica's microbatch losses, the same bits on every rank; with one
+   replica it is reduce_mean's. A bad result on one rank fails every rank. */
+static void test_global_mean(void) {
+    smp_config cfg = {0};
+    cfg.ddp = SMP_ON;
+    cfg.microbatches = MICRO;
+    if (smp_init(&cfg)) { MPI_CHECK(0, "port/init with ddp", "%s", smp_last_error()); return; }
+    smp_model *model = build(NULL);
+    static float x[BATCH * WIDTH];
+    for (int i = 0; i < BATCH * WIDTH; i++) x[i] = g_x[i] + 0.25f * (float)smp_dp_rank(); /* each replica its own batch */
+    smp_tensor xs = smp_tensor_2d(x, SMP_F32, BATCH, WIDTH), ts = smp_tensor_2d(g_t, SMP_F32, BATCH, WIDTH);
+    smp_step_output out[2] = {{0}, {0}};
+    smp_status st = model ? SMP_TRAIN_STEP(model, literal_body, NULL, out, 2, xs, ts) : SMP_ERR_ARG;
+    float mb[MICRO] = {0}, every[64 * MICRO], global32 = 0;
+    smp_tensor mbt = smp_tensor_1d(mb, SMP_F32, MICRO), g32 = smp_tensor_1d(&global32, SMP_F32, 1);
+    if (!st) st = smp_step_output_stack(&out[1], &mbt);
+    double local = smp_step_output_reduce_mean_f64(&out[1]), global = smp_step_output_reduce_mean_global_f64(&out[1]);
+    if (!st) st = smp_step_output_reduce_mean_global(&out[1], &g32);
+    int dp = smp_dp_size();
+    MPI_Allgather(mb, MICRO, MPI_FLOAT, every, MICRO, MPI_FLOAT, MPI_COMM_WORLD); /* partitions 1: world = DP_GROUP */
+    double ref = 0, globals[64], locals[64];
+    for (int i = 0; i < dp * MICRO; i++) ref += every[i];
+    ref /= dp * MICRO;
+    MPI_Allgather(&global, 1, MPI_DOUBLE, globals, 1, MPI_DOUBLE, MPI_COMM_WORLD);
+    MPI_Allgather(&local, 1, MPI_DOUBLE, locals, 1, MPI_DOUBLE, MPI_COMM_WORLD);
+    bool same = true, apart = dp == 1;
+    for (int r = 0; r < dp; r++) {
+        same = same && !memcmp(&globals[r], &global, sizeof global);
+        apart = apart || locals[r] != locals[0];
+    }
+    MPI_CHECK(!st && fabs(global - ref) <= 1e-12 * fabs(ref) && same && apart && global32 == (float)global &&
+              (dp > 1 || !memcmp(&global, &local, sizeof local)),
+              "port/smp_step_output_reduce_mean_global: the mean over every replica's microbatches, the same on every rank",
+              "%s %s; global %.17g (f32 %.9g), whole batch %.17g, this replica %.17g; same on all ranks %d, replicas apart %d",
+              smp_status_name(st), st ? smp_last_error() : "", global, (double)global32, ref, local, same, apart);
+    int bad = 0;
+    smp_tensor wrong = smp_tensor_1d(&bad, SMP_I32, 1);
+    st = smp_step_output_reduce_mean_global(&out[1], smp_rank() == dp - 1 ? &wrong : &g32);
+    MPI_CHECK(st != SMP_OK && (smp_rank() != dp - 1 || strstr(smp_last_error(), "i32")),
+              "port/smp_step_output_reduce_mean_global: a bad result on one rank is an error on every rank", "%s: %s",
+              smp_status_name(st), smp_last_error());
+    double again = smp_step_output_reduce_mean_global_f64(&out[1]); /* the ranks still pair their calls */
+    MPI_CHECK(!memcmp(&again, &global, sizeof global), "port/smp_step_output_reduce_mean_global: the next call after the error",
+              "%.17g, before %.17g", again, global);
+    smp_step_output_free(&out[0]);
+    smp_step_output_free(&out[1]);
+    smp_model_free(model);
+    smp_finalize();
+}
+
 int main(void) {
     smp_config cfg = {0};
     int size;
@@ -226,6 +278,7 @@ int main(void) {
     smp_model_free(model);
     test_init_copy();
     smp_finalize();
+    test_global_mean();
     MPI_Finalize();
     return test_exit_code();
 }
