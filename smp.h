@@ -551,7 +551,15 @@ SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, c
    where its module's SMP_PARTITION context says, else where its composite
    caller's does, else on default_partition: to split a tied embedding,
    create it outside every context and call it from composites created in
-   the first and last partitions' contexts (an "embed" and a "head"). */
+   the first and last partitions' contexts (an "embed" and a "head").
+   What sharing costs: every partition that calls a shared module holds all
+   of its parameters, their gradients and their optimizer state, and their
+   gradients are summed across the holders each step, whatever each call
+   reads. So share only what every call uses: an embedding module holding
+   wte and wpe, called again as the output projection that reads only wte,
+   puts wpe on the last partition too; make wte a module of its own, shared
+   (called by the embedding composite and by the head), and wpe a module
+   only the embedding calls. */
 typedef struct smp_module smp_module;
 typedef struct smp_param smp_param;
 typedef struct smp_model smp_model;
