@@ -253,11 +253,13 @@
    fail, or the n-th pipeline step after its last message (SMP_FAULT_STEP_END:
    what a failed step's clean-up must undo is then all of it), so tests can
    inject failures where they happen in real jobs. Test
-   builds also see the introspection only tests use (declared at the top of
-   the implementation, outside the API).
-   smp_checkpoint.h exports its test hooks (smp__ckpt_open_memory, ...) and
-   obeys SMP_CKPT_FAULT (a crash at a chosen point of a save); without
-   SMP_TESTING neither exists.
+   builds also see the introspection only tests use. One rule for every
+   header's test hooks: declared at the top of its implementation under
+   SMP_TESTING, outside the API, and static in every build (no program links
+   against them); smp.h's fault injection is smp_testing_*, the other
+   functions keep the names they have inside (smp_checkpoint.h's
+   smp__ckpt_open_memory, ...). smp_checkpoint.h also obeys SMP_CKPT_FAULT
+   (a crash at a chosen point of a save) in SMP_TESTING builds only.
 */
 #ifndef SMP_H
 #define SMP_H
@@ -868,8 +870,17 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b);
 #ifndef SMP_H_IMPLEMENTED
 #define SMP_H_IMPLEMENTED
 
+#if defined(__GNUC__)
+#define SMP__NORETURN __attribute__((noreturn))
+#define SMP__CORE static __attribute__((unused)) /* core helpers some programs' headers do not call */
+#else
+#define SMP__NORETURN
+#define SMP__CORE static
+#endif
 /* Test hooks and the introspection only tests use: not part of the API (and
-   not counted in it), declared for the test builds, which define SMP_TESTING. */
+   not counted in it), declared for the test builds, which define SMP_TESTING,
+   and static in every build, so that no program links against them. The
+   other headers' test hooks follow the same rule. */
 #ifdef SMP_TESTING
 /* Fault injection for tests (see TESTING above): after `skip` more events of
    the kind on this rank, the next one fails (skip < 0: never). Each kind
@@ -882,30 +893,30 @@ typedef enum smp_testing_fault {
     SMP_FAULT_STEP_END, /* a pipeline step fails on this rank after its last message, as the ranks agree on it */
     SMP_FAULT_COUNT
 } smp_testing_fault;
-SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip);
-SMPDEF long smp_testing_events(smp_testing_fault kind);
-SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b);
+SMP__CORE void smp_testing_fail(smp_testing_fault kind, long skip);
+SMP__CORE long smp_testing_events(smp_testing_fault kind);
+SMP__CORE bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b);
 /* f16 / bf16 <-> f32, round to nearest even. */
-SMPDEF float smp_f16_to_f32(uint16_t h);
-SMPDEF uint16_t smp_f32_to_f16(float f);
-SMPDEF float smp_bf16_to_f32(uint16_t h);
-SMPDEF uint16_t smp_f32_to_bf16(float f);
+SMP__CORE float smp_f16_to_f32(uint16_t h);
+SMP__CORE uint16_t smp_f32_to_f16(float f);
+SMP__CORE float smp_bf16_to_f32(uint16_t h);
+SMP__CORE uint16_t smp_f32_to_bf16(float f);
 /* Fills defaults and checks values against a world of `world_size` ranks. */
-SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out);
+SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out);
 /* World ranks of this rank's group, in group-rank order; returns the count. */
-SMPDEF int smp_group_ranks(smp_group g, int *world_ranks, int cap);
+SMP__CORE int smp_group_ranks(smp_group g, int *world_ranks, int cap);
 /* World rank of member `group_rank` of this rank's group g. */
-SMPDEF int smp_group_world_rank(smp_group g, int group_rank);
+SMP__CORE int smp_group_world_rank(smp_group g, int group_rank);
 /* The topology a world of `size` ranks would have, without MPI: the model
    parallel and data parallel coordinates of world rank `rank`. */
-SMPDEF void smp_topology_of(int rank, int size, int partitions, smp_placement placement,
+SMP__CORE void smp_topology_of(int rank, int size, int partitions, smp_placement placement,
                             int *mp_rank, int *dp_rank);
-SMPDEF int smp_model_num_calls(const smp_model *m);                        /* leaf calls (composites count their leaves) */
-SMPDEF int smp_model_call_stage(const smp_model *m, int call);
+SMP__CORE int smp_model_num_calls(const smp_model *m);                        /* leaf calls (composites count their leaves) */
+SMP__CORE int smp_model_call_stage(const smp_model *m, int call);
 /* The core on plain costs: the same contract, cost[i] >= 0 being call i's. */
-SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
+SMP__CORE smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
                                         double *max_stage_cost);
-SMPDEF void smp_memory_reset_peaks(void);
+SMP__CORE void smp_memory_reset_peaks(void);
 #endif
 
 #include <errno.h>
@@ -1043,13 +1054,6 @@ static void smp__log(smp_log_level level, const char *fmt, ...) {
 
 static void smp__sleep_ns(long ns);
 
-#if defined(__GNUC__)
-#define SMP__NORETURN __attribute__((noreturn))
-#define SMP__CORE static __attribute__((unused)) /* core helpers some programs' headers do not call */
-#else
-#define SMP__NORETURN
-#define SMP__CORE static
-#endif
 /* A broken invariant or a wait past its deadline, in any of the headers:
    the whole job stops, and the message reaches stderr first. */
 static void smp__fatal(const char *fmt, ...) SMP__PRINTF(1, 2) SMP__NORETURN;
@@ -1241,8 +1245,8 @@ static void *smp__dev_alloc(size_t n, smp__alloc_kind kind) {
 
 #ifdef SMP_TESTING
 static struct { long events[SMP_FAULT_COUNT], fail_at[SMP_FAULT_COUNT]; } smp__testing = {{0}, {-1, -1, -1, -1, -1}};
-SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip) { smp__testing.fail_at[kind] = skip < 0 ? -1 : smp__testing.events[kind] + skip; }
-SMPDEF long smp_testing_events(smp_testing_fault kind) { return smp__testing.events[kind]; }
+SMP__CORE void smp_testing_fail(smp_testing_fault kind, long skip) { smp__testing.fail_at[kind] = skip < 0 ? -1 : smp__testing.events[kind] + skip; }
+SMP__CORE long smp_testing_events(smp_testing_fault kind) { return smp__testing.events[kind]; }
 /* Counts an event of the kind; true when it is the one to fail. */
 static bool smp__injected(smp_testing_fault kind) {
     if (smp__testing.events[kind]++ != smp__testing.fail_at[kind]) return false;
@@ -1648,13 +1652,9 @@ static int smp__json_exact_int(const char *tok, size_t len, bool *neg, uint64_t 
     return 0;
 }
 
-SMPDEF void *smp_malloc(size_t n) { return smp__alloc(n, SMP__ALLOC_OTHER); }
-
-/* Counted host memory for the other headers' own bookkeeping. */
-#define smp__malloc(n) smp__alloc((n), SMP__ALLOC_OTHER)
 SMPDEF void smp_free(void *p) { smp__free(p); }
 SMPDEF smp_memory_stats smp_memory(void) { return smp__ctx.mem; }
-SMPDEF void smp_memory_reset_peaks(void) {
+SMP__CORE void smp_memory_reset_peaks(void) {
     smp_memory_stats *m = &smp__ctx.mem;
     m->peak_bytes = m->current_bytes;
     m->param_peak_bytes = m->param_bytes;
@@ -1700,12 +1700,14 @@ SMPDEF int64_t smp_tensor_numel(const smp_tensor *t) {
     return n;
 }
 SMPDEF size_t smp_tensor_nbytes(const smp_tensor *t) { return (size_t)smp_tensor_numel(t) * smp_dtype_size(t->dtype); }
-SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b) {
-    if (a->ndim != b->ndim) return false;
-    for (int i = 0; i < a->ndim; i++)
-        if (a->shape[i] != b->shape[i]) return false;
+/* Whether two shapes are one (the checkpoint header's entries are shapes without tensors). */
+SMP__CORE bool smp__same_shape(int na, const int64_t *a, int nb, const int64_t *b) {
+    if (na != nb) return false;
+    for (int i = 0; i < na; i++)
+        if (a[i] != b[i]) return false;
     return true;
 }
+SMP__CORE bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b) { return smp__same_shape(a->ndim, a->shape, b->ndim, b->shape); }
 /* "f32[64, 784]" into buf; returns buf. */
 static const char *smp__tensor_describe(const smp_tensor *t, char *buf, size_t cap) {
     size_t at = (size_t)snprintf(buf, cap, "%s", smp_dtype_name(t->dtype));
@@ -1739,7 +1741,7 @@ static smp_status smp__check_tensor(const smp_tensor *t, const char *fn, const c
 static uint32_t smp__f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static float smp__bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
-SMPDEF float smp_f16_to_f32(uint16_t h) {
+SMP__CORE float smp_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
     if (exp == 0x1f) return smp__bits_f32(sign | 0x7f800000u | (man << 13)); /* inf, nan */
     if (exp == 0) { /* zero or subnormal: exact in f32 */
@@ -1749,7 +1751,7 @@ SMPDEF float smp_f16_to_f32(uint16_t h) {
     return smp__bits_f32(sign | ((exp + 112) << 23) | (man << 13));
 }
 
-SMPDEF uint16_t smp_f32_to_f16(float f) {
+SMP__CORE uint16_t smp_f32_to_f16(float f) {
     uint32_t u = smp__f32_bits(f), sign = (u >> 16) & 0x8000;
     uint32_t absu = u & 0x7fffffffu;
     if (absu >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (absu > 0x7f800000u ? 0x200 : 0));
@@ -1765,8 +1767,8 @@ SMPDEF uint16_t smp_f32_to_f16(float f) {
     return (uint16_t)(sign | half);
 }
 
-SMPDEF float smp_bf16_to_f32(uint16_t h) { return smp__bits_f32((uint32_t)h << 16); }
-SMPDEF uint16_t smp_f32_to_bf16(float f) {
+SMP__CORE float smp_bf16_to_f32(uint16_t h) { return smp__bits_f32((uint32_t)h << 16); }
+SMP__CORE uint16_t smp_f32_to_bf16(float f) {
     uint32_t u = smp__f32_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet nan */
     u += 0x7fff + ((u >> 16) & 1);
@@ -2454,7 +2456,7 @@ static smp_status smp__cfg_env_timeout(double *out, bool *found) {
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out) {
+SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out) {
     if (!in || !out) return smp_error(SMP_ERR_ARG, "smp_config_resolve: %s is NULL", in ? "out" : "in");
     if (world_size < 1) return smp_error(SMP_ERR_ARG, "smp_config_resolve: world size %d is not positive", world_size);
     smp_config c = *in;
@@ -2584,7 +2586,7 @@ static bool smp__backoff_pause(smp__backoff *b) {
     return true;
 }
 
-SMPDEF int smp_group_world_rank(smp_group g, int group_rank); /* a test hook (SMP_TESTING) the waits use */
+SMP__CORE int smp_group_world_rank(smp_group g, int group_rank); /* a test hook (SMP_TESTING) the waits use */
 
 static const char *smp__group_name(smp_group g) {
     return g == SMP_WORLD ? "world" : g == SMP_MP_GROUP ? "MP_GROUP" : g == SMP_DP_GROUP ? "DP_GROUP" : "?";
@@ -2745,7 +2747,7 @@ SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_gr
 }
 
 /* ---------------------------------------------------------------- topology */
-SMPDEF void smp_topology_of(int rank, int size, int partitions, smp_placement placement, int *mp_rank, int *dp_rank) {
+SMP__CORE void smp_topology_of(int rank, int size, int partitions, smp_placement placement, int *mp_rank, int *dp_rank) {
     int dp_size = size / partitions;
     if (placement == SMP_PLACEMENT_SPREAD) { /* a DP_GROUP's ranks are adjacent */
         *dp_rank = rank % dp_size;
@@ -2774,13 +2776,13 @@ static smp__group_info *smp__group(smp_group g) {
 SMPDEF int smp_group_rank(smp_group g) { smp__group_info *gi = smp__group(g); return gi ? gi->rank : -1; }
 SMPDEF int smp_group_size(smp_group g) { smp__group_info *gi = smp__group(g); return gi ? gi->size : 0; }
 SMPDEF MPI_Comm smp_group_comm(smp_group g) { smp__group_info *gi = smp__group(g); return gi ? gi->comm : MPI_COMM_NULL; }
-SMPDEF int smp_group_ranks(smp_group g, int *world_ranks, int cap) {
+SMP__CORE int smp_group_ranks(smp_group g, int *world_ranks, int cap) {
     smp__group_info *gi = smp__group(g);
     if (!gi) return 0;
     for (int i = 0; i < gi->size && i < cap; i++) world_ranks[i] = gi->world_ranks[i];
     return gi->size;
 }
-SMPDEF int smp_group_world_rank(smp_group g, int group_rank) {
+SMP__CORE int smp_group_world_rank(smp_group g, int group_rank) {
     smp__group_info *gi = smp__group(g);
     return gi && group_rank >= 0 && group_rank < gi->size ? gi->world_ranks[group_rank] : -1;
 }
@@ -4190,10 +4192,10 @@ static void smp__free_forgotten(void) {
 
 SMPDEF bool smp_is_tracing(void) { return smp__mod.tracing; }
 SMPDEF bool smp_model_is_partitioned(const smp_model *m) { return m->partitioned; }
-SMPDEF int smp_model_num_calls(const smp_model *m) { return m->ncalls; }
+SMP__CORE int smp_model_num_calls(const smp_model *m) { return m->ncalls; }
 SMPDEF int smp_model_num_stages(const smp_model *m) { return m->nstages; }
 SMPDEF int smp_model_stage_rank(const smp_model *m, int s) { return s >= 0 && s < m->nstages ? m->stage_rank[s] : -1; }
-SMPDEF int smp_model_call_stage(const smp_model *m, int c) { return c >= 0 && c < m->ncalls ? m->calls[c].stage : -1; }
+SMP__CORE int smp_model_call_stage(const smp_model *m, int c) { return c >= 0 && c < m->ncalls ? m->calls[c].stage : -1; }
 SMPDEF smp_param *smp_model_global_param(smp_model *m, int index, bool buffers) {
     if (index < 0) return NULL;
     if (buffers) return index < m->nparams ? m->params[index] : NULL; /* the checkpoint's loops: O(1) */
@@ -4923,7 +4925,7 @@ static smp_status smp__part_check_shape(int n, int nstages, const void *costs, c
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
+SMP__CORE smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
                                         double *max_stage_cost) {
     SMP_TRY(smp__part_check_shape(n, nstages, cost, stage_of_call));
     for (int i = 0; i < n; i++)
@@ -4955,7 +4957,7 @@ SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nsta
     }
     if (isinf(total_time) || isinf(total_memory))
         return smp_error(SMP_ERR_ARG, "auto-partition: the calls' total %s overflows a double", isinf(total_time) ? "time" : "memory");
-    double *cost = (double *)smp__malloc((size_t)n * sizeof *cost);
+    double *cost = (double *)smp__alloc((size_t)n * sizeof *cost, SMP__ALLOC_OTHER);
     if (!cost) return smp__nomem((size_t)n * sizeof *cost, "the auto-partitioner's call costs");
     for (int i = 0; i < n; i++) {
         const smp_call_cost *c = &calls[i];

@@ -940,7 +940,7 @@ static int smp__nc_shared_with(const unsigned char key[SMP__NC_KEY], int *node_s
     SMP__MPI_FATAL(MPI_Comm_rank(node, &me), "asking this rank's place on its node (device backend start-up)");
     SMP__MPI_FATAL(MPI_Comm_size(node, &n), "asking how many ranks share this node (device backend start-up)");
     *node_size = n;
-    unsigned char *all = (unsigned char *)smp__malloc((size_t)n * SMP__NC_KEY);
+    unsigned char *all = (unsigned char *)smp__alloc((size_t)n * SMP__NC_KEY, SMP__ALLOC_OTHER);
     if (!all) smp__fatal("device backend start-up: out of memory comparing the GPUs of %d local ranks", n); /* the others wait in the gather */
     {
         MPI_Request req;
@@ -969,7 +969,7 @@ static smp_status smp__nc_init_comms(void) {
     for (int g = 1; g < SMP_GROUP_COUNT; g++) { /* a group equal to the world, in the world's order, shares its communicator */
         int n = smp_group_size((smp_group)g);
         if (n != wsize) continue;
-        int *r = (int *)smp__malloc(sizeof(int) * (size_t)n);
+        int *r = (int *)smp__alloc(sizeof(int) * (size_t)n, SMP__ALLOC_OTHER);
         if (!r) return smp_error(SMP_ERR_NOMEM, "device backend start-up: out of memory");
         smp_group_ranks((smp_group)g, r, n);
         bool same = true;
@@ -1113,8 +1113,9 @@ static void smp__nc_close_all(void) {
             if (smp__nc.chans[g][i] && smp__nc.chans[g][i]->comm && !smp__nc.chans[g][i]->dead) n++;
     }
     if (!n) return;
-    ncclComm_t *c = (ncclComm_t *)smp__malloc(sizeof(ncclComm_t) * (size_t)n);
-    int *state = (int *)smp__malloc(sizeof(int) * (size_t)n); /* 0 finalizing, 1 finalized, 2 aborted */
+    ncclComm_t *c = (ncclComm_t *)smp__alloc(sizeof(ncclComm_t) * (size_t)n, SMP__ALLOC_OTHER);
+    /* 0 finalizing, 1 finalized, 2 aborted */
+    int *state = (int *)smp__alloc(sizeof(int) * (size_t)n, SMP__ALLOC_OTHER);
     if (!c || !state) {
         smp_free(c);
         smp_free(state);
@@ -1223,7 +1224,7 @@ static smp_status smp__nc_peer_arg(smp_group g, int peer) {
 }
 
 static smp_nccl_request *smp__nc_req_new(smp_group g, int peer, int kind) {
-    smp_nccl_request *r = (smp_nccl_request *)smp__malloc(sizeof *r);
+    smp_nccl_request *r = (smp_nccl_request *)smp__alloc(sizeof *r, SMP__ALLOC_OTHER);
     if (!r) return NULL;
     memset(r, 0, sizeof *r);
     r->kind = kind;
@@ -1288,16 +1289,17 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
     if (smp__nc.mode == SMP_NCCL_MODE_STAGED) return SMP_OK; /* MPI needs nothing */
     int n = smp_group_size(g);
     if (!smp__nc.chans[g]) {
-        smp__nc.chans[g] = (smp__nc_chan **)smp__malloc(sizeof(smp__nc_chan *) * 2 * (size_t)n);
+        smp__nc.chans[g] = (smp__nc_chan **)smp__alloc(sizeof(smp__nc_chan *) * 2 * (size_t)n, SMP__ALLOC_OTHER);
         if (!smp__nc.chans[g]) return smp_error(SMP_ERR_NOMEM, "smp_nccl_p2p_connect: out of memory");
         memset(smp__nc.chans[g], 0, sizeof(smp__nc_chan *) * 2 * (size_t)n);
         smp__nc.nchans[g] = 2 * n;
     }
     /* the peers not connected yet, each once */
-    int *todo = (int *)smp__malloc(sizeof(int) * (size_t)(npeers ? npeers : 1));
+    int *todo = (int *)smp__alloc(sizeof(int) * (size_t)(npeers ? npeers : 1), SMP__ALLOC_OTHER);
     typedef struct { int ok; ncclUniqueId id; } idpkt;
-    idpkt *mine = (idpkt *)smp__malloc(sizeof(idpkt) * 2 * (size_t)(npeers ? npeers : 1));
-    MPI_Request *reqs = (MPI_Request *)smp__malloc(sizeof(MPI_Request) * 2 * (size_t)(npeers ? npeers : 1));
+    idpkt *mine = (idpkt *)smp__alloc(sizeof(idpkt) * 2 * (size_t)(npeers ? npeers : 1), SMP__ALLOC_OTHER);
+    MPI_Request *reqs =
+        (MPI_Request *)smp__alloc(sizeof(MPI_Request) * 2 * (size_t)(npeers ? npeers : 1), SMP__ALLOC_OTHER);
     smp_status st = SMP_OK;
     int nt = 0;
     if (!todo || !mine || !reqs) { st = smp_error(SMP_ERR_NOMEM, "smp_nccl_p2p_connect: out of memory"); goto done; }
@@ -1330,7 +1332,7 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
     /* start every channel, then wait for all: no order between peers matters */
     for (int k = 0; k < nt && !st; k++) {
         for (int dir = 0; dir < 2 && !st; dir++) {
-            smp__nc_chan *c = (smp__nc_chan *)smp__malloc(sizeof *c);
+            smp__nc_chan *c = (smp__nc_chan *)smp__alloc(sizeof *c, SMP__ALLOC_OTHER);
             if (!c) { st = smp_error(SMP_ERR_NOMEM, "smp_nccl_p2p_connect: out of memory"); break; }
             memset(c, 0, sizeof *c);
             c->peer = dir == 0 ? 1 : 0; /* the sending side is rank 0 of the channel */
