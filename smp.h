@@ -254,20 +254,22 @@
    fail, or the n-th pipeline step after its last message (SMP_FAULT_STEP_END:
    what a failed step's clean-up must undo is then all of it), so tests can
    inject failures where they happen in real jobs. Test
-   builds also see the introspection only tests use (declared at the top of
-   the implementation, outside the API).
-   smp_checkpoint.h exports its test hooks (smp__ckpt_open_memory, ...) and
-   obeys SMP_CKPT_FAULT (a crash at a chosen point of a save); without
-   SMP_TESTING neither exists.
+   builds also see the introspection only tests use. One rule for every
+   header's test hooks: declared at the top of its implementation under
+   SMP_TESTING, outside the API, and static in every build (no program links
+   against them); smp.h's fault injection is smp_testing_*, the other
+   functions keep the names they have inside (smp_checkpoint.h's
+   smp__ckpt_open_memory, ...). smp_checkpoint.h also obeys SMP_CKPT_FAULT
+   (a crash at a chosen point of a save) in SMP_TESTING builds only.
 */
 #ifndef SMP_H
 #define SMP_H
 
 /* The version of the four headers, which ship together (MIT licence: LICENSE). */
 #define SMP_VERSION_MAJOR 0
-#define SMP_VERSION_MINOR 3
+#define SMP_VERSION_MINOR 4
 #define SMP_VERSION_PATCH 0
-#define SMP_VERSION_STRING "0.3.0"
+#define SMP_VERSION_STRING "0.4.0"
 
 #include <mpi.h>
 #include <stdbool.h>
@@ -334,7 +336,11 @@ typedef enum smp_dtype {
 } smp_dtype;
 
 #define SMP_MAX_DIMS 8
-#define SMP_HOST (-1) /* device of a tensor in host memory */
+/* A tensor's device: zero, the value of a zero-initialised tensor, is host
+   memory; CUDA device n is SMP_CUDA(n) (smp_nccl_device() gives this rank's). */
+#define SMP_HOST 0
+#define SMP_CUDA(ordinal) ((ordinal) + 1)
+#define SMP_CUDA_ORDINAL(device) ((device) - 1) /* the CUDA ordinal of a device that is not SMP_HOST */
 
 /* A contiguous, row-major view of memory smp does not own. */
 typedef struct smp_tensor {
@@ -342,7 +348,7 @@ typedef struct smp_tensor {
     smp_dtype dtype;
     int ndim;
     int64_t shape[SMP_MAX_DIMS];
-    int device; /* SMP_HOST or a CUDA device ordinal */
+    int device; /* SMP_HOST (0) or SMP_CUDA(ordinal) */
 } smp_tensor;
 
 SMPDEF size_t smp_dtype_size(smp_dtype dt);
@@ -497,10 +503,22 @@ SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, c
    Its callbacks run one call on one microbatch:
      forward:  read inputs, allocate outputs with smp_call_output, save what
                backward needs with smp_call_stash (inputs stay alive anyway);
-     backward: read smp_call_grad_output, write every non-NULL
-               smp_call_grad_input in full, and ADD parameter gradients into
-               smp_param_grad(p) (the runtime zeroes them only in
-               smp_model_zero_grad; microbatches arrive in increasing order).
+     backward: read smp_call_grad_output, write (or add into) every
+               non-NULL smp_call_grad_input, and ADD parameter gradients into
+               smp_param_grad(p) (microbatches arrive in increasing order).
+   Which buffers arrive zeroed, so that kernels which accumulate (+=) may
+   rely on it (test_port checks it whatever allocator smp uses):
+     zero      every smp_call_grad_input, in every backward (tracing's too);
+               smp_mb_output_grad in a step body; parameter gradients when
+               the model is partitioned and after smp_model_zero_grad, and
+               only then: they accumulate over microbatches and steps until
+               the next smp_model_zero_grad (ddp replaces them with the
+               average over replicas as a step ends). A shared module's
+               backward may add into a slot of smp's, zeroed every step, that
+               smp sums into the gradient: add, never assign.
+     not zero  smp_call_output, smp_call_stash, smp_call_stash_device: write
+               every element.
+     read only the inputs, smp_call_output_value, smp_call_grad_output.
    In a model built with on_device (smp_model_desc), outputs, gradients and
    parameters are device tensors and the callbacks launch device work.
 
@@ -537,7 +555,15 @@ SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, c
    where its module's SMP_PARTITION context says, else where its composite
    caller's does, else on default_partition: to split a tied embedding,
    create it outside every context and call it from composites created in
-   the first and last partitions' contexts (an "embed" and a "head"). */
+   the first and last partitions' contexts (an "embed" and a "head").
+   What sharing costs: every partition that calls a shared module holds all
+   of its parameters, their gradients and their optimizer state, and their
+   gradients are summed across the holders each step, whatever each call
+   reads. So share only what every call uses: an embedding module holding
+   wte and wpe, called again as the output projection that reads only wte,
+   puts wpe on the last partition too; make wte a module of its own, shared
+   (called by the embedding composite and by the head), and wpe a module
+   only the embedding calls. */
 typedef struct smp_module smp_module;
 typedef struct smp_param smp_param;
 typedef struct smp_model smp_model;
@@ -545,7 +571,14 @@ typedef struct smp_call_ctx smp_call_ctx; /* one call of a module on one microba
 
 typedef smp_status (*smp_module_fn)(smp_call_ctx *c);
 /* Fills a parameter deterministically; `seed` is derived from the global
-   seed and the parameter's full name, so every partitioning sees the same. */
+   seed and the parameter's full name, so every partitioning sees the same.
+   It runs on the host, into a host tensor (an on_device model's parameter
+   starts as a copy of it), and more than once: while smp traces the model
+   (on every rank, for each module as its call runs: its parameters exist
+   for that call only) and when the model is partitioned (on the rank that
+   owns the module), so it must fill the same values each time, and what
+   `user` points to must live until the model is partitioned (after
+   smp_model_trace or the first step). */
 typedef void (*smp_init_fn)(smp_tensor *value, uint64_t seed, void *user);
 
 typedef struct smp_module_desc {
@@ -602,6 +635,19 @@ SMPDEF void smp_module_set_backward_split(smp_module *m, smp_module_fn backward_
    constant (user points to a float; NULL: 0). */
 SMPDEF void smp_init_uniform(smp_tensor *value, uint64_t seed, void *user);
 SMPDEF void smp_init_constant(smp_tensor *value, uint64_t seed, void *user);
+/* Loads existing weights: copies the parameter's elements (any dtype, the
+   parameter's) from the engine's own buffer, starting `offset` elements into
+   `data`; user points to an smp_init_copy_desc, which (with the buffer) must
+   live until the model is partitioned (smp_init_fn). For an engine that keeps
+   all its weights in one contiguous buffer:
+       static smp_init_copy_desc wte_src = {weights, 0};   // wte: elements 0..V*C-1
+       smp_param_new(m, "wte", SMP_F32, 2, (int64_t[]){V, C}, smp_init_copy, &wte_src);
+   A NULL user or data is an error smp_model_new reports. */
+typedef struct smp_init_copy_desc {
+    const void *data; /* host memory holding elements of the parameter's dtype */
+    int64_t offset;   /* in elements, where the parameter's first one is */
+} smp_init_copy_desc;
+SMPDEF void smp_init_copy(smp_tensor *value, uint64_t seed, void *user);
 /* The seed smp gives the parameter called full_name. */
 SMPDEF uint64_t smp_param_seed(const char *full_name);
 /* A deterministic generator for init callbacks: uniform in [0, 1). */
@@ -636,7 +682,7 @@ typedef void (*smp_post_partition_fn)(smp_model *m, void *user);
 /* on_device puts the model on the device of the registered backend
    (smp_nccl.h: this rank's GPU); smp_model_new fails, naming the problem,
    when there is no backend or it has no usable device. Then these are
-   device tensors (device >= 0, memory from the backend's alloc):
+   device tensors (device SMP_CUDA(n), memory from the backend's alloc):
      parameter values and gradients (init callbacks still fill a host
        tensor; smp copies it to the device),
      smp_call_output, smp_call_grad_input and smp_call_grad_output,
@@ -793,7 +839,8 @@ SMPDEF int smp_memory_format(const smp_memory_stats *s, bool peak, char *buf, si
 SMPDEF smp_status smp_memory_report(const char *title, smp_memory_stats *all);
 
 /* ---------------------------------------------------------------- device backend */
-/* Registered by smp_nccl.h; collectives on tensors with device >= 0 go here. */
+/* Registered by smp_nccl.h; collectives on tensors whose device is not SMP_HOST go here. Every
+   device argument below is a tensor's device (SMP_HOST or SMP_CUDA(ordinal)). */
 typedef struct smp_device_backend {
     const char *name;
     smp_status (*all_reduce)(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g);
@@ -821,8 +868,8 @@ typedef struct smp_device_backend {
     smp_status (*add)(void *dst, const void *src, smp_dtype dt, int64_t n);
     /* Waits for all device work the backend queued, with the deadline. */
     smp_status (*synchronize)(void);
-    /* For on_device models. The ordinal alloc's memory lives on (-1: no
-       usable device on this rank); data *= by for f32, f64, f16 and bf16
+    /* For on_device models. The device alloc's memory lives on, SMP_CUDA(ordinal)
+       (SMP_HOST: no usable device on this rank); data *= by for f32, f64, f16 and bf16
        (halves through f32, as smp does on the host; other dtypes are left
        alone); zero bytes at p. Ordered on the engine's stream like add. */
     int (*current_device)(void);
@@ -856,8 +903,17 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b);
 #ifndef SMP_H_IMPLEMENTED
 #define SMP_H_IMPLEMENTED
 
+#if defined(__GNUC__)
+#define SMP__NORETURN __attribute__((noreturn))
+#define SMP__CORE static __attribute__((unused)) /* core helpers some programs' headers do not call */
+#else
+#define SMP__NORETURN
+#define SMP__CORE static
+#endif
 /* Test hooks and the introspection only tests use: not part of the API (and
-   not counted in it), declared for the test builds, which define SMP_TESTING. */
+   not counted in it), declared for the test builds, which define SMP_TESTING,
+   and static in every build, so that no program links against them. The
+   other headers' test hooks follow the same rule. */
 #ifdef SMP_TESTING
 /* Fault injection for tests (see TESTING above): after `skip` more events of
    the kind on this rank, the next one fails (skip < 0: never). Each kind
@@ -870,28 +926,28 @@ typedef enum smp_testing_fault {
     SMP_FAULT_STEP_END, /* a pipeline step fails on this rank after its last message, as the ranks agree on it */
     SMP_FAULT_COUNT
 } smp_testing_fault;
-SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip);
-SMPDEF long smp_testing_events(smp_testing_fault kind);
-SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b);
+SMP__CORE void smp_testing_fail(smp_testing_fault kind, long skip);
+SMP__CORE long smp_testing_events(smp_testing_fault kind);
+SMP__CORE bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b);
 /* f16 / bf16 <-> f32, round to nearest even. */
-SMPDEF float smp_f16_to_f32(uint16_t h);
-SMPDEF uint16_t smp_f32_to_f16(float f);
-SMPDEF float smp_bf16_to_f32(uint16_t h);
-SMPDEF uint16_t smp_f32_to_bf16(float f);
+SMP__CORE float smp_f16_to_f32(uint16_t h);
+SMP__CORE uint16_t smp_f32_to_f16(float f);
+SMP__CORE float smp_bf16_to_f32(uint16_t h);
+SMP__CORE uint16_t smp_f32_to_bf16(float f);
 /* Fills defaults and checks values against a world of `world_size` ranks. */
-SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out);
+SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out);
 /* World ranks of this rank's group, in group-rank order; returns the count. */
-SMPDEF int smp_group_ranks(smp_group g, int *world_ranks, int cap);
+SMP__CORE int smp_group_ranks(smp_group g, int *world_ranks, int cap);
 /* World rank of member `group_rank` of this rank's group g. */
-SMPDEF int smp_group_world_rank(smp_group g, int group_rank);
+SMP__CORE int smp_group_world_rank(smp_group g, int group_rank);
 /* The topology a world of `size` ranks would have, without MPI: the model
    parallel and data parallel coordinates of world rank `rank`. */
-SMPDEF void smp_topology_of(int rank, int size, int partitions, smp_placement placement,
+SMP__CORE void smp_topology_of(int rank, int size, int partitions, smp_placement placement,
                             int *mp_rank, int *dp_rank);
-SMPDEF int smp_model_num_calls(const smp_model *m);                        /* leaf calls (composites count their leaves) */
-SMPDEF int smp_model_call_stage(const smp_model *m, int call);
+SMP__CORE int smp_model_num_calls(const smp_model *m);                        /* leaf calls (composites count their leaves) */
+SMP__CORE int smp_model_call_stage(const smp_model *m, int call);
 /* The core on plain costs: the same contract, cost[i] >= 0 being call i's. */
-SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
+SMP__CORE smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
                                         double *max_stage_cost);
 #endif
 
@@ -1035,13 +1091,6 @@ static void smp__log(smp_log_level level, const char *fmt, ...) {
 
 static void smp__sleep_ns(long ns);
 
-#if defined(__GNUC__)
-#define SMP__NORETURN __attribute__((noreturn))
-#define SMP__CORE static __attribute__((unused)) /* core helpers some programs' headers do not call */
-#else
-#define SMP__NORETURN
-#define SMP__CORE static
-#endif
 /* A broken invariant or a wait past its deadline, in any of the headers:
    the whole job stops, and the message reaches stderr first. */
 static void smp__fatal(const char *fmt, ...) SMP__PRINTF(1, 2) SMP__NORETURN;
@@ -1241,8 +1290,8 @@ static void *smp__dev_alloc(size_t n, smp__alloc_kind kind) {
 
 #ifdef SMP_TESTING
 static struct { long events[SMP_FAULT_COUNT], fail_at[SMP_FAULT_COUNT]; } smp__testing = {{0}, {-1, -1, -1, -1, -1}};
-SMPDEF void smp_testing_fail(smp_testing_fault kind, long skip) { smp__testing.fail_at[kind] = skip < 0 ? -1 : smp__testing.events[kind] + skip; }
-SMPDEF long smp_testing_events(smp_testing_fault kind) { return smp__testing.events[kind]; }
+SMP__CORE void smp_testing_fail(smp_testing_fault kind, long skip) { smp__testing.fail_at[kind] = skip < 0 ? -1 : smp__testing.events[kind] + skip; }
+SMP__CORE long smp_testing_events(smp_testing_fault kind) { return smp__testing.events[kind]; }
 /* Counts an event of the kind; true when it is the one to fail. */
 static bool smp__injected(smp_testing_fault kind) {
     if (smp__testing.events[kind]++ != smp__testing.fail_at[kind]) return false;
@@ -1648,10 +1697,6 @@ static int smp__json_exact_int(const char *tok, size_t len, bool *neg, uint64_t 
     return 0;
 }
 
-SMPDEF void *smp_malloc(size_t n) { return smp__alloc(n, SMP__ALLOC_OTHER); }
-
-/* Counted host memory for the other headers' own bookkeeping. */
-#define smp__malloc(n) smp__alloc((n), SMP__ALLOC_OTHER)
 SMPDEF void smp_free(void *p) { smp__free(p); }
 SMPDEF smp_memory_stats smp_memory(void) { return smp__ctx.mem; }
 SMPDEF void smp_memory_reset_peaks(void) {
@@ -1707,12 +1752,14 @@ SMPDEF int64_t smp_tensor_numel(const smp_tensor *t) {
     return n;
 }
 SMPDEF size_t smp_tensor_nbytes(const smp_tensor *t) { return (size_t)smp_tensor_numel(t) * smp_dtype_size(t->dtype); }
-SMPDEF bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b) {
-    if (a->ndim != b->ndim) return false;
-    for (int i = 0; i < a->ndim; i++)
-        if (a->shape[i] != b->shape[i]) return false;
+/* Whether two shapes are one (the checkpoint header's entries are shapes without tensors). */
+SMP__CORE bool smp__same_shape(int na, const int64_t *a, int nb, const int64_t *b) {
+    if (na != nb) return false;
+    for (int i = 0; i < na; i++)
+        if (a[i] != b[i]) return false;
     return true;
 }
+SMP__CORE bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b) { return smp__same_shape(a->ndim, a->shape, b->ndim, b->shape); }
 /* "f32[64, 784]" into buf; returns buf. */
 static const char *smp__tensor_describe(const smp_tensor *t, char *buf, size_t cap) {
     size_t at = (size_t)snprintf(buf, cap, "%s", smp_dtype_name(t->dtype));
@@ -1721,6 +1768,18 @@ static const char *smp__tensor_describe(const smp_tensor *t, char *buf, size_t c
 }
 
 /* Checks a tensor argument; `what` names it in the message. */
+/* The one check of a tensor's device that every call taking a tensor makes. */
+static smp_status smp__check_device(const smp_tensor *t, const char *fn, const char *what) {
+    if (t->device < 0)
+        return smp_error(SMP_ERR_ARG, "%s: %s has device %d; a device is SMP_HOST (0, host memory) or SMP_CUDA(ordinal)",
+                         fn, what, t->device);
+    if (t->device != SMP_HOST && !smp__ctx.has_device)
+        return smp_error(SMP_ERR_ARG, "%s: %s is on CUDA device %d but no device backend is registered (include smp_nccl.h in "
+                         "the file that defines SMP_IMPLEMENTATION; a host tensor's device is SMP_HOST, 0)",
+                         fn, what, SMP_CUDA_ORDINAL(t->device));
+    return SMP_OK;
+}
+
 static smp_status smp__check_tensor(const smp_tensor *t, const char *fn, const char *what) {
     if (!t) return smp_error(SMP_ERR_ARG, "%s: %s is NULL", fn, what);
     if (smp_dtype_size(t->dtype) == 0) return smp_error(SMP_ERR_ARG, "%s: %s has an invalid dtype (%d)", fn, what, (int)t->dtype);
@@ -1728,13 +1787,13 @@ static smp_status smp__check_tensor(const smp_tensor *t, const char *fn, const c
     for (int i = 0; i < t->ndim; i++)
         if (t->shape[i] < 0) return smp_error(SMP_ERR_ARG, "%s: %s has negative dimension %d (%lld)", fn, what, i, (long long)t->shape[i]);
     if (!t->data && smp_tensor_numel(t) > 0) return smp_error(SMP_ERR_ARG, "%s: %s has no data", fn, what);
-    return SMP_OK;
+    return smp__check_device(t, fn, what);
 }
 
 static uint32_t smp__f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static float smp__bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
-SMPDEF float smp_f16_to_f32(uint16_t h) {
+SMP__CORE float smp_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
     if (exp == 0x1f) return smp__bits_f32(sign | 0x7f800000u | (man << 13)); /* inf, nan */
     if (exp == 0) { /* zero or subnormal: exact in f32 */
@@ -1744,7 +1803,7 @@ SMPDEF float smp_f16_to_f32(uint16_t h) {
     return smp__bits_f32(sign | ((exp + 112) << 23) | (man << 13));
 }
 
-SMPDEF uint16_t smp_f32_to_f16(float f) {
+SMP__CORE uint16_t smp_f32_to_f16(float f) {
     uint32_t u = smp__f32_bits(f), sign = (u >> 16) & 0x8000;
     uint32_t absu = u & 0x7fffffffu;
     if (absu >= 0x7f800000u) return (uint16_t)(sign | 0x7c00 | (absu > 0x7f800000u ? 0x200 : 0));
@@ -1760,8 +1819,8 @@ SMPDEF uint16_t smp_f32_to_f16(float f) {
     return (uint16_t)(sign | half);
 }
 
-SMPDEF float smp_bf16_to_f32(uint16_t h) { return smp__bits_f32((uint32_t)h << 16); }
-SMPDEF uint16_t smp_f32_to_bf16(float f) {
+SMP__CORE float smp_bf16_to_f32(uint16_t h) { return smp__bits_f32((uint32_t)h << 16); }
+SMP__CORE uint16_t smp_f32_to_bf16(float f) {
     uint32_t u = smp__f32_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet nan */
     u += 0x7fff + ((u >> 16) & 1);
@@ -1789,7 +1848,7 @@ SMPDEF smp_status smp_tensor_from_dlpack(const DLTensor *dl, smp_tensor *out) {
         return smp_error(SMP_ERR_ARG, "DLPack dtype code %d with %d bits has no smp dtype", dl->dtype.code, dl->dtype.bits);
     int device;
     if (dl->device.device_type == kDLCPU || dl->device.device_type == kDLCUDAHost) device = SMP_HOST;
-    else if (dl->device.device_type == kDLCUDA) device = dl->device.device_id;
+    else if (dl->device.device_type == kDLCUDA) device = SMP_CUDA(dl->device.device_id);
     else return smp_error(SMP_ERR_ARG, "DLPack device type %d is neither CPU nor CUDA", (int)dl->device.device_type);
     if (dl->strides) { /* smp tensors are contiguous: accept strides only when they say so */
         int64_t expect = 1;
@@ -1810,7 +1869,7 @@ SMPDEF DLTensor smp_tensor_to_dlpack(const smp_tensor *t, int64_t shape_storage[
     for (int i = 0; i < t->ndim; i++) shape_storage[i] = t->shape[i];
     dl.data = t->data;
     dl.device.device_type = t->device == SMP_HOST ? kDLCPU : kDLCUDA;
-    dl.device.device_id = t->device == SMP_HOST ? 0 : t->device;
+    dl.device.device_id = t->device == SMP_HOST ? 0 : SMP_CUDA_ORDINAL(t->device);
     dl.ndim = t->ndim;
     unsigned k = (unsigned)t->dtype < SMP_DTYPE_COUNT ? (unsigned)t->dtype : 0;
     dl.dtype.code = smp__dl_types[k].code;
@@ -2459,7 +2518,7 @@ static smp_status smp__cfg_env_timeout(double *out, bool *found) {
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out) {
+SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, smp_config *out) {
     if (!in || !out) return smp_error(SMP_ERR_ARG, "smp_config_resolve: %s is NULL", in ? "out" : "in");
     if (world_size < 1) return smp_error(SMP_ERR_ARG, "smp_config_resolve: world size %d is not positive", world_size);
     smp_config c = *in;
@@ -2589,7 +2648,7 @@ static bool smp__backoff_pause(smp__backoff *b) {
     return true;
 }
 
-SMPDEF int smp_group_world_rank(smp_group g, int group_rank); /* a test hook (SMP_TESTING) the waits use */
+SMP__CORE int smp_group_world_rank(smp_group g, int group_rank); /* a test hook (SMP_TESTING) the waits use */
 
 static const char *smp__group_name(smp_group g) {
     return g == SMP_WORLD ? "world" : g == SMP_MP_GROUP ? "MP_GROUP" : g == SMP_DP_GROUP ? "DP_GROUP" : "?";
@@ -2750,7 +2809,7 @@ SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_gr
 }
 
 /* ---------------------------------------------------------------- topology */
-SMPDEF void smp_topology_of(int rank, int size, int partitions, smp_placement placement, int *mp_rank, int *dp_rank) {
+SMP__CORE void smp_topology_of(int rank, int size, int partitions, smp_placement placement, int *mp_rank, int *dp_rank) {
     int dp_size = size / partitions;
     if (placement == SMP_PLACEMENT_SPREAD) { /* a DP_GROUP's ranks are adjacent */
         *dp_rank = rank % dp_size;
@@ -2779,13 +2838,13 @@ static smp__group_info *smp__group(smp_group g) {
 SMPDEF int smp_group_rank(smp_group g) { smp__group_info *gi = smp__group(g); return gi ? gi->rank : -1; }
 SMPDEF int smp_group_size(smp_group g) { smp__group_info *gi = smp__group(g); return gi ? gi->size : 0; }
 SMPDEF MPI_Comm smp_group_comm(smp_group g) { smp__group_info *gi = smp__group(g); return gi ? gi->comm : MPI_COMM_NULL; }
-SMPDEF int smp_group_ranks(smp_group g, int *world_ranks, int cap) {
+SMP__CORE int smp_group_ranks(smp_group g, int *world_ranks, int cap) {
     smp__group_info *gi = smp__group(g);
     if (!gi) return 0;
     for (int i = 0; i < gi->size && i < cap; i++) world_ranks[i] = gi->world_ranks[i];
     return gi->size;
 }
-SMPDEF int smp_group_world_rank(smp_group g, int group_rank) {
+SMP__CORE int smp_group_world_rank(smp_group g, int group_rank) {
     smp__group_info *gi = smp__group(g);
     return gi && group_rank >= 0 && group_rank < gi->size ? gi->world_ranks[group_rank] : -1;
 }
@@ -3326,7 +3385,9 @@ static smp_status smp__tensor_zero(const smp_tensor *t) {
 static smp_status smp__tensor_copy(const smp_tensor *dst, const smp_tensor *src) {
     size_t bytes = smp_tensor_nbytes(src);
     if (dst->device == SMP_HOST && src->device == SMP_HOST) { memcpy(dst->data, src->data, bytes); return SMP_OK; }
-    if (!smp__ctx.has_device) return smp_error(SMP_ERR_ARG, "a tensor is on CUDA device %d but no device backend is registered", dst->device == SMP_HOST ? src->device : dst->device);
+    if (!smp__ctx.has_device) /* the calls that take tensors have checked them: smp__check_device */
+        return smp_error(SMP_ERR_ARG, "a tensor is on CUDA device %d but no device backend is registered",
+                         SMP_CUDA_ORDINAL(dst->device == SMP_HOST ? src->device : dst->device));
     return bytes ? smp__ctx.device.copy(dst->data, dst->device, src->data, src->device, bytes) : SMP_OK;
 }
 
@@ -3357,8 +3418,6 @@ static smp_status smp__coll_args(const char *fn, smp_group g, smp__group_info **
         if (a->dtype != b->dtype) return smp_error(SMP_ERR_ARG, "%s: %s is %s but %s is %s", fn, an, smp_dtype_name(a->dtype), bn, smp_dtype_name(b->dtype));
         if ((a->device == SMP_HOST) != (b->device == SMP_HOST)) return smp_error(SMP_ERR_ARG, "%s: %s and %s are on different devices", fn, an, bn);
     }
-    if (a->device != SMP_HOST && !smp__ctx.has_device)
-        return smp_error(SMP_ERR_ARG, "%s: %s is on CUDA device %d but no device backend is registered (include smp_nccl.h)", fn, an, a->device);
     /* host collectives go in pieces (smp__coll_chunk); the device backend's take one count */
     if (a->device != SMP_HOST && (smp_tensor_numel(a) > INT32_MAX || (bn && smp_tensor_numel(b) > INT32_MAX)))
         return smp_error(SMP_ERR_ARG, "%s: more than 2^31-1 elements in one call on a device; split the tensor", fn);
@@ -3940,6 +3999,12 @@ static smp_param *smp__declare(smp_module *m, const char *name, smp_dtype dt, in
         if (shape[i] < 0) { smp__build_error(SMP_ERR_ARG, "%s \"%s.%s\": dimension %d is negative", what, m->full_name, name, i); return NULL; }
     for (int i = 0; i < m->nparams; i++)
         if (!strcmp(m->params[i]->name, name)) { smp__build_error(SMP_ERR_ARG, "module \"%s\" already has a parameter or buffer \"%s\"", m->full_name, name); return NULL; }
+    const smp_init_copy_desc *copy = init == smp_init_copy ? (const smp_init_copy_desc *)user : NULL;
+    if (init == smp_init_copy && (!copy || !copy->data || copy->offset < 0)) {
+        smp__build_error(SMP_ERR_ARG, "%s \"%s.%s\": smp_init_copy needs an smp_init_copy_desc with data and an offset >= 0 "
+                         "as its user pointer", what, m->full_name, name);
+        return NULL;
+    }
     smp_param *p = (smp_param *)smp__alloc(sizeof *p, SMP__ALLOC_OTHER);
     char *own = smp__strdup(name), *full = smp__dotted(m->full_name, name);
     int cap = m->nparams;
@@ -4015,6 +4080,11 @@ SMPDEF void smp_init_constant(smp_tensor *v, uint64_t seed, void *user) {
     float c = user ? *(const float *)user : 0.0f, *p = (float *)v->data;
     for (int64_t i = 0, n = smp_tensor_numel(v); i < n; i++) p[i] = c;
 }
+SMPDEF void smp_init_copy(smp_tensor *v, uint64_t seed, void *user) {
+    (void)seed;
+    const smp_init_copy_desc *d = (const smp_init_copy_desc *)user; /* not NULL: smp__declare checked */
+    memcpy(v->data, (const char *)d->data + (size_t)d->offset * smp_dtype_size(v->dtype), smp_tensor_nbytes(v));
+}
 
 static bool smp__model_on_device(const smp_model *m);
 
@@ -4082,7 +4152,7 @@ static smp_status smp__check_device_backend(void) {
     const char *missing = !b->alloc ? "alloc" : !b->dealloc ? "dealloc" : !b->copy ? "copy" : !b->add ? "add" : !b->scale ? "scale"
                           : !b->zero ? "zero" : !b->current_device ? "current_device" : NULL;
     if (missing) return smp_error(SMP_ERR_ARG, "smp_model_new: the model is on_device, but the device backend \"%s\" has no %s function", name, missing);
-    if (b->current_device() < 0)
+    if (b->current_device() <= SMP_HOST)
         return smp_error(SMP_ERR_DEVICE, "smp_model_new: the model is on_device, but the device backend \"%s\" has no usable device on this rank", name);
     return SMP_OK;
 }
@@ -4223,10 +4293,10 @@ static void smp__free_forgotten(void) {
 
 SMPDEF bool smp_is_tracing(void) { return smp__mod.tracing; }
 SMPDEF bool smp_model_is_partitioned(const smp_model *m) { return m->partitioned; }
-SMPDEF int smp_model_num_calls(const smp_model *m) { return m->ncalls; }
+SMP__CORE int smp_model_num_calls(const smp_model *m) { return m->ncalls; }
 SMPDEF int smp_model_num_stages(const smp_model *m) { return m->nstages; }
 SMPDEF int smp_model_stage_rank(const smp_model *m, int s) { return s >= 0 && s < m->nstages ? m->stage_rank[s] : -1; }
-SMPDEF int smp_model_call_stage(const smp_model *m, int c) { return c >= 0 && c < m->ncalls ? m->calls[c].stage : -1; }
+SMP__CORE int smp_model_call_stage(const smp_model *m, int c) { return c >= 0 && c < m->ncalls ? m->calls[c].stage : -1; }
 SMPDEF smp_param *smp_model_global_param(smp_model *m, int index, bool buffers) {
     if (index < 0) return NULL;
     if (buffers) return index < m->nparams ? m->params[index] : NULL; /* the checkpoint's loops: O(1) */
@@ -4956,7 +5026,7 @@ static smp_status smp__part_check_shape(int n, int nstages, const void *costs, c
     return SMP_OK;
 }
 
-SMPDEF smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
+SMP__CORE smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
                                         double *max_stage_cost) {
     SMP_TRY(smp__part_check_shape(n, nstages, cost, stage_of_call));
     for (int i = 0; i < n; i++)
@@ -4988,7 +5058,7 @@ SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nsta
     }
     if (isinf(total_time) || isinf(total_memory))
         return smp_error(SMP_ERR_ARG, "auto-partition: the calls' total %s overflows a double", isinf(total_time) ? "time" : "memory");
-    double *cost = (double *)smp__malloc((size_t)n * sizeof *cost);
+    double *cost = (double *)smp__alloc((size_t)n * sizeof *cost, SMP__ALLOC_OTHER);
     if (!cost) return smp__nomem((size_t)n * sizeof *cost, "the auto-partitioner's call costs");
     for (int i = 0; i < n; i++) {
         const smp_call_cost *c = &calls[i];

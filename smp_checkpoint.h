@@ -306,20 +306,6 @@ SMPDEF uint32_t smp_ckpt_crc32c(uint32_t crc, const void *data, size_t n);
 /* "F32", "BF16", ... (safetensors spelling); NULL for an invalid dtype. */
 SMPDEF const char *smp_ckpt_dtype_string(smp_dtype dt);
 
-#ifdef SMP_TESTING
-/* Test hooks (SMP_TESTING builds only). smp__ckpt_open_memory validates an
-   in-memory file image (length prefix + header + data) exactly as
-   smp_ckpt_open validates a file; reads are then served from `bytes`, which
-   must outlive *f; `label` names it in messages. smp__ckpt_manifest_check
-   parses a partial checkpoint's manifest. smp__ckpt_crc32c_sw is the CRC
-   without the CPU's instruction; smp__ckpt_copy_in_host the copy a load
-   uses for host memory. */
-SMPDEF smp_status smp__ckpt_open_memory(smp_ckpt_file **f, const char *label, const void *bytes, size_t n);
-SMPDEF smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label);
-SMPDEF uint32_t smp__ckpt_crc32c_sw(uint32_t crc, const void *data, size_t n);
-SMPDEF void smp__ckpt_copy_in_host(void *dst, const void *src, size_t n);
-#endif
-
 /* ---------------------------------------------------------------- model checkpoints
    smp_save / smp_load: the parameters, buffers and optimizer state of a
    partitioned model, written and read by every rank together (see the
@@ -468,12 +454,18 @@ SMPDEF const smp_tensor *smp_state_dict_find(const smp_state_dict *sd, const cha
 #else
 #define SMP__CKPT_O_DIRECTORY 0
 #endif
-/* Test hooks are part of the API only in SMP_TESTING builds; elsewhere
-   they are internal (and some unused). */
+/* Test hooks, as smp.h's: declared for the test builds (SMP_TESTING) and
+   static in every build. smp__ckpt_open_memory validates an in-memory file
+   image (length prefix + header + data) exactly as smp_ckpt_open validates
+   a file; reads are then served from `bytes`, which must outlive *f;
+   `label` names it in messages. smp__ckpt_manifest_check parses a partial
+   checkpoint's manifest. smp__ckpt_crc32c_sw is the CRC without the CPU's
+   instruction; smp__ckpt_copy_in_host the copy a load uses for host memory. */
 #ifdef SMP_TESTING
-#define SMP__CKPT_HOOK SMPDEF
-#else
-#define SMP__CKPT_HOOK SMP__CORE
+SMP__CORE smp_status smp__ckpt_open_memory(smp_ckpt_file **f, const char *label, const void *bytes, size_t n);
+SMP__CORE smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label);
+SMP__CORE uint32_t smp__ckpt_crc32c_sw(uint32_t crc, const void *data, size_t n);
+SMP__CORE void smp__ckpt_copy_in_host(void *dst, const void *src, size_t n);
 #endif
 #if defined(__BYTE_ORDER__) && defined(__ORDER_BIG_ENDIAN__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
 #error "smp_checkpoint.h writes tensor data as it lies in memory, and safetensors is little-endian"
@@ -565,7 +557,7 @@ static pthread_once_t smp__ckpt_crc_once = PTHREAD_ONCE_INIT;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(SMP_CKPT_NO_HW_CRC)
 #define SMP__CKPT_HW_CRC 1
 #define SMP__CKPT_CRC_LANE 4096
-static int smp__ckpt_crc_has_hw;
+static bool smp__ckpt_crc_has_hw;
 static uint32_t smp__ckpt_crc_shift[4][256]; /* shift_LANE, by byte of the register */
 
 static uint32_t smp__ckpt_crc_shift_lane(uint32_t r) {
@@ -636,13 +628,13 @@ static void smp__ckpt_crc_init(void) {
                 if (v & (1 << bit)) c ^= basis[8 * byte + bit];
             smp__ckpt_crc_shift[byte][v] = c;
         }
-    smp__ckpt_crc_has_hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+    smp__ckpt_crc_has_hw = __builtin_cpu_supports("sse4.2") != 0;
 #endif
 }
 
 /* The table version (slicing by 8), used where the CPU has no CRC-32C
    instruction; internal, exposed for tests. */
-SMP__CKPT_HOOK uint32_t smp__ckpt_crc32c_sw(uint32_t crc, const void *data, size_t n) {
+SMP__CORE uint32_t smp__ckpt_crc32c_sw(uint32_t crc, const void *data, size_t n) {
     const uint8_t *p = (const uint8_t *)data;
     uint32_t (*t)[256] = smp__ckpt_crc_table;
     pthread_once(&smp__ckpt_crc_once, smp__ckpt_crc_init);
@@ -674,26 +666,26 @@ SMPDEF uint32_t smp_ckpt_crc32c(uint32_t crc, const void *data, size_t n) {
 }
 
 /* ---------------------------------------------------------------- small helpers */
-static int smp__ckpt_utf8_valid(const char *s) {
+static bool smp__ckpt_utf8_valid(const char *s) {
     const uint8_t *p = (const uint8_t *)s;
     for (size_t n = strlen(s), i = 0, k; i < n; i += k)
-        if (!(k = smp__utf8_len(p + i, n - i))) return 0;
-    return 1;
+        if (!(k = smp__utf8_len(p + i, n - i))) return false;
+    return true;
 }
 
 /* Bytes of a tensor; 0 on overflow of int64/uint64 (reported by callers). */
-static int smp__ckpt_tensor_bytes(smp_dtype dt, int ndim, const int64_t *shape, int64_t *numel, uint64_t *bytes) {
+static bool smp__ckpt_tensor_bytes(smp_dtype dt, int ndim, const int64_t *shape, int64_t *numel, uint64_t *bytes) {
     int64_t ne = 1;
     size_t es = smp__dtypes[dt].size;
     for (int i = 0; i < ndim; i++) {
-        if (shape[i] < 0) return 0;
-        if (shape[i] != 0 && ne > INT64_MAX / shape[i]) return 0;
+        if (shape[i] < 0) return false;
+        if (shape[i] != 0 && ne > INT64_MAX / shape[i]) return false;
         ne *= shape[i];
     }
-    if ((uint64_t)ne > UINT64_MAX / es) return 0;
+    if ((uint64_t)ne > UINT64_MAX / es) return false;
     *numel = ne;
     *bytes = (uint64_t)ne * es;
-    return 1;
+    return true;
 }
 
 static int smp__ckpt_strcmp_p(const void *a, const void *b) {
@@ -708,7 +700,7 @@ static const char *smp__ckpt_twice(const char **names, int n) {
     return NULL;
 }
 
-static int smp__ckpt_starts(const char *s, const char *prefix) { return strncmp(s, prefix, strlen(prefix)) == 0; }
+static bool smp__ckpt_starts(const char *s, const char *prefix) { return strncmp(s, prefix, strlen(prefix)) == 0; }
 
 /* Folder and file name of a path ("x" -> "." and "x"). dir is malloc'd. */
 static char *smp__ckpt_dirname(const char *path, const char **base) {
@@ -741,13 +733,13 @@ static int smp__ckpt_write_all(int fd, const void *buf, size_t n, int64_t off) {
 }
 
 /* Whether process `pid` may still be running on this host. */
-static int smp__ckpt_pid_alive(long pid) {
+static bool smp__ckpt_pid_alive(long pid) {
 #ifdef SMP__CKPT_POSIX2008
     return kill((pid_t)pid, 0) == 0 || errno != ESRCH; /* EPERM: alive, not ours */
 #else
     char proc[64];
     struct stat sb;
-    if (stat("/proc/self", &sb) != 0) return 1; /* cannot tell: keep its file */
+    if (stat("/proc/self", &sb) != 0) return true; /* cannot tell: keep its file */
     snprintf(proc, sizeof proc, "/proc/%ld", pid);
     return stat(proc, &sb) == 0;
 #endif
@@ -787,16 +779,16 @@ struct smp_ckpt_writer {
 };
 
 #ifdef SMP_TESTING
-static int smp__ckpt_fault_from_env(int *fault) {
+static bool smp__ckpt_fault_from_env(int *fault) {
     const char *s = getenv("SMP_CKPT_FAULT");
     *fault = SMP__CKPT_FAULT_NONE;
-    if (!s || !*s) return 1;
+    if (!s || !*s) return true;
     for (int i = 1; i < SMP__CKPT_FAULT_COUNT; i++)
         if (!strcmp(s, smp__ckpt_fault_names[i])) {
             *fault = i;
-            return 1;
+            return true;
         }
-    return 0;
+    return false;
 }
 
 /* Ends the process as a crash would, saying so first (tests check that the
@@ -817,9 +809,9 @@ static void smp__ckpt_fault(const smp_ckpt_writer *w, int phase) {
 static void smp__ckpt_fault_pace(const char *path, uint64_t gen, int P, int mine);
 #else
 /* Without SMP_TESTING nothing reads SMP_CKPT_FAULT and nothing exits. */
-static int smp__ckpt_fault_from_env(int *fault) {
+static bool smp__ckpt_fault_from_env(int *fault) {
     *fault = SMP__CKPT_FAULT_NONE;
-    return 1;
+    return true;
 }
 #define smp__ckpt_die(phase) ((void)(phase))
 #define smp__ckpt_fault(w, phase) ((void)(w), (void)(phase))
@@ -834,7 +826,8 @@ static void smp__ckpt_writer_free(smp_ckpt_writer *w) {
     } else if (w->sealed && w->tmp) {
         unlink(w->tmp);
     }
-    void *blocks[] = {w->path, w->tmp, w->dir, w->sizes, w->crcs, w->crc_pos, w->names, w->name_of, w->header, w->buf, w};
+    void *blocks[] = {w->path, w->tmp, w->dir, w->sizes, w->crcs, w->crc_pos,
+                      w->names, w->name_of, w->header, w->buf, w};
     for (size_t i = 0; i < sizeof blocks / sizeof *blocks; i++) smp__free(blocks[i]);
 }
 
@@ -1012,8 +1005,8 @@ static int smp__ckpt_sync_dir(const char *dir) {
     return err;
 }
 
-SMPDEF smp_status smp_ckpt_writer_open(const char *path, const smp_ckpt_entry *entries,
-                                       int n, const char *const *mk, const char *const *mv, int nmeta, smp_ckpt_writer **out) {
+SMPDEF smp_status smp_ckpt_writer_open(const char *path, const smp_ckpt_entry *entries, int n, const char *const *mk,
+                                       const char *const *mv, int nmeta, smp_ckpt_writer **out) {
     if (!out) return smp_error(SMP_ERR_ARG, "smp_ckpt_writer_open: out is NULL");
     *out = NULL;
     if (!path || !*path) return smp_error(SMP_ERR_ARG, "smp_ckpt_writer_open: no path");
@@ -1183,7 +1176,8 @@ static smp_status smp__ckpt_writer_seal(smp_ckpt_writer *w) {
             memcpy(w->header + w->crc_pos[i], hex, 8);
         }
         size_t lo = w->crc_pos[0], hi = w->crc_pos[w->n - 1] + 8;
-        if (smp__ckpt_write_all(w->fd, w->header + lo, hi - lo, (int64_t)lo) != 0) st = smp__ckpt_writer_io(w, "writing");
+        if (smp__ckpt_write_all(w->fd, w->header + lo, hi - lo, (int64_t)lo) != 0)
+            st = smp__ckpt_writer_io(w, "writing");
     }
     if (!st) {
         w->header_crc = smp_ckpt_crc32c(0, w->header, w->header_len);
@@ -1268,8 +1262,8 @@ static smp_status smp__ckpt_crc_text(const char *v, uint32_t *out, const char *l
         crc = crc << 4 | (uint32_t)(c <= '9' ? c - '0' : c - 'a' + 10);
     }
     if (bad)
-        return smp__ckpt_fail(SMP_ERR_FORMAT, label, tensor, "%s \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and %s", what,
-                              v, bad);
+        return smp__ckpt_fail(SMP_ERR_FORMAT, label, tensor, "%s \"%s\" is not \"" SMP__CKPT_CRC_PREFIX "\" and %s",
+                              what, v, bad);
     *out = crc;
     return SMP_OK;
 }
@@ -1325,13 +1319,13 @@ static smp_status smp__ckpt_jerr(smp__ckpt_jp *jp, const char *fmt, ...) {
 static void smp__ckpt_ws(smp__ckpt_jp *jp) { jp->i = smp__json_skip_ws((const char *)jp->s, jp->n, jp->i); }
 
 /* Skips whitespace, then eats c if it is next. */
-static int smp__ckpt_eat(smp__ckpt_jp *jp, char c) {
+static bool smp__ckpt_eat(smp__ckpt_jp *jp, char c) {
     smp__ckpt_ws(jp);
     if (jp->i < jp->n && jp->s[jp->i] == (uint8_t)c) {
         jp->i++;
-        return 1;
+        return true;
     }
-    return 0;
+    return false;
 }
 
 /* Parses a string at jp->i (after whitespace), decoded in place and
@@ -1345,7 +1339,8 @@ static smp_status smp__ckpt_jstring(smp__ckpt_jp *jp, const char **out, const ch
     d.out = text;
     d.cap = jp->n;
     d.no_nul = true;
-    if (!smp__json_string_at((const char *)jp->s, jp->n, &jp->i, &d, why, sizeof why)) return smp__ckpt_jerr(jp, "%s", why);
+    if (!smp__json_string_at((const char *)jp->s, jp->n, &jp->i, &d, why, sizeof why))
+        return smp__ckpt_jerr(jp, "%s", why);
     text[d.len] = 0; /* at most where the closing quote was */
     *out = text;
     return SMP_OK;
@@ -1369,7 +1364,8 @@ static smp_status smp__ckpt_juint(smp__ckpt_jp *jp, uint64_t *out, const char *w
     }
     bool neg;
     uint64_t v = 0;
-    if (smp__json_exact_int(p, len, &neg, &v) || v > (uint64_t)INT64_MAX) return smp__ckpt_jerr(jp, "%s does not fit in 63 bits", what);
+    if (smp__json_exact_int(p, len, &neg, &v) || v > (uint64_t)INT64_MAX)
+        return smp__ckpt_jerr(jp, "%s does not fit in 63 bits", what);
     jp->i += len;
     *out = v;
     return SMP_OK;
@@ -1673,7 +1669,8 @@ static smp_status smp__ckpt_load(smp_ckpt_file *f) {
     if (!(f->header = (uint8_t *)smp__ckpt_alloc(&st, f->header_len + 1, f->label, "the header"))) return st;
     SMP_TRY(smp__ckpt_pread_all(f, f->header, f->header_len, 8));
     f->header[f->header_len] = 0;
-    f->header_crc = smp_ckpt_crc32c(smp_ckpt_crc32c(0, pre, 8), f->header, f->header_len); /* before parsing decodes it */
+    f->header_crc =
+        smp_ckpt_crc32c(smp_ckpt_crc32c(0, pre, 8), f->header, f->header_len); /* before parsing decodes it */
     return smp__ckpt_parse(f);
 }
 
@@ -1718,7 +1715,7 @@ SMPDEF smp_status smp_ckpt_open(const char *path, smp_ckpt_file **out) {
     return smp__ckpt_file_open(out, path, NULL, 0);
 }
 
-SMP__CKPT_HOOK smp_status smp__ckpt_open_memory(smp_ckpt_file **out, const char *label, const void *bytes, size_t n) {
+SMP__CORE smp_status smp__ckpt_open_memory(smp_ckpt_file **out, const char *label, const void *bytes, size_t n) {
     if (!out) return smp_error(SMP_ERR_ARG, "smp__ckpt_open_memory: out is NULL");
     *out = NULL;
     if (!bytes && n) return smp_error(SMP_ERR_ARG, "smp__ckpt_open_memory: bytes is NULL");
@@ -1832,7 +1829,6 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
     return st;
 }
 
-
 /* ======================================================================== model checkpoints
 
    How a save and a load run (all ranks, in step; each numbered phase ends
@@ -1860,7 +1856,8 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
    files (each saver its own).
 
    FULL SAVE: world rank 0's saver opens the one file and writes the header
-   for all tensors, and every rank takes the buffers of the transfer (1); then it takes the tensors in file order, its own from
+   for all tensors, and every rank takes the buffers of the transfer (1);
+   then it takes the tensors in file order, its own from
    memory and the others' from their savers, which send them in chunks
    (chunk_bytes, 4 MiB) over MPI, at most SMP__CKPT_RING chunks in flight per
    rank: no rank ever holds more than that of another's data. An I/O thread
@@ -1966,13 +1963,13 @@ static const char *smp__ckpt_describe(smp_dtype dt, int ndim, const int64_t *sha
 /* Host <-> host or device copies; devices go through the registered backend. */
 static smp_status smp__ckpt_copy(void *dst, int dst_dev, const void *src, int src_dev, size_t n) {
     if (!n) return SMP_OK;
-    if (dst_dev < 0 && src_dev < 0) {
+    if (dst_dev == SMP_HOST && src_dev == SMP_HOST) {
         memcpy(dst, src, n);
         return SMP_OK;
     }
     if (!smp__ctx.has_device || !smp__ctx.device.copy)
         return smp_error(SMP_ERR_DEVICE, "a tensor on CUDA device %d needs a device backend (include smp_nccl.h)",
-                         dst_dev >= 0 ? dst_dev : src_dev);
+                         SMP_CUDA_ORDINAL(dst_dev != SMP_HOST ? dst_dev : src_dev));
     return smp__ctx.device.copy(dst, dst_dev, src, src_dev, n);
 }
 
@@ -2016,7 +2013,7 @@ static void smp__ckpt_stream_copy(void *dst, const void *src, size_t n) {
 
 /* The host-to-host copy of a load, whatever the size; internal, exposed for
    tests. */
-SMP__CKPT_HOOK void smp__ckpt_copy_in_host(void *dst, const void *src, size_t n) {
+SMP__CORE void smp__ckpt_copy_in_host(void *dst, const void *src, size_t n) {
 #ifdef SMP__CKPT_STREAM
     if (n >= SMP__CKPT_STREAM_MIN) {
         smp__ckpt_stream_copy(dst, src, n);
@@ -2027,7 +2024,7 @@ SMP__CKPT_HOOK void smp__ckpt_copy_in_host(void *dst, const void *src, size_t n)
 }
 
 static smp_status smp__ckpt_copy_in(void *dst, int dst_dev, const void *src, size_t n) {
-    if (dst_dev < 0) {
+    if (dst_dev == SMP_HOST) {
         smp__ckpt_copy_in_host(dst, src, n);
         return SMP_OK;
     }
@@ -2072,6 +2069,9 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
                          param ? param : "(optimizer)");
     if (bytes && !t->data)
         return smp_error(SMP_ERR_ARG, "%s: state '%s' of '%s' has no data", fn, name, param ? param : "(optimizer)");
+    char what[320];
+    snprintf(what, sizeof what, "state '%s' of '%s'", name, param ? param : "(optimizer)");
+    SMP_TRY(smp__check_device(t, fn, what));
     if (param) {
         smp_param *p = smp_model_find_param(o->model, param);
         if (!p) return smp_error(SMP_ERR_ARG, "%s: the model has no parameter '%s'", fn, param);
@@ -2089,7 +2089,8 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
     }
     smp_status st = SMP_OK;
     size_t len = strlen(SMP_CKPT_OPTIMIZER_PREFIX) + (param ? strlen(param) + 1 : 0) + strlen(name) + 1;
-    char *full = (char *)smp__bytes_or(&st, len, SMP__ALLOC_OTHER, "the name of the optimizer state smp_optimizer_state_add registers");
+    char *full = (char *)smp__bytes_or(&st, len, SMP__ALLOC_OTHER,
+                                       "the name of the optimizer state smp_optimizer_state_add registers");
     if (st) return st;
     snprintf(full, len, "%s%s%s%s", SMP_CKPT_OPTIMIZER_PREFIX, param ? param : "", param ? "." : "", name);
     for (int i = 0; i < o->n; i++)
@@ -2098,7 +2099,8 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
             smp__free(full);
             return st;
         }
-    if (!smp__grow_or(&st, (void **)&o->s, &o->cap, o->n + 1, sizeof *o->s, "the optimizer registry smp_optimizer_state_add extends")) {
+    if (!smp__grow_or(&st, (void **)&o->s, &o->cap, o->n + 1, sizeof *o->s,
+                      "the optimizer registry smp_optimizer_state_add extends")) {
         smp__free(full);
         return st;
     }
@@ -2174,16 +2176,10 @@ static int smp__ckpt_cmp_rec(const void *a, const void *b) {
     return c ? c : (x->rank < y->rank ? -1 : x->rank > y->rank);
 }
 
-static int smp__ckpt_same_shape(int na, const int64_t *a, int nb, const int64_t *b) {
-    if (na != nb) return 0;
-    for (int i = 0; i < na; i++)
-        if (a[i] != b[i]) return 0;
-    return 1;
-}
 
 /* Sets a plan item: a tensor `name` of partition mp, in no file yet. */
-static void smp__ckpt_item_init(smp__ckpt_item *it, const char *name, smp_dtype dt, int ndim, const int64_t *shape, int kind,
-                                int mp) {
+static void smp__ckpt_item_init(smp__ckpt_item *it, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
+                                int kind, int mp) {
     int64_t numel;
     memset(it, 0, sizeof *it);
     it->name = name;
@@ -2204,8 +2200,9 @@ static smp_status smp__ckpt_pack(const smp_optimizer *o, char **out, size_t *len
     size_t n = 0, at = 0;
     for (int i = 0; i < o->n; i++) n += 1 + strlen(o->s[i].full) + 1 + 8 + 8 * (size_t)o->s[i].t.ndim;
     smp_status st = SMP_OK;
-    char *b = (char *)smp__bytes_or(&st, n, SMP__ALLOC_OTHER,
-                                    "this rank's optimizer state names, packed for the other ranks (a checkpoint's plan)");
+    char *b =
+        (char *)smp__bytes_or(&st, n, SMP__ALLOC_OTHER,
+                              "this rank's optimizer state names, packed for the other ranks (a checkpoint's plan)");
     if (!b) return st;
     for (int i = 0; i < o->n; i++) {
         const smp__ckpt_state *s = &o->s[i];
@@ -2249,7 +2246,8 @@ static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coord
             p += 8 * (size_t)rec.ndim;
             rec.rank = r;
             rec.index = index;
-            if (!smp__grow_or(&st, (void **)&recs, &cap, nrec + 1, sizeof *recs, "merging every rank's optimizer state names (a checkpoint's plan)")) {
+            if (!smp__grow_or(&st, (void **)&recs, &cap, nrec + 1, sizeof *recs,
+                              "merging every rank's optimizer state names (a checkpoint's plan)")) {
                 smp__free(recs);
                 return st;
             }
@@ -2261,14 +2259,16 @@ static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coord
         const smp__ckpt_rec *a = &recs[i];
         for (j = i; j < nrec && !strcmp(recs[j].name, a->name); j++) {
             const smp__ckpt_rec *b = &recs[j];
-            if (b->global != a->global || b->dtype != a->dtype || !smp__ckpt_same_shape(a->ndim, a->shape, b->ndim, b->shape)) {
+            if (b->global != a->global || b->dtype != a->dtype ||
+                !smp__same_shape(a->ndim, a->shape, b->ndim, b->shape)) {
                 char d1[200], d2[200];
-                st = smp_error(SMP_ERR_ARG,
-                               "optimizer state '%s' is registered as %s%s on world rank %d but as %s%s on world rank %d",
-                               a->name, smp__ckpt_describe(a->dtype, a->ndim, a->shape, d1, sizeof d1),
-                               a->global ? " (whole optimizer)" : "", a->rank,
-                               smp__ckpt_describe(b->dtype, b->ndim, b->shape, d2, sizeof d2),
-                               b->global ? " (whole optimizer)" : "", b->rank);
+                st = smp_error(
+                    SMP_ERR_ARG,
+                    "optimizer state '%s' is registered as %s%s on world rank %d but as %s%s on world rank %d", a->name,
+                    smp__ckpt_describe(a->dtype, a->ndim, a->shape, d1, sizeof d1),
+                    a->global ? " (whole optimizer)" : "", a->rank,
+                    smp__ckpt_describe(b->dtype, b->ndim, b->shape, d2, sizeof d2),
+                    b->global ? " (whole optimizer)" : "", b->rank);
                 break;
             }
         }
@@ -2307,7 +2307,8 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     /* The collectives of a save or load: a rank whose call fails leaves the
        others inside it, with no agreement possible, so those failures abort
        (MPI ERRORS in smp.h); what fails before an agreement returns there. */
-    SMP__MPI_FATAL(MPI_Comm_idup(smp_group_comm(SMP_WORLD), &pl->comm, &req), "copying the world communicator for a checkpoint");
+    SMP__MPI_FATAL(MPI_Comm_idup(smp_group_comm(SMP_WORLD), &pl->comm, &req),
+                   "copying the world communicator for a checkpoint");
     smp_wait_requests(1, &req, "checkpoint communicator", SMP_WORLD, -1);
     st = SMP__MPI_CHECK(MPI_Comm_rank(pl->comm, &pl->rank), "asking this rank in a checkpoint's communicator");
     if (!st) st = SMP__MPI_CHECK(MPI_Comm_size(pl->comm, &pl->size), "asking the size of a checkpoint's communicator");
@@ -2324,14 +2325,16 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     pl->saver = (int *)smp__ckpt_alloc(&st, sizeof(int) * (size_t)pl->P, NULL,
                                        "the saver of each partition (a checkpoint's plan)");
     if (!st) st = smp__ckpt_pack(opt, &packed, &packed_len);
-    if (!st && packed_len > (size_t)INT32_MAX) st = smp_error(SMP_ERR_ARG, "too many optimizer state names to exchange");
+    if (!st && packed_len > (size_t)INT32_MAX)
+        st = smp_error(SMP_ERR_ARG, "too many optimizer state names to exchange");
     if ((st = smp__ckpt_agree(pl, st, "planning the checkpoint")) != SMP_OK) goto out;
 
     /* who saves each partition */
     displs = counts + pl->size;
     mine[0] = pl->mp;
     mine[1] = pl->dp;
-    SMP__MPI_FATAL(MPI_Iallgather(mine, 2, MPI_INT, coords, 2, MPI_INT, pl->comm, &req), "gathering every rank's partition and replica (a checkpoint's plan)");
+    SMP__MPI_FATAL(MPI_Iallgather(mine, 2, MPI_INT, coords, 2, MPI_INT, pl->comm, &req),
+                   "gathering every rank's partition and replica (a checkpoint's plan)");
     smp_wait_requests(1, &req, "checkpoint topology", SMP_WORLD, -1);
     for (i = 0; i < pl->P; i++) pl->saver[i] = -1;
     for (i = 0; i < pl->size; i++)
@@ -2349,7 +2352,8 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
         head.chunk = chunk ? chunk : SMP_CKPT_DEFAULT_CHUNK;
         if (head.chunk > ((size_t)1 << 30)) head.chunk = (size_t)1 << 30;
     }
-    SMP__MPI_FATAL(MPI_Ibcast(&head, (int)sizeof head, MPI_BYTE, 0, pl->comm, &req), "sharing the save id from world rank 0 (a checkpoint's plan)");
+    SMP__MPI_FATAL(MPI_Ibcast(&head, (int)sizeof head, MPI_BYTE, 0, pl->comm, &req),
+                   "sharing the save id from world rank 0 (a checkpoint's plan)");
     smp_wait_requests(1, &req, "checkpoint save id", SMP_WORLD, 0);
     memcpy(pl->save_id, head.id, sizeof pl->save_id);
     pl->save_id[sizeof pl->save_id - 1] = 0;
@@ -2358,7 +2362,8 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     /* optimizer registrations, from every rank */
     {
         int len = (int)packed_len;
-        SMP__MPI_FATAL(MPI_Iallgather(&len, 1, MPI_INT, counts, 1, MPI_INT, pl->comm, &req), "gathering the lengths of optimizer state names (a checkpoint's plan)");
+        SMP__MPI_FATAL(MPI_Iallgather(&len, 1, MPI_INT, counts, 1, MPI_INT, pl->comm, &req),
+                       "gathering the lengths of optimizer state names (a checkpoint's plan)");
         smp_wait_requests(1, &req, "optimizer state names", SMP_WORLD, -1);
     }
     total = 0;
@@ -2369,8 +2374,9 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     pl->gathered = (char *)smp__ckpt_alloc(&st, (size_t)total + 1, NULL,
                                            "every rank's optimizer state names (a checkpoint's plan)");
     if ((st = smp__ckpt_agree(pl, st, "planning the checkpoint")) != SMP_OK) goto out;
-    SMP__MPI_FATAL(MPI_Iallgatherv(packed, (int)packed_len, MPI_BYTE, pl->gathered, counts, displs, MPI_BYTE, pl->comm, &req),
-                   "gathering optimizer state names (a checkpoint's plan)");
+    SMP__MPI_FATAL(
+        MPI_Iallgatherv(packed, (int)packed_len, MPI_BYTE, pl->gathered, counts, displs, MPI_BYTE, pl->comm, &req),
+        "gathering optimizer state names (a checkpoint's plan)");
     smp_wait_requests(1, &req, "optimizer state names", SMP_WORLD, -1);
     smp__free(packed);
     packed = NULL;
@@ -2499,11 +2505,11 @@ static void smp__ckpt_io_push(smp__ckpt_io *io, smp__ckpt_job j) {
 }
 
 /* Whether ring slot s may take a new receive; with `block`, waits for it. */
-static int smp__ckpt_io_free(smp__ckpt_io *io, int s, int block) {
-    if (!io) return 1;
+static bool smp__ckpt_io_free(smp__ckpt_io *io, int s, bool block) {
+    if (!io) return true;
     pthread_mutex_lock(&io->mu);
     while (block && io->busy[s]) pthread_cond_wait(&io->cv, &io->mu);
-    int ok = !io->busy[s];
+    bool ok = !io->busy[s];
     pthread_mutex_unlock(&io->mu);
     return ok;
 }
@@ -2528,25 +2534,26 @@ typedef struct smp__ckpt_rx {
 
 /* Posts the receive of the next remote chunk if its slot is free (or, with
    `block`, once it is); returns whether it posted one. */
-static int smp__ckpt_post(smp__ckpt_rx *rx, int block) {
+static bool smp__ckpt_post(smp__ckpt_rx *rx, bool block) {
     smp__ckpt_plan *pl = rx->pl;
-    if (rx->posted - rx->done >= SMP__CKPT_RING) return 0;
+    if (rx->posted - rx->done >= SMP__CKPT_RING) return false;
     while (rx->qp < pl->n && (smp__ckpt_source(pl, &pl->items[pl->order[rx->qp]]) == rx->receiver ||
                               rx->offp >= pl->items[pl->order[rx->qp]].nbytes)) {
         rx->qp++;
         rx->offp = 0;
     }
-    if (rx->qp >= pl->n) return 0;
+    if (rx->qp >= pl->n) return false;
     int s = (int)(rx->posted % SMP__CKPT_RING);
-    if (!smp__ckpt_io_free(rx->io, s, block)) return 0;
+    if (!smp__ckpt_io_free(rx->io, s, block)) return false;
     const smp__ckpt_item *ip = &pl->items[pl->order[rx->qp]];
     size_t lp = ip->nbytes - rx->offp < pl->chunk ? (size_t)(ip->nbytes - rx->offp) : pl->chunk;
     SMP_ASSERT(rx->buf[s] != NULL);
-    SMP__MPI_FATAL(MPI_Irecv(rx->buf[s], (int)lp, MPI_BYTE, smp__ckpt_source(pl, ip), SMP__CKPT_TAG, pl->comm, &rx->req[s]),
-                   "receiving checkpoint data of '%s' from world rank %d", ip->name, smp__ckpt_source(pl, ip));
+    SMP__MPI_FATAL(
+        MPI_Irecv(rx->buf[s], (int)lp, MPI_BYTE, smp__ckpt_source(pl, ip), SMP__CKPT_TAG, pl->comm, &rx->req[s]),
+        "receiving checkpoint data of '%s' from world rank %d", ip->name, smp__ckpt_source(pl, ip));
     rx->posted++;
     rx->offp += lp;
-    return 1;
+    return true;
 }
 
 static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, void *ctx) {
@@ -2560,12 +2567,12 @@ static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, vo
         while (off < it->nbytes) {
             size_t len;
             smp__ckpt_job j;
-            while (smp__ckpt_post(rx, 0)) {
+            while (smp__ckpt_post(rx, false)) {
             } /* receives posted ahead progress while we poll below */
             if (src == rx->receiver) { /* this rank's own tensor */
                 const smp_tensor *t = it->local;
                 SMP_ASSERT(t != NULL);
-                if (t->device < 0) {
+                if (t->device == SMP_HOST) {
                     len = (size_t)(it->nbytes - off);
                     j.item = idx;
                     j.off = off;
@@ -2577,7 +2584,8 @@ static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, vo
                 } else { /* staged through a buffer of its own (never threaded) */
                     len = it->nbytes - off < pl->chunk ? (size_t)(it->nbytes - off) : pl->chunk;
                     SMP_ASSERT(rx->stage != NULL);
-                    smp_status st2 = smp__ckpt_copy(rx->stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
+                    smp_status st2 =
+                        smp__ckpt_copy(rx->stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
                     if (!st) st = st2;
                     if (!st) st = sink(ctx, idx, off, rx->stage, len);
                 }
@@ -2586,7 +2594,7 @@ static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, vo
                 unsigned polls = 0;
                 double start = MPI_Wtime(), deadline = start + smp_timeout();
                 len = it->nbytes - off < pl->chunk ? (size_t)(it->nbytes - off) : pl->chunk;
-                if (rx->posted <= rx->done && !smp__ckpt_post(rx, 1)) /* the cursor is at this very chunk */
+                if (rx->posted <= rx->done && !smp__ckpt_post(rx, true)) /* the cursor is at this very chunk */
                     smp__fatal("internal error: checkpoint chunk %ld of '%s' cannot be received", rx->done, it->name);
                 /* The receiver drives large transfers within a node (it copies
                    from the sender), so it polls without sleeping, yielding the
@@ -2596,9 +2604,10 @@ static smp_status smp__ckpt_receive(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, vo
                    the I/O thread has freed. Past smp_timeout() the job aborts. */
                 while (!ready) {
                     MPI_Status status;
-                    SMP__MPI_FATAL(MPI_Test(&rx->req[slot], &ready, &status), "receiving checkpoint data of '%s' from world rank %d", it->name, src);
+                    SMP__MPI_FATAL(MPI_Test(&rx->req[slot], &ready, &status),
+                                   "receiving checkpoint data of '%s' from world rank %d", it->name, src);
                     if (!ready && ++polls % 16 == 0) {
-                        while (smp__ckpt_post(rx, 0)) {
+                        while (smp__ckpt_post(rx, false)) {
                         }
                         if (MPI_Wtime() > deadline) {
                             char what[256];
@@ -2648,9 +2657,9 @@ static smp_status smp__ckpt_stream_prepare(smp__ckpt_plan *pl, int receiver, smp
         if (pl->rank == receiver && src != receiver) chunks += n;
         if (pl->rank != receiver && src == pl->rank) {
             chunks += n;
-            if (it->local && it->local->device >= 0) device = 1;
+            if (it->local && it->local->device != SMP_HOST) device = 1;
         }
-        if (pl->rank == receiver && src == receiver && it->local && it->local->device >= 0) own_device = 1;
+        if (pl->rank == receiver && src == receiver && it->local && it->local->device != SMP_HOST) own_device = 1;
     }
     if (pl->rank != receiver && !device) chunks = 0; /* a host sender sends from the tensors themselves */
     smp_status st = SMP_OK;
@@ -2681,7 +2690,8 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
         smp__ckpt_io io;
         pthread_t th;
         for (int i = 0; i < pl->n && threaded; i++) /* device tensors are staged on the main thread */
-            if (smp__ckpt_source(pl, &pl->items[i]) == receiver && pl->items[i].local && pl->items[i].local->device >= 0)
+            if (smp__ckpt_source(pl, &pl->items[i]) == receiver && pl->items[i].local &&
+                pl->items[i].local->device != SMP_HOST)
                 threaded = 0;
         if (threaded) {
             memset(&io, 0, sizeof io);
@@ -2720,7 +2730,7 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
                 const void *p;
                 if (sent >= K) /* senders may sleep between polls: the receiver drives the copy */
                     smp_wait_requests(1, &rx->req[slot], what, SMP_WORLD, receiver);
-                if (it->local->device < 0) {
+                if (it->local->device == SMP_HOST) {
                     p = (const uint8_t *)it->local->data + off;
                 } else { /* send what the copy gave; a failure fails the save later */
                     SMP_ASSERT(rx->buf[slot] != NULL);
@@ -2814,8 +2824,8 @@ static smp_status smp__ckpt_build_meta(const smp__ckpt_plan *pl, const smp_save_
 /* The entries of the items of partition only_mp (-1: all), in file order;
    NULL and the out-of-memory error in *st when there is no memory. */
 static smp_ckpt_entry *smp__ckpt_entries(const smp__ckpt_plan *pl, int only_mp, int *count, smp_status *st) {
-    smp_ckpt_entry *e = (smp_ckpt_entry *)smp__alloc_or(st, sizeof(smp_ckpt_entry) * (size_t)(pl->n + 1), SMP__ALLOC_OTHER,
-                                                        "the list of tensors of a checkpoint file");
+    smp_ckpt_entry *e = (smp_ckpt_entry *)smp__alloc_or(st, sizeof(smp_ckpt_entry) * (size_t)(pl->n + 1),
+                                                        SMP__ALLOC_OTHER, "the list of tensors of a checkpoint file");
     int n = 0;
     *count = 0;
     if (!e) return NULL;
@@ -2844,7 +2854,7 @@ static smp_status smp__ckpt_file_sink(void *ctx, int item, uint64_t off, const v
 static smp_status smp__ckpt_write_local(smp_ckpt_writer *w, const smp__ckpt_item *it, size_t chunk) {
     const smp_tensor *t = it->local;
     if (!it->nbytes) return SMP_OK;
-    if (t->device < 0) return smp_ckpt_writer_write(w, t->data, (size_t)it->nbytes);
+    if (t->device == SMP_HOST) return smp_ckpt_writer_write(w, t->data, (size_t)it->nbytes);
     smp_status st = SMP_OK;
     uint8_t *stage = (uint8_t *)smp__bytes_or(&st, chunk, SMP__ALLOC_OTHER, "staging a device tensor to save it");
     if (!stage) return st;
@@ -2866,7 +2876,7 @@ static smp_status smp__ckpt_write_local(smp_ckpt_writer *w, const smp__ckpt_item
 #define SMP__CKPT_MANIFEST_FORMAT "smp-checkpoint-manifest/1"
 #define SMP__CKPT_MANIFEST_MAX ((size_t)64 << 20)
 
-static int smp__ckpt_exists(const char *path) {
+static bool smp__ckpt_exists(const char *path) {
     struct stat sb;
     return path && stat(path, &sb) == 0;
 }
@@ -2979,8 +2989,8 @@ static void smp__ckpt_manifest_free(smp__ckpt_manifest *m) {
 static smp_status smp__ckpt_manifest_file(smp__ckpt_jp *jp, smp__ckpt_manifest *m) {
     int have[4] = {0, 0, 0, 0}, idx = m->nfiles;
     uint64_t mp = 0;
-    smp__ckpt_mfile *f =
-        (smp__ckpt_mfile *)smp__ckpt_push((void **)&m->files, &m->nfiles, &m->cap, sizeof *f, jp->label, "the list of files");
+    smp__ckpt_mfile *f = (smp__ckpt_mfile *)smp__ckpt_push((void **)&m->files, &m->nfiles, &m->cap, sizeof *f,
+                                                           jp->label, "the list of files");
     if (!f) return SMP_ERR_NOMEM;
     if (!smp__ckpt_eat(jp, '{')) return smp__ckpt_jerr(jp, "each entry of \"files\" must be an object");
     for (;;) {
@@ -2991,7 +3001,8 @@ static smp_status smp__ckpt_manifest_file(smp__ckpt_jp *jp, smp__ckpt_manifest *
               : !strcmp(k, "header_crc32c") ? 3 : -1;
         if (which < 0)
             return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
-                                  "file %d: unknown key \"%s\" (a file has mp_rank, name, bytes, header_crc32c)", idx, k);
+                                  "file %d: unknown key \"%s\" (a file has mp_rank, name, bytes, header_crc32c)", idx,
+                                  k);
         if (have[which]++) return smp__ckpt_jerr(jp, "key '%s' appears twice in file %d", k, idx);
         if (which == 0) SMP_TRY(smp__ckpt_juint(jp, &mp, "mp_rank"));
         else if (which == 1) SMP_TRY(smp__ckpt_jstring(jp, &f->name, "the file name"));
@@ -3008,8 +3019,9 @@ static smp_status smp__ckpt_manifest_file(smp__ckpt_jp *jp, smp__ckpt_manifest *
         return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL, "file %d has no \"%s\"", idx,
                               !have[0] ? "mp_rank" : !have[1] ? "name" : !have[2] ? "bytes" : "header_crc32c");
     if (mp != (uint64_t)idx)
-        return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL, "file %d of \"files\" has mp_rank %llu (files are listed by mp_rank)",
-                              idx, (smp__ckpt_ull)mp);
+        return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
+                              "file %d of \"files\" has mp_rank %llu (files are listed by mp_rank)", idx,
+                              (smp__ckpt_ull)mp);
     if (!f->name[0] || strchr(f->name, '/') || !strcmp(f->name, ".") || !strcmp(f->name, ".."))
         return smp__ckpt_fail(SMP_ERR_FORMAT, jp->label, NULL,
                               "file %d: \"%s\" is not the name of a file in the manifest's folder", idx, f->name);
@@ -3041,8 +3053,9 @@ static smp_status smp__ckpt_manifest_parse(uint8_t *text, size_t n, const char *
         int which = !strcmp(k, "format") ? 0 : !strcmp(k, "kind") ? 1 : !strcmp(k, "generation") ? 2
               : !strcmp(k, "save_id") ? 3 : !strcmp(k, "partitions") ? 4 : !strcmp(k, "files") ? 5 : -1;
         if (which < 0) {
-            st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL,
-                                "unknown key \"%s\" (a manifest has format, kind, generation, save_id, partitions, files)", k);
+            st = smp__ckpt_fail(
+                SMP_ERR_FORMAT, label, NULL,
+                "unknown key \"%s\" (a manifest has format, kind, generation, save_id, partitions, files)", k);
             break;
         }
         if (have[which]++) {
@@ -3052,8 +3065,9 @@ static smp_status smp__ckpt_manifest_parse(uint8_t *text, size_t n, const char *
         switch (which) {
         case 0:
             if (!(st = smp__ckpt_jstring(&jp, &v, "the format")) && strcmp(v, SMP__CKPT_MANIFEST_FORMAT))
-                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL,
-                                    "format \"%s\" is not \"" SMP__CKPT_MANIFEST_FORMAT "\" (written by another version of smp?)", v);
+                st = smp__ckpt_fail(
+                    SMP_ERR_FORMAT, label, NULL,
+                    "format \"%s\" is not \"" SMP__CKPT_MANIFEST_FORMAT "\" (written by another version of smp?)", v);
             break;
         case 1:
             if (!(st = smp__ckpt_jstring(&jp, &v, "the kind")) && strcmp(v, "partial"))
@@ -3064,13 +3078,15 @@ static smp_status smp__ckpt_manifest_parse(uint8_t *text, size_t n, const char *
                 st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "generation 0 (generations count from 1)");
             break;
         case 3:
-            if (!(st = smp__ckpt_jstring(&jp, &m->save_id, "the save id")) && (!m->save_id[0] || strlen(m->save_id) >= 40))
-                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "save_id \"%s\" is empty or longer than 39 bytes", m->save_id);
+            if (!(st = smp__ckpt_jstring(&jp, &m->save_id, "the save id")) &&
+                (!m->save_id[0] || strlen(m->save_id) >= 40))
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "save_id \"%s\" is empty or longer than 39 bytes",
+                                    m->save_id);
             break;
         case 4:
             if (!(st = smp__ckpt_juint(&jp, &parts, "partitions")) && (parts < 1 || parts > (1u << 20)))
-                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "partitions %llu is outside 1..%d", (smp__ckpt_ull)parts,
-                                    1 << 20);
+                st = smp__ckpt_fail(SMP_ERR_FORMAT, label, NULL, "partitions %llu is outside 1..%d",
+                                    (smp__ckpt_ull)parts, 1 << 20);
             break;
         default:
             if (!smp__ckpt_eat(&jp, '[')) {
@@ -3114,7 +3130,7 @@ static smp_status smp__ckpt_manifest_parse(uint8_t *text, size_t n, const char *
 
 /* Internal, for fuzzing: validates a manifest image exactly as loading
    does (`label` names it in messages). */
-SMP__CKPT_HOOK smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label) {
+SMP__CORE smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label) {
     if (!bytes && n) return smp_error(SMP_ERR_ARG, "smp__ckpt_manifest_check: bytes is NULL");
     smp_status st = SMP_OK;
     uint8_t *text = (uint8_t *)smp__ckpt_alloc(&st, n + 1, NULL, "a copy of the manifest to check");
@@ -3148,7 +3164,8 @@ static smp_status smp__ckpt_manifest_read(const char *mpath, smp__ckpt_manifest 
     while (!st && got < (size_t)sb.st_size) {
         ssize_t k = read(fd, text + got, (size_t)sb.st_size - got);
         if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) st = smp__ckpt_fail(SMP_ERR_IO, label, NULL, "read failed: %s", k < 0 ? strerror(errno) : "short file");
+        if (k <= 0)
+            st = smp__ckpt_fail(SMP_ERR_IO, label, NULL, "read failed: %s", k < 0 ? strerror(errno) : "short file");
         else got += (size_t)k;
     }
     close(fd);
@@ -3171,7 +3188,8 @@ static smp_status smp__ckpt_manifest_write(const char *path, uint64_t gen, const
     const char *base = "";
     smp_status st = SMP_OK;
     if (!mpath) st = smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
-    else if (!(dir = smp__ckpt_dirname(path, &base))) st = smp__nomem(strlen(path) + 1, "the name of the checkpoint's folder");
+    else if (!(dir = smp__ckpt_dirname(path, &base)))
+        st = smp__nomem(strlen(path) + 1, "the name of the checkpoint's folder");
     else if (!(tmp = smp__ckpt_strf("%s.tmp.%ld", mpath, (long)getpid())))
         st = smp__nomem(strlen(mpath) + 32, "the name of the manifest's tmp file");
     smp__sbuf b;
@@ -3184,7 +3202,8 @@ static smp_status smp__ckpt_manifest_write(const char *path, uint64_t gen, const
         for (int k = 0; k < P; k++) {
             smp__sbuf_printf(&b, "    {\"mp_rank\": %d, \"name\": \"", k);
             smp__sbuf_escaped(&b, base);
-            smp__sbuf_printf(&b, ".g%llu_%d\", \"bytes\": %llu, \"header_crc32c\": \"" SMP__CKPT_CRC_PREFIX "%08x\"}%s\n",
+            smp__sbuf_printf(&b,
+                             ".g%llu_%d\", \"bytes\": %llu, \"header_crc32c\": \"" SMP__CKPT_CRC_PREFIX "%08x\"}%s\n",
                              (smp__ckpt_ull)gen, k, (smp__ckpt_ull)bytes[k], (unsigned)crcs[k], k + 1 < P ? "," : "");
         }
         smp__sbuf_puts(&b, "  ]\n}\n");
@@ -3194,12 +3213,15 @@ static smp_status smp__ckpt_manifest_write(const char *path, uint64_t gen, const
         smp__ckpt_remove_stale(dir, strrchr(mpath, '/') ? strrchr(mpath, '/') + 1 : mpath);
         int fd = smp__ckpt_create(tmp);
         if (fd < 0) {
-            st = smp_error(SMP_ERR_IO, "checkpoint '%s': cannot create its manifest '%s': %s", path, tmp, strerror(errno));
+            st = smp_error(SMP_ERR_IO, "checkpoint '%s': cannot create its manifest '%s': %s", path, tmp,
+                           strerror(errno));
         } else if (smp__ckpt_write_all(fd, b.p, b.len, -1) != 0 || fsync(fd) != 0) {
-            st = smp_error(SMP_ERR_IO, "checkpoint '%s': writing its manifest '%s' failed: %s", path, tmp, strerror(errno));
+            st = smp_error(SMP_ERR_IO, "checkpoint '%s': writing its manifest '%s' failed: %s", path, tmp,
+                           strerror(errno));
             close(fd);
         } else if (close(fd) != 0) {
-            st = smp_error(SMP_ERR_IO, "checkpoint '%s': closing its manifest '%s' failed: %s", path, tmp, strerror(errno));
+            st = smp_error(SMP_ERR_IO, "checkpoint '%s': closing its manifest '%s' failed: %s", path, tmp,
+                           strerror(errno));
         }
         if (st && fd >= 0) unlink(tmp);
     }
@@ -3216,10 +3238,11 @@ static smp_status smp__ckpt_manifest_write(const char *path, uint64_t gen, const
         if (fault == SMP__CKPT_FAULT_COMMIT) smp__ckpt_die(fault);
         int err = smp__ckpt_sync_dir(dir);
         if (err)
-            st = smp_error(SMP_ERR_IO,
-                           "checkpoint '%s': its manifest '%s' is in place, but flushing the folder '%s' failed: %s (the "
-                           "previous generation's files were kept)",
-                           path, mpath, dir, strerror(err));
+            st = smp_error(
+                SMP_ERR_IO,
+                "checkpoint '%s': its manifest '%s' is in place, but flushing the folder '%s' failed: %s (the "
+                "previous generation's files were kept)",
+                path, mpath, dir, strerror(err));
     }
     smp__free(b.p);
     smp__free(mpath);
@@ -3229,7 +3252,7 @@ static smp_status smp__ckpt_manifest_write(const char *path, uint64_t gen, const
 }
 
 /* Whether f's metadata says it is a file of an smp partial checkpoint. */
-static int smp__ckpt_is_partial(const smp_ckpt_file *f) {
+static bool smp__ckpt_is_partial(const smp_ckpt_file *f) {
     const char *fmt = smp_ckpt_meta(f, "smp.format"), *kind = smp_ckpt_meta(f, "smp.kind");
     return fmt && !strcmp(fmt, SMP__CKPT_FORMAT) && kind && !strcmp(kind, "partial");
 }
@@ -3363,7 +3386,8 @@ static smp_status smp__ckpt_check_args(const char *fn, smp_model *m, const char 
                          "%s: the model is not partitioned yet (parameters exist only after smp_model_trace or the "
                          "first step)",
                          fn);
-    if (opt && opt->model != m) return smp_error(SMP_ERR_ARG, "%s: the optimizer registry belongs to another model", fn);
+    if (opt && opt->model != m)
+        return smp_error(SMP_ERR_ARG, "%s: the optimizer registry belongs to another model", fn);
     if (!d) return SMP_OK;
     if (d->nmeta < 0 || (d->nmeta > 0 && (!d->meta_keys || !d->meta_values)))
         return smp_error(SMP_ERR_ARG, "smp_save: %d metadata entries but keys or values is NULL", d->nmeta);
@@ -3405,7 +3429,8 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
     if (partial) { /* 0. the generation: world rank 0 looks at the folder */
         MPI_Request req;
         if (pl.rank == 0 && !st) st = smp__ckpt_next_generation(path, &gen);
-        SMP__MPI_FATAL(MPI_Ibcast(&gen, 1, MPI_UINT64_T, 0, pl.comm, &req), "sharing the checkpoint generation from world rank 0");
+        SMP__MPI_FATAL(MPI_Ibcast(&gen, 1, MPI_UINT64_T, 0, pl.comm, &req),
+                       "sharing the checkpoint generation from world rank 0");
         smp_wait_requests(1, &req, "checkpoint generation", SMP_WORLD, 0);
     }
     for (i = 0; i < pl.n && !st; i++) {
@@ -3480,7 +3505,8 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
             mine[0] = pl.dp == 0 ? (uint64_t)pl.mp : UINT64_MAX;
             mine[1] = fbytes;
             mine[2] = fcrc;
-            SMP__MPI_FATAL(MPI_Igather(mine, 3, MPI_UINT64_T, all, 3, MPI_UINT64_T, 0, pl.comm, &req), "gathering checkpoint file sizes to world rank 0");
+            SMP__MPI_FATAL(MPI_Igather(mine, 3, MPI_UINT64_T, all, 3, MPI_UINT64_T, 0, pl.comm, &req),
+                           "gathering checkpoint file sizes to world rank 0");
             smp_wait_requests(1, &req, "checkpoint file sizes", SMP_WORLD, 0);
             if (pl.rank == 0) {
                 uint64_t *bytes = all + 3 * (size_t)pl.size;
@@ -3493,7 +3519,8 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
                 st = smp__ckpt_manifest_write(path, gen, pl.save_id, pl.P, bytes, crcs, fault, &committed);
             }
             st = smp__ckpt_agree(&pl, st, "committing the partial checkpoint (renaming its manifest into place)");
-            SMP__MPI_FATAL(MPI_Ibcast(&committed, 1, MPI_INT, 0, pl.comm, &req), "sharing whether world rank 0 committed the checkpoint");
+            SMP__MPI_FATAL(MPI_Ibcast(&committed, 1, MPI_INT, 0, pl.comm, &req),
+                           "sharing whether world rank 0 committed the checkpoint");
             smp_wait_requests(1, &req, "checkpoint commit", SMP_WORLD, 0);
         }
         smp__free(all);
@@ -3622,16 +3649,18 @@ static smp_status smp__ckpt_open_manifest_set(const char *mpath, smp_ckpt_file *
         } else {
             const char *id = smp_ckpt_meta(f, "smp.save_id"), *gen = smp_ckpt_meta(f, "smp.generation");
             if (!smp__ckpt_is_partial(f))
-                st = smp_error(SMP_ERR_FORMAT,
-                               "checkpoint '%s' is not a file of an smp partial checkpoint, but the manifest '%s' names "
-                               "it: %s",
-                               full, mpath, fix);
+                st =
+                    smp_error(SMP_ERR_FORMAT,
+                              "checkpoint '%s' is not a file of an smp partial checkpoint, but the manifest '%s' names "
+                              "it: %s",
+                              full, mpath, fix);
             else if (!id || strcmp(id, m.save_id) || !gen || strcmp(gen, want))
                 st = smp_error(SMP_ERR_FORMAT,
                                "checkpoint '%s' comes from another save than the manifest '%s' commits (smp.save_id %s "
                                "and smp.generation %s, not %s and %s): files of two checkpoints are mixed; %s",
                                full, mpath, id ? id : "missing", gen ? gen : "missing", m.save_id, want, fix);
-            else if (smp__ckpt_meta_int(f, "smp.partitions", P, P) < 0 || smp__ckpt_meta_int(f, "smp.mp_rank", k, k) < 0)
+            else if (smp__ckpt_meta_int(f, "smp.partitions", P, P) < 0 ||
+                     smp__ckpt_meta_int(f, "smp.mp_rank", k, k) < 0)
                 st = smp_error(SMP_ERR_FORMAT, "%s, but the manifest '%s' lists it as file %d of %d: %s",
                                smp_last_error(), mpath, k, P, fix);
             else if (f->size != mf->bytes)
@@ -3659,7 +3688,7 @@ static smp_status smp__ckpt_open_legacy0(const char *path, smp_ckpt_file **f0, i
     *f0 = NULL;
     char *p = smp__ckpt_strf("%s_0", path);
     if (!p) return smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
-    int full = smp__ckpt_exists(path);
+    bool full = smp__ckpt_exists(path);
     smp_status st = smp__ckpt_exists(p) ? smp_ckpt_open(p, f0)
                   : smp_error(SMP_ERR_IO,
                               "no partial checkpoint at '%s': neither its manifest '%s.manifest' nor '%s' (file 0 of a "
@@ -3689,7 +3718,8 @@ static smp_status smp__ckpt_open_legacy0(const char *path, smp_ckpt_file **f0, i
 
 SMPDEF smp_status smp_ckpt_partial_file(const char *path, int mp_rank, char *out, size_t cap, int *partitions) {
     if (partitions) *partitions = 0;
-    if (!path || !*path || !out || !cap) return smp_error(SMP_ERR_ARG, "smp_ckpt_partial_file: path and out must be given");
+    if (!path || !*path || !out || !cap)
+        return smp_error(SMP_ERR_ARG, "smp_ckpt_partial_file: path and out must be given");
     out[0] = 0;
     char *mpath = smp__ckpt_strf("%s.manifest", path), *file = NULL;
     if (!mpath) return smp__nomem(strlen(path) + 16, "the name of the checkpoint's manifest");
@@ -3704,7 +3734,8 @@ SMPDEF smp_status smp_ckpt_partial_file(const char *path, int mp_rank, char *out
                 char *dir = smp__ckpt_dirname(mpath, &mbase);
                 file = dir ? smp__ckpt_strf("%s/%s", dir, m.files[mp_rank].name) : NULL;
                 smp__free(dir);
-                if (!file) st = smp__nomem(strlen(mpath) + strlen(m.files[mp_rank].name) + 2, "the name of a checkpoint file");
+                if (!file)
+                    st = smp__nomem(strlen(mpath) + strlen(m.files[mp_rank].name) + 2, "the name of a checkpoint file");
             }
             smp__ckpt_manifest_free(&m);
         }
@@ -3715,8 +3746,8 @@ SMPDEF smp_status smp_ckpt_partial_file(const char *path, int mp_rank, char *out
             st = smp__nomem(strlen(path) + 16, "the name of a checkpoint file");
     }
     if (!st && (mp_rank < 0 || mp_rank >= P))
-        st = smp_error(SMP_ERR_ARG, "smp_ckpt_partial_file: checkpoint '%s' has %d partitions, so no mp rank %d", path, P,
-                       mp_rank);
+        st = smp_error(SMP_ERR_ARG, "smp_ckpt_partial_file: checkpoint '%s' has %d partitions, so no mp rank %d", path,
+                       P, mp_rank);
     if (!st && strlen(file) >= cap)
         st = smp_error(SMP_ERR_ARG, "smp_ckpt_partial_file: '%s' does not fit in %zu bytes", file, cap);
     if (!st) {
@@ -3748,13 +3779,15 @@ static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_fil
         const char *kind = smp_ckpt_meta(f0, "smp.kind");
         if (kind && strcmp(kind, "full")) {
             const char *mpr = smp_ckpt_meta(f0, "smp.mp_rank"), *gen = smp_ckpt_meta(f0, "smp.generation");
-            st = smp_error(SMP_ERR_FORMAT,
-                           "checkpoint '%s' is file %s of a %s checkpoint; load that with partial = SMP_ON and the path "
-                           "without the \"%s%s_%s\"",
-                           path, mpr ? mpr : "?", kind, gen ? ".g" : "", gen ? gen : "", mpr ? mpr : "<mp_rank>");
+            st =
+                smp_error(SMP_ERR_FORMAT,
+                          "checkpoint '%s' is file %s of a %s checkpoint; load that with partial = SMP_ON and the path "
+                          "without the \"%s%s_%s\"",
+                          path, mpr ? mpr : "?", kind, gen ? ".g" : "", gen ? gen : "", mpr ? mpr : "<mp_rank>");
         }
         if (!st)
-            files = (smp_ckpt_file **)smp__bytes_or(&st, sizeof *files, SMP__ALLOC_OTHER, "the list of a checkpoint's files");
+            files = (smp_ckpt_file **)smp__bytes_or(&st, sizeof *files, SMP__ALLOC_OTHER,
+                                                    "the list of a checkpoint's files");
         if (files) files[0] = f0;
         else smp_ckpt_close(f0);
         return smp__ckpt_set_done(st, files, 1, out, nout);
@@ -3772,7 +3805,8 @@ static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_fil
     int P;
     SMP_TRY(smp__ckpt_open_legacy0(path, &f0, &P));
     st = SMP_OK;
-    files = (smp_ckpt_file **)smp__alloc_or(&st, sizeof *files * (size_t)P, SMP__ALLOC_OTHER, "the list of a checkpoint's files");
+    files = (smp_ckpt_file **)smp__alloc_or(&st, sizeof *files * (size_t)P, SMP__ALLOC_OTHER,
+                                            "the list of a checkpoint's files");
     if (!files) {
         smp_ckpt_close(f0);
         return st;
@@ -3825,9 +3859,10 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
             if (it->src)
                 return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is also in '%s'", smp_ckpt_path(f),
                                  e->name, smp_ckpt_path(files[it->file]));
-            if (e->dtype != it->dtype || !smp__ckpt_same_shape(e->ndim, e->shape, it->ndim, it->shape))
+            if (e->dtype != it->dtype || !smp__same_shape(e->ndim, e->shape, it->ndim, it->shape))
                 return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is %s in the file but %s in the model",
-                                 smp_ckpt_path(f), e->name, smp__ckpt_describe(e->dtype, e->ndim, e->shape, d1, sizeof d1),
+                                 smp_ckpt_path(f), e->name,
+                                 smp__ckpt_describe(e->dtype, e->ndim, e->shape, d1, sizeof d1),
                                  smp__ckpt_describe(it->dtype, it->ndim, it->shape, d2, sizeof d2));
             if (partial) { /* the partition map must agree with where the tensor is */
                 char key[64 + 8];
@@ -3929,8 +3964,9 @@ SMPDEF smp_status smp_model_local_state_dict(smp_model *m, const smp_optimizer *
         return smp_error(SMP_ERR_STATE, "smp_model_local_state_dict: the model is not partitioned yet");
     int np = smp_model_num_global_params(m, true), n = 0;
     smp_status st = SMP_OK;
-    out->entries = (smp_named_tensor *)smp__bytes_or(&st, sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1),
-                                                     SMP__ALLOC_OTHER, "the entries of smp_model_local_state_dict's result");
+    out->entries =
+        (smp_named_tensor *)smp__bytes_or(&st, sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1),
+                                          SMP__ALLOC_OTHER, "the entries of smp_model_local_state_dict's result");
     if (!out->entries) return st;
     for (int i = 0; i < np; i++) {
         smp_param *p = smp_model_global_param(m, i, true);
@@ -3974,7 +4010,8 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
     st = smp__ckpt_plan_init(&pl, m, opt, 0);
     for (int i = 0; i < pl.n && !st; i++)
         if ((pl.items[i].kind == SMP__CKPT_OPTIM || pl.items[i].kind == SMP__CKPT_GLOBAL) && !pl.items[i].saver_has)
-            st = smp_error(SMP_ERR_ARG, "optimizer state '%s' is not registered on world rank %d, which holds it for all",
+            st = smp_error(SMP_ERR_ARG,
+                           "optimizer state '%s' is not registered on world rank %d, which holds it for all",
                            pl.items[i].name, pl.saver[pl.items[i].mp]);
     if (!st && pl.rank == root) { /* names and data, owned by the dict */
         size_t names = 0, at = 0;

@@ -154,7 +154,9 @@ SMPDEF smp_nccl_mode smp_nccl_current_mode(void);
 SMPDEF const char *smp_nccl_mode_name(smp_nccl_mode m); /* "none", "nccl", "staged" */
 /* One line for logs: the path, the device, NCCL's version; or why there is no device. */
 SMPDEF const char *smp_nccl_describe(void);
-/* This rank's CUDA device (set current by smp_init); -1 when none. */
+/* The device of this rank's GPU (set current by smp_init) as a tensor's device
+   field holds it, SMP_CUDA(ordinal); SMP_HOST (0) when none. CUDA's own calls
+   take SMP_CUDA_ORDINAL(smp_nccl_device()). */
 SMPDEF int smp_nccl_device(void);
 
 /* The engine's compute stream (0, the default: the legacy default stream,
@@ -593,9 +595,9 @@ static bool smp__nc_overlap(const void *a, size_t an, const void *b, size_t bn) 
 /* `what` (device `device`, `bytes` long) must be memory of this rank's GPU. */
 static smp_status smp__nc_check_ptr(const char *what, const void *p, int device, size_t bytes) {
     const char *fn = smp__nc_opname();
-    if (device != smp__nc.device)
+    if (device != SMP_CUDA(smp__nc.device))
         return smp_error(SMP_ERR_ARG, "%s: %s is on CUDA device %d but this rank drives device %d (smp_nccl_device())", fn, what,
-                         device, smp__nc.device);
+                         SMP_CUDA_ORDINAL(device), smp__nc.device);
     if (!bytes) return SMP_OK;
     if (!p) return smp_error(SMP_ERR_ARG, "%s: %s has no data", fn, what);
     struct cudaPointerAttributes a;
@@ -607,10 +609,11 @@ static smp_status smp__nc_check_ptr(const char *what, const void *p, int device,
     }
     if (a.type == cudaMemoryTypeManaged) return SMP_OK;
     if (a.type != cudaMemoryTypeDevice)
-        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data (%p) is %s memory", fn, what, device, p,
+        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data (%p) is %s memory", fn, what, smp__nc.device, p,
                          a.type == cudaMemoryTypeHost ? "pinned host" : "host");
     if (a.device != smp__nc.device)
-        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data lives on device %d", fn, what, device, a.device);
+        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data lives on device %d", fn, what, smp__nc.device,
+                         a.device);
     return SMP_OK;
 }
 
@@ -833,7 +836,7 @@ static smp_status smp__nc_all_reduce(const smp_tensor *in, smp_tensor *out, smp_
 
 static smp_status smp__nc_bucket_all_reduce(void *data, smp_dtype dt, int64_t n, smp_group g) {
     smp_tensor t = smp_tensor_1d(data, dt, n);
-    t.device = smp__nc.device;
+    t.device = SMP_CUDA(smp__nc.device);
     return smp__nc_collective(SMP__NC_ALL_REDUCE, &t, &t, SMP_SUM, 0, g, NULL, NULL, false);
 }
 
@@ -864,15 +867,15 @@ static smp_status smp__nc_copy(void *dst, int dst_device, const void *src, int s
     SMP_TRY(smp__nc_ready("smp_nccl_copy"));
     if (!n) return SMP_OK;
     if (!dst || !src) return smp_error(SMP_ERR_ARG, "smp_nccl_copy: %s is NULL", dst ? "src" : "dst");
-    if (dst_device < 0 && src_device < 0) {
+    if (dst_device == SMP_HOST && src_device == SMP_HOST) {
         memmove(dst, src, n);
         return SMP_OK;
     }
-    if (dst_device >= 0) SMP_TRY(smp__nc_check_ptr("the destination", dst, dst_device, n));
-    if (src_device >= 0) SMP_TRY(smp__nc_check_ptr("the source", src, src_device, n));
+    if (dst_device != SMP_HOST) SMP_TRY(smp__nc_check_ptr("the destination", dst, dst_device, n));
+    if (src_device != SMP_HOST) SMP_TRY(smp__nc_check_ptr("the source", src, src_device, n));
     SMP_TRY(smp__nc_after_engine(smp__nc.stream));
     SMP__CU(cudaMemcpyAsync, (dst, src, n, cudaMemcpyDefault, smp__nc.stream));
-    if (dst_device < 0 || src_device < 0) { /* host memory: done means done */
+    if (dst_device == SMP_HOST || src_device == SMP_HOST) { /* host memory: done means done */
         SMP__CU(cudaEventRecord, (smp__nc.ev_done, smp__nc.stream));
         return smp__nc_wait_event(smp__nc.ev_done, "a copy between host and device", SMP_WORLD, -1);
     }
@@ -937,7 +940,7 @@ static int smp__nc_shared_with(const unsigned char key[SMP__NC_KEY], int *node_s
     SMP__MPI_FATAL(MPI_Comm_rank(node, &me), "asking this rank's place on its node (device backend start-up)");
     SMP__MPI_FATAL(MPI_Comm_size(node, &n), "asking how many ranks share this node (device backend start-up)");
     *node_size = n;
-    unsigned char *all = (unsigned char *)smp__malloc((size_t)n * SMP__NC_KEY);
+    unsigned char *all = (unsigned char *)smp__alloc((size_t)n * SMP__NC_KEY, SMP__ALLOC_OTHER);
     if (!all) smp__fatal("device backend start-up: out of memory comparing the GPUs of %d local ranks", n); /* the others wait in the gather */
     {
         MPI_Request req;
@@ -966,7 +969,7 @@ static smp_status smp__nc_init_comms(void) {
     for (int g = 1; g < SMP_GROUP_COUNT; g++) { /* a group equal to the world, in the world's order, shares its communicator */
         int n = smp_group_size((smp_group)g);
         if (n != wsize) continue;
-        int *r = (int *)smp__malloc(sizeof(int) * (size_t)n);
+        int *r = (int *)smp__alloc(sizeof(int) * (size_t)n, SMP__ALLOC_OTHER);
         if (!r) return smp_error(SMP_ERR_NOMEM, "device backend start-up: out of memory");
         smp_group_ranks((smp_group)g, r, n);
         bool same = true;
@@ -1110,8 +1113,9 @@ static void smp__nc_close_all(void) {
             if (smp__nc.chans[g][i] && smp__nc.chans[g][i]->comm && !smp__nc.chans[g][i]->dead) n++;
     }
     if (!n) return;
-    ncclComm_t *c = (ncclComm_t *)smp__malloc(sizeof(ncclComm_t) * (size_t)n);
-    int *state = (int *)smp__malloc(sizeof(int) * (size_t)n); /* 0 finalizing, 1 finalized, 2 aborted */
+    ncclComm_t *c = (ncclComm_t *)smp__alloc(sizeof(ncclComm_t) * (size_t)n, SMP__ALLOC_OTHER);
+    /* 0 finalizing, 1 finalized, 2 aborted */
+    int *state = (int *)smp__alloc(sizeof(int) * (size_t)n, SMP__ALLOC_OTHER);
     if (!c || !state) {
         smp_free(c);
         smp_free(state);
@@ -1220,7 +1224,7 @@ static smp_status smp__nc_peer_arg(smp_group g, int peer) {
 }
 
 static smp_nccl_request *smp__nc_req_new(smp_group g, int peer, int kind) {
-    smp_nccl_request *r = (smp_nccl_request *)smp__malloc(sizeof *r);
+    smp_nccl_request *r = (smp_nccl_request *)smp__alloc(sizeof *r, SMP__ALLOC_OTHER);
     if (!r) return NULL;
     memset(r, 0, sizeof *r);
     r->kind = kind;
@@ -1285,16 +1289,17 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
     if (smp__nc.mode == SMP_NCCL_MODE_STAGED) return SMP_OK; /* MPI needs nothing */
     int n = smp_group_size(g);
     if (!smp__nc.chans[g]) {
-        smp__nc.chans[g] = (smp__nc_chan **)smp__malloc(sizeof(smp__nc_chan *) * 2 * (size_t)n);
+        smp__nc.chans[g] = (smp__nc_chan **)smp__alloc(sizeof(smp__nc_chan *) * 2 * (size_t)n, SMP__ALLOC_OTHER);
         if (!smp__nc.chans[g]) return smp_error(SMP_ERR_NOMEM, "smp_nccl_p2p_connect: out of memory");
         memset(smp__nc.chans[g], 0, sizeof(smp__nc_chan *) * 2 * (size_t)n);
         smp__nc.nchans[g] = 2 * n;
     }
     /* the peers not connected yet, each once */
-    int *todo = (int *)smp__malloc(sizeof(int) * (size_t)(npeers ? npeers : 1));
+    int *todo = (int *)smp__alloc(sizeof(int) * (size_t)(npeers ? npeers : 1), SMP__ALLOC_OTHER);
     typedef struct { int ok; ncclUniqueId id; } idpkt;
-    idpkt *mine = (idpkt *)smp__malloc(sizeof(idpkt) * 2 * (size_t)(npeers ? npeers : 1));
-    MPI_Request *reqs = (MPI_Request *)smp__malloc(sizeof(MPI_Request) * 2 * (size_t)(npeers ? npeers : 1));
+    idpkt *mine = (idpkt *)smp__alloc(sizeof(idpkt) * 2 * (size_t)(npeers ? npeers : 1), SMP__ALLOC_OTHER);
+    MPI_Request *reqs =
+        (MPI_Request *)smp__alloc(sizeof(MPI_Request) * 2 * (size_t)(npeers ? npeers : 1), SMP__ALLOC_OTHER);
     smp_status st = SMP_OK;
     int nt = 0;
     if (!todo || !mine || !reqs) { st = smp_error(SMP_ERR_NOMEM, "smp_nccl_p2p_connect: out of memory"); goto done; }
@@ -1327,7 +1332,7 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
     /* start every channel, then wait for all: no order between peers matters */
     for (int k = 0; k < nt && !st; k++) {
         for (int dir = 0; dir < 2 && !st; dir++) {
-            smp__nc_chan *c = (smp__nc_chan *)smp__malloc(sizeof *c);
+            smp__nc_chan *c = (smp__nc_chan *)smp__alloc(sizeof *c, SMP__ALLOC_OTHER);
             if (!c) { st = smp_error(SMP_ERR_NOMEM, "smp_nccl_p2p_connect: out of memory"); break; }
             memset(c, 0, sizeof *c);
             c->peer = dir == 0 ? 1 : 0; /* the sending side is rank 0 of the channel */
@@ -1392,7 +1397,7 @@ static smp_status smp__nc_p2p_start(const char *fn, void *buf, size_t bytes, int
     *req = NULL;
     SMP_TRY(smp__nc_ready(fn));
     SMP_TRY(smp__nc_peer_arg(g, peer));
-    SMP_TRY(smp__nc_check_ptr("the buffer", buf, smp__nc.device, bytes));
+    SMP_TRY(smp__nc_check_ptr("the buffer", buf, SMP_CUDA(smp__nc.device), bytes));
     smp_nccl_request *r = smp__nc_req_new(g, peer, SMP__NC_REQ_DONE);
     if (!r) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", fn);
     r->dst = buf;
@@ -1523,8 +1528,8 @@ SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t
     size_t bytes = (size_t)n * smp_dtype_size(dt);
     if (!smp_dtype_size(dt)) return smp_error(SMP_ERR_ARG, "smp_nccl_add: invalid dtype %d", (int)dt);
     if (!n) return SMP_OK;
-    SMP_TRY(smp__nc_check_ptr("dst", dst, smp__nc.device, bytes));
-    SMP_TRY(smp__nc_check_ptr("src", src, smp__nc.device, bytes));
+    SMP_TRY(smp__nc_check_ptr("dst", dst, SMP_CUDA(smp__nc.device), bytes));
+    SMP_TRY(smp__nc_check_ptr("src", src, SMP_CUDA(smp__nc.device), bytes));
 #ifdef __CUDACC__
     long long nn = (long long)n;
     unsigned grid = (unsigned)((nn + 255) / 256 < 4096 ? (nn + 255) / 256 : 4096);
@@ -1553,7 +1558,7 @@ static smp_status smp__nc_scale(void *data, smp_dtype dt, int64_t n, double by) 
     if (n < 0) return smp_error(SMP_ERR_ARG, "smp__nc_scale: negative count %lld", (long long)n);
     if (!smp_dtype_size(dt)) return smp_error(SMP_ERR_ARG, "smp__nc_scale: invalid dtype %d", (int)dt);
     if (!n || (dt != SMP_F32 && dt != SMP_F64 && dt != SMP_F16 && dt != SMP_BF16)) return SMP_OK;
-    SMP_TRY(smp__nc_check_ptr("data", data, smp__nc.device, (size_t)n * smp_dtype_size(dt)));
+    SMP_TRY(smp__nc_check_ptr("data", data, SMP_CUDA(smp__nc.device), (size_t)n * smp_dtype_size(dt)));
 #ifdef __CUDACC__
     long long nn = (long long)n;
     unsigned grid = (unsigned)((nn + 255) / 256 < 4096 ? (nn + 255) / 256 : 4096);
@@ -1575,7 +1580,7 @@ static smp_status smp__nc_scale(void *data, smp_dtype dt, int64_t n, double by) 
 static smp_status smp__nc_zero(void *p, size_t bytes) {
     SMP_TRY(smp__nc_ready("smp__nc_zero"));
     if (!bytes) return SMP_OK;
-    SMP_TRY(smp__nc_check_ptr("the buffer", p, smp__nc.device, bytes));
+    SMP_TRY(smp__nc_check_ptr("the buffer", p, SMP_CUDA(smp__nc.device), bytes));
     SMP__CU(cudaMemsetAsync, (p, 0, bytes, smp__nc_engine));
     return SMP_OK;
 }
@@ -1601,7 +1606,9 @@ SMPDEF const char *smp_nccl_mode_name(smp_nccl_mode m) {
     return m == SMP_NCCL_MODE_NCCL ? "nccl" : m == SMP_NCCL_MODE_STAGED ? "staged" : "none";
 }
 SMPDEF const char *smp_nccl_describe(void) { return smp__nc.up ? smp__nc.desc : "none: smp_init has not run"; }
-SMPDEF int smp_nccl_device(void) { return smp__nc.up && smp__nc.mode != SMP_NCCL_MODE_NONE ? smp__nc.device : -1; }
+SMPDEF int smp_nccl_device(void) {
+    return smp__nc.up && smp__nc.mode != SMP_NCCL_MODE_NONE ? SMP_CUDA(smp__nc.device) : SMP_HOST;
+}
 SMPDEF void smp_nccl_set_stream(cudaStream_t s) { smp__nc_engine = s; }
 SMPDEF cudaStream_t smp_nccl_stream(void) { return smp__nc_engine; }
 SMPDEF ncclComm_t smp_nccl_comm(smp_group g) {

@@ -324,6 +324,14 @@ SMPDEF smp_status smp_step_output_reduce_sum(const smp_step_output *o, smp_tenso
 SMPDEF smp_status smp_step_output_concat(const smp_step_output *o, smp_tensor *result);
 SMPDEF smp_status smp_step_output_stack(const smp_step_output *o, smp_tensor *result);
 SMPDEF double smp_step_output_reduce_mean_f64(const smp_step_output *o); /* reduce_mean of element 0, as a double: the usual loss */
+/* The mean over the whole batch: reduce_mean is SageMaker's, per model
+   replica (this replica's microbatches); these average every replica's
+   over the DP_GROUP, in dp-rank order, so every rank gets the same bits
+   (with ddp off, what reduce_mean gives). Collective over the DP_GROUP: every
+   rank calls them, after every step whose loss it wants. The _f64 form is
+   reduce_mean_f64's (NAN where some rank's StepOutput is empty). */
+SMPDEF smp_status smp_step_output_reduce_mean_global(const smp_step_output *o, smp_tensor *result);
+SMPDEF double smp_step_output_reduce_mean_global_f64(const smp_step_output *o);
 SMPDEF void smp_step_output_free(smp_step_output *o);
 
 /* What the last step did on this rank. */
@@ -2009,7 +2017,6 @@ static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, i
         char name[32];
         snprintf(name, sizeof name, "argument %d", a);
         SMP_TRY(smp__check_tensor(t, "smp_step", name));
-        if (t->device != SMP_HOST && !smp__ctx.has_device) return smp_error(SMP_ERR_ARG, "smp_step: argument %d is on a CUDA device but no device backend is registered", a);
         if (d->non_split[a]) continue;
         int ax = d->split_axis[a];
         if (ax < 0 || ax >= t->ndim) return smp_error(SMP_ERR_ARG, "smp_step: argument %d has %d dimensions, so it cannot be split along axis %d", a, t->ndim, ax);
@@ -3402,6 +3409,7 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m) {
 static smp_status smp__reduce_check(const smp_step_output *o, const smp_tensor *r, const char *fn, int64_t want) {
     if (!o || !o->values || o->microbatches < 1) return smp_error(SMP_ERR_ARG, "%s: the StepOutput is empty", fn);
     SMP_TRY(smp__check_tensor(r, fn, "result"));
+    if (r->device != SMP_HOST) return smp_error(SMP_ERR_ARG, "%s: result is on a CUDA device; StepOutputs are host memory", fn);
     for (int i = 0; i < o->microbatches; i++) {
         if (o->values[i].dtype != r->dtype)
             return smp_error(SMP_ERR_ARG, "%s: microbatch %d's value is %s, the result is %s", fn, i, smp_dtype_name(o->values[i].dtype), smp_dtype_name(r->dtype));
@@ -3412,7 +3420,7 @@ static smp_status smp__reduce_check(const smp_step_output *o, const smp_tensor *
 }
 
 static smp_status smp__reduce_out(const smp_step_output *o, smp_tensor *r, bool mean, const char *fn) {
-    SMP_TRY(smp__reduce_check(o, r, fn, smp_tensor_numel(r)));
+    SMP_TRY(smp__reduce_check(o, r, fn, r ? smp_tensor_numel(r) : 0));
     if (r->dtype != SMP_F32 && r->dtype != SMP_F64) return smp_error(SMP_ERR_ARG, "%s: reduces f32 and f64 values, not %s", fn, smp_dtype_name(r->dtype));
     int64_t n = smp_tensor_numel(r);
     for (int64_t x = 0; x < n; x++) {
@@ -3453,6 +3461,50 @@ SMPDEF double smp_step_output_reduce_mean_f64(const smp_step_output *o) {
         acc += v->dtype == SMP_F64 ? ((const double *)v->data)[0] : v->dtype == SMP_F32 ? (double)((const float *)v->data)[0] : (double)NAN;
     }
     return acc / o->microbatches;
+}
+/* Each member's n doubles mine[0..n) averaged over the DP_GROUP into out, in dp-rank order. */
+static smp_status smp__dp_mean(const double *mine, int64_t n, double *out, const char *fn) {
+    int dp = smp_dp_size();
+    smp_status st = SMP_OK;
+    double *all = (double *)smp__bytes_or(&st, sizeof(double) * (size_t)(n * dp), SMP__ALLOC_OTHER, fn);
+    st = smp__agree_on(smp__ctx.groups[SMP_DP_GROUP].comm, st, fn);
+    smp_tensor in = smp_tensor_1d((void *)(uintptr_t)mine, SMP_F64, n), every = smp_tensor_1d(all, SMP_F64, n * dp);
+    if (!st) st = smp_all_gather(&in, &every, SMP_DP_GROUP);
+    for (int64_t x = 0; x < n && !st; x++) {
+        double acc = all[x];
+        for (int r = 1; r < dp; r++) acc += all[(int64_t)r * n + x];
+        out[x] = acc / dp;
+    }
+    smp__free(all);
+    return st;
+}
+SMPDEF smp_status smp_step_output_reduce_mean_global(const smp_step_output *o, smp_tensor *r) {
+    const char *fn = "smp_step_output_reduce_mean_global";
+    SMP_TRY(smp__require_init(fn));
+    int64_t n = r ? smp_tensor_numel(r) : 0;
+    smp_status st = smp__reduce_check(o, r, fn, n);
+    if (!st && r->dtype != SMP_F32 && r->dtype != SMP_F64)
+        st = smp_error(SMP_ERR_ARG, "%s: reduces f32 and f64 values, not %s", fn, smp_dtype_name(r->dtype));
+    double *mean = (double *)smp__bytes_or(&st, sizeof(double) * (size_t)(2 * n), SMP__ALLOC_OTHER, fn);
+    for (int64_t x = 0; x < n && !st; x++) {
+        double acc = 0;
+        for (int i = 0; i < o->microbatches; i++)
+            acc += r->dtype == SMP_F32 ? (double)((const float *)o->values[i].data)[x] : ((const double *)o->values[i].data)[x];
+        mean[x] = acc / o->microbatches;
+    }
+    st = smp__agree_on(smp__ctx.groups[SMP_DP_GROUP].comm, st, fn); /* so that no member waits for one that failed */
+    if (!st) st = smp__dp_mean(mean, n, mean + n, fn);
+    for (int64_t x = 0; x < n && !st; x++) {
+        if (r->dtype == SMP_F32) ((float *)r->data)[x] = (float)mean[n + x];
+        else ((double *)r->data)[x] = mean[n + x];
+    }
+    smp__free(mean);
+    return st;
+}
+SMPDEF double smp_step_output_reduce_mean_global_f64(const smp_step_output *o) {
+    double mine = smp_step_output_reduce_mean_f64(o), mean = (double)NAN;
+    if (smp__require_init("smp_step_output_reduce_mean_global_f64")) return mean;
+    return smp__dp_mean(&mine, 1, &mean, "smp_step_output_reduce_mean_global_f64") ? (double)NAN : mean;
 }
 SMPDEF void smp_step_output_free(smp_step_output *o) {
     if (!o || !o->values) return;

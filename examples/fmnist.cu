@@ -18,7 +18,8 @@
      data.to(device)                             gpu_upload(...) of each batch
      optimizer.zero_grad()                       smp_model_zero_grad(model)
      _, loss_mb = train_step(model, x, y)        SMP_TRAIN_STEP(model, train_body, &engine, ...)
-     loss = loss_mb.reduce_mean()                smp_step_output_reduce_mean_f64(&loss_mb)
+     loss = loss_mb.reduce_mean()                smp_step_output_reduce_mean_global_f64(&loss_mb)
+       (per replica in SageMaker; smp's _global is the mean over every replica: the whole batch's loss)
      optimizer.step()                            adam_step(&opt, model)
      if smp.dp_rank() == 0: smp.save(...)        smp_save(...) (only dp rank 0 writes; smp copies device tensors out)
 
@@ -222,10 +223,8 @@ int main(int argc, char **argv) {
             smp_step_output loss_mb = {0, NULL};
             smp_model_zero_grad(model);                               /* optimizer.zero_grad() */
             if ((st = SMP_TRAIN_STEP(model, train_body, &engine, &loss_mb, 1, x, y))) break;
-            double loss = smp_step_output_reduce_mean_f64(&loss_mb);             /* loss_mb.reduce_mean() */
+            double loss = smp_step_output_reduce_mean_global_f64(&loss_mb);      /* the global batch's loss */
             smp_step_output_free(&loss_mb);
-            smp_tensor loss_t = smp_tensor_1d(&loss, SMP_F64, 1);
-            smp_all_reduce(&loss_t, &loss_t, SMP_AVG, SMP_DP_GROUP);    /* the global batch's loss */
             if (opt.print_losses && smp_rank() == 0) printf("step %ld loss %a\n", steps, loss);
             opt_state.cfg.lr = opt.lr * powf(opt.lr_decay, (float)epoch);
             if (adam_step(&opt_state, model)) die("the optimizer step"); /* optimizer.step() */

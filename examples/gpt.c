@@ -14,7 +14,8 @@
      @smp.step def train_step(model, x, y)       SMP_STEP_BODY(gpt_loss_body) (gpt_model.h)
      optimizer.zero_grad()                       smp_model_zero_grad(model)
      loss_mb = train_step(model, x, y)           SMP_TRAIN_STEP(model, gpt_loss_body, ...)
-     loss = loss_mb.reduce_mean()                smp_step_output_reduce_mean_f64(&loss_mb)
+     loss = loss_mb.reduce_mean()                smp_step_output_reduce_mean_global_f64(&loss_mb)
+       (per replica in SageMaker; smp's _global is the mean over every replica: the whole batch's loss)
      clip_grad_norm_(model.parameters(), 1.0)    smp_clip_grad_norm(model, 1.0, NULL)
      optimizer.step()  (AdamW, cosine schedule)  adamw_step(...) on local parameters
      smp.save(model.state_dict(), ...)           smp_save(model, path, full)
@@ -454,7 +455,7 @@ int main(int argc, char **argv) {
             smp_step_output loss_mb = {0};
             smp_model_zero_grad(model);                                   /* optimizer.zero_grad() */
             if ((st = SMP_TRAIN_STEP(model, gpt_loss_body, NULL, &loss_mb, 1, xt, yt))) break;
-            double l = smp_step_output_reduce_mean_f64(&loss_mb);                    /* loss_mb.reduce_mean() */
+            double l = smp_step_output_reduce_mean_global_f64(&loss_mb);             /* the global batch's loss */
             smp_step_output_free(&loss_mb);
             loss = r == 0 ? l : loss + l;
             if (R > 1) { /* replica r's gradient / R, added in replica order (what deterministic DDP sums) */
@@ -476,7 +477,6 @@ int main(int argc, char **argv) {
             for (int i = 0; (p = smp_model_local_param(model, i, false)); i++)
                 memcpy(smp_param_grad(p)->data, acc[i], smp_tensor_nbytes(smp_param_grad(p)));
         }
-        loss = dp_mean(loss);                                             /* the global batch's loss */
         if (step == 0 && opt.grads && fail_all(save_grads(model, opt.grads, &text, &opt, x, y, (int)rows, loss), "--grads")) goto done;
         if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
         adamw_step(&opt_state, model, &opt, lr);                          /* optimizer.step() */
@@ -509,10 +509,11 @@ int main(int argc, char **argv) {
                 smp_tensor xt = smp_tensor_2d(x, SMP_I32, rows, T), yt = smp_tensor_2d(y, SMP_I32, rows, T);
                 smp_step_output loss_mb = {0};
                 if ((st = SMP_EVAL_STEP(model, gpt_loss_body, NULL, &loss_mb, 1, xt, yt))) break;
-                l = r == 0 ? smp_step_output_reduce_mean_f64(&loss_mb) : l + smp_step_output_reduce_mean_f64(&loss_mb);
+                double g = smp_step_output_reduce_mean_global_f64(&loss_mb);
+                l = r == 0 ? g : l + g;
                 smp_step_output_free(&loss_mb);
             }
-            val += dp_mean(l / R);
+            val += l / R;
         }
         if (fail_all(st, "validation")) goto done;
         val /= opt.val_batches;

@@ -405,7 +405,7 @@ int main(int argc, char **argv) {
                 if ((st = plain_step(&pl, &net, &gg, xd, yd, M, T, &loss))) break;
             } else {
                 if ((st = SMP_TRAIN_STEP(model, gpt_gpu_loss_body, &gg, &loss_mb, 1, xt, yt))) break;
-                loss = dp_mean(smp_step_output_reduce_mean_f64(&loss_mb)); /* the global batch's loss */
+                loss = smp_step_output_reduce_mean_global_f64(&loss_mb); /* the global batch's loss */
                 smp_step_output_free(&loss_mb);
             }
             if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
@@ -462,7 +462,7 @@ int main(int argc, char **argv) {
                 smp_step_output loss_mb;
                 memset(&loss_mb, 0, sizeof loss_mb);
                 if ((st = SMP_EVAL_STEP(model, gpt_gpu_loss_body, &gg, &loss_mb, 1, xt, yt))) break;
-                val += dp_mean(smp_step_output_reduce_mean_f64(&loss_mb));
+                val += smp_step_output_reduce_mean_global_f64(&loss_mb);
                 smp_step_output_free(&loss_mb);
             }
             if (fail_all(st, "validation")) goto done;

@@ -317,22 +317,6 @@ static float lr_at(const options *o, int step) {
 /* ---------------------------------------------------------------- helpers */
 static double now(void) { return MPI_Wtime(); }
 
-/* The mean of every replica's value, summed in dp-rank order (the same
-   bits whichever MPI algorithm runs). */
-static double dp_mean(double x) {
-    int dp = smp_dp_size();
-    if (dp == 1) return x;
-    double all[64];
-    void *buf = NULL;
-    size_t lens[64];
-    if (dp > 64 || smp_all_gather_bytes(&x, sizeof x, SMP_DP_GROUP, &buf, lens)) return NAN;
-    memcpy(all, buf, sizeof(double) * (size_t)dp);
-    smp_free(buf);
-    double s = all[0];
-    for (int r = 1; r < dp; r++) s += all[r];
-    return s / dp;
-}
-
 static void fmt_time(double s, char *buf, size_t cap) {
     long t = (long)(s + 0.5);
     if (t >= 60) snprintf(buf, cap, "%ldm%02lds", t / 60, t % 60);

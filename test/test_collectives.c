@@ -746,7 +746,11 @@ static void test_dlpack(void) {
     dl.device.device_type = kDLCUDA;
     dl.device.device_id = 3;
     st = smp_tensor_from_dlpack(&dl, &t);
-    if (st != SMP_OK || t.device != 3) fail(&a, "CUDA device 3: %s, device %d", smp_status_name(st), t.device);
+    if (st != SMP_OK || t.device != SMP_CUDA(3)) fail(&a, "CUDA device 3: %s, device %d", smp_status_name(st), t.device);
+    int64_t cuda_shape[SMP_MAX_DIMS];
+    DLTensor cuda_back = smp_tensor_to_dlpack(&t, cuda_shape);
+    if (cuda_back.device.device_type != kDLCUDA || cuda_back.device.device_id != 3)
+        fail(&a, "CUDA device 3 back to DLPack: type %d, id %d", (int)cuda_back.device.device_type, (int)cuda_back.device.device_id);
     dl.device.device_type = kDLCPU;
     dl.strides = bad_strides;
     st = smp_tensor_from_dlpack(&dl, &t);
@@ -922,8 +926,22 @@ static void test_argument_errors(void) {
         bad.data = NULL;
         expect_error("errors/all_reduce/no_data", smp_all_reduce(&bad, &bad, SMP_SUM, SMP_WORLD), SMP_ERR_ARG, "data", NULL);
         bad = tf;
-        bad.device = 0;
-        expect_error("errors/all_reduce/cuda_without_backend", smp_all_reduce(&bad, &bad, SMP_SUM, SMP_WORLD), SMP_ERR_ARG, "device", NULL);
+        bad.device = SMP_CUDA(0);
+        expect_error("errors/all_reduce/cuda_without_backend", smp_all_reduce(&bad, &bad, SMP_SUM, SMP_WORLD), SMP_ERR_ARG,
+                     "smp_all_reduce: in is on CUDA device 0", "no device backend");
+        bad.device = -1;
+        expect_error("errors/all_reduce/negative_device", smp_all_reduce(&bad, &bad, SMP_SUM, SMP_WORLD), SMP_ERR_ARG,
+                     "smp_all_reduce: in has device -1", "SMP_HOST");
+        smp_tensor host = tf;
+        bad.device = SMP_CUDA(1);
+        expect_error("errors/all_reduce/out_on_cuda_without_backend", smp_all_reduce(&host, &bad, SMP_SUM, SMP_WORLD),
+                     SMP_ERR_ARG, "smp_all_reduce: out", "device");
+        /* a zero-initialised tensor is in host memory (zero is the default everywhere) */
+        float one = 1;
+        smp_tensor zeroed = {.data = &one, .dtype = SMP_F32, .ndim = 1, .shape = {1}};
+        smp_status st = smp_all_reduce(&zeroed, &zeroed, SMP_SUM, SMP_WORLD);
+        MPI_CHECK(st == SMP_OK && one == (float)w.n, "errors/all_reduce/zero_initialised_tensor_is_host", "gave %s (%.200s), sum %g",
+                  smp_status_name(st), smp_last_error(), (double)one);
     }
     expect_error("errors/broadcast/root_too_big", smp_broadcast(&tf, w.n, SMP_WORLD), SMP_ERR_ARG, "root", NULL);
     expect_error("errors/broadcast/root_negative", smp_broadcast(&tf, -1, SMP_WORLD), SMP_ERR_ARG, "root", NULL);

@@ -118,7 +118,7 @@ static void *host_mem(const void *h, const char *what) {
 /* A tensor's memory as a kernel reads it, checked against its device field. */
 static float *mem_of(const smp_tensor *t, const char *what) {
     if (t->device == SMP_HOST) return (float *)host_mem(t->data, what);
-    if (t->device != 0) device_fault("%s is on device %d; the fake device is 0", what, t->device);
+    if (t->device != SMP_CUDA(0)) device_fault("%s is on device %d; the fake device is SMP_CUDA(0)", what, t->device);
     return (float *)dev_mem(t->data, smp_tensor_nbytes(t), what);
 }
 /* ... for tensors an on_device model must keep on the device */
@@ -133,7 +133,7 @@ static const char *VIA_NAME[] = {"p2p", "no p2p", "p2p through host"};
 
 static MPI_Comm g_p2p_comm[SMP_GROUP_COUNT];
 static bool *g_connected[SMP_GROUP_COUNT];
-static int g_device_ordinal = 0;
+static int g_device = SMP_CUDA(0);
 static long g_isends; /* whether the executor used point to point */
 
 typedef struct fake_req { MPI_Request mpi; size_t bytes; int peer; bool recv, done; } fake_req;
@@ -156,7 +156,7 @@ static smp_status fake_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op 
 static int g_bucket_reductions, g_unfenced, g_fences, g_fenced_buckets;
 static smp_status fake_bucket_all_reduce(void *data, smp_dtype dt, int64_t n, smp_group g) {
     smp_tensor t = smp_tensor_1d(data, dt, n);
-    t.device = g_device_ordinal;
+    t.device = g_device;
     g_bucket_reductions++;
     g_unfenced++;
     return fake_all_reduce(&t, &t, SMP_SUM, g);
@@ -192,8 +192,8 @@ static smp_status fake_all_to_all(const smp_tensor *in, smp_tensor *out, const i
 static smp_status fake_copy(void *dst, int dst_device, const void *src, int src_device, size_t n) {
     void *d = dst_device == SMP_HOST ? host_mem(dst, "copy destination") : dev_mem(dst, n, "copy destination");
     const void *s = src_device == SMP_HOST ? host_mem(src, "copy source") : dev_mem(src, n, "copy source");
-    if ((dst_device != SMP_HOST && dst_device != 0) || (src_device != SMP_HOST && src_device != 0))
-        device_fault("copy between devices %d and %d; the fake device is 0", dst_device, src_device);
+    if ((dst_device != SMP_HOST && dst_device != SMP_CUDA(0)) || (src_device != SMP_HOST && src_device != SMP_CUDA(0)))
+        device_fault("copy between devices %d and %d; the fake device is SMP_CUDA(0)", dst_device, src_device);
     memmove(d, s, n);
     return SMP_OK;
 }
@@ -220,7 +220,7 @@ static smp_status fake_zero(void *p, size_t bytes) {
     return SMP_OK;
 }
 
-static int fake_current_device(void) { return g_device_ordinal; }
+static int fake_current_device(void) { return g_device; }
 static bool fake_through_host(void) { return true; }
 static smp_status fake_synchronize(void) { return SMP_OK; }
 
@@ -356,7 +356,7 @@ static void register_fake(int via) {
 static smp_tensor upload(const float *h, int64_t rows, int64_t cols) {
     smp_tensor t = smp_tensor_2d(fake_alloc(sizeof(float) * (size_t)(rows * cols)), SMP_F32, rows, cols);
     memcpy(dev_mem(t.data, smp_tensor_nbytes(&t), "upload"), h, smp_tensor_nbytes(&t));
-    t.device = 0;
+    t.device = SMP_CUDA(0);
     return t;
 }
 
@@ -821,7 +821,7 @@ static void checkpoint_case(int P) {
 }
 
 /* ---------------------------------------------------------------- what on_device needs */
-static int g_no_device_ordinal(void) { return -1; }
+static int g_no_device(void) { return SMP_HOST; }
 
 static void backend_requirements(void) {
     smp_config cfg = base_config(1, 1);
@@ -844,7 +844,7 @@ static void backend_requirements(void) {
             b.add = fake_add;
             b.zero = fake_zero;
             b.current_device = fake_current_device;
-            if (cases[k].how == 2) { b.scale = fake_scale; b.current_device = g_no_device_ordinal; }
+            if (cases[k].how == 2) { b.scale = fake_scale; b.current_device = g_no_device; }
             smp_register_device_backend(&b);
         }
         smp_status st = smp_init(&cfg);

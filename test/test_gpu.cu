@@ -478,7 +478,7 @@ static void test_alloc_add(void) {
    on a receive that world rank 1 sends only after rank 0 has looked. */
 static void test_block_reuse(void) {
     int pools = 1;
-    CK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, smp_nccl_device()));
+    CK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, SMP_CUDA_ORDINAL(smp_nccl_device())));
     if (pools || W_SIZE < 2 || smp_nccl_current_mode() != SMP_NCCL_MODE_NCCL) return; /* cudaMallocAsync orders reuse itself */
     result res = ok_result();
     const size_t bytes = 4096 * sizeof(float);
