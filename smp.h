@@ -78,7 +78,8 @@
      partitions (1)            microbatches (1)
      pipeline (interleaved|simple|zero_bubble|zero_bubble_v)
      optimize (speed|memory)   auto_partition (true)   default_partition (none)
-     ddp (false)               placement_strategy (cluster|spread)
+     ddp (false)               placement_strategy (cluster|spread|DPT|PTD|...: smp_placement)
+     pipeline_parallel_degree (= partitions)           tensor_parallel_degree (1)
      memory_weight (speed: 0, memory: 1)               trace_device (cpu|gpu)
      trace_execution_times (false)  trace_memory_usage (false)
      overlapping_allreduce (true)   backward_passes_per_step (1)
@@ -333,7 +334,16 @@ typedef enum smp_pipeline_kind {
     SMP_PIPELINE_DEFAULT = 0, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_SIMPLE, SMP_PIPELINE_ZERO_BUBBLE, SMP_PIPELINE_ZERO_BUBBLE_V
 } smp_pipeline_kind;
 typedef enum smp_optimize { SMP_OPTIMIZE_DEFAULT = 0, SMP_OPTIMIZE_SPEED, SMP_OPTIMIZE_MEMORY } smp_optimize;
-typedef enum smp_placement { SMP_PLACEMENT_DEFAULT = 0, SMP_PLACEMENT_CLUSTER, SMP_PLACEMENT_SPREAD } smp_placement;
+/* Where the coordinates go over the world's ranks. The letter forms are
+   SageMaker's: D (reduced data parallel, rdp), P (pipeline, pp) and T
+   (tensor parallel, tp), the right-most letter varying fastest over
+   consecutive world ranks. cluster is DPT (a replica's ranks side by side,
+   a TP group's ranks closest), spread is TPD (an RDP group's ranks side by
+   side). */
+typedef enum smp_placement {
+    SMP_PLACEMENT_DEFAULT = 0, SMP_PLACEMENT_CLUSTER, SMP_PLACEMENT_SPREAD,
+    SMP_PLACEMENT_DPT, SMP_PLACEMENT_DTP, SMP_PLACEMENT_PDT, SMP_PLACEMENT_PTD, SMP_PLACEMENT_TDP, SMP_PLACEMENT_TPD
+} smp_placement;
 typedef enum smp_trace_device { SMP_TRACE_DEFAULT = 0, SMP_TRACE_CPU, SMP_TRACE_GPU } smp_trace_device;
 
 /* Zero is the default in every field (smp_config cfg = {0}): a number's 0
@@ -342,6 +352,8 @@ typedef enum smp_trace_device { SMP_TRACE_DEFAULT = 0, SMP_TRACE_CPU, SMP_TRACE_
    (partition 0, a weight of 0) count only where their has_ flag is true. */
 typedef struct smp_config {
     int partitions;                 /* pipeline stages per model replica; 0: 1 */
+    int pipeline_parallel_degree;   /* SageMaker's PyTorch name for partitions; 0: unset (set both: they must agree) */
+    int tensor_parallel_degree;     /* ranks that share each sharded layer (TP_GROUP); 0: 1 */
     int microbatches;               /* per step; 0: 1 */
     smp_pipeline_kind pipeline;     /* default: interleaved (1F1B) */
     smp_optimize optimize;          /* auto-partition objective; default: speed */
@@ -349,7 +361,7 @@ typedef struct smp_config {
     int default_partition;          /* used only when has_default_partition; default none */
     bool has_default_partition;
     smp_switch ddp;                 /* data parallel over partitions x replicas; default off */
-    smp_placement placement_strategy; /* default: cluster */
+    smp_placement placement_strategy; /* default: cluster (= DPT) */
     double memory_weight;           /* used only when has_memory_weight; default from optimize (speed 0, memory 1) */
     bool has_memory_weight;
     smp_trace_device trace_device;  /* default: gpu when a device backend is present, else cpu */
@@ -386,7 +398,30 @@ SMPDEF void smp_finalize(void);
 SMPDEF bool smp_is_initialized(void);
 SMPDEF const smp_config *smp_current_config(void); /* resolved values */
 
-typedef enum smp_group { SMP_WORLD = 0, SMP_MP_GROUP, SMP_DP_GROUP, SMP_GROUP_COUNT } smp_group;
+/* Groups, as SageMaker defines them. world = pp x tp x rdp, where pp is
+   partitions (pipeline_parallel_degree), tp tensor_parallel_degree and rdp
+   the replicas left (rdp = world / (pp x tp)). Each rank has a coordinate
+   (pp_rank, tp_rank, rdp_rank), placed by placement_strategy, and:
+     PP_GROUP   same tp_rank and rdp_rank: one pipeline, pp ranks, ordered
+                by pp_rank (its stages run on it);
+     TP_GROUP   same pp_rank and rdp_rank: the ranks sharing each sharded
+                layer of one partition, tp ranks, ordered by tp_rank;
+     RDP_GROUP  same pp_rank and tp_rank: the ranks holding the same
+                parameters (reduced data parallel), rdp ranks; data-parallel
+                gradients are summed over it;
+     MP_GROUP   same rdp_rank: one whole model replica, pp x tp ranks,
+                mp_rank = pp_rank x tp + tp_rank;
+     DP_GROUP   same pp_rank: every rank holding a piece of the same
+                partition, tp x rdp ranks, dp_rank = rdp_rank x tp + tp_rank.
+   So dp = tp x rdp and mp = pp x tp; with tp = 1, TP_GROUP is the rank
+   alone, PP_GROUP is MP_GROUP (pp_rank = mp_rank) and RDP_GROUP is DP_GROUP
+   (rdp_rank = dp_rank), the groups smp had before tensor parallelism.
+   smp's tensor-parallel modules expect every rank of a TP group to see the
+   same batch (SageMaker's prescaled_batch): shard data by rdp_rank and
+   rdp_size, not dp_rank. */
+typedef enum smp_group {
+    SMP_WORLD = 0, SMP_MP_GROUP, SMP_DP_GROUP, SMP_PP_GROUP, SMP_TP_GROUP, SMP_RDP_GROUP, SMP_GROUP_COUNT
+} smp_group;
 
 SMPDEF int smp_rank(void);
 SMPDEF int smp_size(void);
@@ -396,9 +431,20 @@ SMPDEF int smp_mp_rank(void);
 SMPDEF int smp_mp_size(void);
 SMPDEF int smp_dp_rank(void);
 SMPDEF int smp_dp_size(void);
+SMPDEF int smp_pp_rank(void);
+SMPDEF int smp_pp_size(void);
+SMPDEF int smp_tp_rank(void);
+SMPDEF int smp_tp_size(void);
+SMPDEF int smp_rdp_rank(void);
+SMPDEF int smp_rdp_size(void);
 SMPDEF int smp_group_rank(smp_group g);
 SMPDEF int smp_group_size(smp_group g);
 SMPDEF MPI_Comm smp_group_comm(smp_group g);
+/* Where a world of `size` ranks puts world rank `rank`, without MPI (before
+   smp_init, or for another rank): pp partitions, tensor-parallel degree tp
+   (pp x tp must divide size). smp_init places this rank so. */
+typedef struct smp_coords { int pp_rank, tp_rank, rdp_rank, mp_rank, dp_rank; } smp_coords;
+SMPDEF smp_coords smp_topology_of(int rank, int size, int pp, int tp, smp_placement placement);
 
 /* ---------------------------------------------------------------- waiting */
 /* Seconds any single wait may take before the job aborts (SMP_TIMEOUT). */
@@ -807,10 +853,6 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
 SMPDEF int smp_group_ranks(smp_group g, int *world_ranks, int cap);
 /* World rank of member `group_rank` of this rank's group g. */
 SMPDEF int smp_group_world_rank(smp_group g, int group_rank);
-/* The topology a world of `size` ranks would have, without MPI: the model
-   parallel and data parallel coordinates of world rank `rank`. */
-SMPDEF void smp_topology_of(int rank, int size, int partitions, smp_placement placement,
-                            int *mp_rank, int *dp_rank);
 SMPDEF int smp_model_num_calls(const smp_model *m);                        /* leaf calls (composites count their leaves) */
 SMPDEF int smp_model_call_stage(const smp_model *m, int call);
 /* The core on plain costs: the same contract, cost[i] >= 0 being call i's. */
@@ -882,7 +924,8 @@ static struct {
     bool initialized, owns_mpi;
     smp_config cfg;
     MPI_Comm world;          /* smp's duplicate of the host communicator */
-    int rank, size, local_rank, local_size, mp_rank, dp_rank;
+    int rank, size, local_rank, local_size;
+    int pp_rank, tp_rank, rdp_rank, mp_rank, dp_rank; /* smp_group's comment says what each is */
     char *hosts;             /* every world rank's host name, back to back */
     int *host_at;            /* world rank -> offset of its name in hosts */
     smp__group_info groups[SMP_GROUP_COUNT];
@@ -1763,7 +1806,7 @@ typedef enum smp__cfg_kind {
 /* Enum strings: the value of names[i] is i + 1 (0 is each enum's DEFAULT). */
 static const char *const smp__cfg_pipeline_names[] = {"interleaved", "simple", "zero_bubble", "zero_bubble_v", NULL};
 static const char *const smp__cfg_optimize_names[] = {"speed", "memory", NULL};
-static const char *const smp__cfg_placement_names[] = {"cluster", "spread", NULL};
+static const char *const smp__cfg_placement_names[] = {"cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD", NULL};
 static const char *const smp__cfg_trace_names[] = {"cpu", "gpu", NULL};
 
 /* A row a key, naming the smp_config field it sets. Every field but the
@@ -1779,6 +1822,8 @@ static const struct smp__cfg_key {
     const char *spelled;       /* ENUM: the C names, for resolve's message */
 } smp__cfg_keys[] = {
     {"partitions", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(partitions), 0, NULL, NULL},
+    {"pipeline_parallel_degree", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(pipeline_parallel_degree), 0, NULL, NULL},
+    {"tensor_parallel_degree", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(tensor_parallel_degree), 0, NULL, NULL},
     {"microbatches", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(microbatches), 0, NULL, NULL},
     {"pipeline", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(pipeline), SMP_PIPELINE_INTERLEAVED, smp__cfg_pipeline_names,
      "SMP_PIPELINE_INTERLEAVED (1), SMP_PIPELINE_SIMPLE (2), SMP_PIPELINE_ZERO_BUBBLE (3) or SMP_PIPELINE_ZERO_BUBBLE_V (4)"},
@@ -1788,7 +1833,8 @@ static const struct smp__cfg_key {
     {"default_partition", SMP__CFG_KIND_INDEX, SMP__CFG_FIELD(default_partition), 0, NULL, NULL},
     {"ddp", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(ddp), SMP_OFF, NULL, NULL},
     {"placement_strategy", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(placement_strategy), SMP_PLACEMENT_CLUSTER,
-     smp__cfg_placement_names, "SMP_PLACEMENT_CLUSTER (1) or SMP_PLACEMENT_SPREAD (2)"},
+     smp__cfg_placement_names, "SMP_PLACEMENT_CLUSTER (1), SMP_PLACEMENT_SPREAD (2) or a letter form SMP_PLACEMENT_DPT (3) "
+     "to SMP_PLACEMENT_TPD (8)"},
     {"memory_weight", SMP__CFG_KIND_WEIGHT, SMP__CFG_FIELD(memory_weight), 0, NULL, NULL},
     {"trace_device", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(trace_device), SMP_TRACE_CPU, smp__cfg_trace_names,
      "SMP_TRACE_CPU (1) or SMP_TRACE_GPU (2)"},
@@ -1810,6 +1856,7 @@ static const struct smp__cfg_key {
 typedef char smp__cfg_enums_are_ints[sizeof(smp_switch) == sizeof(int) && sizeof(smp_pipeline_kind) == sizeof(int) &&
                                      sizeof(smp_optimize) == sizeof(int) && sizeof(smp_placement) == sizeof(int) &&
                                      sizeof(smp_trace_device) == sizeof(int) ? 1 : -1];
+typedef char smp__cfg_keys_fit_seen[SMP__CFG_NKEYS <= 32 ? 1 : -1]; /* smp__cfg_build.seen has a bit a key */
 
 static int smp__cfg_int(const smp_config *c, const struct smp__cfg_key *key) {
     int v;
@@ -2130,10 +2177,6 @@ static void smp__cfg_unknown_key(const smp__jvalue *key, char *msg, size_t cap) 
     smp__cfg_quote(q, sizeof q, key->str, key->str_len, key->str_more);
     snprintf(msg, cap, "unknown config key %s", q);
     /* names SageMaker users may bring along */
-    if (!key->str_more && strcmp(key->str, "pipeline_parallel_degree") == 0) {
-        smp__cfg_appendf(msg, cap, " (smp calls it \"partitions\")");
-        return;
-    }
     if (!key->str_more && (strcmp(key->str, "parameters") == 0 || strcmp(key->str, "enabled") == 0 ||
                            strcmp(key->str, "modelparallel") == 0)) {
         smp__cfg_appendf(msg, cap, " (give smp the contents of SageMaker's \"parameters\" object, "
@@ -2358,20 +2401,36 @@ SMPDEF smp_status smp_config_resolve(const smp_config *in, int world_size, smp_c
     if (world_size < 1) return smp_error(SMP_ERR_ARG, "smp_config_resolve: world size %d is not positive", world_size);
     smp_config c = *in;
 
+    /* one setting under two names: SageMaker's PyTorch name wins where only it is set */
+    if (c.partitions > 0 && c.pipeline_parallel_degree > 0 && c.partitions != c.pipeline_parallel_degree)
+        return smp_error(SMP_ERR_CONFIG, "config keys \"partitions\" (%d) and \"pipeline_parallel_degree\" (%d) disagree: they are "
+                         "one setting (SageMaker's PyTorch name for partitions); give one of them, or the same value to both",
+                         c.partitions, c.pipeline_parallel_degree);
+    if (c.partitions == 0) c.partitions = c.pipeline_parallel_degree;
+
     /* enums, switches and counts first: everything below reads them */
     for (int i = 0; i < SMP__CFG_NKEYS; i++) SMP_TRY(smp__cfg_resolve_key(&c, &smp__cfg_keys[i]));
+    c.pipeline_parallel_degree = c.partitions;
 
-    /* partitions against the world */
-    if (c.partitions > world_size)
+    /* partitions x tensor_parallel_degree against the world */
+    int tp = c.tensor_parallel_degree;
+    long long mp = (long long)c.partitions * tp;
+    if (tp == 1 && c.partitions > world_size)
         return smp_error(SMP_ERR_CONFIG, "partitions = %d needs at least %d ranks, but the world size is %d",
                          c.partitions, c.partitions, world_size);
-    if (world_size % c.partitions != 0)
+    if (tp == 1 && world_size % c.partitions != 0)
         return smp_error(SMP_ERR_CONFIG, "partitions = %d does not divide the world size %d", c.partitions, world_size);
-    if (world_size > c.partitions && c.ddp != SMP_ON)
+    if (tp > 1 && (mp > world_size || world_size % mp != 0))
+        return smp_error(SMP_ERR_CONFIG, "partitions (pipeline_parallel_degree) = %d x tensor_parallel_degree = %d makes %lld ranks "
+                         "a model replica, which does not divide the world size %d: run a multiple of %lld ranks, or change "
+                         "the degrees", c.partitions, tp, mp, world_size, mp);
+    char times_tp[48] = "";
+    if (tp > 1) snprintf(times_tp, sizeof times_tp, " x tensor_parallel_degree = %d", tp);
+    if (world_size > mp && c.ddp != SMP_ON)
         return smp_error(SMP_ERR_CONFIG,
-                         "a world of %d ranks with partitions = %d makes %d model replicas, which needs data "
+                         "a world of %d ranks with partitions = %d%s makes %lld model replicas, which needs data "
                          "parallelism: set \"ddp\": true (ddp is off)",
-                         world_size, c.partitions, world_size / c.partitions);
+                         world_size, c.partitions, times_tp, world_size / mp);
 
     /* a value set without its flag would be dropped without a word */
     if (!c.has_default_partition && c.default_partition != 0)
@@ -2486,7 +2545,8 @@ static bool smp__backoff_pause(smp__backoff *b) {
 SMPDEF int smp_group_world_rank(smp_group g, int group_rank); /* a test hook (SMP_TESTING) the waits use */
 
 static const char *smp__group_name(smp_group g) {
-    return g == SMP_WORLD ? "world" : g == SMP_MP_GROUP ? "MP_GROUP" : g == SMP_DP_GROUP ? "DP_GROUP" : "?";
+    static const char *const names[SMP_GROUP_COUNT] = {"world", "MP_GROUP", "DP_GROUP", "PP_GROUP", "TP_GROUP", "RDP_GROUP"};
+    return (unsigned)g < SMP_GROUP_COUNT ? names[g] : "?";
 }
 
 static const char *smp__rank_host(int rank);
@@ -2644,15 +2704,27 @@ SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_gr
 }
 
 /* ---------------------------------------------------------------- topology */
-SMPDEF void smp_topology_of(int rank, int size, int partitions, smp_placement placement, int *mp_rank, int *dp_rank) {
-    int dp_size = size / partitions;
-    if (placement == SMP_PLACEMENT_SPREAD) { /* a DP_GROUP's ranks are adjacent */
-        *dp_rank = rank % dp_size;
-        *mp_rank = rank / dp_size;
-    } else { /* cluster: a model replica's ranks are adjacent */
-        *mp_rank = rank % partitions;
-        *dp_rank = rank / partitions;
+/* Each placement's letters, left to right; the right-most varies fastest over the world's ranks. */
+static const char *smp__placement_letters(smp_placement p) {
+    static const char *const letters[] = {"DPT", "DPT", "TPD", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"};
+    return (unsigned)p < sizeof letters / sizeof letters[0] ? letters[p] : "DPT";
+}
+
+SMPDEF smp_coords smp_topology_of(int rank, int size, int pp, int tp, smp_placement placement) {
+    int rdp = size / (pp * tp), coord[3] = {0, 0, 0}; /* D, P, T */
+    const char *letters = smp__placement_letters(placement);
+    for (int i = 2; i >= 0; i--) {
+        int which = letters[i] == 'D' ? 0 : letters[i] == 'P' ? 1 : 2, degree = which == 0 ? rdp : which == 1 ? pp : tp;
+        coord[which] = rank % degree;
+        rank /= degree;
     }
+    smp_coords c;
+    c.rdp_rank = coord[0];
+    c.pp_rank = coord[1];
+    c.tp_rank = coord[2];
+    c.mp_rank = c.pp_rank * tp + c.tp_rank;
+    c.dp_rank = c.rdp_rank * tp + c.tp_rank;
+    return c;
 }
 
 SMPDEF int smp_rank(void) { return smp__ctx.rank; }
@@ -2660,9 +2732,15 @@ SMPDEF int smp_size(void) { return smp__ctx.size; }
 SMPDEF int smp_local_rank(void) { return smp__ctx.local_rank; }
 SMPDEF int smp_local_size(void) { return smp__ctx.local_size; }
 SMPDEF int smp_mp_rank(void) { return smp__ctx.mp_rank; }
-SMPDEF int smp_mp_size(void) { return smp__ctx.cfg.partitions; }
+SMPDEF int smp_mp_size(void) { return smp__ctx.initialized ? smp__ctx.cfg.partitions * smp__ctx.cfg.tensor_parallel_degree : 1; }
 SMPDEF int smp_dp_rank(void) { return smp__ctx.dp_rank; }
 SMPDEF int smp_dp_size(void) { return smp__ctx.initialized ? smp__ctx.size / smp__ctx.cfg.partitions : 1; }
+SMPDEF int smp_pp_rank(void) { return smp__ctx.pp_rank; }
+SMPDEF int smp_pp_size(void) { return smp__ctx.initialized ? smp__ctx.cfg.partitions : 1; }
+SMPDEF int smp_tp_rank(void) { return smp__ctx.tp_rank; }
+SMPDEF int smp_tp_size(void) { return smp__ctx.initialized ? smp__ctx.cfg.tensor_parallel_degree : 1; }
+SMPDEF int smp_rdp_rank(void) { return smp__ctx.rdp_rank; }
+SMPDEF int smp_rdp_size(void) { return smp__ctx.initialized ? smp_dp_size() / smp__ctx.cfg.tensor_parallel_degree : 1; }
 SMPDEF bool smp_is_initialized(void) { return smp__ctx.initialized; }
 SMPDEF const smp_config *smp_current_config(void) { return &smp__ctx.cfg; }
 
@@ -2793,7 +2871,7 @@ static void smp__exit_guard(void) {
     else snprintf(where, sizeof where, "after %ld steps, outside a step", smp__ctx.at.steps);
     smp__fatal("rank %d (mp rank %d, dp rank %d) is exiting while smp is initialised (exit() or a return from main before smp_finalize), "
                "%s: the other ranks would wait for it, so the whole job aborts; call smp_finalize on every rank before leaving main",
-               smp__ctx.rank, smp__ctx.mp_rank, smp__ctx.dp_rank, where);
+               smp__ctx.rank, smp__ctx.pp_rank, smp__ctx.rdp_rank, where);
 }
 
 SMPDEF smp_status smp_init(const smp_config *user_cfg) {
@@ -2834,7 +2912,8 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     }
     if (!st) st = smp_config_resolve(&cfg, size, &smp__ctx.cfg);
     /* the groups' lists of ranks: out of memory is agreed with the configuration, before the groups' collectives */
-    int group_size[SMP_GROUP_COUNT] = {size, smp__ctx.cfg.partitions, st ? 0 : size / smp__ctx.cfg.partitions};
+    int pp = st ? 1 : smp__ctx.cfg.partitions, tp = st ? 1 : smp__ctx.cfg.tensor_parallel_degree;
+    int group_size[SMP_GROUP_COUNT] = {size, pp * tp, size / pp, pp, tp, size / (pp * tp)};
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
         smp__ctx.groups[g].world_ranks = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)group_size[g], SMP__ALLOC_OTHER, "a group's ranks");
     smp__ctx.rank = rank;
@@ -2857,16 +2936,22 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     SMP__MPI_FATAL(MPI_Comm_size(local, &smp__ctx.local_size), "asking how many ranks share this host (smp_init)");
     SMP__MPI_WARN(MPI_Comm_free(&local), "releasing the host communicator");
 
-    smp_topology_of(rank, size, smp__ctx.cfg.partitions, smp__ctx.cfg.placement_strategy, &smp__ctx.mp_rank, &smp__ctx.dp_rank);
-    MPI_Comm mp, dp;
-    SMP__MPI_FATAL(MPI_Comm_split(smp__ctx.world, smp__ctx.dp_rank, smp__ctx.mp_rank, &mp), "making MP_GROUP (smp_init)");
-    SMP__MPI_FATAL(MPI_Comm_split(smp__ctx.world, smp__ctx.mp_rank, smp__ctx.dp_rank, &dp), "making DP_GROUP (smp_init)");
-    MPI_Comm w;
-    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.world, &w), "making the world group's communicator (smp_init)");
+    pp = smp__ctx.cfg.partitions;
+    tp = smp__ctx.cfg.tensor_parallel_degree;
+    smp_coords at = smp_topology_of(rank, size, pp, tp, smp__ctx.cfg.placement_strategy);
+    smp__ctx.pp_rank = at.pp_rank;
+    smp__ctx.tp_rank = at.tp_rank;
+    smp__ctx.rdp_rank = at.rdp_rank;
+    smp__ctx.mp_rank = at.mp_rank;
+    smp__ctx.dp_rank = at.dp_rank;
+    /* each group: the ranks that share a colour, in the order of their key */
+    int colour[SMP_GROUP_COUNT] = {0, at.rdp_rank, at.pp_rank, at.rdp_rank * tp + at.tp_rank, at.rdp_rank * pp + at.pp_rank, at.mp_rank};
+    int key[SMP_GROUP_COUNT] = {rank, at.mp_rank, at.dp_rank, at.pp_rank, at.tp_rank, at.rdp_rank};
+    MPI_Comm comm[SMP_GROUP_COUNT];
+    for (int g = 0; g < SMP_GROUP_COUNT; g++)
+        SMP__MPI_FATAL(MPI_Comm_split(smp__ctx.world, colour[g], key[g], &comm[g]), "making %s (smp_init)", smp__group_name((smp_group)g));
     smp__ctx.initialized = true; /* the group builders below use the context */
-    smp__make_group(&smp__ctx.groups[SMP_WORLD], w);
-    smp__make_group(&smp__ctx.groups[SMP_MP_GROUP], mp);
-    smp__make_group(&smp__ctx.groups[SMP_DP_GROUP], dp);
+    for (int g = 0; g < SMP_GROUP_COUNT; g++) smp__make_group(&smp__ctx.groups[g], comm[g]);
     smp__half_op_fns();
     static bool guarded;
     if (!guarded) guarded = atexit(smp__exit_guard) == 0;
@@ -2954,7 +3039,7 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b) {
 static smp_status smp__group_arg(smp_group g, const char *fn, smp__group_info **gi) {
     SMP_TRY(smp__require_init(fn));
     *gi = smp__group(g);
-    if (!*gi) return smp_error(SMP_ERR_ARG, "%s: unknown group %d (SMP_WORLD, SMP_MP_GROUP or SMP_DP_GROUP)", fn, (int)g);
+    if (!*gi) return smp_error(SMP_ERR_ARG, "%s: unknown group %d (SMP_WORLD, SMP_MP_GROUP, SMP_DP_GROUP, SMP_PP_GROUP, SMP_TP_GROUP or SMP_RDP_GROUP)", fn, (int)g);
     return SMP_OK;
 }
 
@@ -4985,7 +5070,7 @@ static void smp__report(smp_model *m) {
    with its first leaf, a module no call reads with its parent (whose
    forward reads it), else by its context or default_partition. */
 static void smp__place_modules(smp_model *m, const int *part) {
-    int me = smp__ctx.mp_rank;
+    int me = smp__ctx.pp_rank;
     for (int i = 0; i < m->nmodules; i++) { m->modules[i]->partition = -1; m->modules[i]->local = false; }
     for (int k = 0; k < m->ncalls; k++) {
         smp_module *mod = m->calls[k].module;
