@@ -563,6 +563,27 @@ SMPDEF smp_param *smp_param_new(smp_module *m, const char *name, smp_dtype dt, i
                                 smp_init_fn init, void *init_user);
 SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
                                  smp_init_fn init, void *init_user);
+/* A parameter split along shard_axis over the ranks of TP_GROUP (tensor
+   parallelism): `shape` is the FULL shape, and each TP rank holds the slice
+   [offset, offset + shape[shard_axis] / tp) of that axis, offset being
+   tp_rank x shape[shard_axis] / tp; tensor_parallel_degree must divide
+   shape[shard_axis] (smp_model_new says so otherwise). The init callback
+   fills the full tensor (a host copy of it, for a moment, on every TP rank)
+   and each rank keeps its slice, so any tp degree, 1 included, starts from
+   the same values. From smp_model_new on, smp_param_value and
+   smp_param_grad are the local slice. Megatron's column-parallel linear
+   (y = x W^T, W [out, in]) shards W and its bias along axis 0, the row-
+   parallel one W along axis 1 and keeps its bias whole.
+   Parameters declared with smp_param_new stay whole on every TP rank: their
+   gradients are the same on every TP rank when the model feeds them the
+   same values there (what the TP modules below arrange: a layer norm after
+   a tp_reduce, the bias of a row-parallel linear added after it), and smp
+   does not sum them across the TP group. */
+SMPDEF smp_param *smp_param_new_sharded(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
+                                        int shard_axis, smp_init_fn init, void *init_user);
+SMPDEF int smp_param_shard_axis(const smp_param *p);       /* -1: whole on every TP rank */
+SMPDEF int64_t smp_param_shard_offset(const smp_param *p); /* where this rank's slice starts along the axis (0 if whole) */
+SMPDEF int smp_param_full_shape(const smp_param *p, int64_t shape[SMP_MAX_DIMS]); /* the declared shape; returns ndim */
 SMPDEF const char *smp_module_name(const smp_module *m); /* full dotted name */
 SMPDEF void *smp_module_user(const smp_module *m);
 SMPDEF int smp_module_partition(const smp_module *m);   /* -1 before partitioning */
@@ -581,6 +602,35 @@ SMPDEF smp_module *smp_param_module(const smp_param *p);
      identity  y = a copy of x0 (a composite that must return its input). */
 SMPDEF smp_module *smp_module_new_add(smp_module *parent, const char *name);
 SMPDEF smp_module *smp_module_new_identity(smp_module *parent, const char *name);
+/* Tensor parallelism's communication, as built-in leaf modules over
+   TP_GROUP (one input, one output; host tensors over MPI, device tensors
+   over the device backend's collectives), each with its backward:
+     tp_copy     forward y = x; backward: the input gradient is the sum of
+                 the TP ranks' output gradients. Enters a tensor-parallel
+                 region (before a column-parallel linear);
+     tp_reduce   forward y = the sum of the TP ranks' x; backward passes
+                 the output gradient. Leaves it (after a row-parallel linear);
+     tp_gather   forward y = the TP ranks' x joined along `axis` in tp-rank
+                 order (y's axis tp times x's); backward: the sum of the
+                 ranks' output gradients, each rank keeping its own slice
+                 (a reduce-scatter): right where what follows computes a
+                 different part on each rank, as in sequence parallelism;
+     tp_scatter  its dual: forward y = this rank's slice along `axis` of the
+                 sum of the ranks' x (a reduce-scatter; tp must divide that
+                 axis); backward joins the ranks' output gradients (an
+                 all-gather).
+   Megatron's MLP is tp_copy, a column-parallel linear (its weight and bias
+   sharded along axis 0), the activation, a row-parallel linear without its
+   bias (weight sharded along axis 1), tp_reduce, then the bias (whole).
+   Every rank of the TP group must pass the same dtype and shape (checked
+   at every call: a mismatch is an error on each of them). With
+   deterministic_reduction every sum is taken in tp-rank order, from an
+   all-gather, so every rank holds the same bits; otherwise MPI's (NCCL's)
+   all-reduce sums. With tensor_parallel_degree 1 each is a copy. */
+SMPDEF smp_module *smp_module_new_tp_copy(smp_module *parent, const char *name);
+SMPDEF smp_module *smp_module_new_tp_reduce(smp_module *parent, const char *name);
+SMPDEF smp_module *smp_module_new_tp_gather(smp_module *parent, const char *name, int axis);
+SMPDEF smp_module *smp_module_new_tp_scatter(smp_module *parent, const char *name, int axis);
 /* Activation recomputation (SageMaker's smp.set_activation_checkpointing):
    after a call of m, only the call's inputs are kept; the outputs of the
    calls nested inside it (its own outputs, which later calls read, stay)
@@ -3631,6 +3681,8 @@ struct smp_param {
     bool grad_in_bucket; /* grad.data points into a data-parallel bucket, which owns it */
     smp_init_fn init;
     void *init_user;
+    int shard_axis;      /* -1: whole on every TP rank; else split along it over TP_GROUP */
+    int64_t full_shape[SMP_MAX_DIMS], shard_offset; /* the declared shape; where this rank's slice starts along the axis */
 };
 
 struct smp_module {
@@ -3899,6 +3951,8 @@ static smp_param *smp__declare(smp_module *m, const char *name, smp_dtype dt, in
     p->is_buffer = buffer;
     p->init = init;
     p->init_user = user;
+    p->shard_axis = -1;
+    memcpy(p->full_shape, p->value.shape, sizeof p->full_shape);
     m->params[m->nparams++] = p;
     return p;
 }
@@ -3908,6 +3962,45 @@ SMPDEF smp_param *smp_param_new(smp_module *m, const char *name, smp_dtype dt, i
 }
 SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape, smp_init_fn init, void *user) {
     return smp__declare(m, name, dt, ndim, shape, init, user, true);
+}
+SMPDEF smp_param *smp_param_new_sharded(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape, int shard_axis,
+                                        smp_init_fn init, void *init_user) {
+    if (ndim >= 0 && (shard_axis < 0 || shard_axis >= ndim)) {
+        smp__build_error(SMP_ERR_ARG, "parameter \"%s\" of module \"%s\": shard axis %d is not one of its %d axes (0 to %d)",
+                         name ? name : "(null)", m ? m->full_name : "(null)", shard_axis, ndim, ndim - 1);
+        return NULL;
+    }
+    smp_param *p = smp__declare(m, name, dt, ndim, shape, init, init_user, false);
+    if (p) p->shard_axis = shard_axis;
+    return p;
+}
+SMPDEF int smp_param_shard_axis(const smp_param *p) { return p->shard_axis; }
+SMPDEF int64_t smp_param_shard_offset(const smp_param *p) { return p->shard_offset; }
+SMPDEF int smp_param_full_shape(const smp_param *p, int64_t shape[SMP_MAX_DIMS]) {
+    memcpy(shape, p->full_shape, sizeof p->full_shape);
+    return p->value.ndim;
+}
+
+/* Cuts each sharded parameter's local shape out of its full one: the tp
+   degree is known only once smp_init has run. Every rank finds the same. */
+static smp_status smp__shard_params(smp_model *m) {
+    int tp = smp_tp_size(), sharded = 0;
+    for (int i = 0; i < m->nparams; i++) {
+        smp_param *p = m->params[i];
+        if (p->shard_axis < 0) continue;
+        int64_t full = p->full_shape[p->shard_axis];
+        if (full % tp)
+            return smp_error(SMP_ERR_CONFIG, "parameter \"%s\" is sharded along axis %d of size %lld, which tensor_parallel_degree = %d "
+                             "does not divide: make that dimension a multiple of %d, or change tensor_parallel_degree", p->full_name,
+                             p->shard_axis, (long long)full, tp, tp);
+        p->value.shape[p->shard_axis] = p->grad.shape[p->shard_axis] = full / tp;
+        p->shard_offset = full / tp * smp_tp_rank();
+        sharded++;
+    }
+    if (tp > 1 && !sharded && smp__ctx.rank == 0)
+        smp__log(SMP_LOG_WARN, "tensor_parallel_degree is %d, but the model declares no sharded parameter (smp_param_new_sharded): "
+                 "the %d ranks of each TP group would compute the same thing", tp, tp);
+    return SMP_OK;
 }
 SMPDEF const char *smp_module_name(const smp_module *m) { return m->full_name; }
 SMPDEF void *smp_module_user(const smp_module *m) { return m->desc.user; }
@@ -3958,6 +4051,18 @@ SMPDEF void smp_init_constant(smp_tensor *v, uint64_t seed, void *user) {
 
 static bool smp__model_on_device(const smp_model *m);
 
+/* dst = the slice of src that starts at `offset` along `axis` and is as long
+   as dst there (host memory; dst and src alike in every other axis). */
+static void smp__slice_copy(smp_tensor *dst, const smp_tensor *src, int axis, int64_t offset) {
+    size_t es = smp_dtype_size(src->dtype), inner = es;
+    int64_t outer = 1;
+    for (int d = 0; d < axis; d++) outer *= src->shape[d];
+    for (int d = axis + 1; d < src->ndim; d++) inner *= (size_t)src->shape[d];
+    size_t row = inner * (size_t)dst->shape[axis], src_row = inner * (size_t)src->shape[axis];
+    for (int64_t o = 0; o < outer; o++)
+        memcpy((char *)dst->data + (size_t)o * row, (const char *)src->data + (size_t)o * src_row + inner * (size_t)offset, row);
+}
+
 static void smp__release_param(smp_param *p) {
     smp__free(p->value.data);
     if (!p->grad_in_bucket) smp__free(p->grad.data);
@@ -3975,7 +4080,17 @@ static smp_status smp__materialise_param(smp_param *p) {
     init.device = SMP_HOST;
     init.data = smp__alloc_or(&st, smp_tensor_nbytes(&p->value), on_device ? SMP__ALLOC_OTHER : SMP__ALLOC_PARAM, what);
     if (st) return st;
-    if (p->init) p->init(&init, smp_param_seed(p->full_name), p->init_user);
+    if (p->init && p->shard_axis >= 0 && p->full_shape[p->shard_axis] != p->value.shape[p->shard_axis]) {
+        /* the values are those of the full tensor, so every tp degree starts from the same weights */
+        smp_tensor full = smp_tensor_make(NULL, p->value.dtype, p->value.ndim, p->full_shape);
+        char why[360];
+        snprintf(why, sizeof why, "the full tensor of sharded parameter %s, to initialise its slice", p->full_name);
+        full.data = smp__alloc_or(&st, smp_tensor_nbytes(&full), SMP__ALLOC_OTHER, why);
+        if (st) { smp__free(init.data); return st; }
+        p->init(&full, smp_param_seed(p->full_name), p->init_user);
+        smp__slice_copy(&init, &full, p->shard_axis, p->shard_offset);
+        smp__free(full.data);
+    } else if (p->init) p->init(&init, smp_param_seed(p->full_name), p->init_user);
     if (!on_device) p->value = init;
     else {
         if (smp__tensor_alloc_or(&st, &p->value, true, SMP__ALLOC_PARAM, what)) st = smp__tensor_copy(&p->value, &init);
@@ -4072,6 +4187,7 @@ SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, sm
     smp_model *m = (smp_model *)smp__alloc_or(&st, sizeof *m, SMP__ALLOC_OTHER, "a model");
     int mcap = 0, pcap = 0;
     if (!st) smp__collect(&st, m, root, &mcap, &pcap);
+    if (!st) st = smp__shard_params(m);
     /* every rank must have its model before any keeps it (out of memory
        may strike one); until then the modules stay the engine's */
     st = smp__agree_on(smp__ctx.world, st, "model construction");
@@ -4301,6 +4417,188 @@ SMPDEF smp_module *smp_module_new_add(smp_module *parent, const char *name) {
 SMPDEF smp_module *smp_module_new_identity(smp_module *parent, const char *name) {
     smp_module_desc d = {smp__identity_forward, smp__pass_backward, NULL};
     return smp_module_new(parent, name, &d);
+}
+
+/* ---------------------------------------------------------------- tensor-parallel modules */
+/* Each runs its collective over TP_GROUP. The ranks of a TP group run the
+   same calls in the same order (they hold the same partition of the same
+   replica), so the collectives pair up; each first agrees on the shapes,
+   so a mismatch is an error on every rank of the group rather than a
+   collective on buffers of different sizes. */
+typedef enum smp__tp_kind { SMP__TP_COPY, SMP__TP_REDUCE, SMP__TP_GATHER, SMP__TP_SCATTER } smp__tp_kind;
+typedef struct smp__tp_module { smp__tp_kind kind; int axis; } smp__tp_module;
+/* what a TP module's user pointer points to: copy, reduce, then gather and scatter along each axis */
+static smp__tp_module smp__tp_table[2 + 2 * SMP_MAX_DIMS];
+
+static const char *smp__tp_name(smp__tp_kind k) {
+    return k == SMP__TP_COPY ? "tp_copy" : k == SMP__TP_REDUCE ? "tp_reduce" : k == SMP__TP_GATHER ? "tp_gather" : "tp_scatter";
+}
+
+/* Every TP rank's dtype and shape of t, compared with TP rank 0's. */
+static smp_status smp__tp_same_shape(const smp_call_ctx *c, const smp_tensor *t, const char *what) {
+    int tp = smp_tp_size();
+    enum { SIG = 2 + SMP_MAX_DIMS };
+    int64_t mine[SIG], *all = (int64_t *)smp__alloc(sizeof(int64_t) * SIG * (size_t)tp, SMP__ALLOC_OTHER);
+    if (!all) return smp__nomem(sizeof(int64_t) * SIG * (size_t)tp, "the TP group's shapes");
+    memset(mine, 0, sizeof mine);
+    mine[0] = t->dtype;
+    mine[1] = t->ndim;
+    for (int d = 0; d < t->ndim; d++) mine[2 + d] = t->shape[d];
+    smp_tensor a = smp_tensor_1d(mine, SMP_I64, SIG), b = smp_tensor_1d(all, SMP_I64, SIG * (int64_t)tp);
+    smp_status st = smp_all_gather(&a, &b, SMP_TP_GROUP);
+    for (int r = 1; r < tp && !st; r++) {
+        if (!memcmp(all, all + (size_t)r * SIG, sizeof mine)) continue;
+        smp_tensor t0 = smp_tensor_make(NULL, (smp_dtype)all[0], (int)all[1], all + 2);
+        smp_tensor tr = smp_tensor_make(NULL, (smp_dtype)all[r * SIG], (int)all[r * SIG + 1], all + r * SIG + 2);
+        char d0[96], dr[96];
+        st = smp_error(SMP_ERR_ARG, "%s module \"%s\": %s is %s on tp rank 0 but %s on tp rank %d: every rank of a TP group "
+                       "must pass the same dtype and shape", smp__tp_name(((const smp__tp_module *)c->module->desc.user)->kind),
+                       c->module->full_name, what, smp__tensor_describe(&t0, d0, sizeof d0), smp__tensor_describe(&tr, dr, sizeof dr), r);
+    }
+    smp__free(all);
+    return st;
+}
+
+/* outer x (axis length) x inner of t around axis, in elements; rows are (axis length x inner). */
+static void smp__around_axis(const smp_tensor *t, int axis, int64_t *outer, int64_t *inner) {
+    *outer = *inner = 1;
+    for (int d = 0; d < axis; d++) *outer *= t->shape[d];
+    for (int d = axis + 1; d < t->ndim; d++) *inner *= t->shape[d];
+}
+
+/* Moves `outer` x `parts` blocks of `block` bytes between layouts: to_parts
+   true reads [outer][parts] and writes [parts][outer], false the reverse. */
+static smp_status smp__tp_regroup(void *dst, const void *src, int device, int64_t outer, int parts, size_t block, bool to_parts) {
+    smp_status st = SMP_OK;
+    for (int64_t o = 0; o < outer && !st; o++)
+        for (int r = 0; r < parts && !st; r++) {
+            size_t a = ((size_t)o * (size_t)parts + (size_t)r) * block, b = ((size_t)r * (size_t)outer + (size_t)o) * block;
+            char *d = (char *)dst + (to_parts ? b : a);
+            const char *x = (const char *)src + (to_parts ? a : b);
+            if (device == SMP_HOST) memcpy(d, x, block);
+            else st = smp__ctx.device.copy(d, device, x, device, block);
+        }
+    return st;
+}
+
+/* out = the sum over the TP group of each rank's `in` (out may be in); in
+   deterministic_reduction mode summed in tp-rank order on every rank, so
+   every rank holds the same bits. `slice` >= 0: in holds tp blocks, and
+   out gets the sum of block `slice` (a reduce-scatter). */
+static smp_status smp__tp_sum(const smp_tensor *in, smp_tensor *out, bool scatter) {
+    int tp = smp_tp_size();
+    if (smp__ctx.cfg.deterministic_reduction != SMP_ON)
+        return scatter ? smp_reduce_scatter(in, out, SMP_SUM, SMP_TP_GROUP) : smp_all_reduce(in, out, SMP_SUM, SMP_TP_GROUP);
+    int64_t n = smp_tensor_numel(in), block = smp_tensor_numel(out);
+    smp_tensor all = smp_tensor_1d(NULL, in->dtype, n * tp);
+    smp_status st = SMP_OK;
+    if (!smp__tensor_alloc_or(&st, &all, in->device != SMP_HOST, SMP__ALLOC_OTHER, "every TP rank's addend (deterministic_reduction)"))
+        return st;
+    st = smp_all_gather(in, &all, SMP_TP_GROUP);
+    size_t es = smp_dtype_size(in->dtype), skip = scatter ? (size_t)block * (size_t)smp_tp_rank() * es : 0;
+    smp_tensor part = smp_tensor_1d(NULL, in->dtype, block);
+    part.device = all.device;
+    for (int r = 0; r < tp && !st; r++) {
+        part.data = (char *)all.data + (size_t)r * (size_t)n * es + skip;
+        st = r == 0 ? smp__tensor_copy(out, &part) : smp__add_into(out, &part);
+    }
+    smp__free(all.data);
+    return st;
+}
+
+/* All-gather along axis: out is in with that axis tp times longer, rank r's
+   slice at r x in's length. */
+static smp_status smp__tp_gather(const smp_tensor *in, smp_tensor *out, int axis) {
+    int64_t outer, inner;
+    smp__around_axis(in, axis, &outer, &inner);
+    if (outer == 1) { /* the ranks' blocks are the output as it lies */
+        smp_tensor flat = smp_tensor_1d(out->data, out->dtype, smp_tensor_numel(out));
+        flat.device = out->device;
+        return smp_all_gather(in, &flat, SMP_TP_GROUP);
+    }
+    smp_tensor all = smp_tensor_1d(NULL, in->dtype, smp_tensor_numel(out));
+    smp_status st = SMP_OK;
+    if (!smp__tensor_alloc_or(&st, &all, in->device != SMP_HOST, SMP__ALLOC_OTHER, "a TP all-gather's blocks")) return st;
+    st = smp_all_gather(in, &all, SMP_TP_GROUP);
+    size_t row = (size_t)(in->shape[axis] * inner) * smp_dtype_size(in->dtype);
+    if (!st) st = smp__tp_regroup(out->data, all.data, out->device, outer, smp_tp_size(), row, false);
+    smp__free(all.data);
+    return st;
+}
+
+/* Reduce-scatter along axis: out is in with that axis tp times shorter,
+   the sum over the group of every rank's slice tp_rank. */
+static smp_status smp__tp_scatter(const smp_tensor *in, smp_tensor *out, int axis) {
+    int64_t outer, inner;
+    smp__around_axis(in, axis, &outer, &inner);
+    smp_tensor flat = smp_tensor_1d(in->data, in->dtype, smp_tensor_numel(in)), part = smp_tensor_1d(out->data, out->dtype, smp_tensor_numel(out));
+    flat.device = in->device;
+    part.device = out->device;
+    if (outer == 1) return smp__tp_sum(&flat, &part, true);
+    smp_status st = SMP_OK;
+    flat.data = smp__tensor_alloc_or(&st, &flat, in->device != SMP_HOST, SMP__ALLOC_OTHER, "a TP reduce-scatter's blocks");
+    if (st) return st;
+    size_t row = (size_t)(out->shape[axis] * inner) * smp_dtype_size(in->dtype);
+    st = smp__tp_regroup(flat.data, in->data, in->device, outer, smp_tp_size(), row, true);
+    if (!st) st = smp__tp_sum(&flat, &part, true);
+    smp__free(flat.data);
+    return st;
+}
+
+/* One collective of a TP module, forward (x: the input) or backward (x: the
+   output gradient); y is allocated here in the forward, given in the backward. */
+static smp_status smp__tp_run(smp_call_ctx *c, bool forward) {
+    const smp__tp_module *tm = (const smp__tp_module *)c->module->desc.user;
+    const char *name = smp__tp_name(tm->kind);
+    if (c->nin != 1 || c->nout != 1)
+        return smp_error(SMP_ERR_ARG, "%s module \"%s\" takes one input and one output, got %d and %d", name, c->module->full_name, c->nin,
+                         c->nout);
+    const smp_tensor *x = forward ? smp_call_input(c, 0) : smp_call_grad_output(c, 0);
+    smp_tensor *y = forward ? NULL : smp_call_grad_input(c, 0);
+    if (!forward && !y) return SMP_OK; /* no gradient wanted: the same on every TP rank, which run the same graph */
+    bool sums = forward ? tm->kind == SMP__TP_REDUCE || tm->kind == SMP__TP_SCATTER : tm->kind == SMP__TP_COPY || tm->kind == SMP__TP_GATHER;
+    bool along = tm->kind == SMP__TP_GATHER || tm->kind == SMP__TP_SCATTER; /* gather <-> scatter; copy, reduce keep the shape */
+    bool grows = along && (tm->kind == SMP__TP_GATHER) == forward;
+    int tp = smp_tp_size();
+    if (along && (tm->axis < 0 || tm->axis >= x->ndim))
+        return smp_error(SMP_ERR_ARG, "%s module \"%s\" works along axis %d, but its %s has %d axes", name, c->module->full_name, tm->axis,
+                         forward ? "input" : "output gradient", x->ndim);
+    if (tp > 1) SMP_TRY(smp__tp_same_shape(c, x, forward ? "the input" : "the output gradient"));
+    if (along && !grows && x->shape[tm->axis] % tp)
+        return smp_error(SMP_ERR_ARG, "%s module \"%s\": axis %d of its %s has length %lld, which tensor_parallel_degree = %d does not "
+                         "divide", name, c->module->full_name, tm->axis, forward ? "input" : "output gradient", (long long)x->shape[tm->axis], tp);
+    if (forward) {
+        int64_t shape[SMP_MAX_DIMS];
+        memcpy(shape, x->shape, sizeof shape);
+        if (along) shape[tm->axis] = grows ? shape[tm->axis] * tp : shape[tm->axis] / tp;
+        if (!(y = smp_call_output(c, 0, x->dtype, x->ndim, shape))) return SMP_ERR_NOMEM; /* smp__run_callback names it */
+    }
+    if (tp == 1 || (!along && !sums)) return smp__tensor_copy(y, x);
+    if (!along) return smp__tp_sum(x, y, false);
+    return grows ? smp__tp_gather(x, y, tm->axis) : smp__tp_scatter(x, y, tm->axis);
+}
+static smp_status smp__tp_forward(smp_call_ctx *c) { return smp__tp_run(c, true); }
+static smp_status smp__tp_backward(smp_call_ctx *c) { return smp__tp_run(c, false); }
+
+static smp_module *smp__tp_module_new(smp_module *parent, const char *name, smp__tp_kind kind, int axis) {
+    if ((kind == SMP__TP_GATHER || kind == SMP__TP_SCATTER) && (axis < 0 || axis >= SMP_MAX_DIMS)) {
+        smp__build_error(SMP_ERR_ARG, "%s module \"%s\": axis %d is not an axis of any tensor (0 to %d)", smp__tp_name(kind),
+                         name ? name : "(null)", axis, SMP_MAX_DIMS - 1);
+        return NULL;
+    }
+    int at = kind == SMP__TP_COPY ? 0 : kind == SMP__TP_REDUCE ? 1 : 2 + (kind == SMP__TP_SCATTER) * SMP_MAX_DIMS + axis;
+    smp__tp_table[at].kind = kind;
+    smp__tp_table[at].axis = axis;
+    smp_module_desc d = {smp__tp_forward, smp__tp_backward, &smp__tp_table[at]};
+    return smp_module_new(parent, name, &d);
+}
+SMPDEF smp_module *smp_module_new_tp_copy(smp_module *parent, const char *name) { return smp__tp_module_new(parent, name, SMP__TP_COPY, 0); }
+SMPDEF smp_module *smp_module_new_tp_reduce(smp_module *parent, const char *name) { return smp__tp_module_new(parent, name, SMP__TP_REDUCE, 0); }
+SMPDEF smp_module *smp_module_new_tp_gather(smp_module *parent, const char *name, int axis) {
+    return smp__tp_module_new(parent, name, SMP__TP_GATHER, axis);
+}
+SMPDEF smp_module *smp_module_new_tp_scatter(smp_module *parent, const char *name, int axis) {
+    return smp__tp_module_new(parent, name, SMP__TP_SCATTER, axis);
 }
 
 /* What a callback run does: the forward, the whole backward, or its two
