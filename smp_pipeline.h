@@ -326,7 +326,7 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
    MPI's algorithm. */
 
 /* Scales gradients so that their global norm (over the whole model, every
-   partition) is at most max_norm; *total_norm gets the norm before
+   partition, every TP shard once and every whole parameter once) is at most max_norm; *total_norm gets the norm before
    clipping (may be NULL). The sum runs over parameters in model order, so
    it equals the one-process norm bit for bit. max_norm INFINITY only
    measures the norm. Collective over MP_GROUP. */
@@ -2147,7 +2147,9 @@ static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
     if (st) return st;
     /* one partial sum per parameter, owned by exactly one rank of the
        MP_GROUP: summing them (x + 0 is exact) and then adding them up in
-       model order gives the one-process result on every rank */
+       model order gives the one-process result on every rank. With tensor
+       parallelism a sharded parameter's sum adds its TP ranks' slices, and
+       a whole one counts on tp rank 0 only */
     double *sq = (double *)smp__alloc(sizeof(double) * (size_t)(m->nparams + 1), SMP__ALLOC_OTHER);
     if (!sq) smp__fatal("out of memory: %d partial sums of the gradient norm on rank %d, which MP_GROUP waits on", m->nparams, smp__ctx.rank);
     int bad = 0;
@@ -2155,12 +2157,12 @@ static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
         smp_param *p = m->params[i];
         sq[i] = 0;
         /* a shared module's copies hold one gradient: its first partition counts it */
-        if (!smp__local_grad(p) || p->module->partition != smp__ctx.pp_rank) continue;
+        if (!smp__local_grad(p) || p->module->partition != smp__ctx.pp_rank || (p->shard_axis < 0 && smp__ctx.tp_rank)) continue;
         smp_status cs = smp__grad_scan(p, &sq[i], &bad);
         if (cs && !st) st = cs;
     }
     smp_tensor t = smp_tensor_1d(sq, SMP_F64, m->nparams);
-    smp_status rs = smp_all_reduce(&t, &t, SMP_SUM, SMP_PP_GROUP); /* even after a local error: the others wait for it */
+    smp_status rs = smp_all_reduce(&t, &t, SMP_SUM, SMP_MP_GROUP); /* even after a local error: the others wait for it */
     if (!st) st = rs;
     double total = 0;
     for (int i = 0; i < m->nparams; i++) total += sq[i];

@@ -238,6 +238,7 @@ typedef struct run_result {
     smp_status st;
     double loss[STEPS];
     float *value[BLOCKS * 4], *grad1[BLOCKS * 4]; /* after the last step; the first step's gradients */
+    double norm1;                                 /* smp_clip_grad_norm's of the first step's gradients */
 } run_result;
 
 static int64_t numel_of(int k, int wide) { return k % 4 == 0 || k % 4 == 2 ? (int64_t)wide * H : k % 4 == 1 ? wide : H; }
@@ -283,6 +284,7 @@ static void run(MPI_Comm comm, int pp, int tp, bool recompute, bool deterministi
         r->loss[s] = smp_step_output_reduce_mean_f64(&loss);
         smp_step_output_free(&loss);
         if (s == 0) full_params(&n, true, r->grad1);
+        if (s == 0 && !r->st) r->st = smp_clip_grad_norm(n.model, INFINITY, &r->norm1);
         smp_param *p;
         for (int i = 0; (p = smp_model_local_param(n.model, i, false)); i++) {
             float *v = (float *)smp_param_value(p)->data, *g = (float *)smp_param_grad(p)->data;
@@ -436,6 +438,11 @@ static void test_against_references(int world) {
     }
     snprintf(name, sizeof name, "tp/mlp/tp=%d/20_steps_match_float32_reference", world);
     MPI_CHECK(worst_loss < 1e-5 && worst_value < 1e-5, name, "loss off by %.3g, parameters by %.3g (relative)", worst_loss, worst_value);
+    double sq = 0;
+    for (int k = 0; k < BLOCKS * 4; k++)
+        for (int64_t e = 0; e < numel_of(k, F); e++) sq += (double)r.grad1[k][e] * r.grad1[k][e];
+    snprintf(name, sizeof name, "tp/mlp/tp=%d/gradient_norm_counts_each_shard_once", world);
+    MPI_CHECK(fabs(r.norm1 - sqrt(sq)) <= 1e-12 * sqrt(sq), name, "smp_clip_grad_norm gave %.17g, the full gradients' norm is %.17g", r.norm1, sqrt(sq));
     snprintf(name, sizeof name, "tp/mlp/tp=%d/gradients_match_float64_reference", world);
     MPI_CHECK(worst_grad < 1e-5, name, "first step's gradients off by %.3g of each tensor's largest entry", worst_grad);
     for (int k = 0; k < BLOCKS * 4; k++) { free(v32[k]); free(g32[k]); free(v64[k]); free(g64[k]); }
