@@ -418,7 +418,13 @@ SMPDEF const smp_config *smp_current_config(void); /* resolved values */
    (rdp_rank = dp_rank), the groups smp had before tensor parallelism.
    smp's tensor-parallel modules expect every rank of a TP group to see the
    same batch (SageMaker's prescaled_batch): shard data by rdp_rank and
-   rdp_size, not dp_rank. */
+   rdp_size, not dp_rank. Pipelines run in PP_GROUP, so an activation
+   crosses a stage boundary from tp rank t to tp rank t of the next stage:
+   a tensor that crosses is the whole one (after a tp_reduce) or each
+   rank's own slice, as the modules on both sides expect. A step that fails
+   on one rank of a TP group before a TP module's collective leaves its TP
+   peers waiting in that collective until the timeout (SMP_TIMEOUT), when
+   the job aborts naming what they waited for. */
 typedef enum smp_group {
     SMP_WORLD = 0, SMP_MP_GROUP, SMP_DP_GROUP, SMP_PP_GROUP, SMP_TP_GROUP, SMP_RDP_GROUP, SMP_GROUP_COUNT
 } smp_group;
