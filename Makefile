@@ -13,7 +13,7 @@ INCLUDES  := -I. -Itest
 LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
-MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_ckpt_threads test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_memory test_port
+MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_ckpt_threads test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_memory test_port test_tp
 SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/run_large.sh test/test_install.sh test/test_demo.sh test/test_gpt.sh test/run_fuzz.sh test/run_hosts.sh test/test_minimal.sh test/test_docs.sh test/run_mpi_errors.sh test/run_ckpt_order.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout test_exit test_large test_hosts test_ckpt_order

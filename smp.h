@@ -104,7 +104,8 @@
      partitions (1)            microbatches (1)
      pipeline (interleaved|simple|zero_bubble|zero_bubble_v)
      optimize (speed|memory)   auto_partition (true)   default_partition (none)
-     ddp (false)               placement_strategy (cluster|spread)
+     ddp (false)               placement_strategy (cluster|spread|DPT|PTD|...: smp_placement)
+     pipeline_parallel_degree (= partitions)           tensor_parallel_degree (1)
      memory_weight (speed: 0, memory: 1)               trace_device (cpu|gpu)
      trace_execution_times (false)  trace_memory_usage (false)
      overlapping_allreduce (true)   backward_passes_per_step (1)
@@ -382,7 +383,16 @@ typedef enum smp_pipeline_kind {
     SMP_PIPELINE_DEFAULT = 0, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_SIMPLE, SMP_PIPELINE_ZERO_BUBBLE, SMP_PIPELINE_ZERO_BUBBLE_V
 } smp_pipeline_kind;
 typedef enum smp_optimize { SMP_OPTIMIZE_DEFAULT = 0, SMP_OPTIMIZE_SPEED, SMP_OPTIMIZE_MEMORY } smp_optimize;
-typedef enum smp_placement { SMP_PLACEMENT_DEFAULT = 0, SMP_PLACEMENT_CLUSTER, SMP_PLACEMENT_SPREAD } smp_placement;
+/* Where the coordinates go over the world's ranks. The letter forms are
+   SageMaker's: D (reduced data parallel, rdp), P (pipeline, pp) and T
+   (tensor parallel, tp), the right-most letter varying fastest over
+   consecutive world ranks. cluster is DPT (a replica's ranks side by side,
+   a TP group's ranks closest), spread is TPD (an RDP group's ranks side by
+   side). */
+typedef enum smp_placement {
+    SMP_PLACEMENT_DEFAULT = 0, SMP_PLACEMENT_CLUSTER, SMP_PLACEMENT_SPREAD,
+    SMP_PLACEMENT_DPT, SMP_PLACEMENT_DTP, SMP_PLACEMENT_PDT, SMP_PLACEMENT_PTD, SMP_PLACEMENT_TDP, SMP_PLACEMENT_TPD
+} smp_placement;
 typedef enum smp_trace_device { SMP_TRACE_DEFAULT = 0, SMP_TRACE_CPU, SMP_TRACE_GPU } smp_trace_device;
 
 /* Zero is the default in every field (smp_config cfg = {0}): a number's 0
@@ -391,6 +401,8 @@ typedef enum smp_trace_device { SMP_TRACE_DEFAULT = 0, SMP_TRACE_CPU, SMP_TRACE_
    (partition 0, a weight of 0) count only where their has_ flag is true. */
 typedef struct smp_config {
     int partitions;                 /* pipeline stages per model replica; 0: 1 */
+    int pipeline_parallel_degree;   /* SageMaker's PyTorch name for partitions; 0: unset (set both: they must agree) */
+    int tensor_parallel_degree;     /* ranks that share each sharded layer (TP_GROUP); 0: 1 */
     int microbatches;               /* per step; 0: 1 */
     smp_pipeline_kind pipeline;     /* default: interleaved (1F1B) */
     smp_optimize optimize;          /* auto-partition objective; default: speed */
@@ -398,7 +410,7 @@ typedef struct smp_config {
     int default_partition;          /* used only when has_default_partition; default none */
     bool has_default_partition;
     smp_switch ddp;                 /* data parallel over partitions x replicas; default off */
-    smp_placement placement_strategy; /* default: cluster */
+    smp_placement placement_strategy; /* default: cluster (= DPT) */
     double memory_weight;           /* used only when has_memory_weight; default from optimize (speed 0, memory 1) */
     bool has_memory_weight;
     smp_trace_device trace_device;  /* default: gpu when a device backend is present, else cpu */
@@ -436,7 +448,36 @@ SMPDEF void smp_finalize(void);
 SMPDEF bool smp_is_initialized(void);
 SMPDEF const smp_config *smp_current_config(void); /* resolved values */
 
-typedef enum smp_group { SMP_WORLD = 0, SMP_MP_GROUP, SMP_DP_GROUP, SMP_GROUP_COUNT } smp_group;
+/* Groups, as SageMaker defines them. world = pp x tp x rdp, where pp is
+   partitions (pipeline_parallel_degree), tp tensor_parallel_degree and rdp
+   the replicas left (rdp = world / (pp x tp)). Each rank has a coordinate
+   (pp_rank, tp_rank, rdp_rank), placed by placement_strategy, and:
+     PP_GROUP   same tp_rank and rdp_rank: one pipeline, pp ranks, ordered
+                by pp_rank (its stages run on it);
+     TP_GROUP   same pp_rank and rdp_rank: the ranks sharing each sharded
+                layer of one partition, tp ranks, ordered by tp_rank;
+     RDP_GROUP  same pp_rank and tp_rank: the ranks holding the same
+                parameters (reduced data parallel), rdp ranks; data-parallel
+                gradients are summed over it;
+     MP_GROUP   same rdp_rank: one whole model replica, pp x tp ranks,
+                mp_rank = pp_rank x tp + tp_rank;
+     DP_GROUP   same pp_rank: every rank holding a piece of the same
+                partition, tp x rdp ranks, dp_rank = rdp_rank x tp + tp_rank.
+   So dp = tp x rdp and mp = pp x tp; with tp = 1, TP_GROUP is the rank
+   alone, PP_GROUP is MP_GROUP (pp_rank = mp_rank) and RDP_GROUP is DP_GROUP
+   (rdp_rank = dp_rank), the groups smp had before tensor parallelism.
+   smp's tensor-parallel modules expect every rank of a TP group to see the
+   same batch (SageMaker's prescaled_batch): shard data by rdp_rank and
+   rdp_size, not dp_rank. Pipelines run in PP_GROUP, so an activation
+   crosses a stage boundary from tp rank t to tp rank t of the next stage:
+   a tensor that crosses is the whole one (after a tp_reduce) or each
+   rank's own slice, as the modules on both sides expect. A step that fails
+   on one rank of a TP group before a TP module's collective leaves its TP
+   peers waiting in that collective until the timeout (SMP_TIMEOUT), when
+   the job aborts naming what they waited for. */
+typedef enum smp_group {
+    SMP_WORLD = 0, SMP_MP_GROUP, SMP_DP_GROUP, SMP_PP_GROUP, SMP_TP_GROUP, SMP_RDP_GROUP, SMP_GROUP_COUNT
+} smp_group;
 
 SMPDEF int smp_rank(void);
 SMPDEF int smp_size(void);
@@ -446,9 +487,20 @@ SMPDEF int smp_mp_rank(void);
 SMPDEF int smp_mp_size(void);
 SMPDEF int smp_dp_rank(void);
 SMPDEF int smp_dp_size(void);
+SMPDEF int smp_pp_rank(void);
+SMPDEF int smp_pp_size(void);
+SMPDEF int smp_tp_rank(void);
+SMPDEF int smp_tp_size(void);
+SMPDEF int smp_rdp_rank(void);
+SMPDEF int smp_rdp_size(void);
 SMPDEF int smp_group_rank(smp_group g);
 SMPDEF int smp_group_size(smp_group g);
 SMPDEF MPI_Comm smp_group_comm(smp_group g);
+/* Where a world of `size` ranks puts world rank `rank`, without MPI (before
+   smp_init, or for another rank): pp partitions, tensor-parallel degree tp
+   (pp x tp must divide size). smp_init places this rank so. */
+typedef struct smp_coords { int pp_rank, tp_rank, rdp_rank, mp_rank, dp_rank; } smp_coords;
+SMPDEF smp_coords smp_topology_of(int rank, int size, int pp, int tp, smp_placement placement);
 
 /* ---------------------------------------------------------------- waiting */
 /* Seconds any single wait may take before the job aborts (SMP_TIMEOUT). */
@@ -595,6 +647,27 @@ SMPDEF smp_param *smp_param_new(smp_module *m, const char *name, smp_dtype dt, i
                                 smp_init_fn init, void *init_user);
 SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
                                  smp_init_fn init, void *init_user);
+/* A parameter split along shard_axis over the ranks of TP_GROUP (tensor
+   parallelism): `shape` is the FULL shape, and each TP rank holds the slice
+   [offset, offset + shape[shard_axis] / tp) of that axis, offset being
+   tp_rank x shape[shard_axis] / tp; tensor_parallel_degree must divide
+   shape[shard_axis] (smp_model_new says so otherwise). The init callback
+   fills the full tensor (a host copy of it, for a moment, on every TP rank)
+   and each rank keeps its slice, so any tp degree, 1 included, starts from
+   the same values. From smp_model_new on, smp_param_value and
+   smp_param_grad are the local slice. Megatron's column-parallel linear
+   (y = x W^T, W [out, in]) shards W and its bias along axis 0, the row-
+   parallel one W along axis 1 and keeps its bias whole.
+   Parameters declared with smp_param_new stay whole on every TP rank: their
+   gradients are the same on every TP rank when the model feeds them the
+   same values there (what the TP modules below arrange: a layer norm after
+   a tp_reduce, the bias of a row-parallel linear added after it), and smp
+   does not sum them across the TP group. */
+SMPDEF smp_param *smp_param_new_sharded(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
+                                        int shard_axis, smp_init_fn init, void *init_user);
+SMPDEF int smp_param_shard_axis(const smp_param *p);       /* -1: whole on every TP rank */
+SMPDEF int64_t smp_param_shard_offset(const smp_param *p); /* where this rank's slice starts along the axis (0 if whole) */
+SMPDEF int smp_param_full_shape(const smp_param *p, int64_t shape[SMP_MAX_DIMS]); /* the declared shape; returns ndim */
 SMPDEF const char *smp_module_name(const smp_module *m); /* full dotted name */
 SMPDEF void *smp_module_user(const smp_module *m);
 SMPDEF int smp_module_partition(const smp_module *m);   /* -1 before partitioning */
@@ -613,6 +686,35 @@ SMPDEF smp_module *smp_param_module(const smp_param *p);
      identity  y = a copy of x0 (a composite that must return its input). */
 SMPDEF smp_module *smp_module_new_add(smp_module *parent, const char *name);
 SMPDEF smp_module *smp_module_new_identity(smp_module *parent, const char *name);
+/* Tensor parallelism's communication, as built-in leaf modules over
+   TP_GROUP (one input, one output; host tensors over MPI, device tensors
+   over the device backend's collectives), each with its backward:
+     tp_copy     forward y = x; backward: the input gradient is the sum of
+                 the TP ranks' output gradients. Enters a tensor-parallel
+                 region (before a column-parallel linear);
+     tp_reduce   forward y = the sum of the TP ranks' x; backward passes
+                 the output gradient. Leaves it (after a row-parallel linear);
+     tp_gather   forward y = the TP ranks' x joined along `axis` in tp-rank
+                 order (y's axis tp times x's); backward: the sum of the
+                 ranks' output gradients, each rank keeping its own slice
+                 (a reduce-scatter): right where what follows computes a
+                 different part on each rank, as in sequence parallelism;
+     tp_scatter  its dual: forward y = this rank's slice along `axis` of the
+                 sum of the ranks' x (a reduce-scatter; tp must divide that
+                 axis); backward joins the ranks' output gradients (an
+                 all-gather).
+   Megatron's MLP is tp_copy, a column-parallel linear (its weight and bias
+   sharded along axis 0), the activation, a row-parallel linear without its
+   bias (weight sharded along axis 1), tp_reduce, then the bias (whole).
+   Every rank of the TP group must pass the same dtype and shape (checked
+   at every call: a mismatch is an error on each of them). With
+   deterministic_reduction every sum is taken in tp-rank order, from an
+   all-gather, so every rank holds the same bits; otherwise MPI's (NCCL's)
+   all-reduce sums. With tensor_parallel_degree 1 each is a copy. */
+SMPDEF smp_module *smp_module_new_tp_copy(smp_module *parent, const char *name);
+SMPDEF smp_module *smp_module_new_tp_reduce(smp_module *parent, const char *name);
+SMPDEF smp_module *smp_module_new_tp_gather(smp_module *parent, const char *name, int axis);
+SMPDEF smp_module *smp_module_new_tp_scatter(smp_module *parent, const char *name, int axis);
 /* Activation recomputation (SageMaker's smp.set_activation_checkpointing):
    after a call of m, only the call's inputs are kept; the outputs of the
    calls nested inside it (its own outputs, which later calls read, stay)
@@ -940,10 +1042,6 @@ SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, sm
 SMP__CORE int smp_group_ranks(smp_group g, int *world_ranks, int cap);
 /* World rank of member `group_rank` of this rank's group g. */
 SMP__CORE int smp_group_world_rank(smp_group g, int group_rank);
-/* The topology a world of `size` ranks would have, without MPI: the model
-   parallel and data parallel coordinates of world rank `rank`. */
-SMP__CORE void smp_topology_of(int rank, int size, int partitions, smp_placement placement,
-                            int *mp_rank, int *dp_rank);
 SMP__CORE int smp_model_num_calls(const smp_model *m);                        /* leaf calls (composites count their leaves) */
 SMP__CORE int smp_model_call_stage(const smp_model *m, int call);
 /* The core on plain costs: the same contract, cost[i] >= 0 being call i's. */
@@ -1019,7 +1117,8 @@ static struct {
     bool initialized, owns_mpi;
     smp_config cfg;
     MPI_Comm world;          /* smp's duplicate of the host communicator */
-    int rank, size, local_rank, local_size, mp_rank, dp_rank;
+    int rank, size, local_rank, local_size;
+    int pp_rank, tp_rank, rdp_rank, mp_rank, dp_rank; /* smp_group's comment says what each is */
     char *hosts;             /* every world rank's host name, back to back */
     int *host_at;            /* world rank -> offset of its name in hosts */
     smp__group_info groups[SMP_GROUP_COUNT];
@@ -1919,7 +2018,7 @@ typedef enum smp__cfg_kind {
 /* Enum strings: the value of names[i] is i + 1 (0 is each enum's DEFAULT). */
 static const char *const smp__cfg_pipeline_names[] = {"interleaved", "simple", "zero_bubble", "zero_bubble_v", NULL};
 static const char *const smp__cfg_optimize_names[] = {"speed", "memory", NULL};
-static const char *const smp__cfg_placement_names[] = {"cluster", "spread", NULL};
+static const char *const smp__cfg_placement_names[] = {"cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD", NULL};
 static const char *const smp__cfg_trace_names[] = {"cpu", "gpu", NULL};
 
 /* A row a key, naming the smp_config field it sets. Every field but the
@@ -1935,6 +2034,8 @@ static const struct smp__cfg_key {
     const char *spelled;       /* ENUM: the C names, for resolve's message */
 } smp__cfg_keys[] = {
     {"partitions", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(partitions), 0, NULL, NULL},
+    {"pipeline_parallel_degree", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(pipeline_parallel_degree), 0, NULL, NULL},
+    {"tensor_parallel_degree", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(tensor_parallel_degree), 0, NULL, NULL},
     {"microbatches", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(microbatches), 0, NULL, NULL},
     {"pipeline", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(pipeline), SMP_PIPELINE_INTERLEAVED, smp__cfg_pipeline_names,
      "SMP_PIPELINE_INTERLEAVED (1), SMP_PIPELINE_SIMPLE (2), SMP_PIPELINE_ZERO_BUBBLE (3) or SMP_PIPELINE_ZERO_BUBBLE_V (4)"},
@@ -1944,7 +2045,8 @@ static const struct smp__cfg_key {
     {"default_partition", SMP__CFG_KIND_INDEX, SMP__CFG_FIELD(default_partition), 0, NULL, NULL},
     {"ddp", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(ddp), SMP_OFF, NULL, NULL},
     {"placement_strategy", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(placement_strategy), SMP_PLACEMENT_CLUSTER,
-     smp__cfg_placement_names, "SMP_PLACEMENT_CLUSTER (1) or SMP_PLACEMENT_SPREAD (2)"},
+     smp__cfg_placement_names, "SMP_PLACEMENT_CLUSTER (1), SMP_PLACEMENT_SPREAD (2) or a letter form SMP_PLACEMENT_DPT (3) "
+     "to SMP_PLACEMENT_TPD (8)"},
     {"memory_weight", SMP__CFG_KIND_WEIGHT, SMP__CFG_FIELD(memory_weight), 0, NULL, NULL},
     {"trace_device", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(trace_device), SMP_TRACE_CPU, smp__cfg_trace_names,
      "SMP_TRACE_CPU (1) or SMP_TRACE_GPU (2)"},
@@ -1967,6 +2069,7 @@ static const struct smp__cfg_key {
 typedef char smp__cfg_enums_are_ints[sizeof(smp_switch) == sizeof(int) && sizeof(smp_pipeline_kind) == sizeof(int) &&
                                      sizeof(smp_optimize) == sizeof(int) && sizeof(smp_placement) == sizeof(int) &&
                                      sizeof(smp_trace_device) == sizeof(int) ? 1 : -1];
+typedef char smp__cfg_keys_fit_seen[SMP__CFG_NKEYS <= 32 ? 1 : -1]; /* smp__cfg_build.seen has a bit a key */
 
 static int smp__cfg_int(const smp_config *c, const struct smp__cfg_key *key) {
     int v;
@@ -2287,10 +2390,6 @@ static void smp__cfg_unknown_key(const smp__jvalue *key, char *msg, size_t cap) 
     smp__cfg_quote(q, sizeof q, key->str, key->str_len, key->str_more);
     snprintf(msg, cap, "unknown config key %s", q);
     /* names SageMaker users may bring along */
-    if (!key->str_more && strcmp(key->str, "pipeline_parallel_degree") == 0) {
-        smp__cfg_appendf(msg, cap, " (smp calls it \"partitions\")");
-        return;
-    }
     if (!key->str_more && (strcmp(key->str, "parameters") == 0 || strcmp(key->str, "enabled") == 0 ||
                            strcmp(key->str, "modelparallel") == 0)) {
         smp__cfg_appendf(msg, cap, " (give smp the contents of SageMaker's \"parameters\" object, "
@@ -2523,20 +2622,36 @@ SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, sm
     if (world_size < 1) return smp_error(SMP_ERR_ARG, "smp_config_resolve: world size %d is not positive", world_size);
     smp_config c = *in;
 
+    /* one setting under two names: SageMaker's PyTorch name wins where only it is set */
+    if (c.partitions > 0 && c.pipeline_parallel_degree > 0 && c.partitions != c.pipeline_parallel_degree)
+        return smp_error(SMP_ERR_CONFIG, "config keys \"partitions\" (%d) and \"pipeline_parallel_degree\" (%d) disagree: they are "
+                         "one setting (SageMaker's PyTorch name for partitions); give one of them, or the same value to both",
+                         c.partitions, c.pipeline_parallel_degree);
+    if (c.partitions == 0) c.partitions = c.pipeline_parallel_degree;
+
     /* enums, switches and counts first: everything below reads them */
     for (int i = 0; i < SMP__CFG_NKEYS; i++) SMP_TRY(smp__cfg_resolve_key(&c, &smp__cfg_keys[i]));
+    c.pipeline_parallel_degree = c.partitions;
 
-    /* partitions against the world */
-    if (c.partitions > world_size)
+    /* partitions x tensor_parallel_degree against the world */
+    int tp = c.tensor_parallel_degree;
+    long long mp = (long long)c.partitions * tp;
+    if (tp == 1 && c.partitions > world_size)
         return smp_error(SMP_ERR_CONFIG, "partitions = %d needs at least %d ranks, but the world size is %d",
                          c.partitions, c.partitions, world_size);
-    if (world_size % c.partitions != 0)
+    if (tp == 1 && world_size % c.partitions != 0)
         return smp_error(SMP_ERR_CONFIG, "partitions = %d does not divide the world size %d", c.partitions, world_size);
-    if (world_size > c.partitions && c.ddp != SMP_ON)
+    if (tp > 1 && (mp > world_size || world_size % mp != 0))
+        return smp_error(SMP_ERR_CONFIG, "partitions (pipeline_parallel_degree) = %d x tensor_parallel_degree = %d makes %lld ranks "
+                         "a model replica, which does not divide the world size %d: run a multiple of %lld ranks, or change "
+                         "the degrees", c.partitions, tp, mp, world_size, mp);
+    char times_tp[48] = "";
+    if (tp > 1) snprintf(times_tp, sizeof times_tp, " x tensor_parallel_degree = %d", tp);
+    if (world_size > mp && c.ddp != SMP_ON)
         return smp_error(SMP_ERR_CONFIG,
-                         "a world of %d ranks with partitions = %d makes %d model replicas, which needs data "
+                         "a world of %d ranks with partitions = %d%s makes %lld model replicas, which needs data "
                          "parallelism: set \"ddp\": true (ddp is off)",
-                         world_size, c.partitions, world_size / c.partitions);
+                         world_size, c.partitions, times_tp, world_size / mp);
 
     /* a value set without its flag would be dropped without a word */
     if (!c.has_default_partition && c.default_partition != 0)
@@ -2651,7 +2766,8 @@ static bool smp__backoff_pause(smp__backoff *b) {
 SMP__CORE int smp_group_world_rank(smp_group g, int group_rank); /* a test hook (SMP_TESTING) the waits use */
 
 static const char *smp__group_name(smp_group g) {
-    return g == SMP_WORLD ? "world" : g == SMP_MP_GROUP ? "MP_GROUP" : g == SMP_DP_GROUP ? "DP_GROUP" : "?";
+    static const char *const names[SMP_GROUP_COUNT] = {"world", "MP_GROUP", "DP_GROUP", "PP_GROUP", "TP_GROUP", "RDP_GROUP"};
+    return (unsigned)g < SMP_GROUP_COUNT ? names[g] : "?";
 }
 
 static const char *smp__rank_host(int rank);
@@ -2809,15 +2925,27 @@ SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_gr
 }
 
 /* ---------------------------------------------------------------- topology */
-SMP__CORE void smp_topology_of(int rank, int size, int partitions, smp_placement placement, int *mp_rank, int *dp_rank) {
-    int dp_size = size / partitions;
-    if (placement == SMP_PLACEMENT_SPREAD) { /* a DP_GROUP's ranks are adjacent */
-        *dp_rank = rank % dp_size;
-        *mp_rank = rank / dp_size;
-    } else { /* cluster: a model replica's ranks are adjacent */
-        *mp_rank = rank % partitions;
-        *dp_rank = rank / partitions;
+/* Each placement's letters, left to right; the right-most varies fastest over the world's ranks. */
+static const char *smp__placement_letters(smp_placement p) {
+    static const char *const letters[] = {"DPT", "DPT", "TPD", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"};
+    return (unsigned)p < sizeof letters / sizeof letters[0] ? letters[p] : "DPT";
+}
+
+SMPDEF smp_coords smp_topology_of(int rank, int size, int pp, int tp, smp_placement placement) {
+    int rdp = size / (pp * tp), coord[3] = {0, 0, 0}; /* D, P, T */
+    const char *letters = smp__placement_letters(placement);
+    for (int i = 2; i >= 0; i--) {
+        int which = letters[i] == 'D' ? 0 : letters[i] == 'P' ? 1 : 2, degree = which == 0 ? rdp : which == 1 ? pp : tp;
+        coord[which] = rank % degree;
+        rank /= degree;
     }
+    smp_coords c;
+    c.rdp_rank = coord[0];
+    c.pp_rank = coord[1];
+    c.tp_rank = coord[2];
+    c.mp_rank = c.pp_rank * tp + c.tp_rank;
+    c.dp_rank = c.rdp_rank * tp + c.tp_rank;
+    return c;
 }
 
 SMPDEF int smp_rank(void) { return smp__ctx.rank; }
@@ -2825,9 +2953,15 @@ SMPDEF int smp_size(void) { return smp__ctx.size; }
 SMPDEF int smp_local_rank(void) { return smp__ctx.local_rank; }
 SMPDEF int smp_local_size(void) { return smp__ctx.local_size; }
 SMPDEF int smp_mp_rank(void) { return smp__ctx.mp_rank; }
-SMPDEF int smp_mp_size(void) { return smp__ctx.cfg.partitions; }
+SMPDEF int smp_mp_size(void) { return smp__ctx.initialized ? smp__ctx.cfg.partitions * smp__ctx.cfg.tensor_parallel_degree : 1; }
 SMPDEF int smp_dp_rank(void) { return smp__ctx.dp_rank; }
 SMPDEF int smp_dp_size(void) { return smp__ctx.initialized ? smp__ctx.size / smp__ctx.cfg.partitions : 1; }
+SMPDEF int smp_pp_rank(void) { return smp__ctx.pp_rank; }
+SMPDEF int smp_pp_size(void) { return smp__ctx.initialized ? smp__ctx.cfg.partitions : 1; }
+SMPDEF int smp_tp_rank(void) { return smp__ctx.tp_rank; }
+SMPDEF int smp_tp_size(void) { return smp__ctx.initialized ? smp__ctx.cfg.tensor_parallel_degree : 1; }
+SMPDEF int smp_rdp_rank(void) { return smp__ctx.rdp_rank; }
+SMPDEF int smp_rdp_size(void) { return smp__ctx.initialized ? smp_dp_size() / smp__ctx.cfg.tensor_parallel_degree : 1; }
 SMPDEF bool smp_is_initialized(void) { return smp__ctx.initialized; }
 SMPDEF const smp_config *smp_current_config(void) { return &smp__ctx.cfg; }
 
@@ -2958,7 +3092,7 @@ static void smp__exit_guard(void) {
     else snprintf(where, sizeof where, "after %ld steps, outside a step", smp__ctx.at.steps);
     smp__fatal("rank %d (mp rank %d, dp rank %d) is exiting while smp is initialised (exit() or a return from main before smp_finalize), "
                "%s: the other ranks would wait for it, so the whole job aborts; call smp_finalize on every rank before leaving main",
-               smp__ctx.rank, smp__ctx.mp_rank, smp__ctx.dp_rank, where);
+               smp__ctx.rank, smp__ctx.pp_rank, smp__ctx.rdp_rank, where);
 }
 
 SMPDEF smp_status smp_init(const smp_config *user_cfg) {
@@ -2999,7 +3133,8 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     }
     if (!st) st = smp_config_resolve(&cfg, size, &smp__ctx.cfg);
     /* the groups' lists of ranks: out of memory is agreed with the configuration, before the groups' collectives */
-    int group_size[SMP_GROUP_COUNT] = {size, smp__ctx.cfg.partitions, st ? 0 : size / smp__ctx.cfg.partitions};
+    int pp = st ? 1 : smp__ctx.cfg.partitions, tp = st ? 1 : smp__ctx.cfg.tensor_parallel_degree;
+    int group_size[SMP_GROUP_COUNT] = {size, pp * tp, size / pp, pp, tp, size / (pp * tp)};
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
         smp__ctx.groups[g].world_ranks = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)group_size[g], SMP__ALLOC_OTHER, "a group's ranks");
     smp__ctx.rank = rank;
@@ -3022,16 +3157,22 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     SMP__MPI_FATAL(MPI_Comm_size(local, &smp__ctx.local_size), "asking how many ranks share this host (smp_init)");
     SMP__MPI_WARN(MPI_Comm_free(&local), "releasing the host communicator");
 
-    smp_topology_of(rank, size, smp__ctx.cfg.partitions, smp__ctx.cfg.placement_strategy, &smp__ctx.mp_rank, &smp__ctx.dp_rank);
-    MPI_Comm mp, dp;
-    SMP__MPI_FATAL(MPI_Comm_split(smp__ctx.world, smp__ctx.dp_rank, smp__ctx.mp_rank, &mp), "making MP_GROUP (smp_init)");
-    SMP__MPI_FATAL(MPI_Comm_split(smp__ctx.world, smp__ctx.mp_rank, smp__ctx.dp_rank, &dp), "making DP_GROUP (smp_init)");
-    MPI_Comm w;
-    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.world, &w), "making the world group's communicator (smp_init)");
+    pp = smp__ctx.cfg.partitions;
+    tp = smp__ctx.cfg.tensor_parallel_degree;
+    smp_coords at = smp_topology_of(rank, size, pp, tp, smp__ctx.cfg.placement_strategy);
+    smp__ctx.pp_rank = at.pp_rank;
+    smp__ctx.tp_rank = at.tp_rank;
+    smp__ctx.rdp_rank = at.rdp_rank;
+    smp__ctx.mp_rank = at.mp_rank;
+    smp__ctx.dp_rank = at.dp_rank;
+    /* each group: the ranks that share a colour, in the order of their key */
+    int colour[SMP_GROUP_COUNT] = {0, at.rdp_rank, at.pp_rank, at.rdp_rank * tp + at.tp_rank, at.rdp_rank * pp + at.pp_rank, at.mp_rank};
+    int key[SMP_GROUP_COUNT] = {rank, at.mp_rank, at.dp_rank, at.pp_rank, at.tp_rank, at.rdp_rank};
+    MPI_Comm comm[SMP_GROUP_COUNT];
+    for (int g = 0; g < SMP_GROUP_COUNT; g++)
+        SMP__MPI_FATAL(MPI_Comm_split(smp__ctx.world, colour[g], key[g], &comm[g]), "making %s (smp_init)", smp__group_name((smp_group)g));
     smp__ctx.initialized = true; /* the group builders below use the context */
-    smp__make_group(&smp__ctx.groups[SMP_WORLD], w);
-    smp__make_group(&smp__ctx.groups[SMP_MP_GROUP], mp);
-    smp__make_group(&smp__ctx.groups[SMP_DP_GROUP], dp);
+    for (int g = 0; g < SMP_GROUP_COUNT; g++) smp__make_group(&smp__ctx.groups[g], comm[g]);
     smp__half_op_fns();
     static bool guarded;
     if (!guarded) guarded = atexit(smp__exit_guard) == 0;
@@ -3119,7 +3260,7 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b) {
 static smp_status smp__group_arg(smp_group g, const char *fn, smp__group_info **gi) {
     SMP_TRY(smp__require_init(fn));
     *gi = smp__group(g);
-    if (!*gi) return smp_error(SMP_ERR_ARG, "%s: unknown group %d (SMP_WORLD, SMP_MP_GROUP or SMP_DP_GROUP)", fn, (int)g);
+    if (!*gi) return smp_error(SMP_ERR_ARG, "%s: unknown group %d (SMP_WORLD, SMP_MP_GROUP, SMP_DP_GROUP, SMP_PP_GROUP, SMP_TP_GROUP or SMP_RDP_GROUP)", fn, (int)g);
     return SMP_OK;
 }
 
@@ -3750,6 +3891,8 @@ struct smp_param {
     bool grad_in_bucket; /* grad.data points into a data-parallel bucket, which owns it */
     smp_init_fn init;
     void *init_user;
+    int shard_axis;      /* -1: whole on every TP rank; else split along it over TP_GROUP */
+    int64_t full_shape[SMP_MAX_DIMS], shard_offset; /* the declared shape; where this rank's slice starts along the axis */
 };
 
 struct smp_module {
@@ -4024,6 +4167,8 @@ static smp_param *smp__declare(smp_module *m, const char *name, smp_dtype dt, in
     p->is_buffer = buffer;
     p->init = init;
     p->init_user = user;
+    p->shard_axis = -1;
+    memcpy(p->full_shape, p->value.shape, sizeof p->full_shape);
     m->params[m->nparams++] = p;
     return p;
 }
@@ -4033,6 +4178,45 @@ SMPDEF smp_param *smp_param_new(smp_module *m, const char *name, smp_dtype dt, i
 }
 SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape, smp_init_fn init, void *user) {
     return smp__declare(m, name, dt, ndim, shape, init, user, true);
+}
+SMPDEF smp_param *smp_param_new_sharded(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape, int shard_axis,
+                                        smp_init_fn init, void *init_user) {
+    if (ndim >= 0 && (shard_axis < 0 || shard_axis >= ndim)) {
+        smp__build_error(SMP_ERR_ARG, "parameter \"%s\" of module \"%s\": shard axis %d is not one of its %d axes (0 to %d)",
+                         name ? name : "(null)", m ? m->full_name : "(null)", shard_axis, ndim, ndim - 1);
+        return NULL;
+    }
+    smp_param *p = smp__declare(m, name, dt, ndim, shape, init, init_user, false);
+    if (p) p->shard_axis = shard_axis;
+    return p;
+}
+SMPDEF int smp_param_shard_axis(const smp_param *p) { return p->shard_axis; }
+SMPDEF int64_t smp_param_shard_offset(const smp_param *p) { return p->shard_offset; }
+SMPDEF int smp_param_full_shape(const smp_param *p, int64_t shape[SMP_MAX_DIMS]) {
+    memcpy(shape, p->full_shape, sizeof p->full_shape);
+    return p->value.ndim;
+}
+
+/* Cuts each sharded parameter's local shape out of its full one: the tp
+   degree is known only once smp_init has run. Every rank finds the same. */
+static smp_status smp__shard_params(smp_model *m) {
+    int tp = smp_tp_size(), sharded = 0;
+    for (int i = 0; i < m->nparams; i++) {
+        smp_param *p = m->params[i];
+        if (p->shard_axis < 0) continue;
+        int64_t full = p->full_shape[p->shard_axis];
+        if (full % tp)
+            return smp_error(SMP_ERR_CONFIG, "parameter \"%s\" is sharded along axis %d of size %lld, which tensor_parallel_degree = %d "
+                             "does not divide: make that dimension a multiple of %d, or change tensor_parallel_degree", p->full_name,
+                             p->shard_axis, (long long)full, tp, tp);
+        p->value.shape[p->shard_axis] = p->grad.shape[p->shard_axis] = full / tp;
+        p->shard_offset = full / tp * smp_tp_rank();
+        sharded++;
+    }
+    if (tp > 1 && !sharded && smp__ctx.rank == 0)
+        smp__log(SMP_LOG_WARN, "tensor_parallel_degree is %d, but the model declares no sharded parameter (smp_param_new_sharded): "
+                 "the %d ranks of each TP group would compute the same thing", tp, tp);
+    return SMP_OK;
 }
 SMPDEF const char *smp_module_name(const smp_module *m) { return m->full_name; }
 SMPDEF void *smp_module_user(const smp_module *m) { return m->desc.user; }
@@ -4088,6 +4272,18 @@ SMPDEF void smp_init_copy(smp_tensor *v, uint64_t seed, void *user) {
 
 static bool smp__model_on_device(const smp_model *m);
 
+/* dst = the slice of src that starts at `offset` along `axis` and is as long
+   as dst there (host memory; dst and src alike in every other axis). */
+static void smp__slice_copy(smp_tensor *dst, const smp_tensor *src, int axis, int64_t offset) {
+    size_t es = smp_dtype_size(src->dtype), inner = es;
+    int64_t outer = 1;
+    for (int d = 0; d < axis; d++) outer *= src->shape[d];
+    for (int d = axis + 1; d < src->ndim; d++) inner *= (size_t)src->shape[d];
+    size_t row = inner * (size_t)dst->shape[axis], src_row = inner * (size_t)src->shape[axis];
+    for (int64_t o = 0; o < outer; o++)
+        memcpy((char *)dst->data + (size_t)o * row, (const char *)src->data + (size_t)o * src_row + inner * (size_t)offset, row);
+}
+
 static void smp__release_param(smp_param *p) {
     smp__free(p->value.data);
     if (!p->grad_in_bucket) smp__free(p->grad.data);
@@ -4105,7 +4301,17 @@ static smp_status smp__materialise_param(smp_param *p) {
     init.device = SMP_HOST;
     init.data = smp__alloc_or(&st, smp_tensor_nbytes(&p->value), on_device ? SMP__ALLOC_OTHER : SMP__ALLOC_PARAM, what);
     if (st) return st;
-    if (p->init) p->init(&init, smp_param_seed(p->full_name), p->init_user);
+    if (p->init && p->shard_axis >= 0 && p->full_shape[p->shard_axis] != p->value.shape[p->shard_axis]) {
+        /* the values are those of the full tensor, so every tp degree starts from the same weights */
+        smp_tensor full = smp_tensor_make(NULL, p->value.dtype, p->value.ndim, p->full_shape);
+        char why[360];
+        snprintf(why, sizeof why, "the full tensor of sharded parameter %s, to initialise its slice", p->full_name);
+        full.data = smp__alloc_or(&st, smp_tensor_nbytes(&full), SMP__ALLOC_OTHER, why);
+        if (st) { smp__free(init.data); return st; }
+        p->init(&full, smp_param_seed(p->full_name), p->init_user);
+        smp__slice_copy(&init, &full, p->shard_axis, p->shard_offset);
+        smp__free(full.data);
+    } else if (p->init) p->init(&init, smp_param_seed(p->full_name), p->init_user);
     if (!on_device) p->value = init;
     else {
         if (smp__tensor_alloc_or(&st, &p->value, true, SMP__ALLOC_PARAM, what)) st = smp__tensor_copy(&p->value, &init);
@@ -4202,6 +4408,7 @@ SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, sm
     smp_model *m = (smp_model *)smp__alloc_or(&st, sizeof *m, SMP__ALLOC_OTHER, "a model");
     int mcap = 0, pcap = 0;
     if (!st) smp__collect(&st, m, root, &mcap, &pcap);
+    if (!st) st = smp__shard_params(m);
     /* every rank must have its model before any keeps it (out of memory
        may strike one); until then the modules stay the engine's */
     st = smp__agree_on(smp__ctx.world, st, "model construction");
@@ -4431,6 +4638,188 @@ SMPDEF smp_module *smp_module_new_add(smp_module *parent, const char *name) {
 SMPDEF smp_module *smp_module_new_identity(smp_module *parent, const char *name) {
     smp_module_desc d = {smp__identity_forward, smp__pass_backward, NULL};
     return smp_module_new(parent, name, &d);
+}
+
+/* ---------------------------------------------------------------- tensor-parallel modules */
+/* Each runs its collective over TP_GROUP. The ranks of a TP group run the
+   same calls in the same order (they hold the same partition of the same
+   replica), so the collectives pair up; each first agrees on the shapes,
+   so a mismatch is an error on every rank of the group rather than a
+   collective on buffers of different sizes. */
+typedef enum smp__tp_kind { SMP__TP_COPY, SMP__TP_REDUCE, SMP__TP_GATHER, SMP__TP_SCATTER } smp__tp_kind;
+typedef struct smp__tp_module { smp__tp_kind kind; int axis; } smp__tp_module;
+/* what a TP module's user pointer points to: copy, reduce, then gather and scatter along each axis */
+static smp__tp_module smp__tp_table[2 + 2 * SMP_MAX_DIMS];
+
+static const char *smp__tp_name(smp__tp_kind k) {
+    return k == SMP__TP_COPY ? "tp_copy" : k == SMP__TP_REDUCE ? "tp_reduce" : k == SMP__TP_GATHER ? "tp_gather" : "tp_scatter";
+}
+
+/* Every TP rank's dtype and shape of t, compared with TP rank 0's. */
+static smp_status smp__tp_same_shape(const smp_call_ctx *c, const smp_tensor *t, const char *what) {
+    int tp = smp_tp_size();
+    enum { SIG = 2 + SMP_MAX_DIMS };
+    int64_t mine[SIG], *all = (int64_t *)smp__alloc(sizeof(int64_t) * SIG * (size_t)tp, SMP__ALLOC_OTHER);
+    if (!all) return smp__nomem(sizeof(int64_t) * SIG * (size_t)tp, "the TP group's shapes");
+    memset(mine, 0, sizeof mine);
+    mine[0] = t->dtype;
+    mine[1] = t->ndim;
+    for (int d = 0; d < t->ndim; d++) mine[2 + d] = t->shape[d];
+    smp_tensor a = smp_tensor_1d(mine, SMP_I64, SIG), b = smp_tensor_1d(all, SMP_I64, SIG * (int64_t)tp);
+    smp_status st = smp_all_gather(&a, &b, SMP_TP_GROUP);
+    for (int r = 1; r < tp && !st; r++) {
+        if (!memcmp(all, all + (size_t)r * SIG, sizeof mine)) continue;
+        smp_tensor t0 = smp_tensor_make(NULL, (smp_dtype)all[0], (int)all[1], all + 2);
+        smp_tensor tr = smp_tensor_make(NULL, (smp_dtype)all[r * SIG], (int)all[r * SIG + 1], all + r * SIG + 2);
+        char d0[96], dr[96];
+        st = smp_error(SMP_ERR_ARG, "%s module \"%s\": %s is %s on tp rank 0 but %s on tp rank %d: every rank of a TP group "
+                       "must pass the same dtype and shape", smp__tp_name(((const smp__tp_module *)c->module->desc.user)->kind),
+                       c->module->full_name, what, smp__tensor_describe(&t0, d0, sizeof d0), smp__tensor_describe(&tr, dr, sizeof dr), r);
+    }
+    smp__free(all);
+    return st;
+}
+
+/* outer x (axis length) x inner of t around axis, in elements; rows are (axis length x inner). */
+static void smp__around_axis(const smp_tensor *t, int axis, int64_t *outer, int64_t *inner) {
+    *outer = *inner = 1;
+    for (int d = 0; d < axis; d++) *outer *= t->shape[d];
+    for (int d = axis + 1; d < t->ndim; d++) *inner *= t->shape[d];
+}
+
+/* Moves `outer` x `parts` blocks of `block` bytes between layouts: to_parts
+   true reads [outer][parts] and writes [parts][outer], false the reverse. */
+static smp_status smp__tp_regroup(void *dst, const void *src, int device, int64_t outer, int parts, size_t block, bool to_parts) {
+    smp_status st = SMP_OK;
+    for (int64_t o = 0; o < outer && !st; o++)
+        for (int r = 0; r < parts && !st; r++) {
+            size_t a = ((size_t)o * (size_t)parts + (size_t)r) * block, b = ((size_t)r * (size_t)outer + (size_t)o) * block;
+            char *d = (char *)dst + (to_parts ? b : a);
+            const char *x = (const char *)src + (to_parts ? a : b);
+            if (device == SMP_HOST) memcpy(d, x, block);
+            else st = smp__ctx.device.copy(d, device, x, device, block);
+        }
+    return st;
+}
+
+/* out = the sum over the TP group of each rank's `in` (out may be in); in
+   deterministic_reduction mode summed in tp-rank order on every rank, so
+   every rank holds the same bits. `slice` >= 0: in holds tp blocks, and
+   out gets the sum of block `slice` (a reduce-scatter). */
+static smp_status smp__tp_sum(const smp_tensor *in, smp_tensor *out, bool scatter) {
+    int tp = smp_tp_size();
+    if (smp__ctx.cfg.deterministic_reduction != SMP_ON)
+        return scatter ? smp_reduce_scatter(in, out, SMP_SUM, SMP_TP_GROUP) : smp_all_reduce(in, out, SMP_SUM, SMP_TP_GROUP);
+    int64_t n = smp_tensor_numel(in), block = smp_tensor_numel(out);
+    smp_tensor all = smp_tensor_1d(NULL, in->dtype, n * tp);
+    smp_status st = SMP_OK;
+    if (!smp__tensor_alloc_or(&st, &all, in->device != SMP_HOST, SMP__ALLOC_OTHER, "every TP rank's addend (deterministic_reduction)"))
+        return st;
+    st = smp_all_gather(in, &all, SMP_TP_GROUP);
+    size_t es = smp_dtype_size(in->dtype), skip = scatter ? (size_t)block * (size_t)smp_tp_rank() * es : 0;
+    smp_tensor part = smp_tensor_1d(NULL, in->dtype, block);
+    part.device = all.device;
+    for (int r = 0; r < tp && !st; r++) {
+        part.data = (char *)all.data + (size_t)r * (size_t)n * es + skip;
+        st = r == 0 ? smp__tensor_copy(out, &part) : smp__add_into(out, &part);
+    }
+    smp__free(all.data);
+    return st;
+}
+
+/* All-gather along axis: out is in with that axis tp times longer, rank r's
+   slice at r x in's length. */
+static smp_status smp__tp_gather(const smp_tensor *in, smp_tensor *out, int axis) {
+    int64_t outer, inner;
+    smp__around_axis(in, axis, &outer, &inner);
+    if (outer == 1) { /* the ranks' blocks are the output as it lies */
+        smp_tensor flat = smp_tensor_1d(out->data, out->dtype, smp_tensor_numel(out));
+        flat.device = out->device;
+        return smp_all_gather(in, &flat, SMP_TP_GROUP);
+    }
+    smp_tensor all = smp_tensor_1d(NULL, in->dtype, smp_tensor_numel(out));
+    smp_status st = SMP_OK;
+    if (!smp__tensor_alloc_or(&st, &all, in->device != SMP_HOST, SMP__ALLOC_OTHER, "a TP all-gather's blocks")) return st;
+    st = smp_all_gather(in, &all, SMP_TP_GROUP);
+    size_t row = (size_t)(in->shape[axis] * inner) * smp_dtype_size(in->dtype);
+    if (!st) st = smp__tp_regroup(out->data, all.data, out->device, outer, smp_tp_size(), row, false);
+    smp__free(all.data);
+    return st;
+}
+
+/* Reduce-scatter along axis: out is in with that axis tp times shorter,
+   the sum over the group of every rank's slice tp_rank. */
+static smp_status smp__tp_scatter(const smp_tensor *in, smp_tensor *out, int axis) {
+    int64_t outer, inner;
+    smp__around_axis(in, axis, &outer, &inner);
+    smp_tensor flat = smp_tensor_1d(in->data, in->dtype, smp_tensor_numel(in)), part = smp_tensor_1d(out->data, out->dtype, smp_tensor_numel(out));
+    flat.device = in->device;
+    part.device = out->device;
+    if (outer == 1) return smp__tp_sum(&flat, &part, true);
+    smp_status st = SMP_OK;
+    flat.data = smp__tensor_alloc_or(&st, &flat, in->device != SMP_HOST, SMP__ALLOC_OTHER, "a TP reduce-scatter's blocks");
+    if (st) return st;
+    size_t row = (size_t)(out->shape[axis] * inner) * smp_dtype_size(in->dtype);
+    st = smp__tp_regroup(flat.data, in->data, in->device, outer, smp_tp_size(), row, true);
+    if (!st) st = smp__tp_sum(&flat, &part, true);
+    smp__free(flat.data);
+    return st;
+}
+
+/* One collective of a TP module, forward (x: the input) or backward (x: the
+   output gradient); y is allocated here in the forward, given in the backward. */
+static smp_status smp__tp_run(smp_call_ctx *c, bool forward) {
+    const smp__tp_module *tm = (const smp__tp_module *)c->module->desc.user;
+    const char *name = smp__tp_name(tm->kind);
+    if (c->nin != 1 || c->nout != 1)
+        return smp_error(SMP_ERR_ARG, "%s module \"%s\" takes one input and one output, got %d and %d", name, c->module->full_name, c->nin,
+                         c->nout);
+    const smp_tensor *x = forward ? smp_call_input(c, 0) : smp_call_grad_output(c, 0);
+    smp_tensor *y = forward ? NULL : smp_call_grad_input(c, 0);
+    if (!forward && !y) return SMP_OK; /* no gradient wanted: the same on every TP rank, which run the same graph */
+    bool sums = forward ? tm->kind == SMP__TP_REDUCE || tm->kind == SMP__TP_SCATTER : tm->kind == SMP__TP_COPY || tm->kind == SMP__TP_GATHER;
+    bool along = tm->kind == SMP__TP_GATHER || tm->kind == SMP__TP_SCATTER; /* gather <-> scatter; copy, reduce keep the shape */
+    bool grows = along && (tm->kind == SMP__TP_GATHER) == forward;
+    int tp = smp_tp_size();
+    if (along && (tm->axis < 0 || tm->axis >= x->ndim))
+        return smp_error(SMP_ERR_ARG, "%s module \"%s\" works along axis %d, but its %s has %d axes", name, c->module->full_name, tm->axis,
+                         forward ? "input" : "output gradient", x->ndim);
+    if (tp > 1) SMP_TRY(smp__tp_same_shape(c, x, forward ? "the input" : "the output gradient"));
+    if (along && !grows && x->shape[tm->axis] % tp)
+        return smp_error(SMP_ERR_ARG, "%s module \"%s\": axis %d of its %s has length %lld, which tensor_parallel_degree = %d does not "
+                         "divide", name, c->module->full_name, tm->axis, forward ? "input" : "output gradient", (long long)x->shape[tm->axis], tp);
+    if (forward) {
+        int64_t shape[SMP_MAX_DIMS];
+        memcpy(shape, x->shape, sizeof shape);
+        if (along) shape[tm->axis] = grows ? shape[tm->axis] * tp : shape[tm->axis] / tp;
+        if (!(y = smp_call_output(c, 0, x->dtype, x->ndim, shape))) return SMP_ERR_NOMEM; /* smp__run_callback names it */
+    }
+    if (tp == 1 || (!along && !sums)) return smp__tensor_copy(y, x);
+    if (!along) return smp__tp_sum(x, y, false);
+    return grows ? smp__tp_gather(x, y, tm->axis) : smp__tp_scatter(x, y, tm->axis);
+}
+static smp_status smp__tp_forward(smp_call_ctx *c) { return smp__tp_run(c, true); }
+static smp_status smp__tp_backward(smp_call_ctx *c) { return smp__tp_run(c, false); }
+
+static smp_module *smp__tp_module_new(smp_module *parent, const char *name, smp__tp_kind kind, int axis) {
+    if ((kind == SMP__TP_GATHER || kind == SMP__TP_SCATTER) && (axis < 0 || axis >= SMP_MAX_DIMS)) {
+        smp__build_error(SMP_ERR_ARG, "%s module \"%s\": axis %d is not an axis of any tensor (0 to %d)", smp__tp_name(kind),
+                         name ? name : "(null)", axis, SMP_MAX_DIMS - 1);
+        return NULL;
+    }
+    int at = kind == SMP__TP_COPY ? 0 : kind == SMP__TP_REDUCE ? 1 : 2 + (kind == SMP__TP_SCATTER) * SMP_MAX_DIMS + axis;
+    smp__tp_table[at].kind = kind;
+    smp__tp_table[at].axis = axis;
+    smp_module_desc d = {smp__tp_forward, smp__tp_backward, &smp__tp_table[at]};
+    return smp_module_new(parent, name, &d);
+}
+SMPDEF smp_module *smp_module_new_tp_copy(smp_module *parent, const char *name) { return smp__tp_module_new(parent, name, SMP__TP_COPY, 0); }
+SMPDEF smp_module *smp_module_new_tp_reduce(smp_module *parent, const char *name) { return smp__tp_module_new(parent, name, SMP__TP_REDUCE, 0); }
+SMPDEF smp_module *smp_module_new_tp_gather(smp_module *parent, const char *name, int axis) {
+    return smp__tp_module_new(parent, name, SMP__TP_GATHER, axis);
+}
+SMPDEF smp_module *smp_module_new_tp_scatter(smp_module *parent, const char *name, int axis) {
+    return smp__tp_module_new(parent, name, SMP__TP_SCATTER, axis);
 }
 
 /* What a callback run does: the forward, the whole backward, or its two
@@ -5200,7 +5589,7 @@ static void smp__report(smp_model *m) {
    with its first leaf, a module no call reads with its parent (whose
    forward reads it), else by its context or default_partition. */
 static void smp__place_modules(smp_model *m, const int *part) {
-    int me = smp__ctx.mp_rank;
+    int me = smp__ctx.pp_rank;
     for (int i = 0; i < m->nmodules; i++) { m->modules[i]->partition = -1; m->modules[i]->local = false; }
     for (int k = 0; k < m->ncalls; k++) {
         smp_module *mod = m->calls[k].module;

@@ -2083,9 +2083,9 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
                              fn, param);
         if (!smp_module_is_local(smp_param_module(p)))
             return smp_error(SMP_ERR_ARG,
-                             "%s: parameter '%s' lives on partition %d, not on this rank (mp rank %d); register its "
+                             "%s: parameter '%s' lives on partition %d, not on this rank (pp rank %d); register its "
                              "state on the ranks of partition %d",
-                             fn, param, part, smp_mp_rank(), part);
+                             fn, param, part, smp_pp_rank(), part);
     }
     smp_status st = SMP_OK;
     size_t len = strlen(SMP_CKPT_OPTIMIZER_PREFIX) + (param ? strlen(param) + 1 : 0) + strlen(name) + 1;
@@ -2313,9 +2313,12 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     st = SMP__MPI_CHECK(MPI_Comm_rank(pl->comm, &pl->rank), "asking this rank in a checkpoint's communicator");
     if (!st) st = SMP__MPI_CHECK(MPI_Comm_size(pl->comm, &pl->size), "asking the size of a checkpoint's communicator");
     if (st) pl->size = 0; /* nothing to plan for: the agreement below fails the call everywhere */
-    pl->P = smp_mp_size();
-    pl->mp = smp_mp_rank();
-    pl->dp = smp_dp_rank();
+    pl->P = smp_pp_size();
+    pl->mp = smp_pp_rank();
+    pl->dp = smp_rdp_rank();
+    if (!st && smp_tp_size() > 1) /* every rank says so: the agreement below returns it */
+        st = smp_error(SMP_ERR_STATE, "checkpoints of a model with tensor_parallel_degree = %d are not supported yet: save and "
+                       "load with tensor_parallel_degree 1", smp_tp_size());
 
     /* what the exchanges below fill, and this rank's part of them */
     coords = (int *)smp__ckpt_alloc(&st, sizeof(int) * 2 * (size_t)pl->size, NULL,

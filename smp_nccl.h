@@ -840,7 +840,7 @@ static smp_status smp__nc_bucket_all_reduce(void *data, smp_dtype dt, int64_t n,
     return smp__nc_collective(SMP__NC_ALL_REDUCE, &t, &t, SMP_SUM, 0, g, NULL, NULL, false);
 }
 
-static smp_status smp__nc_bucket_fence(void) { return smp__nc_finish("gradient buckets", SMP_DP_GROUP); }
+static smp_status smp__nc_bucket_fence(void) { return smp__nc_finish("gradient buckets", SMP_RDP_GROUP); }
 
 static smp_status smp__nc_broadcast(smp_tensor *x, int root, smp_group g) {
     return smp__nc_collective(SMP__NC_BROADCAST, x, x, SMP_SUM, root, g, NULL, NULL, true);
@@ -966,17 +966,19 @@ static smp_status smp__nc_init_comms(void) {
     smp_status local = SMP_OK;
     int wsize = smp_group_size(SMP_WORLD);
     memset(pkt, 0, sizeof pkt);
-    for (int g = 1; g < SMP_GROUP_COUNT; g++) { /* a group equal to the world, in the world's order, shares its communicator */
-        int n = smp_group_size((smp_group)g);
-        if (n != wsize) continue;
-        int *r = (int *)smp__alloc(sizeof(int) * (size_t)n, SMP__ALLOC_OTHER);
-        if (!r) return smp_error(SMP_ERR_NOMEM, "device backend start-up: out of memory");
-        smp_group_ranks((smp_group)g, r, n);
-        bool same = true;
-        for (int i = 0; i < n && same; i++) same = r[i] == i;
-        smp_free(r);
-        if (same) smp__nc.alias[g] = SMP_WORLD;
-    }
+    /* a group with the members of an earlier one, in its order, shares its communicator (with tensor_parallel_degree 1,
+       PP_GROUP is MP_GROUP and RDP_GROUP is DP_GROUP); every member of the group decides alike */
+    int *members = (int *)smp__alloc(sizeof(int) * 2 * (size_t)wsize, SMP__ALLOC_OTHER);
+    if (!members) return smp_error(SMP_ERR_NOMEM, "device backend start-up: out of memory");
+    for (int g = 1; g < SMP_GROUP_COUNT; g++)
+        for (int h = 0; h < g && smp__nc.alias[g] == g; h++) {
+            int n = smp_group_size((smp_group)g);
+            if (smp__nc.alias[h] != h || smp_group_size((smp_group)h) != n) continue;
+            smp_group_ranks((smp_group)g, members, n);
+            smp_group_ranks((smp_group)h, members + wsize, n);
+            if (!memcmp(members, members + wsize, sizeof(int) * (size_t)n)) smp__nc.alias[g] = h;
+        }
+    smp_free(members);
     for (int g = 0; g < SMP_GROUP_COUNT; g++) {
         if (smp__nc.alias[g] != g) continue;
         if (smp_group_rank((smp_group)g) == 0) {

@@ -354,9 +354,12 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
 /* ======================================================================
    data parallelism and training helpers
    ====================================================================== */
-/* With "ddp" on, ranks holding the same partition form a DP_GROUP. At the
-   first step parameters (and buffers, with broadcast_buffers) are broadcast
-   from dp rank 0; every step then averages gradients over the DP_GROUP.
+/* With "ddp" on, ranks holding the same parameters (the same partition and,
+   with tensor_parallel_degree > 1, the same shard) form an RDP_GROUP (the
+   DP_GROUP when tensor_parallel_degree is 1; smp.h's smp_group says how the
+   groups relate). At the first step parameters (and buffers, with
+   broadcast_buffers) are broadcast from rdp rank 0; every step then
+   averages gradients over the RDP_GROUP.
    Gradients live in buckets of bucket_cap_mb, in the order backward
    finishes them; with overlapping_allreduce a bucket's all-reduce starts
    during the last microbatch's backward, once its last gradient is final
@@ -366,7 +369,7 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
    MPI's algorithm. */
 
 /* Scales gradients so that their global norm (over the whole model, every
-   partition) is at most max_norm; *total_norm gets the norm before
+   partition, every TP shard once and every whole parameter once) is at most max_norm; *total_norm gets the norm before
    clipping (may be NULL). The sum runs over parameters in model order, so
    it equals the one-process norm bit for bit. max_norm INFINITY only
    measures the norm. Collective over MP_GROUP. */
@@ -397,9 +400,10 @@ SMPDEF double smp_grad_scaler_scale(smp_grad_scaler *s);
 SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool *skip);
 
 /* A distributed sampler: a permutation of the dataset by seed and epoch,
-   cut into global batches of batch_size x dp_size samples; each dp rank
+   cut into global batches of batch_size x rdp_size samples; each rdp rank
    takes its contiguous slice of every global batch, so data-parallel
-   replicas see exactly the samples one process sees with the global batch. */
+   replicas see exactly the samples one process sees with the global batch
+   (the ranks of a TP group take the same slice: smp.h's smp_group). */
 typedef struct smp_sampler_desc {
     int64_t dataset_size;
     int64_t batch_size;  /* per replica */
@@ -1422,8 +1426,8 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     ps->t_origin = smp__now();
     /* the pipeline's communicators (they inherit MPI_ERRORS_RETURN from
        MP_GROUP's). MPI_Comm_dup is a blocking collective of MP_GROUP: its failures abort */
-    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->comm), "making a pipeline's communicator (MP_GROUP)");
-    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_MP_GROUP].comm, &ps->err_comm), "making a pipeline's failure communicator (MP_GROUP)");
+    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_PP_GROUP].comm, &ps->comm), "making a pipeline's communicator (MP_GROUP)");
+    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_PP_GROUP].comm, &ps->err_comm), "making a pipeline's failure communicator (MP_GROUP)");
     smp__post_err(ps);
     return ps;
 fail:
@@ -1543,7 +1547,7 @@ static smp_status smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
     for (int t = 0; t < x->ntensors; t++) {
         size_t bytes = smp__hdr_bytes(x->hdr + 10 * t);
         if (!bytes) continue;
-        if (smp__ctx.device.irecv(p, bytes, x->peer, SMP_MP_GROUP, &x->dev_req[x->ndev_req])) smp__device_transfer_failed("queue", x->peer);
+        if (smp__ctx.device.irecv(p, bytes, x->peer, SMP_PP_GROUP, &x->dev_req[x->ndev_req])) smp__device_transfer_failed("queue", x->peer);
         x->ndev_req++;
         ps->step.dev_posted[x->peer]++;
         p += bytes;
@@ -1649,7 +1653,7 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
         for (int i = 0; i < nt; i++) {
             size_t bytes = smp_tensor_nbytes(ts[i]);
             if (!bytes) continue;
-            if (smp__ctx.device.isend(ts[i]->data, bytes, x->peer, SMP_MP_GROUP, &x->dev_req[x->ndev_req])) smp__device_transfer_failed("queue", x->peer);
+            if (smp__ctx.device.isend(ts[i]->data, bytes, x->peer, SMP_PP_GROUP, &x->dev_req[x->ndev_req])) smp__device_transfer_failed("queue", x->peer);
             x->ndev_req++;
             ps->step.dev_sent[x->peer]++;
         }
@@ -1799,7 +1803,7 @@ static void smp__drain_device(smp__pipe *ps) {
     MPI_Request req;
     SMP__MPI_FATAL(MPI_Ialltoall(ps->step.dev_sent, 1, MPI_INT, sent_to_me, 1, MPI_INT, ps->comm, &req),
                    "exchanging the device transfer counts of a failed step (MP_GROUP)");
-    smp_wait_requests(1, &req, "the device transfer counts of a failed step", SMP_MP_GROUP, -1);
+    smp_wait_requests(1, &req, "the device transfer counts of a failed step", SMP_PP_GROUP, -1);
     size_t nrecv = (size_t)ps->plan.nlinks * (size_t)ps->step.m * 2;
     smp__backoff b = smp__backoff_start();
     for (;;) {
@@ -1810,7 +1814,7 @@ static void smp__drain_device(smp__pipe *ps) {
         for (int p = 0; p < P; p++) pending = pending || ps->step.dev_posted[p] < sent_to_me[p];
         for (size_t i = 0; i < nrecv; i++) pending = pending || ps->step.recv[i].state == SMP__XFER_BYTES_POSTED;
         if (!pending) break;
-        if (!smp__backoff_pause(&b)) smp__timeout_abort("the device transfers of a failed step", SMP_MP_GROUP, -1, smp__now() - b.start);
+        if (!smp__backoff_pause(&b)) smp__timeout_abort("the device transfers of a failed step", SMP_PP_GROUP, -1, smp__now() - b.start);
     }
     for (size_t i = 0; i < nrecv; i++) smp__device_wait_all(&ps->step.recv[i]);
     smp__free(sent_to_me);
@@ -1869,7 +1873,7 @@ static void smp__drain_messages(smp__pipe *ps) {
     int from = ps->err_from;
     if (ps->err_req != MPI_REQUEST_NULL) smp__withdraw(&ps->err_req, &from); /* one that matched names its sender */
     if (from >= 0) left[2 * from + 1]--;
-    smp_wait_requests(1, &req, "the message counts of a failed step", SMP_MP_GROUP, -1);
+    smp_wait_requests(1, &req, "the message counts of a failed step", SMP_PP_GROUP, -1);
     for (int k = 0; k < 2 * P; k++) {
         left[k] += sent_to_me[k];
         if (left[k] < 0)
@@ -1911,7 +1915,7 @@ static void smp__drain_messages(smp__pipe *ps) {
             pending = pending || x->state == SMP__XFER_SENDING;
         }
         if (!pending) break;
-        if (!smp__backoff_pause(&b)) smp__timeout_abort("the messages of a failed step", SMP_MP_GROUP, -1, smp__now() - b.start);
+        if (!smp__backoff_pause(&b)) smp__timeout_abort("the messages of a failed step", SMP_PP_GROUP, -1, smp__now() - b.start);
     }
     ps->step.nsends = 0;
     smp__free(left);
@@ -1934,7 +1938,7 @@ static smp_status smp__await(smp__pipe *ps, smp__xfer **xs, int n, const char *w
                 if (xs[i]->state != SMP__XFER_ARRIVED) peer = xs[i]->peer;
             char buf[160];
             snprintf(buf, sizeof buf, "%s of microbatch %d for stage %d", what, mb, stage);
-            smp__timeout_abort(buf, SMP_MP_GROUP, peer, smp__now() - b.start);
+            smp__timeout_abort(buf, SMP_PP_GROUP, peer, smp__now() - b.start);
         }
     }
     if (n) smp__event_add(ps, SMP__EVENT_WAIT, stage, mb, t0);
@@ -2039,7 +2043,7 @@ static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
     for (int i = 0; i < md->nparams; i++) {
         smp_param *p = md->params[i];
         if (!smp_module_is_local(p->module) || (p->is_buffer && cfg->broadcast_buffers != SMP_ON)) continue;
-        SMP_TRY(smp_broadcast(&p->value, 0, SMP_DP_GROUP));
+        SMP_TRY(smp_broadcast(&p->value, 0, SMP_RDP_GROUP));
     }
     /* backward order: the call that finishes a parameter (smp__final_call), those final only at the step's end last */
     int n = 0;
@@ -2113,32 +2117,32 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
     if (b->device != SMP_HOST) {
         /* the backend queues the collective (NCCL: on its stream, ordered after the backward's kernels) */
         b->req = MPI_REQUEST_NULL;
-        smp_tensor t = smp_tensor_1d(b->data, b->dtype, b->numel), all = smp_tensor_1d(NULL, b->dtype, b->numel * smp_dp_size());
+        smp_tensor t = smp_tensor_1d(b->data, b->dtype, b->numel), all = smp_tensor_1d(NULL, b->dtype, b->numel * smp_rdp_size());
         t.device = b->device;
         if (!deterministic && smp__ctx.device.bucket_all_reduce && smp__ctx.device.bucket_fence) {
             ps->step.fence_buckets = true;
-            return smp__ctx.device.bucket_all_reduce(b->data, b->dtype, b->numel, SMP_DP_GROUP);
+            return smp__ctx.device.bucket_all_reduce(b->data, b->dtype, b->numel, SMP_RDP_GROUP);
         }
-        if (!deterministic) return smp_all_reduce(&t, &t, SMP_SUM, SMP_DP_GROUP);
-        if (!smp__tensor_alloc(&all, true, SMP__ALLOC_OTHER)) smp__bucket_nomem(b->bytes * (size_t)smp_dp_size());
+        if (!deterministic) return smp_all_reduce(&t, &t, SMP_SUM, SMP_RDP_GROUP);
+        if (!smp__tensor_alloc(&all, true, SMP__ALLOC_OTHER)) smp__bucket_nomem(b->bytes * (size_t)smp_rdp_size());
         b->gather = all.data;
-        return smp_all_gather(&t, &all, SMP_DP_GROUP);
+        return smp_all_gather(&t, &all, SMP_RDP_GROUP);
     }
     smp__ddp_inflight = ps;
     b->t_start = smp__now();
     b->req = MPI_REQUEST_NULL;
-    MPI_Comm comm = smp__ctx.groups[SMP_DP_GROUP].comm;
+    MPI_Comm comm = smp__ctx.groups[SMP_RDP_GROUP].comm;
     int n = (int)b->numel, index = (int)(b - ps->plan.buckets);
     /* A host bucket's collective counts as one of DP_GROUP's (one at a time,
        see smp__ddp_advance): a replica whose call fails tells the others
        (smp__coll_exit), a replica waiting in that collective aborts with
        its message (smp__ddp_complete), and where every replica failed it
        the step fails everywhere */
-    smp__group_info *gi = smp__coll_enter(SMP_DP_GROUP);
+    smp__group_info *gi = smp__coll_enter(SMP_RDP_GROUP);
     smp_status st = SMP_OK;
     if (deterministic) {
         /* every replica's gradient, summed below in dp-rank order */
-        int dp = smp_dp_size();
+        int dp = smp_rdp_size();
         b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_COMM);
         if (!b->gather) smp__bucket_nomem(b->bytes * (size_t)dp);
         st = SMP__MPI_CHECK(MPI_Iallgather(b->data, n, smp__mpi_type(b->dtype), b->gather, n, smp__mpi_type(b->dtype), comm, &b->req),
@@ -2153,7 +2157,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
     if (st) {
         b->req = MPI_REQUEST_NULL;
         ps->step.bucket_failed = true; /* no later bucket starts: the replicas would pair the wrong ones */
-        return smp__coll_exit(gi, SMP_DP_GROUP, st);
+        return smp__coll_exit(gi, SMP_RDP_GROUP, st);
     }
     return SMP_OK;
 }
@@ -2167,7 +2171,7 @@ static bool smp__bucket_test(smp__pipe *ps, int b) {
     SMP__MPI_FATAL(MPI_Test(&k->req, &done, MPI_STATUS_IGNORE), "completing data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", b, k->bytes);
     if (done) {
         smp__event_add(ps, SMP__EVENT_ALLREDUCE, -1, b, k->t_start);
-        if (smp__ctx.initialized) smp__ctx.groups[SMP_DP_GROUP].in_coll = false;
+        if (smp__ctx.initialized) smp__ctx.groups[SMP_RDP_GROUP].in_coll = false;
     }
     return done;
 }
@@ -2240,10 +2244,10 @@ static smp_status smp__ddp_complete(smp__pipe *ps) {
         for (int b = 0; b < ps->plan.nbuckets && done; b++) done = smp__bucket_test(ps, b);
         if (done) break;
         double now = smp__now();
-        if (now > deadline) smp__timeout_abort("data-parallel gradient all-reduce", SMP_DP_GROUP, -1, now - start);
+        if (now > deadline) smp__timeout_abort("data-parallel gradient all-reduce", SMP_RDP_GROUP, -1, now - start);
         /* a replica whose bucket collective failed to start says so (smp__bucket_start) */
-        smp__group_info *gi = &smp__ctx.groups[SMP_DP_GROUP];
-        if (gi->in_coll && ++polls % 64 == 0) smp__check_member_failed(gi, SMP_DP_GROUP);
+        smp__group_info *gi = &smp__ctx.groups[SMP_RDP_GROUP];
+        if (gi->in_coll && ++polls % 64 == 0) smp__check_member_failed(gi, SMP_RDP_GROUP);
         sched_yield();
     }
     if (ps->step.fence_buckets) {
@@ -2260,7 +2264,7 @@ static smp_status smp__ddp_complete(smp__pipe *ps) {
    After a failed step the collectives have still completed, and the result
    is dropped. */
 static smp_status smp__ddp_finish(smp__pipe *ps, bool failed) {
-    int dp = smp_dp_size();
+    int dp = smp_rdp_size();
     smp_status st = SMP_OK;
     for (int b = 0; b < ps->plan.nbuckets; b++) {
         smp__bucket *k = &ps->plan.buckets[b];
@@ -2321,7 +2325,9 @@ static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
     smp_status st = SMP_OK;
     /* one partial sum per parameter, owned by exactly one rank of the
        MP_GROUP: summing them (x + 0 is exact) and then adding them up in
-       model order gives the one-process result on every rank */
+       model order gives the one-process result on every rank. With tensor
+       parallelism a sharded parameter's sum adds its TP ranks' slices, and
+       a whole one counts on tp rank 0 only */
     double *sq = (double *)smp__alloc(sizeof(double) * (size_t)(m->nparams + 1), SMP__ALLOC_OTHER);
     if (!sq) smp__fatal("out of memory: %d partial sums of the gradient norm on rank %d, which MP_GROUP waits on", m->nparams, smp__ctx.rank);
     int bad = 0;
@@ -2329,7 +2335,7 @@ static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
         smp_param *p = m->params[i];
         sq[i] = 0;
         /* a shared module's copies hold one gradient: its first partition counts it */
-        if (!smp__local_grad(p) || p->module->partition != smp__ctx.mp_rank) continue;
+        if (!smp__local_grad(p) || p->module->partition != smp__ctx.pp_rank || (p->shard_axis < 0 && smp__ctx.tp_rank)) continue;
         smp_status cs = smp__grad_scan(p, &sq[i], &bad);
         if (cs && !st) st = cs;
     }
@@ -2388,7 +2394,7 @@ SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool
 SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int64_t *indices, int64_t *count, int64_t *batches) {
     if (!d || !indices || !count) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: NULL argument");
     if (d->dataset_size < 0 || d->batch_size < 1) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: dataset size %lld and batch size %lld (>= 1)", (long long)d->dataset_size, (long long)d->batch_size);
-    int dp = smp__ctx.initialized ? smp_dp_size() : 1, r = smp__ctx.initialized ? smp_dp_rank() : 0;
+    int dp = smp__ctx.initialized ? smp_rdp_size() : 1, r = smp__ctx.initialized ? smp_rdp_rank() : 0;
     int64_t n = d->dataset_size, L = d->batch_size, G = L * dp;
     int64_t nb = d->drop_last ? n / G : (n + G - 1) / G;
     if (nb == 0) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: %lld samples do not fill one global batch of %lld (%d replicas x %lld)", (long long)n, (long long)G, dp, (long long)L);
@@ -2415,7 +2421,7 @@ SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int6
 }
 
 SMPDEF smp_status smp_local_batch_size(int64_t global, int64_t *local) {
-    int dp = smp_dp_size();
+    int dp = smp_rdp_size();
     if (global < 1 || global % dp)
         return smp_error(SMP_ERR_ARG, "global batch of %lld does not divide among %d data-parallel replicas", (long long)global, dp);
     *local = global / dp;
@@ -2426,7 +2432,7 @@ SMPDEF smp_status smp_agree_batches(int64_t batches) {
     SMP_TRY(smp__require_init("smp_agree_batches"));
     int64_t v[2] = {batches, -batches};
     smp_tensor t = smp_tensor_1d(v, SMP_I64, 2);
-    SMP_TRY(smp_all_reduce(&t, &t, SMP_MIN, SMP_DP_GROUP));
+    SMP_TRY(smp_all_reduce(&t, &t, SMP_MIN, SMP_RDP_GROUP));
     if (v[0] != -v[1])
         return smp_error(SMP_ERR_ARG, "data-parallel replicas have different numbers of batches (%lld to %lld): shard the data evenly (drop_last)",
                          (long long)v[0], (long long)-v[1]);
@@ -2495,7 +2501,7 @@ static smp_status smp__shared_start(smp__pipe *ps) {
     smp_status st = SMP_OK;
     for (int q = 0; q < ps->plan.nshared && !st; q++) {
         smp__shared *s = &ps->plan.shared[q];
-        if (s->part != smp__ctx.mp_rank) continue;
+        if (s->part != smp__ctx.pp_rank) continue;
         if (!s->grad.data)
             smp__tensor_alloc_or(&st, &s->grad, ps->plan.on_device, SMP__ALLOC_GRAD,
                                  "the gradient of a shared parameter");
@@ -2512,7 +2518,7 @@ static size_t smp__shared_pack(smp__pipe *ps, smp_model *md, bool send, int peer
     size_t at = 0;
     for (int q = 0; q < ps->plan.nshared && !*st; q++) {
         smp__shared *s = &ps->plan.shared[q];
-        if (send ? s->part != smp__ctx.mp_rank || !smp__shared_held(ps, s->param, peer) : s->part != peer || !md->params[s->param]->module->local)
+        if (send ? s->part != smp__ctx.pp_rank || !smp__shared_held(ps, s->param, peer) : s->part != peer || !md->params[s->param]->module->local)
             continue;
         smp_tensor h = s->grad;
         h.device = SMP_HOST;
@@ -2532,7 +2538,7 @@ static size_t smp__shared_pack(smp__pipe *ps, smp_model *md, bool send, int peer
    gradient in call order. Every copy and one process add the same numbers
    in the same order, so all are bitwise equal. */
 static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
-    int P = smp__ctx.cfg.partitions, me = smp__ctx.mp_rank, nreq = 0;
+    int P = smp__ctx.cfg.partitions, me = smp__ctx.pp_rank, nreq = 0;
     smp_status st = SMP_OK;
     const char *what = "the gradients of shared modules";
     char **buf = (char **)smp__alloc_or(&st, sizeof(char *) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
@@ -2571,7 +2577,7 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
         }
         if (done || st) break;
         st = smp__progress(ps);
-        if (!st && !smp__backoff_pause(&wait)) smp__timeout_abort("gradients of shared modules", SMP_MP_GROUP, -1, smp__now() - wait.start);
+        if (!st && !smp__backoff_pause(&wait)) smp__timeout_abort("gradients of shared modules", SMP_PP_GROUP, -1, smp__now() - wait.start);
     }
     for (int r = 0; r < nreq; r++) {
         int peer = slot[r] % P;
@@ -2641,7 +2647,7 @@ static smp_status smp__call_forward(smp__pipe *ps, smp_model *md, int k, int i, 
         c->nin = rec->nin;
         c->nout = rec->nout;
         c->call = k;
-        c->seed = smp__call_seed(k, smp__ctx.dp_rank * ps->step.m + i, ps->passes);
+        c->seed = smp__call_seed(k, smp__ctx.rdp_rank * ps->step.m + i, ps->passes);
     }
     smp_status rc = SMP_OK;
     if (!c->inputs) c->inputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER, "a call's inputs");
@@ -2725,7 +2731,7 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
     }
     const smp_config *cfg = &smp__ctx.cfg;
     double divisor = cfg->average_grads_across_microbatches == SMP_ON ? ps->step.m : 1;
-    if (cfg->ddp == SMP_ON) divisor *= (double)smp_dp_size() * cfg->backward_passes_per_step;
+    if (cfg->ddp == SMP_ON) divisor *= (double)smp_rdp_size() * cfg->backward_passes_per_step;
     for (int o = 0; o < md->desc.noutputs && ps->step.training && !rc; o++) {
         if (divisor != 1) rc = smp__tensor_scale(&st->out_grad[o], 1.0 / divisor);
         /* the output gradient is the body's contribution to model output o */
@@ -2922,11 +2928,11 @@ static void smp__release_step(smp__pipe *ps, smp_model *md) {
         smp__mbstate *st = &ps->step.mb[i];
         bool whole = st->act != NULL;
         for (int s = 0; s < md->nstages && whole; s++)
-            if (md->stage_rank[s] == smp__ctx.mp_rank) smp__stage_release(ps, md, s, i);
+            if (md->stage_rank[s] == smp__ctx.pp_rank) smp__stage_release(ps, md, s, i);
         for (int e = 0; e < ps->plan.nedges && whole; e++) {
             /* whatever is left: contributions produced here for remote producers */
             const smp__edge *x = &ps->plan.edges[e];
-            if (x->remote && md->stage_rank[x->stage] == smp__ctx.mp_rank) smp__free(st->contrib[e].data);
+            if (x->remote && md->stage_rank[x->stage] == smp__ctx.pp_rank) smp__free(st->contrib[e].data);
         }
         for (int o = 0; o < md->desc.noutputs && whole; o++) smp__free(st->out_grad[o].data);
         for (int a = 0; a < ps->step.desc->nargs && whole; a++) smp__free(st->arg_copies[a]);
@@ -2940,7 +2946,7 @@ static void smp__release_step(smp__pipe *ps, smp_model *md) {
 /* The body's values, from the body's rank to every rank of the replica. */
 static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_output *outs, int nouts) {
     int root = md->stage_rank[md->nstages - 1];
-    bool mine = smp__ctx.mp_rank == root;
+    bool mine = smp__ctx.pp_rank == root;
     /* layout: per (output, microbatch): dtype, ndim, shape[8], then the bytes */
     size_t len = 0;
     char *buf = NULL;
@@ -2964,7 +2970,7 @@ static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_outp
     void *p = buf;
     static char failed[1]; /* one byte, shorter than any real layout: the body's rank ran out of memory */
     if (st) { p = failed; len = 1; }
-    smp_status sent = smp_broadcast_bytes(&p, &len, root, SMP_MP_GROUP);
+    smp_status sent = smp_broadcast_bytes(&p, &len, root, SMP_PP_GROUP);
     if (st || sent) { smp__free(buf); return st ? st : sent; }
     buf = (char *)p;
     if (len == 1) { smp__free(buf); return smp_error(SMP_ERR_REMOTE, "mp rank %d had no memory for the step's outputs", root); }
@@ -3000,7 +3006,7 @@ static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_outp
 }
 
 static void smp__notify_failure(smp__pipe *ps) {
-    int me = smp__ctx.mp_rank, n = smp__ctx.cfg.partitions;
+    int me = smp__ctx.pp_rank, n = smp__ctx.cfg.partitions;
     for (int r = 0; r < n; r++) {
         if (r == me) continue;
         MPI_Request req;
@@ -3148,7 +3154,7 @@ static smp_status smp__step_plan(smp_model *md) {
 static smp_status smp__step_connect(smp__pipe *ps) {
     if (!ps->plan.dev_p2p || ps->dev_connected) return SMP_OK;
     smp_status st = SMP_OK;
-    int me = smp__ctx.mp_rank, np = 0;
+    int me = smp__ctx.pp_rank, np = 0;
     int *peers = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)(ps->plan.nlinks + 1), SMP__ALLOC_OTHER,
                                       "the pipeline's neighbours");
     for (int l = 0; l < ps->plan.nlinks && !st; l++) {
@@ -3158,7 +3164,7 @@ static smp_status smp__step_connect(smp__pipe *ps) {
         for (int q = 0; q < np && !seen; q++) seen = peers[q] == other;
         if (!seen) peers[np++] = other;
     }
-    if (!st && np) st = smp__ctx.device.p2p_connect(SMP_MP_GROUP, peers, np);
+    if (!st && np) st = smp__ctx.device.p2p_connect(SMP_PP_GROUP, peers, np);
     smp__free(peers);
     SMP_TRY(smp__agree_on(smp__ctx.world, st, "device point-to-point set-up"));
     ps->dev_connected = true;
@@ -3192,7 +3198,7 @@ static smp_status smp__step_held_grads(smp__pipe *ps, smp_model *md, bool traini
     if (!training || !ps->averaged_grads_held) return SMP_OK;
     ps->averaged_grads_held = false;
     smp_status st = SMP_OK;
-    if (md->zero_grad_calls == ps->zero_calls_at_sync) st = smp__scale_grads(md, 1.0 / smp_dp_size());
+    if (md->zero_grad_calls == ps->zero_calls_at_sync) st = smp__scale_grads(md, 1.0 / smp_rdp_size());
     return st ? smp__agree_on(smp__ctx.world, st, "gradients kept from the last step") : SMP_OK;
 }
 
@@ -3261,7 +3267,7 @@ static smp_status smp__step_begin(smp__pipe *ps, smp_model *md, const smp_step_d
 /* Every receive of the step, posted up front in the order of this rank's operations. */
 static smp_status smp__step_post_receives(smp__pipe *ps) {
     smp__step_state *now = &ps->step;
-    int me = smp__ctx.mp_rank;
+    int me = smp__ctx.pp_rank;
     smp_status st = SMP_OK;
     size_t nrecv = (size_t)ps->plan.nlinks * (size_t)now->m * 2;
     now->recv = (smp__xfer *)smp__alloc_or(&st, sizeof(smp__xfer) * nrecv, SMP__ALLOC_OTHER,
@@ -3281,7 +3287,7 @@ static smp_status smp__step_post_receives(smp__pipe *ps) {
 /* This rank's operations of the step's schedule, in order. */
 static smp_status smp__step_run_ops(smp__pipe *ps, smp_model *md) {
     const smp_schedule *sc = ps->step.sched;
-    int me = smp__ctx.mp_rank, *peak = ps->peak;
+    int me = smp__ctx.pp_rank, *peak = ps->peak;
     const smp_sched_op *ops = sc->ops[me];
     smp_status st = SMP_OK;
     for (int o = 0; o < sc->nops[me] && !st; o++) {
@@ -3316,7 +3322,7 @@ static smp_status smp__step_drain_sends(smp__pipe *ps) {
     while (ps->step.nsends && !st) {
         st = smp__progress(ps);
         if (!st && ps->step.nsends && !smp__backoff_pause(&b))
-            smp__timeout_abort("pipeline sends to be received", SMP_MP_GROUP, ps->step.sends[0].peer,
+            smp__timeout_abort("pipeline sends to be received", SMP_PP_GROUP, ps->step.sends[0].peer,
                                smp__now() - b.start);
     }
     return st;
@@ -3327,7 +3333,7 @@ static void smp__step_stats(smp__pipe *ps, smp_model *md) {
     int *peak = ps->peak;
     ps->stats.local_stages = 0;
     for (int s = 0; s < md->nstages; s++)
-        if (md->stage_rank[s] == smp__ctx.mp_rank) {
+        if (md->stage_rank[s] == smp__ctx.pp_rank) {
             ps->stage_index[ps->stats.local_stages] = s;
             peak[ps->stats.local_stages++] = peak[s]; /* in place: the entry written never lies ahead of the one read */
         }
@@ -3342,7 +3348,7 @@ static smp_status smp__step_finish(smp__pipe *ps, smp_model *md, smp_step_output
     smp_status finished = ps->step.sync ? smp__ddp_finish(ps, false) : SMP_OK;
     smp_status st = nouts ? smp__share_outputs(ps, md, outs, nouts) : SMP_OK;
     if (!st) st = finished;
-    if (ps->step.sync && smp_dp_size() > 1) {
+    if (ps->step.sync && smp_rdp_size() > 1) {
         ps->averaged_grads_held = true;
         ps->zero_calls_at_sync = md->zero_grad_calls;
     }
@@ -3464,12 +3470,12 @@ SMPDEF double smp_step_output_reduce_mean_f64(const smp_step_output *o) {
 }
 /* Each member's n doubles mine[0..n) averaged over the DP_GROUP into out, in dp-rank order. */
 static smp_status smp__dp_mean(const double *mine, int64_t n, double *out, const char *fn) {
-    int dp = smp_dp_size();
+    int dp = smp_rdp_size();
     smp_status st = SMP_OK;
     double *all = (double *)smp__bytes_or(&st, sizeof(double) * (size_t)(n * dp), SMP__ALLOC_OTHER, fn);
-    st = smp__agree_on(smp__ctx.groups[SMP_DP_GROUP].comm, st, fn);
+    st = smp__agree_on(smp__ctx.groups[SMP_RDP_GROUP].comm, st, fn);
     smp_tensor in = smp_tensor_1d((void *)(uintptr_t)mine, SMP_F64, n), every = smp_tensor_1d(all, SMP_F64, n * dp);
-    if (!st) st = smp_all_gather(&in, &every, SMP_DP_GROUP);
+    if (!st) st = smp_all_gather(&in, &every, SMP_RDP_GROUP);
     for (int64_t x = 0; x < n && !st; x++) {
         double acc = all[x];
         for (int r = 1; r < dp; r++) acc += all[(int64_t)r * n + x];
@@ -3492,7 +3498,7 @@ SMPDEF smp_status smp_step_output_reduce_mean_global(const smp_step_output *o, s
             acc += r->dtype == SMP_F32 ? (double)((const float *)o->values[i].data)[x] : ((const double *)o->values[i].data)[x];
         mean[x] = acc / o->microbatches;
     }
-    st = smp__agree_on(smp__ctx.groups[SMP_DP_GROUP].comm, st, fn); /* so that no member waits for one that failed */
+    st = smp__agree_on(smp__ctx.groups[SMP_RDP_GROUP].comm, st, fn); /* so that no member waits for one that failed */
     if (!st) st = smp__dp_mean(mean, n, mean + n, fn);
     for (int64_t x = 0; x < n && !st; x++) {
         if (r->dtype == SMP_F32) ((float *)r->data)[x] = (float)mean[n + x];

@@ -75,7 +75,8 @@ static int same_double(double a, double b) { return memcmp(&a, &b, sizeof a) == 
 
 /* Field by field, doubles bitwise (padding is not a field: copies need not keep it). */
 static int cfg_equal(const smp_config *a, const smp_config *b) {
-    return a->partitions == b->partitions && a->microbatches == b->microbatches && a->pipeline == b->pipeline &&
+    return a->partitions == b->partitions && a->pipeline_parallel_degree == b->pipeline_parallel_degree &&
+           a->tensor_parallel_degree == b->tensor_parallel_degree && a->microbatches == b->microbatches && a->pipeline == b->pipeline &&
            a->optimize == b->optimize && a->auto_partition == b->auto_partition &&
            a->default_partition == b->default_partition && a->has_default_partition == b->has_default_partition &&
            a->ddp == b->ddp && a->placement_strategy == b->placement_strategy &&
@@ -130,12 +131,14 @@ static long syntax_offset(void) {
    are valid JSON values), in forward or reverse order. */
 static size_t write_json(const smp_config *c, bool reverse, char *out, size_t cap) {
     static const char *pipe[] = {"", "interleaved", "simple", "zero_bubble", "zero_bubble_v"}, *opt[] = {"", "speed", "memory"},
-                      *place[] = {"", "cluster", "spread"}, *trace[] = {"", "cpu", "gpu"};
+                      *place[] = {"", "cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"}, *trace[] = {"", "cpu", "gpu"};
     char item[32][128];
     int n = 0;
 #define PUT(...) snprintf(item[n++], sizeof item[0], __VA_ARGS__)
 #define SW(key, v) if ((v) != SMP_DEFAULT) PUT("\"%s\": %s", key, (v) == SMP_ON ? "true" : "false")
     if (c->partitions) PUT("\"partitions\": %d", c->partitions);
+    if (c->pipeline_parallel_degree) PUT("\"pipeline_parallel_degree\": %d", c->pipeline_parallel_degree);
+    if (c->tensor_parallel_degree) PUT("\"tensor_parallel_degree\": %d", c->tensor_parallel_degree);
     if (c->microbatches) PUT("\"microbatches\": %d", c->microbatches);
     if (c->pipeline) PUT("\"pipeline\": \"%s\"", pipe[c->pipeline]);
     if (c->optimize) PUT("\"optimize\": \"%s\"", opt[c->optimize]);
@@ -195,7 +198,7 @@ static smp_status parse_both(const char *s, uint64_t seed, smp_config *zero_out)
     /* on success: keys named overwrite, the rest keep their old value */
 #define KEEP(f) FUZZ_ASSERT(z.f == 0 ? a.f == a_before.f : a.f == z.f, "field " #f " not merged")
 #define KEEPD(f) FUZZ_ASSERT(z.f == 0 ? same_double(a.f, a_before.f) : same_double(a.f, z.f), "field " #f " not merged")
-    KEEP(partitions); KEEP(microbatches); KEEP(pipeline); KEEP(optimize); KEEP(auto_partition); KEEP(ddp);
+    KEEP(partitions); KEEP(pipeline_parallel_degree); KEEP(tensor_parallel_degree); KEEP(microbatches); KEEP(pipeline); KEEP(optimize); KEEP(auto_partition); KEEP(ddp);
     KEEP(placement_strategy); KEEP(trace_device); KEEP(trace_execution_times); KEEP(trace_memory_usage);
     KEEP(overlapping_allreduce); KEEP(backward_passes_per_step); KEEP(average_grads_across_microbatches);
     KEEP(broadcast_buffers); KEEP(activation_checkpointing); KEEP(virtual_stages); KEEP(deterministic_reduction);
@@ -218,7 +221,10 @@ static smp_status parse_both(const char *s, uint64_t seed, smp_config *zero_out)
 }
 
 static int in_range(const smp_config *c, int world) {
-    return c->partitions <= world && (!c->has_default_partition || (c->default_partition >= 0 && c->default_partition < (c->partitions ? c->partitions : 1))) &&
+    int pp = c->partitions ? c->partitions : c->pipeline_parallel_degree ? c->pipeline_parallel_degree : 1;
+    if (c->partitions && c->pipeline_parallel_degree && c->partitions != c->pipeline_parallel_degree) return 0; /* one setting, two values */
+    return (long long)pp * (c->tensor_parallel_degree ? c->tensor_parallel_degree : 1) <= world &&
+           (!c->has_default_partition || (c->default_partition >= 0 && c->default_partition < pp)) &&
            (c->has_default_partition || c->default_partition == 0) && (c->has_memory_weight || c->memory_weight == 0) &&
            c->memory_weight >= 0 && c->memory_weight <= 1 && c->bucket_cap_mb <= 1e6 && c->timeout <= 1e9 &&
            (c->pipeline != SMP_PIPELINE_ZERO_BUBBLE_V || c->virtual_stages <= 2); /* its V: 2 stages per partition */
@@ -226,7 +232,9 @@ static int in_range(const smp_config *c, int world) {
 
 static void check_resolve(const smp_config *z) {
     smp_config r, r2;
-    int world = z->partitions ? z->partitions : 1;
+    long long mp = (long long)(z->partitions ? z->partitions : z->pipeline_parallel_degree ? z->pipeline_parallel_degree : 1) *
+                   (z->tensor_parallel_degree ? z->tensor_parallel_degree : 1);
+    int world = mp > INT_MAX ? 1 : (int)mp; /* a replica too big for any world fails below, and in_range says so */
     smp_status st;
     smp_error(SMP_OK, "%s", "");
     st = smp_config_resolve(z, world, &r);

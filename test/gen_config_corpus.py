@@ -14,6 +14,8 @@ import sys
 # every key smp_config_from_json reads, with a non-default value
 ALL_KEYS = {
     "partitions": 2,
+    "pipeline_parallel_degree": 2,
+    "tensor_parallel_degree": 2,
     "microbatches": 4,
     "pipeline": "interleaved",
     "optimize": "speed",
@@ -40,6 +42,7 @@ ALL_KEYS = {
 # the other value of every enum and boolean
 ALL_KEYS_ALT = {
     "partitions": 1,
+    "tensor_parallel_degree": 1,
     "microbatches": 1,
     "pipeline": "simple",
     "optimize": "memory",
@@ -110,7 +113,8 @@ def main():
     files["bad_unknown_key"] = '{"partitons": 2}'
     files["bad_unknown_key_far"] = '{"zzz": 1}'
     files["bad_unknown_prefix"] = '{"micro": 4}'
-    files["bad_sagemaker_degree"] = '{"pipeline_parallel_degree": 2}'
+    files["bad_sagemaker_degree"] = '{"tensor_parallel_degree": 0}'
+    files["valid_sagemaker_degrees"] = '{"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "placement_strategy": "PTD"}'
     files["bad_sagemaker_wrapper"] = '{"modelparallel": {"enabled": true, "parameters": {"partitions": 2}}}'
     files["bad_duplicate_key"] = '{"partitions": 2, "microbatches": 2, "partitions": 3}'
     files["bad_duplicate_escaped"] = '{"ddp": true, "d\\u0064p": false}'

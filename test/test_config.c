@@ -23,7 +23,8 @@ static int err_has(const char *needle) { return needle == NULL || strstr(smp_las
 
 /* Field by field (memcmp would compare padding, which copies need not keep). */
 static int cfg_equal(const smp_config *a, const smp_config *b) {
-    return a->partitions == b->partitions && a->microbatches == b->microbatches && a->pipeline == b->pipeline &&
+    return a->partitions == b->partitions && a->pipeline_parallel_degree == b->pipeline_parallel_degree &&
+           a->tensor_parallel_degree == b->tensor_parallel_degree && a->microbatches == b->microbatches && a->pipeline == b->pipeline &&
            a->optimize == b->optimize && a->auto_partition == b->auto_partition &&
            a->default_partition == b->default_partition && a->has_default_partition == b->has_default_partition &&
            a->ddp == b->ddp && a->placement_strategy == b->placement_strategy && a->memory_weight == b->memory_weight &&
@@ -86,6 +87,70 @@ static int resolved_is_concrete(const smp_config *r) {
            r->bucket_cap_mb > 0 && r->timeout > 0;
 }
 
+/* ------------------------------------------------------------ tensor parallelism */
+/* tensor_parallel_degree, pipeline_parallel_degree as partitions' other name,
+   and the letter placements. */
+static void test_parallel_degrees(void) {
+    smp_config c, r;
+    memset(&c, 0, sizeof c);
+    smp_status st = smp_config_from_json("{\"pipeline_parallel_degree\": 2, \"tensor_parallel_degree\": 2, \"ddp\": true}", &c);
+    CHECK(st == SMP_OK && c.pipeline_parallel_degree == 2 && c.partitions == 0 && c.tensor_parallel_degree == 2,
+          "degrees: json sets pipeline_parallel_degree and tensor_parallel_degree", "%s", smp_last_error());
+    st = smp_config_resolve(&c, 8, &r);
+    CHECK(st == SMP_OK && r.partitions == 2 && r.pipeline_parallel_degree == 2 && r.tensor_parallel_degree == 2,
+          "degrees: pipeline_parallel_degree alone sets partitions", "%d: %s; %d %d %d", (int)st, smp_last_error(),
+          r.partitions, r.pipeline_parallel_degree, r.tensor_parallel_degree);
+    c.partitions = 2; /* both, agreeing */
+    st = smp_config_resolve(&c, 8, &r);
+    CHECK(st == SMP_OK && r.partitions == 2, "degrees: partitions and pipeline_parallel_degree may agree", "%s",
+          smp_last_error());
+    c.partitions = 4;
+    expect_resolve_error("degrees: partitions 4 and pipeline_parallel_degree 2 disagree", c, 8, "\"partitions\" (4)",
+                         "\"pipeline_parallel_degree\" (2)", "give one of them");
+    memset(&c, 0, sizeof c);
+    st = smp_config_from_json("{\"partitions\": 4, \"pipeline_parallel_degree\": 2}", &c);
+    CHECK(st == SMP_OK, "degrees: json with both keys parses (resolve judges them)", "%s", smp_last_error());
+    expect_resolve_error("degrees: json partitions and pipeline_parallel_degree disagree", c, 8, "\"partitions\"",
+                         "\"pipeline_parallel_degree\"", "disagree");
+
+    /* pp x tp against the world */
+    memset(&c, 0, sizeof c);
+    c.partitions = 2;
+    c.tensor_parallel_degree = 3;
+    c.ddp = SMP_ON;
+    expect_resolve_error("degrees: pp 2 x tp 3 does not divide 8 ranks", c, 8, "tensor_parallel_degree = 3",
+                         "does not divide the world size 8", "multiple of 6");
+    expect_resolve_error("degrees: pp 2 x tp 3 needs more than 4 ranks", c, 4, "tensor_parallel_degree = 3",
+                         "world size 4", NULL);
+    c.tensor_parallel_degree = 2;
+    c.ddp = SMP_DEFAULT;
+    expect_resolve_error("degrees: pp 2 x tp 2 on 8 ranks needs ddp", c, 8, "tensor_parallel_degree = 2",
+                         "makes 2 model replicas", "\"ddp\": true");
+    st = smp_config_resolve(&c, 4, &r);
+    CHECK(st == SMP_OK && r.tensor_parallel_degree == 2, "degrees: pp 2 x tp 2 fills 4 ranks without ddp", "%s",
+          smp_last_error());
+    c.tensor_parallel_degree = -2;
+    expect_resolve_error("degrees: negative tensor_parallel_degree", c, 4, "\"tensor_parallel_degree\"", "at least 1", NULL);
+    expect_json_error("degrees: tensor_parallel_degree 0 in json", "{\"tensor_parallel_degree\": 0}",
+                      "\"tensor_parallel_degree\"", "at least 1", NULL);
+
+    /* every letter form parses to its own value */
+    static const char *const letters[] = {"DPT", "DTP", "PDT", "PTD", "TDP", "TPD"};
+    for (int i = 0; i < 6; i++) {
+        char json[64];
+        snprintf(json, sizeof json, "{\"placement_strategy\": \"%s\"}", letters[i]);
+        memset(&c, 0, sizeof c);
+        st = smp_config_from_json(json, &c);
+        CHECK(st == SMP_OK && c.placement_strategy == (smp_placement)(SMP_PLACEMENT_DPT + i), "degrees: placement letters parse",
+              "%s: %d (%s)", letters[i], (int)c.placement_strategy, smp_last_error());
+    }
+    expect_json_error("degrees: lower-case letters are not a placement", "{\"placement_strategy\": \"dpt\"}",
+                      "\"placement_strategy\"", "\"TPD\"", "\"dpt\"");
+    memset(&c, 0, sizeof c);
+    c.placement_strategy = (smp_placement)(SMP_PLACEMENT_TPD + 1);
+    expect_resolve_error("degrees: placement past TPD", c, 1, "\"placement_strategy\"", "SMP_PLACEMENT_TPD", NULL);
+}
+
 /* ------------------------------------------------------------ defaults */
 static void test_defaults(void) {
     smp_config z, r;
@@ -118,6 +183,8 @@ static void test_defaults(void) {
           (int)r.deterministic_reduction);
     CHECK(r.timeout == 600.0, "defaults: timeout 600 without SMP_TIMEOUT", "%g", r.timeout);
     CHECK(r.seed == 0, "defaults: seed 0", "%llu", (unsigned long long)r.seed);
+    CHECK(r.tensor_parallel_degree == 1 && r.pipeline_parallel_degree == 1, "defaults: tensor_parallel_degree 1, "
+          "pipeline_parallel_degree = partitions", "%d %d", r.tensor_parallel_degree, r.pipeline_parallel_degree);
     CHECK(resolved_is_concrete(&r), "defaults: every enum and switch concrete", "not concrete");
 
     /* memory_weight follows optimize when 0, and is kept when set */
@@ -188,6 +255,8 @@ static void test_every_key(void) {
     const char *json =
         "{\n"
         "  \"partitions\": 4,\n"
+        "  \"pipeline_parallel_degree\": 4,\n"
+        "  \"tensor_parallel_degree\": 2,\n"
         "  \"microbatches\": 8,\n"
         "  \"pipeline\": \"simple\",\n"
         "  \"optimize\": \"memory\",\n"
@@ -213,8 +282,10 @@ static void test_every_key(void) {
     smp_config c;
     memset(&c, 0, sizeof c);
     smp_status st = smp_config_from_json(json, &c);
-    CHECK(st == SMP_OK, "json: all 22 keys parse", "%s", smp_last_error());
+    CHECK(st == SMP_OK, "json: all 24 keys parse", "%s", smp_last_error());
     CHECK(c.partitions == 4, "json: partitions", "%d", c.partitions);
+    CHECK(c.pipeline_parallel_degree == 4, "json: pipeline_parallel_degree", "%d", c.pipeline_parallel_degree);
+    CHECK(c.tensor_parallel_degree == 2, "json: tensor_parallel_degree", "%d", c.tensor_parallel_degree);
     CHECK(c.microbatches == 8, "json: microbatches", "%d", c.microbatches);
     CHECK(c.pipeline == SMP_PIPELINE_SIMPLE, "json: pipeline simple", "%d", (int)c.pipeline);
     CHECK(c.optimize == SMP_OPTIMIZE_MEMORY, "json: optimize memory", "%d", (int)c.optimize);
@@ -241,10 +312,10 @@ static void test_every_key(void) {
     CHECK(c.seed == UINT64_MAX, "json: seed up to 2^64-1", "%llu", (unsigned long long)c.seed);
 
     smp_config r;
-    st = smp_config_resolve(&c, 8, &r);
+    st = smp_config_resolve(&c, 16, &r);
     CHECK(st == SMP_OK && r.memory_weight == 0.25 && r.timeout == 90.5 && r.pipeline == SMP_PIPELINE_SIMPLE &&
               resolved_is_concrete(&r),
-          "json: all keys then resolve on 8 ranks", "%s", smp_last_error());
+          "json: all keys then resolve on 16 ranks", "%s", smp_last_error());
 
     /* the other enum spellings, and bools the other way */
     memset(&c, 0, sizeof c);
@@ -371,9 +442,7 @@ static void test_bad_json_values(void) {
     expect_json_error("bad json: prefix suggests the key", "{\"placement\": \"spread\"}", "\"placement\"",
                       "did you mean \"placement_strategy\"", NULL);
     expect_json_error("bad json: far-off key lists the keys", "{\"learning_rate\": 0.1}",
-                      "unknown config key \"learning_rate\"", "the keys are: partitions, microbatches", "seed");
-    expect_json_error("bad json: SageMaker's newer name for partitions", "{\"pipeline_parallel_degree\": 2}",
-                      "\"pipeline_parallel_degree\"", "\"partitions\"", NULL);
+                      "unknown config key \"learning_rate\"", "the keys are: partitions, pipeline_parallel_degree", "seed");
     expect_json_error("bad json: the SageMaker wrapper object", "{\"enabled\": true, \"parameters\": {}}",
                       "\"enabled\"", "\"parameters\"", NULL);
     expect_json_error("bad json: integer given as a string", "{\"partitions\": \"2\"}",
@@ -408,7 +477,7 @@ static void test_bad_json_values(void) {
     expect_json_error("bad json: enum is case-sensitive", "{\"optimize\": \"Speed\"}", "\"optimize\"",
                       "\"speed\" or \"memory\"", "\"Speed\"");
     expect_json_error("bad json: unknown placement", "{\"placement_strategy\": \"random\"}",
-                      "\"placement_strategy\"", "\"cluster\" or \"spread\"", "\"random\"");
+                      "\"placement_strategy\"", "\"cluster\", \"spread\", \"DPT\"", "\"random\"");
     expect_json_error("bad json: unknown trace_device", "{\"trace_device\": \"tpu\"}", "\"trace_device\"",
                       "\"cpu\" or \"gpu\"", "\"tpu\"");
     expect_json_error("bad json: number given as a string", "{\"memory_weight\": \"high\"}", "\"memory_weight\"",
@@ -619,6 +688,7 @@ int main(void) {
 #endif
     test_defaults();
     test_every_key();
+    test_parallel_degrees();
     test_override();
     test_timeout_env();
     test_bad_json_values();

@@ -822,6 +822,95 @@ static void checkpoint_case(int P) {
 
 /* ---------------------------------------------------------------- what on_device needs */
 static int g_no_device(void) { return SMP_HOST; }
+/* ---------------------------------------------------------------- tensor parallelism */
+/* The TP modules on device tensors against the same model on host tensors,
+   bitwise: x -> scale (w, whole) -> tp_scatter(1) -> tp_gather(1) ->
+   tp_scatter(0) -> tp_gather(0) -> tp_copy -> tp_reduce, one kernel for both
+   (mem_of reads host or device memory). */
+#define TP_ROWS 4
+#define TP_COLS 8
+static smp_status tp_scale_forward(smp_call_ctx *c) {
+    smp_param **w = (smp_param **)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, x->shape);
+    if (!y) return SMP_ERR_NOMEM;
+    const float *xs = mem_of(x, "tp scale input"), *ws = mem_of(smp_param_value(w[0]), "tp scale weight");
+    float *ys = mem_of(y, "tp scale output");
+    for (int64_t e = 0; e < smp_tensor_numel(x); e++) ys[e] = xs[e] * ws[e % TP_COLS];
+    return SMP_OK;
+}
+static smp_status tp_scale_backward(smp_call_ctx *c) {
+    smp_param **w = (smp_param **)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0), *g = smp_call_grad_output(c, 0);
+    const float *xs = mem_of(x, "tp scale input"), *gs = mem_of(g, "tp scale output gradient");
+    float *gw = mem_of(smp_param_grad(w[0]), "tp scale weight gradient");
+    for (int64_t e = 0; e < smp_tensor_numel(x); e++) gw[e % TP_COLS] += xs[e] * gs[e];
+    return SMP_OK;
+}
+static void tp_quiet(smp_log_level level, const char *msg, void *user) { (void)level; (void)msg; (void)user; } /* nothing is sharded here: smp warns */
+static smp_status tp_chain_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *u) {
+    (void)m; (void)nin; (void)nout;
+    smp_module **chain = (smp_module **)u;
+    smp_tensor h = in[0];
+    for (int k = 0; k < 7; k++) SMP_TRY(smp_call(chain[k], &h, 1, k == 6 ? out : &h, 1));
+    return SMP_OK;
+}
+SMP_STEP_BODY(tp_body) { /* loss: a weighted sum of the output, so a value in the wrong place shows */
+    const smp_tensor *y = smp_mb_output(mb, 0);
+    smp_tensor *g = smp_mb_output_grad(mb, 0);
+    const float *ys = mem_of(y, "model output");
+    float *gs = mem_of(g, "output gradient"), loss = 0;
+    for (int64_t e = 0; e < smp_tensor_numel(y); e++) { loss += ys[e] * (float)(e % 5 + 1); gs[e] = (float)(e % 5 + 1); }
+    return smp_mb_return_f32(mb, 0, loss);
+}
+static void tp_case(bool deterministic) {
+    register_fake(VIA_P2P);
+    smp_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.tensor_parallel_degree = world;
+    cfg.deterministic_reduction = deterministic ? SMP_ON : SMP_OFF;
+    char name[128], why[256] = "";
+    snprintf(name, sizeof name, "device/tp/modules_equal_host%s", deterministic ? "/deterministic" : "");
+    if (smp_init(&cfg)) { MPI_CHECK(0, name, "smp_init: %s", smp_last_error()); return; }
+    smp_set_logger(tp_quiet, NULL);
+    float loss[2] = {0, 0}, grad[2][TP_COLS];
+    smp_status st = SMP_OK;
+    smp_model *models[2] = {NULL, NULL};
+    smp_module *chains[2][7];
+    smp_param *w[2][1];
+    for (int d = 0; d < 2 && !st; d++) {
+        smp_module *root = smp_module_new(NULL, "", NULL);
+        chains[d][0] = smp_module_new(root, "scale", &(smp_module_desc){tp_scale_forward, tp_scale_backward, w[d]});
+        w[d][0] = smp_param_new(chains[d][0], "w", SMP_F32, 1, (int64_t[]){TP_COLS}, smp_init_uniform, NULL);
+        chains[d][1] = smp_module_new_tp_scatter(root, "scatter1", 1);
+        chains[d][2] = smp_module_new_tp_gather(root, "gather1", 1);
+        chains[d][3] = smp_module_new_tp_scatter(root, "scatter0", 0);
+        chains[d][4] = smp_module_new_tp_gather(root, "gather0", 0);
+        chains[d][5] = smp_module_new_tp_copy(root, "copy");
+        chains[d][6] = smp_module_new_tp_reduce(root, "reduce");
+        st = smp_model_new(root, &(smp_model_desc){.forward = tp_chain_forward, .user = chains[d], .on_device = d == 1}, &models[d]);
+        float x[TP_ROWS * TP_COLS];
+        for (int e = 0; e < TP_ROWS * TP_COLS; e++) x[e] = g_x[e];
+        smp_tensor xt = d ? upload(x, TP_ROWS, TP_COLS) : smp_tensor_2d(x, SMP_F32, TP_ROWS, TP_COLS);
+        smp_step_output out;
+        memset(&out, 0, sizeof out);
+        if (!st) st = SMP_TRAIN_STEP(models[d], tp_body, NULL, &out, 1, xt);
+        if (!st) {
+            loss[d] = (float)smp_step_output_reduce_mean_f64(&out);
+            memcpy(grad[d], mem_of(smp_param_grad(w[d][0]), "w's gradient"), sizeof grad[d]);
+        }
+        smp_step_output_free(&out);
+        if (d) fake_dealloc(xt.data);
+    }
+    if (!st && (memcmp(&loss[0], &loss[1], sizeof loss[0]) || memcmp(grad[0], grad[1], sizeof grad[0])))
+        snprintf(why, sizeof why, "device loss %.9g, host %.9g; w's gradients %s", loss[1], loss[0],
+                 memcmp(grad[0], grad[1], sizeof grad[0]) ? "differ" : "agree");
+    smp_set_logger(NULL, NULL);
+    smp_model_free(models[0]);
+    int ok = finish(models[1], !st && !why[0], why, sizeof why);
+    MPI_CHECK(ok, name, "%s %s", st ? smp_last_error() : "", why);
+}
+
 
 static void backend_requirements(void) {
     smp_config cfg = base_config(1, 1);
@@ -934,6 +1023,10 @@ int main(int argc, char **argv) {
     }
     for (int P = 1; P <= world && P <= 4; P *= 2)
         if (world % P == 0) checkpoint_case(P);
+    if (world > 1 && TP_ROWS % world == 0) {
+        tp_case(false);
+        tp_case(true);
+    }
     backend_requirements();
     int rc = test_exit_code();
     MPI_Finalize();

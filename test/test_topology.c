@@ -25,42 +25,60 @@
 #define MAXR 64
 
 /* The layout, built by walking the ranks in order rather than by formula:
-   cluster lays out one model replica after another (its partitions side by
-   side), spread lays out one partition's replicas after another. */
+   the placement's letters nest loops over the rdp (D), pp (P) and tp (T)
+   coordinates, the right-most innermost. cluster is DPT: one model replica
+   after another, its partitions side by side, a partition's shards side by
+   side; spread is TPD: one partition's replicas after another. */
 typedef struct layout {
-    int mp[MAXR], dp[MAXR];
+    int pp[MAXR], tp[MAXR], rdp[MAXR];
 } layout;
 
-static void build_layout(int size, int parts, smp_placement pl, layout *L) {
-    int replicas = size / parts, r = 0;
-    if (pl == SMP_PLACEMENT_SPREAD) {
-        for (int k = 0; k < parts; k++)
-            for (int j = 0; j < replicas; j++, r++) { L->mp[r] = k; L->dp[r] = j; }
-    } else {
-        for (int j = 0; j < replicas; j++)
-            for (int k = 0; k < parts; k++, r++) { L->mp[r] = k; L->dp[r] = j; }
-    }
+static const char *letters_of(smp_placement pl) {
+    static const char *const l[] = {"DPT", "DPT", "TPD", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"};
+    return l[pl];
 }
 
-/* Members of rank r's MP_GROUP (same dp coordinate, ordered by mp) or
-   DP_GROUP (same mp coordinate, ordered by dp); returns the count. */
-static int expected_members(const layout *L, int size, int r, smp_group g, int *out) {
+static void build_layout(int size, int parts, int tp, smp_placement pl, layout *L) {
+    const char *x = letters_of(pl);
+    int deg[3], c[3], r = 0; /* by position in the letters */
+    for (int i = 0; i < 3; i++) deg[i] = x[i] == 'P' ? parts : x[i] == 'T' ? tp : size / (parts * tp);
+    for (c[0] = 0; c[0] < deg[0]; c[0]++)
+        for (c[1] = 0; c[1] < deg[1]; c[1]++)
+            for (c[2] = 0; c[2] < deg[2]; c[2]++, r++)
+                for (int i = 0; i < 3; i++) *(x[i] == 'P' ? &L->pp[r] : x[i] == 'T' ? &L->tp[r] : &L->rdp[r]) = c[i];
+}
+
+/* A rank's mp and dp coordinates, as smp.h documents them. */
+static int mp_of(const layout *L, int tp, int r) { return L->pp[r] * tp + L->tp[r]; }
+static int dp_of(const layout *L, int tp, int r) { return L->rdp[r] * tp + L->tp[r]; }
+
+/* Whether s is in r's group g, and s's place there. */
+static bool same_group(const layout *L, smp_group g, int r, int s) {
+    bool pp = L->pp[s] == L->pp[r], t = L->tp[s] == L->tp[r], d = L->rdp[s] == L->rdp[r];
+    return g == SMP_WORLD ? true : g == SMP_MP_GROUP ? d : g == SMP_DP_GROUP ? pp : g == SMP_PP_GROUP ? t && d
+         : g == SMP_TP_GROUP ? pp && d : pp && t;
+}
+static int place_in(const layout *L, int tp, smp_group g, int s) {
+    return g == SMP_WORLD ? s : g == SMP_MP_GROUP ? mp_of(L, tp, s) : g == SMP_DP_GROUP ? dp_of(L, tp, s)
+         : g == SMP_PP_GROUP ? L->pp[s] : g == SMP_TP_GROUP ? L->tp[s] : L->rdp[s];
+}
+
+/* Members of rank r's group g, ordered by their place in it; returns the count. */
+static int expected_members(const layout *L, int size, int tp, int r, smp_group g, int *out) {
     int n = 0;
-    if (g == SMP_WORLD) {
-        for (int s = 0; s < size; s++) out[n++] = s;
-        return n;
-    }
     for (int want = 0; want < size; want++)
-        for (int s = 0; s < size; s++) {
-            bool same = g == SMP_MP_GROUP ? L->dp[s] == L->dp[r] : L->mp[s] == L->mp[r];
-            int coord = g == SMP_MP_GROUP ? L->mp[s] : L->dp[s];
-            if (same && coord == want) out[n++] = s;
-        }
+        for (int s = 0; s < size; s++)
+            if (same_group(L, g, r, s) && place_in(L, tp, g, s) == want) out[n++] = s;
     return n;
 }
 
-static const char *placement_name(smp_placement p) { return p == SMP_PLACEMENT_SPREAD ? "spread" : "cluster"; }
-static const char *group_name(smp_group g) { return g == SMP_WORLD ? "world" : g == SMP_MP_GROUP ? "mp" : "dp"; }
+static const char *placement_name(smp_placement p) {
+    return p == SMP_PLACEMENT_SPREAD ? "spread" : p == SMP_PLACEMENT_CLUSTER || p == SMP_PLACEMENT_DEFAULT ? "cluster" : letters_of(p);
+}
+static const char *group_name(smp_group g) {
+    static const char *const n[] = {"world", "mp", "dp", "pp", "tp", "rdp"};
+    return n[g];
+}
 
 static void list_str(const int *v, int n, char *buf, size_t cap) {
     size_t at = 0;
@@ -93,43 +111,65 @@ static void test_topology_of(void) {
     char why[256] = "";
     int ok = 1;
     for (int size = 1; size <= 16 && ok; size++)
-        for (int parts = 1; parts <= size && ok; parts++) {
-            if (size % parts) continue;
-            for (int pi = 0; pi < 2 && ok; pi++) {
-                smp_placement pl = pi ? SMP_PLACEMENT_SPREAD : SMP_PLACEMENT_CLUSTER;
-                layout L;
-                build_layout(size, parts, pl, &L);
-                int seen[16][16];
-                memset(seen, 0, sizeof seen);
-                for (int r = 0; r < size && ok; r++) {
-                    int mp = -1, dp = -1;
-                    smp_topology_of(r, size, parts, pl, &mp, &dp);
-                    if (mp < 0 || mp >= parts || dp < 0 || dp >= size / parts) {
-                        ok = 0;
-                        snprintf(why, sizeof why, "size %d parts %d %s rank %d: (mp %d, dp %d) out of range", size, parts, placement_name(pl), r, mp, dp);
-                    } else if (seen[mp][dp]++) {
-                        ok = 0;
-                        snprintf(why, sizeof why, "size %d parts %d %s: (mp %d, dp %d) given twice", size, parts, placement_name(pl), mp, dp);
-                    } else if (mp != L.mp[r] || dp != L.dp[r]) {
-                        ok = 0;
-                        snprintf(why, sizeof why, "size %d parts %d %s rank %d: got (mp %d, dp %d), want (mp %d, dp %d)", size, parts,
-                                 placement_name(pl), r, mp, dp, L.mp[r], L.dp[r]);
+        for (int parts = 1; parts <= size && ok; parts++)
+            for (int tp = 1; parts * tp <= size && ok; tp++) {
+                if (size % (parts * tp)) continue;
+                for (int pl = SMP_PLACEMENT_CLUSTER; pl <= SMP_PLACEMENT_TPD && ok; pl++) {
+                    layout L;
+                    build_layout(size, parts, tp, (smp_placement)pl, &L);
+                    int seen[16][16][16];
+                    memset(seen, 0, sizeof seen);
+                    for (int r = 0; r < size && ok; r++) {
+                        smp_coords c = smp_topology_of(r, size, parts, tp, (smp_placement)pl);
+                        snprintf(why, sizeof why, "size %d pp %d tp %d %s rank %d: got (pp %d, tp %d, rdp %d, mp %d, dp %d), "
+                                 "want (pp %d, tp %d, rdp %d, mp %d, dp %d)", size, parts, tp, placement_name((smp_placement)pl), r,
+                                 c.pp_rank, c.tp_rank, c.rdp_rank, c.mp_rank, c.dp_rank, L.pp[r], L.tp[r], L.rdp[r],
+                                 mp_of(&L, tp, r), dp_of(&L, tp, r));
+                        ok = c.pp_rank == L.pp[r] && c.tp_rank == L.tp[r] && c.rdp_rank == L.rdp[r] &&
+                             c.mp_rank == mp_of(&L, tp, r) && c.dp_rank == dp_of(&L, tp, r) && !seen[c.pp_rank][c.tp_rank][c.rdp_rank]++;
+                    }
+                    /* the named placements are their letter forms */
+                    smp_placement same = pl == SMP_PLACEMENT_CLUSTER ? SMP_PLACEMENT_DPT : pl == SMP_PLACEMENT_SPREAD ? SMP_PLACEMENT_TPD
+                                                                                                                   : (smp_placement)pl;
+                    for (int r = 0; r < size && ok; r++) {
+                        smp_coords a = smp_topology_of(r, size, parts, tp, (smp_placement)pl), b = smp_topology_of(r, size, parts, tp, same);
+                        ok = !memcmp(&a, &b, sizeof a);
+                        snprintf(why, sizeof why, "size %d pp %d tp %d: %s differs from %s at rank %d", size, parts, tp,
+                                 placement_name((smp_placement)pl), letters_of(same), r);
                     }
                 }
             }
-        }
     MPI_CHECK(ok, "topology/topology_of/sizes_1..16", "%.400s", why);
+
+    /* SageMaker's two tables for 8 ranks with tp = pp = rdp = 2: rank -> (rdp_rank, pp_rank, tp_rank) */
+    static const int dpt[8][3] = {{0, 0, 0}, {0, 0, 1}, {0, 1, 0}, {0, 1, 1}, {1, 0, 0}, {1, 0, 1}, {1, 1, 0}, {1, 1, 1}};
+    static const int ptd[8][3] = {{0, 0, 0}, {1, 0, 0}, {0, 0, 1}, {1, 0, 1}, {0, 1, 0}, {1, 1, 0}, {0, 1, 1}, {1, 1, 1}};
+    for (int t = 0; t < 4; t++) {
+        smp_placement pl = t == 0 ? SMP_PLACEMENT_DPT : t == 1 ? SMP_PLACEMENT_CLUSTER : t == 2 ? SMP_PLACEMENT_PTD : SMP_PLACEMENT_DEFAULT;
+        const int (*want)[3] = t < 2 || t == 3 ? dpt : ptd;
+        ok = 1;
+        for (int r = 0; r < 8 && ok; r++) {
+            smp_coords c = smp_topology_of(r, 8, 2, 2, pl);
+            ok = c.rdp_rank == want[r][0] && c.pp_rank == want[r][1] && c.tp_rank == want[r][2];
+            snprintf(why, sizeof why, "rank %d: rdp %d pp %d tp %d, the table says %d %d %d", r, c.rdp_rank, c.pp_rank, c.tp_rank,
+                     want[r][0], want[r][1], want[r][2]);
+        }
+        char name[96];
+        snprintf(name, sizeof name, "topology/sagemaker_table/%s", t == 3 ? "default" : placement_name(pl));
+        MPI_CHECK(ok, name, "%.400s", why);
+    }
 }
 
 /* --------------------------------------------------------------- one configuration */
 /* Checks coordinates, groups and communicators of the running smp against
-   the layout of `parts` partitions placed by `pl` over `host`. */
-static void check_running(MPI_Comm host, int parts, smp_placement pl, const char *tag) {
+   the layout of `parts` partitions x tensor-parallel degree tp placed by
+   `pl` over `host`. */
+static void check_running(MPI_Comm host, int parts, int tp, smp_placement pl, const char *tag) {
     int hrank, hsize;
     MPI_Comm_rank(host, &hrank);
     MPI_Comm_size(host, &hsize);
     layout L;
-    build_layout(hsize, parts, pl, &L);
+    build_layout(hsize, parts, tp, pl, &L);
     char name[160], why[1200];
     int ok;
 
@@ -147,24 +187,38 @@ static void check_running(MPI_Comm host, int parts, smp_placement pl, const char
     COORD(smp_size(), hsize);
     COORD(smp_local_rank(), lrank);
     COORD(smp_local_size(), lsize);
-    COORD(smp_mp_rank(), L.mp[hrank]);
-    COORD(smp_mp_size(), parts);
-    COORD(smp_dp_rank(), L.dp[hrank]);
+    COORD(smp_mp_rank(), mp_of(&L, tp, hrank));
+    COORD(smp_mp_size(), parts * tp);
+    COORD(smp_dp_rank(), dp_of(&L, tp, hrank));
     COORD(smp_dp_size(), hsize / parts);
+    COORD(smp_pp_rank(), L.pp[hrank]);
+    COORD(smp_pp_size(), parts);
+    COORD(smp_tp_rank(), L.tp[hrank]);
+    COORD(smp_tp_size(), tp);
+    COORD(smp_rdp_rank(), L.rdp[hrank]);
+    COORD(smp_rdp_size(), hsize / (parts * tp));
     COORD(smp_group_rank(SMP_WORLD), hrank);
     COORD(smp_group_size(SMP_WORLD), hsize);
-    COORD(smp_group_rank(SMP_MP_GROUP), L.mp[hrank]);
-    COORD(smp_group_size(SMP_MP_GROUP), parts);
-    COORD(smp_group_rank(SMP_DP_GROUP), L.dp[hrank]);
+    COORD(smp_group_rank(SMP_MP_GROUP), mp_of(&L, tp, hrank));
+    COORD(smp_group_size(SMP_MP_GROUP), parts * tp);
+    COORD(smp_group_rank(SMP_DP_GROUP), dp_of(&L, tp, hrank));
     COORD(smp_group_size(SMP_DP_GROUP), hsize / parts);
+    COORD(smp_group_rank(SMP_PP_GROUP), L.pp[hrank]);
+    COORD(smp_group_size(SMP_PP_GROUP), parts);
+    COORD(smp_group_rank(SMP_TP_GROUP), L.tp[hrank]);
+    COORD(smp_group_size(SMP_TP_GROUP), tp);
+    COORD(smp_group_rank(SMP_RDP_GROUP), L.rdp[hrank]);
+    COORD(smp_group_size(SMP_RDP_GROUP), hsize / (parts * tp));
     COORD(smp_current_config()->partitions, parts);
+    COORD(smp_current_config()->pipeline_parallel_degree, parts);
+    COORD(smp_current_config()->tensor_parallel_degree, tp);
     COORD(smp_current_config()->placement_strategy, pl);
 #undef COORD
     MPI_CHECK(ok, name, "%.400s", why);
 
-    for (int g = SMP_WORLD; g <= SMP_DP_GROUP; g++) {
+    for (int g = SMP_WORLD; g < SMP_GROUP_COUNT; g++) {
         int want[MAXR], got[MAXR + 1];
-        int nwant = expected_members(&L, hsize, hrank, (smp_group)g, want);
+        int nwant = expected_members(&L, hsize, tp, hrank, (smp_group)g, want);
         for (int i = 0; i <= MAXR; i++) got[i] = -7;
         int ngot = smp_group_ranks((smp_group)g, got, MAXR);
         ok = ngot == nwant && memcmp(got, want, sizeof(int) * (size_t)nwant) == 0 && got[ngot] == -7;
@@ -228,21 +282,22 @@ static void check_running(MPI_Comm host, int parts, smp_placement pl, const char
     }
 }
 
-static void test_configuration(int parts, smp_placement pl, bool name_default) {
+static void test_configuration(int parts, int tp, smp_placement pl, bool name_default) {
     int wsize;
     MPI_Comm_size(MPI_COMM_WORLD, &wsize);
     char tag[96], name[160];
-    snprintf(tag, sizeof tag, "topology/n=%d/p=%d/%s", wsize, parts, name_default ? "default_placement" : placement_name(pl));
+    snprintf(tag, sizeof tag, "topology/n=%d/p=%d/tp=%d/%s", wsize, parts, tp, name_default ? "default_placement" : placement_name(pl));
     smp_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.partitions = parts;
+    cfg.tensor_parallel_degree = tp == 1 ? 0 : tp;
     cfg.placement_strategy = name_default ? SMP_PLACEMENT_DEFAULT : pl;
-    if (wsize / parts > 1) cfg.ddp = SMP_ON;
+    if (wsize / (parts * tp) > 1) cfg.ddp = SMP_ON;
     smp_status st = smp_init(&cfg);
     snprintf(name, sizeof name, "%s/init", tag);
     MPI_CHECK(st == SMP_OK && smp_is_initialized(), name, "smp_init: %s (%.300s)", smp_status_name(st), smp_last_error());
     if (st != SMP_OK) return;
-    check_running(MPI_COMM_WORLD, parts, pl, tag);
+    check_running(MPI_COMM_WORLD, parts, tp, name_default ? SMP_PLACEMENT_CLUSTER : pl, tag);
 
     smp_status twice = smp_init(&cfg);
     snprintf(name, sizeof name, "%s/init_twice", tag);
@@ -275,7 +330,7 @@ static void test_inside(MPI_Comm host, const char *tag) {
     snprintf(name, sizeof name, "%s/init", tag);
     MPI_CHECK(st == SMP_OK, name, "smp_init: %s (%.300s)", smp_status_name(st), smp_last_error());
     if (st != SMP_OK) return;
-    check_running(host, parts, SMP_PLACEMENT_CLUSTER, tag);
+    check_running(host, parts, 1, SMP_PLACEMENT_CLUSTER, tag);
     /* a sum over smp's world adds up only the ranks of this communicator */
     int64_t mine = wrank + 1, got = -1, want = 0;
     int64_t *all = (int64_t *)calloc((size_t)hsize, sizeof *all);
@@ -367,10 +422,30 @@ int main(int argc, char **argv) {
 
     for (int parts = 1; parts <= wsize; parts++) {
         if (wsize % parts) continue;
-        test_configuration(parts, SMP_PLACEMENT_CLUSTER, false);
-        test_configuration(parts, SMP_PLACEMENT_SPREAD, false);
+        test_configuration(parts, 1, SMP_PLACEMENT_CLUSTER, false);
+        test_configuration(parts, 1, SMP_PLACEMENT_SPREAD, false);
     }
-    test_configuration(wsize % 2 == 0 ? 2 : 1, SMP_PLACEMENT_CLUSTER, true); /* zero placement means cluster */
+    test_configuration(wsize % 2 == 0 ? 2 : 1, 1, SMP_PLACEMENT_CLUSTER, true); /* zero placement means cluster */
+    /* tensor parallelism: the whole world one TP group, and at 4 ranks pp 2 x tp 2 and tp 2 x rdp 2 under letter forms */
+    if (wsize > 1) test_configuration(1, wsize, SMP_PLACEMENT_CLUSTER, false);
+    if (wsize % 4 == 0) {
+        test_configuration(2, 2, SMP_PLACEMENT_PTD, false);
+        test_configuration(1, 2, SMP_PLACEMENT_TDP, false);
+        test_configuration(2, 2, SMP_PLACEMENT_SPREAD, false);
+    }
+
+    /* pp x tp that does not divide the world fails on every rank, naming both degrees */
+    if (wsize > 1) {
+        smp_config bad;
+        memset(&bad, 0, sizeof bad);
+        bad.partitions = wsize;
+        bad.tensor_parallel_degree = 2;
+        smp_status st = smp_init(&bad);
+        MPI_CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "tensor_parallel_degree = 2") &&
+                      strstr(smp_last_error(), "does not divide the world size") && !smp_is_initialized(),
+                  "topology/bad_pp_times_tp", "partitions %d x tensor_parallel_degree 2 on %d ranks gave %s (%.300s)", wsize, wsize,
+                  smp_status_name(st), smp_last_error());
+    }
 
     /* a partition count that does not divide the world fails on every rank,
        names the problem, and leaves smp ready for a correct init */
