@@ -355,7 +355,9 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
    and the bucket before it has finished (one bucket at a time, as NCCL
    runs a stream's collectives). With deterministic_reduction the sum is
    taken in dp-rank order after an all-gather, so results do not depend on
-   MPI's algorithm. */
+   MPI's algorithm. With shard_optimizer_state (smp.h, SHARDED OPTIMIZER
+   STATE) gradients are still averaged in full; each step starts by
+   gathering the ranges the replicas' optimizers updated. */
 
 /* Scales gradients so that their global norm (over the whole model, every
    partition) is at most max_norm; *total_norm gets the norm before
@@ -3063,6 +3065,9 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
         if (st) return st;
         ps->ddp_ready = true;
     }
+    /* shard_optimizer_state: the ranges the other replicas updated, before anything reads a parameter */
+    if (md->params_stale && (st = smp__agree_on(smp__ctx.world, smp_model_gather_params(md), "gathering the updated parameters")))
+        return st;
     /* built at the first step of its kind, before the step counts (a failed
        step does not): the same inputs everywhere, but memory may fail on one rank */
     smp_schedule *sc = &ps->sched[training ? 0 : 1];
@@ -3172,6 +3177,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
         smp__release_step(ps, md);
         return agreed;
     }
+    if (training && cfg->shard_optimizer_state == SMP_ON) md->params_stale = true; /* the engine updates its range next */
     if (nouts) st = smp__share_outputs(ps, md, outs, nouts);
     if (!st) st = finished;
     if (ps->sync && smp_dp_size() > 1) {
