@@ -572,7 +572,9 @@ static smp_status print_digest(smp_model *model) {
 }
 
 /* Every rank returns together: the first failure's message, on rank 0 and on the rank that failed. */
-/* The memory account's peaks, one line per rank (rank 0 prints). Collective. */
+/* The memory account's peaks (from the second step on: the first one's
+   set-up copies gradients into data-parallel buckets), one line per rank
+   (rank 0 prints). Collective. */
 static smp_status print_memory_peaks(void) {
     smp_memory_stats *all = calloc((size_t)smp_size(), sizeof *all);
     smp_status st = all ? smp_memory_report("gpt", all) : smp_error(SMP_ERR_NOMEM, "out of memory");
@@ -963,6 +965,7 @@ int main(int argc, char **argv) {
         if (step == 0 && opt.grads && fail_all(save_grads(model, opt.grads, &text, &opt, x, y, (int)rows, loss), "--grads")) goto done;
         if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
         adamw_step(&opt_state, model, &opt, lr);                          /* optimizer.step() */
+        if (step == 0) smp_memory_reset_peaks(); /* the peaks printed at the end: of the steps after the set-up */
         tokens += (long)opt.batch * T;
         loss_avg = step ? 0.9 * loss_avg + 0.1 * loss : loss;
         if (opt.print_losses && root) printf("step %d loss %a\n", step, loss);
