@@ -41,7 +41,7 @@ TSAN_TESTS := test_ckpt_threads
 TSAN_ENV := UCX_MEM_EVENTS=no TSAN_OPTIONS=second_deadlock_stack=1 SMP_SANITIZER_LOGS=1
 ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
             SMP_SANITIZER_LOGS=1 SMP_EXAMPLES=$(CURDIR)/build/examples-asan
-BENCHES    := collectives partition schedule ddp checkpoint fmnist gpt gpt-cuda nccl recompute
+BENCHES    := collectives partition schedule ddp checkpoint fmnist gpt gpt-cuda nccl recompute memory
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
@@ -264,6 +264,8 @@ bench-gpt: build/examples/gpt
 # device (BIN=build/cuda/gpt on a GPU).
 bench-gpt-cuda: build/fake/gpt
 	bash bench/gpt_cuda.sh
+bench-memory: build/examples/gpt
+	bash bench/memory.sh
 bench-checkpoint: build/bench/checkpoint
 	mpirun -n 2 build/bench/checkpoint
 # Activation recomputation on a 12-block composite model (OpenBLAS linears).

@@ -114,6 +114,7 @@
    smp's own keys: virtual_stages (1), deterministic_reduction (false),
      activation_checkpointing (false: recompute every top-level call),
      active_microbatches (0: no cap beyond the schedule's; smp_pipeline.h, ACTIVE MICROBATCHES),
+     shard_optimizer_state (false; needs ddp and 2 or more replicas: SHARDED OPTIMIZER STATE below),
      timeout (seconds, also SMP_TIMEOUT; 600), seed (0).
 
    ENVIRONMENT VARIABLES: all that the four headers read, in one table.
@@ -423,6 +424,7 @@ typedef struct smp_config {
     smp_switch broadcast_buffers;      /* default on */
     smp_switch activation_checkpointing; /* default off; on: every top-level call recomputes (smp_module_set_recompute) */
     int active_microbatches;        /* most microbatches in flight on a rank (smp_pipeline.h); 0: the schedule's own */
+    smp_switch shard_optimizer_state; /* each replica updates its 1/dp of the parameters (smp_param_owned_range); default off */
     /* smp's own keys */
     int virtual_stages;             /* interleaving factor for auto partitioning; 0: 1 */
     smp_switch deterministic_reduction; /* fixed-order DP sums; default off */
@@ -823,6 +825,23 @@ SMPDEF void smp_model_zero_grad(smp_model *m);
    for (i = 0; (p = smp_model_local_param(m, i, false)); i++). */
 SMPDEF smp_param *smp_model_local_param(smp_model *m, int index, bool include_buffers);
 SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *full_name); /* any rank's */
+/* SHARDED OPTIMIZER STATE (shard_optimizer_state, ZeRO stage 1). The
+   local parameters' elements, laid end to end in declaration order, are
+   cut into dp_size balanced ranges; dp rank j owns the j-th, and the
+   engine's optimizer keeps state for, and updates, only what this rank
+   owns: elements [*first, *first + *count) of p (count may be 0), as
+   smp_param_owned_range says (without sharding: all of p). Gradients stay
+   averaged over the replicas in full, as without sharding (the global norm
+   and the grad scaler see them all); before parameters are next read
+   (the next step, smp_save, or smp_model_gather_params) smp gathers every
+   replica's updated range, so all replicas hold the same values and a
+   sharded run is bitwise the unsharded one. Optimizer state registered
+   with smp_optimizer_state_add must cover the owned range only. Host
+   models only, so far. p must be local; after partitioning. */
+SMPDEF smp_status smp_param_owned_range(smp_model *m, const smp_param *p, int64_t *first, int64_t *count);
+/* Gathers the ranges the replicas updated (nothing to do without sharding
+   or when nothing changed since the last gather). Collective over the world. */
+SMPDEF smp_status smp_model_gather_params(smp_model *m);
 SMPDEF int smp_model_num_global_params(const smp_model *m, bool include_buffers);   /* all ranks' */
 /* Every rank's parameters (and buffers), local or not, in declaration
    order: index < smp_model_num_global_params(m, include_buffers). */
@@ -2060,6 +2079,7 @@ static const struct smp__cfg_key {
     {"broadcast_buffers", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(broadcast_buffers), SMP_ON, NULL, NULL},
     {"activation_checkpointing", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(activation_checkpointing), SMP_OFF, NULL, NULL},
     {"active_microbatches", SMP__CFG_KIND_LIMIT, SMP__CFG_FIELD(active_microbatches), 0, NULL, NULL},
+    {"shard_optimizer_state", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(shard_optimizer_state), SMP_OFF, NULL, NULL},
     {"virtual_stages", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(virtual_stages), 0, NULL, NULL},
     {"deterministic_reduction", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(deterministic_reduction), SMP_OFF, NULL, NULL},
     {"timeout", SMP__CFG_KIND_POSITIVE, SMP__CFG_FIELD(timeout), 0, NULL, NULL},
@@ -2677,6 +2697,11 @@ SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, sm
                          SMP__CFG_MAX_BUCKET_MB, c.bucket_cap_mb);
     if (c.bucket_cap_mb == 0) c.bucket_cap_mb = SMP__CFG_DEFAULT_BUCKET_MB;
 
+    if (c.shard_optimizer_state == SMP_ON && (c.ddp != SMP_ON || world_size / c.partitions < 2))
+        return smp_error(SMP_ERR_CONFIG, "config key \"shard_optimizer_state\" shards the optimizer state across data-parallel replicas, "
+                         "but %s: set \"ddp\": true and run on at least %d ranks (2 replicas of %d partition%s), or leave "
+                         "shard_optimizer_state off", c.ddp != SMP_ON ? "ddp is off" : "there is one replica",
+                         2 * c.partitions, c.partitions, c.partitions == 1 ? "" : "s");
     if (c.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V && c.virtual_stages > 2)
         return smp_error(SMP_ERR_CONFIG, "config key \"virtual_stages\" is %d, but pipeline \"zero_bubble_v\" runs exactly 2 stages "
                          "per partition (its V): leave virtual_stages at 1 or 2", c.virtual_stages);
@@ -3963,6 +3988,7 @@ struct smp_model {
     void *pipeline;       /* smp_pipeline.h's per-model state */
     void (*pipeline_free)(void *);
     unsigned long zero_grad_calls; /* tells the pipeline whether gradients it averaged were zeroed since */
+    bool params_stale;    /* shard_optimizer_state: replicas may have updated their own ranges since the last gather */
 };
 
 struct smp_call_ctx {
@@ -4516,6 +4542,89 @@ SMPDEF int smp_model_num_global_params(const smp_model *m, bool buffers) {
     for (int i = 0; i < m->nparams; i++) n += buffers || !m->params[i]->is_buffer;
     return n;
 }
+/* Elements [*first, *first + *count) of local parameter p that dp rank r
+   owns under shard_optimizer_state (the whole of p without it). */
+static void smp__owned_range(const smp_model *m, const smp_param *p, int r, int64_t *first, int64_t *count) {
+    int64_t total = 0, at = -1, n = smp_tensor_numel(&p->value);
+    for (int i = 0; i < m->nparams; i++) {
+        const smp_param *q = m->params[i];
+        if (q->is_buffer || !smp_module_is_local(q->module)) continue;
+        if (q == p) at = total;
+        total += smp_tensor_numel(&q->value);
+    }
+    int dp = smp_dp_size();
+    if (smp__ctx.cfg.shard_optimizer_state != SMP_ON || dp < 2 || p->is_buffer || at < 0) { *first = 0; *count = n; return; }
+    int64_t lo = total / dp * r + (r < total % dp ? r : total % dp), hi = lo + total / dp + (r < total % dp); /* balanced: sizes differ by <= 1 */
+    int64_t a = lo > at ? lo : at, b = hi < at + n ? hi : at + n;
+    *first = a - at;
+    *count = b > a ? b - a : 0;
+    if (!*count) *first = 0;
+}
+
+SMPDEF smp_status smp_param_owned_range(smp_model *m, const smp_param *p, int64_t *first, int64_t *count) {
+    if (!m || !p || !first || !count) return smp_error(SMP_ERR_ARG, "smp_param_owned_range: model, parameter and outputs must not be NULL");
+    if (!m->partitioned) return smp_error(SMP_ERR_STATE, "smp_param_owned_range: the model is not partitioned yet (smp_model_trace or a first step)");
+    if (!smp_module_is_local(p->module))
+        return smp_error(SMP_ERR_ARG, "smp_param_owned_range: parameter '%s' does not live on this rank", p->full_name);
+    smp__owned_range(m, p, smp_dp_rank(), first, count);
+    return SMP_OK;
+}
+
+/* smp_model_gather_params's work: every replica's owned range of every
+   local parameter, packed in parameter order, gathered in DP_GROUP. */
+static smp_status smp__gather_params(smp_model *m) {
+    int dp = smp_dp_size(), me = smp_dp_rank();
+    size_t mine = 0, at = 0;
+    int64_t first, count;
+    for (int i = 0; i < m->nparams; i++) {
+        smp_param *p = m->params[i];
+        if (p->is_buffer || !smp_module_is_local(p->module)) continue;
+        if (p->value.device != SMP_HOST)
+            return smp_error(SMP_ERR_STATE, "shard_optimizer_state runs on host models so far, and '%s' lives on a device: leave "
+                             "shard_optimizer_state off", p->full_name);
+        smp__owned_range(m, p, me, &first, &count);
+        mine += (size_t)count * smp_dtype_size(p->value.dtype);
+    }
+    smp_status st = SMP_OK;
+    char *pack = (char *)smp__bytes_or(&st, mine + 1, SMP__ALLOC_COMM, "the parameters a replica updated (shard_optimizer_state)");
+    size_t *lens = (size_t *)smp__bytes_or(&st, sizeof(size_t) * (size_t)dp, SMP__ALLOC_COMM, "the parameters' ranges");
+    void *all = NULL;
+    for (int i = 0; i < m->nparams && !st; i++) {
+        smp_param *p = m->params[i];
+        if (p->is_buffer || !smp_module_is_local(p->module)) continue;
+        size_t es = smp_dtype_size(p->value.dtype);
+        smp__owned_range(m, p, me, &first, &count);
+        memcpy(pack + at, (const char *)p->value.data + (size_t)first * es, (size_t)count * es);
+        at += (size_t)count * es;
+    }
+    st = smp__agree_on(smp__ctx.world, st, "gathering the replicas' parameter ranges (shard_optimizer_state)");
+    if (!st) st = smp_all_gather_bytes(pack, mine, SMP_DP_GROUP, &all, lens);
+    at = 0;
+    for (int r = 0; r < dp && !st; r++)
+        for (int i = 0; i < m->nparams; i++) {
+            smp_param *p = m->params[i];
+            if (p->is_buffer || !smp_module_is_local(p->module)) continue;
+            size_t es = smp_dtype_size(p->value.dtype);
+            smp__owned_range(m, p, r, &first, &count);
+            if (r != me) memcpy((char *)p->value.data + (size_t)first * es, (const char *)all + at, (size_t)count * es);
+            at += (size_t)count * es;
+        }
+    smp__free(all);
+    smp__free(pack);
+    smp__free(lens);
+    return st;
+}
+
+SMPDEF smp_status smp_model_gather_params(smp_model *m) {
+    smp_status st = smp__require_init("smp_model_gather_params");
+    if (st) return st;
+    if (!m) return smp_error(SMP_ERR_ARG, "smp_model_gather_params: model is NULL");
+    if (!m->params_stale) return SMP_OK; /* the same on every rank: set by the same steps */
+    st = smp__gather_params(m);
+    if (!st) m->params_stale = false;
+    return st;
+}
+
 SMPDEF smp_param *smp_model_local_param(smp_model *m, int index, bool buffers) {
     for (int i = 0; i < m->nparams; i++) {
         smp_param *p = m->params[i];

@@ -2086,6 +2086,14 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
                              "%s: parameter '%s' lives on partition %d, not on this rank (pp rank %d); register its "
                              "state on the ranks of partition %d",
                              fn, param, part, smp_pp_rank(), part);
+        int64_t first = 0, owned = 0;
+        smp_status rs = smp_param_owned_range(o->model, p, &first, &owned);
+        if (rs) return rs;
+        if (smp_current_config()->shard_optimizer_state == SMP_ON && numel != owned && numel > 1)
+            return smp_error(SMP_ERR_ARG, "%s: state '%s' of '%s' has %lld elements, but with shard_optimizer_state this replica "
+                             "owns %lld of the parameter's %lld (elements %lld..%lld): register state for the owned range only "
+                             "(smp_param_owned_range)", fn, name, param, (long long)numel, (long long)owned,
+                             (long long)smp_tensor_numel(smp_param_value(p)), (long long)first, (long long)(first + owned - 1));
     }
     smp_status st = SMP_OK;
     size_t len = strlen(SMP_CKPT_OPTIMIZER_PREFIX) + (param ? strlen(param) + 1 : 0) + strlen(name) + 1;
@@ -3391,6 +3399,11 @@ static smp_status smp__ckpt_check_args(const char *fn, smp_model *m, const char 
                          fn);
     if (opt && opt->model != m)
         return smp_error(SMP_ERR_ARG, "%s: the optimizer registry belongs to another model", fn);
+    for (int i = 0; opt && i < opt->n && smp_current_config()->shard_optimizer_state == SMP_ON; i++)
+        if (!opt->s[i].global)
+            return smp_error(SMP_ERR_ARG, "%s: '%s' is one replica's shard of the optimizer state (shard_optimizer_state), and "
+                             "checkpoints of sharded optimizer state are not built yet: pass no optimizer, or leave "
+                             "shard_optimizer_state off", fn, opt->s[i].full);
     if (!d) return SMP_OK;
     if (d->nmeta < 0 || (d->nmeta > 0 && (!d->meta_keys || !d->meta_values)))
         return smp_error(SMP_ERR_ARG, "smp_save: %d metadata entries but keys or values is NULL", d->nmeta);
@@ -3418,6 +3431,7 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
     smp_save_desc d = {SMP_DEFAULT, NULL, NULL, NULL, 0, 0};
     if (desc) d = *desc;
     SMP_TRY(smp__ckpt_begin("smp_save", m, path, d.optimizer, &d));
+    SMP_TRY(smp_model_gather_params(m)); /* shard_optimizer_state: the replicas' updates, before dp rank 0 writes */
     int partial = d.partial != SMP_OFF, ne = 0, i;
     smp__ckpt_plan pl;
     smp__ckpt_meta_list md;

@@ -366,7 +366,9 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
    and the bucket before it has finished (one bucket at a time, as NCCL
    runs a stream's collectives). With deterministic_reduction the sum is
    taken in dp-rank order after an all-gather, so results do not depend on
-   MPI's algorithm. */
+   MPI's algorithm. With shard_optimizer_state (smp.h, SHARDED OPTIMIZER
+   STATE) gradients are still averaged in full; each step starts by
+   gathering the ranges the replicas' optimizers updated. */
 
 /* Scales gradients so that their global norm (over the whole model, every
    partition, every TP shard once and every whole parameter once) is at most max_norm; *total_norm gets the norm before
@@ -3214,6 +3216,9 @@ static smp_status smp__step_prepare(const smp_step_desc *d, const smp_step_outpu
     smp__pipe *ps = (smp__pipe *)md->pipeline;
     SMP_TRY(smp__step_connect(ps));
     SMP_TRY(smp__step_ddp_setup(ps, md));
+    /* shard_optimizer_state: the ranges the other replicas updated, before anything reads a parameter */
+    if (md->params_stale)
+        SMP_TRY(smp__agree_on(smp__ctx.world, smp_model_gather_params(md), "gathering the updated parameters"));
     SMP_TRY(smp__step_schedule(ps, md, !d->evaluate));
     return smp__step_held_grads(ps, md, !d->evaluate);
 }
@@ -3346,6 +3351,7 @@ static void smp__step_stats(smp__pipe *ps, smp_model *md) {
    statistics. */
 static smp_status smp__step_finish(smp__pipe *ps, smp_model *md, smp_step_output *outs, int nouts) {
     smp_status finished = ps->step.sync ? smp__ddp_finish(ps, false) : SMP_OK;
+    if (ps->step.training && smp__ctx.cfg.shard_optimizer_state == SMP_ON) md->params_stale = true; /* the engine updates its range next */
     smp_status st = nouts ? smp__share_outputs(ps, md, outs, nouts) : SMP_OK;
     if (!st) st = finished;
     if (ps->step.sync && smp_rdp_size() > 1) {

@@ -43,6 +43,7 @@ typedef struct adam {
     mlp_adam_cfg cfg;
     int64_t t;
     float **m, **v;
+    int64_t *first, *count; /* the elements of each parameter this replica updates (all, unless shard_optimizer_state) */
     int nparams;
     smp_optimizer *state; /* what checkpoints save: exp_avg, exp_avg_sq per parameter, the step */
 } adam;
@@ -55,16 +56,20 @@ static smp_status adam_init(adam *o, smp_model *model, float lr) {
     while (smp_model_local_param(model, o->nparams, false)) o->nparams++;
     o->m = calloc((size_t)o->nparams, sizeof *o->m);
     o->v = calloc((size_t)o->nparams, sizeof *o->v);
+    o->first = calloc((size_t)o->nparams, sizeof *o->first);
+    o->count = calloc((size_t)o->nparams, sizeof *o->count);
     smp_status st = smp_optimizer_new(model, &o->state);
     smp_tensor step = smp_tensor_1d(&o->t, SMP_I64, 1);
     if (!st) st = smp_optimizer_state_add(o->state, NULL, "step", &step);
     for (int i = 0; i < o->nparams && !st; i++) {
         smp_param *p = smp_model_local_param(model, i, false);
+        st = smp_param_owned_range(model, p, &o->first[i], &o->count[i]);
         smp_tensor m = *smp_param_value(p), v = m;
-        size_t n = (size_t)smp_tensor_numel(&m);
+        if (smp_current_config()->shard_optimizer_state == SMP_ON) m = v = smp_tensor_1d(NULL, SMP_F32, o->count[i]);
+        size_t n = (size_t)o->count[i] + 1;
         m.data = o->m[i] = calloc(n, sizeof(float));
         v.data = o->v[i] = calloc(n, sizeof(float));
-        st = smp_optimizer_state_add(o->state, smp_param_name(p), "exp_avg", &m);
+        if (!st) st = smp_optimizer_state_add(o->state, smp_param_name(p), "exp_avg", &m);
         if (!st) st = smp_optimizer_state_add(o->state, smp_param_name(p), "exp_avg_sq", &v);
     }
     return st;
@@ -74,8 +79,8 @@ static void adam_step(adam *o, smp_model *model) {
     o->t++;
     for (int i = 0; i < o->nparams; i++) {
         smp_param *p = smp_model_local_param(model, i, false);
-        mlp_adam_step(smp_param_value(p)->data, smp_param_grad(p)->data, o->m[i], o->v[i],
-                      (size_t)smp_tensor_numel(smp_param_value(p)), o->t, &o->cfg);
+        mlp_adam_step((float *)smp_param_value(p)->data + o->first[i], (float *)smp_param_grad(p)->data + o->first[i], o->m[i],
+                      o->v[i], (size_t)o->count[i], o->t, &o->cfg);
     }
 }
 
@@ -84,6 +89,8 @@ static void adam_free(adam *o) {
     for (int i = 0; i < o->nparams; i++) { free(o->m[i]); free(o->v[i]); }
     free(o->m);
     free(o->v);
+    free(o->first);
+    free(o->count);
 }
 
 int main(int argc, char **argv) {
@@ -188,7 +195,9 @@ int main(int argc, char **argv) {
         snprintf(mean_s, sizeof mean_s, "%.9g", mean);
         snprintf(std_s, sizeof std_s, "%.9g", stdev);
         const char *keys[] = {"epoch", "step", "pixel_mean", "pixel_std"}, *values[] = {e, n, mean_s, std_s};
-        if ((st = smp_save(model, opt.checkpoint, &(smp_save_desc){.partial = opt.partial ? SMP_ON : SMP_OFF, .optimizer = opt_state.state,
+        /* checkpoints of sharded optimizer state are not built yet: --shard-optimizer saves the model alone */
+        const smp_optimizer *saved = smp_current_config()->shard_optimizer_state == SMP_ON ? NULL : opt_state.state;
+        if ((st = smp_save(model, opt.checkpoint, &(smp_save_desc){.partial = opt.partial ? SMP_ON : SMP_OFF, .optimizer = saved,
                                                                   .meta_keys = keys, .meta_values = values, .nmeta = 4})))
             break;
     }

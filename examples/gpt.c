@@ -74,6 +74,7 @@
 typedef struct adamw {
     int n;
     float **m, **v;
+    int64_t *first, *count; /* the elements of each parameter this replica updates (all, unless shard_optimizer_state) */
     int64_t t;
     smp_optimizer *reg; /* the moments, registered: smp's memory account counts them */
 } adamw;
@@ -83,9 +84,13 @@ static smp_status adamw_init(adamw *o, smp_model *model) {
     while (smp_model_local_param(model, o->n, false)) o->n++;
     o->m = calloc((size_t)o->n + 1, sizeof *o->m);
     o->v = calloc((size_t)o->n + 1, sizeof *o->v);
-    if (!o->m || !o->v) return smp_error(SMP_ERR_NOMEM, "out of memory for AdamW's state");
+    o->first = calloc((size_t)o->n + 1, sizeof *o->first);
+    o->count = calloc((size_t)o->n + 1, sizeof *o->count);
+    if (!o->m || !o->v || !o->first || !o->count) return smp_error(SMP_ERR_NOMEM, "out of memory for AdamW's state");
     for (int i = 0; i < o->n; i++) {
-        size_t k = (size_t)smp_tensor_numel(smp_param_value(smp_model_local_param(model, i, false)));
+        smp_status st = smp_param_owned_range(model, smp_model_local_param(model, i, false), &o->first[i], &o->count[i]);
+        if (st) return st;
+        size_t k = (size_t)o->count[i];
         o->m[i] = calloc(k ? k : 1, sizeof(float));
         o->v[i] = calloc(k ? k : 1, sizeof(float));
         if (!o->m[i] || !o->v[i]) return smp_error(SMP_ERR_NOMEM, "out of memory for AdamW's state");
@@ -93,8 +98,7 @@ static smp_status adamw_init(adamw *o, smp_model *model) {
     smp_status st = smp_optimizer_new(model, &o->reg);
     for (int i = 0; i < o->n && !st; i++) {
         smp_param *p = smp_model_local_param(model, i, false);
-        smp_tensor m = *smp_param_value(p), v = m;
-        m.data = o->m[i];
+        smp_tensor m = smp_tensor_1d(o->m[i], SMP_F32, o->count[i]), v = m;
         v.data = o->v[i];
         st = smp_optimizer_state_add(o->reg, smp_param_name(p), "exp_avg", &m);
         if (!st) st = smp_optimizer_state_add(o->reg, smp_param_name(p), "exp_avg_sq", &v);
@@ -108,7 +112,8 @@ static void adamw_step(adamw *o, smp_model *model, const options *opt, float lr)
     for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
         smp_tensor *w = smp_param_value(p);
         mlp_adam_cfg c = {lr, opt->beta1, opt->beta2, 1e-8f, w->ndim >= 2 ? opt->weight_decay : 0.0f};
-        mlp_adam_step(w->data, smp_param_grad(p)->data, o->m[i], o->v[i], (size_t)smp_tensor_numel(w), o->t, &c);
+        mlp_adam_step((float *)w->data + o->first[i], (float *)smp_param_grad(p)->data + o->first[i], o->m[i], o->v[i],
+                      (size_t)o->count[i], o->t, &c);
     }
 }
 
@@ -117,6 +122,8 @@ static void adamw_free(adamw *o) {
     for (int i = 0; i < o->n; i++) { free(o->m[i]); free(o->v[i]); }
     free(o->m);
     free(o->v);
+    free(o->first);
+    free(o->count);
 }
 
 
@@ -480,6 +487,7 @@ int main(int argc, char **argv) {
         if (step == 0 && opt.grads && fail_all(save_grads(model, opt.grads, &text, &opt, x, y, (int)rows, loss), "--grads")) goto done;
         if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
         adamw_step(&opt_state, model, &opt, lr);                          /* optimizer.step() */
+        if (step == 0) smp_memory_reset_peaks(); /* the peaks printed at the end: of the steps after the set-up */
         tokens += (long)opt.batch * T;
         loss_avg = step ? 0.9 * loss_avg + 0.1 * loss : loss;
         if (opt.print_losses && root) printf("step %d loss %a\n", step, loss);
@@ -494,6 +502,8 @@ int main(int argc, char **argv) {
         }
     }
     if (fail_all(st, "training")) goto done;
+    /* --shard-optimizer: each replica updated its own range; the next step would gather them, the digest reads them now */
+    if (fail_all(smp_model_gather_params(model), "gathering the parameters")) goto done;
     double train_secs = now() - t0;
     if (root) printf("trained %d steps in %.1f s (%.0f tokens/s)\n", opt.steps, train_secs, (double)tokens / train_secs);
     if (opt.digest && fail_all(print_digest(model), "digest")) goto done;

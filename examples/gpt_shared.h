@@ -40,7 +40,7 @@ static void usage(const char *prog) {
             "usage: %s [--steps N] [--batch B] [--lr X] [--min-lr X] [--warmup N] [--weight-decay X]\n"
             "          [--layers L] [--dmodel C] [--heads H] [--context T] [--dropout P]\n"
             "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved|zero_bubble|zero_bubble_v] [--ddp]\n"
-            "          [--deterministic] [--recompute] [--config JSON] [--data DIR] [--save PATH]\n"
+            "          [--deterministic] [--recompute] [--shard-optimizer] [--config JSON] [--data DIR] [--save PATH]\n"
             "          [--val-batches N] [--prompt TEXT] [--sample-len N] [--temperature X] [--seed S]\n"
             "          [--threads N] [--log-every N] [--print-losses] [--digest] [--replicas R]\n"
             "          [--logits TEXT] [--grads PATH]\n"
@@ -135,6 +135,7 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
         else if (!strcmp(a, "--print-logits")) o->print_logits = true;
         else if (!strcmp(a, "--ddp")) o->cfg.ddp = SMP_ON;
         else if (!strcmp(a, "--deterministic")) o->cfg.deterministic_reduction = SMP_ON;
+        else if (!strcmp(a, "--shard-optimizer")) o->cfg.shard_optimizer_state = SMP_ON; /* each replica keeps 1/dp of AdamW's moments */
         else if (!strcmp(a, "--recompute")) o->recompute = true;
         else if (!strcmp(a, "--print-losses")) o->print_losses = true;
         else if (!strcmp(a, "--digest")) o->digest = true;

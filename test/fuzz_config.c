@@ -88,7 +88,7 @@ static int cfg_equal(const smp_config *a, const smp_config *b) {
            a->average_grads_across_microbatches == b->average_grads_across_microbatches &&
            same_double(a->bucket_cap_mb, b->bucket_cap_mb) && a->broadcast_buffers == b->broadcast_buffers &&
            a->activation_checkpointing == b->activation_checkpointing && a->virtual_stages == b->virtual_stages &&
-           a->active_microbatches == b->active_microbatches &&
+           a->active_microbatches == b->active_microbatches && a->shard_optimizer_state == b->shard_optimizer_state &&
            a->deterministic_reduction == b->deterministic_reduction && same_double(a->timeout, b->timeout) &&
            a->seed == b->seed && memcmp(&a->comm, &b->comm, sizeof a->comm) == 0;
 }
@@ -158,6 +158,7 @@ static size_t write_json(const smp_config *c, bool reverse, char *out, size_t ca
     SW("activation_checkpointing", c->activation_checkpointing);
     if (c->virtual_stages) PUT("\"virtual_stages\": %d", c->virtual_stages);
     if (c->active_microbatches) PUT("\"active_microbatches\": %d", c->active_microbatches);
+    SW("shard_optimizer_state", c->shard_optimizer_state);
     SW("deterministic_reduction", c->deterministic_reduction);
     if (c->timeout != 0) PUT("\"timeout\": %.17g", c->timeout);
     if (c->seed) PUT("\"seed\": %llu", (unsigned long long)c->seed);
@@ -227,7 +228,8 @@ static int in_range(const smp_config *c, int world) {
            (!c->has_default_partition || (c->default_partition >= 0 && c->default_partition < pp)) &&
            (c->has_default_partition || c->default_partition == 0) && (c->has_memory_weight || c->memory_weight == 0) &&
            c->memory_weight >= 0 && c->memory_weight <= 1 && c->bucket_cap_mb <= 1e6 && c->timeout <= 1e9 &&
-           (c->pipeline != SMP_PIPELINE_ZERO_BUBBLE_V || c->virtual_stages <= 2); /* its V: 2 stages per partition */
+           (c->pipeline != SMP_PIPELINE_ZERO_BUBBLE_V || c->virtual_stages <= 2) && /* its V: 2 stages per partition */
+           (c->shard_optimizer_state != SMP_ON || (c->ddp == SMP_ON && world / (c->partitions ? c->partitions : 1) >= 2));
 }
 
 static void check_resolve(const smp_config *z) {

