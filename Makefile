@@ -11,9 +11,40 @@ WARN      := -Wall -Wextra -Werror
 CFLAGS    ?= -O2 -g
 INCLUDES  := -I. -Itest
 LDLIBS    := -lm
-# Tests that run in one process, and tests run under mpirun -n 1, 2 and 4.
+# Tests that run in one process, and tests run under mpirun -n 1 and 2 (and
+# 4: MPI4_TESTS).
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
 MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_ckpt_threads test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_memory test_port test_tp
+# The MPI tests whose 4-rank runs reach what 1 and 2 ranks cannot. At 2
+# ranks a pipeline stage is first or last and a group is the world or one
+# rank; 4 ranks bring 4 stages (middle stages, which both receive and send),
+# 2 partitions x 2 replicas (MP_GROUP and DP_GROUP both of 2, apart from the
+# world and each other) and 4 replicas. 4 ranks on 2 cores also cost 3 to 6
+# times the CPU of 2, so a new test goes here only for such a reason:
+#   test_topology     cluster and spread placement differ only when both
+#                     groups have more than one rank
+#   test_collectives  every collective on MP_GROUP and DP_GROUP as
+#                     sub-communicators, and on a world of 4
+#   test_model        auto partitioning into 4, the 4-rank memory budget
+#   test_pipeline     4 stages, every schedule (a V of 8)
+#   test_ddp          2x2 and 4 replicas' buckets
+#   test_checkpoint   resharding to and from 4 partitions and 2x2, partial
+#                     saves written by dp rank 0 of each partition
+#   test_ckpt_nomem   out of memory on a replica that writes nothing (2x2)
+#   test_device       4 stages through the device backend's point to point
+#   test_tied         the tied module's copies with partitions between them
+#   test_composite    4 partitions, V placements over 4 ranks
+#   test_chaos        failures injected on a random rank of a 2x2 job
+#   test_mpi_errors   an MPI failure at each call of a 4-stage step (the
+#                     tied model's copies with a partition between them),
+#                     4 replicas' buckets
+#   test_seeds        dropout and a retried out-of-memory pass on 2x2
+#   test_tp           2 stages of 2 shards (PP_GROUP, TP_GROUP both of 2)
+# (test_ckpt_threads is not: its I/O thread runs on world rank 0 whatever
+# the world, and ThreadSanitizer runs it at 1 and 2.) The gcc build runs at
+# 4 those of MPI4_TESTS that the ASan build does not (ASAN4_TESTS): the
+# same checks, once each at 4 ranks.
+MPI4_TESTS := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_tp
 SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/run_large.sh test/test_install.sh test/test_demo.sh test/test_gpt.sh test/run_fuzz.sh test/run_hosts.sh test/test_minimal.sh test/test_docs.sh test/run_mpi_errors.sh test/run_ckpt_order.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout test_exit test_large test_hosts test_ckpt_order
@@ -68,6 +99,14 @@ SANFLAGS  := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sa
 $(eval $(call variant,asan,gcc,$(SANFLAGS)))
 TSANFLAGS := -O1 -g -fsanitize=thread
 $(eval $(call variant,tsan,gcc,$(TSANFLAGS)))
+# make test runs no clang binary: it compiles the suite under clang with
+# -fsyntax-only (a stamp file), 0.3 s a file against 12 s for a binary.
+# clang's warnings all come from its front end (parsing and semantic
+# analysis, the uninitialised-use analysis included), so they are those of
+# the -O2 build; build-clang builds the binaries, to run.
+build/clang/%.warnings: test/%.c $(HEADERS) test/test.h test/net7.h test/net7_train.h test/linear_ref.h Makefile | build/clang
+	MPICH_CC=clang mpicc -c -fsyntax-only $(CSTD) $(WARN) $(CFLAGS) $(INCLUDES) $< && touch $@
+check-clang: $(addprefix build/clang/,$(addsuffix .warnings,$(UNIT_TESTS) $(MPI_TESTS) $(HELPER_TESTS)))
 # The headers compile as C99 too (the suite itself is C11).
 build/c99/headers.o: test/c99_headers.c $(HEADERS) Makefile
 	@mkdir -p build/c99
@@ -79,18 +118,23 @@ build/c99/headers.o: test/c99_headers.c $(HEADERS) Makefile
 # and a test and the README's minimal program with the same flags. Compiled,
 # not linked or run: a warning fails make test. smp_nccl.h is in where the
 # CUDA and NCCL headers are (it needs only their declarations from C).
+# Under clang they are compiled with -fsyntax-only, its warnings being its
+# front end's (above: check-clang); gcc's need the optimiser (-O2), which
+# finds what -Wmaybe-uninitialized and the like report.
 STRICT_WARN := $(WARN) -Wconversion -Wsign-conversion -Wcast-qual -Wdouble-promotion -Wshadow -Wpedantic
 STRICT_NCCL := $(if $(and $(wildcard $(CUDA_HOME)/include/cuda_runtime_api.h),$(wildcard $(CUDA_HOME)/include/nccl.h)),-DSMP_STRICT_NCCL -I$(CUDA_HOME)/include)
+STRICT_OUT_gcc = -o $@
+STRICT_OUT_clang = -fsyntax-only && touch $@
 STRICT_OBJS :=
 define strict
 build/strict/headers_$(1).o: test/strict_headers.c $(HEADERS) Makefile | build/strict
-	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 -I. $(STRICT_NCCL) -c $$< -o $$@
+	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 -I. $(STRICT_NCCL) -c $$< $$(STRICT_OUT_$(1))
 build/strict/headers_testing_$(1).o: test/strict_headers.c $(HEADERS) Makefile | build/strict
-	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 -DSMP_TESTING -I. $(STRICT_NCCL) -c $$< -o $$@
+	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 -DSMP_TESTING -I. $(STRICT_NCCL) -c $$< $$(STRICT_OUT_$(1))
 build/strict/test_chaos_$(1).o: test/test_chaos.c $(HEADERS) test/test.h test/net7.h test/net7_train.h test/linear_ref.h Makefile | build/strict
-	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 $(INCLUDES) -c $$< -o $$@
+	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 $(INCLUDES) -c $$< $$(STRICT_OUT_$(1))
 build/strict/minimal_$(1).o: examples/minimal.c $(HEADERS) Makefile | build/strict
-	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 -I. -c $$< -o $$@
+	MPICH_CC=$(1) mpicc $(CSTD) $(STRICT_WARN) -O2 -I. -c $$< $$(STRICT_OUT_$(1))
 STRICT_OBJS += $(addprefix build/strict/,headers_$(1).o headers_testing_$(1).o test_chaos_$(1).o minimal_$(1).o)
 endef
 $(eval $(call strict,gcc))
@@ -102,26 +146,64 @@ build-strict: $(STRICT_OBJS)
 
 # ---------------------------------------------------------------- tests
 # Everything: warnings as errors under gcc and clang (the strict set too:
-# build-strict), the suite at 1, 2 and 4 ranks (the fuzzers included), then
-# again under AddressSanitizer + UBSan at 1 and 2 ranks, ASAN4_TESTS at 4
-# and the script tests, and TSAN_TESTS under ThreadSanitizer; a sanitizer
-# report anywhere is a FAIL (test/run.sh, SMP_SANITIZER_LOGS).
+# build-strict), the suite at 1 and 2 ranks and MPI4_TESTS at 4 (the fuzzers
+# included), then again under AddressSanitizer + UBSan at 1 and 2 ranks,
+# ASAN4_TESTS at 4 and the script tests, and TSAN_TESTS under
+# ThreadSanitizer; a sanitizer report anywhere is a FAIL (test/run.sh,
+# SMP_SANITIZER_LOGS).
+#
+# The builds run in parallel (-j$(TEST_JOBS)): first what the gcc sections
+# need, then the rest at nice 19 while those sections run, in the CPU time
+# their tests leave (a rank waiting, one-process runs, Python), the nvcc
+# builds (the longest) first. After the gcc sections that background make
+# and its compilers are stopped (a loaded machine would starve them; it is
+# a process group of its own, setsid, so that none outlives it to write a
+# file the next make builds) and a make at normal priority finishes what
+# it left. The sections run one after the other
+# (MPI ranks on 2 cores must not compete), each printing its wall time, and
+# a line of all of them ends the output before the count.
+TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+TEST_BUILD_FIRST = build-gcc $(addprefix build/examples/,$(EXAMPLES))
+TEST_BUILD_REST = cuda build-asan examples-asan check-clang build-strict $(addprefix build/tsan/,$(TSAN_TESTS)) build/c99/headers.o
 test: deps
-	@$(MAKE) --no-print-directory build-gcc build-clang build-asan build-strict $(addprefix build/tsan/,$(TSAN_TESTS)) build/c99/headers.o examples examples-asan
-	@echo "== gcc build, mpirun -n 1, 2, 4"; \
-	test/run.sh build/gcc "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(SCRIPT_TESTS)" "1 2 4" > build/test-gcc.log 2>&1; a=$$?; cat build/test-gcc.log; \
-	echo "== AddressSanitizer + UBSan build, mpirun -n 1, 2"; \
-	$(ASAN_ENV) test/run.sh build/asan "$(UNIT_TESTS)" "$(MPI_TESTS)" "" "1 2" > build/test-asan.log 2>&1; b=$$?; cat build/test-asan.log; \
-	echo "== AddressSanitizer + UBSan build, mpirun -n 4 ($(ASAN4_TESTS)), and the script tests"; \
-	$(ASAN_ENV) test/run.sh build/asan "" "$(ASAN4_TESTS)" "$(ASAN_SCRIPT_TESTS)" "4" > build/test-asan4.log 2>&1; d=$$?; cat build/test-asan4.log; \
-	echo "== ThreadSanitizer build, mpirun -n 1, 2 ($(TSAN_TESTS))"; \
-	$(TSAN_ENV) test/run.sh build/tsan "" "$(TSAN_TESTS)" "" "1 2" > build/test-tsan.log 2>&1; e=$$?; cat build/test-tsan.log; \
-	echo "== CUDA sources (built with nvcc): the GPU suite where a GPU is present, and on the fake CPU device"; \
-	test/run.sh build/cuda "" "$$([ -x build/cuda/test_gpu ] && echo test_gpu)" "test/run_fake_cuda.sh test/test_fake_fmnist.sh test/test_fake_gpt.sh" "1 2" > build/test-cuda.log 2>&1; c=$$?; cat build/test-cuda.log; \
-	p=0; f=0; s=0; for l in build/test-gcc.log build/test-asan.log build/test-asan4.log build/test-tsan.log build/test-cuda.log; do \
+	@t0=$$(date +%s); times=""; fails=0; \
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) $(TEST_BUILD_FIRST) || exit 1; \
+	times="builds for gcc $$(($$(date +%s) - t0)) s"; t0=$$(date +%s); \
+	setsid nice -n 19 $(MAKE) --no-print-directory -j$(TEST_JOBS) $(TEST_BUILD_REST) \
+	  >build/test-build.log 2>&1 & rest=$$!; \
+	trap 'kill -TERM -$$rest 2>/dev/null' EXIT; trap 'exit 130' INT TERM; \
+	section() { \
+	  short=$$1; log=$$2; echo "== $$3"; shift 3; s=$$(date +%s); \
+	  "$$@" >$$log 2>&1 || fails=$$((fails + 1)); cat $$log; \
+	  echo "   ($$short: $$(($$(date +%s) - s)) s)"; times="$$times, $$short $$(($$(date +%s) - s)) s"; \
+	}; \
+	section "gcc 1-2 ranks and scripts" build/test-gcc.log "gcc build, mpirun -n 1, 2 and the script tests" \
+	  test/run.sh build/gcc "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(SCRIPT_TESTS)" "1 2"; \
+	section "gcc 4 ranks" build/test-gcc4.log "gcc build, mpirun -n 4 ($(filter-out $(ASAN4_TESTS),$(MPI4_TESTS)))" \
+	  test/run.sh build/gcc "" "$(filter-out $(ASAN4_TESTS),$(MPI4_TESTS))" "" "4"; \
+	kill -TERM -$$rest 2>/dev/null; { wait $$rest; } 2>/dev/null; trap - EXIT; t1=$$(date +%s); \
+	echo "== the other builds: what the background left, at full priority (make deletes what it was killed in)"; \
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) $(TEST_BUILD_REST) >>build/test-build.log 2>&1 || \
+	  { tail -n 40 build/test-build.log; echo "make test: a build failed (build/test-build.log)"; exit 1; }; \
+	echo "   (other builds: $$(($$(date +%s) - t0)) s since the gcc sections started," \
+	  "$$(($$(date +%s) - t1)) s after them)"; \
+	times="$$times, other builds $$(($$(date +%s) - t1)) s after the gcc sections"; \
+	section "asan 1-2 ranks" build/test-asan.log "AddressSanitizer + UBSan build, mpirun -n 1, 2" \
+	  env $(ASAN_ENV) test/run.sh build/asan "$(UNIT_TESTS)" "$(MPI_TESTS)" "" "1 2"; \
+	section "asan 4 ranks and scripts" build/test-asan4.log \
+	  "AddressSanitizer + UBSan build, mpirun -n 4 ($(ASAN4_TESTS)), and the script tests" \
+	  env $(ASAN_ENV) test/run.sh build/asan "" "$(ASAN4_TESTS)" "$(ASAN_SCRIPT_TESTS)" "4"; \
+	section "tsan" build/test-tsan.log "ThreadSanitizer build, mpirun -n 1, 2 ($(TSAN_TESTS))" \
+	  env $(TSAN_ENV) test/run.sh build/tsan "" "$(TSAN_TESTS)" "" "1 2"; \
+	section "cuda" build/test-cuda.log \
+	  "CUDA sources (built with nvcc): the GPU suite where a GPU is present, and on the fake CPU device" \
+	  test/run.sh build/cuda "" "$$([ -x build/cuda/test_gpu ] && echo test_gpu)" "$(FAKE_CUDA_TESTS)" "1 2"; \
+	p=0; f=0; s=0; \
+	for l in build/test-gcc.log build/test-gcc4.log build/test-asan.log build/test-asan4.log build/test-tsan.log build/test-cuda.log; do \
 	  set -- $$(tail -n1 $$l | tr -d ','); p=$$((p + $$1)); f=$$((f + $$3)); s=$$((s + $${5:-0})); done; \
+	echo; echo "wall times: $$times"; \
 	echo; if [ $$s -gt 0 ]; then echo "$$p passed, $$f failed, $$s skipped"; else echo "$$p passed, $$f failed"; fi; \
-	[ $$a -eq 0 ] && [ $$b -eq 0 ] && [ $$c -eq 0 ] && [ $$d -eq 0 ] && [ $$e -eq 0 ]
+	[ $$fails -eq 0 ]
 
 # The whole suite under AddressSanitizer + UBSan: every MPI test at 1, 2 and
 # 4 ranks and the script tests (make test runs ASAN4_TESTS at 4).
@@ -189,6 +271,8 @@ build/cuda:
 # The same CUDA programs on test/fake_cuda.c, a CPU stand-in for the CUDA
 # runtime, NCCL and cuBLAS (-cudart none): smp_nccl.h's logic runs without a GPU.
 FAKE_BINS := build/fake/test_gpu build/fake/fake_faults build/fake/nccl_allreduce build/fake/test_gpu_asan build/fake/fmnist build/fake/gpt build/fake/bench_nccl build/fake/c_engine
+# The script tests of the fake device (make test's CUDA section).
+FAKE_CUDA_TESTS := test/run_fake_cuda.sh test/test_fake_fmnist.sh test/test_fake_gpt.sh
 FAKE_FLAGS := $(NVFLAGS) -Xcompiler -ffp-contract=off -cudart none -I. -Itest
 build/fake/fake_cuda.o: test/fake_cuda.c test/fake_cuda.h Makefile | build/fake
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) -O2 -g -I$(CUDA_HOME)/include -Itest -c $< -o $@
@@ -226,7 +310,7 @@ test-gpu: cuda
 	@test/run.sh build/cuda "" "test_gpu" "" "1 2 4"
 # The GPU suite on the fake CPU device, in its variants (test/run_fake_cuda.sh).
 test-fake-gpu: cuda build/examples/gpt
-	@test/run.sh build/cuda "" "" "test/run_fake_cuda.sh test/test_fake_fmnist.sh test/test_fake_gpt.sh"
+	@test/run.sh build/cuda "" "" "$(FAKE_CUDA_TESTS)"
 
 # The main job: Fashion-MNIST on NP processes, 2 partitions (x replicas with NP=4).
 demo: deps

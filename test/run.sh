@@ -18,11 +18,24 @@ if [ -n "${SMP_SANITIZER_LOGS:-}" ]; then
   san=$(mktemp -d)
   export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}log_path=$san/asan"
 fi
+# The CPU seconds (user + system) of this shell's finished children so far
+# (`times` in this shell, not in a $(...) subshell, whose counts start at 0):
+# a test's CPU time is the difference across it, its ranks' included (mpirun
+# waits for them).
+cpu=$(mktemp)
+child_cpu() { # variable to set
+  times >"$cpu"
+  local secs
+  secs=$(awk 'NR == 2 { for (i = 1; i <= 2; i++) { split($i, a, /[ms]/); t += a[1] * 60 + a[2] } printf "%.1f", t }' "$cpu")
+  printf -v "$1" '%s' "$secs"
+}
 run() { # label, command...
   local label=$1; shift
-  local start=$SECONDS
+  local start=$SECONDS cpu0 cpu1
+  child_cpu cpu0
   timeout "${SMP_TEST_TIMEOUT:-900}" "$@" >"$log" 2>&1
   local rc=$?
+  child_cpu cpu1
   local p f s
   p=$(grep -c '^PASS: ' "$log"); f=$(grep -c '^FAIL: ' "$log"); s=$(grep -c '^SKIP: ' "$log")
   sed -n 's/^\(FAIL: .*\)/  \1/p; s/^\(SKIP: .*\)/  \1/p' "$log"
@@ -38,7 +51,8 @@ run() { # label, command...
     tail -n 15 "$log" | sed 's/^/    /'
     f=1
   fi
-  printf '%-44s %4d passed %3d failed %3d skipped  (%ds)\n' "$label" "$p" "$f" "$s" $((SECONDS - start))
+  printf '%-44s %4d passed %3d failed %3d skipped  (%ds, cpu %.0fs)\n' "$label" "$p" "$f" "$s" $((SECONDS - start)) \
+    "$(awk -v a="$cpu0" -v b="$cpu1" 'BEGIN { print b - a }')"
   passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
 }
 for t in $unit; do run "$t" "$build/$t"; done
@@ -46,7 +60,7 @@ for t in $mpi; do
   for np in $nps; do run "$t (mpirun -n $np)" mpirun -n "$np" "$build/$t"; done
 done
 for s in $scripts; do run "$s" bash "$s" "$build"; done
-rm -f "$log"; [ -z "$san" ] || rm -rf "$san"
+rm -f "$log" "$cpu"; [ -z "$san" ] || rm -rf "$san"
 echo
 if [ "$skipped" -gt 0 ]; then echo "$passed passed, $failed failed, $skipped skipped"; else echo "$passed passed, $failed failed"; fi
 [ "$failed" -eq 0 ]
