@@ -969,11 +969,11 @@ static void test_argument_errors(void) {
         smp_tensor r2 = smp_tensor_2d(f, SMP_F32, w.n, 2), r3 = smp_tensor_2d(f + 32, SMP_F32, w.n, 3);
         expect_error("errors/all_to_all/row_width", smp_all_to_all_single(&r2, &r3, NULL, NULL, SMP_WORLD), SMP_ERR_ARG, "rows", NULL);
     }
-    expect_error("errors/barrier/bad_group", smp_barrier((smp_group)5), SMP_ERR_ARG, "group", NULL);
+    expect_error("errors/barrier/bad_group", smp_barrier((smp_group)17), SMP_ERR_ARG, "group", NULL);
     {
         void *out = NULL;
         size_t lens[MAXR];
-        expect_error("errors/allgather_bytes/bad_group", smp_all_gather_bytes(f, 4, (smp_group)5, &out, lens), SMP_ERR_ARG, "group", NULL);
+        expect_error("errors/allgather_bytes/bad_group", smp_all_gather_bytes(f, 4, (smp_group)17, &out, lens), SMP_ERR_ARG, "group", NULL);
         expect_error("errors/send/bad_group", smp_send(f, 4, 0, (smp_group)9), SMP_ERR_ARG, "unknown group 9", NULL);
     }
     /* NULL tensors must be refused, not dereferenced (run in a child) */
