@@ -35,6 +35,6 @@ check() {
 
 check one_sided_collective "smp[0] error: world rank 1 failed the collective this rank waits in: MPI_" \
     "failed starting an all_reduce in world: Other MPI error; aborting the job"
-check one_sided_bucket "smp[0] error: DP_GROUP rank 1 (world rank 1) failed the collective this rank waits in: MPI_" \
+check one_sided_bucket "smp[0] error: RDP_GROUP rank 1 (world rank 1) failed the collective this rank waits in: MPI_" \
     "data-parallel gradient bucket 0" "Other MPI error; aborting the job"
 exit $failed
