@@ -107,6 +107,10 @@ $(eval $(call variant,tsan,gcc,$(TSANFLAGS)))
 build/clang/%.warnings: test/%.c $(HEADERS) test/test.h test/net7.h test/net7_train.h test/linear_ref.h Makefile | build/clang
 	MPICH_CC=clang mpicc -c -fsyntax-only $(CSTD) $(WARN) $(CFLAGS) $(INCLUDES) $< && touch $@
 check-clang: $(addprefix build/clang/,$(addsuffix .warnings,$(UNIT_TESTS) $(MPI_TESTS) $(HELPER_TESTS)))
+# Preloaded by test/run.sh: ranks oversubscribing the cores yield in MPICH's waits.
+build/shim/mpi_yield.so: test/mpi_yield_shim.c Makefile
+	@mkdir -p build/shim
+	gcc -std=c11 $(WARN) -O2 -shared -fPIC $< -o $@ -ldl
 # The headers compile as C99 too (the suite itself is C11).
 build/c99/headers.o: test/c99_headers.c $(HEADERS) Makefile
 	@mkdir -p build/c99
@@ -163,7 +167,7 @@ build-strict: $(STRICT_OBJS)
 # (MPI ranks on 2 cores must not compete), each printing its wall time, and
 # a line of all of them ends the output before the count.
 TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
-TEST_BUILD_FIRST = build-gcc $(addprefix build/examples/,$(EXAMPLES))
+TEST_BUILD_FIRST = build/shim/mpi_yield.so build-gcc $(addprefix build/examples/,$(EXAMPLES))
 TEST_BUILD_REST = cuda build-asan examples-asan check-clang build-strict $(addprefix build/tsan/,$(TSAN_TESTS)) build/c99/headers.o
 test: deps
 	@t0=$$(date +%s); times=""; fails=0; \
@@ -208,7 +212,7 @@ test: deps
 # The whole suite under AddressSanitizer + UBSan: every MPI test at 1, 2 and
 # 4 ranks and the script tests (make test runs ASAN4_TESTS at 4).
 test-asan: deps
-	@$(MAKE) --no-print-directory build-asan examples-asan
+	@$(MAKE) --no-print-directory build/shim/mpi_yield.so build-asan examples-asan
 	@$(ASAN_ENV) test/run.sh build/asan "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(ASAN_SCRIPT_TESTS)" "1 2 4"
 
 # Messages past 2 GiB; make test runs it too when there is the memory.
@@ -218,7 +222,7 @@ test-large: build/gcc/test_large
 # The gcc suite only, for a quick loop while developing. The script tests
 # run the examples (test_demo.sh, test_gpt.sh, test_minimal.sh), so they are
 # rebuilt too: a stale demo binary would test old headers.
-test-quick: build-gcc examples
+test-quick: build/shim/mpi_yield.so build-gcc examples
 	@test/run.sh build/gcc "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(SCRIPT_TESTS)" "1 2 4"
 
 # Two simulated hosts (network namespaces joined by a veth pair, hydra

@@ -22,6 +22,15 @@ fi
 # (`times` in this shell, not in a $(...) subshell, whose counts start at 0):
 # a test's CPU time is the difference across it, its ranks' included (mpirun
 # waits for them).
+# Oversubscribed ranks take turns in MPICH's waits (test/mpi_yield_shim.c;
+# make test builds it; SMP_NO_YIELD_SHIM=1 leaves it out). Every process
+# the tests start inherits it; ASan's check that its runtime comes first in
+# the library list would refuse the preload, so it is off.
+yield_shim="$(cd "$(dirname "$0")/.." && pwd)/build/shim/mpi_yield.so"
+if [ -z "${SMP_NO_YIELD_SHIM:-}" ] && [ -f "$yield_shim" ]; then
+  export LD_PRELOAD="$yield_shim${LD_PRELOAD:+ $LD_PRELOAD}"
+  export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}verify_asan_link_order=0"
+fi
 cpu=$(mktemp)
 child_cpu() { # variable to set
   times >"$cpu"
