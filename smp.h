@@ -567,7 +567,11 @@ SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, c
                the model is partitioned and after smp_model_zero_grad, and
                only then: they accumulate over microbatches and steps until
                the next smp_model_zero_grad (ddp replaces them with the
-               average over replicas as a step ends). A shared module's
+               average over replicas as a step ends). A training step
+               that fails takes its sums back where the gradients were
+               zero as it began; on top of earlier steps' sums it cannot,
+               and the next training step fails (SMP_ERR_STATE) until
+               smp_model_zero_grad or smp_model_grads_restored. A shared module's
                backward may add into a slot of smp's, zeroed every step, that
                smp sums into the gradient: add, never assign.
      not zero  smp_call_output, smp_call_stash, smp_call_stash_device: write
@@ -821,6 +825,11 @@ SMPDEF bool smp_is_tracing(void);
 SMPDEF bool smp_model_is_partitioned(const smp_model *m);
 SMPDEF void smp_model_on_partitioned(smp_model *m, smp_post_partition_fn fn, void *user);
 SMPDEF void smp_model_zero_grad(smp_model *m);
+/* After a training step failed on top of earlier steps' gradients (which
+   smp cannot put back), the engine that saved them and put them back
+   says so here, and the next step may add to them; or it calls
+   smp_model_zero_grad. */
+SMPDEF void smp_model_grads_restored(smp_model *m);
 /* Local parameters (and buffers) in declaration order; iterate with
    for (i = 0; (p = smp_model_local_param(m, i, false)); i++). */
 SMPDEF smp_param *smp_model_local_param(smp_model *m, int index, bool include_buffers);
@@ -3988,6 +3997,7 @@ struct smp_model {
     void *pipeline;       /* smp_pipeline.h's per-model state */
     void (*pipeline_free)(void *);
     unsigned long zero_grad_calls; /* tells the pipeline whether gradients it averaged were zeroed since */
+    bool grads_restored;           /* smp_model_grads_restored since a failed step left them partial */
     bool params_stale;    /* shard_optimizer_state: replicas may have updated their own ranges since the last gather */
 };
 
@@ -4645,6 +4655,7 @@ SMPDEF void smp_model_on_partitioned(smp_model *m, smp_post_partition_fn fn, voi
     m->hooks[m->nhooks].fn = fn;
     m->hooks[m->nhooks++].user = user;
 }
+SMPDEF void smp_model_grads_restored(smp_model *m) { m->grads_restored = true; }
 SMPDEF void smp_model_zero_grad(smp_model *m) {
     m->zero_grad_calls++;
     for (int i = 0; i < m->nparams; i++)

@@ -1162,6 +1162,7 @@ typedef struct smp__step_state {
     bool training;
     bool zb;               /* this step's schedule has W ops (zero bubble, training) */
     bool sync;             /* this step ends with the data-parallel gradient sync */
+    bool grads_were_zero;  /* training: no step has added into the gradients since they were last zeroed */
     int model_outs;        /* body NULL: how many of the model's outputs become the step's outputs */
     const smp_step_desc *desc;
     const smp_schedule *sched;
@@ -1198,6 +1199,12 @@ typedef struct smp__pipe {
     long passes;             /* training steps so far (backward_passes_per_step) */
     bool averaged_grads_held;         /* the last sync's result may still be in the gradients */
     unsigned long zero_calls_at_sync; /* smp_model_zero_grad calls when it ran */
+    /* A failed training step has added part of its sums into the gradients. Zeroed ones it zeroes again; sums
+       of earlier steps (accumulation) cannot be told apart from its own, and the next training step refuses
+       to add to them until smp_model_zero_grad. */
+    bool grads_dirty;                  /* a training step added into the gradients ... */
+    unsigned long zero_calls_at_train; /* ... and smp_model_zero_grad had been called so often when it ended */
+    bool grads_partial;                /* a failed step left them so */
     /* workspace, made with the plan */
     const smp_tensor **scratch; /* [max tensors on a link]: what one message carries */
     smp__xfer **await;     /* [nlinks]: the receives one stage waits for */
@@ -3204,6 +3211,21 @@ static smp_status smp__step_held_grads(smp__pipe *ps, smp_model *md, bool traini
     return st ? smp__agree_on(smp__ctx.world, st, "gradients kept from the last step") : SMP_OK;
 }
 
+/* The gradients a failed step left on top of earlier steps' sums: adding another step's would count part of the
+   failed one twice, silently. */
+static smp_status smp__step_partial_grads(smp__pipe *ps, smp_model *md, bool training) {
+    if (!training || !ps->grads_partial) return SMP_OK;
+    if (md->zero_grad_calls != ps->zero_calls_at_train || md->grads_restored) {
+        ps->grads_partial = md->grads_restored = false;
+        return SMP_OK;
+    }
+    return smp__agree_on(smp__ctx.world, smp_error(SMP_ERR_STATE,
+        "smp_step: the last training step failed after adding part of its gradients to those of the steps before it "
+        "(no smp_model_zero_grad in between), and smp cannot take them back: call smp_model_zero_grad and run the "
+        "steps whose gradients accumulated again, or put back the gradients saved before the failed step and call "
+        "smp_model_grads_restored"), "gradients a failed step left");
+}
+
 /* What a step needs before it counts, each piece made once and agreed by every rank: its arguments checked, the
    model traced, the plan built, the device's channels made, the data-parallel buckets laid out, this kind of
    step's schedule built, gradients kept from the last sync divided. A failure here leaves nothing to undo. */
@@ -3220,6 +3242,7 @@ static smp_status smp__step_prepare(const smp_step_desc *d, const smp_step_outpu
     if (md->params_stale)
         SMP_TRY(smp__agree_on(smp__ctx.world, smp_model_gather_params(md), "gathering the updated parameters"));
     SMP_TRY(smp__step_schedule(ps, md, !d->evaluate));
+    SMP_TRY(smp__step_partial_grads(ps, md, !d->evaluate));
     return smp__step_held_grads(ps, md, !d->evaluate);
 }
 
@@ -3232,6 +3255,7 @@ static smp_status smp__step_begin(smp__pipe *ps, smp_model *md, const smp_step_d
     int m = cfg->microbatches, n = md->ncalls;
     now->sync = cfg->ddp == SMP_ON && training && (ps->passes + 1) % cfg->backward_passes_per_step == 0;
     if (training) ps->passes++;
+    now->grads_were_zero = !ps->grads_dirty || md->zero_grad_calls != ps->zero_calls_at_train;
     now->m = m;
     now->training = training;
     now->sched = &ps->plan.sched[training ? 0 : 1];
@@ -3358,6 +3382,10 @@ static smp_status smp__step_finish(smp__pipe *ps, smp_model *md, smp_step_output
         ps->averaged_grads_held = true;
         ps->zero_calls_at_sync = md->zero_grad_calls;
     }
+    if (ps->step.training) {
+        ps->grads_dirty = true;
+        ps->zero_calls_at_train = md->zero_grad_calls;
+    }
     smp__step_stats(ps, md);
     smp__release_step(ps, md);
     ps->stats.seconds = smp__now() - ps->step.t_start;
@@ -3367,14 +3395,23 @@ static smp_status smp__step_finish(smp__pipe *ps, smp_model *md, smp_step_output
 /* Takes back a step every rank agreed failed; the one place that does. The bucket collectives have completed:
    their result is dropped. The step does not count: run again, it draws the same seeds. Every transfer it
    started finishes and every message it sent is received, so the next step runs on the same communicators.
-   What it made goes. (Gradients stay as it left them, and so does the division of held gradients, which the
-   gradients still carry.) */
+   What it made goes. Gradients it added into are zeroed again where they were zero; otherwise they hold part of
+   its sums on top of earlier steps', and the next training step refuses them (smp__step_partial_grads). */
 static smp_status smp__step_undo(smp__pipe *ps, smp_model *md, smp_status agreed) {
     if (ps->step.sync) (void)smp__ddp_finish(ps, true);
-    if (ps->step.training) ps->passes--;
+    bool training = ps->step.training, were_zero = ps->step.grads_were_zero;
+    if (training) ps->passes--;
     if (ps->plan.dev_p2p) smp__drain_device(ps);
     smp__drain_messages(ps);
     smp__release_step(ps, md);
+    if (training && were_zero) { /* last: the clean-up above may still complete a backward's sums */
+        smp_model_zero_grad(md);
+        ps->grads_dirty = false;
+    } else if (training) {
+        ps->grads_partial = true;
+        md->grads_restored = false;
+        ps->zero_calls_at_train = md->zero_grad_calls;
+    }
     return agreed;
 }
 

@@ -20,7 +20,9 @@
    them fails at each of its calls) and with fc1 + skip a recomputed
    composite call: every failure must also leave no message queued for a
    later step, and the parameters at the end must equal, bit for bit, a
-   clean run's that skipped the failed steps. The error handlers of the engine's
+   clean run's that skipped the failed steps. A failed step run again without
+   smp_model_zero_grad adds its gradients once, or, on top of an earlier
+   step's, is refused until smp_model_zero_grad (retry_tests). The error handlers of the engine's
    communicator and of MPI_COMM_WORLD are the same after smp_init and
    smp_finalize as before.
 
@@ -51,6 +53,9 @@ static smp_model *start_as(net *n, int P, bool ddp, int variant) {
     cfg.microbatches = M;
     cfg.ddp = ddp ? SMP_ON : SMP_OFF;
     cfg.timeout = 60;
+    /* by bytes, not measured times: runs compared bit for bit must place every module alike (the digests are of
+       this rank's parameters) */
+    cfg.optimize = SMP_OPTIMIZE_MEMORY;
     if (smp_init(&cfg)) return NULL;
     if (variant == NET_TIED) net_modules_tied(n, NULL);
     else net_modules(n, NULL, &net_host_fns);
@@ -59,12 +64,16 @@ static smp_model *start_as(net *n, int P, bool ddp, int variant) {
 }
 static smp_model *start(net *n, int P, bool ddp) { return start_as(n, P, ddp, NET_PLAIN); }
 
-static smp_status train(smp_model *model, int s) {
+/* Step s's batch, forward and backward (gradients added into, no update). */
+static smp_status backward_only(smp_model *model, int s) {
     static float x[B * D], t[B * C];
     batch(s, smp_dp_rank(), x, t);
-    smp_model_zero_grad(model);
     smp_tensor xt = smp_tensor_2d(x, SMP_F32, B, D), tt = smp_tensor_2d(t, SMP_F32, B, C);
-    smp_status st = SMP_TRAIN_STEP(model, mse_body, NULL, NULL, 0, xt, tt);
+    return SMP_TRAIN_STEP(model, mse_body, NULL, NULL, 0, xt, tt);
+}
+static smp_status train(smp_model *model, int s) {
+    smp_model_zero_grad(model);
+    smp_status st = backward_only(model, s);
     if (!st) sgd(model);
     return st;
 }
@@ -104,6 +113,8 @@ static smp_status step_failing(smp_model *model, int s, int target, long n, bool
 enum { MAX_SWEEP_STEPS = 4096 };
 static void sweep(int world, int variant, int target) {
     static bool failed[MAX_SWEEP_STEPS];
+    static uint64_t after[MAX_SWEEP_STEPS]; /* this rank's parameters after each step, to find the first that differs */
+    static long failed_at[MAX_SWEEP_STEPS];
     memset(failed, 0, sizeof failed);
     const char *name = variant_name[variant];
     net n;
@@ -111,7 +122,10 @@ static void sweep(int world, int variant, int target) {
     MPI_CHECK(model != NULL, "mpi_errors/start the sweep", "%s: %s", name, smp_last_error());
     if (!model) return;
     int s = 0, clean = 0;
-    for (; s < 2; s++) clean += train(model, s) == SMP_OK; /* the trace and the pipeline's set-up */
+    for (; s < 2; s++) { /* the trace and the pipeline's set-up */
+        clean += train(model, s) == SMP_OK;
+        after[s] = digest(model);
+    }
     int shared = all_ranks(((smp__pipe *)model->pipeline)->plan.nshared, MPI_MAX);
     MPI_CHECK(clean == 2 && (variant != NET_TIED || world == 1 || shared > 0), "mpi_errors/sweep: the model trains",
               "%s: %d clean steps of 2, %d shared-module copies: %s", name, clean, shared, smp_last_error());
@@ -124,6 +138,8 @@ static void sweep(int world, int variant, int target) {
         bool fired;
         int left;
         smp_status st = step_failing_at(model, s, SMP_FAULT_STEP_END, r, 0, &fired, &left);
+        failed_at[s] = -1 - r;
+        after[s] = digest(model);
         failed[s++] = true;
         bool good = fired && st == SMP_ERR_MPI && digest(model) == before && left == 0;
         if (!all_ranks(good, MPI_LAND) && wrong++ < 3)
@@ -138,18 +154,23 @@ static void sweep(int world, int variant, int target) {
         int left;
         smp_status st = step_failing(model, s, target, k, &fired, &left);
         left_total += left;
+        after[s] = digest(model);
         if (!fired) {
             wrong += st != SMP_OK;
             s++;
             break;
         }
+        failed_at[s] = k;
         failed[s++] = true;
         failures++;
         bool good = st == SMP_ERR_MPI && strstr(smp_last_error(), " failed ") && digest(model) == before && left == 0;
         if (!all_ranks(good, MPI_LAND) && wrong++ < 3)
             printf("sweep %s: call %ld on rank %d: %s: %s; %d messages left\n", name, k, target, smp_status_name(st), smp_last_error(), left);
         /* the step after a failure, every 8th time (the sweep's next step is another) */
-        if (failures % 8 == 1) recoveries += train(model, s++) == SMP_OK;
+        if (failures % 8 == 1) {
+            recoveries += train(model, s) == SMP_OK;
+            after[s++] = digest(model);
+        }
     }
     uint64_t swept = digest(model);
     smp_model_free(model);
@@ -160,16 +181,88 @@ static void sweep(int world, int variant, int target) {
     MPI_CHECK(wrong == 0 && failures == tried && failures > 0 && recoveries == (failures + 7) / 8 && all_ranks(left_total, MPI_MAX) == 0, what,
               "%d of %ld went otherwise, %d recovered, %d messages left queued here", wrong, tried + world, recoveries, left_total);
     model = start_as(&n, world, false, variant);
-    int clean_errors = 0;
-    for (int c = 0; c < s && model; c++)
-        if (!failed[c]) clean_errors += train(model, c) != SMP_OK;
+    int clean_errors = 0, first_differing = -1;
+    for (int c = 0; c < s && model; c++) {
+        if (failed[c]) continue;
+        clean_errors += train(model, c) != SMP_OK;
+        if (first_differing < 0 && digest(model) != after[c]) first_differing = c;
+    }
     bool same = model && clean_errors == 0 && digest(model) == swept;
+    if (first_differing >= 0) {
+        int c = first_differing, f = c - 1;
+        while (f >= 0 && !failed[f]) f--;
+        printf("sweep %s: rank %d's parameters first differ after step %d; the failed step before it, %d, failed %s %ld\n",
+               name, smp_rank(), c, f, f >= 0 && failed_at[f] < 0 ? "after the last message on rank" : "at MPI call",
+               f < 0 ? 0 : failed_at[f] < 0 ? -1 - failed_at[f] : failed_at[f]);
+    }
     snprintf(what, sizeof what, "mpi_errors/sweep %s, rank %d failing: the parameters equal a clean run's that skipped the failed steps, bit for bit",
              name, target);
     MPI_CHECK(all_ranks(same, MPI_LAND), what, "%d clean steps failed; this rank's digests %s", clean_errors, same ? "equal" : "differ");
     if (smp_rank() == 0) printf("mpi_errors: sweep %s over %ld of the %ld MPI calls of a step on rank %d\n", name, tried, k, target);
     smp_model_free(model);
     smp_finalize();
+}
+
+/* A failed step's gradients, the step run again without smp_model_zero_grad
+   (the engine's retry after freeing memory): begun on zeroed gradients, the
+   retry must add the step's sums once (the failure zeroes them again);
+   begun on an earlier step's sums (accumulation), the retry must be refused
+   on every rank until smp_model_zero_grad, never count part of the failed
+   step twice. Each failure comes after the last rank's last message, when
+   every gradient has been added. A pipeline over the world, its tied and
+   composite variants, and data parallelism. */
+static void retry_tests(int world) {
+    for (int c = 0; c < 4; c++) {
+        int P = c == 2 ? 1 : world, variant = c == 1 ? NET_TIED : c == 3 ? NET_COMPOSITE : NET_PLAIN;
+        bool ddp = c == 2;
+        if (ddp && world == 1) continue;
+        char name[64];
+        snprintf(name, sizeof name, "%s, %d partitions%s", variant_name[variant], P, ddp ? ", ddp" : "");
+        net n;
+        smp_model *model = start_as(&n, P, ddp, variant);
+        MPI_CHECK(model != NULL, "mpi_errors/retry: start", "%s: %s", name, smp_last_error());
+        if (!model) return;
+        smp_status first = train(model, 0);
+        smp_model_zero_grad(model);
+        if (smp_rank() == world - 1) smp_testing_fail(SMP_FAULT_STEP_END, 0);
+        smp_status failed = backward_only(model, 1);
+        smp_testing_fail(SMP_FAULT_STEP_END, -1);
+        smp_status again = backward_only(model, 1);
+        if (!again) sgd(model);
+        uint64_t retried = digest(model);
+        /* accumulation: step 2's sums kept, step 3 failing on top of them */
+        smp_model_zero_grad(model);
+        smp_status kept = backward_only(model, 2);
+        if (smp_rank() == world - 1) smp_testing_fail(SMP_FAULT_STEP_END, 0);
+        smp_status failed2 = backward_only(model, 3);
+        smp_testing_fail(SMP_FAULT_STEP_END, -1);
+        uint64_t before = digest(model);
+        smp_status refused = backward_only(model, 3);
+        char refusal[sizeof smp__errbuf];
+        snprintf(refusal, sizeof refusal, "%s", smp_last_error());
+        bool refused_well = refused == SMP_ERR_STATE && strstr(refusal, "smp_model_zero_grad") && digest(model) == before;
+        smp_model_zero_grad(model);
+        smp_status after = backward_only(model, 3);
+        smp_model_free(model);
+        smp_finalize();
+        model = start_as(&n, P, ddp, variant);
+        smp_status clean = model ? train(model, 0) : SMP_ERR_STATE;
+        if (!clean) clean = train(model, 1);
+        bool same = !clean && digest(model) == retried;
+        char what[256];
+        snprintf(what, sizeof what, "mpi_errors/retry %s: a step that failed on zeroed gradients, run again without "
+                 "smp_model_zero_grad, equals one clean step bit for bit", name);
+        MPI_CHECK(all_ranks(!first && failed == SMP_ERR_MPI && !again && same, MPI_LAND), what,
+                  "first %s, failed %s, again %s, clean %s; this rank's parameters %s", smp_status_name(first),
+                  smp_status_name(failed), smp_status_name(again), smp_status_name(clean), same ? "equal" : "differ");
+        snprintf(what, sizeof what, "mpi_errors/retry %s: a step that failed on an earlier step's gradients is refused "
+                 "on every rank until smp_model_zero_grad", name);
+        MPI_CHECK(all_ranks(!kept && failed2 == SMP_ERR_MPI && refused_well && !after, MPI_LAND), what,
+                  "kept %s, failed %s, refused %s (%.300s), after zero_grad %s", smp_status_name(kept),
+                  smp_status_name(failed2), smp_status_name(refused), refusal, smp_status_name(after));
+        if (model) smp_model_free(model);
+        smp_finalize();
+    }
 }
 
 static void check_handlers(const char *when) {
@@ -379,6 +472,7 @@ int main(int argc, char **argv) {
     if (world > 1) sweep(world, NET_TIED, 0);
     sweep(world, NET_COMPOSITE, world - 1);
     ddp_tests(world);
+    retry_tests(world);
     check_handlers("at the end");
     MPI_Comm_free(&engine);
     MPI_Finalize();

@@ -223,6 +223,7 @@ static uint64_t run_passes(int world, bool inject, int *nomem, int *other, int *
                     (*other)++;
                 if (st) { /* the engine's part: the gradients as they were, then the same pass again */
                     grads(model, saved, &ng, true);
+                    smp_model_grads_restored(model);
                     st = SMP_TRAIN_STEP(model, mse_body, NULL, NULL, 0, xt, tt);
                     *retries_failed += st != SMP_OK;
                 }
