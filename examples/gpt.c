@@ -111,7 +111,9 @@ static void adamw_step(adamw *o, smp_model *model, const options *opt, float lr)
     smp_param *p;
     for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
         smp_tensor *w = smp_param_value(p);
-        mlp_adam_cfg c = {lr, opt->beta1, opt->beta2, 1e-8f, w->ndim >= 2 ? opt->weight_decay : 0.0f};
+        const char *name = smp_param_name(p), *dot = strrchr(name, '.');
+        bool bias = dot && !strcmp(dot, ".bias"); /* c_attn's is [3, C] at tp > 1 */
+        mlp_adam_cfg c = {lr, opt->beta1, opt->beta2, 1e-8f, w->ndim >= 2 && !bias ? opt->weight_decay : 0.0f};
         mlp_adam_step((float *)w->data + o->first[i], (float *)smp_param_grad(p)->data + o->first[i], o->m[i], o->v[i],
                       (size_t)o->count[i], o->t, &c);
     }
