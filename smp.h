@@ -717,6 +717,10 @@ SMPDEF smp_module *smp_module_new_tp_copy(smp_module *parent, const char *name);
 SMPDEF smp_module *smp_module_new_tp_reduce(smp_module *parent, const char *name);
 SMPDEF smp_module *smp_module_new_tp_gather(smp_module *parent, const char *name, int axis);
 SMPDEF smp_module *smp_module_new_tp_scatter(smp_module *parent, const char *name, int axis);
+/* Wall-clock seconds this process has spent inside the TP modules' calls
+   (their collectives, waits for the group included) since it started: what
+   a benchmark divides by the step time. */
+SMPDEF double smp_tp_seconds(void);
 /* Activation recomputation (SageMaker's smp.set_activation_checkpointing):
    after a call of m, only the call's inputs are kept; the outputs of the
    calls nested inside it (its own outputs, which later calls read, stay)
@@ -4907,8 +4911,16 @@ static smp_status smp__tp_run(smp_call_ctx *c, bool forward) {
     if (!along) return smp__tp_sum(x, y, false);
     return grows ? smp__tp_gather(x, y, tm->axis) : smp__tp_scatter(x, y, tm->axis);
 }
-static smp_status smp__tp_forward(smp_call_ctx *c) { return smp__tp_run(c, true); }
-static smp_status smp__tp_backward(smp_call_ctx *c) { return smp__tp_run(c, false); }
+static double smp__tp_seconds_total; /* smp_tp_seconds */
+static smp_status smp__tp_timed(smp_call_ctx *c, bool forward) {
+    double t0 = MPI_Wtime();
+    smp_status st = smp__tp_run(c, forward);
+    smp__tp_seconds_total += MPI_Wtime() - t0;
+    return st;
+}
+static smp_status smp__tp_forward(smp_call_ctx *c) { return smp__tp_timed(c, true); }
+static smp_status smp__tp_backward(smp_call_ctx *c) { return smp__tp_timed(c, false); }
+SMPDEF double smp_tp_seconds(void) { return smp__tp_seconds_total; }
 
 static smp_module *smp__tp_module_new(smp_module *parent, const char *name, smp__tp_kind kind, int axis) {
     if ((kind == SMP__TP_GATHER || kind == SMP__TP_SCATTER) && (axis < 0 || axis >= SMP_MAX_DIMS)) {

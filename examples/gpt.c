@@ -540,7 +540,7 @@ int main(int argc, char **argv) {
     print_placement(model, &net);
 
     /* ---------------------------------------------------------------- training */
-    double t0 = now(), loss_avg = 0;
+    double t0 = now(), loss_avg = 0, tp0 = smp_tp_seconds();
     long tokens = 0;
     for (int step = 0; step < opt.steps && !st; step++) {
         float lr = lr_at(&opt, step);
@@ -596,6 +596,9 @@ int main(int argc, char **argv) {
     if (fail_all(smp_model_gather_params(model), "gathering the parameters")) goto done;
     double train_secs = now() - t0;
     if (root) printf("trained %d steps in %.1f s (%.0f tokens/s)\n", opt.steps, train_secs, (double)tokens / train_secs);
+    if (root && smp_tp_size() > 1)
+        printf("tensor-parallel collectives: %.2f s of the %.2f s of training on rank 0 (%.1f%%)\n", smp_tp_seconds() - tp0,
+               train_secs, 100.0 * (smp_tp_seconds() - tp0) / train_secs);
     if (opt.digest && fail_all(smp_tp_size() > 1 ? print_digest_gathered(model) : print_digest(model), "digest")) goto done;
     if (opt.params && fail_all(save_params(model, opt.params), "--params")) goto done;
 

@@ -57,6 +57,20 @@
    run in cached mode; training never sets it and runs exactly the code
    above.
 
+   TENSOR PARALLELISM (tensor_parallel_degree tp > 1, host model only):
+   Megatron's layout. c_attn is column-parallel by heads (declared [3, C,
+   C] and [3, C], sharded along axis 1: each rank the same heads of q, k
+   and v; the values those of [3C, C]), sdpa runs this rank's H/tp heads,
+   attn.c_proj and mlp.c_proj are row-parallel (weight sharded along the
+   inputs, the bias whole and added by c_proj_bias after c_proj_tp_out, a
+   tp_reduce), c_fc is column-parallel; c_attn and c_fc follow a tp_copy
+   (c_proj_tp_in). wte is vocabulary-parallel: the lookup writes this
+   rank's rows (zeros elsewhere) and wte_tp_out sums them; the tied head
+   (after lm_head_tp_in, a tp_copy) gives this rank's V/tp logits, and
+   gpt_loss_body's cross-entropy combines the row maxima and sums across
+   the TP group (gpt_xent_tp). Parameter names and the full tensors' values
+   are those of tp 1.
+
    HOST AND DEVICE: gpt_build_with takes the leaves' callbacks (gpt_leaves)
    and an engine; gpt_build gives it this file's host leaves (OpenBLAS).
    gpt_cuda.h gives it device leaves (gpt.cu), whose kernels call the
