@@ -28,7 +28,8 @@ common=(--partitions 1 --layers 2 --dmodel "$width" --heads 6 --context 128 --ba
 
 run() { # NAME NP ARGS...: the run's output in $tmp/NAME
   local name=$1 np=$2; shift 2
-  mpirun -n "$np" "$bin" "${common[@]}" "$@" >"$tmp/$name" 2>&1 || { echo "bench/tp: $name failed:" >&2; tail -n 20 "$tmp/$name" >&2; exit 1; }
+  mpirun -n "$np" "$bin" "${common[@]}" "$@" >"$tmp/$name" 2>&1 ||
+    { echo "bench/tp: $name failed:" >&2; tail -n 20 "$tmp/$name" >&2; exit 1; }
 }
 rate() { sed -n 's/^trained [0-9]* steps in [0-9.]* s (\([0-9]*\) tokens\/s)$/\1/p' "$tmp/$1"; }
 # the largest "parameters X MiB" over the ranks
@@ -44,8 +45,8 @@ for r in $(seq "$rounds"); do
   sed -n 's/^tensor-parallel collectives: \([0-9.]*\) s of the \([0-9.]*\) s .*/\1 \2/p' "$tmp/tp" >>"$tmp/share"
 done
 one=$(best <"$tmp/r_one"); tp=$(best <"$tmp/r_tp")
-echo "gpt (2 layers, width $width, 6 heads, context 128, batch 8 in 2 microbatches, $steps steps, best of $rounds rounds):" \
-     "one process $one tokens/s (2 BLAS threads), tp 2 $tp tokens/s"
+echo "gpt (2 layers, width $width, 6 heads, context 128, batch 8 in 2 microbatches, $steps steps," \
+     "best of $rounds rounds): one process $one tokens/s (2 BLAS threads), tp 2 $tp tokens/s"
 awk -v a="$tp" -v b="$one" 'BEGIN { printf "gpt tokens/s tp2/single: %.2f\n", a / b }'
 awk -v a="$(params tp)" -v b="$(params one)" 'BEGIN { printf "gpt parameter bytes per rank tp2/single: %.2f\n", a / b }'
 # the share in the round tp 2 ran fastest (its training time is the smallest)

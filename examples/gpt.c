@@ -172,8 +172,9 @@ static smp_status gather_full(smp_model *model, bool grads, full_tensors *out) {
                 memcpy(full + (o * shape[a] + off) * inner, (const float *)v->data + o * loc * inner,
                        sizeof(float) * (size_t)(loc * inner));
         }
-        MPI_Reduce(smp_rank() ? full : MPI_IN_PLACE, full, (int)(numel * sizeof(float)), MPI_BYTE, MPI_BOR, 0, MPI_COMM_WORLD);
-        if (axis == 1 && strstr(smp_param_name(p), ".attn.c_attn.")) { /* [3, C(, C)]: q, k and v blocks, as [3C(, C)] */
+        MPI_Reduce(smp_rank() ? full : MPI_IN_PLACE, full, (int)(numel * sizeof(float)), MPI_BYTE, MPI_BOR, 0,
+                   MPI_COMM_WORLD);
+        if (axis == 1 && strstr(smp_param_name(p), ".attn.c_attn.")) { /* [3, C(, C)]: q, k, v blocks, as [3C(, C)] */
             shape[1] *= shape[0];
             memmove(shape, shape + 1, sizeof(int64_t) * (size_t)--nd);
         }
@@ -528,8 +529,8 @@ int main(int argc, char **argv) {
         printf("gpt: %d layers, width %d, %d heads, context %d, vocabulary %d, %.2fM parameters\n", opt.model.n_layer,
                opt.model.n_embd, opt.model.n_head, T, text.vocab, (double)nparams / 1e6);
         printf("gpt: %zu training and %zu validation characters from %s\n", text.ntrain, text.nval, opt.data);
-        printf("gpt: %d processes, %d partitions x %d tensor-parallel x %d replicas, batch %d x %d characters (%lld per replica%s) "
-               "in %d microbatches, %s pipeline%s\n",
+        printf("gpt: %d processes, %d partitions x %d tensor-parallel x %d replicas, batch %d x %d characters "
+               "(%lld per replica%s) in %d microbatches, %s pipeline%s\n",
                smp_size(), cfg->partitions, smp_tp_size(), smp_rdp_size() * R, opt.batch, T, (long long)local_batch,
                R > 1 ? ", replicas run in turn" : "", M,
                cfg->pipeline == SMP_PIPELINE_SIMPLE ? "simple" : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble"
@@ -597,9 +598,10 @@ int main(int argc, char **argv) {
     double train_secs = now() - t0;
     if (root) printf("trained %d steps in %.1f s (%.0f tokens/s)\n", opt.steps, train_secs, (double)tokens / train_secs);
     if (root && smp_tp_size() > 1)
-        printf("tensor-parallel collectives: %.2f s of the %.2f s of training on rank 0 (%.1f%%)\n", smp_tp_seconds() - tp0,
-               train_secs, 100.0 * (smp_tp_seconds() - tp0) / train_secs);
-    if (opt.digest && fail_all(smp_tp_size() > 1 ? print_digest_gathered(model) : print_digest(model), "digest")) goto done;
+        printf("tensor-parallel collectives: %.2f s of the %.2f s of training on rank 0 (%.1f%%)\n",
+               smp_tp_seconds() - tp0, train_secs, 100.0 * (smp_tp_seconds() - tp0) / train_secs);
+    smp_status dst = !opt.digest ? SMP_OK : smp_tp_size() > 1 ? print_digest_gathered(model) : print_digest(model);
+    if (fail_all(dst, "digest")) goto done;
     if (opt.params && fail_all(save_params(model, opt.params), "--params")) goto done;
 
     /* ---------------------------------------------------------------- validation */
@@ -609,7 +611,8 @@ int main(int argc, char **argv) {
         for (int b = 0; b < opt.val_batches && !st; b++) {
             double l = 0;
             for (int r = 0; r < R && !st; r++) {
-                fill_val(val_ids, text.nval, T, nw, b * opt.batch + smp_rdp_rank() * (int)local_batch + r * (int)rows, (int)rows, x, y);
+                int first = b * opt.batch + smp_rdp_rank() * (int)local_batch + r * (int)rows;
+                fill_val(val_ids, text.nval, T, nw, first, (int)rows, x, y);
                 smp_tensor xt = smp_tensor_2d(x, SMP_I32, rows, T), yt = smp_tensor_2d(y, SMP_I32, rows, T);
                 smp_step_output loss_mb = {0};
                 if ((st = SMP_EVAL_STEP(model, gpt_loss_body, NULL, &loss_mb, 1, xt, yt))) break;

@@ -363,7 +363,8 @@ static smp_status gpt_wte_forward(smp_call_ctx *c) {
             if (id[i] < 0 || id[i] >= V)
                 return smp_error(SMP_ERR_ARG, "token id %d at position %lld is outside the vocabulary of %d", (int)id[i], (long long)i, V);
             float *row = (float *)y->data + i * C;
-            if (id[i] >= first && id[i] < first + Vl) memcpy(row, W + (size_t)(id[i] - first) * C, sizeof(float) * (size_t)C);
+            if (id[i] >= first && id[i] < first + Vl)
+                memcpy(row, W + (size_t)(id[i] - first) * C, sizeof(float) * (size_t)C);
             else memset(row, 0, sizeof(float) * (size_t)C); /* another rank's row: the tp_reduce after adds it */
         }
         return SMP_OK;
@@ -466,7 +467,8 @@ static smp_status gpt_linear_forward(smp_call_ctx *c) {
     shape[x->ndim - 1] = l->out;
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, shape);
     if (!y) return SMP_ERR_NOMEM;
-    const float *bias = l->split == GPT_SPLIT_ROW ? NULL : (const float *)smp_param_value(l->bias)->data; /* added after the reduce */
+    /* a row-parallel linear's bias is added after the reduce */
+    const float *bias = l->split == GPT_SPLIT_ROW ? NULL : (const float *)smp_param_value(l->bias)->data;
     mlp_linear_forward((const float *)x->data, (const float *)smp_param_value(l->weight)->data, bias, (float *)y->data,
                        gpt__rows(x, l->in), l->in, l->out);
     return SMP_OK;
@@ -745,7 +747,7 @@ static smp_status gpt_forward(smp_model *m, const smp_tensor *in, int nin, smp_t
     for (int i = 0; i < g->cfg.n_layer; i++) SMP_TRY(smp_call(g->blocks[i].mod, &x, 1, &x, 1));
     SMP_TRY(smp_call(g->ln_f, &x, 1, &x, 1));
     if (g->head_copy) SMP_TRY(smp_call(g->head_copy, &x, 1, &x, 1));
-    return smp_call(g->wte, &x, 1, &out[0], 1); /* the same module: tied output projection (tp > 1: this rank's logits) */
+    return smp_call(g->wte, &x, 1, &out[0], 1); /* the same module: the tied head (tp > 1: this rank's logits) */
 }
 
 /* ---------------------------------------------------------------- building it */
@@ -791,8 +793,10 @@ static void gpt__linear(gpt_linear *l, const gpt *g, smp_module *parent, const c
         l->weight = smp_param_new_sharded(*mod, "weight", SMP_F32, 2, wshape, 0, gpt_init_normal, (void *)std);
         l->bias = smp_param_new_sharded(*mod, "bias", SMP_F32, 1, bshape, 0, smp_init_constant, NULL);
     } else {
-        l->weight = l->split == GPT_SPLIT_ROW ? smp_param_new_sharded(*mod, "weight", SMP_F32, 2, wshape, 1, gpt_init_normal, (void *)std)
-                                              : smp_param_new(*mod, "weight", SMP_F32, 2, wshape, gpt_init_normal, (void *)std);
+        void *u = (void *)std;
+        l->weight = l->split == GPT_SPLIT_ROW
+                        ? smp_param_new_sharded(*mod, "weight", SMP_F32, 2, wshape, 1, gpt_init_normal, u)
+                        : smp_param_new(*mod, "weight", SMP_F32, 2, wshape, gpt_init_normal, u);
         l->bias = smp_param_new(*mod, "bias", SMP_F32, 1, bshape, smp_init_constant, NULL);
     }
 }
@@ -843,8 +847,8 @@ static smp_status gpt_build_with(gpt *g, const gpt_config *cfg, bool recompute, 
         return smp_error(SMP_ERR_CONFIG, "tensor_parallel_degree = %d: the device GPT (gpt.cu) does not split layers; "
                          "run it with tensor_parallel_degree 1, or gpt.c with --tp", tp);
     if (cfg->n_head % tp)
-        return smp_error(SMP_ERR_CONFIG, "%d heads do not split over tensor_parallel_degree = %d: make --heads a multiple "
-                         "of %d, or choose a --tp that divides %d", cfg->n_head, tp, tp, cfg->n_head);
+        return smp_error(SMP_ERR_CONFIG, "%d heads do not split over tensor_parallel_degree = %d: make --heads a "
+                         "multiple of %d, or choose a --tp that divides %d", cfg->n_head, tp, tp, cfg->n_head);
     if ((4 * C) % tp)
         return smp_error(SMP_ERR_CONFIG, "the MLP's width 4 x %d does not split over tensor_parallel_degree = %d: "
                          "choose a --tp that divides %d", C, tp, 4 * C);
@@ -861,8 +865,9 @@ static smp_status gpt_build_with(gpt *g, const gpt_config *cfg, bool recompute, 
     g->root = smp_module_new(NULL, "", NULL);
     g->transformer = smp_module_new(g->root, "transformer", NULL);
     g->wte = smp_module_new(g->transformer, "wte", &wte);
-    g->wte_w = tp > 1 ? smp_param_new_sharded(g->wte, "weight", SMP_F32, 2, wte_shape, 0, gpt_init_normal, (void *)&gpt__std)
-                      : smp_param_new(g->wte, "weight", SMP_F32, 2, wte_shape, gpt_init_normal, (void *)&gpt__std);
+    void *std = (void *)&gpt__std;
+    g->wte_w = tp > 1 ? smp_param_new_sharded(g->wte, "weight", SMP_F32, 2, wte_shape, 0, gpt_init_normal, std)
+                      : smp_param_new(g->wte, "weight", SMP_F32, 2, wte_shape, gpt_init_normal, std);
     if (tp > 1) g->wte_reduce = smp_module_new_tp_reduce(g->transformer, "wte_tp_out"); /* vocabulary-parallel */
     g->wpe = smp_module_new(g->transformer, "wpe", &wpe);
     g->wpe_w = smp_param_new(g->wpe, "weight", SMP_F32, 2, wpe_shape, gpt_init_normal, (void *)&gpt__std);
@@ -895,7 +900,7 @@ static smp_status gpt_build_with(gpt *g, const gpt_config *cfg, bool recompute, 
         if (recompute) smp_module_set_recompute(b->mod, true);
     }
     g->ln_f = gpt__norm(&g->nf, g, g->transformer, "ln_f", C);
-    if (tp > 1) g->head_copy = smp_module_new_tp_copy(g->transformer, "lm_head_tp_in"); /* dx summed over the vocabulary */
+    if (tp > 1) g->head_copy = smp_module_new_tp_copy(g->transformer, "lm_head_tp_in"); /* dx: summed over V */
     smp_model_desc md;
     memset(&md, 0, sizeof md);
     md.forward = gpt_forward;
@@ -984,7 +989,8 @@ static smp_status gpt__tp_combine(float *v, float *all, int n, bool max) {
 static smp_status gpt_xent_tp(const float *logits, const int32_t *target, int n, int Vl, int first, float *dlogits,
                               float grad_scale, double *loss) {
     int tp = smp_tp_size();
-    float *v = (float *)malloc(sizeof(float) * 3 * (size_t)n), *all = (float *)malloc(sizeof(float) * 2 * (size_t)n * tp);
+    float *v = (float *)malloc(sizeof(float) * 3 * (size_t)n);
+    float *all = (float *)malloc(sizeof(float) * 2 * (size_t)n * tp);
     smp_status st = v && all ? SMP_OK : smp_error(SMP_ERR_NOMEM, "out of memory for the cross-entropy's sums");
     float *mx = v, *sum = v + n, *tz = v + 2 * (size_t)n; /* sum and tz travel together */
     for (int r = 0; r < n && !st; r++) {
@@ -1025,7 +1031,8 @@ static smp_status gpt_xent_tp(const float *logits, const int32_t *target, int n,
 SMP_STEP_BODY(gpt_loss_body) {
     const smp_tensor *logits = smp_mb_output(mb, 0), *target = smp_mb_arg(mb, 1);
     smp_tensor *dlogits = smp_mb_output_grad(mb, 0); /* NULL in evaluation */
-    int Vl = (int)logits->shape[logits->ndim - 1], V = Vl * smp_tp_size(), n = (int)smp_tensor_numel(target); /* tp > 1: Vl of V */
+    int Vl = (int)logits->shape[logits->ndim - 1], V = Vl * smp_tp_size(); /* tp > 1: this rank's Vl of V */
+    int n = (int)smp_tensor_numel(target);
     const int32_t *t = (const int32_t *)target->data;
     for (int i = 0; i < n; i++)
         if (t[i] < 0 || t[i] >= V) return smp_error(SMP_ERR_ARG, "target %d at position %d is outside the vocabulary of %d", t[i], i, V);

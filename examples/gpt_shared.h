@@ -40,14 +40,14 @@ static void usage(const char *prog) {
     fprintf(stderr,
             "usage: %s [--steps N] [--batch B] [--lr X] [--min-lr X] [--warmup N] [--weight-decay X]\n"
             "          [--layers L] [--dmodel C] [--heads H] [--context T] [--dropout P]\n"
-            "          [--partitions P] [--tp N] [--microbatches M] [--pipeline simple|interleaved|zero_bubble|zero_bubble_v]\n"
-            "          [--ddp]"
+            "          [--partitions P] [--tp N] [--microbatches M]\n"
+            "          [--pipeline simple|interleaved|zero_bubble|zero_bubble_v] [--ddp]\n"
             "          [--deterministic] [--recompute] [--shard-optimizer] [--config JSON] [--data DIR] [--save PATH]\n"
             "          [--val-batches N] [--prompt TEXT] [--sample-len N] [--temperature X] [--seed S]\n"
             "          [--threads N] [--log-every N] [--print-losses] [--digest] [--replicas R]\n"
             "          [--logits TEXT] [--grads PATH] [--params PATH]\n"
             "  --batch is the global batch in sequences of --context characters\n"
-            "  --tp N splits every layer over N ranks (tensor_parallel_degree; gpt.c): heads, MLP width and vocabulary\n"
+            "  --tp N splits every layer over N ranks (tensor_parallel_degree; gpt.c): heads, MLP, vocabulary\n"
             "  --params PATH saves every parameter's full tensor after training (gpt.c, any --tp)\n"
             "  --save \"\" skips the checkpoint\n"
             "  --logits TEXT prints the logits of the character after TEXT once trained (hex floats)\n"
@@ -364,12 +364,14 @@ SMP_STEP_BODY(next_logits_body) {
     int pos = *(const int *)smp_mb_user(mb), rows = (int)logits->shape[0], T = (int)logits->shape[1], V = (int)logits->shape[2];
     int tp = smp_tp_size();
     if (tp > 1) { /* this rank's columns of each row's logits: the rows joined from the TP group (host: gpt.c) */
-        float *mine = (float *)malloc(sizeof(float) * (size_t)rows * V), *all = (float *)malloc(sizeof(float) * (size_t)rows * V * tp);
-        float *out = (float *)malloc(sizeof(float) * (size_t)rows * V * tp);
+        size_t bytes = sizeof(float) * (size_t)rows * V;
+        float *mine = (float *)malloc(bytes), *all = (float *)malloc(bytes * tp), *out = (float *)malloc(bytes * tp);
         smp_status st = mine && all && out ? SMP_OK : smp_error(SMP_ERR_NOMEM, "out of memory");
         for (int r = 0; r < rows && !st; r++)
-            memcpy(mine + (size_t)r * V, (const float *)logits->data + ((size_t)r * T + pos) * V, sizeof(float) * (size_t)V);
-        smp_tensor a = smp_tensor_1d(mine, SMP_F32, (int64_t)rows * V), b = smp_tensor_1d(all, SMP_F32, (int64_t)rows * V * tp);
+            memcpy(mine + (size_t)r * V, (const float *)logits->data + ((size_t)r * T + pos) * V,
+                   sizeof(float) * (size_t)V);
+        smp_tensor a = smp_tensor_1d(mine, SMP_F32, (int64_t)rows * V);
+        smp_tensor b = smp_tensor_1d(all, SMP_F32, (int64_t)rows * V * tp);
         if (!st) st = smp_all_gather(&a, &b, SMP_TP_GROUP); /* [tp rank][row][column] */
         for (int q = 0; q < tp && !st; q++)
             for (int r = 0; r < rows; r++)

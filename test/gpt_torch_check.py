@@ -124,7 +124,8 @@ def check_checkpoint(ckpt, corpus, output, val_batches, batch, context):
     try:
         model, meta, _ = load(ckpt)
         model.eval()
-        check(True, "gpt/torch: the full checkpoint loads with strict names into a PyTorch GPT (lm_head.weight tied to transformer.wte.weight)")
+        check(True, "gpt/torch: the full checkpoint loads with strict names into a PyTorch GPT "
+              "(lm_head.weight tied to transformer.wte.weight)")
     except (RuntimeError, KeyError, ValueError) as e:
         check(False, "gpt/torch: the full checkpoint loads with strict names into a PyTorch GPT", str(e)[:400])
         sys.exit(exit_status())
@@ -136,14 +137,17 @@ def check_checkpoint(ckpt, corpus, output, val_batches, batch, context):
         x, y = gpt_data.validation_windows(ids, T, val_batches, batch)
         loss = mean_loss(model, x, y).item()
         c_loss = printed.get("validation", [math.nan])[0]
-        check(abs(loss - c_loss) < 1e-4, f"gpt/torch: validation loss equals gpt.c's within 1e-4 ({loss:.6f} against {c_loss:.6f})",
+        check(abs(loss - c_loss) < 1e-4,
+              f"gpt/torch: validation loss equals gpt.c's within 1e-4 ({loss:.6f} against {c_loss:.6f})",
               f"torch {loss:.8f}, gpt.c {c_loss:.8f} ({len(x)} windows)")
 
         # (b) the next-character logits after the context
         z = model(torch.from_numpy(gpt_data.encode(context.encode(), meta["vocab_bytes"])[None]))[0, -1].numpy()
         c_z = np.array(printed.get("logits", []))
         err = float(np.abs(z - c_z).max()) if c_z.shape == z.shape else math.inf
-        check(err < 1e-4, f"gpt/torch: the logits after \"{context}\" equal gpt.c's within 1e-4 (largest difference {err:.1e} of {len(z)})",
+        check(err < 1e-4,
+              f"gpt/torch: the logits after \"{context}\" equal gpt.c's within 1e-4 "
+              f"(largest difference {err:.1e} of {len(z)})",
               f"largest difference {err:.3e} (gpt.c printed {len(c_z)} logits, torch has {len(z)})")
 
 
@@ -168,7 +172,8 @@ def check_grads(grads, label):
     loss.backward()
     c_loss = float.fromhex(meta["loss"])
     check(abs(loss.item() - c_loss) < 1e-5,
-          f"gpt/torch{label}: the first training step's loss equals gpt.c's within 1e-5 ({loss.item():.6f} against {c_loss:.6f})",
+          f"gpt/torch{label}: the first training step's loss equals gpt.c's within 1e-5 "
+          f"({loss.item():.6f} against {c_loss:.6f})",
           f"torch {loss.item():.8f}, gpt.c {c_loss:.8f}")
     worst, bad, n = (0.0, ""), [], 0
     for name, p in model.named_parameters():  # the tied weight once, under transformer.wte.weight
@@ -183,7 +188,8 @@ def check_grads(grads, label):
         if not rel <= GRAD_BOUND:
             bad.append(f"{name}: {rel:.2e} of its largest entry")
     check(not bad and n > 0,
-          f"gpt/torch{label}: the first step's gradients of all {n} parameters equal float64 autograd's within {GRAD_BOUND:g} of each "
+          f"gpt/torch{label}: the first step's gradients of all {n} parameters equal float64 autograd's "
+          f"within {GRAD_BOUND:g} of each "
           f"one's largest entry (worst {worst[0]:.1e}, {worst[1]})", "; ".join(bad[:4]))
 
 

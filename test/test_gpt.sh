@@ -49,7 +49,8 @@ run() { # out, np, args...
   local out=$1 np=$2; shift 2
   mpirun -n "$np" "$bin" $tiny --logits "$ctx" "$@" >"$tmp/$out.raw" 2>"$tmp/$out.err"
   echo "exit $?" >>"$tmp/$out.raw"
-  grep -a -v -e 'tokens/s' -e '^placement:' -e '^gpt:' -e '^checkpoint:' -e '^gradients:' -e '^memory peak' -e '^tensor-parallel collectives' "$tmp/$out.raw" >"$tmp/$out"
+  grep -a -v -e 'tokens/s' -e '^placement:' -e '^gpt:' -e '^checkpoint:' -e '^gradients:' -e '^memory peak' \
+    -e '^tensor-parallel collectives' "$tmp/$out.raw" >"$tmp/$out"
 }
 same() { # name, file a, file b
   if [ -s "$tmp/$2" ] && grep -q '^param ' "$tmp/$2" && grep -q '^logits ' "$tmp/$2" && grep -q 'exit 0' "$tmp/$2" && cmp -s "$tmp/$2" "$tmp/$3"; then echo "PASS: $1"
@@ -131,7 +132,7 @@ else echo "FAIL: $dropdp_name: $(tail -n 1 "$tmp/dropdp.check") $(head -c 300 "$
 run tp2 2 --partitions 1 --tp 2 --save ""
 for pipe in simple interleaved zero_bubble zero_bubble_v; do
   run "tp2_p2_$pipe" 4 --partitions 2 --tp 2 --pipeline "$pipe" --save ""
-  same "gpt/tp 2, 2 partitions, $pipe pipeline: losses, parameters, validation, logits and sample equal 1 partition bitwise" \
+  same "gpt/tp 2, 2 partitions, $pipe pipeline: losses, parameters, validation, logits, sample bitwise as 1 partition" \
     tp2 "tp2_p2_$pipe"
 done
 run tp2_rc 2 --partitions 1 --tp 2 --recompute --save ""
@@ -229,7 +230,8 @@ expect_error "gpt/a missing corpus folder is an error on every rank" "$tmp/none:
 expect_error "gpt/a prompt character outside the vocabulary is an error on every rank" "not in the vocabulary" 2 --partitions 2 --prompt "$(printf 'A\001')"
 expect_error "gpt/a batch that does not divide into microbatches" "does not divide into 3 microbatches" 2 --partitions 2 --microbatches 3
 expect_error "gpt/--tp 2 with 3 heads names the fix on every rank" \
-  "3 heads do not split over tensor_parallel_degree = 2: make --heads a multiple of 2" 2 --partitions 1 --tp 2 --dmodel 36 --heads 3 --save ""
+  "3 heads do not split over tensor_parallel_degree = 2: make --heads a multiple of 2" \
+  2 --partitions 1 --tp 2 --dmodel 36 --heads 3 --save ""
 expect_error "gpt/--tp 4 with a vocabulary of 114 names the fix on every rank" \
   "the vocabulary of 114 does not split over tensor_parallel_degree = 4" 4 --partitions 1 --tp 4 --save ""
 
@@ -300,6 +302,7 @@ gen_err() { # name, pattern, np, args...
 gen_err "gpt/generation: prompt + tokens longer than the model's context is an error on every rank" \
   "prompt 1: a context of 33 characters (4 of prompt + 29 tokens) is longer than the model's 32" 2 --partitions 2 --prompts "The|Why |I" --tokens 29
 gen_err "gpt/generation: --tp 2 is refused on every rank (the KV cache is not split by heads)" \
-  "--generate runs with tensor_parallel_degree 1: run it without --tp" 2 --partitions 1 --tp 2 --prompts "The|A" --tokens 4
+  "--generate runs with tensor_parallel_degree 1: run it without --tp" 2 --partitions 1 --tp 2 \
+  --prompts "The|A" --tokens 4
 gen_err "gpt/generation: a prompt character outside the vocabulary is an error on every rank" \
   "not in the vocabulary" 2 --partitions 2 --prompts "$(printf 'The|A\001')" --tokens 4
