@@ -110,7 +110,7 @@
      trace_execution_times (false)  trace_memory_usage (false)
      overlapping_allreduce (true)   backward_passes_per_step (1)
      average_grads_across_microbatches (true)  bucket_cap_mb (25)
-     broadcast_buffers (true)
+     broadcast_buffers (true)   prescaled_batch (true: a TP group's ranks read the same batch)
    smp's own keys: virtual_stages (1), deterministic_reduction (false),
      activation_checkpointing (false: recompute every top-level call),
      active_microbatches (0: no cap beyond the schedule's; smp_pipeline.h, ACTIVE MICROBATCHES),
@@ -425,6 +425,7 @@ typedef struct smp_config {
     smp_switch activation_checkpointing; /* default off; on: every top-level call recomputes (smp_module_set_recompute) */
     int active_microbatches;        /* most microbatches in flight on a rank (smp_pipeline.h); 0: the schedule's own */
     smp_switch shard_optimizer_state; /* each replica updates its 1/dp of the parameters (smp_param_owned_range); default off */
+    smp_switch prescaled_batch;       /* a TP group's ranks read the same batch (SageMaker's key); default on */
     /* smp's own keys */
     int virtual_stages;             /* interleaving factor for auto partitioning; 0: 1 */
     smp_switch deterministic_reduction; /* fixed-order DP sums; default off */
@@ -721,6 +722,10 @@ SMPDEF smp_module *smp_module_new_tp_copy(smp_module *parent, const char *name);
 SMPDEF smp_module *smp_module_new_tp_reduce(smp_module *parent, const char *name);
 SMPDEF smp_module *smp_module_new_tp_gather(smp_module *parent, const char *name, int axis);
 SMPDEF smp_module *smp_module_new_tp_scatter(smp_module *parent, const char *name, int axis);
+/* Wall-clock seconds this process has spent inside the TP modules' calls
+   (their collectives, waits for the group included) since it started: what
+   a benchmark divides by the step time. */
+SMPDEF double smp_tp_seconds(void);
 /* Activation recomputation (SageMaker's smp.set_activation_checkpointing):
    after a call of m, only the call's inputs are kept; the outputs of the
    calls nested inside it (its own outputs, which later calls read, stay)
@@ -2089,6 +2094,7 @@ static const struct smp__cfg_key {
     {"activation_checkpointing", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(activation_checkpointing), SMP_OFF, NULL, NULL},
     {"active_microbatches", SMP__CFG_KIND_LIMIT, SMP__CFG_FIELD(active_microbatches), 0, NULL, NULL},
     {"shard_optimizer_state", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(shard_optimizer_state), SMP_OFF, NULL, NULL},
+    {"prescaled_batch", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(prescaled_batch), SMP_ON, NULL, NULL},
     {"virtual_stages", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(virtual_stages), 0, NULL, NULL},
     {"deterministic_reduction", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(deterministic_reduction), SMP_OFF, NULL, NULL},
     {"timeout", SMP__CFG_KIND_POSITIVE, SMP__CFG_FIELD(timeout), 0, NULL, NULL},
@@ -2711,6 +2717,11 @@ SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, sm
                          "but %s: set \"ddp\": true and run on at least %d ranks (2 replicas of %d partition%s), or leave "
                          "shard_optimizer_state off", c.ddp != SMP_ON ? "ddp is off" : "there is one replica",
                          2 * c.partitions, c.partitions, c.partitions == 1 ? "" : "s");
+    if (c.prescaled_batch == SMP_OFF && c.tensor_parallel_degree > 1)
+        return smp_error(SMP_ERR_CONFIG, "config key \"prescaled_batch\" is false: the %d ranks of a TP group would "
+                         "each read their own examples, and smp does not gather them into one batch; set "
+                         "\"prescaled_batch\": true and give the ranks of a TP group the same batch (shard data by "
+                         "smp_rdp_rank and smp_rdp_size)", c.tensor_parallel_degree);
     if (c.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V && c.virtual_stages > 2)
         return smp_error(SMP_ERR_CONFIG, "config key \"virtual_stages\" is %d, but pipeline \"zero_bubble_v\" runs exactly 2 stages "
                          "per partition (its V): leave virtual_stages at 1 or 2", c.virtual_stages);
@@ -4918,8 +4929,16 @@ static smp_status smp__tp_run(smp_call_ctx *c, bool forward) {
     if (!along) return smp__tp_sum(x, y, false);
     return grows ? smp__tp_gather(x, y, tm->axis) : smp__tp_scatter(x, y, tm->axis);
 }
-static smp_status smp__tp_forward(smp_call_ctx *c) { return smp__tp_run(c, true); }
-static smp_status smp__tp_backward(smp_call_ctx *c) { return smp__tp_run(c, false); }
+static double smp__tp_seconds_total; /* smp_tp_seconds */
+static smp_status smp__tp_timed(smp_call_ctx *c, bool forward) {
+    double t0 = MPI_Wtime();
+    smp_status st = smp__tp_run(c, forward);
+    smp__tp_seconds_total += MPI_Wtime() - t0;
+    return st;
+}
+static smp_status smp__tp_forward(smp_call_ctx *c) { return smp__tp_timed(c, true); }
+static smp_status smp__tp_backward(smp_call_ctx *c) { return smp__tp_timed(c, false); }
+SMPDEF double smp_tp_seconds(void) { return smp__tp_seconds_total; }
 
 static smp_module *smp__tp_module_new(smp_module *parent, const char *name, smp__tp_kind kind, int axis) {
     if ((kind == SMP__TP_GATHER || kind == SMP__TP_SCATTER) && (axis < 0 || axis >= SMP_MAX_DIMS)) {

@@ -111,7 +111,9 @@ static void adamw_step(adamw *o, smp_model *model, const options *opt, float lr)
     smp_param *p;
     for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
         smp_tensor *w = smp_param_value(p);
-        mlp_adam_cfg c = {lr, opt->beta1, opt->beta2, 1e-8f, w->ndim >= 2 ? opt->weight_decay : 0.0f};
+        const char *name = smp_param_name(p), *dot = strrchr(name, '.');
+        bool bias = dot && !strcmp(dot, ".bias"); /* c_attn's is [3, C] at tp > 1 */
+        mlp_adam_cfg c = {lr, opt->beta1, opt->beta2, 1e-8f, w->ndim >= 2 && !bias ? opt->weight_decay : 0.0f};
         mlp_adam_step((float *)w->data + o->first[i], (float *)smp_param_grad(p)->data + o->first[i], o->m[i], o->v[i],
                       (size_t)o->count[i], o->t, &c);
     }
@@ -127,28 +129,78 @@ static void adamw_free(adamw *o) {
 }
 
 
+/* ---------------------------------------------------------------- whole tensors at any tp */
+/* Every parameter's full tensor (its value, or its gradient), in the
+   model's order, on world rank 0: each parameter from the first partition
+   that holds it (the tied wte is on two) and replica 0, a sharded one
+   joined from its TP ranks' slices, under the shape it has at tp 1 (c_attn's
+   [3, C, C] of tp > 1 is [3C, C]). What --digest, --grads and --params need
+   while smp's checkpoints refuse tensor_parallel_degree > 1. The slices are
+   OR-ed bytes into zeros, so every bit arrives as it was. Collective. */
+typedef struct full_tensors { int n; smp_ckpt_entry *e; float **data; } full_tensors;
+
+static void full_tensors_free(full_tensors *f) {
+    for (int i = 0; f->data && i < f->n; i++) free(f->data[i]);
+    free(f->data);
+    free(f->e);
+    memset(f, 0, sizeof *f);
+}
+
+static smp_status gather_full(smp_model *model, bool grads, full_tensors *out) {
+    int n = smp_model_num_global_params(model, false);
+    memset(out, 0, sizeof *out);
+    out->e = calloc((size_t)n + 1, sizeof *out->e);
+    out->data = calloc((size_t)n + 1, sizeof *out->data);
+    smp_status st = out->e && out->data ? SMP_OK : smp_error(SMP_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < n && !st; i++) {
+        smp_param *p = smp_model_global_param(model, i, false);
+        if (!p) break;
+        int64_t shape[SMP_MAX_DIMS], outer = 1, inner = 1;
+        int nd = smp_param_full_shape(p, shape), axis = smp_param_shard_axis(p), a = axis < 0 ? 0 : axis;
+        for (int d = 0; d < a; d++) outer *= shape[d];
+        for (int d = a + 1; d < nd; d++) inner *= shape[d];
+        size_t numel = (size_t)(outer * shape[a] * inner);
+        float *full = out->data[i] = calloc(numel ? numel : 1, sizeof(float));
+        if (!full) { st = smp_error(SMP_ERR_NOMEM, "out of memory for %s", smp_param_name(p)); break; }
+        bool holds = smp_module_is_local(smp_param_module(p)) && smp_rdp_rank() == 0;
+        int first = holds ? smp_pp_rank() : smp_size(); /* the first partition holding it writes it */
+        MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+        if (holds && first == smp_pp_rank() && (axis >= 0 || smp_tp_rank() == 0)) {
+            const smp_tensor *v = grads ? smp_param_grad(p) : smp_param_value(p);
+            int64_t loc = v->shape[a], off = axis < 0 ? 0 : smp_param_shard_offset(p);
+            for (int64_t o = 0; o < outer; o++)
+                memcpy(full + (o * shape[a] + off) * inner, (const float *)v->data + o * loc * inner,
+                       sizeof(float) * (size_t)(loc * inner));
+        }
+        MPI_Reduce(smp_rank() ? full : MPI_IN_PLACE, full, (int)(numel * sizeof(float)), MPI_BYTE, MPI_BOR, 0,
+                   MPI_COMM_WORLD);
+        if (axis == 1 && strstr(smp_param_name(p), ".attn.c_attn.")) { /* [3, C(, C)]: q, k, v blocks, as [3C(, C)] */
+            shape[1] *= shape[0];
+            memmove(shape, shape + 1, sizeof(int64_t) * (size_t)--nd);
+        }
+        smp_tensor t = smp_tensor_make(full, SMP_F32, nd, shape);
+        out->e[i] = smp_ckpt_entry_of(smp_param_name(p), &t);
+        out->n = i + 1;
+    }
+    return st;
+}
+
 /* --grads PATH: the first training step as a test needs it, in one
    safetensors file written by rank 0: every parameter under its name (the
    weights the step started from), its gradient as "optimizer.<name>.grad"
-   (registered as optimizer state for the moment, so smp gathers it from
-   whichever partition holds it; the tied weight's is the sum of both
-   calls'), the batch as "batch.x" and "batch.y" (i32 [rows, T]), and in
-   the metadata the model's sizes and the step's loss ("loss", %a). Runs
+   (the tied weight's is the sum of both calls'), the batch as "batch.x"
+   and "batch.y" (i32 [rows, T]), and in the metadata the model's sizes and
+   the step's loss ("loss", %a); whole tensors at any tp (gather_full). Runs
    after the step, before clipping and the optimizer. Collective. */
 static smp_status save_grads(smp_model *model, const char *path, const corpus *text, const options *o, const int32_t *x,
                              const int32_t *y, int rows, double loss) {
     int T = o->model.block_size;
-    smp_optimizer *reg = NULL;
-    smp_state_dict sd = {0};
+    full_tensors v, g;
+    smp_status st = gather_full(model, false, &v);
+    if (!st) st = gather_full(model, true, &g);
+    else memset(&g, 0, sizeof g);
     smp_ckpt_entry *e = NULL;
-    smp_param *p;
-    smp_status st = smp_optimizer_new(model, &reg);
-    for (int i = 0; !st && (p = smp_model_local_param(model, i, false)); i++)
-        st = smp_optimizer_state_add(reg, smp_param_name(p), "grad", smp_param_grad(p));
-    int bad = st != SMP_OK; /* the gather below is collective: every rank goes on or none */
-    MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_LOR, MPI_COMM_WORLD);
-    if (!st && bad) st = smp_error(SMP_ERR_ARG, "another rank could not register its gradients");
-    if (!st) st = smp_model_state_dict(model, reg, 0, &sd);
+    char **names = NULL;
     if (!st && smp_rank() == 0) {
         ckpt_meta m;
         ckpt_meta_init(&m, text, o);
@@ -156,20 +208,51 @@ static smp_status save_grads(smp_model *model, const char *path, const corpus *t
         snprintf(m.loss, sizeof m.loss, "%a", loss);
         m.keys[m.n] = "loss";
         m.vals[m.n++] = m.loss;
-        e = malloc(sizeof *e * ((size_t)sd.n + 2));
-        if (!e) st = smp_error(SMP_ERR_NOMEM, "out of memory");
-        for (int i = 0; !st && i < sd.n; i++) e[i] = smp_ckpt_entry_of(sd.entries[i].name, &sd.entries[i].tensor);
+        e = malloc(sizeof *e * (2 * (size_t)v.n + 2));
+        names = calloc((size_t)v.n + 1, sizeof *names);
+        if (!e || !names) st = smp_error(SMP_ERR_NOMEM, "out of memory");
+        for (int i = 0; !st && i < v.n; i++) {
+            size_t k = strlen(v.e[i].name) + 32;
+            if (!(names[i] = malloc(k))) { st = smp_error(SMP_ERR_NOMEM, "out of memory"); break; }
+            snprintf(names[i], k, "optimizer.%s.grad", v.e[i].name);
+            e[i] = v.e[i];
+            e[v.n + i] = g.e[i];
+            e[v.n + i].name = names[i];
+        }
         if (!st) {
             smp_tensor xt = smp_tensor_2d((void *)x, SMP_I32, rows, T), yt = smp_tensor_2d((void *)y, SMP_I32, rows, T);
-            e[sd.n] = smp_ckpt_entry_of("batch.x", &xt);
-            e[sd.n + 1] = smp_ckpt_entry_of("batch.y", &yt);
-            st = smp_ckpt_write_file(path, e, sd.n + 2, m.keys, m.vals, m.n);
+            e[2 * v.n] = smp_ckpt_entry_of("batch.x", &xt);
+            e[2 * v.n + 1] = smp_ckpt_entry_of("batch.y", &yt);
+            st = smp_ckpt_write_file(path, e, 2 * v.n + 2, m.keys, m.vals, m.n);
         }
         if (!st) printf("gradients: %s (the first step's weights, gradients, batch and loss)\n", path);
     }
+    for (int i = 0; names && i < v.n; i++) free(names[i]);
+    free(names);
     free(e);
-    smp_state_dict_free(&sd);
-    smp_optimizer_free(reg);
+    full_tensors_free(&v);
+    full_tensors_free(&g);
+    return st;
+}
+
+/* --params PATH: every parameter's full tensor after training, under its name, written by rank 0. Collective. */
+static smp_status save_params(smp_model *model, const char *path) {
+    full_tensors v;
+    smp_status st = gather_full(model, false, &v);
+    if (!st && smp_rank() == 0) st = smp_ckpt_write_file(path, v.e, v.n, NULL, NULL, 0);
+    full_tensors_free(&v);
+    return st;
+}
+
+/* --digest at tp > 1: print_digest's lines from gather_full's tensors. Collective. */
+static smp_status print_digest_gathered(smp_model *model) {
+    full_tensors v;
+    smp_status st = gather_full(model, false, &v);
+    for (int i = 0; !st && smp_rank() == 0 && i < v.n; i++) {
+        smp_tensor t = smp_tensor_make(v.data[i], SMP_F32, v.e[i].ndim, v.e[i].shape);
+        print_param_digest(v.e[i].name, &t);
+    }
+    full_tensors_free(&v);
     return st;
 }
 
@@ -226,6 +309,8 @@ static int generate_main(options *o) {
     float *logits = NULL;
     mlp_rng *rng = calloc((size_t)M, sizeof *rng);
     smp_status st = ctx && len && pick && rng ? SMP_OK : smp_error(SMP_ERR_NOMEM, "out of memory");
+    if (!st && smp_tp_size() != 1) /* the KV cache would have to be split by heads */
+        st = smp_error(SMP_ERR_CONFIG, "--generate runs with tensor_parallel_degree 1: run it without --tp");
     if (!st && smp_dp_size() != 1)
         st = smp_error(SMP_ERR_CONFIG, "--generate runs without data parallelism: run as many processes as --partitions");
     /* the model's sizes and vocabulary, from the checkpoint's metadata */
@@ -408,7 +493,7 @@ int main(int argc, char **argv) {
     for (size_t i = 0; !st && opt.logits && opt.logits[i]; i++)
         if (text.id_of[(unsigned char)opt.logits[i]] < 0)
             st = smp_error(SMP_ERR_ARG, "--logits: character %zu (byte 0x%02x) is not in the vocabulary", i, (unsigned char)opt.logits[i]);
-    if (!st && opt.grads && (smp_dp_size() > 1 || R > 1))
+    if (!st && opt.grads && (smp_rdp_size() > 1 || R > 1))
         st = smp_error(SMP_ERR_CONFIG, "--grads saves one replica's first step: run it without --ddp and --replicas");
     if (fail_all(st, "input")) goto done;
     train_ids = encode(&text, text.train, text.ntrain);
@@ -435,12 +520,18 @@ int main(int argc, char **argv) {
     if (fail_all(st, "partitioning")) goto done;
     if (root) {
         long nparams = 0;
-        for (int i = 0; i < smp_model_num_global_params(model, false); i++) nparams += (long)smp_tensor_numel(smp_param_value(smp_model_global_param(model, i, false)));
+        smp_param *p;
+        for (int i = 0; (p = smp_model_global_param(model, i, false)); i++) { /* whole tensors, at any tp */
+            int64_t shape[SMP_MAX_DIMS], k = 1;
+            for (int d = smp_param_full_shape(p, shape); d-- > 0;) k *= shape[d];
+            nparams += (long)k;
+        }
         printf("gpt: %d layers, width %d, %d heads, context %d, vocabulary %d, %.2fM parameters\n", opt.model.n_layer,
                opt.model.n_embd, opt.model.n_head, T, text.vocab, (double)nparams / 1e6);
         printf("gpt: %zu training and %zu validation characters from %s\n", text.ntrain, text.nval, opt.data);
-        printf("gpt: %d processes, %d partitions x %d replicas, batch %d x %d characters (%lld per replica%s) in %d microbatches, %s pipeline%s\n",
-               smp_size(), cfg->partitions, smp_dp_size() * R, opt.batch, T, (long long)local_batch,
+        printf("gpt: %d processes, %d partitions x %d tensor-parallel x %d replicas, batch %d x %d characters "
+               "(%lld per replica%s) in %d microbatches, %s pipeline%s\n",
+               smp_size(), cfg->partitions, smp_tp_size(), smp_rdp_size() * R, opt.batch, T, (long long)local_batch,
                R > 1 ? ", replicas run in turn" : "", M,
                cfg->pipeline == SMP_PIPELINE_SIMPLE ? "simple" : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble"
                : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved",
@@ -450,13 +541,13 @@ int main(int argc, char **argv) {
     print_placement(model, &net);
 
     /* ---------------------------------------------------------------- training */
-    double t0 = now(), loss_avg = 0;
+    double t0 = now(), loss_avg = 0, tp0 = smp_tp_seconds();
     long tokens = 0;
     for (int step = 0; step < opt.steps && !st; step++) {
         float lr = lr_at(&opt, step);
         double loss = 0;
         for (int r = 0; r < R && !st; r++) {
-            int first = smp_dp_rank() * (int)local_batch + r * (int)rows;
+            int first = smp_rdp_rank() * (int)local_batch + r * (int)rows; /* a TP group's ranks share a batch */
             fill_batch(train_ids, text.ntrain, T, (uint64_t)opt.seed, step, opt.batch, first, (int)rows, x, y);
             smp_tensor xt = smp_tensor_2d(x, SMP_I32, rows, T), yt = smp_tensor_2d(y, SMP_I32, rows, T);
             smp_step_output loss_mb = {0};
@@ -506,7 +597,12 @@ int main(int argc, char **argv) {
     if (fail_all(smp_model_gather_params(model), "gathering the parameters")) goto done;
     double train_secs = now() - t0;
     if (root) printf("trained %d steps in %.1f s (%.0f tokens/s)\n", opt.steps, train_secs, (double)tokens / train_secs);
-    if (opt.digest && fail_all(print_digest(model), "digest")) goto done;
+    if (root && smp_tp_size() > 1)
+        printf("tensor-parallel collectives: %.2f s of the %.2f s of training on rank 0 (%.1f%%)\n",
+               smp_tp_seconds() - tp0, train_secs, 100.0 * (smp_tp_seconds() - tp0) / train_secs);
+    smp_status dst = !opt.digest ? SMP_OK : smp_tp_size() > 1 ? print_digest_gathered(model) : print_digest(model);
+    if (fail_all(dst, "digest")) goto done;
+    if (opt.params && fail_all(save_params(model, opt.params), "--params")) goto done;
 
     /* ---------------------------------------------------------------- validation */
     if (opt.val_batches > 0) {
@@ -515,7 +611,8 @@ int main(int argc, char **argv) {
         for (int b = 0; b < opt.val_batches && !st; b++) {
             double l = 0;
             for (int r = 0; r < R && !st; r++) {
-                fill_val(val_ids, text.nval, T, nw, b * opt.batch + smp_dp_rank() * (int)local_batch + r * (int)rows, (int)rows, x, y);
+                int first = b * opt.batch + smp_rdp_rank() * (int)local_batch + r * (int)rows;
+                fill_val(val_ids, text.nval, T, nw, first, (int)rows, x, y);
                 smp_tensor xt = smp_tensor_2d(x, SMP_I32, rows, T), yt = smp_tensor_2d(y, SMP_I32, rows, T);
                 smp_step_output loss_mb = {0};
                 if ((st = SMP_EVAL_STEP(model, gpt_loss_body, NULL, &loss_mb, 1, xt, yt))) break;

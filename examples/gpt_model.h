@@ -57,6 +57,20 @@
    run in cached mode; training never sets it and runs exactly the code
    above.
 
+   TENSOR PARALLELISM (tensor_parallel_degree tp > 1, host model only):
+   Megatron's layout. c_attn is column-parallel by heads (declared [3, C,
+   C] and [3, C], sharded along axis 1: each rank the same heads of q, k
+   and v; the values those of [3C, C]), sdpa runs this rank's H/tp heads,
+   attn.c_proj and mlp.c_proj are row-parallel (weight sharded along the
+   inputs, the bias whole and added by c_proj_bias after c_proj_tp_out, a
+   tp_reduce), c_fc is column-parallel; c_attn and c_fc follow a tp_copy
+   (c_proj_tp_in). wte is vocabulary-parallel: the lookup writes this
+   rank's rows (zeros elsewhere) and wte_tp_out sums them; the tied head
+   (after lm_head_tp_in, a tp_copy) gives this rank's V/tp logits, and
+   gpt_loss_body's cross-entropy combines the row maxima and sums across
+   the TP group (gpt_xent_tp). Parameter names and the full tensors' values
+   are those of tp 1.
+
    HOST AND DEVICE: gpt_build_with takes the leaves' callbacks (gpt_leaves)
    and an engine; gpt_build gives it this file's host leaves (OpenBLAS).
    gpt_cuda.h gives it device leaves (gpt.cu), whose kernels call the
@@ -262,7 +276,11 @@ static inline void gpt__attention_backward(const float *qkv, const float *P, con
 
 /* ---------------------------------------------------------------- the modules */
 struct gpt;
-typedef struct gpt_linear { smp_param *weight, *bias; int in, out; const struct gpt *g; } gpt_linear;
+/* split (tensor parallelism, gpt.tp > 1): GPT_SPLIT_COLUMN holds out / tp of the outputs (weight and bias sharded
+   along the outputs); GPT_SPLIT_ROW holds in / tp of the inputs, and its forward leaves the bias out: a partial sum,
+   which the block reduces over TP_GROUP before it adds the (whole) bias. in and out are this rank's. */
+enum { GPT_SPLIT_NONE, GPT_SPLIT_COLUMN, GPT_SPLIT_ROW };
+typedef struct gpt_linear { smp_param *weight, *bias; int in, out; const struct gpt *g; int split; } gpt_linear;
 typedef struct gpt_norm { smp_param *weight, *bias; int C; const struct gpt *g; } gpt_norm;
 
 typedef struct gpt_block {
@@ -270,6 +288,8 @@ typedef struct gpt_block {
     int index;
     smp_module *mod, *ln_1, *attn, *c_attn, *sdpa, *attn_proj, *attn_drop, *add_1;
     smp_module *ln_2, *mlp, *c_fc, *gelu, *mlp_proj, *mlp_drop, *add_2;
+    /* tp > 1: into and out of each tensor-parallel region, and the row-parallel c_proj's bias after the reduce */
+    smp_module *attn_copy, *attn_reduce, *attn_bias, *mlp_copy, *mlp_reduce, *mlp_bias;
     gpt_norm n1, n2;
     gpt_linear l_attn, l_aproj, l_fc, l_mproj;
 } gpt_block;
@@ -309,6 +329,8 @@ typedef struct gpt {
     void *engine; /* the device engine the leaves run on (NULL on the host) */
     gpt_kv *kv; /* NULL: the ordinary forward over whole sequences (training, evaluation) */
     smp_module *root, *transformer, *wte, *wpe, *h, *ln_f, *drop;
+    int tp;                            /* tensor_parallel_degree: wte, heads and MLP width split tp ways */
+    smp_module *wte_reduce, *head_copy; /* tp > 1: the lookup's partial rows summed; the tied head's input gradient */
     smp_param *wte_w, *wpe_w;
     gpt_norm nf;
     gpt_block *blocks; /* [n_layer] */
@@ -327,6 +349,8 @@ static smp_status gpt_wte_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     int V = g->cfg.vocab, C = g->cfg.n_embd;
     const float *W = (const float *)smp_param_value(g->wte_w)->data;
+    /* vocabulary-parallel: this rank holds rows [first, first + Vl) (all of them at tp 1) */
+    int Vl = (int)smp_param_value(g->wte_w)->shape[0], first = (int)smp_param_shard_offset(g->wte_w);
     if (x->dtype == SMP_I32) {
         int64_t shape[SMP_MAX_DIMS];
         memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
@@ -338,7 +362,10 @@ static smp_status gpt_wte_forward(smp_call_ctx *c) {
         for (int64_t i = 0; i < n; i++) {
             if (id[i] < 0 || id[i] >= V)
                 return smp_error(SMP_ERR_ARG, "token id %d at position %lld is outside the vocabulary of %d", (int)id[i], (long long)i, V);
-            memcpy((float *)y->data + i * C, W + (size_t)id[i] * C, sizeof(float) * (size_t)C);
+            float *row = (float *)y->data + i * C;
+            if (id[i] >= first && id[i] < first + Vl)
+                memcpy(row, W + (size_t)(id[i] - first) * C, sizeof(float) * (size_t)C);
+            else memset(row, 0, sizeof(float) * (size_t)C); /* another rank's row: the tp_reduce after adds it */
         }
         return SMP_OK;
     }
@@ -346,31 +373,33 @@ static smp_status gpt_wte_forward(smp_call_ctx *c) {
         return smp_error(SMP_ERR_ARG, "transformer.wte takes i32 token ids or f32 hidden states of width %d", C);
     int64_t shape[SMP_MAX_DIMS];
     memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
-    shape[x->ndim - 1] = V;
+    shape[x->ndim - 1] = Vl; /* this rank's part of the logits */
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, shape);
     if (!y) return SMP_ERR_NOMEM;
-    mlp_linear_forward((const float *)x->data, W, NULL, (float *)y->data, gpt__rows(x, C), C, V);
+    mlp_linear_forward((const float *)x->data, W, NULL, (float *)y->data, gpt__rows(x, C), C, Vl);
     return SMP_OK;
 }
 
 static smp_status gpt_wte_backward(smp_call_ctx *c) {
     const gpt *g = gpt__of(c);
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
-    int V = g->cfg.vocab, C = g->cfg.n_embd;
+    int C = g->cfg.n_embd;
+    int Vl = (int)smp_param_value(g->wte_w)->shape[0], first = (int)smp_param_shard_offset(g->wte_w);
     float *dW = (float *)smp_param_grad(g->wte_w)->data;
-    if (x->dtype == SMP_I32) { /* rows of the ids, in order */
+    if (x->dtype == SMP_I32) { /* rows of the ids, in order; this rank's rows only */
         const int32_t *id = (const int32_t *)x->data;
         const float *d = (const float *)dy->data;
         int64_t n = smp_tensor_numel(x);
         for (int64_t i = 0; i < n; i++) {
-            float *row = dW + (size_t)id[i] * C;
+            if (id[i] < first || id[i] >= first + Vl) continue;
+            float *row = dW + (size_t)(id[i] - first) * C;
             for (int j = 0; j < C; j++) row[j] += d[i * C + j];
         }
         return SMP_OK;
     }
     smp_tensor *dx = smp_call_grad_input(c, 0);
     mlp_linear_backward((const float *)x->data, (const float *)smp_param_value(g->wte_w)->data, (const float *)dy->data,
-                        dx ? (float *)dx->data : NULL, dW, NULL, gpt__rows(x, C), C, V);
+                        dx ? (float *)dx->data : NULL, dW, NULL, gpt__rows(x, C), C, Vl);
     return SMP_OK;
 }
 
@@ -438,8 +467,10 @@ static smp_status gpt_linear_forward(smp_call_ctx *c) {
     shape[x->ndim - 1] = l->out;
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, shape);
     if (!y) return SMP_ERR_NOMEM;
-    mlp_linear_forward((const float *)x->data, (const float *)smp_param_value(l->weight)->data,
-                       (const float *)smp_param_value(l->bias)->data, (float *)y->data, gpt__rows(x, l->in), l->in, l->out);
+    /* a row-parallel linear's bias is added after the reduce */
+    const float *bias = l->split == GPT_SPLIT_ROW ? NULL : (const float *)smp_param_value(l->bias)->data;
+    mlp_linear_forward((const float *)x->data, (const float *)smp_param_value(l->weight)->data, bias, (float *)y->data,
+                       gpt__rows(x, l->in), l->in, l->out);
     return SMP_OK;
 }
 
@@ -460,9 +491,9 @@ static smp_status gpt_linear_backward_input(smp_call_ctx *c) {
 static smp_status gpt_linear_backward_weight(smp_call_ctx *c) {
     const gpt_linear *l = (const gpt_linear *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
+    float *db = l->split == GPT_SPLIT_ROW ? NULL : (float *)smp_param_grad(l->bias)->data; /* the bias module's */
     mlp_linear_backward((const float *)x->data, (const float *)smp_param_value(l->weight)->data, (const float *)dy->data, NULL,
-                        (float *)smp_param_grad(l->weight)->data, (float *)smp_param_grad(l->bias)->data, gpt__rows(x, l->in), l->in,
-                        l->out);
+                        (float *)smp_param_grad(l->weight)->data, db, gpt__rows(x, l->in), l->in, l->out);
     return SMP_OK;
 }
 
@@ -576,7 +607,7 @@ static smp_status gpt_sdpa_forward(smp_call_ctx *c) {
     const gpt_block *blk = (const gpt_block *)smp_module_user(smp_call_module(c));
     const gpt *g = blk->g;
     const smp_tensor *x = smp_call_input(c, 0);
-    int C = g->cfg.n_embd, H = g->cfg.n_head;
+    int C = g->cfg.n_embd / g->tp, H = g->cfg.n_head / g->tp; /* this rank's heads */
     if (x->ndim != 3 || x->shape[2] != 3 * C) return smp_error(SMP_ERR_ARG, "attention takes qkv of shape [batch, time, %d]", 3 * C);
     if (g->kv) return gpt__sdpa_cached(c, blk, x);
     int B = (int)x->shape[0], T = (int)x->shape[1];
@@ -595,7 +626,7 @@ static smp_status gpt_sdpa_backward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0);
     if (!dx) return SMP_OK;
-    int C = g->cfg.n_embd, H = g->cfg.n_head, B = (int)x->shape[0], T = (int)x->shape[1];
+    int C = g->cfg.n_embd / g->tp, H = g->cfg.n_head / g->tp, B = (int)x->shape[0], T = (int)x->shape[1];
     float *dP = (float *)malloc(sizeof(float) * (size_t)T * T);
     if (!dP) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", smp_module_name(smp_call_module(c)));
     gpt__attention_backward((const float *)x->data, (const float *)smp_call_stashed(c, NULL), (const float *)dy->data,
@@ -626,23 +657,66 @@ static smp_status gpt_dropout_backward(smp_call_ctx *c) {
 
 #endif /* MLP_ENGINE_NO_BLAS */
 
+/* ---------------------------------------------------------------- tensor parallelism */
+/* The bias of a row-parallel linear (its gpt_linear is the module's user),
+   added once the TP ranks' partial sums are reduced: y = x + b; the
+   gradient is c_proj's bias's (db += column sums of dy, rows in order),
+   the same on every TP rank. Host loops: only a host model splits. */
+static smp_status gpt_bias_forward(smp_call_ctx *c) {
+    const gpt_linear *l = (const gpt_linear *)smp_module_user(smp_call_module(c));
+    const smp_tensor *x = smp_call_input(c, 0);
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
+    if (!y) return SMP_ERR_NOMEM;
+    const float *xs = (const float *)x->data, *b = (const float *)smp_param_value(l->bias)->data;
+    float *ys = (float *)y->data;
+    for (int r = 0, n = gpt__rows(x, l->out); r < n; r++)
+        for (int j = 0; j < l->out; j++) ys[(size_t)r * l->out + j] = xs[(size_t)r * l->out + j] + b[j];
+    return SMP_OK;
+}
+
+static smp_status gpt_bias_backward(smp_call_ctx *c) {
+    const gpt_linear *l = (const gpt_linear *)smp_module_user(smp_call_module(c));
+    const smp_tensor *dy = smp_call_grad_output(c, 0);
+    smp_tensor *dx = smp_call_grad_input(c, 0);
+    const float *d = (const float *)dy->data;
+    float *db = (float *)smp_param_grad(l->bias)->data;
+    for (int r = 0, n = gpt__rows(dy, l->out); r < n; r++)
+        for (int j = 0; j < l->out; j++) db[j] += d[(size_t)r * l->out + j];
+    if (dx) memcpy(dx->data, dy->data, smp_tensor_nbytes(dy));
+    return SMP_OK;
+}
+
+/* A linear and, when it is row-parallel, the reduce over TP_GROUP and its
+   bias; `into`, when set, enters the tensor-parallel region first. */
+static smp_status gpt__tp_linear(smp_module *into, smp_module *lin, smp_module *reduce, smp_module *bias, smp_tensor *x,
+                                 smp_tensor *y) {
+    if (into) SMP_TRY(smp_call(into, x, 1, x, 1));
+    SMP_TRY(smp_call(lin, x, 1, y, 1));
+    if (reduce) SMP_TRY(smp_call(reduce, y, 1, y, 1));
+    if (bias) SMP_TRY(smp_call(bias, y, 1, y, 1));
+    return SMP_OK;
+}
+
 /* ---------------------------------------------------------------- composites */
+/* With tp > 1 each is Megatron's: tp_copy, the column-parallel linear (this
+   rank's heads, or its 1/tp of the MLP's width), what runs on that part
+   alone, the row-parallel linear, tp_reduce, its bias. */
 static smp_status gpt_attn_forward(smp_call_ctx *c) {
     const gpt_block *b = (const gpt_block *)smp_module_user(smp_call_module(c));
-    smp_tensor qkv, y, o;
-    SMP_TRY(smp_call(b->c_attn, smp_call_input(c, 0), 1, &qkv, 1));
+    smp_tensor x = *smp_call_input(c, 0), qkv, y, o;
+    SMP_TRY(gpt__tp_linear(b->attn_copy, b->c_attn, NULL, NULL, &x, &qkv));
     SMP_TRY(smp_call(b->sdpa, &qkv, 1, &y, 1));
-    SMP_TRY(smp_call(b->attn_proj, &y, 1, &o, 1));
+    SMP_TRY(gpt__tp_linear(NULL, b->attn_proj, b->attn_reduce, b->attn_bias, &y, &o));
     if (b->attn_drop) SMP_TRY(smp_call(b->attn_drop, &o, 1, &o, 1));
     return smp_call_set_output(c, 0, &o);
 }
 
 static smp_status gpt_mlp_forward(smp_call_ctx *c) {
     const gpt_block *b = (const gpt_block *)smp_module_user(smp_call_module(c));
-    smp_tensor h, a, o;
-    SMP_TRY(smp_call(b->c_fc, smp_call_input(c, 0), 1, &h, 1));
+    smp_tensor x = *smp_call_input(c, 0), h, a, o;
+    SMP_TRY(gpt__tp_linear(b->mlp_copy, b->c_fc, NULL, NULL, &x, &h));
     SMP_TRY(smp_call(b->gelu, &h, 1, &a, 1));
-    SMP_TRY(smp_call(b->mlp_proj, &a, 1, &o, 1));
+    SMP_TRY(gpt__tp_linear(NULL, b->mlp_proj, b->mlp_reduce, b->mlp_bias, &a, &o));
     if (b->mlp_drop) SMP_TRY(smp_call(b->mlp_drop, &o, 1, &o, 1));
     return smp_call_set_output(c, 0, &o);
 }
@@ -668,10 +742,12 @@ static smp_status gpt_forward(smp_model *m, const smp_tensor *in, int nin, smp_t
     const gpt *g = (const gpt *)user;
     smp_tensor x;
     SMP_TRY(smp_call(g->wte, &in[0], 1, &x, 1));          /* embedding lookup */
+    if (g->wte_reduce) SMP_TRY(smp_call(g->wte_reduce, &x, 1, &x, 1)); /* tp > 1: each rank looked up its rows */
     SMP_TRY(smp_call(g->wpe, &x, 1, &x, 1));
     for (int i = 0; i < g->cfg.n_layer; i++) SMP_TRY(smp_call(g->blocks[i].mod, &x, 1, &x, 1));
     SMP_TRY(smp_call(g->ln_f, &x, 1, &x, 1));
-    return smp_call(g->wte, &x, 1, &out[0], 1);            /* the same module: tied output projection */
+    if (g->head_copy) SMP_TRY(smp_call(g->head_copy, &x, 1, &x, 1));
+    return smp_call(g->wte, &x, 1, &out[0], 1); /* the same module: the tied head (tp > 1: this rank's logits) */
 }
 
 /* ---------------------------------------------------------------- building it */
@@ -692,17 +768,52 @@ static void gpt_init_normal(smp_tensor *w, uint64_t seed, void *user) {
 
 static const float gpt__std = 0.02f, gpt__one = 1.0f;
 
+/* nn.Linear(in, out) named `name`. With g->tp > 1, split as `split` says:
+   a column-parallel one's weight and bias sharded along the outputs (in
+   `blocks` blocks, each split tp ways: c_attn's q, k and v, so that a rank
+   holds the same heads of each; its declared shape is then [blocks,
+   out / blocks, in], the values those of [out, in]), a row-parallel one's
+   weight along the inputs, its bias whole. */
 static void gpt__linear(gpt_linear *l, const gpt *g, smp_module *parent, const char *name, int in, int out, const float *std,
-                        smp_module **mod) {
+                        int split, int blocks, smp_module **mod) {
     smp_module_desc d = {g->leaves->linear_forward, NULL, l};
-    l->in = in;
-    l->out = out;
+    int tp = g->tp;
+    l->split = tp > 1 ? split : GPT_SPLIT_NONE;
+    l->in = l->split == GPT_SPLIT_ROW ? in / tp : in;
+    l->out = l->split == GPT_SPLIT_COLUMN ? out / tp : out;
     l->g = g;
     *mod = smp_module_new(parent, name, &d);
     smp_module_set_backward_split(*mod, g->leaves->linear_backward_input, g->leaves->linear_backward_weight);
     const int64_t wshape[2] = {out, in}, bshape[1] = {out};
-    l->weight = smp_param_new(*mod, "weight", SMP_F32, 2, wshape, gpt_init_normal, (void *)std);
-    l->bias = smp_param_new(*mod, "bias", SMP_F32, 1, bshape, smp_init_constant, NULL);
+    const int64_t wblocks[3] = {blocks, out / blocks, in}, bblocks[2] = {blocks, out / blocks};
+    if (l->split == GPT_SPLIT_COLUMN && blocks > 1) {
+        l->weight = smp_param_new_sharded(*mod, "weight", SMP_F32, 3, wblocks, 1, gpt_init_normal, (void *)std);
+        l->bias = smp_param_new_sharded(*mod, "bias", SMP_F32, 2, bblocks, 1, smp_init_constant, NULL);
+    } else if (l->split == GPT_SPLIT_COLUMN) {
+        l->weight = smp_param_new_sharded(*mod, "weight", SMP_F32, 2, wshape, 0, gpt_init_normal, (void *)std);
+        l->bias = smp_param_new_sharded(*mod, "bias", SMP_F32, 1, bshape, 0, smp_init_constant, NULL);
+    } else {
+        void *u = (void *)std;
+        l->weight = l->split == GPT_SPLIT_ROW
+                        ? smp_param_new_sharded(*mod, "weight", SMP_F32, 2, wshape, 1, gpt_init_normal, u)
+                        : smp_param_new(*mod, "weight", SMP_F32, 2, wshape, gpt_init_normal, u);
+        l->bias = smp_param_new(*mod, "bias", SMP_F32, 1, bshape, smp_init_constant, NULL);
+    }
+}
+
+/* The modules around a row-parallel linear `lin` (named `name`): tp_copy
+   before the column-parallel one, tp_reduce and the bias after `lin`. */
+static void gpt__tp_region(const gpt *g, smp_module *parent, const char *name, gpt_linear *lin, smp_module **into,
+                           smp_module **reduce, smp_module **bias) {
+    if (g->tp == 1) return;
+    char n[64];
+    const smp_module_desc d = {gpt_bias_forward, gpt_bias_backward, lin};
+    snprintf(n, sizeof n, "%s_tp_in", name);
+    *into = smp_module_new_tp_copy(parent, n);
+    snprintf(n, sizeof n, "%s_tp_out", name);
+    *reduce = smp_module_new_tp_reduce(parent, n);
+    snprintf(n, sizeof n, "%s_bias", name);
+    *bias = smp_module_new(parent, n, &d);
 }
 
 static smp_module *gpt__norm(gpt_norm *l, const gpt *g, smp_module *parent, const char *name, int C) {
@@ -731,6 +842,19 @@ static smp_status gpt_build_with(gpt *g, const gpt_config *cfg, bool recompute, 
     if (cfg->vocab < 1 || nl < 1 || C < 1 || cfg->n_head < 1 || C % cfg->n_head || cfg->block_size < 1)
         return smp_error(SMP_ERR_ARG, "bad model size: vocab %d, %d layers, width %d, %d heads (must divide the width), context %d",
                          cfg->vocab, nl, C, cfg->n_head, cfg->block_size);
+    int tp = g->tp = smp_tp_size();
+    if (tp > 1 && leaves->on_device)
+        return smp_error(SMP_ERR_CONFIG, "tensor_parallel_degree = %d: the device GPT (gpt.cu) does not split layers; "
+                         "run it with tensor_parallel_degree 1, or gpt.c with --tp", tp);
+    if (cfg->n_head % tp)
+        return smp_error(SMP_ERR_CONFIG, "%d heads do not split over tensor_parallel_degree = %d: make --heads a "
+                         "multiple of %d, or choose a --tp that divides %d", cfg->n_head, tp, tp, cfg->n_head);
+    if ((4 * C) % tp)
+        return smp_error(SMP_ERR_CONFIG, "the MLP's width 4 x %d does not split over tensor_parallel_degree = %d: "
+                         "choose a --tp that divides %d", C, tp, 4 * C);
+    if (cfg->vocab % tp)
+        return smp_error(SMP_ERR_CONFIG, "the vocabulary of %d does not split over tensor_parallel_degree = %d: "
+                         "choose a --tp that divides %d", cfg->vocab, tp, cfg->vocab);
     static float proj_std;
     proj_std = gpt__std / sqrtf(2.0f * (float)nl);
     g->blocks = (gpt_block *)calloc((size_t)nl, sizeof(gpt_block));
@@ -741,7 +865,10 @@ static smp_status gpt_build_with(gpt *g, const gpt_config *cfg, bool recompute, 
     g->root = smp_module_new(NULL, "", NULL);
     g->transformer = smp_module_new(g->root, "transformer", NULL);
     g->wte = smp_module_new(g->transformer, "wte", &wte);
-    g->wte_w = smp_param_new(g->wte, "weight", SMP_F32, 2, wte_shape, gpt_init_normal, (void *)&gpt__std);
+    void *std = (void *)&gpt__std;
+    g->wte_w = tp > 1 ? smp_param_new_sharded(g->wte, "weight", SMP_F32, 2, wte_shape, 0, gpt_init_normal, std)
+                      : smp_param_new(g->wte, "weight", SMP_F32, 2, wte_shape, gpt_init_normal, std);
+    if (tp > 1) g->wte_reduce = smp_module_new_tp_reduce(g->transformer, "wte_tp_out"); /* vocabulary-parallel */
     g->wpe = smp_module_new(g->transformer, "wpe", &wpe);
     g->wpe_w = smp_param_new(g->wpe, "weight", SMP_F32, 2, wpe_shape, gpt_init_normal, (void *)&gpt__std);
     g->h = smp_module_new(g->transformer, "h", NULL);
@@ -756,21 +883,24 @@ static smp_status gpt_build_with(gpt *g, const gpt_config *cfg, bool recompute, 
         b->mod = smp_module_new(g->h, name, &block);
         b->ln_1 = gpt__norm(&b->n1, g, b->mod, "ln_1", C);
         b->attn = smp_module_new(b->mod, "attn", &attn);
-        gpt__linear(&b->l_attn, g, b->attn, "c_attn", C, 3 * C, &gpt__std, &b->c_attn);
+        gpt__linear(&b->l_attn, g, b->attn, "c_attn", C, 3 * C, &gpt__std, GPT_SPLIT_COLUMN, 3, &b->c_attn);
         b->sdpa = smp_module_new(b->attn, "sdpa", &sdpa);
-        gpt__linear(&b->l_aproj, g, b->attn, "c_proj", C, C, &proj_std, &b->attn_proj);
+        gpt__linear(&b->l_aproj, g, b->attn, "c_proj", C, C, &proj_std, GPT_SPLIT_ROW, 1, &b->attn_proj);
+        gpt__tp_region(g, b->attn, "c_proj", &b->l_aproj, &b->attn_copy, &b->attn_reduce, &b->attn_bias);
         if (cfg->dropout > 0) b->attn_drop = smp_module_new(b->attn, "resid_dropout", &drop);
         b->add_1 = smp_module_new_add(b->mod, "add_1");
         b->ln_2 = gpt__norm(&b->n2, g, b->mod, "ln_2", C);
         b->mlp = smp_module_new(b->mod, "mlp", &mlp);
-        gpt__linear(&b->l_fc, g, b->mlp, "c_fc", C, 4 * C, &gpt__std, &b->c_fc);
+        gpt__linear(&b->l_fc, g, b->mlp, "c_fc", C, 4 * C, &gpt__std, GPT_SPLIT_COLUMN, 1, &b->c_fc);
         b->gelu = smp_module_new(b->mlp, "gelu", &gelu);
-        gpt__linear(&b->l_mproj, g, b->mlp, "c_proj", 4 * C, C, &proj_std, &b->mlp_proj);
+        gpt__linear(&b->l_mproj, g, b->mlp, "c_proj", 4 * C, C, &proj_std, GPT_SPLIT_ROW, 1, &b->mlp_proj);
+        gpt__tp_region(g, b->mlp, "c_proj", &b->l_mproj, &b->mlp_copy, &b->mlp_reduce, &b->mlp_bias);
         if (cfg->dropout > 0) b->mlp_drop = smp_module_new(b->mlp, "dropout", &drop);
         b->add_2 = smp_module_new_add(b->mod, "add_2");
         if (recompute) smp_module_set_recompute(b->mod, true);
     }
     g->ln_f = gpt__norm(&g->nf, g, g->transformer, "ln_f", C);
+    if (tp > 1) g->head_copy = smp_module_new_tp_copy(g->transformer, "lm_head_tp_in"); /* dx: summed over V */
     smp_model_desc md;
     memset(&md, 0, sizeof md);
     md.forward = gpt_forward;
@@ -835,17 +965,81 @@ static double gpt_xent(const float *logits, const int32_t *target, int n, int V,
 }
 
 #ifndef MLP_ENGINE_NO_BLAS
+/* Sums over TP_GROUP of n values per rank, added in tp-rank order (from an
+   all-gather) so that every rank holds the same bits; max: the largest
+   instead. all is scratch of tp x n. */
+static smp_status gpt__tp_combine(float *v, float *all, int n, bool max) {
+    int tp = smp_tp_size();
+    smp_tensor in = smp_tensor_1d(v, SMP_F32, n), out = smp_tensor_1d(all, SMP_F32, (int64_t)n * tp);
+    SMP_TRY(smp_all_gather(&in, &out, SMP_TP_GROUP));
+    for (int i = 0; i < n; i++) {
+        float a = all[i];
+        for (int r = 1; r < tp; r++) a = max ? fmaxf(a, all[(size_t)r * n + i]) : a + all[(size_t)r * n + i];
+        v[i] = a;
+    }
+    return SMP_OK;
+}
+
+/* gpt_xent with the vocabulary split over TP_GROUP (tp > 1): logits holds
+   this rank's Vl columns of each row, vocabulary ids [first, first + Vl).
+   The row maxima, then the sums of exp(z - max) and the targets' logits
+   are combined across the group (gpt__tp_combine), so no rank ever holds a
+   whole row; every rank returns the same loss, and dlogits gets its
+   columns of grad_scale * (softmax - onehot). Collective over TP_GROUP. */
+static smp_status gpt_xent_tp(const float *logits, const int32_t *target, int n, int Vl, int first, float *dlogits,
+                              float grad_scale, double *loss) {
+    int tp = smp_tp_size();
+    float *v = (float *)malloc(sizeof(float) * 3 * (size_t)n);
+    float *all = (float *)malloc(sizeof(float) * 2 * (size_t)n * tp);
+    smp_status st = v && all ? SMP_OK : smp_error(SMP_ERR_NOMEM, "out of memory for the cross-entropy's sums");
+    float *mx = v, *sum = v + n, *tz = v + 2 * (size_t)n; /* sum and tz travel together */
+    for (int r = 0; r < n && !st; r++) {
+        const float *z = logits + (size_t)r * Vl;
+        float m = z[0];
+        for (int j = 1; j < Vl; j++) m = z[j] > m ? z[j] : m;
+        mx[r] = m;
+    }
+    if (!st) st = gpt__tp_combine(mx, all, n, true);
+    for (int r = 0; r < n && !st; r++) {
+        const float *z = logits + (size_t)r * Vl;
+        float s = 0;
+        for (int j = 0; j < Vl; j++) s += expf(z[j] - mx[r]);
+        sum[r] = s;
+        int t = target[r] - first;
+        tz[r] = t >= 0 && t < Vl ? z[t] : 0.0f; /* on the one rank that holds it */
+    }
+    if (!st) st = gpt__tp_combine(sum, all, 2 * n, false);
+    double total = 0;
+    for (int r = 0; r < n && !st; r++) {
+        total += (double)(mx[r] + logf(sum[r]) - tz[r]);
+        if (!dlogits) continue;
+        const float *z = logits + (size_t)r * Vl;
+        float *d = dlogits + (size_t)r * Vl, inv = 1.0f / sum[r];
+        for (int j = 0; j < Vl; j++) d[j] = expf(z[j] - mx[r]) * inv * grad_scale;
+        int t = target[r] - first;
+        if (t >= 0 && t < Vl) d[t] -= grad_scale;
+    }
+    *loss = n ? total / n : 0;
+    free(v);
+    free(all);
+    return st;
+}
+
 /* The step body: arguments 0 ids [B, T], 1 targets [B, T] (i32). Returns
    the microbatch's mean loss over its tokens (f64) as StepOutput 0, and
    writes its gradient where training (smp scales it by 1/microbatches). */
 SMP_STEP_BODY(gpt_loss_body) {
     const smp_tensor *logits = smp_mb_output(mb, 0), *target = smp_mb_arg(mb, 1);
     smp_tensor *dlogits = smp_mb_output_grad(mb, 0); /* NULL in evaluation */
-    int V = (int)logits->shape[logits->ndim - 1], n = (int)smp_tensor_numel(target);
+    int Vl = (int)logits->shape[logits->ndim - 1], V = Vl * smp_tp_size(); /* tp > 1: this rank's Vl of V */
+    int n = (int)smp_tensor_numel(target);
     const int32_t *t = (const int32_t *)target->data;
     for (int i = 0; i < n; i++)
         if (t[i] < 0 || t[i] >= V) return smp_error(SMP_ERR_ARG, "target %d at position %d is outside the vocabulary of %d", t[i], i, V);
-    double loss = gpt_xent((const float *)logits->data, t, n, V, dlogits ? (float *)dlogits->data : NULL, 1.0f / (float)n);
+    double loss;
+    float *d = dlogits ? (float *)dlogits->data : NULL;
+    if (V == Vl) loss = gpt_xent((const float *)logits->data, t, n, V, d, 1.0f / (float)n);
+    else SMP_TRY(gpt_xent_tp((const float *)logits->data, t, n, Vl, Vl * smp_tp_rank(), d, 1.0f / (float)n, &loss));
     smp_tensor lt = smp_tensor_1d(&loss, SMP_F64, 1);
     return smp_mb_return(mb, 0, &lt);
 }

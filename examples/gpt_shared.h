@@ -24,6 +24,7 @@ typedef struct options {
     float lr, min_lr, weight_decay, beta1, beta2, clip, temperature;
     const char *data, *save, *prompt, *config_json;
     const char *logits, *grads; /* --logits TEXT, --grads PATH (for tests) */
+    const char *params;         /* --params PATH: every parameter's full tensor after training (gpt.c, for tests) */
     bool recompute, print_losses, digest;
     bool bf16;          /* gpt.cu: bf16 GEMM inputs, f32 accumulation and master weights */
     int vocab_multiple; /* gpt.cu: the vocabulary padded to a multiple of this (0: the corpus's) */
@@ -39,12 +40,15 @@ static void usage(const char *prog) {
     fprintf(stderr,
             "usage: %s [--steps N] [--batch B] [--lr X] [--min-lr X] [--warmup N] [--weight-decay X]\n"
             "          [--layers L] [--dmodel C] [--heads H] [--context T] [--dropout P]\n"
-            "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved|zero_bubble|zero_bubble_v] [--ddp]\n"
+            "          [--partitions P] [--tp N] [--microbatches M]\n"
+            "          [--pipeline simple|interleaved|zero_bubble|zero_bubble_v] [--ddp]\n"
             "          [--deterministic] [--recompute] [--shard-optimizer] [--config JSON] [--data DIR] [--save PATH]\n"
             "          [--val-batches N] [--prompt TEXT] [--sample-len N] [--temperature X] [--seed S]\n"
             "          [--threads N] [--log-every N] [--print-losses] [--digest] [--replicas R]\n"
-            "          [--logits TEXT] [--grads PATH]\n"
+            "          [--logits TEXT] [--grads PATH] [--params PATH]\n"
             "  --batch is the global batch in sequences of --context characters\n"
+            "  --tp N splits every layer over N ranks (tensor_parallel_degree; gpt.c): heads, MLP, vocabulary\n"
+            "  --params PATH saves every parameter's full tensor after training (gpt.c, any --tp)\n"
             "  --save \"\" skips the checkpoint\n"
             "  --logits TEXT prints the logits of the character after TEXT once trained (hex floats)\n"
             "  --grads PATH saves the weights, gradients, batch and loss of the first step (one replica)\n"
@@ -104,6 +108,8 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
         else if (OPT("--dropout")) o->model.dropout = strtof(v, NULL);
         else if (OPT("--seed")) o->seed = atoi(v);
         else if (OPT("--partitions")) o->cfg.partitions = atoi(v);
+        else if (!device && OPT("--tp")) o->cfg.tensor_parallel_degree = atoi(v);
+        else if (!device && OPT("--params")) o->params = v;
         else if (OPT("--microbatches")) o->cfg.microbatches = atoi(v);
         else if (OPT("--pipeline")) {
             if (!strcmp(v, "simple")) o->cfg.pipeline = SMP_PIPELINE_SIMPLE;
@@ -356,6 +362,25 @@ static void print_placement(smp_model *model, const gpt *g) {
 SMP_STEP_BODY(next_logits_body) {
     const smp_tensor *logits = smp_mb_output(mb, 0);
     int pos = *(const int *)smp_mb_user(mb), rows = (int)logits->shape[0], T = (int)logits->shape[1], V = (int)logits->shape[2];
+    int tp = smp_tp_size();
+    if (tp > 1) { /* this rank's columns of each row's logits: the rows joined from the TP group (host: gpt.c) */
+        size_t bytes = sizeof(float) * (size_t)rows * V;
+        float *mine = (float *)malloc(bytes), *all = (float *)malloc(bytes * tp), *out = (float *)malloc(bytes * tp);
+        smp_status st = mine && all && out ? SMP_OK : smp_error(SMP_ERR_NOMEM, "out of memory");
+        for (int r = 0; r < rows && !st; r++)
+            memcpy(mine + (size_t)r * V, (const float *)logits->data + ((size_t)r * T + pos) * V,
+                   sizeof(float) * (size_t)V);
+        smp_tensor a = smp_tensor_1d(mine, SMP_F32, (int64_t)rows * V);
+        smp_tensor b = smp_tensor_1d(all, SMP_F32, (int64_t)rows * V * tp);
+        if (!st) st = smp_all_gather(&a, &b, SMP_TP_GROUP); /* [tp rank][row][column] */
+        for (int q = 0; q < tp && !st; q++)
+            for (int r = 0; r < rows; r++)
+                memcpy(out + ((size_t)r * tp + q) * V, all + ((size_t)q * rows + r) * V, sizeof(float) * (size_t)V);
+        smp_tensor t = smp_tensor_2d(out, SMP_F32, rows, (int64_t)V * tp);
+        if (!st) st = smp_mb_return(mb, 0, &t);
+        free(mine); free(all); free(out);
+        return st;
+    }
     if (rows == 1) {
         smp_tensor t = smp_tensor_2d((float *)logits->data + (size_t)pos * V, SMP_F32, 1, V);
         t.device = logits->device;
@@ -453,19 +478,22 @@ static smp_status generate(smp_model *model, const corpus *c, const options *o, 
     return st;
 }
 
-/* A 64-bit FNV-1a of every parameter, gathered on rank 0: "param NAME HASH". */
+/* "param NAME HASH": a 64-bit FNV-1a of a host tensor's bytes. */
+static void print_param_digest(const char *name, const smp_tensor *t) {
+    const unsigned char *b = (const unsigned char *)t->data;
+    size_t nb = smp_tensor_nbytes(t);
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t k = 0; k < nb; k++) h = (h ^ b[k]) * 0x100000001b3ull;
+    printf("param %s %016llx\n", name, (unsigned long long)h);
+}
+
+/* The digest of every parameter, gathered on rank 0. */
 static smp_status print_digest(smp_model *model) {
     smp_state_dict sd;
     memset(&sd, 0, sizeof sd);
     smp_status st = smp_model_state_dict(model, NULL, 0, &sd);
     if (st) return st;
-    for (int i = 0; i < sd.n; i++) {
-        const unsigned char *b = (const unsigned char *)sd.entries[i].tensor.data;
-        size_t nb = smp_tensor_nbytes(&sd.entries[i].tensor);
-        uint64_t h = 0xcbf29ce484222325ull;
-        for (size_t k = 0; k < nb; k++) h = (h ^ b[k]) * 0x100000001b3ull;
-        printf("param %s %016llx\n", sd.entries[i].name, (unsigned long long)h);
-    }
+    for (int i = 0; i < sd.n; i++) print_param_digest(sd.entries[i].name, &sd.entries[i].tensor);
     smp_state_dict_free(&sd);
     return SMP_OK;
 }

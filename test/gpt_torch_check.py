@@ -1,6 +1,7 @@
 """The GPT example (examples/gpt.c) against PyTorch.
 
 usage: gpt_torch_check.py CHECKPOINT CORPUS_DIR GPT_OUTPUT VAL_BATCHES BATCH CONTEXT [GRADS]
+       gpt_torch_check.py --grads-only GRADS LABEL      (the gradients alone, e.g. of a --tp run; LABEL names it)
 
 CHECKPOINT is the full checkpoint gpt.c saved (--save), GPT_OUTPUT what it
 printed with --print-losses --val-batches VAL_BATCHES --batch BATCH
@@ -27,7 +28,9 @@ import sys
 
 from safetensors_common import check, exit_status, read_numpy
 
-NAMES = ["strict load", "validation loss", "logits"] + (["first step's loss", "gradients"] if len(sys.argv) > 7 else [])
+GRADS_ONLY = len(sys.argv) == 4 and sys.argv[1] == "--grads-only"
+NAMES = ([] if GRADS_ONLY else ["strict load", "validation loss", "logits"]) + \
+    (["first step's loss", "gradients"] if len(sys.argv) > 7 or GRADS_ONLY else [])
 try:
     import numpy as np
     import torch
@@ -110,39 +113,43 @@ def mean_loss(model, x, y):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(np.asarray(y, dtype=np.int64)).reshape(-1))
 
 
-ckpt, corpus, output, val_batches, batch, context = sys.argv[1:7]
-grads = sys.argv[7] if len(sys.argv) > 7 else None
-val_batches, batch = int(val_batches), int(batch)
-printed = {}
-for line in open(output, errors="replace"):
-    w = line.split()
-    if w and w[0] in ("validation", "logits") and (len(w) == 2 or w[0] == "logits"):
-        printed[w[0]] = [float.fromhex(v) for v in w[1:]]
+def check_checkpoint(ckpt, corpus, output, val_batches, batch, context):
+    """The full checkpoint: strict load, validation loss and logits against gpt.c's output."""
+    val_batches, batch = int(val_batches), int(batch)
+    printed = {}
+    for line in open(output, errors="replace"):
+        w = line.split()
+        if w and w[0] in ("validation", "logits") and (len(w) == 2 or w[0] == "logits"):
+            printed[w[0]] = [float.fromhex(v) for v in w[1:]]
+    try:
+        model, meta, _ = load(ckpt)
+        model.eval()
+        check(True, "gpt/torch: the full checkpoint loads with strict names into a PyTorch GPT "
+              "(lm_head.weight tied to transformer.wte.weight)")
+    except (RuntimeError, KeyError, ValueError) as e:
+        check(False, "gpt/torch: the full checkpoint loads with strict names into a PyTorch GPT", str(e)[:400])
+        sys.exit(exit_status())
 
-try:
-    model, meta, _ = load(ckpt)
-    model.eval()
-    check(True, "gpt/torch: the full checkpoint loads with strict names into a PyTorch GPT (lm_head.weight tied to transformer.wte.weight)")
-except (RuntimeError, KeyError, ValueError) as e:
-    check(False, "gpt/torch: the full checkpoint loads with strict names into a PyTorch GPT", str(e)[:400])
-    sys.exit(exit_status())
+    with torch.no_grad():
+        # (a) the validation loss: gpt.c's is the mean of val_batches batch means, all of the same size
+        T = int(meta["block_size"])
+        ids = gpt_data.encode(gpt_data.validation_text(corpus), meta["vocab_bytes"])
+        x, y = gpt_data.validation_windows(ids, T, val_batches, batch)
+        loss = mean_loss(model, x, y).item()
+        c_loss = printed.get("validation", [math.nan])[0]
+        check(abs(loss - c_loss) < 1e-4,
+              f"gpt/torch: validation loss equals gpt.c's within 1e-4 ({loss:.6f} against {c_loss:.6f})",
+              f"torch {loss:.8f}, gpt.c {c_loss:.8f} ({len(x)} windows)")
 
-with torch.no_grad():
-    # (a) the validation loss: gpt.c's is the mean of val_batches batch means, all of the same size
-    T = int(meta["block_size"])
-    ids = gpt_data.encode(gpt_data.validation_text(corpus), meta["vocab_bytes"])
-    x, y = gpt_data.validation_windows(ids, T, val_batches, batch)
-    loss = mean_loss(model, x, y).item()
-    c_loss = printed.get("validation", [math.nan])[0]
-    check(abs(loss - c_loss) < 1e-4, f"gpt/torch: validation loss equals gpt.c's within 1e-4 ({loss:.6f} against {c_loss:.6f})",
-          f"torch {loss:.8f}, gpt.c {c_loss:.8f} ({len(x)} windows)")
+        # (b) the next-character logits after the context
+        z = model(torch.from_numpy(gpt_data.encode(context.encode(), meta["vocab_bytes"])[None]))[0, -1].numpy()
+        c_z = np.array(printed.get("logits", []))
+        err = float(np.abs(z - c_z).max()) if c_z.shape == z.shape else math.inf
+        check(err < 1e-4,
+              f"gpt/torch: the logits after \"{context}\" equal gpt.c's within 1e-4 "
+              f"(largest difference {err:.1e} of {len(z)})",
+              f"largest difference {err:.3e} (gpt.c printed {len(c_z)} logits, torch has {len(z)})")
 
-    # (b) the next-character logits after the context
-    z = model(torch.from_numpy(gpt_data.encode(context.encode(), meta["vocab_bytes"])[None]))[0, -1].numpy()
-    c_z = np.array(printed.get("logits", []))
-    err = float(np.abs(z - c_z).max()) if c_z.shape == z.shape else math.inf
-    check(err < 1e-4, f"gpt/torch: the logits after \"{context}\" equal gpt.c's within 1e-4 (largest difference {err:.1e} of {len(z)})",
-          f"largest difference {err:.3e} (gpt.c printed {len(c_z)} logits, torch has {len(z)})")
 
 # (c) the first step's gradients: float64 autograd against gpt.c's float32 backward. The bound, per
 # parameter: max |g_c - g_torch| <= GRAD_BOUND * max |g_torch|. Float32 rounds each operation to
@@ -155,14 +162,18 @@ with torch.no_grad():
 # layernorm eps of 1e-6 instead of 1e-5 6e-3, an untied lm_head 1.3, a wrong scale or a missing
 # term O(1).
 GRAD_BOUND = 1e-5
-if grads:
+
+
+def check_grads(grads, label):
+    """From the weights in grads, on its batch: the loss and every gradient against autograd."""
     model, meta, tensors = load(grads)
     x, y = tensors["batch.x"], tensors["batch.y"]
     loss = mean_loss(model, x, y)
     loss.backward()
     c_loss = float.fromhex(meta["loss"])
     check(abs(loss.item() - c_loss) < 1e-5,
-          f"gpt/torch: the first training step's loss equals gpt.c's within 1e-5 ({loss.item():.6f} against {c_loss:.6f})",
+          f"gpt/torch{label}: the first training step's loss equals gpt.c's within 1e-5 "
+          f"({loss.item():.6f} against {c_loss:.6f})",
           f"torch {loss.item():.8f}, gpt.c {c_loss:.8f}")
     worst, bad, n = (0.0, ""), [], 0
     for name, p in model.named_parameters():  # the tied weight once, under transformer.wte.weight
@@ -177,7 +188,15 @@ if grads:
         if not rel <= GRAD_BOUND:
             bad.append(f"{name}: {rel:.2e} of its largest entry")
     check(not bad and n > 0,
-          f"gpt/torch: the first step's gradients of all {n} parameters equal float64 autograd's within {GRAD_BOUND:g} of each "
+          f"gpt/torch{label}: the first step's gradients of all {n} parameters equal float64 autograd's "
+          f"within {GRAD_BOUND:g} of each "
           f"one's largest entry (worst {worst[0]:.1e}, {worst[1]})", "; ".join(bad[:4]))
 
+
+if GRADS_ONLY:
+    check_grads(sys.argv[2], f" ({sys.argv[3]})")
+else:
+    check_checkpoint(*sys.argv[1:7])
+    if len(sys.argv) > 7:
+        check_grads(sys.argv[7], "")
 sys.exit(exit_status())

@@ -36,7 +36,8 @@ static int cfg_equal(const smp_config *a, const smp_config *b) {
            a->bucket_cap_mb == b->bucket_cap_mb && a->broadcast_buffers == b->broadcast_buffers &&
            a->activation_checkpointing == b->activation_checkpointing &&
            a->virtual_stages == b->virtual_stages && a->deterministic_reduction == b->deterministic_reduction &&
-           a->timeout == b->timeout && a->seed == b->seed && memcmp(&a->comm, &b->comm, sizeof a->comm) == 0;
+           a->timeout == b->timeout && a->seed == b->seed && a->prescaled_batch == b->prescaled_batch &&
+           memcmp(&a->comm, &b->comm, sizeof a->comm) == 0;
 }
 
 /* A config with a non-default value in every field, to see what a failed
@@ -129,6 +130,14 @@ static void test_parallel_degrees(void) {
     st = smp_config_resolve(&c, 4, &r);
     CHECK(st == SMP_OK && r.tensor_parallel_degree == 2, "degrees: pp 2 x tp 2 fills 4 ranks without ddp", "%s",
           smp_last_error());
+    c.prescaled_batch = SMP_OFF; /* each TP rank its own examples: smp does not join them */
+    expect_resolve_error("degrees: prescaled_batch false at tp 2", c, 4, "\"prescaled_batch\" is false", "smp_rdp_rank",
+                         "\"prescaled_batch\": true");
+    c.tensor_parallel_degree = 1;
+    st = smp_config_resolve(&c, 2, &r);
+    CHECK(st == SMP_OK && r.prescaled_batch == SMP_OFF, "degrees: prescaled_batch false at tp 1 (the same thing)", "%s",
+          smp_last_error());
+    c.prescaled_batch = SMP_DEFAULT;
     c.tensor_parallel_degree = -2;
     expect_resolve_error("degrees: negative tensor_parallel_degree", c, 4, "\"tensor_parallel_degree\"", "at least 1", NULL);
     expect_json_error("degrees: tensor_parallel_degree 0 in json", "{\"tensor_parallel_degree\": 0}",
@@ -184,6 +193,7 @@ static void test_defaults(void) {
           (int)r.deterministic_reduction);
     CHECK(r.timeout == 600.0, "defaults: timeout 600 without SMP_TIMEOUT", "%g", r.timeout);
     CHECK(r.seed == 0, "defaults: seed 0", "%llu", (unsigned long long)r.seed);
+    CHECK(r.prescaled_batch == SMP_ON, "defaults: prescaled_batch on", "%d", (int)r.prescaled_batch);
     CHECK(r.tensor_parallel_degree == 1 && r.pipeline_parallel_degree == 1, "defaults: tensor_parallel_degree 1, "
           "pipeline_parallel_degree = partitions", "%d %d", r.tensor_parallel_degree, r.pipeline_parallel_degree);
     CHECK(resolved_is_concrete(&r), "defaults: every enum and switch concrete", "not concrete");
@@ -258,6 +268,7 @@ static void test_every_key(void) {
         "  \"partitions\": 4,\n"
         "  \"pipeline_parallel_degree\": 4,\n"
         "  \"tensor_parallel_degree\": 2,\n"
+        "  \"prescaled_batch\": true,\n"
         "  \"microbatches\": 8,\n"
         "  \"pipeline\": \"simple\",\n"
         "  \"optimize\": \"memory\",\n"
@@ -283,7 +294,8 @@ static void test_every_key(void) {
     smp_config c;
     memset(&c, 0, sizeof c);
     smp_status st = smp_config_from_json(json, &c);
-    CHECK(st == SMP_OK, "json: all 24 keys parse", "%s", smp_last_error());
+    CHECK(st == SMP_OK, "json: all 25 keys parse", "%s", smp_last_error());
+    CHECK(c.prescaled_batch == SMP_ON, "json: prescaled_batch true", "%d", (int)c.prescaled_batch);
     CHECK(c.partitions == 4, "json: partitions", "%d", c.partitions);
     CHECK(c.pipeline_parallel_degree == 4, "json: pipeline_parallel_degree", "%d", c.pipeline_parallel_degree);
     CHECK(c.tensor_parallel_degree == 2, "json: tensor_parallel_degree", "%d", c.tensor_parallel_degree);

@@ -28,7 +28,12 @@
 # cache, and its linear layers run one row where the whole-context run
 # runs all of them through sgemm, so the float32 sums are rounded in other
 # orders); a context longer than the model's is an error on every rank
-# before anything runs.
+# before anything runs. Tensor parallelism (--tp 2, Megatron's layout):
+# at tp 2, 2 partitions under every schedule, recomputed blocks and DDP
+# bitwise the tp 2 run on one partition; tp 2 and tp 2 x 2 partitions
+# within 1e-5 of tp 1 after 20 steps; tp 2's first-step gradients against
+# float64 autograd; heads or a vocabulary --tp does not divide, and
+# --generate with --tp, are errors on every rank.
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 bin="${SMP_EXAMPLES:-$top/build/examples}/gpt" # SMP_EXAMPLES: another build (make test: build/examples-asan)
@@ -44,7 +49,8 @@ run() { # out, np, args...
   local out=$1 np=$2; shift 2
   mpirun -n "$np" "$bin" $tiny --logits "$ctx" "$@" >"$tmp/$out.raw" 2>"$tmp/$out.err"
   echo "exit $?" >>"$tmp/$out.raw"
-  grep -a -v -e 'tokens/s' -e '^placement:' -e '^gpt:' -e '^checkpoint:' -e '^gradients:' -e '^memory peak' "$tmp/$out.raw" >"$tmp/$out"
+  grep -a -v -e 'tokens/s' -e '^placement:' -e '^gpt:' -e '^checkpoint:' -e '^gradients:' -e '^memory peak' \
+    -e '^tensor-parallel collectives' "$tmp/$out.raw" >"$tmp/$out"
 }
 same() { # name, file a, file b
   if [ -s "$tmp/$2" ] && grep -q '^param ' "$tmp/$2" && grep -q '^logits ' "$tmp/$2" && grep -q 'exit 0' "$tmp/$2" && cmp -s "$tmp/$2" "$tmp/$3"; then echo "PASS: $1"
@@ -118,6 +124,67 @@ PY
 then echo "PASS: $dropdp_name"
 else echo "FAIL: $dropdp_name: $(tail -n 1 "$tmp/dropdp.check") $(head -c 300 "$tmp/dropdp.err")"; fi
 
+# tensor parallelism (--tp 2, Megatron's layout: c_attn column-parallel by heads, c_proj row-parallel, c_fc
+# column-parallel, the MLP's c_proj row-parallel, wte vocabulary-parallel and tied, the cross-entropy
+# vocabulary-parallel). At a fixed tp = 2: 2 partitions (4 ranks), every schedule, recomputed blocks, and DDP
+# 2 x 2 (deterministic) against the two replicas in one TP group (--replicas 2): bitwise, as at tp 1. --save ""
+# everywhere: smp's checkpoints refuse tensor_parallel_degree > 1 for now.
+run tp2 2 --partitions 1 --tp 2 --save ""
+for pipe in simple interleaved zero_bubble zero_bubble_v; do
+  run "tp2_p2_$pipe" 4 --partitions 2 --tp 2 --pipeline "$pipe" --save ""
+  same "gpt/tp 2, 2 partitions, $pipe pipeline: losses, parameters, validation, logits, sample bitwise as 1 partition" \
+    tp2 "tp2_p2_$pipe"
+done
+run tp2_rc 2 --partitions 1 --tp 2 --recompute --save ""
+same "gpt/tp 2, blocks recomputed (their TP collectives run again): equal tp 2 bitwise" tp2 tp2_rc
+run tp2_rep2 2 --partitions 1 --tp 2 --replicas 2 --save ""
+run tp2_dp2 4 --partitions 1 --tp 2 --ddp --deterministic --save ""
+same "gpt/tp 2 x DDP 2 (deterministic) equals one TP group running both replicas' shards, bitwise" tp2_rep2 tp2_dp2
+# Across tp: 20 steps at tp 2 (2 ranks) and tp 2 x pp 2 (4 ranks) against tp 1: every loss within 1e-5
+# relative, every parameter within 1e-5 of its largest entry (--params: the whole tensors). Float32 sums
+# the same terms in another order (the MLP's and attention's output over two halves, the softmax's sums
+# over two halves of the vocabulary): measured 3e-7 (losses) and 7e-6 (parameters). At --lr 1e-3: at 1e-2
+# this tiny model's AdamW turns rounding into chaos within 10 steps. The key bias (c_attn.bias[C:2C]) is
+# left out: its gradient is 0 in exact arithmetic (softmax ignores a constant added to a row of scores),
+# AdamW scales float32's leftover ~1e-12 up to steps of ~1e-7, so it holds noise; both runs must keep it
+# below 1e-4.
+long=(--steps 20 --lr 1e-3 --sample-len 0 --save "")
+run tp_ref 1 --partitions 1 "${long[@]}" --params "$tmp/tp_ref.st"
+run tp_2 2 --partitions 1 --tp 2 "${long[@]}" --params "$tmp/tp_2.st"
+run tp_2x2 4 --partitions 2 --tp 2 "${long[@]}" --params "$tmp/tp_2x2.st"
+for t in tp_2 tp_2x2; do
+  what=$([ "$t" = tp_2 ] && echo "tp 2" || echo "tp 2 x 2 partitions")
+  name="gpt/$what against tp 1 after 20 steps: losses within 1e-5 relative, parameters within 1e-5 of each tensor's"
+  name="$name largest entry"
+  if PYTHONPATH="$top/test" python3 - "$tmp/tp_ref" "$tmp/$t" "$tmp/tp_ref.st" "$tmp/$t.st" >"$tmp/tp.check" 2>&1 <<'PY'
+import sys
+import numpy as np
+from safetensors_common import read_numpy
+def losses(p):
+    lines = open(p, errors='replace').read().splitlines()
+    assert 'exit 0' in lines, (p, lines[-3:])
+    return [float.fromhex(l.split()[3]) for l in lines if l.startswith('step ')]
+a, b = losses(sys.argv[1]), losses(sys.argv[2])
+assert len(a) == len(b) == 20, (len(a), len(b))
+loss = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+pa, pb = read_numpy(sys.argv[3])[0], read_numpy(sys.argv[4])[0]
+assert pa.keys() == pb.keys() and len(pa) == 28, (sorted(pa), sorted(pb))
+worst, key = (0.0, ''), 0.0
+for k in pa:
+    x, y = pa[k], pb[k]
+    assert x.shape == y.shape, (k, x.shape, y.shape)
+    if k.endswith('attn.c_attn.bias'):
+        C = x.shape[0] // 3
+        key = max(key, float(abs(x[C:2 * C]).max()), float(abs(y[C:2 * C]).max()))
+        x, y = np.concatenate([x[:C], x[2 * C:]]), np.concatenate([y[:C], y[2 * C:]])
+    worst = max(worst, (float(abs(x - y).max() / abs(x).max()), k))
+print(f"losses {loss:.1e}, parameters {worst[0]:.1e} ({worst[1]}), key biases within {key:.0e} of 0")
+assert loss <= 1e-5 and worst[0] <= 1e-5 and key < 1e-4
+PY
+  then echo "PASS: $name ($(tail -n 1 "$tmp/tp.check"))"
+  else echo "FAIL: $name: $(tail -n 2 "$tmp/tp.check" | tr '\n' ' ') $(head -c 300 "$tmp/$t.err")"; fi
+done
+
 # training works: the loss falls well within a few steps
 if python3 - "$tmp/one" <<'PY'
 import sys
@@ -139,6 +206,12 @@ for py in python3 /usr/bin/python3; do
 done
 "$torch_py" "$top/test/gpt_torch_check.py" "$tmp/one.safetensors" /usr/share/games/fortunes "$tmp/one" 2 8 "$ctx" "$tmp/grads.safetensors" \
   || { rc=$?; [ $rc -eq 3 ] || echo "FAIL: gpt/torch: gpt_torch_check.py exited with status $rc"; } # 3: it reported a FAIL
+# ... and the first step's gradients at tp 2 (whole tensors gathered from the shards, c_attn as [3C, C])
+mpirun -n 2 "$bin" $tiny --partitions 1 --tp 2 --steps 1 --val-batches 0 --sample-len 0 --save "" \
+  --grads "$tmp/grads_tp2.safetensors" >"$tmp/grads_tp2.out" 2>&1 \
+  || echo "FAIL: gpt/torch (tp 2): --grads at tp 2: $(tail -c 300 "$tmp/grads_tp2.out")"
+"$torch_py" "$top/test/gpt_torch_check.py" --grads-only "$tmp/grads_tp2.safetensors" "tp 2" \
+  || { rc=$?; [ $rc -eq 3 ] || echo "FAIL: gpt/torch (tp 2): gpt_torch_check.py exited with status $rc"; }
 # the first step's gradients gathered from 2 partitions (the tied weight's summed over both copies): the same file
 mpirun -n 2 "$bin" $tiny --partitions 2 --steps 1 --val-batches 0 --sample-len 0 --save "" --grads "$tmp/grads2.safetensors" \
   >"$tmp/grads2.out" 2>&1
@@ -156,6 +229,11 @@ expect_error() { # name, pattern, np, args...
 expect_error "gpt/a missing corpus folder is an error on every rank" "$tmp/none: cannot open" 2 --partitions 2 --data "$tmp/none"
 expect_error "gpt/a prompt character outside the vocabulary is an error on every rank" "not in the vocabulary" 2 --partitions 2 --prompt "$(printf 'A\001')"
 expect_error "gpt/a batch that does not divide into microbatches" "does not divide into 3 microbatches" 2 --partitions 2 --microbatches 3
+expect_error "gpt/--tp 2 with 3 heads names the fix on every rank" \
+  "3 heads do not split over tensor_parallel_degree = 2: make --heads a multiple of 2" \
+  2 --partitions 1 --tp 2 --dmodel 36 --heads 3 --save ""
+expect_error "gpt/--tp 4 with a vocabulary of 114 names the fix on every rank" \
+  "the vocabulary of 114 does not split over tensor_parallel_degree = 4" 4 --partitions 1 --tp 4 --save ""
 
 # pipelined generation (--generate): a checkpoint of a tiny model trained a little longer, loaded into 1, 2 and 4
 # partitions, 4 prompts of different lengths (one per microbatch), an evaluation step per character
@@ -223,5 +301,8 @@ gen_err() { # name, pattern, np, args...
 }
 gen_err "gpt/generation: prompt + tokens longer than the model's context is an error on every rank" \
   "prompt 1: a context of 33 characters (4 of prompt + 29 tokens) is longer than the model's 32" 2 --partitions 2 --prompts "The|Why |I" --tokens 29
+gen_err "gpt/generation: --tp 2 is refused on every rank (the KV cache is not split by heads)" \
+  "--generate runs with tensor_parallel_degree 1: run it without --tp" 2 --partitions 1 --tp 2 \
+  --prompts "The|A" --tokens 4
 gen_err "gpt/generation: a prompt character outside the vocabulary is an error on every rank" \
   "not in the vocabulary" 2 --partitions 2 --prompts "$(printf 'The|A\001')" --tokens 4
