@@ -1114,7 +1114,7 @@ typedef struct smp__bucket {
     size_t bytes;
     int64_t numel;
     smp_dtype dtype;
-    int first, count;    /* its parameters: bucket_params[first .. first + count) */
+    int first, count;    /* its parameters: the model's grad_order[first .. first + count) */
     int final;           /* how many of them are final this step */
     bool ready;          /* may start: overlap on and all final, or the step's end */
     MPI_Request req;     /* host buckets; device collectives are the backend's to order */
@@ -1152,8 +1152,7 @@ typedef struct smp__plan {
     /* data parallelism */
     smp__bucket *buckets;
     int nbuckets;
-    int *bucket_of;        /* [nparams]: bucket of each parameter, -1 if none */
-    int *bucket_params;    /* parameters in backward order */
+    bool scatter;          /* shard_optimizer_state: buckets are reduce-scattered, each replica gets its piece */
 } smp__plan;
 
 /* One step's state: set by smp__step_begin and smp__step_post_receives, let go of by smp__release_step. */
@@ -1246,8 +1245,6 @@ static void smp__plan_free(smp__plan *pl) {
     smp_schedule_free(&pl->sched[1]);
     for (int b = 0; b < pl->nbuckets; b++) smp__free(pl->buckets[b].data);
     smp__free(pl->buckets);
-    smp__free(pl->bucket_of);
-    smp__free(pl->bucket_params);
 }
 
 static void smp__pipe_free(void *p) {
@@ -2033,73 +2030,50 @@ static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, i
 }
 
 /* ---------------------------------------------------------------- data parallel: buckets */
-/* The leaf call whose last backward makes a parameter's gradient final:
-   the first call that reads it (backwards run in reverse); -1 for a shared
-   module's, final once smp__shared_finish has run, and for one no call reads. */
-static int smp__final_call(const smp_param *p) { return p->module->uses > 1 ? -1 : p->module->owner_call; }
-
-/* Broadcasts parameters (and buffers) from dp rank 0, and lays every local
-   gradient out in buckets in the order backward finishes them. */
+/* Broadcasts parameters (and buffers) from dp rank 0, and makes the buckets of the model's gradient layout
+   (smp__grad_layout), moving every local gradient into its place. */
 static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
     const smp_config *cfg = &smp__ctx.cfg;
+    bool sharded = cfg->shard_optimizer_state == SMP_ON && smp_rdp_size() > 1;
+    if (sharded && ps->plan.on_device)
+        return smp_error(SMP_ERR_STATE, "shard_optimizer_state reduce-scatters host gradients so far, and this model "
+                         "lives on a device: leave shard_optimizer_state off");
     for (int i = 0; i < md->nparams; i++) {
         smp_param *p = md->params[i];
         if (!smp_module_is_local(p->module) || (p->is_buffer && cfg->broadcast_buffers != SMP_ON)) continue;
         SMP_TRY(smp_broadcast(&p->value, 0, SMP_RDP_GROUP));
     }
-    /* backward order: the call that finishes a parameter (smp__final_call), those final only at the step's end last */
-    int n = 0;
     smp_status st = SMP_OK;
-    int *order = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER, "the data-parallel buckets");
-    ps->plan.buckets = (smp__bucket *)smp__alloc_or(&st, sizeof(smp__bucket) * (size_t)(md->nparams + 1),
-                                                    SMP__ALLOC_OTHER, "the data-parallel buckets");
-    ps->plan.bucket_of = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER,
-                                              "the data-parallel buckets");
-    ps->plan.bucket_params = order;
+    if (!ps->plan.buckets)
+        ps->plan.buckets = (smp__bucket *)smp__alloc_or(&st, sizeof(smp__bucket) * (size_t)(md->nbuckets + 1),
+                                                        SMP__ALLOC_OTHER, "the data-parallel buckets");
     if (st) return st;
-    for (int k = md->ncalls - 1; k >= -1; k--)
-        for (int i = md->nparams - 1; i >= 0; i--) {
-            smp_param *p = md->params[i];
-            if (p->is_buffer || !smp_module_is_local(p->module) || smp__final_call(p) != k) continue;
-            order[n++] = i;
-        }
-    double cap = cfg->bucket_cap_mb * 1048576.0;
-    for (int i = 0; i < md->nparams; i++) ps->plan.bucket_of[i] = -1;
-    ps->plan.nbuckets = 0;
-    for (int j = 0; j < n;) { /* a bucket: consecutive parameters of one dtype up to the cap */
-        smp__bucket *b = &ps->plan.buckets[ps->plan.nbuckets];
+    ps->plan.scatter = sharded;
+    while (ps->plan.nbuckets < md->nbuckets) {
+        int j = ps->plan.nbuckets;
+        smp__bucket *b = &ps->plan.buckets[j];
         memset(b, 0, sizeof *b);
-        b->dtype = md->params[order[j]]->grad.dtype;
-        b->first = j;
-        size_t bytes = 0, es = smp_dtype_size(b->dtype);
-        int k = j;
-        for (; k < n && md->params[order[k]]->grad.dtype == b->dtype; k++) {
-            size_t more = bytes + smp_tensor_nbytes(&md->params[order[k]]->grad);
-            if (k > j && ((double)more > cap || more / es > (size_t)INT32_MAX)) break; /* MPI counts are int */
-            bytes = more;
-        }
-        b->count = k - j;
-        b->bytes = bytes;
-        b->numel = (int64_t)(bytes / es);
+        b->dtype = md->params[md->grad_order[md->bucket_first[j]]]->grad.dtype;
+        b->first = md->bucket_first[j];
+        b->count = md->bucket_first[j + 1] - b->first;
+        b->numel = md->bucket_numel[j];
+        b->bytes = (size_t)b->numel * smp_dtype_size(b->dtype);
         smp_tensor whole = smp_tensor_1d(NULL, b->dtype, b->numel);
         if (!smp__tensor_alloc_or(&st, &whole, ps->plan.on_device, SMP__ALLOC_GRAD, "a data-parallel gradient bucket"))
             return st;
         b->data = whole.data;
         b->device = whole.device;
         ps->plan.nbuckets++; /* freed with the model from here on */
-        size_t at = 0;
-        for (int q = j; q < k; q++) {
-            smp_param *p = md->params[order[q]];
+        if ((st = smp__tensor_zero(&whole))) return st; /* the padding stays zero */
+        for (int q = b->first; q < b->first + b->count; q++) {
+            smp_param *p = md->params[md->grad_order[q]];
             smp_tensor place = p->grad;
-            place.data = (char *)b->data + at;
+            place.data = (char *)b->data + (size_t)md->grad_at[md->grad_order[q]] * smp_dtype_size(b->dtype);
             if ((st = smp__tensor_copy(&place, &p->grad))) return st;
             if (!p->grad_in_bucket) smp__free(p->grad.data);
             p->grad.data = place.data;
             p->grad_in_bucket = true;
-            ps->plan.bucket_of[order[q]] = ps->plan.nbuckets - 1;
-            at += smp_tensor_nbytes(&place);
         }
-        j = k;
     }
     return SMP_OK;
 }
@@ -2142,9 +2116,24 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
        the step fails everywhere */
     smp__group_info *gi = smp__coll_enter(SMP_RDP_GROUP);
     smp_status st = SMP_OK;
-    if (deterministic) {
+    int dp = smp_rdp_size(), piece = n / dp;
+    if (ps->plan.scatter && deterministic) {
+        /* every replica's copy of this replica's piece, summed in rank order by smp__ddp_finish */
+        b->gather = smp__alloc(b->bytes + 1, SMP__ALLOC_COMM);
+        if (!b->gather) smp__bucket_nomem(b->bytes);
+        st = SMP__MPI_CHECK(MPI_Ialltoall(b->data, piece, smp__mpi_type(b->dtype), b->gather, piece,
+                                          smp__mpi_type(b->dtype), comm, &b->req),
+                            "sending data-parallel gradient bucket %d's pieces (%zu bytes) in RDP_GROUP", index, b->bytes);
+    } else if (ps->plan.scatter) {
+        MPI_Op op; /* in place: the sum of this replica's piece lands at the bucket's start (smp__ddp_finish moves it) */
+        st = smp__mpi_op(SMP_SUM, b->dtype, "data-parallel gradients", &op);
+        if (!st)
+            st = SMP__MPI_CHECK(MPI_Ireduce_scatter_block(MPI_IN_PLACE, b->data, piece, smp__mpi_type(b->dtype), op,
+                                                          comm, &b->req),
+                                "reduce-scattering data-parallel gradient bucket %d (%zu bytes) in RDP_GROUP", index,
+                                b->bytes);
+    } else if (deterministic) {
         /* every replica's gradient, summed below in dp-rank order */
-        int dp = smp_rdp_size();
         b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_COMM);
         if (!b->gather) smp__bucket_nomem(b->bytes * (size_t)dp);
         st = SMP__MPI_CHECK(MPI_Iallgather(b->data, n, smp__mpi_type(b->dtype), b->gather, n, smp__mpi_type(b->dtype), comm, &b->req),
@@ -2216,7 +2205,7 @@ static smp_status smp__ddp_call_final(smp__pipe *ps, smp_model *md, int k) {
     smp_status st = SMP_OK;
     for (int i = 0; i < md->nparams && !st; i++) {
         smp_param *p = md->params[i];
-        int b = ps->plan.bucket_of[i];
+        int b = md->grad_bucket[i];
         if (b < 0 || smp__final_call(p) != k) continue;
         if (++ps->plan.buckets[b].final == ps->plan.buckets[b].count && smp__ctx.cfg.overlapping_allreduce == SMP_ON) {
             ps->plan.buckets[b].ready = true;
@@ -2266,16 +2255,26 @@ static smp_status smp__ddp_complete(smp__pipe *ps) {
    After a failed step the collectives have still completed, and the result
    is dropped. */
 static smp_status smp__ddp_finish(smp__pipe *ps, bool failed) {
-    int dp = smp_rdp_size();
+    int dp = smp_rdp_size(), me = smp_rdp_rank();
     smp_status st = SMP_OK;
     for (int b = 0; b < ps->plan.nbuckets; b++) {
         smp__bucket *k = &ps->plan.buckets[b];
-        smp_tensor acc = smp_tensor_1d(k->data, k->dtype, k->numel);
+        size_t es = smp_dtype_size(k->dtype);
+        /* reduce-scattered: this replica's piece is what it sums, or what arrived summed */
+        int64_t n = ps->plan.scatter ? k->numel / dp : k->numel;
+        char *mine = (char *)k->data + (ps->plan.scatter ? (size_t)(n * me) * es : 0);
+        smp_tensor acc = smp_tensor_1d(mine, k->dtype, n);
         acc.device = k->device;
+        if (!failed && ps->plan.scatter) {
+            if (!k->gather && me > 0) memmove(mine, k->data, (size_t)n * es);
+            /* the rest holds this replica's own addends: zeros, so that nothing reads them as the average, and a
+               gradient kept to the next sync (no smp_model_zero_grad) adds its average there once */
+            memset(k->data, 0, (size_t)(n * me) * es);
+            memset(mine + (size_t)n * es, 0, (size_t)(n * (dp - me - 1)) * es);
+        }
         if (!failed && !st && k->gather) {
-            size_t es = smp_dtype_size(k->dtype);
             for (int r = 0; r < dp && !st; r++) {
-                smp_tensor t = smp_tensor_1d((char *)k->gather + (size_t)r * (size_t)k->numel * es, k->dtype, k->numel);
+                smp_tensor t = smp_tensor_1d((char *)k->gather + (size_t)(r * n) * es, k->dtype, n);
                 t.device = k->device;
                 st = r == 0 ? smp__tensor_copy(&acc, &t) : smp__add_into(&acc, &t);
             }
@@ -2302,52 +2301,101 @@ static double smp__grad_at(const smp_tensor *g, int64_t x) {
     }
 }
 
-/* Reads p's gradient on the host: adds the sum of its squares to *sq and
-   sets *bad on an inf or NaN. The norm and the scaler's overflow check read
-   a device gradient through a host copy: one pass over the gradients per
-   step, and the host sums keep the norm bitwise equal to the one-process
-   norm wherever the gradients live. */
-static smp_status smp__grad_scan(const smp_param *p, double *sq, int *bad) {
+/* The sum of squares behind the gradient norm, kept exactly: 32-bit digits in int64s (room for 2^29 terms
+   between carries), the lowest worth 2^-1074, so any double adds without rounding. An exact sum does not
+   depend on the order of its terms, so replicas that each hold a piece of a gradient (shard_optimizer_state)
+   add up, bit for bit, to what one rank holding all of it gets, and so does any partitioning. Digits past the
+   last carry hold inf (a square that overflowed) and NaN counts. */
+enum { SMP__SQ_DIGITS = 72, SMP__SQ_INF = SMP__SQ_DIGITS, SMP__SQ_NAN, SMP__SQ_LEN };
+typedef struct smp__sqsum { int64_t d[SMP__SQ_LEN]; int64_t terms; } smp__sqsum;
+
+static void smp__sq_carry(smp__sqsum *a) {
+    int64_t carry = 0;
+    for (int k = 0; k < SMP__SQ_DIGITS; k++) {
+        int64_t v = a->d[k] + carry, low = (int64_t)((uint64_t)v & 0xffffffffu);
+        a->d[k] = low;
+        carry = (v - low) / 4294967296; /* exact: v - low is a multiple of 2^32 */
+    }
+    a->terms = 0;
+}
+
+static void smp__sq_add(smp__sqsum *a, double x) {
+    if (!isfinite(x)) { a->d[isnan(x) ? SMP__SQ_NAN : SMP__SQ_INF]++; return; }
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    int ex = (int)(bits >> 52 & 0x7ff);
+    uint64_t mant = (bits & ((UINT64_C(1) << 52) - 1)) | (ex ? UINT64_C(1) << 52 : 0); /* x = +-mant 2^(pos - 1074) */
+    int pos = ex ? ex - 1 : 0, k = pos / 32, sh = pos % 32;
+    uint64_t lo = (mant & 0xffffffffu) << sh, hi = (mant >> 32) << sh;
+    int64_t sign = bits >> 63 ? -1 : 1;
+    a->d[k] += sign * (int64_t)(lo & 0xffffffffu);
+    a->d[k + 1] += sign * (int64_t)((lo >> 32) + (hi & 0xffffffffu));
+    a->d[k + 2] += sign * (int64_t)(hi >> 32);
+    if (++a->terms == INT64_C(1) << 29) smp__sq_carry(a);
+}
+
+/* The sum as a double: the same function of the exact sum everywhere. */
+static double smp__sq_value(smp__sqsum *a) {
+    if (a->d[SMP__SQ_NAN]) return NAN;
+    if (a->d[SMP__SQ_INF]) return INFINITY;
+    smp__sq_carry(a);
+    double v = 0;
+    for (int k = SMP__SQ_DIGITS - 1; k >= 0; k--) v += ldexp((double)a->d[k], 32 * k - 1074);
+    return v;
+}
+
+/* Reads elements [first, first + count) of p's gradient on the host: adds their squares to *sq and sets *bad on
+   an inf or NaN. The norm and the scaler's overflow check read a device gradient through a host copy: one pass
+   over the gradients per step. */
+static smp_status smp__grad_scan(const smp_param *p, int64_t first, int64_t count, smp__sqsum *sq, int *bad) {
     smp_tensor g = p->grad;
     smp_status st = SMP_OK;
     void *copy = g.device == SMP_HOST ? NULL : smp__tensor_alloc_or(&st, &g, false, SMP__ALLOC_OTHER, "a host copy of a gradient");
     if (copy) st = smp__tensor_copy(&g, &p->grad);
-    int64_t n = st ? 0 : smp_tensor_numel(&g);
-    for (int64_t x = 0; x < n; x++) {
-        double v = smp__grad_at(&g, x);
-        *sq += v * v;
+    int64_t end = st ? first : first + count;
+    for (int64_t x = first; x < end; x++) {
+        double v = smp__grad_at(&g, x), v2 = v * v;
+        if (sq) smp__sq_add(sq, v2);
+        if (sq && g.dtype == SMP_F64 && isfinite(v2)) smp__sq_add(sq, fma(v, v, -v2)); /* exact: v2 and the rest */
         *bad |= !isfinite(v);
     }
     smp__free(copy);
     return st;
 }
 
+/* The part of p's gradient this rank reads for the norm and the overflow check: what it owns under
+   shard_optimizer_state (its replicas hold the rest), all of it otherwise. */
+static void smp__grad_range(smp_model *m, const smp_param *p, int64_t *first, int64_t *count) {
+    smp__pipe *ps = (smp__pipe *)m->pipeline;
+    if (ps && ps->plan.scatter) smp__owned_range(m, p, smp_rdp_rank(), first, count);
+    else *first = 0, *count = smp_tensor_numel(&p->grad);
+}
+
 static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
     SMP_TRY(smp__require_init("smp_clip_grad_norm"));
     smp_status st = SMP_OK;
-    /* one partial sum per parameter, owned by exactly one rank of the
-       MP_GROUP: summing them (x + 0 is exact) and then adding them up in
-       model order gives the one-process result on every rank. With tensor
-       parallelism a sharded parameter's sum adds its TP ranks' slices, and
-       a whole one counts on tp rank 0 only */
-    double *sq = (double *)smp__alloc(sizeof(double) * (size_t)(m->nparams + 1), SMP__ALLOC_OTHER);
-    if (!sq) smp__fatal("out of memory: %d partial sums of the gradient norm on rank %d, which MP_GROUP waits on", m->nparams, smp__ctx.rank);
+    /* every element counted on exactly one rank: a shared module's copies hold one gradient, which its first
+       partition counts; a whole parameter counts on tp rank 0 only, a sharded one on each of its TP ranks; a
+       reduce-scattered one on the replica that owns each piece. The exact sums then add up to the one-process
+       sum whatever holds which part. */
+    smp__sqsum sq;
+    memset(&sq, 0, sizeof sq);
     int bad = 0;
     for (int i = 0; i < m->nparams; i++) {
         smp_param *p = m->params[i];
-        sq[i] = 0;
-        /* a shared module's copies hold one gradient: its first partition counts it */
         if (!smp__local_grad(p) || p->module->partition != smp__ctx.pp_rank || (p->shard_axis < 0 && smp__ctx.tp_rank)) continue;
-        smp_status cs = smp__grad_scan(p, &sq[i], &bad);
+        int64_t first, count;
+        smp__grad_range(m, p, &first, &count);
+        smp_status cs = smp__grad_scan(p, first, count, &sq, &bad);
         if (cs && !st) st = cs;
     }
-    smp_tensor t = smp_tensor_1d(sq, SMP_F64, m->nparams);
-    smp_status rs = smp_all_reduce(&t, &t, SMP_SUM, SMP_MP_GROUP); /* even after a local error: the others wait for it */
+    smp__sq_carry(&sq);
+    smp__pipe *ps = (smp__pipe *)m->pipeline;
+    smp_tensor t = smp_tensor_1d(sq.d, SMP_I64, SMP__SQ_LEN);
+    /* even after a local error: the others wait for it */
+    smp_status rs = smp_all_reduce(&t, &t, SMP_SUM, ps && ps->plan.scatter ? SMP_WORLD : SMP_MP_GROUP);
     if (!st) st = rs;
-    double total = 0;
-    for (int i = 0; i < m->nparams; i++) total += sq[i];
-    smp__free(sq);
-    if (total_norm) *total_norm = sqrt(total);
+    if (total_norm) *total_norm = sqrt(smp__sq_value(&sq));
     return st;
 }
 
@@ -2373,10 +2421,13 @@ SMPDEF double smp_grad_scaler_scale(smp_grad_scaler *s) { smp__scaler_defaults(s
 SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool *skip) {
     smp__scaler_defaults(s);
     int bad = 0;
-    double sq = 0;
     smp_status st = SMP_OK;
-    for (int i = 0; i < m->nparams && !bad && !st; i++)
-        if (smp__local_grad(m->params[i])) st = smp__grad_scan(m->params[i], &sq, &bad);
+    int64_t first, count;
+    for (int i = 0; i < m->nparams && !bad && !st; i++) {
+        if (!smp__local_grad(m->params[i])) continue;
+        smp__grad_range(m, m->params[i], &first, &count); /* the replicas check the other pieces */
+        st = smp__grad_scan(m->params[i], first, count, NULL, &bad);
+    }
     if (st) bad = 1; /* unreadable gradients: skip the step everywhere, and say why here */
     smp_tensor t = smp_tensor_1d(&bad, SMP_I32, 1);
     smp_status rs = smp_all_reduce(&t, &t, SMP_MAX, SMP_WORLD); /* one rank's overflow is everyone's */
@@ -3195,12 +3246,13 @@ static smp_status smp__step_schedule(smp__pipe *ps, smp_model *md, bool training
 }
 
 /* Gradients that accumulate on top of the last sync's average (no smp_model_zero_grad since) would be summed dp
-   times by the next sync, the loss gradient being the only part divided: a training step divides them first. */
+   times by the next sync, the loss gradient being the only part divided: a training step divides them first.
+   Reduce-scattered gradients need not: each replica holds the average of its piece only, zeros elsewhere. */
 static smp_status smp__step_held_grads(smp__pipe *ps, smp_model *md, bool training) {
     if (!training || !ps->averaged_grads_held) return SMP_OK;
     ps->averaged_grads_held = false;
     smp_status st = SMP_OK;
-    if (md->zero_grad_calls == ps->zero_calls_at_sync) st = smp__scale_grads(md, 1.0 / smp_rdp_size());
+    if (md->zero_grad_calls == ps->zero_calls_at_sync && !ps->plan.scatter) st = smp__scale_grads(md, 1.0 / smp_rdp_size());
     return st ? smp__agree_on(smp__ctx.world, st, "gradients kept from the last step") : SMP_OK;
 }
 
