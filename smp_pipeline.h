@@ -367,14 +367,19 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
    runs a stream's collectives). With deterministic_reduction the sum is
    taken in dp-rank order after an all-gather, so results do not depend on
    MPI's algorithm. With shard_optimizer_state (smp.h, SHARDED OPTIMIZER
-   STATE) gradients are still averaged in full; each step starts by
-   gathering the ranges the replicas' optimizers updated. */
+   STATE) each bucket is reduce-scattered instead (MPI_Ireduce_scatter_block;
+   deterministic: an all-to-all of the pieces, summed in rank order), in the
+   same order and overlap, so each replica gets the average of the piece it
+   owns; each step starts by gathering the ranges the replicas' optimizers
+   updated. The global norm sums exact partial sums of squares, so it is the
+   same bits sharded or not, partitioned or not. */
 
 /* Scales gradients so that their global norm (over the whole model, every
    partition, every TP shard once and every whole parameter once) is at most max_norm; *total_norm gets the norm before
-   clipping (may be NULL). The sum runs over parameters in model order, so
+   clipping (may be NULL). The sum of squares is exact (then rounded), so
    it equals the one-process norm bit for bit. max_norm INFINITY only
-   measures the norm. Collective over MP_GROUP. */
+   measures the norm. Collective over MP_GROUP (over the world with
+   shard_optimizer_state: each replica reads the ranges it owns). */
 SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *total_norm);
 
 /* Lets the gradient all-reduce that overlapping_allreduce started move on.
@@ -3153,7 +3158,8 @@ static void smp__schedule_report(const smp_model *md) {
 }
 
 /* ---------------------------------------------------------------- the step's phases
-   smp__step reads top to bottom: prepare (nothing to undo when it fails), begin (the step counts), post the
+   smp__step reads top to bottom: prepare (nothing to undo when it fails), gather the parameters the replicas
+   updated (shard_optimizer_state), begin (the step counts), post the
    receives, run the schedule's operations, drain the sends, finish the shared gradients, complete the buckets,
    agree, then finish or undo. */
 
@@ -3268,11 +3274,18 @@ static smp_status smp__step_prepare(const smp_step_desc *d, const smp_step_outpu
     smp__pipe *ps = (smp__pipe *)md->pipeline;
     SMP_TRY(smp__step_connect(ps));
     SMP_TRY(smp__step_ddp_setup(ps, md));
-    /* shard_optimizer_state: the ranges the other replicas updated, before anything reads a parameter */
-    if (md->params_stale)
-        SMP_TRY(smp__agree_on(smp__ctx.world, smp_model_gather_params(md), "gathering the updated parameters"));
     SMP_TRY(smp__step_schedule(ps, md, !d->evaluate));
     return smp__step_held_grads(ps, md, !d->evaluate);
+}
+
+/* shard_optimizer_state: the ranges the other replicas' optimizers updated, gathered before anything reads a
+   parameter; like prepare, nothing to undo when it fails (the parameters stay stale, and the next step gathers
+   them). Whole, before the first operation: a rank's first forward reads every parameter of its first stage,
+   and with one stage per rank (the common case) that is all of them, so waiting per stage would overlap
+   nothing; and a host all-gather moves only inside MPI calls, which a module's forward does not make. */
+static smp_status smp__step_gather_params(smp_model *md) {
+    if (!md->params_stale) return SMP_OK;
+    return smp__agree_on(smp__ctx.world, smp_model_gather_params(md), "gathering the updated parameters");
 }
 
 /* The step counts from here (smp__step_undo takes a failed one back): its state, and each microbatch's slice of
@@ -3445,6 +3458,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     double t_start = smp__now();
     SMP_TRY(smp__step_prepare(d, outs, nouts));
     smp_model *md = d->model;
+    SMP_TRY(smp__step_gather_params(md));
     smp__pipe *ps = (smp__pipe *)md->pipeline;
     smp_status st = smp__step_begin(ps, md, d, nouts, t_start);
     if (!st) st = smp__step_post_receives(ps);
