@@ -2341,8 +2341,8 @@ static void smp__sq_add(smp__sqsum *a, double x) {
 
 /* The sum as a double: the same function of the exact sum everywhere. */
 static double smp__sq_value(smp__sqsum *a) {
-    if (a->d[SMP__SQ_NAN]) return NAN;
-    if (a->d[SMP__SQ_INF]) return INFINITY;
+    if (a->d[SMP__SQ_NAN]) return (double)NAN;
+    if (a->d[SMP__SQ_INF]) return (double)INFINITY;
     smp__sq_carry(a);
     double v = 0;
     for (int k = SMP__SQ_DIGITS - 1; k >= 0; k--) v += ldexp((double)a->d[k], 32 * k - 1074);
