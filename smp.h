@@ -4601,7 +4601,8 @@ static smp_status smp__grad_layout(smp_model *m) {
         int k = j;
         for (; k < n && m->params[m->grad_order[k]]->grad.dtype == dt; k++) {
             size_t more = bytes + smp_tensor_nbytes(&m->params[m->grad_order[k]]->grad);
-            if (k > j && ((double)more > cap || more / es > (size_t)INT32_MAX - (size_t)align)) break; /* MPI counts are int */
+            /* MPI counts are int */
+            if (k > j && ((double)more > cap || more / es > (size_t)INT32_MAX - (size_t)align)) break;
             m->grad_bucket[m->grad_order[k]] = m->nbuckets;
             m->grad_at[m->grad_order[k]] = (int64_t)(bytes / es);
             bytes = more;

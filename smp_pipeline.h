@@ -2128,9 +2128,11 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
         if (!b->gather) smp__bucket_nomem(b->bytes);
         st = SMP__MPI_CHECK(MPI_Ialltoall(b->data, piece, smp__mpi_type(b->dtype), b->gather, piece,
                                           smp__mpi_type(b->dtype), comm, &b->req),
-                            "sending data-parallel gradient bucket %d's pieces (%zu bytes) in RDP_GROUP", index, b->bytes);
+                            "sending data-parallel gradient bucket %d's pieces (%zu bytes) in RDP_GROUP", index,
+                            b->bytes);
     } else if (ps->plan.scatter) {
-        MPI_Op op; /* in place: the sum of this replica's piece lands at the bucket's start (smp__ddp_finish moves it) */
+        /* in place: the sum of this replica's piece lands at the bucket's start (smp__ddp_finish moves it) */
+        MPI_Op op;
         st = smp__mpi_op(SMP_SUM, b->dtype, "data-parallel gradients", &op);
         if (!st)
             st = SMP__MPI_CHECK(MPI_Ireduce_scatter_block(MPI_IN_PLACE, b->data, piece, smp__mpi_type(b->dtype), op,
@@ -3258,7 +3260,8 @@ static smp_status smp__step_held_grads(smp__pipe *ps, smp_model *md, bool traini
     if (!training || !ps->averaged_grads_held) return SMP_OK;
     ps->averaged_grads_held = false;
     smp_status st = SMP_OK;
-    if (md->zero_grad_calls == ps->zero_calls_at_sync && !ps->plan.scatter) st = smp__scale_grads(md, 1.0 / smp_rdp_size());
+    if (md->zero_grad_calls == ps->zero_calls_at_sync && !ps->plan.scatter)
+        st = smp__scale_grads(md, 1.0 / smp_rdp_size());
     return st ? smp__agree_on(smp__ctx.world, st, "gradients kept from the last step") : SMP_OK;
 }
 

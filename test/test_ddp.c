@@ -80,8 +80,14 @@ static double check_grads(smp_model *model, const grads_t *want, const grads_t *
     return 0;
 }
 
-typedef struct { int P, m, bpps; bool deterministic, overlap; double bucket_mb; bool perturb; smp_pipeline_kind kind; bool split, vee;
-                 bool shard; } ddp_case;
+typedef struct {
+    int P, m, bpps;
+    bool deterministic, overlap;
+    double bucket_mb;
+    bool perturb;
+    smp_pipeline_kind kind;
+    bool split, vee, shard;
+} ddp_case;
 /* shard: shard_optimizer_state, gradients reduce-scattered (its replicas then hold the rest of the average) */
 /* vee: zero_bubble_v's placement whatever the kind (interleaved runs it as 3 stages on partitions 0, 1, 0) */
 /* the case under zero_bubble, with the linears' backward split */
@@ -126,8 +132,8 @@ static int gather_owned(smp_model *model, char *why, size_t cap) {
         const float *g = (const float *)smp_param_grad(p)->data;
         for (int64_t k = 0; k < n && ok; k++)
             if ((k < first || k >= first + count) && g[k] != 0) {
-                snprintf(why, cap, "'%s'[%lld] = %g outside the range this replica owns [%lld, %lld)", smp_param_name(p),
-                         (long long)k, g[k], (long long)first, (long long)(first + count));
+                snprintf(why, cap, "'%s'[%lld] = %g outside the range this replica owns [%lld, %lld)",
+                         smp_param_name(p), (long long)k, g[k], (long long)first, (long long)(first + count));
                 ok = 0;
             }
         if (smp_all_reduce(smp_param_grad(p), smp_param_grad(p), SMP_SUM, SMP_RDP_GROUP) && ok) {

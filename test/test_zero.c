@@ -35,7 +35,8 @@ SMP_STEP_BODY(body) {
     const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
     smp_tensor *g = smp_mb_output_grad(mb, 0);
     const float *scale = (const float *)smp_mb_user(mb);
-    float loss = mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y));
+    float loss = mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL,
+                     (int)smp_tensor_numel(y));
     for (int64_t i = 0; g && scale && i < smp_tensor_numel(g); i++) ((float *)g->data)[i] *= *scale;
     return smp_mb_return_f32(mb, 0, loss);
 }
@@ -151,7 +152,10 @@ static int train(int P, int kind, bool shard, bool clip, bool scaler, int steps,
         r->owned += o.count[i];
         r->total += smp_tensor_numel(smp_param_value(smp_model_local_param(model, i, false)));
     }
-    if (ok && r->total > NP) { ok = 0; snprintf(why, cap, "%lld local elements, room for %d", (long long)r->total, NP); }
+    if (ok && r->total > NP) {
+        ok = 0;
+        snprintf(why, cap, "%lld local elements, room for %d", (long long)r->total, NP);
+    }
     r->nbuckets = ok ? model->nbuckets : 0;
     smp_grad_scaler gs = {0};
     float before[NP], mom_before[NP], after[NP], mom_after[NP];
@@ -192,7 +196,10 @@ static int train(int P, int kind, bool shard, bool clip, bool scaler, int steps,
                 if (p && smp_module_is_local(p->module) && (!shard || smp_rdp_rank() == dp - 1))
                     ((float *)p->grad.data)[e] = INFINITY;
             }
-            if (smp_grad_scaler_unscale(model, &gs, &skip)) { ok = 0; snprintf(why, cap, "unscale: %s", smp_last_error()); }
+            if (smp_grad_scaler_unscale(model, &gs, &skip)) {
+                ok = 0;
+                snprintf(why, cap, "unscale: %s", smp_last_error());
+            }
         }
         if (worked < 8) r->skipped[worked] = skip;
         if (ok && clip && !skip && smp_clip_grad_norm(model, 0.02, worked < 8 ? &r->norms[worked] : NULL)) {
@@ -233,7 +240,10 @@ static void sharded_equals_unsharded(int P, int kind, bool clip, bool scaler) {
         ok = 0;
         snprintf(why, sizeof why, "parameters differ from the unsharded run's");
     }
-    if (ok && !same_momentum(&b, &a)) { ok = 0; snprintf(why, sizeof why, "momentum differs where this replica owns it"); }
+    if (ok && !same_momentum(&b, &a)) {
+        ok = 0;
+        snprintf(why, sizeof why, "momentum differs where this replica owns it");
+    }
     if (ok && (memcmp(a.norms, b.norms, sizeof a.norms) || memcmp(a.skipped, b.skipped, sizeof a.skipped) ||
                a.scale != b.scale)) {
         ok = 0;
@@ -246,7 +256,10 @@ static void sharded_equals_unsharded(int P, int kind, bool clip, bool scaler) {
         snprintf(why, sizeof why, "the overflow at step 1 did not skip that step alone (%d%d%d)", a.skipped[0],
                  a.skipped[1], a.skipped[2]);
     }
-    if (ok && clip && !(a.norms[0] > 0.02)) { ok = 0; snprintf(why, sizeof why, "norm %g: nothing clipped", a.norms[0]); }
+    if (ok && clip && !(a.norms[0] > 0.02)) {
+        ok = 0;
+        snprintf(why, sizeof why, "norm %g: nothing clipped", a.norms[0]);
+    }
     /* the account: 4 bytes per owned element; 1/dp of the unsharded state within the padding of each bucket */
     int64_t slack = (int64_t)b.nbuckets * (dp - 1) * 4;
     if (ok && (a.opt_bytes != 4 * a.total || b.opt_bytes != 4 * b.owned || b.nbuckets < 2 ||
@@ -289,14 +302,16 @@ static void errors(void) {
     smp_config cfg = {0}, out;
     cfg.shard_optimizer_state = SMP_ON;
     smp_status st = smp_config_from_json("{\"shard_optimizer_state\": true}", &cfg);
-    CHECK(st == SMP_OK && cfg.shard_optimizer_state == SMP_ON, "shard_optimizer_state: the JSON key", "%s", smp_last_error());
+    CHECK(st == SMP_OK && cfg.shard_optimizer_state == SMP_ON, "shard_optimizer_state: the JSON key", "%s",
+          smp_last_error());
     st = smp_config_resolve(&cfg, 2, &out);
     CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "ddp is off") && strstr(smp_last_error(), "\"ddp\": true"),
           "shard_optimizer_state: without ddp, an error naming the fix", "%s", smp_last_error());
     cfg.ddp = SMP_ON;
     cfg.partitions = 2;
     st = smp_config_resolve(&cfg, 2, &out);
-    CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "one replica") && strstr(smp_last_error(), "at least 4 ranks"),
+    CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "one replica") &&
+              strstr(smp_last_error(), "at least 4 ranks"),
           "shard_optimizer_state: one replica, an error naming the fix", "%s", smp_last_error());
 }
 
