@@ -4642,6 +4642,51 @@ SMPDEF smp_status smp_param_owned_range(smp_model *m, const smp_param *p, int64_
     return SMP_OK;
 }
 
+/* smp_model_gather_params's work on a device model: per bucket, this replica's piece of the parameters laid out
+   as the bucket lays out their gradients, the replicas' pieces gathered (the backend's all-gather), and each
+   parameter copied back whole. A value's dtype must be its gradient's. */
+static smp_status smp__gather_params_device(smp_model *m) {
+    int dp = smp_rdp_size(), me = smp_rdp_rank();
+    smp_status st = SMP_OK;
+    for (int b = 0; b < m->nbuckets && !st; b++) {
+        smp_dtype dt = m->params[m->grad_order[m->bucket_first[b]]]->grad.dtype;
+        size_t es = smp_dtype_size(dt);
+        int64_t piece = m->bucket_numel[b] / dp, first, count;
+        smp_tensor mine = smp_tensor_1d(NULL, dt, piece), all = smp_tensor_1d(NULL, dt, m->bucket_numel[b]);
+        smp__tensor_alloc_or(&st, &mine, true, SMP__ALLOC_COMM, "the parameters a replica updated (shard_optimizer_state)");
+        smp__tensor_alloc_or(&st, &all, true, SMP__ALLOC_COMM, "the replicas' parameters (shard_optimizer_state)");
+        if (!st) st = smp__tensor_zero(&mine); /* the padding */
+        for (int q = m->bucket_first[b]; q < m->bucket_first[b + 1] && !st; q++) {
+            const smp_param *p = m->params[m->grad_order[q]];
+            if (p->value.dtype != dt) {
+                st = smp_error(SMP_ERR_STATE, "shard_optimizer_state on a device model gathers parameters in their "
+                               "gradients' dtype, and '%s' holds %s values with %s gradients: leave "
+                               "shard_optimizer_state off", p->full_name, smp_dtype_name(p->value.dtype), smp_dtype_name(dt));
+                break;
+            }
+            smp__owned_range(m, p, me, &first, &count);
+            smp_tensor from = smp_tensor_1d((char *)p->value.data + (size_t)first * es, dt, count);
+            smp_tensor to = smp_tensor_1d((char *)mine.data + (size_t)(m->grad_at[m->grad_order[q]] + first - piece * me) * es,
+                                          dt, count);
+            from.device = p->value.device;
+            to.device = mine.device;
+            if (count) st = smp__tensor_copy(&to, &from);
+        }
+        st = smp__agree_on(smp__ctx.world, st, "gathering the replicas' parameter ranges (shard_optimizer_state)");
+        if (!st) st = smp_all_gather(&mine, &all, SMP_RDP_GROUP);
+        for (int q = m->bucket_first[b]; q < m->bucket_first[b + 1] && !st; q++) {
+            smp_param *p = m->params[m->grad_order[q]];
+            smp_tensor from = smp_tensor_1d((char *)all.data + (size_t)m->grad_at[m->grad_order[q]] * es, dt,
+                                            smp_tensor_numel(&p->value));
+            from.device = all.device;
+            st = smp__tensor_copy(&p->value, &from);
+        }
+        smp__free(mine.data);
+        smp__free(all.data);
+    }
+    return st;
+}
+
 /* smp_model_gather_params's work: every replica's owned range of every
    local parameter, packed in parameter order, gathered in RDP_GROUP. */
 static smp_status smp__gather_params(smp_model *m) {
@@ -4651,9 +4696,7 @@ static smp_status smp__gather_params(smp_model *m) {
     for (int i = 0; i < m->nparams; i++) {
         smp_param *p = m->params[i];
         if (p->is_buffer || !smp_module_is_local(p->module)) continue;
-        if (p->value.device != SMP_HOST)
-            return smp_error(SMP_ERR_STATE, "shard_optimizer_state runs on host models so far, and '%s' lives on a device: leave "
-                             "shard_optimizer_state off", p->full_name);
+        if (p->value.device != SMP_HOST) return smp__gather_params_device(m);
         smp__owned_range(m, p, me, &first, &count);
         mine += (size_t)count * smp_dtype_size(p->value.dtype);
     }

@@ -1123,7 +1123,9 @@ typedef struct smp__bucket {
     int final;           /* how many of them are final this step */
     bool ready;          /* may start: overlap on and all final, or the step's end */
     MPI_Request req;     /* host buckets; device collectives are the backend's to order */
-    void *gather;        /* deterministic reduction: every replica's copy */
+    void *gather;        /* deterministic reduction: every replica's copy (of this replica's piece, reduce-scattered);
+                            a device bucket reduce-scattered: its piece, summed */
+    int pieces;          /* how many of them smp__ddp_finish sums, in rank order */
     double t_start;      /* when its collective started (timeline) */
     int device;          /* SMP_HOST or where data lives */
 } smp__bucket;
@@ -2040,9 +2042,6 @@ static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, i
 static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
     const smp_config *cfg = &smp__ctx.cfg;
     bool sharded = cfg->shard_optimizer_state == SMP_ON && smp_rdp_size() > 1;
-    if (sharded && ps->plan.on_device)
-        return smp_error(SMP_ERR_STATE, "shard_optimizer_state reduce-scatters host gradients so far, and this model "
-                         "lives on a device: leave shard_optimizer_state off");
     for (int i = 0; i < md->nparams; i++) {
         smp_param *p = md->params[i];
         if (!smp_module_is_local(p->module) || (p->is_buffer && cfg->broadcast_buffers != SMP_ON)) continue;
@@ -2100,6 +2099,17 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
         b->req = MPI_REQUEST_NULL;
         smp_tensor t = smp_tensor_1d(b->data, b->dtype, b->numel), all = smp_tensor_1d(NULL, b->dtype, b->numel * smp_rdp_size());
         t.device = b->device;
+        if (ps->plan.scatter) {
+            /* the backend's reduce-scatter (NCCL: its own) into a piece apart, or every replica's copy of this
+               replica's piece; smp__ddp_finish puts the sum in place */
+            int dp = smp_rdp_size();
+            smp_tensor got = smp_tensor_1d(NULL, b->dtype, deterministic ? b->numel : b->numel / dp);
+            if (!smp__tensor_alloc(&got, true, SMP__ALLOC_COMM)) smp__bucket_nomem(smp_tensor_nbytes(&got));
+            b->gather = got.data;
+            b->pieces = deterministic ? dp : 1;
+            return deterministic ? smp_all_to_all_single(&t, &got, NULL, NULL, SMP_RDP_GROUP)
+                                 : smp_reduce_scatter(&t, &got, SMP_SUM, SMP_RDP_GROUP);
+        }
         if (!deterministic && smp__ctx.device.bucket_all_reduce && smp__ctx.device.bucket_fence) {
             ps->step.fence_buckets = true;
             return smp__ctx.device.bucket_all_reduce(b->data, b->dtype, b->numel, SMP_RDP_GROUP);
@@ -2107,6 +2117,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
         if (!deterministic) return smp_all_reduce(&t, &t, SMP_SUM, SMP_RDP_GROUP);
         if (!smp__tensor_alloc(&all, true, SMP__ALLOC_OTHER)) smp__bucket_nomem(b->bytes * (size_t)smp_rdp_size());
         b->gather = all.data;
+        b->pieces = smp_rdp_size();
         return smp_all_gather(&t, &all, SMP_RDP_GROUP);
     }
     smp__ddp_inflight = ps;
@@ -2126,6 +2137,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
         /* every replica's copy of this replica's piece, summed in rank order by smp__ddp_finish */
         b->gather = smp__alloc(b->bytes + 1, SMP__ALLOC_COMM);
         if (!b->gather) smp__bucket_nomem(b->bytes);
+        b->pieces = dp;
         st = SMP__MPI_CHECK(MPI_Ialltoall(b->data, piece, smp__mpi_type(b->dtype), b->gather, piece,
                                           smp__mpi_type(b->dtype), comm, &b->req),
                             "sending data-parallel gradient bucket %d's pieces (%zu bytes) in RDP_GROUP", index,
@@ -2143,6 +2155,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
         /* every replica's gradient, summed below in dp-rank order */
         b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_COMM);
         if (!b->gather) smp__bucket_nomem(b->bytes * (size_t)dp);
+        b->pieces = dp;
         st = SMP__MPI_CHECK(MPI_Iallgather(b->data, n, smp__mpi_type(b->dtype), b->gather, n, smp__mpi_type(b->dtype), comm, &b->req),
                             "gathering data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", index, b->bytes);
     } else {
@@ -2273,14 +2286,17 @@ static smp_status smp__ddp_finish(smp__pipe *ps, bool failed) {
         smp_tensor acc = smp_tensor_1d(mine, k->dtype, n);
         acc.device = k->device;
         if (!failed && ps->plan.scatter) {
-            if (!k->gather && me > 0) memmove(mine, k->data, (size_t)n * es);
+            if (!k->gather && me > 0) memmove(mine, k->data, (size_t)n * es); /* host, in place: see smp__bucket_start */
             /* the rest holds this replica's own addends: zeros, so that nothing reads them as the average, and a
                gradient kept to the next sync (no smp_model_zero_grad) adds its average there once */
-            memset(k->data, 0, (size_t)(n * me) * es);
-            memset(mine + (size_t)n * es, 0, (size_t)(n * (dp - me - 1)) * es);
+            smp_tensor before = smp_tensor_1d(k->data, k->dtype, n * me);
+            smp_tensor after = smp_tensor_1d(mine + (size_t)n * es, k->dtype, n * (dp - me - 1));
+            before.device = after.device = k->device;
+            if (me > 0) st = smp__tensor_zero(&before);
+            if (!st && me < dp - 1) st = smp__tensor_zero(&after);
         }
         if (!failed && !st && k->gather) {
-            for (int r = 0; r < dp && !st; r++) {
+            for (int r = 0; r < k->pieces && !st; r++) {
                 smp_tensor t = smp_tensor_1d((char *)k->gather + (size_t)(r * n) * es, k->dtype, n);
                 t.device = k->device;
                 st = r == 0 ? smp__tensor_copy(&acc, &t) : smp__add_into(&acc, &t);
@@ -2288,6 +2304,7 @@ static smp_status smp__ddp_finish(smp__pipe *ps, bool failed) {
         }
         smp__free(k->gather);
         k->gather = NULL;
+        k->pieces = 0;
         k->ready = false;
         k->final = 0;
     }
