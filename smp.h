@@ -843,8 +843,10 @@ SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *full_name); /* 
    smp_model_gather_params) smp gathers every replica's updated range, so
    all replicas hold the same values; with deterministic_reduction a
    sharded run is bitwise the unsharded one. Optimizer state registered
-   with smp_optimizer_state_add must cover the owned range only. Host
-   models only, so far. p must be local; after partitioning. */
+   with smp_optimizer_state_add must cover the owned range only. On a
+   device model the buckets go through the device backend's reduce-scatter
+   (NCCL's), and parameters must hold their gradients' dtype. p must be
+   local; after partitioning. */
 SMPDEF smp_status smp_param_owned_range(smp_model *m, const smp_param *p, int64_t *first, int64_t *count);
 /* Gathers the ranges the replicas updated (nothing to do without sharding
    or when nothing changed since the last gather). Collective over the world. */
@@ -4653,7 +4655,8 @@ static smp_status smp__gather_params_device(smp_model *m) {
         size_t es = smp_dtype_size(dt);
         int64_t piece = m->bucket_numel[b] / dp, first, count;
         smp_tensor mine = smp_tensor_1d(NULL, dt, piece), all = smp_tensor_1d(NULL, dt, m->bucket_numel[b]);
-        smp__tensor_alloc_or(&st, &mine, true, SMP__ALLOC_COMM, "the parameters a replica updated (shard_optimizer_state)");
+        smp__tensor_alloc_or(&st, &mine, true, SMP__ALLOC_COMM,
+                             "the parameters a replica updated (shard_optimizer_state)");
         smp__tensor_alloc_or(&st, &all, true, SMP__ALLOC_COMM, "the replicas' parameters (shard_optimizer_state)");
         if (!st) st = smp__tensor_zero(&mine); /* the padding */
         for (int q = m->bucket_first[b]; q < m->bucket_first[b + 1] && !st; q++) {
@@ -4661,13 +4664,14 @@ static smp_status smp__gather_params_device(smp_model *m) {
             if (p->value.dtype != dt) {
                 st = smp_error(SMP_ERR_STATE, "shard_optimizer_state on a device model gathers parameters in their "
                                "gradients' dtype, and '%s' holds %s values with %s gradients: leave "
-                               "shard_optimizer_state off", p->full_name, smp_dtype_name(p->value.dtype), smp_dtype_name(dt));
+                               "shard_optimizer_state off", p->full_name, smp_dtype_name(p->value.dtype),
+                               smp_dtype_name(dt));
                 break;
             }
             smp__owned_range(m, p, me, &first, &count);
             smp_tensor from = smp_tensor_1d((char *)p->value.data + (size_t)first * es, dt, count);
-            smp_tensor to = smp_tensor_1d((char *)mine.data + (size_t)(m->grad_at[m->grad_order[q]] + first - piece * me) * es,
-                                          dt, count);
+            int64_t at = m->grad_at[m->grad_order[q]] + first - piece * me; /* in this replica's piece */
+            smp_tensor to = smp_tensor_1d((char *)mine.data + (size_t)at * es, dt, count);
             from.device = p->value.device;
             to.device = mine.device;
             if (count) st = smp__tensor_copy(&to, &from);

@@ -2286,7 +2286,8 @@ static smp_status smp__ddp_finish(smp__pipe *ps, bool failed) {
         smp_tensor acc = smp_tensor_1d(mine, k->dtype, n);
         acc.device = k->device;
         if (!failed && ps->plan.scatter) {
-            if (!k->gather && me > 0) memmove(mine, k->data, (size_t)n * es); /* host, in place: see smp__bucket_start */
+            if (!k->gather && me > 0) /* host, in place: see smp__bucket_start */
+                memmove(mine, k->data, (size_t)n * es);
             /* the rest holds this replica's own addends: zeros, so that nothing reads them as the average, and a
                gradient kept to the next sync (no smp_model_zero_grad) adds its average there once */
             smp_tensor before = smp_tensor_1d(k->data, k->dtype, n * me);

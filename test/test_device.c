@@ -810,8 +810,8 @@ static void shard_case(int P, bool deterministic) {
             for (int64_t k = 0; k < numel && ok; k++) {
                 float expect = k >= first && k < first + count ? want[k] : 0.0f;
                 if (memcmp(&g[k], &expect, sizeof expect)) {
-                    snprintf(why, sizeof why, "%s gradient [%lld] = %.9g, want %.9g (owned [%lld, %lld))", nm, (long long)k,
-                             g[k], expect, (long long)first, (long long)(first + count));
+                    snprintf(why, sizeof why, "%s gradient [%lld] = %.9g, want %.9g (owned [%lld, %lld))", nm,
+                             (long long)k, g[k], expect, (long long)first, (long long)(first + count));
                     ok = 0;
                 }
             }
@@ -831,7 +831,8 @@ static void shard_case(int P, bool deterministic) {
             for (int64_t k = 0; k < smp_tensor_numel(smp_param_value(p)) && ok; k++) {
                 float expect = w0[k] - 0.05f * g[k];
                 if (memcmp(&w[k], &expect, sizeof expect)) {
-                    snprintf(why, sizeof why, "%s [%lld] after the gather = %.9g, want %.9g", nm, (long long)k, w[k], expect);
+                    snprintf(why, sizeof why, "%s [%lld] after the gather = %.9g, want %.9g", nm, (long long)k, w[k],
+                             expect);
                     ok = 0;
                 }
             }
