@@ -262,7 +262,9 @@ static void sharded_equals_unsharded(int P, int kind, bool clip, bool scaler) {
     }
     /* the account: 4 bytes per owned element; 1/dp of the unsharded state within the padding of each bucket */
     int64_t slack = (int64_t)b.nbuckets * (dp - 1) * 4;
-    if (ok && (a.opt_bytes != 4 * a.total || b.opt_bytes != 4 * b.owned || b.nbuckets < 2 ||
+    int most = 0; /* some rank has parameters across several buckets (a small partition may have one) */
+    MPI_Allreduce(&b.nbuckets, &most, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (ok && (a.opt_bytes != 4 * a.total || b.opt_bytes != 4 * b.owned || most < 2 ||
                llabs(b.opt_bytes * dp - a.opt_bytes) > slack * dp)) {
         ok = 0;
         snprintf(why, sizeof why, "optimizer bytes unsharded %lld for %lld elements, sharded %lld for %lld owned, "
