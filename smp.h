@@ -4676,7 +4676,9 @@ static smp_status smp__gather_params_device(smp_model *m) {
             to.device = mine.device;
             if (count) st = smp__tensor_copy(&to, &from);
         }
-        st = smp__agree_on(smp__ctx.world, st, "gathering the replicas' parameter ranges (shard_optimizer_state)");
+        /* the replicas hold the same buckets; other partitions hold others (agreed with below, once) */
+        st = smp__agree_on(smp__ctx.groups[SMP_RDP_GROUP].comm, st,
+                           "gathering the replicas' parameter ranges (shard_optimizer_state)");
         if (!st) st = smp_all_gather(&mine, &all, SMP_RDP_GROUP);
         for (int q = m->bucket_first[b]; q < m->bucket_first[b + 1] && !st; q++) {
             smp_param *p = m->params[m->grad_order[q]];
@@ -4688,7 +4690,7 @@ static smp_status smp__gather_params_device(smp_model *m) {
         smp__free(mine.data);
         smp__free(all.data);
     }
-    return st;
+    return smp__agree_on(smp__ctx.world, st, "gathering the replicas' parameter ranges (shard_optimizer_state)");
 }
 
 /* smp_model_gather_params's work: every replica's owned range of every
