@@ -839,19 +839,28 @@ SMPDEF void smp_model_grads_restored(smp_model *m);
    for (i = 0; (p = smp_model_local_param(m, i, false)); i++). */
 SMPDEF smp_param *smp_model_local_param(smp_model *m, int index, bool include_buffers);
 SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *full_name); /* any rank's */
-/* SHARDED OPTIMIZER STATE (shard_optimizer_state, ZeRO stage 1). The
-   local parameters' elements, laid end to end in declaration order, are
-   cut into dp_size balanced ranges; dp rank j owns the j-th, and the
-   engine's optimizer keeps state for, and updates, only what this rank
-   owns: elements [*first, *first + *count) of p (count may be 0), as
-   smp_param_owned_range says (without sharding: all of p). Gradients stay
-   averaged over the replicas in full, as without sharding (the global norm
-   and the grad scaler see them all); before parameters are next read
-   (the next step, smp_save, or smp_model_gather_params) smp gathers every
-   replica's updated range, so all replicas hold the same values and a
+/* SHARDED OPTIMIZER STATE (shard_optimizer_state, ZeRO stage 1). Each
+   data-parallel gradient bucket (smp_pipeline.h: the local gradients in
+   backward order, bucket_cap_mb each) is padded to a multiple of the
+   replicas (rdp_size) and cut into that many equal pieces; rdp rank j owns
+   the j-th piece of every bucket, so each replica owns 1/rdp of its
+   partition's elements, give or take the padding (under rdp elements per
+   bucket). The engine's optimizer keeps state for, and updates, only what
+   this rank owns: elements [*first, *first + *count) of p (count may be
+   0; one range, as a parameter lies in one bucket), as
+   smp_param_owned_range says (without sharding: all of p). Each bucket is
+   reduce-scattered instead of all-reduced, in the backward as before:
+   after the step a replica's gradients hold the average over the replicas
+   in its owned ranges and zeros elsewhere. smp_clip_grad_norm and the
+   grad scaler read the owned ranges (each element once across the
+   replicas). Before parameters are next read (the next step, smp_save, or
+   smp_model_gather_params) smp gathers every replica's updated range, so
+   all replicas hold the same values; with deterministic_reduction a
    sharded run is bitwise the unsharded one. Optimizer state registered
-   with smp_optimizer_state_add must cover the owned range only. Host
-   models only, so far. p must be local; after partitioning. */
+   with smp_optimizer_state_add must cover the owned range only. On a
+   device model the buckets go through the device backend's reduce-scatter
+   (NCCL's), and parameters must hold their gradients' dtype. p must be
+   local; after partitioning. */
 SMPDEF smp_status smp_param_owned_range(smp_model *m, const smp_param *p, int64_t *first, int64_t *count);
 /* Gathers the ranges the replicas updated (nothing to do without sharding
    or when nothing changed since the last gather). Collective over the world. */
@@ -4010,6 +4019,16 @@ struct smp_model {
     unsigned long zero_grad_calls; /* tells the pipeline whether gradients it averaged were zeroed since */
     bool grads_restored;           /* smp_model_grads_restored since a failed step left them partial */
     bool params_stale;    /* shard_optimizer_state: replicas may have updated their own ranges since the last gather */
+    /* Where each local gradient lives in the data-parallel buckets (smp__grad_layout, made at partitioning, so
+       smp_param_owned_range answers before the first step): backward order, cut at bucket_cap_mb and where the
+       dtype changes. Under shard_optimizer_state each bucket is padded to a multiple of the replicas and
+       replica r owns the r-th of its equal pieces, so a bucket's reduce-scatter hands every replica its range. */
+    int *grad_order;       /* local parameters in backward order */
+    int *grad_bucket;      /* [nparams]: the bucket of each parameter's gradient, -1: none */
+    int64_t *grad_at;      /* [nparams]: where in it the gradient starts (elements) */
+    int *bucket_first;     /* [nbuckets + 1]: each bucket's parameters, as positions in grad_order */
+    int64_t *bucket_numel; /* [nbuckets]: elements, padding included */
+    int nbuckets;
 };
 
 struct smp_call_ctx {
@@ -4520,6 +4539,7 @@ SMPDEF void smp_model_free(smp_model *m) {
     smp__free(m->outputs);
     smp__free(m->stage_rank); /* stage_first and stage_last share its block */
     smp__free(m->hooks);
+    smp__free(m->grad_at); /* the gradient layout's block (smp__grad_layout) */
     smp__free(m);
 }
 
@@ -4563,23 +4583,77 @@ SMPDEF int smp_model_num_global_params(const smp_model *m, bool buffers) {
     for (int i = 0; i < m->nparams; i++) n += buffers || !m->params[i]->is_buffer;
     return n;
 }
-/* Elements [*first, *first + *count) of local parameter p that dp rank r
-   owns under shard_optimizer_state (the whole of p without it). */
-static void smp__owned_range(const smp_model *m, const smp_param *p, int r, int64_t *first, int64_t *count) {
-    int64_t total = 0, at = -1, n = smp_tensor_numel(&p->value);
-    for (int i = 0; i < m->nparams; i++) {
-        const smp_param *q = m->params[i];
-        if (q->is_buffer || !smp_module_is_local(q->module)) continue;
-        if (q == p) at = total;
-        total += smp_tensor_numel(&q->value);
+/* The leaf call whose last backward makes a parameter's gradient final:
+   the first call that reads it (backwards run in reverse); -1 for a shared
+   module's, final once the pipeline has summed its copies, and for one no call reads. */
+static int smp__final_call(const smp_param *p) { return p->module->uses > 1 ? -1 : p->module->owner_call; }
+
+static void smp__grad_layout_free(smp_model *m) {
+    smp__free(m->grad_at); /* one block: the other arrays live in it */
+    m->grad_at = m->bucket_numel = NULL;
+    m->grad_order = m->grad_bucket = m->bucket_first = NULL;
+    m->nbuckets = 0;
+}
+
+/* Lays the local gradients out in buckets (smp_model's grad_order and what follows it). */
+static smp_status smp__grad_layout(smp_model *m) {
+    smp__grad_layout_free(m);
+    const smp_config *cfg = &smp__ctx.cfg;
+    size_t np = (size_t)m->nparams + 1;
+    smp_status st = SMP_OK;
+    int64_t *block = (int64_t *)smp__alloc_or(&st, (2 * sizeof(int64_t) + 3 * sizeof(int)) * np + sizeof(int),
+                                              SMP__ALLOC_OTHER, "the data-parallel buckets' layout");
+    if (st) return st;
+    m->grad_at = block;
+    m->bucket_numel = block + np;
+    m->grad_order = (int *)(void *)(block + 2 * np);
+    m->grad_bucket = m->grad_order + np;
+    m->bucket_first = m->grad_bucket + np;
+    int n = 0, dp = smp_rdp_size();
+    int64_t align = cfg->shard_optimizer_state == SMP_ON && dp > 1 ? dp : 1;
+    for (int k = m->ncalls - 1; k >= -1; k--) /* those final only at the step's end go last */
+        for (int i = m->nparams - 1; i >= 0; i--) {
+            smp_param *p = m->params[i];
+            if (!p->is_buffer && smp_module_is_local(p->module) && smp__final_call(p) == k) m->grad_order[n++] = i;
+        }
+    for (int i = 0; i < m->nparams; i++) m->grad_bucket[i] = -1;
+    double cap = cfg->bucket_cap_mb * 1048576.0;
+    for (int j = 0; j < n;) { /* a bucket: consecutive parameters of one dtype up to the cap */
+        smp_dtype dt = m->params[m->grad_order[j]]->grad.dtype;
+        size_t es = smp_dtype_size(dt), bytes = 0;
+        int k = j;
+        for (; k < n && m->params[m->grad_order[k]]->grad.dtype == dt; k++) {
+            size_t more = bytes + smp_tensor_nbytes(&m->params[m->grad_order[k]]->grad);
+            /* MPI counts are int */
+            if (k > j && ((double)more > cap || more / es > (size_t)INT32_MAX - (size_t)align)) break;
+            m->grad_bucket[m->grad_order[k]] = m->nbuckets;
+            m->grad_at[m->grad_order[k]] = (int64_t)(bytes / es);
+            bytes = more;
+        }
+        int64_t numel = (int64_t)(bytes / es);
+        m->bucket_first[m->nbuckets] = j;
+        m->bucket_numel[m->nbuckets++] = (numel + align - 1) / align * align;
+        j = k;
     }
-    int dp = smp_dp_size();
-    if (smp__ctx.cfg.shard_optimizer_state != SMP_ON || dp < 2 || p->is_buffer || at < 0) { *first = 0; *count = n; return; }
-    int64_t lo = total / dp * r + (r < total % dp ? r : total % dp), hi = lo + total / dp + (r < total % dp); /* balanced: sizes differ by <= 1 */
-    int64_t a = lo > at ? lo : at, b = hi < at + n ? hi : at + n;
-    *first = a - at;
-    *count = b > a ? b - a : 0;
-    if (!*count) *first = 0;
+    m->bucket_first[m->nbuckets] = n;
+    return SMP_OK;
+}
+
+/* Elements [*first, *first + *count) of local parameter p that rdp rank r owns under shard_optimizer_state (the
+   whole of p without it): its share of r's piece of p's bucket. */
+static void smp__owned_range(const smp_model *m, const smp_param *p, int r, int64_t *first, int64_t *count) {
+    int64_t n = smp_tensor_numel(&p->value);
+    int b = -1, dp = smp_rdp_size();
+    int64_t at = 0;
+    for (int i = 0; i < m->nparams && m->grad_bucket; i++)
+        if (m->params[i] == p) { b = m->grad_bucket[i]; at = m->grad_at[i]; break; }
+    *first = 0;
+    *count = n;
+    if (smp__ctx.cfg.shard_optimizer_state != SMP_ON || dp < 2 || p->is_buffer || b < 0) return;
+    int64_t piece = m->bucket_numel[b] / dp, lo = piece * r, hi = lo + piece;
+    int64_t a = lo > at ? lo : at, e = hi < at + n ? hi : at + n;
+    *first = e > a ? a - at : 0;
+    *count = e > a ? e - a : 0;
 }
 
 SMPDEF smp_status smp_param_owned_range(smp_model *m, const smp_param *p, int64_t *first, int64_t *count) {
@@ -4587,22 +4661,69 @@ SMPDEF smp_status smp_param_owned_range(smp_model *m, const smp_param *p, int64_
     if (!m->partitioned) return smp_error(SMP_ERR_STATE, "smp_param_owned_range: the model is not partitioned yet (smp_model_trace or a first step)");
     if (!smp_module_is_local(p->module))
         return smp_error(SMP_ERR_ARG, "smp_param_owned_range: parameter '%s' does not live on this rank", p->full_name);
-    smp__owned_range(m, p, smp_dp_rank(), first, count);
+    smp__owned_range(m, p, smp_rdp_rank(), first, count);
     return SMP_OK;
 }
 
+/* smp_model_gather_params's work on a device model: per bucket, this replica's piece of the parameters laid out
+   as the bucket lays out their gradients, the replicas' pieces gathered (the backend's all-gather), and each
+   parameter copied back whole. A value's dtype must be its gradient's. */
+static smp_status smp__gather_params_device(smp_model *m) {
+    int dp = smp_rdp_size(), me = smp_rdp_rank();
+    smp_status st = SMP_OK;
+    for (int b = 0; b < m->nbuckets && !st; b++) {
+        smp_dtype dt = m->params[m->grad_order[m->bucket_first[b]]]->grad.dtype;
+        size_t es = smp_dtype_size(dt);
+        int64_t piece = m->bucket_numel[b] / dp, first, count;
+        smp_tensor mine = smp_tensor_1d(NULL, dt, piece), all = smp_tensor_1d(NULL, dt, m->bucket_numel[b]);
+        smp__tensor_alloc_or(&st, &mine, true, SMP__ALLOC_COMM,
+                             "the parameters a replica updated (shard_optimizer_state)");
+        smp__tensor_alloc_or(&st, &all, true, SMP__ALLOC_COMM, "the replicas' parameters (shard_optimizer_state)");
+        if (!st) st = smp__tensor_zero(&mine); /* the padding */
+        for (int q = m->bucket_first[b]; q < m->bucket_first[b + 1] && !st; q++) {
+            const smp_param *p = m->params[m->grad_order[q]];
+            if (p->value.dtype != dt) {
+                st = smp_error(SMP_ERR_STATE, "shard_optimizer_state on a device model gathers parameters in their "
+                               "gradients' dtype, and '%s' holds %s values with %s gradients: leave "
+                               "shard_optimizer_state off", p->full_name, smp_dtype_name(p->value.dtype),
+                               smp_dtype_name(dt));
+                break;
+            }
+            smp__owned_range(m, p, me, &first, &count);
+            smp_tensor from = smp_tensor_1d((char *)p->value.data + (size_t)first * es, dt, count);
+            int64_t at = m->grad_at[m->grad_order[q]] + first - piece * me; /* in this replica's piece */
+            smp_tensor to = smp_tensor_1d((char *)mine.data + (size_t)at * es, dt, count);
+            from.device = p->value.device;
+            to.device = mine.device;
+            if (count) st = smp__tensor_copy(&to, &from);
+        }
+        /* the replicas hold the same buckets; other partitions hold others (agreed with below, once) */
+        st = smp__agree_on(smp__ctx.groups[SMP_RDP_GROUP].comm, st,
+                           "gathering the replicas' parameter ranges (shard_optimizer_state)");
+        if (!st) st = smp_all_gather(&mine, &all, SMP_RDP_GROUP);
+        for (int q = m->bucket_first[b]; q < m->bucket_first[b + 1] && !st; q++) {
+            smp_param *p = m->params[m->grad_order[q]];
+            smp_tensor from = smp_tensor_1d((char *)all.data + (size_t)m->grad_at[m->grad_order[q]] * es, dt,
+                                            smp_tensor_numel(&p->value));
+            from.device = all.device;
+            st = smp__tensor_copy(&p->value, &from);
+        }
+        smp__free(mine.data);
+        smp__free(all.data);
+    }
+    return smp__agree_on(smp__ctx.world, st, "gathering the replicas' parameter ranges (shard_optimizer_state)");
+}
+
 /* smp_model_gather_params's work: every replica's owned range of every
-   local parameter, packed in parameter order, gathered in DP_GROUP. */
+   local parameter, packed in parameter order, gathered in RDP_GROUP. */
 static smp_status smp__gather_params(smp_model *m) {
-    int dp = smp_dp_size(), me = smp_dp_rank();
+    int dp = smp_rdp_size(), me = smp_rdp_rank();
     size_t mine = 0, at = 0;
     int64_t first, count;
     for (int i = 0; i < m->nparams; i++) {
         smp_param *p = m->params[i];
         if (p->is_buffer || !smp_module_is_local(p->module)) continue;
-        if (p->value.device != SMP_HOST)
-            return smp_error(SMP_ERR_STATE, "shard_optimizer_state runs on host models so far, and '%s' lives on a device: leave "
-                             "shard_optimizer_state off", p->full_name);
+        if (p->value.device != SMP_HOST) return smp__gather_params_device(m);
         smp__owned_range(m, p, me, &first, &count);
         mine += (size_t)count * smp_dtype_size(p->value.dtype);
     }
@@ -4619,7 +4740,7 @@ static smp_status smp__gather_params(smp_model *m) {
         at += (size_t)count * es;
     }
     st = smp__agree_on(smp__ctx.world, st, "gathering the replicas' parameter ranges (shard_optimizer_state)");
-    if (!st) st = smp_all_gather_bytes(pack, mine, SMP_DP_GROUP, &all, lens);
+    if (!st) st = smp_all_gather_bytes(pack, mine, SMP_RDP_GROUP, &all, lens);
     at = 0;
     for (int r = 0; r < dp && !st; r++)
         for (int i = 0; i < m->nparams; i++) {
@@ -5831,6 +5952,10 @@ static smp_status smp__partition(smp_model *m) {
     for (int i = 0; i < m->nparams; i++)
         if (!st && smp_module_is_local(m->params[i]->module)) st = smp__materialise_param(m->params[i]);
     if (st) {
+        for (int i = 0; i < m->nparams; i++) smp__release_param(m->params[i]);
+        return st;
+    }
+    if ((st = smp__grad_layout(m))) {
         for (int i = 0; i < m->nparams; i++) smp__release_param(m->params[i]);
         return st;
     }

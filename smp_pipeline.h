@@ -367,14 +367,19 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
    runs a stream's collectives). With deterministic_reduction the sum is
    taken in dp-rank order after an all-gather, so results do not depend on
    MPI's algorithm. With shard_optimizer_state (smp.h, SHARDED OPTIMIZER
-   STATE) gradients are still averaged in full; each step starts by
-   gathering the ranges the replicas' optimizers updated. */
+   STATE) each bucket is reduce-scattered instead (MPI_Ireduce_scatter_block;
+   deterministic: an all-to-all of the pieces, summed in rank order), in the
+   same order and overlap, so each replica gets the average of the piece it
+   owns; each step starts by gathering the ranges the replicas' optimizers
+   updated. The global norm sums exact partial sums of squares, so it is the
+   same bits sharded or not, partitioned or not. */
 
 /* Scales gradients so that their global norm (over the whole model, every
    partition, every TP shard once and every whole parameter once) is at most max_norm; *total_norm gets the norm before
-   clipping (may be NULL). The sum runs over parameters in model order, so
+   clipping (may be NULL). The sum of squares is exact (then rounded), so
    it equals the one-process norm bit for bit. max_norm INFINITY only
-   measures the norm. Collective over MP_GROUP. */
+   measures the norm. Collective over MP_GROUP (over the world with
+   shard_optimizer_state: each replica reads the ranges it owns). */
 SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *total_norm);
 
 /* Lets the gradient all-reduce that overlapping_allreduce started move on.
@@ -1114,11 +1119,13 @@ typedef struct smp__bucket {
     size_t bytes;
     int64_t numel;
     smp_dtype dtype;
-    int first, count;    /* its parameters: bucket_params[first .. first + count) */
+    int first, count;    /* its parameters: the model's grad_order[first .. first + count) */
     int final;           /* how many of them are final this step */
     bool ready;          /* may start: overlap on and all final, or the step's end */
     MPI_Request req;     /* host buckets; device collectives are the backend's to order */
-    void *gather;        /* deterministic reduction: every replica's copy */
+    void *gather;        /* deterministic reduction: every replica's copy (of this replica's piece, reduce-scattered);
+                            a device bucket reduce-scattered: its piece, summed */
+    int pieces;          /* how many of them smp__ddp_finish sums, in rank order */
     double t_start;      /* when its collective started (timeline) */
     int device;          /* SMP_HOST or where data lives */
 } smp__bucket;
@@ -1152,8 +1159,7 @@ typedef struct smp__plan {
     /* data parallelism */
     smp__bucket *buckets;
     int nbuckets;
-    int *bucket_of;        /* [nparams]: bucket of each parameter, -1 if none */
-    int *bucket_params;    /* parameters in backward order */
+    bool scatter;          /* shard_optimizer_state: buckets are reduce-scattered, each replica gets its piece */
 } smp__plan;
 
 /* One step's state: set by smp__step_begin and smp__step_post_receives, let go of by smp__release_step. */
@@ -1253,8 +1259,6 @@ static void smp__plan_free(smp__plan *pl) {
     smp_schedule_free(&pl->sched[1]);
     for (int b = 0; b < pl->nbuckets; b++) smp__free(pl->buckets[b].data);
     smp__free(pl->buckets);
-    smp__free(pl->bucket_of);
-    smp__free(pl->bucket_params);
 }
 
 static void smp__pipe_free(void *p) {
@@ -2040,73 +2044,47 @@ static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, i
 }
 
 /* ---------------------------------------------------------------- data parallel: buckets */
-/* The leaf call whose last backward makes a parameter's gradient final:
-   the first call that reads it (backwards run in reverse); -1 for a shared
-   module's, final once smp__shared_finish has run, and for one no call reads. */
-static int smp__final_call(const smp_param *p) { return p->module->uses > 1 ? -1 : p->module->owner_call; }
-
-/* Broadcasts parameters (and buffers) from dp rank 0, and lays every local
-   gradient out in buckets in the order backward finishes them. */
+/* Broadcasts parameters (and buffers) from dp rank 0, and makes the buckets of the model's gradient layout
+   (smp__grad_layout), moving every local gradient into its place. */
 static smp_status smp__ddp_setup(smp__pipe *ps, smp_model *md) {
     const smp_config *cfg = &smp__ctx.cfg;
+    bool sharded = cfg->shard_optimizer_state == SMP_ON && smp_rdp_size() > 1;
     for (int i = 0; i < md->nparams; i++) {
         smp_param *p = md->params[i];
         if (!smp_module_is_local(p->module) || (p->is_buffer && cfg->broadcast_buffers != SMP_ON)) continue;
         SMP_TRY(smp_broadcast(&p->value, 0, SMP_RDP_GROUP));
     }
-    /* backward order: the call that finishes a parameter (smp__final_call), those final only at the step's end last */
-    int n = 0;
     smp_status st = SMP_OK;
-    int *order = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER, "the data-parallel buckets");
-    ps->plan.buckets = (smp__bucket *)smp__alloc_or(&st, sizeof(smp__bucket) * (size_t)(md->nparams + 1),
-                                                    SMP__ALLOC_OTHER, "the data-parallel buckets");
-    ps->plan.bucket_of = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(md->nparams + 1), SMP__ALLOC_OTHER,
-                                              "the data-parallel buckets");
-    ps->plan.bucket_params = order;
+    if (!ps->plan.buckets)
+        ps->plan.buckets = (smp__bucket *)smp__alloc_or(&st, sizeof(smp__bucket) * (size_t)(md->nbuckets + 1),
+                                                        SMP__ALLOC_OTHER, "the data-parallel buckets");
     if (st) return st;
-    for (int k = md->ncalls - 1; k >= -1; k--)
-        for (int i = md->nparams - 1; i >= 0; i--) {
-            smp_param *p = md->params[i];
-            if (p->is_buffer || !smp_module_is_local(p->module) || smp__final_call(p) != k) continue;
-            order[n++] = i;
-        }
-    double cap = cfg->bucket_cap_mb * 1048576.0;
-    for (int i = 0; i < md->nparams; i++) ps->plan.bucket_of[i] = -1;
-    ps->plan.nbuckets = 0;
-    for (int j = 0; j < n;) { /* a bucket: consecutive parameters of one dtype up to the cap */
-        smp__bucket *b = &ps->plan.buckets[ps->plan.nbuckets];
+    ps->plan.scatter = sharded;
+    while (ps->plan.nbuckets < md->nbuckets) {
+        int j = ps->plan.nbuckets;
+        smp__bucket *b = &ps->plan.buckets[j];
         memset(b, 0, sizeof *b);
-        b->dtype = md->params[order[j]]->grad.dtype;
-        b->first = j;
-        size_t bytes = 0, es = smp_dtype_size(b->dtype);
-        int k = j;
-        for (; k < n && md->params[order[k]]->grad.dtype == b->dtype; k++) {
-            size_t more = bytes + smp_tensor_nbytes(&md->params[order[k]]->grad);
-            if (k > j && ((double)more > cap || more / es > (size_t)INT32_MAX)) break; /* MPI counts are int */
-            bytes = more;
-        }
-        b->count = k - j;
-        b->bytes = bytes;
-        b->numel = (int64_t)(bytes / es);
+        b->dtype = md->params[md->grad_order[md->bucket_first[j]]]->grad.dtype;
+        b->first = md->bucket_first[j];
+        b->count = md->bucket_first[j + 1] - b->first;
+        b->numel = md->bucket_numel[j];
+        b->bytes = (size_t)b->numel * smp_dtype_size(b->dtype);
         smp_tensor whole = smp_tensor_1d(NULL, b->dtype, b->numel);
         if (!smp__tensor_alloc_or(&st, &whole, ps->plan.on_device, SMP__ALLOC_GRAD, "a data-parallel gradient bucket"))
             return st;
         b->data = whole.data;
         b->device = whole.device;
         ps->plan.nbuckets++; /* freed with the model from here on */
-        size_t at = 0;
-        for (int q = j; q < k; q++) {
-            smp_param *p = md->params[order[q]];
+        if ((st = smp__tensor_zero(&whole))) return st; /* the padding stays zero */
+        for (int q = b->first; q < b->first + b->count; q++) {
+            smp_param *p = md->params[md->grad_order[q]];
             smp_tensor place = p->grad;
-            place.data = (char *)b->data + at;
+            place.data = (char *)b->data + (size_t)md->grad_at[md->grad_order[q]] * smp_dtype_size(b->dtype);
             if ((st = smp__tensor_copy(&place, &p->grad))) return st;
             if (!p->grad_in_bucket) smp__free(p->grad.data);
             p->grad.data = place.data;
             p->grad_in_bucket = true;
-            ps->plan.bucket_of[order[q]] = ps->plan.nbuckets - 1;
-            at += smp_tensor_nbytes(&place);
         }
-        j = k;
     }
     return SMP_OK;
 }
@@ -2128,6 +2106,17 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
         b->req = MPI_REQUEST_NULL;
         smp_tensor t = smp_tensor_1d(b->data, b->dtype, b->numel), all = smp_tensor_1d(NULL, b->dtype, b->numel * smp_rdp_size());
         t.device = b->device;
+        if (ps->plan.scatter) {
+            /* the backend's reduce-scatter (NCCL: its own) into a piece apart, or every replica's copy of this
+               replica's piece; smp__ddp_finish puts the sum in place */
+            int dp = smp_rdp_size();
+            smp_tensor got = smp_tensor_1d(NULL, b->dtype, deterministic ? b->numel : b->numel / dp);
+            if (!smp__tensor_alloc(&got, true, SMP__ALLOC_COMM)) smp__bucket_nomem(smp_tensor_nbytes(&got));
+            b->gather = got.data;
+            b->pieces = deterministic ? dp : 1;
+            return deterministic ? smp_all_to_all_single(&t, &got, NULL, NULL, SMP_RDP_GROUP)
+                                 : smp_reduce_scatter(&t, &got, SMP_SUM, SMP_RDP_GROUP);
+        }
         if (!deterministic && smp__ctx.device.bucket_all_reduce && smp__ctx.device.bucket_fence) {
             ps->step.fence_buckets = true;
             return smp__ctx.device.bucket_all_reduce(b->data, b->dtype, b->numel, SMP_RDP_GROUP);
@@ -2135,6 +2124,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
         if (!deterministic) return smp_all_reduce(&t, &t, SMP_SUM, SMP_RDP_GROUP);
         if (!smp__tensor_alloc(&all, true, SMP__ALLOC_OTHER)) smp__bucket_nomem(b->bytes * (size_t)smp_rdp_size());
         b->gather = all.data;
+        b->pieces = smp_rdp_size();
         return smp_all_gather(&t, &all, SMP_RDP_GROUP);
     }
     smp__ddp_inflight = ps;
@@ -2149,11 +2139,30 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
        the step fails everywhere */
     smp__group_info *gi = smp__coll_enter(SMP_RDP_GROUP);
     smp_status st = SMP_OK;
-    if (deterministic) {
+    int dp = smp_rdp_size(), piece = n / dp;
+    if (ps->plan.scatter && deterministic) {
+        /* every replica's copy of this replica's piece, summed in rank order by smp__ddp_finish */
+        b->gather = smp__alloc(b->bytes + 1, SMP__ALLOC_COMM);
+        if (!b->gather) smp__bucket_nomem(b->bytes);
+        b->pieces = dp;
+        st = SMP__MPI_CHECK(MPI_Ialltoall(b->data, piece, smp__mpi_type(b->dtype), b->gather, piece,
+                                          smp__mpi_type(b->dtype), comm, &b->req),
+                            "sending data-parallel gradient bucket %d's pieces (%zu bytes) in RDP_GROUP", index,
+                            b->bytes);
+    } else if (ps->plan.scatter) {
+        /* in place: the sum of this replica's piece lands at the bucket's start (smp__ddp_finish moves it) */
+        MPI_Op op;
+        st = smp__mpi_op(SMP_SUM, b->dtype, "data-parallel gradients", &op);
+        if (!st)
+            st = SMP__MPI_CHECK(MPI_Ireduce_scatter_block(MPI_IN_PLACE, b->data, piece, smp__mpi_type(b->dtype), op,
+                                                          comm, &b->req),
+                                "reduce-scattering data-parallel gradient bucket %d (%zu bytes) in RDP_GROUP", index,
+                                b->bytes);
+    } else if (deterministic) {
         /* every replica's gradient, summed below in dp-rank order */
-        int dp = smp_rdp_size();
         b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_COMM);
         if (!b->gather) smp__bucket_nomem(b->bytes * (size_t)dp);
+        b->pieces = dp;
         st = SMP__MPI_CHECK(MPI_Iallgather(b->data, n, smp__mpi_type(b->dtype), b->gather, n, smp__mpi_type(b->dtype), comm, &b->req),
                             "gathering data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", index, b->bytes);
     } else {
@@ -2223,7 +2232,7 @@ static smp_status smp__ddp_call_final(smp__pipe *ps, smp_model *md, int k) {
     smp_status st = SMP_OK;
     for (int i = 0; i < md->nparams && !st; i++) {
         smp_param *p = md->params[i];
-        int b = ps->plan.bucket_of[i];
+        int b = md->grad_bucket[i];
         if (b < 0 || smp__final_call(p) != k) continue;
         if (++ps->plan.buckets[b].final == ps->plan.buckets[b].count && smp__ctx.cfg.overlapping_allreduce == SMP_ON) {
             ps->plan.buckets[b].ready = true;
@@ -2273,22 +2282,37 @@ static smp_status smp__ddp_complete(smp__pipe *ps) {
    After a failed step the collectives have still completed, and the result
    is dropped. */
 static smp_status smp__ddp_finish(smp__pipe *ps, bool failed) {
-    int dp = smp_rdp_size();
+    int dp = smp_rdp_size(), me = smp_rdp_rank();
     smp_status st = SMP_OK;
     for (int b = 0; b < ps->plan.nbuckets; b++) {
         smp__bucket *k = &ps->plan.buckets[b];
-        smp_tensor acc = smp_tensor_1d(k->data, k->dtype, k->numel);
+        size_t es = smp_dtype_size(k->dtype);
+        /* reduce-scattered: this replica's piece is what it sums, or what arrived summed */
+        int64_t n = ps->plan.scatter ? k->numel / dp : k->numel;
+        char *mine = (char *)k->data + (ps->plan.scatter ? (size_t)(n * me) * es : 0);
+        smp_tensor acc = smp_tensor_1d(mine, k->dtype, n);
         acc.device = k->device;
+        if (!failed && ps->plan.scatter) {
+            if (!k->gather && me > 0) /* host, in place: see smp__bucket_start */
+                memmove(mine, k->data, (size_t)n * es);
+            /* the rest holds this replica's own addends: zeros, so that nothing reads them as the average, and a
+               gradient kept to the next sync (no smp_model_zero_grad) adds its average there once */
+            smp_tensor before = smp_tensor_1d(k->data, k->dtype, n * me);
+            smp_tensor after = smp_tensor_1d(mine + (size_t)n * es, k->dtype, n * (dp - me - 1));
+            before.device = after.device = k->device;
+            if (me > 0) st = smp__tensor_zero(&before);
+            if (!st && me < dp - 1) st = smp__tensor_zero(&after);
+        }
         if (!failed && !st && k->gather) {
-            size_t es = smp_dtype_size(k->dtype);
-            for (int r = 0; r < dp && !st; r++) {
-                smp_tensor t = smp_tensor_1d((char *)k->gather + (size_t)r * (size_t)k->numel * es, k->dtype, k->numel);
+            for (int r = 0; r < k->pieces && !st; r++) {
+                smp_tensor t = smp_tensor_1d((char *)k->gather + (size_t)(r * n) * es, k->dtype, n);
                 t.device = k->device;
                 st = r == 0 ? smp__tensor_copy(&acc, &t) : smp__add_into(&acc, &t);
             }
         }
         smp__free(k->gather);
         k->gather = NULL;
+        k->pieces = 0;
         k->ready = false;
         k->final = 0;
     }
@@ -2309,52 +2333,101 @@ static double smp__grad_at(const smp_tensor *g, int64_t x) {
     }
 }
 
-/* Reads p's gradient on the host: adds the sum of its squares to *sq and
-   sets *bad on an inf or NaN. The norm and the scaler's overflow check read
-   a device gradient through a host copy: one pass over the gradients per
-   step, and the host sums keep the norm bitwise equal to the one-process
-   norm wherever the gradients live. */
-static smp_status smp__grad_scan(const smp_param *p, double *sq, int *bad) {
+/* The sum of squares behind the gradient norm, kept exactly: 32-bit digits in int64s (room for 2^29 terms
+   between carries), the lowest worth 2^-1074, so any double adds without rounding. An exact sum does not
+   depend on the order of its terms, so replicas that each hold a piece of a gradient (shard_optimizer_state)
+   add up, bit for bit, to what one rank holding all of it gets, and so does any partitioning. Digits past the
+   last carry hold inf (a square that overflowed) and NaN counts. */
+enum { SMP__SQ_DIGITS = 72, SMP__SQ_INF = SMP__SQ_DIGITS, SMP__SQ_NAN, SMP__SQ_LEN };
+typedef struct smp__sqsum { int64_t d[SMP__SQ_LEN]; int64_t terms; } smp__sqsum;
+
+static void smp__sq_carry(smp__sqsum *a) {
+    int64_t carry = 0;
+    for (int k = 0; k < SMP__SQ_DIGITS; k++) {
+        int64_t v = a->d[k] + carry, low = (int64_t)((uint64_t)v & 0xffffffffu);
+        a->d[k] = low;
+        carry = (v - low) / 4294967296; /* exact: v - low is a multiple of 2^32 */
+    }
+    a->terms = 0;
+}
+
+static void smp__sq_add(smp__sqsum *a, double x) {
+    if (!isfinite(x)) { a->d[isnan(x) ? SMP__SQ_NAN : SMP__SQ_INF]++; return; }
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    int ex = (int)(bits >> 52 & 0x7ff);
+    uint64_t mant = (bits & ((UINT64_C(1) << 52) - 1)) | (ex ? UINT64_C(1) << 52 : 0); /* x = +-mant 2^(pos - 1074) */
+    int pos = ex ? ex - 1 : 0, k = pos / 32, sh = pos % 32;
+    uint64_t lo = (mant & 0xffffffffu) << sh, hi = (mant >> 32) << sh;
+    int64_t sign = bits >> 63 ? -1 : 1;
+    a->d[k] += sign * (int64_t)(lo & 0xffffffffu);
+    a->d[k + 1] += sign * (int64_t)((lo >> 32) + (hi & 0xffffffffu));
+    a->d[k + 2] += sign * (int64_t)(hi >> 32);
+    if (++a->terms == INT64_C(1) << 29) smp__sq_carry(a);
+}
+
+/* The sum as a double: the same function of the exact sum everywhere. */
+static double smp__sq_value(smp__sqsum *a) {
+    if (a->d[SMP__SQ_NAN]) return (double)NAN;
+    if (a->d[SMP__SQ_INF]) return (double)INFINITY;
+    smp__sq_carry(a);
+    double v = 0;
+    for (int k = SMP__SQ_DIGITS - 1; k >= 0; k--) v += ldexp((double)a->d[k], 32 * k - 1074);
+    return v;
+}
+
+/* Reads elements [first, first + count) of p's gradient on the host: adds their squares to *sq and sets *bad on
+   an inf or NaN. The norm and the scaler's overflow check read a device gradient through a host copy: one pass
+   over the gradients per step. */
+static smp_status smp__grad_scan(const smp_param *p, int64_t first, int64_t count, smp__sqsum *sq, int *bad) {
     smp_tensor g = p->grad;
     smp_status st = SMP_OK;
     void *copy = g.device == SMP_HOST ? NULL : smp__tensor_alloc_or(&st, &g, false, SMP__ALLOC_OTHER, "a host copy of a gradient");
     if (copy) st = smp__tensor_copy(&g, &p->grad);
-    int64_t n = st ? 0 : smp_tensor_numel(&g);
-    for (int64_t x = 0; x < n; x++) {
-        double v = smp__grad_at(&g, x);
-        *sq += v * v;
+    int64_t end = st ? first : first + count;
+    for (int64_t x = first; x < end; x++) {
+        double v = smp__grad_at(&g, x), v2 = v * v;
+        if (sq) smp__sq_add(sq, v2);
+        if (sq && g.dtype == SMP_F64 && isfinite(v2)) smp__sq_add(sq, fma(v, v, -v2)); /* exact: v2 and the rest */
         *bad |= !isfinite(v);
     }
     smp__free(copy);
     return st;
 }
 
+/* The part of p's gradient this rank reads for the norm and the overflow check: what it owns under
+   shard_optimizer_state (its replicas hold the rest), all of it otherwise. */
+static void smp__grad_range(smp_model *m, const smp_param *p, int64_t *first, int64_t *count) {
+    smp__pipe *ps = (smp__pipe *)m->pipeline;
+    if (ps && ps->plan.scatter) smp__owned_range(m, p, smp_rdp_rank(), first, count);
+    else *first = 0, *count = smp_tensor_numel(&p->grad);
+}
+
 static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
     SMP_TRY(smp__require_init("smp_clip_grad_norm"));
     smp_status st = SMP_OK;
-    /* one partial sum per parameter, owned by exactly one rank of the
-       MP_GROUP: summing them (x + 0 is exact) and then adding them up in
-       model order gives the one-process result on every rank. With tensor
-       parallelism a sharded parameter's sum adds its TP ranks' slices, and
-       a whole one counts on tp rank 0 only */
-    double *sq = (double *)smp__alloc(sizeof(double) * (size_t)(m->nparams + 1), SMP__ALLOC_OTHER);
-    if (!sq) smp__fatal("out of memory: %d partial sums of the gradient norm on rank %d, which MP_GROUP waits on", m->nparams, smp__ctx.rank);
+    /* every element counted on exactly one rank: a shared module's copies hold one gradient, which its first
+       partition counts; a whole parameter counts on tp rank 0 only, a sharded one on each of its TP ranks; a
+       reduce-scattered one on the replica that owns each piece. The exact sums then add up to the one-process
+       sum whatever holds which part. */
+    smp__sqsum sq;
+    memset(&sq, 0, sizeof sq);
     int bad = 0;
     for (int i = 0; i < m->nparams; i++) {
         smp_param *p = m->params[i];
-        sq[i] = 0;
-        /* a shared module's copies hold one gradient: its first partition counts it */
         if (!smp__local_grad(p) || p->module->partition != smp__ctx.pp_rank || (p->shard_axis < 0 && smp__ctx.tp_rank)) continue;
-        smp_status cs = smp__grad_scan(p, &sq[i], &bad);
+        int64_t first, count;
+        smp__grad_range(m, p, &first, &count);
+        smp_status cs = smp__grad_scan(p, first, count, &sq, &bad);
         if (cs && !st) st = cs;
     }
-    smp_tensor t = smp_tensor_1d(sq, SMP_F64, m->nparams);
-    smp_status rs = smp_all_reduce(&t, &t, SMP_SUM, SMP_MP_GROUP); /* even after a local error: the others wait for it */
+    smp__sq_carry(&sq);
+    smp__pipe *ps = (smp__pipe *)m->pipeline;
+    smp_tensor t = smp_tensor_1d(sq.d, SMP_I64, SMP__SQ_LEN);
+    /* even after a local error: the others wait for it */
+    smp_status rs = smp_all_reduce(&t, &t, SMP_SUM, ps && ps->plan.scatter ? SMP_WORLD : SMP_MP_GROUP);
     if (!st) st = rs;
-    double total = 0;
-    for (int i = 0; i < m->nparams; i++) total += sq[i];
-    smp__free(sq);
-    if (total_norm) *total_norm = sqrt(total);
+    if (total_norm) *total_norm = sqrt(smp__sq_value(&sq));
     return st;
 }
 
@@ -2380,10 +2453,13 @@ SMPDEF double smp_grad_scaler_scale(smp_grad_scaler *s) { smp__scaler_defaults(s
 SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool *skip) {
     smp__scaler_defaults(s);
     int bad = 0;
-    double sq = 0;
     smp_status st = SMP_OK;
-    for (int i = 0; i < m->nparams && !bad && !st; i++)
-        if (smp__local_grad(m->params[i])) st = smp__grad_scan(m->params[i], &sq, &bad);
+    int64_t first, count;
+    for (int i = 0; i < m->nparams && !bad && !st; i++) {
+        if (!smp__local_grad(m->params[i])) continue;
+        smp__grad_range(m, m->params[i], &first, &count); /* the replicas check the other pieces */
+        st = smp__grad_scan(m->params[i], first, count, NULL, &bad);
+    }
     if (st) bad = 1; /* unreadable gradients: skip the step everywhere, and say why here */
     smp_tensor t = smp_tensor_1d(&bad, SMP_I32, 1);
     smp_status rs = smp_all_reduce(&t, &t, SMP_MAX, SMP_WORLD); /* one rank's overflow is everyone's */
@@ -3109,7 +3185,8 @@ static void smp__schedule_report(const smp_model *md) {
 }
 
 /* ---------------------------------------------------------------- the step's phases
-   smp__step reads top to bottom: prepare (nothing to undo when it fails), begin (the step counts), post the
+   smp__step reads top to bottom: prepare (nothing to undo when it fails), gather the parameters the replicas
+   updated (shard_optimizer_state), begin (the step counts), post the
    receives, run the schedule's operations, drain the sends, finish the shared gradients, complete the buckets,
    agree, then finish or undo. */
 
@@ -3202,12 +3279,14 @@ static smp_status smp__step_schedule(smp__pipe *ps, smp_model *md, bool training
 }
 
 /* Gradients that accumulate on top of the last sync's average (no smp_model_zero_grad since) would be summed dp
-   times by the next sync, the loss gradient being the only part divided: a training step divides them first. */
+   times by the next sync, the loss gradient being the only part divided: a training step divides them first.
+   Reduce-scattered gradients need not: each replica holds the average of its piece only, zeros elsewhere. */
 static smp_status smp__step_held_grads(smp__pipe *ps, smp_model *md, bool training) {
     if (!training || !ps->averaged_grads_held) return SMP_OK;
     ps->averaged_grads_held = false;
     smp_status st = SMP_OK;
-    if (md->zero_grad_calls == ps->zero_calls_at_sync) st = smp__scale_grads(md, 1.0 / smp_rdp_size());
+    if (md->zero_grad_calls == ps->zero_calls_at_sync && !ps->plan.scatter)
+        st = smp__scale_grads(md, 1.0 / smp_rdp_size());
     return st ? smp__agree_on(smp__ctx.world, st, "gradients kept from the last step") : SMP_OK;
 }
 
@@ -3238,12 +3317,19 @@ static smp_status smp__step_prepare(const smp_step_desc *d, const smp_step_outpu
     smp__pipe *ps = (smp__pipe *)md->pipeline;
     SMP_TRY(smp__step_connect(ps));
     SMP_TRY(smp__step_ddp_setup(ps, md));
-    /* shard_optimizer_state: the ranges the other replicas updated, before anything reads a parameter */
-    if (md->params_stale)
-        SMP_TRY(smp__agree_on(smp__ctx.world, smp_model_gather_params(md), "gathering the updated parameters"));
     SMP_TRY(smp__step_schedule(ps, md, !d->evaluate));
     SMP_TRY(smp__step_partial_grads(ps, md, !d->evaluate));
     return smp__step_held_grads(ps, md, !d->evaluate);
+}
+
+/* shard_optimizer_state: the ranges the other replicas' optimizers updated, gathered before anything reads a
+   parameter; like prepare, nothing to undo when it fails (the parameters stay stale, and the next step gathers
+   them). Whole, before the first operation: a rank's first forward reads every parameter of its first stage,
+   and with one stage per rank (the common case) that is all of them, so waiting per stage would overlap
+   nothing; and a host all-gather moves only inside MPI calls, which a module's forward does not make. */
+static smp_status smp__step_gather_params(smp_model *md) {
+    if (!md->params_stale) return SMP_OK;
+    return smp__agree_on(smp__ctx.world, smp_model_gather_params(md), "gathering the updated parameters");
 }
 
 /* The step counts from here (smp__step_undo takes a failed one back): its state, and each microbatch's slice of
@@ -3430,6 +3516,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     double t_start = smp__now();
     SMP_TRY(smp__step_prepare(d, outs, nouts));
     smp_model *md = d->model;
+    SMP_TRY(smp__step_gather_params(md));
     smp__pipe *ps = (smp__pipe *)md->pipeline;
     smp_status st = smp__step_begin(ps, md, d, nouts, t_start);
     if (!st) st = smp__step_post_receives(ps);

@@ -80,7 +80,15 @@ static double check_grads(smp_model *model, const grads_t *want, const grads_t *
     return 0;
 }
 
-typedef struct { int P, m, bpps; bool deterministic, overlap; double bucket_mb; bool perturb; smp_pipeline_kind kind; bool split, vee; } ddp_case;
+typedef struct {
+    int P, m, bpps;
+    bool deterministic, overlap;
+    double bucket_mb;
+    bool perturb;
+    smp_pipeline_kind kind;
+    bool split, vee, shard;
+} ddp_case;
+/* shard: shard_optimizer_state, gradients reduce-scattered (its replicas then hold the rest of the average) */
 /* vee: zero_bubble_v's placement whatever the kind (interleaved runs it as 3 stages on partitions 0, 1, 0) */
 /* the case under zero_bubble, with the linears' backward split */
 static void zb_split(ddp_case *c) { c->kind = SMP_PIPELINE_ZERO_BUBBLE; c->split = true; }
@@ -101,6 +109,7 @@ static smp_model *start(const ddp_case *c, net *n) {
     cfg.overlapping_allreduce = c->overlap ? SMP_ON : SMP_OFF;
     cfg.bucket_cap_mb = c->bucket_mb;
     cfg.pipeline = c->kind;
+    cfg.shard_optimizer_state = c->shard ? SMP_ON : SMP_OFF;
     /* manual placement: traced times must not move calls between the runs compared */
     int placement[7];
     for (int k = 0; k < 7; k++) placement[k] = k * c->P / 7;
@@ -109,6 +118,30 @@ static smp_model *start(const ddp_case *c, net *n) {
     if (c->P > 1) cfg.auto_partition = SMP_OFF;
     if (smp_init(&cfg)) return NULL;
     return build_split(n, c->P > 1 ? placement : NULL, c->split);
+}
+
+/* Under shard_optimizer_state: each replica's gradients hold the average in the ranges it owns and zeros
+   elsewhere; checks the zeros and sums the replicas' gradients (x + 0 is exact), so every replica holds the
+   whole average as without sharding. Collective over RDP_GROUP. */
+static int gather_owned(smp_model *model, char *why, size_t cap) {
+    int ok = 1;
+    smp_param *p;
+    for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
+        int64_t first = 0, count = 0, n = smp_tensor_numel(smp_param_grad(p));
+        smp_param_owned_range(model, p, &first, &count);
+        const float *g = (const float *)smp_param_grad(p)->data;
+        for (int64_t k = 0; k < n && ok; k++)
+            if ((k < first || k >= first + count) && g[k] != 0) {
+                snprintf(why, cap, "'%s'[%lld] = %g outside the range this replica owns [%lld, %lld)",
+                         smp_param_name(p), (long long)k, g[k], (long long)first, (long long)(first + count));
+                ok = 0;
+            }
+        if (smp_all_reduce(smp_param_grad(p), smp_param_grad(p), SMP_SUM, SMP_RDP_GROUP) && ok) {
+            snprintf(why, cap, "summing the replicas' ranges: %s", smp_last_error());
+            ok = 0;
+        }
+    }
+    return ok;
 }
 
 /* Runs `steps` training steps; returns this rank's gradients flattened by name order into out (for cross-config comparison). */
@@ -132,6 +165,7 @@ static int run(const ddp_case *c, int steps, int rows, grads_t *got, char *why, 
         for (int i = 0; ok && losses && i < c->m; i++) losses[i] = ((float *)out.values[i].data)[0];
         smp_step_output_free(&out);
     }
+    if (c->shard && !gather_owned(model, why, cap)) ok = 0;
     memset(got, 0, sizeof *got);
     static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
     for (int l = 0; l < NLIN && ok; l++) {
@@ -149,13 +183,14 @@ static int run(const ddp_case *c, int steps, int rows, grads_t *got, char *why, 
     return ok;
 }
 
-static void equivalence(int P, bool deterministic, smp_pipeline_kind kind) {
-    ddp_case c = {P, 4, 1, deterministic, true, 25, false, SMP_PIPELINE_DEFAULT, false, false};
+static void equivalence(int P, bool deterministic, smp_pipeline_kind kind, bool shard) {
+    ddp_case c = {P, 4, 1, deterministic, true, shard ? 0.0002 : 25, false, SMP_PIPELINE_DEFAULT, false, false, shard};
     if (kind == SMP_PIPELINE_ZERO_BUBBLE) zb_split(&c);
     if (kind == SMP_PIPELINE_ZERO_BUBBLE_V) zbv_split(&c);
     int dp = world / P, rows = B;
-    char name[128], why[4096] = "";
-    snprintf(name, sizeof name, "ddp/%dx%d/%s%s", P, dp, deterministic ? "deterministic, bitwise" : "within bound", zb_suffix(&c));
+    char name[160], why[4096] = "";
+    snprintf(name, sizeof name, "ddp/%dx%d/%s%s%s", P, dp, deterministic ? "deterministic, bitwise" : "within bound",
+             zb_suffix(&c), shard ? "/shard_optimizer_state: reduce-scattered, several buckets" : "");
     grads_t got, want, abs;
     float losses[8];
     int ok = run(&c, 1, rows, &got, why, sizeof why, losses);
@@ -195,7 +230,7 @@ static void equivalence(int P, bool deterministic, smp_pipeline_kind kind) {
    all-reduces are in flight, moves them on without changing a bit of the
    gradients. */
 static void polled(int P) {
-    ddp_case c = {P, 4, 1, true, true, 0.0005, false, SMP_PIPELINE_DEFAULT, false, false};
+    ddp_case c = {P, 4, 1, true, true, 0.0005, false, SMP_PIPELINE_DEFAULT, false, false, false};
     grads_t ga, gb;
     char why[4096] = "";
     int ok = run(&c, 2, B, &ga, why, sizeof why, NULL);
@@ -223,11 +258,12 @@ static void same(const char *label, ddp_case a, ddp_case b, int steps_a, int row
     MPI_CHECK(ok, label, "%s", why);
 }
 
-static void clipping_and_scaler(int P, smp_pipeline_kind kind) {
-    ddp_case c = {P, 4, 1, true, true, 25, false, SMP_PIPELINE_DEFAULT, false, false};
+static void clipping_and_scaler(int P, smp_pipeline_kind kind, bool shard) {
+    ddp_case c = {P, 4, 1, true, true, shard ? 0.0002 : 25, false, SMP_PIPELINE_DEFAULT, false, false, shard};
     if (kind == SMP_PIPELINE_ZERO_BUBBLE) zb_split(&c);
     if (kind == SMP_PIPELINE_ZERO_BUBBLE_V) zbv_split(&c);
-    const char *sfx = zb_suffix(&c);
+    char sfx[64];
+    snprintf(sfx, sizeof sfx, "%s%s", zb_suffix(&c), shard ? "/shard_optimizer_state" : "");
     net n;
     smp_model *model = start(&c, &n);
     int dp = smp_dp_size(), r = smp_dp_rank();
@@ -253,16 +289,22 @@ static void clipping_and_scaler(int P, smp_pipeline_kind kind) {
         for (int i = 0; i < lin_out[l]; i++) want.gb[l][i] *= coef;
     }
     if (!st) st = smp_clip_grad_norm(model, max_norm, &got_norm);
-    char why[4096] = "", name[96];
-    int ok = !st && memcmp(&got_norm, &norm, sizeof norm) == 0 && check_grads(model, &want, &abs, dp, true, why, sizeof why) == 0;
+    char why[4096] = "", name[256];
+    int ok = !st && memcmp(&got_norm, &norm, sizeof norm) == 0;
+    if (shard && !gather_owned(model, why, sizeof why)) ok = 0;
+    ok = ok && check_grads(model, &want, &abs, dp, true, why, sizeof why) == 0;
     if (!ok && !*why) snprintf(why, sizeof why, "status %d (%s), norm %.17g vs %.17g", st, st ? smp_last_error() : "", got_norm, norm);
     snprintf(name, sizeof name, "ddp/clipping equals the one-process model/P=%d%s", P, sfx);
     MPI_CHECK(ok, name, "%s", why);
-    /* the scaler: an overflow on the last rank skips the step everywhere */
+    /* the scaler: an overflow on the last rank skips the step everywhere (sharded: in a range the rank owns, the
+       one part of the gradients its check reads) */
     smp_grad_scaler scaler = {0};
     double s0 = smp_grad_scaler_scale(&scaler);
-    smp_param *p0 = smp_model_local_param(model, 0, false);
-    if (smp_rank() == world - 1 && p0) ((float *)smp_param_grad(p0)->data)[0] = INFINITY;
+    smp_param *p0 = smp_model_local_param(model, 0, false), *pinf = NULL;
+    int64_t first = 0, count = 0;
+    for (int i = 0; !pinf && (pinf = smp_model_local_param(model, i, false)); i++)
+        if (smp_param_owned_range(model, pinf, &first, &count) || !count) pinf = NULL;
+    if (smp_rank() == world - 1 && pinf) ((float *)smp_param_grad(pinf)->data)[first] = INFINITY;
     bool skip = false;
     st = smp_grad_scaler_unscale(model, &scaler, &skip);
     snprintf(name, sizeof name, "ddp/scaler skips the same step everywhere/P=%d%s", P, sfx);
@@ -350,7 +392,7 @@ static void bucket_order(bool overlap, smp_pipeline_kind kind) {
     snprintf(name, sizeof name, "ddp/buckets all-reduce in order, one at a time, %s%s",
              overlap ? (zb ? "the first during the last W" : "the first during the last backward") : (zb ? "after the last W" : "after the backward"),
              kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "/zero_bubble_v/split linears" : zb ? "/zero_bubble/split linears" : "");
-    ddp_case c = {1, m, 1, false, overlap, 1e-4, false, SMP_PIPELINE_DEFAULT, false, false};
+    ddp_case c = {1, m, 1, false, overlap, 1e-4, false, SMP_PIPELINE_DEFAULT, false, false, false};
     if (kind == SMP_PIPELINE_ZERO_BUBBLE) zb_split(&c);
     if (kind == SMP_PIPELINE_ZERO_BUBBLE_V) zbv_split(&c);
     net n;
@@ -416,13 +458,19 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof g_t / sizeof g_t[0]; i++) g_t[i] = (float)(smp_rng_uniform(&s) * 2 - 1);
     for (int P = 1; P <= world; P *= 2) {
         if (world % P) continue;
-        equivalence(P, true, SMP_PIPELINE_DEFAULT);
+        equivalence(P, true, SMP_PIPELINE_DEFAULT, false);
         polled(P);
-        equivalence(P, false, SMP_PIPELINE_DEFAULT);
-        equivalence(P, true, SMP_PIPELINE_ZERO_BUBBLE);
-        if (P <= 2) equivalence(P, true, SMP_PIPELINE_ZERO_BUBBLE_V);
+        equivalence(P, false, SMP_PIPELINE_DEFAULT, false);
+        equivalence(P, true, SMP_PIPELINE_ZERO_BUBBLE, false);
+        if (P <= 2) equivalence(P, true, SMP_PIPELINE_ZERO_BUBBLE_V, false);
+        if (world / P >= 2) { /* shard_optimizer_state needs 2 replicas */
+            equivalence(P, true, SMP_PIPELINE_DEFAULT, true);
+            equivalence(P, false, SMP_PIPELINE_DEFAULT, true);
+            equivalence(P, true, SMP_PIPELINE_ZERO_BUBBLE, true);
+            clipping_and_scaler(P, SMP_PIPELINE_DEFAULT, true);
+        }
         char name[128];
-        ddp_case base = {P, 4, 1, true, true, 25, false, SMP_PIPELINE_DEFAULT, false, false};
+        ddp_case base = {P, 4, 1, true, true, 25, false, SMP_PIPELINE_DEFAULT, false, false, false};
         ddp_case no_overlap = base, tiny = base, perturbed = base, bp2 = base, m8 = base;
         no_overlap.overlap = false;
         tiny.bucket_mb = 1e-4; /* about 100 bytes: a bucket per parameter */
@@ -443,7 +491,7 @@ int main(int argc, char **argv) {
         m8.m = 4;
         snprintf(name, sizeof name, "ddp/backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
         same(name, bp2, m8, 2, B / 2, 1, B);
-        clipping_and_scaler(P, SMP_PIPELINE_DEFAULT);
+        clipping_and_scaler(P, SMP_PIPELINE_DEFAULT, false);
         /* zero_bubble, linears split: bucket per parameter or one bucket, overlapping or
            not, the bits of interleaved 1F1B with whole backwards */
         ddp_case zb = base, zb_tiny = tiny, zb_no = no_overlap;
@@ -459,7 +507,7 @@ int main(int argc, char **argv) {
         zb_split(&zb_m8);
         snprintf(name, sizeof name, "ddp/zero_bubble: backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
         same(name, zb_bp2, zb_m8, 2, B / 2, 1, B);
-        clipping_and_scaler(P, SMP_PIPELINE_ZERO_BUBBLE);
+        clipping_and_scaler(P, SMP_PIPELINE_ZERO_BUBBLE, false);
         if (P > 2) continue;
         /* zero_bubble_v: the same, on 2 stages per partition in a V */
         ddp_case v = base, v_tiny = tiny, v_no = no_overlap, v_bp2 = bp2, v_m8 = m8;
@@ -476,7 +524,7 @@ int main(int argc, char **argv) {
         same(name, v_tiny, v_no, 1, B, 1, B);
         snprintf(name, sizeof name, "ddp/zero_bubble_v: backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
         same(name, v_bp2, v_m8, 2, B / 2, 1, B);
-        clipping_and_scaler(P, SMP_PIPELINE_ZERO_BUBBLE_V);
+        clipping_and_scaler(P, SMP_PIPELINE_ZERO_BUBBLE_V, false);
     }
     if (world > 1) {
         bucket_order(true, SMP_PIPELINE_DEFAULT);

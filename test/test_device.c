@@ -756,6 +756,94 @@ static void ddp_case(int P, bool deterministic) {
     MPI_CHECK(ok, name, "%s", why);
 }
 
+/* shard_optimizer_state on device buckets (the backend's reduce-scatter, or its all-to-all summed in rank order):
+   after one step each replica's device gradients hold the one-process average where it owns them and zeros
+   elsewhere; SGD on the owned ranges, then smp_model_gather_params, leaves every replica with the one-process
+   update of every parameter. */
+static void shard_case(int P, bool deterministic) {
+    int dp = world / P;
+    register_fake(VIA_P2P);
+    smp_config cfg = base_config(P, 4);
+    cfg.ddp = SMP_ON;
+    cfg.deterministic_reduction = deterministic ? SMP_ON : SMP_OFF;
+    cfg.shard_optimizer_state = SMP_ON;
+    cfg.bucket_cap_mb = 1e-4; /* about 100 bytes: several buckets, parameters across the pieces */
+    char name[200], why[4096] = "";
+    snprintf(name, sizeof name, "device/ddp/%dx%d/shard_optimizer_state%s: reduce-scattered device gradients and the "
+             "gathered update equal one process", P, dp, deterministic ? ", deterministic" : "");
+    net n;
+    smp_model *model = NULL;
+    if (!smp_init(&cfg)) {
+        net_modules(&n, NULL, &DEV_FNS);
+        model = net_model(&n, true);
+    }
+    if (!model) { MPI_CHECK(0, name, "set-up: %s", smp_last_error()); return; }
+    int r = smp_dp_rank();
+    step_args a;
+    make_args(&a, g_x + (size_t)r * B * D, g_t + (size_t)r * B * C, B, true);
+    smp_step_output outs[2] = {{0, NULL}, {0, NULL}};
+    smp_status st = train(model, &a, outs, false);
+    ref_t base, rep;
+    ref_params(&base);
+    float gw[NLIN][H * H], gb[NLIN][H];
+    for (int q = 0; q < dp; q++) {
+        rep = base;
+        ref_step_divided(&rep, g_x + (size_t)q * B * D, g_t + (size_t)q * B * C, 4, true, 4.0 * dp);
+        for (int l = 0; l < NLIN; l++) {
+            for (int i = 0; i < H * H; i++) gw[l][i] = q ? gw[l][i] + rep.gw[l][i] : rep.gw[l][i];
+            for (int i = 0; i < H; i++) gb[l][i] = q ? gb[l][i] + rep.gb[l][i] : rep.gb[l][i];
+        }
+    }
+    int ok = st == SMP_OK;
+    if (!ok) snprintf(why, sizeof why, "step: %s", smp_last_error());
+    static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
+    for (int l = 0; l < NLIN && ok; l++)
+        for (int wb = 0; wb < 2 && ok; wb++) {
+            char nm[64];
+            snprintf(nm, sizeof nm, "%s.%s", names[l], wb ? "bias" : "weight");
+            smp_param *p = smp_model_find_param(model, nm);
+            if (!smp_module_is_local(smp_param_module(p))) continue;
+            int64_t first = 0, count = 0, numel = smp_tensor_numel(smp_param_grad(p));
+            smp_param_owned_range(model, p, &first, &count);
+            float *g = dev_of(smp_param_grad(p), "gradient"), *w = dev_of(smp_param_value(p), "weight");
+            const float *want = wb ? gb[l] : gw[l];
+            for (int64_t k = 0; k < numel && ok; k++) {
+                float expect = k >= first && k < first + count ? want[k] : 0.0f;
+                if (memcmp(&g[k], &expect, sizeof expect)) {
+                    snprintf(why, sizeof why, "%s gradient [%lld] = %.9g, want %.9g (owned [%lld, %lld))", nm,
+                             (long long)k, g[k], expect, (long long)first, (long long)(first + count));
+                    ok = 0;
+                }
+            }
+            for (int64_t k = first; k < first + count; k++) w[k] -= 0.05f * g[k];
+        }
+    ok = agree(ok);
+    st = ok ? smp_model_gather_params(model) : SMP_ERR_STATE;
+    if (ok && st) { ok = 0; snprintf(why, sizeof why, "gather: %s", smp_last_error()); }
+    for (int l = 0; l < NLIN && ok; l++)
+        for (int wb = 0; wb < 2 && ok; wb++) {
+            char nm[64];
+            snprintf(nm, sizeof nm, "%s.%s", names[l], wb ? "bias" : "weight");
+            smp_param *p = smp_model_find_param(model, nm);
+            if (!smp_module_is_local(smp_param_module(p))) continue;
+            const float *w = dev_of(smp_param_value(p), "weight"), *w0 = wb ? base.b[l] : base.w[l];
+            const float *g = wb ? gb[l] : gw[l];
+            for (int64_t k = 0; k < smp_tensor_numel(smp_param_value(p)) && ok; k++) {
+                float expect = w0[k] - 0.05f * g[k];
+                if (memcmp(&w[k], &expect, sizeof expect)) {
+                    snprintf(why, sizeof why, "%s [%lld] after the gather = %.9g, want %.9g", nm, (long long)k, w[k],
+                             expect);
+                    ok = 0;
+                }
+            }
+        }
+    smp_step_output_free(&outs[0]);
+    smp_step_output_free(&outs[1]);
+    free_args(&a);
+    ok = finish(model, agree(ok), why, sizeof why);
+    MPI_CHECK(ok, name, "%s", why);
+}
+
 /* ---------------------------------------------------------------- checkpoints */
 /* An on_device model saved (partial and full) and loaded into a fresh one
    whose weights were cleared: every parameter comes back. */
@@ -1019,6 +1107,8 @@ int main(int argc, char **argv) {
         if (world / P > 1) {
             ddp_case(P, true);
             if (world / P == 2) ddp_case(P, false);
+            shard_case(P, true);
+            if (world / P == 2) shard_case(P, false);
         }
     }
     for (int P = 1; P <= world && P <= 4; P *= 2)
