@@ -3383,6 +3383,7 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     smp__ctx.at.steps++; /* where this rank is, should it exit (smp__exit_guard) */
     smp__ctx.at.in_step = true;
     smp_status st = smp__step(d, outs, nouts);
+    smp__cache_now = NULL;
     smp__ctx.at.in_step = false;
     smp__ctx.at.op = 0;
     return st;
@@ -3394,6 +3395,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     SMP_TRY(smp__step_prepare(d, outs, nouts));
     smp_model *md = d->model;
     smp__pipe *ps = (smp__pipe *)md->pipeline;
+    smp__cache_now = md->cache; /* what the step allocates from here is the model's to reuse */
     smp_status st = smp__step_begin(ps, md, d, nouts, t_start);
     if (!st) st = smp__step_post_receives(ps);
     if (!st) st = smp__active_begin(ps, ps->step.m);
