@@ -14,7 +14,7 @@ LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1 and 2 (and
 # 4: MPI4_TESTS).
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
-MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_ckpt_threads test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_memory test_port test_tp
+MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_ckpt_threads test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_memory test_port test_tp test_alloc
 # The MPI tests whose 4-rank runs reach what 1 and 2 ranks cannot. At 2
 # ranks a pipeline stage is first or last and a group is the world or one
 # rank; 4 ranks bring 4 stages (middle stages, which both receive and send),
@@ -99,6 +99,16 @@ SANFLAGS  := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sa
 $(eval $(call variant,asan,gcc,$(SANFLAGS)))
 TSANFLAGS := -O1 -g -fsanitize=thread
 $(eval $(call variant,tsan,gcc,$(TSANFLAGS)))
+# test_alloc runs the examples' models, whose kernels call OpenBLAS
+define blas_test
+build/$(1)/test_alloc: test/test_alloc.c $(HEADERS) test/test.h examples/gpt_model.h examples/fmnist_model.h \
+                       examples/mlp_engine.h Makefile | build/$(1)
+	MPICH_CC=$(2) mpicc $(CSTD) $(WARN) $(3) $(INCLUDES) $$< -o $$@ -lopenblas $(LDLIBS)
+endef
+$(eval $(call blas_test,gcc,gcc,$(CFLAGS)))
+$(eval $(call blas_test,clang,clang,$(CFLAGS)))
+$(eval $(call blas_test,asan,gcc,$(SANFLAGS)))
+$(eval $(call blas_test,tsan,gcc,$(TSANFLAGS)))
 # make test runs no clang binary: it compiles the suite under clang with
 # -fsyntax-only (a stamp file), 0.3 s a file against 12 s for a binary.
 # clang's warnings all come from its front end (parsing and semantic

@@ -1585,12 +1585,25 @@ static void smp__free(void *ptr) {
     if (c && --c->out == 0) smp__free(c); /* the last block of a freed model's cache */
 }
 
-/* A new model's cache, empty; NULL without memory. */
+/* Whether c holds a free block for n bytes, host or device. */
+SMP__CORE bool smp__cache_has(const smp__cache *c, size_t n, bool device) {
+    size_t bytes;
+    int cls = smp__size_class(n, &bytes);
+    return cls >= 0 && c->free_list[device][cls];
+}
+
+/* Makes c the cache allocations on this thread come from (NULL: the system); the one it replaces. */
+static smp__cache *smp__cache_use(smp__cache *c) {
+    smp__cache *was = smp__cache_now;
+    smp__cache_now = c;
+    return was;
+}
+
+/* A new cache, empty (a model's, or a pool of its executor's); NULL without memory. */
 static smp__cache *smp__cache_new(void) {
-    smp__cache *was = smp__cache_now, *c;
-    smp__cache_now = NULL; /* the cache itself is the system's */
-    c = (smp__cache *)smp__alloc(sizeof *c, SMP__ALLOC_OTHER);
-    smp__cache_now = was;
+    smp__cache *was = smp__cache_use(NULL); /* the cache itself is the system's */
+    smp__cache *c = (smp__cache *)smp__alloc(sizeof *c, SMP__ALLOC_OTHER);
+    smp__cache_use(was);
     if (!c) return NULL;
     memset(c, 0, sizeof *c);
     c->next = smp__caches;
