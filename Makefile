@@ -72,7 +72,7 @@ TSAN_TESTS := test_ckpt_threads
 TSAN_ENV := UCX_MEM_EVENTS=no TSAN_OPTIONS=second_deadlock_stack=1 SMP_SANITIZER_LOGS=1
 ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
             SMP_SANITIZER_LOGS=1 SMP_EXAMPLES=$(CURDIR)/build/examples-asan
-BENCHES    := collectives partition schedule ddp checkpoint fmnist gpt gpt-cuda nccl recompute memory
+BENCHES    := collectives partition schedule ddp checkpoint fmnist gpt gpt-cuda nccl recompute memory overhead
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
@@ -239,7 +239,7 @@ test-hosts: build/gcc/test_hosts build/examples/gpt
 	@test/run.sh build/gcc "" "" "test/run_hosts.sh"
 
 # ---------------------------------------------------------------- examples and the demo
-EXAMPLES := fmnist fmnist_infer gpt minimal
+EXAMPLES := fmnist fmnist_infer gpt minimal gpt_overhead
 EXLIBS   := -lopenblas -lz -lm
 # -O3 -fno-math-errno vectorises the engine's elementwise loops (ReLU, Adam's
 # sqrtf); neither reorders floating-point sums, so results do not change.
@@ -247,6 +247,9 @@ EXFLAGS  := -O3 -fno-math-errno -g
 build/examples/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h | build/examples
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(EXFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
 build/examples/gpt: examples/gpt_model.h examples/gpt_shared.h
+# the overhead benchmark's program (bench/, not an example), built with them: test_gpt.sh runs its --check
+build/examples/gpt_overhead: bench/gpt_overhead.c examples/gpt_model.h examples/mlp_engine.h $(HEADERS) | build/examples
+	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(EXFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
 build/examples:
 	@mkdir -p $@
 examples: $(addprefix build/examples/,$(EXAMPLES))
@@ -255,6 +258,8 @@ examples: $(addprefix build/examples/,$(EXAMPLES))
 build/examples-asan/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h | build/examples-asan
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(SANFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
 build/examples-asan/gpt: examples/gpt_model.h examples/gpt_shared.h
+build/examples-asan/gpt_overhead: bench/gpt_overhead.c examples/gpt_model.h examples/mlp_engine.h $(HEADERS) | build/examples-asan
+	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(SANFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
 build/examples-asan:
 	@mkdir -p $@
 examples-asan: $(addprefix build/examples-asan/,$(EXAMPLES))
@@ -360,6 +365,9 @@ bench-gpt-cuda: build/fake/gpt
 	bash bench/gpt_cuda.sh
 bench-memory: build/examples/gpt
 	bash bench/memory.sh
+# smp at one process against the GPT's own kernels in a plain loop (issue 28)
+bench-overhead: build/examples/gpt_overhead
+	mpirun -n 1 build/examples/gpt_overhead
 bench-checkpoint: build/bench/checkpoint
 	mpirun -n 2 build/bench/checkpoint
 # Activation recomputation on a 12-block composite model (OpenBLAS linears).

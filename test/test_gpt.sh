@@ -28,7 +28,8 @@
 # cache, and its linear layers run one row where the whole-context run
 # runs all of them through sgemm, so the float32 sums are rounded in other
 # orders); a context longer than the model's is an error on every rank
-# before anything runs.
+# before anything runs. The overhead benchmark's plain loop (no smp) gives
+# smp's losses at 1 microbatch, bitwise.
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 bin="${SMP_EXAMPLES:-$top/build/examples}/gpt" # SMP_EXAMPLES: another build (make test: build/examples-asan)
@@ -225,3 +226,11 @@ gen_err "gpt/generation: prompt + tokens longer than the model's context is an e
   "prompt 1: a context of 33 characters (4 of prompt + 29 tokens) is longer than the model's 32" 2 --partitions 2 --prompts "The|Why |I" --tokens 29
 gen_err "gpt/generation: a prompt character outside the vocabulary is an error on every rank" \
   "not in the vocabulary" 2 --partitions 2 --prompts "$(printf 'The|A\001')" --tokens 4
+
+# the overhead benchmark's plain loop (bench/gpt_overhead.c: gpt_model.h's kernels in order, no smp) and the same
+# model through smp at 1 microbatch: the same losses, bit for bit, over 3 steps of AdamW
+over="$(dirname "$bin")/gpt_overhead"
+mpirun -n 1 "$over" --check --layers 2 --dmodel 32 --heads 4 --context 16 --batch 8 >"$tmp/over" 2>&1; over_rc=$?
+if [ $over_rc -eq 0 ] && grep -q ': bitwise equal$' "$tmp/over" && ! grep -q 'runtime error: ' "$tmp/over"; then
+  echo "PASS: gpt/overhead benchmark: the plain loop's losses equal smp's at 1 microbatch, bitwise"
+else echo "FAIL: gpt/overhead benchmark: the plain loop's losses equal smp's at 1 microbatch, bitwise: exit $over_rc: $(head -c 300 "$tmp/over")"; fi
