@@ -9,6 +9,7 @@
      HOOKS                  SMP_MALLOC, SMP_FREE, SMP_ASSERT, SMPDEF, logging
      ERRORS                 smp_status and smp_last_error
      OUT OF MEMORY          one policy
+     STEP MEMORY            the models' caches: no system allocation in a steady step
      VERSION AND LICENCE
      TESTING                SMP_TESTING's fault injection
    Then: smp_pipeline.h (schedules, steps, StepOutput, DDP, the timeline),
@@ -224,6 +225,25 @@
                        dropped, and a send kept until its peer receives it
      smp_nccl.h        smp_init's device backend start-up (comparing the
                        GPUs of the ranks on a node)
+
+   STEP MEMORY: what a step hands kernels and keeps for itself (outputs,
+   stashes, gradients of calls, received messages, the step's tables)
+   comes from its model's cache: size classes (64 bytes, then four per
+   power of two, so a block is at most a quarter larger than asked for),
+   host and device (the backend's alloc), reused by the next microbatch and
+   the next step, so after the first step a training step of an unchanged
+   model makes no call to SMP_MALLOC or to the device's allocator
+   (test_alloc counts them). Parameters and their gradients are allocated
+   once, outside it. The memory account counts a block in use at the bytes
+   asked for, in its category, and the rest of what the caches hold (free
+   blocks, the rounding of blocks in use) as SMP_MEMORY_CACHED ("cached").
+   smp_model_free gives a model's cache back to the system (a step's
+   outputs the engine still holds go when it frees them). A system
+   allocation that fails in a step first makes every model's cache give
+   back its free blocks and is tried once more; only then does the step
+   fail with SMP_ERR_NOMEM. The buffers smp hands out zeroed ("Which
+   buffers arrive zeroed", with the modules below) are zeroed again every
+   time a block is reused; the others are not zeroed at all.
 
    MPI ERRORS (one policy): smp sets MPI_ERRORS_RETURN on the communicators
    it owns (it duplicates the engine's communicator, or MPI_COMM_WORLD, at
@@ -934,7 +954,7 @@ typedef enum smp_memory_kind {
     SMP_MEMORY_ACTIVATIONS,   /* what calls keep for their backward, received activations and gradients */
     SMP_MEMORY_COMMUNICATION, /* staging and gather buffers of messages and collectives */
     SMP_MEMORY_OFFLOADED,     /* host copies of device activations (offload_activations) */
-    SMP_MEMORY_CACHED,        /* held by the models' caches beyond what is in use: free blocks, rounding (ALLOCATOR) */
+    SMP_MEMORY_CACHED,        /* held by the models' caches beyond what is in use: free blocks, rounding (STEP MEMORY) */
     SMP_MEMORY_KINDS
 } smp_memory_kind;
 typedef struct smp_memory_stats {

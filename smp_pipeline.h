@@ -2675,7 +2675,7 @@ static smp_status smp__call_forward(smp__pipe *ps, smp_model *md, int k, int i, 
     smp_status rc = SMP_OK;
     if (!c->inputs) c->inputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER, "a call's inputs");
     if (!c->outputs) c->outputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a call's outputs");
-    smp_tensor *kept = again ? (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a recomputation") : NULL;
+    smp_tensor *kept = again ? (smp_tensor *)smp__bytes_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a recomputation") : NULL;
     if (rc) return rc;
     /* the context shows the engine const inputs; smp allocated them just above
        and owns them, hence the cast through uintptr_t (-Wcast-qual) */
@@ -2830,7 +2830,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
             for (int q = rec->recompute_first; q <= k && !rc; q++) rc = smp__call_forward(ps, md, q, i, true);
         /* gradient of each output: its consumers' contributions, latest consumer first */
         smp_tensor *gout = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a call's output gradients");
-        smp_tensor *gin = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER, "a call's input gradients");
+        smp_tensor *gin = (smp_tensor *)smp__bytes_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER, "a call's input gradients");
         if (rc) { smp__free(gout); return rc; }
         for (int j = 0; j < rec->nout && !rc; j++) {
             gout[j] = c->outputs[j];
@@ -3011,7 +3011,7 @@ static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_outp
             *v = smp_tensor_make(NULL, (smp_dtype)h[0], (int)h[1], h + 2);
             if (!h[0]) { v->ndim = 0; continue; } /* the body returned nothing here */
             size_t b = smp_tensor_nbytes(v);
-            if (!(v->data = smp__alloc_or(&st, b, SMP__ALLOC_OTHER, "the step's outputs"))) break;
+            if (!(v->data = smp__bytes_or(&st, b, SMP__ALLOC_OTHER, "the step's outputs"))) break;
             memcpy(v->data, buf + at, b);
             at += b;
         }
