@@ -1553,7 +1553,11 @@ static void smp__device_wait_all(smp__xfer *x) {
 static smp_status smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
     smp_status st = SMP_OK;
     smp_tensor whole = smp_tensor_1d(NULL, SMP_U8, (int64_t)x->bytes);
+    /* from the pool of its link and direction, though at once: device receives are queued in the order sent */
+    size_t slot = (size_t)(x - ps->step.recv), link = slot / (2 * (size_t)ps->step.m);
+    smp__cache *was = smp__cache_use(ps->recv_pool[2 * link + slot % 2]);
     x->buf = smp__tensor_alloc_or(&st, &whole, true, smp__step_kind(ps), "a pipeline message received");
+    smp__cache_use(was);
     x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(x->ntensors + 1), SMP__ALLOC_OTHER, "a pipeline message received");
     if (st) return st;
     char *p = (char *)x->buf;
