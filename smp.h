@@ -954,7 +954,7 @@ typedef enum smp_memory_kind {
     SMP_MEMORY_ACTIVATIONS,   /* what calls keep for their backward, received activations and gradients */
     SMP_MEMORY_COMMUNICATION, /* staging and gather buffers of messages and collectives */
     SMP_MEMORY_OFFLOADED,     /* host copies of device activations (offload_activations) */
-    SMP_MEMORY_CACHED,        /* held by the models' caches beyond what is in use: free blocks, rounding (STEP MEMORY) */
+    SMP_MEMORY_CACHED,        /* the models' caches beyond what is in use: free blocks, rounding (STEP MEMORY) */
     SMP_MEMORY_KINDS
 } smp_memory_kind;
 typedef struct smp_memory_stats {
@@ -1453,7 +1453,8 @@ static void smp__dev_untrack(smp__dev_block *b) {
 }
 
 static smp__block_info *smp__info_of(void *p, bool device) {
-    return device ? &smp__dev_find(p)->info : &((smp__host_hdr *)(void *)((unsigned char *)p - sizeof(smp__host_hdr)))->info;
+    if (device) return &smp__dev_find(p)->info;
+    return &((smp__host_hdr *)(void *)((unsigned char *)p - sizeof(smp__host_hdr)))->info;
 }
 
 /* n bytes from the system, host (behind a header, the payload 64-byte

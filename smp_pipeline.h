@@ -1631,8 +1631,8 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
     x->backward = backward;
     x->t_post = smp__now();
     x->req[0] = x->req[1] = MPI_REQUEST_NULL;
-    x->hdr = ps->step.send_hdrs + ((size_t)link * (size_t)ps->step.m + (size_t)mb) * 2 * (size_t)ps->step.send_hdr_words +
-             (backward ? (size_t)ps->step.send_hdr_words : 0);
+    size_t slot = ((size_t)link * (size_t)ps->step.m + (size_t)mb) * 2 + (backward ? 1 : 0); /* smp__recv_slot's */
+    x->hdr = ps->step.send_hdrs + slot * (size_t)ps->step.send_hdr_words;
     x->hdr_in_table = true;
     if (ps->plan.dev_p2p)
         x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(nt + 1), SMP__ALLOC_OTHER, what);
@@ -1736,7 +1736,8 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
                     x->buf = smp__bytes_or(&err, x->bytes, smp__step_kind(ps), "a pipeline message received");
                     smp__cache_use(was);
                     if (err || (err = smp__bytes_type(x->bytes, &count, &type))) break;
-                    err = SMP__MPI_CHECK(MPI_Irecv(x->buf, count, type, x->peer, smp__tag(l, dir) + 1, ps->comm, &x->req[1]),
+                    int tag = smp__tag(l, dir) + 1;
+                    err = SMP__MPI_CHECK(MPI_Irecv(x->buf, count, type, x->peer, tag, ps->comm, &x->req[1]),
                                          "posting the receive of %s %d from mp rank %d",
                                          dir ? "the gradients for microbatch" : "the activations of microbatch", mb, x->peer);
                     if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a pipeline message datatype");
@@ -3312,8 +3313,8 @@ static smp_status smp__step_post_receives(smp__pipe *ps) {
     now->send_hdr_words = SMP__HDR_WORDS(most);
     now->send_hdrs = (int64_t *)smp__bytes_or(&st, sizeof(int64_t) * nrecv * (size_t)now->send_hdr_words + 1,
                                               SMP__ALLOC_OTHER, what);
-    smp__grow_or(&st, (void **)&now->sends, &now->sends_cap, (int)nrecv + 2 * smp__ctx.cfg.partitions, sizeof(smp__xfer),
-                 what);
+    int most_sends = (int)nrecv + 2 * smp__ctx.cfg.partitions;
+    smp__grow_or(&st, (void **)&now->sends, &now->sends_cap, most_sends, sizeof(smp__xfer), what);
     if (!ps->recv_pool) /* made by the first step */
         ps->recv_pool = (smp__cache **)smp__alloc_or(&st, sizeof(smp__cache *) * (size_t)(2 * ps->plan.nlinks + 1),
                                                      SMP__ALLOC_OTHER, what);

@@ -122,8 +122,8 @@ static void plain_free(plain *p) {
         for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]);
     }
     free(p->blk);
-    float *all[] = {p->emb, p->hf, p->sf, p->logits, p->dlogits, p->dhf, p->dx, p->dr, p->d1, p->d2, p->dqkv, p->df, p->dP,
-                    p->s_lookup, p->s_logits};
+    float *all[] = {p->emb, p->hf, p->sf, p->logits, p->dlogits, p->dhf, p->dx, p->dr,
+                    p->d1, p->d2, p->dqkv, p->df, p->dP, p->s_lookup, p->s_logits};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) free(all[i]);
 }
 
@@ -177,8 +177,8 @@ static double plain_step(plain *p, const gpt *g, const int32_t *ids_all, const i
         }
         /* backward; dx is the gradient of the residual stream */
         mlp_linear_backward(p->hf, W, p->dlogits, p->dhf, p->s_logits, NULL, N, C, V);
-        gpt__layernorm_backward(out, PV(g->nf.weight), p->sf, p->sf + N, p->dhf, p->dx, PG(g->nf.weight), PG(g->nf.bias), N,
-                                C);
+        gpt__layernorm_backward(out, PV(g->nf.weight), p->sf, p->sf + N, p->dhf, p->dx, PG(g->nf.weight),
+                                PG(g->nf.bias), N, C);
         for (int l = L - 1; l >= 0; l--) {
             const gpt_block *k = &g->blocks[l];
             plain_block *b = &p->blk[l];
@@ -188,18 +188,19 @@ static double plain_step(plain *p, const gpt *g, const int32_t *ids_all, const i
                                 4 * C, C);
             gpt__gelu_backward(b->f, b->t, p->df, p->df, 4 * NC);
             mlp_linear_backward(b->h2, PV(k->l_fc.weight), p->df, p->d1, NULL, NULL, N, C, 4 * C);
-            mlp_linear_backward(b->h2, PV(k->l_fc.weight), p->df, NULL, PG(k->l_fc.weight), PG(k->l_fc.bias), N, C, 4 * C);
+            mlp_linear_backward(b->h2, PV(k->l_fc.weight), p->df, NULL, PG(k->l_fc.weight), PG(k->l_fc.bias), N, C,
+                                4 * C);
             gpt__layernorm_backward(b->r, PV(k->n2.weight), b->s2, b->s2 + N, p->d1, p->d2, PG(k->n2.weight),
                                     PG(k->n2.bias), N, C);
             add(p->dx, p->d2, p->dr, NC); /* r feeds add_2 and ln_2 */
             /* r = x + o: dx and do are dr */
             mlp_linear_backward(b->y, PV(k->l_aproj.weight), p->dr, p->d1, NULL, NULL, N, C, C);
-            mlp_linear_backward(b->y, PV(k->l_aproj.weight), p->dr, NULL, PG(k->l_aproj.weight), PG(k->l_aproj.bias), N, C,
-                                C);
+            mlp_linear_backward(b->y, PV(k->l_aproj.weight), p->dr, NULL, PG(k->l_aproj.weight), PG(k->l_aproj.bias),
+                                N, C, C);
             gpt__attention_backward(b->qkv, b->P, p->d1, p->dqkv, p->dP, p->R, T, C, p->H);
             mlp_linear_backward(b->h1, PV(k->l_attn.weight), p->dqkv, p->d1, NULL, NULL, N, C, 3 * C);
-            mlp_linear_backward(b->h1, PV(k->l_attn.weight), p->dqkv, NULL, PG(k->l_attn.weight), PG(k->l_attn.bias), N, C,
-                                3 * C);
+            mlp_linear_backward(b->h1, PV(k->l_attn.weight), p->dqkv, NULL, PG(k->l_attn.weight), PG(k->l_attn.bias),
+                                N, C, 3 * C);
             gpt__layernorm_backward(b->x, PV(k->n1.weight), b->s1, b->s1 + N, p->d1, p->d2, PG(k->n1.weight),
                                     PG(k->n1.bias), N, C);
             add(p->dr, p->d2, p->dx, NC); /* x feeds add_1 and ln_1 */
@@ -266,11 +267,12 @@ int main(int argc, char **argv) {
         const char *a = argv[i];
         int *dst = !strcmp(a, "--layers") ? &cfg.n_layer : !strcmp(a, "--dmodel") ? &cfg.n_embd
                  : !strcmp(a, "--heads") ? &cfg.n_head : !strcmp(a, "--context") ? &cfg.block_size
-                 : !strcmp(a, "--vocab") ? &cfg.vocab : !strcmp(a, "--batch") ? &batch : !strcmp(a, "--steps") ? &steps : NULL;
+                 : !strcmp(a, "--vocab") ? &cfg.vocab : !strcmp(a, "--batch") ? &batch
+                 : !strcmp(a, "--steps") ? &steps : NULL;
         if (!strcmp(a, "--check")) check = true;
         else if (dst && i + 1 < argc && atoi(argv[i + 1]) > 0) *dst = atoi(argv[++i]);
         else {
-            fprintf(stderr, "gpt_overhead: unknown or bad option %s (see the comment at the top of bench/gpt_overhead.c)\n", a);
+            fprintf(stderr, "gpt_overhead: unknown or bad option %s (see bench/gpt_overhead.c's opening comment)\n", a);
             return 2;
         }
     }
@@ -305,7 +307,10 @@ int main(int argc, char **argv) {
         double lp[3] = {0, 0, 0}, ls[3] = {0, 0, 0}, l = 0;
         /* a first step each, untimed (smp's first step builds its plan and fills its cache) */
         lp[0] = plain_train(&b, &p, ids, tgt, M);
-        if (smp_train(&a, ids, tgt, batch, T, &ls[0])) { fprintf(stderr, "gpt_overhead: %s\n", smp_last_error()); rc = 1; }
+        if (smp_train(&a, ids, tgt, batch, T, &ls[0])) {
+            fprintf(stderr, "gpt_overhead: %s\n", smp_last_error());
+            rc = 1;
+        }
         for (int half = 0; half < 2 && !rc; half++) { /* plain, smp, plain, smp: the faster half of each */
             double t0 = now();
             for (int i = 1; i < S && !rc; i++) {
@@ -315,7 +320,10 @@ int main(int argc, char **argv) {
             double t1 = now();
             long m0 = g_mallocs;
             for (int i = 1; i < S && !rc; i++) {
-                if (smp_train(&a, ids, tgt, batch, T, &l)) { fprintf(stderr, "gpt_overhead: %s\n", smp_last_error()); rc = 1; }
+                if (smp_train(&a, ids, tgt, batch, T, &l)) {
+                    fprintf(stderr, "gpt_overhead: %s\n", smp_last_error());
+                    rc = 1;
+                }
                 if (i < 3 && !half) ls[i] = l;
             }
             double t2 = now(), tokens = (double)n * (S - 1);
@@ -325,8 +333,8 @@ int main(int argc, char **argv) {
         }
         if (check && !rc && M == 1) {
             bool same = !memcmp(lp, ls, sizeof lp);
-            printf("plain and smp losses at 1 microbatch, 3 steps: %a %a %a | %a %a %a: %s\n", lp[0], lp[1], lp[2], ls[0], ls[1],
-                   ls[2], same ? "bitwise equal" : "DIFFERENT");
+            printf("plain and smp losses at 1 microbatch, 3 steps: %a %a %a | %a %a %a: %s\n", lp[0], lp[1], lp[2],
+                   ls[0], ls[1], ls[2], same ? "bitwise equal" : "DIFFERENT");
             if (!same) rc = 1;
         }
         plain_free(&p);
@@ -336,8 +344,8 @@ int main(int argc, char **argv) {
         if (check) break;
     }
     if (!rc && !check) {
-        printf("gpt %d layers, width %d, %d heads, context %d, batch %d, %d steps (one process)\n", cfg.n_layer, cfg.n_embd,
-               cfg.n_head, T, batch, steps);
+        printf("gpt %d layers, width %d, %d heads, context %d, batch %d, %d steps (one process)\n", cfg.n_layer,
+               cfg.n_embd, cfg.n_head, T, batch, steps);
         printf("plain tokens/s: %.0f (1 microbatch), %.0f (4); smp tokens/s: %.0f, %.0f\n", rate[0][0], rate[1][0],
                rate[0][1], rate[1][1]);
         printf("gpt overhead smp/plain tokens/s: %.2f\n", rate[0][1] / rate[0][0]);

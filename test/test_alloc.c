@@ -64,7 +64,8 @@ static void make_data(void) {
 
 /* One training step of the GPT on `rows` rows of the data; its mean loss in *loss. */
 static smp_status gpt_train(smp_model *m, int rows, double *loss) {
-    smp_tensor ids = smp_tensor_2d(g_ids, SMP_I32, rows, GPT_T), targets = smp_tensor_2d(g_targets, SMP_I32, rows, GPT_T);
+    smp_tensor ids = smp_tensor_2d(g_ids, SMP_I32, rows, GPT_T);
+    smp_tensor targets = smp_tensor_2d(g_targets, SMP_I32, rows, GPT_T);
     smp_step_output out = {0};
     smp_model_zero_grad(m);
     smp_status st = SMP_TRAIN_STEP(m, gpt_loss_body, NULL, &out, 1, ids, targets);
@@ -106,15 +107,16 @@ static void count_steps(const char *model, const scenario *s) {
     most = made[3] > most ? made[3] : most;
     smp_memory_stats mem = smp_memory();
     if (st) snprintf(why, sizeof why, "status %d: %.400s", (int)st, smp_last_error());
-    else snprintf(why, sizeof why, "system allocations in steps 1-4: %ld, %ld, %ld, %ld (cached %lld bytes)", made[0], made[1],
-                  made[2], made[3], (long long)mem.bytes[SMP_MEMORY_CACHED]);
+    else snprintf(why, sizeof why, "system allocations in steps 1-4: %ld, %ld, %ld, %ld (cached %lld bytes)", made[0],
+                  made[1], made[2], made[3], (long long)mem.bytes[SMP_MEMORY_CACHED]);
     /* the first step allocates what the others reuse, and the cache holds it beyond the step */
     MPI_CHECK(!st && made[0] > 0 && most == 0 && mem.bytes[SMP_MEMORY_CACHED] > 0, name, "%s", why);
     if (is_gpt && m) gpt_free(&g);
     smp_model_free(m);
     smp_memory_stats after = smp_memory();
     snprintf(name, sizeof name, "steady state/%s, %s: the model's cache goes with it", model, s->name);
-    MPI_CHECK(after.bytes[SMP_MEMORY_CACHED] == 0, name, "%lld cached bytes left", (long long)after.bytes[SMP_MEMORY_CACHED]);
+    MPI_CHECK(after.bytes[SMP_MEMORY_CACHED] == 0, name, "%lld cached bytes left",
+              (long long)after.bytes[SMP_MEMORY_CACHED]);
     smp_finalize();
 }
 
@@ -144,10 +146,10 @@ static void warm_nomem(void) {
     if (!st) st = gpt_train(b, 2 * GPT_B, &loss_b);
     bool last = g_rank == g_world - 1;
     MPI_CHECK(!st && !got && loss_a == loss_b && (!last || (refused == 1 && cached_after < cached_before)),
-              "out of memory/warm cache: the caches give back their free blocks, the allocation is tried again, the step "
-              "is the one without the failure",
-              "status %d, %d (%s); losses %a and %a; %ld refused; cached bytes %lld before, %lld after", (int)st, (int)got,
-              smp_last_error(), loss_a, loss_b, refused, (long long)cached_before, (long long)cached_after);
+              "out of memory/warm cache: the caches give back their free blocks, the allocation is tried again, "
+              "the step is the one without the failure",
+              "status %d, %d (%s); losses %a and %a; %ld refused; cached bytes %lld before, %lld after", (int)st,
+              (int)got, smp_last_error(), loss_a, loss_b, refused, (long long)cached_before, (long long)cached_after);
     if (!st && last) { g_refuse_over = 4096; g_refuse_once = 2; g_refused = 0; } /* the allocation and its retry */
     got = st ? st : gpt_train(a, 4 * GPT_B, NULL);
     refused = g_refused;
@@ -156,8 +158,8 @@ static void warm_nomem(void) {
     if (!st) st = gpt_train(b, 4 * GPT_B, &loss_b);
     MPI_CHECK(!st && got == SMP_ERR_NOMEM && (!last || refused == 2) && !again && loss_a == loss_b,
               "out of memory/still failing after the retry: SMP_ERR_NOMEM on every rank, then the step works",
-              "status %d; the step %d (%s), %ld refused; then %d, losses %a and %a", (int)st, (int)got, smp_last_error(),
-              refused, (int)again, loss_a, loss_b);
+              "status %d; the step %d (%s), %ld refused; then %d, losses %a and %a", (int)st, (int)got,
+              smp_last_error(), refused, (int)again, loss_a, loss_b);
     if (a) gpt_free(&ga);
     if (b) gpt_free(&gb);
     smp_model_free(a);
