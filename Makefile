@@ -14,7 +14,7 @@ LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1 and 2 (and
 # 4: MPI4_TESTS).
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
-MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_ckpt_threads test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_memory test_zero test_port test_tp
+MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_ckpt_threads test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_memory test_zero test_port test_tp test_alloc
 # The MPI tests whose 4-rank runs reach what 1 and 2 ranks cannot. At 2
 # ranks a pipeline stage is first or last and a group is the world or one
 # rank; 4 ranks bring 4 stages (middle stages, which both receive and send),
@@ -79,7 +79,7 @@ TSAN_TESTS := test_ckpt_threads
 TSAN_ENV := UCX_MEM_EVENTS=no TSAN_OPTIONS=second_deadlock_stack=1 SMP_SANITIZER_LOGS=1
 ASAN_ENV := ASAN_OPTIONS=detect_leaks=0:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
             SMP_SANITIZER_LOGS=1 SMP_EXAMPLES=$(CURDIR)/build/examples-asan
-BENCHES    := collectives partition schedule ddp checkpoint fmnist gpt gpt-cuda nccl recompute memory tp
+BENCHES    := collectives partition schedule ddp checkpoint fmnist gpt gpt-cuda nccl recompute memory tp overhead
 
 CUDA_HOME ?= /usr/local/cuda
 NVCC      ?= $(CUDA_HOME)/bin/nvcc
@@ -106,6 +106,16 @@ SANFLAGS  := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sa
 $(eval $(call variant,asan,gcc,$(SANFLAGS)))
 TSANFLAGS := -O1 -g -fsanitize=thread
 $(eval $(call variant,tsan,gcc,$(TSANFLAGS)))
+# test_alloc runs the examples' models, whose kernels call OpenBLAS
+define blas_test
+build/$(1)/test_alloc: test/test_alloc.c $(HEADERS) test/test.h examples/gpt_model.h examples/fmnist_model.h \
+                       examples/mlp_engine.h Makefile | build/$(1)
+	MPICH_CC=$(2) mpicc $(CSTD) $(WARN) $(3) $(INCLUDES) $$< -o $$@ -lopenblas $(LDLIBS)
+endef
+$(eval $(call blas_test,gcc,gcc,$(CFLAGS)))
+$(eval $(call blas_test,clang,clang,$(CFLAGS)))
+$(eval $(call blas_test,asan,gcc,$(SANFLAGS)))
+$(eval $(call blas_test,tsan,gcc,$(TSANFLAGS)))
 # make test runs no clang binary: it compiles the suite under clang with
 # -fsyntax-only (a stamp file), 0.3 s a file against 12 s for a binary.
 # clang's warnings all come from its front end (parsing and semantic
@@ -240,7 +250,7 @@ test-hosts: build/gcc/test_hosts build/examples/gpt
 	@test/run.sh build/gcc "" "" "test/run_hosts.sh"
 
 # ---------------------------------------------------------------- examples and the demo
-EXAMPLES := fmnist fmnist_infer gpt minimal
+EXAMPLES := fmnist fmnist_infer gpt minimal gpt_overhead
 EXLIBS   := -lopenblas -lz -lm
 # -O3 -fno-math-errno vectorises the engine's elementwise loops (ReLU, Adam's
 # sqrtf); neither reorders floating-point sums, so results do not change.
@@ -248,6 +258,9 @@ EXFLAGS  := -O3 -fno-math-errno -g
 build/examples/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h | build/examples
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(EXFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
 build/examples/gpt: examples/gpt_model.h examples/gpt_shared.h
+# the overhead benchmark's program (bench/, not an example), built with them: test_gpt.sh runs its --check
+build/examples/gpt_overhead: bench/gpt_overhead.c examples/gpt_model.h examples/mlp_engine.h $(HEADERS) | build/examples
+	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(EXFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
 build/examples:
 	@mkdir -p $@
 examples: $(addprefix build/examples/,$(EXAMPLES))
@@ -256,6 +269,8 @@ examples: $(addprefix build/examples/,$(EXAMPLES))
 build/examples-asan/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h | build/examples-asan
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(SANFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
 build/examples-asan/gpt: examples/gpt_model.h examples/gpt_shared.h
+build/examples-asan/gpt_overhead: bench/gpt_overhead.c examples/gpt_model.h examples/mlp_engine.h $(HEADERS) | build/examples-asan
+	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(SANFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
 build/examples-asan:
 	@mkdir -p $@
 examples-asan: $(addprefix build/examples-asan/,$(EXAMPLES))
@@ -367,6 +382,9 @@ bench-memory: build/examples/gpt
 # Tensor parallelism: the GPT at width 384, --tp 2 against one process on the same 2 cores.
 bench-tp: build/examples/gpt
 	bash bench/tp.sh
+# smp at one process against the GPT's own kernels in a plain loop (issue 28)
+bench-overhead: build/examples/gpt_overhead
+	mpirun -n 1 build/examples/gpt_overhead
 bench-checkpoint: build/bench/checkpoint
 	mpirun -n 2 build/bench/checkpoint
 # Activation recomputation on a 12-block composite model (OpenBLAS linears).

@@ -9,6 +9,7 @@
      HOOKS                  SMP_MALLOC, SMP_FREE, SMP_ASSERT, SMPDEF, logging
      ERRORS                 smp_status and smp_last_error
      OUT OF MEMORY          one policy
+     STEP MEMORY            the models' caches: no system allocation in a steady step
      VERSION AND LICENCE
      TESTING                SMP_TESTING's fault injection
    Then: smp_pipeline.h (schedules, steps, StepOutput, DDP, the timeline),
@@ -224,6 +225,25 @@
                        dropped, and a send kept until its peer receives it
      smp_nccl.h        smp_init's device backend start-up (comparing the
                        GPUs of the ranks on a node)
+
+   STEP MEMORY: what a step hands kernels and keeps for itself (outputs,
+   stashes, gradients of calls, received messages, the step's tables)
+   comes from its model's cache: size classes (64 bytes, then four per
+   power of two, so a block is at most a quarter larger than asked for),
+   host and device (the backend's alloc), reused by the next microbatch and
+   the next step, so after the first step a training step of an unchanged
+   model makes no call to SMP_MALLOC or to the device's allocator
+   (test_alloc counts them). Parameters and their gradients are allocated
+   once, outside it. The memory account counts a block in use at the bytes
+   asked for, in its category, and the rest of what the caches hold (free
+   blocks, the rounding of blocks in use) as SMP_MEMORY_CACHED ("cached").
+   smp_model_free gives a model's cache back to the system (a step's
+   outputs the engine still holds go when it frees them). A system
+   allocation that fails in a step first makes every model's cache give
+   back its free blocks and is tried once more; only then does the step
+   fail with SMP_ERR_NOMEM. The buffers smp hands out zeroed ("Which
+   buffers arrive zeroed", with the modules below) are zeroed again every
+   time a block is reused; the others are not zeroed at all.
 
    MPI ERRORS (one policy): smp sets MPI_ERRORS_RETURN on the communicators
    it owns (it duplicates the engine's communicator, or MPI_COMM_WORLD, at
@@ -957,6 +977,7 @@ typedef enum smp_memory_kind {
     SMP_MEMORY_ACTIVATIONS,   /* what calls keep for their backward, received activations and gradients */
     SMP_MEMORY_COMMUNICATION, /* staging and gather buffers of messages and collectives */
     SMP_MEMORY_OFFLOADED,     /* host copies of device activations (offload_activations) */
+    SMP_MEMORY_CACHED,        /* the models' caches beyond what is in use: free blocks, rounding (STEP MEMORY) */
     SMP_MEMORY_KINDS
 } smp_memory_kind;
 typedef struct smp_memory_stats {
@@ -971,7 +992,7 @@ SMPDEF smp_memory_stats smp_memory(void);
    and the peaks are that step's. */
 SMPDEF void smp_memory_reset_peaks(void);
 /* The category's name ("parameters", "gradients", "optimizer", "activations",
-   "communication", "offloaded", "other"). */
+   "communication", "offloaded", "cached", "other"). */
 SMPDEF const char *smp_memory_kind_name(smp_memory_kind k);
 /* One line of the account into buf (cap bytes; snprintf's return): each
    category then the total, in MiB, the current figures or (peak) the peaks:
@@ -1068,6 +1089,8 @@ typedef enum smp_testing_fault {
     SMP_FAULT_MESSAGE, /* a pipeline message arrives with a corrupt header */
     SMP_FAULT_MPI,     /* a checked MPI call is skipped and reports MPI_ERR_OTHER (see MPI ERRORS) */
     SMP_FAULT_STEP_END, /* a pipeline step fails on this rank after its last message, as the ranks agree on it */
+    SMP_FAULT_SYSTEM_ALLOC, /* the system's allocator (SMP_MALLOC, the backend's device alloc) returns NULL; its events
+                               count every system allocation smp makes */
     SMP_FAULT_COUNT
 } smp_testing_fault;
 SMP__CORE void smp_testing_fail(smp_testing_fault kind, long skip);
@@ -1152,7 +1175,7 @@ typedef struct smp__group_info {
 typedef enum smp__alloc_kind {
     SMP__ALLOC_OTHER = SMP_MEMORY_OTHER, SMP__ALLOC_PARAM = SMP_MEMORY_PARAMETERS, SMP__ALLOC_GRAD = SMP_MEMORY_GRADIENTS,
     SMP__ALLOC_STASH = SMP_MEMORY_ACTIVATIONS, SMP__ALLOC_COMM = SMP_MEMORY_COMMUNICATION,
-    SMP__ALLOC_OFFLOAD = SMP_MEMORY_OFFLOADED
+    SMP__ALLOC_OFFLOAD = SMP_MEMORY_OFFLOADED, SMP__ALLOC_CACHED = SMP_MEMORY_CACHED
 } smp__alloc_kind;
 
 static struct {
@@ -1358,13 +1381,28 @@ static void smp__count(smp__alloc_kind kind, int64_t delta) {
     }
 }
 
+/* What smp knows of a block it handed out: the bytes asked for and their
+   category (the account) and, for a block of a model's cache (below), the
+   cache, the size class and, while the block is free, the next free block of
+   its class. Host blocks carry it in their header; device blocks, whose
+   memory the CPU cannot read, in smp__devmem. */
+typedef struct smp__cache smp__cache;
+typedef struct smp__block_info {
+    size_t bytes;
+    smp__alloc_kind kind;
+    int cls;
+    smp__cache *cache;
+    void *next;
+} smp__block_info;
+typedef struct smp__host_hdr { smp__block_info info; size_t pad; } smp__host_hdr; /* ends where the payload starts */
+
 /* Blocks of device memory smp allocated through the backend, keyed by
-   address. A device pointer has no header smp could read, so the size and
-   kind of each block live here: the statistics count device bytes like
-   host bytes, and smp__free tells a device block from a host one. Open
+   address. A device pointer has no header smp could read, so what smp knows
+   of each block lives here: the statistics count device bytes like host
+   bytes, and smp__free tells a device block from a host one. Open
    addressing with linear probing; deletion shifts the run back, so there
    are no tombstones. */
-typedef struct smp__dev_block { void *p; size_t bytes; smp__alloc_kind kind; } smp__dev_block;
+typedef struct smp__dev_block { void *p; smp__block_info info; } smp__dev_block;
 static struct { smp__dev_block *slot; size_t cap, used; } smp__devmem;
 
 static size_t smp__dev_home(const void *p) {
@@ -1379,24 +1417,46 @@ static smp__dev_block *smp__dev_find(const void *p) {
     }
 }
 
-static bool smp__dev_track(void *p, size_t bytes, smp__alloc_kind kind) {
+#ifdef SMP_TESTING
+static struct { long events[SMP_FAULT_COUNT], fail_at[SMP_FAULT_COUNT]; } smp__testing = {{0}, {-1, -1, -1, -1, -1, -1}};
+SMP__CORE void smp_testing_fail(smp_testing_fault kind, long skip) { smp__testing.fail_at[kind] = skip < 0 ? -1 : smp__testing.events[kind] + skip; }
+SMP__CORE long smp_testing_events(smp_testing_fault kind) { return smp__testing.events[kind]; }
+/* Counts an event of the kind; true when it is the one to fail. */
+static bool smp__injected(smp_testing_fault kind) {
+    if (smp__testing.events[kind]++ != smp__testing.fail_at[kind]) return false;
+    smp__testing.fail_at[kind] = -1;
+    return true;
+}
+static bool smp__mpi_injected(void) { return smp__injected(SMP_FAULT_MPI); }
+#else
+#define smp__injected(kind) false
+#endif
+
+/* The system's allocators, the only places smp calls them (SMP_FAULT_SYSTEM_ALLOC counts the calls). */
+static void *smp__system_malloc(size_t n) { return smp__injected(SMP_FAULT_SYSTEM_ALLOC) ? NULL : SMP_MALLOC(n); }
+static void *smp__system_dev_alloc(size_t n) {
+    if (!smp__injected(SMP_FAULT_SYSTEM_ALLOC)) return smp__ctx.device.alloc(n ? n : 1);
+    smp_error(SMP_ERR_NOMEM, "an injected failure of the device's allocator");
+    return NULL;
+}
+
+static bool smp__dev_track(void *p, const smp__block_info *info) {
     if (2 * (smp__devmem.used + 1) > smp__devmem.cap) { /* at most half full */
         size_t old_cap = smp__devmem.cap, cap = old_cap ? 2 * old_cap : 64;
-        smp__dev_block *old = smp__devmem.slot, *slot = (smp__dev_block *)SMP_MALLOC(cap * sizeof *slot);
+        smp__dev_block *old = smp__devmem.slot, *slot = (smp__dev_block *)smp__system_malloc(cap * sizeof *slot);
         if (!slot) return false;
         memset(slot, 0, cap * sizeof *slot);
         smp__devmem.slot = slot;
         smp__devmem.cap = cap;
         smp__devmem.used = 0;
         for (size_t i = 0; i < old_cap; i++)
-            if (old[i].p) smp__dev_track(old[i].p, old[i].bytes, old[i].kind);
+            if (old[i].p) smp__dev_track(old[i].p, &old[i].info);
         SMP_FREE(old);
     }
     size_t i = smp__dev_home(p);
     while (smp__devmem.slot[i].p) i = (i + 1) & (smp__devmem.cap - 1);
     smp__devmem.slot[i].p = p;
-    smp__devmem.slot[i].bytes = bytes;
-    smp__devmem.slot[i].kind = kind;
+    smp__devmem.slot[i].info = *info;
     smp__devmem.used++;
     return true;
 }
@@ -1415,68 +1475,197 @@ static void smp__dev_untrack(smp__dev_block *b) {
     }
 }
 
-/* n bytes of the backend's device memory, counted like smp__alloc's; NULL
-   when the device has no room (the backend has set the message). */
-static void *smp__dev_alloc(size_t n, smp__alloc_kind kind) {
-    void *p = smp__ctx.device.alloc(n ? n : 1);
-    if (!p) return NULL;
-    if (!smp__dev_track(p, n, kind)) {
-        smp__ctx.device.dealloc(p);
-        smp_error(SMP_ERR_NOMEM, "out of host memory tracking %zu bytes of device memory", n);
-        return NULL;
-    }
-    smp__count(kind, (int64_t)n);
-    return p;
+static smp__block_info *smp__info_of(void *p, bool device) {
+    if (device) return &smp__dev_find(p)->info;
+    return &((smp__host_hdr *)(void *)((unsigned char *)p - sizeof(smp__host_hdr)))->info;
 }
 
-#ifdef SMP_TESTING
-static struct { long events[SMP_FAULT_COUNT], fail_at[SMP_FAULT_COUNT]; } smp__testing = {{0}, {-1, -1, -1, -1, -1}};
-SMP__CORE void smp_testing_fail(smp_testing_fault kind, long skip) { smp__testing.fail_at[kind] = skip < 0 ? -1 : smp__testing.events[kind] + skip; }
-SMP__CORE long smp_testing_events(smp_testing_fault kind) { return smp__testing.events[kind]; }
-/* Counts an event of the kind; true when it is the one to fail. */
-static bool smp__injected(smp_testing_fault kind) {
-    if (smp__testing.events[kind]++ != smp__testing.fail_at[kind]) return false;
-    smp__testing.fail_at[kind] = -1;
-    return true;
-}
-static bool smp__mpi_injected(void) { return smp__injected(SMP_FAULT_MPI); }
-#else
-#define smp__injected(kind) false
-#endif
-
-static void *smp__alloc(size_t n, smp__alloc_kind kind) {
-    if (smp__injected(SMP_FAULT_ALLOC)) return NULL;
-    unsigned char *p = (unsigned char *)SMP_MALLOC(n + SMP__HDR);
+/* n bytes from the system, host (behind a header, the payload 64-byte
+   aligned even when malloc only gives 16) or device; NULL when it has none. */
+static void *smp__system_block(size_t n, bool device) {
+    if (device) return smp__system_dev_alloc(n);
+    unsigned char *p = (unsigned char *)smp__system_malloc(n + SMP__HDR);
     if (!p) return NULL;
-    /* keep the payload 64-byte aligned even when malloc only gives 16 */
     size_t pad = (SMP__HDR - ((uintptr_t)p + SMP__HDR) % SMP__HDR) % SMP__HDR;
     if (pad) {
         SMP_FREE(p);
-        p = (unsigned char *)SMP_MALLOC(n + 2 * SMP__HDR);
+        p = (unsigned char *)smp__system_malloc(n + 2 * SMP__HDR);
         if (!p) return NULL;
         pad = (SMP__HDR - ((uintptr_t)p + SMP__HDR) % SMP__HDR) % SMP__HDR;
     }
     unsigned char *user = p + pad + SMP__HDR;
-    uint64_t meta[3] = {(uint64_t)n, (uint64_t)kind, (uint64_t)pad};
-    memcpy(user - sizeof meta, meta, sizeof meta);
-    smp__count(kind, (int64_t)n);
+    ((smp__host_hdr *)(void *)(user - sizeof(smp__host_hdr)))->pad = pad;
     return user;
+}
+
+static void smp__system_release(void *p, smp__dev_block *dev) {
+    if (dev) {
+        smp__dev_untrack(dev);
+        smp__ctx.device.dealloc(p);
+        return;
+    }
+    unsigned char *user = (unsigned char *)p;
+    SMP_FREE(user - SMP__HDR - ((smp__host_hdr *)(void *)(user - sizeof(smp__host_hdr)))->pad);
+}
+
+/* ---------------------------------------------------------------- the caching allocator
+   While a step runs, every block it asks for (call outputs and stashes,
+   gradients of calls, received messages, the step's tables) comes from its
+   model's cache (smp__cache_now, set on the thread that runs the step), and
+   a freed block goes back to the free list of its size class, host or
+   device, where the next microbatch or step finds it: a step of an
+   unchanged model makes no system allocation once the first has run.
+   Parameters and their gradients, which live as long as the model, are the
+   system's. A size class is 64 bytes, then four per power of two, so a
+   block is at most a quarter larger than asked for. The account counts a
+   block in use at the bytes asked for, in its category; the rest of what a
+   cache holds (free blocks, the rounding of blocks in use) counts as
+   SMP_MEMORY_CACHED. Free blocks go back to the system when the model is
+   freed, and, every model's, when a system allocation in a step fails,
+   which is then tried once more. Device blocks are reused in the order of
+   the engine's stream, as the backend's stream-ordered frees are. */
+#define SMP__CACHE_CLASSES 225 /* sizes up to 2^62 */
+struct smp__cache {
+    void *free_list[2][SMP__CACHE_CLASSES]; /* [device][class]: the first free block */
+    long out;                               /* its blocks in use */
+    bool orphaned;                          /* its model is gone: blocks in use go to the system when freed */
+    smp__cache *next;                       /* every live model's cache */
+};
+static smp__cache *smp__caches;
+static SMP__THREAD_LOCAL smp__cache *smp__cache_now;
+
+/* n's class and its size in *bytes; -1 past the largest class. */
+static int smp__size_class(size_t n, size_t *bytes) {
+    if (n <= 64) { *bytes = 64; return 0; }
+    if (n > (size_t)1 << 62) return -1;
+    int e = 6;
+    while (((size_t)1 << (e + 1)) < n) e++; /* 2^e < n <= 2^(e+1) */
+    size_t quarter = (size_t)1 << (e - 2), steps = (n + quarter - 1) / quarter; /* 5 to 8 */
+    *bytes = steps * quarter;
+    return 1 + 4 * (e - 6) + (int)(steps - 5);
+}
+static size_t smp__class_bytes(int cls) { return cls ? (size_t)(5 + (cls - 1) % 4) << (4 + (cls - 1) / 4) : 64; }
+
+/* Gives c's free blocks back to the system; the bytes they held. */
+static size_t smp__cache_trim(smp__cache *c) {
+    size_t released = 0;
+    for (int device = 0; device < 2; device++)
+        for (int cls = 0; cls < SMP__CACHE_CLASSES; cls++)
+            while (c->free_list[device][cls]) {
+                void *p = c->free_list[device][cls];
+                c->free_list[device][cls] = smp__info_of(p, device)->next;
+                smp__count(SMP__ALLOC_CACHED, -(int64_t)smp__class_bytes(cls));
+                released += smp__class_bytes(cls);
+                smp__system_release(p, device ? smp__dev_find(p) : NULL);
+            }
+    return released;
+}
+
+/* A block of n bytes for kind, host or device: from the step's cache when
+   one is set (a free block of n's class, else a new one of the class's
+   size), else the system's; NULL when the system has no memory even after
+   every cache gave back its free blocks. */
+static void *smp__block(size_t n, smp__alloc_kind kind, bool device) {
+    smp__cache *c = kind == SMP__ALLOC_PARAM || kind == SMP__ALLOC_GRAD ? NULL : smp__cache_now;
+    size_t bytes = n;
+    int cls = c ? smp__size_class(n, &bytes) : -1;
+    if (cls < 0) { c = NULL; bytes = n; }
+    void *p = c ? c->free_list[device][cls] : NULL;
+    if (p) {
+        c->free_list[device][cls] = smp__info_of(p, device)->next;
+        smp__count(SMP__ALLOC_CACHED, -(int64_t)n);
+    } else {
+        p = smp__system_block(bytes, device);
+        if (!p && smp__cache_now) { /* the out-of-memory policy's one retry */
+            size_t released = 0;
+            for (smp__cache *k = smp__caches; k; k = k->next) released += smp__cache_trim(k);
+            if (released) p = smp__system_block(bytes, device);
+        }
+        if (!p) return NULL;
+        smp__block_info info;
+        memset(&info, 0, sizeof info);
+        if (device && !smp__dev_track(p, &info)) {
+            smp__ctx.device.dealloc(p);
+            smp_error(SMP_ERR_NOMEM, "out of host memory tracking %zu bytes of device memory", n);
+            return NULL;
+        }
+        if (c) smp__count(SMP__ALLOC_CACHED, (int64_t)(bytes - n));
+    }
+    smp__block_info *info = smp__info_of(p, device);
+    info->bytes = n;
+    info->kind = kind;
+    info->cls = cls;
+    info->cache = c;
+    info->next = NULL;
+    if (c) c->out++;
+    smp__count(kind, (int64_t)n);
+    return p;
+}
+
+/* n bytes of the backend's device memory, counted like smp__alloc's; NULL
+   when the device has no room (the backend has set the message). */
+static void *smp__dev_alloc(size_t n, smp__alloc_kind kind) { return smp__block(n, kind, true); }
+
+static void *smp__alloc(size_t n, smp__alloc_kind kind) {
+    if (smp__injected(SMP_FAULT_ALLOC)) return NULL;
+    return smp__block(n, kind, false);
 }
 
 static void smp__free(void *ptr) {
     if (!ptr) return;
     smp__dev_block *dev = smp__dev_find(ptr);
-    if (dev) {
-        smp__count(dev->kind, -(int64_t)dev->bytes);
-        smp__dev_untrack(dev);
-        smp__ctx.device.dealloc(ptr);
+    smp__block_info *info = smp__info_of(ptr, dev != NULL);
+    smp__cache *c = info->cache;
+    smp__count(info->kind, -(int64_t)info->bytes);
+    if (c && !c->orphaned) {
+        smp__count(SMP__ALLOC_CACHED, (int64_t)info->bytes);
+        info->next = c->free_list[dev != NULL][info->cls];
+        c->free_list[dev != NULL][info->cls] = ptr;
+        c->out--;
         return;
     }
-    unsigned char *user = (unsigned char *)ptr;
-    uint64_t meta[3];
-    memcpy(meta, user - sizeof meta, sizeof meta);
-    smp__count((smp__alloc_kind)meta[1], -(int64_t)meta[0]);
-    SMP_FREE(user - SMP__HDR - meta[2]);
+    if (c) smp__count(SMP__ALLOC_CACHED, -(int64_t)(smp__class_bytes(info->cls) - info->bytes));
+    smp__system_release(ptr, dev);
+    if (c && --c->out == 0) smp__free(c); /* the last block of a freed model's cache */
+}
+
+/* Whether c holds a free block for n bytes, host or device. */
+SMP__CORE bool smp__cache_has(const smp__cache *c, size_t n, bool device) {
+    size_t bytes;
+    int cls = smp__size_class(n, &bytes);
+    return cls >= 0 && c->free_list[device][cls];
+}
+
+/* Makes c the cache allocations on this thread come from (NULL: the system); the one it replaces. */
+static smp__cache *smp__cache_use(smp__cache *c) {
+    smp__cache *was = smp__cache_now;
+    smp__cache_now = c;
+    return was;
+}
+
+/* A new cache, empty (a model's, or a pool of its executor's); NULL without memory. */
+static smp__cache *smp__cache_new(void) {
+    smp__cache *was = smp__cache_use(NULL); /* the cache itself is the system's */
+    smp__cache *c = (smp__cache *)smp__alloc(sizeof *c, SMP__ALLOC_OTHER);
+    smp__cache_use(was);
+    if (!c) return NULL;
+    memset(c, 0, sizeof *c);
+    c->next = smp__caches;
+    smp__caches = c;
+    return c;
+}
+
+/* The model is gone: its cache's free blocks go back to the system, and the
+   cache with them once no block of it is in use (a step's outputs the
+   engine still holds go when it frees them). */
+static void smp__cache_free(smp__cache *c) {
+    if (!c) return;
+    smp__cache_trim(c);
+    for (smp__cache **at = &smp__caches; *at; at = &(*at)->next)
+        if (*at == c) { *at = c->next; break; }
+    if (smp__cache_now == c) smp__cache_now = NULL;
+    if (c->out) c->orphaned = true;
+    else smp__free(c);
 }
 
 /* The out-of-memory policy's message: what could not be had and for what. */
@@ -1850,7 +2039,7 @@ SMPDEF void smp_memory_reset_peaks(void) {
 
 SMPDEF const char *smp_memory_kind_name(smp_memory_kind k) {
     static const char *const names[SMP_MEMORY_KINDS] = {"other", "parameters", "gradients", "optimizer", "activations",
-                                                        "communication", "offloaded"};
+                                                        "communication", "offloaded", "cached"};
     return (int)k >= 0 && k < SMP_MEMORY_KINDS ? names[k] : "unknown";
 }
 
@@ -4029,6 +4218,7 @@ struct smp_model {
     int *bucket_first;     /* [nbuckets + 1]: each bucket's parameters, as positions in grad_order */
     int64_t *bucket_numel; /* [nbuckets]: elements, padding included */
     int nbuckets;
+    smp__cache *cache;    /* what its steps allocate (the caching allocator) */
 };
 
 struct smp_call_ctx {
@@ -4472,6 +4662,7 @@ SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, sm
     smp__grow_or(&st, (void **)&smp__mod.models, &smp__mod.models_cap, smp__mod.nmodels + 1, sizeof(smp_model *), "the list of live models");
     if (st) { *out = NULL; return smp__agree_on(smp__ctx.world, st, "model construction"); }
     smp_model *m = (smp_model *)smp__alloc_or(&st, sizeof *m, SMP__ALLOC_OTHER, "a model");
+    if (!st && !(m->cache = smp__cache_new())) st = smp__nomem(sizeof(smp__cache), "a model's cache of step memory");
     int mcap = 0, pcap = 0;
     if (!st) smp__collect(&st, m, root, &mcap, &pcap);
     if (!st) st = smp__shard_params(m);
@@ -4479,7 +4670,7 @@ SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, sm
        may strike one); until then the modules stay the engine's */
     st = smp__agree_on(smp__ctx.world, st, "model construction");
     if (st) {
-        if (m) { smp__free(m->modules); smp__free(m->params); }
+        if (m) { smp__free(m->modules); smp__free(m->params); smp__cache_free(m->cache); }
         smp__free(m);
         *out = NULL;
         return st;
@@ -4540,6 +4731,7 @@ SMPDEF void smp_model_free(smp_model *m) {
     smp__free(m->stage_rank); /* stage_first and stage_last share its block */
     smp__free(m->hooks);
     smp__free(m->grad_at); /* the gradient layout's block (smp__grad_layout) */
+    smp__cache_free(m->cache); /* after everything its steps left */
     smp__free(m);
 }
 

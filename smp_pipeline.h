@@ -1089,6 +1089,8 @@ typedef struct smp__xfer {
     int stage, mb;           /* send: the forward or backward that sent it */
     double t_post;           /* send: when it was posted (timeline) */
     bool backward;
+    bool hdr_in_table;       /* send: hdr is the step's (send_hdrs), not a block of its own */
+    bool wanted;             /* receive: an operation waits for it, so its bytes get memory now, pooled or not */
 } smp__xfer;
 #define SMP__HDR_WORDS(ntensors) (10 * (ntensors) + 2)
 
@@ -1176,8 +1178,10 @@ typedef struct smp__step_state {
     int64_t stash_at_start; /* stash bytes when the step began (its peak is measured from there) */
     smp__mbstate *mb;
     smp__xfer *recv;       /* [(link * m + mb) * 2 + backward] */
-    smp__xfer *sends;
+    smp__xfer *sends;      /* kept from step to step, room made for every send as the step begins */
     int nsends, sends_cap;
+    int64_t *send_hdrs;    /* [(link * m + mb) * 2 + backward]: the sends' headers, SMP__HDR_WORDS(most) words each */
+    int send_hdr_words;
     bool failed_remote;    /* another rank's failure notice arrived */
     /* counters, zeroed as the step begins (their storage: the pipe's workspace) */
     int *inflight;         /* [nstages] */
@@ -1224,6 +1228,10 @@ typedef struct smp__pipe {
     /* memory: microbatches held on this rank (active_microbatches) */
     int *mb_held;          /* [m]: this rank's stages holding each microbatch for its backward */
     int mb_held_cap, mb_active;
+    /* [link * 2 + backward]: the received messages' bytes. A message is received as its header arrives only into a
+       free block of its pool, and otherwise when an operation waits for it, so which blocks a step needs does not
+       depend on when messages arrive, and a step of an unchanged model takes every one from the pools */
+    smp__cache **recv_pool;
 } smp__pipe;
 
 static smp_status smp__timeline_write(smp__pipe *ps);
@@ -1279,6 +1287,9 @@ static void smp__pipe_free(void *p) {
     }
     smp__free(ps->events);
     smp__free(ps->mb_held);
+    smp__free(ps->step.sends);
+    for (int i = 0; ps->recv_pool && i < 2 * ps->plan.nlinks; i++) smp__cache_free(ps->recv_pool[i]);
+    smp__free(ps->recv_pool);
     smp__free(ps);
 }
 
@@ -1553,7 +1564,11 @@ static void smp__device_wait_all(smp__xfer *x) {
 static smp_status smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
     smp_status st = SMP_OK;
     smp_tensor whole = smp_tensor_1d(NULL, SMP_U8, (int64_t)x->bytes);
+    /* from the pool of its link and direction, though at once: device receives are queued in the order sent */
+    size_t slot = (size_t)(x - ps->step.recv), link = slot / (2 * (size_t)ps->step.m);
+    smp__cache *was = smp__cache_use(ps->recv_pool[2 * link + slot % 2]);
     x->buf = smp__tensor_alloc_or(&st, &whole, true, smp__step_kind(ps), "a pipeline message received");
+    smp__cache_use(was);
     x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(x->ntensors + 1), SMP__ALLOC_OTHER, "a pipeline message received");
     if (st) return st;
     char *p = (char *)x->buf;
@@ -1593,7 +1608,7 @@ static smp_status smp__gather_type(const smp_tensor *const *ts, int nt, int *cou
 
 /* Lets go of a transfer's memory: a send once sent, a receive at the step's end. */
 static void smp__xfer_free(smp__xfer *x) {
-    smp__free(x->hdr);
+    if (!x->hdr_in_table) smp__free(x->hdr);
     smp__free(x->buf);
     smp__free(x->dev_req);
     x->hdr = NULL;
@@ -1627,7 +1642,9 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
     x->backward = backward;
     x->t_post = smp__now();
     x->req[0] = x->req[1] = MPI_REQUEST_NULL;
-    x->hdr = (int64_t *)smp__alloc_or(&st, sizeof(int64_t) * (size_t)SMP__HDR_WORDS(nt), SMP__ALLOC_OTHER, what);
+    size_t slot = ((size_t)link * (size_t)ps->step.m + (size_t)mb) * 2 + (backward ? 1 : 0); /* smp__recv_slot's */
+    x->hdr = ps->step.send_hdrs + slot * (size_t)ps->step.send_hdr_words;
+    x->hdr_in_table = true;
     if (ps->plan.dev_p2p)
         x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(nt + 1), SMP__ALLOC_OTHER, what);
     size_t total = 0;
@@ -1720,11 +1737,19 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
                         x->state = SMP__XFER_DEVICE_WAITING; /* queued below, in the order the peer sent */
                         continue;
                     }
+                }
+                if (x->state == SMP__XFER_HEADER_ARRIVED) {
+                    smp__cache *pool = ps->recv_pool[2 * l + dir];
+                    if (!x->wanted && !smp__cache_has(pool, x->bytes, false)) break; /* until it is waited for */
                     MPI_Datatype type;
                     int count;
+                    smp__cache *was = smp__cache_use(pool);
                     x->buf = smp__bytes_or(&err, x->bytes, smp__step_kind(ps), "a pipeline message received");
+                    smp__cache_use(was);
                     if (err || (err = smp__bytes_type(x->bytes, &count, &type))) break;
-                    err = SMP__MPI_CHECK(MPI_Irecv(x->buf, count, type, x->peer, st.MPI_TAG + 1, ps->comm, &x->req[1]), "posting the receive of %s %d from mp rank %d",
+                    int tag = smp__tag(l, dir) + 1;
+                    err = SMP__MPI_CHECK(MPI_Irecv(x->buf, count, type, x->peer, tag, ps->comm, &x->req[1]),
+                                         "posting the receive of %s %d from mp rank %d",
                                          dir ? "the gradients for microbatch" : "the activations of microbatch", mb, x->peer);
                     if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a pipeline message datatype");
                     if (err) break;
@@ -2534,7 +2559,8 @@ static smp_status smp__receive(smp__pipe *ps, int s, int i, bool backward) {
     for (int l = 0; l < ps->plan.nlinks; l++)
         if ((backward ? ps->plan.links[l].from : ps->plan.links[l].to) == s) {
             lk[nw] = l;
-            wait[nw++] = smp__recv_slot(ps, l, i, backward);
+            wait[nw] = smp__recv_slot(ps, l, i, backward);
+            wait[nw++]->wanted = true;
         }
     smp_status rc = smp__await(ps, wait, nw, backward ? "gradients" : "activations", s, i);
     for (int w = 0; w < nw && !rc; w++) {
@@ -2737,7 +2763,7 @@ static smp_status smp__call_forward(smp__pipe *ps, smp_model *md, int k, int i, 
     smp_status rc = SMP_OK;
     if (!c->inputs) c->inputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER, "a call's inputs");
     if (!c->outputs) c->outputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a call's outputs");
-    smp_tensor *kept = again ? (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a recomputation") : NULL;
+    smp_tensor *kept = again ? (smp_tensor *)smp__bytes_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a recomputation") : NULL;
     if (rc) return rc;
     /* the context shows the engine const inputs; smp allocated them just above
        and owns them, hence the cast through uintptr_t (-Wcast-qual) */
@@ -2892,7 +2918,7 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
             for (int q = rec->recompute_first; q <= k && !rc; q++) rc = smp__call_forward(ps, md, q, i, true);
         /* gradient of each output: its consumers' contributions, latest consumer first */
         smp_tensor *gout = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a call's output gradients");
-        smp_tensor *gin = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER, "a call's input gradients");
+        smp_tensor *gin = (smp_tensor *)smp__bytes_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER, "a call's input gradients");
         if (rc) { smp__free(gout); return rc; }
         for (int j = 0; j < rec->nout && !rc; j++) {
             gout[j] = c->outputs[j];
@@ -3006,9 +3032,9 @@ static void smp__release_step(smp__pipe *ps, smp_model *md) {
     smp__free(ps->step.recv);
     ps->step.recv = NULL;
     for (int i = 0; i < ps->step.nsends; i++) SMP_ASSERT(ps->step.sends[i].state != SMP__XFER_SENDING);
-    smp__free(ps->step.sends);
-    ps->step.sends = NULL;
-    ps->step.nsends = ps->step.sends_cap = 0;
+    ps->step.nsends = 0;
+    smp__free(ps->step.send_hdrs);
+    ps->step.send_hdrs = NULL;
     for (int i = 0; i < ps->step.m && ps->step.mb; i++) {
         smp__mbstate *st = &ps->step.mb[i];
         bool whole = st->act != NULL;
@@ -3073,7 +3099,7 @@ static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_outp
             *v = smp_tensor_make(NULL, (smp_dtype)h[0], (int)h[1], h + 2);
             if (!h[0]) { v->ndim = 0; continue; } /* the body returned nothing here */
             size_t b = smp_tensor_nbytes(v);
-            if (!(v->data = smp__alloc_or(&st, b, SMP__ALLOC_OTHER, "the step's outputs"))) break;
+            if (!(v->data = smp__bytes_or(&st, b, SMP__ALLOC_OTHER, "the step's outputs"))) break;
             memcpy(v->data, buf + at, b);
             at += b;
         }
@@ -3385,8 +3411,26 @@ static smp_status smp__step_post_receives(smp__pipe *ps) {
     int me = smp__ctx.pp_rank;
     smp_status st = SMP_OK;
     size_t nrecv = (size_t)ps->plan.nlinks * (size_t)now->m * 2;
-    now->recv = (smp__xfer *)smp__alloc_or(&st, sizeof(smp__xfer) * nrecv, SMP__ALLOC_OTHER,
-                                           "the step's microbatch state");
+    const char *what = "the step's microbatch state";
+    now->recv = (smp__xfer *)smp__alloc_or(&st, sizeof(smp__xfer) * nrecv, SMP__ALLOC_OTHER, what);
+    /* the sends' headers, and room for every send of the step, the shared gradients' too: neither depends on when
+       sends complete */
+    int most = 0;
+    for (int l = 0; l < ps->plan.nlinks; l++) {
+        if (ps->plan.links[l].ntensors > most) most = ps->plan.links[l].ntensors;
+        if (ps->plan.links[l].nedges > most) most = ps->plan.links[l].nedges;
+    }
+    now->send_hdr_words = SMP__HDR_WORDS(most);
+    now->send_hdrs = (int64_t *)smp__bytes_or(&st, sizeof(int64_t) * nrecv * (size_t)now->send_hdr_words + 1,
+                                              SMP__ALLOC_OTHER, what);
+    int most_sends = (int)nrecv + 2 * smp__ctx.cfg.partitions;
+    smp__grow_or(&st, (void **)&now->sends, &now->sends_cap, most_sends, sizeof(smp__xfer), what);
+    if (!ps->recv_pool) /* made by the first step */
+        ps->recv_pool = (smp__cache **)smp__alloc_or(&st, sizeof(smp__cache *) * (size_t)(2 * ps->plan.nlinks + 1),
+                                                     SMP__ALLOC_OTHER, what);
+    for (int i = 0; i < 2 * ps->plan.nlinks && !st; i++)
+        if (!ps->recv_pool[i] && !(ps->recv_pool[i] = smp__cache_new()))
+            st = smp__nomem(sizeof(smp__cache), "a pool of received messages");
     const smp_sched_op *ops = now->sched->ops[me];
     for (int o = 0; o < now->sched->nops[me] && !st; o++) {
         if (ops[o].kind == SMP_SCHED_WEIGHT) continue; /* receives nothing */
@@ -3506,6 +3550,7 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     smp__ctx.at.steps++; /* where this rank is, should it exit (smp__exit_guard) */
     smp__ctx.at.in_step = true;
     smp_status st = smp__step(d, outs, nouts);
+    smp__cache_now = NULL;
     smp__ctx.at.in_step = false;
     smp__ctx.at.op = 0;
     return st;
@@ -3518,6 +3563,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     smp_model *md = d->model;
     SMP_TRY(smp__step_gather_params(md));
     smp__pipe *ps = (smp__pipe *)md->pipeline;
+    smp__cache_now = md->cache; /* what the step allocates from here is the model's to reuse */
     smp_status st = smp__step_begin(ps, md, d, nouts, t_start);
     if (!st) st = smp__step_post_receives(ps);
     if (!st) st = smp__active_begin(ps, ps->step.m);

@@ -61,7 +61,6 @@
 #include "gpt_model.h"
 #include "gpt_shared.h" /* options, corpus, batches, schedule, logits and sampling, digest, metadata (also gpt.cu's) */
 
-#include <malloc.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -447,11 +446,6 @@ static smp_status print_memory_peaks(void) {
 
 int main(int argc, char **argv) {
     options opt;
-    /* Activations are allocated and freed per call and microbatch, many of
-       them megabytes: glibc would map and unmap each (and the kernel zero
-       its pages on every touch); keep them in the heap instead. */
-    mallopt(M_MMAP_THRESHOLD, 256 << 20);
-    mallopt(M_TRIM_THRESHOLD, 512 << 20);
     MPI_Init(&argc, &argv);
     if (parse_options(argc, argv, &opt, false)) { MPI_Finalize(); return 2; }
     if (smp_init(&opt.cfg)) {                                             /* smp.init() */

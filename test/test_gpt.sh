@@ -33,7 +33,8 @@
 # bitwise the tp 2 run on one partition; tp 2 and tp 2 x 2 partitions
 # within 1e-5 of tp 1 after 20 steps; tp 2's first-step gradients against
 # float64 autograd; heads or a vocabulary --tp does not divide, and
-# --generate with --tp, are errors on every rank.
+# --generate with --tp, are errors on every rank. The overhead benchmark's
+# plain loop (no smp) gives smp's losses at 1 microbatch, bitwise.
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 bin="${SMP_EXAMPLES:-$top/build/examples}/gpt" # SMP_EXAMPLES: another build (make test: build/examples-asan)
@@ -306,3 +307,11 @@ gen_err "gpt/generation: --tp 2 is refused on every rank (the KV cache is not sp
   --prompts "The|A" --tokens 4
 gen_err "gpt/generation: a prompt character outside the vocabulary is an error on every rank" \
   "not in the vocabulary" 2 --partitions 2 --prompts "$(printf 'The|A\001')" --tokens 4
+
+# the overhead benchmark's plain loop (bench/gpt_overhead.c: gpt_model.h's kernels in order, no smp) and the same
+# model through smp at 1 microbatch: the same losses, bit for bit, over 3 steps of AdamW
+over="$(dirname "$bin")/gpt_overhead"
+mpirun -n 1 "$over" --check --layers 2 --dmodel 32 --heads 4 --context 16 --batch 8 >"$tmp/over" 2>&1; over_rc=$?
+if [ $over_rc -eq 0 ] && grep -q ': bitwise equal$' "$tmp/over" && ! grep -q 'runtime error: ' "$tmp/over"; then
+  echo "PASS: gpt/overhead benchmark: the plain loop's losses equal smp's at 1 microbatch, bitwise"
+else echo "FAIL: gpt/overhead benchmark: the plain loop's losses equal smp's at 1 microbatch, bitwise: exit $over_rc: $(head -c 300 "$tmp/over")"; fi
