@@ -348,7 +348,7 @@ bench-gpt: build/examples/gpt
 # device (BIN=build/cuda/gpt on a GPU).
 bench-gpt-cuda: build/fake/gpt
 	bash bench/gpt_cuda.sh
-bench-memory: build/examples/gpt
+bench-memory: build/examples/gpt build/fake/fmnist
 	bash bench/memory.sh
 bench-checkpoint: build/bench/checkpoint
 	mpirun -n 2 build/bench/checkpoint
