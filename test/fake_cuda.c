@@ -51,7 +51,11 @@ struct fstream {
     fstream *next;
 };
 
-struct CUevent_st { fstream *stream; uint64_t seq; };
+struct CUevent_st {
+    fstream *stream;
+    uint64_t seq;
+    bool after_h2d; /* recorded right after a host-to-device copy */
+};
 
 enum { NT_ALLREDUCE, NT_BROADCAST, NT_REDUCE, NT_ALLGATHER, NT_REDUCESCATTER, NT_SEND, NT_RECV };
 typedef struct ncclComm ncomm;
@@ -1010,7 +1014,7 @@ static cudaError_t copy(void *dst, const void *src, size_t n, enum cudaMemcpyKin
     if (dd && !sd) s->last_h2d = s->enqueued;
     if (sync && dd && !sd) G.h2d_host_waits++;
     if (sync || pageable_dst) { /* returns once a pageable destination holds the data */
-        struct CUevent_st ev = {s, s->enqueued};
+        struct CUevent_st ev = {s, s->enqueued, false};
         wait_until(event_done, &ev);
     }
     UNLOCK();
@@ -1081,6 +1085,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     LOCK();
     e->stream = S(s);
     e->seq = e->stream->enqueued; /* complete once everything queued so far is */
+    e->after_h2d = e->seq && e->stream->last_h2d == e->seq;
     UNLOCK();
     return cudaSuccess;
 }
@@ -1096,7 +1101,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {
     (void)flags;
     if (!e) return fail(cudaErrorInvalidResourceHandle);
     LOCK();
-    if (e->stream && e->stream != S(s) && e->stream->last_h2d && e->seq >= e->stream->last_h2d) S(s)->h2d_waits++;
+    if (e->stream && e->stream != S(s) && e->after_h2d) S(s)->h2d_waits++;
     if (e->stream && e->stream->done < e->seq) push_wait(S(s), e->stream, e->seq);
     UNLOCK();
     return cudaSuccess;

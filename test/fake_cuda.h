@@ -53,8 +53,8 @@ void fake_nccl_fail_next(void);
    cudaFree, cudaFreeHost, cudaMallocHost), and the last one's name */
 long fake_cuda_device_syncs(void);
 const char *fake_cuda_last_device_sync(void);
-/* host-to-device copies waited for: by stream s on the device (cudaStreamWaitEvent of s on an event recorded after
-   another stream's latest host-to-device copy), and on the host (cudaMemcpy to the device, and stream, event or
+/* host-to-device copies waited for: by stream s on the device (cudaStreamWaitEvent of s on an event recorded on
+   another stream right after a host-to-device copy there), and on the host (cudaMemcpy to the device, and stream, event or
    device synchronisations that found a host-to-device copy they cover unfinished) */
 long fake_cuda_h2d_device_waits(cudaStream_t s);
 long fake_cuda_h2d_host_waits(void);
