@@ -116,6 +116,8 @@
      activation_checkpointing (false: recompute every top-level call),
      active_microbatches (0: no cap beyond the schedule's; smp_pipeline.h, ACTIVE MICROBATCHES),
      shard_optimizer_state (false; needs ddp and 2 or more replicas: SHARDED OPTIMIZER STATE below),
+     offload_activations (false; on_device models: smp_pipeline.h, ACTIVATION OFFLOADING),
+     activation_loading_horizon (4: pipeline tasks ahead of a backward that its activations come back),
      timeout (seconds, also SMP_TIMEOUT; 600), seed (0).
 
    ENVIRONMENT VARIABLES: all that the four headers read, in one table.
@@ -446,6 +448,8 @@ typedef struct smp_config {
     int active_microbatches;        /* most microbatches in flight on a rank (smp_pipeline.h); 0: the schedule's own */
     smp_switch shard_optimizer_state; /* each replica updates its 1/dp of the parameters (smp_param_owned_range); default off */
     smp_switch prescaled_batch;       /* a TP group's ranks read the same batch (SageMaker's key); default on */
+    smp_switch offload_activations; /* on_device models: what a backward needs waits in host memory; default off */
+    int activation_loading_horizon; /* offload_activations: tasks before the backward that it comes back; 0: 4 */
     /* smp's own keys */
     int virtual_stages;             /* interleaving factor for auto partitioning; 0: 1 */
     smp_switch deterministic_reduction; /* fixed-order DP sums; default off */
@@ -1052,6 +1056,18 @@ typedef struct smp_device_backend {
        A backend sets both or neither. */
     smp_status (*bucket_all_reduce)(void *data, smp_dtype dt, int64_t n, smp_group g);
     smp_status (*bucket_fence)(void);
+    /* Activation offloading (offload_activations; NULL: the backend has none; a backend sets all five or none).
+       offload queues a copy of n device bytes at src into pinned host memory on a side stream, after the
+       engine's work queued so far, and hands back the copy's handle; offload_done: that copy has finished (src
+       may be freed). reload queues the copy back into n device bytes at dst on the side stream, after the
+       engine's work so far (dst may be newly allocated). offload_wait orders the engine stream after the last
+       copy queued for the handle, on the device: the host never waits. offload_drop does the same and lets go
+       of the handle (after its reload, or when it never comes back). */
+    smp_status (*offload)(const void *src, size_t n, void **copy);
+    smp_status (*offload_done)(void *copy, bool *done);
+    smp_status (*reload)(void *copy, void *dst);
+    smp_status (*offload_wait)(void *copy);
+    smp_status (*offload_drop)(void *copy);
 } smp_device_backend;
 #define SMP_DEVICE_BACKEND_P2P 1 /* the fields above exist (smp_nccl.h fills them) */
 SMPDEF void smp_register_device_backend(const smp_device_backend *b);
@@ -2293,6 +2309,8 @@ static const struct smp__cfg_key {
     {"active_microbatches", SMP__CFG_KIND_LIMIT, SMP__CFG_FIELD(active_microbatches), 0, NULL, NULL},
     {"shard_optimizer_state", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(shard_optimizer_state), SMP_OFF, NULL, NULL},
     {"prescaled_batch", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(prescaled_batch), SMP_ON, NULL, NULL},
+    {"offload_activations", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(offload_activations), SMP_OFF, NULL, NULL},
+    {"activation_loading_horizon", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(activation_loading_horizon), 4, NULL, NULL},
     {"virtual_stages", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(virtual_stages), 0, NULL, NULL},
     {"deterministic_reduction", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(deterministic_reduction), SMP_OFF, NULL, NULL},
     {"timeout", SMP__CFG_KIND_POSITIVE, SMP__CFG_FIELD(timeout), 0, NULL, NULL},
@@ -2815,7 +2833,7 @@ static smp_status smp__cfg_resolve_key(smp_config *c, const struct smp__cfg_key 
         break;
     case SMP__CFG_KIND_COUNT:
         if (v < 0) return smp_error(SMP_ERR_CONFIG, "config key \"%s\" must be at least 1, got %d", key->name, v);
-        smp__cfg_set_int(c, key, v == 0 ? 1 : v);
+        smp__cfg_set_int(c, key, v == 0 ? (key->dflt ? key->dflt : 1) : v); /* 1 unless its row says */
         return SMP_OK;
     case SMP__CFG_KIND_LIMIT:
         if (v < 0) return smp_error(SMP_ERR_CONFIG, "config key \"%s\" must be at least 1, or 0 for no limit, got %d", key->name, v);

@@ -280,6 +280,7 @@ static struct {
     int device;
     char device_name[256];
     cudaStream_t stream;               /* smp's */
+    cudaStream_t offload_stream;       /* activation offloading's copies, made at its first use */
     cudaEvent_t ev_engine, ev_done, ev_sync;
     bool have_mpi;
     MPI_Comm mpi[SMP_GROUP_COUNT];     /* private duplicates of the groups' communicators */
@@ -908,6 +909,72 @@ static smp_status smp__nc_make_stream(cudaStream_t *s) {
     return SMP_OK;
 }
 
+/* ---------------------------------------------------------------- activation offloading */
+/* One offloaded block (the backend table's offload entries, smp.h): its pinned buffer, its bytes, and the event
+   of the last copy queued to or from it on the offload stream. */
+typedef struct smp__nc_away { int pin; size_t n; cudaEvent_t ev; } smp__nc_away;
+
+static smp_status smp__nc_offload_begin(void) {
+    SMP_TRY(smp__nc_ready("offload_activations"));
+    if (!smp__nc.offload_stream) SMP_TRY(smp__nc_make_stream(&smp__nc.offload_stream));
+    return smp__nc_after_engine(smp__nc.offload_stream); /* what the copy reads or writes was the engine's */
+}
+
+static smp_status smp__nc_offload(const void *src, size_t n, void **copy) {
+    *copy = NULL;
+    SMP_TRY(smp__nc_offload_begin());
+    SMP_TRY(smp__nc_check_ptr("an offloaded activation", src, SMP_CUDA(smp__nc.device), n));
+    smp_status st = SMP_OK;
+    smp__nc_away *o = (smp__nc_away *)smp__alloc_or(&st, sizeof *o, SMP__ALLOC_OTHER, "an offloaded block's record");
+    if (st) return st;
+    o->n = n;
+    o->ev = NULL;
+    st = smp__nc_pin_get(n, &o->pin);
+    if (!st) st = smp__nc_event_get(&o->ev);
+    cudaError_t e = st ? cudaSuccess : cudaMemcpyAsync(smp__nc.pins[o->pin].p, src, n, cudaMemcpyDeviceToHost,
+                                                       smp__nc.offload_stream);
+    if (!st && e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
+    if (!st && (e = cudaEventRecord(o->ev, smp__nc.offload_stream)) != cudaSuccess)
+        st = smp__nc_cuda_fail(e, "cudaEventRecord");
+    if (st) {
+        if (o->ev) smp__nc_event_put(o->ev);
+        if (o->pin >= 0) (void)smp__nc_pin_put_after(o->pin, smp__nc.offload_stream); /* once a queued copy is done */
+        smp__free(o);
+        return st;
+    }
+    *copy = o;
+    return SMP_OK;
+}
+
+static smp_status smp__nc_offload_done(void *copy, bool *done) {
+    cudaError_t q = cudaEventQuery(((smp__nc_away *)copy)->ev);
+    *done = q == cudaSuccess;
+    return q == cudaSuccess || q == cudaErrorNotReady ? SMP_OK : smp__nc_cuda_fail(q, "cudaEventQuery");
+}
+
+static smp_status smp__nc_reload(void *copy, void *dst) {
+    smp__nc_away *o = (smp__nc_away *)copy;
+    SMP_TRY(smp__nc_offload_begin()); /* dst was allocated on the engine stream */
+    SMP_TRY(smp__nc_check_ptr("a reloaded activation", dst, SMP_CUDA(smp__nc.device), o->n));
+    SMP__CU(cudaMemcpyAsync, (dst, smp__nc.pins[o->pin].p, o->n, cudaMemcpyHostToDevice, smp__nc.offload_stream));
+    SMP__CU(cudaEventRecord, (o->ev, smp__nc.offload_stream));
+    return SMP_OK;
+}
+
+static smp_status smp__nc_offload_wait(void *copy) {
+    SMP_TRY(smp__nc_ready("offload_activations"));
+    SMP__CU(cudaStreamWaitEvent, (smp__nc_engine, ((smp__nc_away *)copy)->ev, 0));
+    return SMP_OK;
+}
+static smp_status smp__nc_offload_drop(void *copy) {
+    smp__nc_away *o = (smp__nc_away *)copy;
+    smp_status st = smp__nc_offload_wait(o);
+    smp_status put = smp__nc_pin_put_after(o->pin, smp__nc.offload_stream); /* reusable once its copies are done */
+    smp__nc_event_put(o->ev);
+    smp__free(o);
+    return st ? st : put;
+}
+
 /* The GPU this rank drives, as bytes comparable across the node's ranks. */
 static smp_status smp__nc_probe(int count, unsigned char key[SMP__NC_KEY]) {
     smp__nc.device = smp_local_rank() % count;
@@ -1176,6 +1243,9 @@ static void smp__nc_on_finalize(void) {
     if (smp__nc.up && smp__nc.mode != SMP_NCCL_MODE_NONE && smp__nc.stream) {
         if (smp__nc_stream_idle(smp__nc.stream, "smp's device work to finish", SMP_WORLD, -1) != SMP_OK)
             smp__log(SMP_LOG_WARN, "device backend shut-down: %s", smp_last_error());
+        if (smp__nc.offload_stream &&
+            smp__nc_stream_idle(smp__nc.offload_stream, "activation offloading's copies to finish", SMP_WORLD, -1))
+            smp__log(SMP_LOG_WARN, "device backend shut-down: %s", smp_last_error());
         for (int g = 0; g < SMP_GROUP_COUNT; g++)
             for (int i = 0; i < smp__nc.nchans[g]; i++) {
                 smp__nc_chan *c = smp__nc.chans[g][i];
@@ -1210,6 +1280,7 @@ static void smp__nc_on_finalize(void) {
     if (smp__nc.ev_done) (void)cudaEventDestroy(smp__nc.ev_done);
     if (smp__nc.ev_sync) (void)cudaEventDestroy(smp__nc.ev_sync);
     if (smp__nc.stream) (void)cudaStreamDestroy(smp__nc.stream);
+    if (smp__nc.offload_stream) (void)cudaStreamDestroy(smp__nc.offload_stream);
     if (smp__nc.dummy) (void)cudaFree(smp__nc.dummy);
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
         if (smp__nc.mpi[g] != MPI_COMM_NULL) SMP__MPI_WARN(MPI_Comm_free(&smp__nc.mpi[g]), "releasing the device backend's copy of the %s", smp__group_name((smp_group)g));
@@ -1667,6 +1738,11 @@ SMPDEF void smp_nccl_register(void) {
     b.p2p_through_host = smp__nc_b_through_host;
     b.bucket_all_reduce = smp__nc_bucket_all_reduce;
     b.bucket_fence = smp__nc_bucket_fence;
+    b.offload = smp__nc_offload;
+    b.offload_done = smp__nc_offload_done;
+    b.reload = smp__nc_reload;
+    b.offload_wait = smp__nc_offload_wait;
+    b.offload_drop = smp__nc_offload_drop;
 #endif
     smp_register_device_backend(&b);
 }

@@ -141,6 +141,20 @@
      buckets are reduced by the backend. smp_clip_grad_norm's
      norm and the grad scaler's overflow check read device gradients
      through host copies; scaling them stays on the device.
+
+   ACTIVATION OFFLOADING
+     offload_activations (config key, SageMaker's; on_device models only:
+     on a host model it is an error) moves what a stage's backward will
+     read - its calls' device stashes and outputs, the activations it
+     received, the loss gradient of the body - to pinned host memory on the
+     backend's side stream right after the forward (and the body), and
+     frees the device blocks once copied. They come back on that stream
+     when their backward is activation_loading_horizon (default 4) of this
+     rank's operations ahead, and the engine's stream waits for them on the
+     device before the backward: the host never waits for a copy. A
+     microbatch whose backward is already that close stays on the device.
+     The bytes are the same, so results are bitwise those without it; the
+     memory account counts the host copies as "offloaded".
 */
 #ifndef SMP_PIPELINE_H
 #define SMP_PIPELINE_H
@@ -1232,6 +1246,14 @@ typedef struct smp__pipe {
        free block of its pool, and otherwise when an operation waits for it, so which blocks a step needs does not
        depend on when messages arrive, and a step of an unchanged model takes every one from the pools */
     smp__cache **recv_pool;
+    /* offload_activations: this step's blocks in host memory and where the step points at them */
+    bool offloading;
+    struct smp__offload *off;
+    int noff, off_cap;
+    struct smp__off_slot *off_slots;
+    int noff_slots, off_slots_cap;
+    int *bwd_at;           /* [nstages * m]: where B(s, i) is in this rank's operations, -1 nowhere */
+    int bwd_at_cap;
 } smp__pipe;
 
 static smp_status smp__timeline_write(smp__pipe *ps);
@@ -1290,6 +1312,9 @@ static void smp__pipe_free(void *p) {
     smp__free(ps->step.sends);
     for (int i = 0; ps->recv_pool && i < 2 * ps->plan.nlinks; i++) smp__cache_free(ps->recv_pool[i]);
     smp__free(ps->recv_pool);
+    smp__free(ps->off);
+    smp__free(ps->off_slots);
+    smp__free(ps->bwd_at);
     smp__free(ps);
 }
 
@@ -3019,10 +3044,253 @@ static void smp__stage_release(smp__pipe *ps, smp_model *md, int s, int i) {
     }
 }
 
+/* ---------------------------------------------------------------- activation offloading */
+/* One device block that stage `stage` holds for microbatch `mb`'s backward, sent to pinned host memory
+   (ACTIVATION OFFLOADING). The places in the step's state that pointed into it (its slots) hold NULL while it is
+   away, and the block it comes back into, at the same offsets, after. */
+typedef enum smp__off_state {
+    SMP__OFF_COPYING, /* the copy out is queued; dev is still the block (and the step's sends may read it) */
+    SMP__OFF_AWAY,    /* dev freed: the bytes are on the host only */
+    SMP__OFF_LOADING, /* dev is the new block, the copy back queued */
+    SMP__OFF_BACK     /* the engine waits for it; the record is done */
+} smp__off_state;
+typedef struct smp__offload {
+    void *copy;           /* the backend's handle */
+    void *dev;
+    size_t bytes;
+    int stage, mb, op;    /* op: the operation after which it left */
+    int first_slot, nslots;
+    smp__off_state state;
+} smp__offload;
+typedef struct smp__off_slot { void **at; size_t offset; } smp__off_slot;
+
+/* A step offloads when it trains a device model with offload_activations on. B(s, i)'s place in this rank's
+   operations decides when what it needs comes back. */
+static smp_status smp__offload_begin(smp__pipe *ps, smp_model *md) {
+    ps->noff = ps->noff_slots = 0;
+    ps->offloading = ps->step.training && ps->plan.on_device && smp__ctx.cfg.offload_activations == SMP_ON;
+    if (!ps->offloading) return SMP_OK;
+    smp_status st = SMP_OK;
+    int n = md->nstages * ps->step.m, me = smp__ctx.pp_rank;
+    if (!smp__grow_or(&st, (void **)&ps->bwd_at, &ps->bwd_at_cap, n, sizeof(int), "the step's offloading plan"))
+        return st;
+    for (int k = 0; k < n; k++) ps->bwd_at[k] = -1;
+    for (int o = 0; o < ps->step.sched->nops[me]; o++) {
+        smp_sched_op op = ps->step.sched->ops[me][o];
+        if (op.kind == SMP_SCHED_BACKWARD) ps->bwd_at[op.stage * ps->step.m + op.microbatch] = o;
+    }
+    return SMP_OK;
+}
+
+/* Notes *at as a slot of the block [base, base + bytes) when it points there. */
+static smp_status smp__offload_slot(smp__pipe *ps, void **at, const char *base, size_t bytes) {
+    const char *p = (const char *)*at;
+    if (!p || p < base || p >= base + bytes) return SMP_OK;
+    smp_status st = SMP_OK;
+    if (!smp__grow_or(&st, (void **)&ps->off_slots, &ps->off_slots_cap, ps->noff_slots + 1, sizeof(smp__off_slot),
+                      "an offloaded activation's references"))
+        return st;
+    ps->off_slots[ps->noff_slots].at = at;
+    ps->off_slots[ps->noff_slots++].offset = (size_t)(p - base);
+    return SMP_OK;
+}
+
+/* Every place of microbatch i's state that points into a block: its tensors, its calls' inputs, outputs and
+   device stashes, its gradient contributions and receive buffers. */
+static smp_status smp__offload_find_slots(smp__pipe *ps, smp_model *md, int i, const char *base, size_t bytes) {
+    smp__mbstate *st = &ps->step.mb[i];
+    smp_status rc = SMP_OK;
+    for (int t = 0; t < md->ncalls * ps->plan.maxout && !rc; t++)
+        rc = smp__offload_slot(ps, &st->act[t].data, base, bytes);
+    for (int k = 0; k < md->ncalls && !rc; k++) {
+        smp_call_ctx *c = &st->ctx[k];
+        if (!c->module) continue;
+        smp_tensor *in = (smp_tensor *)(uintptr_t)c->inputs; /* smp's own, const only to the engine */
+        for (int j = 0; j < c->nin && in && !rc; j++) rc = smp__offload_slot(ps, &in[j].data, base, bytes);
+        for (int j = 0; j < c->nout && c->outputs && !rc; j++)
+            rc = smp__offload_slot(ps, &c->outputs[j].data, base, bytes);
+        if (!rc) rc = smp__offload_slot(ps, &c->device_stash, base, bytes);
+    }
+    for (int e = 0; e < ps->plan.nedges && !rc; e++) rc = smp__offload_slot(ps, &st->contrib[e].data, base, bytes);
+    for (int o = 0; o < md->desc.noutputs && !rc; o++) rc = smp__offload_slot(ps, &st->out_grad[o].data, base, bytes);
+    for (int l = 0; l < ps->plan.nlinks && !rc; l++)
+        for (int b = 0; b < 2 && !rc; b++)
+            rc = smp__offload_slot(ps, &smp__recv_slot(ps, l, i, b != 0)->buf, base, bytes);
+    return rc;
+}
+
+/* Points a record's slots at p (NULL: away), each that still holds what the record left there. */
+static void smp__offload_point(smp__pipe *ps, const smp__offload *r, char *p) {
+    for (int q = r->first_slot; q < r->first_slot + r->nslots; q++) {
+        smp__off_slot *sl = &ps->off_slots[q];
+        if (!p) *sl->at = NULL;
+        else if (!*sl->at) *sl->at = p + sl->offset; /* a slot rewritten meanwhile (a receive) is no longer ours */
+    }
+}
+
+/* Sends one block of stage s's microbatch i to the host, after the op-th operation. */
+static smp_status smp__offload_block(smp__pipe *ps, smp_model *md, int s, int i, int op, void *p, size_t bytes) {
+    if (!p || !bytes) return SMP_OK;
+    for (int r = 0; r < ps->noff; r++)
+        if (ps->off[r].dev == p && ps->off[r].state == SMP__OFF_COPYING) return SMP_OK; /* named twice */
+    smp_status st = SMP_OK;
+    if (!smp__grow_or(&st, (void **)&ps->off, &ps->off_cap, ps->noff + 1, sizeof(smp__offload),
+                      "an offloaded activation"))
+        return st;
+    smp__offload *r = &ps->off[ps->noff];
+    memset(r, 0, sizeof *r);
+    r->dev = p;
+    r->bytes = bytes;
+    r->stage = s;
+    r->mb = i;
+    r->op = op;
+    r->first_slot = ps->noff_slots;
+    st = smp__offload_find_slots(ps, md, i, (const char *)p, bytes);
+    if (!st) st = smp__ctx.device.offload(p, bytes, &r->copy);
+    if (st) { ps->noff_slots = r->first_slot; return st; }
+    r->nslots = ps->noff_slots - r->first_slot;
+    r->state = SMP__OFF_COPYING;
+    ps->noff++;
+    smp__offload_point(ps, r, NULL);
+    smp__count(SMP__ALLOC_OFFLOAD, (int64_t)bytes);
+    return SMP_OK;
+}
+
+/* After F(s, i) (and the body) ran as the op-th operation: what B(s, i) reads goes to the host, unless B comes
+   back within the horizon anyway. */
+static smp_status smp__offload_stage(smp__pipe *ps, smp_model *md, int s, int i, int op) {
+    if (!ps->offloading) return SMP_OK;
+    int b = ps->bwd_at[s * ps->step.m + i];
+    if (b < 0 || b <= op + 1 + smp__ctx.cfg.activation_loading_horizon) return SMP_OK;
+    smp__mbstate *st = &ps->step.mb[i];
+    smp_status rc = SMP_OK;
+    for (int k = md->stage_first[s]; k <= md->stage_last[s] && !rc; k++) {
+        smp_call_ctx *c = &st->ctx[k];
+        rc = smp__offload_block(ps, md, s, i, op, c->device_stash, c->device_stash_bytes);
+        for (int j = 0; j < c->nout && !rc; j++)
+            rc = smp__offload_block(ps, md, s, i, op, c->outputs[j].data, smp_tensor_nbytes(&c->outputs[j]));
+        for (int j = 0; j < c->nout && !rc; j++) { /* the body's loss gradients for this stage's outputs */
+            int t = k * ps->plan.maxout + j;
+            for (int e = ps->plan.first_edge[t]; e < ps->plan.first_edge[t + 1] && !rc; e++)
+                if (ps->plan.edges[e].consumer == md->ncalls && !ps->plan.edges[e].remote)
+                    rc = smp__offload_block(ps, md, s, i, op, st->contrib[e].data, smp_tensor_nbytes(&st->contrib[e]));
+        }
+    }
+    for (int l = 0; l < ps->plan.nlinks && !rc; l++)
+        if (ps->plan.links[l].to == s) {
+            smp__xfer *x = smp__recv_slot(ps, l, i, false);
+            rc = smp__offload_block(ps, md, s, i, op, x->buf, x->bytes);
+        }
+    return rc;
+}
+
+/* Whether F(s, i)'s device sends have read their buffers; those that have are finished (smp__stage_release
+   would otherwise). */
+static bool smp__offload_sent(smp__pipe *ps, int s, int i, bool finish) {
+    for (int k = 0; k < ps->step.nsends; k++) {
+        smp__xfer *x = &ps->step.sends[k];
+        if (x->state != SMP__XFER_SENDING || x->backward || x->stage != s || x->mb != i || !x->ndev_req) continue;
+        if (!finish && !smp__device_done(x)) return false;
+        smp__device_wait_all(x); /* orders the engine's stream after the transfers; the host waits only when staged */
+    }
+    return true;
+}
+
+/* A block's copy out is done: its device memory goes. Forced (force), it goes in the engine stream's order after
+   the copy and F(s, i)'s sends, on the device. */
+static smp_status smp__offload_free(smp__pipe *ps, smp__offload *r, bool force) {
+    bool done = false;
+    smp_status st = smp__ctx.device.offload_done(r->copy, &done);
+    if (!st && !done && force) st = smp__ctx.device.offload_wait(r->copy);
+    if (st || !(done || force) || !smp__offload_sent(ps, r->stage, r->mb, force)) return st;
+    smp__free(r->dev);
+    r->dev = NULL;
+    r->state = SMP__OFF_AWAY;
+    return SMP_OK;
+}
+
+/* A record comes back: into a new block when its device memory went, else where it still is. */
+static smp_status smp__offload_return(smp__pipe *ps, smp__offload *r) {
+    smp_status st = SMP_OK;
+    if (r->state == SMP__OFF_COPYING) { /* never freed: the step points at it again */
+        smp__offload_point(ps, r, (char *)r->dev);
+        r->dev = NULL;
+        r->state = SMP__OFF_LOADING;
+        return SMP_OK;
+    }
+    if (r->state != SMP__OFF_AWAY) return SMP_OK;
+    smp_tensor block = smp_tensor_1d(NULL, SMP_U8, (int64_t)r->bytes);
+    if (!smp__tensor_alloc_or(&st, &block, true, smp__step_kind(ps), "an offloaded activation back on the device"))
+        return st;
+    st = smp__ctx.device.reload(r->copy, block.data);
+    if (st) { smp__free(block.data); return st; }
+    smp__offload_point(ps, r, (char *)block.data);
+    r->state = SMP__OFF_LOADING;
+    return SMP_OK;
+}
+
+/* Before the op-th operation: the device memory of blocks copied out after earlier operations goes, in the
+   engine stream's order after their copies (the engine waits on the device for a copy still running; the host
+   never does), and what a backward within the horizon reads starts back. */
+static smp_status smp__offload_progress(smp__pipe *ps, int op) {
+    smp_status st = SMP_OK;
+    for (int q = 0; q < ps->noff && !st; q++) {
+        smp__offload *r = &ps->off[q];
+        if (r->state == SMP__OFF_COPYING) st = smp__offload_free(ps, r, r->op < op);
+        if (!st && ps->bwd_at[r->stage * ps->step.m + r->mb] <= op + smp__ctx.cfg.activation_loading_horizon)
+            st = smp__offload_return(ps, r);
+    }
+    return st;
+}
+
+/* Before B(s, i): everything it reads is back, the engine's stream ordered after the copies. */
+static smp_status smp__offload_ready(smp__pipe *ps, int s, int i) {
+    smp_status st = SMP_OK;
+    for (int q = 0; q < ps->noff && ps->offloading && !st; q++) {
+        smp__offload *r = &ps->off[q];
+        if (r->stage != s || r->mb != i || r->state == SMP__OFF_BACK) continue;
+        st = smp__offload_return(ps, r);
+        if (!st) st = smp__ctx.device.offload_drop(r->copy);
+        r->state = SMP__OFF_BACK;
+        smp__count(SMP__ALLOC_OFFLOAD, -(int64_t)r->bytes);
+    }
+    return st;
+}
+
+/* A failed step's records: what is on the host is let go, and the step points at what is still on the device
+   (its owners free it). */
+static void smp__offload_release(smp__pipe *ps) {
+    for (int q = 0; q < ps->noff; q++) {
+        smp__offload *r = &ps->off[q];
+        if (r->state == SMP__OFF_BACK) continue;
+        if (r->state == SMP__OFF_COPYING) smp__offload_point(ps, r, (char *)r->dev);
+        if (smp__ctx.device.offload_drop(r->copy))
+            smp__log(SMP_LOG_WARN, "a failed step letting go of an offloaded activation: %s", smp__errbuf);
+        smp__count(SMP__ALLOC_OFFLOAD, -(int64_t)r->bytes);
+    }
+    ps->noff = ps->noff_slots = 0;
+}
+
+/* offload_activations needs a device model and a backend that can offload. */
+static smp_status smp__offload_check(const smp_model *md) {
+    if (smp__ctx.cfg.offload_activations != SMP_ON) return SMP_OK;
+    if (!md->desc.on_device)
+        return smp_error(SMP_ERR_CONFIG, "config key \"offload_activations\" moves a device model's activations "
+                         "to host memory, but this model's tensors live on the host (smp_model_desc.on_device is "
+                         "false): there is nothing to offload; leave offload_activations off");
+    const smp_device_backend *b = &smp__ctx.device;
+    if (!b->offload || !b->offload_done || !b->reload || !b->offload_wait || !b->offload_drop)
+        return smp_error(SMP_ERR_CONFIG, "config key \"offload_activations\" is on, but the device backend \"%s\" "
+                         "cannot offload (its offload entries are NULL): use smp_nccl.h's backend, or leave "
+                         "offload_activations off", b->name ? b->name : "?");
+    return SMP_OK;
+}
+
 /* ---------------------------------------------------------------- the step */
 /* Frees what the step made. Every transfer has finished: the step ran to
    its end, or a failed step was drained (smp__drain_messages). */
 static void smp__release_step(smp__pipe *ps, smp_model *md) {
+    smp__offload_release(ps); /* before the receive buffers go: a record may point one back at its bytes */
     size_t nrecv = ps->step.recv ? (size_t)ps->plan.nlinks * (size_t)ps->step.m * 2 : 0;
     for (size_t i = 0; i < nrecv; i++) {
         smp__xfer *x = &ps->step.recv[i];
@@ -3345,6 +3613,7 @@ static smp_status smp__step_prepare(const smp_step_desc *d, const smp_step_outpu
     SMP_TRY(smp__step_ddp_setup(ps, md));
     SMP_TRY(smp__step_schedule(ps, md, !d->evaluate));
     SMP_TRY(smp__step_partial_grads(ps, md, !d->evaluate));
+    SMP_TRY(smp__offload_check(md));
     return smp__step_held_grads(ps, md, !d->evaluate);
 }
 
@@ -3454,15 +3723,18 @@ static smp_status smp__step_run_ops(smp__pipe *ps, smp_model *md) {
         smp__ctx.at.op = "FBW"[ops[o].kind];
         smp__ctx.at.stage = s;
         smp__ctx.at.microbatch = i;
+        if (ps->offloading && (st = smp__offload_progress(ps, o))) break;
         if (ops[o].kind == SMP_SCHED_FORWARD) {
             st = smp__stage_forward(ps, md, s, i);
             if (!st && s == md->nstages - 1) { /* the body's stage: the model's outputs */
                 smp__ctx.at.op = 'L';
                 st = smp__run_body(ps, md, i);
             }
+            if (!st) st = smp__offload_stage(ps, md, s, i, o);
             if (ps->step.inflight[s] > peak[s]) peak[s] = ps->step.inflight[s];
         } else if (ops[o].kind == SMP_SCHED_BACKWARD) {
-            st = smp__stage_backward(ps, md, s, i);
+            st = smp__offload_ready(ps, s, i);
+            if (!st) st = smp__stage_backward(ps, md, s, i);
             if (!st && !ps->step.zb) smp__stage_release(ps, md, s, i);
         } else {
             st = smp__stage_weight(ps, md, s, i);
@@ -3567,6 +3839,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     smp_status st = smp__step_begin(ps, md, d, nouts, t_start);
     if (!st) st = smp__step_post_receives(ps);
     if (!st) st = smp__active_begin(ps, ps->step.m);
+    if (!st) st = smp__offload_begin(ps, md);
     if (!st && ps->step.training && ps->plan.nshared) st = smp__shared_start(ps);
     if (!st) st = smp__step_run_ops(ps, md);
     if (!st) st = smp__step_drain_sends(ps);

@@ -10,7 +10,9 @@
 #     parameters, gradients and Adam state over d replicas: 8 + 8/d;
 #   - 2 pipeline partitions with the simple (GPipe) schedule and
 #     MEM_BENCH_MB microbatches under active_microbatches 1..m: the largest
-#     activation peak of a rank.
+#     activation peak of a rank;
+#   - offload_activations on the fake CUDA device (build/fake/fmnist): the
+#     largest activation peak of a rank with and without --offload.
 # Timings need a quiet machine; the byte figures do not.
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
@@ -54,3 +56,44 @@ for c in $(seq "$mb"); do
 done
 run cap0 2 --partitions 2 --pipeline simple --microbatches "$mb"
 echo "$line (uncapped: $(peak cap0 activations))"
+
+# offload_activations on the fake CUDA device (test/fake_cuda.c): the CUDA Fashion-MNIST example, 2 partitions
+# placed by hand (the same stages both runs), GPipe over 8 microbatches, with and without --offload at
+# activation_loading_horizon 2: the largest activation peak of a rank from the memory account (the device bytes
+# smp holds for backwards; parameters, gradients and optimizer state are the same in both runs).
+fake="$top/build/fake/fmnist"
+if [ ! -x "$fake" ]; then
+  echo "offload peak device bytes with/without: not measured ($fake is missing: make build/fake/fmnist)"
+else
+  data=$tmp/fmnist
+  python3 - /usr/share/datasets/fashion-mnist "$data" <<'PY' ||
+    { echo "bench/memory: cannot copy Fashion-MNIST" >&2; exit 1; }
+import gzip, os, struct, sys
+src, dst = sys.argv[1], sys.argv[2]
+os.makedirs(dst)
+for split, n in (("train", 2048), ("t10k", 1000)):
+    im = gzip.open(f"{src}/{split}-images-idx3-ubyte.gz").read()
+    lb = gzip.open(f"{src}/{split}-labels-idx1-ubyte.gz").read()
+    with gzip.open(f"{dst}/{split}-images-idx3-ubyte.gz", "wb", compresslevel=1) as f:
+        f.write(im[:4] + struct.pack(">III", n, 28, 28) + im[16:16 + n * 784])
+    with gzip.open(f"{dst}/{split}-labels-idx1-ubyte.gz", "wb", compresslevel=1) as f:
+        f.write(lb[:4] + struct.pack(">I", n) + lb[8:8 + n])
+PY
+  fm=(--data "$data" --batch 256 --epochs 1 --max-steps 3 --print-losses --checkpoint "$tmp/fm.ckpt" --manual
+      --partitions 2 --pipeline simple --microbatches 8)
+  fmrun() { # NAME ARGS...
+    local name=$1; shift
+    SMP_TIMEOUT=300 FAKE_CUDA_DEVICES=2 mpirun -n 2 "$fake" "${fm[@]}" "$@" >"$tmp/$name" 2>&1 ||
+      { echo "bench/memory: $name failed:" >&2; tail -n 20 "$tmp/$name" >&2; exit 1; }
+  }
+  fmrun fm_keep
+  fmrun fm_off --offload --config '{"activation_loading_horizon": 2}'
+  if ! cmp -s <(grep -E '^(step|test accuracy)' "$tmp/fm_keep") <(grep -E '^(step|test accuracy)' "$tmp/fm_off"); then
+    echo "bench/memory: the losses with --offload differ from those without" >&2; exit 1
+  fi
+  echo "offload: activation peak MiB per rank (largest), CUDA Fashion-MNIST on the fake device, 2 partitions, GPipe," \
+       "8 microbatches: without $(peak fm_keep activations), with $(peak fm_off activations) (horizon 2;" \
+       "host copies at their peak $(peak fm_off offloaded)); losses bitwise equal"
+  awk -v w="$(peak fm_off activations)" -v k="$(peak fm_keep activations)" \
+    'BEGIN { printf "offload peak device bytes with/without: %.2f\n", w / k }'
+fi

@@ -26,6 +26,8 @@
    Build: make cuda   (nvcc -ccbin mpicxx -O2 -Iexamples -I. examples/fmnist.cu -o build/cuda/fmnist -lcublas -lnccl -lz)
    Run:   mpirun -n 2 build/cuda/fmnist                      (2 partitions, a GPU each)
           mpirun -n 4 build/cuda/fmnist --partitions 2 --ddp (2 partitions x 2 replicas)
+          mpirun -n 2 build/cuda/fmnist --pipeline simple --microbatches 8 --offload
+                                                             (activations wait in host memory until their backward)
    With one GPU per rank the data moves over NCCL; ranks that share a GPU
    work too (smp moves device data through host memory); without a GPU the
    program says so and exits.
@@ -256,6 +258,16 @@ int main(int argc, char **argv) {
     if (!st) st = evaluate(model, &engine, &test, 1000, &accuracy);
     if (st) fprintf(stderr, "fmnist: rank %d: %s\n", smp_rank(), smp_last_error());
     else if (smp_rank() == 0) printf("test accuracy: %.4f\n", accuracy);
+    if (!st) { /* the memory account's peaks, one line per rank (device memory counts with host memory) */
+        smp_memory_stats *all = (smp_memory_stats *)calloc((size_t)smp_size(), sizeof *all);
+        st = all ? smp_memory_report("fmnist", all) : smp_error(SMP_ERR_NOMEM, "out of memory");
+        for (int r = 0; !st && smp_rank() == 0 && r < smp_size(); r++) {
+            char line[512];
+            smp_memory_format(&all[r], true, line, sizeof line);
+            printf("memory peak rank %d: %s\n", r, line);
+        }
+        free(all);
+    }
 
     adam_free(&opt_state);
     smp_nccl_free(xd);

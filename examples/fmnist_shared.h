@@ -26,10 +26,11 @@ static void usage(const char *prog) {
     fprintf(stderr,
             "usage: %s [--epochs N] [--batch B] [--lr X] [--lr-decay X] [--seed S]\n"
             "          [--partitions P] [--microbatches M] [--pipeline simple|interleaved|zero_bubble|zero_bubble_v]\n"
-            "          [--ddp] [--deterministic] [--shard-optimizer] [--manual] [--config JSON] [--data DIR]\n"
-            "          [--checkpoint PATH] [--partial] [--resume]\n"
+            "          [--ddp] [--deterministic] [--shard-optimizer] [--offload] [--manual] [--config JSON]\n"
+            "          [--data DIR] [--checkpoint PATH] [--partial] [--resume]\n"
             "  --batch is the global batch: every replica gets batch / replicas rows\n"
-            "  --manual places layers with SMP_PARTITION contexts instead of auto-partitioning\n",
+            "  --manual places layers with SMP_PARTITION contexts instead of auto-partitioning\n"
+            "  --offload keeps activations in host memory until their backward (offload_activations: the CUDA build)\n",
             prog);
 }
 
@@ -68,6 +69,7 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (!strcmp(a, "--ddp")) o->cfg.ddp = SMP_ON;
         else if (!strcmp(a, "--deterministic")) o->cfg.deterministic_reduction = SMP_ON;
         else if (!strcmp(a, "--shard-optimizer")) o->cfg.shard_optimizer_state = SMP_ON;
+        else if (!strcmp(a, "--offload")) o->cfg.offload_activations = SMP_ON;
         else if (!strcmp(a, "--manual")) o->cfg.auto_partition = SMP_OFF;
         else { usage(argv[0]); return 1; }
 #undef OPT

@@ -45,11 +45,17 @@ struct fstream {
     struct CUstream_st handle; /* what the program holds: &fs->handle */
     bool blocking, slow; /* slow: its kernels and copies run FAKE_CUDA_DELAY_US late */
     uint64_t enqueued, done;
+    uint64_t last_h2d; /* the number of its latest host-to-device copy (0: none) */
+    long h2d_waits;    /* cudaStreamWaitEvent calls of this stream on another's host-to-device copy */
     op *head, *tail;
     fstream *next;
 };
 
-struct CUevent_st { fstream *stream; uint64_t seq; };
+struct CUevent_st {
+    fstream *stream;
+    uint64_t seq;
+    bool after_h2d; /* recorded right after a host-to-device copy */
+};
 
 enum { NT_ALLREDUCE, NT_BROADCAST, NT_REDUCE, NT_ALLGATHER, NT_REDUCESCATTER, NT_SEND, NT_RECV };
 typedef struct ncclComm ncomm;
@@ -127,6 +133,8 @@ static struct {
     bool fail_next;
     long device_syncs; /* calls that wait for the whole device */
     const char *last_device_sync;
+    long h2d_host_waits; /* host calls that returned only after a pending host-to-device copy finished */
+    long long dev_bytes, dev_peak; /* device memory allocated now, and at most since the last reset */
     task *group;
     int ngroup, cap_group;
     cudaStream_t *group_streams;
@@ -197,6 +205,7 @@ static void add_alloc(uintptr_t base, size_t size, bool pinned) {
         if (!G.allocs) fatal("out of host memory");
     }
     G.allocs[G.nallocs++] = (alloc){base, size, G.device, pinned};
+    if (!pinned && (G.dev_bytes += (long long)size) > G.dev_peak) G.dev_peak = G.dev_bytes;
 }
 
 static bool is_dev(const void *p) { return ((uintptr_t)p & DEV_BIT) != 0; }
@@ -288,9 +297,15 @@ static bool event_done(const void *e) {
     return !ev->stream || ev->stream->done >= ev->seq;
 }
 
+static bool h2d_pending(const fstream *s, uint64_t upto) { /* a host-to-device copy up to upto is not done */
+    return s->last_h2d && s->last_h2d <= upto && s->done < s->last_h2d;
+}
+
 static void device_sync(const char *call) {
     G.device_syncs++;
     G.last_device_sync = call;
+    for (fstream *t = G.streams; t; t = t->next)
+        if (h2d_pending(t, t->enqueued)) { G.h2d_host_waits++; break; }
     wait_until(device_done, NULL);
 }
 
@@ -894,6 +909,7 @@ static cudaError_t dev_alloc(void **p, size_t n) {
 static void release_alloc(uintptr_t base) {
     for (int i = 0; i < G.nallocs; i++)
         if (G.allocs[i].base == base) {
+            if (!G.allocs[i].pinned) G.dev_bytes -= (long long)G.allocs[i].size;
             free((void *)base);
             G.allocs[i] = G.allocs[--G.nallocs];
             return;
@@ -995,8 +1011,10 @@ static cudaError_t copy(void *dst, const void *src, size_t n, enum cudaMemcpyKin
     }
     fstream *s = S(stream);
     enqueue(s, o, !sync);
+    if (dd && !sd) s->last_h2d = s->enqueued;
+    if (sync && dd && !sd) G.h2d_host_waits++;
     if (sync || pageable_dst) { /* returns once a pageable destination holds the data */
-        struct CUevent_st ev = {s, s->enqueued};
+        struct CUevent_st ev = {s, s->enqueued, false};
         wait_until(event_done, &ev);
     }
     UNLOCK();
@@ -1045,7 +1063,13 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
     UNLOCK();
     return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t s) { LOCK(); wait_until(stream_done, S(s)); UNLOCK(); return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    LOCK();
+    if (h2d_pending(S(s), S(s)->enqueued)) G.h2d_host_waits++;
+    wait_until(stream_done, S(s));
+    UNLOCK();
+    return cudaSuccess;
+}
 cudaError_t cudaStreamQuery(cudaStream_t s) { LOCK(); bool idle = stream_idle(S(s)); UNLOCK(); return idle ? cudaSuccess : cudaErrorNotReady; }
 cudaError_t cudaDeviceSynchronize(void) { LOCK(); device_sync("cudaDeviceSynchronize"); UNLOCK(); return cudaSuccess; }
 
@@ -1061,15 +1085,23 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     LOCK();
     e->stream = S(s);
     e->seq = e->stream->enqueued; /* complete once everything queued so far is */
+    e->after_h2d = e->seq && e->stream->last_h2d == e->seq;
     UNLOCK();
     return cudaSuccess;
 }
 cudaError_t cudaEventQuery(cudaEvent_t e) { LOCK(); bool d = event_done(e); UNLOCK(); return d ? cudaSuccess : cudaErrorNotReady; }
-cudaError_t cudaEventSynchronize(cudaEvent_t e) { LOCK(); wait_until(event_done, e); UNLOCK(); return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    LOCK();
+    if (e->stream && h2d_pending(e->stream, e->seq)) G.h2d_host_waits++;
+    wait_until(event_done, e);
+    UNLOCK();
+    return cudaSuccess;
+}
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags) {
     (void)flags;
     if (!e) return fail(cudaErrorInvalidResourceHandle);
     LOCK();
+    if (e->stream && e->stream != S(s) && e->after_h2d) S(s)->h2d_waits++;
     if (e->stream && e->stream->done < e->seq) push_wait(S(s), e->stream, e->seq);
     UNLOCK();
     return cudaSuccess;
@@ -1301,6 +1333,15 @@ ncclResult_t ncclGroupEnd(void) {
 void fake_nccl_fail_next(void) { LOCK(); G.fail_next = true; UNLOCK(); }
 long fake_cuda_device_syncs(void) { return G.device_syncs; }
 const char *fake_cuda_last_device_sync(void) { return G.last_device_sync ? G.last_device_sync : "none"; }
+long fake_cuda_h2d_device_waits(cudaStream_t s) { LOCK(); long n = S(s)->h2d_waits; UNLOCK(); return n; }
+long fake_cuda_h2d_host_waits(void) { LOCK(); long n = G.h2d_host_waits; UNLOCK(); return n; }
+long long fake_cuda_device_bytes(int reset_peak) {
+    LOCK();
+    long long peak = G.dev_peak;
+    if (reset_peak) G.dev_peak = G.dev_bytes;
+    UNLOCK();
+    return peak;
+}
 
 /* ---------------------------------------------------------------- cuBLAS */
 struct cublasContext { cudaStream_t stream; };

@@ -53,6 +53,14 @@ void fake_nccl_fail_next(void);
    cudaFree, cudaFreeHost, cudaMallocHost), and the last one's name */
 long fake_cuda_device_syncs(void);
 const char *fake_cuda_last_device_sync(void);
+/* host-to-device copies waited for: by stream s on the device (cudaStreamWaitEvent of s on an event recorded on
+   another stream right after a host-to-device copy there), and on the host (cudaMemcpy to the device, and stream, event or
+   device synchronisations that found a host-to-device copy they cover unfinished) */
+long fake_cuda_h2d_device_waits(cudaStream_t s);
+long fake_cuda_h2d_host_waits(void);
+/* the most device memory (not pinned host memory) allocated at once since the last reset; reset_peak starts a new
+   one from what is allocated now */
+long long fake_cuda_device_bytes(int reset_peak);
 /* the host address behind a device pointer (host pointers come back as they are) */
 void *fake_cuda_host_ptr(const void *p);
 #ifdef __cplusplus

@@ -188,6 +188,9 @@ static void test_defaults(void) {
     CHECK(r.virtual_stages == 1, "defaults: virtual_stages 1", "%d", r.virtual_stages);
     CHECK(r.active_microbatches == 0, "defaults: active_microbatches 0 (no cap)", "%d", r.active_microbatches);
     CHECK(r.shard_optimizer_state == SMP_OFF, "defaults: shard_optimizer_state off", "%d", (int)r.shard_optimizer_state);
+    CHECK(r.offload_activations == SMP_OFF && r.activation_loading_horizon == 4,
+          "defaults: offload_activations off, activation_loading_horizon 4", "%d %d", (int)r.offload_activations,
+          r.activation_loading_horizon);
     CHECK(r.activation_checkpointing == SMP_OFF, "defaults: activation_checkpointing off", "%d", (int)r.activation_checkpointing);
     CHECK(r.deterministic_reduction == SMP_OFF, "defaults: deterministic_reduction off", "%d",
           (int)r.deterministic_reduction);
@@ -477,6 +480,18 @@ static void test_bad_json_values(void) {
     }
     expect_json_error("bad json: negative active_microbatches", "{\"active_microbatches\": -1}", "\"active_microbatches\"",
                       "at least 1, or 0 for no limit", "-1");
+    {
+        smp_config a = {0}, r = {0};
+        smp_status st = smp_config_from_json("{\"offload_activations\": true, \"activation_loading_horizon\": 2}", &a);
+        if (!st) st = smp_config_resolve(&a, 1, &r);
+        CHECK(st == SMP_OK && r.offload_activations == SMP_ON && r.activation_loading_horizon == 2,
+              "json: offload_activations and activation_loading_horizon", "status %d, %d %d: %s", (int)st,
+              (int)r.offload_activations, r.activation_loading_horizon, smp_last_error());
+    }
+    expect_json_error("bad json: activation_loading_horizon 0", "{\"activation_loading_horizon\": 0}",
+                      "\"activation_loading_horizon\"", "at least 1", "got 0");
+    expect_json_error("bad json: offload_activations not a boolean", "{\"offload_activations\": 1}",
+                      "\"offload_activations\"", "true or false", "1");
     expect_json_error("bad json: zero partitions", "{\"partitions\": 0}", "\"partitions\"", "at least 1", "got 0");
     expect_json_error("bad json: negative backward_passes_per_step", "{\"backward_passes_per_step\": -2}",
                       "\"backward_passes_per_step\"", "at least 1", "-2");
@@ -625,6 +640,10 @@ static void test_bad_structs(void) {
     expect_resolve_error("bad struct: negative bucket_cap_mb", b, 4, "\"bucket_cap_mb\"", "-5", NULL);
     b.bucket_cap_mb = 2e6;
     expect_resolve_error("bad struct: enormous bucket_cap_mb", b, 4, "\"bucket_cap_mb\"", "2e+06", NULL);
+    b = c;
+    b.activation_loading_horizon = -1;
+    expect_resolve_error("bad struct: negative activation_loading_horizon", b, 4, "\"activation_loading_horizon\"",
+                         "-1", "at least 1");
     b = c;
     b.active_microbatches = -2;
     expect_resolve_error("bad struct: negative active_microbatches", b, 4, "\"active_microbatches\"", "-2", "0 for no limit");

@@ -6,6 +6,8 @@
 #    one-process run bit for bit, and so does a run of 2 ranks sharing one
 #    GPU (smp's host-staged path), and one on GPUs without memory pools
 #    (smp keeps freed blocks for reuse instead of cudaFree);
+#  - 2 partitions with their activations offloaded to host memory until
+#    their backward (--offload) equal the one-process run bit for bit;
 #  - 2 partitions x 2 replicas (deterministic reduction) equal 2 replicas in
 #    one stage bit for bit, and so do they with NCCL's bucketed all-reduce
 #    (two replicas' sum is the same bits in either order) and NCCL slowed
@@ -86,6 +88,13 @@ run zb 2 2 --partitions 2 --microbatches 4 --pipeline zero_bubble
 same "fake-fmnist/2 partitions, zero-bubble pipeline (split linear backward on the device), equal one process bitwise" one zb "(CUDA, nccl:"
 run zbv 2 2 --partitions 2 --microbatches 4 --pipeline zero_bubble_v
 same "fake-fmnist/2 partitions, zero_bubble_v pipeline (4 stages in a V, the middle hand-off in device memory), equal one process bitwise" one zbv "(CUDA, nccl:"
+run offload 2 2 --partitions 2 --microbatches 4 --pipeline simple --offload --config '{"activation_loading_horizon": 1}'
+same "fake-fmnist/2 partitions, GPipe, activations offloaded to host memory (horizon 1), equal one process bitwise" \
+  one offload "(CUDA, nccl:"
+acct=$(grep '^memory peak rank 0' "$tmp/offload.log")
+if ! echo "$acct" | grep -q 'offloaded 0\.[0-9]*[1-9]'; then
+  fail "fake-fmnist/--offload: the memory account shows no offloaded bytes on rank 0: $acct"
+else pass "fake-fmnist/--offload: the account counts the host copies ($(echo "$acct" | grep -o 'offloaded [0-9.]* MiB'))"; fi
 run shared 1 2 --partitions 2 --microbatches 4
 same "fake-fmnist/2 partitions sharing one fake GPU (host-staged) equal one process bitwise" one shared "host-staged: ranks share GPUs"
 

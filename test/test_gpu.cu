@@ -716,6 +716,17 @@ static float *g_net_loss; /* device: one loss per microbatch */
    has no such counter, and these stay NULL */
 extern "C" __attribute__((weak)) long fake_cuda_device_syncs(void);
 extern "C" __attribute__((weak)) const char *fake_cuda_last_device_sync(void);
+extern "C" __attribute__((weak)) long fake_cuda_h2d_device_waits(cudaStream_t s);
+extern "C" __attribute__((weak)) long fake_cuda_h2d_host_waits(void);
+extern "C" __attribute__((weak)) long long fake_cuda_device_bytes(int reset_peak);
+
+/* What the steady-state step (the second) of test_pipeline_on_device held and waited for. */
+typedef struct step_memory {
+    long long device_peak;   /* the fake device's most device bytes during the step (-1: not on the fake) */
+    int64_t stash_peak;      /* smp_last_step_stats' activation peak */
+    int64_t offloaded_peak, offloaded_after; /* the memory account's offloaded bytes: peak in the step, and after it */
+    long h2d_engine_waits, h2d_host_waits;   /* the fake's counts of host-to-device copies waited for in the step */
+} step_memory;
 
 /* The loss stays on the device until smp_mb_return copies it to the host. */
 SMP_STEP_BODY(gpu_mse_body) {
@@ -730,7 +741,7 @@ SMP_STEP_BODY(gpu_mse_body) {
     return st ? st : smp_mb_return(mb, 1, y);
 }
 
-static void test_pipeline_on_device(void) {
+static void test_pipeline_on_device(const char *what, step_memory *mem) {
     result res = ok_result();
     static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
     int m = smp_current_config()->microbatches;
@@ -754,12 +765,28 @@ static void test_pipeline_on_device(void) {
         smp_step_output outs[2];
         memset(outs, 0, sizeof outs);
         long syncs = fake_cuda_device_syncs ? fake_cuda_device_syncs() : 0;
+        long h2d_engine = fake_cuda_h2d_device_waits ? fake_cuda_h2d_device_waits(smp_nccl_stream()) : 0;
+        long h2d_host = fake_cuda_h2d_host_waits ? fake_cuda_h2d_host_waits() : 0;
+        if (fake_cuda_device_bytes) fake_cuda_device_bytes(1);
+        smp_memory_reset_peaks();
         smp_status st = SMP_TRAIN_STEP(model, gpu_mse_body, NULL, outs, 2, x, t);
+        if (mem && step == 1) {
+            mem->stash_peak = smp_last_step_stats(model).stash_peak_bytes;
+            mem->offloaded_peak = smp_memory().peak[SMP_MEMORY_OFFLOADED];
+            mem->offloaded_after = smp_memory().bytes[SMP_MEMORY_OFFLOADED];
+            mem->h2d_engine_waits =
+                fake_cuda_h2d_device_waits ? fake_cuda_h2d_device_waits(smp_nccl_stream()) - h2d_engine : 0;
+            mem->h2d_host_waits = fake_cuda_h2d_host_waits ? fake_cuda_h2d_host_waits() - h2d_host : 0;
+        }
         if (fake_cuda_device_syncs && step == 1) { /* the first step allocates: the second is the steady state */
             long n_syncs = fake_cuda_device_syncs() - syncs;
             result hot = ok_result();
             if (n_syncs) fail(&hot, "%ld call(s) waited for the whole device during a step, the last %s", n_syncs, fake_cuda_last_device_sync());
             check("a training step waits for no whole-device synchronisation", "f32", "mp", &hot);
+        }
+        if (mem && step == 1) {
+            CK(cudaDeviceSynchronize()); /* the step's device work and frees are done */
+            mem->device_peak = fake_cuda_device_bytes ? fake_cuda_device_bytes(0) : -1;
         }
         ref_step_rows(&ref, hx, ht, rows, m, true);
         if (st) fail(&res, "step %d: %s", step, smp_last_error());
@@ -790,7 +817,60 @@ static void test_pipeline_on_device(void) {
     smp_nccl_free(g_net_loss);
     CK(cudaFree(dx));
     CK(cudaFree(dt));
-    check("pipeline of an on_device model equals the host reference", "f32", "mp", &res);
+    check(what, "f32", "mp", &res);
+}
+
+static smp_status start(smp_config *cfg);
+
+/* offload_activations (smp_pipeline.h, ACTIVATION OFFLOADING) on the same model and steps under GPipe, against the
+   same run without it: the results equal the host reference bitwise either way (test_pipeline_on_device), the
+   steady-state step holds fewer device bytes, the engine's stream waits for the copies back on the device, and
+   the host waits for none of them. smp is started anew for each (the keys are smp_init's). */
+static void test_offload(const smp_config *base) {
+    step_memory mem[2];
+    memset(mem, 0, sizeof mem);
+    for (int on = 0; on < 2; on++) {
+        smp_config c = *base;
+        c.pipeline = SMP_PIPELINE_SIMPLE; /* every forward before any backward: what offloading is for */
+        c.microbatches = 6;
+        c.memory_weight = 1; /* partitioned by bytes, not by timings: the same stages with and without */
+        c.has_memory_weight = true;
+        if (on) {
+            c.offload_activations = SMP_ON;
+            c.activation_loading_horizon = 1;
+        }
+        smp_finalize();
+        smp_status st = start(&c);
+        MPI_CHECK(st == SMP_OK, GPU_LABEL " offload init", "smp_init: %.300s", smp_last_error());
+        if (st) return;
+        test_pipeline_on_device(on ? "offload_activations: pipeline of an on_device model equals the host reference"
+                                   : "GPipe: pipeline of an on_device model equals the host reference", &mem[on]);
+    }
+    result res = ok_result();
+    const step_memory *off = &mem[0], *on = &mem[1];
+    /* staged, the activations that arrive early wait in host buffers counted as activations too, as many as
+       timing has it: the peaks compare only where they go straight to the device. The fake device's own peak is
+       printed, not compared: it allocates when the host asks and frees when its stream gets there, so a host
+       that runs ahead of the device shows more than stream-ordered allocation holds. */
+    bool direct = smp_nccl_current_mode() == SMP_NCCL_MODE_NCCL;
+    if (direct && !(on->stash_peak < off->stash_peak))
+        fail(&res, "the activation peak is %lld bytes offloaded and %lld without", (long long)on->stash_peak,
+             (long long)off->stash_peak);
+    if (!(on->offloaded_peak > 0) || on->offloaded_after != 0 || off->offloaded_peak != 0)
+        fail(&res, "the memory account's offloaded bytes: peak %lld, %lld after the step (without: peak %lld)",
+             (long long)on->offloaded_peak, (long long)on->offloaded_after, (long long)off->offloaded_peak);
+    if (fake_cuda_h2d_device_waits && !(on->h2d_engine_waits > 0))
+        fail(&res, "the engine's stream never waited on the device for a copy back");
+    if (fake_cuda_h2d_host_waits && direct && on->h2d_host_waits != 0)
+        fail(&res, "the host waited for %ld host-to-device copies during the step", on->h2d_host_waits);
+    if (res.ok)
+        printf("# rank %d offload_activations: device peak %lld -> %lld bytes, activations %lld -> %lld, "
+               "offloaded peak %lld\n", W_RANK,
+               off->device_peak, on->device_peak, (long long)off->stash_peak, (long long)on->stash_peak,
+               (long long)on->offloaded_peak);
+    check(direct ? "offload_activations holds fewer activation bytes on the device and the host waits for no copy back"
+                 : "offload_activations moves activations to the host and the engine waits for them on the device",
+          "f32", "mp", &res);
 }
 
 /* ---------------------------------------------------------------- errors */
@@ -856,7 +936,7 @@ static void run_suite(void) {
     if (W_SIZE > 1) test_p2p_ring();
     else if (W_RANK == 0) { snprintf(name, sizeof name, "%s %s p2p", GPU_LABEL, MODE); test_skip(name, "needs 2 ranks or more"); }
     if (PARTS == 2) test_p2p_pipeline();
-    test_pipeline_on_device();
+    test_pipeline_on_device("pipeline of an on_device model equals the host reference", NULL);
     test_errors();
     test_comms();
     smp_status st = smp_nccl_synchronize();
@@ -906,6 +986,7 @@ int main(int argc, char **argv) {
     if (W_RANK == 0) { printf("# %s, %d rank(s)\n", smp_nccl_describe(), W_SIZE); fflush(stdout); }
     bool was_nccl = smp_nccl_current_mode() == SMP_NCCL_MODE_NCCL;
     run_suite();
+    test_offload(&cfg);
     smp_finalize();
     if (was_nccl) { /* and once more through host memory */
         setenv("SMP_NCCL", "staged", 1);
@@ -914,6 +995,7 @@ int main(int argc, char **argv) {
                   smp_last_error(), MODE);
         if (st == SMP_OK) {
             run_suite();
+            test_offload(&cfg);
             smp_finalize();
         }
     }

@@ -210,6 +210,28 @@ static void test_ddp_comm(void) {
     smp_finalize();
 }
 
+/* offload_activations on a host model: every rank's step fails, saying there is nothing to offload, and changes
+   nothing (test_gpu.cu offloads a device model). */
+static void test_offload_host(void) {
+    const char *name = "offload_activations on a host model: an error on every rank: nothing to offload";
+    smp_config cfg = {0};
+    cfg.partitions = g_world >= 2 ? 2 : 1;
+    cfg.ddp = g_world > cfg.partitions ? SMP_ON : SMP_OFF;
+    cfg.microbatches = 2;
+    cfg.offload_activations = SMP_ON;
+    smp_status st = smp_init(&cfg);
+    if (st) { MPI_CHECK(0, name, "smp_init: %s", smp_last_error()); return; }
+    net n;
+    smp_model *model = build(&n, NULL);
+    int64_t peak, stash;
+    st = model ? step(model, &peak, &stash) : SMP_ERR_NOMEM;
+    MPI_CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "nothing to offload") &&
+              strstr(smp_last_error(), "leave offload_activations off"), name, "status %d: %s", (int)st,
+              smp_last_error());
+    smp_model_free(model);
+    smp_finalize();
+}
+
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_size(MPI_COMM_WORLD, &g_world);
@@ -224,6 +246,7 @@ int main(int argc, char **argv) {
         if (P == 1) test_gpipe_cap(P);
     }
     test_ddp_comm(); /* shard_optimizer_state's account: test_zero */
+    test_offload_host();
     int rc = test_exit_code();
     MPI_Finalize();
     return rc;
