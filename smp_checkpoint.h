@@ -2443,11 +2443,11 @@ static smp_status smp__ckpt_cover(smp__ckpt_plan *pl, smp__ckpt_item *it, const 
             }
             if (best < 0)
                 return smp_error(SMP_ERR_ARG,
-                                 "%s '%s': no rank holds element %lld of %s%d of its %lld elements%s: the ranks' "
+                                 "%s '%s': no rank holds element %lld of %s (%lld elements): the ranks' "
                                  "shard_optimizer_state ranges do not cover the parameter; register its state for "
                                  "the range smp_param_owned_range gives, on every replica",
                                  smp__ckpt_kind_name(it->kind), it->name, (long long)at,
-                                 parts > 1 ? "TP slice " : "", parts > 1 ? t : 0, (long long)n, parts > 1 ? "" : " (slice 0)");
+                                 parts > 1 ? "its TP slice" : "it", (long long)n);
             int64_t hi = pcs[best].first + pcs[best].count < n ? pcs[best].first + pcs[best].count : n;
             SMP_TRY(smp__ckpt_add_seg(pl, rank[best], &pcs[best], at, hi));
             at = hi;
