@@ -67,6 +67,29 @@
      the manifest names P files, every rank opens their headers and takes
      its tensors by name. Optimizer state follows its parameter the same way.
 
+     Tensor parallelism and sharded optimizer state (shard_optimizer_state).
+     A full checkpoint holds every tensor whole under its tp = 1 name: each
+     partition's saver (tp rank 0, rdp rank 0) gathers the split ones (TP
+     slices, owned ranges) whole in host memory first, so it holds its
+     partition's split tensors for the length of the save. A partial save at
+     tp > 1 writes one file per TP slice of a partition, k = mp_rank =
+     pp_rank x tp + tp_rank ("<path>.g<N>_<k>"; the manifest's "partitions"
+     and the files' smp.partitions / smp.mp_rank then count files), and with
+     sharded state one per replica too, k x rdp + rdp_rank. A piece is stored
+     under the tensor's name with the metadata
+         smp.shard.<name>  {"shape":[16,8],"axis":0,"parts":2,"index":1,
+                            "offset":8,"first":0,"count":64}
+     (full shape, shard axis, tp degree, slice index and its offset along
+     the axis, then elements [first, first + count) of that slice), and the
+     file records smp.pp, smp.pp_rank, smp.tp, smp.tp_rank, smp.rdp_rank.
+     Either kind loads at any (pp, tp, dp), sharded or not: each rank copies
+     its slice (and owned range) from whichever file tensors hold it. State
+     registered with its parameter's local shape follows the parameter's
+     slicing; under shard_optimizer_state, state of the owned range's length
+     (one dimension) is that range; other state is saved whole. A save whose
+     replicas' ranges leave a gap in a parameter, and a checkpoint whose
+     pieces do not cover a tensor, are errors naming it on every rank.
+
      Loading checks everything before it copies anything: that the files are
      the ones the manifest committed (same smp.save_id, generation, partition
      count, size and header checksum), every tensor's name,
