@@ -40,7 +40,12 @@ static int world, me;
 static char dir[256];
 static float *g_w[NT], *g_m[NT], *g_never[NT]; /* what the saving run held at its save, whole; its end */
 
-typedef struct { net n; float *mom[NT]; int64_t step; smp_optimizer *reg; } tp_run_state;
+typedef struct {
+    net n;
+    float *mom[NT];
+    int64_t step;
+    smp_optimizer *reg;
+} tp_run_state;
 
 /* Every parameter (or its momentum) whole into out, on every rank of the replica. */
 static void gather_full(tp_run_state *r, bool momentum, float **out) {
@@ -49,8 +54,12 @@ static void gather_full(tp_run_state *r, bool momentum, float **out) {
     full_of(&r->n, local, out);
 }
 
-static void full_alloc(float **a) { for (int k = 0; k < NT; k++) a[k] = (float *)calloc((size_t)numel_of(k, F), sizeof(float)); }
-static void full_free(float **a) { for (int k = 0; k < NT; k++) free(a[k]); }
+static void full_alloc(float **a) {
+    for (int k = 0; k < NT; k++) a[k] = (float *)calloc((size_t)numel_of(k, F), sizeof(float));
+}
+static void full_free(float **a) {
+    for (int k = 0; k < NT; k++) free(a[k]);
+}
 static bool full_same(float **a, float **b) {
     for (int k = 0; k < NT; k++)
         if (memcmp(a[k], b[k], sizeof(float) * (size_t)numel_of(k, F))) return false;
@@ -70,14 +79,18 @@ static int tp_run(MPI_Comm comm, int pp, int tp, const char *from, int partial, 
     cfg.microbatches = MB;
     cfg.auto_partition = SMP_OFF;
     cfg.deterministic_reduction = SMP_ON;
-    if (smp_init(&cfg)) { snprintf(why, cap, "smp_init: %s", smp_last_error()); return 0; }
+    if (smp_init(&cfg)) {
+        snprintf(why, cap, "smp_init: %s", smp_last_error());
+        return 0;
+    }
     tp_run_state r;
     memset(&r, 0, sizeof r);
     build(&r.n, pp > 1, false, F);
     float x[BATCH * H], t[BATCH * H];
     batch_of(0, x, t);
     smp_tensor sample = smp_tensor_2d(x, SMP_F32, BATCH / MB, H);
-    int ok = smp_model_new(r.n.root, &(smp_model_desc){.forward = net_forward, .ninputs = 1, .user = &r.n}, &r.n.model) == SMP_OK &&
+    int ok = smp_model_new(r.n.root, &(smp_model_desc){.forward = net_forward, .ninputs = 1, .user = &r.n},
+                           &r.n.model) == SMP_OK &&
              smp_model_trace(r.n.model, &sample, 1) == SMP_OK && smp_optimizer_new(r.n.model, &r.reg) == SMP_OK;
     for (int k = 0; ok && k < NT; k++) {
         smp_param *p = r.n.params[k];
@@ -95,7 +108,10 @@ static int tp_run(MPI_Comm comm, int pp, int tp, const char *from, int partial, 
         memset(&d, 0, sizeof d);
         d.partial = partial ? SMP_ON : SMP_OFF;
         d.optimizer = r.reg;
-        if (smp_load(r.n.model, from, &d)) { ok = 0; snprintf(why, cap, "load: %s", smp_last_error()); }
+        if (smp_load(r.n.model, from, &d)) {
+            ok = 0;
+            snprintf(why, cap, "load: %s", smp_last_error());
+        }
     }
     float *w[NT], *m[NT];
     full_alloc(w);
@@ -112,7 +128,9 @@ static int tp_run(MPI_Comm comm, int pp, int tp, const char *from, int partial, 
         gather_full(&r, true, m);
         if (!full_same(w, g_w) || !full_same(m, g_m) || r.step != K) {
             ok = 0;
-            snprintf(why, cap, "after the load the parameters%s, their momentum%s or the step count (%lld) differ from the saved state",
+            snprintf(why, cap,
+                     "after the load the parameters%s, their momentum%s or the step count (%lld) differ from the saved "
+                     "state",
                      full_same(w, g_w) ? " (same)" : "", full_same(m, g_m) ? " (same)" : "", (long long)r.step);
         }
     }
@@ -122,7 +140,10 @@ static int tp_run(MPI_Comm comm, int pp, int tp, const char *from, int partial, 
         smp_step_output loss;
         memset(&loss, 0, sizeof loss);
         smp_model_zero_grad(r.n.model);
-        if (SMP_TRAIN_STEP(r.n.model, mse_body, NULL, &loss, 1, xt, tt)) { ok = 0; snprintf(why, cap, "step: %s", smp_last_error()); }
+        if (SMP_TRAIN_STEP(r.n.model, mse_body, NULL, &loss, 1, xt, tt)) {
+            ok = 0;
+            snprintf(why, cap, "step: %s", smp_last_error());
+        }
         smp_step_output_free(&loss);
         smp_param *p;
         for (int k = 0; ok && k < NT; k++) {
@@ -140,10 +161,16 @@ static int tp_run(MPI_Comm comm, int pp, int tp, const char *from, int partial, 
             memset(&d, 0, sizeof d);
             d.optimizer = r.reg;
             d.partial = SMP_ON;
-            if (smp_save(r.n.model, to, &d)) { ok = 0; snprintf(why, cap, "save: %s", smp_last_error()); }
+            if (smp_save(r.n.model, to, &d)) {
+                ok = 0;
+                snprintf(why, cap, "save: %s", smp_last_error());
+            }
             snprintf(full, sizeof full, "%s_full", to);
             d.partial = SMP_OFF;
-            if (ok && smp_save(r.n.model, full, &d)) { ok = 0; snprintf(why, cap, "full save: %s", smp_last_error()); }
+            if (ok && smp_save(r.n.model, full, &d)) {
+                ok = 0;
+                snprintf(why, cap, "full save: %s", smp_last_error());
+            }
             gather_full(&r, false, g_w);
             gather_full(&r, true, g_m);
         }
@@ -188,10 +215,17 @@ static void resume(const char *path, int saved_tp, int pp, int tp, const char *l
             ok = tp_run(c, pp, tp, NULL, 0, true, K, M, NULL, 0, b, why2, sizeof why2) &&
                  tp_run(c, pp, tp, partial ? path : full, partial, false, K, M, NULL, 0, a, why, sizeof why);
             if (!why[0]) snprintf(why, sizeof why, "%s", why2);
-            if (ok && !full_same(a, b)) { ok = 0; snprintf(why, sizeof why, "the resumed run differs from the one given the state by hand"); }
-            if (ok && tp == saved_tp && !full_same(a, g_never)) { ok = 0; snprintf(why, sizeof why, "the resumed run differs from the one that never stopped"); }
+            if (ok && !full_same(a, b)) {
+                ok = 0;
+                snprintf(why, sizeof why, "the resumed run differs from the one given the state by hand");
+            }
+            if (ok && tp == saved_tp && !full_same(a, g_never)) {
+                ok = 0;
+                snprintf(why, sizeof why, "the resumed run differs from the one that never stopped");
+            }
         }
-        snprintf(name, sizeof name, "ckpt_tp/%s, %s, resumed at pp%d x tp%d: holds the saved slices, trains on bitwise%s", label,
+        snprintf(name, sizeof name,
+                 "ckpt_tp/%s, %s, resumed at pp%d x tp%d: holds the saved slices, trains on bitwise%s", label,
                  partial ? "partial" : "full", pp, tp, tp == saved_tp ? " (= the run that never stopped)" : "");
         MPI_CHECK(ok, name, "%s", why);
         full_free(a);
@@ -236,8 +270,10 @@ static void python_check(const char *path, int pp, int tp) {
             snprintf(bin, sizeof bin, "%s/%s.bin", edir, nm);
             FILE *f = fopen(bin, "wb");
             if (f) {
-                if (k < NT * 2) fwrite(k < NT ? g_w[k] : g_m[k - NT], sizeof(float), (size_t)numel_of(k % NT, F), f);
-                else fwrite(&step, sizeof step, 1, f);
+                if (k < NT * 2)
+                    fwrite(k < NT ? g_w[k] : g_m[k - NT], sizeof(float), (size_t)numel_of(k % NT, F), f);
+                else
+                    fwrite(&step, sizeof step, 1, f);
                 fclose(f);
             }
             fprintf(man, "%s %s %d", nm, k < NT * 2 ? "F32" : "I64", nd);
@@ -246,10 +282,11 @@ static void python_check(const char *path, int pp, int tp) {
         }
         if (man) fclose(man);
         const char *slash = strrchr(__FILE__, '/');
-        snprintf(cmd, sizeof cmd, "python3 '%.*stest_checkpoint_python.py' '%s' '%s' %d %d", slash ? (int)(slash - __FILE__ + 1) : 0,
-                 __FILE__, full, edir, pp, tp);
+        snprintf(cmd, sizeof cmd, "python3 '%.*stest_checkpoint_python.py' '%s' '%s' %d %d",
+                 slash ? (int)(slash - __FILE__ + 1) : 0, __FILE__, full, edir, pp, tp);
         int rc = system(cmd);
-        CHECK(rc == 0, "ckpt_tp/python: test_checkpoint_python.py ran on the full checkpoint saved at tp > 1", "exit status %d (%s)", rc, cmd);
+        CHECK(rc == 0, "ckpt_tp/python: test_checkpoint_python.py ran on the full checkpoint saved at tp > 1",
+              "exit status %d (%s)", rc, cmd);
     }
     MPI_Barrier(MPI_COMM_WORLD);
 }
