@@ -14,6 +14,13 @@
      the metadata callback; smp_model_state_dict against the values;
    - resharding: save with P (partial and full), finalize, init with every Q,
      load, compare every tensor by name;
+   - sharded optimizer state (shard_optimizer_state, net7 with momentum for
+     each replica's owned range): saved partially and fully at 2 replicas,
+     resumed at 1, 2 and 4 replicas, sharded or not, and at P=2; each load
+     holds exactly the saved state and trains on bitwise like the same run
+     given it by hand; a chain dp 2 -> dp 1 (saves) -> dp 4 sharded; a save
+     whose replicas leave a gap, and a checkpoint missing one replica's
+     piece, are errors on every rank;
    - Python's safetensors reads the full checkpoint and equals the model
      (test_checkpoint_python.py, against raw dumps this test writes);
    - partial saves commit through a manifest: a save leaves its manifest
