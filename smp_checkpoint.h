@@ -67,6 +67,29 @@
      the manifest names P files, every rank opens their headers and takes
      its tensors by name. Optimizer state follows its parameter the same way.
 
+     Tensor parallelism and sharded optimizer state (shard_optimizer_state).
+     A full checkpoint holds every tensor whole under its tp = 1 name: each
+     partition's saver (tp rank 0, rdp rank 0) gathers the split ones (TP
+     slices, owned ranges) whole in host memory first, so it holds its
+     partition's split tensors for the length of the save. A partial save at
+     tp > 1 writes one file per TP slice of a partition, k = mp_rank =
+     pp_rank x tp + tp_rank ("<path>.g<N>_<k>"; the manifest's "partitions"
+     and the files' smp.partitions / smp.mp_rank then count files), and with
+     sharded state one per replica too, k x rdp + rdp_rank. A piece is stored
+     under the tensor's name with the metadata
+         smp.shard.<name>  {"shape":[16,8],"axis":0,"parts":2,"index":1,
+                            "offset":8,"first":0,"count":64}
+     (full shape, shard axis, tp degree, slice index and its offset along
+     the axis, then elements [first, first + count) of that slice), and the
+     file records smp.pp, smp.pp_rank, smp.tp, smp.tp_rank, smp.rdp_rank.
+     Either kind loads at any (pp, tp, dp), sharded or not: each rank copies
+     its slice (and owned range) from whichever file tensors hold it. State
+     registered with its parameter's local shape follows the parameter's
+     slicing; under shard_optimizer_state, state of the owned range's length
+     (one dimension) is that range; other state is saved whole. A save whose
+     replicas' ranges leave a gap in a parameter, and a checkpoint whose
+     pieces do not cover a tensor, are errors naming it on every rank.
+
      Loading checks everything before it copies anything: that the files are
      the ones the manifest committed (same smp.save_id, generation, partition
      count, size and header checksum), every tensor's name,
@@ -1890,6 +1913,7 @@ SMPDEF smp_status smp_ckpt_verify_all(smp_ckpt_file *f) {
 #define SMP__CKPT_FORMAT "smp-checkpoint/1"
 #define SMP__CKPT_TAG 7411
 #define SMP__CKPT_RING 8
+#define SMP__CKPT_MAX_TP 1024
 
 enum { SMP__CKPT_PARAM, SMP__CKPT_BUFFER, SMP__CKPT_OPTIM, SMP__CKPT_GLOBAL };
 
@@ -1897,7 +1921,34 @@ typedef struct smp__ckpt_state {
     char *full; /* name in files: "optimizer.<param>.<name>" or "optimizer.<name>" */
     int global; /* state of the optimizer as a whole */
     smp_tensor t;
+    smp_param *param; /* NULL for global state */
 } smp__ckpt_state;
+
+/* The part of a tensor that one rank holds, one file has or one segment
+   moves: slice `index` of `parts` equal slices along `axis` of the full
+   shape (parts 1: the whole tensor), and elements [first, first + count)
+   of that slice, counted row-major within it. A TP shard is a slice, a
+   shard_optimizer_state range a run of elements of one. */
+typedef struct smp__ckpt_piece {
+    int axis, parts, index;
+    int64_t first, count;
+} smp__ckpt_piece;
+
+/* Elements [lo, hi) of slice pc.index, held by world rank `rank` as its piece pc. */
+typedef struct smp__ckpt_seg {
+    int rank;
+    smp__ckpt_piece pc;
+    int64_t lo, hi;
+} smp__ckpt_seg;
+
+/* A tensor of a file that a load reads from, and the piece of the item it holds. */
+typedef struct smp__ckpt_src {
+    int item, file, sharded; /* sharded: it has a smp.shard.<name> entry */
+    const smp_ckpt_info *e;
+    smp__ckpt_piece pc;
+    const uint8_t *bytes; /* its verified data (mapped or staged) */
+    uint8_t *staged;      /* owned copy when the file could not be mapped */
+} smp__ckpt_src;
 
 struct smp_optimizer {
     smp_model *model;
@@ -1905,7 +1956,8 @@ struct smp_optimizer {
     int n, cap;
 };
 
-/* One tensor of the whole model, as the plan sees it. */
+/* One tensor of the whole model, as the plan sees it: its full shape, as a
+   full checkpoint holds it. */
 typedef struct smp__ckpt_item {
     const char *name;
     smp_dtype dtype;
@@ -1915,24 +1967,32 @@ typedef struct smp__ckpt_item {
     int mp;                  /* the partition holding it (whole-optimizer state: 0) */
     int kind;                /* SMP__CKPT_PARAM ... */
     int saver_has;           /* optimizer state: registered on the rank that saves it */
-    const smp_tensor *local; /* this rank's tensor, or NULL */
+    int elementwise;         /* optimizer state shaped as its parameter, sharded as it is (TP, ZeRO) */
+    const smp_tensor *local; /* this rank's tensor when it holds all of it, or NULL */
     const smp_tensor *copy;  /* a shared module's copy on this rank, saved by partition `mp`; loads like local */
-    /* load */
-    int file;                /* index of the file holding it; -1: none */
-    const smp_ckpt_info *src;
-    const uint8_t *bytes;    /* its verified data (mapped or staged) */
-    uint8_t *staged;         /* owned copy when the file could not be mapped */
+    const smp_tensor *mine;  /* what this rank holds of it (its own or a copy), or NULL ... */
+    smp__ckpt_piece mine_pc; /* ... and which piece that is */
+    int seg0, nseg;          /* pl->segs[seg0 ..]: who holds which part, for saving; in order */
+    int split;               /* more than the partition saver's whole tensor: TP shards, ZeRO ranges */
+    smp_tensor whole;        /* a full save: a split item gathered on its saver (data owned) */
+    int src0, nsrc;          /* a load: pl->srcs[src0 ..], the file tensors holding it */
 } smp__ckpt_item;
 
 typedef struct smp__ckpt_plan {
     MPI_Comm comm; /* private duplicate of the world */
-    int rank, size, P, mp, dp;
-    int *saver;    /* [P]: world rank of dp rank 0 of each partition */
+    int rank, size, P, mp, dp, tp, tp_rank;
+    int *coords;   /* [3 x size]: every rank's pp, tp and rdp rank */
+    int *saver;    /* [P]: world rank of tp rank 0 and rdp rank 0 of each partition */
     smp__ckpt_item *items;
     int n;
     int *order;    /* file order */
     int *by_name;  /* indices sorted by name */
     char *gathered; /* every rank's optimizer registrations (names point into it) */
+    smp__ckpt_seg *segs;
+    int nsegs, segs_cap;
+    smp__ckpt_src *srcs;
+    int nsrcs, srcs_cap;
+    int split, zero; /* some item is split; some is held in ranges by replicas other than rdp rank 0 */
     size_t chunk;
     char save_id[40];
     smp_status failed; /* an agreement failed: every rank holds this error */
@@ -2031,6 +2091,111 @@ static smp_status smp__ckpt_copy_in(void *dst, int dst_dev, const void *src, siz
     return smp__ckpt_copy(dst, dst_dev, src, SMP_HOST, n);
 }
 
+/* ---------------------------------------------------------------- pieces */
+static int64_t smp__ckpt_numel(const smp__ckpt_item *it) {
+    int64_t n = 1;
+    for (int d = 0; d < it->ndim; d++) n *= it->shape[d];
+    return n;
+}
+
+static smp__ckpt_piece smp__ckpt_whole(const smp__ckpt_item *it) {
+    smp__ckpt_piece pc = {0, 1, 0, 0, smp__ckpt_numel(it)};
+    return pc;
+}
+
+static bool smp__ckpt_is_whole(const smp__ckpt_item *it, const smp__ckpt_piece *pc) {
+    return pc->parts == 1 && pc->first == 0 && pc->count == smp__ckpt_numel(it);
+}
+
+/* Where element j of slice pc->index lies in the full tensor, and in *len
+   how many elements from j on (up to hi) follow it there contiguously. */
+static int64_t smp__ckpt_run(const smp__ckpt_item *it, const smp__ckpt_piece *pc, int64_t j, int64_t hi, int64_t *len) {
+    if (pc->parts == 1) {
+        *len = hi - j;
+        return j;
+    }
+    int64_t inner = 1;
+    for (int d = pc->axis + 1; d < it->ndim; d++) inner *= it->shape[d];
+    int64_t run = it->shape[pc->axis] / pc->parts * inner, o = j / run, r = j % run;
+    *len = run - r < hi - j ? run - r : hi - j;
+    return (o * pc->parts + pc->index) * run + r;
+}
+
+/* Copies the elements that pieces d and s of an item share, from src (s's
+   elements back to back, host memory) to dst (d's, on device dst_dev);
+   adds their count to *moved. Both pieces run through the full tensor in
+   increasing order, so one pass over the runs of each finds them all. */
+static smp_status smp__ckpt_overlap(const smp__ckpt_item *it, const smp__ckpt_piece *d, uint8_t *dst, int dst_dev,
+                                    const smp__ckpt_piece *s, const uint8_t *src, int64_t *moved) {
+    size_t es = smp__dtypes[it->dtype].size;
+    int64_t jd = d->first, de = d->first + d->count, js = s->first, se = s->first + s->count, ld, ls;
+    smp_status st = SMP_OK;
+    if (jd >= de || js >= se) return SMP_OK;
+    int64_t fd = smp__ckpt_run(it, d, jd, de, &ld), fs = smp__ckpt_run(it, s, js, se, &ls);
+    for (;;) {
+        int64_t a = fd > fs ? fd : fs, b = fd + ld < fs + ls ? fd + ld : fs + ls;
+        if (a < b && dst) {
+            smp_status s2 = smp__ckpt_copy_in(dst + (size_t)(jd - d->first + a - fd) * es, dst_dev,
+                                              src + (size_t)(js - s->first + a - fs) * es, (size_t)(b - a) * es);
+            if (!st) st = s2;
+        }
+        if (a < b && moved) *moved += b - a;
+        if (fd + ld <= fs + ls) {
+            if ((jd += ld) >= de) break;
+            fd = smp__ckpt_run(it, d, jd, de, &ld);
+        } else {
+            if ((js += ls) >= se) break;
+            fs = smp__ckpt_run(it, s, js, se, &ls);
+        }
+    }
+    return st;
+}
+
+/* The metadata "smp.shard.<name>" of a piece in a partial checkpoint's file:
+   {"shape":[16,8],"axis":0,"parts":2,"index":1,"offset":8,"first":0,"count":64}
+   (offset: where the slice starts along the axis). */
+static void smp__ckpt_piece_text(int ndim, const int64_t *shape, const smp__ckpt_piece *pc, char *buf, size_t cap) {
+    size_t at = (size_t)snprintf(buf, cap, "{\"shape\":[");
+    for (int d = 0; d < ndim && at < cap; d++)
+        at += (size_t)snprintf(buf + at, cap - at, "%s%lld", d ? "," : "", (long long)shape[d]);
+    if (at < cap)
+        snprintf(buf + at, cap - at, "],\"axis\":%d,\"parts\":%d,\"index\":%d,\"offset\":%lld,\"first\":%lld,\"count\":%lld}",
+                 pc->axis, pc->parts, pc->index,
+                 (long long)(ndim ? shape[pc->axis] / pc->parts * pc->index : 0), (long long)pc->first,
+                 (long long)pc->count);
+}
+
+/* Parses that text (only exactly as smp__ckpt_piece_text writes it) into a
+   consistent piece of a tensor of *ndim dimensions. */
+static bool smp__ckpt_piece_parse(const char *v, int *ndim, int64_t *shape, smp__ckpt_piece *pc) {
+    int64_t x[SMP_MAX_DIMS + 6], numel = 1;
+    int n = 0;
+    for (const char *c = v; *c;) {
+        if (*c < '0' || *c > '9') {
+            c++;
+            continue;
+        }
+        if (n == SMP_MAX_DIMS + 6) return false;
+        char *end;
+        x[n++] = (int64_t)strtoll(c, &end, 10);
+        c = end;
+    }
+    if (n < 6) return false;
+    *ndim = n - 6;
+    for (int d = 0; d < *ndim; d++) numel *= (shape[d] = x[d]);
+    pc->axis = (int)x[n - 6];
+    pc->parts = (int)x[n - 5];
+    pc->index = (int)x[n - 4];
+    pc->first = x[n - 2];
+    pc->count = x[n - 1];
+    if (pc->parts < 1 || pc->index >= pc->parts || pc->axis >= (*ndim ? *ndim : 1) || x[n - 5] > INT32_MAX ||
+        (pc->parts > 1 && (!*ndim || shape[pc->axis] % pc->parts)) || pc->first + pc->count > numel / pc->parts)
+        return false;
+    char again[400];
+    smp__ckpt_piece_text(*ndim, shape, pc, again, sizeof again);
+    return !strcmp(again, v);
+}
+
 /* ---------------------------------------------------------------- optimizer registry */
 SMPDEF smp_status smp_optimizer_new(smp_model *m, smp_optimizer **out) {
     if (!out) return smp_error(SMP_ERR_ARG, "smp_optimizer_new: out is NULL");
@@ -2115,6 +2280,7 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
     o->s[o->n].full = full;
     o->s[o->n].global = param == NULL;
     o->s[o->n].t = *t;
+    o->s[o->n].param = param ? smp_model_find_param(o->model, param) : NULL;
     o->n++;
     smp__count_kind(SMP_MEMORY_OPTIMIZER, (int64_t)bytes); /* the memory account: the engine's state, registered */
     return SMP_OK;
@@ -2123,9 +2289,13 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
 /* ---------------------------------------------------------------- the plan */
 static void smp__ckpt_plan_free(smp__ckpt_plan *pl) {
     if (pl->items)
-        for (int i = 0; i < pl->n; i++) smp__free(pl->items[i].staged);
+        for (int i = 0; i < pl->n; i++) smp__free(pl->items[i].whole.data);
+    for (int i = 0; i < pl->nsrcs; i++) smp__free(pl->srcs[i].staged);
     if (pl->comm != MPI_COMM_NULL) SMP__MPI_WARN(MPI_Comm_free(&pl->comm), "releasing a checkpoint's communicator");
     smp__free(pl->saver);
+    smp__free(pl->coords);
+    smp__free(pl->segs);
+    smp__free(pl->srcs);
     smp__free(pl->items);
     smp__free(pl->order);
     smp__free(pl->by_name);
@@ -2168,15 +2338,46 @@ static int smp__ckpt_find(const smp__ckpt_plan *pl, const char *name) {
 /* The world rank that sends an item's data when saving or gathering. */
 static int smp__ckpt_source(const smp__ckpt_plan *pl, const smp__ckpt_item *it) { return pl->saver[it->mp]; }
 
-/* One registration record as it travels: global (1 byte), name + NUL,
-   dtype, ndim (int32 each), shape (int64 x ndim). */
+/* One registration record as it travels: global (1 byte), name + NUL, then
+   the wire struct (the same binary on every rank). Elementwise state (shaped
+   as its parameter's local slice, or as the range this replica owns under
+   shard_optimizer_state) travels with its parameter's full shape and the
+   piece it holds; other state with its own shape, whole. */
+typedef struct smp__ckpt_wire {
+    int32_t dtype, ndim, elementwise, unused;
+    int64_t shape[SMP_MAX_DIMS];
+    smp__ckpt_piece pc;
+} smp__ckpt_wire;
+
 typedef struct smp__ckpt_rec {
     const char *name;
     int rank, global, index; /* index: in the registry of `rank` */
-    smp_dtype dtype;
-    int ndim;
-    int64_t shape[SMP_MAX_DIMS];
+    smp__ckpt_wire w;
 } smp__ckpt_rec;
+
+static void smp__ckpt_wire_of(const smp_optimizer *o, const smp__ckpt_state *s, smp__ckpt_wire *w) {
+    int64_t n = smp_tensor_numel(&s->t), nloc, first = 0, owned;
+    memset(w, 0, sizeof *w);
+    w->dtype = (int32_t)s->t.dtype;
+    w->ndim = s->t.ndim;
+    memcpy(w->shape, s->t.shape, sizeof(int64_t) * (size_t)s->t.ndim);
+    w->pc.parts = 1;
+    w->pc.count = n;
+    if (!s->param || !smp_module_is_local(smp_param_module(s->param))) return;
+    nloc = owned = smp_tensor_numel(smp_param_value(s->param));
+    if (smp_param_owned_range(o->model, s->param, &first, &owned)) return;
+    if (owned == nloc) first = 0;
+    else if (n != owned) return; /* not the owned range: whole */
+    if (owned == nloc && n != nloc) return;
+    w->elementwise = 1;
+    w->ndim = smp_param_full_shape(s->param, w->shape);
+    w->pc.axis = smp_param_shard_axis(s->param);
+    w->pc.parts = w->pc.axis >= 0 ? smp_tp_size() : 1;
+    w->pc.index = w->pc.axis >= 0 ? smp_tp_rank() : 0;
+    if (w->pc.axis < 0) w->pc.axis = 0;
+    w->pc.first = first;
+    w->pc.count = owned;
+}
 
 static int smp__ckpt_cmp_rec(const void *a, const void *b) {
     const smp__ckpt_rec *x = (const smp__ckpt_rec *)a, *y = (const smp__ckpt_rec *)b;
@@ -2197,7 +2398,6 @@ static void smp__ckpt_item_init(smp__ckpt_item *it, const char *name, smp_dtype 
     smp__ckpt_tensor_bytes(dt, ndim, shape, &numel, &it->nbytes);
     it->kind = kind;
     it->mp = mp;
-    it->file = -1;
 }
 
 /* Serialises this rank's registrations into *out (malloc'd). */
@@ -2206,7 +2406,7 @@ static smp_status smp__ckpt_pack(const smp_optimizer *o, char **out, size_t *len
     *len = 0;
     if (!o || !o->n) return SMP_OK;
     size_t n = 0, at = 0;
-    for (int i = 0; i < o->n; i++) n += 1 + strlen(o->s[i].full) + 1 + 8 + 8 * (size_t)o->s[i].t.ndim;
+    for (int i = 0; i < o->n; i++) n += 1 + strlen(o->s[i].full) + 1 + sizeof(smp__ckpt_wire);
     smp_status st = SMP_OK;
     char *b =
         (char *)smp__bytes_or(&st, n, SMP__ALLOC_OTHER,
@@ -2215,43 +2415,101 @@ static smp_status smp__ckpt_pack(const smp_optimizer *o, char **out, size_t *len
     for (int i = 0; i < o->n; i++) {
         const smp__ckpt_state *s = &o->s[i];
         size_t k = strlen(s->full) + 1;
+        smp__ckpt_wire w;
         b[at++] = (char)s->global;
         memcpy(b + at, s->full, k);
         at += k;
-        int32_t v[2] = {(int32_t)s->t.dtype, (int32_t)s->t.ndim};
-        memcpy(b + at, v, 8);
-        at += 8;
-        memcpy(b + at, s->t.shape, 8 * (size_t)s->t.ndim);
-        at += 8 * (size_t)s->t.ndim;
+        smp__ckpt_wire_of(o, s, &w);
+        memcpy(b + at, &w, sizeof w);
+        at += sizeof w;
     }
     *out = b;
     *len = at;
     return SMP_OK;
 }
 
+/* Appends a segment to the plan. */
+static smp_status smp__ckpt_add_seg(smp__ckpt_plan *pl, int rank, const smp__ckpt_piece *pc, int64_t lo, int64_t hi) {
+    smp_status st = SMP_OK;
+    if (!smp__grow_or(&st, (void **)&pl->segs, &pl->segs_cap, pl->nsegs + 1, sizeof *pl->segs,
+                      "the parts of the model's tensors each rank holds (a checkpoint's plan)"))
+        return st;
+    smp__ckpt_seg sg = {rank, *pc, lo, hi};
+    pl->segs[pl->nsegs++] = sg;
+    return SMP_OK;
+}
+
+/* The world rank at (pp, tp, rdp), or -1. */
+static int smp__ckpt_rank_at(const smp__ckpt_plan *pl, int pp, int tp, int rdp) {
+    for (int r = 0; r < pl->size; r++)
+        if (pl->coords[3 * r] == pp && pl->coords[3 * r + 1] == tp && pl->coords[3 * r + 2] == rdp) return r;
+    return -1;
+}
+
+/* Covers item `it` with segments of the pieces that ranks rank[0..nc) hold
+   (pcs[]), preferring the partition's saver, then rdp rank 0, then the
+   lowest rank: the same on every rank. A gap is an error naming it. */
+static smp_status smp__ckpt_cover(smp__ckpt_plan *pl, smp__ckpt_item *it, const int *rank, const smp__ckpt_piece *pcs,
+                                  int nc) {
+    int parts = nc ? pcs[0].parts : 1, saver = pl->saver[it->mp];
+    int64_t n = smp__ckpt_numel(it) / parts;
+    it->seg0 = pl->nsegs;
+    for (int t = 0; t < parts; t++)
+        for (int64_t at = 0; at < n;) {
+            int best = -1;
+            for (int c = 0; c < nc; c++) {
+                const smp__ckpt_piece *pc = &pcs[c];
+                if (pc->index != t || pc->first > at || pc->first + pc->count <= at) continue;
+                long key = rank[c] == saver ? -1 : (long)pl->coords[3 * rank[c] + 2] * pl->size + rank[c];
+                long bk = best < 0 ? 0 : rank[best] == saver ? -1 : (long)pl->coords[3 * rank[best] + 2] * pl->size + rank[best];
+                if (best < 0 || key < bk) best = c;
+            }
+            if (best < 0)
+                return smp_error(SMP_ERR_ARG,
+                                 "%s '%s': no rank holds element %lld of %s (%lld elements): the ranks' "
+                                 "shard_optimizer_state ranges do not cover the parameter; register its state for "
+                                 "the range smp_param_owned_range gives, on every replica",
+                                 smp__ckpt_kind_name(it->kind), it->name, (long long)at,
+                                 parts > 1 ? "its TP slice" : "it", (long long)n);
+            int64_t hi = pcs[best].first + pcs[best].count < n ? pcs[best].first + pcs[best].count : n;
+            SMP_TRY(smp__ckpt_add_seg(pl, rank[best], &pcs[best], at, hi));
+            at = hi;
+        }
+    it->nseg = pl->nsegs - it->seg0;
+    const smp__ckpt_seg *s0 = &pl->segs[it->seg0];
+    it->split = !(it->nseg == 1 && s0->rank == saver && s0->pc.parts == 1 && s0->lo == 0 && s0->hi == n);
+    for (int k = 0; k < it->nseg; k++)
+        if (pl->coords[3 * pl->segs[it->seg0 + k].rank + 2] > 0) pl->zero = 1;
+    pl->split |= it->split;
+    return SMP_OK;
+}
+
+/* An item held whole by its partition's saver. */
+static smp_status smp__ckpt_cover_whole(smp__ckpt_plan *pl, smp__ckpt_item *it) {
+    smp__ckpt_piece pc = smp__ckpt_whole(it);
+    int r = pl->saver[it->mp];
+    return smp__ckpt_cover(pl, it, &r, &pc, 1);
+}
+
 /* Merges every rank's optimizer registrations into plan items, from
    `first` on. Every rank sees the same gathered bytes, so every rank
    reaches the same verdict. */
-static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coords, const int *counts, const int *displs,
+static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *counts, const int *displs,
                                           const smp_optimizer *opt, int *nitems) {
     smp__ckpt_rec *recs = NULL;
-    int nrec = 0, cap = 0;
+    int nrec = 0, cap = 0, *ranks = NULL;
+    smp__ckpt_piece *pcs = NULL;
     smp_status st = SMP_OK;
     for (int r = 0; r < pl->size; r++) {
         const char *p = pl->gathered + displs[r], *end = p + counts[r];
         for (int index = 0; p < end; index++) {
             smp__ckpt_rec rec;
-            int32_t v[2];
             memset(&rec, 0, sizeof rec);
             rec.global = *p++;
             rec.name = p;
             p += strlen(p) + 1;
-            memcpy(v, p, 8);
-            p += 8;
-            rec.dtype = (smp_dtype)v[0];
-            rec.ndim = v[1];
-            memcpy(rec.shape, p, 8 * (size_t)rec.ndim);
-            p += 8 * (size_t)rec.ndim;
+            memcpy(&rec.w, p, sizeof rec.w);
+            p += sizeof rec.w;
             rec.rank = r;
             rec.index = index;
             if (!smp__grow_or(&st, (void **)&recs, &cap, nrec + 1, sizeof *recs,
@@ -2263,33 +2521,50 @@ static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coord
         }
     }
     if (nrec) qsort(recs, (size_t)nrec, sizeof *recs, smp__ckpt_cmp_rec);
+    ranks = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(nrec + 1), SMP__ALLOC_OTHER,
+                                 "the ranks holding each optimizer state (a checkpoint's plan)");
+    pcs = (smp__ckpt_piece *)smp__alloc_or(&st, sizeof *pcs * (size_t)(nrec + 1), SMP__ALLOC_OTHER,
+                                           "the parts of each optimizer state (a checkpoint's plan)");
     for (int i = 0, j; i < nrec && !st; i = j) {
         const smp__ckpt_rec *a = &recs[i];
         for (j = i; j < nrec && !strcmp(recs[j].name, a->name); j++) {
             const smp__ckpt_rec *b = &recs[j];
-            if (b->global != a->global || b->dtype != a->dtype ||
-                !smp__same_shape(a->ndim, a->shape, b->ndim, b->shape)) {
+            if (b->global != a->global || b->w.dtype != a->w.dtype || b->w.elementwise != a->w.elementwise ||
+                !smp__same_shape(a->w.ndim, a->w.shape, b->w.ndim, b->w.shape) ||
+                (a->w.elementwise && (a->w.pc.parts != b->w.pc.parts || a->w.pc.axis != b->w.pc.axis))) {
                 char d1[200], d2[200];
                 st = smp_error(
                     SMP_ERR_ARG,
                     "optimizer state '%s' is registered as %s%s on world rank %d but as %s%s on world rank %d", a->name,
-                    smp__ckpt_describe(a->dtype, a->ndim, a->shape, d1, sizeof d1),
-                    a->global ? " (whole optimizer)" : "", a->rank,
-                    smp__ckpt_describe(b->dtype, b->ndim, b->shape, d2, sizeof d2),
-                    b->global ? " (whole optimizer)" : "", b->rank);
+                    smp__ckpt_describe((smp_dtype)a->w.dtype, a->w.ndim, a->w.shape, d1, sizeof d1),
+                    a->global ? " (whole optimizer)" : a->w.elementwise ? " (shaped as its parameter)" : "", a->rank,
+                    smp__ckpt_describe((smp_dtype)b->w.dtype, b->w.ndim, b->w.shape, d2, sizeof d2),
+                    b->global ? " (whole optimizer)" : b->w.elementwise ? " (shaped as its parameter)" : "", b->rank);
                 break;
             }
         }
         if (st) break;
         smp__ckpt_item *it = &pl->items[*nitems];
-        smp__ckpt_item_init(it, a->name, a->dtype, a->ndim, a->shape, a->global ? SMP__CKPT_GLOBAL : SMP__CKPT_OPTIM,
-                            a->global ? 0 : coords[2 * a->rank]);
+        smp__ckpt_item_init(it, a->name, (smp_dtype)a->w.dtype, a->w.ndim, a->w.shape,
+                            a->global ? SMP__CKPT_GLOBAL : SMP__CKPT_OPTIM,
+                            a->global ? 0 : pl->coords[3 * a->rank]);
+        it->elementwise = a->w.elementwise;
         for (int r = i; r < j; r++) {
             if (recs[r].rank == pl->saver[it->mp]) it->saver_has = 1;
-            if (recs[r].rank == pl->rank && opt) it->local = &opt->s[recs[r].index].t;
+            if (recs[r].rank == pl->rank && opt) {
+                it->mine = &opt->s[recs[r].index].t;
+                it->mine_pc = recs[r].w.pc;
+                if (smp__ckpt_is_whole(it, &it->mine_pc)) it->local = it->mine;
+            }
+            ranks[r - i] = recs[r].rank;
+            pcs[r - i] = recs[r].w.pc;
         }
+        if (it->elementwise) st = smp__ckpt_cover(pl, it, ranks, pcs, j - i);
+        else if (it->saver_has) st = smp__ckpt_cover_whole(pl, it);
         (*nitems)++;
     }
+    smp__free(ranks);
+    smp__free(pcs);
     smp__free(recs);
     return st;
 }
@@ -2301,7 +2576,7 @@ static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *coord
    of the plan without agreeing again). */
 static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const smp_optimizer *opt, size_t chunk) {
     MPI_Request req;
-    int *coords = NULL, *counts = NULL, *displs = NULL, mine[2], np, i, nitems = 0, total;
+    int *counts = NULL, *displs = NULL, mine[3], np, i, nitems = 0, total;
     char *packed = NULL;
     size_t packed_len = 0;
     smp_status st = SMP_OK;
@@ -2324,13 +2599,12 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     pl->P = smp_pp_size();
     pl->mp = smp_pp_rank();
     pl->dp = smp_rdp_rank();
-    if (!st && smp_tp_size() > 1) /* every rank says so: the agreement below returns it */
-        st = smp_error(SMP_ERR_STATE, "checkpoints of a model with tensor_parallel_degree = %d are not supported yet: save and "
-                       "load with tensor_parallel_degree 1", smp_tp_size());
+    pl->tp = smp_tp_size();
+    pl->tp_rank = smp_tp_rank();
 
     /* what the exchanges below fill, and this rank's part of them */
-    coords = (int *)smp__ckpt_alloc(&st, sizeof(int) * 2 * (size_t)pl->size, NULL,
-                                    "every rank's partition and replica (a checkpoint's plan)");
+    pl->coords = (int *)smp__ckpt_alloc(&st, sizeof(int) * 3 * (size_t)pl->size, NULL,
+                                        "every rank's partition, shard and replica (a checkpoint's plan)");
     counts = (int *)smp__ckpt_alloc(&st, sizeof(int) * 2 * (size_t)pl->size, NULL,
                                     "the lengths of every rank's optimizer state names (a checkpoint's plan)");
     pl->saver = (int *)smp__ckpt_alloc(&st, sizeof(int) * (size_t)pl->P, NULL,
@@ -2343,13 +2617,16 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     /* who saves each partition */
     displs = counts + pl->size;
     mine[0] = pl->mp;
-    mine[1] = pl->dp;
-    SMP__MPI_FATAL(MPI_Iallgather(mine, 2, MPI_INT, coords, 2, MPI_INT, pl->comm, &req),
-                   "gathering every rank's partition and replica (a checkpoint's plan)");
+    mine[1] = pl->tp_rank;
+    mine[2] = pl->dp;
+    SMP__MPI_FATAL(MPI_Iallgather(mine, 3, MPI_INT, pl->coords, 3, MPI_INT, pl->comm, &req),
+                   "gathering every rank's partition, shard and replica (a checkpoint's plan)");
     smp_wait_requests(1, &req, "checkpoint topology", SMP_WORLD, -1);
     for (i = 0; i < pl->P; i++) pl->saver[i] = -1;
     for (i = 0; i < pl->size; i++)
-        if (coords[2 * i + 1] == 0 && coords[2 * i] >= 0 && coords[2 * i] < pl->P) pl->saver[coords[2 * i]] = i;
+        if (pl->coords[3 * i + 1] == 0 && pl->coords[3 * i + 2] == 0 && pl->coords[3 * i] >= 0 &&
+            pl->coords[3 * i] < pl->P)
+            pl->saver[pl->coords[3 * i]] = i;
     for (i = 0; i < pl->P; i++)
         SMP_ASSERT(pl->saver[i] >= 0);
 
@@ -2398,11 +2675,8 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
         int nrec = 0;
         const char *p = pl->gathered, *end = pl->gathered + total;
         while (p < end) { /* count records: an upper bound of distinct names */
-            int32_t v[2];
             p += 1;
-            p += strlen(p) + 1;
-            memcpy(v, p, 8);
-            p += 8 + 8 * (size_t)v[1];
+            p += strlen(p) + 1 + sizeof(smp__ckpt_wire);
             nrec++;
         }
         pl->items = (smp__ckpt_item *)smp__ckpt_alloc(&st, sizeof(smp__ckpt_item) * (size_t)(np + nrec + 1), NULL,
@@ -2412,8 +2686,10 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     for (i = 0; i < np && !st; i++) {
         smp_param *p = smp_model_global_param(m, i, true);
         const smp_tensor *v = smp_param_value(p);
+        int64_t full[SMP_MAX_DIMS];
+        int nd = smp_param_full_shape(p, full);
         smp__ckpt_item *it = &pl->items[nitems++];
-        smp__ckpt_item_init(it, smp_param_name(p), v->dtype, v->ndim, v->shape,
+        smp__ckpt_item_init(it, smp_param_name(p), v->dtype, nd, full,
                             smp_param_is_buffer(p) ? SMP__CKPT_BUFFER : SMP__CKPT_PARAM,
                             smp_module_partition(smp_param_module(p)));
         if (it->mp < 0 || it->mp >= pl->P) {
@@ -2421,10 +2697,35 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
                            smp__ckpt_kind_name(it->kind), it->name);
             break;
         }
-        if (it->mp == pl->mp) it->local = v;
-        else if (smp_module_is_local(smp_param_module(p))) it->copy = v;
+        /* a sharded parameter: slice tp_rank of tp along its axis, saved by rdp rank 0 of each slice */
+        smp__ckpt_piece pc = smp__ckpt_whole(it);
+        if (smp_param_shard_axis(p) >= 0 && pl->tp > 1) {
+            pc.axis = smp_param_shard_axis(p);
+            pc.parts = pl->tp;
+            pc.count /= pl->tp;
+        }
+        if (smp_module_is_local(smp_param_module(p))) {
+            it->mine = v;
+            it->mine_pc = pc;
+            it->mine_pc.index = pl->tp_rank;
+            if (pc.parts == 1) *(it->mp == pl->mp ? &it->local : &it->copy) = v;
+        }
+        if (pc.parts == 1) {
+            st = smp__ckpt_cover_whole(pl, it);
+        } else {
+            int ranks[SMP__CKPT_MAX_TP];
+            smp__ckpt_piece pcs[SMP__CKPT_MAX_TP];
+            for (int t = 0; t < pc.parts && t < SMP__CKPT_MAX_TP; t++) {
+                ranks[t] = smp__ckpt_rank_at(pl, it->mp, t, 0);
+                pcs[t] = pc;
+                pcs[t].index = t;
+            }
+            st = pc.parts > SMP__CKPT_MAX_TP ? smp_error(SMP_ERR_ARG, "checkpoints take tensor_parallel_degree up to %d, "
+                                                         "not %d", SMP__CKPT_MAX_TP, pc.parts)
+                                             : smp__ckpt_cover(pl, it, ranks, pcs, pc.parts);
+        }
     }
-    if (!st) st = smp__ckpt_merge_optimizer(pl, coords, counts, displs, opt, &nitems);
+    if (!st) st = smp__ckpt_merge_optimizer(pl, counts, displs, opt, &nitems);
     pl->n = nitems;
     if (st) goto out;
 
@@ -2446,7 +2747,6 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
                            smp__ckpt_kind_name(a->kind), smp__ckpt_kind_name(b->kind));
     }
 out:
-    smp__free(coords);
     smp__free(counts);
     smp__free(packed);
     return st;
@@ -2763,6 +3063,78 @@ static smp_status smp__ckpt_stream(smp__ckpt_rx *rx, smp__ckpt_sink_fn sink, voi
     return st;
 }
 
+/* ---------------------------------------------------------------- gathering split tensors
+   A full save (and smp_model_state_dict) streams each tensor whole from its
+   partition's saver. A split tensor (TP slices, shard_optimizer_state
+   ranges) is first gathered whole there: each other rank holding a segment
+   sends it, in plan order and in chunks, and the saver places the chunks.
+   The saver then holds its partition's split tensors whole until the end
+   of the save, on the host. Collective over the world. */
+static smp_status smp__ckpt_assemble(smp__ckpt_plan *pl) {
+    smp_status st = SMP_OK;
+    int stage = 0;
+    uint8_t *buf = NULL;
+    for (int i = 0; i < pl->n; i++) {
+        smp__ckpt_item *it = &pl->items[i];
+        if (!it->split) continue;
+        int home = pl->saver[it->mp];
+        for (int k = 0; k < it->nseg; k++) {
+            int r = pl->segs[it->seg0 + k].rank;
+            if ((home == pl->rank && r != home) || (r == pl->rank && it->mine->device != SMP_HOST)) stage = 1;
+        }
+        if (home != pl->rank || st) continue;
+        it->whole = smp_tensor_make(NULL, it->dtype, it->ndim, it->shape);
+        it->whole.data = smp__ckpt_alloc(&st, it->nbytes ? (size_t)it->nbytes : 1, NULL,
+                                         "a sharded tensor, gathered whole to save it");
+        it->local = &it->whole;
+    }
+    if (stage) buf = (uint8_t *)smp__ckpt_alloc(&st, pl->chunk, NULL, "a chunk of a sharded tensor (gathering it)");
+    if ((st = smp__ckpt_agree(pl, st, "gathering the sharded tensors whole")) != SMP_OK) {
+        smp__free(buf);
+        return st;
+    }
+    for (int q = 0; q < pl->n; q++) {
+        const smp__ckpt_item *it = &pl->items[pl->order[q]];
+        if (!it->split) continue;
+        int home = pl->saver[it->mp];
+        size_t es = smp__dtypes[it->dtype].size;
+        int64_t per = pl->chunk / es ? (int64_t)(pl->chunk / es) : 1;
+        smp__ckpt_piece all = smp__ckpt_whole(it);
+        for (int k = 0; k < it->nseg; k++) {
+            const smp__ckpt_seg *sg = &pl->segs[it->seg0 + k];
+            if (sg->rank != pl->rank && home != pl->rank) continue;
+            for (int64_t a = sg->lo; a < sg->hi; a += per) {
+                int64_t b = sg->hi - a < per ? sg->hi : a + per;
+                smp__ckpt_piece pc = {sg->pc.axis, sg->pc.parts, sg->pc.index, a, b - a};
+                size_t n = (size_t)(b - a) * es;
+                const uint8_t *src = buf;
+                MPI_Request req;
+                if (sg->rank == pl->rank) {
+                    src = (const uint8_t *)it->mine->data + (size_t)(a - it->mine_pc.first) * es;
+                    if (it->mine->device != SMP_HOST) {
+                        smp_status s2 = smp__ckpt_copy(buf, SMP_HOST, src, it->mine->device, n);
+                        if (!st) st = s2; /* sent all the same: the agreement below fails the save */
+                        src = buf;
+                    }
+                    if (home != pl->rank) {
+                        SMP__MPI_FATAL(MPI_Isend(src, (int)n, MPI_BYTE, home, SMP__CKPT_TAG + 1, pl->comm, &req),
+                                       "sending a slice of '%s' to world rank %d", it->name, home);
+                        smp_wait_requests(1, &req, "a sharded tensor's saver to take a slice", SMP_WORLD, home);
+                        continue;
+                    }
+                } else {
+                    SMP__MPI_FATAL(MPI_Irecv(buf, (int)n, MPI_BYTE, sg->rank, SMP__CKPT_TAG + 1, pl->comm, &req),
+                                   "receiving a slice of '%s' from world rank %d", it->name, sg->rank);
+                    smp_wait_requests(1, &req, "a slice of a sharded tensor", SMP_WORLD, sg->rank);
+                }
+                smp__ckpt_overlap(it, &all, (uint8_t *)it->whole.data, SMP_HOST, &pc, src, NULL);
+            }
+        }
+    }
+    smp__free(buf);
+    return smp__ckpt_agree(pl, st, "gathering the sharded tensors whole");
+}
+
 /* ---------------------------------------------------------------- saving */
 typedef struct smp__ckpt_meta_list {
     char **keys, **vals;
@@ -2802,18 +3174,26 @@ static void smp__ckpt_meta_free(smp__ckpt_meta_list *md) {
 }
 
 static smp_status smp__ckpt_build_meta(const smp__ckpt_plan *pl, const smp_save_desc *d, int partial, uint64_t gen,
-                                     smp__ckpt_meta_list *md) {
+                                     int files, int file, smp__ckpt_meta_list *md) {
     char num[48];
     int i;
     memset(md, 0, sizeof *md);
     for (i = 0; i < d->nmeta; i++) smp__ckpt_meta_add(md, d->meta_keys[i], NULL, d->meta_values[i]);
     smp__ckpt_meta_add(md, "smp.format", NULL, SMP__CKPT_FORMAT);
     smp__ckpt_meta_add(md, "smp.kind", NULL, partial ? "partial" : "full");
-    snprintf(num, sizeof num, "%d", pl->P);
+    snprintf(num, sizeof num, "%d", partial ? files : pl->P);
     smp__ckpt_meta_add(md, "smp.partitions", NULL, num);
     if (partial) {
-        snprintf(num, sizeof num, "%d", pl->mp);
+        snprintf(num, sizeof num, "%d", file);
         smp__ckpt_meta_add(md, "smp.mp_rank", NULL, num);
+    }
+    if (partial && files != pl->P) { /* a file per TP slice (and replica): where this one sat */
+        const char *k[] = {"smp.pp", "smp.pp_rank", "smp.tp", "smp.tp_rank", "smp.rdp_rank"};
+        int v[] = {pl->P, pl->mp, pl->tp, pl->tp_rank, pl->dp};
+        for (int j = 0; j < 5; j++) {
+            snprintf(num, sizeof num, "%d", v[j]);
+            smp__ckpt_meta_add(md, k[j], NULL, num);
+        }
     }
     smp__ckpt_meta_add(md, "smp.save_id", NULL, pl->save_id);
     if (partial) {
@@ -2854,24 +3234,70 @@ static smp_ckpt_entry *smp__ckpt_entries(const smp__ckpt_plan *pl, int only_mp, 
     return e;
 }
 
+/* The entries of a partial save's file at tensor parallelism or with split
+   state: the segments this rank holds, in file order. A whole tensor keeps
+   its shape; a piece of one gets a "smp.shard.<name>" entry in md saying
+   which (smp__ckpt_piece_text), and the slice's shape when it is a whole
+   slice, else one dimension. */
+static smp_ckpt_entry *smp__ckpt_seg_entries(const smp__ckpt_plan *pl, smp__ckpt_meta_list *md, int *count,
+                                             smp_status *st) {
+    smp_ckpt_entry *e = (smp_ckpt_entry *)smp__alloc_or(st, sizeof(smp_ckpt_entry) * (size_t)(pl->nsegs + 1),
+                                                        SMP__ALLOC_OTHER, "the list of tensors of a checkpoint file");
+    int n = 0;
+    *count = 0;
+    if (!e) return NULL;
+    for (int q = 0; q < pl->n; q++) {
+        const smp__ckpt_item *it = &pl->items[pl->order[q]];
+        for (int k = 0; k < it->nseg; k++) {
+            const smp__ckpt_seg *sg = &pl->segs[it->seg0 + k];
+            smp__ckpt_piece pc = {sg->pc.axis, sg->pc.parts, sg->pc.index, sg->lo, sg->hi - sg->lo};
+            if (sg->rank != pl->rank) continue;
+            memset(&e[n], 0, sizeof e[n]);
+            e[n].name = it->name;
+            e[n].dtype = it->dtype;
+            e[n].ndim = it->ndim;
+            memcpy(e[n].shape, it->shape, sizeof e[n].shape);
+            if (!smp__ckpt_is_whole(it, &pc)) {
+                char text[400];
+                if (pc.first || pc.count != smp__ckpt_numel(it) / pc.parts) {
+                    e[n].ndim = 1;
+                    e[n].shape[0] = pc.count;
+                } else {
+                    e[n].shape[pc.axis] /= pc.parts;
+                }
+                smp__ckpt_piece_text(it->ndim, it->shape, &pc, text, sizeof text);
+                smp__ckpt_meta_add(md, "smp.shard.", it->name, text);
+            }
+            n++;
+        }
+    }
+    if (md->oom) {
+        *st = smp__nomem(md->want, "the metadata of the checkpoint's files");
+        smp__free(e);
+        return NULL;
+    }
+    *count = n;
+    return e;
+}
+
 static smp_status smp__ckpt_file_sink(void *ctx, int item, uint64_t off, const void *bytes, size_t n) {
     (void)item;
     (void)off;
     return smp_ckpt_writer_write((smp_ckpt_writer *)ctx, bytes, n);
 }
 
-/* Writes one local tensor's bytes (staged through host memory when it
-   lives on a device). */
-static smp_status smp__ckpt_write_local(smp_ckpt_writer *w, const smp__ckpt_item *it, size_t chunk) {
-    const smp_tensor *t = it->local;
-    if (!it->nbytes) return SMP_OK;
-    if (t->device == SMP_HOST) return smp_ckpt_writer_write(w, t->data, (size_t)it->nbytes);
+/* Writes nbytes of a local tensor's data (staged through host memory when
+   it lives on a device). */
+static smp_status smp__ckpt_write_local(smp_ckpt_writer *w, const void *data, int device, uint64_t nbytes,
+                                        size_t chunk) {
+    if (!nbytes) return SMP_OK;
+    if (device == SMP_HOST) return smp_ckpt_writer_write(w, data, (size_t)nbytes);
     smp_status st = SMP_OK;
     uint8_t *stage = (uint8_t *)smp__bytes_or(&st, chunk, SMP__ALLOC_OTHER, "staging a device tensor to save it");
     if (!stage) return st;
-    for (uint64_t off = 0; off < it->nbytes && !st;) {
-        size_t len = it->nbytes - off < chunk ? (size_t)(it->nbytes - off) : chunk;
-        st = smp__ckpt_copy(stage, SMP_HOST, (const uint8_t *)t->data + off, t->device, len);
+    for (uint64_t off = 0; off < nbytes && !st;) {
+        size_t len = nbytes - off < chunk ? (size_t)(nbytes - off) : chunk;
+        st = smp__ckpt_copy(stage, SMP_HOST, (const uint8_t *)data + off, device, len);
         if (!st) st = smp_ckpt_writer_write(w, stage, len);
         off += len;
     }
@@ -3399,11 +3825,6 @@ static smp_status smp__ckpt_check_args(const char *fn, smp_model *m, const char 
                          fn);
     if (opt && opt->model != m)
         return smp_error(SMP_ERR_ARG, "%s: the optimizer registry belongs to another model", fn);
-    for (int i = 0; opt && i < opt->n && smp_current_config()->shard_optimizer_state == SMP_ON; i++)
-        if (!opt->s[i].global)
-            return smp_error(SMP_ERR_ARG, "%s: '%s' is one replica's shard of the optimizer state (shard_optimizer_state), and "
-                             "checkpoints of sharded optimizer state are not built yet: pass no optimizer, or leave "
-                             "shard_optimizer_state off", fn, opt->s[i].full);
     if (!d) return SMP_OK;
     if (d->nmeta < 0 || (d->nmeta > 0 && (!d->meta_keys || !d->meta_values)))
         return smp_error(SMP_ERR_ARG, "smp_save: %d metadata entries but keys or values is NULL", d->nmeta);
@@ -3452,13 +3873,20 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
     }
     for (i = 0; i < pl.n && !st; i++) {
         const smp__ckpt_item *it = &pl.items[i];
-        if ((it->kind == SMP__CKPT_OPTIM || it->kind == SMP__CKPT_GLOBAL) && !it->saver_has)
+        if ((it->kind == SMP__CKPT_OPTIM || it->kind == SMP__CKPT_GLOBAL) && !it->saver_has && !it->elementwise)
             st = smp_error(SMP_ERR_ARG,
                            "optimizer state '%s' is registered on some ranks but not on world rank %d (dp rank 0 of "
                            "partition %d), which saves it",
                            it->name, pl.saver[it->mp], it->mp);
     }
-    if (!st) st = smp__ckpt_build_meta(&pl, &d, partial, gen, &md);
+    /* Files: one per partition at tp 1 (file k = its pp rank); else one per
+       TP slice of a partition, k = mp_rank = pp_rank x tp + tp_rank, and with
+       state in ranges that replicas other than rdp rank 0 hold
+       (shard_optimizer_state), one per rank of those: k x rdp + rdp_rank. */
+    int sliced = pl.split || pl.tp > 1, R = sliced && pl.zero ? pl.size / (pl.P * pl.tp) : 1;
+    int F = sliced ? pl.P * pl.tp * R : pl.P, k = sliced ? (pl.mp * pl.tp + pl.tp_rank) * R + (R > 1 ? pl.dp : 0) : pl.mp;
+    int writes = R > 1 || pl.dp == 0;
+    if (!st) st = smp__ckpt_build_meta(&pl, &d, partial, gen, F, k, &md);
     st = smp__ckpt_agree(&pl, st, "planning the save");
     if (st) goto done;
 
@@ -3473,18 +3901,26 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
            world rank 0 also takes the memory its commit needs (3) now,
            while a failure still fails the save everywhere */
         if (pl.rank == 0)
-            all = (uint64_t *)smp__ckpt_alloc(&st, sizeof(uint64_t) * 3 * ((size_t)pl.size + (size_t)pl.P), NULL,
+            all = (uint64_t *)smp__ckpt_alloc(&st, sizeof(uint64_t) * 3 * ((size_t)pl.size + (size_t)F), NULL,
                                               "every file's size and header checksum (the checkpoint's manifest)");
-        if (pl.dp == 0 && !st) {
-            if (!(file = smp__ckpt_strf("%s.g%llu_%d", path, (smp__ckpt_ull)gen, pl.mp)))
+        if (writes && !st) {
+            if (!(file = smp__ckpt_strf("%s.g%llu_%d", path, (smp__ckpt_ull)gen, k)))
                 st = smp__nomem(strlen(path) + 48, "the name of this partition's checkpoint file");
-            if (!st) entries = smp__ckpt_entries(&pl, pl.mp, &ne, &st);
+            if (!st) entries = sliced ? smp__ckpt_seg_entries(&pl, &md, &ne, &st) : smp__ckpt_entries(&pl, pl.mp, &ne, &st);
             if (!st)
                 st = smp_ckpt_writer_open(file, entries, ne, (const char *const *)md.keys,
                                           (const char *const *)md.vals, md.n, &w);
             for (i = 0; i < pl.n && !st; i++) {
                 const smp__ckpt_item *it = &pl.items[pl.order[i]];
-                if (it->mp == pl.mp) st = smp__ckpt_write_local(w, it, pl.chunk);
+                size_t es = smp__dtypes[it->dtype].size;
+                if (!sliced && it->mp == pl.mp)
+                    st = smp__ckpt_write_local(w, it->local->data, it->local->device, it->nbytes, pl.chunk);
+                for (int s = 0; sliced && s < it->nseg && !st; s++) {
+                    const smp__ckpt_seg *sg = &pl.segs[it->seg0 + s];
+                    if (sg->rank == pl.rank)
+                        st = smp__ckpt_write_local(w, (const uint8_t *)it->mine->data + (size_t)(sg->lo - it->mine_pc.first) * es,
+                                                   it->mine->device, (uint64_t)(sg->hi - sg->lo) * es, pl.chunk);
+                }
             }
             if (w && st) {
                 smp_ckpt_writer_abort(w);
@@ -3510,7 +3946,7 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
         /* 2. every file is complete on disk: each goes to its name, which no
            loader follows until the manifest names it */
         if (w) {
-            if (fault == SMP__CKPT_FAULT_RENAME) smp__ckpt_fault_pace(path, gen, pl.P, pl.mp);
+            if (fault == SMP__CKPT_FAULT_RENAME) smp__ckpt_fault_pace(path, gen, F, k);
             st = smp__ckpt_writer_publish(w);
         }
         w = NULL;
@@ -3519,7 +3955,7 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
         /* 3. world rank 0 commits them: one rename of the manifest, which
            records every file's size and header checksum */
         if (!st) {
-            mine[0] = pl.dp == 0 ? (uint64_t)pl.mp : UINT64_MAX;
+            mine[0] = writes ? (uint64_t)k : UINT64_MAX;
             mine[1] = fbytes;
             mine[2] = fcrc;
             SMP__MPI_FATAL(MPI_Igather(mine, 3, MPI_UINT64_T, all, 3, MPI_UINT64_T, 0, pl.comm, &req),
@@ -3527,13 +3963,13 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
             smp_wait_requests(1, &req, "checkpoint file sizes", SMP_WORLD, 0);
             if (pl.rank == 0) {
                 uint64_t *bytes = all + 3 * (size_t)pl.size;
-                uint32_t *crcs = (uint32_t *)(void *)(bytes + pl.P);
+                uint32_t *crcs = (uint32_t *)(void *)(bytes + F);
                 for (i = 0; i < pl.size; i++)
-                    if (all[3 * i] < (uint64_t)pl.P) {
+                    if (all[3 * i] < (uint64_t)F) {
                         bytes[all[3 * i]] = all[3 * i + 1];
                         crcs[all[3 * i]] = (uint32_t)all[3 * i + 2];
                     }
-                st = smp__ckpt_manifest_write(path, gen, pl.save_id, pl.P, bytes, crcs, fault, &committed);
+                st = smp__ckpt_manifest_write(path, gen, pl.save_id, F, bytes, crcs, fault, &committed);
             }
             st = smp__ckpt_agree(&pl, st, "committing the partial checkpoint (renaming its manifest into place)");
             SMP__MPI_FATAL(MPI_Ibcast(&committed, 1, MPI_INT, 0, pl.comm, &req),
@@ -3542,20 +3978,21 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
         }
         smp__free(all);
         if (st) { /* not committed: the new generation goes, the previous one stays as it was */
-            if (!committed && file && pl.dp == 0) unlink(file);
+            if (!committed && file && writes) unlink(file);
             smp__agree_on(pl.comm, SMP_OK, "removing the failed save's files"); /* every rank returns after */
             goto done;
         }
         /* 4. what the new generation replaced goes: each saver removes its
            partition's old files, partition 0's also those of partitions
            that no longer exist (best effort: the save stands) */
-        if (pl.dp == 0) smp__ckpt_cleanup(path, gen, pl.mp, pl.P, pl.mp == 0, fault);
+        if (writes) smp__ckpt_cleanup(path, gen, k, F, k == 0, fault);
         st = smp__agree_on(pl.comm, SMP_OK, "removing the previous generation of the checkpoint");
     } else {
         int writer = pl.saver[0];
         /* 1. the writer opens the file; every rank takes the buffers of the
            transfer (2), so none runs out of memory inside it */
-        st = smp__ckpt_stream_prepare(&pl, writer, &rx);
+        st = smp__ckpt_assemble(&pl);
+        if (!st) st = smp__ckpt_stream_prepare(&pl, writer, &rx);
         if (pl.rank == writer && !st) {
             entries = smp__ckpt_entries(&pl, -1, &ne, &st);
             if (!st)
@@ -3856,12 +4293,65 @@ static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_fil
     return smp__ckpt_set_done(st, files, P, out, nout);
 }
 
-/* Matches the files' tensors with the model: same on every rank. */
+static int smp__ckpt_cmp_src(const void *a, const void *b) {
+    const smp__ckpt_src *x = (const smp__ckpt_src *)a, *y = (const smp__ckpt_src *)b;
+    if (x->item != y->item) return x->item < y->item ? -1 : 1;
+    if (x->file != y->file) return x->file < y->file ? -1 : 1;
+    return x->e->offset < y->e->offset ? -1 : x->e->offset > y->e->offset;
+}
+
+static int smp__ckpt_cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* How many of an item's elements its file pieces cover, counted once. */
+static smp_status smp__ckpt_covered(const smp__ckpt_plan *pl, const smp__ckpt_item *it, int64_t *covered) {
+    const smp__ckpt_src *src = &pl->srcs[it->src0];
+    int64_t n = 0, len, at = 0, *runs;
+    smp_status st = SMP_OK;
+    *covered = 0;
+    for (int k = 0; k < it->nsrc; k++)
+        if (smp__ckpt_is_whole(it, &src[k].pc)) {
+            *covered = smp__ckpt_numel(it);
+            return SMP_OK;
+        }
+    for (int k = 0; k < it->nsrc; k++)
+        for (int64_t j = src[k].pc.first, e = j + src[k].pc.count; j < e; j += len, n++)
+            smp__ckpt_run(it, &src[k].pc, j, e, &len);
+    if (!(runs = (int64_t *)smp__alloc_or(&st, sizeof(int64_t) * 2 * (size_t)(n + 1), SMP__ALLOC_OTHER,
+                                          "the pieces of a sharded tensor in a checkpoint's files")))
+        return st;
+    n = 0;
+    for (int k = 0; k < it->nsrc; k++)
+        for (int64_t j = src[k].pc.first, e = j + src[k].pc.count; j < e; j += len, n++) {
+            runs[2 * n] = smp__ckpt_run(it, &src[k].pc, j, e, &len);
+            runs[2 * n + 1] = len;
+        }
+    qsort(runs, (size_t)n, 2 * sizeof(int64_t), smp__ckpt_cmp_i64);
+    for (int64_t r = 0; r < n; r++) {
+        int64_t lo = runs[2 * r] > at ? runs[2 * r] : at, hi = runs[2 * r] + runs[2 * r + 1];
+        if (hi > lo) *covered += hi - lo;
+        if (hi > at) at = hi;
+    }
+    smp__free(runs);
+    return SMP_OK;
+}
+
+/* Matches the files' tensors with the model: same on every rank. A file
+   tensor holds an item whole, or (partial checkpoints) the piece that its
+   "smp.shard.<name>" entry names; an item may come in pieces from several
+   files, which together must cover it. */
 static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int nf, int partial, int with_opt) {
     char d1[200], d2[200];
     size_t plen = strlen(SMP_CKPT_OPTIMIZER_PREFIX);
+    smp_status st = SMP_OK;
+    for (int i = 0; i < pl->n; i++) pl->items[i].src0 = -1; /* while matching: the file holding it whole */
     for (int k = 0; k < nf; k++) {
         smp_ckpt_file *f = files[k];
+        int fpp = k; /* the partition whose tensors the file holds */
+        if (partial && smp_ckpt_meta(f, "smp.pp_rank") && (fpp = smp__ckpt_meta_int(f, "smp.pp_rank", 0, 1 << 20)) < 0)
+            return SMP_ERR_FORMAT;
         for (int i = 0; i < smp_ckpt_count(f); i++) {
             const smp_ckpt_info *e = smp_ckpt_info_at(f, i);
             int idx = smp__ckpt_find(pl, e->name), is_opt = !strncmp(e->name, SMP_CKPT_OPTIMIZER_PREFIX, plen);
@@ -3873,63 +4363,123 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
                                         : "the model has no parameter or buffer of that name");
             }
             smp__ckpt_item *it = &pl->items[idx];
-            if (it->src)
-                return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is also in '%s'", smp_ckpt_path(f),
-                                 e->name, smp_ckpt_path(files[it->file]));
-            if (e->dtype != it->dtype || !smp__same_shape(e->ndim, e->shape, it->ndim, it->shape))
-                return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is %s in the file but %s in the model",
-                                 smp_ckpt_path(f), e->name,
-                                 smp__ckpt_describe(e->dtype, e->ndim, e->shape, d1, sizeof d1),
-                                 smp__ckpt_describe(it->dtype, it->ndim, it->shape, d2, sizeof d2));
+            smp__ckpt_src src;
+            memset(&src, 0, sizeof src);
+            src.item = idx;
+            src.file = k;
+            src.e = e;
+            src.pc = smp__ckpt_whole(it);
+            char *key = partial ? smp__ckpt_strf("smp.shard.%s", e->name) : NULL;
+            if (partial && !key) return smp__nomem(strlen(e->name) + 16, "a metadata key to look up (smp.shard.<tensor>)");
+            const char *sv = key ? smp_ckpt_meta(f, key) : NULL;
+            smp__free(key);
+            if (sv) {
+                int nd;
+                int64_t shp[SMP_MAX_DIMS];
+                if (!smp__ckpt_piece_parse(sv, &nd, shp, &src.pc))
+                    return smp_error(SMP_ERR_FORMAT,
+                                     "checkpoint '%s': tensor '%s': its metadata smp.shard.%s, \"%s\", is not a piece "
+                                     "of a tensor as smp_save writes it",
+                                     smp_ckpt_path(f), e->name, e->name, sv);
+                if (e->dtype != it->dtype || !smp__same_shape(nd, shp, it->ndim, it->shape))
+                    return smp_error(SMP_ERR_FORMAT,
+                                     "checkpoint '%s': tensor '%s' is a piece of %s in the file but %s in the model",
+                                     smp_ckpt_path(f), e->name,
+                                     smp__ckpt_describe(e->dtype, nd, shp, d1, sizeof d1),
+                                     smp__ckpt_describe(it->dtype, it->ndim, it->shape, d2, sizeof d2));
+                if (e->numel != src.pc.count)
+                    return smp_error(SMP_ERR_FORMAT,
+                                     "checkpoint '%s': tensor '%s' holds %lld elements, but its metadata smp.shard.%s "
+                                     "says %lld",
+                                     smp_ckpt_path(f), e->name, (long long)e->numel, e->name,
+                                     (long long)src.pc.count);
+                src.sharded = 1;
+            } else {
+                if (it->src0 >= 0)
+                    return smp_error(SMP_ERR_FORMAT, "checkpoint '%s': tensor '%s' is also in '%s'",
+                                     smp_ckpt_path(f), e->name, smp_ckpt_path(files[it->src0]));
+                if (e->dtype != it->dtype || !smp__same_shape(e->ndim, e->shape, it->ndim, it->shape))
+                    return smp_error(SMP_ERR_FORMAT,
+                                     "checkpoint '%s': tensor '%s' is %s in the file but %s in the model",
+                                     smp_ckpt_path(f), e->name,
+                                     smp__ckpt_describe(e->dtype, e->ndim, e->shape, d1, sizeof d1),
+                                     smp__ckpt_describe(it->dtype, it->ndim, it->shape, d2, sizeof d2));
+                it->src0 = k;
+            }
             if (partial) { /* the partition map must agree with where the tensor is */
-                char key[64 + 8];
+                char key2[64 + 8];
                 size_t kl = strlen("smp.partition.") + strlen(e->name) + 1;
-                char *kb = kl <= sizeof key ? key : (char *)smp__alloc(kl, SMP__ALLOC_OTHER);
+                char *kb = kl <= sizeof key2 ? key2 : (char *)smp__alloc(kl, SMP__ALLOC_OTHER);
                 if (!kb) return smp__nomem(kl, "a metadata key to look up (smp.partition.<tensor>)");
                 snprintf(kb, kl, "smp.partition.%s", e->name);
                 const char *v = smp_ckpt_meta(f, kb);
-                if (kb != key) smp__free(kb);
-                if (v && atoi(v) != k)
+                if (kb != key2) smp__free(kb);
+                if (v && atoi(v) != fpp)
                     return smp_error(SMP_ERR_FORMAT,
                                      "checkpoint '%s': tensor '%s' is in file %d but the partition map says %s",
                                      smp_ckpt_path(f), e->name, k, v);
             }
-            it->file = k;
-            it->src = e;
+            if (!smp__grow_or(&st, (void **)&pl->srcs, &pl->srcs_cap, pl->nsrcs + 1, sizeof *pl->srcs,
+                              "the list of tensors a load reads"))
+                return st;
+            pl->srcs[pl->nsrcs++] = src;
         }
+    }
+    if (pl->nsrcs) qsort(pl->srcs, (size_t)pl->nsrcs, sizeof *pl->srcs, smp__ckpt_cmp_src);
+    for (int i = 0; i < pl->n; i++) pl->items[i].src0 = pl->items[i].nsrc = 0;
+    for (int s = pl->nsrcs - 1; s >= 0; s--) {
+        pl->items[pl->srcs[s].item].src0 = s;
+        pl->items[pl->srcs[s].item].nsrc++;
     }
     for (int i = 0; i < pl->n; i++) {
         const smp__ckpt_item *it = &pl->items[i];
-        if (!it->src)
+        int64_t covered = 0;
+        if (!it->nsrc)
             return smp_error(SMP_ERR_FORMAT, "checkpoint '%s'%s: tensor '%s' is missing (the model has this %s)",
                              smp_ckpt_path(files[0]), nf > 1 ? " and the other files of its save" : "", it->name,
                              smp__ckpt_kind_name(it->kind));
+        SMP_TRY(smp__ckpt_covered(pl, it, &covered));
+        if (covered != smp__ckpt_numel(it))
+            return smp_error(SMP_ERR_FORMAT,
+                             "checkpoint '%s'%s: the pieces of tensor '%s' cover %lld of its %lld elements: the "
+                             "sharded state (TP slices or shard_optimizer_state ranges) does not cover the %s; load "
+                             "a checkpoint saved whole, or save this one again",
+                             smp_ckpt_path(files[0]), nf > 1 ? " and the other files of its save" : "", it->name,
+                             (long long)covered, (long long)smp__ckpt_numel(it), smp__ckpt_kind_name(it->kind));
     }
     return SMP_OK;
 }
 
-/* Checks the checksum of every tensor this rank loads. */
+/* Checks the checksum of every file tensor this rank loads from: those
+   that share elements with what it holds. */
 static smp_status smp__ckpt_verify_local(smp__ckpt_plan *pl, smp_ckpt_file **files) {
-    for (int i = 0; i < pl->n; i++) {
-        smp__ckpt_item *it = &pl->items[pl->order[i]];
-        if (!(it->local || it->copy) || !it->src || !it->nbytes) continue;
-        smp_ckpt_file *f = files[it->file];
-        const uint8_t *base = smp__ckpt_map(f);
-        if (base) {
-            it->bytes = base + f->data_start + it->src->offset;
-            if (it->src->has_checksum) {
-                uint32_t got = smp_ckpt_crc32c(0, it->bytes, (size_t)it->nbytes);
-                if (got != it->src->checksum) return smp__ckpt_mismatch(f, it->src, got);
+    for (int q = 0; q < pl->n; q++) {
+        smp__ckpt_item *it = &pl->items[pl->order[q]];
+        if (!it->mine) continue;
+        for (int k = 0; k < it->nsrc; k++) {
+            smp__ckpt_src *src = &pl->srcs[it->src0 + k];
+            int64_t shared = 0;
+            if (src->bytes || !src->e->nbytes) continue;
+            smp__ckpt_overlap(it, &it->mine_pc, NULL, SMP_HOST, &src->pc, NULL, &shared);
+            if (!shared) continue;
+            smp_ckpt_file *f = files[src->file];
+            const uint8_t *base = smp__ckpt_map(f);
+            if (base) {
+                src->bytes = base + f->data_start + src->e->offset;
+                if (src->e->has_checksum) {
+                    uint32_t got = smp_ckpt_crc32c(0, src->bytes, (size_t)src->e->nbytes);
+                    if (got != src->e->checksum) return smp__ckpt_mismatch(f, src->e, got);
+                }
+            } else {
+                src->staged = (uint8_t *)smp__alloc((size_t)src->e->nbytes, SMP__ALLOC_OTHER);
+                if (!src->staged) {
+                    char what[600];
+                    snprintf(what, sizeof what, "reading tensor '%s' of %s", it->name, f->label);
+                    return smp__nomem((size_t)src->e->nbytes, what);
+                }
+                SMP_TRY(smp_ckpt_read(f, src->e, src->staged, (size_t)src->e->nbytes));
+                src->bytes = src->staged;
             }
-        } else {
-            it->staged = (uint8_t *)smp__alloc((size_t)it->nbytes, SMP__ALLOC_OTHER);
-            if (!it->staged) {
-                char what[600];
-                snprintf(what, sizeof what, "reading tensor '%s' of %s", it->name, f->label);
-                return smp__nomem((size_t)it->nbytes, what);
-            }
-            SMP_TRY(smp_ckpt_read(f, it->src, it->staged, (size_t)it->nbytes));
-            it->bytes = it->staged;
         }
     }
     return SMP_OK;
@@ -3952,10 +4502,13 @@ SMPDEF smp_status smp_load(smp_model *m, const char *path, const smp_load_desc *
         smp_status cs = SMP_OK;
         for (int i = 0; i < pl.n; i++) {
             const smp__ckpt_item *it = &pl.items[i];
-            const smp_tensor *dst = it->local ? it->local : it->copy;
-            if (!dst || !it->src || !it->nbytes) continue;
-            smp_status s2 = smp__ckpt_copy_in(dst->data, dst->device, it->bytes, (size_t)it->nbytes);
-            if (!cs) cs = s2;
+            for (int k = 0; it->mine && k < it->nsrc; k++) {
+                const smp__ckpt_src *src = &pl.srcs[it->src0 + k];
+                if (!src->bytes) continue; /* shares nothing with this rank's piece */
+                smp_status s2 = smp__ckpt_overlap(it, &it->mine_pc, (uint8_t *)it->mine->data, it->mine->device,
+                                                  &src->pc, src->bytes, NULL);
+                if (!cs) cs = s2;
+            }
         }
         st = smp__ckpt_agree(&pl, cs, "copying the checkpoint into the model");
     }
@@ -4026,7 +4579,8 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
     memset(&rx, 0, sizeof rx);
     st = smp__ckpt_plan_init(&pl, m, opt, 0);
     for (int i = 0; i < pl.n && !st; i++)
-        if ((pl.items[i].kind == SMP__CKPT_OPTIM || pl.items[i].kind == SMP__CKPT_GLOBAL) && !pl.items[i].saver_has)
+        if ((pl.items[i].kind == SMP__CKPT_OPTIM || pl.items[i].kind == SMP__CKPT_GLOBAL) && !pl.items[i].saver_has &&
+            !pl.items[i].elementwise)
             st = smp_error(SMP_ERR_ARG,
                            "optimizer state '%s' is not registered on world rank %d, which holds it for all",
                            pl.items[i].name, pl.saver[pl.items[i].mp]);
@@ -4056,6 +4610,8 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
             }
         }
     }
+    st = smp__ckpt_agree(&pl, st, "preparing the state dict");
+    if (!st) st = smp__ckpt_assemble(&pl);
     if (!st) st = smp__ckpt_stream_prepare(&pl, root, &rx);
     st = smp__ckpt_agree(&pl, st, "preparing the state dict");
     if (!st) st = smp__ckpt_agree(&pl, smp__ckpt_stream(&rx, smp__ckpt_mem_sink, out, 0), "gathering the state dict");

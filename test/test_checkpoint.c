@@ -14,6 +14,13 @@
      the metadata callback; smp_model_state_dict against the values;
    - resharding: save with P (partial and full), finalize, init with every Q,
      load, compare every tensor by name;
+   - sharded optimizer state (shard_optimizer_state, net7 with momentum for
+     each replica's owned range): saved partially and fully at 2 replicas,
+     resumed at 1, 2 and 4 replicas, sharded or not, and at P=2; each load
+     holds exactly the saved state and trains on bitwise like the same run
+     given it by hand; a chain dp 2 -> dp 1 (saves) -> dp 4 sharded; a save
+     whose replicas leave a gap, and a checkpoint missing one replica's
+     piece, are errors on every rank;
    - Python's safetensors reads the full checkpoint and equals the model
      (test_checkpoint_python.py, against raw dumps this test writes);
    - partial saves commit through a manifest: a save leaves its manifest
@@ -45,6 +52,7 @@
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_checkpoint.h"
+#include "smp_pipeline.h"
 #include "test.h"
 #include "net7.h"
 
@@ -222,6 +230,198 @@ static smp_status load(smp_model *m, opt_store *o, const char *path, int partial
     d.on_meta = seen ? on_meta : NULL;
     d.user = seen;
     return smp_load(m, path, &d);
+}
+
+/* ---------------------------------------------------------------- sharded optimizer state */
+/* shard_optimizer_state: SGD with momentum whose state covers the range of
+   each parameter this replica owns (smp_param_owned_range), registered as
+   one dimension of that length. A run saves after ZSTEPS steps; the state
+   it saved, gathered by hand (g_zw, g_zm: every parameter and its momentum
+   whole, by declaration index), is what a run at another (P, dp, sharding)
+   must hold after loading it, bitwise; that run then trains on and must be
+   bitwise the run at its own configuration that took the same state by
+   hand instead of from the checkpoint. */
+#define ZSTEPS 2
+#define ZP (NLIN * 2)
+static float g_zw[ZP][H * H], g_zm[ZP][H * H];
+static int g_zskip = -1; /* the dp rank that registers no state for the last parameter (a gap); -1: none */
+
+typedef struct { float *v[ZP]; int64_t first[ZP], count[ZP]; smp_param *p[ZP]; smp_optimizer *reg; } zopt;
+
+static void zbatch(int s, float *x, float *t) {
+    uint64_t st = 77 + (uint64_t)s * 131;
+    for (int i = 0; i < B * D; i++) x[i] = (float)(smp_rng_uniform(&st) * 2 - 1);
+    for (int i = 0; i < B * C; i++) t[i] = (float)(smp_rng_uniform(&st) * 2 - 1);
+}
+
+SMP_STEP_BODY(zmse_body) {
+    const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
+    smp_tensor *g = smp_mb_output_grad(mb, 0);
+    return smp_mb_return_f32(mb, 0, mse((const float *)y->data, (const float *)t->data, (float *)g->data, (int)smp_tensor_numel(y)));
+}
+
+/* Every parameter and its momentum whole into w and mom, on every rank of comm: bits ORed over
+   the ranks, each element from the one rank that holds it (dp rank 0 for a parameter, the owner for momentum). */
+static void zgather(MPI_Comm comm, zopt *o, float w[ZP][H * H], float mom[ZP][H * H]) {
+    memset(w, 0, sizeof(float) * ZP * H * H);
+    memset(mom, 0, sizeof(float) * ZP * H * H);
+    for (int i = 0; i < ZP; i++) {
+        if (!o->p[i]) continue;
+        if (smp_dp_rank() == 0) memcpy(w[i], smp_param_value(o->p[i])->data, smp_tensor_nbytes(smp_param_value(o->p[i])));
+        memcpy(mom[i] + o->first[i], o->v[i], sizeof(float) * (size_t)o->count[i]);
+    }
+    MPI_Allreduce(MPI_IN_PLACE, w, ZP * H * H, MPI_UINT32_T, MPI_BOR, comm);
+    MPI_Allreduce(MPI_IN_PLACE, mom, ZP * H * H, MPI_UINT32_T, MPI_BOR, comm);
+}
+
+/* A run inside comm at P partitions (the rest replicas; shard: shard_optimizer_state): loads `from` (or, with
+   from NULL and inject, takes g_zw/g_zm by hand), checks what it holds against them, trains `steps` steps, saves
+   partially to `to` (when given: g_zw/g_zm become what it saved) and leaves every parameter whole in out. */
+static int zrun(MPI_Comm comm, int P, bool shard, const char *from, int partial, bool inject, int steps, const char *to,
+                float out[ZP][H * H], char *why, size_t cap) {
+    int size;
+    MPI_Comm_size(comm, &size);
+    smp_config cfg = {0};
+    cfg.comm = comm;
+    cfg.partitions = P;
+    cfg.microbatches = 2;
+    cfg.ddp = size > P ? SMP_ON : SMP_OFF;
+    cfg.deterministic_reduction = SMP_ON;
+    cfg.shard_optimizer_state = shard ? SMP_ON : SMP_OFF;
+    cfg.seed = 7;
+    if (smp_init(&cfg)) { snprintf(why, cap, "smp_init: %s", smp_last_error()); return 0; }
+    net n;
+    zopt o;
+    memset(&o, 0, sizeof o);
+    smp_model *m = build(&n, NULL);
+    float x[B * D], t[B * C];
+    zbatch(0, x, t);
+    smp_tensor sample = smp_tensor_2d(x, SMP_F32, B / 2, D);
+    int ok = m && smp_model_trace(m, &sample, 1) == SMP_OK && smp_optimizer_new(m, &o.reg) == SMP_OK;
+    for (int i = 0; ok && i < ZP; i++) {
+        smp_param *p = smp_model_global_param(m, i, false);
+        if (!smp_module_is_local(smp_param_module(p))) continue;
+        o.p[i] = p;
+        ok = smp_param_owned_range(m, p, &o.first[i], &o.count[i]) == SMP_OK;
+        o.v[i] = (float *)calloc((size_t)o.count[i] + 1, sizeof(float));
+        smp_tensor s = smp_tensor_1d(o.v[i], SMP_F32, o.count[i]);
+        if (i != ZP - 1 || smp_dp_rank() != g_zskip)
+            ok = ok && smp_optimizer_state_add(o.reg, smp_param_name(p), "momentum", &s) == SMP_OK;
+    }
+    if (!ok) snprintf(why, cap, "set-up: %s", smp_last_error());
+    if (ok && from) {
+        smp_load_desc d = {0};
+        d.partial = partial ? SMP_ON : SMP_OFF;
+        d.optimizer = o.reg;
+        if (smp_load(m, from, &d)) { ok = 0; snprintf(why, cap, "load: %s", smp_last_error()); }
+    }
+    for (int i = 0; ok && (from || inject) && i < ZP; i++) {
+        if (!o.p[i]) continue;
+        if (inject) {
+            memcpy(smp_param_value(o.p[i])->data, g_zw[i], smp_tensor_nbytes(smp_param_value(o.p[i])));
+            memcpy(o.v[i], g_zm[i] + o.first[i], sizeof(float) * (size_t)o.count[i]);
+        }
+        if (memcmp(smp_param_value(o.p[i])->data, g_zw[i], smp_tensor_nbytes(smp_param_value(o.p[i]))) ||
+            memcmp(o.v[i], g_zm[i] + o.first[i], sizeof(float) * (size_t)o.count[i])) {
+            ok = 0;
+            snprintf(why, cap, "'%s' or its momentum (elements %lld..) is not what was saved", smp_param_name(o.p[i]),
+                     (long long)o.first[i]);
+        }
+    }
+    for (int s = 0; ok && s < steps; s++) {
+        smp_step_output loss = {0};
+        zbatch(s + 1, x, t);
+        smp_tensor xt = smp_tensor_2d(x, SMP_F32, B, D), tt = smp_tensor_2d(t, SMP_F32, B, C);
+        smp_model_zero_grad(m);
+        if (SMP_TRAIN_STEP(m, zmse_body, NULL, &loss, 1, xt, tt)) { ok = 0; snprintf(why, cap, "step %d: %s", s, smp_last_error()); }
+        smp_step_output_free(&loss);
+        for (int i = 0; ok && i < ZP; i++) {
+            if (!o.p[i]) continue;
+            float *w = (float *)smp_param_value(o.p[i])->data + o.first[i];
+            const float *g = (const float *)smp_param_grad(o.p[i])->data + o.first[i];
+            for (int64_t k = 0; k < o.count[i]; k++) {
+                o.v[i][k] = 0.9f * o.v[i][k] + g[k];
+                w[k] -= 0.05f * o.v[i][k];
+            }
+        }
+    }
+    if (ok && to) {
+        smp_save_desc d = {0};
+        d.optimizer = o.reg;
+        d.partial = SMP_ON;
+        if (smp_save(m, to, &d)) { ok = 0; snprintf(why, cap, "save: %s", smp_last_error()); }
+        char full[300];
+        snprintf(full, sizeof full, "%s_full", to);
+        d.partial = SMP_OFF;
+        if (ok && smp_save(m, full, &d)) { ok = 0; snprintf(why, cap, "full save: %s", smp_last_error()); }
+        if (ok) zgather(comm, &o, g_zw, g_zm);
+    }
+    if (ok && smp_model_gather_params(m)) { ok = 0; snprintf(why, cap, "gather: %s", smp_last_error()); }
+    static float unused[ZP][H * H];
+    if (ok) zgather(comm, &o, out, unused);
+    for (int i = 0; i < ZP; i++) free(o.v[i]);
+    smp_optimizer_free(o.reg);
+    smp_model_free(m);
+    smp_finalize();
+    return ok;
+}
+
+/* The first `size` ranks of the world, or MPI_COMM_NULL on the others. */
+static MPI_Comm first_ranks(int size) {
+    MPI_Comm c;
+    MPI_Comm_split(MPI_COMM_WORLD, me < size ? 0 : MPI_UNDEFINED, me, &c);
+    return c;
+}
+
+/* Loads `from` at (P, sharded or not) on the first `size` ranks and trains on, against the same run given the saved
+   state by hand; with `to`, saves after the resumed run's steps (the next link of a chain). */
+static void zresume(int size, int P, bool shard, const char *from, int partial, const char *to, const char *label) {
+    static float a[ZP][H * H], b[ZP][H * H];
+    char name[300], why[2200] = "", why2[2200] = "";
+    int ok = 1;
+    if (!allowed(size) || world < size) return;
+    MPI_Comm c = first_ranks(size);
+    if (c != MPI_COMM_NULL) {
+        ok = zrun(c, P, shard, NULL, 0, true, ZSTEPS, NULL, b, why2, sizeof why2) &&
+             zrun(c, P, shard, from, partial, false, ZSTEPS, to, a, why, sizeof why);
+        if (!why[0]) snprintf(why, sizeof why, "%s", why2);
+        if (ok && memcmp(a, b, sizeof a)) { ok = 0; snprintf(why, sizeof why, "the resumed run's parameters differ"); }
+        MPI_Comm_free(&c);
+    }
+    MPI_Bcast(g_zw, ZP * H * H, MPI_FLOAT, 0, MPI_COMM_WORLD);
+    MPI_Bcast(g_zm, ZP * H * H, MPI_FLOAT, 0, MPI_COMM_WORLD);
+    snprintf(name, sizeof name, "checkpoint/sharded optimizer state: %s, at P=%d x %d replicas%s (%s): loads what was saved, "
+             "trains on bitwise", label, P, size / P, shard ? " sharded" : "", partial ? "partial" : "full");
+    MPI_CHECK(ok, name, "%s", why);
+}
+
+static void test_sharded(void) {
+    if (world < 2) return;
+    char a[300], af[320], b[300], name[200], why[2200] = "";
+    static float out[ZP][H * H];
+    path_in(a, sizeof a, "zero_a");
+    path_in(b, sizeof b, "zero_b");
+    snprintf(af, sizeof af, "%s_full", a);
+    int ok = 1;
+    MPI_Comm c = first_ranks(2);
+    if (c != MPI_COMM_NULL) {
+        ok = zrun(c, 1, true, NULL, 0, false, ZSTEPS, a, out, why, sizeof why);
+        MPI_Comm_free(&c);
+    }
+    MPI_Bcast(g_zw, ZP * H * H, MPI_FLOAT, 0, MPI_COMM_WORLD);
+    MPI_Bcast(g_zm, ZP * H * H, MPI_FLOAT, 0, MPI_COMM_WORLD);
+    snprintf(name, sizeof name, "checkpoint/sharded optimizer state: 2 replicas sharded save partially and fully");
+    MPI_CHECK(ok, name, "%s", why);
+    zresume(2, 1, true, a, 1, NULL, "saved sharded by 2 replicas");
+    zresume(2, 2, false, a, 1, NULL, "saved sharded by 2 replicas");
+    zresume(2, 2, false, af, 0, NULL, "saved sharded by 2 replicas");
+    zresume(4, 2, true, a, 1, NULL, "saved sharded by 2 replicas");
+    zresume(4, 2, true, af, 0, NULL, "saved sharded by 2 replicas");
+    /* a chain: sharded at dp 2 -> unsharded at dp 1, which saves -> sharded at dp 4 */
+    zresume(1, 1, false, af, 0, NULL, "saved sharded by 2 replicas");
+    zresume(1, 1, false, a, 1, b, "saved sharded by 2 replicas");
+    zresume(2, 1, true, b, 1, NULL, "saved unsharded by 1 replica after a sharded resume");
+    zresume(4, 1, true, b, 1, NULL, "saved unsharded by 1 replica after a sharded resume");
 }
 
 /* ---------------------------------------------------------------- files on disk */
@@ -824,6 +1024,55 @@ static int flip(const char *path, const char *name) {
     return 1;
 }
 
+/* Bad input: replicas whose registered state leaves a gap in a parameter cannot save it; a partial checkpoint
+   missing one replica's piece of a parameter's state (here: a checkpoint of the layout saved before manifests,
+   one tensor dropped from the second replica's file) cannot be loaded. Both errors on every rank. */
+static void test_sharded_gaps(void) {
+    if (world < 2) return;
+    char g[300], why[2200] = "", f1[700], victim[200] = "";
+    static float out[ZP][H * H];
+    path_in(g, sizeof g, "zero_gap");
+    int ok = 0, good = 1;
+    MPI_Comm c = first_ranks(2);
+    if (c != MPI_COMM_NULL) {
+        g_zskip = 1;
+        ok = zrun(c, 1, true, NULL, 0, false, 1, g, out, why, sizeof why);
+        g_zskip = -1;
+        good = !ok && strstr(why, "do not cover the parameter");
+    }
+    MPI_CHECK(good, "checkpoint/sharded optimizer state: replicas whose state leaves a gap cannot save, an error on every rank",
+              "%s", ok ? "saved" : why);
+    if (c != MPI_COMM_NULL) ok = zrun(c, 1, true, NULL, 0, false, 1, g, out, why, sizeof why);
+    if (me == 0 && ok) {
+        smp_ckpt_file *f, *f0;
+        char f0n[700];
+        ok = to_legacy(g, 2);
+        snprintf(f0n, sizeof f0n, "%s_0", g);
+        snprintf(f1, sizeof f1, "%s_1", g);
+        if (ok && smp_ckpt_open(f1, &f) == SMP_OK) { /* a tensor both replicas hold a range of */
+            if (smp_ckpt_open(f0n, &f0) == SMP_OK) {
+                for (int i = 0; i < smp_ckpt_count(f) && !victim[0]; i++)
+                    if (!strncmp(smp_ckpt_info_at(f, i)->name, "optimizer.", 10) && smp_ckpt_find(f0, smp_ckpt_info_at(f, i)->name))
+                        snprintf(victim, sizeof victim, "%s", smp_ckpt_info_at(f, i)->name);
+                smp_ckpt_close(f0);
+            }
+            smp_ckpt_close(f);
+        }
+        ok = ok && victim[0] && rewrite(f1, victim, NULL, SMP_F32, NULL, 0, NULL, NULL);
+    }
+    MPI_Bcast(&ok, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    MPI_Bcast(victim, sizeof victim, MPI_CHAR, 0, MPI_COMM_WORLD);
+    good = 1;
+    if (c != MPI_COMM_NULL) {
+        why[0] = 0;
+        good = ok && !zrun(c, 1, true, g, 1, false, 0, NULL, out, why, sizeof why) && strstr(why, victim) &&
+               strstr(why, "does not cover");
+        MPI_Comm_free(&c);
+    }
+    MPI_CHECK(good, "checkpoint/sharded optimizer state: a checkpoint missing a replica's piece is an error naming it on every rank",
+              "%s (setting up: %d)", why, ok);
+}
+
 /* The tensor whose data ends the file. */
 static void last_tensor(const char *path, char *out, size_t cap) {
     smp_ckpt_file *f;
@@ -1264,6 +1513,8 @@ int main(int argc, char **argv) {
         test_roundtrip(Ps[a], 0, 40);
     }
     test_reshard();
+    test_sharded();
+    test_sharded_gaps();
     test_generations();
     test_python();
     test_killed_save(argv[0]);
