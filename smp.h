@@ -340,7 +340,11 @@ typedef enum smp_status {
 
 SMPDEF const char *smp_last_error(void);
 /* Returns from the enclosing function when expr fails (module callbacks, forwards). */
-#define SMP_TRY(expr) do { smp_status smp_try_status_ = (expr); if (smp_try_status_ != SMP_OK) return smp_try_status_; } while (0)
+#define SMP_TRY(expr) \
+    do { \
+        smp_status smp_try_status_ = (expr); \
+        if (smp_try_status_ != SMP_OK) return smp_try_status_; \
+    } while (0)
 SMPDEF const char *smp_status_name(smp_status s);
 /* Records an error message (printf-style) and returns `s`; engine code may
    use it from module callbacks so its message reaches every rank. */
@@ -403,7 +407,11 @@ typedef enum smp_switch { SMP_DEFAULT = 0, SMP_ON = 1, SMP_OFF = -1 } smp_switch
    back on partition 0; a near-zero bubble at 1F1B's peak memory; see
    smp_pipeline.h) */
 typedef enum smp_pipeline_kind {
-    SMP_PIPELINE_DEFAULT = 0, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_SIMPLE, SMP_PIPELINE_ZERO_BUBBLE, SMP_PIPELINE_ZERO_BUBBLE_V
+    SMP_PIPELINE_DEFAULT = 0,
+    SMP_PIPELINE_INTERLEAVED,
+    SMP_PIPELINE_SIMPLE,
+    SMP_PIPELINE_ZERO_BUBBLE,
+    SMP_PIPELINE_ZERO_BUBBLE_V
 } smp_pipeline_kind;
 typedef enum smp_optimize { SMP_OPTIMIZE_DEFAULT = 0, SMP_OPTIMIZE_SPEED, SMP_OPTIMIZE_MEMORY } smp_optimize;
 /* Where the coordinates go over the world's ranks. The letter forms are
@@ -437,16 +445,19 @@ typedef struct smp_config {
     double memory_weight;           /* used only when has_memory_weight; default from optimize (speed 0, memory 1) */
     bool has_memory_weight;
     smp_trace_device trace_device;  /* default: gpu when a device backend is present, else cpu */
-    smp_switch trace_execution_times;  /* after a warm-up run, each call is timed 3 times; default off: their median; on: their best */
+    /* after a warm-up run, each call is timed 3 times; default off: their median; on: their best */
+    smp_switch trace_execution_times;
     smp_switch trace_memory_usage;     /* default off */
     smp_switch overlapping_allreduce;  /* default on */
     int backward_passes_per_step;      /* 0: 1 */
     smp_switch average_grads_across_microbatches; /* default on */
     double bucket_cap_mb;              /* 0: 25 */
     smp_switch broadcast_buffers;      /* default on */
-    smp_switch activation_checkpointing; /* default off; on: every top-level call recomputes (smp_module_set_recompute) */
+    /* default off; on: every top-level call recomputes (smp_module_set_recompute) */
+    smp_switch activation_checkpointing;
     int active_microbatches;        /* most microbatches in flight on a rank (smp_pipeline.h); 0: the schedule's own */
-    smp_switch shard_optimizer_state; /* each replica updates its 1/dp of the parameters (smp_param_owned_range); default off */
+    /* each replica updates its 1/dp of the parameters (smp_param_owned_range); default off */
+    smp_switch shard_optimizer_state;
     smp_switch prescaled_batch;       /* a TP group's ranks read the same batch (SageMaker's key); default on */
     smp_switch offload_activations; /* on_device models: what a backward needs waits in host memory; default off */
     int activation_loading_horizon; /* offload_activations: tasks before the backward that it comes back; 0: 4 */
@@ -697,7 +708,8 @@ SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, 
 SMPDEF smp_param *smp_param_new_sharded(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
                                         int shard_axis, smp_init_fn init, void *init_user);
 SMPDEF int smp_param_shard_axis(const smp_param *p);       /* -1: whole on every TP rank */
-SMPDEF int64_t smp_param_shard_offset(const smp_param *p); /* where this rank's slice starts along the axis (0 if whole) */
+/* where this rank's slice starts along the axis (0 if whole) */
+SMPDEF int64_t smp_param_shard_offset(const smp_param *p);
 SMPDEF int smp_param_full_shape(const smp_param *p, int64_t shape[SMP_MAX_DIMS]); /* the declared shape; returns ndim */
 SMPDEF const char *smp_module_name(const smp_module *m); /* full dotted name */
 SMPDEF void *smp_module_user(const smp_module *m);
@@ -803,7 +815,8 @@ SMPDEF void smp_partition_pop(void);
    pop, and smp_model_new then fails naming the file and line of the
    context left open. */
 #define SMP_PARTITION(k) \
-    for (int smp__pctx_once = (smp__partition_push_at((k), __FILE__, __LINE__), 1); smp__pctx_once; smp__pctx_once = (smp_partition_pop(), 0))
+    for (int smp__pctx_once = (smp__partition_push_at((k), __FILE__, __LINE__), 1); smp__pctx_once; \
+         smp__pctx_once = (smp_partition_pop(), 0))
 /* smp_partition_push that remembers where the context was opened (for SMP_PARTITION). */
 SMPDEF void smp__partition_push_at(int partition, const char *file, int line);
 
@@ -1123,7 +1136,8 @@ SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, sm
 SMP__CORE int smp_group_ranks(smp_group g, int *world_ranks, int cap);
 /* World rank of member `group_rank` of this rank's group g. */
 SMP__CORE int smp_group_world_rank(smp_group g, int group_rank);
-SMP__CORE int smp_model_num_calls(const smp_model *m);                        /* leaf calls (composites count their leaves) */
+/* leaf calls (composites count their leaves) */
+SMP__CORE int smp_model_num_calls(const smp_model *m);
 SMP__CORE int smp_model_call_stage(const smp_model *m, int call);
 /* The core on plain costs: the same contract, cost[i] >= 0 being call i's. */
 SMP__CORE smp_status smp_partition_min_max(const double *cost, int n, int nstages, int *stage_of_call,
@@ -1189,9 +1203,13 @@ typedef struct smp__group_info {
 
 /* what a block is, for the memory account: its category */
 typedef enum smp__alloc_kind {
-    SMP__ALLOC_OTHER = SMP_MEMORY_OTHER, SMP__ALLOC_PARAM = SMP_MEMORY_PARAMETERS, SMP__ALLOC_GRAD = SMP_MEMORY_GRADIENTS,
-    SMP__ALLOC_STASH = SMP_MEMORY_ACTIVATIONS, SMP__ALLOC_COMM = SMP_MEMORY_COMMUNICATION,
-    SMP__ALLOC_OFFLOAD = SMP_MEMORY_OFFLOADED, SMP__ALLOC_CACHED = SMP_MEMORY_CACHED
+    SMP__ALLOC_OTHER = SMP_MEMORY_OTHER,
+    SMP__ALLOC_PARAM = SMP_MEMORY_PARAMETERS,
+    SMP__ALLOC_GRAD = SMP_MEMORY_GRADIENTS,
+    SMP__ALLOC_STASH = SMP_MEMORY_ACTIVATIONS,
+    SMP__ALLOC_COMM = SMP_MEMORY_COMMUNICATION,
+    SMP__ALLOC_OFFLOAD = SMP_MEMORY_OFFLOADED,
+    SMP__ALLOC_CACHED = SMP_MEMORY_CACHED
 } smp__alloc_kind;
 
 static struct {
@@ -1335,7 +1353,11 @@ static smp_status smp__mpi_failed(int how, int rc, const char *call, const char 
     return smp_error(SMP_ERR_MPI, "%s", msg);
 }
 #define SMP__MPI_CHECK(call, ...) smp__mpi_failed(SMP__MPI_STATUS, SMP__MPI_RUN(call), #call, __VA_ARGS__)
-#define SMP__MPI(call, ...) do { smp_status smp_mpi_st_ = SMP__MPI_CHECK(call, __VA_ARGS__); if (smp_mpi_st_) return smp_mpi_st_; } while (0)
+#define SMP__MPI(call, ...) \
+    do { \
+        smp_status smp_mpi_st_ = SMP__MPI_CHECK(call, __VA_ARGS__); \
+        if (smp_mpi_st_) return smp_mpi_st_; \
+    } while (0)
 #define SMP__MPI_FATAL(call, ...) (void)smp__mpi_failed(SMP__MPI_ABORT, (call), #call, __VA_ARGS__)
 #define SMP__MPI_WARN(call, ...) (void)smp__mpi_failed(SMP__MPI_LOG, (call), #call, __VA_ARGS__)
 
@@ -1353,10 +1375,13 @@ static smp_status smp__bytes_type(size_t n, int *count, MPI_Datatype *type) {
     MPI_Aint at[2] = {0, (MPI_Aint)(n - n % block)};
     MPI_Datatype parts[2];
     SMP__MPI(MPI_Type_contiguous((int)block, MPI_BYTE, &gib), "making the datatype of a %zu-byte message", n);
-    smp_status st = SMP__MPI_CHECK(MPI_Type_contiguous((int)(n / block), gib, &blocks), "making the datatype of a %zu-byte message", n);
+    smp_status st = SMP__MPI_CHECK(MPI_Type_contiguous((int)(n / block), gib, &blocks),
+                                   "making the datatype of a %zu-byte message", n);
     parts[0] = blocks;
     parts[1] = MPI_BYTE;
-    if (!st) st = SMP__MPI_CHECK(MPI_Type_create_struct(lens[1] ? 2 : 1, lens, at, parts, type), "making the datatype of a %zu-byte message", n);
+    if (!st)
+        st = SMP__MPI_CHECK(MPI_Type_create_struct(lens[1] ? 2 : 1, lens, at, parts, type),
+                            "making the datatype of a %zu-byte message", n);
     if (!st && (st = SMP__MPI_CHECK(MPI_Type_commit(type), "committing the datatype of a %zu-byte message", n)))
         SMP__MPI_WARN(MPI_Type_free(type), "releasing an uncommitted message datatype");
     SMP__MPI_WARN(MPI_Type_free(&gib), "releasing a part of a message datatype");
@@ -1434,8 +1459,12 @@ static smp__dev_block *smp__dev_find(const void *p) {
 }
 
 #ifdef SMP_TESTING
-static struct { long events[SMP_FAULT_COUNT], fail_at[SMP_FAULT_COUNT]; } smp__testing = {{0}, {-1, -1, -1, -1, -1, -1}};
-SMP__CORE void smp_testing_fail(smp_testing_fault kind, long skip) { smp__testing.fail_at[kind] = skip < 0 ? -1 : smp__testing.events[kind] + skip; }
+static struct {
+    long events[SMP_FAULT_COUNT], fail_at[SMP_FAULT_COUNT];
+} smp__testing = {{0}, {-1, -1, -1, -1, -1, -1}};
+SMP__CORE void smp_testing_fail(smp_testing_fault kind, long skip) {
+    smp__testing.fail_at[kind] = skip < 0 ? -1 : smp__testing.events[kind] + skip;
+}
 SMP__CORE long smp_testing_events(smp_testing_fault kind) { return smp__testing.events[kind]; }
 /* Counts an event of the kind; true when it is the one to fail. */
 static bool smp__injected(smp_testing_fault kind) {
@@ -1481,7 +1510,8 @@ static void smp__dev_untrack(smp__dev_block *b) {
     size_t mask = smp__devmem.cap - 1, hole = (size_t)(b - smp__devmem.slot);
     for (size_t j = (hole + 1) & mask; smp__devmem.slot[j].p; j = (j + 1) & mask) {
         size_t home = smp__dev_home(smp__devmem.slot[j].p);
-        bool reachable = hole < j ? home > hole && home <= j : home > hole || home <= j; /* from home without crossing the hole */
+        /* from home without crossing the hole */
+        bool reachable = hole < j ? home > hole && home <= j : home > hole || home <= j;
         if (!reachable) { smp__devmem.slot[hole] = smp__devmem.slot[j]; hole = j; }
     }
     smp__devmem.slot[hole].p = NULL;
@@ -1686,8 +1716,9 @@ static void smp__cache_free(smp__cache *c) {
 
 /* The out-of-memory policy's message: what could not be had and for what. */
 static smp_status smp__nomem(size_t bytes, const char *what) {
-    return smp_error(SMP_ERR_NOMEM, "out of memory: %zu bytes for %s on rank %d; free memory%s and run it again", bytes, what,
-                     smp__ctx.rank, smp__ctx.at.in_step ? " (or use fewer or smaller microbatches, or activation_checkpointing)" : "");
+    return smp_error(SMP_ERR_NOMEM, "out of memory: %zu bytes for %s on rank %d; free memory%s and run it again", bytes,
+                     what, smp__ctx.rank,
+                     smp__ctx.at.in_step ? " (or use fewer or smaller microbatches, or activation_checkpointing)" : "");
 }
 
 /* Memory for a call that reports errors: NULL and SMP_ERR_NOMEM in *st
@@ -1904,7 +1935,10 @@ static bool smp__json_string_at(const char *s, size_t n, size_t *pos, smp__jstr 
         char b[4];
         *pos = i;
         if (c == '"') { *pos = i + 1; return true; }
-        if (c < 0x20) { snprintf(why, why_cap, "raw control character 0x%02x inside a string (escape it)", c); return false; }
+        if (c < 0x20) {
+            snprintf(why, why_cap, "raw control character 0x%02x inside a string (escape it)", c);
+            return false;
+        }
         if (c >= 0x80) {
             size_t k = smp__utf8_len(u + i, n - i);
             if (!k) {
@@ -1930,14 +1964,19 @@ static bool smp__json_string_at(const char *s, size_t n, size_t *pos, smp__jstr 
         case 't': cp = '\t'; break;
         case 'u': {
             int ok = smp__json_hex4(s + i + 2, n - i - 2, &cp);
-            if (ok < 4) { *pos = i + 2 + (size_t)ok; snprintf(why, why_cap, "\\u must be followed by 4 hex digits"); return false; }
+            if (ok < 4) {
+                *pos = i + 2 + (size_t)ok;
+                snprintf(why, why_cap, "\\u must be followed by 4 hex digits");
+                return false;
+            }
             if (cp >= 0xDC00 && cp <= 0xDFFF) {
                 snprintf(why, why_cap, "\\u%04X is a low surrogate without a high surrogate before it", cp);
                 return false;
             }
             if (cp >= 0xD800 && cp <= 0xDBFF) {
                 unsigned lo = 0;
-                if (i + 7 >= n || u[i + 6] != '\\' || u[i + 7] != 'u' || smp__json_hex4(s + i + 8, n - i - 8, &lo) < 4 || lo < 0xDC00 || lo > 0xDFFF) {
+                if (i + 7 >= n || u[i + 6] != '\\' || u[i + 7] != 'u' ||
+                    smp__json_hex4(s + i + 8, n - i - 8, &lo) < 4 || lo < 0xDC00 || lo > 0xDFFF) {
                     snprintf(why, why_cap, "\\u%04X is a high surrogate not followed by a \\u low surrogate", cp);
                     return false;
                 }
@@ -1964,9 +2003,14 @@ static bool smp__json_string_at(const char *s, size_t n, size_t *pos, smp__jstr 
         i += 2;
         size_t k = cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
         if (k == 1) b[0] = (char)cp;
-        else if (k == 2) { b[0] = (char)(0xC0 | (cp >> 6)); b[1] = (char)(0x80 | (cp & 0x3F)); }
-        else if (k == 3) { b[0] = (char)(0xE0 | (cp >> 12)); b[1] = (char)(0x80 | ((cp >> 6) & 0x3F)); b[2] = (char)(0x80 | (cp & 0x3F)); }
-        else {
+        else if (k == 2) {
+            b[0] = (char)(0xC0 | (cp >> 6));
+            b[1] = (char)(0x80 | (cp & 0x3F));
+        } else if (k == 3) {
+            b[0] = (char)(0xE0 | (cp >> 12));
+            b[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+            b[2] = (char)(0x80 | (cp & 0x3F));
+        } else {
             b[0] = (char)(0xF0 | (cp >> 18)); b[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
             b[2] = (char)(0x80 | ((cp >> 6) & 0x3F)); b[3] = (char)(0x80 | (cp & 0x3F));
         }
@@ -2072,7 +2116,8 @@ SMPDEF const char *smp_dtype_name(smp_dtype dt) { return smp__dtypes[(unsigned)d
 /* "[2, 3]" into buf, cut to cap; returns buf. */
 static const char *smp__shape_text(const int64_t *shape, int ndim, char *buf, size_t cap) {
     size_t at = (size_t)snprintf(buf, cap, "[");
-    for (int i = 0; i < ndim && at < cap; i++) at += (size_t)snprintf(buf + at, cap - at, i ? ", %lld" : "%lld", (long long)shape[i]);
+    for (int i = 0; i < ndim && at < cap; i++)
+        at += (size_t)snprintf(buf + at, cap - at, i ? ", %lld" : "%lld", (long long)shape[i]);
     if (at < cap) snprintf(buf + at, cap - at, "]");
     return buf;
 }
@@ -2105,7 +2150,9 @@ SMP__CORE bool smp__same_shape(int na, const int64_t *a, int nb, const int64_t *
         if (a[i] != b[i]) return false;
     return true;
 }
-SMP__CORE bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b) { return smp__same_shape(a->ndim, a->shape, b->ndim, b->shape); }
+SMP__CORE bool smp_tensor_same_shape(const smp_tensor *a, const smp_tensor *b) {
+    return smp__same_shape(a->ndim, a->shape, b->ndim, b->shape);
+}
 /* "f32[64, 784]" into buf; returns buf. */
 static const char *smp__tensor_describe(const smp_tensor *t, char *buf, size_t cap) {
     size_t at = (size_t)snprintf(buf, cap, "%s", smp_dtype_name(t->dtype));
@@ -2117,10 +2164,12 @@ static const char *smp__tensor_describe(const smp_tensor *t, char *buf, size_t c
 /* The one check of a tensor's device that every call taking a tensor makes. */
 static smp_status smp__check_device(const smp_tensor *t, const char *fn, const char *what) {
     if (t->device < 0)
-        return smp_error(SMP_ERR_ARG, "%s: %s has device %d; a device is SMP_HOST (0, host memory) or SMP_CUDA(ordinal)",
-                         fn, what, t->device);
+        return smp_error(SMP_ERR_ARG,
+                         "%s: %s has device %d; a device is SMP_HOST (0, host memory) or SMP_CUDA(ordinal)", fn, what,
+                         t->device);
     if (t->device != SMP_HOST && !smp__ctx.has_device)
-        return smp_error(SMP_ERR_ARG, "%s: %s is on CUDA device %d but no device backend is registered (include smp_nccl.h in "
+        return smp_error(SMP_ERR_ARG,
+                         "%s: %s is on CUDA device %d but no device backend is registered (include smp_nccl.h in "
                          "the file that defines SMP_IMPLEMENTATION; a host tensor's device is SMP_HOST, 0)",
                          fn, what, SMP_CUDA_ORDINAL(t->device));
     return SMP_OK;
@@ -2128,10 +2177,14 @@ static smp_status smp__check_device(const smp_tensor *t, const char *fn, const c
 
 static smp_status smp__check_tensor(const smp_tensor *t, const char *fn, const char *what) {
     if (!t) return smp_error(SMP_ERR_ARG, "%s: %s is NULL", fn, what);
-    if (smp_dtype_size(t->dtype) == 0) return smp_error(SMP_ERR_ARG, "%s: %s has an invalid dtype (%d)", fn, what, (int)t->dtype);
-    if (t->ndim < 0 || t->ndim > SMP_MAX_DIMS) return smp_error(SMP_ERR_ARG, "%s: %s has ndim %d (0..%d)", fn, what, t->ndim, SMP_MAX_DIMS);
+    if (smp_dtype_size(t->dtype) == 0)
+        return smp_error(SMP_ERR_ARG, "%s: %s has an invalid dtype (%d)", fn, what, (int)t->dtype);
+    if (t->ndim < 0 || t->ndim > SMP_MAX_DIMS)
+        return smp_error(SMP_ERR_ARG, "%s: %s has ndim %d (0..%d)", fn, what, t->ndim, SMP_MAX_DIMS);
     for (int i = 0; i < t->ndim; i++)
-        if (t->shape[i] < 0) return smp_error(SMP_ERR_ARG, "%s: %s has negative dimension %d (%lld)", fn, what, i, (long long)t->shape[i]);
+        if (t->shape[i] < 0)
+            return smp_error(SMP_ERR_ARG, "%s: %s has negative dimension %d (%lld)", fn, what, i,
+                             (long long)t->shape[i]);
     if (!t->data && smp_tensor_numel(t) > 0) return smp_error(SMP_ERR_ARG, "%s: %s has no data", fn, what);
     return smp__check_device(t, fn, what);
 }
@@ -2181,17 +2234,21 @@ SMP__CORE uint16_t smp_f32_to_bf16(float f) {
 #endif
 /* Each dtype's DLPack code and bits, in smp_dtype order: both directions read it. */
 static const struct { uint8_t code, bits; } smp__dl_types[SMP_DTYPE_COUNT] = {
-    {0, 0}, {kDLFloat, 32}, {kDLFloat, 16}, {kDLBfloat, 16}, {kDLFloat, 64}, {kDLInt, 32}, {kDLInt, 64}, {kDLUInt, 8}, {SMP__DL_BOOL, 8}};
+    {0, 0}, {kDLFloat, 32}, {kDLFloat, 16}, {kDLBfloat, 16}, {kDLFloat, 64},
+    {kDLInt, 32}, {kDLInt, 64}, {kDLUInt, 8}, {SMP__DL_BOOL, 8}};
 
 SMPDEF smp_status smp_tensor_from_dlpack(const DLTensor *dl, smp_tensor *out) {
     if (!dl || !out) return smp_error(SMP_ERR_ARG, "smp_tensor_from_dlpack: NULL argument");
-    if (dl->ndim < 0 || dl->ndim > SMP_MAX_DIMS) return smp_error(SMP_ERR_ARG, "DLPack tensor has %d dimensions; smp supports up to %d", dl->ndim, SMP_MAX_DIMS);
-    if (dl->dtype.lanes != 1) return smp_error(SMP_ERR_ARG, "DLPack tensor has %d lanes; smp supports 1", dl->dtype.lanes);
+    if (dl->ndim < 0 || dl->ndim > SMP_MAX_DIMS)
+        return smp_error(SMP_ERR_ARG, "DLPack tensor has %d dimensions; smp supports up to %d", dl->ndim, SMP_MAX_DIMS);
+    if (dl->dtype.lanes != 1)
+        return smp_error(SMP_ERR_ARG, "DLPack tensor has %d lanes; smp supports 1", dl->dtype.lanes);
     smp_dtype dt = SMP_DTYPE_INVALID;
     for (int k = 1; k < SMP_DTYPE_COUNT && !dt; k++) /* u8 before bool: old DLPack spells both kDLUInt 8 */
         if (dl->dtype.code == smp__dl_types[k].code && dl->dtype.bits == smp__dl_types[k].bits) dt = (smp_dtype)k;
     if (dt == SMP_DTYPE_INVALID)
-        return smp_error(SMP_ERR_ARG, "DLPack dtype code %d with %d bits has no smp dtype", dl->dtype.code, dl->dtype.bits);
+        return smp_error(SMP_ERR_ARG, "DLPack dtype code %d with %d bits has no smp dtype", dl->dtype.code,
+                         dl->dtype.bits);
     int device;
     if (dl->device.device_type == kDLCPU || dl->device.device_type == kDLCUDAHost) device = SMP_HOST;
     else if (dl->device.device_type == kDLCUDA) device = SMP_CUDA(dl->device.device_id);
@@ -2200,7 +2257,9 @@ SMPDEF smp_status smp_tensor_from_dlpack(const DLTensor *dl, smp_tensor *out) {
         int64_t expect = 1;
         for (int i = dl->ndim - 1; i >= 0; i--) {
             if (dl->shape[i] != 1 && dl->strides[i] != expect)
-                return smp_error(SMP_ERR_ARG, "DLPack tensor is not contiguous (dimension %d has stride %lld, expected %lld)", i, (long long)dl->strides[i], (long long)expect);
+                return smp_error(SMP_ERR_ARG,
+                                 "DLPack tensor is not contiguous (dimension %d has stride %lld, expected %lld)", i,
+                                 (long long)dl->strides[i], (long long)expect);
             expect *= dl->shape[i];
         }
     }
@@ -2265,7 +2324,8 @@ typedef enum smp__cfg_kind {
 /* Enum strings: the value of names[i] is i + 1 (0 is each enum's DEFAULT). */
 static const char *const smp__cfg_pipeline_names[] = {"interleaved", "simple", "zero_bubble", "zero_bubble_v", NULL};
 static const char *const smp__cfg_optimize_names[] = {"speed", "memory", NULL};
-static const char *const smp__cfg_placement_names[] = {"cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD", NULL};
+static const char *const smp__cfg_placement_names[] = {"cluster", "spread", "DPT", "DTP", "PDT",
+                                                       "PTD",     "TDP",    "TPD", NULL};
 static const char *const smp__cfg_trace_names[] = {"cpu", "gpu", NULL};
 
 /* A row a key, naming the smp_config field it sets. Every field but the
@@ -2285,14 +2345,16 @@ static const struct smp__cfg_key {
     {"tensor_parallel_degree", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(tensor_parallel_degree), 0, NULL, NULL},
     {"microbatches", SMP__CFG_KIND_COUNT, SMP__CFG_FIELD(microbatches), 0, NULL, NULL},
     {"pipeline", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(pipeline), SMP_PIPELINE_INTERLEAVED, smp__cfg_pipeline_names,
-     "SMP_PIPELINE_INTERLEAVED (1), SMP_PIPELINE_SIMPLE (2), SMP_PIPELINE_ZERO_BUBBLE (3) or SMP_PIPELINE_ZERO_BUBBLE_V (4)"},
+     "SMP_PIPELINE_INTERLEAVED (1), SMP_PIPELINE_SIMPLE (2), SMP_PIPELINE_ZERO_BUBBLE (3) or "
+     "SMP_PIPELINE_ZERO_BUBBLE_V (4)"},
     {"optimize", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(optimize), SMP_OPTIMIZE_SPEED, smp__cfg_optimize_names,
      "SMP_OPTIMIZE_SPEED (1) or SMP_OPTIMIZE_MEMORY (2)"},
     {"auto_partition", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(auto_partition), SMP_ON, NULL, NULL},
     {"default_partition", SMP__CFG_KIND_INDEX, SMP__CFG_FIELD(default_partition), 0, NULL, NULL},
     {"ddp", SMP__CFG_KIND_BOOL, SMP__CFG_FIELD(ddp), SMP_OFF, NULL, NULL},
     {"placement_strategy", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(placement_strategy), SMP_PLACEMENT_CLUSTER,
-     smp__cfg_placement_names, "SMP_PLACEMENT_CLUSTER (1), SMP_PLACEMENT_SPREAD (2) or a letter form SMP_PLACEMENT_DPT (3) "
+     smp__cfg_placement_names,
+     "SMP_PLACEMENT_CLUSTER (1), SMP_PLACEMENT_SPREAD (2) or a letter form SMP_PLACEMENT_DPT (3) "
      "to SMP_PLACEMENT_TPD (8)"},
     {"memory_weight", SMP__CFG_KIND_WEIGHT, SMP__CFG_FIELD(memory_weight), 0, NULL, NULL},
     {"trace_device", SMP__CFG_KIND_ENUM, SMP__CFG_FIELD(trace_device), SMP_TRACE_CPU, smp__cfg_trace_names,
@@ -2529,7 +2591,8 @@ static bool smp__json_value(smp__json *j, smp__jvalue *v) {
         hint = " (JSON spells these true, false and null)";
     else if (*p == '\'')
         hint = " (JSON strings take double quotes)";
-    return smp__json_fail(j, j->pos, "expected a value (string, number, object, array, true, false or null), found %s%s",
+    return smp__json_fail(j, j->pos,
+                          "expected a value (string, number, object, array, true, false or null), found %s%s",
                           smp__cfg_found(j, j->pos, f, sizeof f), hint);
 }
 
@@ -2706,7 +2769,8 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
         long long x = 0;
         int r = v->type == SMP__J_NUMBER ? smp__json_to_int(v->num, v->num_len, INT_MIN, INT_MAX, &x) : 1;
         if (r) {
-            snprintf(msg, cap, "config key \"%s\" must be an integer%s, got %s", name, r == 2 ? " within int range" : "", got);
+            snprintf(msg, cap, "config key \"%s\" must be an integer%s, got %s", name,
+                     r == 2 ? " within int range" : "", got);
             return false;
         }
         if (key->kind == SMP__CFG_KIND_COUNT && x < 1) {
@@ -2740,7 +2804,8 @@ static bool smp__cfg_apply(int id, const smp__jvalue *v, smp_config *cfg, char *
             return false;
         }
         if (v->num_len > SMP__JSON_NUM_CAP) {
-            snprintf(msg, cap, "config key \"%s\" takes numbers of at most %d characters, got one of %zu", name, SMP__JSON_NUM_CAP, v->num_len);
+            snprintf(msg, cap, "config key \"%s\" takes numbers of at most %d characters, got one of %zu", name,
+                     SMP__JSON_NUM_CAP, v->num_len);
             return false;
         }
         if (!smp__cfg_strtod(v->num, v->num_len, &d) || !isfinite(d)) {
@@ -2828,7 +2893,8 @@ static smp_status smp__cfg_resolve_key(smp_config *c, const struct smp__cfg_key 
     }
     case SMP__CFG_KIND_BOOL:
         if (v != SMP_DEFAULT && v != SMP_ON && v != SMP_OFF)
-            return smp_error(SMP_ERR_CONFIG, "config key \"%s\" has invalid value %d (use SMP_ON, SMP_OFF, or SMP_DEFAULT (0))",
+            return smp_error(SMP_ERR_CONFIG,
+                             "config key \"%s\" has invalid value %d (use SMP_ON, SMP_OFF, or SMP_DEFAULT (0))",
                              key->name, v);
         break;
     case SMP__CFG_KIND_COUNT:
@@ -2836,7 +2902,9 @@ static smp_status smp__cfg_resolve_key(smp_config *c, const struct smp__cfg_key 
         smp__cfg_set_int(c, key, v == 0 ? (key->dflt ? key->dflt : 1) : v); /* 1 unless its row says */
         return SMP_OK;
     case SMP__CFG_KIND_LIMIT:
-        if (v < 0) return smp_error(SMP_ERR_CONFIG, "config key \"%s\" must be at least 1, or 0 for no limit, got %d", key->name, v);
+        if (v < 0)
+            return smp_error(SMP_ERR_CONFIG, "config key \"%s\" must be at least 1, or 0 for no limit, got %d",
+                             key->name, v);
         return SMP_OK;
     default:
         return SMP_OK;
@@ -2875,9 +2943,11 @@ SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, sm
 
     /* one setting under two names: SageMaker's PyTorch name wins where only it is set */
     if (c.partitions > 0 && c.pipeline_parallel_degree > 0 && c.partitions != c.pipeline_parallel_degree)
-        return smp_error(SMP_ERR_CONFIG, "config keys \"partitions\" (%d) and \"pipeline_parallel_degree\" (%d) disagree: they are "
-                         "one setting (SageMaker's PyTorch name for partitions); give one of them, or the same value to both",
-                         c.partitions, c.pipeline_parallel_degree);
+        return smp_error(
+            SMP_ERR_CONFIG,
+            "config keys \"partitions\" (%d) and \"pipeline_parallel_degree\" (%d) disagree: they are "
+            "one setting (SageMaker's PyTorch name for partitions); give one of them, or the same value to both",
+            c.partitions, c.pipeline_parallel_degree);
     if (c.partitions == 0) c.partitions = c.pipeline_parallel_degree;
 
     /* enums, switches and counts first: everything below reads them */
@@ -2893,9 +2963,12 @@ SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, sm
     if (tp == 1 && world_size % c.partitions != 0)
         return smp_error(SMP_ERR_CONFIG, "partitions = %d does not divide the world size %d", c.partitions, world_size);
     if (tp > 1 && (mp > world_size || world_size % mp != 0))
-        return smp_error(SMP_ERR_CONFIG, "partitions (pipeline_parallel_degree) = %d x tensor_parallel_degree = %d makes %lld ranks "
-                         "a model replica, which does not divide the world size %d: run a multiple of %lld ranks, or change "
-                         "the degrees", c.partitions, tp, mp, world_size, mp);
+        return smp_error(
+            SMP_ERR_CONFIG,
+            "partitions (pipeline_parallel_degree) = %d x tensor_parallel_degree = %d makes %lld ranks "
+            "a model replica, which does not divide the world size %d: run a multiple of %lld ranks, or change "
+            "the degrees",
+            c.partitions, tp, mp, world_size, mp);
     char times_tp[48] = "";
     if (tp > 1) snprintf(times_tp, sizeof times_tp, " x tensor_parallel_degree = %d", tp);
     if (world_size > mp && c.ddp != SMP_ON)
@@ -2906,12 +2979,14 @@ SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, sm
 
     /* a value set without its flag would be dropped without a word */
     if (!c.has_default_partition && c.default_partition != 0)
-        return smp_error(SMP_ERR_CONFIG, "default_partition = %d is set but has_default_partition is false: set "
-                                         "has_default_partition = true (0 is a partition, so smp cannot tell it from unset)",
+        return smp_error(SMP_ERR_CONFIG,
+                         "default_partition = %d is set but has_default_partition is false: set "
+                         "has_default_partition = true (0 is a partition, so smp cannot tell it from unset)",
                          c.default_partition);
     if (!c.has_memory_weight && c.memory_weight != 0)
-        return smp_error(SMP_ERR_CONFIG, "memory_weight = %g is set but has_memory_weight is false: set has_memory_weight = "
-                                         "true (0 is a weight, so smp cannot tell it from unset)",
+        return smp_error(SMP_ERR_CONFIG,
+                         "memory_weight = %g is set but has_memory_weight is false: set has_memory_weight = "
+                         "true (0 is a weight, so smp cannot tell it from unset)",
                          c.memory_weight);
     if (c.has_default_partition && (c.default_partition < 0 || c.default_partition >= c.partitions))
         return smp_error(SMP_ERR_CONFIG,
@@ -2919,28 +2994,35 @@ SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, sm
                          c.default_partition, c.partitions, c.partitions - 1);
 
     if (isnan(c.memory_weight) || c.memory_weight < 0 || c.memory_weight > 1)
-        return smp_error(SMP_ERR_CONFIG, "config key \"memory_weight\" must be between 0 and 1, got %g", c.memory_weight);
+        return smp_error(SMP_ERR_CONFIG, "config key \"memory_weight\" must be between 0 and 1, got %g",
+                         c.memory_weight);
     if (!c.has_memory_weight) c.memory_weight = c.optimize == SMP_OPTIMIZE_MEMORY ? 1.0 : 0.0;
     c.has_memory_weight = true;
 
     if (isnan(c.bucket_cap_mb) || c.bucket_cap_mb < 0 || c.bucket_cap_mb > SMP__CFG_MAX_BUCKET_MB)
-        return smp_error(SMP_ERR_CONFIG, "config key \"bucket_cap_mb\" must be a positive number of MB up to %g, got %g",
+        return smp_error(SMP_ERR_CONFIG,
+                         "config key \"bucket_cap_mb\" must be a positive number of MB up to %g, got %g",
                          SMP__CFG_MAX_BUCKET_MB, c.bucket_cap_mb);
     if (c.bucket_cap_mb == 0) c.bucket_cap_mb = SMP__CFG_DEFAULT_BUCKET_MB;
 
     if (c.shard_optimizer_state == SMP_ON && (c.ddp != SMP_ON || world_size / c.partitions < 2))
-        return smp_error(SMP_ERR_CONFIG, "config key \"shard_optimizer_state\" shards the optimizer state across data-parallel replicas, "
-                         "but %s: set \"ddp\": true and run on at least %d ranks (2 replicas of %d partition%s), or leave "
-                         "shard_optimizer_state off", c.ddp != SMP_ON ? "ddp is off" : "there is one replica",
-                         2 * c.partitions, c.partitions, c.partitions == 1 ? "" : "s");
+        return smp_error(
+            SMP_ERR_CONFIG,
+            "config key \"shard_optimizer_state\" shards the optimizer state across data-parallel replicas, "
+            "but %s: set \"ddp\": true and run on at least %d ranks (2 replicas of %d partition%s), or leave "
+            "shard_optimizer_state off",
+            c.ddp != SMP_ON ? "ddp is off" : "there is one replica", 2 * c.partitions, c.partitions,
+            c.partitions == 1 ? "" : "s");
     if (c.prescaled_batch == SMP_OFF && c.tensor_parallel_degree > 1)
         return smp_error(SMP_ERR_CONFIG, "config key \"prescaled_batch\" is false: the %d ranks of a TP group would "
                          "each read their own examples, and smp does not gather them into one batch; set "
                          "\"prescaled_batch\": true and give the ranks of a TP group the same batch (shard data by "
                          "smp_rdp_rank and smp_rdp_size)", c.tensor_parallel_degree);
     if (c.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V && c.virtual_stages > 2)
-        return smp_error(SMP_ERR_CONFIG, "config key \"virtual_stages\" is %d, but pipeline \"zero_bubble_v\" runs exactly 2 stages "
-                         "per partition (its V): leave virtual_stages at 1 or 2", c.virtual_stages);
+        return smp_error(SMP_ERR_CONFIG,
+                         "config key \"virtual_stages\" is %d, but pipeline \"zero_bubble_v\" runs exactly 2 stages "
+                         "per partition (its V): leave virtual_stages at 1 or 2",
+                         c.virtual_stages);
 
     if (!isfinite(c.timeout) || c.timeout < 0 || c.timeout > SMP__CFG_MAX_TIMEOUT)
         return smp_error(SMP_ERR_CONFIG, "config key \"timeout\" must be a positive number of seconds up to %g, got %g",
@@ -3027,7 +3109,8 @@ static bool smp__backoff_pause(smp__backoff *b) {
 SMP__CORE int smp_group_world_rank(smp_group g, int group_rank); /* a test hook (SMP_TESTING) the waits use */
 
 static const char *smp__group_name(smp_group g) {
-    static const char *const names[SMP_GROUP_COUNT] = {"world", "MP_GROUP", "DP_GROUP", "PP_GROUP", "TP_GROUP", "RDP_GROUP"};
+    static const char *const names[SMP_GROUP_COUNT] = {"world",    "MP_GROUP", "DP_GROUP",
+                                                       "PP_GROUP", "TP_GROUP", "RDP_GROUP"};
     return (unsigned)g < SMP_GROUP_COUNT ? names[g] : "?";
 }
 
@@ -3035,7 +3118,8 @@ static const char *smp__rank_host(int rank);
 static void smp__timeout_abort(const char *what, smp_group g, int peer, double waited) {
     if (peer >= 0) {
         int w = smp_group_world_rank(g, peer);
-        smp__fatal("timed out after %.1f s waiting for %s from %s rank %d (world rank %d on host %s); aborting the job (SMP_TIMEOUT=%g)",
+        smp__fatal("timed out after %.1f s waiting for %s from %s rank %d (world rank %d on host %s); aborting the job "
+                   "(SMP_TIMEOUT=%g)",
                    waited, what, smp__group_name(g), peer, w, smp__rank_host(w), smp_timeout());
     }
     /* MPI cannot say which member of a collective has not arrived: name the
@@ -3046,12 +3130,15 @@ static void smp__timeout_abort(const char *what, smp_group g, int peer, double w
     for (int i = 0; i < n && at < sizeof others; i++) {
         int w = smp_group_world_rank(g, i);
         if (w == smp__ctx.rank) continue;
-        if (named == 8) { at += (size_t)snprintf(others + at, sizeof others - at, ", and %d more", n - 1 - named); break; }
+        if (named == 8) {
+            at += (size_t)snprintf(others + at, sizeof others - at, ", and %d more", n - 1 - named);
+            break;
+        }
         at += (size_t)snprintf(others + at, sizeof others - at, "%s%d on %s", named ? ", " : "", w, smp__rank_host(w));
         named++;
     }
-    smp__fatal("timed out after %.1f s waiting for %s in %s (with world rank%s %s); aborting the job (SMP_TIMEOUT=%g)", waited,
-               what, smp__group_name(g), named == 1 ? "" : "s", others, smp_timeout());
+    smp__fatal("timed out after %.1f s waiting for %s in %s (with world rank%s %s); aborting the job (SMP_TIMEOUT=%g)",
+               waited, what, smp__group_name(g), named == 1 ? "" : "s", others, smp_timeout());
 }
 
 /* A collective that fails on one member (bad arguments, out of memory)
@@ -3068,9 +3155,10 @@ static smp__group_info *smp__group(smp_group g);
 static char *smp__strdup(const char *s);
 
 static void smp__member_failed(smp_group g, int rank, const char *error) {
-    if (g == SMP_WORLD) smp__fatal("world rank %d failed the collective this rank waits in: %s; aborting the job", rank, error);
-    smp__fatal("%s rank %d (world rank %d) failed the collective this rank waits in: %s; aborting the job", smp__group_name(g), rank,
-               smp_group_world_rank(g, rank), error);
+    if (g == SMP_WORLD)
+        smp__fatal("world rank %d failed the collective this rank waits in: %s; aborting the job", rank, error);
+    smp__fatal("%s rank %d (world rank %d) failed the collective this rank waits in: %s; aborting the job",
+               smp__group_name(g), rank, smp_group_world_rank(g, rank), error);
 }
 
 static void smp__check_member_failed(smp__group_info *gi, smp_group g) {
@@ -3082,13 +3170,14 @@ static void smp__check_member_failed(smp__group_info *gi, smp_group g) {
     for (;;) {
         int found = 0;
         MPI_Status status;
-        SMP__MPI_FATAL(MPI_Iprobe(MPI_ANY_SOURCE, SMP__TAG_FAILED, gi->notices, &found, &status), "looking for failure notices in %s",
-                       smp__group_name(g));
+        SMP__MPI_FATAL(MPI_Iprobe(MPI_ANY_SOURCE, SMP__TAG_FAILED, gi->notices, &found, &status),
+                       "looking for failure notices in %s", smp__group_name(g));
         if (!found) break;
         int len;
         SMP__MPI_FATAL(MPI_Get_count(&status, MPI_BYTE, &len), "sizing a failure notice in %s", smp__group_name(g));
         char msg[8 + sizeof smp__errbuf];
-        if (len < 8 || len > (int)sizeof msg - 1) smp__fatal("a malformed failure message (%d bytes) in %s", len, smp__group_name(g));
+        if (len < 8 || len > (int)sizeof msg - 1)
+            smp__fatal("a malformed failure message (%d bytes) in %s", len, smp__group_name(g));
         SMP__MPI_FATAL(MPI_Recv(msg, len, MPI_BYTE, status.MPI_SOURCE, SMP__TAG_FAILED, gi->notices, MPI_STATUS_IGNORE),
                        "receiving a failure notice from %s rank %d", smp__group_name(g), status.MPI_SOURCE);
         msg[len] = 0;
@@ -3101,7 +3190,8 @@ static void smp__check_member_failed(smp__group_info *gi, smp_group g) {
             gi->failed_ahead_msg = smp__strdup(msg + 8);
         }
     }
-    if (gi->in_coll && gi->failed_ahead == gi->coll_seq) smp__member_failed(g, gi->failed_ahead_rank, gi->failed_ahead_msg);
+    if (gi->in_coll && gi->failed_ahead == gi->coll_seq)
+        smp__member_failed(g, gi->failed_ahead_rank, gi->failed_ahead_msg);
 }
 
 static smp__group_info *smp__coll_enter(smp_group g) {
@@ -3136,7 +3226,8 @@ static void smp__failures_reap(bool cancel) {
 static bool smp__send_failure(const void *head, size_t head_len, int dest, int tag, MPI_Comm comm) {
     size_t len = strlen(smp__errbuf);
     char *buf = (char *)smp__alloc(head_len + len + 1, SMP__ALLOC_OTHER);
-    if (!buf || !smp__grow((void **)&smp__failures.sends, &smp__failures.cap, smp__failures.n + 1, sizeof(smp__failure_send), NULL)) {
+    if (!buf || !smp__grow((void **)&smp__failures.sends, &smp__failures.cap, smp__failures.n + 1,
+                           sizeof(smp__failure_send), NULL)) {
         smp__free(buf);
         return false;
     }
@@ -3145,8 +3236,8 @@ static bool smp__send_failure(const void *head, size_t head_len, int dest, int t
     smp__failure_send *f = &smp__failures.sends[smp__failures.n++];
     f->buf = buf;
     /* the peer would wait for what this rank cannot do until SMP_TIMEOUT: stop the job now instead */
-    SMP__MPI_FATAL(MPI_Isend(buf, (int)(head_len + len), MPI_BYTE, dest, tag, comm, &f->req), "sending rank %d the failure \"%s\"", dest,
-                   smp__errbuf);
+    SMP__MPI_FATAL(MPI_Isend(buf, (int)(head_len + len), MPI_BYTE, dest, tag, comm, &f->req),
+                   "sending rank %d the failure \"%s\"", dest, smp__errbuf);
     return true;
 }
 
@@ -3214,7 +3305,9 @@ SMPDEF int smp_size(void) { return smp__ctx.size; }
 SMPDEF int smp_local_rank(void) { return smp__ctx.local_rank; }
 SMPDEF int smp_local_size(void) { return smp__ctx.local_size; }
 SMPDEF int smp_mp_rank(void) { return smp__ctx.mp_rank; }
-SMPDEF int smp_mp_size(void) { return smp__ctx.initialized ? smp__ctx.cfg.partitions * smp__ctx.cfg.tensor_parallel_degree : 1; }
+SMPDEF int smp_mp_size(void) {
+    return smp__ctx.initialized ? smp__ctx.cfg.partitions * smp__ctx.cfg.tensor_parallel_degree : 1;
+}
 SMPDEF int smp_dp_rank(void) { return smp__ctx.dp_rank; }
 SMPDEF int smp_dp_size(void) { return smp__ctx.initialized ? smp__ctx.size / smp__ctx.cfg.partitions : 1; }
 SMPDEF int smp_pp_rank(void) { return smp__ctx.pp_rank; }
@@ -3232,7 +3325,10 @@ static smp__group_info *smp__group(smp_group g) {
 }
 SMPDEF int smp_group_rank(smp_group g) { smp__group_info *gi = smp__group(g); return gi ? gi->rank : -1; }
 SMPDEF int smp_group_size(smp_group g) { smp__group_info *gi = smp__group(g); return gi ? gi->size : 0; }
-SMPDEF MPI_Comm smp_group_comm(smp_group g) { smp__group_info *gi = smp__group(g); return gi ? gi->comm : MPI_COMM_NULL; }
+SMPDEF MPI_Comm smp_group_comm(smp_group g) {
+    smp__group_info *gi = smp__group(g);
+    return gi ? gi->comm : MPI_COMM_NULL;
+}
 SMP__CORE int smp_group_ranks(smp_group g, int *world_ranks, int cap) {
     smp__group_info *gi = smp__group(g);
     if (!gi) return 0;
@@ -3260,17 +3356,21 @@ static void smp__gather_hosts(void) {
     len++; /* the NUL */
     int *lens = (int *)smp__alloc(sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER);
     int ok = lens != NULL, all_ok = 0;
-    SMP__MPI_FATAL(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, smp__ctx.world), "agreeing on memory for host names at smp_init (world)");
+    SMP__MPI_FATAL(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, smp__ctx.world),
+                   "agreeing on memory for host names at smp_init (world)");
     if (!all_ok) { smp__free(lens); return; } /* messages then name no host */
-    SMP__MPI_FATAL(MPI_Allgather(&len, 1, MPI_INT, lens, 1, MPI_INT, smp__ctx.world), "gathering host name lengths at smp_init (world)");
+    SMP__MPI_FATAL(MPI_Allgather(&len, 1, MPI_INT, lens, 1, MPI_INT, smp__ctx.world),
+                   "gathering host name lengths at smp_init (world)");
     int *at = lens + n;
     size_t total = 0;
     for (int i = 0; i < n; i++) { at[i] = (int)total; total += (size_t)lens[i]; }
     char *hosts = (char *)smp__alloc(total, SMP__ALLOC_OTHER);
     ok = hosts != NULL;
-    SMP__MPI_FATAL(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, smp__ctx.world), "agreeing on memory for host names at smp_init (world)");
+    SMP__MPI_FATAL(MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_LAND, smp__ctx.world),
+                   "agreeing on memory for host names at smp_init (world)");
     if (!all_ok) { smp__free(hosts); smp__free(lens); return; }
-    SMP__MPI_FATAL(MPI_Allgatherv(name, len, MPI_CHAR, hosts, lens, at, MPI_CHAR, smp__ctx.world), "gathering host names at smp_init (world)");
+    SMP__MPI_FATAL(MPI_Allgatherv(name, len, MPI_CHAR, hosts, lens, at, MPI_CHAR, smp__ctx.world),
+                   "gathering host names at smp_init (world)");
     /* lens is no longer needed, at is: keep the block, offsets in its second half */
     memmove(lens, at, sizeof(int) * (size_t)n);
     smp__ctx.hosts = hosts;
@@ -3285,7 +3385,8 @@ static void smp__make_group(smp__group_info *gi, MPI_Comm comm) {
     /* the others go on into the group's MPI_Allgather, a blocking collective */
     SMP__MPI_FATAL(MPI_Comm_rank(comm, &gi->rank), "asking this rank's place in a group at smp_init");
     SMP__MPI_FATAL(MPI_Comm_size(comm, &gi->size), "asking a group's size at smp_init");
-    SMP__MPI_FATAL(MPI_Allgather(&smp__ctx.rank, 1, MPI_INT, gi->world_ranks, 1, MPI_INT, comm), "gathering a group's world ranks at smp_init");
+    SMP__MPI_FATAL(MPI_Allgather(&smp__ctx.rank, 1, MPI_INT, gi->world_ranks, 1, MPI_INT, comm),
+                   "gathering a group's world ranks at smp_init");
 }
 
 /* ---------------------------------------------------------------- agreement */
@@ -3310,15 +3411,18 @@ static smp_status smp__agree_on(MPI_Comm comm, smp_status local, const char *wha
     pkt.status = (int)local;
     memcpy(pkt.msg, smp__errbuf, sizeof pkt.msg);
     pkt.msg[sizeof pkt.msg - 1] = 0;
-    SMP__MPI_FATAL(MPI_Ibcast(&pkt, (int)sizeof pkt, MPI_BYTE, first, comm, &req), "sharing the error of rank %d in %s", first, what);
+    SMP__MPI_FATAL(MPI_Ibcast(&pkt, (int)sizeof pkt, MPI_BYTE, first, comm, &req), "sharing the error of rank %d in %s",
+                   first, what);
     smp_wait_requests(1, &req, what, SMP_WORLD, first);
     if (first != me) {
         int world_rank = first;
         if (smp__ctx.initialized) {
             MPI_Group a, b;
             if (SMP__MPI_CHECK(MPI_Comm_group(comm, &a), "naming the failed rank of %s", what) == SMP_OK) {
-                if (SMP__MPI_CHECK(MPI_Comm_group(smp__ctx.world, &b), "naming the failed rank of %s", what) == SMP_OK) {
-                    if (SMP__MPI_CHECK(MPI_Group_translate_ranks(a, 1, &first, b, &world_rank), "naming the failed rank of %s", what))
+                if (SMP__MPI_CHECK(MPI_Comm_group(smp__ctx.world, &b), "naming the failed rank of %s", what) ==
+                    SMP_OK) {
+                    if (SMP__MPI_CHECK(MPI_Group_translate_ranks(a, 1, &first, b, &world_rank),
+                                       "naming the failed rank of %s", what))
                         world_rank = first; /* the message then names the rank in `comm` */
                     SMP__MPI_WARN(MPI_Group_free(&b), "releasing a group");
                 }
@@ -3347,12 +3451,14 @@ static void smp__exit_guard(void) {
         const char *op = "operation";
         for (int i = 0; i < 8; i += 2)
             if (smp__ctx.at.op == what[i][0]) op = what[i + 1];
-        snprintf(where, sizeof where, "in step %ld, during the %s of stage %d on microbatch %d", smp__ctx.at.steps, op, smp__ctx.at.stage,
-                 smp__ctx.at.microbatch);
+        snprintf(where, sizeof where, "in step %ld, during the %s of stage %d on microbatch %d", smp__ctx.at.steps, op,
+                 smp__ctx.at.stage, smp__ctx.at.microbatch);
     } else if (smp__ctx.at.in_step) snprintf(where, sizeof where, "in step %ld", smp__ctx.at.steps);
     else snprintf(where, sizeof where, "after %ld steps, outside a step", smp__ctx.at.steps);
-    smp__fatal("rank %d (mp rank %d, dp rank %d) is exiting while smp is initialised (exit() or a return from main before smp_finalize), "
-               "%s: the other ranks would wait for it, so the whole job aborts; call smp_finalize on every rank before leaving main",
+    smp__fatal("rank %d (mp rank %d, dp rank %d) is exiting while smp is initialised (exit() or a return from main "
+               "before smp_finalize), "
+               "%s: the other ranks would wait for it, so the whole job aborts; call smp_finalize on every rank before "
+               "leaving main",
                smp__ctx.rank, smp__ctx.pp_rank, smp__ctx.rdp_rank, where);
 }
 
@@ -3361,8 +3467,9 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     int up = 0, down = 0;
     SMP__MPI_FATAL(MPI_Finalized(&down), "asking whether MPI was finalized (smp_init)");
     if (down) /* MPI cannot start twice in one process */
-        return smp_error(SMP_ERR_STATE, "smp_init after MPI was finalized: MPI cannot start again in this process "
-                                        "(to init smp several times, call MPI_Init yourself before the first smp_init)");
+        return smp_error(SMP_ERR_STATE,
+                         "smp_init after MPI was finalized: MPI cannot start again in this process "
+                         "(to init smp several times, call MPI_Init yourself before the first smp_init)");
     SMP__MPI_FATAL(MPI_Initialized(&up), "asking whether MPI is initialized (smp_init)");
     bool owns = false;
     if (!up) {
@@ -3386,7 +3493,8 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     SMP__MPI_FATAL(MPI_Comm_rank(host, &rank), "asking this rank in the engine's communicator (smp_init)");
     smp_status st = SMP_OK;
     SMP__MPI_FATAL(MPI_Comm_dup(host, &smp__ctx.world), "copying the engine's communicator (smp_init)");
-    SMP__MPI_FATAL(MPI_Comm_set_errhandler(smp__ctx.world, MPI_ERRORS_RETURN), "setting MPI_ERRORS_RETURN on smp's communicator (smp_init)");
+    SMP__MPI_FATAL(MPI_Comm_set_errhandler(smp__ctx.world, MPI_ERRORS_RETURN),
+                   "setting MPI_ERRORS_RETURN on smp's communicator (smp_init)");
     const char *env = getenv("SMP_CONFIG");
     if (env && *env) {
         st = smp_config_from_json(env, &cfg);
@@ -3397,7 +3505,8 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     int pp = st ? 1 : smp__ctx.cfg.partitions, tp = st ? 1 : smp__ctx.cfg.tensor_parallel_degree;
     int group_size[SMP_GROUP_COUNT] = {size, pp * tp, size / pp, pp, tp, size / (pp * tp)};
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
-        smp__ctx.groups[g].world_ranks = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)group_size[g], SMP__ALLOC_OTHER, "a group's ranks");
+        smp__ctx.groups[g].world_ranks =
+            (int *)smp__alloc_or(&st, sizeof(int) * (size_t)group_size[g], SMP__ALLOC_OTHER, "a group's ranks");
     smp__ctx.rank = rank;
     st = smp__agree_on(smp__ctx.world, st, "configuration agreement");
     if (st) {
@@ -3413,7 +3522,8 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     smp__gather_hosts();
 
     MPI_Comm local;
-    SMP__MPI_FATAL(MPI_Comm_split_type(smp__ctx.world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local), "finding the ranks on this host (smp_init)");
+    SMP__MPI_FATAL(MPI_Comm_split_type(smp__ctx.world, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local),
+                   "finding the ranks on this host (smp_init)");
     SMP__MPI_FATAL(MPI_Comm_rank(local, &smp__ctx.local_rank), "asking this rank's place on its host (smp_init)");
     SMP__MPI_FATAL(MPI_Comm_size(local, &smp__ctx.local_size), "asking how many ranks share this host (smp_init)");
     SMP__MPI_WARN(MPI_Comm_free(&local), "releasing the host communicator");
@@ -3427,11 +3537,13 @@ SMPDEF smp_status smp_init(const smp_config *user_cfg) {
     smp__ctx.mp_rank = at.mp_rank;
     smp__ctx.dp_rank = at.dp_rank;
     /* each group: the ranks that share a colour, in the order of their key */
-    int colour[SMP_GROUP_COUNT] = {0, at.rdp_rank, at.pp_rank, at.rdp_rank * tp + at.tp_rank, at.rdp_rank * pp + at.pp_rank, at.mp_rank};
+    int colour[SMP_GROUP_COUNT] = {
+        0, at.rdp_rank, at.pp_rank, at.rdp_rank * tp + at.tp_rank, at.rdp_rank * pp + at.pp_rank, at.mp_rank};
     int key[SMP_GROUP_COUNT] = {rank, at.mp_rank, at.dp_rank, at.pp_rank, at.tp_rank, at.rdp_rank};
     MPI_Comm comm[SMP_GROUP_COUNT];
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
-        SMP__MPI_FATAL(MPI_Comm_split(smp__ctx.world, colour[g], key[g], &comm[g]), "making %s (smp_init)", smp__group_name((smp_group)g));
+        SMP__MPI_FATAL(MPI_Comm_split(smp__ctx.world, colour[g], key[g], &comm[g]), "making %s (smp_init)",
+                       smp__group_name((smp_group)g));
     smp__ctx.initialized = true; /* the group builders below use the context */
     for (int g = 0; g < SMP_GROUP_COUNT; g++) smp__make_group(&smp__ctx.groups[g], comm[g]);
     smp__half_op_fns();
@@ -3459,14 +3571,16 @@ static void smp__drop_notices(MPI_Comm c) {
         int found = 0;
         MPI_Message m;
         MPI_Status st;
-        if (SMP__MPI_CHECK(MPI_Improbe(MPI_ANY_SOURCE, SMP__TAG_FAILED, c, &found, &m, &st), "taking in stale failure notices (smp_finalize)"))
+        if (SMP__MPI_CHECK(MPI_Improbe(MPI_ANY_SOURCE, SMP__TAG_FAILED, c, &found, &m, &st),
+                           "taking in stale failure notices (smp_finalize)"))
             smp__log(SMP_LOG_WARN, "%s", smp_last_error());
         if (!found) return;
         char msg[8 + sizeof smp__errbuf];
         int len = 0;
         SMP__MPI_WARN(MPI_Get_count(&st, MPI_BYTE, &len), "sizing a stale failure notice (smp_finalize)");
         if (len < 0 || len > (int)sizeof msg) len = (int)sizeof msg;
-        SMP__MPI_WARN(MPI_Mrecv(msg, len, MPI_BYTE, &m, MPI_STATUS_IGNORE), "taking in a stale failure notice (smp_finalize)");
+        SMP__MPI_WARN(MPI_Mrecv(msg, len, MPI_BYTE, &m, MPI_STATUS_IGNORE),
+                      "taking in a stale failure notice (smp_finalize)");
     }
 }
 
@@ -3481,10 +3595,13 @@ SMPDEF void smp_finalize(void) {
     for (int g = 0; g < SMP_GROUP_COUNT; g++) {
         smp__free(smp__ctx.groups[g].failed_ahead_msg);
         for (int i = 0; i < SMP__PERSIST_SLOTS; i++) smp__persist_free(&smp__ctx.groups[g].persist[i]);
-        SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.groups[g].comm), "releasing %s (smp_finalize)", smp__group_name((smp_group)g));
-        SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.groups[g].objects), "releasing %s's object communicator (smp_finalize)", smp__group_name((smp_group)g));
+        SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.groups[g].comm), "releasing %s (smp_finalize)",
+                      smp__group_name((smp_group)g));
+        SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.groups[g].objects), "releasing %s's object communicator (smp_finalize)",
+                      smp__group_name((smp_group)g));
         smp__drop_notices(smp__ctx.groups[g].notices);
-        SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.groups[g].notices), "releasing %s's notice communicator (smp_finalize)", smp__group_name((smp_group)g));
+        SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.groups[g].notices), "releasing %s's notice communicator (smp_finalize)",
+                      smp__group_name((smp_group)g));
         smp__free(smp__ctx.groups[g].world_ranks);
     }
     smp__free(smp__ctx.hosts);
@@ -3493,7 +3610,8 @@ SMPDEF void smp_finalize(void) {
     smp__ctx.host_at = NULL;
     for (int d = 0; d < 2; d++)
         for (int o = 0; o < 5; o++)
-            if (smp__ctx.half_ops[d][o] != MPI_OP_NULL) SMP__MPI_WARN(MPI_Op_free(&smp__ctx.half_ops[d][o]), "releasing a half-precision reduction");
+            if (smp__ctx.half_ops[d][o] != MPI_OP_NULL)
+                SMP__MPI_WARN(MPI_Op_free(&smp__ctx.half_ops[d][o]), "releasing a half-precision reduction");
     SMP__MPI_WARN(MPI_Type_free(&smp__ctx.half_type), "releasing the half-precision datatype");
     SMP__MPI_WARN(MPI_Comm_free(&smp__ctx.world), "releasing smp's copy of the engine's communicator (smp_finalize)");
     bool owns = smp__ctx.owns_mpi;
@@ -3521,13 +3639,19 @@ SMPDEF void smp_register_device_backend(const smp_device_backend *b) {
 static smp_status smp__group_arg(smp_group g, const char *fn, smp__group_info **gi) {
     SMP_TRY(smp__require_init(fn));
     *gi = smp__group(g);
-    if (!*gi) return smp_error(SMP_ERR_ARG, "%s: unknown group %d (SMP_WORLD, SMP_MP_GROUP, SMP_DP_GROUP, SMP_PP_GROUP, SMP_TP_GROUP or SMP_RDP_GROUP)", fn, (int)g);
+    if (!*gi)
+        return smp_error(
+            SMP_ERR_ARG,
+            "%s: unknown group %d (SMP_WORLD, SMP_MP_GROUP, SMP_DP_GROUP, SMP_PP_GROUP, SMP_TP_GROUP or SMP_RDP_GROUP)",
+            fn, (int)g);
     return SMP_OK;
 }
 
 static smp_status smp__peer_arg(int peer, smp_group g, const char *fn, smp__group_info **gi) {
     SMP_TRY(smp__group_arg(g, fn, gi));
-    if (peer < 0 || peer >= (*gi)->size) return smp_error(SMP_ERR_ARG, "%s: rank %d is outside the %s (size %d)", fn, peer, smp__group_name(g), (*gi)->size);
+    if (peer < 0 || peer >= (*gi)->size)
+        return smp_error(SMP_ERR_ARG, "%s: rank %d is outside the %s (size %d)", fn, peer, smp__group_name(g),
+                         (*gi)->size);
     if (peer == (*gi)->rank) return smp_error(SMP_ERR_ARG, "%s: rank %d is this rank", fn, peer);
     return SMP_OK;
 }
@@ -3538,10 +3662,11 @@ SMPDEF smp_status smp_send(const void *buf, size_t len, int dest, smp_group g) {
     MPI_Datatype type = MPI_BYTE;
     int count = 0;
     MPI_Request req;
-    smp_status st = len && !buf ? smp_error(SMP_ERR_ARG, "smp_send: buffer is NULL") : smp__bytes_type(len, &count, &type);
+    smp_status st =
+        len && !buf ? smp_error(SMP_ERR_ARG, "smp_send: buffer is NULL") : smp__bytes_type(len, &count, &type);
     if (!st) {
-        st = SMP__MPI_CHECK(MPI_Isend(buf, count, type, dest, SMP__TAG_OBJECT, gi->objects, &req), "sending an object (smp_send) to %s rank %d",
-                            smp__group_name(g), dest);
+        st = SMP__MPI_CHECK(MPI_Isend(buf, count, type, dest, SMP__TAG_OBJECT, gi->objects, &req),
+                            "sending an object (smp_send) to %s rank %d", smp__group_name(g), dest);
         if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing an object's datatype");
     }
     if (st) { /* the receiver learns instead of waiting for SMP_TIMEOUT */
@@ -3563,21 +3688,25 @@ SMPDEF smp_status smp_recv_from(int src, smp_group g, void **buf, size_t *len) {
     int found = 0;
     smp__backoff b = smp__backoff_start();
     for (;;) {
-        SMP__MPI(MPI_Improbe(src, MPI_ANY_TAG, comm, &found, &msg, &status), "looking for an object (smp_recv_from) from %s rank %d",
-                 smp__group_name(g), src);
+        SMP__MPI(MPI_Improbe(src, MPI_ANY_TAG, comm, &found, &msg, &status),
+                 "looking for an object (smp_recv_from) from %s rank %d", smp__group_name(g), src);
         if (found) break;
         if (!smp__backoff_pause(&b)) smp__timeout_abort("an object (smp_recv_from)", g, src, smp__now() - b.start);
     }
     MPI_Count bytes;
     /* MPI_Get_count's int stops at 2 GiB; the message is matched to this rank: a failure loses it */
-    SMP__MPI_FATAL(MPI_Get_elements_x(&status, MPI_BYTE, &bytes), "sizing an object from %s rank %d", smp__group_name(g), src);
+    SMP__MPI_FATAL(MPI_Get_elements_x(&status, MPI_BYTE, &bytes), "sizing an object from %s rank %d",
+                   smp__group_name(g), src);
     if (status.MPI_TAG == SMP__TAG_SEND_FAILED) {
         char why[sizeof smp__errbuf];
-        if (bytes < 0 || bytes > (MPI_Count)sizeof why - 1) smp__fatal("a malformed send-failure notice (%lld bytes)", (long long)bytes);
-        SMP__MPI(MPI_Mrecv(why, (int)bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE), "receiving a send-failure notice from %s rank %d", smp__group_name(g), src);
+        if (bytes < 0 || bytes > (MPI_Count)sizeof why - 1)
+            smp__fatal("a malformed send-failure notice (%lld bytes)", (long long)bytes);
+        SMP__MPI(MPI_Mrecv(why, (int)bytes, MPI_BYTE, &msg, MPI_STATUS_IGNORE),
+                 "receiving a send-failure notice from %s rank %d", smp__group_name(g), src);
         why[bytes] = 0;
-        return smp_error(SMP_ERR_REMOTE, "smp_recv_from: %s rank %d (world rank %d) failed its smp_send to this rank: %s", smp__group_name(g), src,
-                         smp_group_world_rank(g, src), why);
+        return smp_error(SMP_ERR_REMOTE,
+                         "smp_recv_from: %s rank %d (world rank %d) failed its smp_send to this rank: %s",
+                         smp__group_name(g), src, smp_group_world_rank(g, src), why);
     }
     size_t n = (size_t)bytes;
     MPI_Datatype type;
@@ -3587,10 +3716,12 @@ SMPDEF smp_status smp_recv_from(int src, smp_group g, void **buf, size_t *len) {
     if (!st) st = smp__bytes_type(n, &count, &type);
     if (st) { /* MPI matched the message to this probe: no other receive can have it */
         smp__free(p);
-        return smp_error(st, "smp_recv_from: the object from %s rank %d is lost: %s", smp__group_name(g), src, smp_last_error());
+        return smp_error(st, "smp_recv_from: the object from %s rank %d is lost: %s", smp__group_name(g), src,
+                         smp_last_error());
     }
     MPI_Request req;
-    st = SMP__MPI_CHECK(MPI_Imrecv(p, count, type, &msg, &req), "receiving an object (smp_recv_from) from %s rank %d", smp__group_name(g), src);
+    st = SMP__MPI_CHECK(MPI_Imrecv(p, count, type, &msg, &req), "receiving an object (smp_recv_from) from %s rank %d",
+                        smp__group_name(g), src);
     if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing an object's datatype");
     if (st) { smp__free(p); return st; }
     smp_wait_requests(1, &req, "an object's bytes", g, src);
@@ -3605,12 +3736,16 @@ static smp_status smp__broadcast_bytes(void **buf, size_t *len, int root, smp_gr
     smp__group_info *gi;
     smp_status st = smp__group_arg(g, "smp_broadcast_bytes", &gi);
     if (st) return st;
-    if (root < 0 || root >= gi->size) return smp_error(SMP_ERR_ARG, "smp_broadcast_bytes: root %d is outside the %s (size %d)", root, smp__group_name(g), gi->size);
+    if (root < 0 || root >= gi->size)
+        return smp_error(SMP_ERR_ARG, "smp_broadcast_bytes: root %d is outside the %s (size %d)", root,
+                         smp__group_name(g), gi->size);
     uint64_t n = gi->rank == root ? (uint64_t)*len : 0;
     MPI_Request req;
-    SMP__MPI(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, gi->comm, &req), "broadcasting a length (smp_broadcast_bytes) from %s rank %d", smp__group_name(g), root);
+    SMP__MPI(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, gi->comm, &req),
+             "broadcasting a length (smp_broadcast_bytes) from %s rank %d", smp__group_name(g), root);
     smp_wait_requests(1, &req, "broadcast length", g, root);
-    char *into = gi->rank == root ? (char *)*buf : (char *)smp__bytes_or(&st, (size_t)n + 1, SMP__ALLOC_OTHER, "a broadcast's bytes");
+    char *into = gi->rank == root ? (char *)*buf
+                                  : (char *)smp__bytes_or(&st, (size_t)n + 1, SMP__ALLOC_OTHER, "a broadcast's bytes");
     /* in pieces of `spare`'s size, so a member without the memory for the
        whole still takes part (into spare, which is touched only then) and
        returns SMP_ERR_NOMEM instead of leaving the others waiting */
@@ -3618,8 +3753,8 @@ static smp_status smp__broadcast_bytes(void **buf, size_t *len, int root, smp_gr
     smp_status st2;
     for (uint64_t at = 0; at < n; at += sizeof spare) {
         int piece = (int)(n - at < sizeof spare ? n - at : sizeof spare);
-        st2 = SMP__MPI_CHECK(MPI_Ibcast(into ? into + at : spare, piece, MPI_BYTE, root, gi->comm, &req), "broadcasting bytes (smp_broadcast_bytes) from %s rank %d",
-                             smp__group_name(g), root);
+        st2 = SMP__MPI_CHECK(MPI_Ibcast(into ? into + at : spare, piece, MPI_BYTE, root, gi->comm, &req),
+                             "broadcasting bytes (smp_broadcast_bytes) from %s rank %d", smp__group_name(g), root);
         if (st2) {
             if (gi->rank != root) smp__free(into);
             return st2;
@@ -3641,21 +3776,27 @@ static smp_status smp__allgather_bytes(const void *buf, size_t len, smp_group g,
     smp__group_info *gi;
     smp_status st = smp__group_arg(g, "smp_all_gather_bytes", &gi);
     if (st) return st;
-    if (len > (size_t)INT32_MAX) return smp_error(SMP_ERR_ARG, "smp_all_gather_bytes: %zu bytes is more than one message carries", len);
+    if (len > (size_t)INT32_MAX)
+        return smp_error(SMP_ERR_ARG, "smp_all_gather_bytes: %zu bytes is more than one message carries", len);
     int n = gi->size, mine = (int)len;
-    int *counts = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER, "smp_all_gather_bytes's lengths");
+    int *counts =
+        (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)n, SMP__ALLOC_OTHER, "smp_all_gather_bytes's lengths");
     if (st) return st;
     int *displs = counts + n;
     MPI_Request req;
-    if ((st = SMP__MPI_CHECK(MPI_Iallgather(&mine, 1, MPI_INT, counts, 1, MPI_INT, gi->comm, &req), "gathering lengths (smp_all_gather_bytes) in %s",
-                             smp__group_name(g)))) {
+    if ((st = SMP__MPI_CHECK(MPI_Iallgather(&mine, 1, MPI_INT, counts, 1, MPI_INT, gi->comm, &req),
+                             "gathering lengths (smp_all_gather_bytes) in %s", smp__group_name(g)))) {
         smp__free(counts);
         return st;
     }
     smp_wait_requests(1, &req, "allgather lengths", g, -1);
     int64_t total = 0;
     for (int i = 0; i < n; i++) { displs[i] = (int)total; total += counts[i]; lens[i] = (size_t)counts[i]; }
-    if (total > INT32_MAX) { smp__free(counts); return smp_error(SMP_ERR_ARG, "smp_all_gather_bytes: %lld bytes in all is more than one gather carries", (long long)total); }
+    if (total > INT32_MAX) {
+        smp__free(counts);
+        return smp_error(SMP_ERR_ARG, "smp_all_gather_bytes: %lld bytes in all is more than one gather carries",
+                         (long long)total);
+    }
     char *all = (char *)smp__alloc_or(&st, (size_t)total + 1, SMP__ALLOC_OTHER, "smp_all_gather_bytes's result");
     if (st) { smp__free(counts); return st; }
     if ((st = SMP__MPI_CHECK(MPI_Iallgatherv(buf, mine, MPI_BYTE, all, counts, displs, MPI_BYTE, gi->comm, &req),
@@ -3713,8 +3854,10 @@ static void smp__half_op_fns(void) {
                                     {smp__bf16_sum, smp__bf16_sum, smp__bf16_min, smp__bf16_max, smp__bf16_prod}};
     for (int d = 0; d < 2; d++)
         for (int o = 0; o < 5; o++)
-            SMP__MPI_FATAL(MPI_Op_create(fns[d][o], 1, &smp__ctx.half_ops[d][o]), "making a half-precision reduction (smp_init)");
-    SMP__MPI_FATAL(MPI_Type_contiguous(2, MPI_BYTE, &smp__ctx.half_type), "making the half-precision datatype (smp_init)");
+            SMP__MPI_FATAL(MPI_Op_create(fns[d][o], 1, &smp__ctx.half_ops[d][o]),
+                           "making a half-precision reduction (smp_init)");
+    SMP__MPI_FATAL(MPI_Type_contiguous(2, MPI_BYTE, &smp__ctx.half_type),
+                   "making the half-precision datatype (smp_init)");
     SMP__MPI_FATAL(MPI_Type_commit(&smp__ctx.half_type), "making the half-precision datatype (smp_init)");
 }
 
@@ -3738,9 +3881,11 @@ static const char *smp__op_name(smp_op op) {
 static smp_status smp__mpi_op(smp_op op, smp_dtype dt, const char *fn, MPI_Op *out) {
     if ((unsigned)op > SMP_PROD) return smp_error(SMP_ERR_ARG, "%s: unknown op %d", fn, (int)op);
     if (dt == SMP_BOOL && op != SMP_MIN && op != SMP_MAX)
-        return smp_error(SMP_ERR_ARG, "%s: bool tensors reduce with min (and) or max (or), not %s", fn, smp__op_name(op));
+        return smp_error(SMP_ERR_ARG, "%s: bool tensors reduce with min (and) or max (or), not %s", fn,
+                         smp__op_name(op));
     if (op == SMP_AVG && dt != SMP_F32 && dt != SMP_F64 && dt != SMP_F16 && dt != SMP_BF16)
-        return smp_error(SMP_ERR_ARG, "%s: avg needs a floating-point tensor, got %s (use sum)", fn, smp_dtype_name(dt));
+        return smp_error(SMP_ERR_ARG, "%s: avg needs a floating-point tensor, got %s (use sum)", fn,
+                         smp_dtype_name(dt));
     if (dt == SMP_F16 || dt == SMP_BF16) { *out = smp__ctx.half_ops[dt == SMP_BF16][op]; return SMP_OK; }
     static const MPI_Op builtin[] = {MPI_SUM, MPI_SUM, MPI_MIN, MPI_MAX, MPI_PROD};
     *out = builtin[op];
@@ -3751,8 +3896,14 @@ static void smp__scale(void *data, smp_dtype dt, int64_t n, double by) {
     switch (dt) {
     case SMP_F32: { float *p = (float *)data, s = (float)by; for (int64_t i = 0; i < n; i++) p[i] *= s; } break;
     case SMP_F64: { double *p = (double *)data; for (int64_t i = 0; i < n; i++) p[i] *= by; } break;
-    case SMP_F16: { uint16_t *p = (uint16_t *)data; for (int64_t i = 0; i < n; i++) p[i] = smp_f32_to_f16(smp_f16_to_f32(p[i]) * (float)by); } break;
-    case SMP_BF16: { uint16_t *p = (uint16_t *)data; for (int64_t i = 0; i < n; i++) p[i] = smp_f32_to_bf16(smp_bf16_to_f32(p[i]) * (float)by); } break;
+    case SMP_F16: {
+        uint16_t *p = (uint16_t *)data;
+        for (int64_t i = 0; i < n; i++) p[i] = smp_f32_to_f16(smp_f16_to_f32(p[i]) * (float)by);
+    } break;
+    case SMP_BF16: {
+        uint16_t *p = (uint16_t *)data;
+        for (int64_t i = 0; i < n; i++) p[i] = smp_f32_to_bf16(smp_bf16_to_f32(p[i]) * (float)by);
+    } break;
     default: break;
     }
 }
@@ -3768,11 +3919,13 @@ static void *smp__tensor_alloc(smp_tensor *t, bool on_device, smp__alloc_kind ki
 }
 
 /* smp__tensor_alloc under the out-of-memory policy, as smp__alloc_or. */
-static void *smp__tensor_alloc_or(smp_status *st, smp_tensor *t, bool on_device, smp__alloc_kind kind, const char *what) {
+static void *smp__tensor_alloc_or(smp_status *st, smp_tensor *t, bool on_device, smp__alloc_kind kind,
+                                  const char *what) {
     if (*st) return NULL;
     if (smp__tensor_alloc(t, on_device, kind)) return t->data;
     char why[256];
-    snprintf(why, sizeof why, "%s (%s memory: %.150s)", what, on_device ? "device" : "host", on_device ? smp__errbuf : "malloc failed");
+    snprintf(why, sizeof why, "%s (%s memory: %.150s)", what, on_device ? "device" : "host",
+             on_device ? smp__errbuf : "malloc failed");
     *st = smp__nomem(smp_tensor_nbytes(t), why);
     return NULL;
 }
@@ -3799,13 +3952,41 @@ static smp_status smp__add_into(smp_tensor *acc, const smp_tensor *t) {
     int64_t n = smp_tensor_numel(acc);
     if (acc->device != SMP_HOST) return n ? smp__ctx.device.add(acc->data, t->data, acc->dtype, n) : SMP_OK;
     switch (acc->dtype) {
-    case SMP_F32: { float *a = (float *)acc->data; const float *b = (const float *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
-    case SMP_F64: { double *a = (double *)acc->data; const double *b = (const double *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
-    case SMP_F16: { uint16_t *a = (uint16_t *)acc->data; const uint16_t *b = (const uint16_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] = smp_f32_to_f16(smp_f16_to_f32(a[x]) + smp_f16_to_f32(b[x])); } break;
-    case SMP_BF16: { uint16_t *a = (uint16_t *)acc->data; const uint16_t *b = (const uint16_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] = smp_f32_to_bf16(smp_bf16_to_f32(a[x]) + smp_bf16_to_f32(b[x])); } break;
-    case SMP_I32: { int32_t *a = (int32_t *)acc->data; const int32_t *b = (const int32_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
-    case SMP_I64: { int64_t *a = (int64_t *)acc->data; const int64_t *b = (const int64_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] += b[x]; } break;
-    default: { uint8_t *a = (uint8_t *)acc->data; const uint8_t *b = (const uint8_t *)t->data; for (int64_t x = 0; x < n; x++) a[x] = (uint8_t)(a[x] + b[x]); } break;
+        case SMP_F32: {
+            float *a = (float *)acc->data;
+            const float *b = (const float *)t->data;
+            for (int64_t x = 0; x < n; x++) a[x] += b[x];
+        } break;
+        case SMP_F64: {
+            double *a = (double *)acc->data;
+            const double *b = (const double *)t->data;
+            for (int64_t x = 0; x < n; x++) a[x] += b[x];
+        } break;
+        case SMP_F16: {
+            uint16_t *a = (uint16_t *)acc->data;
+            const uint16_t *b = (const uint16_t *)t->data;
+            for (int64_t x = 0; x < n; x++) a[x] = smp_f32_to_f16(smp_f16_to_f32(a[x]) + smp_f16_to_f32(b[x]));
+        } break;
+        case SMP_BF16: {
+            uint16_t *a = (uint16_t *)acc->data;
+            const uint16_t *b = (const uint16_t *)t->data;
+            for (int64_t x = 0; x < n; x++) a[x] = smp_f32_to_bf16(smp_bf16_to_f32(a[x]) + smp_bf16_to_f32(b[x]));
+        } break;
+        case SMP_I32: {
+            int32_t *a = (int32_t *)acc->data;
+            const int32_t *b = (const int32_t *)t->data;
+            for (int64_t x = 0; x < n; x++) a[x] += b[x];
+        } break;
+        case SMP_I64: {
+            int64_t *a = (int64_t *)acc->data;
+            const int64_t *b = (const int64_t *)t->data;
+            for (int64_t x = 0; x < n; x++) a[x] += b[x];
+        } break;
+        default: {
+            uint8_t *a = (uint8_t *)acc->data;
+            const uint8_t *b = (const uint8_t *)t->data;
+            for (int64_t x = 0; x < n; x++) a[x] = (uint8_t)(a[x] + b[x]);
+        } break;
     }
     return SMP_OK;
 }
@@ -3817,8 +3998,11 @@ static smp_status smp__coll_args(const char *fn, smp_group g, smp__group_info **
     if (st || (st = smp__check_tensor(a, fn, an))) return st;
     if (bn) { /* a second tensor is expected (bn NULL: none) */
         if ((st = smp__check_tensor(b, fn, bn))) return st;
-        if (a->dtype != b->dtype) return smp_error(SMP_ERR_ARG, "%s: %s is %s but %s is %s", fn, an, smp_dtype_name(a->dtype), bn, smp_dtype_name(b->dtype));
-        if ((a->device == SMP_HOST) != (b->device == SMP_HOST)) return smp_error(SMP_ERR_ARG, "%s: %s and %s are on different devices", fn, an, bn);
+        if (a->dtype != b->dtype)
+            return smp_error(SMP_ERR_ARG, "%s: %s is %s but %s is %s", fn, an, smp_dtype_name(a->dtype), bn,
+                             smp_dtype_name(b->dtype));
+        if ((a->device == SMP_HOST) != (b->device == SMP_HOST))
+            return smp_error(SMP_ERR_ARG, "%s: %s and %s are on different devices", fn, an, bn);
     }
     /* host collectives go in pieces (smp__coll_chunk); the device backend's take one count */
     if (a->device != SMP_HOST && (smp_tensor_numel(a) > INT32_MAX || (bn && smp_tensor_numel(b) > INT32_MAX)))
@@ -3836,9 +4020,11 @@ static int64_t smp__coll_chunk = INT_MAX;
 /* The size of the piece of n elements that starts at element at. */
 static int smp__piece(int64_t n, int64_t at) { return (int)(n - at < smp__coll_chunk ? n - at : smp__coll_chunk); }
 
-static smp_status smp__elements_match(const char *fn, const smp_tensor *a, const char *an, int64_t want, const char *why) {
+static smp_status smp__elements_match(const char *fn, const smp_tensor *a, const char *an, int64_t want,
+                                      const char *why) {
     if (smp_tensor_numel(a) != want)
-        return smp_error(SMP_ERR_ARG, "%s: %s has %lld elements but %s needs %lld", fn, an, (long long)smp_tensor_numel(a), why, (long long)want);
+        return smp_error(SMP_ERR_ARG, "%s: %s has %lld elements but %s needs %lld", fn, an,
+                         (long long)smp_tensor_numel(a), why, (long long)want);
     return SMP_OK;
 }
 
@@ -3861,8 +4047,10 @@ static smp__persist *smp__persist_slot(smp__group_info *gi, int count, MPI_Datat
         size_t bytes = (size_t)count * (size_t)size;
         p->staging = (char *)smp__alloc(bytes, SMP__ALLOC_COMM);
         if (!p->staging) /* the others make the persistent collective now: this rank cannot stay out */
-            smp__fatal("out of memory: %zu bytes for a persistent all-reduce's buffer on rank %d, which the group's other ranks are "
-                       "setting up; the job stops (free memory and run it again)", bytes, smp__ctx.rank);
+            smp__fatal("out of memory: %zu bytes for a persistent all-reduce's buffer on rank %d, which the group's "
+                       "other ranks are "
+                       "setting up; the job stops (free memory and run it again)",
+                       bytes, smp__ctx.rank);
         SMP__MPI_FATAL(MPI_Allreduce_init(MPI_IN_PLACE, p->staging, count, type, op, gi->comm, MPI_INFO_NULL, &p->req),
                        "setting up a persistent all-reduce, which the group's other ranks are setting up too");
         p->count = count;
@@ -3887,7 +4075,9 @@ static smp_status smp__all_reduce(const smp_tensor *in, smp_tensor *out, smp_op 
     if (in->device != SMP_HOST) return smp__ctx.device.all_reduce(in, out, op, g);
     int64_t n = smp_tensor_numel(in);
     size_t bytes = smp_tensor_nbytes(in), es = smp_dtype_size(in->dtype);
-    smp__persist *p = bytes && bytes <= SMP__PERSIST_MAX_BYTES && n <= smp__coll_chunk ? smp__persist_slot(gi, (int)n, smp__mpi_type(in->dtype), mop) : NULL;
+    smp__persist *p = bytes && bytes <= SMP__PERSIST_MAX_BYTES && n <= smp__coll_chunk
+                          ? smp__persist_slot(gi, (int)n, smp__mpi_type(in->dtype), mop)
+                          : NULL;
     if (p) {
         memcpy(p->staging, in->data, bytes);
         SMP__MPI(MPI_Start(&p->req), "starting an all_reduce in %s", smp__group_name(g));
@@ -3899,7 +4089,8 @@ static smp_status smp__all_reduce(const smp_tensor *in, smp_tensor *out, smp_op 
             MPI_Request req;
             const char *from = (const char *)in->data + (size_t)at * es;
             char *to = (char *)out->data + (size_t)at * es;
-            SMP__MPI(MPI_Iallreduce(in->data == out->data ? MPI_IN_PLACE : from, to, smp__piece(n, at), smp__mpi_type(in->dtype), mop, gi->comm, &req),
+            SMP__MPI(MPI_Iallreduce(in->data == out->data ? MPI_IN_PLACE : from, to, smp__piece(n, at),
+                                    smp__mpi_type(in->dtype), mop, gi->comm, &req),
                      "starting an all_reduce in %s", smp__group_name(g));
             smp_wait_requests(1, &req, "all_reduce", g, -1);
             at += smp__piece(n, at);
@@ -3917,12 +4108,15 @@ static smp_status smp__broadcast(smp_tensor *t, int root, smp_group g) {
     smp__group_info *gi;
     smp_status st = smp__coll_args("smp_broadcast", g, &gi, t, "tensor", NULL, NULL);
     if (st) return st;
-    if (root < 0 || root >= gi->size) return smp_error(SMP_ERR_ARG, "smp_broadcast: root %d is outside the %s (size %d)", root, smp__group_name(g), gi->size);
+    if (root < 0 || root >= gi->size)
+        return smp_error(SMP_ERR_ARG, "smp_broadcast: root %d is outside the %s (size %d)", root, smp__group_name(g),
+                         gi->size);
     if (t->device != SMP_HOST) return smp__ctx.device.broadcast(t, root, g);
     int64_t n = smp_tensor_numel(t), at = 0;
     do {
         MPI_Request req;
-        SMP__MPI(MPI_Ibcast((char *)t->data + (size_t)at * smp_dtype_size(t->dtype), smp__piece(n, at), smp__mpi_type(t->dtype), root, gi->comm, &req),
+        SMP__MPI(MPI_Ibcast((char *)t->data + (size_t)at * smp_dtype_size(t->dtype), smp__piece(n, at),
+                            smp__mpi_type(t->dtype), root, gi->comm, &req),
                  "starting a broadcast from %s rank %d", smp__group_name(g), root);
         smp_wait_requests(1, &req, "broadcast", g, root);
         at += smp__piece(n, at);
@@ -3939,7 +4133,9 @@ static smp_status smp__reduce(const smp_tensor *in, smp_tensor *out, smp_op op, 
     MPI_Op mop;
     smp_status st = smp__group_arg(g, "smp_reduce", &gi);
     if (st) return st;
-    if (root < 0 || root >= gi->size) return smp_error(SMP_ERR_ARG, "smp_reduce: root %d is outside the %s (size %d)", root, smp__group_name(g), gi->size);
+    if (root < 0 || root >= gi->size)
+        return smp_error(SMP_ERR_ARG, "smp_reduce: root %d is outside the %s (size %d)", root, smp__group_name(g),
+                         gi->size);
     bool is_root = gi->rank == root;
     if ((st = smp__coll_args("smp_reduce", g, &gi, in, "in", out, is_root ? "out" : NULL)) ||
         (is_root && (st = smp__elements_match("smp_reduce", out, "out", smp_tensor_numel(in), "in's count"))) ||
@@ -3951,7 +4147,8 @@ static smp_status smp__reduce(const smp_tensor *in, smp_tensor *out, smp_op op, 
     do {
         const void *send = is_root && in->data == out->data ? MPI_IN_PLACE : (const char *)in->data + (size_t)at * es;
         MPI_Request req;
-        SMP__MPI(MPI_Ireduce(send, is_root ? (char *)out->data + (size_t)at * es : NULL, smp__piece(n, at), smp__mpi_type(in->dtype), mop, root, gi->comm, &req),
+        SMP__MPI(MPI_Ireduce(send, is_root ? (char *)out->data + (size_t)at * es : NULL, smp__piece(n, at),
+                             smp__mpi_type(in->dtype), mop, root, gi->comm, &req),
                  "starting a reduce to %s rank %d", smp__group_name(g), root);
         smp_wait_requests(1, &req, "reduce", g, root);
         at += smp__piece(n, at);
@@ -3973,11 +4170,13 @@ static smp_status smp__all_gather(const smp_tensor *in, smp_tensor *out, smp_gro
     if (in->device != SMP_HOST) return smp__ctx.device.all_gather(in, out, g);
     size_t block = (size_t)n * smp_dtype_size(in->dtype);
     /* in place when `in` is this member's block of `out` */
-    const void *send = (const char *)out->data + block * (size_t)gi->rank == (const char *)in->data ? MPI_IN_PLACE : in->data;
+    const void *send =
+        (const char *)out->data + block * (size_t)gi->rank == (const char *)in->data ? MPI_IN_PLACE : in->data;
     MPI_Request req;
     MPI_Datatype t = smp__mpi_type(in->dtype);
     if (n <= smp__coll_chunk) {
-        SMP__MPI(MPI_Iallgather(send, (int)n, t, out->data, (int)n, t, gi->comm, &req), "starting an all_gather in %s", smp__group_name(g));
+        SMP__MPI(MPI_Iallgather(send, (int)n, t, out->data, (int)n, t, gi->comm, &req), "starting an all_gather in %s",
+                 smp__group_name(g));
         smp_wait_requests(1, &req, "all_gather", g, -1);
         return SMP_OK;
     }
@@ -3986,15 +4185,19 @@ static smp_status smp__all_gather(const smp_tensor *in, smp_tensor *out, smp_gro
     size_t es = smp_dtype_size(in->dtype);
     for (int64_t at = 0; at < n; at += smp__piece(n, at)) {
         MPI_Datatype piece, spread;
-        SMP__MPI(MPI_Type_contiguous(smp__piece(n, at), t, &piece), "describing a piece of an all_gather in %s", smp__group_name(g));
-        st = SMP__MPI_CHECK(MPI_Type_create_resized(piece, 0, (MPI_Aint)block, &spread), "describing a piece of an all_gather in %s", smp__group_name(g));
+        SMP__MPI(MPI_Type_contiguous(smp__piece(n, at), t, &piece), "describing a piece of an all_gather in %s",
+                 smp__group_name(g));
+        st = SMP__MPI_CHECK(MPI_Type_create_resized(piece, 0, (MPI_Aint)block, &spread),
+                            "describing a piece of an all_gather in %s", smp__group_name(g));
         SMP__MPI_WARN(MPI_Type_free(&piece), "freeing an all_gather piece's type");
         if (st) return st;
         SMP__MPI(MPI_Type_commit(&spread), "describing a piece of an all_gather in %s", smp__group_name(g));
-        st = SMP__MPI_CHECK(MPI_Iallgather(send == MPI_IN_PLACE ? MPI_IN_PLACE : (const char *)in->data + (size_t)at * es, smp__piece(n, at), t,
-                                           (char *)out->data + (size_t)at * es, 1, spread, gi->comm, &req),
-                            "starting an all_gather in %s", smp__group_name(g));
-        SMP__MPI_WARN(MPI_Type_free(&spread), "freeing an all_gather piece's type"); /* MPI keeps it for the collective in flight */
+        st = SMP__MPI_CHECK(
+            MPI_Iallgather(send == MPI_IN_PLACE ? MPI_IN_PLACE : (const char *)in->data + (size_t)at * es,
+                           smp__piece(n, at), t, (char *)out->data + (size_t)at * es, 1, spread, gi->comm, &req),
+            "starting an all_gather in %s", smp__group_name(g));
+        /* MPI keeps it for the collective in flight */
+        SMP__MPI_WARN(MPI_Type_free(&spread), "freeing an all_gather piece's type");
         if (st) return st;
         smp_wait_requests(1, &req, "all_gather", g, -1);
     }
@@ -4011,9 +4214,10 @@ SMPDEF int smp_memory_format(const smp_memory_stats *s, bool peak, char *buf, si
     if (cap) buf[0] = 0;
     for (int k = 1; k <= SMP_MEMORY_KINDS; k++) { /* "other" only inside the total, last */
         bool total = k == SMP_MEMORY_KINDS;
-        double v = (double)(total ? (peak ? s->peak_bytes : s->current_bytes) : (peak ? s->peak[k] : s->bytes[k])) / mib;
-        int w = snprintf(at < (int)cap ? buf + at : NULL, at < (int)cap ? cap - (size_t)at : 0, "%s%s %.3f MiB", k > 1 ? ", " : "",
-                         total ? "total" : smp_memory_kind_name((smp_memory_kind)k), v);
+        double v =
+            (double)(total ? (peak ? s->peak_bytes : s->current_bytes) : (peak ? s->peak[k] : s->bytes[k])) / mib;
+        int w = snprintf(at < (int)cap ? buf + at : NULL, at < (int)cap ? cap - (size_t)at : 0, "%s%s %.3f MiB",
+                         k > 1 ? ", " : "", total ? "total" : smp_memory_kind_name((smp_memory_kind)k), v);
         at += w > 0 ? w : 0;
     }
     return at;
@@ -4024,8 +4228,9 @@ SMPDEF smp_status smp_memory_report(const char *title, smp_memory_stats *all) {
     if (st) return st;
     int n = smp__ctx.size;
     smp_memory_stats mine = smp__ctx.mem; /* before the gather's own blocks */
-    smp_memory_stats *got = all ? all : (smp_memory_stats *)smp__alloc_or(&st, sizeof mine * (size_t)n, SMP__ALLOC_OTHER,
-                                                                          "the memory report");
+    smp_memory_stats *got =
+        all ? all
+            : (smp_memory_stats *)smp__alloc_or(&st, sizeof mine * (size_t)n, SMP__ALLOC_OTHER, "the memory report");
     st = smp__agree_on(smp__ctx.world, st, "the memory report");
     if (st) return st;
     smp_tensor in = smp_tensor_1d(&mine, SMP_U8, (int64_t)sizeof mine);
@@ -4057,21 +4262,24 @@ static smp_status smp__reduce_scatter(const smp_tensor *in, smp_tensor *out, smp
     size_t bytes = (size_t)n * smp_dtype_size(in->dtype);
     /* in place when `out` is this member's block of `in`: reduce into a
        scratch block first, since MPI reads all of `in` */
-    bool overlap = (const char *)out->data >= (const char *)in->data && (const char *)out->data < (const char *)in->data + bytes * (size_t)gi->size;
+    bool overlap = (const char *)out->data >= (const char *)in->data &&
+                   (const char *)out->data < (const char *)in->data + bytes * (size_t)gi->size;
     void *dst = overlap ? smp__alloc_or(&st, bytes, SMP__ALLOC_COMM, "smp_reduce_scatter's scratch block") : out->data;
     if (st) return st;
     MPI_Request req;
     if (n <= smp__coll_chunk) {
-        st = SMP__MPI_CHECK(MPI_Ireduce_scatter_block(in->data, dst, (int)n, smp__mpi_type(in->dtype), mop, gi->comm, &req), "starting a reduce_scatter in %s",
-                            smp__group_name(g));
+        st = SMP__MPI_CHECK(
+            MPI_Ireduce_scatter_block(in->data, dst, (int)n, smp__mpi_type(in->dtype), mop, gi->comm, &req),
+            "starting a reduce_scatter in %s", smp__group_name(g));
         if (!st) smp_wait_requests(1, &req, "reduce_scatter", g, -1);
     }
     /* more than one piece: each member's block piece by piece, a reduce to that member each */
     size_t es = smp_dtype_size(in->dtype);
     for (int64_t at = 0; n > smp__coll_chunk && at < n && !st; at += smp__piece(n, at))
         for (int r = 0; r < gi->size && !st; r++) {
-            st = SMP__MPI_CHECK(MPI_Ireduce((const char *)in->data + ((size_t)r * (size_t)n + (size_t)at) * es, r == gi->rank ? (char *)dst + (size_t)at * es : NULL,
-                                            smp__piece(n, at), smp__mpi_type(in->dtype), mop, r, gi->comm, &req),
+            st = SMP__MPI_CHECK(MPI_Ireduce((const char *)in->data + ((size_t)r * (size_t)n + (size_t)at) * es,
+                                            r == gi->rank ? (char *)dst + (size_t)at * es : NULL, smp__piece(n, at),
+                                            smp__mpi_type(in->dtype), mop, r, gi->comm, &req),
                                 "starting a piece of a reduce_scatter in %s", smp__group_name(g));
             if (!st) smp_wait_requests(1, &req, "reduce_scatter", g, r);
         }
@@ -4094,13 +4302,16 @@ static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, 
     smp__group_info *gi;
     smp_status st = smp__coll_args(fn, g, &gi, in, "in", out, "out");
     if (st) return st;
-    if (smp_tensor_numel(in) > INT32_MAX || smp_tensor_numel(out) > INT32_MAX) /* MPI_Alltoallv's displacements are int */
+    /* MPI_Alltoallv's displacements are int */
+    if (smp_tensor_numel(in) > INT32_MAX || smp_tensor_numel(out) > INT32_MAX)
         return smp_error(SMP_ERR_ARG, "%s: more than 2^31-1 elements in one call; split the tensor", fn);
     int n = gi->size;
     int64_t in_rows = in->ndim ? in->shape[0] : 1, out_rows = out->ndim ? out->shape[0] : 1;
-    int64_t in_row = in_rows ? smp_tensor_numel(in) / in_rows : 0, out_row = out_rows ? smp_tensor_numel(out) / out_rows : 0;
+    int64_t in_row = in_rows ? smp_tensor_numel(in) / in_rows : 0,
+            out_row = out_rows ? smp_tensor_numel(out) / out_rows : 0;
     if (in_rows && out_rows && in_row != out_row)
-        return smp_error(SMP_ERR_ARG, "%s: in's rows have %lld elements but out's have %lld", fn, (long long)in_row, (long long)out_row);
+        return smp_error(SMP_ERR_ARG, "%s: in's rows have %lld elements but out's have %lld", fn, (long long)in_row,
+                         (long long)out_row);
     int64_t row = in_rows ? in_row : out_row;
     if (in->device != SMP_HOST) return smp__ctx.device.all_to_all_single(in, out, out_splits, in_splits, g);
     int *buf = (int *)smp__alloc_or(&st, sizeof(int) * 4 * (size_t)n, SMP__ALLOC_OTHER, "all_to_all_single's counts");
@@ -4112,26 +4323,33 @@ static smp_status smp__all_to_all_single(const smp_tensor *in, smp_tensor *out, 
         int64_t r = out_splits ? out_splits[i] : (out_rows % n ? -1 : out_rows / n);
         if (s < 0 || r < 0) {
             smp__free(buf);
-            return smp_error(SMP_ERR_ARG, "%s: %s", fn, s < 0 ? (in_splits ? "in_splits has a negative entry" : "in's dim 0 does not divide by the group size; pass in_splits")
-                                                            : (out_splits ? "out_splits has a negative entry" : "out's dim 0 does not divide by the group size; pass out_splits"));
+            return smp_error(SMP_ERR_ARG, "%s: %s", fn,
+                             s < 0 ? (in_splits ? "in_splits has a negative entry"
+                                                : "in's dim 0 does not divide by the group size; pass in_splits")
+                                   : (out_splits ? "out_splits has a negative entry"
+                                                 : "out's dim 0 does not divide by the group size; pass out_splits"));
         }
         scount[i] = (int)(s * row); sdispl[i] = (int)(sat * row); sat += s;
         rcount[i] = (int)(r * row); rdispl[i] = (int)(rat * row); rat += r;
     }
     if (sat != in_rows || rat != out_rows) {
         smp__free(buf);
-        return smp_error(SMP_ERR_ARG, "%s: splits add up to %lld rows in and %lld out, but the tensors have %lld and %lld", fn,
+        return smp_error(SMP_ERR_ARG,
+                         "%s: splits add up to %lld rows in and %lld out, but the tensors have %lld and %lld", fn,
                          (long long)sat, (long long)rat, (long long)in_rows, (long long)out_rows);
     }
     void *send = in->data;
     if (in->data == out->data && smp_tensor_nbytes(in)) { /* in place: MPI needs separate buffers */
-        if (!(send = smp__alloc_or(&st, smp_tensor_nbytes(in), SMP__ALLOC_COMM, "all_to_all_single's copy of in"))) { smp__free(buf); return st; }
+        if (!(send = smp__alloc_or(&st, smp_tensor_nbytes(in), SMP__ALLOC_COMM, "all_to_all_single's copy of in"))) {
+            smp__free(buf);
+            return st;
+        }
         memcpy(send, in->data, smp_tensor_nbytes(in));
     }
     MPI_Request req;
     MPI_Datatype t = smp__mpi_type(in->dtype);
-    st = SMP__MPI_CHECK(MPI_Ialltoallv(send, scount, sdispl, t, out->data, rcount, rdispl, t, gi->comm, &req), "starting an all_to_all_single in %s",
-                        smp__group_name(g));
+    st = SMP__MPI_CHECK(MPI_Ialltoallv(send, scount, sdispl, t, out->data, rcount, rdispl, t, gi->comm, &req),
+                        "starting an all_to_all_single in %s", smp__group_name(g));
     if (!st) smp_wait_requests(1, &req, "all_to_all_single", g, -1);
     if (send != in->data) smp__free(send);
     smp__free(buf);
@@ -4153,7 +4371,8 @@ struct smp_param {
     smp_init_fn init;
     void *init_user;
     int shard_axis;      /* -1: whole on every TP rank; else split along it over TP_GROUP */
-    int64_t full_shape[SMP_MAX_DIMS], shard_offset; /* the declared shape; where this rank's slice starts along the axis */
+    /* the declared shape; where this rank's slice starts along the axis */
+    int64_t full_shape[SMP_MAX_DIMS], shard_offset;
 };
 
 struct smp_module {
@@ -4268,7 +4487,8 @@ static struct {
     smp_module **all; /* every module ever created, for cleanup */
     int nall, cap;
     int stack[64];
-    struct { const char *file; int line; } opened[64]; /* where each open context began (file NULL: smp_partition_push) */
+    /* where each open context began (file NULL: smp_partition_push) */
+    struct { const char *file; int line; } opened[64];
     int depth;
     bool stray_pop;          /* smp_partition_pop with no context open */
     smp_model **models;      /* every live model, freed by smp_finalize if the engine did not */
@@ -4309,7 +4529,8 @@ static void smp__build_error(smp_status st, const char *fmt, ...) {
 
 /* Out of memory while building the tree: remembered like any build error. */
 static void smp__build_nomem(const char *what, const char *name) {
-    smp__build_error(SMP_ERR_NOMEM, "out of memory creating %s \"%s\" on rank %d; free memory and build the model again", what, name,
+    smp__build_error(SMP_ERR_NOMEM,
+                     "out of memory creating %s \"%s\" on rank %d; free memory and build the model again", what, name,
                      smp__ctx.rank);
 }
 
@@ -4325,9 +4546,15 @@ SMPDEF void smp__partition_push_at(int partition, const char *file, int line) {
     if (smp__mod.depth >= 64) {
         /* 64 deep is in practice contexts left by break/return/goto: say where the first began */
         if (smp__mod.opened[0].file)
-            smp__build_error(SMP_ERR_ARG, "SMP_PARTITION contexts nested more than 64 deep (the first opened at %s:%d); a break, return or goto "
-                             "out of an SMP_PARTITION block leaves its context open", smp__mod.opened[0].file, smp__mod.opened[0].line);
-        else smp__build_error(SMP_ERR_ARG, "SMP_PARTITION contexts nested more than 64 deep (smp_partition_push without smp_partition_pop?)");
+            smp__build_error(
+                SMP_ERR_ARG,
+                "SMP_PARTITION contexts nested more than 64 deep (the first opened at %s:%d); a break, return or goto "
+                "out of an SMP_PARTITION block leaves its context open",
+                smp__mod.opened[0].file, smp__mod.opened[0].line);
+        else
+            smp__build_error(
+                SMP_ERR_ARG,
+                "SMP_PARTITION contexts nested more than 64 deep (smp_partition_push without smp_partition_pop?)");
         return;
     }
     if (partition < 0 || (smp__ctx.initialized && partition >= smp__ctx.cfg.partitions))
@@ -4353,15 +4580,20 @@ static smp_status smp__check_contexts_closed(void) {
     if (smp__mod.depth > 0) {
         int d = 0; /* the outermost: the first left open */
         if (smp__mod.opened[d].file)
-            st = smp_error(SMP_ERR_STATE, "smp_model_new: the SMP_PARTITION(%d) context opened at %s:%d is still open (%d context%s open): a break, "
-                           "return or goto out of an SMP_PARTITION block skips closing it, and every module created since went to partition %d. "
+            st = smp_error(SMP_ERR_STATE,
+                           "smp_model_new: the SMP_PARTITION(%d) context opened at %s:%d is still open (%d context%s "
+                           "open): a break, "
+                           "return or goto out of an SMP_PARTITION block skips closing it, and every module created "
+                           "since went to partition %d. "
                            "Leave the block at its end (or call smp_partition_pop for every smp_partition_push)",
-                           smp__mod.stack[d], smp__mod.opened[d].file, smp__mod.opened[d].line, smp__mod.depth, smp__mod.depth == 1 ? "" : "s",
-                           smp__mod.stack[smp__mod.depth - 1]);
+                           smp__mod.stack[d], smp__mod.opened[d].file, smp__mod.opened[d].line, smp__mod.depth,
+                           smp__mod.depth == 1 ? "" : "s", smp__mod.stack[smp__mod.depth - 1]);
         else
-            st = smp_error(SMP_ERR_STATE, "smp_model_new: smp_partition_push(%d) has no matching smp_partition_pop (%d context%s open): "
-                           "call smp_partition_pop once the modules of that partition are created",
-                           smp__mod.stack[d], smp__mod.depth, smp__mod.depth == 1 ? "" : "s");
+            st = smp_error(
+                SMP_ERR_STATE,
+                "smp_model_new: smp_partition_push(%d) has no matching smp_partition_pop (%d context%s open): "
+                "call smp_partition_pop once the modules of that partition are created",
+                smp__mod.stack[d], smp__mod.depth, smp__mod.depth == 1 ? "" : "s");
     } else if (smp__mod.stray_pop) {
         st = smp_error(SMP_ERR_STATE, "smp_model_new: smp_partition_pop was called with no SMP_PARTITION context open "
                        "(one pop too many: pair each smp_partition_push with one pop)");
@@ -4373,19 +4605,23 @@ static smp_status smp__check_contexts_closed(void) {
 
 SMPDEF smp_module *smp_module_new(smp_module *parent, const char *name, const smp_module_desc *desc) {
     if (!name || (parent && !*name) || strchr(name, '.')) {
-        smp__build_error(SMP_ERR_ARG, "module name \"%s\" must be non-empty and contain no '.' (the dots come from the tree)", name ? name : "(null)");
+        smp__build_error(SMP_ERR_ARG,
+                         "module name \"%s\" must be non-empty and contain no '.' (the dots come from the tree)",
+                         name ? name : "(null)");
         return NULL;
     }
     if (parent)
         for (int i = 0; i < parent->nchildren; i++)
             if (!strcmp(parent->children[i]->name, name)) {
-                smp__build_error(SMP_ERR_ARG, "module \"%s\" already has a child called \"%s\"", parent->full_name, name);
+                smp__build_error(SMP_ERR_ARG, "module \"%s\" already has a child called \"%s\"", parent->full_name,
+                                 name);
                 return NULL;
             }
     smp_module *m = (smp_module *)smp__alloc(sizeof *m, SMP__ALLOC_OTHER);
     char *own = smp__strdup(name), *full = smp__dotted(parent ? parent->full_name : "", parent ? name : "");
     int cap = parent ? parent->nchildren : 0; /* grows by one each time: trees are built once */
-    if (!m || !own || !full || (parent && !smp__grow((void **)&parent->children, &cap, cap + 1, sizeof(smp_module *), NULL)) ||
+    if (!m || !own || !full ||
+        (parent && !smp__grow((void **)&parent->children, &cap, cap + 1, sizeof(smp_module *), NULL)) ||
         !smp__grow((void **)&smp__mod.all, &smp__mod.cap, smp__mod.nall + 1, sizeof(smp_module *), NULL)) {
         smp__free(m);
         smp__free(own);
@@ -4406,20 +4642,38 @@ SMPDEF smp_module *smp_module_new(smp_module *parent, const char *name, const sm
     return m;
 }
 
-static smp_param *smp__declare(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape, smp_init_fn init,
-                               void *user, bool buffer) {
+static smp_param *smp__declare(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
+                               smp_init_fn init, void *user, bool buffer) {
     const char *what = buffer ? "buffer" : "parameter";
-    if (!m) { smp__build_error(SMP_ERR_ARG, "%s \"%s\" declared on a NULL module", what, name ? name : "(null)"); return NULL; }
-    if (!name || !*name || strchr(name, '.')) { smp__build_error(SMP_ERR_ARG, "%s name \"%s\" of module \"%s\" must be non-empty without '.'", what, name ? name : "(null)", m->full_name); return NULL; }
-    if (smp_dtype_size(dt) == 0 || ndim < 0 || ndim > SMP_MAX_DIMS) { smp__build_error(SMP_ERR_ARG, "%s \"%s.%s\": bad dtype or ndim", what, m->full_name, name); return NULL; }
+    if (!m) {
+        smp__build_error(SMP_ERR_ARG, "%s \"%s\" declared on a NULL module", what, name ? name : "(null)");
+        return NULL;
+    }
+    if (!name || !*name || strchr(name, '.')) {
+        smp__build_error(SMP_ERR_ARG, "%s name \"%s\" of module \"%s\" must be non-empty without '.'", what,
+                         name ? name : "(null)", m->full_name);
+        return NULL;
+    }
+    if (smp_dtype_size(dt) == 0 || ndim < 0 || ndim > SMP_MAX_DIMS) {
+        smp__build_error(SMP_ERR_ARG, "%s \"%s.%s\": bad dtype or ndim", what, m->full_name, name);
+        return NULL;
+    }
     for (int i = 0; i < ndim; i++)
-        if (shape[i] < 0) { smp__build_error(SMP_ERR_ARG, "%s \"%s.%s\": dimension %d is negative", what, m->full_name, name, i); return NULL; }
+        if (shape[i] < 0) {
+            smp__build_error(SMP_ERR_ARG, "%s \"%s.%s\": dimension %d is negative", what, m->full_name, name, i);
+            return NULL;
+        }
     for (int i = 0; i < m->nparams; i++)
-        if (!strcmp(m->params[i]->name, name)) { smp__build_error(SMP_ERR_ARG, "module \"%s\" already has a parameter or buffer \"%s\"", m->full_name, name); return NULL; }
+        if (!strcmp(m->params[i]->name, name)) {
+            smp__build_error(SMP_ERR_ARG, "module \"%s\" already has a parameter or buffer \"%s\"", m->full_name, name);
+            return NULL;
+        }
     const smp_init_copy_desc *copy = init == smp_init_copy ? (const smp_init_copy_desc *)user : NULL;
     if (init == smp_init_copy && (!copy || !copy->data || copy->offset < 0)) {
-        smp__build_error(SMP_ERR_ARG, "%s \"%s.%s\": smp_init_copy needs an smp_init_copy_desc with data and an offset >= 0 "
-                         "as its user pointer", what, m->full_name, name);
+        smp__build_error(SMP_ERR_ARG,
+                         "%s \"%s.%s\": smp_init_copy needs an smp_init_copy_desc with data and an offset >= 0 "
+                         "as its user pointer",
+                         what, m->full_name, name);
         return NULL;
     }
     smp_param *p = (smp_param *)smp__alloc(sizeof *p, SMP__ALLOC_OTHER);
@@ -4447,16 +4701,19 @@ static smp_param *smp__declare(smp_module *m, const char *name, smp_dtype dt, in
     return p;
 }
 
-SMPDEF smp_param *smp_param_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape, smp_init_fn init, void *user) {
+SMPDEF smp_param *smp_param_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
+                                smp_init_fn init, void *user) {
     return smp__declare(m, name, dt, ndim, shape, init, user, false);
 }
-SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape, smp_init_fn init, void *user) {
+SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
+                                 smp_init_fn init, void *user) {
     return smp__declare(m, name, dt, ndim, shape, init, user, true);
 }
-SMPDEF smp_param *smp_param_new_sharded(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape, int shard_axis,
-                                        smp_init_fn init, void *init_user) {
+SMPDEF smp_param *smp_param_new_sharded(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
+                                        int shard_axis, smp_init_fn init, void *init_user) {
     if (ndim >= 0 && (shard_axis < 0 || shard_axis >= ndim)) {
-        smp__build_error(SMP_ERR_ARG, "parameter \"%s\" of module \"%s\": shard axis %d is not one of its %d axes (0 to %d)",
+        smp__build_error(SMP_ERR_ARG,
+                         "parameter \"%s\" of module \"%s\": shard axis %d is not one of its %d axes (0 to %d)",
                          name ? name : "(null)", m ? m->full_name : "(null)", shard_axis, ndim, ndim - 1);
         return NULL;
     }
@@ -4480,16 +4737,20 @@ static smp_status smp__shard_params(smp_model *m) {
         if (p->shard_axis < 0) continue;
         int64_t full = p->full_shape[p->shard_axis];
         if (full % tp)
-            return smp_error(SMP_ERR_CONFIG, "parameter \"%s\" is sharded along axis %d of size %lld, which tensor_parallel_degree = %d "
-                             "does not divide: make that dimension a multiple of %d, or change tensor_parallel_degree", p->full_name,
-                             p->shard_axis, (long long)full, tp, tp);
+            return smp_error(
+                SMP_ERR_CONFIG,
+                "parameter \"%s\" is sharded along axis %d of size %lld, which tensor_parallel_degree = %d "
+                "does not divide: make that dimension a multiple of %d, or change tensor_parallel_degree",
+                p->full_name, p->shard_axis, (long long)full, tp, tp);
         p->value.shape[p->shard_axis] = p->grad.shape[p->shard_axis] = full / tp;
         p->shard_offset = full / tp * smp_tp_rank();
         sharded++;
     }
     if (tp > 1 && !sharded && smp__ctx.rank == 0)
-        smp__log(SMP_LOG_WARN, "tensor_parallel_degree is %d, but the model declares no sharded parameter (smp_param_new_sharded): "
-                 "the %d ranks of each TP group would compute the same thing", tp, tp);
+        smp__log(SMP_LOG_WARN,
+                 "tensor_parallel_degree is %d, but the model declares no sharded parameter (smp_param_new_sharded): "
+                 "the %d ranks of each TP group would compute the same thing",
+                 tp, tp);
     return SMP_OK;
 }
 SMPDEF const char *smp_module_name(const smp_module *m) { return m->full_name; }
@@ -4499,8 +4760,10 @@ SMPDEF bool smp_module_is_local(const smp_module *m) { return m->local; }
 SMPDEF void smp_module_set_recompute(smp_module *m, bool on) { if (m) m->recompute = on; }
 SMPDEF void smp_module_set_backward_split(smp_module *m, smp_module_fn backward_input, smp_module_fn backward_weight) {
     if (!m || !backward_input || !backward_weight || m->desc.backward) {
-        smp__build_error(SMP_ERR_ARG, "smp_module_set_backward_split(\"%s\"): needs a module without a backward and both functions "
-                         "(backward_input writes input gradients, backward_weight adds parameter gradients)", m ? m->full_name : "(null)");
+        smp__build_error(SMP_ERR_ARG,
+                         "smp_module_set_backward_split(\"%s\"): needs a module without a backward and both functions "
+                         "(backward_input writes input gradients, backward_weight adds parameter gradients)",
+                         m ? m->full_name : "(null)");
         return;
     }
     m->backward_input = backward_input;
@@ -4525,7 +4788,9 @@ SMPDEF uint64_t smp_param_seed(const char *full_name) {
     uint64_t s = h ^ smp__ctx.cfg.seed;
     return smp__splitmix(&s);
 }
-SMPDEF double smp_rng_uniform(uint64_t *state) { return (double)(smp__splitmix(state) >> 11) * (1.0 / 9007199254740992.0); }
+SMPDEF double smp_rng_uniform(uint64_t *state) {
+    return (double)(smp__splitmix(state) >> 11) * (1.0 / 9007199254740992.0);
+}
 
 SMPDEF void smp_init_uniform(smp_tensor *v, uint64_t seed, void *user) {
     int64_t n = smp_tensor_numel(v), fan_in = v->ndim ? v->shape[v->ndim - 1] : 1;
@@ -4555,7 +4820,8 @@ static void smp__slice_copy(smp_tensor *dst, const smp_tensor *src, int axis, in
     for (int d = axis + 1; d < src->ndim; d++) inner *= (size_t)src->shape[d];
     size_t row = inner * (size_t)dst->shape[axis], src_row = inner * (size_t)src->shape[axis];
     for (int64_t o = 0; o < outer; o++)
-        memcpy((char *)dst->data + (size_t)o * row, (const char *)src->data + (size_t)o * src_row + inner * (size_t)offset, row);
+        memcpy((char *)dst->data + (size_t)o * row,
+               (const char *)src->data + (size_t)o * src_row + inner * (size_t)offset, row);
 }
 
 static void smp__release_param(smp_param *p) {
@@ -4592,7 +4858,8 @@ static smp_status smp__materialise_param(smp_param *p) {
         smp__free(init.data);
     }
     snprintf(what, sizeof what, "the gradient of parameter %s", p->full_name);
-    if (!st && !p->is_buffer && smp__tensor_alloc_or(&st, &p->grad, on_device, SMP__ALLOC_GRAD, what)) st = smp__tensor_zero(&p->grad);
+    if (!st && !p->is_buffer && smp__tensor_alloc_or(&st, &p->grad, on_device, SMP__ALLOC_GRAD, what))
+        st = smp__tensor_zero(&p->grad);
     if (st) smp__release_param(p);
     return st;
 }
@@ -4626,22 +4893,40 @@ static bool smp__model_on_device(const smp_model *m) { return m && m->desc.on_de
 static smp_status smp__check_device_backend(void) {
     const smp_device_backend *b = &smp__ctx.device;
     if (!smp__ctx.has_device)
-        return smp_error(SMP_ERR_ARG, "smp_model_new: the model is on_device, but no device backend is registered (include smp_nccl.h "
-                                      "in the file that defines SMP_IMPLEMENTATION, or call smp_register_device_backend before smp_init)");
+        return smp_error(
+            SMP_ERR_ARG,
+            "smp_model_new: the model is on_device, but no device backend is registered (include smp_nccl.h "
+            "in the file that defines SMP_IMPLEMENTATION, or call smp_register_device_backend before smp_init)");
     const char *name = b->name ? b->name : "(unnamed)";
-    const char *missing = !b->alloc ? "alloc" : !b->dealloc ? "dealloc" : !b->copy ? "copy" : !b->add ? "add" : !b->scale ? "scale"
-                          : !b->zero ? "zero" : !b->current_device ? "current_device" : NULL;
-    if (missing) return smp_error(SMP_ERR_ARG, "smp_model_new: the model is on_device, but the device backend \"%s\" has no %s function", name, missing);
+    const char *missing = !b->alloc            ? "alloc"
+                          : !b->dealloc        ? "dealloc"
+                          : !b->copy           ? "copy"
+                          : !b->add            ? "add"
+                          : !b->scale          ? "scale"
+                          : !b->zero           ? "zero"
+                          : !b->current_device ? "current_device"
+                                               : NULL;
+    if (missing)
+        return smp_error(SMP_ERR_ARG,
+                         "smp_model_new: the model is on_device, but the device backend \"%s\" has no %s function",
+                         name, missing);
     if (b->current_device() <= SMP_HOST)
-        return smp_error(SMP_ERR_DEVICE, "smp_model_new: the model is on_device, but the device backend \"%s\" has no usable device on this rank", name);
+        return smp_error(
+            SMP_ERR_DEVICE,
+            "smp_model_new: the model is on_device, but the device backend \"%s\" has no usable device on this rank",
+            name);
     return SMP_OK;
 }
 
 static void smp__collect(smp_status *st, smp_model *md, smp_module *m, int *mcap, int *pcap) {
-    if (!smp__grow_or(st, (void **)&md->modules, mcap, md->nmodules + 1, sizeof(smp_module *), "a model's list of modules")) return;
+    if (!smp__grow_or(st, (void **)&md->modules, mcap, md->nmodules + 1, sizeof(smp_module *),
+                      "a model's list of modules"))
+        return;
     md->modules[md->nmodules++] = m;
     for (int i = 0; i < m->nparams; i++) {
-        if (!smp__grow_or(st, (void **)&md->params, pcap, md->nparams + 1, sizeof(smp_param *), "a model's list of parameters")) return;
+        if (!smp__grow_or(st, (void **)&md->params, pcap, md->nparams + 1, sizeof(smp_param *),
+                          "a model's list of parameters"))
+            return;
         md->params[md->nparams++] = m->params[i];
     }
     for (int i = 0; i < m->nchildren; i++) smp__collect(st, md, m->children[i], mcap, pcap);
@@ -4667,17 +4952,21 @@ SMPDEF smp_status smp_model_new(smp_module *root, const smp_model_desc *desc, sm
     }
     if (!st) st = smp__check_contexts_closed();
     else smp__mod.depth = 0, smp__mod.stray_pop = false;
-    if (!st && (!root || !desc || !desc->forward)) st = smp_error(SMP_ERR_ARG, "smp_model_new needs a root module and a desc with a forward function");
+    if (!st && (!root || !desc || !desc->forward))
+        st = smp_error(SMP_ERR_ARG, "smp_model_new needs a root module and a desc with a forward function");
     if (!st && root->parent) st = smp_error(SMP_ERR_ARG, "smp_model_new: module \"%s\" is not a root", root->full_name);
     if (!st && desc->on_device) st = smp__check_device_backend();
     if (!st) {
         const smp_module *bad = smp__bad_context(root, smp__ctx.cfg.partitions);
         if (bad)
-            st = smp_error(SMP_ERR_CONFIG, "module \"%s\" was created inside SMP_PARTITION(%d): partition must be in 0..%d (partitions = %d)",
-                           bad->full_name, bad->context_partition, smp__ctx.cfg.partitions - 1, smp__ctx.cfg.partitions);
+            st = smp_error(
+                SMP_ERR_CONFIG,
+                "module \"%s\" was created inside SMP_PARTITION(%d): partition must be in 0..%d (partitions = %d)",
+                bad->full_name, bad->context_partition, smp__ctx.cfg.partitions - 1, smp__ctx.cfg.partitions);
     }
     /* the registry smp_finalize frees forgotten models from */
-    smp__grow_or(&st, (void **)&smp__mod.models, &smp__mod.models_cap, smp__mod.nmodels + 1, sizeof(smp_model *), "the list of live models");
+    smp__grow_or(&st, (void **)&smp__mod.models, &smp__mod.models_cap, smp__mod.nmodels + 1, sizeof(smp_model *),
+                 "the list of live models");
     if (st) { *out = NULL; return smp__agree_on(smp__ctx.world, st, "model construction"); }
     smp_model *m = (smp_model *)smp__alloc_or(&st, sizeof *m, SMP__ALLOC_OTHER, "a model");
     if (!st && !(m->cache = smp__cache_new())) st = smp__nomem(sizeof(smp__cache), "a model's cache of step memory");
@@ -4734,7 +5023,12 @@ static void smp__free_module(smp_module *m) {
 SMPDEF void smp_model_free(smp_model *m) {
     if (!m) return;
     for (int j = 0; j < smp__mod.nmodels; j++)
-        if (smp__mod.models[j] == m) { memmove(smp__mod.models + j, smp__mod.models + j + 1, sizeof(smp_model *) * (size_t)(smp__mod.nmodels - j - 1)); smp__mod.nmodels--; break; }
+        if (smp__mod.models[j] == m) {
+            memmove(smp__mod.models + j, smp__mod.models + j + 1,
+                    sizeof(smp_model *) * (size_t)(smp__mod.nmodels - j - 1));
+            smp__mod.nmodels--;
+            break;
+        }
     if (m->pipeline_free) m->pipeline_free(m->pipeline);
     for (int i = 0; i < m->nmodules; i++) {
         /* forget it in the registry, then free it */
@@ -4764,8 +5058,8 @@ static void smp__free_forgotten(void) {
     while (smp__mod.nmodels > 0) smp_model_free(smp__mod.models[0]);
     for (int j = 0; j < smp__mod.nall; j++, nloose++) smp__free_module(smp__mod.all[j]);
     if (nmodels || nloose)
-        smp__log(SMP_LOG_INFO, "smp_finalize freed %d model%s and %d module%s the program had not freed", nmodels, nmodels == 1 ? "" : "s",
-                nloose, nloose == 1 ? "" : "s");
+        smp__log(SMP_LOG_INFO, "smp_finalize freed %d model%s and %d module%s the program had not freed", nmodels,
+                 nmodels == 1 ? "" : "s", nloose, nloose == 1 ? "" : "s");
     smp__free(smp__mod.all);
     smp__free(smp__mod.models);
     smp__mod.all = NULL;
@@ -4780,7 +5074,9 @@ SMPDEF bool smp_model_is_partitioned(const smp_model *m) { return m->partitioned
 SMP__CORE int smp_model_num_calls(const smp_model *m) { return m->ncalls; }
 SMPDEF int smp_model_num_stages(const smp_model *m) { return m->nstages; }
 SMPDEF int smp_model_stage_rank(const smp_model *m, int s) { return s >= 0 && s < m->nstages ? m->stage_rank[s] : -1; }
-SMP__CORE int smp_model_call_stage(const smp_model *m, int c) { return c >= 0 && c < m->ncalls ? m->calls[c].stage : -1; }
+SMP__CORE int smp_model_call_stage(const smp_model *m, int c) {
+    return c >= 0 && c < m->ncalls ? m->calls[c].stage : -1;
+}
 SMPDEF smp_param *smp_model_global_param(smp_model *m, int index, bool buffers) {
     if (index < 0) return NULL;
     if (buffers) return index < m->nparams ? m->params[index] : NULL; /* the checkpoint's loops: O(1) */
@@ -4867,8 +5163,11 @@ static void smp__owned_range(const smp_model *m, const smp_param *p, int r, int6
 }
 
 SMPDEF smp_status smp_param_owned_range(smp_model *m, const smp_param *p, int64_t *first, int64_t *count) {
-    if (!m || !p || !first || !count) return smp_error(SMP_ERR_ARG, "smp_param_owned_range: model, parameter and outputs must not be NULL");
-    if (!m->partitioned) return smp_error(SMP_ERR_STATE, "smp_param_owned_range: the model is not partitioned yet (smp_model_trace or a first step)");
+    if (!m || !p || !first || !count)
+        return smp_error(SMP_ERR_ARG, "smp_param_owned_range: model, parameter and outputs must not be NULL");
+    if (!m->partitioned)
+        return smp_error(SMP_ERR_STATE,
+                         "smp_param_owned_range: the model is not partitioned yet (smp_model_trace or a first step)");
     if (!smp_module_is_local(p->module))
         return smp_error(SMP_ERR_ARG, "smp_param_owned_range: parameter '%s' does not live on this rank", p->full_name);
     smp__owned_range(m, p, smp_rdp_rank(), first, count);
@@ -4938,7 +5237,8 @@ static smp_status smp__gather_params(smp_model *m) {
         mine += (size_t)count * smp_dtype_size(p->value.dtype);
     }
     smp_status st = SMP_OK;
-    char *pack = (char *)smp__bytes_or(&st, mine + 1, SMP__ALLOC_COMM, "the parameters a replica updated (shard_optimizer_state)");
+    char *pack = (char *)smp__bytes_or(&st, mine + 1, SMP__ALLOC_COMM,
+                                       "the parameters a replica updated (shard_optimizer_state)");
     size_t *lens = (size_t *)smp__bytes_or(&st, sizeof(size_t) * (size_t)dp, SMP__ALLOC_COMM, "the parameters' ranges");
     void *all = NULL;
     for (int i = 0; i < m->nparams && !st; i++) {
@@ -4993,7 +5293,10 @@ SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *name) {
 SMPDEF void smp_model_on_partitioned(smp_model *m, smp_post_partition_fn fn, void *user) {
     if (m->partitioned) { fn(m, user); return; }
     size_t want = 0;
-    if (!smp__grow((void **)&m->hooks, &m->hooks_cap, m->nhooks + 1, sizeof(smp__hook), &want)) { m->hooks_lost = want; return; }
+    if (!smp__grow((void **)&m->hooks, &m->hooks_cap, m->nhooks + 1, sizeof(smp__hook), &want)) {
+        m->hooks_lost = want;
+        return;
+    }
     m->hooks[m->nhooks].fn = fn;
     m->hooks[m->nhooks++].user = user;
 }
@@ -5002,17 +5305,25 @@ SMPDEF void smp_model_zero_grad(smp_model *m) {
     m->zero_grad_calls++;
     for (int i = 0; i < m->nparams; i++)
         if (m->params[i]->grad.data && !m->params[i]->is_buffer && smp__tensor_zero(&m->params[i]->grad))
-            smp__fatal("smp_model_zero_grad: %s", smp__errbuf); /* the device failed: gradients would silently accumulate */
+            /* the device failed: gradients would silently accumulate */
+            smp__fatal("smp_model_zero_grad: %s", smp__errbuf);
 }
 
 /* ---------------------------------------------------------------- module callbacks */
 SMPDEF int smp_call_num_inputs(const smp_call_ctx *c) { return c->nin; }
 SMPDEF int smp_call_num_outputs(const smp_call_ctx *c) { return c->nout; }
-SMPDEF const smp_tensor *smp_call_input(const smp_call_ctx *c, int i) { return i >= 0 && i < c->nin ? &c->inputs[i] : NULL; }
-SMPDEF const smp_tensor *smp_call_output_value(const smp_call_ctx *c, int i) { return i >= 0 && i < c->nout ? &c->outputs[i] : NULL; }
-SMPDEF const smp_tensor *smp_call_grad_output(const smp_call_ctx *c, int i) { return c->in_backward && c->grad_outputs && i >= 0 && i < c->nout ? &c->grad_outputs[i] : NULL; }
+SMPDEF const smp_tensor *smp_call_input(const smp_call_ctx *c, int i) {
+    return i >= 0 && i < c->nin ? &c->inputs[i] : NULL;
+}
+SMPDEF const smp_tensor *smp_call_output_value(const smp_call_ctx *c, int i) {
+    return i >= 0 && i < c->nout ? &c->outputs[i] : NULL;
+}
+SMPDEF const smp_tensor *smp_call_grad_output(const smp_call_ctx *c, int i) {
+    return c->in_backward && c->grad_outputs && i >= 0 && i < c->nout ? &c->grad_outputs[i] : NULL;
+}
 SMPDEF smp_tensor *smp_call_grad_input(smp_call_ctx *c, int i) {
-    return c->in_backward && c->grad_inputs && i >= 0 && i < c->nin && c->grad_inputs[i].data ? &c->grad_inputs[i] : NULL;
+    return c->in_backward && c->grad_inputs && i >= 0 && i < c->nin && c->grad_inputs[i].data ? &c->grad_inputs[i]
+                                                                                              : NULL;
 }
 SMPDEF smp_module *smp_call_module(const smp_call_ctx *c) { return c->module; }
 SMPDEF int smp_call_microbatch(const smp_call_ctx *c) { return c->microbatch; }
@@ -5027,12 +5338,16 @@ static bool smp__call_got(smp_call_ctx *c, const void *p, size_t bytes, const ch
 }
 
 SMPDEF smp_tensor *smp_call_output(smp_call_ctx *c, int i, smp_dtype dt, int ndim, const int64_t *shape) {
-    if (c->in_backward || i < 0 || i >= c->nout || smp_dtype_size(dt) == 0 || ndim < 0 || ndim > SMP_MAX_DIMS) return NULL;
+    if (c->in_backward || i < 0 || i >= c->nout || smp_dtype_size(dt) == 0 || ndim < 0 || ndim > SMP_MAX_DIMS)
+        return NULL;
     c->made_output = true;
     smp_tensor *t = &c->outputs[i];
     if (t->data) smp__free(t->data); /* asked twice: the last one counts */
     *t = smp_tensor_make(NULL, dt, ndim, shape);
-    return smp__call_got(c, smp__tensor_alloc(t, smp__model_on_device(c->module->model), c->kind), smp_tensor_nbytes(t), "an output") ? t : NULL;
+    return smp__call_got(c, smp__tensor_alloc(t, smp__model_on_device(c->module->model), c->kind), smp_tensor_nbytes(t),
+                         "an output")
+               ? t
+               : NULL;
 }
 
 SMPDEF void *smp_call_stash(smp_call_ctx *c, size_t bytes) {
@@ -5067,12 +5382,16 @@ static smp_status smp__add_forward(smp_call_ctx *c) {
         const smp_tensor *x = smp_call_input(c, j);
         if (x->dtype != x0->dtype || smp_tensor_numel(x) != smp_tensor_numel(x0)) {
             char a[96], b[96];
-            return smp_error(SMP_ERR_ARG, "add module \"%s\": input %d is %s but input 0 is %s (inputs must match in dtype and size)",
-                             c->module->full_name, j, smp__tensor_describe(x, a, sizeof a), smp__tensor_describe(x0, b, sizeof b));
+            return smp_error(
+                SMP_ERR_ARG,
+                "add module \"%s\": input %d is %s but input 0 is %s (inputs must match in dtype and size)",
+                c->module->full_name, j, smp__tensor_describe(x, a, sizeof a), smp__tensor_describe(x0, b, sizeof b));
         }
     }
     smp_tensor *y = smp_call_output(c, 0, x0->dtype, x0->ndim, x0->shape);
-    if (!y) return smp_error(SMP_ERR_ARG, "add module \"%s\" is called with %d outputs; it has one", c->module->full_name, c->nout);
+    if (!y)
+        return smp_error(SMP_ERR_ARG, "add module \"%s\" is called with %d outputs; it has one", c->module->full_name,
+                         c->nout);
     smp_status st = smp__tensor_copy(y, x0);
     for (int j = 1; j < c->nin && !st; j++) st = smp__add_into(y, smp_call_input(c, j));
     return st;
@@ -5089,7 +5408,8 @@ static smp_status smp__pass_backward(smp_call_ctx *c) {
 static smp_status smp__identity_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     if (c->nin != 1 || c->nout != 1)
-        return smp_error(SMP_ERR_ARG, "identity module \"%s\" takes one input and one output, got %d and %d", c->module->full_name, c->nin, c->nout);
+        return smp_error(SMP_ERR_ARG, "identity module \"%s\" takes one input and one output, got %d and %d",
+                         c->module->full_name, c->nin, c->nout);
     smp_tensor *y = smp_call_output(c, 0, x->dtype, x->ndim, x->shape);
     return y ? smp__tensor_copy(y, x) : SMP_ERR_NOMEM; /* smp__run_callback says what was missing */
 }
@@ -5114,7 +5434,10 @@ typedef struct smp__tp_module { smp__tp_kind kind; int axis; } smp__tp_module;
 static smp__tp_module smp__tp_table[2 + 2 * SMP_MAX_DIMS];
 
 static const char *smp__tp_name(smp__tp_kind k) {
-    return k == SMP__TP_COPY ? "tp_copy" : k == SMP__TP_REDUCE ? "tp_reduce" : k == SMP__TP_GATHER ? "tp_gather" : "tp_scatter";
+    return k == SMP__TP_COPY     ? "tp_copy"
+           : k == SMP__TP_REDUCE ? "tp_reduce"
+           : k == SMP__TP_GATHER ? "tp_gather"
+                                 : "tp_scatter";
 }
 
 /* Every TP rank's dtype and shape of t, compared with TP rank 0's. */
@@ -5134,9 +5457,11 @@ static smp_status smp__tp_same_shape(const smp_call_ctx *c, const smp_tensor *t,
         smp_tensor t0 = smp_tensor_make(NULL, (smp_dtype)all[0], (int)all[1], all + 2);
         smp_tensor tr = smp_tensor_make(NULL, (smp_dtype)all[r * SIG], (int)all[r * SIG + 1], all + r * SIG + 2);
         char d0[96], dr[96];
-        st = smp_error(SMP_ERR_ARG, "%s module \"%s\": %s is %s on tp rank 0 but %s on tp rank %d: every rank of a TP group "
-                       "must pass the same dtype and shape", smp__tp_name(((const smp__tp_module *)c->module->desc.user)->kind),
-                       c->module->full_name, what, smp__tensor_describe(&t0, d0, sizeof d0), smp__tensor_describe(&tr, dr, sizeof dr), r);
+        st = smp_error(SMP_ERR_ARG,
+                       "%s module \"%s\": %s is %s on tp rank 0 but %s on tp rank %d: every rank of a TP group "
+                       "must pass the same dtype and shape",
+                       smp__tp_name(((const smp__tp_module *)c->module->desc.user)->kind), c->module->full_name, what,
+                       smp__tensor_describe(&t0, d0, sizeof d0), smp__tensor_describe(&tr, dr, sizeof dr), r);
     }
     smp__free(all);
     return st;
@@ -5151,11 +5476,13 @@ static void smp__around_axis(const smp_tensor *t, int axis, int64_t *outer, int6
 
 /* Moves `outer` x `parts` blocks of `block` bytes between layouts: to_parts
    true reads [outer][parts] and writes [parts][outer], false the reverse. */
-static smp_status smp__tp_regroup(void *dst, const void *src, int device, int64_t outer, int parts, size_t block, bool to_parts) {
+static smp_status smp__tp_regroup(void *dst, const void *src, int device, int64_t outer, int parts, size_t block,
+                                  bool to_parts) {
     smp_status st = SMP_OK;
     for (int64_t o = 0; o < outer && !st; o++)
         for (int r = 0; r < parts && !st; r++) {
-            size_t a = ((size_t)o * (size_t)parts + (size_t)r) * block, b = ((size_t)r * (size_t)outer + (size_t)o) * block;
+            size_t a = ((size_t)o * (size_t)parts + (size_t)r) * block,
+                   b = ((size_t)r * (size_t)outer + (size_t)o) * block;
             char *d = (char *)dst + (to_parts ? b : a);
             const char *x = (const char *)src + (to_parts ? a : b);
             if (device == SMP_HOST) memcpy(d, x, block);
@@ -5171,11 +5498,13 @@ static smp_status smp__tp_regroup(void *dst, const void *src, int device, int64_
 static smp_status smp__tp_sum(const smp_tensor *in, smp_tensor *out, bool scatter) {
     int tp = smp_tp_size();
     if (smp__ctx.cfg.deterministic_reduction != SMP_ON)
-        return scatter ? smp_reduce_scatter(in, out, SMP_SUM, SMP_TP_GROUP) : smp_all_reduce(in, out, SMP_SUM, SMP_TP_GROUP);
+        return scatter ? smp_reduce_scatter(in, out, SMP_SUM, SMP_TP_GROUP)
+                       : smp_all_reduce(in, out, SMP_SUM, SMP_TP_GROUP);
     int64_t n = smp_tensor_numel(in), block = smp_tensor_numel(out);
     smp_tensor all = smp_tensor_1d(NULL, in->dtype, n * tp);
     smp_status st = SMP_OK;
-    if (!smp__tensor_alloc_or(&st, &all, in->device != SMP_HOST, SMP__ALLOC_OTHER, "every TP rank's addend (deterministic_reduction)"))
+    if (!smp__tensor_alloc_or(&st, &all, in->device != SMP_HOST, SMP__ALLOC_OTHER,
+                              "every TP rank's addend (deterministic_reduction)"))
         return st;
     st = smp_all_gather(in, &all, SMP_TP_GROUP);
     size_t es = smp_dtype_size(in->dtype), skip = scatter ? (size_t)block * (size_t)smp_tp_rank() * es : 0;
@@ -5201,7 +5530,8 @@ static smp_status smp__tp_gather(const smp_tensor *in, smp_tensor *out, int axis
     }
     smp_tensor all = smp_tensor_1d(NULL, in->dtype, smp_tensor_numel(out));
     smp_status st = SMP_OK;
-    if (!smp__tensor_alloc_or(&st, &all, in->device != SMP_HOST, SMP__ALLOC_OTHER, "a TP all-gather's blocks")) return st;
+    if (!smp__tensor_alloc_or(&st, &all, in->device != SMP_HOST, SMP__ALLOC_OTHER, "a TP all-gather's blocks"))
+        return st;
     st = smp_all_gather(in, &all, SMP_TP_GROUP);
     size_t row = (size_t)(in->shape[axis] * inner) * smp_dtype_size(in->dtype);
     if (!st) st = smp__tp_regroup(out->data, all.data, out->device, outer, smp_tp_size(), row, false);
@@ -5214,12 +5544,14 @@ static smp_status smp__tp_gather(const smp_tensor *in, smp_tensor *out, int axis
 static smp_status smp__tp_scatter(const smp_tensor *in, smp_tensor *out, int axis) {
     int64_t outer, inner;
     smp__around_axis(in, axis, &outer, &inner);
-    smp_tensor flat = smp_tensor_1d(in->data, in->dtype, smp_tensor_numel(in)), part = smp_tensor_1d(out->data, out->dtype, smp_tensor_numel(out));
+    smp_tensor flat = smp_tensor_1d(in->data, in->dtype, smp_tensor_numel(in)),
+               part = smp_tensor_1d(out->data, out->dtype, smp_tensor_numel(out));
     flat.device = in->device;
     part.device = out->device;
     if (outer == 1) return smp__tp_sum(&flat, &part, true);
     smp_status st = SMP_OK;
-    flat.data = smp__tensor_alloc_or(&st, &flat, in->device != SMP_HOST, SMP__ALLOC_OTHER, "a TP reduce-scatter's blocks");
+    flat.data =
+        smp__tensor_alloc_or(&st, &flat, in->device != SMP_HOST, SMP__ALLOC_OTHER, "a TP reduce-scatter's blocks");
     if (st) return st;
     size_t row = (size_t)(out->shape[axis] * inner) * smp_dtype_size(in->dtype);
     st = smp__tp_regroup(flat.data, in->data, in->device, outer, smp_tp_size(), row, true);
@@ -5234,27 +5566,34 @@ static smp_status smp__tp_run(smp_call_ctx *c, bool forward) {
     const smp__tp_module *tm = (const smp__tp_module *)c->module->desc.user;
     const char *name = smp__tp_name(tm->kind);
     if (c->nin != 1 || c->nout != 1)
-        return smp_error(SMP_ERR_ARG, "%s module \"%s\" takes one input and one output, got %d and %d", name, c->module->full_name, c->nin,
-                         c->nout);
+        return smp_error(SMP_ERR_ARG, "%s module \"%s\" takes one input and one output, got %d and %d", name,
+                         c->module->full_name, c->nin, c->nout);
     const smp_tensor *x = forward ? smp_call_input(c, 0) : smp_call_grad_output(c, 0);
     smp_tensor *y = forward ? NULL : smp_call_grad_input(c, 0);
     if (!forward && !y) return SMP_OK; /* no gradient wanted: the same on every TP rank, which run the same graph */
-    bool sums = forward ? tm->kind == SMP__TP_REDUCE || tm->kind == SMP__TP_SCATTER : tm->kind == SMP__TP_COPY || tm->kind == SMP__TP_GATHER;
-    bool along = tm->kind == SMP__TP_GATHER || tm->kind == SMP__TP_SCATTER; /* gather <-> scatter; copy, reduce keep the shape */
+    bool sums = forward ? tm->kind == SMP__TP_REDUCE || tm->kind == SMP__TP_SCATTER
+                        : tm->kind == SMP__TP_COPY || tm->kind == SMP__TP_GATHER;
+    /* gather <-> scatter; copy, reduce keep the shape */
+    bool along = tm->kind == SMP__TP_GATHER || tm->kind == SMP__TP_SCATTER;
     bool grows = along && (tm->kind == SMP__TP_GATHER) == forward;
     int tp = smp_tp_size();
     if (along && (tm->axis < 0 || tm->axis >= x->ndim))
-        return smp_error(SMP_ERR_ARG, "%s module \"%s\" works along axis %d, but its %s has %d axes", name, c->module->full_name, tm->axis,
-                         forward ? "input" : "output gradient", x->ndim);
+        return smp_error(SMP_ERR_ARG, "%s module \"%s\" works along axis %d, but its %s has %d axes", name,
+                         c->module->full_name, tm->axis, forward ? "input" : "output gradient", x->ndim);
     if (tp > 1) SMP_TRY(smp__tp_same_shape(c, x, forward ? "the input" : "the output gradient"));
     if (along && !grows && x->shape[tm->axis] % tp)
-        return smp_error(SMP_ERR_ARG, "%s module \"%s\": axis %d of its %s has length %lld, which tensor_parallel_degree = %d does not "
-                         "divide", name, c->module->full_name, tm->axis, forward ? "input" : "output gradient", (long long)x->shape[tm->axis], tp);
+        return smp_error(
+            SMP_ERR_ARG,
+            "%s module \"%s\": axis %d of its %s has length %lld, which tensor_parallel_degree = %d does not "
+            "divide",
+            name, c->module->full_name, tm->axis, forward ? "input" : "output gradient", (long long)x->shape[tm->axis],
+            tp);
     if (forward) {
         int64_t shape[SMP_MAX_DIMS];
         memcpy(shape, x->shape, sizeof shape);
         if (along) shape[tm->axis] = grows ? shape[tm->axis] * tp : shape[tm->axis] / tp;
-        if (!(y = smp_call_output(c, 0, x->dtype, x->ndim, shape))) return SMP_ERR_NOMEM; /* smp__run_callback names it */
+        /* smp__run_callback names it */
+        if (!(y = smp_call_output(c, 0, x->dtype, x->ndim, shape))) return SMP_ERR_NOMEM;
     }
     if (tp == 1 || (!along && !sums)) return smp__tensor_copy(y, x);
     if (!along) return smp__tp_sum(x, y, false);
@@ -5273,18 +5612,24 @@ SMPDEF double smp_tp_seconds(void) { return smp__tp_seconds_total; }
 
 static smp_module *smp__tp_module_new(smp_module *parent, const char *name, smp__tp_kind kind, int axis) {
     if ((kind == SMP__TP_GATHER || kind == SMP__TP_SCATTER) && (axis < 0 || axis >= SMP_MAX_DIMS)) {
-        smp__build_error(SMP_ERR_ARG, "%s module \"%s\": axis %d is not an axis of any tensor (0 to %d)", smp__tp_name(kind),
-                         name ? name : "(null)", axis, SMP_MAX_DIMS - 1);
+        smp__build_error(SMP_ERR_ARG, "%s module \"%s\": axis %d is not an axis of any tensor (0 to %d)",
+                         smp__tp_name(kind), name ? name : "(null)", axis, SMP_MAX_DIMS - 1);
         return NULL;
     }
-    int at = kind == SMP__TP_COPY ? 0 : kind == SMP__TP_REDUCE ? 1 : 2 + (kind == SMP__TP_SCATTER) * SMP_MAX_DIMS + axis;
+    int at = kind == SMP__TP_COPY     ? 0
+             : kind == SMP__TP_REDUCE ? 1
+                                      : 2 + (kind == SMP__TP_SCATTER) * SMP_MAX_DIMS + axis;
     smp__tp_table[at].kind = kind;
     smp__tp_table[at].axis = axis;
     smp_module_desc d = {smp__tp_forward, smp__tp_backward, &smp__tp_table[at]};
     return smp_module_new(parent, name, &d);
 }
-SMPDEF smp_module *smp_module_new_tp_copy(smp_module *parent, const char *name) { return smp__tp_module_new(parent, name, SMP__TP_COPY, 0); }
-SMPDEF smp_module *smp_module_new_tp_reduce(smp_module *parent, const char *name) { return smp__tp_module_new(parent, name, SMP__TP_REDUCE, 0); }
+SMPDEF smp_module *smp_module_new_tp_copy(smp_module *parent, const char *name) {
+    return smp__tp_module_new(parent, name, SMP__TP_COPY, 0);
+}
+SMPDEF smp_module *smp_module_new_tp_reduce(smp_module *parent, const char *name) {
+    return smp__tp_module_new(parent, name, SMP__TP_REDUCE, 0);
+}
 SMPDEF smp_module *smp_module_new_tp_gather(smp_module *parent, const char *name, int axis) {
     return smp__tp_module_new(parent, name, SMP__TP_GATHER, axis);
 }
@@ -5308,7 +5653,9 @@ static smp_status smp__run_callback(smp_call_ctx *c, smp__phase phase) {
     }
     smp_module_fn fn = phase == SMP__FORWARD ? d->forward : phase == SMP__BACKWARD_WEIGHT ? c->module->backward_weight
                        : split ? c->module->backward_input : d->backward;
-    if (!fn) return phase != SMP__FORWARD ? SMP_OK : smp_error(SMP_ERR_MODULE, "module \"%s\" has no forward", c->module->full_name);
+    if (!fn)
+        return phase != SMP__FORWARD ? SMP_OK
+                                     : smp_error(SMP_ERR_MODULE, "module \"%s\" has no forward", c->module->full_name);
     smp_call_ctx *saved = smp__mod.current;
     smp__mod.current = c;
     c->in_backward = phase != SMP__FORWARD;
@@ -5318,7 +5665,8 @@ static smp_status smp__run_callback(smp_call_ctx *c, smp__phase phase) {
     if (c->nomem_what) {
         static const char *const what[] = {"forward", "backward", "backward_input", "backward_weight"};
         char msg[256];
-        snprintf(msg, sizeof msg, "%s of the %s of module \"%s\" (microbatch %d)", c->nomem_what, what[phase], c->module->full_name, c->microbatch);
+        snprintf(msg, sizeof msg, "%s of the %s of module \"%s\" (microbatch %d)", c->nomem_what, what[phase],
+                 c->module->full_name, c->microbatch);
         c->nomem_what = NULL;
         return smp__nomem(c->nomem_bytes, msg);
     }
@@ -5326,19 +5674,24 @@ static smp_status smp__run_callback(smp_call_ctx *c, smp__phase phase) {
         static const char *const what[] = {"forward", "backward", "backward_input", "backward_weight"};
         char msg[sizeof smp__errbuf];
         snprintf(msg, sizeof msg, "%s", smp__errbuf);
-        return smp_error(st == SMP_ERR_NOMEM ? st : SMP_ERR_MODULE, "%s of module \"%s\" failed (microbatch %d): %s", what[phase], c->module->full_name, c->microbatch,
-                         *msg ? msg : smp_status_name(st));
+        return smp_error(st == SMP_ERR_NOMEM ? st : SMP_ERR_MODULE, "%s of module \"%s\" failed (microbatch %d): %s",
+                         what[phase], c->module->full_name, c->microbatch, *msg ? msg : smp_status_name(st));
     }
     if (phase == SMP__FORWARD && !c->made_calls) /* a composite's outputs: smp__check_composite */
         for (int i = 0; i < c->nout; i++)
             if (!c->outputs[i].data)
-                return smp_error(SMP_ERR_MODULE, "forward of module \"%s\" did not allocate output %d (smp_call_output)", c->module->full_name, i);
+                return smp_error(SMP_ERR_MODULE,
+                                 "forward of module \"%s\" did not allocate output %d (smp_call_output)",
+                                 c->module->full_name, i);
     return SMP_OK;
 }
 
 /* Frees what a call holds: outputs (unless kept) and stash. */
 static void smp__call_release(smp_call_ctx *c, bool outputs) {
-    for (int i = 0; i < c->nout && outputs && c->outputs; i++) { smp__free(c->outputs[i].data); c->outputs[i].data = NULL; }
+    for (int i = 0; i < c->nout && outputs && c->outputs; i++) {
+        smp__free(c->outputs[i].data);
+        c->outputs[i].data = NULL;
+    }
     smp__free(c->stash);
     smp__free(c->device_stash);
     c->stash = c->device_stash = NULL;
@@ -5357,7 +5710,8 @@ static uint64_t smp__checksum(const smp_tensor *t) {
         smp_tensor h = *t;
         h.device = SMP_HOST;
         h.data = copy = smp__alloc(n, SMP__ALLOC_OTHER);
-        if (!copy || smp__tensor_copy(&h, t)) smp__fatal("cannot copy a traced tensor to the host to checksum it: %s", smp__errbuf);
+        if (!copy || smp__tensor_copy(&h, t))
+            smp__fatal("cannot copy a traced tensor to the host to checksum it: %s", smp__errbuf);
         b = (const unsigned char *)copy;
     }
     uint64_t h = 0xcbf29ce484222325ull ^ n, w;
@@ -5389,19 +5743,24 @@ static void smp__trace_add(const smp_tensor *t, int call, int index, bool owned)
 static smp_status smp__trace_check(int e, const char *where) {
     if (smp__checksum(&smp__mod.table[e].t) == smp__mod.table[e].sum) return SMP_OK;
     smp__ref r = smp__mod.table[e].ref;
-    const char *how = "outputs are read-only in the model's and composites' forwards: put the computation in a leaf module "
-                      "(smp_module_new_add for a residual), which writes a new output";
-    if (r.call < 0) return smp_error(SMP_ERR_ARG, "model input %d was changed in place during the model's forward (seen %s); %s", r.index, where, how);
-    return smp_error(SMP_ERR_ARG, "output %d of call %d (module \"%s\") was changed in place after smp_call returned it (seen %s); "
-                     "the model's forward, a composite's forward or a later module's forward wrote into it; %s", r.index, r.call,
-                     smp__mod.trace_model->calls[r.call].module->full_name, where, how);
+    const char *how =
+        "outputs are read-only in the model's and composites' forwards: put the computation in a leaf module "
+        "(smp_module_new_add for a residual), which writes a new output";
+    if (r.call < 0)
+        return smp_error(SMP_ERR_ARG, "model input %d was changed in place during the model's forward (seen %s); %s",
+                         r.index, where, how);
+    return smp_error(SMP_ERR_ARG,
+                     "output %d of call %d (module \"%s\") was changed in place after smp_call returned it (seen %s); "
+                     "the model's forward, a composite's forward or a later module's forward wrote into it; %s",
+                     r.index, r.call, smp__mod.trace_model->calls[r.call].module->full_name, where, how);
 }
 
 /* Swaps the gradients of a module tree's parameters with zeroed scratch
    (restore false) or gives the first `swapped` originals back (restore
    true): the trace's backward must not add into a gradient that exists
    beyond the trace. */
-static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool restore, smp_tensor **saved, int *n, int *cap, int swapped) {
+static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool restore, smp_tensor **saved, int *n,
+                                           int *cap, int swapped) {
     smp_status st = SMP_OK;
     for (int i = 0; i < m->nparams && !st; i++) {
         smp_param *p = m->params[i];
@@ -5411,14 +5770,17 @@ static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool r
             p->grad = (*saved)[(*n)++];
             continue;
         }
-        if (!smp__grow((void **)saved, cap, *n + 1, sizeof(smp_tensor), NULL)) return smp__nomem(sizeof(smp_tensor) * (size_t)(*n + 1), "tracing");
+        if (!smp__grow((void **)saved, cap, *n + 1, sizeof(smp_tensor), NULL))
+            return smp__nomem(sizeof(smp_tensor) * (size_t)(*n + 1), "tracing");
         smp_tensor scratch = p->grad;
-        if (!smp__tensor_alloc_or(&st, &scratch, on_device, SMP__ALLOC_OTHER, "a scratch gradient while tracing")) break;
+        if (!smp__tensor_alloc_or(&st, &scratch, on_device, SMP__ALLOC_OTHER, "a scratch gradient while tracing"))
+            break;
         (*saved)[(*n)++] = p->grad;
         p->grad = scratch;
         st = smp__tensor_zero(&p->grad);
     }
-    for (int i = 0; i < m->nchildren && !st; i++) st = smp__trace_scratch_grads(m->children[i], on_device, restore, saved, n, cap, swapped);
+    for (int i = 0; i < m->nchildren && !st; i++)
+        st = smp__trace_scratch_grads(m->children[i], on_device, restore, saved, n, cap, swapped);
     return st;
 }
 
@@ -5435,24 +5797,29 @@ static smp_status smp__trace_scratch_grads(smp_module *m, bool on_device, bool r
    device call's cost is wall time up to the synchronisation. */
 static double smp__trace_now(bool device) { return device ? smp__now() : (double)clock() / CLOCKS_PER_SEC; }
 
-static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec, double *time) { /* time[0]: B, time[1]: W */
+/* time[0]: B, time[1]: W */
+static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec, double *time) {
     if (!c->module->desc.backward && !smp__split_backward(c->module)) return SMP_OK;
     bool dev = smp__model_on_device(c->module->model);
     smp_status st = SMP_OK;
-    smp_tensor *gout = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER, "tracing");
-    smp_tensor *gin = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)(c->nin + 1), SMP__ALLOC_OTHER, "tracing");
+    smp_tensor *gout =
+        (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER, "tracing");
+    smp_tensor *gin =
+        (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)(c->nin + 1), SMP__ALLOC_OTHER, "tracing");
     if (st) { smp__free(gout); return st; }
     smp_tensor *saved = NULL;
     int nsaved = 0, cap = 0;
     for (int j = 0; j < c->nout && !st; j++) {
         gout[j] = c->outputs[j];
-        if (smp__tensor_alloc_or(&st, &gout[j], dev, SMP__ALLOC_OTHER, "an output gradient while tracing")) st = smp__tensor_zero(&gout[j]);
+        if (smp__tensor_alloc_or(&st, &gout[j], dev, SMP__ALLOC_OTHER, "an output gradient while tracing"))
+            st = smp__tensor_zero(&gout[j]);
     }
     for (int j = 0; j < c->nin && !st; j++) {
         gin[j] = c->inputs[j];
         gin[j].data = NULL;
         if (rec->in[j].call < 0) continue; /* as in a step: model inputs take no gradient */
-        if (smp__tensor_alloc_or(&st, &gin[j], dev, SMP__ALLOC_OTHER, "an input gradient while tracing")) st = smp__tensor_zero(&gin[j]);
+        if (smp__tensor_alloc_or(&st, &gin[j], dev, SMP__ALLOC_OTHER, "an input gradient while tracing"))
+            st = smp__tensor_zero(&gin[j]);
     }
     if (!st) st = smp__trace_scratch_grads(c->module, dev, false, &saved, &nsaved, &cap, 0);
     if (!st) {
@@ -5495,12 +5862,19 @@ SMPDEF smp_status smp_call_set_output(smp_call_ctx *c, int i, const smp_tensor *
     if (!c || !t) return smp_error(SMP_ERR_ARG, "smp_call_set_output: call and tensor are required");
     const char *name = c->module->full_name;
     if (!smp__mod.tracing || !c->output_set || c->in_backward)
-        return smp_error(SMP_ERR_STATE, "smp_call_set_output(\"%s\"): only a composite's forward names its outputs, and it runs only while smp traces the model", name);
-    if (i < 0 || i >= c->nout) return smp_error(SMP_ERR_ARG, "smp_call_set_output(\"%s\"): output %d of %d", name, i, c->nout);
+        return smp_error(SMP_ERR_STATE,
+                         "smp_call_set_output(\"%s\"): only a composite's forward names its outputs, and it runs only "
+                         "while smp traces the model",
+                         name);
+    if (i < 0 || i >= c->nout)
+        return smp_error(SMP_ERR_ARG, "smp_call_set_output(\"%s\"): output %d of %d", name, i, c->nout);
     int e = smp__trace_find(t->data);
     if (e < 0)
-        return smp_error(SMP_ERR_ARG, "smp_call_set_output(\"%s\"): output %d is not a tensor that an smp_call returned or an input of the call "
-                         "(compute it in a leaf module)", name, i);
+        return smp_error(
+            SMP_ERR_ARG,
+            "smp_call_set_output(\"%s\"): output %d is not a tensor that an smp_call returned or an input of the call "
+            "(compute it in a leaf module)",
+            name, i);
     char where[160];
     snprintf(where, sizeof where, "when composite \"%s\" named it output %d", name, i);
     smp_status st = smp__trace_check(e, where);
@@ -5515,22 +5889,35 @@ SMPDEF smp_status smp_call_set_output(smp_call_ctx *c, int i, const smp_tensor *
 static smp_status smp__check_composite(const smp_call_ctx *c, bool returned) {
     const smp_module *m = c->module;
     if (m->desc.backward || smp__split_backward(m))
-        return smp_error(SMP_ERR_MODULE, "module \"%s\" calls other modules through smp_call, which makes it a composite, but it has a backward: "
-                         "smp differentiates a composite through its children; remove the backward (or make it a leaf that calls no module)", m->full_name);
+        return smp_error(
+            SMP_ERR_MODULE,
+            "module \"%s\" calls other modules through smp_call, which makes it a composite, but it has a backward: "
+            "smp differentiates a composite through its children; remove the backward (or make it a leaf that calls no "
+            "module)",
+            m->full_name);
     if (c->made_output)
-        return smp_error(SMP_ERR_MODULE, "composite module \"%s\" calls other modules and also makes an output of its own with smp_call_output: "
-                         "a composite may not compute; move the arithmetic into a leaf module (smp_module_new_add for a residual) "
-                         "and name its result with smp_call_set_output", m->full_name);
+        return smp_error(
+            SMP_ERR_MODULE,
+            "composite module \"%s\" calls other modules and also makes an output of its own with smp_call_output: "
+            "a composite may not compute; move the arithmetic into a leaf module (smp_module_new_add for a residual) "
+            "and name its result with smp_call_set_output",
+            m->full_name);
     if (m->nparams)
-        return smp_error(SMP_ERR_MODULE, "composite module \"%s\" declares %s \"%s\", which no backward would update: declare it on a leaf child",
-                         m->full_name, m->params[0]->is_buffer ? "buffer" : "parameter", m->params[0]->name);
+        return smp_error(
+            SMP_ERR_MODULE,
+            "composite module \"%s\" declares %s \"%s\", which no backward would update: declare it on a leaf child",
+            m->full_name, m->params[0]->is_buffer ? "buffer" : "parameter", m->params[0]->name);
     if (!returned) return SMP_OK;
     if (!c->made_calls)
-        return smp_error(SMP_ERR_MODULE, "module \"%s\" names its outputs with smp_call_set_output but calls no module: a composite passes "
-                         "work to its children (smp_module_new_identity returns its input)", m->full_name);
+        return smp_error(
+            SMP_ERR_MODULE,
+            "module \"%s\" names its outputs with smp_call_set_output but calls no module: a composite passes "
+            "work to its children (smp_module_new_identity returns its input)",
+            m->full_name);
     for (int i = 0; i < c->nout; i++)
         if (!c->output_set[i])
-            return smp_error(SMP_ERR_MODULE, "composite module \"%s\" did not name output %d (smp_call_set_output)", m->full_name, i);
+            return smp_error(SMP_ERR_MODULE, "composite module \"%s\" did not name output %d (smp_call_set_output)",
+                             m->full_name, i);
     return SMP_OK;
 }
 
@@ -5561,8 +5948,8 @@ static int smp__trace_pick(double (*runs)[3], int n, bool best) {
 
 /* Records leaf call `c` as the next call of the traced model: its inputs'
    sources, shapes, costs; its outputs join the table. */
-static smp_status smp__record_leaf(smp_model *md, smp_call_ctx *c, smp__ref *in, smp_tensor *in_meta, const double cost[3], double act_bytes,
-                                   double param_bytes, bool top) {
+static smp_status smp__record_leaf(smp_model *md, smp_call_ctx *c, smp__ref *in, smp_tensor *in_meta,
+                                   const double cost[3], double act_bytes, double param_bytes, bool top) {
     smp__call_rec rec;
     memset(&rec, 0, sizeof rec);
     rec.module = c->module;
@@ -5571,7 +5958,8 @@ static smp_status smp__record_leaf(smp_model *md, smp_call_ctx *c, smp__ref *in,
     rec.in = in;
     rec.in_meta = in_meta;
     smp_status st = SMP_OK;
-    rec.out_meta = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER, "the trace's record of a call");
+    rec.out_meta = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)c->nout, SMP__ALLOC_OTHER,
+                                               "the trace's record of a call");
     int cap = md->ncalls;
     smp__grow_or(&st, (void **)&md->calls, &cap, md->ncalls + 1, sizeof(smp__call_rec), "the trace's list of calls");
     smp__trace_reserve(&st, c->nout);
@@ -5616,7 +6004,9 @@ static void smp__unit_costs(const smp_model *md, smp__unit *u) {
 static smp_status smp__add_unit(smp_model *md, smp_module *m, int first) {
     int cap = md->nunits;
     smp_status st = SMP_OK;
-    if (!smp__grow_or(&st, (void **)&md->units, &cap, md->nunits + 1, sizeof(smp__unit), "the trace's list of top-level calls")) return st;
+    if (!smp__grow_or(&st, (void **)&md->units, &cap, md->nunits + 1, sizeof(smp__unit),
+                      "the trace's list of top-level calls"))
+        return st;
     smp__unit *u = &md->units[md->nunits++];
     memset(u, 0, sizeof *u);
     u->module = m;
@@ -5628,7 +6018,8 @@ static smp_status smp__add_unit(smp_model *md, smp_module *m, int first) {
 
 SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp_tensor *outputs, int nout) {
     if (!m) return smp_error(SMP_ERR_ARG, "smp_call: module is NULL");
-    if (nin < 0 || nout < 1 || (nin && !inputs) || !outputs) return smp_error(SMP_ERR_ARG, "smp_call(\"%s\"): needs inputs and at least one output", m->full_name);
+    if (nin < 0 || nout < 1 || (nin && !inputs) || !outputs)
+        return smp_error(SMP_ERR_ARG, "smp_call(\"%s\"): needs inputs and at least one output", m->full_name);
     for (int i = 0; i < nin; i++) {
         smp_status st = smp__check_tensor(&inputs[i], "smp_call", "an input");
         if (st) return smp_error(st, "smp_call(\"%s\"), input %d: %s", m->full_name, i, smp_last_error());
@@ -5636,37 +6027,52 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
     smp_call_ctx *parent = smp__mod.current;
     smp_model *md = smp__mod.trace_model;
     if (!smp__mod.tracing)
-        return parent ? smp_error(SMP_ERR_STATE, "smp_call(\"%s\") from the %s of module \"%s\" after tracing: only a composite's forward calls "
-                                  "modules, and it must do so when smp traces the model (it runs only then)", m->full_name,
-                                  parent->in_backward ? "backward" : "forward", parent->module->full_name)
-                      : smp_error(SMP_ERR_STATE, "smp_call(\"%s\") outside tracing and outside a module: the model's forward runs only when smp traces it", m->full_name);
-    if (m->model != md) return smp_error(SMP_ERR_ARG, "smp_call: module \"%s\" is not part of the model being traced", m->full_name);
+        return parent ? smp_error(SMP_ERR_STATE,
+                                  "smp_call(\"%s\") from the %s of module \"%s\" after tracing: only a composite's "
+                                  "forward calls "
+                                  "modules, and it must do so when smp traces the model (it runs only then)",
+                                  m->full_name, parent->in_backward ? "backward" : "forward", parent->module->full_name)
+                      : smp_error(SMP_ERR_STATE,
+                                  "smp_call(\"%s\") outside tracing and outside a module: the model's forward runs "
+                                  "only when smp traces it",
+                                  m->full_name);
+    if (m->model != md)
+        return smp_error(SMP_ERR_ARG, "smp_call: module \"%s\" is not part of the model being traced", m->full_name);
     if (parent) {
-        if (parent->in_backward) return smp_error(SMP_ERR_MODULE, "smp_call(\"%s\") from the backward of \"%s\": backwards call no modules", m->full_name, parent->module->full_name);
+        if (parent->in_backward)
+            return smp_error(SMP_ERR_MODULE, "smp_call(\"%s\") from the backward of \"%s\": backwards call no modules",
+                             m->full_name, parent->module->full_name);
         parent->made_calls = true;
         SMP_TRY(smp__check_composite(parent, false));
         for (const smp_call_ctx *a = parent; a; a = a->caller)
-            if (a->module == m) return smp_error(SMP_ERR_MODULE, "module \"%s\" calls itself (through \"%s\"): a model is a finite graph of calls", m->full_name, parent->module->full_name);
+            if (a->module == m)
+                return smp_error(SMP_ERR_MODULE,
+                                 "module \"%s\" calls itself (through \"%s\"): a model is a finite graph of calls",
+                                 m->full_name, parent->module->full_name);
     }
 
     /* where each input comes from, and that it is as it was handed out */
     smp_status st = SMP_OK;
-    smp__ref *in = (smp__ref *)smp__alloc_or(&st, sizeof(smp__ref) * (size_t)nin, SMP__ALLOC_OTHER, "a traced call's inputs");
-    smp_tensor *in_meta = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)nin, SMP__ALLOC_OTHER, "a traced call's inputs");
+    smp__ref *in =
+        (smp__ref *)smp__alloc_or(&st, sizeof(smp__ref) * (size_t)nin, SMP__ALLOC_OTHER, "a traced call's inputs");
+    smp_tensor *in_meta =
+        (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)nin, SMP__ALLOC_OTHER, "a traced call's inputs");
     char where[200];
     for (int i = 0; i < nin && !st; i++) {
         int e = smp__trace_find(inputs[i].data);
         if (e < 0) {
-            st = smp_error(SMP_ERR_ARG, "smp_call(\"%s\"): input %d is neither a model input nor an output of an earlier smp_call "
-                                        "(compute it inside a module so smp can move it between partitions)", m->full_name, i);
+            st = smp_error(SMP_ERR_ARG,
+                           "smp_call(\"%s\"): input %d is neither a model input nor an output of an earlier smp_call "
+                           "(compute it inside a module so smp can move it between partitions)",
+                           m->full_name, i);
             break;
         }
         snprintf(where, sizeof where, "when it was passed as input %d to module \"%s\"", i, m->full_name);
         st = smp__trace_check(e, where);
         const smp_tensor *src = &smp__mod.table[e].t;
         if (!st && smp_tensor_numel(src) != smp_tensor_numel(&inputs[i]))
-            st = smp_error(SMP_ERR_ARG, "smp_call(\"%s\"): input %d has %lld elements but the tensor it views has %lld", m->full_name, i,
-                           (long long)smp_tensor_numel(&inputs[i]), (long long)smp_tensor_numel(src));
+            st = smp_error(SMP_ERR_ARG, "smp_call(\"%s\"): input %d has %lld elements but the tensor it views has %lld",
+                           m->full_name, i, (long long)smp_tensor_numel(&inputs[i]), (long long)smp_tensor_numel(src));
         in[i] = smp__mod.table[e].ref;
         in_meta[i] = inputs[i];
         in_meta[i].data = NULL;
@@ -5685,7 +6091,8 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
     c.nout = nout;
     c.inputs = inputs;
     c.context = m->context_partition >= 0 ? m->context_partition : parent ? parent->context : -1;
-    c.outputs = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)nout, SMP__ALLOC_OTHER, "a traced call's outputs");
+    c.outputs = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)nout, SMP__ALLOC_OTHER,
+                                            "a traced call's outputs");
     c.output_set = (bool *)smp__alloc_or(&st, (size_t)nout, SMP__ALLOC_OTHER, "a traced call's outputs");
     if (st) {
         smp__free(c.outputs);
@@ -5751,13 +6158,15 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
             if (!st) st = smp__trace_backward(&c, &probe, t + 1);
             if (!st) nruns++;
         }
-        if (!st && nruns) memcpy(cost, runs[smp__trace_pick(runs, nruns, smp__ctx.cfg.trace_execution_times == SMP_ON)], sizeof cost);
+        if (!st && nruns)
+            memcpy(cost, runs[smp__trace_pick(runs, nruns, smp__ctx.cfg.trace_execution_times == SMP_ON)], sizeof cost);
         if (st) {
             for (int i = 0; i < nout; i++) smp__free(c.outputs[i].data);
             smp__free(in);
             smp__free(in_meta);
         } else {
-            st = smp__record_leaf(md, &c, in, in_meta, cost, (double)(smp__ctx.mem.current_bytes - before), param_bytes, !parent);
+            st = smp__record_leaf(md, &c, in, in_meta, cost, (double)(smp__ctx.mem.current_bytes - before), param_bytes,
+                                  !parent);
             for (int i = 0; i < nout; i++) outputs[i] = c.outputs[i];
             if (!st && !parent) st = smp__add_unit(md, m, first);
         }
@@ -5875,11 +6284,15 @@ static void smp__part_solve(const double *cost, int n, int nstages, int *stage_o
 static int smp__part_bad(double x) { return !(x >= 0.0) || isinf(x); }
 
 static smp_status smp__part_check_shape(int n, int nstages, const void *costs, const int *stage_of_call) {
-    if (n < 1) return smp_error(SMP_ERR_ARG, "auto-partition: there are %d traced calls to split; at least one is needed", n);
-    if (nstages < 1) return smp_error(SMP_ERR_ARG, "auto-partition: %d stages requested; at least one is needed", nstages);
+    if (n < 1)
+        return smp_error(SMP_ERR_ARG, "auto-partition: there are %d traced calls to split; at least one is needed", n);
+    if (nstages < 1)
+        return smp_error(SMP_ERR_ARG, "auto-partition: %d stages requested; at least one is needed", nstages);
     if (nstages > n)
-        return smp_error(SMP_ERR_ARG, "auto-partition: cannot split %d traced call%s into %d stages; every stage needs at least "
-                         "one call (use fewer partitions or virtual stages)", n, n == 1 ? "" : "s", nstages);
+        return smp_error(SMP_ERR_ARG,
+                         "auto-partition: cannot split %d traced call%s into %d stages; every stage needs at least "
+                         "one call (use fewer partitions or virtual stages)",
+                         n, n == 1 ? "" : "s", nstages);
     if (!costs || !stage_of_call)
         return smp_error(SMP_ERR_ARG, "auto-partition: %s is NULL", !costs ? "the cost array" : "stage_of_call");
     return SMP_OK;
@@ -5890,7 +6303,8 @@ SMP__CORE smp_status smp_partition_min_max(const double *cost, int n, int nstage
     SMP_TRY(smp__part_check_shape(n, nstages, cost, stage_of_call));
     for (int i = 0; i < n; i++)
         if (smp__part_bad(cost[i]))
-            return smp_error(SMP_ERR_ARG, "auto-partition: call %d of %d has cost %g; costs must be finite and >= 0", i, n, cost[i]);
+            return smp_error(SMP_ERR_ARG, "auto-partition: call %d of %d has cost %g; costs must be finite and >= 0", i,
+                             n, cost[i]);
     smp__part_solve(cost, n, nstages, stage_of_call, max_stage_cost);
     return SMP_OK;
 }
@@ -5910,13 +6324,14 @@ SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nsta
         static const char *const field_name[3] = {"time", "param_bytes", "activation_bytes"};
         for (int f = 0; f < 3; f++)
             if (smp__part_bad(field[f]))
-                return smp_error(SMP_ERR_ARG, "auto-partition: call %d of %d has %s = %g; it must be finite and >= 0", i, n,
-                                 field_name[f], field[f]);
+                return smp_error(SMP_ERR_ARG, "auto-partition: call %d of %d has %s = %g; it must be finite and >= 0",
+                                 i, n, field_name[f], field[f]);
         total_time += c->time;
         total_memory += c->param_bytes * (2.0 + optimizer_state_factor) + c->activation_bytes;
     }
     if (isinf(total_time) || isinf(total_memory))
-        return smp_error(SMP_ERR_ARG, "auto-partition: the calls' total %s overflows a double", isinf(total_time) ? "time" : "memory");
+        return smp_error(SMP_ERR_ARG, "auto-partition: the calls' total %s overflows a double",
+                         isinf(total_time) ? "time" : "memory");
     double *cost = (double *)smp__alloc((size_t)n * sizeof *cost, SMP__ALLOC_OTHER);
     if (!cost) return smp__nomem((size_t)n * sizeof *cost, "the auto-partitioner's call costs");
     for (int i = 0; i < n; i++) {
@@ -5953,10 +6368,13 @@ static void smp__warn_ignored_contexts(const smp_model *m) {
     if (!first) return;
     char others[48] = "";
     if (n > 1) snprintf(others, sizeof others, " (and %d other module%s)", n - 1, n == 2 ? "" : "s");
-    smp__log(SMP_LOG_WARN, "module \"%s\"%s was created inside SMP_PARTITION(%d), but auto_partition is on, so SMP_PARTITION contexts are "
-            "ignored and the partitioner places every module: to place modules by their contexts, turn auto_partition off "
-            "(cfg.auto_partition = SMP_OFF, or \"auto_partition\": false in SMP_CONFIG) and set default_partition for modules outside them",
-            *first->full_name ? first->full_name : "(root)", others, first->context_partition);
+    smp__log(
+        SMP_LOG_WARN,
+        "module \"%s\"%s was created inside SMP_PARTITION(%d), but auto_partition is on, so SMP_PARTITION contexts are "
+        "ignored and the partitioner places every module: to place modules by their contexts, turn auto_partition off "
+        "(cfg.auto_partition = SMP_OFF, or \"auto_partition\": false in SMP_CONFIG) and set default_partition for "
+        "modules outside them",
+        *first->full_name ? first->full_name : "(root)", others, first->context_partition);
 }
 
 /* The partition of every leaf call: auto partitioning places top-level
@@ -5973,19 +6391,28 @@ static smp_status smp__assign_partitions(smp_model *m, int *call_part, int *vee_
     if (cfg->auto_partition == SMP_ON && (P > 1 || vee)) {
         int chunks = vee ? 2 * P : P * cfg->virtual_stages;
         if (chunks > nu && vee)
-            return smp_error(SMP_ERR_CONFIG, "the model makes %d top-level call%s, too few for pipeline \"zero_bubble_v\", which cuts it in 2 stages "
-                             "per partition (%d for %d partitions): use fewer partitions or another pipeline", nu, nu == 1 ? "" : "s", chunks, P);
+            return smp_error(SMP_ERR_CONFIG,
+                             "the model makes %d top-level call%s, too few for pipeline \"zero_bubble_v\", which cuts "
+                             "it in 2 stages "
+                             "per partition (%d for %d partitions): use fewer partitions or another pipeline",
+                             nu, nu == 1 ? "" : "s", chunks, P);
         if (chunks > nu)
-            return smp_error(SMP_ERR_CONFIG, "the model makes %d top-level calls, too few for %d partitions x %d virtual stages", nu, P, cfg->virtual_stages);
+            return smp_error(SMP_ERR_CONFIG,
+                             "the model makes %d top-level calls, too few for %d partitions x %d virtual stages", nu, P,
+                             cfg->virtual_stages);
         smp_status st = SMP_OK;
-        smp_call_cost *costs = (smp_call_cost *)smp__alloc_or(&st, sizeof(smp_call_cost) * (size_t)nu, SMP__ALLOC_OTHER, "the auto-partitioner's costs");
-        int *unit_part = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)nu, SMP__ALLOC_OTHER, "the auto-partitioner's placement");
+        smp_call_cost *costs = (smp_call_cost *)smp__alloc_or(&st, sizeof(smp_call_cost) * (size_t)nu, SMP__ALLOC_OTHER,
+                                                              "the auto-partitioner's costs");
+        int *unit_part =
+            (int *)smp__alloc_or(&st, sizeof(int) * (size_t)nu, SMP__ALLOC_OTHER, "the auto-partitioner's placement");
         for (int u = 0; u < nu && !st; u++) {
             costs[u].time = m->units[u].time;
             costs[u].param_bytes = m->units[u].param_bytes;
             costs[u].activation_bytes = m->units[u].activation_bytes;
         }
-        if (!st) st = smp_auto_partition(costs, nu, chunks, cfg->memory_weight, SMP__OPTIMIZER_STATE_FACTOR, unit_part, NULL);
+        if (!st)
+            st =
+                smp_auto_partition(costs, nu, chunks, cfg->memory_weight, SMP__OPTIMIZER_STATE_FACTOR, unit_part, NULL);
         smp__warn_ignored_contexts(m);
         for (int k = 0; k < n && !st; k++) {
             int c = unit_part[m->calls[k].unit];
@@ -6000,8 +6427,11 @@ static smp_status smp__assign_partitions(smp_model *m, int *call_part, int *vee_
         int p = P == 1 ? 0 : m->calls[i].context;
         if (p < 0) {
             if (!cfg->has_default_partition)
-                return smp_error(SMP_ERR_CONFIG, "module \"%s\" was created outside every SMP_PARTITION context and no default_partition is set "
-                                 "(auto_partition is off)", m->calls[i].module->full_name);
+                return smp_error(
+                    SMP_ERR_CONFIG,
+                    "module \"%s\" was created outside every SMP_PARTITION context and no default_partition is set "
+                    "(auto_partition is off)",
+                    m->calls[i].module->full_name);
             p = cfg->default_partition;
         }
         call_part[i] = p;
@@ -6016,39 +6446,51 @@ static void smp__report(smp_model *m) {
     if (!t) { smp__log(SMP_LOG_WARN, "no partition report: out of memory for %d stages' sums", S); return; }
     double *mem = t + S;
     char line[256];
-    smp__log(SMP_LOG_INFO, "partition report: %d top-level calls (%d leaf calls), %d stages over %d partitions", m->nunits, m->ncalls, S,
-            smp__ctx.cfg.partitions);
-    smp__log(SMP_LOG_INFO, "  %-5s %-28s %5s %5s %12s %10s %12s", "call", "module", "part", "stage", "params(B)", "time(ms)", "activ.(B)");
+    smp__log(SMP_LOG_INFO, "partition report: %d top-level calls (%d leaf calls), %d stages over %d partitions",
+             m->nunits, m->ncalls, S, smp__ctx.cfg.partitions);
+    smp__log(SMP_LOG_INFO, "  %-5s %-28s %5s %5s %12s %10s %12s", "call", "module", "part", "stage", "params(B)",
+             "time(ms)", "activ.(B)");
     for (int u = 0; u < m->nunits; u++) {
         smp__unit *c = &m->units[u];
         int s0 = m->calls[c->first].stage, s1 = m->calls[c->last].stage;
         char stages[24];
         snprintf(stages, sizeof stages, s0 == s1 ? "%d" : "%d-%d", s0, s1);
-        snprintf(line, sizeof line, "  %-5d %-28s %5d %5s %12.0f %10.3f %12.0f%s", u, *c->module->full_name ? c->module->full_name : "(root)",
-                 m->stage_rank[s0], stages, c->param_bytes, c->time * 1e3, c->activation_bytes,
-                 c->last > c->first ? " (composite)" : m->calls[c->first].recompute_first >= 0 ? " (recomputed)" : "");
+        snprintf(line, sizeof line, "  %-5d %-28s %5d %5s %12.0f %10.3f %12.0f%s", u,
+                 *c->module->full_name ? c->module->full_name : "(root)", m->stage_rank[s0], stages, c->param_bytes,
+                 c->time * 1e3, c->activation_bytes,
+                 c->last > c->first                        ? " (composite)"
+                 : m->calls[c->first].recompute_first >= 0 ? " (recomputed)"
+                                                           : "");
         smp__log(SMP_LOG_INFO, "%s", line);
     }
     memset(t, 0, sizeof(double) * 2 * (size_t)S);
     for (int i = 0; i < m->ncalls; i++) {
         t[m->calls[i].stage] += m->calls[i].time;
-        mem[m->calls[i].stage] += m->calls[i].param_bytes * (2 + SMP__OPTIMIZER_STATE_FACTOR) + m->calls[i].activation_bytes;
+        mem[m->calls[i].stage] +=
+            m->calls[i].param_bytes * (2 + SMP__OPTIMIZER_STATE_FACTOR) + m->calls[i].activation_bytes;
     }
     double tmax = 0, tsum = 0, mmax = 0, msum = 0;
     for (int s = 0; s < S; s++) {
-        smp__log(SMP_LOG_INFO, "  stage %d (partition %d): leaf calls %d..%d, time %.3f ms, memory %.0f B", s, m->stage_rank[s], m->stage_first[s],
-                m->stage_last[s], t[s] * 1e3, mem[s]);
+        smp__log(SMP_LOG_INFO, "  stage %d (partition %d): leaf calls %d..%d, time %.3f ms, memory %.0f B", s,
+                 m->stage_rank[s], m->stage_first[s], m->stage_last[s], t[s] * 1e3, mem[s]);
         tmax = t[s] > tmax ? t[s] : tmax; tsum += t[s];
         mmax = mem[s] > mmax ? mem[s] : mmax; msum += mem[s];
     }
-    smp__log(SMP_LOG_INFO, "  imbalance (largest / mean stage): time %.2f, memory %.2f", tsum > 0 ? tmax * S / tsum : 1.0, msum > 0 ? mmax * S / msum : 1.0);
+    smp__log(SMP_LOG_INFO, "  imbalance (largest / mean stage): time %.2f, memory %.2f",
+             tsum > 0 ? tmax * S / tsum : 1.0, msum > 0 ? mmax * S / msum : 1.0);
     for (int i = 0; i < m->nmodules; i++) { /* shared modules: where their copies live */
         smp_module *mod = m->modules[i];
-        if (mod->uses < 2 || (mod->parent && mod->parent->uses == mod->uses && mod->parent->owner_call == mod->owner_call)) continue;
-        int at = snprintf(line, sizeof line, "  shared: \"%s\", %d calls, copies on partitions", mod->full_name, mod->uses);
+        if (mod->uses < 2 ||
+            (mod->parent && mod->parent->uses == mod->uses && mod->parent->owner_call == mod->owner_call))
+            continue;
+        int at =
+            snprintf(line, sizeof line, "  shared: \"%s\", %d calls, copies on partitions", mod->full_name, mod->uses);
         for (int p = 0, last = -1; p < smp__ctx.cfg.partitions && at < (int)sizeof line - 8; p++)
             for (int k = 0; k < m->ncalls; k++)
-                if (m->calls[k].module == mod && m->stage_rank[m->calls[k].stage] == p && p != last) { at += snprintf(line + at, sizeof line - (size_t)at, " %d", p); last = p; }
+                if (m->calls[k].module == mod && m->stage_rank[m->calls[k].stage] == p && p != last) {
+                    at += snprintf(line + at, sizeof line - (size_t)at, " %d", p);
+                    last = p;
+                }
         smp__log(SMP_LOG_INFO, "%s", line);
     }
     smp__free(t);
@@ -6076,7 +6518,8 @@ static void smp__place_modules(smp_model *m, const int *part) {
             mod->partition = mod->parent->partition;
             mod->local = mod->parent->local;
             continue;
-        } else if (mod->context_partition >= 0 && smp__ctx.cfg.auto_partition != SMP_ON) mod->partition = mod->context_partition;
+        } else if (mod->context_partition >= 0 && smp__ctx.cfg.auto_partition != SMP_ON)
+            mod->partition = mod->context_partition;
         else mod->partition = smp__ctx.cfg.has_default_partition ? smp__ctx.cfg.default_partition : 0;
         mod->local = mod->partition == me;
     }
@@ -6094,17 +6537,23 @@ static smp_status smp__vee_stages(const smp_model *m, const int *part, int *cut)
     seen[0] = 0;
     for (int i = 0; i < n; i++) {
         if (i > 0 && part[i] == part[i - 1]) continue;
-        if (bad < 0 && (runs >= 2 * P - 1 || part[i] != (runs < P ? runs : 2 * P - 2 - runs))) bad = runs; /* the middle two stages make one run */
-        if (at >= 0 && at < (int)sizeof seen - 24) at += snprintf(seen + at, sizeof seen - (size_t)at, runs ? ", %d" : "%d", part[i]);
+        /* the middle two stages make one run */
+        if (bad < 0 && (runs >= 2 * P - 1 || part[i] != (runs < P ? runs : 2 * P - 2 - runs))) bad = runs;
+        if (at >= 0 && at < (int)sizeof seen - 24)
+            at += snprintf(seen + at, sizeof seen - (size_t)at, runs ? ", %d" : "%d", part[i]);
         else if (at >= 0) { snprintf(seen + at, sizeof seen - (size_t)at, ", ..."); at = -1; }
         if (runs == P - 1) first = i;
         runs++;
     }
     if (bad < 0 && runs != 2 * P - 1) bad = runs;
     if (bad >= 0)
-        return smp_error(SMP_ERR_CONFIG, "pipeline \"zero_bubble_v\" needs the model placed in a V: partitions 0, 1, ..., %d, ..., 1, 0 along its calls "
-                         "(partition r runs stages r and %d-r, partition %d its two middle stages back to back); this placement runs over "
-                         "partitions %s. Place the modules so with SMP_PARTITION, or turn auto_partition on (it cuts and places the V itself)",
+        return smp_error(SMP_ERR_CONFIG,
+                         "pipeline \"zero_bubble_v\" needs the model placed in a V: partitions 0, 1, ..., %d, ..., 1, "
+                         "0 along its calls "
+                         "(partition r runs stages r and %d-r, partition %d its two middle stages back to back); this "
+                         "placement runs over "
+                         "partitions %s. Place the modules so with SMP_PARTITION, or turn auto_partition on (it cuts "
+                         "and places the V itself)",
                          P - 1, 2 * P - 1, P - 1, seen);
     for (last = first; last + 1 < n && part[last + 1] == part[first]; last++) {}
     if (*cut >= 0) return SMP_OK;
@@ -6113,30 +6562,40 @@ static smp_status smp__vee_stages(const smp_model *m, const int *part, int *cut)
     for (int c = first + 1; c <= last; c++) {
         left += m->calls[c - 1].time > 0 ? m->calls[c - 1].time : 0;
         const smp__call_rec *r = &m->calls[c];
-        if (m->units[r->unit].first != c || (r->recompute_first >= 0 && r->recompute_first != c)) continue; /* inside a top-level call */
+        /* inside a top-level call */
+        if (m->units[r->unit].first != c || (r->recompute_first >= 0 && r->recompute_first != c)) continue;
         double worse = left > total - left ? left : total - left;
         if (best < 0 || worse < best) { best = worse; *cut = c; }
     }
     if (*cut < 0)
-        return smp_error(SMP_ERR_CONFIG, "pipeline \"zero_bubble_v\" cuts partition %d's part of the model (the bottom of the V) in two stages, "
-                         "but it is one top-level call (\"%s\"): place at least two top-level calls on partition %d, or turn auto_partition on",
-                         P - 1, m->units[m->calls[first].unit].module->full_name, P - 1);
+        return smp_error(
+            SMP_ERR_CONFIG,
+            "pipeline \"zero_bubble_v\" cuts partition %d's part of the model (the bottom of the V) in two stages, "
+            "but it is one top-level call (\"%s\"): place at least two top-level calls on partition %d, or turn "
+            "auto_partition on",
+            P - 1, m->units[m->calls[first].unit].module->full_name, P - 1);
     return SMP_OK;
 }
 
 static smp_status smp__partition(smp_model *m) {
     int n = m->ncalls, P = smp__ctx.cfg.partitions, vee_cut = -1;
-    smp_status st = m->hooks_lost ? smp__nomem(m->hooks_lost, "a post-partition hook (smp_model_on_partitioned)") : SMP_OK;
-    int *part = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(n ? n : 1), SMP__ALLOC_OTHER, "the partition of each call");
-    if (!st) st = n ? smp__assign_partitions(m, part, &vee_cut) : smp_error(SMP_ERR_ARG, "the model's forward made no smp_call");
+    smp_status st =
+        m->hooks_lost ? smp__nomem(m->hooks_lost, "a post-partition hook (smp_model_on_partitioned)") : SMP_OK;
+    int *part =
+        (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(n ? n : 1), SMP__ALLOC_OTHER, "the partition of each call");
+    if (!st)
+        st = n ? smp__assign_partitions(m, part, &vee_cut)
+               : smp_error(SMP_ERR_ARG, "the model's forward made no smp_call");
     if (!st && smp__ctx.cfg.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V) st = smp__vee_stages(m, part, &vee_cut);
     for (int k = 0; k < n && !st; k++) {
         const smp__call_rec *c = &m->calls[k];
         if (c->recompute_first >= 0 && part[c->recompute_first] != part[k])
-            st = smp_error(SMP_ERR_CONFIG, "module \"%s\" is recomputed, but its calls fall on partitions %d (\"%s\") and %d (\"%s\"): a recomputed call "
+            st = smp_error(SMP_ERR_CONFIG,
+                           "module \"%s\" is recomputed, but its calls fall on partitions %d (\"%s\") and %d (\"%s\"): "
+                           "a recomputed call "
                            "runs again within one stage; place all of it on one partition, or do not recompute it",
-                           m->calls[c->recompute_first].module->full_name, part[c->recompute_first], m->calls[c->recompute_first].module->full_name,
-                           part[k], c->module->full_name);
+                           m->calls[c->recompute_first].module->full_name, part[c->recompute_first],
+                           m->calls[c->recompute_first].module->full_name, part[k], c->module->full_name);
     }
     if (st) { smp__free(part); return st; }
     int S = 0;
@@ -6148,13 +6607,19 @@ static smp_status smp__partition(smp_model *m) {
     m->stage_first = m->stage_rank + S;
     m->stage_last = m->stage_rank + 2 * S;
     for (int i = 0, s = -1; i < n; i++) {
-        if (i == 0 || part[i] != part[i - 1] || i == vee_cut) { s++; m->stage_rank[s] = part[i]; m->stage_first[s] = i; }
+        if (i == 0 || part[i] != part[i - 1] || i == vee_cut) {
+            s++;
+            m->stage_rank[s] = part[i];
+            m->stage_first[s] = i;
+        }
         m->stage_last[s] = i;
         m->calls[i].stage = s;
     }
     for (int s = 0; s < S; s++) used[m->stage_rank[s]] = true;
     for (int p = 0; p < P && !st; p++)
-        if (!used[p]) st = smp_error(SMP_ERR_CONFIG, "partition %d has no module calls; every partition needs work (partitions = %d)", p, P);
+        if (!used[p])
+            st = smp_error(SMP_ERR_CONFIG,
+                           "partition %d has no module calls; every partition needs work (partitions = %d)", p, P);
     smp__free(used);
     if (!st) smp__place_modules(m, part);
     smp__free(part);
@@ -6182,19 +6647,25 @@ static smp_status smp__share_trace(smp_model *m) {
     uint64_t sig[2] = {(uint64_t)n, 1469598103934665603ull};
     for (int i = 0; i < n; i++) {
         const smp__call_rec *c = &m->calls[i];
-        uint64_t v = (uint64_t)c->nin * 31 + (uint64_t)c->nout + (uint64_t)c->unit * 7919 + (uint64_t)(c->recompute_first + 2) * 104729;
+        uint64_t v = (uint64_t)c->nin * 31 + (uint64_t)c->nout + (uint64_t)c->unit * 7919 +
+                     (uint64_t)(c->recompute_first + 2) * 104729;
         for (const char *ch = c->module->full_name; *ch; ch++) v = v * 131 + (unsigned char)*ch;
-        for (int j = 0; j < c->nin; j++) v = v * 1000003 + (uint64_t)(c->in[j].call + 7) * 17 + (uint64_t)c->in[j].index;
+        for (int j = 0; j < c->nin; j++)
+            v = v * 1000003 + (uint64_t)(c->in[j].call + 7) * 17 + (uint64_t)c->in[j].index;
         sig[1] = (sig[1] ^ v) * 1099511628211ull;
     }
     uint64_t lo[2], hi[2];
     MPI_Request r[2];
     /* world collectives every rank is in: one that fails here leaves the others waiting */
-    SMP__MPI_FATAL(MPI_Iallreduce(sig, lo, 2, MPI_UINT64_T, MPI_MIN, smp__ctx.world, &r[0]), "comparing the traced models (world)");
-    SMP__MPI_FATAL(MPI_Iallreduce(sig, hi, 2, MPI_UINT64_T, MPI_MAX, smp__ctx.world, &r[1]), "comparing the traced models (world)");
+    SMP__MPI_FATAL(MPI_Iallreduce(sig, lo, 2, MPI_UINT64_T, MPI_MIN, smp__ctx.world, &r[0]),
+                   "comparing the traced models (world)");
+    SMP__MPI_FATAL(MPI_Iallreduce(sig, hi, 2, MPI_UINT64_T, MPI_MAX, smp__ctx.world, &r[1]),
+                   "comparing the traced models (world)");
     smp_wait_requests(2, r, "trace agreement", SMP_WORLD, -1);
     if (lo[0] != hi[0] || lo[1] != hi[1])
-        return smp_error(SMP_ERR_STATE, "ranks traced different models (call counts %llu..%llu): the forward must make the same calls on every rank",
+        return smp_error(SMP_ERR_STATE,
+                         "ranks traced different models (call counts %llu..%llu): the forward must make the same calls "
+                         "on every rank",
                          (unsigned long long)lo[0], (unsigned long long)hi[0]);
     smp_status st = SMP_OK;
     double *costs = (double *)smp__bytes_or(&st, sizeof(double) * 5 * (size_t)n, SMP__ALLOC_OTHER, "the traced costs");
@@ -6205,7 +6676,8 @@ static smp_status smp__share_trace(smp_model *m) {
         costs[5 * i + 3] = m->calls[i].param_bytes;
         costs[5 * i + 4] = m->calls[i].activation_bytes;
     }
-    SMP__MPI_FATAL(MPI_Ibcast(costs, 5 * n, MPI_DOUBLE, 0, smp__ctx.world, &r[0]), "sharing traced costs from world rank 0");
+    SMP__MPI_FATAL(MPI_Ibcast(costs, 5 * n, MPI_DOUBLE, 0, smp__ctx.world, &r[0]),
+                   "sharing traced costs from world rank 0");
     smp_wait_requests(1, r, "trace costs from rank 0", SMP_WORLD, 0);
     for (int i = 0; i < n; i++) {
         memcpy(m->calls[i].cost, costs + 5 * i, sizeof m->calls[i].cost);
@@ -6224,7 +6696,8 @@ SMPDEF smp_status smp_model_trace(smp_model *m, const smp_tensor *inputs, int ni
     if (m->traced) return SMP_OK;
     if (ninputs != m->desc.ninputs)
         st = smp_error(SMP_ERR_ARG, "smp_model_trace: the model takes %d inputs, got %d", m->desc.ninputs, ninputs);
-    smp_tensor *outs = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)m->desc.noutputs, SMP__ALLOC_OTHER, "the model's outputs");
+    smp_tensor *outs = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)m->desc.noutputs, SMP__ALLOC_OTHER,
+                                                   "the model's outputs");
     if (!st) {
         smp__mod.tracing = true;
         smp__mod.trace_model = m;
@@ -6232,12 +6705,17 @@ SMPDEF smp_status smp_model_trace(smp_model *m, const smp_tensor *inputs, int ni
         if (smp__trace_reserve(&st, ninputs))
             for (int i = 0; i < ninputs; i++) smp__trace_add(&inputs[i], -1, i, false);
         if (!st) st = m->desc.forward(m, inputs, ninputs, outs, m->desc.noutputs, m->desc.user);
-        if (st && !strstr(smp__errbuf, "module")) smp_error(st, "the model's forward failed while tracing: %s", smp__errbuf);
-        m->outputs = (smp__ref *)smp__alloc_or(&st, sizeof(smp__ref) * (size_t)m->desc.noutputs, SMP__ALLOC_OTHER, "the model's outputs");
+        if (st && !strstr(smp__errbuf, "module"))
+            smp_error(st, "the model's forward failed while tracing: %s", smp__errbuf);
+        m->outputs = (smp__ref *)smp__alloc_or(&st, sizeof(smp__ref) * (size_t)m->desc.noutputs, SMP__ALLOC_OTHER,
+                                               "the model's outputs");
         for (int i = 0; i < m->desc.noutputs && !st; i++) {
             int e = outs[i].data ? smp__trace_find(outs[i].data) : -1;
             if (e < 0 || smp__mod.table[e].ref.call < 0)
-                st = smp_error(SMP_ERR_ARG, "model output %d is not an output of an smp_call (set outputs[%d] to a tensor smp_call returned)", i, i);
+                st = smp_error(
+                    SMP_ERR_ARG,
+                    "model output %d is not an output of an smp_call (set outputs[%d] to a tensor smp_call returned)",
+                    i, i);
             else m->outputs[i] = smp__mod.table[e].ref;
         }
         for (int e = 0; e < smp__mod.ntable && !st; e++) st = smp__trace_check(e, "when the model's forward returned");
@@ -6260,7 +6738,11 @@ SMPDEF smp_status smp_model_trace(smp_model *m, const smp_tensor *inputs, int ni
         smp__free_calls(m);
         smp__free(m->outputs);
         m->outputs = NULL;
-        for (int i = 0; i < m->nmodules; i++) { m->modules[i]->uses = 0; m->modules[i]->owner_call = -1; m->modules[i]->composite = false; }
+        for (int i = 0; i < m->nmodules; i++) {
+            m->modules[i]->uses = 0;
+            m->modules[i]->owner_call = -1;
+            m->modules[i]->composite = false;
+        }
         return st;
     }
     m->traced = true;

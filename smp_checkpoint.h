@@ -2159,10 +2159,10 @@ static void smp__ckpt_piece_text(int ndim, const int64_t *shape, const smp__ckpt
     for (int d = 0; d < ndim && at < cap; d++)
         at += (size_t)snprintf(buf + at, cap - at, "%s%lld", d ? "," : "", (long long)shape[d]);
     if (at < cap)
-        snprintf(buf + at, cap - at, "],\"axis\":%d,\"parts\":%d,\"index\":%d,\"offset\":%lld,\"first\":%lld,\"count\":%lld}",
-                 pc->axis, pc->parts, pc->index,
-                 (long long)(ndim ? shape[pc->axis] / pc->parts * pc->index : 0), (long long)pc->first,
-                 (long long)pc->count);
+        snprintf(buf + at, cap - at,
+                 "],\"axis\":%d,\"parts\":%d,\"index\":%d,\"offset\":%lld,\"first\":%lld,\"count\":%lld}", pc->axis,
+                 pc->parts, pc->index, (long long)(ndim ? shape[pc->axis] / pc->parts * pc->index : 0),
+                 (long long)pc->first, (long long)pc->count);
 }
 
 /* Parses that text (only exactly as smp__ckpt_piece_text writes it) into a
@@ -2255,10 +2255,13 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
         smp_status rs = smp_param_owned_range(o->model, p, &first, &owned);
         if (rs) return rs;
         if (smp_current_config()->shard_optimizer_state == SMP_ON && numel != owned && numel > 1)
-            return smp_error(SMP_ERR_ARG, "%s: state '%s' of '%s' has %lld elements, but with shard_optimizer_state this replica "
-                             "owns %lld of the parameter's %lld (elements %lld..%lld): register state for the owned range only "
-                             "(smp_param_owned_range)", fn, name, param, (long long)numel, (long long)owned,
-                             (long long)smp_tensor_numel(smp_param_value(p)), (long long)first, (long long)(first + owned - 1));
+            return smp_error(
+                SMP_ERR_ARG,
+                "%s: state '%s' of '%s' has %lld elements, but with shard_optimizer_state this replica "
+                "owns %lld of the parameter's %lld (elements %lld..%lld): register state for the owned range only "
+                "(smp_param_owned_range)",
+                fn, name, param, (long long)numel, (long long)owned, (long long)smp_tensor_numel(smp_param_value(p)),
+                (long long)first, (long long)(first + owned - 1));
     }
     smp_status st = SMP_OK;
     size_t len = strlen(SMP_CKPT_OPTIMIZER_PREFIX) + (param ? strlen(param) + 1 : 0) + strlen(name) + 1;
@@ -2461,7 +2464,9 @@ static smp_status smp__ckpt_cover(smp__ckpt_plan *pl, smp__ckpt_item *it, const 
                 const smp__ckpt_piece *pc = &pcs[c];
                 if (pc->index != t || pc->first > at || pc->first + pc->count <= at) continue;
                 long key = rank[c] == saver ? -1 : (long)pl->coords[3 * rank[c] + 2] * pl->size + rank[c];
-                long bk = best < 0 ? 0 : rank[best] == saver ? -1 : (long)pl->coords[3 * rank[best] + 2] * pl->size + rank[best];
+                long bk = best < 0              ? 0
+                          : rank[best] == saver ? -1
+                                                : (long)pl->coords[3 * rank[best] + 2] * pl->size + rank[best];
                 if (best < 0 || key < bk) best = c;
             }
             if (best < 0)
@@ -2720,8 +2725,10 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
                 pcs[t] = pc;
                 pcs[t].index = t;
             }
-            st = pc.parts > SMP__CKPT_MAX_TP ? smp_error(SMP_ERR_ARG, "checkpoints take tensor_parallel_degree up to %d, "
-                                                         "not %d", SMP__CKPT_MAX_TP, pc.parts)
+            st = pc.parts > SMP__CKPT_MAX_TP ? smp_error(SMP_ERR_ARG,
+                                                         "checkpoints take tensor_parallel_degree up to %d, "
+                                                         "not %d",
+                                                         SMP__CKPT_MAX_TP, pc.parts)
                                              : smp__ckpt_cover(pl, it, ranks, pcs, pc.parts);
         }
     }
@@ -3884,7 +3891,8 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
        state in ranges that replicas other than rdp rank 0 hold
        (shard_optimizer_state), one per rank of those: k x rdp + rdp_rank. */
     int sliced = pl.split || pl.tp > 1, R = sliced && pl.zero ? pl.size / (pl.P * pl.tp) : 1;
-    int F = sliced ? pl.P * pl.tp * R : pl.P, k = sliced ? (pl.mp * pl.tp + pl.tp_rank) * R + (R > 1 ? pl.dp : 0) : pl.mp;
+    int F = sliced ? pl.P * pl.tp * R : pl.P,
+        k = sliced ? (pl.mp * pl.tp + pl.tp_rank) * R + (R > 1 ? pl.dp : 0) : pl.mp;
     int writes = R > 1 || pl.dp == 0;
     if (!st) st = smp__ckpt_build_meta(&pl, &d, partial, gen, F, k, &md);
     st = smp__ckpt_agree(&pl, st, "planning the save");
@@ -3906,7 +3914,8 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
         if (writes && !st) {
             if (!(file = smp__ckpt_strf("%s.g%llu_%d", path, (smp__ckpt_ull)gen, k)))
                 st = smp__nomem(strlen(path) + 48, "the name of this partition's checkpoint file");
-            if (!st) entries = sliced ? smp__ckpt_seg_entries(&pl, &md, &ne, &st) : smp__ckpt_entries(&pl, pl.mp, &ne, &st);
+            if (!st)
+                entries = sliced ? smp__ckpt_seg_entries(&pl, &md, &ne, &st) : smp__ckpt_entries(&pl, pl.mp, &ne, &st);
             if (!st)
                 st = smp_ckpt_writer_open(file, entries, ne, (const char *const *)md.keys,
                                           (const char *const *)md.vals, md.n, &w);
@@ -3918,8 +3927,9 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
                 for (int s = 0; sliced && s < it->nseg && !st; s++) {
                     const smp__ckpt_seg *sg = &pl.segs[it->seg0 + s];
                     if (sg->rank == pl.rank)
-                        st = smp__ckpt_write_local(w, (const uint8_t *)it->mine->data + (size_t)(sg->lo - it->mine_pc.first) * es,
-                                                   it->mine->device, (uint64_t)(sg->hi - sg->lo) * es, pl.chunk);
+                        st = smp__ckpt_write_local(
+                            w, (const uint8_t *)it->mine->data + (size_t)(sg->lo - it->mine_pc.first) * es,
+                            it->mine->device, (uint64_t)(sg->hi - sg->lo) * es, pl.chunk);
                 }
             }
             if (w && st) {
@@ -4370,7 +4380,8 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
             src.e = e;
             src.pc = smp__ckpt_whole(it);
             char *key = partial ? smp__ckpt_strf("smp.shard.%s", e->name) : NULL;
-            if (partial && !key) return smp__nomem(strlen(e->name) + 16, "a metadata key to look up (smp.shard.<tensor>)");
+            if (partial && !key)
+                return smp__nomem(strlen(e->name) + 16, "a metadata key to look up (smp.shard.<tensor>)");
             const char *sv = key ? smp_ckpt_meta(f, key) : NULL;
             smp__free(key);
             if (sv) {

@@ -310,7 +310,8 @@ static const char *smp__nc_opname(void) { return smp__nc.op ? smp__nc.op : "smp_
 
 static smp_status smp__nc_cuda_fail(cudaError_t e, const char *call) {
     (void)cudaGetLastError(); /* clear a non-sticky error so the next call is not blamed for it */
-    return smp_error(SMP_ERR_DEVICE, "%s: %s failed: %s (%s)", smp__nc_opname(), call, cudaGetErrorString(e), cudaGetErrorName(e));
+    return smp_error(SMP_ERR_DEVICE, "%s: %s failed: %s (%s)", smp__nc_opname(), call, cudaGetErrorString(e),
+                     cudaGetErrorName(e));
 }
 
 /* NCCL's own detail on its last error, or "". */
@@ -321,7 +322,8 @@ static const char *smp__nc_last(ncclComm_t comm) {
 
 static smp_status smp__nc_nccl_fail(ncclResult_t r, const char *call, ncclComm_t comm) {
     const char *last = smp__nc_last(comm);
-    return smp_error(SMP_ERR_DEVICE, "%s: %s failed: %s%s%s", smp__nc_opname(), call, ncclGetErrorString(r), *last ? ": " : "", last);
+    return smp_error(SMP_ERR_DEVICE, "%s: %s failed: %s%s%s", smp__nc_opname(), call, ncclGetErrorString(r),
+                     *last ? ": " : "", last);
 }
 
 /* Checks a CUDA call: SMP__CU(cudaEventRecord, (ev, stream)); */
@@ -332,7 +334,10 @@ static smp_status smp__nc_nccl_fail(ncclResult_t r, const char *call, ncclComm_t
     } while (0)
 static void smp__nc_abort_all(void) {
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
-        if (smp__nc.comm[g] && !smp__nc.comm_dead[g]) { (void)ncclCommAbort(smp__nc.comm[g]); smp__nc.comm_dead[g] = true; }
+        if (smp__nc.comm[g] && !smp__nc.comm_dead[g]) {
+            (void)ncclCommAbort(smp__nc.comm[g]);
+            smp__nc.comm_dead[g] = true;
+        }
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
         for (int i = 0; i < smp__nc.nchans[g]; i++) {
             smp__nc_chan *c = smp__nc.chans[g][i];
@@ -344,8 +349,9 @@ static void smp__nc_timeout(const char *what, smp_group g, int peer, double wait
     smp__nc_abort_all();
     if (peer >= 0)
         smp__fatal("%s: timed out after %.1f s waiting for %s with %s rank %d (world rank %d) on CUDA device %d; "
-                      "aborting the NCCL communicators and the job (SMP_TIMEOUT=%g)",
-                      smp__nc_opname(), waited, what, smp__group_name(g), peer, smp_group_world_rank(g, peer), smp__nc.device, smp_timeout());
+                   "aborting the NCCL communicators and the job (SMP_TIMEOUT=%g)",
+                   smp__nc_opname(), waited, what, smp__group_name(g), peer, smp_group_world_rank(g, peer),
+                   smp__nc.device, smp_timeout());
     smp__fatal("%s: timed out after %.1f s waiting for %s in the %s on CUDA device %d; aborting the NCCL communicators "
                   "and the job (SMP_TIMEOUT=%g)",
                   smp__nc_opname(), waited, what, smp__group_name(g), smp__nc.device, smp_timeout());
@@ -386,9 +392,9 @@ static smp_status smp__nc_check_comm(ncclComm_t comm, bool *dead, const char *na
     ncclResult_t q = ncclCommGetAsyncError(comm, &state);
     if (q == ncclSuccess && (state == ncclSuccess || state == ncclInProgress)) return SMP_OK;
     ncclResult_t bad = q != ncclSuccess ? q : state;
-    smp_status st = smp_error(SMP_ERR_DEVICE, "%s: NCCL reported an error on the %s communicator while waiting for %s: %s%s%s",
-                              smp__nc_opname(), name, what, ncclGetErrorString(bad), *smp__nc_last(comm) ? ": " : "",
-                              smp__nc_last(comm));
+    smp_status st = smp_error(
+        SMP_ERR_DEVICE, "%s: NCCL reported an error on the %s communicator while waiting for %s: %s%s%s",
+        smp__nc_opname(), name, what, ncclGetErrorString(bad), *smp__nc_last(comm) ? ": " : "", smp__nc_last(comm));
     (void)ncclCommAbort(comm);
     *dead = true;
     return st;
@@ -396,7 +402,8 @@ static smp_status smp__nc_check_comm(ncclComm_t comm, bool *dead, const char *na
 
 static smp_status smp__nc_poll_async(const char *what) {
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
-        if (smp__nc.alias[g] == g) SMP_TRY(smp__nc_check_comm(smp__nc.comm[g], &smp__nc.comm_dead[g], smp__group_name((smp_group)g), what));
+        if (smp__nc.alias[g] == g)
+            SMP_TRY(smp__nc_check_comm(smp__nc.comm[g], &smp__nc.comm_dead[g], smp__group_name((smp_group)g), what));
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
         for (int i = 0; i < smp__nc.nchans[g]; i++) {
             smp__nc_chan *c = smp__nc.chans[g][i];
@@ -583,7 +590,8 @@ static void smp__nc_event_put(cudaEvent_t ev) {
 /* ---------------------------------------------------------------- argument checks */
 static smp_status smp__nc_ready(const char *fn) {
     smp__nc.op = fn;
-    if (!smp__nc.up) return smp_error(SMP_ERR_STATE, "%s: the CUDA device backend is not started (call smp_init first)", fn);
+    if (!smp__nc.up)
+        return smp_error(SMP_ERR_STATE, "%s: the CUDA device backend is not started (call smp_init first)", fn);
     if (smp__nc.mode == SMP_NCCL_MODE_NONE) return smp_error(SMP_ERR_DEVICE, "%s: no CUDA device: %s", fn, smp__nc.why);
     return SMP_OK;
 }
@@ -597,8 +605,8 @@ static bool smp__nc_overlap(const void *a, size_t an, const void *b, size_t bn) 
 static smp_status smp__nc_check_ptr(const char *what, const void *p, int device, size_t bytes) {
     const char *fn = smp__nc_opname();
     if (device != SMP_CUDA(smp__nc.device))
-        return smp_error(SMP_ERR_ARG, "%s: %s is on CUDA device %d but this rank drives device %d (smp_nccl_device())", fn, what,
-                         SMP_CUDA_ORDINAL(device), smp__nc.device);
+        return smp_error(SMP_ERR_ARG, "%s: %s is on CUDA device %d but this rank drives device %d (smp_nccl_device())",
+                         fn, what, SMP_CUDA_ORDINAL(device), smp__nc.device);
     if (!bytes) return SMP_OK;
     if (!p) return smp_error(SMP_ERR_ARG, "%s: %s has no data", fn, what);
     struct cudaPointerAttributes a;
@@ -606,15 +614,16 @@ static smp_status smp__nc_check_ptr(const char *what, const void *p, int device,
     cudaError_t e = cudaPointerGetAttributes(&a, p);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
-        return smp_error(SMP_ERR_ARG, "%s: %s (%p) is not CUDA memory: cudaPointerGetAttributes: %s", fn, what, p, cudaGetErrorString(e));
+        return smp_error(SMP_ERR_ARG, "%s: %s (%p) is not CUDA memory: cudaPointerGetAttributes: %s", fn, what, p,
+                         cudaGetErrorString(e));
     }
     if (a.type == cudaMemoryTypeManaged) return SMP_OK;
     if (a.type != cudaMemoryTypeDevice)
-        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data (%p) is %s memory", fn, what, smp__nc.device, p,
-                         a.type == cudaMemoryTypeHost ? "pinned host" : "host");
+        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data (%p) is %s memory", fn, what,
+                         smp__nc.device, p, a.type == cudaMemoryTypeHost ? "pinned host" : "host");
     if (a.device != smp__nc.device)
-        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data lives on device %d", fn, what, smp__nc.device,
-                         a.device);
+        return smp_error(SMP_ERR_ARG, "%s: %s is marked as CUDA device %d but its data lives on device %d", fn, what,
+                         smp__nc.device, a.device);
     return SMP_OK;
 }
 
@@ -649,9 +658,11 @@ static smp_status smp__nc_group_comm(smp_group g, ncclComm_t *c) {
     if ((unsigned)g >= SMP_GROUP_COUNT) return smp_error(SMP_ERR_ARG, "%s: unknown group %d", smp__nc_opname(), (int)g);
     int a = smp__nc.alias[g];
     if (smp__nc.comm_dead[a])
-        return smp_error(SMP_ERR_DEVICE, "%s: the NCCL communicator of the %s was aborted after an earlier error", smp__nc_opname(), smp__group_name(g));
+        return smp_error(SMP_ERR_DEVICE, "%s: the NCCL communicator of the %s was aborted after an earlier error",
+                         smp__nc_opname(), smp__group_name(g));
     *c = smp__nc.comm[a];
-    if (!*c) return smp_error(SMP_ERR_STATE, "%s: the %s has no NCCL communicator", smp__nc_opname(), smp__group_name(g));
+    if (!*c)
+        return smp_error(SMP_ERR_STATE, "%s: the %s has no NCCL communicator", smp__nc_opname(), smp__group_name(g));
     return SMP_OK;
 }
 
@@ -663,9 +674,11 @@ static smp_status smp__nc_to_host(const void *src, size_t n, int *pin, const cha
     SMP_TRY(smp__nc_pin_get(n, pin));
     smp_status st = smp__nc_after_engine(smp__nc.stream);
     cudaError_t e = cudaSuccess;
-    if (!st && (e = cudaMemcpyAsync(smp__nc.pins[*pin].p, src, n, cudaMemcpyDeviceToHost, smp__nc.stream)) != cudaSuccess)
+    if (!st &&
+        (e = cudaMemcpyAsync(smp__nc.pins[*pin].p, src, n, cudaMemcpyDeviceToHost, smp__nc.stream)) != cudaSuccess)
         st = smp__nc_cuda_fail(e, "cudaMemcpyAsync");
-    if (!st && (e = cudaEventRecord(smp__nc.ev_done, smp__nc.stream)) != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaEventRecord");
+    if (!st && (e = cudaEventRecord(smp__nc.ev_done, smp__nc.stream)) != cudaSuccess)
+        st = smp__nc_cuda_fail(e, "cudaEventRecord");
     if (!st) st = smp__nc_wait_event(smp__nc.ev_done, what, g, peer);
     if (st) {
         if (smp__nc_pin_put_after(*pin, smp__nc.stream) != SMP_OK) { /* then it stays out of use */ }
@@ -700,11 +713,14 @@ static smp_status smp__nc_a2a_plan(const smp_tensor *in, const smp_tensor *out, 
     const char *fn = "smp_all_to_all_single";
     int n = smp_group_size(g), me = smp_group_rank(g);
     int64_t in_rows = in->ndim ? in->shape[0] : 1, out_rows = out->ndim ? out->shape[0] : 1;
-    int64_t in_row = in_rows ? smp_tensor_numel(in) / in_rows : 0, out_row = out_rows ? smp_tensor_numel(out) / out_rows : 0;
+    int64_t in_row = in_rows ? smp_tensor_numel(in) / in_rows : 0,
+            out_row = out_rows ? smp_tensor_numel(out) / out_rows : 0;
     if (in_rows && out_rows && in_row != out_row)
-        return smp_error(SMP_ERR_ARG, "%s: in's rows have %lld elements but out's have %lld", fn, (long long)in_row, (long long)out_row);
+        return smp_error(SMP_ERR_ARG, "%s: in's rows have %lld elements but out's have %lld", fn, (long long)in_row,
+                         (long long)out_row);
     smp_status st = SMP_OK;
-    if (!smp__grow_or(&st, (void **)&smp__nc.a2a, &smp__nc.a2a_cap, 4 * n, sizeof *smp__nc.a2a, "all_to_all_single's counts"))
+    if (!smp__grow_or(&st, (void **)&smp__nc.a2a, &smp__nc.a2a_cap, 4 * n, sizeof *smp__nc.a2a,
+                      "all_to_all_single's counts"))
         return st;
     size_t row = (size_t)(in_rows ? in_row : out_row);
     size_t *sc = smp__nc.a2a, *sd = sc + n, *rc = sc + 2 * (size_t)n, *rd = sc + 3 * (size_t)n;
@@ -713,40 +729,59 @@ static smp_status smp__nc_a2a_plan(const smp_tensor *in, const smp_tensor *out, 
         int64_t s = in_splits ? in_splits[i] : (in_rows % n ? -1 : in_rows / n);
         int64_t r = out_splits ? out_splits[i] : (out_rows % n ? -1 : out_rows / n);
         if (s < 0 || r < 0)
-            return smp_error(SMP_ERR_ARG, "%s: %s", fn, s < 0 ? (in_splits ? "in_splits has a negative entry" : "in's dim 0 does not divide by the group size; pass in_splits")
-                                                         : (out_splits ? "out_splits has a negative entry" : "out's dim 0 does not divide by the group size; pass out_splits"));
+            return smp_error(SMP_ERR_ARG, "%s: %s", fn,
+                             s < 0 ? (in_splits ? "in_splits has a negative entry"
+                                                : "in's dim 0 does not divide by the group size; pass in_splits")
+                                   : (out_splits ? "out_splits has a negative entry"
+                                                 : "out's dim 0 does not divide by the group size; pass out_splits"));
         sc[i] = (size_t)s * row; sd[i] = (size_t)sat * row; sat += s;
         rc[i] = (size_t)r * row; rd[i] = (size_t)rat * row; rat += r;
     }
     if (sat != in_rows || rat != out_rows)
-        return smp_error(SMP_ERR_ARG, "%s: splits add up to %lld rows in and %lld out, but the tensors have %lld and %lld", fn,
+        return smp_error(SMP_ERR_ARG,
+                         "%s: splits add up to %lld rows in and %lld out, but the tensors have %lld and %lld", fn,
                          (long long)sat, (long long)rat, (long long)in_rows, (long long)out_rows);
     if (sc[me] != rc[me])
-        return smp_error(SMP_ERR_ARG, "%s: this rank sends itself %zu elements but expects %zu from itself", fn, sc[me], rc[me]);
+        return smp_error(SMP_ERR_ARG, "%s: this rank sends itself %zu elements but expects %zu from itself", fn, sc[me],
+                         rc[me]);
     return SMP_OK;
 }
 
 /* Queues all_to_all_single as smp__nc_a2a_plan counted it: this rank's own
    block is a copy, the others' blocks one NCCL group of sends and receives. */
-static smp_status smp__nc_a2a_queue(const char *src, char *dst, size_t esize, ncclDataType_t t, ncclComm_t c, smp_group g) {
+static smp_status smp__nc_a2a_queue(const char *src, char *dst, size_t esize, ncclDataType_t t, ncclComm_t c,
+                                    smp_group g) {
     int n = smp_group_size(g), me = smp_group_rank(g);
     const size_t *sc = smp__nc.a2a, *sd = sc + n, *rc = sc + 2 * (size_t)n, *rd = sc + 3 * (size_t)n;
     if (rc[me])
-        SMP__CU(cudaMemcpyAsync, (dst + rd[me] * esize, src + sd[me] * esize, rc[me] * esize, cudaMemcpyDeviceToDevice, smp__nc.stream));
+        SMP__CU(cudaMemcpyAsync,
+                (dst + rd[me] * esize, src + sd[me] * esize, rc[me] * esize, cudaMemcpyDeviceToDevice, smp__nc.stream));
     ncclResult_t r = ncclGroupStart();
     if (r != ncclSuccess) return smp__nc_nccl_fail(r, "ncclGroupStart", c);
     const char *failed = NULL;
     for (int i = 0; i < n && !failed; i++) {
         if (i == me) continue;
-        if (sc[i] && (r = ncclSend(src + sd[i] * esize, sc[i], t, i, c, smp__nc.stream)) != ncclSuccess && r != ncclInProgress) failed = "ncclSend";
-        if (!failed && rc[i] && (r = ncclRecv(dst + rd[i] * esize, rc[i], t, i, c, smp__nc.stream)) != ncclSuccess && r != ncclInProgress) failed = "ncclRecv";
+        if (sc[i] && (r = ncclSend(src + sd[i] * esize, sc[i], t, i, c, smp__nc.stream)) != ncclSuccess &&
+            r != ncclInProgress)
+            failed = "ncclSend";
+        if (!failed && rc[i] && (r = ncclRecv(dst + rd[i] * esize, rc[i], t, i, c, smp__nc.stream)) != ncclSuccess &&
+            r != ncclInProgress)
+            failed = "ncclRecv";
     }
-    ncclResult_t re = smp__nc_settle(c, ncclGroupEnd(), "ncclGroupEnd", g); /* the group is closed even after a failure */
+    /* the group is closed even after a failure */
+    ncclResult_t re = smp__nc_settle(c, ncclGroupEnd(), "ncclGroupEnd", g);
     if (failed) return smp__nc_nccl_fail(r, failed, c);
     return re == ncclSuccess ? SMP_OK : smp__nc_nccl_fail(re, "ncclGroupEnd", c);
 }
 
-enum { SMP__NC_ALL_REDUCE, SMP__NC_BROADCAST, SMP__NC_REDUCE, SMP__NC_ALL_GATHER, SMP__NC_REDUCE_SCATTER, SMP__NC_ALL_TO_ALL };
+enum {
+    SMP__NC_ALL_REDUCE,
+    SMP__NC_BROADCAST,
+    SMP__NC_REDUCE,
+    SMP__NC_ALL_GATHER,
+    SMP__NC_REDUCE_SCATTER,
+    SMP__NC_ALL_TO_ALL
+};
 
 /* Every device collective, by kind: in to out (a broadcast's in and out are
    its one tensor; out NULL: a reduce's non-root), op where the kind reduces
@@ -757,8 +792,8 @@ enum { SMP__NC_ALL_REDUCE, SMP__NC_BROADCAST, SMP__NC_REDUCE, SMP__NC_ALL_GATHER
    executor's gradient buckets; smp__nc_bucket_fence orders it later). */
 static smp_status smp__nc_collective(int kind, const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g,
                                      const int64_t *out_splits, const int64_t *in_splits, bool order_engine) {
-    static const char *const fns[] = {"smp_all_reduce", "smp_broadcast", "smp_reduce", "smp_all_gather", "smp_reduce_scatter",
-                                      "smp_all_to_all_single"};
+    static const char *const fns[] = {"smp_all_reduce", "smp_broadcast",      "smp_reduce",
+                                      "smp_all_gather", "smp_reduce_scatter", "smp_all_to_all_single"};
     const char *name = fns[kind] + 4; /* without "smp_": what the waits name */
     ncclDataType_t t = ncclUint8; /* (set by smp__nc_types; initialised for gcc's flow analysis) */
     ncclRedOp_t r = ncclSum;
@@ -780,7 +815,8 @@ static smp_status smp__nc_collective(int kind, const smp_tensor *in, smp_tensor 
         char what[48];
         snprintf(what, sizeof what, "%s input", name);
         int pin_in = -1, pin_out = -1;
-        smp_status st = send ? smp__nc_to_host(in->data, send, &pin_in, what, g, -1) : smp__nc_after_engine(smp__nc.stream);
+        smp_status st =
+            send ? smp__nc_to_host(in->data, send, &pin_in, what, g, -1) : smp__nc_after_engine(smp__nc.stream);
         if (!st && recv) st = smp__nc_pin_get(recv, &pin_out);
         if (!st) {
             smp_tensor hi = smp__nc_host_view(in, pin_in), ho = smp__nc_host_view(out ? out : in, pin_out);
@@ -848,7 +884,8 @@ static smp_status smp__nc_broadcast(smp_tensor *x, int root, smp_group g) {
 }
 
 static smp_status smp__nc_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, int root, smp_group g) {
-    return smp__nc_collective(SMP__NC_REDUCE, in, smp_group_rank(g) == root ? out : NULL, op, root, g, NULL, NULL, true);
+    return smp__nc_collective(SMP__NC_REDUCE, in, smp_group_rank(g) == root ? out : NULL, op, root, g, NULL, NULL,
+                              true);
 }
 
 static smp_status smp__nc_all_gather(const smp_tensor *in, smp_tensor *out, smp_group g) {
@@ -897,7 +934,8 @@ static void smp__nc_reset(void) {
 static smp_status smp__nc_agree(int *v, int n, const char *what) {
     MPI_Request req;
     /* the agreement itself: a rank that cannot take part can tell nobody */
-    SMP__MPI_FATAL(MPI_Iallreduce(MPI_IN_PLACE, v, n, MPI_INT, MPI_MAX, smp__nc.mpi[SMP_WORLD], &req), "agreeing on %s (device backend start-up)", what);
+    SMP__MPI_FATAL(MPI_Iallreduce(MPI_IN_PLACE, v, n, MPI_INT, MPI_MAX, smp__nc.mpi[SMP_WORLD], &req),
+                   "agreeing on %s (device backend start-up)", what);
     smp_wait_requests(1, &req, what, SMP_WORLD, -1);
     return SMP_OK;
 }
@@ -1008,10 +1046,12 @@ static int smp__nc_shared_with(const unsigned char key[SMP__NC_KEY], int *node_s
     SMP__MPI_FATAL(MPI_Comm_size(node, &n), "asking how many ranks share this node (device backend start-up)");
     *node_size = n;
     unsigned char *all = (unsigned char *)smp__alloc((size_t)n * SMP__NC_KEY, SMP__ALLOC_OTHER);
-    if (!all) smp__fatal("device backend start-up: out of memory comparing the GPUs of %d local ranks", n); /* the others wait in the gather */
+    /* the others wait in the gather */
+    if (!all) smp__fatal("device backend start-up: out of memory comparing the GPUs of %d local ranks", n);
     {
         MPI_Request req;
-        SMP__MPI_FATAL(MPI_Iallgather(key, SMP__NC_KEY, MPI_BYTE, all, SMP__NC_KEY, MPI_BYTE, node, &req), "comparing the GPUs of this node's ranks");
+        SMP__MPI_FATAL(MPI_Iallgather(key, SMP__NC_KEY, MPI_BYTE, all, SMP__NC_KEY, MPI_BYTE, node, &req),
+                       "comparing the GPUs of this node's ranks");
         smp_wait_requests(1, &req, "the GPUs of this node's ranks", SMP_WORLD, -1);
         for (int j = 0; j < n && other < 0; j++) {
             if (j == me) continue;
@@ -1054,8 +1094,8 @@ static smp_status smp__nc_init_comms(void) {
             if (r != ncclSuccess && !local) local = smp__nc_nccl_fail(r, "ncclGetUniqueId", NULL);
         }
         MPI_Request req;
-        SMP__MPI_FATAL(MPI_Ibcast(&pkt[g], (int)sizeof pkt[g], MPI_BYTE, 0, smp__nc.mpi[g], &req), "sharing the NCCL unique id of the %s from its rank 0",
-                       smp__group_name((smp_group)g));
+        SMP__MPI_FATAL(MPI_Ibcast(&pkt[g], (int)sizeof pkt[g], MPI_BYTE, 0, smp__nc.mpi[g], &req),
+                       "sharing the NCCL unique id of the %s from its rank 0", smp__group_name((smp_group)g));
         smp_wait_requests(1, &req, "the NCCL unique id", (smp_group)g, 0);
     }
     int f = local != SMP_OK;
@@ -1066,7 +1106,8 @@ static smp_status smp__nc_init_comms(void) {
         ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
         cfg.blocking = 0;
         ncclComm_t c = NULL;
-        ncclResult_t r = ncclCommInitRankConfig(&c, smp_group_size((smp_group)g), pkt[g].id, smp_group_rank((smp_group)g), &cfg);
+        ncclResult_t r =
+            ncclCommInitRankConfig(&c, smp_group_size((smp_group)g), pkt[g].id, smp_group_rank((smp_group)g), &cfg);
         if (r == ncclSuccess || r == ncclInProgress) smp__nc.comm[g] = c;
         else local = smp__nc_nccl_fail(r, "ncclCommInitRankConfig", NULL);
     }
@@ -1083,12 +1124,15 @@ static smp_status smp__nc_init_comms(void) {
             if (q != ncclSuccess) state = q;
             if (state == ncclInProgress) pending++;
             else if (state != ncclSuccess)
-                local = smp_error(SMP_ERR_DEVICE, "device backend start-up: the NCCL communicator of the %s failed to start: %s%s%s",
-                                  smp__group_name((smp_group)g), ncclGetErrorString(state), *smp__nc_last(smp__nc.comm[g]) ? ": " : "",
-                                  smp__nc_last(smp__nc.comm[g]));
+                local = smp_error(SMP_ERR_DEVICE,
+                                  "device backend start-up: the NCCL communicator of the %s failed to start: %s%s%s",
+                                  smp__group_name((smp_group)g), ncclGetErrorString(state),
+                                  *smp__nc_last(smp__nc.comm[g]) ? ": " : "", smp__nc_last(smp__nc.comm[g]));
         }
         if (local || !pending) break;
-        if (!smp__backoff_pause(&b)) smp__nc_timeout("the NCCL communicators to start (ncclCommInitRankConfig)", SMP_WORLD, -1, MPI_Wtime() - b.start);
+        if (!smp__backoff_pause(&b))
+            smp__nc_timeout("the NCCL communicators to start (ncclCommInitRankConfig)", SMP_WORLD, -1,
+                            MPI_Wtime() - b.start);
     }
     f = local != SMP_OK;
     SMP_TRY(smp__nc_agree(&f, 1, "NCCL communicators"));
@@ -1101,8 +1145,8 @@ static smp_status smp__nc_on_init(void) {
     smp__nc.op = "device backend start-up";
     smp__nc.started = true;
     for (int g = 0; g < SMP_GROUP_COUNT; g++) /* same order on every rank: collective over each group */
-        SMP__MPI_FATAL(MPI_Comm_dup(smp_group_comm((smp_group)g), &smp__nc.mpi[g]), "copying the %s's communicator (device backend start-up)",
-                       smp__group_name((smp_group)g));
+        SMP__MPI_FATAL(MPI_Comm_dup(smp_group_comm((smp_group)g), &smp__nc.mpi[g]),
+                       "copying the %s's communicator (device backend start-up)", smp__group_name((smp_group)g));
     smp__nc.have_mpi = true;
     int wsize = smp_size(), wrank = smp_rank();
 
@@ -1122,7 +1166,8 @@ static smp_status smp__nc_on_init(void) {
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
         count = 0;
-        snprintf(smp__nc.why, sizeof smp__nc.why, "cudaGetDeviceCount failed on world rank %d: %s", wrank, cudaGetErrorString(e));
+        snprintf(smp__nc.why, sizeof smp__nc.why, "cudaGetDeviceCount failed on world rank %d: %s", wrank,
+                 cudaGetErrorString(e));
     } else if (count <= 0) {
         count = 0;
         snprintf(smp__nc.why, sizeof smp__nc.why, "world rank %d sees no CUDA device (cudaGetDeviceCount: 0)", wrank);
@@ -1135,7 +1180,8 @@ static smp_status smp__nc_on_init(void) {
     if (v[0]) return local;
     if (v[1]) { /* some rank has no GPU: host-only, on every rank */
         if (count > 0)
-            snprintf(smp__nc.why, sizeof smp__nc.why, "world rank %d has no CUDA device, and device tensors need one on every rank", wsize - v[1]);
+            snprintf(smp__nc.why, sizeof smp__nc.why,
+                     "world rank %d has no CUDA device, and device tensors need one on every rank", wsize - v[1]);
         smp__nc.mode = SMP_NCCL_MODE_NONE;
         smp__nc.up = true;
         snprintf(smp__nc.desc, sizeof smp__nc.desc, "none: no CUDA device (%s)", smp__nc.why);
@@ -1147,9 +1193,12 @@ static smp_status smp__nc_on_init(void) {
     int node_size = 1;
     int other = smp__nc_shared_with(key, &node_size);
     if (other >= 0 && v[3])
-        local = smp_error(SMP_ERR_DEVICE, "SMP_NCCL=nccl, but this rank and local rank %d drive the same GPU (device %d, %s): NCCL needs "
-                          "one GPU per rank, and this node runs %d ranks on %d GPU(s); unset SMP_NCCL to move device tensors "
-                          "through host memory instead", other, smp__nc.device, (const char *)key + 16, node_size, count);
+        local = smp_error(
+            SMP_ERR_DEVICE,
+            "SMP_NCCL=nccl, but this rank and local rank %d drive the same GPU (device %d, %s): NCCL needs "
+            "one GPU per rank, and this node runs %d ranks on %d GPU(s); unset SMP_NCCL to move device tensors "
+            "through host memory instead",
+            other, smp__nc.device, (const char *)key + 16, node_size, count);
     int w[2] = {local != SMP_OK, other >= 0};
     SMP_TRY(smp__nc_agree(w, 2, "whether GPUs are shared"));
     if (w[0]) return local;
@@ -1158,12 +1207,16 @@ static smp_status smp__nc_on_init(void) {
 
     int version = 0;
     (void)ncclGetVersion(&version);
-    snprintf(smp__nc.desc, sizeof smp__nc.desc, "%s: CUDA device %d (%s), NCCL %d.%d.%d%s", smp_nccl_mode_name(smp__nc.mode), smp__nc.device,
-             smp__nc.device_name, version / 10000, version / 100 % 100, version % 100,
-             smp__nc.mode == SMP_NCCL_MODE_STAGED ? (v[2] ? ", host-staged by SMP_NCCL=staged" : ", host-staged: ranks share GPUs") : "");
+    snprintf(smp__nc.desc, sizeof smp__nc.desc, "%s: CUDA device %d (%s), NCCL %d.%d.%d%s",
+             smp_nccl_mode_name(smp__nc.mode), smp__nc.device, smp__nc.device_name, version / 10000,
+             version / 100 % 100, version % 100,
+             smp__nc.mode == SMP_NCCL_MODE_STAGED
+                 ? (v[2] ? ", host-staged by SMP_NCCL=staged" : ", host-staged: ranks share GPUs")
+                 : "");
     if (wrank == 0) {
         if (smp__nc.mode == SMP_NCCL_MODE_STAGED && !v[2])
-            smp__log(SMP_LOG_WARN, "device backend: local ranks share GPUs (NCCL needs one GPU per rank); device tensors move through pinned host memory over MPI");
+            smp__log(SMP_LOG_WARN, "device backend: local ranks share GPUs (NCCL needs one GPU per rank); device "
+                                   "tensors move through pinned host memory over MPI");
         smp__log(SMP_LOG_INFO, "device backend: %s", smp__nc.desc);
     }
     smp__nc.up = true;
@@ -1196,13 +1249,15 @@ static void smp__nc_close_all(void) {
     for (int g = 0; g < SMP_GROUP_COUNT; g++) {
         if (smp__nc.alias[g] == g && smp__nc.comm[g] && !smp__nc.comm_dead[g]) c[k++] = smp__nc.comm[g];
         for (int i = 0; i < smp__nc.nchans[g]; i++)
-            if (smp__nc.chans[g][i] && smp__nc.chans[g][i]->comm && !smp__nc.chans[g][i]->dead) c[k++] = smp__nc.chans[g][i]->comm;
+            if (smp__nc.chans[g][i] && smp__nc.chans[g][i]->comm && !smp__nc.chans[g][i]->dead)
+                c[k++] = smp__nc.chans[g][i]->comm;
     }
     for (int i = 0; i < n; i++) {
         ncclResult_t r = ncclCommFinalize(c[i]);
         state[i] = r == ncclSuccess || r == ncclInProgress ? 0 : 2;
         if (state[i] == 2) {
-            smp__log(SMP_LOG_WARN, "device backend shut-down: ncclCommFinalize failed (%s); aborting the communicator", ncclGetErrorString(r));
+            smp__log(SMP_LOG_WARN, "device backend shut-down: ncclCommFinalize failed (%s); aborting the communicator",
+                     ncclGetErrorString(r));
             (void)ncclCommAbort(c[i]);
         }
     }
@@ -1217,19 +1272,24 @@ static void smp__nc_close_all(void) {
             if (s == ncclInProgress) pending++;
             else if (s == ncclSuccess) state[i] = 1;
             else {
-                smp__log(SMP_LOG_WARN, "device backend shut-down: finalizing an NCCL communicator failed (%s); aborting it", ncclGetErrorString(s));
+                smp__log(SMP_LOG_WARN,
+                         "device backend shut-down: finalizing an NCCL communicator failed (%s); aborting it",
+                         ncclGetErrorString(s));
                 (void)ncclCommAbort(c[i]);
                 state[i] = 2;
             }
         }
         if (!pending) break;
-        if (!smp__backoff_pause(&b)) smp__nc_timeout("the NCCL communicators to finalize (every rank must call smp_finalize)", SMP_WORLD, -1, MPI_Wtime() - b.start);
+        if (!smp__backoff_pause(&b))
+            smp__nc_timeout("the NCCL communicators to finalize (every rank must call smp_finalize)", SMP_WORLD, -1,
+                            MPI_Wtime() - b.start);
     }
     for (int i = 0; i < n; i++) {
         if (state[i] != 1) continue;
         ncclResult_t r = ncclCommDestroy(c[i]);
         if (r != ncclSuccess) {
-            smp__log(SMP_LOG_WARN, "device backend shut-down: ncclCommDestroy failed (%s); aborting the communicator", ncclGetErrorString(r));
+            smp__log(SMP_LOG_WARN, "device backend shut-down: ncclCommDestroy failed (%s); aborting the communicator",
+                     ncclGetErrorString(r));
             (void)ncclCommAbort(c[i]);
         }
     }
@@ -1249,7 +1309,10 @@ static void smp__nc_on_finalize(void) {
         for (int g = 0; g < SMP_GROUP_COUNT; g++)
             for (int i = 0; i < smp__nc.nchans[g]; i++) {
                 smp__nc_chan *c = smp__nc.chans[g][i];
-                if (c && !c->dead && smp__nc_stream_idle(c->stream, i % 2 ? "point-to-point receives to finish" : "point-to-point sends to finish", (smp_group)g, i / 2) != SMP_OK)
+                if (c && !c->dead &&
+                    smp__nc_stream_idle(c->stream,
+                                        i % 2 ? "point-to-point receives to finish" : "point-to-point sends to finish",
+                                        (smp_group)g, i / 2) != SMP_OK)
                     smp__log(SMP_LOG_WARN, "device backend shut-down: %s", smp_last_error());
             }
     }
@@ -1283,7 +1346,9 @@ static void smp__nc_on_finalize(void) {
     if (smp__nc.offload_stream) (void)cudaStreamDestroy(smp__nc.offload_stream);
     if (smp__nc.dummy) (void)cudaFree(smp__nc.dummy);
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
-        if (smp__nc.mpi[g] != MPI_COMM_NULL) SMP__MPI_WARN(MPI_Comm_free(&smp__nc.mpi[g]), "releasing the device backend's copy of the %s", smp__group_name((smp_group)g));
+        if (smp__nc.mpi[g] != MPI_COMM_NULL)
+            SMP__MPI_WARN(MPI_Comm_free(&smp__nc.mpi[g]), "releasing the device backend's copy of the %s",
+                          smp__group_name((smp_group)g));
     smp__nc_reset();
 }
 
@@ -1291,7 +1356,9 @@ static void smp__nc_on_finalize(void) {
 static smp_status smp__nc_peer_arg(smp_group g, int peer) {
     if ((unsigned)g >= SMP_GROUP_COUNT) return smp_error(SMP_ERR_ARG, "%s: unknown group %d", smp__nc_opname(), (int)g);
     int n = smp_group_size(g);
-    if (peer < 0 || peer >= n) return smp_error(SMP_ERR_ARG, "%s: rank %d is outside the %s (size %d)", smp__nc_opname(), peer, smp__group_name(g), n);
+    if (peer < 0 || peer >= n)
+        return smp_error(SMP_ERR_ARG, "%s: rank %d is outside the %s (size %d)", smp__nc_opname(), peer,
+                         smp__group_name(g), n);
     if (peer == smp_group_rank(g)) return smp_error(SMP_ERR_ARG, "%s: rank %d is this rank", smp__nc_opname(), peer);
     return SMP_OK;
 }
@@ -1323,14 +1390,16 @@ static smp_status smp__nc_chans_wait(smp_group g, const int *todo, int nt, const
                 if (q != ncclSuccess) state = q;
                 if (state == ncclInProgress) pending++;
                 else if (state != ncclSuccess)
-                    return smp_error(SMP_ERR_DEVICE, "smp_nccl_p2p_connect: the channel %s %s rank %d failed to %s: %s%s%s", dir == 0 ? "to" : "from",
-                                     smp__group_name(g), todo[k], doing, ncclGetErrorString(state), *smp__nc_last(c->comm) ? ": " : "",
-                                     smp__nc_last(c->comm));
+                    return smp_error(
+                        SMP_ERR_DEVICE, "smp_nccl_p2p_connect: the channel %s %s rank %d failed to %s: %s%s%s",
+                        dir == 0 ? "to" : "from", smp__group_name(g), todo[k], doing, ncclGetErrorString(state),
+                        *smp__nc_last(c->comm) ? ": " : "", smp__nc_last(c->comm));
             }
         if (!pending) return SMP_OK;
         if (!smp__backoff_pause(&b)) {
             char what[128];
-            snprintf(what, sizeof what, "point-to-point channels to %s (the peer must call smp_nccl_p2p_connect too)", doing);
+            snprintf(what, sizeof what, "point-to-point channels to %s (the peer must call smp_nccl_p2p_connect too)",
+                     doing);
             smp__nc_timeout(what, g, todo[0], MPI_Wtime() - b.start);
         }
     }
@@ -1348,9 +1417,11 @@ static smp_status smp__nc_warm_up(smp_group g, const int *todo, int nt) {
     for (int k = 0; k < nt && !st; k++)
         for (int dir = 0; dir < 2 && !st; dir++) {
             smp__nc_chan *c = smp__nc.chans[g][2 * todo[k] + dir];
-            ncclResult_t r = dir == 0 ? ncclSend(smp__nc.dummy, 1, ncclUint8, c->peer, c->comm, c->stream)
-                                      : ncclRecv(smp__nc.dummy + 1 + (2 * k + dir) % 255, 1, ncclUint8, c->peer, c->comm, c->stream);
-            if (r != ncclSuccess && r != ncclInProgress) st = smp__nc_nccl_fail(r, dir == 0 ? "ncclSend" : "ncclRecv", c->comm);
+            ncclResult_t r =
+                dir == 0 ? ncclSend(smp__nc.dummy, 1, ncclUint8, c->peer, c->comm, c->stream)
+                         : ncclRecv(smp__nc.dummy + 1 + (2 * k + dir) % 255, 1, ncclUint8, c->peer, c->comm, c->stream);
+            if (r != ncclSuccess && r != ncclInProgress)
+                st = smp__nc_nccl_fail(r, dir == 0 ? "ncclSend" : "ncclRecv", c->comm);
         }
     return st ? st : smp__nc_chans_wait(g, todo, nt, "connect");
 }
@@ -1390,16 +1461,19 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
         mine[2 * k].ok = r == ncclSuccess;
         if (r != ncclSuccess && !st) st = smp__nc_nccl_fail(r, "ncclGetUniqueId", NULL);
         /* the peer waits for this id: a failure here cannot reach it */
-        SMP__MPI_FATAL(MPI_Isend(&mine[2 * k], (int)sizeof(idpkt), MPI_BYTE, todo[k], SMP__NC_TAG_CONNECT, smp__nc.mpi[g], &reqs[2 * k]),
+        SMP__MPI_FATAL(MPI_Isend(&mine[2 * k], (int)sizeof(idpkt), MPI_BYTE, todo[k], SMP__NC_TAG_CONNECT,
+                                 smp__nc.mpi[g], &reqs[2 * k]),
                        "sending a channel's NCCL id to %s rank %d", smp__group_name(g), todo[k]);
-        SMP__MPI_FATAL(MPI_Irecv(&mine[2 * k + 1], (int)sizeof(idpkt), MPI_BYTE, todo[k], SMP__NC_TAG_CONNECT, smp__nc.mpi[g], &reqs[2 * k + 1]),
+        SMP__MPI_FATAL(MPI_Irecv(&mine[2 * k + 1], (int)sizeof(idpkt), MPI_BYTE, todo[k], SMP__NC_TAG_CONNECT,
+                                 smp__nc.mpi[g], &reqs[2 * k + 1]),
                        "receiving a channel's NCCL id from %s rank %d", smp__group_name(g), todo[k]);
     }
     smp_wait_requests(2 * nt, reqs, "point-to-point channel set-up (NCCL ids)", g, -1);
     if (st) goto done;
     for (int k = 0; k < nt; k++)
         if (!mine[2 * k + 1].ok) {
-            st = smp_error(SMP_ERR_DEVICE, "smp_nccl_p2p_connect: %s rank %d could not create an NCCL id", smp__group_name(g), todo[k]);
+            st = smp_error(SMP_ERR_DEVICE, "smp_nccl_p2p_connect: %s rank %d could not create an NCCL id",
+                           smp__group_name(g), todo[k]);
             goto done;
         }
     /* start every channel, then wait for all: no order between peers matters */
@@ -1414,7 +1488,10 @@ SMPDEF smp_status smp_nccl_p2p_connect(smp_group g, const int *peers, int npeers
             ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
             cfg.blocking = 0;
             ncclResult_t r = ncclCommInitRankConfig(&c->comm, 2, mine[2 * k + dir].id, dir == 0 ? 0 : 1, &cfg);
-            if (r != ncclSuccess && r != ncclInProgress) { c->comm = NULL; st = smp__nc_nccl_fail(r, "ncclCommInitRankConfig", NULL); }
+            if (r != ncclSuccess && r != ncclInProgress) {
+                c->comm = NULL;
+                st = smp__nc_nccl_fail(r, "ncclCommInitRankConfig", NULL);
+            }
         }
     }
     if (!st) st = smp__nc_chans_wait(g, todo, nt, "start");
@@ -1441,11 +1518,11 @@ static smp_status smp__nc_chan_of(smp_group g, int peer, int dir, smp__nc_chan *
     smp__nc_chan *c = smp__nc.chans[g] ? smp__nc.chans[g][2 * peer + dir] : NULL;
     *out = c;
     if (!c)
-        return smp_error(SMP_ERR_STATE, "%s: no channel %s %s rank %d: call smp_nccl_p2p_connect on both ranks first", smp__nc_opname(),
-                         dir == 0 ? "to" : "from", smp__group_name(g), peer);
+        return smp_error(SMP_ERR_STATE, "%s: no channel %s %s rank %d: call smp_nccl_p2p_connect on both ranks first",
+                         smp__nc_opname(), dir == 0 ? "to" : "from", smp__group_name(g), peer);
     if (c->dead)
-        return smp_error(SMP_ERR_DEVICE, "%s: the channel %s %s rank %d was aborted after an earlier error", smp__nc_opname(),
-                         dir == 0 ? "to" : "from", smp__group_name(g), peer);
+        return smp_error(SMP_ERR_DEVICE, "%s: the channel %s %s rank %d was aborted after an earlier error",
+                         smp__nc_opname(), dir == 0 ? "to" : "from", smp__group_name(g), peer);
     return SMP_OK;
 }
 
@@ -1465,7 +1542,8 @@ static smp_status smp__nc_p2p_nccl(smp_nccl_request *r, void *buf, size_t bytes,
 }
 
 /* smp_nccl_isend (dir 0) and smp_nccl_irecv (dir 1). */
-static smp_status smp__nc_p2p_start(const char *fn, void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req, int dir) {
+static smp_status smp__nc_p2p_start(const char *fn, void *buf, size_t bytes, int peer, smp_group g,
+                                    smp_nccl_request **req, int dir) {
     if (!req) return smp_error(SMP_ERR_ARG, "%s: req is NULL", fn);
     *req = NULL;
     SMP_TRY(smp__nc_ready(fn));
@@ -1483,12 +1561,14 @@ static smp_status smp__nc_p2p_start(const char *fn, void *buf, size_t bytes, int
     } else if (bytes && dir == 0) {
         st = smp__nc_to_host(buf, bytes, &r->pin, "a device buffer to reach the host", g, peer);
         if (!st)
-            st = SMP__MPI_CHECK(MPI_Isend(smp__nc.pins[r->pin].p, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi),
-                                "sending a host-staged device buffer (%s) to %s rank %d", fn, smp__group_name(g), peer);
+            st = SMP__MPI_CHECK(
+                MPI_Isend(smp__nc.pins[r->pin].p, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi),
+                "sending a host-staged device buffer (%s) to %s rank %d", fn, smp__group_name(g), peer);
         r->kind = SMP__NC_REQ_STAGED_SEND;
     } else if (bytes && !(st = smp__nc_pin_get(bytes, &r->pin))) {
-        st = SMP__MPI_CHECK(MPI_Irecv(smp__nc.pins[r->pin].p, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi),
-                            "receiving a host-staged device buffer (%s) from %s rank %d", fn, smp__group_name(g), peer);
+        st = SMP__MPI_CHECK(
+            MPI_Irecv(smp__nc.pins[r->pin].p, (int)bytes, MPI_BYTE, peer, SMP__NC_TAG_P2P, smp__nc.mpi[g], &r->mpi),
+            "receiving a host-staged device buffer (%s) from %s rank %d", fn, smp__group_name(g), peer);
         r->kind = SMP__NC_REQ_STAGED_RECV;
     }
     if (st) {
@@ -1501,7 +1581,8 @@ static smp_status smp__nc_p2p_start(const char *fn, void *buf, size_t bytes, int
 }
 
 SMPDEF smp_status smp_nccl_isend(const void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req) {
-    return smp__nc_p2p_start("smp_nccl_isend", (void *)(uintptr_t)buf, bytes, peer, g, req, 0); /* a send only reads buf */
+    /* a send only reads buf */
+    return smp__nc_p2p_start("smp_nccl_isend", (void *)(uintptr_t)buf, bytes, peer, g, req, 0);
 }
 
 SMPDEF smp_status smp_nccl_irecv(void *buf, size_t bytes, int peer, smp_group g, smp_nccl_request **req) {
@@ -1544,7 +1625,10 @@ SMPDEF smp_status smp_nccl_wait(smp_nccl_request *r) {
         smp__nc_event_put(r->ev);
     } else if (r->kind == SMP__NC_REQ_STAGED_SEND || r->kind == SMP__NC_REQ_STAGED_RECV) {
         bool recv = r->kind == SMP__NC_REQ_STAGED_RECV;
-        smp_wait_requests(1, &r->mpi, recv ? "a device buffer (host-staged receive)" : "a device buffer to be received (host-staged send)", r->g, r->peer);
+        smp_wait_requests(1, &r->mpi,
+                          recv ? "a device buffer (host-staged receive)"
+                               : "a device buffer to be received (host-staged send)",
+                          r->g, r->peer);
         if (recv && !(st = smp__nc_after_engine(smp__nc.stream)))
             st = smp__nc_from_host(r->dst, r->pin, r->bytes, "a host-staged receive", r->g);
         else
@@ -1571,7 +1655,8 @@ SMPDEF void smp_nccl_free(void *p) {
 #include <cuda_bf16.h>
 /* Grid-stride loops; halves go through f32 like smp's host arithmetic. */
 template <typename T> __global__ void smp__nc_add_kernel(T *d, const T *s, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) d[i] = (T)(d[i] + s[i]);
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        d[i] = (T)(d[i] + s[i]);
 }
 __global__ void smp__nc_add_f16(__half *d, const __half *s, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
@@ -1583,7 +1668,8 @@ __global__ void smp__nc_add_bf16(__nv_bfloat16 *d, const __nv_bfloat16 *s, long 
 }
 /* f32 multiplies by the f32 factor and f64 by the f64 one, as smp does on the host */
 template <typename T> __global__ void smp__nc_scale_kernel(T *d, T by, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) d[i] = d[i] * by;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        d[i] = d[i] * by;
 }
 __global__ void smp__nc_scale_f16(__half *d, float by, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
@@ -1619,7 +1705,9 @@ SMPDEF smp_status smp_nccl_add(void *dst, const void *src, smp_dtype dt, int64_t
     SMP__CU(cudaGetLastError, ());
     return SMP_OK;
 #else
-    return smp_error(SMP_ERR_STATE, "smp_nccl_add: needs smp_nccl.h's implementation compiled by nvcc (define SMP_IMPLEMENTATION in a .cu file)");
+    return smp_error(
+        SMP_ERR_STATE,
+        "smp_nccl_add: needs smp_nccl.h's implementation compiled by nvcc (define SMP_IMPLEMENTATION in a .cu file)");
 #endif
 }
 
@@ -1646,7 +1734,9 @@ static smp_status smp__nc_scale(void *data, smp_dtype dt, int64_t n, double by) 
     return SMP_OK;
 #else
     (void)by;
-    return smp_error(SMP_ERR_STATE, "smp__nc_scale: needs smp_nccl.h's implementation compiled by nvcc (define SMP_IMPLEMENTATION in a .cu file)");
+    return smp_error(
+        SMP_ERR_STATE,
+        "smp__nc_scale: needs smp_nccl.h's implementation compiled by nvcc (define SMP_IMPLEMENTATION in a .cu file)");
 #endif
 }
 
@@ -1669,7 +1759,11 @@ SMPDEF smp_status smp_nccl_synchronize(void) {
     for (int g = 0; g < SMP_GROUP_COUNT; g++)
         for (int i = 0; i < smp__nc.nchans[g]; i++) {
             smp__nc_chan *c = smp__nc.chans[g][i];
-            if (c && !c->dead) SMP_TRY(smp__nc_stream_idle(c->stream, i % 2 ? "point-to-point receives (smp_nccl_synchronize)" : "point-to-point sends (smp_nccl_synchronize)", (smp_group)g, i / 2));
+            if (c && !c->dead)
+                SMP_TRY(smp__nc_stream_idle(c->stream,
+                                            i % 2 ? "point-to-point receives (smp_nccl_synchronize)"
+                                                  : "point-to-point sends (smp_nccl_synchronize)",
+                                            (smp_group)g, i / 2));
         }
     return smp__nc.mode == SMP_NCCL_MODE_NCCL ? smp__nc_poll_async("smp_nccl_synchronize") : SMP_OK;
 }
@@ -1705,7 +1799,8 @@ static smp_status smp__nc_b_irecv(void *buf, size_t bytes, int peer, smp_group g
 }
 static smp_status smp__nc_b_test(void *req, bool *done) { return smp_nccl_test((smp_nccl_request *)req, done); }
 static smp_status smp__nc_b_wait(void *req) { return smp_nccl_wait((smp_nccl_request *)req); }
-/* On the staged path point to point copies through pinned buffers and MPI anyway: the executor's own staging does the same. */
+/* On the staged path point to point copies through pinned buffers and MPI anyway: the executor's own staging does the
+ * same. */
 static bool smp__nc_b_through_host(void) { return smp__nc.mode != SMP_NCCL_MODE_NCCL; }
 #endif
 
@@ -1752,7 +1847,8 @@ SMPDEF void smp_nccl_register(void) {
 /* Runs before main: including this file is all it takes. */
 __attribute__((constructor)) static void smp__nc_auto_register(void) { smp_nccl_register(); }
 #else
-#error "smp_nccl.h registers itself with a constructor function (GCC/Clang); define SMP_NCCL_NO_AUTO_REGISTER and call smp_nccl_register() before smp_init"
+/* smp_nccl.h registers itself with a constructor function (GCC/Clang) */
+#error "no constructor functions here: define SMP_NCCL_NO_AUTO_REGISTER and call smp_nccl_register() before smp_init"
 #endif
 #endif
 

@@ -171,7 +171,11 @@ extern "C" {
 
 /* BACKWARD is the whole backward, or in zero-bubble schedules its input
    half (B); WEIGHT is the weight half (W), zero-bubble schedules only. */
-typedef enum smp_sched_op_kind { SMP_SCHED_FORWARD = 0, SMP_SCHED_BACKWARD = 1, SMP_SCHED_WEIGHT = 2 } smp_sched_op_kind;
+typedef enum smp_sched_op_kind {
+    SMP_SCHED_FORWARD = 0,
+    SMP_SCHED_BACKWARD = 1,
+    SMP_SCHED_WEIGHT = 2
+} smp_sched_op_kind;
 
 typedef struct smp_sched_op {
     smp_sched_op_kind kind;
@@ -255,7 +259,8 @@ typedef smp_status (*smp_step_body_fn)(smp_mb *mb);
 
 typedef struct smp_step_desc {
     smp_model *model;
-    smp_step_body_fn body;   /* NULL: no body; output i of the step is then model output i (evaluation that only wants outputs) */
+    /* NULL: no body; output i of the step is then model output i (evaluation that only wants outputs) */
+    smp_step_body_fn body;
     void *user;
     int nargs;
     smp_tensor args[SMP_MAX_STEP_ARGS];   /* the whole batch, identical on every rank of a replica */
@@ -293,11 +298,20 @@ SMPDEF smp_status smp_step(const smp_step_desc *desc, smp_step_output *outputs, 
 /* smp.step in one line: SMP_TRAIN_STEP(model, body, user, outs, nouts, data, target) */
 #ifndef __cplusplus
 #define SMP_TRAIN_STEP(MODEL, BODY, USER, OUTS, NOUTS, ...) \
-    smp_step(&(smp_step_desc){.model = (MODEL), .body = (BODY), .user = (USER), \
-                              .nargs = (int)(sizeof((smp_tensor[]){__VA_ARGS__}) / sizeof(smp_tensor)), .args = {__VA_ARGS__}}, (OUTS), (NOUTS))
+    smp_step(&(smp_step_desc){.model = (MODEL), \
+                              .body = (BODY), \
+                              .user = (USER), \
+                              .nargs = (int)(sizeof((smp_tensor[]){__VA_ARGS__}) / sizeof(smp_tensor)), \
+                              .args = {__VA_ARGS__}}, \
+             (OUTS), (NOUTS))
 #define SMP_EVAL_STEP(MODEL, BODY, USER, OUTS, NOUTS, ...) \
-    smp_step(&(smp_step_desc){.model = (MODEL), .body = (BODY), .user = (USER), .evaluate = true, \
-                              .nargs = (int)(sizeof((smp_tensor[]){__VA_ARGS__}) / sizeof(smp_tensor)), .args = {__VA_ARGS__}}, (OUTS), (NOUTS))
+    smp_step(&(smp_step_desc){.model = (MODEL), \
+                              .body = (BODY), \
+                              .user = (USER), \
+                              .evaluate = true, \
+                              .nargs = (int)(sizeof((smp_tensor[]){__VA_ARGS__}) / sizeof(smp_tensor)), \
+                              .args = {__VA_ARGS__}}, \
+             (OUTS), (NOUTS))
 #else
 /* C++ (nvcc compiles .cu files as C++) has no compound literals and takes
    designated initializers only in declaration order: build the descriptor
@@ -315,8 +329,10 @@ SMPDEF smp_status smp_step(const smp_step_desc *desc, smp_step_output *outputs, 
         for (int smp__i = 0; smp__i < smp__d.nargs; smp__i++) smp__d.args[smp__i] = smp__args[smp__i]; \
         return smp_step(&smp__d, (OUTS), (NOUTS));                                                   \
     }())
-#define SMP_TRAIN_STEP(MODEL, BODY, USER, OUTS, NOUTS, ...) SMP__STEP_CXX(MODEL, BODY, USER, false, OUTS, NOUTS, __VA_ARGS__)
-#define SMP_EVAL_STEP(MODEL, BODY, USER, OUTS, NOUTS, ...) SMP__STEP_CXX(MODEL, BODY, USER, true, OUTS, NOUTS, __VA_ARGS__)
+#define SMP_TRAIN_STEP(MODEL, BODY, USER, OUTS, NOUTS, ...) \
+    SMP__STEP_CXX(MODEL, BODY, USER, false, OUTS, NOUTS, __VA_ARGS__)
+#define SMP_EVAL_STEP(MODEL, BODY, USER, OUTS, NOUTS, ...) \
+    SMP__STEP_CXX(MODEL, BODY, USER, true, OUTS, NOUTS, __VA_ARGS__)
 #endif
 /* Defines a body: SMP_STEP_BODY(train_body) { ... use mb ... return SMP_OK; } */
 #define SMP_STEP_BODY(NAME) static smp_status NAME(smp_mb *mb)
@@ -337,7 +353,8 @@ SMPDEF smp_status smp_step_output_reduce_mean(const smp_step_output *o, smp_tens
 SMPDEF smp_status smp_step_output_reduce_sum(const smp_step_output *o, smp_tensor *result);
 SMPDEF smp_status smp_step_output_concat(const smp_step_output *o, smp_tensor *result);
 SMPDEF smp_status smp_step_output_stack(const smp_step_output *o, smp_tensor *result);
-SMPDEF double smp_step_output_reduce_mean_f64(const smp_step_output *o); /* reduce_mean of element 0, as a double: the usual loss */
+/* reduce_mean of element 0, as a double: the usual loss */
+SMPDEF double smp_step_output_reduce_mean_f64(const smp_step_output *o);
 /* The mean over the whole batch: reduce_mean is SageMaker's, per model
    replica (this replica's microbatches); these average every replica's
    over the DP_GROUP, in dp-rank order, so every rank gets the same bits
@@ -434,7 +451,8 @@ typedef struct smp_sampler_desc {
 } smp_sampler_desc;
 /* indices: room for dataset_size / dp_size + batch_size entries. *count
    indices for this dp rank, in *batches batches of batch_size. */
-SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int64_t *indices, int64_t *count, int64_t *batches);
+SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int64_t *indices, int64_t *count,
+                                      int64_t *batches);
 /* The per-replica batch of a global batch; an error when it does not divide. */
 SMPDEF smp_status smp_local_batch_size(int64_t global_batch, int64_t *local);
 /* Checks that every dp rank will run the same number of batches; an error
@@ -458,24 +476,30 @@ SMPDEF smp_status smp_agree_batches(int64_t batches);
    ====================================================================== */
 
 /* Whether a kind splits each backward into B and W ops. */
-static bool smp__sched_split(smp_pipeline_kind k) { return k == SMP_PIPELINE_ZERO_BUBBLE || k == SMP_PIPELINE_ZERO_BUBBLE_V; }
+static bool smp__sched_split(smp_pipeline_kind k) {
+    return k == SMP_PIPELINE_ZERO_BUBBLE || k == SMP_PIPELINE_ZERO_BUBBLE_V;
+}
 
 /* Checks the shape of a pipeline and its stage map; vee: ZB-V's, which
    must be the V (2 x nranks stages, stage s on rank s or 2 nranks - 1 - s). */
 static smp_status smp__sched_check_map(int nranks, int nstages, const int *stage_rank, int microbatches, bool vee) {
     if (nranks < 1) return smp_error(SMP_ERR_ARG, "a pipeline needs at least 1 rank, got nranks = %d", nranks);
     if (nstages < nranks && !vee)
-        return smp_error(SMP_ERR_ARG, "%d stages cannot occupy %d ranks: every rank needs at least one stage", nstages, nranks);
+        return smp_error(SMP_ERR_ARG, "%d stages cannot occupy %d ranks: every rank needs at least one stage", nstages,
+                         nranks);
     if (microbatches < 1)
         return smp_error(SMP_ERR_ARG, "a step needs at least 1 microbatch, got microbatches = %d", microbatches);
     if (vee) {
         if (nstages != 2 * nranks)
-            return smp_error(SMP_ERR_ARG, "zero_bubble_v runs 2 stages per rank in a V: %d rank%s need %d stages, got %d", nranks,
+            return smp_error(SMP_ERR_ARG,
+                             "zero_bubble_v runs 2 stages per rank in a V: %d rank%s need %d stages, got %d", nranks,
                              nranks == 1 ? "" : "s", 2 * nranks, nstages);
         for (int s = 0; s < nstages && stage_rank; s++)
             if (stage_rank[s] != smp__vee_partition(s, nranks))
-                return smp_error(SMP_ERR_ARG, "stage %d is placed on rank %d, but zero_bubble_v's V puts it on rank %d (rank r runs "
-                                 "stages r and %d - r)", s, stage_rank[s], smp__vee_partition(s, nranks), nstages - 1);
+                return smp_error(SMP_ERR_ARG,
+                                 "stage %d is placed on rank %d, but zero_bubble_v's V puts it on rank %d (rank r runs "
+                                 "stages r and %d - r)",
+                                 s, stage_rank[s], smp__vee_partition(s, nranks), nstages - 1);
         return SMP_OK;
     }
     if (!stage_rank) {
@@ -511,8 +535,8 @@ static smp_status smp__sched_alloc(smp_schedule *out) {
     for (int r = 0; r < R && !st; r++) {
         int nst = 0;
         for (int s = 0; s < S; s++) nst += out->stage_rank[s] == r;
-        out->ops[r] = (smp_sched_op *)smp__bytes_or(&st, sizeof(smp_sched_op) * (size_t)nst * (size_t)per_stage, SMP__ALLOC_OTHER,
-                                                    "a schedule's operations");
+        out->ops[r] = (smp_sched_op *)smp__bytes_or(&st, sizeof(smp_sched_op) * (size_t)nst * (size_t)per_stage,
+                                                    SMP__ALLOC_OTHER, "a schedule's operations");
     }
     return st;
 }
@@ -633,7 +657,8 @@ static int smp__sched_pick(const smp__sched_gen *g, int r, long t, bool use_rank
     int bw = -1;
     for (int q = g->first[r]; q < g->first[r + 1]; q++) {
         int s = g->local[q], i = g->next_w[s];
-        if (i < g->next_b[s] && g->fin_b[(size_t)s * (size_t)m + (size_t)i] <= t && (bw < 0 || i <= g->next_w[bw])) bw = s;
+        if (i < g->next_b[s] && g->fin_b[(size_t)s * (size_t)m + (size_t)i] <= t && (bw < 0 || i <= g->next_w[bw]))
+            bw = s;
     }
     *kind = SMP_SCHED_WEIGHT;
     return bw;
@@ -650,15 +675,18 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
     g.cap = g.fo ? 0 : sc->active_microbatches;
     const long cost_f = 1, cost_b = g.zb ? 1 : 2, cost_w = 1; /* ZB-H1 assumes F = B = W */
     /* two zeroed blocks: the times (fin_f, fin_b, free_at), the counters */
-    g.fin_f = (long *)smp__alloc_or(&st, sizeof(long) * (2 * n + (size_t)R), SMP__ALLOC_OTHER, "a schedule's generation");
-    g.next_f = (int *)smp__alloc_or(&st, sizeof(int) * (5 * (size_t)S + 4 * (size_t)R + 1), SMP__ALLOC_OTHER, "a schedule's generation");
+    g.fin_f =
+        (long *)smp__alloc_or(&st, sizeof(long) * (2 * n + (size_t)R), SMP__ALLOC_OTHER, "a schedule's generation");
+    g.next_f = (int *)smp__alloc_or(&st, sizeof(int) * (5 * (size_t)S + 4 * (size_t)R + 1), SMP__ALLOC_OTHER,
+                                    "a schedule's generation");
     if (g.cap) g.held = (int *)smp__alloc_or(&st, sizeof(int) * ((size_t)R * (size_t)m + (size_t)R), SMP__ALLOC_OTHER,
                                              "a schedule's generation");
     if (g.held) g.active = g.held + (size_t)R * (size_t)m;
     if (!st) {
         g.fin_b = g.fin_f + n;
         g.free_at = g.fin_b + n;
-        int *at = g.next_f, **part[] = {&g.next_f, &g.next_b, &g.next_w, &g.chunk, &g.local, &g.rank_cap, &g.rank_inflight, &g.last_kind, &g.first};
+        int *at = g.next_f, **part[] = {&g.next_f,   &g.next_b,        &g.next_w,    &g.chunk, &g.local,
+                                        &g.rank_cap, &g.rank_inflight, &g.last_kind, &g.first};
         for (int q = 0; q < 9; q++) {
             *part[q] = at;
             at += q < 5 ? S : R; /* 5 arrays per stage, then per rank (first: R + 1) */
@@ -752,7 +780,8 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
 static smp_status smp__sched_zbv(smp_schedule *sc) {
     int p = sc->nranks, S = sc->nstages, m = sc->microbatches, n = m > 2 * p - 1 ? m : 2 * p - 1;
     smp_status st = SMP_OK;
-    smp_sched_op *tmp = (smp_sched_op *)smp__bytes_or(&st, sizeof(smp_sched_op) * 6 * (size_t)n, SMP__ALLOC_OTHER, "a schedule's generation");
+    smp_sched_op *tmp = (smp_sched_op *)smp__bytes_or(&st, sizeof(smp_sched_op) * 6 * (size_t)n, SMP__ALLOC_OTHER,
+                                                      "a schedule's generation");
     if (st) return st;
     for (int r = 0; r < p; r++) {
         int c0 = r, c1 = S - 1 - r, k = 0, f0 = 0, f1 = 0, b0 = 0, b1 = 0, w0, w1;
@@ -775,12 +804,16 @@ static smp_status smp__sched_zbv(smp_schedule *sc) {
         w0 = b0;
         w1 = b1;
         for (int q = 0; q < r; q++) { SMP__ZBV(SMP_SCHED_BACKWARD, c0, b0++); SMP__ZBV(SMP_SCHED_BACKWARD, c1, b1++); }
-        for (int q = 0; q < p - r; q++) { SMP__ZBV(SMP_SCHED_BACKWARD, c0, b0++); SMP__ZBV(SMP_SCHED_WEIGHT, c0, w0++); }
+        for (int q = 0; q < p - r; q++) {
+            SMP__ZBV(SMP_SCHED_BACKWARD, c0, b0++);
+            SMP__ZBV(SMP_SCHED_WEIGHT, c0, w0++);
+        }
         while (w1 < b1) SMP__ZBV(SMP_SCHED_WEIGHT, c1, w1++);
         while (w0 < b0) SMP__ZBV(SMP_SCHED_WEIGHT, c0, w0++);
 #undef SMP__ZBV
         if (k != 6 * n || f0 != n || f1 != n || b0 != n || b1 != n || w0 != n || w1 != n) {
-            st = smp_error(SMP_ERR_STATE, "smp bug: the zero_bubble_v schedule of rank %d has %d ops for %d microbatches", r, k, n);
+            st = smp_error(SMP_ERR_STATE,
+                           "smp bug: the zero_bubble_v schedule of rank %d has %d ops for %d microbatches", r, k, n);
             break;
         }
         for (int q = 0; q < k; q++)
@@ -800,7 +833,8 @@ SMPDEF void smp_schedule_free(smp_schedule *s) {
     memset(s, 0, sizeof *s);
 }
 
-/* The most distinct microbatches rank r of s holds at once (held: [m] zeroed, left zeroed only when its list is whole). */
+/* The most distinct microbatches rank r of s holds at once (held: [m] zeroed, left zeroed only when its list is whole).
+ */
 static int smp__sched_rank_peak(const smp_schedule *s, int r, int *held) {
     smp_sched_op_kind last = smp__sched_split(s->kind) ? SMP_SCHED_WEIGHT : SMP_SCHED_BACKWARD;
     int active = 0, peak = 0;
@@ -817,9 +851,11 @@ static int smp__sched_rank_peak(const smp_schedule *s, int r, int *held) {
 static smp_status smp__sched_zbv_capped(smp_schedule *sc) {
     smp_status st = smp__sched_zbv(sc);
     if (st || !sc->active_microbatches || sc->forward_only) return st;
-    int *held = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)sc->microbatches, SMP__ALLOC_OTHER, "a schedule's generation");
+    int *held =
+        (int *)smp__alloc_or(&st, sizeof(int) * (size_t)sc->microbatches, SMP__ALLOC_OTHER, "a schedule's generation");
     bool fits = true;
-    for (int r = 0; r < sc->nranks && fits && !st; r++) fits = smp__sched_rank_peak(sc, r, held) <= sc->active_microbatches;
+    for (int r = 0; r < sc->nranks && fits && !st; r++)
+        fits = smp__sched_rank_peak(sc, r, held) <= sc->active_microbatches;
     smp__free(held);
     if (st || fits) return st;
     for (int r = 0; r < sc->nranks; r++) sc->nops[r] = 0;
@@ -837,10 +873,14 @@ SMPDEF smp_status smp_schedule_build_capped(smp_pipeline_kind kind, int nranks, 
     if (!out) return smp_error(SMP_ERR_ARG, "smp_schedule_build: out is NULL");
     memset(out, 0, sizeof *out);
     if (active_microbatches < 0)
-        return smp_error(SMP_ERR_ARG, "active_microbatches must be at least 1, or 0 for no cap, got %d", active_microbatches);
+        return smp_error(SMP_ERR_ARG, "active_microbatches must be at least 1, or 0 for no cap, got %d",
+                         active_microbatches);
     if (kind == SMP_PIPELINE_DEFAULT) kind = SMP_PIPELINE_INTERLEAVED;
-    if (kind != SMP_PIPELINE_INTERLEAVED && kind != SMP_PIPELINE_SIMPLE && kind != SMP_PIPELINE_ZERO_BUBBLE && kind != SMP_PIPELINE_ZERO_BUBBLE_V)
-        return smp_error(SMP_ERR_ARG, "unknown pipeline kind %d (expected simple, interleaved, zero_bubble or zero_bubble_v)", (int)kind);
+    if (kind != SMP_PIPELINE_INTERLEAVED && kind != SMP_PIPELINE_SIMPLE && kind != SMP_PIPELINE_ZERO_BUBBLE &&
+        kind != SMP_PIPELINE_ZERO_BUBBLE_V)
+        return smp_error(SMP_ERR_ARG,
+                         "unknown pipeline kind %d (expected simple, interleaved, zero_bubble or zero_bubble_v)",
+                         (int)kind);
     bool vee = kind == SMP_PIPELINE_ZERO_BUBBLE_V;
     smp_status st = smp__sched_check_map(nranks, nstages, stage_rank, microbatches, vee);
     if (st != SMP_OK) return st;
@@ -853,8 +893,10 @@ SMPDEF smp_status smp_schedule_build_capped(smp_pipeline_kind kind, int nranks, 
     out->microbatches = microbatches;
     out->forward_only = forward_only;
     out->active_microbatches = active_microbatches;
-    out->stage_rank = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)nstages, SMP__ALLOC_OTHER, "a schedule's stage map");
-    for (int s = 0; s < nstages && !st; s++) out->stage_rank[s] = stage_rank ? stage_rank[s] : vee ? smp__vee_partition(s, nranks) : s % nranks;
+    out->stage_rank =
+        (int *)smp__bytes_or(&st, sizeof(int) * (size_t)nstages, SMP__ALLOC_OTHER, "a schedule's stage map");
+    for (int s = 0; s < nstages && !st; s++)
+        out->stage_rank[s] = stage_rank ? stage_rank[s] : vee ? smp__vee_partition(s, nranks) : s % nranks;
     if (!st) st = smp__sched_alloc(out);
     if (!st && kind == SMP_PIPELINE_SIMPLE) smp__sched_simple(out);
     else if (!st) st = vee ? smp__sched_zbv_capped(out) : smp__sched_interleaved(out);
@@ -881,18 +923,20 @@ static smp_status smp__sim_list(const smp_schedule *s, int r, int k, int kinds, 
     if (op.kind != SMP_SCHED_FORWARD && op.kind != SMP_SCHED_BACKWARD && op.kind != SMP_SCHED_WEIGHT)
         return smp_error(SMP_ERR_ARG, "rank %d op %d has unknown kind %d", r, k, (int)op.kind);
     if (op.stage < 0 || op.stage >= S || op.microbatch < 0 || op.microbatch >= m)
-        return smp_error(SMP_ERR_ARG, "rank %d op %d is %c(stage %d, microbatch %d), outside %d stages x %d microbatches", r, k,
+        return smp_error(SMP_ERR_ARG,
+                         "rank %d op %d is %c(stage %d, microbatch %d), outside %d stages x %d microbatches", r, k,
                          smp__sched_letter(op.kind), op.stage, op.microbatch, S, m);
     if (s->stage_rank[op.stage] != r)
-        return smp_error(SMP_ERR_ARG, "rank %d op %d is %c(stage %d, microbatch %d), but stage %d runs on rank %d", r, k,
-                         smp__sched_letter(op.kind), op.stage, op.microbatch, op.stage, s->stage_rank[op.stage]);
+        return smp_error(SMP_ERR_ARG, "rank %d op %d is %c(stage %d, microbatch %d), but stage %d runs on rank %d", r,
+                         k, smp__sched_letter(op.kind), op.stage, op.microbatch, op.stage, s->stage_rank[op.stage]);
     if ((int)op.kind >= kinds)
-        return smp_error(SMP_ERR_ARG, "rank %d op %d is a %s in a %s schedule", r, k, op.kind == SMP_SCHED_WEIGHT ? "weight-gradient op" : "backward",
+        return smp_error(SMP_ERR_ARG, "rank %d op %d is a %s in a %s schedule", r, k,
+                         op.kind == SMP_SCHED_WEIGHT ? "weight-gradient op" : "backward",
                          s->forward_only ? "forward-only" : "non-zero-bubble");
     char *at = &listed[((size_t)op.kind * (size_t)S + (size_t)op.stage) * (size_t)m + (size_t)op.microbatch];
     if (*at)
-        return smp_error(SMP_ERR_ARG, "%c(stage %d, microbatch %d) appears twice in the schedule", smp__sched_letter(op.kind), op.stage,
-                         op.microbatch);
+        return smp_error(SMP_ERR_ARG, "%c(stage %d, microbatch %d) appears twice in the schedule",
+                         smp__sched_letter(op.kind), op.stage, op.microbatch);
     *at = 1;
     return SMP_OK;
 }
@@ -907,15 +951,16 @@ SMPDEF void smp_sim_result_free(smp_sim_result *r) {
 
 /* smp_schedule_simulate once s has its stage map and op lists, in zeroed
    memory: fin (3 S m + 3 S + R doubles), done (3 S m), idx (2 R + S + R m + R ints). */
-static smp_status smp__sim_run(const smp_schedule *s, const double *const given[3], double comm_latency, double *fin, char *done, int *idx,
-                               smp_sim_result *out) {
+static smp_status smp__sim_run(const smp_schedule *s, const double *const given[3], double comm_latency, double *fin,
+                               char *done, int *idx, smp_sim_result *out) {
     int R = s->nranks, S = s->nstages, m = s->microbatches;
     bool zb = smp__sched_split(s->kind) && !s->forward_only;
     int kinds = s->forward_only ? 1 : zb ? 3 : 2;
     size_t n = (size_t)S * (size_t)m;
     double *cost = fin + 3 * n, *clock = cost + 3 * S; /* fin: [kind][stage][mb]; cost: [kind][stage]; clock: [rank] */
     int *cnt = idx + R, *rcnt = cnt + S; /* microbatches in flight per stage and rank */
-    int *held = rcnt + R, *ract = held + (size_t)R * (size_t)m; /* [rank][mb]: its stages holding mb; [rank]: mbs held */
+    /* [rank][mb]: its stages holding mb; [rank]: mbs held */
+    int *held = rcnt + R, *ract = held + (size_t)R * (size_t)m;
     smp_status st = SMP_OK;
     static const char *const cost_name[3] = {"forward", "backward", "weight"};
     for (int q = 0; q < S && !st; q++)
@@ -929,7 +974,8 @@ static smp_status smp__sim_run(const smp_schedule *s, const double *const given[
 
     /* validate: every op in range, on its stage's rank, exactly once */
     for (int r = 0; r < R && !st; r++) {
-        if (s->nops[r] < 0 || (s->nops[r] > 0 && !s->ops[r])) st = smp_error(SMP_ERR_ARG, "rank %d has a bad op list (%d ops)", r, s->nops[r]);
+        if (s->nops[r] < 0 || (s->nops[r] > 0 && !s->ops[r]))
+            st = smp_error(SMP_ERR_ARG, "rank %d has a bad op list (%d ops)", r, s->nops[r]);
         for (int k = 0; k < s->nops[r] && !st; k++) st = smp__sim_list(s, r, k, kinds, done);
     }
     for (int kd = 0; kd < kinds && st == SMP_OK; kd++)
@@ -995,8 +1041,9 @@ static smp_status smp__sim_run(const smp_schedule *s, const double *const given[
                 smp_sched_op op = s->ops[r][idx[r]];
                 smp_sched_op_kind dk;
                 int ds = smp__sched_dep(op, S, &dk);
-                smp__sbuf_printf(&why, " rank %d at %c%d.%d waits for %c%d.%d (rank %d);", r, smp__sched_letter(op.kind), op.stage,
-                                 op.microbatch, smp__sched_letter(dk), ds, op.microbatch, s->stage_rank[ds]);
+                smp__sbuf_printf(&why, " rank %d at %c%d.%d waits for %c%d.%d (rank %d);", r,
+                                 smp__sched_letter(op.kind), op.stage, op.microbatch, smp__sched_letter(dk), ds,
+                                 op.microbatch, s->stage_rank[ds]);
             }
             /* as much as the result holds, "..." marking a cut */
             size_t cap = sizeof out->deadlock_reason;
@@ -1030,9 +1077,11 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
     size_t n = (size_t)S * (size_t)m;
     const char *what = "a schedule's simulation";
     const double *given[3] = {fwd_cost, bwd_cost, wgt_cost};
-    double *fin = (double *)smp__alloc_or(&st, sizeof(double) * (3 * n + 3 * (size_t)S + (size_t)R), SMP__ALLOC_OTHER, what);
+    double *fin =
+        (double *)smp__alloc_or(&st, sizeof(double) * (3 * n + 3 * (size_t)S + (size_t)R), SMP__ALLOC_OTHER, what);
     char *done = (char *)smp__alloc_or(&st, 3 * n, SMP__ALLOC_OTHER, what);
-    int *idx = (int *)smp__alloc_or(&st, sizeof(int) * (3 * (size_t)R + (size_t)S + (size_t)R * (size_t)m), SMP__ALLOC_OTHER, what);
+    int *idx = (int *)smp__alloc_or(&st, sizeof(int) * (3 * (size_t)R + (size_t)S + (size_t)R * (size_t)m),
+                                    SMP__ALLOC_OTHER, what);
     out->peak_inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)S, SMP__ALLOC_OTHER, what);
     out->rank_peak_inflight = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)R, SMP__ALLOC_OTHER, what);
     out->rank_peak_microbatches = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)R, SMP__ALLOC_OTHER, what);
@@ -1067,7 +1116,8 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
    of the step: smp__drain_messages), so the next step starts on clean
    communicators. */
 
-/* (call, out) feeds input `input` of call `consumer` (ncalls: the body), which runs in stage `stage`; remote: on another rank */
+/* (call, out) feeds input `input` of call `consumer` (ncalls: the body), which runs in stage `stage`; remote: on
+ * another rank */
 typedef struct smp__edge { int call, out, consumer, input, stage; bool remote; } smp__edge;
 
 typedef struct smp__link {
@@ -1262,7 +1312,8 @@ static void smp__event_add(smp__pipe *ps, smp__event_kind kind, int stage, int m
     if (!ps->timeline) return;
     if (!smp__grow((void **)&ps->events, &ps->events_cap, ps->nevents + 1, sizeof(smp__event), NULL)) {
         /* a diagnostic, not the job's work: it stops, and says so */
-        smp__log(SMP_LOG_WARN, "out of memory recording the timeline after %d events: SMP_TIMELINE records no more", ps->nevents);
+        smp__log(SMP_LOG_WARN, "out of memory recording the timeline after %d events: SMP_TIMELINE records no more",
+                 ps->nevents);
         ps->timeline = false;
         return;
     }
@@ -1294,7 +1345,8 @@ static void smp__plan_free(smp__plan *pl) {
 static void smp__pipe_free(void *p) {
     smp__pipe *ps = (smp__pipe *)p;
     if (!ps) return;
-    if (ps->timeline && smp__ctx.initialized) smp__timeline_write(ps); /* collective, like smp_model_free's documentation says */
+    /* collective, like smp_model_free's documentation says */
+    if (ps->timeline && smp__ctx.initialized) smp__timeline_write(ps);
     smp__plan_free(&ps->plan);
     smp__free(ps->scratch);
     smp__free(ps->await);
@@ -1323,8 +1375,9 @@ static void smp__pipe_free(void *p) {
    agreement could follow: its failure aborts. */
 static void smp__post_err(smp__pipe *ps) {
     ps->err_from = -1;
-    SMP__MPI_FATAL(MPI_Irecv(ps->err_msg, (int)sizeof ps->err_msg, MPI_CHAR, MPI_ANY_SOURCE, 1, ps->err_comm, &ps->err_req),
-                   "posting the receive of pipeline failure notices (MP_GROUP)");
+    SMP__MPI_FATAL(
+        MPI_Irecv(ps->err_msg, (int)sizeof ps->err_msg, MPI_CHAR, MPI_ANY_SOURCE, 1, ps->err_comm, &ps->err_req),
+        "posting the receive of pipeline failure notices (MP_GROUP)");
 }
 
 static bool smp__in_subtree(const smp_module *m, const smp_module *root) {
@@ -1434,7 +1487,8 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
         }
         smp__link *l = &pl->links[*L];
         int t = pl->edges[e].call * pl->maxout + pl->edges[e].out;
-        if (l->ntensors == 0 || l->tensors[l->ntensors - 1] != t) l->tensors[l->ntensors++] = t; /* edges are grouped by tensor */
+        /* edges are grouped by tensor */
+        if (l->ntensors == 0 || l->tensors[l->ntensors - 1] != t) l->tensors[l->ntensors++] = t;
         l->edges[l->nedges++] = e;
     }
     smp__free(link_of);
@@ -1475,8 +1529,10 @@ static smp__pipe *smp__pipe_build(smp_model *md) {
     ps->t_origin = smp__now();
     /* the pipeline's communicators (they inherit MPI_ERRORS_RETURN from
        MP_GROUP's). MPI_Comm_dup is a blocking collective of MP_GROUP: its failures abort */
-    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_PP_GROUP].comm, &ps->comm), "making a pipeline's communicator (MP_GROUP)");
-    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_PP_GROUP].comm, &ps->err_comm), "making a pipeline's failure communicator (MP_GROUP)");
+    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_PP_GROUP].comm, &ps->comm),
+                   "making a pipeline's communicator (MP_GROUP)");
+    SMP__MPI_FATAL(MPI_Comm_dup(smp__ctx.groups[SMP_PP_GROUP].comm, &ps->err_comm),
+                   "making a pipeline's failure communicator (MP_GROUP)");
     smp__post_err(ps);
     return ps;
 fail:
@@ -1492,7 +1548,9 @@ static smp_status smp__tensor_scale(const smp_tensor *t, double by) {
 }
 
 /* Whether p has a gradient on this rank. */
-static bool smp__local_grad(const smp_param *p) { return !p->is_buffer && p->grad.data && smp_module_is_local(p->module); }
+static bool smp__local_grad(const smp_param *p) {
+    return !p->is_buffer && p->grad.data && smp_module_is_local(p->module);
+}
 
 /* Multiplies every gradient this rank holds by `by`. */
 static smp_status smp__scale_grads(smp_model *md, double by) {
@@ -1519,11 +1577,14 @@ static smp_status smp__post_recv(smp__pipe *ps, int link, int mb, bool backward)
     smp_status st = SMP_OK;
     x->ntensors = backward ? l->nedges : l->ntensors;
     x->peer = backward ? l->peer_to : l->peer_from;
-    x->hdr = (int64_t *)smp__alloc_or(&st, sizeof(int64_t) * (size_t)SMP__HDR_WORDS(x->ntensors), SMP__ALLOC_OTHER, "a pipeline message header");
+    x->hdr = (int64_t *)smp__alloc_or(&st, sizeof(int64_t) * (size_t)SMP__HDR_WORDS(x->ntensors), SMP__ALLOC_OTHER,
+                                      "a pipeline message header");
     if (st) return st;
     x->req[0] = x->req[1] = MPI_REQUEST_NULL;
-    SMP__MPI(MPI_Irecv(x->hdr, SMP__HDR_WORDS(x->ntensors), MPI_INT64_T, x->peer, smp__tag(link, backward), ps->comm, &x->req[0]),
-             "posting the receive of %s %d's header from mp rank %d", backward ? "a gradient for microbatch" : "an activation of microbatch", mb, x->peer);
+    SMP__MPI(MPI_Irecv(x->hdr, SMP__HDR_WORDS(x->ntensors), MPI_INT64_T, x->peer, smp__tag(link, backward), ps->comm,
+                       &x->req[0]),
+             "posting the receive of %s %d's header from mp rank %d",
+             backward ? "a gradient for microbatch" : "an activation of microbatch", mb, x->peer);
     x->state = SMP__XFER_HEADER_POSTED;
     return SMP_OK;
 }
@@ -1556,8 +1617,12 @@ static smp_status smp__hdr_check(const int64_t *h, int nt, int peer, size_t *byt
         for (int k = 0; k < d[1] && sane; k++) sane = d[2 + k] >= 0;
         if (sane) *bytes += smp__hdr_bytes(d);
     }
-    return sane ? SMP_OK : smp_error(SMP_ERR_FORMAT, "a pipeline message from mp rank %d arrived with a corrupt header (its check does not match); "
-                                     "nothing was read from it", peer);
+    return sane ? SMP_OK
+                : smp_error(
+                      SMP_ERR_FORMAT,
+                      "a pipeline message from mp rank %d arrived with a corrupt header (its check does not match); "
+                      "nothing was read from it",
+                      peer);
 }
 
 /* The backend's point to point, for device payloads. A transfer it cannot
@@ -1594,13 +1659,15 @@ static smp_status smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
     smp__cache *was = smp__cache_use(ps->recv_pool[2 * link + slot % 2]);
     x->buf = smp__tensor_alloc_or(&st, &whole, true, smp__step_kind(ps), "a pipeline message received");
     smp__cache_use(was);
-    x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(x->ntensors + 1), SMP__ALLOC_OTHER, "a pipeline message received");
+    x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(x->ntensors + 1), SMP__ALLOC_OTHER,
+                                        "a pipeline message received");
     if (st) return st;
     char *p = (char *)x->buf;
     for (int t = 0; t < x->ntensors; t++) {
         size_t bytes = smp__hdr_bytes(x->hdr + 10 * t);
         if (!bytes) continue;
-        if (smp__ctx.device.irecv(p, bytes, x->peer, SMP_PP_GROUP, &x->dev_req[x->ndev_req])) smp__device_transfer_failed("queue", x->peer);
+        if (smp__ctx.device.irecv(p, bytes, x->peer, SMP_PP_GROUP, &x->dev_req[x->ndev_req]))
+            smp__device_transfer_failed("queue", x->peer);
         x->ndev_req++;
         ps->step.dev_posted[x->peer]++;
         p += bytes;
@@ -1619,13 +1686,19 @@ static smp_status smp__gather_type(const smp_tensor *const *ts, int nt, int *cou
     int *lens = at ? (int *)(void *)(parts + nt) : NULL, made = 0;
     for (; made < nt && !st; made++) {
         st = smp__bytes_type(smp_tensor_nbytes(ts[made]), &lens[made], &parts[made]);
-        if (!st) st = SMP__MPI_CHECK(MPI_Get_address(ts[made]->data, &at[made]), "locating tensor %d of a pipeline message", made);
+        if (!st)
+            st = SMP__MPI_CHECK(MPI_Get_address(ts[made]->data, &at[made]), "locating tensor %d of a pipeline message",
+                                made);
     }
-    if (!st) st = SMP__MPI_CHECK(MPI_Type_create_struct(nt, lens, at, parts, type), "making the datatype of a %d-tensor pipeline message", nt);
-    if (!st && (st = SMP__MPI_CHECK(MPI_Type_commit(type), "committing the datatype of a %d-tensor pipeline message", nt)))
+    if (!st)
+        st = SMP__MPI_CHECK(MPI_Type_create_struct(nt, lens, at, parts, type),
+                            "making the datatype of a %d-tensor pipeline message", nt);
+    if (!st &&
+        (st = SMP__MPI_CHECK(MPI_Type_commit(type), "committing the datatype of a %d-tensor pipeline message", nt)))
         SMP__MPI_WARN(MPI_Type_free(type), "releasing an uncommitted pipeline message datatype");
     for (int i = 0; i < made && parts; i++)
-        if (parts[i] != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&parts[i]), "releasing a part of a pipeline message datatype");
+        if (parts[i] != MPI_BYTE)
+            SMP__MPI_WARN(MPI_Type_free(&parts[i]), "releasing a part of a pipeline message datatype");
     smp__free(at);
     *count = 1;
     return st;
@@ -1656,7 +1729,8 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
     smp_status st = SMP_OK;
     const char *what = "a pipeline message";
     if (smp__injected(SMP_FAULT_SEND))
-        return smp_error(SMP_ERR_MPI, "MPI_Isend to mp rank %d failed: injected by smp_testing_fail", backward ? l->peer_from : l->peer_to);
+        return smp_error(SMP_ERR_MPI, "MPI_Isend to mp rank %d failed: injected by smp_testing_fail",
+                         backward ? l->peer_from : l->peer_to);
     if (!smp__grow_or(&st, (void **)&ps->step.sends, &ps->step.sends_cap, ps->step.nsends + 1, sizeof(smp__xfer), what))
         return st;
     smp__xfer *x = &ps->step.sends[ps->step.nsends];
@@ -1708,7 +1782,8 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
         for (int i = 0; i < nt; i++) {
             size_t bytes = smp_tensor_nbytes(ts[i]);
             if (!bytes) continue;
-            if (smp__ctx.device.isend(ts[i]->data, bytes, x->peer, SMP_PP_GROUP, &x->dev_req[x->ndev_req])) smp__device_transfer_failed("queue", x->peer);
+            if (smp__ctx.device.isend(ts[i]->data, bytes, x->peer, SMP_PP_GROUP, &x->dev_req[x->ndev_req]))
+                smp__device_transfer_failed("queue", x->peer);
             x->ndev_req++;
             ps->step.dev_sent[x->peer]++;
         }
@@ -1717,8 +1792,9 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
        done and is freed like any other, and the step fails (the peer hears
        of it through the failure notice, not the message) */
     const char *kind = backward ? "gradients" : "activations";
-    st = SMP__MPI_CHECK(MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]),
-                        "sending the header of stage %d's %s for microbatch %d to mp rank %d", stage, kind, mb, x->peer);
+    st =
+        SMP__MPI_CHECK(MPI_Isend(x->hdr, SMP__HDR_WORDS(nt), MPI_INT64_T, x->peer, tag, ps->comm, &x->req[0]),
+                       "sending the header of stage %d's %s for microbatch %d to mp rank %d", stage, kind, mb, x->peer);
     if (!st) ps->step.msgs_sent[2 * x->peer]++;
     if (ps->plan.dev_p2p || st) return st;
     /* the bytes of every tensor as one message, without copying host tensors:
@@ -1728,10 +1804,11 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
     const void *from = staging;
     SMP_TRY(staging || nt == 1 ? smp__bytes_type(total, &count, &type) : smp__gather_type(ts, nt, &count, &type));
     if (!staging) from = nt == 1 ? ts[0]->data : MPI_BOTTOM;
-    st = SMP__MPI_CHECK(MPI_Isend(from, count, type, x->peer, tag + 1, ps->comm, &x->req[1]), "sending stage %d's %s for microbatch %d to mp rank %d",
-                        stage, kind, mb, x->peer);
+    st = SMP__MPI_CHECK(MPI_Isend(from, count, type, x->peer, tag + 1, ps->comm, &x->req[1]),
+                        "sending stage %d's %s for microbatch %d to mp rank %d", stage, kind, mb, x->peer);
     if (!st) ps->step.msgs_sent[2 * x->peer]++;
-    if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a pipeline message datatype"); /* MPI keeps it for the send in flight */
+    /* MPI keeps it for the send in flight */
+    if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a pipeline message datatype");
     return st;
 }
 
@@ -1752,8 +1829,9 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
             for (int mb = 0; mb < ps->step.m; mb++) {
                 smp__xfer *x = smp__recv_slot(ps, l, mb, dir);
                 if (x->state == SMP__XFER_HEADER_POSTED) {
-                    if ((err = SMP__MPI_CHECK(MPI_Test(&x->req[0], &flag, &st), "receiving the header of %s %d from mp rank %d",
-                                              dir ? "a gradient for microbatch" : "an activation of microbatch", mb, x->peer)))
+                    if ((err = SMP__MPI_CHECK(
+                             MPI_Test(&x->req[0], &flag, &st), "receiving the header of %s %d from mp rank %d",
+                             dir ? "a gradient for microbatch" : "an activation of microbatch", mb, x->peer)))
                         break;
                     if (!flag) break;
                     x->state = SMP__XFER_HEADER_ARRIVED;
@@ -1775,15 +1853,17 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
                     int tag = smp__tag(l, dir) + 1;
                     err = SMP__MPI_CHECK(MPI_Irecv(x->buf, count, type, x->peer, tag, ps->comm, &x->req[1]),
                                          "posting the receive of %s %d from mp rank %d",
-                                         dir ? "the gradients for microbatch" : "the activations of microbatch", mb, x->peer);
+                                         dir ? "the gradients for microbatch" : "the activations of microbatch", mb,
+                                         x->peer);
                     if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a pipeline message datatype");
                     if (err) break;
                     x->state = SMP__XFER_BYTES_POSTED;
                 }
                 if (x->state == SMP__XFER_BYTES_POSTED) {
                     if (ps->plan.dev_p2p) flag = smp__device_done(x);
-                    else if ((err = SMP__MPI_CHECK(MPI_Test(&x->req[1], &flag, MPI_STATUS_IGNORE), "receiving %s %d from mp rank %d",
-                                                   dir ? "the gradients for microbatch" : "the activations of microbatch", mb, x->peer)))
+                    else if ((err = SMP__MPI_CHECK(
+                                  MPI_Test(&x->req[1], &flag, MPI_STATUS_IGNORE), "receiving %s %d from mp rank %d",
+                                  dir ? "the gradients for microbatch" : "the activations of microbatch", mb, x->peer)))
                         break;
                     if (flag) x->state = SMP__XFER_ARRIVED;
                 }
@@ -1806,15 +1886,17 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
         if (x->state != SMP__XFER_SENDING) continue;
         int done = 0;
         MPI_Status sts[2];
-        smp_status ts = SMP__MPI_CHECK(MPI_Testall(2, x->req, &done, sts), "sending stage %d's %s for microbatch %d to mp rank %d", x->stage,
-                                       x->backward ? "gradients" : "activations", x->mb, x->peer);
+        smp_status ts =
+            SMP__MPI_CHECK(MPI_Testall(2, x->req, &done, sts), "sending stage %d's %s for microbatch %d to mp rank %d",
+                           x->stage, x->backward ? "gradients" : "activations", x->mb, x->peer);
         if (ts) {
             if (!err) err = ts;
             continue; /* the step fails; its sends are dropped with it */
         }
         if (done && smp__device_done(x)) {
             smp__device_wait_all(x);
-            if (x->hdr) smp__event_add(ps, SMP__EVENT_SEND, x->stage, x->mb, x->t_post); /* not a failed step's shared gradients */
+            /* not a failed step's shared gradients */
+            if (x->hdr) smp__event_add(ps, SMP__EVENT_SEND, x->stage, x->mb, x->t_post);
             smp__xfer_free(x);
         }
     }
@@ -1877,7 +1959,8 @@ static void smp__drain_device(smp__pipe *ps) {
         for (int p = 0; p < P; p++) pending = pending || ps->step.dev_posted[p] < sent_to_me[p];
         for (size_t i = 0; i < nrecv; i++) pending = pending || ps->step.recv[i].state == SMP__XFER_BYTES_POSTED;
         if (!pending) break;
-        if (!smp__backoff_pause(&b)) smp__timeout_abort("the device transfers of a failed step", SMP_PP_GROUP, -1, smp__now() - b.start);
+        if (!smp__backoff_pause(&b))
+            smp__timeout_abort("the device transfers of a failed step", SMP_PP_GROUP, -1, smp__now() - b.start);
     }
     for (size_t i = 0; i < nrecv; i++) smp__device_wait_all(&ps->step.recv[i]);
     smp__free(sent_to_me);
@@ -1911,7 +1994,8 @@ static bool smp__withdraw(MPI_Request *req, int *source) {
 static void smp__drain_messages(smp__pipe *ps) {
     int P = smp__ctx.cfg.partitions;
     smp_status st = SMP_OK;
-    int *left = (int *)smp__alloc_or(&st, sizeof(int) * 4 * (size_t)P, SMP__ALLOC_OTHER, "the message counts of a failed step");
+    int *left =
+        (int *)smp__alloc_or(&st, sizeof(int) * 4 * (size_t)P, SMP__ALLOC_OTHER, "the message counts of a failed step");
     if (st) smp__fatal("out of memory cleaning up the messages of a failed step: %s", smp_last_error());
     int *sent_to_me = left + 2 * P;
     MPI_Request req;
@@ -1940,8 +2024,9 @@ static void smp__drain_messages(smp__pipe *ps) {
     for (int k = 0; k < 2 * P; k++) {
         left[k] += sent_to_me[k];
         if (left[k] < 0)
-            smp__fatal("mp rank %d sent %d %s in a failed step, but %d arrived here: a message of another step was received", k / 2,
-                       sent_to_me[k], k % 2 ? "failure notices" : "pipeline messages", sent_to_me[k] - left[k]);
+            smp__fatal(
+                "mp rank %d sent %d %s in a failed step, but %d arrived here: a message of another step was received",
+                k / 2, sent_to_me[k], k % 2 ? "failure notices" : "pipeline messages", sent_to_me[k] - left[k]);
     }
     smp__backoff b = smp__backoff_start();
     for (;;) {
@@ -1953,13 +2038,17 @@ static void smp__drain_messages(smp__pipe *ps) {
                 MPI_Status ms;
                 MPI_Datatype type;
                 MPI_Count n = 0;
-                SMP__MPI_FATAL(MPI_Improbe(k / 2, MPI_ANY_TAG, k % 2 ? ps->err_comm : ps->comm, &flag, &msg, &ms), "looking for messages of a failed step from mp rank %d", k / 2);
+                SMP__MPI_FATAL(MPI_Improbe(k / 2, MPI_ANY_TAG, k % 2 ? ps->err_comm : ps->comm, &flag, &msg, &ms),
+                               "looking for messages of a failed step from mp rank %d", k / 2);
                 if (!flag) { pending = true; break; }
-                SMP__MPI_FATAL(MPI_Get_elements_x(&ms, MPI_BYTE, &n), "sizing a message of a failed step from mp rank %d", k / 2);
-                void *drop = smp__bytes_or(&st, (size_t)n, SMP__ALLOC_COMM, "a message of a failed step, received to be dropped");
+                SMP__MPI_FATAL(MPI_Get_elements_x(&ms, MPI_BYTE, &n),
+                               "sizing a message of a failed step from mp rank %d", k / 2);
+                void *drop = smp__bytes_or(&st, (size_t)n, SMP__ALLOC_COMM,
+                                           "a message of a failed step, received to be dropped");
                 if (st || (st = smp__bytes_type((size_t)n, &count, &type)))
                     smp__fatal("cleaning up the messages of a failed step: %s", smp_last_error());
-                SMP__MPI_FATAL(MPI_Mrecv(drop, count, type, &msg, MPI_STATUS_IGNORE), "receiving a message of a failed step from mp rank %d", k / 2);
+                SMP__MPI_FATAL(MPI_Mrecv(drop, count, type, &msg, MPI_STATUS_IGNORE),
+                               "receiving a message of a failed step from mp rank %d", k / 2);
                 if (type != MPI_BYTE) SMP__MPI_WARN(MPI_Type_free(&type), "releasing a message datatype");
                 smp__free(drop);
                 left[k]--;
@@ -1970,7 +2059,8 @@ static void smp__drain_messages(smp__pipe *ps) {
             int done = 0;
             MPI_Status sts[2];
             if (x->state == SMP__XFER_SENDING)
-                SMP__MPI_FATAL(MPI_Testall(2, x->req, &done, sts), "completing a send of a failed step to mp rank %d", x->peer);
+                SMP__MPI_FATAL(MPI_Testall(2, x->req, &done, sts), "completing a send of a failed step to mp rank %d",
+                               x->peer);
             if (done && smp__device_done(x)) {
                 smp__device_wait_all(x);
                 smp__xfer_free(x);
@@ -1978,7 +2068,8 @@ static void smp__drain_messages(smp__pipe *ps) {
             pending = pending || x->state == SMP__XFER_SENDING;
         }
         if (!pending) break;
-        if (!smp__backoff_pause(&b)) smp__timeout_abort("the messages of a failed step", SMP_PP_GROUP, -1, smp__now() - b.start);
+        if (!smp__backoff_pause(&b))
+            smp__timeout_abort("the messages of a failed step", SMP_PP_GROUP, -1, smp__now() - b.start);
     }
     ps->step.nsends = 0;
     smp__free(left);
@@ -2032,7 +2123,8 @@ SMPDEF int smp_mb_index(const smp_mb *mb) { return mb->index; }
 SMPDEF void *smp_mb_user(const smp_mb *mb) { return mb->ps->step.desc->user; }
 SMPDEF bool smp_mb_is_training(const smp_mb *mb) { return mb->ps->step.training; }
 SMPDEF smp_status smp_mb_return(smp_mb *mb, int i, const smp_tensor *v) {
-    if (i < 0 || i >= SMP_MAX_STEP_ARGS) return smp_error(SMP_ERR_ARG, "smp_mb_return: index %d is outside 0..%d", i, SMP_MAX_STEP_ARGS - 1);
+    if (i < 0 || i >= SMP_MAX_STEP_ARGS)
+        return smp_error(SMP_ERR_ARG, "smp_mb_return: index %d is outside 0..%d", i, SMP_MAX_STEP_ARGS - 1);
     SMP_TRY(smp__check_tensor(v, "smp_mb_return", "value"));
     smp_status st = SMP_OK;
     smp_tensor *r = &mb->st->returned[i];
@@ -2048,7 +2140,8 @@ SMPDEF smp_status smp_mb_return_f32(smp_mb *mb, int i, float value) {
 
 /* Slices argument `a` for microbatch `i`: a view along axis 0, a copy along
    others (on the argument's side, host or device). */
-static smp_status smp__slice(const smp_tensor *t, int axis, int m, int i, smp_tensor *out, void **copy, smp__alloc_kind kind) {
+static smp_status smp__slice(const smp_tensor *t, int axis, int m, int i, smp_tensor *out, void **copy,
+                             smp__alloc_kind kind) {
     smp_tensor s = *t;
     smp_status st = SMP_OK;
     int64_t part = t->shape[axis] / m, outer = 1, inner = 1;
@@ -2058,10 +2151,14 @@ static smp_status smp__slice(const smp_tensor *t, int axis, int m, int i, smp_te
     size_t es = smp_dtype_size(t->dtype), run = (size_t)(part * inner) * es;
     *copy = NULL;
     if (outer == 1) { s.data = (char *)t->data + (size_t)i * run; *out = s; return SMP_OK; }
-    if (!smp__tensor_alloc_or(&st, &s, t->device != SMP_HOST, kind, "a microbatch's slice of a step argument")) return st;
+    if (!smp__tensor_alloc_or(&st, &s, t->device != SMP_HOST, kind, "a microbatch's slice of a step argument"))
+        return st;
     *copy = s.data;
     for (int64_t o = 0; o < outer && !st; o++) {
-        smp_tensor from = smp_tensor_1d((char *)t->data + ((size_t)o * (size_t)t->shape[axis] * (size_t)inner + (size_t)i * (size_t)part * (size_t)inner) * es, SMP_U8, (int64_t)run);
+        smp_tensor from = smp_tensor_1d(
+            (char *)t->data +
+                ((size_t)o * (size_t)t->shape[axis] * (size_t)inner + (size_t)i * (size_t)part * (size_t)inner) * es,
+            SMP_U8, (int64_t)run);
         smp_tensor to = smp_tensor_1d((char *)s.data + (size_t)o * run, SMP_U8, (int64_t)run);
         from.device = t->device;
         to.device = s.device;
@@ -2072,12 +2169,16 @@ static smp_status smp__slice(const smp_tensor *t, int axis, int m, int i, smp_te
 }
 
 static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, int m) {
-    if (d->nargs < 1 || d->nargs > SMP_MAX_STEP_ARGS) return smp_error(SMP_ERR_ARG, "smp_step: %d arguments (1..%d)", d->nargs, SMP_MAX_STEP_ARGS);
+    if (d->nargs < 1 || d->nargs > SMP_MAX_STEP_ARGS)
+        return smp_error(SMP_ERR_ARG, "smp_step: %d arguments (1..%d)", d->nargs, SMP_MAX_STEP_ARGS);
     int nmi = d->nmodel_inputs ? d->nmodel_inputs : md->desc.ninputs;
-    if (nmi != md->desc.ninputs) return smp_error(SMP_ERR_ARG, "smp_step: %d model inputs named, the model takes %d", nmi, md->desc.ninputs);
+    if (nmi != md->desc.ninputs)
+        return smp_error(SMP_ERR_ARG, "smp_step: %d model inputs named, the model takes %d", nmi, md->desc.ninputs);
     for (int i = 0; i < nmi; i++) {
         int a = d->nmodel_inputs ? d->model_inputs[i] : i;
-        if (a < 0 || a >= d->nargs) return smp_error(SMP_ERR_ARG, "smp_step: model input %d is argument %d, but there are %d arguments", i, a, d->nargs);
+        if (a < 0 || a >= d->nargs)
+            return smp_error(SMP_ERR_ARG, "smp_step: model input %d is argument %d, but there are %d arguments", i, a,
+                             d->nargs);
     }
     for (int a = 0; a < d->nargs; a++) {
         const smp_tensor *t = &d->args[a];
@@ -2086,9 +2187,14 @@ static smp_status smp__check_step(const smp_step_desc *d, const smp_model *md, i
         SMP_TRY(smp__check_tensor(t, "smp_step", name));
         if (d->non_split[a]) continue;
         int ax = d->split_axis[a];
-        if (ax < 0 || ax >= t->ndim) return smp_error(SMP_ERR_ARG, "smp_step: argument %d has %d dimensions, so it cannot be split along axis %d", a, t->ndim, ax);
+        if (ax < 0 || ax >= t->ndim)
+            return smp_error(SMP_ERR_ARG,
+                             "smp_step: argument %d has %d dimensions, so it cannot be split along axis %d", a, t->ndim,
+                             ax);
         if (t->shape[ax] % m)
-            return smp_error(SMP_ERR_ARG, "smp_step: batch of %lld (argument %d, axis %d) does not divide into %d microbatches", (long long)t->shape[ax], a, ax, m);
+            return smp_error(SMP_ERR_ARG,
+                             "smp_step: batch of %lld (argument %d, axis %d) does not divide into %d microbatches",
+                             (long long)t->shape[ax], a, ax, m);
     }
     return SMP_OK;
 }
@@ -2145,8 +2251,10 @@ static smp__pipe *smp__ddp_inflight; /* the step whose buckets are in flight, fo
    bucket's collective already, or will be, and a replica cannot take part
    without the memory to gather into. */
 static void smp__bucket_nomem(size_t bytes) {
-    smp__fatal("out of memory: %zu bytes to gather a gradient bucket for deterministic_reduction on rank %d; the other replicas are in "
-               "its collective, so the job stops (free memory, or lower bucket_cap_mb)", bytes, smp__ctx.rank);
+    smp__fatal("out of memory: %zu bytes to gather a gradient bucket for deterministic_reduction on rank %d; the other "
+               "replicas are in "
+               "its collective, so the job stops (free memory, or lower bucket_cap_mb)",
+               bytes, smp__ctx.rank);
 }
 
 static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
@@ -2154,7 +2262,8 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
     if (b->device != SMP_HOST) {
         /* the backend queues the collective (NCCL: on its stream, ordered after the backward's kernels) */
         b->req = MPI_REQUEST_NULL;
-        smp_tensor t = smp_tensor_1d(b->data, b->dtype, b->numel), all = smp_tensor_1d(NULL, b->dtype, b->numel * smp_rdp_size());
+        smp_tensor t = smp_tensor_1d(b->data, b->dtype, b->numel),
+                   all = smp_tensor_1d(NULL, b->dtype, b->numel * smp_rdp_size());
         t.device = b->device;
         if (ps->plan.scatter) {
             /* the backend's reduce-scatter (NCCL: its own) into a piece apart, or every replica's copy of this
@@ -2213,14 +2322,16 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
         b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_COMM);
         if (!b->gather) smp__bucket_nomem(b->bytes * (size_t)dp);
         b->pieces = dp;
-        st = SMP__MPI_CHECK(MPI_Iallgather(b->data, n, smp__mpi_type(b->dtype), b->gather, n, smp__mpi_type(b->dtype), comm, &b->req),
-                            "gathering data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", index, b->bytes);
+        st = SMP__MPI_CHECK(
+            MPI_Iallgather(b->data, n, smp__mpi_type(b->dtype), b->gather, n, smp__mpi_type(b->dtype), comm, &b->req),
+            "gathering data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", index, b->bytes);
     } else {
         MPI_Op op;
         st = smp__mpi_op(SMP_SUM, b->dtype, "data-parallel gradients", &op);
         if (!st)
             st = SMP__MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, b->data, n, smp__mpi_type(b->dtype), op, comm, &b->req),
-                                "all-reducing data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", index, b->bytes);
+                                "all-reducing data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", index,
+                                b->bytes);
     }
     if (st) {
         b->req = MPI_REQUEST_NULL;
@@ -2236,7 +2347,8 @@ static bool smp__bucket_test(smp__pipe *ps, int b) {
     if (k->req == MPI_REQUEST_NULL) return true;
     int done = 0;
     /* the other replicas are in this collective: a rank that loses track of it cannot tell them */
-    SMP__MPI_FATAL(MPI_Test(&k->req, &done, MPI_STATUS_IGNORE), "completing data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", b, k->bytes);
+    SMP__MPI_FATAL(MPI_Test(&k->req, &done, MPI_STATUS_IGNORE),
+                   "completing data-parallel gradient bucket %d (%zu bytes) in DP_GROUP", b, k->bytes);
     if (done) {
         smp__event_add(ps, SMP__EVENT_ALLREDUCE, -1, b, k->t_start);
         if (smp__ctx.initialized) smp__ctx.groups[SMP_RDP_GROUP].in_coll = false;
@@ -2432,7 +2544,9 @@ static double smp__sq_value(smp__sqsum *a) {
 static smp_status smp__grad_scan(const smp_param *p, int64_t first, int64_t count, smp__sqsum *sq, int *bad) {
     smp_tensor g = p->grad;
     smp_status st = SMP_OK;
-    void *copy = g.device == SMP_HOST ? NULL : smp__tensor_alloc_or(&st, &g, false, SMP__ALLOC_OTHER, "a host copy of a gradient");
+    void *copy = g.device == SMP_HOST
+                     ? NULL
+                     : smp__tensor_alloc_or(&st, &g, false, SMP__ALLOC_OTHER, "a host copy of a gradient");
     if (copy) st = smp__tensor_copy(&g, &p->grad);
     int64_t end = st ? first : first + count;
     for (int64_t x = first; x < end; x++) {
@@ -2465,7 +2579,8 @@ static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
     int bad = 0;
     for (int i = 0; i < m->nparams; i++) {
         smp_param *p = m->params[i];
-        if (!smp__local_grad(p) || p->module->partition != smp__ctx.pp_rank || (p->shard_axis < 0 && smp__ctx.tp_rank)) continue;
+        if (!smp__local_grad(p) || p->module->partition != smp__ctx.pp_rank || (p->shard_axis < 0 && smp__ctx.tp_rank))
+            continue;
         int64_t first, count;
         smp__grad_range(m, p, &first, &count);
         smp_status cs = smp__grad_scan(p, first, count, &sq, &bad);
@@ -2482,7 +2597,8 @@ static smp_status smp__grad_norm(smp_model *m, double *total_norm) {
 }
 
 SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *total_norm) {
-    if (!(max_norm > 0)) return smp_error(SMP_ERR_ARG, "smp_clip_grad_norm: max_norm must be positive, got %g", max_norm);
+    if (!(max_norm > 0))
+        return smp_error(SMP_ERR_ARG, "smp_clip_grad_norm: max_norm must be positive, got %g", max_norm);
     double norm;
     SMP_TRY(smp__grad_norm(m, &norm));
     if (total_norm) *total_norm = norm;
@@ -2526,15 +2642,22 @@ SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool
 }
 
 /* ---------------------------------------------------------------- data helpers */
-SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int64_t *indices, int64_t *count, int64_t *batches) {
+SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int64_t *indices, int64_t *count,
+                                      int64_t *batches) {
     if (!d || !indices || !count) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: NULL argument");
-    if (d->dataset_size < 0 || d->batch_size < 1) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: dataset size %lld and batch size %lld (>= 1)", (long long)d->dataset_size, (long long)d->batch_size);
+    if (d->dataset_size < 0 || d->batch_size < 1)
+        return smp_error(SMP_ERR_ARG, "smp_sampler_indices: dataset size %lld and batch size %lld (>= 1)",
+                         (long long)d->dataset_size, (long long)d->batch_size);
     int dp = smp__ctx.initialized ? smp_rdp_size() : 1, r = smp__ctx.initialized ? smp_rdp_rank() : 0;
     int64_t n = d->dataset_size, L = d->batch_size, G = L * dp;
     int64_t nb = d->drop_last ? n / G : (n + G - 1) / G;
-    if (nb == 0) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: %lld samples do not fill one global batch of %lld (%d replicas x %lld)", (long long)n, (long long)G, dp, (long long)L);
+    if (nb == 0)
+        return smp_error(SMP_ERR_ARG,
+                         "smp_sampler_indices: %lld samples do not fill one global batch of %lld (%d replicas x %lld)",
+                         (long long)n, (long long)G, dp, (long long)L);
     smp_status st = SMP_OK;
-    int64_t *perm = (int64_t *)smp__bytes_or(&st, sizeof(int64_t) * (size_t)n, SMP__ALLOC_OTHER, "the sampler's permutation");
+    int64_t *perm =
+        (int64_t *)smp__bytes_or(&st, sizeof(int64_t) * (size_t)n, SMP__ALLOC_OTHER, "the sampler's permutation");
     if (st) return st;
     for (int64_t i = 0; i < n; i++) perm[i] = i;
     if (d->shuffle) {
@@ -2558,7 +2681,8 @@ SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int6
 SMPDEF smp_status smp_local_batch_size(int64_t global, int64_t *local) {
     int dp = smp_rdp_size();
     if (global < 1 || global % dp)
-        return smp_error(SMP_ERR_ARG, "global batch of %lld does not divide among %d data-parallel replicas", (long long)global, dp);
+        return smp_error(SMP_ERR_ARG, "global batch of %lld does not divide among %d data-parallel replicas",
+                         (long long)global, dp);
     *local = global / dp;
     return SMP_OK;
 }
@@ -2569,7 +2693,9 @@ SMPDEF smp_status smp_agree_batches(int64_t batches) {
     smp_tensor t = smp_tensor_1d(v, SMP_I64, 2);
     SMP_TRY(smp_all_reduce(&t, &t, SMP_MIN, SMP_RDP_GROUP));
     if (v[0] != -v[1])
-        return smp_error(SMP_ERR_ARG, "data-parallel replicas have different numbers of batches (%lld to %lld): shard the data evenly (drop_last)",
+        return smp_error(SMP_ERR_ARG,
+                         "data-parallel replicas have different numbers of batches (%lld to %lld): shard the data "
+                         "evenly (drop_last)",
                          (long long)v[0], (long long)-v[1]);
     return SMP_OK;
 }
@@ -2654,7 +2780,8 @@ static size_t smp__shared_pack(smp__pipe *ps, smp_model *md, bool send, int peer
     size_t at = 0;
     for (int q = 0; q < ps->plan.nshared && !*st; q++) {
         smp__shared *s = &ps->plan.shared[q];
-        if (send ? s->part != smp__ctx.pp_rank || !smp__shared_held(ps, s->param, peer) : s->part != peer || !md->params[s->param]->module->local)
+        if (send ? s->part != smp__ctx.pp_rank || !smp__shared_held(ps, s->param, peer)
+                 : s->part != peer || !md->params[s->param]->module->local)
             continue;
         smp_tensor h = s->grad;
         h.device = SMP_HOST;
@@ -2679,7 +2806,8 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
     const char *what = "the gradients of shared modules";
     char **buf = (char **)smp__alloc_or(&st, sizeof(char *) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
     MPI_Request *req = (MPI_Request *)smp__alloc_or(&st, sizeof(MPI_Request) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
-    int *slot = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)P, SMP__ALLOC_OTHER, what); /* [request]: pass * P + peer */
+    /* [request]: pass * P + peer */
+    int *slot = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)P, SMP__ALLOC_OTHER, what);
     if (st) { smp__free(buf); smp__free(req); return st; }
     /* pass 0: receive what peer ran for parameters here; pass 1: send what this rank ran for parameters there */
     for (int pass = 0; pass < 2; pass++)
@@ -2693,8 +2821,12 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
             if (st || (st = smp__bytes_type(bytes, &count, &type))) break;
             slot[nreq] = pass * P + peer;
             req[nreq] = MPI_REQUEST_NULL;
-            if (pass) st = SMP__MPI_CHECK(MPI_Isend(b, count, type, peer, tag, ps->comm, &req[nreq]), "sending shared modules' gradients to mp rank %d", peer);
-            else st = SMP__MPI_CHECK(MPI_Irecv(b, count, type, peer, tag, ps->comm, &req[nreq]), "receiving shared modules' gradients from mp rank %d", peer);
+            if (pass)
+                st = SMP__MPI_CHECK(MPI_Isend(b, count, type, peer, tag, ps->comm, &req[nreq]),
+                                    "sending shared modules' gradients to mp rank %d", peer);
+            else
+                st = SMP__MPI_CHECK(MPI_Irecv(b, count, type, peer, tag, ps->comm, &req[nreq]),
+                                    "receiving shared modules' gradients from mp rank %d", peer);
             /* only a posted request joins the list: below, a null one is a
                completed receive, counted as a message that arrived */
             if (!st) {
@@ -2708,12 +2840,15 @@ static smp_status smp__shared_finish(smp__pipe *ps, smp_model *md) {
         done = true;
         for (int r = 0; r < nreq; r++) {
             int flag = 0;
-            if ((st = SMP__MPI_CHECK(MPI_Test(&req[r], &flag, MPI_STATUS_IGNORE), "exchanging shared modules' gradients (MP_GROUP)"))) break;
+            if ((st = SMP__MPI_CHECK(MPI_Test(&req[r], &flag, MPI_STATUS_IGNORE),
+                                     "exchanging shared modules' gradients (MP_GROUP)")))
+                break;
             done = done && flag;
         }
         if (done || st) break;
         st = smp__progress(ps);
-        if (!st && !smp__backoff_pause(&wait)) smp__timeout_abort("gradients of shared modules", SMP_PP_GROUP, -1, smp__now() - wait.start);
+        if (!st && !smp__backoff_pause(&wait))
+            smp__timeout_abort("gradients of shared modules", SMP_PP_GROUP, -1, smp__now() - wait.start);
     }
     for (int r = 0; r < nreq; r++) {
         int peer = slot[r] % P;
@@ -2786,9 +2921,15 @@ static smp_status smp__call_forward(smp__pipe *ps, smp_model *md, int k, int i, 
         c->seed = smp__call_seed(k, smp__ctx.rdp_rank * ps->step.m + i, ps->passes);
     }
     smp_status rc = SMP_OK;
-    if (!c->inputs) c->inputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER, "a call's inputs");
-    if (!c->outputs) c->outputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a call's outputs");
-    smp_tensor *kept = again ? (smp_tensor *)smp__bytes_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a recomputation") : NULL;
+    if (!c->inputs)
+        c->inputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER,
+                                                "a call's inputs");
+    if (!c->outputs)
+        c->outputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER,
+                                                 "a call's outputs");
+    smp_tensor *kept = again ? (smp_tensor *)smp__bytes_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout,
+                                                           SMP__ALLOC_OTHER, "a recomputation")
+                             : NULL;
     if (rc) return rc;
     /* the context shows the engine const inputs; smp allocated them just above
        and owns them, hence the cast through uintptr_t (-Wcast-qual) */
@@ -2863,7 +3004,8 @@ static smp_status smp__run_body(smp__pipe *ps, smp_model *md, int i) {
     if (rc) {
         char msg[sizeof smp__errbuf];
         memcpy(msg, smp__errbuf, sizeof msg);
-        return smp_error(rc == SMP_ERR_NOMEM ? rc : SMP_ERR_MODULE, "the step body failed on microbatch %d: %s", i, *msg ? msg : smp_status_name(rc));
+        return smp_error(rc == SMP_ERR_NOMEM ? rc : SMP_ERR_MODULE, "the step body failed on microbatch %d: %s", i,
+                         *msg ? msg : smp_status_name(rc));
     }
     const smp_config *cfg = &smp__ctx.cfg;
     double divisor = cfg->average_grads_across_microbatches == SMP_ON ? ps->step.m : 1;
@@ -2942,8 +3084,10 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         if (rec->recompute_last == k) /* the last call of a recomputed one: run its forward again */
             for (int q = rec->recompute_first; q <= k && !rc; q++) rc = smp__call_forward(ps, md, q, i, true);
         /* gradient of each output: its consumers' contributions, latest consumer first */
-        smp_tensor *gout = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER, "a call's output gradients");
-        smp_tensor *gin = (smp_tensor *)smp__bytes_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1), SMP__ALLOC_OTHER, "a call's input gradients");
+        smp_tensor *gout = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER,
+                                                       "a call's output gradients");
+        smp_tensor *gin = (smp_tensor *)smp__bytes_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1),
+                                                      SMP__ALLOC_OTHER, "a call's input gradients");
         if (rc) { smp__free(gout); return rc; }
         for (int j = 0; j < rec->nout && !rc; j++) {
             gout[j] = c->outputs[j];
@@ -2953,7 +3097,8 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
             if (last < first) { rc = smp__tensor_zero(&gout[j]); continue; }
             rc = smp__tensor_copy(&gout[j], &st->contrib[last]);
             for (int e = last - 1; e >= first && !rc; e--) rc = smp__add_into(&gout[j], &st->contrib[e]);
-            for (int e = first; e <= last && !rc; e++) { /* summed: the ones made here go now (received ones are views) */
+            /* summed: the ones made here go now (received ones are views) */
+            for (int e = first; e <= last && !rc; e++) {
                 if (!ps->plan.edges[e].remote) smp__free(st->contrib[e].data);
                 st->contrib[e].data = NULL;
             }
@@ -3352,7 +3497,10 @@ static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_outp
     smp_status sent = smp_broadcast_bytes(&p, &len, root, SMP_PP_GROUP);
     if (st || sent) { smp__free(buf); return st ? st : sent; }
     buf = (char *)p;
-    if (len == 1) { smp__free(buf); return smp_error(SMP_ERR_REMOTE, "mp rank %d had no memory for the step's outputs", root); }
+    if (len == 1) {
+        smp__free(buf);
+        return smp_error(SMP_ERR_REMOTE, "mp rank %d had no memory for the step's outputs", root);
+    }
     size_t at = 0;
     for (int o = 0; o < nouts; o++) smp_step_output_free(&outs[o]);
     for (int o = 0; o < nouts && !st; o++) {
@@ -3380,7 +3528,8 @@ static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_outp
     for (int o = 0; o < nouts; o++)
         for (int i = 0; i < ps->step.m; i++)
             if (!outs[o].values[i].data)
-                return smp_error(SMP_ERR_ARG, "the step body returned no value %d on microbatch %d (smp_mb_return)", o, i);
+                return smp_error(SMP_ERR_ARG, "the step body returned no value %d on microbatch %d (smp_mb_return)", o,
+                                 i);
     return SMP_OK;
 }
 
@@ -3390,7 +3539,8 @@ static void smp__notify_failure(smp__pipe *ps) {
         if (r == me) continue;
         MPI_Request req;
         /* a peer not told would wait out SMP_TIMEOUT for this rank's messages */
-        SMP__MPI_FATAL(MPI_Isend(smp__errbuf, (int)strlen(smp__errbuf) + 1, MPI_CHAR, r, 1, ps->err_comm, &req), "telling mp rank %d the step failed here", r);
+        SMP__MPI_FATAL(MPI_Isend(smp__errbuf, (int)strlen(smp__errbuf) + 1, MPI_CHAR, r, 1, ps->err_comm, &req),
+                       "telling mp rank %d the step failed here", r);
         /* small: MPI delivers it eagerly, and the step's drain receives it (smp__drain_messages) */
         SMP__MPI_WARN(MPI_Request_free(&req), "releasing a pipeline failure notice");
         ps->step.msgs_sent[2 * r + 1]++;
@@ -3408,7 +3558,8 @@ static smp_status smp__active_begin(smp__pipe *ps, int m) {
     smp_status st = SMP_OK;
     ps->mb_active = 0;
     if (m > ps->mb_held_cap) {
-        int *held = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)m, SMP__ALLOC_OTHER, "the step's microbatch counts");
+        int *held =
+            (int *)smp__bytes_or(&st, sizeof(int) * (size_t)m, SMP__ALLOC_OTHER, "the step's microbatch counts");
         if (st) return st;
         smp__free(ps->mb_held);
         ps->mb_held = held;
@@ -3432,23 +3583,31 @@ static void smp__schedule_report(const smp_model *md) {
     if (smp__ctx.rank != 0 || !getenv("SMP_VERBOSE")) return;
     int S = md->nstages, m = smp__ctx.cfg.microbatches, P = smp__ctx.cfg.partitions;
     smp_status st = SMP_OK;
-    double *cost = (double *)smp__alloc_or(&st, sizeof(double) * 3 * (size_t)S, SMP__ALLOC_OTHER, "the schedule report");
+    double *cost =
+        (double *)smp__alloc_or(&st, sizeof(double) * 3 * (size_t)S, SMP__ALLOC_OTHER, "the schedule report");
     int *map = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)S, SMP__ALLOC_OTHER, "the schedule report");
     if (st) { smp__free(cost); return; } /* a report, not the job's work */
     for (int k = 0; k < md->ncalls; k++)
         for (int h = 0; h < 3; h++) cost[h * S + md->calls[k].stage] += md->calls[k].cost[h];
     bool model_vee = smp__ctx.cfg.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V;
-    smp__log(SMP_LOG_INFO, "schedules for this model, %d stages x %d microbatches, simulated with the traced per-stage times "
-            "(a module without smp_module_set_backward_split has no W: its whole backward is B):", S, m);
-    static const smp_pipeline_kind kinds[] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE, SMP_PIPELINE_ZERO_BUBBLE_V};
+    smp__log(SMP_LOG_INFO,
+             "schedules for this model, %d stages x %d microbatches, simulated with the traced per-stage times "
+             "(a module without smp_module_set_backward_split has no W: its whole backward is B):",
+             S, m);
+    static const smp_pipeline_kind kinds[] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE,
+                                              SMP_PIPELINE_ZERO_BUBBLE_V};
     for (int q = 0; q < 4; q++) {
-        const char *name = smp__cfg_pipeline_names[kinds[q] - 1]; /* the config's names, in smp_pipeline_kind order from 1 */
+        /* the config's names, in smp_pipeline_kind order from 1 */
+        const char *name = smp__cfg_pipeline_names[kinds[q] - 1];
         bool vee = kinds[q] == SMP_PIPELINE_ZERO_BUBBLE_V;
         const char *placed = "";
         if (vee == model_vee) memcpy(map, md->stage_rank, sizeof(int) * (size_t)S);
         else if (vee) {
             if (S != 2 * P) {
-                smp__log(SMP_LOG_INFO, "  %-13s not simulated: it cuts the model in 2 stages per partition (pipeline zero_bubble_v partitions so)", name);
+                smp__log(SMP_LOG_INFO,
+                         "  %-13s not simulated: it cuts the model in 2 stages per partition (pipeline zero_bubble_v "
+                         "partitions so)",
+                         name);
                 continue;
             }
             for (int s = 0; s < S; s++) map[s] = smp__vee_partition(s, P);
@@ -3466,10 +3625,13 @@ static void smp__schedule_report(const smp_model *md) {
         if (!smp_schedule_simulate(&sc, cost, cost + S, cost + 2 * S, 0.0, &r)) {
             int peak = 0, mbs = 0;
             for (int p = 0; p < sc.nranks; p++) peak = r.rank_peak_inflight[p] > peak ? r.rank_peak_inflight[p] : peak;
-            for (int p = 0; p < sc.nranks; p++) mbs = r.rank_peak_microbatches[p] > mbs ? r.rank_peak_microbatches[p] : mbs;
-            smp__log(SMP_LOG_INFO, "  %-13s step %9.3f ms  bubble %5.1f%%  peak in flight on a rank: %d microbatch-stages, "
-                    "%d microbatches%s%s", name, r.makespan * 1e3, 100.0 * r.bubble_fraction, peak, mbs,
-                    kinds[q] == smp__ctx.cfg.pipeline ? "  (this run)" : "", placed);
+            for (int p = 0; p < sc.nranks; p++)
+                mbs = r.rank_peak_microbatches[p] > mbs ? r.rank_peak_microbatches[p] : mbs;
+            smp__log(SMP_LOG_INFO,
+                     "  %-13s step %9.3f ms  bubble %5.1f%%  peak in flight on a rank: %d microbatch-stages, "
+                     "%d microbatches%s%s",
+                     name, r.makespan * 1e3, 100.0 * r.bubble_fraction, peak, mbs,
+                     kinds[q] == smp__ctx.cfg.pipeline ? "  (this run)" : "", placed);
             smp_sim_result_free(&r);
         }
         smp_schedule_free(&sc);
@@ -3565,8 +3727,9 @@ static smp_status smp__step_schedule(smp__pipe *ps, smp_model *md, bool training
     smp_schedule *sc = &ps->plan.sched[training ? 0 : 1];
     if (sc->ops) return SMP_OK;
     const smp_config *cfg = &smp__ctx.cfg;
-    smp_status st = smp_schedule_build_capped(cfg->pipeline, cfg->partitions, md->nstages, md->stage_rank,
-                                              cfg->microbatches, training ? cfg->active_microbatches : 0, !training, sc);
+    smp_status st =
+        smp_schedule_build_capped(cfg->pipeline, cfg->partitions, md->nstages, md->stage_rank, cfg->microbatches,
+                                  training ? cfg->active_microbatches : 0, !training, sc);
     st = smp__agree_on(smp__ctx.world, st, "the step's schedule");
     if (st) smp_schedule_free(sc);
     return st;
@@ -3777,7 +3940,8 @@ static void smp__step_stats(smp__pipe *ps, smp_model *md) {
    statistics. */
 static smp_status smp__step_finish(smp__pipe *ps, smp_model *md, smp_step_output *outs, int nouts) {
     smp_status finished = ps->step.sync ? smp__ddp_finish(ps, false) : SMP_OK;
-    if (ps->step.training && smp__ctx.cfg.shard_optimizer_state == SMP_ON) md->params_stale = true; /* the engine updates its range next */
+    /* the engine updates its range next */
+    if (ps->step.training && smp__ctx.cfg.shard_optimizer_state == SMP_ON) md->params_stale = true;
     smp_status st = nouts ? smp__share_outputs(ps, md, outs, nouts) : SMP_OK;
     if (!st) st = finished;
     if (ps->step.sync && smp_rdp_size() > 1) {
@@ -3844,7 +4008,8 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     if (!st) st = smp__step_run_ops(ps, md);
     if (!st) st = smp__step_drain_sends(ps);
     if (!st && ps->step.training && ps->plan.nshared) st = smp__shared_finish(ps, md); /* before the buckets */
-    if (!st && smp__injected(SMP_FAULT_STEP_END)) st = smp_error(SMP_ERR_MPI, "a failure injected after the step's last message");
+    if (!st && smp__injected(SMP_FAULT_STEP_END))
+        st = smp_error(SMP_ERR_MPI, "a failure injected after the step's last message");
     if (st && !ps->step.failed_remote) smp__notify_failure(ps);
     /* every replica runs the bucket collectives, failed step or not; they complete before the agreement, whose
        wait backs off into sleeps and would stall the buckets still in flight */
@@ -3864,40 +4029,51 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m) {
 static smp_status smp__reduce_check(const smp_step_output *o, const smp_tensor *r, const char *fn, int64_t want) {
     if (!o || !o->values || o->microbatches < 1) return smp_error(SMP_ERR_ARG, "%s: the StepOutput is empty", fn);
     SMP_TRY(smp__check_tensor(r, fn, "result"));
-    if (r->device != SMP_HOST) return smp_error(SMP_ERR_ARG, "%s: result is on a CUDA device; StepOutputs are host memory", fn);
+    if (r->device != SMP_HOST)
+        return smp_error(SMP_ERR_ARG, "%s: result is on a CUDA device; StepOutputs are host memory", fn);
     for (int i = 0; i < o->microbatches; i++) {
         if (o->values[i].dtype != r->dtype)
-            return smp_error(SMP_ERR_ARG, "%s: microbatch %d's value is %s, the result is %s", fn, i, smp_dtype_name(o->values[i].dtype), smp_dtype_name(r->dtype));
+            return smp_error(SMP_ERR_ARG, "%s: microbatch %d's value is %s, the result is %s", fn, i,
+                             smp_dtype_name(o->values[i].dtype), smp_dtype_name(r->dtype));
         if (want >= 0 && smp_tensor_numel(&o->values[i]) != want)
-            return smp_error(SMP_ERR_ARG, "%s: microbatch %d's value has %lld elements, the result %lld", fn, i, (long long)smp_tensor_numel(&o->values[i]), (long long)want);
+            return smp_error(SMP_ERR_ARG, "%s: microbatch %d's value has %lld elements, the result %lld", fn, i,
+                             (long long)smp_tensor_numel(&o->values[i]), (long long)want);
     }
     return SMP_OK;
 }
 
 static smp_status smp__reduce_out(const smp_step_output *o, smp_tensor *r, bool mean, const char *fn) {
     SMP_TRY(smp__reduce_check(o, r, fn, r ? smp_tensor_numel(r) : 0));
-    if (r->dtype != SMP_F32 && r->dtype != SMP_F64) return smp_error(SMP_ERR_ARG, "%s: reduces f32 and f64 values, not %s", fn, smp_dtype_name(r->dtype));
+    if (r->dtype != SMP_F32 && r->dtype != SMP_F64)
+        return smp_error(SMP_ERR_ARG, "%s: reduces f32 and f64 values, not %s", fn, smp_dtype_name(r->dtype));
     int64_t n = smp_tensor_numel(r);
     for (int64_t x = 0; x < n; x++) {
         double acc = 0;
         for (int i = 0; i < o->microbatches; i++)
-            acc += r->dtype == SMP_F32 ? (double)((const float *)o->values[i].data)[x] : ((const double *)o->values[i].data)[x];
+            acc += r->dtype == SMP_F32 ? (double)((const float *)o->values[i].data)[x]
+                                       : ((const double *)o->values[i].data)[x];
         if (mean) acc /= o->microbatches;
         if (r->dtype == SMP_F32) ((float *)r->data)[x] = (float)acc;
         else ((double *)r->data)[x] = acc;
     }
     return SMP_OK;
 }
-SMPDEF smp_status smp_step_output_reduce_mean(const smp_step_output *o, smp_tensor *r) { return smp__reduce_out(o, r, true, "smp_step_output_reduce_mean"); }
-SMPDEF smp_status smp_step_output_reduce_sum(const smp_step_output *o, smp_tensor *r) { return smp__reduce_out(o, r, false, "smp_step_output_reduce_sum"); }
+SMPDEF smp_status smp_step_output_reduce_mean(const smp_step_output *o, smp_tensor *r) {
+    return smp__reduce_out(o, r, true, "smp_step_output_reduce_mean");
+}
+SMPDEF smp_status smp_step_output_reduce_sum(const smp_step_output *o, smp_tensor *r) {
+    return smp__reduce_out(o, r, false, "smp_step_output_reduce_sum");
+}
 
 static smp_status smp__join_out(const smp_step_output *o, smp_tensor *r, bool stack, const char *fn) {
     SMP_TRY(smp__reduce_check(o, r, fn, -1));
     int64_t total = 0;
     for (int i = 0; i < o->microbatches; i++) total += smp_tensor_numel(&o->values[i]);
     if (total != smp_tensor_numel(r))
-        return smp_error(SMP_ERR_ARG, "%s: the microbatches hold %lld elements, the result has room for %lld", fn, (long long)total, (long long)smp_tensor_numel(r));
-    if (!stack && o->values[0].ndim == 0) return smp_error(SMP_ERR_ARG, "%s: scalars have no axis to concatenate along; use stack", fn);
+        return smp_error(SMP_ERR_ARG, "%s: the microbatches hold %lld elements, the result has room for %lld", fn,
+                         (long long)total, (long long)smp_tensor_numel(r));
+    if (!stack && o->values[0].ndim == 0)
+        return smp_error(SMP_ERR_ARG, "%s: scalars have no axis to concatenate along; use stack", fn);
     char *dst = (char *)r->data;
     for (int i = 0; i < o->microbatches; i++) {
         size_t b = smp_tensor_nbytes(&o->values[i]);
@@ -3906,14 +4082,20 @@ static smp_status smp__join_out(const smp_step_output *o, smp_tensor *r, bool st
     }
     return SMP_OK;
 }
-SMPDEF smp_status smp_step_output_concat(const smp_step_output *o, smp_tensor *r) { return smp__join_out(o, r, false, "smp_step_output_concat"); }
-SMPDEF smp_status smp_step_output_stack(const smp_step_output *o, smp_tensor *r) { return smp__join_out(o, r, true, "smp_step_output_stack"); }
+SMPDEF smp_status smp_step_output_concat(const smp_step_output *o, smp_tensor *r) {
+    return smp__join_out(o, r, false, "smp_step_output_concat");
+}
+SMPDEF smp_status smp_step_output_stack(const smp_step_output *o, smp_tensor *r) {
+    return smp__join_out(o, r, true, "smp_step_output_stack");
+}
 SMPDEF double smp_step_output_reduce_mean_f64(const smp_step_output *o) {
     if (!o || o->microbatches < 1) return (double)NAN;
     double acc = 0;
     for (int i = 0; i < o->microbatches; i++) {
         const smp_tensor *v = &o->values[i];
-        acc += v->dtype == SMP_F64 ? ((const double *)v->data)[0] : v->dtype == SMP_F32 ? (double)((const float *)v->data)[0] : (double)NAN;
+        acc += v->dtype == SMP_F64   ? ((const double *)v->data)[0]
+               : v->dtype == SMP_F32 ? (double)((const float *)v->data)[0]
+                                     : (double)NAN;
     }
     return acc / o->microbatches;
 }
@@ -3944,7 +4126,8 @@ SMPDEF smp_status smp_step_output_reduce_mean_global(const smp_step_output *o, s
     for (int64_t x = 0; x < n && !st; x++) {
         double acc = 0;
         for (int i = 0; i < o->microbatches; i++)
-            acc += r->dtype == SMP_F32 ? (double)((const float *)o->values[i].data)[x] : ((const double *)o->values[i].data)[x];
+            acc += r->dtype == SMP_F32 ? (double)((const float *)o->values[i].data)[x]
+                                       : ((const double *)o->values[i].data)[x];
         mean[x] = acc / o->microbatches;
     }
     st = smp__agree_on(smp__ctx.groups[SMP_RDP_GROUP].comm, st, fn); /* so that no member waits for one that failed */
@@ -3979,20 +4162,28 @@ static smp_status smp__timeline_write(smp__pipe *ps) {
     for (int e = 0; ps && e < ps->nevents; e++) {
         smp__event *ev = &ps->events[e];
         if (ev->kind == SMP__EVENT_ALLREDUCE) { /* on a track of its own */
-            smp__sbuf_printf(&mine, "%s{\"name\":\"AR b%d\",\"cat\":\"allreduce\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":2,\"args\":{\"bucket\":%d,\"bytes\":%zu}}",
+            smp__sbuf_printf(&mine,
+                             "%s{\"name\":\"AR "
+                             "b%d\",\"cat\":\"allreduce\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":2,"
+                             "\"args\":{\"bucket\":%d,\"bytes\":%zu}}",
                              mine.len ? "," : "", ev->mb, ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6, smp__ctx.rank, ev->mb,
                              ps->plan.buckets[ev->mb].bytes);
             continue;
         }
-        smp__sbuf_printf(&mine, "%s{\"name\":\"%c%d s%d\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":%d,\"args\":{\"stage\":%d,\"microbatch\":%d}}",
-                         mine.len ? "," : "", "FBRL SW"[ev->kind], ev->mb, ev->stage, names[ev->kind], ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6,
-                         smp__ctx.rank, track[ev->kind], ev->stage, ev->mb);
+        smp__sbuf_printf(&mine,
+                         "%s{\"name\":\"%c%d "
+                         "s%d\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":%d,\"args\":{"
+                         "\"stage\":%d,\"microbatch\":%d}}",
+                         mine.len ? "," : "", "FBRL SW"[ev->kind], ev -> mb, ev -> stage, names[ev->kind],
+                         ev -> t0 * 1e6, (ev->t1 - ev->t0) * 1e6, smp__ctx.rank, track[ev->kind], ev->stage, ev->mb);
     }
     int n = smp__ctx.size;
     /* a rank out of memory still takes part in the gather, with nothing */
     smp_status st = mine.oom ? smp__nomem(mine.want, "the timeline's events") : SMP_OK;
     size_t *lens = (size_t *)smp__alloc(sizeof(size_t) * (size_t)n, SMP__ALLOC_OTHER);
-    if (!lens) smp__fatal("out of memory: %zu bytes for the timeline's lengths on rank %d, which the other ranks wait on", sizeof(size_t) * (size_t)n, smp__ctx.rank);
+    if (!lens)
+        smp__fatal("out of memory: %zu bytes for the timeline's lengths on rank %d, which the other ranks wait on",
+                   sizeof(size_t) * (size_t)n, smp__ctx.rank);
     void *all = NULL;
     smp_status gst = smp_all_gather_bytes(st ? NULL : mine.p, st ? 0 : mine.len, SMP_WORLD, &all, lens);
     if (!st) st = gst;
@@ -4009,7 +4200,8 @@ static smp_status smp__timeline_write(smp__pipe *ps) {
                 at += lens[r];
             }
             for (int r = 0; r < n; r++)
-                fprintf(f, "%s{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"rank %d\"}}", first && r == 0 ? "" : ",", r, r);
+                fprintf(f, "%s{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"rank %d\"}}",
+                        first && r == 0 ? "" : ",", r, r);
             fputs("]}\n", f);
             if (fclose(f)) st = smp_error(SMP_ERR_IO, "SMP_TIMELINE: writing %s failed", path);
         }
