@@ -37,8 +37,8 @@ int main(int argc, char **argv) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     static const int sizes[] = {1 << 10, 4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10};
     if (rank == 0)
-        printf("%8s %12s %18s %18s %18s %18s %18s\n", "bytes", "blocking us", "iallreduce", "persist in place", "persist 2 buffers", "persist bound",
-               "smp_all_reduce");
+        printf("%8s %12s %18s %18s %18s %18s %18s\n", "bytes", "blocking us", "iallreduce", "persist in place",
+               "persist 2 buffers", "persist bound", "smp_all_reduce");
     for (int si = 0; si < (int)(sizeof sizes / sizeof *sizes); si++) {
         size_t bytes = (size_t)sizes[si];
         int n = (int)(bytes / sizeof(float));

@@ -30,8 +30,8 @@
    Build and run: make bench-checkpoint  (mpirun -n 2 build/bench/checkpoint)
    Files go to $SMP_BENCH_DIR or /tmp. The last three lines are the worst
    ratio of smp's throughput to raw over the cold loads, over the loads from
-   the page cache, then over the saves (the last line). A verified load reads every byte twice (checksum pass, then copy)
-   where a plain read() copies once; see the notes in smp_checkpoint.h. */
+   the page cache, then over the saves (the last line). A verified load reads every byte twice (checksum pass, then
+   copy) where a plain read() copies once; see the notes in smp_checkpoint.h. */
 #define _POSIX_C_SOURCE 200809L
 #define SMP_IMPLEMENTATION
 #include "smp.h"
@@ -248,7 +248,8 @@ int main(int argc, char **argv) {
     }
 
     if (me == 0) {
-        static const char *ops[NOPS] = {"partial save", "full save", "partial load", "full load", "partial cold", "full cold"};
+        static const char *ops[NOPS] = {"partial save", "full save",    "partial load",
+                                        "full load",    "partial cold", "full cold"};
         double worst[3] = {1e30, 1e30, 1e30}, mib = (double)total / (1 << 20); /* saves, loads, cold loads */
         printf("checkpoint of a %.0f MiB model, %d ranks, %d partitions, best of %d, files in %s\n", mib, world,
                cfg.partitions, REPS, bdir);
@@ -257,8 +258,8 @@ int main(int argc, char **argv) {
         for (int k = 0; k < NOPS; k++) {
             double ratio = best[k][0] / best[k][1];
             if (ratio < worst[k / 2]) worst[k / 2] = ratio;
-            printf("| %-12s | %7.3f | %9.0f | %7.3f | %9.0f | %7.2f |\n", ops[k], best[k][0], mib / best[k][0], best[k][1],
-                   mib / best[k][1], ratio);
+            printf("| %-12s | %7.3f | %9.0f | %7.3f | %9.0f | %7.2f |\n", ops[k], best[k][0], mib / best[k][0],
+                   best[k][1], mib / best[k][1], ratio);
         }
         printf("checkpoint cold load/raw throughput (worst): %.2f\n", worst[2]);
         printf("checkpoint load/raw throughput (worst): %.2f\n", worst[1]);

@@ -115,9 +115,11 @@ int main(int argc, char **argv) {
     }
     qsort(t, (size_t)reps, sizeof *t, cmp_double);
     if (smp_rank() == 0) {
-        printf("%s%spartial save, %.1f MiB per partition, %d partitions, %d saves: median %.2f ms, min %.2f, max %.2f\n",
-               argc > 3 ? argv[3] : "", argc > 3 ? ": " : "", (double)rows * 4096 * 4 * (NMOD / cfg.partitions) / (1 << 20),
-               cfg.partitions, reps, t[reps / 2] * 1e3, t[0] * 1e3, t[reps - 1] * 1e3);
+        printf(
+            "%s%spartial save, %.1f MiB per partition, %d partitions, %d saves: median %.2f ms, min %.2f, max %.2f\n",
+            argc > 3 ? argv[3] : "", argc > 3 ? ": " : "",
+            (double)rows * 4096 * 4 * (NMOD / cfg.partitions) / (1 << 20), cfg.partitions, reps, t[reps / 2] * 1e3,
+            t[0] * 1e3, t[reps - 1] * 1e3);
         /* both layouts: "<path>_<k>" before manifests, "<path>.g<N>_<k>" + manifest after */
         char cmd[4096];
         snprintf(cmd, sizeof cmd, "rm -f '%s'_[0-9]* '%s'.g[0-9]*_[0-9]* '%s.manifest'", path, path, path);

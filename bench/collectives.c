@@ -71,7 +71,8 @@ int main(int argc, char **argv) {
             if (fscanf(f, "%lf", &load) != 1) load = -1;
             fclose(f);
         }
-        if (load >= 0) printf("load average at start: %.2f (run on an idle machine; other jobs distort the ratio)\n", load);
+        if (load >= 0)
+            printf("load average at start: %.2f (run on an idle machine; other jobs distort the ratio)\n", load);
         printf("smp_all_reduce vs MPI_Allreduce, f32 sum, %d ranks, median of interleaved samples\n", size);
         printf("%10s %8s %14s %14s %8s\n", "size", "samples", "smp (us)", "mpi (us)", "smp/mpi");
     }

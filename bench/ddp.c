@@ -315,10 +315,12 @@ static double part1(int reps, double *sync_out, int rank) {
     }
     double t_nosync = median(nosync, reps), t_sync = median(sync, reps), t_diff = median(diff, reps);
     double t_raw = median(rawt + RAW_ONE * reps, reps);
-    double t_bk = median(bk[RAW_BUCKETS], nbk[RAW_BUCKETS]), t_turn = median(bk[RAW_BUCKETS_IN_TURN], nbk[RAW_BUCKETS_IN_TURN]);
+    double t_bk = median(bk[RAW_BUCKETS], nbk[RAW_BUCKETS]),
+           t_turn = median(bk[RAW_BUCKETS_IN_TURN], nbk[RAW_BUCKETS_IN_TURN]);
     double sync_t = t_sync - t_nosync;
     if (rank == 0) {
-        printf("(1) gradient sync of %d MiB f32, %d ranks, buckets of at most 25 MiB (24+24+16), %d repetitions, medians\n",
+        printf("(1) gradient sync of %d MiB f32, %d ranks, buckets of at most 25 MiB (24+24+16), %d repetitions, "
+               "medians\n",
                (int)(nf * 4 >> 20), smp_dp_size(), reps);
         printf("| %-52s | %10s |\n", "measure", "ms");
         printf("|%s|%s|\n", "------------------------------------------------------", "-----------:");
@@ -372,10 +374,12 @@ static void part2(int rounds, double sync1, int rank) {
         }
     slower_rank(t, NK * 2 * 2 * per);
     if (rank == 0) {
-        printf("(2) backward of %d x %.0f ms, overlapping_allreduce on vs off, %d samples each, medians (ms)\n", NMOD, BWD_MS, per);
+        printf("(2) backward of %d x %.0f ms, overlapping_allreduce on vs off, %d samples each, medians (ms)\n", NMOD,
+               BWD_MS, per);
         printf("| %-10s | %9s | %9s | %9s | %12s | %12s | %8s | %10s |\n", "backward", "no sync", "sync off", "sync on",
                "exposed off", "exposed on", "hidden", "pokes/step");
-        printf("|------------|----------:|----------:|----------:|-------------:|-------------:|---------:|-----------:|\n");
+        printf("|------------|----------:|----------:|----------:|-------------:|-------------:|---------:|-----------:"
+               "|\n");
         for (int k = 0; k < NK; k++) {
             double ns[2 * 256];
             int nn = 0;
@@ -383,12 +387,15 @@ static void part2(int rounds, double sync1, int rank) {
                 for (int i = 0; i < per && nn < 512; i++) ns[nn++] = T(k, o, 0, i);
             double t_ns = median(ns, nn), t_off = median(&T(k, 0, 1, 0), per), t_on = median(&T(k, 1, 1, 0), per);
             double exp_off = t_off - t_ns, exp_on = t_on - t_ns, hidden = (t_off - t_on) / exp_off;
-            printf("| %-10s | %9.2f | %9.2f | %9.2f | %12.2f | %12.2f | %7.0f%% | %10.1f |\n", bwd_name[kinds[k]], t_ns * 1e3,
-                   t_off * 1e3, t_on * 1e3, exp_off * 1e3, exp_on * 1e3, hidden * 100,
+            printf("| %-10s | %9.2f | %9.2f | %9.2f | %12.2f | %12.2f | %7.0f%% | %10.1f |\n", bwd_name[kinds[k]],
+                   t_ns * 1e3, t_off * 1e3, t_on * 1e3, exp_off * 1e3, exp_on * 1e3, hidden * 100,
                    (double)pokes[k] / (2.0 * rounds * 2 * PAIRS));
         }
-        printf("hidden = (sync off - sync on) / exposed off; exposed = sync step - no-sync step; sync from (1): %.2f ms\n", sync1 * 1e3);
-        printf("best possible here: the last bucket (16 of 64 MiB) starts when backward ends, so about 75%% can hide\n\n");
+        printf(
+            "hidden = (sync off - sync on) / exposed off; exposed = sync step - no-sync step; sync from (1): %.2f ms\n",
+            sync1 * 1e3);
+        printf(
+            "best possible here: the last bucket (16 of 64 MiB) starts when backward ends, so about 75%% can hide\n\n");
         fflush(stdout);
     }
 #undef T
@@ -411,9 +418,10 @@ int main(int argc, char **argv) {
     if (rounds > 128) rounds = 128;
     for (int i = 0; i < WIDTH; i++) g_x[i] = 0.125f * (float)(i + 1);
     if (rank == 0) {
-        printf("bench/ddp: %d ranks, ddp on, partitions 1, microbatches 1, %d modules x %d MiB f32 parameters", size, NMOD,
-               (int)(PARAM_FLOATS * 4 >> 20));
-        printf("%s\n\n", async ? (provided == MPI_THREAD_MULTIPLE ? ", MPICH async progress thread" : ", async progress asked, thread level too low")
+        printf("bench/ddp: %d ranks, ddp on, partitions 1, microbatches 1, %d modules x %d MiB f32 parameters", size,
+               NMOD, (int)(PARAM_FLOATS * 4 >> 20));
+        printf("%s\n\n", async ? (provided == MPI_THREAD_MULTIPLE ? ", MPICH async progress thread"
+                                                                  : ", async progress asked, thread level too low")
                                : "");
         if (size != 2) printf("note: meant for 2 ranks\n");
         fflush(stdout);

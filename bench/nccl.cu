@@ -97,7 +97,8 @@ static double median(double *v, int n) {
 }
 
 /* Median seconds of smp's runs and of the raw runs, interleaved. */
-static void compare(run_fn smp_run, run_fn raw_run, void *ctx, cudaStream_t stream, int warmup, int iters, double *smp_s, double *raw_s) {
+static void compare(run_fn smp_run, run_fn raw_run, void *ctx, cudaStream_t stream, int warmup, int iters,
+                    double *smp_s, double *raw_s) {
     for (int i = 0; i < warmup; i++) {
         timed_run(smp_run, ctx, stream);
         timed_run(raw_run, ctx, stream);
@@ -140,7 +141,9 @@ static void allreduce_raw(void *p) {
 /* ---------------------------------------------------------------- 2. pipeline step */
 /* The model's calls in order: fc0 act0 fc1 act1 ... act3 fc4. */
 enum { NCALLS = 2 * NLAYERS - 1 };
-static smp_module *module_of_call(const mlp *net, int call) { return call % 2 ? net->act[call / 2] : net->fc[call / 2]; }
+static smp_module *module_of_call(const mlp *net, int call) {
+    return call % 2 ? net->act[call / 2] : net->fc[call / 2];
+}
 static int width_of_call(int call) { return widths[call / 2 + 1]; } /* a linear layer's and the ReLU after it alike */
 
 typedef struct pipeline_bench {
@@ -175,7 +178,8 @@ static void raw_forward(pipeline_bench *b, int k) {
         float *y = mb_slice(b->out[c], k, b->rows, width_of_call(c));
         if (c % 2 == 0) {
             const linear *l = &b->net->lin[c / 2];
-            SMP_CHECK(gpu_linear_forward(b->engine, in, values_of(l->weight), values_of(l->bias), y, b->rows, l->in, l->out));
+            SMP_CHECK(
+                gpu_linear_forward(b->engine, in, values_of(l->weight), values_of(l->bias), y, b->rows, l->in, l->out));
         } else {
             SMP_CHECK(gpu_relu_forward(b->engine, in, y, (int64_t)b->rows * width_of_call(c)));
         }
@@ -192,8 +196,8 @@ static void raw_backward(pipeline_bench *b, int k, const float *dy) {
                   : b->scratch[(b->last - 1 - c) % 2];
         if (c % 2 == 0) {
             const linear *l = &b->net->lin[c / 2];
-            SMP_CHECK(gpu_linear_backward(b->engine, in, values_of(l->weight), dy, dx, grads_of(l->weight), grads_of(l->bias), b->rows,
-                                          l->in, l->out));
+            SMP_CHECK(gpu_linear_backward(b->engine, in, values_of(l->weight), dy, dx, grads_of(l->weight),
+                                          grads_of(l->bias), b->rows, l->in, l->out));
         } else if (dx) {
             SMP_CHECK(gpu_relu_backward(b->engine, mb_slice(b->out[c], k, b->rows, width_of_call(c)), dy, dx,
                                         (int64_t)b->rows * width_of_call(c)));
@@ -210,7 +214,8 @@ static size_t boundary_count(const pipeline_bench *b) {
 static void zero_local_grads(pipeline_bench *b) {
     smp_param *p;
     for (int i = 0; (p = smp_model_local_param(b->model, i, false)) != NULL; i++)
-        CUDA_CHECK(cudaMemsetAsync(smp_param_grad(p)->data, 0, smp_tensor_nbytes(smp_param_grad(p)), b->engine->stream));
+        CUDA_CHECK(
+            cudaMemsetAsync(smp_param_grad(p)->data, 0, smp_tensor_nbytes(smp_param_grad(p)), b->engine->stream));
 }
 
 /* 1F1B on two stages, as smp schedules it: the first stage runs F0, then
@@ -226,7 +231,8 @@ static void pipeline_raw(void *p) {
     if (b->first == 0) {
         float *act = b->out[b->last - 1];
         raw_forward(b, 0);
-        NCCL_CHECK(b->comm, ncclSend(mb_slice(act, 0, b->rows, width_of_call(b->last - 1)), n, ncclFloat, b->peer, b->comm, s));
+        NCCL_CHECK(b->comm,
+                   ncclSend(mb_slice(act, 0, b->rows, width_of_call(b->last - 1)), n, ncclFloat, b->peer, b->comm, s));
         for (int k = 1; k < M; k++) {
             raw_forward(b, k);
             NCCL_CHECK(b->comm, ncclGroupStart());
@@ -245,8 +251,8 @@ static void pipeline_raw(void *p) {
             float loss = 0.0f, correct = 0.0f;
             const float *logits = mb_slice(b->out[NCALLS - 1], k, b->rows, FM_CLASSES);
             /* 1/B: smp scales the body's 1/rows by 1/M itself (average_grads_across_microbatches) */
-            SMP_CHECK(gpu_xent_loss(b->engine, logits, (const uint8_t *)b->y_t.data + (size_t)k * b->rows, b->rows, FM_CLASSES, b->dlogits,
-                                    1.0f / (float)(b->rows * M), &loss, &correct));
+            SMP_CHECK(gpu_xent_loss(b->engine, logits, (const uint8_t *)b->y_t.data + (size_t)k * b->rows, b->rows,
+                                    FM_CLASSES, b->dlogits, 1.0f / (float)(b->rows * M), &loss, &correct));
             loss_sum += loss;
             raw_backward(b, k, b->dlogits);
             if (k + 1 < M) {
@@ -276,7 +282,8 @@ static void pipeline_smp(void *p) {
 static float *local_grads(pipeline_bench *b, size_t *count) {
     smp_param *p;
     size_t n = 0;
-    for (int i = 0; (p = smp_model_local_param(b->model, i, false)) != NULL; i++) n += (size_t)smp_tensor_numel(smp_param_grad(p));
+    for (int i = 0; (p = smp_model_local_param(b->model, i, false)) != NULL; i++)
+        n += (size_t)smp_tensor_numel(smp_param_grad(p));
     float *h = (float *)malloc(sizeof(float) * (n ? n : 1));
     size_t at = 0;
     for (int i = 0; (p = smp_model_local_param(b->model, i, false)) != NULL; i++) {
@@ -325,7 +332,8 @@ static void plan_raw_pipeline(pipeline_bench *b) {
             b->last = c + 1;
         }
     for (int c = b->first; c >= 0 && c < b->last; c++)
-        if (!smp_module_is_local(module_of_call(b->net, c))) fatal("planning the hand-written pipeline", "this rank's layers are not one contiguous stage");
+        if (!smp_module_is_local(module_of_call(b->net, c)))
+            fatal("planning the hand-written pipeline", "this rank's layers are not one contiguous stage");
     if (b->first < 0 || (b->first == 0) == (b->last == NCALLS))
         fatal("planning the hand-written pipeline", "expected the model in two stages, one on each rank");
     b->comm = smp_nccl_comm(SMP_MP_GROUP);
@@ -334,7 +342,8 @@ static void plan_raw_pipeline(pipeline_bench *b) {
     NCCL_CHECK(b->comm, ncclCommUserRank(b->comm, &me));
     b->peer = 1 - me;
     size_t M = (size_t)b->microbatches, rows = (size_t)b->rows;
-    for (int c = b->first; c < b->last; c++) CUDA_CHECK(cudaMalloc((void **)&b->out[c], sizeof(float) * M * rows * (size_t)width_of_call(c)));
+    for (int c = b->first; c < b->last; c++)
+        CUDA_CHECK(cudaMalloc((void **)&b->out[c], sizeof(float) * M * rows * (size_t)width_of_call(c)));
     size_t boundary = boundary_count(b);
     CUDA_CHECK(cudaMalloc((void **)&b->boundary_grad, sizeof(float) * M * boundary));
     if (b->first > 0) CUDA_CHECK(cudaMalloc((void **)&b->boundary_in, sizeof(float) * M * boundary));
@@ -372,7 +381,8 @@ static int parse(int argc, char **argv, bench_options *o) {
         else return 1;
 #undef OPT
     }
-    return o->iters < 1 || o->warmup < 0 || o->microbatches < 1 || o->batch < o->microbatches || o->batch % o->microbatches || o->mib <= 0;
+    return o->iters < 1 || o->warmup < 0 || o->microbatches < 1 || o->batch < o->microbatches ||
+           o->batch % o->microbatches || o->mib <= 0;
 }
 
 int main(int argc, char **argv) {
@@ -381,7 +391,8 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &world);
     bench_options opt;
     if (parse(argc, argv, &opt)) {
-        fprintf(stderr, "usage: %s [--iters N] [--warmup W] [--mib S] [--batch B] [--microbatches M (dividing B)]\n", argv[0]);
+        fprintf(stderr, "usage: %s [--iters N] [--warmup W] [--mib S] [--batch B] [--microbatches M (dividing B)]\n",
+                argv[0]);
         MPI_Finalize();
         return 2;
     }
@@ -399,8 +410,11 @@ int main(int argc, char **argv) {
     if (mode != SMP_NCCL_MODE_NCCL) {
         if (smp_rank() == 0) {
             if (mode == SMP_NCCL_MODE_NONE) printf("skipped: no GPU (%s)\n", smp_nccl_describe());
-            else printf("skipped: these %d ranks share a GPU, so smp moves device data through host memory and raw NCCL cannot run "
-                        "(NCCL wants one GPU per rank); on a one-GPU machine run with mpirun -n 1\n", world);
+            else
+                printf("skipped: these %d ranks share a GPU, so smp moves device data through host memory and raw NCCL "
+                       "cannot run "
+                       "(NCCL wants one GPU per rank); on a one-GPU machine run with mpirun -n 1\n",
+                       world);
         }
         smp_finalize();
         MPI_Finalize();
@@ -408,7 +422,9 @@ int main(int argc, char **argv) {
     }
     gpu_engine engine;
     SMP_CHECK(gpu_agree(gpu_engine_init(&engine)));
-    if (smp_rank() == 0) printf("nccl bench: %d rank(s), %s; median of %d runs after %d warm-up\n", world, smp_nccl_describe(), opt.iters, opt.warmup);
+    if (smp_rank() == 0)
+        printf("nccl bench: %d rank(s), %s; median of %d runs after %d warm-up\n", world, smp_nccl_describe(),
+               opt.iters, opt.warmup);
 
     /* 1. all-reduce */
     allreduce_bench ar;
@@ -423,8 +439,10 @@ int main(int argc, char **argv) {
     CUDA_CHECK(cudaFree(ar.buf)); /* nothing in flight: every run ended synchronised */
     double worst = ar_smp / ar_raw;
     if (smp_rank() == 0) {
-        double bytes = (double)ar.count * sizeof(float), bus = world > 1 ? 2.0 * (world - 1) / world : 0; /* ring all-reduce traffic per byte */
-        printf("all_reduce %.0f MiB f32 avg over %d rank(s): smp %.3f ms, raw %.3f ms", opt.mib, world, 1e3 * ar_smp, 1e3 * ar_raw);
+        /* ring all-reduce traffic per byte */
+        double bytes = (double)ar.count * sizeof(float), bus = world > 1 ? 2.0 * (world - 1) / world : 0;
+        printf("all_reduce %.0f MiB f32 avg over %d rank(s): smp %.3f ms, raw %.3f ms", opt.mib, world, 1e3 * ar_smp,
+               1e3 * ar_raw);
         if (bus > 0) printf(" (bus %.1f / %.1f GB/s)", bytes * bus / ar_smp / 1e9, bytes * bus / ar_raw / 1e9);
         printf("; smp/raw %.2f\n", ar_smp / ar_raw);
     }
@@ -463,9 +481,11 @@ int main(int argc, char **argv) {
         if (st_smp / st_raw > worst) worst = st_smp / st_raw;
         int cut = pb.first == 0 ? pb.last : pb.first; /* the first call of the second stage, the same on both ranks */
         if (smp_rank() == 0)
-            printf("pipeline step, batch %d in %d microbatches (1F1B), stages %s..%s | %s..fc%d: smp %.3f ms, raw %.3f ms; smp/raw %.2f\n",
-                   opt.batch, opt.microbatches, smp_module_name(module_of_call(&net, 0)), smp_module_name(module_of_call(&net, cut - 1)),
-                   smp_module_name(module_of_call(&net, cut)), NLAYERS - 1, 1e3 * st_smp, 1e3 * st_raw, st_smp / st_raw);
+            printf("pipeline step, batch %d in %d microbatches (1F1B), stages %s..%s | %s..fc%d: smp %.3f ms, raw %.3f "
+                   "ms; smp/raw %.2f\n",
+                   opt.batch, opt.microbatches, smp_module_name(module_of_call(&net, 0)),
+                   smp_module_name(module_of_call(&net, cut - 1)), smp_module_name(module_of_call(&net, cut)),
+                   NLAYERS - 1, 1e3 * st_smp, 1e3 * st_raw, st_smp / st_raw);
         CUDA_CHECK(cudaStreamSynchronize(engine.stream));
         free_raw_pipeline(&pb);
         CUDA_CHECK(cudaFree(xd));

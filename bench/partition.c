@@ -166,8 +166,10 @@ int main(void) {
 
     printf("pipeline partition imbalance: largest stage / mean stage (1.00 = perfect)\n");
     printf("memory = params x (2 + %.0f) + activations; speed = traced time\n\n", OPT_FACTOR);
-    printf("| profile   | objective | partitions | uniform | parameters |  smp | smp / best other | smp calls per stage |\n");
-    printf("|-----------|-----------|-----------:|--------:|-----------:|-----:|-----------------:|---------------------|\n");
+    printf("| profile   | objective | partitions | uniform | parameters |  smp | smp / best other | smp calls per "
+           "stage |\n");
+    printf("|-----------|-----------|-----------:|--------:|-----------:|-----:|-----------------:|--------------------"
+           "-|\n");
     for (int pi = 0; pi < 2; pi++) {
         const profile *p = &profiles[pi];
         for (int memory = 0; memory <= (pi == 0); memory++) {

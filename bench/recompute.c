@@ -98,7 +98,8 @@ static void linear(const float *x, const float *W, const float *b, float *y, int
 static smp_status lin_forward(smp_call_ctx *c) {
     lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0);
-    if (!x || x->ndim != 2 || x->shape[1] != s->in) return smp_error(SMP_ERR_MODULE, "%s: wrong input", smp_module_name(smp_call_module(c)));
+    if (!x || x->ndim != 2 || x->shape[1] != s->in)
+        return smp_error(SMP_ERR_MODULE, "%s: wrong input", smp_module_name(smp_call_module(c)));
     int n = (int)x->shape[0];
     int64_t shape[2] = {n, s->out};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
@@ -127,15 +128,18 @@ static smp_status lin_backward(smp_call_ctx *c) {
     if (s->gelu) { /* dz = dy * gelu'(z), written over the stashed z */
         size_t bytes = 0;
         float *z = (float *)smp_call_stashed(c, &bytes);
-        if (!z || bytes != sizeof(float) * ne) return smp_error(SMP_ERR_MODULE, "%s: stash missing in the backward", smp_module_name(smp_call_module(c)));
+        if (!z || bytes != sizeof(float) * ne)
+            return smp_error(SMP_ERR_MODULE, "%s: stash missing in the backward", smp_module_name(smp_call_module(c)));
         for (size_t i = 0; i < ne; i++) z[i] = dy[i] * gelu_grad(z[i]);
         dy = z;
     }
     const float *W = (const float *)smp_param_value(s->w)->data;
     smp_tensor *gx = smp_call_grad_input(c, 0);
-    if (gx) cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, s->in, s->out, 1.0f, dy, s->out, W, s->in, 0.0f, (float *)gx->data, s->in);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, s->out, s->in, n, 1.0f, dy, s->out, (const float *)x->data, s->in, 1.0f,
-                (float *)smp_param_grad(s->w)->data, s->in);
+    if (gx)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, s->in, s->out, 1.0f, dy, s->out, W, s->in, 0.0f,
+                    (float *)gx->data, s->in);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, s->out, s->in, n, 1.0f, dy, s->out, (const float *)x->data,
+                s->in, 1.0f, (float *)smp_param_grad(s->w)->data, s->in);
     float *db = (float *)smp_param_grad(s->b)->data;
     for (int i = 0; i < n; i++)
         for (int j = 0; j < s->out; j++) db[j] += dy[(size_t)i * s->out + j];
@@ -156,7 +160,8 @@ typedef struct net_t {
 
 static float g_small_bound; /* init bound of the linears that write into the residual stream */
 
-static smp_module *new_lin(smp_module *parent, const char *name, lin_state *s, int in, int out, bool gelu_on, float *bound) {
+static smp_module *new_lin(smp_module *parent, const char *name, lin_state *s, int in, int out, bool gelu_on,
+                           float *bound) {
     s->in = in;
     s->out = out;
     s->gelu = gelu_on;
@@ -237,7 +242,8 @@ SMP_STEP_BODY(xent_body) {
         loss += log(sum) - (double)(r[lab[i]] - mx);
         if (g)
             for (int j = 0; j < CLS; j++)
-                ((float *)g->data)[(size_t)i * CLS + j] = (float)((exp((double)(r[j] - mx)) / sum - (j == lab[i] ? 1.0 : 0.0)) / rows);
+                ((float *)g->data)[(size_t)i * CLS + j] =
+                    (float)((exp((double)(r[j] - mx)) / sum - (j == lab[i] ? 1.0 : 0.0)) / rows);
     }
     return smp_mb_return_f32(mb, 0, (float)(loss / rows));
 }
@@ -289,8 +295,10 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    if (d < 1 || micro < 1 || batch < micro || batch % micro || micro > 64 || steps < 1 || warmup < 0 || warmup + steps > MAX_STEPS) {
-        fprintf(stderr, "bad options: d %d, batch %d, microbatches %d, steps %d, warmup %d\n", d, batch, micro, steps, warmup);
+    if (d < 1 || micro < 1 || batch < micro || batch % micro || micro > 64 || steps < 1 || warmup < 0 ||
+        warmup + steps > MAX_STEPS) {
+        fprintf(stderr, "bad options: d %d, batch %d, microbatches %d, steps %d, warmup %d\n", d, batch, micro, steps,
+                warmup);
         return 2;
     }
     openblas_set_num_threads(1); /* one core per rank: the parallelism is smp's processes */
@@ -374,7 +382,8 @@ int main(int argc, char **argv) {
             if (me == 0)
                 for (int i = 0; i < nloss[0] && i < nloss[1]; i++)
                     if (memcmp(&loss[0][i], &loss[1][i], sizeof(float)))
-                        fprintf(stderr, "ERROR: step %d microbatch %d: loss %.9g without recomputation, %.9g with\n", step, i, loss[0][i], loss[1][i]);
+                        fprintf(stderr, "ERROR: step %d microbatch %d: loss %.9g without recomputation, %.9g with\n",
+                                step, i, loss[0][i], loss[1][i]);
         }
         if (me == 0 && step == total - 1) {
             double mean = 0;
@@ -389,43 +398,51 @@ int main(int argc, char **argv) {
         q = smp_model_local_param(model[1], i, false);
         if (!q || strcmp(smp_param_name(p), smp_param_name(q)) ||
             memcmp(smp_param_value(p)->data, smp_param_value(q)->data, smp_tensor_nbytes(smp_param_value(p)))) {
-            if (pmis++ < 3) fprintf(stderr, "ERROR: rank %d: parameter %s differs with recomputation\n", me, smp_param_name(p));
+            if (pmis++ < 3)
+                fprintf(stderr, "ERROR: rank %d: parameter %s differs with recomputation\n", me, smp_param_name(p));
         }
     }
     int bad = mismatches + pmis;
     MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
 
     /* gather per-rank figures: stage, peak stash plain/recomputed (max and min over timed steps), peak in flight */
-    int64_t mine[9] = {stage, stash[0], stash[1], stash_min[0], stash_min[1], inflight[0], inflight[1], fwd[0], fwd[1]}, all[2][9];
+    int64_t mine[9] = {stage, stash[0], stash[1], stash_min[0], stash_min[1], inflight[0], inflight[1], fwd[0], fwd[1]},
+            all[2][9];
     MPI_Gather(mine, 9, MPI_INT64_T, all, 9, MPI_INT64_T, 0, MPI_COMM_WORLD);
     if (me == 0) {
         int rows = batch / micro;
         double blk_plain = 20.0 * d * rows * 4, blk_rc = 1.0 * d * rows * 4;
-        printf("activation recomputation: %d composite blocks (2 residual MLPs d=%d -> %d -> %d each; 6 leaf calls), head %d -> %d\n", NBLK, d, 4 * d, d,
-               d, CLS);
-        printf("2 ranks, 2 partitions (blocks 0-%d | blocks %d-%d + head), 1F1B, batch %d in %d microbatches of %d rows, "
-               "OpenBLAS sgemm on 1 thread per rank\n",
-               NBLK / 2 - 1, NBLK / 2, NBLK - 1, batch, micro, rows);
-        printf("held per block and microbatch for its backward: %.0f KiB without recomputation (outputs 12d + stashes 8d per row), "
+        printf("activation recomputation: %d composite blocks (2 residual MLPs d=%d -> %d -> %d each; 6 leaf calls), "
+               "head %d -> %d\n",
+               NBLK, d, 4 * d, d, d, CLS);
+        printf(
+            "2 ranks, 2 partitions (blocks 0-%d | blocks %d-%d + head), 1F1B, batch %d in %d microbatches of %d rows, "
+            "OpenBLAS sgemm on 1 thread per rank\n",
+            NBLK / 2 - 1, NBLK / 2, NBLK - 1, batch, micro, rows);
+        printf("held per block and microbatch for its backward: %.0f KiB without recomputation (outputs 12d + stashes "
+               "8d per row), "
                "%.0f KiB with (its output, d per row)\n",
                blk_plain / 1024, blk_rc / 1024);
         printf("%d warm-up + %d timed steps per model, taking turns; step = slower rank's SMP_TRAIN_STEP; peak stash = "
                "smp_last_step_stats(model).stash_peak_bytes, max over the timed steps\n"
-               "in flight, linear forwards: peak microbatches in flight and linear forwards in one step, without, with\n\n",
+               "in flight, linear forwards: peak microbatches in flight and linear forwards in one step, without, "
+               "with\n\n",
                warmup, steps);
-        printf("| stage | rank | in flight | linear forwards | peak stash without (MiB) | peak stash with (MiB) | with/without |\n");
-        printf("|------:|-----:|----------:|----------------:|-------------------------:|----------------------:|-------------:|\n");
+        printf("| stage | rank | in flight | linear forwards | peak stash without (MiB) | peak stash with (MiB) | "
+               "with/without |\n");
+        printf("|------:|-----:|----------:|----------------:|-------------------------:|----------------------:|------"
+               "-------:|\n");
         double worst = 0;
         for (int r = 0; r < 2; r++) {
             double ratio = all[r][1] ? (double)all[r][2] / (double)all[r][1] : 0;
             if (ratio > worst) worst = ratio;
             char nf[32];
             snprintf(nf, sizeof nf, "%lld, %lld", (long long)all[r][7], (long long)all[r][8]);
-            printf("| %5lld | %4d | %4lld, %-3lld | %15s | %24.3f | %21.3f | %12.3f |\n", (long long)all[r][0], r, (long long)all[r][5], (long long)all[r][6],
-                   nf, fmt_mib(all[r][1]), fmt_mib(all[r][2]), ratio);
+            printf("| %5lld | %4d | %4lld, %-3lld | %15s | %24.3f | %21.3f | %12.3f |\n", (long long)all[r][0], r,
+                   (long long)all[r][5], (long long)all[r][6], nf, fmt_mib(all[r][1]), fmt_mib(all[r][2]), ratio);
             if (all[r][1] != all[r][3] || all[r][2] != all[r][4])
-                printf("  (rank %d: peak stash moved between timed steps: without %lld-%lld, with %lld-%lld bytes)\n", r, (long long)all[r][3],
-                       (long long)all[r][1], (long long)all[r][4], (long long)all[r][2]);
+                printf("  (rank %d: peak stash moved between timed steps: without %lld-%lld, with %lld-%lld bytes)\n",
+                       r, (long long)all[r][3], (long long)all[r][1], (long long)all[r][4], (long long)all[r][2]);
         }
         double med[2], lo[2], hi[2];
         for (int v = 0; v < 2; v++) {
@@ -440,7 +457,8 @@ int main(int argc, char **argv) {
         printf("|-------------------------|--------:|-----------------|\n");
         printf("| without recomputation   | %7.1f | %6.1f-%-7.1f |\n", 1e3 * med[0], 1e3 * lo[0], 1e3 * hi[0]);
         printf("| with recomputation      | %7.1f | %6.1f-%-7.1f |\n", 1e3 * med[1], 1e3 * lo[1], 1e3 * hi[1]);
-        printf("\nlosses and parameters with and without recomputation: %s (%d steps)\n", bad ? "DIFFER" : "bitwise equal", total);
+        printf("\nlosses and parameters with and without recomputation: %s (%d steps)\n",
+               bad ? "DIFFER" : "bitwise equal", total);
         printf("wall time %.1f s\n", now_s() - t_wall);
         if (bad) fprintf(stderr, "ERROR: recomputation changed the result (%d mismatches); see above\n", bad);
         printf("recompute step time ratio: %.2f\n", med[1] / med[0]);

@@ -242,7 +242,10 @@ static double replay(const smp_schedule *sc, const double *cost, double latency)
         for (int r = 0; r < R; r++)
             for (; idx[r] < sc->nops[r]; idx[r]++) {
                 smp_sched_op op = sc->ops[r][idx[r]];
-                int k = op.kind == SMP_SCHED_FORWARD ? 0 : op.kind == SMP_SCHED_BACKWARD ? 1 : 2, s = op.stage, i = op.microbatch;
+                int k = op.kind == SMP_SCHED_FORWARD    ? 0
+                        : op.kind == SMP_SCHED_BACKWARD ? 1
+                                                        : 2,
+                    s = op.stage, i = op.microbatch;
                 int dk = k, ds = k == 0 ? s - 1 : s + 1;
                 if (k == 1 && s == S - 1) { dk = 0; ds = s; } /* the loss follows the last forward */
                 if (k == 2) { dk = 1; ds = s; }               /* W follows its B */
@@ -279,9 +282,14 @@ typedef struct {
 } result;
 
 static const char *kind_name(smp_pipeline_kind kind) {
-    return kind == SMP_PIPELINE_SIMPLE ? "simple" : kind == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved";
+    return kind == SMP_PIPELINE_SIMPLE          ? "simple"
+           : kind == SMP_PIPELINE_ZERO_BUBBLE   ? "zero_bubble"
+           : kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v"
+                                                : "interleaved";
 }
-static bool split_kind(smp_pipeline_kind kind) { return kind == SMP_PIPELINE_ZERO_BUBBLE || kind == SMP_PIPELINE_ZERO_BUBBLE_V; }
+static bool split_kind(smp_pipeline_kind kind) {
+    return kind == SMP_PIPELINE_ZERO_BUBBLE || kind == SMP_PIPELINE_ZERO_BUBBLE_V;
+}
 
 static void die(const char *what) {
     fprintf(stderr, "bench/schedule: %s: %s\n", what, smp_last_error());
@@ -291,7 +299,8 @@ static void die(const char *what) {
 static bool run_config(int R, int m, smp_pipeline_kind kind, int vstages, int warmup, int steps, double latency,
                        const char *only, const char *timeline, result *res) {
     int per = 2 * R, ncalls = per * ((8 + per - 1) / per);
-    bool zb = kind == SMP_PIPELINE_ZERO_BUBBLE || kind == SMP_PIPELINE_ZERO_BUBBLE_V, vee = kind == SMP_PIPELINE_ZERO_BUBBLE_V;
+    bool zb = kind == SMP_PIPELINE_ZERO_BUBBLE || kind == SMP_PIPELINE_ZERO_BUBBLE_V,
+         vee = kind == SMP_PIPELINE_ZERO_BUBBLE_V;
     if (vee) vstages = 2; /* ZB-V: two stages per rank, always */
     snprintf(res->name, sizeof res->name, "%s%s m=%d", kind_name(kind), vstages > 1 && !vee ? " 2vs" : "", m);
     if (only && !strstr(res->name, only)) return false;
@@ -370,7 +379,8 @@ static bool run_config(int R, int m, smp_pipeline_kind kind, int vstages, int wa
     for (int k = 0; k < steps; k++)
         for (int d = 0; d < KINDS; d++)
             for (int c = 0; c < ncalls; c++)
-                for (int i = 0; i < m; i++) opcost[k][(d * S + smp_model_call_stage(model, c)) * m + i] += all[k][d][c][i];
+                for (int i = 0; i < m; i++)
+                    opcost[k][(d * S + smp_model_call_stage(model, c)) * m + i] += all[k][d][c][i];
 
     /* the simulator, on each stage's median forward, backward (B) and weight half (W; 0 outside zero_bubble) */
     static double v[MAX_STEPS * MAX_MB];
@@ -496,16 +506,21 @@ static double measure_latency(void) {
    ZB-V on the same work in 2p half-size stages (F = B = W = 1/2 each). */
 static void bubble_table(void) {
     static const int ps[3] = {2, 4, 8}, ms[3] = {4, 8, 16};
-    static const smp_pipeline_kind kinds[4] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE, SMP_PIPELINE_ZERO_BUBBLE_V};
+    static const smp_pipeline_kind kinds[4] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE,
+                                               SMP_PIPELINE_ZERO_BUBBLE_V};
     double one[16], half[16];
     for (int s = 0; s < 16; s++) { one[s] = 1.0; half[s] = 0.5; }
     printf("simulated bubble fraction per kind, F = B = W = 1 (simple and interleaved run B + W = 2 as one backward),\n"
-           "p stages on p ranks, no latency; ZB-H1 formula m(F+B+W) + (p-1)(F+B-W) = 3m + p - 1 (paper: m >= p); zero_bubble_v\n"
+           "p stages on p ranks, no latency; ZB-H1 formula m(F+B+W) + (p-1)(F+B-W) = 3m + p - 1 (paper: m >= p); "
+           "zero_bubble_v\n"
            "(ZB-V) on the same work in 2p stages of half the size placed in a V (F = B = W = 1/2 each), formula\n"
-           "max(6m + p - 1, 4(m + p) - 2) / 2; idle = p x makespan - work, against 1F1B's; peak = the most microbatches in flight\n"
+           "max(6m + p - 1, 4(m + p) - 2) / 2; idle = p x makespan - work, against 1F1B's; peak = the most "
+           "microbatches in flight\n"
            "on a rank, in whole stages' activations (ZB-V: its half-size chunks / 2)\n\n"
-           "| p |  m | simple | 1F1B  | ZB-H1 | ZB-V  | 1F1B makespan | ZB-H1 makespan | ZB-H1 formula | ZB-V makespan | ZB-V formula | idle ZB-H1/1F1B | idle ZB-V/1F1B | peak 1F1B / H1 / V |\n"
-           "|--:|---:|-------:|------:|------:|------:|--------------:|---------------:|--------------:|--------------:|-------------:|----------------:|---------------:|-------------------:|\n");
+           "| p |  m | simple | 1F1B  | ZB-H1 | ZB-V  | 1F1B makespan | ZB-H1 makespan | ZB-H1 formula | ZB-V makespan "
+           "| ZB-V formula | idle ZB-H1/1F1B | idle ZB-V/1F1B | peak 1F1B / H1 / V |\n"
+           "|--:|---:|-------:|------:|------:|------:|--------------:|---------------:|--------------:|--------------:"
+           "|-------------:|----------------:|---------------:|-------------------:|\n");
     for (int a = 0; a < 3; a++)
         for (int b = 0; b < 3; b++) {
             int p = ps[a], m = ms[b];
@@ -514,15 +529,18 @@ static void bubble_table(void) {
                 smp_schedule sc;
                 bool vee = kinds[k] == SMP_PIPELINE_ZERO_BUBBLE_V;
                 if (smp_schedule_build(kinds[k], p, vee ? 2 * p : p, NULL, m, false, &sc)) die("smp_schedule_build");
-                if (smp_schedule_simulate(&sc, vee ? half : one, vee ? half : one, vee ? half : one, 0.0, &r[k])) die("smp_schedule_simulate");
+                if (smp_schedule_simulate(&sc, vee ? half : one, vee ? half : one, vee ? half : one, 0.0, &r[k]))
+                    die("smp_schedule_simulate");
                 if (r[k].deadlock) {
                     fprintf(stderr, "bench/schedule: simulator deadlock: %s\n", r[k].deadlock_reason);
                     MPI_Abort(MPI_COMM_WORLD, 1);
                 }
                 smp_schedule_free(&sc);
             }
-            double formula = 3.0 * m + (p - 1), fv1 = 6.0 * m + p - 1, fv2 = 4.0 * (m + p) - 2, fv = (fv1 > fv2 ? fv1 : fv2) / 2;
-            double idle1 = p * r[1].makespan - r[1].busy, idlez = p * r[2].makespan - r[2].busy, idlev = p * r[3].makespan - r[3].busy;
+            double formula = 3.0 * m + (p - 1), fv1 = 6.0 * m + p - 1, fv2 = 4.0 * (m + p) - 2,
+                   fv = (fv1 > fv2 ? fv1 : fv2) / 2;
+            double idle1 = p * r[1].makespan - r[1].busy, idlez = p * r[2].makespan - r[2].busy,
+                   idlev = p * r[3].makespan - r[3].busy;
             int pk[4] = {0, 0, 0, 0};
             for (int k = 1; k < 4; k++)
                 for (int q = 0; q < p; q++)
@@ -530,9 +548,11 @@ static void bubble_table(void) {
             char fs[32], pks[32];
             snprintf(fs, sizeof fs, "%s%.0f", m < p ? "(m < p) " : "", formula);
             snprintf(pks, sizeof pks, "%d / %d / %g", pk[1], pk[2], pk[3] / 2.0);
-            printf("| %d | %2d | %6.3f | %5.3f | %5.3f | %5.3f | %13.0f | %14.0f | %13s | %13.1f | %12.1f | %15.3f | %14.3f | %18s |\n", p, m,
-                   r[0].bubble_fraction, r[1].bubble_fraction, r[2].bubble_fraction, r[3].bubble_fraction, r[1].makespan, r[2].makespan, fs,
-                   r[3].makespan, fv, idle1 > 0 ? idlez / idle1 : 0.0, idle1 > 0 ? idlev / idle1 : 0.0, pks);
+            printf("| %d | %2d | %6.3f | %5.3f | %5.3f | %5.3f | %13.0f | %14.0f | %13s | %13.1f | %12.1f | %15.3f | "
+                   "%14.3f | %18s |\n",
+                   p, m, r[0].bubble_fraction, r[1].bubble_fraction, r[2].bubble_fraction, r[3].bubble_fraction,
+                   r[1].makespan, r[2].makespan, fs, r[3].makespan, fv, idle1 > 0 ? idlez / idle1 : 0.0,
+                   idle1 > 0 ? idlev / idle1 : 0.0, pks);
             for (int k = 0; k < 4; k++) smp_sim_result_free(&r[k]);
         }
     printf("\n");
@@ -555,13 +575,18 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[a], "--timeline") && a + 1 < argc) timeline = argv[++a];
         else if (!strcmp(argv[a], "--table")) table = true;
         else {
-            if (rank == 0) fprintf(stderr, "usage: %s [--f-ms X] [--steps N] [--warmup N] [--only TEXT] [--timeline PREFIX] [--table]\n", argv[0]);
+            if (rank == 0)
+                fprintf(stderr,
+                        "usage: %s [--f-ms X] [--steps N] [--warmup N] [--only TEXT] [--timeline PREFIX] [--table]\n",
+                        argv[0]);
             MPI_Finalize();
             return 2;
         }
     }
     if (R < 2 || 2 * R > MAX_CALLS || f_ms <= 0 || steps < 1 || steps > MAX_STEPS || warmup < 0) {
-        if (rank == 0) fprintf(stderr, "bench/schedule: needs 2..%d ranks, --f-ms > 0, 1..%d steps, warmup >= 0\n", MAX_CALLS / 2, MAX_STEPS);
+        if (rank == 0)
+            fprintf(stderr, "bench/schedule: needs 2..%d ranks, --f-ms > 0, 1..%d steps, warmup >= 0\n", MAX_CALLS / 2,
+                    MAX_STEPS);
         MPI_Finalize();
         return 2;
     }
@@ -583,7 +608,8 @@ int main(int argc, char **argv) {
     int nres = 0;
     for (int k = 0; k < NKINDS; k++)
         for (int j = 0; j < 3; j++)
-            if (run_config(R, ms[j], kinds[k].kind, kinds[k].vs, warmup, steps, latency, only, timeline, &res[nres])) nres++;
+            if (run_config(R, ms[j], kinds[k].kind, kinds[k].vs, warmup, steps, latency, only, timeline, &res[nres]))
+                nres++;
 
     if (rank == 0) {
         double worst = 1e300, worst_replay = 1e300, fcall = 0, bcall = 0, bcall_zb = 0, wcall_zb = 0;
@@ -592,20 +618,25 @@ int main(int argc, char **argv) {
             if (split_kind(res[i].kind)) nsplit++;
             else nwhole++;
         }
-        printf("pipeline schedules, %d ranks: a chain of %d modules sleeping %.3g ms forward, %.3g ms backward per microbatch\n"
-               "(fixed per microbatch; zero_bubble, zero_bubble_v: B %.3g ms + W %.3g ms), placed by hand in equal stages; comm latency %.1f us\n"
+        printf("pipeline schedules, %d ranks: a chain of %d modules sleeping %.3g ms forward, %.3g ms backward per "
+               "microbatch\n"
+               "(fixed per microbatch; zero_bubble, zero_bubble_v: B %.3g ms + W %.3g ms), placed by hand in equal "
+               "stages; comm latency %.1f us\n"
                "(best MPI half round trip)\n\n",
                R, ncalls, f_ms, 2 * f_ms, f_ms, f_ms, latency * 1e6);
-        printf("measured   median of %d steps after %d warm-up (time of the slowest rank; min-max beside it)\n"
-               "simulated  smp_schedule_simulate, each stage's forward, backward (zero_bubble*: B and W apart) costing\n"
-               "           the median of what its modules measured (all timed steps and microbatches)\n"
-               "ideal      total work / ranks (no bubble); bubble: the simulator's idle fraction\n"
-               "sim/meas   simulated / measured (1.00: the executor runs as fast as the simulator says it can)\n"
-               "replayed   the same schedule replayed with every operation's own measured duration (machine noise\n"
-               "           included), median over steps; rep/meas: median of replayed / measured per step\n\n",
-               steps, warmup);
-        printf("| ranks | config                  | measured ms | min-max ms    | simulated ms | ideal ms | sim/meas | bubble | replayed ms | rep/meas |\n");
-        printf("|------:|-------------------------|------------:|---------------|-------------:|---------:|---------:|-------:|------------:|---------:|\n");
+        printf(
+            "measured   median of %d steps after %d warm-up (time of the slowest rank; min-max beside it)\n"
+            "simulated  smp_schedule_simulate, each stage's forward, backward (zero_bubble*: B and W apart) costing\n"
+            "           the median of what its modules measured (all timed steps and microbatches)\n"
+            "ideal      total work / ranks (no bubble); bubble: the simulator's idle fraction\n"
+            "sim/meas   simulated / measured (1.00: the executor runs as fast as the simulator says it can)\n"
+            "replayed   the same schedule replayed with every operation's own measured duration (machine noise\n"
+            "           included), median over steps; rep/meas: median of replayed / measured per step\n\n",
+            steps, warmup);
+        printf("| ranks | config                  | measured ms | min-max ms    | simulated ms | ideal ms | sim/meas | "
+               "bubble | replayed ms | rep/meas |\n");
+        printf("|------:|-------------------------|------------:|---------------|-------------:|---------:|---------:|-"
+               "------:|------------:|---------:|\n");
         for (int i = 0; i < nres; i++) {
             result *r = &res[i];
             char range[32];
@@ -623,7 +654,8 @@ int main(int argc, char **argv) {
                 bcall += r->bwd_call / nwhole;
             }
         }
-        /* zero_bubble against 1F1B on the same stage map and microbatches; zero_bubble_v against 1F1B with one stage per rank */
+        /* zero_bubble against 1F1B on the same stage map and microbatches; zero_bubble_v against 1F1B with one stage
+         * per rank */
         bool head = false;
         for (int i = 0; i < nres; i++) {
             const result *z = &res[i], *o = NULL;
@@ -633,23 +665,31 @@ int main(int argc, char **argv) {
                 if (res[j].kind == SMP_PIPELINE_INTERLEAVED && res[j].vstages == vs && res[j].m == z->m) o = &res[j];
             if (!o) continue;
             if (!head) {
-                printf("\nzero_bubble against interleaved (1F1B) on the same stages and microbatches (zero_bubble_v: against 1F1B with\n"
-                       "one stage per rank, the same modules): step time (measured), bubble (simulated) and the most microbatch-stages\n"
-                       "in flight on one rank (simulated; a zero_bubble_v stage holds half of a 1F1B stage's activations)\n\n"
-                       "| ranks | config                  | 1F1B ms | ZB ms   | ZB/1F1B measured | ZB/1F1B simulated | 1F1B bubble | ZB bubble | in flight 1F1B / ZB |\n"
-                       "|------:|-------------------------|--------:|--------:|-----------------:|------------------:|------------:|----------:|--------------------:|\n");
+                printf("\nzero_bubble against interleaved (1F1B) on the same stages and microbatches (zero_bubble_v: "
+                       "against 1F1B with\n"
+                       "one stage per rank, the same modules): step time (measured), bubble (simulated) and the most "
+                       "microbatch-stages\n"
+                       "in flight on one rank (simulated; a zero_bubble_v stage holds half of a 1F1B stage's "
+                       "activations)\n\n"
+                       "| ranks | config                  | 1F1B ms | ZB ms   | ZB/1F1B measured | ZB/1F1B simulated | "
+                       "1F1B bubble | ZB bubble | in flight 1F1B / ZB |\n"
+                       "|------:|-------------------------|--------:|--------:|-----------------:|------------------:|-"
+                       "-----------:|----------:|--------------------:|\n");
                 head = true;
             }
             char pk[32];
             snprintf(pk, sizeof pk, "%d / %d", o->peak, z->peak);
-            printf("| %5d | %-23s | %7.1f | %7.1f | %16.3f | %17.3f | %11.3f | %9.3f | %19s |\n", R, z->name, o->measured * 1e3,
-                   z->measured * 1e3, z->measured / o->measured, z->simulated / o->simulated, o->bubble, z->bubble, pk);
+            printf("| %5d | %-23s | %7.1f | %7.1f | %16.3f | %17.3f | %11.3f | %9.3f | %19s |\n", R, z->name,
+                   o->measured * 1e3, z->measured * 1e3, z->measured / o->measured, z->simulated / o->simulated,
+                   o->bubble, z->bubble, pk);
         }
-        printf("\nmodule sleeps: %.3f ms forward, %.3f ms backward (median in the steps); %.3f, %.3f alone (nominal %.3g, %.3g)\n",
+        printf("\nmodule sleeps: %.3f ms forward, %.3f ms backward (median in the steps); %.3f, %.3f alone (nominal "
+               "%.3g, %.3g)\n",
                fcall * 1e3, bcall * 1e3, cal_f * 1e3, cal_b * 1e3, f_ms, 2 * f_ms);
         if (nsplit)
-            printf("zero_bubble's and zero_bubble_v's split backward: %.3f ms B + %.3f ms W (median in the steps; nominal %.3g + %.3g)\n", bcall_zb * 1e3,
-                   wcall_zb * 1e3, f_ms, f_ms);
+            printf("zero_bubble's and zero_bubble_v's split backward: %.3f ms B + %.3f ms W (median in the steps; "
+                   "nominal %.3g + %.3g)\n",
+                   bcall_zb * 1e3, wcall_zb * 1e3, f_ms, f_ms);
         /* the worst sim/meas of each kind */
         printf("measured/simulated by kind (worst config):");
         bool firstk = true;
@@ -658,7 +698,8 @@ int main(int argc, char **argv) {
             for (int i = 0; i < nres; i++)
                 if (res[i].kind == kinds[k].kind && res[i].vstages == kinds[k].vs && res[i].ratio < w) w = res[i].ratio;
             if (w > 1e299) continue;
-            printf("%s %s%s %.2f", firstk ? "" : ",", kind_name(kinds[k].kind), kinds[k].vs > 1 && kinds[k].kind != SMP_PIPELINE_ZERO_BUBBLE_V ? " 2vs" : "", w);
+            printf("%s %s%s %.2f", firstk ? "" : ",", kind_name(kinds[k].kind),
+                   kinds[k].vs > 1 && kinds[k].kind != SMP_PIPELINE_ZERO_BUBBLE_V ? " 2vs" : "", w);
             firstk = false;
         }
         printf("\n");

@@ -91,7 +91,8 @@ static inline void gpu_engine_free(gpu_engine *e) {
     if (!e->stream) return;
     smp_nccl_free(e->stats);
     cudaError_t sync = cudaStreamSynchronize(e->stream);
-    if (sync != cudaSuccess) fprintf(stderr, "cudaStreamSynchronize failed at shut-down: %s\n", cudaGetErrorString(sync));
+    if (sync != cudaSuccess)
+        fprintf(stderr, "cudaStreamSynchronize failed at shut-down: %s\n", cudaGetErrorString(sync));
     if (e->blas) {
         cublasStatus_t s = cublasDestroy(e->blas);
         if (s != CUBLAS_STATUS_SUCCESS) fprintf(stderr, "cublasDestroy failed: %s\n", cublasGetStatusString(s));
@@ -164,8 +165,8 @@ __global__ void adam_kernel(float *p, const float *g, float *m, float *v, int64_
    y (n x out) = x (n x in) * W^T + b. cuBLAS is column-major, where a
    row-major matrix reads as its transpose: y^T = W * x^T, i.e. op(W^T) = T
    on W's (in x out) column-major view. */
-static inline smp_status gpu_linear_forward(const gpu_engine *e, const float *x, const float *W, const float *b, float *y, int n, int in,
-                                     int out) {
+static inline smp_status gpu_linear_forward(const gpu_engine *e, const float *x, const float *W, const float *b,
+                                            float *y, int n, int in, int out) {
     if (n <= 0 || out <= 0) return SMP_OK;
     const float one = 1.0f, zero = 0.0f;
     GPU_CUBLAS(cublasSgemm, (e->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, n, in, &one, W, in, x, in, &zero, y, out));
@@ -180,12 +181,14 @@ static inline smp_status gpu_linear_forward(const gpu_engine *e, const float *x,
      dx  = dy * W            (overwritten; NULL: not wanted)   dx^T = W^T dy^T
      dW += dy^T * x          (accumulated)                      dW^T += x^T dy
      db += column sums of dy (accumulated, rows in order) */
-static inline smp_status gpu_linear_backward(const gpu_engine *e, const float *x, const float *W, const float *dy, float *dx, float *dW,
-                                      float *db, int n, int in, int out) {
+static inline smp_status gpu_linear_backward(const gpu_engine *e, const float *x, const float *W, const float *dy,
+                                             float *dx, float *dW, float *db, int n, int in, int out) {
     if (n <= 0 || in <= 0 || out <= 0) return SMP_OK;
     const float one = 1.0f, zero = 0.0f;
-    if (dx) GPU_CUBLAS(cublasSgemm, (e->blas, CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, &one, W, in, dy, out, &zero, dx, in));
-    if (dW) GPU_CUBLAS(cublasSgemm, (e->blas, CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, &one, x, in, dy, out, &one, dW, in));
+    if (dx)
+        GPU_CUBLAS(cublasSgemm, (e->blas, CUBLAS_OP_N, CUBLAS_OP_N, in, n, out, &one, W, in, dy, out, &zero, dx, in));
+    if (dW)
+        GPU_CUBLAS(cublasSgemm, (e->blas, CUBLAS_OP_N, CUBLAS_OP_T, in, out, n, &one, x, in, dy, out, &one, dW, in));
     if (db) {
         bias_grad_kernel<<<(out + GPU_THREADS - 1) / GPU_THREADS, GPU_THREADS, 0, e->stream>>>(dy, db, n, out);
         GPU_LAUNCHED(bias_grad_kernel);
@@ -195,13 +198,14 @@ static inline smp_status gpu_linear_backward(const gpu_engine *e, const float *x
 
 /* One Adam step on n device parameters (mlp_adam_step's arithmetic); t
    counts from 1. */
-static inline smp_status gpu_adam_step(const gpu_engine *e, float *p, const float *g, float *m, float *v, size_t n, int64_t t,
-                                const mlp_adam_cfg *c) {
+static inline smp_status gpu_adam_step(const gpu_engine *e, float *p, const float *g, float *m, float *v, size_t n,
+                                       int64_t t, const mlp_adam_cfg *c) {
     if (!n) return SMP_OK;
     float bc1 = (float)(1.0 - pow((double)c->beta1, (double)t));
     float bc2 = (float)(1.0 - pow((double)c->beta2, (double)t));
-    adam_kernel<<<gpu_blocks((int64_t)n), GPU_THREADS, 0, e->stream>>>(p, g, m, v, (int64_t)n, c->beta1, c->beta2, c->lr / bc1,
-                                                                        1.0f / sqrtf(bc2), c->eps, 1.0f - c->lr * c->weight_decay);
+    adam_kernel<<<gpu_blocks((int64_t)n), GPU_THREADS, 0, e->stream>>>(p, g, m, v, (int64_t)n, c->beta1, c->beta2,
+                                                                       c->lr / bc1, 1.0f / sqrtf(bc2), c->eps,
+                                                                       1.0f - c->lr * c->weight_decay);
     GPU_LAUNCHED(adam_kernel);
     return SMP_OK;
 }

@@ -43,7 +43,8 @@ typedef struct adam {
     mlp_adam_cfg cfg;
     int64_t t;
     float **m, **v;
-    int64_t *first, *count; /* the elements of each parameter this replica updates (all, unless shard_optimizer_state) */
+    /* the elements of each parameter this replica updates (all, unless shard_optimizer_state) */
+    int64_t *first, *count;
     int nparams;
     smp_optimizer *state; /* what checkpoints save: exp_avg, exp_avg_sq per parameter, the step */
 } adam;
@@ -79,8 +80,8 @@ static void adam_step(adam *o, smp_model *model) {
     o->t++;
     for (int i = 0; i < o->nparams; i++) {
         smp_param *p = smp_model_local_param(model, i, false);
-        mlp_adam_step((float *)smp_param_value(p)->data + o->first[i], (float *)smp_param_grad(p)->data + o->first[i], o->m[i],
-                      o->v[i], (size_t)o->count[i], o->t, &o->cfg);
+        mlp_adam_step((float *)smp_param_value(p)->data + o->first[i], (float *)smp_param_grad(p)->data + o->first[i],
+                      o->m[i], o->v[i], (size_t)o->count[i], o->t, &o->cfg);
     }
 }
 
@@ -114,7 +115,8 @@ int main(int argc, char **argv) {
     int64_t local_batch = 0;
     if (!st) st = smp_local_batch_size(opt.batch, &local_batch);
     if (!st && local_batch % cfg->microbatches)
-        st = smp_error(SMP_ERR_CONFIG, "batch of %lld per replica does not divide into %d microbatches", (long long)local_batch, cfg->microbatches);
+        st = smp_error(SMP_ERR_CONFIG, "batch of %lld per replica does not divide into %d microbatches",
+                       (long long)local_batch, cfg->microbatches);
     if (smp_rank() == 0 || bad) {
         if (st) fprintf(stderr, "fmnist: %s\n", smp_last_error());
     }
@@ -145,15 +147,25 @@ int main(int argc, char **argv) {
     if (!(st = smp_model_trace(model, &sample, 1))) st = adam_init(&opt_state, model, opt.lr);
     resume_state resumed = {0, 0};
     if (!st && opt.resume) {
-        st = smp_load(model, opt.checkpoint, &(smp_load_desc){.partial = opt.partial ? SMP_ON : SMP_OFF, .optimizer = opt_state.state,
-                                                             .on_meta = on_meta, .user = &resumed});
-        if (!st && smp_rank() == 0) printf("resumed from %s after epoch %d (step %ld)\n", opt.checkpoint, resumed.epoch, resumed.steps);
+        st = smp_load(model, opt.checkpoint,
+                      &(smp_load_desc){.partial = opt.partial ? SMP_ON : SMP_OFF,
+                                       .optimizer = opt_state.state,
+                                       .on_meta = on_meta,
+                                       .user = &resumed});
+        if (!st && smp_rank() == 0)
+            printf("resumed from %s after epoch %d (step %ld)\n", opt.checkpoint, resumed.epoch, resumed.steps);
     }
-    if (st) { fprintf(stderr, "fmnist: rank %d: %s\n", smp_rank(), smp_last_error()); smp_finalize(); MPI_Finalize(); return 1; }
+    if (st) {
+        fprintf(stderr, "fmnist: rank %d: %s\n", smp_rank(), smp_last_error());
+        smp_finalize();
+        MPI_Finalize();
+        return 1;
+    }
     long steps = resumed.steps;
 
     if (smp_rank() == 0)
-        printf("fmnist: %d processes, %d partitions x %d replicas, batch %d (%lld per replica) in %d microbatches, %s pipeline\n",
+        printf("fmnist: %d processes, %d partitions x %d replicas, batch %d (%lld per replica) in %d microbatches, %s "
+               "pipeline\n",
                smp_size(), cfg->partitions, smp_dp_size(), opt.batch, (long long)local_batch, cfg->microbatches,
                pipeline_name(cfg->pipeline));
 
@@ -170,7 +182,8 @@ int main(int argc, char **argv) {
                 memcpy(xb + i * FM_PIXELS, train.images + k * FM_PIXELS, sizeof(float) * FM_PIXELS);
                 yb[i] = train.labels[k];
             }
-            smp_tensor x = smp_tensor_2d(xb, SMP_F32, local_batch, FM_PIXELS), y = smp_tensor_1d(yb, SMP_U8, local_batch);
+            smp_tensor x = smp_tensor_2d(xb, SMP_F32, local_batch, FM_PIXELS),
+                       y = smp_tensor_1d(yb, SMP_U8, local_batch);
             smp_step_output loss_mb = {0};
             smp_model_zero_grad(model);                               /* optimizer.zero_grad() */
             if ((st = SMP_TRAIN_STEP(model, train_body, NULL, &loss_mb, 1, x, y))) break;
@@ -197,8 +210,12 @@ int main(int argc, char **argv) {
         const char *keys[] = {"epoch", "step", "pixel_mean", "pixel_std"}, *values[] = {e, n, mean_s, std_s};
         /* checkpoints of sharded optimizer state are not built yet: --shard-optimizer saves the model alone */
         const smp_optimizer *saved = smp_current_config()->shard_optimizer_state == SMP_ON ? NULL : opt_state.state;
-        if ((st = smp_save(model, opt.checkpoint, &(smp_save_desc){.partial = opt.partial ? SMP_ON : SMP_OFF, .optimizer = saved,
-                                                                  .meta_keys = keys, .meta_values = values, .nmeta = 4})))
+        if ((st = smp_save(model, opt.checkpoint,
+                           &(smp_save_desc){.partial = opt.partial ? SMP_ON : SMP_OFF,
+                                            .optimizer = saved,
+                                            .meta_keys = keys,
+                                            .meta_values = values,
+                                            .nmeta = 4})))
             break;
     }
     double accuracy = 0;

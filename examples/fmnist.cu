@@ -23,13 +23,11 @@
      optimizer.step()                            adam_step(&opt, model)
      if smp.dp_rank() == 0: smp.save(...)        smp_save(...) (only dp rank 0 writes; smp copies device tensors out)
 
-   Build: make cuda   (nvcc -ccbin mpicxx -O2 -Iexamples -I. examples/fmnist.cu -o build/cuda/fmnist -lcublas -lnccl -lz)
-   Run:   mpirun -n 2 build/cuda/fmnist                      (2 partitions, a GPU each)
-          mpirun -n 4 build/cuda/fmnist --partitions 2 --ddp (2 partitions x 2 replicas)
-          mpirun -n 2 build/cuda/fmnist --pipeline simple --microbatches 8 --offload
-                                                             (activations wait in host memory until their backward)
-   With one GPU per rank the data moves over NCCL; ranks that share a GPU
-   work too (smp moves device data through host memory); without a GPU the
+   Build: make cuda   (nvcc -ccbin mpicxx -O2 -Iexamples -I. examples/fmnist.cu -o build/cuda/fmnist -lcublas -lnccl
+   -lz) Run:   mpirun -n 2 build/cuda/fmnist                      (2 partitions, a GPU each) mpirun -n 4
+   build/cuda/fmnist --partitions 2 --ddp (2 partitions x 2 replicas) mpirun -n 2 build/cuda/fmnist --pipeline simple
+   --microbatches 8 --offload (activations wait in host memory until their backward) With one GPU per rank the data
+   moves over NCCL; ranks that share a GPU work too (smp moves device data through host memory); without a GPU the
    program says so and exits.
 */
 #define SMP_IMPLEMENTATION
@@ -90,8 +88,8 @@ static smp_status adam_step(adam *o, smp_model *model) {
     smp_status st = SMP_OK;
     for (int i = 0; i < o->nparams && !st; i++) {
         smp_param *p = smp_model_local_param(model, i, false);
-        st = gpu_adam_step(o->engine, values_of(p), grads_of(p), o->m[i], o->v[i], (size_t)smp_tensor_numel(smp_param_value(p)),
-                           o->t, &o->cfg);
+        st = gpu_adam_step(o->engine, values_of(p), grads_of(p), o->m[i], o->v[i],
+                           (size_t)smp_tensor_numel(smp_param_value(p)), o->t, &o->cfg);
     }
     return st;
 }
@@ -122,7 +120,10 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (smp_nccl_current_mode() == SMP_NCCL_MODE_NONE) {
-        if (smp_rank() == 0) printf("fmnist (CUDA): %s: this example needs a GPU on every rank (the CPU demo is build/examples/fmnist)\n", smp_nccl_describe());
+        if (smp_rank() == 0)
+            printf(
+                "fmnist (CUDA): %s: this example needs a GPU on every rank (the CPU demo is build/examples/fmnist)\n",
+                smp_nccl_describe());
         smp_finalize();
         MPI_Finalize();
         return 0;
@@ -146,7 +147,8 @@ int main(int argc, char **argv) {
     int64_t local_batch = 0;
     if (!st) st = smp_local_batch_size(opt.batch, &local_batch);
     if (!st && local_batch % cfg->microbatches)
-        st = smp_error(SMP_ERR_CONFIG, "batch of %lld per replica does not divide into %d microbatches", (long long)local_batch, cfg->microbatches);
+        st = smp_error(SMP_ERR_CONFIG, "batch of %lld per replica does not divide into %d microbatches",
+                       (long long)local_batch, cfg->microbatches);
     if (smp_rank() == 0 || bad) {
         if (st) fprintf(stderr, "fmnist: %s\n", smp_last_error());
     }
@@ -181,7 +183,8 @@ int main(int argc, char **argv) {
     smp_tensor sample = device_tensor(smp_tensor_2d(xd, SMP_F32, sample_rows, FM_PIXELS));
     adam opt_state;
     memset(&opt_state, 0, sizeof opt_state);
-    if (!(st = gpu_agree(st)) && !(st = smp_model_trace(model, &sample, 1))) st = gpu_agree(adam_init(&opt_state, model, opt.lr, &engine));
+    if (!(st = gpu_agree(st)) && !(st = smp_model_trace(model, &sample, 1)))
+        st = gpu_agree(adam_init(&opt_state, model, opt.lr, &engine));
     resume_state resumed = {0, 0};
     if (!st && opt.resume) {
         smp_load_desc load = {};
@@ -190,7 +193,8 @@ int main(int argc, char **argv) {
         load.on_meta = on_meta;
         load.user = &resumed;
         st = smp_load(model, opt.checkpoint, &load);
-        if (!st && smp_rank() == 0) printf("resumed from %s after epoch %d (step %ld)\n", opt.checkpoint, resumed.epoch, resumed.steps);
+        if (!st && smp_rank() == 0)
+            printf("resumed from %s after epoch %d (step %ld)\n", opt.checkpoint, resumed.epoch, resumed.steps);
     }
     if (st) {
         fprintf(stderr, "fmnist: rank %d: %s\n", smp_rank(), smp_last_error());
@@ -200,9 +204,10 @@ int main(int argc, char **argv) {
     long steps = resumed.steps;
 
     if (smp_rank() == 0)
-        printf("fmnist (CUDA, %s): %d processes, %d partitions x %d replicas, batch %d (%lld per replica) in %d microbatches, %s pipeline\n",
-               smp_nccl_describe(), smp_size(), cfg->partitions, smp_dp_size(), opt.batch, (long long)local_batch, cfg->microbatches,
-               pipeline_name(cfg->pipeline));
+        printf("fmnist (CUDA, %s): %d processes, %d partitions x %d replicas, batch %d (%lld per replica) in %d "
+               "microbatches, %s pipeline\n",
+               smp_nccl_describe(), smp_size(), cfg->partitions, smp_dp_size(), opt.batch, (long long)local_batch,
+               cfg->microbatches, pipeline_name(cfg->pipeline));
 
     for (int epoch = resumed.epoch; epoch < opt.epochs && (!opt.max_steps || steps < opt.max_steps); epoch++) {
         int64_t count, batches;

@@ -54,7 +54,8 @@ __global__ void relu_backward_kernel(const float *y, const float *dy, float *dx,
 /* One row of k logits z: adds its loss and whether its arg-max is the label;
    g (may be NULL) gets the row's gradient. Host code can call it too (the
    tests' CPU stand-in for this kernel does). */
-__host__ __device__ inline void xent_row(const float *z, int label, int k, float *g, float grad_scale, double *loss, int *correct) {
+__host__ __device__ inline void xent_row(const float *z, int label, int k, float *g, float grad_scale, double *loss,
+                                         int *correct) {
     int best = 0;
     float m = z[0];
     for (int j = 1; j < k; j++) {
@@ -70,14 +71,15 @@ __host__ __device__ inline void xent_row(const float *z, int label, int k, float
         for (int j = 0; j < k; j++) g[j] = (float)(exp((double)z[j] - lse) - (j == label)) * grad_scale;
 }
 
-__global__ void xent_kernel(const float *logits, const uint8_t *labels, int rows, int k, float *dlogits, float grad_scale,
-                            float *stats) {
+__global__ void xent_kernel(const float *logits, const uint8_t *labels, int rows, int k, float *dlogits,
+                            float grad_scale, float *stats) {
     __shared__ double loss_part[GPU_THREADS];
     __shared__ int correct_part[GPU_THREADS];
     double loss = 0.0;
     int correct = 0;
     for (int i = threadIdx.x; i < rows; i += blockDim.x)
-        xent_row(logits + (int64_t)i * k, labels[i], k, dlogits ? dlogits + (int64_t)i * k : NULL, grad_scale, &loss, &correct);
+        xent_row(logits + (int64_t)i * k, labels[i], k, dlogits ? dlogits + (int64_t)i * k : NULL, grad_scale, &loss,
+                 &correct);
     loss_part[threadIdx.x] = loss;
     correct_part[threadIdx.x] = correct;
     __syncthreads();
@@ -101,7 +103,8 @@ static inline smp_status gpu_relu_forward(const gpu_engine *e, const float *x, f
 }
 
 /* dx = dy where the forward's output y > 0, else 0; dx may equal dy. */
-static inline smp_status gpu_relu_backward(const gpu_engine *e, const float *y, const float *dy, float *dx, int64_t count) {
+static inline smp_status gpu_relu_backward(const gpu_engine *e, const float *y, const float *dy, float *dx,
+                                           int64_t count) {
     if (count <= 0) return SMP_OK;
     relu_backward_kernel<<<gpu_blocks(count), GPU_THREADS, 0, e->stream>>>(y, dy, dx, count);
     GPU_LAUNCHED(relu_backward_kernel);
@@ -111,8 +114,8 @@ static inline smp_status gpu_relu_backward(const gpu_engine *e, const float *y, 
 /* mlp_xent_loss and mlp_count_correct in one pass: *loss (mean over the n
    rows) and *correct come back to the host, which waits for the stream -
    for this microbatch's forward, which has to be done anyway. */
-static inline smp_status gpu_xent_loss(const gpu_engine *e, const float *logits, const uint8_t *labels, int n, int k, float *dlogits,
-                                float grad_scale, float *loss, float *correct) {
+static inline smp_status gpu_xent_loss(const gpu_engine *e, const float *logits, const uint8_t *labels, int n, int k,
+                                       float *dlogits, float grad_scale, float *loss, float *correct) {
     float host[2] = {0.0f, 0.0f};
     if (n > 0) {
         xent_kernel<<<1, GPU_THREADS, 0, e->stream>>>(logits, labels, n, k, dlogits, grad_scale, e->stats);
@@ -139,8 +142,8 @@ static inline smp_status linear_forward(smp_call_ctx *c) {
     const int64_t shape[2] = {n, l->out};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
     if (!y) return SMP_ERR_NOMEM; /* smp's message says which bytes were missing; the step can be retried */
-    return gpu_linear_forward(l->engine, (const float *)x->data, values_of(l->weight), values_of(l->bias), (float *)y->data, n,
-                              l->in, l->out);
+    return gpu_linear_forward(l->engine, (const float *)x->data, values_of(l->weight), values_of(l->bias),
+                              (float *)y->data, n, l->in, l->out);
 }
 
 /* The backward in two halves, as in fmnist_model.h: the input half (dx =
@@ -151,15 +154,15 @@ static inline smp_status linear_backward_input(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0); /* NULL for the first layer: images need no gradient */
     if (!dx) return SMP_OK;
-    return gpu_linear_backward(l->engine, (const float *)x->data, values_of(l->weight), (const float *)dy->data, (float *)dx->data, NULL,
-                               NULL, (int)x->shape[0], l->in, l->out);
+    return gpu_linear_backward(l->engine, (const float *)x->data, values_of(l->weight), (const float *)dy->data,
+                               (float *)dx->data, NULL, NULL, (int)x->shape[0], l->in, l->out);
 }
 
 static inline smp_status linear_backward_weight(smp_call_ctx *c) {
     const linear *l = (const linear *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
-    return gpu_linear_backward(l->engine, (const float *)x->data, values_of(l->weight), (const float *)dy->data, NULL, grads_of(l->weight),
-                               grads_of(l->bias), (int)x->shape[0], l->in, l->out);
+    return gpu_linear_backward(l->engine, (const float *)x->data, values_of(l->weight), (const float *)dy->data, NULL,
+                               grads_of(l->weight), grads_of(l->bias), (int)x->shape[0], l->in, l->out);
 }
 
 static inline smp_status relu_forward(smp_call_ctx *c) {
@@ -175,7 +178,8 @@ static inline smp_status relu_backward(smp_call_ctx *c) {
     const smp_tensor *y = smp_call_output_value(c, 0), *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0);
     if (!dx) return SMP_OK;
-    return gpu_relu_backward(engine, (const float *)y->data, (const float *)dy->data, (float *)dx->data, smp_tensor_numel(y));
+    return gpu_relu_backward(engine, (const float *)y->data, (const float *)dy->data, (float *)dx->data,
+                             smp_tensor_numel(y));
 }
 
 /* Kaiming-uniform weights, zero biases, on the host: smp copies them to the
@@ -190,7 +194,8 @@ typedef struct mlp {
     linear lin[NLAYERS];
 } mlp;
 
-static inline smp_status mlp_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
+static inline smp_status mlp_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout,
+                                     void *user) {
     (void)m, (void)nin, (void)nout;
     mlp *net = (mlp *)user;
     smp_tensor h = in[0];
@@ -257,7 +262,8 @@ SMP_STEP_BODY(train_body) {
 
 /* Pipelined evaluation over a host dataset, a batch at a time through the
    device: returns accuracy. */
-static inline smp_status evaluate(smp_model *model, const gpu_engine *engine, const fm_dataset *ds, int batch, double *accuracy) {
+static inline smp_status evaluate(smp_model *model, const gpu_engine *engine, const fm_dataset *ds, int batch,
+                                  double *accuracy) {
     int64_t n = (int64_t)ds->n / batch * batch, correct = 0;
     float *images = (float *)smp_nccl_alloc(sizeof(float) * (size_t)batch * FM_PIXELS);
     uint8_t *labels = (uint8_t *)smp_nccl_alloc((size_t)batch);

@@ -44,7 +44,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--partial")) partial = true;
         else if (!strcmp(a, "--ddp")) cfg.ddp = SMP_ON;
         else {
-            fprintf(stderr, "usage: %s [--checkpoint PATH] [--partial] [--partitions P] [--microbatches M] [--batch B] [--data DIR] [--ddp]\n", argv[0]);
+            fprintf(stderr,
+                    "usage: %s [--checkpoint PATH] [--partial] [--partitions P] [--microbatches M] [--batch B] [--data "
+                    "DIR] [--ddp]\n",
+                    argv[0]);
             MPI_Finalize();
             return 2;
         }
@@ -65,8 +68,11 @@ int main(int argc, char **argv) {
     smp_tensor sample = smp_tensor_2d(test.images, SMP_F32, batch / smp_current_config()->microbatches, FM_PIXELS);
     smp_status st = build_model(&net, smp_current_config()->partitions, &model);
     if (!st) st = smp_model_trace(model, &sample, 1);
-    if (!st) st = smp_load(model, path, &(smp_load_desc){.partial = partial ? SMP_ON : SMP_OFF, .on_meta = on_meta, .user = &norm});
-    if (!st && !(norm.stdev > 0)) st = smp_error(SMP_ERR_FORMAT, "%s has no pixel_mean / pixel_std metadata (was it saved by fmnist.c?)", path);
+    if (!st)
+        st = smp_load(model, path,
+                      &(smp_load_desc){.partial = partial ? SMP_ON : SMP_OFF, .on_meta = on_meta, .user = &norm});
+    if (!st && !(norm.stdev > 0))
+        st = smp_error(SMP_ERR_FORMAT, "%s has no pixel_mean / pixel_std metadata (was it saved by fmnist.c?)", path);
     double accuracy = 0, t0 = MPI_Wtime();
     if (!st) {
         fm_standardize(&test, norm.mean, norm.stdev); /* the training set's statistics */

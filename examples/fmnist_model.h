@@ -21,7 +21,8 @@ static smp_status linear_forward(smp_call_ctx *c) {
     int n = (int)x->shape[0];
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, (int64_t[]){n, l->out});
     if (!y) return SMP_ERR_NOMEM; /* smp's message says which bytes were missing; the step can be retried */
-    mlp_linear_forward(x->data, smp_param_value(l->weight)->data, smp_param_value(l->bias)->data, y->data, n, l->in, l->out);
+    mlp_linear_forward(x->data, smp_param_value(l->weight)->data, smp_param_value(l->bias)->data, y->data, n, l->in,
+                       l->out);
     return SMP_OK;
 }
 
@@ -32,7 +33,9 @@ static smp_status linear_backward_input(smp_call_ctx *c) {
     const linear *l = smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0); /* NULL for the first layer: images need no gradient */
-    if (dx) mlp_linear_backward(x->data, smp_param_value(l->weight)->data, dy->data, dx->data, NULL, NULL, (int)x->shape[0], l->in, l->out);
+    if (dx)
+        mlp_linear_backward(x->data, smp_param_value(l->weight)->data, dy->data, dx->data, NULL, NULL, (int)x->shape[0],
+                            l->in, l->out);
     return SMP_OK;
 }
 
@@ -102,8 +105,10 @@ static smp_status build_model(mlp *net, int partitions, smp_model **model) {
             net->lin[i].out = widths[i + 1];
             net->fc[i] = smp_module_new(net->root, name, &d);
             smp_module_set_backward_split(net->fc[i], linear_backward_input, linear_backward_weight);
-            net->lin[i].weight = smp_param_new(net->fc[i], "weight", SMP_F32, 2, (int64_t[]){widths[i + 1], widths[i]}, init_weight, NULL);
-            net->lin[i].bias = smp_param_new(net->fc[i], "bias", SMP_F32, 1, (int64_t[]){widths[i + 1]}, smp_init_constant, NULL);
+            net->lin[i].weight = smp_param_new(net->fc[i], "weight", SMP_F32, 2, (int64_t[]){widths[i + 1], widths[i]},
+                                               init_weight, NULL);
+            net->lin[i].bias =
+                smp_param_new(net->fc[i], "bias", SMP_F32, 1, (int64_t[]){widths[i + 1]}, smp_init_constant, NULL);
             if (i < NLAYERS - 1) {
                 snprintf(name, sizeof name, "act%d", i);
                 net->act[i] = smp_module_new(net->root, name, &relu);
@@ -119,7 +124,8 @@ SMP_STEP_BODY(train_body) {
     const smp_tensor *logits = smp_mb_output(mb, 0), *labels = smp_mb_arg(mb, 1);
     smp_tensor *dlogits = smp_mb_output_grad(mb, 0); /* NULL in evaluation */
     int n = (int)logits->shape[0];
-    float loss = mlp_xent_loss(logits->data, labels->data, n, FM_CLASSES, dlogits ? dlogits->data : NULL, 1.0f / (float)n);
+    float loss =
+        mlp_xent_loss(logits->data, labels->data, n, FM_CLASSES, dlogits ? dlogits->data : NULL, 1.0f / (float)n);
     float correct = (float)mlp_count_correct(logits->data, labels->data, n, FM_CLASSES);
     smp_status st = smp_mb_return_f32(mb, 0, loss);
     return st ? st : smp_mb_return_f32(mb, 1, correct);

@@ -55,8 +55,11 @@ static int parse_options(int argc, char **argv, options *o) {
         else if (OPT("--seed")) o->seed = atoi(v);
         else if (OPT("--partitions")) o->cfg.partitions = atoi(v);
         else if (OPT("--microbatches")) o->cfg.microbatches = atoi(v);
-        else if (OPT("--pipeline")) o->cfg.pipeline = !strcmp(v, "simple") ? SMP_PIPELINE_SIMPLE : !strcmp(v, "zero_bubble") ? SMP_PIPELINE_ZERO_BUBBLE
-                                                   : !strcmp(v, "zero_bubble_v") ? SMP_PIPELINE_ZERO_BUBBLE_V : SMP_PIPELINE_INTERLEAVED;
+        else if (OPT("--pipeline"))
+            o->cfg.pipeline = !strcmp(v, "simple")          ? SMP_PIPELINE_SIMPLE
+                              : !strcmp(v, "zero_bubble")   ? SMP_PIPELINE_ZERO_BUBBLE
+                              : !strcmp(v, "zero_bubble_v") ? SMP_PIPELINE_ZERO_BUBBLE_V
+                                                            : SMP_PIPELINE_INTERLEAVED;
         else if (OPT("--config")) o->config_json = v;
         else if (OPT("--data")) o->data_dir = v;
         else if (OPT("--max-steps")) o->max_steps = atol(v);
@@ -110,6 +113,9 @@ static void on_meta(const char *key, const char *value, void *user) {
 
 /* The name of a pipeline kind, as --pipeline spells it. */
 static inline const char *pipeline_name(smp_pipeline_kind k) {
-    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : k == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved";
+    return k == SMP_PIPELINE_SIMPLE          ? "simple"
+           : k == SMP_PIPELINE_ZERO_BUBBLE   ? "zero_bubble"
+           : k == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v"
+                                             : "interleaved";
 }
 #endif

@@ -73,7 +73,8 @@
 typedef struct adamw {
     int n;
     float **m, **v;
-    int64_t *first, *count; /* the elements of each parameter this replica updates (all, unless shard_optimizer_state) */
+    /* the elements of each parameter this replica updates (all, unless shard_optimizer_state) */
+    int64_t *first, *count;
     int64_t t;
     smp_optimizer *reg; /* the moments, registered: smp's memory account counts them */
 } adamw;
@@ -87,7 +88,8 @@ static smp_status adamw_init(adamw *o, smp_model *model) {
     o->count = calloc((size_t)o->n + 1, sizeof *o->count);
     if (!o->m || !o->v || !o->first || !o->count) return smp_error(SMP_ERR_NOMEM, "out of memory for AdamW's state");
     for (int i = 0; i < o->n; i++) {
-        smp_status st = smp_param_owned_range(model, smp_model_local_param(model, i, false), &o->first[i], &o->count[i]);
+        smp_status st =
+            smp_param_owned_range(model, smp_model_local_param(model, i, false), &o->first[i], &o->count[i]);
         if (st) return st;
         size_t k = (size_t)o->count[i];
         o->m[i] = calloc(k ? k : 1, sizeof(float));
@@ -262,7 +264,8 @@ SMP_STEP_BODY(pick_logits_body) {
     const smp_tensor *logits = smp_mb_output(mb, 0);
     const int *pick = (const int *)smp_mb_user(mb);
     int S = (int)logits->shape[1], V = (int)logits->shape[2], at = pick[smp_mb_index(mb)];
-    if (logits->shape[0] != 1 || at < 0 || at >= S) return smp_error(SMP_ERR_ARG, "generation: position %d of a [%d, %d] microbatch", at, (int)logits->shape[0], S);
+    if (logits->shape[0] != 1 || at < 0 || at >= S)
+        return smp_error(SMP_ERR_ARG, "generation: position %d of a [%d, %d] microbatch", at, (int)logits->shape[0], S);
     smp_tensor t = smp_tensor_2d((float *)logits->data + (size_t)at * V, SMP_F32, 1, V);
     return smp_mb_return(mb, 0, &t);
 }
@@ -311,14 +314,17 @@ static int generate_main(options *o) {
     if (!st && smp_tp_size() != 1) /* the KV cache would have to be split by heads */
         st = smp_error(SMP_ERR_CONFIG, "--generate runs with tensor_parallel_degree 1: run it without --tp");
     if (!st && smp_dp_size() != 1)
-        st = smp_error(SMP_ERR_CONFIG, "--generate runs without data parallelism: run as many processes as --partitions");
+        st = smp_error(SMP_ERR_CONFIG,
+                       "--generate runs without data parallelism: run as many processes as --partitions");
     /* the model's sizes and vocabulary, from the checkpoint's metadata */
     if (!st) st = smp_ckpt_open(o->load, &f);
     if (!st) {
-        const char *hex = smp_ckpt_meta(f, "vocab_bytes"), *L = smp_ckpt_meta(f, "n_layer"), *H = smp_ckpt_meta(f, "n_head"),
-                   *C = smp_ckpt_meta(f, "n_embd"), *Tb = smp_ckpt_meta(f, "block_size");
+        const char *hex = smp_ckpt_meta(f, "vocab_bytes"), *L = smp_ckpt_meta(f, "n_layer"),
+                   *H = smp_ckpt_meta(f, "n_head"), *C = smp_ckpt_meta(f, "n_embd"),
+                   *Tb = smp_ckpt_meta(f, "block_size");
         if (!hex || !L || !H || !C || !Tb || strlen(hex) % 2 || strlen(hex) > 512)
-            st = smp_error(SMP_ERR_FORMAT, "%s: not a checkpoint of gpt.c (its metadata lacks the vocabulary or the sizes)", o->load);
+            st = smp_error(SMP_ERR_FORMAT,
+                           "%s: not a checkpoint of gpt.c (its metadata lacks the vocabulary or the sizes)", o->load);
         else {
             mc.vocab = (int)strlen(hex) / 2;
             mc.n_layer = atoi(L);
@@ -341,15 +347,19 @@ static int generate_main(options *o) {
         len[i] = end ? (int)(end - q) : (int)strlen(q);
         if (len[i] < 1) { st = smp_error(SMP_ERR_ARG, "prompt %d is empty", i); break; }
         if (len[i] + N > mc.block_size) {
-            st = smp_error(SMP_ERR_ARG, "prompt %d: a context of %d characters (%d of prompt + %d tokens) is longer than the model's %d",
-                           i, len[i] + N, len[i], N, mc.block_size);
+            st = smp_error(
+                SMP_ERR_ARG,
+                "prompt %d: a context of %d characters (%d of prompt + %d tokens) is longer than the model's %d", i,
+                len[i] + N, len[i], N, mc.block_size);
             break;
         }
         ctx[i] = malloc(sizeof(int32_t) * (size_t)mc.block_size);
         if (!ctx[i]) { st = smp_error(SMP_ERR_NOMEM, "out of memory"); break; }
         for (int t = 0; t < len[i] && !st; t++) {
             int id = id_of[(unsigned char)q[t]];
-            if (id < 0) st = smp_error(SMP_ERR_ARG, "prompt %d's character %d (byte 0x%02x) is not in the vocabulary", i, t, (unsigned char)q[t]);
+            if (id < 0)
+                st = smp_error(SMP_ERR_ARG, "prompt %d's character %d (byte 0x%02x) is not in the vocabulary", i, t,
+                               (unsigned char)q[t]);
             ctx[i][t] = id;
         }
         rng[i] = mlp_rng_seed(mlp_mix64((uint64_t)o->seed * 7919u + 17u) ^ mlp_mix64((uint64_t)i + 1));
@@ -371,8 +381,10 @@ static int generate_main(options *o) {
     if (!st) st = smp_load(model, o->load, &(smp_load_desc){.partial = SMP_OFF});
     if (fail_all(st, "loading the checkpoint")) goto done;
     if (root) {
-        printf("gpt: generating %d characters for %d prompts (one per microbatch) on %d partitions, %s, temperature %.2f, seed %d\n",
-               N, M, cfg->partitions, o->no_cache ? "re-running the whole context" : "KV cache", o->temperature, o->seed);
+        printf("gpt: generating %d characters for %d prompts (one per microbatch) on %d partitions, %s, temperature "
+               "%.2f, seed %d\n",
+               N, M, cfg->partitions, o->no_cache ? "re-running the whole context" : "KV cache", o->temperature,
+               o->seed);
         fflush(stdout);
     }
     print_placement(model, &net);
@@ -399,14 +411,16 @@ static int generate_main(options *o) {
         smp_tensor xt = smp_tensor_2d(x, SMP_I32, M, S);
         smp_step_output lo = {0};
         if ((st = SMP_EVAL_STEP(model, pick_logits_body, pick, &lo, 1, xt))) break;
-        st = smp_step_output_concat(&lo, &(smp_tensor){.data = logits, .dtype = SMP_F32, .ndim = 2, .shape = {M, mc.vocab}});
+        st = smp_step_output_concat(&lo,
+                                    &(smp_tensor){.data = logits, .dtype = SMP_F32, .ndim = 2, .shape = {M, mc.vocab}});
         smp_step_output_free(&lo);
         for (int i = 0; i < M && !st && o->print_logits && root; i++) { /* "logits STEP PROMPT Z0 Z1 ...", %a */
             printf("logits %d %d", k, i);
             for (int j = 0; j < mc.vocab; j++) printf(" %a", logits[(size_t)i * mc.vocab + j]);
             printf("\n");
         }
-        for (int i = 0; i < M && !st; i++) ctx[i][len[i]++] = sample_token(logits + (size_t)i * mc.vocab, mc.vocab, o->temperature, &rng[i]);
+        for (int i = 0; i < M && !st; i++)
+            ctx[i][len[i]++] = sample_token(logits + (size_t)i * mc.vocab, mc.vocab, o->temperature, &rng[i]);
     }
     if (fail_all(st, "generation")) goto done;
     double secs = now() - t0;
@@ -473,20 +487,27 @@ int main(int argc, char **argv) {
     int64_t local_batch = 0;
     if (!st) st = smp_local_batch_size(opt.batch, &local_batch);
     if (!st && R > 1 && (cfg->ddp == SMP_ON || local_batch % R))
-        st = smp_error(SMP_ERR_CONFIG, "--replicas %d runs data-parallel replicas in one process: it needs no --ddp and a batch that divides by %d", R, R);
+        st = smp_error(SMP_ERR_CONFIG,
+                       "--replicas %d runs data-parallel replicas in one process: it needs no --ddp and a batch that "
+                       "divides by %d",
+                       R, R);
     int64_t rows = local_batch / R; /* rows of one smp step */
     if (!st && rows % M)
-        st = smp_error(SMP_ERR_CONFIG, "batch of %lld per replica does not divide into %d microbatches", (long long)rows, M);
+        st = smp_error(SMP_ERR_CONFIG, "batch of %lld per replica does not divide into %d microbatches",
+                       (long long)rows, M);
     if (!st && (text.ntrain < (size_t)T + 2 || text.nval < (size_t)T + 2))
         st = smp_error(SMP_ERR_ARG, "the corpus is shorter than a context of %d characters", T);
     for (size_t i = 0; !st && opt.sample_len > 0 && opt.prompt[i]; i++) /* before training, not after it */
         if (text.id_of[(unsigned char)opt.prompt[i]] < 0)
-            st = smp_error(SMP_ERR_ARG, "the prompt's character %zu (byte 0x%02x) is not in the vocabulary", i, (unsigned char)opt.prompt[i]);
+            st = smp_error(SMP_ERR_ARG, "the prompt's character %zu (byte 0x%02x) is not in the vocabulary", i,
+                           (unsigned char)opt.prompt[i]);
     if (!st && opt.logits && (!*opt.logits || strlen(opt.logits) > (size_t)T))
-        st = smp_error(SMP_ERR_ARG, "--logits: a context of %zu characters; the model takes 1 to %d", strlen(opt.logits), T);
+        st = smp_error(SMP_ERR_ARG, "--logits: a context of %zu characters; the model takes 1 to %d",
+                       strlen(opt.logits), T);
     for (size_t i = 0; !st && opt.logits && opt.logits[i]; i++)
         if (text.id_of[(unsigned char)opt.logits[i]] < 0)
-            st = smp_error(SMP_ERR_ARG, "--logits: character %zu (byte 0x%02x) is not in the vocabulary", i, (unsigned char)opt.logits[i]);
+            st = smp_error(SMP_ERR_ARG, "--logits: character %zu (byte 0x%02x) is not in the vocabulary", i,
+                           (unsigned char)opt.logits[i]);
     if (!st && opt.grads && (smp_rdp_size() > 1 || R > 1))
         st = smp_error(SMP_ERR_CONFIG, "--grads saves one replica's first step: run it without --ddp and --replicas");
     if (fail_all(st, "input")) goto done;
@@ -494,7 +515,11 @@ int main(int argc, char **argv) {
     val_ids = encode(&text, text.val, text.nval);
     x = malloc(sizeof(int32_t) * (size_t)local_batch * T);
     y = malloc(sizeof(int32_t) * (size_t)local_batch * T);
-    if (!train_ids || !val_ids || !x || !y) { st = smp_error(SMP_ERR_NOMEM, "out of memory"); fail_all(st, "data"); goto done; }
+    if (!train_ids || !val_ids || !x || !y) {
+        st = smp_error(SMP_ERR_NOMEM, "out of memory");
+        fail_all(st, "data");
+        goto done;
+    }
     double baseline = unigram_entropy(&text);
 
     opt.model.vocab = text.vocab;
@@ -508,7 +533,8 @@ int main(int argc, char **argv) {
     if (!st && R > 1) {
         acc = calloc((size_t)opt_state.n + 1, sizeof *acc);
         for (int i = 0; acc && i < opt_state.n; i++)
-            acc[i] = malloc(sizeof(float) * (size_t)smp_tensor_numel(smp_param_value(smp_model_local_param(model, i, false))) + 1);
+            acc[i] = malloc(
+                sizeof(float) * (size_t)smp_tensor_numel(smp_param_value(smp_model_local_param(model, i, false))) + 1);
         if (!acc || (opt_state.n && !acc[opt_state.n - 1])) st = smp_error(SMP_ERR_NOMEM, "out of memory");
     }
     if (fail_all(st, "partitioning")) goto done;
@@ -527,8 +553,10 @@ int main(int argc, char **argv) {
                "(%lld per replica%s) in %d microbatches, %s pipeline%s\n",
                smp_size(), cfg->partitions, smp_tp_size(), smp_rdp_size() * R, opt.batch, T, (long long)local_batch,
                R > 1 ? ", replicas run in turn" : "", M,
-               cfg->pipeline == SMP_PIPELINE_SIMPLE ? "simple" : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble"
-               : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved",
+               cfg->pipeline == SMP_PIPELINE_SIMPLE          ? "simple"
+               : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE   ? "zero_bubble"
+               : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v"
+                                                             : "interleaved",
                opt.recompute ? ", blocks recomputed" : "");
         fflush(stdout);
     }
@@ -569,7 +597,9 @@ int main(int argc, char **argv) {
             for (int i = 0; (p = smp_model_local_param(model, i, false)); i++)
                 memcpy(smp_param_grad(p)->data, acc[i], smp_tensor_nbytes(smp_param_grad(p)));
         }
-        if (step == 0 && opt.grads && fail_all(save_grads(model, opt.grads, &text, &opt, x, y, (int)rows, loss), "--grads")) goto done;
+        if (step == 0 && opt.grads &&
+            fail_all(save_grads(model, opt.grads, &text, &opt, x, y, (int)rows, loss), "--grads"))
+            goto done;
         if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
         adamw_step(&opt_state, model, &opt, lr);                          /* optimizer.step() */
         if (step == 0) smp_memory_reset_peaks(); /* the peaks printed at the end: of the steps after the set-up */
@@ -581,16 +611,18 @@ int main(int argc, char **argv) {
             char e[32], s[32];
             fmt_time(eta, e, sizeof e);
             fmt_time(secs, s, sizeof s);
-            printf("step %4d/%d  loss %.4f (avg %.4f)  lr %.2e  %6.0f tokens/s  %s elapsed, ETA %s\n", step + 1, opt.steps,
-                   loss, loss_avg, lr, (double)tokens / secs, s, e);
+            printf("step %4d/%d  loss %.4f (avg %.4f)  lr %.2e  %6.0f tokens/s  %s elapsed, ETA %s\n", step + 1,
+                   opt.steps, loss, loss_avg, lr, (double)tokens / secs, s, e);
             fflush(stdout);
         }
     }
     if (fail_all(st, "training")) goto done;
-    /* --shard-optimizer: each replica updated its own range; the next step would gather them, the digest reads them now */
+    /* --shard-optimizer: each replica updated its own range; the next step would gather them, the digest reads them now
+     */
     if (fail_all(smp_model_gather_params(model), "gathering the parameters")) goto done;
     double train_secs = now() - t0;
-    if (root) printf("trained %d steps in %.1f s (%.0f tokens/s)\n", opt.steps, train_secs, (double)tokens / train_secs);
+    if (root)
+        printf("trained %d steps in %.1f s (%.0f tokens/s)\n", opt.steps, train_secs, (double)tokens / train_secs);
     if (root && smp_tp_size() > 1)
         printf("tensor-parallel collectives: %.2f s of the %.2f s of training on rank 0 (%.1f%%)\n",
                smp_tp_seconds() - tp0, train_secs, 100.0 * (smp_tp_seconds() - tp0) / train_secs);
@@ -640,9 +672,11 @@ int main(int argc, char **argv) {
     if (opt.save && *opt.save) {
         ckpt_meta m;
         ckpt_meta_init(&m, &text, &opt);
-        st = smp_save(model, opt.save, &(smp_save_desc){.partial = SMP_OFF, .meta_keys = m.keys, .meta_values = m.vals, .nmeta = m.n});
+        st = smp_save(model, opt.save,
+                      &(smp_save_desc){.partial = SMP_OFF, .meta_keys = m.keys, .meta_values = m.vals, .nmeta = m.n});
         if (fail_all(st, "checkpoint")) goto done;
-        if (root) printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n", opt.save);
+        if (root)
+            printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n", opt.save);
     }
     if (fail_all(print_memory_peaks(), "the memory account")) goto done;
     rc = 0;

@@ -143,8 +143,8 @@ GPT_HD static inline void gpt__layernorm_forward(const float *x, const float *w,
 }
 
 /* One row's dx (overwritten) from dy and the forward's mean and rstd. */
-GPT_HD static inline void gpt__layernorm_backward_row(const float *xr, const float *w, float m, float s, const float *dyr,
-                                                      float *dxr, int C) {
+GPT_HD static inline void gpt__layernorm_backward_row(const float *xr, const float *w, float m, float s,
+                                                      const float *dyr, float *dxr, int C) {
     float a = 0, bsum = 0; /* mean of dy*w and of dy*w*xhat */
     for (int i = 0; i < C; i++) {
         float xh = (xr[i] - m) * s, g = dyr[i] * w[i];
@@ -160,8 +160,8 @@ GPT_HD static inline void gpt__layernorm_backward_row(const float *xr, const flo
 }
 
 /* Column i of dw and db (accumulated), rows in order. */
-GPT_HD static inline void gpt__layernorm_param_grads(const float *x, const float *mean, const float *rstd, const float *dy,
-                                                     float *dw, float *db, int n, int C, int i) {
+GPT_HD static inline void gpt__layernorm_param_grads(const float *x, const float *mean, const float *rstd,
+                                                     const float *dy, float *dw, float *db, int n, int C, int i) {
     for (int r = 0; r < n; r++) {
         float xh = (x[(size_t)r * C + i] - mean[r]) * rstd[r], d = dy[(size_t)r * C + i];
         dw[i] += d * xh;
@@ -361,7 +361,8 @@ static smp_status gpt_wte_forward(smp_call_ctx *c) {
         int64_t n = smp_tensor_numel(x);
         for (int64_t i = 0; i < n; i++) {
             if (id[i] < 0 || id[i] >= V)
-                return smp_error(SMP_ERR_ARG, "token id %d at position %lld is outside the vocabulary of %d", (int)id[i], (long long)i, V);
+                return smp_error(SMP_ERR_ARG, "token id %d at position %lld is outside the vocabulary of %d",
+                                 (int)id[i], (long long)i, V);
             float *row = (float *)y->data + i * C;
             if (id[i] >= first && id[i] < first + Vl)
                 memcpy(row, W + (size_t)(id[i] - first) * C, sizeof(float) * (size_t)C);
@@ -413,7 +414,8 @@ static smp_status gpt_wpe_forward(smp_call_ctx *c) {
     int B = (int)x->shape[0], T = (int)x->shape[1], p = 0;
     if (g->kv) { /* cached mode: the new tokens start at position pos[mb] */
         int mb = smp_call_microbatch(c);
-        if (mb < 0 || mb >= g->kv->M) return smp_error(SMP_ERR_ARG, "transformer.wpe: microbatch %d has no KV cache (of %d)", mb, g->kv->M);
+        if (mb < 0 || mb >= g->kv->M)
+            return smp_error(SMP_ERR_ARG, "transformer.wpe: microbatch %d has no KV cache (of %d)", mb, g->kv->M);
         p = g->kv->pos[mb];
     }
     if (p + T > g->cfg.block_size)
@@ -483,8 +485,8 @@ static smp_status gpt_linear_backward_input(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0);
     if (dx)
-        mlp_linear_backward((const float *)x->data, (const float *)smp_param_value(l->weight)->data, (const float *)dy->data,
-                            (float *)dx->data, NULL, NULL, gpt__rows(x, l->in), l->in, l->out);
+        mlp_linear_backward((const float *)x->data, (const float *)smp_param_value(l->weight)->data,
+                            (const float *)dy->data, (float *)dx->data, NULL, NULL, gpt__rows(x, l->in), l->in, l->out);
     return SMP_OK;
 }
 
@@ -492,8 +494,9 @@ static smp_status gpt_linear_backward_weight(smp_call_ctx *c) {
     const gpt_linear *l = (const gpt_linear *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
     float *db = l->split == GPT_SPLIT_ROW ? NULL : (float *)smp_param_grad(l->bias)->data; /* the bias module's */
-    mlp_linear_backward((const float *)x->data, (const float *)smp_param_value(l->weight)->data, (const float *)dy->data, NULL,
-                        (float *)smp_param_grad(l->weight)->data, db, gpt__rows(x, l->in), l->in, l->out);
+    mlp_linear_backward((const float *)x->data, (const float *)smp_param_value(l->weight)->data,
+                        (const float *)dy->data, NULL, (float *)smp_param_grad(l->weight)->data, db,
+                        gpt__rows(x, l->in), l->in, l->out);
     return SMP_OK;
 }
 
@@ -531,7 +534,8 @@ static smp_status gpt_gelu_forward(smp_call_ctx *c) {
     size_t n = (size_t)smp_tensor_numel(x);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
     if (!y) return SMP_ERR_NOMEM;
-    float *t = smp_call_is_training(c) ? (float *)smp_call_stash(c, n * sizeof(float)) : (float *)malloc(n * sizeof(float));
+    float *t =
+        smp_call_is_training(c) ? (float *)smp_call_stash(c, n * sizeof(float)) : (float *)malloc(n * sizeof(float));
     if (!t) return smp_error(SMP_ERR_NOMEM, "%s: out of memory", smp_module_name(smp_call_module(c)));
     gpt__gelu_forward((const float *)x->data, (float *)y->data, t, n);
     if (!smp_call_is_training(c)) free(t);
@@ -541,8 +545,9 @@ static smp_status gpt_gelu_forward(smp_call_ctx *c) {
 static smp_status gpt_gelu_backward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0), *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0);
-    if (dx) gpt__gelu_backward((const float *)x->data, (const float *)smp_call_stashed(c, NULL), (const float *)dy->data,
-                               (float *)dx->data, (size_t)smp_tensor_numel(x));
+    if (dx)
+        gpt__gelu_backward((const float *)x->data, (const float *)smp_call_stashed(c, NULL), (const float *)dy->data,
+                           (float *)dx->data, (size_t)smp_tensor_numel(x));
     return SMP_OK;
 }
 
@@ -558,8 +563,10 @@ static smp_status gpt__sdpa_cached(smp_call_ctx *c, const gpt_block *b, const sm
     int C = g->cfg.n_embd, H = g->cfg.n_head, hd = C / H, Tmax = g->cfg.block_size, C3 = 3 * C;
     int B = (int)x->shape[0], S = (int)x->shape[1], mb = smp_call_microbatch(c);
     const char *name = smp_module_name(smp_call_module(c));
-    if (B != 1) return smp_error(SMP_ERR_ARG, "%s: cached attention takes one sequence per microbatch, not %d", name, B);
-    if (mb < 0 || mb >= kv->M) return smp_error(SMP_ERR_ARG, "%s: microbatch %d has no KV cache (of %d)", name, mb, kv->M);
+    if (B != 1)
+        return smp_error(SMP_ERR_ARG, "%s: cached attention takes one sequence per microbatch, not %d", name, B);
+    if (mb < 0 || mb >= kv->M)
+        return smp_error(SMP_ERR_ARG, "%s: microbatch %d has no KV cache (of %d)", name, mb, kv->M);
     int p = kv->pos[mb];
     if (p < 0 || p + S > Tmax)
         return smp_error(SMP_ERR_ARG, "a context of %d tokens is longer than the model's %d", p + S, Tmax);
@@ -608,14 +615,17 @@ static smp_status gpt_sdpa_forward(smp_call_ctx *c) {
     const gpt *g = blk->g;
     const smp_tensor *x = smp_call_input(c, 0);
     int C = g->cfg.n_embd / g->tp, H = g->cfg.n_head / g->tp; /* this rank's heads */
-    if (x->ndim != 3 || x->shape[2] != 3 * C) return smp_error(SMP_ERR_ARG, "attention takes qkv of shape [batch, time, %d]", 3 * C);
+    if (x->ndim != 3 || x->shape[2] != 3 * C)
+        return smp_error(SMP_ERR_ARG, "attention takes qkv of shape [batch, time, %d]", 3 * C);
     if (g->kv) return gpt__sdpa_cached(c, blk, x);
     int B = (int)x->shape[0], T = (int)x->shape[1];
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, (int64_t[]){B, T, C});
     if (!y) return SMP_ERR_NOMEM;
     size_t pbytes = sizeof(float) * (size_t)B * H * T * T;
     float *P = smp_call_is_training(c) ? (float *)smp_call_stash(c, pbytes) : (float *)malloc(pbytes);
-    if (!P) return smp_error(SMP_ERR_NOMEM, "%s: out of memory for %zu bytes of attention", smp_module_name(smp_call_module(c)), pbytes);
+    if (!P)
+        return smp_error(SMP_ERR_NOMEM, "%s: out of memory for %zu bytes of attention",
+                         smp_module_name(smp_call_module(c)), pbytes);
     gpt__attention_forward((const float *)x->data, (float *)y->data, P, B, T, C, H);
     if (!smp_call_is_training(c)) free(P);
     return SMP_OK;
@@ -642,7 +652,8 @@ static smp_status gpt_dropout_forward(smp_call_ctx *c) {
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
     if (!y) return SMP_ERR_NOMEM;
     size_t n = (size_t)smp_tensor_numel(x);
-    if (smp_call_is_training(c)) gpt__dropout((const float *)x->data, (float *)y->data, n, g->cfg.dropout, smp_call_seed(c));
+    if (smp_call_is_training(c))
+        gpt__dropout((const float *)x->data, (float *)y->data, n, g->cfg.dropout, smp_call_seed(c));
     else memcpy(y->data, x->data, n * sizeof(float));
     return SMP_OK;
 }
@@ -651,7 +662,9 @@ static smp_status gpt_dropout_backward(smp_call_ctx *c) {
     const gpt *g = gpt__of(c);
     const smp_tensor *dy = smp_call_grad_output(c, 0);
     smp_tensor *dx = smp_call_grad_input(c, 0);
-    if (dx) gpt__dropout((const float *)dy->data, (float *)dx->data, (size_t)smp_tensor_numel(dy), g->cfg.dropout, smp_call_seed(c));
+    if (dx)
+        gpt__dropout((const float *)dy->data, (float *)dx->data, (size_t)smp_tensor_numel(dy), g->cfg.dropout,
+                     smp_call_seed(c));
     return SMP_OK;
 }
 
@@ -774,8 +787,8 @@ static const float gpt__std = 0.02f, gpt__one = 1.0f;
    holds the same heads of each; its declared shape is then [blocks,
    out / blocks, in], the values those of [out, in]), a row-parallel one's
    weight along the inputs, its bias whole. */
-static void gpt__linear(gpt_linear *l, const gpt *g, smp_module *parent, const char *name, int in, int out, const float *std,
-                        int split, int blocks, smp_module **mod) {
+static void gpt__linear(gpt_linear *l, const gpt *g, smp_module *parent, const char *name, int in, int out,
+                        const float *std, int split, int blocks, smp_module **mod) {
     smp_module_desc d = {g->leaves->linear_forward, NULL, l};
     int tp = g->tp;
     l->split = tp > 1 ? split : GPT_SPLIT_NONE;
@@ -840,7 +853,8 @@ static smp_status gpt_build_with(gpt *g, const gpt_config *cfg, bool recompute, 
     const gpt_leaves *L = leaves;
     int C = cfg->n_embd, nl = cfg->n_layer;
     if (cfg->vocab < 1 || nl < 1 || C < 1 || cfg->n_head < 1 || C % cfg->n_head || cfg->block_size < 1)
-        return smp_error(SMP_ERR_ARG, "bad model size: vocab %d, %d layers, width %d, %d heads (must divide the width), context %d",
+        return smp_error(SMP_ERR_ARG,
+                         "bad model size: vocab %d, %d layers, width %d, %d heads (must divide the width), context %d",
                          cfg->vocab, nl, C, cfg->n_head, cfg->block_size);
     int tp = g->tp = smp_tp_size();
     if (tp > 1 && leaves->on_device)
@@ -860,7 +874,8 @@ static smp_status gpt_build_with(gpt *g, const gpt_config *cfg, bool recompute, 
     g->blocks = (gpt_block *)calloc((size_t)nl, sizeof(gpt_block));
     if (!g->blocks) return smp_error(SMP_ERR_NOMEM, "out of memory");
     const smp_module_desc wte = {L->wte_forward, L->wte_backward, g}, wpe = {L->wpe_forward, L->wpe_backward, g};
-    const smp_module_desc drop = {L->dropout_forward, L->dropout_backward, g}, gelu = {L->gelu_forward, L->gelu_backward, g};
+    const smp_module_desc drop = {L->dropout_forward, L->dropout_backward, g},
+                          gelu = {L->gelu_forward, L->gelu_backward, g};
     const int64_t wte_shape[2] = {cfg->vocab, C}, wpe_shape[2] = {cfg->block_size, C};
     g->root = smp_module_new(NULL, "", NULL);
     g->transformer = smp_module_new(g->root, "transformer", NULL);
@@ -910,10 +925,22 @@ static smp_status gpt_build_with(gpt *g, const gpt_config *cfg, bool recompute, 
 }
 
 #ifndef MLP_ENGINE_NO_BLAS
-static const gpt_leaves gpt_host_leaves = {gpt_wte_forward, gpt_wte_backward, gpt_wpe_forward, gpt_wpe_backward,
-                                           gpt_linear_forward, gpt_linear_backward_input, gpt_linear_backward_weight,
-                                           gpt_layernorm_forward, gpt_layernorm_backward, gpt_gelu_forward, gpt_gelu_backward,
-                                           gpt_sdpa_forward, gpt_sdpa_backward, gpt_dropout_forward, gpt_dropout_backward, false};
+static const gpt_leaves gpt_host_leaves = {gpt_wte_forward,
+                                           gpt_wte_backward,
+                                           gpt_wpe_forward,
+                                           gpt_wpe_backward,
+                                           gpt_linear_forward,
+                                           gpt_linear_backward_input,
+                                           gpt_linear_backward_weight,
+                                           gpt_layernorm_forward,
+                                           gpt_layernorm_backward,
+                                           gpt_gelu_forward,
+                                           gpt_gelu_backward,
+                                           gpt_sdpa_forward,
+                                           gpt_sdpa_backward,
+                                           gpt_dropout_forward,
+                                           gpt_dropout_backward,
+                                           false};
 
 /* The host model (gpt.c): OpenBLAS and the functions above. */
 static smp_status gpt_build(gpt *g, const gpt_config *cfg, bool recompute, smp_model **model) {
@@ -940,7 +967,10 @@ static smp_status gpt_kv_start(gpt *g, int M) {
         kv->k = (float **)calloc((size_t)M * (size_t)kv->L, sizeof(float *));
         kv->v = (float **)calloc((size_t)M * (size_t)kv->L, sizeof(float *));
     }
-    if (!kv || !kv->pos || !kv->k || !kv->v) { gpt_kv_free(kv); return smp_error(SMP_ERR_NOMEM, "out of memory for the KV cache"); }
+    if (!kv || !kv->pos || !kv->k || !kv->v) {
+        gpt_kv_free(kv);
+        return smp_error(SMP_ERR_NOMEM, "out of memory for the KV cache");
+    }
     gpt_kv_free(g->kv);
     g->kv = kv;
     return SMP_OK;
@@ -960,7 +990,8 @@ static void gpt_free(gpt *g) {
 static double gpt_xent(const float *logits, const int32_t *target, int n, int V, float *dlogits, float grad_scale) {
     double sum = 0;
     for (int r = 0; r < n; r++)
-        sum += (double)gpt__xent_row(logits + (size_t)r * V, target[r], V, dlogits ? dlogits + (size_t)r * V : NULL, grad_scale);
+        sum += (double)gpt__xent_row(logits + (size_t)r * V, target[r], V, dlogits ? dlogits + (size_t)r * V : NULL,
+                                     grad_scale);
     return n ? sum / n : 0;
 }
 
@@ -1035,7 +1066,8 @@ SMP_STEP_BODY(gpt_loss_body) {
     int n = (int)smp_tensor_numel(target);
     const int32_t *t = (const int32_t *)target->data;
     for (int i = 0; i < n; i++)
-        if (t[i] < 0 || t[i] >= V) return smp_error(SMP_ERR_ARG, "target %d at position %d is outside the vocabulary of %d", t[i], i, V);
+        if (t[i] < 0 || t[i] >= V)
+            return smp_error(SMP_ERR_ARG, "target %d at position %d is outside the vocabulary of %d", t[i], i, V);
     double loss;
     float *d = dlogits ? (float *)dlogits->data : NULL;
     if (V == Vl) loss = gpt_xent((const float *)logits->data, t, n, V, d, 1.0f / (float)n);

@@ -53,12 +53,12 @@ static void usage(const char *prog) {
             "  --logits TEXT prints the logits of the character after TEXT once trained (hex floats)\n"
             "  --grads PATH saves the weights, gradients, batch and loss of the first step (one replica)\n"
             "   or: %s --generate --load CKPT --prompts \"A|B|...\" [--tokens N] [--temperature X] [--seed S]\n"
-            "          [--partitions P] [--pipeline simple|interleaved|zero_bubble_v] [--no-cache] [--print-logits] [--threads N]\n"
+            "          [--partitions P] [--pipeline simple|interleaved|zero_bubble_v] [--no-cache] [--print-logits] "
+            "[--threads N]\n"
             "  generates N characters after each prompt, one prompt per microbatch, with a KV cache\n"
             "  (--no-cache: by re-running the whole context each token); --temperature 0 is greedy;\n"
             "  --print-logits prints the logits each character was drawn from (hex floats)\n",
-            prog,
-            prog);
+            prog, prog);
 }
 
 /* device: gpt.cu, which also takes --bf16, --vocab-multiple N, --plain, and --load
@@ -116,7 +116,10 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
             else if (!strcmp(v, "interleaved")) o->cfg.pipeline = SMP_PIPELINE_INTERLEAVED;
             else if (!strcmp(v, "zero_bubble")) o->cfg.pipeline = SMP_PIPELINE_ZERO_BUBBLE;
             else if (!strcmp(v, "zero_bubble_v")) o->cfg.pipeline = SMP_PIPELINE_ZERO_BUBBLE_V;
-            else { fprintf(stderr, "--pipeline: \"%s\" is not simple, interleaved, zero_bubble or zero_bubble_v\n", v); return 1; }
+            else {
+                fprintf(stderr, "--pipeline: \"%s\" is not simple, interleaved, zero_bubble or zero_bubble_v\n", v);
+                return 1;
+            }
         }
         else if (OPT("--config")) o->config_json = v;
         else if (OPT("--data")) o->data = v;
@@ -141,7 +144,8 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
         else if (!strcmp(a, "--print-logits")) o->print_logits = true;
         else if (!strcmp(a, "--ddp")) o->cfg.ddp = SMP_ON;
         else if (!strcmp(a, "--deterministic")) o->cfg.deterministic_reduction = SMP_ON;
-        else if (!strcmp(a, "--shard-optimizer")) o->cfg.shard_optimizer_state = SMP_ON; /* each replica keeps 1/dp of AdamW's moments */
+        /* each replica keeps 1/dp of AdamW's moments */
+        else if (!strcmp(a, "--shard-optimizer")) o->cfg.shard_optimizer_state = SMP_ON;
         else if (!strcmp(a, "--recompute")) o->recompute = true;
         else if (!strcmp(a, "--print-losses")) o->print_losses = true;
         else if (!strcmp(a, "--digest")) o->digest = true;
@@ -163,8 +167,8 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
         return 1;
     }
     if (o->min_lr < 0) o->min_lr = o->lr / 10;
-    if (o->steps < (device && o->load && !o->generate ? 0 : 1) || o->batch < 1 || o->vocab_multiple < 0 || o->replicas < 1 || o->val_batches < 0 || o->sample_len < 0 ||
-        o->model.dropout < 0 || o->model.dropout >= 1) {
+    if (o->steps < (device && o->load && !o->generate ? 0 : 1) || o->batch < 1 || o->vocab_multiple < 0 ||
+        o->replicas < 1 || o->val_batches < 0 || o->sample_len < 0 || o->model.dropout < 0 || o->model.dropout >= 1) {
         usage(argv[0]);
         return 1;
     }
@@ -208,7 +212,9 @@ static bool append(char **buf, size_t *len, size_t *cap, const char *s, size_t n
 static smp_status corpus_load(corpus *c, const char *dir) {
     memset(c, 0, sizeof *c);
     DIR *d = opendir(dir);
-    if (!d) return smp_error(SMP_ERR_IO, "%s: cannot open the corpus folder: %s (Debian's fortunes package: make deps)", dir, strerror(errno));
+    if (!d)
+        return smp_error(SMP_ERR_IO, "%s: cannot open the corpus folder: %s (Debian's fortunes package: make deps)",
+                         dir, strerror(errno));
     char **names = NULL;
     size_t n = 0, cap = 0;
     struct dirent *e;
@@ -251,7 +257,8 @@ static smp_status corpus_load(corpus *c, const char *dir) {
                 if (sep || end >= len) break;
             }
             bool val = fortune++ % 10 == 9;
-            if (!(val ? append(&c->val, &c->nval, &vcap, text + at, end - at) : append(&c->train, &c->ntrain, &tcap, text + at, end - at)))
+            if (!(val ? append(&c->val, &c->nval, &vcap, text + at, end - at)
+                      : append(&c->train, &c->ntrain, &tcap, text + at, end - at)))
                 st = smp_error(SMP_ERR_NOMEM, "out of memory reading the corpus");
             at = end;
         }
@@ -361,7 +368,8 @@ static void print_placement(smp_model *model, const gpt *g) {
    so the logits may be on the device (smp copies them to the host). */
 SMP_STEP_BODY(next_logits_body) {
     const smp_tensor *logits = smp_mb_output(mb, 0);
-    int pos = *(const int *)smp_mb_user(mb), rows = (int)logits->shape[0], T = (int)logits->shape[1], V = (int)logits->shape[2];
+    int pos = *(const int *)smp_mb_user(mb), rows = (int)logits->shape[0], T = (int)logits->shape[1],
+        V = (int)logits->shape[2];
     int tp = smp_tp_size();
     if (tp > 1) { /* this rank's columns of each row's logits: the rows joined from the TP group (host: gpt.c) */
         size_t bytes = sizeof(float) * (size_t)rows * V;
@@ -386,7 +394,8 @@ SMP_STEP_BODY(next_logits_body) {
         t.device = logits->device;
         return smp_mb_return(mb, 0, &t);
     }
-    if (logits->device != SMP_HOST) return smp_error(SMP_ERR_ARG, "next_logits_body: device logits take one row per microbatch");
+    if (logits->device != SMP_HOST)
+        return smp_error(SMP_ERR_ARG, "next_logits_body: device logits take one row per microbatch");
     float *out = (float *)malloc(sizeof(float) * (size_t)rows * V);
     if (!out) return smp_error(SMP_ERR_NOMEM, "out of memory");
     for (int r = 0; r < rows; r++)
@@ -425,7 +434,8 @@ static smp_status print_context_logits(smp_model *model, const corpus *c, const 
     int len = (int)strlen(text), V = c->vocab;
     int32_t *ctx = encode(c, text, (size_t)len), *x = (int32_t *)malloc(sizeof(int32_t) * (size_t)rows * len);
     float *logits = (float *)malloc(sizeof(float) * (size_t)rows * V);
-    smp_status st = ctx && x && logits ? context_logits(model, ctx, len, len, rows, V, x, logits) : smp_error(SMP_ERR_NOMEM, "out of memory");
+    smp_status st = ctx && x && logits ? context_logits(model, ctx, len, len, rows, V, x, logits)
+                                       : smp_error(SMP_ERR_NOMEM, "out of memory");
     if (!st && smp_rank() == 0) {
         printf("logits");
         for (int j = 0; j < V; j++) printf(" %a", logits[j]);
@@ -451,7 +461,9 @@ static smp_status generate(smp_model *model, const corpus *c, const options *o, 
     if (!st && !plen) st = smp_error(SMP_ERR_ARG, "the prompt is empty");
     for (size_t i = 0; i < plen && !st; i++) {
         int id = c->id_of[(unsigned char)o->prompt[i]];
-        if (id < 0) st = smp_error(SMP_ERR_ARG, "the prompt's character %zu (byte 0x%02x) is not in the vocabulary", i, (unsigned char)o->prompt[i]);
+        if (id < 0)
+            st = smp_error(SMP_ERR_ARG, "the prompt's character %zu (byte 0x%02x) is not in the vocabulary", i,
+                           (unsigned char)o->prompt[i]);
         ctx[i] = id;
     }
     size_t n = plen;

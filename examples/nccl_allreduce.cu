@@ -100,7 +100,8 @@ int main(void) {
         int nreq = 0;
         if (stage == 0) {
             for (int k = 0; k < M; k++) /* gradients come back later */
-                SMP_OK_OR_DIE(smp_nccl_irecv(dact + (size_t)k * m, sizeof(float) * m, peer, SMP_MP_GROUP, &req[nreq++]));
+                SMP_OK_OR_DIE(
+                    smp_nccl_irecv(dact + (size_t)k * m, sizeof(float) * m, peer, SMP_MP_GROUP, &req[nreq++]));
             for (int k = 0; k < M; k++) {
                 fill<<<blocks(m), 256>>>(x, m, (float)(k + 1));                 /* microbatch k */
                 affine<<<blocks(m), 256>>>(act + (size_t)k * m, x, m, 2.0f, 1.0f); /* forward */
@@ -108,7 +109,8 @@ int main(void) {
             }
             fill<<<blocks(m), 256>>>(acc, m, 0.0f);
             for (int k = 0; k < M; k++) {
-                SMP_OK_OR_DIE(smp_nccl_wait(req[k]));                          /* the gradient of microbatch k is here */
+                /* the gradient of microbatch k is here */
+                SMP_OK_OR_DIE(smp_nccl_wait(req[k]));
                 add_into<<<blocks(m), 256>>>(acc, dact + (size_t)k * m, m);     /* backward: accumulate */
             }
             for (int k = M; k < nreq; k++) SMP_OK_OR_DIE(smp_nccl_wait(req[k]));
@@ -123,11 +125,15 @@ int main(void) {
                 SMP_OK_OR_DIE(smp_nccl_irecv(act + (size_t)k * m, sizeof(float) * m, peer, SMP_MP_GROUP, &req[nreq++]));
             for (int k = 0; k < M; k++) {
                 SMP_OK_OR_DIE(smp_nccl_wait(req[k]));                                            /* activations of k */
-                affine<<<blocks(m), 256>>>(dact + (size_t)k * m, act + (size_t)k * m, m, 2.0f, 0.0f); /* loss = sum act^2 */
-                SMP_OK_OR_DIE(smp_nccl_isend(dact + (size_t)k * m, sizeof(float) * m, peer, SMP_MP_GROUP, &req[nreq++]));
+                /* loss = sum act^2 */
+                affine<<<blocks(m), 256>>>(dact + (size_t)k * m, act + (size_t)k * m, m, 2.0f, 0.0f);
+                SMP_OK_OR_DIE(
+                    smp_nccl_isend(dact + (size_t)k * m, sizeof(float) * m, peer, SMP_MP_GROUP, &req[nreq++]));
             }
             for (int k = M; k < nreq; k++) SMP_OK_OR_DIE(smp_nccl_wait(req[k]));
-            if (smp_dp_rank() == 0) printf("stage 1: last activation %g (expected %g)\n", first_value(act + (size_t)(M - 1) * m), 2.0 * M + 1);
+            if (smp_dp_rank() == 0)
+                printf("stage 1: last activation %g (expected %g)\n", first_value(act + (size_t)(M - 1) * m),
+                       2.0 * M + 1);
         }
         SMP_OK_OR_DIE(smp_nccl_synchronize()); /* everything queued is done (with a deadline) */
         CUDA_OK(cudaFree(act));

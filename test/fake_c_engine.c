@@ -29,10 +29,11 @@ int main(int argc, char **argv) {
     int n = smp_size(), bad = -1;
     for (int i = 0; i < N && bad < 0; i++)
         if (h[i] != (float)(n * i + n * (n - 1) / 2)) bad = i;
-    MPI_CHECK(st == SMP_OK && bad < 0, "fake-gpu C engine: a device all-reduce from C", "%s (first wrong element %d)", st ? smp_last_error() : "", bad);
+    MPI_CHECK(st == SMP_OK && bad < 0, "fake-gpu C engine: a device all-reduce from C", "%s (first wrong element %d)",
+              st ? smp_last_error() : "", bad);
     st = smp_nccl_add(d, d, SMP_F32, N);
-    MPI_CHECK(st == SMP_ERR_STATE && strstr(smp_last_error(), "nvcc"), "fake-gpu C engine: smp_nccl_add from C says it needs nvcc", "status %d: %s",
-              (int)st, smp_last_error());
+    MPI_CHECK(st == SMP_ERR_STATE && strstr(smp_last_error(), "nvcc"),
+              "fake-gpu C engine: smp_nccl_add from C says it needs nvcc", "status %d: %s", (int)st, smp_last_error());
     smp_nccl_free(d);
     smp_finalize();
     MPI_Finalize();

@@ -83,8 +83,13 @@ struct op {
         struct { fstream *on; uint64_t seq; } w;
         struct { task *tasks; int ntasks; bool started; MPI_Request *reqs; int nreqs; } nc;
         struct { void *dev; } f;
-        struct { int ta, tb, m, n, k, lda, ldb, ldc; float alpha, beta; const void *a, *b; float *c; bool abf16, bbf16; }
-            g; /* abf16, bbf16: A, B hold bf16 (cublasGemmEx) */
+        struct {
+            int ta, tb, m, n, k, lda, ldb, ldc;
+            float alpha, beta;
+            const void *a, *b;
+            float *c;
+            bool abf16, bbf16;
+        } g; /* abf16, bbf16: A, B hold bf16 (cublasGemmEx) */
     } u;
 };
 
@@ -138,7 +143,9 @@ static struct {
     task *group;
     int ngroup, cap_group;
     cudaStream_t *group_streams;
-} G = {.mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP, .host_cv = PTHREAD_COND_INITIALIZER, .dev_cv = PTHREAD_COND_INITIALIZER};
+} G = {.mu = PTHREAD_RECURSIVE_MUTEX_INITIALIZER_NP,
+       .host_cv = PTHREAD_COND_INITIALIZER,
+       .dev_cv = PTHREAD_COND_INITIALIZER};
 
 static void fatal(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 static void fatal(const char *fmt, ...) {
@@ -371,13 +378,17 @@ static uint16_t f32_to_bf16(float f) {
             default: a[i] = (T)(a[i] + b[i]); break;                            \
             }                                                                   \
     } while (0)
-#define RED16(TO, FROM)                                                         \
-    do {                                                                        \
-        uint16_t *a = (uint16_t *)acc; const uint16_t *b = (const uint16_t *)in; \
-        for (size_t i = 0; i < n; i++) {                                        \
-            float x = FROM(a[i]), y = FROM(b[i]);                               \
-            a[i] = TO(o == ncclProd ? x * y : o == ncclMax ? (x > y ? x : y) : o == ncclMin ? (x < y ? x : y) : x + y); \
-        }                                                                       \
+#define RED16(TO, FROM) \
+    do { \
+        uint16_t *a = (uint16_t *)acc; \
+        const uint16_t *b = (const uint16_t *)in; \
+        for (size_t i = 0; i < n; i++) { \
+            float x = FROM(a[i]), y = FROM(b[i]); \
+            a[i] = TO(o == ncclProd  ? x * y \
+                      : o == ncclMax ? (x > y ? x : y) \
+                      : o == ncclMin ? (x < y ? x : y) \
+                                     : x + y); \
+        } \
     } while (0)
 
 static void reduce_into(void *acc, const void *in, size_t n, ncclDataType_t t, ncclRedOp_t o) {
@@ -408,8 +419,14 @@ static void average(void *acc, size_t n, ncclDataType_t t, int k) {
     case ncclUint64: DIV(uint64_t); break;
     case ncclFloat32: DIV(float); break;
     case ncclFloat64: DIV(double); break;
-    case ncclFloat16: { uint16_t *a = (uint16_t *)acc; for (size_t i = 0; i < n; i++) a[i] = f32_to_f16(f16_to_f32(a[i]) / (float)k); } break;
-    case ncclBfloat16: { uint16_t *a = (uint16_t *)acc; for (size_t i = 0; i < n; i++) a[i] = f32_to_bf16(bf16_to_f32(a[i]) / (float)k); } break;
+    case ncclFloat16: {
+        uint16_t *a = (uint16_t *)acc;
+        for (size_t i = 0; i < n; i++) a[i] = f32_to_f16(f16_to_f32(a[i]) / (float)k);
+    } break;
+    case ncclBfloat16: {
+        uint16_t *a = (uint16_t *)acc;
+        for (size_t i = 0; i < n; i++) a[i] = f32_to_bf16(bf16_to_f32(a[i]) / (float)k);
+    } break;
     default: break;
     }
 }
@@ -494,7 +511,10 @@ static void finish_task(task *t) {
     size_t b = t->bytes;
     switch (t->kind) {
     case NT_ALLREDUCE: memcpy(t->tmp + (size_t)me * b, t->send, b); combine(t->recv, t->tmp, t); break;
-    case NT_REDUCESCATTER: memcpy(t->tmp + (size_t)me * b, t->send + (size_t)me * b, b); combine(t->recv, t->tmp, t); break;
+    case NT_REDUCESCATTER:
+        memcpy(t->tmp + (size_t)me * b, t->send + (size_t)me * b, b);
+        combine(t->recv, t->tmp, t);
+        break;
     case NT_REDUCE:
         if (me == t->root) { memcpy(t->tmp + (size_t)me * b, t->send, b); combine(t->recv, t->tmp, t); }
         break;
@@ -511,11 +531,15 @@ static bool run_nccl(op *o) {
     for (int i = 0; i < o->u.nc.ntasks; i++) {
         ncomm *c = o->u.nc.tasks[i].comm;
         if (c->state == COMM_ABORTED) aborted = true;
-        else if (c->state != COMM_READY) return false; /* still connecting, or failed: hangs until aborted, as on a GPU */
+        /* still connecting, or failed: hangs until aborted, as on a GPU */
+        else if (c->state != COMM_READY) return false;
     }
     if (aborted) { /* an aborted communicator's work ends without its data */
         for (int i = 0; i < o->u.nc.nreqs; i++)
-            if (o->u.nc.reqs[i] != MPI_REQUEST_NULL) { PMPI_Cancel(&o->u.nc.reqs[i]); PMPI_Request_free(&o->u.nc.reqs[i]); }
+            if (o->u.nc.reqs[i] != MPI_REQUEST_NULL) {
+                PMPI_Cancel(&o->u.nc.reqs[i]);
+                PMPI_Request_free(&o->u.nc.reqs[i]);
+            }
         return true;
     }
     if (!o->u.nc.started) {
@@ -712,7 +736,8 @@ static void start_thread(void) {
 
 /* ---------------------------------------------------------------- MPI start and end */
 static void after_init(int provided) {
-    if (provided < MPI_THREAD_MULTIPLE) fatal("MPI gives thread level %d; the fake device needs MPI_THREAD_MULTIPLE", provided);
+    if (provided < MPI_THREAD_MULTIPLE)
+        fatal("MPI gives thread level %d; the fake device needs MPI_THREAD_MULTIPLE", provided);
     PMPI_Comm_dup(MPI_COMM_WORLD, &G.comm);
     PMPI_Comm_rank(MPI_COMM_WORLD, &G.wrank);
     int *ub = NULL, flag = 0;
@@ -749,7 +774,8 @@ int MPI_Finalize(void) {
 }
 
 /* ---------------------------------------------------------------- kernels */
-void fake_cuda_register_twin(const void *stub, const void *host_fn, int nargs, const size_t *sizes, fake_cuda_run_fn run) {
+void fake_cuda_register_twin(const void *stub, const void *host_fn, int nargs, const size_t *sizes,
+                             fake_cuda_run_fn run) {
     if (G.ntwins == MAX_TWINS || nargs > MAX_ARGS) fatal("too many kernel twins or arguments");
     twin *t = &G.twins[G.ntwins++];
     t->stub = stub;
@@ -785,8 +811,8 @@ cudaError_t __cudaGetKernel(cudaKernel_t *k, const void *stub) { *k = (cudaKerne
 void **__cudaRegisterFatBinary(void *fatbin) { static void *handle; handle = fatbin; return &handle; }
 void __cudaRegisterFatBinaryEnd(void **h) { (void)h; }
 void __cudaUnregisterFatBinary(void **h) { (void)h; }
-void __cudaRegisterFunction(void **h, const char *stub, char *dev, const char *name, int limit, uint3 *tid, uint3 *bid, dim3 *bdim,
-                            dim3 *gdim, int *wsize) {
+void __cudaRegisterFunction(void **h, const char *stub, char *dev, const char *name, int limit, uint3 *tid, uint3 *bid,
+                            dim3 *bdim, dim3 *gdim, int *wsize) {
     (void)h; (void)dev; (void)limit; (void)tid; (void)bid; (void)bdim; (void)gdim; (void)wsize;
     if (G.nnames < MAX_TWINS) { G.names[G.nnames].stub = stub; G.names[G.nnames++].name = name; }
 }
@@ -866,8 +892,18 @@ cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int d) {
     UNLOCK();
     return e;
 }
-cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest) { *least = 0; *greatest = -5; return cudaSuccess; }
-cudaError_t cudaGetLastError(void) { LOCK(); cudaError_t e = G.last_error; G.last_error = cudaSuccess; UNLOCK(); return e; }
+cudaError_t cudaDeviceGetStreamPriorityRange(int *least, int *greatest) {
+    *least = 0;
+    *greatest = -5;
+    return cudaSuccess;
+}
+cudaError_t cudaGetLastError(void) {
+    LOCK();
+    cudaError_t e = G.last_error;
+    G.last_error = cudaSuccess;
+    UNLOCK();
+    return e;
+}
 cudaError_t cudaPeekAtLastError(void) { return G.last_error; }
 const char *cudaGetErrorName(cudaError_t e) {
     switch (e) {
@@ -959,7 +995,9 @@ cudaError_t cudaMallocHost(void **p, size_t n) {
 cudaError_t cudaFreeHost(void *p) {
     LOCK();
     alloc *a = p ? find_alloc((uintptr_t)p) : NULL;
-    cudaError_t e = !p ? cudaSuccess : a && a->pinned && a->base == (uintptr_t)p ? cudaSuccess : fail(cudaErrorInvalidValue);
+    cudaError_t e = !p                                          ? cudaSuccess
+                    : a && a->pinned && a->base == (uintptr_t)p ? cudaSuccess
+                                                                : fail(cudaErrorInvalidValue);
     if (!e && p) {
         device_sync("cudaFreeHost");
         release_alloc((uintptr_t)p);
@@ -992,11 +1030,13 @@ static bool pinned(const void *p) {
 }
 
 /* Enqueues a copy; `sync` waits for it as cudaMemcpy does. */
-static cudaError_t copy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind, cudaStream_t stream, bool sync) {
+static cudaError_t copy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind, cudaStream_t stream,
+                        bool sync) {
     LOCK();
     bool dd = is_dev(dst), sd = is_dev(src);
-    bool ok = kind == cudaMemcpyDefault || (kind == cudaMemcpyHostToHost && !dd && !sd) || (kind == cudaMemcpyHostToDevice && dd && !sd) ||
-              (kind == cudaMemcpyDeviceToHost && !dd && sd) || (kind == cudaMemcpyDeviceToDevice && dd && sd);
+    bool ok = kind == cudaMemcpyDefault || (kind == cudaMemcpyHostToHost && !dd && !sd) ||
+              (kind == cudaMemcpyHostToDevice && dd && !sd) || (kind == cudaMemcpyDeviceToHost && !dd && sd) ||
+              (kind == cudaMemcpyDeviceToDevice && dd && sd);
     if (!ok) { UNLOCK(); return fail(cudaErrorInvalidValue); }
     if (!n) { UNLOCK(); return cudaSuccess; }
     op *o = new_op(OP_COPY);
@@ -1020,7 +1060,9 @@ static cudaError_t copy(void *dst, const void *src, size_t n, enum cudaMemcpyKin
     UNLOCK();
     return cudaSuccess;
 }
-cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind) { return copy(dst, src, n, kind, NULL, true); }
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind) {
+    return copy(dst, src, n, kind, NULL, true);
+}
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind, cudaStream_t s) {
     return copy(dst, src, n, kind, s, false);
 }
@@ -1054,7 +1096,9 @@ cudaError_t cudaStreamCreateWithPriority(cudaStream_t *out, unsigned flags, int 
     UNLOCK();
     return cudaSuccess;
 }
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) { return cudaStreamCreateWithPriority(s, flags, 0); }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
+    return cudaStreamCreateWithPriority(s, flags, 0);
+}
 cudaError_t cudaStreamCreate(cudaStream_t *s) { return cudaStreamCreateWithPriority(s, 0, 0); }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
     LOCK();
@@ -1070,7 +1114,12 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     UNLOCK();
     return cudaSuccess;
 }
-cudaError_t cudaStreamQuery(cudaStream_t s) { LOCK(); bool idle = stream_idle(S(s)); UNLOCK(); return idle ? cudaSuccess : cudaErrorNotReady; }
+cudaError_t cudaStreamQuery(cudaStream_t s) {
+    LOCK();
+    bool idle = stream_idle(S(s));
+    UNLOCK();
+    return idle ? cudaSuccess : cudaErrorNotReady;
+}
 cudaError_t cudaDeviceSynchronize(void) { LOCK(); device_sync("cudaDeviceSynchronize"); UNLOCK(); return cudaSuccess; }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
@@ -1089,7 +1138,12 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     UNLOCK();
     return cudaSuccess;
 }
-cudaError_t cudaEventQuery(cudaEvent_t e) { LOCK(); bool d = event_done(e); UNLOCK(); return d ? cudaSuccess : cudaErrorNotReady; }
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+    LOCK();
+    bool d = event_done(e);
+    UNLOCK();
+    return d ? cudaSuccess : cudaErrorNotReady;
+}
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     LOCK();
     if (e->stream && h2d_pending(e->stream, e->seq)) G.h2d_host_waits++;
@@ -1137,7 +1191,10 @@ typedef struct { char magic[4]; int creator, serial; } fake_id;
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
     LOCK();
-    if (!G.mpi_up) { UNLOCK(); return nccl_fail(NULL, ncclInvalidUsage, "ncclGetUniqueId before MPI_Init (the fake NCCL runs over MPI)"); }
+    if (!G.mpi_up) {
+        UNLOCK();
+        return nccl_fail(NULL, ncclInvalidUsage, "ncclGetUniqueId before MPI_Init (the fake NCCL runs over MPI)");
+    }
     fake_id f = {{'F', 'K', 'N', 'C'}, G.wrank, G.next_serial++};
     if (G.next_serial >= (1 << 16)) fatal("more than 65536 NCCL unique ids");
     memset(id, 0, sizeof *id);
@@ -1149,8 +1206,10 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
 ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config) {
     fake_id f;
     memcpy(&f, id.internal, sizeof f);
-    if (memcmp(f.magic, "FKNC", 4) != 0) return nccl_fail(NULL, ncclInvalidArgument, "the unique id did not come from ncclGetUniqueId");
-    if (nranks < 1 || nranks > 64 || rank < 0 || rank >= nranks) return nccl_fail(NULL, ncclInvalidArgument, "rank %d of %d is invalid", rank, nranks);
+    if (memcmp(f.magic, "FKNC", 4) != 0)
+        return nccl_fail(NULL, ncclInvalidArgument, "the unique id did not come from ncclGetUniqueId");
+    if (nranks < 1 || nranks > 64 || rank < 0 || rank >= nranks)
+        return nccl_fail(NULL, ncclInvalidArgument, "rank %d of %d is invalid", rank, nranks);
     LOCK();
     start_thread();
     ncomm *c = (ncomm *)calloc(1, sizeof *c);
@@ -1176,7 +1235,9 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *out, int nranks, ncclUniqueId id
     UNLOCK();
     return r;
 }
-ncclResult_t ncclCommInitRank(ncclComm_t *c, int nranks, ncclUniqueId id, int rank) { return ncclCommInitRankConfig(c, nranks, id, rank, NULL); }
+ncclResult_t ncclCommInitRank(ncclComm_t *c, int nranks, ncclUniqueId id, int rank) {
+    return ncclCommInitRankConfig(c, nranks, id, rank, NULL);
+}
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *state) {
     if (!c) return ncclInvalidArgument;
@@ -1188,8 +1249,16 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t c, ncclResult_t *state) {
     UNLOCK();
     return ncclSuccess;
 }
-ncclResult_t ncclCommUserRank(const ncclComm_t c, int *rank) { if (!c) return ncclInvalidArgument; *rank = c->rank; return ncclSuccess; }
-ncclResult_t ncclCommCount(const ncclComm_t c, int *n) { if (!c) return ncclInvalidArgument; *n = c->nranks; return ncclSuccess; }
+ncclResult_t ncclCommUserRank(const ncclComm_t c, int *rank) {
+    if (!c) return ncclInvalidArgument;
+    *rank = c->rank;
+    return ncclSuccess;
+}
+ncclResult_t ncclCommCount(const ncclComm_t c, int *n) {
+    if (!c) return ncclInvalidArgument;
+    *n = c->nranks;
+    return ncclSuccess;
+}
 ncclResult_t ncclCommFinalize(ncclComm_t c) {
     if (!c) return ncclInvalidArgument;
     LOCK();
@@ -1209,8 +1278,15 @@ static void unlink_comm(ncclComm_t c) {
 ncclResult_t ncclCommDestroy(ncclComm_t c) {
     if (!c) return ncclInvalidArgument;
     LOCK();
-    if (c->inflight && c->state == COMM_READY) { UNLOCK(); return nccl_fail(c, ncclInvalidUsage, "ncclCommDestroy with work in flight (call ncclCommFinalize and wait first)"); }
-    if (c->welcome_req != MPI_REQUEST_NULL && c->state == COMM_PENDING) { PMPI_Cancel(&c->welcome_req); PMPI_Request_free(&c->welcome_req); }
+    if (c->inflight && c->state == COMM_READY) {
+        UNLOCK();
+        return nccl_fail(c, ncclInvalidUsage,
+                         "ncclCommDestroy with work in flight (call ncclCommFinalize and wait first)");
+    }
+    if (c->welcome_req != MPI_REQUEST_NULL && c->state == COMM_PENDING) {
+        PMPI_Cancel(&c->welcome_req);
+        PMPI_Request_free(&c->welcome_req);
+    }
     unlink_comm(c);
     UNLOCK();
     return ncclSuccess;
@@ -1218,7 +1294,10 @@ ncclResult_t ncclCommDestroy(ncclComm_t c) {
 ncclResult_t ncclCommAbort(ncclComm_t c) {
     if (!c) return ncclSuccess;
     LOCK();
-    if (c->state == COMM_PENDING && c->welcome_req != MPI_REQUEST_NULL) { PMPI_Cancel(&c->welcome_req); PMPI_Request_free(&c->welcome_req); }
+    if (c->state == COMM_PENDING && c->welcome_req != MPI_REQUEST_NULL) {
+        PMPI_Cancel(&c->welcome_req);
+        PMPI_Request_free(&c->welcome_req);
+    }
     c->state = COMM_ABORTED;
     pthread_cond_signal(&G.dev_cv);
     unlink_comm(c);
@@ -1232,12 +1311,16 @@ static ncclResult_t submit(task t, const char *call, cudaStream_t stream) {
     if (!c) return nccl_fail(NULL, ncclInvalidArgument, "%s: NULL communicator", call);
     size_t es = nccl_size(t.dt);
     if (!es) return nccl_fail(c, ncclInvalidArgument, "%s: invalid datatype %d", call, (int)t.dt);
-    if ((int)t.op < 0 || (int)t.op > ncclAvg) return nccl_fail(c, ncclInvalidArgument, "%s: invalid reduction %d", call, (int)t.op);
+    if ((int)t.op < 0 || (int)t.op > ncclAvg)
+        return nccl_fail(c, ncclInvalidArgument, "%s: invalid reduction %d", call, (int)t.op);
     if ((t.kind == NT_SEND || t.kind == NT_RECV) && (t.peer < 0 || t.peer >= c->nranks || t.peer == c->rank))
-        return nccl_fail(c, ncclInvalidArgument, "%s: peer %d is invalid for rank %d of %d", call, t.peer, c->rank, c->nranks);
+        return nccl_fail(c, ncclInvalidArgument, "%s: peer %d is invalid for rank %d of %d", call, t.peer, c->rank,
+                         c->nranks);
     if ((t.kind == NT_BROADCAST || t.kind == NT_REDUCE) && (t.root < 0 || t.root >= c->nranks))
-        return nccl_fail(c, ncclInvalidArgument, "%s: root %d is outside the communicator of %d", call, t.root, c->nranks);
-    if (c->state == COMM_ABORTED || c->state == COMM_FAILED) return nccl_fail(c, ncclInvalidUsage, "%s: the communicator was aborted or failed", call);
+        return nccl_fail(c, ncclInvalidArgument, "%s: root %d is outside the communicator of %d", call, t.root,
+                         c->nranks);
+    if (c->state == COMM_ABORTED || c->state == COMM_FAILED)
+        return nccl_fail(c, ncclInvalidUsage, "%s: the communicator was aborted or failed", call);
     t.bytes = t.count * es;
     size_t n = (size_t)c->nranks;
     bool sends = t.kind != NT_RECV, recvs = t.kind != NT_SEND;
@@ -1246,8 +1329,11 @@ static ncclResult_t submit(task t, const char *call, cudaStream_t stream) {
     if (t.kind == NT_REDUCE && c->rank != t.root) recvs = false;
     if (t.kind == NT_BROADCAST && c->rank != t.root) sends = false;
     if (t.count) {
-        if (sends && !is_dev(t.send)) return nccl_fail(c, ncclInvalidArgument, "%s: sendbuff %p is not device memory", call, (const void *)t.send);
-        if (recvs && !is_dev(t.recv)) return nccl_fail(c, ncclInvalidArgument, "%s: recvbuff %p is not device memory", call, (void *)t.recv);
+        if (sends && !is_dev(t.send))
+            return nccl_fail(c, ncclInvalidArgument, "%s: sendbuff %p is not device memory", call,
+                             (const void *)t.send);
+        if (recvs && !is_dev(t.recv))
+            return nccl_fail(c, ncclInvalidArgument, "%s: recvbuff %p is not device memory", call, (void *)t.recv);
         t.send = sends ? (const char *)dev_range(t.send, send_bytes, call) : NULL;
         t.recv = recvs ? (char *)dev_range(t.recv, recv_bytes, call) : NULL;
     }
@@ -1286,20 +1372,29 @@ static ncclResult_t submit(task t, const char *call, cudaStream_t stream) {
         return r__;                                                 \
     } while (0)
 
-ncclResult_t ncclAllReduce(const void *s, void *r, size_t n, ncclDataType_t dt, ncclRedOp_t op, ncclComm_t c, cudaStream_t st) {
-    SUBMIT("ncclAllReduce", st, .kind = NT_ALLREDUCE, .comm = c, .send = (const char *)s, .recv = (char *)r, .count = n, .dt = dt, .op = op);
+ncclResult_t ncclAllReduce(const void *s, void *r, size_t n, ncclDataType_t dt, ncclRedOp_t op, ncclComm_t c,
+                           cudaStream_t st) {
+    SUBMIT("ncclAllReduce", st, .kind = NT_ALLREDUCE, .comm = c, .send = (const char *)s, .recv = (char *)r, .count = n,
+           .dt = dt, .op = op);
 }
-ncclResult_t ncclReduce(const void *s, void *r, size_t n, ncclDataType_t dt, ncclRedOp_t op, int root, ncclComm_t c, cudaStream_t st) {
-    SUBMIT("ncclReduce", st, .kind = NT_REDUCE, .comm = c, .send = (const char *)s, .recv = (char *)r, .count = n, .dt = dt, .op = op, .root = root);
+ncclResult_t ncclReduce(const void *s, void *r, size_t n, ncclDataType_t dt, ncclRedOp_t op, int root, ncclComm_t c,
+                        cudaStream_t st) {
+    SUBMIT("ncclReduce", st, .kind = NT_REDUCE, .comm = c, .send = (const char *)s, .recv = (char *)r, .count = n,
+           .dt = dt, .op = op, .root = root);
 }
-ncclResult_t ncclBroadcast(const void *s, void *r, size_t n, ncclDataType_t dt, int root, ncclComm_t c, cudaStream_t st) {
-    SUBMIT("ncclBroadcast", st, .kind = NT_BROADCAST, .comm = c, .send = (const char *)s, .recv = (char *)r, .count = n, .dt = dt, .root = root);
+ncclResult_t ncclBroadcast(const void *s, void *r, size_t n, ncclDataType_t dt, int root, ncclComm_t c,
+                           cudaStream_t st) {
+    SUBMIT("ncclBroadcast", st, .kind = NT_BROADCAST, .comm = c, .send = (const char *)s, .recv = (char *)r, .count = n,
+           .dt = dt, .root = root);
 }
 ncclResult_t ncclAllGather(const void *s, void *r, size_t n, ncclDataType_t dt, ncclComm_t c, cudaStream_t st) {
-    SUBMIT("ncclAllGather", st, .kind = NT_ALLGATHER, .comm = c, .send = (const char *)s, .recv = (char *)r, .count = n, .dt = dt);
+    SUBMIT("ncclAllGather", st, .kind = NT_ALLGATHER, .comm = c, .send = (const char *)s, .recv = (char *)r, .count = n,
+           .dt = dt);
 }
-ncclResult_t ncclReduceScatter(const void *s, void *r, size_t n, ncclDataType_t dt, ncclRedOp_t op, ncclComm_t c, cudaStream_t st) {
-    SUBMIT("ncclReduceScatter", st, .kind = NT_REDUCESCATTER, .comm = c, .send = (const char *)s, .recv = (char *)r, .count = n, .dt = dt, .op = op);
+ncclResult_t ncclReduceScatter(const void *s, void *r, size_t n, ncclDataType_t dt, ncclRedOp_t op, ncclComm_t c,
+                               cudaStream_t st) {
+    SUBMIT("ncclReduceScatter", st, .kind = NT_REDUCESCATTER, .comm = c, .send = (const char *)s, .recv = (char *)r,
+           .count = n, .dt = dt, .op = op);
 }
 ncclResult_t ncclSend(const void *s, size_t n, ncclDataType_t dt, int peer, ncclComm_t c, cudaStream_t st) {
     SUBMIT("ncclSend", st, .kind = NT_SEND, .comm = c, .send = (const char *)s, .count = n, .dt = dt, .peer = peer);
@@ -1311,7 +1406,10 @@ ncclResult_t ncclRecv(void *r, size_t n, ncclDataType_t dt, int peer, ncclComm_t
 ncclResult_t ncclGroupStart(void) { LOCK(); G.group_depth++; UNLOCK(); return ncclSuccess; }
 ncclResult_t ncclGroupEnd(void) {
     LOCK();
-    if (G.group_depth == 0) { UNLOCK(); return nccl_fail(NULL, ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart"); }
+    if (G.group_depth == 0) {
+        UNLOCK();
+        return nccl_fail(NULL, ncclInvalidUsage, "ncclGroupEnd without ncclGroupStart");
+    }
     if (--G.group_depth == 0 && G.ngroup) {
         /* one fused operation per stream: its transfers start together */
         bool *taken = (bool *)calloc((size_t)G.ngroup, 1);
@@ -1320,7 +1418,10 @@ ncclResult_t ncclGroupEnd(void) {
             op *o = new_op(OP_NCCL);
             o->u.nc.tasks = (task *)xmalloc(sizeof(task) * (size_t)G.ngroup);
             for (int j = i; j < G.ngroup; j++)
-                if (!taken[j] && S(G.group_streams[j]) == S(G.group_streams[i])) { o->u.nc.tasks[o->u.nc.ntasks++] = G.group[j]; taken[j] = true; }
+                if (!taken[j] && S(G.group_streams[j]) == S(G.group_streams[i])) {
+                    o->u.nc.tasks[o->u.nc.ntasks++] = G.group[j];
+                    taken[j] = true;
+                }
             enqueue(S(G.group_streams[i]), o, false);
         }
         free(taken);

@@ -42,7 +42,8 @@ extern "C" {
 #endif
 /* runs a registered twin: host_fn is the twin, args the launch's argument slots */
 typedef void (*fake_cuda_run_fn)(const void *host_fn, void **args);
-void fake_cuda_register_twin(const void *kernel_stub, const void *host_fn, int nargs, const size_t *sizes, fake_cuda_run_fn run);
+void fake_cuda_register_twin(const void *kernel_stub, const void *host_fn, int nargs, const size_t *sizes,
+                             fake_cuda_run_fn run);
 /* for twins: the launch's threads in all (grid x block) and per block */
 void fake_cuda_launch_dims(long long *threads, int *per_block);
 /* the next NCCL operation this process queues fails its communicator: the
@@ -54,8 +55,8 @@ void fake_nccl_fail_next(void);
 long fake_cuda_device_syncs(void);
 const char *fake_cuda_last_device_sync(void);
 /* host-to-device copies waited for: by stream s on the device (cudaStreamWaitEvent of s on an event recorded on
-   another stream right after a host-to-device copy there), and on the host (cudaMemcpy to the device, and stream, event or
-   device synchronisations that found a host-to-device copy they cover unfinished) */
+   another stream right after a host-to-device copy there), and on the host (cudaMemcpy to the device, and stream, event
+   or device synchronisations that found a host-to-device copy they cover unfinished) */
 long fake_cuda_h2d_device_waits(cudaStream_t s);
 long fake_cuda_h2d_host_waits(void);
 /* the most device memory (not pinned host memory) allocated at once since the last reset; reset_peak starts a new
@@ -74,7 +75,8 @@ template <typename T> static T fake_cuda_arg(void *slot) {
     if constexpr (std::is_pointer<T>::value) v = (T)fake_cuda_host_ptr((const void *)v);
     return v;
 }
-template <typename... A, size_t... I> static void fake_cuda_call(const void *host_fn, void **args, std::index_sequence<I...>) {
+template <typename... A, size_t... I>
+static void fake_cuda_call(const void *host_fn, void **args, std::index_sequence<I...>) {
     ((void (*)(A...))host_fn)(fake_cuda_arg<A>(args[I])...);
     (void)args;
 }

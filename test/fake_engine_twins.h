@@ -25,8 +25,8 @@ static void twin_bias_grad(const float *dy, float *db, int rows, int out) {
     }
 }
 
-static void twin_adam(float *p, const float *g, float *m, float *v, int64_t n, float b1, float b2, float step, float inv_sqrt_bc2,
-                      float eps, float decay) {
+static void twin_adam(float *p, const float *g, float *m, float *v, int64_t n, float b1, float b2, float step,
+                      float inv_sqrt_bc2, float eps, float decay) {
     for (int64_t i = 0; i < n; i++) {
         float mi = b1 * m[i] + (1.0f - b1) * g[i];
         float vi = b2 * v[i] + (1.0f - b2) * g[i] * g[i];

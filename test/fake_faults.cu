@@ -32,8 +32,8 @@ int main(int argc, char **argv) {
     memset(&cfg, 0, sizeof cfg);
     cfg.ddp = SMP_ON;
     smp_status st = smp_init(&cfg);
-    MPI_CHECK(st == SMP_OK && smp_nccl_current_mode() == SMP_NCCL_MODE_NCCL, "fake-gpu faults: init on the NCCL path", "%s (mode %s)",
-              st ? smp_last_error() : "", smp_nccl_mode_name(smp_nccl_current_mode()));
+    MPI_CHECK(st == SMP_OK && smp_nccl_current_mode() == SMP_NCCL_MODE_NCCL, "fake-gpu faults: init on the NCCL path",
+              "%s (mode %s)", st ? smp_last_error() : "", smp_nccl_mode_name(smp_nccl_current_mode()));
     if (st) { MPI_Finalize(); return 1; }
     enum { N = 1000 };
     float h[N];
@@ -73,14 +73,15 @@ int main(int argc, char **argv) {
         }
         fake_nccl_fail_next(); /* this rank's channel fails */
         smp_nccl_request *r = NULL;
-        st = smp_rank() == 0 ? smp_nccl_isend(d, sizeof h, 1, SMP_WORLD, &r) : smp_nccl_irecv(d, sizeof h, 0, SMP_WORLD, &r);
+        st = smp_rank() == 0 ? smp_nccl_isend(d, sizeof h, 1, SMP_WORLD, &r)
+                             : smp_nccl_irecv(d, sizeof h, 0, SMP_WORLD, &r);
         bool done = false;
         double t0 = MPI_Wtime();
         while (!st && !done && MPI_Wtime() - t0 < 30) st = smp_nccl_test(r, &done);
         const char *why = smp_last_error();
         MPI_CHECK(st == SMP_ERR_DEVICE && strstr(why, "point-to-point communicator") && strstr(why, "injected failure"),
-                  "fake-gpu faults: smp_nccl_test reports a failed channel on both ends", "status %d, done %d after %.1f s: %s", (int)st,
-                  (int)done, MPI_Wtime() - t0, why);
+                  "fake-gpu faults: smp_nccl_test reports a failed channel on both ends",
+                  "status %d, done %d after %.1f s: %s", (int)st, (int)done, MPI_Wtime() - t0, why);
         smp_nccl_free(d);
         smp_finalize();
         MPI_CHECK(true, "fake-gpu faults: smp_finalize returns after a failed channel", "%s", "");
@@ -90,16 +91,19 @@ int main(int argc, char **argv) {
 
     fake_nccl_fail_next(); /* the all-reduce's communicator fails on every rank */
     smp_status queued = smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD);
-    MPI_CHECK(queued == SMP_OK, "fake-gpu faults: a collective on a failing communicator is still queued", "%s", smp_last_error());
+    MPI_CHECK(queued == SMP_OK, "fake-gpu faults: a collective on a failing communicator is still queued", "%s",
+              smp_last_error());
     double t0 = MPI_Wtime();
     st = smp_nccl_synchronize();
     const char *why = smp_last_error();
-    MPI_CHECK(st == SMP_ERR_DEVICE && strstr(why, "NCCL reported an error on the world communicator") && strstr(why, "injected failure"),
-              "fake-gpu faults: smp_nccl_synchronize reports NCCL's asynchronous error on every rank", "status %d after %.1f s: %s", (int)st,
-              MPI_Wtime() - t0, why);
+    MPI_CHECK(st == SMP_ERR_DEVICE && strstr(why, "NCCL reported an error on the world communicator") &&
+                  strstr(why, "injected failure"),
+              "fake-gpu faults: smp_nccl_synchronize reports NCCL's asynchronous error on every rank",
+              "status %d after %.1f s: %s", (int)st, MPI_Wtime() - t0, why);
     st = smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD);
     MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "smp_all_reduce"),
-              "fake-gpu faults: a collective after the communicator was aborted fails with a message", "status %d: %s", (int)st, smp_last_error());
+              "fake-gpu faults: a collective after the communicator was aborted fails with a message", "status %d: %s",
+              (int)st, smp_last_error());
     smp_nccl_free(d);
     smp_finalize();
     MPI_CHECK(true, "fake-gpu faults: smp_finalize returns after a failed communicator", "%s", "");

@@ -22,7 +22,8 @@ static void twin_relu_backward(const float *y, const float *dy, float *dx, int64
 /* One block's work (every block of a larger grid would do the same): thread
    t sums rows t, t + blockDim, ... in double; thread 0 adds the threads'
    sums in thread order. */
-static void twin_xent(const float *logits, const uint8_t *labels, int rows, int k, float *dlogits, float grad_scale, float *stats) {
+static void twin_xent(const float *logits, const uint8_t *labels, int rows, int k, float *dlogits, float grad_scale,
+                      float *stats) {
     long long threads;
     int block;
     fake_cuda_launch_dims(&threads, &block);
@@ -32,7 +33,8 @@ static void twin_xent(const float *logits, const uint8_t *labels, int rows, int 
         double loss = 0.0;
         int correct = 0;
         for (int i = t; i < rows; i += block)
-            xent_row(logits + (int64_t)i * k, labels[i], k, dlogits ? dlogits + (int64_t)i * k : NULL, grad_scale, &loss, &correct);
+            xent_row(logits + (int64_t)i * k, labels[i], k, dlogits ? dlogits + (int64_t)i * k : NULL, grad_scale,
+                     &loss, &correct);
         total += loss;
         hits += correct;
     }

@@ -3,10 +3,9 @@
    Each input is a whole file image (8-byte length, JSON header, data). It
    goes through smp__ckpt_open_memory, the validation smp_ckpt_open runs on
    a file, and through smp__ckpt_manifest_check, the parser of a partial
-   checkpoint's manifest (which must accept or reject it with a message). Rejected inputs must be SMP_ERR_FORMAT with a message; accepted
-   ones must satisfy what the reader promises (lookups, coverage of the data,
-   checksums) and must survive a write + read round trip through the writer
-   (names and metadata re-escaped, bytes identical).
+   checkpoint's manifest (which must accept or reject it with a message). Rejected inputs must be SMP_ERR_FORMAT with a
+   message; accepted ones must satisfy what the reader promises (lookups, coverage of the data, checksums) and must
+   survive a write + read round trip through the writer (names and metadata re-escaped, bytes identical).
 
    Build and run from the repository root (clang 14; the fuzzer runtime is
    Debian's libclang-rt-14-dev):

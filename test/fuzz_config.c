@@ -76,14 +76,13 @@ static int same_double(double a, double b) { return memcmp(&a, &b, sizeof a) == 
 /* Field by field, doubles bitwise (padding is not a field: copies need not keep it). */
 static int cfg_equal(const smp_config *a, const smp_config *b) {
     return a->partitions == b->partitions && a->pipeline_parallel_degree == b->pipeline_parallel_degree &&
-           a->tensor_parallel_degree == b->tensor_parallel_degree && a->microbatches == b->microbatches && a->pipeline == b->pipeline &&
-           a->optimize == b->optimize && a->auto_partition == b->auto_partition &&
+           a->tensor_parallel_degree == b->tensor_parallel_degree && a->microbatches == b->microbatches &&
+           a->pipeline == b->pipeline && a->optimize == b->optimize && a->auto_partition == b->auto_partition &&
            a->default_partition == b->default_partition && a->has_default_partition == b->has_default_partition &&
            a->ddp == b->ddp && a->placement_strategy == b->placement_strategy &&
            same_double(a->memory_weight, b->memory_weight) && a->has_memory_weight == b->has_memory_weight &&
-           a->trace_device == b->trace_device &&
-           a->trace_execution_times == b->trace_execution_times && a->trace_memory_usage == b->trace_memory_usage &&
-           a->overlapping_allreduce == b->overlapping_allreduce &&
+           a->trace_device == b->trace_device && a->trace_execution_times == b->trace_execution_times &&
+           a->trace_memory_usage == b->trace_memory_usage && a->overlapping_allreduce == b->overlapping_allreduce &&
            a->backward_passes_per_step == b->backward_passes_per_step &&
            a->average_grads_across_microbatches == b->average_grads_across_microbatches &&
            same_double(a->bucket_cap_mb, b->bucket_cap_mb) && a->broadcast_buffers == b->broadcast_buffers &&
@@ -130,8 +129,10 @@ static long syntax_offset(void) {
 /* Writes every key a parse from zero set (as read by the parser: the values
    are valid JSON values), in forward or reverse order. */
 static size_t write_json(const smp_config *c, bool reverse, char *out, size_t cap) {
-    static const char *pipe[] = {"", "interleaved", "simple", "zero_bubble", "zero_bubble_v"}, *opt[] = {"", "speed", "memory"},
-                      *place[] = {"", "cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"}, *trace[] = {"", "cpu", "gpu"};
+    static const char *pipe[] = {"", "interleaved", "simple", "zero_bubble", "zero_bubble_v"},
+                      *opt[] = {"", "speed", "memory"},
+                      *place[] = {"", "cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"},
+                      *trace[] = {"", "cpu", "gpu"};
     char item[32][128];
     int n = 0;
 #define PUT(...) snprintf(item[n++], sizeof item[0], __VA_ARGS__)
@@ -199,7 +200,14 @@ static smp_status parse_both(const char *s, uint64_t seed, smp_config *zero_out)
     /* on success: keys named overwrite, the rest keep their old value */
 #define KEEP(f) FUZZ_ASSERT(z.f == 0 ? a.f == a_before.f : a.f == z.f, "field " #f " not merged")
 #define KEEPD(f) FUZZ_ASSERT(z.f == 0 ? same_double(a.f, a_before.f) : same_double(a.f, z.f), "field " #f " not merged")
-    KEEP(partitions); KEEP(pipeline_parallel_degree); KEEP(tensor_parallel_degree); KEEP(microbatches); KEEP(pipeline); KEEP(optimize); KEEP(auto_partition); KEEP(ddp);
+    KEEP(partitions);
+    KEEP(pipeline_parallel_degree);
+    KEEP(tensor_parallel_degree);
+    KEEP(microbatches);
+    KEEP(pipeline);
+    KEEP(optimize);
+    KEEP(auto_partition);
+    KEEP(ddp);
     KEEP(placement_strategy); KEEP(trace_device); KEEP(trace_execution_times); KEEP(trace_memory_usage);
     KEEP(overlapping_allreduce); KEEP(backward_passes_per_step); KEEP(average_grads_across_microbatches);
     KEEP(broadcast_buffers); KEEP(activation_checkpointing); KEEP(virtual_stages); KEEP(deterministic_reduction);
@@ -223,18 +231,22 @@ static smp_status parse_both(const char *s, uint64_t seed, smp_config *zero_out)
 
 static int in_range(const smp_config *c, int world) {
     int pp = c->partitions ? c->partitions : c->pipeline_parallel_degree ? c->pipeline_parallel_degree : 1;
-    if (c->partitions && c->pipeline_parallel_degree && c->partitions != c->pipeline_parallel_degree) return 0; /* one setting, two values */
+    /* one setting, two values */
+    if (c->partitions && c->pipeline_parallel_degree && c->partitions != c->pipeline_parallel_degree) return 0;
     return (long long)pp * (c->tensor_parallel_degree ? c->tensor_parallel_degree : 1) <= world &&
            (!c->has_default_partition || (c->default_partition >= 0 && c->default_partition < pp)) &&
            (c->has_default_partition || c->default_partition == 0) && (c->has_memory_weight || c->memory_weight == 0) &&
            c->memory_weight >= 0 && c->memory_weight <= 1 && c->bucket_cap_mb <= 1e6 && c->timeout <= 1e9 &&
            (c->pipeline != SMP_PIPELINE_ZERO_BUBBLE_V || c->virtual_stages <= 2) && /* its V: 2 stages per partition */
-           (c->shard_optimizer_state != SMP_ON || (c->ddp == SMP_ON && world / (c->partitions ? c->partitions : 1) >= 2));
+           (c->shard_optimizer_state != SMP_ON ||
+            (c->ddp == SMP_ON && world / (c->partitions ? c->partitions : 1) >= 2));
 }
 
 static void check_resolve(const smp_config *z) {
     smp_config r, r2;
-    long long mp = (long long)(z->partitions ? z->partitions : z->pipeline_parallel_degree ? z->pipeline_parallel_degree : 1) *
+    long long mp = (long long)(z->partitions                 ? z->partitions
+                               : z->pipeline_parallel_degree ? z->pipeline_parallel_degree
+                                                             : 1) *
                    (z->tensor_parallel_degree ? z->tensor_parallel_degree : 1);
     int world = mp > INT_MAX ? 1 : (int)mp; /* a replica too big for any world fails below, and in_range says so */
     smp_status st;
@@ -385,13 +397,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         free(back);
         FUZZ_ASSERT(sw == st, "appending whitespace changes the status from %d to %d", (int)st, (int)sw);
         if (st == SMP_OK) FUZZ_ASSERT(cfg_equal(&w, &z), "appending whitespace changes the config");
-        else if (!syntax_error) FUZZ_ASSERT(strcmp(before, smp_last_error()) == 0, "appending whitespace changes the key error");
+        else if (!syntax_error)
+            FUZZ_ASSERT(strcmp(before, smp_last_error()) == 0, "appending whitespace changes the key error");
     }
 
     if (!syntax_error) {
         /* the document is one object: a cut before its closing '}' is a syntax error at or before the cut */
         last = n;
-        while (last > 0 && (buf[last - 1] == ' ' || buf[last - 1] == '\t' || buf[last - 1] == '\n' || buf[last - 1] == '\r')) last--;
+        while (last > 0 &&
+               (buf[last - 1] == ' ' || buf[last - 1] == '\t' || buf[last - 1] == '\n' || buf[last - 1] == '\r'))
+            last--;
         FUZZ_ASSERT(last > 0 && buf[last - 1] == '}', "a document that parses does not end in '}'");
         size_t cuts[2] = {last - 1, (size_t)(next_rand(&seed) % last)};
         for (int i = 0; i < 2; i++) {

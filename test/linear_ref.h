@@ -33,7 +33,8 @@ static void linear_bwd_weight(const float *x, const float *gy, float *gw, float 
         }
     }
 }
-static void linear_bwd(const float *x, const float *w, const float *gy, float *gx, float *gw, float *gb, int n, int in, int out) {
+static void linear_bwd(const float *x, const float *w, const float *gy, float *gx, float *gw, float *gb, int n, int in,
+                       int out) {
     if (gx) linear_bwd_input(w, gy, gx, n, in, out);
     linear_bwd_weight(x, gy, gw, gb, n, in, out);
 }

@@ -37,21 +37,24 @@ static long g_b_seq[NLIN * 8]; /* [linear * 8 + microbatch % 8]: when its B ran 
 static smp_status lin_forward(smp_call_ctx *c) {
     lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0);
-    if (g_fail >= 0 && smp_mp_rank() == g_fail && (g_fail_mb < 0 || smp_call_microbatch(c) == g_fail_mb)) return smp_error(SMP_ERR_MODULE, "injected failure");
+    if (g_fail >= 0 && smp_mp_rank() == g_fail && (g_fail_mb < 0 || smp_call_microbatch(c) == g_fail_mb))
+        return smp_error(SMP_ERR_MODULE, "injected failure");
     int64_t n = x->shape[0], shape[2] = {n, s->out};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
     if (!y) return SMP_ERR_NOMEM; /* smp names what was missing */
     g_lin_seq++;
-    linear_fwd((const float *)x->data, (const float *)smp_param_value(s->w)->data, (const float *)smp_param_value(s->b)->data,
-               (float *)y->data, (int)n, s->in, s->out);
+    linear_fwd((const float *)x->data, (const float *)smp_param_value(s->w)->data,
+               (const float *)smp_param_value(s->b)->data, (float *)y->data, (int)n, s->in, s->out);
     return SMP_OK;
 }
 static smp_status lin_backward(smp_call_ctx *c) {
     lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *gx = smp_call_grad_input(c, 0);
-    linear_bwd((const float *)x->data, (const float *)smp_param_value(s->w)->data, (const float *)smp_call_grad_output(c, 0)->data,
-               gx ? (float *)gx->data : NULL, (float *)smp_param_grad(s->w)->data, (float *)smp_param_grad(s->b)->data, (int)x->shape[0], s->in, s->out);
+    linear_bwd((const float *)x->data, (const float *)smp_param_value(s->w)->data,
+               (const float *)smp_call_grad_output(c, 0)->data, gx ? (float *)gx->data : NULL,
+               (float *)smp_param_grad(s->w)->data, (float *)smp_param_grad(s->b)->data, (int)x->shape[0], s->in,
+               s->out);
     return SMP_OK;
 }
 /* The split backward. W finds the input and output gradient B had (smp
@@ -64,7 +67,9 @@ static smp_status lin_backward_input(smp_call_ctx *c) {
     const smp_tensor *gy = smp_call_grad_output(c, 0);
     smp_tensor *gx = smp_call_grad_input(c, 0);
     if (!gy) return smp_error(SMP_ERR_MODULE, "backward_input without an output gradient");
-    if (gx) linear_bwd_input((const float *)smp_param_value(s->w)->data, (const float *)gy->data, (float *)gx->data, (int)gy->shape[0], s->in, s->out);
+    if (gx)
+        linear_bwd_input((const float *)smp_param_value(s->w)->data, (const float *)gy->data, (float *)gx->data,
+                         (int)gy->shape[0], s->in, s->out);
     g_b_seq[s->seq_slot * 8 + smp_call_microbatch(c) % 8] = ++g_lin_seq;
     g_b_calls++;
     return SMP_OK;
@@ -72,10 +77,12 @@ static smp_status lin_backward_input(smp_call_ctx *c) {
 static smp_status lin_backward_weight(smp_call_ctx *c) {
     lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *gy = smp_call_grad_output(c, 0);
-    if (!x || !x->data || !gy || !gy->data) return smp_error(SMP_ERR_MODULE, "backward_weight without its input or output gradient");
-    if (g_fail_w >= 0 && smp_mp_rank() == g_fail_w && smp_call_microbatch(c) == 1) return smp_error(SMP_ERR_MODULE, "injected W failure");
-    linear_bwd_weight((const float *)x->data, (const float *)gy->data, (float *)smp_param_grad(s->w)->data, (float *)smp_param_grad(s->b)->data,
-                      (int)x->shape[0], s->in, s->out);
+    if (!x || !x->data || !gy || !gy->data)
+        return smp_error(SMP_ERR_MODULE, "backward_weight without its input or output gradient");
+    if (g_fail_w >= 0 && smp_mp_rank() == g_fail_w && smp_call_microbatch(c) == 1)
+        return smp_error(SMP_ERR_MODULE, "injected W failure");
+    linear_bwd_weight((const float *)x->data, (const float *)gy->data, (float *)smp_param_grad(s->w)->data,
+                      (float *)smp_param_grad(s->b)->data, (int)x->shape[0], s->in, s->out);
     if (g_b_seq[s->seq_slot * 8 + smp_call_microbatch(c) % 8] == g_lin_seq) g_w_adjacent++;
     else g_w_deferred++;
     ++g_lin_seq;
@@ -86,7 +93,8 @@ static smp_status relu_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
     if (!y) return SMP_ERR_NOMEM;
-    for (int64_t i = 0; i < smp_tensor_numel(x); i++) ((float *)y->data)[i] = ((const float *)x->data)[i] > 0 ? ((const float *)x->data)[i] : 0;
+    for (int64_t i = 0; i < smp_tensor_numel(x); i++)
+        ((float *)y->data)[i] = ((const float *)x->data)[i] > 0 ? ((const float *)x->data)[i] : 0;
     return SMP_OK;
 }
 static void (*g_relu_backward_hook)(void); /* called from every ReLU backward (test_ddp: smp_poll) */
@@ -101,7 +109,8 @@ static smp_status add_forward(smp_call_ctx *c) {
     const smp_tensor *a = smp_call_input(c, 0), *b = smp_call_input(c, 1);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, a->ndim, a->shape);
     if (!y) return SMP_ERR_NOMEM;
-    for (int64_t i = 0; i < smp_tensor_numel(a); i++) ((float *)y->data)[i] = ((const float *)a->data)[i] + ((const float *)b->data)[i];
+    for (int64_t i = 0; i < smp_tensor_numel(a); i++)
+        ((float *)y->data)[i] = ((const float *)a->data)[i] + ((const float *)b->data)[i];
     return SMP_OK;
 }
 static smp_status add_backward(smp_call_ctx *c) {
@@ -161,7 +170,8 @@ static const net_split_fns net_host_split = {lin_backward_input, lin_backward_we
 /* The modules and parameters; placement[k]: partition of call k's module
    (manual); NULL: auto; split NULL: the linears' backward whole. A test may
    add buffers before net_model. */
-static inline void net_modules_as(net *n, const int *placement, const net_fns *f, const net_split_fns *split, bool tied) {
+static inline void net_modules_as(net *n, const int *placement, const net_fns *f, const net_split_fns *split,
+                                  bool tied) {
     const smp_module_desc relu = {f->relu_f, f->relu_b, NULL}, add = {f->add_f, f->add_b, NULL};
     memset(n, 0, sizeof *n);
     n->root = smp_module_new(NULL, "", NULL);
@@ -185,7 +195,8 @@ static inline void net_modules_as(net *n, const int *placement, const net_fns *f
             int64_t ws[2] = {lin_out[l], lin_in[l]}, bs[1] = {lin_out[l]};
             n->st[l].w = smp_param_new(n->lin[l], "weight", SMP_F32, 2, ws, smp_init_uniform, NULL);
             n->st[l].b = smp_param_new(n->lin[l], "bias", SMP_F32, 1, bs, smp_init_uniform, NULL);
-        } else if (k == 3) n->add3 = f->add_f ? smp_module_new(n->root, names[k], &add) : smp_module_new_add(n->root, names[k]);
+        } else if (k == 3)
+            n->add3 = f->add_f ? smp_module_new(n->root, names[k], &add) : smp_module_new_add(n->root, names[k]);
         else if (k == 1) n->relu1 = smp_module_new(n->root, names[k], &relu);
         else n->relu5 = smp_module_new(n->root, names[k], &relu);
         if (placement) smp_partition_pop();
@@ -194,7 +205,9 @@ static inline void net_modules_as(net *n, const int *placement, const net_fns *f
 static inline void net_modules_split(net *n, const int *placement, const net_fns *f, const net_split_fns *split) {
     net_modules_as(n, placement, f, split, false);
 }
-static inline void net_modules(net *n, const int *placement, const net_fns *f) { net_modules_split(n, placement, f, NULL); }
+static inline void net_modules(net *n, const int *placement, const net_fns *f) {
+    net_modules_split(n, placement, f, NULL);
+}
 /* Turns fc1 + skip into the composite call above (auto placement keeps it whole). */
 static inline void net_block(net *n, bool recompute) {
     const smp_module_desc d = {block_forward, NULL, n};
@@ -215,7 +228,9 @@ static const net_fns net_host_fns = {lin_forward, lin_backward, relu_forward, re
 /* The same model with fc2 tied to fc1 (one module, called at calls 2 and 4:
    a shared module, held by both partitions when they differ). Not the
    one-process reference's model: tests compare it with itself. */
-static inline void net_modules_tied(net *n, const int *placement) { net_modules_as(n, placement, &net_host_fns, NULL, true); }
+static inline void net_modules_tied(net *n, const int *placement) {
+    net_modules_as(n, placement, &net_host_fns, NULL, true);
+}
 static inline smp_model *build(net *n, const int *placement) { return build_with(n, placement, &net_host_fns, false); }
 /* build, with the linears' backward split (split false: build) */
 static inline smp_model *build_split(net *n, const int *placement, bool split) {
@@ -224,7 +239,11 @@ static inline smp_model *build_split(net *n, const int *placement, bool split) {
 }
 
 /* ---------------------------------------------------------------- the reference */
-typedef struct { float w[NLIN][H * H], b[NLIN][H], gw[NLIN][H * H], gb[NLIN][H]; float loss[8]; float out[B * C]; } ref_t;
+typedef struct {
+    float w[NLIN][H * H], b[NLIN][H], gw[NLIN][H * H], gb[NLIN][H];
+    float loss[8];
+    float out[B * C];
+} ref_t;
 
 static inline void ref_params(ref_t *r) {
     static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
@@ -243,7 +262,8 @@ static inline void ref_params(ref_t *r) {
 /* One step on a batch of `rows` (at most B) in m microbatches, the loss
    gradients divided by grad_divisor (the microbatch count, times dp *
    backward_passes_per_step with ddp), as smp_step does. */
-static inline void ref_step_core(ref_t *r, const float *x, const float *t, int rows, int m, bool train, double grad_divisor) {
+static inline void ref_step_core(ref_t *r, const float *x, const float *t, int rows, int m, bool train,
+                                 double grad_divisor) {
     int n = rows / m;
     for (int i = 0; i < m; i++) {
         const float *xi = x + i * n * D, *ti = t + i * n * C;
@@ -271,8 +291,12 @@ static inline void ref_step_core(ref_t *r, const float *x, const float *t, int r
         linear_bwd(xi, r->w[0], g0, NULL, r->gw[0], r->gb[0], n, D, H);
     }
 }
-static inline void ref_step_rows(ref_t *r, const float *x, const float *t, int rows, int m, bool train) { ref_step_core(r, x, t, rows, m, train, m); }
-static inline void ref_step(ref_t *r, const float *x, const float *t, int m, bool train) { ref_step_core(r, x, t, B, m, train, m); }
+static inline void ref_step_rows(ref_t *r, const float *x, const float *t, int rows, int m, bool train) {
+    ref_step_core(r, x, t, rows, m, train, m);
+}
+static inline void ref_step(ref_t *r, const float *x, const float *t, int m, bool train) {
+    ref_step_core(r, x, t, B, m, train, m);
+}
 static inline void ref_step_divided(ref_t *r, const float *x, const float *t, int m, bool train, double grad_divisor) {
     ref_step_core(r, x, t, B, m, train, grad_divisor);
 }
@@ -291,8 +315,8 @@ static inline void timeline_to(const char *stem, char *path, size_t cap) {
 static inline char *read_text(const char *path, long *len) {
     FILE *f = fopen(path, "rb");
     char *text = NULL;
-    if (f && !fseek(f, 0, SEEK_END) && (*len = ftell(f)) > 0 && !fseek(f, 0, SEEK_SET) && (text = (char *)calloc(1, (size_t)*len + 1)) &&
-        fread(text, 1, (size_t)*len, f) != (size_t)*len) {
+    if (f && !fseek(f, 0, SEEK_END) && (*len = ftell(f)) > 0 && !fseek(f, 0, SEEK_SET) &&
+        (text = (char *)calloc(1, (size_t)*len + 1)) && fread(text, 1, (size_t)*len, f) != (size_t)*len) {
         free(text);
         text = NULL;
     }

@@ -9,7 +9,9 @@
 SMP_STEP_BODY(mse_body) {
     const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
     smp_tensor *g = smp_mb_output_grad(mb, 0);
-    return smp_mb_return_f32(mb, 0, mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y)));
+    return smp_mb_return_f32(
+        mb, 0,
+        mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y)));
 }
 
 /* The batch of step s for replica r: the same in both runs. */
@@ -24,7 +26,8 @@ static uint64_t digest(smp_model *model) {
     uint64_t h = 1469598103934665603ull;
     for (int i = 0; smp_model_local_param(model, i, false); i++) {
         const smp_tensor *v = smp_param_value(smp_model_local_param(model, i, false));
-        for (size_t k = 0; k < smp_tensor_nbytes(v); k++) h = (h ^ ((const unsigned char *)v->data)[k]) * 1099511628211ull;
+        for (size_t k = 0; k < smp_tensor_nbytes(v); k++)
+            h = (h ^ ((const unsigned char *)v->data)[k]) * 1099511628211ull;
     }
     return h;
 }

@@ -1,6 +1,7 @@
 /* test_autopart.c - the auto-partitioner: exact optimum, tie-break, edges, errors.
    Single process; no MPI_Init needed.
-   Build (from the repository root): mpicc -std=c11 -Wall -Wextra -Werror -O2 -I. test/test_autopart.c -o build/test_autopart -lm */
+   Build (from the repository root): mpicc -std=c11 -Wall -Wextra -Werror -O2 -I. test/test_autopart.c -o
+   build/test_autopart -lm */
 #define SMP_TESTING /* the test hooks and test-only introspection */
 #define SMP_IMPLEMENTATION
 #include "../smp.h"
@@ -192,8 +193,8 @@ static void test_core_vs_brute(void) {
             }
         }
     }
-    CHECK(bad == 0, "autopart: core equals brute force exactly, split and tie-break (3000 vectors)", "%d bad; first: %s",
-          bad, why);
+    CHECK(bad == 0, "autopart: core equals brute force exactly, split and tie-break (3000 vectors)",
+          "%d bad; first: %s", bad, why);
 }
 
 static void test_auto_vs_brute(double w, const char *name) {
@@ -279,8 +280,8 @@ static void test_edges(void) {
         double c[4] = {0.1, 0.2, 0.3, 0.4}, m = -1;
         int s[4], want[4] = {0, 0, 0, 0};
         smp_status st = smp_partition_min_max(c, 4, 1, s, &m);
-        CHECK(st == SMP_OK && same(s, want, 4) && m == sum_range(c, 0, 4), "autopart: k == 1 is one stage of everything",
-              "status %d max %.17g", (int)st, m);
+        CHECK(st == SMP_OK && same(s, want, 4) && m == sum_range(c, 0, 4),
+              "autopart: k == 1 is one stage of everything", "status %d max %.17g", (int)st, m);
     }
     {
         double c[6] = {0, 0, 0, 0, 0, 0}, m = -1;

@@ -84,10 +84,15 @@ int main(int argc, char **argv) {
         if (P == 1 && (kind == K_SEND || kind == K_MESSAGE)) kind = K_ALLOC; /* one partition sends nothing */
         g_fail = g_fail_mb = -1;
         if (inject && me == target) {
-            if (kind == K_MODULE) { g_fail = smp_mp_rank(); g_fail_mb = (int)(pick % M); }
-            else if (per_step[kind] > 0) smp_testing_fail(kind == K_ALLOC ? SMP_FAULT_ALLOC : kind == K_SEND ? SMP_FAULT_SEND : SMP_FAULT_MESSAGE, (long)(pick % (uint64_t)per_step[kind]));
+            if (kind == K_MODULE) { g_fail = smp_mp_rank(); g_fail_mb = (int)(pick % M);
+            } else if (per_step[kind] > 0)
+                smp_testing_fail(kind == K_ALLOC  ? SMP_FAULT_ALLOC
+                                 : kind == K_SEND ? SMP_FAULT_SEND
+                                                  : SMP_FAULT_MESSAGE,
+                                 (long)(pick % (uint64_t)per_step[kind]));
         }
-        /* a target without sends (the last stage sends only gradients back, so every rank sends) would inject nothing: say so */
+        /* a target without sends (the last stage sends only gradients back, so every rank sends) would inject nothing:
+         * say so */
         int armed = inject && me == target && (kind == K_MODULE || per_step[kind] > 0), any = 0;
         MPI_Allreduce(&armed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
         uint64_t before = digest(model);
@@ -105,8 +110,8 @@ int main(int argc, char **argv) {
         if (any != all_bad || some_bad != all_bad) {
             wrong++;
             if (wrong <= 3)
-                printf("chaos: step %d (%s injected on rank %d: %s): this rank %s: %s\n", s, kind_name[kind], target, any ? "yes" : "no",
-                       bad ? "failed" : "succeeded", bad ? smp_last_error() : "");
+                printf("chaos: step %d (%s injected on rank %d: %s): this rank %s: %s\n", s, kind_name[kind], target,
+                       any ? "yes" : "no", bad ? "failed" : "succeeded", bad ? smp_last_error() : "");
         }
         smp_testing_fail(SMP_FAULT_ALLOC, -1); /* disarm what did not fire */
         smp_testing_fail(SMP_FAULT_SEND, -1);
@@ -116,11 +121,15 @@ int main(int argc, char **argv) {
     smp_model_free(model);
     smp_finalize();
     int total = injected[0] + injected[1] + injected[2] + injected[3];
-    MPI_CHECK(wrong == 0, "chaos/every injected failure fails the step on every rank, and no other step fails", "%d steps went otherwise", wrong);
-    MPI_CHECK(reported == total && total >= STEPS / 10, "chaos/failures reported", "%d injected, %d reported", total, reported);
-    MPI_CHECK(unchanged == reported, "chaos/a failed step changes no parameter", "%d of %d failed steps changed a parameter", reported - unchanged, reported);
-    MPI_CHECK(left_behind == 0 && moved == 0, "chaos/no step leaves a message unreceived", "%d messages were waiting after %d steps; %d steps replaced the communicator",
-              left_behind, steps_leaving, moved);
+    MPI_CHECK(wrong == 0, "chaos/every injected failure fails the step on every rank, and no other step fails",
+              "%d steps went otherwise", wrong);
+    MPI_CHECK(reported == total && total >= STEPS / 10, "chaos/failures reported", "%d injected, %d reported", total,
+              reported);
+    MPI_CHECK(unchanged == reported, "chaos/a failed step changes no parameter",
+              "%d of %d failed steps changed a parameter", reported - unchanged, reported);
+    MPI_CHECK(left_behind == 0 && moved == 0, "chaos/no step leaves a message unreceived",
+              "%d messages were waiting after %d steps; %d steps replaced the communicator", left_behind, steps_leaving,
+              moved);
 
     /* the clean run: the same batches, the failed ones skipped */
     g_fail = g_fail_mb = -1;
@@ -131,11 +140,13 @@ int main(int argc, char **argv) {
     bool same = model && clean_errors == 0 && digest(model) == chaos_digest;
     int nparams = 0;
     while (model && smp_model_local_param(model, nparams, false)) nparams++;
-    MPI_CHECK(same, "chaos/the parameters equal a clean run that skipped the failed steps, bit for bit", "%d clean steps failed; digests %s",
-              clean_errors, same ? "equal" : "differ");
+    MPI_CHECK(same, "chaos/the parameters equal a clean run that skipped the failed steps, bit for bit",
+              "%d clean steps failed; digests %s", clean_errors, same ? "equal" : "differ");
     if (me == 0)
-        printf("chaos: %d steps on %d ranks, failures injected: module %d, allocation %d, send %d, message %d; reported %d; %d parameters compared per rank\n",
-               STEPS, world, injected[K_MODULE], injected[K_ALLOC], injected[K_SEND], injected[K_MESSAGE], reported, nparams);
+        printf("chaos: %d steps on %d ranks, failures injected: module %d, allocation %d, send %d, message %d; "
+               "reported %d; %d parameters compared per rank\n",
+               STEPS, world, injected[K_MODULE], injected[K_ALLOC], injected[K_SEND], injected[K_MESSAGE], reported,
+               nparams);
     smp_model_free(model);
     smp_finalize();
     MPI_Finalize();

@@ -133,7 +133,8 @@ static void set_all(smp_model *m, opt_store *o, int version) {
         smp_tensor *v = smp_param_value(p);
         fill(v->data, smp_tensor_nbytes(v), v->dtype, smp_param_name(p), version);
     }
-    for (int i = 0; o && i < o->n; i++) fill(o->t[i].data, smp_tensor_nbytes(&o->t[i]), o->t[i].dtype, o->full[i], version);
+    for (int i = 0; o && i < o->n; i++)
+        fill(o->t[i].data, smp_tensor_nbytes(&o->t[i]), o->t[i].dtype, o->full[i], version);
 }
 
 /* Whether every local tensor holds `version`; names the first that does not. */
@@ -143,11 +144,17 @@ static int check_all(smp_model *m, opt_store *o, int version, char *why, size_t 
     for (int i = 0; (p = smp_model_local_param(m, i, true)); i++) {
         smp_tensor *v = smp_param_value(p);
         fill(want, smp_tensor_nbytes(v), v->dtype, smp_param_name(p), version);
-        if (memcmp(want, v->data, smp_tensor_nbytes(v))) { snprintf(why, cap, "'%s' differs from version %d", smp_param_name(p), version); return 0; }
+        if (memcmp(want, v->data, smp_tensor_nbytes(v))) {
+            snprintf(why, cap, "'%s' differs from version %d", smp_param_name(p), version);
+            return 0;
+        }
     }
     for (int i = 0; o && i < o->n; i++) {
         fill(want, smp_tensor_nbytes(&o->t[i]), o->t[i].dtype, o->full[i], version);
-        if (memcmp(want, o->t[i].data, smp_tensor_nbytes(&o->t[i]))) { snprintf(why, cap, "'%s' differs from version %d", o->full[i], version); return 0; }
+        if (memcmp(want, o->t[i].data, smp_tensor_nbytes(&o->t[i]))) {
+            snprintf(why, cap, "'%s' differs from version %d", o->full[i], version);
+            return 0;
+        }
     }
     return 1;
 }
@@ -257,7 +264,8 @@ static void zbatch(int s, float *x, float *t) {
 SMP_STEP_BODY(zmse_body) {
     const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
     smp_tensor *g = smp_mb_output_grad(mb, 0);
-    return smp_mb_return_f32(mb, 0, mse((const float *)y->data, (const float *)t->data, (float *)g->data, (int)smp_tensor_numel(y)));
+    return smp_mb_return_f32(
+        mb, 0, mse((const float *)y->data, (const float *)t->data, (float *)g->data, (int)smp_tensor_numel(y)));
 }
 
 /* Every parameter and its momentum whole into w and mom, on every rank of comm: bits ORed over
@@ -267,7 +275,8 @@ static void zgather(MPI_Comm comm, zopt *o, float w[ZP][H * H], float mom[ZP][H 
     memset(mom, 0, sizeof(float) * ZP * H * H);
     for (int i = 0; i < ZP; i++) {
         if (!o->p[i]) continue;
-        if (smp_dp_rank() == 0) memcpy(w[i], smp_param_value(o->p[i])->data, smp_tensor_nbytes(smp_param_value(o->p[i])));
+        if (smp_dp_rank() == 0)
+            memcpy(w[i], smp_param_value(o->p[i])->data, smp_tensor_nbytes(smp_param_value(o->p[i])));
         memcpy(mom[i] + o->first[i], o->v[i], sizeof(float) * (size_t)o->count[i]);
     }
     MPI_Allreduce(MPI_IN_PLACE, w, ZP * H * H, MPI_UINT32_T, MPI_BOR, comm);
@@ -333,7 +342,10 @@ static int zrun(MPI_Comm comm, int P, bool shard, const char *from, int partial,
         zbatch(s + 1, x, t);
         smp_tensor xt = smp_tensor_2d(x, SMP_F32, B, D), tt = smp_tensor_2d(t, SMP_F32, B, C);
         smp_model_zero_grad(m);
-        if (SMP_TRAIN_STEP(m, zmse_body, NULL, &loss, 1, xt, tt)) { ok = 0; snprintf(why, cap, "step %d: %s", s, smp_last_error()); }
+        if (SMP_TRAIN_STEP(m, zmse_body, NULL, &loss, 1, xt, tt)) {
+            ok = 0;
+            snprintf(why, cap, "step %d: %s", s, smp_last_error());
+        }
         smp_step_output_free(&loss);
         for (int i = 0; ok && i < ZP; i++) {
             if (!o.p[i]) continue;
@@ -390,8 +402,10 @@ static void zresume(int size, int P, bool shard, const char *from, int partial, 
     }
     MPI_Bcast(g_zw, ZP * H * H, MPI_FLOAT, 0, MPI_COMM_WORLD);
     MPI_Bcast(g_zm, ZP * H * H, MPI_FLOAT, 0, MPI_COMM_WORLD);
-    snprintf(name, sizeof name, "checkpoint/sharded optimizer state: %s, at P=%d x %d replicas%s (%s): loads what was saved, "
-             "trains on bitwise", label, P, size / P, shard ? " sharded" : "", partial ? "partial" : "full");
+    snprintf(name, sizeof name,
+             "checkpoint/sharded optimizer state: %s, at P=%d x %d replicas%s (%s): loads what was saved, "
+             "trains on bitwise",
+             label, P, size / P, shard ? " sharded" : "", partial ? "partial" : "full");
     MPI_CHECK(ok, name, "%s", why);
 }
 
@@ -436,7 +450,8 @@ static int rewrite_to(const char *path, const char *dst, const char *drop_meta, 
     int n = smp_ckpt_count(f), ne = 0, nm = 0;
     smp_ckpt_entry *e = calloc((size_t)n + 1, sizeof *e);
     void **data = calloc((size_t)n + 1, sizeof *data);
-    const char **mk = calloc((size_t)smp_ckpt_meta_count(f) + 1, sizeof *mk), **mv = calloc((size_t)smp_ckpt_meta_count(f) + 1, sizeof *mv);
+    const char **mk = calloc((size_t)smp_ckpt_meta_count(f) + 1, sizeof *mk),
+               **mv = calloc((size_t)smp_ckpt_meta_count(f) + 1, sizeof *mv);
     static float extra[2] = {1, 2};
     for (int i = 0; i < n; i++) {
         const smp_ckpt_info *in = smp_ckpt_info_at(f, i);
@@ -449,7 +464,10 @@ static int rewrite_to(const char *path, const char *dst, const char *drop_meta, 
         memcpy(e[ne].shape, in->shape, sizeof e[ne].shape);
         e[ne].data = data[ne];
         if (retype && !strcmp(in->name, retype)) e[ne].dtype = dt;
-        if (reshape && !strcmp(in->name, reshape)) { e[ne].ndim = ndim; memcpy(e[ne].shape, shape, sizeof(int64_t) * (size_t)ndim); }
+        if (reshape && !strcmp(in->name, reshape)) {
+            e[ne].ndim = ndim;
+            memcpy(e[ne].shape, shape, sizeof(int64_t) * (size_t)ndim);
+        }
         ne++;
     }
     if (add) {
@@ -557,8 +575,8 @@ static int to_legacy(const char *path, int P) {
     char f[700], legacy[700], manifest[700];
     for (int k = 0; k < P; k++) {
         snprintf(legacy, sizeof legacy, "%s_%d", path, k);
-        if (!part_file(path, k, f, sizeof f) || !rewrite_to(f, legacy, "smp.generation", NULL, NULL, SMP_F32, NULL, 0, NULL, NULL) ||
-            remove(f) != 0)
+        if (!part_file(path, k, f, sizeof f) ||
+            !rewrite_to(f, legacy, "smp.generation", NULL, NULL, SMP_F32, NULL, 0, NULL, NULL) || remove(f) != 0)
             return 0;
     }
     snprintf(manifest, sizeof manifest, "%s.manifest", path);
@@ -582,18 +600,26 @@ static void test_roundtrip(int P, int partial, size_t chunk) {
     if (!ok) snprintf(why, sizeof why, "save: %s", smp_last_error());
     set_all(m, &o, 2); /* perturb */
     meta_seen seen = {{0}, {0}, {0}, 0};
-    if (ok && (st = load(m, &o, path, partial, &seen)) != SMP_OK) { ok = 0; snprintf(why, sizeof why, "load: %s", smp_last_error()); }
-    if (ok) ok = check_all(m, &o, 1, why, sizeof why);
-    if (ok && (strcmp(seen.epoch, "3") || strcmp(seen.step, "1200") || strcmp(seen.note, mvals[2]) || seen.count != 3)) {
+    if (ok && (st = load(m, &o, path, partial, &seen)) != SMP_OK) {
         ok = 0;
-        snprintf(why, sizeof why, "metadata callback saw %d entries, epoch '%s' step '%s' note '%s'", seen.count, seen.epoch, seen.step, seen.note);
+        snprintf(why, sizeof why, "load: %s", smp_last_error());
+    }
+    if (ok) ok = check_all(m, &o, 1, why, sizeof why);
+    if (ok &&
+        (strcmp(seen.epoch, "3") || strcmp(seen.step, "1200") || strcmp(seen.note, mvals[2]) || seen.count != 3)) {
+        ok = 0;
+        snprintf(why, sizeof why, "metadata callback saw %d entries, epoch '%s' step '%s' note '%s'", seen.count,
+                 seen.epoch, seen.step, seen.note);
     }
     /* a partial save wrote its manifest and P files, a full one one file */
     if (ok && me == 0) {
         char got[4096], base[200];
         snprintf(base, sizeof base, "rt_%d_%d_%zu", P, partial, chunk);
         if (partial) ok = only_committed(base, P, why, sizeof why);
-        else if (ckpt_files(base, got, sizeof got) != 1 || strcmp(got, base)) { ok = 0; snprintf(why, sizeof why, "the folder holds '%.1900s', expected '%s'", got, base); }
+        else if (ckpt_files(base, got, sizeof got) != 1 || strcmp(got, base)) {
+            ok = 0;
+            snprintf(why, sizeof why, "the folder holds '%.1900s', expected '%s'", got, base);
+        }
     }
     MPI_CHECK(ok, name, "%s", why);
 
@@ -604,16 +630,26 @@ static void test_roundtrip(int P, int partial, size_t chunk) {
         st = smp_model_state_dict(m, o.reg, root, &sd);
         ok = st == SMP_OK;
         snprintf(why, sizeof why, "%s", ok ? "" : smp_last_error());
-        int nparams = smp_model_num_global_params(m, true), want = nparams + 2 * smp_model_num_global_params(m, false) + 2;
+        int nparams = smp_model_num_global_params(m, true),
+            want = nparams + 2 * smp_model_num_global_params(m, false) + 2;
         if (ok && me == root) {
-            if (sd.n != want || sd.partial) { ok = 0; snprintf(why, sizeof why, "%d entries, expected %d", sd.n, want); }
+            if (sd.n != want || sd.partial) {
+                ok = 0;
+                snprintf(why, sizeof why, "%d entries, expected %d", sd.n, want);
+            }
             for (int i = 0; i < sd.n && ok; i++) {
                 static uint8_t buf[4096];
                 size_t k = smp_tensor_nbytes(&sd.entries[i].tensor);
                 fill(buf, k, sd.entries[i].tensor.dtype, sd.entries[i].name, 4);
-                if (memcmp(buf, sd.entries[i].tensor.data, k)) { ok = 0; snprintf(why, sizeof why, "'%s' differs", sd.entries[i].name); }
+                if (memcmp(buf, sd.entries[i].tensor.data, k)) {
+                    ok = 0;
+                    snprintf(why, sizeof why, "'%s' differs", sd.entries[i].name);
+                }
             }
-            if (ok && !smp_state_dict_find(&sd, "optimizer.head.weight.exp_avg")) { ok = 0; snprintf(why, sizeof why, "no optimizer.head.weight.exp_avg"); }
+            if (ok && !smp_state_dict_find(&sd, "optimizer.head.weight.exp_avg")) {
+                ok = 0;
+                snprintf(why, sizeof why, "no optimizer.head.weight.exp_avg");
+            }
         } else if (ok && sd.n != 0) { ok = 0; snprintf(why, sizeof why, "a non-root rank got %d entries", sd.n); }
         smp_state_dict_free(&sd);
         snprintf(name, sizeof name, "checkpoint/state dict gathered on rank %d/P=%d/dp=%d", root, P, world / P);
@@ -624,7 +660,8 @@ static void test_roundtrip(int P, int partial, size_t chunk) {
         int local = 0;
         smp_param *p;
         for (int i = 0; (p = smp_model_local_param(m, i, true)); i++) local++;
-        ok = ok && lsd.n == local + o.n && smp_state_dict_find(&lsd, "optimizer.lr") && smp_state_dict_find(&lsd, "optimizer.lr")->data == o.t[o.n - 2].data;
+        ok = ok && lsd.n == local + o.n && smp_state_dict_find(&lsd, "optimizer.lr") &&
+             smp_state_dict_find(&lsd, "optimizer.lr")->data == o.t[o.n - 2].data;
         smp_state_dict_free(&lsd);
         snprintf(name, sizeof name, "checkpoint/local state dict holds views of this rank's tensors/P=%d", P);
         MPI_CHECK(ok, name, "%s", smp_last_error());
@@ -663,7 +700,8 @@ static void test_reshard(void) {
                 int ok = st == SMP_OK;
                 if (!ok) snprintf(why, sizeof why, "load: %s", smp_last_error());
                 else ok = check_all(m, &o, 100 + P, why, sizeof why);
-                snprintf(name, sizeof name, "checkpoint/reshard/%s P=%d -> Q=%d (dp %d -> %d)", partial ? "partial" : "full", P, Q, world / P, world / Q);
+                snprintf(name, sizeof name, "checkpoint/reshard/%s P=%d -> Q=%d (dp %d -> %d)",
+                         partial ? "partial" : "full", P, Q, world / P, world / Q);
                 MPI_CHECK(ok, name, "%s", why);
                 opt_free(&o);
                 stop(m);
@@ -696,13 +734,21 @@ static void test_generations(void) {
             snprintf(want, sizeof want, "gens.g%d_0", 2 * i + v + 1);
             if (st) { ok = 0; snprintf(why, sizeof why, "save: %s", smp_last_error()); }
             else if (me == 0 && !only_committed("gens", P, why, sizeof why)) ok = 0;
-            else if (me == 0 && (!part_file(path, 0, f, sizeof f) || strcmp(strrchr(f, '/') + 1, want))) { ok = 0; snprintf(why, sizeof why, "file 0 is '%s', expected %s", f, want); }
+            else if (me == 0 && (!part_file(path, 0, f, sizeof f) || strcmp(strrchr(f, '/') + 1, want))) {
+                ok = 0;
+                snprintf(why, sizeof why, "file 0 is '%s', expected %s", f, want);
+            }
         }
         set_all(m, &o, 0);
-        if (ok && load(m, &o, path, 1, NULL) != SMP_OK) { ok = 0; snprintf(why, sizeof why, "load: %s", smp_last_error()); }
+        if (ok && load(m, &o, path, 1, NULL) != SMP_OK) {
+            ok = 0;
+            snprintf(why, sizeof why, "load: %s", smp_last_error());
+        }
         if (ok) ok = check_all(m, &o, 30 + 2 * i + 1, why, sizeof why);
-        snprintf(name, sizeof name, "checkpoint/generations: two partial saves at P=%d%s, each leaves only its own files, the load takes the last", P,
-                 i ? " after a save at a larger P" : "");
+        snprintf(name, sizeof name,
+                 "checkpoint/generations: two partial saves at P=%d%s, each leaves only its own files, the load takes "
+                 "the last",
+                 P, i ? " after a save at a larger P" : "");
         MPI_CHECK(ok, name, "%s", why);
         opt_free(&o);
         stop(m);
@@ -739,7 +785,8 @@ static void dump_expected(smp_model *m, opt_store *o, const char *edir) {
     FILE *man = fopen(path, "w");
     if (!man) return;
     smp_param *p;
-    for (int i = 0; (p = smp_model_local_param(m, i, true)); i++) dump_one(man, edir, smp_param_name(p), smp_param_value(p));
+    for (int i = 0; (p = smp_model_local_param(m, i, true)); i++)
+        dump_one(man, edir, smp_param_name(p), smp_param_value(p));
     for (int k = 0; k < o->n; k++)
         if (k < o->n - 2 || me == 0) dump_one(man, edir, o->full[k], &o->t[k]); /* whole-optimizer state: rank 0's */
     fclose(man);
@@ -771,7 +818,8 @@ static void test_python(void) {
             int rc = system(cmd);
             rc = rc == -1 ? -1 : WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
             if (rc == 3) test__failed_total++; /* the script printed its FAIL lines */
-            else if (rc != 0) CHECK(0, "checkpoint/python: test_checkpoint_python.py ran", "exit status %d (%s)", rc, cmd);
+            else if (rc != 0)
+                CHECK(0, "checkpoint/python: test_checkpoint_python.py ran", "exit status %d (%s)", rc, cmd);
         }
     }
     MPI_Barrier(MPI_COMM_WORLD);
@@ -812,7 +860,8 @@ static const kill_case kill_cases[] = {
 enum { NKILL = (int)(sizeof kill_cases / sizeof kill_cases[0]) };
 
 static void kill_name(int i, char *out, size_t cap) {
-    snprintf(out, cap, "kill%02d_%s_r%d%s", i, kill_cases[i].phase, kill_cases[i].rank, kill_cases[i].legacy ? "_legacy" : "");
+    snprintf(out, cap, "kill%02d_%s_r%d%s", i, kill_cases[i].phase, kill_cases[i].rank,
+             kill_cases[i].legacy ? "_legacy" : "");
 }
 
 /* The child side, a 2-rank job with P = 2:
@@ -870,7 +919,8 @@ static int run_child(const char *self, const char *args, const char *log) {
         if (v) snprintf(env + strlen(env), sizeof env - strlen(env), " %s='%s'", keep[i], v);
     }
     /* a clean environment: the inner mpirun must not see the outer job's */
-    snprintf(cmd, sizeof cmd, "env -i%s mpirun -n 2 '%s' --child %s > '%s/child_%s.log' 2>&1", env, self, args, dir, log);
+    snprintf(cmd, sizeof cmd, "env -i%s mpirun -n 2 '%s' --child %s > '%s/child_%s.log' 2>&1", env, self, args, dir,
+             log);
     fflush(stdout);
     int rc = system(cmd);
     return rc == -1 ? -1 : WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
@@ -914,7 +964,8 @@ static void sleepy_bcast(int *buf, int n) {
     MPI_Request req;
     int done = 0;
     MPI_Ibcast(buf, n, MPI_INT, 0, MPI_COMM_WORLD, &req);
-    while (MPI_Test(&req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done) nanosleep(&(struct timespec){0, 2000000}, NULL);
+    while (MPI_Test(&req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done)
+        nanosleep(&(struct timespec){0, 2000000}, NULL);
 }
 
 static void test_killed_save(const char *self) {
@@ -945,8 +996,10 @@ static void test_killed_save(const char *self) {
         if (me == 0) test_skip("checkpoint/killed save", "cannot run a nested mpirun here");
         return;
     }
-    MPI_CHECK(rcs[0] == 0, "checkpoint/killed save: the previous full checkpoint is saved (2-rank child)", "child exit %d (see %s/child_full_save.log)", rcs[0], dir);
-    MPI_CHECK(KILLED(rcs[1]), "checkpoint/killed save: SMP_CKPT_FAULT=data kills a full save", "exit %d (want 77, 9 or 1; see %s/child_full_fault.log)", rcs[1], dir);
+    MPI_CHECK(rcs[0] == 0, "checkpoint/killed save: the previous full checkpoint is saved (2-rank child)",
+              "child exit %d (see %s/child_full_save.log)", rcs[0], dir);
+    MPI_CHECK(KILLED(rcs[1]), "checkpoint/killed save: SMP_CKPT_FAULT=data kills a full save",
+              "exit %d (want 77, 9 or 1; see %s/child_full_fault.log)", rcs[1], dir);
     MPI_CHECK(intact, "checkpoint/killed save: the previous full file is bitwise intact", "%s", why);
     int P = allowed(2) ? 2 : 1;
     { /* the full checkpoint loads, here, with this world's partitioning */
@@ -985,9 +1038,13 @@ static void test_killed_save(const char *self) {
             old = check_all(m, &o, 7, why, sizeof why);
             new = !old && check_all(m, &o, 8, why, sizeof why);
         }
-        snprintf(name, sizeof name, "%s: loads as the %s checkpoint, bitwise, at P=%d", what, c->want_new ? "new" : "old", P);
+        snprintf(name, sizeof name, "%s: loads as the %s checkpoint, bitwise, at P=%d", what,
+                 c->want_new ? "new" : "old", P);
         MPI_CHECK(st == SMP_OK && (c->want_new ? new : old), name, "%s",
-                  st ? smp_last_error() : old ? "loaded the old checkpoint" : new ? "loaded the new checkpoint" : "loaded neither: a mix");
+                  st    ? smp_last_error()
+                  : old ? "loaded the old checkpoint"
+                  : new ? "loaded the new checkpoint"
+                        : "loaded neither: a mix");
         set_all(m, &o, 9);
         st = save(m, &o, path, 1, 0);
         int ok = st == SMP_OK && (me != 0 || only_committed(log, P, why, sizeof why));
@@ -1040,8 +1097,10 @@ static void test_sharded_gaps(void) {
         g_zskip = -1;
         good = !ok && strstr(why, "do not cover the parameter");
     }
-    MPI_CHECK(good, "checkpoint/sharded optimizer state: replicas whose state leaves a gap cannot save, an error on every rank",
-              "%s", ok ? "saved" : why);
+    MPI_CHECK(
+        good,
+        "checkpoint/sharded optimizer state: replicas whose state leaves a gap cannot save, an error on every rank",
+        "%s", ok ? "saved" : why);
     if (c != MPI_COMM_NULL) ok = zrun(c, 1, true, NULL, 0, false, 1, g, out, why, sizeof why);
     if (me == 0 && ok) {
         smp_ckpt_file *f, *f0;
@@ -1052,7 +1111,8 @@ static void test_sharded_gaps(void) {
         if (ok && smp_ckpt_open(f1, &f) == SMP_OK) { /* a tensor both replicas hold a range of */
             if (smp_ckpt_open(f0n, &f0) == SMP_OK) {
                 for (int i = 0; i < smp_ckpt_count(f) && !victim[0]; i++)
-                    if (!strncmp(smp_ckpt_info_at(f, i)->name, "optimizer.", 10) && smp_ckpt_find(f0, smp_ckpt_info_at(f, i)->name))
+                    if (!strncmp(smp_ckpt_info_at(f, i)->name, "optimizer.", 10) &&
+                        smp_ckpt_find(f0, smp_ckpt_info_at(f, i)->name))
                         snprintf(victim, sizeof victim, "%s", smp_ckpt_info_at(f, i)->name);
                 smp_ckpt_close(f0);
             }
@@ -1069,7 +1129,9 @@ static void test_sharded_gaps(void) {
                strstr(why, "does not cover");
         MPI_Comm_free(&c);
     }
-    MPI_CHECK(good, "checkpoint/sharded optimizer state: a checkpoint missing a replica's piece is an error naming it on every rank",
+    MPI_CHECK(good,
+              "checkpoint/sharded optimizer state: a checkpoint missing a replica's piece is an error naming it on "
+              "every rank",
               "%s (setting up: %d)", why, ok);
 }
 
@@ -1081,7 +1143,10 @@ static void last_tensor(const char *path, char *out, size_t cap) {
     uint64_t end = 0;
     for (int i = 0; i < smp_ckpt_count(f); i++) {
         const smp_ckpt_info *e = smp_ckpt_info_at(f, i);
-        if (e->nbytes && e->offset + e->nbytes >= end) { end = e->offset + e->nbytes; snprintf(out, cap, "%s", e->name); }
+        if (e->nbytes && e->offset + e->nbytes >= end) {
+            end = e->offset + e->nbytes;
+            snprintf(out, cap, "%s", e->name);
+        }
     }
     smp_ckpt_close(f);
 }
@@ -1114,7 +1179,8 @@ static void test_corruption(int P) {
             if (!st) st = save(m, &o, other, 1, 0);
             if (me == 0 && !st) {
                 if (c == C_MIXED_LEGACY) ok = to_legacy(path, P) && to_legacy(other, P);
-                ok = ok && part_file(other, P - 1, fa, sizeof fa) && part_file(path, P - 1, fb, sizeof fb) && rename(fa, fb) == 0;
+                ok = ok && part_file(other, P - 1, fa, sizeof fa) && part_file(path, P - 1, fb, sizeof fb) &&
+                     rename(fa, fb) == 0;
             }
         }
         if (me == 0 && !st && ok) {
@@ -1188,7 +1254,8 @@ static void test_corruption(int P) {
                 smp_ckpt_file *f;
                 if (ok && smp_ckpt_open(file, &f) == SMP_OK) {
                     for (int i = 0; i < smp_ckpt_count(f) && !f32[0]; i++)
-                        if (smp_ckpt_info_at(f, i)->dtype == SMP_F32) snprintf(f32, sizeof f32, "%s", smp_ckpt_info_at(f, i)->name);
+                        if (smp_ckpt_info_at(f, i)->dtype == SMP_F32)
+                            snprintf(f32, sizeof f32, "%s", smp_ckpt_info_at(f, i)->name);
                     smp_ckpt_close(f);
                 }
                 snprintf(tensor, sizeof tensor, "%s", file);
@@ -1200,7 +1267,8 @@ static void test_corruption(int P) {
         }
         MPI_Bcast(tensor, sizeof tensor, MPI_CHAR, 0, MPI_COMM_WORLD);
         MPI_Bcast(problem, sizeof problem, MPI_CHAR, 0, MPI_COMM_WORLD);
-        snprintf(name, sizeof name, "checkpoint/corruption/%s: an error naming '%s' on every rank, nothing changed (P=%d)", labels[c],
+        snprintf(name, sizeof name,
+                 "checkpoint/corruption/%s: an error naming '%s' on every rank, nothing changed (P=%d)", labels[c],
                  strrchr(tensor, '/') ? strrchr(tensor, '/') + 1 : tensor, P);
         if (st || !ok) { MPI_CHECK(0, name, "setting up: %s", smp_last_error()); opt_free(&o); stop(m); continue; }
         set_all(m, &o, 6);
@@ -1208,7 +1276,8 @@ static void test_corruption(int P) {
         st = load(m, &o, path, partial, NULL);
         int good = st != SMP_OK && strstr(smp_last_error(), tensor) && strstr(smp_last_error(), problem);
         int same = snap_same(&s, m, &o);
-        MPI_CHECK(good && same, name, "status %d, %s; message: %s", (int)st, same ? "tensors unchanged" : "TENSORS CHANGED", smp_last_error());
+        MPI_CHECK(good && same, name, "status %d, %s; message: %s", (int)st,
+                  same ? "tensors unchanged" : "TENSORS CHANGED", smp_last_error());
         opt_free(&o);
         stop(m);
     }
@@ -1265,7 +1334,10 @@ static void test_large(void) {
     cfg.partitions = P;
     cfg.ddp = world > P ? SMP_ON : SMP_OFF;
     cfg.auto_partition = SMP_OFF;
-    if (smp_init(&cfg) != SMP_OK) { MPI_CHECK(0, "checkpoint/large tensors", "smp_init: %s", smp_last_error()); return; }
+    if (smp_init(&cfg) != SMP_OK) {
+        MPI_CHECK(0, "checkpoint/large tensors", "smp_init: %s", smp_last_error());
+        return;
+    }
     big_net n;
     smp_module *root = smp_module_new(NULL, "", NULL);
     smp_module_desc d = {big_forward, NULL, NULL};
@@ -1290,7 +1362,8 @@ static void test_large(void) {
     for (int partial = 0; partial < 2; partial++) {
         char path[512], name[200], why[256] = "";
         snprintf(path, sizeof path, "%s/large_%d", dir, partial);
-        snprintf(name, sizeof name, "checkpoint/large tensors round-trip bitwise (%s, P=%d)", partial ? "partial" : "full", P);
+        snprintf(name, sizeof name, "checkpoint/large tensors round-trip bitwise (%s, P=%d)",
+                 partial ? "partial" : "full", P);
         big_set(m, 1);
         smp_status st = save(m, NULL, path, partial, 0);
         big_set(m, 2);
@@ -1320,7 +1393,8 @@ static void test_large(void) {
         MPI_Bcast(tensor, sizeof tensor, MPI_CHAR, 0, MPI_COMM_WORLD);
         big_set(m, 3);
         st = ok ? load(m, NULL, path, partial, NULL) : SMP_ERR_IO;
-        int good = ok && st != SMP_OK && strstr(smp_last_error(), "checksum mismatch") && strstr(smp_last_error(), tensor);
+        int good =
+            ok && st != SMP_OK && strstr(smp_last_error(), "checksum mismatch") && strstr(smp_last_error(), tensor);
         int same = big_check(m, 3, why, sizeof why);
         MPI_CHECK(good && same, name, "status %d, %s; message: %s", (int)st, same ? "tensors unchanged" : why,
                   ok ? smp_last_error() : "could not flip the byte");
@@ -1379,20 +1453,30 @@ static void test_failed_saves(void) {
         st = save(m, &o, path, 1, 0);
         unsetenv("SMP_CKPT_FAULT");
         if (phase == 1 && me == 0) rmdir(mtmp);
-        int good = st != SMP_OK && strstr(smp_last_error(), phase ? "cannot create its manifest" : "SMP_CKPT_FAULT") != NULL;
+        int good =
+            st != SMP_OK && strstr(smp_last_error(), phase ? "cannot create its manifest" : "SMP_CKPT_FAULT") != NULL;
         if (me == 0) {
             for (int k = -1; k < P && ok; k++) {
                 char a[700], b[800];
                 if (k < 0) snprintf(a, sizeof a, "%s.manifest", path);
-                else if (!part_file(path, k, a, sizeof a)) { ok = 0; snprintf(why, sizeof why, "%s", smp_last_error()); break; }
+                else if (!part_file(path, k, a, sizeof a)) {
+                    ok = 0;
+                    snprintf(why, sizeof why, "%s", smp_last_error());
+                    break;
+                }
                 snprintf(b, sizeof b, "%s.copy", a);
                 if (!same_bytes(a, b)) { ok = 0; snprintf(why, sizeof why, "%s changed", a); }
             }
             ckpt_files("saverr", after, sizeof after);
-            if (ok && strcmp(before, after)) { ok = 0; snprintf(why, sizeof why, "the folder held '%.1900s', now '%.1900s'", before, after); }
+            if (ok && strcmp(before, after)) {
+                ok = 0;
+                snprintf(why, sizeof why, "the folder held '%.1900s', now '%.1900s'", before, after);
+            }
         }
-        snprintf(name, sizeof name, "checkpoint/a save failing on one rank %s fails on all, previous files intact, no new or tmp files (P=%d)",
-                 phase ? "after its files are renamed" : "before its file is written", P);
+        snprintf(
+            name, sizeof name,
+            "checkpoint/a save failing on one rank %s fails on all, previous files intact, no new or tmp files (P=%d)",
+            phase ? "after its files are renamed" : "before its file is written", P);
         MPI_CHECK(good && ok, name, "status %d (%.1500s); %.1500s", (int)st, smp_last_error(), why);
     }
 
@@ -1407,7 +1491,10 @@ static void test_failed_saves(void) {
         for (int i = 0; i < o.n && ok; i++) {
             static uint8_t want[4096];
             fill(want, smp_tensor_nbytes(&o.t[i]), o.t[i].dtype, o.full[i], 23);
-            if (memcmp(want, o.t[i].data, smp_tensor_nbytes(&o.t[i]))) { ok = 0; snprintf(why, sizeof why, "%s changed", o.full[i]); }
+            if (memcmp(want, o.t[i].data, smp_tensor_nbytes(&o.t[i]))) {
+                ok = 0;
+                snprintf(why, sizeof why, "%s changed", o.full[i]);
+            }
         }
     } else snprintf(why, sizeof why, "%s", smp_last_error());
     MPI_CHECK(ok, "checkpoint/a load without an optimizer skips the optimizer state", "%s", why);
@@ -1419,7 +1506,8 @@ static void test_failed_saves(void) {
     st = save(m, &o, dpath, 0, 0);
     int good = st == SMP_ERR_IO && strstr(smp_last_error(), "a_folder") != NULL;
     ok = me != 0 || count_tmp("a_folder") == 0;
-    MPI_CHECK(good && ok, "checkpoint/a full save onto a folder fails on every rank, no tmp file left", "status %d: %s", (int)st, smp_last_error());
+    MPI_CHECK(good && ok, "checkpoint/a full save onto a folder fails on every rank, no tmp file left", "status %d: %s",
+              (int)st, smp_last_error());
     opt_free(&o);
     stop(m);
 }
@@ -1434,7 +1522,8 @@ static void test_misuse(void) {
     char path[512];
     path_in(path, sizeof path, "misuse");
     smp_status st = smp_save(m, path, NULL);
-    MPI_CHECK(st == SMP_ERR_STATE && strstr(smp_last_error(), "not partitioned"), "checkpoint/saving an unpartitioned model is an error", "%d %s", st, smp_last_error());
+    MPI_CHECK(st == SMP_ERR_STATE && strstr(smp_last_error(), "not partitioned"),
+              "checkpoint/saving an unpartitioned model is an error", "%d %s", st, smp_last_error());
     smp_tensor x = smp_tensor_2d(g_x, SMP_F32, B, D);
     smp_model_trace(m, &x, 1);
     const char *k[] = {"smp.epoch"}, *v[] = {"1"};
@@ -1443,22 +1532,27 @@ static void test_misuse(void) {
     d.meta_values = v;
     d.nmeta = 1;
     st = smp_save(m, path, &d);
-    MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "smp.epoch"), "checkpoint/reserved metadata keys are an error", "%s", smp_last_error());
+    MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "smp.epoch"),
+              "checkpoint/reserved metadata keys are an error", "%s", smp_last_error());
     st = smp_save(m, path, NULL); /* partial, the default */
     smp_load_desc ld = {0};
     ld.partial = SMP_OFF;
     st = st ? st : smp_load(m, path, &ld);
-    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "partial = SMP_ON"), "checkpoint/loading a partial checkpoint as full hints at partial", "%s", smp_last_error());
+    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "partial = SMP_ON"),
+              "checkpoint/loading a partial checkpoint as full hints at partial", "%s", smp_last_error());
     char f0[700] = "";
     st = part_file(path, 0, f0, sizeof f0) ? smp_load(m, f0, &ld) : SMP_ERR_IO;
     MPI_CHECK(st == SMP_ERR_FORMAT && strstr(smp_last_error(), "partial = SMP_ON and the path without the \".g1_0\""),
-              "checkpoint/loading one file of a partial checkpoint as full names the path to load", "%s", smp_last_error());
+              "checkpoint/loading one file of a partial checkpoint as full names the path to load", "%s",
+              smp_last_error());
     ld.partial = SMP_ON;
     char nowhere[600];
     path_in(nowhere, sizeof nowhere, "no_such_checkpoint");
     st = smp_load(m, nowhere, &ld);
-    MPI_CHECK(st == SMP_ERR_IO && strstr(smp_last_error(), "neither its manifest") && strstr(smp_last_error(), "no_such_checkpoint_0"),
-              "checkpoint/loading a partial checkpoint that does not exist names both layouts it looked for", "%s", smp_last_error());
+    MPI_CHECK(st == SMP_ERR_IO && strstr(smp_last_error(), "neither its manifest") &&
+                  strstr(smp_last_error(), "no_such_checkpoint_0"),
+              "checkpoint/loading a partial checkpoint that does not exist names both layouts it looked for", "%s",
+              smp_last_error());
     ld.partial = SMP_OFF;
     smp_optimizer *o;
     smp_optimizer_new(m, &o);
@@ -1468,8 +1562,8 @@ static void test_misuse(void) {
     int ok = st == SMP_ERR_ARG && strstr(smp_last_error(), "nope.weight");
     st = smp_optimizer_state_add(o, NULL, "a.b", &t);
     ok = ok && st == SMP_ERR_ARG && smp_optimizer_state_count(o) == 0;
-    MPI_CHECK(ok, "checkpoint/optimizer registry rejects unknown parameters and dotted names, and counts none of them", "%s (%d registered)",
-              smp_last_error(), smp_optimizer_state_count(o));
+    MPI_CHECK(ok, "checkpoint/optimizer registry rejects unknown parameters and dotted names, and counts none of them",
+              "%s (%d registered)", smp_last_error(), smp_optimizer_state_count(o));
     st = smp_optimizer_state_add(o, NULL, "lr", &t);
     if (!st) st = smp_optimizer_state_add(o, NULL, "beta", &t);
     MPI_CHECK(st == SMP_OK && smp_optimizer_state_count(o) == 2, "checkpoint/optimizer registry counts what it holds",

@@ -382,7 +382,8 @@ static void test_roundtrip(void) {
     double vals[6] = {1.5, -2, 3.25, 0, 1e300, -0.0};
     smp_tensor t = smp_tensor_2d(vals, SMP_F64, 2, 3);
     smp_ckpt_entry e = smp_ckpt_entry_of("block.w", &t);
-    ok = !strcmp(e.name, "block.w") && e.dtype == SMP_F64 && e.ndim == 2 && e.shape[0] == 2 && e.shape[1] == 3 && e.data == vals;
+    ok = !strcmp(e.name, "block.w") && e.dtype == SMP_F64 && e.ndim == 2 && e.shape[0] == 2 && e.shape[1] == 3 &&
+         e.data == vals;
     path_in(p2, sizeof p2, "entry_of.safetensors");
     ok = ok && smp_ckpt_write_file(p2, &e, 1, NULL, NULL, 0) == SMP_OK && smp_ckpt_open(p2, &f) == SMP_OK;
     if (ok) {
@@ -392,8 +393,8 @@ static void test_roundtrip(void) {
              in->shape[1] == 3 && smp_ckpt_read(f, in, back, sizeof back) == SMP_OK && !memcmp(back, vals, sizeof vals);
         smp_ckpt_close(f);
     }
-    CHECK(ok, "smp_ckpt_entry_of: a tensor's name, dtype, shape and bytes round trip; smp_ckpt_path names the file", "%s",
-          smp_last_error());
+    CHECK(ok, "smp_ckpt_entry_of: a tensor's name, dtype, shape and bytes round trip; smp_ckpt_path names the file",
+          "%s", smp_last_error());
 }
 
 static void test_writer_misuse(void) {
@@ -568,7 +569,8 @@ static void test_faults(void) {
         smp_ckpt_write_file(p, ents, NT, mkeys, mvals, NMETA);
         rc = child_save(p, model_phases[i], log, &pid);
         make_entries(1);
-        snprintf(name, sizeof name, "fault %s (a phase of partial model saves) does not fire in a file write", model_phases[i]);
+        snprintf(name, sizeof name, "fault %s (a phase of partial model saves) does not fire in a file write",
+                 model_phases[i]);
         CHECK(rc == 0 && check_contents(p, &why) && count_prefix("fault_model_phase.safetensors") == 1, name,
               "exit status %d; %s; %d files", rc, why, count_prefix("fault_model_phase.safetensors"));
     }

@@ -223,7 +223,8 @@ static int folder_same(const folder *was, const char *name, char *why, size_t ca
     folder_read(&now, name);
     if (now.n != was->n) same = 0;
     for (int i = 0; i < now.n && same; i++)
-        if (strcmp(now.name[i], was->name[i]) || now.len[i] != was->len[i] || memcmp(now.bytes[i], was->bytes[i], now.len[i]))
+        if (strcmp(now.name[i], was->name[i]) || now.len[i] != was->len[i] ||
+            memcmp(now.bytes[i], was->bytes[i], now.len[i]))
             same = 0;
     if (!same) {
         size_t at = (size_t)snprintf(why, cap, "the folder held");
@@ -409,8 +410,8 @@ static long sweep(smp_model *m, opt_store *o, int P, int op, int r, long *commit
             smp_status ls = do_load(m, o, path, partial);
             if (good && (ls != SMP_OK || !check_all(m, o, V_OLD, why, sizeof why))) {
                 good = 0;
-                snprintf(mine, sizeof mine, "allocation %ld failed on rank %d, then the previous checkpoint: %.1800s", k,
-                         r, ls ? smp_last_error() : why);
+                snprintf(mine, sizeof mine, "allocation %ld failed on rank %d, then the previous checkpoint: %.1800s",
+                         k, r, ls ? smp_last_error() : why);
             }
         }
         int all_good;
@@ -444,8 +445,8 @@ static long sweep(smp_model *m, opt_store *o, int P, int op, int r, long *commit
             MPI_Allreduce(&lok, &all, 1, MPI_INT, MPI_LAND, MPI_COMM_WORLD);
             if (!all) {
                 ok = 0;
-                MPI_CHECK(lok, "ckpt_nomem/a save whose allocation after the commit fails stands", "%s: %s", op_names[op],
-                          smp_last_error());
+                MPI_CHECK(lok, "ckpt_nomem/a save whose allocation after the commit fails stands", "%s: %s",
+                          op_names[op], smp_last_error());
                 break;
             }
             if (me == 0) {

@@ -102,7 +102,8 @@ int main(int argc, char **argv) {
         smp_param *p = smp_model_local_param(m, 0, false); /* a local one: every rank's data crosses to the writer */
         st = p ? smp_optimizer_state_add(o, smp_param_name(p), "moments", &t) : SMP_ERR_STATE;
     }
-    MPI_CHECK(st == SMP_OK, "ckpt threads: a traced model with 12 MiB of optimizer state on every rank", "%s", smp_last_error());
+    MPI_CHECK(st == SMP_OK, "ckpt threads: a traced model with 12 MiB of optimizer state on every rank", "%s",
+              smp_last_error());
     if (st) {
         MPI_Finalize();
         return 1;
@@ -145,15 +146,18 @@ int main(int argc, char **argv) {
     if (limited) setrlimit(RLIMIT_FSIZE, &old);
     const char *msg = smp_last_error();
     if (me == 0)
-        ok = limited && st == SMP_ERR_IO && strstr(msg, "writing") && strstr(msg, "File too large") && strstr(msg, path);
+        ok =
+            limited && st == SMP_ERR_IO && strstr(msg, "writing") && strstr(msg, "File too large") && strstr(msg, path);
     else
         ok = st != SMP_OK && strstr(msg, "File too large") != NULL;
     snprintf(why, sizeof why, "status %s (limit set: %d): %s", smp_status_name(st), limited, msg);
-    MPI_CHECK(ok, "ckpt threads: a write that fails on the I/O thread fails the save with its message on every rank", "%s", why);
+    MPI_CHECK(ok, "ckpt threads: a write that fails on the I/O thread fails the save with its message on every rank",
+              "%s", why);
 
     memset(big, 0, BIG * sizeof(float));
     st = load(m, o, path);
-    MPI_CHECK(st == SMP_OK && same(big, BIG, 12), "ckpt threads: the failed save left the previous checkpoint as it was", "%s",
+    MPI_CHECK(st == SMP_OK && same(big, BIG, 12),
+              "ckpt threads: the failed save left the previous checkpoint as it was", "%s",
               st ? smp_last_error() : "the optimizer state differs");
 
     smp_optimizer_free(o);

@@ -264,7 +264,8 @@ static bool rejects_avg(smp_dtype dt, smp_op op) { return op == SMP_AVG && !is_f
 /* Expect the rejection of avg on an integer tensor. */
 static void expect_avg_rejected(agg *a, smp_status st, const char *fn) {
     if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "avg"))
-        fail(a, "%s with avg on an integer tensor gave %s (%.200s), want SMP_ERR_ARG naming avg", fn, smp_status_name(st), smp_last_error());
+        fail(a, "%s with avg on an integer tensor gave %s (%.200s), want SMP_ERR_ARG naming avg", fn,
+             smp_status_name(st), smp_last_error());
 }
 
 /* The reference of an op over the group's inputs, as a pattern. Every
@@ -513,27 +514,31 @@ static void test_all_to_all(smp_dtype dt, int gi, bool equal) {
             }
             if (!inplace) memset(out, 0xA5, out_elems * es);
             int64_t ishape[2] = {in_total, cols}, oshape[2] = {out_total, cols};
-            smp_tensor ti = smp_tensor_make(in, dt, equal ? 1 : 2, ishape), to = smp_tensor_make(out, dt, equal ? 1 : 2, oshape);
+            smp_tensor ti = smp_tensor_make(in, dt, equal ? 1 : 2, ishape),
+                       to = smp_tensor_make(out, dt, equal ? 1 : 2, oshape);
             smp_status st = equal ? smp_all_to_all_single(&ti, &to, NULL, NULL, g)
                                   : smp_all_to_all_single(&ti, &to, recv_rows, send_rows, g);
             if (st != SMP_OK) fail(&a, "%s rows=%lld: %.200s", place_name(inplace), (long long)scale, smp_last_error());
             at = 0;
             for (int k = 0; k < m.n && a.ok; k++) {
                 char what[80];
-                snprintf(what, sizeof what, "%s rows=%lld block from member %d", place_name(inplace), (long long)scale, k);
+                snprintf(what, sizeof what, "%s rows=%lld block from member %d", place_name(inplace), (long long)scale,
+                         k);
                 expect_pattern(&a, &from_them[k], (char *)out + at * es, (size_t)(recv_rows[k] * cols), 0, what);
                 at += (size_t)(recv_rows[k] * cols);
             }
             at = 0;
             for (int k = 0; k < m.n && a.ok && !inplace; k++) {
-                expect_pattern(&a, &to_them[k], (char *)in + at * es, (size_t)(send_rows[k] * cols), 0, "outofplace input changed");
+                expect_pattern(&a, &to_them[k], (char *)in + at * es, (size_t)(send_rows[k] * cols), 0,
+                               "outofplace input changed");
                 at += (size_t)(send_rows[k] * cols);
             }
             if (!inplace) free(out);
             free(in);
         }
     char name[128];
-    snprintf(name, sizeof name, "all_to_all_single/%s/%s/%s", equal ? "equal" : "unequal", smp_dtype_name(dt), GROUP_NAMES[gi]);
+    snprintf(name, sizeof name, "all_to_all_single/%s/%s/%s", equal ? "equal" : "unequal", smp_dtype_name(dt),
+             GROUP_NAMES[gi]);
     MPI_CHECK(a.ok, name, "%s", a.why);
 }
 
@@ -554,8 +559,9 @@ static void test_barrier(int gi) {
     double waited = MPI_Wtime() - t0;
     char name[64];
     snprintf(name, sizeof name, "barrier/%s", GROUP_NAMES[gi]);
-    MPI_CHECK(st == SMP_OK && (m.me == 0 || waited > 0.25), name, "group rank %d left the barrier after %.3f s, while member 0 came after 0.3 s (%.200s)",
-              m.me, waited, st == SMP_OK ? "smp_barrier returned SMP_OK" : smp_last_error());
+    MPI_CHECK(st == SMP_OK && (m.me == 0 || waited > 0.25), name,
+              "group rank %d left the barrier after %.3f s, while member 0 came after 0.3 s (%.200s)", m.me, waited,
+              st == SMP_OK ? "smp_barrier returned SMP_OK" : smp_last_error());
 }
 
 /* ================================================================ object messaging */
@@ -572,7 +578,8 @@ static void test_send_recv(smp_group rt, int gi) {
     if (m.n == 1) {
         char b = 0;
         smp_status st = smp_send(&b, 1, 0, rt);
-        if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "this rank")) fail(&a, "sending to itself gave %s (%.200s)", smp_status_name(st), smp_last_error());
+        if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "this rank"))
+            fail(&a, "sending to itself gave %s (%.200s)", smp_status_name(st), smp_last_error());
         MPI_CHECK(a.ok, name, "%s", a.why);
         return;
     }
@@ -593,12 +600,15 @@ static void test_send_recv(smp_group rt, int gi) {
             s2 = smp_recv_from(from, rt, &got, &got_len);
             s1 = smp_send(buf, len, to, rt);
         }
-        if (s1 != SMP_OK || s2 != SMP_OK) fail(&a, "len %zu: send %s, recv %s (%.200s)", len, smp_status_name(s1), smp_status_name(s2), smp_last_error());
+        if (s1 != SMP_OK || s2 != SMP_OK)
+            fail(&a, "len %zu: send %s, recv %s (%.200s)", len, smp_status_name(s1), smp_status_name(s2),
+                 smp_last_error());
         else if (got_len != len) fail(&a, "len %zu: received %zu bytes", len, got_len);
         else if (!got || ((char *)got)[len] != 0) fail(&a, "len %zu: received buffer is not NUL-terminated", len);
         else
             for (size_t i = 0; i < len && a.ok; i++)
-                if (((unsigned char *)got)[i] != msg_byte(m.wr[from], W_RANK, len, i)) fail(&a, "len %zu: byte %zu differs", len, i);
+                if (((unsigned char *)got)[i] != msg_byte(m.wr[from], W_RANK, len, i))
+                    fail(&a, "len %zu: byte %zu differs", len, i);
         smp_free(got);
         free(buf);
     }
@@ -609,7 +619,8 @@ static void test_send_recv(smp_group rt, int gi) {
         size_t got_len = 0;
         smp_status s1 = smp_send(NULL, 5, to, rt), s2 = smp_recv_from(from, rt, &got, &got_len);
         if (s1 != SMP_ERR_ARG) fail(&a, "a send of NULL gave %s", smp_status_name(s1));
-        else if (s2 != SMP_ERR_REMOTE || !strstr(smp_last_error(), "failed its smp_send to this rank") || !strstr(smp_last_error(), "buffer is NULL"))
+        else if (s2 != SMP_ERR_REMOTE || !strstr(smp_last_error(), "failed its smp_send to this rank") ||
+                 !strstr(smp_last_error(), "buffer is NULL"))
             fail(&a, "the receive of a failed send gave %s (%.200s)", smp_status_name(s2), smp_last_error());
         const char next[] = "next";
         if (m.me % 2 == 0) {
@@ -620,19 +631,23 @@ static void test_send_recv(smp_group rt, int gi) {
             s1 = smp_send(next, sizeof next, to, rt);
         }
         if (s1 || s2 || got_len != sizeof next || strcmp((const char *)got, next))
-            fail(&a, "the message after a failed send: send %s, recv %s, %zu bytes", smp_status_name(s1), smp_status_name(s2), got_len);
+            fail(&a, "the message after a failed send: send %s, recv %s, %zu bytes", smp_status_name(s1),
+                 smp_status_name(s2), got_len);
         smp_free(got);
     }
     /* outside the group, and itself */
     char b = 0;
     smp_status st = smp_send(&b, 1, m.n, rt);
-    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "outside")) fail(&a, "send to member %d of %d gave %s (%.200s)", m.n, m.n, smp_status_name(st), smp_last_error());
+    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "outside"))
+        fail(&a, "send to member %d of %d gave %s (%.200s)", m.n, m.n, smp_status_name(st), smp_last_error());
     void *p = NULL;
     size_t pl = 0;
     st = smp_recv_from(-1, rt, &p, &pl);
-    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "outside")) fail(&a, "recv from -1 gave %s (%.200s)", smp_status_name(st), smp_last_error());
+    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "outside"))
+        fail(&a, "recv from -1 gave %s (%.200s)", smp_status_name(st), smp_last_error());
     st = smp_send(&b, 1, m.me, rt);
-    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "this rank")) fail(&a, "send to itself gave %s (%.200s)", smp_status_name(st), smp_last_error());
+    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "this rank"))
+        fail(&a, "send to itself gave %s (%.200s)", smp_status_name(st), smp_last_error());
     MPI_CHECK(a.ok, name, "%s", a.why);
 }
 
@@ -655,14 +670,16 @@ static void test_broadcast_bytes(int gi) {
             else if (n != len) fail(&a, "root %d: got %zu bytes, want %zu", root, n, len);
             else
                 for (size_t i = 0; i < len && a.ok; i++)
-                    if (((unsigned char *)buf)[i] != msg_byte(m.wr[root], -1, len, i)) fail(&a, "root %d len %zu: byte %zu differs", root, len, i);
+                    if (((unsigned char *)buf)[i] != msg_byte(m.wr[root], -1, len, i))
+                        fail(&a, "root %d len %zu: byte %zu differs", root, len, i);
             if (m.me == root) free(buf);
             else smp_free(buf);
         }
     void *buf = NULL;
     size_t n = 0;
     smp_status st = smp_broadcast_bytes(&buf, &n, m.n, g);
-    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "root")) fail(&a, "root %d of %d gave %s (%.200s)", m.n, m.n, smp_status_name(st), smp_last_error());
+    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "root"))
+        fail(&a, "root %d of %d gave %s (%.200s)", m.n, m.n, smp_status_name(st), smp_last_error());
     char name[96];
     snprintf(name, sizeof name, "objects/broadcast_bytes/%s", GROUP_NAMES[gi]);
     MPI_CHECK(a.ok, name, "%s", a.why);
@@ -686,9 +703,13 @@ static void test_allgather_bytes(int gi) {
         else {
             size_t at = 0;
             for (int k = 0; k < m.n && a.ok; k++) {
-                if (lens[k] != lens_of[k]) { fail(&a, "round %d: lens[%d] = %zu, want %zu", round, k, lens[k], lens_of[k]); break; }
+                if (lens[k] != lens_of[k]) {
+                    fail(&a, "round %d: lens[%d] = %zu, want %zu", round, k, lens[k], lens_of[k]);
+                    break;
+                }
                 for (size_t i = 0; i < lens[k] && a.ok; i++)
-                    if (((unsigned char *)out)[at + i] != msg_byte(m.wr[k], -2, lens[k], i)) fail(&a, "round %d: member %d byte %zu differs", round, k, i);
+                    if (((unsigned char *)out)[at + i] != msg_byte(m.wr[k], -2, lens[k], i))
+                        fail(&a, "round %d: member %d byte %zu differs", round, k, i);
                 at += lens[k];
             }
         }
@@ -713,17 +734,19 @@ static void test_dlpack(void) {
             smp_tensor t = smp_tensor_make(storage, map[d].dt, ndim, shape), back;
             int64_t dl_shape[SMP_MAX_DIMS];
             DLTensor dl = smp_tensor_to_dlpack(&t, dl_shape);
-            if (dl.data != storage || dl.ndim != ndim || dl.dtype.code != map[d].code || dl.dtype.bits != map[d].bits || dl.dtype.lanes != 1 ||
-                dl.device.device_type != kDLCPU || dl.byte_offset != 0 || dl.strides != NULL || dl.shape != dl_shape)
-                fail(&a, "to_dlpack %s ndim %d: data %s, code %d bits %d lanes %d device %d", smp_dtype_name(map[d].dt), ndim,
-                     dl.data == storage ? "shared" : "copied", dl.dtype.code, dl.dtype.bits, dl.dtype.lanes, (int)dl.device.device_type);
+            if (dl.data != storage || dl.ndim != ndim || dl.dtype.code != map[d].code || dl.dtype.bits != map[d].bits ||
+                dl.dtype.lanes != 1 || dl.device.device_type != kDLCPU || dl.byte_offset != 0 || dl.strides != NULL ||
+                dl.shape != dl_shape)
+                fail(&a, "to_dlpack %s ndim %d: data %s, code %d bits %d lanes %d device %d", smp_dtype_name(map[d].dt),
+                     ndim, dl.data == storage ? "shared" : "copied", dl.dtype.code, dl.dtype.bits, dl.dtype.lanes,
+                     (int)dl.device.device_type);
             for (int i = 0; i < ndim; i++)
                 if (dl.shape[i] != shape[i]) fail(&a, "to_dlpack: shape[%d] = %lld", i, (long long)dl.shape[i]);
             smp_status st = smp_tensor_from_dlpack(&dl, &back);
-            if (st != SMP_OK || back.data != storage || back.dtype != map[d].dt || back.ndim != ndim || back.device != SMP_HOST ||
-                !smp_tensor_same_shape(&back, &t))
-                fail(&a, "round trip %s ndim %d: %s, dtype %s ndim %d device %d", smp_dtype_name(map[d].dt), ndim, smp_status_name(st),
-                     smp_dtype_name(back.dtype), back.ndim, back.device);
+            if (st != SMP_OK || back.data != storage || back.dtype != map[d].dt || back.ndim != ndim ||
+                back.device != SMP_HOST || !smp_tensor_same_shape(&back, &t))
+                fail(&a, "round trip %s ndim %d: %s, dtype %s ndim %d device %d", smp_dtype_name(map[d].dt), ndim,
+                     smp_status_name(st), smp_dtype_name(back.dtype), back.ndim, back.device);
         }
     /* a DLTensor made by someone else: byte offset, explicit compact strides,
        CUDA device, and the ones smp must refuse */
@@ -742,23 +765,28 @@ static void test_dlpack(void) {
     smp_tensor t;
     smp_status st = smp_tensor_from_dlpack(&dl, &t);
     if (st != SMP_OK || t.data != storage + 64 || t.dtype != SMP_F32 || t.shape[0] != 4 || t.shape[1] != 6)
-        fail(&a, "byte_offset 64 + compact strides: %s (%.200s), data offset %td", smp_status_name(st), smp_last_error(), (char *)t.data - storage);
+        fail(&a, "byte_offset 64 + compact strides: %s (%.200s), data offset %td", smp_status_name(st),
+             smp_last_error(), (char *)t.data - storage);
     dl.device.device_type = kDLCUDA;
     dl.device.device_id = 3;
     st = smp_tensor_from_dlpack(&dl, &t);
-    if (st != SMP_OK || t.device != SMP_CUDA(3)) fail(&a, "CUDA device 3: %s, device %d", smp_status_name(st), t.device);
+    if (st != SMP_OK || t.device != SMP_CUDA(3))
+        fail(&a, "CUDA device 3: %s, device %d", smp_status_name(st), t.device);
     int64_t cuda_shape[SMP_MAX_DIMS];
     DLTensor cuda_back = smp_tensor_to_dlpack(&t, cuda_shape);
     if (cuda_back.device.device_type != kDLCUDA || cuda_back.device.device_id != 3)
-        fail(&a, "CUDA device 3 back to DLPack: type %d, id %d", (int)cuda_back.device.device_type, (int)cuda_back.device.device_id);
+        fail(&a, "CUDA device 3 back to DLPack: type %d, id %d", (int)cuda_back.device.device_type,
+             (int)cuda_back.device.device_id);
     dl.device.device_type = kDLCPU;
     dl.strides = bad_strides;
     st = smp_tensor_from_dlpack(&dl, &t);
-    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "contiguous")) fail(&a, "transposed strides gave %s (%.200s)", smp_status_name(st), smp_last_error());
+    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "contiguous"))
+        fail(&a, "transposed strides gave %s (%.200s)", smp_status_name(st), smp_last_error());
     dl.strides = strides;
     dl.dtype.lanes = 4;
     st = smp_tensor_from_dlpack(&dl, &t);
-    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "lanes")) fail(&a, "4 lanes gave %s (%.200s)", smp_status_name(st), smp_last_error());
+    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "lanes"))
+        fail(&a, "4 lanes gave %s (%.200s)", smp_status_name(st), smp_last_error());
     dl.dtype.lanes = 1;
     dl.dtype.bits = 8; /* float8: no smp dtype */
     st = smp_tensor_from_dlpack(&dl, &t);
@@ -766,7 +794,8 @@ static void test_dlpack(void) {
     dl.dtype.bits = 32;
     dl.device.device_type = kDLOpenCL;
     st = smp_tensor_from_dlpack(&dl, &t);
-    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "device")) fail(&a, "OpenCL device gave %s (%.200s)", smp_status_name(st), smp_last_error());
+    if (st != SMP_ERR_ARG || !strstr(smp_last_error(), "device"))
+        fail(&a, "OpenCL device gave %s (%.200s)", smp_status_name(st), smp_last_error());
     MPI_CHECK(a.ok, "dlpack/round_trip_and_refusals", "%s", a.why);
 }
 
@@ -801,11 +830,16 @@ static void test_half_conversions(void) {
             uint16_t sg = s ? 0x8000 : 0;
             float m = s ? -mid : mid;
             uint16_t got = smp_f32_to_f16(m);
-            if (got != (even | sg)) fail(&f16h, "smp_f32_to_f16(%.9g) = 0x%04x, want 0x%04x (ties to even)", (double)m, got, even | sg);
+            if (got != (even | sg))
+                fail(&f16h, "smp_f32_to_f16(%.9g) = 0x%04x, want 0x%04x (ties to even)", (double)m, got, even | sg);
             got = smp_f32_to_f16(nextafterf(m, 0));
-            if (got != (h | sg)) fail(&f16h, "smp_f32_to_f16(%.9g, just below a tie) = 0x%04x, want 0x%04x", (double)nextafterf(m, 0), got, h | sg);
+            if (got != (h | sg))
+                fail(&f16h, "smp_f32_to_f16(%.9g, just below a tie) = 0x%04x, want 0x%04x", (double)nextafterf(m, 0),
+                     got, h | sg);
             got = smp_f32_to_f16(nextafterf(m, s ? -INFINITY : INFINITY));
-            if (got != ((h + 1) | sg)) fail(&f16h, "smp_f32_to_f16(just above a tie %.9g) = 0x%04x, want 0x%04x", (double)m, got, (h + 1) | sg);
+            if (got != ((h + 1) | sg))
+                fail(&f16h, "smp_f32_to_f16(just above a tie %.9g) = 0x%04x, want 0x%04x", (double)m, got,
+                     (h + 1) | sg);
         }
     }
     for (uint32_t h = 0; h < 0x7f80; h++) {
@@ -817,11 +851,15 @@ static void test_half_conversions(void) {
             uint16_t sg = s ? 0x8000 : 0;
             float m = s ? -mid : mid;
             uint16_t got = smp_f32_to_bf16(m);
-            if (got != (even | sg)) fail(&bf16h, "smp_f32_to_bf16(%.9g) = 0x%04x, want 0x%04x (ties to even)", (double)m, got, even | sg);
+            if (got != (even | sg))
+                fail(&bf16h, "smp_f32_to_bf16(%.9g) = 0x%04x, want 0x%04x (ties to even)", (double)m, got, even | sg);
             got = smp_f32_to_bf16(nextafterf(m, 0));
-            if (got != (h | sg)) fail(&bf16h, "smp_f32_to_bf16(just below a tie %.9g) = 0x%04x, want 0x%04x", (double)m, got, h | sg);
+            if (got != (h | sg))
+                fail(&bf16h, "smp_f32_to_bf16(just below a tie %.9g) = 0x%04x, want 0x%04x", (double)m, got, h | sg);
             got = smp_f32_to_bf16(nextafterf(m, s ? -INFINITY : INFINITY));
-            if (got != ((h + 1) | sg)) fail(&bf16h, "smp_f32_to_bf16(just above a tie %.9g) = 0x%04x, want 0x%04x", (double)m, got, (h + 1) | sg);
+            if (got != ((h + 1) | sg))
+                fail(&bf16h, "smp_f32_to_bf16(just above a tie %.9g) = 0x%04x, want 0x%04x", (double)m, got,
+                     (h + 1) | sg);
         }
     }
     /* arbitrary f32 bit patterns (f32 subnormals, huge values, NaNs) against
@@ -838,7 +876,8 @@ static void test_half_conversions(void) {
             if ((a & 0x7c00) != 0x7c00 || !(a & 0x3ff) || (b & 0x7f80) != 0x7f80 || !(b & 0x7f))
                 fail(&rnd, "NaN 0x%08x became f16 0x%04x / bf16 0x%04x", bits, a, b);
         } else if (a != wa || b != wb)
-            fail(&rnd, "f32 0x%08x (%.9g): f16 0x%04x want 0x%04x, bf16 0x%04x want 0x%04x", bits, (double)f, a, wa, b, wb);
+            fail(&rnd, "f32 0x%08x (%.9g): f16 0x%04x want 0x%04x, bf16 0x%04x want 0x%04x", bits, (double)f, a, wa, b,
+                 wb);
     }
     MPI_CHECK(f16.ok, "dtype/f16/all_65536_round_trip", "%s", f16.why);
     MPI_CHECK(bf16.ok, "dtype/bf16/all_65536_round_trip", "%s", bf16.why);
@@ -852,8 +891,8 @@ static void test_half_conversions(void) {
 static void expect_error(const char *name, smp_status st, smp_status want, const char *w1, const char *w2) {
     const char *msg = smp_last_error();
     bool ok = st == want && (!w1 || strstr(msg, w1)) && (!w2 || strstr(msg, w2));
-    MPI_CHECK(ok, name, "gave %s: \"%.250s\", want %s naming %s%s%s", smp_status_name(st), msg, smp_status_name(want), w1 ? w1 : "",
-              w2 ? " and " : "", w2 ? w2 : "");
+    MPI_CHECK(ok, name, "gave %s: \"%.250s\", want %s naming %s%s%s", smp_status_name(st), msg, smp_status_name(want),
+              w1 ? w1 : "", w2 ? " and " : "", w2 ? w2 : "");
 }
 
 /* Runs fn in a child process so that a crash is a failed check, not a dead
@@ -909,26 +948,35 @@ static void test_argument_errors(void) {
     smp_tensor tf = smp_tensor_1d(f, SMP_F32, 8), td = smp_tensor_1d(d, SMP_F64, 8), tf7 = smp_tensor_1d(f, SMP_F32, 7);
     smp_tensor ti = smp_tensor_1d(iv, SMP_I32, 8);
 
-    expect_error("errors/all_reduce/dtype_mismatch", smp_all_reduce(&tf, &td, SMP_SUM, SMP_WORLD), SMP_ERR_ARG, "f32", "f64");
-    expect_error("errors/all_reduce/element_count", smp_all_reduce(&tf, &tf7, SMP_SUM, SMP_WORLD), SMP_ERR_ARG, "elements", NULL);
-    expect_error("errors/all_reduce/avg_on_i32", smp_all_reduce(&ti, &ti, SMP_AVG, SMP_WORLD), SMP_ERR_ARG, "avg", "i32");
-    expect_error("errors/all_reduce/unknown_op", smp_all_reduce(&tf, &tf, (smp_op)9, SMP_WORLD), SMP_ERR_ARG, "op", NULL);
-    expect_error("errors/all_reduce/bad_group", smp_all_reduce(&tf, &tf, SMP_SUM, (smp_group)7), SMP_ERR_ARG, "group", NULL);
-    expect_error("errors/all_reduce/negative_group", smp_all_reduce(&tf, &tf, SMP_SUM, (smp_group)-1), SMP_ERR_ARG, "group", NULL);
+    expect_error("errors/all_reduce/dtype_mismatch", smp_all_reduce(&tf, &td, SMP_SUM, SMP_WORLD), SMP_ERR_ARG, "f32",
+                 "f64");
+    expect_error("errors/all_reduce/element_count", smp_all_reduce(&tf, &tf7, SMP_SUM, SMP_WORLD), SMP_ERR_ARG,
+                 "elements", NULL);
+    expect_error("errors/all_reduce/avg_on_i32", smp_all_reduce(&ti, &ti, SMP_AVG, SMP_WORLD), SMP_ERR_ARG, "avg",
+                 "i32");
+    expect_error("errors/all_reduce/unknown_op", smp_all_reduce(&tf, &tf, (smp_op)9, SMP_WORLD), SMP_ERR_ARG, "op",
+                 NULL);
+    expect_error("errors/all_reduce/bad_group", smp_all_reduce(&tf, &tf, SMP_SUM, (smp_group)7), SMP_ERR_ARG, "group",
+                 NULL);
+    expect_error("errors/all_reduce/negative_group", smp_all_reduce(&tf, &tf, SMP_SUM, (smp_group)-1), SMP_ERR_ARG,
+                 "group", NULL);
     {
         smp_tensor bad = tf;
         bad.dtype = (smp_dtype)42;
-        expect_error("errors/all_reduce/invalid_dtype", smp_all_reduce(&bad, &bad, SMP_SUM, SMP_WORLD), SMP_ERR_ARG, "dtype", NULL);
+        expect_error("errors/all_reduce/invalid_dtype", smp_all_reduce(&bad, &bad, SMP_SUM, SMP_WORLD), SMP_ERR_ARG,
+                     "dtype", NULL);
         bad = tf;
         bad.shape[0] = -3;
-        expect_error("errors/all_reduce/negative_dim", smp_all_reduce(&bad, &bad, SMP_SUM, SMP_WORLD), SMP_ERR_ARG, "negative", NULL);
+        expect_error("errors/all_reduce/negative_dim", smp_all_reduce(&bad, &bad, SMP_SUM, SMP_WORLD), SMP_ERR_ARG,
+                     "negative", NULL);
         bad = tf;
         bad.data = NULL;
-        expect_error("errors/all_reduce/no_data", smp_all_reduce(&bad, &bad, SMP_SUM, SMP_WORLD), SMP_ERR_ARG, "data", NULL);
+        expect_error("errors/all_reduce/no_data", smp_all_reduce(&bad, &bad, SMP_SUM, SMP_WORLD), SMP_ERR_ARG, "data",
+                     NULL);
         bad = tf;
         bad.device = SMP_CUDA(0);
-        expect_error("errors/all_reduce/cuda_without_backend", smp_all_reduce(&bad, &bad, SMP_SUM, SMP_WORLD), SMP_ERR_ARG,
-                     "smp_all_reduce: in is on CUDA device 0", "no device backend");
+        expect_error("errors/all_reduce/cuda_without_backend", smp_all_reduce(&bad, &bad, SMP_SUM, SMP_WORLD),
+                     SMP_ERR_ARG, "smp_all_reduce: in is on CUDA device 0", "no device backend");
         bad.device = -1;
         expect_error("errors/all_reduce/negative_device", smp_all_reduce(&bad, &bad, SMP_SUM, SMP_WORLD), SMP_ERR_ARG,
                      "smp_all_reduce: in has device -1", "SMP_HOST");
@@ -940,40 +988,50 @@ static void test_argument_errors(void) {
         float one = 1;
         smp_tensor zeroed = {.data = &one, .dtype = SMP_F32, .ndim = 1, .shape = {1}};
         smp_status st = smp_all_reduce(&zeroed, &zeroed, SMP_SUM, SMP_WORLD);
-        MPI_CHECK(st == SMP_OK && one == (float)w.n, "errors/all_reduce/zero_initialised_tensor_is_host", "gave %s (%.200s), sum %g",
-                  smp_status_name(st), smp_last_error(), (double)one);
+        MPI_CHECK(st == SMP_OK && one == (float)w.n, "errors/all_reduce/zero_initialised_tensor_is_host",
+                  "gave %s (%.200s), sum %g", smp_status_name(st), smp_last_error(), (double)one);
     }
     expect_error("errors/broadcast/root_too_big", smp_broadcast(&tf, w.n, SMP_WORLD), SMP_ERR_ARG, "root", NULL);
     expect_error("errors/broadcast/root_negative", smp_broadcast(&tf, -1, SMP_WORLD), SMP_ERR_ARG, "root", NULL);
-    expect_error("errors/reduce/root_too_big", smp_reduce(&tf, &tf, SMP_SUM, w.n, SMP_WORLD), SMP_ERR_ARG, "root", NULL);
-    expect_error("errors/reduce/dtype_mismatch_on_root", smp_reduce(&tf, &td, SMP_SUM, w.me, SMP_WORLD), SMP_ERR_ARG, "f32", "f64");
+    expect_error("errors/reduce/root_too_big", smp_reduce(&tf, &tf, SMP_SUM, w.n, SMP_WORLD), SMP_ERR_ARG, "root",
+                 NULL);
+    expect_error("errors/reduce/dtype_mismatch_on_root", smp_reduce(&tf, &td, SMP_SUM, w.me, SMP_WORLD), SMP_ERR_ARG,
+                 "f32", "f64");
     {
         /* every rank passes the same bad count, so every rank returns */
         smp_tensor out = smp_tensor_1d(f, SMP_F32, 9);
-        expect_error("errors/all_gather/element_count", smp_all_gather(&tf, &out, SMP_WORLD), SMP_ERR_ARG, "elements", NULL);
-        expect_error("errors/reduce_scatter/element_count", smp_reduce_scatter(&out, &tf7, SMP_SUM, SMP_WORLD), SMP_ERR_ARG, "elements", NULL);
-        expect_error("errors/all_gather/dtype_mismatch", smp_all_gather(&tf, &td, SMP_WORLD), SMP_ERR_ARG, "f32", "f64");
+        expect_error("errors/all_gather/element_count", smp_all_gather(&tf, &out, SMP_WORLD), SMP_ERR_ARG, "elements",
+                     NULL);
+        expect_error("errors/reduce_scatter/element_count", smp_reduce_scatter(&out, &tf7, SMP_SUM, SMP_WORLD),
+                     SMP_ERR_ARG, "elements", NULL);
+        expect_error("errors/all_gather/dtype_mismatch", smp_all_gather(&tf, &td, SMP_WORLD), SMP_ERR_ARG, "f32",
+                     "f64");
     }
     {
         int64_t splits[MAXR];
         for (int k = 0; k < w.n; k++) splits[k] = 1;
         splits[0] = 2; /* adds up to n+1 rows, the tensors have n */
         smp_tensor a = smp_tensor_1d(f, SMP_F32, w.n), b = smp_tensor_1d(f + 32, SMP_F32, w.n);
-        expect_error("errors/all_to_all/splits_do_not_add_up", smp_all_to_all_single(&a, &b, splits, splits, SMP_WORLD), SMP_ERR_ARG, "splits", NULL);
+        expect_error("errors/all_to_all/splits_do_not_add_up", smp_all_to_all_single(&a, &b, splits, splits, SMP_WORLD),
+                     SMP_ERR_ARG, "splits", NULL);
         splits[0] = -1;
-        expect_error("errors/all_to_all/negative_split", smp_all_to_all_single(&a, &b, splits, splits, SMP_WORLD), SMP_ERR_ARG, "negative", NULL);
+        expect_error("errors/all_to_all/negative_split", smp_all_to_all_single(&a, &b, splits, splits, SMP_WORLD),
+                     SMP_ERR_ARG, "negative", NULL);
         if (w.n > 1) {
             smp_tensor c = smp_tensor_1d(f, SMP_F32, w.n + 1), e = smp_tensor_1d(f + 32, SMP_F32, w.n + 1);
-            expect_error("errors/all_to_all/dim0_not_divisible", smp_all_to_all_single(&c, &e, NULL, NULL, SMP_WORLD), SMP_ERR_ARG, "divide", NULL);
+            expect_error("errors/all_to_all/dim0_not_divisible", smp_all_to_all_single(&c, &e, NULL, NULL, SMP_WORLD),
+                         SMP_ERR_ARG, "divide", NULL);
         }
         smp_tensor r2 = smp_tensor_2d(f, SMP_F32, w.n, 2), r3 = smp_tensor_2d(f + 32, SMP_F32, w.n, 3);
-        expect_error("errors/all_to_all/row_width", smp_all_to_all_single(&r2, &r3, NULL, NULL, SMP_WORLD), SMP_ERR_ARG, "rows", NULL);
+        expect_error("errors/all_to_all/row_width", smp_all_to_all_single(&r2, &r3, NULL, NULL, SMP_WORLD), SMP_ERR_ARG,
+                     "rows", NULL);
     }
     expect_error("errors/barrier/bad_group", smp_barrier((smp_group)17), SMP_ERR_ARG, "group", NULL);
     {
         void *out = NULL;
         size_t lens[MAXR];
-        expect_error("errors/allgather_bytes/bad_group", smp_all_gather_bytes(f, 4, (smp_group)17, &out, lens), SMP_ERR_ARG, "group", NULL);
+        expect_error("errors/allgather_bytes/bad_group", smp_all_gather_bytes(f, 4, (smp_group)17, &out, lens),
+                     SMP_ERR_ARG, "group", NULL);
         expect_error("errors/send/bad_group", smp_send(f, 4, 0, (smp_group)9), SMP_ERR_ARG, "unknown group 9", NULL);
     }
     /* NULL tensors must be refused, not dereferenced (run in a child) */
@@ -987,7 +1045,9 @@ static void test_argument_errors(void) {
         };
         for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
             int rc = in_child(cases[c].fn);
-            MPI_CHECK(rc == SMP_ERR_ARG, cases[c].name, "%s", rc < 0 ? "crashed (signal) instead of returning SMP_ERR_ARG" : "returned a status other than SMP_ERR_ARG");
+            MPI_CHECK(rc == SMP_ERR_ARG, cases[c].name, "%s",
+                      rc < 0 ? "crashed (signal) instead of returning SMP_ERR_ARG"
+                             : "returned a status other than SMP_ERR_ARG");
         }
     }
 }
@@ -1096,10 +1156,12 @@ int main(int argc, char **argv) {
     /* small all-reduces keep staging buffers for their persistent requests
        (at most 8 per group, each at most 2 x 8 KiB) until smp_finalize */
     int64_t held = smp_memory().current_bytes - mem_before;
-    MPI_CHECK(held >= 0 && held <= 3 * 8 * 2 * (8 << 10), "collectives/scratch_held_is_bounded", "%lld bytes held between calls", (long long)held);
+    MPI_CHECK(held >= 0 && held <= 3 * 8 * 2 * (8 << 10), "collectives/scratch_held_is_bounded",
+              "%lld bytes held between calls", (long long)held);
     smp_finalize();
     int64_t leaked = smp_memory().current_bytes - mem_at_start;
-    MPI_CHECK(leaked == 0, "collectives/no_leaked_scratch", "%lld bytes allocated through smp were not given back by smp_finalize", (long long)leaked);
+    MPI_CHECK(leaked == 0, "collectives/no_leaked_scratch",
+              "%lld bytes allocated through smp were not given back by smp_finalize", (long long)leaked);
     test_not_running("after_finalize");
     if (W_RANK == 0) fprintf(stderr, "test_collectives: %.1f s on %d ranks\n", MPI_Wtime() - t0, W_SIZE);
     int failed = test_exit_code();

@@ -138,7 +138,8 @@ typedef struct ref_t {
 
 /* One microbatch of the residual net; adds its gradients into R->g. */
 static float ref_resnet_mb(ref_t *R, const float *xi, const float *ti, int n, int m) {
-    float h[NBLK + 1][BATCH * HID], a1[NBLK][BATCH * FF], r[NBLK][BATCH * FF], o[BATCH * HID], y[BATCH * CLS], gy[BATCH * CLS];
+    float h[NBLK + 1][BATCH * HID], a1[NBLK][BATCH * FF], r[NBLK][BATCH * FF], o[BATCH * HID], y[BATCH * CLS],
+        gy[BATCH * CLS];
     float gh[BATCH * HID], gr[BATCH * FF], ga[BATCH * FF], gx1[BATCH * HID];
     linear_fwd(xi, R->v[0], R->v[1], h[0], n, IN, HID);
     for (int k = 0; k < NBLK; k++) {
@@ -183,7 +184,8 @@ static float ref_fan_mb(ref_t *R, const float *xi, const float *ti, int n, int m
 static void ref_run(ref_t *R, const layout *L, bool fan, int m, int steps, bool sgd_on) {
     memset(R, 0, sizeof *R);
     for (int k = 0; k < L->n; k++) {
-        smp_tensor t = L->cols[k] ? smp_tensor_2d(R->v0[k], SMP_F32, L->rows[k], L->cols[k]) : smp_tensor_1d(R->v0[k], SMP_F32, L->rows[k]);
+        smp_tensor t = L->cols[k] ? smp_tensor_2d(R->v0[k], SMP_F32, L->rows[k], L->cols[k])
+                                  : smp_tensor_1d(R->v0[k], SMP_F32, L->rows[k]);
         smp_init_uniform(&t, smp_param_seed(L->name[k]), NULL);
     }
     memcpy(R->v, R->v0, sizeof R->v);
@@ -200,7 +202,15 @@ static void ref_run(ref_t *R, const layout *L, bool fan, int m, int steps, bool 
 }
 
 /* ---------------------------------------------------------------- modules */
-enum { ERR_NONE, ERR_EDIT_MODEL, ERR_EDIT_OUTPUT, ERR_EDIT_COMPOSITE, ERR_COMPOSITE_BACKWARD, ERR_OWN_OUTPUT, ERR_FOREIGN_INPUT };
+enum {
+    ERR_NONE,
+    ERR_EDIT_MODEL,
+    ERR_EDIT_OUTPUT,
+    ERR_EDIT_COMPOSITE,
+    ERR_COMPOSITE_BACKWARD,
+    ERR_OWN_OUTPUT,
+    ERR_FOREIGN_INPUT
+};
 enum { ERR_BLOCK = 1, EDIT_BLOCK = 2 }; /* the block that misbehaves */
 static int g_err;
 static long g_lin_fwd; /* leaf linear forwards outside tracing */
@@ -210,12 +220,13 @@ typedef struct lin_state { smp_param *w, *b; int in, out; } lin_state;
 static smp_status lin_forward(smp_call_ctx *c) {
     lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0);
-    if (!x || x->ndim != 2 || x->shape[1] != s->in) return smp_error(SMP_ERR_MODULE, "linear %s: wrong input", smp_module_name(smp_call_module(c)));
+    if (!x || x->ndim != 2 || x->shape[1] != s->in)
+        return smp_error(SMP_ERR_MODULE, "linear %s: wrong input", smp_module_name(smp_call_module(c)));
     int64_t n = x->shape[0], shape[2] = {n, s->out};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
     if (!y) return smp_error(SMP_ERR_NOMEM, "linear: no output");
-    linear_fwd((const float *)x->data, (const float *)smp_param_value(s->w)->data, (const float *)smp_param_value(s->b)->data, (float *)y->data,
-               (int)n, s->in, s->out);
+    linear_fwd((const float *)x->data, (const float *)smp_param_value(s->w)->data,
+               (const float *)smp_param_value(s->b)->data, (float *)y->data, (int)n, s->in, s->out);
     if (!smp_is_tracing()) g_lin_fwd++;
     return SMP_OK;
 }
@@ -223,8 +234,9 @@ static smp_status lin_backward(smp_call_ctx *c) {
     lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *gx = smp_call_grad_input(c, 0);
-    linear_bwd((const float *)x->data, (const float *)smp_param_value(s->w)->data, (const float *)smp_call_grad_output(c, 0)->data,
-               gx ? (float *)gx->data : NULL, (float *)smp_param_grad(s->w)->data, (float *)smp_param_grad(s->b)->data, (int)x->shape[0], s->in,
+    linear_bwd((const float *)x->data, (const float *)smp_param_value(s->w)->data,
+               (const float *)smp_call_grad_output(c, 0)->data, gx ? (float *)gx->data : NULL,
+               (float *)smp_param_grad(s->w)->data, (float *)smp_param_grad(s->b)->data, (int)x->shape[0], s->in,
                s->out);
     return SMP_OK;
 }
@@ -232,7 +244,8 @@ static smp_status relu_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, x->ndim, x->shape);
     if (!y) return smp_error(SMP_ERR_NOMEM, "relu: no output");
-    for (int64_t i = 0; i < smp_tensor_numel(x); i++) ((float *)y->data)[i] = ((const float *)x->data)[i] > 0 ? ((const float *)x->data)[i] : 0;
+    for (int64_t i = 0; i < smp_tensor_numel(x); i++)
+        ((float *)y->data)[i] = ((const float *)x->data)[i] > 0 ? ((const float *)x->data)[i] : 0;
     return SMP_OK;
 }
 static smp_status relu_backward(smp_call_ctx *c) {
@@ -284,7 +297,8 @@ static smp_status drop_backward(smp_call_ctx *c) {
     const float *gy = (const float *)smp_call_grad_output(c, 0)->data;
     smp_tensor *gx = smp_call_grad_input(c, 0);
     if (!gx) return SMP_OK;
-    if (!mask || bytes != (size_t)smp_tensor_numel(gx)) return smp_error(SMP_ERR_MODULE, "dropout: the stashed mask is missing (%zu bytes)", bytes);
+    if (!mask || bytes != (size_t)smp_tensor_numel(gx))
+        return smp_error(SMP_ERR_MODULE, "dropout: the stashed mask is missing (%zu bytes)", bytes);
     for (int64_t i = 0; i < smp_tensor_numel(gx); i++) ((float *)gx->data)[i] = mask[i] ? gy[i] * 2.0f : 0.0f;
     return SMP_OK;
 }
@@ -319,7 +333,8 @@ static smp_status block_forward(smp_call_ctx *c) {
             if (st) return st;
         } else
             SMP_TRY(smp_call(b->fc1, &x, 1, &a, 1));
-        if (g_err == ERR_EDIT_COMPOSITE && b->index == EDIT_BLOCK) ((float *)a.data)[0] = ((float *)a.data)[0] * 2.0f + 1.0f;
+        if (g_err == ERR_EDIT_COMPOSITE && b->index == EDIT_BLOCK)
+            ((float *)a.data)[0] = ((float *)a.data)[0] * 2.0f + 1.0f;
         SMP_TRY(smp_call(b->relu, &a, 1, &r, 1));
         if (b->drop) {
             SMP_TRY(smp_call(b->drop, &r, 1, &d, 1));
@@ -351,10 +366,12 @@ static smp_status block_backward(smp_call_ctx *c) { /* a composite must not have
 static smp_status fan_forward(smp_call_ctx *c) {
     lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0);
-    if (smp_call_num_outputs(c) != NFAN) return smp_error(SMP_ERR_MODULE, "fan: %d outputs, expected %d", smp_call_num_outputs(c), NFAN);
+    if (smp_call_num_outputs(c) != NFAN)
+        return smp_error(SMP_ERR_MODULE, "fan: %d outputs, expected %d", smp_call_num_outputs(c), NFAN);
     int n = (int)x->shape[0];
     float tmp[BATCH * NFAN];
-    linear_fwd((const float *)x->data, (const float *)smp_param_value(s->w)->data, (const float *)smp_param_value(s->b)->data, tmp, n, IN, NFAN);
+    linear_fwd((const float *)x->data, (const float *)smp_param_value(s->w)->data,
+               (const float *)smp_param_value(s->b)->data, tmp, n, IN, NFAN);
     int64_t shape[2] = {n, 1};
     for (int j = 0; j < NFAN; j++) {
         smp_tensor *y = smp_call_output(c, j, SMP_F32, 2, shape);
@@ -381,14 +398,16 @@ static void join_gather(smp_call_ctx *c, float *h, int n) {
 }
 static smp_status join_forward(smp_call_ctx *c) {
     lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
-    if (smp_call_num_inputs(c) != NFAN) return smp_error(SMP_ERR_MODULE, "join: %d inputs, expected %d", smp_call_num_inputs(c), NFAN);
+    if (smp_call_num_inputs(c) != NFAN)
+        return smp_error(SMP_ERR_MODULE, "join: %d inputs, expected %d", smp_call_num_inputs(c), NFAN);
     int n = (int)smp_call_input(c, 0)->shape[0];
     float h[BATCH * NFAN];
     join_gather(c, h, n);
     int64_t shape[2] = {n, CLS};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
     if (!y) return smp_error(SMP_ERR_NOMEM, "join: no output");
-    linear_fwd(h, (const float *)smp_param_value(s->w)->data, (const float *)smp_param_value(s->b)->data, (float *)y->data, n, NFAN, CLS);
+    linear_fwd(h, (const float *)smp_param_value(s->w)->data, (const float *)smp_param_value(s->b)->data,
+               (float *)y->data, n, NFAN, CLS);
     return SMP_OK;
 }
 static smp_status join_backward(smp_call_ctx *c) {
@@ -412,7 +431,8 @@ static const char *const variant_name[] = {"flat", "composite", "nested", "dropo
 enum { PL_AUTO, PL_CONTIG, PL_ALT, PL_VEE };
 static const char *const place_name[] = {"auto", "manual", "manual alternating", "manual V"};
 enum { RC_NONE, RC_BLOCKS, RC_INNER, RC_CONFIG };
-static const char *const rc_name[] = {"", "/recompute every block", "/recompute the inner MLPs", "/activation_checkpointing on"};
+static const char *const rc_name[] = {"", "/recompute every block", "/recompute the inner MLPs",
+                                      "/activation_checkpointing on"};
 
 typedef struct spec {
     int variant, P, m, vs, place, recompute, err;
@@ -442,13 +462,15 @@ static int place_of(int place, int P, int q) {
     return P == 2 ? contig2[q] : contig4[q];
 }
 static void push(const spec *s, int q) {
-    if (s->place != PL_AUTO) smp_partition_push(s->variant == V_FAN ? (q == 0 ? 0 : s->P - 1) : place_of(s->place, s->P, q));
+    if (s->place != PL_AUTO)
+        smp_partition_push(s->variant == V_FAN ? (q == 0 ? 0 : s->P - 1) : place_of(s->place, s->P, q));
 }
 static void pop(const spec *s) {
     if (s->place != PL_AUTO) smp_partition_pop();
 }
 
-static smp_module *new_lin(smp_module *parent, const char *name, lin_state *st, int in, int out, smp_module_fn f, smp_module_fn b) {
+static smp_module *new_lin(smp_module *parent, const char *name, lin_state *st, int in, int out, smp_module_fn f,
+                           smp_module_fn b) {
     st->in = in;
     st->out = out;
     smp_module_desc d = {f ? f : lin_forward, b ? b : lin_backward, st};
@@ -483,7 +505,8 @@ static void build(net_t *n, const spec *s) {
         b->index = k;
         push(s, k + 1);
         /* flat: "blocks.k" only names its children, which the model forward calls itself */
-        smp_module_desc bd = {block_forward, s->err == ERR_COMPOSITE_BACKWARD && k == ERR_BLOCK ? block_backward : NULL, b};
+        smp_module_desc bd = {block_forward, s->err == ERR_COMPOSITE_BACKWARD && k == ERR_BLOCK ? block_backward : NULL,
+                              b};
         smp_module *bm = n->blk[k] = smp_module_new(n->blocks, nm, s->variant == V_FLAT ? NULL : &bd), *host = bm;
         if (s->variant == V_NESTED) {
             smp_module_desc md = {mlp_forward, NULL, b};
@@ -515,7 +538,8 @@ static smp_status resnet_forward(smp_model *m, const smp_tensor *in, int nin, sm
     net_t *n = (net_t *)user;
     smp_tensor h, a, r, o, y;
     SMP_TRY(smp_call(n->stem, &in[0], 1, &h, 1));
-    if (g_err == ERR_EDIT_MODEL) ((float *)h.data)[0] = ((float *)h.data)[0] * 2.0f + 1.0f; /* an in-place edit of "stem"'s output */
+    if (g_err == ERR_EDIT_MODEL)
+        ((float *)h.data)[0] = ((float *)h.data)[0] * 2.0f + 1.0f; /* an in-place edit of "stem"'s output */
     for (int k = 0; k < NBLK; k++) {
         if (n->variant == V_FLAT) {
             block_t *b = &n->bt[k];
@@ -529,10 +553,12 @@ static smp_status resnet_forward(smp_model *m, const smp_tensor *in, int nin, sm
         h = y;
     }
     SMP_TRY(smp_call(n->head, &h, 1, &out[0], 1));
-    if (g_err == ERR_EDIT_OUTPUT) ((float *)out[0].data)[0] = ((float *)out[0].data)[0] * 2.0f + 1.0f; /* no call reads it: seen after the forward */
+    /* no call reads it: seen after the forward */
+    if (g_err == ERR_EDIT_OUTPUT) ((float *)out[0].data)[0] = ((float *)out[0].data)[0] * 2.0f + 1.0f;
     return SMP_OK;
 }
-static smp_status fan_model_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
+static smp_status fan_model_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout,
+                                    void *user) {
     (void)m;
     (void)nin;
     (void)nout;
@@ -545,7 +571,8 @@ static smp_status fan_model_forward(smp_model *m, const smp_tensor *in, int nin,
 SMP_STEP_BODY(mse_body) {
     const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
     smp_tensor *g = smp_mb_output_grad(mb, 0);
-    float loss = mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y));
+    float loss =
+        mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y));
     return smp_mb_return_f32(mb, 0, loss);
 }
 
@@ -636,8 +663,10 @@ static void run(const spec *s, MPI_Comm comm, result *r) {
             int k = layout_find(&L, smp_param_name(p));
             if (k < 0) { fail(r, "unexpected local parameter \"%s\"", smp_param_name(p)); continue; }
             if (r->local[k]) fail(r, "parameter \"%s\" listed twice", L.name[k]);
-            if (smp_tensor_numel(smp_param_value(p)) != numel_of(&L, k) || !smp_param_value(p)->data || !smp_param_grad(p)->data) {
-                fail(r, "parameter \"%s\" has %lld elements (expected %d) or no storage", L.name[k], (long long)smp_tensor_numel(smp_param_value(p)), numel_of(&L, k));
+            if (smp_tensor_numel(smp_param_value(p)) != numel_of(&L, k) || !smp_param_value(p)->data ||
+                !smp_param_grad(p)->data) {
+                fail(r, "parameter \"%s\" has %lld elements (expected %d) or no storage", L.name[k],
+                     (long long)smp_tensor_numel(smp_param_value(p)), numel_of(&L, k));
                 continue;
             }
             r->local[k] = true;
@@ -645,7 +674,10 @@ static void run(const spec *s, MPI_Comm comm, result *r) {
         }
         if (s->variant != V_FAN) {
             for (int l = 0; l < NLIN; l++) {
-                smp_module *lm = l == 0 ? n->stem : l == NLIN - 1 ? n->head : l % 2 ? n->bt[(l - 1) / 2].fc1 : n->bt[(l - 1) / 2].fc2;
+                smp_module *lm = l == 0          ? n->stem
+                                 : l == NLIN - 1 ? n->head
+                                 : l % 2         ? n->bt[(l - 1) / 2].fc1
+                                                 : n->bt[(l - 1) / 2].fc2;
                 if (!smp_module_is_local(lm)) continue;
                 if (l == 0 || l == NLIN - 1) r->local_other_lins++;
                 else r->local_block_lins++;
@@ -667,8 +699,10 @@ static void run(const spec *s, MPI_Comm comm, result *r) {
         st = SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t);
         g_step = -1;
         if (!st) {
-            if (outs[0].microbatches != s->m) fail(r, "step %d returned %d losses, expected %d", step, outs[0].microbatches, s->m);
-            for (int i = 0; i < s->m && i < outs[0].microbatches; i++) r->loss[step][i] = ((const float *)outs[0].values[i].data)[0];
+            if (outs[0].microbatches != s->m)
+                fail(r, "step %d returned %d losses, expected %d", step, outs[0].microbatches, s->m);
+            for (int i = 0; i < s->m && i < outs[0].microbatches; i++)
+                r->loss[step][i] = ((const float *)outs[0].values[i].data)[0];
             smp_step_stats ss = smp_last_step_stats(model);
             if (ss.stash_peak_bytes > r->stash_peak) r->stash_peak = ss.stash_peak_bytes;
             for (int k = 0; k < ss.local_stages; k++)
@@ -677,7 +711,8 @@ static void run(const spec *s, MPI_Comm comm, result *r) {
         smp_step_output_free(&outs[0]);
         if (!st && s->sgd) {
             for (int i = 0; (p = smp_model_local_param(model, i, false)); i++)
-                sgd((float *)smp_param_value(p)->data, (const float *)smp_param_grad(p)->data, (int)smp_tensor_numel(smp_param_value(p)));
+                sgd((float *)smp_param_value(p)->data, (const float *)smp_param_grad(p)->data,
+                    (int)smp_tensor_numel(smp_param_value(p)));
             smp_model_zero_grad(model);
         }
     }
@@ -721,14 +756,17 @@ static void skip_once(const char *what, int P) {
 }
 
 static const char *kind_name(smp_pipeline_kind k) {
-    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : k == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved";
+    return k == SMP_PIPELINE_SIMPLE          ? "simple"
+           : k == SMP_PIPELINE_ZERO_BUBBLE   ? "zero_bubble"
+           : k == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v"
+                                             : "interleaved";
 }
 
 static void spec_name(const spec *s, char *out, size_t cap, const char *what) {
     char vs[32] = "";
     if (s->vs > 1) snprintf(vs, sizeof vs, "/%d virtual stages", s->vs);
-    snprintf(out, cap, "%s/P=%d/%s/m=%d/%s%s%s: %s", variant_name[s->variant], s->P, kind_name(s->kind), s->m, place_name[s->place], vs,
-             rc_name[s->recompute], what);
+    snprintf(out, cap, "%s/P=%d/%s/m=%d/%s%s%s: %s", variant_name[s->variant], s->P, kind_name(s->kind), s->m,
+             place_name[s->place], vs, rc_name[s->recompute], what);
 }
 
 /* Every parameter on exactly one rank of the group (a collective over the group). */
@@ -740,7 +778,10 @@ static void check_coverage(const layout *L, result *r, MPI_Comm comm) {
     MPI_Allreduce(&r->ok, &all_ok, 1, MPI_INT, MPI_LAND, comm);
     if (!all_ok) return; /* a run that failed already says why */
     for (int k = 0; k < L->n; k++)
-        if (all[k] != 1) { fail(r, "parameter \"%s\" is local on %d ranks of the group, expected 1", L->name[k], all[k]); return; }
+        if (all[k] != 1) {
+            fail(r, "parameter \"%s\" is local on %d ranks of the group, expected 1", L->name[k], all[k]);
+            return;
+        }
 }
 
 static int first_diff(const float *a, const float *b, int n) {
@@ -757,19 +798,22 @@ static void check_ref(const spec *s, const layout *L, result *r, const ref_t *R)
     for (int step = 0; step < s->steps; step++)
         for (int i = 0; i < s->m; i++)
             if (memcmp(&r->loss[step][i], &R->loss[step][i], 4)) {
-                fail(r, "step %d, microbatch %d: loss %.9g, reference %.9g", step, i, r->loss[step][i], R->loss[step][i]);
+                fail(r, "step %d, microbatch %d: loss %.9g, reference %.9g", step, i, r->loss[step][i],
+                     R->loss[step][i]);
                 return;
             }
     for (int k = 0; k < L->n; k++) {
         if (!r->local[k]) continue;
         int ne = numel_of(L, k), d;
         if ((d = first_diff(r->init[k], R->v0[k], ne)) >= 0) {
-            fail(r, "initial %s[%d] = %.9g, but smp_init_uniform seeded by its name gives %.9g", L->name[k], d, r->init[k][d], R->v0[k][d]);
+            fail(r, "initial %s[%d] = %.9g, but smp_init_uniform seeded by its name gives %.9g", L->name[k], d,
+                 r->init[k][d], R->v0[k][d]);
             return;
         }
         if (s->sgd) {
             if ((d = first_diff(r->fin[k], R->v[k], ne)) >= 0) {
-                fail(r, "%s[%d] = %.9g after %d steps, reference %.9g (initially %.9g)", L->name[k], d, r->fin[k][d], s->steps, R->v[k][d], R->v0[k][d]);
+                fail(r, "%s[%d] = %.9g after %d steps, reference %.9g (initially %.9g)", L->name[k], d, r->fin[k][d],
+                     s->steps, R->v[k][d], R->v0[k][d]);
                 return;
             }
             if (first_diff(r->fin[k], r->init[k], ne) < 0) {
@@ -799,7 +843,8 @@ static void check_forwards(const spec *s, result *r) {
     }
     if (r->lin_fwd < lo || r->lin_fwd > hi)
         fail(r, "the %ld local linears ran their forward %ld times in %d steps of %d microbatches, expected %s%ld%s%ld",
-             blk + oth, r->lin_fwd, s->steps, s->m, lo == hi ? "" : "between ", lo, lo == hi ? "" : " and ", lo == hi ? lo : hi);
+             blk + oth, r->lin_fwd, s->steps, s->m, lo == hi ? "" : "between ", lo, lo == hi ? "" : " and ",
+             lo == hi ? lo : hi);
 }
 
 /* Runs s on its groups and checks it against the reference; returns this
@@ -807,8 +852,9 @@ static void check_forwards(const spec *s, result *r) {
    report: print the check (else the caller reports r->ok). */
 static result *run_checked_as(const spec *s, bool report) {
     char name[512];
-    spec_name(s, name, sizeof name, s->sgd ? "losses and parameters after the steps equal one process, every parameter changed"
-                                           : "losses and gradients equal one process");
+    spec_name(s, name, sizeof name,
+              s->sgd ? "losses and parameters after the steps equal one process, every parameter changed"
+                     : "losses and gradients equal one process");
     if (!fits(s->P)) {
         char what[64];
         snprintf(what, sizeof what, "%s%s", variant_name[s->variant], s->recompute ? "/recompute" : "");
@@ -830,7 +876,8 @@ static result *run_checked_as(const spec *s, bool report) {
 }
 static result *run_checked(const spec *s) { return run_checked_as(s, true); }
 
-/* ---------------------------------------------------------------- 1, 2: the residual net, composite, flat and nested */
+/* ---------------------------------------------------------------- 1, 2: the residual net, composite, flat and nested
+ */
 static const smp_pipeline_kind kinds[2] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED};
 
 static void test_equivalence(void) {
@@ -840,22 +887,44 @@ static void test_equivalence(void) {
             for (int kk = 0; kk < 2; kk++)
                 for (int b = 0; b < 3; b++)
                     for (int pl = PL_AUTO; pl <= (Ps[a] > 1 ? PL_CONTIG : PL_AUTO); pl++) {
-                        spec s = {v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], ms[b], 1, pl, RC_NONE, ERR_NONE, kinds[kk], STEPS, true, false};
+                        spec s = {v == 0 ? V_COMPOSITE : V_FLAT,
+                                  Ps[a],
+                                  ms[b],
+                                  1,
+                                  pl,
+                                  RC_NONE,
+                                  ERR_NONE,
+                                  kinds[kk],
+                                  STEPS,
+                                  true,
+                                  false};
                         free(run_checked(&s));
                     }
     /* virtual stages: manual 0,1,0,1 (P=2) and 0,1,2,3,0,1,2,3 (P=4), and auto with 2 per rank */
     for (int v = 0; v < 2; v++)
         for (int kk = 0; kk < 2; kk++) {
             for (int b = 1; b < 3; b++) {
-                spec s = {v == 0 ? V_COMPOSITE : V_FLAT, 2, ms[b], 1, PL_ALT, RC_NONE, ERR_NONE, kinds[kk], STEPS, true, false};
+                spec s = {v == 0 ? V_COMPOSITE : V_FLAT,
+                          2,
+                          ms[b],
+                          1,
+                          PL_ALT,
+                          RC_NONE,
+                          ERR_NONE,
+                          kinds[kk],
+                          STEPS,
+                          true,
+                          false};
                 free(run_checked(&s));
             }
-            spec s4 = {v == 0 ? V_COMPOSITE : V_FLAT, 4, 4, 1, PL_ALT, RC_NONE, ERR_NONE, kinds[kk], STEPS, true, false};
+            spec s4 = {
+                v == 0 ? V_COMPOSITE : V_FLAT, 4, 4, 1, PL_ALT, RC_NONE, ERR_NONE, kinds[kk], STEPS, true, false};
             free(run_checked(&s4));
         }
     for (int v = 0; v < 2; v++)
         for (int a = 1; a < 3; a++) {
-            spec s = {v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], 4, 2, PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_INTERLEAVED, STEPS, true, false};
+            spec s = {v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], 4,    2,    PL_AUTO, RC_NONE, ERR_NONE,
+                      SMP_PIPELINE_INTERLEAVED,      STEPS, true, false};
             free(run_checked(&s));
         }
     /* zero_bubble: manual placement (auto with one partition), then 0,1,0,1 and
@@ -863,8 +932,17 @@ static void test_equivalence(void) {
     for (int a = 0; a < 3; a++)
         for (int v = 0; v < 2; v++)
             for (int b = 0; b < 3; b++) {
-                spec s = {v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], ms[b], 1, Ps[a] > 1 ? PL_CONTIG : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE,
-                          STEPS, true, false};
+                spec s = {v == 0 ? V_COMPOSITE : V_FLAT,
+                          Ps[a],
+                          ms[b],
+                          1,
+                          Ps[a] > 1 ? PL_CONTIG : PL_AUTO,
+                          RC_NONE,
+                          ERR_NONE,
+                          SMP_PIPELINE_ZERO_BUBBLE,
+                          STEPS,
+                          true,
+                          false};
                 free(run_checked(&s));
             }
     for (int a = 1; a < 3; a++) {
@@ -876,8 +954,9 @@ static void test_equivalence(void) {
         for (int v = 0; v < 2; v++)
             for (int b = 0; b < 3; b++)
                 for (int pl = 0; pl < 2; pl++) {
-                    spec s = {v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], ms[b], 1, pl ? PL_VEE : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE_V,
-                              STEPS, true, false};
+                    spec s = {
+                        v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], ms[b], 1,    pl ? PL_VEE : PL_AUTO, RC_NONE, ERR_NONE,
+                        SMP_PIPELINE_ZERO_BUBBLE_V,    STEPS, true,  false};
                     free(run_checked(&s));
                 }
 }
@@ -925,14 +1004,18 @@ static void recompute_pair(spec s, int rc) {
         int64_t mine[2] = {a->stash_peak, b->stash_peak}, sum[2];
         MPI_Allreduce(mine, sum, 2, MPI_INT64_T, MPI_SUM, g_group[s.P]);
         bool same_placement = !memcmp(a->part, b->part, sizeof a->part);
-        if (!a->ok || !b->ok) { ok = 0; snprintf(why, sizeof why, "%.480s", !a->ok ? a->why : b->why); }
-        else if (same_placement && (b->local_blocks > 1 || (b->local_blocks == 1 && b->max_inflight > 1)) && !(b->stash_peak < a->stash_peak)) {
+        if (!a->ok || !b->ok) { ok = 0; snprintf(why, sizeof why, "%.480s", !a->ok ? a->why : b->why);
+        } else if (same_placement && (b->local_blocks > 1 || (b->local_blocks == 1 && b->max_inflight > 1)) &&
+                   !(b->stash_peak < a->stash_peak)) {
             ok = 0;
-            snprintf(why, sizeof why, "this rank's peak stash (%d of the blocks, up to %d microbatches in flight) is %lld bytes with recomputation, %lld without",
+            snprintf(why, sizeof why,
+                     "this rank's peak stash (%d of the blocks, up to %d microbatches in flight) is %lld bytes with "
+                     "recomputation, %lld without",
                      b->local_blocks, b->max_inflight, (long long)b->stash_peak, (long long)a->stash_peak);
         } else if (!(sum[1] < sum[0])) {
             ok = 0;
-            snprintf(why, sizeof why, "the group's peak stash is %lld bytes with recomputation, %lld without", (long long)sum[1], (long long)sum[0]);
+            snprintf(why, sizeof why, "the group's peak stash is %lld bytes with recomputation, %lld without",
+                     (long long)sum[1], (long long)sum[0]);
         }
     }
     MPI_CHECK(ok, name, "%s", why);
@@ -952,7 +1035,17 @@ static void test_recompute(void) {
     /* fewer microbatches, virtual stages: bitwise only */
     for (int a = 0; a < 3; a++)
         for (int m = 1; m <= 2; m++) {
-            spec s = {V_COMPOSITE, Ps[a], m, 1, Ps[a] > 1 ? PL_CONTIG : PL_AUTO, RC_BLOCKS, ERR_NONE, SMP_PIPELINE_INTERLEAVED, STEPS, true, false};
+            spec s = {V_COMPOSITE,
+                      Ps[a],
+                      m,
+                      1,
+                      Ps[a] > 1 ? PL_CONTIG : PL_AUTO,
+                      RC_BLOCKS,
+                      ERR_NONE,
+                      SMP_PIPELINE_INTERLEAVED,
+                      STEPS,
+                      true,
+                      false};
             free(run_checked(&s));
         }
     for (int a = 1; a < 3; a++) {
@@ -961,7 +1054,9 @@ static void test_recompute(void) {
     }
     /* zero_bubble: a recomputed call lets go of what it made again only after its W */
     for (int a = 0; a < 3; a++) {
-        spec s = {V_COMPOSITE, Ps[a], 4, 1, Ps[a] > 1 ? PL_CONTIG : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
+        spec s = {
+            V_COMPOSITE, Ps[a], 4,    1, Ps[a] > 1 ? PL_CONTIG : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE,
+            STEPS,       true,  false};
         recompute_pair(s, RC_BLOCKS);
     }
     for (int a = 1; a < 3; a++) {
@@ -976,7 +1071,9 @@ static void test_recompute(void) {
     /* two levels: recompute the block (around a composite) or only the inner composite */
     for (int a = 0; a < 3; a++)
         for (int rc = RC_BLOCKS; rc <= RC_INNER; rc++) {
-            spec s = {V_NESTED, Ps[a], 4, 1, Ps[a] > 1 ? PL_CONTIG : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_INTERLEAVED, STEPS, true, false};
+            spec s = {
+                V_NESTED, Ps[a], 4,    1, Ps[a] > 1 ? PL_CONTIG : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_INTERLEAVED,
+                STEPS,    true,  false};
             recompute_pair(s, rc);
         }
     /* the config key on a flat model: every leaf recomputes, nothing changes */
@@ -1000,29 +1097,46 @@ static void test_dropout(void) {
     for (int s = 0; s < STEPS; s++)
         for (int k = 0; k < NBLK; k++)
             for (int i = 0; i < m; i++) {
-                if (!g_seed_set[s][k][i]) { ok = 0; snprintf(why, sizeof why, "dropout of block %d did not run on microbatch %d of step %d", k, i, s); }
+                if (!g_seed_set[s][k][i]) {
+                    ok = 0;
+                    snprintf(why, sizeof why, "dropout of block %d did not run on microbatch %d of step %d", k, i, s);
+                }
                 for (int s2 = 0; s2 < STEPS; s2++)
                     for (int k2 = 0; k2 < NBLK; k2++)
                         for (int i2 = 0; i2 < m; i2++)
-                            if ((s2 != s || k2 != k || i2 != i) && base_seeds[s][k][i] == base_seeds[s2][k2][i2]) distinct = 0;
+                            if ((s2 != s || k2 != k || i2 != i) && base_seeds[s][k][i] == base_seeds[s2][k2][i2])
+                                distinct = 0;
             }
-    if (ok && !distinct) { ok = 0; snprintf(why, sizeof why, "two (step, call, microbatch) triples got the same smp_call_seed"); }
-    if (ok && (g_drop_zero == 0 || g_drop_kept == 0)) { ok = 0; snprintf(why, sizeof why, "the masks dropped %ld and kept %ld values", g_drop_zero, g_drop_kept); }
+    if (ok && !distinct) {
+        ok = 0;
+        snprintf(why, sizeof why, "two (step, call, microbatch) triples got the same smp_call_seed");
+    }
+    if (ok && (g_drop_zero == 0 || g_drop_kept == 0)) {
+        ok = 0;
+        snprintf(why, sizeof why, "the masks dropped %ld and kept %ld values", g_drop_zero, g_drop_kept);
+    }
     if (!base->ok) snprintf(why, sizeof why, "%.480s", base->why);
-    MPI_CHECK(ok, "dropout/P=1: smp_call_seed differs for every call, microbatch and step, and the masks drop about half", "%s", why);
+    MPI_CHECK(ok,
+              "dropout/P=1: smp_call_seed differs for every call, microbatch and step, and the masks drop about half",
+              "%s", why);
 
-    struct { int P, place, rc; smp_pipeline_kind kind; } cases[] = {
-        {1, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_SIMPLE},     {1, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED}, {1, PL_AUTO, RC_CONFIG, SMP_PIPELINE_INTERLEAVED},
-        {2, PL_AUTO, RC_NONE, SMP_PIPELINE_INTERLEAVED},  {2, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED}, {2, PL_CONTIG, RC_NONE, SMP_PIPELINE_SIMPLE},
-        {2, PL_CONTIG, RC_BLOCKS, SMP_PIPELINE_SIMPLE},   {2, PL_ALT, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED},  {4, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED},
-        {4, PL_CONTIG, RC_NONE, SMP_PIPELINE_SIMPLE},     {4, PL_CONTIG, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED}, {4, PL_ALT, RC_BLOCKS, SMP_PIPELINE_SIMPLE},
+    struct { int P, place, rc; smp_pipeline_kind kind;
+    } cases[] = {
+        {1, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_SIMPLE},        {1, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED},
+        {1, PL_AUTO, RC_CONFIG, SMP_PIPELINE_INTERLEAVED},   {2, PL_AUTO, RC_NONE, SMP_PIPELINE_INTERLEAVED},
+        {2, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED},   {2, PL_CONTIG, RC_NONE, SMP_PIPELINE_SIMPLE},
+        {2, PL_CONTIG, RC_BLOCKS, SMP_PIPELINE_SIMPLE},      {2, PL_ALT, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED},
+        {4, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED},   {4, PL_CONTIG, RC_NONE, SMP_PIPELINE_SIMPLE},
+        {4, PL_CONTIG, RC_BLOCKS, SMP_PIPELINE_INTERLEAVED}, {4, PL_ALT, RC_BLOCKS, SMP_PIPELINE_SIMPLE},
         {2, PL_CONTIG, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE}, {4, PL_ALT, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE},
-        {1, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE_V}, {2, PL_VEE, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE_V}, {4, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE_V},
+        {1, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE_V}, {2, PL_VEE, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE_V},
+        {4, PL_AUTO, RC_BLOCKS, SMP_PIPELINE_ZERO_BUBBLE_V},
     };
     layout L;
     resnet_layout(&L, false);
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        spec s = {V_DROPOUT, cases[c].P, m, 1, cases[c].place, cases[c].rc, ERR_NONE, cases[c].kind, STEPS, true, false};
+        spec s = {V_DROPOUT, cases[c].P,    m,     1,    cases[c].place, cases[c].rc,
+                  ERR_NONE,  cases[c].kind, STEPS, true, false};
         char name[512];
         spec_name(&s, name, sizeof name, "dropout result and seeds equal one process without recomputation");
         if (!fits(s.P)) {
@@ -1037,26 +1151,30 @@ static void test_dropout(void) {
             for (int st = 0; st < STEPS && r->ok; st++)
                 for (int i = 0; i < m; i++)
                     if (memcmp(&r->loss[st][i], &base->loss[st][i], 4)) {
-                        fail(r, "step %d microbatch %d: loss %.9g, one process %.9g", st, i, r->loss[st][i], base->loss[st][i]);
+                        fail(r, "step %d microbatch %d: loss %.9g, one process %.9g", st, i, r->loss[st][i],
+                             base->loss[st][i]);
                         break;
                     }
             for (int k = 0; k < L.n && r->ok; k++) {
                 int d;
                 if (r->local[k] && (d = first_diff(r->fin[k], base->fin[k], numel_of(&L, k))) >= 0)
-                    fail(r, "%s[%d] = %.9g after %d steps, one process %.9g", L.name[k], d, r->fin[k][d], STEPS, base->fin[k][d]);
+                    fail(r, "%s[%d] = %.9g after %d steps, one process %.9g", L.name[k], d, r->fin[k][d], STEPS,
+                         base->fin[k][d]);
             }
             for (int st = 0; st < STEPS && r->ok; st++)
                 for (int k = 0; k < NBLK; k++)
                     for (int i = 0; i < m; i++)
                         if (g_seed_set[st][k][i] && g_seeds[st][k][i] != base_seeds[st][k][i]) {
-                            fail(r, "step %d block %d microbatch %d: smp_call_seed %llx, one process %llx", st, k, i, (unsigned long long)g_seeds[st][k][i],
-                                 (unsigned long long)base_seeds[st][k][i]);
+                            fail(r, "step %d block %d microbatch %d: smp_call_seed %llx, one process %llx", st, k, i,
+                                 (unsigned long long)g_seeds[st][k][i], (unsigned long long)base_seeds[st][k][i]);
                         }
-            if (r->ok && g_seed_mismatch) fail(r, "the recomputation drew a different smp_call_seed than the forward (%d times)", g_seed_mismatch);
+            if (r->ok && g_seed_mismatch)
+                fail(r, "the recomputation drew a different smp_call_seed than the forward (%d times)",
+                     g_seed_mismatch);
             long want = (long)(s.recompute != RC_NONE ? 2 : 1) * r->local_drops * m * STEPS;
             if (r->ok && r->drop_fwd != want)
-                fail(r, "the %d local dropouts ran their forward %ld times, expected %ld (%s)", r->local_drops, r->drop_fwd, want,
-                     s.recompute != RC_NONE ? "forward and recomputation" : "no recomputation");
+                fail(r, "the %d local dropouts ran their forward %ld times, expected %ld (%s)", r->local_drops,
+                     r->drop_fwd, want, s.recompute != RC_NONE ? "forward and recomputation" : "no recomputation");
         }
         MPI_CHECK(r->ok, name, "%s", r->why);
         free(r);
@@ -1067,30 +1185,40 @@ static void test_dropout(void) {
 /* ---------------------------------------------------------------- 5: errors at trace time */
 static void test_errors(void) {
     /* expect: the module the message must name; also: a word it must contain */
-    struct { int err; const char *expect, *also, *label; bool in_step; } cases[] = {
-        {ERR_EDIT_MODEL, "stem", "changed", "an in-place edit of an smp_call output in the model forward names the call", true},
-        {ERR_EDIT_MODEL, "stem", "changed", "an in-place edit of an smp_call output in the model forward names the call (smp_model_trace)", false},
-        {ERR_EDIT_OUTPUT, "head", "changed", "an in-place edit of the model's output after its last call names the call", false},
-        {ERR_EDIT_COMPOSITE, "blocks.2.fc1", "changed", "an in-place edit of a nested call's output in a composite forward names the call", true},
-        {ERR_COMPOSITE_BACKWARD, "blocks.1", "backward", "a composite with a backward of its own is an error naming it", false},
-        {ERR_OWN_OUTPUT, "blocks.1", "output", "a composite that allocates and computes its own output is an error naming it", true},
-        {ERR_FOREIGN_INPUT, "blocks.1", "input", "a composite passing a child a buffer no smp_call produced is an error naming it", false},
+    struct { int err; const char *expect, *also, *label; bool in_step;
+    } cases[] = {
+        {ERR_EDIT_MODEL, "stem", "changed",
+         "an in-place edit of an smp_call output in the model forward names the call", true},
+        {ERR_EDIT_MODEL, "stem", "changed",
+         "an in-place edit of an smp_call output in the model forward names the call (smp_model_trace)", false},
+        {ERR_EDIT_OUTPUT, "head", "changed",
+         "an in-place edit of the model's output after its last call names the call", false},
+        {ERR_EDIT_COMPOSITE, "blocks.2.fc1", "changed",
+         "an in-place edit of a nested call's output in a composite forward names the call", true},
+        {ERR_COMPOSITE_BACKWARD, "blocks.1", "backward", "a composite with a backward of its own is an error naming it",
+         false},
+        {ERR_OWN_OUTPUT, "blocks.1", "output",
+         "a composite that allocates and computes its own output is an error naming it", true},
+        {ERR_FOREIGN_INPUT, "blocks.1", "input",
+         "a composite passing a child a buffer no smp_call produced is an error naming it", false},
     };
     int Pmax = fits(4) ? 4 : fits(2) ? 2 : 1, Ps[2] = {1, Pmax};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
         for (int a = 0; a < (Pmax > 1 ? 2 : 1); a++) {
             int P = Ps[a];
-            spec s = {V_COMPOSITE, P, 2, 1, PL_AUTO, RC_NONE, cases[c].err, SMP_PIPELINE_INTERLEAVED, 1, true, cases[c].in_step};
+            spec s = {V_COMPOSITE,     P, 2, 1, PL_AUTO, RC_NONE, cases[c].err, SMP_PIPELINE_INTERLEAVED, 1, true,
+                      cases[c].in_step};
             char name[512];
             snprintf(name, sizeof name, "errors/P=%d: %s, on every rank", P, cases[c].label);
             result *r = (result *)calloc(1, sizeof *r);
             int ok = 1;
             if (g_in_group[P]) {
                 run(&s, g_group[P], r);
-                ok = r->st != SMP_OK && strstr(r->err, cases[c].expect) != NULL && strstr(r->err, cases[c].also) != NULL;
+                ok =
+                    r->st != SMP_OK && strstr(r->err, cases[c].expect) != NULL && strstr(r->err, cases[c].also) != NULL;
             }
-            MPI_CHECK(ok, name, "status %s, message \"%s\" (expected an error naming \"%s\" and saying \"%s\")", smp_status_name(r->st), r->err,
-                      cases[c].expect, cases[c].also);
+            MPI_CHECK(ok, name, "status %s, message \"%s\" (expected an error naming \"%s\" and saying \"%s\")",
+                      smp_status_name(r->st), r->err, cases[c].expect, cases[c].also);
             free(r);
         }
 }
@@ -1105,7 +1233,9 @@ static void test_fan(void) {
         spec vee = {V_FAN, 1, ms[b], 1, PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE_V, STEPS, true, false};
         free(run_checked(&vee));
         for (int kk = 0; kk < 3; kk++) {
-            spec s = {V_FAN, 2, ms[b], 1, PL_CONTIG, RC_NONE, ERR_NONE, kk < 2 ? kinds[kk] : SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
+            spec s = {V_FAN,     2,       ms[b],    1,
+                      PL_CONTIG, RC_NONE, ERR_NONE, kk < 2 ? kinds[kk] : SMP_PIPELINE_ZERO_BUBBLE,
+                      STEPS,     true,    false};
             free(run_checked(&s));
         }
     }
@@ -1130,7 +1260,8 @@ static int write_bin(const char *dir, const char *name, const char *suffix, cons
 
 static void test_float64(void) {
     int P = fits(4) ? 4 : fits(2) ? 2 : 1, m = 2;
-    spec s = {V_COMPOSITE, P, m, 1, P > 1 ? PL_CONTIG : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_INTERLEAVED, 1, false, false};
+    spec s = {V_COMPOSITE, P,     m,    1, P > 1 ? PL_CONTIG : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_INTERLEAVED,
+              1,           false, false};
     result *r = run_checked(&s); /* one step, no SGD: the gradients equal the plain C reference bitwise */
     if (!r) return;
     char dir[512] = "";
@@ -1151,7 +1282,8 @@ static void test_float64(void) {
         ok = man != NULL && r->ok;
         for (int k = 0; k < L.n && ok; k++)
             if (r->local[k]) {
-                ok = write_bin(dir, L.name[k], ".init.bin", r->init[k], numel_of(&L, k)) && write_bin(dir, L.name[k], ".grad.bin", r->grad[k], numel_of(&L, k));
+                ok = write_bin(dir, L.name[k], ".init.bin", r->init[k], numel_of(&L, k)) &&
+                     write_bin(dir, L.name[k], ".grad.bin", r->grad[k], numel_of(&L, k));
                 fprintf(man, "%s %d %d\n", L.name[k], L.rows[k], L.cols[k]);
             }
         if (man) fclose(man);
@@ -1163,24 +1295,30 @@ static void test_float64(void) {
                 fprintf(meta, "%d %d %d %d %d %d %d\n", IN, HID, FF, CLS, BATCH, NBLK, m);
                 fclose(meta);
             }
-            ok = ok && write_bin(dir, "x", ".bin", g_x, BATCH * IN) && write_bin(dir, "t", ".bin", g_t, BATCH * CLS) && write_bin(dir, "loss", ".bin", r->loss[0], m);
+            ok = ok && write_bin(dir, "x", ".bin", g_x, BATCH * IN) && write_bin(dir, "t", ".bin", g_t, BATCH * CLS) &&
+                 write_bin(dir, "loss", ".bin", r->loss[0], m);
         }
         if (!ok) snprintf(why, sizeof why, "%.1100s", r->ok ? "cannot write the files for the script" : r->why);
     }
-    MPI_CHECK(ok, "composite/float64: inputs, targets, initial parameters and gradients of one step written for the numpy script", "%s", why);
+    MPI_CHECK(
+        ok,
+        "composite/float64: inputs, targets, initial parameters and gradients of one step written for the numpy script",
+        "%s", why);
     MPI_Barrier(MPI_COMM_WORLD);
     if (g_rank == 0 && ok) {
         const char *script = script_path("composite_ref.py");
         char cmd[2048];
         if (access(script, R_OK) != 0) test_skip("composite/float64 reference", "test/composite_ref.py not found");
-        else if (system("command -v python3 > /dev/null 2>&1") != 0) test_skip("composite/float64 reference", "python3 not found");
+        else if (system("command -v python3 > /dev/null 2>&1") != 0)
+            test_skip("composite/float64 reference", "python3 not found");
         else {
             snprintf(cmd, sizeof cmd, "python3 '%s' '%s'", script, dir);
             fflush(stdout);
             int rc = system(cmd);
             rc = rc == -1 ? -1 : WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
             if (rc == 3) test__failed_total++; /* the script printed its FAIL lines */
-            else if (rc != 0) CHECK(0, "composite/float64 reference: composite_ref.py ran", "exit status %d (%s)", rc, cmd);
+            else if (rc != 0)
+                CHECK(0, "composite/float64 reference: composite_ref.py ran", "exit status %d (%s)", rc, cmd);
         }
     }
     MPI_Barrier(MPI_COMM_WORLD);

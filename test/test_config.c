@@ -24,20 +24,19 @@ static int err_has(const char *needle) { return needle == NULL || strstr(smp_las
 /* Field by field (memcmp would compare padding, which copies need not keep). */
 static int cfg_equal(const smp_config *a, const smp_config *b) {
     return a->partitions == b->partitions && a->pipeline_parallel_degree == b->pipeline_parallel_degree &&
-           a->tensor_parallel_degree == b->tensor_parallel_degree && a->microbatches == b->microbatches && a->pipeline == b->pipeline &&
-           a->optimize == b->optimize && a->auto_partition == b->auto_partition &&
+           a->tensor_parallel_degree == b->tensor_parallel_degree && a->microbatches == b->microbatches &&
+           a->pipeline == b->pipeline && a->optimize == b->optimize && a->auto_partition == b->auto_partition &&
            a->default_partition == b->default_partition && a->has_default_partition == b->has_default_partition &&
            a->ddp == b->ddp && a->placement_strategy == b->placement_strategy && a->memory_weight == b->memory_weight &&
-           a->has_memory_weight == b->has_memory_weight &&
-           a->trace_device == b->trace_device && a->trace_execution_times == b->trace_execution_times &&
-           a->trace_memory_usage == b->trace_memory_usage && a->overlapping_allreduce == b->overlapping_allreduce &&
+           a->has_memory_weight == b->has_memory_weight && a->trace_device == b->trace_device &&
+           a->trace_execution_times == b->trace_execution_times && a->trace_memory_usage == b->trace_memory_usage &&
+           a->overlapping_allreduce == b->overlapping_allreduce &&
            a->backward_passes_per_step == b->backward_passes_per_step &&
            a->average_grads_across_microbatches == b->average_grads_across_microbatches &&
            a->bucket_cap_mb == b->bucket_cap_mb && a->broadcast_buffers == b->broadcast_buffers &&
-           a->activation_checkpointing == b->activation_checkpointing &&
-           a->virtual_stages == b->virtual_stages && a->deterministic_reduction == b->deterministic_reduction &&
-           a->timeout == b->timeout && a->seed == b->seed && a->prescaled_batch == b->prescaled_batch &&
-           memcmp(&a->comm, &b->comm, sizeof a->comm) == 0;
+           a->activation_checkpointing == b->activation_checkpointing && a->virtual_stages == b->virtual_stages &&
+           a->deterministic_reduction == b->deterministic_reduction && a->timeout == b->timeout && a->seed == b->seed &&
+           a->prescaled_batch == b->prescaled_batch && memcmp(&a->comm, &b->comm, sizeof a->comm) == 0;
 }
 
 /* A config with a non-default value in every field, to see what a failed
@@ -94,7 +93,8 @@ static int resolved_is_concrete(const smp_config *r) {
 static void test_parallel_degrees(void) {
     smp_config c, r;
     memset(&c, 0, sizeof c);
-    smp_status st = smp_config_from_json("{\"pipeline_parallel_degree\": 2, \"tensor_parallel_degree\": 2, \"ddp\": true}", &c);
+    smp_status st =
+        smp_config_from_json("{\"pipeline_parallel_degree\": 2, \"tensor_parallel_degree\": 2, \"ddp\": true}", &c);
     CHECK(st == SMP_OK && c.pipeline_parallel_degree == 2 && c.partitions == 0 && c.tensor_parallel_degree == 2,
           "degrees: json sets pipeline_parallel_degree and tensor_parallel_degree", "%s", smp_last_error());
     st = smp_config_resolve(&c, 8, &r);
@@ -139,7 +139,8 @@ static void test_parallel_degrees(void) {
           smp_last_error());
     c.prescaled_batch = SMP_DEFAULT;
     c.tensor_parallel_degree = -2;
-    expect_resolve_error("degrees: negative tensor_parallel_degree", c, 4, "\"tensor_parallel_degree\"", "at least 1", NULL);
+    expect_resolve_error("degrees: negative tensor_parallel_degree", c, 4, "\"tensor_parallel_degree\"", "at least 1",
+                         NULL);
     expect_json_error("degrees: tensor_parallel_degree 0 in json", "{\"tensor_parallel_degree\": 0}",
                       "\"tensor_parallel_degree\"", "at least 1", NULL);
 
@@ -150,8 +151,9 @@ static void test_parallel_degrees(void) {
         snprintf(json, sizeof json, "{\"placement_strategy\": \"%s\"}", letters[i]);
         memset(&c, 0, sizeof c);
         st = smp_config_from_json(json, &c);
-        CHECK(st == SMP_OK && c.placement_strategy == (smp_placement)(SMP_PLACEMENT_DPT + i), "degrees: placement letters parse",
-              "%s: %d (%s)", letters[i], (int)c.placement_strategy, smp_last_error());
+        CHECK(st == SMP_OK && c.placement_strategy == (smp_placement)(SMP_PLACEMENT_DPT + i),
+              "degrees: placement letters parse", "%s: %d (%s)", letters[i], (int)c.placement_strategy,
+              smp_last_error());
     }
     expect_json_error("degrees: lower-case letters are not a placement", "{\"placement_strategy\": \"dpt\"}",
                       "\"placement_strategy\"", "\"TPD\"", "\"dpt\"");
@@ -174,7 +176,8 @@ static void test_defaults(void) {
     CHECK(r.auto_partition == SMP_ON, "defaults: auto_partition on", "%d", (int)r.auto_partition);
     CHECK(!r.has_default_partition, "defaults: no default_partition", "set");
     CHECK(r.ddp == SMP_OFF, "defaults: ddp off", "%d", (int)r.ddp);
-    CHECK(r.placement_strategy == SMP_PLACEMENT_CLUSTER, "defaults: placement cluster", "%d", (int)r.placement_strategy);
+    CHECK(r.placement_strategy == SMP_PLACEMENT_CLUSTER, "defaults: placement cluster", "%d",
+          (int)r.placement_strategy);
     CHECK(r.memory_weight == 0.0, "defaults: memory_weight 0 for speed", "%g", r.memory_weight);
     CHECK(r.trace_device == SMP_TRACE_CPU, "defaults: trace_device cpu", "%d", (int)r.trace_device);
     CHECK(r.trace_execution_times == SMP_OFF && r.trace_memory_usage == SMP_OFF, "defaults: tracing extras off",
@@ -187,11 +190,13 @@ static void test_defaults(void) {
     CHECK(r.broadcast_buffers == SMP_ON, "defaults: broadcast_buffers on", "%d", (int)r.broadcast_buffers);
     CHECK(r.virtual_stages == 1, "defaults: virtual_stages 1", "%d", r.virtual_stages);
     CHECK(r.active_microbatches == 0, "defaults: active_microbatches 0 (no cap)", "%d", r.active_microbatches);
-    CHECK(r.shard_optimizer_state == SMP_OFF, "defaults: shard_optimizer_state off", "%d", (int)r.shard_optimizer_state);
+    CHECK(r.shard_optimizer_state == SMP_OFF, "defaults: shard_optimizer_state off", "%d",
+          (int)r.shard_optimizer_state);
     CHECK(r.offload_activations == SMP_OFF && r.activation_loading_horizon == 4,
           "defaults: offload_activations off, activation_loading_horizon 4", "%d %d", (int)r.offload_activations,
           r.activation_loading_horizon);
-    CHECK(r.activation_checkpointing == SMP_OFF, "defaults: activation_checkpointing off", "%d", (int)r.activation_checkpointing);
+    CHECK(r.activation_checkpointing == SMP_OFF, "defaults: activation_checkpointing off", "%d",
+          (int)r.activation_checkpointing);
     CHECK(r.deterministic_reduction == SMP_OFF, "defaults: deterministic_reduction off", "%d",
           (int)r.deterministic_reduction);
     CHECK(r.timeout == 600.0, "defaults: timeout 600 without SMP_TIMEOUT", "%g", r.timeout);
@@ -219,14 +224,15 @@ static void test_defaults(void) {
     memset(&j, 0, sizeof j);
     st = smp_config_from_json("{\"optimize\": \"memory\", \"memory_weight\": 0}", &j);
     if (!st) st = smp_config_resolve(&j, 1, &r);
-    CHECK(st == SMP_OK && j.has_memory_weight && r.memory_weight == 0.0, "json: \"memory_weight\": 0 is kept under optimize memory",
-          "%s, weight %g", st ? smp_last_error() : "ok", r.memory_weight);
+    CHECK(st == SMP_OK && j.has_memory_weight && r.memory_weight == 0.0,
+          "json: \"memory_weight\": 0 is kept under optimize memory", "%s, weight %g", st ? smp_last_error() : "ok",
+          r.memory_weight);
     /* a value set without its flag is an error naming the flag, never dropped */
     z.has_memory_weight = false;
     z.memory_weight = 0.3;
     st = smp_config_resolve(&z, 1, &r);
-    CHECK(st == SMP_ERR_CONFIG && err_has("has_memory_weight"), "config: memory_weight without has_memory_weight is an error",
-          "%d %s", (int)st, smp_last_error());
+    CHECK(st == SMP_ERR_CONFIG && err_has("has_memory_weight"),
+          "config: memory_weight without has_memory_weight is an error", "%d %s", (int)st, smp_last_error());
     z.memory_weight = 0;
     z.partitions = 2;
     z.default_partition = 1;
@@ -235,8 +241,8 @@ static void test_defaults(void) {
           "config: default_partition without has_default_partition is an error", "%d %s", (int)st, smp_last_error());
     z.has_default_partition = true;
     st = smp_config_resolve(&z, 2, &r);
-    CHECK(st == SMP_OK && r.has_default_partition && r.default_partition == 1, "config: default_partition with its flag",
-          "%d %s", (int)st, smp_last_error());
+    CHECK(st == SMP_OK && r.has_default_partition && r.default_partition == 1,
+          "config: default_partition with its flag", "%d %s", (int)st, smp_last_error());
 
     /* hybrid: 2 partitions x 2 replicas */
     memset(&z, 0, sizeof z);
@@ -320,7 +326,8 @@ static void test_every_key(void) {
           (int)c.average_grads_across_microbatches);
     CHECK(c.broadcast_buffers == SMP_OFF, "json: broadcast_buffers false", "%d", (int)c.broadcast_buffers);
     CHECK(c.deterministic_reduction == SMP_ON, "json: deterministic_reduction", "%d", (int)c.deterministic_reduction);
-    CHECK(c.activation_checkpointing == SMP_ON, "json: activation_checkpointing", "%d", (int)c.activation_checkpointing);
+    CHECK(c.activation_checkpointing == SMP_ON, "json: activation_checkpointing", "%d",
+          (int)c.activation_checkpointing);
     CHECK(c.backward_passes_per_step == 2, "json: backward_passes_per_step", "%d", c.backward_passes_per_step);
     CHECK(c.bucket_cap_mb == 12.5, "json: bucket_cap_mb", "%g", c.bucket_cap_mb);
     CHECK(c.virtual_stages == 3, "json: virtual_stages", "%d", c.virtual_stages);
@@ -349,9 +356,10 @@ static void test_every_key(void) {
         st = smp_config_from_json(text, &c);
         smp_config r2;
         smp_status rs = st ? st : smp_config_resolve(&c, 1, &r2);
-        CHECK(st == SMP_OK && rs == SMP_OK && c.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V && r2.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V &&
-                  r2.virtual_stages == v,
-              v == 1 ? "json: pipeline zero_bubble_v" : "json: pipeline zero_bubble_v with virtual_stages 2", "%s", smp_last_error());
+        CHECK(st == SMP_OK && rs == SMP_OK && c.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V &&
+                  r2.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V && r2.virtual_stages == v,
+              v == 1 ? "json: pipeline zero_bubble_v" : "json: pipeline zero_bubble_v with virtual_stages 2", "%s",
+              smp_last_error());
     }
 
     /* number forms */
@@ -458,7 +466,8 @@ static void test_bad_json_values(void) {
     expect_json_error("bad json: prefix suggests the key", "{\"placement\": \"spread\"}", "\"placement\"",
                       "did you mean \"placement_strategy\"", NULL);
     expect_json_error("bad json: far-off key lists the keys", "{\"learning_rate\": 0.1}",
-                      "unknown config key \"learning_rate\"", "the keys are: partitions, pipeline_parallel_degree", "seed");
+                      "unknown config key \"learning_rate\"", "the keys are: partitions, pipeline_parallel_degree",
+                      "seed");
     expect_json_error("bad json: the SageMaker wrapper object", "{\"enabled\": true, \"parameters\": {}}",
                       "\"enabled\"", "\"parameters\"", NULL);
     expect_json_error("bad json: integer given as a string", "{\"partitions\": \"2\"}",
@@ -475,11 +484,11 @@ static void test_bad_json_values(void) {
         CHECK(st == SMP_OK && a.active_microbatches == 3, "json: active_microbatches", "status %d, %d: %s", (int)st,
               a.active_microbatches, smp_last_error());
         st = smp_config_from_json("{\"active_microbatches\": 0}", &a);
-        CHECK(st == SMP_OK && a.active_microbatches == 0, "json: active_microbatches 0 (no cap)", "status %d, %d: %s", (int)st,
-              a.active_microbatches, smp_last_error());
+        CHECK(st == SMP_OK && a.active_microbatches == 0, "json: active_microbatches 0 (no cap)", "status %d, %d: %s",
+              (int)st, a.active_microbatches, smp_last_error());
     }
-    expect_json_error("bad json: negative active_microbatches", "{\"active_microbatches\": -1}", "\"active_microbatches\"",
-                      "at least 1, or 0 for no limit", "-1");
+    expect_json_error("bad json: negative active_microbatches", "{\"active_microbatches\": -1}",
+                      "\"active_microbatches\"", "at least 1, or 0 for no limit", "-1");
     {
         smp_config a = {0}, r = {0};
         smp_status st = smp_config_from_json("{\"offload_activations\": true, \"activation_loading_horizon\": 2}", &a);
@@ -646,7 +655,8 @@ static void test_bad_structs(void) {
                          "-1", "at least 1");
     b = c;
     b.active_microbatches = -2;
-    expect_resolve_error("bad struct: negative active_microbatches", b, 4, "\"active_microbatches\"", "-2", "0 for no limit");
+    expect_resolve_error("bad struct: negative active_microbatches", b, 4, "\"active_microbatches\"", "-2",
+                         "0 for no limit");
     b = c;
     b.virtual_stages = -3;
     expect_resolve_error("bad struct: negative virtual_stages", b, 4, "\"virtual_stages\"", "-3", NULL);
@@ -658,8 +668,8 @@ static void test_bad_structs(void) {
     b = c;
     b.pipeline = SMP_PIPELINE_ZERO_BUBBLE_V;
     b.virtual_stages = 3;
-    expect_resolve_error("bad struct: zero_bubble_v with virtual_stages 3", b, 4, "\"virtual_stages\" is 3", "zero_bubble_v",
-                         "leave virtual_stages at 1 or 2");
+    expect_resolve_error("bad struct: zero_bubble_v with virtual_stages 3", b, 4, "\"virtual_stages\" is 3",
+                         "zero_bubble_v", "leave virtual_stages at 1 or 2");
     b = c;
     b.pipeline = (smp_pipeline_kind)5;
     expect_resolve_error("bad struct: pipeline = 5", b, 4, "\"pipeline\"", "5", "SMP_PIPELINE_ZERO_BUBBLE_V (4)");
@@ -709,8 +719,8 @@ static void test_locale(void) {
     smp_config c;
     memset(&c, 0, sizeof c);
     smp_status st = smp_config_from_json("{\"memory_weight\": 0.25, \"timeout\": 1.5e1}", &c);
-    CHECK(st == SMP_OK && c.memory_weight == 0.25 && c.timeout == 15.0, "locale: '.' numbers under a decimal-comma locale",
-          "%s %g %g", smp_last_error(), c.memory_weight, c.timeout);
+    CHECK(st == SMP_OK && c.memory_weight == 0.25 && c.timeout == 15.0,
+          "locale: '.' numbers under a decimal-comma locale", "%s %g %g", smp_last_error(), c.memory_weight, c.timeout);
     setlocale(LC_NUMERIC, "C");
 }
 

@@ -27,7 +27,8 @@ SMP_STEP_BODY(mse_body) {
     const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
     smp_tensor *g = smp_mb_output_grad(mb, 0);
     float *scale = (float *)smp_mb_user(mb);
-    float loss = mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y));
+    float loss =
+        mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y));
     if (g && scale) for (int64_t i = 0; i < smp_tensor_numel(g); i++) ((float *)g->data)[i] *= *scale;
     return smp_mb_return_f32(mb, 0, loss);
 }
@@ -35,14 +36,15 @@ SMP_STEP_BODY(mse_body) {
 typedef struct { float gw[NLIN][H * H], gb[NLIN][H]; } grads_t;
 
 /* The one-process reference: replica r's rows are r*rows .. (r+1)*rows of the global batch. */
-static void reference(ref_t *base, int dp, int m, int rows, int steps, grads_t *sum, grads_t *absum, float losses[MAXDP][8]) {
+static void reference(ref_t *base, int dp, int m, int rows, int steps, grads_t *sum, grads_t *absum,
+                      float losses[MAXDP][8]) {
     grads_t acc[MAXDP];
     for (int r = 0; r < dp; r++) {
         ref_t rr = *base;
         ref_zero_grads(&rr);
         for (int s = 0; s < steps; s++) {
-            ref_step_divided(&rr, g_x + ((size_t)r * steps + (size_t)s) * (size_t)rows * D, g_t + ((size_t)r * steps + (size_t)s) * (size_t)rows * C, m, true,
-                             (double)m * dp * steps);
+            ref_step_divided(&rr, g_x + ((size_t)r * steps + (size_t)s) * (size_t)rows * D,
+                             g_t + ((size_t)r * steps + (size_t)s) * (size_t)rows * C, m, true, (double)m * dp * steps);
             if (losses) memcpy(losses[r], rr.loss, sizeof rr.loss);
         }
         memcpy(acc[r].gw, rr.gw, sizeof acc[r].gw);
@@ -59,7 +61,8 @@ static void reference(ref_t *base, int dp, int m, int rows, int steps, grads_t *
 }
 
 /* Largest violation of the bound over this rank's gradients; 0 means within. */
-static double check_grads(smp_model *model, const grads_t *want, const grads_t *abs, int dp, bool bitwise, char *why, size_t cap) {
+static double check_grads(smp_model *model, const grads_t *want, const grads_t *abs, int dp, bool bitwise, char *why,
+                          size_t cap) {
     static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
     for (int l = 0; l < NLIN; l++)
         for (int wb = 0; wb < 2; wb++) {
@@ -67,7 +70,8 @@ static double check_grads(smp_model *model, const grads_t *want, const grads_t *
             snprintf(nm, sizeof nm, "%s.%s", names[l], wb ? "bias" : "weight");
             smp_param *p = smp_model_find_param(model, nm);
             if (!smp_module_is_local(smp_param_module(p))) continue;
-            const float *g = (const float *)smp_param_grad(p)->data, *w = wb ? want->gb[l] : want->gw[l], *a = wb ? abs->gb[l] : abs->gw[l];
+            const float *g = (const float *)smp_param_grad(p)->data, *w = wb ? want->gb[l] : want->gw[l],
+                        *a = wb ? abs->gb[l] : abs->gw[l];
             int n = wb ? lin_out[l] : lin_out[l] * lin_in[l];
             for (int i = 0; i < n; i++) {
                 double bound = bitwise ? 0 : (dp - 1) * FLT_EPSILON * a[i] + 2 * FLT_EPSILON * fabsf(w[i]) + FLT_MIN;
@@ -95,7 +99,9 @@ static void zb_split(ddp_case *c) { c->kind = SMP_PIPELINE_ZERO_BUBBLE; c->split
 /* the case under zero_bubble_v, with the linears' backward split */
 static void zbv_split(ddp_case *c) { c->kind = SMP_PIPELINE_ZERO_BUBBLE_V; c->split = true; }
 static const char *zb_suffix(const ddp_case *c) {
-    return c->kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "/zero_bubble_v/split linears" : c->kind == SMP_PIPELINE_ZERO_BUBBLE ? "/zero_bubble/split linears" : "";
+    return c->kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "/zero_bubble_v/split linears"
+           : c->kind == SMP_PIPELINE_ZERO_BUBBLE ? "/zero_bubble/split linears"
+                                                 : "";
 }
 
 static smp_model *start(const ddp_case *c, net *n) {
@@ -144,7 +150,8 @@ static int gather_owned(smp_model *model, char *why, size_t cap) {
     return ok;
 }
 
-/* Runs `steps` training steps; returns this rank's gradients flattened by name order into out (for cross-config comparison). */
+/* Runs `steps` training steps; returns this rank's gradients flattened by name order into out (for cross-config
+ * comparison). */
 static int run(const ddp_case *c, int steps, int rows, grads_t *got, char *why, size_t cap, float losses[8]) {
     net n;
     smp_model *model = start(c, &n);
@@ -153,7 +160,8 @@ static int run(const ddp_case *c, int steps, int rows, grads_t *got, char *why, 
     smp_tensor x0 = smp_tensor_2d(g_x, SMP_F32, rows / c->m, D);
     smp_model_trace(model, &x0, 1);
     if (c->perturb && r != 0) /* replicas that start apart must be equal after the first step */
-        for (int i = 0; smp_model_local_param(model, i, false); i++) ((float *)smp_param_value(smp_model_local_param(model, i, false))->data)[0] += 0.5f;
+        for (int i = 0; smp_model_local_param(model, i, false); i++)
+            ((float *)smp_param_value(smp_model_local_param(model, i, false))->data)[0] += 0.5f;
     smp_model_zero_grad(model);
     int ok = 1;
     for (int s = 0; s < steps && ok; s++) {
@@ -161,7 +169,10 @@ static int run(const ddp_case *c, int steps, int rows, grads_t *got, char *why, 
         /* replica r's rows for step s: the same rows whatever the step count */
         smp_tensor x = smp_tensor_2d(g_x + ((size_t)r * steps + (size_t)s) * (size_t)rows * D, SMP_F32, rows, D);
         smp_tensor t = smp_tensor_2d(g_t + ((size_t)r * steps + (size_t)s) * (size_t)rows * C, SMP_F32, rows, C);
-        if (SMP_TRAIN_STEP(model, mse_body, NULL, &out, 1, x, t)) { snprintf(why, cap, "step: %s", smp_last_error()); ok = 0; }
+        if (SMP_TRAIN_STEP(model, mse_body, NULL, &out, 1, x, t)) {
+            snprintf(why, cap, "step: %s", smp_last_error());
+            ok = 0;
+        }
         for (int i = 0; ok && losses && i < c->m; i++) losses[i] = ((float *)out.values[i].data)[0];
         smp_step_output_free(&out);
     }
@@ -219,7 +230,11 @@ static void equivalence(int P, bool deterministic, smp_pipeline_kind kind, bool 
         }
         ok = check_grads(model, &want, &abs, dp, deterministic, why, sizeof why) == 0;
         for (int i = 0; ok && i < 4; i++)
-            if (memcmp(&losses[i], &ref_losses[r][i], 4)) { snprintf(why, sizeof why, "loss of microbatch %d on dp rank %d: %.9g vs %.9g", i, r, losses[i], ref_losses[r][i]); ok = 0; }
+            if (memcmp(&losses[i], &ref_losses[r][i], 4)) {
+                snprintf(why, sizeof why, "loss of microbatch %d on dp rank %d: %.9g vs %.9g", i, r, losses[i],
+                         ref_losses[r][i]);
+                ok = 0;
+            }
     }
     smp_model_free(model);
     smp_finalize();
@@ -237,7 +252,10 @@ static void polled(int P) {
     g_relu_backward_hook = smp_poll;
     ok = ok && run(&c, 2, B, &gb, why, sizeof why, NULL);
     g_relu_backward_hook = NULL;
-    if (ok && memcmp(&ga, &gb, sizeof ga)) { snprintf(why, sizeof why, "the gradients differ with smp_poll in the backward"); ok = 0; }
+    if (ok && memcmp(&ga, &gb, sizeof ga)) {
+        snprintf(why, sizeof why, "the gradients differ with smp_poll in the backward");
+        ok = 0;
+    }
     char name[128];
     snprintf(name, sizeof name, "ddp/smp_poll in module backwards leaves the gradients bitwise equal/P=%d", P);
     MPI_CHECK(ok, name, "%s", why);
@@ -247,7 +265,8 @@ static void polled(int P) {
 static void same(const char *label, ddp_case a, ddp_case b, int steps_a, int rows_a, int steps_b, int rows_b) {
     grads_t ga, gb;
     char why[4096] = "";
-    int ok = run(&a, steps_a, rows_a, &ga, why, sizeof why, NULL) && run(&b, steps_b, rows_b, &gb, why, sizeof why, NULL);
+    int ok =
+        run(&a, steps_a, rows_a, &ga, why, sizeof why, NULL) && run(&b, steps_b, rows_b, &gb, why, sizeof why, NULL);
     if (ok && memcmp(&ga, &gb, sizeof ga)) {
         float *x = (float *)&ga, *y = (float *)&gb;
         int i = 0;
@@ -267,7 +286,8 @@ static void clipping_and_scaler(int P, smp_pipeline_kind kind, bool shard) {
     net n;
     smp_model *model = start(&c, &n);
     int dp = smp_dp_size(), r = smp_dp_rank();
-    smp_tensor x = smp_tensor_2d(g_x + (size_t)r * B * D, SMP_F32, B, D), t = smp_tensor_2d(g_t + (size_t)r * B * C, SMP_F32, B, C);
+    smp_tensor x = smp_tensor_2d(g_x + (size_t)r * B * D, SMP_F32, B, D),
+               t = smp_tensor_2d(g_t + (size_t)r * B * C, SMP_F32, B, C);
     smp_step_output out = {0};
     smp_model_zero_grad(model);
     smp_status st = SMP_TRAIN_STEP(model, mse_body, NULL, &out, 1, x, t);
@@ -293,7 +313,9 @@ static void clipping_and_scaler(int P, smp_pipeline_kind kind, bool shard) {
     int ok = !st && memcmp(&got_norm, &norm, sizeof norm) == 0;
     if (shard && !gather_owned(model, why, sizeof why)) ok = 0;
     ok = ok && check_grads(model, &want, &abs, dp, true, why, sizeof why) == 0;
-    if (!ok && !*why) snprintf(why, sizeof why, "status %d (%s), norm %.17g vs %.17g", st, st ? smp_last_error() : "", got_norm, norm);
+    if (!ok && !*why)
+        snprintf(why, sizeof why, "status %d (%s), norm %.17g vs %.17g", st, st ? smp_last_error() : "", got_norm,
+                 norm);
     snprintf(name, sizeof name, "ddp/clipping equals the one-process model/P=%d%s", P, sfx);
     MPI_CHECK(ok, name, "%s", why);
     /* the scaler: an overflow on the last rank skips the step everywhere (sharded: in a range the rank owns, the
@@ -315,7 +337,8 @@ static void clipping_and_scaler(int P, smp_pipeline_kind kind, bool shard) {
     if (!st) st = smp_grad_scaler_unscale(model, &scaler, &skip);
     float after = p0 ? ((float *)smp_param_grad(p0)->data)[0] : 0;
     snprintf(name, sizeof name, "ddp/scaler unscales a clean step/P=%d%s", P, sfx);
-    MPI_CHECK(!st && !skip && (!p0 || after == before / (float)scaler.scale), name, "skip %d, %g -> %g", skip, before, after);
+    MPI_CHECK(!st && !skip && (!p0 || after == before / (float)scaler.scale), name, "skip %d, %g -> %g", skip, before,
+              after);
     smp_step_output_free(&out);
     smp_model_free(model);
     smp_finalize();
@@ -335,19 +358,27 @@ static void data_helpers(void) {
     smp_tensor mine = smp_tensor_1d(idx, SMP_I64, count), gathered = smp_tensor_1d(all, SMP_I64, count * dp);
     if (ok) ok = !smp_all_gather(&mine, &gathered, SMP_DP_GROUP);
     char seen[N] = {0};
-    for (int64_t i = 0; ok && i < count * dp; i++) { if (all[i] < 0 || all[i] >= N || seen[all[i]]) ok = 0; else seen[all[i]] = 1; }
+    for (int64_t i = 0; ok && i < count * dp; i++) {
+        if (all[i] < 0 || all[i] >= N || seen[all[i]])
+            ok = 0;
+        else
+            seen[all[i]] = 1;
+    }
     int64_t other[N + 1], oc;
     smp_sampler_indices(&d, 4, other, &oc, NULL);
     ok = ok && memcmp(other, idx, sizeof(int64_t) * (size_t)count) != 0; /* another epoch, another order */
-    MPI_CHECK(ok, "ddp/sampler shards each global batch of a seeded permutation by dp rank", "count %lld batches %lld", (long long)count, (long long)batches);
+    MPI_CHECK(ok, "ddp/sampler shards each global batch of a seeded permutation by dp rank", "count %lld batches %lld",
+              (long long)count, (long long)batches);
     int64_t local = 0;
     st = smp_local_batch_size(64, &local);
     MPI_CHECK(!st && local == 64 / dp, "ddp/per-replica batch size", "%lld", (long long)local);
     if (dp > 1) {
         st = smp_local_batch_size(63, &local);
-        MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "63"), "ddp/indivisible global batch is an error", "%s", smp_last_error());
+        MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "63"), "ddp/indivisible global batch is an error", "%s",
+                  smp_last_error());
         st = smp_agree_batches(r == 0 ? 10 : 9);
-        MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "different numbers of batches"), "ddp/replicas with different batch counts get an error", "%s", smp_last_error());
+        MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "different numbers of batches"),
+                  "ddp/replicas with different batch counts get an error", "%s", smp_last_error());
     }
     MPI_CHECK(smp_agree_batches(7) == SMP_OK, "ddp/replicas with equal batch counts agree", "%s", smp_last_error());
     smp_finalize();
@@ -364,7 +395,9 @@ static int read_timeline(const char *path, tl_event *ev, int cap) {
     for (const char *at = strstr(text, "{\"name\":\""); at && n < cap; at = strstr(at + 1, "{\"name\":\"")) {
         tl_event e = {{0}, 0, 0, -1, -1, -1};
         const char *cat = strstr(at, "\"cat\":\"");
-        if (!cat || sscanf(cat, "\"cat\":\"%15[^\"]\",\"ph\":\"X\",\"ts\":%lf,\"dur\":%lf,\"pid\":%d", e.cat, &e.ts, &e.dur, &e.pid) != 4) continue;
+        if (!cat || sscanf(cat, "\"cat\":\"%15[^\"]\",\"ph\":\"X\",\"ts\":%lf,\"dur\":%lf,\"pid\":%d", e.cat, &e.ts,
+                           &e.dur, &e.pid) != 4)
+            continue;
         sscanf(at, "{\"name\":\"AR b%d\"", &e.bucket);
         const char *stage = strstr(at, "\"args\":{\"stage\":");
         if (stage) sscanf(stage, "\"args\":{\"stage\":%d", &e.stage);
@@ -390,8 +423,11 @@ static void bucket_order(bool overlap, smp_pipeline_kind kind) {
     char path[64], name[128], why[2600] = "";
     timeline_to("buckets", path, sizeof path);
     snprintf(name, sizeof name, "ddp/buckets all-reduce in order, one at a time, %s%s",
-             overlap ? (zb ? "the first during the last W" : "the first during the last backward") : (zb ? "after the last W" : "after the backward"),
-             kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "/zero_bubble_v/split linears" : zb ? "/zero_bubble/split linears" : "");
+             overlap ? (zb ? "the first during the last W" : "the first during the last backward")
+                     : (zb ? "after the last W" : "after the backward"),
+             kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "/zero_bubble_v/split linears"
+             : zb                               ? "/zero_bubble/split linears"
+                                                : "");
     ddp_case c = {1, m, 1, false, overlap, 1e-4, false, SMP_PIPELINE_DEFAULT, false, false, false};
     if (kind == SMP_PIPELINE_ZERO_BUBBLE) zb_split(&c);
     if (kind == SMP_PIPELINE_ZERO_BUBBLE_V) zbv_split(&c);
@@ -425,22 +461,29 @@ static void bucket_order(bool overlap, smp_pipeline_kind kind) {
         }
         int per = na / steps; /* buckets per step */
         if (nb != m * steps || per < 2 || na != per * steps) {
-            snprintf(why, sizeof why, "rank %d: %d %s and %d all-reduce events (want %d, and at least 2 buckets a step)", r, nb, last_kind, na, m * steps);
+            snprintf(why, sizeof why,
+                     "rank %d: %d %s and %d all-reduce events (want %d, and at least 2 buckets a step)", r, nb,
+                     last_kind, na, m * steps);
             ok = 0;
         }
         for (int s = 0; ok && s < steps; s++) {
             const tl_event *a = ar + s * per, *last = &bwd[s * m + m - 1];
             double backward_end = last->ts + last->dur;
             for (int k = 0; ok && k < per; k++) {
-                if (a[k].bucket != k) { snprintf(why, sizeof why, "rank %d step %d: all-reduce %d is bucket %d", r, s, k, a[k].bucket); ok = 0; }
-                else if (k && a[k].ts < a[k - 1].ts + a[k - 1].dur - 0.002) {
-                    snprintf(why, sizeof why, "rank %d step %d: bucket %d started at %.3f us, before bucket %d finished (%.3f)", r, s, k, a[k].ts, k - 1, a[k - 1].ts + a[k - 1].dur);
+                if (a[k].bucket != k) {
+                    snprintf(why, sizeof why, "rank %d step %d: all-reduce %d is bucket %d", r, s, k, a[k].bucket);
+                    ok = 0;
+                } else if (k && a[k].ts < a[k - 1].ts + a[k - 1].dur - 0.002) {
+                    snprintf(why, sizeof why,
+                             "rank %d step %d: bucket %d started at %.3f us, before bucket %d finished (%.3f)", r, s, k,
+                             a[k].ts, k - 1, a[k - 1].ts + a[k - 1].dur);
                     ok = 0;
                 }
             }
             if (ok && (overlap != (a[0].ts < backward_end - 0.002) || a[0].ts < last->ts - 0.002)) {
-                snprintf(why, sizeof why, "rank %d step %d: bucket 0 started at %.3f us, the last %s ran from %.3f to %.3f", r, s, a[0].ts, last_kind,
-                         last->ts, backward_end);
+                snprintf(why, sizeof why,
+                         "rank %d step %d: bucket 0 started at %.3f us, the last %s ran from %.3f to %.3f", r, s,
+                         a[0].ts, last_kind, last->ts, backward_end);
                 ok = 0;
             }
         }
@@ -500,12 +543,15 @@ int main(int argc, char **argv) {
         zb_split(&zb_no);
         snprintf(name, sizeof name, "ddp/zero_bubble with split linears equals interleaved/P=%d", P);
         same(name, base, zb, 1, B, 1, B);
-        snprintf(name, sizeof name, "ddp/zero_bubble: overlapping all-reduce with a bucket per parameter equals all-reduce at the end/P=%d", P);
+        snprintf(
+            name, sizeof name,
+            "ddp/zero_bubble: overlapping all-reduce with a bucket per parameter equals all-reduce at the end/P=%d", P);
         same(name, zb_tiny, zb_no, 1, B, 1, B);
         ddp_case zb_bp2 = bp2, zb_m8 = m8;
         zb_split(&zb_bp2);
         zb_split(&zb_m8);
-        snprintf(name, sizeof name, "ddp/zero_bubble: backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
+        snprintf(name, sizeof name,
+                 "ddp/zero_bubble: backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
         same(name, zb_bp2, zb_m8, 2, B / 2, 1, B);
         clipping_and_scaler(P, SMP_PIPELINE_ZERO_BUBBLE, false);
         if (P > 2) continue;
@@ -520,9 +566,13 @@ int main(int argc, char **argv) {
         base_v.vee = true;
         snprintf(name, sizeof name, "ddp/zero_bubble_v with split linears equals interleaved/P=%d", P);
         same(name, base_v, v, 1, B, 1, B);
-        snprintf(name, sizeof name, "ddp/zero_bubble_v: overlapping all-reduce with a bucket per parameter equals all-reduce at the end/P=%d", P);
+        snprintf(
+            name, sizeof name,
+            "ddp/zero_bubble_v: overlapping all-reduce with a bucket per parameter equals all-reduce at the end/P=%d",
+            P);
         same(name, v_tiny, v_no, 1, B, 1, B);
-        snprintf(name, sizeof name, "ddp/zero_bubble_v: backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
+        snprintf(name, sizeof name,
+                 "ddp/zero_bubble_v: backward_passes_per_step 2 equals one step of twice the microbatches/P=%d", P);
         same(name, v_bp2, v_m8, 2, B / 2, 1, B);
         clipping_and_scaler(P, SMP_PIPELINE_ZERO_BUBBLE_V, false);
     }

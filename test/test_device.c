@@ -184,7 +184,8 @@ static smp_status fake_reduce_scatter(const smp_tensor *in, smp_tensor *out, smp
     smp_tensor a = host_view(in, "reduce_scatter in"), b = host_view(out, "reduce_scatter out");
     return smp_reduce_scatter(&a, &b, op, g);
 }
-static smp_status fake_all_to_all(const smp_tensor *in, smp_tensor *out, const int64_t *os, const int64_t *is, smp_group g) {
+static smp_status fake_all_to_all(const smp_tensor *in, smp_tensor *out, const int64_t *os, const int64_t *is,
+                                  smp_group g) {
     smp_tensor a = host_view(in, "all_to_all in"), b = host_view(out, "all_to_all out");
     return smp_all_to_all_single(&a, &b, os, is, g);
 }
@@ -255,22 +256,29 @@ static smp_status fake_p2p_connect(smp_group g, const int *peers, int n) {
 }
 
 static smp_status fake_p2p_start(void *buf, size_t bytes, int peer, smp_group g, void **req, bool recv) {
-    if (!g_connected[g][peer]) return smp_error(SMP_ERR_STATE, "fake %s: rank %d was never connected", recv ? "irecv" : "isend", peer);
-    if (g_nreqs == (int)(sizeof g_reqs / sizeof g_reqs[0])) return smp_error(SMP_ERR_NOMEM, "fake point to point: too many requests");
+    if (!g_connected[g][peer])
+        return smp_error(SMP_ERR_STATE, "fake %s: rank %d was never connected", recv ? "irecv" : "isend", peer);
+    if (g_nreqs == (int)(sizeof g_reqs / sizeof g_reqs[0]))
+        return smp_error(SMP_ERR_NOMEM, "fake point to point: too many requests");
     fake_req *r = (fake_req *)calloc(1, sizeof *r);
     r->bytes = bytes;
     r->peer = peer;
     r->recv = recv;
     void *h = dev_mem(buf, bytes, recv ? "irecv buffer" : "isend buffer");
-    int rc = recv ? MPI_Irecv(h, (int)bytes, MPI_BYTE, peer, 0, g_p2p_comm[g], &r->mpi) : MPI_Isend(h, (int)bytes, MPI_BYTE, peer, 0, g_p2p_comm[g], &r->mpi);
+    int rc = recv ? MPI_Irecv(h, (int)bytes, MPI_BYTE, peer, 0, g_p2p_comm[g], &r->mpi)
+                  : MPI_Isend(h, (int)bytes, MPI_BYTE, peer, 0, g_p2p_comm[g], &r->mpi);
     if (rc != MPI_SUCCESS) { free(r); return smp_error(SMP_ERR_DEVICE, "fake point to point: MPI failed"); }
     g_isends += !recv;
     g_reqs[g_nreqs++] = r;
     *req = r;
     return SMP_OK;
 }
-static smp_status fake_isend(const void *buf, size_t bytes, int peer, smp_group g, void **req) { return fake_p2p_start((void *)buf, bytes, peer, g, req, false); }
-static smp_status fake_irecv(void *buf, size_t bytes, int peer, smp_group g, void **req) { return fake_p2p_start(buf, bytes, peer, g, req, true); }
+static smp_status fake_isend(const void *buf, size_t bytes, int peer, smp_group g, void **req) {
+    return fake_p2p_start((void *)buf, bytes, peer, g, req, false);
+}
+static smp_status fake_irecv(void *buf, size_t bytes, int peer, smp_group g, void **req) {
+    return fake_p2p_start(buf, bytes, peer, g, req, true);
+}
 
 static int live_req(void *req) {
     for (int i = 0; i < g_nreqs; i++)
@@ -284,7 +292,10 @@ static smp_status fake_finished(fake_req *r, int rc, MPI_Status *s) {
     int count = -1;
     if (rc == MPI_SUCCESS && r->recv) MPI_Get_count(s, MPI_BYTE, &count);
     if (rc != MPI_SUCCESS || (r->recv && (size_t)count != r->bytes))
-        return smp_error(SMP_ERR_DEVICE, "fake point to point: a receive of %zu bytes from rank %d was paired with a send of another size", r->bytes, r->peer);
+        return smp_error(
+            SMP_ERR_DEVICE,
+            "fake point to point: a receive of %zu bytes from rank %d was paired with a send of another size", r->bytes,
+            r->peer);
     return SMP_OK;
 }
 
@@ -365,18 +376,20 @@ static smp_tensor upload(const float *h, int64_t rows, int64_t cols) {
 static smp_status dev_lin_forward(smp_call_ctx *c) {
     lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0);
-    if (g_fail >= 0 && smp_mp_rank() == g_fail && (g_fail_mb < 0 || smp_call_microbatch(c) == g_fail_mb)) return smp_error(SMP_ERR_MODULE, "injected failure");
+    if (g_fail >= 0 && smp_mp_rank() == g_fail && (g_fail_mb < 0 || smp_call_microbatch(c) == g_fail_mb))
+        return smp_error(SMP_ERR_MODULE, "injected failure");
     int64_t n = x->shape[0], shape[2] = {n, s->out};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
-    linear_fwd(mem_of(x, "linear input"), dev_of(smp_param_value(s->w), "weight"), dev_of(smp_param_value(s->b), "bias"),
-               dev_of(y, "linear output"), (int)n, s->in, s->out);
+    linear_fwd(mem_of(x, "linear input"), dev_of(smp_param_value(s->w), "weight"),
+               dev_of(smp_param_value(s->b), "bias"), dev_of(y, "linear output"), (int)n, s->in, s->out);
     return SMP_OK;
 }
 static smp_status dev_lin_backward(smp_call_ctx *c) {
     lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *gx = smp_call_grad_input(c, 0);
-    linear_bwd(mem_of(x, "linear input"), dev_of(smp_param_value(s->w), "weight"), dev_of(smp_call_grad_output(c, 0), "linear output gradient"),
+    linear_bwd(mem_of(x, "linear input"), dev_of(smp_param_value(s->w), "weight"),
+               dev_of(smp_call_grad_output(c, 0), "linear output gradient"),
                gx ? dev_of(gx, "linear input gradient") : NULL, dev_of(smp_param_grad(s->w), "weight gradient"),
                dev_of(smp_param_grad(s->b), "bias gradient"), (int)x->shape[0], s->in, s->out);
     return SMP_OK;
@@ -389,16 +402,17 @@ static smp_status dev_lin_backward_input(smp_call_ctx *c) {
     smp_tensor *gx = smp_call_grad_input(c, 0);
     if (!gy) return smp_error(SMP_ERR_MODULE, "backward_input without an output gradient");
     if (gx)
-        linear_bwd_input(dev_of(smp_param_value(s->w), "weight"), dev_of(gy, "linear output gradient (B)"), dev_of(gx, "linear input gradient"),
-                         (int)gy->shape[0], s->in, s->out);
+        linear_bwd_input(dev_of(smp_param_value(s->w), "weight"), dev_of(gy, "linear output gradient (B)"),
+                         dev_of(gx, "linear input gradient"), (int)gy->shape[0], s->in, s->out);
     return SMP_OK;
 }
 static smp_status dev_lin_backward_weight(smp_call_ctx *c) {
     lin_state *s = (lin_state *)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *gy = smp_call_grad_output(c, 0);
     if (!x || !gy) return smp_error(SMP_ERR_MODULE, "backward_weight without its input or output gradient");
-    linear_bwd_weight(mem_of(x, "linear input (W)"), dev_of(gy, "linear output gradient (W)"), dev_of(smp_param_grad(s->w), "weight gradient"),
-                      dev_of(smp_param_grad(s->b), "bias gradient"), (int)x->shape[0], s->in, s->out);
+    linear_bwd_weight(mem_of(x, "linear input (W)"), dev_of(gy, "linear output gradient (W)"),
+                      dev_of(smp_param_grad(s->w), "weight gradient"), dev_of(smp_param_grad(s->b), "bias gradient"),
+                      (int)x->shape[0], s->in, s->out);
     return SMP_OK;
 }
 static const net_split_fns DEV_SPLIT = {dev_lin_backward_input, dev_lin_backward_weight};
@@ -431,7 +445,8 @@ static smp_status dev_relu_backward(smp_call_ctx *c) {
     const unsigned char *mask = (const unsigned char *)dev_mem(d, n, "relu mask (device stash)");
     smp_tensor *gx = smp_call_grad_input(c, 0);
     float *g = gx ? dev_of(gx, "relu input gradient") : NULL;
-    if (g && (size_t)smp_tensor_numel(gx) != n) device_fault("relu mask: %zu bytes stashed for %lld elements", n, (long long)smp_tensor_numel(gx));
+    if (g && (size_t)smp_tensor_numel(gx) != n)
+        device_fault("relu mask: %zu bytes stashed for %lld elements", n, (long long)smp_tensor_numel(gx));
     for (size_t i = 0; g && i < n; i++) g[i] = mask[i] ? gy[i] : 0;
     return SMP_OK;
 }
@@ -451,9 +466,11 @@ static smp_status dev_add_backward(smp_call_ctx *c) {
     }
     return SMP_OK;
 }
-static const net_fns DEV_FNS = {dev_lin_forward, dev_lin_backward, dev_relu_forward, dev_relu_backward, dev_add_forward, dev_add_backward};
+static const net_fns DEV_FNS = {dev_lin_forward,   dev_lin_backward, dev_relu_forward,
+                                dev_relu_backward, dev_add_forward,  dev_add_backward};
 /* smp's built-in add, on the device through the backend's copy and add */
-static const net_fns DEV_FNS_BUILTIN_ADD = {dev_lin_forward, dev_lin_backward, dev_relu_forward, dev_relu_backward, NULL, NULL};
+static const net_fns DEV_FNS_BUILTIN_ADD = {
+    dev_lin_forward, dev_lin_backward, dev_relu_forward, dev_relu_backward, NULL, NULL};
 static bool g_block; /* pipeline_case: fc1 + the built-in skip add as one recomputed composite call */
 
 /* Loss and output gradient on the device; the third argument, split along
@@ -461,14 +478,17 @@ static bool g_block; /* pipeline_case: fc1 + the built-in skip add as one recomp
 SMP_STEP_BODY(mse_body) {
     const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1), *cols = smp_mb_arg(mb, 2);
     smp_tensor *g = smp_mb_output_grad(mb, 0);
-    float loss = mse(dev_of(y, "model output"), mem_of(t, "target"), g ? dev_of(g, "output gradient") : NULL, (int)smp_tensor_numel(y));
+    float loss = mse(dev_of(y, "model output"), mem_of(t, "target"), g ? dev_of(g, "output gradient") : NULL,
+                     (int)smp_tensor_numel(y));
     if (cols) {
         const float *v = mem_of(cols, "argument 2");
         int64_t w = cols->shape[1];
         for (int64_t a = 0; a < 2; a++)
             for (int64_t j = 0; j < w; j++)
                 if (v[a * w + j] != (float)(a * 1000 + smp_mb_index(mb) * w + j))
-                    return smp_error(SMP_ERR_MODULE, "argument 2 (split along axis 1) holds %g at [%lld, %lld] of microbatch %d", v[a * w + j], (long long)a, (long long)j, smp_mb_index(mb));
+                    return smp_error(SMP_ERR_MODULE,
+                                     "argument 2 (split along axis 1) holds %g at [%lld, %lld] of microbatch %d",
+                                     v[a * w + j], (long long)a, (long long)j, smp_mb_index(mb));
     }
     smp_status st = smp_mb_return_f32(mb, 0, loss);
     return st ? st : smp_mb_return(mb, 1, y); /* a device value: StepOutputs hold host copies */
@@ -491,7 +511,8 @@ static int agree(int ok) {
 }
 
 /* This rank's gradients and initial weights against the reference, read from the device. */
-static int compare_params(smp_model *m, const float gw[NLIN][H * H], const float gb[NLIN][H], const ref_t *r, char *why, size_t cap) {
+static int compare_params(smp_model *m, const float gw[NLIN][H * H], const float gb[NLIN][H], const ref_t *r, char *why,
+                          size_t cap) {
     for (int l = 0; l < NLIN; l++) {
         char nm[64];
         snprintf(nm, sizeof nm, "%s.weight", LIN[l]);
@@ -500,14 +521,19 @@ static int compare_params(smp_model *m, const float gw[NLIN][H * H], const float
         smp_param *pb = smp_model_find_param(m, nm);
         if (!smp_module_is_local(smp_param_module(pw))) continue;
         size_t nw = (size_t)(lin_out[l] * lin_in[l]);
-        const float *g = dev_of(smp_param_grad(pw), "weight gradient"), *gbias = dev_of(smp_param_grad(pb), "bias gradient");
+        const float *g = dev_of(smp_param_grad(pw), "weight gradient"),
+                    *gbias = dev_of(smp_param_grad(pb), "bias gradient");
         if (memcmp(g, gw[l], nw * 4) || memcmp(gbias, gb[l], (size_t)lin_out[l] * 4)) {
             size_t i = 0;
             while (i + 1 < nw && g[i] == gw[l][i]) i++;
-            snprintf(why, cap, "gradient of %s differs (weight element %zu: %.9g vs reference %.9g)", LIN[l], i, g[i], gw[l][i]);
+            snprintf(why, cap, "gradient of %s differs (weight element %zu: %.9g vs reference %.9g)", LIN[l], i, g[i],
+                     gw[l][i]);
             return 0;
         }
-        if (r && memcmp(dev_of(smp_param_value(pw), "weight"), r->w[l], nw * 4)) { snprintf(why, cap, "initial value of %s.weight differs", LIN[l]); return 0; }
+        if (r && memcmp(dev_of(smp_param_value(pw), "weight"), r->w[l], nw * 4)) {
+            snprintf(why, cap, "initial value of %s.weight differs", LIN[l]);
+            return 0;
+        }
     }
     return 1;
 }
@@ -515,7 +541,10 @@ static int compare_params(smp_model *m, const float gw[NLIN][H * H], const float
 static int compare_losses(const smp_step_output *outs, const ref_t *r, int m, int rows, char *why, size_t cap) {
     for (int i = 0; i < m; i++) {
         float got = ((const float *)host_mem(outs[0].values[i].data, "a StepOutput"))[0];
-        if (memcmp(&got, &r->loss[i], 4)) { snprintf(why, cap, "loss of microbatch %d: %.9g vs reference %.9g", i, got, r->loss[i]); return 0; }
+        if (memcmp(&got, &r->loss[i], 4)) {
+            snprintf(why, cap, "loss of microbatch %d: %.9g vs reference %.9g", i, got, r->loss[i]);
+            return 0;
+        }
     }
     float all[B * C];
     smp_tensor cat = smp_tensor_2d(all, SMP_F32, rows, C);
@@ -576,21 +605,29 @@ static smp_config base_config(int P, int m) {
 static int finish(smp_model *m, int ok, char *why, size_t cap) {
     smp_model_free(m);
     smp_finalize();
-    if (ok && g_nblocks) { snprintf(why, cap, "%d device blocks are still allocated after smp_model_free", g_nblocks); ok = 0; }
+    if (ok && g_nblocks) {
+        snprintf(why, cap, "%d device blocks are still allocated after smp_model_free", g_nblocks);
+        ok = 0;
+    }
     if (ok && g_nreqs) { snprintf(why, cap, "%d point-to-point requests were never waited", g_nreqs); ok = 0; }
     return ok;
 }
 
 /* ---------------------------------------------------------------- the pipeline */
-static void pipeline_case(int P, int m, smp_pipeline_kind kind, const int *placement, int vstages, int via, bool device_args, const char *label) {
+static void pipeline_case(int P, int m, smp_pipeline_kind kind, const int *placement, int vstages, int via,
+                          bool device_args, const char *label) {
     register_fake(via);
     smp_config cfg = base_config(P, m);
     cfg.pipeline = kind;
     cfg.virtual_stages = vstages;
     if (placement) cfg.auto_partition = SMP_OFF;
     char name[200], why[4096] = "";
-    snprintf(name, sizeof name, "device/%s/%s%s/P=%d/m=%d/%s%s", VIA_NAME[via], label, device_args ? "" : ", host arguments", P, m,
-             kind == SMP_PIPELINE_SIMPLE ? "simple" : kind == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved",
+    snprintf(name, sizeof name, "device/%s/%s%s/P=%d/m=%d/%s%s", VIA_NAME[via], label,
+             device_args ? "" : ", host arguments", P, m,
+             kind == SMP_PIPELINE_SIMPLE          ? "simple"
+             : kind == SMP_PIPELINE_ZERO_BUBBLE   ? "zero_bubble"
+             : kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v"
+                                                  : "interleaved",
              g_split ? "/split linears" : "");
     if (smp_init(&cfg)) { MPI_CHECK(0, name, "smp_init: %s", smp_last_error()); return; }
     net n;
@@ -610,8 +647,14 @@ static void pipeline_case(int P, int m, smp_pipeline_kind kind, const int *place
         smp_status st = train(model, &a, outs, false);
         ref_step_rows(&ref, g_x, g_t, rows, m, true);
         if (st) { snprintf(why, sizeof why, "step %d: %s", step, smp_last_error()); ok = 0; }
-        if (ok) ok = compare_losses(outs, &ref, m, rows, why, sizeof why) && compare_params(model, (const float (*)[H * H])ref.gw, (const float (*)[H])ref.gb, &ref, why, sizeof why);
-        if (ok && g_nreqs) { snprintf(why, sizeof why, "step %d left %d point-to-point requests unwaited", step, g_nreqs); ok = 0; }
+        if (ok)
+            ok =
+                compare_losses(outs, &ref, m, rows, why, sizeof why) &&
+                compare_params(model, (const float(*)[H * H]) ref.gw, (const float(*)[H])ref.gb, &ref, why, sizeof why);
+        if (ok && g_nreqs) {
+            snprintf(why, sizeof why, "step %d left %d point-to-point requests unwaited", step, g_nreqs);
+            ok = 0;
+        }
         smp_step_output_free(&outs[0]);
         smp_step_output_free(&outs[1]);
         free_args(&a);
@@ -642,10 +685,11 @@ static void failure_case(int P, int via) {
         g_fail_mb = round ? 2 : -1; /* round 1: the others are already waiting on the failing stage */
         smp_status st = train(model, &a, outs, false);
         g_fail = g_fail_mb = -1;
-        snprintf(name, sizeof name, "device/%s/a module failure%s reaches every rank and its transfers are drained/P=%d", VIA_NAME[via],
+        snprintf(name, sizeof name,
+                 "device/%s/a module failure%s reaches every rank and its transfers are drained/P=%d", VIA_NAME[via],
                  round ? " on microbatch 2" : "", P);
-        MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected failure") && g_nreqs == 0, name, "status %d, %d requests unwaited, message: %s",
-                  (int)st, g_nreqs, smp_last_error());
+        MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected failure") && g_nreqs == 0, name,
+                  "status %d, %d requests unwaited, message: %s", (int)st, g_nreqs, smp_last_error());
     }
     ref_t ref;
     ref_params(&ref);
@@ -662,7 +706,8 @@ static void failure_case(int P, int via) {
     smp_step_output_free(&outs[1]);
     free_args(&a);
     ok = finish(model, agree(ok), why, sizeof why);
-    snprintf(name, sizeof name, "device/%s/the steps after failures equal the reference (training and evaluation)/P=%d", VIA_NAME[via], P);
+    snprintf(name, sizeof name, "device/%s/the steps after failures equal the reference (training and evaluation)/P=%d",
+             VIA_NAME[via], P);
     MPI_CHECK(ok, name, "%s", why);
 }
 
@@ -680,7 +725,8 @@ static void ddp_case(int P, bool deterministic) {
     if (g_split) cfg.pipeline = SMP_PIPELINE_ZERO_BUBBLE;
     const char *sfx = g_split ? "/zero_bubble/split linears" : "";
     char name[200], why[4096] = "";
-    snprintf(name, sizeof name, "device/ddp/%dx%d/%s bitwise equal to one process%s", P, dp, deterministic ? "deterministic reduction," : "two replicas,", sfx);
+    snprintf(name, sizeof name, "device/ddp/%dx%d/%s bitwise equal to one process%s", P, dp,
+             deterministic ? "deterministic reduction," : "two replicas,", sfx);
     net n;
     smp_model *model = NULL;
     if (!smp_init(&cfg)) {
@@ -695,9 +741,12 @@ static void ddp_case(int P, bool deterministic) {
     g_bucket_reductions = g_unfenced = g_fences = g_fenced_buckets = 0;
     smp_status st = train(model, &a, outs, false);
     if (!deterministic) {
-        snprintf(name, sizeof name, "device/ddp/%dx%d/buckets reduce behind the engine, fenced once after the last", P, dp);
-        MPI_CHECK(st == SMP_OK && g_bucket_reductions >= 2 && g_fences == 1 && g_fenced_buckets == g_bucket_reductions && g_unfenced == 0, name,
-                  "%d bucket reductions, %d fences (the last after %d of them), %d unfenced", g_bucket_reductions, g_fences, g_fenced_buckets, g_unfenced);
+        snprintf(name, sizeof name, "device/ddp/%dx%d/buckets reduce behind the engine, fenced once after the last", P,
+                 dp);
+        MPI_CHECK(st == SMP_OK && g_bucket_reductions >= 2 && g_fences == 1 &&
+                      g_fenced_buckets == g_bucket_reductions && g_unfenced == 0,
+                  name, "%d bucket reductions, %d fences (the last after %d of them), %d unfenced", g_bucket_reductions,
+                  g_fences, g_fenced_buckets, g_unfenced);
         snprintf(name, sizeof name, "device/ddp/%dx%d/%s bitwise equal to one process%s", P, dp, "two replicas,", sfx);
     }
     ref_t base, rep;
@@ -733,9 +782,12 @@ static void ddp_case(int P, bool deterministic) {
         }
         st = ok ? smp_clip_grad_norm(model, norm / 4, &got) : SMP_ERR_STATE;
         ok = st == SMP_OK && memcmp(&got, &norm, sizeof norm) == 0;
-        if (!ok) snprintf(why, sizeof why, "status %d (%s), norm %.17g vs %.17g", (int)st, st ? smp_last_error() : "", got, norm);
+        if (!ok)
+            snprintf(why, sizeof why, "status %d (%s), norm %.17g vs %.17g", (int)st, st ? smp_last_error() : "", got,
+                     norm);
         if (ok) ok = compare_params(model, (const float (*)[H * H])gw, (const float (*)[H])gb, NULL, why, sizeof why);
-        snprintf(name, sizeof name, "device/ddp/%dx%d/gradient norm and clipping of device gradients equal one process%s", P, dp, sfx);
+        snprintf(name, sizeof name,
+                 "device/ddp/%dx%d/gradient norm and clipping of device gradients equal one process%s", P, dp, sfx);
         MPI_CHECK(ok, name, "%s", why);
         /* the scaler: an overflow in the last rank's device gradients skips the step everywhere */
         smp_grad_scaler scaler;
@@ -745,14 +797,17 @@ static void ddp_case(int P, bool deterministic) {
         if (smp_rank() == world - 1 && p0) dev_of(smp_param_grad(p0), "gradient")[0] = INFINITY;
         bool skip = false;
         st = smp_grad_scaler_unscale(model, &scaler, &skip);
-        snprintf(name, sizeof name, "device/ddp/%dx%d/the scaler finds an overflow in device gradients on one rank%s", P, dp, sfx);
-        MPI_CHECK(!st && skip && scaler.scale == s0 * 0.5, name, "status %d, skip %d, scale %g (was %g)", (int)st, skip, scaler.scale, s0);
+        snprintf(name, sizeof name, "device/ddp/%dx%d/the scaler finds an overflow in device gradients on one rank%s",
+                 P, dp, sfx);
+        MPI_CHECK(!st && skip && scaler.scale == s0 * 0.5, name, "status %d, skip %d, scale %g (was %g)", (int)st, skip,
+                  scaler.scale, s0);
     }
     smp_step_output_free(&outs[0]);
     smp_step_output_free(&outs[1]);
     free_args(&a);
     ok = finish(model, 1, why, sizeof why);
-    snprintf(name, sizeof name, "device/ddp/%dx%d/%s: no device memory left behind%s", P, dp, deterministic ? "deterministic" : "all-reduce", sfx);
+    snprintf(name, sizeof name, "device/ddp/%dx%d/%s: no device memory left behind%s", P, dp,
+             deterministic ? "deterministic" : "all-reduce", sfx);
     MPI_CHECK(ok, name, "%s", why);
 }
 
@@ -896,7 +951,8 @@ static void checkpoint_case(int P) {
     smp_step_output_free(&outs[1]);
     free_args(&args);
     int ok = finish(ma, agree(st == SMP_OK), why, sizeof why);
-    snprintf(name, sizeof name, "device/checkpoints of an on_device model: partial and full save, load into cleared weights/P=%d", P);
+    snprintf(name, sizeof name,
+             "device/checkpoints of an on_device model: partial and full save, load into cleared weights/P=%d", P);
     MPI_CHECK(ok, name, "%s", why);
     if (world_rank() == 0) { /* the partial save's files are named by its manifest: read them before it goes */
         char file[160];
@@ -935,7 +991,8 @@ static smp_status tp_scale_backward(smp_call_ctx *c) {
     for (int64_t e = 0; e < smp_tensor_numel(x); e++) gw[e % TP_COLS] += xs[e] * gs[e];
     return SMP_OK;
 }
-static void tp_quiet(smp_log_level level, const char *msg, void *user) { (void)level; (void)msg; (void)user; } /* nothing is sharded here: smp warns */
+/* nothing is sharded here: smp warns */
+static void tp_quiet(smp_log_level level, const char *msg, void *user) { (void)level; (void)msg; (void)user; }
 static smp_status tp_chain_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *u) {
     (void)m; (void)nin; (void)nout;
     smp_module **chain = (smp_module **)u;
@@ -948,7 +1005,10 @@ SMP_STEP_BODY(tp_body) { /* loss: a weighted sum of the output, so a value in th
     smp_tensor *g = smp_mb_output_grad(mb, 0);
     const float *ys = mem_of(y, "model output");
     float *gs = mem_of(g, "output gradient"), loss = 0;
-    for (int64_t e = 0; e < smp_tensor_numel(y); e++) { loss += ys[e] * (float)(e % 5 + 1); gs[e] = (float)(e % 5 + 1); }
+    for (int64_t e = 0; e < smp_tensor_numel(y); e++) {
+        loss += ys[e] * (float)(e % 5 + 1);
+        gs[e] = (float)(e % 5 + 1);
+    }
     return smp_mb_return_f32(mb, 0, loss);
 }
 static void tp_case(bool deterministic) {
@@ -976,7 +1036,8 @@ static void tp_case(bool deterministic) {
         chains[d][4] = smp_module_new_tp_gather(root, "gather0", 0);
         chains[d][5] = smp_module_new_tp_copy(root, "copy");
         chains[d][6] = smp_module_new_tp_reduce(root, "reduce");
-        st = smp_model_new(root, &(smp_model_desc){.forward = tp_chain_forward, .user = chains[d], .on_device = d == 1}, &models[d]);
+        st = smp_model_new(root, &(smp_model_desc){.forward = tp_chain_forward, .user = chains[d], .on_device = d == 1},
+                           &models[d]);
         float x[TP_ROWS * TP_COLS];
         for (int e = 0; e < TP_ROWS * TP_COLS; e++) x[e] = g_x[e];
         smp_tensor xt = d ? upload(x, TP_ROWS, TP_COLS) : smp_tensor_2d(x, SMP_F32, TP_ROWS, TP_COLS);
@@ -1028,7 +1089,8 @@ static void backend_requirements(void) {
         smp_model *m = st ? NULL : build_with(&n, NULL, &DEV_FNS, true);
         char name[160];
         snprintf(name, sizeof name, "device/an on_device model %s is an error that says so", cases[k].label);
-        MPI_CHECK(!m && strstr(smp_last_error(), cases[k].want), name, "model %p, message: %s", (void *)m, smp_last_error());
+        MPI_CHECK(!m && strstr(smp_last_error(), cases[k].want), name, "model %p, message: %s", (void *)m,
+                  smp_last_error());
         smp_model_free(m);
         smp_finalize();
     }
@@ -1038,7 +1100,8 @@ static void backend_requirements(void) {
 /* A real GPU pointer dereferenced on the host crashes; so does a fake one.
    Say what that most likely means before the process goes. */
 static void on_fault(int sig) {
-    static const char msg[] = "FAIL: device/memory: the process crashed (signal) - most likely host code dereferenced a device pointer\n";
+    static const char msg[] =
+        "FAIL: device/memory: the process crashed (signal) - most likely host code dereferenced a device pointer\n";
     (void)sig;
     if (write(1, msg, sizeof msg - 1) < 0) _exit(2);
     _exit(1);
@@ -1061,11 +1124,13 @@ int main(int argc, char **argv) {
         if (world % P) continue;
         for (int k = 0; k < 4; k++)
             for (int kind = 0; kind < 2; kind++)
-                pipeline_case(P, ms[k], kind ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED, NULL, 1, VIA_P2P, true, "auto");
+                pipeline_case(P, ms[k], kind ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED, NULL, 1, VIA_P2P, true,
+                              "auto");
         if (P == 1) continue;
         for (int k = 0; k < 4; k += 3)
             for (int kind = 0; kind < 2; kind++)
-                pipeline_case(P, ms[k], kind ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED, NULL, 1, VIA_NO_P2P, true, "auto");
+                pipeline_case(P, ms[k], kind ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED, NULL, 1, VIA_NO_P2P,
+                              true, "auto");
         pipeline_case(P, 4, SMP_PIPELINE_INTERLEAVED, NULL, 1, VIA_P2P_THROUGH_HOST, true, "auto");
         pipeline_case(P, 3, SMP_PIPELINE_INTERLEAVED, NULL, 1, VIA_P2P, false, "auto");
     }
@@ -1082,8 +1147,8 @@ int main(int argc, char **argv) {
     for (int P = 1; P <= world && P <= 4; P *= 2)
         if (world % P == 0)
             for (int kind = 0; kind < 2; kind++)
-                pipeline_case(P, 4, kind ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED, NULL, 1, P > 1 ? VIA_NO_P2P : VIA_P2P, true,
-                              "composite fc1 + built-in add, recomputed");
+                pipeline_case(P, 4, kind ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED, NULL, 1,
+                              P > 1 ? VIA_NO_P2P : VIA_P2P, true, "composite fc1 + built-in add, recomputed");
     g_block = false;
     /* zero_bubble with the linears split: every partition count, the recomputed
        composite beside them, and data parallelism (buckets after the last W) */
@@ -1092,11 +1157,13 @@ int main(int argc, char **argv) {
         if (world % P == 0) pipeline_case(P, 4, SMP_PIPELINE_ZERO_BUBBLE, NULL, 1, VIA_P2P, true, "auto");
     if (world % 2 == 0) pipeline_case(2, 3, SMP_PIPELINE_ZERO_BUBBLE, manual, 1, VIA_NO_P2P, true, "manual 0,1,0,1");
     g_block = true;
-    pipeline_case(world >= 2 ? 2 : 1, 4, SMP_PIPELINE_ZERO_BUBBLE, NULL, 1, VIA_P2P, true, "composite fc1 + built-in add, recomputed");
+    pipeline_case(world >= 2 ? 2 : 1, 4, SMP_PIPELINE_ZERO_BUBBLE, NULL, 1, VIA_P2P, true,
+                  "composite fc1 + built-in add, recomputed");
     g_block = false;
     /* zero_bubble_v: 2 stages per partition in a V, the middle hand-off in device memory */
     for (int P = 1; P <= world && P <= 2; P *= 2)
-        if (world % P == 0) pipeline_case(P, 4, SMP_PIPELINE_ZERO_BUBBLE_V, NULL, 1, P > 1 ? VIA_NO_P2P : VIA_P2P, true, "auto");
+        if (world % P == 0)
+            pipeline_case(P, 4, SMP_PIPELINE_ZERO_BUBBLE_V, NULL, 1, P > 1 ? VIA_NO_P2P : VIA_P2P, true, "auto");
     if (world % 2 == 0) pipeline_case(2, 3, SMP_PIPELINE_ZERO_BUBBLE_V, NULL, 1, VIA_P2P, true, "auto");
     if (world > 1) ddp_case(world / 2, true);
     g_split = false;

@@ -34,7 +34,9 @@ static smp_status leaving_relu(smp_call_ctx *c) {
 SMP_STEP_BODY(mse_body) {
     const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
     smp_tensor *g = smp_mb_output_grad(mb, 0);
-    return smp_mb_return_f32(mb, 0, mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y)));
+    return smp_mb_return_f32(
+        mb, 0,
+        mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y)));
 }
 
 int main(int argc, char **argv) {
@@ -54,7 +56,8 @@ int main(int argc, char **argv) {
     for (g_step = 0; g_step < 5 && m; g_step++) {
         smp_step_output out = {0};
         smp_tensor xt = smp_tensor_2d(x, SMP_F32, B, D), tt = smp_tensor_2d(t, SMP_F32, B, C);
-        if (SMP_TRAIN_STEP(m, mse_body, NULL, &out, 1, xt, tt)) fprintf(stderr, "step %d: %s\n", g_step, smp_last_error());
+        if (SMP_TRAIN_STEP(m, mse_body, NULL, &out, 1, xt, tt))
+            fprintf(stderr, "step %d: %s\n", g_step, smp_last_error());
         smp_step_output_free(&out);
     }
     if (!strcmp(g_mode, "return_early") && smp_rank() == 0) return 0;

@@ -181,13 +181,15 @@ static void test_all_reduce(smp_dtype dt, int gi) {
                 up(din, h, (size_t)n * es);
                 smp_tensor tin = dev_tensor(din, dt, n), tout = dev_tensor(dout, dt, n);
                 smp_status st = smp_all_reduce(&tin, &tout, OPS[o], g);
-                if (st) fail(&res, "%s n=%lld%s: %s", OPNAMES[o], (long long)n, inplace ? " in place" : "", smp_last_error());
+                if (st)
+                    fail(&res, "%s n=%lld%s: %s", OPNAMES[o], (long long)n, inplace ? " in place" : "",
+                         smp_last_error());
                 down(hr, dout, (size_t)n * es);
                 for (int64_t i = 0; i < n && res.ok && !st; i++) {
                     double want = rounded(dt, fold(OPS[o], gs, i)), got = get(hr, dt, i);
                     if (!close_to(dt, got, want, OPS[o] == SMP_AVG))
-                        fail(&res, "%s n=%lld%s: element %lld is %g, expected %g", OPNAMES[o], (long long)n, inplace ? " in place" : "",
-                             (long long)i, got, want);
+                        fail(&res, "%s n=%lld%s: element %lld is %g, expected %g", OPNAMES[o], (long long)n,
+                             inplace ? " in place" : "", (long long)i, got, want);
                 }
                 CK(cudaFree(din));
                 if (!inplace) CK(cudaFree(dout));
@@ -214,7 +216,8 @@ static void test_broadcast(smp_dtype dt, int gi) {
         if (st) fail(&res, "n=%lld: %s", (long long)n, smp_last_error());
         down(h, d, (size_t)n * es);
         for (int64_t i = 0; i < n && res.ok && !st; i++)
-            if (get(h, dt, i) != (double)((i * 3 + 1) % 50)) fail(&res, "n=%lld: element %lld is %g", (long long)n, (long long)i, get(h, dt, i));
+            if (get(h, dt, i) != (double)((i * 3 + 1) % 50))
+                fail(&res, "n=%lld: element %lld is %g", (long long)n, (long long)i, get(h, dt, i));
         CK(cudaFree(d));
         free(h);
     }
@@ -237,17 +240,21 @@ static void test_reduce(smp_dtype dt, int gi) {
                 up(din, h, (size_t)n * es);
                 smp_tensor tin = dev_tensor(din, dt, n), tout = dev_tensor(dout, dt, n);
                 smp_status st = smp_reduce(&tin, gr == root ? &tout : NULL, OPS[o], root, g);
-                if (st) fail(&res, "%s n=%lld%s: %s", OPNAMES[o], (long long)n, inplace ? " in place" : "", smp_last_error());
+                if (st)
+                    fail(&res, "%s n=%lld%s: %s", OPNAMES[o], (long long)n, inplace ? " in place" : "",
+                         smp_last_error());
                 if (gr == root && !st) {
                     down(hr, dout, (size_t)n * es);
                     for (int64_t i = 0; i < n && res.ok; i++) {
                         double want = rounded(dt, fold(OPS[o], gs, i));
                         if (!close_to(dt, get(hr, dt, i), want, OPS[o] == SMP_AVG))
-                            fail(&res, "%s n=%lld: element %lld is %g, expected %g", OPNAMES[o], (long long)n, (long long)i, get(hr, dt, i), want);
+                            fail(&res, "%s n=%lld: element %lld is %g, expected %g", OPNAMES[o], (long long)n,
+                                 (long long)i, get(hr, dt, i), want);
                     }
                 } else if (!st) {
                     down(hr, din, (size_t)n * es); /* a non-root's input is left alone */
-                    if (n && memcmp(hr, h, (size_t)n * es) != 0) fail(&res, "%s n=%lld: a non-root's input changed", OPNAMES[o], (long long)n);
+                    if (n && memcmp(hr, h, (size_t)n * es) != 0)
+                        fail(&res, "%s n=%lld: a non-root's input changed", OPNAMES[o], (long long)n);
                 }
                 CK(cudaFree(din));
                 if (dout != din) CK(cudaFree(dout));
@@ -281,8 +288,8 @@ static void test_all_gather(smp_dtype dt, int gi) {
             for (int r = 0; r < gs && !st; r++)
                 for (int64_t i = 0; i < n && res.ok; i++)
                     if (get(hr, dt, r * n + i) != gather_val(r, i))
-                        fail(&res, "n=%lld%s: block %d element %lld is %g, expected %g", (long long)n, inplace ? " in place" : "", r,
-                             (long long)i, get(hr, dt, r * n + i), gather_val(r, i));
+                        fail(&res, "n=%lld%s: block %d element %lld is %g, expected %g", (long long)n,
+                             inplace ? " in place" : "", r, (long long)i, get(hr, dt, r * n + i), gather_val(r, i));
             if (!inplace) CK(cudaFree(din));
             CK(cudaFree(dout));
             free(h);
@@ -310,13 +317,15 @@ static void test_reduce_scatter(smp_dtype dt, int gi) {
                 up(din, h, total);
                 smp_tensor tin = dev_tensor(din, dt, n * gs), tout = dev_tensor(dout, dt, n);
                 smp_status st = smp_reduce_scatter(&tin, &tout, OPS[o], g);
-                if (st) fail(&res, "%s n=%lld%s: %s", OPNAMES[o], (long long)n, inplace ? " in place" : "", smp_last_error());
+                if (st)
+                    fail(&res, "%s n=%lld%s: %s", OPNAMES[o], (long long)n, inplace ? " in place" : "",
+                         smp_last_error());
                 down(hr, dout, block);
                 for (int64_t i = 0; i < n && res.ok && !st; i++) {
                     double want = rounded(dt, fold(OPS[o], gs, gr * n + i));
                     if (!close_to(dt, get(hr, dt, i), want, OPS[o] == SMP_AVG))
-                        fail(&res, "%s n=%lld%s: element %lld is %g, expected %g", OPNAMES[o], (long long)n, inplace ? " in place" : "",
-                             (long long)i, get(hr, dt, i), want);
+                        fail(&res, "%s n=%lld%s: element %lld is %g, expected %g", OPNAMES[o], (long long)n,
+                             inplace ? " in place" : "", (long long)i, get(hr, dt, i), want);
                 }
                 CK(cudaFree(din));
                 if (!inplace) CK(cudaFree(dout));
@@ -330,7 +339,9 @@ static void test_reduce_scatter(smp_dtype dt, int gi) {
 /* all_to_all: member a sends rows(a, b) rows of ROW elements to member b. */
 #define ROW 3
 static int64_t a2a_rows(int a, int b, bool equal) { return equal ? 2 : (a + b) % 3 + 1; }
-static double a2a_val(int from, int to, int64_t row, int e) { return (double)((from * 11 + to * 5 + row * 3 + e) % 60); }
+static double a2a_val(int from, int to, int64_t row, int e) {
+    return (double)((from * 11 + to * 5 + row * 3 + e) % 60);
+}
 
 static void test_all_to_all(smp_dtype dt, int gi) {
     smp_group g = GROUPS[gi];
@@ -339,7 +350,8 @@ static void test_all_to_all(smp_dtype dt, int gi) {
     result res = ok_result();
     for (int variant = 0; variant < 3; variant++) { /* equal splits, unequal splits, equal in place */
         bool equal = variant != 1, inplace = variant == 2;
-        int64_t *in_splits = (int64_t *)halloc(sizeof(int64_t) * (size_t)gs), *out_splits = (int64_t *)halloc(sizeof(int64_t) * (size_t)gs);
+        int64_t *in_splits = (int64_t *)halloc(sizeof(int64_t) * (size_t)gs),
+                *out_splits = (int64_t *)halloc(sizeof(int64_t) * (size_t)gs);
         int64_t in_rows = 0, out_rows = 0;
         for (int b = 0; b < gs; b++) {
             in_splits[b] = a2a_rows(gr, b, equal);
@@ -366,8 +378,8 @@ static void test_all_to_all(smp_dtype dt, int gi) {
             for (int64_t rr = 0; rr < out_splits[a]; rr++, at++)
                 for (int e = 0; e < ROW && res.ok; e++)
                     if (get(hr, dt, at * ROW + e) != a2a_val(a, gr, rr, e))
-                        fail(&res, "%s: row %lld from member %d is %g, expected %g", vname, (long long)rr, a, get(hr, dt, at * ROW + e),
-                             a2a_val(a, gr, rr, e));
+                        fail(&res, "%s: row %lld from member %d is %g, expected %g", vname, (long long)rr, a,
+                             get(hr, dt, at * ROW + e), a2a_val(a, gr, rr, e));
         CK(cudaFree(din));
         if (!inplace) CK(cudaFree(dout));
         free(h);
@@ -463,7 +475,9 @@ static void test_alloc_add(void) {
         if (st) fail(&res, "%s: %s", smp_dtype_name(dt), smp_last_error());
         for (int64_t i = 0; i < n && res.ok && !st; i++) {
             double want = rounded(dt, rounded(dt, (double)(i % 50) + (double)(i % 7)) + (double)(i % 7));
-            if (get(ha, dt, i) != want) fail(&res, "%s: element %lld is %g, expected %g", smp_dtype_name(dt), (long long)i, get(ha, dt, i), want);
+            if (get(ha, dt, i) != want)
+                fail(&res, "%s: element %lld is %g, expected %g", smp_dtype_name(dt), (long long)i, get(ha, dt, i),
+                     want);
         }
         smp_nccl_free(a);
         smp_nccl_free(b);
@@ -479,7 +493,8 @@ static void test_alloc_add(void) {
 static void test_block_reuse(void) {
     int pools = 1;
     CK(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, SMP_CUDA_ORDINAL(smp_nccl_device())));
-    if (pools || W_SIZE < 2 || smp_nccl_current_mode() != SMP_NCCL_MODE_NCCL) return; /* cudaMallocAsync orders reuse itself */
+    /* cudaMallocAsync orders reuse itself */
+    if (pools || W_SIZE < 2 || smp_nccl_current_mode() != SMP_NCCL_MODE_NCCL) return;
     result res = ok_result();
     const size_t bytes = 4096 * sizeof(float);
     int peer = 1 - W_RANK;
@@ -495,7 +510,8 @@ static void test_block_reuse(void) {
         smp_nccl_free(a);
         void *b = smp_nccl_alloc(bytes);
         if (st || !a || !b) fail(&res, "%s", smp_last_error());
-        else if (b == a) fail(&res, "a freed block came back while the engine work queued before its free still waited");
+        else if (b == a)
+            fail(&res, "a freed block came back while the engine work queued before its free still waited");
         MPI_Barrier(MPI_COMM_WORLD);
         if (smp_nccl_synchronize()) fail(&res, "smp_nccl_synchronize: %s", smp_last_error());
         CK(cudaStreamSynchronize(smp_nccl_stream()));
@@ -534,9 +550,11 @@ static void test_p2p_ring(void) {
     }
     /* receives first, long before the data is sent */
     for (int k = 0; k < K && !st; k++)
-        if ((st = smp_nccl_irecv(drecv[k], sizeof(float) * (size_t)((k + 1) * 1000), prev, SMP_WORLD, &rr[k]))) fail(&res, "irecv: %s", smp_last_error());
+        if ((st = smp_nccl_irecv(drecv[k], sizeof(float) * (size_t)((k + 1) * 1000), prev, SMP_WORLD, &rr[k])))
+            fail(&res, "irecv: %s", smp_last_error());
     for (int k = 0; k < K && !st; k++)
-        if ((st = smp_nccl_isend(dsend[k], sizeof(float) * (size_t)((k + 1) * 1000), next, SMP_WORLD, &rs[k]))) fail(&res, "isend: %s", smp_last_error());
+        if ((st = smp_nccl_isend(dsend[k], sizeof(float) * (size_t)((k + 1) * 1000), next, SMP_WORLD, &rs[k])))
+            fail(&res, "isend: %s", smp_last_error());
     if (!st) { /* poll one send until it is done, as an executor freeing buffers would */
         bool done = false;
         double t0 = MPI_Wtime();
@@ -553,7 +571,8 @@ static void test_p2p_ring(void) {
         float *h = (float *)halloc(sizeof(float) * (size_t)len);
         down(h, drecv[k], sizeof(float) * (size_t)len);
         for (int i = 0; i < len && res.ok && !st; i++)
-            if (h[i] != p2p_val(prev, k, i)) fail(&res, "message %d element %d is %g, expected %g", k, i, h[i], p2p_val(prev, k, i));
+            if (h[i] != p2p_val(prev, k, i))
+                fail(&res, "message %d element %d is %g, expected %g", k, i, h[i], p2p_val(prev, k, i));
         free(h);
     }
     /* around the ring the other way, both posted before either is waited for */
@@ -567,7 +586,8 @@ static void test_p2p_ring(void) {
         float *h = (float *)halloc(sizeof(float) * 1000);
         down(h, drecv[0], sizeof(float) * 1000);
         for (int i = 0; i < 1000 && res.ok && !st; i++)
-            if (h[i] != p2p_val(next, 0, i)) fail(&res, "the other way: element %d is %g, expected %g", i, h[i], p2p_val(next, 0, i));
+            if (h[i] != p2p_val(next, 0, i))
+                fail(&res, "the other way: element %d is %g, expected %g", i, h[i], p2p_val(next, 0, i));
         free(h);
     }
     for (int k = 0; k < K; k++) { CK(cudaFree(dsend[k])); CK(cudaFree(drecv[k])); }
@@ -591,11 +611,13 @@ static void test_p2p_pipeline(void) {
     smp_nccl_request *rq[8];
     int nr = 0;
     for (int m = 0; m < M && !st; m++) { /* stage 1 sends before it receives: both directions are in flight together */
-        if (me == 1 && (st = smp_nccl_isend(mine + (size_t)m * n, sizeof(float) * n, other, SMP_MP_GROUP, &rq[nr]))) break;
+        if (me == 1 && (st = smp_nccl_isend(mine + (size_t)m * n, sizeof(float) * n, other, SMP_MP_GROUP, &rq[nr])))
+            break;
         if (me == 1) nr++;
         if ((st = smp_nccl_irecv(theirs + (size_t)m * n, sizeof(float) * n, other, SMP_MP_GROUP, &rq[nr]))) break;
         nr++;
-        if (me == 0 && (st = smp_nccl_isend(mine + (size_t)m * n, sizeof(float) * n, other, SMP_MP_GROUP, &rq[nr]))) break;
+        if (me == 0 && (st = smp_nccl_isend(mine + (size_t)m * n, sizeof(float) * n, other, SMP_MP_GROUP, &rq[nr])))
+            break;
         if (me == 0) nr++;
     }
     if (st) fail(&res, "%s", smp_last_error());
@@ -603,7 +625,8 @@ static void test_p2p_pipeline(void) {
         if (smp_nccl_wait(rq[i])) fail(&res, "wait: %s", smp_last_error());
     down(h, theirs, sizeof(float) * n * M);
     for (int i = 0; i < n * M && res.ok && !st; i++)
-        if (h[i] != (float)(other * 1000 + i % 101)) fail(&res, "element %d is %g, expected %g", i, h[i], (float)(other * 1000 + i % 101));
+        if (h[i] != (float)(other * 1000 + i % 101))
+            fail(&res, "element %d is %g, expected %g", i, h[i], (float)(other * 1000 + i % 101));
     CK(cudaFree(act));
     CK(cudaFree(grad));
     free(h);
@@ -636,7 +659,8 @@ __global__ void k_net_linear_gw(const float *x, const float *gy, float *gw, floa
     if (k >= out * (in + 1)) return;
     int o = k / (in + 1), i = k % (in + 1) - 1; /* i == -1: the bias */
     float acc = 0;
-    for (int r = 0; r < n; r++) acc = __fadd_rn(acc, i < 0 ? gy[r * out + o] : __fmul_rn(gy[r * out + o], x[r * in + i]));
+    for (int r = 0; r < n; r++)
+        acc = __fadd_rn(acc, i < 0 ? gy[r * out + o] : __fmul_rn(gy[r * out + o], x[r * in + i]));
     if (i < 0) gb[o] = __fadd_rn(gb[o], acc);
     else gw[o * in + i] = __fadd_rn(gw[o * in + i], acc);
 }
@@ -648,7 +672,8 @@ __global__ void k_net_add(const float *a, const float *b, float *y, long long n)
     long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (k < n) y[k] = __fadd_rn(a[k], b[k]);
 }
-__global__ void k_net_mse(const float *y, const float *t, float *g, float *loss, int n) { /* one thread: the host's order */
+/* one thread: the host's order */
+__global__ void k_net_mse(const float *y, const float *t, float *g, float *loss, int n) {
     float acc = 0;
     for (int i = 0; i < n; i++) {
         float d = __fsub_rn(y[i], t[i]);
@@ -670,7 +695,8 @@ static smp_status gpu_lin_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     int64_t n = x->shape[0], shape[2] = {n, s->out};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
-    k_net_linear<<<net_blocks(n * s->out), 128, 0, smp_nccl_stream()>>>(F(x), F(smp_param_value(s->w)), F(smp_param_value(s->b)), F(y), (int)n, s->in, s->out);
+    k_net_linear<<<net_blocks(n * s->out), 128, 0, smp_nccl_stream()>>>(
+        F(x), F(smp_param_value(s->w)), F(smp_param_value(s->b)), F(y), (int)n, s->in, s->out);
     return net_launched();
 }
 static smp_status gpu_lin_backward(smp_call_ctx *c) {
@@ -678,8 +704,11 @@ static smp_status gpu_lin_backward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0), *gy = smp_call_grad_output(c, 0);
     smp_tensor *gx = smp_call_grad_input(c, 0);
     int n = (int)x->shape[0];
-    if (gx) k_net_linear_gx<<<net_blocks((long long)n * s->in), 128, 0, smp_nccl_stream()>>>(F(smp_param_value(s->w)), F(gy), F(gx), n, s->in, s->out);
-    k_net_linear_gw<<<net_blocks((long long)s->out * (s->in + 1)), 128, 0, smp_nccl_stream()>>>(F(x), F(gy), F(smp_param_grad(s->w)), F(smp_param_grad(s->b)), n, s->in, s->out);
+    if (gx)
+        k_net_linear_gx<<<net_blocks((long long)n * s->in), 128, 0, smp_nccl_stream()>>>(
+            F(smp_param_value(s->w)), F(gy), F(gx), n, s->in, s->out);
+    k_net_linear_gw<<<net_blocks((long long)s->out * (s->in + 1)), 128, 0, smp_nccl_stream()>>>(
+        F(x), F(gy), F(smp_param_grad(s->w)), F(smp_param_grad(s->b)), n, s->in, s->out);
     return net_launched();
 }
 static smp_status gpu_relu_forward(smp_call_ctx *c) {
@@ -690,7 +719,9 @@ static smp_status gpu_relu_forward(smp_call_ctx *c) {
 }
 static smp_status gpu_relu_backward(smp_call_ctx *c) {
     smp_tensor *gx = smp_call_grad_input(c, 0);
-    if (gx) k_net_relu<<<net_blocks(smp_tensor_numel(gx)), 128, 0, smp_nccl_stream()>>>(F(smp_call_input(c, 0)), F(smp_call_grad_output(c, 0)), F(gx), smp_tensor_numel(gx));
+    if (gx)
+        k_net_relu<<<net_blocks(smp_tensor_numel(gx)), 128, 0, smp_nccl_stream()>>>(
+            F(smp_call_input(c, 0)), F(smp_call_grad_output(c, 0)), F(gx), smp_tensor_numel(gx));
     return net_launched();
 }
 static smp_status gpu_add_forward(smp_call_ctx *c) {
@@ -703,12 +734,16 @@ static smp_status gpu_add_backward(smp_call_ctx *c) {
     const smp_tensor *gy = smp_call_grad_output(c, 0);
     for (int k = 0; k < 2; k++) {
         smp_tensor *g = smp_call_grad_input(c, k);
-        cudaError_t e = g ? cudaMemcpyAsync(g->data, gy->data, smp_tensor_nbytes(gy), cudaMemcpyDeviceToDevice, smp_nccl_stream()) : cudaSuccess;
-        if (e != cudaSuccess) return smp_error(SMP_ERR_DEVICE, "cudaMemcpyAsync of the add's gradient failed: %s", cudaGetErrorString(e));
+        cudaError_t e =
+            g ? cudaMemcpyAsync(g->data, gy->data, smp_tensor_nbytes(gy), cudaMemcpyDeviceToDevice, smp_nccl_stream())
+              : cudaSuccess;
+        if (e != cudaSuccess)
+            return smp_error(SMP_ERR_DEVICE, "cudaMemcpyAsync of the add's gradient failed: %s", cudaGetErrorString(e));
     }
     return SMP_OK;
 }
-static const net_fns GPU_NET = {gpu_lin_forward, gpu_lin_backward, gpu_relu_forward, gpu_relu_backward, gpu_add_forward, gpu_add_backward};
+static const net_fns GPU_NET = {gpu_lin_forward,   gpu_lin_backward, gpu_relu_forward,
+                                gpu_relu_backward, gpu_add_forward,  gpu_add_backward};
 
 static float *g_net_loss; /* device: one loss per microbatch */
 
@@ -781,7 +816,9 @@ static void test_pipeline_on_device(const char *what, step_memory *mem) {
         if (fake_cuda_device_syncs && step == 1) { /* the first step allocates: the second is the steady state */
             long n_syncs = fake_cuda_device_syncs() - syncs;
             result hot = ok_result();
-            if (n_syncs) fail(&hot, "%ld call(s) waited for the whole device during a step, the last %s", n_syncs, fake_cuda_last_device_sync());
+            if (n_syncs)
+                fail(&hot, "%ld call(s) waited for the whole device during a step, the last %s", n_syncs,
+                     fake_cuda_last_device_sync());
             check("a training step waits for no whole-device synchronisation", "f32", "mp", &hot);
         }
         if (mem && step == 1) {
@@ -792,10 +829,12 @@ static void test_pipeline_on_device(const char *what, step_memory *mem) {
         if (st) fail(&res, "step %d: %s", step, smp_last_error());
         for (int i = 0; i < m && res.ok; i++)
             if (memcmp(outs[0].values[i].data, &ref.loss[i], 4))
-                fail(&res, "step %d: loss of microbatch %d is %.9g, reference %.9g", step, i, *(const float *)outs[0].values[i].data, ref.loss[i]);
+                fail(&res, "step %d: loss of microbatch %d is %.9g, reference %.9g", step, i,
+                     *(const float *)outs[0].values[i].data, ref.loss[i]);
         float all[B * C];
         smp_tensor cat = smp_tensor_2d(all, SMP_F32, rows, C);
-        if (res.ok && (smp_step_output_concat(&outs[1], &cat) || memcmp(all, ref.out, sizeof(float) * (size_t)(rows * C))))
+        if (res.ok &&
+            (smp_step_output_concat(&outs[1], &cat) || memcmp(all, ref.out, sizeof(float) * (size_t)(rows * C))))
             fail(&res, "step %d: the outputs differ from the reference", step);
         for (int l = 0; l < NLIN && res.ok; l++) {
             char nm[64];
@@ -807,8 +846,10 @@ static void test_pipeline_on_device(const char *what, step_memory *mem) {
             float gw[H * H], gb[H];
             down(gw, smp_param_grad(pw)->data, smp_tensor_nbytes(smp_param_grad(pw)));
             down(gb, smp_param_grad(pb)->data, smp_tensor_nbytes(smp_param_grad(pb)));
-            if (memcmp(gw, ref.gw[l], smp_tensor_nbytes(smp_param_grad(pw))) || memcmp(gb, ref.gb[l], smp_tensor_nbytes(smp_param_grad(pb))))
-                fail(&res, "step %d: the gradient of %s differs (first weight element %.9g, reference %.9g)", step, names[l], gw[0], ref.gw[l][0]);
+            if (memcmp(gw, ref.gw[l], smp_tensor_nbytes(smp_param_grad(pw))) ||
+                memcmp(gb, ref.gb[l], smp_tensor_nbytes(smp_param_grad(pb))))
+                fail(&res, "step %d: the gradient of %s differs (first weight element %.9g, reference %.9g)", step,
+                     names[l], gw[0], ref.gw[l][0]);
         }
         smp_step_output_free(&outs[0]);
         smp_step_output_free(&outs[1]);
@@ -893,7 +934,8 @@ static void test_errors(void) {
         smp_nccl_request *r = NULL;
         st = smp_nccl_isend(d, 64, smp_rank(), SMP_WORLD, &r);
         if (!st && r) smp_nccl_wait(r);
-        if (st == SMP_OK || !strstr(smp_last_error(), "this rank")) fail(&res, "a send to itself: status %d, \"%s\"", (int)st, smp_last_error());
+        if (st == SMP_OK || !strstr(smp_last_error(), "this rank"))
+            fail(&res, "a send to itself: status %d, \"%s\"", (int)st, smp_last_error());
     }
     CK(cudaFree(d));
     check("errors", "f32", "world", &res);
@@ -911,9 +953,11 @@ static void test_comms(void) {
         if (smp_nccl_current_mode() != SMP_NCCL_MODE_NCCL) {
             if (c) fail(&res, "a communicator on the %s path", MODE);
         } else if (!c) fail(&res, "no communicator");
-        else if (ncclCommCount(c, &n) != ncclSuccess || ncclCommUserRank(c, &r) != ncclSuccess) fail(&res, "NCCL does not know the communicator");
+        else if (ncclCommCount(c, &n) != ncclSuccess || ncclCommUserRank(c, &r) != ncclSuccess)
+            fail(&res, "NCCL does not know the communicator");
         else if (n != smp_group_size(gs[k]) || r != smp_group_rank(gs[k]))
-            fail(&res, "rank %d of %d, the group has this rank at %d of %d", r, n, smp_group_rank(gs[k]), smp_group_size(gs[k]));
+            fail(&res, "rank %d of %d, the group has this rank at %d of %d", r, n, smp_group_rank(gs[k]),
+                 smp_group_size(gs[k]));
         check("smp_nccl_comm", "-", gn[k], &res);
     }
 }
@@ -934,7 +978,10 @@ static void run_suite(void) {
     test_engine_stream();
     char name[64];
     if (W_SIZE > 1) test_p2p_ring();
-    else if (W_RANK == 0) { snprintf(name, sizeof name, "%s %s p2p", GPU_LABEL, MODE); test_skip(name, "needs 2 ranks or more"); }
+    else if (W_RANK == 0) {
+        snprintf(name, sizeof name, "%s %s p2p", GPU_LABEL, MODE);
+        test_skip(name, "needs 2 ranks or more");
+    }
     if (PARTS == 2) test_p2p_pipeline();
     test_pipeline_on_device("pipeline of an on_device model equals the host reference", NULL);
     test_errors();
@@ -965,7 +1012,8 @@ int main(int argc, char **argv) {
     smp_nccl_register(); /* without it smp_init finds no device backend, and every device test fails */
     smp_status st = start(&cfg);
     if (st != SMP_OK) {
-        printf("FAIL: " GPU_LABEL " init: rank %d: smp_init: %.300s\n", W_RANK, smp_last_error()); /* every rank: each says why */
+        /* every rank: each says why */
+        printf("FAIL: " GPU_LABEL " init: rank %d: smp_init: %.300s\n", W_RANK, smp_last_error());
         MPI_Finalize();
         return 1;
     }
@@ -973,7 +1021,8 @@ int main(int argc, char **argv) {
         /* a machine with NVIDIA's device files has a GPU: CUDA failing there
            (a driver too old for this CUDA, say) is a failure, not a skip */
         if (access("/dev/nvidiactl", F_OK) == 0) {
-            MPI_CHECK(false, GPU_LABEL " init", "this machine has /dev/nvidiactl but CUDA finds no usable device: %.300s", smp_nccl_describe());
+            MPI_CHECK(false, GPU_LABEL " init",
+                      "this machine has /dev/nvidiactl but CUDA finds no usable device: %.300s", smp_nccl_describe());
             smp_finalize();
             MPI_Finalize();
             return 1;
@@ -991,8 +1040,8 @@ int main(int argc, char **argv) {
     if (was_nccl) { /* and once more through host memory */
         setenv("SMP_NCCL", "staged", 1);
         st = start(&cfg);
-        MPI_CHECK(st == SMP_OK && smp_nccl_current_mode() == SMP_NCCL_MODE_STAGED, GPU_LABEL " staged init", "smp_init: %.300s (mode %s)",
-                  smp_last_error(), MODE);
+        MPI_CHECK(st == SMP_OK && smp_nccl_current_mode() == SMP_NCCL_MODE_STAGED, GPU_LABEL " staged init",
+                  "smp_init: %.300s (mode %s)", smp_last_error(), MODE);
         if (st == SMP_OK) {
             run_suite();
             test_offload(&cfg);

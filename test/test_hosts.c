@@ -51,7 +51,8 @@ static smp_status group_hosts(const char *me, smp_group g, char *out, size_t cap
 /* Messages to and from the MP_GROUP partner (mp rank 0 sends first, so
    the pair never waits on each other), until 60 s have passed. */
 static smp_status exchange(void) {
-    if (smp_mp_size() != 2) return smp_error(SMP_ERR_CONFIG, "test_hosts exchange: needs partitions 2, not %d", smp_mp_size());
+    if (smp_mp_size() != 2)
+        return smp_error(SMP_ERR_CONFIG, "test_hosts exchange: needs partitions 2, not %d", smp_mp_size());
     int partner = 1 - smp_mp_rank();
     struct timespec pause = {0, 10 * 1000 * 1000};
     double start = MPI_Wtime();
@@ -92,8 +93,8 @@ int main(int argc, char **argv) {
     if (!st) st = group_hosts(host, SMP_MP_GROUP, mp_hosts, sizeof mp_hosts);
     if (!st) st = group_hosts(host, SMP_DP_GROUP, dp_hosts, sizeof dp_hosts);
     if (!st) {
-        snprintf(line, sizeof line, "rank %d host %s local_rank %d/%d mp %d dp %d mp_hosts %s dp_hosts %s", smp_rank(), host,
-                 smp_local_rank(), smp_local_size(), smp_mp_rank(), smp_dp_rank(), mp_hosts, dp_hosts);
+        snprintf(line, sizeof line, "rank %d host %s local_rank %d/%d mp %d dp %d mp_hosts %s dp_hosts %s", smp_rank(),
+                 host, smp_local_rank(), smp_local_size(), smp_mp_rank(), smp_dp_rank(), mp_hosts, dp_hosts);
         void *all = NULL;
         size_t lens[64];
         if (smp_size() > 64) st = smp_error(SMP_ERR_ARG, "test_hosts: %d ranks (at most 64 here)", smp_size());

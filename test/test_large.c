@@ -38,7 +38,8 @@ static smp_status wide_forward(smp_call_ctx *c) {
 }
 static smp_status wide_backward(smp_call_ctx *c) {
     const smp_tensor *g = smp_call_grad_output(c, 0);
-    ((float *)smp_param_grad(g_flag)->data)[0] = (float)mismatches((const float *)g->data, smp_tensor_numel(g), 13) + (smp_tensor_numel(g) != N);
+    ((float *)smp_param_grad(g_flag)->data)[0] =
+        (float)mismatches((const float *)g->data, smp_tensor_numel(g), 13) + (smp_tensor_numel(g) != N);
     return SMP_OK;
 }
 static smp_status narrow_forward(smp_call_ctx *c) {
@@ -46,7 +47,8 @@ static smp_status narrow_forward(smp_call_ctx *c) {
     int64_t one = 1;
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 1, &one);
     if (!y) return SMP_ERR_NOMEM;
-    ((float *)y->data)[0] = (float)mismatches((const float *)x->data, smp_tensor_numel(x), 251) + (smp_tensor_numel(x) != N);
+    ((float *)y->data)[0] =
+        (float)mismatches((const float *)x->data, smp_tensor_numel(x), 251) + (smp_tensor_numel(x) != N);
     return SMP_OK;
 }
 static smp_status narrow_backward(smp_call_ctx *c) {
@@ -103,7 +105,8 @@ int main(int argc, char **argv) {
     smp_step_output out = {0};
     smp_model_zero_grad(model);
     smp_status st = SMP_TRAIN_STEP(model, body, NULL, &out, 1, xt);
-    MPI_CHECK(st == SMP_OK, "large/a training step moves a 2.2 GB activation and its gradient between stages", "%s", smp_last_error());
+    MPI_CHECK(st == SMP_OK, "large/a training step moves a 2.2 GB activation and its gradient between stages", "%s",
+              smp_last_error());
     float wrong_fwd = st ? -1 : ((float *)out.values[0].data)[0];
     MPI_CHECK(wrong_fwd == 0, "large/the 2.2 GB activation arrives intact", "%g elements differ", wrong_fwd);
     int wrong_bwd = 0;
@@ -112,9 +115,11 @@ int main(int argc, char **argv) {
     /* smp's peak over the trace and the step, in activations: the figure that says whether it holds needless copies */
     double act = (double)N * sizeof(float);
     double peak = (double)smp_memory().peak_bytes;
-    printf("large: rank %d: smp's peak %.0f MB, %.2f x the activation (%.0f MB)\n", smp_rank(), peak / 1e6, peak / act, act / 1e6);
+    printf("large: rank %d: smp's peak %.0f MB, %.2f x the activation (%.0f MB)\n", smp_rank(), peak / 1e6, peak / act,
+           act / 1e6);
     fflush(stdout);
-    MPI_CHECK(peak <= 2 * act + (64 << 20), "large/smp holds at most two activation-sized buffers (no copy of the gradient)",
+    MPI_CHECK(peak <= 2 * act + (64 << 20),
+              "large/smp holds at most two activation-sized buffers (no copy of the gradient)",
               "peak %.0f MB, %.2f activations", peak / 1e6, peak / act);
     smp_step_output_free(&out);
     smp_model_free(model);
@@ -135,7 +140,8 @@ int main(int argc, char **argv) {
         bad = st ? -1 : len != bytes ? -2 : mismatches((const float *)buf, N, 97);
         smp_free(buf);
     }
-    MPI_CHECK(st == SMP_OK && bad == 0, "large/smp_send of a 2.2 GB object arrives intact", "%s (%lld)", st ? smp_last_error() : "wrong bytes", (long long)bad);
+    MPI_CHECK(st == SMP_OK && bad == 0, "large/smp_send of a 2.2 GB object arrives intact", "%s (%lld)",
+              st ? smp_last_error() : "wrong bytes", (long long)bad);
 
     /* a host all-reduce of 2^31 + 1000 elements, in place: MPI calls of at
        most INT_MAX elements. Each rank's values stay below 128, so the sum
@@ -149,8 +155,8 @@ int main(int argc, char **argv) {
         bad = st ? -1 : 0;
         for (int64_t i = 0; !st && i < n; i++) bad += v[i] != (uint8_t)(((i * 7) & 127) + ((i * 7 + 1) & 127));
         free(v);
-        MPI_CHECK(st == SMP_OK && bad == 0, "large/an all-reduce over 2^31 + 1000 elements is right in every element", "%s (%lld wrong)",
-                  st ? smp_last_error() : "wrong values", (long long)bad);
+        MPI_CHECK(st == SMP_OK && bad == 0, "large/an all-reduce over 2^31 + 1000 elements is right in every element",
+                  "%s (%lld wrong)", st ? smp_last_error() : "wrong values", (long long)bad);
     }
     smp_finalize();
     MPI_Finalize();

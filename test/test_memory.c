@@ -82,14 +82,16 @@ static void test_categories(int P) {
     if (ok && (m1.bytes[SMP_MEMORY_PARAMETERS] - m0.bytes[SMP_MEMORY_PARAMETERS] != values ||
                m1.bytes[SMP_MEMORY_GRADIENTS] - m0.bytes[SMP_MEMORY_GRADIENTS] != grads || values == 0 || grads == 0)) {
         ok = 0;
-        snprintf(why, sizeof why, "parameters %lld and gradients %lld bytes accounted, the local ones hold %lld and %lld",
+        snprintf(why, sizeof why,
+                 "parameters %lld and gradients %lld bytes accounted, the local ones hold %lld and %lld",
                  (long long)(m1.bytes[SMP_MEMORY_PARAMETERS] - m0.bytes[SMP_MEMORY_PARAMETERS]),
-                 (long long)(m1.bytes[SMP_MEMORY_GRADIENTS] - m0.bytes[SMP_MEMORY_GRADIENTS]), (long long)values, (long long)grads);
+                 (long long)(m1.bytes[SMP_MEMORY_GRADIENTS] - m0.bytes[SMP_MEMORY_GRADIENTS]), (long long)values,
+                 (long long)grads);
     }
     if (ok && m1.param_bytes - m0.param_bytes != values + grads) {
         ok = 0;
-        snprintf(why, sizeof why, "param_bytes grew by %lld, not values + gradients %lld", (long long)(m1.param_bytes - m0.param_bytes),
-                 (long long)(values + grads));
+        snprintf(why, sizeof why, "param_bytes grew by %lld, not values + gradients %lld",
+                 (long long)(m1.param_bytes - m0.param_bytes), (long long)(values + grads));
     }
     /* optimizer state: two moments per local parameter, the engine's memory */
     smp_optimizer *opt = NULL;
@@ -112,16 +114,19 @@ static void test_categories(int P) {
     int64_t grew = m2.bytes[SMP_MEMORY_OPTIMIZER] - m1.bytes[SMP_MEMORY_OPTIMIZER];
     if (ok && (grew != reg || reg == 0 || m2.peak[SMP_MEMORY_OPTIMIZER] < m2.bytes[SMP_MEMORY_OPTIMIZER])) {
         ok = 0;
-        snprintf(why, sizeof why, "optimizer state: %lld bytes accounted, %lld registered", (long long)grew, (long long)reg);
+        snprintf(why, sizeof why, "optimizer state: %lld bytes accounted, %lld registered", (long long)grew,
+                 (long long)reg);
     }
     /* every rank's account, as that rank reads it */
-    smp_memory_stats *all = (smp_memory_stats *)calloc((size_t)g_world, sizeof *all), *raw = (smp_memory_stats *)calloc((size_t)g_world, sizeof *raw);
+    smp_memory_stats *all = (smp_memory_stats *)calloc((size_t)g_world, sizeof *all),
+                     *raw = (smp_memory_stats *)calloc((size_t)g_world, sizeof *raw);
     smp_memory_stats mine = smp_memory();
     st = smp_memory_report("test", all);
     MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, raw, (int)sizeof mine, MPI_BYTE, MPI_COMM_WORLD);
     if (ok && (st || memcmp(all, raw, sizeof *all * (size_t)g_world))) {
         ok = 0;
-        snprintf(why, sizeof why, "smp_memory_report: status %d (%s), or its figures differ from each rank's smp_memory()", (int)st,
+        snprintf(why, sizeof why,
+                 "smp_memory_report: status %d (%s), or its figures differ from each rank's smp_memory()", (int)st,
                  smp_last_error());
     }
     char line[512], want[64];
@@ -155,7 +160,10 @@ static void test_categories(int P) {
 static void test_gpipe_cap(int P) {
     enum { M = 4 };
     char name[160], why[4096] = "";
-    snprintf(name, sizeof name, "memory account/P=%d: simple with active_microbatches c = 1..%d: the activation peak grows with c, at most c x one's", P, M);
+    snprintf(name, sizeof name,
+             "memory account/P=%d: simple with active_microbatches c = 1..%d: the activation peak grows with c, at "
+             "most c x one's",
+             P, M);
     int64_t peak[M + 1] = {0}, stash[M + 1] = {0};
     int ok = 1;
     for (int c = 0; c <= M && ok; c++) {
@@ -165,8 +173,11 @@ static void test_gpipe_cap(int P) {
         smp_model *model = build(&n, NULL);
         st = model ? step(model, &peak[c], &stash[c]) : SMP_ERR_NOMEM; /* the first step traces */
         if (!st) st = step(model, &peak[c], &stash[c]);
-        if (st) { ok = 0; snprintf(why, sizeof why, "c=%d: step: %s", c, smp_last_error()); }
-        else if (smp_model_num_stages(model) != P) { ok = 0; snprintf(why, sizeof why, "%d stages, not %d", smp_model_num_stages(model), P); }
+        if (st) { ok = 0; snprintf(why, sizeof why, "c=%d: step: %s", c, smp_last_error());
+        } else if (smp_model_num_stages(model) != P) {
+            ok = 0;
+            snprintf(why, sizeof why, "%d stages, not %d", smp_model_num_stages(model), P);
+        }
         smp_model_free(model);
         smp_finalize();
     }
@@ -180,12 +191,16 @@ static void test_gpipe_cap(int P) {
         if (peak[c] != stash[c] || peak[c] <= 0 ||
             (alone && (peak[c] > peak[0] || (c == 1 && peak[1] >= peak[0]) || (c > 1 && peak[c] < peak[c - 1]) ||
                        peak[c] > c * peak[1] || (c == M && peak[c] != peak[0]))))
-            ok = 0, snprintf(why, sizeof why, "c=%d: activation peak %lld bytes (step stats: %lld), c-1: %lld, c=1: %lld, uncapped %lld",
-                              c, (long long)peak[c], (long long)stash[c], (long long)peak[c - 1], (long long)peak[1], (long long)peak[0]);
+            ok = 0, snprintf(why, sizeof why,
+                             "c=%d: activation peak %lld bytes (step stats: %lld), c-1: %lld, c=1: %lld, uncapped %lld",
+                             c, (long long)peak[c], (long long)stash[c], (long long)peak[c - 1], (long long)peak[1],
+                             (long long)peak[0]);
     }
     if (ok && g_rank == 0)
-        printf("  P=%d, rank 0: activation peak for active_microbatches 1..%d: %lld %lld %lld %lld bytes (GPipe uncapped %lld)\n", P, M,
-               (long long)peak[1], (long long)peak[2], (long long)peak[3], (long long)peak[4], (long long)peak[0]);
+        printf("  P=%d, rank 0: activation peak for active_microbatches 1..%d: %lld %lld %lld %lld bytes (GPipe "
+               "uncapped %lld)\n",
+               P, M, (long long)peak[1], (long long)peak[2], (long long)peak[3], (long long)peak[4],
+               (long long)peak[0]);
     MPI_CHECK(ok, name, "%s", why);
 }
 
@@ -204,8 +219,9 @@ static void test_ddp_comm(void) {
     if (!st) st = step(model, &peak, &stash);
     smp_memory_stats m = smp_memory();
     MPI_CHECK(!st && m.peak[SMP_MEMORY_COMMUNICATION] > before && m.bytes[SMP_MEMORY_COMMUNICATION] >= before, name,
-              "status %d (%s): communication bytes before %lld, now %lld, peak %lld", (int)st, smp_last_error(), (long long)before,
-              (long long)m.bytes[SMP_MEMORY_COMMUNICATION], (long long)m.peak[SMP_MEMORY_COMMUNICATION]);
+              "status %d (%s): communication bytes before %lld, now %lld, peak %lld", (int)st, smp_last_error(),
+              (long long)before, (long long)m.bytes[SMP_MEMORY_COMMUNICATION],
+              (long long)m.peak[SMP_MEMORY_COMMUNICATION]);
     smp_model_free(model);
     smp_finalize();
 }
@@ -242,7 +258,8 @@ int main(int argc, char **argv) {
     for (int P = 1; P <= g_world && P <= 2; P *= 2) {
         if (g_world % P) continue;
         test_categories(P);
-        /* one rank only: with several, a microbatch's activations count from when its message arrives, which timing decides */
+        /* one rank only: with several, a microbatch's activations count from when its message arrives, which timing
+         * decides */
         if (P == 1) test_gpipe_cap(P);
     }
     test_ddp_comm(); /* shard_optimizer_state's account: test_zero */

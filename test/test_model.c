@@ -83,7 +83,8 @@ typedef struct lin_t {
 
 static smp_status need_storage(smp_param *p) {
     if (p && !smp_param_value(p)->data)
-        return smp_error(SMP_ERR_MODULE, "parameter \"%s\" has no storage on mp rank %d", smp_param_name(p), smp_mp_rank());
+        return smp_error(SMP_ERR_MODULE, "parameter \"%s\" has no storage on mp rank %d", smp_param_name(p),
+                         smp_mp_rank());
     return SMP_OK;
 }
 
@@ -92,12 +93,15 @@ static smp_status lin_forward(smp_call_ctx *c) {
     note_tracing(false);
     const smp_tensor *x = smp_call_input(c, 0);
     smp_status st;
-    if ((st = need_storage(s->w)) || (st = need_storage(s->b)) || (st = need_storage(s->extra)) || (st = need_storage(s->gate))) return st;
+    if ((st = need_storage(s->w)) || (st = need_storage(s->b)) || (st = need_storage(s->extra)) ||
+        (st = need_storage(s->gate)))
+        return st;
     if (x->ndim != 2 || x->shape[1] != s->in)
         return smp_error(SMP_ERR_MODULE, "expected an input of [n, %d], got %d dimensions", s->in, x->ndim);
     int64_t n = x->shape[0], shape[2] = {n, s->out};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, shape);
-    const float *xv = (const float *)x->data, *w = (const float *)smp_param_value(s->w)->data, *b = (const float *)smp_param_value(s->b)->data;
+    const float *xv = (const float *)x->data, *w = (const float *)smp_param_value(s->w)->data,
+                *b = (const float *)smp_param_value(s->b)->data;
     const float *e = s->extra ? (const float *)smp_param_value(s->extra)->data : NULL;
     const float *g = s->gate ? (const float *)smp_param_value(s->gate)->data : NULL;
     float *yv = (float *)y->data;
@@ -278,8 +282,8 @@ static float g_small[16 * 8];
 
 /* Runs the example on `comm` (a communicator of exactly P ranks) and
    returns, in part[4], the partition of each child (-2 on failure). */
-static smp_status ctx_run(MPI_Comm comm, int P, bool automatic, int outer, int inner, int dflt, int part[4], int *nstages,
-                          int stage_rank[8], char *why, size_t cap) {
+static smp_status ctx_run(MPI_Comm comm, int P, bool automatic, int outer, int inner, int dflt, int part[4],
+                          int *nstages, int stage_rank[8], char *why, size_t cap) {
     smp_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.partitions = P;
@@ -320,31 +324,41 @@ static void test_contexts(void) {
         if (three != MPI_COMM_NULL) {
             smp_status st = ctx_run(three, 3, false, 1, 2, 0, part, &S, sr, why, sizeof why);
             ok = st == SMP_OK && part[0] == 1 && part[1] == 2 && part[2] == 1 && part[3] == 0;
-            if (!st && !ok) snprintf(why, sizeof why, "partitions %d %d %d %d, expected 1 2 1 0 (default)", part[0], part[1], part[2], part[3]);
+            if (!st && !ok)
+                snprintf(why, sizeof why, "partitions %d %d %d %d, expected 1 2 1 0 (default)", part[0], part[1],
+                         part[2], part[3]);
             if (ok && !(S == 4 && sr[0] == 1 && sr[1] == 2 && sr[2] == 1 && sr[3] == 0)) {
                 ok = 0;
-                snprintf(why, sizeof why, "%d stages on ranks %d %d %d %d, expected 4 stages on 1 2 1 0", S, sr[0], sr[1], sr[2], sr[3]);
+                snprintf(why, sizeof why, "%d stages on ranks %d %d %d %d, expected 4 stages on 1 2 1 0", S, sr[0],
+                         sr[1], sr[2], sr[3]);
             }
         }
-        MPI_CHECK(ok, "contexts/reference example: nested SMP_PARTITION, innermost wins, rest on default_partition (P=3)", "%s", why);
+        MPI_CHECK(ok,
+                  "contexts/reference example: nested SMP_PARTITION, innermost wins, rest on default_partition (P=3)",
+                  "%s", why);
         ok = 1;
         if (three != MPI_COMM_NULL) { /* same tree, auto_partition on: contiguous stages from 0, contexts ignored */
             smp_status st = ctx_run(three, 3, true, 1, 2, 0, part, &S, sr, why, sizeof why);
             ok = st == SMP_OK && part[0] == 0 && part[3] == 2;
             for (int i = 1; i < 4 && ok; i++) ok = part[i] >= part[i - 1] && part[i] <= part[i - 1] + 1;
-            if (!st && !ok) snprintf(why, sizeof why, "partitions %d %d %d %d: not a contiguous split from 0 to 2", part[0], part[1], part[2], part[3]);
+            if (!st && !ok)
+                snprintf(why, sizeof why, "partitions %d %d %d %d: not a contiguous split from 0 to 2", part[0],
+                         part[1], part[2], part[3]);
             MPI_Comm_free(&three);
         }
         MPI_CHECK(ok, "contexts/auto_partition on ignores SMP_PARTITION (P=3)", "%s", why);
     } else {
-        skip("contexts/reference example: nested SMP_PARTITION, innermost wins, rest on default_partition (P=3)", "needs 3 ranks");
+        skip("contexts/reference example: nested SMP_PARTITION, innermost wins, rest on default_partition (P=3)",
+             "needs 3 ranks");
         skip("contexts/auto_partition on ignores SMP_PARTITION (P=3)", "needs 3 ranks");
     }
     /* the same nesting with 2 partitions: 1 { 0 } 1, default 0 (with data parallelism on 4 ranks) */
     if (g_world >= 2) {
         smp_status st = ctx_run(MPI_COMM_WORLD, 2, false, 1, 0, 0, part, &S, sr, why, sizeof why);
         int ok = st == SMP_OK && part[0] == 1 && part[1] == 0 && part[2] == 1 && part[3] == 0 && S == 4;
-        if (!st && !ok) snprintf(why, sizeof why, "partitions %d %d %d %d (%d stages), expected 1 0 1 0 (4 stages)", part[0], part[1], part[2], part[3], S);
+        if (!st && !ok)
+            snprintf(why, sizeof why, "partitions %d %d %d %d (%d stages), expected 1 0 1 0 (4 stages)", part[0],
+                     part[1], part[2], part[3], S);
         MPI_CHECK(ok, "contexts/nested contexts with 2 partitions: 1 {0} 1, default 0", "%s", why);
         st = ctx_run(MPI_COMM_WORLD, 2, false, 1, 0, 1, part, &S, sr, why, sizeof why);
         ok = st == SMP_OK && part[3] == 1;
@@ -356,8 +370,9 @@ static void test_contexts(void) {
     }
     /* one partition: SMP_PARTITION(0) is the only valid context and everything is on 0 */
     smp_status st = ctx_run(MPI_COMM_WORLD, 1, false, 0, 0, -1, part, &S, sr, why, sizeof why);
-    MPI_CHECK(st == SMP_OK && part[0] == 0 && part[1] == 0 && part[2] == 0 && part[3] == 0, "contexts/one partition: everything on partition 0",
-              "status %d, partitions %d %d %d %d: %.2000s", st, part[0], part[1], part[2], part[3], why);
+    MPI_CHECK(st == SMP_OK && part[0] == 0 && part[1] == 0 && part[2] == 0 && part[3] == 0,
+              "contexts/one partition: everything on partition 0", "status %d, partitions %d %d %d %d: %.2000s", st,
+              part[0], part[1], part[2], part[3], why);
 }
 
 /* ======================================================================
@@ -376,17 +391,19 @@ static void test_error_duplicates(void) {
     smp_model_desc md = {seq_forward, 1, 1, &q, false};
     smp_model *m = (smp_model *)1;
     smp_status st = smp_model_new(root, &md, &m);
-    MPI_CHECK(st == SMP_ERR_ARG && m == NULL && again == NULL && has(smp_last_error(), "\"encoder\"") && has(smp_last_error(), "\"block\""),
-              "errors/duplicate child name reported by smp_model_new, naming parent and child", "status %d (%s), message: %s", st, smp_status_name(st),
-              smp_last_error());
+    MPI_CHECK(st == SMP_ERR_ARG && m == NULL && again == NULL && has(smp_last_error(), "\"encoder\"") &&
+                  has(smp_last_error(), "\"block\""),
+              "errors/duplicate child name reported by smp_model_new, naming parent and child",
+              "status %d (%s), message: %s", st, smp_status_name(st), smp_last_error());
     root = smp_module_new(NULL, "", NULL);
     smp_module *lin = smp_module_new(root, "proj", &ident_desc);
     int64_t s1[1] = {4};
     smp_param_new(lin, "weight", SMP_F32, 1, s1, NULL, NULL);
     smp_buffer_new(lin, "weight", SMP_F32, 1, s1, NULL, NULL);
     st = smp_model_new(root, &md, &m);
-    MPI_CHECK(st == SMP_ERR_ARG && m == NULL && has(smp_last_error(), "\"proj\"") && has(smp_last_error(), "\"weight\""),
-              "errors/duplicate parameter name reported by smp_model_new", "status %d, message: %s", st, smp_last_error());
+    MPI_CHECK(
+        st == SMP_ERR_ARG && m == NULL && has(smp_last_error(), "\"proj\"") && has(smp_last_error(), "\"weight\""),
+        "errors/duplicate parameter name reported by smp_model_new", "status %d, message: %s", st, smp_last_error());
     /* the error is consumed: the next, correct tree builds */
     root = smp_module_new(NULL, "", NULL);
     smp_module *only = smp_module_new(root, "only", &ident_desc);
@@ -406,11 +423,11 @@ static void test_error_context_range(void) {
     char want[32];
     snprintf(want, sizeof want, "SMP_PARTITION(%d)", P);
     MPI_CHECK(st == SMP_ERR_CONFIG && m == NULL && has(smp_last_error(), want) && has(smp_last_error(), "partitions"),
-              "errors/SMP_PARTITION(k) with k >= partitions reported by smp_model_new", "status %d (%s), message: %s", st, smp_status_name(st),
-              smp_last_error());
+              "errors/SMP_PARTITION(k) with k >= partitions reported by smp_model_new", "status %d (%s), message: %s",
+              st, smp_status_name(st), smp_last_error());
     m = ctx_build(&t, -1, 0, &st);
-    MPI_CHECK(st == SMP_ERR_CONFIG && m == NULL && has(smp_last_error(), "SMP_PARTITION(-1)"), "errors/SMP_PARTITION(-1) reported by smp_model_new",
-              "status %d, message: %s", st, smp_last_error());
+    MPI_CHECK(st == SMP_ERR_CONFIG && m == NULL && has(smp_last_error(), "SMP_PARTITION(-1)"),
+              "errors/SMP_PARTITION(-1) reported by smp_model_new", "status %d, message: %s", st, smp_last_error());
 }
 
 /* The same, with the tree built before smp_init (module creation does not
@@ -436,7 +453,8 @@ static void test_error_context_before_init(ctx_tree *t) {
     snprintf(want, sizeof want, "SMP_PARTITION(%d)", P + 3);
     MPI_CHECK(st == SMP_ERR_CONFIG && m == NULL && has(smp_last_error(), want),
               "errors/SMP_PARTITION(k >= partitions) around modules built before smp_init reported by smp_model_new",
-              "status %d (%s), message: %s", st, smp_status_name(st), st ? smp_last_error() : "(none: the model was accepted)");
+              "status %d (%s), message: %s", st, smp_status_name(st),
+              st ? smp_last_error() : "(none: the model was accepted)");
     smp_model_free(m);
 }
 
@@ -455,17 +473,25 @@ static void test_error_no_placement(void) {
     smp_tensor x = smp_tensor_2d(g_small, SMP_F32, 2, 4);
     if (!st) st = smp_model_trace(m, &x, 1);
     if (P > 1)
-        MPI_CHECK(built == SMP_OK && st == SMP_ERR_CONFIG && has(smp_last_error(), "\"orphan\"") && has(smp_last_error(), "default_partition"),
-                  "errors/module outside every context, auto off, no default: trace names the module", "model %d, trace %d (%s): %s", built, st,
-                  smp_status_name(st), smp_last_error());
+        MPI_CHECK(built == SMP_OK && st == SMP_ERR_CONFIG && has(smp_last_error(), "\"orphan\"") &&
+                      has(smp_last_error(), "default_partition"),
+                  "errors/module outside every context, auto off, no default: trace names the module",
+                  "model %d, trace %d (%s): %s", built, st, smp_status_name(st), smp_last_error());
     else /* one partition: there is nowhere else to go */
-        MPI_CHECK(st == SMP_OK && smp_module_partition(mods[1]) == 0, "errors/module outside every context with one partition goes to 0",
-                  "status %d: %s", st, smp_last_error());
+        MPI_CHECK(st == SMP_OK && smp_module_partition(mods[1]) == 0,
+                  "errors/module outside every context with one partition goes to 0", "status %d: %s", st,
+                  smp_last_error());
     smp_model_free(m);
 }
 
 /* forwards that break the rules */
-typedef enum { FWD_FOREIGN_INPUT, FWD_OUTPUT_IS_INPUT, FWD_OUTPUT_IS_LOCAL, FWD_OUTPUT_UNSET, FWD_OTHER_MODEL } bad_kind;
+typedef enum {
+    FWD_FOREIGN_INPUT,
+    FWD_OUTPUT_IS_INPUT,
+    FWD_OUTPUT_IS_LOCAL,
+    FWD_OUTPUT_UNSET,
+    FWD_OTHER_MODEL
+} bad_kind;
 static smp_module *g_bad_mod, *g_other_mod;
 static smp_status bad_forward(smp_model *m, const smp_tensor *in, int nin, smp_tensor *out, int nout, void *user) {
     (void)m; (void)nin; (void)nout;
@@ -485,12 +511,22 @@ static smp_status bad_forward(smp_model *m, const smp_tensor *in, int nin, smp_t
 }
 
 static void test_error_forwards(void) {
-    static const struct { bad_kind k; smp_status want; const char *words[2]; const char *name; } cases[] = {
-        {FWD_FOREIGN_INPUT, SMP_ERR_ARG, {"neither a model input nor an output", "\"body\""}, "errors/forward passes a tensor that is no model input or smp_call output"},
+    static const struct { bad_kind k; smp_status want; const char *words[2]; const char *name;
+    } cases[] = {
+        {FWD_FOREIGN_INPUT,
+         SMP_ERR_ARG,
+         {"neither a model input nor an output", "\"body\""},
+         "errors/forward passes a tensor that is no model input or smp_call output"},
         {FWD_OUTPUT_IS_INPUT, SMP_ERR_ARG, {"model output 0", "smp_call"}, "errors/forward returns a model input"},
-        {FWD_OUTPUT_IS_LOCAL, SMP_ERR_ARG, {"model output 0", "smp_call"}, "errors/forward returns a tensor not produced by smp_call"},
+        {FWD_OUTPUT_IS_LOCAL,
+         SMP_ERR_ARG,
+         {"model output 0", "smp_call"},
+         "errors/forward returns a tensor not produced by smp_call"},
         {FWD_OUTPUT_UNSET, SMP_ERR_ARG, {"model output 0", "smp_call"}, "errors/forward leaves its output unset"},
-        {FWD_OTHER_MODEL, SMP_ERR_ARG, {"\"stranger\"", "not part of the model"}, "errors/forward calls a module of another model"},
+        {FWD_OTHER_MODEL,
+         SMP_ERR_ARG,
+         {"\"stranger\"", "not part of the model"},
+         "errors/forward calls a module of another model"},
     };
     /* a module of another model, for the last case */
     smp_module *oroot = smp_module_new(NULL, "", NULL);
@@ -508,8 +544,8 @@ static void test_error_forwards(void) {
         smp_status st = smp_model_new(root, &md, &m);
         smp_tensor x = smp_tensor_2d(g_small, SMP_F32, 2, 4);
         if (!st) st = smp_model_trace(m, &x, 1);
-        MPI_CHECK(st == cases[i].want && has(smp_last_error(), cases[i].words[0]) && has(smp_last_error(), cases[i].words[1]) &&
-                      !smp_model_is_partitioned(m),
+        MPI_CHECK(st == cases[i].want && has(smp_last_error(), cases[i].words[0]) &&
+                      has(smp_last_error(), cases[i].words[1]) && !smp_model_is_partitioned(m),
                   cases[i].name, "status %d (%s), message: %s", st, smp_status_name(st), smp_last_error());
         smp_model_free(m);
     }
@@ -523,12 +559,14 @@ static void test_error_forwards(void) {
     smp_status st = smp_model_new(root, &md, &m);
     smp_tensor x = smp_tensor_2d(g_small, SMP_F32, 2, 4);
     if (!st) st = smp_model_trace(m, &x, 1);
-    MPI_CHECK(st == SMP_ERR_ARG && has(smp_last_error(), "2 inputs") && has(smp_last_error(), "got 1"), "errors/trace with the wrong input count",
-              "status %d (%s), message: %s", st, smp_status_name(st), smp_last_error());
+    MPI_CHECK(st == SMP_ERR_ARG && has(smp_last_error(), "2 inputs") && has(smp_last_error(), "got 1"),
+              "errors/trace with the wrong input count", "status %d (%s), message: %s", st, smp_status_name(st),
+              smp_last_error());
     smp_step_output o = {0};
     st = SMP_TRAIN_STEP(m, square_body, NULL, &o, 1, x);
     MPI_CHECK(st == SMP_ERR_ARG && has(smp_last_error(), "model input 1") && has(smp_last_error(), "1 arguments"),
-              "errors/step with fewer arguments than model inputs", "status %d (%s), message: %s", st, smp_status_name(st), smp_last_error());
+              "errors/step with fewer arguments than model inputs", "status %d (%s), message: %s", st,
+              smp_status_name(st), smp_last_error());
     smp_model_free(m);
 }
 
@@ -580,8 +618,10 @@ static void test_error_empty_partition(void) {
     smp_tensor x = smp_tensor_2d(g_small, SMP_F32, 2, 4);
     smp_status st = smp_model_new(root, &md, &m);
     if (!st) st = smp_model_trace(m, &x, 1);
-    MPI_CHECK(st == SMP_ERR_CONFIG && has(smp_last_error(), "partition 1 ") && has(smp_last_error(), "no module calls") && !smp_model_is_partitioned(m),
-              "errors/manual placement leaving a partition without calls", "status %d (%s), message: %s", st, smp_status_name(st), smp_last_error());
+    MPI_CHECK(st == SMP_ERR_CONFIG && has(smp_last_error(), "partition 1 ") &&
+                  has(smp_last_error(), "no module calls") && !smp_model_is_partitioned(m),
+              "errors/manual placement leaving a partition without calls", "status %d (%s), message: %s", st,
+              smp_status_name(st), smp_last_error());
     smp_model_free(m);
     smp_finalize();
 
@@ -599,7 +639,8 @@ static void test_error_empty_partition(void) {
     char want[64];
     snprintf(want, sizeof want, "%d top-level calls", P - 1);
     MPI_CHECK(st == SMP_ERR_CONFIG && has(smp_last_error(), want) && has(smp_last_error(), "partitions"),
-              "errors/auto partitioning with fewer calls than partitions", "status %d (%s), message: %s", st, smp_status_name(st), smp_last_error());
+              "errors/auto partitioning with fewer calls than partitions", "status %d (%s), message: %s", st,
+              smp_status_name(st), smp_last_error());
     smp_model_free(m);
     smp_finalize();
 }
@@ -614,7 +655,8 @@ static float g_mem_x[MEM_BATCH * MEM_D];
 
 static void test_memory(bool manual) {
     char name[160];
-    snprintf(name, sizeof name, "memory/8 modules of %.1f MiB (%.1f MiB in all) train on 4 ranks under %lld MiB each (%s)",
+    snprintf(name, sizeof name,
+             "memory/8 modules of %.1f MiB (%.1f MiB in all) train on 4 ranks under %lld MiB each (%s)",
              (double)(MEM_D * MEM_D + MEM_D) * 4 / 1048576, (double)MEM_MODS * (MEM_D * MEM_D + MEM_D) * 4 / 1048576,
              (long long)(MEM_BUDGET >> 20), manual ? "manual" : "auto");
     if (g_world != 4) { skip(name, "needs exactly 4 ranks"); return; }
@@ -630,7 +672,8 @@ static void test_memory(bool manual) {
     chain_t ch;
     smp_model *m = chain_build(&ch, MEM_MODS, MEM_D, manual ? 4 : 0, &st);
     int64_t total = 0;
-    for (int i = 0; m && i < smp_model_num_global_params(m, true); i++) total += (int64_t)smp_tensor_nbytes(smp_param_value(smp_model_global_param(m, i, true)));
+    for (int i = 0; m && i < smp_model_num_global_params(m, true); i++)
+        total += (int64_t)smp_tensor_nbytes(smp_param_value(smp_model_global_param(m, i, true)));
     smp_tensor sample = smp_tensor_2d(g_mem_x, SMP_F32, MEM_BATCH / 2, MEM_D);
     if (!st) st = smp_model_trace(m, &sample, 1);
     int ok = st == SMP_OK;
@@ -641,7 +684,9 @@ static void test_memory(bool manual) {
     int64_t held = smp_memory().param_bytes - m0.param_bytes;
     if (ok && (nlocal != 2 || held != want_params)) {
         ok = 0;
-        snprintf(why, sizeof why, "after partitioning: %d local modules, %lld bytes of parameters + gradients held, expected 2 modules, %lld bytes",
+        snprintf(why, sizeof why,
+                 "after partitioning: %d local modules, %lld bytes of parameters + gradients held, expected 2 modules, "
+                 "%lld bytes",
                  nlocal, (long long)held, (long long)want_params);
     }
     int64_t trace_peak = smp_memory().peak_bytes - m0.current_bytes;
@@ -652,16 +697,26 @@ static void test_memory(bool manual) {
         if (st) { ok = 0; snprintf(why, sizeof why, "step: %s", smp_last_error()); }
     }
     int64_t peak = smp_memory().peak_bytes - m0.current_bytes;
-    if (ok && total <= MEM_BUDGET) { ok = 0; snprintf(why, sizeof why, "the model's parameters (%lld bytes) fit the budget: the test proves nothing", (long long)total); }
-    if (ok && peak >= MEM_BUDGET)
-        { ok = 0; snprintf(why, sizeof why, "peak %lld bytes (trace + partitioning: %lld) >= budget %lld", (long long)peak, (long long)trace_peak, (long long)MEM_BUDGET); }
+    if (ok && total <= MEM_BUDGET) {
+        ok = 0;
+        snprintf(why, sizeof why, "the model's parameters (%lld bytes) fit the budget: the test proves nothing",
+                 (long long)total);
+    }
+    if (ok && peak >= MEM_BUDGET) {
+        ok = 0;
+        snprintf(why, sizeof why, "peak %lld bytes (trace + partitioning: %lld) >= budget %lld", (long long)peak,
+                 (long long)trace_peak, (long long)MEM_BUDGET);
+    }
     MPI_CHECK(ok, name, "%s", why);
     if (g_rank == 0 && ok)
-        printf("  memory (%s): parameters %.1f MiB, peak on rank 0 %.1f MiB (trace + partitioning %.1f MiB)\n", manual ? "manual" : "auto",
-               (double)total / 1048576, (double)peak / 1048576, (double)trace_peak / 1048576);
+        printf("  memory (%s): parameters %.1f MiB, peak on rank 0 %.1f MiB (trace + partitioning %.1f MiB)\n",
+               manual ? "manual" : "auto", (double)total / 1048576, (double)peak / 1048576,
+               (double)trace_peak / 1048576);
     smp_step_output_free(&out);
     smp_model_free(m);
-    MPI_CHECK(smp_memory().param_bytes == m0.param_bytes, manual ? "memory/freeing the model returns its parameters (manual)" : "memory/freeing the model returns its parameters (auto)",
+    MPI_CHECK(smp_memory().param_bytes == m0.param_bytes,
+              manual ? "memory/freeing the model returns its parameters (manual)"
+                     : "memory/freeing the model returns its parameters (auto)",
               "%lld parameter bytes still held", (long long)(smp_memory().param_bytes - m0.param_bytes));
     smp_finalize();
 }
@@ -693,7 +748,8 @@ static smp_status stash_forward(smp_call_ctx *c) {
    subtree's parameters; counting only the layer's own (none), the
    layer would be the cheapest call and the split 2 + 2. */
 static void test_cost_of_children(void) {
-    const char *name = "partition cost/a call's parameter bytes include its children's (optimize memory puts the layer alone)";
+    const char *name =
+        "partition cost/a call's parameter bytes include its children's (optimize memory puts the layer alone)";
     if (g_world < 2) { skip(name, "needs 2 ranks"); return; }
     smp_config cfg = base_config(2);
     cfg.optimize = SMP_OPTIMIZE_MEMORY;
@@ -701,7 +757,8 @@ static void test_cost_of_children(void) {
     static scale_t proj_s;
     static smp_module *proj;
     smp_module *root = smp_module_new(NULL, "", NULL), *mods[4];
-    smp_module_desc wd = {wrap_forward, NULL, &proj}, sd = {scale_forward, NULL, &proj_s}, stash_desc = {stash_forward, NULL, NULL};
+    smp_module_desc wd = {wrap_forward, NULL, &proj}, sd = {scale_forward, NULL, &proj_s},
+                    stash_desc = {stash_forward, NULL, NULL};
     for (int k = 0; k < 3; k++) {
         char nm[24];
         snprintf(nm, sizeof nm, "light%d", k);
@@ -744,7 +801,8 @@ static void init_f64(smp_tensor *v, uint64_t seed, void *user) {
 }
 static void init_i32(smp_tensor *v, uint64_t seed, void *user) {
     (void)user;
-    for (int64_t i = 0, n = smp_tensor_numel(v); i < n; i++) ((int32_t *)v->data)[i] = (int32_t)(seed >> 40) + (int32_t)i;
+    for (int64_t i = 0, n = smp_tensor_numel(v); i < n; i++)
+        ((int32_t *)v->data)[i] = (int32_t)(seed >> 40) + (int32_t)i;
 }
 
 /* What was declared, recorded independently of smp: full name (built here),
@@ -762,8 +820,8 @@ typedef struct decl_t {
 static decl_t g_decl[DECL_MAX];
 static int g_ndecl;
 
-static smp_param *decl(smp_module *m, const char *path, const char *name, bool buffer, smp_dtype dt, int ndim, int64_t d0, int64_t d1,
-                       smp_init_fn init, void *user) {
+static smp_param *decl(smp_module *m, const char *path, const char *name, bool buffer, smp_dtype dt, int ndim,
+                       int64_t d0, int64_t d1, smp_init_fn init, void *user) {
     decl_t *d = &g_decl[g_ndecl++];
     snprintf(d->name, sizeof d->name, "%s.%s", path, name);
     d->init = init;
@@ -773,7 +831,8 @@ static smp_param *decl(smp_module *m, const char *path, const char *name, bool b
     d->ndim = ndim;
     d->shape[0] = d0;
     d->shape[1] = d1;
-    return buffer ? smp_buffer_new(m, name, dt, ndim, d->shape, init, user) : smp_param_new(m, name, dt, ndim, d->shape, init, user);
+    return buffer ? smp_buffer_new(m, name, dt, ndim, d->shape, init, user)
+                  : smp_param_new(m, name, dt, ndim, d->shape, init, user);
 }
 
 static float g_bound = 0.3f, g_half = 0.5f, g_ramp_off = 1.0f, g_one = 1.0f;
@@ -839,8 +898,10 @@ static smp_model *zoo_build(zoo_t *z, smp_status *st) {
     d = (smp_module_desc){lin_forward, NULL, &z->attn_s};
     z->attn = smp_module_new(z->l0, "attention_output", &d);
     z->attn_s.in = z->attn_s.out = Z_H;
-    z->attn_s.w = decl(z->attn, "encoder.layers.0.attention_output", "weight", false, SMP_F32, 2, Z_H, Z_H, smp_init_uniform, NULL);
-    z->attn_s.b = decl(z->attn, "encoder.layers.0.attention_output", "bias", false, SMP_F32, 1, Z_H, 0, smp_init_uniform, NULL);
+    z->attn_s.w = decl(z->attn, "encoder.layers.0.attention_output", "weight", false, SMP_F32, 2, Z_H, Z_H,
+                       smp_init_uniform, NULL);
+    z->attn_s.b =
+        decl(z->attn, "encoder.layers.0.attention_output", "bias", false, SMP_F32, 1, Z_H, 0, smp_init_uniform, NULL);
 
     d = (smp_module_desc){lin_forward, NULL, &z->mix_s};
     z->mix = smp_module_new(z->root, "mix", &d);
@@ -890,7 +951,9 @@ static void test_values(int P) {
 
     /* every local parameter against its init callback run here on a private buffer */
     int ok = smp_model_num_global_params(m, true) == g_ndecl;
-    if (!ok) snprintf(why, sizeof why, "%d parameters and buffers, %d declared", smp_model_num_global_params(m, true), g_ndecl);
+    if (!ok)
+        snprintf(why, sizeof why, "%d parameters and buffers, %d declared", smp_model_num_global_params(m, true),
+                 g_ndecl);
     int64_t sum[DECL_MAX] = {0};
     int local[DECL_MAX] = {0};
     for (int i = 0; i < g_ndecl && ok; i++) {
@@ -898,8 +961,9 @@ static void test_values(int P) {
         smp_param *p = smp_model_find_param(m, d->name);
         if (!p) { ok = 0; snprintf(why, sizeof why, "no parameter called %s", d->name); break; }
         smp_tensor *v = smp_param_value(p);
-        if (strcmp(smp_param_name(p), d->name) || v->dtype != d->dt || v->ndim != d->ndim || v->shape[0] != d->shape[0] ||
-            (d->ndim > 1 && v->shape[1] != d->shape[1]) || smp_param_is_buffer(p) != d->buffer) {
+        if (strcmp(smp_param_name(p), d->name) || v->dtype != d->dt || v->ndim != d->ndim ||
+            v->shape[0] != d->shape[0] || (d->ndim > 1 && v->shape[1] != d->shape[1]) ||
+            smp_param_is_buffer(p) != d->buffer) {
             ok = 0;
             snprintf(why, sizeof why, "%s: name, dtype, shape or kind differs from its declaration", d->name);
             break;
@@ -912,10 +976,14 @@ static void test_values(int P) {
         void *mine = calloc(1, bytes);
         smp_tensor t = smp_tensor_make(mine, d->dt, d->ndim, d->shape);
         d->init(&t, smp_param_seed(d->name), d->user);
-        if (memcmp(mine, v->data, bytes)) { ok = 0; snprintf(why, sizeof why, "%s differs from its init callback run by hand", d->name); }
+        if (memcmp(mine, v->data, bytes)) {
+            ok = 0;
+            snprintf(why, sizeof why, "%s differs from its init callback run by hand", d->name);
+        }
         free(mine);
     }
-    snprintf(name, sizeof name, "values/P=%d: local parameters and buffers equal their init callbacks seeded by smp_param_seed(name)", P);
+    snprintf(name, sizeof name,
+             "values/P=%d: local parameters and buffers equal their init callbacks seeded by smp_param_seed(name)", P);
     MPI_CHECK(ok, name, "%s", why);
 
     /* gathered by name across the world: every declaration held by dp_size ranks, all with the one-partition values */
@@ -927,12 +995,21 @@ static void test_values(int P) {
     MPI_Allreduce(local, holders, DECL_MAX, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     ok = 1;
     for (int i = 0; i < g_ndecl && ok; i++) {
-        if (holders[i] != g_world / P) { ok = 0; snprintf(why, sizeof why, "%s is held by %d ranks, expected %d (one per replica)", g_decl[i].name, holders[i], g_world / P); }
-        else if (mx[i] != mn[i]) { ok = 0; snprintf(why, sizeof why, "replicas hold different values of %s", g_decl[i].name); }
-        else if (g_have_ref && mx[i] != g_ref_sum[i]) { ok = 0; snprintf(why, sizeof why, "%s differs from its value with 1 partition", g_decl[i].name); }
+        if (holders[i] != g_world / P) {
+            ok = 0;
+            snprintf(why, sizeof why, "%s is held by %d ranks, expected %d (one per replica)", g_decl[i].name,
+                     holders[i], g_world / P);
+        } else if (mx[i] != mn[i]) {
+            ok = 0;
+            snprintf(why, sizeof why, "replicas hold different values of %s", g_decl[i].name);
+        } else if (g_have_ref && mx[i] != g_ref_sum[i]) {
+            ok = 0;
+            snprintf(why, sizeof why, "%s differs from its value with 1 partition", g_decl[i].name);
+        }
     }
     if (P == 1 && ok) { memcpy(g_ref_sum, mx, sizeof g_ref_sum); g_have_ref = 1; }
-    snprintf(name, sizeof name, "values/P=%d: every parameter held once per replica, bitwise equal to the 1-partition values", P);
+    snprintf(name, sizeof name,
+             "values/P=%d: every parameter held once per replica, bitwise equal to the 1-partition values", P);
     MPI_CHECK(ok, name, "%s", why);
     smp_model_free(m);
     smp_finalize();
@@ -953,7 +1030,8 @@ static void test_seed(void) {
     smp_init(&cfg);
     uint64_t d = smp_param_seed("embed.weight");
     smp_finalize();
-    MPI_CHECK(a != b && a != c && a == d, "values/smp_param_seed depends on the name and the global seed, and only on them", "%llx %llx %llx %llx",
+    MPI_CHECK(a != b && a != c && a == d,
+              "values/smp_param_seed depends on the name and the global seed, and only on them", "%llx %llx %llx %llx",
               (unsigned long long)a, (unsigned long long)b, (unsigned long long)c, (unsigned long long)d);
 }
 
@@ -996,17 +1074,18 @@ static void test_partitioned(int P) {
     if (!st) st = smp_model_trace(m, &x, 1);
     smp_set_logger(NULL, NULL);
     snprintf(name, sizeof name, "partitioned/P=%d: model traced and partitioned", P);
-    MPI_CHECK(st == SMP_OK && !was_partitioned && smp_model_is_partitioned(m), name, "status %d, partitioned before %d: %s", st, was_partitioned,
-              smp_last_error());
+    MPI_CHECK(st == SMP_OK && !was_partitioned && smp_model_is_partitioned(m), name,
+              "status %d, partitioned before %d: %s", st, was_partitioned, smp_last_error());
     if (!all_ok(st == SMP_OK)) { smp_model_free(m); smp_finalize(); return; }
 
     smp_model_on_partitioned(m, on_partitioned, &after);
     st = smp_model_trace(m, &x, 1); /* traced already: nothing happens */
-    snprintf(name, sizeof name, "partitioned/P=%d: post-partition hooks fire once, registered before or after partitioning", P);
-    MPI_CHECK(st == SMP_OK && fired_early == 0 && before.fired == 1 && after.fired == 1 && before.partitioned_inside && after.partitioned_inside &&
-                  before.storage_inside,
-              name, "before: fired %d (%d before tracing), partitioned %d, storage %d; after: fired %d", before.fired, fired_early,
-              before.partitioned_inside, before.storage_inside, after.fired);
+    snprintf(name, sizeof name,
+             "partitioned/P=%d: post-partition hooks fire once, registered before or after partitioning", P);
+    MPI_CHECK(st == SMP_OK && fired_early == 0 && before.fired == 1 && after.fired == 1 && before.partitioned_inside &&
+                  after.partitioned_inside && before.storage_inside,
+              name, "before: fired %d (%d before tracing), partitioned %d, storage %d; after: fired %d", before.fired,
+              fired_early, before.partitioned_inside, before.storage_inside, after.fired);
 
     /* local iteration = the parameters whose module is local, in declaration order */
     int ok = 1;
@@ -1017,46 +1096,74 @@ static void test_partitioned(int P) {
             bool local = smp_module_is_local(smp_param_module(p));
             if (local != (smp_param_value(p)->data != NULL)) {
                 ok = 0;
-                snprintf(why, sizeof why, "%s: module local %d but storage %s", smp_param_name(p), local, smp_param_value(p)->data ? "present" : "absent");
+                snprintf(why, sizeof why, "%s: module local %d but storage %s", smp_param_name(p), local,
+                         smp_param_value(p)->data ? "present" : "absent");
             }
-            if (smp_param_is_buffer(p) && smp_param_grad(p)) { ok = 0; snprintf(why, sizeof why, "buffer %s has a gradient", smp_param_name(p)); }
+            if (smp_param_is_buffer(p) && smp_param_grad(p)) {
+                ok = 0;
+                snprintf(why, sizeof why, "buffer %s has a gradient", smp_param_name(p));
+            }
             if (!local || (!buffers && smp_param_is_buffer(p))) continue;
             smp_param *q = smp_model_local_param(m, k++, buffers);
-            if (q != p && ok) { ok = 0; snprintf(why, sizeof why, "local %s %d is %s, expected %s", buffers ? "entry" : "parameter", k - 1, q ? smp_param_name(q) : "(end)", smp_param_name(p)); }
+            if (q != p && ok) {
+                ok = 0;
+                snprintf(why, sizeof why, "local %s %d is %s, expected %s", buffers ? "entry" : "parameter", k - 1,
+                         q ? smp_param_name(q) : "(end)", smp_param_name(p));
+            }
         }
-        if (ok && smp_model_local_param(m, k, buffers)) { ok = 0; snprintf(why, sizeof why, "local iteration (buffers %d) yields more than %d entries", buffers, k); }
+        if (ok && smp_model_local_param(m, k, buffers)) {
+            ok = 0;
+            snprintf(why, sizeof why, "local iteration (buffers %d) yields more than %d entries", buffers, k);
+        }
         /* the global iteration and its count agree, with and without buffers */
         int g = 0;
         for (int i = 0; i < smp_model_num_global_params(m, true) && ok; i++) {
             smp_param *p = smp_model_global_param(m, i, true);
             if (!buffers && smp_param_is_buffer(p)) continue;
             smp_param *q = smp_model_global_param(m, g++, buffers);
-            if (q != p) { ok = 0; snprintf(why, sizeof why, "global %s %d is %s, expected %s", buffers ? "entry" : "parameter", g - 1, q ? smp_param_name(q) : "(end)", smp_param_name(p)); }
+            if (q != p) {
+                ok = 0;
+                snprintf(why, sizeof why, "global %s %d is %s, expected %s", buffers ? "entry" : "parameter", g - 1,
+                         q ? smp_param_name(q) : "(end)", smp_param_name(p));
+            }
         }
-        if (ok && (g != smp_model_num_global_params(m, buffers) || smp_model_global_param(m, g, buffers) || smp_model_global_param(m, -1, buffers))) {
+        if (ok && (g != smp_model_num_global_params(m, buffers) || smp_model_global_param(m, g, buffers) ||
+                   smp_model_global_param(m, -1, buffers))) {
             ok = 0;
-            snprintf(why, sizeof why, "global iteration (buffers %d) yields %d entries, smp_model_num_global_params counts %d", buffers, g, smp_model_num_global_params(m, buffers));
+            snprintf(why, sizeof why,
+                     "global iteration (buffers %d) yields %d entries, smp_model_num_global_params counts %d", buffers,
+                     g, smp_model_num_global_params(m, buffers));
         }
     }
-    snprintf(name, sizeof name, "partitioned/P=%d: smp_model_local_param yields exactly the local parameters, smp_model_global_param every rank's as counted (with and without buffers)", P);
+    snprintf(name, sizeof name,
+             "partitioned/P=%d: smp_model_local_param yields exactly the local parameters, smp_model_global_param "
+             "every rank's as counted (with and without buffers)",
+             P);
     MPI_CHECK(ok, name, "%s", why);
 
     ok = smp_model_find_param(m, "nothing.here") == NULL && smp_model_find_param(m, "mix") == NULL;
     if (!ok) snprintf(why, sizeof why, "found a parameter that does not exist");
     for (int i = 0; i < smp_model_num_global_params(m, true) && ok; i++) {
         smp_param *p = smp_model_global_param(m, i, true);
-        if (smp_model_find_param(m, smp_param_name(p)) != p) { ok = 0; snprintf(why, sizeof why, "smp_model_find_param(\"%s\") misses", smp_param_name(p)); }
+        if (smp_model_find_param(m, smp_param_name(p)) != p) {
+            ok = 0;
+            snprintf(why, sizeof why, "smp_model_find_param(\"%s\") misses", smp_param_name(p));
+        }
     }
-    snprintf(name, sizeof name, "partitioned/P=%d: smp_model_find_param finds every parameter by full name, local or not", P);
+    snprintf(name, sizeof name,
+             "partitioned/P=%d: smp_model_find_param finds every parameter by full name, local or not", P);
     MPI_CHECK(ok, name, "%s", why);
 
     /* a nested call's module lives with its caller; a child the parent reads directly too */
-    int pb = smp_module_partition(z.block), pi = smp_module_partition(z.inner), pm = smp_module_partition(z.mix), pg = smp_module_partition(z.gate);
+    int pb = smp_module_partition(z.block), pi = smp_module_partition(z.inner), pm = smp_module_partition(z.mix),
+        pg = smp_module_partition(z.gate);
     snprintf(name, sizeof name, "partitioned/P=%d: a module called from another's forward lives with its caller", P);
     MPI_CHECK(pb >= 0 && pi == pb, name, "block on %d, block.inner on %d", pb, pi);
-    snprintf(name, sizeof name, "partitioned/P=%d: a child whose parameters its parent reads directly lives with the parent", P);
+    snprintf(name, sizeof name,
+             "partitioned/P=%d: a child whose parameters its parent reads directly lives with the parent", P);
     MPI_CHECK(pm >= 0 && pg == pm, name, "mix on %d, mix.gate on %d", pm, pg);
-    snprintf(name, sizeof name, "partitioned/P=%d: an evaluation step runs (every module finds its parameters where it runs)", P);
+    snprintf(name, sizeof name,
+             "partitioned/P=%d: an evaluation step runs (every module finds its parameters where it runs)", P);
     smp_step_output out = {0};
     st = SMP_EVAL_STEP(m, NULL, NULL, &out, 0, x);
     MPI_CHECK(st == SMP_OK, name, "%s", smp_last_error());
@@ -1064,7 +1171,10 @@ static void test_partitioned(int P) {
     /* the report: rank 0 only, naming every call's module */
     ok = 1;
     if (g_rank == 0) {
-        if (!has(g_log, "partition report")) { ok = 0; snprintf(why, sizeof why, "no \"partition report\" among the INFO messages"); }
+        if (!has(g_log, "partition report")) {
+            ok = 0;
+            snprintf(why, sizeof why, "no \"partition report\" among the INFO messages");
+        }
         for (int c = 0; c < 5 && ok; c++)
             if (!has(g_log, g_zoo_calls[c])) {
                 ok = 0;
@@ -1102,24 +1212,30 @@ static void test_is_tracing(void) {
     bool outside_after = smp_is_tracing();
     int mft = g_seen.model_fwd_true, mff = g_seen.model_fwd_false;
     /* each of the 4 calls runs 4 times: a warm-up and 3 timed runs */
-    MPI_CHECK(st == SMP_OK && g_seen.fwd_true[PHASE_TRACE] == 16 && g_seen.fwd_false[PHASE_TRACE] == 0 && g_seen.bwd_true[PHASE_TRACE] == 16 &&
-                  g_seen.bwd_false[PHASE_TRACE] == 0 && mft == 1 && mff == 0 && !outside_before && !outside_after,
-              "is_tracing/true in every module forward, every module backward (a warm-up and 3 timed runs) and the model forward while tracing, false around it",
-              "status %d; module forwards tracing %d / not %d; backwards %d / %d; model forward %d / %d; outside %d %d: %s", st,
-              g_seen.fwd_true[PHASE_TRACE], g_seen.fwd_false[PHASE_TRACE], g_seen.bwd_true[PHASE_TRACE], g_seen.bwd_false[PHASE_TRACE], mft, mff,
-              outside_before, outside_after, smp_last_error());
+    MPI_CHECK(
+        st == SMP_OK && g_seen.fwd_true[PHASE_TRACE] == 16 && g_seen.fwd_false[PHASE_TRACE] == 0 &&
+            g_seen.bwd_true[PHASE_TRACE] == 16 && g_seen.bwd_false[PHASE_TRACE] == 0 && mft == 1 && mff == 0 &&
+            !outside_before && !outside_after,
+        "is_tracing/true in every module forward, every module backward (a warm-up and 3 timed runs) and the model "
+        "forward while tracing, false around it",
+        "status %d; module forwards tracing %d / not %d; backwards %d / %d; model forward %d / %d; outside %d %d: %s",
+        st, g_seen.fwd_true[PHASE_TRACE], g_seen.fwd_false[PHASE_TRACE], g_seen.bwd_true[PHASE_TRACE],
+        g_seen.bwd_false[PHASE_TRACE], mft, mff, outside_before, outside_after, smp_last_error());
     smp_step_output out = {0};
     g_seen.phase = PHASE_STEP;
     if (!st) st = SMP_TRAIN_STEP(m, square_body, NULL, &out, 1, x);
     g_seen.phase = PHASE_IDLE;
     int nlocal = 0;
     for (int k = 0; k < 4; k++) nlocal += smp_module_is_local(ch.mods[k]);
-    MPI_CHECK(st == SMP_OK && g_seen.fwd_true[PHASE_STEP] == 0 && g_seen.bwd_true[PHASE_STEP] == 0 && g_seen.fwd_false[PHASE_STEP] == 2 * nlocal &&
-                  g_seen.bwd_false[PHASE_STEP] == 2 * nlocal && g_seen.model_fwd_true + g_seen.model_fwd_false == 1 && !smp_is_tracing(),
+    MPI_CHECK(st == SMP_OK && g_seen.fwd_true[PHASE_STEP] == 0 && g_seen.bwd_true[PHASE_STEP] == 0 &&
+                  g_seen.fwd_false[PHASE_STEP] == 2 * nlocal && g_seen.bwd_false[PHASE_STEP] == 2 * nlocal &&
+                  g_seen.model_fwd_true + g_seen.model_fwd_false == 1 && !smp_is_tracing(),
               "is_tracing/false in module forwards and backwards during a step (the model forward is not rerun)",
-              "status %d; forwards tracing %d / not %d, backwards tracing %d / not %d (expected 0 / %d each); model forward ran %d more times: %s", st,
-              g_seen.fwd_true[PHASE_STEP], g_seen.fwd_false[PHASE_STEP], g_seen.bwd_true[PHASE_STEP], g_seen.bwd_false[PHASE_STEP], 2 * nlocal,
-              g_seen.model_fwd_true + g_seen.model_fwd_false - 1, smp_last_error());
+              "status %d; forwards tracing %d / not %d, backwards tracing %d / not %d (expected 0 / %d each); model "
+              "forward ran %d more times: %s",
+              st, g_seen.fwd_true[PHASE_STEP], g_seen.fwd_false[PHASE_STEP], g_seen.bwd_true[PHASE_STEP],
+              g_seen.bwd_false[PHASE_STEP], 2 * nlocal, g_seen.model_fwd_true + g_seen.model_fwd_false - 1,
+              smp_last_error());
     smp_step_output_free(&out);
     smp_model_free(m);
     smp_finalize();
@@ -1147,7 +1263,8 @@ static int count_in(const char *hay, const char *needle) {
 /* SageMaker ignores smp.partition under auto_partition; smp does too, but
    says so once, on rank 0, naming a module and the fix. */
 static void test_contexts_under_auto(void) {
-    const char *name = "friction/SMP_PARTITION under auto_partition: one warning on rank 0 naming the module and auto_partition off";
+    const char *name =
+        "friction/SMP_PARTITION under auto_partition: one warning on rank 0 naming the module and auto_partition off";
     const char *quiet = "friction/SMP_PARTITION with auto_partition off: no warning";
     if (g_world < 2) { skip(name, "needs 2 ranks"); skip(quiet, "needs 2 ranks"); return; }
     char why[4096] = "";
@@ -1160,9 +1277,10 @@ static void test_contexts_under_auto(void) {
         smp_set_logger(NULL, NULL);
         int n = count_in(g_warn, "but auto_partition is on");
         if (automatic) {
-            int ok = st == SMP_OK && (g_rank == 0 ? n == 1 && has(g_warn, "\"child0\"") && has(g_warn, "SMP_PARTITION(1)") &&
-                                                        has(g_warn, "(and 2 other modules)") && has(g_warn, "auto_partition off")
-                                                  : n == 0);
+            int ok = st == SMP_OK &&
+                     (g_rank == 0 ? n == 1 && has(g_warn, "\"child0\"") && has(g_warn, "SMP_PARTITION(1)") &&
+                                        has(g_warn, "(and 2 other modules)") && has(g_warn, "auto_partition off")
+                                  : n == 0);
             MPI_CHECK(ok, name, "status %d (%.1000s); %d warnings here, log: %.2000s", st, why, n, g_warn);
         } else {
             MPI_CHECK(st == SMP_OK && n == 0, quiet, "status %d (%.1000s); log: %.2000s", st, why, g_warn);
@@ -1226,10 +1344,13 @@ static void test_contexts_left_open(void) {
         char where[64];
         snprintf(where, sizeof where, "test_model.c:%d", g_leak_line);
         int ok = st == SMP_ERR_STATE && m == NULL;
-        if (how < 3) ok = ok && has(smp_last_error(), where) && has(smp_last_error(), "still open") && has(smp_last_error(), "break, return or goto");
+        if (how < 3)
+            ok = ok && has(smp_last_error(), where) && has(smp_last_error(), "still open") &&
+                 has(smp_last_error(), "break, return or goto");
         else if (how == 3) ok = ok && has(smp_last_error(), "smp_partition_push(0) has no matching smp_partition_pop");
         else ok = ok && has(smp_last_error(), "no SMP_PARTITION context open");
-        MPI_CHECK(ok, names[how], "status %d (%s), message: %s (want %s)", st, smp_status_name(st), smp_last_error(), where);
+        MPI_CHECK(ok, names[how], "status %d (%s), message: %s (want %s)", st, smp_status_name(st), smp_last_error(),
+                  where);
         smp_model_free(m);
         /* the error closes what was left open: the next build is clean */
         st = leak_build(5, &m);
@@ -1264,9 +1385,10 @@ static void test_finalize_frees(void) {
     smp_finalize();
     int64_t after = smp_memory().current_bytes;
     MPI_CHECK(st == SMP_OK && during > before && after == before,
-              "friction/smp_finalize frees models and modules still alive (smp's allocations back to their count before smp_init)",
-              "status %d (%s); bytes before smp_init %lld, with the models %lld, after smp_finalize %lld", st, st ? smp_last_error() : "",
-              (long long)before, (long long)during, (long long)after);
+              "friction/smp_finalize frees models and modules still alive (smp's allocations back to their count "
+              "before smp_init)",
+              "status %d (%s); bytes before smp_init %lld, with the models %lld, after smp_finalize %lld", st,
+              st ? smp_last_error() : "", (long long)before, (long long)during, (long long)after);
 }
 
 /* Out of memory inside smp_model_new on the last rank, at each of its
@@ -1293,8 +1415,10 @@ static void test_model_new_nomem(void) {
         if (got != SMP_ERR_NOMEM || m) wrong++;
     }
     bool built = !st && m && smp_model_num_global_params(m, false) == 3;
-    MPI_CHECK(!st && failed >= 3 && !wrong && built, "errors/out of memory in smp_model_new: SMP_ERR_NOMEM on every rank, no model, then a model",
-              "status %d; %d allocations failed, %d of them not as NOMEM without a model; built %d", st, failed, wrong, built);
+    MPI_CHECK(!st && failed >= 3 && !wrong && built,
+              "errors/out of memory in smp_model_new: SMP_ERR_NOMEM on every rank, no model, then a model",
+              "status %d; %d allocations failed, %d of them not as NOMEM without a model; built %d", st, failed, wrong,
+              built);
     smp_model_free(m);
     smp_finalize();
 }
@@ -1316,8 +1440,10 @@ static void test_init_nomem(void) {
         failed++;
         if (got != SMP_ERR_NOMEM || smp_is_initialized()) wrong++;
     }
-    MPI_CHECK(failed >= 3 && !wrong && up, "errors/out of memory in smp_init: SMP_ERR_NOMEM on every rank, then smp_init works",
-              "%d inits failed, %d of them not as NOMEM or left initialised; then up %d (%s)", failed, wrong, up, smp_last_error());
+    MPI_CHECK(failed >= 3 && !wrong && up,
+              "errors/out of memory in smp_init: SMP_ERR_NOMEM on every rank, then smp_init works",
+              "%d inits failed, %d of them not as NOMEM or left initialised; then up %d (%s)", failed, wrong, up,
+              smp_last_error());
     smp_finalize();
 }
 
@@ -1351,9 +1477,10 @@ static void test_build_nomem(void) {
         if (got != SMP_ERR_NOMEM || m || !strstr(smp_last_error(), "out of memory creating")) wrong++;
     }
     MPI_CHECK(!st && failed >= 8 && !wrong && built,
-              "errors/out of memory building modules and parameters: SMP_ERR_NOMEM from smp_model_new on every rank, then a model",
-              "status %d; %d builds failed, %d of them not as NOMEM naming the creation; built %d (%s)", st, failed, wrong, built,
-              smp_last_error());
+              "errors/out of memory building modules and parameters: SMP_ERR_NOMEM from smp_model_new on every rank, "
+              "then a model",
+              "status %d; %d builds failed, %d of them not as NOMEM naming the creation; built %d (%s)", st, failed,
+              wrong, built, smp_last_error());
     smp_finalize();
 }
 
@@ -1391,8 +1518,10 @@ static void test_trace_nomem(void) {
         if (got != SMP_ERR_NOMEM) wrong++;
     }
     MPI_CHECK(!st && failed >= 20 && !wrong && traced,
-              "errors/out of memory tracing and partitioning: SMP_ERR_NOMEM on every rank at each allocation, then the model partitions",
-              "status %d; %d traces failed, %d of them not as NOMEM (%s); partitioned %d", st, failed, wrong, smp_last_error(), traced);
+              "errors/out of memory tracing and partitioning: SMP_ERR_NOMEM on every rank at each allocation, then the "
+              "model partitions",
+              "status %d; %d traces failed, %d of them not as NOMEM (%s); partitioned %d", st, failed, wrong,
+              smp_last_error(), traced);
     smp_model_free(m);
     smp_finalize();
 }
@@ -1407,7 +1536,8 @@ static void test_trace_nomem(void) {
    runs on 1 rank as on 2 and 4. */
 enum { BUSY_N = 4 };
 static int g_busy_calls[BUSY_N], g_busy_run;
-static double busy_now(void) { return (double)clock() / CLOCKS_PER_SEC; } /* work, not wall time: the machine may be shared */
+/* work, not wall time: the machine may be shared */
+static double busy_now(void) { return (double)clock() / CLOCKS_PER_SEC; }
 static smp_status busy_forward(smp_call_ctx *c) {
     int k = *(const int *)smp_module_user(smp_call_module(c));
     int call = g_busy_calls[k]++;
@@ -1451,10 +1581,13 @@ static void test_stable_partition(void) {
     int ok = st == SMP_OK;
     for (int k = 0; k < BUSY_N && ok; k++) ok = part[0][k] == part[1][k] && part[0][k] == (k < BUSY_N / 2 ? 0 : 1);
     if (st == SMP_OK && !ok)
-        snprintf(why, sizeof why, "run 1 placed the modules on %d %d %d %d, run 2 on %d %d %d %d; expected 0 0 1 1 both times", part[0][0], part[0][1],
-                 part[0][2], part[0][3], part[1][0], part[1][1], part[1][2], part[1][3]);
+        snprintf(why, sizeof why,
+                 "run 1 placed the modules on %d %d %d %d, run 2 on %d %d %d %d; expected 0 0 1 1 both times",
+                 part[0][0], part[0][1], part[0][2], part[0][3], part[1][0], part[1][1], part[1][2], part[1][3]);
     char name[200];
-    snprintf(name, sizeof name, "friction/auto-partitioning by default ignores a cold first call and one disturbed run: two runs split 2|2 alike (%s)",
+    snprintf(name, sizeof name,
+             "friction/auto-partitioning by default ignores a cold first call and one disturbed run: two runs split "
+             "2|2 alike (%s)",
              P == 1 ? "zero_bubble_v, 1 partition" : "2 partitions");
     MPI_CHECK(ok, name, "%.3000s", why);
 }

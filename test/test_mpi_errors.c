@@ -87,14 +87,16 @@ static int all_ranks(int v, MPI_Op op) {
 /* SMP_ERR_MPI naming an MPI call, MPI's text and `purpose` (a fixed string in the message). */
 static bool mpi_error(smp_status st, const char *purpose) {
     const char *e = smp_last_error();
-    return st == SMP_ERR_MPI && strstr(e, "MPI_") && strstr(e, " failed ") && strstr(e, "Other MPI error") && strstr(e, purpose);
+    return st == SMP_ERR_MPI && strstr(e, "MPI_") && strstr(e, " failed ") && strstr(e, "Other MPI error") &&
+           strstr(e, purpose);
 }
 
 /* Runs step s with the n-th counted MPI call of this step failing on `target`
    (n < 0: none). *fired: the injection happened on some rank; *left: the
    messages the step left queued on this rank, counted before the ranks
    next meet (so no peer can have started the next step's sends). */
-static smp_status step_failing_at(smp_model *model, int s, smp_testing_fault kind, int target, long n, bool *fired, int *left) {
+static smp_status step_failing_at(smp_model *model, int s, smp_testing_fault kind, int target, long n, bool *fired,
+                                  int *left) {
     long before = smp_testing_events(kind);
     if (n >= 0 && smp_rank() == target) smp_testing_fail(kind, n);
     smp_status st = train(model, s);
@@ -143,7 +145,8 @@ static void sweep(int world, int variant, int target) {
         failed[s++] = true;
         bool good = fired && st == SMP_ERR_MPI && digest(model) == before && left == 0;
         if (!all_ranks(good, MPI_LAND) && wrong++ < 3)
-            printf("sweep %s: a late failure on rank %d: %s: %s; %d messages left\n", name, r, smp_status_name(st), smp_last_error(), left);
+            printf("sweep %s: a late failure on rank %d: %s: %s; %d messages left\n", name, r, smp_status_name(st),
+                   smp_last_error(), left);
     }
     /* every call up to the 32nd, then every 2nd, ... (with 4 ranks sharing
        2 cores a step's waits poll hundreds of times, each poll a call) */
@@ -165,7 +168,8 @@ static void sweep(int world, int variant, int target) {
         failures++;
         bool good = st == SMP_ERR_MPI && strstr(smp_last_error(), " failed ") && digest(model) == before && left == 0;
         if (!all_ranks(good, MPI_LAND) && wrong++ < 3)
-            printf("sweep %s: call %ld on rank %d: %s: %s; %d messages left\n", name, k, target, smp_status_name(st), smp_last_error(), left);
+            printf("sweep %s: call %ld on rank %d: %s: %s; %d messages left\n", name, k, target, smp_status_name(st),
+                   smp_last_error(), left);
         /* the step after a failure, every 8th time (the sweep's next step is another) */
         if (failures % 8 == 1) {
             recoveries += train(model, s) == SMP_OK;
@@ -176,10 +180,16 @@ static void sweep(int world, int variant, int target) {
     smp_model_free(model);
     smp_finalize();
     char what[320];
-    snprintf(what, sizeof what, "mpi_errors/sweep %s, rank %d failing: each MPI call of a step failing in turn (the first 32, then spaced; and each "
-             "rank failing after its last message) fails the step on every rank, leaves no message queued, and the next step succeeds", name, target);
-    MPI_CHECK(wrong == 0 && failures == tried && failures > 0 && recoveries == (failures + 7) / 8 && all_ranks(left_total, MPI_MAX) == 0, what,
-              "%d of %ld went otherwise, %d recovered, %d messages left queued here", wrong, tried + world, recoveries, left_total);
+    snprintf(what, sizeof what,
+             "mpi_errors/sweep %s, rank %d failing: each MPI call of a step failing in turn (the first 32, then "
+             "spaced; and each "
+             "rank failing after its last message) fails the step on every rank, leaves no message queued, and the "
+             "next step succeeds",
+             name, target);
+    MPI_CHECK(wrong == 0 && failures == tried && failures > 0 && recoveries == (failures + 7) / 8 &&
+                  all_ranks(left_total, MPI_MAX) == 0,
+              what, "%d of %ld went otherwise, %d recovered, %d messages left queued here", wrong, tried + world,
+              recoveries, left_total);
     model = start_as(&n, world, false, variant);
     int clean_errors = 0, first_differing = -1;
     for (int c = 0; c < s && model; c++) {
@@ -191,14 +201,21 @@ static void sweep(int world, int variant, int target) {
     if (first_differing >= 0) {
         int c = first_differing, f = c - 1;
         while (f >= 0 && !failed[f]) f--;
-        printf("sweep %s: rank %d's parameters first differ after step %d; the failed step before it, %d, failed %s %ld\n",
-               name, smp_rank(), c, f, f >= 0 && failed_at[f] < 0 ? "after the last message on rank" : "at MPI call",
-               f < 0 ? 0 : failed_at[f] < 0 ? -1 - failed_at[f] : failed_at[f]);
+        printf(
+            "sweep %s: rank %d's parameters first differ after step %d; the failed step before it, %d, failed %s %ld\n",
+            name, smp_rank(), c, f, f >= 0 && failed_at[f] < 0 ? "after the last message on rank" : "at MPI call",
+            f < 0              ? 0
+            : failed_at[f] < 0 ? -1 - failed_at[f]
+                               : failed_at[f]);
     }
-    snprintf(what, sizeof what, "mpi_errors/sweep %s, rank %d failing: the parameters equal a clean run's that skipped the failed steps, bit for bit",
+    snprintf(what, sizeof what,
+             "mpi_errors/sweep %s, rank %d failing: the parameters equal a clean run's that skipped the failed steps, "
+             "bit for bit",
              name, target);
-    MPI_CHECK(all_ranks(same, MPI_LAND), what, "%d clean steps failed; this rank's digests %s", clean_errors, same ? "equal" : "differ");
-    if (smp_rank() == 0) printf("mpi_errors: sweep %s over %ld of the %ld MPI calls of a step on rank %d\n", name, tried, k, target);
+    MPI_CHECK(all_ranks(same, MPI_LAND), what, "%d clean steps failed; this rank's digests %s", clean_errors,
+              same ? "equal" : "differ");
+    if (smp_rank() == 0)
+        printf("mpi_errors: sweep %s over %ld of the %ld MPI calls of a step on rank %d\n", name, tried, k, target);
     smp_model_free(model);
     smp_finalize();
 }
@@ -240,7 +257,8 @@ static void retry_tests(int world) {
         smp_status refused = backward_only(model, 3);
         char refusal[sizeof smp__errbuf];
         snprintf(refusal, sizeof refusal, "%s", smp_last_error());
-        bool refused_well = refused == SMP_ERR_STATE && strstr(refusal, "smp_model_zero_grad") && digest(model) == before;
+        bool refused_well =
+            refused == SMP_ERR_STATE && strstr(refusal, "smp_model_zero_grad") && digest(model) == before;
         smp_model_zero_grad(model);
         smp_status after = backward_only(model, 3);
         smp_model_free(model);
@@ -270,9 +288,11 @@ static void check_handlers(const char *when) {
     MPI_Comm_get_errhandler(engine, &e);
     MPI_Comm_get_errhandler(MPI_COMM_WORLD, &w);
     char name[128];
-    snprintf(name, sizeof name, "mpi_errors/%s: the engine's communicator keeps MPI_ERRORS_RETURN, MPI_COMM_WORLD MPI_ERRORS_ARE_FATAL", when);
-    MPI_CHECK(e == MPI_ERRORS_RETURN && w == MPI_ERRORS_ARE_FATAL, name, "engine %s, world %s", e == MPI_ERRORS_RETURN ? "kept" : "changed",
-              w == MPI_ERRORS_ARE_FATAL ? "kept" : "changed");
+    snprintf(name, sizeof name,
+             "mpi_errors/%s: the engine's communicator keeps MPI_ERRORS_RETURN, MPI_COMM_WORLD MPI_ERRORS_ARE_FATAL",
+             when);
+    MPI_CHECK(e == MPI_ERRORS_RETURN && w == MPI_ERRORS_ARE_FATAL, name, "engine %s, world %s",
+              e == MPI_ERRORS_RETURN ? "kept" : "changed", w == MPI_ERRORS_ARE_FATAL ? "kept" : "changed");
     MPI_Errhandler_free(&e);
     MPI_Errhandler_free(&w);
 }
@@ -285,7 +305,8 @@ static void pipeline_tests(int world) {
     if (!model) return;
     MPI_Errhandler own;
     MPI_Comm_get_errhandler(smp_group_comm(SMP_WORLD), &own);
-    MPI_CHECK(own == MPI_ERRORS_RETURN, "mpi_errors/smp's own communicators return errors (MPI_ERRORS_RETURN)", "another handler");
+    MPI_CHECK(own == MPI_ERRORS_RETURN, "mpi_errors/smp's own communicators return errors (MPI_ERRORS_RETURN)",
+              "another handler");
     MPI_Errhandler_free(&own);
     check_handlers("after smp_init");
     smp_status st = train(model, 0); /* the trace and the pipeline's set-up */
@@ -299,9 +320,11 @@ static void pipeline_tests(int world) {
         bool fired;
         int left;
         st = step_failing(model, s++, world - 1, 0, &fired, &left);
-        bool ok = fired && mpi_error(st, world > 1 ? "from mp rank" : "(MP_GROUP)") && digest(model) == before && left == 0;
-        MPI_CHECK(ok, "mpi_errors/(a) an MPI failure in a pipeline step: SMP_ERR_MPI on every rank, no parameter changed", "fired %d, %s: %s",
-                  fired, smp_status_name(st), smp_last_error());
+        bool ok =
+            fired && mpi_error(st, world > 1 ? "from mp rank" : "(MP_GROUP)") && digest(model) == before && left == 0;
+        MPI_CHECK(ok,
+                  "mpi_errors/(a) an MPI failure in a pipeline step: SMP_ERR_MPI on every rank, no parameter changed",
+                  "fired %d, %s: %s", fired, smp_status_name(st), smp_last_error());
         st = train(model, s++);
         MPI_CHECK(st == SMP_OK, "mpi_errors/(a) the next step succeeds", "%s", smp_last_error());
 
@@ -323,11 +346,11 @@ static void pipeline_tests(int world) {
     smp_testing_fail(SMP_FAULT_MPI, -1);
     fired = all_ranks(smp_rank() == world - 1 && smp_testing_events(SMP_FAULT_MPI) > before, MPI_MAX) != 0;
     MPI_CHECK(fired && mpi_error(st, "checkpoint") && digest(model) == trained,
-              "mpi_errors/(d) an MPI failure in a save: SMP_ERR_MPI on every rank, no parameter changed", "fired %d, %s: %s", fired,
-              smp_status_name(st), smp_last_error());
+              "mpi_errors/(d) an MPI failure in a save: SMP_ERR_MPI on every rank, no parameter changed",
+              "fired %d, %s: %s", fired, smp_status_name(st), smp_last_error());
     st = smp_load(model, path, NULL);
-    MPI_CHECK(st == SMP_OK && digest(model) == saved, "mpi_errors/(d) the previous checkpoint loads", "%s: %s", smp_status_name(st),
-              st ? smp_last_error() : "parameters differ");
+    MPI_CHECK(st == SMP_OK && digest(model) == saved, "mpi_errors/(d) the previous checkpoint loads", "%s: %s",
+              smp_status_name(st), st ? smp_last_error() : "parameters differ");
     st = smp_save(model, path, NULL);
     MPI_CHECK(st == SMP_OK, "mpi_errors/(d) the next save succeeds", "%s", smp_last_error());
     if (smp_rank() == 0) { /* the files of the partial checkpoint */
@@ -344,12 +367,12 @@ static void pipeline_tests(int world) {
     st = smp_all_reduce(&ti, &to, SMP_SUM, SMP_WORLD);
     smp_testing_fail(SMP_FAULT_MPI, -1);
     MPI_CHECK(mpi_error(st, "all_reduce in world") && memcmp(out, old, sizeof out) == 0,
-              "mpi_errors/(b) an MPI failure in smp_all_reduce: SMP_ERR_MPI on every rank, the output untouched", "%s: %s", smp_status_name(st),
-              smp_last_error());
+              "mpi_errors/(b) an MPI failure in smp_all_reduce: SMP_ERR_MPI on every rank, the output untouched",
+              "%s: %s", smp_status_name(st), smp_last_error());
     st = smp_all_reduce(&ti, &to, SMP_SUM, SMP_WORLD);
     float want = (float)(world * (world - 1) / 2);
-    MPI_CHECK(st == SMP_OK && out[0] == want && out[7] == want + 7.0f * (float)world, "mpi_errors/(b) the next all_reduce is right", "%s: %g",
-              smp_last_error(), (double)out[0]);
+    MPI_CHECK(st == SMP_OK && out[0] == want && out[7] == want + 7.0f * (float)world,
+              "mpi_errors/(b) the next all_reduce is right", "%s: %g", smp_last_error(), (double)out[0]);
 
     smp_model_free(model);
     smp_finalize();
@@ -369,7 +392,8 @@ static long find_bucket_call(smp_model *model, int *s, smp_status *st) {
         long e = smp_testing_events(SMP_FAULT_MPI);
         smp_status r = train(model, (*s)++);
         smp_testing_fail(SMP_FAULT_MPI, -1);
-        if (all_ranks(smp_testing_events(SMP_FAULT_MPI) - e > k, MPI_MIN) == 0) return -1; /* no more calls: the step ran clean */
+        /* no more calls: the step ran clean */
+        if (all_ranks(smp_testing_events(SMP_FAULT_MPI) - e > k, MPI_MIN) == 0) return -1;
         *st = r;
         int bucket = all_ranks(mpi_error(r, "data-parallel gradient bucket"), MPI_LAND);
         int wrong = !all_ranks(r == SMP_ERR_MPI && digest(model) == before, MPI_LAND);
@@ -397,14 +421,17 @@ static void ddp_tests(int world) {
     st = train(model, 1);
     long counted = smp_testing_events(SMP_FAULT_MPI) - e0;
     MPI_CHECK(st == SMP_OK && all_ranks((int)counted, MPI_MIN) == all_ranks((int)counted, MPI_MAX) && counted > 0,
-              "mpi_errors/(c) every replica makes the same number of counted MPI calls in a step", "%s; %ld here", smp_last_error(), counted);
+              "mpi_errors/(c) every replica makes the same number of counted MPI calls in a step", "%s; %ld here",
+              smp_last_error(), counted);
     int s = 2;
     smp_status st_bucket;
     long k = find_bucket_call(model, &s, &st_bucket);
     st = st_bucket;
     bool bucket = k >= 0, wrong = k == -2;
-    MPI_CHECK(bucket && !wrong, "mpi_errors/(c) an MPI failure in the gradient all-reduce: SMP_ERR_MPI on every rank, no parameter changed",
-              "%s: %s", smp_status_name(st), smp_last_error());
+    MPI_CHECK(
+        bucket && !wrong,
+        "mpi_errors/(c) an MPI failure in the gradient all-reduce: SMP_ERR_MPI on every rank, no parameter changed",
+        "%s: %s", smp_status_name(st), smp_last_error());
     st = train(model, s);
     MPI_CHECK(st == SMP_OK, "mpi_errors/(c) the next step succeeds", "%s", smp_last_error());
     smp_model_free(model);
@@ -427,7 +454,9 @@ static int one_sided(const char *mode) {
         smp_tensor t = smp_tensor_1d(v, SMP_F32, 4);
         if (smp_rank() == 1) smp_testing_fail(SMP_FAULT_MPI, 0);
         smp_status st = smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD);
-        if (st) fprintf(stderr, "rank %d: smp_all_reduce returned %s: %s\n", smp_rank(), smp_status_name(st), smp_last_error());
+        if (st)
+            fprintf(stderr, "rank %d: smp_all_reduce returned %s: %s\n", smp_rank(), smp_status_name(st),
+                    smp_last_error());
         /* rank 0 never gets here: it aborts the job with rank 1's message */
         smp_finalize();
         rc = 0;
@@ -444,7 +473,8 @@ static int one_sided(const char *mode) {
         }
         if (smp_rank() == 1) smp_testing_fail(SMP_FAULT_MPI, k);
         st = train(model, s);
-        if (st) fprintf(stderr, "rank %d: the step returned %s: %s\n", smp_rank(), smp_status_name(st), smp_last_error());
+        if (st)
+            fprintf(stderr, "rank %d: the step returned %s: %s\n", smp_rank(), smp_status_name(st), smp_last_error());
         smp_model_free(model);
         smp_finalize();
         rc = 0;

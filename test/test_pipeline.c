@@ -30,7 +30,8 @@ SMP_STEP_BODY(mse_body) {
     if (smp_mb_is_training(mb)) g_bodies_training++;
     else g_bodies_eval++;
     if (smp_mb_is_training(mb) != (g != NULL)) g_bodies_confused++;
-    float loss = mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y));
+    float loss =
+        mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y));
     smp_status st = smp_mb_return_f32(mb, 0, loss);
     return st ? st : smp_mb_return(mb, 1, y);
 }
@@ -40,7 +41,10 @@ static int compare(smp_model *m, const ref_t *r, const smp_step_output *outs, in
     static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
     for (int i = 0; i < mbs; i++) {
         float got = ((const float *)outs[0].values[i].data)[0];
-        if (memcmp(&got, &r->loss[i], 4)) { snprintf(why, cap, "loss of microbatch %d: %.9g vs reference %.9g", i, got, r->loss[i]); return 0; }
+        if (memcmp(&got, &r->loss[i], 4)) {
+            snprintf(why, cap, "loss of microbatch %d: %.9g vs reference %.9g", i, got, r->loss[i]);
+            return 0;
+        }
     }
     for (int l = 0; l < NLIN; l++) {
         char nm[64];
@@ -51,12 +55,16 @@ static int compare(smp_model *m, const ref_t *r, const smp_step_output *outs, in
         if (!pw || !pb) { snprintf(why, cap, "parameter %s missing", names[l]); return 0; }
         if (!smp_module_is_local(smp_param_module(pw))) continue;
         size_t nw = (size_t)(lin_out[l] * lin_in[l]);
-        if (memcmp(smp_param_grad(pw)->data, r->gw[l], nw * 4) || memcmp(smp_param_grad(pb)->data, r->gb[l], (size_t)lin_out[l] * 4)) {
+        if (memcmp(smp_param_grad(pw)->data, r->gw[l], nw * 4) ||
+            memcmp(smp_param_grad(pb)->data, r->gb[l], (size_t)lin_out[l] * 4)) {
             const float *g = (const float *)smp_param_grad(pw)->data;
             snprintf(why, cap, "gradient of %s differs (first element %.9g vs %.9g)", names[l], g[0], r->gw[l][0]);
             return 0;
         }
-        if (memcmp(smp_param_value(pw)->data, r->w[l], nw * 4)) { snprintf(why, cap, "initial value of %s.weight differs", names[l]); return 0; }
+        if (memcmp(smp_param_value(pw)->data, r->w[l], nw * 4)) {
+            snprintf(why, cap, "initial value of %s.weight differs", names[l]);
+            return 0;
+        }
     }
     return 1;
 }
@@ -64,7 +72,10 @@ static int compare(smp_model *m, const ref_t *r, const smp_step_output *outs, in
 static int world;
 
 static const char *kind_name(smp_pipeline_kind k) {
-    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : k == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved";
+    return k == SMP_PIPELINE_SIMPLE          ? "simple"
+           : k == SMP_PIPELINE_ZERO_BUBBLE   ? "zero_bubble"
+           : k == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v"
+                                             : "interleaved";
 }
 static bool split_kind(smp_pipeline_kind k) { return k == SMP_PIPELINE_ZERO_BUBBLE || k == SMP_PIPELINE_ZERO_BUBBLE_V; }
 
@@ -82,7 +93,8 @@ static int check_zb_stats(smp_model *model, smp_pipeline_kind kind, int P, int m
         for (int s = 0; s < S && S == 2 * P; s++)
             if (map[s] != (s < P ? s : 2 * P - 1 - s)) S = -1;
         if (S != 2 * P) {
-            snprintf(why, cap, "zero_bubble_v partitioned the model into %d stages, not the V of %d", smp_model_num_stages(model), 2 * P);
+            snprintf(why, cap, "zero_bubble_v partitioned the model into %d stages, not the V of %d",
+                     smp_model_num_stages(model), 2 * P);
             return 0;
         }
     }
@@ -100,15 +112,19 @@ static int check_zb_stats(smp_model *model, smp_pipeline_kind kind, int P, int m
     for (int k = 0; k < ss.local_stages && ok; k++) {
         int s = ss.stage_index[k], got = ss.peak_inflight[k];
         if (got != r.peak_inflight[s] || got > bound) {
-            snprintf(why, cap, "stage %d held %d microbatches at its peak (in flight until W); the simulator counts %d, bound min(m, S) = %d",
+            snprintf(why, cap,
+                     "stage %d held %d microbatches at its peak (in flight until W); the simulator counts %d, bound "
+                     "min(m, S) = %d",
                      s, got, r.peak_inflight[s], bound);
             ok = 0;
         }
         held += got;
     }
-    if (ok && kind == SMP_PIPELINE_ZERO_BUBBLE_V && (ss.local_stages != 2 || r.rank_peak_inflight[me] > 2 * (m < P ? m : P) || held < r.rank_peak_inflight[me])) {
-        snprintf(why, cap, "rank %d: %d stages, %d microbatch-stages in flight at the simulator's peak (bound 2 min(m, P) = %d)", me, ss.local_stages,
-                 r.rank_peak_inflight[me], 2 * (m < P ? m : P));
+    if (ok && kind == SMP_PIPELINE_ZERO_BUBBLE_V &&
+        (ss.local_stages != 2 || r.rank_peak_inflight[me] > 2 * (m < P ? m : P) || held < r.rank_peak_inflight[me])) {
+        snprintf(why, cap,
+                 "rank %d: %d stages, %d microbatch-stages in flight at the simulator's peak (bound 2 min(m, P) = %d)",
+                 me, ss.local_stages, r.rank_peak_inflight[me], 2 * (m < P ? m : P));
         ok = 0;
     }
     smp_sim_result_free(&r);
@@ -148,7 +164,8 @@ static int check_active(smp_model *model, smp_pipeline_kind kind, int P, int m, 
     return ok;
 }
 
-static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *placement, int vstages, bool split, const char *label) {
+static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *placement, int vstages, bool split,
+                           const char *label) {
     smp_config cfg = {0};
     cfg.partitions = P;
     cfg.microbatches = m;
@@ -160,7 +177,8 @@ static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *plac
     if (placement) { cfg.auto_partition = SMP_OFF; }
     char name[160], why[4096] = "", capped[48] = "";
     if (g_active) snprintf(capped, sizeof capped, "/active_microbatches %d", g_active);
-    snprintf(name, sizeof name, "pipeline/%s/P=%d/m=%d/%s%s%s", label, P, m, kind_name(kind), split ? "/split linears" : "", capped);
+    snprintf(name, sizeof name, "pipeline/%s/P=%d/m=%d/%s%s%s", label, P, m, kind_name(kind),
+             split ? "/split linears" : "", capped);
     smp_status st = smp_init(&cfg);
     if (st) { MPI_CHECK(0, name, "smp_init: %s", smp_last_error()); return; }
     net n;
@@ -172,7 +190,8 @@ static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *plac
     if (!ok) snprintf(why, sizeof why, "build: %s", smp_last_error());
     for (int step = 0; step < 2 && ok; step++) { /* two steps: gradients accumulate across them too */
         smp_step_output outs[2] = {{0}};
-        if (step == 1) { b0 = g_b_calls; w0 = g_w_calls; deferred0 = g_w_deferred; adjacent0 = g_w_adjacent; } /* (tracing ran step 0's calls once more) */
+        /* (tracing ran step 0's calls once more) */
+        if (step == 1) { b0 = g_b_calls; w0 = g_w_calls; deferred0 = g_w_deferred; adjacent0 = g_w_adjacent; }
         smp_tensor x = smp_tensor_2d(g_x, SMP_F32, B, D), t = smp_tensor_2d(g_t, SMP_F32, B, C);
         st = SMP_TRAIN_STEP(model, mse_body, NULL, outs, 2, x, t);
         ref_step(&ref, g_x, g_t, m, true);
@@ -181,7 +200,10 @@ static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *plac
         if (ok && outs[1].microbatches == m) { /* the outputs, concatenated, are the model's output on the batch */
             float all[B * C];
             smp_tensor cat = smp_tensor_2d(all, SMP_F32, B, C);
-            if (smp_step_output_concat(&outs[1], &cat) || memcmp(all, ref.out, sizeof all)) { snprintf(why, sizeof why, "concatenated outputs differ"); ok = 0; }
+            if (smp_step_output_concat(&outs[1], &cat) || memcmp(all, ref.out, sizeof all)) {
+                snprintf(why, sizeof why, "concatenated outputs differ");
+                ok = 0;
+            }
         }
         if (ok) ok = check_active(model, kind, P, m, g_active, why, sizeof why);
         if (ok && split_kind(kind) && !g_active) ok = check_zb_stats(model, kind, P, m, why, sizeof why);
@@ -191,8 +213,11 @@ static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *plac
             for (int k = 0; k < ss.local_stages && ok; k++) {
                 int s = ss.stage_index[k], want = kind == SMP_PIPELINE_SIMPLE ? m : (S - s < m ? S - s : m);
                 bool one_per_rank = S == P;
-                if (kind == SMP_PIPELINE_SIMPLE ? ss.peak_inflight[k] != want : (ss.peak_inflight[k] > want || (one_per_rank && ss.peak_inflight[k] != want))) {
-                    snprintf(why, sizeof why, "stage %d held %d microbatches at its peak, expected %s%d", s, ss.peak_inflight[k], kind == SMP_PIPELINE_SIMPLE || one_per_rank ? "" : "at most ", want);
+                if (kind == SMP_PIPELINE_SIMPLE
+                        ? ss.peak_inflight[k] != want
+                        : (ss.peak_inflight[k] > want || (one_per_rank && ss.peak_inflight[k] != want))) {
+                    snprintf(why, sizeof why, "stage %d held %d microbatches at its peak, expected %s%d", s,
+                             ss.peak_inflight[k], kind == SMP_PIPELINE_SIMPLE || one_per_rank ? "" : "at most ", want);
                     ok = 0;
                 }
             }
@@ -206,7 +231,8 @@ static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *plac
     /* split linears, in the second step: one B and one W per local linear and microbatch;
        W right after its B unless the schedule has W ops, and then (all ranks
        together) at least one W put later once there are several microbatches */
-    long nb = g_b_calls - b0, nw = g_w_calls - w0, deferred = g_w_deferred - deferred0, adjacent = g_w_adjacent - adjacent0, any_deferred;
+    long nb = g_b_calls - b0, nw = g_w_calls - w0, deferred = g_w_deferred - deferred0,
+         adjacent = g_w_adjacent - adjacent0, any_deferred;
     int local_lin = 0;
     for (int l = 0; model && l < NLIN; l++) local_lin += smp_module_is_local(n.lin[l]);
     MPI_Allreduce(&deferred, &any_deferred, 1, MPI_LONG, MPI_SUM, MPI_COMM_WORLD);
@@ -217,13 +243,15 @@ static void run_case_split(int P, int m, smp_pipeline_kind kind, const int *plac
         snprintf(why, sizeof why, "whole-backward linears ran %ld B and %ld W callbacks", nb, nw);
         ok = 0;
     } else if (ok && split && !split_kind(kind) && deferred) {
-        snprintf(why, sizeof why, "%ld of %ld W calls did not follow their own B under %s", deferred, nw, kind_name(kind));
+        snprintf(why, sizeof why, "%ld of %ld W calls did not follow their own B under %s", deferred, nw,
+                 kind_name(kind));
         ok = 0;
-    } else if (ok && split && split_kind(kind) && m > 1 && (kind == SMP_PIPELINE_ZERO_BUBBLE || m >= 2 * P - 1) && g_active != 1 &&
-               !any_deferred) {
+    } else if (ok && split && split_kind(kind) && m > 1 && (kind == SMP_PIPELINE_ZERO_BUBBLE || m >= 2 * P - 1) &&
+               g_active != 1 && !any_deferred) {
         /* (zero_bubble_v with fewer than 2P-1 microbatches may run each W right after its B; one microbatch at a time
            leaves nothing to put a W behind) */
-        snprintf(why, sizeof why, "every W ran right after its own B (%ld here): %s deferred none", adjacent, kind_name(kind));
+        snprintf(why, sizeof why, "every W ran right after its own B (%ld here): %s deferred none", adjacent,
+                 kind_name(kind));
         ok = 0;
     }
     MPI_CHECK(ok, name, "%s", why);
@@ -251,14 +279,17 @@ static void run_error_case(int P) {
     g_fail = -1;
     char name[160];
     snprintf(name, sizeof name, "pipeline/module error reaches every rank/P=%d", P);
-    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected failure") && strstr(smp_last_error(), "module"), name, "status %d, message: %s", st, smp_last_error());
+    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected failure") && strstr(smp_last_error(), "module"), name,
+              "status %d, message: %s", st, smp_last_error());
     /* a failure that others are already waiting on: its message, not "another rank failed", reaches everyone */
     g_fail = P - 1;
     g_fail_mb = 2;
     st = SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t);
     g_fail = g_fail_mb = -1;
-    snprintf(name, sizeof name, "pipeline/a failure on microbatch 2 of the last stage names its cause everywhere/P=%d", P);
-    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected failure") && strstr(smp_last_error(), "microbatch 2"), name, "status %d, message: %s", st, smp_last_error());
+    snprintf(name, sizeof name, "pipeline/a failure on microbatch 2 of the last stage names its cause everywhere/P=%d",
+             P);
+    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected failure") && strstr(smp_last_error(), "microbatch 2"),
+              name, "status %d, message: %s", st, smp_last_error());
     st = SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t);
     snprintf(name, sizeof name, "pipeline/step after an error works/P=%d", P);
     MPI_CHECK(st == SMP_OK && outs[0].microbatches == 4, name, "%s", smp_last_error());
@@ -266,7 +297,8 @@ static void run_error_case(int P) {
     smp_tensor x5 = smp_tensor_2d(g_x, SMP_F32, 5, D), t5 = smp_tensor_2d(g_t, SMP_F32, 5, C);
     st = SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x5, t5);
     snprintf(name, sizeof name, "pipeline/indivisible batch is an error/P=%d", P);
-    MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "batch of 5") && strstr(smp_last_error(), "4 microbatches"), name, "%s", smp_last_error());
+    MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "batch of 5") && strstr(smp_last_error(), "4 microbatches"),
+              name, "%s", smp_last_error());
     /* evaluation: forward only, outputs equal the reference forward */
     ref_t ref;
     ref_params(&ref);
@@ -274,7 +306,8 @@ static void run_error_case(int P) {
     smp_step_output eo[2] = {{0}, {0}};
     g_bodies_training = g_bodies_eval = g_bodies_confused = 0;
     st = SMP_EVAL_STEP(model, mse_body, NULL, eo, 2, x, t);
-    snprintf(name, sizeof name, "pipeline/a body knows an evaluation step from a training step (smp_mb_is_training)/P=%d", P);
+    snprintf(name, sizeof name,
+             "pipeline/a body knows an evaluation step from a training step (smp_mb_is_training)/P=%d", P);
     int last = smp_mp_rank() == P - 1; /* where the model's output, and so the body, lives */
     MPI_CHECK(g_bodies_training == 0 && g_bodies_confused == 0 && g_bodies_eval == (last ? 4 : 0), name,
               "evaluation step: %d bodies said training, %d evaluating, %d disagreed with their output gradient",
@@ -282,13 +315,15 @@ static void run_error_case(int P) {
     float all[B * C];
     smp_tensor cat = smp_tensor_2d(all, SMP_F32, B, C);
     snprintf(name, sizeof name, "pipeline/evaluation step outputs/P=%d", P);
-    MPI_CHECK(st == SMP_OK && !smp_step_output_concat(&eo[1], &cat) && !memcmp(all, ref.out, sizeof all), name, "%s", st ? smp_last_error() : "outputs differ");
+    MPI_CHECK(st == SMP_OK && !smp_step_output_concat(&eo[1], &cat) && !memcmp(all, ref.out, sizeof all), name, "%s",
+              st ? smp_last_error() : "outputs differ");
     float mean_ref = 0, sum;
     for (int i = 0; i < 4; i++) mean_ref += ref.loss[i];
     smp_tensor s1 = smp_tensor_make(&sum, SMP_F32, 0, NULL);
     snprintf(name, sizeof name, "pipeline/StepOutput reduce_sum and mean/P=%d", P);
     MPI_CHECK(!smp_step_output_reduce_sum(&eo[0], &s1) && fabsf(sum - mean_ref) <= 1e-6f * fabsf(mean_ref) &&
-              fabs(smp_step_output_reduce_mean_f64(&eo[0]) - mean_ref / 4) <= 1e-6 * fabs(mean_ref), name, "sum %g vs %g", sum, mean_ref);
+                  fabs(smp_step_output_reduce_mean_f64(&eo[0]) - mean_ref / 4) <= 1e-6 * fabs(mean_ref),
+              name, "sum %g vs %g", sum, mean_ref);
     /* reduce_mean divides each element's sum by the microbatch count; stack
        lays the values out microbatch by microbatch */
     enum { MB_ROWS = B / 4 };
@@ -306,8 +341,10 @@ static void run_error_case(int P) {
         if (err > worst) worst = err;
     }
     snprintf(name, sizeof name, "pipeline/StepOutput reduce_mean (loss and outputs) and stack/P=%d", P);
-    MPI_CHECK(red_ok && worst <= 1e-6 && fabsf(lmean - mean_ref / 4) <= 1e-6f * fabsf(mean_ref) && !memcmp(stacked, ref.out, sizeof stacked),
-              name, "%s: mean of the outputs off by %g (relative), loss mean %g vs %g", red_ok ? "values" : smp_last_error(), worst, lmean, mean_ref / 4);
+    MPI_CHECK(red_ok && worst <= 1e-6 && fabsf(lmean - mean_ref / 4) <= 1e-6f * fabsf(mean_ref) &&
+                  !memcmp(stacked, ref.out, sizeof stacked),
+              name, "%s: mean of the outputs off by %g (relative), loss mean %g vs %g",
+              red_ok ? "values" : smp_last_error(), worst, lmean, mean_ref / 4);
     g_bodies_training = g_bodies_eval = g_bodies_confused = 0;
     st = SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t);
     snprintf(name, sizeof name, "pipeline/a body knows a training step (smp_mb_is_training)/P=%d", P);
@@ -320,14 +357,19 @@ static void run_error_case(int P) {
     memset(all, 0xff, sizeof all);
     st = SMP_EVAL_STEP(model, NULL, NULL, &no, 1, x);
     snprintf(name, sizeof name, "pipeline/evaluation step with body NULL returns the model's outputs/P=%d", P);
-    MPI_CHECK(st == SMP_OK && no.microbatches == 4 && !smp_step_output_concat(&no, &cat) && !memcmp(all, ref.out, sizeof all), name, "%s",
-              st ? smp_last_error() : no.microbatches != 4 ? "not one value per microbatch" : "outputs differ from the reference forward");
+    MPI_CHECK(st == SMP_OK && no.microbatches == 4 && !smp_step_output_concat(&no, &cat) &&
+                  !memcmp(all, ref.out, sizeof all),
+              name, "%s",
+              st                     ? smp_last_error()
+              : no.microbatches != 4 ? "not one value per microbatch"
+                                     : "outputs differ from the reference forward");
     smp_step_output_free(&no);
     smp_step_output two[2] = {{0}, {0}};
     st = SMP_EVAL_STEP(model, NULL, NULL, two, 2, x);
-    snprintf(name, sizeof name, "pipeline/body NULL with more outputs than the model has is an error naming both counts/P=%d", P);
-    MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "body NULL") && strstr(smp_last_error(), "2 outputs requested") &&
-                  strstr(smp_last_error(), "it has 1"),
+    snprintf(name, sizeof name,
+             "pipeline/body NULL with more outputs than the model has is an error naming both counts/P=%d", P);
+    MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "body NULL") &&
+                  strstr(smp_last_error(), "2 outputs requested") && strstr(smp_last_error(), "it has 1"),
               name, "status %d: %s", st, smp_last_error());
     smp_step_output_free(&outs[0]);
     smp_step_output_free(&eo[0]);
@@ -358,15 +400,17 @@ static void run_zb_error_case(int P, smp_pipeline_kind kind) {
     g_fail_mb = 2;
     smp_status st = model ? SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t) : SMP_ERR_STATE;
     g_fail = g_fail_mb = -1;
-    snprintf(name, sizeof name, "pipeline/%s: a failing forward (microbatch 2, rank %d) reaches every rank/P=%d", kn, P - 1, P);
-    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected failure") && strstr(smp_last_error(), "microbatch 2"), name,
-              "status %d, message: %s", st, smp_last_error());
+    snprintf(name, sizeof name, "pipeline/%s: a failing forward (microbatch 2, rank %d) reaches every rank/P=%d", kn,
+             P - 1, P);
+    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected failure") && strstr(smp_last_error(), "microbatch 2"),
+              name, "status %d, message: %s", st, smp_last_error());
     g_fail_w = 0; /* mp rank 0 holds fc0 whatever P is */
     st = model ? SMP_TRAIN_STEP(model, mse_body, NULL, outs, 1, x, t) : SMP_ERR_STATE;
     g_fail_w = -1;
     snprintf(name, sizeof name, "pipeline/%s: a failing W reaches every rank, naming backward_weight/P=%d", kn, P);
-    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected W failure") && strstr(smp_last_error(), "backward_weight"), name,
-              "status %d, message: %s", st, smp_last_error());
+    MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "injected W failure") &&
+                  strstr(smp_last_error(), "backward_weight"),
+              name, "status %d, message: %s", st, smp_last_error());
     ref_t ref;
     ref_params(&ref);
     ref_step(&ref, g_x, g_t, 4, true);
@@ -410,8 +454,9 @@ static void run_timeline_case(int P, smp_pipeline_kind kind) {
     char path[64], name[192], why[2600] = "";
     timeline_to("timeline", path, sizeof path);
     bool zb = split_kind(kind);
-    snprintf(name, sizeof name, "pipeline/SMP_TIMELINE has every rank's forwards, backwards, %ssends%s/P=%d%s%s", zb ? "weight gradients, " : "",
-             world > P ? " and all-reduces" : "", P, zb ? "/split linears/" : "", zb ? kind_name(kind) : "");
+    snprintf(name, sizeof name, "pipeline/SMP_TIMELINE has every rank's forwards, backwards, %ssends%s/P=%d%s%s",
+             zb ? "weight gradients, " : "", world > P ? " and all-reduces" : "", P, zb ? "/split linears/" : "",
+             zb ? kind_name(kind) : "");
     smp_config cfg = {0};
     cfg.partitions = P;
     cfg.microbatches = m;
@@ -428,7 +473,8 @@ static void run_timeline_case(int P, smp_pipeline_kind kind) {
         smp_step_output_free(&outs[0]);
         smp_step_output_free(&outs[1]);
     }
-    int stages = model ? smp_model_num_stages(model) : 0, cross = 0; /* boundaries between ranks (the V's middle one is not) */
+    /* boundaries between ranks (the V's middle one is not) */
+    int stages = model ? smp_model_num_stages(model) : 0, cross = 0;
     for (int s = 1; s < stages; s++) cross += smp_model_stage_rank(model, s) != smp_model_stage_rank(model, s - 1);
     if (!ok) snprintf(why, sizeof why, "step: %s", smp_last_error());
     smp_model_free(model); /* writes the file */
@@ -441,21 +487,24 @@ static void run_timeline_case(int P, smp_pipeline_kind kind) {
         if (!ok) snprintf(why, sizeof why, "cannot read %s", path);
         int want = (world / P) * stages * m * steps; /* every replica's stages, every microbatch and step */
         int fwd = ok ? count_of(text, "\"cat\":\"forward\"") : 0, bwd = ok ? count_of(text, "\"cat\":\"backward\"") : 0;
-        int ar = ok ? count_of(text, "\"cat\":\"allreduce\"") : 0, open = ok ? count_of(text, "{") : 0, close = ok ? count_of(text, "}") : 0;
+        int ar = ok ? count_of(text, "\"cat\":\"allreduce\"") : 0, open = ok ? count_of(text, "{") : 0,
+            close = ok ? count_of(text, "}") : 0;
         int wgt = ok ? count_of(text, "\"cat\":\"weight\"") : 0;
-        int sends = ok ? count_of(text, "\"cat\":\"send\"") : 0, min_sends = 2 * (world / P) * cross * m * steps; /* each boundary, both ways */
+        /* each boundary, both ways */
+        int sends = ok ? count_of(text, "\"cat\":\"send\"") : 0, min_sends = 2 * (world / P) * cross * m * steps;
         if (ok && (strncmp(text, "{\"displayTimeUnit\"", 18) || open != close || strcmp(text + len - 3, "]}\n"))) {
             snprintf(why, sizeof why, "not one JSON object (%d '{' against %d '}')", open, close);
             ok = 0;
         } else if (ok && (fwd != want || bwd != want || wgt != (zb ? want : 0))) {
-            snprintf(why, sizeof why, "%d forward, %d backward and %d weight events, expected %d, %d and %d", fwd, bwd, wgt, want, want,
-                     zb ? want : 0);
+            snprintf(why, sizeof why, "%d forward, %d backward and %d weight events, expected %d, %d and %d", fwd, bwd,
+                     wgt, want, want, zb ? want : 0);
             ok = 0;
         } else if (ok && (P > 1 ? sends < min_sends : sends != 0)) {
             snprintf(why, sizeof why, "%d send events, expected %s%d", sends, P > 1 ? "at least " : "", min_sends);
             ok = 0;
         } else if (ok && (world > P ? ar < world * steps : ar != 0)) {
-            snprintf(why, sizeof why, "%d all-reduce events for %d ranks over %d steps (ddp %s)", ar, world, steps, world > P ? "on" : "off");
+            snprintf(why, sizeof why, "%d all-reduce events for %d ranks over %d steps (ddp %s)", ar, world, steps,
+                     world > P ? "on" : "off");
             ok = 0;
         }
         for (int r = 0; ok && r < world; r++) {
@@ -498,7 +547,8 @@ static smp_status sk_bwd_input(smp_call_ctx *c) {
 static smp_status sk_bwd_weight(smp_call_ctx *c) {
     float *g = (float *)smp_param_grad(((sk_lin *)smp_module_user(smp_call_module(c)))->w)->data;
     const smp_tensor *gy = smp_call_grad_output(c, 0), *x = smp_call_input(c, 0);
-    for (int64_t i = 0; i < smp_tensor_numel(gy); i++) g[0] += ((const float *)gy->data)[i] * ((const float *)x->data)[i];
+    for (int64_t i = 0; i < smp_tensor_numel(gy); i++)
+        g[0] += ((const float *)gy->data)[i] * ((const float *)x->data)[i];
     return SMP_OK;
 }
 static smp_status sk_copy_fwd(smp_call_ctx *c) {
@@ -542,8 +592,10 @@ static void run_skip_case(smp_pipeline_kind kind, int m) {
     cfg.ddp = world > P ? SMP_ON : SMP_OFF;
     cfg.seed = 3;
     char name[200], why[4096] = "";
-    snprintf(name, sizeof name, "pipeline/%s: a split module's W reads an earlier stage's output on its own rank (skip connection)/P=2/m=%d",
-             kind_name(kind), m);
+    snprintf(
+        name, sizeof name,
+        "pipeline/%s: a split module's W reads an earlier stage's output on its own rank (skip connection)/P=2/m=%d",
+        kind_name(kind), m);
     if (smp_init(&cfg)) { MPI_CHECK(0, name, "smp_init: %s", smp_last_error()); return; }
     static sk_net n;
     memset(&n, 0, sizeof n);
@@ -602,7 +654,11 @@ static void run_skip_case(smp_pipeline_kind kind, int m) {
         if (!smp_module_is_local(mod)) continue;
         float got = *(const float *)smp_param_grad(n.l[l].w)->data;
         if (fabs(got - want[l]) > 1e-5 * (fabs(want[l]) + 1)) {
-            snprintf(why, sizeof why, "gradient of %s.w %.9g, reference %.9g (dp %d)", l == 0 ? "A" : l == 1 ? "C" : "E", got, want[l], dp);
+            snprintf(why, sizeof why, "gradient of %s.w %.9g, reference %.9g (dp %d)",
+                     l == 0   ? "A"
+                     : l == 1 ? "C"
+                              : "E",
+                     got, want[l], dp);
             ok = 0;
         }
     }
@@ -645,10 +701,12 @@ static void run_vee_errors(void) {
     static const int alt[7] = {0, 0, 1, 1, 0, 0, 1}, one_call[7] = {0, 0, 0, 1, 0, 0, 0};
     vee_error(1, NULL, 3, "leave virtual_stages at 1 or 2", "virtual_stages 3");
     if (world % 2) return;
-    vee_error(2, alt, 1, "partitions 0, 1, 0, 1. Place the modules so with SMP_PARTITION, or turn auto_partition on", "manual 0,1,0,1");
+    vee_error(2, alt, 1, "partitions 0, 1, 0, 1. Place the modules so with SMP_PARTITION, or turn auto_partition on",
+              "manual 0,1,0,1");
     vee_error(2, one_call, 1, "place at least two top-level calls on partition 1", "one call on the middle partition");
     if (world % 4) return;
-    vee_error(4, NULL, 1, "too few for pipeline \"zero_bubble_v\", which cuts it in 2 stages per partition (8 for 4 partitions)",
+    vee_error(4, NULL, 1,
+              "too few for pipeline \"zero_bubble_v\", which cuts it in 2 stages per partition (8 for 4 partitions)",
               "7 calls on 4 partitions");
 }
 
@@ -679,7 +737,8 @@ int main(int argc, char **argv) {
             run_case_split(P, ms[k], SMP_PIPELINE_ZERO_BUBBLE_V, NULL, 1, true, "auto");
         }
         static const int vee1[7] = {0, 0, 0, 0, 0, 0, 0}, vee2[7] = {0, 0, 1, 1, 1, 0, 0};
-        run_case_split(P, 4, SMP_PIPELINE_ZERO_BUBBLE_V, P == 1 ? vee1 : vee2, 1, true, P == 1 ? "manual, cut in two" : "manual V 0,1,0");
+        run_case_split(P, 4, SMP_PIPELINE_ZERO_BUBBLE_V, P == 1 ? vee1 : vee2, 1, true,
+                       P == 1 ? "manual, cut in two" : "manual V 0,1,0");
         run_case_split(P, 3, SMP_PIPELINE_ZERO_BUBBLE_V, NULL, 2, true, "auto, virtual_stages 2");
     }
     /* active_microbatches 1..m: the same bits, under the cap, every kind */

@@ -148,8 +148,9 @@ static void test_zero_tensor_is_host(smp_model *model) {
     smp_tensor lt = smp_tensor_2d(lit, SMP_F32, MICRO, 1), ft = smp_tensor_1d(f32, SMP_F32, MICRO);
     if (!st) st = smp_step_output_stack(&out[0], &lt);
     if (!st) st = smp_step_output_stack(&out[1], &ft);
-    MPI_CHECK(!st && !memcmp(lit, f32, sizeof lit) && lit[0] > 0, "port/smp_mb_return takes a zero-initialised tensor as host memory",
-              "%s: %s (losses %g and %g)", smp_status_name(st), smp_last_error(), (double)lit[0], (double)f32[0]);
+    MPI_CHECK(!st && !memcmp(lit, f32, sizeof lit) && lit[0] > 0,
+              "port/smp_mb_return takes a zero-initialised tensor as host memory", "%s: %s (losses %g and %g)",
+              smp_status_name(st), smp_last_error(), (double)lit[0], (double)f32[0]);
     smp_step_output_free(&out[0]);
     smp_step_output_free(&out[1]);
 }
@@ -170,8 +171,8 @@ static void test_zeroed_buffers(smp_model *model) {
     }
     MPI_CHECK(!st && !g_zero.nonzero && g_zero.seen > 0,
               "port/input gradients, the body's output gradient and fresh parameter gradients arrive zeroed",
-              "%s %s; %d of %d buffers not zero, the first %s", smp_status_name(st), st ? smp_last_error() : "", g_zero.nonzero,
-              g_zero.seen, g_zero.first);
+              "%s %s; %d of %d buffers not zero, the first %s", smp_status_name(st), st ? smp_last_error() : "",
+              g_zero.nonzero, g_zero.seen, g_zero.first);
 }
 
 /* Weights loaded from the engine's buffer: the traced calls already see
@@ -188,7 +189,8 @@ static void test_init_copy(void) {
     for (int l = 0; l < LAYERS && !st; l++)
         if (smp_module_is_local(g_layer[l].m)) {
             local++;
-            wrong += memcmp(smp_param_value(g_layer[l].w)->data, g_weights + l * WIDTH * WIDTH, sizeof(float) * WIDTH * WIDTH) != 0;
+            wrong += memcmp(smp_param_value(g_layer[l].w)->data, g_weights + l * WIDTH * WIDTH,
+                            sizeof(float) * WIDTH * WIDTH) != 0;
         }
     MPI_CHECK(!st && g_traced_calls >= LAYERS && !g_traced_wrong && local > 0 && !wrong,
               "port/smp_init_copy loads the engine's weights, in tracing and after partitioning",
@@ -198,12 +200,14 @@ static void test_init_copy(void) {
     smp_model_free(model);
     /* a copy with nowhere to copy from is an error smp_model_new reports */
     smp_init_copy_desc none = {NULL, 0};
-    smp_module *root = smp_module_new(NULL, "", NULL), *m = smp_module_new(root, "fc", &(smp_module_desc){fc_forward, fc_backward, NULL});
+    smp_module *root = smp_module_new(NULL, "", NULL),
+               *m = smp_module_new(root, "fc", &(smp_module_desc){fc_forward, fc_backward, NULL});
     smp_param_new(m, "weight", SMP_F32, 1, (int64_t[]){4}, smp_init_copy, &none);
     model = NULL;
     st = smp_model_new(root, &(smp_model_desc){.forward = forward}, &model);
     MPI_CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "fc.weight") && strstr(smp_last_error(), "smp_init_copy"),
-              "port/smp_init_copy without data is an error naming the parameter", "%s: %s", smp_status_name(st), smp_last_error());
+              "port/smp_init_copy without data is an error naming the parameter", "%s: %s", smp_status_name(st),
+              smp_last_error());
     smp_model_free(model);
 }
 
@@ -217,7 +221,8 @@ static void test_global_mean(void) {
     if (smp_init(&cfg)) { MPI_CHECK(0, "port/init with ddp", "%s", smp_last_error()); return; }
     smp_model *model = build(NULL);
     static float x[BATCH * WIDTH];
-    for (int i = 0; i < BATCH * WIDTH; i++) x[i] = g_x[i] + 0.25f * (float)smp_dp_rank(); /* each replica its own batch */
+    /* each replica its own batch */
+    for (int i = 0; i < BATCH * WIDTH; i++) x[i] = g_x[i] + 0.25f * (float)smp_dp_rank();
     smp_tensor xs = smp_tensor_2d(x, SMP_F32, BATCH, WIDTH), ts = smp_tensor_2d(g_t, SMP_F32, BATCH, WIDTH);
     smp_step_output out[2] = {{0}, {0}};
     smp_status st = model ? SMP_TRAIN_STEP(model, literal_body, NULL, out, 2, xs, ts) : SMP_ERR_ARG;
@@ -238,11 +243,13 @@ static void test_global_mean(void) {
         same = same && !memcmp(&globals[r], &global, sizeof global);
         apart = apart || locals[r] != locals[0];
     }
-    MPI_CHECK(!st && fabs(global - ref) <= 1e-12 * fabs(ref) && same && apart && global32 == (float)global &&
-              (dp > 1 || !memcmp(&global, &local, sizeof local)),
-              "port/smp_step_output_reduce_mean_global: the mean over every replica's microbatches, the same on every rank",
-              "%s %s; global %.17g (f32 %.9g), whole batch %.17g, this replica %.17g; same on all ranks %d, replicas apart %d",
-              smp_status_name(st), st ? smp_last_error() : "", global, (double)global32, ref, local, same, apart);
+    MPI_CHECK(
+        !st && fabs(global - ref) <= 1e-12 * fabs(ref) && same && apart && global32 == (float)global &&
+            (dp > 1 || !memcmp(&global, &local, sizeof local)),
+        "port/smp_step_output_reduce_mean_global: the mean over every replica's microbatches, the same on every rank",
+        "%s %s; global %.17g (f32 %.9g), whole batch %.17g, this replica %.17g; same on all ranks %d, replicas apart "
+        "%d",
+        smp_status_name(st), st ? smp_last_error() : "", global, (double)global32, ref, local, same, apart);
     int bad = 0;
     smp_tensor wrong = smp_tensor_1d(&bad, SMP_I32, 1);
     st = smp_step_output_reduce_mean_global(&out[1], smp_rank() == dp - 1 ? &wrong : &g32);
@@ -250,8 +257,9 @@ static void test_global_mean(void) {
               "port/smp_step_output_reduce_mean_global: a bad result on one rank is an error on every rank", "%s: %s",
               smp_status_name(st), smp_last_error());
     double again = smp_step_output_reduce_mean_global_f64(&out[1]); /* the ranks still pair their calls */
-    MPI_CHECK(!memcmp(&again, &global, sizeof global), "port/smp_step_output_reduce_mean_global: the next call after the error",
-              "%.17g, before %.17g", again, global);
+    MPI_CHECK(!memcmp(&again, &global, sizeof global),
+              "port/smp_step_output_reduce_mean_global: the next call after the error", "%.17g, before %.17g", again,
+              global);
     smp_step_output_free(&out[0]);
     smp_step_output_free(&out[1]);
     smp_model_free(model);

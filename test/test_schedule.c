@@ -55,10 +55,15 @@ static void note(int *flag, char *buf, const char *fmt, ...) {
 }
 
 static const char *kind_name(smp_pipeline_kind k) {
-    return k == SMP_PIPELINE_SIMPLE ? "simple" : k == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : k == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved";
+    return k == SMP_PIPELINE_SIMPLE          ? "simple"
+           : k == SMP_PIPELINE_ZERO_BUBBLE   ? "zero_bubble"
+           : k == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v"
+                                             : "interleaved";
 }
 static bool split_kind(smp_pipeline_kind k) { return k == SMP_PIPELINE_ZERO_BUBBLE || k == SMP_PIPELINE_ZERO_BUBBLE_V; }
-static char op_letter(smp_sched_op_kind k) { return k == SMP_SCHED_FORWARD ? 'F' : k == SMP_SCHED_BACKWARD ? 'B' : 'W'; }
+static char op_letter(smp_sched_op_kind k) {
+    return k == SMP_SCHED_FORWARD ? 'F' : k == SMP_SCHED_BACKWARD ? 'B' : 'W';
+}
 
 static unsigned long long rng_state = 0x9e3779b97f4a7c15ULL;
 static unsigned rnd(void) { /* xorshift64*, fixed seed: the test is reproducible */
@@ -83,9 +88,18 @@ static int check_valid(const smp_schedule *sc, const int *map) {
     for (int r = 0; r < sc->nranks && ok; r++)
         for (int k = 0; k < sc->nops[r] && ok; k++) {
             smp_sched_op op = sc->ops[r][k];
-            if (op.stage < 0 || op.stage >= S) { ok = fail("rank %d op %d: stage %d out of range", r, k, op.stage); break; }
-            if (map[op.stage] != r) { ok = fail("rank %d op %d runs stage %d of rank %d", r, k, op.stage, map[op.stage]); break; }
-            if (op.kind == SMP_SCHED_BACKWARD && sc->forward_only) { ok = fail("backward in a forward-only schedule"); break; }
+            if (op.stage < 0 || op.stage >= S) {
+                ok = fail("rank %d op %d: stage %d out of range", r, k, op.stage);
+                break;
+            }
+            if (map[op.stage] != r) {
+                ok = fail("rank %d op %d runs stage %d of rank %d", r, k, op.stage, map[op.stage]);
+                break;
+            }
+            if (op.kind == SMP_SCHED_BACKWARD && sc->forward_only) {
+                ok = fail("backward in a forward-only schedule");
+                break;
+            }
             if (op.kind != SMP_SCHED_FORWARD && op.kind != SMP_SCHED_BACKWARD && op.kind != SMP_SCHED_WEIGHT) {
                 ok = fail("rank %d op %d: kind %d", r, k, (int)op.kind);
                 break;
@@ -155,7 +169,8 @@ static int check_w_order(const smp_schedule *sc) {
             if (op.kind != SMP_SCHED_WEIGHT) continue;
             for (int s2 = op.stage + 1; s2 < S && ok; s2++)
                 if (sc->stage_rank[s2] == r && !done[(size_t)s2 * (size_t)m + (size_t)op.microbatch])
-                    ok = fail("rank %d: W%d.%d before W%d.%d (a later stage of the rank)", r, op.stage, op.microbatch, s2, op.microbatch);
+                    ok = fail("rank %d: W%d.%d before W%d.%d (a later stage of the rank)", r, op.stage, op.microbatch,
+                              s2, op.microbatch);
             done[(size_t)op.stage * (size_t)m + (size_t)op.microbatch] = 1;
         }
     free(done);
@@ -282,17 +297,19 @@ static void test_zb_h1_bubble(void) {
                 tried++;
                 double want = m * (F + Bc + W) + (p - 1) * (F + Bc - W);
                 if (rz.deadlock || (m >= p && fabs(rz.makespan - want) > 1e-9))
-                    NOTE(ok_formula, w_formula, "p=%d m=%d F=%g B=%g W=%g: makespan %.12g, want m(F+B+W) + (p-1)(F+B-W) = %.12g%s",
-                         p, m, F, Bc, W, rz.makespan, want, rz.deadlock ? " (deadlock)" : "");
+                    NOTE(ok_formula, w_formula,
+                         "p=%d m=%d F=%g B=%g W=%g: makespan %.12g, want m(F+B+W) + (p-1)(F+B-W) = %.12g%s", p, m, F,
+                         Bc, W, rz.makespan, want, rz.deadlock ? " (deadlock)" : "");
                 if (rz.makespan > r1.makespan + 1e-9 || fabs(rz.busy - r1.busy) > 1e-9)
-                    NOTE(ok_faster, w_faster, "p=%d m=%d F=%g B=%g W=%g: zero_bubble %g (busy %g), 1F1B %g (busy %g)", p, m, F,
-                         Bc, W, rz.makespan, rz.busy, r1.makespan, r1.busy);
+                    NOTE(ok_faster, w_faster, "p=%d m=%d F=%g B=%g W=%g: zero_bubble %g (busy %g), 1F1B %g (busy %g)",
+                         p, m, F, Bc, W, rz.makespan, rz.busy, r1.makespan, r1.busy);
                 if (c == 0 && m >= p) {
                     double idle_z = p * rz.makespan - rz.busy, idle_1 = p * r1.makespan - r1.busy;
                     double bz = (double)(p - 1) / (3.0 * m + p - 1), b1 = (double)(p - 1) / (double)(m + p - 1);
                     if (fabs(3 * idle_z - idle_1) > 1e-9 || fabs(idle_z - p * (p - 1.0)) > 1e-9)
-                        NOTE(ok_third, w_third, "p=%d m=%d: idle time %g, 1F1B's %g (want p(p-1) = %d and a third of 1F1B's)", p,
-                             m, idle_z, idle_1, p * (p - 1));
+                        NOTE(ok_third, w_third,
+                             "p=%d m=%d: idle time %g, 1F1B's %g (want p(p-1) = %d and a third of 1F1B's)", p, m,
+                             idle_z, idle_1, p * (p - 1));
                     else if (fabs(rz.bubble_fraction - bz) > 1e-12 || fabs(r1.bubble_fraction - b1) > 1e-12)
                         NOTE(ok_third, w_third, "p=%d m=%d: bubble %.15f (want %.15f), 1F1B's %.15f (want %.15f)", p, m,
                              rz.bubble_fraction, bz, r1.bubble_fraction, b1);
@@ -303,12 +320,15 @@ static void test_zb_h1_bubble(void) {
             smp_schedule_free(&zb);
             smp_schedule_free(&one);
         }
-    CHECK(ok_formula, "zero_bubble (ZB-H1) makespan is m(F+B+W) + (p-1)(F+B-W) for equal stage costs, m >= p (3m+p-1 at unit costs)",
-          "%s", w_formula);
+    CHECK(
+        ok_formula,
+        "zero_bubble (ZB-H1) makespan is m(F+B+W) + (p-1)(F+B-W) for equal stage costs, m >= p (3m+p-1 at unit costs)",
+        "%s", w_formula);
     CHECK(ok_third, "zero_bubble idle time is exactly a third of 1F1B's at F=B=W=1, m >= p: bubble (p-1)/(3m+p-1) "
           "against (p-1)/(m+p-1)", "%s", w_third);
-    CHECK(ok_faster && tried == 8 * 32 * 5, "zero_bubble is never slower than 1F1B for the same work (p <= 8, m <= 32, m < p too)",
-          "%s (%d simulations)", w_faster, tried);
+    CHECK(ok_faster && tried == 8 * 32 * 5,
+          "zero_bubble is never slower than 1F1B for the same work (p <= 8, m <= 32, m < p too)", "%s (%d simulations)",
+          w_faster, tried);
 #undef NOTE
 }
 
@@ -342,7 +362,8 @@ static void test_exhaustive(void) {
                         }
                         cases++;
                         if (st == SMP_OK && sc.kind != kind) {
-                            NOTE(ok_build, w_build, "%s R=%d v=%d m=%d: built kind %d", kind_name(kind), R, v, m, (int)sc.kind);
+                            NOTE(ok_build, w_build, "%s R=%d v=%d m=%d: built kind %d", kind_name(kind), R, v, m,
+                                 (int)sc.kind);
                             smp_schedule_free(&sc);
                             continue;
                         }
@@ -366,7 +387,8 @@ static void test_exhaustive(void) {
                         if (smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.0, &r) != SMP_OK) {
                             NOTE(ok_sim, w_sim, ctx_fmt, kind_name(kind), R, v, m, fo, smp_last_error());
                         } else {
-                            if (r.deadlock) NOTE(ok_sim, w_sim, ctx_fmt, kind_name(kind), R, v, m, fo, r.deadlock_reason);
+                            if (r.deadlock)
+                                NOTE(ok_sim, w_sim, ctx_fmt, kind_name(kind), R, v, m, fo, r.deadlock_reason);
                             if (!(r.bubble_fraction >= -1e-12 && r.bubble_fraction < 1) || r.makespan + 1e-9 < r.ideal)
                                 NOTE(ok_sim, w_sim, "%s R=%d v=%d m=%d: bubble %g makespan %g ideal %g",
                                      kind_name(kind), R, v, m, r.bubble_fraction, r.makespan, r.ideal);
@@ -375,14 +397,16 @@ static void test_exhaustive(void) {
                                    min(m, S) per stage (1F1B's bound for stage 0), whatever the map */
                                 int bound = m < S ? m : S;
                                 if (r.peak_inflight[s] > bound || r.peak_inflight[s] < 1)
-                                    NOTE(ok_zb_peak, w_zb_peak, "R=%d v=%d m=%d: stage %d peak in-flight %d, want 1..%d", R, v,
-                                         m, s, r.peak_inflight[s], bound);
+                                    NOTE(ok_zb_peak, w_zb_peak,
+                                         "R=%d v=%d m=%d: stage %d peak in-flight %d, want 1..%d", R, v, m, s,
+                                         r.peak_inflight[s], bound);
                             }
                             if (zb && v == 1) {
                                 /* ZB-H1 keeps 1F1B's memory: the most any rank holds is 1F1B's */
                                 smp_schedule one;
                                 smp_sim_result r1;
-                                if (smp_schedule_build(SMP_PIPELINE_INTERLEAVED, R, S, NULL, m, false, &one) != SMP_OK ||
+                                if (smp_schedule_build(SMP_PIPELINE_INTERLEAVED, R, S, NULL, m, false, &one) !=
+                                        SMP_OK ||
                                     smp_schedule_simulate(&one, NULL, NULL, NULL, 0.0, &r1) != SMP_OK) {
                                     NOTE(ok_zb_peak, w_zb_peak, "1F1B R=%d m=%d: %s", R, m, smp_last_error());
                                 } else {
@@ -393,8 +417,8 @@ static void test_exhaustive(void) {
                                     }
                                     if (pz > p1)
                                         NOTE(ok_zb_peak, w_zb_peak,
-                                             "R=%d m=%d: zero_bubble's busiest rank holds %d microbatches, 1F1B's %d", R, m,
-                                             pz, p1);
+                                             "R=%d m=%d: zero_bubble's busiest rank holds %d microbatches, 1F1B's %d",
+                                             R, m, pz, p1);
                                     smp_sim_result_free(&r1);
                                 }
                                 smp_schedule_free(&one);
@@ -404,7 +428,8 @@ static void test_exhaustive(void) {
                                 int got = r.peak_inflight[s];
                                 /* simple and 1F1B: exactly; interleaved 1F1B: at most the bound */
                                 if (kind == SMP_PIPELINE_SIMPLE || v == 1 || fo ? got != want : got > want)
-                                    NOTE(ok_peak, w_peak, "%s R=%d v=%d m=%d fo=%d: stage %d peak in-flight %d, want %s%d",
+                                    NOTE(ok_peak, w_peak,
+                                         "%s R=%d v=%d m=%d fo=%d: stage %d peak in-flight %d, want %s%d",
                                          kind_name(kind), R, v, m, fo, s, got,
                                          kind == SMP_PIPELINE_SIMPLE || v == 1 || fo ? "" : "<= ", want);
                             }
@@ -430,7 +455,8 @@ static void test_exhaustive(void) {
                                 (smp_schedule_build(SMP_PIPELINE_INTERLEAVED, R, S, NULL, m, true, &il) != SMP_OK ||
                                  !same_schedule(&sc, &il)))
                                 NOTE(ok_zb_fo, w_zb_fo,
-                                     "R=%d v=%d m=%d: forward-only zero_bubble differs from forward-only interleaved", R, v, m);
+                                     "R=%d v=%d m=%d: forward-only zero_bubble differs from forward-only interleaved",
+                                     R, v, m);
                             if (kind == SMP_PIPELINE_ZERO_BUBBLE) smp_schedule_free(&il);
                         }
 
@@ -467,8 +493,10 @@ static void test_exhaustive(void) {
                                     double load = 0;
                                     for (int k = 0; k < sc.nops[q]; k++) {
                                         smp_sched_op op = sc.ops[q][k];
-                                        load += op.kind == SMP_SCHED_FORWARD ? f[op.stage] : op.kind == SMP_SCHED_WEIGHT ? w[op.stage]
-                                                : zb ? b[op.stage] : b[op.stage] + w[op.stage];
+                                        load += op.kind == SMP_SCHED_FORWARD  ? f[op.stage]
+                                                : op.kind == SMP_SCHED_WEIGHT ? w[op.stage]
+                                                : zb                          ? b[op.stage]
+                                                                              : b[op.stage] + w[op.stage];
                                     }
                                     if (load > maxload) maxload = load;
                                 }
@@ -500,8 +528,10 @@ static void test_exhaustive(void) {
     CHECK(ok_zb_peak, "exhaustive: zero_bubble holds at most min(m, S) per stage until W; one stage per rank: "
           "its busiest rank holds no more than 1F1B's", "%s", w_zb_peak);
     CHECK(ok_zb_fo, "exhaustive: forward-only zero_bubble equals forward-only interleaved", "%s", w_zb_fo);
-    CHECK(ok_worder, "exhaustive: zero_bubble runs a rank's later stage's W first for each microbatch (what an earlier stage "
-          "made stays until then)", "%s", w_worder);
+    CHECK(ok_worder,
+          "exhaustive: zero_bubble runs a rank's later stage's W first for each microbatch (what an earlier stage "
+          "made stays until then)",
+          "%s", w_worder);
 #undef NOTE
 }
 
@@ -546,27 +576,34 @@ static void test_zbv_bubble(void) {
                 tried++;
                 double a = 6.0 * m + p - 1, b = 4.0 * (m + p) - 2, want = a > b ? a : b;
                 if (rv.deadlock || fabs(rv.makespan - want) > 1e-9 || fabs(rv.busy - 6.0 * m * p) > 1e-9)
-                    NOTE(ok_formula, w_formula, "p=%d m=%d: makespan %g (busy %g), want max(6m+p-1, 4(m+p)-2) = %g%s", p, m,
-                         rv.makespan, rv.busy, want, rv.deadlock ? " (deadlock)" : "");
+                    NOTE(ok_formula, w_formula, "p=%d m=%d: makespan %g (busy %g), want max(6m+p-1, 4(m+p)-2) = %g%s",
+                         p, m, rv.makespan, rv.busy, want, rv.deadlock ? " (deadlock)" : "");
                 if (fabs(r5.makespan - 2.5 * rv.makespan) > 1e-9)
-                    NOTE(ok_scale, w_scale, "p=%d m=%d: F=B=W=2.5 makespan %g, want 2.5 x %g", p, m, r5.makespan, rv.makespan);
+                    NOTE(ok_scale, w_scale, "p=%d m=%d: F=B=W=2.5 makespan %g, want 2.5 x %g", p, m, r5.makespan,
+                         rv.makespan);
                 if (m >= 2 * p - 1) {
-                    double iv = p * rv.makespan - rv.busy, ih = p * rh.makespan - rh.busy, i1 = p * r1.makespan - r1.busy;
+                    double iv = p * rv.makespan - rv.busy, ih = p * rh.makespan - rh.busy,
+                           i1 = p * r1.makespan - r1.busy;
                     if (fabs(iv - p * (p - 1.0)) > 1e-9 || fabs(2 * iv - ih) > 1e-9 || fabs(6 * iv - i1) > 1e-9 ||
                         fabs(rv.bubble_fraction - (p - 1.0) / (6.0 * m + p - 1)) > 1e-12)
-                        NOTE(ok_idle, w_idle, "p=%d m=%d: idle %g (want p(p-1) = %d), ZB-H1's %g (want twice), 1F1B's %g (want 6x), "
-                             "bubble %.15f", p, m, iv, p * (p - 1), ih, i1, rv.bubble_fraction);
+                        NOTE(ok_idle, w_idle,
+                             "p=%d m=%d: idle %g (want p(p-1) = %d), ZB-H1's %g (want twice), 1F1B's %g (want 6x), "
+                             "bubble %.15f",
+                             p, m, iv, p * (p - 1), ih, i1, rv.bubble_fraction);
                 }
-                if (rv.makespan > rh.makespan + 1e-9 || rv.makespan > r1.makespan + 1e-9 || fabs(rv.busy - rh.busy) > 1e-9)
-                    NOTE(ok_faster, w_faster, "p=%d m=%d: zero_bubble_v %g (busy %g), ZB-H1 %g (busy %g), 1F1B %g", p, m, rv.makespan,
-                         rv.busy, rh.makespan, rh.busy, r1.makespan);
+                if (rv.makespan > rh.makespan + 1e-9 || rv.makespan > r1.makespan + 1e-9 ||
+                    fabs(rv.busy - rh.busy) > 1e-9)
+                    NOTE(ok_faster, w_faster, "p=%d m=%d: zero_bubble_v %g (busy %g), ZB-H1 %g (busy %g), 1F1B %g", p,
+                         m, rv.makespan, rv.busy, rh.makespan, rh.busy, r1.makespan);
                 int pv = 0, p1 = 0;
                 for (int q = 0; q < p; q++) {
                     if (rv.rank_peak_inflight[q] > pv) pv = rv.rank_peak_inflight[q];
                     if (r1.rank_peak_inflight[q] > p1) p1 = r1.rank_peak_inflight[q];
                 }
                 if (pv != 2 * (m < p ? m : p) || pv > 2 * p1)
-                    NOTE(ok_peak, w_peak, "p=%d m=%d: zero_bubble_v's busiest rank holds %d chunks (want 2 min(m, p) = %d), 1F1B's %d stages",
+                    NOTE(ok_peak, w_peak,
+                         "p=%d m=%d: zero_bubble_v's busiest rank holds %d chunks (want 2 min(m, p) = %d), 1F1B's %d "
+                         "stages",
                          p, m, pv, 2 * (m < p ? m : p), p1);
                 smp_sim_result_free(&rv);
                 smp_sim_result_free(&rh);
@@ -577,14 +614,19 @@ static void test_zbv_bubble(void) {
             smp_schedule_free(&h1);
             smp_schedule_free(&one);
         }
-    CHECK(ok_formula && tried == 8 * 32, "zero_bubble_v makespan is max(6m+p-1, 4(m+p)-2) at F=B=W=1 per chunk (p <= 8, m <= 32)",
+    CHECK(ok_formula && tried == 8 * 32,
+          "zero_bubble_v makespan is max(6m+p-1, 4(m+p)-2) at F=B=W=1 per chunk (p <= 8, m <= 32)",
           "%s (%d simulations)", w_formula, tried);
     CHECK(ok_scale, "zero_bubble_v at F=B=W=2.5: the unit-cost step scaled", "%s", w_scale);
-    CHECK(ok_idle, "zero_bubble_v idle time p(p-1) for m >= 2p-1: half ZB-H1's, a sixth of 1F1B's, bubble (p-1)/(6m+p-1)",
-          "%s", w_idle);
-    CHECK(ok_faster, "zero_bubble_v is never slower than ZB-H1 or 1F1B on the same work (their stage = two chunks), m < p too", "%s",
-          w_faster);
-    CHECK(ok_peak, "zero_bubble_v's busiest rank holds 2 min(m, p) chunks until W: 1F1B's peak (min(m, p) stages of twice the size)",
+    CHECK(ok_idle,
+          "zero_bubble_v idle time p(p-1) for m >= 2p-1: half ZB-H1's, a sixth of 1F1B's, bubble (p-1)/(6m+p-1)", "%s",
+          w_idle);
+    CHECK(ok_faster,
+          "zero_bubble_v is never slower than ZB-H1 or 1F1B on the same work (their stage = two chunks), m < p too",
+          "%s", w_faster);
+    CHECK(ok_peak,
+          "zero_bubble_v's busiest rank holds 2 min(m, p) chunks until W: 1F1B's peak (min(m, p) stages of twice the "
+          "size)",
           "%s", w_peak);
 #undef NOTE
 }
@@ -593,7 +635,8 @@ static void test_zbv_bubble(void) {
    evaluation: valid, pure, no deadlock at unit costs and at random costs
    with latency, W of chunk 1 before W of chunk 0 for each microbatch. */
 static void test_zbv_exhaustive(void) {
-    int ok_build = 1, ok_valid = 1, ok_pure = 1, ok_sim = 1, ok_rand = 1, ok_order = 1, ok_fo = 1, ok_peak = 1, cases = 0;
+    int ok_build = 1, ok_valid = 1, ok_pure = 1, ok_sim = 1, ok_rand = 1, ok_order = 1, ok_fo = 1, ok_peak = 1,
+        cases = 0;
     char w_build[512] = "", w_valid[512] = "", w_pure[512] = "", w_sim[512] = "", w_rand[512] = "", w_order[512] = "",
          w_fo[512] = "", w_peak[512] = "";
 #define NOTE(flag, buf, ...) note(&flag, buf, __VA_ARGS__)
@@ -603,17 +646,20 @@ static void test_zbv_exhaustive(void) {
                 int S = 2 * p, map[16];
                 for (int s = 0; s < S; s++) map[s] = vee(s, p);
                 smp_schedule sc, again;
-                if (smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, p, S, NULL, m, fo, &sc) != SMP_OK || sc.kind != SMP_PIPELINE_ZERO_BUBBLE_V) {
+                if (smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, p, S, NULL, m, fo, &sc) != SMP_OK ||
+                    sc.kind != SMP_PIPELINE_ZERO_BUBBLE_V) {
                     NOTE(ok_build, w_build, "p=%d m=%d fo=%d: %s", p, m, fo, smp_last_error());
                     continue;
                 }
                 cases++;
                 if (!check_valid(&sc, map)) NOTE(ok_valid, w_valid, "p=%d m=%d fo=%d: %s", p, m, fo, why);
-                if (smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, p, S, map, m, fo, &again) != SMP_OK || !same_schedule(&sc, &again))
+                if (smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, p, S, map, m, fo, &again) != SMP_OK ||
+                    !same_schedule(&sc, &again))
                     NOTE(ok_pure, w_pure, "p=%d m=%d fo=%d: a second build (explicit map) differs", p, m, fo);
                 smp_schedule_free(&again);
                 for (int r = 0; r < p; r++)
-                    if (sc.nops[r] != (fo ? 2 : 6) * m) NOTE(ok_fo, w_fo, "p=%d m=%d fo=%d: rank %d has %d ops", p, m, fo, r, sc.nops[r]);
+                    if (sc.nops[r] != (fo ? 2 : 6) * m)
+                        NOTE(ok_fo, w_fo, "p=%d m=%d fo=%d: rank %d has %d ops", p, m, fo, r, sc.nops[r]);
                 /* W1(i) before W0(i): chunk 1 may read chunk 0's outputs until its W */
                 if (!check_w_order(&sc)) NOTE(ok_order, w_order, "p=%d m=%d: %s", p, m, why);
                 smp_sim_result r;
@@ -623,13 +669,17 @@ static void test_zbv_exhaustive(void) {
                     if (r.deadlock) NOTE(ok_sim, w_sim, "p=%d m=%d fo=%d: %s", p, m, fo, r.deadlock_reason);
                     for (int q = 0; q < p && !fo; q++)
                         if (r.rank_peak_inflight[q] > 2 * (m < p ? m : p) || r.peak_inflight[q] > (m < S ? m : S))
-                            NOTE(ok_peak, w_peak, "p=%d m=%d: rank %d holds %d (bound 2 min(m, p)), stage %d %d", p, m, q,
-                                 r.rank_peak_inflight[q], q, r.peak_inflight[q]);
+                            NOTE(ok_peak, w_peak, "p=%d m=%d: rank %d holds %d (bound 2 min(m, p)), stage %d %d", p, m,
+                                 q, r.rank_peak_inflight[q], q, r.peak_inflight[q]);
                     smp_sim_result_free(&r);
                 }
                 for (int draw = 0; draw < 3; draw++) {
                     double f[16], b[16], w[16], lat = draw ? rnd_uniform(0, 0.5) : 0;
-                    for (int s = 0; s < S; s++) { f[s] = rnd_uniform(0.2, 3); b[s] = rnd_uniform(0.2, 5); w[s] = rnd_uniform(0, 3); }
+                    for (int s = 0; s < S; s++) {
+                        f[s] = rnd_uniform(0.2, 3);
+                        b[s] = rnd_uniform(0.2, 5);
+                        w[s] = rnd_uniform(0, 3);
+                    }
                     if (smp_schedule_simulate(&sc, f, b, w, lat, &r) != SMP_OK) {
                         NOTE(ok_rand, w_rand, "simulate: %s", smp_last_error());
                         continue;
@@ -639,26 +689,34 @@ static void test_zbv_exhaustive(void) {
                         double load = 0;
                         for (int k = 0; k < sc.nops[q]; k++) {
                             smp_sched_op op = sc.ops[q][k];
-                            load += op.kind == SMP_SCHED_FORWARD ? f[op.stage] : op.kind == SMP_SCHED_WEIGHT ? w[op.stage] : b[op.stage];
+                            load += op.kind == SMP_SCHED_FORWARD  ? f[op.stage]
+                                    : op.kind == SMP_SCHED_WEIGHT ? w[op.stage]
+                                                                  : b[op.stage];
                         }
                         if (load > maxload) maxload = load;
                     }
                     if (r.deadlock) NOTE(ok_rand, w_rand, "p=%d m=%d fo=%d: %s", p, m, fo, r.deadlock_reason);
                     else if (r.makespan + 1e-9 < maxload)
-                        NOTE(ok_rand, w_rand, "p=%d m=%d: makespan %g below a rank's load %g", p, m, r.makespan, maxload);
+                        NOTE(ok_rand, w_rand, "p=%d m=%d: makespan %g below a rank's load %g", p, m, r.makespan,
+                             maxload);
                     smp_sim_result_free(&r);
                 }
                 smp_schedule_free(&sc);
             }
-    CHECK(ok_build && cases == 8 * 16 * 2, "zero_bubble_v exhaustive (p <= 8, 2p stages, m <= 16, evaluation too): every schedule builds",
+    CHECK(ok_build && cases == 8 * 16 * 2,
+          "zero_bubble_v exhaustive (p <= 8, 2p stages, m <= 16, evaluation too): every schedule builds",
           "%s (%d cases)", w_build, cases);
-    CHECK(ok_valid, "zero_bubble_v exhaustive: every op once, on its rank of the V, in microbatch order per stage, W after B", "%s", w_valid);
+    CHECK(ok_valid,
+          "zero_bubble_v exhaustive: every op once, on its rank of the V, in microbatch order per stage, W after B",
+          "%s", w_valid);
     CHECK(ok_pure, "zero_bubble_v exhaustive: building is a pure function (NULL map = the V)", "%s", w_pure);
     CHECK(ok_fo, "zero_bubble_v exhaustive: 6m ops per rank (training), 2m forwards (evaluation)", "%s", w_fo);
     CHECK(ok_sim, "zero_bubble_v exhaustive: no deadlock at unit costs", "%s", w_sim);
-    CHECK(ok_rand, "zero_bubble_v exhaustive: no deadlock at random F/B/W costs, with and without latency", "%s", w_rand);
+    CHECK(ok_rand, "zero_bubble_v exhaustive: no deadlock at random F/B/W costs, with and without latency", "%s",
+          w_rand);
     CHECK(ok_peak, "zero_bubble_v exhaustive: a rank holds at most 2 min(m, p) chunks until W", "%s", w_peak);
-    CHECK(ok_order, "zero_bubble_v exhaustive: on each rank W of chunk 1 runs before W of chunk 0 for a microbatch", "%s", w_order);
+    CHECK(ok_order, "zero_bubble_v exhaustive: on each rank W of chunk 1 runs before W of chunk 0 for a microbatch",
+          "%s", w_order);
 #undef NOTE
 }
 
@@ -667,9 +725,10 @@ static void test_zbv_order(void) {
        microbatches, and 3 ranks x 2 microbatches (m < p: the 5-microbatch
        order with microbatches 2..4 left out): torch.distributed.pipelining's
        ScheduleZBVZeroBubble, op for op */
-    static const char *want2[2] = {
-        "F0.0 F0.1 F0.2 F3.0 B3.0 W3.0 F3.1 B3.1 W3.1 F0.3 B0.0 W0.0 F3.2 B3.2 W3.2 B0.1 W0.1 F3.3 B3.3 W3.3 B0.2 W0.2 B0.3 W0.3 ",
-        "F1.0 F2.0 F1.1 F2.1 B2.0 W2.0 F1.2 B1.0 W1.0 F2.2 B2.1 W2.1 F1.3 B1.1 W1.1 F2.3 B2.2 W2.2 B1.2 B2.3 B1.3 W1.2 W2.3 W1.3 "};
+    static const char *want2[2] = {"F0.0 F0.1 F0.2 F3.0 B3.0 W3.0 F3.1 B3.1 W3.1 F0.3 B0.0 W0.0 F3.2 B3.2 W3.2 B0.1 "
+                                   "W0.1 F3.3 B3.3 W3.3 B0.2 W0.2 B0.3 W0.3 ",
+                                   "F1.0 F2.0 F1.1 F2.1 B2.0 W2.0 F1.2 B1.0 W1.0 F2.2 B2.1 W2.1 F1.3 B1.1 W1.1 F2.3 "
+                                   "B2.2 W2.2 B1.2 B2.3 B1.3 W1.2 W2.3 W1.3 "};
     static const char *want3[3] = {"F0.0 F0.1 F5.0 B5.0 W5.0 F5.1 B5.1 W5.1 B0.0 W0.0 B0.1 W0.1 ",
                                    "F1.0 F1.1 F4.0 F4.1 B4.0 W4.0 B4.1 W4.1 B1.0 W1.0 B1.1 W1.1 ",
                                    "F2.0 F3.0 F2.1 F3.1 B3.0 W3.0 B2.0 W2.0 B3.1 W3.1 B2.1 W2.1 "};
@@ -682,8 +741,8 @@ static void test_zbv_order(void) {
         for (int r = 0; ok && r < p; r++) {
             size_t len = 0;
             for (int k = 0; k < sc.nops[r] && len < sizeof got[r]; k++)
-                len += (size_t)snprintf(got[r] + len, sizeof got[r] - len, "%c%d.%d ", op_letter(sc.ops[r][k].kind), sc.ops[r][k].stage,
-                                        sc.ops[r][k].microbatch);
+                len += (size_t)snprintf(got[r] + len, sizeof got[r] - len, "%c%d.%d ", op_letter(sc.ops[r][k].kind),
+                                        sc.ops[r][k].stage, sc.ops[r][k].microbatch);
             if (strcmp(got[r], want[r])) { ok = 0; bad = r; }
         }
         CHECK(ok, c ? "zero_bubble_v with 3 ranks, 2 microbatches (m < p): ZB-V's order, later microbatches left out"
@@ -698,15 +757,17 @@ static void test_zbv_order(void) {
     smp_sim_result r;
     int ok = smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 2, 4, NULL, 1, false, &sc) == SMP_OK &&
              smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.5, &r) == SMP_OK;
-    CHECK(ok && fabs(r.makespan - 12) < 1e-12 && !r.deadlock, "zero_bubble_v: the middle hand-off (stage 1 to 2, one rank) costs no latency",
+    CHECK(ok && fabs(r.makespan - 12) < 1e-12 && !r.deadlock,
+          "zero_bubble_v: the middle hand-off (stage 1 to 2, one rank) costs no latency",
           "makespan %g, want 10 + 4 x 0.5 = 12 (four hops between ranks)", ok ? r.makespan : -1);
     if (ok) smp_sim_result_free(&r);
     smp_schedule_free(&sc);
     ok = smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 1, 2, NULL, 3, false, &sc) == SMP_OK &&
          smp_schedule_simulate(&sc, NULL, NULL, NULL, 7, &r) == SMP_OK;
     CHECK(ok && fabs(r.makespan - 18) < 1e-12 && r.bubble_fraction == 0 && r.rank_peak_inflight[0] == 2,
-          "zero_bubble_v with one rank: both stages local, no bubble, 2 chunks in flight", "makespan %g bubble %g peak %d",
-          ok ? r.makespan : -1, ok ? r.bubble_fraction : -1, ok ? r.rank_peak_inflight[0] : -1);
+          "zero_bubble_v with one rank: both stages local, no bubble, 2 chunks in flight",
+          "makespan %g bubble %g peak %d", ok ? r.makespan : -1, ok ? r.bubble_fraction : -1,
+          ok ? r.rank_peak_inflight[0] : -1);
     if (ok) smp_sim_result_free(&r);
     smp_schedule_free(&sc);
 }
@@ -760,12 +821,14 @@ static void test_active_microbatches(void) {
                     smp_sim_result fr;
                     if (smp_schedule_build(kind, R, S, NULL, m, false, &free_sc) != SMP_OK ||
                         smp_schedule_simulate(&free_sc, NULL, NULL, NULL, 0.0, &fr) != SMP_OK) {
-                        NOTE(ok_build, w_build, "%s R=%d v=%d m=%d uncapped: %s", kind_name(kind), R, v, m, smp_last_error());
+                        NOTE(ok_build, w_build, "%s R=%d v=%d m=%d uncapped: %s", kind_name(kind), R, v, m,
+                             smp_last_error());
                         smp_schedule_free(&free_sc);
                         continue;
                     }
                     int natural = 0;
-                    for (int r = 0; r < R; r++) natural = fr.rank_peak_microbatches[r] > natural ? fr.rank_peak_microbatches[r] : natural;
+                    for (int r = 0; r < R; r++)
+                        natural = fr.rank_peak_microbatches[r] > natural ? fr.rank_peak_microbatches[r] : natural;
                     smp_sim_result_free(&fr);
                     for (int c = 0; c <= m + 1; c++) {
                         smp_schedule sc;
@@ -776,13 +839,13 @@ static void test_active_microbatches(void) {
                         }
                         cases++;
                         if (sc.active_microbatches != c || sc.kind != kind)
-                            NOTE(ok_build, w_build, "%s R=%d v=%d m=%d c=%d: built with cap %d, kind %d", ctx, R, v, m, c,
-                                 sc.active_microbatches, (int)sc.kind);
+                            NOTE(ok_build, w_build, "%s R=%d v=%d m=%d c=%d: built with cap %d, kind %d", ctx, R, v, m,
+                                 c, sc.active_microbatches, (int)sc.kind);
                         if (!check_valid(&sc, map) || (split_kind(kind) && !check_w_order(&sc)))
                             NOTE(ok_valid, w_valid, "%s R=%d v=%d m=%d c=%d: %s", ctx, R, v, m, c, why);
                         if ((c == 0 || c >= natural) && !same_schedule(&sc, &free_sc))
-                            NOTE(ok_same, w_same, "%s R=%d v=%d m=%d c=%d (uncapped holds %d): the schedule changed", ctx, R,
-                                 v, m, c, natural);
+                            NOTE(ok_same, w_same, "%s R=%d v=%d m=%d c=%d (uncapped holds %d): the schedule changed",
+                                 ctx, R, v, m, c, natural);
                         for (int draw = 0; draw < 2; draw++) {
                             double f[32], b[32], w[32], lat = draw ? rnd_uniform(0, 0.5) : 0;
                             for (int s = 0; s < S; s++) {
@@ -795,17 +858,20 @@ static void test_active_microbatches(void) {
                                 NOTE(ok_sim, w_sim, "%s R=%d v=%d m=%d c=%d: %s", ctx, R, v, m, c, smp_last_error());
                                 continue;
                             }
-                            if (r.deadlock) NOTE(ok_sim, w_sim, "%s R=%d v=%d m=%d c=%d: %s", ctx, R, v, m, c, r.deadlock_reason);
+                            if (r.deadlock)
+                                NOTE(ok_sim, w_sim, "%s R=%d v=%d m=%d c=%d: %s", ctx, R, v, m, c, r.deadlock_reason);
                             for (int q = 0; q < R; q++) {
                                 int got = r.rank_peak_microbatches[q], counted = held_peak(&sc, q);
                                 if (got < 1 || (c && got > c))
-                                    NOTE(ok_cap, w_cap, "%s R=%d v=%d m=%d c=%d: rank %d holds %d microbatches", ctx, R, v, m,
-                                         c, q, got);
+                                    NOTE(ok_cap, w_cap, "%s R=%d v=%d m=%d c=%d: rank %d holds %d microbatches", ctx, R,
+                                         v, m, c, q, got);
                                 if (got != counted)
-                                    NOTE(ok_count, w_count, "%s R=%d v=%d m=%d c=%d: rank %d: simulator says %d, counted %d",
-                                         ctx, R, v, m, c, q, got, counted);
+                                    NOTE(ok_count, w_count,
+                                         "%s R=%d v=%d m=%d c=%d: rank %d: simulator says %d, counted %d", ctx, R, v, m,
+                                         c, q, got, counted);
                                 if (kind == SMP_PIPELINE_SIMPLE && got != (c && c < m ? c : m))
-                                    NOTE(ok_gpipe, w_gpipe, "R=%d v=%d m=%d c=%d: rank %d holds %d", R, v, m, c, q, got);
+                                    NOTE(ok_gpipe, w_gpipe, "R=%d v=%d m=%d c=%d: rank %d holds %d", R, v, m, c, q,
+                                         got);
                             }
                             smp_sim_result_free(&r);
                         }
@@ -813,14 +879,17 @@ static void test_active_microbatches(void) {
                     }
                     smp_schedule_free(&free_sc);
                 }
-    CHECK(ok_build && cases > 1000, "active_microbatches: every kind builds under every cap 0..m+1", "%s (%d cases)", w_build, cases);
-    CHECK(ok_valid, "active_microbatches: capped schedules are valid (each op once, microbatch order, W order)", "%s", w_valid);
+    CHECK(ok_build && cases > 1000, "active_microbatches: every kind builds under every cap 0..m+1", "%s (%d cases)",
+          w_build, cases);
+    CHECK(ok_valid, "active_microbatches: capped schedules are valid (each op once, microbatch order, W order)", "%s",
+          w_valid);
     CHECK(ok_sim, "active_microbatches: capped schedules never deadlock (unit and random costs, latency)", "%s", w_sim);
     CHECK(ok_cap, "active_microbatches: no rank ever holds more than the cap", "%s", w_cap);
-    CHECK(ok_count, "active_microbatches: the simulator's peak microbatches per rank matches an independent count", "%s", w_count);
+    CHECK(ok_count, "active_microbatches: the simulator's peak microbatches per rank matches an independent count",
+          "%s", w_count);
     CHECK(ok_same, "active_microbatches: 0, or a cap the schedule never reaches, leaves it unchanged", "%s", w_same);
-    CHECK(ok_gpipe, "active_microbatches: simple holds exactly min(c, m) microbatches per rank (GPipe in groups of c)", "%s",
-          w_gpipe);
+    CHECK(ok_gpipe, "active_microbatches: simple holds exactly min(c, m) microbatches per rank (GPipe in groups of c)",
+          "%s", w_gpipe);
     smp_schedule sc;
     smp_status st = smp_schedule_build_capped(SMP_PIPELINE_INTERLEAVED, 2, 2, NULL, 4, -1, false, &sc);
     CHECK(st == SMP_ERR_ARG && strstr(smp_last_error(), "active_microbatches") && strstr(smp_last_error(), "-1"),
@@ -830,8 +899,9 @@ static void test_active_microbatches(void) {
     int ok = smp_schedule_build_capped(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 4, 2, false, &sc) == SMP_OK &&
              smp_schedule_simulate(&sc, NULL, NULL, NULL, 0.0, &r) == SMP_OK;
     CHECK(ok && fabs(r.makespan - 12) < 1e-12 && r.rank_peak_microbatches[0] == 2 && r.rank_peak_microbatches[1] == 2,
-          "active_microbatches: simple with cap 2 of 4 runs two GPipe groups (makespan 12, 2 held)", "makespan %g held %d %d",
-          ok ? r.makespan : -1, ok ? r.rank_peak_microbatches[0] : -1, ok ? r.rank_peak_microbatches[1] : -1);
+          "active_microbatches: simple with cap 2 of 4 runs two GPipe groups (makespan 12, 2 held)",
+          "makespan %g held %d %d", ok ? r.makespan : -1, ok ? r.rank_peak_microbatches[0] : -1,
+          ok ? r.rank_peak_microbatches[1] : -1);
     if (ok) smp_sim_result_free(&r);
     smp_schedule_free(&sc);
 #undef NOTE
@@ -857,7 +927,9 @@ static void test_other_maps(void) {
         for (int m = 1; m <= 13 && ok; m += 3)
             for (int kk = 0; kk < 3 && ok; kk++)
                 for (int fo = 0; fo < 2 && ok; fo++) {
-                    smp_pipeline_kind kind = kk == 2 ? SMP_PIPELINE_ZERO_BUBBLE : kk ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED;
+                    smp_pipeline_kind kind = kk == 2 ? SMP_PIPELINE_ZERO_BUBBLE
+                                             : kk    ? SMP_PIPELINE_SIMPLE
+                                                     : SMP_PIPELINE_INTERLEAVED;
                     bool zb = kind == SMP_PIPELINE_ZERO_BUBBLE && !fo;
                     smp_schedule sc;
                     smp_sim_result r;
@@ -872,12 +944,18 @@ static void test_other_maps(void) {
                         ok = fail("map %d %s m=%d: %s", q, kind_name(kind), m, w);
                     }
                     double f[16], b[16], w[16];
-                    for (int s = 0; s < S; s++) { f[s] = rnd_uniform(0.2, 3); b[s] = rnd_uniform(0.2, 5); w[s] = rnd_uniform(0, 3); }
+                    for (int s = 0; s < S; s++) {
+                        f[s] = rnd_uniform(0.2, 3);
+                        b[s] = rnd_uniform(0.2, 5);
+                        w[s] = rnd_uniform(0, 3);
+                    }
                     if (ok && smp_schedule_simulate(&sc, f, b, w, rnd_uniform(0, 1), &r) == SMP_OK) {
                         if (r.deadlock) ok = fail("map %d %s m=%d: %s", q, kind_name(kind), m, r.deadlock_reason);
                         for (int s = 0; s < S && ok && !fo; s++) {
                             /* zero bubble: in flight until W, at most min(m, S) */
-                            int bound = kind == SMP_PIPELINE_SIMPLE ? m : zb ? (m < S ? m : S) : (m < S - s ? m : S - s);
+                            int bound = kind == SMP_PIPELINE_SIMPLE ? m
+                                        : zb                        ? (m < S ? m : S)
+                                                                    : (m < S - s ? m : S - s);
                             if (kind == SMP_PIPELINE_SIMPLE ? r.peak_inflight[s] != bound : r.peak_inflight[s] > bound)
                                 ok = fail("map %d %s m=%d: stage %d peak %d, bound %d", q, kind_name(kind), m, s,
                                           r.peak_inflight[s], bound);
@@ -889,8 +967,10 @@ static void test_other_maps(void) {
                     smp_schedule_free(&sc);
                 }
     }
-    CHECK(ok, "other stage maps (fixed and 300 random), every kind: valid, no deadlock (random F/B/W costs and latency), "
-          "in-flight bounds, zero_bubble's later stages' W first", "%s (%d schedules)", why, tried);
+    CHECK(ok,
+          "other stage maps (fixed and 300 random), every kind: valid, no deadlock (random F/B/W costs and latency), "
+          "in-flight bounds, zero_bubble's later stages' W first",
+          "%s (%d schedules)", why, tried);
 }
 
 static void test_simple_order(void) {
@@ -898,7 +978,8 @@ static void test_simple_order(void) {
        from the last stage back, microbatches ascending within each stage */
     smp_schedule sc;
     int ok = smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 4, NULL, 2, false, &sc) == SMP_OK;
-    static const char *want[2] = {"F0.0 F0.1 F2.0 F2.1 B2.0 B2.1 B0.0 B0.1 ", "F1.0 F1.1 F3.0 F3.1 B3.0 B3.1 B1.0 B1.1 "};
+    static const char *want[2] = {"F0.0 F0.1 F2.0 F2.1 B2.0 B2.1 B0.0 B0.1 ",
+                                  "F1.0 F1.1 F3.0 F3.1 B3.0 B3.1 B1.0 B1.1 "};
     char got[2][128] = {"", ""};
     for (int r = 0; ok && r < 2; r++) {
         size_t len = 0;
@@ -937,7 +1018,8 @@ static void test_zero_bubble_order(void) {
         "F2.0 F2.1 B2.0 F2.2 B2.1 F2.3 B2.2 W2.0 F2.4 B2.3 W2.1 F2.5 B2.4 W2.2 B2.5 W2.3 W2.4 W2.5 ",
         "F3.0 B3.0 F3.1 B3.1 F3.2 B3.2 F3.3 B3.3 W3.0 F3.4 B3.4 W3.1 F3.5 B3.5 W3.2 W3.3 W3.4 W3.5 "};
     smp_schedule sc;
-    int ok = smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE, 4, 4, NULL, 6, false, &sc) == SMP_OK && sc.kind == SMP_PIPELINE_ZERO_BUBBLE;
+    int ok = smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE, 4, 4, NULL, 6, false, &sc) == SMP_OK &&
+             sc.kind == SMP_PIPELINE_ZERO_BUBBLE;
     char got[4][256] = {"", "", "", ""};
     int bad = -1;
     for (int r = 0; ok && r < 4; r++) {
@@ -947,8 +1029,8 @@ static void test_zero_bubble_order(void) {
                                     sc.ops[r][k].stage, sc.ops[r][k].microbatch);
         if (strcmp(got[r], want[r])) { ok = 0; bad = r; }
     }
-    CHECK(ok, "zero_bubble with 4 stages, 6 microbatches: ZB-H1's order (W ops in 1F1B's bubbles)", "rank %d: %s| want %s", bad,
-          bad >= 0 ? got[bad] : smp_last_error(), bad >= 0 ? want[bad] : "");
+    CHECK(ok, "zero_bubble with 4 stages, 6 microbatches: ZB-H1's order (W ops in 1F1B's bubbles)",
+          "rank %d: %s| want %s", bad, bad >= 0 ? got[bad] : smp_last_error(), bad >= 0 ? want[bad] : "");
     smp_schedule_free(&sc);
 }
 
@@ -980,8 +1062,8 @@ static void test_simulator_by_hand(void) {
     if (ok) {
         ok = fabs(r.makespan - 11.5) < 1e-12 && fabs(r.busy - 11.5) < 1e-12 && fabs(r.ideal - 5.75) < 1e-12 &&
              fabs(r.bubble_fraction - 0.5) < 1e-12 && !r.deadlock && r.peak_inflight[0] == 1 && r.peak_inflight[1] == 1;
-        CHECK(ok, "simulator: zero_bubble 2-stage step by hand (B and W apart)", "makespan %g busy %g ideal %g bubble %g",
-              r.makespan, r.busy, r.ideal, r.bubble_fraction);
+        CHECK(ok, "simulator: zero_bubble 2-stage step by hand (B and W apart)",
+              "makespan %g busy %g ideal %g bubble %g", r.makespan, r.busy, r.ideal, r.bubble_fraction);
         smp_sim_result_free(&r);
     } else {
         CHECK(0, "simulator: zero_bubble 2-stage step by hand (B and W apart)", "%s", smp_last_error());
@@ -990,9 +1072,10 @@ static void test_simulator_by_hand(void) {
     ok = smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 1, false, &sc) == SMP_OK &&
          smp_schedule_simulate(&sc, f, b, w, 0.5, &r) == SMP_OK;
     if (ok) {
-        ok = fabs(r.makespan - 12.5) < 1e-12 && fabs(r.busy - 11.5) < 1e-12 && fabs(r.ideal - 5.75) < 1e-12 && !r.deadlock;
-        CHECK(ok, "simulator: outside zero bubble a backward costs B + W", "makespan %g busy %g ideal %g", r.makespan, r.busy,
-              r.ideal);
+        ok = fabs(r.makespan - 12.5) < 1e-12 && fabs(r.busy - 11.5) < 1e-12 && fabs(r.ideal - 5.75) < 1e-12 &&
+             !r.deadlock;
+        CHECK(ok, "simulator: outside zero bubble a backward costs B + W", "makespan %g busy %g ideal %g", r.makespan,
+              r.busy, r.ideal);
         smp_sim_result_free(&r);
     } else {
         CHECK(0, "simulator: outside zero bubble a backward costs B + W", "%s", smp_last_error());
@@ -1136,23 +1219,24 @@ static void test_errors(void) {
                 "stages 1 and 2 both run on rank 1", "error: consecutive stages on one rank (0,1,1,0)");
     check_error(smp_schedule_build(SMP_PIPELINE_INTERLEAVED, 1, 2, NULL, 4, false, &sc), "consecutive",
                 "error: one rank, two stages");
-    check_error(smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, out_of_range, 1, false, &sc), "stage 1 is placed on rank 5",
-                "error: rank out of range");
+    check_error(smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, out_of_range, 1, false, &sc),
+                "stage 1 is placed on rank 5", "error: rank out of range");
     check_error(smp_schedule_build((smp_pipeline_kind)42, 2, 2, NULL, 1, false, &sc), "unknown pipeline kind 42",
                 "error: unknown kind");
     check_error(smp_schedule_build((smp_pipeline_kind)42, 2, 2, NULL, 1, false, &sc), "zero_bubble or zero_bubble_v",
                 "error: unknown kind lists zero_bubble and zero_bubble_v among the kinds");
     static const int alternating[] = {0, 1, 0, 1}, vee3[] = {0, 1, 2, 2, 1, 0};
-    check_error(smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 2, 3, NULL, 4, false, &sc), "2 ranks need 4 stages, got 3",
-                "error: zero_bubble_v needs 2 stages per rank");
+    check_error(smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 2, 3, NULL, 4, false, &sc),
+                "2 ranks need 4 stages, got 3", "error: zero_bubble_v needs 2 stages per rank");
     check_error(smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 2, 4, alternating, 4, false, &sc),
-                "stage 2 is placed on rank 0, but zero_bubble_v's V puts it on rank 1", "error: zero_bubble_v on 0,1,0,1 names the V");
+                "stage 2 is placed on rank 0, but zero_bubble_v's V puts it on rank 1",
+                "error: zero_bubble_v on 0,1,0,1 names the V");
     check_error(smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 2, 4, NULL, 0, false, &sc), "microbatches = 0",
                 "error: zero_bubble_v with no microbatch");
-    check_error(smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE, 3, 6, vee3, 4, false, &sc), "stages 2 and 3 both run on rank 2",
-                "error: the V's consecutive stages only under zero_bubble_v");
-    CHECK(smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 3, 6, vee3, 4, false, &sc) == SMP_OK, "zero_bubble_v accepts the V 0,1,2,2,1,0",
-          "%s", smp_last_error());
+    check_error(smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE, 3, 6, vee3, 4, false, &sc),
+                "stages 2 and 3 both run on rank 2", "error: the V's consecutive stages only under zero_bubble_v");
+    CHECK(smp_schedule_build(SMP_PIPELINE_ZERO_BUBBLE_V, 3, 6, vee3, 4, false, &sc) == SMP_OK,
+          "zero_bubble_v accepts the V 0,1,2,2,1,0", "%s", smp_last_error());
     smp_schedule_free(&sc);
     check_error(smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 1, false, NULL), "out is NULL", "error: no output");
     /* a failed build leaves a zeroed schedule that free accepts */
@@ -1188,10 +1272,15 @@ static void test_errors(void) {
     for (int k = 0; k < 2; k++) {
         hand_init(&h, 2, 2, map, 1, false);
         h.sc.kind = k ? SMP_PIPELINE_SIMPLE : SMP_PIPELINE_INTERLEAVED;
-        hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, B, 0, 0); hand_op(&h, 0, W, 0, 0); hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, B, 1, 0);
+        hand_op(&h, 0, F, 0, 0);
+        hand_op(&h, 0, B, 0, 0);
+        hand_op(&h, 0, W, 0, 0);
+        hand_op(&h, 1, F, 1, 0);
+        hand_op(&h, 1, B, 1, 0);
         check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r),
                     "rank 0 op 2 is a weight-gradient op in a non-zero-bubble schedule",
-                    k ? "simulator error: W op in a simple schedule" : "simulator error: W op in an interleaved schedule");
+                    k ? "simulator error: W op in a simple schedule"
+                      : "simulator error: W op in an interleaved schedule");
     }
     hand_init(&h, 2, 2, map, 1, true);
     h.sc.kind = SMP_PIPELINE_ZERO_BUBBLE;
@@ -1200,7 +1289,11 @@ static void test_errors(void) {
                 "simulator error: W op in a forward-only zero_bubble schedule");
     hand_init(&h, 2, 2, map, 1, false);
     h.sc.kind = SMP_PIPELINE_ZERO_BUBBLE;
-    hand_op(&h, 0, F, 0, 0); hand_op(&h, 0, B, 0, 0); hand_op(&h, 0, W, 0, 0); hand_op(&h, 1, F, 1, 0); hand_op(&h, 1, B, 1, 0);
+    hand_op(&h, 0, F, 0, 0);
+    hand_op(&h, 0, B, 0, 0);
+    hand_op(&h, 0, W, 0, 0);
+    hand_op(&h, 1, F, 1, 0);
+    hand_op(&h, 1, B, 1, 0);
     check_error(smp_schedule_simulate(&h.sc, NULL, NULL, NULL, 0, &r), "never runs W(stage 1, microbatch 0)",
                 "simulator error: zero_bubble schedule missing a W op");
     hand_op(&h, 1, W, 1, 0); hand_op(&h, 1, W, 1, 0);
@@ -1223,10 +1316,14 @@ static void test_errors(void) {
     smp_sim_result_free(&r);
     smp_schedule_build(SMP_PIPELINE_SIMPLE, 2, 2, NULL, 1, false, &sc);
     double neg[2] = {1, -1}, nan2[2] = {NAN, 1};
-    check_error(smp_schedule_simulate(&sc, neg, NULL, NULL, 0, &r), "forward cost of stage 1", "simulator error: negative cost");
-    check_error(smp_schedule_simulate(&sc, NULL, nan2, NULL, 0, &r), "backward cost of stage 0", "simulator error: NaN cost");
-    check_error(smp_schedule_simulate(&sc, NULL, NULL, neg, 0, &r), "weight cost of stage 1", "simulator error: negative W cost");
-    check_error(smp_schedule_simulate(&sc, NULL, NULL, NULL, -1, &r), "comm_latency", "simulator error: negative latency");
+    check_error(smp_schedule_simulate(&sc, neg, NULL, NULL, 0, &r), "forward cost of stage 1",
+                "simulator error: negative cost");
+    check_error(smp_schedule_simulate(&sc, NULL, nan2, NULL, 0, &r), "backward cost of stage 0",
+                "simulator error: NaN cost");
+    check_error(smp_schedule_simulate(&sc, NULL, NULL, neg, 0, &r), "weight cost of stage 1",
+                "simulator error: negative W cost");
+    check_error(smp_schedule_simulate(&sc, NULL, NULL, NULL, -1, &r), "comm_latency",
+                "simulator error: negative latency");
     CHECK(r.peak_inflight == NULL && r.rank_peak_inflight == NULL, "simulator error: leaves no arrays", "arrays left");
     smp_schedule_free(&sc);
     smp_schedule_free(&sc); /* twice: harmless */
@@ -1236,7 +1333,8 @@ static void test_errors(void) {
    (before smp_init: schedules need none): SMP_ERR_NOMEM with the policy's
    message, nothing left allocated, and a schedule once memory suffices. */
 static void test_nomem(void) {
-    static const smp_pipeline_kind kinds[] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE, SMP_PIPELINE_ZERO_BUBBLE_V};
+    static const smp_pipeline_kind kinds[] = {SMP_PIPELINE_SIMPLE, SMP_PIPELINE_INTERLEAVED, SMP_PIPELINE_ZERO_BUBBLE,
+                                              SMP_PIPELINE_ZERO_BUBBLE_V};
     int failed = 0, wrong = 0, ran = 0;
     for (int q = 0; q < 4; q++)
         for (long skip = 0; skip < 64; skip++) {
@@ -1255,7 +1353,8 @@ static void test_nomem(void) {
             failed++;
             wrong += st != SMP_ERR_NOMEM || !strstr(smp_last_error(), "out of memory: ");
         }
-    CHECK(ran == 4 && failed >= 4 * 4 && !wrong, "out of memory in smp_schedule_build and smp_schedule_simulate: SMP_ERR_NOMEM, nothing kept",
+    CHECK(ran == 4 && failed >= 4 * 4 && !wrong,
+          "out of memory in smp_schedule_build and smp_schedule_simulate: SMP_ERR_NOMEM, nothing kept",
           "%d of 4 kinds ran, %d allocations failed, %d wrong (last: %s)", ran, failed, wrong, smp_last_error());
 }
 

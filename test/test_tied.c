@@ -86,7 +86,8 @@
 #include <unistd.h>
 
 enum { TB = 24, TD = 8, MAXDP = 4, MAXM = 8, NP = 8, NCALLS = 8, STEPS = 3, WN = TD * TD };
-static const char *pnames[NP] = {"tied.weight", "tied.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"};
+static const char *pnames[NP] = {"tied.weight", "tied.bias", "fc1.weight", "fc1.bias",
+                                 "fc2.weight",  "fc2.bias",  "fc3.weight", "fc3.bias"};
 static int psize(int k) { return k % 2 == 0 ? WN : TD; }
 static const float LR = 0.1f;
 
@@ -122,7 +123,8 @@ static smp_status tnet_forward(smp_model *m, const smp_tensor *in, int nin, smp_
     pair[1] = a0; /* the skip connection from the tied module's first call */
     SMP_TRY(smp_call(n->skip, pair, 2, &a5, 1));
     SMP_TRY(smp_call(n->fc[2], &a5, 1, &a6, 1));
-    SMP_TRY(smp_call(n->head ? n->head : n->tied, &a6, 1, &out[0], 1)); /* the same module again: tied output projection */
+    /* the same module again: tied output projection */
+    SMP_TRY(smp_call(n->head ? n->head : n->tied, &a6, 1, &out[0], 1));
     return SMP_OK;
 }
 
@@ -135,7 +137,8 @@ static smp_status tnet_forward(smp_model *m, const smp_tensor *in, int nin, smp_
 typedef struct {
     const int *placement;      /* NULL: auto; else the partitions of fc1 act1 fc2 act2 skip fc3 */
     int tied_ctx;              /* the SMP_PARTITION context the tied module is created in; -1: none */
-    int embed_ctx, head_ctx;   /* >= 0 (or -2 under auto): calls 0 and 7 go through composites created in these contexts; -1: top-level calls */
+    /* >= 0 (or -2 under auto): calls 0 and 7 go through composites created in these contexts; -1: top-level calls */
+    int embed_ctx, head_ctx;
     int dflt;                  /* default_partition; -1: none */
 } layout;
 static const layout AUTO = {NULL, -1, -1, -1, -1}, AUTO_WRAPPED = {NULL, -1, -2, -2, -1};
@@ -154,7 +157,8 @@ static smp_model *tnet_build(tnet *n, const layout *L) {
     memset(n, 0, sizeof *n);
     n->root = smp_module_new(NULL, "", NULL);
     int64_t ws[2] = {TD, TD}, bs[1] = {TD};
-    const smp_module_desc relu = {relu_forward, relu_backward, NULL}, add = {add_forward, add_backward, NULL}, wrap = {wrap_forward, NULL, n};
+    const smp_module_desc relu = {relu_forward, relu_backward, NULL}, add = {add_forward, add_backward, NULL},
+                          wrap = {wrap_forward, NULL, n};
     const int *placement = L->placement;
     int tied_ctx = L->tied_ctx;
     if (L->embed_ctx != -1) {
@@ -193,7 +197,8 @@ static smp_model *tnet_build(tnet *n, const layout *L) {
 SMP_STEP_BODY(mse_body) {
     const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
     smp_tensor *g = smp_mb_output_grad(mb, 0);
-    float loss = mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y));
+    float loss =
+        mse((const float *)y->data, (const float *)t->data, g ? (float *)g->data : NULL, (int)smp_tensor_numel(y));
     smp_status st = smp_mb_return_f32(mb, 0, loss);
     return st ? st : smp_mb_return(mb, 1, y);
 }
@@ -219,13 +224,14 @@ static void ref_init(tref *r) {
 }
 
 /* One replica's batch of `rows` in m microbatches; gradients added into g. */
-static void ref_replica(float v[NP][WN], const float *x, const float *t, int rows, int m, bool train, double divisor, float g[NP][WN],
-                        float *loss, float *out, float buf[2][2][WN]) {
+static void ref_replica(float v[NP][WN], const float *x, const float *t, int rows, int m, bool train, double divisor,
+                        float g[NP][WN], float *loss, float *out, float buf[2][2][WN]) {
     int n = rows / m;
     memset(buf, 0, sizeof(float) * 2 * 2 * WN);
     for (int i = 0; i < m; i++) {
         const float *xi = x + (size_t)i * n * TD, *ti = t + (size_t)i * n * TD;
-        float a0[TB * TD], a1[TB * TD], a2[TB * TD], a3[TB * TD], a4[TB * TD], a5[TB * TD], a6[TB * TD], y[TB * TD], gy[TB * TD];
+        float a0[TB * TD], a1[TB * TD], a2[TB * TD], a3[TB * TD], a4[TB * TD], a5[TB * TD], a6[TB * TD], y[TB * TD],
+            gy[TB * TD];
         linear_fwd(xi, v[0], v[1], a0, n, TD, TD);
         linear_fwd(a0, v[2], v[3], a1, n, TD, TD);
         for (int k = 0; k < n * TD; k++) a2[k] = a1[k] > 0 ? a1[k] : 0;
@@ -267,7 +273,8 @@ static void tref_step(tref *r, int dp, int m, bool zero) {
     static float acc[MAXDP][NP][WN];
     memset(acc, 0, sizeof acc);
     for (int d = 0; d < dp; d++)
-        ref_replica(r->v, g_x + (size_t)d * TB * TD, g_t + (size_t)d * TB * TD, TB, m, true, (double)m * dp, acc[d], r->loss[d], r->out[d], buf);
+        ref_replica(r->v, g_x + (size_t)d * TB * TD, g_t + (size_t)d * TB * TD, TB, m, true, (double)m * dp, acc[d],
+                    r->loss[d], r->out[d], buf);
     for (int k = 0; k < NP; k++)
         for (int i = 0; i < psize(k); i++) {
             float s = acc[0][k][i];
@@ -308,8 +315,8 @@ static void diagnose_tied(const tref *r, const float *before, const float *got, 
 
 /* This rank's losses, outputs, gradients and values against the reference
    (replica rep); before: the reference's gradients before this step. */
-static int compare(smp_model *model, const tref *r, const float before[NP][WN], const smp_step_output *outs, int m, int rep, const char *when,
-                   char *why, size_t cap) {
+static int compare(smp_model *model, const tref *r, const float before[NP][WN], const smp_step_output *outs, int m,
+                   int rep, const char *when, char *why, size_t cap) {
     for (int i = 0; outs && i < m; i++) {
         float got = ((const float *)outs[0].values[i].data)[0];
         if (memcmp(&got, &r->loss[rep][i], 4)) {
@@ -333,20 +340,25 @@ static int compare(smp_model *model, const tref *r, const float before[NP][WN], 
     for (int i = 0; i < np; i++) {
         smp_param *p = smp_model_global_param(model, i, true);
         int k = p ? pindex(smp_param_name(p)) : -1;
-        if (k < 0) { snprintf(why, cap, "%s: unexpected parameter %d '%s'", when, i, p ? smp_param_name(p) : "(null)"); return 0; }
+        if (k < 0) {
+            snprintf(why, cap, "%s: unexpected parameter %d '%s'", when, i, p ? smp_param_name(p) : "(null)");
+            return 0;
+        }
         if (!smp_module_is_local(smp_param_module(p))) continue;
         const float *g = (const float *)smp_param_grad(p)->data, *v = (const float *)smp_param_value(p)->data;
         if (!g || !v) { snprintf(why, cap, "%s: local parameter %s has no storage", when, pnames[k]); return 0; }
         if (memcmp(v, r->v[k], sizeof(float) * (size_t)psize(k))) {
             int e = 0;
             while (e < psize(k) - 1 && !memcmp(&v[e], &r->v[k][e], 4)) e++;
-            snprintf(why, cap, "%s: %s (mp rank %d) differs: [%d] = %.9g, reference %.9g", when, pnames[k], smp_mp_rank(), e, v[e], r->v[k][e]);
+            snprintf(why, cap, "%s: %s (mp rank %d) differs: [%d] = %.9g, reference %.9g", when, pnames[k],
+                     smp_mp_rank(), e, v[e], r->v[k][e]);
             return 0;
         }
         if (before && memcmp(g, r->g[k], sizeof(float) * (size_t)psize(k))) {
             int e = 0;
             while (e < psize(k) - 1 && !memcmp(&g[e], &r->g[k][e], 4)) e++;
-            snprintf(why, cap, "%s: gradient of %s (mp rank %d) differs: [%d] = %.9g, reference %.9g", when, pnames[k], smp_mp_rank(), e, g[e], r->g[k][e]);
+            snprintf(why, cap, "%s: gradient of %s (mp rank %d) differs: [%d] = %.9g, reference %.9g", when, pnames[k],
+                     smp_mp_rank(), e, g[e], r->g[k][e]);
             if (k == 0 && smp_dp_size() == 1) diagnose_tied(r, before[0], g, why, cap);
             return 0;
         }
@@ -357,7 +369,10 @@ static int compare(smp_model *model, const tref *r, const float before[NP][WN], 
     for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
         int k = pindex(smp_param_name(p));
         if (k < 0 || !smp_module_is_local(smp_param_module(p)) || seen[k]++) {
-            snprintf(why, cap, "%s: smp_model_local_param(m, %d, false) gave '%s' (%s)", when, i, smp_param_name(p), k < 0 ? "unknown" : seen[k] > 1 ? "twice" : "not local");
+            snprintf(why, cap, "%s: smp_model_local_param(m, %d, false) gave '%s' (%s)", when, i, smp_param_name(p),
+                     k < 0         ? "unknown"
+                     : seen[k] > 1 ? "twice"
+                                   : "not local");
             return 0;
         }
     }
@@ -383,9 +398,11 @@ static int agree(int ok, char *why, size_t cap, const char *when) {
 static int check_placement(smp_model *model, tnet *n, int want_first, int want_last, char *why, size_t cap) {
     int S = smp_model_num_stages(model), nc = smp_model_num_calls(model);
     if (nc != NCALLS) { snprintf(why, cap, "%d leaf calls traced, expected %d", nc, NCALLS); return 0; }
-    int first = smp_model_stage_rank(model, smp_model_call_stage(model, 0)), last = smp_model_stage_rank(model, smp_model_call_stage(model, NCALLS - 1));
+    int first = smp_model_stage_rank(model, smp_model_call_stage(model, 0)),
+        last = smp_model_stage_rank(model, smp_model_call_stage(model, NCALLS - 1));
     if (want_first >= 0 && (first != want_first || last != want_last)) {
-        snprintf(why, cap, "the tied module's calls run on mp ranks %d and %d, expected %d and %d (%d stages)", first, last, want_first, want_last, S);
+        snprintf(why, cap, "the tied module's calls run on mp ranks %d and %d, expected %d and %d (%d stages)", first,
+                 last, want_first, want_last, S);
         return 0;
     }
     bool calls_here = false;
@@ -394,16 +411,21 @@ static int check_placement(smp_model *model, tnet *n, int want_first, int want_l
         if ((c == 0 || c == NCALLS - 1) && rk == smp_mp_rank()) calls_here = true;
     }
     if (smp_module_is_local(n->tied) != calls_here) {
-        snprintf(why, cap, "smp_module_is_local(tied) is %d on mp rank %d, which %s it", smp_module_is_local(n->tied), smp_mp_rank(), calls_here ? "calls" : "does not call");
+        snprintf(why, cap, "smp_module_is_local(tied) is %d on mp rank %d, which %s it", smp_module_is_local(n->tied),
+                 smp_mp_rank(), calls_here ? "calls" : "does not call");
         return 0;
     }
     if (smp_module_partition(n->tied) != first) {
-        snprintf(why, cap, "smp_module_partition(tied) = %d, expected %d (the partition of its first call)", smp_module_partition(n->tied), first);
+        snprintf(why, cap, "smp_module_partition(tied) = %d, expected %d (the partition of its first call)",
+                 smp_module_partition(n->tied), first);
         return 0;
     }
     smp_param *w = smp_model_find_param(model, "tied.weight");
     if (!w || smp_param_module(w) != n->tied || (smp_param_value(w)->data != NULL) != calls_here) {
-        snprintf(why, cap, "tied.weight: %s", !w ? "not found" : smp_param_module(w) != n->tied ? "module is not tied" : "storage where the module is not local, or none where it is");
+        snprintf(why, cap, "tied.weight: %s",
+                 !w                               ? "not found"
+                 : smp_param_module(w) != n->tied ? "module is not tied"
+                                                  : "storage where the module is not local, or none where it is");
         return 0;
     }
     return 1;
@@ -431,7 +453,8 @@ static int check_copies(smp_model *model, char *why, size_t cap) {
             return 0;
         }
     }
-    int r0 = smp_model_stage_rank(model, smp_model_call_stage(model, 0)), r7 = smp_model_stage_rank(model, smp_model_call_stage(model, NCALLS - 1));
+    int r0 = smp_model_stage_rank(model, smp_model_call_stage(model, 0)),
+        r7 = smp_model_stage_rank(model, smp_model_call_stage(model, NCALLS - 1));
     int want = world / smp_mp_size() * (r0 != r7 ? 2 : 1); /* the partitions of calls 0 and 7, in every replica */
     if (holders != want) { snprintf(why, cap, "%d ranks hold the tied module, expected %d", holders, want); return 0; }
     return 1;
@@ -504,7 +527,8 @@ static void run_python(const char *sub, const char *label) {
         const char *script = script_path("tied_ref.py");
         fflush(stdout);
         if (system("command -v python3 > /dev/null 2>&1") != 0) test_skip(label, "python3 not found");
-        else if (access(script, R_OK) != 0) test_skip(label, "test/tied_ref.py not found (run from the repository root)");
+        else if (access(script, R_OK) != 0)
+            test_skip(label, "test/tied_ref.py not found (run from the repository root)");
         else {
             snprintf(cmd, sizeof cmd, "python3 '%s' '%s/%s' '%s'", script, dir, sub, label);
             int rc = system(cmd);
@@ -547,8 +571,9 @@ static void topt_free(topt *o) {
 static int topt_check(const topt *o, const tref *r, char *why, size_t cap) {
     for (int i = 0; i < o->n; i++)
         if (o->k[i] < 0 || memcmp(o->t[i].data, r->g[o->k[i]], sizeof(float) * (size_t)psize(o->k[i]))) {
-            snprintf(why, cap, "optimizer.%s.exp_avg (mp rank %d) differs from the saved one: [0] = %.9g, saved %.9g", o->k[i] < 0 ? "?" : pnames[o->k[i]],
-                     smp_mp_rank(), ((const float *)o->t[i].data)[0], o->k[i] < 0 ? 0.0 : r->g[o->k[i]][0]);
+            snprintf(why, cap, "optimizer.%s.exp_avg (mp rank %d) differs from the saved one: [0] = %.9g, saved %.9g",
+                     o->k[i] < 0 ? "?" : pnames[o->k[i]], smp_mp_rank(), ((const float *)o->t[i].data)[0],
+                     o->k[i] < 0 ? 0.0 : r->g[o->k[i]][0]);
             return 0;
         }
     return 1;
@@ -588,7 +613,10 @@ static int run_case(const tcase *c) {
     char name[256], why[4096] = "", pname[400];
     int dpw = world / c->P;
     snprintf(name, sizeof name, "tied/%s/P=%d/dp=%d/m=%d/%s%s", c->label, c->P, dpw, c->m,
-             c->kind == SMP_PIPELINE_SIMPLE ? "simple" : c->kind == SMP_PIPELINE_ZERO_BUBBLE ? "zero_bubble" : c->kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v" : "interleaved",
+             c->kind == SMP_PIPELINE_SIMPLE          ? "simple"
+             : c->kind == SMP_PIPELINE_ZERO_BUBBLE   ? "zero_bubble"
+             : c->kind == SMP_PIPELINE_ZERO_BUBBLE_V ? "zero_bubble_v"
+                                                     : "interleaved",
              g_split ? "/split linears" : "");
     tnet n;
     smp_model *model = start(c->P, c->m, c->kind, c->vstages, c->L, &n);
@@ -598,7 +626,8 @@ static int run_case(const tcase *c) {
     static float before[NP][WN];
     ref_init(&ref);
     int dp = ok ? smp_dp_size() : 1, rep = ok ? smp_dp_rank() : 0;
-    smp_tensor x = smp_tensor_2d(g_x + (size_t)rep * TB * TD, SMP_F32, TB, TD), t = smp_tensor_2d(g_t + (size_t)rep * TB * TD, SMP_F32, TB, TD);
+    smp_tensor x = smp_tensor_2d(g_x + (size_t)rep * TB * TD, SMP_F32, TB, TD),
+               t = smp_tensor_2d(g_t + (size_t)rep * TB * TD, SMP_F32, TB, TD);
     bool dumped = false;
     for (int s = 0; s < STEPS && ok; s++) {
         bool zero = dp > 1 || s != 1; /* dp = 1: the second step accumulates on top of the first */
@@ -612,7 +641,8 @@ static int run_case(const tcase *c) {
         snprintf(when, sizeof when, "step %d", s);
         int ran = st == SMP_OK, all_ran;
         MPI_Allreduce(&ran, &all_ran, 1, MPI_INT, MPI_LAND, MPI_COMM_WORLD);
-        if (s == 0 && c->python && all_ran) { /* the float64 check judges smp's gradients whatever the bitwise one says */
+        /* the float64 check judges smp's gradients whatever the bitwise one says */
+        if (s == 0 && c->python && all_ran) {
             dump_for_python(model, outs, c->m, c->python);
             dumped = true;
         }
@@ -623,7 +653,8 @@ static int run_case(const tcase *c) {
         smp_step_output_free(&outs[1]);
         smp_param *p;
         for (int i = 0; ok && (p = smp_model_local_param(model, i, false)); i++)
-            sgd((float *)smp_param_value(p)->data, (const float *)smp_param_grad(p)->data, (int)smp_tensor_numel(smp_param_value(p)));
+            sgd((float *)smp_param_value(p)->data, (const float *)smp_param_grad(p)->data,
+                (int)smp_tensor_numel(smp_param_value(p)));
         ref_sgd(&ref);
     }
     if (ok) { /* the trained values, and an evaluation step's outputs and losses */
@@ -634,7 +665,8 @@ static int run_case(const tcase *c) {
         if (ok) {
             tref er = ref;
             float dummy[NP][WN], buf[2][2][WN];
-            ref_replica(er.v, g_x + (size_t)rep * TB * TD, g_t + (size_t)rep * TB * TD, TB, c->m, false, 1, dummy, er.loss[rep], er.out[rep], buf);
+            ref_replica(er.v, g_x + (size_t)rep * TB * TD, g_t + (size_t)rep * TB * TD, TB, c->m, false, 1, dummy,
+                        er.loss[rep], er.out[rep], buf);
             ok = compare(model, &er, NULL, eo, c->m, rep, "evaluation step", why, sizeof why);
         }
         smp_step_output_free(&eo[0]);
@@ -644,7 +676,9 @@ static int run_case(const tcase *c) {
     MPI_CHECK(ok, name, "%s", why);
     int trained = ok;
     if (model && smp_model_is_partitioned(model)) {
-        if (c->want_first >= 0) snprintf(pname, sizeof pname, "%s: tied copies on partitions %d and %d only", name, c->want_first, c->want_last);
+        if (c->want_first >= 0)
+            snprintf(pname, sizeof pname, "%s: tied copies on partitions %d and %d only", name, c->want_first,
+                     c->want_last);
         else snprintf(pname, sizeof pname, "%s: tied copies where its calls run only", name);
         ok = check_placement(model, &n, c->want_first, c->want_last, why, sizeof why);
         MPI_CHECK(ok, pname, "%s", why);
@@ -710,9 +744,12 @@ static int allowed(int P) { return P <= world && world % P == 0; }
 
 static void checkpoint_section(void) {
     int Psave = allowed(4) ? 4 : allowed(2) ? 2 : 1;
-    if (Psave < 4 && me == 0) test_skip("tied/checkpoint/save at P=4", "needs 4 ranks; saving at the largest P the world allows");
+    if (Psave < 4 && me == 0)
+        test_skip("tied/checkpoint/save at P=4", "needs 4 ranks; saving at the largest P the world allows");
     static tref saved;
-    tcase c = {Psave, 4, 1, SMP_PIPELINE_INTERLEAVED, &AUTO, 0, Psave - 1, "checkpoint: trained before the save", NULL, "ckpt", &saved};
+    tcase c = {Psave, 4,      1,         SMP_PIPELINE_INTERLEAVED,
+               &AUTO, 0,      Psave - 1, "checkpoint: trained before the save",
+               NULL,  "ckpt", &saved};
     if (!run_case(&c)) {
         if (me == 0) test_skip("tied/checkpoint", "training before the save failed");
         return;
@@ -722,14 +759,17 @@ static void checkpoint_section(void) {
     char why[4096] = "", path[600], name[256];
     if (me == 0) {
         snprintf(path, sizeof path, "%s/ckpt_full", dir);
-        int nw = header_count(path, "\"tied.weight\""), nb = header_count(path, "\"tied.bias\""), nf = header_count(path, "\"fc3.weight\"");
+        int nw = header_count(path, "\"tied.weight\""), nb = header_count(path, "\"tied.bias\""),
+            nf = header_count(path, "\"fc3.weight\"");
         int no = header_count(path, "\"optimizer.tied.weight.exp_avg\"");
         smp_ckpt_file *f = NULL;
         int tensors = smp_ckpt_open(path, &f) == SMP_OK ? smp_ckpt_count(f) : -1;
         if (f) smp_ckpt_close(f);
         if (nw != 1 || nb != 1 || nf != 1 || no != 1 || tensors != 2 * NP) {
             ok = 0;
-            snprintf(why, sizeof why, "%s: \"tied.weight\" %d times, \"tied.bias\" %d, \"fc3.weight\" %d, \"optimizer.tied.weight.exp_avg\" %d, %d tensors (expected 1, 1, 1, 1, %d)",
+            snprintf(why, sizeof why,
+                     "%s: \"tied.weight\" %d times, \"tied.bias\" %d, \"fc3.weight\" %d, "
+                     "\"optimizer.tied.weight.exp_avg\" %d, %d tensors (expected 1, 1, 1, 1, %d)",
                      path, nw, nb, nf, no, tensors, 2 * NP);
         }
     }
@@ -741,8 +781,10 @@ static void checkpoint_section(void) {
         for (int k = 0; k < Psave; k++) {
             char base[sizeof path];
             snprintf(base, sizeof base, "%s/ckpt_part", dir);
-            if (smp_ckpt_partial_file(base, k, path, sizeof path, NULL) != SMP_OK) path[0] = 0; /* the file its manifest names */
-            int a = header_count(path, "\"tied.weight\""), b = header_count(path, "\"tied.bias\""), e = header_count(path, "\"optimizer.tied.weight.exp_avg\"");
+            /* the file its manifest names */
+            if (smp_ckpt_partial_file(base, k, path, sizeof path, NULL) != SMP_OK) path[0] = 0;
+            int a = header_count(path, "\"tied.weight\""), b = header_count(path, "\"tied.bias\""),
+                e = header_count(path, "\"optimizer.tied.weight.exp_avg\"");
             if (a < 0 || b < 0 || e < 0) bad = 1;
             nw += a;
             nb += b;
@@ -750,7 +792,9 @@ static void checkpoint_section(void) {
         }
         ok = !bad && nw == 1 && nb == 1 && no == 1;
         if (!ok)
-            snprintf(why, sizeof why, "%sthe %d partial files hold \"tied.weight\" %d times, \"tied.bias\" %d times, \"optimizer.tied.weight.exp_avg\" %d times",
+            snprintf(why, sizeof why,
+                     "%sthe %d partial files hold \"tied.weight\" %d times, \"tied.bias\" %d times, "
+                     "\"optimizer.tied.weight.exp_avg\" %d times",
                      bad ? "a file is unreadable; " : "", Psave, nw, nb, no);
     }
     MPI_Bcast(&ok, 1, MPI_INT, 0, MPI_COMM_WORLD);
@@ -762,26 +806,40 @@ static void checkpoint_section(void) {
         int Q = Qs[q];
         if (!allowed(Q)) continue;
         for (int partial = 0; partial < 2; partial++) {
-            snprintf(name, sizeof name, "tied/checkpoint/%s save at P=%d loads at Q=%d (dp %d): parameters and optimizer state bitwise on every copy, one more step equals the reference", partial ? "partial" : "full", Psave, Q, world / Q);
+            snprintf(name, sizeof name,
+                     "tied/checkpoint/%s save at P=%d loads at Q=%d (dp %d): parameters and optimizer state bitwise on "
+                     "every copy, one more step equals the reference",
+                     partial ? "partial" : "full", Psave, Q, world / Q);
             tnet n;
             int m = 4;
             smp_model *model = start(Q, m, SMP_PIPELINE_INTERLEAVED, 1, &AUTO, &n);
             ok = model != NULL;
             if (!ok) snprintf(why, sizeof why, "start: %s", smp_last_error());
             smp_tensor x0 = smp_tensor_2d(g_x, SMP_F32, TB / m, TD);
-            if (ok && smp_model_trace(model, &x0, 1) != SMP_OK) { ok = 0; snprintf(why, sizeof why, "trace: %s", smp_last_error()); }
+            if (ok && smp_model_trace(model, &x0, 1) != SMP_OK) {
+                ok = 0;
+                snprintf(why, sizeof why, "trace: %s", smp_last_error());
+            }
             ok = agree(ok, why, sizeof why, "start");
             smp_param *p;
-            for (int i = 0; ok && (p = smp_model_local_param(model, i, false)); i++) /* garbage that the load must replace */
-                for (int64_t e = 0; e < smp_tensor_numel(smp_param_value(p)); e++) ((float *)smp_param_value(p)->data)[e] = 1234.5f;
+            /* garbage that the load must replace */
+            for (int i = 0; ok && (p = smp_model_local_param(model, i, false)); i++)
+                for (int64_t e = 0; e < smp_tensor_numel(smp_param_value(p)); e++)
+                    ((float *)smp_param_value(p)->data)[e] = 1234.5f;
             topt o = {0};
-            if (ok && topt_make(&o, model, 777.0f) != SMP_OK) { ok = 0; snprintf(why, sizeof why, "optimizer: %s", smp_last_error()); }
+            if (ok && topt_make(&o, model, 777.0f) != SMP_OK) {
+                ok = 0;
+                snprintf(why, sizeof why, "optimizer: %s", smp_last_error());
+            }
             ok = agree(ok, why, sizeof why, "optimizer");
             smp_load_desc ld = {0};
             ld.optimizer = o.reg;
             ld.partial = partial ? SMP_ON : SMP_OFF;
             snprintf(path, sizeof path, "%s/ckpt_%s", dir, partial ? "part" : "full");
-            if (ok && smp_load(model, path, &ld) != SMP_OK) { ok = 0; snprintf(why, sizeof why, "load: %s", smp_last_error()); }
+            if (ok && smp_load(model, path, &ld) != SMP_OK) {
+                ok = 0;
+                snprintf(why, sizeof why, "load: %s", smp_last_error());
+            }
             if (ok) ok = compare(model, &saved, NULL, NULL, m, 0, "after the load", why, sizeof why);
             if (ok) ok = topt_check(&o, &saved, why, sizeof why);
             if (ok) ok = check_placement(model, &n, 0, Q - 1, why, sizeof why);
@@ -790,7 +848,8 @@ static void checkpoint_section(void) {
             if (ok) { /* training goes on from the loaded values as the reference does */
                 tref r = saved;
                 int dp = smp_dp_size(), rep = smp_dp_rank();
-                smp_tensor x = smp_tensor_2d(g_x + (size_t)rep * TB * TD, SMP_F32, TB, TD), t = smp_tensor_2d(g_t + (size_t)rep * TB * TD, SMP_F32, TB, TD);
+                smp_tensor x = smp_tensor_2d(g_x + (size_t)rep * TB * TD, SMP_F32, TB, TD),
+                           t = smp_tensor_2d(g_t + (size_t)rep * TB * TD, SMP_F32, TB, TD);
                 smp_step_output outs[2] = {{0}, {0}};
                 smp_model_zero_grad(model);
                 smp_status st = SMP_TRAIN_STEP(model, mse_body, NULL, outs, 2, x, t);
@@ -842,7 +901,17 @@ int main(int argc, char **argv) {
                     tcase c = {P, ms[i], 2, kinds[k], &AUTO, 0, P - 1, "auto, 2 virtual stages", NULL, NULL, NULL};
                     run_case(&c);
                 }
-                tcase c = {P, 4, 1, kinds[k], &AUTO_WRAPPED, 0, P - 1, "auto, tied called by composites embed and head", NULL, NULL, NULL};
+                tcase c = {P,
+                           4,
+                           1,
+                           kinds[k],
+                           &AUTO_WRAPPED,
+                           0,
+                           P - 1,
+                           "auto, tied called by composites embed and head",
+                           NULL,
+                           NULL,
+                           NULL};
                 run_case(&c);
             }
         }
@@ -850,11 +919,14 @@ int main(int argc, char **argv) {
     /* manual placement of fc1 act1 fc2 act2 skip fc3, the tied module created in various contexts:
        {placement, tied_ctx, embed_ctx, head_ctx, default_partition} */
     static const int p2[6] = {0, 0, 0, 1, 1, 1}, p2alt[6] = {0, 0, 1, 1, 0, 1}, p4[6] = {0, 1, 1, 2, 2, 3};
-    static const layout m2[6] = {{p2, -1, 0, 1, -1}, {p2alt, -1, 0, 1, -1}, {p2, 1, 0, 1, -1}, {p2, 0, -1, -1, -1}, {p2, 1, -1, -1, -1}, {p2, -1, -1, -1, 1}};
+    static const layout m2[6] = {{p2, -1, 0, 1, -1},  {p2alt, -1, 0, 1, -1}, {p2, 1, 0, 1, -1},
+                                 {p2, 0, -1, -1, -1}, {p2, 1, -1, -1, -1},   {p2, -1, -1, -1, 1}};
     static const int m2_want[6][2] = {{0, 1}, {0, 1}, {1, 1}, {0, 0}, {1, 1}, {1, 1}};
     static const char *m2_label[6] = {
-        "manual 0,0,0,1,1,1, tied created in no context, called by composites embed (partition 0) and head (partition 1)",
-        "manual stages on ranks 0,1,0,1, tied created in no context, called by embed (partition 0) and head (partition 1)",
+        "manual 0,0,0,1,1,1, tied created in no context, called by composites embed (partition 0) and head (partition "
+        "1)",
+        "manual stages on ranks 0,1,0,1, tied created in no context, called by embed (partition 0) and head (partition "
+        "1)",
         "manual 0,0,0,1,1,1, tied created in partition 1, called by embed (partition 0) and head (partition 1)",
         "manual 0,0,0,1,1,1, tied created in partition 0, top-level calls",
         "manual 0,0,0,1,1,1, tied created in partition 1, top-level calls",
@@ -862,13 +934,15 @@ int main(int argc, char **argv) {
     static const layout m4[4] = {{p4, -1, 0, 3, -1}, {p4, 2, 0, 3, -1}, {p4, 0, -1, -1, -1}, {p4, 3, -1, -1, -1}};
     static const int m4_want[4][2] = {{0, 3}, {2, 2}, {0, 0}, {3, 3}};
     static const char *m4_label[4] = {
-        "manual 0,1,1,2,2,3, tied created in no context, called by composites embed (partition 0) and head (partition 3)",
+        "manual 0,1,1,2,2,3, tied created in no context, called by composites embed (partition 0) and head (partition "
+        "3)",
         "manual 0,1,1,2,2,3, tied created in partition 2, called by embed (partition 0) and head (partition 3)",
         "manual 0,1,1,2,2,3, tied created in partition 0, top-level calls",
         "manual 0,1,1,2,2,3, tied created in partition 3, top-level calls"};
     for (int k = 0; k < 2; k++) {
         for (int j = 0; j < 6 && allowed(2); j++) {
-            tcase c = {2, j == 1 ? 3 : 4, 1, kinds[k], &m2[j], m2_want[j][0], m2_want[j][1], m2_label[j], NULL, NULL, NULL};
+            tcase c = {2,           j == 1 ? 3 : 4, 1,    kinds[k], &m2[j], m2_want[j][0], m2_want[j][1],
+                       m2_label[j], NULL,           NULL, NULL};
             run_case(&c);
         }
         for (int j = 0; j < 4 && allowed(4); j++) {
@@ -881,9 +955,15 @@ int main(int argc, char **argv) {
         for (int k = 0; k < 2; k++) {
             tcase a = {2, 4, 1, kinds[k], &AUTO, 0, 1, "ddp 2x2, deterministic, auto", k ? "ddp" : NULL, NULL, NULL};
             run_case(&a);
-            tcase b = {2, 4, 1, kinds[k], &m2[1], 0, 1, "ddp 2x2, deterministic, manual stages on ranks 0,1,0,1, tied called by embed and head", NULL, NULL, NULL};
+            tcase b = {2,      4,
+                       1,      kinds[k],
+                       &m2[1], 0,
+                       1,      "ddp 2x2, deterministic, manual stages on ranks 0,1,0,1, tied called by embed and head",
+                       NULL,   NULL,
+                       NULL};
             run_case(&b);
-            tcase v = {2, 4, 2, kinds[k], &AUTO, 0, 1, "ddp 2x2, deterministic, auto, 2 virtual stages", NULL, NULL, NULL};
+            tcase v = {2,    4,    2,   kinds[k], &AUTO, 0, 1, "ddp 2x2, deterministic, auto, 2 virtual stages",
+                       NULL, NULL, NULL};
             run_case(&v);
         }
     else if (me == 0) test_skip("tied/ddp 2x2", "needs a world of 4 ranks");
@@ -900,7 +980,9 @@ int main(int argc, char **argv) {
                 run_case(&c);
             }
             if (P > 1) {
-                tcase w = {P, 4, 1, ZB, &AUTO_WRAPPED, 0, P - 1, "auto, tied called by composites embed and head", NULL, NULL, NULL};
+                tcase w = {
+                    P,    4,    1,   ZB, &AUTO_WRAPPED, 0, P - 1, "auto, tied called by composites embed and head",
+                    NULL, NULL, NULL};
                 run_case(&w);
             }
             if (sp && P == 2) {
@@ -933,7 +1015,8 @@ int main(int argc, char **argv) {
             tcase c = {P, sp ? 3 : 4, 1, ZBV, &AUTO, 0, 0, "auto", NULL, NULL, NULL};
             run_case(&c);
             if (sp && P > 1) {
-                tcase w = {P, 4, 1, ZBV, &AUTO_WRAPPED, 0, 0, "auto, tied called by composites embed and head", NULL, NULL, NULL};
+                tcase w = {P,    4,    1,   ZBV, &AUTO_WRAPPED, 0, 0, "auto, tied called by composites embed and head",
+                           NULL, NULL, NULL};
                 run_case(&w);
             }
         }
@@ -941,7 +1024,9 @@ int main(int argc, char **argv) {
         if (P == 2) {
             tcase a = {2, 4, 1, ZBV, &mv2[0], 0, 0, "manual V 0,1,1,1,1,0 after tied in partition 0", NULL, NULL, NULL};
             run_case(&a);
-            tcase b = {2, 2, 1, ZBV, &mv2[1], 0, 0, "manual V 0,1,1,1,1,0, tied called by embed and head (both partition 0)", NULL, NULL, NULL};
+            tcase b = {2,       2,    1,   ZBV,
+                       &mv2[1], 0,    0,   "manual V 0,1,1,1,1,0, tied called by embed and head (both partition 0)",
+                       NULL,    NULL, NULL};
             run_case(&b);
         }
         if (P == 4) {

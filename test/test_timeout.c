@@ -68,7 +68,8 @@ int main(int argc, char **argv) {
         return 0;
     }
     smp_status st = SMP_OK;
-    if (strcmp(mode, "all_reduce_world") == 0 || strcmp(mode, "bad_args_world") == 0) st = smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD);
+    if (strcmp(mode, "all_reduce_world") == 0 || strcmp(mode, "bad_args_world") == 0)
+        st = smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD);
     else if (strcmp(mode, "all_reduce_mp") == 0) st = smp_all_reduce(&t, &t, SMP_SUM, SMP_MP_GROUP);
     else if (strcmp(mode, "barrier_world") == 0) st = smp_barrier(SMP_WORLD);
     else if (strcmp(mode, "recv_dp") == 0) {
@@ -80,7 +81,8 @@ int main(int argc, char **argv) {
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
     /* reaching this line means the wait returned although rank 1 never came */
-    fprintf(stderr, "test_timeout: the wait returned (%s: %s) instead of timing out\n", smp_status_name(st), smp_last_error());
+    fprintf(stderr, "test_timeout: the wait returned (%s: %s) instead of timing out\n", smp_status_name(st),
+            smp_last_error());
     MPI_Abort(MPI_COMM_WORLD, 0); /* exit status 0 on purpose: the script reports it */
     return 0;
 }

@@ -73,7 +73,9 @@ static int expected_members(const layout *L, int size, int tp, int r, smp_group 
 }
 
 static const char *placement_name(smp_placement p) {
-    return p == SMP_PLACEMENT_SPREAD ? "spread" : p == SMP_PLACEMENT_CLUSTER || p == SMP_PLACEMENT_DEFAULT ? "cluster" : letters_of(p);
+    return p == SMP_PLACEMENT_SPREAD                                  ? "spread"
+           : p == SMP_PLACEMENT_CLUSTER || p == SMP_PLACEMENT_DEFAULT ? "cluster"
+                                                                      : letters_of(p);
 }
 static const char *group_name(smp_group g) {
     static const char *const n[] = {"world", "mp", "dp", "pp", "tp", "rdp"};
@@ -121,18 +123,23 @@ static void test_topology_of(void) {
                     memset(seen, 0, sizeof seen);
                     for (int r = 0; r < size && ok; r++) {
                         smp_coords c = smp_topology_of(r, size, parts, tp, (smp_placement)pl);
-                        snprintf(why, sizeof why, "size %d pp %d tp %d %s rank %d: got (pp %d, tp %d, rdp %d, mp %d, dp %d), "
-                                 "want (pp %d, tp %d, rdp %d, mp %d, dp %d)", size, parts, tp, placement_name((smp_placement)pl), r,
-                                 c.pp_rank, c.tp_rank, c.rdp_rank, c.mp_rank, c.dp_rank, L.pp[r], L.tp[r], L.rdp[r],
-                                 mp_of(&L, tp, r), dp_of(&L, tp, r));
+                        snprintf(why, sizeof why,
+                                 "size %d pp %d tp %d %s rank %d: got (pp %d, tp %d, rdp %d, mp %d, dp %d), "
+                                 "want (pp %d, tp %d, rdp %d, mp %d, dp %d)",
+                                 size, parts, tp, placement_name((smp_placement)pl), r, c.pp_rank, c.tp_rank,
+                                 c.rdp_rank, c.mp_rank, c.dp_rank, L.pp[r], L.tp[r], L.rdp[r], mp_of(&L, tp, r),
+                                 dp_of(&L, tp, r));
                         ok = c.pp_rank == L.pp[r] && c.tp_rank == L.tp[r] && c.rdp_rank == L.rdp[r] &&
-                             c.mp_rank == mp_of(&L, tp, r) && c.dp_rank == dp_of(&L, tp, r) && !seen[c.pp_rank][c.tp_rank][c.rdp_rank]++;
+                             c.mp_rank == mp_of(&L, tp, r) && c.dp_rank == dp_of(&L, tp, r) &&
+                             !seen[c.pp_rank][c.tp_rank][c.rdp_rank]++;
                     }
                     /* the named placements are their letter forms */
-                    smp_placement same = pl == SMP_PLACEMENT_CLUSTER ? SMP_PLACEMENT_DPT : pl == SMP_PLACEMENT_SPREAD ? SMP_PLACEMENT_TPD
-                                                                                                                   : (smp_placement)pl;
+                    smp_placement same = pl == SMP_PLACEMENT_CLUSTER  ? SMP_PLACEMENT_DPT
+                                         : pl == SMP_PLACEMENT_SPREAD ? SMP_PLACEMENT_TPD
+                                                                      : (smp_placement)pl;
                     for (int r = 0; r < size && ok; r++) {
-                        smp_coords a = smp_topology_of(r, size, parts, tp, (smp_placement)pl), b = smp_topology_of(r, size, parts, tp, same);
+                        smp_coords a = smp_topology_of(r, size, parts, tp, (smp_placement)pl),
+                                   b = smp_topology_of(r, size, parts, tp, same);
                         ok = !memcmp(&a, &b, sizeof a);
                         snprintf(why, sizeof why, "size %d pp %d tp %d: %s differs from %s at rank %d", size, parts, tp,
                                  placement_name((smp_placement)pl), letters_of(same), r);
@@ -142,17 +149,22 @@ static void test_topology_of(void) {
     MPI_CHECK(ok, "topology/topology_of/sizes_1..16", "%.400s", why);
 
     /* SageMaker's two tables for 8 ranks with tp = pp = rdp = 2: rank -> (rdp_rank, pp_rank, tp_rank) */
-    static const int dpt[8][3] = {{0, 0, 0}, {0, 0, 1}, {0, 1, 0}, {0, 1, 1}, {1, 0, 0}, {1, 0, 1}, {1, 1, 0}, {1, 1, 1}};
-    static const int ptd[8][3] = {{0, 0, 0}, {1, 0, 0}, {0, 0, 1}, {1, 0, 1}, {0, 1, 0}, {1, 1, 0}, {0, 1, 1}, {1, 1, 1}};
+    static const int dpt[8][3] = {{0, 0, 0}, {0, 0, 1}, {0, 1, 0}, {0, 1, 1},
+                                  {1, 0, 0}, {1, 0, 1}, {1, 1, 0}, {1, 1, 1}};
+    static const int ptd[8][3] = {{0, 0, 0}, {1, 0, 0}, {0, 0, 1}, {1, 0, 1},
+                                  {0, 1, 0}, {1, 1, 0}, {0, 1, 1}, {1, 1, 1}};
     for (int t = 0; t < 4; t++) {
-        smp_placement pl = t == 0 ? SMP_PLACEMENT_DPT : t == 1 ? SMP_PLACEMENT_CLUSTER : t == 2 ? SMP_PLACEMENT_PTD : SMP_PLACEMENT_DEFAULT;
+        smp_placement pl = t == 0   ? SMP_PLACEMENT_DPT
+                           : t == 1 ? SMP_PLACEMENT_CLUSTER
+                           : t == 2 ? SMP_PLACEMENT_PTD
+                                    : SMP_PLACEMENT_DEFAULT;
         const int (*want)[3] = t < 2 || t == 3 ? dpt : ptd;
         ok = 1;
         for (int r = 0; r < 8 && ok; r++) {
             smp_coords c = smp_topology_of(r, 8, 2, 2, pl);
             ok = c.rdp_rank == want[r][0] && c.pp_rank == want[r][1] && c.tp_rank == want[r][2];
-            snprintf(why, sizeof why, "rank %d: rdp %d pp %d tp %d, the table says %d %d %d", r, c.rdp_rank, c.pp_rank, c.tp_rank,
-                     want[r][0], want[r][1], want[r][2]);
+            snprintf(why, sizeof why, "rank %d: rdp %d pp %d tp %d, the table says %d %d %d", r, c.rdp_rank, c.pp_rank,
+                     c.tp_rank, want[r][0], want[r][1], want[r][2]);
         }
         char name[96];
         snprintf(name, sizeof name, "topology/sagemaker_table/%s", t == 3 ? "default" : placement_name(pl));
@@ -243,7 +255,8 @@ static void check_running(MPI_Comm host, int parts, int tp, smp_placement pl, co
             int cnt = smp_group_ranks((smp_group)g, few, 1);
             if (cnt != nwant || few[0] != want[0] || few[1] != -7) {
                 ok = 0;
-                snprintf(why, sizeof why, "smp_group_ranks with cap 1 returned %d and wrote [%d,%d]", cnt, few[0], few[1]);
+                snprintf(why, sizeof why, "smp_group_ranks with cap 1 returned %d and wrote [%d,%d]", cnt, few[0],
+                         few[1]);
             }
         }
         snprintf(name, sizeof name, "%s/%s_group_ranks", tag, group_name((smp_group)g));
@@ -264,13 +277,15 @@ static void check_running(MPI_Comm host, int parts, int tp, smp_placement pl, co
             MPI_Allgather(&hrank, 1, MPI_INT, members, 1, MPI_INT, c);
             if (cs != nwant || cr != smp_group_rank((smp_group)g)) {
                 ok = 0;
-                snprintf(why, sizeof why, "communicator has size %d rank %d, want %d and %d", cs, cr, nwant, smp_group_rank((smp_group)g));
+                snprintf(why, sizeof why, "communicator has size %d rank %d, want %d and %d", cs, cr, nwant,
+                         smp_group_rank((smp_group)g));
             } else if (hostcmp == MPI_IDENT || cmp == MPI_IDENT) {
                 ok = 0;
                 snprintf(why, sizeof why, "the group communicator is the host's own communicator, not a duplicate");
             } else if (g == SMP_WORLD && hostcmp != MPI_CONGRUENT) {
                 ok = 0;
-                snprintf(why, sizeof why, "the world communicator is not congruent with the host communicator (%d)", hostcmp);
+                snprintf(why, sizeof why, "the world communicator is not congruent with the host communicator (%d)",
+                         hostcmp);
             } else if (memcmp(members, want, sizeof(int) * (size_t)nwant) != 0) {
                 ok = 0;
                 list_str(members, nwant, a, sizeof a);
@@ -286,7 +301,8 @@ static void test_configuration(int parts, int tp, smp_placement pl, bool name_de
     int wsize;
     MPI_Comm_size(MPI_COMM_WORLD, &wsize);
     char tag[96], name[160];
-    snprintf(tag, sizeof tag, "topology/n=%d/p=%d/tp=%d/%s", wsize, parts, tp, name_default ? "default_placement" : placement_name(pl));
+    snprintf(tag, sizeof tag, "topology/n=%d/p=%d/tp=%d/%s", wsize, parts, tp,
+             name_default ? "default_placement" : placement_name(pl));
     smp_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.partitions = parts;
@@ -295,22 +311,24 @@ static void test_configuration(int parts, int tp, smp_placement pl, bool name_de
     if (wsize / (parts * tp) > 1) cfg.ddp = SMP_ON;
     smp_status st = smp_init(&cfg);
     snprintf(name, sizeof name, "%s/init", tag);
-    MPI_CHECK(st == SMP_OK && smp_is_initialized(), name, "smp_init: %s (%.300s)", smp_status_name(st), smp_last_error());
+    MPI_CHECK(st == SMP_OK && smp_is_initialized(), name, "smp_init: %s (%.300s)", smp_status_name(st),
+              smp_last_error());
     if (st != SMP_OK) return;
     check_running(MPI_COMM_WORLD, parts, tp, name_default ? SMP_PLACEMENT_CLUSTER : pl, tag);
 
     smp_status twice = smp_init(&cfg);
     snprintf(name, sizeof name, "%s/init_twice", tag);
-    MPI_CHECK(twice == SMP_ERR_STATE && strstr(smp_last_error(), "twice"), name, "second smp_init gave %s (%.300s)", smp_status_name(twice),
-              smp_last_error());
+    MPI_CHECK(twice == SMP_ERR_STATE && strstr(smp_last_error(), "twice"), name, "second smp_init gave %s (%.300s)",
+              smp_status_name(twice), smp_last_error());
 
     smp_finalize();
     int up = 0, down = 1;
     MPI_Initialized(&up);
     MPI_Finalized(&down);
     snprintf(name, sizeof name, "%s/finalize_keeps_mpi", tag);
-    MPI_CHECK(up && !down && !smp_is_initialized(), name, "after smp_finalize: MPI initialized %d, finalized %d, smp initialized %d", up,
-              down, (int)smp_is_initialized());
+    MPI_CHECK(up && !down && !smp_is_initialized(), name,
+              "after smp_finalize: MPI initialized %d, finalized %d, smp initialized %d", up, down,
+              (int)smp_is_initialized());
 }
 
 /* --------------------------------------------------------------- other communicators */
@@ -340,8 +358,8 @@ static void test_inside(MPI_Comm host, const char *tag) {
     smp_tensor a = smp_tensor_1d(&mine, SMP_I64, 1), b = smp_tensor_1d(&got, SMP_I64, 1);
     st = smp_all_reduce(&a, &b, SMP_SUM, SMP_WORLD);
     snprintf(name, sizeof name, "%s/all_reduce_stays_inside", tag);
-    MPI_CHECK(st == SMP_OK && got == want, name, "sum of world ranks + 1 over smp's world: %lld (%.300s), want %lld", (long long)got,
-              smp_last_error(), (long long)want);
+    MPI_CHECK(st == SMP_OK && got == want, name, "sum of world ranks + 1 over smp's world: %lld (%.300s), want %lld",
+              (long long)got, smp_last_error(), (long long)want);
     smp_finalize();
 }
 
@@ -410,14 +428,18 @@ int main(int argc, char **argv) {
     MPI_Bcast(&owned_rc, 1, MPI_INT, 0, MPI_COMM_WORLD);
     MPI_CHECK(owned_rc == 0, "topology/owned_mpi/init_again_after_finalize_refused",
               "a singleton that let smp start MPI: %s (exit status %d)",
-              owned_rc == 10 ? "first smp_init failed" : owned_rc == 11 ? "smp_init did not start MPI" :
-              owned_rc == 12 ? "smp_finalize did not finalize the MPI it started" : owned_rc == 13 ? "second smp_init claimed success" :
-              owned_rc == 14 ? "second smp_init failed with a status other than SMP_ERR_STATE" :
-              "the second smp_init called into the finalized MPI, which ended the process", owned_rc);
+              owned_rc == 10   ? "first smp_init failed"
+              : owned_rc == 11 ? "smp_init did not start MPI"
+              : owned_rc == 12 ? "smp_finalize did not finalize the MPI it started"
+              : owned_rc == 13 ? "second smp_init claimed success"
+              : owned_rc == 14 ? "second smp_init failed with a status other than SMP_ERR_STATE"
+                               : "the second smp_init called into the finalized MPI, which ended the process",
+              owned_rc);
 
     /* before smp_init, the queries say "nothing" rather than crash */
-    MPI_CHECK(!smp_is_initialized() && smp_group_comm(SMP_WORLD) == MPI_COMM_NULL && smp_group_size(SMP_DP_GROUP) == 0 &&
-                  smp_group_rank(SMP_MP_GROUP) == -1 && smp_group_ranks(SMP_WORLD, NULL, 0) == 0,
+    MPI_CHECK(!smp_is_initialized() && smp_group_comm(SMP_WORLD) == MPI_COMM_NULL &&
+                  smp_group_size(SMP_DP_GROUP) == 0 && smp_group_rank(SMP_MP_GROUP) == -1 &&
+                  smp_group_ranks(SMP_WORLD, NULL, 0) == 0,
               "topology/before_init", "queries before smp_init returned values of a running smp");
 
     for (int parts = 1; parts <= wsize; parts++) {
@@ -426,7 +448,8 @@ int main(int argc, char **argv) {
         test_configuration(parts, 1, SMP_PLACEMENT_SPREAD, false);
     }
     test_configuration(wsize % 2 == 0 ? 2 : 1, 1, SMP_PLACEMENT_CLUSTER, true); /* zero placement means cluster */
-    /* tensor parallelism: the whole world one TP group, and at 4 ranks pp 2 x tp 2 and tp 2 x rdp 2 under letter forms */
+    /* tensor parallelism: the whole world one TP group, and at 4 ranks pp 2 x tp 2 and tp 2 x rdp 2 under letter forms
+     */
     if (wsize > 1) test_configuration(1, wsize, SMP_PLACEMENT_CLUSTER, false);
     if (wsize % 4 == 0) {
         test_configuration(2, 2, SMP_PLACEMENT_PTD, false);
@@ -443,8 +466,8 @@ int main(int argc, char **argv) {
         smp_status st = smp_init(&bad);
         MPI_CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "tensor_parallel_degree = 2") &&
                       strstr(smp_last_error(), "does not divide the world size") && !smp_is_initialized(),
-                  "topology/bad_pp_times_tp", "partitions %d x tensor_parallel_degree 2 on %d ranks gave %s (%.300s)", wsize, wsize,
-                  smp_status_name(st), smp_last_error());
+                  "topology/bad_pp_times_tp", "partitions %d x tensor_parallel_degree 2 on %d ranks gave %s (%.300s)",
+                  wsize, wsize, smp_status_name(st), smp_last_error());
     }
 
     /* a partition count that does not divide the world fails on every rank,
@@ -455,12 +478,14 @@ int main(int argc, char **argv) {
         bad.partitions = wsize + 1;
         bad.ddp = SMP_ON;
         smp_status st = smp_init(&bad);
-        MPI_CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "partitions") && !smp_is_initialized(), "topology/bad_partitions",
-                  "partitions = %d on %d ranks gave %s (%.300s)", wsize + 1, wsize, smp_status_name(st), smp_last_error());
+        MPI_CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "partitions") && !smp_is_initialized(),
+                  "topology/bad_partitions", "partitions = %d on %d ranks gave %s (%.300s)", wsize + 1, wsize,
+                  smp_status_name(st), smp_last_error());
         int up = 0, down = 1;
         MPI_Initialized(&up);
         MPI_Finalized(&down);
-        MPI_CHECK(up && !down, "topology/bad_partitions/keeps_mpi", "MPI initialized %d finalized %d after a failed smp_init", up, down);
+        MPI_CHECK(up && !down, "topology/bad_partitions/keeps_mpi",
+                  "MPI initialized %d finalized %d after a failed smp_init", up, down);
     }
 
     /* many cycles: communicators, datatypes and memory must all be given back

@@ -96,96 +96,109 @@ static void run(MPI_Comm comm, int pp, int tp, bool recompute, bool deterministi
 
 /* ------------------------------------------------------------ the references */
 /* One process, whole tensors, in float (T = float) or double: the same math. */
-#define REF(T, NAME)                                                                                                   \
-    static void NAME(double *loss, double **value, double **grad1) {                                                  \
-        T w1[BLOCKS][F * H], b1[BLOCKS][F], w2[BLOCKS][H * F], b2[BLOCKS][H];                                          \
-        T *ps[BLOCKS * 4];                                                                                             \
-        int64_t sizes[4] = {F * H, F, H * F, H};                                                                       \
-        for (int b = 0; b < BLOCKS; b++) { ps[b * 4] = w1[b]; ps[b * 4 + 1] = b1[b]; ps[b * 4 + 2] = w2[b]; ps[b * 4 + 3] = b2[b]; } \
-        static const char *names[4] = {"b%d_fc.weight", "b%d_fc.bias", "b%d_proj.weight", "b%d_bias.bias"};           \
-        for (int k = 0; k < BLOCKS * 4; k++) {                                                                         \
-            char nm[64];                                                                                               \
-            snprintf(nm, sizeof nm, names[k % 4], k / 4);                                                              \
-            float tmp[F * H];                                                                                          \
-            smp_tensor tt = smp_tensor_1d(tmp, SMP_F32, sizes[k % 4]);                                                 \
-            if (k % 4 != 3) { tt.ndim = 2; tt.shape[0] = k % 4 == 1 ? 1 : k % 4 == 0 ? F : H; tt.shape[1] = k % 4 == 1 ? F : k % 4 == 0 ? H : F; } \
-            smp_init_uniform(&tt, smp_param_seed(nm), &g_bound);                                                       \
-            for (int64_t e = 0; e < sizes[k % 4]; e++) ps[k][e] = (T)tmp[e];                                           \
-        }                                                                                                              \
-        for (int s = 0; s < STEPS; s++) {                                                                              \
-            float xf[BATCH * H], tf[BATCH * H];                                                                        \
-            batch_of(s, xf, tf);                                                                                       \
-            T g[BLOCKS * 4][F * H];                                                                                    \
-            memset(g, 0, sizeof g);                                                                                    \
-            double total = 0;                                                                                          \
-            for (int m = 0; m < MB; m++) {                                                                             \
-                enum { R = BATCH / MB };                                                                               \
-                T act[BLOCKS + 1][R * H], hid[BLOCKS][R * F], gh[R * H], gz[R * F];                                    \
-                for (int i = 0; i < R * H; i++) act[0][i] = (T)xf[m * R * H + i];                                      \
-                for (int b = 0; b < BLOCKS; b++) {                                                                     \
-                    for (int r = 0; r < R; r++)                                                                        \
-                        for (int o = 0; o < F; o++) {                                                                  \
-                            T acc = b1[b][o];                                                                          \
-                            for (int i = 0; i < H; i++) acc += act[b][r * H + i] * w1[b][o * H + i];                   \
-                            hid[b][r * F + o] = acc > 0 ? acc : 0;                                                     \
-                        }                                                                                              \
-                    for (int r = 0; r < R; r++)                                                                        \
-                        for (int h = 0; h < H; h++) {                                                                  \
-                            T acc = 0;                                                                                 \
-                            for (int i = 0; i < F; i++) acc += hid[b][r * F + i] * w2[b][h * F + i];                   \
-                            act[b + 1][r * H + h] = acc + b2[b][h];                                                    \
-                        }                                                                                              \
-                }                                                                                                      \
-                T l = 0;                                                                                               \
-                for (int i = 0; i < R * H; i++) {                                                                      \
-                    T d = act[BLOCKS][i] - (T)tf[m * R * H + i];                                                       \
-                    l += (T)0.5 * d * d;                                                                               \
-                    gh[i] = d;                                                                                         \
-                }                                                                                                      \
-                total += (double)l;                                                                                    \
-                for (int b = BLOCKS - 1; b >= 0; b--) {                                                                \
-                    T *gw1 = g[b * 4], *gb1 = g[b * 4 + 1], *gw2 = g[b * 4 + 2], *gb2 = g[b * 4 + 3];                  \
-                    for (int h = 0; h < H; h++) { T sb = 0; for (int r = 0; r < R; r++) sb += gh[r * H + h]; gb2[h] += sb; } \
-                    for (int h = 0; h < H; h++)                                                                        \
-                        for (int i = 0; i < F; i++) {                                                                  \
-                            T sw = 0;                                                                                  \
-                            for (int r = 0; r < R; r++) sw += gh[r * H + h] * hid[b][r * F + i];                       \
-                            gw2[h * F + i] += sw;                                                                      \
-                        }                                                                                              \
-                    for (int r = 0; r < R; r++)                                                                        \
-                        for (int i = 0; i < F; i++) {                                                                  \
-                            T acc = 0;                                                                                 \
-                            for (int h = 0; h < H; h++) acc += gh[r * H + h] * w2[b][h * F + i];                       \
-                            gz[r * F + i] = hid[b][r * F + i] > 0 ? acc : 0;                                           \
-                        }                                                                                              \
-                    for (int o = 0; o < F; o++) {                                                                      \
-                        T sb = 0;                                                                                      \
-                        for (int r = 0; r < R; r++) sb += gz[r * F + o];                                               \
-                        gb1[o] += sb;                                                                                  \
-                        for (int i = 0; i < H; i++) {                                                                  \
-                            T sw = 0;                                                                                  \
-                            for (int r = 0; r < R; r++) sw += gz[r * F + o] * act[b][r * H + i];                       \
-                            gw1[o * H + i] += sw;                                                                      \
-                        }                                                                                              \
-                    }                                                                                                  \
-                    for (int r = 0; r < R; r++)                                                                        \
-                        for (int i = 0; i < H; i++) {                                                                  \
-                            T acc = 0;                                                                                 \
-                            for (int o = 0; o < F; o++) acc += gz[r * F + o] * w1[b][o * H + i];                       \
-                            gh[r * H + i] = acc;                                                                       \
-                        }                                                                                              \
-                }                                                                                                      \
-            }                                                                                                          \
-            loss[s] = total / MB;                                                                                      \
-            for (int k = 0; k < BLOCKS * 4; k++)                                                                       \
-                for (int64_t e = 0; e < sizes[k % 4]; e++) {                                                           \
-                    T ge = g[k][e] / (T)MB;                                                                            \
-                    if (s == 0) grad1[k][e] = (double)ge;                                                              \
-                    ps[k][e] -= (T)LR * ge;                                                                            \
-                }                                                                                                      \
-        }                                                                                                              \
-        for (int k = 0; k < BLOCKS * 4; k++)                                                                           \
-            for (int64_t e = 0; e < sizes[k % 4]; e++) value[k][e] = (double)ps[k][e];                                 \
+#define REF(T, NAME) \
+    static void NAME(double *loss, double **value, double **grad1) { \
+        T w1[BLOCKS][F * H], b1[BLOCKS][F], w2[BLOCKS][H * F], b2[BLOCKS][H]; \
+        T *ps[BLOCKS * 4]; \
+        int64_t sizes[4] = {F * H, F, H * F, H}; \
+        for (int b = 0; b < BLOCKS; b++) { \
+            ps[b * 4] = w1[b]; \
+            ps[b * 4 + 1] = b1[b]; \
+            ps[b * 4 + 2] = w2[b]; \
+            ps[b * 4 + 3] = b2[b]; \
+        } \
+        static const char *names[4] = {"b%d_fc.weight", "b%d_fc.bias", "b%d_proj.weight", "b%d_bias.bias"}; \
+        for (int k = 0; k < BLOCKS * 4; k++) { \
+            char nm[64]; \
+            snprintf(nm, sizeof nm, names[k % 4], k / 4); \
+            float tmp[F * H]; \
+            smp_tensor tt = smp_tensor_1d(tmp, SMP_F32, sizes[k % 4]); \
+            if (k % 4 != 3) { \
+                tt.ndim = 2; \
+                tt.shape[0] = k % 4 == 1 ? 1 : k % 4 == 0 ? F : H; \
+                tt.shape[1] = k % 4 == 1 ? F : k % 4 == 0 ? H : F; \
+            } \
+            smp_init_uniform(&tt, smp_param_seed(nm), &g_bound); \
+            for (int64_t e = 0; e < sizes[k % 4]; e++) ps[k][e] = (T)tmp[e]; \
+        } \
+        for (int s = 0; s < STEPS; s++) { \
+            float xf[BATCH * H], tf[BATCH * H]; \
+            batch_of(s, xf, tf); \
+            T g[BLOCKS * 4][F * H]; \
+            memset(g, 0, sizeof g); \
+            double total = 0; \
+            for (int m = 0; m < MB; m++) { \
+                enum { R = BATCH / MB }; \
+                T act[BLOCKS + 1][R * H], hid[BLOCKS][R * F], gh[R * H], gz[R * F]; \
+                for (int i = 0; i < R * H; i++) act[0][i] = (T)xf[m * R * H + i]; \
+                for (int b = 0; b < BLOCKS; b++) { \
+                    for (int r = 0; r < R; r++) \
+                        for (int o = 0; o < F; o++) { \
+                            T acc = b1[b][o]; \
+                            for (int i = 0; i < H; i++) acc += act[b][r * H + i] * w1[b][o * H + i]; \
+                            hid[b][r * F + o] = acc > 0 ? acc : 0; \
+                        } \
+                    for (int r = 0; r < R; r++) \
+                        for (int h = 0; h < H; h++) { \
+                            T acc = 0; \
+                            for (int i = 0; i < F; i++) acc += hid[b][r * F + i] * w2[b][h * F + i]; \
+                            act[b + 1][r * H + h] = acc + b2[b][h]; \
+                        } \
+                } \
+                T l = 0; \
+                for (int i = 0; i < R * H; i++) { \
+                    T d = act[BLOCKS][i] - (T)tf[m * R * H + i]; \
+                    l += (T)0.5 * d * d; \
+                    gh[i] = d; \
+                } \
+                total += (double)l; \
+                for (int b = BLOCKS - 1; b >= 0; b--) { \
+                    T *gw1 = g[b * 4], *gb1 = g[b * 4 + 1], *gw2 = g[b * 4 + 2], *gb2 = g[b * 4 + 3]; \
+                    for (int h = 0; h < H; h++) { \
+                        T sb = 0; \
+                        for (int r = 0; r < R; r++) sb += gh[r * H + h]; \
+                        gb2[h] += sb; \
+                    } \
+                    for (int h = 0; h < H; h++) \
+                        for (int i = 0; i < F; i++) { \
+                            T sw = 0; \
+                            for (int r = 0; r < R; r++) sw += gh[r * H + h] * hid[b][r * F + i]; \
+                            gw2[h * F + i] += sw; \
+                        } \
+                    for (int r = 0; r < R; r++) \
+                        for (int i = 0; i < F; i++) { \
+                            T acc = 0; \
+                            for (int h = 0; h < H; h++) acc += gh[r * H + h] * w2[b][h * F + i]; \
+                            gz[r * F + i] = hid[b][r * F + i] > 0 ? acc : 0; \
+                        } \
+                    for (int o = 0; o < F; o++) { \
+                        T sb = 0; \
+                        for (int r = 0; r < R; r++) sb += gz[r * F + o]; \
+                        gb1[o] += sb; \
+                        for (int i = 0; i < H; i++) { \
+                            T sw = 0; \
+                            for (int r = 0; r < R; r++) sw += gz[r * F + o] * act[b][r * H + i]; \
+                            gw1[o * H + i] += sw; \
+                        } \
+                    } \
+                    for (int r = 0; r < R; r++) \
+                        for (int i = 0; i < H; i++) { \
+                            T acc = 0; \
+                            for (int o = 0; o < F; o++) acc += gz[r * F + o] * w1[b][o * H + i]; \
+                            gh[r * H + i] = acc; \
+                        } \
+                } \
+            } \
+            loss[s] = total / MB; \
+            for (int k = 0; k < BLOCKS * 4; k++) \
+                for (int64_t e = 0; e < sizes[k % 4]; e++) { \
+                    T ge = g[k][e] / (T)MB; \
+                    if (s == 0) grad1[k][e] = (double)ge; \
+                    ps[k][e] -= (T)LR * ge; \
+                } \
+        } \
+        for (int k = 0; k < BLOCKS * 4; k++) \
+            for (int64_t e = 0; e < sizes[k % 4]; e++) value[k][e] = (double)ps[k][e]; \
     }
 REF(float, ref_f32)
 REF(double, ref_f64)
@@ -201,7 +214,10 @@ static double rel_err(const float *a, const double *b, int64_t n) {
 }
 
 static bool same_bits(const run_result *a, const run_result *b, char *why, size_t cap) {
-    if (memcmp(a->loss, b->loss, sizeof a->loss)) { snprintf(why, cap, "losses differ: %.9g vs %.9g", a->loss[0], b->loss[0]); return false; }
+    if (memcmp(a->loss, b->loss, sizeof a->loss)) {
+        snprintf(why, cap, "losses differ: %.9g vs %.9g", a->loss[0], b->loss[0]);
+        return false;
+    }
     for (int k = 0; k < BLOCKS * 4; k++)
         if (memcmp(a->value[k], b->value[k], sizeof(float) * (size_t)numel_of(k, F)) ||
             memcmp(a->grad1[k], b->grad1[k], sizeof(float) * (size_t)numel_of(k, F))) {
@@ -235,12 +251,14 @@ static void test_against_references(int world) {
         worst_grad = fmax(worst_grad, rel_err(r.grad1[k], g64[k], numel_of(k, F)));
     }
     snprintf(name, sizeof name, "tp/mlp/tp=%d/20_steps_match_float32_reference", world);
-    MPI_CHECK(worst_loss < 1e-5 && worst_value < 1e-5, name, "loss off by %.3g, parameters by %.3g (relative)", worst_loss, worst_value);
+    MPI_CHECK(worst_loss < 1e-5 && worst_value < 1e-5, name, "loss off by %.3g, parameters by %.3g (relative)",
+              worst_loss, worst_value);
     double sq = 0;
     for (int k = 0; k < BLOCKS * 4; k++)
         for (int64_t e = 0; e < numel_of(k, F); e++) sq += (double)r.grad1[k][e] * r.grad1[k][e];
     snprintf(name, sizeof name, "tp/mlp/tp=%d/gradient_norm_counts_each_shard_once", world);
-    MPI_CHECK(fabs(r.norm1 - sqrt(sq)) <= 1e-12 * sqrt(sq), name, "smp_clip_grad_norm gave %.17g, the full gradients' norm is %.17g", r.norm1, sqrt(sq));
+    MPI_CHECK(fabs(r.norm1 - sqrt(sq)) <= 1e-12 * sqrt(sq), name,
+              "smp_clip_grad_norm gave %.17g, the full gradients' norm is %.17g", r.norm1, sqrt(sq));
     snprintf(name, sizeof name, "tp/mlp/tp=%d/gradients_match_float64_reference", world);
     MPI_CHECK(worst_grad < 1e-5, name, "first step's gradients off by %.3g of each tensor's largest entry", worst_grad);
     for (int k = 0; k < BLOCKS * 4; k++) { free(v32[k]); free(g32[k]); free(v64[k]); free(g64[k]); }
@@ -267,7 +285,8 @@ static void test_pipelined(int world) {
     MPI_Comm_free(&half);
     char name[96], why[256] = "";
     snprintf(name, sizeof name, "tp/mlp/pp=2_tp=%d_equals_pp=1_bitwise", tp);
-    MPI_CHECK(a.st == SMP_OK && b.st == SMP_OK && same_bits(&a, &b, why, sizeof why), name, "%s %s", smp_last_error(), why);
+    MPI_CHECK(a.st == SMP_OK && b.st == SMP_OK && same_bits(&a, &b, why, sizeof why), name, "%s %s", smp_last_error(),
+              why);
     result_free(&a);
     result_free(&b);
 }
@@ -296,8 +315,13 @@ static void test_sharded_init(int world) {
         smp_init_uniform(&ft, smp_param_seed(smp_param_name(p)), &g_bound);
         const smp_tensor *v = smp_param_value(p);
         int64_t want_off = axis < 0 ? 0 : shape[axis] / world * smp_tp_rank();
-        ok = smp_param_shard_offset(p) == want_off && (axis < 0 ? v->shape[0] == shape[0] : v->shape[axis] * world == shape[axis]);
-        if (!ok) { snprintf(why, sizeof why, "%s: offset %lld, local dim %lld", smp_param_name(p), (long long)smp_param_shard_offset(p), (long long)v->shape[axis < 0 ? 0 : axis]); break; }
+        ok = smp_param_shard_offset(p) == want_off &&
+             (axis < 0 ? v->shape[0] == shape[0] : v->shape[axis] * world == shape[axis]);
+        if (!ok) {
+            snprintf(why, sizeof why, "%s: offset %lld, local dim %lld", smp_param_name(p),
+                     (long long)smp_param_shard_offset(p), (long long)v->shape[axis < 0 ? 0 : axis]);
+            break;
+        }
         int64_t outer = 1, inner = 1, a = axis < 0 ? 0 : axis;
         for (int d = 0; d < a; d++) outer *= shape[d];
         for (int d = a + 1; d < nd; d++) inner *= shape[d];
@@ -386,7 +410,8 @@ static void test_gather_scatter(int world) {
         memset(&loss, 0, sizeof loss);
         if (!st) st = SMP_TRAIN_STEP(m, sum_body, NULL, &loss, 1, xt);
         double want_loss = 0, got = st ? 0 : smp_step_output_reduce_mean_f64(&loss), worst = 0;
-        const float *wv = st ? NULL : (const float *)smp_param_value(w[0])->data, *gw = st ? NULL : (const float *)smp_param_grad(w[0])->data;
+        const float *wv = st ? NULL : (const float *)smp_param_value(w[0])->data,
+                    *gw = st ? NULL : (const float *)smp_param_grad(w[0])->data;
         for (int j = 0; !st && j < H; j++) {
             double col = 0;
             for (int r = 0; r < BATCH; r++) {
@@ -396,7 +421,8 @@ static void test_gather_scatter(int world) {
             worst = fmax(worst, fabs(gw[j] - world * col) / (world * fabs(col) + 1e-3));
         }
         bool ok = !st && fabs(got - want_loss) <= 1e-5 * fabs(want_loss) + 1e-6 && worst < 1e-5;
-        MPI_CHECK(ok, name, "%s: sum of the output %.9g, want %.9g; w's gradient off by %.3g", st ? smp_last_error() : "ok", got, want_loss, worst);
+        MPI_CHECK(ok, name, "%s: sum of the output %.9g, want %.9g; w's gradient off by %.3g",
+                  st ? smp_last_error() : "ok", got, want_loss, worst);
         smp_step_output_free(&loss);
         smp_model_free(m);
         smp_finalize();
@@ -404,7 +430,8 @@ static void test_gather_scatter(int world) {
 }
 
 /* ------------------------------------------------------------ bad input */
-static smp_status uneven_forward(smp_call_ctx *c) { /* a shape that depends on the tp rank: a bug the TP modules must catch */
+/* a shape that depends on the tp rank: a bug the TP modules must catch */
+static smp_status uneven_forward(smp_call_ctx *c) {
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, (int64_t[]){x->shape[0], H + smp_tp_rank()});
     if (!y) return SMP_ERR_NOMEM;
@@ -429,7 +456,8 @@ static void test_bad_input(int world) {
     smp_status st = smp_model_new(root, &(smp_model_desc){.forward = net_forward}, &m);
     char name[96];
     snprintf(name, sizeof name, "tp/bad/shard_axis_not_divisible");
-    MPI_CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "\"odd.weight\"") && strstr(smp_last_error(), "does not divide") && !m,
+    MPI_CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "\"odd.weight\"") &&
+                  strstr(smp_last_error(), "does not divide") && !m,
               name, "%s: %s", smp_status_name(st), smp_last_error());
     smp_finalize();
 
@@ -446,7 +474,8 @@ static void test_bad_input(int world) {
     char want[64];
     snprintf(want, sizeof want, "f32[4, %d] on tp rank 1", H + 1);
     MPI_CHECK(st != SMP_OK && strstr(smp_last_error(), "\"reduce\"") && strstr(smp_last_error(), want) &&
-                  strstr(smp_last_error(), "on tp rank 0"), "tp/bad/shapes_differ_across_the_tp_group", "%s: %s", smp_status_name(st), smp_last_error());
+                  strstr(smp_last_error(), "on tp rank 0"),
+              "tp/bad/shapes_differ_across_the_tp_group", "%s: %s", smp_status_name(st), smp_last_error());
     smp_model_free(m);
     smp_finalize();
 
@@ -461,8 +490,8 @@ static void test_bad_input(int world) {
     g_nchain = 1;
     st = smp_model_new(root, &(smp_model_desc){.forward = chain_forward}, &m);
     smp_set_logger(NULL, NULL);
-    MPI_CHECK(st == SMP_OK && (rank != 0 || strstr(g_log, "declares no sharded parameter")), "tp/bad/nothing_sharded_warns",
-              "%s; rank 0 logged '%s'", smp_last_error(), g_log);
+    MPI_CHECK(st == SMP_OK && (rank != 0 || strstr(g_log, "declares no sharded parameter")),
+              "tp/bad/nothing_sharded_warns", "%s; rank 0 logged '%s'", smp_last_error(), g_log);
     smp_model_free(m);
     smp_finalize();
 }

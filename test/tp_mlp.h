@@ -69,7 +69,8 @@ static smp_status row_forward(smp_call_ctx *c) { /* y = x W^T, W [H, f] local: a
     for (int r = 0; r < n; r++)
         for (int h = 0; h < H; h++) {
             float acc = 0;
-            for (int i = 0; i < f; i++) acc += ((const float *)x->data)[r * f + i] * ((const float *)w->data)[h * f + i];
+            for (int i = 0; i < f; i++)
+                acc += ((const float *)x->data)[r * f + i] * ((const float *)w->data)[h * f + i];
             ((float *)y->data)[r * H + h] = acc;
         }
     return SMP_OK;
@@ -77,7 +78,8 @@ static smp_status row_forward(smp_call_ctx *c) { /* y = x W^T, W [H, f] local: a
 static smp_status row_backward(smp_call_ctx *c) {
     smp_param **p = (smp_param **)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *gy = smp_call_grad_output(c, 0);
-    const float *xs = (const float *)x->data, *g = (const float *)gy->data, *ws = (const float *)smp_param_value(p[0])->data;
+    const float *xs = (const float *)x->data, *g = (const float *)gy->data,
+                *ws = (const float *)smp_param_value(p[0])->data;
     float *gw = (float *)smp_param_grad(p[0])->data;
     int n = (int)x->shape[0], f = (int)x->shape[1];
     smp_tensor *gx = smp_call_grad_input(c, 0);
@@ -103,7 +105,8 @@ static smp_status bias_forward(smp_call_ctx *c) {
     int n = (int)x->shape[0], k = (int)x->shape[1];
     for (int r = 0; r < n; r++)
         for (int h = 0; h < k; h++)
-            ((float *)y->data)[r * k + h] = ((const float *)x->data)[r * k + h] + ((const float *)smp_param_value(p[0])->data)[h];
+            ((float *)y->data)[r * k + h] =
+                ((const float *)x->data)[r * k + h] + ((const float *)smp_param_value(p[0])->data)[h];
     return SMP_OK;
 }
 static smp_status bias_backward(smp_call_ctx *c) {
@@ -148,11 +151,14 @@ static void build(net *n, bool pipelined, bool recompute, int wide) {
         n->mods[b][0] = smp_module_new_tp_copy(n->root, name);
         snprintf(name, sizeof name, "b%d_fc", b);
         n->mods[b][1] = smp_module_new(n->root, name, &(smp_module_desc){col_forward, col_backward, n->col_p[b]});
-        n->col_p[b][0] = smp_param_new_sharded(n->mods[b][1], "weight", SMP_F32, 2, (int64_t[]){wide, H}, 0, smp_init_uniform, &g_bound);
-        n->col_p[b][1] = smp_param_new_sharded(n->mods[b][1], "bias", SMP_F32, 1, (int64_t[]){wide}, 0, smp_init_uniform, &g_bound);
+        n->col_p[b][0] = smp_param_new_sharded(n->mods[b][1], "weight", SMP_F32, 2, (int64_t[]){wide, H}, 0,
+                                               smp_init_uniform, &g_bound);
+        n->col_p[b][1] =
+            smp_param_new_sharded(n->mods[b][1], "bias", SMP_F32, 1, (int64_t[]){wide}, 0, smp_init_uniform, &g_bound);
         snprintf(name, sizeof name, "b%d_proj", b);
         n->mods[b][2] = smp_module_new(n->root, name, &(smp_module_desc){row_forward, row_backward, n->row_p[b]});
-        n->row_p[b][0] = smp_param_new_sharded(n->mods[b][2], "weight", SMP_F32, 2, (int64_t[]){H, wide}, 1, smp_init_uniform, &g_bound);
+        n->row_p[b][0] = smp_param_new_sharded(n->mods[b][2], "weight", SMP_F32, 2, (int64_t[]){H, wide}, 1,
+                                               smp_init_uniform, &g_bound);
         snprintf(name, sizeof name, "b%d_out", b);
         n->mods[b][3] = smp_module_new_tp_reduce(n->root, name);
         snprintf(name, sizeof name, "b%d_bias", b);
@@ -170,7 +176,10 @@ static void build(net *n, bool pipelined, bool recompute, int wide) {
 /* The batch of step s (the same on every rank). */
 static void batch_of(int s, float *x, float *t) {
     uint64_t st = 1234 + (uint64_t)s * 7919;
-    for (int i = 0; i < BATCH * H; i++) { x[i] = (float)(2 * smp_rng_uniform(&st) - 1); t[i] = (float)(2 * smp_rng_uniform(&st) - 1); }
+    for (int i = 0; i < BATCH * H; i++) {
+        x[i] = (float)(2 * smp_rng_uniform(&st) - 1);
+        t[i] = (float)(2 * smp_rng_uniform(&st) - 1);
+    }
 }
 
 SMP_STEP_BODY(mse_body) {
@@ -212,7 +221,8 @@ static inline void full_of(net *n, float *const *local, float **out) {
         memset(full.data, 0, smp_tensor_nbytes(&full));
         if (smp_module_is_local(smp_param_module(p)) && (smp_param_shard_axis(p) >= 0 || smp_tp_rank() == 0))
             slice_io(p, local[k], out[k], true);
-        MPI_Allreduce(MPI_IN_PLACE, out[k], (int)smp_tensor_numel(&full), MPI_UINT32_T, MPI_BOR, smp_group_comm(SMP_MP_GROUP));
+        MPI_Allreduce(MPI_IN_PLACE, out[k], (int)smp_tensor_numel(&full), MPI_UINT32_T, MPI_BOR,
+                      smp_group_comm(SMP_MP_GROUP));
     }
 }
 
@@ -221,12 +231,16 @@ static inline void full_params(net *n, bool grads, float **out) {
     float *local[BLOCKS * 4];
     for (int k = 0; k < BLOCKS * 4; k++) {
         smp_param *p = n->params[k];
-        local[k] = !smp_module_is_local(smp_param_module(p)) ? NULL : (float *)(grads ? smp_param_grad(p) : smp_param_value(p))->data;
+        local[k] = !smp_module_is_local(smp_param_module(p))
+                       ? NULL
+                       : (float *)(grads ? smp_param_grad(p) : smp_param_value(p))->data;
     }
     full_of(n, local, out);
 }
 
 /* The elements of parameter k of a model of width `wide`. */
-static inline int64_t numel_of(int k, int wide) { return k % 4 == 0 || k % 4 == 2 ? (int64_t)wide * H : k % 4 == 1 ? wide : H; }
+static inline int64_t numel_of(int k, int wide) {
+    return k % 4 == 0 || k % 4 == 2 ? (int64_t)wide * H : k % 4 == 1 ? wide : H;
+}
 
 #endif
