@@ -2690,6 +2690,7 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     if (st) goto out;
     for (i = 0; i < np && !st; i++) {
         smp_param *p = smp_model_global_param(m, i, true);
+        if (!p) smp__fatal("a checkpoint's plan: the model has no global parameter %d of %d", i, np);
         const smp_tensor *v = smp_param_value(p);
         int64_t full[SMP_MAX_DIMS];
         int nd = smp_param_full_shape(p, full);

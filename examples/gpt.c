@@ -508,6 +508,10 @@ int main(int argc, char **argv) {
         if (text.id_of[(unsigned char)opt.logits[i]] < 0)
             st = smp_error(SMP_ERR_ARG, "--logits: character %zu (byte 0x%02x) is not in the vocabulary", i,
                            (unsigned char)opt.logits[i]);
+    /* c_attn is declared [3, C, C] at tp > 1 (each rank's heads of q, k and v): its file would not be nanoGPT's */
+    if (!st && smp_tp_size() > 1 && ((opt.save && *opt.save) || opt.load))
+        st = smp_error(SMP_ERR_CONFIG, "--save and --load run with tensor_parallel_degree 1 so far: give --save \"\" "
+                                       "with --tp (c_attn's [3, C, C] layout at tp > 1 is not nanoGPT's [3C, C])");
     if (!st && opt.grads && (smp_rdp_size() > 1 || R > 1))
         st = smp_error(SMP_ERR_CONFIG, "--grads saves one replica's first step: run it without --ddp and --replicas");
     if (fail_all(st, "input")) goto done;
