@@ -235,6 +235,8 @@ expect_error "gpt/--tp 2 with 3 heads names the fix on every rank" \
   2 --partitions 1 --tp 2 --dmodel 36 --heads 3 --save ""
 expect_error "gpt/--tp 4 with a vocabulary of 114 names the fix on every rank" \
   "the vocabulary of 114 does not split over tensor_parallel_degree = 4" 4 --partitions 1 --tp 4 --save ""
+expect_error "gpt/--save at --tp 2 is refused on every rank (c_attn's layout is not nanoGPT's there)" \
+  "--save and --load run with tensor_parallel_degree 1 so far" 2 --partitions 1 --tp 2 --save "$tmp/tp.safetensors"
 
 # pipelined generation (--generate): a checkpoint of a tiny model trained a little longer, loaded into 1, 2 and 4
 # partitions, 4 prompts of different lengths (one per microbatch), an evaluation step per character
