@@ -251,7 +251,7 @@ static smp_status load(smp_model *m, opt_store *o, const char *path, int partial
 #define ZSTEPS 2
 #define ZP (NLIN * 2)
 static float g_zw[ZP][H * H], g_zm[ZP][H * H];
-static int g_zskip = -1; /* the dp rank that registers no state for the last parameter (a gap); -1: none */
+static int g_zskip = -1; /* the dp rank that registers no state for the first range it owns (a gap); -1: none */
 
 typedef struct { float *v[ZP]; int64_t first[ZP], count[ZP]; smp_param *p[ZP]; smp_optimizer *reg; } zopt;
 
@@ -307,6 +307,7 @@ static int zrun(MPI_Comm comm, int P, bool shard, const char *from, int partial,
     zbatch(0, x, t);
     smp_tensor sample = smp_tensor_2d(x, SMP_F32, B / 2, D);
     int ok = m && smp_model_trace(m, &sample, 1) == SMP_OK && smp_optimizer_new(m, &o.reg) == SMP_OK;
+    bool skipped = false;
     for (int i = 0; ok && i < ZP; i++) {
         smp_param *p = smp_model_global_param(m, i, false);
         if (!smp_module_is_local(smp_param_module(p))) continue;
@@ -314,7 +315,9 @@ static int zrun(MPI_Comm comm, int P, bool shard, const char *from, int partial,
         ok = smp_param_owned_range(m, p, &o.first[i], &o.count[i]) == SMP_OK;
         o.v[i] = (float *)calloc((size_t)o.count[i] + 1, sizeof(float));
         smp_tensor s = smp_tensor_1d(o.v[i], SMP_F32, o.count[i]);
-        if (i != ZP - 1 || smp_dp_rank() != g_zskip)
+        if (smp_dp_rank() == g_zskip && !skipped && o.count[i] > 0)
+            skipped = true; /* the gap: a range this replica owns, with no state registered */
+        else
             ok = ok && smp_optimizer_state_add(o.reg, smp_param_name(p), "momentum", &s) == SMP_OK;
     }
     if (!ok) snprintf(why, cap, "set-up: %s", smp_last_error());
