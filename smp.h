@@ -218,8 +218,9 @@
      smp.h             a persistent all-reduce's staging buffer (host
                        all-reduces of at most 16 KiB); the host copy of a
                        device tensor that tracing checksums
-     smp_pipeline.h    the gather buffer of a gradient bucket under
-                       deterministic_reduction (bucket_cap_mb x replicas);
+     smp_pipeline.h    the gather buffer of a device gradient bucket under
+                       deterministic_reduction (bucket_cap_mb x replicas; a
+                       host bucket's is taken as the step begins);
                        smp_clip_grad_norm's partial sums (one double per
                        parameter); the timeline's lengths (smp_model_free
                        with SMP_TIMELINE); after a failed step, the counts of

@@ -2301,7 +2301,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
     int dp = smp_rdp_size(), piece = n / dp;
     if (ps->plan.scatter && deterministic) {
         /* every replica's copy of this replica's piece, summed in rank order by smp__ddp_finish */
-        b->gather = smp__alloc(b->bytes + 1, SMP__ALLOC_COMM);
+        if (!b->gather) b->gather = smp__alloc(b->bytes + 1, SMP__ALLOC_COMM); /* taken as the step began */
         if (!b->gather) smp__bucket_nomem(b->bytes);
         b->pieces = dp;
         st = SMP__MPI_CHECK(MPI_Ialltoall(b->data, piece, smp__mpi_type(b->dtype), b->gather, piece,
@@ -2319,7 +2319,7 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
                                 b->bytes);
     } else if (deterministic) {
         /* every replica's gradient, summed below in dp-rank order */
-        b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_COMM);
+        if (!b->gather) b->gather = smp__alloc(b->bytes * (size_t)dp + 1, SMP__ALLOC_COMM); /* as the step began */
         if (!b->gather) smp__bucket_nomem(b->bytes * (size_t)dp);
         b->pieces = dp;
         st = SMP__MPI_CHECK(
@@ -3833,6 +3833,15 @@ static smp_status smp__step_begin(smp__pipe *ps, smp_model *md, const smp_step_d
         for (int a = 0; a < d->nargs && !st; a++)
             if (d->non_split[a]) s->args[a] = d->args[a];
             else st = smp__slice(&d->args[a], d->split_axis[a], m, i, &s->args[a], &s->arg_copies[a], SMP__ALLOC_OTHER);
+    }
+    /* deterministic_reduction: what each host bucket gathers, taken now, where a failure fails the step on every
+       rank; once the bucket's collective has started, the other replicas are in it and a failure aborts */
+    bool gathers = now->sync && cfg->deterministic_reduction == SMP_ON && smp_rdp_size() > 1;
+    for (int b = 0; gathers && b < ps->plan.nbuckets && !st; b++) {
+        smp__bucket *k = &ps->plan.buckets[b];
+        if (k->device != SMP_HOST) continue;
+        size_t bytes = ps->plan.scatter ? k->bytes : k->bytes * (size_t)smp_rdp_size();
+        k->gather = smp__bytes_or(&st, bytes + 1, SMP__ALLOC_COMM, "gathering a data-parallel gradient bucket");
     }
     return st;
 }
