@@ -934,8 +934,7 @@ int main(int argc, char **argv) {
     static const layout m4[4] = {{p4, -1, 0, 3, -1}, {p4, 2, 0, 3, -1}, {p4, 0, -1, -1, -1}, {p4, 3, -1, -1, -1}};
     static const int m4_want[4][2] = {{0, 3}, {2, 2}, {0, 0}, {3, 3}};
     static const char *m4_label[4] = {
-        "manual 0,1,1,2,2,3, tied created in no context, called by composites embed (partition 0) and head (partition "
-        "3)",
+        "manual 0,1,1,2,2,3, tied created in no context, called by composites embed (partition 0) and head (part 3)",
         "manual 0,1,1,2,2,3, tied created in partition 2, called by embed (partition 0) and head (partition 3)",
         "manual 0,1,1,2,2,3, tied created in partition 0, top-level calls",
         "manual 0,1,1,2,2,3, tied created in partition 3, top-level calls"};
