@@ -118,7 +118,9 @@ int main(int argc, char **argv) {
     printf("large: rank %d: smp's peak %.0f MB, %.2f x the activation (%.0f MB)\n", smp_rank(), peak / 1e6, peak / act,
            act / 1e6);
     fflush(stdout);
-    MPI_CHECK(peak <= 2 * act + (64 << 20),
+    /* the caching allocator hands out a block of the activation's size class, at most a quarter larger, and counts
+       the rounding (SMP_MEMORY_CACHED): two blocks, 2.5 activations at most; a third copy would be 3 or more */
+    MPI_CHECK(peak <= 2 * 1.25 * act + (64 << 20),
               "large/smp holds at most two activation-sized buffers (no copy of the gradient)",
               "peak %.0f MB, %.2f activations", peak / 1e6, peak / act);
     smp_step_output_free(&out);
