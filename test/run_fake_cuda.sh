@@ -38,7 +38,9 @@ variant "2 ranks, 2 GPUs, no memory pools" 2 FAKE_CUDA_DEVICES=2 FAKE_CUDA_POOLS
 asan=build/fake/test_gpu_asan
 if [ -x "$asan" ]; then
   plain=$bin; bin=$asan
-  variant "ASan+UBSan, 2 ranks, 2 GPUs" 2 FAKE_CUDA_DEVICES=2 ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+  # verify_asan_link_order=0: test/run.sh preloads its yield shim ahead of ASan's runtime
+  variant "ASan+UBSan, 2 ranks, 2 GPUs" 2 FAKE_CUDA_DEVICES=2 ASAN_OPTIONS=detect_leaks=0:verify_asan_link_order=0 \
+    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
   bin=$plain
 else
   echo "FAIL: $asan is not built"; status=1
