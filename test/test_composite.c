@@ -442,6 +442,12 @@ typedef struct spec {
     bool trace_in_step; /* no smp_model_trace first: the first step traces */
 } spec;
 
+/* the usual case: one virtual stage, no recomputation, no planted error, STEPS steps of SGD, traced first */
+static spec plain_spec(int variant, int P, int m, int place, smp_pipeline_kind kind) {
+    return (spec){.variant = variant, .P = P, .m = m, .vs = 1, .place = place, .recompute = RC_NONE,
+                  .err = ERR_NONE, .kind = kind, .steps = STEPS, .sgd = true};
+}
+
 typedef struct net_t {
     int variant;
     smp_module *root, *blocks, *stem, *head, *fan, *join;
@@ -887,44 +893,23 @@ static void test_equivalence(void) {
             for (int kk = 0; kk < 2; kk++)
                 for (int b = 0; b < 3; b++)
                     for (int pl = PL_AUTO; pl <= (Ps[a] > 1 ? PL_CONTIG : PL_AUTO); pl++) {
-                        spec s = {v == 0 ? V_COMPOSITE : V_FLAT,
-                                  Ps[a],
-                                  ms[b],
-                                  1,
-                                  pl,
-                                  RC_NONE,
-                                  ERR_NONE,
-                                  kinds[kk],
-                                  STEPS,
-                                  true,
-                                  false};
+                        spec s = plain_spec(v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], ms[b], pl, kinds[kk]);
                         free(run_checked(&s));
                     }
     /* virtual stages: manual 0,1,0,1 (P=2) and 0,1,2,3,0,1,2,3 (P=4), and auto with 2 per rank */
     for (int v = 0; v < 2; v++)
         for (int kk = 0; kk < 2; kk++) {
             for (int b = 1; b < 3; b++) {
-                spec s = {v == 0 ? V_COMPOSITE : V_FLAT,
-                          2,
-                          ms[b],
-                          1,
-                          PL_ALT,
-                          RC_NONE,
-                          ERR_NONE,
-                          kinds[kk],
-                          STEPS,
-                          true,
-                          false};
+                spec s = plain_spec(v == 0 ? V_COMPOSITE : V_FLAT, 2, ms[b], PL_ALT, kinds[kk]);
                 free(run_checked(&s));
             }
-            spec s4 = {
-                v == 0 ? V_COMPOSITE : V_FLAT, 4, 4, 1, PL_ALT, RC_NONE, ERR_NONE, kinds[kk], STEPS, true, false};
+            spec s4 = plain_spec(v == 0 ? V_COMPOSITE : V_FLAT, 4, 4, PL_ALT, kinds[kk]);
             free(run_checked(&s4));
         }
     for (int v = 0; v < 2; v++)
         for (int a = 1; a < 3; a++) {
-            spec s = {v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], 4,    2,    PL_AUTO, RC_NONE, ERR_NONE,
-                      SMP_PIPELINE_INTERLEAVED,      STEPS, true, false};
+            spec s = plain_spec(v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], 4, PL_AUTO, SMP_PIPELINE_INTERLEAVED);
+            s.vs = 2;
             free(run_checked(&s));
         }
     /* zero_bubble: manual placement (auto with one partition), then 0,1,0,1 and
@@ -932,21 +917,12 @@ static void test_equivalence(void) {
     for (int a = 0; a < 3; a++)
         for (int v = 0; v < 2; v++)
             for (int b = 0; b < 3; b++) {
-                spec s = {v == 0 ? V_COMPOSITE : V_FLAT,
-                          Ps[a],
-                          ms[b],
-                          1,
-                          Ps[a] > 1 ? PL_CONTIG : PL_AUTO,
-                          RC_NONE,
-                          ERR_NONE,
-                          SMP_PIPELINE_ZERO_BUBBLE,
-                          STEPS,
-                          true,
-                          false};
+                spec s = plain_spec(v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], ms[b], Ps[a] > 1 ? PL_CONTIG : PL_AUTO,
+                                    SMP_PIPELINE_ZERO_BUBBLE);
                 free(run_checked(&s));
             }
     for (int a = 1; a < 3; a++) {
-        spec s = {V_COMPOSITE, Ps[a], 4, 1, PL_ALT, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
+        spec s = plain_spec(V_COMPOSITE, Ps[a], 4, PL_ALT, SMP_PIPELINE_ZERO_BUBBLE);
         free(run_checked(&s));
     }
     /* zero_bubble_v: 2P stages in a V, auto and manual (P = 1: one run cut in two) */
@@ -954,9 +930,8 @@ static void test_equivalence(void) {
         for (int v = 0; v < 2; v++)
             for (int b = 0; b < 3; b++)
                 for (int pl = 0; pl < 2; pl++) {
-                    spec s = {
-                        v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], ms[b], 1,    pl ? PL_VEE : PL_AUTO, RC_NONE, ERR_NONE,
-                        SMP_PIPELINE_ZERO_BUBBLE_V,    STEPS, true,  false};
+                    spec s = plain_spec(v == 0 ? V_COMPOSITE : V_FLAT, Ps[a], ms[b], pl ? PL_VEE : PL_AUTO,
+                                        SMP_PIPELINE_ZERO_BUBBLE_V);
                     free(run_checked(&s));
                 }
 }
@@ -967,15 +942,15 @@ static void test_nested(void) {
         for (int kk = 0; kk < 2; kk++)
             for (int b = 0; b < 2; b++)
                 for (int pl = PL_AUTO; pl <= (Ps[a] > 1 ? PL_CONTIG : PL_AUTO); pl++) {
-                    spec s = {V_NESTED, Ps[a], ms[b], 1, pl, RC_NONE, ERR_NONE, kinds[kk], STEPS, true, false};
+                    spec s = plain_spec(V_NESTED, Ps[a], ms[b], pl, kinds[kk]);
                     free(run_checked(&s));
                 }
     for (int a = 1; a < 3; a++) {
-        spec s = {V_NESTED, Ps[a], 4, 1, PL_CONTIG, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
+        spec s = plain_spec(V_NESTED, Ps[a], 4, PL_CONTIG, SMP_PIPELINE_ZERO_BUBBLE);
         free(run_checked(&s));
     }
     for (int a = 0; a < 3; a++) {
-        spec s = {V_NESTED, Ps[a], 4, 1, PL_VEE, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE_V, STEPS, true, false};
+        spec s = plain_spec(V_NESTED, Ps[a], 4, PL_VEE, SMP_PIPELINE_ZERO_BUBBLE_V);
         free(run_checked(&s));
     }
 }
@@ -1029,56 +1004,46 @@ static void test_recompute(void) {
         for (int kk = 0; kk < 2; kk++)
             for (int pl = PL_AUTO; pl <= (Ps[a] > 1 ? PL_CONTIG : PL_AUTO); pl++)
                 for (int c = 0; c < 2; c++) {
-                    spec s = {V_COMPOSITE, Ps[a], 4, 1, pl, RC_NONE, ERR_NONE, kinds[kk], STEPS, true, false};
+                    spec s = plain_spec(V_COMPOSITE, Ps[a], 4, pl, kinds[kk]);
                     recompute_pair(s, c ? RC_CONFIG : RC_BLOCKS);
                 }
     /* fewer microbatches, virtual stages: bitwise only */
     for (int a = 0; a < 3; a++)
         for (int m = 1; m <= 2; m++) {
-            spec s = {V_COMPOSITE,
-                      Ps[a],
-                      m,
-                      1,
-                      Ps[a] > 1 ? PL_CONTIG : PL_AUTO,
-                      RC_BLOCKS,
-                      ERR_NONE,
-                      SMP_PIPELINE_INTERLEAVED,
-                      STEPS,
-                      true,
-                      false};
+            spec s = plain_spec(V_COMPOSITE, Ps[a], m, Ps[a] > 1 ? PL_CONTIG : PL_AUTO, SMP_PIPELINE_INTERLEAVED);
+            s.recompute = RC_BLOCKS;
             free(run_checked(&s));
         }
     for (int a = 1; a < 3; a++) {
-        spec s = {V_COMPOSITE, Ps[a], 4, 1, PL_ALT, RC_BLOCKS, ERR_NONE, SMP_PIPELINE_INTERLEAVED, STEPS, true, false};
+        spec s = plain_spec(V_COMPOSITE, Ps[a], 4, PL_ALT, SMP_PIPELINE_INTERLEAVED);
+        s.recompute = RC_BLOCKS;
         free(run_checked(&s));
     }
     /* zero_bubble: a recomputed call lets go of what it made again only after its W */
     for (int a = 0; a < 3; a++) {
-        spec s = {
-            V_COMPOSITE, Ps[a], 4,    1, Ps[a] > 1 ? PL_CONTIG : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE,
-            STEPS,       true,  false};
+        spec s = plain_spec(V_COMPOSITE, Ps[a], 4, Ps[a] > 1 ? PL_CONTIG : PL_AUTO, SMP_PIPELINE_ZERO_BUBBLE);
         recompute_pair(s, RC_BLOCKS);
     }
     for (int a = 1; a < 3; a++) {
-        spec s = {V_COMPOSITE, Ps[a], 4, 1, PL_ALT, RC_BLOCKS, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE, STEPS, true, false};
+        spec s = plain_spec(V_COMPOSITE, Ps[a], 4, PL_ALT, SMP_PIPELINE_ZERO_BUBBLE);
+        s.recompute = RC_BLOCKS;
         free(run_checked(&s));
     }
     /* zero_bubble_v: the same, two stages per rank in a V */
     for (int a = 0; a < 3; a++) {
-        spec s = {V_COMPOSITE, Ps[a], 4, 1, PL_VEE, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE_V, STEPS, true, false};
+        spec s = plain_spec(V_COMPOSITE, Ps[a], 4, PL_VEE, SMP_PIPELINE_ZERO_BUBBLE_V);
         recompute_pair(s, RC_BLOCKS);
     }
     /* two levels: recompute the block (around a composite) or only the inner composite */
     for (int a = 0; a < 3; a++)
         for (int rc = RC_BLOCKS; rc <= RC_INNER; rc++) {
-            spec s = {
-                V_NESTED, Ps[a], 4,    1, Ps[a] > 1 ? PL_CONTIG : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_INTERLEAVED,
-                STEPS,    true,  false};
+            spec s = plain_spec(V_NESTED, Ps[a], 4, Ps[a] > 1 ? PL_CONTIG : PL_AUTO, SMP_PIPELINE_INTERLEAVED);
             recompute_pair(s, rc);
         }
     /* the config key on a flat model: every leaf recomputes, nothing changes */
     for (int a = 0; a < 3; a++) {
-        spec s = {V_FLAT, Ps[a], 2, 1, PL_AUTO, RC_CONFIG, ERR_NONE, SMP_PIPELINE_INTERLEAVED, STEPS, true, false};
+        spec s = plain_spec(V_FLAT, Ps[a], 2, PL_AUTO, SMP_PIPELINE_INTERLEAVED);
+        s.recompute = RC_CONFIG;
         free(run_checked(&s));
     }
 }
@@ -1088,7 +1053,7 @@ static void test_dropout(void) {
     static uint64_t base_seeds[STEPS][NBLK][MAXM];
     const int m = 4;
     /* the baseline: one process, no recomputation, on every rank */
-    spec b = {V_DROPOUT, 1, m, 1, PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_SIMPLE, STEPS, true, false};
+    spec b = plain_spec(V_DROPOUT, 1, m, PL_AUTO, SMP_PIPELINE_SIMPLE);
     result *base = run_checked(&b);
     if (!base) return;
     memcpy(base_seeds, g_seeds, sizeof base_seeds);
@@ -1135,8 +1100,8 @@ static void test_dropout(void) {
     layout L;
     resnet_layout(&L, false);
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
-        spec s = {V_DROPOUT, cases[c].P,    m,     1,    cases[c].place, cases[c].rc,
-                  ERR_NONE,  cases[c].kind, STEPS, true, false};
+        spec s = plain_spec(V_DROPOUT, cases[c].P, m, cases[c].place, cases[c].kind);
+        s.recompute = cases[c].rc;
         char name[512];
         spec_name(&s, name, sizeof name, "dropout result and seeds equal one process without recomputation");
         if (!fits(s.P)) {
@@ -1206,8 +1171,10 @@ static void test_errors(void) {
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
         for (int a = 0; a < (Pmax > 1 ? 2 : 1); a++) {
             int P = Ps[a];
-            spec s = {V_COMPOSITE,     P, 2, 1, PL_AUTO, RC_NONE, cases[c].err, SMP_PIPELINE_INTERLEAVED, 1, true,
-                      cases[c].in_step};
+            spec s = plain_spec(V_COMPOSITE, P, 2, PL_AUTO, SMP_PIPELINE_INTERLEAVED);
+            s.err = cases[c].err;
+            s.steps = 1;
+            s.trace_in_step = cases[c].in_step;
             char name[512];
             snprintf(name, sizeof name, "errors/P=%d: %s, on every rank", P, cases[c].label);
             result *r = (result *)calloc(1, sizeof *r);
@@ -1227,15 +1194,13 @@ static void test_errors(void) {
 static void test_fan(void) {
     static const int ms[3] = {1, 2, 4};
     for (int b = 0; b < 3; b++) {
-        spec one = {V_FAN, 1, ms[b], 1, PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_INTERLEAVED, STEPS, true, false};
+        spec one = plain_spec(V_FAN, 1, ms[b], PL_AUTO, SMP_PIPELINE_INTERLEAVED);
         free(run_checked(&one));
         /* zero_bubble_v on one rank: the 100 tensors cross between its two stages in memory */
-        spec vee = {V_FAN, 1, ms[b], 1, PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_ZERO_BUBBLE_V, STEPS, true, false};
+        spec vee = plain_spec(V_FAN, 1, ms[b], PL_AUTO, SMP_PIPELINE_ZERO_BUBBLE_V);
         free(run_checked(&vee));
         for (int kk = 0; kk < 3; kk++) {
-            spec s = {V_FAN,     2,       ms[b],    1,
-                      PL_CONTIG, RC_NONE, ERR_NONE, kk < 2 ? kinds[kk] : SMP_PIPELINE_ZERO_BUBBLE,
-                      STEPS,     true,    false};
+            spec s = plain_spec(V_FAN, 2, ms[b], PL_CONTIG, kk < 2 ? kinds[kk] : SMP_PIPELINE_ZERO_BUBBLE);
             free(run_checked(&s));
         }
     }
@@ -1260,8 +1225,9 @@ static int write_bin(const char *dir, const char *name, const char *suffix, cons
 
 static void test_float64(void) {
     int P = fits(4) ? 4 : fits(2) ? 2 : 1, m = 2;
-    spec s = {V_COMPOSITE, P,     m,    1, P > 1 ? PL_CONTIG : PL_AUTO, RC_NONE, ERR_NONE, SMP_PIPELINE_INTERLEAVED,
-              1,           false, false};
+    spec s = plain_spec(V_COMPOSITE, P, m, P > 1 ? PL_CONTIG : PL_AUTO, SMP_PIPELINE_INTERLEAVED);
+    s.steps = 1;
+    s.sgd = false;
     result *r = run_checked(&s); /* one step, no SGD: the gradients equal the plain C reference bitwise */
     if (!r) return;
     char dir[512] = "";
