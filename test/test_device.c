@@ -711,6 +711,21 @@ static void failure_case(int P, int via) {
     MPI_CHECK(ok, name, "%s", why);
 }
 
+/* The gradients a DDP step of dp replicas must leave: the one-process reference's, each replica's shard of g_x and
+   g_t (4 microbatches) divided by 4 x dp, summed in replica order. */
+static void ddp_reference_grads(int dp, float gw[NLIN][H * H], float gb[NLIN][H]) {
+    ref_t base, rep;
+    ref_params(&base);
+    for (int q = 0; q < dp; q++) {
+        rep = base;
+        ref_step_divided(&rep, g_x + (size_t)q * B * D, g_t + (size_t)q * B * C, 4, true, 4.0 * dp);
+        for (int l = 0; l < NLIN; l++) {
+            for (int i = 0; i < H * H; i++) gw[l][i] = q ? gw[l][i] + rep.gw[l][i] : rep.gw[l][i];
+            for (int i = 0; i < H; i++) gb[l][i] = q ? gb[l][i] + rep.gb[l][i] : rep.gb[l][i];
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- data parallelism */
 /* dp replicas on their own rows, one step of 4 microbatches; the reference
    divides each loss gradient by 4 x dp and sums the replicas' gradients in
@@ -749,19 +764,8 @@ static void ddp_case(int P, bool deterministic) {
                   g_fences, g_fenced_buckets, g_unfenced);
         snprintf(name, sizeof name, "device/ddp/%dx%d/%s bitwise equal to one process%s", P, dp, "two replicas,", sfx);
     }
-    ref_t base, rep;
-    ref_params(&base);
     float gw[NLIN][H * H], gb[NLIN][H];
-    memset(gw, 0, sizeof gw);
-    memset(gb, 0, sizeof gb);
-    for (int q = 0; q < dp; q++) {
-        rep = base;
-        ref_step_divided(&rep, g_x + (size_t)q * B * D, g_t + (size_t)q * B * C, 4, true, 4.0 * dp);
-        for (int l = 0; l < NLIN; l++) {
-            for (int i = 0; i < H * H; i++) gw[l][i] = q ? gw[l][i] + rep.gw[l][i] : rep.gw[l][i];
-            for (int i = 0; i < H; i++) gb[l][i] = q ? gb[l][i] + rep.gb[l][i] : rep.gb[l][i];
-        }
-    }
+    ddp_reference_grads(dp, gw, gb);
     int ok = st == SMP_OK;
     if (!ok) snprintf(why, sizeof why, "step: %s", smp_last_error());
     if (ok) ok = compare_params(model, (const float (*)[H * H])gw, (const float (*)[H])gb, NULL, why, sizeof why);
@@ -838,17 +842,10 @@ static void shard_case(int P, bool deterministic) {
     make_args(&a, g_x + (size_t)r * B * D, g_t + (size_t)r * B * C, B, true);
     smp_step_output outs[2] = {{0, NULL}, {0, NULL}};
     smp_status st = train(model, &a, outs, false);
-    ref_t base, rep;
-    ref_params(&base);
     float gw[NLIN][H * H], gb[NLIN][H];
-    for (int q = 0; q < dp; q++) {
-        rep = base;
-        ref_step_divided(&rep, g_x + (size_t)q * B * D, g_t + (size_t)q * B * C, 4, true, 4.0 * dp);
-        for (int l = 0; l < NLIN; l++) {
-            for (int i = 0; i < H * H; i++) gw[l][i] = q ? gw[l][i] + rep.gw[l][i] : rep.gw[l][i];
-            for (int i = 0; i < H; i++) gb[l][i] = q ? gb[l][i] + rep.gb[l][i] : rep.gb[l][i];
-        }
-    }
+    ddp_reference_grads(dp, gw, gb);
+    ref_t base;
+    ref_params(&base);
     int ok = st == SMP_OK;
     if (!ok) snprintf(why, sizeof why, "step: %s", smp_last_error());
     static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
