@@ -3952,43 +3952,23 @@ static smp_status smp__tensor_copy(const smp_tensor *dst, const smp_tensor *src)
 static smp_status smp__add_into(smp_tensor *acc, const smp_tensor *t) {
     int64_t n = smp_tensor_numel(acc);
     if (acc->device != SMP_HOST) return n ? smp__ctx.device.add(acc->data, t->data, acc->dtype, n) : SMP_OK;
+#define SMP__ADD_AS(T, SUM)                                                                                          \
+    {                                                                                                                \
+        T *a = (T *)acc->data;                                                                                       \
+        const T *b = (const T *)t->data;                                                                             \
+        for (int64_t x = 0; x < n; x++) a[x] = (T)(SUM);                                                             \
+    }                                                                                                                \
+    break
     switch (acc->dtype) {
-        case SMP_F32: {
-            float *a = (float *)acc->data;
-            const float *b = (const float *)t->data;
-            for (int64_t x = 0; x < n; x++) a[x] += b[x];
-        } break;
-        case SMP_F64: {
-            double *a = (double *)acc->data;
-            const double *b = (const double *)t->data;
-            for (int64_t x = 0; x < n; x++) a[x] += b[x];
-        } break;
-        case SMP_F16: {
-            uint16_t *a = (uint16_t *)acc->data;
-            const uint16_t *b = (const uint16_t *)t->data;
-            for (int64_t x = 0; x < n; x++) a[x] = smp_f32_to_f16(smp_f16_to_f32(a[x]) + smp_f16_to_f32(b[x]));
-        } break;
-        case SMP_BF16: {
-            uint16_t *a = (uint16_t *)acc->data;
-            const uint16_t *b = (const uint16_t *)t->data;
-            for (int64_t x = 0; x < n; x++) a[x] = smp_f32_to_bf16(smp_bf16_to_f32(a[x]) + smp_bf16_to_f32(b[x]));
-        } break;
-        case SMP_I32: {
-            int32_t *a = (int32_t *)acc->data;
-            const int32_t *b = (const int32_t *)t->data;
-            for (int64_t x = 0; x < n; x++) a[x] += b[x];
-        } break;
-        case SMP_I64: {
-            int64_t *a = (int64_t *)acc->data;
-            const int64_t *b = (const int64_t *)t->data;
-            for (int64_t x = 0; x < n; x++) a[x] += b[x];
-        } break;
-        default: {
-            uint8_t *a = (uint8_t *)acc->data;
-            const uint8_t *b = (const uint8_t *)t->data;
-            for (int64_t x = 0; x < n; x++) a[x] = (uint8_t)(a[x] + b[x]);
-        } break;
+        case SMP_F32: SMP__ADD_AS(float, a[x] + b[x]);
+        case SMP_F64: SMP__ADD_AS(double, a[x] + b[x]);
+        case SMP_F16: SMP__ADD_AS(uint16_t, smp_f32_to_f16(smp_f16_to_f32(a[x]) + smp_f16_to_f32(b[x])));
+        case SMP_BF16: SMP__ADD_AS(uint16_t, smp_f32_to_bf16(smp_bf16_to_f32(a[x]) + smp_bf16_to_f32(b[x])));
+        case SMP_I32: SMP__ADD_AS(int32_t, a[x] + b[x]);
+        case SMP_I64: SMP__ADD_AS(int64_t, a[x] + b[x]);
+        default: SMP__ADD_AS(uint8_t, a[x] + b[x]);
     }
+#undef SMP__ADD_AS
     return SMP_OK;
 }
 
