@@ -8,7 +8,8 @@ PREFIX    ?= /usr/local
 NP        ?= 2
 CSTD      := -std=c11
 WARN      := -Wall -Wextra -Werror
-CFLAGS    ?= -O2 -g
+# the tests' gcc build; -g would add a third to its compile time (make CFLAGS='-O2 -g' for a debugger)
+CFLAGS    ?= -O2
 INCLUDES  := -I. -Itest
 LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1 and 2 (and
@@ -104,9 +105,10 @@ endef
 $(eval $(call variant,gcc,gcc,$(CFLAGS)))
 $(eval $(call variant,clang,clang,$(CFLAGS)))
 # (a variable: a comma inside $(call ...) would split the argument)
-SANFLAGS  := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+# -g1: line tables, all a sanitizer's report needs (file:line per frame), at three quarters of -g's compile time
+SANFLAGS  := -O1 -g1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 $(eval $(call variant,asan,gcc,$(SANFLAGS)))
-TSANFLAGS := -O1 -g -fsanitize=thread
+TSANFLAGS := -O1 -g1 -fsanitize=thread
 $(eval $(call variant,tsan,gcc,$(TSANFLAGS)))
 # test_alloc runs the examples' models, whose kernels call OpenBLAS
 define blas_test
@@ -178,11 +180,14 @@ build-strict: $(STRICT_OBJS)
 # The builds run in parallel (-j$(TEST_JOBS)): first what the gcc sections
 # need, then the rest at nice 19 while those sections run, in the CPU time
 # their tests leave (a rank waiting, one-process runs, Python), the nvcc
-# builds (the longest) first. After the gcc sections that background make
-# and its compilers are stopped (a loaded machine would starve them; it is
-# a process group of its own, setsid, so that none outlives it to write a
-# file the next make builds) and a make at normal priority finishes what
-# it left. The sections run one after the other
+# builds (the longest) first. After the gcc section of 1 and 2 ranks that
+# background make and its compilers are stopped (a loaded machine would
+# starve them; it is a process group of its own, setsid, so that none
+# outlives it to write a file the next make builds) and a make at normal
+# priority finishes what it left. The 4-rank runs come after it: with 4
+# ranks on 2 cores a rank waiting for a message yields its core, and a
+# compiler beside them takes the core for a whole time slice, which made
+# them 3 to 5 times slower. The sections run one after the other
 # (MPI ranks on 2 cores must not compete), each printing its wall time, and
 # a line of all of them ends the output before the count.
 TEST_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
@@ -202,15 +207,15 @@ test: deps
 	}; \
 	section "gcc 1-2 ranks and scripts" build/test-gcc.log "gcc build, mpirun -n 1, 2 and the script tests" \
 	  test/run.sh build/gcc "$(UNIT_TESTS)" "$(MPI_TESTS)" "$(filter-out $(ASAN_ONLY_SCRIPTS),$(SCRIPT_TESTS))" "1 2"; \
-	section "gcc 4 ranks" build/test-gcc4.log "gcc build, mpirun -n 4 ($(filter-out $(ASAN4_TESTS),$(MPI4_TESTS)))" \
-	  test/run.sh build/gcc "" "$(filter-out $(ASAN4_TESTS),$(MPI4_TESTS))" "" "4"; \
 	kill -TERM -$$rest 2>/dev/null; { wait $$rest; } 2>/dev/null; trap - EXIT; t1=$$(date +%s); \
 	echo "== the other builds: what the background left, at full priority (make deletes what it was killed in)"; \
 	$(MAKE) --no-print-directory -j$(TEST_JOBS) $(TEST_BUILD_REST) >>build/test-build.log 2>&1 || \
 	  { tail -n 40 build/test-build.log; echo "make test: a build failed (build/test-build.log)"; exit 1; }; \
-	echo "   (other builds: $$(($$(date +%s) - t0)) s since the gcc sections started," \
-	  "$$(($$(date +%s) - t1)) s after them)"; \
-	times="$$times, other builds $$(($$(date +%s) - t1)) s after the gcc sections"; \
+	echo "   (other builds: $$(($$(date +%s) - t0)) s since the gcc section started," \
+	  "$$(($$(date +%s) - t1)) s after it)"; \
+	times="$$times, other builds $$(($$(date +%s) - t1)) s after the gcc section"; \
+	section "gcc 4 ranks" build/test-gcc4.log "gcc build, mpirun -n 4 ($(filter-out $(ASAN4_TESTS),$(MPI4_TESTS)))" \
+	  test/run.sh build/gcc "" "$(filter-out $(ASAN4_TESTS),$(MPI4_TESTS))" "" "4"; \
 	section "asan 1-2 ranks" build/test-asan.log "AddressSanitizer + UBSan build, mpirun -n 1, 2" \
 	  env $(ASAN_ENV) test/run.sh build/asan "$(UNIT_TESTS)" "$(MPI_TESTS)" "" "1 2"; \
 	section "asan 4 ranks and scripts" build/test-asan4.log \

@@ -21,7 +21,7 @@ declare -A what=([ckpt]="checkpoint header parser" [config]="config JSON reader"
 pids=()
 for t in $targets; do
   [ -n "${src[$t]:-}" ] || { echo "FAIL: fuzz/$t: unknown target (ckpt, config)"; exit 1; }
-  MPICH_CC=clang mpicc -std=c11 -Wall -Wextra -Werror -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+  MPICH_CC=clang mpicc -std=c11 -Wall -Wextra -Werror -g1 -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
     -I"$top" -I"$top/test" "$top/test/${src[$t]}.c" -o "$out/${src[$t]}" -lm >"$out/build-$t.log" 2>&1 &
   pids+=($!)
 done
