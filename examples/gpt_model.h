@@ -55,7 +55,8 @@
    (block, smp_call_microbatch) in its cache and attends over it, so a
    token costs one position, not the whole context. Only evaluation steps
    run in cached mode; training never sets it and runs exactly the code
-   above.
+   above. A device engine keeps its caches in device memory of its own
+   (gpt_cuda.h); gpt_kv holds the positions for both.
 
    TENSOR PARALLELISM (tensor_parallel_degree tp > 1, host model only):
    Megatron's layout. c_attn is column-parallel by heads (declared [3, C,
@@ -307,7 +308,7 @@ typedef struct gpt_block {
 typedef struct gpt_kv {
     int M, L;   /* microbatches, blocks */
     int *pos;   /* [M]: the position of each microbatch's first new token; set by the caller before each step */
-    float **k, **v; /* [n_layer * M]: [block_size, C] each, or NULL */
+    float **k, **v; /* the host leaves' caches, [n_layer * M]: [block_size, C] each, or NULL */
 } gpt_kv;
 
 /* The leaves' callbacks: the host's below (gpt_build), a device engine's

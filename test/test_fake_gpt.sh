@@ -27,7 +27,8 @@
 #    device memory), 3 prompts x 8 characters: from gpt.c's checkpoint at 1
 #    and 2 partitions and from gpt.cu's own at 2, the samples of gpt.c
 #    --generate and every step's logits within 1e-5 of its; 2 partitions
-#    equal 1 bit for bit; --no-cache agrees with the cache within 1e-5;
+#    equal 1 bit for bit; --no-cache agrees with the cache within 1e-5; a
+#    context longer than the model's is an error on every rank;
 #  - --bf16 (bf16 GEMM inputs, f32 accumulation and master weights): every
 #    loss of 10 steps and the validation loss within 1e-3 relative of the
 #    f32 run's, and not all equal to them (the bf16 path ran);
@@ -197,6 +198,12 @@ PY
   gen gen_own_host 1 1 "$host" --partitions 1 --load "$tmp/one.safetensors"
   gen gen_own_dev 2 2 "$bin" --partitions 2 --load "$tmp/one.safetensors"
   gen_close "fake-gpt/gpt.cu --generate on 2 partitions from gpt.cu's own checkpoint: gpt.c --generate's samples, logits within 1e-5" gen_own_host gen_own_dev
+  SMP_TIMEOUT=60 FAKE_CUDA_DEVICES=2 timeout 120 mpirun -n 2 "$bin" --generate --load "$tmp/one.safetensors" --partitions 2 \
+    --prompts "The|It was a dark" --tokens 8 >"$tmp/gen_long.out" 2>&1
+  rc=$?
+  name="fake-gpt/gpt.cu --generate: a prompt + tokens longer than the model's context is an error on every rank"
+  if [ $rc -ne 0 ] && [ "$(grep -c 'prompt 1: a context of 21 characters (13 of prompt + 8 tokens) is longer than the model.s 16' "$tmp/gen_long.out")" -eq 2 ]; then pass "$name"
+  else fail "$name: exit $rc; $(head -c 300 "$tmp/gen_long.out")"; fi
 fi
 
 # bf16: bitwise across partitions, and close to f32
