@@ -27,9 +27,9 @@
    the whole context through an evaluation step per character, and a full
    checkpoint (--save) under nanoGPT's parameter names.
 
-   Pipelined generation (--generate, generate_main below) loads such a
-   checkpoint into any partitioning and continues several prompts at once,
-   one per microbatch, with one evaluation step per character and a KV
+   Pipelined generation (--generate, gpt_shared.h's generate_main) loads
+   such a checkpoint into any partitioning and continues several prompts at
+   once, one per microbatch, with one evaluation step per character and a KV
    cache per block and microbatch (gpt_model.h), so different prompts are
    in different stages at once and each character after the prompt costs
    one position:
@@ -258,191 +258,10 @@ static smp_status print_digest_gathered(smp_model *model) {
 }
 
 /* ---------------------------------------------------------------- pipelined generation */
-/* The step body of pipelined generation: the logits at position pick[mb]
-   of the microbatch's one sequence. */
-SMP_STEP_BODY(pick_logits_body) {
-    const smp_tensor *logits = smp_mb_output(mb, 0);
-    const int *pick = (const int *)smp_mb_user(mb);
-    int S = (int)logits->shape[1], V = (int)logits->shape[2], at = pick[smp_mb_index(mb)];
-    if (logits->shape[0] != 1 || at < 0 || at >= S)
-        return smp_error(SMP_ERR_ARG, "generation: position %d of a [%d, %d] microbatch", at, (int)logits->shape[0], S);
-    smp_tensor t = smp_tensor_2d((float *)logits->data + (size_t)at * V, SMP_F32, 1, V);
-    return smp_mb_return(mb, 0, &t);
-}
-
-/* The next token from one row of logits: greedy at temperature 0, else
-   drawn from softmax(logits / temperature) with the prompt's generator. */
-static int sample_token(const float *logits, int V, float temperature, mlp_rng *rng) {
-    int best = 0;
-    for (int j = 1; j < V; j++) best = logits[j] > logits[best] ? j : best;
-    if (temperature <= 0) return best;
-    double sum = 0, p[256];
-    for (int j = 0; j < V; j++) sum += p[j] = exp((double)(logits[j] - logits[best]) / temperature);
-    double u = (double)(mlp_rng_next(rng) >> 11) * (1.0 / 9007199254740992.0) * sum, acc = 0;
-    int next;
-    for (next = 0; next < V - 1; next++) if ((acc += p[next]) > u) break;
-    return next;
-}
-
-/* --generate: loads the full checkpoint o->load (its sizes and vocabulary
-   from its metadata) into this run's partitioning and continues every
-   prompt of o->prompts ("A|B|C|D", one per microbatch) by o->tokens
-   characters, one evaluation step per character for all prompts at once,
-   so the prompts flow through the stages one behind the other. With the
-   KV cache (default) the first step runs the prompts (padded on the right
-   to the longest) and every later step only the last character of each,
-   at its position; --no-cache re-runs each whole context instead. Every
-   rank checks the input before anything runs, and samples the same
-   characters from the same logits. */
-static int generate_main(options *o) {
-    const smp_config *cfg = smp_current_config();
-    int M = cfg->microbatches, N = o->tokens, rc = 1;
-    bool root = smp_rank() == 0;
-    gpt net;
-    memset(&net, 0, sizeof net);
-    smp_model *model = NULL;
-    smp_ckpt_file *f = NULL;
-    gpt_config mc = {0, 0, 0, 0, 0, 0.0f};
-    unsigned char chars[256];
-    int id_of[256];
-    for (int b = 0; b < 256; b++) id_of[b] = -1;
-    int32_t **ctx = calloc((size_t)M, sizeof *ctx), *x = NULL;
-    int *len = calloc((size_t)M, sizeof *len), *pick = calloc((size_t)M, sizeof *pick);
-    float *logits = NULL;
-    mlp_rng *rng = calloc((size_t)M, sizeof *rng);
-    smp_status st = ctx && len && pick && rng ? SMP_OK : smp_error(SMP_ERR_NOMEM, "out of memory");
-    if (!st && smp_tp_size() != 1) /* the KV cache would have to be split by heads */
-        st = smp_error(SMP_ERR_CONFIG, "--generate runs with tensor_parallel_degree 1: run it without --tp");
-    if (!st && smp_dp_size() != 1)
-        st = smp_error(SMP_ERR_CONFIG,
-                       "--generate runs without data parallelism: run as many processes as --partitions");
-    /* the model's sizes and vocabulary, from the checkpoint's metadata */
-    if (!st) st = smp_ckpt_open(o->load, &f);
-    if (!st) {
-        const char *hex = smp_ckpt_meta(f, "vocab_bytes"), *L = smp_ckpt_meta(f, "n_layer"),
-                   *H = smp_ckpt_meta(f, "n_head"), *C = smp_ckpt_meta(f, "n_embd"),
-                   *Tb = smp_ckpt_meta(f, "block_size");
-        if (!hex || !L || !H || !C || !Tb || strlen(hex) % 2 || strlen(hex) > 512)
-            st = smp_error(SMP_ERR_FORMAT,
-                           "%s: not a checkpoint of gpt.c (its metadata lacks the vocabulary or the sizes)", o->load);
-        else {
-            mc.vocab = (int)strlen(hex) / 2;
-            mc.n_layer = atoi(L);
-            mc.n_head = atoi(H);
-            mc.n_embd = atoi(C);
-            mc.block_size = atoi(Tb);
-            for (int i = 0; i < mc.vocab; i++) {
-                unsigned v = 0;
-                sscanf(hex + 2 * i, "%2x", &v);
-                chars[i] = (unsigned char)v;
-                id_of[v] = i;
-            }
-        }
-        smp_ckpt_close(f);
-    }
-    /* the prompts: in the vocabulary, and each context within the model's */
-    const char *q = o->prompts;
-    for (int i = 0; i < M && !st; i++) {
-        const char *end = strchr(q, '|');
-        len[i] = end ? (int)(end - q) : (int)strlen(q);
-        if (len[i] < 1) { st = smp_error(SMP_ERR_ARG, "prompt %d is empty", i); break; }
-        if (len[i] + N > mc.block_size) {
-            st = smp_error(
-                SMP_ERR_ARG,
-                "prompt %d: a context of %d characters (%d of prompt + %d tokens) is longer than the model's %d", i,
-                len[i] + N, len[i], N, mc.block_size);
-            break;
-        }
-        ctx[i] = malloc(sizeof(int32_t) * (size_t)mc.block_size);
-        if (!ctx[i]) { st = smp_error(SMP_ERR_NOMEM, "out of memory"); break; }
-        for (int t = 0; t < len[i] && !st; t++) {
-            int id = id_of[(unsigned char)q[t]];
-            if (id < 0)
-                st = smp_error(SMP_ERR_ARG, "prompt %d's character %d (byte 0x%02x) is not in the vocabulary", i, t,
-                               (unsigned char)q[t]);
-            ctx[i][t] = id;
-        }
-        rng[i] = mlp_rng_seed(mlp_mix64((uint64_t)o->seed * 7919u + 17u) ^ mlp_mix64((uint64_t)i + 1));
-        q = end ? end + 1 : q + len[i];
-    }
-    if (fail_all(st, "input")) goto done;
-
-    /* the model in this partitioning, then the checkpoint into it */
-    st = gpt_build(&net, &mc, false, &model);
-    if (!st) {
-        x = calloc((size_t)M * mc.block_size, sizeof *x);
-        logits = malloc(sizeof(float) * (size_t)M * mc.vocab);
-        if (!x || !logits) st = smp_error(SMP_ERR_NOMEM, "out of memory");
-    }
-    if (!st) {
-        smp_tensor sample = smp_tensor_2d(x, SMP_I32, 1, mc.block_size);
-        st = smp_model_trace(model, &sample, 1);
-    }
-    if (!st) st = smp_load(model, o->load, &(smp_load_desc){.partial = SMP_OFF});
-    if (fail_all(st, "loading the checkpoint")) goto done;
-    if (root) {
-        printf("gpt: generating %d characters for %d prompts (one per microbatch) on %d partitions, %s, temperature "
-               "%.2f, seed %d\n",
-               N, M, cfg->partitions, o->no_cache ? "re-running the whole context" : "KV cache", o->temperature,
-               o->seed);
-        fflush(stdout);
-    }
-    print_placement(model, &net);
-    if (!o->no_cache && (st = gpt_kv_start(&net, M)) && fail_all(st, "KV cache")) goto done;
-
-    double t0 = now();
-    for (int k = 0; k < N && !st; k++) {
-        int S = 0;
-        if (o->no_cache || k == 0) { /* whole contexts (k == 0: the prompts), padded on the right */
-            for (int i = 0; i < M; i++) S = len[i] > S ? len[i] : S;
-            for (int i = 0; i < M; i++) {
-                for (int t = 0; t < S; t++) x[(size_t)i * S + t] = t < len[i] ? ctx[i][t] : 0;
-                pick[i] = len[i] - 1;
-                if (net.kv) net.kv->pos[i] = 0;
-            }
-        } else { /* the last character of each, at its position */
-            S = 1;
-            for (int i = 0; i < M; i++) {
-                x[i] = ctx[i][len[i] - 1];
-                pick[i] = 0;
-                net.kv->pos[i] = len[i] - 1;
-            }
-        }
-        smp_tensor xt = smp_tensor_2d(x, SMP_I32, M, S);
-        smp_step_output lo = {0};
-        if ((st = SMP_EVAL_STEP(model, pick_logits_body, pick, &lo, 1, xt))) break;
-        st = smp_step_output_concat(&lo,
-                                    &(smp_tensor){.data = logits, .dtype = SMP_F32, .ndim = 2, .shape = {M, mc.vocab}});
-        smp_step_output_free(&lo);
-        for (int i = 0; i < M && !st && o->print_logits && root; i++) { /* "logits STEP PROMPT Z0 Z1 ...", %a */
-            printf("logits %d %d", k, i);
-            for (int j = 0; j < mc.vocab; j++) printf(" %a", logits[(size_t)i * mc.vocab + j]);
-            printf("\n");
-        }
-        for (int i = 0; i < M && !st; i++)
-            ctx[i][len[i]++] = sample_token(logits + (size_t)i * mc.vocab, mc.vocab, o->temperature, &rng[i]);
-    }
-    if (fail_all(st, "generation")) goto done;
-    double secs = now() - t0;
-    if (root) {
-        printf("generated %d x %d characters in %.3f s (%.0f characters/s)\n", M, N, secs, (double)M * N / secs);
-        for (int i = 0; i < M; i++) {
-            printf("--- prompt %d:\n", i);
-            for (int t = 0; t < len[i]; t++) putchar(chars[ctx[i][t]]);
-            putchar('\n');
-        }
-        fflush(stdout);
-    }
-    rc = 0;
-
-done:
-    if (model) smp_model_free(model);
-    gpt_free(&net);
-    for (int i = 0; ctx && i < M; i++) free(ctx[i]);
-    free(ctx); free(len); free(pick); free(rng); free(x); free(logits);
-    smp_finalize();
-    MPI_Finalize();
-    return rc;
+/* --generate's model (gpt_shared.h's generate_main): the host's. */
+static smp_status build_for_generation(gpt *net, const gpt_config *mc, void *user, smp_model **model) {
+    (void)user;
+    return gpt_build(net, mc, false, model);
 }
 
 /* The memory account's peaks, one line per rank (rank 0 prints). Collective. */
@@ -468,7 +287,12 @@ int main(int argc, char **argv) {
         return 1;
     }
     mlp_set_blas_threads(opt.threads); /* one core per rank by default */
-    if (opt.generate) return generate_main(&opt);
+    if (opt.generate) {
+        int rc = generate_main(&opt, build_for_generation, NULL);
+        smp_finalize();
+        MPI_Finalize();
+        return rc;
+    }
     const smp_config *cfg = smp_current_config();
     int T = opt.model.block_size, M = cfg->microbatches, R = opt.replicas;
     bool root = smp_rank() == 0;

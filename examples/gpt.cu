@@ -41,7 +41,15 @@
    gpt_cuda.h's layer functions in order, for the overhead benchmark
    (bench/gpt_cuda.sh) and a test that both loops agree.
 
-   Not on the device: --dropout, --generate, --replicas, --grads (gpt.c).
+   --generate --load CKPT --prompts "A|B|..." --tokens N: gpt.c's pipelined
+   generation (gpt_shared.h's generate_main, the same flags and output) on
+   the device, from a checkpoint of either program: one prompt per
+   microbatch flowing through the stages, the KV cache of each block and
+   prompt in device memory (gpt_cuda.h), so each character after the prompt
+   costs one position; --print-logits prints the logits each character was
+   drawn from, --no-cache re-runs each whole context instead.
+
+   Not on the device: --dropout, --replicas, --grads (gpt.c).
 
    Build: make build/cuda/gpt   (nvcc -ccbin mpicxx ... -lcublas -lnccl)
    Run:   mpirun -n 2 build/cuda/gpt                       2 stages, a GPU each (or sharing one)
@@ -180,7 +188,7 @@ static smp_status plain_step(plain *p, const gpt *net, gpt_gpu *gg, const int32_
         /* forward */
         float *x0 = L ? p->blk[0].x : p->out;
         SMP_TRY(gpt_gpu_embed(gg, ids, PV(net->wte_w), x0, N, C));
-        SMP_TRY(gpt_gpu_positions(gg, x0, PV(net->wpe_w), x0, B, T, C));
+        SMP_TRY(gpt_gpu_positions(gg, x0, PV(net->wpe_w), x0, B, T, C, 0));
         for (int l = 0; l < L; l++) {
             const gpt_block *k = &net->blocks[l];
             plain_block *b = &p->blk[l];
@@ -255,6 +263,11 @@ static smp_status upload_batch(const gpt_gpu *gg, const int32_t *x, const int32_
     return gpu_upload(&gg->e, yd, y, sizeof(int32_t) * n);
 }
 
+/* --generate's model (gpt_shared.h's generate_main): the device's, on the engine in user. */
+static smp_status build_for_generation(gpt *net, const gpt_config *mc, void *user, smp_model **model) {
+    return gpt_gpu_build(net, mc, false, (gpt_gpu *)user, model);
+}
+
 int main(int argc, char **argv) {
     options opt;
     MPI_Init(&argc, &argv);
@@ -262,11 +275,9 @@ int main(int argc, char **argv) {
         MPI_Finalize();
         return 2;
     }
-    if (opt.generate || opt.replicas > 1 || opt.grads || opt.model.dropout > 0) {
-        fprintf(stderr,
-                "gpt.cu: --generate, --replicas, --grads and --dropout are gpt.c's (build/examples/gpt); the device "
-                "program "
-                "trains, evaluates, prints logits and samples, and saves and loads checkpoints\n");
+    if (opt.replicas > 1 || opt.grads || opt.model.dropout > 0) {
+        fprintf(stderr, "gpt.cu: --replicas, --grads and --dropout are gpt.c's (build/examples/gpt); the device program "
+                        "trains, evaluates, prints logits and samples, generates, and saves and loads checkpoints\n");
         MPI_Finalize();
         return 2;
     }
@@ -282,6 +293,16 @@ int main(int argc, char **argv) {
         smp_finalize();
         MPI_Finalize();
         return 0;
+    }
+    if (opt.generate) { /* pipelined generation from a checkpoint, the KV cache on the device */
+        gpt_gpu gen_gpu;
+        int gen_rc = fail_all(gpt_gpu_init(&gen_gpu, opt.bf16), "the GPU")
+                         ? 1
+                         : generate_main(&opt, build_for_generation, &gen_gpu);
+        gpt_gpu_free(&gen_gpu); /* after generate_main freed the model */
+        smp_finalize();
+        MPI_Finalize();
+        return gen_rc;
     }
     const smp_config *cfg = smp_current_config();
     int T = opt.model.block_size, M = cfg->microbatches;

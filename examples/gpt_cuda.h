@@ -23,14 +23,20 @@
    uploaded (gpt.cu); ids a step takes on the host (generation) are checked
    and uploaded by transformer.wte.
 
+   GENERATION (gpt.cu --generate, gpt_model.h's cached mode): the keys and
+   values of each (block, microbatch) stay in device memory ([block_size,
+   C] each, allocated on first use, in gpt_gpu); a step's new tokens append
+   theirs at their positions (a kernel) and attend over the cache with the
+   training attention's GEMMs and softmax kernel, their S queries against
+   the p + S keys cached so far.
+
    PRECISION (--bf16): parameters, gradients, activations and Adam's state
    stay f32; each linear layer rounds its two GEMM inputs to bf16 (weights
    and activations forward, weights and output gradients for dx,
    activations and output gradients for dW) and accumulates in f32. The
    attention's products, layernorm, softmax and the loss stay f32.
 
-   Not on the device (gpt.cu refuses them): dropout, --generate with a KV
-   cache, --replicas, --grads.
+   Not on the device (gpt.cu refuses them): dropout, --replicas, --grads.
 
    Include after smp.h, smp_pipeline.h, smp_nccl.h and smp_checkpoint.h,
    from a .cu file. Link: -lcublas -lnccl */
@@ -50,6 +56,8 @@ typedef struct gpt_gpu {
     double *loss; /* device: one microbatch's mean loss */
     float *row_loss; /* device: its rows' losses, summed in order */
     size_t row_cap;
+    float **kv_k, **kv_v; /* generation: [kv_slots] device keys and values of (block, microbatch), or NULL */
+    size_t kv_slots;
 } gpt_gpu;
 
 static inline smp_status gpt_gpu_init(gpt_gpu *gg, bool bf16) {
@@ -71,9 +79,21 @@ static inline smp_status gpt_gpu_init(gpt_gpu *gg, bool bf16) {
     return gg->loss ? SMP_OK : SMP_ERR_DEVICE; /* smp_nccl_alloc left the message */
 }
 
+static inline void gpt__kv_release(gpt_gpu *gg) {
+    for (size_t i = 0; i < gg->kv_slots; i++) {
+        smp_nccl_free(gg->kv_k[i]);
+        smp_nccl_free(gg->kv_v[i]);
+    }
+    free(gg->kv_k);
+    free(gg->kv_v);
+    gg->kv_k = gg->kv_v = NULL;
+    gg->kv_slots = 0;
+}
+
 /* After smp_model_free. */
 static inline void gpt_gpu_free(gpt_gpu *gg) {
     if (gg->e.stream) {
+        gpt__kv_release(gg);
         smp_nccl_free(gg->scratch);
         smp_nccl_free(gg->row_loss);
         smp_nccl_free(gg->loss);
@@ -169,9 +189,9 @@ GPT_HD static inline void gpt_k_add_partials(int64_t j, const float *partial, fl
     dst[j] = s;
 }
 
-/* row r of [rows, T] scores: query position r % T */
-GPT_HD static inline void gpt_k_softmax(int64_t r, float *P, int T) {
-    gpt__causal_softmax_row(P + r * T, (int)(r % T), T);
+/* row r of [rows, Tk] scores, S queries a head: query position p0 + r % S (training: S = Tk, p0 = 0) */
+GPT_HD static inline void gpt_k_softmax(int64_t r, float *P, int S, int Tk, int p0) {
+    gpt__causal_softmax_row(P + r * Tk, p0 + (int)(r % S), Tk);
 }
 GPT_HD static inline void gpt_k_softmax_backward(int64_t r, const float *P, float *dP, int T) {
     gpt__causal_softmax_backward_row(P + r * T, dP + r * T, (int)(r % T), T);
@@ -179,6 +199,12 @@ GPT_HD static inline void gpt_k_softmax_backward(int64_t r, const float *P, floa
 GPT_HD static inline void gpt_k_xent(int64_t r, const float *logits, const int32_t *target, int V, float *dlogits,
                                      float grad_scale, float *row_loss) {
     row_loss[r] = gpt__xent_row(logits + r * V, target[r], V, dlogits ? dlogits + r * V : NULL, grad_scale);
+}
+/* element i of S new tokens' keys and values [S, C] into the cache (K and V at their first position) */
+GPT_HD static inline void gpt_k_kv_append(int64_t i, const float *qkv, float *K, float *V, int C) {
+    int64_t t = i / C, j = i % C;
+    K[i] = qkv[t * 3 * C + C + j];
+    V[i] = qkv[t * 3 * C + 2 * C + j];
 }
 /* the mean of n row losses, added in row order in double: gpt_xent's sum */
 GPT_HD static inline void gpt_k_mean_loss(const float *row_loss, int64_t n, double *out) {
@@ -225,7 +251,12 @@ __global__ void gpt_gelu_kernel(const float *x, float *y, float *t, int64_t coun
 __global__ void gpt_gelu_backward_kernel(const float *x, const float *t, const float *dy, float *dx, int64_t count) {
     GPT_GRID_LOOP(i, count) gpt__gelu_backward(x + i, t + i, dy + i, dx + i, 1);
 }
-__global__ void gpt_softmax_kernel(float *P, int64_t rows, int T) { GPT_GRID_LOOP(r, rows) gpt_k_softmax(r, P, T); }
+__global__ void gpt_softmax_kernel(float *P, int64_t rows, int S, int Tk, int p0) {
+    GPT_GRID_LOOP(r, rows) gpt_k_softmax(r, P, S, Tk, p0);
+}
+__global__ void gpt_kv_append_kernel(const float *qkv, float *K, float *V, int64_t count, int C) {
+    GPT_GRID_LOOP(i, count) gpt_k_kv_append(i, qkv, K, V, C);
+}
 __global__ void gpt_softmax_backward_kernel(const float *P, float *dP, int64_t rows, int T) {
     GPT_GRID_LOOP(r, rows) gpt_k_softmax_backward(r, P, dP, T);
 }
@@ -313,22 +344,32 @@ static inline smp_status gpt__linear_backward(gpt_gpu *gg, const float *x, const
 }
 
 /* ---------------------------------------------------------------- attention */
-/* Per sequence b, the heads batched (head h at column h*hd of q, k, v, with
-   row stride 3C). Row-major matrices read column-major are transposed, so
-   S = scale Q K^T is S^T = scale K Q^T, and so on. P [B, H, T, T]. */
+/* One sequence, the heads batched (head h at column h*hd of q, k, v): S
+   queries (rows ldq apart) at positions p0 .. p0 + S - 1 against the Tk
+   keys and values k, v (rows ldkv apart) at positions 0 .. Tk - 1: y [S, C],
+   P [H, S, Tk] the probabilities. Row-major matrices read column-major are
+   transposed, so scores = scale Q K^T is scores^T = scale K Q^T, and so on. */
+static inline smp_status gpt__attend(gpt_gpu *gg, const float *q, int ldq, const float *k, const float *v, int ldkv,
+                                     float *y, float *P, int S, int Tk, int p0, int C, int H) {
+    int hd = C / H;
+    float scale = 1.0f / sqrtf((float)hd), one = 1.0f, zero = 0.0f;
+    long long ST = (long long)S * Tk;
+    GPU_CUBLAS(cublasSgemmStridedBatched,
+               (gg->e.blas, CUBLAS_OP_T, CUBLAS_OP_N, Tk, S, hd, &scale, k, ldkv, hd, q, ldq, hd, &zero, P, Tk, ST, H));
+    GPT_LAUNCH(gpt_softmax_kernel, (int64_t)H * S, P, (int64_t)H * S, S, Tk, p0);
+    GPU_CUBLAS(cublasSgemmStridedBatched,
+               (gg->e.blas, CUBLAS_OP_N, CUBLAS_OP_N, hd, S, Tk, &one, v, ldkv, hd, P, Tk, ST, &zero, y, C, hd, H));
+    return SMP_OK;
+}
+
+/* Causal attention over whole sequences: qkv [B, T, 3C] -> y [B, T, C], P [B, H, T, T]. */
 static inline smp_status gpt__attention_forward(gpt_gpu *gg, const float *qkv, float *y, float *P, int B, int T, int C,
                                                 int H) {
-    int hd = C / H, C3 = 3 * C;
-    float scale = 1.0f / sqrtf((float)hd), one = 1.0f, zero = 0.0f;
-    long long TT = (long long)T * T;
+    int C3 = 3 * C;
     for (int b = 0; b < B; b++) {
-        const float *q = qkv + (size_t)b * T * C3, *k = q + C, *v = q + 2 * C;
-        float *p = P + (size_t)b * H * TT, *yb = y + (size_t)b * T * C;
-        GPU_CUBLAS(cublasSgemmStridedBatched,
-                   (gg->e.blas, CUBLAS_OP_T, CUBLAS_OP_N, T, T, hd, &scale, k, C3, hd, q, C3, hd, &zero, p, T, TT, H));
-        GPT_LAUNCH(gpt_softmax_kernel, (int64_t)H * T, p, (int64_t)H * T, T);
-        GPU_CUBLAS(cublasSgemmStridedBatched,
-                   (gg->e.blas, CUBLAS_OP_N, CUBLAS_OP_N, hd, T, T, &one, v, C3, hd, p, T, TT, &zero, yb, C, hd, H));
+        const float *q = qkv + (size_t)b * T * C3;
+        SMP_TRY(gpt__attend(gg, q, C3, q + C, q + 2 * C, C3, y + (size_t)b * T * C, P + (size_t)b * H * T * T, T, T, 0,
+                            C, H));
     }
     return SMP_OK;
 }
@@ -377,10 +418,11 @@ static inline smp_status gpt_gpu_embed_grad(gpt_gpu *gg, const int32_t *ids, con
     GPT_LAUNCH(gpt_embed_grad_kernel, count, ids, dy, dW, count, n, C);
     return SMP_OK;
 }
-/* y = x + wpe[t] over [B, T, C] (y may be x) */
-static inline smp_status gpt_gpu_positions(gpt_gpu *gg, const float *x, const float *P, float *y, int B, int T, int C) {
+/* y = x + wpe[p0 + t] over [B, T, C] (y may be x) */
+static inline smp_status gpt_gpu_positions(gpt_gpu *gg, const float *x, const float *P, float *y, int B, int T, int C,
+                                           int p0) {
     int64_t count = (int64_t)B * T * C;
-    GPT_LAUNCH(gpt_add_positions_kernel, count, x, P, y, count, T, C, 0);
+    GPT_LAUNCH(gpt_add_positions_kernel, count, x, P, y, count, T, C, p0);
     return SMP_OK;
 }
 static inline smp_status gpt_gpu_positions_grad(gpt_gpu *gg, const float *dy, float *dP, int B, int T, int C) {
@@ -500,13 +542,14 @@ static smp_status gpt_gpu_wpe_forward(smp_call_ctx *c) {
     int C = g->cfg.n_embd;
     if (x->ndim != 3 || x->shape[2] != C)
         return smp_error(SMP_ERR_ARG, "transformer.wpe takes [batch, time, %d] embeddings", C);
-    int T = (int)x->shape[1];
-    if (T > g->cfg.block_size)
-        return smp_error(SMP_ERR_ARG, "a context of %d tokens is longer than the model's %d", T, g->cfg.block_size);
+    int T = (int)x->shape[1], p = 0, mb;
+    if (g->kv) SMP_TRY(gpt_kv_at(c, g, x, &mb, &p)); /* cached mode: the new tokens start at position pos[mb] */
+    if (p + T > g->cfg.block_size)
+        return smp_error(SMP_ERR_ARG, "a context of %d tokens is longer than the model's %d", p + T, g->cfg.block_size);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, x->shape);
     if (!y) return SMP_ERR_NOMEM;
     return gpt_gpu_positions(gg, gpt__cdata(x), gpt__cdata(smp_param_value(g->wpe_w)), (float *)y->data,
-                             (int)x->shape[0], T, C);
+                             (int)x->shape[0], T, C, p);
 }
 
 static smp_status gpt_gpu_wpe_backward(smp_call_ctx *c) {
@@ -608,6 +651,42 @@ static smp_status gpt_gpu_gelu_backward(smp_call_ctx *c) {
               : SMP_OK;
 }
 
+/* Cached mode (generation): qkv [1, S, 3C] of S new tokens at positions p ..
+   p + S - 1; their keys and values join the cache of (this block, this
+   microbatch), and each attends over the cache up to its own position. */
+static smp_status gpt__sdpa_cached_gpu(smp_call_ctx *c, const gpt_block *blk, const smp_tensor *x) {
+    const gpt *g = blk->g;
+    gpt_gpu *gg = gpt__gpu(g);
+    int C = g->cfg.n_embd, H = g->cfg.n_head, S = (int)x->shape[1], mb, p;
+    SMP_TRY(gpt_kv_at(c, g, x, &mb, &p));
+    size_t slots = (size_t)g->kv->M * (size_t)g->kv->L, slot = (size_t)blk->index * (size_t)g->kv->M + (size_t)mb,
+           bytes = sizeof(float) * (size_t)g->cfg.block_size * (size_t)C;
+    if (gg->kv_slots != slots) { /* a new gpt_kv_start's shape */
+        gpt__kv_release(gg);
+        gg->kv_k = (float **)calloc(slots, sizeof *gg->kv_k);
+        gg->kv_v = (float **)calloc(slots, sizeof *gg->kv_v);
+        if (!gg->kv_k || !gg->kv_v) {
+            gpt__kv_release(gg);
+            return smp_error(SMP_ERR_NOMEM, "out of memory for the KV cache's table");
+        }
+        gg->kv_slots = slots;
+    }
+    float **K = &gg->kv_k[slot], **V = &gg->kv_v[slot];
+    if (!*K) *K = (float *)smp_nccl_alloc(bytes);
+    if (!*V) *V = (float *)smp_nccl_alloc(bytes);
+    if (!*K || !*V)
+        return smp_error(SMP_ERR_NOMEM, "%s: out of device memory for the KV cache (%zu bytes): %s",
+                         smp_module_name(smp_call_module(c)), 2 * bytes, smp_last_error());
+    const int64_t shape[3] = {1, S, C};
+    smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, shape);
+    if (!y) return SMP_ERR_NOMEM;
+    void *P = NULL;
+    SMP_TRY(gpt__scratch(gg, sizeof(float) * (size_t)H * S * (p + S), &P));
+    const float *qkv = gpt__cdata(x);
+    GPT_LAUNCH(gpt_kv_append_kernel, (int64_t)S * C, qkv, *K + (size_t)p * C, *V + (size_t)p * C, (int64_t)S * C, C);
+    return gpt__attend(gg, qkv, 3 * C, *K, *V, C, (float *)y->data, (float *)P, S, p + S, p, C, H);
+}
+
 /* The device stash holds the probabilities [B, H, T, T] (scratch in evaluation). */
 static smp_status gpt_gpu_sdpa_forward(smp_call_ctx *c) {
     const gpt *g = ((const gpt_block *)smp_module_user(smp_call_module(c)))->g;
@@ -616,6 +695,7 @@ static smp_status gpt_gpu_sdpa_forward(smp_call_ctx *c) {
     int C = g->cfg.n_embd, H = g->cfg.n_head;
     if (x->ndim != 3 || x->shape[2] != 3 * C)
         return smp_error(SMP_ERR_ARG, "attention takes qkv of shape [batch, time, %d]", 3 * C);
+    if (g->kv) return gpt__sdpa_cached_gpu(c, (const gpt_block *)smp_module_user(smp_call_module(c)), x);
     int B = (int)x->shape[0], T = (int)x->shape[1];
     const int64_t shape[3] = {B, T, C};
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, shape);

@@ -55,7 +55,8 @@
    (block, smp_call_microbatch) in its cache and attends over it, so a
    token costs one position, not the whole context. Only evaluation steps
    run in cached mode; training never sets it and runs exactly the code
-   above.
+   above. A device engine keeps its caches in device memory of its own
+   (gpt_cuda.h); gpt_kv holds the positions for both.
 
    TENSOR PARALLELISM (tensor_parallel_degree tp > 1, host model only):
    Megatron's layout. c_attn is column-parallel by heads (declared [3, C,
@@ -307,7 +308,7 @@ typedef struct gpt_block {
 typedef struct gpt_kv {
     int M, L;   /* microbatches, blocks */
     int *pos;   /* [M]: the position of each microbatch's first new token; set by the caller before each step */
-    float **k, **v; /* [n_layer * M]: [block_size, C] each, or NULL */
+    float **k, **v; /* the host leaves' caches, [n_layer * M]: [block_size, C] each, or NULL */
 } gpt_kv;
 
 /* The leaves' callbacks: the host's below (gpt_build), a device engine's
@@ -340,6 +341,26 @@ static const gpt *gpt__of(smp_call_ctx *c) { return (const gpt *)smp_module_user
 
 /* rows of the last dimension d in a tensor */
 static int gpt__rows(const smp_tensor *t, int d) { return (int)(smp_tensor_numel(t) / d); }
+
+/* Cached mode: the microbatch of call c and the position of its first new
+   token (kv->pos), checked: x [1, S, ...] holds one sequence of S new
+   tokens, and they end within the model's context. The host's leaves and a
+   device engine's (gpt_cuda.h) both ask it. */
+static smp_status gpt_kv_at(smp_call_ctx *c, const gpt *g, const smp_tensor *x, int *mb, int *first) {
+    const char *name = smp_module_name(smp_call_module(c));
+    int S = (int)x->shape[1];
+    *mb = smp_call_microbatch(c);
+    if (x->shape[0] != 1)
+        return smp_error(SMP_ERR_ARG, "%s: cached mode takes one sequence per microbatch, not %d", name,
+                         (int)x->shape[0]);
+    if (*mb < 0 || *mb >= g->kv->M)
+        return smp_error(SMP_ERR_ARG, "%s: microbatch %d has no KV cache (of %d)", name, *mb, g->kv->M);
+    *first = g->kv->pos[*mb];
+    if (*first < 0 || *first + S > g->cfg.block_size)
+        return smp_error(SMP_ERR_ARG, "a context of %d tokens is longer than the model's %d", *first + S,
+                         g->cfg.block_size);
+    return SMP_OK;
+}
 
 #ifndef MLP_ENGINE_NO_BLAS
 
@@ -411,13 +432,8 @@ static smp_status gpt_wpe_forward(smp_call_ctx *c) {
     int C = g->cfg.n_embd;
     if (x->ndim != 3 || x->shape[2] != C)
         return smp_error(SMP_ERR_ARG, "transformer.wpe takes [batch, time, %d] embeddings", C);
-    int B = (int)x->shape[0], T = (int)x->shape[1], p = 0;
-    if (g->kv) { /* cached mode: the new tokens start at position pos[mb] */
-        int mb = smp_call_microbatch(c);
-        if (mb < 0 || mb >= g->kv->M)
-            return smp_error(SMP_ERR_ARG, "transformer.wpe: microbatch %d has no KV cache (of %d)", mb, g->kv->M);
-        p = g->kv->pos[mb];
-    }
+    int B = (int)x->shape[0], T = (int)x->shape[1], p = 0, mb;
+    if (g->kv) SMP_TRY(gpt_kv_at(c, g, x, &mb, &p)); /* cached mode: the new tokens start at position pos[mb] */
     if (p + T > g->cfg.block_size)
         return smp_error(SMP_ERR_ARG, "a context of %d tokens is longer than the model's %d", p + T, g->cfg.block_size);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 3, x->shape);
@@ -561,15 +577,9 @@ static smp_status gpt__sdpa_cached(smp_call_ctx *c, const gpt_block *b, const sm
     const gpt *g = b->g;
     gpt_kv *kv = g->kv;
     int C = g->cfg.n_embd, H = g->cfg.n_head, hd = C / H, Tmax = g->cfg.block_size, C3 = 3 * C;
-    int B = (int)x->shape[0], S = (int)x->shape[1], mb = smp_call_microbatch(c);
+    int S = (int)x->shape[1], mb, p;
     const char *name = smp_module_name(smp_call_module(c));
-    if (B != 1)
-        return smp_error(SMP_ERR_ARG, "%s: cached attention takes one sequence per microbatch, not %d", name, B);
-    if (mb < 0 || mb >= kv->M)
-        return smp_error(SMP_ERR_ARG, "%s: microbatch %d has no KV cache (of %d)", name, mb, kv->M);
-    int p = kv->pos[mb];
-    if (p < 0 || p + S > Tmax)
-        return smp_error(SMP_ERR_ARG, "a context of %d tokens is longer than the model's %d", p + S, Tmax);
+    SMP_TRY(gpt_kv_at(c, g, x, &mb, &p));
     size_t slot = (size_t)b->index * (size_t)kv->M + (size_t)mb;
     if (!kv->k[slot]) kv->k[slot] = (float *)calloc((size_t)Tmax * C, sizeof(float));
     if (!kv->v[slot]) kv->v[slot] = (float *)calloc((size_t)Tmax * C, sizeof(float));

@@ -2,8 +2,9 @@
    (gpt.cu) share besides the model (gpt_model.h): options and usage, the
    fortunes corpus, the batches, the learning-rate schedule, the
    next-character logits and sampling, parameter digests, the checkpoint's
-   metadata. The same flags, data and loop in both, so the two compare step
-   for step. Include after smp.h, smp_pipeline.h, smp_checkpoint.h and
+   metadata, pipelined generation from a checkpoint (--generate, on the
+   model each program builds). The same flags, data and loop in both, so
+   the two compare step for step. Include after smp.h, smp_pipeline.h, smp_checkpoint.h and
    gpt_model.h (C, or C++ under nvcc). */
 #ifndef GPT_SHARED_H
 #define GPT_SHARED_H
@@ -539,6 +540,238 @@ static void ckpt_meta_init(ckpt_meta *m, const corpus *text, const options *o) {
     m->n = 7;
     memcpy(m->keys, keys, sizeof keys);
     memcpy(m->vals, vals, sizeof vals);
+}
+
+/* ---------------------------------------------------------------- pipelined generation (--generate) */
+/* The step body of pipelined generation: the logits at position pick[mb]
+   of the microbatch's one sequence (a view: on the device, smp copies them
+   to the host). */
+SMP_STEP_BODY(pick_logits_body) {
+    const smp_tensor *logits = smp_mb_output(mb, 0);
+    const int *pick = (const int *)smp_mb_user(mb);
+    int S = (int)logits->shape[1], V = (int)logits->shape[2], at = pick[smp_mb_index(mb)];
+    if (logits->shape[0] != 1 || at < 0 || at >= S)
+        return smp_error(SMP_ERR_ARG, "generation: position %d of a [%d, %d] microbatch", at, (int)logits->shape[0], S);
+    smp_tensor t = smp_tensor_2d((float *)logits->data + (size_t)at * V, SMP_F32, 1, V);
+    t.device = logits->device;
+    return smp_mb_return(mb, 0, &t);
+}
+
+/* The next token from one row of logits: greedy at temperature 0, else
+   drawn from softmax(logits / temperature) with the prompt's generator. */
+static int sample_token(const float *logits, int V, float temperature, mlp_rng *rng) {
+    int best = 0;
+    for (int j = 1; j < V; j++) best = logits[j] > logits[best] ? j : best;
+    if (temperature <= 0) return best;
+    double sum = 0, p[256];
+    for (int j = 0; j < V; j++) sum += p[j] = exp((double)(logits[j] - logits[best]) / temperature);
+    double u = (double)(mlp_rng_next(rng) >> 11) * (1.0 / 9007199254740992.0) * sum, acc = 0;
+    int next;
+    for (next = 0; next < V - 1; next++)
+        if ((acc += p[next]) > u) break;
+    return next;
+}
+
+/* Builds the model of a checkpoint's sizes in this run's partitioning:
+   gpt.c's host model, or gpt.cu's on the device (user: its engine). */
+typedef smp_status (*gen_build_fn)(gpt *net, const gpt_config *mc, void *user, smp_model **model);
+
+typedef struct gen_state {
+    gpt_config mc; /* the checkpoint's sizes and vocabulary */
+    unsigned char chars[256];
+    int id_of[256];
+    int M, N;       /* prompts (one per microbatch), characters to generate */
+    int32_t **ctx;  /* [M]: each prompt's context so far, len[i] ids */
+    int *len, *pick;
+    int32_t *x;     /* a step's input, [M, S] */
+    float *logits;  /* a step's [M, V] */
+    mlp_rng *rng;
+    gpt net;
+    smp_model *model;
+} gen_state;
+
+static void gen_free(gen_state *s) {
+    if (s->model) smp_model_free(s->model);
+    gpt_free(&s->net);
+    for (int i = 0; s->ctx && i < s->M; i++) free(s->ctx[i]);
+    free(s->ctx); free(s->len); free(s->pick); free(s->rng); free(s->x); free(s->logits);
+    memset(s, 0, sizeof *s);
+}
+
+/* The model's sizes and vocabulary, from the checkpoint's metadata. */
+static smp_status gen_read_checkpoint(gen_state *s, const char *path) {
+    smp_ckpt_file *f = NULL;
+    SMP_TRY(smp_ckpt_open(path, &f));
+    const char *hex = smp_ckpt_meta(f, "vocab_bytes"), *L = smp_ckpt_meta(f, "n_layer"), *H = smp_ckpt_meta(f, "n_head"),
+               *C = smp_ckpt_meta(f, "n_embd"), *Tb = smp_ckpt_meta(f, "block_size");
+    smp_status st = SMP_OK;
+    if (!hex || !L || !H || !C || !Tb || strlen(hex) % 2 || strlen(hex) > 512)
+        st = smp_error(SMP_ERR_FORMAT, "%s: not a checkpoint of gpt.c or gpt.cu (its metadata lacks the vocabulary or the sizes)",
+                       path);
+    else {
+        s->mc.vocab = (int)strlen(hex) / 2;
+        s->mc.n_layer = atoi(L);
+        s->mc.n_head = atoi(H);
+        s->mc.n_embd = atoi(C);
+        s->mc.block_size = atoi(Tb);
+        for (int i = 0; i < s->mc.vocab; i++) {
+            unsigned v = 0;
+            sscanf(hex + 2 * i, "%2x", &v);
+            s->chars[i] = (unsigned char)v;
+            s->id_of[v] = i;
+        }
+    }
+    smp_ckpt_close(f);
+    return st;
+}
+
+/* The prompts ("A|B|C", one per microbatch): in the vocabulary, and each
+   context within the model's. */
+static smp_status gen_read_prompts(gen_state *s, const options *o) {
+    const char *q = o->prompts;
+    for (int i = 0; i < s->M; i++) {
+        const char *end = strchr(q, '|');
+        s->len[i] = end ? (int)(end - q) : (int)strlen(q);
+        if (s->len[i] < 1) return smp_error(SMP_ERR_ARG, "prompt %d is empty", i);
+        if (s->len[i] + s->N > s->mc.block_size)
+            return smp_error(SMP_ERR_ARG,
+                             "prompt %d: a context of %d characters (%d of prompt + %d tokens) is longer than the "
+                             "model's %d",
+                             i, s->len[i] + s->N, s->len[i], s->N, s->mc.block_size);
+        if (!(s->ctx[i] = (int32_t *)malloc(sizeof(int32_t) * (size_t)s->mc.block_size)))
+            return smp_error(SMP_ERR_NOMEM, "out of memory");
+        for (int t = 0; t < s->len[i]; t++) {
+            int id = s->id_of[(unsigned char)q[t]];
+            if (id < 0)
+                return smp_error(SMP_ERR_ARG, "prompt %d's character %d (byte 0x%02x) is not in the vocabulary", i, t,
+                                 (unsigned char)q[t]);
+            s->ctx[i][t] = id;
+        }
+        s->rng[i] = mlp_rng_seed(mlp_mix64((uint64_t)o->seed * 7919u + 17u) ^ mlp_mix64((uint64_t)i + 1));
+        q = end ? end + 1 : q + s->len[i];
+    }
+    return SMP_OK;
+}
+
+/* Step k: one character more for every prompt. With the KV cache the first
+   step runs the prompts (padded on the right to the longest) and every
+   later step only the last character of each, at its position; without
+   it, each step runs the whole contexts. */
+static smp_status gen_step(gen_state *s, const options *o, int k) {
+    int M = s->M, V = s->mc.vocab, S = 0;
+    gpt_kv *kv = s->net.kv;
+    if (!kv || k == 0) { /* whole contexts (k == 0: the prompts), padded on the right */
+        for (int i = 0; i < M; i++) S = s->len[i] > S ? s->len[i] : S;
+        for (int i = 0; i < M; i++) {
+            for (int t = 0; t < S; t++) s->x[(size_t)i * S + t] = t < s->len[i] ? s->ctx[i][t] : 0;
+            s->pick[i] = s->len[i] - 1;
+            if (kv) kv->pos[i] = 0;
+        }
+    } else { /* the last character of each, at its position */
+        S = 1;
+        for (int i = 0; i < M; i++) {
+            s->x[i] = s->ctx[i][s->len[i] - 1];
+            s->pick[i] = 0;
+            kv->pos[i] = s->len[i] - 1;
+        }
+    }
+    smp_tensor xt = smp_tensor_2d(s->x, SMP_I32, M, S);
+    smp_step_output lo;
+    memset(&lo, 0, sizeof lo);
+    SMP_TRY(SMP_EVAL_STEP(s->model, pick_logits_body, s->pick, &lo, 1, xt));
+    smp_tensor all = smp_tensor_2d(s->logits, SMP_F32, M, V);
+    smp_status st = smp_step_output_concat(&lo, &all);
+    smp_step_output_free(&lo);
+    for (int i = 0; i < M && !st && o->print_logits && smp_rank() == 0; i++) { /* "logits STEP PROMPT Z0 Z1 ...", %a */
+        printf("logits %d %d", k, i);
+        for (int j = 0; j < V; j++) printf(" %a", s->logits[(size_t)i * V + j]);
+        printf("\n");
+    }
+    for (int i = 0; i < M && !st; i++)
+        s->ctx[i][s->len[i]++] = sample_token(s->logits + (size_t)i * V, V, o->temperature, &s->rng[i]);
+    return st;
+}
+
+static int gen_run(gen_state *s, const options *o, gen_build_fn build, void *user) {
+    const smp_config *cfg = smp_current_config();
+    bool root = smp_rank() == 0;
+    s->M = cfg->microbatches;
+    s->N = o->tokens;
+    for (int b = 0; b < 256; b++) s->id_of[b] = -1;
+    s->ctx = (int32_t **)calloc((size_t)s->M, sizeof *s->ctx);
+    s->len = (int *)calloc((size_t)s->M, sizeof *s->len);
+    s->pick = (int *)calloc((size_t)s->M, sizeof *s->pick);
+    s->rng = (mlp_rng *)calloc((size_t)s->M, sizeof *s->rng);
+    smp_status st = s->ctx && s->len && s->pick && s->rng ? SMP_OK : smp_error(SMP_ERR_NOMEM, "out of memory");
+    if (!st && smp_tp_size() != 1) /* the KV cache would have to be split by heads */
+        st = smp_error(SMP_ERR_CONFIG, "--generate runs with tensor_parallel_degree 1: run it without --tp");
+    if (!st && smp_dp_size() != 1)
+        st = smp_error(SMP_ERR_CONFIG,
+                       "--generate runs without data parallelism: run as many processes as --partitions");
+    if (!st) st = gen_read_checkpoint(s, o->load);
+    if (!st) st = gen_read_prompts(s, o);
+    if (fail_all(st, "input")) return 1;
+
+    /* the model in this partitioning, then the checkpoint into it */
+    st = build(&s->net, &s->mc, user, &s->model);
+    if (!st) {
+        s->x = (int32_t *)calloc((size_t)s->M * s->mc.block_size, sizeof *s->x);
+        s->logits = (float *)malloc(sizeof(float) * (size_t)s->M * s->mc.vocab);
+        if (!s->x || !s->logits) st = smp_error(SMP_ERR_NOMEM, "out of memory");
+    }
+    if (!st) {
+        smp_tensor sample = smp_tensor_2d(s->x, SMP_I32, 1, s->mc.block_size);
+        st = smp_model_trace(s->model, &sample, 1);
+    }
+    if (!st) {
+        smp_load_desc ld;
+        memset(&ld, 0, sizeof ld);
+        ld.partial = SMP_OFF;
+        st = smp_load(s->model, o->load, &ld);
+    }
+    if (fail_all(st, "loading the checkpoint")) return 1;
+    if (root) {
+        printf("gpt: generating %d characters for %d prompts (one per microbatch) on %d partitions, %s, temperature "
+               "%.2f, seed %d\n",
+               s->N, s->M, cfg->partitions, o->no_cache ? "re-running the whole context" : "KV cache", o->temperature,
+               o->seed);
+        fflush(stdout);
+    }
+    print_placement(s->model, &s->net);
+    if (!o->no_cache && fail_all(gpt_kv_start(&s->net, s->M), "KV cache")) return 1;
+
+    double t0 = now();
+    for (int k = 0; k < s->N && !st; k++) st = gen_step(s, o, k);
+    if (fail_all(st, "generation")) return 1;
+    double secs = now() - t0;
+    if (root) {
+        printf("generated %d x %d characters in %.3f s (%.0f characters/s)\n", s->M, s->N, secs,
+               (double)s->M * s->N / secs);
+        for (int i = 0; i < s->M; i++) {
+            printf("--- prompt %d:\n", i);
+            for (int t = 0; t < s->len[i]; t++) putchar(s->chars[s->ctx[i][t]]);
+            putchar('\n');
+        }
+        fflush(stdout);
+    }
+    return 0;
+}
+
+/* --generate: loads the full checkpoint o->load (its sizes and vocabulary
+   from its metadata) into this run's partitioning and continues every
+   prompt of o->prompts ("A|B|C|D", one per microbatch) by o->tokens
+   characters, one evaluation step per character for all prompts at once,
+   so the prompts flow through the stages one behind the other; the KV
+   cache (default; --no-cache re-runs each whole context) makes each
+   character after the prompt cost one position. Every rank checks the
+   input before anything runs, and samples the same characters from the
+   same logits. Returns the exit code. Collective. */
+static int generate_main(const options *o, gen_build_fn build, void *user) {
+    gen_state s;
+    memset(&s, 0, sizeof s);
+    int rc = gen_run(&s, o, build, user);
+    gen_free(&s);
+    return rc;
 }
 
 #endif

@@ -45,7 +45,12 @@ static void twin_gpt_gelu(const float *x, float *y, float *t, int64_t count) {
 static void twin_gpt_gelu_backward(const float *x, const float *t, const float *dy, float *dx, int64_t count) {
     TWIN_LOOP(i, count) gpt__gelu_backward(x + i, t + i, dy + i, dx + i, 1);
 }
-static void twin_gpt_softmax(float *P, int64_t rows, int T) { TWIN_LOOP(r, rows) gpt_k_softmax(r, P, T); }
+static void twin_gpt_softmax(float *P, int64_t rows, int S, int Tk, int p0) {
+    TWIN_LOOP(r, rows) gpt_k_softmax(r, P, S, Tk, p0);
+}
+static void twin_gpt_kv_append(const float *qkv, float *K, float *V, int64_t count, int C) {
+    TWIN_LOOP(i, count) gpt_k_kv_append(i, qkv, K, V, C);
+}
 static void twin_gpt_softmax_backward(const float *P, float *dP, int64_t rows, int T) {
     TWIN_LOOP(r, rows) gpt_k_softmax_backward(r, P, dP, T);
 }
@@ -75,6 +80,7 @@ __attribute__((constructor)) static void fake_register_gpt_twins(void) {
     fake_cuda_twin(gpt_gelu_backward_kernel, twin_gpt_gelu_backward);
     fake_cuda_twin(gpt_softmax_kernel, twin_gpt_softmax);
     fake_cuda_twin(gpt_softmax_backward_kernel, twin_gpt_softmax_backward);
+    fake_cuda_twin(gpt_kv_append_kernel, twin_gpt_kv_append);
     fake_cuda_twin(gpt_xent_kernel, twin_gpt_xent);
     fake_cuda_twin(gpt_mean_loss_kernel, twin_gpt_mean_loss);
     fake_cuda_twin(gpt_add_kernel, twin_gpt_add);

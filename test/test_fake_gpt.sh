@@ -23,12 +23,19 @@
 #    after a context within 1e-5 of gpt.cu's) and gpt.c's into gpt.cu
 #    (--load --steps 0: the same parameter checksums bit for bit, logits
 #    within 1e-5);
+#  - pipelined generation on the device (gpt.cu --generate, the KV cache in
+#    device memory), 3 prompts x 8 characters: from gpt.c's checkpoint at 1
+#    and 2 partitions and from gpt.cu's own at 2, the samples of gpt.c
+#    --generate and every step's logits within 1e-5 of its; 2 partitions
+#    equal 1 bit for bit; --no-cache agrees with the cache within 1e-5; a
+#    context longer than the model's is an error on every rank;
 #  - --bf16 (bf16 GEMM inputs, f32 accumulation and master weights): every
 #    loss of 10 steps and the validation loss within 1e-3 relative of the
 #    f32 run's, and not all equal to them (the bf16 path ran);
 #  - tools/gpt_bench.sh (what tools/device_run.sh runs at GPT-2 124M's
 #    shape on a lent GPU), at a tiny size: 1 rank and 2 ranks sharing a GPU
-#    train and print their tokens/s;
+#    train and print their tokens/s, and generation from a checkpoint of
+#    that shape (KV cache on the device) prints its tokens/s;
 #  - the plain loop (--plain, the overhead benchmark's baseline) agrees
 #    with smp's one process within 1e-6, and bench/gpt_cuda.sh runs;
 #  - the loss falls; --dropout is refused with a message on every rank.
@@ -150,6 +157,53 @@ PY
   SMP_TIMEOUT=120 OPENBLAS_NUM_THREADS=1 timeout 300 mpirun -n 1 "$host" --partitions 1 --generate --load "$tmp/one.safetensors" \
     --prompts "$ctx" --tokens 1 --no-cache --print-logits >"$tmp/gen.raw" 2>"$tmp/gen.err"
   logits_close "fake-gpt/gpt.cu's checkpoint loads into gpt.c (--generate): its logits after '$ctx' within 1e-5 of gpt.cu's" "$tmp/one" "$tmp/gen.raw" '^logits 0 0 '
+
+  # --generate on the device (the KV cache in device memory), 3 prompts of different lengths, against gpt.c's
+  gen() { # name, fake GPUs, ranks, program, options...: $tmp/NAME holds the samples and every step's logits
+    local out=$1 gpus=$2 np=$3 prog=$4; shift 4
+    SMP_TIMEOUT=120 FAKE_CUDA_DEVICES=$gpus OPENBLAS_NUM_THREADS=1 timeout 300 mpirun -n "$np" "$prog" --generate \
+      --prompts "The |It was a|Why" --tokens 8 --print-logits "$@" >"$tmp/$out.raw" 2>"$tmp/$out.err"
+    echo "exit $?" >>"$tmp/$out.raw"
+    grep -a -v -e '^generated ' -e '^placement:' -e '^gpt' "$tmp/$out.raw" >"$tmp/$out"
+  }
+  gen_close() { # check, run a, run b: both complete, the same samples, every step's logits within 1e-5
+    if msg=$(python3 - "$tmp/$2" "$tmp/$3" 2>&1 <<'PY'
+import sys
+def parse(p):
+    lines = open(p, errors="replace").read().split("\n")
+    assert "exit 0" in lines, (p, "did not complete", lines[-3:])
+    logits = {tuple(l.split()[1:3]): [float.fromhex(v) for v in l.split()[3:]] for l in lines if l.startswith("logits ")}
+    samples = "\n".join(lines[lines.index("--- prompt 0:"):lines.index("exit 0")]) if "--- prompt 0:" in lines else ""
+    return logits, samples
+(la, sa), (lb, sb) = parse(sys.argv[1]), parse(sys.argv[2])
+assert len(la) == len(lb) == 24 and sorted(la) == sorted(lb), ("logits lines (3 prompts x 8 steps)", len(la), len(lb))
+assert sa.count("--- prompt") == 3 and sa == sb, ("the samples differ", sa[:200], sb[:200])
+worst = max(abs(x - y) / max(1.0, abs(y)) for k in la for x, y in zip(la[k], lb[k]))
+assert worst < 1e-5, ("worst logit difference / max(1, |logit|)", worst)
+print("worst %.1e" % worst)
+PY
+    ); then pass "$1: $msg"; else fail "$1: $(echo "$msg" | tail -n 1) $(head -c 300 "$tmp/$3.err" | tr '\n' ' ')"; fi
+  }
+  gen gen_host 1 1 "$host" --partitions 1 --load "$tmp/host.safetensors"
+  gen gen_dev1 1 1 "$bin" --partitions 1 --load "$tmp/host.safetensors"
+  gen gen_dev2 2 2 "$bin" --partitions 2 --load "$tmp/host.safetensors"
+  gen_close "fake-gpt/gpt.cu --generate (KV cache on the device) from gpt.c's checkpoint: gpt.c --generate's samples, logits within 1e-5" gen_host gen_dev1
+  gen_close "fake-gpt/gpt.cu --generate on 2 partitions (2 fake GPUs) from gpt.c's checkpoint: gpt.c --generate's samples, logits within 1e-5" gen_host gen_dev2
+  name="fake-gpt/gpt.cu --generate: 2 partitions equal 1 bitwise (samples and every step's logits)"
+  if grep -q '^logits ' "$tmp/gen_dev1" && grep -q 'exit 0' "$tmp/gen_dev1" && grep -q ' | 1:' "$tmp/gen_dev2.raw" &&
+     cmp -s "$tmp/gen_dev1" "$tmp/gen_dev2"; then pass "$name"
+  else fail "$name: $(diff "$tmp/gen_dev1" "$tmp/gen_dev2" | grep -a -m 2 '^[<>]' | cut -c 1-120 | tr '\n' ' ')"; fi
+  gen gen_nocache 1 1 "$bin" --partitions 1 --load "$tmp/host.safetensors" --no-cache
+  gen_close "fake-gpt/gpt.cu --generate --no-cache (whole contexts) agrees with its KV cache: samples, logits within 1e-5" gen_nocache gen_dev1
+  gen gen_own_host 1 1 "$host" --partitions 1 --load "$tmp/one.safetensors"
+  gen gen_own_dev 2 2 "$bin" --partitions 2 --load "$tmp/one.safetensors"
+  gen_close "fake-gpt/gpt.cu --generate on 2 partitions from gpt.cu's own checkpoint: gpt.c --generate's samples, logits within 1e-5" gen_own_host gen_own_dev
+  SMP_TIMEOUT=60 FAKE_CUDA_DEVICES=2 timeout 120 mpirun -n 2 "$bin" --generate --load "$tmp/one.safetensors" --partitions 2 \
+    --prompts "The|It was a dark" --tokens 8 >"$tmp/gen_long.out" 2>&1
+  rc=$?
+  name="fake-gpt/gpt.cu --generate: a prompt + tokens longer than the model's context is an error on every rank"
+  if [ $rc -ne 0 ] && [ "$(grep -c 'prompt 1: a context of 21 characters (13 of prompt + 8 tokens) is longer than the model.s 16' "$tmp/gen_long.out")" -eq 2 ]; then pass "$name"
+  else fail "$name: exit $rc; $(head -c 300 "$tmp/gen_long.out")"; fi
 fi
 
 # bf16: bitwise across partitions, and close to f32
@@ -171,12 +225,14 @@ PY
 ); then pass "$name: $msg"; else fail "$name: ${msg:-$(why one)}"; fi
 
 # tools/device_run.sh's GPT-2 124M runs (tools/gpt_bench.sh), at a tiny size (later flags win)
-SMP_TIMEOUT=120 FAKE_CUDA_DEVICES=1 bash "$top/tools/gpt_bench.sh" "$bin" /usr/share/games/fortunes \
+SMP_TIMEOUT=120 FAKE_CUDA_DEVICES=1 GPT_BENCH_TOKENS=16 bash "$top/tools/gpt_bench.sh" "$bin" /usr/share/games/fortunes \
   --layers 2 --dmodel 64 --heads 4 --context 32 --batch 4 --steps 4 --warmup 1 >"$tmp/bench" 2>&1
 rc=$?
-name="fake-gpt/tools/gpt_bench.sh (device_run.sh's 124M runs) at a tiny size: 1 rank and 2 ranks on one GPU train in bf16 with the padded vocabulary and print tokens/s"
-if [ $rc -eq 0 ] && [ "$(grep -c 'vocabulary 128, .*bf16 GEMMs' "$tmp/bench")" -eq 2 ] && grep -q 'host-staged' "$tmp/bench" &&
-   grep -q '^gpt.cu 124M bf16 tokens/s: [0-9]* (1 rank), [0-9]* (2 ranks, one GPU)$' "$tmp/bench" && grep -q '^gpt.cu 124M bf16 MFU: ' "$tmp/bench"; then
+name="fake-gpt/tools/gpt_bench.sh (device_run.sh's 124M runs) at a tiny size: 1 rank and 2 ranks on one GPU train in bf16 with the padded vocabulary and print tokens/s; generation with the KV cache prints its tokens/s"
+if [ $rc -eq 0 ] && [ "$(grep -a -c 'vocabulary 128, .*bf16 GEMMs' "$tmp/bench")" -eq 2 ] && grep -a -q 'host-staged' "$tmp/bench" &&
+   grep -a -q '^gpt.cu 124M bf16 tokens/s: [0-9]* (1 rank), [0-9]* (2 ranks, one GPU)$' "$tmp/bench" &&
+   grep -a -q '^gpt.cu 124M bf16 MFU: ' "$tmp/bench" && grep -a -q '^generated 4 x 16 characters' "$tmp/bench" &&
+   grep -a -q '^gpt.cu 124M bf16 generation tokens/s: [0-9][0-9]* (1 rank, 4 prompts x 16 characters, KV cache)$' "$tmp/bench"; then
   pass "$name"
 else fail "$name: exit $rc; $(tail -n 4 "$tmp/bench" | tr '\n' ' ')"; fi
 

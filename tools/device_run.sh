@@ -5,7 +5,8 @@
 # (one rank; then 2 partitions on one GPU, which moves activations through
 # the host), bench/nccl, and the GPT on CUDA at GPT-2 124M's shape in bf16
 # (tools/gpt_bench.sh: 1 rank, then 2 ranks sharing the GPU; tokens/s and
-# MFU; bench/gpt_cuda.sh: smp against the plain loop). Everything it prints also goes to $OUT/device.log
+# MFU; then generation with the KV cache on the device, tokens/s;
+# bench/gpt_cuda.sh: smp against the plain loop). Everything it prints also goes to $OUT/device.log
 # when OUT is set (the device tool sets it).
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)

@@ -4,9 +4,15 @@
 # with the whole model, then 2 ranks sharing the GPU as 2 pipeline stages
 # (smp moves activations through host memory). Prints each run's
 # throughput line (tokens/s, model FLOPs per token, MFU against the GPU's
-# dense bf16 peak, which gpt.cu reads from the device name) and ends with
+# dense bf16 peak, which gpt.cu reads from the device name). Then
+# generation: one training step saves a checkpoint of that shape (the
+# corpus's vocabulary: --generate takes it from the checkpoint), which
+# gpt.cu --generate continues, 4 prompts (one per microbatch) by
+# GPT_BENCH_TOKENS characters each (default 256) with the KV cache on the
+# device, one rank, bf16. Ends with
 #   gpt.cu 124M bf16 tokens/s: N (1 rank), M (2 ranks, one GPU)
 #   gpt.cu 124M bf16 MFU: X.XX (1 rank)
+#   gpt.cu 124M bf16 generation tokens/s: G (1 rank, 4 prompts x K characters, KV cache)
 # tools/device_run.sh runs it on a lent GPU; test/test_fake_gpt.sh runs the
 # same script on the fake device with flags after DATA that shrink the model
 # (later flags win), so neither the program nor this way of calling it rots.
@@ -28,6 +34,22 @@ for np in 1 2; do
   rate[$np]=$(echo "$line" | awk '{print $2}')
   mfu[$np]=$(echo "$line" | sed -n 's/.*MFU \([0-9.]*\) .*/\1/p')
 done
+
+tokens=${GPT_BENCH_TOKENS:-256}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+echo "== gpt.cu 124M bf16 generation, 1 rank: 4 prompts x $tokens characters with the KV cache"
+gen=failed
+out=$(timeout 300 mpirun -n 1 "$bin" $shape --partitions 1 --microbatches 1 "$@" --vocab-multiple 0 --steps 1 --batch 1 \
+        --save "$tmp/gen.safetensors" 2>&1 &&
+      timeout 300 mpirun -n 1 "$bin" --generate --load "$tmp/gen.safetensors" --bf16 --partitions 1 --prompts "The |A |Why |I " \
+        --tokens "$tokens" --temperature 0 2>&1)
+rc=$?
+echo "$out" | grep -a -v '^--- prompt\|^step '
+line=$(echo "$out" | grep -a '^generated ')
+if [ $rc -eq 0 ] && [ -n "$line" ]; then gen=$(echo "$line" | sed -n 's/.*(\([0-9]*\) characters\/s)$/\1/p')
+else echo "gpt_bench: the generation run failed (exit $rc)"; status=1; fi
 echo "gpt.cu 124M bf16 tokens/s: ${rate[1]:-failed} (1 rank), ${rate[2]:-failed} (2 ranks, one GPU)"
 echo "gpt.cu 124M bf16 MFU: ${mfu[1]:-n/a} (1 rank)"
+echo "gpt.cu 124M bf16 generation tokens/s: ${gen:-failed} (1 rank, 4 prompts x $tokens characters, KV cache)"
 exit $status
