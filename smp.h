@@ -701,6 +701,14 @@ SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, 
    smp_param_grad are the local slice. Megatron's column-parallel linear
    (y = x W^T, W [out, in]) shards W and its bias along axis 0, the row-
    parallel one W along axis 1 and keeps its bias whole.
+   smp_param_new_sharded_blocks shards a tensor that is `blocks` tensors
+   joined along the shard axis (Megatron's fused QKV: W [3C, C] is q, k and
+   v, each [C, C]): the axis is `blocks` equal blocks, each split over the
+   TP group, and a rank holds its slice of every block, in block order (its
+   heads of q, then of k, then of v). tp x blocks must divide the axis; the
+   offset is then where the slice starts within each block. Initialisation,
+   full checkpoints (the full tensor, as at tp 1) and resharding to any tp
+   honour the blocks; blocks 1 is smp_param_new_sharded.
    Parameters declared with smp_param_new stay whole on every TP rank: their
    gradients are the same on every TP rank when the model feeds them the
    same values there (what the TP modules below arrange: a layer norm after
@@ -708,8 +716,12 @@ SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, 
    does not sum them across the TP group. */
 SMPDEF smp_param *smp_param_new_sharded(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
                                         int shard_axis, smp_init_fn init, void *init_user);
+SMPDEF smp_param *smp_param_new_sharded_blocks(smp_module *m, const char *name, smp_dtype dt, int ndim,
+                                               const int64_t *shape, int shard_axis, int blocks, smp_init_fn init,
+                                               void *init_user);
 SMPDEF int smp_param_shard_axis(const smp_param *p);       /* -1: whole on every TP rank */
-/* where this rank's slice starts along the axis (0 if whole) */
+SMPDEF int smp_param_shard_blocks(const smp_param *p);     /* 1 unless declared with smp_param_new_sharded_blocks */
+/* where this rank's slice starts along the axis (within each block; 0 if whole) */
 SMPDEF int64_t smp_param_shard_offset(const smp_param *p);
 SMPDEF int smp_param_full_shape(const smp_param *p, int64_t shape[SMP_MAX_DIMS]); /* the declared shape; returns ndim */
 SMPDEF const char *smp_module_name(const smp_module *m); /* full dotted name */
@@ -4372,6 +4384,7 @@ struct smp_param {
     smp_init_fn init;
     void *init_user;
     int shard_axis;      /* -1: whole on every TP rank; else split along it over TP_GROUP */
+    int shard_blocks;    /* the axis is this many blocks, each split over TP_GROUP (fused QKV: 3) */
     /* the declared shape; where this rank's slice starts along the axis */
     int64_t full_shape[SMP_MAX_DIMS], shard_offset;
 };
@@ -4697,6 +4710,7 @@ static smp_param *smp__declare(smp_module *m, const char *name, smp_dtype dt, in
     p->init = init;
     p->init_user = user;
     p->shard_axis = -1;
+    p->shard_blocks = 1;
     memcpy(p->full_shape, p->value.shape, sizeof p->full_shape);
     m->params[m->nparams++] = p;
     return p;
@@ -4710,19 +4724,36 @@ SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, 
                                  smp_init_fn init, void *user) {
     return smp__declare(m, name, dt, ndim, shape, init, user, true);
 }
-SMPDEF smp_param *smp_param_new_sharded(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
-                                        int shard_axis, smp_init_fn init, void *init_user) {
+SMPDEF smp_param *smp_param_new_sharded_blocks(smp_module *m, const char *name, smp_dtype dt, int ndim,
+                                               const int64_t *shape, int shard_axis, int blocks, smp_init_fn init,
+                                               void *init_user) {
     if (ndim >= 0 && (shard_axis < 0 || shard_axis >= ndim)) {
         smp__build_error(SMP_ERR_ARG,
                          "parameter \"%s\" of module \"%s\": shard axis %d is not one of its %d axes (0 to %d)",
                          name ? name : "(null)", m ? m->full_name : "(null)", shard_axis, ndim, ndim - 1);
         return NULL;
     }
+    if (blocks < 1 || (ndim > 0 && shape && shape[shard_axis] % blocks)) {
+        smp__build_error(SMP_ERR_ARG,
+                         "parameter \"%s\" of module \"%s\": %d blocks do not split its shard axis %d of size %lld: "
+                         "give a number of blocks (1 or more) that divides it",
+                         name ? name : "(null)", m ? m->full_name : "(null)", blocks, shard_axis,
+                         (long long)(ndim > 0 && shape ? shape[shard_axis] : 0));
+        return NULL;
+    }
     smp_param *p = smp__declare(m, name, dt, ndim, shape, init, init_user, false);
-    if (p) p->shard_axis = shard_axis;
+    if (p) {
+        p->shard_axis = shard_axis;
+        p->shard_blocks = blocks;
+    }
     return p;
 }
+SMPDEF smp_param *smp_param_new_sharded(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
+                                        int shard_axis, smp_init_fn init, void *init_user) {
+    return smp_param_new_sharded_blocks(m, name, dt, ndim, shape, shard_axis, 1, init, init_user);
+}
 SMPDEF int smp_param_shard_axis(const smp_param *p) { return p->shard_axis; }
+SMPDEF int smp_param_shard_blocks(const smp_param *p) { return p->shard_blocks; }
 SMPDEF int64_t smp_param_shard_offset(const smp_param *p) { return p->shard_offset; }
 SMPDEF int smp_param_full_shape(const smp_param *p, int64_t shape[SMP_MAX_DIMS]) {
     memcpy(shape, p->full_shape, sizeof p->full_shape);
@@ -4736,15 +4767,22 @@ static smp_status smp__shard_params(smp_model *m) {
     for (int i = 0; i < m->nparams; i++) {
         smp_param *p = m->params[i];
         if (p->shard_axis < 0) continue;
-        int64_t full = p->full_shape[p->shard_axis];
-        if (full % tp)
+        int64_t full = p->full_shape[p->shard_axis], nb = p->shard_blocks;
+        if (full % (tp * nb) && nb == 1)
             return smp_error(
                 SMP_ERR_CONFIG,
                 "parameter \"%s\" is sharded along axis %d of size %lld, which tensor_parallel_degree = %d "
                 "does not divide: make that dimension a multiple of %d, or change tensor_parallel_degree",
                 p->full_name, p->shard_axis, (long long)full, tp, tp);
+        if (full % (tp * nb))
+            return smp_error(SMP_ERR_CONFIG,
+                             "parameter \"%s\" is sharded along axis %d of size %lld in %lld blocks of %lld, which "
+                             "tensor_parallel_degree = %d does not divide: make each block a multiple of %d, or change "
+                             "tensor_parallel_degree",
+                             p->full_name, p->shard_axis, (long long)full, (long long)nb, (long long)(full / nb), tp,
+                             tp);
         p->value.shape[p->shard_axis] = p->grad.shape[p->shard_axis] = full / tp;
-        p->shard_offset = full / tp * smp_tp_rank();
+        p->shard_offset = full / nb / tp * smp_tp_rank();
         sharded++;
     }
     if (tp > 1 && !sharded && smp__ctx.rank == 0)
@@ -4813,13 +4851,15 @@ SMPDEF void smp_init_copy(smp_tensor *v, uint64_t seed, void *user) {
 static bool smp__model_on_device(const smp_model *m);
 
 /* dst = the slice of src that starts at `offset` along `axis` and is as long
-   as dst there (host memory; dst and src alike in every other axis). */
-static void smp__slice_copy(smp_tensor *dst, const smp_tensor *src, int axis, int64_t offset) {
+   as dst there (host memory; dst and src alike in every other axis); with
+   `blocks` > 1, the axis is that many blocks and dst holds the slice of
+   each, the offset counted within a block. */
+static void smp__slice_copy(smp_tensor *dst, const smp_tensor *src, int axis, int blocks, int64_t offset) {
     size_t es = smp_dtype_size(src->dtype), inner = es;
-    int64_t outer = 1;
+    int64_t outer = blocks;
     for (int d = 0; d < axis; d++) outer *= src->shape[d];
     for (int d = axis + 1; d < src->ndim; d++) inner *= (size_t)src->shape[d];
-    size_t row = inner * (size_t)dst->shape[axis], src_row = inner * (size_t)src->shape[axis];
+    size_t row = inner * (size_t)(dst->shape[axis] / blocks), src_row = inner * (size_t)(src->shape[axis] / blocks);
     for (int64_t o = 0; o < outer; o++)
         memcpy((char *)dst->data + (size_t)o * row,
                (const char *)src->data + (size_t)o * src_row + inner * (size_t)offset, row);
@@ -4850,7 +4890,7 @@ static smp_status smp__materialise_param(smp_param *p) {
         full.data = smp__alloc_or(&st, smp_tensor_nbytes(&full), SMP__ALLOC_OTHER, why);
         if (st) { smp__free(init.data); return st; }
         p->init(&full, smp_param_seed(p->full_name), p->init_user);
-        smp__slice_copy(&init, &full, p->shard_axis, p->shard_offset);
+        smp__slice_copy(&init, &full, p->shard_axis, p->shard_blocks, p->shard_offset);
         smp__free(full.data);
     } else if (p->init) p->init(&init, smp_param_seed(p->full_name), p->init_user);
     if (!on_device) p->value = init;

@@ -25,6 +25,7 @@ typedef struct options {
     const char *data, *save, *prompt, *config_json;
     const char *logits, *grads; /* --logits TEXT, --grads PATH (for tests) */
     const char *params;         /* --params PATH: every parameter's full tensor after training (gpt.c, for tests) */
+    int save_at;                /* gpt.c --save-at N: the checkpoint after N steps, with AdamW's state (0: at the end) */
     bool recompute, print_losses, digest;
     bool bf16;          /* gpt.cu: bf16 GEMM inputs, f32 accumulation and master weights */
     int vocab_multiple; /* gpt.cu: the vocabulary padded to a multiple of this (0: the corpus's) */
@@ -45,11 +46,13 @@ static void usage(const char *prog) {
             "          [--deterministic] [--recompute] [--shard-optimizer] [--config JSON] [--data DIR] [--save PATH]\n"
             "          [--val-batches N] [--prompt TEXT] [--sample-len N] [--temperature X] [--seed S]\n"
             "          [--threads N] [--log-every N] [--print-losses] [--digest] [--replicas R]\n"
-            "          [--logits TEXT] [--grads PATH] [--params PATH]\n"
+            "          [--logits TEXT] [--grads PATH] [--params PATH] [--save-at N] [--load CKPT]\n"
             "  --batch is the global batch in sequences of --context characters\n"
             "  --tp N splits every layer over N ranks (tensor_parallel_degree; gpt.c): heads, MLP, vocabulary\n"
             "  --params PATH saves every parameter's full tensor after training (gpt.c, any --tp)\n"
             "  --save \"\" skips the checkpoint\n"
+            "  --save-at N saves it after step N instead, with AdamW's state, and trains on (gpt.c)\n"
+            "  --load CKPT starts from a checkpoint: with AdamW's state (--save-at) it continues at its step (gpt.c)\n"
             "  --logits TEXT prints the logits of the character after TEXT once trained (hex floats)\n"
             "  --grads PATH saves the weights, gradients, batch and loss of the first step (one replica)\n"
             "   or: %s --generate --load CKPT --prompts \"A|B|...\" [--tokens N] [--temperature X] [--seed S]\n"
@@ -110,6 +113,7 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
         else if (OPT("--partitions")) o->cfg.partitions = atoi(v);
         else if (!device && OPT("--tp")) o->cfg.tensor_parallel_degree = atoi(v);
         else if (!device && OPT("--params")) o->params = v;
+        else if (!device && OPT("--save-at")) o->save_at = atoi(v);
         else if (OPT("--microbatches")) o->cfg.microbatches = atoi(v);
         else if (OPT("--pipeline")) {
             if (!strcmp(v, "simple")) o->cfg.pipeline = SMP_PIPELINE_SIMPLE;
@@ -168,7 +172,7 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
     }
     if (o->min_lr < 0) o->min_lr = o->lr / 10;
     if (o->steps < (device && o->load && !o->generate ? 0 : 1) || o->batch < 1 || o->vocab_multiple < 0 ||
-        o->replicas < 1 || o->val_batches < 0 || o->sample_len < 0 || o->model.dropout < 0 || o->model.dropout >= 1) {
+        o->replicas < 1 || o->save_at < 0 || o->val_batches < 0 || o->sample_len < 0 || o->model.dropout < 0 || o->model.dropout >= 1) {
         usage(argv[0]);
         return 1;
     }
