@@ -461,11 +461,13 @@ static smp_status save_checkpoint(smp_model *model, const options *opt, const co
     ckpt_meta m;
     ckpt_meta_init(&m, text, opt);
     if (o) snprintf(m.steps, sizeof m.steps, "%d", step);
+    smp_switch partial = o && opt->partial ? SMP_ON : SMP_OFF; /* --partial: the --save-at checkpoint */
     smp_status st = smp_save(model, opt->save,
-                             &(smp_save_desc){.partial = SMP_OFF, .optimizer = o ? o->reg : NULL, .meta_keys = m.keys,
+                             &(smp_save_desc){.partial = partial, .optimizer = o ? o->reg : NULL, .meta_keys = m.keys,
                                               .meta_values = m.vals, .nmeta = m.n});
     if (!st && smp_rank() == 0) {
-        if (o) printf("checkpoint: %s after step %d, with AdamW's state\n", opt->save, step);
+        if (o) printf("checkpoint: %s after step %d, with AdamW's state%s\n", opt->save, step,
+                      partial == SMP_ON ? " (partial)" : "");
         else printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n", opt->save);
         fflush(stdout);
     }
@@ -477,10 +479,13 @@ static smp_status save_checkpoint(smp_model *model, const options *opt, const co
    the step it was saved after, so the run goes on as the one that saved it
    would have (the same batches and learning rates: give the same --steps);
    without, AdamW starts afresh at step 0. Its vocabulary must be this
-   corpus's. Collective; an error on every rank. */
+   corpus's. --partial: a partial checkpoint (its metadata from the file of
+   partition 0). Collective; an error on every rank. */
 static smp_status load_training(smp_model *model, const options *opt, const corpus *text, adamw *o, int *start) {
     smp_ckpt_file *f = NULL;
-    smp_status st = smp_ckpt_open(opt->load, &f);
+    char first[4096];
+    smp_status st = opt->partial ? smp_ckpt_partial_file(opt->load, 0, first, sizeof first, NULL) : SMP_OK;
+    if (!st) st = smp_ckpt_open(opt->partial ? first : opt->load, &f);
     bool with_state = false;
     *start = 0;
     if (!st) {
@@ -504,7 +509,8 @@ static smp_status load_training(smp_model *model, const options *opt, const corp
     if (bad && !st) st = smp_error(SMP_ERR_STATE, "--load %s: another rank could not use it (its message says why)",
                                    opt->load);
     if (!st)
-        st = smp_load(model, opt->load, &(smp_load_desc){.partial = SMP_OFF, .optimizer = with_state ? o->reg : NULL});
+        st = smp_load(model, opt->load,
+                      &(smp_load_desc){.partial = opt->partial ? SMP_ON : SMP_OFF, .optimizer = with_state ? o->reg : NULL});
     if (!st && smp_rank() == 0) {
         printf("gpt: starting from %s%s", opt->load, with_state ? ", with AdamW's state, at step " : "\n");
         if (with_state) printf("%d\n", *start);

@@ -26,6 +26,7 @@ typedef struct options {
     const char *logits, *grads; /* --logits TEXT, --grads PATH (for tests) */
     const char *params;         /* --params PATH: every parameter's full tensor after training (gpt.c, for tests) */
     int save_at;                /* gpt.c --save-at N: the checkpoint after N steps, with AdamW's state (0: at the end) */
+    bool partial;               /* gpt.c --partial: --save-at and --load use smp's partial checkpoints */
     bool recompute, print_losses, digest;
     bool bf16;          /* gpt.cu: bf16 GEMM inputs, f32 accumulation and master weights */
     int vocab_multiple; /* gpt.cu: the vocabulary padded to a multiple of this (0: the corpus's) */
@@ -46,13 +47,14 @@ static void usage(const char *prog) {
             "          [--deterministic] [--recompute] [--shard-optimizer] [--config JSON] [--data DIR] [--save PATH]\n"
             "          [--val-batches N] [--prompt TEXT] [--sample-len N] [--temperature X] [--seed S]\n"
             "          [--threads N] [--log-every N] [--print-losses] [--digest] [--replicas R]\n"
-            "          [--logits TEXT] [--grads PATH] [--params PATH] [--save-at N] [--load CKPT]\n"
+            "          [--logits TEXT] [--grads PATH] [--params PATH] [--save-at N] [--load CKPT] [--partial]\n"
             "  --batch is the global batch in sequences of --context characters\n"
             "  --tp N splits every layer over N ranks (tensor_parallel_degree; gpt.c): heads, MLP, vocabulary\n"
             "  --params PATH saves every parameter's full tensor after training (gpt.c, any --tp)\n"
             "  --save \"\" skips the checkpoint\n"
             "  --save-at N saves it after step N instead, with AdamW's state, and trains on (gpt.c)\n"
             "  --load CKPT starts from a checkpoint: with AdamW's state (--save-at) it continues at its step (gpt.c)\n"
+            "  --partial: --save-at and --load use partial checkpoints (a file per partition and shard; gpt.c)\n"
             "  --logits TEXT prints the logits of the character after TEXT once trained (hex floats)\n"
             "  --grads PATH saves the weights, gradients, batch and loss of the first step (one replica)\n"
             "   or: %s --generate --load CKPT --prompts \"A|B|...\" [--tokens N] [--temperature X] [--seed S]\n"
@@ -144,6 +146,7 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
         else if (device && !strcmp(a, "--bf16")) o->bf16 = true;
         else if (device && !strcmp(a, "--plain")) o->plain = true;
         else if (!strcmp(a, "--generate")) o->generate = true;
+        else if (!device && !strcmp(a, "--partial")) o->partial = true;
         else if (!strcmp(a, "--no-cache")) o->no_cache = true;
         else if (!strcmp(a, "--print-logits")) o->print_logits = true;
         else if (!strcmp(a, "--ddp")) o->cfg.ddp = SMP_ON;

@@ -36,6 +36,8 @@
 # loads strictly into the numpy and PyTorch GPTs; a checkpoint with AdamW's
 # state saved at tp 2 x 2 partitions (--save-at) continues at tp 2 bitwise
 # as the run that never stopped, and across tp (2 -> 1, 1 -> 2) within 1e-5;
+# tp 2 x DDP 2 with ZeRO-1 (--shard-optimizer) is bitwise the unsharded run,
+# and its partial and full checkpoints continue bitwise, sharded or not;
 # generation at tp 2 (the KV cache split by heads) writes one process's text
 # with logits within 1e-5, and tp 2 x 2 partitions tp 2's bitwise; heads or
 # a vocabulary --tp does not divide are errors on every rank. The overhead
@@ -151,6 +153,24 @@ same "gpt/tp 2, blocks recomputed (their TP collectives run again): equal tp 2 b
 run tp2_rep2 2 --partitions 1 --tp 2 --replicas 2 --save ""
 run tp2_dp2 4 --partitions 1 --tp 2 --ddp --deterministic --save ""
 same "gpt/tp 2 x DDP 2 (deterministic) equals one TP group running both replicas' shards, bitwise" tp2_rep2 tp2_dp2
+# ... with ZeRO-1 (--shard-optimizer: each replica of a TP rank keeps and updates half of its slice's AdamW
+# state): bitwise the unsharded run. Its checkpoints after step 4 (--save-at), partial (a file per TP slice and
+# replica) and full, continue bitwise: loaded sharded at tp 2 x DDP 2, and unsharded into one TP group running
+# both replicas (--replicas 2).
+run tp2_dp2z 4 --partitions 1 --tp 2 --ddp --deterministic --shard-optimizer --save-at 4 --partial --save "$tmp/zp"
+same "gpt/tp 2 x DDP 2 with sharded optimizer state (ZeRO-1, deterministic) equals the unsharded run bitwise" tp2_dp2 tp2_dp2z
+run tp2_dp2zf 4 --partitions 1 --tp 2 --ddp --deterministic --shard-optimizer --save-at 4 --save "$tmp/zf.safetensors"
+grep -a -v '^step [0-3] loss' "$tmp/tp2_dp2" >"$tmp/tp2_dp2_from4"
+run res_zp 4 --partitions 1 --tp 2 --ddp --deterministic --shard-optimizer --partial --load "$tmp/zp" --save ""
+same "gpt/tp 2 x DDP 2 ZeRO-1: its partial checkpoint loaded sharded continues bitwise" tp2_dp2_from4 res_zp
+run res_zf 4 --partitions 1 --tp 2 --ddp --deterministic --shard-optimizer --load "$tmp/zf.safetensors" --save ""
+same "gpt/tp 2 x DDP 2 ZeRO-1: its full checkpoint loaded sharded continues bitwise" tp2_dp2_from4 res_zf
+run res_zp_rep 2 --partitions 1 --tp 2 --replicas 2 --partial --load "$tmp/zp" --save ""
+same "gpt/tp 2 x DDP 2 ZeRO-1: its partial checkpoint loaded unsharded (one TP group, --replicas 2) continues bitwise" \
+  tp2_dp2_from4 res_zp_rep
+run res_zf_rep 2 --partitions 1 --tp 2 --replicas 2 --load "$tmp/zf.safetensors" --save ""
+same "gpt/tp 2 x DDP 2 ZeRO-1: its full checkpoint loaded unsharded (one TP group, --replicas 2) continues bitwise" \
+  tp2_dp2_from4 res_zf_rep
 # Across tp: 20 steps at tp 2 (2 ranks) and tp 2 x pp 2 (4 ranks) against tp 1: every loss within 1e-5
 # relative, every parameter within 1e-5 of its largest entry (--params: the whole tensors). Float32 sums
 # the same terms in another order (the MLP's and attention's output over two halves, the softmax's sums

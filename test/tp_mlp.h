@@ -22,7 +22,17 @@
 #define SPLITS 2 /* blocks of block 1's sharded axis */
 
 /* ------------------------------------------------------------ kernels */
+/* Fault injection for test_tp_chaos.c: the kernels count their calls on this rank, and the one numbered
+   g_fail_at (-1: none) fails. */
+static long g_kernel_calls, g_fail_at = -1;
+#define TP_MLP_MAYBE_FAIL()                                                                                     \
+    do {                                                                                                        \
+        if (g_kernel_calls++ == g_fail_at)                                                                      \
+            return smp_error(SMP_ERR_MODULE, "a failure injected into kernel call %ld on world rank %d", g_fail_at, \
+                             smp_rank());                                                                       \
+    } while (0)
 static smp_status col_forward(smp_call_ctx *c) { /* y = relu(x W^T + b), W [f, H] local */
+    TP_MLP_MAYBE_FAIL();
     smp_module *m = smp_call_module(c);
     smp_param **p = (smp_param **)smp_module_user(m);
     const smp_tensor *x = smp_call_input(c, 0), *w = smp_param_value(p[0]), *b = smp_param_value(p[1]);
@@ -40,6 +50,7 @@ static smp_status col_forward(smp_call_ctx *c) { /* y = relu(x W^T + b), W [f, H
     return SMP_OK;
 }
 static smp_status col_backward(smp_call_ctx *c) {
+    TP_MLP_MAYBE_FAIL();
     smp_param **p = (smp_param **)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *y = smp_call_output_value(c, 0), *gy = smp_call_grad_output(c, 0);
     const float *xs = (const float *)x->data, *ys = (const float *)y->data, *g = (const float *)gy->data;
@@ -66,6 +77,7 @@ static smp_status col_backward(smp_call_ctx *c) {
     return SMP_OK;
 }
 static smp_status row_forward(smp_call_ctx *c) { /* y = x W^T, W [H, f] local: a partial sum */
+    TP_MLP_MAYBE_FAIL();
     smp_param **p = (smp_param **)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *w = smp_param_value(p[0]);
     int n = (int)x->shape[0], f = (int)w->shape[1];
@@ -81,6 +93,7 @@ static smp_status row_forward(smp_call_ctx *c) { /* y = x W^T, W [H, f] local: a
     return SMP_OK;
 }
 static smp_status row_backward(smp_call_ctx *c) {
+    TP_MLP_MAYBE_FAIL();
     smp_param **p = (smp_param **)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *gy = smp_call_grad_output(c, 0);
     const float *xs = (const float *)x->data, *g = (const float *)gy->data,
@@ -103,6 +116,7 @@ static smp_status row_backward(smp_call_ctx *c) {
     return SMP_OK;
 }
 static smp_status bias_forward(smp_call_ctx *c) {
+    TP_MLP_MAYBE_FAIL();
     smp_param **p = (smp_param **)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, x->shape);
@@ -115,6 +129,7 @@ static smp_status bias_forward(smp_call_ctx *c) {
     return SMP_OK;
 }
 static smp_status bias_backward(smp_call_ctx *c) {
+    TP_MLP_MAYBE_FAIL();
     smp_param **p = (smp_param **)smp_module_user(smp_call_module(c));
     const smp_tensor *gy = smp_call_grad_output(c, 0);
     int n = (int)gy->shape[0], k = (int)gy->shape[1];
