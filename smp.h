@@ -511,9 +511,11 @@ SMPDEF const smp_config *smp_current_config(void); /* resolved values */
    crosses a stage boundary from tp rank t to tp rank t of the next stage:
    a tensor that crosses is the whole one (after a tp_reduce) or each
    rank's own slice, as the modules on both sides expect. A step that fails
-   on one rank of a TP group before a TP module's collective leaves its TP
-   peers waiting in that collective until the timeout (SMP_TIMEOUT), when
-   the job aborts naming what they waited for. */
+   on one rank of a TP group fails on the others at their next TP module or
+   collective over TP_GROUP (each starts with a handshake that carries the
+   failure: smp_module_new_tp_copy below), so every rank returns the error
+   and no parameter changes; none waits for the failed rank until
+   SMP_TIMEOUT. */
 typedef enum smp_group {
     SMP_WORLD = 0, SMP_MP_GROUP, SMP_DP_GROUP, SMP_PP_GROUP, SMP_TP_GROUP, SMP_RDP_GROUP, SMP_GROUP_COUNT
 } smp_group;
@@ -762,8 +764,16 @@ SMPDEF smp_module *smp_module_new_identity(smp_module *parent, const char *name)
    Megatron's MLP is tp_copy, a column-parallel linear (its weight and bias
    sharded along axis 0), the activation, a row-parallel linear without its
    bias (weight sharded along axis 1), tp_reduce, then the bias (whole).
-   Every rank of the TP group must pass the same dtype and shape (checked
-   at every call: a mismatch is an error on each of them). With
+   Every call starts with a handshake over TP_GROUP: each rank sends every
+   other its status and the dtype and shape it passes, point to point (a
+   few hundred bytes), before any data moves. Every rank of the TP group
+   must pass the same dtype and shape (a mismatch is an error on each of
+   them); a rank whose step failed before the call (a module, an
+   allocation, a pipeline peer's failure) has sent its error instead, and
+   every rank fails the call with it; the call's output and scratch are
+   taken before the handshake, so running out of memory is an error on
+   every rank too. A collective the engine calls over SMP_TP_GROUP in a
+   step (a step body's sums) starts with the same handshake. With
    deterministic_reduction every sum is taken in tp-rank order, from an
    all-gather, so every rank holds the same bits; otherwise MPI's (NCCL's)
    all-reduce sums. With tensor_parallel_degree 1 each is a copy. */
@@ -3265,8 +3275,12 @@ static smp_status smp__coll_exit(smp__group_info *gi, smp_group g, smp_status st
     return st;
 }
 /* A host collective's public entry: `call` runs between smp__coll_enter
-   and smp__coll_exit, so a failure on this rank reaches the other members. */
+   and smp__coll_exit, so a failure on this rank reaches the other members.
+   Over TP_GROUP in a step it starts with the TP handshake (smp__tp_handshake
+   below), so a TP peer whose step failed before it fails it here too. */
+static smp_status smp__tp_coll_handshake(smp_group g);
 #define SMP__COLLECTIVE(g, call) \
+    SMP_TRY(smp__tp_coll_handshake(g)); \
     smp__group_info *smp_member_ = smp__coll_enter(g); \
     return smp__coll_exit(smp_member_, (g), (call))
 
@@ -5508,6 +5522,7 @@ static struct {
     MPI_Request *reqs;        /* [2 tp]: receives, then sends */
     int tp;
     bool by_peer, stopped;    /* this step: a peer's failed status arrived; this rank sent its own */
+    bool in_module;           /* a TP module's collectives, after its handshake */
 } smp__tph;
 
 static void smp__tp_hs_free(void) {
@@ -5594,6 +5609,24 @@ static smp_status smp__tp_handshake(const smp_call_ctx *c, const smp_tensor *t, 
                          kind, name, what, smp__tensor_describe(&t0, d0, sizeof d0),
                          smp__tensor_describe(&tr, dr, sizeof dr), r);
     }
+    return SMP_OK;
+}
+
+/* The handshake before a collective the engine runs over TP_GROUP in a
+   step (a vocabulary-parallel loss's sums in the step body): the status
+   alone, the collective checks its own arguments. */
+static smp_status smp__tp_coll_handshake(smp_group g) {
+    if (g != SMP_TP_GROUP || !smp__ctx.initialized || !smp__ctx.at.in_step || smp_tp_size() < 2 || smp__tph.in_module)
+        return SMP_OK;
+    if (!smp__tp_hs_ready()) return smp__nomem(sizeof(smp__tp_note) * 4, "the TP group's handshake");
+    memset(&smp__tph.out, 0, sizeof smp__tph.out);
+    smp__tp_hs_exchange(true, "the TP group's handshake before a collective over TP_GROUP");
+    for (int r = 0; r < smp__tph.tp; r++)
+        if (r != smp_tp_rank() && smp__tph.in[r].status) {
+            smp__tph.by_peer = true;
+            return smp_error(SMP_ERR_REMOTE, "a collective over TP_GROUP: tp rank %d (world rank %d) failed this step: %s",
+                             r, smp_group_world_rank(SMP_TP_GROUP, r), smp__tph.in[r].text);
+        }
     return SMP_OK;
 }
 
@@ -5780,9 +5813,11 @@ static smp_status smp__tp_run(smp_call_ctx *c, bool forward) {
     }
     if (tp > 1) local = smp__tp_handshake(c, x, forward ? "the input" : "the output gradient", local);
     smp_status st = local;
+    smp__tph.in_module = true; /* its collectives follow its own handshake */
     if (!st && (tp == 1 || (!along && !sums))) st = smp__tensor_copy(y, x);
     else if (!st && !along) st = smp__tp_sum(x, y, false, scratch.data);
     else if (!st) st = grows ? smp__tp_gather(x, y, tm->axis, scratch.data) : smp__tp_scatter(x, y, tm->axis, scratch.data);
+    smp__tph.in_module = false;
     smp__free(scratch.data);
     return st;
 }

@@ -80,7 +80,10 @@
          smp.shard.<name>  {"shape":[16,8],"axis":0,"parts":2,"index":1,
                             "offset":8,"first":0,"count":64}
      (full shape, shard axis, tp degree, slice index and its offset along
-     the axis, then elements [first, first + count) of that slice), and the
+     the axis, then elements [first, first + count) of that slice; a
+     parameter of smp_param_new_sharded_blocks adds "blocks":B after
+     "parts", its slice being slice `index` of each block, joined, and its
+     offset the one within a block), and the
      file records smp.pp, smp.pp_rank, smp.tp, smp.tp_rank, smp.rdp_rank.
      Either kind loads at any (pp, tp, dp), sharded or not: each rank copies
      its slice (and owned range) from whichever file tensors hold it. State

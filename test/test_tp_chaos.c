@@ -4,14 +4,17 @@
    deterministic_reduction on, 60 steps, while a seeded injector makes one
    thing fail on one random rank in about a third of the steps: a kernel
    (forward or backward, at a random call of the step) or an allocation smp
-   makes (the n-th of the step, n at random), so the failing rank stops
-   before a TP module's collective its TP peers go on to. Checks:
+   makes (the n-th of the step, n at random), or the step body (at a random
+   microbatch, before the sum over TP_GROUP it runs), so the failing rank
+   stops before a TP module's collective, or the body's, that its TP peers
+   go on to. Checks:
      - every injected failure fails the step on every rank, and no other
        step fails;
      - a failed step changes no parameter;
      - no rank waits for the failed one until SMP_TIMEOUT (60 s here):
        every failed step returns within 10 s (the TP handshake before each
-       TP module's collective carries the failure to the peers);
+       TP module's collective, and each collective over TP_GROUP in a step,
+       carries the failure to the peers);
      - at the end the parameters equal, bit for bit, those of a clean run
        that skipped exactly the failed steps' batches.
    Built with SMP_TESTING. Run: mpirun -n 2|4 build/gcc/test_tp_chaos */
@@ -26,8 +29,23 @@
 
 #include "tp_mlp.h"
 
-enum { CHAOS_STEPS = 60, KINDS = 2 };
-enum { K_KERNEL, K_ALLOC };
+enum { CHAOS_STEPS = 60, KINDS = 3 };
+enum { K_KERNEL, K_ALLOC, K_BODY };
+static const char *const kind_name[KINDS] = {"kernel", "allocation", "step body"};
+static int g_body_fail = -1; /* the microbatch whose step body fails on this rank (-1: none) */
+
+/* tp_mlp.h's MSE, and the loss summed over the TP group (every rank has the same): a collective of the body. */
+SMP_STEP_BODY(chaos_body) {
+    if (smp_mb_index(mb) == g_body_fail)
+        return smp_error(SMP_ERR_ARG, "a failure injected into the step body of microbatch %d on world rank %d",
+                         g_body_fail, smp_rank());
+    const smp_tensor *y = smp_mb_output(mb, 0), *t = smp_mb_arg(mb, 1);
+    float d = ((const float *)y->data)[0] - ((const float *)t->data)[0], sum = 0;
+    smp_tensor a = smp_tensor_1d(&d, SMP_F32, 1), b = smp_tensor_1d(&sum, SMP_F32, 1);
+    SMP_TRY(smp_all_reduce(&a, &b, SMP_SUM, SMP_TP_GROUP));
+    if (sum != d * 2) return smp_error(SMP_ERR_STATE, "the TP ranks' outputs differ: %g, summed %g", d, sum);
+    return mse_body(mb);
+}
 
 static int world, me;
 
@@ -53,7 +71,7 @@ static smp_status train(net *n, int s) {
     batch_of(s, x, t);
     smp_model_zero_grad(n->model);
     smp_tensor xt = smp_tensor_2d(x, SMP_F32, BATCH, H), tt = smp_tensor_2d(t, SMP_F32, BATCH, H);
-    smp_status st = SMP_TRAIN_STEP(n->model, mse_body, NULL, NULL, 0, xt, tt);
+    smp_status st = SMP_TRAIN_STEP(n->model, chaos_body, NULL, NULL, 0, xt, tt);
     smp_param *p;
     for (int i = 0; !st && (p = smp_model_local_param(n->model, i, false)); i++) {
         float *v = (float *)smp_param_value(p)->data, *g = (float *)smp_param_grad(p)->data;
@@ -96,6 +114,7 @@ int main(int argc, char **argv) {
         MPI_CHECK(st == SMP_OK, "tp_chaos/clean steps", "step %d: %s", s, smp_last_error());
         per_step[K_KERNEL] = g_kernel_calls - k0;
         per_step[K_ALLOC] = smp_testing_events(SMP_FAULT_ALLOC) - a0;
+        per_step[K_BODY] = smp_pp_rank() == pp - 1 ? MB : 0; /* the body runs where the model's output is */
     }
     uint64_t rng = 0x7c0de;
     for (int s = 2; s < CHAOS_STEPS && model; s++) {
@@ -105,6 +124,7 @@ int main(int argc, char **argv) {
         int armed = inject && me == target && per_step[kind] > 0, any = 0;
         if (armed && kind == K_KERNEL) g_fail_at = g_kernel_calls + (long)(pick % (uint64_t)per_step[kind]);
         if (armed && kind == K_ALLOC) smp_testing_fail(SMP_FAULT_ALLOC, (long)(pick % (uint64_t)per_step[kind]));
+        if (armed && kind == K_BODY) g_body_fail = (int)(pick % (uint64_t)per_step[kind]);
         MPI_Allreduce(&armed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
         uint64_t before = digest(model);
         double t0 = MPI_Wtime();
@@ -123,11 +143,11 @@ int main(int argc, char **argv) {
         if (any != all_bad || some_bad != all_bad) {
             wrong++;
             if (wrong <= 3)
-                printf("tp_chaos: step %d (%s injected on rank %d: %s): rank %d %s: %s\n", s,
-                       kind == K_KERNEL ? "kernel" : "allocation", target, any ? "yes" : "no", me,
+                printf("tp_chaos: step %d (%s injected on rank %d: %s): rank %d %s: %s\n", s, kind_name[kind], target,
+                       any ? "yes" : "no", me,
                        bad ? "failed" : "succeeded", bad ? smp_last_error() : "");
         }
-        g_fail_at = -1; /* disarm what did not fire */
+        g_fail_at = g_body_fail = -1; /* disarm what did not fire */
         smp_testing_fail(SMP_FAULT_ALLOC, -1);
     }
     uint64_t chaos_digest = model ? digest(model) : 0;
@@ -135,12 +155,12 @@ int main(int argc, char **argv) {
     MPI_Allreduce(&slowest, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     if (model) smp_model_free(model);
     smp_finalize();
-    int total = injected[K_KERNEL] + injected[K_ALLOC];
+    int total = injected[K_KERNEL] + injected[K_ALLOC] + injected[K_BODY];
     MPI_CHECK(wrong == 0, "tp_chaos/every injected failure fails the step on every rank, and no other step fails",
               "%d steps went otherwise", wrong);
-    MPI_CHECK(reported == total && injected[K_KERNEL] >= 3 && injected[K_ALLOC] >= 3, "tp_chaos/failures reported",
-              "%d injected (kernel %d, allocation %d), %d reported", total, injected[K_KERNEL], injected[K_ALLOC],
-              reported);
+    MPI_CHECK(reported == total && injected[K_KERNEL] >= 3 && injected[K_ALLOC] >= 3 && injected[K_BODY] >= 2,
+              "tp_chaos/failures reported", "%d injected (kernel %d, allocation %d, body %d), %d reported", total,
+              injected[K_KERNEL], injected[K_ALLOC], injected[K_BODY], reported);
     MPI_CHECK(unchanged == reported, "tp_chaos/a failed step changes no parameter",
               "%d of %d failed steps changed a parameter", reported - unchanged, reported);
     MPI_CHECK(worst < 10, "tp_chaos/no TP peer waits for a failed rank until SMP_TIMEOUT: every failed step ends within 10 s",
@@ -156,9 +176,9 @@ int main(int argc, char **argv) {
     MPI_CHECK(all_same, "tp_chaos/the parameters equal a clean run that skipped the failed steps, bit for bit",
               "%d clean steps failed; digests %s here", clean_errors, same ? "equal" : "differ");
     if (me == 0)
-        printf("tp_chaos: %d steps on %d ranks (pp %d x tp 2), failures injected: kernel %d, allocation %d; reported "
-               "%d; slowest failed step %.3f s\n",
-               CHAOS_STEPS, world, pp, injected[K_KERNEL], injected[K_ALLOC], reported, worst);
+        printf("tp_chaos: %d steps on %d ranks (pp %d x tp 2), failures injected: kernel %d, allocation %d, body %d; "
+               "reported %d; slowest failed step %.3f s\n",
+               CHAOS_STEPS, world, pp, injected[K_KERNEL], injected[K_ALLOC], injected[K_BODY], reported, worst);
     if (model) smp_model_free(model);
     smp_finalize();
     int rc = test_exit_code();
