@@ -511,9 +511,11 @@ SMPDEF const smp_config *smp_current_config(void); /* resolved values */
    crosses a stage boundary from tp rank t to tp rank t of the next stage:
    a tensor that crosses is the whole one (after a tp_reduce) or each
    rank's own slice, as the modules on both sides expect. A step that fails
-   on one rank of a TP group before a TP module's collective leaves its TP
-   peers waiting in that collective until the timeout (SMP_TIMEOUT), when
-   the job aborts naming what they waited for. */
+   on one rank of a TP group fails on the others at their next TP module or
+   collective over TP_GROUP (each starts with a handshake that carries the
+   failure: smp_module_new_tp_copy below), so every rank returns the error
+   and no parameter changes; none waits for the failed rank until
+   SMP_TIMEOUT. */
 typedef enum smp_group {
     SMP_WORLD = 0, SMP_MP_GROUP, SMP_DP_GROUP, SMP_PP_GROUP, SMP_TP_GROUP, SMP_RDP_GROUP, SMP_GROUP_COUNT
 } smp_group;
@@ -701,6 +703,14 @@ SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, 
    smp_param_grad are the local slice. Megatron's column-parallel linear
    (y = x W^T, W [out, in]) shards W and its bias along axis 0, the row-
    parallel one W along axis 1 and keeps its bias whole.
+   smp_param_new_sharded_blocks shards a tensor that is `blocks` tensors
+   joined along the shard axis (Megatron's fused QKV: W [3C, C] is q, k and
+   v, each [C, C]): the axis is `blocks` equal blocks, each split over the
+   TP group, and a rank holds its slice of every block, in block order (its
+   heads of q, then of k, then of v). tp x blocks must divide the axis; the
+   offset is then where the slice starts within each block. Initialisation,
+   full checkpoints (the full tensor, as at tp 1) and resharding to any tp
+   honour the blocks; blocks 1 is smp_param_new_sharded.
    Parameters declared with smp_param_new stay whole on every TP rank: their
    gradients are the same on every TP rank when the model feeds them the
    same values there (what the TP modules below arrange: a layer norm after
@@ -708,8 +718,12 @@ SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, 
    does not sum them across the TP group. */
 SMPDEF smp_param *smp_param_new_sharded(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
                                         int shard_axis, smp_init_fn init, void *init_user);
+SMPDEF smp_param *smp_param_new_sharded_blocks(smp_module *m, const char *name, smp_dtype dt, int ndim,
+                                               const int64_t *shape, int shard_axis, int blocks, smp_init_fn init,
+                                               void *init_user);
 SMPDEF int smp_param_shard_axis(const smp_param *p);       /* -1: whole on every TP rank */
-/* where this rank's slice starts along the axis (0 if whole) */
+SMPDEF int smp_param_shard_blocks(const smp_param *p);     /* 1 unless declared with smp_param_new_sharded_blocks */
+/* where this rank's slice starts along the axis (within each block; 0 if whole) */
 SMPDEF int64_t smp_param_shard_offset(const smp_param *p);
 SMPDEF int smp_param_full_shape(const smp_param *p, int64_t shape[SMP_MAX_DIMS]); /* the declared shape; returns ndim */
 SMPDEF const char *smp_module_name(const smp_module *m); /* full dotted name */
@@ -750,8 +764,16 @@ SMPDEF smp_module *smp_module_new_identity(smp_module *parent, const char *name)
    Megatron's MLP is tp_copy, a column-parallel linear (its weight and bias
    sharded along axis 0), the activation, a row-parallel linear without its
    bias (weight sharded along axis 1), tp_reduce, then the bias (whole).
-   Every rank of the TP group must pass the same dtype and shape (checked
-   at every call: a mismatch is an error on each of them). With
+   Every call starts with a handshake over TP_GROUP: each rank sends every
+   other its status and the dtype and shape it passes, point to point (a
+   few hundred bytes), before any data moves. Every rank of the TP group
+   must pass the same dtype and shape (a mismatch is an error on each of
+   them); a rank whose step failed before the call (a module, an
+   allocation, a pipeline peer's failure) has sent its error instead, and
+   every rank fails the call with it; the call's output and scratch are
+   taken before the handshake, so running out of memory is an error on
+   every rank too. A collective the engine calls over SMP_TP_GROUP in a
+   step (a step body's sums) starts with the same handshake. With
    deterministic_reduction every sum is taken in tp-rank order, from an
    all-gather, so every rank holds the same bits; otherwise MPI's (NCCL's)
    all-reduce sums. With tensor_parallel_degree 1 each is a copy. */
@@ -3253,8 +3275,12 @@ static smp_status smp__coll_exit(smp__group_info *gi, smp_group g, smp_status st
     return st;
 }
 /* A host collective's public entry: `call` runs between smp__coll_enter
-   and smp__coll_exit, so a failure on this rank reaches the other members. */
+   and smp__coll_exit, so a failure on this rank reaches the other members.
+   Over TP_GROUP in a step it starts with the TP handshake (smp__tp_handshake
+   below), so a TP peer whose step failed before it fails it here too. */
+static smp_status smp__tp_coll_handshake(smp_group g);
 #define SMP__COLLECTIVE(g, call) \
+    SMP_TRY(smp__tp_coll_handshake(g)); \
     smp__group_info *smp_member_ = smp__coll_enter(g); \
     return smp__coll_exit(smp_member_, (g), (call))
 
@@ -3586,6 +3612,7 @@ static void smp__drop_notices(MPI_Comm c) {
 }
 
 static void smp__free_forgotten(void);
+static void smp__tp_hs_free(void);
 SMPDEF void smp_finalize(void) {
     if (!smp__ctx.initialized) return;
     smp__free_forgotten(); /* first: a model's pipeline state holds communicators and device memory */
@@ -3593,6 +3620,7 @@ SMPDEF void smp_finalize(void) {
     smp__failures_reap(true);
     smp__free(smp__failures.sends);
     memset(&smp__failures, 0, sizeof smp__failures);
+    smp__tp_hs_free();
     for (int g = 0; g < SMP_GROUP_COUNT; g++) {
         smp__free(smp__ctx.groups[g].failed_ahead_msg);
         for (int i = 0; i < SMP__PERSIST_SLOTS; i++) smp__persist_free(&smp__ctx.groups[g].persist[i]);
@@ -4352,6 +4380,7 @@ struct smp_param {
     smp_init_fn init;
     void *init_user;
     int shard_axis;      /* -1: whole on every TP rank; else split along it over TP_GROUP */
+    int shard_blocks;    /* the axis is this many blocks, each split over TP_GROUP (fused QKV: 3) */
     /* the declared shape; where this rank's slice starts along the axis */
     int64_t full_shape[SMP_MAX_DIMS], shard_offset;
 };
@@ -4677,6 +4706,7 @@ static smp_param *smp__declare(smp_module *m, const char *name, smp_dtype dt, in
     p->init = init;
     p->init_user = user;
     p->shard_axis = -1;
+    p->shard_blocks = 1;
     memcpy(p->full_shape, p->value.shape, sizeof p->full_shape);
     m->params[m->nparams++] = p;
     return p;
@@ -4690,19 +4720,36 @@ SMPDEF smp_param *smp_buffer_new(smp_module *m, const char *name, smp_dtype dt, 
                                  smp_init_fn init, void *user) {
     return smp__declare(m, name, dt, ndim, shape, init, user, true);
 }
-SMPDEF smp_param *smp_param_new_sharded(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
-                                        int shard_axis, smp_init_fn init, void *init_user) {
+SMPDEF smp_param *smp_param_new_sharded_blocks(smp_module *m, const char *name, smp_dtype dt, int ndim,
+                                               const int64_t *shape, int shard_axis, int blocks, smp_init_fn init,
+                                               void *init_user) {
     if (ndim >= 0 && (shard_axis < 0 || shard_axis >= ndim)) {
         smp__build_error(SMP_ERR_ARG,
                          "parameter \"%s\" of module \"%s\": shard axis %d is not one of its %d axes (0 to %d)",
                          name ? name : "(null)", m ? m->full_name : "(null)", shard_axis, ndim, ndim - 1);
         return NULL;
     }
+    if (blocks < 1 || (ndim > 0 && shape && shape[shard_axis] % blocks)) {
+        smp__build_error(SMP_ERR_ARG,
+                         "parameter \"%s\" of module \"%s\": %d blocks do not split its shard axis %d of size %lld: "
+                         "give a number of blocks (1 or more) that divides it",
+                         name ? name : "(null)", m ? m->full_name : "(null)", blocks, shard_axis,
+                         (long long)(ndim > 0 && shape ? shape[shard_axis] : 0));
+        return NULL;
+    }
     smp_param *p = smp__declare(m, name, dt, ndim, shape, init, init_user, false);
-    if (p) p->shard_axis = shard_axis;
+    if (p) {
+        p->shard_axis = shard_axis;
+        p->shard_blocks = blocks;
+    }
     return p;
 }
+SMPDEF smp_param *smp_param_new_sharded(smp_module *m, const char *name, smp_dtype dt, int ndim, const int64_t *shape,
+                                        int shard_axis, smp_init_fn init, void *init_user) {
+    return smp_param_new_sharded_blocks(m, name, dt, ndim, shape, shard_axis, 1, init, init_user);
+}
 SMPDEF int smp_param_shard_axis(const smp_param *p) { return p->shard_axis; }
+SMPDEF int smp_param_shard_blocks(const smp_param *p) { return p->shard_blocks; }
 SMPDEF int64_t smp_param_shard_offset(const smp_param *p) { return p->shard_offset; }
 SMPDEF int smp_param_full_shape(const smp_param *p, int64_t shape[SMP_MAX_DIMS]) {
     memcpy(shape, p->full_shape, sizeof p->full_shape);
@@ -4716,15 +4763,22 @@ static smp_status smp__shard_params(smp_model *m) {
     for (int i = 0; i < m->nparams; i++) {
         smp_param *p = m->params[i];
         if (p->shard_axis < 0) continue;
-        int64_t full = p->full_shape[p->shard_axis];
-        if (full % tp)
+        int64_t full = p->full_shape[p->shard_axis], nb = p->shard_blocks;
+        if (full % (tp * nb) && nb == 1)
             return smp_error(
                 SMP_ERR_CONFIG,
                 "parameter \"%s\" is sharded along axis %d of size %lld, which tensor_parallel_degree = %d "
                 "does not divide: make that dimension a multiple of %d, or change tensor_parallel_degree",
                 p->full_name, p->shard_axis, (long long)full, tp, tp);
+        if (full % (tp * nb))
+            return smp_error(SMP_ERR_CONFIG,
+                             "parameter \"%s\" is sharded along axis %d of size %lld in %lld blocks of %lld, which "
+                             "tensor_parallel_degree = %d does not divide: make each block a multiple of %d, or change "
+                             "tensor_parallel_degree",
+                             p->full_name, p->shard_axis, (long long)full, (long long)nb, (long long)(full / nb), tp,
+                             tp);
         p->value.shape[p->shard_axis] = p->grad.shape[p->shard_axis] = full / tp;
-        p->shard_offset = full / tp * smp_tp_rank();
+        p->shard_offset = full / nb / tp * smp_tp_rank();
         sharded++;
     }
     if (tp > 1 && !sharded && smp__ctx.rank == 0)
@@ -4793,13 +4847,15 @@ SMPDEF void smp_init_copy(smp_tensor *v, uint64_t seed, void *user) {
 static bool smp__model_on_device(const smp_model *m);
 
 /* dst = the slice of src that starts at `offset` along `axis` and is as long
-   as dst there (host memory; dst and src alike in every other axis). */
-static void smp__slice_copy(smp_tensor *dst, const smp_tensor *src, int axis, int64_t offset) {
+   as dst there (host memory; dst and src alike in every other axis); with
+   `blocks` > 1, the axis is that many blocks and dst holds the slice of
+   each, the offset counted within a block. */
+static void smp__slice_copy(smp_tensor *dst, const smp_tensor *src, int axis, int blocks, int64_t offset) {
     size_t es = smp_dtype_size(src->dtype), inner = es;
-    int64_t outer = 1;
+    int64_t outer = blocks;
     for (int d = 0; d < axis; d++) outer *= src->shape[d];
     for (int d = axis + 1; d < src->ndim; d++) inner *= (size_t)src->shape[d];
-    size_t row = inner * (size_t)dst->shape[axis], src_row = inner * (size_t)src->shape[axis];
+    size_t row = inner * (size_t)(dst->shape[axis] / blocks), src_row = inner * (size_t)(src->shape[axis] / blocks);
     for (int64_t o = 0; o < outer; o++)
         memcpy((char *)dst->data + (size_t)o * row,
                (const char *)src->data + (size_t)o * src_row + inner * (size_t)offset, row);
@@ -4830,7 +4886,7 @@ static smp_status smp__materialise_param(smp_param *p) {
         full.data = smp__alloc_or(&st, smp_tensor_nbytes(&full), SMP__ALLOC_OTHER, why);
         if (st) { smp__free(init.data); return st; }
         p->init(&full, smp_param_seed(p->full_name), p->init_user);
-        smp__slice_copy(&init, &full, p->shard_axis, p->shard_offset);
+        smp__slice_copy(&init, &full, p->shard_axis, p->shard_blocks, p->shard_offset);
         smp__free(full.data);
     } else if (p->init) p->init(&init, smp_param_seed(p->full_name), p->init_user);
     if (!on_device) p->value = init;
@@ -5421,32 +5477,178 @@ static const char *smp__tp_name(smp__tp_kind k) {
                                  : "tp_scatter";
 }
 
-/* Every TP rank's dtype and shape of t, compared with TP rank 0's. */
-static smp_status smp__tp_same_shape(const smp_call_ctx *c, const smp_tensor *t, const char *what) {
-    int tp = smp_tp_size();
-    enum { SIG = 2 + SMP_MAX_DIMS };
-    int64_t mine[SIG], *all = (int64_t *)smp__alloc(sizeof(int64_t) * SIG * (size_t)tp, SMP__ALLOC_OTHER);
-    if (!all) return smp__nomem(sizeof(int64_t) * SIG * (size_t)tp, "the TP group's shapes");
-    memset(mine, 0, sizeof mine);
-    mine[0] = t->dtype;
-    mine[1] = t->ndim;
-    for (int d = 0; d < t->ndim; d++) mine[2 + d] = t->shape[d];
-    smp_tensor a = smp_tensor_1d(mine, SMP_I64, SIG), b = smp_tensor_1d(all, SMP_I64, SIG * (int64_t)tp);
-    smp_status st = smp_all_gather(&a, &b, SMP_TP_GROUP);
-    for (int r = 1; r < tp && !st; r++) {
-        if (!memcmp(all, all + (size_t)r * SIG, sizeof mine)) continue;
-        smp_tensor t0 = smp_tensor_make(NULL, (smp_dtype)all[0], (int)all[1], all + 2);
-        smp_tensor tr = smp_tensor_make(NULL, (smp_dtype)all[r * SIG], (int)all[r * SIG + 1], all + r * SIG + 2);
-        char d0[96], dr[96];
-        st = smp_error(SMP_ERR_ARG,
-                       "%s module \"%s\": %s is %s on tp rank 0 but %s on tp rank %d: every rank of a TP group "
-                       "must pass the same dtype and shape",
-                       smp__tp_name(((const smp__tp_module *)c->module->desc.user)->kind), c->module->full_name, what,
-                       smp__tensor_describe(&t0, d0, sizeof d0), smp__tensor_describe(&tr, dr, sizeof dr), r);
-    }
-    smp__free(all);
-    return st;
+/* The TP handshake. Every TP module call starts with one over TP_GROUP:
+   each rank sends every other its status and the signature (dtype, shape)
+   of what it passes, point to point, and waits for theirs before any data
+   moves. A rank whose step failed elsewhere (a module, an allocation, a
+   pipeline peer's notice) sends its peers, once, a failed status in place
+   of its next handshake (smp__tp_step_stopped): a peer waiting in that
+   handshake, or reaching it, fails its call with the error, so the step
+   fails on every rank of the group at once, with no TP collective started
+   that a rank would not join. Every rank of the group sends the same
+   number of handshakes in a step: a rank's next one after a failed status
+   is the failed status itself; after a failed step every rank takes in
+   what its peers sent (smp__tp_step_settle), so the next step starts with
+   nothing in flight. Messages go on TP_GROUP's notice communicator. */
+#define SMP__TAG_TP_HANDSHAKE 7004
+typedef struct smp__tp_note {
+    uint64_t seq;
+    int64_t status, sig[2 + SMP_MAX_DIMS];
+    char text[256];
+} smp__tp_note;
+static struct {
+    uint64_t sent, *got;      /* handshakes sent to each peer; received from each (this rank's entry unused) */
+    smp__tp_note *in, out;    /* [tp]: the peers' latest; this rank's, in flight while its sends are */
+    MPI_Request *reqs;        /* [2 tp]: receives, then sends */
+    int tp;
+    bool by_peer, stopped;    /* this step: a peer's failed status arrived; this rank sent its own */
+    bool in_module;           /* a TP module's collectives, after its handshake */
+} smp__tph;
+
+static void smp__tp_hs_free(void) {
+    smp__free(smp__tph.got);
+    smp__free(smp__tph.in);
+    smp__free(smp__tph.reqs);
+    memset(&smp__tph, 0, sizeof smp__tph);
 }
+static bool smp__tp_hs_ready(void) {
+    int tp = smp_tp_size();
+    if (smp__tph.tp == tp) return true;
+    smp__tp_hs_free();
+    smp__tph.got = (uint64_t *)smp__alloc(sizeof(uint64_t) * (size_t)tp, SMP__ALLOC_OTHER);
+    smp__tph.in = (smp__tp_note *)smp__alloc(sizeof(smp__tp_note) * (size_t)tp, SMP__ALLOC_OTHER);
+    smp__tph.reqs = (MPI_Request *)smp__alloc(sizeof(MPI_Request) * 2 * (size_t)tp, SMP__ALLOC_OTHER);
+    if (!smp__tph.got || !smp__tph.in || !smp__tph.reqs) {
+        smp__tp_hs_free();
+        return false;
+    }
+    memset(smp__tph.got, 0, sizeof(uint64_t) * (size_t)tp);
+    smp__tph.tp = tp;
+    return true;
+}
+
+static void smp__tp_note_error(smp__tp_note *o) { /* this rank's error, as much as fits */
+    size_t k = strlen(smp__errbuf);
+    k = k < sizeof o->text - 1 ? k : sizeof o->text - 1;
+    memcpy(o->text, smp__errbuf, k);
+    o->text[k] = 0;
+}
+
+/* Sends this rank's next handshake (smp__tph.out, seq set here) to every peer and, with `receive`, takes in
+   theirs of the same number; waits for both. */
+static void smp__tp_hs_exchange(bool receive, const char *what) {
+    smp__group_info *gi = smp__group(SMP_TP_GROUP);
+    int tp = smp__tph.tp, n = 0;
+    smp__tph.out.seq = ++smp__tph.sent;
+    for (int r = 0; r < tp; r++) {
+        if (r == gi->rank) continue;
+        if (receive)
+            SMP__MPI_FATAL(MPI_Irecv(&smp__tph.in[r], (int)sizeof(smp__tp_note), MPI_BYTE, r, SMP__TAG_TP_HANDSHAKE,
+                                     gi->notices, &smp__tph.reqs[n++]),
+                           "posting the receive of tp rank %d's handshake (%s)", r, what);
+        SMP__MPI_FATAL(MPI_Isend(&smp__tph.out, (int)sizeof(smp__tp_note), MPI_BYTE, r, SMP__TAG_TP_HANDSHAKE,
+                                 gi->notices, &smp__tph.reqs[n++]),
+                       "sending tp rank %d this rank's handshake (%s)", r, what);
+    }
+    smp_wait_requests(n, smp__tph.reqs, what, SMP_TP_GROUP, -1);
+    for (int r = 0; receive && r < tp; r++)
+        if (r != gi->rank) smp__tph.got[r]++;
+}
+
+/* The handshake before a TP module's collective (tp > 1): `local` is this rank's status so far (an allocation
+   that failed); every rank returns the same verdict: a rank's failure (its message), or shapes that differ. */
+static smp_status smp__tp_handshake(const smp_call_ctx *c, const smp_tensor *t, const char *what, smp_status local) {
+    const char *kind = smp__tp_name(((const smp__tp_module *)c->module->desc.user)->kind), *name = c->module->full_name;
+    if (!smp__tp_hs_ready()) return smp__nomem(sizeof(smp__tp_note) * 4, "the TP group's handshake");
+    int tp = smp__tph.tp, me = smp_tp_rank();
+    smp__tp_note *o = &smp__tph.out;
+    memset(o, 0, sizeof *o);
+    o->status = local;
+    o->sig[0] = t->dtype;
+    o->sig[1] = t->ndim;
+    for (int d = 0; d < t->ndim; d++) o->sig[2 + d] = t->shape[d];
+    if (local) smp__tp_note_error(o);
+    smp__tp_hs_exchange(true, "the TP group's handshake before a TP module's collective");
+    smp__tph.in[me] = *o;
+    if (local) { smp__tph.stopped = true; return local; }
+    for (int r = 0; r < tp; r++)
+        if (smp__tph.in[r].status) {
+            smp__tph.by_peer = true;
+            return smp_error(SMP_ERR_REMOTE, "%s module \"%s\": tp rank %d (world rank %d) failed this step: %s", kind,
+                             name, r, smp_group_world_rank(SMP_TP_GROUP, r), smp__tph.in[r].text);
+        }
+    for (int r = 1; r < tp; r++) {
+        if (!memcmp(smp__tph.in[0].sig, smp__tph.in[r].sig, sizeof o->sig)) continue;
+        const int64_t *a = smp__tph.in[0].sig, *b = smp__tph.in[r].sig;
+        smp_tensor t0 = smp_tensor_make(NULL, (smp_dtype)a[0], (int)a[1], a + 2);
+        smp_tensor tr = smp_tensor_make(NULL, (smp_dtype)b[0], (int)b[1], b + 2);
+        char d0[96], dr[96];
+        return smp_error(SMP_ERR_ARG,
+                         "%s module \"%s\": %s is %s on tp rank 0 but %s on tp rank %d: every rank of a TP group "
+                         "must pass the same dtype and shape",
+                         kind, name, what, smp__tensor_describe(&t0, d0, sizeof d0),
+                         smp__tensor_describe(&tr, dr, sizeof dr), r);
+    }
+    return SMP_OK;
+}
+
+/* The handshake before a collective the engine runs over TP_GROUP in a
+   step (a vocabulary-parallel loss's sums in the step body): the status
+   alone, the collective checks its own arguments. */
+static smp_status smp__tp_coll_handshake(smp_group g) {
+    if (g != SMP_TP_GROUP || !smp__ctx.initialized || !smp__ctx.at.in_step || smp_tp_size() < 2 || smp__tph.in_module)
+        return SMP_OK;
+    if (!smp__tp_hs_ready()) return smp__nomem(sizeof(smp__tp_note) * 4, "the TP group's handshake");
+    memset(&smp__tph.out, 0, sizeof smp__tph.out);
+    smp__tp_hs_exchange(true, "the TP group's handshake before a collective over TP_GROUP");
+    for (int r = 0; r < smp__tph.tp; r++)
+        if (r != smp_tp_rank() && smp__tph.in[r].status) {
+            smp__tph.by_peer = true;
+            return smp_error(SMP_ERR_REMOTE, "a collective over TP_GROUP: tp rank %d (world rank %d) failed this step: %s",
+                             r, smp_group_world_rank(SMP_TP_GROUP, r), smp__tph.in[r].text);
+        }
+    return SMP_OK;
+}
+
+/* A step that failed on this rank (st) stops here: its TP peers hear of it
+   at their next handshake, unless it failed in one (they know then). */
+static void smp__tp_step_stopped(smp_status st) {
+    if (smp_tp_size() < 2 || smp__tph.by_peer || smp__tph.stopped || !smp__tp_hs_ready()) return;
+    memset(&smp__tph.out, 0, sizeof smp__tph.out);
+    smp__tph.out.status = st;
+    smp__tp_note_error(&smp__tph.out);
+    smp__tp_hs_exchange(false, "this rank's failure to its TP peers");
+    smp__tph.stopped = true;
+}
+
+/* After a step every rank agreed failed: every rank of the TP group has sent
+   as many handshakes as the one that sent most (a rank that finished its
+   schedule sends its failed status now), and takes in every one its peers
+   sent, so none is left for the next step's handshakes. */
+static void smp__tp_step_settle(void) {
+    if (smp_tp_size() < 2 || !smp__tp_hs_ready()) return;
+    smp__group_info *gi = smp__group(SMP_TP_GROUP);
+    unsigned long long most = smp__tph.sent;
+    MPI_Request req;
+    SMP__MPI_FATAL(MPI_Iallreduce(MPI_IN_PLACE, &most, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, gi->notices, &req),
+                   "agreeing on the TP handshakes of a failed step");
+    smp_wait_requests(1, &req, "the TP handshakes of a failed step", SMP_TP_GROUP, -1);
+    if (smp__tph.sent < most) {
+        memset(&smp__tph.out, 0, sizeof smp__tph.out);
+        smp__tph.out.status = SMP_ERR_REMOTE;
+        smp__tp_hs_exchange(false, "this rank's failure to its TP peers");
+    }
+    for (int r = 0; r < smp__tph.tp; r++)
+        while (r != gi->rank && smp__tph.got[r] < most) {
+            smp__tp_note drop;
+            SMP__MPI_FATAL(MPI_Irecv(&drop, (int)sizeof drop, MPI_BYTE, r, SMP__TAG_TP_HANDSHAKE, gi->notices, &req),
+                           "taking in tp rank %d's handshake of a failed step", r);
+            smp_wait_requests(1, &req, "a TP handshake of a failed step", SMP_TP_GROUP, r);
+            smp__tph.got[r]++;
+        }
+    smp__tph.by_peer = smp__tph.stopped = false;
+}
+static void smp__tp_step_begin(void) { smp__tph.by_peer = smp__tph.stopped = false; }
 
 /* outer x (axis length) x inner of t around axis, in elements; rows are (axis length x inner). */
 static void smp__around_axis(const smp_tensor *t, int axis, int64_t *outer, int64_t *inner) {
@@ -5474,20 +5676,18 @@ static smp_status smp__tp_regroup(void *dst, const void *src, int device, int64_
 
 /* out = the sum over the TP group of each rank's `in` (out may be in); in
    deterministic_reduction mode summed in tp-rank order on every rank, so
-   every rank holds the same bits. `slice` >= 0: in holds tp blocks, and
-   out gets the sum of block `slice` (a reduce-scatter). */
-static smp_status smp__tp_sum(const smp_tensor *in, smp_tensor *out, bool scatter) {
+   every rank holds the same bits, from `all` (scratch of tp x in's
+   elements). `scatter`: in holds tp blocks, and out gets the sum of block
+   tp_rank (a reduce-scatter). */
+static smp_status smp__tp_sum(const smp_tensor *in, smp_tensor *out, bool scatter, void *all_data) {
     int tp = smp_tp_size();
     if (smp__ctx.cfg.deterministic_reduction != SMP_ON)
         return scatter ? smp_reduce_scatter(in, out, SMP_SUM, SMP_TP_GROUP)
                        : smp_all_reduce(in, out, SMP_SUM, SMP_TP_GROUP);
     int64_t n = smp_tensor_numel(in), block = smp_tensor_numel(out);
-    smp_tensor all = smp_tensor_1d(NULL, in->dtype, n * tp);
-    smp_status st = SMP_OK;
-    if (!smp__tensor_alloc_or(&st, &all, in->device != SMP_HOST, SMP__ALLOC_OTHER,
-                              "every TP rank's addend (deterministic_reduction)"))
-        return st;
-    st = smp_all_gather(in, &all, SMP_TP_GROUP);
+    smp_tensor all = smp_tensor_1d(all_data, in->dtype, n * tp);
+    all.device = in->device;
+    smp_status st = smp_all_gather(in, &all, SMP_TP_GROUP);
     size_t es = smp_dtype_size(in->dtype), skip = scatter ? (size_t)block * (size_t)smp_tp_rank() * es : 0;
     smp_tensor part = smp_tensor_1d(NULL, in->dtype, block);
     part.device = all.device;
@@ -5495,13 +5695,12 @@ static smp_status smp__tp_sum(const smp_tensor *in, smp_tensor *out, bool scatte
         part.data = (char *)all.data + (size_t)r * (size_t)n * es + skip;
         st = r == 0 ? smp__tensor_copy(out, &part) : smp__add_into(out, &part);
     }
-    smp__free(all.data);
     return st;
 }
 
 /* All-gather along axis: out is in with that axis tp times longer, rank r's
-   slice at r x in's length. */
-static smp_status smp__tp_gather(const smp_tensor *in, smp_tensor *out, int axis) {
+   slice at r x in's length; `all`: scratch of out's elements (axis > 0). */
+static smp_status smp__tp_gather(const smp_tensor *in, smp_tensor *out, int axis, void *all_data) {
     int64_t outer, inner;
     smp__around_axis(in, axis, &outer, &inner);
     if (outer == 1) { /* the ranks' blocks are the output as it lies */
@@ -5509,40 +5708,47 @@ static smp_status smp__tp_gather(const smp_tensor *in, smp_tensor *out, int axis
         flat.device = out->device;
         return smp_all_gather(in, &flat, SMP_TP_GROUP);
     }
-    smp_tensor all = smp_tensor_1d(NULL, in->dtype, smp_tensor_numel(out));
-    smp_status st = SMP_OK;
-    if (!smp__tensor_alloc_or(&st, &all, in->device != SMP_HOST, SMP__ALLOC_OTHER, "a TP all-gather's blocks"))
-        return st;
-    st = smp_all_gather(in, &all, SMP_TP_GROUP);
+    smp_tensor all = smp_tensor_1d(all_data, in->dtype, smp_tensor_numel(out));
+    all.device = in->device;
+    smp_status st = smp_all_gather(in, &all, SMP_TP_GROUP);
     size_t row = (size_t)(in->shape[axis] * inner) * smp_dtype_size(in->dtype);
     if (!st) st = smp__tp_regroup(out->data, all.data, out->device, outer, smp_tp_size(), row, false);
-    smp__free(all.data);
     return st;
 }
 
 /* Reduce-scatter along axis: out is in with that axis tp times shorter,
-   the sum over the group of every rank's slice tp_rank. */
-static smp_status smp__tp_scatter(const smp_tensor *in, smp_tensor *out, int axis) {
+   the sum over the group of every rank's slice tp_rank. Scratch: in's
+   elements (axis > 0), then smp__tp_sum's. */
+static smp_status smp__tp_scatter(const smp_tensor *in, smp_tensor *out, int axis, void *scratch) {
     int64_t outer, inner;
     smp__around_axis(in, axis, &outer, &inner);
     smp_tensor flat = smp_tensor_1d(in->data, in->dtype, smp_tensor_numel(in)),
                part = smp_tensor_1d(out->data, out->dtype, smp_tensor_numel(out));
     flat.device = in->device;
     part.device = out->device;
-    if (outer == 1) return smp__tp_sum(&flat, &part, true);
-    smp_status st = SMP_OK;
-    flat.data =
-        smp__tensor_alloc_or(&st, &flat, in->device != SMP_HOST, SMP__ALLOC_OTHER, "a TP reduce-scatter's blocks");
-    if (st) return st;
+    if (outer == 1) return smp__tp_sum(&flat, &part, true, scratch);
+    flat.data = scratch;
     size_t row = (size_t)(out->shape[axis] * inner) * smp_dtype_size(in->dtype);
-    st = smp__tp_regroup(flat.data, in->data, in->device, outer, smp_tp_size(), row, true);
-    if (!st) st = smp__tp_sum(&flat, &part, true);
-    smp__free(flat.data);
+    smp_status st = smp__tp_regroup(flat.data, in->data, in->device, outer, smp_tp_size(), row, true);
+    if (!st) st = smp__tp_sum(&flat, &part, true, (char *)scratch + smp_tensor_nbytes(in));
     return st;
 }
 
+/* The scratch a TP module's collective needs, in elements of x's dtype, taken before the handshake so that
+   running out of memory fails the call on every rank of the group, not half of a collective. */
+static int64_t smp__tp_scratch_elements(const smp_tensor *x, const smp_tensor *y, bool along, bool grows, bool sums,
+                                        int axis) {
+    int64_t outer = 1, inner, n = smp_tensor_numel(x), tp = smp_tp_size();
+    bool det = smp__ctx.cfg.deterministic_reduction == SMP_ON;
+    if (along) smp__around_axis(x, axis, &outer, &inner);
+    if (along && grows) return outer == 1 ? 0 : smp_tensor_numel(y);
+    if (along) return (outer == 1 ? 0 : n) + (det ? n * tp : 0);
+    return sums && det ? n * tp : 0;
+}
+
 /* One collective of a TP module, forward (x: the input) or backward (x: the
-   output gradient); y is allocated here in the forward, given in the backward. */
+   output gradient); y is allocated here in the forward, given in the
+   backward. At tp > 1 the TP handshake comes first (smp__tp_handshake). */
 static smp_status smp__tp_run(smp_call_ctx *c, bool forward) {
     const smp__tp_module *tm = (const smp__tp_module *)c->module->desc.user;
     const char *name = smp__tp_name(tm->kind);
@@ -5561,24 +5767,39 @@ static smp_status smp__tp_run(smp_call_ctx *c, bool forward) {
     if (along && (tm->axis < 0 || tm->axis >= x->ndim))
         return smp_error(SMP_ERR_ARG, "%s module \"%s\" works along axis %d, but its %s has %d axes", name,
                          c->module->full_name, tm->axis, forward ? "input" : "output gradient", x->ndim);
-    if (tp > 1) SMP_TRY(smp__tp_same_shape(c, x, forward ? "the input" : "the output gradient"));
+    /* what fails here fails on this rank alone: the handshake tells the others */
+    smp_status local = SMP_OK;
     if (along && !grows && x->shape[tm->axis] % tp)
-        return smp_error(
+        local = smp_error(
             SMP_ERR_ARG,
             "%s module \"%s\": axis %d of its %s has length %lld, which tensor_parallel_degree = %d does not "
             "divide",
             name, c->module->full_name, tm->axis, forward ? "input" : "output gradient", (long long)x->shape[tm->axis],
             tp);
-    if (forward) {
+    if (!local && forward) {
         int64_t shape[SMP_MAX_DIMS];
         memcpy(shape, x->shape, sizeof shape);
         if (along) shape[tm->axis] = grows ? shape[tm->axis] * tp : shape[tm->axis] / tp;
-        /* smp__run_callback names it */
-        if (!(y = smp_call_output(c, 0, x->dtype, x->ndim, shape))) return SMP_ERR_NOMEM;
+        if (!(y = smp_call_output(c, 0, x->dtype, x->ndim, shape)))
+            local = smp_error(SMP_ERR_NOMEM, "%s module \"%s\": out of memory for its output of %s", name,
+                              c->module->full_name, smp_dtype_name(x->dtype));
     }
-    if (tp == 1 || (!along && !sums)) return smp__tensor_copy(y, x);
-    if (!along) return smp__tp_sum(x, y, false);
-    return grows ? smp__tp_gather(x, y, tm->axis) : smp__tp_scatter(x, y, tm->axis);
+    smp_tensor scratch = smp_tensor_1d(NULL, x->dtype, 0);
+    if (!local && tp > 1) {
+        scratch.shape[0] = smp__tp_scratch_elements(x, y, along, grows, sums, tm->axis);
+        if (scratch.shape[0])
+            smp__tensor_alloc_or(&local, &scratch, x->device != SMP_HOST, SMP__ALLOC_OTHER,
+                                 "a TP collective's scratch (every rank's part, or the blocks regrouped)");
+    }
+    if (tp > 1) local = smp__tp_handshake(c, x, forward ? "the input" : "the output gradient", local);
+    smp_status st = local;
+    smp__tph.in_module = true; /* its collectives follow its own handshake */
+    if (!st && (tp == 1 || (!along && !sums))) st = smp__tensor_copy(y, x);
+    else if (!st && !along) st = smp__tp_sum(x, y, false, scratch.data);
+    else if (!st) st = grows ? smp__tp_gather(x, y, tm->axis, scratch.data) : smp__tp_scatter(x, y, tm->axis, scratch.data);
+    smp__tph.in_module = false;
+    smp__free(scratch.data);
+    return st;
 }
 static double smp__tp_seconds_total; /* smp_tp_seconds */
 static smp_status smp__tp_timed(smp_call_ctx *c, bool forward) {

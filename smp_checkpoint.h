@@ -80,7 +80,10 @@
          smp.shard.<name>  {"shape":[16,8],"axis":0,"parts":2,"index":1,
                             "offset":8,"first":0,"count":64}
      (full shape, shard axis, tp degree, slice index and its offset along
-     the axis, then elements [first, first + count) of that slice), and the
+     the axis, then elements [first, first + count) of that slice; a
+     parameter of smp_param_new_sharded_blocks adds "blocks":B after
+     "parts", its slice being slice `index` of each block, joined, and its
+     offset the one within a block), and the
      file records smp.pp, smp.pp_rank, smp.tp, smp.tp_rank, smp.rdp_rank.
      Either kind loads at any (pp, tp, dp), sharded or not: each rank copies
      its slice (and owned range) from whichever file tensors hold it. State
@@ -1928,9 +1931,12 @@ typedef struct smp__ckpt_state {
    moves: slice `index` of `parts` equal slices along `axis` of the full
    shape (parts 1: the whole tensor), and elements [first, first + count)
    of that slice, counted row-major within it. A TP shard is a slice, a
-   shard_optimizer_state range a run of elements of one. */
+   shard_optimizer_state range a run of elements of one. With blocks > 1
+   the axis is that many equal blocks and the slice is slice `index` of
+   each, joined (smp_param_new_sharded_blocks): the slice of axis + 1 of
+   the tensor seen as [..., blocks, shape[axis] / blocks, ...]. */
 typedef struct smp__ckpt_piece {
-    int axis, parts, index;
+    int axis, parts, index, blocks;
     int64_t first, count;
 } smp__ckpt_piece;
 
@@ -2099,7 +2105,7 @@ static int64_t smp__ckpt_numel(const smp__ckpt_item *it) {
 }
 
 static smp__ckpt_piece smp__ckpt_whole(const smp__ckpt_item *it) {
-    smp__ckpt_piece pc = {0, 1, 0, 0, smp__ckpt_numel(it)};
+    smp__ckpt_piece pc = {0, 1, 0, 1, 0, smp__ckpt_numel(it)};
     return pc;
 }
 
@@ -2116,7 +2122,7 @@ static int64_t smp__ckpt_run(const smp__ckpt_item *it, const smp__ckpt_piece *pc
     }
     int64_t inner = 1;
     for (int d = pc->axis + 1; d < it->ndim; d++) inner *= it->shape[d];
-    int64_t run = it->shape[pc->axis] / pc->parts * inner, o = j / run, r = j % run;
+    int64_t run = it->shape[pc->axis] / pc->blocks / pc->parts * inner, o = j / run, r = j % run;
     *len = run - r < hi - j ? run - r : hi - j;
     return (o * pc->parts + pc->index) * run + r;
 }
@@ -2153,16 +2159,18 @@ static smp_status smp__ckpt_overlap(const smp__ckpt_item *it, const smp__ckpt_pi
 
 /* The metadata "smp.shard.<name>" of a piece in a partial checkpoint's file:
    {"shape":[16,8],"axis":0,"parts":2,"index":1,"offset":8,"first":0,"count":64}
-   (offset: where the slice starts along the axis). */
+   (offset: where the slice starts along the axis); a blocked slice has
+   "blocks":3 after "parts", and its offset is within each block. */
 static void smp__ckpt_piece_text(int ndim, const int64_t *shape, const smp__ckpt_piece *pc, char *buf, size_t cap) {
     size_t at = (size_t)snprintf(buf, cap, "{\"shape\":[");
     for (int d = 0; d < ndim && at < cap; d++)
         at += (size_t)snprintf(buf + at, cap - at, "%s%lld", d ? "," : "", (long long)shape[d]);
+    if (at < cap) at += (size_t)snprintf(buf + at, cap - at, "],\"axis\":%d,\"parts\":%d,", pc->axis, pc->parts);
+    if (at < cap && pc->blocks > 1) at += (size_t)snprintf(buf + at, cap - at, "\"blocks\":%d,", pc->blocks);
     if (at < cap)
-        snprintf(buf + at, cap - at,
-                 "],\"axis\":%d,\"parts\":%d,\"index\":%d,\"offset\":%lld,\"first\":%lld,\"count\":%lld}", pc->axis,
-                 pc->parts, pc->index, (long long)(ndim ? shape[pc->axis] / pc->parts * pc->index : 0),
-                 (long long)pc->first, (long long)pc->count);
+        snprintf(buf + at, cap - at, "\"index\":%d,\"offset\":%lld,\"first\":%lld,\"count\":%lld}", pc->index,
+                 (long long)(ndim ? shape[pc->axis] / pc->blocks / pc->parts * pc->index : 0), (long long)pc->first,
+                 (long long)pc->count);
 }
 
 /* Parses that text (only exactly as smp__ckpt_piece_text writes it) into a
@@ -2180,16 +2188,20 @@ static bool smp__ckpt_piece_parse(const char *v, int *ndim, int64_t *shape, smp_
         x[n++] = (int64_t)strtoll(c, &end, 10);
         c = end;
     }
-    if (n < 6) return false;
-    *ndim = n - 6;
+    int blocked = strstr(v, "\"blocks\":") != NULL, fields = 6 + blocked; /* blocks: between parts and index */
+    if (n < fields) return false;
+    *ndim = n - fields;
     for (int d = 0; d < *ndim; d++) numel *= (shape[d] = x[d]);
-    pc->axis = (int)x[n - 6];
-    pc->parts = (int)x[n - 5];
+    pc->axis = (int)x[*ndim];
+    pc->parts = (int)x[*ndim + 1];
+    pc->blocks = blocked ? (int)x[*ndim + 2] : 1;
     pc->index = (int)x[n - 4];
     pc->first = x[n - 2];
     pc->count = x[n - 1];
-    if (pc->parts < 1 || pc->index >= pc->parts || pc->axis >= (*ndim ? *ndim : 1) || x[n - 5] > INT32_MAX ||
-        (pc->parts > 1 && (!*ndim || shape[pc->axis] % pc->parts)) || pc->first + pc->count > numel / pc->parts)
+    if (pc->parts < 1 || pc->index >= pc->parts || pc->axis >= (*ndim ? *ndim : 1) || x[*ndim + 1] > INT32_MAX ||
+        pc->blocks < 1 || (blocked && x[*ndim + 2] > INT32_MAX) ||
+        (pc->parts > 1 && (!*ndim || shape[pc->axis] % ((int64_t)pc->parts * pc->blocks))) ||
+        pc->first + pc->count > numel / pc->parts)
         return false;
     char again[400];
     smp__ckpt_piece_text(*ndim, shape, pc, again, sizeof again);
@@ -2364,7 +2376,7 @@ static void smp__ckpt_wire_of(const smp_optimizer *o, const smp__ckpt_state *s, 
     w->dtype = (int32_t)s->t.dtype;
     w->ndim = s->t.ndim;
     memcpy(w->shape, s->t.shape, sizeof(int64_t) * (size_t)s->t.ndim);
-    w->pc.parts = 1;
+    w->pc.parts = w->pc.blocks = 1;
     w->pc.count = n;
     if (!s->param || !smp_module_is_local(smp_param_module(s->param))) return;
     nloc = owned = smp_tensor_numel(smp_param_value(s->param));
@@ -2377,6 +2389,7 @@ static void smp__ckpt_wire_of(const smp_optimizer *o, const smp__ckpt_state *s, 
     w->pc.axis = smp_param_shard_axis(s->param);
     w->pc.parts = w->pc.axis >= 0 ? smp_tp_size() : 1;
     w->pc.index = w->pc.axis >= 0 ? smp_tp_rank() : 0;
+    w->pc.blocks = w->pc.axis >= 0 ? smp_param_shard_blocks(s->param) : 1;
     if (w->pc.axis < 0) w->pc.axis = 0;
     w->pc.first = first;
     w->pc.count = owned;
@@ -2536,7 +2549,8 @@ static smp_status smp__ckpt_merge_optimizer(smp__ckpt_plan *pl, const int *count
             const smp__ckpt_rec *b = &recs[j];
             if (b->global != a->global || b->w.dtype != a->w.dtype || b->w.elementwise != a->w.elementwise ||
                 !smp__same_shape(a->w.ndim, a->w.shape, b->w.ndim, b->w.shape) ||
-                (a->w.elementwise && (a->w.pc.parts != b->w.pc.parts || a->w.pc.axis != b->w.pc.axis))) {
+                (a->w.elementwise && (a->w.pc.parts != b->w.pc.parts || a->w.pc.axis != b->w.pc.axis ||
+                                      a->w.pc.blocks != b->w.pc.blocks))) {
                 char d1[200], d2[200];
                 st = smp_error(
                     SMP_ERR_ARG,
@@ -2707,6 +2721,7 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
         smp__ckpt_piece pc = smp__ckpt_whole(it);
         if (smp_param_shard_axis(p) >= 0 && pl->tp > 1) {
             pc.axis = smp_param_shard_axis(p);
+            pc.blocks = smp_param_shard_blocks(p);
             pc.parts = pl->tp;
             pc.count /= pl->tp;
         }
@@ -3113,7 +3128,7 @@ static smp_status smp__ckpt_assemble(smp__ckpt_plan *pl) {
             if (sg->rank != pl->rank && home != pl->rank) continue;
             for (int64_t a = sg->lo; a < sg->hi; a += per) {
                 int64_t b = sg->hi - a < per ? sg->hi : a + per;
-                smp__ckpt_piece pc = {sg->pc.axis, sg->pc.parts, sg->pc.index, a, b - a};
+                smp__ckpt_piece pc = {sg->pc.axis, sg->pc.parts, sg->pc.index, sg->pc.blocks, a, b - a};
                 size_t n = (size_t)(b - a) * es;
                 const uint8_t *src = buf;
                 MPI_Request req;
@@ -3258,7 +3273,7 @@ static smp_ckpt_entry *smp__ckpt_seg_entries(const smp__ckpt_plan *pl, smp__ckpt
         const smp__ckpt_item *it = &pl->items[pl->order[q]];
         for (int k = 0; k < it->nseg; k++) {
             const smp__ckpt_seg *sg = &pl->segs[it->seg0 + k];
-            smp__ckpt_piece pc = {sg->pc.axis, sg->pc.parts, sg->pc.index, sg->lo, sg->hi - sg->lo};
+            smp__ckpt_piece pc = {sg->pc.axis, sg->pc.parts, sg->pc.index, sg->pc.blocks, sg->lo, sg->hi - sg->lo};
             if (sg->rank != pl->rank) continue;
             memset(&e[n], 0, sizeof e[n]);
             e[n].name = it->name;

@@ -3974,6 +3974,7 @@ static smp_status smp__step_finish(smp__pipe *ps, smp_model *md, smp_step_output
    its sums on top of earlier steps', and the next training step refuses them (smp__step_partial_grads). */
 static smp_status smp__step_undo(smp__pipe *ps, smp_model *md, smp_status agreed) {
     if (ps->step.sync) (void)smp__ddp_finish(ps, true);
+    smp__tp_step_settle();
     bool training = ps->step.training, were_zero = ps->step.grads_were_zero;
     if (training) ps->passes--;
     if (ps->plan.dev_p2p) smp__drain_device(ps);
@@ -3994,6 +3995,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
 SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
     smp__ctx.at.steps++; /* where this rank is, should it exit (smp__exit_guard) */
     smp__ctx.at.in_step = true;
+    smp__tp_step_begin();
     smp_status st = smp__step(d, outs, nouts);
     smp__cache_now = NULL;
     smp__ctx.at.in_step = false;
@@ -4020,6 +4022,7 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     if (!st && smp__injected(SMP_FAULT_STEP_END))
         st = smp_error(SMP_ERR_MPI, "a failure injected after the step's last message");
     if (st && !ps->step.failed_remote) smp__notify_failure(ps);
+    if (st) smp__tp_step_stopped(st); /* its TP peers may wait in a TP module's handshake */
     /* every replica runs the bucket collectives, failed step or not; they complete before the agreement, whose
        wait backs off into sleeps and would stall the buckets still in flight */
     smp_status buckets = ps->step.sync ? smp__ddp_complete(ps) : SMP_OK;

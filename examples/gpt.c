@@ -104,6 +104,8 @@ static smp_status adamw_init(adamw *o, smp_model *model) {
         st = smp_optimizer_state_add(o->reg, smp_param_name(p), "exp_avg", &m);
         if (!st) st = smp_optimizer_state_add(o->reg, smp_param_name(p), "exp_avg_sq", &v);
     }
+    smp_tensor t = smp_tensor_make(&o->t, SMP_I64, 0, NULL); /* the bias corrections' step, so a load continues */
+    if (!st) st = smp_optimizer_state_add(o->reg, NULL, "step", &t);
     return st;
 }
 
@@ -113,7 +115,7 @@ static void adamw_step(adamw *o, smp_model *model, const options *opt, float lr)
     for (int i = 0; (p = smp_model_local_param(model, i, false)); i++) {
         smp_tensor *w = smp_param_value(p);
         const char *name = smp_param_name(p), *dot = strrchr(name, '.');
-        bool bias = dot && !strcmp(dot, ".bias"); /* c_attn's is [3, C] at tp > 1 */
+        bool bias = dot && !strcmp(dot, ".bias");
         mlp_adam_cfg c = {lr, opt->beta1, opt->beta2, 1e-8f, w->ndim >= 2 && !bias ? opt->weight_decay : 0.0f};
         mlp_adam_step((float *)w->data + o->first[i], (float *)smp_param_grad(p)->data + o->first[i], o->m[i], o->v[i],
                       (size_t)o->count[i], o->t, &c);
@@ -134,9 +136,9 @@ static void adamw_free(adamw *o) {
 /* Every parameter's full tensor (its value, or its gradient), in the
    model's order, on world rank 0: each parameter from the first partition
    that holds it (the tied wte is on two) and replica 0, a sharded one
-   joined from its TP ranks' slices, under the shape it has at tp 1 (c_attn's
-   [3, C, C] of tp > 1 is [3C, C]). What --digest, --grads and --params need
-   while smp's checkpoints refuse tensor_parallel_degree > 1. The slices are
+   joined from its TP ranks' slices (of each block, for c_attn's q, k and
+   v). What --digest, --grads and --params need: the gradient, which no
+   checkpoint holds, and a file of the parameters alone. The slices are
    OR-ed bytes into zeros, so every bit arrives as it was. Collective. */
 typedef struct full_tensors { int n; smp_ckpt_entry *e; float **data; } full_tensors;
 
@@ -156,11 +158,13 @@ static smp_status gather_full(smp_model *model, bool grads, full_tensors *out) {
     for (int i = 0; i < n && !st; i++) {
         smp_param *p = smp_model_global_param(model, i, false);
         if (!p) break;
-        int64_t shape[SMP_MAX_DIMS], outer = 1, inner = 1;
+        int64_t shape[SMP_MAX_DIMS], outer = 1, inner = 1, blocks = smp_param_shard_blocks(p);
         int nd = smp_param_full_shape(p, shape), axis = smp_param_shard_axis(p), a = axis < 0 ? 0 : axis;
         for (int d = 0; d < a; d++) outer *= shape[d];
         for (int d = a + 1; d < nd; d++) inner *= shape[d];
         size_t numel = (size_t)(outer * shape[a] * inner);
+        outer *= blocks; /* c_attn: its q, k and v blocks each hold this rank's slice, at the offset in each */
+        int64_t span = shape[a] / blocks;
         float *full = out->data[i] = calloc(numel ? numel : 1, sizeof(float));
         if (!full) { st = smp_error(SMP_ERR_NOMEM, "out of memory for %s", smp_param_name(p)); break; }
         bool holds = smp_module_is_local(smp_param_module(p)) && smp_rdp_rank() == 0;
@@ -168,17 +172,13 @@ static smp_status gather_full(smp_model *model, bool grads, full_tensors *out) {
         MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
         if (holds && first == smp_pp_rank() && (axis >= 0 || smp_tp_rank() == 0)) {
             const smp_tensor *v = grads ? smp_param_grad(p) : smp_param_value(p);
-            int64_t loc = v->shape[a], off = axis < 0 ? 0 : smp_param_shard_offset(p);
+            int64_t loc = v->shape[a] / blocks, off = axis < 0 ? 0 : smp_param_shard_offset(p);
             for (int64_t o = 0; o < outer; o++)
-                memcpy(full + (o * shape[a] + off) * inner, (const float *)v->data + o * loc * inner,
+                memcpy(full + (o * span + off) * inner, (const float *)v->data + o * loc * inner,
                        sizeof(float) * (size_t)(loc * inner));
         }
         MPI_Reduce(smp_rank() ? full : MPI_IN_PLACE, full, (int)(numel * sizeof(float)), MPI_BYTE, MPI_BOR, 0,
                    MPI_COMM_WORLD);
-        if (axis == 1 && strstr(smp_param_name(p), ".attn.c_attn.")) { /* [3, C(, C)]: q, k, v blocks, as [3C(, C)] */
-            shape[1] *= shape[0];
-            memmove(shape, shape + 1, sizeof(int64_t) * (size_t)--nd);
-        }
         smp_tensor t = smp_tensor_make(full, SMP_F32, nd, shape);
         out->e[i] = smp_ckpt_entry_of(smp_param_name(p), &t);
         out->n = i + 1;
@@ -264,6 +264,72 @@ static smp_status build_for_generation(gpt *net, const gpt_config *mc, void *use
     return gpt_build(net, mc, false, model);
 }
 
+/* ---------------------------------------------------------------- checkpoints for training */
+/* The full checkpoint o->save: the parameters under nanoGPT's names at any
+   tp (c_attn's q, k and v blocks joined), and with `o` (--save-at, after
+   `step` steps) AdamW's moments and step count as "optimizer.*" tensors,
+   which --load continues from. Collective. */
+static smp_status save_checkpoint(smp_model *model, const options *opt, const corpus *text, const adamw *o, int step) {
+    ckpt_meta m;
+    ckpt_meta_init(&m, text, opt);
+    if (o) snprintf(m.steps, sizeof m.steps, "%d", step);
+    smp_switch partial = o && opt->partial ? SMP_ON : SMP_OFF; /* --partial: the --save-at checkpoint */
+    smp_status st = smp_save(model, opt->save,
+                             &(smp_save_desc){.partial = partial, .optimizer = o ? o->reg : NULL, .meta_keys = m.keys,
+                                              .meta_values = m.vals, .nmeta = m.n});
+    if (!st && smp_rank() == 0) {
+        if (o) printf("checkpoint: %s after step %d, with AdamW's state%s\n", opt->save, step,
+                      partial == SMP_ON ? " (partial)" : "");
+        else printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n", opt->save);
+        fflush(stdout);
+    }
+    return st;
+}
+
+/* --load for training: the checkpoint's weights, into any (pp, tp, dp);
+   with AdamW's state in it (--save-at) that state too, and *start becomes
+   the step it was saved after, so the run goes on as the one that saved it
+   would have (the same batches and learning rates: give the same --steps);
+   without, AdamW starts afresh at step 0. Its vocabulary must be this
+   corpus's. --partial: a partial checkpoint (its metadata from the file of
+   partition 0). Collective; an error on every rank. */
+static smp_status load_training(smp_model *model, const options *opt, const corpus *text, adamw *o, int *start) {
+    smp_ckpt_file *f = NULL;
+    char first[4096];
+    smp_status st = opt->partial ? smp_ckpt_partial_file(opt->load, 0, first, sizeof first, NULL) : SMP_OK;
+    if (!st) st = smp_ckpt_open(opt->partial ? first : opt->load, &f);
+    bool with_state = false;
+    *start = 0;
+    if (!st) {
+        ckpt_meta m;
+        ckpt_meta_init(&m, text, opt);
+        const char *hex = smp_ckpt_meta(f, "vocab_bytes"), *step = smp_ckpt_meta(f, "step");
+        for (int i = 0; i < smp_ckpt_count(f); i++)
+            with_state |= !strncmp(smp_ckpt_info_at(f, i)->name, "optimizer.", 10);
+        if (!hex || strcmp(hex, m.hex))
+            st = smp_error(SMP_ERR_ARG, "--load %s: %s: load a checkpoint of gpt.c trained on this --data", opt->load,
+                           hex ? "its vocabulary is not this corpus's" : "its metadata has no vocabulary");
+        else if (with_state && (!step || (*start = atoi(step)) < 1 || *start >= opt->steps))
+            st = smp_error(SMP_ERR_ARG,
+                           "--load %s: it was saved after step %s, which leaves nothing of --steps %d to train: give "
+                           "the --steps of the run that saved it",
+                           opt->load, step ? step : "(none)", opt->steps);
+        smp_ckpt_close(f);
+    }
+    int bad = st != SMP_OK; /* smp_load is collective: every rank goes on, or none */
+    MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_LOR, MPI_COMM_WORLD);
+    if (bad && !st) st = smp_error(SMP_ERR_STATE, "--load %s: another rank could not use it (its message says why)",
+                                   opt->load);
+    if (!st)
+        st = smp_load(model, opt->load,
+                      &(smp_load_desc){.partial = opt->partial ? SMP_ON : SMP_OFF, .optimizer = with_state ? o->reg : NULL});
+    if (!st && smp_rank() == 0) {
+        printf("gpt: starting from %s%s", opt->load, with_state ? ", with AdamW's state, at step " : "\n");
+        if (with_state) printf("%d\n", *start);
+    }
+    return st;
+}
+
 /* The memory account's peaks, one line per rank (rank 0 prints). Collective. */
 static smp_status print_memory_peaks(void) {
     smp_memory_stats *all = calloc((size_t)smp_size(), sizeof *all);
@@ -332,10 +398,10 @@ int main(int argc, char **argv) {
         if (text.id_of[(unsigned char)opt.logits[i]] < 0)
             st = smp_error(SMP_ERR_ARG, "--logits: character %zu (byte 0x%02x) is not in the vocabulary", i,
                            (unsigned char)opt.logits[i]);
-    /* c_attn is declared [3, C, C] at tp > 1 (each rank's heads of q, k and v): its file would not be nanoGPT's */
-    if (!st && smp_tp_size() > 1 && ((opt.save && *opt.save) || opt.load))
-        st = smp_error(SMP_ERR_CONFIG, "--save and --load run with tensor_parallel_degree 1 so far: give --save \"\" "
-                                       "with --tp (c_attn's [3, C, C] layout at tp > 1 is not nanoGPT's [3C, C])");
+    if (!st && opt.save_at && (opt.save_at >= opt.steps || !opt.save || !*opt.save))
+        st = smp_error(SMP_ERR_ARG, "--save-at %d: the checkpoint after step %d of %d needs a --save path and a "
+                                    "step before the last: give --save PATH and --save-at 1 to %d",
+                       opt.save_at, opt.save_at, opt.steps, opt.steps - 1);
     if (!st && opt.grads && (smp_rdp_size() > 1 || R > 1))
         st = smp_error(SMP_ERR_CONFIG, "--grads saves one replica's first step: run it without --ddp and --replicas");
     if (fail_all(st, "input")) goto done;
@@ -366,6 +432,8 @@ int main(int argc, char **argv) {
         if (!acc || (opt_state.n && !acc[opt_state.n - 1])) st = smp_error(SMP_ERR_NOMEM, "out of memory");
     }
     if (fail_all(st, "partitioning")) goto done;
+    int start = 0; /* --load with AdamW's state: the step it continues at */
+    if (opt.load && fail_all(load_training(model, &opt, &text, &opt_state, &start), "loading the checkpoint")) goto done;
     if (root) {
         long nparams = 0;
         smp_param *p;
@@ -393,7 +461,7 @@ int main(int argc, char **argv) {
     /* ---------------------------------------------------------------- training */
     double t0 = now(), loss_avg = 0, tp0 = smp_tp_seconds();
     long tokens = 0;
-    for (int step = 0; step < opt.steps && !st; step++) {
+    for (int step = start; step < opt.steps && !st; step++) {
         float lr = lr_at(&opt, step);
         double loss = 0;
         for (int r = 0; r < R && !st; r++) {
@@ -430,10 +498,12 @@ int main(int argc, char **argv) {
             goto done;
         if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
         adamw_step(&opt_state, model, &opt, lr);                          /* optimizer.step() */
-        if (step == 0) smp_memory_reset_peaks(); /* the peaks printed at the end: of the steps after the set-up */
+        if (step == start) smp_memory_reset_peaks(); /* the peaks printed at the end: of the steps after the set-up */
         tokens += (long)opt.batch * T;
         loss_avg = step ? 0.9 * loss_avg + 0.1 * loss : loss;
         if (opt.print_losses && root) printf("step %d loss %a\n", step, loss);
+        if (step + 1 == opt.save_at && fail_all(save_checkpoint(model, &opt, &text, &opt_state, step + 1), "checkpoint"))
+            goto done;
         if (root && (step % opt.log_every == 0 || step + 1 == opt.steps)) {
             double secs = now() - t0, eta = secs / (step + 1) * (opt.steps - step - 1);
             char e[32], s[32];
@@ -497,15 +567,8 @@ int main(int argc, char **argv) {
     }
 
     /* ---------------------------------------------------------------- the checkpoint */
-    if (opt.save && *opt.save) {
-        ckpt_meta m;
-        ckpt_meta_init(&m, &text, &opt);
-        st = smp_save(model, opt.save,
-                      &(smp_save_desc){.partial = SMP_OFF, .meta_keys = m.keys, .meta_values = m.vals, .nmeta = m.n});
-        if (fail_all(st, "checkpoint")) goto done;
-        if (root)
-            printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n", opt.save);
-    }
+    if (opt.save && *opt.save && !opt.save_at && fail_all(save_checkpoint(model, &opt, &text, NULL, 0), "checkpoint"))
+        goto done;
     if (fail_all(print_memory_peaks(), "the memory account")) goto done;
     rc = 0;
 

@@ -59,9 +59,10 @@
    (gpt_cuda.h); gpt_kv holds the positions for both.
 
    TENSOR PARALLELISM (tensor_parallel_degree tp > 1, host model only):
-   Megatron's layout. c_attn is column-parallel by heads (declared [3, C,
-   C] and [3, C], sharded along axis 1: each rank the same heads of q, k
-   and v; the values those of [3C, C]), sdpa runs this rank's H/tp heads,
+   Megatron's layout. c_attn is column-parallel by heads ([3C, C] and
+   [3C] as at tp 1, sharded in 3 blocks, smp_param_new_sharded_blocks:
+   each rank the same heads of q, k and v, one after the other), sdpa runs
+   this rank's H/tp heads,
    attn.c_proj and mlp.c_proj are row-parallel (weight sharded along the
    inputs, the bias whole and added by c_proj_bias after c_proj_tp_out, a
    tp_reduce), c_fc is column-parallel; c_attn and c_fc follow a tp_copy
@@ -304,11 +305,13 @@ typedef struct gpt_block {
    positions >= pos[mb] are overwritten, so a step may restart a sequence
    from an earlier position (a prompt padded on the right continues from
    its real end). Caches are allocated on first use: only for the blocks
-   this rank holds. Training never sets kv. */
+   this rank holds, and at tp > 1 only for this rank's heads ([block_size,
+   C / tp] each: the cache is split by heads, as the attention is). Training
+   never sets kv. */
 typedef struct gpt_kv {
     int M, L;   /* microbatches, blocks */
     int *pos;   /* [M]: the position of each microbatch's first new token; set by the caller before each step */
-    float **k, **v; /* the host leaves' caches, [n_layer * M]: [block_size, C] each, or NULL */
+    float **k, **v; /* the host leaves' caches, [n_layer * M]: [block_size, C / tp] each (this rank's heads), or NULL */
 } gpt_kv;
 
 /* The leaves' callbacks: the host's below (gpt_build), a device engine's
@@ -570,13 +573,14 @@ static smp_status gpt_gelu_backward(smp_call_ctx *c) {
 /* Causal self-attention on qkv [B, T, 3C] -> [B, T, C]; the stash holds the
    probabilities [B, H, T, T]. */
 /* Cached mode (gpt.kv set): qkv [1, S, 3C] of S new tokens at positions
-   p = kv->pos[mb] .. p + S - 1. Their keys and values go into the cache of
-   (this block, this microbatch) at those positions; each new token attends
-   over the cached positions 0 .. its own. */
+   p = kv->pos[mb] .. p + S - 1 (C: this rank's C / tp, its heads). Their
+   keys and values go into the cache of (this block, this microbatch) at
+   those positions; each new token attends over the cached positions 0 ..
+   its own. */
 static smp_status gpt__sdpa_cached(smp_call_ctx *c, const gpt_block *b, const smp_tensor *x) {
     const gpt *g = b->g;
     gpt_kv *kv = g->kv;
-    int C = g->cfg.n_embd, H = g->cfg.n_head, hd = C / H, Tmax = g->cfg.block_size, C3 = 3 * C;
+    int C = g->cfg.n_embd / g->tp, H = g->cfg.n_head / g->tp, hd = C / H, Tmax = g->cfg.block_size, C3 = 3 * C;
     int S = (int)x->shape[1], mb, p;
     const char *name = smp_module_name(smp_call_module(c));
     SMP_TRY(gpt_kv_at(c, g, x, &mb, &p));
@@ -794,9 +798,9 @@ static const float gpt__std = 0.02f, gpt__one = 1.0f;
 /* nn.Linear(in, out) named `name`. With g->tp > 1, split as `split` says:
    a column-parallel one's weight and bias sharded along the outputs (in
    `blocks` blocks, each split tp ways: c_attn's q, k and v, so that a rank
-   holds the same heads of each; its declared shape is then [blocks,
-   out / blocks, in], the values those of [out, in]), a row-parallel one's
-   weight along the inputs, its bias whole. */
+   holds the same heads of each, as smp_param_new_sharded_blocks does; the
+   shape stays [out, in], nanoGPT's), a row-parallel one's weight along the
+   inputs, its bias whole. */
 static void gpt__linear(gpt_linear *l, const gpt *g, smp_module *parent, const char *name, int in, int out,
                         const float *std, int split, int blocks, smp_module **mod) {
     smp_module_desc d = {g->leaves->linear_forward, NULL, l};
@@ -808,13 +812,10 @@ static void gpt__linear(gpt_linear *l, const gpt *g, smp_module *parent, const c
     *mod = smp_module_new(parent, name, &d);
     smp_module_set_backward_split(*mod, g->leaves->linear_backward_input, g->leaves->linear_backward_weight);
     const int64_t wshape[2] = {out, in}, bshape[1] = {out};
-    const int64_t wblocks[3] = {blocks, out / blocks, in}, bblocks[2] = {blocks, out / blocks};
-    if (l->split == GPT_SPLIT_COLUMN && blocks > 1) {
-        l->weight = smp_param_new_sharded(*mod, "weight", SMP_F32, 3, wblocks, 1, gpt_init_normal, (void *)std);
-        l->bias = smp_param_new_sharded(*mod, "bias", SMP_F32, 2, bblocks, 1, smp_init_constant, NULL);
-    } else if (l->split == GPT_SPLIT_COLUMN) {
-        l->weight = smp_param_new_sharded(*mod, "weight", SMP_F32, 2, wshape, 0, gpt_init_normal, (void *)std);
-        l->bias = smp_param_new_sharded(*mod, "bias", SMP_F32, 1, bshape, 0, smp_init_constant, NULL);
+    if (l->split == GPT_SPLIT_COLUMN) {
+        l->weight =
+            smp_param_new_sharded_blocks(*mod, "weight", SMP_F32, 2, wshape, 0, blocks, gpt_init_normal, (void *)std);
+        l->bias = smp_param_new_sharded_blocks(*mod, "bias", SMP_F32, 1, bshape, 0, blocks, smp_init_constant, NULL);
     } else {
         void *u = (void *)std;
         l->weight = l->split == GPT_SPLIT_ROW

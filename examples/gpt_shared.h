@@ -26,6 +26,8 @@ typedef struct options {
     const char *data, *save, *prompt, *config_json;
     const char *logits, *grads; /* --logits TEXT, --grads PATH (for tests) */
     const char *params;         /* --params PATH: every parameter's full tensor after training (gpt.c, for tests) */
+    int save_at;                /* gpt.c --save-at N: the checkpoint after N steps, with AdamW's state (0: at the end) */
+    bool partial;               /* gpt.c --partial: --save-at and --load use smp's partial checkpoints */
     bool recompute, print_losses, digest;
     bool bf16;          /* gpt.cu: bf16 GEMM inputs, f32 accumulation and master weights */
     int vocab_multiple; /* gpt.cu: the vocabulary padded to a multiple of this (0: the corpus's) */
@@ -46,11 +48,14 @@ static void usage(const char *prog) {
             "          [--deterministic] [--recompute] [--shard-optimizer] [--config JSON] [--data DIR] [--save PATH]\n"
             "          [--val-batches N] [--prompt TEXT] [--sample-len N] [--temperature X] [--seed S]\n"
             "          [--threads N] [--log-every N] [--print-losses] [--digest] [--replicas R]\n"
-            "          [--logits TEXT] [--grads PATH] [--params PATH]\n"
+            "          [--logits TEXT] [--grads PATH] [--params PATH] [--save-at N] [--load CKPT] [--partial]\n"
             "  --batch is the global batch in sequences of --context characters\n"
             "  --tp N splits every layer over N ranks (tensor_parallel_degree; gpt.c): heads, MLP, vocabulary\n"
             "  --params PATH saves every parameter's full tensor after training (gpt.c, any --tp)\n"
             "  --save \"\" skips the checkpoint\n"
+            "  --save-at N saves it after step N instead, with AdamW's state, and trains on (gpt.c)\n"
+            "  --load CKPT starts from a checkpoint: with AdamW's state (--save-at) it continues at its step (gpt.c)\n"
+            "  --partial: --save-at and --load use partial checkpoints (a file per partition and shard; gpt.c)\n"
             "  --logits TEXT prints the logits of the character after TEXT once trained (hex floats)\n"
             "  --grads PATH saves the weights, gradients, batch and loss of the first step (one replica)\n"
             "   or: %s --generate --load CKPT --prompts \"A|B|...\" [--tokens N] [--temperature X] [--seed S]\n"
@@ -111,6 +116,7 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
         else if (OPT("--partitions")) o->cfg.partitions = atoi(v);
         else if (!device && OPT("--tp")) o->cfg.tensor_parallel_degree = atoi(v);
         else if (!device && OPT("--params")) o->params = v;
+        else if (!device && OPT("--save-at")) o->save_at = atoi(v);
         else if (OPT("--microbatches")) o->cfg.microbatches = atoi(v);
         else if (OPT("--pipeline")) {
             if (!strcmp(v, "simple")) o->cfg.pipeline = SMP_PIPELINE_SIMPLE;
@@ -141,6 +147,7 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
         else if (device && !strcmp(a, "--bf16")) o->bf16 = true;
         else if (device && !strcmp(a, "--plain")) o->plain = true;
         else if (!strcmp(a, "--generate")) o->generate = true;
+        else if (!device && !strcmp(a, "--partial")) o->partial = true;
         else if (!strcmp(a, "--no-cache")) o->no_cache = true;
         else if (!strcmp(a, "--print-logits")) o->print_logits = true;
         else if (!strcmp(a, "--ddp")) o->cfg.ddp = SMP_ON;
@@ -169,7 +176,7 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
     }
     if (o->min_lr < 0) o->min_lr = o->lr / 10;
     if (o->steps < (device && o->load && !o->generate ? 0 : 1) || o->batch < 1 || o->vocab_multiple < 0 ||
-        o->replicas < 1 || o->val_batches < 0 || o->sample_len < 0 || o->model.dropout < 0 || o->model.dropout >= 1) {
+        o->replicas < 1 || o->save_at < 0 || o->val_batches < 0 || o->sample_len < 0 || o->model.dropout < 0 || o->model.dropout >= 1) {
         usage(argv[0]);
         return 1;
     }
@@ -549,12 +556,19 @@ static void ckpt_meta_init(ckpt_meta *m, const corpus *text, const options *o) {
 SMP_STEP_BODY(pick_logits_body) {
     const smp_tensor *logits = smp_mb_output(mb, 0);
     const int *pick = (const int *)smp_mb_user(mb);
-    int S = (int)logits->shape[1], V = (int)logits->shape[2], at = pick[smp_mb_index(mb)];
+    int S = (int)logits->shape[1], V = (int)logits->shape[2], at = pick[smp_mb_index(mb)], tp = smp_tp_size();
     if (logits->shape[0] != 1 || at < 0 || at >= S)
         return smp_error(SMP_ERR_ARG, "generation: position %d of a [%d, %d] microbatch", at, (int)logits->shape[0], S);
     smp_tensor t = smp_tensor_2d((float *)logits->data + (size_t)at * V, SMP_F32, 1, V);
     t.device = logits->device;
-    return smp_mb_return(mb, 0, &t);
+    if (tp == 1) return smp_mb_return(mb, 0, &t);
+    float *all = (float *)malloc(sizeof(float) * (size_t)V * tp); /* tp > 1: gpt.c's host model */
+    if (!all) return smp_error(SMP_ERR_NOMEM, "generation: out of memory for a row of %d logits", V * tp);
+    smp_tensor row = smp_tensor_2d(all, SMP_F32, 1, (int64_t)V * tp);
+    smp_status st = smp_all_gather(&t, &row, SMP_TP_GROUP);
+    if (!st) st = smp_mb_return(mb, 0, &row);
+    free(all);
+    return st;
 }
 
 /* The next token from one row of logits: greedy at temperature 0, else
@@ -703,11 +717,9 @@ static int gen_run(gen_state *s, const options *o, gen_build_fn build, void *use
     s->pick = (int *)calloc((size_t)s->M, sizeof *s->pick);
     s->rng = (mlp_rng *)calloc((size_t)s->M, sizeof *s->rng);
     smp_status st = s->ctx && s->len && s->pick && s->rng ? SMP_OK : smp_error(SMP_ERR_NOMEM, "out of memory");
-    if (!st && smp_tp_size() != 1) /* the KV cache would have to be split by heads */
-        st = smp_error(SMP_ERR_CONFIG, "--generate runs with tensor_parallel_degree 1: run it without --tp");
-    if (!st && smp_dp_size() != 1)
+    if (!st && smp_rdp_size() != 1)
         st = smp_error(SMP_ERR_CONFIG,
-                       "--generate runs without data parallelism: run as many processes as --partitions");
+                       "--generate runs without data parallelism: run as many processes as --partitions x --tp");
     if (!st) st = gen_read_checkpoint(s, o->load);
     if (!st) st = gen_read_prompts(s, o);
     if (fail_all(st, "input")) return 1;
@@ -731,10 +743,10 @@ static int gen_run(gen_state *s, const options *o, gen_build_fn build, void *use
     }
     if (fail_all(st, "loading the checkpoint")) return 1;
     if (root) {
-        printf("gpt: generating %d characters for %d prompts (one per microbatch) on %d partitions, %s, temperature "
-               "%.2f, seed %d\n",
-               s->N, s->M, cfg->partitions, o->no_cache ? "re-running the whole context" : "KV cache", o->temperature,
-               o->seed);
+        printf("gpt: generating %d characters for %d prompts (one per microbatch) on %d partitions x %d "
+               "tensor-parallel, %s, temperature %.2f, seed %d\n",
+               s->N, s->M, cfg->partitions, smp_tp_size(),
+               o->no_cache ? "re-running the whole context" : "KV cache (split by heads)", o->temperature, o->seed);
         fflush(stdout);
     }
     print_placement(s->model, &s->net);

@@ -1,6 +1,6 @@
 """The GPT example's checkpoint against an independent forward pass.
 
-usage: gpt_ref.py CHECKPOINT CORPUS_DIR VAL_LOSS_HEX VAL_BATCHES BATCH
+usage: gpt_ref.py CHECKPOINT CORPUS_DIR VAL_LOSS_HEX VAL_BATCHES BATCH [LABEL]
 
 Loads the full checkpoint examples/gpt.c saved (safetensors, read with
 numpy), checks that its tensors are exactly nanoGPT's GPT state dict with
@@ -8,7 +8,8 @@ strict names and shapes (less lm_head.weight, which nanoGPT ties to
 transformer.wte.weight), rebuilds the validation text and windows as gpt.c
 does, runs nanoGPT's forward (GPT-2 layout, tanh GELU) in float64 numpy
 and checks the mean validation loss against gpt.c's within 1e-4.
-Prints PASS:/FAIL: lines; numpy or safetensors missing is a SKIP.
+Prints PASS:/FAIL: lines (LABEL, e.g. "tp 2", names the run that saved
+it); numpy or safetensors missing is a SKIP.
 """
 import sys
 
@@ -22,7 +23,9 @@ except ImportError as e:  # pragma: no cover
     sys.exit(0)
 
 path, corpus, val_hex, val_batches, batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-NAME = "gpt/the checkpoint loads with nanoGPT's strict names into a numpy GPT whose validation loss equals gpt.c's within 1e-4"
+LABEL = f" ({sys.argv[6]})" if len(sys.argv) > 6 else ""
+NAME = (f"gpt/the checkpoint{LABEL} loads with nanoGPT's strict names into a numpy GPT whose validation loss equals "
+        "gpt.c's within 1e-4")
 
 with safe_open(path, "np") as f:
     meta = f.metadata()

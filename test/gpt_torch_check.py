@@ -1,9 +1,10 @@
 """The GPT example (examples/gpt.c) against PyTorch.
 
-usage: gpt_torch_check.py CHECKPOINT CORPUS_DIR GPT_OUTPUT VAL_BATCHES BATCH CONTEXT [GRADS]
+usage: gpt_torch_check.py [--label LABEL] CHECKPOINT CORPUS_DIR GPT_OUTPUT VAL_BATCHES BATCH CONTEXT [GRADS]
        gpt_torch_check.py --grads-only GRADS LABEL      (the gradients alone, e.g. of a --tp run; LABEL names it)
 
-CHECKPOINT is the full checkpoint gpt.c saved (--save), GPT_OUTPUT what it
+CHECKPOINT is the full checkpoint gpt.c saved (--save; LABEL, e.g. "tp 2",
+names the run that saved it in the checks' names), GPT_OUTPUT what it
 printed with --print-losses --val-batches VAL_BATCHES --batch BATCH
 --logits CONTEXT, GRADS the file of --grads (its first step). A GPT module
 of nanoGPT's layout, written here in torch (GPT-2: wte, wpe, pre-norm
@@ -28,6 +29,10 @@ import sys
 
 from safetensors_common import check, exit_status, read_numpy
 
+CKPT_LABEL = ""
+if len(sys.argv) > 2 and sys.argv[1] == "--label":
+    CKPT_LABEL = f" ({sys.argv[2]})"
+    del sys.argv[1:3]
 GRADS_ONLY = len(sys.argv) == 4 and sys.argv[1] == "--grads-only"
 NAMES = ([] if GRADS_ONLY else ["strict load", "validation loss", "logits"]) + \
     (["first step's loss", "gradients"] if len(sys.argv) > 7 or GRADS_ONLY else [])
@@ -124,10 +129,11 @@ def check_checkpoint(ckpt, corpus, output, val_batches, batch, context):
     try:
         model, meta, _ = load(ckpt)
         model.eval()
-        check(True, "gpt/torch: the full checkpoint loads with strict names into a PyTorch GPT "
+        check(True, f"gpt/torch: the full checkpoint{CKPT_LABEL} loads with strict names into a PyTorch GPT "
               "(lm_head.weight tied to transformer.wte.weight)")
     except (RuntimeError, KeyError, ValueError) as e:
-        check(False, "gpt/torch: the full checkpoint loads with strict names into a PyTorch GPT", str(e)[:400])
+        check(False, f"gpt/torch: the full checkpoint{CKPT_LABEL} loads with strict names into a PyTorch GPT",
+              str(e)[:400])
         sys.exit(exit_status())
 
     with torch.no_grad():
@@ -138,7 +144,7 @@ def check_checkpoint(ckpt, corpus, output, val_batches, batch, context):
         loss = mean_loss(model, x, y).item()
         c_loss = printed.get("validation", [math.nan])[0]
         check(abs(loss - c_loss) < 1e-4,
-              f"gpt/torch: validation loss equals gpt.c's within 1e-4 ({loss:.6f} against {c_loss:.6f})",
+              f"gpt/torch{CKPT_LABEL}: validation loss equals gpt.c's within 1e-4 ({loss:.6f} against {c_loss:.6f})",
               f"torch {loss:.8f}, gpt.c {c_loss:.8f} ({len(x)} windows)")
 
         # (b) the next-character logits after the context
@@ -146,7 +152,7 @@ def check_checkpoint(ckpt, corpus, output, val_batches, batch, context):
         c_z = np.array(printed.get("logits", []))
         err = float(np.abs(z - c_z).max()) if c_z.shape == z.shape else math.inf
         check(err < 1e-4,
-              f"gpt/torch: the logits after \"{context}\" equal gpt.c's within 1e-4 "
+              f"gpt/torch{CKPT_LABEL}: the logits after \"{context}\" equal gpt.c's within 1e-4 "
               f"(largest difference {err:.1e} of {len(z)})",
               f"largest difference {err:.3e} (gpt.c printed {len(c_z)} logits, torch has {len(z)})")
 

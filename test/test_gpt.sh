@@ -32,9 +32,17 @@
 # at tp 2, 2 partitions under every schedule, recomputed blocks and DDP
 # bitwise the tp 2 run on one partition; tp 2 and tp 2 x 2 partitions
 # within 1e-5 of tp 1 after 20 steps; tp 2's first-step gradients against
-# float64 autograd; heads or a vocabulary --tp does not divide, and
-# --generate with --tp, are errors on every rank. The overhead benchmark's
-# plain loop (no smp) gives smp's losses at 1 microbatch, bitwise.
+# float64 autograd; tp 2's full checkpoint (c_attn [3C, C], as nanoGPT's)
+# loads strictly into the numpy and PyTorch GPTs; a checkpoint with AdamW's
+# state saved at tp 2 x 2 partitions (--save-at) continues at tp 2 bitwise
+# as the run that never stopped, and across tp (2 -> 1, 1 -> 2) within 1e-5;
+# tp 2 x DDP 2 with ZeRO-1 (--shard-optimizer) is bitwise the unsharded run,
+# and its partial and full checkpoints continue bitwise, sharded or not;
+# generation at tp 2 (the KV cache split by heads) writes one process's text
+# with logits within 1e-5, and tp 2 x 2 partitions tp 2's bitwise; heads or
+# a vocabulary --tp does not divide are errors on every rank. The overhead
+# benchmark's plain loop (no smp) gives smp's losses at 1 microbatch,
+# bitwise.
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 bin="${SMP_EXAMPLES:-$top/build/examples}/gpt" # SMP_EXAMPLES: another build (make test: build/examples-asan)
@@ -58,6 +66,11 @@ same() { # name, file a, file b
   else echo "FAIL: $1: $(diff "$tmp/$2" "$tmp/$3" | head -n 4 | tr '\n' ' ') $(head -c 300 "$tmp/$3.err")"; fi
 }
 
+# Debian's python3-torch is in Debian's python3, which need not be the first python3 on the PATH.
+torch_py=python3
+for py in python3 /usr/bin/python3; do
+  if "$py" -c 'import torch' 2>/dev/null; then torch_py=$py; break; fi
+done
 run one 1 --partitions 1 --save "$tmp/one.safetensors" --grads "$tmp/grads.safetensors"
 for p in 1 2 4; do
   for pipe in simple interleaved zero_bubble; do
@@ -128,9 +141,8 @@ else echo "FAIL: $dropdp_name: $(tail -n 1 "$tmp/dropdp.check") $(head -c 300 "$
 # tensor parallelism (--tp 2, Megatron's layout: c_attn column-parallel by heads, c_proj row-parallel, c_fc
 # column-parallel, the MLP's c_proj row-parallel, wte vocabulary-parallel and tied, the cross-entropy
 # vocabulary-parallel). At a fixed tp = 2: 2 partitions (4 ranks), every schedule, recomputed blocks, and DDP
-# 2 x 2 (deterministic) against the two replicas in one TP group (--replicas 2): bitwise, as at tp 1. --save ""
-# everywhere: smp's checkpoints refuse tensor_parallel_degree > 1 for now.
-run tp2 2 --partitions 1 --tp 2 --save ""
+# 2 x 2 (deterministic) against the two replicas in one TP group (--replicas 2): bitwise, as at tp 1.
+run tp2 2 --partitions 1 --tp 2 --save "$tmp/tp2.safetensors"
 for pipe in simple interleaved zero_bubble zero_bubble_v; do
   run "tp2_p2_$pipe" 4 --partitions 2 --tp 2 --pipeline "$pipe" --save ""
   same "gpt/tp 2, 2 partitions, $pipe pipeline: losses, parameters, validation, logits, sample bitwise as 1 partition" \
@@ -141,6 +153,24 @@ same "gpt/tp 2, blocks recomputed (their TP collectives run again): equal tp 2 b
 run tp2_rep2 2 --partitions 1 --tp 2 --replicas 2 --save ""
 run tp2_dp2 4 --partitions 1 --tp 2 --ddp --deterministic --save ""
 same "gpt/tp 2 x DDP 2 (deterministic) equals one TP group running both replicas' shards, bitwise" tp2_rep2 tp2_dp2
+# ... with ZeRO-1 (--shard-optimizer: each replica of a TP rank keeps and updates half of its slice's AdamW
+# state): bitwise the unsharded run. Its checkpoints after step 4 (--save-at), partial (a file per TP slice and
+# replica) and full, continue bitwise: loaded sharded at tp 2 x DDP 2, and unsharded into one TP group running
+# both replicas (--replicas 2).
+run tp2_dp2z 4 --partitions 1 --tp 2 --ddp --deterministic --shard-optimizer --save-at 4 --partial --save "$tmp/zp"
+same "gpt/tp 2 x DDP 2 with sharded optimizer state (ZeRO-1, deterministic) equals the unsharded run bitwise" tp2_dp2 tp2_dp2z
+run tp2_dp2zf 4 --partitions 1 --tp 2 --ddp --deterministic --shard-optimizer --save-at 4 --save "$tmp/zf.safetensors"
+grep -a -v '^step [0-3] loss' "$tmp/tp2_dp2" >"$tmp/tp2_dp2_from4"
+run res_zp 4 --partitions 1 --tp 2 --ddp --deterministic --shard-optimizer --partial --load "$tmp/zp" --save ""
+same "gpt/tp 2 x DDP 2 ZeRO-1: its partial checkpoint loaded sharded continues bitwise" tp2_dp2_from4 res_zp
+run res_zf 4 --partitions 1 --tp 2 --ddp --deterministic --shard-optimizer --load "$tmp/zf.safetensors" --save ""
+same "gpt/tp 2 x DDP 2 ZeRO-1: its full checkpoint loaded sharded continues bitwise" tp2_dp2_from4 res_zf
+run res_zp_rep 2 --partitions 1 --tp 2 --replicas 2 --partial --load "$tmp/zp" --save ""
+same "gpt/tp 2 x DDP 2 ZeRO-1: its partial checkpoint loaded unsharded (one TP group, --replicas 2) continues bitwise" \
+  tp2_dp2_from4 res_zp_rep
+run res_zf_rep 2 --partitions 1 --tp 2 --replicas 2 --load "$tmp/zf.safetensors" --save ""
+same "gpt/tp 2 x DDP 2 ZeRO-1: its full checkpoint loaded unsharded (one TP group, --replicas 2) continues bitwise" \
+  tp2_dp2_from4 res_zf_rep
 # Across tp: 20 steps at tp 2 (2 ranks) and tp 2 x pp 2 (4 ranks) against tp 1: every loss within 1e-5
 # relative, every parameter within 1e-5 of its largest entry (--params: the whole tensors). Float32 sums
 # the same terms in another order (the MLP's and attention's output over two halves, the softmax's sums
@@ -150,24 +180,21 @@ same "gpt/tp 2 x DDP 2 (deterministic) equals one TP group running both replicas
 # AdamW scales float32's leftover ~1e-12 up to steps of ~1e-7, so it holds noise; both runs must keep it
 # below 1e-4.
 long=(--steps 20 --lr 1e-3 --sample-len 0 --save "")
-run tp_ref 1 --partitions 1 "${long[@]}" --params "$tmp/tp_ref.st"
-run tp_2 2 --partitions 1 --tp 2 "${long[@]}" --params "$tmp/tp_2.st"
-run tp_2x2 4 --partitions 2 --tp 2 "${long[@]}" --params "$tmp/tp_2x2.st"
-for t in tp_2 tp_2x2; do
-  what=$([ "$t" = tp_2 ] && echo "tp 2" || echo "tp 2 x 2 partitions")
-  name="gpt/$what against tp 1 after 20 steps: losses within 1e-5 relative, parameters within 1e-5 of each tensor's"
-  name="$name largest entry"
-  if PYTHONPATH="$top/test" python3 - "$tmp/tp_ref" "$tmp/$t" "$tmp/tp_ref.st" "$tmp/$t.st" >"$tmp/tp.check" 2>&1 <<'PY'
+# tp_close NAME REF RUN: the losses RUN printed within 1e-5 relative of REF's at the same steps (RUN may
+# start later: a run resumed from a checkpoint), and its --params file (RUN.st) within 1e-5 of each of
+# REF.st's tensors' largest entry; the key bias as above
+tp_close() {
+  if PYTHONPATH="$top/test" python3 - "$tmp/$2" "$tmp/$3" "$tmp/$2.st" "$tmp/$3.st" >"$tmp/tp.check" 2>&1 <<'PY'
 import sys
 import numpy as np
 from safetensors_common import read_numpy
 def losses(p):
     lines = open(p, errors='replace').read().splitlines()
     assert 'exit 0' in lines, (p, lines[-3:])
-    return [float.fromhex(l.split()[3]) for l in lines if l.startswith('step ')]
+    return {int(l.split()[1]): float.fromhex(l.split()[3]) for l in lines if l.startswith('step ') and ' loss 0x' in l}
 a, b = losses(sys.argv[1]), losses(sys.argv[2])
-assert len(a) == len(b) == 20, (len(a), len(b))
-loss = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+assert b and set(b) <= set(a) and max(a) == max(b), (sorted(a), sorted(b))
+loss = max(abs(a[s] - b[s]) / abs(a[s]) for s in b)
 pa, pb = read_numpy(sys.argv[3])[0], read_numpy(sys.argv[4])[0]
 assert pa.keys() == pb.keys() and len(pa) == 28, (sorted(pa), sorted(pb))
 worst, key = (0.0, ''), 0.0
@@ -179,12 +206,43 @@ for k in pa:
         key = max(key, float(abs(x[C:2 * C]).max()), float(abs(y[C:2 * C]).max()))
         x, y = np.concatenate([x[:C], x[2 * C:]]), np.concatenate([y[:C], y[2 * C:]])
     worst = max(worst, (float(abs(x - y).max() / abs(x).max()), k))
-print(f"losses {loss:.1e}, parameters {worst[0]:.1e} ({worst[1]}), key biases within {key:.0e} of 0")
+print(f"{len(b)} losses {loss:.1e}, parameters {worst[0]:.1e} ({worst[1]}), key biases within {key:.0e} of 0")
 assert loss <= 1e-5 and worst[0] <= 1e-5 and key < 1e-4
 PY
-  then echo "PASS: $name ($(tail -n 1 "$tmp/tp.check"))"
-  else echo "FAIL: $name: $(tail -n 2 "$tmp/tp.check" | tr '\n' ' ') $(head -c 300 "$tmp/$t.err")"; fi
+  then echo "PASS: $1 ($(tail -n 1 "$tmp/tp.check"))"
+  else echo "FAIL: $1: $(tail -n 2 "$tmp/tp.check" | tr '\n' ' ') $(head -c 300 "$tmp/$3.err")"; fi
+}
+# (tp_ref and tp_2x2 also save a checkpoint after step 10 for the resuming checks below)
+run tp_ref 1 --partitions 1 "${long[@]}" --params "$tmp/tp_ref.st" --save-at 10 --save "$tmp/ck_1.safetensors"
+run tp_2 2 --partitions 1 --tp 2 "${long[@]}" --params "$tmp/tp_2.st"
+run tp_2x2 4 --partitions 2 --tp 2 "${long[@]}" --params "$tmp/tp_2x2.st" --save-at 10 --save "$tmp/ck_22.safetensors"
+for t in tp_2 tp_2x2; do
+  what=$([ "$t" = tp_2 ] && echo "tp 2" || echo "tp 2 x 2 partitions")
+  tp_close "gpt/$what against tp 1 after 20 steps: losses within 1e-5 relative, parameters within 1e-5 of each tensor's largest entry" tp_ref "$t"
 done
+
+# Checkpoints at tp > 1: c_attn is [3C, C] at every tp (its q, k and v blocks each split by heads,
+# smp_param_new_sharded_blocks), so a full checkpoint of tp 2 is nanoGPT's file: it loads strictly into
+# the numpy and PyTorch GPTs, whose validation loss and logits match the tp 2 run's.
+python3 "$top/test/gpt_ref.py" "$tmp/tp2.safetensors" /usr/share/games/fortunes \
+  "$(sed -n 's/^validation \(0x[^ ]*\)$/\1/p' "$tmp/tp2")" 2 8 "tp 2"
+"$torch_py" "$top/test/gpt_torch_check.py" --label "tp 2" "$tmp/tp2.safetensors" /usr/share/games/fortunes "$tmp/tp2" 2 8 "$ctx" \
+  || { rc=$?; [ $rc -eq 3 ] || echo "FAIL: gpt/torch (tp 2): gpt_torch_check.py exited with status $rc"; }
+# Resuming: a run that never stops saves after step 4 with AdamW's state (--save-at; tp 2 x 2 partitions
+# on 4 ranks), which changes nothing of it; loaded at tp 2 (one partition) its checkpoint continues bitwise
+# as the tp 2 run that never stopped (steps 0-3, which the resumed run skips, left out). Across tp, on
+# the 20-step runs above (at --lr 1e-2 float32's reordered sums alone part tp 1 and tp 2 by 4e-5 within
+# 8 steps), saved after step 10: tp 2 x 2's checkpoint loaded at tp 1 continues within 1e-5 of tp 1's
+# run, tp 1's loaded at tp 2 within 1e-5 of tp 2 x 2's (tp_close, steps 10-19 and the parameters).
+run ck_22 4 --partitions 2 --tp 2 --save-at 4 --save "$tmp/ck_22_4.safetensors"
+same "gpt/--save-at 4 (AdamW's state saved after step 4) at tp 2 x 2 partitions changes nothing of the run" tp2 ck_22
+grep -a -v '^step [0-3] loss' "$tmp/tp2" >"$tmp/tp2_from4"
+run res_22_2 2 --partitions 1 --tp 2 --load "$tmp/ck_22_4.safetensors" --save ""
+same "gpt/a tp 2 x 2 partitions checkpoint loaded at tp 2 continues bitwise as the run that never stopped" tp2_from4 res_22_2
+run res_22_1 1 --partitions 1 "${long[@]}" --load "$tmp/ck_22.safetensors" --params "$tmp/res_22_1.st"
+tp_close "gpt/a tp 2 x 2 partitions checkpoint loaded at tp 1 continues as tp 1's run (steps 10-19 within 1e-5)" tp_ref res_22_1
+run res_1_2 2 --partitions 1 --tp 2 "${long[@]}" --load "$tmp/ck_1.safetensors" --params "$tmp/res_1_2.st"
+tp_close "gpt/a tp 1 checkpoint loaded at tp 2 continues as tp 2's run (steps 10-19 within 1e-5)" tp_2x2 res_1_2
 
 # training works: the loss falls well within a few steps
 if python3 - "$tmp/one" <<'PY'
@@ -200,11 +258,6 @@ else echo "FAIL: gpt/the loss falls: $(grep '^step\|^validation loss' "$tmp/one"
 # the checkpoint in an independent forward pass (numpy, float64, nanoGPT's layout and strict names)
 python3 "$top/test/gpt_ref.py" "$tmp/one.safetensors" /usr/share/games/fortunes "$(sed -n 's/^validation \(0x[^ ]*\)$/\1/p' "$tmp/one")" 2 8
 # ... and in PyTorch (float64): strict load, validation loss, logits, the first step's loss and gradients.
-# Debian's python3-torch is in Debian's python3, which need not be the first python3 on the PATH.
-torch_py=python3
-for py in python3 /usr/bin/python3; do
-  if "$py" -c 'import torch' 2>/dev/null; then torch_py=$py; break; fi
-done
 "$torch_py" "$top/test/gpt_torch_check.py" "$tmp/one.safetensors" /usr/share/games/fortunes "$tmp/one" 2 8 "$ctx" "$tmp/grads.safetensors" \
   || { rc=$?; [ $rc -eq 3 ] || echo "FAIL: gpt/torch: gpt_torch_check.py exited with status $rc"; } # 3: it reported a FAIL
 # ... and the first step's gradients at tp 2 (whole tensors gathered from the shards, c_attn as [3C, C])
@@ -235,8 +288,8 @@ expect_error "gpt/--tp 2 with 3 heads names the fix on every rank" \
   2 --partitions 1 --tp 2 --dmodel 36 --heads 3 --save ""
 expect_error "gpt/--tp 4 with a vocabulary of 114 names the fix on every rank" \
   "the vocabulary of 114 does not split over tensor_parallel_degree = 4" 4 --partitions 1 --tp 4 --save ""
-expect_error "gpt/--save at --tp 2 is refused on every rank (c_attn's layout is not nanoGPT's there)" \
-  "--save and --load run with tensor_parallel_degree 1 so far" 2 --partitions 1 --tp 2 --save "$tmp/tp.safetensors"
+expect_error "gpt/--save-at at or after the last step names the fix on every rank" \
+  "give --save PATH and --save-at 1 to 7" 2 --partitions 1 --tp 2 --save-at 8
 
 # pipelined generation (--generate): a checkpoint of a tiny model trained a little longer, loaded into 1, 2 and 4
 # partitions, 4 prompts of different lengths (one per microbatch), an evaluation step per character
@@ -290,6 +343,15 @@ for temp in 0 0.8; do
   gen_same "gpt/generation ($what): the KV cache writes the text of re-running the whole context, one process" "n1_$temp.text" "g1_$temp.text"
   gen_same "gpt/generation ($what): the KV cache writes the text of re-running the whole context, 2 partitions" "n2_$temp.text" "g2_$temp.text"
   gen_close "gpt/generation ($what): the KV cache's logits equal re-running the whole context's within 1e-5" "n1_$temp" "g1_$temp"
+  # tensor parallelism: each TP rank caches its heads' keys and values, the head's V / tp logits are joined
+  gen "t2_$temp" 2 --partitions 1 --tp 2 --temperature "$temp" --seed 3
+  gen "t22_$temp" 4 --partitions 2 --tp 2 --pipeline simple --temperature "$temp" --seed 3
+  gen "nt2_$temp" 2 --partitions 1 --tp 2 --temperature "$temp" --seed 3 --no-cache
+  gen_same "gpt/generation ($what): tp 2 (KV cache split by heads) writes the text of one process" "g1_$temp.text" "t2_$temp.text"
+  gen_close "gpt/generation ($what): tp 2's logits equal one process's within 1e-5" "g1_$temp" "t2_$temp"
+  gen_same "gpt/generation ($what): tp 2 x 2 partitions write the text and logits of tp 2, bitwise" "t2_$temp" "t22_$temp"
+  gen_same "gpt/generation ($what): at tp 2 the KV cache writes the text of re-running the whole context" "nt2_$temp.text" "t2_$temp.text"
+  gen_close "gpt/generation ($what): at tp 2 the KV cache's logits equal re-running the whole context's within 1e-5" "nt2_$temp" "t2_$temp"
 done
 if grep -q '^--- prompt 3:' "$tmp/g1_0.8" && ! cmp -s "$tmp/g1_0" "$tmp/g1_0.8" && [ "$(grep -c '^--- prompt' "$tmp/g1_0.8")" = 4 ] \
    && [ "$(grep -a -A1 '^--- prompt 0:' "$tmp/g1_0.8" | tail -n 1 | head -c 3)" = "The" ]; then
@@ -304,9 +366,11 @@ gen_err() { # name, pattern, np, args...
 }
 gen_err "gpt/generation: prompt + tokens longer than the model's context is an error on every rank" \
   "prompt 1: a context of 33 characters (4 of prompt + 29 tokens) is longer than the model's 32" 2 --partitions 2 --prompts "The|Why |I" --tokens 29
-gen_err "gpt/generation: --tp 2 is refused on every rank (the KV cache is not split by heads)" \
-  "--generate runs with tensor_parallel_degree 1: run it without --tp" 2 --partitions 1 --tp 2 \
+gen_err "gpt/generation: data parallelism is refused on every rank" \
+  "--generate runs without data parallelism: run as many processes as --partitions x --tp" 4 --partitions 1 --tp 2 --ddp \
   --prompts "The|A" --tokens 4
+gen_err "gpt/generation: --tp 3 with 4 heads names the fix on every rank" \
+  "4 heads do not split over tensor_parallel_degree = 3" 3 --partitions 1 --tp 3 --prompts "The|A" --tokens 4
 gen_err "gpt/generation: a prompt character outside the vocabulary is an error on every rank" \
   "not in the vocabulary" 2 --partitions 2 --prompts "$(printf 'The|A\001')" --tokens 4
 

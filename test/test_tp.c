@@ -310,24 +310,33 @@ static void test_sharded_init(int world) {
         smp_param *p = n.params[k];
         int64_t shape[SMP_MAX_DIMS];
         int nd = smp_param_full_shape(p, shape), axis = smp_param_shard_axis(p);
+        int nb = axis < 0 ? 1 : k / 4 == 1 ? SPLITS : 1; /* block 1 is sharded in SPLITS blocks */
         float full[F * H];
         smp_tensor ft = smp_tensor_make(full, SMP_F32, nd, shape);
         smp_init_uniform(&ft, smp_param_seed(smp_param_name(p)), &g_bound);
         const smp_tensor *v = smp_param_value(p);
-        int64_t want_off = axis < 0 ? 0 : shape[axis] / world * smp_tp_rank();
-        ok = smp_param_shard_offset(p) == want_off &&
+        int64_t want_off = axis < 0 ? 0 : shape[axis] / nb / world * smp_tp_rank();
+        ok = smp_param_shard_offset(p) == want_off && (axis < 0 || smp_param_shard_blocks(p) == nb) &&
              (axis < 0 ? v->shape[0] == shape[0] : v->shape[axis] * world == shape[axis]);
         if (!ok) {
-            snprintf(why, sizeof why, "%s: offset %lld, local dim %lld", smp_param_name(p),
-                     (long long)smp_param_shard_offset(p), (long long)v->shape[axis < 0 ? 0 : axis]);
+            snprintf(why, sizeof why, "%s: offset %lld, %d blocks, local dim %lld", smp_param_name(p),
+                     (long long)smp_param_shard_offset(p), smp_param_shard_blocks(p),
+                     (long long)v->shape[axis < 0 ? 0 : axis]);
             break;
         }
-        int64_t outer = 1, inner = 1, a = axis < 0 ? 0 : axis;
-        for (int d = 0; d < a; d++) outer *= shape[d];
-        for (int d = a + 1; d < nd; d++) inner *= shape[d];
-        for (int64_t o = 0; ok && o < outer; o++)
-            ok = !memcmp((const float *)v->data + o * v->shape[a] * inner, full + (o * shape[a] + want_off) * inner,
-                         sizeof(float) * (size_t)(v->shape[a] * inner));
+        /* each local element against its full one: block j of the axis holds local rows j x per .. of it */
+        int a = axis < 0 ? 0 : axis;
+        int64_t per = v->shape[a] / nb, span = shape[a] / nb, idx[SMP_MAX_DIMS] = {0};
+        for (int64_t e = 0; ok && e < smp_tensor_numel(v); e++) {
+            int64_t rest = e, at = 0;
+            for (int d = nd - 1; d >= 0; d--) {
+                idx[d] = rest % v->shape[d];
+                rest /= v->shape[d];
+            }
+            idx[a] = idx[a] / per * span + want_off + idx[a] % per; /* the full tensor's index along the axis */
+            for (int d = 0; d < nd; d++) at = at * shape[d] + idx[d];
+            ok = ((const float *)v->data)[e] == full[at];
+        }
         if (!ok) snprintf(why, sizeof why, "%s: the slice differs from the full tensor's", smp_param_name(p));
     }
     MPI_CHECK(ok, "tp/sharded_init/slices_of_the_full_tensor", "%s %s", st ? smp_last_error() : "", why);
@@ -459,6 +468,35 @@ static void test_bad_input(int world) {
     MPI_CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "\"odd.weight\"") &&
                   strstr(smp_last_error(), "does not divide") && !m,
               name, "%s: %s", smp_status_name(st), smp_last_error());
+    smp_finalize();
+
+    /* blocks of a shard axis that tp does not split: the block named, on every rank */
+    if (smp_init(&cfg)) return;
+    root = smp_module_new(NULL, "", NULL);
+    lin = smp_module_new(root, "fused", &(smp_module_desc){col_forward, col_backward, NULL});
+    smp_param_new_sharded_blocks(lin, "weight", SMP_F32, 2, (int64_t[]){3 * (world + 1), H}, 0, 3, smp_init_uniform,
+                                 NULL);
+    m = NULL;
+    st = smp_model_new(root, &(smp_model_desc){.forward = net_forward}, &m);
+    char want_blocks[96];
+    snprintf(want_blocks, sizeof want_blocks, "in 3 blocks of %d, which tensor_parallel_degree = %d does not divide",
+             world + 1, world);
+    MPI_CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "\"fused.weight\"") &&
+                  strstr(smp_last_error(), want_blocks) && strstr(smp_last_error(), "make each block a multiple") && !m,
+              "tp/bad/shard_blocks_not_divisible", "%s: %s", smp_status_name(st), smp_last_error());
+    smp_finalize();
+
+    /* blocks that do not divide the axis itself: an error as the model is declared */
+    if (smp_init(&cfg)) return;
+    root = smp_module_new(NULL, "", NULL);
+    lin = smp_module_new(root, "fused", &(smp_module_desc){col_forward, col_backward, NULL});
+    smp_param *bp = smp_param_new_sharded_blocks(lin, "weight", SMP_F32, 2, (int64_t[]){10, H}, 0, 3, smp_init_uniform,
+                                                 NULL);
+    m = NULL;
+    st = smp_model_new(root, &(smp_model_desc){.forward = net_forward}, &m);
+    MPI_CHECK(!bp && st == SMP_ERR_ARG && strstr(smp_last_error(), "3 blocks do not split its shard axis 0 of size 10") &&
+                  !m,
+              "tp/bad/blocks_do_not_split_the_axis", "%s: %s", smp_status_name(st), smp_last_error());
     smp_finalize();
 
     /* shapes that differ across the TP group: an error on every rank, naming both */

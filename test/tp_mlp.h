@@ -3,8 +3,12 @@
    b1 [F] sharded along axis 0) -> a row-parallel linear without bias (W2
    [H, F] sharded along axis 1) -> tp_reduce -> a bias (b2 [H], whole); its
    kernels, an MSE step body, the batch of each step (the same on every
-   rank), and the full tensors of a replica's parameters. Include after
-   smp_pipeline.h and test.h. */
+   rank), and the full tensors of a replica's parameters. Block 1 shards its
+   F features in SPLITS blocks (smp_param_new_sharded_blocks: W1 and b1
+   along axis 0, W2 along axis 1, so each rank's outputs of one are its
+   inputs of the other), as a fused QKV or gate-and-up projection is: the
+   same function at every tp, each rank a slice of every block. Include
+   after smp_pipeline.h and test.h. */
 #ifndef TP_MLP_H
 #define TP_MLP_H
 #define H 8
@@ -15,9 +19,20 @@
 #define BLOCKS 2
 #define NP (BLOCKS * 3) /* W1, b1, W2 per block... and b2: see param_names */
 #define LR 0.05f
+#define SPLITS 2 /* blocks of block 1's sharded axis */
 
 /* ------------------------------------------------------------ kernels */
+/* Fault injection for test_tp_chaos.c: the kernels count their calls on this rank, and the one numbered
+   g_fail_at (-1: none) fails. */
+static long g_kernel_calls, g_fail_at = -1;
+#define TP_MLP_MAYBE_FAIL()                                                                                     \
+    do {                                                                                                        \
+        if (g_kernel_calls++ == g_fail_at)                                                                      \
+            return smp_error(SMP_ERR_MODULE, "a failure injected into kernel call %ld on world rank %d", g_fail_at, \
+                             smp_rank());                                                                       \
+    } while (0)
 static smp_status col_forward(smp_call_ctx *c) { /* y = relu(x W^T + b), W [f, H] local */
+    TP_MLP_MAYBE_FAIL();
     smp_module *m = smp_call_module(c);
     smp_param **p = (smp_param **)smp_module_user(m);
     const smp_tensor *x = smp_call_input(c, 0), *w = smp_param_value(p[0]), *b = smp_param_value(p[1]);
@@ -35,6 +50,7 @@ static smp_status col_forward(smp_call_ctx *c) { /* y = relu(x W^T + b), W [f, H
     return SMP_OK;
 }
 static smp_status col_backward(smp_call_ctx *c) {
+    TP_MLP_MAYBE_FAIL();
     smp_param **p = (smp_param **)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *y = smp_call_output_value(c, 0), *gy = smp_call_grad_output(c, 0);
     const float *xs = (const float *)x->data, *ys = (const float *)y->data, *g = (const float *)gy->data;
@@ -61,6 +77,7 @@ static smp_status col_backward(smp_call_ctx *c) {
     return SMP_OK;
 }
 static smp_status row_forward(smp_call_ctx *c) { /* y = x W^T, W [H, f] local: a partial sum */
+    TP_MLP_MAYBE_FAIL();
     smp_param **p = (smp_param **)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *w = smp_param_value(p[0]);
     int n = (int)x->shape[0], f = (int)w->shape[1];
@@ -76,6 +93,7 @@ static smp_status row_forward(smp_call_ctx *c) { /* y = x W^T, W [H, f] local: a
     return SMP_OK;
 }
 static smp_status row_backward(smp_call_ctx *c) {
+    TP_MLP_MAYBE_FAIL();
     smp_param **p = (smp_param **)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0), *gy = smp_call_grad_output(c, 0);
     const float *xs = (const float *)x->data, *g = (const float *)gy->data,
@@ -98,6 +116,7 @@ static smp_status row_backward(smp_call_ctx *c) {
     return SMP_OK;
 }
 static smp_status bias_forward(smp_call_ctx *c) {
+    TP_MLP_MAYBE_FAIL();
     smp_param **p = (smp_param **)smp_module_user(smp_call_module(c));
     const smp_tensor *x = smp_call_input(c, 0);
     smp_tensor *y = smp_call_output(c, 0, SMP_F32, 2, x->shape);
@@ -110,6 +129,7 @@ static smp_status bias_forward(smp_call_ctx *c) {
     return SMP_OK;
 }
 static smp_status bias_backward(smp_call_ctx *c) {
+    TP_MLP_MAYBE_FAIL();
     smp_param **p = (smp_param **)smp_module_user(smp_call_module(c));
     const smp_tensor *gy = smp_call_grad_output(c, 0);
     int n = (int)gy->shape[0], k = (int)gy->shape[1];
@@ -151,14 +171,15 @@ static void build(net *n, bool pipelined, bool recompute, int wide) {
         n->mods[b][0] = smp_module_new_tp_copy(n->root, name);
         snprintf(name, sizeof name, "b%d_fc", b);
         n->mods[b][1] = smp_module_new(n->root, name, &(smp_module_desc){col_forward, col_backward, n->col_p[b]});
-        n->col_p[b][0] = smp_param_new_sharded(n->mods[b][1], "weight", SMP_F32, 2, (int64_t[]){wide, H}, 0,
-                                               smp_init_uniform, &g_bound);
-        n->col_p[b][1] =
-            smp_param_new_sharded(n->mods[b][1], "bias", SMP_F32, 1, (int64_t[]){wide}, 0, smp_init_uniform, &g_bound);
+        int nb = b == 1 ? SPLITS : 1;
+        n->col_p[b][0] = smp_param_new_sharded_blocks(n->mods[b][1], "weight", SMP_F32, 2, (int64_t[]){wide, H}, 0, nb,
+                                                      smp_init_uniform, &g_bound);
+        n->col_p[b][1] = smp_param_new_sharded_blocks(n->mods[b][1], "bias", SMP_F32, 1, (int64_t[]){wide}, 0, nb,
+                                                      smp_init_uniform, &g_bound);
         snprintf(name, sizeof name, "b%d_proj", b);
         n->mods[b][2] = smp_module_new(n->root, name, &(smp_module_desc){row_forward, row_backward, n->row_p[b]});
-        n->row_p[b][0] = smp_param_new_sharded(n->mods[b][2], "weight", SMP_F32, 2, (int64_t[]){H, wide}, 1,
-                                               smp_init_uniform, &g_bound);
+        n->row_p[b][0] = smp_param_new_sharded_blocks(n->mods[b][2], "weight", SMP_F32, 2, (int64_t[]){H, wide}, 1, nb,
+                                                      smp_init_uniform, &g_bound);
         snprintf(name, sizeof name, "b%d_out", b);
         n->mods[b][3] = smp_module_new_tp_reduce(n->root, name);
         snprintf(name, sizeof name, "b%d_bias", b);
@@ -195,18 +216,21 @@ SMP_STEP_BODY(mse_body) {
     return smp_mb_return_f32(mb, 0, loss);
 }
 
-/* Copies between a parameter's local slice and its full tensor. */
+/* Copies between a parameter's local slice and its full tensor: along the
+   shard axis, local index i is block i / (loc / blocks), at offset + i %
+   (loc / blocks) within that block. */
 static inline void slice_io(smp_param *p, float *local, float *full, bool to_full) {
     int64_t shape[SMP_MAX_DIMS], outer = 1, inner = 1, off = smp_param_shard_offset(p);
-    int nd = smp_param_full_shape(p, shape), axis = smp_param_shard_axis(p);
-    if (axis < 0) { axis = 0; off = 0; }
+    int nd = smp_param_full_shape(p, shape), axis = smp_param_shard_axis(p), nb = smp_param_shard_blocks(p);
+    if (axis < 0) { axis = 0; off = 0; nb = 1; }
     for (int d = 0; d < axis; d++) outer *= shape[d];
     for (int d = axis + 1; d < nd; d++) inner *= shape[d];
-    int64_t loc = smp_param_value(p)->shape[axis];
-    for (int64_t o = 0; o < outer; o++) {
-        float *f = full + (o * shape[axis] + off) * inner, *l = local + o * loc * inner;
-        memcpy(to_full ? f : l, to_full ? l : f, sizeof(float) * (size_t)(loc * inner));
-    }
+    int64_t loc = smp_param_value(p)->shape[axis], per = loc / nb, span = shape[axis] / nb;
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t i = 0; i < loc; i++) {
+            float *f = full + (o * shape[axis] + i / per * span + off + i % per) * inner, *l = local + (o * loc + i) * inner;
+            memcpy(to_full ? f : l, to_full ? l : f, sizeof(float) * (size_t)inner);
+        }
 }
 
 /* The full tensors of local[k] (a local parameter's slice of something shaped as it: its value, gradient,
