@@ -382,7 +382,7 @@ bench-gpt: build/examples/gpt
 # device (BIN=build/cuda/gpt on a GPU).
 bench-gpt-cuda: build/fake/gpt
 	bash bench/gpt_cuda.sh
-bench-memory: build/examples/gpt build/fake/fmnist
+bench-memory: build/examples/gpt build/fake/fmnist build/fake/gpt
 	bash bench/memory.sh
 # Tensor parallelism: the GPT at width 384, --tp 2 against one process on the same 2 cores.
 bench-tp: build/examples/gpt

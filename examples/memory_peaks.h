@@ -11,7 +11,7 @@
    order, printed by rank 0 ("memory peak rank R: parameters X MiB, ...";
    device memory counts with host memory): what each setting saved.
    Collective. */
-static smp_status print_memory_peaks(const char *title) {
+static inline smp_status print_memory_peaks(const char *title) {
     smp_memory_stats *all = (smp_memory_stats *)calloc((size_t)smp_size(), sizeof *all);
     smp_status st = all ? smp_memory_report(title, all) : smp_error(SMP_ERR_NOMEM, "out of memory");
     for (int r = 0; !st && smp_rank() == 0 && r < smp_size(); r++) {
