@@ -264,9 +264,10 @@ EXLIBS   := -lopenblas -lz -lm
 # -O3 -fno-math-errno vectorises the engine's elementwise loops (ReLU, Adam's
 # sqrtf); neither reorders floating-point sums, so results do not change.
 EXFLAGS  := -O3 -fno-math-errno -g
-build/examples/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h | build/examples
+EXHDRS   := examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h examples/memory_peaks.h
+build/examples/%: examples/%.c $(HEADERS) $(EXHDRS) | build/examples
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(EXFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
-build/examples/gpt: examples/gpt_model.h examples/gpt_shared.h
+build/examples/gpt: examples/gpt_model.h examples/gpt_shared.h examples/memory_peaks.h
 # the overhead benchmark's program (bench/, not an example), built with them: test_gpt.sh runs its --check
 build/examples/gpt_overhead: bench/gpt_overhead.c examples/gpt_model.h examples/mlp_engine.h $(HEADERS) | build/examples
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(EXFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
@@ -275,9 +276,9 @@ build/examples:
 examples: $(addprefix build/examples/,$(EXAMPLES))
 # The same examples under AddressSanitizer + UBSan, for the script tests
 # (test_demo.sh, test_gpt.sh with SMP_EXAMPLES=build/examples-asan).
-build/examples-asan/%: examples/%.c $(HEADERS) examples/mlp_engine.h examples/fmnist_model.h examples/fmnist_shared.h | build/examples-asan
+build/examples-asan/%: examples/%.c $(HEADERS) $(EXHDRS) | build/examples-asan
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(SANFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
-build/examples-asan/gpt: examples/gpt_model.h examples/gpt_shared.h
+build/examples-asan/gpt: examples/gpt_model.h examples/gpt_shared.h examples/memory_peaks.h
 build/examples-asan/gpt_overhead: bench/gpt_overhead.c examples/gpt_model.h examples/mlp_engine.h $(HEADERS) | build/examples-asan
 	MPICH_CC=gcc mpicc $(CSTD) $(WARN) $(SANFLAGS) -Iexamples -I. $< -o $@ $(EXLIBS)
 build/examples-asan:
@@ -291,11 +292,13 @@ CUDA_BINS := build/cuda/nccl_allreduce build/cuda/test_gpu build/cuda/fmnist bui
 build/cuda/%: examples/%.cu $(HEADERS) | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lnccl
 # Fashion-MNIST on GPUs: the CPU demo's loop with cuBLAS and kernels of its own.
-CUDA_MLP := examples/fmnist_cuda.h examples/cuda_engine.h examples/mlp_engine.h examples/fmnist_shared.h
+CUDA_MLP := examples/fmnist_cuda.h examples/cuda_engine.h examples/mlp_engine.h examples/fmnist_shared.h \
+            examples/memory_peaks.h
 build/cuda/fmnist: examples/fmnist.cu $(HEADERS) $(CUDA_MLP) Makefile | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl -lz
 # The GPT on GPUs: gpt.c's model, data and loop with cuBLAS and kernels of its own.
-CUDA_GPT := examples/gpt_cuda.h examples/cuda_engine.h examples/gpt_model.h examples/gpt_shared.h examples/mlp_engine.h
+CUDA_GPT := examples/gpt_cuda.h examples/cuda_engine.h examples/gpt_model.h examples/gpt_shared.h \
+            examples/memory_peaks.h examples/mlp_engine.h
 build/cuda/gpt: examples/gpt.cu $(HEADERS) $(CUDA_GPT) Makefile | build/cuda
 	$(NVCC) $(NVFLAGS) -I. -Iexamples $< -o $@ -lcublas -lnccl
 build/bench/nccl: bench/nccl.cu $(HEADERS) $(CUDA_MLP) Makefile | build/bench
@@ -387,7 +390,7 @@ bench-gpt: build/examples/gpt
 # device (BIN=build/cuda/gpt on a GPU).
 bench-gpt-cuda: build/fake/gpt
 	bash bench/gpt_cuda.sh
-bench-memory: build/examples/gpt build/fake/fmnist
+bench-memory: build/examples/gpt build/fake/fmnist build/fake/gpt
 	bash bench/memory.sh
 # Tensor parallelism: the GPT at width 384, --tp 2 against one process on the same 2 cores.
 bench-tp: build/examples/gpt

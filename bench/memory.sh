@@ -11,8 +11,9 @@
 #   - 2 pipeline partitions with the simple (GPipe) schedule and
 #     MEM_BENCH_MB microbatches under active_microbatches 1..m: the largest
 #     activation peak of a rank;
-#   - offload_activations on the fake CUDA device (build/fake/fmnist): the
-#     largest activation peak of a rank with and without --offload.
+#   - offload_activations on the fake CUDA device (build/fake/fmnist, and
+#     build/fake/gpt: gpt.cu): the largest activation peak of a rank with
+#     and without --offload.
 # Timings need a quiet machine; the byte figures do not.
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
@@ -96,4 +97,25 @@ PY
        "host copies at their peak $(peak fm_off offloaded)); losses bitwise equal"
   awk -v w="$(peak fm_off activations)" -v k="$(peak fm_keep activations)" \
     'BEGIN { printf "offload peak device bytes with/without: %.2f\n", w / k }'
+fi
+# The same for the CUDA GPT (examples/gpt.cu on the fake device): 2 partitions split by memory alone (the same
+# stages both runs), GPipe over 8 microbatches, horizon 2.
+fgpt="$top/build/fake/gpt"
+if [ ! -x "$fgpt" ]; then
+  echo "offload (CUDA GPT) peak device bytes with/without: not measured ($fgpt is missing: make build/fake/gpt)"
+else
+  g=(--layers 4 --dmodel 64 --heads 4 --context 64 --batch 16 --microbatches 8 --steps 3 --warmup 1 --print-losses
+     --val-batches 0 --sample-len 0 --save "" --partitions 2 --pipeline simple)
+  grun() { # NAME ARGS...
+    local name=$1; shift
+    SMP_TIMEOUT=300 FAKE_CUDA_DEVICES=2 mpirun -n 2 "$fgpt" "${g[@]}" "$@" >"$tmp/$name" 2>&1 ||
+      { echo "bench/memory: $name failed:" >&2; tail -n 20 "$tmp/$name" >&2; exit 1; }
+  }
+  grun g_keep --config '{"optimize": "memory"}'
+  grun g_off --offload --config '{"optimize": "memory", "activation_loading_horizon": 2}'
+  if ! cmp -s <(grep -a '^step [0-9]* loss' "$tmp/g_keep") <(grep -a '^step [0-9]* loss' "$tmp/g_off"); then
+    echo "bench/memory: the GPT's losses with --offload differ from those without" >&2; exit 1
+  fi
+  awk -v w="$(peak g_off activations)" -v k="$(peak g_keep activations)" \
+    'BEGIN { printf "offload (CUDA GPT) peak device bytes with/without: %.2f (activations %s/%s MiB)\n", w / k, w, k }'
 fi

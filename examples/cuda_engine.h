@@ -212,4 +212,74 @@ static inline smp_status gpu_adam_step(const gpu_engine *e, float *p, const floa
 
 static inline float *values_of(smp_param *p) { return (float *)smp_param_value(p)->data; }
 static inline float *grads_of(smp_param *p) { return (float *)smp_param_grad(p)->data; }
+
+#ifdef SMP_CHECKPOINT_H
+/* ---------------------------------------------------------------- Adam's moments */
+/* Adam's two moments for the local parameters of a partitioned model, on
+   the device and zeroed, for the elements this replica updates: elements
+   [first[i], first[i] + count[i]) of local parameter i, as
+   smp_param_owned_range says (all of it, or under shard_optimizer_state
+   the replica's owned range: full-size state is never allocated then).
+   Registered with reg as "exp_avg" and "exp_avg_sq" (in the parameter's
+   shape, or sharded 1-d over the range): smp's memory account counts them
+   and checkpoints carry them. */
+typedef struct gpu_moments {
+    int n;
+    int64_t *first, *count;
+    float **m, **v;
+} gpu_moments;
+
+static inline void gpu_moments_free(gpu_moments *o) {
+    for (int i = 0; i < o->n; i++) {
+        if (o->m) smp_nccl_free(o->m[i]);
+        if (o->v) smp_nccl_free(o->v[i]);
+    }
+    free(o->first);
+    free(o->count);
+    free(o->m);
+    free(o->v);
+    memset(o, 0, sizeof *o);
+}
+
+static inline smp_status gpu_moments_init(gpu_moments *o, smp_model *model, const gpu_engine *e, smp_optimizer *reg) {
+    memset(o, 0, sizeof *o);
+    int n = 0;
+    while (smp_model_local_param(model, n, false)) n++;
+    o->first = (int64_t *)calloc((size_t)n + 1, sizeof *o->first);
+    o->count = (int64_t *)calloc((size_t)n + 1, sizeof *o->count);
+    o->m = (float **)calloc((size_t)n + 1, sizeof *o->m);
+    o->v = (float **)calloc((size_t)n + 1, sizeof *o->v);
+    if (!o->first || !o->count || !o->m || !o->v) return smp_error(SMP_ERR_NOMEM, "out of memory for Adam's state");
+    o->n = n;
+    for (int i = 0; i < n; i++) {
+        smp_param *p = smp_model_local_param(model, i, false);
+        SMP_TRY(smp_param_owned_range(model, p, &o->first[i], &o->count[i]));
+        size_t bytes = sizeof(float) * (size_t)(o->count[i] ? o->count[i] : 1);
+        o->m[i] = (float *)smp_nccl_alloc(bytes);
+        o->v[i] = (float *)smp_nccl_alloc(bytes);
+        if (!o->m[i] || !o->v[i])
+            return smp_error(SMP_ERR_NOMEM, "out of device memory for Adam's state of '%s' (%zu bytes): %s",
+                             smp_param_name(p), bytes, smp_last_error());
+        GPU_CUDA(cudaMemsetAsync, (o->m[i], 0, bytes, e->stream));
+        GPU_CUDA(cudaMemsetAsync, (o->v[i], 0, bytes, e->stream));
+        /* the parameter's shape unsharded (a checkpoint's state then has it), the range's length sharded */
+        smp_tensor m = device_tensor(*smp_param_value(p)), v;
+        if (smp_current_config()->shard_optimizer_state == SMP_ON)
+            m = device_tensor(smp_tensor_1d(NULL, SMP_F32, o->count[i]));
+        m.data = o->m[i];
+        v = m;
+        v.data = o->v[i];
+        SMP_TRY(smp_optimizer_state_add(reg, smp_param_name(p), "exp_avg", &m));
+        SMP_TRY(smp_optimizer_state_add(reg, smp_param_name(p), "exp_avg_sq", &v));
+    }
+    return SMP_OK;
+}
+
+/* One Adam step on the elements local parameter i's moments cover. */
+static inline smp_status gpu_moments_step(const gpu_moments *o, int i, smp_param *p, const gpu_engine *e, int64_t t,
+                                          const mlp_adam_cfg *c) {
+    return gpu_adam_step(e, values_of(p) + o->first[i], grads_of(p) + o->first[i], o->m[i], o->v[i],
+                         (size_t)o->count[i], t, c);
+}
+#endif
 #endif

@@ -208,11 +208,9 @@ int main(int argc, char **argv) {
         snprintf(mean_s, sizeof mean_s, "%.9g", mean);
         snprintf(std_s, sizeof std_s, "%.9g", stdev);
         const char *keys[] = {"epoch", "step", "pixel_mean", "pixel_std"}, *values[] = {e, n, mean_s, std_s};
-        /* checkpoints of sharded optimizer state are not built yet: --shard-optimizer saves the model alone */
-        const smp_optimizer *saved = smp_current_config()->shard_optimizer_state == SMP_ON ? NULL : opt_state.state;
         if ((st = smp_save(model, opt.checkpoint,
                            &(smp_save_desc){.partial = opt.partial ? SMP_ON : SMP_OFF,
-                                            .optimizer = saved,
+                                            .optimizer = opt_state.state, /* sharded: each replica's range */
                                             .meta_keys = keys,
                                             .meta_values = values,
                                             .nmeta = 4})))
@@ -222,16 +220,7 @@ int main(int argc, char **argv) {
     if (!st) st = evaluate(model, &test, 1000, &accuracy);
     if (st) fprintf(stderr, "fmnist: rank %d: %s\n", smp_rank(), smp_last_error());
     else if (smp_rank() == 0) printf("test accuracy: %.4f\n", accuracy);
-    if (!st) { /* the memory account's peaks, one line per rank */
-        smp_memory_stats *all = calloc((size_t)smp_size(), sizeof *all);
-        st = all ? smp_memory_report("fmnist", all) : smp_error(SMP_ERR_NOMEM, "out of memory");
-        for (int r = 0; !st && smp_rank() == 0 && r < smp_size(); r++) {
-            char line[512];
-            smp_memory_format(&all[r], true, line, sizeof line);
-            printf("memory peak rank %d: %s\n", r, line);
-        }
-        free(all);
-    }
+    if (!st) st = print_memory_peaks("fmnist"); /* per rank: what each setting saved */
 
     adam_free(&opt_state);
     free(idx); free(xb); free(yb);

@@ -23,12 +23,17 @@
      optimizer.step()                            adam_step(&opt, model)
      if smp.dp_rank() == 0: smp.save(...)        smp_save(...) (only dp rank 0 writes; smp copies device tensors out)
 
-   Build: make cuda   (nvcc -ccbin mpicxx -O2 -Iexamples -I. examples/fmnist.cu -o build/cuda/fmnist -lcublas -lnccl
-   -lz) Run:   mpirun -n 2 build/cuda/fmnist                      (2 partitions, a GPU each) mpirun -n 4
-   build/cuda/fmnist --partitions 2 --ddp (2 partitions x 2 replicas) mpirun -n 2 build/cuda/fmnist --pipeline simple
-   --microbatches 8 --offload (activations wait in host memory until their backward) With one GPU per rank the data
-   moves over NCCL; ranks that share a GPU work too (smp moves device data through host memory); without a GPU the
-   program says so and exits.
+   Build: make cuda   (nvcc -ccbin mpicxx -O2 -Iexamples -I. examples/fmnist.cu -o build/cuda/fmnist
+                       -lcublas -lnccl -lz)
+   Run:   mpirun -n 2 build/cuda/fmnist                                  2 partitions, a GPU each
+          mpirun -n 4 build/cuda/fmnist --partitions 2 --ddp             2 partitions x 2 replicas
+          mpirun -n 4 build/cuda/fmnist --partitions 2 --ddp --shard-optimizer
+                                                  each replica keeps Adam's moments for its owned range only
+          mpirun -n 2 build/cuda/fmnist --pipeline simple --microbatches 8 --offload
+                                                  activations wait in host memory until their backward
+   At the end rank 0 prints the memory account's peaks of each rank ("memory peak rank R: ..."): what each setting
+   saved. With one GPU per rank the data moves over NCCL; ranks that share a GPU work too (smp moves device data
+   through host memory); without a GPU the program says so and exits.
 */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
@@ -44,12 +49,13 @@
 
 /* ---------------------------------------------------------------- the optimizer */
 /* Adam over this rank's parameters (smp.DistributedOptimizer: each rank
-   steps the parameters it owns), moments on the device next to them. */
+   steps the parameters it owns), moments on the device next to them, over
+   the elements this replica updates (all, or its owned range under
+   --shard-optimizer: cuda_engine.h's gpu_moments). */
 typedef struct adam {
     mlp_adam_cfg cfg;
     int64_t t;
-    float **m, **v;
-    int nparams;
+    gpu_moments mo;
     smp_optimizer *state; /* what checkpoints save: exp_avg, exp_avg_sq per parameter, the step */
     const gpu_engine *engine;
 } adam;
@@ -61,44 +67,24 @@ static smp_status adam_init(adam *o, smp_model *model, float lr, const gpu_engin
     memset(o, 0, sizeof *o);
     o->cfg = mlp_adam_defaults(lr);
     o->engine = engine;
-    while (smp_model_local_param(model, o->nparams, false)) o->nparams++;
-    o->m = (float **)calloc((size_t)o->nparams, sizeof *o->m);
-    o->v = (float **)calloc((size_t)o->nparams, sizeof *o->v);
     smp_status st = smp_optimizer_new(model, &o->state);
     smp_tensor step = smp_tensor_1d(&o->t, SMP_I64, 1); /* host: every rank holds the count */
     if (!st) st = smp_optimizer_state_add(o->state, NULL, "step", &step);
-    for (int i = 0; i < o->nparams && !st; i++) {
-        smp_param *p = smp_model_local_param(model, i, false);
-        smp_tensor m = device_tensor(*smp_param_value(p)), v = m;
-        size_t bytes = smp_tensor_nbytes(&m);
-        m.data = o->m[i] = (float *)smp_nccl_alloc(bytes);
-        v.data = o->v[i] = (float *)smp_nccl_alloc(bytes);
-        if (!o->m[i] || !o->v[i]) { st = SMP_ERR_DEVICE; break; } /* smp_nccl_alloc left the message */
-        cudaError_t e = cudaMemsetAsync(o->m[i], 0, bytes, engine->stream);
-        if (e == cudaSuccess) e = cudaMemsetAsync(o->v[i], 0, bytes, engine->stream);
-        if (e != cudaSuccess) { st = gpu_cuda_fail(e, "cudaMemsetAsync"); break; }
-        st = smp_optimizer_state_add(o->state, smp_param_name(p), "exp_avg", &m);
-        if (!st) st = smp_optimizer_state_add(o->state, smp_param_name(p), "exp_avg_sq", &v);
-    }
+    if (!st) st = gpu_moments_init(&o->mo, model, engine, o->state);
     return st;
 }
 
 static smp_status adam_step(adam *o, smp_model *model) {
     o->t++;
     smp_status st = SMP_OK;
-    for (int i = 0; i < o->nparams && !st; i++) {
-        smp_param *p = smp_model_local_param(model, i, false);
-        st = gpu_adam_step(o->engine, values_of(p), grads_of(p), o->m[i], o->v[i],
-                           (size_t)smp_tensor_numel(smp_param_value(p)), o->t, &o->cfg);
-    }
+    for (int i = 0; i < o->mo.n && !st; i++)
+        st = gpu_moments_step(&o->mo, i, smp_model_local_param(model, i, false), o->engine, o->t, &o->cfg);
     return st;
 }
 
 static void adam_free(adam *o) {
     smp_optimizer_free(o->state);
-    for (int i = 0; i < o->nparams; i++) { smp_nccl_free(o->m[i]); smp_nccl_free(o->v[i]); }
-    free(o->m);
-    free(o->v);
+    gpu_moments_free(&o->mo);
 }
 
 
@@ -263,16 +249,7 @@ int main(int argc, char **argv) {
     if (!st) st = evaluate(model, &engine, &test, 1000, &accuracy);
     if (st) fprintf(stderr, "fmnist: rank %d: %s\n", smp_rank(), smp_last_error());
     else if (smp_rank() == 0) printf("test accuracy: %.4f\n", accuracy);
-    if (!st) { /* the memory account's peaks, one line per rank (device memory counts with host memory) */
-        smp_memory_stats *all = (smp_memory_stats *)calloc((size_t)smp_size(), sizeof *all);
-        st = all ? smp_memory_report("fmnist", all) : smp_error(SMP_ERR_NOMEM, "out of memory");
-        for (int r = 0; !st && smp_rank() == 0 && r < smp_size(); r++) {
-            char line[512];
-            smp_memory_format(&all[r], true, line, sizeof line);
-            printf("memory peak rank %d: %s\n", r, line);
-        }
-        free(all);
-    }
+    if (!st) st = print_memory_peaks("fmnist"); /* per rank: what each setting saved */
 
     adam_free(&opt_state);
     smp_nccl_free(xd);

@@ -1,12 +1,15 @@
 /* fmnist_shared.h - what the CPU (fmnist.c) and CUDA (fmnist.cu) demos
    share outside their training loops: the command line, the progress
-   output and the resume metadata. Include after smp.h. */
+   output, the resume metadata and the memory peaks printed at the end
+   (memory_peaks.h). Include after smp.h. */
 #ifndef FMNIST_SHARED_H
 #define FMNIST_SHARED_H
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+#include "memory_peaks.h" /* print_memory_peaks, the last lines of both demos */
 
 /* ---------------------------------------------------------------- options */
 typedef struct options {

@@ -330,19 +330,6 @@ static smp_status load_training(smp_model *model, const options *opt, const corp
     return st;
 }
 
-/* The memory account's peaks, one line per rank (rank 0 prints). Collective. */
-static smp_status print_memory_peaks(void) {
-    smp_memory_stats *all = calloc((size_t)smp_size(), sizeof *all);
-    smp_status st = all ? smp_memory_report("gpt", all) : smp_error(SMP_ERR_NOMEM, "out of memory");
-    for (int r = 0; !st && smp_rank() == 0 && r < smp_size(); r++) {
-        char line[512];
-        smp_memory_format(&all[r], true, line, sizeof line);
-        printf("memory peak rank %d: %s\n", r, line);
-    }
-    free(all);
-    return st;
-}
-
 int main(int argc, char **argv) {
     options opt;
     MPI_Init(&argc, &argv);
@@ -569,7 +556,7 @@ int main(int argc, char **argv) {
     /* ---------------------------------------------------------------- the checkpoint */
     if (opt.save && *opt.save && !opt.save_at && fail_all(save_checkpoint(model, &opt, &text, NULL, 0), "checkpoint"))
         goto done;
-    if (fail_all(print_memory_peaks(), "the memory account")) goto done;
+    if (fail_all(print_memory_peaks("gpt"), "the memory account")) goto done;
     rc = 0;
 
 done:

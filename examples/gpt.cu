@@ -49,6 +49,13 @@
    costs one position; --print-logits prints the logits each character was
    drawn from, --no-cache re-runs each whole context instead.
 
+   Memory: --shard-optimizer (shard_optimizer_state, with --ddp) keeps each
+   replica's AdamW moments on the device for its owned range only;
+   --offload (offload_activations) keeps what each backward needs in host
+   memory until activation_loading_horizon pipeline tasks before it. Both
+   leave every result bitwise as without. At the end rank 0 prints the
+   memory account's peaks of each rank ("memory peak rank R: ...").
+
    Not on the device: --dropout, --replicas, --grads (gpt.c).
 
    Build: make build/cuda/gpt   (nvcc -ccbin mpicxx ... -lcublas -lnccl)
@@ -69,31 +76,19 @@
 #include <string.h>
 
 /* ---------------------------------------------------------------- AdamW */
-/* gpt.c's AdamW on the device: moments next to the parameters, decay on
-   matrices only. */
+/* gpt.c's AdamW on the device: moments next to the parameters, over the
+   elements this replica updates (all, or its owned range under
+   --shard-optimizer: cuda_engine.h's gpu_moments), decay on matrices only. */
 typedef struct adamw {
-    int n;
-    float **m, **v;
+    gpu_moments mo;
     int64_t t;
+    smp_optimizer *reg; /* the moments, registered: smp's memory account counts them */
 } adamw;
 
 static smp_status adamw_init(adamw *o, smp_model *model, const gpt_gpu *gg) {
     memset(o, 0, sizeof *o);
-    while (smp_model_local_param(model, o->n, false)) o->n++;
-    o->m = (float **)calloc((size_t)o->n + 1, sizeof *o->m);
-    o->v = (float **)calloc((size_t)o->n + 1, sizeof *o->v);
-    if (!o->m || !o->v) return smp_error(SMP_ERR_NOMEM, "out of memory for AdamW's state");
-    for (int i = 0; i < o->n; i++) {
-        size_t bytes = smp_tensor_nbytes(smp_param_value(smp_model_local_param(model, i, false)));
-        o->m[i] = (float *)smp_nccl_alloc(bytes);
-        o->v[i] = (float *)smp_nccl_alloc(bytes);
-        if (!o->m[i] || !o->v[i])
-            return smp_error(SMP_ERR_NOMEM, "out of device memory for AdamW's state (%zu bytes): %s", bytes,
-                             smp_last_error());
-        GPU_CUDA(cudaMemsetAsync, (o->m[i], 0, bytes, gg->e.stream));
-        GPU_CUDA(cudaMemsetAsync, (o->v[i], 0, bytes, gg->e.stream));
-    }
-    return SMP_OK;
+    SMP_TRY(smp_optimizer_new(model, &o->reg));
+    return gpu_moments_init(&o->mo, model, &gg->e, o->reg);
 }
 
 static smp_status adamw_step(adamw *o, smp_model *model, const options *opt, float lr, const gpt_gpu *gg) {
@@ -103,18 +98,14 @@ static smp_status adamw_step(adamw *o, smp_model *model, const options *opt, flo
     for (int i = 0; !st && (p = smp_model_local_param(model, i, false)); i++) {
         smp_tensor *w = smp_param_value(p);
         mlp_adam_cfg c = {lr, opt->beta1, opt->beta2, 1e-8f, w->ndim >= 2 ? opt->weight_decay : 0.0f};
-        st = gpu_adam_step(&gg->e, values_of(p), grads_of(p), o->m[i], o->v[i], (size_t)smp_tensor_numel(w), o->t, &c);
+        st = gpu_moments_step(&o->mo, i, p, &gg->e, o->t, &c);
     }
     return st;
 }
 
 static void adamw_free(adamw *o) {
-    for (int i = 0; i < o->n; i++) {
-        smp_nccl_free(o->m[i]);
-        smp_nccl_free(o->v[i]);
-    }
-    free(o->m);
-    free(o->v);
+    smp_optimizer_free(o->reg);
+    gpu_moments_free(&o->mo);
 }
 
 /* ---------------------------------------------------------------- the plain loop (--plain) */
@@ -431,6 +422,7 @@ int main(int argc, char **argv) {
             }
             if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
             if ((st = adamw_step(&opt_state, model, &opt, lr, &gg))) break; /* optimizer.step() */
+            if (step == 0) smp_memory_reset_peaks(); /* the peaks printed at the end: of the steps after the set-up */
             tokens += (long)opt.batch * T;
             if (step == 1) { /* the first two steps trace, allocate and warm up: the throughput is timed after them */
                 if ((st = cudaStreamSynchronize(gg.e.stream) ? smp_error(SMP_ERR_DEVICE, "cudaStreamSynchronize failed")
@@ -451,6 +443,9 @@ int main(int argc, char **argv) {
                 fflush(stdout);
             }
         }
+        /* --shard-optimizer: each replica updated its own range; the next step would gather them, the digest reads
+           them now */
+        if (!st) st = smp_model_gather_params(model);
         if (!st && cudaStreamSynchronize(gg.e.stream) != cudaSuccess)
             st = smp_error(SMP_ERR_DEVICE, "cudaStreamSynchronize failed");
         if (fail_all(st, "training")) goto done;
@@ -522,6 +517,7 @@ int main(int argc, char **argv) {
                 printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n",
                        opt.save);
         }
+        if (fail_all(print_memory_peaks("gpt"), "the memory account")) goto done;
         rc = 0;
     }
 

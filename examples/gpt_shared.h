@@ -3,9 +3,10 @@
    fortunes corpus, the batches, the learning-rate schedule, the
    next-character logits and sampling, parameter digests, the checkpoint's
    metadata, pipelined generation from a checkpoint (--generate, on the
-   model each program builds). The same flags, data and loop in both, so
-   the two compare step for step. Include after smp.h, smp_pipeline.h, smp_checkpoint.h and
-   gpt_model.h (C, or C++ under nvcc). */
+   model each program builds), the memory peaks printed at the end
+   (memory_peaks.h). The same flags, data and loop in both, so the two
+   compare step for step. Include after smp.h, smp_pipeline.h,
+   smp_checkpoint.h and gpt_model.h (C, or C++ under nvcc). */
 #ifndef GPT_SHARED_H
 #define GPT_SHARED_H
 #include <dirent.h>
@@ -15,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+
+#include "memory_peaks.h" /* print_memory_peaks, the last lines of both programs */
 
 #define GPT_DEFAULT_DATA "/usr/share/games/fortunes"
 
@@ -56,6 +59,8 @@ static void usage(const char *prog) {
             "  --save-at N saves it after step N instead, with AdamW's state, and trains on (gpt.c)\n"
             "  --load CKPT starts from a checkpoint: with AdamW's state (--save-at) it continues at its step (gpt.c)\n"
             "  --partial: --save-at and --load use partial checkpoints (a file per partition and shard; gpt.c)\n"
+            "  --offload (gpt.cu) keeps what each backward needs in host memory until activation_loading_horizon\n"
+            "   pipeline tasks before it (offload_activations; --config '{\"activation_loading_horizon\": 2}')\n"
             "  --logits TEXT prints the logits of the character after TEXT once trained (hex floats)\n"
             "  --grads PATH saves the weights, gradients, batch and loss of the first step (one replica)\n"
             "   or: %s --generate --load CKPT --prompts \"A|B|...\" [--tokens N] [--temperature X] [--seed S]\n"
@@ -67,7 +72,7 @@ static void usage(const char *prog) {
             prog, prog);
 }
 
-/* device: gpt.cu, which also takes --bf16, --vocab-multiple N, --plain, and --load
+/* device: gpt.cu, which also takes --bf16, --vocab-multiple N, --plain, --offload, and --load
    CKPT for training (the weights to start from; --steps 0 then only
    evaluates). */
 static int parse_options(int argc, char **argv, options *o, bool device) {
@@ -146,6 +151,7 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
         else if (device && OPT("--vocab-multiple")) o->vocab_multiple = atoi(v);
         else if (device && !strcmp(a, "--bf16")) o->bf16 = true;
         else if (device && !strcmp(a, "--plain")) o->plain = true;
+        else if (device && !strcmp(a, "--offload")) o->cfg.offload_activations = SMP_ON;
         else if (!strcmp(a, "--generate")) o->generate = true;
         else if (!device && !strcmp(a, "--partial")) o->partial = true;
         else if (!strcmp(a, "--no-cache")) o->no_cache = true;

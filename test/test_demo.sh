@@ -7,7 +7,9 @@
 # exactly in double), the next four within a relative 1e-5. Later steps are
 # not compared: the replicas' gradient sum rounds differently (test_ddp
 # bounds that per step) and Adam amplifies such differences on near-zero
-# gradients, so they grow chaotically. Bad input gives clear errors.
+# gradients, so they grow chaotically. --shard-optimizer equals the
+# unsharded run bitwise and halves each rank's optimizer-state peak in the
+# memory account the demo prints. Bad input gives clear errors.
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 ex=${SMP_EXAMPLES:-$top/build/examples} # SMP_EXAMPLES: another build of the examples (make test: build/examples-asan)
@@ -16,7 +18,10 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 [ -x "$bin" ] || { echo "FAIL: demo/binary: $bin is not built (make examples)"; exit 1; }
 steps="--epochs 1 --max-steps 40 --print-losses"
-run() { local out=$1 np=$2; shift 2; mpirun -n "$np" "$bin" $steps "$@" 2>"$tmp/$out.err" | grep '^step' >"$tmp/$out"; }
+run() { # out, np, args...: the step lines in $tmp/OUT, everything in OUT.log
+  local out=$1 np=$2; shift 2
+  mpirun -n "$np" "$bin" $steps "$@" 2>"$tmp/$out.err" | tee "$tmp/$out.log" | grep '^step' >"$tmp/$out"
+}
 same() { # name, file a, file b
   if [ -s "$tmp/$2" ] && cmp -s "$tmp/$2" "$tmp/$3"; then echo "PASS: $1"
   else echo "FAIL: $1: $(diff "$tmp/$2" "$tmp/$3" | head -n 3 | tr '\n' ' ') $(head -c 300 "$tmp/$3.err")"; fi
@@ -37,6 +42,15 @@ same "demo/2 partitions, zero_bubble_v, layers placed in a V by SMP_PARTITION, e
 run dp_pp 4 --partitions 2 --ddp --deterministic --microbatches 4
 run dp_one 2 --partitions 1 --ddp --deterministic --microbatches 4
 same "demo/2 partitions x 2 replicas equal 2 replicas in one stage bitwise (deterministic)" dp_one dp_pp
+# --shard-optimizer: each replica keeps Adam's moments for its owned range only (and checkpoints them so); bitwise
+# the unsharded run, and about half the optimizer state per rank in the memory account's peaks ("memory peak rank R")
+run dp_one_sh 2 --partitions 1 --ddp --deterministic --microbatches 4 --shard-optimizer
+same "demo/--shard-optimizer: 2 replicas equal the unsharded run bitwise (deterministic)" dp_one dp_one_sh
+name="demo/--shard-optimizer: optimizer-state peak per parameter byte 0.45..0.55 of unsharded (2 replicas)"
+if msg=$(python3 "$top/test/memory_peaks.py" "$tmp/dp_one.log" "$tmp/dp_one_sh.log" optimizer/parameters 0.45 0.55 \
+  2>&1); then
+  echo "PASS: $name: $msg"
+else echo "FAIL: $name: $(echo "$msg" | tail -n 1)"; fi
 run one8 1 --partitions 1 --microbatches 8
 if [ -s "$tmp/dp_pp" ] && python3 - "$tmp/dp_pp" "$tmp/one8" <<'PY'
 import sys

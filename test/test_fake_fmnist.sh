@@ -16,6 +16,10 @@
 #  - 2x2 equal the one-process run with the same global batch and
 #    microbatch size: step 0 bitwise, steps 1-4 within a relative 1e-5 (see
 #    test_demo.sh for why not later steps);
+#  - --shard-optimizer (each replica keeps Adam's moments for its owned
+#    range only): 2 replicas, 1 and 2 partitions, equal the unsharded run
+#    bit for bit, and every rank's optimizer-state peak in the memory
+#    account ("memory peak rank R: ...") is about half the unsharded one;
 #  - the loss falls and the test accuracy beats chance: training trains.
 # Bitwise comparisons include the test accuracy the runs print.
 #
@@ -77,6 +81,11 @@ same() { # check, run a, run b [pattern b's header must hold]
   elif cmp -s "$tmp/$2" "$tmp/$3" && cmp -s "$tmp/$2.acc" "$tmp/$3.acc"; then pass "$1"
   else fail "$1: first difference: $2: $(first_diff "$2" "$3" '<') / $3: $(first_diff "$2" "$3" '>')"; fi
 }
+# the memory account's peaks of run b against run a's (test/memory_peaks.py)
+peaks() { # check, run a, run b, category, low, high
+  if msg=$(python3 "$top/test/memory_peaks.py" "$tmp/$2.log" "$tmp/$3.log" "$4" "$5" "$6" 2>&1); then pass "$1: $msg"
+  else fail "$1: $(echo "$msg" | tail -n 1)"; fi
+}
 
 start=$SECONDS
 run one 1 1 --partitions 1 --microbatches 4
@@ -104,6 +113,20 @@ same "fake-fmnist/2 partitions x 2 replicas equal 2 replicas in one stage bitwis
 # NCCL's bucketed all-reduce instead of the all-gather, and NCCL slowed instead of the kernels: a + b is b + a, so 2 replicas still match bitwise
 FAKE_CUDA_SLOW=comm run dp_slow 4 4 --partitions 2 --ddp --microbatches 4
 same "fake-fmnist/2x2 with NCCL's all-reduce (not deterministic) and NCCL slowed instead of the kernels (FAKE_CUDA_SLOW=comm) equal 2 replicas in one stage bitwise" dp_one dp_slow "(CUDA, nccl:"
+
+# --shard-optimizer (ZeRO-1 on the device): Adam's moments for each replica's owned range only (the checkpoint of
+# every epoch saves the sharded state); bitwise the unsharded run, and about half the optimizer state per rank in the
+# memory account's peaks ("memory peak rank R")
+run dp_one_sh 2 2 --partitions 1 --ddp --deterministic --microbatches 4 --shard-optimizer
+run dp_pp_sh 4 4 --partitions 2 --ddp --deterministic --microbatches 4 --shard-optimizer
+same "fake-fmnist/--shard-optimizer: 2 replicas (1 stage) equal the unsharded run bitwise (deterministic)" \
+  dp_one dp_one_sh "(CUDA, nccl:"
+same "fake-fmnist/--shard-optimizer: 2 partitions x 2 replicas equal the unsharded run bitwise (deterministic)" \
+  dp_one dp_pp_sh "(CUDA, nccl:"
+peaks "fake-fmnist/--shard-optimizer: optimizer-state peak per parameter byte 0.45..0.55 of unsharded (2 replicas, 1 stage)" \
+  dp_one dp_one_sh optimizer/parameters 0.45 0.55
+peaks "fake-fmnist/--shard-optimizer: optimizer-state peak per parameter byte 0.45..0.55 of unsharded (2 stages x 2 replicas)" \
+  dp_pp dp_pp_sh optimizer/parameters 0.45 0.55
 
 run one8 1 1 --partitions 1 --microbatches 8
 name="fake-fmnist/2x2 replicas equal one process with the same global batch (step 0 bitwise, steps 1-4 within 1e-5)"

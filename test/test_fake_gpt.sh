@@ -12,6 +12,14 @@
 #  - DDP: 2 partitions x 2 replicas (deterministic reduction) equal 2
 #    replicas in one stage bitwise, and the host program's one process that
 #    runs both replicas' shards in turn (gpt.c --replicas 2) within 1e-5;
+#  - --shard-optimizer (AdamW's moments for each replica's owned range
+#    only): 2 replicas at 1 and 2 partitions equal the unsharded runs bit
+#    for bit, and every rank's optimizer-state peak in the memory account
+#    ("memory peak rank R: ...") is about half the unsharded one;
+#  - --offload (activations in host memory until their backward, horizon
+#    1): 2 partitions under GPipe equal one process bitwise, the largest
+#    device activation peak of a rank is lower and the account counts the
+#    host copies;
 #  - against the host program (examples/gpt.c, OpenBLAS) with the same
 #    flags: after 10 steps every parameter within 1e-5 relative (the norm of
 #    the difference over the norm of gpt.c's), and the losses within 1e-5.
@@ -60,7 +68,7 @@ run() {
   local out=$1 gpus=$2 np=$3 prog=$4; shift 4
   SMP_TIMEOUT=120 FAKE_CUDA_DEVICES=$gpus OPENBLAS_NUM_THREADS=1 timeout 300 mpirun -n "$np" "$prog" $tiny --logits "$ctx" "$@" >"$tmp/$out.raw" 2>"$tmp/$out.err"
   echo "exit $?" >>"$tmp/$out.raw"
-  grep -a -v -e 'tokens/s' -e '^placement:' -e '^gpt' -e '^checkpoint:' "$tmp/$out.raw" >"$tmp/$out"
+  grep -a -v -e 'tokens/s' -e '^placement:' -e '^gpt' -e '^checkpoint:' -e '^memory peak' "$tmp/$out.raw" >"$tmp/$out"
 }
 complete() { grep -q '^param ' "$tmp/$1" && grep -q '^logits ' "$tmp/$1" && grep -q '^validation ' "$tmp/$1" && grep -q 'exit 0' "$tmp/$1"; }
 why() { echo "$(tail -n 1 "$tmp/$1.raw"); $(head -c 300 "$tmp/$1.err" | tr '\n' ' ')"; }
@@ -71,6 +79,11 @@ same() { # check, run a, run b [pattern b's header must hold]
   elif cmp -s "$tmp/$2" "$tmp/$3"; then pass "$1"
   else fail "$1: first difference: $(diff "$tmp/$2" "$tmp/$3" | grep -m 2 '^[<>]' | cut -c 1-120 | tr '\n' ' ')"; fi
 }
+# the memory account's peaks of run b against run a's (test/memory_peaks.py)
+peaks() { # check, run a, run b, category, low, high
+  if msg=$(python3 "$top/test/memory_peaks.py" "$tmp/$2.raw" "$tmp/$3.raw" "$4" "$5" "$6" 2>&1); then pass "$1: $msg"
+  else fail "$1: $(echo "$msg" | tail -n 1)"; fi
+}
 
 run one 1 1 "$bin" --partitions 1 --save "$tmp/one.safetensors"
 for pipe in simple interleaved zero_bubble zero_bubble_v; do
@@ -79,6 +92,17 @@ for pipe in simple interleaved zero_bubble zero_bubble_v; do
 done
 run pp2_recompute 2 2 "$bin" --partitions 2 --recompute
 same "fake-gpt/2 partitions, blocks recomputed, equal one process bitwise" one pp2_recompute "nccl:"
+# --offload: what each backward needs waits in host memory until activation_loading_horizon tasks before it
+# (both runs split the model by memory alone: a split by traced time may differ between two runs)
+run offload 2 2 "$bin" --partitions 2 --pipeline simple --offload \
+  --config '{"activation_loading_horizon": 1, "optimize": "memory"}'
+run no_offload 2 2 "$bin" --partitions 2 --pipeline simple --config '{"optimize": "memory"}'
+same "fake-gpt/2 partitions, GPipe, activations offloaded to host memory (horizon 1), equal one process bitwise" \
+  one offload "nccl:"
+peaks "fake-gpt/--offload: the largest activation peak of a rank below 0.8 of the run without (pp2, GPipe)" \
+  no_offload offload max:activations 0 0.8
+peaks "fake-gpt/--offload: the memory account counts the host copies (offloaded bytes on every rank)" \
+  offload offload offloaded 1 1
 run shared 1 2 "$bin" --partitions 2
 same "fake-gpt/2 partitions sharing one fake GPU (host-staged) equal one process bitwise" one shared "host-staged"
 run pp4 4 4 "$bin" --partitions 4 --pipeline simple
@@ -88,6 +112,19 @@ same "fake-gpt/4 partitions on 4 fake GPUs equal one process bitwise" one pp4 "n
 run dp_one 2 2 "$bin" --partitions 1 --ddp --deterministic
 run dp_pp 4 4 "$bin" --partitions 2 --ddp --deterministic
 same "fake-gpt/2 partitions x 2 replicas equal 2 replicas in one stage bitwise (deterministic)" dp_one dp_pp "nccl:"
+# --shard-optimizer (ZeRO-1 on the device): each replica keeps AdamW's moments for its owned range only; bitwise the
+# unsharded run, and about half the optimizer state per rank in the memory account's peaks ("memory peak rank R")
+run dp_one_sh 2 2 "$bin" --partitions 1 --ddp --deterministic --shard-optimizer
+run dp_pp_sh 4 4 "$bin" --partitions 2 --ddp --deterministic --shard-optimizer
+same "fake-gpt/--shard-optimizer: 2 replicas (1 stage) equal the unsharded run bitwise (deterministic)" \
+  dp_one dp_one_sh "nccl:"
+same "fake-gpt/--shard-optimizer: 2 partitions x 2 replicas equal the unsharded run bitwise (deterministic)" \
+  dp_pp dp_pp_sh "nccl:"
+peaks "fake-gpt/--shard-optimizer: optimizer-state peak per parameter byte 0.45..0.55 of unsharded (2 replicas, 1 stage)" \
+  dp_one dp_one_sh optimizer/parameters 0.45 0.55
+peaks "fake-gpt/--shard-optimizer: optimizer-state peak per parameter byte 0.45..0.55 of unsharded (2 stages x 2 replicas)" \
+  dp_pp dp_pp_sh optimizer/parameters 0.45 0.55
+
 # within a tolerance of the host program's two replicas in one process
 close() { # check, run a, run b, relative bound: every step's loss and the validation loss
   if ! complete "$2"; then fail "$1: $2 did not complete: $(why "$2")"

@@ -10,7 +10,9 @@
 # equals, bit for bit, one process that runs the two replicas' shards in
 # turn and sums their gradients in replica order (--replicas 2), and 2
 # replicas in one stage; with dropout, one process running the global batch
-# in as many microbatches (the first step bitwise, then within 1e-6). The
+# in as many microbatches (the first step bitwise, then within 1e-6).
+# --shard-optimizer equals the unsharded DDP runs bitwise and halves each
+# rank's optimizer-state peak in the memory account gpt.c prints. The
 # loss falls. Against independent references:
 # test/gpt_ref.py (numpy, float64) loads the checkpoint with nanoGPT's
 # strict names and recomputes the validation loss; test/gpt_torch_check.py
@@ -111,6 +113,19 @@ run dp2x2v 4 --partitions 2 --ddp --deterministic --pipeline zero_bubble_v
 same "gpt/DDP 2x2 (deterministic) equals one process running both replicas' shards, bitwise" rep2 dp2x2
 same "gpt/DDP 2x2 (deterministic), zero_bubble_v: equals one process running both replicas' shards, bitwise" rep2 dp2x2v
 same "gpt/DDP 2x2 equals 2 replicas in one stage, bitwise" dp1x2 dp2x2
+# --shard-optimizer: each replica keeps AdamW's moments for its owned range only; bitwise the unsharded run, and
+# about half the optimizer state per rank in the memory account's peaks ("memory peak rank R")
+run dp1x2_sh 2 --partitions 1 --ddp --deterministic --shard-optimizer
+run dp2x2_sh 4 --partitions 2 --ddp --deterministic --shard-optimizer
+same "gpt/--shard-optimizer: 2 replicas in one stage equal the unsharded run, bitwise" dp1x2 dp1x2_sh
+same "gpt/--shard-optimizer: 2 partitions x 2 replicas equal the unsharded run, bitwise" dp2x2 dp2x2_sh
+for pair in "dp1x2 dp1x2_sh 2 replicas" "dp2x2 dp2x2_sh 2 partitions x 2 replicas"; do
+  read -r a b what <<<"$pair"
+  name="gpt/--shard-optimizer: optimizer-state peak per parameter byte 0.45..0.55 of unsharded ($what)"
+  if msg=$(python3 "$top/test/memory_peaks.py" "$tmp/$a.raw" "$tmp/$b.raw" optimizer/parameters 0.45 0.55 2>&1); then
+    echo "PASS: $name: $msg"
+  else echo "FAIL: $name: $(echo "$msg" | tail -n 1)"; fi
+done
 # with dropout each replica draws its own masks: the seed mixes in the
 # sample's position (dp rank x microbatches + microbatch), so DDP 2x2 with
 # one microbatch per replica draws the masks of one process running the
