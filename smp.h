@@ -891,7 +891,8 @@ SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *full_name); /* 
    after the step a replica's gradients hold the average over the replicas
    in its owned ranges and zeros elsewhere. smp_clip_grad_norm and the
    grad scaler read the owned ranges (each element once across the
-   replicas). Before parameters are next read (the next step, smp_save, or
+   replicas). Before parameters are next read (the next step, overlapped
+   with its forward bucket by bucket (smp_pipeline.h), smp_save, or
    smp_model_gather_params) smp gathers every replica's updated range, so
    all replicas hold the same values; with deterministic_reduction a
    sharded run is bitwise the unsharded one. Optimizer state registered

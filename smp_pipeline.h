@@ -401,9 +401,21 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
    STATE) each bucket is reduce-scattered instead (MPI_Ireduce_scatter_block;
    deterministic: an all-to-all of the pieces, summed in rank order), in the
    same order and overlap, so each replica gets the average of the piece it
-   owns; each step starts by gathering the ranges the replicas' optimizers
-   updated. The global norm sums exact partial sums of squares, so it is the
-   same bits sharded or not, partitioned or not. */
+   owns. The next step gathers the ranges the replicas' optimizers updated,
+   overlapped with its forward: every bucket's all-gather starts as the step
+   begins (MPI_Iallgather in RDP_GROUP; on a device model the backend's
+   gather_start, NCCL's all-gather on smp's stream), and the step waits for a
+   bucket only before the first forward call that reads one of its
+   parameters (on the device the engine's stream waits, not the host), so
+   the buckets of later calls arrive while earlier calls compute; the pass
+   between calls moves host all-gathers on. Buckets are laid out in backward
+   order, so the first calls' parameters are in the last buckets. Every
+   all-gather is waited for before the body, a backward or the step's end,
+   failed step or not: no step returns with one in flight, and a failed step
+   leaves every parameter gathered. SMP_TIMELINE shows each as "AG b<n>",
+   from its start until the step put the bucket's parameters in place. The
+   global norm sums exact partial sums of squares, so it is the same bits
+   sharded or not, partitioned or not. */
 
 /* Scales gradients so that their global norm (over the whole model, every
    partition, every TP shard once and every whole parameter once) is at most max_norm; *total_norm gets the norm before
