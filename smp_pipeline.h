@@ -2558,7 +2558,8 @@ static smp_status smp__params_plan(smp__pipe *ps, smp_model *md) {
     return st;
 }
 
-/* Bucket b's parameter n of its list, viewed at `at` elements into a buffer laid out like the bucket. */
+/* count elements from element `first` of the bucket's q-th parameter (grad_order[q]), in a buffer at base laid out
+   like the bucket. */
 static smp_tensor smp__params_view(const smp_model *md, const smp__bucket *k, int q, void *base, int64_t first,
                                    int64_t count) {
     smp_tensor t = smp_tensor_1d((char *)base + (size_t)(md->grad_at[md->grad_order[q]] + first) *
@@ -2638,6 +2639,7 @@ static smp_status smp__step_gather_start(smp__pipe *ps, smp_model *md) {
             smp__fatal("rank %d cannot start the all-gather of bucket %d's parameters (shard_optimizer_state), which "
                        "the other replicas wait in: %s", smp__ctx.rank, b, smp_last_error());
     ps->step.params_gathering = ps->plan.nbuckets;
+    if (!ps->plan.nbuckets) md->params_stale = false;
     return SMP_OK;
 }
 
