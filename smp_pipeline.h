@@ -425,14 +425,15 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
    shard_optimizer_state: each replica reads the ranges it owns). */
 SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *total_norm);
 
-/* Lets the gradient all-reduce that overlapping_allreduce started move on.
-   MPI advances a collective only inside MPI calls (MPICH over shared
-   memory: about 0.5 MiB per call), and a step makes none while a module's
-   backward runs. A long backward that calls smp_poll() every millisecond
-   or so gets the early buckets' all-reduce done behind it. Costs one
-   MPI_Test (and starts the next bucket when one has finished); does
-   nothing when no all-reduce is in flight. Call it from the thread that
-   called smp_step. */
+/* Lets the gradient all-reduce that overlapping_allreduce started move on,
+   and the parameter all-gathers of shard_optimizer_state. MPI advances a
+   collective only inside MPI calls (MPICH over shared memory: about 0.5 MiB
+   per call), and a step makes none while a module's forward or backward
+   runs. A long backward that calls smp_poll() every millisecond or so gets
+   the early buckets' all-reduce done behind it, a long forward the next
+   calls' parameters. Costs an MPI_Test per collective in flight (and starts
+   the next bucket when one has finished); does nothing when none is. Call
+   it from the thread that called smp_step. */
 SMPDEF void smp_poll(void);
 
 /* Dynamic loss scaling for f16/bf16 engines (zero fields mean defaults:
@@ -2413,8 +2414,11 @@ static void smp__ddp_poll(smp__pipe *ps) {
     else if (ps->step.next_bucket > 0) smp__bucket_test(ps, ps->plan.nbuckets - 1);
 }
 
+static smp__pipe *smp__params_inflight; /* the step whose parameter all-gathers are in flight, for smp_poll */
+
 SMPDEF void smp_poll(void) {
     if (smp__ddp_inflight) smp__ddp_poll(smp__ddp_inflight);
+    if (smp__params_inflight) smp__params_poll(smp__params_inflight);
 }
 
 /* Call k's parameters are final: start the buckets that became complete. */
@@ -2640,6 +2644,7 @@ static smp_status smp__step_gather_start(smp__pipe *ps, smp_model *md) {
                        "the other replicas wait in: %s", smp__ctx.rank, b, smp_last_error());
     ps->step.params_gathering = ps->plan.nbuckets;
     if (!ps->plan.nbuckets) md->params_stale = false;
+    else smp__params_inflight = ps;
     return SMP_OK;
 }
 
@@ -2687,7 +2692,10 @@ static smp_status smp__params_wait(smp__pipe *ps, smp_model *md, int b) {
     smp__event_add(ps, SMP__EVENT_GATHER, -1, b, k->t_params);
     smp__free(k->params);
     k->params = k->params_handle = NULL;
-    if (--ps->step.params_gathering == 0) md->params_stale = false;
+    if (--ps->step.params_gathering == 0) {
+        md->params_stale = false;
+        smp__params_inflight = NULL;
+    }
     return st;
 }
 
