@@ -408,8 +408,10 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
    bucket only before the first forward call that reads one of its
    parameters (on the device the engine's stream waits, not the host), so
    the buckets of later calls arrive while earlier calls compute; the pass
-   between calls moves host all-gathers on. Buckets are laid out in backward
-   order, so the first calls' parameters are in the last buckets. Every
+   between calls moves host all-gathers on. They start in the order the
+   forward first reads the buckets (laid out in backward order, the first
+   calls' parameters are in the last ones), as one stream finishes its
+   all-gathers in the order they were queued. Every
    all-gather is waited for before the body, a backward or the step's end,
    failed step or not: no step returns with one in flight, and a failed step
    leaves every parameter gathered. SMP_TIMELINE shows each as "AG b<n>",
@@ -1251,6 +1253,7 @@ typedef struct smp__plan {
        local call k's module; at index ncalls, those of parameters no local call reads (waited for before the
        step's first forward) */
     int *reads_first, *reads;
+    int *gather_order;     /* [nbuckets]: the buckets in the order this rank's forward first reads them */
 } smp__plan;
 
 /* One step's state: set by smp__step_begin and smp__step_post_receives, let go of by smp__release_step. */
@@ -2532,7 +2535,15 @@ static bool smp__call_reads(const smp_model *md, int k, int i, const bool *unrea
     return md->stage_rank[md->calls[k].stage] == smp__ctx.pp_rank && md->params[i]->module == md->calls[k].module;
 }
 
-/* Which buckets each local call reads (smp__plan's reads), made by the first gather. */
+/* Appends x to list[0 .. n) unless it is there; the new length. */
+static int smp__list_once(int *list, int n, int x) {
+    for (int i = 0; i < n; i++)
+        if (list[i] == x) return n;
+    list[n] = x;
+    return n + 1;
+}
+
+/* Which buckets each local call reads (smp__plan's reads), and the order they start in, made by the first gather. */
 static smp_status smp__params_plan(smp__pipe *ps, smp_model *md) {
     int n = md->ncalls, most = ps->plan.nbuckets, at = 0;
     smp_status st = SMP_OK;
@@ -2542,21 +2553,26 @@ static smp_status smp__params_plan(smp__pipe *ps, smp_model *md) {
     for (int k = 0; k < n; k++)
         for (int i = 0; i < md->nparams; i++)
             if (smp__call_reads(md, k, i, unread)) most++, unread[i] = false;
-    int *first = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(n + 2 + most), SMP__ALLOC_OTHER,
-                                      "the parameters' gather plan");
+    int nb = ps->plan.nbuckets, *first = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(n + 2 + most + nb),
+                                                              SMP__ALLOC_OTHER, "the parameters' gather plan");
     for (int k = 0; k <= n && !st; k++) {
         first[k] = at;
-        for (int i = 0; i < md->nparams; i++) {
-            if (!smp__call_reads(md, k, i, unread)) continue;
-            bool seen = false;
-            for (int q = first[k]; q < at && !seen; q++) seen = first[n + 2 + q] == md->grad_bucket[i];
-            if (!seen) first[n + 2 + at++] = md->grad_bucket[i];
-        }
+        for (int i = 0; i < md->nparams; i++)
+            if (smp__call_reads(md, k, i, unread))
+                at = first[k] + smp__list_once(first + n + 2 + first[k], at - first[k], md->grad_bucket[i]);
     }
     if (!st) {
         first[n + 1] = at;
         ps->plan.reads_first = first;
         ps->plan.reads = first + n + 2;
+        /* what the first forward waits for first (the buckets no call reads, then call by call), so that one
+           stream's all-gathers, which finish in the order they were queued, arrive in the order they are needed */
+        int *order = ps->plan.gather_order = ps->plan.reads + most, listed = 0;
+        for (int j = 0; j <= n; j++) {
+            int k = j ? j - 1 : n;
+            for (int q = first[k]; q < first[k + 1]; q++) listed = smp__list_once(order, listed, ps->plan.reads[q]);
+        }
+        for (int b = 0; b < nb; b++) listed = smp__list_once(order, listed, b); /* none left: each holds a parameter */
     }
     smp__free(unread);
     return st;
@@ -2638,10 +2654,12 @@ static smp_status smp__step_gather_start(smp__pipe *ps, smp_model *md) {
         ps->plan.buckets[b].params = NULL;
     }
     if (st) return st;
-    for (int b = 0; b < ps->plan.nbuckets; b++)
+    for (int o = 0; o < ps->plan.nbuckets; o++) {
+        int b = ps->plan.gather_order[o];
         if ((st = smp__params_start(ps, b))) /* the replicas are in it, or will be, and would wait for this rank */
             smp__fatal("rank %d cannot start the all-gather of bucket %d's parameters (shard_optimizer_state), which "
                        "the other replicas wait in: %s", smp__ctx.rank, b, smp_last_error());
+    }
     ps->step.params_gathering = ps->plan.nbuckets;
     if (!ps->plan.nbuckets) md->params_stale = false;
     else smp__params_inflight = ps;

@@ -325,7 +325,8 @@ static void chaos(int P) {
 /* SMP_TIMELINE of 3 sharded steps on one stage: in each step after an update, every bucket's parameter all-gather
    starts before the step's first forward, and the step puts the bucket's parameters in place only after that
    forward began (before the first call that reads one of them, so the buckets of later calls gather while the
-   first calls compute) and before the step's first backward; the step before any update gathers nothing. */
+   first calls compute) and before the step's first backward; the all-gathers start in the order the forward reads
+   them, the first call's bucket first; the step before any update gathers nothing. */
 static void overlap(void) {
     char name[200], why[4096] = "", path[64];
     snprintf(name, sizeof name, "shard_optimizer_state/1x%d/overlap: the parameter all-gathers start as the step "
@@ -339,7 +340,8 @@ static void overlap(void) {
     if (ok && g_rank == 0 && nev <= 0) { ok = 0; snprintf(why, sizeof why, "cannot read %s", path); }
     for (int r = 0; ok && g_rank == 0 && r < g_world; r++) {
         tl_event fwd[16], bwd[16], ag[256];
-        int nf = 0, nb = 0, na = 0, per_step[3] = {0, 0, 0};
+        int nf = 0, nb = 0, na = 0, per_step[3] = {0, 0, 0}, first_started[3] = {-1, -1, -1};
+        double first_ts[3] = {0, 0, 0};
         for (int i = 0; i < nev; i++) {
             if (ev[i].pid != r) continue;
             if (!strcmp(ev[i].cat, "forward") && nf < 16) fwd[nf++] = ev[i];
@@ -357,7 +359,18 @@ static void overlap(void) {
                          "forward began at %.3f, its first backward at %.3f", r, ag[g].bucket, ag[g].ts, end, s,
                          s < 3 ? fwd[2 * s].ts : -1.0, s < 3 ? bwd[2 * s].ts : -1.0);
             } else per_step[s]++;
+            if (ok && (first_started[s] < 0 || ag[g].ts < first_ts[s])) {
+                first_started[s] = ag[g].bucket;
+                first_ts[s] = ag[g].ts;
+            }
         }
+        /* in the order the forward reads them: the first call's parameters are in the last bucket (backward order) */
+        for (int s = 1; ok && s < 3; s++)
+            if (first_started[s] != a.nbuckets - 1) {
+                ok = 0;
+                snprintf(why, sizeof why, "rank %d step %d: bucket %d's all-gather started first, not bucket %d (the "
+                         "first call's)", r, s, first_started[s], a.nbuckets - 1);
+            }
         if (ok && (per_step[1] < 2 || per_step[1] != per_step[2] || per_step[1] != a.nbuckets)) {
             ok = 0;
             snprintf(why, sizeof why, "rank %d: %d and %d all-gathers in steps 1 and 2, for %d buckets", r,
