@@ -2617,8 +2617,8 @@ static smp_status smp__params_pack(smp_model *md, smp__bucket *k) {
     return st;
 }
 
-/* Starts bucket b's all-gather; every replica starts every bucket's, in index order. A backend without
-   gather_start gathers at once. */
+/* Starts bucket b's all-gather; every replica starts every bucket's, in the same order (the plan's gather_order).
+   A backend without gather_start gathers at once. */
 static smp_status smp__params_start(smp__pipe *ps, int b) {
     smp__bucket *k = &ps->plan.buckets[b];
     int dp = smp_rdp_size(), piece = (int)(k->numel / dp);
@@ -2676,10 +2676,14 @@ static bool smp__params_test(smp__pipe *ps, int b) {
     return done;
 }
 
-/* Between calls: the host all-gathers in flight move on. */
+/* Between calls: the host all-gathers in flight move on. One test runs MPI's whole progress engine: that of the
+   next bucket the forward will wait for. */
 static void smp__params_poll(smp__pipe *ps) {
-    for (int b = 0; b < ps->plan.nbuckets; b++)
-        if (ps->plan.buckets[b].params) (void)smp__params_test(ps, b);
+    for (int o = 0; o < ps->plan.nbuckets; o++)
+        if (ps->plan.buckets[ps->plan.gather_order[o]].params) {
+            (void)smp__params_test(ps, ps->plan.gather_order[o]);
+            return;
+        }
 }
 
 /* Waits for bucket b's all-gather and copies its parameters into place: on the host now; on the device in the
