@@ -153,6 +153,10 @@ static int train(int P, int kind, bool shard, bool clip, bool scaler, int steps,
     cfg.bucket_cap_mb = 0.0002; /* 52 floats: several buckets, parameters across the pieces */
     cfg.pipeline = kind == SPLIT ? SMP_PIPELINE_ZERO_BUBBLE : SMP_PIPELINE_INTERLEAVED;
     if (P > 1 && kind != COMPOSITE) cfg.auto_partition = SMP_OFF;
+    if (kind == COMPOSITE) { /* split by bytes, not by traced timings: the same stages in the runs compared */
+        cfg.memory_weight = 1;
+        cfg.has_memory_weight = true;
+    }
     cfg.seed = 7;
     memset(r, 0, sizeof *r);
     if (smp_init(&cfg)) { snprintf(why, cap, "smp_init: %s", smp_last_error()); return 0; }
