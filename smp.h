@@ -913,7 +913,8 @@ SMPDEF smp_param *smp_model_find_param(smp_model *m, const char *full_name); /* 
    after the step a replica's gradients hold the average over the replicas
    in its owned ranges and zeros elsewhere. smp_clip_grad_norm and the
    grad scaler read the owned ranges (each element once across the
-   replicas). Before parameters are next read (the next step, smp_save, or
+   replicas). Before parameters are next read (the next step, overlapped
+   with its forward bucket by bucket (smp_pipeline.h), smp_save, or
    smp_model_gather_params) smp gathers every replica's updated range, so
    all replicas hold the same values; with deterministic_reduction a
    sharded run is bitwise the unsharded one. Optimizer state registered
@@ -1104,6 +1105,15 @@ typedef struct smp_device_backend {
     smp_status (*reload)(void *copy, void *dst);
     smp_status (*offload_wait)(void *copy);
     smp_status (*offload_drop)(void *copy);
+    /* shard_optimizer_state's parameter all-gather (NULL: all_gather, and no overlap; a backend sets all three or
+       none). gather_start queues the all-gather of n elements at data over g in place (this rank's block, n / size
+       elements at rank * n / size, holds its part) after the engine's work so far, leaving the engine's stream free,
+       and hands back its handle; gather_copy queues a copy of bytes from src (inside data) to dst on the engine's
+       stream, after that all-gather, the host not waiting; gather_end orders the engine's stream after it too and
+       lets go of the handle (data may then be freed on the engine's stream). */
+    smp_status (*gather_start)(void *data, smp_dtype dt, int64_t n, smp_group g, void **h);
+    smp_status (*gather_copy)(void *h, void *dst, const void *src, size_t bytes);
+    smp_status (*gather_end)(void *h);
 } smp_device_backend;
 #define SMP_DEVICE_BACKEND_P2P 1 /* the fields above exist (smp_nccl.h fills them) */
 SMPDEF void smp_register_device_backend(const smp_device_backend *b);

@@ -1013,6 +1013,41 @@ static smp_status smp__nc_offload_drop(void *copy) {
     return st ? st : put;
 }
 
+/* ---------------------------------------------------------------- shard_optimizer_state's parameter all-gather */
+/* The handle is the event recorded after the all-gather on smp's stream: the engine's stream waits for that one
+   bucket, not for the buckets queued after it (smp__nc_finish would wait for them all). */
+static smp_status smp__nc_gather_start(void *data, smp_dtype dt, int64_t n, smp_group g, void **h) {
+    *h = NULL;
+    int size = smp_group_size(g), rank = smp_group_rank(g);
+    int64_t piece = n / size;
+    smp_tensor all = smp_tensor_1d(data, dt, n),
+               mine = smp_tensor_1d((char *)data + (size_t)(piece * rank) * smp_dtype_size(dt), dt, piece);
+    all.device = mine.device = SMP_CUDA(smp__nc.device);
+    cudaEvent_t ev = NULL;
+    SMP_TRY(smp__nc_event_get(&ev));
+    smp_status st = smp__nc_collective(SMP__NC_ALL_GATHER, &mine, &all, SMP_SUM, 0, g, NULL, NULL, false);
+    cudaError_t e = st ? cudaSuccess : cudaEventRecord(ev, smp__nc.stream);
+    if (!st && e != cudaSuccess) st = smp__nc_cuda_fail(e, "cudaEventRecord");
+    if (st) {
+        smp__nc_event_put(ev);
+        return st;
+    }
+    *h = (void *)ev;
+    return SMP_OK;
+}
+
+static smp_status smp__nc_gather_copy(void *h, void *dst, const void *src, size_t bytes) {
+    SMP__CU(cudaStreamWaitEvent, (smp__nc_engine, (cudaEvent_t)h, 0));
+    SMP__CU(cudaMemcpyAsync, (dst, src, bytes, cudaMemcpyDeviceToDevice, smp__nc_engine));
+    return SMP_OK;
+}
+
+static smp_status smp__nc_gather_end(void *h) {
+    cudaError_t e = cudaStreamWaitEvent(smp__nc_engine, (cudaEvent_t)h, 0);
+    smp__nc_event_put((cudaEvent_t)h);
+    return e == cudaSuccess ? SMP_OK : smp__nc_cuda_fail(e, "cudaStreamWaitEvent");
+}
+
 /* The GPU this rank drives, as bytes comparable across the node's ranks. */
 static smp_status smp__nc_probe(int count, unsigned char key[SMP__NC_KEY]) {
     smp__nc.device = smp_local_rank() % count;
@@ -1838,6 +1873,9 @@ SMPDEF void smp_nccl_register(void) {
     b.reload = smp__nc_reload;
     b.offload_wait = smp__nc_offload_wait;
     b.offload_drop = smp__nc_offload_drop;
+    b.gather_start = smp__nc_gather_start;
+    b.gather_copy = smp__nc_gather_copy;
+    b.gather_end = smp__nc_gather_end;
 #endif
     smp_register_device_backend(&b);
 }

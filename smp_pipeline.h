@@ -401,9 +401,23 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
    STATE) each bucket is reduce-scattered instead (MPI_Ireduce_scatter_block;
    deterministic: an all-to-all of the pieces, summed in rank order), in the
    same order and overlap, so each replica gets the average of the piece it
-   owns; each step starts by gathering the ranges the replicas' optimizers
-   updated. The global norm sums exact partial sums of squares, so it is the
-   same bits sharded or not, partitioned or not. */
+   owns. The next step gathers the ranges the replicas' optimizers updated,
+   overlapped with its forward: every bucket's all-gather starts as the step
+   begins (MPI_Iallgather in RDP_GROUP; on a device model the backend's
+   gather_start, NCCL's all-gather on smp's stream), and the step waits for a
+   bucket only before the first forward call that reads one of its
+   parameters (on the device the engine's stream waits, not the host), so
+   the buckets of later calls arrive while earlier calls compute; the pass
+   between calls moves host all-gathers on. They start in the order the
+   forward first reads the buckets (laid out in backward order, the first
+   calls' parameters are in the last ones), as one stream finishes its
+   all-gathers in the order they were queued. Every
+   all-gather is waited for before the body, a backward or the step's end,
+   failed step or not: no step returns with one in flight, and a failed step
+   leaves every parameter gathered. SMP_TIMELINE shows each as "AG b<n>",
+   from its start until the step put the bucket's parameters in place. The
+   global norm sums exact partial sums of squares, so it is the same bits
+   sharded or not, partitioned or not. */
 
 /* Scales gradients so that their global norm (over the whole model, every
    partition, every TP shard once and every whole parameter once) is at most max_norm; *total_norm gets the norm before
@@ -413,14 +427,15 @@ SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
    shard_optimizer_state: each replica reads the ranges it owns). */
 SMPDEF smp_status smp_clip_grad_norm(smp_model *m, double max_norm, double *total_norm);
 
-/* Lets the gradient all-reduce that overlapping_allreduce started move on.
-   MPI advances a collective only inside MPI calls (MPICH over shared
-   memory: about 0.5 MiB per call), and a step makes none while a module's
-   backward runs. A long backward that calls smp_poll() every millisecond
-   or so gets the early buckets' all-reduce done behind it. Costs one
-   MPI_Test (and starts the next bucket when one has finished); does
-   nothing when no all-reduce is in flight. Call it from the thread that
-   called smp_step. */
+/* Lets the gradient all-reduce that overlapping_allreduce started move on,
+   and the parameter all-gathers of shard_optimizer_state. MPI advances a
+   collective only inside MPI calls (MPICH over shared memory: about 0.5 MiB
+   per call), and a step makes none while a module's forward or backward
+   runs. A long backward that calls smp_poll() every millisecond or so gets
+   the early buckets' all-reduce done behind it, a long forward the next
+   calls' parameters. Costs an MPI_Test per collective in flight (and starts
+   the next bucket when one has finished); does nothing when none is. Call
+   it from the thread that called smp_step. */
 SMPDEF void smp_poll(void);
 
 /* Dynamic loss scaling for f16/bf16 engines (zero fields mean defaults:
@@ -1166,7 +1181,9 @@ typedef enum smp__event_kind {
     SMP__EVENT_BODY,
     SMP__EVENT_ALLREDUCE, /* a gradient bucket's collective (mb: the bucket) */
     SMP__EVENT_SEND,      /* posted to completed */
-    SMP__EVENT_WEIGHT     /* W of a zero-bubble schedule */
+    SMP__EVENT_WEIGHT,    /* W of a zero-bubble schedule */
+    SMP__EVENT_GATHER     /* shard_optimizer_state: a bucket's parameter all-gather, from its start until the step
+                             put its parameters in place (mb: the bucket) */
 } smp__event_kind;
 typedef struct smp__event { double t0, t1; smp__event_kind kind; int stage, mb; } smp__event;
 
@@ -1194,6 +1211,12 @@ typedef struct smp__bucket {
     int pieces;          /* how many of them smp__ddp_finish sums, in rank order */
     double t_start;      /* when its collective started (timeline) */
     int device;          /* SMP_HOST or where data lives */
+    /* shard_optimizer_state: the parameters of its gradients, every replica's piece gathered, from the step's start
+       until the first forward that reads one of them (smp__params_wait) */
+    void *params;
+    MPI_Request params_req; /* host */
+    void *params_handle;    /* device: the backend's gather_start handle (NULL: gathered already) */
+    double t_params;        /* when the all-gather started (timeline) */
 } smp__bucket;
 
 /* The gradient one call of a shared module adds over a step (on the partition that runs the call). */
@@ -1226,6 +1249,11 @@ typedef struct smp__plan {
     smp__bucket *buckets;
     int nbuckets;
     bool scatter;          /* shard_optimizer_state: buckets are reduce-scattered, each replica gets its piece */
+    /* shard_optimizer_state: reads[reads_first[k] .. reads_first[k + 1]) are the buckets holding parameters of
+       local call k's module; at index ncalls, those of parameters no local call reads (waited for before the
+       step's first forward) */
+    int *reads_first, *reads;
+    int *gather_order;     /* [nbuckets]: the buckets in the order this rank's forward first reads them */
 } smp__plan;
 
 /* One step's state: set by smp__step_begin and smp__step_post_receives, let go of by smp__release_step. */
@@ -1257,6 +1285,7 @@ typedef struct smp__step_state {
     int next_bucket;       /* the first bucket not started */
     bool bucket_failed;    /* a host bucket's collective failed to start on this rank */
     bool fence_buckets;    /* device buckets reduce behind the engine: fence it before the step returns */
+    int params_gathering;  /* shard_optimizer_state: buckets whose parameter all-gather is not waited for yet */
 } smp__step_state;
 
 /* The executor of one model (smp_model's pipeline): its plan, the step in progress, and what lasts from step
@@ -1340,6 +1369,7 @@ static void smp__plan_free(smp__plan *pl) {
     smp_schedule_free(&pl->sched[1]);
     for (int b = 0; b < pl->nbuckets; b++) smp__free(pl->buckets[b].data);
     smp__free(pl->buckets);
+    smp__free(pl->reads_first); /* reads lives in its block */
 }
 
 static void smp__pipe_free(void *p) {
@@ -1911,6 +1941,7 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
 }
 
 static void smp__ddp_poll(smp__pipe *ps);
+static void smp__params_poll(smp__pipe *ps);
 
 /* Between two calls of a stage. A send over MPI's rendezvous size moves
    only while its sender is inside MPI, and a stage computes for
@@ -1921,6 +1952,7 @@ static void smp__ddp_poll(smp__pipe *ps);
 static smp_status smp__between_calls(smp__pipe *ps) {
     smp_status err = smp__progress_transfers(ps);
     if (!err && ps->step.sync) smp__ddp_poll(ps);
+    if (!err && ps->step.params_gathering) smp__params_poll(ps);
     return err;
 }
 
@@ -2385,8 +2417,11 @@ static void smp__ddp_poll(smp__pipe *ps) {
     else if (ps->step.next_bucket > 0) smp__bucket_test(ps, ps->plan.nbuckets - 1);
 }
 
+static smp__pipe *smp__params_inflight; /* the step whose parameter all-gathers are in flight, for smp_poll */
+
 SMPDEF void smp_poll(void) {
     if (smp__ddp_inflight) smp__ddp_poll(smp__ddp_inflight);
+    if (smp__params_inflight) smp__params_poll(smp__params_inflight);
 }
 
 /* Call k's parameters are final: start the buckets that became complete. */
@@ -2480,6 +2515,229 @@ static smp_status smp__ddp_finish(smp__pipe *ps, bool failed) {
     }
     ps->step.next_bucket = 0;
     ps->step.bucket_failed = false;
+    return st;
+}
+
+/* ---------------------------------------------------------------- shard_optimizer_state: the parameter all-gather
+   After a step each replica's optimizer updates the ranges it owns; the next step gathers the replicas' ranges
+   bucket by bucket (the gradient buckets' layout, so a replica's range of a bucket is one piece of it). Every
+   bucket's all-gather starts as the step begins (smp__step_gather_start: MPI_Iallgather, or the device backend's
+   gather_start on its stream), and the step waits for a bucket only before the first forward call that reads one
+   of its parameters (smp__params_ready), so the buckets the first calls do not read arrive while they compute. A
+   host all-gather moves only inside MPI calls: the pass between calls tests them (smp__params_poll). Every
+   all-gather is waited for before the body, a backward or the step's end, failed step or not
+   (smp__params_complete): no step returns with one in flight or a parameter half gathered. */
+
+/* Whether local call k reads parameter i (k == ncalls: whether no local call does), i in a bucket. */
+static bool smp__call_reads(const smp_model *md, int k, int i, const bool *unread) {
+    if (md->grad_bucket[i] < 0) return false;
+    if (k == md->ncalls) return unread[i];
+    return md->stage_rank[md->calls[k].stage] == smp__ctx.pp_rank && md->params[i]->module == md->calls[k].module;
+}
+
+/* Appends x to list[0 .. n) unless it is there; the new length. */
+static int smp__list_once(int *list, int n, int x) {
+    for (int i = 0; i < n; i++)
+        if (list[i] == x) return n;
+    list[n] = x;
+    return n + 1;
+}
+
+/* Which buckets each local call reads (smp__plan's reads), and the order they start in, made by the first gather. */
+static smp_status smp__params_plan(smp__pipe *ps, smp_model *md) {
+    int n = md->ncalls, most = ps->plan.nbuckets, at = 0;
+    smp_status st = SMP_OK;
+    bool *unread = (bool *)smp__bytes_or(&st, (size_t)md->nparams + 1, SMP__ALLOC_OTHER, "the parameters' gather plan");
+    if (st) return st;
+    for (int i = 0; i < md->nparams; i++) unread[i] = md->grad_bucket[i] >= 0;
+    for (int k = 0; k < n; k++)
+        for (int i = 0; i < md->nparams; i++)
+            if (smp__call_reads(md, k, i, unread)) most++, unread[i] = false;
+    int nb = ps->plan.nbuckets, *first = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(n + 2 + most + nb),
+                                                              SMP__ALLOC_OTHER, "the parameters' gather plan");
+    for (int k = 0; k <= n && !st; k++) {
+        first[k] = at;
+        for (int i = 0; i < md->nparams; i++)
+            if (smp__call_reads(md, k, i, unread))
+                at = first[k] + smp__list_once(first + n + 2 + first[k], at - first[k], md->grad_bucket[i]);
+    }
+    if (!st) {
+        first[n + 1] = at;
+        ps->plan.reads_first = first;
+        ps->plan.reads = first + n + 2;
+        /* what the first forward waits for first (the buckets no call reads, then call by call), so that one
+           stream's all-gathers, which finish in the order they were queued, arrive in the order they are needed */
+        int *order = ps->plan.gather_order = ps->plan.reads + most, listed = 0;
+        for (int j = 0; j <= n; j++) {
+            int k = j ? j - 1 : n;
+            for (int q = first[k]; q < first[k + 1]; q++) listed = smp__list_once(order, listed, ps->plan.reads[q]);
+        }
+        for (int b = 0; b < nb; b++) listed = smp__list_once(order, listed, b); /* none left: each holds a parameter */
+    }
+    smp__free(unread);
+    return st;
+}
+
+/* count elements from element `first` of the bucket's q-th parameter (grad_order[q]), in a buffer at base laid out
+   like the bucket. */
+static smp_tensor smp__params_view(const smp_model *md, const smp__bucket *k, int q, void *base, int64_t first,
+                                   int64_t count) {
+    smp_tensor t = smp_tensor_1d((char *)base + (size_t)(md->grad_at[md->grad_order[q]] + first) *
+                                     smp_dtype_size(k->dtype), k->dtype, count);
+    t.device = k->device;
+    return t;
+}
+
+/* Bucket b's buffer, with this replica's piece of its parameters in place. */
+static smp_status smp__params_pack(smp_model *md, smp__bucket *k) {
+    smp_status st = SMP_OK;
+    int dp = smp_rdp_size(), me = smp_rdp_rank();
+    int64_t piece = k->numel / dp, first, count;
+    smp_tensor all = smp_tensor_1d(NULL, k->dtype, k->numel);
+    if (!smp__tensor_alloc_or(&st, &all, k->device != SMP_HOST, SMP__ALLOC_COMM,
+                              "the replicas' parameters (shard_optimizer_state)"))
+        return st;
+    k->params = all.data;
+    smp_tensor mine = smp_tensor_1d((char *)all.data + (size_t)(piece * me) * smp_dtype_size(k->dtype), k->dtype, piece);
+    mine.device = all.device;
+    st = smp__tensor_zero(&mine); /* the padding */
+    for (int q = k->first; q < k->first + k->count && !st; q++) {
+        smp_param *p = md->params[md->grad_order[q]];
+        if (p->value.dtype != k->dtype)
+            return smp_error(SMP_ERR_STATE, "shard_optimizer_state gathers parameters in their gradients' dtype, and "
+                             "'%s' holds %s values with %s gradients: leave shard_optimizer_state off", p->full_name,
+                             smp_dtype_name(p->value.dtype), smp_dtype_name(k->dtype));
+        smp__owned_range(md, p, me, &first, &count);
+        smp_tensor from = smp_tensor_1d((char *)p->value.data + (size_t)first * smp_dtype_size(k->dtype), k->dtype,
+                                        count);
+        from.device = p->value.device;
+        smp_tensor to = smp__params_view(md, k, q, k->params, first, count);
+        if (count) st = smp__tensor_copy(&to, &from);
+    }
+    return st;
+}
+
+/* Starts bucket b's all-gather; every replica starts every bucket's, in the same order (the plan's gather_order).
+   A backend without gather_start gathers at once. */
+static smp_status smp__params_start(smp__pipe *ps, int b) {
+    smp__bucket *k = &ps->plan.buckets[b];
+    int dp = smp_rdp_size(), piece = (int)(k->numel / dp);
+    k->t_params = smp__now();
+    k->params_req = MPI_REQUEST_NULL;
+    k->params_handle = NULL;
+    if (k->device == SMP_HOST) {
+        /* the other replicas are in it: a rank that cannot start it cannot tell them */
+        SMP__MPI_FATAL(MPI_Iallgather(MPI_IN_PLACE, piece, smp__mpi_type(k->dtype), k->params, piece,
+                                      smp__mpi_type(k->dtype), smp__ctx.groups[SMP_RDP_GROUP].comm, &k->params_req),
+                       "gathering bucket %d's parameters (%zu bytes, shard_optimizer_state) in RDP_GROUP", b, k->bytes);
+        return SMP_OK;
+    }
+    if (smp__ctx.device.gather_start)
+        return smp__ctx.device.gather_start(k->params, k->dtype, k->numel, SMP_RDP_GROUP, &k->params_handle);
+    smp_tensor all = smp_tensor_1d(k->params, k->dtype, k->numel),
+               mine = smp_tensor_1d((char *)k->params + (size_t)(piece * smp_rdp_rank()) * smp_dtype_size(k->dtype),
+                                    k->dtype, piece);
+    all.device = mine.device = k->device;
+    return smp_all_gather(&mine, &all, SMP_RDP_GROUP);
+}
+
+/* The step's first phase when the replicas updated their ranges: every bucket's buffer taken and packed, which
+   every rank agrees it could (a failure leaves the parameters stale, nothing to undo, and the next step gathers
+   them), then every all-gather started. */
+static smp_status smp__step_gather_start(smp__pipe *ps, smp_model *md) {
+    if (!md->params_stale) return SMP_OK;
+    smp_status st = ps->plan.reads ? SMP_OK : smp__params_plan(ps, md);
+    for (int b = 0; b < ps->plan.nbuckets && !st; b++) st = smp__params_pack(md, &ps->plan.buckets[b]);
+    st = smp__agree_on(smp__ctx.world, st, "gathering the updated parameters (shard_optimizer_state)");
+    for (int b = 0; b < ps->plan.nbuckets && st; b++) {
+        smp__free(ps->plan.buckets[b].params);
+        ps->plan.buckets[b].params = NULL;
+    }
+    if (st) return st;
+    for (int o = 0; o < ps->plan.nbuckets; o++) {
+        int b = ps->plan.gather_order[o];
+        if ((st = smp__params_start(ps, b))) /* the replicas are in it, or will be, and would wait for this rank */
+            smp__fatal("rank %d cannot start the all-gather of bucket %d's parameters (shard_optimizer_state), which "
+                       "the other replicas wait in: %s", smp__ctx.rank, b, smp_last_error());
+    }
+    ps->step.params_gathering = ps->plan.nbuckets;
+    if (!ps->plan.nbuckets) md->params_stale = false;
+    else smp__params_inflight = ps;
+    return SMP_OK;
+}
+
+/* Whether bucket b's host all-gather has finished. */
+static bool smp__params_test(smp__pipe *ps, int b) {
+    smp__bucket *k = &ps->plan.buckets[b];
+    if (k->params_req == MPI_REQUEST_NULL) return true;
+    int done = 0;
+    SMP__MPI_FATAL(MPI_Test(&k->params_req, &done, MPI_STATUS_IGNORE),
+                   "gathering bucket %d's parameters (%zu bytes, shard_optimizer_state) in RDP_GROUP", b, k->bytes);
+    return done;
+}
+
+/* Between calls: the host all-gathers in flight move on. One test runs MPI's whole progress engine: that of the
+   next bucket the forward will wait for. */
+static void smp__params_poll(smp__pipe *ps) {
+    for (int o = 0; o < ps->plan.nbuckets; o++)
+        if (ps->plan.buckets[ps->plan.gather_order[o]].params) {
+            (void)smp__params_test(ps, ps->plan.gather_order[o]);
+            return;
+        }
+}
+
+/* Waits for bucket b's all-gather and copies its parameters into place: on the host now; on the device in the
+   engine's stream after the all-gather, the host not waiting. The polls spin: a waiting replica moves the
+   collective only inside MPI calls, and a back-off's sleeps would slow it (see smp__ddp_complete). */
+static smp_status smp__params_wait(smp__pipe *ps, smp_model *md, int b) {
+    smp__bucket *k = &ps->plan.buckets[b];
+    if (!k->params) return SMP_OK;
+    double start = smp__now();
+    while (!smp__params_test(ps, b)) {
+        if (smp__now() - start > smp_timeout())
+            smp__timeout_abort("the parameters' all-gather (shard_optimizer_state)", SMP_RDP_GROUP, -1,
+                               smp__now() - start);
+        sched_yield();
+    }
+    smp_status st = SMP_OK;
+    for (int q = k->first; q < k->first + k->count && !st; q++) {
+        smp_param *p = md->params[md->grad_order[q]];
+        smp_tensor from = smp__params_view(md, k, q, k->params, 0, smp_tensor_numel(&p->value));
+        if (k->params_handle)
+            st = smp__ctx.device.gather_copy(k->params_handle, p->value.data, from.data, smp_tensor_nbytes(&from));
+        else st = smp__tensor_copy(&p->value, &from);
+    }
+    if (k->params_handle) {
+        smp_status end = smp__ctx.device.gather_end(k->params_handle); /* before the buffer goes */
+        if (!st) st = end;
+    }
+    smp__event_add(ps, SMP__EVENT_GATHER, -1, b, k->t_params);
+    smp__free(k->params);
+    k->params = k->params_handle = NULL;
+    if (--ps->step.params_gathering == 0) {
+        md->params_stale = false;
+        smp__params_inflight = NULL;
+    }
+    return st;
+}
+
+/* Before local call k's forward (k == ncalls: before the step's first): the buckets it reads. */
+static smp_status smp__params_ready(smp__pipe *ps, smp_model *md, int k) {
+    smp_status st = SMP_OK;
+    for (int q = ps->plan.reads_first[k]; q < ps->plan.reads_first[k + 1] && ps->step.params_gathering; q++) {
+        smp_status bs = smp__params_wait(ps, md, ps->plan.reads[q]);
+        if (!st) st = bs;
+    }
+    return st;
+}
+
+/* Every all-gather still in flight, waited for and put in place, even after a failure. */
+static smp_status smp__params_complete(smp__pipe *ps, smp_model *md) {
+    smp_status st = SMP_OK;
+    for (int b = 0; b < ps->plan.nbuckets && ps->step.params_gathering; b++) {
+        smp_status bs = smp__params_wait(ps, md, b);
+        if (!st) st = bs;
+    }
     return st;
 }
 
@@ -2971,7 +3229,8 @@ static smp_status smp__stage_forward(smp__pipe *ps, smp_model *md, int s, int i)
     smp_status rc = SMP_OK;
     double t0 = smp__now();
     for (int k = md->stage_first[s]; k <= md->stage_last[s] && !rc; k++) {
-        rc = smp__call_forward(ps, md, k, i, false);
+        if (ps->step.params_gathering) rc = smp__params_ready(ps, md, k); /* the buckets holding its parameters */
+        if (!rc) rc = smp__call_forward(ps, md, k, i, false);
         const smp__call_rec *rec = &md->calls[k];
         if (!rc && ps->step.training && rec->recompute_last == k) smp__recompute_drop(ps, i, rec->recompute_first, k);
         if (!rc && k < md->stage_last[s]) rc = smp__between_calls(ps);
@@ -3641,10 +3900,10 @@ static void smp__schedule_report(const smp_model *md) {
 }
 
 /* ---------------------------------------------------------------- the step's phases
-   smp__step reads top to bottom: prepare (nothing to undo when it fails), gather the parameters the replicas
-   updated (shard_optimizer_state), begin (the step counts), post the
-   receives, run the schedule's operations, drain the sends, finish the shared gradients, complete the buckets,
-   agree, then finish or undo. */
+   smp__step reads top to bottom: prepare (nothing to undo when it fails), start gathering the parameters the
+   replicas updated (shard_optimizer_state; the forward waits for each bucket before its first reader), begin (the
+   step counts), post the receives, run the schedule's operations, drain the sends, finish the shared gradients,
+   complete the parameter all-gathers and the buckets, agree, then finish or undo. */
 
 /* The step's arguments, agreed by every rank. */
 static smp_status smp__step_check_args(const smp_step_desc *d, const smp_step_output *outs, int nouts) {
@@ -3780,16 +4039,6 @@ static smp_status smp__step_prepare(const smp_step_desc *d, const smp_step_outpu
     return smp__step_held_grads(ps, md, !d->evaluate);
 }
 
-/* shard_optimizer_state: the ranges the other replicas' optimizers updated, gathered before anything reads a
-   parameter; like prepare, nothing to undo when it fails (the parameters stay stale, and the next step gathers
-   them). Whole, before the first operation: a rank's first forward reads every parameter of its first stage,
-   and with one stage per rank (the common case) that is all of them, so waiting per stage would overlap
-   nothing; and a host all-gather moves only inside MPI calls, which a module's forward does not make. */
-static smp_status smp__step_gather_params(smp_model *md) {
-    if (!md->params_stale) return SMP_OK;
-    return smp__agree_on(smp__ctx.world, smp_model_gather_params(md), "gathering the updated parameters");
-}
-
 /* The step counts from here (smp__step_undo takes a failed one back): its state, and each microbatch's slice of
    the arguments. */
 static smp_status smp__step_begin(smp__pipe *ps, smp_model *md, const smp_step_desc *d, int nouts, double t_start) {
@@ -3896,11 +4145,17 @@ static smp_status smp__step_run_ops(smp__pipe *ps, smp_model *md) {
         smp__ctx.at.stage = s;
         smp__ctx.at.microbatch = i;
         if (ps->offloading && (st = smp__offload_progress(ps, o))) break;
+        /* shard_optimizer_state: the forward waits per call; the buckets no local call reads before the first
+           forward; all of them before a backward */
+        if (ps->step.params_gathering)
+            st = ops[o].kind == SMP_SCHED_FORWARD ? smp__params_ready(ps, md, md->ncalls) : smp__params_complete(ps, md);
+        if (st) break;
         if (ops[o].kind == SMP_SCHED_FORWARD) {
             st = smp__stage_forward(ps, md, s, i);
             if (!st && s == md->nstages - 1) { /* the body's stage: the model's outputs */
                 smp__ctx.at.op = 'L';
-                st = smp__run_body(ps, md, i);
+                if (ps->step.params_gathering) st = smp__params_complete(ps, md); /* the body is the engine's code */
+                if (!st) st = smp__run_body(ps, md, i);
             }
             if (!st) st = smp__offload_stage(ps, md, s, i, o);
             if (ps->step.inflight[s] > peak[s]) peak[s] = ps->step.inflight[s];
@@ -4008,9 +4263,9 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
     double t_start = smp__now();
     SMP_TRY(smp__step_prepare(d, outs, nouts));
     smp_model *md = d->model;
-    SMP_TRY(smp__step_gather_params(md));
     smp__pipe *ps = (smp__pipe *)md->pipeline;
     smp__cache_now = md->cache; /* what the step allocates from here is the model's to reuse */
+    SMP_TRY(smp__step_gather_start(ps, md));
     smp_status st = smp__step_begin(ps, md, d, nouts, t_start);
     if (!st) st = smp__step_post_receives(ps);
     if (!st) st = smp__active_begin(ps, ps->step.m);
@@ -4023,8 +4278,10 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
         st = smp_error(SMP_ERR_MPI, "a failure injected after the step's last message");
     if (st && !ps->step.failed_remote) smp__notify_failure(ps);
     if (st) smp__tp_step_stopped(st); /* its TP peers may wait in a TP module's handshake */
-    /* every replica runs the bucket collectives, failed step or not; they complete before the agreement, whose
-       wait backs off into sleeps and would stall the buckets still in flight */
+    /* every replica completes the parameter all-gathers and runs the bucket collectives, failed step or not; they
+       complete before the agreement, whose wait backs off into sleeps and would stall the collectives in flight */
+    smp_status gathered = smp__params_complete(ps, md);
+    if (!st) st = gathered;
     smp_status buckets = ps->step.sync ? smp__ddp_complete(ps) : SMP_OK;
     if (!st) st = buckets;
     smp_status agreed = smp__agree_on(smp__ctx.world, st, "the step");
@@ -4169,16 +4426,17 @@ static smp_status smp__timeline_write(smp__pipe *ps) {
     if (!path || !*path) return SMP_OK;
     smp__sbuf mine;
     memset(&mine, 0, sizeof mine);
-    static const char *names[] = {"forward", "backward", "wait", "body", "allreduce", "send", "weight"};
-    static const int track[] = {0, 0, 1, 0, 2, 3, 0}; /* waits, all-reduces and sends overlap the compute */
+    static const char *names[] = {"forward", "backward", "wait", "body", "allreduce", "send", "weight", "allgather"};
+    static const int track[] = {0, 0, 1, 0, 2, 3, 0, 4}; /* waits, bucket collectives and sends overlap the compute */
     for (int e = 0; ps && e < ps->nevents; e++) {
         smp__event *ev = &ps->events[e];
-        if (ev->kind == SMP__EVENT_ALLREDUCE) { /* on a track of its own */
+        if (ev->kind == SMP__EVENT_ALLREDUCE || ev->kind == SMP__EVENT_GATHER) { /* on tracks of their own */
             smp__sbuf_printf(&mine,
-                             "%s{\"name\":\"AR "
-                             "b%d\",\"cat\":\"allreduce\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":2,"
+                             "%s{\"name\":\"%s "
+                             "b%d\",\"cat\":\"%s\",\"ph\":\"X\",\"ts\":%.3f,\"dur\":%.3f,\"pid\":%d,\"tid\":%d,"
                              "\"args\":{\"bucket\":%d,\"bytes\":%zu}}",
-                             mine.len ? "," : "", ev->mb, ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6, smp__ctx.rank, ev->mb,
+                             mine.len ? "," : "", ev->kind == SMP__EVENT_GATHER ? "AG" : "AR", ev->mb, names[ev->kind],
+                             ev->t0 * 1e6, (ev->t1 - ev->t0) * 1e6, smp__ctx.rank, track[ev->kind], ev->mb,
                              ps->plan.buckets[ev->mb].bytes);
             continue;
         }

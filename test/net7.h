@@ -324,6 +324,30 @@ static inline char *read_text(const char *path, long *len) {
     return text;
 }
 
+/* One event of a timeline file: its category, start and length (us), rank, and bucket for all-reduces and
+   all-gathers. */
+typedef struct { char cat[16]; double ts, dur; int pid, bucket, stage; } tl_event;
+
+static inline int read_timeline(const char *path, tl_event *ev, int cap) {
+    long len;
+    char *text = read_text(path, &len);
+    if (!text) return -1;
+    int n = 0;
+    for (const char *at = strstr(text, "{\"name\":\""); at && n < cap; at = strstr(at + 1, "{\"name\":\"")) {
+        tl_event e = {{0}, 0, 0, -1, -1, -1};
+        const char *cat = strstr(at, "\"cat\":\"");
+        if (!cat || sscanf(cat, "\"cat\":\"%15[^\"]\",\"ph\":\"X\",\"ts\":%lf,\"dur\":%lf,\"pid\":%d", e.cat, &e.ts,
+                           &e.dur, &e.pid) != 4)
+            continue;
+        sscanf(at, "{\"name\":\"A%*c b%d\"", &e.bucket); /* AR: an all-reduce, AG: an all-gather */
+        const char *stage = strstr(at, "\"args\":{\"stage\":");
+        if (stage) sscanf(stage, "\"args\":{\"stage\":%d", &e.stage);
+        ev[n++] = e;
+    }
+    free(text);
+    return n;
+}
+
 /* Per-microbatch losses and the gradients of one replica's batch. */
 static inline void ref_zero_grads(ref_t *r) { memset(r->gw, 0, sizeof r->gw); memset(r->gb, 0, sizeof r->gb); }
 #endif

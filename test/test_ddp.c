@@ -384,29 +384,6 @@ static void data_helpers(void) {
     smp_finalize();
 }
 
-/* One event of a timeline file: its category, start and length (us), rank, and bucket for all-reduces. */
-typedef struct { char cat[16]; double ts, dur; int pid, bucket, stage; } tl_event;
-
-static int read_timeline(const char *path, tl_event *ev, int cap) {
-    long len;
-    char *text = read_text(path, &len);
-    if (!text) return -1;
-    int n = 0;
-    for (const char *at = strstr(text, "{\"name\":\""); at && n < cap; at = strstr(at + 1, "{\"name\":\"")) {
-        tl_event e = {{0}, 0, 0, -1, -1, -1};
-        const char *cat = strstr(at, "\"cat\":\"");
-        if (!cat || sscanf(cat, "\"cat\":\"%15[^\"]\",\"ph\":\"X\",\"ts\":%lf,\"dur\":%lf,\"pid\":%d", e.cat, &e.ts,
-                           &e.dur, &e.pid) != 4)
-            continue;
-        sscanf(at, "{\"name\":\"AR b%d\"", &e.bucket);
-        const char *stage = strstr(at, "\"args\":{\"stage\":");
-        if (stage) sscanf(stage, "\"args\":{\"stage\":%d", &e.stage);
-        ev[n++] = e;
-    }
-    free(text);
-    return n;
-}
-
 /* From the timeline of two steps with several buckets: on every rank the
    buckets all-reduce one at a time in index order, each starting after the
    one before it has finished; with overlapping_allreduce the first starts

@@ -817,8 +817,8 @@ static void ddp_case(int P, bool deterministic) {
 
 /* shard_optimizer_state on device buckets (the backend's reduce-scatter, or its all-to-all summed in rank order):
    after one step each replica's device gradients hold the one-process average where it owns them and zeros
-   elsewhere; SGD on the owned ranges, then smp_model_gather_params, leaves every replica with the one-process
-   update of every parameter. */
+   elsewhere; SGD on the owned ranges, then smp_model_gather_params (deterministic: the next step, an evaluation),
+   leaves every replica with the one-process update of every parameter. */
 static void shard_case(int P, bool deterministic) {
     int dp = world / P;
     register_fake(VIA_P2P);
@@ -870,7 +870,12 @@ static void shard_case(int P, bool deterministic) {
             for (int64_t k = first; k < first + count; k++) w[k] -= 0.05f * g[k];
         }
     ok = agree(ok);
-    st = ok ? smp_model_gather_params(model) : SMP_ERR_STATE;
+    if (deterministic) { /* the next step gathers, here an evaluation (this backend has no gather_start) */
+        smp_step_output more[2] = {{0, NULL}, {0, NULL}};
+        st = ok ? train(model, &a, more, true) : SMP_ERR_STATE;
+        smp_step_output_free(&more[0]);
+        smp_step_output_free(&more[1]);
+    } else st = ok ? smp_model_gather_params(model) : SMP_ERR_STATE;
     if (ok && st) { ok = 0; snprintf(why, sizeof why, "gather: %s", smp_last_error()); }
     for (int l = 0; l < NLIN && ok; l++)
         for (int wb = 0; wb < 2 && ok; wb++) {

@@ -914,6 +914,93 @@ static void test_offload(const smp_config *base) {
           "f32", "mp", &res);
 }
 
+/* shard_optimizer_state on the device: two steps of 2 replicas with an SGD update of each replica's owned ranges
+   between them, the second step gathering the replicas' ranges itself (the backend's gather_start on smp's
+   stream, the engine's stream waiting for each bucket before the first call that reads it), against the same run
+   unsharded: the second step's losses and the parameters it gathered are bitwise the same, and the sharded step
+   waits for no whole-device synchronisation. */
+typedef struct shard_run_out { float loss[8], params[4096]; int64_t n; long syncs; } shard_run_out;
+
+static smp_status shard_run(const smp_config *base, bool shard, shard_run_out *o, result *res) {
+    smp_config c = *base;
+    c.partitions = 1;
+    c.ddp = SMP_ON;
+    c.deterministic_reduction = SMP_ON;
+    c.shard_optimizer_state = shard ? SMP_ON : SMP_OFF;
+    c.bucket_cap_mb = 1e-4; /* about 100 bytes: several buckets, parameters across the pieces */
+    c.microbatches = 2;
+    smp_finalize();
+    smp_status st = start(&c);
+    if (st) return st;
+    memset(o, 0, sizeof *o);
+    net n;
+    smp_model *model = build_with(&n, NULL, &GPU_NET, true);
+    if (!model) return SMP_ERR_STATE;
+    float hx[B * D], ht[B * C], host[4096];
+    uint64_t seed = 99 + (uint64_t)smp_rdp_rank(); /* each replica its own batch */
+    for (int i = 0; i < B * D; i++) hx[i] = (float)(smp_rng_uniform(&seed) * 2 - 1);
+    for (int i = 0; i < B * C; i++) ht[i] = (float)(smp_rng_uniform(&seed) * 2 - 1);
+    float *dx = (float *)dalloc(sizeof hx), *dt = (float *)dalloc(sizeof ht);
+    up(dx, hx, sizeof hx);
+    up(dt, ht, sizeof ht);
+    g_net_loss = (float *)smp_nccl_alloc(sizeof(float) * 8);
+    for (int step = 0; step < 2 && !st; step++) {
+        smp_tensor x = smp_tensor_2d(dx, SMP_F32, B, D), t = smp_tensor_2d(dt, SMP_F32, B, C);
+        x.device = t.device = smp_nccl_device();
+        smp_step_output outs[2];
+        memset(outs, 0, sizeof outs);
+        smp_model_zero_grad(model);
+        long syncs = fake_cuda_device_syncs ? fake_cuda_device_syncs() : 0;
+        st = SMP_TRAIN_STEP(model, gpu_mse_body, NULL, outs, 2, x, t);
+        if (fake_cuda_device_syncs) o->syncs = fake_cuda_device_syncs() - syncs;
+        for (int i = 0; !st && step == 1 && i < outs[0].microbatches && i < 8; i++)
+            memcpy(&o->loss[i], outs[0].values[i].data, sizeof(float));
+        smp_step_output_free(&outs[0]);
+        smp_step_output_free(&outs[1]);
+        smp_param *p;
+        for (int i = 0; !st && step == 0 && (p = smp_model_local_param(model, i, false)); i++) {
+            int64_t first = 0, count = 0, numel = smp_tensor_numel(smp_param_value(p));
+            float g[4096];
+            st = smp_param_owned_range(model, p, &first, &count);
+            if (st || numel > 4096) break;
+            CK(cudaDeviceSynchronize());
+            down(host, smp_param_value(p)->data, sizeof(float) * (size_t)numel);
+            down(g, smp_param_grad(p)->data, sizeof(float) * (size_t)numel);
+            for (int64_t k = first; k < first + count; k++) host[k] -= 0.05f * g[k];
+            up(smp_param_value(p)->data, host, sizeof(float) * (size_t)numel);
+        }
+    }
+    if (st) fail(res, "%s: %s", shard ? "sharded" : "unsharded", smp_last_error());
+    CK(cudaDeviceSynchronize());
+    smp_param *p;
+    for (int i = 0; !st && (p = smp_model_local_param(model, i, false)); i++) {
+        int64_t numel = smp_tensor_numel(smp_param_value(p));
+        if (o->n + numel > 4096) break;
+        down(o->params + o->n, smp_param_value(p)->data, sizeof(float) * (size_t)numel);
+        o->n += numel;
+    }
+    smp_model_free(model);
+    smp_nccl_free(g_net_loss);
+    CK(cudaFree(dx));
+    CK(cudaFree(dt));
+    return st;
+}
+
+static void test_shard(const smp_config *base) {
+    result res = ok_result();
+    static shard_run_out full, sharded;
+    if (!shard_run(base, false, &full, &res) && !shard_run(base, true, &sharded, &res)) {
+        if (memcmp(full.loss, sharded.loss, sizeof full.loss))
+            fail(&res, "the second step's loss is %.9g sharded, %.9g unsharded", sharded.loss[0], full.loss[0]);
+        else if (full.n != sharded.n || !full.n || memcmp(full.params, sharded.params, sizeof(float) * (size_t)full.n))
+            fail(&res, "the parameters the second step gathered differ from the unsharded update");
+        else if (sharded.syncs)
+            fail(&res, "the sharded step waited for the whole device %ld time(s), the last %s", sharded.syncs,
+                 fake_cuda_last_device_sync());
+    }
+    check("shard_optimizer_state: the next step gathers the parameters, bitwise the unsharded run", "f32", "dp", &res);
+}
+
 /* ---------------------------------------------------------------- errors */
 static void test_errors(void) {
     result res = ok_result();
@@ -1036,6 +1123,7 @@ int main(int argc, char **argv) {
     bool was_nccl = smp_nccl_current_mode() == SMP_NCCL_MODE_NCCL;
     run_suite();
     test_offload(&cfg);
+    if (W_SIZE > 1) test_shard(&cfg);
     smp_finalize();
     if (was_nccl) { /* and once more through host memory */
         setenv("SMP_NCCL", "staged", 1);
@@ -1045,6 +1133,7 @@ int main(int argc, char **argv) {
         if (st == SMP_OK) {
             run_suite();
             test_offload(&cfg);
+            if (W_SIZE > 1) test_shard(&cfg);
             smp_finalize();
         }
     }

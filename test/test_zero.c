@@ -43,7 +43,7 @@ SMP_STEP_BODY(body) {
 
 enum { PLAIN, TIED, COMPOSITE, SPLIT };
 static const char *model_name[] = {"plain", "tied", "composite, recomputed", "split linears, zero_bubble"};
-enum { FAIL_NONE, FAIL_MODULE, FAIL_STEP_END };
+enum { FAIL_NONE, FAIL_MODULE, FAIL_STEP_END, FAIL_ONE_MODULE };
 
 typedef struct {
     float params[NP], mom[NP]; /* this rank's parameters (gathered), its momentum (NaN where it owns nothing) */
@@ -95,6 +95,23 @@ static void snapshot(smp_model *model, const sgdm *o, float *params, float *mom)
     }
 }
 
+/* The parameters every replica holds once the ranges are gathered: each element from the replica that owns it,
+   through the test's own all-gather (not smp's). */
+static void expected_params(smp_model *model, const sgdm *o, float *params) {
+    static float mine[NP], all[MAXDP * NP];
+    static char owns[NP], owners[MAXDP * NP];
+    float mom[NP] = {0};
+    int dp = smp_rdp_size();
+    snapshot(model, o, mine, mom);
+    for (int64_t k = 0; k < NP; k++) owns[k] = !isnan(mom[k]);
+    MPI_Comm comm = smp_group_comm(SMP_RDP_GROUP);
+    MPI_Allgather(mine, NP, MPI_FLOAT, all, NP, MPI_FLOAT, comm);
+    MPI_Allgather(owns, NP, MPI_CHAR, owners, NP, MPI_CHAR, comm);
+    for (int64_t k = 0; k < NP; k++)
+        for (int r = dp - 1; r >= 0; r--)
+            if (owners[r * NP + k]) params[k] = all[r * NP + k];
+}
+
 static smp_model *build_case(net *n, int P, int kind) {
     int placement[7];
     for (int k = 0; k < 7; k++) placement[k] = k * P / 7;
@@ -136,6 +153,10 @@ static int train(int P, int kind, bool shard, bool clip, bool scaler, int steps,
     cfg.bucket_cap_mb = 0.0002; /* 52 floats: several buckets, parameters across the pieces */
     cfg.pipeline = kind == SPLIT ? SMP_PIPELINE_ZERO_BUBBLE : SMP_PIPELINE_INTERLEAVED;
     if (P > 1 && kind != COMPOSITE) cfg.auto_partition = SMP_OFF;
+    if (kind == COMPOSITE) { /* split by bytes, not by traced timings: the same stages in the runs compared */
+        cfg.memory_weight = 1;
+        cfg.has_memory_weight = true;
+    }
     cfg.seed = 7;
     memset(r, 0, sizeof *r);
     if (smp_init(&cfg)) { snprintf(why, cap, "smp_init: %s", smp_last_error()); return 0; }
@@ -160,6 +181,7 @@ static int train(int P, int kind, bool shard, bool clip, bool scaler, int steps,
     smp_grad_scaler gs = {0};
     float before[NP], mom_before[NP], after[NP], mom_after[NP];
     if (ok) snapshot(model, &o, before, mom_before);
+    if (ok && model->params_stale) { ok = 0; snprintf(why, cap, "parameters stale before the first step"); }
     int dp = smp_rdp_size(), worked = 0;
     for (int s = 0; ok && s < steps; s++) {
         int fail = fails ? fails[s] : FAIL_NONE;
@@ -168,25 +190,26 @@ static int train(int P, int kind, bool shard, bool clip, bool scaler, int steps,
         smp_step_output loss = {0};
         smp_model_zero_grad(model);
         if (fail == FAIL_MODULE) g_fail = 0;
+        if (fail == FAIL_ONE_MODULE && g_rank == g_world - 1) g_fail = smp_mp_rank(); /* this rank alone */
         if (fail == FAIL_STEP_END && g_rank == g_world - 1) smp_testing_fail(SMP_FAULT_STEP_END, 0);
         float scale = scaler ? (float)smp_grad_scaler_scale(&gs) : 1.0f;
         smp_status st = SMP_TRAIN_STEP(model, body, scaler ? &scale : NULL, &loss, 1, x, t);
         g_fail = -1;
         smp_testing_fail(SMP_FAULT_STEP_END, -1);
         smp_step_output_free(&loss);
-        if (fail) {
-            /* nothing changed: the parameters as the last gather left them, the momentum as the last update */
-            if (st == SMP_OK) { ok = 0; snprintf(why, cap, "step %d should have failed", s); break; }
-            if (smp_model_gather_params(model)) { ok = 0; snprintf(why, cap, "gather: %s", smp_last_error()); break; }
-            snapshot(model, &o, after, mom_after);
-            if (memcmp(before, after, sizeof(float) * (size_t)r->total) ||
-                memcmp(mom_before, mom_after, sizeof(float) * (size_t)r->total)) {
-                ok = 0;
-                snprintf(why, cap, "the failed step %d changed a parameter or the optimizer state", s);
-            }
-            continue;
+        if (st == SMP_OK && fail) { ok = 0; snprintf(why, cap, "step %d should have failed", s); break; }
+        if (st && !fail) { ok = 0; snprintf(why, cap, "step %d: %s", s, smp_last_error()); break; }
+        /* the step gathered the ranges the last update changed, all of them, failed or not (no all-gather left in
+           flight, no parameter half gathered), and a failed one changed nothing else */
+        snapshot(model, &o, after, mom_after);
+        bool stale = fail && model->params_stale; /* a step that worked marks them for the engine's update */
+        if (stale || memcmp(before, after, sizeof(float) * (size_t)r->total) ||
+            memcmp(mom_before, mom_after, sizeof(float) * (size_t)r->total)) {
+            ok = 0;
+            snprintf(why, cap, "step %d%s left parameters%s other than the replicas' last update", s,
+                     fail ? " (failed)" : "", stale ? " stale, or" : "");
         }
-        if (st) { ok = 0; snprintf(why, cap, "step %d: %s", s, smp_last_error()); break; }
+        if (fail) continue;
         bool skip = false;
         if (scaler) {
             if (worked == 1) { /* the average overflows in one element: where the last replica reads it, sharded */
@@ -208,8 +231,10 @@ static int train(int P, int kind, bool shard, bool clip, bool scaler, int steps,
         }
         if (ok && !skip) sgdm_step(&o, model);
         worked++;
-        if (ok && smp_model_gather_params(model)) { ok = 0; snprintf(why, cap, "gather: %s", smp_last_error()); }
-        if (ok) snapshot(model, &o, before, mom_before);
+        if (ok) { /* the next step gathers what the replicas updated, overlapped with its forward */
+            snapshot(model, &o, after, mom_before);
+            expected_params(model, &o, before);
+        }
     }
     r->scale = gs.scale;
     memcpy(r->params, before, sizeof before);
@@ -282,21 +307,82 @@ static void sharded_equals_unsharded(int P, int kind, bool clip, bool scaler) {
     MPI_CHECK(ok, name, "%s", why);
 }
 
-/* Steps 1 and 3 of 5 fail (a module's forward; after the last message, with the reduce-scatters started): each
-   changes nothing, and the run equals 3 clean steps. */
+/* Steps 1, 3 and 4 of 6 fail (a module's forward on every rank; after the last message, with the reduce-scatters
+   started; the first forward call of one replica, with the parameter all-gathers of the buckets it does not read
+   in flight): each changes nothing, and the run equals 3 clean steps. */
 static void chaos(int P) {
     char name[200], why[4096] = "";
     snprintf(name, sizeof name, "shard_optimizer_state/%dx%d/chaos: failed steps change no parameter and no optimizer "
              "shard; the run equals a clean one without them", P, g_world / P);
     static result a, b;
-    const int fails[5] = {FAIL_NONE, FAIL_MODULE, FAIL_NONE, FAIL_STEP_END, FAIL_NONE};
-    int ok = train(P, PLAIN, true, true, false, 5, fails, &a, why, sizeof why) &&
+    const int fails[6] = {FAIL_NONE, FAIL_MODULE, FAIL_NONE, FAIL_STEP_END, FAIL_ONE_MODULE, FAIL_NONE};
+    int ok = train(P, PLAIN, true, true, false, 6, fails, &a, why, sizeof why) &&
              train(P, PLAIN, true, true, false, 3, NULL, &b, why, sizeof why);
     if (ok && (memcmp(a.params, b.params, sizeof(float) * (size_t)a.total) || !same_momentum(&a, &b) ||
                memcmp(a.norms, b.norms, sizeof a.norms))) {
         ok = 0;
         snprintf(why, sizeof why, "the run with failed steps ended elsewhere than the clean run without them");
     }
+    MPI_CHECK(ok, name, "%s", why);
+}
+
+/* SMP_TIMELINE of 3 sharded steps on one stage: in each step after an update, every bucket's parameter all-gather
+   starts before the step's first forward, and the step puts the bucket's parameters in place only after that
+   forward began (before the first call that reads one of them, so the buckets of later calls gather while the
+   first calls compute) and before the step's first backward; the all-gathers start in the order the forward reads
+   them, the first call's bucket first; the step before any update gathers nothing. */
+static void overlap(void) {
+    char name[200], why[4096] = "", path[64];
+    snprintf(name, sizeof name, "shard_optimizer_state/1x%d/overlap: the parameter all-gathers start as the step "
+             "begins and the first forward waits for each bucket only before a call reads it (SMP_TIMELINE)", g_world);
+    static result a;
+    timeline_to("zero_overlap", path, sizeof path);
+    int ok = train(1, PLAIN, true, false, false, 3, NULL, &a, why, sizeof why);
+    unsetenv("SMP_TIMELINE");
+    static tl_event ev[4096];
+    int nev = ok && g_rank == 0 ? read_timeline(path, ev, 4096) : 0;
+    if (ok && g_rank == 0 && nev <= 0) { ok = 0; snprintf(why, sizeof why, "cannot read %s", path); }
+    for (int r = 0; ok && g_rank == 0 && r < g_world; r++) {
+        tl_event fwd[16], bwd[16], ag[256];
+        int nf = 0, nb = 0, na = 0, per_step[3] = {0, 0, 0}, first_started[3] = {-1, -1, -1};
+        double first_ts[3] = {0, 0, 0};
+        for (int i = 0; i < nev; i++) {
+            if (ev[i].pid != r) continue;
+            if (!strcmp(ev[i].cat, "forward") && nf < 16) fwd[nf++] = ev[i];
+            if (!strcmp(ev[i].cat, "backward") && nb < 16) bwd[nb++] = ev[i];
+            if (!strcmp(ev[i].cat, "allgather") && na < 256) ag[na++] = ev[i];
+        }
+        if (nf != 6 || nb != 6) { ok = 0; snprintf(why, sizeof why, "rank %d: %d forwards, %d backwards", r, nf, nb); }
+        for (int g = 0; ok && g < na; g++) {
+            int s = 0; /* its step: the first whose first forward begins after it started */
+            while (s < 3 && fwd[2 * s].ts < ag[g].ts) s++;
+            double end = ag[g].ts + ag[g].dur;
+            if (s == 0 || s == 3 || !(end > fwd[2 * s].ts) || end > bwd[2 * s].ts + 0.002) {
+                ok = 0;
+                snprintf(why, sizeof why, "rank %d: bucket %d's all-gather ran from %.3f to %.3f us, step %d's first "
+                         "forward began at %.3f, its first backward at %.3f", r, ag[g].bucket, ag[g].ts, end, s,
+                         s < 3 ? fwd[2 * s].ts : -1.0, s < 3 ? bwd[2 * s].ts : -1.0);
+            } else per_step[s]++;
+            if (ok && (first_started[s] < 0 || ag[g].ts < first_ts[s])) {
+                first_started[s] = ag[g].bucket;
+                first_ts[s] = ag[g].ts;
+            }
+        }
+        /* in the order the forward reads them: the first call's parameters are in the last bucket (backward order) */
+        for (int s = 1; ok && s < 3; s++)
+            if (first_started[s] != a.nbuckets - 1) {
+                ok = 0;
+                snprintf(why, sizeof why, "rank %d step %d: bucket %d's all-gather started first, not bucket %d (the "
+                         "first call's)", r, s, first_started[s], a.nbuckets - 1);
+            }
+        if (ok && (per_step[1] < 2 || per_step[1] != per_step[2] || per_step[1] != a.nbuckets)) {
+            ok = 0;
+            snprintf(why, sizeof why, "rank %d: %d and %d all-gathers in steps 1 and 2, for %d buckets", r,
+                     per_step[1], per_step[2], a.nbuckets);
+        }
+    }
+    if (g_rank == 0) remove(path);
+    MPI_Bcast(&ok, 1, MPI_INT, 0, MPI_COMM_WORLD);
     MPI_CHECK(ok, name, "%s", why);
 }
 
@@ -325,6 +411,7 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof g_x / sizeof g_x[0]; i++) g_x[i] = (float)(smp_rng_uniform(&s) * 2 - 1);
     for (size_t i = 0; i < sizeof g_t / sizeof g_t[0]; i++) g_t[i] = (float)(smp_rng_uniform(&s) * 2 - 1);
     if (g_rank == 0) errors();
+    if (g_world >= 2) overlap();
     for (int P = 1; P <= 2; P++) {
         if (g_world % P || g_world / P < 2) continue;
         sharded_equals_unsharded(P, PLAIN, true, true);
