@@ -5925,6 +5925,20 @@ static smp_status smp__check_composite(const smp_call_ctx *c, bool returned) {
 /* Timed runs of each leaf call after its warm-up run, when tracing. */
 #define SMP__TRACE_RUNS 3
 
+/* Whether a traced call's time can change anything: the auto-partitioner's
+   split (unless memory alone decides, memory_weight 1), the cut of a
+   manually placed V's bottom, or what SMP_VERBOSE's reports print. Where it
+   cannot (one partition, manual placement), tracing runs each leaf's
+   forward once, for its outputs and memory, and neither times nor repeats
+   it nor runs its backward: a quarter of the work or less. */
+static bool smp__trace_times_matter(void) {
+    const smp_config *cfg = &smp__ctx.cfg;
+    bool vee = cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE_V;
+    if (getenv("SMP_VERBOSE")) return true;
+    if (cfg->auto_partition == SMP_ON) return (cfg->partitions > 1 || vee) && cfg->memory_weight < 1.0;
+    return vee;
+}
+
 /* The run whose total time is the median of n (ties: the earliest), or
    with best the fastest. Whole runs, not per-phase medians, so a call's
    forward, B and W costs come from one run and add up to its time. */
@@ -6138,7 +6152,8 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
     } else {
         smp__call_rec probe; /* what trace_backward reads: which inputs are model inputs */
         probe.in = in;
-        if (!st) st = smp__trace_backward(&c, &probe, cost + 1);
+        bool timed = smp__trace_times_matter();
+        if (!st && timed) st = smp__trace_backward(&c, &probe, cost + 1);
         /* The run above is cold: caches, first-touched pages and the
            engine's own first-call work (autotuning, lazy set-up) make it
            slower by amounts that differ from call to call and run to run,
@@ -6149,7 +6164,7 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
            their best (the steady cost, for a quiet machine). */
         double runs[SMP__TRACE_RUNS][3];
         int nruns = 0;
-        for (int r = 0; r < SMP__TRACE_RUNS && !st; r++) {
+        for (int r = 0; r < SMP__TRACE_RUNS && !st && timed; r++) {
             t0 = smp__trace_now(on_dev);
             st = smp__run_callback(&c, SMP__FORWARD);
             if (!st && sync) st = sync();
