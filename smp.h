@@ -1585,8 +1585,13 @@ static SMP__THREAD_LOCAL smp__cache *smp__cache_now;
 static int smp__size_class(size_t n, size_t *bytes) {
     if (n <= 64) { *bytes = 64; return 0; }
     if (n > (size_t)1 << 62) return -1;
+    /* 2^e < n <= 2^(e+1): the highest bit of n - 1 (every allocation of a step comes here) */
+#if defined(__GNUC__) || defined(__clang__)
+    int e = 63 - __builtin_clzll((unsigned long long)(n - 1));
+#else
     int e = 6;
-    while (((size_t)1 << (e + 1)) < n) e++; /* 2^e < n <= 2^(e+1) */
+    while (((size_t)1 << (e + 1)) < n) e++;
+#endif
     size_t quarter = (size_t)1 << (e - 2), steps = (n + quarter - 1) / quarter; /* 5 to 8 */
     *bytes = steps * quarter;
     return 1 + 4 * (e - 6) + (int)(steps - 5);
