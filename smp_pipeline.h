@@ -3092,10 +3092,16 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         for (int j = 0; j < rec->nout && !rc; j++) {
             gout[j] = c->outputs[j];
             int t = k * mo + j, first = ps->plan.first_edge[t], last = ps->plan.first_edge[t + 1] - 1;
-            if (first == last && smp__adopt_contrib(ps, s, i, last, &gout[j])) continue;
-            if (!smp__tensor_alloc_or(&rc, &gout[j], ps->plan.on_device, SMP__ALLOC_STASH, "an output gradient")) break;
-            if (last < first) { rc = smp__tensor_zero(&gout[j]); continue; }
-            rc = smp__tensor_copy(&gout[j], &st->contrib[last]);
+            /* the latest contribution's own buffer, the others added into it (in the order a copy of it took
+               them: the same sums), saves a buffer and a pass over it per microbatch */
+            if (last >= first && smp__adopt_contrib(ps, s, i, last, &gout[j])) {
+                if (first == last) continue;
+            } else {
+                if (!smp__tensor_alloc_or(&rc, &gout[j], ps->plan.on_device, SMP__ALLOC_STASH, "an output gradient"))
+                    break;
+                if (last < first) { rc = smp__tensor_zero(&gout[j]); continue; }
+                rc = smp__tensor_copy(&gout[j], &st->contrib[last]);
+            }
             for (int e = last - 1; e >= first && !rc; e--) rc = smp__add_into(&gout[j], &st->contrib[e]);
             /* summed: the ones made here go now (received ones are views) */
             for (int e = first; e <= last && !rc; e++) {
