@@ -1617,8 +1617,13 @@ static SMP__THREAD_LOCAL smp__cache *smp__cache_now;
 static int smp__size_class(size_t n, size_t *bytes) {
     if (n <= 64) { *bytes = 64; return 0; }
     if (n > (size_t)1 << 62) return -1;
+    /* 2^e < n <= 2^(e+1): the highest bit of n - 1 (every allocation of a step comes here) */
+#if defined(__GNUC__) || defined(__clang__)
+    int e = 63 - __builtin_clzll((unsigned long long)(n - 1));
+#else
     int e = 6;
-    while (((size_t)1 << (e + 1)) < n) e++; /* 2^e < n <= 2^(e+1) */
+    while (((size_t)1 << (e + 1)) < n) e++;
+#endif
     size_t quarter = (size_t)1 << (e - 2), steps = (n + quarter - 1) / quarter; /* 5 to 8 */
     *bytes = steps * quarter;
     return 1 + 4 * (e - 6) + (int)(steps - 5);
@@ -3304,7 +3309,8 @@ SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_gr
             int k = n - i < 16 ? n - i : 16;
             /* MPI_Test for one: MPICH 4.0's MPI_Testall fails on a started persistent collective */
             int rc = k == 1 ? MPI_Test(reqs + i, &all, statuses) : MPI_Testall(k, reqs + i, &all, statuses);
-            (void)smp__mpi_failed(SMP__MPI_ABORT, rc, k == 1 ? "MPI_Test" : "MPI_Testall", "waiting for %s", what);
+            if (rc != MPI_SUCCESS) /* (a variadic call per poll costs more than the poll's own work) */
+                (void)smp__mpi_failed(SMP__MPI_ABORT, rc, k == 1 ? "MPI_Test" : "MPI_Testall", "waiting for %s", what);
         }
         if (all) return;
         /* past the spin: has a member failed the collective this rank waits in? */
@@ -6136,6 +6142,20 @@ static smp_status smp__check_composite(const smp_call_ctx *c, bool returned) {
 /* Timed runs of each leaf call after its warm-up run, when tracing. */
 #define SMP__TRACE_RUNS 3
 
+/* Whether a traced call's time can change anything: the auto-partitioner's
+   split (unless memory alone decides, memory_weight 1), the cut of a
+   manually placed V's bottom, or what SMP_VERBOSE's reports print. Where it
+   cannot (one partition, manual placement), tracing runs each leaf's
+   forward once, for its outputs and memory, and neither times nor repeats
+   it nor runs its backward: a quarter of the work or less. */
+static bool smp__trace_times_matter(void) {
+    const smp_config *cfg = &smp__ctx.cfg;
+    bool vee = cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE_V;
+    if (getenv("SMP_VERBOSE")) return true;
+    if (cfg->auto_partition == SMP_ON) return (cfg->partitions > 1 || vee) && cfg->memory_weight < 1.0;
+    return vee;
+}
+
 /* The run whose total time is the median of n (ties: the earliest), or
    with best the fastest. Whole runs, not per-phase medians, so a call's
    forward, B and W costs come from one run and add up to its time. */
@@ -6349,7 +6369,8 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
     } else {
         smp__call_rec probe; /* what trace_backward reads: which inputs are model inputs */
         probe.in = in;
-        if (!st) st = smp__trace_backward(&c, &probe, cost + 1);
+        bool timed = smp__trace_times_matter();
+        if (!st && timed) st = smp__trace_backward(&c, &probe, cost + 1);
         /* The run above is cold: caches, first-touched pages and the
            engine's own first-call work (autotuning, lazy set-up) make it
            slower by amounts that differ from call to call and run to run,
@@ -6360,7 +6381,7 @@ SMPDEF smp_status smp_call(smp_module *m, const smp_tensor *inputs, int nin, smp
            their best (the steady cost, for a quiet machine). */
         double runs[SMP__TRACE_RUNS][3];
         int nruns = 0;
-        for (int r = 0; r < SMP__TRACE_RUNS && !st; r++) {
+        for (int r = 0; r < SMP__TRACE_RUNS && !st && timed; r++) {
             t0 = smp__trace_now(on_dev);
             st = smp__run_callback(&c, SMP__FORWARD);
             if (!st && sync) st = sync();

@@ -1270,6 +1270,8 @@ typedef struct smp__step_state {
     int64_t stash_at_start; /* stash bytes when the step began (its peak is measured from there) */
     smp__mbstate *mb;
     smp__xfer *recv;       /* [(link * m + mb) * 2 + backward] */
+    int *recv_front;       /* [link * 2 + backward]: its first microbatch whose receive is not finished (in recv's
+                              block) */
     smp__xfer *sends;      /* kept from step to step, room made for every send as the step begins */
     int nsends, sends_cap;
     int64_t *send_hdrs;    /* [(link * m + mb) * 2 + backward]: the sends' headers, SMP__HDR_WORDS(most) words each */
@@ -1854,10 +1856,16 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
        later one first would hand it an earlier microbatch's bytes. Walk
        each (link, direction) in order and stop at the first header that has
        not arrived. */
-    for (int l = 0; l < ps->plan.nlinks && !err; l++)
+    for (int l = 0; l < ps->plan.nlinks && !err && ps->step.recv_front; l++) /* (none: no step runs) */
         for (int dir = 0; dir < 2 && !err; dir++)
-            for (int mb = 0; mb < ps->step.m; mb++) {
+            for (int *front = &ps->step.recv_front[2 * l + dir], mb = *front; mb < ps->step.m; mb++) {
                 smp__xfer *x = smp__recv_slot(ps, l, mb, dir);
+                /* every receive was posted as the step began, so a finished one (arrived, or never posted) stays
+                   so: each poll (a wait polls thousands of times) starts past the finished ones in front */
+                if (mb == *front && (x->state == SMP__XFER_ARRIVED || x->state == SMP__XFER_IDLE)) {
+                    ++*front;
+                    continue;
+                }
                 if (x->state == SMP__XFER_HEADER_POSTED) {
                     if ((err = SMP__MPI_CHECK(
                              MPI_Test(&x->req[0], &flag, &st), "receiving the header of %s %d from mp rank %d",
@@ -3351,10 +3359,16 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         for (int j = 0; j < rec->nout && !rc; j++) {
             gout[j] = c->outputs[j];
             int t = k * mo + j, first = ps->plan.first_edge[t], last = ps->plan.first_edge[t + 1] - 1;
-            if (first == last && smp__adopt_contrib(ps, s, i, last, &gout[j])) continue;
-            if (!smp__tensor_alloc_or(&rc, &gout[j], ps->plan.on_device, SMP__ALLOC_STASH, "an output gradient")) break;
-            if (last < first) { rc = smp__tensor_zero(&gout[j]); continue; }
-            rc = smp__tensor_copy(&gout[j], &st->contrib[last]);
+            /* the latest contribution's own buffer, the others added into it (in the order a copy of it took
+               them: the same sums), saves a buffer and a pass over it per microbatch */
+            if (last >= first && smp__adopt_contrib(ps, s, i, last, &gout[j])) {
+                if (first == last) continue;
+            } else {
+                if (!smp__tensor_alloc_or(&rc, &gout[j], ps->plan.on_device, SMP__ALLOC_STASH, "an output gradient"))
+                    break;
+                if (last < first) { rc = smp__tensor_zero(&gout[j]); continue; }
+                rc = smp__tensor_copy(&gout[j], &st->contrib[last]);
+            }
             for (int e = last - 1; e >= first && !rc; e--) rc = smp__add_into(&gout[j], &st->contrib[e]);
             /* summed: the ones made here go now (received ones are views) */
             for (int e = first; e <= last && !rc; e++) {
@@ -3703,6 +3717,7 @@ static void smp__release_step(smp__pipe *ps, smp_model *md) {
     }
     smp__free(ps->step.recv);
     ps->step.recv = NULL;
+    ps->step.recv_front = NULL;
     for (int i = 0; i < ps->step.nsends; i++) SMP_ASSERT(ps->step.sends[i].state != SMP__XFER_SENDING);
     ps->step.nsends = 0;
     smp__free(ps->step.send_hdrs);
@@ -4102,7 +4117,9 @@ static smp_status smp__step_post_receives(smp__pipe *ps) {
     smp_status st = SMP_OK;
     size_t nrecv = (size_t)ps->plan.nlinks * (size_t)now->m * 2;
     const char *what = "the step's microbatch state";
-    now->recv = (smp__xfer *)smp__alloc_or(&st, sizeof(smp__xfer) * nrecv, SMP__ALLOC_OTHER, what);
+    now->recv = (smp__xfer *)smp__alloc_or(&st, sizeof(smp__xfer) * nrecv + sizeof(int) * 2 * (size_t)ps->plan.nlinks,
+                                           SMP__ALLOC_OTHER, what);
+    now->recv_front = now->recv ? (int *)(void *)(now->recv + nrecv) : NULL;
     /* the sends' headers, and room for every send of the step, the shared gradients' too: neither depends on when
        sends complete */
     int most = 0;

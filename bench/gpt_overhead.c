@@ -11,6 +11,10 @@
      gpt overhead smp/plain tokens/s: X.XX                 (1 microbatch)
      gpt overhead smp/plain tokens/s at 4 microbatches: X.XX
      allocations per step after the first: N               (smp's system allocations, SMP_MALLOC)
+     gpt start-up: tracing X ms, first step Y ms, steady step Z ms          (1 microbatch; then at 4)
+
+   (tracing: smp_model_trace; first step: the first smp_step, which builds the plan and fills the cache; steady:
+   the mean smp step of the faster half)
 
    Run: make bench-overhead, or build/examples/gpt_overhead [--layers L] [--dmodel C] [--heads H]
         [--context T] [--batch B] [--vocab V] [--steps S] [--check] */
@@ -227,10 +231,13 @@ typedef struct run {
     adamw opt;
 } run;
 
-static smp_status run_new(run *r, const gpt_config *cfg, const int32_t *ids, int rows) {
+/* *trace_s: the seconds smp_model_trace took */
+static smp_status run_new(run *r, const gpt_config *cfg, const int32_t *ids, int rows, double *trace_s) {
     smp_status st = gpt_build(&r->g, cfg, false, &r->model);
     smp_tensor x = smp_tensor_2d((void *)(uintptr_t)ids, SMP_I32, rows, cfg->block_size);
+    double t0 = now();
     if (!st) st = smp_model_trace(r->model, &x, 1);
+    *trace_s = now() - t0;
     if (!st) adamw_init(&r->opt, r->model);
     return st;
 }
@@ -290,6 +297,7 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < n; i++) tgt[i] = ids[(i + 1) % n];
     int rc = 0;
     double rate[2][2] = {{0, 0}, {0, 0}}; /* [4 microbatches][smp] */
+    double startup[2][3] = {{0, 0, 0}, {0, 0, 0}}; /* [4 microbatches][tracing, first step, steady step] (s) */
     long allocs = -1;
     for (int k = 0; k < 2 && !rc; k++) {
         int M = k ? 4 : 1, S = check ? 3 : steps;
@@ -298,7 +306,9 @@ int main(int argc, char **argv) {
         sc.microbatches = M;
         run a, b;
         plain p;
-        if (smp_init(&sc) || run_new(&a, &cfg, ids, batch / M) || run_new(&b, &cfg, ids, batch / M)) {
+        double unused;
+        if (smp_init(&sc) || run_new(&a, &cfg, ids, batch / M, &startup[k][0]) ||
+            run_new(&b, &cfg, ids, batch / M, &unused)) {
             fprintf(stderr, "gpt_overhead: %s\n", smp_last_error());
             rc = 1;
             break;
@@ -307,10 +317,12 @@ int main(int argc, char **argv) {
         double lp[3] = {0, 0, 0}, ls[3] = {0, 0, 0}, l = 0;
         /* a first step each, untimed (smp's first step builds its plan and fills its cache) */
         lp[0] = plain_train(&b, &p, ids, tgt, M);
+        double f0 = now();
         if (smp_train(&a, ids, tgt, batch, T, &ls[0])) {
             fprintf(stderr, "gpt_overhead: %s\n", smp_last_error());
             rc = 1;
         }
+        startup[k][1] = now() - f0;
         for (int half = 0; half < 2 && !rc; half++) { /* plain, smp, plain, smp: the faster half of each */
             double t0 = now();
             for (int i = 1; i < S && !rc; i++) {
@@ -330,6 +342,7 @@ int main(int argc, char **argv) {
             if (!k && !half && S > 1) allocs = (g_mallocs - m0) / (S - 1);
             if (tokens / (t1 - t0) > rate[k][0]) rate[k][0] = tokens / (t1 - t0);
             if (tokens / (t2 - t1) > rate[k][1]) rate[k][1] = tokens / (t2 - t1);
+            if (S > 1 && (!startup[k][2] || (t2 - t1) / (S - 1) < startup[k][2])) startup[k][2] = (t2 - t1) / (S - 1);
         }
         if (check && !rc && M == 1) {
             bool same = !memcmp(lp, ls, sizeof lp);
@@ -351,6 +364,9 @@ int main(int argc, char **argv) {
         printf("gpt overhead smp/plain tokens/s: %.2f\n", rate[0][1] / rate[0][0]);
         printf("gpt overhead smp/plain tokens/s at 4 microbatches: %.2f\n", rate[1][1] / rate[1][0]);
         printf("allocations per step after the first: %ld\n", allocs);
+        for (int k = 0; k < 2; k++) /* smp_model_trace; the first smp step (plan, cache); the faster half's mean */
+            printf("gpt start-up%s: tracing %.1f ms, first step %.1f ms, steady step %.1f ms\n",
+                   k ? " at 4 microbatches" : "", 1e3 * startup[k][0], 1e3 * startup[k][1], 1e3 * startup[k][2]);
     }
     free(ids);
     (void)gpt_kv_start; /* generation's, unused here */
