@@ -5628,7 +5628,7 @@ static smp_status smp__tp_coll_handshake(smp_group g) {
 
 /* A step that failed on this rank (st) stops here: its TP peers hear of it
    at their next handshake, unless it failed in one (they know then). */
-static void smp__tp_step_stopped(smp_status st) {
+SMP__CORE void smp__tp_step_stopped(smp_status st) {
     if (smp_tp_size() < 2 || smp__tph.by_peer || smp__tph.stopped || !smp__tp_hs_ready()) return;
     memset(&smp__tph.out, 0, sizeof smp__tph.out);
     smp__tph.out.status = st;
@@ -5641,7 +5641,7 @@ static void smp__tp_step_stopped(smp_status st) {
    as many handshakes as the one that sent most (a rank that finished its
    schedule sends its failed status now), and takes in every one its peers
    sent, so none is left for the next step's handshakes. */
-static void smp__tp_step_settle(void) {
+SMP__CORE void smp__tp_step_settle(void) {
     if (smp_tp_size() < 2 || !smp__tp_hs_ready()) return;
     smp__group_info *gi = smp__group(SMP_TP_GROUP);
     unsigned long long most = smp__tph.sent;
@@ -5664,7 +5664,7 @@ static void smp__tp_step_settle(void) {
         }
     smp__tph.by_peer = smp__tph.stopped = false;
 }
-static void smp__tp_step_begin(void) { smp__tph.by_peer = smp__tph.stopped = false; }
+SMP__CORE void smp__tp_step_begin(void) { smp__tph.by_peer = smp__tph.stopped = false; }
 
 /* outer x (axis length) x inner of t around axis, in elements; rows are (axis length x inner). */
 static void smp__around_axis(const smp_tensor *t, int axis, int64_t *outer, int64_t *inner) {
