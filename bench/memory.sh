@@ -67,8 +67,8 @@ if [ ! -x "$fake" ]; then
   echo "offload peak device bytes with/without: not measured ($fake is missing: make build/fake/fmnist)"
 else
   data=$tmp/fmnist
-  python3 - /usr/share/datasets/fashion-mnist "$data" <<'PY' ||
-    { echo "bench/memory: cannot copy Fashion-MNIST" >&2; exit 1; }
+  # (the test of the copy's status comes after the here-document: a line after `<<'PY' ||` would be read as its first)
+  if ! python3 - /usr/share/datasets/fashion-mnist "$data" <<'PY'
 import gzip, os, struct, sys
 src, dst = sys.argv[1], sys.argv[2]
 os.makedirs(dst)
@@ -80,6 +80,7 @@ for split, n in (("train", 2048), ("t10k", 1000)):
     with gzip.open(f"{dst}/{split}-labels-idx1-ubyte.gz", "wb", compresslevel=1) as f:
         f.write(lb[:4] + struct.pack(">I", n) + lb[8:8 + n])
 PY
+  then echo "bench/memory: cannot copy Fashion-MNIST" >&2; exit 1; fi
   fm=(--data "$data" --batch 256 --epochs 1 --max-steps 3 --print-losses --checkpoint "$tmp/fm.ckpt" --manual
       --partitions 2 --pipeline simple --microbatches 8)
   fmrun() { # NAME ARGS...
