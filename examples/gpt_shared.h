@@ -597,7 +597,8 @@ static int sample_token(const float *logits, int V, float temperature, mlp_rng *
 typedef smp_status (*gen_build_fn)(gpt *net, const gpt_config *mc, void *user, smp_model **model);
 
 typedef struct gen_state {
-    gpt_config mc; /* the checkpoint's sizes and vocabulary */
+    gpt_config mc; /* the checkpoint's sizes and vocabulary (its embedding's rows: gpt.cu may pad them) */
+    int nchars;    /* the corpus's ids, 0 .. nchars - 1: the only ones printed and drawn */
     unsigned char chars[256];
     int id_of[256];
     int M, N;       /* prompts (one per microbatch), characters to generate */
@@ -626,15 +627,18 @@ static smp_status gen_read_checkpoint(gen_state *s, const char *path) {
                *C = smp_ckpt_meta(f, "n_embd"), *Tb = smp_ckpt_meta(f, "block_size");
     smp_status st = SMP_OK;
     if (!hex || !L || !H || !C || !Tb || strlen(hex) % 2 || strlen(hex) > 512)
-        st = smp_error(SMP_ERR_FORMAT, "%s: not a checkpoint of gpt.c or gpt.cu (its metadata lacks the vocabulary or the sizes)",
-                       path);
+        st = smp_error(SMP_ERR_FORMAT,
+                       "%s: not a checkpoint of gpt.c or gpt.cu (its metadata lacks the vocabulary or the sizes)", path);
     else {
-        s->mc.vocab = (int)strlen(hex) / 2;
+        const smp_ckpt_info *wte = smp_ckpt_find(f, "transformer.wte.weight");
+        s->nchars = (int)strlen(hex) / 2;
+        /* gpt.cu --vocab-multiple: rows past the corpus's ids, which no token ever is */
+        s->mc.vocab = wte && wte->ndim == 2 && wte->shape[0] > s->nchars ? (int)wte->shape[0] : s->nchars;
         s->mc.n_layer = atoi(L);
         s->mc.n_head = atoi(H);
         s->mc.n_embd = atoi(C);
         s->mc.block_size = atoi(Tb);
-        for (int i = 0; i < s->mc.vocab; i++) {
+        for (int i = 0; i < s->nchars; i++) {
             unsigned v = 0;
             sscanf(hex + 2 * i, "%2x", &v);
             s->chars[i] = (unsigned char)v;
@@ -704,11 +708,11 @@ static smp_status gen_step(gen_state *s, const options *o, int k) {
     smp_step_output_free(&lo);
     for (int i = 0; i < M && !st && o->print_logits && smp_rank() == 0; i++) { /* "logits STEP PROMPT Z0 Z1 ...", %a */
         printf("logits %d %d", k, i);
-        for (int j = 0; j < V; j++) printf(" %a", s->logits[(size_t)i * V + j]);
+        for (int j = 0; j < s->nchars; j++) printf(" %a", s->logits[(size_t)i * V + j]);
         printf("\n");
     }
     for (int i = 0; i < M && !st; i++)
-        s->ctx[i][s->len[i]++] = sample_token(s->logits + (size_t)i * V, V, o->temperature, &s->rng[i]);
+        s->ctx[i][s->len[i]++] = sample_token(s->logits + (size_t)i * V, s->nchars, o->temperature, &s->rng[i]);
     return st;
 }
 

@@ -6,7 +6,7 @@
 # throughput line (tokens/s, model FLOPs per token, MFU against the GPU's
 # dense bf16 peak, which gpt.cu reads from the device name). Then
 # generation: one training step saves a checkpoint of that shape (the
-# corpus's vocabulary: --generate takes it from the checkpoint), which
+# padded vocabulary: --generate draws only the corpus's ids), which
 # gpt.cu --generate continues, 4 prompts (one per microbatch) by
 # GPT_BENCH_TOKENS characters each (default 256) with the KV cache on the
 # device, one rank, bf16. Ends with
@@ -40,7 +40,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 echo "== gpt.cu 124M bf16 generation, 1 rank: 4 prompts x $tokens characters with the KV cache"
 gen=failed
-out=$(timeout 300 mpirun -n 1 "$bin" $shape --partitions 1 --microbatches 1 "$@" --vocab-multiple 0 --steps 1 --batch 1 \
+out=$(timeout 300 mpirun -n 1 "$bin" $shape --partitions 1 --microbatches 1 "$@" --steps 1 --batch 1 \
         --save "$tmp/gen.safetensors" 2>&1 &&
       timeout 300 mpirun -n 1 "$bin" --generate --load "$tmp/gen.safetensors" --bf16 --partitions 1 --prompts "The |A |Why |I " \
         --tokens "$tokens" --temperature 0 2>&1)
