@@ -3043,14 +3043,15 @@ SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, sm
                          SMP__CFG_MAX_BUCKET_MB, c.bucket_cap_mb);
     if (c.bucket_cap_mb == 0) c.bucket_cap_mb = SMP__CFG_DEFAULT_BUCKET_MB;
 
-    if (c.shard_optimizer_state == SMP_ON && (c.ddp != SMP_ON || world_size / c.partitions < 2))
+    /* a replica is partitions x tp ranks: the TP ranks of one replica hold different shards, not copies */
+    if (c.shard_optimizer_state == SMP_ON && (c.ddp != SMP_ON || world_size / mp < 2))
         return smp_error(
             SMP_ERR_CONFIG,
             "config key \"shard_optimizer_state\" shards the optimizer state across data-parallel replicas, "
-            "but %s: set \"ddp\": true and run on at least %d ranks (2 replicas of %d partition%s), or leave "
+            "but %s: set \"ddp\": true and run on at least %lld ranks (2 replicas of %d partition%s%s), or leave "
             "shard_optimizer_state off",
-            c.ddp != SMP_ON ? "ddp is off" : "there is one replica", 2 * c.partitions, c.partitions,
-            c.partitions == 1 ? "" : "s");
+            c.ddp != SMP_ON ? "ddp is off" : "there is one replica", 2 * mp, c.partitions,
+            c.partitions == 1 ? "" : "s", times_tp);
     if (c.prescaled_batch == SMP_OFF && c.tensor_parallel_degree > 1)
         return smp_error(SMP_ERR_CONFIG, "config key \"prescaled_batch\" is false: the %d ranks of a TP group would "
                          "each read their own examples, and smp does not gather them into one batch; set "

@@ -401,6 +401,15 @@ static void errors(void) {
     CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "one replica") &&
               strstr(smp_last_error(), "at least 4 ranks"),
           "shard_optimizer_state: one replica, an error naming the fix", "%s", smp_last_error());
+    /* 2 ranks as 1 partition x 2 shards: still one replica (its TP ranks hold shards, not copies) */
+    cfg.partitions = 1;
+    cfg.tensor_parallel_degree = 2;
+    st = smp_config_resolve(&cfg, 2, &out);
+    CHECK(st == SMP_ERR_CONFIG && strstr(smp_last_error(), "one replica") &&
+              strstr(smp_last_error(), "at least 4 ranks") && strstr(smp_last_error(), "tensor_parallel_degree = 2"),
+          "shard_optimizer_state: one replica of 2 TP shards, an error naming the fix", "%s", smp_last_error());
+    st = smp_config_resolve(&cfg, 4, &out);
+    CHECK(st == SMP_OK, "shard_optimizer_state: 2 replicas of 2 TP shards resolve", "%s", smp_last_error());
 }
 
 int main(int argc, char **argv) {
