@@ -776,6 +776,17 @@ SMP_STEP_BODY(gpu_mse_body) {
     return st ? st : smp_mb_return(mb, 1, y);
 }
 
+/* A batch of B rows drawn from seed: inputs hx [B, D] and targets ht [B, C] on the host, copied to device memory
+   (*dx, *dt). */
+static void random_batch(uint64_t seed, float *hx, float *ht, float **dx, float **dt) {
+    for (int i = 0; i < B * D; i++) hx[i] = (float)(smp_rng_uniform(&seed) * 2 - 1);
+    for (int i = 0; i < B * C; i++) ht[i] = (float)(smp_rng_uniform(&seed) * 2 - 1);
+    *dx = (float *)dalloc(sizeof(float) * B * D);
+    *dt = (float *)dalloc(sizeof(float) * B * C);
+    up(*dx, hx, sizeof(float) * B * D);
+    up(*dt, ht, sizeof(float) * B * C);
+}
+
 static void test_pipeline_on_device(const char *what, step_memory *mem) {
     result res = ok_result();
     static const char *names[NLIN] = {"fc0", "fc1", "fc2", "head"};
@@ -785,13 +796,8 @@ static void test_pipeline_on_device(const char *what, step_memory *mem) {
     if (!model) fail(&res, "build: %s", smp_last_error());
     ref_t ref;
     ref_params(&ref);
-    float hx[B * D], ht[B * C];
-    uint64_t seed = 99;
-    for (int i = 0; i < B * D; i++) hx[i] = (float)(smp_rng_uniform(&seed) * 2 - 1);
-    for (int i = 0; i < B * C; i++) ht[i] = (float)(smp_rng_uniform(&seed) * 2 - 1);
-    float *dx = (float *)dalloc(sizeof hx), *dt = (float *)dalloc(sizeof ht);
-    up(dx, hx, sizeof hx);
-    up(dt, ht, sizeof ht);
+    float hx[B * D], ht[B * C], *dx, *dt;
+    random_batch(99, hx, ht, &dx, &dt);
     g_net_loss = (float *)smp_nccl_alloc(sizeof(float) * 8);
     for (int step = 0; step < 2 && res.ok; step++) { /* the batch halves: every shape changes */
         int rows = step ? B / 2 : B;
@@ -936,13 +942,8 @@ static smp_status shard_run(const smp_config *base, bool shard, shard_run_out *o
     net n;
     smp_model *model = build_with(&n, NULL, &GPU_NET, true);
     if (!model) return SMP_ERR_STATE;
-    float hx[B * D], ht[B * C], host[4096];
-    uint64_t seed = 99 + (uint64_t)smp_rdp_rank(); /* each replica its own batch */
-    for (int i = 0; i < B * D; i++) hx[i] = (float)(smp_rng_uniform(&seed) * 2 - 1);
-    for (int i = 0; i < B * C; i++) ht[i] = (float)(smp_rng_uniform(&seed) * 2 - 1);
-    float *dx = (float *)dalloc(sizeof hx), *dt = (float *)dalloc(sizeof ht);
-    up(dx, hx, sizeof hx);
-    up(dt, ht, sizeof ht);
+    float hx[B * D], ht[B * C], host[4096], *dx, *dt;
+    random_batch(99 + (uint64_t)smp_rdp_rank(), hx, ht, &dx, &dt); /* each replica its own batch */
     g_net_loss = (float *)smp_nccl_alloc(sizeof(float) * 8);
     for (int step = 0; step < 2 && !st; step++) {
         smp_tensor x = smp_tensor_2d(dx, SMP_F32, B, D), t = smp_tensor_2d(dt, SMP_F32, B, C);
