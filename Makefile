@@ -15,7 +15,7 @@ LDLIBS    := -lm
 # Tests that run in one process, and tests run under mpirun -n 1 and 2 (and
 # 4: MPI4_TESTS).
 UNIT_TESTS := test_config test_schedule test_autopart test_ckpt_file
-MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_ckpt_threads test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_memory test_zero test_port test_tp test_alloc test_ckpt_tp test_tp_chaos
+MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_ckpt_threads test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_memory test_zero test_port test_tp test_alloc test_ckpt_tp test_tp_chaos test_tp_batch
 # The MPI tests whose 4-rank runs reach what 1 and 2 ranks cannot. At 2
 # ranks a pipeline stage is first or last and a group is the world or one
 # rank; 4 ranks bring 4 stages (middle stages, which both receive and send),
@@ -48,11 +48,14 @@ MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp t
 #                     tp 4 and at pp 1 x tp 1, 2
 #   test_tp_chaos     failures injected into 2 stages of 2 shards (a TP
 #                     peer's failure meets the pipeline's notices)
+#   test_tp_batch     prescaled_batch false at pp 2 x tp 2 (1F1B, zero
+#                     bubble) and tp 2 x rdp 2 (DDP): joined batches in a
+#                     pipeline and across replicas
 # (test_ckpt_threads is not: its I/O thread runs on world rank 0 whatever
 # the world, and ThreadSanitizer runs it at 1 and 2.) The gcc build runs at
 # 4 those of MPI4_TESTS that the ASan build does not (ASAN4_TESTS): the
 # same checks, once each at 4 ranks.
-MPI4_TESTS := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_tp test_zero test_ckpt_tp test_tp_chaos
+MPI4_TESTS := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_tp test_zero test_ckpt_tp test_tp_chaos test_tp_batch
 SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/run_large.sh test/test_install.sh test/test_demo.sh test/test_gpt.sh test/run_fuzz.sh test/run_hosts.sh test/test_minimal.sh test/test_docs.sh test/run_mpi_errors.sh test/run_ckpt_order.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout test_exit test_large test_hosts test_ckpt_order

@@ -111,7 +111,8 @@
      trace_execution_times (false)  trace_memory_usage (false)
      overlapping_allreduce (true)   backward_passes_per_step (1)
      average_grads_across_microbatches (true)  bucket_cap_mb (25)
-     broadcast_buffers (true)   prescaled_batch (true: a TP group's ranks read the same batch)
+     broadcast_buffers (true)   prescaled_batch (true: a TP group's ranks read the same batch; false: their own,
+       joined by smp_step: smp_group below)
    smp's own keys: virtual_stages (1), deterministic_reduction (false),
      activation_checkpointing (false: recompute every top-level call),
      active_microbatches (0: no cap beyond the schedule's; smp_pipeline.h, ACTIVE MICROBATCHES),
@@ -459,7 +460,9 @@ typedef struct smp_config {
     int active_microbatches;        /* most microbatches in flight on a rank (smp_pipeline.h); 0: the schedule's own */
     /* each replica updates its 1/dp of the parameters (smp_param_owned_range); default off */
     smp_switch shard_optimizer_state;
-    smp_switch prescaled_batch;       /* a TP group's ranks read the same batch (SageMaker's key); default on */
+    /* SageMaker's key; default on: a TP group's ranks read the same batch (sharded by rdp_rank); off: each its own
+       (sharded by dp_rank), joined by smp_step (smp_group below) */
+    smp_switch prescaled_batch;
     smp_switch offload_activations; /* on_device models: what a backward needs waits in host memory; default off */
     int activation_loading_horizon; /* offload_activations: tasks before the backward that it comes back; 0: 4 */
     /* smp's own keys */
@@ -506,8 +509,20 @@ SMPDEF const smp_config *smp_current_config(void); /* resolved values */
    alone, PP_GROUP is MP_GROUP (pp_rank = mp_rank) and RDP_GROUP is DP_GROUP
    (rdp_rank = dp_rank), the groups smp had before tensor parallelism.
    smp's tensor-parallel modules expect every rank of a TP group to see the
-   same batch (SageMaker's prescaled_batch): shard data by rdp_rank and
-   rdp_size, not dp_rank. Pipelines run in PP_GROUP, so an activation
+   same batch. SageMaker's prescaled_batch says who makes it so. On (the
+   default), the engine: shard data by rdp_rank and rdp_size and pass every
+   rank of a TP group the same batch. Off, smp: shard data by dp_rank and
+   dp_size as without TP, each rank passing its own B examples; smp_step
+   then gathers its split arguments over TP_GROUP along their batch axes, in
+   tp-rank order, before it slices microbatches (non_split arguments stay
+   each rank's own), so the step is exactly the prescaled one on the group's
+   joined batch of tp x B examples: its StepOutputs hold the joined batch on
+   every rank of the group, this rank's own examples at tp_rank x B. The
+   cost: the layers outside the sharded ones compute the whole joined batch
+   on every TP rank, as with prescaled_batch on (SageMaker's own modules
+   gather only inside the distributed ones), and each step moves every
+   split argument tp times. Ranks whose batch sizes, shapes or dtypes differ
+   in a TP group get an error naming both. Pipelines run in PP_GROUP, so an activation
    crosses a stage boundary from tp rank t to tp rank t of the next stage:
    a tensor that crosses is the whole one (after a tp_reduce) or each
    rank's own slice, as the modules on both sides expect. A step that fails
@@ -3052,11 +3067,6 @@ SMP__CORE smp_status smp_config_resolve(const smp_config *in, int world_size, sm
             "shard_optimizer_state off",
             c.ddp != SMP_ON ? "ddp is off" : "there is one replica", 2 * mp, c.partitions,
             c.partitions == 1 ? "" : "s", times_tp);
-    if (c.prescaled_batch == SMP_OFF && c.tensor_parallel_degree > 1)
-        return smp_error(SMP_ERR_CONFIG, "config key \"prescaled_batch\" is false: the %d ranks of a TP group would "
-                         "each read their own examples, and smp does not gather them into one batch; set "
-                         "\"prescaled_batch\": true and give the ranks of a TP group the same batch (shard data by "
-                         "smp_rdp_rank and smp_rdp_size)", c.tensor_parallel_degree);
     if (c.pipeline == SMP_PIPELINE_ZERO_BUBBLE_V && c.virtual_stages > 2)
         return smp_error(SMP_ERR_CONFIG,
                          "config key \"virtual_stages\" is %d, but pipeline \"zero_bubble_v\" runs exactly 2 stages "

@@ -456,7 +456,9 @@ SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool
    cut into global batches of batch_size x rdp_size samples; each rdp rank
    takes its contiguous slice of every global batch, so data-parallel
    replicas see exactly the samples one process sees with the global batch
-   (the ranks of a TP group take the same slice: smp.h's smp_group). */
+   (the ranks of a TP group take the same slice: smp.h's smp_group; with
+   prescaled_batch false each dp rank takes its own, and batch_size is per
+   dp rank, as smp_local_batch_size's result is). */
 typedef struct smp_sampler_desc {
     int64_t dataset_size;
     int64_t batch_size;  /* per replica */
@@ -468,7 +470,8 @@ typedef struct smp_sampler_desc {
    indices for this dp rank, in *batches batches of batch_size. */
 SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int64_t *indices, int64_t *count,
                                       int64_t *batches);
-/* The per-replica batch of a global batch; an error when it does not divide. */
+/* The per-replica batch of a global batch (per dp rank with prescaled_batch false); an error when it does not
+   divide. */
 SMPDEF smp_status smp_local_batch_size(int64_t global_batch, int64_t *local);
 /* Checks that every dp rank will run the same number of batches; an error
    naming both counts otherwise (instead of a hang at the end of an epoch). */
@@ -2908,13 +2911,19 @@ SMPDEF smp_status smp_grad_scaler_unscale(smp_model *m, smp_grad_scaler *s, bool
 }
 
 /* ---------------------------------------------------------------- data helpers */
+/* The ranks the data is sharded over: the replicas, or with prescaled_batch false each rank of a TP group too. */
+static smp_group smp__data_group(void) {
+    return smp__ctx.cfg.prescaled_batch == SMP_OFF ? SMP_DP_GROUP : SMP_RDP_GROUP;
+}
+
 SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int64_t *indices, int64_t *count,
                                       int64_t *batches) {
     if (!d || !indices || !count) return smp_error(SMP_ERR_ARG, "smp_sampler_indices: NULL argument");
     if (d->dataset_size < 0 || d->batch_size < 1)
         return smp_error(SMP_ERR_ARG, "smp_sampler_indices: dataset size %lld and batch size %lld (>= 1)",
                          (long long)d->dataset_size, (long long)d->batch_size);
-    int dp = smp__ctx.initialized ? smp_rdp_size() : 1, r = smp__ctx.initialized ? smp_rdp_rank() : 0;
+    int dp = smp__ctx.initialized ? smp_group_size(smp__data_group()) : 1,
+        r = smp__ctx.initialized ? smp_group_rank(smp__data_group()) : 0;
     int64_t n = d->dataset_size, L = d->batch_size, G = L * dp;
     int64_t nb = d->drop_last ? n / G : (n + G - 1) / G;
     if (nb == 0)
@@ -2945,7 +2954,7 @@ SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int6
 }
 
 SMPDEF smp_status smp_local_batch_size(int64_t global, int64_t *local) {
-    int dp = smp_rdp_size();
+    int dp = smp_group_size(smp__data_group());
     if (global < 1 || global % dp)
         return smp_error(SMP_ERR_ARG, "global batch of %lld does not divide among %d data-parallel replicas",
                          (long long)global, dp);
@@ -2957,7 +2966,7 @@ SMPDEF smp_status smp_agree_batches(int64_t batches) {
     SMP_TRY(smp__require_init("smp_agree_batches"));
     int64_t v[2] = {batches, -batches};
     smp_tensor t = smp_tensor_1d(v, SMP_I64, 2);
-    SMP_TRY(smp_all_reduce(&t, &t, SMP_MIN, SMP_RDP_GROUP));
+    SMP_TRY(smp_all_reduce(&t, &t, SMP_MIN, smp__data_group()));
     if (v[0] != -v[1])
         return smp_error(SMP_ERR_ARG,
                          "data-parallel replicas have different numbers of batches (%lld to %lld): shard the data "
@@ -4264,11 +4273,132 @@ static smp_status smp__step_undo(smp__pipe *ps, smp_model *md, smp_status agreed
 }
 
 static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts);
+
+/* ---------------------------------------------------------------- prescaled_batch false
+   Each rank of a TP group passed its own examples: the step runs on the group's batches joined along each split
+   argument's batch axis in tp-rank order, exactly the step every rank would run with prescaled_batch true had it
+   passed the joined batch. What a rank's step looks like to its peers, compared before any data moves: the count
+   of arguments, then per argument its batch axis (-1: not split, and nothing more), whether it is on a device, its
+   dtype, ndim and shape. */
+enum { SMP__JOIN_ARG_WORDS = 4 + SMP_MAX_DIMS, SMP__JOIN_WORDS = 1 + SMP_MAX_STEP_ARGS * SMP__JOIN_ARG_WORDS };
+
+static void smp__join_describe(const smp_step_desc *d, int64_t *w) {
+    memset(w, 0, sizeof(int64_t) * SMP__JOIN_WORDS);
+    w[0] = d->nargs;
+    for (int a = 0; a < d->nargs; a++) {
+        int64_t *x = w + 1 + a * SMP__JOIN_ARG_WORDS;
+        const smp_tensor *t = &d->args[a];
+        x[0] = d->non_split[a] ? -1 : d->split_axis[a];
+        if (d->non_split[a]) continue;
+        x[1] = t->device != SMP_HOST;
+        x[2] = t->dtype;
+        x[3] = t->ndim;
+        memcpy(x + 4, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+    }
+}
+
+/* "split along axis 0 on the host" or "not split" into buf; returns buf. */
+static const char *smp__join_arg_text(const int64_t *x, char *buf, size_t cap) {
+    if (x[0] < 0) snprintf(buf, cap, "not split (non_split)");
+    else snprintf(buf, cap, "split along axis %lld %s", (long long)x[0], x[1] ? "on a CUDA device" : "on the host");
+    return buf;
+}
+
+/* The verdict on the TP group's descriptions (`all`, tp of them), the same on each of its ranks. */
+static smp_status smp__join_compare(const int64_t *all, int tp) {
+    static const char fix[] = "with prescaled_batch false every rank of a TP group passes the same number of examples "
+                              "with the same shape and dtype, and smp joins them in tp-rank order: shard the data "
+                              "evenly by smp_dp_rank over smp_dp_size (drop_last), or set \"prescaled_batch\": true "
+                              "and give every rank of the group the same batch";
+    int w0 = smp_group_world_rank(SMP_TP_GROUP, 0);
+    for (int r = 1; r < tp; r++) {
+        const int64_t *b = all + (size_t)r * SMP__JOIN_WORDS;
+        int wr = smp_group_world_rank(SMP_TP_GROUP, r);
+        if (all[0] != b[0])
+            return smp_error(SMP_ERR_ARG,
+                             "smp_step: tp rank 0 (world rank %d) passes %lld arguments, tp rank %d (world rank %d) "
+                             "%lld: %s", w0, (long long)all[0], r, wr, (long long)b[0], fix);
+        for (int a = 0; a < all[0]; a++) {
+            const int64_t *x = all + 1 + a * SMP__JOIN_ARG_WORDS, *y = b + 1 + a * SMP__JOIN_ARG_WORDS;
+            if (!memcmp(x, y, sizeof(int64_t) * SMP__JOIN_ARG_WORDS)) continue;
+            char t0[96], tr[96];
+            if (x[0] != y[0] || x[1] != y[1])
+                return smp_error(SMP_ERR_ARG, "smp_step: argument %d is %s on tp rank 0 (world rank %d) but %s on "
+                                 "tp rank %d (world rank %d): %s", a, smp__join_arg_text(x, t0, sizeof t0), w0,
+                                 smp__join_arg_text(y, tr, sizeof tr), r, wr, fix);
+            smp_tensor s0 = smp_tensor_make(NULL, (smp_dtype)x[2], (int)x[3], x + 4);
+            smp_tensor sr = smp_tensor_make(NULL, (smp_dtype)y[2], (int)y[3], y + 4);
+            return smp_error(SMP_ERR_ARG, "smp_step: argument %d (batch axis %lld) is %s on tp rank 0 (world rank "
+                             "%d) but %s on tp rank %d (world rank %d): %s", a, (long long)x[0],
+                             smp__tensor_describe(&s0, t0, sizeof t0), w0, smp__tensor_describe(&sr, tr, sizeof tr),
+                             r, wr, fix);
+        }
+    }
+    return SMP_OK;
+}
+
+/* `joined`: d with each split argument replaced by the TP group's joined batch, from the model's cache. Every
+   rank agrees before data moves (its own arguments, the memory) and after (the group's descriptions, the
+   gathers). Whatever the outcome, the caller frees what joined holds that d does not. */
+static smp_status smp__step_join(const smp_step_desc *d, smp_step_desc *joined) {
+    smp_model *md = d->model;
+    int tp = smp_tp_size();
+    *joined = *d;
+    smp__cache *was = smp__cache_use(md->cache);
+    /* what a rank checks alone; whether the batch divides into microbatches is the joined batch's question */
+    smp_status st = smp__check_step(d, md, 1);
+    int64_t *all = st ? NULL
+                      : (int64_t *)smp__bytes_or(&st, sizeof(int64_t) * SMP__JOIN_WORDS * (size_t)(tp + 1),
+                                                 SMP__ALLOC_COMM, "comparing the TP group's batches");
+    void *scratch[SMP_MAX_STEP_ARGS] = {0};
+    const char *what = "the TP group's joined batch (prescaled_batch false)";
+    for (int a = 0; a < d->nargs && !st; a++) {
+        if (d->non_split[a]) continue;
+        smp_tensor *t = &joined->args[a];
+        int64_t outer, inner;
+        smp__around_axis(t, d->split_axis[a], &outer, &inner);
+        t->shape[d->split_axis[a]] *= tp;
+        smp__tensor_alloc_or(&st, t, t->device != SMP_HOST, SMP__ALLOC_COMM, what);
+        if (outer > 1) { /* smp__tp_gather's: the ranks' blocks as they arrive */
+            smp_tensor s = *t;
+            scratch[a] = smp__tensor_alloc_or(&st, &s, t->device != SMP_HOST, SMP__ALLOC_COMM, what);
+        }
+    }
+    st = smp__agree_on(smp__ctx.world, st, "the TP group's batches (prescaled_batch false)");
+    if (!st) {
+        smp__join_describe(d, all + (size_t)tp * SMP__JOIN_WORDS);
+        smp_tensor mine = smp_tensor_1d(all + (size_t)tp * SMP__JOIN_WORDS, SMP_I64, SMP__JOIN_WORDS),
+                   every = smp_tensor_1d(all, SMP_I64, (int64_t)tp * SMP__JOIN_WORDS);
+        smp__tph.in_module = true; /* the agreement above stands for the TP handshake of each collective */
+        st = smp_all_gather(&mine, &every, SMP_TP_GROUP);
+        if (!st) st = smp__join_compare(all, tp); /* so each rank of the group gathers, or none */
+        for (int a = 0; a < d->nargs && !st; a++)
+            if (!d->non_split[a]) st = smp__tp_gather(&d->args[a], &joined->args[a], d->split_axis[a], scratch[a]);
+        smp__tph.in_module = false;
+        st = smp__agree_on(smp__ctx.world, st, "the TP group's batches (prescaled_batch false)");
+    }
+    for (int a = 0; a < SMP_MAX_STEP_ARGS; a++) smp__free(scratch[a]);
+    smp__free(all);
+    smp__cache_use(was);
+    return st;
+}
+
+/* The step on the joined batch; its memory goes back to the model's cache after it, failed or not. */
+static smp_status smp__step_joined(const smp_step_desc *d, smp_step_output *outs, int nouts) {
+    smp_step_desc joined;
+    smp_status st = smp__step_join(d, &joined);
+    if (!st) st = smp__step(&joined, outs, nouts);
+    for (int a = 0; a < d->nargs && a < SMP_MAX_STEP_ARGS; a++)
+        if (joined.args[a].data != d->args[a].data) smp__free(joined.args[a].data);
+    return st;
+}
+
 SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
     smp__ctx.at.steps++; /* where this rank is, should it exit (smp__exit_guard) */
     smp__ctx.at.in_step = true;
     smp__tp_step_begin();
-    smp_status st = smp__step(d, outs, nouts);
+    bool join = smp__ctx.initialized && d && d->model && smp__ctx.cfg.prescaled_batch == SMP_OFF && smp_tp_size() > 1;
+    smp_status st = join ? smp__step_joined(d, outs, nouts) : smp__step(d, outs, nouts);
     smp__cache_now = NULL;
     smp__ctx.at.in_step = false;
     smp__ctx.at.op = 0;

@@ -130,9 +130,10 @@ static void test_parallel_degrees(void) {
     st = smp_config_resolve(&c, 4, &r);
     CHECK(st == SMP_OK && r.tensor_parallel_degree == 2, "degrees: pp 2 x tp 2 fills 4 ranks without ddp", "%s",
           smp_last_error());
-    c.prescaled_batch = SMP_OFF; /* each TP rank its own examples: smp does not join them */
-    expect_resolve_error("degrees: prescaled_batch false at tp 2", c, 4, "\"prescaled_batch\" is false", "smp_rdp_rank",
-                         "\"prescaled_batch\": true");
+    c.prescaled_batch = SMP_OFF; /* each TP rank its own examples: smp_step joins them (test_tp_batch) */
+    st = smp_config_resolve(&c, 4, &r);
+    CHECK(st == SMP_OK && r.prescaled_batch == SMP_OFF, "degrees: prescaled_batch false at tp 2", "%s",
+          smp_last_error());
     c.tensor_parallel_degree = 1;
     st = smp_config_resolve(&c, 2, &r);
     CHECK(st == SMP_OK && r.prescaled_batch == SMP_OFF, "degrees: prescaled_batch false at tp 1 (the same thing)", "%s",
