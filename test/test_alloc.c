@@ -4,7 +4,9 @@
    host and device), for the GPT example's model (examples/gpt_model.h) and
    the Fashion-MNIST MLP (examples/fmnist_model.h), in a pipeline of 2
    partitions (1F1B and zero bubble, at 2 ranks; 1 partition at 1 rank), with
-   every top-level call recomputed, and with DDP over every rank. Out of
+   every top-level call recomputed, with DDP over every rank, and (the GPT at
+   2 ranks) at tp 2 with prescaled_batch false, the step joining the TP
+   group's batches. Out of
    memory with a warm cache: a system allocation that fails in a step makes
    the caches give their free blocks back and is tried once more, and the
    step's loss is the one a run without the failure gets, bit for bit; one
@@ -38,6 +40,7 @@ static void *test_malloc(size_t n) {
 static int g_rank, g_world;
 
 typedef struct scenario { const char *name; int partitions; smp_pipeline_kind pipeline; bool ddp, recompute; } scenario;
+static int g_joined_tp = 1; /* > 1: that tp, with prescaled_batch false (the step joins the TP group's batches) */
 
 static smp_config config_of(const scenario *s, int microbatches) {
     smp_config cfg = {0};
@@ -46,6 +49,8 @@ static smp_config config_of(const scenario *s, int microbatches) {
     cfg.pipeline = s->pipeline;
     cfg.ddp = s->ddp ? SMP_ON : SMP_OFF;
     cfg.activation_checkpointing = s->recompute ? SMP_ON : SMP_OFF;
+    cfg.tensor_parallel_degree = g_joined_tp;
+    if (g_joined_tp > 1) cfg.prescaled_batch = SMP_OFF;
     return cfg;
 }
 
@@ -183,6 +188,12 @@ int main(int argc, char **argv) {
     for (int i = 0; i < (int)(sizeof scenarios / sizeof scenarios[0]); i++) {
         count_steps("gpt", &scenarios[i]);
         count_steps("fmnist", &scenarios[i]);
+    }
+    if (g_world == 2) {
+        const scenario joined = {"tp 2, prescaled_batch false", 1, SMP_PIPELINE_INTERLEAVED, false, false};
+        g_joined_tp = 2;
+        count_steps("gpt", &joined);
+        g_joined_tp = 1;
     }
     warm_nomem();
     (void)evaluate, (void)gpt_kv_start; /* the examples' own, unused here */
