@@ -330,6 +330,15 @@ static smp_status load_training(smp_model *model, const options *opt, const corp
     return st;
 }
 
+/* The first of the `rows` rows of a global batch this rank reads for replica r of the R it runs in turn. With
+   prescaled_batch (the default) a TP group's ranks read the same rows: the data is sharded over the replicas
+   (rdp_rank). Without (--no-prescaled-batch), each rank reads its own, sharded over dp ranks as without TP
+   (dp_rank = rdp_rank x tp + tp_rank), and smp_step joins the TP group's in tp-rank order: the same batch. */
+static int first_row(int r, int R, int rows) {
+    bool own = smp_current_config()->prescaled_batch == SMP_OFF;
+    return ((smp_rdp_rank() * R + r) * (own ? smp_tp_size() : 1) + (own ? smp_tp_rank() : 0)) * rows;
+}
+
 int main(int argc, char **argv) {
     options opt;
     MPI_Init(&argc, &argv);
@@ -369,9 +378,11 @@ int main(int argc, char **argv) {
                        "divides by %d",
                        R, R);
     int64_t rows = local_batch / R; /* rows of one smp step */
-    if (!st && rows % M)
+    /* what smp_step slices into microbatches: with prescaled_batch false the TP group's rows joined (first_row) */
+    int64_t step_rows = cfg->prescaled_batch == SMP_OFF ? rows * smp_tp_size() : rows;
+    if (!st && step_rows % M)
         st = smp_error(SMP_ERR_CONFIG, "batch of %lld per replica does not divide into %d microbatches",
-                       (long long)rows, M);
+                       (long long)step_rows, M);
     if (!st && (text.ntrain < (size_t)T + 2 || text.nval < (size_t)T + 2))
         st = smp_error(SMP_ERR_ARG, "the corpus is shorter than a context of %d characters", T);
     for (size_t i = 0; !st && opt.sample_len > 0 && opt.prompt[i]; i++) /* before training, not after it */
@@ -394,8 +405,8 @@ int main(int argc, char **argv) {
     if (fail_all(st, "input")) goto done;
     train_ids = encode(&text, text.train, text.ntrain);
     val_ids = encode(&text, text.val, text.nval);
-    x = malloc(sizeof(int32_t) * (size_t)local_batch * T);
-    y = malloc(sizeof(int32_t) * (size_t)local_batch * T);
+    x = malloc(sizeof(int32_t) * (size_t)(local_batch + step_rows / M) * T); /* and the tracing sample */
+    y = malloc(sizeof(int32_t) * (size_t)(local_batch + step_rows / M) * T);
     if (!train_ids || !val_ids || !x || !y) {
         st = smp_error(SMP_ERR_NOMEM, "out of memory");
         fail_all(st, "data");
@@ -407,8 +418,8 @@ int main(int argc, char **argv) {
     st = gpt_build(&net, &opt.model, opt.recompute, &model);              /* smp.DistributedModel */
     if (fail_all(st, "model")) goto done;
     /* partition now, so the optimizer knows its parameters */
-    fill_batch(train_ids, text.ntrain, T, (uint64_t)opt.seed, 0, opt.batch, 0, (int)(rows / M), x, y);
-    smp_tensor sample = smp_tensor_2d(x, SMP_I32, rows / M, T);
+    fill_batch(train_ids, text.ntrain, T, (uint64_t)opt.seed, 0, opt.batch, 0, (int)(step_rows / M), x, y);
+    smp_tensor sample = smp_tensor_2d(x, SMP_I32, step_rows / M, T);
     st = smp_model_trace(model, &sample, 1);
     if (!st) st = adamw_init(&opt_state, model);
     if (!st && R > 1) {
@@ -433,8 +444,9 @@ int main(int argc, char **argv) {
                opt.model.n_embd, opt.model.n_head, T, text.vocab, (double)nparams / 1e6);
         printf("gpt: %zu training and %zu validation characters from %s\n", text.ntrain, text.nval, opt.data);
         printf("gpt: %d processes, %d partitions x %d tensor-parallel x %d replicas, batch %d x %d characters "
-               "(%lld per replica%s) in %d microbatches, %s pipeline%s\n",
+               "(%lld per %s%s) in %d microbatches, %s pipeline%s\n",
                smp_size(), cfg->partitions, smp_tp_size(), smp_rdp_size() * R, opt.batch, T, (long long)local_batch,
+               cfg->prescaled_batch == SMP_OFF ? "rank, joined in each TP group" : "replica",
                R > 1 ? ", replicas run in turn" : "", M,
                cfg->pipeline == SMP_PIPELINE_SIMPLE          ? "simple"
                : cfg->pipeline == SMP_PIPELINE_ZERO_BUBBLE   ? "zero_bubble"
@@ -452,7 +464,7 @@ int main(int argc, char **argv) {
         float lr = lr_at(&opt, step);
         double loss = 0;
         for (int r = 0; r < R && !st; r++) {
-            int first = smp_rdp_rank() * (int)local_batch + r * (int)rows; /* a TP group's ranks share a batch */
+            int first = first_row(r, R, (int)rows);
             fill_batch(train_ids, text.ntrain, T, (uint64_t)opt.seed, step, opt.batch, first, (int)rows, x, y);
             smp_tensor xt = smp_tensor_2d(x, SMP_I32, rows, T), yt = smp_tensor_2d(y, SMP_I32, rows, T);
             smp_step_output loss_mb = {0};
@@ -522,7 +534,7 @@ int main(int argc, char **argv) {
         for (int b = 0; b < opt.val_batches && !st; b++) {
             double l = 0;
             for (int r = 0; r < R && !st; r++) {
-                int first = b * opt.batch + smp_rdp_rank() * (int)local_batch + r * (int)rows;
+                int first = b * opt.batch + first_row(r, R, (int)rows);
                 fill_val(val_ids, text.nval, T, nw, first, (int)rows, x, y);
                 smp_tensor xt = smp_tensor_2d(x, SMP_I32, rows, T), yt = smp_tensor_2d(y, SMP_I32, rows, T);
                 smp_step_output loss_mb = {0};
@@ -542,12 +554,15 @@ int main(int argc, char **argv) {
         }
     }
 
-    if (opt.logits && fail_all(print_context_logits(model, &text, opt.logits, M), "--logits")) goto done;
+    /* copies of one context, one row per microbatch: with prescaled_batch false each rank of a TP group passes its
+       share of them (smp_step joins them), as many as fill the microbatches */
+    int ctx_rows = cfg->prescaled_batch == SMP_OFF && M % smp_tp_size() == 0 ? M / smp_tp_size() : M;
+    if (opt.logits && fail_all(print_context_logits(model, &text, opt.logits, ctx_rows), "--logits")) goto done;
 
     /* ---------------------------------------------------------------- a sample */
     if (opt.sample_len > 0) {
         char *sample_text = NULL;
-        st = generate(model, &text, &opt, M, &sample_text);
+        st = generate(model, &text, &opt, ctx_rows, &sample_text);
         if (fail_all(st, "generation")) goto done;
         if (root) printf("sample (temperature %.2f, seed %d):\n%s\n", opt.temperature, opt.seed, sample_text);
         free(sample_text);

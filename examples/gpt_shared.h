@@ -46,7 +46,7 @@ static void usage(const char *prog) {
     fprintf(stderr,
             "usage: %s [--steps N] [--batch B] [--lr X] [--min-lr X] [--warmup N] [--weight-decay X]\n"
             "          [--layers L] [--dmodel C] [--heads H] [--context T] [--dropout P]\n"
-            "          [--partitions P] [--tp N] [--microbatches M]\n"
+            "          [--partitions P] [--tp N] [--no-prescaled-batch] [--microbatches M]\n"
             "          [--pipeline simple|interleaved|zero_bubble|zero_bubble_v] [--ddp]\n"
             "          [--deterministic] [--recompute] [--shard-optimizer] [--config JSON] [--data DIR] [--save PATH]\n"
             "          [--val-batches N] [--prompt TEXT] [--sample-len N] [--temperature X] [--seed S]\n"
@@ -54,6 +54,8 @@ static void usage(const char *prog) {
             "          [--logits TEXT] [--grads PATH] [--params PATH] [--save-at N] [--load CKPT] [--partial]\n"
             "  --batch is the global batch in sequences of --context characters\n"
             "  --tp N splits every layer over N ranks (tensor_parallel_degree; gpt.c): heads, MLP, vocabulary\n"
+            "  --no-prescaled-batch: each rank of a TP group reads its own sequences (sharded by dp rank), which\n"
+            "   smp joins into the group's batch (prescaled_batch false; gpt.c); the same run as without it\n"
             "  --params PATH saves every parameter's full tensor after training (gpt.c, any --tp)\n"
             "  --save \"\" skips the checkpoint\n"
             "  --save-at N saves it after step N instead, with AdamW's state, and trains on (gpt.c)\n"
@@ -154,6 +156,7 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
         else if (device && !strcmp(a, "--offload")) o->cfg.offload_activations = SMP_ON;
         else if (!strcmp(a, "--generate")) o->generate = true;
         else if (!device && !strcmp(a, "--partial")) o->partial = true;
+        else if (!device && !strcmp(a, "--no-prescaled-batch")) o->cfg.prescaled_batch = SMP_OFF;
         else if (!strcmp(a, "--no-cache")) o->no_cache = true;
         else if (!strcmp(a, "--print-logits")) o->print_logits = true;
         else if (!strcmp(a, "--ddp")) o->cfg.ddp = SMP_ON;
@@ -424,7 +427,9 @@ SMP_STEP_BODY(next_logits_body) {
    copies of the context (a batch must fill the microbatches), padded with
    id 0 to S >= len characters (the attention is causal: what comes after
    position len - 1 does not change it), through an evaluation step;
-   logits gets [rows, V], x is scratch of rows x S ids. */
+   logits gets the first row's V (every row's are the same; with
+   prescaled_batch false the step ran the TP group's rows joined), x is
+   scratch of rows x S ids. */
 static smp_status context_logits(smp_model *model, const int32_t *ctx, int len, int S, int rows, int V, int32_t *x,
                                  float *logits) {
     int pos = len - 1;
@@ -434,8 +439,10 @@ static smp_status context_logits(smp_model *model, const int32_t *ctx, int len, 
     smp_step_output lo;
     memset(&lo, 0, sizeof lo);
     smp_status st = SMP_EVAL_STEP(model, next_logits_body, &pos, &lo, 1, xt, xt);
-    smp_tensor all = smp_tensor_2d(logits, SMP_F32, rows, V);
-    if (!st) st = smp_step_output_concat(&lo, &all);
+    if (!st && smp_tensor_numel(&lo.values[0]) < V)
+        st = smp_error(SMP_ERR_STATE, "context_logits: the first microbatch returned %lld logits, fewer than %d",
+                       (long long)smp_tensor_numel(&lo.values[0]), V);
+    if (!st) memcpy(logits, lo.values[0].data, sizeof(float) * (size_t)V);
     smp_step_output_free(&lo);
     return st;
 }

@@ -42,7 +42,10 @@
 # and its partial and full checkpoints continue bitwise, sharded or not;
 # generation at tp 2 (the KV cache split by heads) writes one process's text
 # with logits within 1e-5, and tp 2 x 2 partitions tp 2's bitwise; heads or
-# a vocabulary --tp does not divide are errors on every rank. The overhead
+# a vocabulary --tp does not divide are errors on every rank; with
+# --no-prescaled-batch (each TP rank reads its own sequences, sharded by dp
+# rank, joined by smp_step) tp 2 and tp 2 x DDP 2 are bitwise the prescaled
+# runs, whose TP ranks read the joined batch. The overhead
 # benchmark's plain loop (no smp) gives smp's losses at 1 microbatch,
 # bitwise.
 set -u
@@ -168,6 +171,15 @@ same "gpt/tp 2, blocks recomputed (their TP collectives run again): equal tp 2 b
 run tp2_rep2 2 --partitions 1 --tp 2 --replicas 2 --save ""
 run tp2_dp2 4 --partitions 1 --tp 2 --ddp --deterministic --save ""
 same "gpt/tp 2 x DDP 2 (deterministic) equals one TP group running both replicas' shards, bitwise" tp2_rep2 tp2_dp2
+# prescaled_batch false (--no-prescaled-batch): each rank of a TP group reads its own sequences of the global batch
+# (sharded by dp rank: 4 of the 8 at tp 2, 2 at tp 2 x DDP 2) and smp_step joins the group's in tp-rank order into
+# the batch every rank of it reads in the prescaled runs (8, and 4 per replica): the same run, bitwise
+run tp2_own 2 --partitions 1 --tp 2 --no-prescaled-batch --save ""
+same "gpt/tp 2, --no-prescaled-batch: each TP rank's 4 sequences joined by smp_step are the prescaled run of 8, bitwise" \
+  tp2 tp2_own
+run tp2_dp2_own 4 --partitions 1 --tp 2 --ddp --deterministic --no-prescaled-batch --save ""
+same "gpt/tp 2 x DDP 2, --no-prescaled-batch: each TP rank's 2 sequences joined are the prescaled run's 4, bitwise" \
+  tp2_dp2 tp2_dp2_own
 # ... with ZeRO-1 (--shard-optimizer: each replica of a TP rank keeps and updates half of its slice's AdamW
 # state): bitwise the unsharded run. Its checkpoints after step 4 (--save-at), partial (a file per TP slice and
 # replica) and full, continue bitwise: loaded sharded at tp 2 x DDP 2, and unsharded into one TP group running
