@@ -1002,6 +1002,116 @@ static void test_shard(const smp_config *base) {
     check("shard_optimizer_state: the next step gathers the parameters, bitwise the unsharded run", "f32", "dp", &res);
 }
 
+/* prescaled_batch false on the device: at tp 2 each rank of a TP group passes its half of its replica's batch on
+   the device (x and t along axis 0, the examples' numbers [2, rows] along axis 1), and smp_step joins them through
+   the backend's all-gather (and its copies, along axis 1); two steps with an SGD update between them, against
+   every rank passing the whole batch with prescaled_batch true: the losses, the model's outputs and the parameters
+   bitwise the same, and the body saw the examples in order. net7.h's model has no sharded parameter: smp warns
+   that its TP ranks compute the same thing, which is all this needs. */
+typedef struct joined_run_out { float loss[2][8], out[2][B * C], params[4096]; int64_t n; int ids_bad; } joined_run_out;
+
+SMP_STEP_BODY(gpu_joined_body) {
+    SMP_TRY(gpu_mse_body(mb));
+    return smp_mb_return(mb, 2, smp_mb_arg(mb, 2));
+}
+
+static smp_status joined_run(const smp_config *base, bool own, joined_run_out *o, result *res) {
+    smp_config c = *base;
+    c.partitions = 1;
+    c.tensor_parallel_degree = 2;
+    c.prescaled_batch = own ? SMP_OFF : SMP_ON;
+    c.deterministic_reduction = SMP_ON;
+    c.microbatches = 2;
+    c.ddp = W_SIZE > 2 ? SMP_ON : SMP_OFF;
+    smp_finalize();
+    smp_status st = start(&c);
+    if (st) return st;
+    memset(o, 0, sizeof *o);
+    net n;
+    smp_model *model = build_with(&n, NULL, &GPU_NET, true);
+    if (!model) return SMP_ERR_STATE;
+    float hx[B * D], ht[B * C], *dx, *dt;
+    random_batch(99 + (uint64_t)smp_rdp_rank(), hx, ht, &dx, &dt); /* each replica its own batch */
+    int rows = own ? B / 2 : B, first = own ? smp_tp_rank() * rows : 0;
+    int32_t hids[2 * B];
+    for (int j = 0; j < rows; j++) hids[j] = first + j, hids[rows + j] = -(first + j);
+    int32_t *dids = (int32_t *)dalloc(sizeof hids);
+    up(dids, hids, sizeof(int32_t) * 2 * (size_t)rows);
+    g_net_loss = (float *)smp_nccl_alloc(sizeof(float) * 8);
+    for (int step = 0; step < 2 && !st; step++) {
+        smp_step_desc d;
+        memset(&d, 0, sizeof d);
+        d.model = model;
+        d.body = gpu_joined_body;
+        d.nargs = 3;
+        d.args[0] = smp_tensor_2d(dx + (size_t)first * D, SMP_F32, rows, D);
+        d.args[1] = smp_tensor_2d(dt + (size_t)first * C, SMP_F32, rows, C);
+        d.args[2] = smp_tensor_2d(dids, SMP_I32, 2, rows);
+        d.split_axis[2] = 1;
+        for (int a = 0; a < 3; a++) d.args[a].device = smp_nccl_device();
+        smp_step_output outs[3];
+        memset(outs, 0, sizeof outs);
+        smp_model_zero_grad(model);
+        st = smp_step(&d, outs, 3);
+        for (int i = 0; !st && i < outs[0].microbatches && i < 8; i++)
+            memcpy(&o->loss[step][i], outs[0].values[i].data, sizeof(float));
+        smp_tensor cat = smp_tensor_2d(o->out[step], SMP_F32, B, C);
+        int32_t got[2 * B];
+        smp_tensor ids = smp_tensor_2d(got, SMP_I32, 4, B / 2);
+        if (!st) st = smp_step_output_concat(&outs[1], &cat);
+        if (!st) st = smp_step_output_concat(&outs[2], &ids);
+        for (int m = 0; !st && m < 2; m++) /* microbatch m: examples m x B/2 .. of the joined batch */
+            for (int j = 0; j < B / 2; j++)
+                o->ids_bad += got[2 * m * (B / 2) + j] != m * (B / 2) + j ||
+                              got[(2 * m + 1) * (B / 2) + j] != -(m * (B / 2) + j);
+        for (int k = 0; k < 3; k++) smp_step_output_free(&outs[k]);
+        smp_param *p;
+        for (int i = 0; !st && step == 0 && (p = smp_model_local_param(model, i, false)); i++) {
+            int64_t numel = smp_tensor_numel(smp_param_value(p));
+            float v[4096], g[4096];
+            if (numel > 4096) break;
+            CK(cudaDeviceSynchronize());
+            down(v, smp_param_value(p)->data, sizeof(float) * (size_t)numel);
+            down(g, smp_param_grad(p)->data, sizeof(float) * (size_t)numel);
+            for (int64_t k = 0; k < numel; k++) v[k] -= 0.05f * g[k];
+            up(smp_param_value(p)->data, v, sizeof(float) * (size_t)numel);
+        }
+    }
+    if (st) fail(res, "%s: %s", own ? "own batches" : "joined batches", smp_last_error());
+    CK(cudaDeviceSynchronize());
+    smp_param *p;
+    for (int i = 0; !st && (p = smp_model_local_param(model, i, false)); i++) {
+        int64_t numel = smp_tensor_numel(smp_param_value(p));
+        if (o->n + numel > 4096) break;
+        down(o->params + o->n, smp_param_value(p)->data, sizeof(float) * (size_t)numel);
+        o->n += numel;
+    }
+    smp_model_free(model);
+    smp_nccl_free(g_net_loss);
+    CK(cudaFree(dx));
+    CK(cudaFree(dt));
+    CK(cudaFree(dids));
+    return st;
+}
+
+static void test_joined_batch(const smp_config *base) {
+    result res = ok_result();
+    static joined_run_out own, ref;
+    if (!joined_run(base, true, &own, &res) && !joined_run(base, false, &ref, &res)) {
+        if (own.ids_bad || ref.ids_bad)
+            fail(&res, "the body saw %d example numbers out of place with own batches (%d joined by the caller)",
+                 own.ids_bad, ref.ids_bad);
+        else if (memcmp(own.loss, ref.loss, sizeof own.loss))
+            fail(&res, "a loss is %.9g with own batches, %.9g joined by the caller", own.loss[1][0], ref.loss[1][0]);
+        else if (memcmp(own.out, ref.out, sizeof own.out))
+            fail(&res, "the model's outputs (StepOutput concat) differ");
+        else if (own.n != ref.n || !own.n || memcmp(own.params, ref.params, sizeof(float) * (size_t)own.n))
+            fail(&res, "the parameters after an update differ");
+    }
+    check("prescaled_batch false at tp 2: device batches joined by smp_step, bitwise the joined batch passed whole",
+          "f32", "tp", &res);
+}
+
 /* ---------------------------------------------------------------- errors */
 static void test_errors(void) {
     result res = ok_result();
@@ -1125,6 +1235,7 @@ int main(int argc, char **argv) {
     run_suite();
     test_offload(&cfg);
     if (W_SIZE > 1) test_shard(&cfg);
+    if (W_SIZE % 2 == 0) test_joined_batch(&cfg);
     smp_finalize();
     if (was_nccl) { /* and once more through host memory */
         setenv("SMP_NCCL", "staged", 1);
@@ -1135,6 +1246,7 @@ int main(int argc, char **argv) {
             run_suite();
             test_offload(&cfg);
             if (W_SIZE > 1) test_shard(&cfg);
+            if (W_SIZE % 2 == 0) test_joined_batch(&cfg);
             smp_finalize();
         }
     }
