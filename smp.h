@@ -520,9 +520,10 @@ SMPDEF const smp_config *smp_current_config(void); /* resolved values */
    every rank of the group, this rank's own examples at tp_rank x B. The
    cost: the layers outside the sharded ones compute the whole joined batch
    on every TP rank, as with prescaled_batch on (SageMaker's own modules
-   gather only inside the distributed ones), and each step moves every
-   split argument tp times. Ranks whose batch sizes, shapes or dtypes differ
-   in a TP group get an error naming both. Pipelines run in PP_GROUP, so an activation
+   gather only inside the distributed ones), and each step all-gathers
+   every split argument over TP_GROUP. Ranks whose batch sizes, shapes or
+   dtypes differ in a TP group get an error naming both.
+   Pipelines run in PP_GROUP, so an activation
    crosses a stage boundary from tp rank t to tp rank t of the next stage:
    a tensor that crosses is the whole one (after a tp_reduce) or each
    rank's own slice, as the modules on both sides expect. A step that fails

@@ -4278,8 +4278,8 @@ static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int n
    Each rank of a TP group passed its own examples: the step runs on the group's batches joined along each split
    argument's batch axis in tp-rank order, exactly the step every rank would run with prescaled_batch true had it
    passed the joined batch. What a rank's step looks like to its peers, compared before any data moves: the count
-   of arguments, then per argument its batch axis (-1: not split, and nothing more), whether it is on a device, its
-   dtype, ndim and shape. */
+   of arguments, then per argument its batch axis (-1: not split, and nothing more), whether it is on a device
+   (each rank drives its own), its dtype, ndim and shape. */
 enum { SMP__JOIN_ARG_WORDS = 4 + SMP_MAX_DIMS, SMP__JOIN_WORDS = 1 + SMP_MAX_STEP_ARGS * SMP__JOIN_ARG_WORDS };
 
 static void smp__join_describe(const smp_step_desc *d, int64_t *w) {
@@ -4355,6 +4355,10 @@ static smp_status smp__step_join(const smp_step_desc *d, smp_step_desc *joined) 
     for (int a = 0; a < d->nargs && !st; a++) {
         if (d->non_split[a]) continue;
         smp_tensor *t = &joined->args[a];
+        int drives = t->device != SMP_HOST ? smp__ctx.device.current_device() : SMP_HOST;
+        if (t->device != drives) /* the joined batch is on this rank's device; a gather would fail here alone */
+            st = smp_error(SMP_ERR_ARG, "smp_step: argument %d is on CUDA device %d, but this rank drives device %d",
+                           a, SMP_CUDA_ORDINAL(t->device), SMP_CUDA_ORDINAL(drives));
         int64_t outer, inner;
         smp__around_axis(t, d->split_axis[a], &outer, &inner);
         t->shape[d->split_axis[a]] *= tp;
