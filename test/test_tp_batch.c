@@ -17,7 +17,8 @@
         axis-1 argument is the joined batch's numbers in order (this rank's
         own at tp_rank x B); the non_split argument is this rank's own; the
         reduce_mean of the loss is the reference's; smp_local_batch_size is
-        the global batch over dp_size (over rdp_size in the reference).
+        the global batch over dp_size (over rdp_size in the reference), and
+        smp_sampler_indices starts this rank at its own rows (the TP group's).
      2. bad input (2 ranks): a batch size, then a dtype, that differs across
         the TP group is an error on every rank naming both ranks and shapes
         and the fix; the failed steps leave no memory behind and change
@@ -148,6 +149,13 @@ static void run(int pp, int tp, smp_pipeline_kind kind, bool own, run_result *r)
     if (!r->st && local != want_local)
         note(r, "smp_local_batch_size: %lld rows, expected %lld", (long long)local, (long long)want_local);
     int first = (own ? smp_dp_rank() : smp_rdp_rank()) * (int)local;
+    /* the sampler shards as smp_local_batch_size does: the same rows on a TP group's ranks, or each rank its own */
+    smp_sampler_desc sd = {.dataset_size = 64, .batch_size = local, .shuffle = false, .drop_last = true};
+    int64_t idx[64 + MOST], count = 0, batches = 0;
+    if (!r->st) r->st = smp_sampler_indices(&sd, 0, idx, &count, &batches);
+    if (!r->st && idx[0] != first)
+        note(r, "smp_sampler_indices: this rank's first sample is %lld, expected %d", (long long)idx[0], first);
+    if (!r->st) r->st = smp_agree_batches(batches);
     int joined = OWN * smp_tp_size(), joined_first = smp_rdp_rank() * joined, per = joined / MB;
     if (!r->st && own && smp_tp_size() > 1) bad_steps(&n, r);
     for (int s = 0; s < RUN_STEPS && !r->st; s++) {
