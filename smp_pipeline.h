@@ -263,7 +263,9 @@ typedef struct smp_step_desc {
     smp_step_body_fn body;
     void *user;
     int nargs;
-    smp_tensor args[SMP_MAX_STEP_ARGS];   /* the whole batch, identical on every rank of a replica */
+    /* the whole batch, identical on every rank of a replica; with prescaled_batch false at tp > 1 each rank's own
+       examples, which smp_step joins over the TP group in tp-rank order (smp.h's smp_group) */
+    smp_tensor args[SMP_MAX_STEP_ARGS];
     int split_axis[SMP_MAX_STEP_ARGS];    /* batch axis of each argument (input_split_axes); default 0 */
     bool non_split[SMP_MAX_STEP_ARGS];    /* passed whole to every microbatch (non_split_inputs) */
     int model_inputs[SMP_MAX_STEP_ARGS];  /* arguments that feed the model, in order */
