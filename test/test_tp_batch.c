@@ -19,10 +19,12 @@
         reduce_mean of the loss is the reference's; smp_local_batch_size is
         the global batch over dp_size (over rdp_size in the reference), and
         smp_sampler_indices starts this rank at its own rows (the TP group's).
-     2. bad input (2 ranks): a batch size, then a dtype, that differs across
-        the TP group is an error on every rank naming both ranks and shapes
-        and the fix; the failed steps leave no memory behind and change
-        nothing: the training after them is still bitwise the reference's.
+     2. bad input (before each own-batch run): a batch size, then a dtype,
+        that differs across the TP group is an error on every rank naming
+        both ranks and shapes and the fix; then a kernel that fails on the
+        last rank after the join fails the step on every rank. The failed
+        steps leave no memory behind and change nothing: the training after
+        them is still bitwise the reference's (the kernel's after step 0).
    At 1 rank tp is 1 and the two modes are the same thing: checked too.
 
    Run: mpirun -n 1|2|4 build/gcc/test_tp_batch */
@@ -86,19 +88,22 @@ static void note(run_result *r, const char *fmt, ...) {
     va_end(ap);
 }
 
-/* The bad steps before the training (own batches only): rank 1 passes one example more, then targets of
-   another dtype. Each must fail on every rank naming the ranks, both shapes and the fix, and give back its
-   memory. */
-static void bad_steps(net *n, run_result *r) {
+/* Bad steps first to last of: rank 1 passes one example more, then targets of another dtype (before the
+   training): each must fail on every rank naming the ranks, both shapes and the fix; a kernel fails on the last
+   rank in a step whose batches joined (after the first step: a failure in the first step's tracing waits for
+   SMP_TIMEOUT): the step fails everywhere. Each gives back the memory it took. */
+static void bad_steps(net *n, int first, int last, run_result *r) {
+    static const char *what[3] = {"(batch size)", "(dtype)", "(a kernel failed after the join)"};
     float x[MOST * H], t[MOST * H], nonsplit[2] = {0, 0};
     int32_t ids[2 * MOST];
     int rows = OWN + (smp_tp_rank() == 1);
     examples(0, 0, rows, x, t, ids);
-    for (int k = 0; k < 2 && !r->st; k++) {
+    for (int k = first; k <= last && !r->st; k++) {
         int nr = k == 0 ? rows : OWN;
         smp_tensor xt = smp_tensor_2d(x, SMP_F32, nr, H), tt = smp_tensor_2d(t, SMP_F32, nr, H);
         smp_tensor it = smp_tensor_2d(ids, SMP_I32, 2, nr), ns = smp_tensor_1d(nonsplit, SMP_F32, smp_tp_rank() + 1);
         if (k == 1 && smp_tp_rank() == 1) tt.dtype = SMP_I32; /* the same bytes */
+        if (k == 2 && smp_rank() == smp_size() - 1) g_fail_at = g_kernel_calls;
         smp_step_desc d;
         memset(&d, 0, sizeof d);
         d.model = n->model;
@@ -112,14 +117,17 @@ static void bad_steps(net *n, run_result *r) {
         int64_t comm_before = smp_memory().bytes[SMP_MEMORY_COMMUNICATION];
         smp_status st = smp_step(&d, outs, 4);
         int64_t comm_after = smp_memory().bytes[SMP_MEMORY_COMMUNICATION];
+        g_fail_at = -1;
         const char *e = smp_last_error();
-        const char *want[2][2] = {{"f32[4, 8]", "f32[5, 8]"}, {"f32[4, 8]", "i32[4, 8]"}};
-        if (st != SMP_ERR_ARG || !strstr(e, "tp rank 0 (world rank 0)") || !strstr(e, "tp rank 1 (world rank 1)") ||
-            !strstr(e, want[k][0]) || !strstr(e, want[k][1]) || !strstr(e, "smp_dp_rank"))
-            note(r, "bad step %s: status %d: %.400s", k ? "(dtype)" : "(batch size)", (int)st, e);
+        const char *want[3][2] = {{"f32[4, 8]", "f32[5, 8]"}, {"f32[4, 8]", "i32[4, 8]"}, {"", ""}};
+        if (k == 2 ? st == SMP_OK || !strstr(e, "a failure injected into kernel call")
+                   : st != SMP_ERR_ARG || !strstr(e, "tp rank 0 (world rank 0)") ||
+                         !strstr(e, "tp rank 1 (world rank 1)") || !strstr(e, want[k][0]) ||
+                         !strstr(e, want[k][1]) || !strstr(e, "smp_dp_rank"))
+            note(r, "bad step %s: status %d: %.400s", what[k], (int)st, e);
         if (comm_after != comm_before)
-            note(r, "bad step %s: communication bytes %lld before, %lld after", k ? "(dtype)" : "(batch size)",
-                 (long long)comm_before, (long long)comm_after);
+            note(r, "bad step %s: communication bytes %lld before, %lld after", what[k], (long long)comm_before,
+                 (long long)comm_after);
         for (int o = 0; o < 4; o++) smp_step_output_free(&outs[o]);
     }
 }
@@ -157,8 +165,12 @@ static void run(int pp, int tp, smp_pipeline_kind kind, bool own, run_result *r)
         note(r, "smp_sampler_indices: this rank's first sample is %lld, expected %d", (long long)idx[0], first);
     if (!r->st) r->st = smp_agree_batches(batches);
     int joined = OWN * smp_tp_size(), joined_first = smp_rdp_rank() * joined, per = joined / MB;
-    if (!r->st && own && smp_tp_size() > 1) bad_steps(&n, r);
+    if (!r->st && own && smp_tp_size() > 1) bad_steps(&n, 0, 1, r);
     for (int s = 0; s < RUN_STEPS && !r->st; s++) {
+        if (s == 1 && own && smp_tp_size() > 1) {
+            smp_model_zero_grad(n.model);
+            bad_steps(&n, 2, 2, r);
+        }
         float x[MOST * H], t[MOST * H], nonsplit[4] = {0};
         int32_t ids[2 * MOST];
         examples(s, first, (int)local, x, t, ids);
@@ -227,7 +239,7 @@ static void compare(const char *label, int pp, int tp, smp_pipeline_kind kind) {
         if (memcmp(own.value[k], ref.value[k], sizeof(float) * (size_t)numel_of(k, F)))
             snprintf(why, sizeof why, "parameter %d differs after %d steps", k, RUN_STEPS);
     snprintf(name, sizeof name, "prescaled_batch false, %s: bitwise the joined batch with prescaled_batch true%s", label,
-             own.st == SMP_OK && tp > 1 ? " (and the bad steps before it failed everywhere, leaving nothing)" : "");
+             own.st == SMP_OK && tp > 1 ? " (and its failed steps failed everywhere, leaving nothing)" : "");
     MPI_CHECK(!why[0], name, "%s", why);
     result_free(&own);
     result_free(&ref);
