@@ -78,17 +78,21 @@
 /* ---------------------------------------------------------------- AdamW */
 /* gpt.c's AdamW on the device: moments next to the parameters, over the
    elements this replica updates (all, or its owned range under
-   --shard-optimizer: cuda_engine.h's gpu_moments), decay on matrices only. */
+   --shard-optimizer: cuda_engine.h's gpu_moments), decay on matrices only.
+   Registered as gpt.c registers its own (exp_avg, exp_avg_sq, step), so
+   checkpoints of either program resume in the other. */
 typedef struct adamw {
     gpu_moments mo;
     int64_t t;
-    smp_optimizer *reg; /* the moments, registered: smp's memory account counts them */
+    smp_optimizer *reg; /* the moments and t, registered: smp's memory account counts them, checkpoints carry them */
 } adamw;
 
 static smp_status adamw_init(adamw *o, smp_model *model, const gpt_gpu *gg) {
     memset(o, 0, sizeof *o);
     SMP_TRY(smp_optimizer_new(model, &o->reg));
-    return gpu_moments_init(&o->mo, model, &gg->e, o->reg);
+    SMP_TRY(gpu_moments_init(&o->mo, model, &gg->e, o->reg));
+    smp_tensor t = smp_tensor_make(&o->t, SMP_I64, 0, NULL); /* the bias corrections' step, so a load continues */
+    return smp_optimizer_state_add(o->reg, NULL, "step", &t);
 }
 
 static smp_status adamw_step(adamw *o, smp_model *model, const options *opt, float lr, const gpt_gpu *gg) {
@@ -333,6 +337,7 @@ int main(int argc, char **argv) {
         if (text.id_of[(unsigned char)opt.logits[i]] < 0)
             st = smp_error(SMP_ERR_ARG, "--logits: character %zu (byte 0x%02x) is not in the vocabulary", i,
                            (unsigned char)opt.logits[i]);
+    if (!st) st = check_save_at(&opt);
     if (fail_all(st, "input")) goto done;
     train_ids = encode(&text, text.train, text.ntrain);
     val_ids = encode(&text, text.val, text.nval);
@@ -367,13 +372,10 @@ int main(int argc, char **argv) {
             st = smp_error(SMP_ERR_CONFIG,
                            "--plain runs the step without smp on one rank: run 1 process with --partitions 1");
         if (!st && opt.plain) st = plain_init(&pl, &opt.model, (int)mrows, T);
-        if (!st && opt.load) { /* the weights to start from */
-            smp_load_desc ld;
-            memset(&ld, 0, sizeof ld);
-            ld.partial = SMP_OFF;
-            st = smp_load(model, opt.load, &ld);
-        }
         if (fail_all(st, "partitioning")) goto done;
+        int start = 0; /* --load with AdamW's state: the step it continues at */
+        if (opt.load && fail_all(load_training(model, &opt, &text, opt_state.reg, &start), "loading the checkpoint"))
+            goto done;
         long nparams = 0;
         for (int i = 0; i < smp_model_num_global_params(model, false); i++)
             nparams += (long)smp_tensor_numel(smp_param_value(smp_model_global_param(model, i, false)));
@@ -385,8 +387,7 @@ int main(int argc, char **argv) {
             printf("gpt (CUDA, %s, %s): %d layers, width %d, %d heads, context %d, vocabulary %d, %.2fM parameters%s\n",
                    smp_nccl_describe(), prop.name, opt.model.n_layer, opt.model.n_embd, opt.model.n_head, T, V,
                    (double)nparams / 1e6, opt.bf16 ? ", bf16 GEMMs (f32 accumulation and master weights)" : ", f32");
-            printf("gpt: %zu training and %zu validation characters from %s%s%s\n", text.ntrain, text.nval, opt.data,
-                   opt.load ? ", starting from " : "", opt.load ? opt.load : "");
+            printf("gpt: %zu training and %zu validation characters from %s\n", text.ntrain, text.nval, opt.data);
             printf("gpt: %d processes, %d partitions x %d replicas, batch %d x %d characters (%lld per replica) in %d "
                    "microbatches, %s pipeline%s\n",
                    smp_size(), cfg->partitions, smp_dp_size(), opt.batch, T, (long long)local_batch, M,
@@ -402,7 +403,7 @@ int main(int argc, char **argv) {
         /* ---------------------------------------------------------------- training */
         double t0 = now(), loss_avg = 0, timed_from = t0;
         long tokens = 0, timed_tokens = 0;
-        for (int step = 0; step < opt.steps && !st; step++) {
+        for (int step = start; step < opt.steps && !st; step++) {
             float lr = lr_at(&opt, step);
             fill_batch(train_ids, text.ntrain, T, (uint64_t)opt.seed, step, opt.batch, smp_dp_rank() * (int)local_batch,
                        (int)rows, x, y);
@@ -422,19 +423,22 @@ int main(int argc, char **argv) {
             }
             if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
             if ((st = adamw_step(&opt_state, model, &opt, lr, &gg))) break; /* optimizer.step() */
-            if (step == 0) smp_memory_reset_peaks(); /* the peaks printed at the end: of the steps after the set-up */
+            if (step == start) smp_memory_reset_peaks(); /* the peaks printed at the end: of the steps after set-up */
             tokens += (long)opt.batch * T;
-            if (step == 1) { /* the first two steps trace, allocate and warm up: the throughput is timed after them */
+            if (step == start + 1) { /* the first two steps trace, allocate and warm up: throughput is timed after */
                 if ((st = cudaStreamSynchronize(gg.e.stream) ? smp_error(SMP_ERR_DEVICE, "cudaStreamSynchronize failed")
                                                              : SMP_OK))
                     break;
                 timed_from = now();
             }
-            if (step >= 2) timed_tokens += (long)opt.batch * T;
+            if (step >= start + 2) timed_tokens += (long)opt.batch * T;
             loss_avg = step ? 0.9 * loss_avg + 0.1 * loss : loss;
             if (opt.print_losses && root) printf("step %d loss %a\n", step, loss);
+            if (step + 1 == opt.save_at &&
+                fail_all(save_checkpoint(model, &opt, &text, opt_state.reg, step + 1), "checkpoint"))
+                goto done;
             if (root && (step % opt.log_every == 0 || step + 1 == opt.steps)) {
-                double secs = now() - t0, eta = secs / (step + 1) * (opt.steps - step - 1);
+                double secs = now() - t0, eta = secs / (step + 1 - start) * (opt.steps - step - 1);
                 char e[32], s[32];
                 fmt_time(eta, e, sizeof e);
                 fmt_time(secs, s, sizeof s);
@@ -502,21 +506,9 @@ int main(int argc, char **argv) {
         }
 
         /* ---------------------------------------------------------------- the checkpoint */
-        if (opt.save && *opt.save) {
-            ckpt_meta m;
-            ckpt_meta_init(&m, &text, &opt);
-            smp_save_desc sd;
-            memset(&sd, 0, sizeof sd);
-            sd.partial = SMP_OFF;
-            sd.meta_keys = m.keys;
-            sd.meta_values = m.vals;
-            sd.nmeta = m.n;
-            st = smp_save(model, opt.save, &sd);
-            if (fail_all(st, "checkpoint")) goto done;
-            if (root)
-                printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n",
-                       opt.save);
-        }
+        if (opt.save && *opt.save && !opt.save_at &&
+            fail_all(save_checkpoint(model, &opt, &text, NULL, 0), "checkpoint"))
+            goto done;
         if (fail_all(print_memory_peaks("gpt"), "the memory account")) goto done;
         rc = 0;
     }
