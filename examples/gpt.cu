@@ -16,11 +16,25 @@
      loss_mb = train_step(model, x, y)           SMP_TRAIN_STEP(model, gpt_gpu_loss_body, ...)
      clip_grad_norm_(model.parameters(), 1.0)    smp_clip_grad_norm(model, 1.0, NULL)
      optimizer.step()  (AdamW, cosine schedule)  adamw_step(...): cuda_engine.h's Adam kernel per local parameter
-     smp.save(model.state_dict(), ...)           smp_save (smp copies device tensors to the host)
+     smp.save(model.state_dict(), ...)           save_checkpoint -> smp_save (smp copies device tensors to the host)
 
-   A checkpoint of either program loads into the other (--load here, and
-   gpt.c --generate --load there). --steps 0 with --load evaluates the
-   loaded weights. After training: "throughput: N tokens/s" over the steps
+   Checkpoints are gpt.c's (gpt_shared.h's save_checkpoint and
+   load_training; one file format): --save PATH writes the parameters at
+   the end under nanoGPT's names; --save-at N writes them after step N
+   instead, with AdamW's state (per parameter "exp_avg" and "exp_avg_sq",
+   which smp copies from device memory, joined from every replica's owned
+   range under --shard-optimizer; and "step"), and trains on; --partial
+   makes both partial checkpoints (a file per partition, and per replica
+   when sharded). --load CKPT with AdamW's state continues at the step it
+   was saved after (give the same --steps), bitwise as the run that never
+   stopped on the same layout, at any --partitions and --ddp, sharded or
+   not; without that state it starts AdamW afresh; --steps 0 only
+   evaluates the loaded weights. A checkpoint of either program loads into
+   the other (gpt.c resumes gpt.cu's and the other way round, within float
+   rounding of the host's kernels). --load checks the file's vocabulary and
+   model sizes first: another model's file, or one missing part of AdamW's
+   state, is an error on every rank naming the fix, before any parameter
+   changes. After training: "throughput: N tokens/s" over the steps
    after the first two, the model FLOPs per token (6 x the parameters
    besides the position embedding, + 12 x layers x width x context for the
    attention's products) and the MFU against the GPU's dense bf16 peak where
@@ -28,7 +42,10 @@
 
    --bf16: the linear layers' GEMMs take bf16 copies of their inputs and
    accumulate in f32; master weights, gradients and AdamW's state stay f32
-   (gpt_cuda.h). SageMaker's flags map so: "bf16": true (smp.DistributedModel
+   (gpt_cuda.h). A checkpoint therefore holds f32 in either precision: a
+   bf16 run's loads into an f32 run as it is, and an f32 run's into a bf16
+   run, which rounds the f32 weights to bf16 (to nearest even) at each GEMM
+   as it rounds its own. SageMaker's flags map so: "bf16": true (smp.DistributedModel
    in bf16, with f32 master weights in the optimizer) is this --bf16;
    "fp16": true is the same recipe in f16 with a loss scaler (smp_grad_scaler
    in smp_pipeline.h; not offered here: bf16 needs no scaler);
@@ -56,11 +73,13 @@
    leave every result bitwise as without. At the end rank 0 prints the
    memory account's peaks of each rank ("memory peak rank R: ...").
 
-   Not on the device: --dropout, --replicas, --grads (gpt.c).
+   Not on the device: --dropout, --replicas, --grads, --tp, --params (gpt.c).
 
    Build: make build/cuda/gpt   (nvcc -ccbin mpicxx ... -lcublas -lnccl)
    Run:   mpirun -n 2 build/cuda/gpt                       2 stages, a GPU each (or sharing one)
           mpirun -n 4 build/cuda/gpt --partitions 2 --ddp  2 stages x 2 replicas
+          mpirun -n 2 build/cuda/gpt --steps 700 --save-at 300 --save ck.safetensors   ... and later, from step 300:
+          mpirun -n 2 build/cuda/gpt --steps 700 --load ck.safetensors
           mpirun -n 1 build/cuda/gpt --partitions 1 --bf16 --layers 12 --dmodel 768 --heads 12 --context 1024 \
                  --vocab-multiple 128 --batch 8 --microbatches 1      GPT-2 124M's shape */
 #define SMP_IMPLEMENTATION
