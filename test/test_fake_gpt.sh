@@ -31,6 +31,12 @@
 #    after a context within 1e-5 of gpt.cu's) and gpt.c's into gpt.cu
 #    (--load --steps 0: the same parameter checksums bit for bit, logits
 #    within 1e-5);
+#  - resuming training (--save-at 5 with AdamW's state, the moments copied from device memory; --load): bitwise
+#    as the run that never stopped at 2 -> 2 and 2 -> 1 partitions, full and --partial, DDP 2x2 with
+#    --shard-optimizer sharded -> sharded and (1 stage, partial) -> unsharded 2x2, and in bf16; gpt.c's
+#    checkpoint in gpt.cu, gpt.cu's in gpt.c and the sharded 2x2 one in gpt.c --replicas 2 within 1e-5; bf16 ->
+#    f32 and f32 -> bf16 within 1e-3 (the file holds f32 in both: checked); another model's checkpoint and one
+#    missing a moment are errors on every rank naming the fix;
 #  - pipelined generation on the device (gpt.cu --generate, the KV cache in
 #    device memory), 3 prompts x 8 characters: from gpt.c's checkpoint at 1
 #    and 2 partitions and from gpt.cu's own at 2, the samples of gpt.c
