@@ -13,10 +13,11 @@
 #                  GPT_BENCH_BEST_MB: the best one process does on 2 cores
 #     dp2          2 processes = 2 data-parallel replicas (--ddp), 1 thread each
 #     pp2 eager    pp2 1F1B again with UCX_RNDV_THRESH=inf (MPICH over UCX: every
-#                  message eager), a diagnostic: a rendezvous send moves only
-#                  when its sender next calls MPI, and the executor calls none
-#                  while an operation computes (RESULTS.md); not a candidate
-#                  for the best schedule
+#                  message eager), a diagnostic: were a rendezvous send to
+#                  move only when its sender next calls MPI (none is called
+#                  while an operation computes), this row would beat 1F1B's
+#                  (RESULTS.md, issue 28: on MPICH over UCX a contiguous one
+#                  does not wait); not a candidate for the best schedule
 #   generation characters/s, 4 prompts (one per microbatch), KV cache, greedy,
 #     from a checkpoint the first pp2 run saves: 1 process against 2 stages
 # Each run trains GPT_BENCH_STEPS steps; its rate is taken from the progress
