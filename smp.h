@@ -6617,14 +6617,13 @@ typedef struct smp__part_balance {
     double *load;        /* [nparts]: the sums of the stages placed so far */
     int *end, *best_end; /* [chunks]: where each stage ends, in this branch and in the best split */
     double best;
-    long budget;
+    long budget;         /* stage ends still to try */
 } smp__part_balance;
 
 static void smp__part_balance_visit(smp__part_balance *b, int k, int begin, double stage_max, double load_max) {
-    if (b->budget-- <= 0) return;
     int p = b->part_of[k], last = k == b->chunks - 1 ? b->n : b->n - (b->chunks - 1 - k);
     double sum = 0.0;
-    for (int end = begin + 1; end <= last; end++) {
+    for (int end = begin + 1; end <= last && b->budget-- > 0; end++) {
         sum += b->cost[end - 1];
         double smax = sum > stage_max ? sum : stage_max;
         double lmax = b->load[p] + sum > load_max ? b->load[p] + sum : load_max;
@@ -6653,7 +6652,7 @@ static smp_status smp__part_balance_partitions(const smp_call_cost *calls, int n
     int *ends = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)chunks, SMP__ALLOC_OTHER, "the partitioner");
     if (!st) {
         smp__part_balance b = {cost, part_of, n,    chunks,        nparts, microbatches > 1 ? microbatches : 1,
-                               nparts - 1.0, load, ends, ends + chunks, 0.0, 1L << 20};
+                               nparts - 1.0, load, ends, ends + chunks, 0.0, 1L << 22};
         double sum = 0.0, smax = 0.0, lmax = 0.0;
         for (int q = 0; q < nparts; q++) load[q] = 0.0;
         for (int i = 0; i < n; i++) { /* the split given: its estimate */

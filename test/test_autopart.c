@@ -526,6 +526,25 @@ static void test_balance_partitions(void) {
     }
     CHECK(bad == 0, "autopart: several stages per partition: the least m x partition + (P-1) x stage of every split "
           "(600 vectors)", "%d bad; first: %s", bad, why);
+    /* past the search's budget (2000 calls in a V of 16 stages): a valid split, no worse than the stage optimum */
+    {
+        enum { N = 2000, K = 16 };
+        static smp_call_cost calls[N];
+        static double cost[N];
+        static int stage[N];
+        int part_of[K];
+        double total = 0.0;
+        for (int c = 0; c < K; c++) part_of[c] = c < K / 2 ? c : K - 1 - c;
+        for (int i = 0; i < N; i++) total += calls[i].time = draw_cost(1);
+        for (int i = 0; i < N; i++) cost[i] = calls[i].time / total;
+        smp_status st = smp_auto_partition(calls, N, K, 0.0, 2.0, stage, NULL);
+        double was = st ? 0.0 : balance_estimate(cost, N, stage, part_of, K / 2, 8);
+        if (!st) st = smp__part_balance_partitions(calls, N, K, part_of, K / 2, 8, 0.0, stage);
+        double got = st ? 0.0 : balance_estimate(cost, N, stage, part_of, K / 2, 8);
+        CHECK(st == SMP_OK && valid_assignment(stage, N, K) && got <= was,
+              "autopart: several stages per partition, 2000 calls in 16 stages: valid, no worse than the stage optimum",
+              "status %d, estimate %.17g against %.17g", (int)st, got, was);
+    }
 }
 
 int main(void) {
