@@ -6651,7 +6651,7 @@ static smp_status smp__part_balance_partitions(const smp_call_cost *calls, int n
     double *load = (double *)smp__alloc_or(&st, sizeof(double) * (size_t)nparts, SMP__ALLOC_OTHER, "the partitioner");
     int *ends = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)chunks, SMP__ALLOC_OTHER, "the partitioner");
     if (!st) {
-        smp__part_balance b = {cost, part_of, n,    chunks,        nparts, microbatches > 1 ? microbatches : 1,
+        smp__part_balance b = {cost, part_of, n, chunks, nparts, (double)(microbatches > 1 ? microbatches : 1),
                                nparts - 1.0, load, ends, ends + chunks, 0.0, 1L << 22};
         double sum = 0.0, smax = 0.0, lmax = 0.0;
         for (int q = 0; q < nparts; q++) load[q] = 0.0;
