@@ -93,8 +93,8 @@ def bound(events, kind, simulate, rate, tokens, skip):
     makespan = float(sim.stdout.split()[1]) * 1e3
     outside = min(step_times(steps)[4] for steps in ranks.values())
     period = tokens / rate * 1e3
-    per_stage = "; ".join(f"s{s} (rank {rank_of[s]}) F {med(('forward', s)) * 1e3:.2f} B {med(('backward', s)) * 1e3:.2f}"
-                          f" W {med(('weight', s)) * 1e3:.2f}" for s in stages)
+    per_stage = "; ".join(f"s{s} (rank {rank_of[s]}) F {med(('forward', s)) * 1e3:.2f} "
+                          f"B {med(('backward', s)) * 1e3:.2f} W {med(('weight', s)) * 1e3:.2f}" for s in stages)
     return (f"{kind} bound: medians per microbatch (ms) {per_stage}; simulated step {makespan:.1f} ms "
             f"(bubble {float(sim.stdout.split()[3]):.1%}) + outside the schedule {outside:.1f} ms = "
             f"{makespan + outside:.1f} ms; measured step {period:.1f} ms\n"

@@ -512,7 +512,7 @@ static void test_balance_partitions(void) {
         double cost[12], total = 0.0;
         memset(calls, 0, sizeof calls);
         for (int i = 0; i < n; i++) total += calls[i].time = draw_cost(trial % 5);
-        for (int i = 0; i < n; i++) cost[i] = total > 0.0 ? calls[i].time / total : 0.0; /* smp's combined cost at w=0 */
+        for (int i = 0; i < n; i++) cost[i] = total > 0.0 ? calls[i].time / total : 0.0; /* smp's cost at w = 0 */
         smp_status st = smp_auto_partition(calls, n, k, 0.0, 2.0, stage, NULL);
         double was = st ? 0.0 : balance_estimate(cost, n, stage, part_of, P, m);
         if (!st) st = smp__part_balance_partitions(calls, n, k, part_of, P, m, 0.0, stage);
