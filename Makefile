@@ -386,8 +386,9 @@ bench-schedule: build/bench/schedule
 bench-fmnist: build/examples/fmnist
 	bash bench/fmnist.sh
 # The GPT example: 2 pipeline partitions (each schedule) against one process,
-# the best one process does on 2 cores, DDP; pipelined generation (~4 min).
-bench-gpt: build/examples/gpt
+# the best one process does on 2 cores, DDP; pipelined generation (~4 min);
+# build/bench/simulate gives the best schedule's bound from its timeline.
+bench-gpt: build/examples/gpt build/bench/simulate
 	bash bench/gpt.sh
 # gpt.cu through smp against the same kernels in a plain loop, on the fake
 # device (BIN=build/cuda/gpt on a GPU).

@@ -996,7 +996,11 @@ SMPDEF smp_status smp_call_set_output(smp_call_ctx *c, int i, const smp_tensor *
 
    Virtual stages: to interleave, pass nstages = partitions * virtual_stages
    and give chunk c to mp rank c % partitions; the algorithm only ever
-   splits into contiguous chunks. */
+   splits into contiguous chunks. A model's auto partitioning with several
+   stages per partition (virtual_stages, zero_bubble_v) then moves those
+   cuts to balance the partitions' sums as well: of all contiguous splits,
+   the least microbatches x the costliest partition + (partitions - 1) x
+   the costliest stage (a step's steady state and ramp). */
 
 /* What tracing measured for one top-level call. */
 typedef struct smp_call_cost {
@@ -6554,6 +6558,25 @@ SMP__CORE smp_status smp_partition_min_max(const double *cost, int n, int nstage
     return SMP_OK;
 }
 
+/* The combined cost of every call (smp_auto_partition's formula) in a new array, NULL without memory; calls are
+   validated. */
+static double *smp__part_costs(const smp_call_cost *calls, int n, double w, double optimizer_state_factor) {
+    double total_time = 0.0, total_memory = 0.0;
+    for (int i = 0; i < n; i++) {
+        total_time += calls[i].time;
+        total_memory += calls[i].param_bytes * (2.0 + optimizer_state_factor) + calls[i].activation_bytes;
+    }
+    double *cost = (double *)smp__alloc((size_t)n * sizeof *cost, SMP__ALLOC_OTHER);
+    for (int i = 0; cost && i < n; i++) {
+        const smp_call_cost *c = &calls[i];
+        double memory = c->param_bytes * (2.0 + optimizer_state_factor) + c->activation_bytes;
+        double t = total_time > 0.0 ? c->time / total_time : 0.0;
+        double m = total_memory > 0.0 ? memory / total_memory : 0.0;
+        cost[i] = (1.0 - w) * t + w * m;
+    }
+    return cost;
+}
+
 SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nstages, double memory_weight,
                                      double optimizer_state_factor, int *stage_of_call, double *max_stage_cost) {
     double total_time = 0.0, total_memory = 0.0, w = memory_weight;
@@ -6577,23 +6600,96 @@ SMPDEF smp_status smp_auto_partition(const smp_call_cost *calls, int n, int nsta
     if (isinf(total_time) || isinf(total_memory))
         return smp_error(SMP_ERR_ARG, "auto-partition: the calls' total %s overflows a double",
                          isinf(total_time) ? "time" : "memory");
-    double *cost = (double *)smp__alloc((size_t)n * sizeof *cost, SMP__ALLOC_OTHER);
+    double *cost = smp__part_costs(calls, n, w, optimizer_state_factor);
     if (!cost) return smp__nomem((size_t)n * sizeof *cost, "the auto-partitioner's call costs");
-    for (int i = 0; i < n; i++) {
-        const smp_call_cost *c = &calls[i];
-        double memory = c->param_bytes * (2.0 + optimizer_state_factor) + c->activation_bytes;
-        double t = total_time > 0.0 ? c->time / total_time : 0.0;
-        double m = total_memory > 0.0 ? memory / total_memory : 0.0;
-        cost[i] = (1.0 - w) * t + w * m;
-    }
     smp__part_solve(cost, n, nstages, stage_of_call, max_stage_cost);
     smp__free(cost);
     return SMP_OK;
 }
 
-/* ---------------------------------------------------------------- partitioning */
 /* Memory per parameter byte beyond value and gradient: Adam's two moments. */
 #define SMP__OPTIMIZER_STATE_FACTOR 2.0
+
+/* With more stages than partitions (virtual stages, zero_bubble_v's V) a partition runs several stages, and a
+   step costs it their sum: the split smp_auto_partition finds (the cheapest costliest stage) can leave one
+   partition twice another's work (6 equal blocks cut 2,1,1,2 and placed in a V: 4 blocks on partition 0, 2 on
+   partition 1), and a split that only balances the partitions can leave one stage long (3,1,2,0 in the V), which
+   the schedule's ramp pays. A step of m microbatches on P partitions takes about m x the costliest partition's sum
+   (the steady state) + (P - 1) x the costliest stage (the ramp), so of the contiguous splits into `chunks` stages,
+   chunk c on partition part_of[c], this keeps the one where that is least: a depth-first search over stage ends in
+   increasing order, pruned where the estimate passes the best found. It starts from stage_of_call's split and
+   replaces it only by a strictly better one, so a split already balanced stays as it is; past a budget of visits
+   (large models cut in many stages) it keeps the best it found. Every rank computes the same. */
+typedef struct smp__part_balance {
+    const double *cost;
+    const int *part_of; /* [chunks] */
+    int n, chunks, nparts;
+    double m, ramp;      /* the estimate's weights: microbatches, partitions - 1 */
+    double *load;        /* [nparts]: the sums of the stages placed so far */
+    int *end, *best_end; /* [chunks]: where each stage ends, in this branch and in the best split */
+    double best;
+    long budget;         /* stage ends still to try */
+} smp__part_balance;
+
+static void smp__part_balance_visit(smp__part_balance *b, int k, int begin, double stage_max, double load_max) {
+    int p = b->part_of[k], last = k == b->chunks - 1 ? b->n : b->n - (b->chunks - 1 - k);
+    double sum = 0.0;
+    for (int end = begin + 1; end <= last && b->budget-- > 0; end++) {
+        sum += b->cost[end - 1];
+        double smax = sum > stage_max ? sum : stage_max;
+        double lmax = b->load[p] + sum > load_max ? b->load[p] + sum : load_max;
+        double estimate = b->m * lmax + b->ramp * smax;
+        if (estimate >= b->best) break; /* costs are >= 0: a longer stage only adds */
+        if (end < last && k == b->chunks - 1) continue;
+        double was = b->load[p]; /* restored as it was: (x + s) - s need not be x */
+        b->load[p] += sum;
+        b->end[k] = end;
+        if (k < b->chunks - 1) smp__part_balance_visit(b, k + 1, end, smax, lmax);
+        else {
+            b->best = estimate;
+            memcpy(b->best_end, b->end, sizeof(int) * (size_t)b->chunks);
+        }
+        b->load[p] = was;
+    }
+}
+
+static smp_status smp__part_balance_partitions(const smp_call_cost *calls, int n, int chunks, const int *part_of,
+                                               int nparts, int microbatches, double memory_weight,
+                                               int *stage_of_call) {
+    smp_status st = SMP_OK;
+    double *cost = smp__part_costs(calls, n, memory_weight, SMP__OPTIMIZER_STATE_FACTOR);
+    if (!cost) return smp__nomem((size_t)n * sizeof *cost, "the auto-partitioner's call costs");
+    double *load = (double *)smp__alloc_or(&st, sizeof(double) * (size_t)nparts, SMP__ALLOC_OTHER, "the partitioner");
+    int *ends = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)chunks, SMP__ALLOC_OTHER, "the partitioner");
+    if (!st) {
+        smp__part_balance b = {cost, part_of, n, chunks, nparts, (double)(microbatches > 1 ? microbatches : 1),
+                               nparts - 1.0, load, ends, ends + chunks, 0.0, 1L << 22};
+        double sum = 0.0, smax = 0.0, lmax = 0.0;
+        for (int q = 0; q < nparts; q++) load[q] = 0.0;
+        for (int i = 0; i < n; i++) { /* the split given: its estimate */
+            sum += cost[i];
+            if (i + 1 == n || stage_of_call[i + 1] != stage_of_call[i]) {
+                int c = stage_of_call[i];
+                load[part_of[c]] += sum;
+                smax = sum > smax ? sum : smax;
+                b.best_end[c] = i + 1;
+                sum = 0.0;
+            }
+        }
+        for (int q = 0; q < nparts; q++) lmax = load[q] > lmax ? load[q] : lmax;
+        b.best = b.m * lmax + b.ramp * smax;
+        for (int q = 0; q < nparts; q++) load[q] = 0.0;
+        smp__part_balance_visit(&b, 0, 0, 0.0, 0.0);
+        for (int c = 0, i = 0; c < chunks; c++)
+            for (; i < b.best_end[c]; i++) stage_of_call[i] = c;
+    }
+    smp__free(cost);
+    smp__free(load);
+    smp__free(ends);
+    return st;
+}
+
+/* ---------------------------------------------------------------- partitioning */
 
 /* Pipeline zero_bubble_v's V: stage k of 2P on partition k, or 2P-1-k past the middle. */
 static int smp__vee_partition(int k, int P) { return k < P ? k : 2 * P - 1 - k; }
@@ -6655,17 +6751,24 @@ static smp_status smp__assign_partitions(smp_model *m, int *call_part, int *vee_
             costs[u].param_bytes = m->units[u].param_bytes;
             costs[u].activation_bytes = m->units[u].activation_bytes;
         }
+        int *part_of = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)chunks, SMP__ALLOC_OTHER,
+                                            "the auto-partitioner's placement");
+        for (int c = 0; c < chunks && !st; c++) part_of[c] = vee ? smp__vee_partition(c, P) : c % P;
         if (!st)
             st =
                 smp_auto_partition(costs, nu, chunks, cfg->memory_weight, SMP__OPTIMIZER_STATE_FACTOR, unit_part, NULL);
+        if (!st && chunks > P && P > 1)
+            st = smp__part_balance_partitions(costs, nu, chunks, part_of, P, cfg->microbatches, cfg->memory_weight,
+                                              unit_part);
         smp__warn_ignored_contexts(m);
         for (int k = 0; k < n && !st; k++) {
             int c = unit_part[m->calls[k].unit];
-            call_part[k] = vee ? smp__vee_partition(c, P) : c % P;
+            call_part[k] = part_of[c];
             if (vee && c == P && *vee_cut < 0) *vee_cut = k;
         }
         smp__free(costs);
         smp__free(unit_part);
+        smp__free(part_of);
         return st;
     }
     for (int i = 0; i < n; i++) {

@@ -1117,7 +1117,8 @@ SMPDEF smp_status smp_schedule_simulate(const smp_schedule *s, const double *fwd
 /* The executor replays the traced calls: per microbatch, each stage runs its
    calls in order; tensors that cross to a stage on another rank travel as
    one message per (producer stage, consumer stage, microbatch), a small
-   header with the shapes, then the bytes. All receives of a step are
+   header with the shapes, then the bytes (one buffer: several tensors are
+   packed into it first). All receives of a step are
    posted before it starts and sends never block, so no order of operations
    between two ranks can deadlock; per (peer, tag) MPI keeps messages in
    order, and every schedule runs a stage's microbatches in increasing
@@ -1713,34 +1714,6 @@ static smp_status smp__queue_device_recv(smp__pipe *ps, smp__xfer *x) {
     return SMP_OK;
 }
 
-/* The bytes of nt host tensors, wherever each lies, as one MPI (count,
-   datatype) from MPI_BOTTOM (their absolute addresses), any sizes. */
-static smp_status smp__gather_type(const smp_tensor *const *ts, int nt, int *count, MPI_Datatype *type) {
-    smp_status st = SMP_OK;
-    size_t each = sizeof(MPI_Aint) + sizeof(MPI_Datatype) + sizeof(int); /* one block: at, parts, lens */
-    MPI_Aint *at = (MPI_Aint *)smp__alloc_or(&st, each * (size_t)nt, SMP__ALLOC_OTHER, "a pipeline message's datatype");
-    MPI_Datatype *parts = at ? (MPI_Datatype *)(void *)(at + nt) : NULL;
-    int *lens = at ? (int *)(void *)(parts + nt) : NULL, made = 0;
-    for (; made < nt && !st; made++) {
-        st = smp__bytes_type(smp_tensor_nbytes(ts[made]), &lens[made], &parts[made]);
-        if (!st)
-            st = SMP__MPI_CHECK(MPI_Get_address(ts[made]->data, &at[made]), "locating tensor %d of a pipeline message",
-                                made);
-    }
-    if (!st)
-        st = SMP__MPI_CHECK(MPI_Type_create_struct(nt, lens, at, parts, type),
-                            "making the datatype of a %d-tensor pipeline message", nt);
-    if (!st &&
-        (st = SMP__MPI_CHECK(MPI_Type_commit(type), "committing the datatype of a %d-tensor pipeline message", nt)))
-        SMP__MPI_WARN(MPI_Type_free(type), "releasing an uncommitted pipeline message datatype");
-    for (int i = 0; i < made && parts; i++)
-        if (parts[i] != MPI_BYTE)
-            SMP__MPI_WARN(MPI_Type_free(&parts[i]), "releasing a part of a pipeline message datatype");
-    smp__free(at);
-    *count = 1;
-    return st;
-}
-
 /* Lets go of a transfer's memory: a send once sent, a receive at the step's end. */
 static void smp__xfer_free(smp__xfer *x) {
     if (!x->hdr_in_table) smp__free(x->hdr);
@@ -1753,10 +1726,10 @@ static void smp__xfer_free(smp__xfer *x) {
 }
 
 /* Sends what the forward (activations) or backward (gradient
-   contributions) of stage `stage` on microbatch `mb` has for a link: host
-   tensors without copying them (a datatype of absolute addresses), device
-   tensors through the backend or a host staging buffer (see the executor's
-   comment). */
+   contributions) of stage `stage` on microbatch `mb` has for a link: one
+   host tensor without copying it, several packed into one host buffer,
+   device tensors through the backend or a host staging buffer (see the
+   executor's comment). */
 static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, int mb) {
     smp__link *l = &ps->plan.links[link];
     const smp_tensor **ts = ps->scratch;
@@ -1785,8 +1758,11 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
         x->dev_req = (void **)smp__alloc_or(&st, sizeof(void *) * (size_t)(nt + 1), SMP__ALLOC_OTHER, what);
     size_t total = 0;
     for (int i = 0; i < nt; i++) total += smp_tensor_nbytes(ts[i]);
-    /* staged device tensors: the bytes go to the host, then as one MPI message */
-    bool staged = ps->plan.on_device && !ps->plan.dev_p2p;
+    /* staged device tensors: the bytes go to the host, then as one MPI message. Several host tensors are packed
+       into one buffer too: sent as they lie (a datatype of their addresses), a message past the rendezvous size
+       moves only when this rank next enters MPI (MPICH over UCX packs such a datatype on the sender's side; a
+       contiguous one the receiver fetches alone), which is after the next operation, while the peer waits */
+    bool staged = ps->plan.on_device ? !ps->plan.dev_p2p : nt > 1;
     char *staging = staged ? (char *)smp__bytes_or(&st, total, SMP__ALLOC_COMM, "a pipeline message staged on the host")
                            : NULL;
     size_t at = 0;
@@ -1834,13 +1810,12 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
                        "sending the header of stage %d's %s for microbatch %d to mp rank %d", stage, kind, mb, x->peer);
     if (!st) ps->step.msgs_sent[2 * x->peer]++;
     if (ps->plan.dev_p2p || st) return st;
-    /* the bytes of every tensor as one message, without copying host tensors:
-       a datatype of absolute addresses (MPI_BOTTOM), any size (smp__bytes_type) */
+    /* the bytes as one contiguous message (one host tensor as it lies, else the staging buffer), any size
+       (smp__bytes_type) */
     MPI_Datatype type;
     int count;
-    const void *from = staging;
-    SMP_TRY(staging || nt == 1 ? smp__bytes_type(total, &count, &type) : smp__gather_type(ts, nt, &count, &type));
-    if (!staging) from = nt == 1 ? ts[0]->data : MPI_BOTTOM;
+    const void *from = staging ? staging : nt ? ts[0]->data : NULL;
+    SMP_TRY(smp__bytes_type(total, &count, &type));
     st = SMP__MPI_CHECK(MPI_Isend(from, count, type, x->peer, tag + 1, ps->comm, &x->req[1]),
                         "sending stage %d's %s for microbatch %d to mp rank %d", stage, kind, mb, x->peer);
     if (!st) ps->step.msgs_sent[2 * x->peer]++;

@@ -6,15 +6,18 @@
 #     single       1 process, 1 BLAS thread, M microbatches
 #     pp2 <kind>   2 processes = 2 pipeline partitions, 1 BLAS thread each,
 #                  M microbatches, for each schedule: interleaved (1F1B),
-#                  zero_bubble (ZB-H1), simple (GPipe)
+#                  zero_bubble (ZB-H1), simple (GPipe), zero_bubble_v (ZB-V:
+#                  2 stages per partition in a V), interleaved_2vs (1F1B over
+#                  2 virtual stages per partition, placed round robin)
 #     1p2t m=K     1 process, 2 BLAS threads, K microbatches for K in
 #                  GPT_BENCH_BEST_MB: the best one process does on 2 cores
 #     dp2          2 processes = 2 data-parallel replicas (--ddp), 1 thread each
 #     pp2 eager    pp2 1F1B again with UCX_RNDV_THRESH=inf (MPICH over UCX: every
-#                  message eager), a diagnostic: a rendezvous send moves only
-#                  when its sender next calls MPI, and the executor calls none
-#                  while an operation computes (RESULTS.md); not a candidate
-#                  for the best schedule
+#                  message eager), a diagnostic: were a rendezvous send to
+#                  move only when its sender next calls MPI (none is called
+#                  while an operation computes), this row would beat 1F1B's
+#                  (RESULTS.md, issue 28: on MPICH over UCX a contiguous one
+#                  does not wait); not a candidate for the best schedule
 #   generation characters/s, 4 prompts (one per microbatch), KV cache, greedy,
 #     from a checkpoint the first pp2 run saves: 1 process against 2 stages
 # Each run trains GPT_BENCH_STEPS steps; its rate is taken from the progress
@@ -24,9 +27,13 @@
 # alike; each figure is the BEST of the rounds (other jobs only ever slow a
 # run down), the median printed beside it. The pp2 runs record SMP_TIMELINE;
 # each schedule's best round's is kept in GPT_BENCH_OUT (default build/bench)
-# for the per-step breakdown and, where matplotlib is found, a plot of one step.
-# Last lines: gpt tokens/s pp2/best-single, then gpt tokens/s pp2/single
-# (the best schedule).
+# for the per-step breakdown (bench/timeline_steps.py) and, where matplotlib is
+# found, a plot of one step. The best schedule's timeline also gives its bound:
+# each stage's median forward, backward and W time in that run, through the
+# schedule simulator (build/bench/simulate), plus the time between steps.
+# Last lines: gpt tokens/s pp2 of simulated bound (the best schedule's measured
+# rate against that bound), gpt tokens/s pp2/best-single, then gpt tokens/s
+# pp2/single (the best schedule).
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 bin="$top/build/examples/gpt"
@@ -39,11 +46,20 @@ ddp_mb=${GPT_BENCH_DDP_MB:-1}
 gen_tokens=${GPT_BENCH_TOKENS:-120}
 prompts="The |A |Why |I "
 out=${GPT_BENCH_OUT:-$top/build/bench}
-kinds="interleaved zero_bubble simple"
+kinds="interleaved zero_bubble simple zero_bubble_v interleaved_2vs"
+# pipeline_args KIND: gpt's options for a schedule of the table
+pipeline_args() {
+  case $1 in
+    *_2vs) echo "--pipeline ${1%_2vs} --config {\"virtual_stages\":2}" ;;
+    *) echo "--pipeline $1" ;;
+  esac
+}
 mkdir -p "$out"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-[ -x "$bin" ] || { echo "bench/gpt: $bin is missing (make build/examples/gpt)" >&2; exit 1; }
+for b in "$bin" "$top/build/bench/simulate"; do
+  [ -x "$b" ] || { echo "bench/gpt: $b is missing (make bench-gpt builds it)" >&2; exit 1; }
+done
 export OPENBLAS_NUM_THREADS=1
 start=$(date +%s)
 ckpt="$out/gpt_bench.safetensors"
@@ -83,7 +99,9 @@ for r in $(seq "$rounds"); do
   for k in $kinds; do
     save=(--save "")
     [ "$r" = 1 ] && [ "$k" = interleaved ] && save=(--save "$ckpt") # the checkpoint generation loads
-    SMP_TIMELINE="$tmp/timeline_${k}_$r.json" train "pp2_$k" mpirun -n 2 "$bin" --partitions 2 --microbatches "$mb" --pipeline "$k" "${save[@]}"
+    # shellcheck disable=SC2046 # pipeline_args' words are options, one JSON word without spaces
+    SMP_TIMELINE="$tmp/timeline_${k}_$r.json" train "pp2_$k" mpirun -n 2 "$bin" --partitions 2 --microbatches "$mb" \
+      $(pipeline_args "$k") "${save[@]}"
   done
   for m in $best_mbs; do
     OPENBLAS_NUM_THREADS=2 train "t2_m$m" mpirun -n 1 "$bin" --partitions 1 --microbatches "$m" --threads 2 --save ""
@@ -101,6 +119,8 @@ label() {
     pp2_interleaved) echo "2 pipeline partitions, 1F1B (interleaved), $mb mb" ;;
     pp2_zero_bubble) echo "2 pipeline partitions, zero_bubble (ZB-H1), $mb mb" ;;
     pp2_simple) echo "2 pipeline partitions, simple (GPipe), $mb mb" ;;
+    pp2_zero_bubble_v) echo "2 pipeline partitions, zero_bubble_v (ZB-V), $mb mb" ;;
+    pp2_interleaved_2vs) echo "2 partitions x 2 virtual stages, interleaved, $mb mb" ;;
     t2_m*) echo "1 process, 2 BLAS threads, ${1#t2_m} microbatches" ;;
     dp2) echo "2 data-parallel replicas (--ddp), $ddp_mb microbatch each" ;;
     pp2_eager) echo "(pp2 1F1B, all sends eager: UCX_RNDV_THRESH=inf)" ;;
@@ -118,34 +138,10 @@ for k in $kinds; do
   r=$(awk '{ if (NR == 1 || $1 > b) { b = $1; n = NR } } END { print n }' "$tmp/pp2_$k")
   cp "$tmp/timeline_${k}_$r.json" "$out/gpt_timeline_$k.json"
 done
-# one step of each schedule, from those timelines: medians over
-# steps 3 to the second last of the period and, per rank, compute and waits
+# one step of each schedule, from those timelines: medians over steps 3 to the
+# second last and, per rank, compute and waits
 for k in $kinds; do
-  python3 - "$out/gpt_timeline_$k.json" "$k" <<'PY'
-import json, statistics, sys
-ev = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("ph") == "X"]
-parts = []
-for rank in sorted({e["pid"] for e in ev}):
-    ops = sorted((e for e in ev if e["pid"] == rank and e["cat"] in ("forward", "backward", "weight", "body", "wait")), key=lambda e: e["ts"])
-    steps, cur = [], []
-    for e in ops:  # a step starts with the forward of microbatch 0
-        if e["cat"] == "forward" and e["args"]["microbatch"] == 0 and any(x["cat"] == "forward" for x in cur):
-            steps.append(cur)
-            cur = []
-        cur.append(e)
-    steps.append(cur)
-    steps = steps[2:-1]
-    if len(steps) < 2:
-        print(f"pp2 {sys.argv[2]}: too few steps in the timeline")
-        sys.exit(0)
-    start = [min(x["ts"] for x in s) for s in steps]
-    period = statistics.median(b - a for a, b in zip(start, start[1:])) / 1e3
-    comp = statistics.median(sum(x["dur"] for x in s if x["cat"] != "wait") for s in steps) / 1e3
-    wait = statistics.median(sum(x["dur"] for x in s if x["cat"] == "wait") for s in steps) / 1e3
-    parts.append((rank, period, comp, wait))
-print(f"pp2 {sys.argv[2]:<12} timeline, median step: period {parts[0][1]:.1f} ms; " +
-      "; ".join(f"rank {r}: compute {c:.1f} ms, waits {w:.1f} ms, idle {1 - c / p:.0%}" for r, p, c, w in parts))
-PY
+  python3 "$top/bench/timeline_steps.py" --skip 2 --summary "$k" "$out/gpt_timeline_$k.json"
 done
 
 g1=$(best gen1); g2=$(best gen2); g1t2=$(best gen1t2)
@@ -169,6 +165,12 @@ for py in python3 /usr/bin/python3; do
 done
 echo "timelines: $out/gpt_timeline_{$(echo $kinds | tr ' ' ',')}.json${plot:+, one step of $bestk drawn in $plot}"
 echo "elapsed: $(($(date +%s) - start)) s"
+# the best schedule against its own bound: its timeline's per-stage times through the simulator
+bound=$(python3 "$top/bench/timeline_steps.py" --skip 2 --bound "${bestk%_2vs}" "$top/build/bench/simulate" \
+  "$(best "pp2_$bestk")" $((batch * 128)) "$out/gpt_timeline_$bestk.json")
+echo "$bound" | sed '$d'
+of=$(echo "$bound" | sed -n '$s/^of simulated bound: //p')
+echo "gpt tokens/s pp2 of simulated bound: ${of:-none} ($bestk${of:+, measured/(simulated + outside the schedule)})"
 python3 - "$(best single)" "$(best "t2_m$bestm")" "$bestm" "$(best dp2)" "$g1" "$g2" "$(best pp2_eager)" "$bestk" \
   $(for k in $kinds; do echo "$k $(best "pp2_$k")"; done) <<'PY'
 import sys

@@ -162,6 +162,9 @@ int main(int argc, char **argv) {
         return 1;
     }
     long steps = resumed.steps;
+    /* the peaks printed at the end: of training, not of the set-up (tracing holds each layer's parameters
+       while it runs it, on every rank, so a rank owning small layers would show the largest one's) */
+    smp_memory_reset_peaks();
 
     if (smp_rank() == 0)
         printf("fmnist: %d processes, %d partitions x %d replicas, batch %d (%lld per replica) in %d microbatches, %s "
@@ -201,20 +204,7 @@ int main(int argc, char **argv) {
         if (st) break;
         double secs = now() - t0;
         progress(epoch + 1, opt.epochs, b, batches, loss_sum / (double)b, (double)b * opt.batch / secs, true);
-        /* a checkpoint per epoch; smp writes it from dp rank 0 of each partition */
-        char e[32], n[32], mean_s[32], std_s[32];
-        snprintf(e, sizeof e, "%d", epoch + 1);
-        snprintf(n, sizeof n, "%ld", steps);
-        snprintf(mean_s, sizeof mean_s, "%.9g", mean);
-        snprintf(std_s, sizeof std_s, "%.9g", stdev);
-        const char *keys[] = {"epoch", "step", "pixel_mean", "pixel_std"}, *values[] = {e, n, mean_s, std_s};
-        if ((st = smp_save(model, opt.checkpoint,
-                           &(smp_save_desc){.partial = opt.partial ? SMP_ON : SMP_OFF,
-                                            .optimizer = opt_state.state, /* sharded: each replica's range */
-                                            .meta_keys = keys,
-                                            .meta_values = values,
-                                            .nmeta = 4})))
-            break;
+        if ((st = save_epoch(model, &opt, opt_state.state, epoch + 1, steps, mean, stdev))) break;
     }
     double accuracy = 0;
     if (!st) st = evaluate(model, &test, 1000, &accuracy);

@@ -188,6 +188,9 @@ int main(int argc, char **argv) {
         gpu_engine_free(&engine); smp_finalize(); MPI_Finalize(); return 1;
     }
     long steps = resumed.steps;
+    /* the peaks printed at the end: of training, not of the set-up (tracing holds each layer's parameters
+       while it runs it, on every rank, so a rank owning small layers would show the largest one's) */
+    smp_memory_reset_peaks();
 
     if (smp_rank() == 0)
         printf("fmnist (CUDA, %s): %d processes, %d partitions x %d replicas, batch %d (%lld per replica) in %d "
@@ -230,20 +233,7 @@ int main(int argc, char **argv) {
         if (st) break;
         double secs = now() - t0;
         progress(epoch + 1, opt.epochs, b, batches, loss_sum / (double)b, (double)b * opt.batch / secs, true);
-        /* a checkpoint per epoch; smp writes it from dp rank 0 of each partition */
-        char e[32], n[32], mean_s[32], std_s[32];
-        snprintf(e, sizeof e, "%d", epoch + 1);
-        snprintf(n, sizeof n, "%ld", steps);
-        snprintf(mean_s, sizeof mean_s, "%.9g", mean);
-        snprintf(std_s, sizeof std_s, "%.9g", stdev);
-        const char *keys[] = {"epoch", "step", "pixel_mean", "pixel_std"}, *values[] = {e, n, mean_s, std_s};
-        smp_save_desc save = {};
-        save.partial = opt.partial ? SMP_ON : SMP_OFF;
-        save.optimizer = opt_state.state;
-        save.meta_keys = keys;
-        save.meta_values = values;
-        save.nmeta = 4;
-        if ((st = smp_save(model, opt.checkpoint, &save))) break;
+        if ((st = save_epoch(model, &opt, opt_state.state, epoch + 1, steps, mean, stdev))) break;
     }
     double accuracy = 0;
     if (!st) st = evaluate(model, &engine, &test, 1000, &accuracy);

@@ -114,6 +114,27 @@ static void on_meta(const char *key, const char *value, void *user) {
     else if (!strcmp(key, "step")) r->steps = atol(value);
 }
 
+/* The checkpoint at the end of an epoch, with the metadata a resumed run
+   reads back (on_meta above) and the pixel statistics fmnist_infer
+   normalises with; smp writes it from dp rank 0 of each partition. */
+static smp_status save_epoch(smp_model *model, const options *o, smp_optimizer *state, int epoch, long steps,
+                             float mean, float stdev) {
+    char e[32], n[32], mean_s[32], std_s[32];
+    snprintf(e, sizeof e, "%d", epoch);
+    snprintf(n, sizeof n, "%ld", steps);
+    snprintf(mean_s, sizeof mean_s, "%.9g", mean);
+    snprintf(std_s, sizeof std_s, "%.9g", stdev);
+    const char *keys[] = {"epoch", "step", "pixel_mean", "pixel_std"}, *values[] = {e, n, mean_s, std_s};
+    smp_save_desc save;
+    memset(&save, 0, sizeof save); /* the C and CUDA (C++) programs both include this */
+    save.partial = o->partial ? SMP_ON : SMP_OFF;
+    save.optimizer = state; /* sharded: each replica's range */
+    save.meta_keys = keys;
+    save.meta_values = values;
+    save.nmeta = 4;
+    return smp_save(model, o->checkpoint, &save);
+}
+
 /* The name of a pipeline kind, as --pipeline spells it. */
 static inline const char *pipeline_name(smp_pipeline_kind k) {
     return k == SMP_PIPELINE_SIMPLE          ? "simple"

@@ -264,72 +264,6 @@ static smp_status build_for_generation(gpt *net, const gpt_config *mc, void *use
     return gpt_build(net, mc, false, model);
 }
 
-/* ---------------------------------------------------------------- checkpoints for training */
-/* The full checkpoint o->save: the parameters under nanoGPT's names at any
-   tp (c_attn's q, k and v blocks joined), and with `o` (--save-at, after
-   `step` steps) AdamW's moments and step count as "optimizer.*" tensors,
-   which --load continues from. Collective. */
-static smp_status save_checkpoint(smp_model *model, const options *opt, const corpus *text, const adamw *o, int step) {
-    ckpt_meta m;
-    ckpt_meta_init(&m, text, opt);
-    if (o) snprintf(m.steps, sizeof m.steps, "%d", step);
-    smp_switch partial = o && opt->partial ? SMP_ON : SMP_OFF; /* --partial: the --save-at checkpoint */
-    smp_status st = smp_save(model, opt->save,
-                             &(smp_save_desc){.partial = partial, .optimizer = o ? o->reg : NULL, .meta_keys = m.keys,
-                                              .meta_values = m.vals, .nmeta = m.n});
-    if (!st && smp_rank() == 0) {
-        if (o) printf("checkpoint: %s after step %d, with AdamW's state%s\n", opt->save, step,
-                      partial == SMP_ON ? " (partial)" : "");
-        else printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n", opt->save);
-        fflush(stdout);
-    }
-    return st;
-}
-
-/* --load for training: the checkpoint's weights, into any (pp, tp, dp);
-   with AdamW's state in it (--save-at) that state too, and *start becomes
-   the step it was saved after, so the run goes on as the one that saved it
-   would have (the same batches and learning rates: give the same --steps);
-   without, AdamW starts afresh at step 0. Its vocabulary must be this
-   corpus's. --partial: a partial checkpoint (its metadata from the file of
-   partition 0). Collective; an error on every rank. */
-static smp_status load_training(smp_model *model, const options *opt, const corpus *text, adamw *o, int *start) {
-    smp_ckpt_file *f = NULL;
-    char first[4096];
-    smp_status st = opt->partial ? smp_ckpt_partial_file(opt->load, 0, first, sizeof first, NULL) : SMP_OK;
-    if (!st) st = smp_ckpt_open(opt->partial ? first : opt->load, &f);
-    bool with_state = false;
-    *start = 0;
-    if (!st) {
-        ckpt_meta m;
-        ckpt_meta_init(&m, text, opt);
-        const char *hex = smp_ckpt_meta(f, "vocab_bytes"), *step = smp_ckpt_meta(f, "step");
-        for (int i = 0; i < smp_ckpt_count(f); i++)
-            with_state |= !strncmp(smp_ckpt_info_at(f, i)->name, "optimizer.", 10);
-        if (!hex || strcmp(hex, m.hex))
-            st = smp_error(SMP_ERR_ARG, "--load %s: %s: load a checkpoint of gpt.c trained on this --data", opt->load,
-                           hex ? "its vocabulary is not this corpus's" : "its metadata has no vocabulary");
-        else if (with_state && (!step || (*start = atoi(step)) < 1 || *start >= opt->steps))
-            st = smp_error(SMP_ERR_ARG,
-                           "--load %s: it was saved after step %s, which leaves nothing of --steps %d to train: give "
-                           "the --steps of the run that saved it",
-                           opt->load, step ? step : "(none)", opt->steps);
-        smp_ckpt_close(f);
-    }
-    int bad = st != SMP_OK; /* smp_load is collective: every rank goes on, or none */
-    MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_LOR, MPI_COMM_WORLD);
-    if (bad && !st) st = smp_error(SMP_ERR_STATE, "--load %s: another rank could not use it (its message says why)",
-                                   opt->load);
-    if (!st)
-        st = smp_load(model, opt->load,
-                      &(smp_load_desc){.partial = opt->partial ? SMP_ON : SMP_OFF, .optimizer = with_state ? o->reg : NULL});
-    if (!st && smp_rank() == 0) {
-        printf("gpt: starting from %s%s", opt->load, with_state ? ", with AdamW's state, at step " : "\n");
-        if (with_state) printf("%d\n", *start);
-    }
-    return st;
-}
-
 /* The first of the `rows` rows of a global batch this rank reads for replica r of the R it runs in turn. With
    prescaled_batch (the default) a TP group's ranks read the same rows: the data is sharded over the replicas
    (rdp_rank). Without (--no-prescaled-batch), each rank reads its own, sharded over dp ranks as without TP
@@ -396,10 +330,7 @@ int main(int argc, char **argv) {
         if (text.id_of[(unsigned char)opt.logits[i]] < 0)
             st = smp_error(SMP_ERR_ARG, "--logits: character %zu (byte 0x%02x) is not in the vocabulary", i,
                            (unsigned char)opt.logits[i]);
-    if (!st && opt.save_at && (opt.save_at >= opt.steps || !opt.save || !*opt.save))
-        st = smp_error(SMP_ERR_ARG, "--save-at %d: the checkpoint after step %d of %d needs a --save path and a "
-                                    "step before the last: give --save PATH and --save-at 1 to %d",
-                       opt.save_at, opt.save_at, opt.steps, opt.steps - 1);
+    if (!st) st = check_save_at(&opt);
     if (!st && opt.grads && (smp_rdp_size() > 1 || R > 1))
         st = smp_error(SMP_ERR_CONFIG, "--grads saves one replica's first step: run it without --ddp and --replicas");
     if (fail_all(st, "input")) goto done;
@@ -431,7 +362,8 @@ int main(int argc, char **argv) {
     }
     if (fail_all(st, "partitioning")) goto done;
     int start = 0; /* --load with AdamW's state: the step it continues at */
-    if (opt.load && fail_all(load_training(model, &opt, &text, &opt_state, &start), "loading the checkpoint")) goto done;
+    if (opt.load && fail_all(load_training(model, &opt, &text, opt_state.reg, &start), "loading the checkpoint"))
+        goto done;
     if (root) {
         long nparams = 0;
         smp_param *p;
@@ -501,7 +433,8 @@ int main(int argc, char **argv) {
         tokens += (long)opt.batch * T;
         loss_avg = step ? 0.9 * loss_avg + 0.1 * loss : loss;
         if (opt.print_losses && root) printf("step %d loss %a\n", step, loss);
-        if (step + 1 == opt.save_at && fail_all(save_checkpoint(model, &opt, &text, &opt_state, step + 1), "checkpoint"))
+        if (step + 1 == opt.save_at &&
+            fail_all(save_checkpoint(model, &opt, &text, opt_state.reg, step + 1), "checkpoint"))
             goto done;
         if (root && (step % opt.log_every == 0 || step + 1 == opt.steps)) {
             double secs = now() - t0, eta = secs / (step + 1) * (opt.steps - step - 1);

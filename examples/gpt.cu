@@ -16,11 +16,25 @@
      loss_mb = train_step(model, x, y)           SMP_TRAIN_STEP(model, gpt_gpu_loss_body, ...)
      clip_grad_norm_(model.parameters(), 1.0)    smp_clip_grad_norm(model, 1.0, NULL)
      optimizer.step()  (AdamW, cosine schedule)  adamw_step(...): cuda_engine.h's Adam kernel per local parameter
-     smp.save(model.state_dict(), ...)           smp_save (smp copies device tensors to the host)
+     smp.save(model.state_dict(), ...)           save_checkpoint -> smp_save (smp copies device tensors to the host)
 
-   A checkpoint of either program loads into the other (--load here, and
-   gpt.c --generate --load there). --steps 0 with --load evaluates the
-   loaded weights. After training: "throughput: N tokens/s" over the steps
+   Checkpoints are gpt.c's (gpt_shared.h's save_checkpoint and
+   load_training; one file format): --save PATH writes the parameters at
+   the end under nanoGPT's names; --save-at N writes them after step N
+   instead, with AdamW's state (per parameter "exp_avg" and "exp_avg_sq",
+   which smp copies from device memory, joined from every replica's owned
+   range under --shard-optimizer; and "step"), and trains on; --partial
+   makes both partial checkpoints (a file per partition, and per replica
+   when sharded). --load CKPT with AdamW's state continues at the step it
+   was saved after (give the same --steps), bitwise as the run that never
+   stopped on the same layout, at any --partitions and --ddp, sharded or
+   not; without that state it starts AdamW afresh; --steps 0 only
+   evaluates the loaded weights. A checkpoint of either program loads into
+   the other (gpt.c resumes gpt.cu's and the other way round, within float
+   rounding of the host's kernels). --load checks the file's vocabulary and
+   model sizes first: another model's file, or one missing part of AdamW's
+   state, is an error on every rank naming the fix, before any parameter
+   changes. After training: "throughput: N tokens/s" over the steps
    after the first two, the model FLOPs per token (6 x the parameters
    besides the position embedding, + 12 x layers x width x context for the
    attention's products) and the MFU against the GPU's dense bf16 peak where
@@ -28,7 +42,10 @@
 
    --bf16: the linear layers' GEMMs take bf16 copies of their inputs and
    accumulate in f32; master weights, gradients and AdamW's state stay f32
-   (gpt_cuda.h). SageMaker's flags map so: "bf16": true (smp.DistributedModel
+   (gpt_cuda.h). A checkpoint therefore holds f32 in either precision: a
+   bf16 run's loads into an f32 run as it is, and an f32 run's into a bf16
+   run, which rounds the f32 weights to bf16 (to nearest even) at each GEMM
+   as it rounds its own. SageMaker's flags map so: "bf16": true (smp.DistributedModel
    in bf16, with f32 master weights in the optimizer) is this --bf16;
    "fp16": true is the same recipe in f16 with a loss scaler (smp_grad_scaler
    in smp_pipeline.h; not offered here: bf16 needs no scaler);
@@ -56,11 +73,13 @@
    leave every result bitwise as without. At the end rank 0 prints the
    memory account's peaks of each rank ("memory peak rank R: ...").
 
-   Not on the device: --dropout, --replicas, --grads (gpt.c).
+   Not on the device: --dropout, --replicas, --grads, --tp, --params (gpt.c).
 
    Build: make build/cuda/gpt   (nvcc -ccbin mpicxx ... -lcublas -lnccl)
    Run:   mpirun -n 2 build/cuda/gpt                       2 stages, a GPU each (or sharing one)
           mpirun -n 4 build/cuda/gpt --partitions 2 --ddp  2 stages x 2 replicas
+          mpirun -n 2 build/cuda/gpt --steps 700 --save-at 300 --save ck.safetensors   ... and later, from step 300:
+          mpirun -n 2 build/cuda/gpt --steps 700 --load ck.safetensors
           mpirun -n 1 build/cuda/gpt --partitions 1 --bf16 --layers 12 --dmodel 768 --heads 12 --context 1024 \
                  --vocab-multiple 128 --batch 8 --microbatches 1      GPT-2 124M's shape */
 #define SMP_IMPLEMENTATION
@@ -78,17 +97,21 @@
 /* ---------------------------------------------------------------- AdamW */
 /* gpt.c's AdamW on the device: moments next to the parameters, over the
    elements this replica updates (all, or its owned range under
-   --shard-optimizer: cuda_engine.h's gpu_moments), decay on matrices only. */
+   --shard-optimizer: cuda_engine.h's gpu_moments), decay on matrices only.
+   Registered as gpt.c registers its own (exp_avg, exp_avg_sq, step), so
+   checkpoints of either program resume in the other. */
 typedef struct adamw {
     gpu_moments mo;
     int64_t t;
-    smp_optimizer *reg; /* the moments, registered: smp's memory account counts them */
+    smp_optimizer *reg; /* the moments and t, registered: smp's memory account counts them, checkpoints carry them */
 } adamw;
 
 static smp_status adamw_init(adamw *o, smp_model *model, const gpt_gpu *gg) {
     memset(o, 0, sizeof *o);
     SMP_TRY(smp_optimizer_new(model, &o->reg));
-    return gpu_moments_init(&o->mo, model, &gg->e, o->reg);
+    SMP_TRY(gpu_moments_init(&o->mo, model, &gg->e, o->reg));
+    smp_tensor t = smp_tensor_make(&o->t, SMP_I64, 0, NULL); /* the bias corrections' step, so a load continues */
+    return smp_optimizer_state_add(o->reg, NULL, "step", &t);
 }
 
 static smp_status adamw_step(adamw *o, smp_model *model, const options *opt, float lr, const gpt_gpu *gg) {
@@ -333,6 +356,7 @@ int main(int argc, char **argv) {
         if (text.id_of[(unsigned char)opt.logits[i]] < 0)
             st = smp_error(SMP_ERR_ARG, "--logits: character %zu (byte 0x%02x) is not in the vocabulary", i,
                            (unsigned char)opt.logits[i]);
+    if (!st) st = check_save_at(&opt);
     if (fail_all(st, "input")) goto done;
     train_ids = encode(&text, text.train, text.ntrain);
     val_ids = encode(&text, text.val, text.nval);
@@ -367,13 +391,10 @@ int main(int argc, char **argv) {
             st = smp_error(SMP_ERR_CONFIG,
                            "--plain runs the step without smp on one rank: run 1 process with --partitions 1");
         if (!st && opt.plain) st = plain_init(&pl, &opt.model, (int)mrows, T);
-        if (!st && opt.load) { /* the weights to start from */
-            smp_load_desc ld;
-            memset(&ld, 0, sizeof ld);
-            ld.partial = SMP_OFF;
-            st = smp_load(model, opt.load, &ld);
-        }
         if (fail_all(st, "partitioning")) goto done;
+        int start = 0; /* --load with AdamW's state: the step it continues at */
+        if (opt.load && fail_all(load_training(model, &opt, &text, opt_state.reg, &start), "loading the checkpoint"))
+            goto done;
         long nparams = 0;
         for (int i = 0; i < smp_model_num_global_params(model, false); i++)
             nparams += (long)smp_tensor_numel(smp_param_value(smp_model_global_param(model, i, false)));
@@ -385,8 +406,7 @@ int main(int argc, char **argv) {
             printf("gpt (CUDA, %s, %s): %d layers, width %d, %d heads, context %d, vocabulary %d, %.2fM parameters%s\n",
                    smp_nccl_describe(), prop.name, opt.model.n_layer, opt.model.n_embd, opt.model.n_head, T, V,
                    (double)nparams / 1e6, opt.bf16 ? ", bf16 GEMMs (f32 accumulation and master weights)" : ", f32");
-            printf("gpt: %zu training and %zu validation characters from %s%s%s\n", text.ntrain, text.nval, opt.data,
-                   opt.load ? ", starting from " : "", opt.load ? opt.load : "");
+            printf("gpt: %zu training and %zu validation characters from %s\n", text.ntrain, text.nval, opt.data);
             printf("gpt: %d processes, %d partitions x %d replicas, batch %d x %d characters (%lld per replica) in %d "
                    "microbatches, %s pipeline%s\n",
                    smp_size(), cfg->partitions, smp_dp_size(), opt.batch, T, (long long)local_batch, M,
@@ -402,7 +422,7 @@ int main(int argc, char **argv) {
         /* ---------------------------------------------------------------- training */
         double t0 = now(), loss_avg = 0, timed_from = t0;
         long tokens = 0, timed_tokens = 0;
-        for (int step = 0; step < opt.steps && !st; step++) {
+        for (int step = start; step < opt.steps && !st; step++) {
             float lr = lr_at(&opt, step);
             fill_batch(train_ids, text.ntrain, T, (uint64_t)opt.seed, step, opt.batch, smp_dp_rank() * (int)local_batch,
                        (int)rows, x, y);
@@ -422,19 +442,22 @@ int main(int argc, char **argv) {
             }
             if (opt.clip > 0 && (st = smp_clip_grad_norm(model, opt.clip, NULL))) break;
             if ((st = adamw_step(&opt_state, model, &opt, lr, &gg))) break; /* optimizer.step() */
-            if (step == 0) smp_memory_reset_peaks(); /* the peaks printed at the end: of the steps after the set-up */
+            if (step == start) smp_memory_reset_peaks(); /* the peaks printed at the end: of the steps after set-up */
             tokens += (long)opt.batch * T;
-            if (step == 1) { /* the first two steps trace, allocate and warm up: the throughput is timed after them */
+            if (step == start + 1) { /* the first two steps trace, allocate and warm up: throughput is timed after */
                 if ((st = cudaStreamSynchronize(gg.e.stream) ? smp_error(SMP_ERR_DEVICE, "cudaStreamSynchronize failed")
                                                              : SMP_OK))
                     break;
                 timed_from = now();
             }
-            if (step >= 2) timed_tokens += (long)opt.batch * T;
+            if (step >= start + 2) timed_tokens += (long)opt.batch * T;
             loss_avg = step ? 0.9 * loss_avg + 0.1 * loss : loss;
             if (opt.print_losses && root) printf("step %d loss %a\n", step, loss);
+            if (step + 1 == opt.save_at &&
+                fail_all(save_checkpoint(model, &opt, &text, opt_state.reg, step + 1), "checkpoint"))
+                goto done;
             if (root && (step % opt.log_every == 0 || step + 1 == opt.steps)) {
-                double secs = now() - t0, eta = secs / (step + 1) * (opt.steps - step - 1);
+                double secs = now() - t0, eta = secs / (step + 1 - start) * (opt.steps - step - 1);
                 char e[32], s[32];
                 fmt_time(eta, e, sizeof e);
                 fmt_time(secs, s, sizeof s);
@@ -502,21 +525,9 @@ int main(int argc, char **argv) {
         }
 
         /* ---------------------------------------------------------------- the checkpoint */
-        if (opt.save && *opt.save) {
-            ckpt_meta m;
-            ckpt_meta_init(&m, &text, &opt);
-            smp_save_desc sd;
-            memset(&sd, 0, sizeof sd);
-            sd.partial = SMP_OFF;
-            sd.meta_keys = m.keys;
-            sd.meta_values = m.vals;
-            sd.nmeta = m.n;
-            st = smp_save(model, opt.save, &sd);
-            if (fail_all(st, "checkpoint")) goto done;
-            if (root)
-                printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n",
-                       opt.save);
-        }
+        if (opt.save && *opt.save && !opt.save_at &&
+            fail_all(save_checkpoint(model, &opt, &text, NULL, 0), "checkpoint"))
+            goto done;
         if (fail_all(print_memory_peaks("gpt"), "the memory account")) goto done;
         rc = 0;
     }

@@ -29,8 +29,8 @@ typedef struct options {
     const char *data, *save, *prompt, *config_json;
     const char *logits, *grads; /* --logits TEXT, --grads PATH (for tests) */
     const char *params;         /* --params PATH: every parameter's full tensor after training (gpt.c, for tests) */
-    int save_at;                /* gpt.c --save-at N: the checkpoint after N steps, with AdamW's state (0: at the end) */
-    bool partial;               /* gpt.c --partial: --save-at and --load use smp's partial checkpoints */
+    int save_at;                /* --save-at N: the checkpoint after N steps, with AdamW's state (0: at the end) */
+    bool partial;               /* --partial: --save-at and --load use smp's partial checkpoints */
     bool recompute, print_losses, digest;
     bool bf16;          /* gpt.cu: bf16 GEMM inputs, f32 accumulation and master weights */
     int vocab_multiple; /* gpt.cu: the vocabulary padded to a multiple of this (0: the corpus's) */
@@ -58,9 +58,9 @@ static void usage(const char *prog) {
             "   smp joins into the group's batch (prescaled_batch false; gpt.c); the same run as without it\n"
             "  --params PATH saves every parameter's full tensor after training (gpt.c, any --tp)\n"
             "  --save \"\" skips the checkpoint\n"
-            "  --save-at N saves it after step N instead, with AdamW's state, and trains on (gpt.c)\n"
-            "  --load CKPT starts from a checkpoint: with AdamW's state (--save-at) it continues at its step (gpt.c)\n"
-            "  --partial: --save-at and --load use partial checkpoints (a file per partition and shard; gpt.c)\n"
+            "  --save-at N saves it after step N instead, with AdamW's state, and trains on\n"
+            "  --load CKPT starts from a checkpoint: with AdamW's state (--save-at) it continues at its step\n"
+            "  --partial: --save-at and --load use partial checkpoints (a file per partition and shard)\n"
             "  --offload (gpt.cu) keeps what each backward needs in host memory until activation_loading_horizon\n"
             "   pipeline tasks before it (offload_activations; --config '{\"activation_loading_horizon\": 2}')\n"
             "  --logits TEXT prints the logits of the character after TEXT once trained (hex floats)\n"
@@ -74,9 +74,8 @@ static void usage(const char *prog) {
             prog, prog);
 }
 
-/* device: gpt.cu, which also takes --bf16, --vocab-multiple N, --plain, --offload, and --load
-   CKPT for training (the weights to start from; --steps 0 then only
-   evaluates). */
+/* device: gpt.cu, which also takes --bf16, --vocab-multiple N, --plain, --offload, and --steps 0
+   with --load (it then only evaluates the checkpoint's weights). */
 static int parse_options(int argc, char **argv, options *o, bool device) {
     memset(o, 0, sizeof *o);
     o->model.n_layer = 6;
@@ -123,7 +122,7 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
         else if (OPT("--partitions")) o->cfg.partitions = atoi(v);
         else if (!device && OPT("--tp")) o->cfg.tensor_parallel_degree = atoi(v);
         else if (!device && OPT("--params")) o->params = v;
-        else if (!device && OPT("--save-at")) o->save_at = atoi(v);
+        else if (OPT("--save-at")) o->save_at = atoi(v);
         else if (OPT("--microbatches")) o->cfg.microbatches = atoi(v);
         else if (OPT("--pipeline")) {
             if (!strcmp(v, "simple")) o->cfg.pipeline = SMP_PIPELINE_SIMPLE;
@@ -155,7 +154,7 @@ static int parse_options(int argc, char **argv, options *o, bool device) {
         else if (device && !strcmp(a, "--plain")) o->plain = true;
         else if (device && !strcmp(a, "--offload")) o->cfg.offload_activations = SMP_ON;
         else if (!strcmp(a, "--generate")) o->generate = true;
-        else if (!device && !strcmp(a, "--partial")) o->partial = true;
+        else if (!strcmp(a, "--partial")) o->partial = true;
         else if (!device && !strcmp(a, "--no-prescaled-batch")) o->cfg.prescaled_batch = SMP_OFF;
         else if (!strcmp(a, "--no-cache")) o->no_cache = true;
         else if (!strcmp(a, "--print-logits")) o->print_logits = true;
@@ -560,6 +559,137 @@ static void ckpt_meta_init(ckpt_meta *m, const corpus *text, const options *o) {
     m->n = 7;
     memcpy(m->keys, keys, sizeof keys);
     memcpy(m->vals, vals, sizeof vals);
+}
+
+/* ---------------------------------------------------------------- checkpoints for training */
+/* --save-at N: the checkpoint after step N of --steps, with AdamW's state, needs a --save path and a step that
+   leaves training to do. */
+static smp_status check_save_at(const options *o) {
+    if (!o->save_at || (o->save_at < o->steps && o->save && *o->save)) return SMP_OK;
+    return smp_error(SMP_ERR_ARG,
+                     "--save-at %d: the checkpoint after step %d of %d needs a --save path and a step before the "
+                     "last: give --save PATH and --save-at 1 to %d",
+                     o->save_at, o->save_at, o->steps, o->steps - 1);
+}
+
+/* The full checkpoint o->save (--partial with `state`: a partial one): the
+   parameters under nanoGPT's names at any tp (c_attn's q, k and v blocks
+   joined), and with `state` (--save-at, after `step` steps) AdamW's
+   registered state as "optimizer.*" tensors, which --load continues from.
+   Both programs register it alike, so each resumes the other's: per
+   parameter "exp_avg" and "exp_avg_sq" over the elements its replica
+   updates (smp stores them in the parameter's full shape, joined from the
+   replicas' owned ranges under --shard-optimizer), and "step", AdamW's
+   count of updates (i64). All f32 (gpt.cu --bf16 too: its master weights
+   and moments are f32; bf16 copies exist only inside its GEMMs).
+   Collective. */
+static smp_status save_checkpoint(smp_model *model, const options *opt, const corpus *text, smp_optimizer *state,
+                                  int step) {
+    ckpt_meta m;
+    ckpt_meta_init(&m, text, opt);
+    if (state) snprintf(m.steps, sizeof m.steps, "%d", step);
+    smp_save_desc sd;
+    memset(&sd, 0, sizeof sd);
+    sd.partial = state && opt->partial ? SMP_ON : SMP_OFF; /* --partial: the --save-at checkpoint */
+    sd.optimizer = state;
+    sd.meta_keys = m.keys;
+    sd.meta_values = m.vals;
+    sd.nmeta = m.n;
+    smp_status st = smp_save(model, opt->save, &sd);
+    if (!st && smp_rank() == 0) {
+        if (state)
+            printf("checkpoint: %s after step %d, with AdamW's state%s\n", opt->save, step,
+                   sd.partial == SMP_ON ? " (partial)" : "");
+        else
+            printf("checkpoint: %s (nanoGPT's parameter names; lm_head.weight is transformer.wte.weight)\n",
+                   opt->save);
+        fflush(stdout);
+    }
+    return st;
+}
+
+/* What load_training checks in the file before smp_load touches anything:
+   a checkpoint of gpt.c or gpt.cu on this corpus, of this run's model, and
+   with AdamW's state one that leaves steps to train. */
+static smp_status check_training_checkpoint(smp_ckpt_file *f, const options *opt, const corpus *text,
+                                            bool with_state, int *start) {
+    ckpt_meta m;
+    ckpt_meta_init(&m, text, opt);
+    const char *hex = smp_ckpt_meta(f, "vocab_bytes"), *step = smp_ckpt_meta(f, "step");
+    const char *L = smp_ckpt_meta(f, "n_layer"), *H = smp_ckpt_meta(f, "n_head"), *C = smp_ckpt_meta(f, "n_embd"),
+               *T = smp_ckpt_meta(f, "block_size");
+    const smp_ckpt_info *wte = opt->partial ? NULL : smp_ckpt_find(f, "transformer.wte.weight");
+    if (!hex || strcmp(hex, m.hex))
+        return smp_error(SMP_ERR_ARG, "--load %s: %s: load a checkpoint of gpt.c or gpt.cu trained on this --data",
+                         opt->load, hex ? "its vocabulary is not this corpus's" : "its metadata has no vocabulary");
+    if (!L || !H || !C || !T || strcmp(L, m.L) || strcmp(H, m.H) || strcmp(C, m.C) || strcmp(T, m.T) ||
+        (wte && wte->ndim == 2 && wte->shape[0] != opt->model.vocab))
+        return smp_error(SMP_ERR_ARG,
+                         "--load %s: it holds a model of %s layers, width %s, %s heads, context %s and %lld token "
+                         "ids, this run builds %d, %d, %d, %d and %d: give the --layers, --dmodel, --heads, "
+                         "--context (and gpt.cu's --vocab-multiple) of the run that saved it",
+                         opt->load, L ? L : "?", C ? C : "?", H ? H : "?", T ? T : "?",
+                         wte && wte->ndim == 2 ? (long long)wte->shape[0] : -1LL, opt->model.n_layer,
+                         opt->model.n_embd, opt->model.n_head, opt->model.block_size, opt->model.vocab);
+    if (with_state && (!step || (*start = atoi(step)) < 1 || *start >= opt->steps))
+        return smp_error(SMP_ERR_ARG,
+                         "--load %s: it was saved after step %s, which leaves nothing of --steps %d to train: give "
+                         "the --steps of the run that saved it",
+                         opt->load, step ? step : "(none)", opt->steps);
+    return SMP_OK;
+}
+
+/* --load for training: the checkpoint's weights, into any (pp, tp, dp);
+   with AdamW's state in it (--save-at) that state too, and *start becomes
+   the step it was saved after, so the run goes on as the one that saved it
+   would have (the same batches and learning rates: give the same --steps);
+   without, AdamW starts afresh at step 0 (gpt.cu --steps 0, which only
+   evaluates, loads the weights alone). Its vocabulary and sizes must be
+   this run's, and state, where it has any, all of AdamW's: an error on
+   every rank otherwise, before any parameter changes. --partial: a partial
+   checkpoint (its metadata from the file of partition 0). Collective. */
+static smp_status load_training(smp_model *model, const options *opt, const corpus *text, smp_optimizer *state,
+                                int *start) {
+    smp_ckpt_file *f = NULL;
+    char first[4096];
+    smp_status st = opt->partial ? smp_ckpt_partial_file(opt->load, 0, first, sizeof first, NULL) : SMP_OK;
+    if (!st) st = smp_ckpt_open(opt->partial ? first : opt->load, &f);
+    bool with_state = false;
+    *start = 0;
+    if (!st) {
+        for (int i = 0; i < smp_ckpt_count(f); i++)
+            with_state |= !strncmp(smp_ckpt_info_at(f, i)->name, SMP_CKPT_OPTIMIZER_PREFIX,
+                                   strlen(SMP_CKPT_OPTIMIZER_PREFIX));
+        with_state &= opt->steps > 0;
+        st = check_training_checkpoint(f, opt, text, with_state, start);
+        smp_ckpt_close(f);
+    }
+    int bad = st != SMP_OK; /* smp_load is collective: every rank goes on, or none */
+    MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_LOR, MPI_COMM_WORLD);
+    if (bad && !st)
+        st = smp_error(SMP_ERR_STATE, "--load %s: another rank could not use it (its message says why)", opt->load);
+    if (!st) {
+        smp_load_desc ld;
+        memset(&ld, 0, sizeof ld);
+        ld.partial = opt->partial ? SMP_ON : SMP_OFF;
+        ld.optimizer = with_state ? state : NULL;
+        st = smp_load(model, opt->load, &ld);
+        if (st && with_state) { /* smp names the tensor; say what to do about it */
+            char why[2048];
+            snprintf(why, sizeof why, "%s", smp_last_error());
+            st = smp_error(st,
+                           "%s: it holds AdamW's state, but not all of it that this run's optimizer registers: resume "
+                           "from a --save-at checkpoint of the same model, whole, or start AdamW afresh from one "
+                           "without optimizer state (--save at the end of a run)",
+                           why);
+        }
+    }
+    if (!st && smp_rank() == 0) {
+        printf("gpt: starting from %s%s", opt->load, with_state ? ", with AdamW's state, at step " : "\n");
+        if (with_state) printf("%d\n", *start);
+        fflush(stdout);
+    }
+    return st;
 }
 
 /* ---------------------------------------------------------------- pipelined generation (--generate) */

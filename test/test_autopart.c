@@ -444,6 +444,109 @@ static void test_errors(void) {
     }
 }
 
+/* ------------------------------------------------------------ several stages per partition
+   The model's partitioning with more stages than partitions (virtual stages, zero_bubble_v's V): of all
+   contiguous splits into k stages, stage c on partition part_of[c], the one with the least
+   m x (costliest partition's sum) + (P - 1) x (costliest stage); sums added as the library adds them (each
+   stage left to right, a partition's stages in stage order). */
+static double balance_estimate(const double *c, int n, const int *stage, const int *part_of, int P, int m) {
+    double load[8] = {0}, smax = 0.0, lmax = 0.0;
+    for (int b = 0, i = 1; i <= n; i++)
+        if (i == n || stage[i] != stage[b]) {
+            double s = sum_range(c, b, i);
+            load[part_of[stage[b]]] += s;
+            smax = s > smax ? s : smax;
+            b = i;
+        }
+    for (int q = 0; q < P; q++) lmax = load[q] > lmax ? load[q] : lmax;
+    return m * lmax + (P - 1.0) * smax;
+}
+
+/* every split of n calls into k stages (n <= 12): the least estimate */
+static double balance_brute(const double *c, int n, int k, const int *part_of, int P, int m) {
+    double best = INFINITY;
+    int stage[12];
+    for (unsigned cuts = 0; cuts < 1u << (n - 1); cuts++) { /* bit i: a stage ends after call i */
+        if (__builtin_popcount(cuts) != k - 1) continue;
+        for (int i = 0, st = 0; i < n; i++) {
+            stage[i] = st;
+            if (cuts >> i & 1) st++;
+        }
+        double e = balance_estimate(c, n, stage, part_of, P, m);
+        best = e < best ? e : best;
+    }
+    return best;
+}
+
+static void test_balance_partitions(void) {
+    /* gpt.c's default model as the partitioner sees it: wte, wpe, 6 equal blocks, ln_f, the tied head; in a V on
+       2 partitions the stage-optimal split 2,1,1,2 blocks leaves 4 blocks on partition 0 */
+    {
+        smp_call_cost calls[10];
+        memset(calls, 0, sizeof calls);
+        double t[10] = {0.01, 0.05, 7, 7, 7, 7, 7, 7, 0.17, 0.21};
+        for (int i = 0; i < 10; i++) calls[i].time = t[i];
+        int vee[4] = {0, 1, 1, 0}, stage[10], blocks[2] = {0, 0};
+        smp_status st = smp_auto_partition(calls, 10, 4, 0.0, 2.0, stage, NULL);
+        int before[2] = {0, 0};
+        for (int i = 2; i < 8 && !st; i++) before[vee[stage[i]]]++;
+        if (!st) st = smp__part_balance_partitions(calls, 10, 4, vee, 2, 8, 0.0, stage);
+        for (int i = 2; i < 8 && !st; i++) blocks[vee[stage[i]]]++;
+        int want[10] = {0, 0, 0, 0, 1, 2, 2, 3, 3, 3}; /* 2,1,2,1 blocks: 3 on each partition, no stage of 3 */
+        CHECK(st == SMP_OK && before[0] != before[1] && blocks[0] == 3 && blocks[1] == 3 && same(stage, want, 10),
+              "autopart: zero_bubble_v on 2 partitions puts 3 of gpt's 6 blocks on each (the stage optimum: 2 and 4)",
+              "status %d, blocks before %d/%d, after %d/%d, stages %d %d %d %d %d %d %d %d %d %d", (int)st, before[0],
+              before[1], blocks[0], blocks[1], stage[0], stage[1], stage[2], stage[3], stage[4], stage[5], stage[6],
+              stage[7], stage[8], stage[9]);
+    }
+    /* random costs, V and round-robin maps, P = 2 and 3: the split's estimate is the least of all splits', and
+       never above the stage-optimal split's */
+    int bad = 0;
+    char why[256] = "";
+    for (int trial = 0; trial < 600; trial++) {
+        int P = 2 + trial % 2, vs = 2, k = P * vs, n = k + rng_int(0, 12 - k), m = rng_int(1, 16);
+        int part_of[6], stage[12];
+        bool vee = (trial / 2) % 2;
+        for (int c = 0; c < k; c++) part_of[c] = vee ? (c < P ? c : 2 * P - 1 - c) : c % P;
+        smp_call_cost calls[12];
+        double cost[12], total = 0.0;
+        memset(calls, 0, sizeof calls);
+        for (int i = 0; i < n; i++) total += calls[i].time = draw_cost(trial % 5);
+        for (int i = 0; i < n; i++) cost[i] = total > 0.0 ? calls[i].time / total : 0.0; /* smp's cost at w = 0 */
+        smp_status st = smp_auto_partition(calls, n, k, 0.0, 2.0, stage, NULL);
+        double was = st ? 0.0 : balance_estimate(cost, n, stage, part_of, P, m);
+        if (!st) st = smp__part_balance_partitions(calls, n, k, part_of, P, m, 0.0, stage);
+        double got = st ? 0.0 : balance_estimate(cost, n, stage, part_of, P, m);
+        double want = balance_brute(cost, n, k, part_of, P, m);
+        if (st || !valid_assignment(stage, n, k) || got != want || got > was) {
+            if (!bad++)
+                snprintf(why, sizeof why, "trial %d (n %d, P %d, %s, m %d): status %d, estimate %.17g, least %.17g, "
+                         "stage-optimal %.17g", trial, n, P, vee ? "V" : "round robin", m, (int)st, got, want, was);
+        }
+    }
+    CHECK(bad == 0, "autopart: several stages per partition: the least m x partition + (P-1) x stage of every split "
+          "(600 vectors)", "%d bad; first: %s", bad, why);
+    /* past the search's budget (2000 calls in a V of 16 stages): a valid split, no worse than the stage optimum */
+    {
+        enum { N = 2000, K = 16 };
+        static smp_call_cost calls[N];
+        static double cost[N];
+        static int stage[N];
+        int part_of[K];
+        double total = 0.0;
+        for (int c = 0; c < K; c++) part_of[c] = c < K / 2 ? c : K - 1 - c;
+        for (int i = 0; i < N; i++) total += calls[i].time = draw_cost(1);
+        for (int i = 0; i < N; i++) cost[i] = calls[i].time / total;
+        smp_status st = smp_auto_partition(calls, N, K, 0.0, 2.0, stage, NULL);
+        double was = st ? 0.0 : balance_estimate(cost, N, stage, part_of, K / 2, 8);
+        if (!st) st = smp__part_balance_partitions(calls, N, K, part_of, K / 2, 8, 0.0, stage);
+        double got = st ? 0.0 : balance_estimate(cost, N, stage, part_of, K / 2, 8);
+        CHECK(st == SMP_OK && valid_assignment(stage, N, K) && got <= was,
+              "autopart: several stages per partition, 2000 calls in 16 stages: valid, no worse than the stage optimum",
+              "status %d, estimate %.17g against %.17g", (int)st, got, was);
+    }
+}
+
 int main(void) {
     (void)test_skip; /* test.h's helpers this file does not need */
 #ifdef MPI_VERSION
@@ -457,5 +560,6 @@ int main(void) {
     test_large();
     test_edges();
     test_errors();
+    test_balance_partitions();
     return test_exit_code();
 }

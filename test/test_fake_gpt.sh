@@ -31,6 +31,12 @@
 #    after a context within 1e-5 of gpt.cu's) and gpt.c's into gpt.cu
 #    (--load --steps 0: the same parameter checksums bit for bit, logits
 #    within 1e-5);
+#  - resuming training (--save-at 5 with AdamW's state, the moments copied from device memory; --load): bitwise
+#    as the run that never stopped at 2 -> 2 and 2 -> 1 partitions, full and --partial, DDP 2x2 with
+#    --shard-optimizer sharded -> sharded and (1 stage, partial) -> unsharded 2x2, and in bf16; gpt.c's
+#    checkpoint in gpt.cu, gpt.cu's in gpt.c and the sharded 2x2 one in gpt.c --replicas 2 within 1e-5; bf16 ->
+#    f32 and f32 -> bf16 within 1e-3 (the file holds f32 in both: checked); another model's checkpoint and one
+#    missing a moment are errors on every rank naming the fix;
 #  - pipelined generation on the device (gpt.cu --generate, the KV cache in
 #    device memory), 3 prompts x 8 characters: from gpt.c's checkpoint at 1
 #    and 2 partitions and from gpt.cu's own at 2, the samples of gpt.c
@@ -87,8 +93,11 @@ peaks() { # check, run a, run b, category, low, high
 }
 
 run one 1 1 "$bin" --partitions 1 --save "$tmp/one.safetensors"
+# (two of them also save a checkpoint with AdamW's state after step 5 for the resuming checks below: --save-at
+# changes nothing of the run that goes on)
+save_at() { case $1 in simple) echo --save-at 5 --save "$tmp/ck_pp2.st";; interleaved) echo --save-at 5 --partial --save "$tmp/ck_pp2p";; esac; }
 for pipe in simple interleaved zero_bubble zero_bubble_v; do
-  run "pp2_$pipe" 2 2 "$bin" --partitions 2 --pipeline "$pipe"
+  run "pp2_$pipe" 2 2 "$bin" --partitions 2 --pipeline "$pipe" $(save_at "$pipe")
   same "fake-gpt/2 partitions on 2 fake GPUs (NCCL), $pipe pipeline: losses, parameters, validation, logits and sample equal one process bitwise" one "pp2_$pipe" "nccl:"
 done
 run pp2_recompute 2 2 "$bin" --partitions 2 --recompute
@@ -115,8 +124,8 @@ run dp_pp 4 4 "$bin" --partitions 2 --ddp --deterministic
 same "fake-gpt/2 partitions x 2 replicas equal 2 replicas in one stage bitwise (deterministic)" dp_one dp_pp "nccl:"
 # --shard-optimizer (ZeRO-1 on the device): each replica keeps AdamW's moments for its owned range only; bitwise the
 # unsharded run, and about half the optimizer state per rank in the memory account's peaks ("memory peak rank R")
-run dp_one_sh 2 2 "$bin" --partitions 1 --ddp --deterministic --shard-optimizer
-run dp_pp_sh 4 4 "$bin" --partitions 2 --ddp --deterministic --shard-optimizer
+run dp_one_sh 2 2 "$bin" --partitions 1 --ddp --deterministic --shard-optimizer --save-at 5 --partial --save "$tmp/ck_dp1shp"
+run dp_pp_sh 4 4 "$bin" --partitions 2 --ddp --deterministic --shard-optimizer --save-at 5 --save "$tmp/ck_dpsh.st"
 same "fake-gpt/--shard-optimizer: 2 replicas (1 stage) equal the unsharded run bitwise (deterministic)" \
   dp_one dp_one_sh "nccl:"
 same "fake-gpt/--shard-optimizer: 2 partitions x 2 replicas equal the unsharded run bitwise (deterministic)" \
@@ -245,12 +254,108 @@ PY
 fi
 
 # bf16: bitwise across partitions, and close to f32
-run bf16 1 1 "$bin" --partitions 1 --bf16
+run bf16 1 1 "$bin" --partitions 1 --bf16 --save-at 5 --save "$tmp/ck_bf16.st"
 run bf16_pp2 2 2 "$bin" --partitions 2 --bf16 --pipeline zero_bubble
 same "fake-gpt/--bf16: 2 partitions (zero_bubble) equal one process bitwise" bf16 bf16_pp2 "bf16 GEMMs"
 close "fake-gpt/--bf16 (bf16 GEMM inputs, f32 accumulation) within 1e-3 of f32: every step's loss and the validation loss" bf16 one 1e-3
 name="fake-gpt/--bf16 changes the losses (the bf16 GEMMs ran)"
 if complete bf16 && ! cmp -s <(grep '^step' "$tmp/bf16") <(grep '^step' "$tmp/one"); then pass "$name"; else fail "$name: $(why bf16)"; fi
+
+# Resuming training: the checkpoints saved above after step 5 with AdamW's state (--save-at: the moments in
+# device memory, of each replica's owned range under --shard-optimizer, and the step count) continue as the run
+# that never stopped, bit for bit (its steps 0-4 left out): full and partial, 2 -> 1 and 2 -> 2 partitions,
+# DDP 2x2 sharded -> sharded, sharded (1 stage, partial) -> unsharded (2 stages); in bf16. Across programs and dp
+# sizes within 1e-5 (host and device kernels sum in other orders): gpt.c's checkpoint in gpt.cu, gpt.cu's in
+# gpt.c, the sharded DDP 2x2 checkpoint in gpt.c's one process running both replicas (--replicas 2). Across
+# precisions (the file holds f32 master weights and moments in both; bf16 rounds copies of them inside its
+# GEMMs only): the bf16 checkpoint continues in f32 and the f32 one in bf16, within 1e-3 of the run that saved it.
+from5() { grep -a -v '^step [0-4] loss' "$tmp/$1" >"$tmp/$1_from5"; }
+for r in one dp_pp bf16; do from5 "$r"; done
+resumed() { # check, run that never stopped, resumed run, relative bound, [differ]: steps 5-9 and the validation loss
+  if ! grep -q '^gpt: starting from .*, with AdamW.s state, at step 5$' "$tmp/$3.raw"; then
+    fail "$1: $3 did not resume at step 5 with AdamW's state: $(why "$3")"
+  elif msg=$(python3 - "$tmp/$2" "$tmp/$3" "$4" "${5:-}" 2>&1 <<'PY'
+import sys
+def losses(p):
+    lines = open(p, errors="replace").read().split("\n")
+    assert "exit 0" in lines, (p, "did not complete", lines[-3:])
+    out = {int(l.split()[1]): float.fromhex(l.split()[3]) for l in lines if l.startswith("step ") and " loss 0x" in l}
+    out.update({"val": float.fromhex(l.split()[1]) for l in lines if l.startswith("validation 0x")})
+    return out
+a, b, bound = losses(sys.argv[1]), losses(sys.argv[2]), float(sys.argv[3])
+assert sorted(b, key=str) == [5, 6, 7, 8, 9, "val"] and set(b) <= set(a), ("steps", sorted(a, key=str), sorted(b, key=str))
+worst = max(abs(a[k] - b[k]) / abs(a[k]) for k in b)
+assert worst < bound, ("worst relative difference", worst)
+assert not sys.argv[4] or any(a[k] != b[k] for k in b), "equal bit for bit: the other precision did not run"
+print("worst %.1e" % worst)
+PY
+  ); then pass "$1: $msg"
+  else fail "$1: $(echo "$msg" | tail -n 1)"; fi
+}
+run res_pp2 2 2 "$bin" --partitions 2 --load "$tmp/ck_pp2.st" --save ""
+same "fake-gpt/--save-at 5 (2 partitions, full) resumed at 2 partitions continues bitwise as the run that never stopped" \
+  one_from5 res_pp2 "with AdamW's state, at step 5"
+run res_pp2p 1 1 "$bin" --partitions 1 --partial --load "$tmp/ck_pp2p" --save ""
+same "fake-gpt/--save-at 5 --partial (2 partitions, a file each) resumed at 1 partition continues bitwise" \
+  one_from5 res_pp2p "with AdamW's state, at step 5"
+run res_dpsh 4 4 "$bin" --partitions 2 --ddp --deterministic --shard-optimizer --load "$tmp/ck_dpsh.st" --save ""
+same "fake-gpt/--shard-optimizer 2x2: its checkpoint (each replica's moments joined) resumed sharded continues bitwise" \
+  dp_pp_from5 res_dpsh "with AdamW's state, at step 5"
+run res_dp1shp 4 4 "$bin" --partitions 2 --ddp --deterministic --partial --load "$tmp/ck_dp1shp" --save ""
+same "fake-gpt/--shard-optimizer 1 stage x 2 replicas, partial checkpoint, resumed unsharded at 2x2 continues bitwise" \
+  dp_pp_from5 res_dp1shp "with AdamW's state, at step 5"
+run res_bf16 1 1 "$bin" --partitions 1 --bf16 --load "$tmp/ck_bf16.st" --save ""
+same "fake-gpt/--bf16: its --save-at checkpoint resumed in bf16 continues bitwise" bf16_from5 res_bf16 "bf16 GEMMs"
+run res_bf16_f32 2 2 "$bin" --partitions 2 --load "$tmp/ck_bf16.st" --save ""
+resumed "fake-gpt/--bf16's checkpoint resumed in f32 continues within 1e-3 of the bf16 run" bf16 res_bf16_f32 1e-3 differ
+run res_f32_bf16 2 2 "$bin" --partitions 2 --bf16 --load "$tmp/ck_pp2.st" --save ""
+resumed "fake-gpt/an f32 checkpoint resumed in --bf16 continues within 1e-3 of the f32 run" one res_f32_bf16 1e-3 differ
+name="fake-gpt/a --bf16 checkpoint holds f32 master weights and moments (every tensor f32 but the step count)"
+if msg=$(python3 - "$tmp/ck_bf16.st" 2>&1 <<'PY'
+import json, struct, sys
+raw = open(sys.argv[1], "rb").read()
+head = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+dt = {k: v["dtype"] for k, v in head.items() if k != "__metadata__"}
+assert len(dt) == 28 * 3 + 1 and dt.pop("optimizer.step") == "I64", ("tensors", len(dt))
+assert set(dt.values()) == {"F32"}, sorted(set(dt.values()))
+print("%d f32 tensors" % len(dt))
+PY
+); then pass "$name: $msg"; else fail "$name: $(echo "$msg" | tail -n 1)"; fi
+if [ -x "$host" ]; then
+  run host_ck 1 1 "$host" --partitions 1 --save-at 5 --save "$tmp/host_ck.st"
+  run res_host_dev 2 2 "$bin" --partitions 2 --load "$tmp/host_ck.st" --save ""
+  resumed "fake-gpt/gpt.c's --save-at checkpoint resumed in gpt.cu (2 partitions) continues within 1e-5 of gpt.c's run" \
+    host res_host_dev 1e-5
+  run res_dev_host 1 1 "$host" --partitions 1 --load "$tmp/ck_pp2.st" --save ""
+  resumed "fake-gpt/gpt.cu's --save-at checkpoint resumed in gpt.c continues within 1e-5 of gpt.cu's run" \
+    one res_dev_host 1e-5
+  run res_dpsh_host 1 1 "$host" --partitions 1 --replicas 2 --load "$tmp/ck_dpsh.st" --save ""
+  resumed "fake-gpt/gpt.cu's sharded 2x2 checkpoint resumed unsharded in gpt.c's one process (--replicas 2) within 1e-5" \
+    dp_pp res_dpsh_host 1e-5
+fi
+# bad input: another model's checkpoint, and one whose AdamW state lacks a tensor: refused on every rank, naming the fix
+expect_error() { # check, pattern, ranks, options...
+  local name=$1 pat=$2 np=$3; shift 3
+  SMP_TIMEOUT=60 FAKE_CUDA_DEVICES=2 timeout 120 mpirun -n "$np" "$bin" $tiny "$@" >"$tmp/bad.out" 2>&1
+  local rc=$? n; n=$(grep -a -c -- "$pat" "$tmp/bad.out")
+  if [ $rc -ne 0 ] && [ "$n" -eq "$np" ]; then pass "$name"
+  else fail "$name: exit $rc, $n of $np ranks said '$pat': $(head -c 400 "$tmp/bad.out")"; fi
+}
+expect_error "fake-gpt/--load of a 2-layer checkpoint into 3 layers names the fix on every rank" \
+  "give the --layers, --dmodel, --heads, --context (and gpt.cu's --vocab-multiple) of the run that saved it" \
+  2 --partitions 2 --layers 3 --load "$tmp/ck_pp2.st" --save ""
+python3 - "$tmp/ck_pp2.st" "$tmp/ck_nov.st" <<'PY'
+import sys
+from safetensors import safe_open
+from safetensors.numpy import save_file
+gone = "optimizer.transformer.h.1.mlp.c_fc.weight.exp_avg_sq"
+with safe_open(sys.argv[1], "numpy") as f:
+    meta = {k: v for k, v in f.metadata().items() if not k.endswith("." + gone)}
+    save_file({k: f.get_tensor(k) for k in f.keys() if k != gone}, sys.argv[2], metadata=meta)
+PY
+expect_error "fake-gpt/--load of a checkpoint missing one of AdamW's moments names the tensor and the fix on every rank" \
+  "h.1.mlp.c_fc.weight.exp_avg_sq' is missing.*resume from a --save-at checkpoint of the same model, whole" \
+  2 --partitions 2 --load "$tmp/ck_nov.st" --save ""
 
 name="fake-gpt/the loss falls (at the default learning rate, mean of the last 3 of 10 steps below 0.96 x the first 3's)"
 if complete one && msg=$(python3 - "$tmp/one" 2>&1 <<'PY'
