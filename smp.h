@@ -617,7 +617,8 @@ SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, c
                smp_param_grad(p) (microbatches arrive in increasing order).
    Which buffers arrive zeroed, so that kernels which accumulate (+=) may
    rely on it (test_port checks it whatever allocator smp uses):
-     zero      every smp_call_grad_input, in every backward (tracing's too);
+     zero      every smp_call_grad_input, in every backward (tracing's too),
+               unless smp_module_set_overwrites_grad_inputs says otherwise;
                smp_mb_output_grad in a step body; parameter gradients when
                the model is partitioned and after smp_model_zero_grad, and
                only then: they accumulate over microbatches and steps until
@@ -629,8 +630,9 @@ SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, c
                smp_model_zero_grad or smp_model_grads_restored. A shared module's
                backward may add into a slot of smp's, zeroed every step, that
                smp sums into the gradient: add, never assign.
-     not zero  smp_call_output, smp_call_stash, smp_call_stash_device: write
-               every element.
+     not zero  smp_call_output, smp_call_stash, smp_call_stash_device, and
+               the smp_call_grad_input of a module set with
+               smp_module_set_overwrites_grad_inputs: write every element.
      read only the inputs, smp_call_output_value, smp_call_grad_output.
    In a model built with on_device (smp_model_desc), outputs, gradients and
    parameters are device tensors and the callbacks launch device work.
@@ -817,6 +819,12 @@ SMPDEF void smp_module_set_recompute(smp_module *m, bool on);
    no input gradient. Other schedules run the two back to back; a module
    with only backward runs it whole as B and has no W. */
 SMPDEF void smp_module_set_backward_split(smp_module *m, smp_module_fn backward_input, smp_module_fn backward_weight);
+/* Says that m's backward (its input half, when split) writes every element
+   of each smp_call_grad_input it is given (dx = dy W, not dx += dy W), so
+   smp hands them out unzeroed: one pass less over each, per call and
+   microbatch. Off by default (they arrive zeroed); the built-in add and
+   identity have it on. */
+SMPDEF void smp_module_set_overwrites_grad_inputs(smp_module *m, bool on);
 
 /* Built-in initialisers (f32): uniform in [-bound, bound] (user points to a
    float bound; NULL: 1/sqrt(fan_in) with fan_in the last dimension), and
@@ -4007,30 +4015,37 @@ static smp_status smp__tensor_copy(const smp_tensor *dst, const smp_tensor *src)
     return bytes ? smp__ctx.device.copy(dst->data, dst->device, src->data, src->device, bytes) : SMP_OK;
 }
 
-/* acc += t, elementwise, in the tensors' dtype (halves through f32); on the
-   device by the backend, which does the same arithmetic. */
-static smp_status smp__add_into(smp_tensor *acc, const smp_tensor *t) {
-    int64_t n = smp_tensor_numel(acc);
-    if (acc->device != SMP_HOST) return n ? smp__ctx.device.add(acc->data, t->data, acc->dtype, n) : SMP_OK;
+/* y = a + b, elementwise, in the tensors' dtype (halves through f32); y may be a. One pass on the host, where a
+   copy of a and then += b would read and write y twice for the same values; on the device the backend's add does
+   the same arithmetic. */
+static smp_status smp__add(smp_tensor *y, const smp_tensor *a, const smp_tensor *b) {
+    int64_t n = smp_tensor_numel(y);
+    if (y->device != SMP_HOST) {
+        smp_status st = y->data == a->data ? SMP_OK : smp__tensor_copy(y, a);
+        return st || !n ? st : smp__ctx.device.add(y->data, b->data, y->dtype, n);
+    }
 #define SMP__ADD_AS(T, SUM)                                                                                          \
     {                                                                                                                \
-        T *a = (T *)acc->data;                                                                                       \
-        const T *b = (const T *)t->data;                                                                             \
-        for (int64_t x = 0; x < n; x++) a[x] = (T)(SUM);                                                             \
+        T *out = (T *)y->data;                                                                                       \
+        const T *l = (const T *)a->data, *r = (const T *)b->data;                                                    \
+        for (int64_t x = 0; x < n; x++) out[x] = (T)(SUM);                                                           \
     }                                                                                                                \
     break
-    switch (acc->dtype) {
-        case SMP_F32: SMP__ADD_AS(float, a[x] + b[x]);
-        case SMP_F64: SMP__ADD_AS(double, a[x] + b[x]);
-        case SMP_F16: SMP__ADD_AS(uint16_t, smp_f32_to_f16(smp_f16_to_f32(a[x]) + smp_f16_to_f32(b[x])));
-        case SMP_BF16: SMP__ADD_AS(uint16_t, smp_f32_to_bf16(smp_bf16_to_f32(a[x]) + smp_bf16_to_f32(b[x])));
-        case SMP_I32: SMP__ADD_AS(int32_t, a[x] + b[x]);
-        case SMP_I64: SMP__ADD_AS(int64_t, a[x] + b[x]);
-        default: SMP__ADD_AS(uint8_t, a[x] + b[x]);
+    switch (y->dtype) {
+        case SMP_F32: SMP__ADD_AS(float, l[x] + r[x]);
+        case SMP_F64: SMP__ADD_AS(double, l[x] + r[x]);
+        case SMP_F16: SMP__ADD_AS(uint16_t, smp_f32_to_f16(smp_f16_to_f32(l[x]) + smp_f16_to_f32(r[x])));
+        case SMP_BF16: SMP__ADD_AS(uint16_t, smp_f32_to_bf16(smp_bf16_to_f32(l[x]) + smp_bf16_to_f32(r[x])));
+        case SMP_I32: SMP__ADD_AS(int32_t, l[x] + r[x]);
+        case SMP_I64: SMP__ADD_AS(int64_t, l[x] + r[x]);
+        default: SMP__ADD_AS(uint8_t, l[x] + r[x]);
     }
 #undef SMP__ADD_AS
     return SMP_OK;
 }
+
+/* acc += t (smp__add's arithmetic) */
+static smp_status smp__add_into(smp_tensor *acc, const smp_tensor *t) { return smp__add(acc, acc, t); }
 
 /* Shared argument checks; *gi is the group; device tells which backend. */
 static smp_status smp__coll_args(const char *fn, smp_group g, smp__group_info **gi, const smp_tensor *a, const char *an,
@@ -4432,6 +4447,7 @@ struct smp_module {
     int uses;              /* leaf calls that read its parameters: more than 1 makes it shared */
     bool composite;        /* its forward called children when traced */
     bool recompute;        /* smp_module_set_recompute */
+    bool overwrites_grad_inputs; /* smp_module_set_overwrites_grad_inputs */
     smp_module_fn backward_input, backward_weight; /* smp_module_set_backward_split */
     int materialised;      /* nesting count while tracing */
     smp_model *model;
@@ -4825,6 +4841,7 @@ SMPDEF void *smp_module_user(const smp_module *m) { return m->desc.user; }
 SMPDEF int smp_module_partition(const smp_module *m) { return m->partition; }
 SMPDEF bool smp_module_is_local(const smp_module *m) { return m->local; }
 SMPDEF void smp_module_set_recompute(smp_module *m, bool on) { if (m) m->recompute = on; }
+SMPDEF void smp_module_set_overwrites_grad_inputs(smp_module *m, bool on) { if (m) m->overwrites_grad_inputs = on; }
 SMPDEF void smp_module_set_backward_split(smp_module *m, smp_module_fn backward_input, smp_module_fn backward_weight) {
     if (!m || !backward_input || !backward_weight || m->desc.backward) {
         smp__build_error(SMP_ERR_ARG,
@@ -5461,16 +5478,26 @@ static smp_status smp__add_forward(smp_call_ctx *c) {
     if (!y)
         return smp_error(SMP_ERR_ARG, "add module \"%s\" is called with %d outputs; it has one", c->module->full_name,
                          c->nout);
-    smp_status st = smp__tensor_copy(y, x0);
-    for (int j = 1; j < c->nin && !st; j++) st = smp__add_into(y, smp_call_input(c, j));
+    /* y = x0 + x1 in one pass (the sum a copy of x0 and then += x1 gave), then += the others */
+    smp_status st = c->nin > 1 ? smp__add(y, x0, smp_call_input(c, 1)) : smp__tensor_copy(y, x0);
+    for (int j = 2; j < c->nin && !st; j++) st = smp__add_into(y, smp_call_input(c, j));
     return st;
 }
-/* Sum and identity pass the output gradient to every input unchanged. */
+/* Sum and identity pass the output gradient to every input unchanged: a copy into each wanted input gradient but
+   the first, which trades buffers with the output gradient instead (both are smp's blocks of the same bytes, on the
+   same side, and the output gradient is not read after this backward), a pass less per call. */
 static smp_status smp__pass_backward(smp_call_ctx *c) {
+    smp_tensor *dy = (smp_tensor *)(uintptr_t)smp_call_grad_output(c, 0), *first = NULL;
     smp_status st = SMP_OK;
     for (int j = 0; j < c->nin && !st; j++) {
         smp_tensor *g = smp_call_grad_input(c, j);
-        if (g) st = smp__tensor_copy(g, smp_call_grad_output(c, 0));
+        if (g && !first) first = g;
+        else if (g) st = smp__tensor_copy(g, dy);
+    }
+    if (!st && first) {
+        void *mine = first->data;
+        first->data = dy->data;
+        dy->data = mine;
     }
     return st;
 }
@@ -5484,11 +5511,15 @@ static smp_status smp__identity_forward(smp_call_ctx *c) {
 }
 SMPDEF smp_module *smp_module_new_add(smp_module *parent, const char *name) {
     smp_module_desc d = {smp__add_forward, smp__pass_backward, NULL};
-    return smp_module_new(parent, name, &d);
+    smp_module *m = smp_module_new(parent, name, &d);
+    smp_module_set_overwrites_grad_inputs(m, true); /* a copy each, or the output gradient's own buffer */
+    return m;
 }
 SMPDEF smp_module *smp_module_new_identity(smp_module *parent, const char *name) {
     smp_module_desc d = {smp__identity_forward, smp__pass_backward, NULL};
-    return smp_module_new(parent, name, &d);
+    smp_module *m = smp_module_new(parent, name, &d);
+    smp_module_set_overwrites_grad_inputs(m, true);
+    return m;
 }
 
 /* ---------------------------------------------------------------- tensor-parallel modules */
@@ -6052,7 +6083,8 @@ static smp_status smp__trace_backward(smp_call_ctx *c, const smp__call_rec *rec,
         gin[j] = c->inputs[j];
         gin[j].data = NULL;
         if (rec->in[j].call < 0) continue; /* as in a step: model inputs take no gradient */
-        if (smp__tensor_alloc_or(&st, &gin[j], dev, SMP__ALLOC_OTHER, "an input gradient while tracing"))
+        if (smp__tensor_alloc_or(&st, &gin[j], dev, SMP__ALLOC_OTHER, "an input gradient while tracing") &&
+            !c->module->overwrites_grad_inputs)
             st = smp__tensor_zero(&gin[j]);
     }
     if (!st) st = smp__trace_scratch_grads(c->module, dev, false, &saved, &nsaved, &cap, 0);

@@ -3366,7 +3366,8 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
             gin[j] = c->inputs[j];
             gin[j].data = NULL;
             if (rec->in[j].call < 0 || rc) continue; /* model inputs take no gradient */
-            if (smp__tensor_alloc_or(&rc, &gin[j], ps->plan.on_device, SMP__ALLOC_STASH, "an input gradient"))
+            if (smp__tensor_alloc_or(&rc, &gin[j], ps->plan.on_device, SMP__ALLOC_STASH, "an input gradient") &&
+                !rec->module->overwrites_grad_inputs)
                 rc = smp__tensor_zero(&gin[j]);
         }
         c->grad_outputs = gout;

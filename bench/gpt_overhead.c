@@ -17,7 +17,9 @@
    the mean smp step of the faster half)
 
    Run: make bench-overhead, or build/examples/gpt_overhead [--layers L] [--dmodel C] [--heads H]
-        [--context T] [--batch B] [--vocab V] [--steps S] [--check] */
+        [--context T] [--batch B] [--vocab V] [--steps S] [--microbatches 1|4] [--only plain|smp] [--check]
+   --only runs one loop (its first step and S - 1 more; no timing printed) for counting tools (cachegrind, perf
+   stat, strace) that measure the whole process; --microbatches runs only that of the two configurations. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdlib.h>
 static long g_mallocs; /* the system allocations smp made */
@@ -269,9 +271,18 @@ static double plain_train(run *r, plain *p, const int32_t *ids, const int32_t *t
 int main(int argc, char **argv) {
     gpt_config cfg = {96, 4, 256, 4, 128, 0.0f};
     int batch = 8, steps = 10;
+    int only = 0, only_mb = 0; /* --only plain: 1, smp: 2; --microbatches: 1 or 4 (0: both) */
     bool check = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
+        if (!strcmp(a, "--only") && i + 1 < argc && (!strcmp(argv[i + 1], "plain") || !strcmp(argv[i + 1], "smp"))) {
+            only = !strcmp(argv[++i], "plain") ? 1 : 2;
+            continue;
+        }
+        if (!strcmp(a, "--microbatches") && i + 1 < argc && (atoi(argv[i + 1]) == 1 || atoi(argv[i + 1]) == 4)) {
+            only_mb = atoi(argv[++i]);
+            continue;
+        }
         int *dst = !strcmp(a, "--layers") ? &cfg.n_layer : !strcmp(a, "--dmodel") ? &cfg.n_embd
                  : !strcmp(a, "--heads") ? &cfg.n_head : !strcmp(a, "--context") ? &cfg.block_size
                  : !strcmp(a, "--vocab") ? &cfg.vocab : !strcmp(a, "--batch") ? &batch
@@ -301,6 +312,7 @@ int main(int argc, char **argv) {
     long allocs = -1;
     for (int k = 0; k < 2 && !rc; k++) {
         int M = k ? 4 : 1, S = check ? 3 : steps;
+        if (only_mb && M != only_mb) continue;
         smp_config sc = {0};
         sc.partitions = 1;
         sc.microbatches = M;
@@ -316,22 +328,22 @@ int main(int argc, char **argv) {
         plain_init(&p, &cfg, batch / M);
         double lp[3] = {0, 0, 0}, ls[3] = {0, 0, 0}, l = 0;
         /* a first step each, untimed (smp's first step builds its plan and fills its cache) */
-        lp[0] = plain_train(&b, &p, ids, tgt, M);
+        if (only != 2) lp[0] = plain_train(&b, &p, ids, tgt, M);
         double f0 = now();
-        if (smp_train(&a, ids, tgt, batch, T, &ls[0])) {
+        if (only != 1 && smp_train(&a, ids, tgt, batch, T, &ls[0])) {
             fprintf(stderr, "gpt_overhead: %s\n", smp_last_error());
             rc = 1;
         }
         startup[k][1] = now() - f0;
-        for (int half = 0; half < 2 && !rc; half++) { /* plain, smp, plain, smp: the faster half of each */
+        for (int half = 0; half < (only ? 1 : 2) && !rc; half++) { /* plain, smp, plain, smp: the faster half */
             double t0 = now();
-            for (int i = 1; i < S && !rc; i++) {
+            for (int i = 1; i < S && !rc && only != 2; i++) {
                 l = plain_train(&b, &p, ids, tgt, M);
                 if (i < 3 && !half) lp[i] = l;
             }
             double t1 = now();
             long m0 = g_mallocs;
-            for (int i = 1; i < S && !rc; i++) {
+            for (int i = 1; i < S && !rc && only != 1; i++) {
                 if (smp_train(&a, ids, tgt, batch, T, &l)) {
                     fprintf(stderr, "gpt_overhead: %s\n", smp_last_error());
                     rc = 1;
@@ -356,7 +368,9 @@ int main(int argc, char **argv) {
         smp_finalize();
         if (check) break;
     }
-    if (!rc && !check) {
+    if (!rc && only)
+        printf("gpt_overhead: only the %s loop, %d steps\n", only == 1 ? "plain" : "smp", steps);
+    if (!rc && !check && !only && !only_mb) {
         printf("gpt %d layers, width %d, %d heads, context %d, batch %d, %d steps (one process)\n", cfg.n_layer,
                cfg.n_embd, cfg.n_head, T, batch, steps);
         printf("plain tokens/s: %.0f (1 microbatch), %.0f (4); smp tokens/s: %.0f, %.0f\n", rate[0][0], rate[1][0],

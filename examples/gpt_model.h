@@ -39,7 +39,8 @@
 
    Every leaf has a forward and a backward; backwards ADD parameter
    gradients (microbatches arrive in increasing order) and write input
-   gradients in full. Dropout (default 0) draws its mask from
+   gradients in full (the host leaves tell smp so, which then does not zero
+   them first: smp_module_set_overwrites_grad_inputs). Dropout (default 0) draws its mask from
    smp_call_seed(c) and regenerates it in the backward, so recomputation
    and any partitioning see the same mask; attention-probability dropout
    is not implemented.
@@ -811,6 +812,7 @@ static void gpt__linear(gpt_linear *l, const gpt *g, smp_module *parent, const c
     l->g = g;
     *mod = smp_module_new(parent, name, &d);
     smp_module_set_backward_split(*mod, g->leaves->linear_backward_input, g->leaves->linear_backward_weight);
+    smp_module_set_overwrites_grad_inputs(*mod, !g->leaves->on_device);
     const int64_t wshape[2] = {out, in}, bshape[1] = {out};
     if (l->split == GPT_SPLIT_COLUMN) {
         l->weight =
@@ -838,6 +840,7 @@ static void gpt__tp_region(const gpt *g, smp_module *parent, const char *name, g
     *reduce = smp_module_new_tp_reduce(parent, n);
     snprintf(n, sizeof n, "%s_bias", name);
     *bias = smp_module_new(parent, n, &d);
+    smp_module_set_overwrites_grad_inputs(*bias, true); /* host only */
 }
 
 static smp_module *gpt__norm(gpt_norm *l, const gpt *g, smp_module *parent, const char *name, int C) {
@@ -845,6 +848,7 @@ static smp_module *gpt__norm(gpt_norm *l, const gpt *g, smp_module *parent, cons
     l->C = C;
     l->g = g;
     smp_module *m = smp_module_new(parent, name, &d);
+    smp_module_set_overwrites_grad_inputs(m, !g->leaves->on_device);
     const int64_t shape[1] = {C};
     l->weight = smp_param_new(m, "weight", SMP_F32, 1, shape, smp_init_constant, (void *)&gpt__one);
     l->bias = smp_param_new(m, "bias", SMP_F32, 1, shape, smp_init_constant, NULL);
@@ -924,7 +928,12 @@ static smp_status gpt_build_with(gpt *g, const gpt_config *cfg, bool recompute, 
         if (cfg->dropout > 0) b->mlp_drop = smp_module_new(b->mlp, "dropout", &drop);
         b->add_2 = smp_module_new_add(b->mod, "add_2");
         if (recompute) smp_module_set_recompute(b->mod, true);
+        smp_module *leaves_here[] = {b->sdpa, b->gelu, b->attn_drop, b->mlp_drop};
+        for (size_t k = 0; k < sizeof leaves_here / sizeof leaves_here[0]; k++)
+            smp_module_set_overwrites_grad_inputs(leaves_here[k], !leaves->on_device);
     }
+    smp_module_set_overwrites_grad_inputs(g->wte, !leaves->on_device);
+    smp_module_set_overwrites_grad_inputs(g->wpe, !leaves->on_device);
     g->ln_f = gpt__norm(&g->nf, g, g->transformer, "ln_f", C);
     if (tp > 1) g->head_copy = smp_module_new_tp_copy(g->transformer, "lm_head_tp_in"); /* dx: summed over V */
     smp_model_desc md;

@@ -5,6 +5,8 @@
    partitioning and smp_model_zero_grad) are zero when a kernel that
    accumulates gets them. Every allocation smp makes is filled with garbage
    first, so a buffer handed over unzeroed shows, whatever allocator smp has;
+   a module set with smp_module_set_overwrites_grad_inputs gets its input
+   gradients unzeroed and, writing them in full, the same bits;
    smp_init_copy loads an engine's contiguous weights, in tracing and after
    partitioning; the loss over the whole batch (every data-parallel replica's
    microbatches) comes out the same on every rank. */
@@ -32,6 +34,9 @@ static layer g_layer[LAYERS];
 
 /* What the kernels found: buffers promised zero that were not, and how many they looked at. */
 static struct { int nonzero, seen; char first[160]; bool param_grads_zero; } g_zero;
+/* The layers' modules set with smp_module_set_overwrites_grad_inputs: fc_backward then writes every element of its
+   input gradients (zeroing them itself first), counting those that arrived not zeroed, smp having skipped its pass. */
+static struct { bool on; int unzeroed, seen; } g_overwrite;
 static bool all_zero(const void *p, size_t bytes) {
     const unsigned char *b = (const unsigned char *)p;
     for (size_t i = 0; i < bytes; i++)
@@ -77,7 +82,11 @@ static smp_status fc_backward(smp_call_ctx *c) {
     float *gw = (float *)smp_param_grad(l->w)->data;
     smp_tensor *gx = smp_call_grad_input(c, 0);
     int64_t n = smp_call_input(c, 0)->shape[0];
-    if (gx) expect_zero(gx->data, smp_tensor_nbytes(gx), "an input gradient", smp_call_microbatch(c));
+    if (gx && g_overwrite.on) {
+        g_overwrite.seen++;
+        g_overwrite.unzeroed += !all_zero(gx->data, smp_tensor_nbytes(gx));
+        memset(gx->data, 0, smp_tensor_nbytes(gx));
+    } else if (gx) expect_zero(gx->data, smp_tensor_nbytes(gx), "an input gradient", smp_call_microbatch(c));
     if (g_zero.param_grads_zero && smp_call_microbatch(c) == 0 && !smp_is_tracing())
         expect_zero(gw, smp_tensor_nbytes(smp_param_grad(l->w)), "a parameter gradient", 0);
     for (int64_t r = 0; r < n; r++)
@@ -106,6 +115,7 @@ static smp_model *build(smp_init_copy_desc *from) {
         g_layer[l].m = smp_module_new(root, name, &(smp_module_desc){fc_forward, fc_backward, &g_layer[l]});
         g_layer[l].w = smp_param_new(g_layer[l].m, "weight", SMP_F32, 2, (int64_t[]){WIDTH, WIDTH},
                                      from ? smp_init_copy : smp_init_uniform, from ? &from[l] : NULL);
+        smp_module_set_overwrites_grad_inputs(g_layer[l].m, g_overwrite.on);
     }
     smp_model *model = NULL;
     if (smp_model_new(root, &(smp_model_desc){.forward = forward}, &model)) return NULL;
@@ -173,6 +183,49 @@ static void test_zeroed_buffers(smp_model *model) {
               "port/input gradients, the body's output gradient and fresh parameter gradients arrive zeroed",
               "%s %s; %d of %d buffers not zero, the first %s", smp_status_name(st), st ? smp_last_error() : "",
               g_zero.nonzero, g_zero.seen, g_zero.first);
+}
+
+/* 3 steps of a fresh model: the losses and this rank's parameter gradients after each, into out[]; their count. */
+static int train_record(float *out, int cap, smp_status *st) {
+    smp_model *model = build(NULL);
+    smp_tensor xs = smp_tensor_2d(g_x, SMP_F32, BATCH, WIDTH), ts = smp_tensor_2d(g_t, SMP_F32, BATCH, WIDTH);
+    int n = 0;
+    *st = model ? SMP_OK : SMP_ERR_ARG;
+    for (int step = 0; step < 3 && !*st; step++) {
+        smp_step_output o[2] = {{0}, {0}};
+        smp_model_zero_grad(model);
+        *st = SMP_TRAIN_STEP(model, literal_body, NULL, o, 2, xs, ts);
+        if (!*st && n < cap) out[n++] = (float)smp_step_output_reduce_mean_f64(&o[1]);
+        smp_param *p;
+        for (int i = 0; !*st && (p = smp_model_local_param(model, i, false)); i++)
+            for (int64_t k = 0; k < smp_tensor_numel(smp_param_grad(p)) && n < cap; k++)
+                out[n++] = ((const float *)smp_param_grad(p)->data)[k];
+        smp_step_output_free(&o[0]);
+        smp_step_output_free(&o[1]);
+    }
+    smp_model_free(model);
+    return n;
+}
+
+/* smp_module_set_overwrites_grad_inputs: the input gradients of such a module arrive as the allocator has them
+   (poisoned or a reused block's old values: smp made no pass over them), and a backward that writes them in full
+   gives the bits of the same model without it. */
+static void test_overwrites_grad_inputs(void) {
+    enum { CAP = 3 * (1 + LAYERS * WIDTH * WIDTH) };
+    static float plain[CAP], set[CAP];
+    smp_status st_plain, st_set;
+    memset(&g_zero, 0, sizeof g_zero);
+    int np = train_record(plain, CAP, &st_plain);
+    g_overwrite.on = true;
+    int ns = train_record(set, CAP, &st_set);
+    g_overwrite.on = false;
+    MPI_CHECK(!st_plain && !st_set && np == ns && np > 3 && !memcmp(plain, set, sizeof(float) * (size_t)np) &&
+                  !g_zero.nonzero && g_overwrite.seen > 0 && g_overwrite.unzeroed == g_overwrite.seen,
+              "port/smp_module_set_overwrites_grad_inputs: input gradients arrive unzeroed, the same bits result",
+              "%s %s; %d and %d values, %s; %d of %d input gradients arrived unzeroed (want all), %d of %d zeroed "
+              "ones not zero without it", smp_status_name(st_plain ? st_plain : st_set), smp_last_error(), np, ns,
+              np == ns && !memcmp(plain, set, sizeof(float) * (size_t)np) ? "equal" : "DIFFERENT",
+              g_overwrite.unzeroed, g_overwrite.seen, g_zero.nonzero, g_zero.seen);
 }
 
 /* Weights loaded from the engine's buffer: the traced calls already see
@@ -284,6 +337,7 @@ int main(void) {
     if (model) test_zeroed_buffers(model); /* first: the first step finds the gradients as partitioning made them */
     if (model) test_zero_tensor_is_host(model);
     smp_model_free(model);
+    test_overwrites_grad_inputs();
     test_init_copy();
     smp_finalize();
     test_global_mean();
