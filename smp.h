@@ -7074,6 +7074,7 @@ SMPDEF smp_status smp_model_trace(smp_model *m, const smp_tensor *inputs, int ni
     smp_status st = smp__require_init("smp_model_trace");
     if (st) return st;
     if (m->traced) return SMP_OK;
+    smp__tp_step_begin();
     if (ninputs != m->desc.ninputs)
         st = smp_error(SMP_ERR_ARG, "smp_model_trace: the model takes %d inputs, got %d", m->desc.ninputs, ninputs);
     smp_tensor *outs = (smp_tensor *)smp__alloc_or(&st, sizeof(smp_tensor) * (size_t)m->desc.noutputs, SMP__ALLOC_OTHER,
@@ -7109,7 +7110,9 @@ SMPDEF smp_status smp_model_trace(smp_model *m, const smp_tensor *inputs, int ni
         smp__mod.trace_model = NULL;
     }
     smp__free(outs);
+    if (st) smp__tp_step_stopped(st); /* its TP peers may wait in a TP module's handshake of the trace */
     st = smp__agree_on(smp__ctx.world, st, "tracing");
+    if (st) smp__tp_step_settle(); /* every rank agrees it failed: take in the handshakes still in flight */
     if (!st) st = smp__agree_on(smp__ctx.world, smp__share_trace(m), "trace agreement");
     if (!st) st = smp__agree_on(smp__ctx.world, smp__partition(m), "partitioning");
     /* the partition report's memory account, per rank (a collective: SMP_VERBOSE is the same on every rank) */

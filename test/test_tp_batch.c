@@ -90,8 +90,8 @@ static void note(run_result *r, const char *fmt, ...) {
 
 /* Bad steps first to last of: rank 1 passes one example more, then targets of another dtype (before the
    training): each must fail on every rank naming the ranks, both shapes and the fix; a kernel fails on the last
-   rank in a step whose batches joined (after the first step: a failure in the first step's tracing waits for
-   SMP_TIMEOUT): the step fails everywhere. Each gives back the memory it took. */
+   rank in a step whose batches joined (after the first step; test_tp_chaos fails one in the first step's
+   trace): the step fails everywhere. Each gives back the memory it took. */
 static void bad_steps(net *n, int first, int last, run_result *r) {
     static const char *what[3] = {"(batch size)", "(dtype)", "(a kernel failed after the join)"};
     float x[MOST * H], t[MOST * H], nonsplit[2] = {0, 0};

@@ -16,7 +16,9 @@
        TP module's collective, and each collective over TP_GROUP in a step,
        carries the failure to the peers);
      - at the end the parameters equal, bit for bit, those of a clean run
-       that skipped exactly the failed steps' batches.
+       that skipped exactly the failed steps' batches;
+     - a kernel failing while the first step traces the model fails that
+       step on every rank within 10 s too, and the next one traces anew.
    Built with SMP_TESTING. Run: mpirun -n 2|4 build/gcc/test_tp_chaos */
 #define _POSIX_C_SOURCE 200809L
 #define SMP_TESTING
@@ -107,8 +109,21 @@ int main(int argc, char **argv) {
     net n;
     smp_model *model = start(&n, pp);
     MPI_CHECK(model != NULL, "tp_chaos/start", "%s", smp_last_error());
+    if (model) { /* a kernel failing while the first step traces the model, on the last rank: its TP peer would
+                    wait in the handshake of the next TP module until SMP_TIMEOUT unless the trace says it failed */
+        if (me == world - 1) g_fail_at = g_kernel_calls;
+        double t0 = MPI_Wtime();
+        int bad = train(&n, 0) != SMP_OK, all_bad = 0;
+        double took = MPI_Wtime() - t0, worst_trace = 0;
+        g_fail_at = -1;
+        MPI_Allreduce(&bad, &all_bad, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+        MPI_Allreduce(&took, &worst_trace, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        MPI_CHECK(all_bad && worst_trace < 10,
+                  "tp_chaos/a kernel failing in the first step's trace fails it on every rank within 10 s",
+                  "this rank %s; the slowest rank took %.1f s", bad ? "failed" : "succeeded", worst_trace);
+    }
     long per_step[KINDS] = {0};
-    for (int s = 0; s < 2 && model; s++) { /* the trace, then a step to count what one calls and allocates */
+    for (int s = 0; s < 2 && model; s++) { /* the trace again, which now works */ /* the trace, then a step to count what one calls and allocates */
         long k0 = g_kernel_calls, a0 = smp_testing_events(SMP_FAULT_ALLOC);
         smp_status st = train(&n, s);
         MPI_CHECK(st == SMP_OK, "tp_chaos/clean steps", "step %d: %s", s, smp_last_error());
