@@ -14,7 +14,9 @@
      gpt start-up: tracing X ms, first step Y ms, steady step Z ms          (1 microbatch; then at 4)
 
    (tracing: smp_model_trace; first step: the first smp_step, which builds the plan and fills the cache; steady:
-   the mean smp step of the faster half)
+   the mean smp step after it). After a first untimed step each, the two loops take turns step by step, 2 x (S - 1)
+   rounds, and each rate is its fastest step's: other jobs on the machine only ever slow a step down, and taking
+   turns step by step puts what load there is on both alike.
 
    Run: make bench-overhead, or build/examples/gpt_overhead [--layers L] [--dmodel C] [--heads H]
         [--context T] [--batch B] [--vocab V] [--steps S] [--microbatches 1|4] [--only plain|smp] [--check]
@@ -335,27 +337,30 @@ int main(int argc, char **argv) {
             rc = 1;
         }
         startup[k][1] = now() - f0;
-        for (int half = 0; half < (only ? 1 : 2) && !rc; half++) { /* plain, smp, plain, smp: the faster half */
-            double t0 = now();
-            for (int i = 1; i < S && !rc && only != 2; i++) {
-                l = plain_train(&b, &p, ids, tgt, M);
-                if (i < 3 && !half) lp[i] = l;
-            }
-            double t1 = now();
-            long m0 = g_mallocs;
-            for (int i = 1; i < S && !rc && only != 1; i++) {
-                if (smp_train(&a, ids, tgt, batch, T, &l)) {
+        /* 2 x (S - 1) rounds of one plain and one smp step, taking turns in which goes first; each loop's rate is
+           its fastest step's (other jobs on the machine only ever slow a step down), smp's steady step its mean */
+        int rounds = only ? S - 1 : 2 * (S - 1);
+        double fastest[2] = {0, 0}, smp_total = 0;
+        long m0 = g_mallocs;
+        for (int i = 1; i <= rounds && !rc; i++) {
+            for (int turn = 0; turn < 2 && !rc; turn++) {
+                int is_smp = turn ^ (i & 1);
+                if (only == (is_smp ? 1 : 2)) continue;
+                double t0 = now();
+                if (!is_smp) l = plain_train(&b, &p, ids, tgt, M);
+                else if (smp_train(&a, ids, tgt, batch, T, &l)) {
                     fprintf(stderr, "gpt_overhead: %s\n", smp_last_error());
                     rc = 1;
                 }
-                if (i < 3 && !half) ls[i] = l;
+                double t = now() - t0;
+                if (i < 3) (is_smp ? ls : lp)[i] = l;
+                if (!fastest[is_smp] || t < fastest[is_smp]) fastest[is_smp] = t;
+                if (is_smp) smp_total += t;
             }
-            double t2 = now(), tokens = (double)n * (S - 1);
-            if (!k && !half && S > 1) allocs = (g_mallocs - m0) / (S - 1);
-            if (tokens / (t1 - t0) > rate[k][0]) rate[k][0] = tokens / (t1 - t0);
-            if (tokens / (t2 - t1) > rate[k][1]) rate[k][1] = tokens / (t2 - t1);
-            if (S > 1 && (!startup[k][2] || (t2 - t1) / (S - 1) < startup[k][2])) startup[k][2] = (t2 - t1) / (S - 1);
+            if (!k && i == S - 1) allocs = (g_mallocs - m0) / (S - 1); /* the first S - 1 smp steps after the first */
         }
+        for (int side = 0; side < 2; side++) rate[k][side] = fastest[side] > 0 ? (double)n / fastest[side] : 0;
+        startup[k][2] = rounds > 0 ? smp_total / rounds : 0;
         if (check && !rc && M == 1) {
             bool same = !memcmp(lp, ls, sizeof lp);
             printf("plain and smp losses at 1 microbatch, 3 steps: %a %a %a | %a %a %a: %s\n", lp[0], lp[1], lp[2],
@@ -378,7 +383,7 @@ int main(int argc, char **argv) {
         printf("gpt overhead smp/plain tokens/s: %.2f\n", rate[0][1] / rate[0][0]);
         printf("gpt overhead smp/plain tokens/s at 4 microbatches: %.2f\n", rate[1][1] / rate[1][0]);
         printf("allocations per step after the first: %ld\n", allocs);
-        for (int k = 0; k < 2; k++) /* smp_model_trace; the first smp step (plan, cache); the faster half's mean */
+        for (int k = 0; k < 2; k++) /* smp_model_trace; the first smp step (plan, cache); the mean steady step */
             printf("gpt start-up%s: tracing %.1f ms, first step %.1f ms, steady step %.1f ms\n",
                    k ? " at 4 microbatches" : "", 1e3 * startup[k][0], 1e3 * startup[k][1], 1e3 * startup[k][2]);
     }
