@@ -925,6 +925,37 @@ static void test_offload(const smp_config *base) {
    stream, the engine's stream waiting for each bucket before the first call that reads it), against the same run
    unsharded: the second step's losses and the parameters it gathered are bitwise the same, and the sharded step
    waits for no whole-device synchronisation. */
+/* SGD (lr 0.05) on the device parameters of this rank: each over the range this replica owns
+   (smp_param_owned_range: all of it unless shard_optimizer_state), through host copies. */
+static smp_status sgd_step_on_device(smp_model *model) {
+    smp_status st = SMP_OK;
+    smp_param *p;
+    for (int i = 0; !st && (p = smp_model_local_param(model, i, false)); i++) {
+        int64_t first = 0, count = 0, numel = smp_tensor_numel(smp_param_value(p));
+        static float v[4096], g[4096];
+        st = smp_param_owned_range(model, p, &first, &count);
+        if (st || numel > 4096) break;
+        CK(cudaDeviceSynchronize());
+        down(v, smp_param_value(p)->data, sizeof(float) * (size_t)numel);
+        down(g, smp_param_grad(p)->data, sizeof(float) * (size_t)numel);
+        for (int64_t k = first; k < first + count; k++) v[k] -= 0.05f * g[k];
+        up(smp_param_value(p)->data, v, sizeof(float) * (size_t)numel);
+    }
+    return st;
+}
+
+/* This rank's parameters, one after another, into params[4096] (*n: how many). */
+static void params_to_host(smp_model *model, float *params, int64_t *n) {
+    CK(cudaDeviceSynchronize());
+    smp_param *p;
+    for (int i = 0; (p = smp_model_local_param(model, i, false)) != NULL; i++) {
+        int64_t numel = smp_tensor_numel(smp_param_value(p));
+        if (*n + numel > 4096) break;
+        down(params + *n, smp_param_value(p)->data, sizeof(float) * (size_t)numel);
+        *n += numel;
+    }
+}
+
 typedef struct shard_run_out { float loss[8], params[4096]; int64_t n; long syncs; } shard_run_out;
 
 static smp_status shard_run(const smp_config *base, bool shard, shard_run_out *o, result *res) {
@@ -942,7 +973,7 @@ static smp_status shard_run(const smp_config *base, bool shard, shard_run_out *o
     net n;
     smp_model *model = build_with(&n, NULL, &GPU_NET, true);
     if (!model) return SMP_ERR_STATE;
-    float hx[B * D], ht[B * C], host[4096], *dx, *dt;
+    float hx[B * D], ht[B * C], *dx, *dt;
     random_batch(99 + (uint64_t)smp_rdp_rank(), hx, ht, &dx, &dt); /* each replica its own batch */
     g_net_loss = (float *)smp_nccl_alloc(sizeof(float) * 8);
     for (int step = 0; step < 2 && !st; step++) {
@@ -958,28 +989,10 @@ static smp_status shard_run(const smp_config *base, bool shard, shard_run_out *o
             memcpy(&o->loss[i], outs[0].values[i].data, sizeof(float));
         smp_step_output_free(&outs[0]);
         smp_step_output_free(&outs[1]);
-        smp_param *p;
-        for (int i = 0; !st && step == 0 && (p = smp_model_local_param(model, i, false)); i++) {
-            int64_t first = 0, count = 0, numel = smp_tensor_numel(smp_param_value(p));
-            float g[4096];
-            st = smp_param_owned_range(model, p, &first, &count);
-            if (st || numel > 4096) break;
-            CK(cudaDeviceSynchronize());
-            down(host, smp_param_value(p)->data, sizeof(float) * (size_t)numel);
-            down(g, smp_param_grad(p)->data, sizeof(float) * (size_t)numel);
-            for (int64_t k = first; k < first + count; k++) host[k] -= 0.05f * g[k];
-            up(smp_param_value(p)->data, host, sizeof(float) * (size_t)numel);
-        }
+        if (!st && step == 0) st = sgd_step_on_device(model);
     }
     if (st) fail(res, "%s: %s", shard ? "sharded" : "unsharded", smp_last_error());
-    CK(cudaDeviceSynchronize());
-    smp_param *p;
-    for (int i = 0; !st && (p = smp_model_local_param(model, i, false)); i++) {
-        int64_t numel = smp_tensor_numel(smp_param_value(p));
-        if (o->n + numel > 4096) break;
-        down(o->params + o->n, smp_param_value(p)->data, sizeof(float) * (size_t)numel);
-        o->n += numel;
-    }
+    else params_to_host(model, o->params, &o->n);
     smp_model_free(model);
     smp_nccl_free(g_net_loss);
     CK(cudaFree(dx));
@@ -1065,27 +1078,10 @@ static smp_status joined_run(const smp_config *base, bool own, joined_run_out *o
                 o->ids_bad += got[2 * m * (B / 2) + j] != m * (B / 2) + j ||
                               got[(2 * m + 1) * (B / 2) + j] != -(m * (B / 2) + j);
         for (int k = 0; k < 3; k++) smp_step_output_free(&outs[k]);
-        smp_param *p;
-        for (int i = 0; !st && step == 0 && (p = smp_model_local_param(model, i, false)); i++) {
-            int64_t numel = smp_tensor_numel(smp_param_value(p));
-            float v[4096], g[4096];
-            if (numel > 4096) break;
-            CK(cudaDeviceSynchronize());
-            down(v, smp_param_value(p)->data, sizeof(float) * (size_t)numel);
-            down(g, smp_param_grad(p)->data, sizeof(float) * (size_t)numel);
-            for (int64_t k = 0; k < numel; k++) v[k] -= 0.05f * g[k];
-            up(smp_param_value(p)->data, v, sizeof(float) * (size_t)numel);
-        }
+        if (!st && step == 0) st = sgd_step_on_device(model);
     }
     if (st) fail(res, "%s: %s", own ? "own batches" : "joined batches", smp_last_error());
-    CK(cudaDeviceSynchronize());
-    smp_param *p;
-    for (int i = 0; !st && (p = smp_model_local_param(model, i, false)); i++) {
-        int64_t numel = smp_tensor_numel(smp_param_value(p));
-        if (o->n + numel > 4096) break;
-        down(o->params + o->n, smp_param_value(p)->data, sizeof(float) * (size_t)numel);
-        o->n += numel;
-    }
+    else params_to_host(model, o->params, &o->n);
     smp_model_free(model);
     smp_nccl_free(g_net_loss);
     CK(cudaFree(dx));
