@@ -185,7 +185,9 @@ static void test_zeroed_buffers(smp_model *model) {
               g_zero.nonzero, g_zero.seen, g_zero.first);
 }
 
-/* 3 steps of a fresh model: the losses and this rank's parameter gradients after each, into out[]; their count. */
+/* 3 steps of a fresh model: the losses and every parameter gradient after each, into out[]; their count. Each
+   layer's gradient comes from the rank that holds it (the world is one model replica here), so two runs compare
+   whatever layers auto-partitioning, which goes by traced time, gave each rank. */
 static int train_record(float *out, int cap, smp_status *st) {
     smp_model *model = build(NULL);
     smp_tensor xs = smp_tensor_2d(g_x, SMP_F32, BATCH, WIDTH), ts = smp_tensor_2d(g_t, SMP_F32, BATCH, WIDTH);
@@ -196,10 +198,12 @@ static int train_record(float *out, int cap, smp_status *st) {
         smp_model_zero_grad(model);
         *st = SMP_TRAIN_STEP(model, literal_body, NULL, o, 2, xs, ts);
         if (!*st && n < cap) out[n++] = (float)smp_step_output_reduce_mean_f64(&o[1]);
-        smp_param *p;
-        for (int i = 0; !*st && (p = smp_model_local_param(model, i, false)); i++)
-            for (int64_t k = 0; k < smp_tensor_numel(smp_param_grad(p)) && n < cap; k++)
-                out[n++] = ((const float *)smp_param_grad(p)->data)[k];
+        float grads[LAYERS * WIDTH * WIDTH] = {0};
+        for (int l = 0; l < LAYERS; l++)
+            if (smp_module_is_local(g_layer[l].m))
+                memcpy(grads + l * WIDTH * WIDTH, smp_param_grad(g_layer[l].w)->data, sizeof(float) * WIDTH * WIDTH);
+        MPI_Allreduce(MPI_IN_PLACE, grads, LAYERS * WIDTH * WIDTH, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        for (int k = 0; !*st && k < LAYERS * WIDTH * WIDTH && n < cap; k++) out[n++] = grads[k];
         smp_step_output_free(&o[0]);
         smp_step_output_free(&o[1]);
     }
