@@ -83,11 +83,7 @@ static void run(MPI_Comm comm, int pp, int tp, bool recompute, bool deterministi
         smp_step_output_free(&loss);
         if (s == 0) full_params(&n, true, r->grad1);
         if (s == 0 && !r->st) r->st = smp_clip_grad_norm(n.model, INFINITY, &r->norm1);
-        smp_param *p;
-        for (int i = 0; (p = smp_model_local_param(n.model, i, false)); i++) {
-            float *v = (float *)smp_param_value(p)->data, *g = (float *)smp_param_grad(p)->data;
-            for (int64_t e = 0; e < smp_tensor_numel(smp_param_value(p)); e++) v[e] -= LR * g[e];
-        }
+        sgd_step(n.model);
     }
     if (!r->st) full_params(&n, false, r->value);
     smp_model_free(n.model);

@@ -207,11 +207,7 @@ static void run(int pp, int tp, smp_pipeline_kind kind, bool own, run_result *r)
             note(r, "the non_split argument has %g elements in the body, this rank passed %d", (double)count,
                  smp_tp_rank() + 1);
         for (int o = 0; o < 4; o++) smp_step_output_free(&outs[o]);
-        smp_param *p;
-        for (int i = 0; (p = smp_model_local_param(n.model, i, false)); i++) {
-            float *v = (float *)smp_param_value(p)->data, *g = (float *)smp_param_grad(p)->data;
-            for (int64_t e = 0; e < smp_tensor_numel(smp_param_value(p)); e++) v[e] -= LR * g[e];
-        }
+        sgd_step(n.model);
     }
     if (!r->st) full_params(&n, false, r->value);
     smp_model_free(n.model);

@@ -74,11 +74,7 @@ static smp_status train(net *n, int s) {
     smp_model_zero_grad(n->model);
     smp_tensor xt = smp_tensor_2d(x, SMP_F32, BATCH, H), tt = smp_tensor_2d(t, SMP_F32, BATCH, H);
     smp_status st = SMP_TRAIN_STEP(n->model, chaos_body, NULL, NULL, 0, xt, tt);
-    smp_param *p;
-    for (int i = 0; !st && (p = smp_model_local_param(n->model, i, false)); i++) {
-        float *v = (float *)smp_param_value(p)->data, *g = (float *)smp_param_grad(p)->data;
-        for (int64_t e = 0; e < smp_tensor_numel(smp_param_value(p)); e++) v[e] -= LR * g[e];
-    }
+    if (!st) sgd_step(n->model);
     return st;
 }
 

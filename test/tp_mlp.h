@@ -250,6 +250,15 @@ static inline void full_of(net *n, float *const *local, float **out) {
     }
 }
 
+/* SGD with LR on this rank's parameters: the tests' optimizer step. */
+static inline void sgd_step(smp_model *model) {
+    smp_param *p;
+    for (int i = 0; (p = smp_model_local_param(model, i, false)) != NULL; i++) {
+        float *v = (float *)smp_param_value(p)->data, *g = (float *)smp_param_grad(p)->data;
+        for (int64_t e = 0; e < smp_tensor_numel(smp_param_value(p)); e++) v[e] -= LR * g[e];
+    }
+}
+
 /* The full tensors of the replica's parameters (values or gradients), on every rank of it. */
 static inline void full_params(net *n, bool grads, float **out) {
     float *local[BLOCKS * 4];
