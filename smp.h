@@ -605,6 +605,28 @@ SMPDEF smp_status smp_reduce_scatter(const smp_tensor *in, smp_tensor *out, smp_
 SMPDEF smp_status smp_all_to_all_single(const smp_tensor *in, smp_tensor *out, const int64_t *out_splits,
                                         const int64_t *in_splits, smp_group g);
 
+/* A persistent all-reduce, as MPI 4's MPI_Allreduce_init and MPI_Start: for
+   buffers the engine keeps and reduces again and again (a flat gradient
+   buffer, a loss accumulator). smp_all_reduce_init binds in and out (data,
+   dtype, count, device; the structs themselves need not live on) and is a
+   collective: every member of g makes its handles in the same order with the
+   same element count, dtype and op, and an error on one member (bad or
+   mismatched arguments, no memory) is that error on every member, *p NULL.
+   Each smp_persistent_run reduces what in holds then into out, as
+   smp_all_reduce(in, out, op, g) would, under the same failure rules; every
+   member runs a handle as often as the others. For host tensors a run skips
+   smp_all_reduce's per-call work (a staging copy up to 16 KiB, MPI building
+   its nonblocking schedule above): 5-10% of a call at 16-64 KiB
+   (bench/RESULTS.md). Device tensors take the device backend's path each
+   run. smp_persistent_free is local and takes NULL; smp_finalize releases
+   the MPI side of handles still alive (a run then is SMP_ERR_STATE; free
+   them as before). */
+typedef struct smp_persistent smp_persistent;
+SMPDEF smp_status smp_all_reduce_init(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g,
+                                      smp_persistent **p);
+SMPDEF smp_status smp_persistent_run(smp_persistent *p);
+SMPDEF void smp_persistent_free(smp_persistent *p);
+
 /* ---------------------------------------------------------------- modules */
 /* A module is a node of the engine's model with a dotted name
    ("layers.3.fc1"), parameters and buffers that are declared, not allocated:
@@ -1282,6 +1304,7 @@ static struct {
     char *hosts;             /* every world rank's host name, back to back */
     int *host_at;            /* world rank -> offset of its name in hosts */
     smp__group_info groups[SMP_GROUP_COUNT];
+    smp_persistent *persistent; /* the live handles, whose requests smp_finalize releases */
     MPI_Op half_ops[2][5];   /* [f16, bf16][smp_op] (AVG unused) */
     MPI_Datatype half_type;
     smp_memory_stats mem;
@@ -3653,6 +3676,7 @@ static void smp__drop_notices(MPI_Comm c) {
 
 static void smp__free_forgotten(void);
 static void smp__tp_hs_free(void);
+static void smp__persistent_release(smp_persistent *p);
 SMPDEF void smp_finalize(void) {
     if (!smp__ctx.initialized) return;
     smp__free_forgotten(); /* first: a model's pipeline state holds communicators and device memory */
@@ -3661,6 +3685,7 @@ SMPDEF void smp_finalize(void) {
     smp__free(smp__failures.sends);
     memset(&smp__failures, 0, sizeof smp__failures);
     smp__tp_hs_free();
+    while (smp__ctx.persistent) smp__persistent_release(smp__ctx.persistent); /* before their communicators go */
     for (int g = 0; g < SMP_GROUP_COUNT; g++) {
         smp__free(smp__ctx.groups[g].failed_ahead_msg);
         for (int i = 0; i < SMP__PERSIST_SLOTS; i++) smp__persist_free(&smp__ctx.groups[g].persist[i]);
@@ -4158,6 +4183,137 @@ static smp_status smp__all_reduce(const smp_tensor *in, smp_tensor *out, smp_op 
 
 SMPDEF smp_status smp_all_reduce(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g) {
     SMP__COLLECTIVE(g, smp__all_reduce(in, out, op, g));
+}
+
+struct smp_persistent {
+    smp_tensor in, out;
+    smp_op op;
+    smp_group g;
+    /* one request per piece of at most smp__coll_chunk elements, run in
+       order; NULL where a run takes smp_all_reduce's path (device tensors,
+       MPI before 4) or smp_finalize released them */
+    MPI_Request *reqs;
+    int pieces;
+    bool released;
+    smp_persistent *prev, *next; /* smp__ctx.persistent */
+};
+
+/* What every member must pass alike, checked with one all-reduce: a
+   mismatch would pair pieces of different sizes, a wrong result or a hang. */
+static smp_status smp__persistent_same(smp__group_info *gi, smp_group g, const smp_tensor *in, smp_op op) {
+    int64_t mine[3] = {smp_tensor_numel(in), (int64_t)in->dtype, (int64_t)op}, lo[6], hi[3];
+    for (int i = 0; i < 3; i++) lo[i] = mine[i], lo[3 + i] = -mine[i]; /* min of -x: the max */
+    MPI_Request req;
+    SMP__MPI(MPI_Iallreduce(MPI_IN_PLACE, lo, 6, MPI_INT64_T, MPI_MIN, gi->comm, &req),
+             "comparing smp_all_reduce_init's arguments in %s", smp__group_name(g));
+    smp_wait_requests(1, &req, "smp_all_reduce_init's argument check", g, -1);
+    for (int i = 0; i < 3; i++) hi[i] = -lo[3 + i];
+    if (lo[0] != hi[0])
+        return smp_error(SMP_ERR_ARG, "smp_all_reduce_init: the members of %s pass from %lld to %lld elements; every "
+                         "member must pass the same count", smp__group_name(g), (long long)lo[0], (long long)hi[0]);
+    if (lo[1] != hi[1])
+        return smp_error(SMP_ERR_ARG, "smp_all_reduce_init: the members of %s pass different dtypes (%s and %s); "
+                         "every member must pass the same dtype", smp__group_name(g), smp_dtype_name((smp_dtype)lo[1]),
+                         smp_dtype_name((smp_dtype)hi[1]));
+    if (lo[2] != hi[2])
+        return smp_error(SMP_ERR_ARG, "smp_all_reduce_init: the members of %s pass different ops (%lld and %lld); "
+                         "every member must pass the same op", smp__group_name(g), (long long)lo[2], (long long)hi[2]);
+    return SMP_OK;
+}
+
+static smp_status smp__all_reduce_init(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g,
+                                       smp_persistent **pp) {
+    smp__group_info *gi = NULL;
+    MPI_Op mop = MPI_OP_NULL;
+    smp_status st = smp__coll_args("smp_all_reduce_init", g, &gi, in, "in", out, "out");
+    if (!gi) return st; /* not initialised, or no such group: nobody to tell */
+    if (!st && !(st = smp__elements_match("smp_all_reduce_init", out, "out", smp_tensor_numel(in), "in's count")))
+        st = smp__mpi_op(op, in->dtype, "smp_all_reduce_init", &mop);
+    int64_t n = st ? 0 : smp_tensor_numel(in);
+    bool bind = !st && in->device == SMP_HOST && MPI_VERSION >= 4;
+    int pieces = 1;
+    for (int64_t at = smp__piece(n, 0); bind && at < n; at += smp__piece(n, at)) pieces++;
+    smp_persistent *p = (smp_persistent *)smp__alloc_or(&st, sizeof *p, SMP__ALLOC_OTHER, "a persistent all-reduce");
+    MPI_Request *reqs = bind ? (MPI_Request *)smp__alloc_or(&st, sizeof *reqs * (size_t)pieces, SMP__ALLOC_COMM,
+                                                            "a persistent all-reduce's requests")
+                             : NULL;
+    st = smp__agree_on(gi->comm, st, "making a persistent all-reduce (smp_all_reduce_init)");
+    if (!st) st = smp__persistent_same(gi, g, in, op);
+    if (st) {
+        smp__free(reqs);
+        smp__free(p);
+        return st;
+    }
+    p->in = *in;
+    p->out = *out;
+    p->op = op;
+    p->g = g;
+    p->reqs = reqs;
+    p->pieces = bind ? pieces : 0;
+#if MPI_VERSION >= 4
+    size_t es = smp_dtype_size(in->dtype);
+    int64_t at = 0;
+    for (int i = 0; i < p->pieces; i++, at += smp__piece(n, at))
+        SMP__MPI_FATAL(MPI_Allreduce_init(in->data == out->data ? MPI_IN_PLACE : (const char *)in->data + at * es,
+                                          (char *)out->data + at * es, smp__piece(n, at), smp__mpi_type(in->dtype),
+                                          mop, gi->comm, MPI_INFO_NULL, &reqs[i]),
+                       "setting up a persistent all-reduce, which the other members of %s are setting up too",
+                       smp__group_name(g));
+#endif
+    p->next = smp__ctx.persistent;
+    if (p->next) p->next->prev = p;
+    smp__ctx.persistent = p;
+    *pp = p;
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_all_reduce_init(const smp_tensor *in, smp_tensor *out, smp_op op, smp_group g,
+                                      smp_persistent **p) {
+    if (!p) return smp_error(SMP_ERR_ARG, "smp_all_reduce_init: p is NULL; pass the address of a smp_persistent *");
+    *p = NULL;
+    /* every failure is agreed on inside (so not SMP__COLLECTIVE: its notices would reach members still agreeing) */
+    SMP_TRY(smp__tp_coll_handshake(g));
+    return smp__all_reduce_init(in, out, op, g, p);
+}
+
+static smp_status smp__persistent_run(smp_persistent *p) {
+    if (!p->reqs) return smp__all_reduce(&p->in, &p->out, p->op, p->g);
+    for (int i = 0; i < p->pieces; i++) {
+        SMP__MPI(MPI_Start(&p->reqs[i]), "starting a persistent all_reduce in %s", smp__group_name(p->g));
+        smp_wait_requests(1, &p->reqs[i], "all_reduce", p->g, -1);
+    }
+    if (p->op == SMP_AVG) smp__scale(p->out.data, p->out.dtype, smp_tensor_numel(&p->out), 1.0 / smp_group_size(p->g));
+    return SMP_OK;
+}
+
+SMPDEF smp_status smp_persistent_run(smp_persistent *p) {
+    if (!p) return smp_error(SMP_ERR_ARG, "smp_persistent_run: the handle is NULL (smp_all_reduce_init failed or "
+                                          "was not called); make it with smp_all_reduce_init");
+    if (p->released)
+        return smp_error(SMP_ERR_STATE, "smp_persistent_run: smp_finalize released this handle; make it again with "
+                                        "smp_all_reduce_init after smp_init");
+    SMP__COLLECTIVE(p->g, smp__persistent_run(p));
+}
+
+/* The MPI side of a handle; the struct stays the caller's until smp_persistent_free. */
+static void smp__persistent_release(smp_persistent *p) {
+    if (p->released) return;
+    for (int i = 0; i < p->pieces; i++)
+        SMP__MPI_WARN(MPI_Request_free(&p->reqs[i]), "releasing a persistent all-reduce");
+    smp__free(p->reqs);
+    p->reqs = NULL;
+    p->pieces = 0;
+    p->released = true;
+    if (p->prev) p->prev->next = p->next;
+    else smp__ctx.persistent = p->next;
+    if (p->next) p->next->prev = p->prev;
+    p->prev = p->next = NULL;
+}
+
+SMPDEF void smp_persistent_free(smp_persistent *p) {
+    if (!p) return;
+    smp__persistent_release(p);
+    smp__free(p);
 }
 
 static smp_status smp__broadcast(smp_tensor *t, int root, smp_group g) {

@@ -1,18 +1,22 @@
 /* bench/collectives.c - smp_all_reduce against a raw MPI_Allreduce.
 
-   Two ranks all-reduce the same f32 buffer (sum) through smp (SMP_WORLD,
-   which is MPI_Iallreduce polled by smp_wait_requests) and through a plain
-   MPI_Allreduce on a duplicate of MPI_COMM_WORLD. The two alternate inside
-   every repetition, and which one goes first flips each repetition, so slow
-   drift (frequency, page cache, a noisy neighbour) lands on both equally.
-   Each sample is the slower rank's time for one call; a size reports the
-   median of its samples.
+   Two ranks all-reduce the same f32 buffer (sum) three ways: through
+   smp_all_reduce (SMP_WORLD: a cached persistent request on a staging copy
+   up to 16 KiB, MPI_Iallreduce above, polled by smp_wait_requests), through
+   a persistent handle bound to the buffers (smp_all_reduce_init once per
+   size, then smp_persistent_run), and through a plain MPI_Allreduce on a
+   duplicate of MPI_COMM_WORLD. The three take turns inside every
+   repetition, and which goes first rotates each repetition, so slow drift
+   (frequency, page cache, a noisy neighbour) lands on all equally. Each
+   sample is the slower rank's time for one call; a size reports the median
+   of its samples.
 
    Build: mpicc -std=c11 -Wall -Wextra -Werror -O2 -I. bench/collectives.c -o build/bench_collectives -lm
    Run:   mpirun -n 2 build/bench_collectives [seconds per size, default 4]
 
-   The last line is always
+   The last two lines are always
        allreduce smp/mpi time ratio (worst size): X.XX
+       allreduce smp persistent/mpi time ratio (worst size): X.XX
 */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
@@ -74,56 +78,70 @@ int main(int argc, char **argv) {
         if (load >= 0)
             printf("load average at start: %.2f (run on an idle machine; other jobs distort the ratio)\n", load);
         printf("smp_all_reduce vs MPI_Allreduce, f32 sum, %d ranks, median of interleaved samples\n", size);
-        printf("%10s %8s %14s %14s %8s\n", "size", "samples", "smp (us)", "mpi (us)", "smp/mpi");
+        printf("%10s %8s %14s %16s %14s %8s %15s\n", "size", "samples", "smp (us)", "persistent (us)", "mpi (us)",
+               "smp/mpi", "persistent/mpi");
     }
-    double worst = 0;
+    double worst = 0, worst_persistent = 0;
     for (size_t bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
         int n = (int)(bytes / sizeof(float));
         smp_tensor ti = smp_tensor_1d(in, SMP_F32, n), to = smp_tensor_1d(out, SMP_F32, n);
+        smp_persistent *handle = NULL;
+        if (smp_all_reduce_init(&ti, &to, SMP_SUM, SMP_WORLD, &handle) != SMP_OK) {
+            fprintf(stderr, "smp_all_reduce_init: %s\n", smp_last_error());
+            MPI_Abort(MPI_COMM_WORLD, 1);
+        }
 
         /* warm-up (first touches, connection set-up), then a rough time per
-           pair of calls to size the repetitions */
+           round of the three to size the repetitions */
         double t0 = 0;
         for (int w = 0; w < 6; w++) {
             if (w == 3) t0 = MPI_Wtime();
-            if (smp_all_reduce(&ti, &to, SMP_SUM, SMP_WORLD) != SMP_OK) {
-                fprintf(stderr, "smp_all_reduce: %s\n", smp_last_error());
+            if (smp_all_reduce(&ti, &to, SMP_SUM, SMP_WORLD) != SMP_OK || smp_persistent_run(handle) != SMP_OK) {
+                fprintf(stderr, "smp: %s\n", smp_last_error());
                 MPI_Abort(MPI_COMM_WORLD, 1);
             }
             MPI_Allreduce(in, out, n, MPI_FLOAT, MPI_SUM, raw);
         }
-        double per_pair = (MPI_Wtime() - t0) / 3;
-        MPI_Allreduce(MPI_IN_PLACE, &per_pair, 1, MPI_DOUBLE, MPI_MAX, raw);
-        int reps = (int)(budget / (per_pair > 1e-7 ? per_pair : 1e-7));
+        double per_round = (MPI_Wtime() - t0) / 3;
+        MPI_Allreduce(MPI_IN_PLACE, &per_round, 1, MPI_DOUBLE, MPI_MAX, raw);
+        int reps = (int)(budget / (per_round > 1e-7 ? per_round : 1e-7));
         if (reps < 15) reps = 15;
         if (reps > 4001) reps = 4001;
 
-        double *ts = (double *)malloc(sizeof(double) * 2 * (size_t)reps), *tm = ts + reps;
+        enum { SMP, PERSISTENT, MPI, PATHS };
+        double *t[PATHS];
+        t[0] = (double *)malloc(sizeof(double) * PATHS * (size_t)reps);
+        for (int p = 1; p < PATHS; p++) t[p] = t[0] + p * reps;
         for (int r = 0; r < reps; r++) {
-            for (int k = 0; k < 2; k++) {
-                int use_smp = (r + k) % 2 == 0; /* even reps: smp first; odd: mpi first */
+            for (int k = 0; k < PATHS; k++) {
+                int path = (r + k) % PATHS; /* each path goes first, second and third in turn */
                 MPI_Barrier(raw);
                 double a = MPI_Wtime();
-                if (use_smp) smp_all_reduce(&ti, &to, SMP_SUM, SMP_WORLD);
+                if (path == SMP) smp_all_reduce(&ti, &to, SMP_SUM, SMP_WORLD);
+                else if (path == PERSISTENT) smp_persistent_run(handle);
                 else MPI_Allreduce(in, out, n, MPI_FLOAT, MPI_SUM, raw);
-                double d = MPI_Wtime() - a;
-                if (use_smp) ts[r] = d; else tm[r] = d;
+                t[path][r] = MPI_Wtime() - a;
             }
         }
         /* one sample is the slower rank's time */
-        MPI_Allreduce(MPI_IN_PLACE, ts, 2 * reps, MPI_DOUBLE, MPI_MAX, raw);
-        double ms = median(ts, reps), mm = median(tm, reps);
-        double ratio = ms / mm;
-        if (ratio > worst) worst = ratio;
+        MPI_Allreduce(MPI_IN_PLACE, t[0], PATHS * reps, MPI_DOUBLE, MPI_MAX, raw);
+        double ms = median(t[SMP], reps), mp = median(t[PERSISTENT], reps), mm = median(t[MPI], reps);
+        if (ms / mm > worst) worst = ms / mm;
+        if (mp / mm > worst_persistent) worst_persistent = mp / mm;
         if (rank == 0) {
             char hb[32];
             human(bytes, hb, sizeof hb);
-            printf("%10s %8d %14.1f %14.1f %8.3f\n", hb, reps, ms * 1e6, mm * 1e6, ratio);
+            printf("%10s %8d %14.1f %16.1f %14.1f %8.3f %15.3f\n", hb, reps, ms * 1e6, mp * 1e6, mm * 1e6, ms / mm,
+                   mp / mm);
             fflush(stdout);
         }
-        free(ts);
+        free(t[0]);
+        smp_persistent_free(handle);
     }
-    if (rank == 0) printf("allreduce smp/mpi time ratio (worst size): %.2f\n", worst);
+    if (rank == 0) {
+        printf("allreduce smp/mpi time ratio (worst size): %.2f\n", worst);
+        printf("allreduce smp persistent/mpi time ratio (worst size): %.2f\n", worst_persistent);
+    }
     free(in);
     free(out);
     MPI_Comm_free(&raw);

@@ -322,6 +322,53 @@ static void test_all_reduce(smp_dtype dt, smp_op op, int gi) {
     MPI_CHECK(a.ok, name, "%s", a.why);
 }
 
+/* The same through a persistent handle, made once per buffer and run on
+   three inputs in turn: each run must reduce what in holds then. */
+static void test_persistent_all_reduce(smp_dtype dt, smp_op op, int gi) {
+    smp_group g = GROUPS[gi];
+    members m = group_members(g);
+    agg a = {1, ""};
+    size_t es = smp_dtype_size(dt);
+    static pattern mine[2], want[2];
+    for (int k = 0; k < 2; k++) {
+        unsigned salt = (unsigned)(dt * 5 + op * 3 + gi + 101 * k);
+        input_pattern(&mine[k], W_RANK, salt, dt, op);
+        reduced_pattern(&want[k], &m, op, salt, dt);
+    }
+    for (int inplace = 0; inplace < 2; inplace++)
+        for (int si = 0; si < NSIZES; si++) {
+            size_t n = SIZES[si];
+            void *in = xmalloc(n * es), *out = inplace ? in : xmalloc(n * es);
+            smp_tensor ti = smp_tensor_1d(in, dt, (int64_t)n), to = smp_tensor_1d(out, dt, (int64_t)n);
+            smp_persistent *h = (smp_persistent *)&a; /* must come back NULL where the call fails */
+            smp_status st = smp_all_reduce_init(&ti, &to, op, g, &h);
+            if (rejects_avg(dt, op)) {
+                expect_avg_rejected(&a, st, "smp_all_reduce_init");
+                if (h) fail(&a, "a failed smp_all_reduce_init left a handle");
+            } else if (st != SMP_OK)
+                fail(&a, "%s n=%zu: smp_all_reduce_init: %.200s", place_name(inplace), n, smp_last_error());
+            for (int run = 0; run < 3 && a.ok && !st; run++) {
+                const int k = run % 2;
+                char what[64];
+                snprintf(what, sizeof what, "%s n=%zu run %d", place_name(inplace), n, run);
+                pattern_fill(&mine[k], in, n, 0);
+                if (!inplace) memset(out, 0xA5, n * es);
+                if ((st = smp_persistent_run(h)) != SMP_OK) fail(&a, "%s: %.200s", what, smp_last_error());
+                else {
+                    expect_pattern(&a, &want[k], out, n, 0, what);
+                    if (!inplace) expect_pattern(&a, &mine[k], in, n, 0, "outofplace input changed");
+                }
+            }
+            smp_persistent_free(h);
+            if (!inplace) free(out);
+            free(in);
+        }
+    char name[128];
+    snprintf(name, sizeof name, "%spersistent_all_reduce/%s/%s/%s", PIECES, smp_dtype_name(dt), OP_NAMES[op],
+             GROUP_NAMES[gi]);
+    MPI_CHECK(a.ok, name, "%s", a.why);
+}
+
 /* ================================================================ reduce */
 static void test_reduce(smp_dtype dt, smp_op op, int gi) {
     smp_group g = GROUPS[gi];
@@ -950,6 +997,38 @@ static void test_argument_errors(void) {
 
     expect_error("errors/all_reduce/dtype_mismatch", smp_all_reduce(&tf, &td, SMP_SUM, SMP_WORLD), SMP_ERR_ARG, "f32",
                  "f64");
+    {
+        /* a persistent all-reduce checks what MPI needs alike on every member: an error on all of them */
+        smp_persistent *h = NULL;
+        expect_error("errors/persistent/null_handle", smp_persistent_run(NULL), SMP_ERR_ARG, "NULL",
+                     "smp_all_reduce_init");
+        expect_error("errors/persistent/null_out", smp_all_reduce_init(&tf, &tf, SMP_SUM, SMP_WORLD, NULL), SMP_ERR_ARG,
+                     "NULL", NULL);
+        expect_error("errors/persistent/one_rank_bad",
+                     smp_all_reduce_init(&tf, W_RANK == 0 ? &td : &tf, SMP_SUM, SMP_WORLD, &h), SMP_ERR_ARG, "f64",
+                     NULL);
+        MPI_CHECK(!h, "errors/persistent/one_rank_bad_no_handle", "a handle came back from a failed call");
+        if (w.n > 1) {
+            expect_error("errors/persistent/counts_differ",
+                         smp_all_reduce_init(W_RANK == 0 ? &tf7 : &tf, W_RANK == 0 ? &tf7 : &tf, SMP_SUM, SMP_WORLD, &h),
+                         SMP_ERR_ARG, "from 7 to 8 elements", "same count");
+            expect_error("errors/persistent/dtypes_differ",
+                         smp_all_reduce_init(W_RANK == 0 ? &td : &tf, W_RANK == 0 ? &td : &tf, SMP_SUM, SMP_WORLD, &h),
+                         SMP_ERR_ARG, "same dtype", NULL);
+            expect_error("errors/persistent/ops_differ",
+                         smp_all_reduce_init(&tf, &tf, W_RANK == 0 ? SMP_MAX : SMP_SUM, SMP_WORLD, &h), SMP_ERR_ARG,
+                         "same op", NULL);
+            MPI_CHECK(!h, "errors/persistent/mismatch_no_handle", "a handle came back from a failed call");
+        }
+        /* and nothing was left half made: a good handle works after those */
+        for (int i = 0; i < 8; i++) f[i] = (float)(W_RANK + i);
+        smp_status st = smp_all_reduce_init(&tf, &tf, SMP_SUM, SMP_WORLD, &h);
+        if (!st) st = smp_persistent_run(h);
+        bool ok = st == SMP_OK;
+        for (int i = 0; i < 8 && ok; i++) ok = f[i] == (float)(w.n * (w.n - 1) / 2 + w.n * i);
+        MPI_CHECK(ok, "errors/persistent/works_after_errors", "%s: %.200s", smp_status_name(st), smp_last_error());
+        smp_persistent_free(h);
+    }
     expect_error("errors/all_reduce/element_count", smp_all_reduce(&tf, &tf7, SMP_SUM, SMP_WORLD), SMP_ERR_ARG,
                  "elements", NULL);
     expect_error("errors/all_reduce/avg_on_i32", smp_all_reduce(&ti, &ti, SMP_AVG, SMP_WORLD), SMP_ERR_ARG, "avg",
@@ -1063,6 +1142,8 @@ static void test_not_running(const char *when) {
     snprintf(name, sizeof name, "errors/%s/%s", when, label);                                          \
     expect_error(name, call, SMP_ERR_STATE, "before smp_init", NULL);
     NOT_RUNNING("all_reduce", smp_all_reduce(&t, &t, SMP_SUM, SMP_WORLD));
+    smp_persistent *h = NULL;
+    NOT_RUNNING("all_reduce_init", smp_all_reduce_init(&t, &t, SMP_SUM, SMP_WORLD, &h));
     NOT_RUNNING("broadcast", smp_broadcast(&t, 0, SMP_WORLD));
     NOT_RUNNING("reduce", smp_reduce(&t, &t, SMP_SUM, 0, SMP_WORLD));
     NOT_RUNNING("all_gather", smp_all_gather(&t, &t, SMP_WORLD));
@@ -1108,7 +1189,10 @@ int main(int argc, char **argv) {
 
     for (int gi = 0; gi < 3; gi++)
         for (int d = 0; d < NDTYPES; d++)
-            for (int o = 0; o < 5; o++) test_all_reduce(DTYPES[d], OPS[o], gi);
+            for (int o = 0; o < 5; o++) {
+                test_all_reduce(DTYPES[d], OPS[o], gi);
+                test_persistent_all_reduce(DTYPES[d], OPS[o], gi);
+            }
     for (int gi = 0; gi < 3; gi++)
         for (int d = 0; d < NDTYPES; d++)
             for (int o = 0; o < 5; o++) test_reduce(DTYPES[d], OPS[o], gi);
@@ -1134,6 +1218,7 @@ int main(int argc, char **argv) {
         for (int d = 0; d < 4; d++) {
             for (int o = 0; o < 5; o++) {
                 test_all_reduce(PIECE_DTYPES[d], OPS[o], gi);
+                test_persistent_all_reduce(PIECE_DTYPES[d], OPS[o], gi);
                 test_reduce(PIECE_DTYPES[d], OPS[o], gi);
                 test_reduce_scatter(PIECE_DTYPES[d], OPS[o], gi);
             }
@@ -1158,7 +1243,17 @@ int main(int argc, char **argv) {
     int64_t held = smp_memory().current_bytes - mem_before;
     MPI_CHECK(held >= 0 && held <= 3 * 8 * 2 * (8 << 10), "collectives/scratch_held_is_bounded",
               "%lld bytes held between calls", (long long)held);
+    /* a handle still alive at smp_finalize loses its MPI side: a run is an
+       error, and freeing it after is still right */
+    float late_data[4] = {0};
+    smp_tensor late_t = smp_tensor_1d(late_data, SMP_F32, 4);
+    smp_persistent *late = NULL;
+    st = smp_all_reduce_init(&late_t, &late_t, SMP_SUM, SMP_WORLD, &late);
     smp_finalize();
+    if (!st) st = smp_persistent_run(late);
+    MPI_CHECK(st == SMP_ERR_STATE && strstr(smp_last_error(), "smp_finalize released"),
+              "collectives/persistent_after_finalize", "gave %s: %.200s", smp_status_name(st), smp_last_error());
+    smp_persistent_free(late);
     int64_t leaked = smp_memory().current_bytes - mem_at_start;
     MPI_CHECK(leaked == 0, "collectives/no_leaked_scratch",
               "%lld bytes allocated through smp were not given back by smp_finalize", (long long)leaked);
