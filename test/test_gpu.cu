@@ -165,7 +165,8 @@ static const smp_op OPS[5] = {SMP_SUM, SMP_AVG, SMP_MIN, SMP_MAX, SMP_PROD};
 static const char *OPNAMES[5] = {"sum", "avg", "min", "max", "prod"};
 
 /* ---------------------------------------------------------------- collectives */
-static void test_all_reduce(smp_dtype dt, int gi) {
+/* persistent: through smp_all_reduce_init and smp_persistent_run (the device backend's path each run) */
+static void test_all_reduce(smp_dtype dt, int gi, bool persistent) {
     smp_group g = GROUPS[gi];
     int gs = smp_group_size(g), gr = smp_group_rank(g);
     size_t es = smp_dtype_size(dt);
@@ -180,7 +181,11 @@ static void test_all_reduce(smp_dtype dt, int gi) {
                 void *din = dalloc((size_t)n * es), *dout = inplace ? din : dalloc((size_t)n * es);
                 up(din, h, (size_t)n * es);
                 smp_tensor tin = dev_tensor(din, dt, n), tout = dev_tensor(dout, dt, n);
-                smp_status st = smp_all_reduce(&tin, &tout, OPS[o], g);
+                smp_persistent *handle = NULL;
+                smp_status st = !persistent ? smp_all_reduce(&tin, &tout, OPS[o], g)
+                                : smp_all_reduce_init(&tin, &tout, OPS[o], g, &handle);
+                if (!st && persistent) st = smp_persistent_run(handle);
+                smp_persistent_free(handle);
                 if (st)
                     fail(&res, "%s n=%lld%s: %s", OPNAMES[o], (long long)n, inplace ? " in place" : "",
                          smp_last_error());
@@ -197,7 +202,7 @@ static void test_all_reduce(smp_dtype dt, int gi) {
                 free(hr);
             }
     }
-    check("all_reduce", smp_dtype_name(dt), GNAMES[gi], &res);
+    check(persistent ? "persistent_all_reduce" : "all_reduce", smp_dtype_name(dt), GNAMES[gi], &res);
 }
 
 static void test_broadcast(smp_dtype dt, int gi) {
@@ -1159,7 +1164,8 @@ static void test_comms(void) {
 static void run_suite(void) {
     for (int gi = 0; gi < 3; gi++)
         for (int d = 0; d < NDT; d++) {
-            test_all_reduce(DTS[d], gi);
+            test_all_reduce(DTS[d], gi, false);
+            test_all_reduce(DTS[d], gi, true);
             test_broadcast(DTS[d], gi);
             test_reduce(DTS[d], gi);
             test_all_gather(DTS[d], gi);
