@@ -322,8 +322,10 @@ static void test_all_reduce(smp_dtype dt, smp_op op, int gi) {
     MPI_CHECK(a.ok, name, "%s", a.why);
 }
 
-/* The same through a persistent handle, made once per buffer and run on
-   three inputs in turn: each run must reduce what in holds then. */
+/* The same through a persistent handle, made once per buffer and run on two
+   inputs in turn: each run must reduce what in holds then. (Not at 2^20
+   elements: nothing there differs from 1000 for a handle, and the pieces
+   below cover a handle of several requests.) */
 static void test_persistent_all_reduce(smp_dtype dt, smp_op op, int gi) {
     smp_group g = GROUPS[gi];
     members m = group_members(g);
@@ -336,7 +338,7 @@ static void test_persistent_all_reduce(smp_dtype dt, smp_op op, int gi) {
         reduced_pattern(&want[k], &m, op, salt, dt);
     }
     for (int inplace = 0; inplace < 2; inplace++)
-        for (int si = 0; si < NSIZES; si++) {
+        for (int si = 0; si < NSIZES && SIZES[si] < BIG; si++) {
             size_t n = SIZES[si];
             void *in = xmalloc(n * es), *out = inplace ? in : xmalloc(n * es);
             smp_tensor ti = smp_tensor_1d(in, dt, (int64_t)n), to = smp_tensor_1d(out, dt, (int64_t)n);
@@ -347,10 +349,9 @@ static void test_persistent_all_reduce(smp_dtype dt, smp_op op, int gi) {
                 if (h) fail(&a, "a failed smp_all_reduce_init left a handle");
             } else if (st != SMP_OK)
                 fail(&a, "%s n=%zu: smp_all_reduce_init: %.200s", place_name(inplace), n, smp_last_error());
-            for (int run = 0; run < 3 && a.ok && !st; run++) {
-                const int k = run % 2;
+            for (int k = 0; k < 2 && a.ok && !st; k++) {
                 char what[64];
-                snprintf(what, sizeof what, "%s n=%zu run %d", place_name(inplace), n, run);
+                snprintf(what, sizeof what, "%s n=%zu run %d", place_name(inplace), n, k);
                 pattern_fill(&mine[k], in, n, 0);
                 if (!inplace) memset(out, 0xA5, n * es);
                 if ((st = smp_persistent_run(h)) != SMP_OK) fail(&a, "%s: %.200s", what, smp_last_error());
@@ -1191,7 +1192,10 @@ int main(int argc, char **argv) {
         for (int d = 0; d < NDTYPES; d++)
             for (int o = 0; o < 5; o++) {
                 test_all_reduce(DTYPES[d], OPS[o], gi);
-                test_persistent_all_reduce(DTYPES[d], OPS[o], gi);
+                /* a handle's path is the same for every dtype of a kind: a float, a half (smp's own MPI ops)
+                   and an integer (no avg) stand for them (at 4 ranks every collective costs milliseconds) */
+                if (DTYPES[d] == SMP_F32 || DTYPES[d] == SMP_BF16 || DTYPES[d] == SMP_I32)
+                    test_persistent_all_reduce(DTYPES[d], OPS[o], gi);
             }
     for (int gi = 0; gi < 3; gi++)
         for (int d = 0; d < NDTYPES; d++)
@@ -1218,7 +1222,8 @@ int main(int argc, char **argv) {
         for (int d = 0; d < 4; d++) {
             for (int o = 0; o < 5; o++) {
                 test_all_reduce(PIECE_DTYPES[d], OPS[o], gi);
-                test_persistent_all_reduce(PIECE_DTYPES[d], OPS[o], gi);
+                if (PIECE_DTYPES[d] == SMP_F64 || PIECE_DTYPES[d] == SMP_U8) /* 8 and 1 bytes a piece's element */
+                    test_persistent_all_reduce(PIECE_DTYPES[d], OPS[o], gi);
                 test_reduce(PIECE_DTYPES[d], OPS[o], gi);
                 test_reduce_scatter(PIECE_DTYPES[d], OPS[o], gi);
             }
