@@ -19,6 +19,8 @@
         reduce_mean of the loss is the reference's; smp_local_batch_size is
         the global batch over dp_size (over rdp_size in the reference), and
         smp_sampler_indices starts this rank at its own rows (the TP group's).
+        When world rank 1 comes LATE_S late to the last step, every other
+        rank's smp_last_step_stats seconds counts the wait in the join.
      2. bad input (before each own-batch run): a batch size, then a dtype,
         that differs across the TP group is an error on every rank naming
         both ranks and shapes and the fix; then a kernel that fails on the
@@ -28,6 +30,7 @@
    At 1 rank tp is 1 and the two modes are the same thing: checked too.
 
    Run: mpirun -n 1|2|4 build/gcc/test_tp_batch */
+#define _POSIX_C_SOURCE 200809L /* nanosleep */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
@@ -36,12 +39,14 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "tp_mlp.h"
 
 #define RUN_STEPS 6
 #define OWN BATCH   /* examples each rank passes with prescaled_batch false */
 #define MOST 16     /* the most examples a rank passes: tp x OWN, and one more for the bad batch */
+#define LATE_S 0.3  /* how late world rank 1 comes to the last own-batch step */
 
 static int g_rank, g_world;
 
@@ -188,7 +193,14 @@ static void run(int pp, int tp, smp_pipeline_kind kind, bool own, run_result *r)
         smp_step_output outs[4];
         memset(outs, 0, sizeof outs);
         smp_model_zero_grad(n.model);
+        bool late = own && smp_tp_size() > 1 && s == RUN_STEPS - 1; /* world rank 1 comes LATE_S late to the step */
+        if (late && smp_rank() == 1) nanosleep(&(struct timespec){0, (long)(LATE_S * 1e9)}, NULL);
         if ((r->st = smp_step(&d, outs, 4))) break;
+        /* every other rank waited for it in the join, which is part of the call the statistics time */
+        double took = smp_last_step_stats(n.model).seconds;
+        if (late && smp_rank() != 1 && !(took >= LATE_S))
+            note(r, "step %d: smp_last_step_stats' seconds %.3f, but the call waited %.3f s for a late rank", s, took,
+                 LATE_S);
         r->loss[s] = smp_step_output_reduce_mean_f64(&outs[0]);
         smp_tensor cat = smp_tensor_2d(r->out[s], SMP_F32, joined, H);
         if ((r->st = smp_step_output_concat(&outs[1], &cat))) break;
@@ -235,7 +247,9 @@ static void compare(const char *label, int pp, int tp, smp_pipeline_kind kind) {
         if (memcmp(own.value[k], ref.value[k], sizeof(float) * (size_t)numel_of(k, F)))
             snprintf(why, sizeof why, "parameter %d differs after %d steps", k, RUN_STEPS);
     snprintf(name, sizeof name, "prescaled_batch false, %s: bitwise the joined batch with prescaled_batch true%s", label,
-             own.st == SMP_OK && tp > 1 ? " (and its failed steps failed everywhere, leaving nothing)" : "");
+             own.st == SMP_OK && tp > 1
+                 ? " (its failed steps failed everywhere, leaving nothing; its statistics timed the join)"
+                 : "");
     MPI_CHECK(!why[0], name, "%s", why);
     result_free(&own);
     result_free(&ref);
