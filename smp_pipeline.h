@@ -4317,6 +4317,25 @@ static smp_status smp__join_compare(const int64_t *all, int tp) {
     return SMP_OK;
 }
 
+/* Whether the joined batch divides into microbatches, asked of the batch this rank passed (the group's ranks
+   pass the same shapes, smp__join_compare says): the user chose that batch, not the joined one. */
+static smp_status smp__join_divides(const smp_step_desc *d, int tp) {
+    int m = smp__ctx.cfg.microbatches;
+    for (int a = 0; a < d->nargs; a++) {
+        if (d->non_split[a]) continue;
+        int64_t n = d->args[a].shape[d->split_axis[a]];
+        if (n * tp % m == 0) continue;
+        int step = 1; /* the least batch per rank whose join divides: its multiples are the ones that do */
+        while (step * tp % m) step++;
+        return smp_error(SMP_ERR_ARG, "smp_step: this rank's batch of %lld (argument %d, axis %d), joined over the "
+                         "TP group of %d ranks into %lld (prescaled_batch false), does not divide into %d "
+                         "microbatches: pass each rank a batch that is a multiple of %d, or set microbatches to a "
+                         "divisor of %lld", (long long)n, a, d->split_axis[a], tp, (long long)(n * tp), m, step,
+                         (long long)(n * tp));
+    }
+    return SMP_OK;
+}
+
 /* `joined`: d with each split argument replaced by the TP group's joined batch, from the model's cache. Every
    rank agrees before data moves (its own arguments, the memory) and after (the group's descriptions, the
    gathers). Whatever the outcome, the caller frees what joined holds that d does not. */
@@ -4325,7 +4344,7 @@ static smp_status smp__step_join(const smp_step_desc *d, smp_step_desc *joined) 
     int tp = smp_tp_size();
     *joined = *d;
     smp__cache *was = smp__cache_use(md->cache);
-    /* what a rank checks alone; whether the batch divides into microbatches is the joined batch's question */
+    /* what a rank checks alone; whether the joined batch divides into microbatches waits for the group's shapes */
     smp_status st = smp__check_step(d, md, 1);
     int64_t *all = st ? NULL
                       : (int64_t *)smp__bytes_or(&st, sizeof(int64_t) * SMP__JOIN_WORDS * (size_t)(tp + 1),
@@ -4356,6 +4375,7 @@ static smp_status smp__step_join(const smp_step_desc *d, smp_step_desc *joined) 
         smp__tph.in_module = true; /* the agreement above stands for the TP handshake of each collective */
         st = smp_all_gather(&mine, &every, SMP_TP_GROUP);
         if (!st) st = smp__join_compare(all, tp); /* so each rank of the group gathers, or none */
+        if (!st) st = smp__join_divides(d, tp);
         for (int a = 0; a < d->nargs && !st; a++)
             if (!d->non_split[a]) st = smp__tp_gather(&d->args[a], &joined->args[a], d->split_axis[a], scratch[a]);
         smp__tph.in_module = false;
