@@ -376,7 +376,8 @@ typedef struct smp_step_stats {
     int64_t stash_peak_bytes;     /* activation memory held for backward, at its peak */
     int peak_active_microbatches; /* most distinct microbatches this rank held for a backward at once, counted as
                                      the step ran (what active_microbatches caps; 0 in an evaluation step) */
-    double seconds;
+    double seconds; /* this rank's wall time in the smp_step call, to the agreement on its outputs; with
+                       prescaled_batch false at tp > 1 the joining of the TP group's batches too */
 } smp_step_stats;
 SMPDEF smp_step_stats smp_last_step_stats(const smp_model *m);
 
@@ -4222,8 +4223,9 @@ static smp_status smp__step_finish(smp__pipe *ps, smp_model *md, smp_step_output
     }
     smp__step_stats(ps, md);
     smp__release_step(ps, md);
+    st = smp__agree_on(smp__ctx.world, st, "step outputs");
     ps->stats.seconds = smp__now() - ps->step.t_start;
-    return smp__agree_on(smp__ctx.world, st, "step outputs");
+    return st;
 }
 
 /* Takes back a step every rank agreed failed; the one place that does. The bucket collectives have completed:
@@ -4250,7 +4252,7 @@ static smp_status smp__step_undo(smp__pipe *ps, smp_model *md, smp_status agreed
     return agreed;
 }
 
-static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts);
+static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts, double t_start);
 
 /* ---------------------------------------------------------------- prescaled_batch false
    Each rank of a TP group passed its own examples: the step runs on the group's batches joined along each split
@@ -4315,6 +4317,25 @@ static smp_status smp__join_compare(const int64_t *all, int tp) {
     return SMP_OK;
 }
 
+/* Whether the joined batch divides into microbatches, asked of the batch this rank passed (the group's ranks
+   pass the same shapes, smp__join_compare says): the user chose that batch, not the joined one. */
+static smp_status smp__join_divides(const smp_step_desc *d, int tp) {
+    int m = smp__ctx.cfg.microbatches;
+    for (int a = 0; a < d->nargs; a++) {
+        if (d->non_split[a]) continue;
+        int64_t n = d->args[a].shape[d->split_axis[a]];
+        if (n * tp % m == 0) continue;
+        int step = 1; /* the least batch per rank whose join divides: its multiples are the ones that do */
+        while (step * tp % m) step++;
+        return smp_error(SMP_ERR_ARG, "smp_step: this rank's batch of %lld (argument %d, axis %d), joined over the "
+                         "TP group of %d ranks into %lld (prescaled_batch false), does not divide into %d "
+                         "microbatches: pass each rank a batch that is a multiple of %d, or set microbatches to a "
+                         "divisor of %lld", (long long)n, a, d->split_axis[a], tp, (long long)(n * tp), m, step,
+                         (long long)(n * tp));
+    }
+    return SMP_OK;
+}
+
 /* `joined`: d with each split argument replaced by the TP group's joined batch, from the model's cache. Every
    rank agrees before data moves (its own arguments, the memory) and after (the group's descriptions, the
    gathers). Whatever the outcome, the caller frees what joined holds that d does not. */
@@ -4323,7 +4344,7 @@ static smp_status smp__step_join(const smp_step_desc *d, smp_step_desc *joined) 
     int tp = smp_tp_size();
     *joined = *d;
     smp__cache *was = smp__cache_use(md->cache);
-    /* what a rank checks alone; whether the batch divides into microbatches is the joined batch's question */
+    /* what a rank checks alone; whether the joined batch divides into microbatches waits for the group's shapes */
     smp_status st = smp__check_step(d, md, 1);
     int64_t *all = st ? NULL
                       : (int64_t *)smp__bytes_or(&st, sizeof(int64_t) * SMP__JOIN_WORDS * (size_t)(tp + 1),
@@ -4354,6 +4375,7 @@ static smp_status smp__step_join(const smp_step_desc *d, smp_step_desc *joined) 
         smp__tph.in_module = true; /* the agreement above stands for the TP handshake of each collective */
         st = smp_all_gather(&mine, &every, SMP_TP_GROUP);
         if (!st) st = smp__join_compare(all, tp); /* so each rank of the group gathers, or none */
+        if (!st) st = smp__join_divides(d, tp);
         for (int a = 0; a < d->nargs && !st; a++)
             if (!d->non_split[a]) st = smp__tp_gather(&d->args[a], &joined->args[a], d->split_axis[a], scratch[a]);
         smp__tph.in_module = false;
@@ -4366,10 +4388,10 @@ static smp_status smp__step_join(const smp_step_desc *d, smp_step_desc *joined) 
 }
 
 /* The step on the joined batch; its memory goes back to the model's cache after it, failed or not. */
-static smp_status smp__step_joined(const smp_step_desc *d, smp_step_output *outs, int nouts) {
+static smp_status smp__step_joined(const smp_step_desc *d, smp_step_output *outs, int nouts, double t_start) {
     smp_step_desc joined;
     smp_status st = smp__step_join(d, &joined);
-    if (!st) st = smp__step(&joined, outs, nouts);
+    if (!st) st = smp__step(&joined, outs, nouts, t_start);
     for (int a = 0; a < d->nargs && a < SMP_MAX_STEP_ARGS; a++)
         if (joined.args[a].data != d->args[a].data) smp__free(joined.args[a].data);
     return st;
@@ -4380,16 +4402,16 @@ SMPDEF smp_status smp_step(const smp_step_desc *d, smp_step_output *outs, int no
     smp__ctx.at.in_step = true;
     smp__tp_step_begin();
     bool join = smp__ctx.initialized && d && d->model && smp__ctx.cfg.prescaled_batch == SMP_OFF && smp_tp_size() > 1;
-    smp_status st = join ? smp__step_joined(d, outs, nouts) : smp__step(d, outs, nouts);
+    double t_start = smp__ctx.initialized ? smp__now() : 0; /* the statistics' time is the whole call's, join too */
+    smp_status st = join ? smp__step_joined(d, outs, nouts, t_start) : smp__step(d, outs, nouts, t_start);
     smp__cache_now = NULL;
     smp__ctx.at.in_step = false;
     smp__ctx.at.op = 0;
     return st;
 }
 
-static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts) {
+static smp_status smp__step(const smp_step_desc *d, smp_step_output *outs, int nouts, double t_start) {
     SMP_TRY(smp__require_init("smp_step"));
-    double t_start = smp__now();
     SMP_TRY(smp__step_prepare(d, outs, nouts));
     smp_model *md = d->model;
     smp__pipe *ps = (smp__pipe *)md->pipeline;

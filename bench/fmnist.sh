@@ -8,18 +8,15 @@
 # pipeline's bubble from its timeline. The line before the last:
 # fmnist samples/s pp2/best-single (pp2's best schedule against the best
 # one-process figure); the last: fmnist samples/s pp2/single, best schedule.
-set -u
-top=$(cd "$(dirname "$0")/.." && pwd)
+bench=fmnist
+# shellcheck source=bench/lib.sh
+source "$(dirname "$0")/lib.sh"
 bin="$top/build/examples/fmnist"
 steps=${FMNIST_BENCH_STEPS:-150}
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
 rounds=${FMNIST_BENCH_ROUNDS:-3}
 rate() { # prints the samples/s of the second of two short epochs (the first warms up)
   "$@" --epochs 2 --epoch-steps "$steps" --checkpoint "$tmp/ck" 2>/dev/null | sed -n 's/.*loss [0-9.]*  *\([0-9]*\) samples\/s.*/\1/p' | tail -n1
 }
-median() { printf '%s\n' "$@" | sort -n | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
-export OPENBLAS_NUM_THREADS=1
 # The configurations take turns, round after round, so that load from other
 # jobs on the machine falls on all of them alike; each figure is a median.
 s1=(); s2=(); s2m1=(); p2=(); zb=(); zbv=(); d2=()

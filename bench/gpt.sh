@@ -34,8 +34,9 @@
 # Last lines: gpt tokens/s pp2 of simulated bound (the best schedule's measured
 # rate against that bound), gpt tokens/s pp2/best-single, then gpt tokens/s
 # pp2/single (the best schedule).
-set -u
-top=$(cd "$(dirname "$0")/.." && pwd)
+bench=gpt
+# shellcheck source=bench/lib.sh
+source "$(dirname "$0")/lib.sh"
 bin="$top/build/examples/gpt"
 steps=${GPT_BENCH_STEPS:-20}
 rounds=${GPT_BENCH_ROUNDS:-3}
@@ -55,44 +56,40 @@ pipeline_args() {
   esac
 }
 mkdir -p "$out"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-for b in "$bin" "$top/build/bench/simulate"; do
-  [ -x "$b" ] || { echo "bench/gpt: $b is missing (make bench-gpt builds it)" >&2; exit 1; }
-done
-export OPENBLAS_NUM_THREADS=1
+for b in "$bin" "$top/build/bench/simulate"; do need "$b" "make bench-gpt builds it"; done
 start=$(date +%s)
 ckpt="$out/gpt_bench.safetensors"
 common=(--batch "$batch" --steps "$steps" --log-every 1000000 --val-batches 0 --sample-len 0)
 
-fail() { echo "bench/gpt: $1 failed:" >&2; tail -n 20 "$tmp/log" >&2; exit 1; }
 # train NAME CMD...: runs CMD (a training run) and appends its tokens/s
 # between the ends of step 1 and of the last step to $tmp/NAME. Each
 # progress line gives tokens/s since the start, so step k ended at
 # k * tokens_per_step / rate_k; tokens_per_step cancels out.
 train() {
   local name=$1; shift
-  "$@" "${common[@]}" > "$tmp/log" 2>&1 || fail "$*"
+  "$@" "${common[@]}" > "$tmp/log" 2>&1 || failed log "$*"
   local r
   r=$(awk '/^step .* tokens\/s/ { split($2, a, "/"); for (i = 1; i <= NF; i++) if ($i == "tokens/s") r = $(i - 1)
             if (!n++) { k1 = a[1]; r1 = r } kN = a[1]; rN = r }
            END { if (kN > k1 && r1 > 0 && rN > 0) printf "%.0f\n", (kN - k1) / (kN / rN - k1 / r1) }' "$tmp/log")
-  [ -n "$r" ] || fail "$* (no progress lines)"
+  [ -n "$r" ] || failed log "$* (no progress lines)"
   echo "$r" >> "$tmp/$name"
 }
 # gen NAME NP PARTITIONS [THREADS]: pipelined generation from $ckpt; appends characters/s, keeps the text
 gen() {
   local name=$1 np=$2 parts=$3 th=${4:-1}
   OPENBLAS_NUM_THREADS=$th mpirun -n "$np" "$bin" --generate --load "$ckpt" --partitions "$parts" --microbatches 4 \
-    --prompts "$prompts" --tokens "$gen_tokens" --temperature 0 --threads "$th" > "$tmp/log" 2>&1 || fail "generation ($name)"
+    --prompts "$prompts" --tokens "$gen_tokens" --temperature 0 --threads "$th" > "$tmp/log" 2>&1 || failed log "generation ($name)"
   local r
   r=$(sed -n 's/^generated .* (\([0-9]*\) characters\/s)$/\1/p' "$tmp/log")
-  [ -n "$r" ] || fail "generation ($name): no rate"
+  [ -n "$r" ] || failed log "generation ($name): no rate"
   echo "$r" >> "$tmp/$name"
   sed -n '/^--- prompt/,$p' "$tmp/log" > "$tmp/$name.text"
 }
-best() { sort -n "$tmp/$1" | tail -n1; }
-median() { sort -n "$tmp/$1" | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
+# best NAME, middle NAME: the largest and the median of the rates appended to $tmp/NAME
+best() { most <"$tmp/$1"; }
+# shellcheck disable=SC2046 # a rate a line, a word each
+middle() { median $(<"$tmp/$1"); }
 
 for r in $(seq "$rounds"); do
   train single mpirun -n 1 "$bin" --partitions 1 --microbatches "$mb" --save ""
@@ -130,7 +127,7 @@ printf 'gpt training tokens/s: 6 blocks x 192, context 128, batch %d sequences; 
 printf '%-56s %8s %8s   %s\n' "configuration (best and median of $rounds rounds)" best median "all rounds"
 names="single $(for k in $kinds; do printf 'pp2_%s ' "$k"; done)$(for m in $best_mbs; do printf 't2_m%s ' "$m"; done)dp2 pp2_eager"
 for n in $names; do
-  printf '%-56s %8s %8s   %s\n' "$(label "$n")" "$(best "$n")" "$(median "$n")" "$(tr '\n' ' ' < "$tmp/$n")"
+  printf '%-56s %8s %8s   %s\n' "$(label "$n")" "$(best "$n")" "$(middle "$n")" "$(tr '\n' ' ' < "$tmp/$n")"
 done
 
 # each schedule's timeline from its best round (the one the table quotes)
@@ -146,9 +143,9 @@ done
 
 g1=$(best gen1); g2=$(best gen2); g1t2=$(best gen1t2)
 printf 'gpt generation characters/s: 4 prompts x %d characters, KV cache, greedy (best and median of %d rounds)\n' "$gen_tokens" "$rounds"
-printf '%-56s %8s %8s   %s\n' "1 process, 1 BLAS thread" "$g1" "$(median gen1)" "$(tr '\n' ' ' < "$tmp/gen1")" \
-  "2 pipeline stages, 4 prompts in flight" "$g2" "$(median gen2)" "$(tr '\n' ' ' < "$tmp/gen2")" \
-  "1 process, 2 BLAS threads" "$g1t2" "$(median gen1t2)" "$(tr '\n' ' ' < "$tmp/gen1t2")"
+printf '%-56s %8s %8s   %s\n' "1 process, 1 BLAS thread" "$g1" "$(middle gen1)" "$(tr '\n' ' ' < "$tmp/gen1")" \
+  "2 pipeline stages, 4 prompts in flight" "$g2" "$(middle gen2)" "$(tr '\n' ' ' < "$tmp/gen2")" \
+  "1 process, 2 BLAS threads" "$g1t2" "$(middle gen1t2)" "$(tr '\n' ' ' < "$tmp/gen1t2")"
 if cmp -s "$tmp/gen1.text" "$tmp/gen2.text" && cmp -s "$tmp/gen1.text" "$tmp/gen1t2.text"; then same=yes; else same=NO; fi
 echo "generated text equal for 1 process and 2 stages: $same"
 

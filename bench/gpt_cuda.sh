@@ -13,12 +13,13 @@
 # GPU; BIN=build/cuda/gpt on a GPU gives the GPU's figure. Timings on a
 # loaded machine are noise.
 # usage: bench/gpt_cuda.sh [runs per side (default 5)] [gpt.cu flags...]
-set -u
-top=$(cd "$(dirname "$0")/.." && pwd)
+bench=gpt_cuda
+# shellcheck source=bench/lib.sh
+source "$(dirname "$0")/lib.sh"
 bin=${BIN:-$top/build/fake/gpt}
 runs=${1:-5}
 shift $(($# > 0 ? 1 : 0))
-[ -x "$bin" ] || { echo "bench/gpt_cuda.sh: $bin is not built (make cuda)"; exit 1; }
+need "$bin" "make cuda"
 case "$bin" in *fake*) where="fake device";; *) where="GPU";; esac
 model="--layers 2 --dmodel 64 --heads 4 --context 32 --batch 8 --microbatches 4 --steps 12 --warmup 2 --val-batches 0
        --sample-len 0 --log-every 1000 --partitions 1 --save"
@@ -31,7 +32,6 @@ for ((i = 0; i < runs; i++)); do
     eval "$side+=($r)"
   done
 done
-median() { printf '%s\n' "$@" | sort -n | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
 ms=$(median "${smp[@]}") mp=$(median "${plain[@]}")
 echo "tokens/s: smp ${smp[*]} (median $ms); plain ${plain[*]} (median $mp)"
 awk -v s="$ms" -v p="$mp" -v w="$where" 'BEGIN {printf "gpt.cu overhead smp/plain (%s): %.2f\n", w, p / s}'

@@ -15,26 +15,17 @@
 #     build/fake/gpt: gpt.cu): the largest activation peak of a rank with
 #     and without --offload.
 # Timings need a quiet machine; the byte figures do not.
-set -u
-top=$(cd "$(dirname "$0")/.." && pwd)
+bench=memory
+# shellcheck source=bench/lib.sh
+source "$(dirname "$0")/lib.sh"
 bin="$top/build/examples/gpt"
 steps=${MEM_BENCH_STEPS:-10}
 rounds=${MEM_BENCH_ROUNDS:-3}
 mb=${MEM_BENCH_MB:-4}
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-[ -x "$bin" ] || { echo "bench/memory: $bin is missing (make build/examples/gpt)" >&2; exit 1; }
-export OPENBLAS_NUM_THREADS=1
+need "$bin" "make build/examples/gpt"
 common=(--steps "$steps" --log-every 1000000 --val-batches 0 --sample-len 0 --save "")
 
-run() { # NAME NP ARGS...: the run's output in $tmp/NAME
-  local name=$1 np=$2; shift 2
-  mpirun -n "$np" "$bin" "${common[@]}" "$@" >"$tmp/$name" 2>&1 || { echo "bench/memory: $name failed:" >&2; tail -n 20 "$tmp/$name" >&2; exit 1; }
-}
-# the largest figure of category CAT over the ranks, in MiB
-peak() { sed -n "s/^memory peak rank [0-9]*: .*$2 \([0-9.]*\) MiB.*/\1/p" "$tmp/$1" | sort -g | tail -n 1; }
 secs() { sed -n 's/^trained [0-9]* steps in \([0-9.]*\) s.*/\1/p' "$tmp/$1"; }
-best() { sort -g | head -n 1; }
 
 : >"$tmp/t_un"; : >"$tmp/t_sh"
 for r in $(seq "$rounds"); do
@@ -44,7 +35,7 @@ for r in $(seq "$rounds"); do
   secs sh >>"$tmp/t_sh"
 done
 ou=$(peak un optimizer); os=$(peak sh optimizer)
-tu=$(best <"$tmp/t_un"); ts=$(best <"$tmp/t_sh")
+tu=$(least <"$tmp/t_un"); ts=$(least <"$tmp/t_sh")
 state=$(awk -v p="$(peak sh parameters)" -v g="$(peak sh gradients)" -v o="$os" 'BEGIN { printf "%.1f", (p + g + o) * 4 / p }')
 echo "optimizer state MiB per rank: unsharded $ou, sharded $os (2 replicas)"
 awk -v s="$os" -v u="$ou" 'BEGIN { printf "optimizer state bytes per rank sharded/unsharded: %.2f\n", s / u }'
@@ -83,11 +74,7 @@ PY
   then echo "bench/memory: cannot copy Fashion-MNIST" >&2; exit 1; fi
   fm=(--data "$data" --batch 256 --epochs 1 --max-steps 3 --print-losses --checkpoint "$tmp/fm.ckpt" --manual
       --partitions 2 --pipeline simple --microbatches 8)
-  fmrun() { # NAME ARGS...
-    local name=$1; shift
-    SMP_TIMEOUT=300 FAKE_CUDA_DEVICES=2 mpirun -n 2 "$fake" "${fm[@]}" "$@" >"$tmp/$name" 2>&1 ||
-      { echo "bench/memory: $name failed:" >&2; tail -n 20 "$tmp/$name" >&2; exit 1; }
-  }
+  fmrun() { launch "$1" env SMP_TIMEOUT=300 FAKE_CUDA_DEVICES=2 mpirun -n 2 "$fake" "${fm[@]}" "${@:2}"; } # NAME ARGS...
   fmrun fm_keep
   fmrun fm_off --offload --config '{"activation_loading_horizon": 2}'
   if ! cmp -s <(grep -E '^(step|test accuracy)' "$tmp/fm_keep") <(grep -E '^(step|test accuracy)' "$tmp/fm_off"); then
@@ -107,11 +94,7 @@ if [ ! -x "$fgpt" ]; then
 else
   g=(--layers 4 --dmodel 64 --heads 4 --context 64 --batch 16 --microbatches 8 --steps 3 --warmup 1 --print-losses
      --val-batches 0 --sample-len 0 --save "" --partitions 2 --pipeline simple)
-  grun() { # NAME ARGS...
-    local name=$1; shift
-    SMP_TIMEOUT=300 FAKE_CUDA_DEVICES=2 mpirun -n 2 "$fgpt" "${g[@]}" "$@" >"$tmp/$name" 2>&1 ||
-      { echo "bench/memory: $name failed:" >&2; tail -n 20 "$tmp/$name" >&2; exit 1; }
-  }
+  grun() { launch "$1" env SMP_TIMEOUT=300 FAKE_CUDA_DEVICES=2 mpirun -n 2 "$fgpt" "${g[@]}" "${@:2}"; } # NAME ARGS...
   grun g_keep --config '{"optimize": "memory"}'
   grun g_off --offload --config '{"optimize": "memory", "activation_loading_horizon": 2}'
   if ! cmp -s <(grep -a '^step [0-9]* loss' "$tmp/g_keep") <(grep -a '^step [0-9]* loss' "$tmp/g_off"); then

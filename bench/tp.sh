@@ -17,28 +17,18 @@
 #   gpt share of the tp2 step in TP collectives: X.XX   (smp_tp_seconds over the training
 #                                            time on rank 0, waits for the other rank included)
 # Timings need a quiet machine; the byte figures do not.
-set -u
-top=$(cd "$(dirname "$0")/.." && pwd)
+bench=tp
+# shellcheck source=bench/lib.sh
+source "$(dirname "$0")/lib.sh"
 bin="$top/build/examples/gpt"
 steps=${TP_BENCH_STEPS:-10}
 rounds=${TP_BENCH_ROUNDS:-3}
 width=${TP_BENCH_WIDTH:-384}
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-[ -x "$bin" ] || { echo "bench/tp: $bin is missing (make build/examples/gpt)" >&2; exit 1; }
-export OPENBLAS_NUM_THREADS=1
+need "$bin" "make build/examples/gpt"
 common=(--partitions 1 --layers 2 --dmodel "$width" --heads 6 --context 128 --batch 8 --microbatches 2 --steps "$steps"
         --log-every 1000000 --val-batches 0 --sample-len 0 --save "")
 
-run() { # NAME NP ARGS...: the run's output in $tmp/NAME
-  local name=$1 np=$2; shift 2
-  mpirun -n "$np" "$bin" "${common[@]}" "$@" >"$tmp/$name" 2>&1 ||
-    { echo "bench/tp: $name failed:" >&2; tail -n 20 "$tmp/$name" >&2; exit 1; }
-}
 rate() { sed -n 's/^trained [0-9]* steps in [0-9.]* s (\([0-9]*\) tokens\/s)$/\1/p' "$tmp/$1"; }
-# the largest "parameters X MiB" over the ranks
-params() { sed -n 's/^memory peak rank [0-9]*: parameters \([0-9.]*\) MiB.*/\1/p' "$tmp/$1" | sort -g | tail -n 1; }
-best() { sort -g | tail -n 1; }
 
 : >"$tmp/r_one"; : >"$tmp/r_one1"; : >"$tmp/r_tp"; : >"$tmp/share"
 for r in $(seq "$rounds"); do
@@ -50,11 +40,11 @@ for r in $(seq "$rounds"); do
   rate tp >>"$tmp/r_tp"
   sed -n 's/^tensor-parallel collectives: \([0-9.]*\) s of the \([0-9.]*\) s .*/\1 \2/p' "$tmp/tp" >>"$tmp/share"
 done
-one=$(best <"$tmp/r_one"); one1=$(best <"$tmp/r_one1"); tp=$(best <"$tmp/r_tp")
+one=$(most <"$tmp/r_one"); one1=$(most <"$tmp/r_one1"); tp=$(most <"$tmp/r_tp")
 echo "gpt (2 layers, width $width, 6 heads, context 128, batch 8 in 2 microbatches, $steps steps," \
      "best of $rounds rounds): one process $one1 tokens/s (1 BLAS thread), $one (2 BLAS threads), tp 2 $tp tokens/s"
 awk -v a="$tp" -v b="$one1" 'BEGIN { printf "gpt tokens/s tp2/single: %.2f\n", a / b }'
 awk -v a="$tp" -v b="$one" 'BEGIN { printf "gpt tokens/s tp2/single with 2 BLAS threads: %.2f\n", a / b }'
-awk -v a="$(params tp)" -v b="$(params one)" 'BEGIN { printf "gpt parameter bytes per rank tp2/single: %.2f\n", a / b }'
+awk -v a="$(peak tp parameters)" -v b="$(peak one parameters)" 'BEGIN { printf "gpt parameter bytes per rank tp2/single: %.2f\n", a / b }'
 # the share in the round tp 2 ran fastest (its training time is the smallest)
 sort -g -k2 "$tmp/share" | head -n 1 | awk '{ printf "gpt share of the tp2 step in TP collectives: %.2f\n", $1 / $2 }'

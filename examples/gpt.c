@@ -431,20 +431,13 @@ int main(int argc, char **argv) {
         adamw_step(&opt_state, model, &opt, lr);                          /* optimizer.step() */
         if (step == start) smp_memory_reset_peaks(); /* the peaks printed at the end: of the steps after the set-up */
         tokens += (long)opt.batch * T;
-        loss_avg = step ? 0.9 * loss_avg + 0.1 * loss : loss;
+        loss_avg = loss_average(loss_avg, loss, step, start);
         if (opt.print_losses && root) printf("step %d loss %a\n", step, loss);
         if (step + 1 == opt.save_at &&
             fail_all(save_checkpoint(model, &opt, &text, opt_state.reg, step + 1), "checkpoint"))
             goto done;
-        if (root && (step % opt.log_every == 0 || step + 1 == opt.steps)) {
-            double secs = now() - t0, eta = secs / (step + 1) * (opt.steps - step - 1);
-            char e[32], s[32];
-            fmt_time(eta, e, sizeof e);
-            fmt_time(secs, s, sizeof s);
-            printf("step %4d/%d  loss %.4f (avg %.4f)  lr %.2e  %6.0f tokens/s  %s elapsed, ETA %s\n", step + 1,
-                   opt.steps, loss, loss_avg, lr, (double)tokens / secs, s, e);
-            fflush(stdout);
-        }
+        if (root && (step % opt.log_every == 0 || step + 1 == opt.steps))
+            print_progress(&opt, step, start, loss, loss_avg, lr, tokens, t0);
     }
     if (fail_all(st, "training")) goto done;
     /* --shard-optimizer: each replica updated its own range; the next step would gather them, the digest reads them now

@@ -28,7 +28,8 @@
    when sharded). --load CKPT with AdamW's state continues at the step it
    was saved after (give the same --steps), bitwise as the run that never
    stopped on the same layout, at any --partitions and --ddp, sharded or
-   not; without that state it starts AdamW afresh; --steps 0 only
+   not (the log's loss average runs over the resumed run's steps and says
+   so: "avg from step N:"); without that state it starts AdamW afresh; --steps 0 only
    evaluates the loaded weights. A checkpoint of either program loads into
    the other (gpt.c resumes gpt.cu's and the other way round, within float
    rounding of the host's kernels). --load checks the file's vocabulary and
@@ -451,20 +452,13 @@ int main(int argc, char **argv) {
                 timed_from = now();
             }
             if (step >= start + 2) timed_tokens += (long)opt.batch * T;
-            loss_avg = step ? 0.9 * loss_avg + 0.1 * loss : loss;
+            loss_avg = loss_average(loss_avg, loss, step, start);
             if (opt.print_losses && root) printf("step %d loss %a\n", step, loss);
             if (step + 1 == opt.save_at &&
                 fail_all(save_checkpoint(model, &opt, &text, opt_state.reg, step + 1), "checkpoint"))
                 goto done;
-            if (root && (step % opt.log_every == 0 || step + 1 == opt.steps)) {
-                double secs = now() - t0, eta = secs / (step + 1 - start) * (opt.steps - step - 1);
-                char e[32], s[32];
-                fmt_time(eta, e, sizeof e);
-                fmt_time(secs, s, sizeof s);
-                printf("step %4d/%d  loss %.4f (avg %.4f)  lr %.2e  %6.0f tokens/s  %s elapsed, ETA %s\n", step + 1,
-                       opt.steps, loss, loss_avg, lr, (double)tokens / secs, s, e);
-                fflush(stdout);
-            }
+            if (root && (step % opt.log_every == 0 || step + 1 == opt.steps))
+                print_progress(&opt, step, start, loss, loss_avg, lr, tokens, t0);
         }
         /* --shard-optimizer: each replica updated its own range; the next step would gather them, the digest reads
            them now */

@@ -60,6 +60,7 @@ static void usage(const char *prog) {
             "  --save \"\" skips the checkpoint\n"
             "  --save-at N saves it after step N instead, with AdamW's state, and trains on\n"
             "  --load CKPT starts from a checkpoint: with AdamW's state (--save-at) it continues at its step\n"
+            "   (the log's loss average then runs over this run's steps, \"avg from step N:\")\n"
             "  --partial: --save-at and --load use partial checkpoints (a file per partition and shard)\n"
             "  --offload (gpt.cu) keeps what each backward needs in host memory until activation_loading_horizon\n"
             "   pipeline tasks before it (offload_activations; --config '{\"activation_loading_horizon\": 2}')\n"
@@ -351,6 +352,26 @@ static void fmt_time(double s, char *buf, size_t cap) {
     long t = (long)(s + 0.5);
     if (t >= 60) snprintf(buf, cap, "%ldm%02lds", t / 60, t % 60);
     else snprintf(buf, cap, "%lds", t);
+}
+
+/* The training log's loss average: a moving average (0.9) of the losses of the steps this run made, from its
+   first step's (start, where --load resumed: the checkpoint holds the weights and AdamW's state, not the log). */
+static double loss_average(double avg, double loss, int step, int start) {
+    return step == start ? loss : 0.9 * avg + 0.1 * loss;
+}
+
+/* The log line after step (from 0) of a run that began at start, t0 (now()) seconds ago, tokens trained since; a
+   resumed run's says from which step its average runs. */
+static void print_progress(const options *o, int step, int start, double loss, double avg, float lr, long tokens,
+                           double t0) {
+    double secs = now() - t0, eta = secs / (step + 1 - start) * (o->steps - step - 1);
+    char e[32], s[32], from[32] = "";
+    fmt_time(eta, e, sizeof e);
+    fmt_time(secs, s, sizeof s);
+    if (start) snprintf(from, sizeof from, " from step %d:", start + 1);
+    printf("step %4d/%d  loss %.4f (avg%s %.4f)  lr %.2e  %6.0f tokens/s  %s elapsed, ETA %s\n", step + 1, o->steps,
+           loss, from, avg, lr, (double)tokens / secs, s, e);
+    fflush(stdout);
 }
 
 /* Where the top-level calls run: "0: wte wpe h.0-2 | 1: h.3-5 ln_f lm_head(wte)". */

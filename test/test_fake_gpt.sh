@@ -32,7 +32,8 @@
 #    (--load --steps 0: the same parameter checksums bit for bit, logits
 #    within 1e-5);
 #  - resuming training (--save-at 5 with AdamW's state, the moments copied from device memory; --load): bitwise
-#    as the run that never stopped at 2 -> 2 and 2 -> 1 partitions, full and --partial, DDP 2x2 with
+#    as the run that never stopped at 2 -> 2 and 2 -> 1 partitions, full and --partial (the log's loss average
+#    over the resumed steps, saying from which: gpt_log_avg.py), DDP 2x2 with
 #    --shard-optimizer sharded -> sharded and (1 stage, partial) -> unsharded 2x2, and in bf16; gpt.c's
 #    checkpoint in gpt.cu, gpt.cu's in gpt.c and the sharded 2x2 one in gpt.c --replicas 2 within 1e-5; bf16 ->
 #    f32 and f32 -> bf16 within 1e-3 (the file holds f32 in both: checked); another model's checkpoint and one
@@ -295,6 +296,10 @@ PY
 run res_pp2 2 2 "$bin" --partitions 2 --load "$tmp/ck_pp2.st" --save ""
 same "fake-gpt/--save-at 5 (2 partitions, full) resumed at 2 partitions continues bitwise as the run that never stopped" \
   one_from5 res_pp2 "with AdamW's state, at step 5"
+for r in one res_pp2; do # the log's loss average is the run's own steps', the resumed one's from step 6, saying so
+  if msg=$(python3 "$top/test/gpt_log_avg.py" "$tmp/$r.raw" 2>&1); then pass "fake-gpt/the log's loss average ($r): $msg"
+  else fail "fake-gpt/the log's loss average ($r): $(echo "$msg" | tail -n 1)"; fi
+done
 run res_pp2p 1 1 "$bin" --partitions 1 --partial --load "$tmp/ck_pp2p" --save ""
 same "fake-gpt/--save-at 5 --partial (2 partitions, a file each) resumed at 1 partition continues bitwise" \
   one_from5 res_pp2p "with AdamW's state, at step 5"

@@ -37,7 +37,8 @@
 # float64 autograd; tp 2's full checkpoint (c_attn [3C, C], as nanoGPT's)
 # loads strictly into the numpy and PyTorch GPTs; a checkpoint with AdamW's
 # state saved at tp 2 x 2 partitions (--save-at) continues at tp 2 bitwise
-# as the run that never stopped, and across tp (2 -> 1, 1 -> 2) within 1e-5;
+# as the run that never stopped (its log's loss average the resumed steps', saying from which: gpt_log_avg.py),
+# and across tp (2 -> 1, 1 -> 2) within 1e-5;
 # tp 2 x DDP 2 with ZeRO-1 (--shard-optimizer) is bitwise the unsharded run,
 # and its partial and full checkpoints continue bitwise, sharded or not;
 # generation at tp 2 (the KV cache split by heads) writes one process's text
@@ -266,6 +267,11 @@ same "gpt/--save-at 4 (AdamW's state saved after step 4) at tp 2 x 2 partitions 
 grep -a -v '^step [0-3] loss' "$tmp/tp2" >"$tmp/tp2_from4"
 run res_22_2 2 --partitions 1 --tp 2 --load "$tmp/ck_22_4.safetensors" --save ""
 same "gpt/a tp 2 x 2 partitions checkpoint loaded at tp 2 continues bitwise as the run that never stopped" tp2_from4 res_22_2
+# the log's loss average is the run's own steps' (test/gpt_log_avg.py), the resumed one's from step 5 and saying so
+for r in tp2 res_22_2; do
+  if msg=$(python3 "$top/test/gpt_log_avg.py" "$tmp/$r.raw" 2>&1); then echo "PASS: gpt/the log's loss average ($r): $msg"
+  else echo "FAIL: gpt/the log's loss average ($r): $(echo "$msg" | tail -n 1)"; fi
+done
 run res_22_1 1 --partitions 1 "${long[@]}" --load "$tmp/ck_22.safetensors" --params "$tmp/res_22_1.st"
 tp_close "gpt/a tp 2 x 2 partitions checkpoint loaded at tp 1 continues as tp 1's run (steps 10-19 within 1e-5)" tp_ref res_22_1
 run res_1_2 2 --partitions 1 --tp 2 "${long[@]}" --load "$tmp/ck_1.safetensors" --params "$tmp/res_1_2.st"

@@ -961,6 +961,34 @@ static void params_to_host(smp_model *model, float *params, int64_t *n) {
     }
 }
 
+/* A run of GPU_NET's steps under its own config (shard_run's and joined_run's): smp started afresh with it, the
+   model, each replica's own random batch on the device, the loss buffer gpu_mse_body writes. */
+typedef struct device_run { net n; smp_model *model; float *dx, *dt; } device_run;
+
+static smp_status device_run_begin(smp_config *c, device_run *r) {
+    smp_finalize();
+    SMP_TRY(start(c));
+    r->model = build_with(&r->n, NULL, &GPU_NET, true);
+    if (!r->model) return SMP_ERR_STATE;
+    float hx[B * D], ht[B * C];
+    random_batch(99 + (uint64_t)smp_rdp_rank(), hx, ht, &r->dx, &r->dt); /* each replica its own batch */
+    g_net_loss = (float *)smp_nccl_alloc(sizeof(float) * 8);
+    return SMP_OK;
+}
+
+/* The run's outcome st: its error into res under the run's name, or its parameters into params (*n of them); then
+   it frees what device_run_begin made. */
+static smp_status device_run_end(device_run *r, smp_status st, const char *name, result *res, float *params,
+                                 int64_t *n) {
+    if (st) fail(res, "%s: %s", name, smp_last_error());
+    else params_to_host(r->model, params, n);
+    smp_model_free(r->model);
+    smp_nccl_free(g_net_loss);
+    CK(cudaFree(r->dx));
+    CK(cudaFree(r->dt));
+    return st;
+}
+
 typedef struct shard_run_out { float loss[8], params[4096]; int64_t n; long syncs; } shard_run_out;
 
 static smp_status shard_run(const smp_config *base, bool shard, shard_run_out *o, result *res) {
@@ -971,18 +999,13 @@ static smp_status shard_run(const smp_config *base, bool shard, shard_run_out *o
     c.shard_optimizer_state = shard ? SMP_ON : SMP_OFF;
     c.bucket_cap_mb = 1e-4; /* about 100 bytes: several buckets, parameters across the pieces */
     c.microbatches = 2;
-    smp_finalize();
-    smp_status st = start(&c);
-    if (st) return st;
     memset(o, 0, sizeof *o);
-    net n;
-    smp_model *model = build_with(&n, NULL, &GPU_NET, true);
-    if (!model) return SMP_ERR_STATE;
-    float hx[B * D], ht[B * C], *dx, *dt;
-    random_batch(99 + (uint64_t)smp_rdp_rank(), hx, ht, &dx, &dt); /* each replica its own batch */
-    g_net_loss = (float *)smp_nccl_alloc(sizeof(float) * 8);
+    device_run r;
+    smp_status st = device_run_begin(&c, &r);
+    if (st) return st;
+    smp_model *model = r.model;
     for (int step = 0; step < 2 && !st; step++) {
-        smp_tensor x = smp_tensor_2d(dx, SMP_F32, B, D), t = smp_tensor_2d(dt, SMP_F32, B, C);
+        smp_tensor x = smp_tensor_2d(r.dx, SMP_F32, B, D), t = smp_tensor_2d(r.dt, SMP_F32, B, C);
         x.device = t.device = smp_nccl_device();
         smp_step_output outs[2];
         memset(outs, 0, sizeof outs);
@@ -996,13 +1019,7 @@ static smp_status shard_run(const smp_config *base, bool shard, shard_run_out *o
         smp_step_output_free(&outs[1]);
         if (!st && step == 0) st = sgd_step_on_device(model);
     }
-    if (st) fail(res, "%s: %s", shard ? "sharded" : "unsharded", smp_last_error());
-    else params_to_host(model, o->params, &o->n);
-    smp_model_free(model);
-    smp_nccl_free(g_net_loss);
-    CK(cudaFree(dx));
-    CK(cudaFree(dt));
-    return st;
+    return device_run_end(&r, st, shard ? "sharded" : "unsharded", res, o->params, &o->n);
 }
 
 static void test_shard(const smp_config *base) {
@@ -1041,29 +1058,24 @@ static smp_status joined_run(const smp_config *base, bool own, joined_run_out *o
     c.deterministic_reduction = SMP_ON;
     c.microbatches = 2;
     c.ddp = W_SIZE > 2 ? SMP_ON : SMP_OFF;
-    smp_finalize();
-    smp_status st = start(&c);
-    if (st) return st;
     memset(o, 0, sizeof *o);
-    net n;
-    smp_model *model = build_with(&n, NULL, &GPU_NET, true);
-    if (!model) return SMP_ERR_STATE;
-    float hx[B * D], ht[B * C], *dx, *dt;
-    random_batch(99 + (uint64_t)smp_rdp_rank(), hx, ht, &dx, &dt); /* each replica its own batch */
+    device_run r;
+    smp_status st = device_run_begin(&c, &r);
+    if (st) return st;
+    smp_model *model = r.model;
     int rows = own ? B / 2 : B, first = own ? smp_tp_rank() * rows : 0;
     int32_t hids[2 * B];
     for (int j = 0; j < rows; j++) hids[j] = first + j, hids[rows + j] = -(first + j);
     int32_t *dids = (int32_t *)dalloc(sizeof hids);
     up(dids, hids, sizeof(int32_t) * 2 * (size_t)rows);
-    g_net_loss = (float *)smp_nccl_alloc(sizeof(float) * 8);
     for (int step = 0; step < 2 && !st; step++) {
         smp_step_desc d;
         memset(&d, 0, sizeof d);
         d.model = model;
         d.body = gpu_joined_body;
         d.nargs = 3;
-        d.args[0] = smp_tensor_2d(dx + (size_t)first * D, SMP_F32, rows, D);
-        d.args[1] = smp_tensor_2d(dt + (size_t)first * C, SMP_F32, rows, C);
+        d.args[0] = smp_tensor_2d(r.dx + (size_t)first * D, SMP_F32, rows, D);
+        d.args[1] = smp_tensor_2d(r.dt + (size_t)first * C, SMP_F32, rows, C);
         d.args[2] = smp_tensor_2d(dids, SMP_I32, 2, rows);
         d.split_axis[2] = 1;
         for (int a = 0; a < 3; a++) d.args[a].device = smp_nccl_device();
@@ -1085,14 +1097,8 @@ static smp_status joined_run(const smp_config *base, bool own, joined_run_out *o
         for (int k = 0; k < 3; k++) smp_step_output_free(&outs[k]);
         if (!st && step == 0) st = sgd_step_on_device(model);
     }
-    if (st) fail(res, "%s: %s", own ? "own batches" : "joined batches", smp_last_error());
-    else params_to_host(model, o->params, &o->n);
-    smp_model_free(model);
-    smp_nccl_free(g_net_loss);
-    CK(cudaFree(dx));
-    CK(cudaFree(dt));
     CK(cudaFree(dids));
-    return st;
+    return device_run_end(&r, st, own ? "own batches" : "joined batches", res, o->params, &o->n);
 }
 
 static void test_joined_batch(const smp_config *base) {

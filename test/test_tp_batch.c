@@ -19,15 +19,20 @@
         reduce_mean of the loss is the reference's; smp_local_batch_size is
         the global batch over dp_size (over rdp_size in the reference), and
         smp_sampler_indices starts this rank at its own rows (the TP group's).
+        When world rank 1 comes LATE_S late to the last step, every other
+        rank's smp_last_step_stats seconds counts the wait in the join.
      2. bad input (before each own-batch run): a batch size, then a dtype,
         that differs across the TP group is an error on every rank naming
         both ranks and shapes and the fix; then a kernel that fails on the
         last rank after the join fails the step on every rank. The failed
         steps leave no memory behind and change nothing: the training after
         them is still bitwise the reference's (the kernel's after step 0).
+     3. tp 2 (2 ranks) at 4 microbatches, 3 examples a rank: the error names
+        this rank's batch of 3, joined into 6, and the fix, word for word.
    At 1 rank tp is 1 and the two modes are the same thing: checked too.
 
    Run: mpirun -n 1|2|4 build/gcc/test_tp_batch */
+#define _POSIX_C_SOURCE 200809L /* nanosleep */
 #define SMP_IMPLEMENTATION
 #include "smp.h"
 #include "smp_pipeline.h"
@@ -36,12 +41,14 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "tp_mlp.h"
 
 #define RUN_STEPS 6
 #define OWN BATCH   /* examples each rank passes with prescaled_batch false */
 #define MOST 16     /* the most examples a rank passes: tp x OWN, and one more for the bad batch */
+#define LATE_S 0.3  /* how late world rank 1 comes to the last own-batch step */
 
 static int g_rank, g_world;
 
@@ -188,7 +195,14 @@ static void run(int pp, int tp, smp_pipeline_kind kind, bool own, run_result *r)
         smp_step_output outs[4];
         memset(outs, 0, sizeof outs);
         smp_model_zero_grad(n.model);
+        bool late = own && smp_tp_size() > 1 && s == RUN_STEPS - 1; /* world rank 1 comes LATE_S late to the step */
+        if (late && smp_rank() == 1) nanosleep(&(struct timespec){0, (long)(LATE_S * 1e9)}, NULL);
         if ((r->st = smp_step(&d, outs, 4))) break;
+        /* every other rank waited for it in the join, which is part of the call the statistics time */
+        double took = smp_last_step_stats(n.model).seconds;
+        if (late && smp_rank() != 1 && !(took >= LATE_S))
+            note(r, "step %d: smp_last_step_stats' seconds %.3f, but the call waited %.3f s for a late rank", s, took,
+                 LATE_S);
         r->loss[s] = smp_step_output_reduce_mean_f64(&outs[0]);
         smp_tensor cat = smp_tensor_2d(r->out[s], SMP_F32, joined, H);
         if ((r->st = smp_step_output_concat(&outs[1], &cat))) break;
@@ -214,6 +228,47 @@ static void run(int pp, int tp, smp_pipeline_kind kind, bool own, run_result *r)
     smp_finalize();
 }
 
+/* tp 2 at 4 microbatches, each rank passing 3 examples: the joined 6 do not divide, and the error on every rank
+   names the batch this rank passed, the join and the fix. */
+static void indivisible_join(void) {
+    smp_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.tensor_parallel_degree = 2;
+    cfg.microbatches = 4;
+    cfg.prescaled_batch = SMP_OFF;
+    smp_status st = smp_init(&cfg);
+    net n;
+    memset(&n, 0, sizeof n);
+    if (!st) build(&n, false, false, F);
+    if (!st) st = smp_model_new(n.root, &(smp_model_desc){.forward = net_forward, .ninputs = 1, .user = &n}, &n.model);
+    char why[700] = "";
+    if (st) snprintf(why, sizeof why, "set-up: status %d: %.400s", (int)st, smp_last_error());
+    float x[3 * H], t[3 * H];
+    int32_t ids[2 * 3];
+    examples(0, 3 * smp_tp_rank(), 3, x, t, ids);
+    smp_step_desc d;
+    memset(&d, 0, sizeof d);
+    d.model = n.model;
+    d.body = mse_body;
+    d.nargs = 2;
+    d.args[0] = smp_tensor_2d(x, SMP_F32, 3, H), d.args[1] = smp_tensor_2d(t, SMP_F32, 3, H);
+    int64_t comm_before = st ? 0 : smp_memory().bytes[SMP_MEMORY_COMMUNICATION];
+    if (!st) st = smp_step(&d, NULL, 0);
+    static const char text[] = "smp_step: this rank's batch of 3 (argument 0, axis 0), joined over the TP group of 2 "
+                               "ranks into 6 (prescaled_batch false), does not divide into 4 microbatches: pass each "
+                               "rank a batch that is a multiple of 2, or set microbatches to a divisor of 6";
+    const char *e = smp_last_error(), *mine = g_rank == 0 ? e : strncmp(e, "rank 0: ", 8) ? "" : e + 8;
+    if (!why[0] && (st != SMP_ERR_ARG || strcmp(mine, text)))
+        snprintf(why, sizeof why, "status %d, message: %.400s", (int)st, e);
+    else if (!why[0] && smp_memory().bytes[SMP_MEMORY_COMMUNICATION] != comm_before)
+        snprintf(why, sizeof why, "communication bytes %lld before, %lld after", (long long)comm_before,
+                 (long long)smp_memory().bytes[SMP_MEMORY_COMMUNICATION]);
+    smp_model_free(n.model);
+    smp_finalize();
+    MPI_CHECK(!why[0], "prescaled_batch false: a joined batch that does not divide into microbatches is an error "
+              "naming this rank's batch, the join and the fix", "%s", why);
+}
+
 /* prescaled_batch false against true at pp x tp on the world: bitwise. */
 static void compare(const char *label, int pp, int tp, smp_pipeline_kind kind) {
     static run_result own, ref;
@@ -235,7 +290,9 @@ static void compare(const char *label, int pp, int tp, smp_pipeline_kind kind) {
         if (memcmp(own.value[k], ref.value[k], sizeof(float) * (size_t)numel_of(k, F)))
             snprintf(why, sizeof why, "parameter %d differs after %d steps", k, RUN_STEPS);
     snprintf(name, sizeof name, "prescaled_batch false, %s: bitwise the joined batch with prescaled_batch true%s", label,
-             own.st == SMP_OK && tp > 1 ? " (and its failed steps failed everywhere, leaving nothing)" : "");
+             own.st == SMP_OK && tp > 1
+                 ? " (its failed steps failed everywhere, leaving nothing; its statistics timed the join)"
+                 : "");
     MPI_CHECK(!why[0], name, "%s", why);
     result_free(&own);
     result_free(&ref);
@@ -247,7 +304,10 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &g_world);
     (void)batch_of; /* test_tp's batches: these are per example */
     if (g_world == 1) compare("tp 1 (the same thing)", 1, 1, SMP_PIPELINE_INTERLEAVED);
-    if (g_world == 2) compare("tp 2", 1, 2, SMP_PIPELINE_INTERLEAVED);
+    if (g_world == 2) {
+        compare("tp 2", 1, 2, SMP_PIPELINE_INTERLEAVED);
+        indivisible_join();
+    }
     if (g_world == 4) {
         compare("pp 2 x tp 2, 1F1B", 2, 2, SMP_PIPELINE_INTERLEAVED);
         compare("pp 2 x tp 2, zero_bubble", 2, 2, SMP_PIPELINE_ZERO_BUBBLE);
