@@ -1787,20 +1787,17 @@ static smp_status smp__nomem(size_t bytes, const char *what) {
                      smp__ctx.at.in_step ? " (or use fewer or smaller microbatches, or activation_checkpointing)" : "");
 }
 
-/* Memory for a call that reports errors: NULL and SMP_ERR_NOMEM in *st
-   when there is none, and nothing at all once *st holds an error, so a run
-   of allocations needs one check at its end. Uninitialised: for payloads
-   that are written whole (messages), where zeroing would be a second pass. */
-static void *smp__bytes_or(smp_status *st, size_t n, smp__alloc_kind kind, const char *what) {
+/* Memory for a call that reports errors, zeroed (tables): NULL and
+   SMP_ERR_NOMEM in *st naming `what` when there is none, and nothing at all
+   once *st holds an error, so a run of allocations needs one check at its
+   end. kind | SMP__UNINIT leaves it uninitialised: for payloads that are
+   written whole (messages), where zeroing would be a second pass. */
+#define SMP__UNINIT 0x100u
+static void *smp__alloc_or(smp_status *st, size_t n, unsigned kind, const char *what) {
     if (*st) return NULL;
-    void *p = smp__alloc(n ? n : 1, kind);
+    void *p = smp__alloc(n ? n : 1, (smp__alloc_kind)(kind & ~SMP__UNINIT));
     if (!p) *st = smp__nomem(n, what);
-    return p;
-}
-/* The same, zeroed: for tables. */
-static void *smp__alloc_or(smp_status *st, size_t n, smp__alloc_kind kind, const char *what) {
-    void *p = smp__bytes_or(st, n, kind, what);
-    if (p) memset(p, 0, n);
+    else if (!(kind & SMP__UNINIT)) memset(p, 0, n);
     return p;
 }
 
@@ -3781,7 +3778,7 @@ SMPDEF smp_status smp_recv_from(int src, smp_group g, void **buf, size_t *len) {
     MPI_Datatype type;
     int count;
     smp_status st = SMP_OK;
-    char *p = (char *)smp__bytes_or(&st, n + 1, SMP__ALLOC_OTHER, "an object smp_recv_from receives");
+    char *p = (char *)smp__alloc_or(&st, n + 1, SMP__ALLOC_OTHER | SMP__UNINIT, "an object smp_recv_from receives");
     if (!st) st = smp__bytes_type(n, &count, &type);
     if (st) { /* MPI matched the message to this probe: no other receive can have it */
         smp__free(p);
@@ -3813,8 +3810,9 @@ static smp_status smp__broadcast_bytes(void **buf, size_t *len, int root, smp_gr
     SMP__MPI(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, gi->comm, &req),
              "broadcasting a length (smp_broadcast_bytes) from %s rank %d", smp__group_name(g), root);
     smp_wait_requests(1, &req, "broadcast length", g, root);
-    char *into = gi->rank == root ? (char *)*buf
-                                  : (char *)smp__bytes_or(&st, (size_t)n + 1, SMP__ALLOC_OTHER, "a broadcast's bytes");
+    char *into = gi->rank == root
+                     ? (char *)*buf
+                     : (char *)smp__alloc_or(&st, (size_t)n + 1, SMP__ALLOC_OTHER | SMP__UNINIT, "a broadcast's bytes");
     /* in pieces of `spare`'s size, so a member without the memory for the
        whole still takes part (into spare, which is touched only then) and
        returns SMP_ERR_NOMEM instead of leaving the others waiting */
@@ -5323,9 +5321,10 @@ static smp_status smp__gather_params(smp_model *m) {
         mine += (size_t)count * smp_dtype_size(p->value.dtype);
     }
     smp_status st = SMP_OK;
-    char *pack = (char *)smp__bytes_or(&st, mine + 1, SMP__ALLOC_COMM,
+    char *pack = (char *)smp__alloc_or(&st, mine + 1, SMP__ALLOC_COMM | SMP__UNINIT,
                                        "the parameters a replica updated (shard_optimizer_state)");
-    size_t *lens = (size_t *)smp__bytes_or(&st, sizeof(size_t) * (size_t)dp, SMP__ALLOC_COMM, "the parameters' ranges");
+    size_t *lens = (size_t *)smp__alloc_or(&st, sizeof(size_t) * (size_t)dp, SMP__ALLOC_COMM | SMP__UNINIT,
+                                           "the parameters' ranges");
     void *all = NULL;
     for (int i = 0; i < m->nparams && !st; i++) {
         smp_param *p = m->params[i];
@@ -7048,7 +7047,8 @@ static smp_status smp__share_trace(smp_model *m) {
                          "on every rank",
                          (unsigned long long)lo[0], (unsigned long long)hi[0]);
     smp_status st = SMP_OK;
-    double *costs = (double *)smp__bytes_or(&st, sizeof(double) * 5 * (size_t)n, SMP__ALLOC_OTHER, "the traced costs");
+    double *costs = (double *)smp__alloc_or(&st, sizeof(double) * 5 * (size_t)n, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                            "the traced costs");
     st = smp__agree_on(smp__ctx.world, st, "memory for the traced costs"); /* every rank must be in the broadcast */
     if (st) { smp__free(costs); return st; }
     for (int i = 0; i < n; i++) {
