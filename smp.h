@@ -1714,10 +1714,6 @@ static void *smp__block(size_t n, smp__alloc_kind kind, bool device) {
     return p;
 }
 
-/* n bytes of the backend's device memory, counted like smp__alloc's; NULL
-   when the device has no room (the backend has set the message). */
-static void *smp__dev_alloc(size_t n, smp__alloc_kind kind) { return smp__block(n, kind, true); }
-
 static void *smp__alloc(size_t n, smp__alloc_kind kind) {
     if (smp__injected(SMP_FAULT_ALLOC)) return NULL;
     return smp__block(n, kind, false);
@@ -3976,20 +3972,17 @@ static void smp__scale(void *data, smp_dtype dt, int64_t n, double by) {
 }
 
 /* ---------------------------------------------------------------- tensors on either side */
-/* Allocates t's data (its dtype and shape set) on the backend's device or
-   on the host, and sets t->device; NULL when out of memory. */
-static void *smp__tensor_alloc(smp_tensor *t, bool on_device, smp__alloc_kind kind) {
-    size_t bytes = smp_tensor_nbytes(t);
-    t->device = on_device ? smp__ctx.device.current_device() : SMP_HOST;
-    t->data = on_device ? smp__dev_alloc(bytes, kind) : smp__alloc(bytes ? bytes : 1, kind);
-    return t->data;
-}
-
-/* smp__tensor_alloc under the out-of-memory policy, as smp__alloc_or. */
+/* Allocates t's data (its dtype and shape set), uninitialised, on the
+   backend's device or on the host, and sets t->device: smp__alloc_or for a
+   tensor, its message saying which memory ran out. A device block is counted
+   like a host one (the backend sets its message when it has no room). */
 static void *smp__tensor_alloc_or(smp_status *st, smp_tensor *t, bool on_device, smp__alloc_kind kind,
                                   const char *what) {
     if (*st) return NULL;
-    if (smp__tensor_alloc(t, on_device, kind)) return t->data;
+    size_t bytes = smp_tensor_nbytes(t);
+    t->device = on_device ? smp__ctx.device.current_device() : SMP_HOST;
+    t->data = on_device ? smp__block(bytes, kind, true) : smp__alloc(bytes ? bytes : 1, kind);
+    if (t->data) return t->data;
     char why[256];
     snprintf(why, sizeof why, "%s (%s memory: %.150s)", what, on_device ? "device" : "host",
              on_device ? smp__errbuf : "malloc failed");
@@ -5429,8 +5422,9 @@ SMPDEF smp_tensor *smp_call_output(smp_call_ctx *c, int i, smp_dtype dt, int ndi
     smp_tensor *t = &c->outputs[i];
     if (t->data) smp__free(t->data); /* asked twice: the last one counts */
     *t = smp_tensor_make(NULL, dt, ndim, shape);
-    return smp__call_got(c, smp__tensor_alloc(t, smp__model_on_device(c->module->model), c->kind), smp_tensor_nbytes(t),
-                         "an output")
+    smp_status st = SMP_OK; /* the call reports it (smp__call_got) */
+    return smp__call_got(c, smp__tensor_alloc_or(&st, t, smp__model_on_device(c->module->model), c->kind, "an output"),
+                         smp_tensor_nbytes(t), "an output")
                ? t
                : NULL;
 }
@@ -5446,7 +5440,8 @@ SMPDEF void *smp_call_stash_device(smp_call_ctx *c, size_t bytes) {
     if (c->in_backward) return NULL;
     smp__free(c->device_stash);
     smp_tensor t = smp_tensor_1d(NULL, SMP_U8, (int64_t)bytes);
-    c->device_stash = smp__tensor_alloc(&t, smp__model_on_device(c->module->model), c->kind);
+    smp_status st = SMP_OK; /* the call reports it (smp__call_got) */
+    c->device_stash = smp__tensor_alloc_or(&st, &t, smp__model_on_device(c->module->model), c->kind, "a device stash");
     c->device_stash_bytes = c->device_stash ? bytes : 0;
     return smp__call_got(c, c->device_stash, bytes, "a device stash") ? c->device_stash : NULL;
 }

@@ -2292,7 +2292,9 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
                replica's piece; smp__ddp_finish puts the sum in place */
             int dp = smp_rdp_size();
             smp_tensor got = smp_tensor_1d(NULL, b->dtype, deterministic ? b->numel : b->numel / dp);
-            if (!smp__tensor_alloc(&got, true, SMP__ALLOC_COMM)) smp__bucket_nomem(smp_tensor_nbytes(&got));
+            smp_status st = SMP_OK; /* the job stops without it (smp__bucket_nomem) */
+            if (!smp__tensor_alloc_or(&st, &got, true, SMP__ALLOC_COMM, "a gradient bucket's piece"))
+                smp__bucket_nomem(smp_tensor_nbytes(&got));
             b->gather = got.data;
             b->pieces = deterministic ? dp : 1;
             return deterministic ? smp_all_to_all_single(&t, &got, NULL, NULL, SMP_RDP_GROUP)
@@ -2303,7 +2305,9 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
             return smp__ctx.device.bucket_all_reduce(b->data, b->dtype, b->numel, SMP_RDP_GROUP);
         }
         if (!deterministic) return smp_all_reduce(&t, &t, SMP_SUM, SMP_RDP_GROUP);
-        if (!smp__tensor_alloc(&all, true, SMP__ALLOC_OTHER)) smp__bucket_nomem(b->bytes * (size_t)smp_rdp_size());
+        smp_status st = SMP_OK; /* the job stops without it (smp__bucket_nomem) */
+        if (!smp__tensor_alloc_or(&st, &all, true, SMP__ALLOC_OTHER, "a gradient bucket's replicas"))
+            smp__bucket_nomem(b->bytes * (size_t)smp_rdp_size());
         b->gather = all.data;
         b->pieces = smp_rdp_size();
         return smp_all_gather(&t, &all, SMP_RDP_GROUP);
