@@ -1457,9 +1457,20 @@ static smp_status smp__require_init(const char *fn) {
     return SMP_OK;
 }
 
-/* ---------------------------------------------------------------- memory */
-/* Every block carries its size and kind in a 64-byte header, so frees can be
-   counted without a lookup and the payload stays 64-byte aligned. */
+/* ---------------------------------------------------------------- memory
+   Every block smp holds comes from one of these, counted in smp_memory() in
+   its category (smp__alloc_kind), and goes back through smp__free:
+     smp__alloc(n, kind)               NULL when there is none, the last error
+                                       untouched: for callers that report it their own way
+     smp__alloc_or(st, n, kind, what)  the out-of-memory policy: NULL and SMP_ERR_NOMEM in
+                                       *st naming what; zeroed unless kind | SMP__UNINIT
+     smp__grow_or(st, &arr, &cap, need, elem, what)  a growable array under the policy
+                                       (smp__grow: without a message, for callers that report later)
+     smp__tensor_alloc_or(st, t, on_device, kind, what)  a tensor's data, host or device
+   While a step runs they come from its model's cache (the caching allocator
+   below). A host block carries its size and kind in a 64-byte header, so
+   frees can be counted without a lookup and the payload stays 64-byte
+   aligned. */
 #define SMP__HDR 64
 
 /* A category's bytes change by delta (the registered optimizer state's too, which current_bytes leaves out). */

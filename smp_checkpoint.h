@@ -4445,8 +4445,10 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
             if (partial) { /* the partition map must agree with where the tensor is */
                 char key2[64 + 8];
                 size_t kl = strlen("smp.partition.") + strlen(e->name) + 1;
-                char *kb = kl <= sizeof key2 ? key2 : (char *)smp__alloc(kl, SMP__ALLOC_OTHER);
-                if (!kb) return smp__nomem(kl, "a metadata key to look up (smp.partition.<tensor>)");
+                const char *what = "a metadata key to look up (smp.partition.<tensor>)";
+                char *kb = kl <= sizeof key2 ? key2
+                                             : (char *)smp__alloc_or(&st, kl, SMP__ALLOC_OTHER | SMP__UNINIT, what);
+                if (!kb) return st;
                 snprintf(kb, kl, "smp.partition.%s", e->name);
                 const char *v = smp_ckpt_meta(f, kb);
                 if (kb != key2) smp__free(kb);
