@@ -1480,9 +1480,20 @@ static smp_status smp__require_init(const char *fn) {
     return SMP_OK;
 }
 
-/* ---------------------------------------------------------------- memory */
-/* Every block carries its size and kind in a 64-byte header, so frees can be
-   counted without a lookup and the payload stays 64-byte aligned. */
+/* ---------------------------------------------------------------- memory
+   Every block smp holds comes from one of these, counted in smp_memory() in
+   its category (smp__alloc_kind), and goes back through smp__free:
+     smp__alloc(n, kind)               NULL when there is none, the last error
+                                       untouched: for callers that report it their own way
+     smp__alloc_or(st, n, kind, what)  the out-of-memory policy: NULL and SMP_ERR_NOMEM in
+                                       *st naming what; zeroed unless kind | SMP__UNINIT
+     smp__grow_or(st, &arr, &cap, need, elem, what)  a growable array under the policy
+                                       (smp__grow: without a message, for callers that report later)
+     smp__tensor_alloc_or(st, t, on_device, kind, what)  a tensor's data, host or device
+   While a step runs they come from its model's cache (the caching allocator
+   below). A host block carries its size and kind in a 64-byte header, so
+   frees can be counted without a lookup and the payload stays 64-byte
+   aligned. */
 #define SMP__HDR 64
 
 /* A category's bytes change by delta (the registered optimizer state's too, which current_bytes leaves out). */
@@ -1737,10 +1748,6 @@ static void *smp__block(size_t n, smp__alloc_kind kind, bool device) {
     return p;
 }
 
-/* n bytes of the backend's device memory, counted like smp__alloc's; NULL
-   when the device has no room (the backend has set the message). */
-static void *smp__dev_alloc(size_t n, smp__alloc_kind kind) { return smp__block(n, kind, true); }
-
 static void *smp__alloc(size_t n, smp__alloc_kind kind) {
     if (smp__injected(SMP_FAULT_ALLOC)) return NULL;
     return smp__block(n, kind, false);
@@ -1810,20 +1817,17 @@ static smp_status smp__nomem(size_t bytes, const char *what) {
                      smp__ctx.at.in_step ? " (or use fewer or smaller microbatches, or activation_checkpointing)" : "");
 }
 
-/* Memory for a call that reports errors: NULL and SMP_ERR_NOMEM in *st
-   when there is none, and nothing at all once *st holds an error, so a run
-   of allocations needs one check at its end. Uninitialised: for payloads
-   that are written whole (messages), where zeroing would be a second pass. */
-static void *smp__bytes_or(smp_status *st, size_t n, smp__alloc_kind kind, const char *what) {
+/* Memory for a call that reports errors, zeroed (tables): NULL and
+   SMP_ERR_NOMEM in *st naming `what` when there is none, and nothing at all
+   once *st holds an error, so a run of allocations needs one check at its
+   end. kind | SMP__UNINIT leaves it uninitialised: for payloads that are
+   written whole (messages), where zeroing would be a second pass. */
+#define SMP__UNINIT 0x100u
+static void *smp__alloc_or(smp_status *st, size_t n, unsigned kind, const char *what) {
     if (*st) return NULL;
-    void *p = smp__alloc(n ? n : 1, kind);
+    void *p = smp__alloc(n ? n : 1, (smp__alloc_kind)(kind & ~SMP__UNINIT));
     if (!p) *st = smp__nomem(n, what);
-    return p;
-}
-/* The same, zeroed: for tables. */
-static void *smp__alloc_or(smp_status *st, size_t n, smp__alloc_kind kind, const char *what) {
-    void *p = smp__bytes_or(st, n, kind, what);
-    if (p) memset(p, 0, n);
+    else if (!(kind & SMP__UNINIT)) memset(p, 0, n);
     return p;
 }
 
@@ -3806,7 +3810,7 @@ SMPDEF smp_status smp_recv_from(int src, smp_group g, void **buf, size_t *len) {
     MPI_Datatype type;
     int count;
     smp_status st = SMP_OK;
-    char *p = (char *)smp__bytes_or(&st, n + 1, SMP__ALLOC_OTHER, "an object smp_recv_from receives");
+    char *p = (char *)smp__alloc_or(&st, n + 1, SMP__ALLOC_OTHER | SMP__UNINIT, "an object smp_recv_from receives");
     if (!st) st = smp__bytes_type(n, &count, &type);
     if (st) { /* MPI matched the message to this probe: no other receive can have it */
         smp__free(p);
@@ -3838,8 +3842,9 @@ static smp_status smp__broadcast_bytes(void **buf, size_t *len, int root, smp_gr
     SMP__MPI(MPI_Ibcast(&n, 1, MPI_UINT64_T, root, gi->comm, &req),
              "broadcasting a length (smp_broadcast_bytes) from %s rank %d", smp__group_name(g), root);
     smp_wait_requests(1, &req, "broadcast length", g, root);
-    char *into = gi->rank == root ? (char *)*buf
-                                  : (char *)smp__bytes_or(&st, (size_t)n + 1, SMP__ALLOC_OTHER, "a broadcast's bytes");
+    char *into = gi->rank == root
+                     ? (char *)*buf
+                     : (char *)smp__alloc_or(&st, (size_t)n + 1, SMP__ALLOC_OTHER | SMP__UNINIT, "a broadcast's bytes");
     /* in pieces of `spare`'s size, so a member without the memory for the
        whole still takes part (into spare, which is touched only then) and
        returns SMP_ERR_NOMEM instead of leaving the others waiting */
@@ -4003,20 +4008,17 @@ static void smp__scale(void *data, smp_dtype dt, int64_t n, double by) {
 }
 
 /* ---------------------------------------------------------------- tensors on either side */
-/* Allocates t's data (its dtype and shape set) on the backend's device or
-   on the host, and sets t->device; NULL when out of memory. */
-static void *smp__tensor_alloc(smp_tensor *t, bool on_device, smp__alloc_kind kind) {
-    size_t bytes = smp_tensor_nbytes(t);
-    t->device = on_device ? smp__ctx.device.current_device() : SMP_HOST;
-    t->data = on_device ? smp__dev_alloc(bytes, kind) : smp__alloc(bytes ? bytes : 1, kind);
-    return t->data;
-}
-
-/* smp__tensor_alloc under the out-of-memory policy, as smp__alloc_or. */
+/* Allocates t's data (its dtype and shape set), uninitialised, on the
+   backend's device or on the host, and sets t->device: smp__alloc_or for a
+   tensor, its message saying which memory ran out. A device block is counted
+   like a host one (the backend sets its message when it has no room). */
 static void *smp__tensor_alloc_or(smp_status *st, smp_tensor *t, bool on_device, smp__alloc_kind kind,
                                   const char *what) {
     if (*st) return NULL;
-    if (smp__tensor_alloc(t, on_device, kind)) return t->data;
+    size_t bytes = smp_tensor_nbytes(t);
+    t->device = on_device ? smp__ctx.device.current_device() : SMP_HOST;
+    t->data = on_device ? smp__block(bytes, kind, true) : smp__alloc(bytes ? bytes : 1, kind);
+    if (t->data) return t->data;
     char why[256];
     snprintf(why, sizeof why, "%s (%s memory: %.150s)", what, on_device ? "device" : "host",
              on_device ? smp__errbuf : "malloc failed");
@@ -5479,9 +5481,10 @@ static smp_status smp__gather_params(smp_model *m) {
         mine += (size_t)count * smp_dtype_size(p->value.dtype);
     }
     smp_status st = SMP_OK;
-    char *pack = (char *)smp__bytes_or(&st, mine + 1, SMP__ALLOC_COMM,
+    char *pack = (char *)smp__alloc_or(&st, mine + 1, SMP__ALLOC_COMM | SMP__UNINIT,
                                        "the parameters a replica updated (shard_optimizer_state)");
-    size_t *lens = (size_t *)smp__bytes_or(&st, sizeof(size_t) * (size_t)dp, SMP__ALLOC_COMM, "the parameters' ranges");
+    size_t *lens = (size_t *)smp__alloc_or(&st, sizeof(size_t) * (size_t)dp, SMP__ALLOC_COMM | SMP__UNINIT,
+                                           "the parameters' ranges");
     void *all = NULL;
     for (int i = 0; i < m->nparams && !st; i++) {
         smp_param *p = m->params[i];
@@ -5586,8 +5589,9 @@ SMPDEF smp_tensor *smp_call_output(smp_call_ctx *c, int i, smp_dtype dt, int ndi
     smp_tensor *t = &c->outputs[i];
     if (t->data) smp__free(t->data); /* asked twice: the last one counts */
     *t = smp_tensor_make(NULL, dt, ndim, shape);
-    return smp__call_got(c, smp__tensor_alloc(t, smp__model_on_device(c->module->model), c->kind), smp_tensor_nbytes(t),
-                         "an output")
+    smp_status st = SMP_OK; /* the call reports it (smp__call_got) */
+    return smp__call_got(c, smp__tensor_alloc_or(&st, t, smp__model_on_device(c->module->model), c->kind, "an output"),
+                         smp_tensor_nbytes(t), "an output")
                ? t
                : NULL;
 }
@@ -5603,7 +5607,8 @@ SMPDEF void *smp_call_stash_device(smp_call_ctx *c, size_t bytes) {
     if (c->in_backward) return NULL;
     smp__free(c->device_stash);
     smp_tensor t = smp_tensor_1d(NULL, SMP_U8, (int64_t)bytes);
-    c->device_stash = smp__tensor_alloc(&t, smp__model_on_device(c->module->model), c->kind);
+    smp_status st = SMP_OK; /* the call reports it (smp__call_got) */
+    c->device_stash = smp__tensor_alloc_or(&st, &t, smp__model_on_device(c->module->model), c->kind, "a device stash");
     c->device_stash_bytes = c->device_stash ? bytes : 0;
     return smp__call_got(c, c->device_stash, bytes, "a device stash") ? c->device_stash : NULL;
 }
@@ -7204,7 +7209,8 @@ static smp_status smp__share_trace(smp_model *m) {
                          "on every rank",
                          (unsigned long long)lo[0], (unsigned long long)hi[0]);
     smp_status st = SMP_OK;
-    double *costs = (double *)smp__bytes_or(&st, sizeof(double) * 5 * (size_t)n, SMP__ALLOC_OTHER, "the traced costs");
+    double *costs = (double *)smp__alloc_or(&st, sizeof(double) * 5 * (size_t)n, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                            "the traced costs");
     st = smp__agree_on(smp__ctx.world, st, "memory for the traced costs"); /* every rank must be in the broadcast */
     if (st) { smp__free(costs); return st; }
     for (int i = 0; i < n; i++) {

@@ -539,11 +539,11 @@ static smp_status smp__ckpt_nomem(size_t bytes, const char *label, const char *w
     return smp__nomem(bytes, buf);
 }
 
-/* smp's counted allocation (as smp__bytes_or) for a call that reports
-   errors, its purpose named as smp__ckpt_nomem names it. */
+/* smp__alloc_or (uninitialised, SMP__ALLOC_OTHER) where a label names the
+   file: the out-of-memory message names it too, as smp__ckpt_nomem does. */
 static void *smp__ckpt_alloc(smp_status *st, size_t n, const char *label, const char *what) {
     if (*st) return NULL;
-    void *p = smp__alloc(n ? n : 1, SMP__ALLOC_OTHER);
+    void *p = smp__alloc_or(st, n, SMP__ALLOC_OTHER | SMP__UNINIT, what);
     if (!p) *st = smp__ckpt_nomem(n, label, what);
     return p;
 }
@@ -2277,7 +2277,7 @@ SMPDEF smp_status smp_optimizer_state_add(smp_optimizer *o, const char *param, c
     }
     smp_status st = SMP_OK;
     size_t len = strlen(SMP_CKPT_OPTIMIZER_PREFIX) + (param ? strlen(param) + 1 : 0) + strlen(name) + 1;
-    char *full = (char *)smp__bytes_or(&st, len, SMP__ALLOC_OTHER,
+    char *full = (char *)smp__alloc_or(&st, len, SMP__ALLOC_OTHER | SMP__UNINIT,
                                        "the name of the optimizer state smp_optimizer_state_add registers");
     if (st) return st;
     snprintf(full, len, "%s%s%s%s", SMP_CKPT_OPTIMIZER_PREFIX, param ? param : "", param ? "." : "", name);
@@ -2425,7 +2425,7 @@ static smp_status smp__ckpt_pack(const smp_optimizer *o, char **out, size_t *len
     for (int i = 0; i < o->n; i++) n += 1 + strlen(o->s[i].full) + 1 + sizeof(smp__ckpt_wire);
     smp_status st = SMP_OK;
     char *b =
-        (char *)smp__bytes_or(&st, n, SMP__ALLOC_OTHER,
+        (char *)smp__alloc_or(&st, n, SMP__ALLOC_OTHER | SMP__UNINIT,
                               "this rank's optimizer state names, packed for the other ranks (a checkpoint's plan)");
     if (!b) return st;
     for (int i = 0; i < o->n; i++) {
@@ -2622,12 +2622,12 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     pl->tp_rank = smp_tp_rank();
 
     /* what the exchanges below fill, and this rank's part of them */
-    pl->coords = (int *)smp__ckpt_alloc(&st, sizeof(int) * 3 * (size_t)pl->size, NULL,
-                                        "every rank's partition, shard and replica (a checkpoint's plan)");
-    counts = (int *)smp__ckpt_alloc(&st, sizeof(int) * 2 * (size_t)pl->size, NULL,
-                                    "the lengths of every rank's optimizer state names (a checkpoint's plan)");
-    pl->saver = (int *)smp__ckpt_alloc(&st, sizeof(int) * (size_t)pl->P, NULL,
-                                       "the saver of each partition (a checkpoint's plan)");
+    pl->coords = (int *)smp__alloc_or(&st, sizeof(int) * 3 * (size_t)pl->size, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                      "every rank's partition, shard and replica (a checkpoint's plan)");
+    counts = (int *)smp__alloc_or(&st, sizeof(int) * 2 * (size_t)pl->size, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                  "the lengths of every rank's optimizer state names (a checkpoint's plan)");
+    pl->saver = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)pl->P, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                     "the saver of each partition (a checkpoint's plan)");
     if (!st) st = smp__ckpt_pack(opt, &packed, &packed_len);
     if (!st && packed_len > (size_t)INT32_MAX)
         st = smp_error(SMP_ERR_ARG, "too many optimizer state names to exchange");
@@ -2678,8 +2678,8 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
         displs[i] = total;
         total += counts[i];
     }
-    pl->gathered = (char *)smp__ckpt_alloc(&st, (size_t)total + 1, NULL,
-                                           "every rank's optimizer state names (a checkpoint's plan)");
+    pl->gathered = (char *)smp__alloc_or(&st, (size_t)total + 1, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                         "every rank's optimizer state names (a checkpoint's plan)");
     if ((st = smp__ckpt_agree(pl, st, "planning the checkpoint")) != SMP_OK) goto out;
     SMP__MPI_FATAL(
         MPI_Iallgatherv(packed, (int)packed_len, MPI_BYTE, pl->gathered, counts, displs, MPI_BYTE, pl->comm, &req),
@@ -2698,7 +2698,8 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
             p += strlen(p) + 1 + sizeof(smp__ckpt_wire);
             nrec++;
         }
-        pl->items = (smp__ckpt_item *)smp__ckpt_alloc(&st, sizeof(smp__ckpt_item) * (size_t)(np + nrec + 1), NULL,
+        pl->items = (smp__ckpt_item *)smp__alloc_or(&st, sizeof(smp__ckpt_item) * (size_t)(np + nrec + 1),
+                                                    SMP__ALLOC_OTHER | SMP__UNINIT,
                                                     "the list of the model's tensors (a checkpoint's plan)");
     }
     if (st) goto out;
@@ -2753,10 +2754,10 @@ static smp_status smp__ckpt_plan_init(smp__ckpt_plan *pl, smp_model *m, const sm
     if (st) goto out;
 
     /* names are unique; file order */
-    pl->by_name = (int *)smp__ckpt_alloc(&st, sizeof(int) * (size_t)(pl->n + 1), NULL,
-                                         "the model's tensors sorted by name (a checkpoint's plan)");
-    pl->order = (int *)smp__ckpt_alloc(&st, sizeof(int) * (size_t)(pl->n + 1), NULL,
-                                       "the model's tensors in file order (a checkpoint's plan)");
+    pl->by_name = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(pl->n + 1), SMP__ALLOC_OTHER | SMP__UNINIT,
+                                       "the model's tensors sorted by name (a checkpoint's plan)");
+    pl->order = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(pl->n + 1), SMP__ALLOC_OTHER | SMP__UNINIT,
+                                     "the model's tensors in file order (a checkpoint's plan)");
     if (st) goto out;
     for (i = 0; i < pl->n; i++) pl->by_name[i] = pl->order[i] = i;
     smp__ckpt_sort_plan = pl;
@@ -2998,8 +2999,11 @@ static smp_status smp__ckpt_stream_prepare(smp__ckpt_plan *pl, int receiver, smp
     if (pl->rank != receiver && !device) chunks = 0; /* a host sender sends from the tensors themselves */
     smp_status st = SMP_OK;
     for (int i = 0; i < SMP__CKPT_RING && i < chunks; i++)
-        rx->buf[i] = (uint8_t *)smp__ckpt_alloc(&st, rx->cap, NULL, "a checkpoint transfer buffer (one of 8)");
-    if (own_device) rx->stage = (uint8_t *)smp__ckpt_alloc(&st, rx->cap, NULL, "staging a device tensor to save it");
+        rx->buf[i] = (uint8_t *)smp__alloc_or(&st, rx->cap, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                              "a checkpoint transfer buffer (one of 8)");
+    if (own_device)
+        rx->stage = (uint8_t *)smp__alloc_or(&st, rx->cap, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                             "staging a device tensor to save it");
     return st;
 }
 
@@ -3107,11 +3111,13 @@ static smp_status smp__ckpt_assemble(smp__ckpt_plan *pl) {
         }
         if (home != pl->rank || st) continue;
         it->whole = smp_tensor_make(NULL, it->dtype, it->ndim, it->shape);
-        it->whole.data = smp__ckpt_alloc(&st, it->nbytes ? (size_t)it->nbytes : 1, NULL,
-                                         "a sharded tensor, gathered whole to save it");
+        it->whole.data = smp__alloc_or(&st, it->nbytes ? (size_t)it->nbytes : 1, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                       "a sharded tensor, gathered whole to save it");
         it->local = &it->whole;
     }
-    if (stage) buf = (uint8_t *)smp__ckpt_alloc(&st, pl->chunk, NULL, "a chunk of a sharded tensor (gathering it)");
+    if (stage)
+        buf = (uint8_t *)smp__alloc_or(&st, pl->chunk, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                       "a chunk of a sharded tensor (gathering it)");
     if ((st = smp__ckpt_agree(pl, st, "gathering the sharded tensors whole")) != SMP_OK) {
         smp__free(buf);
         return st;
@@ -3316,7 +3322,8 @@ static smp_status smp__ckpt_write_local(smp_ckpt_writer *w, const void *data, in
     if (!nbytes) return SMP_OK;
     if (device == SMP_HOST) return smp_ckpt_writer_write(w, data, (size_t)nbytes);
     smp_status st = SMP_OK;
-    uint8_t *stage = (uint8_t *)smp__bytes_or(&st, chunk, SMP__ALLOC_OTHER, "staging a device tensor to save it");
+    uint8_t *stage =
+        (uint8_t *)smp__alloc_or(&st, chunk, SMP__ALLOC_OTHER | SMP__UNINIT, "staging a device tensor to save it");
     if (!stage) return st;
     for (uint64_t off = 0; off < nbytes && !st;) {
         size_t len = nbytes - off < chunk ? (size_t)(nbytes - off) : chunk;
@@ -3593,7 +3600,8 @@ static smp_status smp__ckpt_manifest_parse(uint8_t *text, size_t n, const char *
 SMP__CORE smp_status smp__ckpt_manifest_check(const void *bytes, size_t n, const char *label) {
     if (!bytes && n) return smp_error(SMP_ERR_ARG, "smp__ckpt_manifest_check: bytes is NULL");
     smp_status st = SMP_OK;
-    uint8_t *text = (uint8_t *)smp__ckpt_alloc(&st, n + 1, NULL, "a copy of the manifest to check");
+    uint8_t *text =
+        (uint8_t *)smp__alloc_or(&st, n + 1, SMP__ALLOC_OTHER | SMP__UNINIT, "a copy of the manifest to check");
     if (!text) return st;
     if (n) memcpy(text, bytes, n);
     text[n] = 0;
@@ -3925,8 +3933,9 @@ SMPDEF smp_status smp_save(smp_model *m, const char *path, const smp_save_desc *
            world rank 0 also takes the memory its commit needs (3) now,
            while a failure still fails the save everywhere */
         if (pl.rank == 0)
-            all = (uint64_t *)smp__ckpt_alloc(&st, sizeof(uint64_t) * 3 * ((size_t)pl.size + (size_t)F), NULL,
-                                              "every file's size and header checksum (the checkpoint's manifest)");
+            all = (uint64_t *)smp__alloc_or(&st, sizeof(uint64_t) * 3 * ((size_t)pl.size + (size_t)F),
+                                            SMP__ALLOC_OTHER | SMP__UNINIT,
+                                            "every file's size and header checksum (the checkpoint's manifest)");
         if (writes && !st) {
             if (!(file = smp__ckpt_strf("%s.g%llu_%d", path, (smp__ckpt_ull)gen, k)))
                 st = smp__nomem(strlen(path) + 48, "the name of this partition's checkpoint file");
@@ -4266,7 +4275,7 @@ static smp_status smp__ckpt_open_set(const char *path, int partial, smp_ckpt_fil
                           path, mpr ? mpr : "?", kind, gen ? ".g" : "", gen ? gen : "", mpr ? mpr : "<mp_rank>");
         }
         if (!st)
-            files = (smp_ckpt_file **)smp__bytes_or(&st, sizeof *files, SMP__ALLOC_OTHER,
+            files = (smp_ckpt_file **)smp__alloc_or(&st, sizeof *files, SMP__ALLOC_OTHER | SMP__UNINIT,
                                                     "the list of a checkpoint's files");
         if (files) files[0] = f0;
         else smp_ckpt_close(f0);
@@ -4436,8 +4445,10 @@ static smp_status smp__ckpt_match(smp__ckpt_plan *pl, smp_ckpt_file **files, int
             if (partial) { /* the partition map must agree with where the tensor is */
                 char key2[64 + 8];
                 size_t kl = strlen("smp.partition.") + strlen(e->name) + 1;
-                char *kb = kl <= sizeof key2 ? key2 : (char *)smp__alloc(kl, SMP__ALLOC_OTHER);
-                if (!kb) return smp__nomem(kl, "a metadata key to look up (smp.partition.<tensor>)");
+                const char *what = "a metadata key to look up (smp.partition.<tensor>)";
+                char *kb = kl <= sizeof key2 ? key2
+                                             : (char *)smp__alloc_or(&st, kl, SMP__ALLOC_OTHER | SMP__UNINIT, what);
+                if (!kb) return st;
                 snprintf(kb, kl, "smp.partition.%s", e->name);
                 const char *v = smp_ckpt_meta(f, kb);
                 if (kb != key2) smp__free(kb);
@@ -4561,9 +4572,9 @@ SMPDEF smp_status smp_model_local_state_dict(smp_model *m, const smp_optimizer *
         return smp_error(SMP_ERR_STATE, "smp_model_local_state_dict: the model is not partitioned yet");
     int np = smp_model_num_global_params(m, true), n = 0;
     smp_status st = SMP_OK;
-    out->entries =
-        (smp_named_tensor *)smp__bytes_or(&st, sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1),
-                                          SMP__ALLOC_OTHER, "the entries of smp_model_local_state_dict's result");
+    out->entries = (smp_named_tensor *)smp__alloc_or(
+        &st, sizeof(smp_named_tensor) * (size_t)(np + (opt ? opt->n : 0) + 1), SMP__ALLOC_OTHER | SMP__UNINIT,
+        "the entries of smp_model_local_state_dict's result");
     if (!out->entries) return st;
     for (int i = 0; i < np; i++) {
         smp_param *p = smp_model_global_param(m, i, true);
@@ -4615,9 +4626,11 @@ SMPDEF smp_status smp_model_state_dict(smp_model *m, const smp_optimizer *opt, i
         size_t names = 0, at = 0;
         char *blob;
         for (int i = 0; i < pl.n; i++) names += strlen(pl.items[i].name) + 1;
-        out->entries = (smp_named_tensor *)smp__ckpt_alloc(&st, sizeof(smp_named_tensor) * (size_t)(pl.n + 1), NULL,
-                                                           "the entries of smp_model_state_dict's result");
-        blob = (char *)smp__ckpt_alloc(&st, names + 1, NULL, "the names in smp_model_state_dict's result");
+        out->entries = (smp_named_tensor *)smp__alloc_or(&st, sizeof(smp_named_tensor) * (size_t)(pl.n + 1),
+                                                         SMP__ALLOC_OTHER | SMP__UNINIT,
+                                                         "the entries of smp_model_state_dict's result");
+        blob = (char *)smp__alloc_or(&st, names + 1, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                     "the names in smp_model_state_dict's result");
         out->storage_ = blob;
         if (out->entries) memset(out->entries, 0, sizeof(smp_named_tensor) * (size_t)(pl.n + 1));
         for (int i = 0; i < pl.n && !st; i++) {

@@ -556,8 +556,8 @@ static smp_status smp__sched_alloc(smp_schedule *out) {
     for (int r = 0; r < R && !st; r++) {
         int nst = 0;
         for (int s = 0; s < S; s++) nst += out->stage_rank[s] == r;
-        out->ops[r] = (smp_sched_op *)smp__bytes_or(&st, sizeof(smp_sched_op) * (size_t)nst * (size_t)per_stage,
-                                                    SMP__ALLOC_OTHER, "a schedule's operations");
+        out->ops[r] = (smp_sched_op *)smp__alloc_or(&st, sizeof(smp_sched_op) * (size_t)nst * (size_t)per_stage,
+                                                    SMP__ALLOC_OTHER | SMP__UNINIT, "a schedule's operations");
     }
     return st;
 }
@@ -801,8 +801,8 @@ static smp_status smp__sched_interleaved(smp_schedule *sc) {
 static smp_status smp__sched_zbv(smp_schedule *sc) {
     int p = sc->nranks, S = sc->nstages, m = sc->microbatches, n = m > 2 * p - 1 ? m : 2 * p - 1;
     smp_status st = SMP_OK;
-    smp_sched_op *tmp = (smp_sched_op *)smp__bytes_or(&st, sizeof(smp_sched_op) * 6 * (size_t)n, SMP__ALLOC_OTHER,
-                                                      "a schedule's generation");
+    smp_sched_op *tmp = (smp_sched_op *)smp__alloc_or(&st, sizeof(smp_sched_op) * 6 * (size_t)n,
+                                                      SMP__ALLOC_OTHER | SMP__UNINIT, "a schedule's generation");
     if (st) return st;
     for (int r = 0; r < p; r++) {
         int c0 = r, c1 = S - 1 - r, k = 0, f0 = 0, f1 = 0, b0 = 0, b1 = 0, w0, w1;
@@ -914,8 +914,8 @@ SMPDEF smp_status smp_schedule_build_capped(smp_pipeline_kind kind, int nranks, 
     out->microbatches = microbatches;
     out->forward_only = forward_only;
     out->active_microbatches = active_microbatches;
-    out->stage_rank =
-        (int *)smp__bytes_or(&st, sizeof(int) * (size_t)nstages, SMP__ALLOC_OTHER, "a schedule's stage map");
+    out->stage_rank = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)nstages, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                           "a schedule's stage map");
     for (int s = 0; s < nstages && !st; s++)
         out->stage_rank[s] = stage_rank ? stage_rank[s] : vee ? smp__vee_partition(s, nranks) : s % nranks;
     if (!st) st = smp__sched_alloc(out);
@@ -1764,7 +1764,8 @@ static smp_status smp__send(smp__pipe *ps, int link, bool backward, int stage, i
        moves only when this rank next enters MPI (MPICH over UCX packs such a datatype on the sender's side; a
        contiguous one the receiver fetches alone), which is after the next operation, while the peer waits */
     bool staged = ps->plan.on_device ? !ps->plan.dev_p2p : nt > 1;
-    char *staging = staged ? (char *)smp__bytes_or(&st, total, SMP__ALLOC_COMM, "a pipeline message staged on the host")
+    char *staging = staged ? (char *)smp__alloc_or(&st, total, SMP__ALLOC_COMM | SMP__UNINIT,
+                                                   "a pipeline message staged on the host")
                            : NULL;
     size_t at = 0;
     for (int i = 0; i < nt && staging && !st; i++) {
@@ -1866,7 +1867,8 @@ static smp_status smp__progress_transfers(smp__pipe *ps) {
                     MPI_Datatype type;
                     int count;
                     smp__cache *was = smp__cache_use(pool);
-                    x->buf = smp__bytes_or(&err, x->bytes, smp__step_kind(ps), "a pipeline message received");
+                    x->buf =
+                        smp__alloc_or(&err, x->bytes, smp__step_kind(ps) | SMP__UNINIT, "a pipeline message received");
                     smp__cache_use(was);
                     if (err || (err = smp__bytes_type(x->bytes, &count, &type))) break;
                     int tag = smp__tag(l, dir) + 1;
@@ -2064,7 +2066,7 @@ static void smp__drain_messages(smp__pipe *ps) {
                 if (!flag) { pending = true; break; }
                 SMP__MPI_FATAL(MPI_Get_elements_x(&ms, MPI_BYTE, &n),
                                "sizing a message of a failed step from mp rank %d", k / 2);
-                void *drop = smp__bytes_or(&st, (size_t)n, SMP__ALLOC_COMM,
+                void *drop = smp__alloc_or(&st, (size_t)n, SMP__ALLOC_COMM | SMP__UNINIT,
                                            "a message of a failed step, received to be dropped");
                 if (st || (st = smp__bytes_type((size_t)n, &count, &type)))
                     smp__fatal("cleaning up the messages of a failed step: %s", smp_last_error());
@@ -2291,7 +2293,9 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
                replica's piece; smp__ddp_finish puts the sum in place */
             int dp = smp_rdp_size();
             smp_tensor got = smp_tensor_1d(NULL, b->dtype, deterministic ? b->numel : b->numel / dp);
-            if (!smp__tensor_alloc(&got, true, SMP__ALLOC_COMM)) smp__bucket_nomem(smp_tensor_nbytes(&got));
+            smp_status st = SMP_OK; /* the job stops without it (smp__bucket_nomem) */
+            if (!smp__tensor_alloc_or(&st, &got, true, SMP__ALLOC_COMM, "a gradient bucket's piece"))
+                smp__bucket_nomem(smp_tensor_nbytes(&got));
             b->gather = got.data;
             b->pieces = deterministic ? dp : 1;
             return deterministic ? smp_all_to_all_single(&t, &got, NULL, NULL, SMP_RDP_GROUP)
@@ -2302,7 +2306,9 @@ static smp_status smp__bucket_start(smp__pipe *ps, smp__bucket *b) {
             return smp__ctx.device.bucket_all_reduce(b->data, b->dtype, b->numel, SMP_RDP_GROUP);
         }
         if (!deterministic) return smp_all_reduce(&t, &t, SMP_SUM, SMP_RDP_GROUP);
-        if (!smp__tensor_alloc(&all, true, SMP__ALLOC_OTHER)) smp__bucket_nomem(b->bytes * (size_t)smp_rdp_size());
+        smp_status st = SMP_OK; /* the job stops without it (smp__bucket_nomem) */
+        if (!smp__tensor_alloc_or(&st, &all, true, SMP__ALLOC_OTHER, "a gradient bucket's replicas"))
+            smp__bucket_nomem(b->bytes * (size_t)smp_rdp_size());
         b->gather = all.data;
         b->pieces = smp_rdp_size();
         return smp_all_gather(&t, &all, SMP_RDP_GROUP);
@@ -2536,7 +2542,8 @@ static int smp__list_once(int *list, int n, int x) {
 static smp_status smp__params_plan(smp__pipe *ps, smp_model *md) {
     int n = md->ncalls, most = ps->plan.nbuckets, at = 0;
     smp_status st = SMP_OK;
-    bool *unread = (bool *)smp__bytes_or(&st, (size_t)md->nparams + 1, SMP__ALLOC_OTHER, "the parameters' gather plan");
+    bool *unread = (bool *)smp__alloc_or(&st, (size_t)md->nparams + 1, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                         "the parameters' gather plan");
     if (st) return st;
     for (int i = 0; i < md->nparams; i++) unread[i] = md->grad_bucket[i] >= 0;
     for (int k = 0; k < n; k++)
@@ -2909,8 +2916,8 @@ SMPDEF smp_status smp_sampler_indices(const smp_sampler_desc *d, int epoch, int6
                          "smp_sampler_indices: %lld samples do not fill one global batch of %lld (%d replicas x %lld)",
                          (long long)n, (long long)G, dp, (long long)L);
     smp_status st = SMP_OK;
-    int64_t *perm =
-        (int64_t *)smp__bytes_or(&st, sizeof(int64_t) * (size_t)n, SMP__ALLOC_OTHER, "the sampler's permutation");
+    int64_t *perm = (int64_t *)smp__alloc_or(&st, sizeof(int64_t) * (size_t)n, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                             "the sampler's permutation");
     if (st) return st;
     for (int64_t i = 0; i < n; i++) perm[i] = i;
     if (d->shuffle) {
@@ -3180,8 +3187,8 @@ static smp_status smp__call_forward(smp__pipe *ps, smp_model *md, int k, int i, 
     if (!c->outputs)
         c->outputs = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER,
                                                  "a call's outputs");
-    smp_tensor *kept = again ? (smp_tensor *)smp__bytes_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout,
-                                                           SMP__ALLOC_OTHER, "a recomputation")
+    smp_tensor *kept = again ? (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout,
+                                                           SMP__ALLOC_OTHER | SMP__UNINIT, "a recomputation")
                              : NULL;
     if (rc) return rc;
     /* the context shows the engine const inputs; smp allocated them just above
@@ -3340,8 +3347,8 @@ static smp_status smp__stage_backward(smp__pipe *ps, smp_model *md, int s, int i
         /* gradient of each output: its consumers' contributions, latest consumer first */
         smp_tensor *gout = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)rec->nout, SMP__ALLOC_OTHER,
                                                        "a call's output gradients");
-        smp_tensor *gin = (smp_tensor *)smp__bytes_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1),
-                                                      SMP__ALLOC_OTHER, "a call's input gradients");
+        smp_tensor *gin = (smp_tensor *)smp__alloc_or(&rc, sizeof(smp_tensor) * (size_t)(rec->nin + 1),
+                                                      SMP__ALLOC_OTHER | SMP__UNINIT, "a call's input gradients");
         if (rc) { smp__free(gout); return rc; }
         for (int j = 0; j < rec->nout && !rc; j++) {
             gout[j] = c->outputs[j];
@@ -3777,7 +3784,7 @@ static smp_status smp__share_outputs(smp__pipe *ps, smp_model *md, smp_step_outp
             *v = smp_tensor_make(NULL, (smp_dtype)h[0], (int)h[1], h + 2);
             if (!h[0]) { v->ndim = 0; continue; } /* the body returned nothing here */
             size_t b = smp_tensor_nbytes(v);
-            if (!(v->data = smp__bytes_or(&st, b, SMP__ALLOC_OTHER, "the step's outputs"))) break;
+            if (!(v->data = smp__alloc_or(&st, b, SMP__ALLOC_OTHER | SMP__UNINIT, "the step's outputs"))) break;
             memcpy(v->data, buf + at, b);
             at += b;
         }
@@ -3820,8 +3827,8 @@ static smp_status smp__active_begin(smp__pipe *ps, int m) {
     smp_status st = SMP_OK;
     ps->mb_active = 0;
     if (m > ps->mb_held_cap) {
-        int *held =
-            (int *)smp__bytes_or(&st, sizeof(int) * (size_t)m, SMP__ALLOC_OTHER, "the step's microbatch counts");
+        int *held = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)m, SMP__ALLOC_OTHER | SMP__UNINIT,
+                                         "the step's microbatch counts");
         if (st) return st;
         smp__free(ps->mb_held);
         ps->mb_held = held;
@@ -3959,7 +3966,7 @@ static smp_status smp__step_connect(smp__pipe *ps) {
     if (!ps->plan.dev_p2p || ps->dev_connected) return SMP_OK;
     smp_status st = SMP_OK;
     int me = smp__ctx.pp_rank, np = 0;
-    int *peers = (int *)smp__bytes_or(&st, sizeof(int) * (size_t)(ps->plan.nlinks + 1), SMP__ALLOC_OTHER,
+    int *peers = (int *)smp__alloc_or(&st, sizeof(int) * (size_t)(ps->plan.nlinks + 1), SMP__ALLOC_OTHER | SMP__UNINIT,
                                       "the pipeline's neighbours");
     for (int l = 0; l < ps->plan.nlinks && !st; l++) {
         const smp__link *k = &ps->plan.links[l];
@@ -4093,7 +4100,8 @@ static smp_status smp__step_begin(smp__pipe *ps, smp_model *md, const smp_step_d
         smp__bucket *k = &ps->plan.buckets[b];
         if (k->device != SMP_HOST) continue;
         size_t bytes = ps->plan.scatter ? k->bytes : k->bytes * (size_t)smp_rdp_size();
-        k->gather = smp__bytes_or(&st, bytes + 1, SMP__ALLOC_COMM, "gathering a data-parallel gradient bucket");
+        k->gather =
+            smp__alloc_or(&st, bytes + 1, SMP__ALLOC_COMM | SMP__UNINIT, "gathering a data-parallel gradient bucket");
     }
     return st;
 }
@@ -4116,8 +4124,8 @@ static smp_status smp__step_post_receives(smp__pipe *ps) {
         if (ps->plan.links[l].nedges > most) most = ps->plan.links[l].nedges;
     }
     now->send_hdr_words = SMP__HDR_WORDS(most);
-    now->send_hdrs = (int64_t *)smp__bytes_or(&st, sizeof(int64_t) * nrecv * (size_t)now->send_hdr_words + 1,
-                                              SMP__ALLOC_OTHER, what);
+    now->send_hdrs = (int64_t *)smp__alloc_or(&st, sizeof(int64_t) * nrecv * (size_t)now->send_hdr_words + 1,
+                                              SMP__ALLOC_OTHER | SMP__UNINIT, what);
     int most_sends = (int)nrecv + 2 * smp__ctx.cfg.partitions;
     smp__grow_or(&st, (void **)&now->sends, &now->sends_cap, most_sends, sizeof(smp__xfer), what);
     if (!ps->recv_pool) /* made by the first step */
@@ -4347,8 +4355,8 @@ static smp_status smp__step_join(const smp_step_desc *d, smp_step_desc *joined) 
     /* what a rank checks alone; whether the joined batch divides into microbatches waits for the group's shapes */
     smp_status st = smp__check_step(d, md, 1);
     int64_t *all = st ? NULL
-                      : (int64_t *)smp__bytes_or(&st, sizeof(int64_t) * SMP__JOIN_WORDS * (size_t)(tp + 1),
-                                                 SMP__ALLOC_COMM, "comparing the TP group's batches");
+                      : (int64_t *)smp__alloc_or(&st, sizeof(int64_t) * SMP__JOIN_WORDS * (size_t)(tp + 1),
+                                                 SMP__ALLOC_COMM | SMP__UNINIT, "comparing the TP group's batches");
     void *scratch[SMP_MAX_STEP_ARGS] = {0};
     const char *what = "the TP group's joined batch (prescaled_batch false)";
     for (int a = 0; a < d->nargs && !st; a++) {
@@ -4523,7 +4531,7 @@ SMPDEF double smp_step_output_reduce_mean_f64(const smp_step_output *o) {
 static smp_status smp__dp_mean(const double *mine, int64_t n, double *out, const char *fn) {
     int dp = smp_rdp_size();
     smp_status st = SMP_OK;
-    double *all = (double *)smp__bytes_or(&st, sizeof(double) * (size_t)(n * dp), SMP__ALLOC_OTHER, fn);
+    double *all = (double *)smp__alloc_or(&st, sizeof(double) * (size_t)(n * dp), SMP__ALLOC_OTHER | SMP__UNINIT, fn);
     st = smp__agree_on(smp__ctx.groups[SMP_RDP_GROUP].comm, st, fn);
     smp_tensor in = smp_tensor_1d((void *)(uintptr_t)mine, SMP_F64, n), every = smp_tensor_1d(all, SMP_F64, n * dp);
     if (!st) st = smp_all_gather(&in, &every, SMP_RDP_GROUP);
@@ -4542,7 +4550,7 @@ SMPDEF smp_status smp_step_output_reduce_mean_global(const smp_step_output *o, s
     smp_status st = smp__reduce_check(o, r, fn, n);
     if (!st && r->dtype != SMP_F32 && r->dtype != SMP_F64)
         st = smp_error(SMP_ERR_ARG, "%s: reduces f32 and f64 values, not %s", fn, smp_dtype_name(r->dtype));
-    double *mean = (double *)smp__bytes_or(&st, sizeof(double) * (size_t)(2 * n), SMP__ALLOC_OTHER, fn);
+    double *mean = (double *)smp__alloc_or(&st, sizeof(double) * (size_t)(2 * n), SMP__ALLOC_OTHER | SMP__UNINIT, fn);
     for (int64_t x = 0; x < n && !st; x++) {
         double acc = 0;
         for (int i = 0; i < o->microbatches; i++)
