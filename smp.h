@@ -4255,12 +4255,13 @@ static smp_status smp__all_reduce_init(const smp_tensor *in, smp_tensor *out, sm
 #if MPI_VERSION >= 4
     size_t es = smp_dtype_size(in->dtype);
     int64_t at = 0;
-    for (int i = 0; i < p->pieces; i++, at += smp__piece(n, at))
-        SMP__MPI_FATAL(MPI_Allreduce_init(in->data == out->data ? MPI_IN_PLACE : (const char *)in->data + (size_t)at * es,
-                                          (char *)out->data + (size_t)at * es, smp__piece(n, at), smp__mpi_type(in->dtype),
-                                          mop, gi->comm, MPI_INFO_NULL, &reqs[i]),
+    for (int i = 0; i < p->pieces; i++, at += smp__piece(n, at)) {
+        const void *from = in->data == out->data ? MPI_IN_PLACE : (const char *)in->data + (size_t)at * es;
+        SMP__MPI_FATAL(MPI_Allreduce_init(from, (char *)out->data + (size_t)at * es, smp__piece(n, at),
+                                          smp__mpi_type(in->dtype), mop, gi->comm, MPI_INFO_NULL, &reqs[i]),
                        "setting up a persistent all-reduce, which the other members of %s are setting up too",
                        smp__group_name(g));
+    }
 #endif
     p->next = smp__ctx.persistent;
     if (p->next) p->next->prev = p;
