@@ -47,7 +47,7 @@ static smp_config config_of(const scenario *s, int microbatches) {
     cfg.partitions = s->partitions;
     cfg.microbatches = microbatches;
     cfg.pipeline = s->pipeline;
-    cfg.ddp = s->ddp ? SMP_ON : SMP_OFF;
+    cfg.ddp = s->ddp || g_world > s->partitions * g_joined_tp ? SMP_ON : SMP_OFF; /* replicas need ddp (4 ranks) */
     cfg.activation_checkpointing = s->recompute ? SMP_ON : SMP_OFF;
     cfg.tensor_parallel_degree = g_joined_tp;
     if (g_joined_tp > 1) cfg.prescaled_batch = SMP_OFF;
