@@ -48,12 +48,12 @@ MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp t
 #                     tp 4 and at pp 1 x tp 1, 2
 #   test_tp_chaos     failures injected into 2 stages of 2 shards (a TP
 #                     peer's failure meets the pipeline's notices)
-#   test_port         the buffers promised zeroed and smp_init_copy on 2
-#                     stages x 2 replicas (DDP), the global mean of 4
-#                     replicas' losses
 #   test_tp_batch     prescaled_batch false at pp 2 x tp 2 (1F1B, zero
 #                     bubble) and tp 2 x rdp 2 (DDP): joined batches in a
 #                     pipeline and across replicas
+#   test_port         the buffers promised zeroed and smp_init_copy on 2
+#                     stages x 2 replicas (DDP), the global mean of 4
+#                     replicas' losses
 # (test_ckpt_threads is not: its I/O thread runs on world rank 0 whatever
 # the world, and ThreadSanitizer runs it at 1 and 2.) The gcc build runs at
 # 4 those of MPI4_TESTS that the ASan build does not (ASAN4_TESTS): the
