@@ -51,11 +51,14 @@ MPI_TESTS  := test_topology test_collectives test_model test_pipeline test_ddp t
 #   test_tp_batch     prescaled_batch false at pp 2 x tp 2 (1F1B, zero
 #                     bubble) and tp 2 x rdp 2 (DDP): joined batches in a
 #                     pipeline and across replicas
+#   test_port         the buffers promised zeroed and smp_init_copy on 2
+#                     stages x 2 replicas (DDP), the global mean of 4
+#                     replicas' losses
 # (test_ckpt_threads is not: its I/O thread runs on world rank 0 whatever
 # the world, and ThreadSanitizer runs it at 1 and 2.) The gcc build runs at
 # 4 those of MPI4_TESTS that the ASan build does not (ASAN4_TESTS): the
 # same checks, once each at 4 ranks.
-MPI4_TESTS := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_tp test_zero test_ckpt_tp test_tp_chaos test_tp_batch
+MPI4_TESTS := test_topology test_collectives test_model test_pipeline test_ddp test_checkpoint test_ckpt_nomem test_device test_tied test_composite test_chaos test_mpi_errors test_seeds test_tp test_zero test_ckpt_tp test_tp_chaos test_tp_batch test_port
 SCRIPT_TESTS := test/run_timeout.sh test/run_exit.sh test/run_large.sh test/test_install.sh test/test_demo.sh test/test_gpt.sh test/run_fuzz.sh test/run_hosts.sh test/test_minimal.sh test/test_docs.sh test/run_mpi_errors.sh test/run_ckpt_order.sh
 # Built with the tests, run by a script.
 HELPER_TESTS := test_timeout test_exit test_large test_hosts test_ckpt_order

@@ -737,6 +737,10 @@ static void ddp_case(int P, bool deterministic) {
     cfg.ddp = SMP_ON;
     cfg.deterministic_reduction = deterministic ? SMP_ON : SMP_OFF;
     cfg.bucket_cap_mb = 1e-4; /* about 100 bytes: several buckets */
+    if (!deterministic) { /* split by bytes, not by traced time, which can leave a rank only the head: one bucket */
+        cfg.memory_weight = 1;
+        cfg.has_memory_weight = true;
+    }
     if (g_split) cfg.pipeline = SMP_PIPELINE_ZERO_BUBBLE;
     const char *sfx = g_split ? "/zero_bubble/split linears" : "";
     char name[200], why[4096] = "";

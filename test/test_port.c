@@ -186,8 +186,8 @@ static void test_zeroed_buffers(smp_model *model) {
 }
 
 /* 3 steps of a fresh model: the losses and every parameter gradient after each, into out[]; their count. Each
-   layer's gradient comes from the rank that holds it (the world is one model replica here), so two runs compare
-   whatever layers auto-partitioning, which goes by traced time, gave each rank. */
+   layer's gradient comes from the rank of this model replica (MP_GROUP) that holds it, so two runs compare whatever
+   layers auto-partitioning, which goes by traced time, gave each rank. */
 static int train_record(float *out, int cap, smp_status *st) {
     smp_model *model = build(NULL);
     smp_tensor xs = smp_tensor_2d(g_x, SMP_F32, BATCH, WIDTH), ts = smp_tensor_2d(g_t, SMP_F32, BATCH, WIDTH);
@@ -202,7 +202,7 @@ static int train_record(float *out, int cap, smp_status *st) {
         for (int l = 0; l < LAYERS; l++)
             if (smp_module_is_local(g_layer[l].m))
                 memcpy(grads + l * WIDTH * WIDTH, smp_param_grad(g_layer[l].w)->data, sizeof(float) * WIDTH * WIDTH);
-        MPI_Allreduce(MPI_IN_PLACE, grads, LAYERS * WIDTH * WIDTH, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        MPI_Allreduce(MPI_IN_PLACE, grads, LAYERS * WIDTH * WIDTH, MPI_FLOAT, MPI_SUM, smp_group_comm(SMP_MP_GROUP));
         for (int k = 0; !*st && k < LAYERS * WIDTH * WIDTH && n < cap; k++) out[n++] = grads[k];
         smp_step_output_free(&o[0]);
         smp_step_output_free(&o[1]);
@@ -329,6 +329,7 @@ int main(void) {
     MPI_Init(NULL, NULL);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     cfg.partitions = size >= 2 ? 2 : 1;
+    cfg.ddp = size > cfg.partitions ? SMP_ON : SMP_OFF; /* more ranks than partitions make replicas: smp wants ddp */
     cfg.microbatches = MICRO;
     make_data();
     if (smp_init(&cfg)) {
