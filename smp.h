@@ -4218,8 +4218,9 @@ static smp_status smp__persistent_same(smp__group_info *gi, smp_group g, const s
                          "every member must pass the same dtype", smp__group_name(g), smp_dtype_name((smp_dtype)lo[1]),
                          smp_dtype_name((smp_dtype)hi[1]));
     if (lo[2] != hi[2])
-        return smp_error(SMP_ERR_ARG, "smp_all_reduce_init: the members of %s pass different ops (%lld and %lld); "
-                         "every member must pass the same op", smp__group_name(g), (long long)lo[2], (long long)hi[2]);
+        return smp_error(SMP_ERR_ARG, "smp_all_reduce_init: the members of %s pass different ops (%s and %s); "
+                         "every member must pass the same op", smp__group_name(g), smp__op_name((smp_op)lo[2]),
+                         smp__op_name((smp_op)hi[2]));
     return SMP_OK;
 }
 

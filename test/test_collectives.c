@@ -1018,7 +1018,7 @@ static void test_argument_errors(void) {
                          SMP_ERR_ARG, "same dtype", NULL);
             expect_error("errors/persistent/ops_differ",
                          smp_all_reduce_init(&tf, &tf, W_RANK == 0 ? SMP_MAX : SMP_SUM, SMP_WORLD, &h), SMP_ERR_ARG,
-                         "same op", NULL);
+                         "same op", "(sum and max)");
             MPI_CHECK(!h, "errors/persistent/mismatch_no_handle", "a handle came back from a failed call");
         }
         /* and nothing was left half made: a good handle works after those */
