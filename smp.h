@@ -3370,6 +3370,17 @@ SMPDEF void smp_wait_requests(int n, MPI_Request *reqs, const char *what, smp_gr
     }
 }
 
+/* The least and greatest over comm of each of n values, to see whether every
+   rank passed the same. The others wait in it: a rank that fails here stops
+   the job. */
+static void smp__min_max(MPI_Comm comm, const uint64_t *v, int n, uint64_t *lo, uint64_t *hi, const char *what,
+                         smp_group g) {
+    MPI_Request r[2];
+    SMP__MPI_FATAL(MPI_Iallreduce(v, lo, n, MPI_UINT64_T, MPI_MIN, comm, &r[0]), "comparing %s", what);
+    SMP__MPI_FATAL(MPI_Iallreduce(v, hi, n, MPI_UINT64_T, MPI_MAX, comm, &r[1]), "comparing %s", what);
+    smp_wait_requests(2, r, what, g, -1);
+}
+
 /* ---------------------------------------------------------------- topology */
 /* Each placement's letters, left to right; the right-most varies fastest over the world's ranks. */
 static const char *smp__placement_letters(smp_placement p) {
@@ -4200,19 +4211,15 @@ struct smp_persistent {
     smp_persistent *prev, *next; /* smp__ctx.persistent */
 };
 
-/* What every member must pass alike, checked with one all-reduce: a
-   mismatch would pair pieces of different sizes, a wrong result or a hang. */
+/* What every member must pass alike: a mismatch would pair pieces of
+   different sizes, a wrong result or a hang. */
 static smp_status smp__persistent_same(smp__group_info *gi, smp_group g, const smp_tensor *in, smp_op op) {
-    int64_t mine[3] = {smp_tensor_numel(in), (int64_t)in->dtype, (int64_t)op}, lo[6], hi[3];
-    for (int i = 0; i < 3; i++) lo[i] = mine[i], lo[3 + i] = -mine[i]; /* min of -x: the max */
-    MPI_Request req;
-    SMP__MPI(MPI_Iallreduce(MPI_IN_PLACE, lo, 6, MPI_INT64_T, MPI_MIN, gi->comm, &req),
-             "comparing smp_all_reduce_init's arguments in %s", smp__group_name(g));
-    smp_wait_requests(1, &req, "smp_all_reduce_init's argument check", g, -1);
-    for (int i = 0; i < 3; i++) hi[i] = -lo[3 + i];
+    uint64_t mine[3] = {(uint64_t)smp_tensor_numel(in), (uint64_t)in->dtype, (uint64_t)op}, lo[3], hi[3];
+    smp__min_max(gi->comm, mine, 3, lo, hi, "smp_all_reduce_init's arguments", g);
     if (lo[0] != hi[0])
-        return smp_error(SMP_ERR_ARG, "smp_all_reduce_init: the members of %s pass from %lld to %lld elements; every "
-                         "member must pass the same count", smp__group_name(g), (long long)lo[0], (long long)hi[0]);
+        return smp_error(SMP_ERR_ARG, "smp_all_reduce_init: the members of %s pass from %llu to %llu elements; every "
+                         "member must pass the same count", smp__group_name(g), (unsigned long long)lo[0],
+                         (unsigned long long)hi[0]);
     if (lo[1] != hi[1])
         return smp_error(SMP_ERR_ARG, "smp_all_reduce_init: the members of %s pass different dtypes (%s and %s); "
                          "every member must pass the same dtype", smp__group_name(g), smp_dtype_name((smp_dtype)lo[1]),
@@ -7198,13 +7205,7 @@ static smp_status smp__share_trace(smp_model *m) {
         sig[1] = (sig[1] ^ v) * 1099511628211ull;
     }
     uint64_t lo[2], hi[2];
-    MPI_Request r[2];
-    /* world collectives every rank is in: one that fails here leaves the others waiting */
-    SMP__MPI_FATAL(MPI_Iallreduce(sig, lo, 2, MPI_UINT64_T, MPI_MIN, smp__ctx.world, &r[0]),
-                   "comparing the traced models (world)");
-    SMP__MPI_FATAL(MPI_Iallreduce(sig, hi, 2, MPI_UINT64_T, MPI_MAX, smp__ctx.world, &r[1]),
-                   "comparing the traced models (world)");
-    smp_wait_requests(2, r, "trace agreement", SMP_WORLD, -1);
+    smp__min_max(smp__ctx.world, sig, 2, lo, hi, "the traced models", SMP_WORLD);
     if (lo[0] != hi[0] || lo[1] != hi[1])
         return smp_error(SMP_ERR_STATE,
                          "ranks traced different models (call counts %llu..%llu): the forward must make the same calls "
@@ -7220,9 +7221,9 @@ static smp_status smp__share_trace(smp_model *m) {
         costs[5 * i + 3] = m->calls[i].param_bytes;
         costs[5 * i + 4] = m->calls[i].activation_bytes;
     }
-    SMP__MPI_FATAL(MPI_Ibcast(costs, 5 * n, MPI_DOUBLE, 0, smp__ctx.world, &r[0]),
-                   "sharing traced costs from world rank 0");
-    smp_wait_requests(1, r, "trace costs from rank 0", SMP_WORLD, 0);
+    MPI_Request r;
+    SMP__MPI_FATAL(MPI_Ibcast(costs, 5 * n, MPI_DOUBLE, 0, smp__ctx.world, &r), "sharing traced costs from world rank 0");
+    smp_wait_requests(1, &r, "trace costs from rank 0", SMP_WORLD, 0);
     for (int i = 0; i < n; i++) {
         memcpy(m->calls[i].cost, costs + 5 * i, sizeof m->calls[i].cost);
         m->calls[i].time = costs[5 * i] + costs[5 * i + 1] + costs[5 * i + 2];

@@ -568,6 +568,21 @@ static void test_error_forwards(void) {
               "errors/step with fewer arguments than model inputs", "status %d (%s), message: %s", st,
               smp_status_name(st), smp_last_error());
     smp_model_free(m);
+
+    /* a forward that makes other calls on one rank: the same error on every rank, not a split chosen per rank */
+    if (g_world > 1) {
+        root = smp_module_new(NULL, "", NULL);
+        smp_module *body = smp_module_new(root, "body", &ident_desc), *calls[2] = {body, body};
+        seq_t uneven = {calls, g_rank == 0 ? 2 : 1};
+        smp_model_desc umd = {seq_forward, 1, 1, &uneven, false};
+        st = smp_model_new(root, &umd, &m);
+        if (!st) st = smp_model_trace(m, &x, 1);
+        MPI_CHECK(st == SMP_ERR_STATE && has(smp_last_error(), "traced different models") &&
+                      has(smp_last_error(), "same calls on every rank"),
+                  "errors/a forward that makes other calls on one rank", "status %d (%s), message: %s", st,
+                  smp_status_name(st), smp_last_error());
+        smp_model_free(m);
+    }
 }
 
 static void test_error_empty_partition(void);
